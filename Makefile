@@ -1,0 +1,17 @@
+# The two quick-start commands (see README): `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test bench clean
+
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	@$(VENV)/bin/hetplan ir gpt2
+
+test: setup
+	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv and install hetplan with its test extras. Idempotent and quick when nothing
+# changed (a stamp keyed on pyproject.toml).
+#
+# torch is installed *before* the project so that its requirement is already satisfied:
+#   - a machine whose python3 already imports torch (a GPU box) reuses it through
+#     --system-site-packages: nothing is downloaded;
+#   - otherwise `pip install "$HETPLAN_TORCH_SPEC"` (default torch==2.13.0). On CPU machines
+#     point pip at a CPU wheel source, e.g.
+#       PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
+#     so that no CUDA wheels are pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${HETPLAN_VENV:-.venv}
+stamp="$VENV/.hetplan-stamp"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+echo "setting up $VENV ..." >&2
+if "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m venv --system-site-packages "$VENV"
+  echo "reusing torch $("$PY" -c 'import torch; print(torch.__version__)') from $PY" >&2
+else
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q "${HETPLAN_TORCH_SPEC:-torch==2.13.0}"
+fi
+"$VENV/bin/python" -m pip install -q -e ".[test]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+"$VENV/bin/python" -c "import hetplan, torch" # fail loudly if the install did not work
+echo "$want" >"$stamp"

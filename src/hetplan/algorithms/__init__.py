@@ -1,0 +1,1 @@
+"""Pure solvers over plain numbers (no torch): fusion DP, partitioning, decision search."""

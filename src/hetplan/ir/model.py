@@ -1,0 +1,343 @@
+"""The model IR: layers, parameters and gradient tensors of a training workload.
+
+A :class:`ModelIR` is what every later stage of hetplan reads instead of an ``nn.Module``.
+It is produced by :func:`hetplan.capture` from a PyTorch model, or loaded from a *workload
+JSON* file (``ModelIR.load``), which needs no torch: benchmark workloads such as the six
+models of the Espresso paper are given only as gradient sizes and backprop gaps.
+
+All types are frozen dataclasses with tuples; pydantic validates them only when they cross a
+file boundary (``ModelIR.from_json`` / ``ModelIR.to_json``), with ``extra="forbid"``.
+
+Units are in the field names: ``*_bytes``, ``*_flops`` (one multiply-add counts as 2 FLOPs),
+``*_us`` (microseconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from hetplan.errors import SpecError
+
+__all__ = [
+    "WORKLOAD_SCHEMA_VERSION",
+    "LayerKind",
+    "TPRole",
+    "ParamInfo",
+    "LinearInfo",
+    "LayerIR",
+    "GradTensor",
+    "ModelIR",
+    "DTYPE_BYTES",
+]
+
+WORKLOAD_SCHEMA_VERSION = 1
+
+_FORBID = ConfigDict(extra="forbid")
+
+#: Bytes per element of the dtype names the IR uses (``str(torch.float32)`` minus ``torch.``).
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+}
+
+
+class LayerKind(str, Enum):
+    """What a layer is, as far as pipeline balancing and reporting care."""
+
+    EMBEDDING = "embedding"
+    BLOCK = "block"  # one element of a repeated ModuleList/Sequential (a transformer block)
+    NORM = "norm"
+    HEAD = "head"  # the last parameterised layer (classifier / LM head)
+    LINEAR = "linear"
+    CONV = "conv"
+    PARAMS = "params"  # parameters owned directly by a container module (e.g. a cls token)
+    OPAQUE = "opaque"  # a module the user asked to treat as an opaque leaf
+    OTHER = "other"
+
+
+class TPRole(str, Enum):
+    """How a tensor-parallel pass may split an ``nn.Linear``.
+
+    ``column``: split the output features (Megatron's first linear of a pair; no communication
+    in forward). ``row``: split the input features (the second linear of a pair; all-reduce of
+    the output). ``either``: no pairing was recognised, the pass may choose.
+    """
+
+    COLUMN = "column"
+    ROW = "row"
+    EITHER = "either"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """One parameter as seen from the layer that uses it.
+
+    Attributes:
+        name: qualified parameter name (``transformer.h.0.attn.c_attn.weight``).
+        shape: tensor shape.
+        dtype: element type (``float32``).
+        numel: number of elements.
+        size_bytes: ``numel * bytes(dtype)``.
+        tied_to: for an alias of a shared parameter (tied embeddings), the canonical name of
+            the parameter it aliases; such an entry is counted once, in the canonical layer.
+        requires_grad: False for frozen parameters (they get no gradient tensor).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    size_bytes: int
+    tied_to: str | None = None
+    requires_grad: bool = True
+
+    __pydantic_config__ = _FORBID
+
+    @property
+    def is_alias(self) -> bool:
+        return self.tied_to is not None
+
+
+@dataclass(frozen=True, slots=True)
+class LinearInfo:
+    """An ``nn.Linear`` (or HF ``Conv1D``) inside a layer that tensor parallelism may split.
+
+    Attributes:
+        name: qualified module name.
+        in_features / out_features: the matrix shape, independent of storage layout.
+        bias: whether it has a bias.
+        tp_role: column / row / either (see :class:`TPRole`).
+        pair: for a recognised Megatron pair, the qualified name of the other linear.
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    tp_role: TPRole = TPRole.EITHER
+    pair: str | None = None
+
+    __pydantic_config__ = _FORBID
+
+
+@dataclass(frozen=True, slots=True)
+class LayerIR:
+    """One pipeline-balancing unit, in dataflow order.
+
+    Attributes:
+        index: position in ``ModelIR.layers``.
+        name: qualified module name (for a ``params`` layer: the owning module's name).
+        kind: see :class:`LayerKind`.
+        module_type: class name of the module (``GPT2Block``).
+        group: for a repeated block, the qualified name of its ModuleList (``transformer.h``).
+        params: parameters used by this layer; aliases of tied parameters carry ``tied_to``.
+        fwd_flops / bwd_flops: FLOPs of one forward / backward for the captured batch shape.
+        act_in_bytes / act_out_bytes: bytes of the tensors entering / leaving the layer.
+        linears: the linears a tensor-parallel pass may split.
+        measured_bwd_us: backprop time of this layer as measured when the workload was
+            recorded (benchmark workloads only), else None.
+    """
+
+    index: int
+    name: str
+    kind: LayerKind
+    module_type: str
+    params: tuple[ParamInfo, ...] = ()
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    act_in_bytes: int = 0
+    act_out_bytes: int = 0
+    group: str | None = None
+    linears: tuple[LinearInfo, ...] = ()
+    measured_bwd_us: float | None = None
+
+    __pydantic_config__ = _FORBID
+
+    @property
+    def param_numel(self) -> int:
+        """Elements of the parameters this layer owns (aliases excluded)."""
+        return sum(p.numel for p in self.params if p.tied_to is None)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the parameters this layer owns (aliases excluded)."""
+        return sum(p.size_bytes for p in self.params if p.tied_to is None)
+
+
+@dataclass(frozen=True, slots=True)
+class GradTensor:
+    """A gradient tensor, listed in backward-ready order in ``ModelIR.grad_tensors``.
+
+    Attributes:
+        name: the (canonical) parameter name.
+        numel / size_bytes / dtype: as the gradient is produced (same dtype as the parameter).
+        layer: name of the layer owning the parameter; ``layer_index`` its index.
+        ready_gap_us: measured time since the previous gradient became ready (benchmark
+            workloads only; 0 for the first), else None.
+    """
+
+    name: str
+    numel: int
+    size_bytes: int
+    dtype: str
+    layer: str
+    layer_index: int
+    ready_gap_us: float | None = None
+
+    __pydantic_config__ = _FORBID
+
+
+CaptureMethod = Literal["fx", "export", "workload"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIR:
+    """A captured model or a loaded workload.
+
+    Attributes:
+        name: model name (class name, zoo name, or the workload's name).
+        layers: layers in dataflow order.
+        grad_tensors: gradient tensors in backward-ready order (first ready first).
+        num_params: unique parameter elements (tied parameters counted once).
+        method: how it was obtained: ``fx`` (symbolic trace), ``export`` (torch.export) or
+            ``workload`` (read from a file).
+        input_shapes: shapes of the example inputs it was captured with (batch first).
+        input_dtypes: their dtypes.
+        unattributed_fwd_flops / unattributed_bwd_flops: FLOPs of operations outside every
+            layer (glue code in a top-level forward: masks, reshapes, a loss).
+        source: free text saying where the workload came from (benchmark file, zoo config).
+    """
+
+    name: str
+    layers: tuple[LayerIR, ...]
+    grad_tensors: tuple[GradTensor, ...]
+    num_params: int
+    method: CaptureMethod
+    input_shapes: tuple[tuple[int, ...], ...] = ()
+    input_dtypes: tuple[str, ...] = ()
+    unattributed_fwd_flops: int = 0
+    unattributed_bwd_flops: int = 0
+    source: str = ""
+    schema_version: int = field(default=WORKLOAD_SCHEMA_VERSION)
+
+    __pydantic_config__ = _FORBID
+
+    # -- derived quantities -------------------------------------------------------------
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(layer.fwd_flops for layer in self.layers) + self.unattributed_fwd_flops
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(layer.bwd_flops for layer in self.layers) + self.unattributed_bwd_flops
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(g.size_bytes for g in self.grad_tensors)
+
+    def layer(self, name: str) -> LayerIR:
+        """The layer called ``name``; raises KeyError listing the nearest names."""
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        import difflib
+
+        near = difflib.get_close_matches(name, [lay.name for lay in self.layers], n=3)
+        raise KeyError(f"no layer {name!r} in {self.name}; nearest: {near}")
+
+    def fingerprint(self) -> str:
+        """A stable hash of everything a plan depends on (structure, sizes, FLOPs).
+
+        Two captures of the same model with the same example-input shapes give the same
+        fingerprint; a changed layer, parameter, dtype or batch shape changes it.
+        """
+        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
+
+    # -- (de)serialisation: the workload JSON -------------------------------------------
+    def to_json(self, *, indent: int | None = 1) -> str:
+        """Serialise to workload JSON (sorted keys: byte-identical for equal IRs)."""
+        data = _ADAPTER.dump_python(self, mode="json")
+        return json.dumps(data, sort_keys=True, indent=indent) + ("\n" if indent else "")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "<string>") -> ModelIR:
+        """Parse workload JSON; a malformed file raises :class:`SpecError` naming the field."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(
+                f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+            ) from e
+        if not isinstance(data, dict):
+            raise SpecError(f"{where}: a workload file holds a JSON object, got {type(data)}")
+        version = data.get("schema_version", WORKLOAD_SCHEMA_VERSION)
+        if version != WORKLOAD_SCHEMA_VERSION:
+            from hetplan.errors import PlanVersionError
+
+            raise PlanVersionError(
+                f"{where}: workload schema_version {version!r} is not supported by this "
+                f"hetplan (reads version {WORKLOAD_SCHEMA_VERSION}); re-export the workload "
+                "with a matching hetplan"
+            )
+        try:
+            ir = _ADAPTER.validate_python(data)
+        except ValidationError as e:
+            from hetplan.ir.validation import format_validation_error
+
+            raise SpecError(format_validation_error(e, where=where, model=ModelIR)) from e
+        from hetplan.ir.verify import verify_model_ir
+
+        verify_model_ir(ir, where=where)
+        return ir
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelIR:
+        p = Path(path)
+        if not p.is_file():
+            raise SpecError(f"workload file {str(p)!r} does not exist")
+        return cls.from_json(p.read_text(), where=str(p))
+
+    # -- human summary -------------------------------------------------------------------
+    def summary_rows(self) -> list[tuple[str, str, str, str, str, str]]:
+        """(index, name, kind, params, fwd GFLOPs, act out MiB) per layer, for tables."""
+        rows = []
+        for lay in self.layers:
+            rows.append(
+                (
+                    str(lay.index),
+                    lay.name,
+                    lay.kind.value,
+                    f"{lay.param_numel:,}",
+                    f"{lay.fwd_flops / 1e9:.3f}",
+                    f"{lay.act_out_bytes / 2**20:.2f}",
+                )
+            )
+        return rows
+
+
+_ADAPTER: TypeAdapter[ModelIR] = TypeAdapter(ModelIR)

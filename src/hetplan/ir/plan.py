@@ -1,0 +1,414 @@
+"""The Plan: the only contract between the optimizer and the runtime (schema version 1).
+
+A :class:`Plan` names the model and cluster it was made for (by fingerprint) and holds one
+section per pass: parallel layout, pipeline stages, tensor-parallel shards, gradient
+synchronization (per-tensor strategies and fusion buckets), predictions, cost provenance and a
+pass log. Sections are filled by later passes, so all are optional or empty by default; the
+section types live in :mod:`hetplan.ir.plan_sections`.
+
+Serialization is deterministic: ``Plan.to_json()`` writes sorted keys with a fixed indent and
+no timestamps or paths, so equal plans give byte-identical files. Reading checks the schema
+version first and refuses plans from a newer hetplan (:class:`PlanVersionError`).
+
+Example:
+    >>> plan = Plan(model=ModelRef(name="mlp", fingerprint="ab12", num_params=10),
+    ...             cluster=ClusterRef(name="local", fingerprint="cd34", world_size=2))
+    >>> Plan.from_json(plan.to_json()) == plan
+    True
+
+Run ``python -m hetplan.ir.plan --write-schema tests/golden/plan.schema.json`` after changing
+the format (and bump ``SCHEMA_VERSION``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hetplan._version import __version__
+from hetplan.errors import PlanMismatchError, PlanVersionError, SpecError
+from hetplan.ir.plan_sections import (
+    Baseline,
+    Bucket,
+    CastSync,
+    ClusterRef,
+    CommStep,
+    CompressedSync,
+    CostSource,
+    GradCost,
+    GradientSync,
+    LayerCost,
+    Layout,
+    ModelRef,
+    Name,
+    NoSync,
+    PassLogEntry,
+    Predictions,
+    RankPlacement,
+    ResizingController,
+    Stage,
+    SyncStrategy,
+    TensorParallel,
+    TensorSync,
+    TimeBreakdown,
+    TPGroup,
+    TPLinearShard,
+    TPRankRole,
+    WorkloadSummary,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Plan",
+    "PlanSummary",
+    "load_plan",
+    "check_plan_matches",
+    "export_json_schema",
+    # sections, re-exported for convenience
+    "Baseline",
+    "Bucket",
+    "CastSync",
+    "ClusterRef",
+    "CommStep",
+    "CompressedSync",
+    "CostSource",
+    "GradCost",
+    "GradientSync",
+    "LayerCost",
+    "Layout",
+    "ModelRef",
+    "NoSync",
+    "PassLogEntry",
+    "Predictions",
+    "RankPlacement",
+    "ResizingController",
+    "Stage",
+    "SyncStrategy",
+    "TensorParallel",
+    "TensorSync",
+    "TimeBreakdown",
+    "TPGroup",
+    "TPLinearShard",
+    "TPRankRole",
+    "WorkloadSummary",
+]
+
+#: The plan format this hetplan writes and reads.
+SCHEMA_VERSION = 1
+
+_RERUN = "re-run `hetplan plan` for this model and cluster"
+
+
+class Plan(BaseModel):
+    """An execution plan for one model on one cluster.
+
+    Attributes:
+        schema_version: format version; readers refuse versions they do not know.
+        tool_version: the hetplan version that wrote the plan.
+        model: model name, fingerprint, size and (optionally) its workload numbers.
+        cluster: cluster name, fingerprint and world size.
+        layout: dp × pp × tp, micro-batching, schedule, rank mapping (None: not decided).
+        stages: pipeline stages, in order (empty: no pipeline decided).
+        tensor_parallel: TP groups, shard sizes and resizing controller (None: no TP).
+        gradient_sync: per-tensor strategies and fusion buckets (None: not decided).
+        predictions: predicted iteration time, memory and the baselines' numbers.
+        provenance: for each cost kind (``compute``, ``comm.inter`` ...) where it came from.
+        pass_log: the passes that ran, in order.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    tool_version: str = Field(default_factory=lambda: __version__, min_length=1)
+    model: ModelRef
+    cluster: ClusterRef
+    layout: Layout | None = None
+    stages: tuple[Stage, ...] = ()
+    tensor_parallel: TensorParallel | None = None
+    gradient_sync: GradientSync | None = None
+    predictions: Predictions | None = None
+    provenance: dict[Name, CostSource] = Field(default_factory=dict)
+    pass_log: tuple[PassLogEntry, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_cross_section(self) -> Plan:
+        ws = self.cluster.world_size
+        if self.layout is not None and self.layout.num_ranks > ws:
+            lay = self.layout
+            raise ValueError(
+                f"layout dp={lay.dp} pp={lay.pp} tp={lay.tp} needs {lay.num_ranks} ranks, but "
+                f"cluster {self.cluster.name!r} has world_size {ws}"
+            )
+        used = [r for s in self.stages for r in s.ranks]
+        if self.tensor_parallel is not None:
+            used += [r for g in self.tensor_parallel.groups for r in g.ranks]
+        if bad := sorted({r for r in used if r >= ws}):
+            raise ValueError(f"ranks {bad} do not exist in a world of size {ws}")
+        if self.predictions is not None and len(self.predictions.memory_per_rank_bytes) > ws:
+            raise ValueError(
+                f"predictions.memory_per_rank_bytes has "
+                f"{len(self.predictions.memory_per_rank_bytes)} entries for world_size {ws}"
+            )
+        self._check_stages()
+        return self
+
+    def _check_stages(self) -> None:
+        next_first = 0
+        for i, stage in enumerate(self.stages):
+            if stage.index != i:
+                raise ValueError(f"stages[{i}] has index {stage.index}; expected {i}")
+            if stage.first_layer != next_first:
+                raise ValueError(
+                    f"stage {i} starts at layer {stage.first_layer}, expected {next_first} "
+                    "(stages cover consecutive layers without gaps or overlap)"
+                )
+            next_first = stage.last_layer + 1
+        workload = self.model.workload
+        if self.stages and workload is not None and next_first != len(workload.layers):
+            raise ValueError(
+                f"stages end at layer {next_first - 1}, but the model has "
+                f"{len(workload.layers)} layers (0..{len(workload.layers) - 1})"
+            )
+
+    # -- serialization -------------------------------------------------------------------
+    def to_json(self) -> str:
+        """The plan as JSON: sorted keys, indent 2, trailing newline; byte-identical for
+        equal plans."""
+        data = self.model_dump(mode="json")
+        return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to ``path`` (UTF-8)."""
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "<string>") -> Plan:
+        """Parse plan JSON.
+
+        Args:
+            text: the JSON text.
+            where: how to name the source in error messages (usually the file path).
+
+        Raises:
+            SpecError: invalid JSON, not an object, missing ``schema_version``, or a field
+                that is unknown, missing or out of range.
+            PlanVersionError: the plan has a schema version this hetplan does not read.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            hint = ""
+            if not text.strip():
+                hint = " (the file is empty)"
+            elif e.pos >= len(text.rstrip()):
+                hint = " (the file looks truncated)"
+            raise SpecError(
+                f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}{hint}; "
+                f"{_RERUN} to write a fresh plan"
+            ) from e
+        if not isinstance(data, dict):
+            raise SpecError(
+                f"{where}: a plan is a JSON object, got a JSON {_json_type(data)}; "
+                "is this a hetplan plan file?"
+            )
+        _check_version(data, where)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            from hetplan.ir.validation import format_validation_error
+
+            hint = f"hint: plan files are written by `hetplan plan`; {_RERUN} rather than editing"
+            raise SpecError(format_validation_error(e, where=where, model=cls, hint=hint)) from e
+
+    # -- reporting -------------------------------------------------------------------------
+    def summary(self) -> PlanSummary:
+        """The headline numbers of the plan, for ``hetplan inspect`` and logs."""
+        lay = self.layout
+        pred = self.predictions
+        sync = self.gradient_sync
+        baselines = pred.baselines if pred is not None else ()
+        best = min(baselines, key=lambda b: (b.iteration_time_ms, b.name), default=None)
+        compressed: set[str] = set()
+        if sync is not None:
+            uses = [(t.name, t.strategy) for t in sync.tensors]
+            uses += [(name, b.strategy) for b in sync.buckets for name in b.tensors]
+            compressed = {n for n, s in uses if sync.strategies[s].kind == "compressed"}
+        return PlanSummary(
+            model=self.model.name,
+            cluster=self.cluster.name,
+            world_size=self.cluster.world_size,
+            layout=f"dp={lay.dp} pp={lay.pp} tp={lay.tp}" if lay is not None else "undecided",
+            schedule=lay.schedule if lay is not None else None,
+            micro_batches=lay.micro_batches if lay is not None else None,
+            num_stages=len(self.stages),
+            num_buckets=len(sync.buckets) if sync is not None else 0,
+            compressed_tensors=len(compressed),
+            iteration_time_ms=pred.iteration_time_ms if pred is not None else None,
+            bubble_ratio=pred.bubble_ratio if pred is not None else None,
+            peak_memory_bytes=max(pred.memory_per_rank_bytes, default=None)
+            if pred is not None else None,
+            best_baseline=best.name if best is not None else None,
+            best_baseline_time_ms=best.iteration_time_ms if best is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """Headline numbers of a plan; ``None`` where the plan has not decided or predicted it."""
+
+    model: str
+    cluster: str
+    world_size: int
+    layout: str
+    schedule: str | None
+    micro_batches: int | None
+    num_stages: int
+    num_buckets: int
+    compressed_tensors: int
+    iteration_time_ms: float | None
+    bubble_ratio: float | None
+    peak_memory_bytes: int | None
+    best_baseline: str | None
+    best_baseline_time_ms: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        """Best baseline time / plan time (> 1 means the plan is faster)."""
+        if not self.iteration_time_ms or self.best_baseline_time_ms is None:
+            return None
+        return self.best_baseline_time_ms / self.iteration_time_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields plus ``speedup``, as a plain dict (for JSON output of the CLI)."""
+        return {**asdict(self), "speedup": self.speedup}
+
+
+def _json_type(value: object) -> str:
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _check_version(data: dict[str, Any], where: str) -> None:
+    if "schema_version" not in data:
+        raise SpecError(
+            f"{where}: missing 'schema_version'; a hetplan plan starts with "
+            f'"schema_version": {SCHEMA_VERSION}. Is this a plan written by `hetplan plan`?'
+        )
+    version = data["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise SpecError(
+            f"{where}: schema_version must be an integer (this hetplan reads "
+            f"{SCHEMA_VERSION}), got {version!r}"
+        )
+    if version > SCHEMA_VERSION:
+        tool = data.get("tool_version")
+        by = f" {tool}" if isinstance(tool, str) else ""
+        raise PlanVersionError(
+            f"{where} was written by a newer hetplan{by} (schema_version {version}); this "
+            f"hetplan ({__version__}) reads version {SCHEMA_VERSION}; upgrade hetplan"
+        )
+    if version != SCHEMA_VERSION:
+        raise PlanVersionError(
+            f"{where} has schema_version {version}, which no hetplan release wrote; this "
+            f"hetplan reads version {SCHEMA_VERSION}; {_RERUN}"
+        )
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file written by :meth:`Plan.save`.
+
+    Raises:
+        SpecError: the file is missing, unreadable, or not a valid plan.
+        PlanVersionError: the plan is from a newer (or unknown) schema version.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise SpecError(f"plan file {str(p)!r} does not exist; create one with `hetplan plan`")
+    if not p.is_file():
+        raise SpecError(f"plan file {str(p)!r} is not a regular file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read plan file {str(p)!r}: {e}") from e
+    return Plan.from_json(text, where=str(p))
+
+
+class _Fingerprinted(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def fingerprint(self) -> str: ...
+
+
+def check_plan_matches(
+    plan: Plan,
+    *,
+    model_ir: _Fingerprinted | None = None,
+    cluster: _Fingerprinted | None = None,
+    world_size: int | None = None,
+) -> None:
+    """Check that ``plan`` was made for this model, cluster and world size.
+
+    Args:
+        plan: the plan to check.
+        model_ir: a :class:`~hetplan.ir.model.ModelIR` (anything with ``name`` and
+            ``fingerprint()``); skipped when None.
+        cluster: a :class:`~hetplan.ir.cluster.ClusterSpec`; skipped when None.
+        world_size: the number of processes of the running job; skipped when None.
+
+    Raises:
+        PlanMismatchError: listing every mismatch, both sides, and how to fix it.
+    """
+    problems = []
+    if model_ir is not None and model_ir.fingerprint() != plan.model.fingerprint:
+        problems.append(
+            f"the plan is for model {plan.model.name!r} (fingerprint "
+            f"{plan.model.fingerprint}), but the model given is {model_ir.name!r} "
+            f"(fingerprint {model_ir.fingerprint()}): its layers, parameter sizes or input "
+            "shapes differ from what was planned"
+        )
+    if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
+        problems.append(
+            f"the plan is for cluster {plan.cluster.name!r} (fingerprint "
+            f"{plan.cluster.fingerprint}), but the cluster given is {cluster.name!r} "
+            f"(fingerprint {cluster.fingerprint()})"
+        )
+    if world_size is not None and world_size != plan.cluster.world_size:
+        problems.append(
+            f"the plan expects world size {plan.cluster.world_size} (cluster "
+            f"{plan.cluster.name!r}), but the job runs {world_size} processes"
+        )
+    if problems:
+        raise PlanMismatchError(
+            "plan does not match: " + "; ".join(problems) + f". To fix, {_RERUN} "
+            "(or load the plan that was made for them)."
+        )
+
+
+def export_json_schema() -> str:
+    """The JSON Schema of :class:`Plan`, as deterministic JSON (sorted keys, indent 2)."""
+    return json.dumps(Plan.model_json_schema(), sort_keys=True, indent=2) + "\n"
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hetplan.ir.plan", description="Export the JSON Schema of the plan."
+    )
+    parser.add_argument("--write-schema", metavar="PATH", help="write the schema to PATH")
+    args = parser.parse_args(argv)
+    if args.write_schema is None:
+        sys.stdout.write(export_json_schema())
+        return 0
+    Path(args.write_schema).write_text(export_json_schema(), encoding="utf-8")
+    print(f"wrote {args.write_schema}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

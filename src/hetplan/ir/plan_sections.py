@@ -1,0 +1,564 @@
+"""The sections of a :class:`hetplan.ir.plan.Plan` (schema version 1).
+
+Each optimization pass owns one section. All models are frozen pydantic models with
+``extra="forbid"``; ordered things are JSON arrays (tuples), things keyed by a name are JSON
+objects (dicts, written with sorted keys). Units are in the field names (``*_ms``, ``*_bytes``).
+
+Floats that are times (``*_ms``) are rounded to 1e-6 ms and fractions to 1e-9 when a model is
+built, so an in-memory plan equals the plan read back from its JSON, and tiny floating-point
+noise from summation order does not change the bytes written.
+
+Changing anything here changes the plan format: bump ``SCHEMA_VERSION`` in ``plan.py`` and
+regenerate ``tests/golden/plan.schema.json`` (``python -m hetplan.ir.plan --write-schema ...``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Annotated, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from hetplan.ir.cluster import ClusterSpec
+    from hetplan.ir.model import ModelIR
+
+__all__ = [
+    "LayerCost",
+    "GradCost",
+    "WorkloadSummary",
+    "ModelRef",
+    "ClusterRef",
+    "RankPlacement",
+    "Layout",
+    "Stage",
+    "TPLinearShard",
+    "TPRankRole",
+    "TPGroup",
+    "ResizingController",
+    "TensorParallel",
+    "CommStep",
+    "NoSync",
+    "CastSync",
+    "CompressedSync",
+    "SyncStrategy",
+    "TensorSync",
+    "Bucket",
+    "GradientSync",
+    "TimeBreakdown",
+    "Baseline",
+    "Predictions",
+    "CostSource",
+    "PassLogEntry",
+]
+
+
+def _round_ms(v: float) -> float:
+    return round(v, 6) + 0.0  # + 0.0 turns -0.0 into 0.0
+
+
+def _round_ratio(v: float) -> float:
+    return round(v, 9) + 0.0
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+PosInt = Annotated[int, Field(ge=1)]
+Name = Annotated[str, Field(min_length=1)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+#: A time in milliseconds, rounded to 1e-6 ms.
+Ms = Annotated[float, Field(ge=0, allow_inf_nan=False), AfterValidator(_round_ms)]
+#: A fraction in [0, 1], rounded to 1e-9.
+Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), AfterValidator(_round_ratio)]
+Device = Literal["gpu", "cpu"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+def _duplicates(items: Iterable[str | int]) -> list[str | int]:
+    """The items that occur more than once, sorted."""
+    counts = Counter(items)
+    return sorted(x for x, n in counts.items() if n > 1)  # type: ignore[type-var]
+
+
+# -- model and cluster references ------------------------------------------------------------
+class LayerCost(_Section):
+    """Per-layer numbers the simulator needs, copied from the model IR."""
+
+    name: Name
+    fwd_flops: NonNegInt = 0
+    bwd_flops: NonNegInt = 0
+    param_bytes: NonNegInt = 0
+    act_out_bytes: NonNegInt = 0
+    measured_bwd_us: NonNegFloat | None = None
+
+
+class GradCost(_Section):
+    """One gradient tensor, in backward-ready order."""
+
+    name: Name
+    size_bytes: NonNegInt
+    layer_index: NonNegInt
+    dtype: Name = "float32"
+    ready_gap_us: NonNegFloat | None = None
+
+
+class WorkloadSummary(_Section):
+    """Enough of the model to re-simulate a plan without re-capturing the model.
+
+    Attributes:
+        layers: per-layer FLOPs and bytes, in dataflow order.
+        grads: gradient tensors in backward-ready order; ``layer_index`` indexes ``layers``.
+        unattributed_fwd_flops / unattributed_bwd_flops: FLOPs outside every layer.
+    """
+
+    layers: tuple[LayerCost, ...] = ()
+    grads: tuple[GradCost, ...] = ()
+    unattributed_fwd_flops: NonNegInt = 0
+    unattributed_bwd_flops: NonNegInt = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkloadSummary:
+        for what, names in (("layer", [x.name for x in self.layers]),
+                            ("gradient", [g.name for g in self.grads])):
+            if dup := _duplicates(names):
+                raise ValueError(f"duplicate {what} names {dup}; names must be unique")
+        for g in self.grads:
+            if g.layer_index >= len(self.layers):
+                raise ValueError(
+                    f"gradient {g.name!r} has layer_index {g.layer_index}, but there are only "
+                    f"{len(self.layers)} layers"
+                )
+        return self
+
+    @classmethod
+    def from_model_ir(cls, ir: ModelIR) -> WorkloadSummary:
+        """Copy the per-layer and per-gradient numbers out of a :class:`ModelIR`."""
+        return cls(
+            layers=tuple(
+                LayerCost(name=lay.name, fwd_flops=lay.fwd_flops, bwd_flops=lay.bwd_flops,
+                          param_bytes=lay.param_bytes, act_out_bytes=lay.act_out_bytes,
+                          measured_bwd_us=lay.measured_bwd_us)
+                for lay in ir.layers
+            ),
+            grads=tuple(
+                GradCost(name=g.name, size_bytes=g.size_bytes, layer_index=g.layer_index,
+                         dtype=g.dtype, ready_gap_us=g.ready_gap_us)
+                for g in ir.grad_tensors
+            ),
+            unattributed_fwd_flops=ir.unattributed_fwd_flops,
+            unattributed_bwd_flops=ir.unattributed_bwd_flops,
+        )
+
+
+class ModelRef(_Section):
+    """Which model the plan is for; ``fingerprint`` is ``ModelIR.fingerprint()``."""
+
+    name: Name
+    fingerprint: Name
+    num_params: NonNegInt
+    workload: WorkloadSummary | None = None
+
+    @classmethod
+    def from_model_ir(cls, ir: ModelIR, *, workload: bool = True) -> ModelRef:
+        """Reference ``ir`` by name and fingerprint, embedding its workload numbers."""
+        summary = WorkloadSummary.from_model_ir(ir) if workload else None
+        return cls(name=ir.name, fingerprint=ir.fingerprint(), num_params=ir.num_params,
+                   workload=summary)
+
+
+class ClusterRef(_Section):
+    """Which cluster the plan is for; ``fingerprint`` is ``ClusterSpec.fingerprint()``."""
+
+    name: Name
+    fingerprint: Name
+    world_size: PosInt
+
+    @classmethod
+    def from_cluster(cls, spec: ClusterSpec) -> ClusterRef:
+        """Reference ``spec`` by name, fingerprint and world size."""
+        return cls(name=spec.name, fingerprint=spec.fingerprint(), world_size=spec.world_size)
+
+
+# -- layout and pipeline stages --------------------------------------------------------------
+class RankPlacement(_Section):
+    """Where one global rank sits: its device and its (dp, pp, tp) coordinates."""
+
+    rank: NonNegInt
+    node: NonNegInt = 0
+    local_rank: NonNegInt = 0
+    device: str = ""
+    dp: NonNegInt = 0
+    pp: NonNegInt = 0
+    tp: NonNegInt = 0
+
+
+class Layout(_Section):
+    """The parallel layout: dp × pp × tp, micro-batching, pipeline schedule, rank mapping.
+
+    ``virtual_stages`` is the number of model chunks per pipeline rank (interleaved 1F1B only).
+    ``ranks`` is empty or lists every rank ``0 .. dp*pp*tp-1`` in order.
+    """
+
+    dp: PosInt = 1
+    pp: PosInt = 1
+    tp: PosInt = 1
+    micro_batches: PosInt = 1
+    micro_batch_size: PosInt = 1
+    global_batch_size: PosInt | None = None
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    virtual_stages: PosInt = 1
+    ranks: tuple[RankPlacement, ...] = ()
+
+    @property
+    def num_ranks(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @model_validator(mode="after")
+    def _check(self) -> Layout:
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs schedule 'interleaved-1f1b', "
+                f"got {self.schedule!r}"
+            )
+        if not self.ranks:
+            return self
+        if [r.rank for r in self.ranks] != list(range(self.num_ranks)):
+            raise ValueError(
+                f"ranks must list ranks 0..{self.num_ranks - 1} (dp*pp*tp) in order, got "
+                f"{[r.rank for r in self.ranks]}"
+            )
+        for r in self.ranks:
+            if r.dp >= self.dp or r.pp >= self.pp or r.tp >= self.tp:
+                raise ValueError(
+                    f"rank {r.rank} has coordinates (dp={r.dp}, pp={r.pp}, tp={r.tp}) outside "
+                    f"the layout dp={self.dp} pp={self.pp} tp={self.tp}"
+                )
+        if dup := _duplicates([f"({r.dp},{r.pp},{r.tp})" for r in self.ranks]):
+            raise ValueError(f"several ranks share the (dp,pp,tp) coordinates {dup}")
+        return self
+
+
+class Stage(_Section):
+    """One pipeline stage: layers ``first_layer..last_layer`` (inclusive) on ``ranks``."""
+
+    index: NonNegInt
+    first_layer: NonNegInt
+    last_layer: NonNegInt
+    layer_names: tuple[str, ...] = ()
+    ranks: tuple[NonNegInt, ...] = Field(min_length=1)
+    fwd_ms: Ms = 0.0
+    bwd_ms: Ms = 0.0
+    memory_bytes: NonNegInt | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Stage:
+        if self.first_layer > self.last_layer:
+            raise ValueError(
+                f"stage {self.index}: first_layer {self.first_layer} > last_layer "
+                f"{self.last_layer}"
+            )
+        n = self.last_layer - self.first_layer + 1
+        if self.layer_names and len(self.layer_names) != n:
+            raise ValueError(
+                f"stage {self.index}: {len(self.layer_names)} layer_names for {n} layers"
+            )
+        return self
+
+
+# -- tensor parallelism ----------------------------------------------------------------------
+class TPLinearShard(_Section):
+    """How one linear is split across the ranks of a TP group (uneven shards allowed).
+
+    ``features`` is the size of the split dimension (out_features for ``column``, in_features
+    for ``row``); ``shard_sizes[i]`` is the share of the i-th rank of the group.
+    """
+
+    name: Name
+    split: Literal["column", "row"]
+    features: PosInt
+    shard_sizes: tuple[NonNegInt, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TPLinearShard:
+        if sum(self.shard_sizes) != self.features:
+            raise ValueError(
+                f"linear {self.name!r}: shard_sizes {list(self.shard_sizes)} sum to "
+                f"{sum(self.shard_sizes)}, expected features={self.features}"
+            )
+        return self
+
+
+class TPRankRole(_Section):
+    """A rank's initial role for the resizing controller (ZERO-resizing / SEMI-migration).
+
+    ``gamma`` is the fraction of its columns a ``resize`` rank prunes each iteration; ``beta``
+    the fraction a ``migrate_src`` rank sends to the other ranks of its group.
+    """
+
+    rank: NonNegInt
+    role: Literal["normal", "resize", "migrate_src", "migrate_dst"] = "normal"
+    gamma: Ratio = 0.0
+    beta: Ratio = 0.0
+
+
+class TPGroup(_Section):
+    """One tensor-parallel group: its ranks, per-linear shard sizes and rank roles."""
+
+    ranks: tuple[NonNegInt, ...] = Field(min_length=1)
+    stage: NonNegInt | None = None
+    linears: tuple[TPLinearShard, ...] = ()
+    roles: tuple[TPRankRole, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> TPGroup:
+        if dup := _duplicates(list(self.ranks)):
+            raise ValueError(f"TP group lists ranks {dup} more than once")
+        for lin in self.linears:
+            if len(lin.shard_sizes) != len(self.ranks):
+                raise ValueError(
+                    f"linear {lin.name!r} has {len(lin.shard_sizes)} shard_sizes for a TP "
+                    f"group of {len(self.ranks)} ranks {list(self.ranks)}"
+                )
+        if bad := sorted({r.rank for r in self.roles} - set(self.ranks)):
+            raise ValueError(f"roles name ranks {bad} outside the group {list(self.ranks)}")
+        return self
+
+
+class ResizingController(_Section):
+    """Settings of the runtime resizing controller (``research/zero_resizing.md`` §2.9, §6).
+
+    Attributes:
+        variant: ``off`` (static shards only), ``zero`` (resizing), ``migration``, ``semi``.
+        alpha: decay factor of the per-column priority statistics (paper: 0.8).
+        theta_iter: per-iteration micro-threshold θ_iter (paper: 1e-3; θ = n_iter · θ_iter).
+        replan_trigger: relative increase of a rank's iteration time that triggers a re-plan.
+        gamma_max: upper bound on any rank's pruning ratio γ.
+    """
+
+    variant: Literal["off", "zero", "migration", "semi"] = "off"
+    alpha: Ratio = 0.8
+    theta_iter: NonNegFloat = 1e-3
+    replan_trigger: NonNegFloat = 0.10
+    gamma_max: Ratio = 0.9
+    imputation: Literal["zero", "same", "average"] = "zero"
+
+
+class TensorParallel(_Section):
+    """The tensor-parallel section: controller settings and one entry per TP group."""
+
+    controller: ResizingController = Field(default_factory=ResizingController)
+    groups: tuple[TPGroup, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> TensorParallel:
+        if dup := _duplicates([r for g in self.groups for r in g.ranks]):
+            raise ValueError(f"ranks {dup} belong to more than one TP group")
+        return self
+
+
+# -- gradient synchronization ----------------------------------------------------------------
+Routine = Literal["allreduce", "reduce_scatter", "allgather", "reduce", "broadcast", "alltoall",
+                  "gather"]
+#: Routines that can carry compressed payloads (Espresso Table 4.2: no reduction on them).
+_COMPRESSED_ROUTINES = frozenset({"allgather", "alltoall", "gather", "broadcast"})
+_UNCOMPRESSED_ROUTINES = frozenset({"allreduce", "reduce_scatter", "allgather", "reduce",
+                                    "broadcast"})
+
+
+class CommStep(_Section):
+    """One collective of a synchronization path, at one level of the hierarchy."""
+
+    level: Literal["flat", "intra", "inter"] = "flat"
+    routine: Routine = "allreduce"
+    compressed: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> CommStep:
+        allowed = _COMPRESSED_ROUTINES if self.compressed else _UNCOMPRESSED_ROUTINES
+        if self.routine not in allowed:
+            what = "compressed" if self.compressed else "uncompressed"
+            raise ValueError(
+                f"routine {self.routine!r} cannot carry {what} tensors; use one of "
+                f"{sorted(allowed)}"
+            )
+        return self
+
+
+class _PathSync(_Section):
+    hierarchy: Literal["flat", "hierarchical"] = "flat"
+    steps: tuple[CommStep, ...] = Field(default=(CommStep(),), min_length=1)
+
+    @model_validator(mode="after")
+    def _check_levels(self) -> _PathSync:
+        levels = {s.level for s in self.steps}
+        if self.hierarchy == "flat" and levels != {"flat"}:
+            raise ValueError(f"a flat path has only 'flat' steps, got levels {sorted(levels)}")
+        if self.hierarchy == "hierarchical" and "flat" in levels:
+            raise ValueError("a hierarchical path has only 'intra' and 'inter' steps")
+        return self
+
+
+class NoSync(_PathSync):
+    """Uncompressed fp32 synchronization (by default one flat allreduce)."""
+
+    kind: Literal["none"] = "none"
+
+
+class CastSync(_PathSync):
+    """Cast to fp16/bf16, synchronize uncompressed, cast back."""
+
+    kind: Literal["cast"] = "cast"
+    dtype: Literal["fp16", "bf16"] = "fp16"
+
+
+class CompressedSync(_PathSync):
+    """An Espresso compression option: compressor, where (de)compression runs, the path.
+
+    Attributes:
+        compressor: compressor name (``topk``, ``randomk``, ``powersgd``, ``qsgd`` ...).
+        params: its parameters (``{"ratio": 0.01}``).
+        compress_device / decompress_device: where compression / decompression run.
+        uncompressed_dtype: dtype of the uncompressed steps (Espresso's "intra FP16"
+            options use fp16).
+        error_feedback: keep a residual of what compression dropped, added next iteration.
+        steps: collectives in execution order; a step with ``compressed=True`` carries the
+            compressed payload (compression happens before the first such step, decompression
+            after the last).
+    """
+
+    kind: Literal["compressed"] = "compressed"
+    compressor: Name
+    params: dict[Name, Union[bool, int, FiniteFloat, str]] = Field(default_factory=dict)
+    compress_device: Device = "gpu"
+    decompress_device: Device = "gpu"
+    uncompressed_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    error_feedback: bool = True
+    steps: tuple[CommStep, ...] = Field(
+        default=(CommStep(routine="allgather", compressed=True),), min_length=1
+    )
+
+    @model_validator(mode="after")
+    def _check_compressed(self) -> CompressedSync:
+        if not any(s.compressed for s in self.steps):
+            raise ValueError("a compressed path needs at least one step with compressed=true")
+        return self
+
+
+SyncStrategy = Annotated[Union[NoSync, CastSync, CompressedSync], Field(discriminator="kind")]
+
+
+class TensorSync(_Section):
+    """Which strategy (a key of ``GradientSync.strategies``) a gradient tensor uses."""
+
+    name: Name
+    strategy: Name
+
+
+class Bucket(_Section):
+    """Consecutive gradients fused into one (compression +) communication operation."""
+
+    tensors: tuple[Name, ...] = Field(min_length=1)
+    size_bytes: NonNegInt
+    strategy: Name
+
+
+class GradientSync(_Section):
+    """Per-tensor synchronization strategies (Espresso) and fusion buckets (Cupcake).
+
+    Attributes:
+        strategies: named strategies, referenced by ``tensors`` and ``buckets``.
+        tensors: the strategy of each gradient tensor, in backward-ready order.
+        buckets: buckets in the order they are launched; each uses one strategy.
+    """
+
+    strategies: dict[Name, SyncStrategy] = Field(default_factory=dict)
+    tensors: tuple[TensorSync, ...] = ()
+    buckets: tuple[Bucket, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> GradientSync:
+        if dup := _duplicates([t.name for t in self.tensors]):
+            raise ValueError(f"tensors lists {dup} more than once")
+        if dup := _duplicates([t for b in self.buckets for t in b.tensors]):
+            raise ValueError(f"tensors {dup} are in more than one bucket")
+        refs = [(f"tensor {t.name!r}", t.strategy) for t in self.tensors]
+        refs += [(f"bucket {i}", b.strategy) for i, b in enumerate(self.buckets)]
+        for who, ref in refs:
+            if ref not in self.strategies:
+                raise ValueError(
+                    f"{who} uses strategy {ref!r}, which is not one of the strategies "
+                    f"{sorted(self.strategies)}"
+                )
+        per_tensor = {t.name: t.strategy for t in self.tensors}
+        for i, b in enumerate(self.buckets):
+            for t in b.tensors:
+                if t in per_tensor and per_tensor[t] != b.strategy:
+                    raise ValueError(
+                        f"tensor {t!r} uses strategy {per_tensor[t]!r} but its bucket {i} "
+                        f"uses {b.strategy!r}"
+                    )
+        return self
+
+
+# -- predictions, provenance, pass log -------------------------------------------------------
+class TimeBreakdown(_Section):
+    """Where an iteration's time goes (parts overlap, so they need not sum to the total)."""
+
+    compute_ms: Ms = 0.0
+    comm_ms: Ms = 0.0
+    exposed_comm_ms: Ms = 0.0
+    bubble_ms: Ms = 0.0
+    compression_ms: Ms = 0.0
+
+
+class Baseline(_Section):
+    """The predicted cost of a baseline strategy the plan was compared with."""
+
+    name: Name
+    description: str = ""
+    iteration_time_ms: Ms
+    breakdown: TimeBreakdown | None = None
+    memory_per_rank_bytes: tuple[NonNegInt, ...] = ()
+
+
+class Predictions(_Section):
+    """What the simulator predicts for the plan, and for the baselines it beat.
+
+    ``memory_per_rank_bytes[r]`` is the peak memory of global rank ``r``.
+    """
+
+    iteration_time_ms: Ms
+    breakdown: TimeBreakdown = Field(default_factory=TimeBreakdown)
+    memory_per_rank_bytes: tuple[NonNegInt, ...] = ()
+    bubble_ratio: Ratio = 0.0
+    baselines: tuple[Baseline, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> Predictions:
+        if dup := _duplicates([b.name for b in self.baselines]):
+            raise ValueError(f"baseline names {dup} appear more than once")
+        return self
+
+
+class CostSource(_Section):
+    """Where one kind of cost came from: a profile DB or an analytic model."""
+
+    source: Literal["profiled", "analytic"]
+    detail: str = ""
+
+
+class PassLogEntry(_Section):
+    """One pass run: whether it changed the plan, and notes on what it decided.
+
+    ``duration_ms`` is wall-clock time; it is left ``None`` unless timings were asked for,
+    because recording it makes the plan bytes differ from run to run.
+    """
+
+    name: Name
+    changed: bool
+    duration_ms: Ms | None = None
+    notes: tuple[str, ...] = ()

@@ -1,0 +1,1 @@
+"""``compile()``: capture, cost model, layout search, the pass pipeline, plan assembly."""
