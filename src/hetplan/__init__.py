@@ -20,12 +20,29 @@ from hetplan.errors import (
     SpecError,
     TraceError,
 )
-from hetplan.ir.capture import capture
+from hetplan.ir.cluster import ClusterSpec, list_presets
 from hetplan.ir.model import GradTensor, LayerIR, ModelIR
+from hetplan.ir.plan import Plan, check_plan_matches, load_plan
+
+
+def __getattr__(name: str) -> object:
+    # ``capture`` imports torch (seconds); load it on first use so that the CLI's plan and
+    # cluster commands, and plain schema work, stay fast.
+    if name == "capture":
+        from hetplan.ir.capture import capture
+
+        return capture
+    raise AttributeError(f"module 'hetplan' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",
     "capture",
+    "ClusterSpec",
+    "list_presets",
+    "Plan",
+    "load_plan",
+    "check_plan_matches",
     "ModelIR",
     "LayerIR",
     "GradTensor",

@@ -271,3 +271,72 @@ def test_layer_units_policy_on_plain_modules() -> None:
     assert units, "a CNN must have layers"
     assert all(u.kind is not LayerKind.PARAMS for u in units.values())
     assert hetplan.capture is capture
+
+
+def _llama(layers: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def _t5(layers: int) -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        d_model=32, d_ff=64, num_layers=layers, num_heads=4, d_kv=8, vocab_size=128,
+        decoder_start_token_id=0,
+    )
+    with torch.device("meta"):
+        return T5ForConditionalGeneration(cfg)
+
+
+@pytest.mark.parametrize(
+    ("build", "inputs"),
+    [
+        (lambda: _llama(5), lambda: ((torch.zeros(2, 8, dtype=torch.long),), {"use_cache": False})),
+        (
+            lambda: _t5(4),
+            lambda: (
+                (torch.zeros(2, 8, dtype=torch.long),),
+                {"decoder_input_ids": torch.zeros(2, 8, dtype=torch.long), "use_cache": False},
+            ),
+        ),
+        (lambda: zoo.build("gpt-test"), lambda: zoo.example_inputs("gpt-test")),
+    ],
+    ids=["llama-5-layers", "t5-4-layers", "gpt-test"],
+)
+def test_block_reuse_equals_a_full_capture(build, inputs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from hetplan.ir import block_reuse
+
+    expanded = []
+    original = block_reuse.expand_blocks
+
+    def spy(ir, cuts):  # type: ignore[no-untyped-def]
+        result = original(ir, cuts)
+        expanded.append(result is not None)
+        return result
+
+    monkeypatch.setattr(block_reuse, "expand_blocks", spy)
+    model = build()
+    args, kwargs = inputs()
+    full = capture(model, args, kwargs, reuse_blocks=False)
+    assert expanded == []
+    fast = capture(model, args, kwargs, reuse_blocks=True)
+    assert expanded == [True], "the shortcut must have been taken"
+    assert len(full.layers) == len(fast.layers)
+    assert fast.to_json() == full.to_json()
+
+
+def test_block_reuse_leaves_the_model_whole() -> None:
+    model = _llama(5)
+    capture(model, (torch.zeros(1, 4, dtype=torch.long),), {"use_cache": False})
+    assert len(model.model.layers) == 5

@@ -44,6 +44,7 @@ symbolically traceable).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import re
 from collections import Counter, defaultdict
@@ -60,6 +61,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from hetplan.errors import TraceError
+from hetplan.ir import block_reuse
 from hetplan.ir.model import (
     DTYPE_BYTES,
     GradTensor,
@@ -86,6 +88,7 @@ def capture(
     name: str | None = None,
     opaque_modules: Iterable[str] = (),
     method: str = "auto",
+    reuse_blocks: bool = True,
 ) -> ModelIR:
     """Capture ``model`` into a :class:`ModelIR` without allocating weights or activations.
 
@@ -97,6 +100,9 @@ def capture(
         name: the IR's name (default: the model's class name).
         opaque_modules: qualified names of modules to treat as opaque leaves (see module doc).
         method: ``"auto"`` (fx, then torch.export), ``"fx"`` or ``"export"``.
+        reuse_blocks: trace each long list of identical blocks once and replicate it in the
+            IR (:mod:`hetplan.ir.block_reuse`); the result equals a full capture. False
+            traces every block.
 
     Returns:
         The verified IR.
@@ -134,13 +140,37 @@ def capture(
             f"{type(model).__name__} has no parameters: there is nothing to plan",
             reason="no parameters",
         )
-
-    graph = _build_graph(meta_model, args_meta, kwargs_meta, units, opaque, method)
-    executor = _Executor(meta_model, graph, units)
-    executor.run()
-    ir = _assemble(model, meta_model, graph, units, executor, name, args_meta, kwargs_meta)
+    groups = sorted({u.group for u in units.values() if u.group is not None})
+    cuts = block_reuse.plan_cuts(meta_model, groups) if reuse_blocks else []
+    ir = None
+    if cuts:
+        try:
+            with block_reuse.truncated(meta_model, cuts):
+                short = _capture_once(model, meta_model, args_meta, kwargs_meta, opaque, method)
+            ir = block_reuse.expand_blocks(short, cuts)
+        except TraceError:
+            ir = None  # the full capture below reports the real problem
+    if ir is None:
+        ir = _capture_once(model, meta_model, args_meta, kwargs_meta, opaque, method)
+    if name:
+        ir = dataclasses.replace(ir, name=name)
     verify_model_ir(ir, where=ir.name)
     return ir
+
+
+def _capture_once(
+    original: nn.Module,
+    meta_model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    opaque: tuple[str, ...],
+    method: str,
+) -> ModelIR:
+    units = layer_units(meta_model, opaque)
+    graph = _build_graph(meta_model, args, kwargs, units, opaque, method)
+    executor = _Executor(meta_model, graph, units)
+    executor.run()
+    return _assemble(original, meta_model, graph, units, executor, None, args, kwargs)
 
 
 # --------------------------------------------------------------------------------------
@@ -174,7 +204,9 @@ def _check_opaque_names(model: nn.Module, opaque: tuple[str, ...]) -> None:
         if q not in names:
             import difflib
 
-            near = difflib.get_close_matches(q, sorted(names), n=3)
+            near = difflib.get_close_matches(q, sorted(names), n=3) or sorted(
+                n for n, _ in model.named_children()
+            )
             raise TraceError(
                 f"opaque_modules names {q!r}, which is not a module of "
                 f"{type(model).__name__}; nearest: {near}",

@@ -1,0 +1,484 @@
+"""The ``hetplan`` command line: thin wrappers over the library, printed with rich.
+
+User errors (any :class:`~hetplan.errors.HetplanError`) print one clear message and exit
+with code 2; ``--debug`` shows the traceback. Unexpected failures print a one-line summary
+and exit with code 1 (``--debug`` for the traceback).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hetplan._version import __version__
+from hetplan.errors import HetplanError, SpecError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="hetplan",
+    help="Compile distributed-training strategies for heterogeneous clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+workload_app = typer.Typer(help="Workload files (models given as numbers).", no_args_is_help=True)
+app.add_typer(workload_app, name="workload")
+
+# Piped output (files, CI logs, tests) gets a fixed wide layout instead of rich's 80 columns.
+out = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 150)
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 150)
+_state = {"debug": False}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _user_errors(fn: F) -> F:
+    """Turn library errors into one message and exit code 2 (1 for internal errors)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except HetplanError as e:
+            if _state["debug"]:
+                raise
+            err.print(f"[bold red]error:[/] {_escape(str(e))}")
+            raise typer.Exit(2) from None
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - the CLI never shows a raw traceback
+            if _state["debug"]:
+                raise
+            err.print(
+                f"[bold red]internal error:[/] {type(e).__name__}: {_escape(str(e))}\n"
+                "This is a bug in hetplan; re-run with --debug for the traceback and report it."
+            )
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
+    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+) -> None:
+    _state["debug"] = debug
+    if version:
+        out.print(f"hetplan {__version__}")
+        raise typer.Exit(0)
+
+
+# --------------------------------------------------------------------------------------
+# models and capture
+# --------------------------------------------------------------------------------------
+@app.command("models")
+@_user_errors
+def models_cmd(
+    family: str = typer.Option(None, help="Only this family (gpt2, llama, custom ...)."),
+    size: str = typer.Option(None, help="Only 'full' or 'tiny' models."),
+) -> None:
+    """List the built-in model zoo."""
+    from hetplan import zoo
+
+    table = Table(title="hetplan model zoo", title_justify="left")
+    for col in ("name", "family", "size", "params", "inputs", "description"):
+        table.add_column(col)
+    for e in zoo.list_models(family=family, size=size):
+        table.add_row(e.name, e.family, e.size, e.params_approx, e.input_kind, e.description)
+    out.print(table)
+
+
+def _load_module_factory(spec: str) -> tuple[Any, tuple, dict]:
+    """``pkg.mod:factory`` → (model, args, kwargs). The factory returns
+    ``(model, example_args)`` or ``(model, example_args, example_kwargs)``."""
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise SpecError(f"--module {spec!r}: expected 'package.module:factory'")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise SpecError(f"--module {spec!r}: cannot import {mod_name!r}: {e}") from e
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise SpecError(f"--module {spec!r}: {mod_name} has no callable {attr!r}")
+    result = factory()
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise SpecError(
+            f"--module {spec!r}: the factory must return (model, example_args) or "
+            f"(model, example_args, example_kwargs), got {type(result).__name__}"
+        )
+    model, args = result[0], result[1]
+    kwargs = result[2] if len(result) == 3 else {}
+    if not isinstance(args, (tuple, list)):
+        args = (args,)
+    return model, tuple(args), dict(kwargs)
+
+
+def load_model_ir(
+    model: str | None,
+    module: str | None = None,
+    workload: Path | None = None,
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    opaque: list[str] | None = None,
+) -> Any:
+    """The IR for a zoo name, a user factory, or a workload file (exactly one of them)."""
+    given = [x for x in (model, module, workload) if x]
+    if len(given) != 1:
+        raise SpecError(
+            "give exactly one of MODEL (a zoo name, see `hetplan models`), --module "
+            "pkg.mod:factory, or --workload FILE"
+        )
+    from hetplan.ir.model import ModelIR
+
+    if workload:
+        return ModelIR.load(workload)
+    from hetplan.ir.capture import capture
+
+    if module:
+        m, args, kwargs = _load_module_factory(module)
+        name = type(m).__name__
+    else:
+        from hetplan import zoo
+
+        assert model is not None
+        entry = zoo.get(model)
+        m = zoo.build(entry.name)
+        args, kwargs = zoo.example_inputs(entry.name, batch=batch, seq=seq)
+        name = entry.name
+    with err.status(f"capturing {name} …", spinner="dots"):
+        return capture(m, args, kwargs, name=name, opaque_modules=opaque or ())
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _layer_rows(ir: Any) -> list[tuple[str, ...]]:
+    """One row per layer, with runs of identical repeated blocks folded into one row."""
+    rows: list[tuple[str, ...]] = []
+    layers = list(ir.layers)
+    i = 0
+    while i < len(layers):
+        lay = layers[i]
+        j = i + 1
+        if lay.group is not None:
+            key = _block_key(lay)
+            while j < len(layers) and layers[j].group == lay.group and _block_key(layers[j]) == key:
+                j += 1
+        count = j - i
+        name = lay.name if count == 1 else f"{lay.name} … {layers[j - 1].name} (×{count})"
+        idx = str(lay.index) if count == 1 else f"{lay.index}–{layers[j - 1].index}"
+        rows.append(
+            (
+                idx,
+                name,
+                lay.kind.value,
+                _fmt_count(lay.param_numel),
+                _fmt_count(lay.fwd_flops),
+                _fmt_count(lay.bwd_flops),
+                _fmt_bytes(lay.act_out_bytes),
+                str(len(lay.linears)) if lay.linears else "",
+            )
+        )
+        i = j
+    return rows
+
+
+def _block_key(lay: Any) -> tuple:
+    return (
+        lay.module_type,
+        lay.param_numel,
+        lay.fwd_flops,
+        lay.bwd_flops,
+        lay.act_in_bytes,
+        lay.act_out_bytes,
+    )
+
+
+def print_ir_summary(ir: Any, seconds: float | None = None) -> None:
+    """Print the captured IR: a header and the layer table."""
+    shapes = ", ".join("×".join(map(str, s)) for s in ir.input_shapes) or "—"
+    took = f" in {seconds:.1f} s" if seconds is not None else ""
+    out.print(f"[bold]{ir.name}[/]  captured with {ir.method}{took}  ·  inputs {shapes}")
+    out.print(
+        f"parameters {ir.num_params:,} ({_fmt_bytes(ir.param_bytes)})  ·  layers "
+        f"{len(ir.layers)}  ·  gradient tensors {len(ir.grad_tensors)} "
+        f"({_fmt_bytes(ir.grad_bytes)})"
+    )
+    out.print(
+        f"FLOPs per step: forward {_fmt_count(ir.fwd_flops)}, backward "
+        f"{_fmt_count(ir.bwd_flops)}  ·  fingerprint {ir.fingerprint()}"
+    )
+    table = Table(title_justify="left")
+    for col, just in (
+        ("#", "right"),
+        ("layer", "left"),
+        ("kind", "left"),
+        ("params", "right"),
+        ("fwd FLOPs", "right"),
+        ("bwd FLOPs", "right"),
+        ("act out", "right"),
+        ("TP linears", "right"),
+    ):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for row in _layer_rows(ir):
+        table.add_row(*row)
+    out.print(table)
+    if ir.grad_tensors:
+        first = ", ".join(g.name for g in ir.grad_tensors[:3])
+        out.print(f"gradients in backward-ready order: {first}, … {ir.grad_tensors[-1].name}")
+
+
+@app.command("ir")
+@_user_errors
+def ir_cmd(
+    model: str = typer.Argument(None, help="A zoo model name (see `hetplan models`)."),
+    module: str = typer.Option(None, "--module", help="pkg.mod:factory returning (model, args)."),
+    workload: Path = typer.Option(None, "--workload", help="A workload JSON file."),
+    batch: int = typer.Option(None, help="Micro-batch size of the example inputs."),
+    seq: int = typer.Option(None, help="Sequence length of the example inputs."),
+    opaque: list[str] = typer.Option(None, "--opaque", help="Treat this module as opaque."),
+    as_json: bool = typer.Option(False, "--json", help="Print the workload JSON instead."),
+    output: Path = typer.Option(None, "-o", "--output", help="Write the workload JSON here."),
+) -> None:
+    """Capture a model and summarise its IR: layers, parameters, FLOPs, gradients."""
+    t0 = time.perf_counter()
+    ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
+    seconds = time.perf_counter() - t0
+    if output:
+        ir.save(output)
+        err.print(f"wrote {output}")
+    if as_json:
+        out.print(ir.to_json(), end="", markup=False)
+        return
+    print_ir_summary(ir, None if workload else seconds)
+
+
+@workload_app.command("convert")
+@_user_errors
+def workload_convert_cmd(
+    benchmark: Path = typer.Argument(..., help="The Espresso benchmark file (espresso_models.json)."),
+    out_dir: Path = typer.Option(Path("workloads"), "-o", "--out-dir", help="Output directory."),
+    gaps: str = typer.Option("raw", help="'raw' measured gaps or 'effective' (gap % 1000 µs)."),
+) -> None:
+    """Convert the Espresso benchmark models into workload JSON files."""
+    from hetplan.ir.workload import espresso_workloads
+
+    if gaps not in ("raw", "effective"):
+        raise SpecError(f"--gaps must be 'raw' or 'effective', got {gaps!r}")
+    workloads = espresso_workloads(benchmark, gaps=gaps)  # type: ignore[arg-type]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = Table(title=f"workloads written to {out_dir}", title_justify="left")
+    for col in ("file", "tensors", "layers", "params", "backprop"):
+        table.add_column(col)
+    for name, ir in workloads.items():
+        path = out_dir / f"{name}.json"
+        ir.save(path)
+        backprop_ms = sum(g.ready_gap_us or 0 for g in ir.grad_tensors) / 1e3
+        table.add_row(
+            path.name,
+            str(len(ir.grad_tensors)),
+            str(len(ir.layers)),
+            f"{ir.num_params:,}",
+            f"{backprop_ms:.1f} ms",
+        )
+    out.print(table)
+
+
+# --------------------------------------------------------------------------------------
+# clusters
+# --------------------------------------------------------------------------------------
+@app.command("presets")
+@_user_errors
+def presets_cmd() -> None:
+    """List the built-in cluster presets."""
+    from hetplan.ir.cluster import ClusterSpec, list_presets
+
+    table = Table(title="cluster presets", title_justify="left")
+    for col in ("name", "nodes", "devices", "world", "description"):
+        table.add_column(col)
+    for name, description in list_presets():
+        spec = ClusterSpec.from_preset(name)
+        kinds = sorted({d.type for d in spec.devices()})
+        table.add_row(
+            name, str(spec.num_nodes), ", ".join(kinds), str(spec.world_size), description
+        )
+    out.print(table)
+
+
+def print_cluster_summary(spec: Any) -> None:
+    out.print(
+        f"[bold]{spec.name}[/]: {spec.num_nodes} node(s), {spec.world_size} devices, "
+        f"{'heterogeneous' if spec.is_heterogeneous else 'homogeneous'}, "
+        f"fingerprint {spec.fingerprint()}"
+    )
+    table = Table(title_justify="left")
+    for col in ("node", "×", "devices", "intra link", "cpu cores", "slowdown"):
+        table.add_column(col)
+    for node in spec.nodes:
+        devs = ", ".join(f"{g.count}× {g.type}" for g in node.devices)
+        link = node.intra_link
+        table.add_row(
+            node.name,
+            str(node.count),
+            devs,
+            f"{link.kind} {link.bandwidth_gbps:g} Gb/s, {link.latency_us:g} µs",
+            str(node.cpu_cores),
+            f"{node.slowdown:g}",
+        )
+    out.print(table)
+    if spec.inter_node is not None:
+        net = spec.inter_node
+        out.print(
+            f"inter-node: {net.kind} {net.bandwidth_gbps:g} Gb/s, {net.latency_us:g} µs latency"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# validate / inspect
+# --------------------------------------------------------------------------------------
+def _file_kind(path: Path) -> str:
+    """'plan', 'workload' or 'cluster', from the file's top-level keys."""
+    from hetplan.ir.validation import load_structured_file
+
+    data = load_structured_file(path, what="input")
+    if "tool_version" in data or ("schema_version" in data and "cluster" in data):
+        return "plan"
+    if "grad_tensors" in data or "layers" in data:
+        return "workload"
+    return "cluster"
+
+
+@app.command("validate")
+@_user_errors
+def validate_cmd(
+    file: Path = typer.Argument(..., help="A cluster spec (YAML/JSON), plan or workload JSON."),
+) -> None:
+    """Validate a cluster spec, plan or workload file and summarise it."""
+    kind = _file_kind(file)
+    if kind == "plan":
+        from hetplan.ir.plan import load_plan
+
+        plan = load_plan(file)
+        out.print(f"[green]ok[/]: {file} is a valid plan (schema v{plan.schema_version})")
+        _print_plan(plan)
+    elif kind == "workload":
+        from hetplan.ir.model import ModelIR
+
+        ir = ModelIR.load(file)
+        out.print(f"[green]ok[/]: {file} is a valid workload")
+        print_ir_summary(ir)
+    else:
+        from hetplan.ir.cluster import ClusterSpec
+
+        spec = ClusterSpec.load(file)
+        out.print(f"[green]ok[/]: {file} is a valid cluster spec")
+        print_cluster_summary(spec)
+
+
+def _print_plan(plan: Any) -> None:
+    s = plan.summary()
+    out.print(f"[bold]plan[/] for {s.model} on {s.cluster} ({s.world_size} devices)")
+    out.print(
+        f"model fingerprint {plan.model.fingerprint} · cluster fingerprint "
+        f"{plan.cluster.fingerprint} · written by hetplan {plan.tool_version}"
+    )
+    out.print(f"layout: {s.layout}" + (f", schedule {s.schedule}, {s.micro_batches} "
+                                       "micro-batches" if s.schedule else ""))
+    if plan.stages:
+        table = Table(title="pipeline stages", title_justify="left")
+        for col in ("stage", "layers", "ranks", "fwd ms", "bwd ms"):
+            table.add_column(col)
+        for st in plan.stages:
+            table.add_row(
+                str(st.index),
+                f"{st.first_layer}–{st.last_layer}",
+                ",".join(map(str, st.ranks)),
+                f"{st.fwd_ms:.3f}",
+                f"{st.bwd_ms:.3f}",
+            )
+        out.print(table)
+    if plan.tensor_parallel is not None:
+        out.print(
+            f"tensor parallel: {len(plan.tensor_parallel.groups)} group(s), controller "
+            f"{plan.tensor_parallel.controller.variant}"
+        )
+    if plan.gradient_sync is not None:
+        gs = plan.gradient_sync
+        kinds: dict[str, int] = {}
+        for t in gs.tensors:
+            k = gs.strategies[t.strategy].kind
+            kinds[k] = kinds.get(k, 0) + 1
+        text = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "no per-tensor entries"
+        out.print(f"gradient sync: {text}; {len(gs.buckets)} bucket(s)")
+    if plan.predictions is not None:
+        p = plan.predictions
+        out.print(f"predicted iteration time: [bold]{p.iteration_time_ms:.3f} ms[/]")
+        for b in sorted(p.baselines, key=lambda b: b.iteration_time_ms):
+            ratio = b.iteration_time_ms / p.iteration_time_ms if p.iteration_time_ms else 0
+            out.print(f"  baseline {b.name}: {b.iteration_time_ms:.3f} ms ({ratio:.2f}×)")
+    if plan.provenance:
+        text = ", ".join(f"{k}={v.source}" for k, v in sorted(plan.provenance.items()))
+        out.print(f"cost provenance: {text}")
+    if plan.pass_log:
+        out.print("passes: " + " → ".join(e.name for e in plan.pass_log))
+    if plan.model.workload is None:
+        out.print("(no workload summary embedded)")
+
+
+@app.command("inspect")
+@_user_errors
+def inspect_cmd(
+    plan_file: Path = typer.Argument(..., help="A plan JSON file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Summarise a plan: layout, stages, tensor parallelism, gradient sync, predictions."""
+    from hetplan.ir.plan import load_plan
+
+    plan = load_plan(plan_file)
+    if as_json:
+        out.print(json.dumps(plan.summary().to_dict(), sort_keys=True, indent=2), markup=False)
+        return
+    _print_plan(plan)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,715 @@
+"""The cluster spec: the machines a plan is compiled for.
+
+A :class:`ClusterSpec` lists groups of identical nodes (``count`` lets 128 identical nodes be
+one entry), the devices in each node by type name, the intra-node link, the inter-node
+network, and a catalogue of device types (``device_types``). A node refers to a device type by
+name; a name not defined in the file is taken from the built-in :data:`DEVICE_CATALOGUE`
+(``V100-SXM2-32GB``, ``A100-80GB``, ``H100-80GB``, ``cpu`` ...), and the loaded spec then
+contains that entry, so a saved spec is self-contained and its fingerprint covers the numbers.
+
+A minimal file::
+
+    name: two-a100-nodes
+    nodes:
+    - name: a100
+      count: 2
+      devices: [{type: A100-80GB, count: 8}]
+      cpu_cores: 128
+      intra_link: {kind: nvlink, bandwidth_gbps: 2400, latency_us: 2}
+    inter_node: {kind: infiniband, bandwidth_gbps: 100, latency_us: 3}
+
+Units are in the field names. Link bandwidths are in **Gbit/s** (``bandwidth_gbps``), per
+direction: for the intra-node link it is what one device can send while receiving as much
+(NVLink 3: 600 GB/s bidirectional = 300 GB/s = 2400 Gbit/s each way); for ``inter_node`` it is
+what one node can send through all its NICs together. Device memory bandwidth is in
+**GB/s** (bytes; ``mem_bandwidth_gb_s``). Peak compute is dense (no sparsity) TFLOP/s.
+
+Heterogeneity and stragglers: ``slowdown`` (≥ 1) on a device type or on a node group divides
+the device's effective speed (peak FLOP/s and memory bandwidth); the two multiply.
+``relative_speed`` records a measured speed, passed through to the cost model as is.
+
+Presets for the seeds' testbeds and common machines are in :data:`PRESETS`; each is also
+written to ``examples/clusters/<name>.yaml`` (regenerate with
+``python -m hetplan.ir.cluster examples/clusters``; a test checks they agree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from hetplan.errors import SpecError
+from hetplan.ir.validation import did_you_mean, load_structured_file, validate_model
+
+__all__ = [
+    "Dtype",
+    "LinkKind",
+    "DTYPE_ALIASES",
+    "DeviceSpec",
+    "LinkSpec",
+    "DeviceGroup",
+    "NodeSpec",
+    "ClusterSpec",
+    "Device",
+    "DEVICE_CATALOGUE",
+    "PRESETS",
+    "list_presets",
+]
+
+_CONFIG = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+#: Compute dtypes a device lists peak throughput for (``tf32``: fp32 matmuls on tensor cores).
+Dtype = Literal["fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "int8"]
+_DTYPE_ORDER: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "int8")
+
+#: torch dtype names (as the model IR writes them) → the spec's dtype keys.
+DTYPE_ALIASES: dict[str, str] = {
+    "float64": "fp64",
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+    "int8": "int8",
+}
+
+LinkKind = Literal["nvlink", "pcie", "ethernet", "infiniband", "loopback"]
+
+_Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+_CLUSTER_HINT = (
+    "hint: compare with a complete cluster file in examples/clusters/ (or start from a "
+    "preset: ClusterSpec.from_preset(name).to_yaml())"
+)
+
+
+# --------------------------------------------------------------------------------------
+# the schema
+# --------------------------------------------------------------------------------------
+class DeviceSpec(BaseModel):
+    """One device type of the catalogue (a GPU model, or ``cpu`` for a gloo process).
+
+    Attributes:
+        memory_gib: device memory in GiB.
+        peak_tflops: dense peak TFLOP/s (TOP/s for int8) per compute dtype; ``fp32`` is
+            required, the others are listed where the device supports them.
+        mem_bandwidth_gb_s: memory bandwidth in GB/s (bytes).
+        slowdown: straggler factor ≥ 1 for every device of this type: effective speed is
+            peak / slowdown.
+        relative_speed: a measured speed of this type relative to a reference device of the
+            user's choosing (e.g. throughput on the model at hand), or None.
+    """
+
+    model_config = _CONFIG
+
+    memory_gib: _Positive
+    peak_tflops: dict[Dtype, _Positive]
+    mem_bandwidth_gb_s: _Positive
+    slowdown: float = Field(default=1.0, ge=1.0, allow_inf_nan=False)
+    relative_speed: _Positive | None = None
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _fp32_listed(cls, value: dict[str, float]) -> dict[str, float]:
+        if "fp32" not in value:
+            raise ValueError(
+                f"peak_tflops must list 'fp32' (the roofline fallback), got keys "
+                f"{sorted(value)}; add e.g. 'fp32: 19.5'"
+            )
+        # Canonical order, so written files do not depend on how the user ordered keys.
+        return {k: value[k] for k in _DTYPE_ORDER if k in value}
+
+
+class LinkSpec(BaseModel):
+    """A link: the intra-node interconnect of a node group, or the inter-node network.
+
+    Attributes:
+        kind: ``nvlink``, ``pcie``, ``ethernet``, ``infiniband`` or ``loopback`` (processes on
+            one host).
+        bandwidth_gbps: Gbit/s per direction (see the module docstring for what it counts).
+        latency_us: one-way latency of a small message, in microseconds.
+    """
+
+    model_config = _CONFIG
+
+    kind: LinkKind
+    bandwidth_gbps: _Positive
+    latency_us: float = Field(ge=0, allow_inf_nan=False)
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """Bandwidth in bytes per second."""
+        return self.bandwidth_gbps * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        """Latency in seconds."""
+        return self.latency_us * 1e-6
+
+
+class DeviceGroup(BaseModel):
+    """``count`` devices of catalogue type ``type`` in one node."""
+
+    model_config = _CONFIG
+
+    type: str
+    count: int
+
+
+class NodeSpec(BaseModel):
+    """A group of ``count`` identical nodes.
+
+    Attributes:
+        name: group name, unique in the cluster. With ``count > 1`` the nodes are named
+            ``{name}-0``, ``{name}-1`` ...
+        count: how many nodes have this shape.
+        devices: device groups of one node, in local-rank order. A single mapping
+            ``{type: ..., count: ...}`` is accepted for a one-type node.
+        cpu_cores: CPU cores per node (for CPU-side compression and data loading).
+        intra_link: the interconnect between the devices of one node.
+        slowdown: straggler factor ≥ 1 for every device of these nodes.
+        failure_rate_per_hour: expected failures per node-hour, or None when unknown.
+    """
+
+    model_config = _CONFIG
+
+    name: str = Field(min_length=1)
+    count: int = Field(default=1, ge=1)
+    devices: tuple[DeviceGroup, ...]
+    cpu_cores: int = Field(ge=1)
+    intra_link: LinkSpec
+    slowdown: float = Field(default=1.0, ge=1.0, allow_inf_nan=False)
+    failure_rate_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _one_group_shorthand(cls, value: Any) -> Any:
+        return [value] if isinstance(value, Mapping) else value
+
+    @field_validator("devices")
+    @classmethod
+    def _has_devices(
+        cls, value: tuple[DeviceGroup, ...], info: ValidationInfo
+    ) -> tuple[DeviceGroup, ...]:
+        node = info.data.get("name", "?")
+        if not value:
+            raise ValueError(
+                f"node {node!r} has no devices; list them as "
+                "'devices: [{type: A100-80GB, count: 8}]'"
+            )
+        for i, group in enumerate(value):
+            if group.count < 1:
+                raise ValueError(
+                    f"node {node!r}: devices[{i}] ({group.type!r}) has count {group.count}; "
+                    "every device group needs count >= 1 (remove the group instead)"
+                )
+        return value
+
+    @property
+    def devices_per_node(self) -> int:
+        """Devices in one node of this group."""
+        return sum(g.count for g in self.devices)
+
+    def node_names(self) -> tuple[str, ...]:
+        """Names of the nodes of this group: ``name`` alone, or ``name-0`` ... ``name-{n-1}``."""
+        if self.count == 1:
+            return (self.name,)
+        return tuple(f"{self.name}-{i}" for i in range(self.count))
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One device (one rank) of a cluster, with slowdowns applied; see ``ClusterSpec.devices``.
+
+    Attributes:
+        rank: global rank (nodes in spec order, devices in local order).
+        node: name of its node (``a100-3``); ``node_index`` its index among all nodes.
+        group: name of its node group (the ``NodeSpec``).
+        local_rank: index within its node.
+        type: device type name (a ``device_types`` key).
+        memory_bytes: device memory.
+        peak_flops: ``(dtype, FLOP/s)`` pairs, effective: peak / slowdown.
+        mem_bandwidth_bytes_per_s: effective memory bandwidth: datasheet / slowdown.
+        slowdown: combined straggler factor (device type x node group).
+        relative_speed: the measured relative speed of the type divided by ``slowdown``, or
+            None when the spec has no measurement.
+    """
+
+    rank: int
+    node: str
+    node_index: int
+    group: str
+    local_rank: int
+    type: str
+    memory_bytes: int
+    peak_flops: tuple[tuple[str, float], ...]
+    mem_bandwidth_bytes_per_s: float
+    slowdown: float
+    relative_speed: float | None
+
+    def flops(self, dtype: str) -> float:
+        """Effective peak FLOP/s for ``dtype`` (``"bf16"`` or a torch name ``"bfloat16"``).
+
+        Raises:
+            KeyError: the device type lists no throughput for that dtype.
+        """
+        key = DTYPE_ALIASES.get(dtype, dtype)
+        for name, value in self.peak_flops:
+            if name == key:
+                return value
+        listed = [name for name, _ in self.peak_flops]
+        raise KeyError(f"device type {self.type!r} lists no peak for {dtype!r}; has {listed}")
+
+
+class ClusterSpec(BaseModel):
+    """A cluster: node groups, their devices and links, and the inter-node network.
+
+    Attributes:
+        name: cluster name (not part of the fingerprint).
+        description: free text (not part of the fingerprint).
+        nodes: node groups, in rank order.
+        inter_node: the network between nodes; required when there is more than one node.
+        device_types: the device catalogue, by type name; types the nodes use but the file
+            does not define are filled in from :data:`DEVICE_CATALOGUE` when loading.
+
+    Example:
+        >>> spec = ClusterSpec.from_preset("mixed-generations")
+        >>> spec.world_size, spec.num_nodes, spec.is_heterogeneous
+        (32, 4, True)
+        >>> spec.link_between(0, 9).kind
+        'ethernet'
+    """
+
+    model_config = _CONFIG
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    nodes: tuple[NodeSpec, ...]
+    inter_node: LinkSpec | None = None
+    device_types: dict[str, DeviceSpec] = Field(default_factory=dict)
+
+    # -- validation ---------------------------------------------------------------------
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_builtin_types(cls, data: Any) -> Any:
+        """Add the built-in catalogue entry of every referenced type the file leaves out."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("nodes"), list | tuple):
+            return data
+        defined = data.get("device_types", {})
+        if not isinstance(defined, Mapping):
+            return data
+        added: dict[str, Any] = dict(defined)
+        for node in data["nodes"]:
+            groups = node.get("devices") if isinstance(node, Mapping) else None
+            groups = [groups] if isinstance(groups, Mapping) else groups
+            for group in groups if isinstance(groups, list | tuple) else ():
+                name = group.get("type") if isinstance(group, Mapping) else None
+                if isinstance(name, str) and name not in added and name in DEVICE_CATALOGUE:
+                    added[name] = DEVICE_CATALOGUE[name]
+        if len(added) == len(defined):
+            return data
+        return {**data, "device_types": added}
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterSpec:
+        problems: list[str] = []
+        if not self.nodes:
+            problems.append("'nodes' is empty; list at least one node group")
+        group_counts = Counter(node.name for node in self.nodes)
+        for name in sorted(g for g, n in group_counts.items() if n > 1):
+            problems.append(f"two node groups are named {name!r}; rename one")
+        clashes = sorted(n for n, k in Counter(self.node_names()).items() if k > 1)
+        if clashes and len(group_counts) == len(self.nodes):
+            problems.append(
+                f"node names {clashes} occur twice (a group with count > 1 names its nodes "
+                "'<name>-<i>'); rename the clashing group"
+            )
+        known = sorted(set(self.device_types) | set(DEVICE_CATALOGUE))
+        for i, node in enumerate(self.nodes):
+            for j, group in enumerate(node.devices):
+                if group.type not in self.device_types:
+                    problems.append(
+                        f"nodes[{i}].devices[{j}].type: unknown device type {group.type!r} "
+                        f"in node {node.name!r} (define it under device_types or use a "
+                        f"built-in type: {', '.join(DEVICE_CATALOGUE)})"
+                        + did_you_mean(group.type, known)
+                    )
+        if self.num_nodes > 1 and self.inter_node is None:
+            problems.append(
+                f"the cluster has {self.num_nodes} nodes but no inter_node network; add e.g. "
+                "'inter_node: {kind: ethernet, bandwidth_gbps: 100, latency_us: 10}'"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))  # one line each in the SpecError
+        return self
+
+    # -- shape ----------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes (summing the groups' counts)."""
+        return sum(node.count for node in self.nodes)
+
+    @property
+    def world_size(self) -> int:
+        """Number of devices (ranks)."""
+        return sum(node.count * node.devices_per_node for node in self.nodes)
+
+    @property
+    def devices_per_node(self) -> int | None:
+        """Devices per node when every node has the same number, else None."""
+        sizes = {node.devices_per_node for node in self.nodes}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    @property
+    def is_heterogeneous(self) -> bool:
+        """True when devices differ in type, slowdown or measured speed."""
+        kinds = {(d.type, d.slowdown, d.relative_speed) for d in self.devices()}
+        return len(kinds) > 1
+
+    def devices(self) -> tuple[Device, ...]:
+        """Every device in rank order: nodes in spec order, devices in local order.
+
+        Computed once per spec (O(world_size)) and cached.
+        """
+        return self._device_table
+
+    def node_names(self) -> tuple[str, ...]:
+        """Names of all nodes, in rank order."""
+        return tuple(n for node in self.nodes for n in node.node_names())
+
+    def node_of(self, rank: int) -> int:
+        """Index of the node holding ``rank``."""
+        return self._device(rank).node_index
+
+    def ranks_of_node(self, node_index: int) -> tuple[int, ...]:
+        """The ranks of node ``node_index``, in local order."""
+        if not 0 <= node_index < self.num_nodes:
+            raise IndexError(f"node index {node_index} out of range (0..{self.num_nodes - 1})")
+        return tuple(d.rank for d in self.devices() if d.node_index == node_index)
+
+    def link_between(self, rank_a: int, rank_b: int) -> LinkSpec:
+        """The link data crosses between two ranks.
+
+        Returns:
+            The intra-node link of their node group when both are on one node (also for
+            ``rank_a == rank_b``), else the inter-node network.
+        """
+        a, b = self._device(rank_a), self._device(rank_b)
+        if a.node_index == b.node_index:
+            return self._group(a.group).intra_link
+        assert self.inter_node is not None  # validated: > 1 node implies inter_node
+        return self.inter_node
+
+    @cached_property
+    def _device_table(self) -> tuple[Device, ...]:
+        out: list[Device] = []
+        node_index = 0
+        for node in self.nodes:
+            template: list[tuple[str, DeviceSpec, float]] = []
+            for group in node.devices:
+                spec = self.device_types[group.type]
+                template += [(group.type, spec, spec.slowdown * node.slowdown)] * group.count
+            for node_name in node.node_names():
+                for local_rank, (type_name, spec, slowdown) in enumerate(template):
+                    out.append(
+                        _make_device(
+                            len(out),
+                            node_name,
+                            node_index,
+                            node.name,
+                            local_rank,
+                            type_name,
+                            spec,
+                            slowdown,
+                        )
+                    )
+                node_index += 1
+        return tuple(out)
+
+    def _device(self, rank: int) -> Device:
+        table = self.devices()
+        if not 0 <= rank < len(table):
+            raise IndexError(f"rank {rank} out of range for world size {len(table)}")
+        return table[rank]
+
+    def _group(self, name: str) -> NodeSpec:
+        return next(node for node in self.nodes if node.name == name)
+
+    # -- identity and (de)serialisation ----------------------------------------------------
+    def fingerprint(self) -> str:
+        """First 16 hex digits of the sha256 of the canonical JSON (sorted keys).
+
+        ``name`` and ``description`` are left out: renaming a cluster does not invalidate
+        its plans; any change to a device, node, link or count does.
+        """
+        data = self.model_dump(mode="json", exclude={"name", "description"})
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        """Canonical YAML: fields in schema order, None fields left out."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """Canonical JSON: sorted keys, None fields left out."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        return json.dumps(data, sort_keys=True, indent=indent) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        """Write as JSON when ``path`` ends in ``.json``, else as YAML."""
+        p = Path(path)
+        p.write_text(self.to_json() if p.suffix.lower() == ".json" else self.to_yaml())
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "<cluster spec>") -> ClusterSpec:
+        """Validate a parsed spec; errors raise :class:`SpecError` naming the field path."""
+        return validate_model(cls, data, where=where, hint=_CLUSTER_HINT)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterSpec:
+        """Read a cluster spec from a YAML or JSON file.
+
+        Raises:
+            SpecError: the file is missing or malformed, or the spec is invalid; the message
+                names the file and field path and suggests the right key for a misspelt one.
+        """
+        data = load_structured_file(path, what="cluster spec")
+        return cls.from_dict(data, where=str(path))
+
+    @classmethod
+    def from_preset(cls, name: str) -> ClusterSpec:
+        """The built-in cluster called ``name`` (see :func:`list_presets`).
+
+        Raises:
+            SpecError: no preset has that name (with the nearest name and the list).
+        """
+        factory = PRESETS.get(name)
+        if factory is None:
+            raise SpecError(
+                f"unknown cluster preset {name!r} (available: {', '.join(PRESETS)}; or pass "
+                f"a YAML or JSON cluster file){did_you_mean(name, PRESETS)}"
+            )
+        return factory()
+
+
+def _make_device(
+    rank: int,
+    node: str,
+    node_index: int,
+    group: str,
+    local_rank: int,
+    type_name: str,
+    spec: DeviceSpec,
+    slowdown: float,
+) -> Device:
+    flops = tuple((dt, tf * 1e12 / slowdown) for dt, tf in spec.peak_tflops.items())
+    speed = None if spec.relative_speed is None else spec.relative_speed / slowdown
+    return Device(
+        rank=rank,
+        node=node,
+        node_index=node_index,
+        group=group,
+        local_rank=local_rank,
+        type=type_name,
+        memory_bytes=int(spec.memory_gib * 2**30),
+        peak_flops=flops,
+        mem_bandwidth_bytes_per_s=spec.mem_bandwidth_gb_s * 1e9 / slowdown,
+        slowdown=slowdown,
+        relative_speed=speed,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# built-in device types and presets
+# --------------------------------------------------------------------------------------
+# Dense (no structured sparsity) peaks from NVIDIA's datasheets; fp64 is the non-tensor-core
+# vector rate.
+# - V100: "NVIDIA Tesla V100 GPU Accelerator" datasheet (2020): SXM2 7.8 fp64 / 15.7 fp32 /
+#   125 tensor (fp16); PCIe 7 / 14 / 112; HBM2 900 GB/s for both; 16 or 32 GB.
+# - A100: "NVIDIA A100 Tensor Core GPU" datasheet (SXM): 9.7 fp64, 19.5 fp32, 156 tf32,
+#   312 fp16/bf16, 624 int8 TOPS; 1,555 GB/s (40GB) and 2,039 GB/s (80GB).
+# - H100: "NVIDIA H100 Tensor Core GPU" datasheet (SXM5): 34 fp64, 67 fp32; the sheet lists
+#   sparse tensor rates (989 tf32, 1,979 fp16/bf16, 3,958 fp8/int8), dense is half of them;
+#   3.35 TB/s.
+# - cpu: order-of-magnitude placeholders for one gloo process on a few cores; run
+#   `hetplan profile` to replace them with measurements.
+def _gpu(mem: float, bw: float, **tflops: float) -> DeviceSpec:
+    return DeviceSpec(memory_gib=mem, mem_bandwidth_gb_s=bw, peak_tflops=tflops)  # type: ignore[arg-type]
+
+
+_V100_SXM2 = {"fp64": 7.8, "fp32": 15.7, "fp16": 125.0}
+_V100_PCIE = {"fp64": 7.0, "fp32": 14.0, "fp16": 112.0}
+_A100 = {"fp64": 9.7, "fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0, "int8": 624.0}
+_H100 = {
+    "fp64": 34.0,
+    "fp32": 67.0,
+    "tf32": 494.7,
+    "fp16": 989.4,
+    "bf16": 989.4,
+    "fp8": 1978.9,
+    "int8": 1978.9,
+}
+
+#: Built-in device types; a spec may use these names without defining them.
+DEVICE_CATALOGUE: dict[str, DeviceSpec] = {
+    "V100-SXM2-16GB": _gpu(16, 900, **_V100_SXM2),
+    "V100-SXM2-32GB": _gpu(32, 900, **_V100_SXM2),
+    "V100-PCIe-16GB": _gpu(16, 900, **_V100_PCIE),
+    "V100-PCIe-32GB": _gpu(32, 900, **_V100_PCIE),
+    "A100-40GB": _gpu(40, 1555, **_A100),
+    "A100-80GB": _gpu(80, 2039, **_A100),
+    "H100-80GB": _gpu(80, 3350, **_H100),
+    "cpu": _gpu(4, 20, fp64=0.05, fp32=0.1),
+}
+
+# Links. Per-direction bandwidth per device (intra) or per node (inter); latencies are
+# typical small-message figures for an alpha-beta model, to be replaced by `hetplan profile`.
+# NVLink 2/3/4: 300/600/900 GB/s per GPU bidirectional (V100/A100/H100 datasheets) = 1200/
+# 2400/3600 Gbit/s each way. PCIe 3.0 x16: 8 GT/s x 16 lanes x 128/130 = 126 Gbit/s.
+_NVLINK2 = {"kind": "nvlink", "bandwidth_gbps": 1200.0, "latency_us": 2.0}
+_NVLINK3 = {"kind": "nvlink", "bandwidth_gbps": 2400.0, "latency_us": 2.0}
+_NVLINK4 = {"kind": "nvlink", "bandwidth_gbps": 3600.0, "latency_us": 2.0}
+_PCIE3 = {"kind": "pcie", "bandwidth_gbps": 126.0, "latency_us": 3.0}
+_LOOPBACK = {"kind": "loopback", "bandwidth_gbps": 40.0, "latency_us": 10.0}
+
+
+def _eth(gbps: float) -> dict[str, Any]:
+    return {"kind": "ethernet", "bandwidth_gbps": gbps, "latency_us": 25.0}
+
+
+def _ib(gbps: float) -> dict[str, Any]:
+    return {"kind": "infiniband", "bandwidth_gbps": gbps, "latency_us": 3.0}
+
+
+def _node(
+    name: str, count: int, dev: str, per_node: int, cores: int, link: dict[str, Any], **kw: Any
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "count": count,
+        "devices": [{"type": dev, "count": per_node}],
+        "cpu_cores": cores,
+        "intra_link": link,
+        **kw,
+    }
+
+
+def _preset(
+    name: str, description: str, nodes: list[dict[str, Any]], inter: dict[str, Any] | None = None
+) -> Callable[[], ClusterSpec]:
+    data = {"name": name, "description": description, "nodes": nodes, "inter_node": inter}
+
+    def factory() -> ClusterSpec:
+        return ClusterSpec.from_dict(data, where=f"preset {name!r}")
+
+    return factory
+
+
+#: Built-in clusters: name → a function building the spec.
+PRESETS: dict[str, Callable[[], ClusterSpec]] = {
+    "v100-pcie-8x8": _preset(
+        "v100-pcie-8x8",
+        "8 PCIe-only machines x 8 V100 32GB, 48 cores, 25 Gb/s Ethernet "
+        "(Espresso/Cupcake PCIe testbed)",
+        [_node("v100", 8, "V100-PCIe-32GB", 8, 48, _PCIE3)],
+        _eth(25),
+    ),
+    "v100-nvlink-8x8": _preset(
+        "v100-nvlink-8x8",
+        "8 machines x 8 V100 SXM2 32GB on NVLink, 48 cores, 100 Gb/s TCP "
+        "(Espresso/Cupcake NVLink testbed)",
+        [_node("v100", 8, "V100-SXM2-32GB", 8, 48, _NVLINK2)],
+        _eth(100),
+    ),
+    "a100-nvlink-8x8": _preset(
+        "a100-nvlink-8x8",
+        "8 machines x 8 A100 80GB on NVLink, 128 cores, 100 Gb/s RDMA",
+        [_node("a100", 8, "A100-80GB", 8, 128, _NVLINK3)],
+        _ib(100),
+    ),
+    "a100-1024": _preset(
+        "a100-1024",
+        "128 DGX A100 nodes x 8 A100 80GB (1024 GPUs), NVLink, 8 x 200 Gb/s HDR InfiniBand "
+        "per node",
+        [_node("a100", 128, "A100-80GB", 8, 128, _NVLINK3)],
+        _ib(1600),
+    ),
+    "h100-1024": _preset(
+        "h100-1024",
+        "128 DGX H100 nodes x 8 H100 SXM 80GB (1024 GPUs), NVLink 4, 8 x 400 Gb/s NDR "
+        "InfiniBand per node",
+        [_node("h100", 128, "H100-80GB", 8, 112, _NVLINK4)],
+        _ib(3200),
+    ),
+    "mixed-generations": _preset(
+        "mixed-generations",
+        "2 nodes x 8 A100 80GB + 2 nodes x 8 V100 SXM2 32GB, NVLink in each, 100 Gb/s "
+        "Ethernet between them",
+        [
+            _node("a100", 2, "A100-80GB", 8, 128, _NVLINK3),
+            _node("v100", 2, "V100-SXM2-32GB", 8, 48, _NVLINK2),
+        ],
+        _eth(100),
+    ),
+    "one-slow-node": _preset(
+        "one-slow-node",
+        "4 nodes x 8 A100 80GB on NVLink, 100 Gb/s RDMA; the last node runs 2x slower "
+        "(a straggler)",
+        [
+            _node("a100", 3, "A100-80GB", 8, 128, _NVLINK3),
+            _node("a100-slow", 1, "A100-80GB", 8, 128, _NVLINK3, slowdown=2.0),
+        ],
+        _ib(100),
+    ),
+    "local-cpu": _preset(
+        "local-cpu",
+        "4 gloo processes on one CPU machine",
+        [_node("localhost", 1, "cpu", 4, 4, _LOOPBACK)],
+    ),
+    "cpu-2x2": _preset(
+        "cpu-2x2",
+        "2 emulated nodes x 2 gloo processes on one CPU machine (tests hierarchical collectives)",
+        [_node("host", 2, "cpu", 2, 2, _LOOPBACK)],
+        dict(_LOOPBACK),
+    ),
+}
+
+
+def list_presets() -> list[tuple[str, str]]:
+    """``(name, description)`` of every preset, in definition order."""
+    return [(name, factory().description) for name, factory in PRESETS.items()]
+
+
+def _write_examples(directory: str | Path) -> list[Path]:
+    """Write every preset as ``<directory>/<name>.yaml``; returns the paths written."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, factory in PRESETS.items():
+        path = out / f"{name}.yaml"
+        path.write_text(factory().to_yaml())
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":  # python -m hetplan.ir.cluster examples/clusters
+    for written_path in _write_examples(sys.argv[1] if len(sys.argv) > 1 else "."):
+        print(written_path)

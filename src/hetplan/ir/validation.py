@@ -1,0 +1,439 @@
+"""Shared helpers that turn user-written files into validated objects with readable errors.
+
+Every file a user types (cluster specs, workloads, plans, profiles) goes through the same
+two steps:
+
+1. :func:`load_structured_file` reads YAML or JSON into a ``dict``; syntax errors are reported
+   with the file, line and column.
+2. :func:`validate_model` validates the dict with pydantic; a ``ValidationError`` becomes a
+   :class:`~hetplan.errors.SpecError` whose message has one line per problem, in the form
+   ``"{where}: {field.path[0].name}: {what is wrong}"``, with a difflib "did you mean" for
+   misspelt keys (SkyPilot's ``validate_schema`` does the same) and a closing hint line.
+
+Both pydantic ``BaseModel`` subclasses and stdlib dataclasses validated through
+``TypeAdapter`` are supported.
+
+Example:
+    >>> from pydantic import BaseModel, ConfigDict
+    >>> class Group(BaseModel):
+    ...     model_config = ConfigDict(extra="forbid")
+    ...     type: str
+    ...     count: int
+    >>> validate_model(Group, {"type": "A100", "cuont": 8}, where="c.yaml")
+    Traceback (most recent call last):
+    ...
+    hetplan.errors.SpecError: c.yaml: missing required key 'count'
+    c.yaml: cuont: unknown key 'cuont'; did you mean 'count'?
+    hint: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar, Union, cast
+
+import yaml
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from hetplan.errors import SpecError
+
+__all__ = [
+    "load_structured_file",
+    "format_validation_error",
+    "validate_model",
+    "did_you_mean",
+]
+
+T = TypeVar("T")
+
+#: At most this many error lines are printed; the rest are counted.
+_MAX_ERROR_LINES = 20
+#: Offending input values longer than this (as ``repr``) are cut.
+_MAX_VALUE_CHARS = 60
+
+_DEFAULT_HINT = (
+    "hint: fix the fields listed above; keys are case-sensitive and unknown keys are "
+    "rejected, so check their spelling"
+)
+
+
+# --------------------------------------------------------------------------------------
+# did-you-mean
+# --------------------------------------------------------------------------------------
+def did_you_mean(word: str, choices: Sequence[str] | Mapping[str, Any]) -> str:
+    """A ``"; did you mean 'x'?"`` suffix for ``word``, or ``""`` when nothing is close.
+
+    Args:
+        word: what the user wrote.
+        choices: the valid names.
+
+    Returns:
+        The suffix to append to an error message (empty when no choice is similar).
+    """
+    names = [str(c) for c in choices]
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    if not close:
+        # Case slips ("a100-80gb") score low with difflib; compare case-folded too.
+        folded = {n.casefold(): n for n in names}
+        close = [folded[m] for m in difflib.get_close_matches(word.casefold(), list(folded))]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+# --------------------------------------------------------------------------------------
+# reading files
+# --------------------------------------------------------------------------------------
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects a key written twice in one mapping (PyYAML keeps the last)."""
+
+
+def _construct_unique_mapping(
+    loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
+) -> dict[Any, Any]:
+    seen: dict[Any, yaml.Mark] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, typing.Hashable) and key in seen:
+            first = seen[key]
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key!r} (first written at line {first.line + 1})",
+                key_node.start_mark,
+            )
+        if isinstance(key, typing.Hashable):
+            seen[key] = key_node.start_mark
+    loader.flatten_mapping(node)
+    return dict(loader.construct_pairs(node, deep=deep))
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_unique_mapping,  # type: ignore[arg-type]
+)
+
+
+def _source_excerpt(text: str, line: int, column: int) -> str:
+    """The 1-based ``line`` of ``text`` with a caret under ``column`` (1-based), indented."""
+    lines = text.splitlines()
+    if not 1 <= line <= len(lines):
+        return ""
+    src = lines[line - 1]
+    return f"\n    {src}\n    {' ' * max(column - 1, 0)}^"
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(
+            f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+            f"{_source_excerpt(text, e.lineno, e.colno)}\n"
+            "hint: check for a missing comma or quote, or a trailing comma, near that position"
+        ) from e
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e)
+        if mark is None:
+            raise SpecError(f"{where}: not valid YAML: {problem}") from e
+        line, col = mark.line + 1, mark.column + 1
+        raise SpecError(
+            f"{where}: not valid YAML: {problem} at line {line}, column {col}"
+            f"{_source_excerpt(text, line, col)}\n"
+            "hint: check the indentation (spaces, not tabs), a missing ':' after a key, "
+            "and unbalanced quotes or brackets near that position"
+        ) from e
+
+
+def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
+    """Read a YAML or JSON file whose top level is a mapping.
+
+    ``.yaml``/``.yml`` files are parsed as YAML (a key written twice is an error), ``.json``
+    files as JSON; any other suffix is tried as JSON first, then as YAML.
+
+    Args:
+        path: the file.
+        what: what the file should contain, for messages (``"cluster spec"``).
+
+    Returns:
+        The top-level mapping.
+
+    Raises:
+        SpecError: the file is missing or unreadable, its syntax is invalid (the message has
+            the line and column), or its top level is not a mapping.
+    """
+    p = Path(path)
+    where = str(p)
+    if not p.exists():
+        raise SpecError(
+            f"{what} file {where!r} does not exist (resolved to {str(p.absolute())!r}); "
+            "check the path"
+        )
+    if not p.is_file():
+        raise SpecError(f"{what} file {where!r} is not a regular file; pass the path of a file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            f"{where}: the {what} file is not UTF-8 text ({e.reason} at byte {e.start}); "
+            "save it as UTF-8 YAML or JSON"
+        ) from e
+    except OSError as e:
+        raise SpecError(
+            f"{what} file {where!r} cannot be read: {e.strerror or e}; check its permissions"
+        ) from e
+
+    suffix = p.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        data = _parse_yaml(text, where)
+    elif suffix == ".json":
+        data = _parse_json(text, where)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = _parse_yaml(text, where)
+
+    if data is None:
+        raise SpecError(
+            f"{where}: the {what} file is empty; write the {what} as a YAML or JSON mapping"
+        )
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{where}: the top level of a {what} file must be a mapping of keys to values, "
+            f"got a {_kind_of(data)}; write it as 'key: value' lines (YAML) or an object "
+            "{...} (JSON)"
+        )
+    return cast(dict[str, Any], data)
+
+
+def _kind_of(value: Any) -> str:
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, str):
+        return "string"
+    return type(value).__name__
+
+
+# --------------------------------------------------------------------------------------
+# walking a model's type along an error location
+# --------------------------------------------------------------------------------------
+_SEQUENCE_ORIGINS = (list, tuple, set, frozenset, Sequence)
+_MAPPING_ORIGINS = (dict, Mapping)
+
+
+def _strip(tp: Any) -> Any:
+    """Unwrap ``Annotated[X, ...]`` and ``X | None`` to ``X`` (repeatedly)."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+            continue
+        if origin in (Union, types.UnionType):
+            members = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(members) == 1:
+                tp = members[0]
+                continue
+        return tp
+
+
+def _field_types(tp: Any) -> dict[str, Any] | None:
+    """Field name (and alias) → annotation of a pydantic model or dataclass, else None."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        out: dict[str, Any] = {}
+        for name, info in tp.model_fields.items():
+            out[name] = info.annotation
+            if info.alias:
+                out[info.alias] = info.annotation
+        return out
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        try:
+            hints = typing.get_type_hints(tp)
+        except Exception:  # unresolvable forward refs: the names are still usable
+            hints = {}
+        return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(tp) if f.init}
+    return None
+
+
+def _child(tp: Any, item: str | int) -> Any:
+    """The type found one step below ``tp`` at loc element ``item``; None if unknown."""
+    tp = _strip(tp)
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        for m in members:  # pydantic names the union member it tried in the loc
+            if getattr(m, "__name__", None) == item:
+                return m
+        for m in members:
+            found = _child(m, item)
+            if found is not None:
+                return found
+        return None
+    if isinstance(origin, type) and issubclass(origin, _MAPPING_ORIGINS) and args:
+        return args[0] if item == "[key]" else args[1]
+    if isinstance(origin, type) and issubclass(origin, _SEQUENCE_ORIGINS) and args:
+        if not isinstance(item, int):
+            return None
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            return args[item] if 0 <= item < len(args) else None
+        return args[0]
+    fields = _field_types(tp)
+    if fields is not None and isinstance(item, str):
+        return fields.get(item)
+    return None
+
+
+def _allowed_keys(model: Any, parent_loc: Sequence[str | int]) -> list[str] | None:
+    """The keys allowed by the model found at ``parent_loc`` under ``model``; None if unknown."""
+    tp: Any = model
+    for item in parent_loc:
+        if tp is None:
+            return None
+        tp = _child(tp, item)
+    if tp is None:
+        return None
+    fields = _field_types(_strip(tp))
+    return sorted(fields) if fields is not None else None
+
+
+# --------------------------------------------------------------------------------------
+# formatting
+# --------------------------------------------------------------------------------------
+_PLAIN_KEY = re.compile(r"^[A-Za-z_][\w\-]*$")
+
+
+def _format_loc(loc: Sequence[str | int]) -> str:
+    """``('nodes', 0, 'devices', 1, 'count')`` → ``nodes[0].devices[1].count``."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif _PLAIN_KEY.match(item):
+            out += f".{item}" if out else item
+        else:
+            out += f"[{item!r}]"
+    return out
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    if len(text) > _MAX_VALUE_CHARS:
+        text = text[: _MAX_VALUE_CHARS - 3] + "..."
+    return text
+
+
+_EXTRA_TYPES = ("extra_forbidden", "unexpected_keyword_argument")
+_MISSING_TYPES = ("missing", "missing_argument", "missing_keyword_only_argument")
+
+
+def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
+    loc: tuple[str | int, ...] = tuple(err.get("loc", ()))
+    kind = str(err.get("type", ""))
+    msg = str(err.get("msg", ""))
+    value = err.get("input")
+
+    if kind in _EXTRA_TYPES and loc:
+        key = str(loc[-1])
+        allowed = _allowed_keys(model, loc[:-1]) if model is not None else None
+        text = f"unknown key {key!r}"
+        if allowed:
+            suggestion = did_you_mean(key, allowed)
+            text += suggestion or f"; allowed keys here: {', '.join(allowed)}"
+        return _line(where, loc, text)
+
+    if kind in _MISSING_TYPES and loc:
+        return _line(where, loc[:-1], f"missing required key {str(loc[-1])!r}")
+
+    is_key = bool(loc) and loc[-1] == "[key]"
+    if is_key:
+        loc = loc[:-1]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix) :]
+    if kind in ("value_error", "assertion_error"):
+        # Our own validators write complete sentences that already quote the input; one
+        # validator may report several problems, one per line.
+        return "\n".join(_line(where, loc, part) for part in msg.splitlines() if part)
+
+    text = f"invalid key {value!r}: {msg}" if is_key else msg
+    if not is_key and not isinstance(value, (dict, list, tuple)):
+        text += f" (got {_short_repr(value)})"
+    if kind == "literal_error" and isinstance(value, str):
+        choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+        text += did_you_mean(value, choices)
+    return _line(where, loc, text)
+
+
+def _line(where: str, loc: Sequence[str | int], text: str) -> str:
+    path = _format_loc(loc)
+    return f"{where}: {path}: {text}" if path else f"{where}: {text}"
+
+
+def format_validation_error(
+    e: ValidationError,
+    *,
+    where: str,
+    model: type[BaseModel] | type | None = None,
+    hint: str | None = None,
+) -> str:
+    """Turn a pydantic ``ValidationError`` into a readable, multi-line message.
+
+    Each error becomes one line ``"{where}: {dotted.path[0].field}: {message}"``. An unknown
+    key reads ``unknown key 'cuont'; did you mean 'count'?``, the suggestion drawn from the
+    fields of the model at that path (``model`` is walked along the error's location through
+    nested models, dataclasses, lists, tuples and dicts); when nothing is close the allowed
+    keys are listed. Other errors carry the offending value (``!r``, truncated). The last line
+    is a hint on how to fix the file.
+
+    Args:
+        e: the error pydantic raised.
+        where: where the data came from (a file path, ``"<string>"``).
+        model: the type that was validated, for key suggestions; None disables them.
+        hint: the closing line; a generic one when None.
+
+    Returns:
+        The message (no trailing newline).
+    """
+    errors = e.errors(include_url=False)
+    lines = [_format_one(err, where, model) for err in errors[:_MAX_ERROR_LINES]]
+    if len(errors) > _MAX_ERROR_LINES:
+        lines.append(f"{where}: ... and {len(errors) - _MAX_ERROR_LINES} more errors")
+    lines.append(hint if hint is not None else _DEFAULT_HINT)
+    return "\n".join(lines)
+
+
+def validate_model(
+    model_cls: type[T], data: Mapping[str, Any], *, where: str, hint: str | None = None
+) -> T:
+    """Validate ``data`` as ``model_cls`` (a pydantic model or a dataclass).
+
+    Args:
+        model_cls: a ``BaseModel`` subclass, or any type pydantic's ``TypeAdapter`` accepts.
+        data: the parsed file content.
+        where: where ``data`` came from, for messages.
+        hint: the closing line of the error message; a generic one when None.
+
+    Returns:
+        The validated instance.
+
+    Raises:
+        SpecError: one line per problem, see :func:`format_validation_error`.
+    """
+    try:
+        if isinstance(model_cls, type) and issubclass(model_cls, BaseModel):
+            return cast(T, model_cls.model_validate(data))
+        return TypeAdapter(model_cls).validate_python(data)
+    except ValidationError as e:
+        raise SpecError(format_validation_error(e, where=where, model=model_cls, hint=hint)) from e
