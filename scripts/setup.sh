@@ -19,13 +19,22 @@ if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; the
   exit 0
 fi
 echo "setting up $VENV ..." >&2
+log=$(mktemp)
+pip_install() {  # quiet on success, the whole log on failure
+  if ! "$VENV/bin/python" -m pip install -q "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup: 'pip install $*' failed (log above)" >&2
+    exit 1
+  fi
+}
 if "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m venv --system-site-packages "$VENV"
   echo "reusing torch $("$PY" -c 'import torch; print(torch.__version__)') from $PY" >&2
 else
   "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q "${HETPLAN_TORCH_SPEC:-torch==2.13.0}"
+  pip_install "${HETPLAN_TORCH_SPEC:-torch==2.13.0}"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+pip_install -e ".[test]"
+rm -f "$log"
 "$VENV/bin/python" -c "import hetplan, torch" # fail loudly if the install did not work
 echo "$want" >"$stamp"
