@@ -1,0 +1,302 @@
+"""The data-parallel timeline simulator: backprop, (de)compression and communication overlap.
+
+This is the objective every gradient-sync pass (DDP bucketing, Espresso, Cupcake) scores
+candidates with, so it is pure Python over plain floats and fast (one evaluation of 314
+gradient tensors takes well under a millisecond; see ``bench/simulator_speed.py``).
+
+Semantics (``research/zen_espresso.md`` §E.2, ``research/cupcake_gemini.md`` §A3):
+
+- Gradient tensors are indexed in backward-ready order; ``backprop_s[i]`` is the backprop
+  compute between tensor ``i-1`` becoming ready and tensor ``i`` becoming ready.
+- A *sync unit* (one tensor, or a bucket of consecutive tensors) becomes ready when its last
+  tensor's backprop segment ends. Its ops run in order; each starts when the previous op has
+  finished **and** its resource is free.
+- Resources:
+  - ``"gpu"``: the one compute stream, shared with backprop. A runnable GPU op (compression,
+    decompression) runs as soon as the stream finishes its current backprop segment, ahead of
+    the remaining backprop, so it delays every later gradient (Espresso Fig. 4.2(c)).
+  - ``"cpu"``: a pool of ``cpu_workers`` compression workers, FIFO.
+  - any other name (``"net"``, ``"intra"``, ``"inter"``): a communication channel, FIFO in
+    order of becoming runnable, one op at a time.
+- Iteration time ``= forward_s + max(end of backprop, end of every op) + optimizer_s``.
+
+Ties (two ops runnable at the same instant on one resource) go to the unit that became ready
+first, then the lower unit index: deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "simulate_dp", "GPU", "CPU"]
+
+GPU = "gpu"
+CPU = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One step of a unit's sync path: ``duration_s`` on ``resource``."""
+
+    resource: str
+    duration_s: float
+    label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncUnit:
+    """A tensor or a bucket: ready after tensor ``last_tensor``'s backprop; then ``ops``."""
+
+    last_tensor: int
+    ops: tuple[Op, ...]
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DPEvent:
+    """A timed interval of the simulated iteration (times from the start of backprop)."""
+
+    resource: str
+    label: str
+    unit: int  # -1 for backprop segments
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DPTimeline:
+    """Result of :func:`simulate_dp`.
+
+    Attributes:
+        iteration_s: forward + backprop/sync end + optimizer.
+        backprop_end_s: when the last backprop segment ended (delayed by GPU ops).
+        sync_end_s: when the last sync op ended (0 if none).
+        exposed_comm_s: time after the end of backprop spent waiting for sync.
+        busy_s: total busy time per resource.
+        events: every interval, if ``record=True`` (else empty).
+    """
+
+    iteration_s: float
+    backprop_end_s: float
+    sync_end_s: float
+    exposed_comm_s: float
+    busy_s: dict[str, float]
+    events: tuple[DPEvent, ...] = ()
+
+
+def simulate_dp(
+    backprop_s: Sequence[float],
+    units: Sequence[SyncUnit],
+    *,
+    forward_s: float = 0.0,
+    optimizer_s: float = 0.0,
+    cpu_workers: int = 1,
+    record: bool = False,
+) -> DPTimeline:
+    """Simulate one data-parallel iteration (see module docstring).
+
+    Args:
+        backprop_s: backprop time preceding each gradient tensor becoming ready.
+        units: sync units; ``last_tensor`` indexes ``backprop_s``.
+        forward_s: forward time (added before backprop).
+        optimizer_s: optimizer step (added at the end).
+        cpu_workers: size of the CPU compression pool.
+        record: also return every interval in ``events``.
+
+    Returns:
+        The timeline. Complexity O((N + K) log K) for N tensors and K ops.
+    """
+    n = len(backprop_s)
+    for u in units:
+        if not 0 <= u.last_tensor < n:
+            raise ValueError(
+                f"sync unit {u.name!r} ends at tensor {u.last_tensor}, outside 0..{n - 1}"
+            )
+    if cpu_workers < 1:
+        raise ValueError(f"cpu_workers must be >= 1, got {cpu_workers}")
+    if all(op.resource != GPU for u in units for op in u.ops):
+        return _simulate_no_gpu_ops(backprop_s, units, forward_s, optimizer_s, cpu_workers, record)
+    return _simulate_general(backprop_s, units, forward_s, optimizer_s, cpu_workers, record)
+
+
+def _finish(
+    forward_s: float,
+    optimizer_s: float,
+    bp_end: float,
+    sync_end: float,
+    busy: dict[str, float],
+    events: list[DPEvent],
+) -> DPTimeline:
+    end = max(bp_end, sync_end)
+    return DPTimeline(
+        iteration_s=forward_s + end + optimizer_s,
+        backprop_end_s=bp_end,
+        sync_end_s=sync_end,
+        exposed_comm_s=end - bp_end,
+        busy_s=busy,
+        events=tuple(events),
+    )
+
+
+def _simulate_no_gpu_ops(
+    backprop_s: Sequence[float],
+    units: Sequence[SyncUnit],
+    forward_s: float,
+    optimizer_s: float,
+    cpu_workers: int,
+    record: bool,
+) -> DPTimeline:
+    """Fast path: no op competes with backprop, so ready times are fixed up front."""
+    ready = []
+    t = 0.0
+    for b in backprop_s:
+        t += b
+        ready.append(t)
+    bp_end = t
+    busy: dict[str, float] = {"gpu": bp_end}
+    events: list[DPEvent] = []
+    if record:
+        start = 0.0
+        for i, b in enumerate(backprop_s):
+            events.append(DPEvent(GPU, f"backprop {i}", -1, start, start + b))
+            start += b
+    order = sorted(range(len(units)), key=lambda k: (ready[units[k].last_tensor], k))
+    single = all(len(units[k].ops) == 1 for k in order)
+    if single:
+        free: dict[str, float] = {}
+        cpu = [0.0] * cpu_workers
+        sync_end = 0.0
+        for k in order:
+            op = units[k].ops[0]
+            r = ready[units[k].last_tensor]
+            if op.resource == CPU:
+                w = min(range(cpu_workers), key=cpu.__getitem__)
+                s = max(r, cpu[w])
+                cpu[w] = s + op.duration_s
+            else:
+                s = max(r, free.get(op.resource, 0.0))
+                free[op.resource] = s + op.duration_s
+            e = s + op.duration_s
+            busy[op.resource] = busy.get(op.resource, 0.0) + op.duration_s
+            sync_end = max(sync_end, e)
+            if record:
+                events.append(DPEvent(op.resource, op.label, k, s, e))
+        return _finish(forward_s, optimizer_s, bp_end, sync_end, busy, events)
+    return _event_loop(ready, None, units, forward_s, optimizer_s, cpu_workers, busy, events,
+                       record, bp_end)
+
+
+def _simulate_general(
+    backprop_s: Sequence[float],
+    units: Sequence[SyncUnit],
+    forward_s: float,
+    optimizer_s: float,
+    cpu_workers: int,
+    record: bool,
+) -> DPTimeline:
+    return _event_loop(None, backprop_s, units, forward_s, optimizer_s, cpu_workers,
+                       {"gpu": 0.0}, [], record, None)
+
+
+def _event_loop(
+    ready: list[float] | None,
+    backprop_s: Sequence[float] | None,
+    units: Sequence[SyncUnit],
+    forward_s: float,
+    optimizer_s: float,
+    cpu_workers: int,
+    busy: dict[str, float],
+    events: list[DPEvent],
+    record: bool,
+    bp_end_fixed: float | None,
+) -> DPTimeline:
+    """Discrete-event loop. With ``backprop_s`` the GPU stream interleaves backprop segments
+    with GPU ops (GPU ops first once runnable); with ``ready`` backprop is fixed."""
+    by_last: dict[int, list[int]] = {}
+    for k, u in enumerate(units):
+        by_last.setdefault(u.last_tensor, []).append(k)
+    # runnable queue: (runnable time, unit ready time, unit, op index)
+    runnable: list[tuple[float, float, int, int]] = []
+    unit_ready = [0.0] * len(units)
+    if ready is not None:
+        for k, u in enumerate(units):
+            unit_ready[k] = ready[u.last_tensor]
+            if u.ops:
+                heapq.heappush(runnable, (unit_ready[k], unit_ready[k], k, 0))
+    free: dict[str, float] = {}
+    cpu = [0.0] * cpu_workers
+    gpu_queue: list[tuple[float, float, int, int]] = []  # runnable GPU ops
+    gpu_free = 0.0
+    next_bp = 0
+    n_bp = len(backprop_s) if backprop_s is not None else 0
+    sync_end = 0.0
+
+    def run_op(t: float, k: int, j: int) -> None:
+        nonlocal sync_end, gpu_free
+        op = units[k].ops[j]
+        if op.resource == CPU:
+            w = min(range(cpu_workers), key=cpu.__getitem__)
+            s = max(t, cpu[w])
+            cpu[w] = s + op.duration_s
+        else:
+            s = max(t, free.get(op.resource, 0.0))
+            free[op.resource] = s + op.duration_s
+        e = s + op.duration_s
+        busy[op.resource] = busy.get(op.resource, 0.0) + op.duration_s
+        if record:
+            events.append(DPEvent(op.resource, op.label, k, s, e))
+        if j + 1 < len(units[k].ops):
+            heapq.heappush(runnable, (e, unit_ready[k], k, j + 1))
+        else:
+            sync_end = max(sync_end, e)
+
+    while True:
+        # the GPU stream, when it is simulated, advances up to the next runnable event
+        if backprop_s is not None:
+            horizon = runnable[0][0] if runnable else float("inf")
+            while gpu_free < horizon:
+                if gpu_queue and gpu_queue[0][0] <= gpu_free:
+                    t, r, k, j = heapq.heappop(gpu_queue)
+                    op = units[k].ops[j]
+                    s, e = gpu_free, gpu_free + op.duration_s
+                    gpu_free = e
+                    busy[GPU] += op.duration_s
+                    if record:
+                        events.append(DPEvent(GPU, op.label, k, s, e))
+                    if j + 1 < len(units[k].ops):
+                        heapq.heappush(runnable, (e, r, k, j + 1))
+                        horizon = min(horizon, e)
+                    else:
+                        sync_end = max(sync_end, e)
+                elif next_bp < n_bp:
+                    s = gpu_free
+                    e = s + backprop_s[next_bp]
+                    gpu_free = e
+                    busy[GPU] += backprop_s[next_bp]
+                    if record:
+                        events.append(DPEvent(GPU, f"backprop {next_bp}", -1, s, e))
+                    for k in by_last.get(next_bp, ()):
+                        unit_ready[k] = e
+                        if units[k].ops:
+                            heapq.heappush(runnable, (e, e, k, 0))
+                            horizon = min(horizon, e)
+                    next_bp += 1
+                    if next_bp == n_bp:
+                        bp_end_fixed = e
+                elif gpu_queue:
+                    gpu_free = max(gpu_free, gpu_queue[0][0])
+                else:
+                    break
+        if not runnable:
+            if backprop_s is not None and (gpu_queue or next_bp < n_bp):
+                continue
+            break
+        t, r, k, j = heapq.heappop(runnable)
+        if units[k].ops[j].resource == GPU and backprop_s is not None:
+            heapq.heappush(gpu_queue, (t, r, k, j))
+            continue
+        run_op(t, k, j)
+    bp_end = bp_end_fixed if bp_end_fixed is not None else 0.0
+    return _finish(forward_s, optimizer_s, bp_end, sync_end, busy, events)
