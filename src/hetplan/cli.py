@@ -75,15 +75,21 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        out.print(f"hetplan {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True,
+        callback=_print_version,
+    ),
 ) -> None:
     _state["debug"] = debug
-    if version:
-        out.print(f"hetplan {__version__}")
-        raise typer.Exit(0)
 
 
 # --------------------------------------------------------------------------------------
@@ -374,6 +380,10 @@ def _file_kind(path: Path) -> str:
     """'plan', 'workload' or 'cluster', from the file's top-level keys."""
     from hetplan.ir.validation import load_structured_file
 
+    if path.suffix == ".json" and path.is_file():
+        head = path.read_text(errors="replace")[:4096]
+        if '"tool_version"' in head or '"schema_version"' in head and '"cluster"' in head:
+            return "plan"  # even when truncated: the plan loader explains what is wrong
     data = load_structured_file(path, what="input")
     if "tool_version" in data or ("schema_version" in data and "cluster" in data):
         return "plan"

@@ -43,12 +43,16 @@ symbolically traceable).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
+import io
+import logging
+import warnings
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -363,10 +367,30 @@ def _build_graph(
         method = "fx"  # opaque leaves exist only on the fx path
     if method in ("auto", "export"):
         try:
-            return _trace_export(model, args, kwargs, units)
+            with _quiet():
+                return _trace_export(model, args, kwargs, units)
         except Exception as e:  # noqa: BLE001
             errors.append(("torch.export", e))
     raise _trace_error(model, args, kwargs, errors)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence torch's logging, warnings and graph dumps while a tracer *tries*: a failure is
+    reported once, as a TraceError, rather than as pages of tracer output."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, UnitInfo]) -> _Graph:
@@ -540,7 +564,8 @@ def _locate_failure(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, s
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
     try:
-        model(*args, **kwargs)
+        with _quiet():
+            model(*args, **kwargs)
     except Exception as e:  # noqa: BLE001
         failed.append(_one_line(e))
         culprit = stack[-1] if stack else ""
@@ -641,6 +666,9 @@ class _Executor(torch.fx.Interpreter):
         self.counter = _FlopCounter()
         self.values: dict[torch.fx.Node, Any] = {}
         self.grad_order: list[int] = []  # ids of parameters, in gradient-ready order
+        self.saved: defaultdict[str | None, int] = defaultdict(int)  # bytes kept for backward
+        self._saved_ids: set[int] = set()
+        self._param_ids = {id(p) for p in graph.gm.parameters()}
         self._assign_glue()
 
     def _assign_glue(self) -> None:
@@ -706,7 +734,12 @@ class _Executor(torch.fx.Interpreter):
             for p in self.model.get_submodule(q).parameters()
         }
         try:
-            with torch.enable_grad(), self.counter, _GradFnTagger(self.counter):
+            with (
+                torch.enable_grad(),
+                self.counter,
+                _GradFnTagger(self.counter),
+                torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
+            ):
                 out = super().run(*self.graph_info.flat_inputs)
             loss = _scalar_loss(out)
             self.counter.backward = True
@@ -719,9 +752,22 @@ class _Executor(torch.fx.Interpreter):
         for p in self.module.parameters():
             p.grad = None
 
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Count a tensor autograd saves for backward against the running layer (once per
+        tensor; parameters and views of parameters are not activations)."""
+        base = t._base if t._base is not None else t
+        if id(base) not in self._param_ids and id(t) not in self._saved_ids:
+            self._saved_ids.add(id(t))
+            self.saved[self.counter.current] += _tensor_bytes(t)
+        return t
+
     def _grad_ready(self, p: torch.Tensor) -> None:
         if id(p) not in self._opaque_param_ids:
             self.grad_order.append(id(p))
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _scalar_loss(out: Any) -> torch.Tensor | None:
@@ -836,6 +882,7 @@ def _assemble(
                 bwd_flops=ex.counter.bwd.get(inv, 0),
                 act_in_bytes=act_in.get(inv, 0),
                 act_out_bytes=act_out.get(inv, 0),
+                act_saved_bytes=ex.saved.get(inv, 0),
                 linears=() if u.own_only or "@" in inv else _linears(module, unit),
             )
         )

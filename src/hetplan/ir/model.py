@@ -151,6 +151,8 @@ class LayerIR:
         params: parameters used by this layer; aliases of tied parameters carry ``tied_to``.
         fwd_flops / bwd_flops: FLOPs of one forward / backward for the captured batch shape.
         act_in_bytes / act_out_bytes: bytes of the tensors entering / leaving the layer.
+        act_saved_bytes: bytes of the activations autograd keeps from this layer's forward
+            until its backward (what a pipeline stage holds per in-flight micro-batch).
         linears: the linears a tensor-parallel pass may split.
         measured_bwd_us: backprop time of this layer as measured when the workload was
             recorded (benchmark workloads only), else None.
@@ -165,6 +167,7 @@ class LayerIR:
     bwd_flops: int = 0
     act_in_bytes: int = 0
     act_out_bytes: int = 0
+    act_saved_bytes: int = 0
     group: str | None = None
     linears: tuple[LinearInfo, ...] = ()
     measured_bwd_us: float | None = None
@@ -180,6 +183,21 @@ class LayerIR:
     def param_bytes(self) -> int:
         """Bytes of the parameters this layer owns (aliases excluded)."""
         return sum(p.size_bytes for p in self.params if p.tied_to is None)
+
+    def tp_split_bytes(self) -> int:
+        """Bytes of the owned parameters that live in tensor-parallel-splittable linears."""
+        prefixes = tuple(lin.name + "." for lin in self.linears)
+        return sum(
+            p.size_bytes for p in self.params if p.tied_to is None and p.name.startswith(prefixes)
+        ) if prefixes else 0
+
+    def signature(self) -> str:
+        """A key for profiled times: equal for layers that compute the same thing on the
+        same shapes (all blocks of a transformer share one), independent of names."""
+        shapes = tuple((p.shape, p.dtype) for p in self.params)
+        key = repr((self.module_type, shapes, self.act_in_bytes, self.act_out_bytes,
+                    self.fwd_flops, self.bwd_flops, self.measured_bwd_us))
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +262,11 @@ class ModelIR:
     @property
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def batch_size(self) -> int:
+        """The micro-batch size of the capture: the first dimension of the first input."""
+        return self.input_shapes[0][0] if self.input_shapes and self.input_shapes[0] else 1
 
     @property
     def fwd_flops(self) -> int:

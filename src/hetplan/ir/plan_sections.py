@@ -86,13 +86,24 @@ def _duplicates(items: Iterable[str | int]) -> list[str | int]:
 
 # -- model and cluster references ------------------------------------------------------------
 class LayerCost(_Section):
-    """Per-layer numbers the simulator needs, copied from the model IR."""
+    """Per-layer numbers the simulator needs, copied from the model IR.
+
+    ``signature`` keys profiled times (identical blocks share one); ``tp_pairs`` counts the
+    Megatron column/row pairs (one all-reduce each in forward and backward under TP);
+    ``tp_split_bytes`` is the parameter bytes in splittable linears.
+    """
 
     name: Name
+    kind: Name = "other"
+    signature: str = ""
     fwd_flops: NonNegInt = 0
     bwd_flops: NonNegInt = 0
     param_bytes: NonNegInt = 0
+    act_in_bytes: NonNegInt = 0
     act_out_bytes: NonNegInt = 0
+    act_saved_bytes: NonNegInt = 0
+    tp_pairs: NonNegInt = 0
+    tp_split_bytes: NonNegInt = 0
     measured_bwd_us: NonNegFloat | None = None
 
 
@@ -110,11 +121,14 @@ class WorkloadSummary(_Section):
     """Enough of the model to re-simulate a plan without re-capturing the model.
 
     Attributes:
+        batch_size: the micro-batch size the numbers were captured with (costs scale
+            linearly with the micro-batch size).
         layers: per-layer FLOPs and bytes, in dataflow order.
         grads: gradient tensors in backward-ready order; ``layer_index`` indexes ``layers``.
         unattributed_fwd_flops / unattributed_bwd_flops: FLOPs outside every layer.
     """
 
+    batch_size: PosInt = 1
     layers: tuple[LayerCost, ...] = ()
     grads: tuple[GradCost, ...] = ()
     unattributed_fwd_flops: NonNegInt = 0
@@ -138,10 +152,22 @@ class WorkloadSummary(_Section):
     def from_model_ir(cls, ir: ModelIR) -> WorkloadSummary:
         """Copy the per-layer and per-gradient numbers out of a :class:`ModelIR`."""
         return cls(
+            batch_size=ir.batch_size,
             layers=tuple(
-                LayerCost(name=lay.name, fwd_flops=lay.fwd_flops, bwd_flops=lay.bwd_flops,
-                          param_bytes=lay.param_bytes, act_out_bytes=lay.act_out_bytes,
-                          measured_bwd_us=lay.measured_bwd_us)
+                LayerCost(
+                    name=lay.name,
+                    kind=lay.kind.value,
+                    signature=lay.signature(),
+                    fwd_flops=lay.fwd_flops,
+                    bwd_flops=lay.bwd_flops,
+                    param_bytes=lay.param_bytes,
+                    act_in_bytes=lay.act_in_bytes,
+                    act_out_bytes=lay.act_out_bytes,
+                    act_saved_bytes=lay.act_saved_bytes,
+                    tp_pairs=sum(1 for x in lay.linears if x.tp_role.value == "row" and x.pair),
+                    tp_split_bytes=lay.tp_split_bytes(),
+                    measured_bwd_us=lay.measured_bwd_us,
+                )
                 for lay in ir.layers
             ),
             grads=tuple(

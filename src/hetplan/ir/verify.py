@@ -34,7 +34,7 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
         if layer.name in names:
             raise SpecError(f"{at}layer name {layer.name!r} appears twice")
         names.add(layer.name)
-        for field_name in ("fwd_flops", "bwd_flops", "act_in_bytes", "act_out_bytes"):
+        for field_name in ("fwd_flops", "bwd_flops", "act_in_bytes", "act_out_bytes", "act_saved_bytes"):
             if getattr(layer, field_name) < 0:
                 raise SpecError(f"{at}layer {layer.name!r}: {field_name} is negative")
         for p in layer.params:

@@ -1,0 +1,437 @@
+"""The profile DB: measured costs written by ``hetplan profile`` (schema version 1).
+
+A :class:`ProfileDB` holds three kinds of records, each identified by a key:
+
+* :class:`ComputeRecord`, key ``(signature, device_type)``: forward and backward time of one
+  layer. ``signature`` is the layer's shape signature, :meth:`hetplan.ir.model.LayerIR.signature`
+  (module type, parameter shapes and dtypes, activation sizes, FLOPs), so identical blocks share
+  one record.
+* :class:`CollectiveRecord`, key ``(collective, backend, link_kind, group_size)``: measured
+  ``(nbytes, seconds)`` samples and/or a fitted line ``seconds = alpha_s + beta_s_per_byte *
+  nbytes`` for that collective at that group size (see :mod:`hetplan.cost_models.comm` for what
+  ``nbytes`` means per collective and how the line is rescaled to other group sizes).
+* :class:`CompressorRecord`, key ``(compressor, device_kind, device_type)``: measured
+  ``(nbytes, compress_s, decompress_s)`` samples; ``device_kind`` is where the compressor runs
+  (``gpu`` or ``cpu``) and ``device_type`` the cluster device type of the machine (a GPU type
+  such as ``A100-80GB``, or ``cpu``).
+
+plus :class:`MachineInfo` entries describing the machines measured (device type, torch
+version, backend; never a hostname, so DBs can be shared).
+
+Determinism: records are kept sorted by key whatever order they were given in, and
+:meth:`ProfileDB.to_json` writes sorted keys with a fixed indent, so equal DBs give
+byte-identical files. A key may appear only once in a DB; :func:`merge` combines DBs from
+several machines and resolves duplicates by keeping the record with **more samples** (on a tie,
+the one from the earlier argument).
+
+Lookups (:meth:`ProfileDB.compute`, :meth:`ProfileDB.collective`, :meth:`ProfileDB.compressor`)
+return None when there is no record; the cost models then fall back to analytic estimates and
+record that they did.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from hetplan.errors import PlanVersionError, SpecError
+from hetplan.ir.validation import load_structured_file, validate_model
+
+__all__ = [
+    "PROFILE_SCHEMA_VERSION",
+    "CollectiveName",
+    "DeviceKind",
+    "MachineInfo",
+    "ComputeRecord",
+    "CollectiveSample",
+    "CollectiveRecord",
+    "CompressorSample",
+    "CompressorRecord",
+    "ProfileDB",
+    "merge",
+]
+
+#: The profile DB format this hetplan reads and writes.
+PROFILE_SCHEMA_VERSION = 1
+
+#: Collective operations a profile can measure (the names :mod:`.comm` uses).
+CollectiveName = Literal[
+    "allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "reduce", "gather", "p2p"
+]
+#: Where a compressor runs.
+DeviceKind = Literal["gpu", "cpu"]
+
+_CONFIG = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+_NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_Name = Annotated[str, Field(min_length=1)]
+_RERUN = "re-run `hetplan profile`"
+_HINT = f"hint: profile DBs are written by `hetplan profile`; {_RERUN} rather than editing"
+
+
+class MachineInfo(BaseModel):
+    """A machine the DB was measured on (no hostname, so DBs can be shared).
+
+    Attributes:
+        device_type: cluster device type name (``A100-80GB``, ``cpu`` ...).
+        torch_version: ``torch.__version__`` at profiling time.
+        backend: the ``torch.distributed`` backend used for collectives (``nccl``, ``gloo``).
+        cuda_version: ``torch.version.cuda``, or None on CPU builds.
+        device_count: devices used on that machine.
+    """
+
+    model_config = _CONFIG
+
+    device_type: _Name
+    torch_version: _Name
+    backend: _Name
+    cuda_version: str | None = None
+    device_count: int = Field(default=1, ge=1)
+
+    def sort_key(self) -> tuple[str, str, str, str, int]:
+        """Canonical order of machine entries."""
+        return (self.device_type, self.backend, self.torch_version, self.cuda_version or "",
+                self.device_count)
+
+
+class ComputeRecord(BaseModel):
+    """Measured forward/backward time of one layer signature on one device type.
+
+    Attributes:
+        signature: the layer's shape signature (``LayerIR.signature()``).
+        device_type: cluster device type name.
+        fwd_ms / bwd_ms: mean forward and backward time in milliseconds.
+        samples: how many timed iterations the means are over (≥ 1).
+        fwd_stdev_ms / bwd_stdev_ms: their standard deviations.
+        label: optional human-readable description (``"Linear 768x3072 fp32"``); not part of
+            the key.
+    """
+
+    model_config = _CONFIG
+
+    signature: _Name
+    device_type: _Name
+    fwd_ms: _NonNeg
+    bwd_ms: _NonNeg
+    samples: int = Field(ge=1)
+    fwd_stdev_ms: _NonNeg = 0.0
+    bwd_stdev_ms: _NonNeg = 0.0
+    label: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(signature, device_type)``."""
+        return (self.signature, self.device_type)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples behind the record (used by :func:`merge`)."""
+        return self.samples
+
+
+class CollectiveSample(BaseModel):
+    """One timing of a collective: ``seconds`` for a buffer of ``nbytes``."""
+
+    model_config = _CONFIG
+
+    nbytes: int = Field(ge=0)
+    seconds: _NonNeg
+
+
+class CollectiveRecord(BaseModel):
+    """Measurements of one collective at one group size, backend and link kind.
+
+    Attributes:
+        collective: the operation (``allreduce`` ...).
+        backend: ``nccl`` or ``gloo`` (any non-empty name is accepted).
+        link_kind: the link the group spans (a :data:`hetplan.ir.cluster.LinkKind`:
+            ``nvlink``, ``pcie``, ``ethernet``, ``infiniband``, ``loopback``).
+        group_size: ranks in the group (≥ 2).
+        samples: measured ``(nbytes, seconds)`` points.
+        alpha_s / beta_s_per_byte: a fitted line ``seconds = alpha_s + beta_s_per_byte * nbytes``
+            for this group size. Give both or neither; when given they are used as is,
+            otherwise the cost model fits ``samples``. At least one of the two must be present.
+    """
+
+    model_config = _CONFIG
+
+    collective: CollectiveName
+    backend: _Name
+    link_kind: _Name
+    group_size: int = Field(ge=2)
+    samples: tuple[CollectiveSample, ...] = ()
+    alpha_s: _NonNeg | None = None
+    beta_s_per_byte: _NonNeg | None = None
+
+    @model_validator(mode="after")
+    def _has_data(self) -> CollectiveRecord:
+        if (self.alpha_s is None) != (self.beta_s_per_byte is None):
+            raise ValueError(
+                "give both 'alpha_s' and 'beta_s_per_byte' or neither "
+                f"(got alpha_s={self.alpha_s!r}, beta_s_per_byte={self.beta_s_per_byte!r})"
+            )
+        if self.alpha_s is None and not self.samples:
+            raise ValueError(
+                f"collective record {self.key!r} has neither samples nor a fitted "
+                "alpha_s/beta_s_per_byte; add at least one"
+            )
+        return self
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        """``(collective, backend, link_kind, group_size)``."""
+        return (self.collective, self.backend, self.link_kind, self.group_size)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples behind the record (used by :func:`merge`)."""
+        return len(self.samples)
+
+
+class CompressorSample(BaseModel):
+    """One timing of a compressor on a buffer of ``nbytes`` (raw, uncompressed bytes)."""
+
+    model_config = _CONFIG
+
+    nbytes: int = Field(ge=0)
+    compress_s: _NonNeg
+    decompress_s: _NonNeg
+
+
+class CompressorRecord(BaseModel):
+    """Measurements of one compressor on one kind of device of one machine type.
+
+    Attributes:
+        compressor: compressor name (``topk``, ``fp16`` ...; see :mod:`.compression`).
+        device_kind: ``gpu`` or ``cpu`` (where (de)compression runs).
+        device_type: the cluster device type of the machine measured.
+        samples: at least one ``(nbytes, compress_s, decompress_s)`` point; at most one per
+            ``nbytes`` (kept sorted by size).
+    """
+
+    model_config = _CONFIG
+
+    compressor: _Name
+    device_kind: DeviceKind
+    device_type: _Name
+    samples: tuple[CompressorSample, ...] = Field(min_length=1)
+
+    @field_validator("samples")
+    @classmethod
+    def _sorted_unique(cls, value: tuple[CompressorSample, ...]) -> tuple[CompressorSample, ...]:
+        sizes = Counter(s.nbytes for s in value)
+        dup = sorted(n for n, c in sizes.items() if c > 1)
+        if dup:
+            raise ValueError(f"more than one sample for nbytes {dup}; average them into one")
+        return tuple(sorted(value, key=lambda s: s.nbytes))
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """``(compressor, device_kind, device_type)``."""
+        return (self.compressor, self.device_kind, self.device_type)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples behind the record (used by :func:`merge`)."""
+        return len(self.samples)
+
+
+def _canonical(records: tuple[Any, ...], what: str) -> tuple[Any, ...]:
+    counts = Counter(r.key for r in records)
+    dup = sorted(k for k, c in counts.items() if c > 1)
+    if dup:
+        raise ValueError(
+            f"{what} key {dup[0]!r} appears {counts[dup[0]]} times; each key may appear once "
+            "(use hetplan.cost_models.profile_db.merge to combine DBs)"
+        )
+    return tuple(sorted(records, key=lambda r: r.key))
+
+
+class ProfileDB(BaseModel):
+    """A versioned set of measured costs; see the module docstring.
+
+    Attributes:
+        schema_version: always :data:`PROFILE_SCHEMA_VERSION`; files with another version are
+            refused by :meth:`load`.
+        machines: the machines measured.
+        compute / collectives / compressors: the records, kept sorted by key.
+    """
+
+    model_config = _CONFIG
+
+    schema_version: Literal[1] = PROFILE_SCHEMA_VERSION
+    machines: tuple[MachineInfo, ...] = ()
+    compute: tuple[ComputeRecord, ...] = ()
+    collectives: tuple[CollectiveRecord, ...] = ()
+    compressors: tuple[CompressorRecord, ...] = ()
+
+    @field_validator("machines")
+    @classmethod
+    def _sort_machines(cls, value: tuple[MachineInfo, ...]) -> tuple[MachineInfo, ...]:
+        unique = {m.sort_key(): m for m in value}
+        return tuple(unique[k] for k in sorted(unique))
+
+    @field_validator("compute")
+    @classmethod
+    def _sort_compute(cls, value: tuple[ComputeRecord, ...]) -> tuple[ComputeRecord, ...]:
+        return _canonical(value, "compute")
+
+    @field_validator("collectives")
+    @classmethod
+    def _sort_collectives(
+        cls, value: tuple[CollectiveRecord, ...]
+    ) -> tuple[CollectiveRecord, ...]:
+        return _canonical(value, "collective")
+
+    @field_validator("compressors")
+    @classmethod
+    def _sort_compressors(
+        cls, value: tuple[CompressorRecord, ...]
+    ) -> tuple[CompressorRecord, ...]:
+        return _canonical(value, "compressor")
+
+    # -- lookups ---------------------------------------------------------------------------
+    @cached_property
+    def _compute_index(self) -> dict[tuple[str, str], ComputeRecord]:
+        return {r.key: r for r in self.compute}
+
+    @cached_property
+    def _collective_index(self) -> dict[tuple[str, str, str, int], CollectiveRecord]:
+        return {r.key: r for r in self.collectives}
+
+    @cached_property
+    def _compressor_index(self) -> dict[tuple[str, str, str], CompressorRecord]:
+        return {r.key: r for r in self.compressors}
+
+    def compute_record(self, signature: str, device_type: str) -> ComputeRecord | None:
+        """The compute record of a layer signature on a device type, or None."""
+        return self._compute_index.get((signature, device_type))
+
+    def collective(
+        self, collective: str, backend: str, link_kind: str, group_size: int
+    ) -> CollectiveRecord | None:
+        """The record of ``collective`` at exactly this backend, link kind and group size."""
+        return self._collective_index.get((collective, backend, link_kind, group_size))
+
+    def collective_records(
+        self, collective: str, backend: str, link_kind: str
+    ) -> tuple[CollectiveRecord, ...]:
+        """All records of ``collective`` on this backend and link kind, by group size."""
+        return tuple(
+            r for r in self.collectives
+            if (r.collective, r.backend, r.link_kind) == (collective, backend, link_kind)
+        )
+
+    def compressor(
+        self, compressor: str, device_kind: str, device_type: str
+    ) -> CompressorRecord | None:
+        """The record of ``compressor`` on ``device_kind`` of a ``device_type`` machine."""
+        return self._compressor_index.get((compressor, device_kind, device_type))
+
+    # -- (de)serialisation ------------------------------------------------------------------
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, indent 2, trailing newline (byte-identical for equal
+        DBs)."""
+        data = self.model_dump(mode="json")
+        return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to ``path`` (UTF-8)."""
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = "<profile DB>") -> ProfileDB:
+        """Validate parsed profile data (version first).
+
+        Raises:
+            PlanVersionError: ``schema_version`` is not :data:`PROFILE_SCHEMA_VERSION`.
+            SpecError: it is missing or not an integer, or a field is unknown, missing or out
+                of range (one line per problem, naming the field path).
+        """
+        _check_version(data, where)
+        return validate_model(cls, data, where=where, hint=_HINT)
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "<string>") -> ProfileDB:
+        """Parse profile DB JSON; errors as in :meth:`from_dict`, plus invalid JSON."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(
+                f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; "
+                f"{_RERUN} to write a fresh profile DB"
+            ) from e
+        if not isinstance(data, dict):
+            raise SpecError(
+                f"{where}: a profile DB is a JSON object, got {type(data).__name__}; "
+                "is this a file written by `hetplan profile`?"
+            )
+        return cls.from_dict(data, where=where)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ProfileDB:
+        """Read a profile DB written by :meth:`save`.
+
+        Raises:
+            SpecError: the file is missing, unreadable or not valid JSON (with line and
+                column), or a field is invalid (with its path).
+            PlanVersionError: the file has another schema version.
+        """
+        data = load_structured_file(path, what="profile DB")
+        return cls.from_dict(data, where=str(path))
+
+
+def _check_version(data: dict[str, Any], where: str) -> None:
+    if "schema_version" not in data:
+        raise SpecError(
+            f"{where}: missing 'schema_version'; a profile DB starts with "
+            f'"schema_version": {PROFILE_SCHEMA_VERSION}. Is this a file written by '
+            "`hetplan profile`?"
+        )
+    version = data["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise SpecError(
+            f"{where}: schema_version must be an integer (this hetplan reads "
+            f"{PROFILE_SCHEMA_VERSION}), got {version!r}"
+        )
+    if version != PROFILE_SCHEMA_VERSION:
+        raise PlanVersionError(
+            f"{where}: profile DB schema_version {version}; this hetplan reads "
+            f"{PROFILE_SCHEMA_VERSION}; {_RERUN}"
+        )
+
+
+def _merge_records(groups: Iterable[tuple[Any, ...]]) -> tuple[Any, ...]:
+    best: dict[Any, Any] = {}
+    for records in groups:
+        for r in records:
+            kept = best.get(r.key)
+            if kept is None or r.num_samples > kept.num_samples:
+                best[r.key] = r
+    return tuple(best.values())
+
+
+def merge(*dbs: ProfileDB) -> ProfileDB:
+    """Combine profile DBs measured on several machines or device types.
+
+    Machine entries are united. A key present in several DBs keeps the record with the most
+    samples (``samples`` for compute records, the number of sample points otherwise); on a
+    tie the record from the earliest argument wins, so the result is deterministic.
+
+    Args:
+        *dbs: the DBs, in priority order for ties. No DBs gives an empty DB.
+
+    Returns:
+        A new DB (records sorted by key).
+    """
+    return ProfileDB(
+        machines=tuple(m for db in dbs for m in db.machines),
+        compute=_merge_records(db.compute for db in dbs),
+        collectives=_merge_records(db.collectives for db in dbs),
+        compressors=_merge_records(db.compressors for db in dbs),
+    )

@@ -1,0 +1,394 @@
+"""End-to-end tests of the ``hetplan`` command line, run in-process with typer's CliRunner.
+
+Expectations are computed independently of the code under test: parameter counts from
+``nn.Module.parameters()``, world sizes from the YAML files, gradient counts from the raw
+Espresso benchmark JSON, the version from the installed package metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner, Result
+
+from hetplan import zoo
+from hetplan.cli import app
+from hetplan.errors import SpecError
+from hetplan.ir.cluster import ClusterSpec, list_presets
+from hetplan.ir.model import ModelIR
+from hetplan.ir.plan import (
+    Baseline,
+    ClusterRef,
+    Layout,
+    ModelRef,
+    Plan,
+    Predictions,
+    Stage,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "clusters"
+ESPRESSO = REPO / ".." / "shared" / "data" / "espresso_models.json"
+ESPRESSO_SECTIONS = ("models", "extra_models_not_selectable_from_cli")
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+def _runner() -> CliRunner:
+    """A runner that keeps stderr apart from stdout (click >= 8.2 always does)."""
+    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters:  # click < 8.2
+        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    return CliRunner()
+
+
+def run(args: Sequence[str | Path]) -> Result:
+    """Invoke ``hetplan ARGS`` in-process."""
+    return _runner().invoke(app, [str(a) for a in args])
+
+
+def stdout(r: Result) -> str:
+    return r.stdout
+
+
+def stderr(r: Result) -> str:
+    try:
+        return r.stderr
+    except ValueError:  # stderr mixed into stdout (old click without mix_stderr=False)
+        return r.output
+
+
+def flat(text: str) -> str:
+    """Collapse whitespace, so that rich's line wrapping does not matter."""
+    return " ".join(text.split())
+
+
+def assert_ok(r: Result) -> None:
+    assert r.exit_code == 0, f"exit {r.exit_code}\nstdout:\n{r.stdout}\nstderr:\n{stderr(r)}"
+
+
+def assert_user_error(r: Result, *needles: str) -> str:
+    """Exit code 2, one clean message (no traceback) containing every needle."""
+    msg = flat(stderr(r))
+    assert r.exit_code == 2, f"exit {r.exit_code}: {r.stdout}\n{msg}\n{r.exception!r}"
+    assert isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.stdout + stderr(r)
+    for needle in needles:
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    return msg
+
+
+def table_first_column(text: str) -> list[str]:
+    """The first-column cells of a rich table (continuation rows skipped)."""
+    cells = []
+    for line in text.splitlines():
+        if line.startswith("│"):
+            cell = line.split("│")[1].strip()
+            if cell:
+                cells.append(cell)
+    return cells
+
+
+def num_params(name: str) -> int:
+    """Unique parameter elements of a zoo model, counted by PyTorch itself."""
+    return sum(p.numel() for p in zoo.build(name).parameters())
+
+
+def write_yaml(path: Path, data: Any) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def cluster_yaml() -> dict[str, Any]:
+    return yaml.safe_load((EXAMPLES / "cpu-2x2.yaml").read_text())
+
+
+# --------------------------------------------------------------------------------------
+# fixtures
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gpt_ir() -> ModelIR:
+    from hetplan.ir.capture import capture
+
+    model = zoo.build("tiny-gpt")
+    args, kwargs = zoo.example_inputs("tiny-gpt")
+    return capture(model, args, kwargs, name="tiny-gpt")
+
+
+@pytest.fixture(scope="module")
+def plan_file(tiny_gpt_ir: ModelIR, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plan for tiny-gpt on a100-nvlink-8x8: dp=4 pp=2, two stages, two baselines."""
+    n = len(tiny_gpt_ir.layers)
+    assert n >= 2
+    plan = Plan(
+        model=ModelRef.from_model_ir(tiny_gpt_ir),
+        cluster=ClusterRef.from_cluster(ClusterSpec.from_preset("a100-nvlink-8x8")),
+        layout=Layout(dp=4, pp=2, tp=1, micro_batches=8, schedule="1f1b"),
+        stages=(
+            Stage(index=0, first_layer=0, last_layer=n // 2 - 1, ranks=(0, 1, 2, 3),
+                  fwd_ms=1.5, bwd_ms=3.0),
+            Stage(index=1, first_layer=n // 2, last_layer=n - 1, ranks=(4, 5, 6, 7),
+                  fwd_ms=1.25, bwd_ms=2.5),
+        ),
+        predictions=Predictions(
+            iteration_time_ms=10.0,
+            baselines=(
+                Baseline(name="ddp", iteration_time_ms=25.0),
+                Baseline(name="megatron", iteration_time_ms=15.0),
+            ),
+        ),
+    )
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(plan.to_json())
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# version, models, presets
+# --------------------------------------------------------------------------------------
+def test_version() -> None:
+    r = run(["--version"])
+    assert_ok(r)
+    assert importlib.metadata.version("hetplan") in r.stdout
+
+
+def test_models_lists_zoo() -> None:
+    r = run(["models"])
+    assert_ok(r)
+    names = table_first_column(r.stdout)
+    assert "gpt2" in names
+    assert "llama-70b" in names
+
+
+def test_presets_lists_every_preset() -> None:
+    r = run(["presets"])
+    assert_ok(r)
+    names = table_first_column(r.stdout)
+    expected = [name for name, _ in list_presets()]
+    assert expected
+    assert sorted(names) == sorted(expected)
+
+
+# --------------------------------------------------------------------------------------
+# ir
+# --------------------------------------------------------------------------------------
+def test_ir_tiny_gpt2_summary() -> None:
+    r = run(["ir", "tiny-gpt2"])
+    assert_ok(r)
+    out = flat(r.stdout)
+    assert f"parameters {num_params('tiny-gpt2'):,} " in out
+    n_layer: int = zoo.build("tiny-gpt2").config.n_layer  # type: ignore[union-attr,assignment]
+    for name in ("transformer.wte", "transformer.wpe", "transformer.h.0",
+                 f"transformer.h.{n_layer - 1}", "transformer.ln_f"):
+        assert name in out, name
+
+
+def test_ir_json_is_a_workload() -> None:
+    r = run(["ir", "tiny-gpt", "--json"])
+    assert_ok(r)
+    ir = ModelIR.from_json(r.stdout)
+    model = zoo.build("tiny-gpt")
+    assert ir.name == "tiny-gpt"
+    assert ir.num_params == sum(p.numel() for p in model.parameters())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {g.name for g in ir.grad_tensors} == trainable
+    assert len(ir.grad_tensors) == len(trainable)
+
+
+def test_ir_output_file_then_workload(tmp_path: Path) -> None:
+    path = tmp_path / "w.json"
+    first = run(["ir", "mlp", "-o", path])
+    assert_ok(first)
+    assert path.is_file()
+    ir = ModelIR.load(path)
+    assert ir.num_params == num_params("mlp")
+
+    second = run(["ir", "--workload", path])
+    assert_ok(second)
+    out = flat(second.stdout)
+    assert f"parameters {num_params('mlp'):,} " in out
+    assert f"fingerprint {ir.fingerprint()}" in out
+    assert f"fingerprint {ir.fingerprint()}" in flat(first.stdout)
+
+
+def test_ir_data_dependent_names_module() -> None:
+    msg = assert_user_error(run(["ir", "data-dependent"]), "'gate'")
+    assert "--opaque gate" in msg
+
+
+def test_ir_data_dependent_opaque() -> None:
+    r = run(["ir", "data-dependent", "--opaque", "gate"])
+    assert_ok(r)
+    assert f"parameters {num_params('data-dependent'):,} " in flat(r.stdout)
+
+
+def test_ir_misspelt_model_suggests() -> None:
+    assert_user_error(run(["ir", "gtp2"]), "'gtp2'", "did you mean 'gpt2'")
+
+
+def test_ir_model_and_workload_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "w.json"
+    path.write_text("{}")
+    assert_user_error(run(["ir", "mlp", "--workload", path]), "exactly one")
+
+
+# --------------------------------------------------------------------------------------
+# validate: cluster specs
+# --------------------------------------------------------------------------------------
+EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def test_examples_exist() -> None:
+    assert len(EXAMPLE_FILES) >= 5
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.stem)
+def test_validate_example_clusters(path: Path) -> None:
+    data = yaml.safe_load(path.read_text())
+    world = sum(
+        node.get("count", 1) * sum(g["count"] for g in node["devices"]) for node in data["nodes"]
+    )
+    r = run(["validate", path])
+    assert_ok(r)
+    out = flat(r.stdout)
+    assert "valid cluster spec" in out
+    assert f"{data['name']}:" in out
+    assert f"{world} devices" in out
+
+
+def test_validate_misspelt_key(tmp_path: Path) -> None:
+    data = cluster_yaml()
+    node = data["nodes"][0]
+    node["cuont"] = node.pop("count")
+    r = run(["validate", write_yaml(tmp_path / "c.yaml", data)])
+    assert_user_error(r, "nodes[0].cuont", "did you mean 'count'")
+
+
+def test_validate_negative_bandwidth(tmp_path: Path) -> None:
+    data = cluster_yaml()
+    data["inter_node"]["bandwidth_gbps"] = -40.0
+    r = run(["validate", write_yaml(tmp_path / "c.yaml", data)])
+    assert_user_error(r, "inter_node.bandwidth_gbps", "-40")
+
+
+@pytest.mark.parametrize("where", ["device group", "node group"])
+def test_validate_zero_devices(tmp_path: Path, where: str) -> None:
+    data = cluster_yaml()
+    if where == "device group":
+        data["nodes"][0]["devices"][0]["count"] = 0
+        needle = "nodes[0].devices"
+    else:
+        data["nodes"][0]["count"] = 0
+        needle = "nodes[0].count"
+    r = run(["validate", write_yaml(tmp_path / "c.yaml", data)])
+    assert_user_error(r, needle)
+
+
+def test_validate_missing_file(tmp_path: Path) -> None:
+    assert_user_error(run(["validate", tmp_path / "nope.yaml"]), "nope.yaml", "does not exist")
+
+
+def test_validate_invalid_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nnodes: [\n  - {a: 1\n")
+    assert_user_error(run(["validate", path]), "bad.yaml", "not valid YAML")
+
+
+# --------------------------------------------------------------------------------------
+# validate / inspect: plans
+# --------------------------------------------------------------------------------------
+def _check_plan_text(text: str) -> None:
+    out = flat(text)
+    assert "tiny-gpt" in out
+    assert "a100-nvlink-8x8" in out
+    assert "dp=4 pp=2 tp=1" in out
+    assert "1f1b" in out
+    assert "pipeline stages" in out
+    assert "0,1,2,3" in out and "4,5,6,7" in out
+    assert "1.500" in out and "2.500" in out
+    assert "10.000 ms" in out
+    assert "baseline ddp: 25.000 ms (2.50×)" in out
+    assert "baseline megatron: 15.000 ms (1.50×)" in out
+
+
+def test_validate_plan(plan_file: Path) -> None:
+    r = run(["validate", plan_file])
+    assert_ok(r)
+    assert "valid plan" in flat(r.stdout)
+    _check_plan_text(r.stdout)
+
+
+def test_inspect_plan(plan_file: Path) -> None:
+    r = run(["inspect", plan_file])
+    assert_ok(r)
+    _check_plan_text(r.stdout)
+
+
+def test_inspect_json(plan_file: Path, tiny_gpt_ir: ModelIR) -> None:
+    r = run(["inspect", plan_file, "--json"])
+    assert_ok(r)
+    data = json.loads(r.stdout)
+    assert data["model"] == "tiny-gpt"
+    assert data["cluster"] == "a100-nvlink-8x8"
+    assert data["world_size"] == 64
+    assert data["layout"] == "dp=4 pp=2 tp=1"
+    assert data["num_stages"] == 2
+    assert data["micro_batches"] == 8
+    assert data["iteration_time_ms"] == pytest.approx(10.0)
+    assert data["best_baseline"] == "megatron"
+    assert data["speedup"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("command", ["validate", "inspect"])
+def test_plan_from_newer_hetplan(plan_file: Path, tmp_path: Path, command: str) -> None:
+    data = json.loads(plan_file.read_text())
+    data["schema_version"] = 2
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(data))
+    msg = assert_user_error(run([command, path]), "newer hetplan")
+    assert "upgrade" in msg
+
+
+@pytest.mark.parametrize("command", ["validate", "inspect"])
+def test_truncated_plan(plan_file: Path, tmp_path: Path, command: str) -> None:
+    text = plan_file.read_text()
+    path = tmp_path / "trunc.json"
+    path.write_text(text[: len(text) // 2])
+    assert_user_error(run([command, path]), "trunc.json", "not valid JSON")
+
+
+def test_debug_reraises(plan_file: Path, tmp_path: Path) -> None:
+    text = plan_file.read_text()
+    path = tmp_path / "trunc.json"
+    path.write_text(text[: len(text) // 2])
+    r = run(["--debug", "inspect", path])
+    assert r.exit_code != 2
+    assert isinstance(r.exception, SpecError), repr(r.exception)
+
+
+# --------------------------------------------------------------------------------------
+# workload convert
+# --------------------------------------------------------------------------------------
+def test_workload_convert(tmp_path: Path) -> None:
+    if not ESPRESSO.is_file():
+        pytest.skip(f"Espresso benchmark file not found at {ESPRESSO.resolve()}")
+    bench = json.loads(ESPRESSO.read_text())
+    expected = {
+        name: m["num_tensors"] for s in ESPRESSO_SECTIONS for name, m in bench[s].items()
+    }
+    assert len(expected) == 9
+    out_dir = tmp_path / "workloads"
+    r = run(["workload", "convert", ESPRESSO, "-o", out_dir])
+    assert_ok(r)
+    files = sorted(out_dir.glob("*.json"))
+    assert sorted(p.stem for p in files) == sorted(expected)
+    for path in files:
+        ir = ModelIR.load(path)
+        assert len(ir.grad_tensors) == expected[path.stem], path.name
