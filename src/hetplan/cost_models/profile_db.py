@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,19 +46,19 @@ from hetplan.ir.validation import load_structured_file, validate_model
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
     "CollectiveName",
+    "CollectiveRecord",
+    "CollectiveSample",
+    "CompressorRecord",
+    "CompressorSample",
+    "ComputeRecord",
     "DeviceKind",
     "MachineInfo",
-    "ComputeRecord",
-    "CollectiveSample",
-    "CollectiveRecord",
-    "CompressorSample",
-    "CompressorRecord",
     "ProfileDB",
     "merge",
 ]
 
 #: The profile DB format this hetplan reads and writes.
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION: Final = 1
 
 #: Collective operations a profile can measure (the names :mod:`.comm` uses).
 CollectiveName = Literal[

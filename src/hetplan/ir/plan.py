@@ -40,6 +40,7 @@ from hetplan.ir.plan_sections import (
     ClusterRef,
     CommStep,
     CompressedSync,
+    CostSettings,
     CostSource,
     GradCost,
     GradientSync,
@@ -77,6 +78,7 @@ __all__ = [
     "ClusterRef",
     "CommStep",
     "CompressedSync",
+    "CostSettings",
     "CostSource",
     "GradCost",
     "GradientSync",
@@ -119,6 +121,7 @@ class Plan(BaseModel):
         gradient_sync: per-tensor strategies and fusion buckets (None: not decided).
         predictions: predicted iteration time, memory and the baselines' numbers.
         provenance: for each cost kind (``compute``, ``comm.inter`` ...) where it came from.
+        cost_settings: the cost-model settings the predictions were made with.
         pass_log: the passes that ran, in order.
     """
 
@@ -134,6 +137,7 @@ class Plan(BaseModel):
     gradient_sync: GradientSync | None = None
     predictions: Predictions | None = None
     provenance: dict[Name, CostSource] = Field(default_factory=dict)
+    cost_settings: CostSettings | None = None
     pass_log: tuple[PassLogEntry, ...] = ()
 
     @model_validator(mode="after")

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from hetplan.ir.cluster import ClusterSpec
+
 if TYPE_CHECKING:
-    from hetplan.ir.cluster import ClusterSpec
     from hetplan.ir.model import ModelIR
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "WorkloadSummary",
     "ModelRef",
     "ClusterRef",
+    "CostSettings",
     "RankPlacement",
     "Layout",
     "Stage",
@@ -197,16 +199,34 @@ class ModelRef(_Section):
 
 
 class ClusterRef(_Section):
-    """Which cluster the plan is for; ``fingerprint`` is ``ClusterSpec.fingerprint()``."""
+    """Which cluster the plan is for; ``fingerprint`` is ``ClusterSpec.fingerprint()``.
+
+    ``spec`` embeds the cluster itself so that ``hetplan simulate`` can re-evaluate the plan
+    from the plan file alone.
+    """
 
     name: Name
     fingerprint: Name
     world_size: PosInt
+    spec: ClusterSpec | None = None
 
     @classmethod
-    def from_cluster(cls, spec: ClusterSpec) -> ClusterRef:
-        """Reference ``spec`` by name, fingerprint and world size."""
-        return cls(name=spec.name, fingerprint=spec.fingerprint(), world_size=spec.world_size)
+    def from_cluster(cls, spec: ClusterSpec, *, embed: bool = True) -> ClusterRef:
+        """Reference ``spec`` by name, fingerprint and world size (embedding it by default)."""
+        return cls(name=spec.name, fingerprint=spec.fingerprint(), world_size=spec.world_size,
+                   spec=spec if embed else None)
+
+
+class CostSettings(_Section):
+    """The cost-model settings a plan was predicted with (``simulate`` reuses them).
+
+    ``profile_fingerprint`` identifies the profile DB used (empty: analytic costs only).
+    """
+
+    dtype: Name = "fp32"
+    efficiency: Annotated[float, Field(gt=0, le=1)] = 0.5
+    optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
+    profile_fingerprint: str = ""
 
 
 # -- layout and pipeline stages --------------------------------------------------------------

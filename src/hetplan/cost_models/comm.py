@@ -1,0 +1,389 @@
+"""Communication cost: an alpha–beta model per collective, group size and link.
+
+Convention (one for analytic and profiled costs; tests check it)::
+
+    t(collective, nbytes, n) = steps(collective, n) * alpha + factor(collective, n) * nbytes / B
+
+* ``alpha`` is the latency of **one algorithm step** (``LinkSpec.latency_s``), ``B`` the link's
+  bus bandwidth (``LinkSpec.bandwidth_bytes_per_s``) and ``n`` the group size.
+* ``factor`` is the NCCL-tests bus-bandwidth factor (``algbw = busbw / factor``):
+  ``2(n-1)/n`` allreduce; ``(n-1)/n`` reduce_scatter, allgather, alltoall, gather; ``1``
+  broadcast, reduce, p2p.
+* ``steps`` counts the latency-bound steps of the ring / pipelined-chain algorithms NCCL uses
+  (Thakur et al. 2005): ``2(n-1)`` allreduce; ``n-1`` reduce_scatter, allgather, alltoall,
+  gather, broadcast, reduce; ``1`` p2p. So latency is *not* counted once per call as in the
+  NCCL-tests formula ``latency + S/algbw``; for large groups this overstates small-message
+  time where NCCL would switch to trees (profile to correct it).
+* ``nbytes`` is the **per-rank buffer**: the input of allreduce, reduce_scatter, reduce,
+  broadcast and p2p; the **total gathered output** of allgather and gather (n times one
+  rank's contribution); the total each rank sends (its own block included) for alltoall.
+* Group size 1, and ``nbytes == 0``, cost 0 s.
+
+Profiled fits take precedence over the analytic model. A :class:`~.profile_db.CollectiveRecord`
+measured at group size ``m`` on the same backend and link kind gives a line ``a + b * nbytes``
+(fitted with :func:`fit_alpha_beta` unless the record carries one); it is used as is for
+``n == m`` and otherwise taken from the nearest measured ``m`` and rescaled to ``n`` under the
+convention above (``a * steps(n)/steps(m)``, ``b * factor(n)/factor(m)``). Every cost says its
+source (``"profiled"`` or ``"analytic"``).
+
+Links are a :class:`~hetplan.ir.cluster.LinkSpec` or the names ``"intra"`` (the *slowest*
+intra-node link of the cluster: the phases on all nodes run together and wait for the slowest)
+and ``"inter"`` (the cluster's inter-node network).
+
+Speed: :meth:`CommModel.time_s` looks up a precomputed line per (collective, group size, link)
+and does one multiply-add; nothing touches pydantic after the first call for a key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from hetplan.cost_models.profile_db import ProfileDB
+from hetplan.errors import SpecError
+from hetplan.ir.cluster import ClusterSpec, LinkSpec
+from hetplan.ir.validation import did_you_mean
+
+__all__ = [
+    "COLLECTIVES",
+    "AlphaBeta",
+    "Collective",
+    "CommCost",
+    "CommModel",
+    "CostSourceName",
+    "analytic_time_s",
+    "bus_factor",
+    "fit_alpha_beta",
+    "latency_steps",
+]
+
+#: The collective operations the model knows.
+Collective = Literal[
+    "allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "reduce", "gather", "p2p"
+]
+COLLECTIVES: tuple[str, ...] = get_args(Collective)
+#: Where a cost came from.
+CostSourceName = Literal["profiled", "analytic"]
+LinkRef = LinkSpec | Literal["intra", "inter"]
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaBeta:
+    """A line ``seconds = alpha_s + beta_s_per_byte * nbytes`` and where it came from.
+
+    Attributes:
+        alpha_s: the fixed part (for a collective: all its latency steps together).
+        beta_s_per_byte: seconds per byte of ``nbytes``.
+        source: ``"profiled"`` (fitted from measurements) or ``"analytic"`` (from link specs).
+        detail: how it was obtained, for ``hetplan inspect``.
+    """
+
+    alpha_s: float
+    beta_s_per_byte: float
+    source: CostSourceName = "analytic"
+    detail: str = ""
+
+    def time_s(self, nbytes: float) -> float:
+        """The line at ``nbytes`` (0 s for 0 bytes)."""
+        return self.alpha_s + self.beta_s_per_byte * nbytes if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CommCost:
+    """A communication time with its provenance."""
+
+    seconds: float
+    source: CostSourceName
+    detail: str = ""
+
+
+def _check_collective(collective: str) -> None:
+    if collective not in COLLECTIVES:
+        raise ValueError(
+            f"unknown collective {collective!r}{did_you_mean(collective, COLLECTIVES)} "
+            f"(known: {', '.join(COLLECTIVES)})"
+        )
+
+
+def bus_factor(collective: str, group_size: int) -> float:
+    """NCCL-tests bus-bandwidth factor of ``collective`` on ``group_size`` ranks (0 for 1)."""
+    _check_collective(collective)
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if collective == "allreduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("broadcast", "reduce", "p2p"):
+        return 1.0
+    return (n - 1) / n
+
+
+def latency_steps(collective: str, group_size: int) -> int:
+    """Latency-bound steps of the ring/chain algorithm (0 for a group of 1)."""
+    _check_collective(collective)
+    n = group_size
+    if n <= 1:
+        return 0
+    if collective == "allreduce":
+        return 2 * (n - 1)
+    if collective == "p2p":
+        return 1
+    return n - 1
+
+
+def analytic_time_s(
+    collective: str,
+    nbytes: float,
+    group_size: int,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+) -> float:
+    """The module's formula on raw numbers: ``steps * latency + factor * nbytes / bandwidth``.
+
+    Args:
+        collective: one of :data:`COLLECTIVES`.
+        nbytes: buffer size in bytes, as defined in the module docstring.
+        group_size: ranks taking part.
+        bandwidth_bytes_per_s: bus bandwidth of the link (> 0).
+        latency_s: latency of one algorithm step.
+
+    Returns:
+        Seconds; 0 for a group of 1 or 0 bytes.
+    """
+    if group_size <= 1 or nbytes <= 0:
+        _check_collective(collective)
+        return 0.0
+    return (
+        latency_steps(collective, group_size) * latency_s
+        + bus_factor(collective, group_size) * nbytes / bandwidth_bytes_per_s
+    )
+
+
+def fit_alpha_beta(
+    samples: Iterable[tuple[float, float]], *, relative: bool = True
+) -> AlphaBeta:
+    """Least-squares line through measured ``(nbytes, seconds)`` points, with α, β ≥ 0.
+
+    With ``relative=True`` (default) each residual is divided by the measured time, so that
+    small, latency-bound messages constrain α as much as large ones constrain β (measurement
+    noise is roughly proportional to the time). If the unconstrained optimum has a negative
+    coefficient, the best fit on the boundary (α = 0 or β = 0) is returned, which is the
+    non-negative least-squares solution for two unknowns. When all sizes are equal the slope is
+    undetermined and the line through the origin is preferred (pure bandwidth).
+
+    Args:
+        samples: ``(nbytes, seconds)`` pairs; at least one, all non-negative.
+        relative: weight residuals by ``1 / seconds**2`` instead of 1.
+
+    Returns:
+        ``AlphaBeta(alpha_s, beta_s_per_byte, source="profiled")``.
+
+    Raises:
+        ValueError: no samples, or a negative or non-finite value.
+    """
+    pts = [(float(x), float(y)) for x, y in samples]
+    if not pts:
+        raise ValueError("fit_alpha_beta needs at least one (nbytes, seconds) sample")
+    for x, y in pts:
+        if not (0 <= x < float("inf") and 0 <= y < float("inf")):
+            raise ValueError(f"samples must be finite and non-negative, got ({x!r}, {y!r})")
+    tiny = max((y for _, y in pts), default=0.0) * 1e-9 or 1e-30
+    ws = [1.0 / max(y, tiny) ** 2 if relative else 1.0 for _, y in pts]
+    sw = sum(ws)
+    sx = sum(w * x for w, (x, _) in zip(ws, pts))
+    sy = sum(w * y for w, (_, y) in zip(ws, pts))
+    sxx = sum(w * x * x for w, (x, _) in zip(ws, pts))
+    sxy = sum(w * x * y for w, (x, y) in zip(ws, pts))
+
+    def sse(a: float, b: float) -> float:
+        return sum(w * (a + b * x - y) ** 2 for w, (x, y) in zip(ws, pts))
+
+    candidates: list[tuple[float, float]] = []
+    det = sw * sxx - sx * sx
+    if det > 1e-12 * sw * sxx:
+        a = (sy * sxx - sx * sxy) / det
+        b = (sw * sxy - sx * sy) / det
+        if a >= 0 and b >= 0:
+            candidates.append((a, b))
+    candidates.append((0.0, max(sxy / sxx, 0.0) if sxx > 0 else 0.0))
+    candidates.append((max(sy / sw, 0.0), 0.0))
+    errors = [sse(a, b) for a, b in candidates]
+    best = min(range(len(candidates)), key=lambda i: (errors[i] > min(errors) * (1 + 1e-9), i))
+    a, b = candidates[best]
+    return AlphaBeta(a, b, "profiled", f"least-squares fit of {len(pts)} samples")
+
+
+class CommModel:
+    """Collective times on a cluster, profiled where the DB has them, else analytic.
+
+    Args:
+        cluster: the cluster (its links give the analytic α and β).
+        db: measured collectives; None for analytic only.
+        backend: the backend whose measurements apply; by default ``gloo`` when every device
+            type is ``cpu``, else ``nccl``.
+
+    Example:
+        >>> from hetplan.ir.cluster import ClusterSpec
+        >>> m = CommModel(ClusterSpec.from_preset("a100-nvlink-8x8"))
+        >>> round(m.time_s("allreduce", 100e6, 8, "intra") * 1e6, 1)  # 14 x 2 us + 1.75 M / B
+        611.3
+    """
+
+    def __init__(
+        self, cluster: ClusterSpec, db: ProfileDB | None = None, *, backend: str | None = None
+    ) -> None:
+        self.cluster = cluster
+        self.db = db
+        if backend is None:
+            cpu_only = all(name == "cpu" for name in _used_device_types(cluster))
+            backend = "gloo" if cpu_only else "nccl"
+        self.backend = backend
+        intra = [node.intra_link for node in cluster.nodes]
+        self._named: dict[str, LinkSpec | None] = {
+            "intra": min(intra, key=lambda link: (link.bandwidth_gbps, -link.latency_us)),
+            "inter": cluster.inter_node,
+        }
+        # (collective, link kind) -> {group size: fitted line at that size}
+        self._profiled: dict[tuple[str, str], dict[int, AlphaBeta]] = {}
+        for rec in db.collectives if db is not None else ():
+            if rec.backend != backend:
+                continue
+            if rec.alpha_s is not None and rec.beta_s_per_byte is not None:
+                line = AlphaBeta(rec.alpha_s, rec.beta_s_per_byte, "profiled", "fitted in DB")
+            else:
+                line = fit_alpha_beta((s.nbytes, s.seconds) for s in rec.samples)
+            self._profiled.setdefault((rec.collective, rec.link_kind), {})[rec.group_size] = line
+        self._lines: dict[tuple[str, int, LinkRef], AlphaBeta] = {}
+
+    # -- the hot path ----------------------------------------------------------------------
+    def time_s(self, collective: str, nbytes: float, group_size: int, link: LinkRef) -> float:
+        """Seconds for one ``collective`` of ``nbytes`` on ``group_size`` ranks over ``link``.
+
+        Args:
+            collective: one of :data:`COLLECTIVES`.
+            nbytes: per-rank buffer bytes (allgather/gather: total gathered; alltoall: total
+                sent per rank); see the module docstring.
+            group_size: ranks in the group; 1 costs 0 s.
+            link: a ``LinkSpec``, ``"intra"`` or ``"inter"``.
+
+        Raises:
+            ValueError: unknown collective, group size < 1, negative ``nbytes``.
+            SpecError: ``"inter"`` on a one-node cluster.
+        """
+        line = self._lines.get((collective, group_size, link))
+        if line is None:
+            line = self.alpha_beta(collective, group_size, link)
+        if nbytes <= 0:
+            if nbytes < 0:
+                raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+            return 0.0
+        return line.alpha_s + line.beta_s_per_byte * nbytes
+
+    def alpha_beta(self, collective: str, group_size: int, link: LinkRef) -> AlphaBeta:
+        """The line ``t = alpha_s + beta_s_per_byte * nbytes`` used for this key (cached)."""
+        key = (collective, group_size, link)
+        line = self._lines.get(key)
+        if line is None:
+            line = self._build_line(collective, group_size, link)
+            self._lines[key] = line
+        return line
+
+    def cost(self, collective: str, nbytes: float, group_size: int, link: LinkRef) -> CommCost:
+        """:meth:`time_s` with its source and how it was obtained."""
+        seconds = self.time_s(collective, nbytes, group_size, link)
+        line = self.alpha_beta(collective, group_size, link)
+        return CommCost(seconds, line.source, line.detail)
+
+    # -- hierarchical composition ----------------------------------------------------------
+    def hierarchical_allreduce_cost(
+        self,
+        nbytes: float,
+        gpus_per_node: int,
+        nodes: int,
+        intra: LinkRef = "intra",
+        inter: LinkRef = "inter",
+    ) -> CommCost:
+        """Hierarchical allreduce (zen_espresso §E.4(c)), with provenance.
+
+        Three phases in sequence: an intra-node reduce_scatter of ``nbytes`` over the
+        ``gpus_per_node`` (k) GPUs; an inter-node allreduce over ``nodes`` (N) of each GPU's
+        1/k shard, where the k concurrent shard allreduces share the node's NIC, so it is
+        costed as one allreduce of the full ``nbytes`` over the inter link (per-NIC volume
+        2(N−1)/N·M, latency steps counted once since they run together); and an intra-node
+        allgather of ``nbytes``.
+
+        Returns:
+            The summed time; ``source`` is ``"profiled"`` only if every phase is.
+        """
+        phases = [("intra reduce_scatter", self.cost("reduce_scatter", nbytes, gpus_per_node,
+                                                     intra))]
+        if nodes > 1:
+            phases.append(("inter allreduce", self.cost("allreduce", nbytes, nodes, inter)))
+        phases.append(("intra allgather", self.cost("allgather", nbytes, gpus_per_node, intra)))
+        profiled = all(cost.source == "profiled" for _, cost in phases)
+        return CommCost(
+            sum(cost.seconds for _, cost in phases),
+            "profiled" if profiled else "analytic",
+            "; ".join(f"{name}: {cost.source}" for name, cost in phases),
+        )
+
+    def hierarchical_allreduce_s(
+        self,
+        nbytes: float,
+        gpus_per_node: int,
+        nodes: int,
+        intra: LinkRef = "intra",
+        inter: LinkRef = "inter",
+    ) -> float:
+        """Seconds of :meth:`hierarchical_allreduce_cost`."""
+        return self.hierarchical_allreduce_cost(nbytes, gpus_per_node, nodes, intra, inter).seconds
+
+    # -- building lines --------------------------------------------------------------------
+    def resolve_link(self, link: LinkRef) -> LinkSpec:
+        """The ``LinkSpec`` a link reference names."""
+        if isinstance(link, LinkSpec):
+            return link
+        if link not in self._named:
+            raise ValueError(
+                f"link must be a LinkSpec, 'intra' or 'inter', got {link!r}"
+                f"{did_you_mean(str(link), list(self._named))}"
+            )
+        spec = self._named[link]
+        if spec is None:
+            raise SpecError(
+                f"cluster {self.cluster.name!r} has {self.cluster.num_nodes} node and no "
+                "'inter_node' link; cost inter-node collectives only on multi-node clusters"
+            )
+        return spec
+
+    def _build_line(self, collective: str, group_size: int, link: LinkRef) -> AlphaBeta:
+        _check_collective(collective)
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+        spec = self.resolve_link(link)
+        if group_size == 1:
+            return AlphaBeta(0.0, 0.0, "analytic", "group of 1: no communication")
+        steps = latency_steps(collective, group_size)
+        factor = bus_factor(collective, group_size)
+        fits = self._profiled.get((collective, spec.kind))
+        if fits:
+            m = min(fits, key=lambda size: (abs(size - group_size), -size))
+            fit = fits[m]
+            if m == group_size:
+                return AlphaBeta(fit.alpha_s, fit.beta_s_per_byte, "profiled",
+                                 f"{self.backend} {spec.kind} n={m}: {fit.detail}")
+            a = fit.alpha_s * steps / latency_steps(collective, m)
+            b = fit.beta_s_per_byte * factor / bus_factor(collective, m)
+            return AlphaBeta(a, b, "profiled",
+                             f"{self.backend} {spec.kind} n={m} rescaled to n={group_size}")
+        return AlphaBeta(
+            steps * spec.latency_s,
+            factor / spec.bandwidth_bytes_per_s,
+            "analytic",
+            f"{spec.kind} {spec.bandwidth_gbps:g} Gbit/s, {spec.latency_us:g} us/step",
+        )
+
+
+def _used_device_types(cluster: ClusterSpec) -> set[str]:
+    return {group.type for node in cluster.nodes for group in node.devices}

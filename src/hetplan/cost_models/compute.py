@@ -1,0 +1,128 @@
+"""Compute cost per layer and device type: profiled first, roofline otherwise.
+
+For each layer of a workload (:class:`~hetplan.ir.plan_sections.WorkloadSummary`) and a device,
+the forward and backward time of one micro-batch comes from, in order:
+
+1. ``profiled``: the profile DB record for the layer's signature on that device type (measured
+   at the capture's micro-batch size, scaled linearly to the micro-batch asked for, divided by
+   the device's slowdown);
+2. ``measured``: a benchmark workload's recorded backprop time (``measured_bwd_us``, V100), the
+   forward taken as half of it, scaled by the device's fp32 peak relative to a V100 SXM2;
+3. ``analytic``: a roofline, ``max(FLOPs / (peak · efficiency), bytes / memory bandwidth)``,
+   where bytes are the parameters read plus the activations read and written (backward: twice
+   the parameters — read weights, write gradients — plus the saved activations and the
+   incoming and outgoing gradients).
+
+With ``require_profiled=True`` a missing profile raises :class:`MissingProfileError` listing
+every missing (layer, device type) key instead of falling back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetplan.cost_models.profile_db import ProfileDB
+from hetplan.errors import MissingProfileError
+from hetplan.ir.cluster import Device
+from hetplan.ir.plan_sections import LayerCost, WorkloadSummary
+
+__all__ = ["LayerTime", "ComputeModel", "V100_FP32_FLOPS"]
+
+#: The device the Espresso benchmark workloads were measured on (V100 SXM2, fp32 FLOP/s).
+V100_FP32_FLOPS = 15.7e12
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTime:
+    """Forward and backward time of one layer for one micro-batch, and where it came from."""
+
+    fwd_s: float
+    bwd_s: float
+    source: str  # "profiled" | "measured" | "analytic"
+
+
+class ComputeModel:
+    """Per-layer compute times (see module docstring).
+
+    Args:
+        db: profile DB (or None: no profiled times).
+        efficiency: fraction of peak FLOP/s the roofline assumes dense layers reach.
+        dtype: the compute dtype whose peak the roofline uses (``fp32``, ``bf16`` ...).
+        require_profiled: raise instead of falling back to analytic estimates.
+    """
+
+    def __init__(
+        self,
+        db: ProfileDB | None = None,
+        *,
+        efficiency: float = 0.5,
+        dtype: str = "fp32",
+        require_profiled: bool = False,
+    ) -> None:
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+        self.db = db
+        self.efficiency = efficiency
+        self.dtype = dtype
+        self.require_profiled = require_profiled
+        self._cache: dict[tuple[int, str, float, int], tuple[object, list[LayerTime]]] = {}
+
+    def layer_times(
+        self, workload: WorkloadSummary, device: Device, micro_batch: int
+    ) -> list[LayerTime]:
+        """Times of every layer of ``workload`` on ``device`` for a micro-batch of that size."""
+        key = (id(workload), device.type, device.slowdown, micro_batch)
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] is workload:
+            return cached[1]
+        scale = micro_batch / workload.batch_size
+        times = [self._one(lay, device, scale) for lay in workload.layers]
+        if self.require_profiled:
+            missing = [
+                f"{lay.name} (signature {lay.signature}) on {device.type}"
+                for lay, t in zip(workload.layers, times)
+                if t.source != "profiled"
+            ]
+            if missing:
+                raise MissingProfileError(
+                    f"no profiled compute time for {len(missing)} layer(s): "
+                    + "; ".join(missing[:8])
+                    + (" …" if len(missing) > 8 else "")
+                    + ". Run `hetplan profile --model …` on that device type, or drop "
+                    "--require-profiled to use analytic estimates"
+                )
+        self._cache[key] = (workload, times)
+        return times
+
+    def _one(self, lay: LayerCost, device: Device, scale: float) -> LayerTime:
+        if self.db is not None and lay.signature:
+            rec = self.db.compute_record(lay.signature, device.type)
+            if rec is not None:
+                speed = 1.0 / device.slowdown
+                return LayerTime(
+                    rec.fwd_ms * 1e-3 * scale / speed, rec.bwd_ms * 1e-3 * scale / speed,
+                    "profiled",
+                )
+        if lay.measured_bwd_us is not None:
+            ratio = V100_FP32_FLOPS / device.flops("fp32")
+            bwd = lay.measured_bwd_us * 1e-6 * scale * ratio
+            return LayerTime(bwd / 2, bwd, "measured")
+        return self._roofline(lay, device, scale)
+
+    def _roofline(self, lay: LayerCost, device: Device, scale: float) -> LayerTime:
+        peak = device.flops(self.dtype) * self.efficiency
+        bw = device.mem_bandwidth_bytes_per_s
+        act = (lay.act_in_bytes + lay.act_out_bytes) * scale
+        fwd = max(lay.fwd_flops * scale / peak, (lay.param_bytes + act) / bw)
+        bwd_bytes = 2 * lay.param_bytes + lay.act_saved_bytes * scale + act
+        bwd = max(lay.bwd_flops * scale / peak, bwd_bytes / bw)
+        return LayerTime(fwd, bwd, "analytic")
+
+    @staticmethod
+    def sources(times: Sequence[LayerTime]) -> dict[str, int]:
+        """How many layers got their time from each source."""
+        out: dict[str, int] = {}
+        for t in times:
+            out[t.source] = out.get(t.source, 0) + 1
+        return out

@@ -1,0 +1,428 @@
+"""Predict one iteration of a plan: the single objective of layout search and every pass.
+
+:func:`evaluate` turns (workload, layout, stages, tensor-parallel and gradient-sync sections)
+into an iteration time, a breakdown, the memory of every rank and the pipeline bubble:
+
+1. **Stage times.** For every pipeline stage, each layer's forward and backward time for one
+   micro-batch on every distinct device of the stage (:class:`ComputeModel`); a synchronous
+   stage runs at its slowest device. Layers with Megatron pairs are split ``tp`` ways and add
+   one all-reduce of their output per pair in forward and in backward on the TP group's link.
+2. **Pipeline.** The schedule is simulated over the stage times with point-to-point
+   activation transfers between stages (:func:`simulate_pipeline`), giving each stage's end of
+   its last backward.
+3. **Gradient sync.** Each stage's data-parallel group syncs that stage's gradients while the
+   stage runs its last micro-batch's backward: the DP timeline (:func:`simulate_dp`) over that
+   backward, with one sync unit per bucket (or per tensor), gives the time the stage finishes
+   after its backward ends (exposed communication, GPU compression delays).
+4. **Iteration** ``= max over stages (last backward end + exposed sync) + optimizer step``; the
+   optimizer step is memory-bound (Adam reads and writes about 7 bytes per parameter byte).
+5. **Memory** per rank (:mod:`hetplan.cost_models.memory`) with the schedule's in-flight
+   micro-batches; :class:`~hetplan.errors.InfeasiblePlanError` when a rank does not fit.
+
+Everything here is deterministic and free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.memory import (
+    MemoryBreakdown,
+    check_fits,
+    in_flight_micro_batches,
+    stage_memory,
+)
+from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline
+from hetplan.cost_models.timeline import CPU, GPU, DPTimeline, Op, SyncUnit, simulate_dp
+from hetplan.errors import SpecError
+from hetplan.ir.cluster import Device
+from hetplan.ir.plan_sections import (
+    CastSync,
+    CompressedSync,
+    GradientSync,
+    Layout,
+    NoSync,
+    Stage,
+    SyncStrategy,
+    WorkloadSummary,
+)
+
+__all__ = ["Evaluation", "StageCost", "evaluate", "rank_devices", "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
+
+#: Bytes the optimizer step moves per parameter byte (Adam: read p, g, m, v; write p, m, v).
+OPTIMIZER_BYTES_PER_PARAM_BYTE = 7.0
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's per-micro-batch times and what its DP sync adds."""
+
+    fwd_s: float
+    bwd_s: float
+    tp_comm_s: float
+    exposed_sync_s: float
+    sync_busy_s: float
+    compression_s: float
+    layer_sources: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The predicted iteration (seconds; the plan stores milliseconds)."""
+
+    iteration_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    compression_s: float
+    optimizer_s: float
+    bubble_ratio: float
+    memory: tuple[MemoryBreakdown, ...]
+    stages: tuple[StageCost, ...]
+    pipeline: PipelineSimResult
+    dp_timelines: tuple[DPTimeline | None, ...]
+
+
+def rank_devices(costs: CostModel, stage: Stage) -> list[Device]:
+    return [costs.devices[r] for r in stage.ranks]
+
+
+def _group_link(costs: CostModel, ranks: list[int]) -> tuple[str, int, int]:
+    """(link name, nodes spanned, largest members on one node) of a rank group."""
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        n = costs.devices[r].node_index
+        nodes[n] = nodes.get(n, 0) + 1
+    link = "intra" if len(nodes) == 1 else "inter"
+    return link, len(nodes), max(nodes.values())
+
+
+def evaluate(
+    workload: WorkloadSummary,
+    layout: Layout,
+    stages: tuple[Stage, ...],
+    gradient_sync: GradientSync | None,
+    costs: CostModel,
+    *,
+    check_memory: bool = True,
+    record: bool = False,
+) -> Evaluation:
+    """Predict one iteration (see module docstring).
+
+    Raises:
+        SpecError: the sections do not fit together (stages missing, unknown tensors).
+        InfeasiblePlanError: a rank runs out of memory (with ``check_memory``).
+    """
+    if not stages:
+        stages = (
+            Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
+                  ranks=tuple(range(layout.num_ranks))),
+        )
+    if len(stages) != layout.pp:
+        raise SpecError(f"layout has pp={layout.pp} but the plan lists {len(stages)} stage(s)")
+    mb = layout.micro_batch_size
+    scale = mb / workload.batch_size
+    stage_of = [0] * len(workload.layers)
+    for st in stages:
+        for i in range(st.first_layer, st.last_layer + 1):
+            stage_of[i] = st.index
+
+    fwd, bwd, tp_comm, bwd_layers, sources = [], [], [], [], []
+    for st in stages:
+        f, b, c, per_layer, src = _stage_times(workload, st, layout, costs, mb, scale)
+        fwd.append(f)
+        bwd.append(b)
+        tp_comm.append(c)
+        bwd_layers.append(per_layer)
+        sources.append(src)
+
+    p2p = []
+    for s in range(len(stages) - 1):
+        nbytes = workload.layers[stages[s].last_layer].act_out_bytes * scale / layout.tp
+        a, b = stages[s].ranks[0], stages[s + 1].ranks[0]
+        link = costs.cluster.link_between(a, b)
+        p2p.append(costs.comm.time_s("p2p", nbytes, 2, link) * 1e3)
+    pipe = simulate_pipeline(
+        [x * 1e3 for x in fwd],
+        [x * 1e3 for x in bwd],
+        layout.micro_batches,
+        layout.schedule,
+        virtual_stages=layout.virtual_stages,
+        p2p_fwd_ms=p2p or 0,
+        p2p_bwd_ms=p2p or 0,
+    )
+    last_bwd_end = [0.0] * len(stages)
+    for ev in pipe.events:
+        if ev.kind.value == "B":
+            last_bwd_end[ev.rank] = max(last_bwd_end[ev.rank], ev.end_ms * 1e-3)
+
+    strategies = _units_by_stage(workload, gradient_sync, stage_of, len(stages))
+    stage_costs, timelines = [], []
+    comm_busy = compression = 0.0
+    finish = []
+    for s, st in enumerate(stages):
+        tl = None
+        exposed = busy = comp = 0.0
+        if layout.dp > 1 and strategies[s]:
+            tl = _sync_stage(workload, st, layout, costs, strategies[s], bwd_layers[s], record)
+            exposed = tl.iteration_s - bwd[s]
+            busy = sum(v for k, v in tl.busy_s.items() if k not in (GPU, CPU))
+            comp = tl.busy_s.get(GPU, 0.0) - sum(bwd_layers[s]) + tl.busy_s.get(CPU, 0.0)
+        stage_costs.append(StageCost(fwd[s], bwd[s], tp_comm[s], exposed, busy, comp, sources[s]))
+        timelines.append(tl)
+        comm_busy = max(comm_busy, busy)
+        compression = max(compression, comp)
+        finish.append(last_bwd_end[s] + max(exposed, 0.0))
+
+    optimizer_s = _optimizer_s(workload, stages, layout, costs)
+    iteration = max(finish) + optimizer_s
+    compute = max((f + b) * layout.micro_batches for f, b in zip(fwd, bwd))
+    memory = _memory(workload, stages, layout, costs, scale)
+    if check_memory:
+        check_fits(
+            list(memory),
+            [d.memory_bytes for d in costs.devices[: len(memory)]],
+            what=f"layout dp={layout.dp} pp={layout.pp} tp={layout.tp} "
+            f"micro-batch {layout.micro_batch_size}",
+        )
+    return Evaluation(
+        iteration_s=iteration,
+        compute_s=compute,
+        comm_s=comm_busy + max(c * layout.micro_batches for c in tp_comm),
+        exposed_comm_s=max(max(f - e, 0.0) for f, e in zip(finish, last_bwd_end)),
+        bubble_s=max(pipe.iteration_ms * 1e-3 - compute, 0.0),
+        compression_s=compression,
+        optimizer_s=optimizer_s,
+        bubble_ratio=pipe.bubble_ratio,
+        memory=memory,
+        stages=tuple(stage_costs),
+        pipeline=pipe,
+        dp_timelines=tuple(timelines),
+    )
+
+
+def _stage_times(
+    workload: WorkloadSummary,
+    st: Stage,
+    layout: Layout,
+    costs: CostModel,
+    mb: int,
+    scale: float,
+) -> tuple[float, float, float, list[float], dict[str, int]]:
+    """Per-micro-batch forward, backward and TP-communication time of a stage, at the speed
+    of its slowest device, and each layer's backward time (for the DP timeline)."""
+    devices = {(d.type, d.slowdown): d for d in rank_devices(costs, st)}
+    tp = layout.tp
+    if tp > 1:
+        tp_ranks = list(st.ranks[:tp])
+        link, _, _ = _group_link(costs, tp_ranks)
+    best: tuple[float, float, list[float]] | None = None
+    sources: dict[str, int] = {}
+    layers = workload.layers[st.first_layer : st.last_layer + 1]
+    tp_comm = 0.0
+    for dev in devices.values():
+        times = costs.compute.layer_times(workload, dev, mb)[st.first_layer : st.last_layer + 1]
+        f = b = 0.0
+        per_layer = []
+        for lay, t in zip(layers, times):
+            lf, lb = t.fwd_s, t.bwd_s
+            if tp > 1 and lay.tp_pairs:
+                lf, lb = lf / tp, lb / tp
+            f += lf
+            b += lb
+            per_layer.append(lb)
+            sources[t.source] = sources.get(t.source, 0) + 1
+        if best is None or f + b > best[0] + best[1]:
+            best = (f, b, per_layer)
+    assert best is not None
+    if tp > 1:
+        for lay in layers:
+            if lay.tp_pairs:
+                nbytes = lay.act_out_bytes * scale
+                tp_comm += lay.tp_pairs * costs.comm.time_s("allreduce", nbytes, tp, link)
+    # TP all-reduces happen in forward and again in backward
+    per_layer = list(best[2])
+    if per_layer and tp_comm:
+        per_layer[-1] += tp_comm
+    return best[0] + tp_comm, best[1] + tp_comm, tp_comm, per_layer, sources
+
+
+def _units_by_stage(
+    workload: WorkloadSummary,
+    sync: GradientSync | None,
+    stage_of: list[int],
+    num_stages: int,
+) -> list[list[tuple[list[int], SyncStrategy]]]:
+    """Per stage: (gradient indices, strategy) per sync unit, in backward-ready order.
+
+    Without a gradient-sync section every gradient is its own fp32 allreduce (layer-wise)."""
+    index = {g.name: i for i, g in enumerate(workload.grads)}
+    out: list[list[tuple[list[int], SyncStrategy]]] = [[] for _ in range(num_stages)]
+    covered: set[int] = set()
+    if sync is not None:
+        per_tensor = {t.name: t.strategy for t in sync.tensors}
+        groups = [(list(b.tensors), b.strategy) for b in sync.buckets]
+        in_bucket = {n for names, _ in groups for n in names}
+        groups += [([n], s) for n, s in per_tensor.items() if n not in in_bucket]
+        for names, strategy in groups:
+            idx = []
+            for n in names:
+                if n not in index:
+                    raise SpecError(
+                        f"gradient_sync names tensor {n!r}, which the workload does not have"
+                    )
+                idx.append(index[n])
+            idx.sort()
+            stages = {stage_of[workload.grads[i].layer_index] for i in idx}
+            if len(stages) != 1:
+                raise SpecError(
+                    f"a sync unit holds tensors of stages {sorted(stages)}: "
+                    f"{names[:3]}…; a bucket must stay inside one pipeline stage"
+                )
+            out[stages.pop()].append((idx, sync.strategies[strategy]))
+            covered.update(idx)
+    for i, g in enumerate(workload.grads):
+        if i not in covered:
+            out[stage_of[g.layer_index]].append(([i], NoSync()))
+    for units in out:
+        units.sort(key=lambda u: u[0][-1])
+    return out
+
+
+def _sync_stage(
+    workload: WorkloadSummary,
+    st: Stage,
+    layout: Layout,
+    costs: CostModel,
+    units: list[tuple[list[int], SyncStrategy]],
+    bwd_per_layer: list[float],
+    record: bool,
+) -> DPTimeline:
+    """DP timeline of one stage over its last micro-batch's backward."""
+    # gradient-ready times: a layer's gradients are ready when its backward ends; layers are
+    # back-propagated in reverse order, so layer i ends after layers last..i
+    first = st.first_layer
+    end_of_layer: dict[int, float] = {}
+    t = 0.0
+    for i in range(st.last_layer, first - 1, -1):
+        t += bwd_per_layer[i - first]
+        end_of_layer[i] = t
+    grads = [
+        (i, g) for i, g in enumerate(workload.grads) if first <= g.layer_index <= st.last_layer
+    ]
+    position = {i: k for k, (i, _) in enumerate(grads)}
+    segments = []
+    prev = 0.0
+    for _, g in grads:
+        ready = max(end_of_layer[g.layer_index], prev)
+        segments.append(ready - prev)
+        prev = ready
+    segments[-1] += t - prev  # backprop that produces no gradient of this stage
+    dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
+    link, nodes, per_node = _group_link(costs, dp_ranks)
+    sync_units = []
+    for idx, strategy in units:
+        nbytes = sum(
+            _shard_bytes(workload, workload.grads[i].size_bytes, workload.grads[i].layer_index,
+                         layout.tp)
+            for i in idx
+        )
+        ops = _strategy_ops(strategy, nbytes, costs, st, layout.dp, link, nodes, per_node)
+        sync_units.append(SyncUnit(position[idx[-1]], ops, workload.grads[idx[-1]].name))
+    sync_units.sort(key=lambda u: u.last_tensor)
+    return simulate_dp(segments, sync_units, record=record)
+
+
+def _shard_bytes(workload: WorkloadSummary, nbytes: int, layer: int, tp: int) -> float:
+    """A gradient's bytes on one TP rank: the splittable share divided by tp."""
+    lay = workload.layers[layer]
+    if tp == 1 or not lay.param_bytes or not lay.tp_split_bytes:
+        return float(nbytes)
+    frac = min(lay.tp_split_bytes / lay.param_bytes, 1.0)
+    return nbytes * (1 - frac + frac / tp)
+
+
+def _strategy_ops(
+    strategy: SyncStrategy,
+    nbytes: float,
+    costs: CostModel,
+    st: Stage,
+    dp: int,
+    link: str,
+    nodes: int,
+    per_node: int,
+) -> tuple[Op, ...]:
+    """The ops of one sync unit under ``strategy`` (see the gradient-sync plan section)."""
+    dev = costs.devices[st.ranks[0]]
+    ops: list[Op] = []
+    payload = nbytes
+    if isinstance(strategy, CastSync):
+        ops.append(Op(GPU, 2 * nbytes / dev.mem_bandwidth_bytes_per_s, "cast"))
+        payload = nbytes / 2
+    comp = None
+    if isinstance(strategy, CompressedSync):
+        comp = costs.compression.cost(
+            strategy.compressor, strategy.compress_device, dev.type,
+            **{k: v for k, v in strategy.params.items() if k in ("ratio", "levels", "rank")},
+        )
+        if strategy.uncompressed_dtype != "fp32":
+            payload = nbytes / 2
+    compressed_done = False
+    for step in strategy.steps:
+        if step.compressed and comp is not None and not compressed_done:
+            res = GPU if strategy.compress_device == "gpu" else CPU
+            ops.append(Op(res, comp.compress_s(payload), "compress"))
+            compressed_done = True
+        size = comp.wire_bytes(payload) if step.compressed and comp else payload
+        if step.level == "flat":
+            group, lk = dp, link
+        elif step.level == "intra":
+            group, lk = per_node, "intra"
+        else:
+            group, lk = nodes, "inter"
+        channel = "net" if step.level == "flat" else step.level
+        ops.append(Op(channel, costs.comm.time_s(step.routine, size, group, lk), step.routine))
+    if compressed_done and comp is not None and isinstance(strategy, CompressedSync):
+        res = GPU if strategy.decompress_device == "gpu" else CPU
+        ops.append(Op(res, comp.decompress_s(payload), "decompress"))
+    return tuple(ops)
+
+
+def _optimizer_s(
+    workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout, costs: CostModel
+) -> float:
+    worst = 0.0
+    for st in stages:
+        pbytes = sum(
+            _shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp)
+            for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
+        )
+        bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
+        worst = max(worst, OPTIMIZER_BYTES_PER_PARAM_BYTE * pbytes / bw)
+    return worst
+
+
+def _memory(
+    workload: WorkloadSummary,
+    stages: tuple[Stage, ...],
+    layout: Layout,
+    costs: CostModel,
+    scale: float,
+) -> tuple[MemoryBreakdown, ...]:
+    per_rank: dict[int, MemoryBreakdown] = {}
+    for st in stages:
+        flight = in_flight_micro_batches(
+            layout.schedule, st.index, layout.pp, layout.micro_batches, layout.virtual_stages
+        )
+        mem = stage_memory(
+            list(workload.layers[st.first_layer : st.last_layer + 1]),
+            tp=layout.tp,
+            micro_batch_scale=scale,
+            in_flight=flight,
+            optimizer=costs.optimizer,
+        )
+        for r in st.ranks:
+            per_rank[r] = mem
+    return tuple(per_rank[r] for r in sorted(per_rank))

@@ -1,0 +1,56 @@
+"""The pass interface.
+
+A pass is a frozen dataclass with a kebab-case ``name`` and typed options. Its one method,
+``run(plan, ctx)``, returns a :class:`PassResult` with a new plan in which it has filled or
+changed exactly one section (``section``); it never mutates its inputs. The algorithm lives in
+``hetplan.algorithms`` as a pure function; the pass adapts plan and workload to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import Layout, WorkloadSummary
+
+if TYPE_CHECKING:
+    from hetplan.cost_models.costs import CostModel
+
+__all__ = ["Pass", "PassContext", "PassResult", "rank_of"]
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What every pass may read: the workload, the cluster, the cost model, the layout."""
+
+    workload: WorkloadSummary
+    cluster: ClusterSpec
+    costs: CostModel
+    layout: Layout
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """A pass's output: the new plan, whether it changed anything, and notes for the log."""
+
+    plan: Plan
+    changed: bool
+    notes: tuple[str, ...] = field(default=())
+
+
+class Pass(Protocol):
+    """Structural type of a pass (see module docstring)."""
+
+    name: ClassVar[str]
+    section: ClassVar[str]
+
+    def run(self, plan: Plan, ctx: PassContext) -> PassResult: ...
+
+
+def rank_of(layout: Layout, dp: int, pp: int, tp: int) -> int:
+    """Global rank of coordinates (dp, pp, tp): tp innermost (within a node), then dp, then pp
+    outermost (stages span nodes; p2p activations are the cheapest traffic to send far)."""
+    return (pp * layout.dp + dp) * layout.tp + tp

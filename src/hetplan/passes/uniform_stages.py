@@ -1,0 +1,57 @@
+"""Baseline pass ``uniform-stages``: equal layer counts per pipeline stage (Megatron style).
+
+Owns ``plan.stages``. Layers are split into ``pp`` contiguous stages whose sizes differ by at
+most one (the first ``L mod pp`` stages get the extra layer). Complexity O(L + ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hetplan.errors import PassError
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import Stage
+from hetplan.passes.base import PassContext, PassResult, rank_of
+
+__all__ = ["UniformStages", "stages_from_bounds"]
+
+
+def stages_from_bounds(bounds: list[tuple[int, int]], ctx: PassContext) -> tuple[Stage, ...]:
+    """Stages for inclusive layer ranges, with the ranks of each pipeline coordinate."""
+    lay = ctx.layout
+    names = [layer.name for layer in ctx.workload.layers]
+    return tuple(
+        Stage(
+            index=s,
+            first_layer=first,
+            last_layer=last,
+            layer_names=tuple(names[first : last + 1]),
+            ranks=tuple(
+                rank_of(lay, d, s, t) for d in range(lay.dp) for t in range(lay.tp)
+            ),
+        )
+        for s, (first, last) in enumerate(bounds)
+    )
+
+
+@dataclass(frozen=True)
+class UniformStages:
+    """Split layers evenly by count (the baseline every pipeline pass must beat)."""
+
+    name: ClassVar[str] = "uniform-stages"
+    section: ClassVar[str] = "stages"
+
+    def run(self, plan: Plan, ctx: PassContext) -> PassResult:
+        n, pp = len(ctx.workload.layers), ctx.layout.pp
+        if pp > n:
+            raise PassError(f"{self.name}: {pp} pipeline stages but only {n} layers")
+        base, extra = divmod(n, pp)
+        bounds, first = [], 0
+        for s in range(pp):
+            size = base + (1 if s < extra else 0)
+            bounds.append((first, first + size - 1))
+            first += size
+        stages = stages_from_bounds(bounds, ctx)
+        return PassResult(plan.model_copy(update={"stages": stages}), True,
+                          (f"{pp} stage(s) of {base}-{base + (1 if extra else 0)} layers",))
