@@ -1,0 +1,287 @@
+"""Unit tests of the communication cost model (alpha–beta per collective)."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Literal
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetplan.cost_models.comm import (
+    COLLECTIVES,
+    AlphaBeta,
+    CommModel,
+    analytic_time_s,
+    bus_factor,
+    fit_alpha_beta,
+    latency_steps,
+)
+from hetplan.cost_models.profile_db import CollectiveRecord, CollectiveSample, ProfileDB
+from hetplan.errors import SpecError
+from hetplan.ir.cluster import ClusterSpec, LinkSpec
+
+LINK_100G = LinkSpec(kind="ethernet", bandwidth_gbps=100, latency_us=10)  # 12.5e9 B/s, 10 µs
+
+
+@pytest.fixture(scope="module")
+def pcie() -> ClusterSpec:
+    return ClusterSpec.from_preset("v100-pcie-8x8")
+
+
+# -- the documented formula, by hand -------------------------------------------------------
+def test_allreduce_100mb_8_ranks_by_hand(pcie: ClusterSpec) -> None:
+    # steps = 2(n-1) = 14 -> 14 * 10 µs = 140 µs
+    # factor = 2(n-1)/n = 1.75 -> 1.75 * 1e8 B / 12.5e9 B/s = 14 ms
+    m = CommModel(pcie)
+    assert m.time_s("allreduce", 100e6, 8, LINK_100G) == pytest.approx(0.014 + 140e-6)
+    cost = m.cost("allreduce", 100e6, 8, LINK_100G)
+    assert cost.source == "analytic" and cost.seconds == pytest.approx(0.01414)
+
+
+@pytest.mark.parametrize(
+    ("collective", "expected"),
+    [
+        # n = 8, M = 1e8 B, B = 12.5e9 B/s (M/B = 8 ms), α = 10 µs
+        ("reduce_scatter", 7 * 10e-6 + 0.875 * 8e-3),
+        ("allgather", 7 * 10e-6 + 0.875 * 8e-3),  # M = total gathered bytes
+        ("alltoall", 7 * 10e-6 + 0.875 * 8e-3),
+        ("gather", 7 * 10e-6 + 0.875 * 8e-3),
+        ("broadcast", 7 * 10e-6 + 8e-3),
+        ("reduce", 7 * 10e-6 + 8e-3),
+        ("p2p", 10e-6 + 8e-3),
+    ],
+)
+def test_each_collective_by_hand(pcie: ClusterSpec, collective: str, expected: float) -> None:
+    assert CommModel(pcie).time_s(collective, 100e6, 8, LINK_100G) == pytest.approx(expected)
+
+
+def test_factors_and_steps() -> None:
+    assert bus_factor("allreduce", 4) == 1.5
+    assert bus_factor("allgather", 4) == 0.75
+    assert bus_factor("broadcast", 4) == 1.0
+    assert latency_steps("allreduce", 4) == 6
+    assert latency_steps("alltoall", 4) == 3
+    assert latency_steps("p2p", 4) == 1
+    assert all(bus_factor(c, 1) == 0 and latency_steps(c, 1) == 0 for c in COLLECTIVES)
+
+
+def test_group_of_one_and_zero_bytes_cost_nothing(pcie: ClusterSpec) -> None:
+    m = CommModel(pcie)
+    for c in COLLECTIVES:
+        assert m.time_s(c, 1e9, 1, "inter") == 0.0
+        assert m.time_s(c, 0, 8, "inter") == 0.0
+        assert analytic_time_s(c, 1e9, 1, 1e9, 1e-5) == 0.0
+
+
+def test_bad_arguments(pcie: ClusterSpec) -> None:
+    m = CommModel(pcie)
+    with pytest.raises(ValueError, match="did you mean 'allreduce'"):
+        m.time_s("all_reduce", 1e6, 8, "intra")
+    with pytest.raises(ValueError, match="group_size"):
+        m.time_s("allreduce", 1e6, 0, "intra")
+    with pytest.raises(ValueError, match="nbytes"):
+        m.time_s("allreduce", -1, 8, "intra")
+    with pytest.raises(ValueError, match="'intra' or 'inter'"):
+        m.time_s("allreduce", 1e6, 8, "intre")  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match="no 'inter_node' link"):
+        CommModel(ClusterSpec.from_preset("local-cpu")).time_s("allreduce", 1e6, 2, "inter")
+
+
+def test_named_links_and_backend() -> None:
+    mixed = ClusterSpec.from_preset("mixed-generations")
+    m = CommModel(mixed)
+    assert m.backend == "nccl"
+    assert m.resolve_link("intra").bandwidth_gbps == 1200  # the slower (NVLink 2) node group
+    assert m.resolve_link("inter") == mixed.inter_node
+    assert CommModel(ClusterSpec.from_preset("local-cpu")).backend == "gloo"
+
+
+# -- fitting --------------------------------------------------------------------------------
+SIZES = [2**k for k in range(10, 31, 2)]
+
+
+def test_fit_recovers_exact_line() -> None:
+    fit = fit_alpha_beta([(x, 25e-6 + 4e-10 * x) for x in SIZES])
+    assert fit.source == "profiled"
+    assert fit.alpha_s == pytest.approx(25e-6, rel=1e-9)
+    assert fit.beta_s_per_byte == pytest.approx(4e-10, rel=1e-9)
+    plain = fit_alpha_beta([(x, 25e-6 + 4e-10 * x) for x in SIZES], relative=False)
+    assert plain.alpha_s == pytest.approx(25e-6, rel=1e-6)
+
+
+def test_fit_with_multiplicative_noise() -> None:
+    rng = random.Random(0)
+    samples = [(x, (25e-6 + 4e-10 * x) * rng.uniform(0.95, 1.05)) for x in SIZES for _ in range(8)]
+    fit = fit_alpha_beta(samples)
+    assert fit.alpha_s == pytest.approx(25e-6, rel=0.05)
+    assert fit.beta_s_per_byte == pytest.approx(4e-10, rel=0.05)
+
+
+def test_fit_is_non_negative() -> None:
+    # decreasing times would give a negative slope: clamp β = 0, α = (weighted) mean
+    fit = fit_alpha_beta([(1e6, 1e-3), (2e6, 0.5e-3)])
+    assert fit.beta_s_per_byte == 0.0 and fit.alpha_s > 0
+    # a line through below the origin would give a negative intercept: clamp α = 0
+    fit = fit_alpha_beta([(1e6, 1e-4), (2e6, 3e-4), (3e6, 5e-4)])
+    assert fit.alpha_s == 0.0 and fit.beta_s_per_byte > 0
+    # one size only: the line through the origin
+    fit = fit_alpha_beta([(1e6, 1e-3), (1e6, 1e-3)])
+    assert (fit.alpha_s, fit.beta_s_per_byte) == (0.0, pytest.approx(1e-9))
+
+
+def test_fit_rejects_bad_samples() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        fit_alpha_beta([])
+    with pytest.raises(ValueError, match="non-negative"):
+        fit_alpha_beta([(1e6, -1.0)])
+
+
+# -- profiled precedence --------------------------------------------------------------------
+def _db(backend: str = "nccl", n: int = 8) -> ProfileDB:
+    samples = tuple(CollectiveSample(nbytes=x, seconds=50e-6 + 1e-9 * x) for x in SIZES)
+    return ProfileDB(collectives=(
+        CollectiveRecord(collective="allreduce", backend=backend, link_kind="ethernet",
+                         group_size=n, samples=samples),
+        CollectiveRecord(collective="allgather", backend=backend, link_kind="pcie",
+                         group_size=8, alpha_s=1e-3, beta_s_per_byte=0.0),
+    ))
+
+
+def test_profiled_fit_beats_analytic(pcie: ClusterSpec) -> None:
+    m = CommModel(pcie, _db())
+    cost = m.cost("allreduce", 1e8, 8, "inter")  # inter link of the preset is ethernet
+    assert cost.source == "profiled"
+    assert cost.seconds == pytest.approx(50e-6 + 1e-9 * 1e8, rel=1e-6)
+    assert cost.seconds != pytest.approx(CommModel(pcie).time_s("allreduce", 1e8, 8, "inter"))
+    # a fit stored in the DB is used as is
+    assert m.time_s("allgather", 1e9, 8, "intra") == pytest.approx(1e-3)
+    # nothing measured: analytic
+    assert m.cost("broadcast", 1e8, 8, "inter").source == "analytic"
+    assert m.cost("allreduce", 1e8, 8, LinkSpec(kind="infiniband", bandwidth_gbps=100,
+                                                latency_us=1)).source == "analytic"
+
+
+def test_profiled_fit_rescaled_to_other_group_size(pcie: ClusterSpec) -> None:
+    m = CommModel(pcie, _db(n=8))
+    line = m.alpha_beta("allreduce", 4, "inter")
+    assert line.source == "profiled" and "rescaled" in line.detail
+    # α: 50 µs for 14 steps -> 6 steps; β: 1e-9 for factor 1.75 -> factor 1.5
+    assert line.alpha_s == pytest.approx(50e-6 * 6 / 14)
+    assert line.beta_s_per_byte == pytest.approx(1e-9 * 1.5 / 1.75)
+    assert m.time_s("allreduce", 1e6, 1, "inter") == 0.0
+
+
+def test_other_backend_measurements_are_ignored(pcie: ClusterSpec) -> None:
+    assert CommModel(pcie, _db(backend="gloo")).cost("allreduce", 1e6, 8, "inter").source == (
+        "analytic"
+    )
+    assert CommModel(pcie, _db(backend="gloo"), backend="gloo").cost(
+        "allreduce", 1e6, 8, "inter").source == "profiled"
+
+
+# -- hierarchical ---------------------------------------------------------------------------
+def test_hierarchical_by_hand(pcie: ClusterSpec) -> None:
+    m = CommModel(pcie)
+    M = 100e6
+    intra_b, inter_b = 126e9 / 8, 25e9 / 8
+    expected = (
+        (7 * 3e-6 + 7 / 8 * M / intra_b)  # intra reduce-scatter
+        + (14 * 25e-6 + 2 * 7 / 8 * M / inter_b)  # inter allreduce, full M per NIC
+        + (7 * 3e-6 + 7 / 8 * M / intra_b)  # intra allgather
+    )
+    assert m.hierarchical_allreduce_s(M, 8, 8) == pytest.approx(expected)
+    cost = m.hierarchical_allreduce_cost(M, 8, 8)
+    assert cost.source == "analytic" and "inter allreduce" in cost.detail
+    # one node: reduce-scatter + allgather = a flat intra allreduce
+    assert m.hierarchical_allreduce_s(M, 8, 1) == pytest.approx(m.time_s("allreduce", M, 8,
+                                                                         "intra"))
+
+
+def test_hierarchical_vs_flat_on_pcie_8x8(pcie: ClusterSpec) -> None:
+    m = CommModel(pcie)
+    # Up to tens of MB hierarchical wins: 14 inter + 14 intra latency steps instead of 126
+    # inter steps of a flat 64-rank ring.
+    for M in (64e3, 1e6, 25e6):
+        assert m.hierarchical_allreduce_s(M, 8, 8) < m.time_s("allreduce", M, 64, "inter")
+    # For very large messages the flat ring is bandwidth-optimal (each node's NIC carries
+    # 2(n-1)/n·M either way; hierarchical adds the intra phases): within 10 %.
+    flat, hier = m.time_s("allreduce", 1e9, 64, "inter"), m.hierarchical_allreduce_s(1e9, 8, 8)
+    assert flat <= hier <= 1.1 * flat
+    # Compressed gradients are allgathered, and allgather volume grows with the group: with
+    # c compressed bytes per rank, a flat allgather over 64 ranks moves 63c through each NIC;
+    # the inter phase of the hierarchical scheme (each node's 8 GPUs send c in all, as 8
+    # concurrent shards sharing the NIC) moves 7c. Hierarchical wins at every size.
+    for c in (1e3, 1e6, 1e8):
+        flat_ag = m.time_s("allgather", 64 * c, 64, "inter")
+        inter_ag = m.time_s("allgather", 8 * c, 8, "inter")
+        assert inter_ag < flat_ag
+        # bandwidth terms (latency removed) are in the ratio 63 : 7
+        assert flat_ag - 63 * 25e-6 == pytest.approx(9 * (inter_ag - 7 * 25e-6))
+
+
+def test_profiled_hierarchical_source(pcie: ClusterSpec) -> None:
+    samples = tuple(CollectiveSample(nbytes=x, seconds=1e-5 + 1e-10 * x) for x in SIZES)
+    recs = tuple(
+        CollectiveRecord(collective=c, backend="nccl", link_kind=k,  # type: ignore[arg-type]
+                         group_size=8, samples=samples)
+        for c, k in (("reduce_scatter", "pcie"), ("allgather", "pcie"),
+                     ("allreduce", "ethernet"))
+    )
+    m = CommModel(pcie, ProfileDB(collectives=recs))
+    assert m.hierarchical_allreduce_cost(1e8, 8, 8).source == "profiled"
+    assert m.hierarchical_allreduce_s(1e8, 8, 8) == pytest.approx(3 * (1e-5 + 1e-10 * 1e8))
+
+
+# -- properties -----------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(
+    collective=st.sampled_from(COLLECTIVES),
+    n=st.integers(1, 1024),
+    nbytes=st.floats(0, 1e11),
+    bw=st.floats(1e6, 1e12),
+    more=st.floats(1.0, 100.0),
+    lat=st.floats(0, 1e-3),
+)
+def test_more_bandwidth_never_increases_time(
+    collective: str, n: int, nbytes: float, bw: float, more: float, lat: float
+) -> None:
+    assert analytic_time_s(collective, nbytes, n, bw * more, lat) <= analytic_time_s(
+        collective, nbytes, n, bw, lat)
+    slow = LinkSpec(kind="ethernet", bandwidth_gbps=bw * 8 / 1e9, latency_us=lat * 1e6)
+    fast = LinkSpec(kind="ethernet", bandwidth_gbps=bw * more * 8 / 1e9, latency_us=lat * 1e6)
+    m = CommModel(ClusterSpec.from_preset("v100-pcie-8x8"))
+    assert m.time_s(collective, nbytes, n, fast) <= m.time_s(collective, nbytes, n, slow)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    collective=st.sampled_from(COLLECTIVES),
+    n=st.integers(1, 1024),
+    a=st.floats(0, 1e10),
+    b=st.floats(0, 1e10),
+    link=st.sampled_from(["intra", "inter"]),
+)
+def test_monotonic_in_bytes(
+    collective: str, n: int, a: float, b: float, link: Literal["intra", "inter"]
+) -> None:
+    m = CommModel(ClusterSpec.from_preset("v100-pcie-8x8"), _db())
+    lo, hi = sorted((a, b))
+    assert m.time_s(collective, lo, n, link) <= m.time_s(collective, hi, n, link)
+
+
+def test_hot_path_is_fast(pcie: ClusterSpec) -> None:
+    m = CommModel(pcie, _db())
+    m.time_s("allreduce", 1.0, 8, "inter")
+    start = time.perf_counter()
+    for i in range(20_000):
+        m.time_s("allreduce", float(i), 8, "inter")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_alpha_beta_line() -> None:
+    line = AlphaBeta(1e-5, 1e-9)
+    assert line.time_s(1e6) == pytest.approx(1e-5 + 1e-3)
+    assert line.time_s(0) == 0.0 and line.source == "analytic"
