@@ -144,6 +144,11 @@ def evaluate(
         a, b = stages[s].ranks[0], stages[s + 1].ranks[0]
         link = costs.cluster.link_between(a, b)
         p2p.append(costs.comm.time_s("p2p", nbytes, 2, link) * 1e3)
+    if layout.schedule == "interleaved-1f1b" and p2p:
+        # chunk v of the last rank feeds chunk v+1 of the first: the wrap-around link
+        nbytes = workload.layers[stages[-1].last_layer].act_out_bytes * scale / layout.tp
+        link = costs.cluster.link_between(stages[-1].ranks[0], stages[0].ranks[0])
+        p2p.append(costs.comm.time_s("p2p", nbytes, 2, link) * 1e3)
     pipe = simulate_pipeline(
         [x * 1e3 for x in fwd],
         [x * 1e3 for x in bwd],

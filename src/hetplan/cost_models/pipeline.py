@@ -43,24 +43,11 @@ from typing import NamedTuple
 from hetplan.errors import HetplanError
 
 __all__ = [
-    "SCHEDULES",
-    "ActionKind",
-    "Action",
-    "PipelineSchedule",
-    "TimedEvent",
-    "PipelineSimResult",
-    "PipelineScheduleError",
-    "PipelineDeadlockError",
-    "build_schedule",
-    "gpipe_schedule",
-    "one_f_one_b_schedule",
-    "interleaved_1f1b_schedule",
-    "chimera_schedule",
-    "simulate_pipeline",
+    "SCHEDULES", "Action", "ActionKind", "PipelineDeadlockError", "PipelineSchedule",
+    "PipelineScheduleError", "PipelineSimResult", "TimedEvent", "bubble_ratio_eq1",
+    "bubble_ratio_gpipe_1f1b", "bubble_ratio_interleaved", "build_schedule", "chimera_schedule",
+    "gpipe_schedule", "interleaved_1f1b_schedule", "one_f_one_b_schedule", "simulate_pipeline",
     "simulate_schedule",
-    "bubble_ratio_eq1",
-    "bubble_ratio_gpipe_1f1b",
-    "bubble_ratio_interleaved",
 ]
 
 #: Schedule names accepted by :func:`build_schedule` and :func:`simulate_pipeline`.
@@ -374,37 +361,6 @@ def build_schedule(
 # --------------------------------------------------------------------------- simulator
 
 
-def _per_link(value: float | Sequence[float], p: int, what: str) -> list[float | None]:
-    """Normalise link times to ``P`` entries; entry ``P-1`` (wrap) is None if not given."""
-    if isinstance(value, (int, float, Rational)):
-        values: list[float | None] = [value] * p
-    else:
-        values = list(value)
-        if len(values) not in (p - 1, p):
-            raise PipelineScheduleError(f"{what} needs {p - 1} link times (or {p} with the "
-                                        f"wrap-around link {p - 1}->0), got {len(values)}")
-        if len(values) == p - 1:
-            values.append(None)
-    if any(v is not None and not v >= 0 for v in values):
-        raise PipelineScheduleError(f"{what} must be >= 0, got {value!r}")
-    return values
-
-
-def _link_ms(a: int, b: int, links: list[float | None], p: int, what: str) -> float:
-    if a == b:
-        return 0
-    lo, hi = min(a, b), max(a, b)
-    idx = lo if hi - lo == 1 else (p - 1 if (lo, hi) == (0, p - 1) else None)
-    if idx is None:
-        raise PipelineScheduleError(f"the schedule sends between ranks {a} and {b}, which are "
-                                    f"not neighbours; only links i<->i+1 and {p - 1}<->0 exist")
-    t = links[idx]
-    if t is None:
-        raise PipelineScheduleError(f"the schedule crosses the wrap-around link {p - 1}->0; "
-                                    f"give {what} as a scalar or as {p} entries (last = wrap)")
-    return t
-
-
 def _encode(schedule: PipelineSchedule) -> tuple[list[list[int]], list[int]]:
     """Validate the schedule and encode it as ints. O(P * M * S).
 
@@ -447,21 +403,40 @@ def _encode(schedule: PipelineSchedule) -> tuple[list[list[int]], list[int]]:
 
 
 def _hops(
-    rank_of: list[int], s_total: int, links: list[float | None], p: int, what: str, back: bool
+    value: float | Sequence[float], rank_of: list[int], s_total: int, p: int, what: str,
+    back: bool,
 ) -> list[float]:
-    """Per ``m * S + s``: transfer into stage s from s-1 (forward) or from s+1 (``back``)."""
+    """Per ``m * S + s``: transfer time into stage s from s-1 (or from s+1 when ``back``).
+
+    ``value`` is a scalar for every link, or ``P-1`` link times (link i joins ranks i, i+1),
+    or ``P`` with the wrap-around link ``P-1 <-> 0`` last. O(M * S).
+    """
+    if isinstance(value, (int, float, Rational)):
+        links: list[float | None] = [value] * p
+    elif len(value) in (p - 1, p):
+        links = [*value, None] if len(value) == p - 1 else list(value)
+    else:
+        raise PipelineScheduleError(f"{what} needs {p - 1} link times (or {p} with the "
+                                    f"wrap-around link {p - 1}->0), got {len(value)}")
+    if any(t is not None and not t >= 0 for t in links):
+        raise PipelineScheduleError(f"{what} must be >= 0, got {value!r}")
     hops: list[float] = [0] * len(rank_of)
-    cache: dict[tuple[int, int], float] = {}
-    for i in range(len(rank_of)):
-        if back and (i + 1) % s_total:
-            pair = (rank_of[i + 1], rank_of[i])
-        elif not back and i % s_total:
-            pair = (rank_of[i - 1], rank_of[i])
-        else:
+    for i, dst in enumerate(rank_of):
+        if (i + 1 if back else i) % s_total == 0:
+            continue  # no stage beyond the last (backward) or before the first (forward)
+        src = rank_of[i + 1] if back else rank_of[i - 1]
+        lo, hi = min(src, dst), max(src, dst)
+        if lo == hi:
             continue
-        if pair not in cache:
-            cache[pair] = _link_ms(pair[0], pair[1], links, p, what)
-        hops[i] = cache[pair]
+        if hi - lo != 1 and (lo, hi) != (0, p - 1):
+            raise PipelineScheduleError(f"the schedule sends between ranks {src} and {dst}, "
+                                        f"which are not neighbours (links i<->i+1, {p - 1}<->0)")
+        t = links[lo if hi - lo == 1 else p - 1]
+        if t is None:
+            raise PipelineScheduleError(f"the schedule crosses the wrap-around link {p - 1}->0;"
+                                        f" give {what} as a scalar or as {p} entries (last = "
+                                        f"wrap)")
+        hops[i] = t
     return hops
 
 
@@ -501,10 +476,8 @@ def simulate_schedule(
         raise PipelineScheduleError("forward_ms and backward_ms must be >= 0, got "
                                     f"{list(forward_ms)!r} and {list(backward_ms)!r}")
     codes, rank_of = _encode(schedule)
-    hop_f = _hops(rank_of, s_total, _per_link(p2p_fwd_ms, p, "p2p_fwd_ms"), p, "p2p_fwd_ms",
-                  back=False)
-    hop_b = _hops(rank_of, s_total, _per_link(p2p_bwd_ms, p, "p2p_bwd_ms"), p, "p2p_bwd_ms",
-                  back=True)
+    hop_f = _hops(p2p_fwd_ms, rank_of, s_total, p, "p2p_fwd_ms", back=False)
+    hop_b = _hops(p2p_bwd_ms, rank_of, s_total, p, "p2p_bwd_ms", back=True)
     v = s_total // p
     dur_f = [t / v if v > 1 else t for t in forward_ms]
     dur_b = [t / v if v > 1 else t for t in backward_ms]
@@ -512,9 +485,10 @@ def simulate_schedule(
     n = m_total * s_total
     end: list[float | None] = [None] * (2 * n)  # by action code
     waiters: dict[int, list[int]] = {}
-    pos, free = [0] * p, [0] * p
+    pos = [0] * p
+    free: list[float] = [0] * p
     busy: list[float] = [0] * p
-    done: list[tuple[float, int, int]] = []  # (start, rank, code)
+    done: list[tuple[float, int, int, float]] = []  # (start, rank, code, end)
     stack = list(range(p - 1, -1, -1))
     while stack:
         r = stack.pop()
@@ -542,7 +516,7 @@ def simulate_schedule(
                 start = max(start, t + hop)
             t_free = end[code] = start + d
             busy[r] += d
-            done.append((start, r, code))
+            done.append((start, r, code, t_free))
             k += 1
             stack.extend(waiters.pop(code, ()))
         pos[r], free[r] = k, t_free
@@ -559,9 +533,9 @@ def simulate_schedule(
     makespan = max(free, default=0)
     done.sort()
     events = tuple(
-        TimedEvent(r, _F, c // s_total, c % s_total, st, end[c]) if c < n
-        else TimedEvent(r, _B, (c - n) // s_total, (c - n) % s_total, st, end[c])
-        for st, r, c in done
+        TimedEvent(r, _F, c // s_total, c % s_total, st, e) if c < n
+        else TimedEvent(r, _B, (c - n) // s_total, (c - n) % s_total, st, e)
+        for st, r, c, e in done
     )
     return PipelineSimResult(
         schedule=schedule.name,
@@ -569,7 +543,7 @@ def simulate_schedule(
         busy_ms=tuple(busy),
         idle_ms=tuple(makespan - b for b in busy),
         bubble_ratio=1 - sum(busy) / (p * makespan) if makespan else 0,
-        events=events,  # type: ignore[arg-type]
+        events=events,
     )
 
 
@@ -636,7 +610,7 @@ def bubble_ratio_eq1(p: int, t_f: float, t_b: float, t_c: float) -> float:
     g = pp * pp / 2 - pp
     num = (3 * g + 6 * pp - 2 * g / pp - 8) * t_c + 2 * g * t_b
     den = (3 * pp * pp - 2 * pp) * t_c + (2 * pp * pp - 2 * pp) * t_b + pp * pp * t_f
-    return num / den  # type: ignore[return-value]
+    return num / den
 
 
 def bubble_ratio_gpipe_1f1b(num_stages: int, num_microbatches: int) -> Fraction:

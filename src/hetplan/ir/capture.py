@@ -586,6 +586,7 @@ class _FlopCounter(TorchDispatchMode):
         super().__init__()
         self.current: str | None = None
         self.backward = False
+        self.paused = False
         self.fwd: defaultdict[str | None, int] = defaultdict(int)
         self.bwd: defaultdict[str | None, int] = defaultdict(int)
 
@@ -593,7 +594,7 @@ class _FlopCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
+        if formula is not None and not self.paused:
             n = int(formula(*args, **kwargs, out_val=out))
             (self.bwd if self.backward else self.fwd)[self.current] += n
         return out
@@ -609,7 +610,10 @@ class _GradFnTagger(TorchFunctionMode):
         self.tagged: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
+        if func in _SDPA:
+            out = _fused_attention(self.counter, *args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         layer = self.counter.current
         for t in tree_leaves(out):
             fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
@@ -617,6 +621,67 @@ class _GradFnTagger(TorchFunctionMode):
                 self.tagged.add(id(fn))
                 fn.register_prehook(_set_current(self.counter, layer))
         return out
+
+
+_SDPA = (
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
+
+
+def _fused_attention(
+    counter: _FlopCounter,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    **extra: Any,
+) -> torch.Tensor:
+    options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra)
+    return _FusedAttention.apply(q, k, v, attn_mask, options, counter)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Attention as a fused (flash / memory-efficient) kernel, which is what training uses on
+    GPUs: it keeps q, k, v, the output and the row log-sum-exp for backward — not the
+    [seq × seq] score matrix that meta execution's math path would save — and recomputes the
+    scores in backward. FLOPs are counted as the math path's (recomputation is not counted:
+    model FLOPs, as MFU conventions count them)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, options, counter):  # type: ignore[override]
+        with torch.no_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, **options
+            )
+        lse = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+        ctx.options, ctx.counter, ctx.has_mask = options, counter, mask is not None
+        ctx.save_for_backward(q, k, v, out, lse, *((mask,) if mask is not None else ()))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, _out, _lse, *rest = ctx.saved_tensors
+        mask = rest[0] if ctx.has_mask else None
+        counter = ctx.counter
+        with torch.enable_grad():
+            qq, kk, vv = (x.detach().requires_grad_(x.requires_grad) for x in (q, k, v))
+            counter.paused = True
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=mask, **ctx.options
+            )
+            counter.paused = False
+            wanted = [x for x in (qq, kk, vv) if x.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out)) if wanted else iter(())
+        return (
+            *(next(grads) if x.requires_grad else None for x in (qq, kk, vv)),
+            None,
+            None,
+            None,
+        )
 
 
 def _set_current(counter: _FlopCounter, layer: str | None):
@@ -753,12 +818,15 @@ class _Executor(torch.fx.Interpreter):
             p.grad = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        """Count a tensor autograd saves for backward against the running layer (once per
-        tensor; parameters and views of parameters are not activations)."""
+        """Count a tensor autograd saves for backward against the running layer, once per
+        storage (views of one activation count once); parameters are not activations."""
         base = t._base if t._base is not None else t
-        if id(base) not in self._param_ids and id(t) not in self._saved_ids:
-            self._saved_ids.add(id(t))
-            self.saved[self.counter.current] += _tensor_bytes(t)
+        if id(base) in self._param_ids or id(t) in self._param_ids:
+            return t
+        key = t.untyped_storage()._cdata
+        if key not in self._saved_ids:
+            self._saved_ids.add(key)
+            self.saved[self.counter.current] += t.untyped_storage().nbytes()
         return t
 
     def _grad_ready(self, p: torch.Tensor) -> None:

@@ -255,7 +255,7 @@ class Layout(_Section):
     micro_batches: PosInt = 1
     micro_batch_size: PosInt = 1
     global_batch_size: PosInt | None = None
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "chimera"] = "1f1b"
     virtual_stages: PosInt = 1
     ranks: tuple[RankPlacement, ...] = ()
 
