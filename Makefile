@@ -8,7 +8,7 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
-	@$(VENV)/bin/hetplan ir gpt2
+	@$(VENV)/bin/hetplan plan gpt2 --cluster mixed-generations --batch-size 256
 
 test: setup
 	@$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -325,6 +325,82 @@ def workload_convert_cmd(
 
 
 # --------------------------------------------------------------------------------------
+# plan / simulate
+# --------------------------------------------------------------------------------------
+@app.command("plan")
+@_user_errors
+def plan_cmd(
+    model: str = typer.Argument(None, help="A zoo model name (see `hetplan models`)."),
+    cluster: str = typer.Option("a100-nvlink-8x8", "--cluster", "-c",
+                                help="A cluster preset (see `hetplan presets`) or file."),
+    batch_size: int = typer.Option(..., "--batch-size", "-b", help="Global batch size."),
+    module: str = typer.Option(None, "--module", help="pkg.mod:factory returning (model, args)."),
+    workload: Path = typer.Option(None, "--workload", help="A workload JSON file."),
+    seq: int = typer.Option(None, help="Sequence length for zoo language models."),
+    profile: Path = typer.Option(None, "--profile", help="Profile DB from `hetplan profile`."),
+    schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved-1f1b or chimera."),
+    dp: int = typer.Option(None, help="Pin the data-parallel degree."),
+    pp: int = typer.Option(None, help="Pin the pipeline-parallel degree."),
+    tp: int = typer.Option(None, help="Pin the tensor-parallel degree."),
+    micro_batch_size: int = typer.Option(None, "--micro-batch-size", help="Pin it."),
+    dtype: str = typer.Option("fp32", help="Compute dtype for analytic costs (fp32, bf16 …)."),
+    require_profiled: bool = typer.Option(False, help="Refuse analytic compute estimates."),
+    output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
+) -> None:
+    """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
+    from hetplan.optimizer.compile import compile as compile_plan
+
+    if workload is not None or module is not None or model is None:
+        ir = load_model_ir(model, module, workload, batch=1, seq=seq)
+        target: Any = ir
+    else:
+        target = model
+    t0 = time.perf_counter()
+    with err.status("searching layouts …", spinner="dots"):
+        plan = compile_plan(
+            target, cluster, batch_size=batch_size, seq=seq, profile=profile,
+            schedule=schedule, dp=dp, pp=pp, tp=tp, micro_batch_size=micro_batch_size,
+            dtype=dtype, require_profiled=require_profiled,
+        )
+    seconds = time.perf_counter() - t0
+    if output:
+        plan.save(output)
+        err.print(f"wrote {output}")
+    _print_plan(plan)
+    err.print(f"planned in {seconds:.1f} s")
+
+
+@app.command("simulate")
+@_user_errors
+def simulate_cmd(
+    plan_file: Path = typer.Argument(..., help="A plan JSON file (also one edited by hand)."),
+    cluster: str = typer.Option(None, "--cluster", help="Cluster, if the plan lacks one."),
+    profile: Path = typer.Option(None, "--profile", help="Profile DB to use."),
+    as_json: bool = typer.Option(False, "--json", help="Print the predictions as JSON."),
+) -> None:
+    """Re-predict a plan from the plan file alone (its workload summary and cluster)."""
+    from hetplan.ir.plan import load_plan
+    from hetplan.optimizer.compile import simulate
+
+    plan = load_plan(plan_file)
+    pred = simulate(plan, cluster=cluster, profile=profile)
+    if as_json:
+        out.print(pred.model_dump_json(indent=2), markup=False)
+        return
+    stored = plan.predictions.iteration_time_ms if plan.predictions else None
+    out.print(f"predicted iteration time: [bold]{pred.iteration_time_ms:.3f} ms[/]")
+    if stored is not None:
+        delta = pred.iteration_time_ms - stored
+        out.print(f"in the plan file: {stored:.3f} ms ({delta:+.3f} ms)")
+    b = pred.breakdown
+    out.print(
+        f"compute {b.compute_ms:.3f} ms · comm {b.comm_ms:.3f} ms · exposed comm "
+        f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · bubble ratio "
+        f"{pred.bubble_ratio:.3f}"
+    )
+
+
+# --------------------------------------------------------------------------------------
 # clusters
 # --------------------------------------------------------------------------------------
 @app.command("presets")
@@ -419,6 +495,21 @@ def validate_cmd(
         print_cluster_summary(spec)
 
 
+def _ranges(ranks: Any) -> str:
+    """``0,1,2,3,8,9`` → ``0–3, 8–9``."""
+    out, run = [], []
+    for r in sorted(ranks):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [r]
+    if run:
+        out.append(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
 def _print_plan(plan: Any) -> None:
     s = plan.summary()
     out.print(f"[bold]plan[/] for {s.model} on {s.cluster} ({s.world_size} devices)")
@@ -430,15 +521,16 @@ def _print_plan(plan: Any) -> None:
                                        "micro-batches" if s.schedule else ""))
     if plan.stages:
         table = Table(title="pipeline stages", title_justify="left")
-        for col in ("stage", "layers", "ranks", "fwd ms", "bwd ms"):
+        for col in ("stage", "layers", "ranks", "fwd ms/mb", "bwd ms/mb", "memory/rank"):
             table.add_column(col)
         for st in plan.stages:
             table.add_row(
                 str(st.index),
                 f"{st.first_layer}–{st.last_layer}",
-                ",".join(map(str, st.ranks)),
+                _ranges(st.ranks),
                 f"{st.fwd_ms:.3f}",
                 f"{st.bwd_ms:.3f}",
+                _fmt_bytes(st.memory_bytes) if st.memory_bytes is not None else "",
             )
         out.print(table)
     if plan.tensor_parallel is not None:
@@ -457,6 +549,12 @@ def _print_plan(plan: Any) -> None:
     if plan.predictions is not None:
         p = plan.predictions
         out.print(f"predicted iteration time: [bold]{p.iteration_time_ms:.3f} ms[/]")
+        b = p.breakdown
+        out.print(
+            f"  compute {b.compute_ms:.1f} ms · comm {b.comm_ms:.1f} ms (exposed "
+            f"{b.exposed_comm_ms:.1f}) · bubble {b.bubble_ms:.1f} ms · peak memory "
+            f"{_fmt_bytes(max(p.memory_per_rank_bytes, default=0))}"
+        )
         for b in sorted(p.baselines, key=lambda b: b.iteration_time_ms):
             ratio = b.iteration_time_ms / p.iteration_time_ms if p.iteration_time_ms else 0
             out.print(f"  baseline {b.name}: {b.iteration_time_ms:.3f} ms ({ratio:.2f}×)")

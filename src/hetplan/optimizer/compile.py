@@ -171,6 +171,10 @@ def compile(  # noqa: A001 - the product's verb
     infeasible: list[tuple[float, str]] = []
     for cand in candidates:
         layout = cand.to_layout(batch_size, schedule)
+        reason = _memory_lower_bound(workload, cand, spec, costs)
+        if reason:
+            infeasible.append((0.0, reason))
+            continue
         try:
             plan, ev = _plan_for(layout, model_ref, cluster_ref, pipeline, workload, spec, costs)
         except InfeasiblePlanError as e:
@@ -184,6 +188,7 @@ def compile(  # noqa: A001 - the product's verb
             f"{infeasible[-1][1]}"
         )
     _, cand, plan, ev = best
+    plan = plan.model_copy(update={"stages": _stages_with_times(plan, ev)})
     baselines = _baselines(cand, batch_size, schedule, model_ref, cluster_ref, workload, spec,
                            costs, passes)
     search_note = (
@@ -205,6 +210,39 @@ def compile(  # noqa: A001 - the product's verb
         }
     )
     return Plan.model_validate(plan.model_dump())
+
+
+def _stages_with_times(plan: Plan, ev: Evaluation) -> tuple[Any, ...]:
+    """The plan's stages with their predicted per-micro-batch times and peak memory."""
+    return tuple(
+        st.model_copy(update={
+            "fwd_ms": cost.fwd_s * 1e3,
+            "bwd_ms": cost.bwd_s * 1e3,
+            "memory_bytes": ev.memory[st.ranks[0]].total,
+        })
+        for st, cost in zip(plan.stages, ev.stages)
+    )
+
+
+def _memory_lower_bound(
+    workload: WorkloadSummary, cand: LayoutCandidate, spec: ClusterSpec, costs: CostModel
+) -> str:
+    """Why ``cand`` cannot fit whatever the stage partition (the parameter-related bytes of
+    the model spread perfectly over pp·tp ranks exceed the smallest device), or ""."""
+    from hetplan.cost_models.memory import OPTIMIZER_STATE_FACTOR, USABLE_FRACTION
+
+    per_param_byte = 2.0 + OPTIMIZER_STATE_FACTOR[costs.optimizer]
+    split = sum(min(x.tp_split_bytes, x.param_bytes) for x in workload.layers)
+    total = sum(x.param_bytes for x in workload.layers)
+    need = per_param_byte * ((total - split) + split / cand.tp) / cand.pp
+    cap = min(d.memory_bytes for d in costs.devices) * USABLE_FRACTION
+    if need <= cap:
+        return ""
+    return (
+        f"layout {cand.describe()}: parameters, gradients and optimizer state alone need "
+        f"{need / 2**30:.1f} GiB per rank even if perfectly balanced, more than "
+        f"{cap / 2**30:.1f} GiB usable"
+    )
 
 
 def _plan_for(
