@@ -32,12 +32,18 @@ def __getattr__(name: str) -> object:
         from hetplan.ir.capture import capture
 
         return capture
+    if name in ("compile", "simulate"):
+        from hetplan.optimizer import compile as _compile_module
+
+        return getattr(_compile_module, name)
     raise AttributeError(f"module 'hetplan' has no attribute {name!r}")
 
 
 __all__ = [
     "__version__",
     "capture",
+    "compile",
+    "simulate",
     "ClusterSpec",
     "list_presets",
     "Plan",

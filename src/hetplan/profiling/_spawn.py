@@ -1,0 +1,112 @@
+"""Run a function on ``n`` local processes (optionally in one ``torch.distributed`` group).
+
+Processes are started with ``torch.multiprocessing`` (``spawn``: no inherited OpenMP or CUDA
+state). The rendezvous is a ``FileStore`` in a fresh temporary directory, so no fixed port is
+ever used, and the process group gets a timeout. Every rank's return value is pickled to that
+directory and returned to the caller in rank order; an exception in any rank is re-raised in
+the caller with the child's traceback, and a run that overstays ``timeout_s`` is terminated.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_local_ranks"]
+
+
+def _entry(
+    rank: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    world_size: int,
+    backend: str | None,
+    tmpdir: str,
+    timeout_s: float,
+    threads: int | None,
+) -> None:
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if backend is not None:
+        import torch.distributed as dist
+
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        if backend is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    tmp = Path(tmpdir) / f"result-{rank}.pkl.tmp"
+    tmp.write_bytes(pickle.dumps(result))
+    tmp.rename(Path(tmpdir) / f"result-{rank}.pkl")
+
+
+def run_local_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    backend: str | None = "gloo",
+    timeout_s: float = 120.0,
+    threads_per_process: int | None = None,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh local processes.
+
+    Args:
+        fn: a picklable (module-level) function; its return value must be picklable.
+        world_size: number of processes (≥ 1).
+        args: extra positional arguments, pickled to every process.
+        backend: ``torch.distributed`` backend of the group the processes join before ``fn``
+            runs (``gloo``, ``nccl``), or None for no process group.
+        timeout_s: process-group timeout, and wall-clock limit of the whole run (start-up
+            included).
+        threads_per_process: ``torch.set_num_threads`` in each process (None: torch default).
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        TimeoutError: the processes did not finish within ``timeout_s`` (they are killed).
+        torch.multiprocessing.ProcessRaisedException: a rank raised (traceback included).
+        torch.multiprocessing.ProcessExitedException: a rank died (e.g. killed by a signal).
+    """
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    with tempfile.TemporaryDirectory(prefix="hetplan-ranks-") as tmpdir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, tuple(args), world_size, backend, tmpdir, timeout_s, threads_per_process),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                for p in ctx.processes:
+                    p.join(5)
+                raise TimeoutError(
+                    f"{getattr(fn, '__name__', fn)!s} on {world_size} local process(es) did not "
+                    f"finish within {timeout_s:g} s; raise timeout_s or use smaller sizes"
+                )
+        return [pickle.loads((Path(tmpdir) / f"result-{r}.pkl").read_bytes())
+                for r in range(world_size)]
