@@ -311,7 +311,7 @@ def _check_plan_text(text: str) -> None:
     assert "dp=4 pp=2 tp=1" in out
     assert "1f1b" in out
     assert "pipeline stages" in out
-    assert "0,1,2,3" in out and "4,5,6,7" in out
+    assert "0–3" in out and "4–7" in out  # rank ranges
     assert "1.500" in out and "2.500" in out
     assert "10.000 ms" in out
     assert "baseline ddp: 25.000 ms (2.50×)" in out
