@@ -41,7 +41,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hetplan.errors import PlanVersionError, SpecError
-from hetplan.ir.validation import load_structured_file, validate_model
+from hetplan.ir.validation import load_structured_file, parse_json_object, validate_model
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
@@ -359,18 +359,10 @@ class ProfileDB(BaseModel):
     @classmethod
     def from_json(cls, text: str, *, where: str = "<string>") -> ProfileDB:
         """Parse profile DB JSON; errors as in :meth:`from_dict`, plus invalid JSON."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecError(
-                f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; "
-                f"{_RERUN} to write a fresh profile DB"
-            ) from e
-        if not isinstance(data, dict):
-            raise SpecError(
-                f"{where}: a profile DB is a JSON object, got {type(data).__name__}; "
-                "is this a file written by `hetplan profile`?"
-            )
+        data = parse_json_object(
+            text, where=where, what="a profile DB",
+            hint=f"is this a file written by `hetplan profile`? {_RERUN} to write a fresh one",
+        )
         return cls.from_dict(data, where=where)
 
     @classmethod

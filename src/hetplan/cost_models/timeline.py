@@ -121,6 +121,36 @@ def simulate_dp(
     return _simulate_general(backprop_s, units, forward_s, optimizer_s, cpu_workers, record)
 
 
+class _Resources:
+    """The CPU worker pool and the FIFO channels: run an op as soon as it and its resource
+    are ready; record busy time (and the interval, when ``events`` is given)."""
+
+    __slots__ = ("cpu", "free", "busy", "events")
+
+    def __init__(
+        self, cpu_workers: int, busy: dict[str, float], events: list[DPEvent] | None
+    ) -> None:
+        self.cpu = [0.0] * cpu_workers
+        self.free: dict[str, float] = {}
+        self.busy = busy
+        self.events = events
+
+    def run(self, op: Op, t: float, unit: int) -> float:
+        """Start ``op`` (runnable at ``t``) on its resource; return its end time."""
+        if op.resource == CPU:
+            w = min(range(len(self.cpu)), key=self.cpu.__getitem__)
+            s = max(t, self.cpu[w])
+            self.cpu[w] = s + op.duration_s
+        else:
+            s = max(t, self.free.get(op.resource, 0.0))
+            self.free[op.resource] = s + op.duration_s
+        e = s + op.duration_s
+        self.busy[op.resource] = self.busy.get(op.resource, 0.0) + op.duration_s
+        if self.events is not None:
+            self.events.append(DPEvent(op.resource, op.label, unit, s, e))
+        return e
+
+
 def _finish(
     forward_s: float,
     optimizer_s: float,
@@ -165,24 +195,10 @@ def _simulate_no_gpu_ops(
     order = sorted(range(len(units)), key=lambda k: (ready[units[k].last_tensor], k))
     single = all(len(units[k].ops) == 1 for k in order)
     if single:
-        free: dict[str, float] = {}
-        cpu = [0.0] * cpu_workers
+        res = _Resources(cpu_workers, busy, events if record else None)
         sync_end = 0.0
         for k in order:
-            op = units[k].ops[0]
-            r = ready[units[k].last_tensor]
-            if op.resource == CPU:
-                w = min(range(cpu_workers), key=cpu.__getitem__)
-                s = max(r, cpu[w])
-                cpu[w] = s + op.duration_s
-            else:
-                s = max(r, free.get(op.resource, 0.0))
-                free[op.resource] = s + op.duration_s
-            e = s + op.duration_s
-            busy[op.resource] = busy.get(op.resource, 0.0) + op.duration_s
-            sync_end = max(sync_end, e)
-            if record:
-                events.append(DPEvent(op.resource, op.label, k, s, e))
+            sync_end = max(sync_end, res.run(units[k].ops[0], ready[units[k].last_tensor], k))
         return _finish(forward_s, optimizer_s, bp_end, sync_end, busy, events)
     return _event_loop(ready, None, units, forward_s, optimizer_s, cpu_workers, busy, events,
                        record, bp_end)
@@ -225,8 +241,7 @@ def _event_loop(
             unit_ready[k] = ready[u.last_tensor]
             if u.ops:
                 heapq.heappush(runnable, (unit_ready[k], unit_ready[k], k, 0))
-    free: dict[str, float] = {}
-    cpu = [0.0] * cpu_workers
+    res = _Resources(cpu_workers, busy, events if record else None)
     gpu_queue: list[tuple[float, float, int, int]] = []  # runnable GPU ops
     gpu_free = 0.0
     next_bp = 0
@@ -234,19 +249,8 @@ def _event_loop(
     sync_end = 0.0
 
     def run_op(t: float, k: int, j: int) -> None:
-        nonlocal sync_end, gpu_free
-        op = units[k].ops[j]
-        if op.resource == CPU:
-            w = min(range(cpu_workers), key=cpu.__getitem__)
-            s = max(t, cpu[w])
-            cpu[w] = s + op.duration_s
-        else:
-            s = max(t, free.get(op.resource, 0.0))
-            free[op.resource] = s + op.duration_s
-        e = s + op.duration_s
-        busy[op.resource] = busy.get(op.resource, 0.0) + op.duration_s
-        if record:
-            events.append(DPEvent(op.resource, op.label, k, s, e))
+        nonlocal sync_end
+        e = res.run(units[k].ops[j], t, k)
         if j + 1 < len(units[k].ops):
             heapq.heappush(runnable, (e, unit_ready[k], k, j + 1))
         else:

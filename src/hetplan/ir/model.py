@@ -310,14 +310,12 @@ class ModelIR:
     @classmethod
     def from_json(cls, text: str, *, where: str = "<string>") -> ModelIR:
         """Parse workload JSON; a malformed file raises :class:`SpecError` naming the field."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecError(
-                f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
-            ) from e
-        if not isinstance(data, dict):
-            raise SpecError(f"{where}: a workload file holds a JSON object, got {type(data)}")
+        from hetplan.ir.validation import parse_json_object
+
+        data = parse_json_object(
+            text, where=where, what="a workload file",
+            hint="re-export it with `hetplan ir MODEL -o FILE`",
+        )
         version = data.get("schema_version", WORKLOAD_SCHEMA_VERSION)
         if version != WORKLOAD_SCHEMA_VERSION:
             from hetplan.errors import PlanVersionError

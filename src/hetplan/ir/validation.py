@@ -45,6 +45,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from hetplan.errors import SpecError
 
 __all__ = [
+    "parse_json_object",
     "load_structured_file",
     "format_validation_error",
     "validate_model",
@@ -137,6 +138,32 @@ def _parse_json(text: str, where: str) -> Any:
             f"{_source_excerpt(text, e.lineno, e.colno)}\n"
             "hint: check for a missing comma or quote, or a trailing comma, near that position"
         ) from e
+
+
+def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> dict[str, Any]:
+    """Parse ``text`` as a JSON object, or raise SpecError naming ``where`` and the position.
+
+    Args:
+        text: the JSON text.
+        where: the source's name in messages (a file path).
+        what: what the file should be ("a workload file", "a profile DB").
+        hint: appended to the message (how to get a fresh file).
+    """
+    if not hint:
+        data = _parse_json(text, where)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(
+                f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; {hint}"
+            ) from e
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{where}: {what} is a JSON object, got a JSON {_kind_of(data)}"
+            + (f"; {hint}" if hint else "")
+        )
+    return data
 
 
 def _parse_yaml(text: str, where: str) -> Any:

@@ -1,0 +1,232 @@
+"""Measurement side of ``hetplan profile``: time layers, collectives and compressors here.
+
+The cost models (:mod:`hetplan.cost_models`) only *read* a
+:class:`~hetplan.cost_models.profile_db.ProfileDB`; this subpackage *writes* one, by running
+real work on the local hardware:
+
+* :func:`profile_layers` (:mod:`.layers`): forward/backward time per layer signature, from
+  hooks on a real training step, attributed to layers the way capture attributes FLOPs;
+  :func:`profile_layers_concurrent` does it on ``n`` processes at once (CPU contention).
+* :func:`profile_collectives` (:mod:`.collectives`): collectives on ``world_size`` local
+  processes (gloo or NCCL), with fitted α–β lines.
+* :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
+  GPU.
+* :func:`run_profile`: all of it for one model, merged into the DB file at ``output``.
+
+Import rules: this is the one place besides ``runtime/`` that may import ``torch`` *and*
+``torch.distributed`` — measuring collectives needs process groups. It is neither runtime
+(it executes no plan) nor cost model (it never predicts anything); nothing in ``ir/``,
+``cost_models/``, ``passes/`` or ``optimizer/`` imports it. ``torch.distributed`` is only
+imported inside the functions that spawn processes (:mod:`._spawn`), so importing this package
+is cheap apart from ``torch`` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, merge
+from hetplan.profiling._spawn import run_local_ranks
+from hetplan.profiling.collectives import (
+    DEFAULT_COLLECTIVES,
+    DEFAULT_SIZES,
+    CollectiveProfile,
+    profile_collectives,
+)
+from hetplan.profiling.compressors import DEFAULT_COMPRESSOR_SIZES, profile_compressors
+from hetplan.profiling.layers import (
+    default_loss,
+    profile_layers,
+    profile_layers_concurrent,
+)
+
+__all__ = [
+    "DEFAULT_COLLECTIVES",
+    "DEFAULT_COMPRESSOR_SIZES",
+    "DEFAULT_SIZES",
+    "WHAT",
+    "CollectiveProfile",
+    "default_loss",
+    "machine_info",
+    "profile_collectives",
+    "profile_compressors",
+    "profile_layers",
+    "profile_layers_concurrent",
+    "run_local_ranks",
+    "run_profile",
+]
+
+log = logging.getLogger(__name__)
+
+#: What :func:`run_profile` can measure.
+WHAT: tuple[str, ...] = ("layers", "collectives", "compressors")
+
+ModelArg = str | tuple[nn.Module, Sequence[Any] | Any, Mapping[str, Any] | None]
+
+
+def machine_info(device_type: str, backend: str, device_count: int) -> MachineInfo:
+    """The :class:`MachineInfo` of this machine (no hostname)."""
+    return MachineInfo(
+        device_type=device_type,
+        torch_version=torch.__version__,
+        backend=backend,
+        cuda_version=torch.version.cuda,
+        device_count=device_count,
+    )
+
+
+def _resolve_model(
+    model: ModelArg, batch_size: int, seq: int | None, device: str
+) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], str | None]:
+    if isinstance(model, str):
+        from hetplan import zoo
+
+        entry = zoo.get(model)
+        net = zoo.build(entry.name, device=device, seed=0)
+        args, kwargs = zoo.example_inputs(entry.name, batch=batch_size, seq=seq, device=device)
+        return net, tuple(args), dict(kwargs), entry.name
+    if not (isinstance(model, tuple) and len(model) == 3 and isinstance(model[0], nn.Module)):
+        raise TypeError(
+            "run_profile(model=...) takes a zoo name or a tuple (module, example_inputs, "
+            f"example_kwargs), got {type(model).__name__}"
+        )
+    net, args, kwargs = model
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    return net, args, dict(kwargs or {}), None
+
+
+def _progress(show: bool) -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+        console=Console(stderr=True), disable=not show,
+    )
+
+
+def run_profile(
+    model: ModelArg | None,
+    *,
+    world_size: int = 2,
+    device_type: str = "cpu",
+    output: str | Path | None = None,
+    what: Sequence[str] = WHAT,
+    batch_size: int = 1,
+    seq: int | None = None,
+    device: str | None = None,
+    backend: str | None = None,
+    link_kind: str | None = None,
+    layer_processes: int = 1,
+    warmup: int = 2,
+    iters: int = 5,
+    collective_sizes: Sequence[int] = DEFAULT_SIZES,
+    collectives: Sequence[str] = DEFAULT_COLLECTIVES,
+    compressor_sizes: Sequence[int] = DEFAULT_COMPRESSOR_SIZES,
+    timeout_s: float = 300.0,
+    show_progress: bool = True,
+) -> ProfileDB:
+    """Profile ``model`` and this machine; write (merged) to ``output``.
+
+    Args:
+        model: a zoo name (built with seed 0 on ``device``), or ``(module, example_inputs,
+            example_kwargs)``; None when ``what`` has no ``layers``.
+        world_size: processes for collectives (and the ``device_count`` recorded).
+        device_type: the cluster device type the records are filed under (``cpu``, or the
+            GPU type of this machine, e.g. ``A100-80GB``).
+        output: the DB file. If it exists it is loaded and merged
+            (:func:`~hetplan.cost_models.profile_db.merge`: per key the record with more
+            samples wins, the new one on a tie); None writes nothing.
+        what: any of :data:`WHAT`.
+        batch_size / seq: example inputs for a zoo model. Compute records are keyed by layer
+            signature, which includes activation sizes: profile at the micro-batch (and
+            sequence length) the model will be captured with when planning (``hetplan plan``
+            captures zoo models at batch 1).
+        device: ``cpu`` or ``cuda``; default ``cuda`` when ``device_type`` is not ``cpu`` and
+            CUDA is available.
+        backend: ``gloo`` or ``nccl``; default ``nccl`` on CUDA, else ``gloo``.
+        link_kind: link kind the collective records are filed under; must match the
+            cluster spec's intra-node link (default ``loopback`` with gloo, ``nvlink`` with
+            NCCL).
+        layer_processes: profile layers on this many processes at once, with the threads
+            each would get in training (:func:`profile_layers_concurrent`); 1 profiles in
+            this process with the current thread count.
+        warmup / iters: untimed and timed training steps for layers (collectives: calls).
+        collective_sizes / collectives / compressor_sizes: what to sweep.
+        timeout_s: limit for each multi-process measurement.
+        show_progress: rich progress bars on stderr.
+
+    Returns:
+        The DB (merged with the existing file when there is one).
+
+    Raises:
+        ValueError: an unknown entry in ``what``, or ``layers`` without a model.
+    """
+    bad = [w for w in what if w not in WHAT]
+    if bad:
+        raise ValueError(f"unknown measurement(s) {bad}; choose from {list(WHAT)}")
+    if device is None:
+        device = "cuda" if device_type != "cpu" and torch.cuda.is_available() else "cpu"
+    if backend is None:
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+    if link_kind is None:
+        link_kind = "nvlink" if backend == "nccl" else "loopback"
+    compute, colls, comps = [], [], []
+    with _progress(show_progress) as progress:
+        if "layers" in what:
+            if model is None:
+                raise ValueError("profiling layers needs a model (a zoo name or a module)")
+            net, args, kwargs, name = _resolve_model(model, batch_size, seq, device)
+            from hetplan.ir.capture import capture
+
+            ir = capture(net, args, kwargs, name=name)
+            if layer_processes > 1:
+                task = progress.add_task(f"layers of {ir.name} on {layer_processes} processes",
+                                         total=None)
+                compute = profile_layers_concurrent(
+                    net, args, kwargs, processes=layer_processes, device_type=device_type,
+                    device=device, warmup=warmup, iters=iters, ir=ir, timeout_s=timeout_s,
+                )
+                progress.update(task, total=1, completed=1)
+            else:
+                compute = profile_layers(net, args, kwargs, device_type=device_type,
+                                         device=device, warmup=warmup, iters=iters, ir=ir,
+                                         progress=progress)
+        if "collectives" in what:
+            if world_size < 2:
+                log.warning("collectives skipped: world_size=%d (need >= 2)", world_size)
+            else:
+                task = progress.add_task(f"collectives on {world_size} {backend} processes",
+                                         total=None)
+                prof = profile_collectives(
+                    world_size, backend=backend, sizes=collective_sizes,
+                    collectives=collectives, link_kind=link_kind, timeout_s=timeout_s,
+                )
+                colls = prof.records
+                for coll, why in prof.skipped.items():
+                    progress.console.print(f"[yellow]skipped {coll}[/]: {why}")
+                    log.warning("collective %s skipped: %s", coll, why)
+                progress.update(task, total=1, completed=1)
+        if "compressors" in what:
+            comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
+                                        progress=progress)
+    db = ProfileDB(
+        machines=(machine_info(device_type, backend, world_size),),
+        compute=tuple(compute),
+        collectives=tuple(colls),
+        compressors=tuple(comps),
+    )
+    if output is not None:
+        path = Path(output)
+        if path.exists():
+            db = merge(db, ProfileDB.load(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db.save(path)
+    return db

@@ -1,0 +1,275 @@
+"""Collective times across local processes, and α–β lines fitted to them.
+
+:func:`profile_collectives` spawns ``world_size`` processes (``torch.multiprocessing``, a
+``FileStore`` rendezvous in a temporary directory, a process-group timeout; see
+:mod:`hetplan.profiling._spawn`), and in them times every requested collective over a range
+of buffer sizes. Sizes follow the convention of :mod:`hetplan.cost_models.comm`: ``nbytes``
+is the per-rank buffer of allreduce, reduce_scatter, broadcast, reduce and p2p, the total
+gathered output of allgather and gather, and the total each rank sends for alltoall.
+
+How one sample is taken: after ``warmup`` untimed calls, ``iters`` calls run back to back
+(collectives synchronise the ranks themselves) and each is timed on its own; the sample is
+the **median** call time, and the slowest rank's median is recorded (a collective ends when
+its last rank does). p2p is a ping-pong between ranks 0 and 1 (half the round trip), filed
+under group size 2 whatever ``world_size`` is. Small sizes get more calls (at least
+``iters``, up to ``max_iters``, about ``min_time_s`` per size) because they are noisy.
+
+Collectives the backend does not implement (gloo lacks ``reduce_scatter`` on CPU in some
+torch versions) are skipped; :func:`profile_collectives` returns the reasons in
+``CollectiveProfile.skipped``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hetplan.cost_models.comm import fit_alpha_beta
+from hetplan.cost_models.profile_db import CollectiveRecord, CollectiveSample
+
+__all__ = [
+    "DEFAULT_COLLECTIVES",
+    "DEFAULT_SIZES",
+    "CollectiveProfile",
+    "profile_collectives",
+]
+
+KiB, MiB = 2**10, 2**20
+#: 4 KiB, 16 KiB ... 64 MiB (factor 4).
+DEFAULT_SIZES: tuple[int, ...] = tuple(4 * KiB * 4**k for k in range(8))
+DEFAULT_COLLECTIVES: tuple[str, ...] = (
+    "allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "p2p",
+)
+_ALL = DEFAULT_COLLECTIVES + ("reduce", "gather")
+
+
+@dataclass
+class CollectiveProfile:
+    """What :func:`profile_collectives` measured.
+
+    Attributes:
+        records: one record per collective measured (samples and fitted α, β).
+        skipped: collective → why it was not measured.
+        seconds: wall time of the whole measurement (process start-up included).
+    """
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def _op(name: str, nbytes: int, rank: int, world: int, device: str):  # type: ignore[no-untyped-def]
+    """A zero-argument callable doing one ``name`` collective of ``nbytes`` (see module doc)."""
+    import torch
+    import torch.distributed as dist
+
+    numel = max(nbytes // 4, world)
+    numel -= numel % world  # divisible shards for allgather, reduce_scatter and alltoall
+
+    def buf(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.float32, device=device)
+
+    if name == "allreduce":
+        x = buf(numel)
+        return lambda: dist.all_reduce(x)
+    if name == "broadcast":
+        x = buf(numel)
+        return lambda: dist.broadcast(x, src=0)
+    if name == "reduce":
+        x = buf(numel)
+        return lambda: dist.reduce(x, dst=0)
+    if name == "allgather":
+        out, inp = buf(numel), buf(numel // world)
+        gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather_fn(out, inp)
+    if name == "gather":
+        inp = buf(numel // world)
+        gl = [buf(numel // world) for _ in range(world)] if rank == 0 else None
+        return lambda: dist.gather(inp, gl, dst=0)
+    if name == "reduce_scatter":
+        inp, out = buf(numel), buf(numel // world)
+        rs_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: rs_fn(out, inp)
+    if name == "alltoall":
+        inp, out = buf(numel), buf(numel)
+        return lambda: dist.all_to_all_single(out, inp)
+    if name == "p2p":
+        x = buf(numel)
+
+        def pingpong() -> None:
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+
+        return pingpong
+    raise ValueError(f"unknown collective {name!r} (known: {', '.join(_ALL)})")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _timed(op, n: int, device: str) -> list[float]:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        op()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _worker(
+    rank: int,
+    world: int,
+    collectives: Sequence[str],
+    sizes: Sequence[int],
+    warmup: int,
+    iters: int,
+    max_iters: int,
+    min_time_s: float,
+    device: str,
+) -> tuple[dict[str, list[tuple[int, float]]], dict[str, str]]:
+    """Runs in every rank; returns (collective → [(nbytes, median seconds)], skipped)."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    out: dict[str, list[tuple[int, float]]] = {}
+    skipped: dict[str, str] = {}
+    flag = torch.zeros(1, device=device)
+    for name in collectives:
+        if name == "p2p" and world < 2:
+            continue
+        points: list[tuple[int, float]] = []
+        for nbytes in sizes:
+            # every rank must agree on skipping, or the others hang in the collective
+            err = ""
+            try:
+                op = _op(name, nbytes, rank, world, device)
+                for _ in range(max(warmup, 1)):
+                    op()
+                _sync(device)
+            except (RuntimeError, NotImplementedError, ValueError) as e:
+                err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            flag.fill_(1.0 if err else 0.0)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                skipped[name] = err or "not supported on another rank"
+                points = []
+                break
+            times = _timed(op, iters, device)
+            # every rank must make the same number of calls: agree on how many more
+            more = min(max_iters, int(min_time_s / max(statistics.median(times), 1e-9))) - iters
+            extra = torch.tensor([max(more, 0)], dtype=torch.float64)
+            dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+            times += _timed(op, int(extra.item()), device)
+            med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(med, op=dist.ReduceOp.MAX)
+            dist.barrier()
+            seconds = float(med.item())
+            if name == "p2p":
+                seconds /= 2.0  # half a round trip
+            points.append((nbytes, seconds))
+        if points:
+            out[name] = points
+    return out, skipped
+
+
+def profile_collectives(
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    collectives: Sequence[str] = DEFAULT_COLLECTIVES,
+    link_kind: str = "loopback",
+    warmup: int = 2,
+    iters: int = 5,
+    max_iters: int = 50,
+    min_time_s: float = 0.05,
+    timeout_s: float = 120.0,
+    threads_per_process: int | None = 1,
+) -> CollectiveProfile:
+    """Measure collectives on ``world_size`` local processes and fit α–β lines.
+
+    Args:
+        world_size: processes (≥ 2); also the group size of the records (p2p: 2).
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (one GPU per process).
+        sizes: buffer sizes in bytes (see the module docstring for what they mean).
+        collectives: names from :data:`hetplan.cost_models.comm.COLLECTIVES`.
+        link_kind: the :data:`~hetplan.ir.cluster.LinkKind` the records are filed under
+            (``loopback`` for processes on one host, ``nvlink``/``pcie`` for GPUs of one
+            node).
+        warmup / iters: untimed calls, and the minimum timed calls, per size.
+        max_iters / min_time_s: small sizes get more calls, up to ``max_iters``, until
+            ``min_time_s`` has been spent on the size.
+        timeout_s: process-group timeout and limit on the whole run.
+        threads_per_process: torch threads per process (gloo reductions are single-threaded).
+
+    Returns:
+        A :class:`CollectiveProfile`: records with samples and fitted ``alpha_s`` /
+        ``beta_s_per_byte`` (:func:`~hetplan.cost_models.comm.fit_alpha_beta`), skipped
+        collectives with the reason, and the wall time.
+
+    Raises:
+        ValueError: ``world_size`` < 2, an unknown collective, or no sizes.
+        TimeoutError: the run exceeded ``timeout_s``.
+
+    Example:
+        >>> prof = profile_collectives(2, sizes=(4096, 2**20))  # doctest: +SKIP
+        >>> [r.collective for r in prof.records]  # doctest: +SKIP
+        ['allreduce', 'allgather', 'broadcast', 'reduce_scatter', 'alltoall', 'p2p']
+    """
+    from hetplan.profiling._spawn import run_local_ranks
+
+    if world_size < 2:
+        raise ValueError(f"collectives need world_size >= 2, got {world_size}")
+    unknown = [c for c in collectives if c not in _ALL]
+    if unknown:
+        raise ValueError(f"unknown collective(s) {unknown} (known: {', '.join(_ALL)})")
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"sizes must be positive byte counts, got {list(sizes)}")
+    device = "cuda" if backend == "nccl" else "cpu"
+    t0 = time.perf_counter()
+    results = run_local_ranks(
+        _worker,
+        world_size,
+        (tuple(collectives), tuple(sorted(sizes)), warmup, iters, max_iters, min_time_s,
+         device),
+        backend=backend,
+        timeout_s=timeout_s,
+        threads_per_process=threads_per_process,
+    )
+    points, skipped = results[0]
+    prof = CollectiveProfile(skipped=dict(skipped))
+    for name in collectives:
+        if name not in points:
+            continue
+        line = fit_alpha_beta(points[name])
+        prof.records.append(CollectiveRecord(
+            collective=name,  # type: ignore[arg-type]
+            backend=backend,
+            link_kind=link_kind,
+            group_size=2 if name == "p2p" else world_size,
+            samples=tuple(CollectiveSample(nbytes=n, seconds=s) for n, s in points[name]),
+            alpha_s=line.alpha_s,
+            beta_s_per_byte=line.beta_s_per_byte,
+        ))
+    prof.seconds = time.perf_counter() - t0
+    return prof
