@@ -919,6 +919,7 @@ def _assemble(
         for _, p in inv_params[inv]:
             owner.setdefault(id(p), inv)
     index = {inv: i for i, (inv, _) in enumerate(graph.invocations)}
+    _check_dataflow_order(graph, ex, index)
     act_in, act_out = _activation_bytes(graph, ex)
 
     layers: list[LayerIR] = []
@@ -1008,6 +1009,24 @@ def _assemble(
 
 def _canon_in(canon: str, params: list[tuple[str, torch.Tensor]]) -> bool:
     return any(n == canon for n, _ in params)
+
+
+def _check_dataflow_order(graph: _Graph, ex: _Executor, index: dict[str, int]) -> None:
+    """Verify that no layer consumes a tensor produced by a later layer."""
+    for node in graph.gm.graph.nodes:
+        src = ex.exec_layer.get(node)
+        if src is None or node.op == "get_attr":
+            continue
+        for user in node.users:
+            dst = ex.exec_layer.get(user)
+            if dst is not None and index[dst] < index[src]:
+                raise TraceError(
+                    f"layer order is inconsistent with dataflow: {dst!r} (#{index[dst]}) "
+                    f"consumes {node.name!r} produced by {src!r} (#{index[src]}); this is a "
+                    "hetplan bug, please report it with the model",
+                    module=src,
+                    reason="dataflow order",
+                )
 
 
 def _activation_bytes(graph: _Graph, ex: _Executor) -> tuple[dict[str, int], dict[str, int]]:
