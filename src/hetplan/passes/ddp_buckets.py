@@ -2,9 +2,11 @@
 
 Owns ``plan.gradient_sync``. Gradients are taken in backward-ready order, per pipeline stage
 (a bucket never mixes stages: each stage's data-parallel group syncs its own gradients), and
-packed into buckets of at most ``bucket_cap_mb`` MiB — the first bucket of each stage at most
-``first_bucket_mb`` MiB, as DDP does so that communication starts early. A tensor larger than
-the cap gets a bucket of its own. Every bucket is one flat fp32 allreduce. Complexity O(N).
+packed the way PyTorch's ``compute_bucket_assignment_by_size`` (reducer.cpp) does: a tensor is
+added to the open bucket, and the bucket closes as soon as its size reaches the limit — 1 MiB
+for the first bucket of each stage (so communication starts early), ``bucket_cap_mb`` after.
+A bucket can therefore exceed the cap by its last tensor. Every bucket is one flat fp32
+allreduce. Complexity O(N).
 """
 
 from __future__ import annotations
@@ -54,11 +56,9 @@ class DDPBuckets:
             s = stage[g.layer_index]
             cap = (self.bucket_cap_mb if s in started else self.first_bucket_mb) * MiB
             names, size = open_.get(s, ([], 0))
-            if names and size + g.size_bytes > cap:
-                close(s)
-                cap = self.bucket_cap_mb * MiB
-                names, size = [], 0
             open_[s] = (names + [g.name], size + g.size_bytes)
+            if size + g.size_bytes >= cap:
+                close(s)
         for s in sorted(open_):
             close(s)
         sync = GradientSync(strategies={"fp32": NoSync()}, buckets=tuple(buckets))

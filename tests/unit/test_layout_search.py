@@ -1,0 +1,237 @@
+"""Layout enumeration: the rules of ``hetplan.optimizer.layout`` checked against an
+independent brute-force enumeration, pinning, and the error when nothing divides the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetplan.errors import InfeasiblePlanError, SpecError
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan_sections import LayerCost, WorkloadSummary
+from hetplan.ir.workload import workload_from_gradients
+from hetplan.optimizer.compile import compile
+from hetplan.optimizer.layout import LayoutCandidate, enumerate_layouts
+
+NVLINK = {"kind": "nvlink", "bandwidth_gbps": 2400, "latency_us": 2}
+IB = {"kind": "infiniband", "bandwidth_gbps": 100, "latency_us": 3}
+
+
+def cluster(*node_sizes: int) -> ClusterSpec:
+    """One node per entry, with that many A100s."""
+    return ClusterSpec.from_dict({
+        "name": "test",
+        "nodes": [
+            {"name": f"n{i}", "devices": [{"type": "A100-80GB", "count": k}], "cpu_cores": 8,
+             "intra_link": NVLINK}
+            for i, k in enumerate(node_sizes)
+        ],
+        "inter_node": IB if len(node_sizes) > 1 else None,
+    })
+
+
+def workload(layers: int, *, pairs: bool) -> WorkloadSummary:
+    return WorkloadSummary(layers=tuple(
+        LayerCost(name=f"L{i}", param_bytes=1024, fwd_flops=10, bwd_flops=20,
+                  tp_pairs=1 if pairs and i == 0 else 0, tp_split_bytes=512 if pairs else 0)
+        for i in range(layers)
+    ))
+
+
+def reference(node_sizes: list[int], layers: int, pairs: bool, batch: int,
+              max_tp: int = 8) -> list[tuple[int, int, int, int, int]]:
+    """The layouts the documented rules allow, by brute force over all triples."""
+    world = sum(node_sizes)
+    out = []
+    for d, p, t in itertools.product(range(1, world + 1), repeat=3):
+        if d * p * t != world:
+            continue
+        if t > max_tp or any(k % t for k in node_sizes) or (t > 1 and not pairs):
+            continue
+        if p > layers or batch % d:
+            continue
+        per = batch // d
+        for mb in range(1, per + 1):
+            power_of_two = mb & (mb - 1) == 0
+            if per % mb == 0 and (power_of_two or mb == per):
+                out.append((d, p, t, mb, per // mb))
+    return sorted(out)
+
+
+def as_tuples(cands: list[LayoutCandidate]) -> list[tuple[int, int, int, int, int]]:
+    return [(c.dp, c.pp, c.tp, c.micro_batch_size, c.micro_batches) for c in cands]
+
+
+# --------------------------------------------------------------------------------------
+# the rules
+# --------------------------------------------------------------------------------------
+def test_small_case_by_hand() -> None:
+    # 4 devices on one node, 2 layers without Megatron pairs, batch 4:
+    # tp = 1; pp in {1, 2}; dp = 4 (per replica 1) or dp = 2 (per replica 2)
+    got = as_tuples(enumerate_layouts(workload(2, pairs=False), cluster(4), 4))
+    assert got == [
+        (2, 2, 1, 1, 2), (2, 2, 1, 2, 1),
+        (4, 1, 1, 1, 1),
+    ]
+
+
+def test_micro_batch_sizes_by_hand() -> None:
+    # one device, batch 12: powers of two dividing 12 (1, 2, 4) and 12 itself
+    got = as_tuples(enumerate_layouts(workload(1, pairs=False), cluster(1), 12))
+    assert got == [(1, 1, 1, 1, 12), (1, 1, 1, 2, 6), (1, 1, 1, 4, 3), (1, 1, 1, 12, 1)]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "layers", "pairs", "batch"),
+    [
+        ([8, 8, 8, 8], 6, True, 64),
+        ([8, 8, 8, 8], 6, False, 64),
+        ([8, 8, 8, 8], 40, True, 96),
+        ([6, 6], 5, True, 24),
+        ([4, 8], 3, True, 36),
+        ([16], 20, True, 32),
+        ([1], 1, True, 7),
+        ([2, 2, 2], 2, True, 6),
+    ],
+)
+def test_matches_brute_force(nodes: list[int], layers: int, pairs: bool, batch: int) -> None:
+    got = enumerate_layouts(workload(layers, pairs=pairs), cluster(*nodes), batch)
+    assert as_tuples(got) == reference(nodes, layers, pairs, batch)
+    assert got == sorted(got)  # deterministic order
+    assert len(set(got)) == len(got)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    nodes=st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=3),
+    layers=st.integers(1, 12),
+    pairs=st.booleans(),
+    batch=st.integers(1, 72),
+)
+def test_rules_hold(nodes: list[int], layers: int, pairs: bool, batch: int) -> None:
+    world = sum(nodes)
+    got = enumerate_layouts(workload(layers, pairs=pairs), cluster(*nodes), batch)
+    for c in got:
+        assert c.dp * c.pp * c.tp == world
+        assert all(k % c.tp == 0 for k in nodes)  # a TP group never crosses nodes
+        assert c.tp <= 8
+        assert c.tp == 1 or pairs
+        assert c.pp <= layers
+        assert batch % c.dp == 0
+        assert c.micro_batch_size * c.micro_batches == batch // c.dp
+    assert as_tuples(got) == reference(nodes, layers, pairs, batch)
+
+
+def test_tp_only_with_pairs() -> None:
+    spec = cluster(8, 8)
+    assert {c.tp for c in enumerate_layouts(workload(4, pairs=False), spec, 64)} == {1}
+    assert {c.tp for c in enumerate_layouts(workload(4, pairs=True), spec, 64)} == {1, 2, 4, 8}
+
+
+def test_tp_divides_every_node() -> None:
+    # nodes of 4 and 8 devices: tp must divide both (1, 2, 4), not 8 (nor 3 = 12/4)
+    tps = {c.tp for c in enumerate_layouts(workload(12, pairs=True), cluster(4, 8), 48)}
+    assert tps == {1, 2, 4}
+    # nodes of 6: tp in 1, 2, 3, 6
+    tps = {c.tp for c in enumerate_layouts(workload(12, pairs=True), cluster(6, 6), 48)}
+    assert tps == {1, 2, 3, 6}
+
+
+def test_max_tp() -> None:
+    spec = cluster(16)
+    wl = workload(2, pairs=True)
+    assert 16 not in {c.tp for c in enumerate_layouts(wl, spec, 32)}  # default max_tp=8
+    assert 16 in {c.tp for c in enumerate_layouts(wl, spec, 32, max_tp=16)}
+    assert {c.tp for c in enumerate_layouts(wl, spec, 32, max_tp=2)} == {1, 2}
+
+
+def test_pp_at_most_layers() -> None:
+    got = enumerate_layouts(workload(3, pairs=False), cluster(8), 8)
+    assert {c.pp for c in got} == {1, 2}  # 4 and 8 exceed 3 layers
+
+
+def test_batch_divisibility() -> None:
+    # world 8, tp=1, pp in {1, 2}: dp in {8, 4}; batch 12 only divides by 4
+    got = enumerate_layouts(workload(2, pairs=False), cluster(8), 12)
+    assert {c.dp for c in got} == {4}
+    assert {(c.micro_batch_size, c.micro_batches) for c in got} == {(1, 3), (3, 1)}
+
+
+# --------------------------------------------------------------------------------------
+# pinning
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "pins",
+    [
+        {"dp": 8}, {"pp": 2}, {"tp": 4}, {"micro_batch_size": 2},
+        {"dp": 4, "tp": 2}, {"dp": 2, "pp": 4, "tp": 4, "micro_batch_size": 8},
+    ],
+)
+def test_pinning_filters(pins: dict[str, int]) -> None:
+    wl, spec = workload(6, pairs=True), cluster(8, 8, 8, 8)
+    free = enumerate_layouts(wl, spec, 64)
+    pinned = enumerate_layouts(wl, spec, 64, **pins)
+    expected = [c for c in free if all(getattr(c, k) == v for k, v in pins.items())]
+    assert pinned == expected
+    assert pinned  # each pin above is satisfiable
+
+
+def test_pinning_an_impossible_value_gives_nothing() -> None:
+    wl, spec = workload(6, pairs=True), cluster(8, 8)
+    assert enumerate_layouts(wl, spec, 64, dp=3) == []
+    assert enumerate_layouts(wl, spec, 64, pp=7) == []  # 7 > 6 layers and not a divisor
+    assert enumerate_layouts(wl, spec, 64, tp=16) == []  # crosses nodes
+    assert enumerate_layouts(wl, spec, 64, micro_batch_size=3) == []  # 3 divides no replica
+
+
+def test_to_layout() -> None:
+    c = LayoutCandidate(dp=4, pp=2, tp=1, micro_batch_size=2, micro_batches=3)
+    lay = c.to_layout(24, "gpipe")
+    assert (lay.dp, lay.pp, lay.tp, lay.micro_batch_size, lay.micro_batches) == (4, 2, 1, 2, 3)
+    assert lay.global_batch_size == 24 == lay.dp * lay.micro_batch_size * lay.micro_batches
+    assert lay.schedule == "gpipe"
+    assert c.describe() == "dp=4 pp=2 tp=1 mb=2×3"
+
+
+# --------------------------------------------------------------------------------------
+# nothing fits the batch: compile says why
+# --------------------------------------------------------------------------------------
+def two_layer_ir():  # type: ignore[no-untyped-def]
+    return workload_from_gradients(
+        "two-layers", ["b.weight", "a.weight"], [1000, 1000], [0.0, 100.0]
+    )
+
+
+def test_compile_with_no_layout_for_batch() -> None:
+    # 8 devices, 2 layers, no Megatron pairs: dp in {8, 4}; 6 divides by neither
+    ir = two_layer_ir()
+    assert len(ir.layers) == 2
+    assert enumerate_layouts(workload(2, pairs=False), cluster(8), 6) == []
+    with pytest.raises(InfeasiblePlanError) as info:
+        compile(ir, cluster(8), batch_size=6)
+    msg = str(info.value)
+    assert "8 devices" in msg
+    assert "global batch of 6" in msg
+    assert "divisible" in msg
+
+
+def test_compile_with_pinned_dp_that_does_not_exist() -> None:
+    with pytest.raises(InfeasiblePlanError, match="dp=3"):
+        compile(two_layer_ir(), cluster(8), batch_size=24, dp=3)
+
+
+def test_compile_rejects_nonpositive_batch() -> None:
+    with pytest.raises(SpecError, match="batch_size must be >= 1"):
+        compile(two_layer_ir(), cluster(8), batch_size=0)
+
+
+def test_compile_finds_layout_when_batch_divides() -> None:
+    plan = compile(two_layer_ir(), cluster(8), batch_size=8)
+    assert plan.layout is not None
+    lay = plan.layout
+    assert lay.dp * lay.pp * lay.tp == 8
+    assert lay.dp * lay.micro_batch_size * lay.micro_batches == 8
