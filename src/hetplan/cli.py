@@ -370,6 +370,36 @@ def plan_cmd(
     err.print(f"planned in {seconds:.1f} s")
 
 
+@app.command("profile")
+@_user_errors
+def profile_cmd(
+    model: str = typer.Argument(None, help="A zoo model whose layers to time (optional)."),
+    output: Path = typer.Option(Path("profile.json"), "-o", "--output",
+                                help="Profile DB to write (merged if it exists)."),
+    world_size: int = typer.Option(2, "--world-size", "-n", help="Local processes."),
+    device_type: str = typer.Option("cpu", help="Cluster device type to file records under."),
+    what: list[str] = typer.Option(None, "--what",
+                                   help="layers, collectives, compressors (default: all)."),
+    batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements."),
+    seq: int = typer.Option(None, help="Sequence length for zoo language models."),
+    layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
+) -> None:
+    """Measure this machine (layers, collectives, compressors) into a profile DB."""
+    from hetplan.profiling import WHAT, run_profile
+
+    chosen = tuple(what) if what else tuple(w for w in WHAT if w != "layers" or model)
+    if "layers" in chosen and not model:
+        raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
+    db = run_profile(
+        model, world_size=world_size, device_type=device_type, output=output, what=chosen,
+        batch_size=batch_size, seq=seq, layer_processes=layer_processes,
+    )
+    out.print(
+        f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
+        f"collective record(s), {len(db.compressors)} compressor record(s)"
+    )
+
+
 @app.command("simulate")
 @_user_errors
 def simulate_cmd(
