@@ -125,12 +125,16 @@ class WorkloadSummary(_Section):
     Attributes:
         batch_size: the micro-batch size the numbers were captured with (costs scale
             linearly with the micro-batch size).
+        input_shapes / input_dtypes: the example inputs of the capture (the runtime rebuilds
+            them to verify the model's fingerprint).
         layers: per-layer FLOPs and bytes, in dataflow order.
         grads: gradient tensors in backward-ready order; ``layer_index`` indexes ``layers``.
         unattributed_fwd_flops / unattributed_bwd_flops: FLOPs outside every layer.
     """
 
     batch_size: PosInt = 1
+    input_shapes: tuple[tuple[NonNegInt, ...], ...] = ()
+    input_dtypes: tuple[Name, ...] = ()
     layers: tuple[LayerCost, ...] = ()
     grads: tuple[GradCost, ...] = ()
     unattributed_fwd_flops: NonNegInt = 0
@@ -155,6 +159,8 @@ class WorkloadSummary(_Section):
         """Copy the per-layer and per-gradient numbers out of a :class:`ModelIR`."""
         return cls(
             batch_size=ir.batch_size,
+            input_shapes=ir.input_shapes,
+            input_dtypes=ir.input_dtypes,
             layers=tuple(
                 LayerCost(
                     name=lay.name,
@@ -262,6 +268,19 @@ class Layout(_Section):
     @property
     def num_ranks(self) -> int:
         return self.dp * self.pp * self.tp
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        """Global rank of coordinates (dp, pp, tp): tp innermost (inside a node), then dp,
+        then pp outermost (stages span nodes: activations are the cheapest traffic to send
+        far). The runtime and the passes share this one mapping."""
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) of a global rank; the inverse of :meth:`rank_of`."""
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return dp, pp, tp
 
     @model_validator(mode="after")
     def _check(self) -> Layout:

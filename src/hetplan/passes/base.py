@@ -51,6 +51,5 @@ class Pass(Protocol):
 
 
 def rank_of(layout: Layout, dp: int, pp: int, tp: int) -> int:
-    """Global rank of coordinates (dp, pp, tp): tp innermost (within a node), then dp, then pp
-    outermost (stages span nodes; p2p activations are the cheapest traffic to send far)."""
-    return (pp * layout.dp + dp) * layout.tp + tp
+    """Global rank of coordinates (dp, pp, tp); see :meth:`Layout.rank_of`."""
+    return layout.rank_of(dp, pp, tp)
