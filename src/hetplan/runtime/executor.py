@@ -1,0 +1,163 @@
+"""Execute a plan inside a ``torchrun``-launched process: ``Runtime(plan, model, …)``.
+
+The runtime is thin: it does what the plan says, one handler per section, and knows nothing
+about search.
+
+1. **Refuse a mismatch before any collective**: the model is captured on ``meta`` with the
+   given example inputs and its fingerprint compared with the plan's; the world size must be
+   the plan's ``dp · pp · tp``.
+2. **Groups** for the layout (:class:`ParallelGroups`).
+3. **Tensor parallelism** (``tensor_parallel`` section): Megatron pairs replaced by uneven
+   column/row-parallel linears (:mod:`hetplan.runtime.tensor_parallel`).
+4. **Pipeline** (``stages`` + ``layout.schedule``): this rank's stage
+   (:mod:`hetplan.runtime.pipeline`).
+5. **Gradient sync** (``gradient_sync``): the plan's buckets on the data-parallel group
+   (:class:`GradSync`).
+6. :meth:`Runtime.train_step` runs one iteration over the global batch and returns the loss.
+
+Data: every rank is given the same global batch; data-parallel replica ``d`` trains on rows
+``[d·b, (d+1)·b)`` with ``b = batch / dp``, split into the plan's micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetplan.errors import PlanMismatchError, SpecError
+from hetplan.ir.plan import Plan
+from hetplan.runtime.grad_sync import GradSync
+from hetplan.runtime.groups import ParallelGroups
+
+__all__ = ["Runtime", "StepTimes"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def _default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    out = getattr(output, "logits", output)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if target.dtype in (torch.long, torch.int64, torch.int32):
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return nn.functional.mse_loss(out, target)
+
+
+@dataclass
+class StepTimes:
+    """Measured times of one iteration on this rank (seconds)."""
+
+    iteration_s: float
+    compute_s: float
+    sync_wait_s: float
+    optimizer_s: float
+
+
+@dataclass
+class Runtime:
+    """Run ``plan`` for ``model`` on this process (see module docstring).
+
+    Args:
+        plan: the plan (its fingerprint must match ``model``).
+        model: the model the plan was compiled from, with real weights on this device.
+        example_args / example_kwargs: the inputs the plan's model was captured with (for
+            zoo models: batch 1); used only to verify the fingerprint, on ``meta``.
+        loss_fn: ``loss_fn(output, target)``; default cross-entropy for integer targets and
+            MSE otherwise.
+        optimizer: builds the optimizer from this rank's parameters (default SGD lr 0.01).
+        verify: check the model's fingerprint (skip only in tests that build plans by hand).
+    """
+
+    plan: Plan
+    model: nn.Module
+    example_args: Sequence[Any] = ()
+    example_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss_fn: LossFn = _default_loss
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = (
+        lambda params: torch.optim.SGD(params, lr=0.01)
+    )
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        layout = self.plan.layout
+        if layout is None:
+            raise SpecError("the plan has no layout; compile it with `hetplan plan`")
+        self.layout = layout
+        if self.verify:
+            self._verify_model()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != layout.num_ranks:
+            raise PlanMismatchError(
+                f"the plan needs {layout.num_ranks} processes (dp={layout.dp} pp={layout.pp} "
+                f"tp={layout.tp}) but this job has {world}; launch it with "
+                f"`hetplan run` or torchrun --nproc-per-node matching the plan"
+            )
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.groups = ParallelGroups.build(layout, rank) if dist.is_initialized() else None
+        if layout.tp > 1 or layout.pp > 1:
+            raise SpecError(
+                f"this runtime executes data-parallel plans; the plan has pp={layout.pp}, "
+                f"tp={layout.tp} (pipeline and tensor-parallel execution are not wired in yet)"
+            )
+        self.named_params = list(self.model.named_parameters())
+        group = self.groups.dp_group if self.groups is not None else None
+        self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync, group, layout.dp)
+        self.opt = self.optimizer([p for _, p in self.named_params])
+        self.last_times: StepTimes | None = None
+
+    def _verify_model(self) -> None:
+        from hetplan.ir.capture import capture
+
+        ir = capture(self.model, tuple(self.example_args), dict(self.example_kwargs),
+                     name=self.plan.model.name)
+        if ir.fingerprint() != self.plan.model.fingerprint:
+            raise PlanMismatchError(
+                f"the model does not match the plan: its fingerprint is {ir.fingerprint()}, "
+                f"the plan was compiled for {self.plan.model.name!r} with fingerprint "
+                f"{self.plan.model.fingerprint}; re-run `hetplan plan` for this model (and the "
+                "same example input shapes)"
+            )
+
+    def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
+        b = t.shape[0] // self.layout.dp
+        if b * self.layout.dp != t.shape[0]:
+            raise SpecError(
+                f"global batch of {t.shape[0]} rows does not split over dp={self.layout.dp}"
+            )
+        d = self.groups.dp_rank if self.groups is not None else 0
+        return t[d * b : (d + 1) * b]
+
+    def train_step(self, inputs: Any, target: torch.Tensor) -> float:
+        """One iteration on the global batch ``(inputs, target)``; returns this replica's
+        loss (mean over its rows)."""
+        t0 = time.perf_counter()
+        xs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        xs = [self._local_rows(x) for x in xs]
+        y = self._local_rows(target)
+        m = self.layout.micro_batches
+        chunks = [torch.chunk(x, m) for x in xs]
+        ys = torch.chunk(y, m)
+        total = 0.0
+        for i in range(m):
+            last = i == m - 1
+            ctx = self.grad_sync.no_sync() if not last else contextlib.nullcontext()
+            with ctx:
+                out = self.model(*[c[i] for c in chunks])
+                loss = self.loss_fn(out, ys[i]) / m
+                loss.backward()
+            total += float(loss.detach())
+        t1 = time.perf_counter()
+        self.grad_sync.finish()
+        t2 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        self.last_times = StepTimes(t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+        return total
