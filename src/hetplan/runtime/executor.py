@@ -106,6 +106,10 @@ class Runtime:
                 f"this runtime executes data-parallel plans; the plan has pp={layout.pp}, "
                 f"tp={layout.tp} (pipeline and tensor-parallel execution are not wired in yet)"
             )
+        # non-tensor keyword inputs (``use_cache=False``) are passed to every forward
+        self.forward_kwargs = {
+            k: v for k, v in self.example_kwargs.items() if not isinstance(v, torch.Tensor)
+        }
         self.named_params = list(self.model.named_parameters())
         group = self.groups.dp_group if self.groups is not None else None
         self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync, group, layout.dp)
@@ -149,7 +153,7 @@ class Runtime:
             last = i == m - 1
             ctx = self.grad_sync.no_sync() if not last else contextlib.nullcontext()
             with ctx:
-                out = self.model(*[c[i] for c in chunks])
+                out = self.model(*[c[i] for c in chunks], **self.forward_kwargs)
                 loss = self.loss_fn(out, ys[i]) / m
                 loss.backward()
             total += float(loss.detach())

@@ -1,0 +1,71 @@
+"""``hetplan run``: launch torchrun with the plan's processes per node.
+
+Single machine: ``--standalone`` with ``nproc_per_node = dp · pp · tp``. Several machines:
+pass torchrun's rendezvous options after ``--`` (``--nnodes 4 --rdzv-endpoint host:29500
+--rdzv-id job1``) on every node; processes per node then come from the plan's cluster (its
+devices per node), or ``--nproc-per-node`` in the extra options.
+
+Ctrl-C: torchrun runs in the same process group, receives the signal and stops every rank.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hetplan.errors import SpecError
+from hetplan.ir.plan import Plan
+
+__all__ = ["torchrun_command", "launch"]
+
+
+def torchrun_command(
+    plan: Plan,
+    plan_path: str | Path,
+    *,
+    model: str | None = None,
+    module: str | None = None,
+    steps: int = 10,
+    report: str | Path | None = None,
+    timeout_s: float = 120.0,
+    torchrun_args: Sequence[str] = (),
+) -> list[str]:
+    """The command line that runs ``plan`` (see module docstring)."""
+    if plan.layout is None:
+        raise SpecError(f"{plan_path}: the plan has no layout; compile it with `hetplan plan`")
+    if bool(model) == bool(module):
+        raise SpecError("give exactly one of --model NAME or --module pkg.mod:factory")
+    extra = list(torchrun_args)
+    multi_node = any(a.startswith(("--nnodes", "--rdzv")) for a in extra)
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if not any(a.startswith("--nproc") for a in extra):
+        world = plan.layout.num_ranks
+        per_node = world
+        spec = plan.cluster.spec
+        if multi_node:
+            if spec is None or spec.devices_per_node is None:
+                raise SpecError(
+                    "multi-node run: the plan's cluster does not give one device count per "
+                    "node; pass --nproc-per-node after --"
+                )
+            per_node = spec.devices_per_node
+        cmd += ["--nproc-per-node", str(per_node)]
+    if not multi_node:
+        cmd += ["--standalone", "--nnodes", "1"]
+    cmd += extra
+    cmd += ["-m", "hetplan.runtime.worker", "--plan", str(plan_path), "--steps", str(steps),
+            "--timeout", str(timeout_s)]
+    cmd += ["--model", model] if model else ["--module", str(module)]
+    if report:
+        cmd += ["--report", str(report)]
+    return cmd
+
+
+def launch(cmd: list[str]) -> int:
+    """Run the torchrun command; its exit code (non-zero when any rank failed)."""
+    try:
+        return subprocess.run(cmd, check=False).returncode
+    except KeyboardInterrupt:
+        return 130

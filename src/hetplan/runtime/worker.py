@@ -1,0 +1,155 @@
+"""The process ``hetplan run`` starts under torchrun: train a zoo or user model with a plan.
+
+    python -m torch.distributed.run --nproc-per-node N -m hetplan.runtime.worker \\
+        --plan plan.json --model gpt-test --steps 10 --report report.json
+
+Each rank builds the model with the same seed, builds :class:`Runtime`, trains on synthetic
+data (the same global batch on every rank; each replica takes its rows), and rank 0 writes the
+run report: per-iteration measured times (after warm-up), their medians, and the plan's
+predicted times beside them.
+
+Reliability: the process group has a timeout (``--timeout``); a collective with a dead peer
+fails within it and the rank exits non-zero naming the error; torchrun's agent then stops the
+other ranks. Ctrl-C reaches every rank through torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["main", "synthetic_batch", "build_model", "make_target"]
+
+
+def build_model(name: str | None, module: str | None, seed: int) -> tuple[Any, tuple, dict]:
+    """(model, example_args, example_kwargs) of a zoo name or a ``pkg.mod:factory``."""
+    if module:
+        import importlib
+
+        mod_name, _, attr = module.partition(":")
+        sys.path.insert(0, os.getcwd())
+        torch.manual_seed(seed)
+        result = getattr(importlib.import_module(mod_name), attr)()
+        model, args = result[0], result[1]
+        kwargs = result[2] if len(result) > 2 else {}
+        return model, tuple(args) if isinstance(args, (tuple, list)) else (args,), kwargs
+    from hetplan import zoo
+
+    assert name is not None
+    model = zoo.build(name, device="cpu", seed=seed)
+    return model, *zoo.example_inputs(name, batch=1, device="cpu")
+
+
+def synthetic_batch(example_args: tuple, batch: int, step: int) -> tuple:
+    """A global batch shaped like the example inputs, and a target, the same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    xs = []
+    for a in example_args:
+        shape = (batch, *a.shape[1:])
+        if a.dtype in (torch.long, torch.int64, torch.int32):
+            xs.append(torch.randint(0, max(int(a.max()) + 1, 2), shape, generator=g))
+        else:
+            xs.append(torch.randn(shape, generator=g, dtype=a.dtype))
+    return tuple(xs)
+
+
+def make_target(model: Any, example_args: tuple, example_kwargs: dict) -> Any:
+    """A function ``(inputs, batch) -> target``: the token ids themselves for language models
+    (cross-entropy), zeros shaped like the output otherwise (MSE)."""
+    with torch.no_grad():
+        out = model(*example_args, **example_kwargs)
+    out = getattr(out, "logits", out)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if example_args and example_args[0].dtype == torch.long and out.dim() == 3:
+        return lambda xs, batch: xs[0]
+    shape = tuple(out.shape[1:])
+    return lambda xs, batch: torch.zeros((batch, *shape), dtype=out.dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hetplan.runtime.worker")
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--module")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--report")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from hetplan.errors import HetplanError
+    from hetplan.ir.plan import load_plan
+    from hetplan.runtime.executor import Runtime
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    rank = dist.get_rank()
+    try:
+        plan = load_plan(args.plan)
+        model, ex_args, ex_kwargs = build_model(args.model, args.module, args.seed)
+        rt = Runtime(plan, model, example_args=ex_args, example_kwargs=ex_kwargs)
+        layout = plan.layout
+        assert layout is not None
+        batch = layout.micro_batch_size * layout.micro_batches * layout.dp
+        target_of = make_target(model, ex_args, ex_kwargs)
+        times = []
+        loss = float("nan")
+        for step in range(args.warmup + args.steps):
+            xs = synthetic_batch(ex_args, batch, step)
+            loss = rt.train_step(xs, target_of(xs, batch))
+            if step >= args.warmup and rt.last_times is not None:
+                times.append(rt.last_times)
+        if rank == 0 and args.report:
+            _write_report(args.report, plan, times, loss, dist.get_world_size())
+    except HetplanError as e:
+        print(f"rank {rank}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a dead peer surfaces here as a collective error / timeout
+        print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _write_report(path: str, plan: Any, times: list[Any], loss: float, world: int) -> None:
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) * 1e3 if xs else 0.0
+
+    pred = plan.predictions
+    report = {
+        "world_size": world,
+        "steps": len(times),
+        "final_loss": loss,
+        "measured": {
+            "iteration_ms": med([t.iteration_s for t in times]),
+            "compute_ms": med([t.compute_s for t in times]),
+            "exposed_comm_ms": med([t.sync_wait_s for t in times]),
+            "optimizer_ms": med([t.optimizer_s for t in times]),
+            "per_iteration_ms": [round(t.iteration_s * 1e3, 4) for t in times],
+        },
+        "predicted": {
+            "iteration_ms": pred.iteration_time_ms if pred else None,
+            "compute_ms": pred.breakdown.compute_ms if pred else None,
+            "exposed_comm_ms": pred.breakdown.exposed_comm_ms if pred else None,
+        },
+    }
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
