@@ -73,7 +73,7 @@ def make_target(model: Any, example_args: tuple, example_kwargs: dict) -> Any:
     if example_args and example_args[0].dtype == torch.long and out.dim() == 3:
         return lambda xs, batch: xs[0]
     shape = tuple(out.shape[1:])
-    return lambda xs, batch: torch.zeros((batch, *shape), dtype=out.dtype)
+    return lambda xs, batch: torch.zeros((batch, *shape), dtype=out.dtype, device=out.device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,23 +93,26 @@ def main(argv: list[str] | None = None) -> int:
     from hetplan.runtime.executor import Runtime
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     try:
         plan = load_plan(args.plan)
         model, ex_args, ex_kwargs = build_model(args.model, args.module, args.seed)
+        model = model.to(device)
         rt = Runtime(plan, model, example_args=ex_args, example_kwargs=ex_kwargs)
         layout = plan.layout
         assert layout is not None
         batch = layout.micro_batch_size * layout.micro_batches * layout.dp
-        target_of = make_target(model, ex_args, ex_kwargs)
+        target_of = make_target(model, tuple(a.to(device) for a in ex_args), ex_kwargs)
         times = []
         loss = float("nan")
         for step in range(args.warmup + args.steps):
-            xs = synthetic_batch(ex_args, batch, step)
-            loss = rt.train_step(xs, target_of(xs, batch))
+            xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
+            loss = rt.train_step(xs, target_of(xs, batch).to(device))
             if step >= args.warmup and rt.last_times is not None:
                 times.append(rt.last_times)
         if rank == 0 and args.report:
