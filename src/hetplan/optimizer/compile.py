@@ -47,7 +47,7 @@ from hetplan.passes import BASELINE_PASSES, get_all_passes
 from hetplan.passes.base import PassContext
 from hetplan.passes.manager import run_passes
 
-__all__ = ["compile", "simulate", "resolve_cluster", "resolve_profile", "DEFAULT_PASSES"]
+__all__ = ["compile", "simulate", "plan_costs", "resolve_cluster", "resolve_profile", "DEFAULT_PASSES"]
 
 #: The pass pipeline compile runs for every candidate layout.
 DEFAULT_PASSES: tuple[str, ...] = BASELINE_PASSES
@@ -350,19 +350,19 @@ def _db_fingerprint(db: ProfileDB | None) -> str:
     return hashlib.sha256(db.to_json().encode()).hexdigest()[:16]
 
 
-def simulate(
+def plan_costs(
     plan: Plan,
     *,
     cluster: ClusterSpec | str | Path | None = None,
     profile: ProfileDB | str | Path | None = None,
-) -> Predictions:
-    """Re-predict ``plan`` from the plan alone (its workload summary and embedded cluster).
-
-    A hand-edited plan (buckets, stages, layout) is re-evaluated as it stands; baselines are
-    carried over from the plan.
+) -> tuple[WorkloadSummary, Layout, CostModel]:
+    """What re-evaluating ``plan`` needs: its workload, its layout and the cost model built
+    with the plan's cost settings on its embedded cluster (or ``cluster``, which must have
+    the plan's fingerprint).
 
     Raises:
-        SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
+        SpecError: the plan has no workload summary or no cluster.
+        PlanMismatchError: ``cluster`` is not the plan's cluster.
     """
     workload = plan.model.workload
     if workload is None:
@@ -379,10 +379,27 @@ def simulate(
             "`hetplan plan` for this cluster"
         )
     settings = plan.cost_settings or CostSettings()
-    db = resolve_profile(profile)
-    costs = CostModel(spec, db, dtype=settings.dtype, efficiency=settings.efficiency,
-                      optimizer=settings.optimizer)
+    costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
+                      efficiency=settings.efficiency, optimizer=settings.optimizer)
     layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
+    return workload, layout, costs
+
+
+def simulate(
+    plan: Plan,
+    *,
+    cluster: ClusterSpec | str | Path | None = None,
+    profile: ProfileDB | str | Path | None = None,
+) -> Predictions:
+    """Re-predict ``plan`` from the plan alone (its workload summary and embedded cluster).
+
+    A hand-edited plan (buckets, stages, layout) is re-evaluated as it stands; baselines are
+    carried over from the plan.
+
+    Raises:
+        SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
+    """
+    workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs)
     baselines = plan.predictions.baselines if plan.predictions else ()
     return _predictions(ev, list(baselines))

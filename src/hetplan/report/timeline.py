@@ -164,30 +164,14 @@ def timeline_segments(
 # --------------------------------------------------------------------------- evaluation
 def _evaluate_plan(plan: Any, cluster: Any, profile: Any) -> tuple[Any, Any, Any, str]:
     """(Evaluation with recorded events, workload, stages, cluster name), with the cost
-    settings :func:`hetplan.simulate` uses (a candidate ``plan_costs`` helper for
-    ``hetplan.optimizer.compile``; memory is not checked: the timeline draws time only)."""
-    from hetplan.cost_models.costs import CostModel
+    settings :func:`hetplan.simulate` uses (memory is not checked: the timeline draws time
+    only)."""
     from hetplan.cost_models.evaluate import evaluate
-    from hetplan.errors import PlanMismatchError
-    from hetplan.ir.plan_sections import CostSettings, Layout, Stage
-    from hetplan.optimizer.compile import resolve_cluster, resolve_profile
+    from hetplan.ir.plan_sections import Stage
+    from hetplan.optimizer.compile import plan_costs
 
-    workload = plan.model.workload
-    if workload is None:
-        raise SpecError("the plan carries no workload summary; re-run `hetplan plan`")
-    spec = resolve_cluster(cluster) if cluster is not None else plan.cluster.spec
-    if spec is None:
-        raise SpecError("the plan does not embed its cluster; pass --cluster FILE|PRESET")
-    if spec.fingerprint() != plan.cluster.fingerprint:
-        raise PlanMismatchError(
-            f"cluster {spec.name!r} (fingerprint {spec.fingerprint()}) is not the cluster the "
-            f"plan was made for ({plan.cluster.name!r}, {plan.cluster.fingerprint}); re-run "
-            "`hetplan plan` for this cluster"
-        )
-    settings = plan.cost_settings or CostSettings()
-    costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
-                      efficiency=settings.efficiency, optimizer=settings.optimizer)
-    layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
+    workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
+    spec = costs.cluster
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
                   check_memory=False, record=True)
     stages = plan.stages or (
