@@ -1,0 +1,449 @@
+"""Tensor parallelism with uneven per-rank shards (Megatron column/row pairs).
+
+hetplan manages its own shards instead of using DTensor: DTensor only supports
+``torch.chunk``-style unevenness and silently returns wrong data otherwise, and gloo's
+``all_gather`` rejects uneven sizes. Every collective here is an ``all_reduce`` (of partial
+products, of input gradients, or of zero-padded buffers when gathering a full tensor), so any
+shard sizes work on every backend, including a rank holding zero features.
+
+A Megatron pair is a *column* linear (output features split: each rank holds rows
+``[start:end]`` of ``W`` and that slice of the bias; no communication in forward, the input
+gradient is all-reduced in backward) followed by a *row* linear (input features split: the
+input arrives as this rank's slice of the column layer's output; the partial products are
+all-reduced in forward and the bias, replicated, is added once after the reduce). Between
+them only element-wise operations may run (an activation, dropout, ``act(gate) * up``).
+
+Scope of :func:`shard_model` (decided, not an oversight): only *MLP-style* pairs are sharded.
+A pair group is a row linear ``R`` and every column linear ``C`` whose ``pair`` is ``R``; it is
+sharded when ``R.pair`` is one of those columns, all of them live in the same parent module,
+every column's ``out_features`` equals ``R.in_features``, and the parent module is not an
+attention module (it has none of the head-count attributes in :data:`HEAD_ATTRS`). Attention
+pairs (q/k/v → o, fused ``c_attn`` → ``c_proj``) need whole heads per rank, per-part slicing
+of fused projections and a rewritten head count in the attention module; they stay
+replicated for now and :func:`tp_pairs` reports them as skipped, as it does linears of role
+``either`` or without a partner. The parameter names of a sharded linear do not change
+(``blocks.0.fc1.weight``); their shapes become the local shard's.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hetplan.errors import PlanMismatchError
+from hetplan.ir.model import LayerIR, LinearInfo, TPRole
+from hetplan.ir.plan_sections import TensorParallel, TPGroup
+
+__all__ = [
+    "HEAD_ATTRS",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TPPair",
+    "copy_to_tp",
+    "even_shard_sizes",
+    "gather_shards",
+    "reduce_from_tp",
+    "shard_model",
+    "tp_pairs",
+]
+
+log = logging.getLogger(__name__)
+
+#: Attributes that mark a module as multi-head attention (its pairs are not sharded).
+HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "num_key_value_heads",
+              "head_dim")
+
+
+def even_shard_sizes(features: int, parts: int) -> list[int]:
+    """Split ``features`` into ``parts`` shares; the first ``features % parts`` get one more."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(features, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity in forward, all-reduce of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce in forward, identity of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Identity whose backward all-reduces the gradient over ``group`` (``None``: world)."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """All-reduce (sum) over ``group`` whose backward passes the gradient through."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_shards(local: torch.Tensor, shard_sizes: Sequence[int], rank: int, dim: int,
+                  group: Any = None) -> torch.Tensor:
+    """Rebuild a full tensor from uneven shards along ``dim`` (a collective call).
+
+    Every rank writes its shard into a zero buffer of the full shape and the buffers are
+    summed with ``all_reduce`` (gloo's ``all_gather`` rejects uneven sizes).
+
+    Args:
+        local: this rank's shard (``shard_sizes[rank]`` long along ``dim``).
+        shard_sizes: the share of every rank of the group.
+        rank: this rank's index in the group.
+        dim: the split dimension.
+        group: the process group (``None``: the default group).
+    """
+    if local.size(dim) != shard_sizes[rank]:
+        raise ValueError(f"shard of rank {rank} has {local.size(dim)} features along dim "
+                         f"{dim}, expected {shard_sizes[rank]}")
+    shape = list(local.shape)
+    shape[dim] = sum(shard_sizes)
+    full = torch.zeros(shape, dtype=local.dtype, device=local.device)
+    start = sum(shard_sizes[:rank])
+    full.narrow(dim, start, shard_sizes[rank]).copy_(local.detach())
+    if len(shard_sizes) > 1:
+        _all_reduce(full, group)
+    return full
+
+
+def _source_weight(linear: nn.Module) -> tuple[torch.Tensor, bool, bool]:
+    """The weight of an ``nn.Linear`` or HF ``Conv1D`` in [out, in] layout, whether the
+    module is a ``Conv1D``, and whether the weight requires grad."""
+    weight = getattr(linear, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(f"expected nn.Linear or Conv1D, got {type(linear).__name__}")
+    if isinstance(linear, nn.Linear):
+        return weight.detach(), False, weight.requires_grad
+    if type(linear).__name__ == "Conv1D":
+        return weight.detach().t(), True, weight.requires_grad  # Conv1D stores [in, out]
+    raise TypeError(f"expected nn.Linear or Conv1D, got {type(linear).__name__}")
+
+
+_P = TypeVar("_P", bound="_ParallelLinear")
+
+
+class _ParallelLinear(nn.Module):
+    """Shared state of the column and row linears; ``weight`` is [local_out, local_in]."""
+
+    split_dim: int  # dimension of ``weight`` ([out, in]) that is split
+
+    def __init__(self, in_features: int, out_features: int, shard_sizes: Sequence[int],
+                 rank: int, group: Any = None, *, bias: bool = True,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 conv1d: bool = False) -> None:
+        super().__init__()
+        sizes = [int(s) for s in shard_sizes]
+        full = (out_features, in_features)[self.split_dim]
+        if sum(sizes) != full or any(s < 0 for s in sizes):
+            raise ValueError(f"shard_sizes {sizes} must be non-negative and sum to {full}")
+        if not 0 <= rank < len(sizes):
+            raise ValueError(f"rank {rank} outside a group of {len(sizes)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.shard_sizes, self.tp_rank, self.tp_size = tuple(sizes), rank, len(sizes)
+        self.group, self.conv1d = group, conv1d
+        self.start = sum(sizes[:rank])
+        self.end = self.start + sizes[rank]
+        shape = [out_features, in_features]
+        shape[self.split_dim] = sizes[rank]
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        bias_len = sizes[rank] if self.split_dim == 0 else out_features
+        self.bias: nn.Parameter | None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias_len, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls: type[_P], linear: nn.Module,  # noqa: PYI019 - Self needs 3.11
+                    shard_sizes: Sequence[int], rank: int, group: Any = None) -> _P:
+        """Build this rank's shard by slicing a full ``nn.Linear`` or HF ``Conv1D``.
+
+        Args:
+            linear: the full module (left untouched).
+            shard_sizes: share of every rank of the group along the split dimension.
+            rank: this rank's index in the TP group.
+            group: the TP process group (``None``: the default group).
+        """
+        w, conv1d, w_grad = _source_weight(linear)
+        b = getattr(linear, "bias", None)
+        b = b if isinstance(b, torch.Tensor) else None
+        mod = cls(w.shape[1], w.shape[0], shard_sizes, rank, group, bias=b is not None,
+                  dtype=w.dtype, device=w.device, conv1d=conv1d)
+        size = mod.end - mod.start
+        with torch.no_grad():
+            mod.weight.copy_(w.narrow(mod.split_dim, mod.start, size))
+            mod.weight.requires_grad_(w_grad)
+            if b is not None and mod.bias is not None:
+                mod.bias.copy_(b.detach().narrow(0, mod.start, size) if mod.split_dim == 0
+                               else b.detach())
+                mod.bias.requires_grad_(b.requires_grad)
+        return mod
+
+    def gather_weight(self, grad: bool = False, source_layout: bool = True) -> torch.Tensor:
+        """The full weight (or its gradient) on every rank; a collective call.
+
+        Args:
+            grad: gather ``weight.grad`` instead of the weight (zeros if it is None).
+            source_layout: return [in, out] when built from a ``Conv1D`` (else [out, in]).
+        """
+        local = self.weight.grad if grad else self.weight
+        if local is None:
+            local = torch.zeros_like(self.weight)
+        full = gather_shards(local, self.shard_sizes, self.tp_rank, self.split_dim, self.group)
+        return full.t() if (self.conv1d and source_layout) else full
+
+    def gather_bias(self, grad: bool = False) -> torch.Tensor | None:
+        """The full bias (or its gradient) on every rank, None without a bias; collective."""
+        if self.bias is None:
+            return None
+        local = self.bias.grad if grad else self.bias
+        if local is None:
+            local = torch.zeros_like(self.bias)
+        if self.split_dim == 1:
+            return local.detach().clone()  # replicated
+        return gather_shards(local, self.shard_sizes, self.tp_rank, 0, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"shard_sizes={list(self.shard_sizes)}, rank={self.tp_rank}, "
+                f"bias={self.bias is not None}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Output features split across the TP group; the output is this rank's slice.
+
+    ``weight`` is rows ``[start:end]`` of the full [out, in] weight, ``bias`` the same slice.
+    Forward needs no communication; backward all-reduces the input gradient (Megatron ``f``).
+    """
+
+    split_dim = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps ``x`` [..., in_features] to [..., shard_sizes[rank]]."""
+        if self.tp_size > 1:
+            x = copy_to_tp(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Input features split across the TP group; the output is full and replicated.
+
+    ``weight`` is columns ``[start:end]`` of the full [out, in] weight; the bias is whole.
+    Forward all-reduces the partial products, then adds the bias once (Megatron ``g``).
+    """
+
+    split_dim = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps this rank's input slice [..., shard_sizes[rank]] to [..., out_features]."""
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            y = reduce_from_tp(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+@dataclass(frozen=True)
+class TPPair:
+    """One shardable group: column linears feeding one row linear, with the shard sizes."""
+
+    columns: tuple[str, ...]
+    row: str
+    shard_sizes: tuple[int, ...]
+
+
+def _flat_linears(items: Iterable[LinearInfo | LayerIR]) -> list[LinearInfo]:
+    out: list[LinearInfo] = []
+    for it in items:
+        out.extend(it.linears if isinstance(it, LayerIR) else (it,))
+    return out
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _module(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def tp_pairs(model: nn.Module, linears: Iterable[LinearInfo | LayerIR], tp_size: int,
+             tp_group: TPGroup | None = None,
+             tp_rank: int | None = None) -> tuple[list[TPPair], dict[str, str]]:
+    """Decide which linears :func:`shard_model` splits, and how.
+
+    Args:
+        model: the full model (its modules are looked up by qualified name).
+        linears: the IR's linears (or layers, whose ``linears`` are used).
+        tp_size: ranks in the TP group.
+        tp_group: the plan's group (its ``linears`` override the even split per linear).
+        tp_rank: unused; kept for symmetry with :func:`shard_model`.
+
+    Returns:
+        The pair groups to shard, and ``{linear name: reason}`` for linears left replicated.
+
+    Raises:
+        PlanMismatchError: the plan gives one pair different shard sizes, or sizes that do
+            not fit the linear.
+    """
+    del tp_rank
+    infos = {lin.name: lin for lin in _flat_linears(linears)}
+    listed = {s.name: s for s in tp_group.linears} if tp_group is not None else {}
+    skipped: dict[str, str] = {}
+    pairs: list[TPPair] = []
+    used: set[str] = set()
+    for row in infos.values():
+        if row.tp_role is not TPRole.ROW:
+            continue
+        cols = [c for c in infos.values() if c.tp_role is TPRole.COLUMN and c.pair == row.name]
+        names = [c.name for c in cols]
+        why = ""
+        if row.pair not in names:
+            why = f"row linear's partner {row.pair!r} does not name it back"
+        elif any(_parent(n) != _parent(row.name) for n in names):
+            bad = [n for n in names if _parent(n) != _parent(row.name)]
+            cols = [c for c in cols if c.name not in bad]
+            names = [c.name for c in cols]
+            for n in bad:
+                skipped[n] = f"paired with {row.name!r} in another module"
+            if row.pair not in names:
+                why = "its partner lives in another module"
+        if not why and any(c.out_features != row.in_features for c in cols):
+            why = "column out_features differ from the row's in_features"
+        mods = [_module(model, n) for n in [*names, row.name]]
+        if not why and any(m is None for m in mods):
+            why = "not every linear of the pair is in this model (another stage?)"
+        parent = _module(model, _parent(row.name))
+        if not why and parent is not None and any(hasattr(parent, a) for a in HEAD_ATTRS):
+            why = "attention pair (head-aware sharding not supported yet)"
+        if why:
+            for n in [*names, row.name]:
+                skipped.setdefault(n, why)
+            continue
+        given = {tuple(listed[n].shard_sizes) for n in [*names, row.name] if n in listed}
+        for n in [*names, row.name]:
+            if n in listed and listed[n].split != ("row" if n == row.name else "column"):
+                raise PlanMismatchError(f"TP plan splits {n!r} as {listed[n].split!r}, but it "
+                                        f"is the {'row' if n == row.name else 'column'} linear "
+                                        f"of its pair")
+        if len(given) > 1:
+            raise PlanMismatchError(f"TP plan gives the pair {names} → {row.name!r} different "
+                                    f"shard sizes {sorted(given)}; they must be equal")
+        sizes = given.pop() if given else tuple(even_shard_sizes(row.in_features, tp_size))
+        if len(sizes) != tp_size or sum(sizes) != row.in_features:
+            raise PlanMismatchError(f"TP plan shard sizes {list(sizes)} for {row.name!r} do not "
+                                    f"fit {row.in_features} features on {tp_size} ranks")
+        pairs.append(TPPair(tuple(names), row.name, tuple(sizes)))
+        used.update([*names, row.name])
+    for name, lin in infos.items():
+        if name not in used and name not in skipped:
+            skipped[name] = ("role 'either'" if lin.tp_role is TPRole.EITHER
+                             else "no row partner")
+    return pairs, skipped
+
+
+def _find_group(tp: TensorParallel | None, group: Any, tp_rank: int, tp_size: int,
+                stage: int | None) -> TPGroup | None:
+    if tp is None or not tp.groups:
+        return None
+    me = dist.get_rank() if dist.is_initialized() else tp_rank
+    found = [g for g in tp.groups if me in g.ranks
+             and (stage is None or g.stage is None or g.stage == stage)]
+    if not found:
+        raise PlanMismatchError(f"rank {me} (stage {stage}) is in no TP group of the plan "
+                                f"{[list(g.ranks) for g in tp.groups]}")
+    g = found[0]
+    if len(g.ranks) != tp_size or g.ranks[tp_rank] != me:
+        raise PlanMismatchError(f"the plan's TP group {list(g.ranks)} does not match this "
+                                f"process: tp_rank={tp_rank} of tp_size={tp_size}, rank {me}")
+    if group is not None and dist.is_initialized():
+        members = tuple(dist.get_process_group_ranks(group))
+        if members != tuple(g.ranks):
+            raise PlanMismatchError(f"the TP process group has ranks {list(members)}, the "
+                                    f"plan's group {list(g.ranks)}")
+    return g
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, new)
+
+
+def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | LayerIR],
+                tp_section_or_none: TensorParallel | None, group: Any, tp_rank: int,
+                tp_size: int, stage: int | None = None) -> nn.Module:
+    """Replace, in place, every shardable Megatron pair by column/row parallel linears.
+
+    Which pairs are shardable is decided by :func:`tp_pairs` (MLP-style pairs only; see the
+    module docstring); the others stay replicated and are logged. Shard sizes come from the
+    plan's TP group of this rank when it lists the linear, else an even split (the first
+    ranks get the remainder), which is also what an empty ``linears`` list means.
+
+    Args:
+        model: the model whose names match the IR's (modified in place and returned).
+        ir_layers_linears: the IR's linears, or its layers (their ``linears`` are used).
+        tp_section_or_none: the plan's ``tensor_parallel`` section, or None (even shards).
+        group: the TP process group (``None``: the default group).
+        tp_rank: this rank's index in the TP group.
+        tp_size: ranks in the TP group; 1 returns the model unchanged.
+        stage: this rank's pipeline stage (selects the plan's TP group).
+
+    Raises:
+        PlanMismatchError: the plan's TP group does not match this process or gives
+            inconsistent shard sizes.
+    """
+    if tp_size <= 1:
+        return model
+    tp_group = _find_group(tp_section_or_none, group, tp_rank, tp_size, stage)
+    pairs, skipped = tp_pairs(model, ir_layers_linears, tp_size, tp_group)
+    listed_skipped = sorted(n for n in skipped
+                            if tp_group is not None and n in {s.name for s in tp_group.linears})
+    if listed_skipped:
+        warnings.warn(f"TP plan lists {listed_skipped} but they stay replicated: "
+                      f"{ {n: skipped[n] for n in listed_skipped} }", RuntimeWarning,
+                      stacklevel=2)
+    for name, why in sorted(skipped.items()):
+        log.debug("tensor parallel: %s stays replicated (%s)", name, why)
+    for pair in pairs:
+        for name in pair.columns:
+            _replace(model, name, ColumnParallelLinear.from_linear(
+                model.get_submodule(name), pair.shard_sizes, tp_rank, group))
+        _replace(model, pair.row, RowParallelLinear.from_linear(
+            model.get_submodule(pair.row), pair.shard_sizes, tp_rank, group))
+    log.info("tensor parallel: %d pair(s) sharded over %d ranks, %d linear(s) replicated",
+             len(pairs), tp_size, len(skipped))
+    return model
