@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -525,92 +524,122 @@ def validate_cmd(
         print_cluster_summary(spec)
 
 
-def _ranges(ranks: Any) -> str:
-    """``0,1,2,3,8,9`` → ``0–3, 8–9``."""
-    out, run = [], []
-    for r in sorted(ranks):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [r]
-    if run:
-        out.append(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)
+def _print_plan(plan: Any, sections: list[str] | None = None) -> None:
+    """Print the inspection report of ``plan`` (:mod:`hetplan.report`)."""
+    from hetplan.report.inspect import build_report
+    from hetplan.report.render import render_report
+
+    render_report(build_report(plan), out, sections=sections or ())
 
 
-def _print_plan(plan: Any) -> None:
-    s = plan.summary()
-    out.print(f"[bold]plan[/] for {s.model} on {s.cluster} ({s.world_size} devices)")
-    out.print(
-        f"model fingerprint {plan.model.fingerprint} · cluster fingerprint "
-        f"{plan.cluster.fingerprint} · written by hetplan {plan.tool_version}"
-    )
-    out.print(f"layout: {s.layout}" + (f", schedule {s.schedule}, {s.micro_batches} "
-                                       "micro-batches" if s.schedule else ""))
-    if plan.stages:
-        table = Table(title="pipeline stages", title_justify="left")
-        for col in ("stage", "layers", "ranks", "fwd ms/mb", "bwd ms/mb", "memory/rank"):
-            table.add_column(col)
-        for st in plan.stages:
-            table.add_row(
-                str(st.index),
-                f"{st.first_layer}–{st.last_layer}",
-                _ranges(st.ranks),
-                f"{st.fwd_ms:.3f}",
-                f"{st.bwd_ms:.3f}",
-                _fmt_bytes(st.memory_bytes) if st.memory_bytes is not None else "",
+def _check_sections(sections: list[str] | None) -> list[str]:
+    from hetplan.report.inspect import SECTIONS
+
+    chosen = list(sections or [])
+    for name in chosen:
+        if name not in SECTIONS:
+            import difflib
+
+            near = difflib.get_close_matches(name, SECTIONS, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise SpecError(
+                f"--section {name!r} is not a section; {hint}(sections: {', '.join(SECTIONS)})"
             )
-        out.print(table)
-    if plan.tensor_parallel is not None:
-        out.print(
-            f"tensor parallel: {len(plan.tensor_parallel.groups)} group(s), controller "
-            f"{plan.tensor_parallel.controller.variant}"
-        )
-    if plan.gradient_sync is not None:
-        gs = plan.gradient_sync
-        kinds: dict[str, int] = {}
-        for t in gs.tensors:
-            k = gs.strategies[t.strategy].kind
-            kinds[k] = kinds.get(k, 0) + 1
-        text = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "no per-tensor entries"
-        out.print(f"gradient sync: {text}; {len(gs.buckets)} bucket(s)")
-    if plan.predictions is not None:
-        p = plan.predictions
-        out.print(f"predicted iteration time: [bold]{p.iteration_time_ms:.3f} ms[/]")
-        b = p.breakdown
-        out.print(
-            f"  compute {b.compute_ms:.1f} ms · comm {b.comm_ms:.1f} ms (exposed "
-            f"{b.exposed_comm_ms:.1f}) · bubble {b.bubble_ms:.1f} ms · peak memory "
-            f"{_fmt_bytes(max(p.memory_per_rank_bytes, default=0))}"
-        )
-        for b in sorted(p.baselines, key=lambda b: b.iteration_time_ms):
-            ratio = b.iteration_time_ms / p.iteration_time_ms if p.iteration_time_ms else 0
-            out.print(f"  baseline {b.name}: {b.iteration_time_ms:.3f} ms ({ratio:.2f}×)")
-    if plan.provenance:
-        text = ", ".join(f"{k}={v.source}" for k, v in sorted(plan.provenance.items()))
-        out.print(f"cost provenance: {text}")
-    if plan.pass_log:
-        out.print("passes: " + " → ".join(e.name for e in plan.pass_log))
-    if plan.model.workload is None:
-        out.print("(no workload summary embedded)")
+    return chosen
 
 
 @app.command("inspect")
 @_user_errors
 def inspect_cmd(
     plan_file: Path = typer.Argument(..., help="A plan JSON file."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    section: list[str] = typer.Option(
+        None, "--section", "-s",
+        help="Only this section (repeatable): layout, stages, tp, sync, memory, predictions, "
+        "provenance, warnings.",
+    ),
 ) -> None:
-    """Summarise a plan: layout, stages, tensor parallelism, gradient sync, predictions."""
+    """Report on a plan: layout, stages, TP shards, sync, memory, predictions, warnings."""
+    from hetplan.ir.plan import load_plan
+    from hetplan.report._text import dump_json
+    from hetplan.report.inspect import build_report, select_sections
+
+    sections = _check_sections(section)
+    plan = load_plan(plan_file)
+    if as_json:
+        typer.echo(dump_json(select_sections(build_report(plan), sections)), nl=False)
+        return
+    _print_plan(plan, sections)
+
+
+@app.command("explain")
+@_user_errors
+def explain_cmd(
+    plan_file: Path = typer.Argument(..., help="A plan JSON file."),
+    target: str = typer.Argument(
+        ..., help="A gradient tensor name, bucket:N, stage:K (the boundary before stage K) "
+        "or rank:R."),
+    cluster: str = typer.Option(None, "--cluster", help="Cluster, if the plan lacks one."),
+    profile: Path = typer.Option(None, "--profile", help="Profile DB the plan was made with."),
+    as_json: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),
+) -> None:
+    """Why the plan made one decision: alternatives re-evaluated with its cost model."""
+    from hetplan.ir.plan import load_plan
+    from hetplan.report._text import dump_json
+    from hetplan.report.explain import explain
+
+    plan = load_plan(plan_file)
+    result = explain(plan, target, cluster=cluster, profile=profile)
+    if as_json:
+        typer.echo(dump_json(result.to_dict()), nl=False)
+        return
+    typer.echo(result.text, nl=False)
+
+
+@app.command("diff")
+@_user_errors
+def diff_cmd(
+    plan_a: Path = typer.Argument(..., help="The first plan (a)."),
+    plan_b: Path = typer.Argument(..., help="The second plan (b); differences are b - a."),
+    as_json: bool = typer.Option(False, "--json", help="Print the differences as JSON."),
+) -> None:
+    """What changed between two plans, and what it does to the predictions."""
+    from hetplan.ir.plan import load_plan
+    from hetplan.report._text import dump_json
+    from hetplan.report.diff import diff_plans, render_diff
+
+    d = diff_plans(load_plan(plan_a), load_plan(plan_b))
+    if as_json:
+        typer.echo(dump_json(d), nl=False)
+        return
+    render_diff(d, out)
+
+
+@app.command("timeline")
+@_user_errors
+def timeline_cmd(
+    plan_file: Path = typer.Argument(..., help="A plan JSON file."),
+    output: Path = typer.Option(..., "-o", "--output", help="out.png or out.html."),
+    cluster: str = typer.Option(None, "--cluster", help="Cluster, if the plan lacks one."),
+    profile: Path = typer.Option(None, "--profile", help="Profile DB to use."),
+    run_report: Path = typer.Option(
+        None, "--run-report", help="A run report of `hetplan run`, to overlay measured times."),
+) -> None:
+    """Draw the predicted iteration (pipeline and gradient sync) as a PNG or HTML timeline."""
     from hetplan.ir.plan import load_plan
 
     plan = load_plan(plan_file)
-    if as_json:
-        out.print(json.dumps(plan.summary().to_dict(), sort_keys=True, indent=2), markup=False)
-        return
-    _print_plan(plan)
+    measured = None
+    if run_report is not None:
+        from hetplan.ir.validation import load_structured_file
+
+        measured = load_structured_file(run_report, what="run report")
+    try:
+        from hetplan.report.timeline import render_timeline
+    except ImportError as e:  # the module, or its plotting library, is missing
+        raise SpecError(f"timeline rendering is not available in this install: {e}") from e
+    render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
+    err.print(f"wrote {output}")
 
 
 def main() -> None:

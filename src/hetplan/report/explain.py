@@ -1,0 +1,332 @@
+"""``hetplan explain``: why the plan made one decision, and what the alternatives would cost.
+
+A target names one decision of a plan:
+
+- a gradient tensor (its name, or ``tensor:NAME``): its strategy and bucket, against being
+  synced alone with an fp32 allreduce (and alone with its bucket's strategy);
+- ``bucket:N`` (the N-th bucket, in launch order): against splitting it into one operation per
+  tensor and against merging it with its neighbouring bucket of the same stage;
+- ``stage:K`` (or ``stage:J-K``): the boundary between stage K−1 and K (stage 0: its boundary
+  with stage 1), against moving it by one layer either way;
+- ``rank:R``: its device, stage, memory and compute time per micro-batch, against the slowest
+  device of its stage, the slowest stage and the rank with the most memory.
+
+Alternatives are whole plans that differ in that one decision, re-evaluated with the plan's
+own cost model (:func:`hetplan.cost_models.evaluate.evaluate`, the objective of ``compile``),
+so the predicted differences are what the optimizer would have seen. The current plan is
+re-evaluated the same way, so differences never mix two cost models.
+
+Example:
+    >>> plan.explain("bucket:3").alternatives[0].delta_ms  # doctest: +SKIP
+    2.5
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hetplan.cost_models.evaluate import Evaluation, evaluate
+from hetplan.cost_models.profile_db import ProfileDB
+from hetplan.errors import InfeasiblePlanError, SpecError
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import (
+    Bucket,
+    CostSettings,
+    GradientSync,
+    NoSync,
+    Stage,
+    TensorSync,
+)
+from hetplan.report._text import fmt_delta_ms, fmt_ms
+from hetplan.report.inspect import describe_strategy
+
+__all__ = [
+    "Alternative",
+    "Explanation",
+    "explain",
+    "target_names",
+    "sync_with_buckets",
+    "fp32_strategy",
+    "strategy_text",
+]
+
+Kind = Literal["tensor", "bucket", "stage", "rank"]
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One alternative decision, re-evaluated.
+
+    Attributes:
+        name: short label (``split into 12 per-tensor operations``).
+        iteration_time_ms: predicted iteration time with this alternative.
+        delta_ms: ``iteration_time_ms`` minus the current plan's (positive: slower).
+        fits_memory: whether every rank still fits in its usable memory.
+        note: why it does not fit, or other remarks.
+    """
+
+    name: str
+    iteration_time_ms: float
+    delta_ms: float
+    fits_memory: bool = True
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a decision was made: facts, the alternatives considered, and a verdict.
+
+    Attributes:
+        target: the target as given.
+        kind: ``tensor``, ``bucket``, ``stage`` or ``rank``.
+        current_ms: the plan's iteration time, re-evaluated with its cost model.
+        facts: (label, value) lines describing the decision.
+        alternatives: the alternatives considered (may be empty, e.g. for a rank).
+        verdict: one sentence comparing the plan's choice with the alternatives.
+        text: the whole explanation as readable text.
+    """
+
+    target: str
+    kind: Kind
+    current_ms: float
+    facts: tuple[tuple[str, str], ...]
+    alternatives: tuple[Alternative, ...]
+    verdict: str
+    text: str = field(default="", compare=False)
+
+    @property
+    def best(self) -> Alternative | None:
+        """The fastest alternative that fits in memory, or None."""
+        fits = [a for a in self.alternatives if a.fits_memory]
+        return min(fits, key=lambda a: a.iteration_time_ms, default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``hetplan explain --json``."""
+        data = asdict(self)
+        data["facts"] = [{"label": k, "value": v} for k, v in self.facts]
+        return data
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def explain(
+    plan: Plan,
+    target: str,
+    *,
+    cluster: ClusterSpec | str | Path | None = None,
+    profile: ProfileDB | str | Path | None = None,
+) -> Explanation:
+    """Explain one decision of ``plan`` (see the module docstring for targets).
+
+    Args:
+        plan: a plan with a workload summary and an embedded cluster spec.
+        target: a gradient name, ``bucket:N``, ``stage:K`` or ``rank:R``.
+        cluster: the cluster, when the plan does not embed it.
+        profile: the profile DB the plan was made with (analytic costs otherwise).
+
+    Raises:
+        SpecError: the target does not exist (the message names the nearest targets), or the
+            plan cannot be re-evaluated (no workload summary, no cluster).
+    """
+    ctx = _Context(plan, cluster, profile)
+    kind, value = _resolve(plan, ctx, target)
+    from hetplan.report import _explain_targets as targets
+
+    facts, alternatives = targets.EXPLAINERS[kind](ctx, value)
+    verdict = _verdict(ctx, alternatives, kind)
+    text = _text(target, ctx, facts, alternatives, verdict)
+    return Explanation(target, kind, ctx.current_ms, tuple(facts), tuple(alternatives),
+                       verdict, text)
+
+
+# -- re-evaluation ---------------------------------------------------------------------------
+class _Context:
+    """The plan, its cost model and its current evaluation."""
+
+    def __init__(self, plan: Plan, cluster: Any, profile: Any) -> None:
+        from hetplan.optimizer.compile import plan_costs
+
+        self.plan = plan
+        self.workload, self.layout, self.costs = plan_costs(plan, cluster=cluster,
+                                                            profile=profile)
+        self.spec = self.costs.cluster
+        settings = plan.cost_settings or CostSettings()
+        self.stages = plan.stages
+        self.sync = plan.gradient_sync
+        self.profile_missing = bool(settings.profile_fingerprint) and profile is None
+        self.current, self.current_note = self.evaluate(self.stages, self.sync)
+        self.current_ms = self.current.iteration_s * 1e3
+
+    def evaluate(
+        self, stages: tuple[Stage, ...], sync: GradientSync | None
+    ) -> tuple[Evaluation, str]:
+        """(evaluation, "" or why it does not fit in memory)."""
+        args = (self.workload, self.layout, stages, sync, self.costs)
+        try:
+            return evaluate(*args), ""
+        except InfeasiblePlanError as e:
+            return evaluate(*args, check_memory=False), str(e)
+
+    def alternative(
+        self, name: str, *, stages: tuple[Stage, ...] | None = None,
+        sync: GradientSync | None = None, note: Callable[[Evaluation], str] | None = None,
+    ) -> Alternative:
+        """Re-evaluate the plan with ``stages`` and/or ``sync`` replaced; ``note`` describes
+        the evaluation (shown when it fits in memory)."""
+        ev, oom = self.evaluate(self.stages if stages is None else stages,
+                                self.sync if sync is None else sync)
+        ms = ev.iteration_s * 1e3
+        return Alternative(name, round(ms, 6), round(ms - self.current_ms, 6) + 0.0,
+                           fits_memory=not oom, note=oom or (note(ev) if note else ""))
+
+    def stage_of_layer(self, stages: tuple[Stage, ...] | None = None) -> list[int]:
+        out = [0] * len(self.workload.layers)
+        for st in self.stages if stages is None else stages:
+            for i in range(st.first_layer, st.last_layer + 1):
+                out[i] = st.index
+        return out
+
+    def decided_by(self, section: str) -> str:
+        """``pass NAME (notes)`` of the last pass that wrote ``section``, or ""."""
+        from hetplan.passes import get_all_passes
+
+        registry = get_all_passes()
+        for entry in reversed(self.plan.pass_log):
+            cls = registry.get(entry.name)
+            if cls is not None and getattr(cls, "section", None) == section:
+                notes = f" ({'; '.join(entry.notes)})" if entry.notes else ""
+                return f"pass {entry.name}{notes}"
+        return ""
+
+
+# -- targets -----------------------------------------------------------------------------
+def target_names(plan: Plan) -> list[str]:
+    """Every valid target of ``plan``: gradient names, then ``bucket:N``, ``stage:K``,
+    ``rank:R``."""
+    grads = [g.name for g in plan.model.workload.grads] if plan.model.workload else []
+    buckets = plan.gradient_sync.buckets if plan.gradient_sync is not None else ()
+    return (grads + [f"bucket:{i}" for i in range(len(buckets))]
+            + [f"stage:{k}" for k in range(max(len(plan.stages), 1))]
+            + [f"rank:{r}" for r in range(plan.cluster.world_size)])
+
+
+_PREFIXED = re.compile(r"(tensor|bucket|stage|rank):(.*)")
+
+
+def _resolve(plan: Plan, ctx: _Context, target: str) -> tuple[Kind, Any]:
+    grads = {g.name for g in ctx.workload.grads}
+    text = target.strip()
+    m = _PREFIXED.fullmatch(text)
+    if m is None or m.group(1) == "tensor":
+        name = text if m is None else m.group(2)
+        if name in grads:
+            return "tensor", name
+        raise SpecError(_unknown(plan, target))
+    kind, arg = m.group(1), m.group(2).strip()
+    counts = {
+        "bucket": len(ctx.sync.buckets) if ctx.sync is not None else 0,
+        "stage": max(len(ctx.stages), 1),
+        "rank": ctx.layout.num_ranks,
+    }
+    if kind == "stage" and (pair := re.fullmatch(r"(\d+)\s*[-/]\s*(\d+)", arg)):
+        a, b = int(pair.group(1)), int(pair.group(2))
+        if b != a + 1:
+            raise SpecError(f"{target!r}: a stage boundary joins consecutive stages, such as "
+                            f"'stage:{a}-{a + 1}'")
+        arg = str(b)
+    if not arg.isdigit():
+        raise SpecError(f"{target!r}: expected {kind}:N with an integer N")
+    index = int(arg)
+    if index >= counts[kind]:
+        what = {"bucket": "bucket(s)", "stage": "stage(s)", "rank": "rank(s)"}[kind]
+        valid = f"{kind}:0 … {kind}:{counts[kind] - 1}" if counts[kind] else "none"
+        raise SpecError(f"{target!r} does not exist: the plan has {counts[kind]} {what} "
+                        f"({valid})")
+    return kind, index  # type: ignore[return-value]
+
+
+def _unknown(plan: Plan, target: str) -> str:
+    names = target_names(plan)
+    contains = [n for n in names if target and target in n][:3]
+    close = difflib.get_close_matches(target, names, n=3, cutoff=0.5)
+    near = list(dict.fromkeys(contains + close))[:3]
+    hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else "."
+    return (f"unknown target {target!r}{hint} Targets are a gradient tensor name, bucket:N, "
+            "stage:K or rank:R (`hetplan inspect` lists them)")
+
+
+# -- text --------------------------------------------------------------------------------
+def _verdict(ctx: _Context, alternatives: list[Alternative], kind: Kind) -> str:
+    if not alternatives:
+        return ("no alternative plan is evaluated for a rank; compare it with the slowest "
+                "rank above" if kind == "rank" else "no alternative applies here")
+    fits = [a for a in alternatives if a.fits_memory]
+    if not fits:
+        return "every alternative runs out of memory: the plan's choice is the only feasible one"
+    best = min(fits, key=lambda a: a.iteration_time_ms)
+    if best.delta_ms < 0:
+        return (f"'{best.name}' is predicted {-best.delta_ms:.3f} ms faster: the plan's choice "
+                "is not the fastest of the options considered")
+    if best.delta_ms == 0:
+        return f"'{best.name}' is predicted as fast: the plan's choice is tied"
+    return (f"the plan's choice is the fastest of the {len(alternatives) + 1} options "
+            f"considered (the next best, '{best.name}', is {best.delta_ms:.3f} ms slower)")
+
+
+def _text(target: str, ctx: _Context, facts: list[tuple[str, str]],
+          alternatives: list[Alternative], verdict: str) -> str:
+    width = max((len(k) for k, _ in facts), default=0)
+    lines = [f"explain {target}"]
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in facts]
+    stored = ctx.plan.predictions.iteration_time_ms if ctx.plan.predictions else None
+    lines.append(f"predicted iteration time as planned: {fmt_ms(ctx.current_ms)}")
+    if stored is not None and abs(stored - ctx.current_ms) > 1e-6:
+        why = " (it was predicted with a profile DB: pass --profile)" \
+            if ctx.profile_missing else ""
+        lines.append(f"  (the plan file says {fmt_ms(stored)}{why})")
+    if ctx.current_note:
+        lines.append(f"  note: as planned it does not fit in memory: {ctx.current_note}")
+    if alternatives:
+        lines.append("alternatives, re-evaluated with the plan's cost model:")
+        for a in alternatives:
+            tail = "" if a.fits_memory else "  [does not fit in memory]"
+            lines.append(f"  {a.name}: {fmt_ms(a.iteration_time_ms)} "
+                         f"({fmt_delta_ms(a.delta_ms)}){tail}")
+            if a.note:
+                lines.append(f"    {a.note}")
+    lines.append(f"verdict: {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+# -- helpers shared by the target explainers -----------------------------------------------
+def sync_with_buckets(sync: GradientSync, buckets: list[Bucket],
+                      extra: dict[str, Any] | None = None) -> GradientSync:
+    """``sync`` with new buckets (and extra strategies); per-tensor entries follow their
+    bucket's strategy so the section stays consistent."""
+    strategies = {**sync.strategies, **(extra or {})}
+    in_bucket = {t: b.strategy for b in buckets for t in b.tensors}
+    tensors = tuple(TensorSync(name=t.name, strategy=in_bucket.get(t.name, t.strategy))
+                    for t in sync.tensors)
+    return GradientSync(strategies=strategies, tensors=tensors, buckets=tuple(buckets))
+
+
+def fp32_strategy(sync: GradientSync) -> tuple[str, dict[str, Any]]:
+    """(key of a plain fp32 flat-allreduce strategy, strategies to add for it)."""
+    for key, strategy in sorted(sync.strategies.items()):
+        if strategy == NoSync():
+            return key, {}
+    key = "fp32" if "fp32" not in sync.strategies else "fp32-flat-allreduce"
+    return key, {key: NoSync()}
+
+
+def strategy_text(sync: GradientSync, key: str) -> str:
+    return f"{key} ({describe_strategy(sync.strategies[key])})"
+
+

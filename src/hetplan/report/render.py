@@ -1,0 +1,267 @@
+"""Rendering of an inspection report (:func:`hetplan.report.inspect.build_report`) with rich.
+
+:func:`render_report` prints to any rich console (the CLI's, in colour on a terminal);
+:func:`render_text` returns plain text at a fixed width (golden files, logs). Everything shown
+comes from the report dict, so ``hetplan inspect`` and ``hetplan inspect --json`` agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from hetplan.report._text import (
+    device_mix,
+    fmt_bytes,
+    fmt_ms,
+    fmt_pct,
+    plain_text,
+    ranges,
+)
+from hetplan.report.inspect import SECTIONS
+
+__all__ = ["render_report", "render_text"]
+
+
+def render_text(report: dict[str, Any], *, sections: Sequence[str] = (),
+                width: int = 100) -> str:
+    """The report as plain text (no colour) at ``width`` columns."""
+    return plain_text(lambda c: render_report(report, c, sections=sections), width=width)
+
+
+def render_report(report: dict[str, Any], console: Console, *,
+                  sections: Sequence[str] = ()) -> None:
+    """Print the sections of ``report`` (all of them by default) to ``console``."""
+    chosen = [s for s in SECTIONS if s in sections] if sections else list(SECTIONS)
+    for name in chosen:
+        _RENDERERS[name](report, console)
+
+
+def _n(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
+def _table(title: str, columns: Sequence[tuple[str, str]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col, just in columns:
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    return table
+
+
+def _layout(report: dict[str, Any], c: Console) -> None:
+    lay = report["layout"]
+    c.print(f"[bold]plan[/] for {escape(lay['model'])} on {escape(lay['cluster'])} "
+            f"({lay['world_size']} devices), written by hetplan {lay['tool_version']}")
+    c.print(f"model fingerprint {lay['model_fingerprint']} · cluster fingerprint "
+            f"{lay['cluster_fingerprint']}")
+    if lay["device_types"]:
+        kind = "heterogeneous" if lay["heterogeneous"] else "homogeneous"
+        c.print(f"devices: {device_mix(lay['device_types'])} ({kind}, {lay['nodes']} node(s))")
+    if not lay["decided"]:
+        c.print("layout: undecided")
+        return
+    batch = f", global batch {lay['global_batch_size']}" if lay["global_batch_size"] else ""
+    virtual = f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else ""
+    c.print(f"layout: dp={lay['dp']} pp={lay['pp']} tp={lay['tp']}, schedule {lay['schedule']}, "
+            f"{_n(lay['micro_batches'], 'micro-batch', 'micro-batches')} of "
+            f"{lay['micro_batch_size']}{batch}{virtual}"
+            f" · {lay['ranks_used']} of {lay['world_size']} ranks used")
+
+
+def _stages(report: dict[str, Any], c: Console) -> None:
+    stages = report["stages"]
+    if not stages:
+        c.print("pipeline stages: none decided")
+        return
+    table = _table("pipeline stages (times per micro-batch)", (
+        ("stage", "right"), ("layers", "left"), ("ranks", "left"), ("devices", "left"),
+        ("fwd ms", "right"), ("bwd ms", "right"), ("of slowest", "right"),
+        ("mem/rank", "right"),
+    ))
+    for st in stages:
+        names = st["first_layer_name"] or ""
+        if st["num_layers"] > 1 and st["last_layer_name"]:
+            names = f"{names} … {st['last_layer_name']}"
+        share = fmt_pct(st["share_of_slowest"]) + (" ◀" if st["slowest"] else "")
+        table.add_row(
+            str(st["index"]),
+            f"{st['first_layer']}–{st['last_layer']} ({st['num_layers']}) {escape(names)}",
+            ranges(st["ranks"]),
+            device_mix(st["device_types"]),
+            f"{st['fwd_ms']:.3f}",
+            f"{st['bwd_ms']:.3f}",
+            share,
+            fmt_bytes(st["memory_bytes"]),
+        )
+    c.print(table)
+
+
+def _tp(report: dict[str, Any], c: Console) -> None:
+    tp = report["tp"]
+    if not tp["enabled"]:
+        c.print(f"tensor parallel: off (tp={tp['degree']})")
+        return
+    ctrl = tp["controller"]
+    c.print(f"tensor parallel: degree {tp['degree']}, {tp['num_groups']} group(s), resizing "
+            f"controller {ctrl['variant']}")
+    table = _table("tensor-parallel shards (groups with the same shards folded)", (
+        ("stage", "right"), ("groups", "right"), ("1st group", "left"),
+        ("devices", "left"), ("shards", "left"), ("share/rank", "left"),
+        ("split params/rank", "left"),
+    ))
+    for g in tp["groups"]:
+        shares = g["shares"]
+        share_text = (f"{fmt_pct(shares[0])} each" if len(set(shares)) == 1
+                      else " / ".join(fmt_pct(s) for s in shares))
+        sizes = g["shard_bytes"]
+        size_text = (f"{fmt_bytes(sizes[0])} each" if len(set(sizes)) == 1
+                     else " / ".join(fmt_bytes(s) for s in sizes))
+        kind = "even" if g["even"] else f"uneven ({g['uneven_linears']} linears)"
+        if g["roles"]:
+            kind += ", roles " + ", ".join(g["roles"])
+        types = g["device_types"]
+        table.add_row(
+            "—" if g["stage"] is None else str(g["stage"]),
+            str(g["count"]),
+            ranges(g["example_ranks"]),
+            device_mix({t: types.count(t) for t in set(types)}),
+            kind,
+            share_text,
+            size_text,
+        )
+    c.print(table)
+
+
+def _sync(report: dict[str, Any], c: Console) -> None:
+    sync = report["sync"]
+    if not sync["decided"]:
+        c.print(f"gradient sync: undecided ({sync['num_tensors']} gradient tensors, "
+                f"{fmt_bytes(sync['total_bytes'])}; each would be one fp32 allreduce)")
+        return
+    b = sync["buckets"]
+    c.print(f"gradient sync: {sync['num_tensors']} tensors ({fmt_bytes(sync['total_bytes'])}) "
+            f"in {b['count']} bucket(s)")
+    table = _table("sync strategies", (
+        ("strategy", "left"), ("kind", "left"), ("what it does", "left"), ("tensors", "right"),
+        ("bytes", "right"), ("buckets", "right"),
+    ))
+    for row in sync["strategies"]:
+        table.add_row(escape(row["name"]), row["kind"], escape(row["description"]),
+                      str(row["tensors"]), fmt_bytes(row["bytes"]), str(row["buckets"]))
+    if sync["implicit_fp32_tensors"]:
+        table.add_row("(unlisted)", "none", "fp32; allreduce, one per tensor",
+                      str(sync["implicit_fp32_tensors"]), fmt_bytes(sync["implicit_fp32_bytes"]),
+                      "0")
+    c.print(table)
+    if not b["count"]:
+        return
+    classes = ", ".join(f"{k['label']}: {k['count']}" for k in b["size_classes"] if k["count"])
+    c.print(f"buckets: {b['count']}, sizes min {fmt_bytes(b['min_bytes'])} · median "
+            f"{fmt_bytes(b['median_bytes'])} · max {fmt_bytes(b['max_bytes'])}")
+    c.print(f"  by size: {classes}")
+    if len(b["per_stage"]) > 1:
+        c.print("  by stage: " + ", ".join(f"stage {s['stage']}: {s['count']}"
+                                           for s in b["per_stage"]))
+    big = b["largest"]
+    c.print(f"  largest: bucket:{big['index']}, {fmt_bytes(big['size_bytes'])}, "
+            f"{_n(big['tensors'], 'tensor', 'tensors')}, strategy {escape(big['strategy'])}")
+    c.print(f"    {escape(big['first_tensor'])} … {escape(big['last_tensor'])}")
+
+
+def _memory(report: dict[str, Any], c: Console) -> None:
+    mem = report["memory"]
+    if not mem["available"]:
+        c.print("memory: not predicted")
+        return
+    peak = mem["peak"]
+    usable = f"{fmt_pct(mem['usable_fraction'])} of device memory"
+    head = f"memory per rank (usable = {usable})" if mem["capacity_known"] else \
+        "memory per rank (device capacity unknown: the plan embeds no cluster spec)"
+    table = _table(head, (
+        ("stage", "right"), ("device", "left"), ("ranks", "right"), ("peak", "right"),
+        ("usable", "right"), ("used", "right"), ("headroom", "right"),
+    ))
+    for row in mem["per_stage"]:
+        table.add_row(str(row["stage"]), row["device_type"], str(row["ranks"]),
+                      fmt_bytes(row["max_bytes"]), fmt_bytes(row["usable_bytes"]),
+                      fmt_pct(row["used_fraction"]), fmt_bytes(row["headroom_bytes"]))
+    c.print(table)
+    c.print("per device type:")
+    for row in mem["per_device_type"]:
+        c.print(f"  {row['device_type']}: peak {fmt_bytes(row['max_bytes'])}, "
+                f"{fmt_pct(row['used_fraction'])} of usable, headroom "
+                f"{fmt_bytes(row['headroom_bytes'])}")
+    c.print(f"peak: rank {peak['peak_rank']}, {fmt_bytes(peak['max_bytes'])} "
+            f"({fmt_pct(peak['used_fraction'])} of usable)")
+
+
+def _predictions(report: dict[str, Any], c: Console) -> None:
+    pred = report["predictions"]
+    if not pred["available"]:
+        c.print("predictions: none")
+        return
+    c.print(f"predicted iteration time: [bold]{pred['iteration_time_ms']:.3f} ms[/]")
+    b = pred["breakdown"]
+    c.print(f"  compute {fmt_ms(b['compute_ms'])} · comm {fmt_ms(b['comm_ms'])} (exposed "
+            f"{fmt_ms(b['exposed_comm_ms'])}) · compression {fmt_ms(b['compression_ms'])}")
+    c.print(f"  bubble {fmt_ms(b['bubble_ms'])} · bubble ratio {fmt_pct(pred['bubble_ratio'])}")
+    for base in pred["baselines"]:
+        if base["beaten"]:
+            verdict = f"beaten by {base['saved_ms']:.3f} ms"
+        elif base["saved_ms"] == 0:
+            verdict = "tied"
+        else:
+            verdict = f"[red]faster than the plan by {-base['saved_ms']:.3f} ms[/]"
+        speedup = f"{base['speedup']:.2f}×" if base["speedup"] is not None else "—"
+        c.print(f"  baseline {escape(base['name'])}: {base['iteration_time_ms']:.3f} ms "
+                f"({speedup}) {verdict}")
+        if base["description"]:
+            c.print(f"    {escape(base['description'])}")
+
+
+def _provenance(report: dict[str, Any], c: Console) -> None:
+    prov = report["provenance"]
+    if prov["costs"]:
+        c.print("cost provenance:")
+        for kind, v in prov["costs"].items():
+            detail = f" ({escape(v['detail'])})" if v["detail"] else ""
+            c.print(f"  {kind}: {v['source']}{detail}")
+    else:
+        c.print("cost provenance: not recorded")
+    s = prov["cost_settings"]
+    if s is not None:
+        db = f"profile DB {s['profile_fingerprint']}" if s["profile_fingerprint"] \
+            else "no profile DB"
+        c.print(f"  settings: dtype {s['dtype']}, efficiency {s['efficiency']:g}, optimizer "
+                f"{s['optimizer']}, {db}")
+    if prov["passes"]:
+        c.print("  passes: " + " → ".join(p["name"] for p in prov["passes"]))
+        for p in prov["passes"]:
+            for note in p["notes"]:
+                c.print(f"    {p['name']}: {escape(note)}")
+
+
+def _warnings(report: dict[str, Any], c: Console) -> None:
+    warnings = report["warnings"]
+    if not warnings:
+        c.print("warnings: none")
+        return
+    c.print(f"[yellow]warnings ({len(warnings)}):[/]")
+    for w in warnings:
+        c.print(f"  [yellow]![/] {w['kind']}: {escape(w['message'])}")
+
+
+_RENDERERS = {
+    "layout": _layout,
+    "stages": _stages,
+    "tp": _tp,
+    "sync": _sync,
+    "memory": _memory,
+    "predictions": _predictions,
+    "provenance": _provenance,
+    "warnings": _warnings,
+}
