@@ -8,6 +8,7 @@ and exit with code 1 (``--debug`` for the traceback).
 from __future__ import annotations
 
 import functools
+import json
 import importlib
 import sys
 import time
@@ -397,6 +398,41 @@ def profile_cmd(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
         f"collective record(s), {len(db.compressors)} compressor record(s)"
     )
+
+
+@app.command(
+    "run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
+@_user_errors
+def run_cmd(
+    ctx: typer.Context,
+    plan_file: Path = typer.Argument(..., help="A plan JSON file."),
+    model: str = typer.Option(None, "--model", help="The zoo model the plan was made for."),
+    module: str = typer.Option(None, "--module", help="pkg.mod:factory returning (model, args)."),
+    steps: int = typer.Option(10, help="Training iterations (after 2 warm-up ones)."),
+    report: Path = typer.Option(None, "--report", help="Write the run report JSON here."),
+    timeout: float = typer.Option(120.0, help="Collective timeout in seconds."),
+    dry_run: bool = typer.Option(False, help="Print the torchrun command and exit."),
+) -> None:
+    """Train with the plan under torchrun on synthetic data (extra options go to torchrun)."""
+    from hetplan.ir.plan import load_plan
+    from hetplan.runtime.launch import launch, torchrun_command
+
+    plan = load_plan(plan_file)
+    cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,
+                           report=report, timeout_s=timeout, torchrun_args=ctx.args)
+    if dry_run:
+        out.print(" ".join(cmd), markup=False)
+        return
+    code = launch(cmd)
+    if code != 0:
+        raise SpecError(f"training failed (torchrun exit code {code}); see the ranks' errors above")
+    if report:
+        data = json.loads(report.read_text())
+        m, p = data["measured"], data["predicted"]
+        pred = f"{p['iteration_ms']:.2f} ms" if p.get("iteration_ms") is not None else "—"
+        out.print(f"measured {m['iteration_ms']:.2f} ms/iteration · predicted {pred} · "
+                  f"report {report}")
 
 
 @app.command("simulate")
