@@ -1,0 +1,484 @@
+"""Pipeline-parallel stages and schedules from a plan's stage split (torch pipelining).
+
+``torch.distributed.pipelining`` lost PiPPy's automatic split policies, so hetplan emits the
+``split_spec`` itself (:func:`split_points`): a ``SplitPoint.BEGINNING`` at the module that is
+the first layer of every stage after the first. :func:`build_stage` traces the model with
+``pipeline()`` (``torch.export`` underneath, so HF models traced with
+``example_kwargs={"use_cache": False}`` work) and builds this rank's stage. When tracing fails
+(data-dependent control flow), a *manual* stage is built instead, which is possible only when
+the model's forward is a plain sequence of modules: an ``nn.Sequential``, or a model that
+declares ``pipeline_layers`` (an ordered sequence of its submodules with
+``forward(x) == pipeline_layers[-1](...pipeline_layers[0](x))``). Stage modules share their
+parameters with ``model`` and keep the model's parameter names (``blocks.2.fc1.weight``).
+
+Glue code (operations in a parent's forward between two layer calls) lands in the stage of
+the *previous* layer, because the split is placed right before the next layer module is
+called; the IR attributes glue FLOPs to the next layer, so a stage's measured time may differ
+from its predicted time by that glue. A boundary at a layer that is never called as a module
+(only its parameters are read by glue, like ``pos_emb.weight[:t]``) or that is called more than
+once cannot be split, and is refused with a :class:`~hetplan.errors.SpecError`. Parameters
+tied across stages (GPT-2's ``wte``/``lm_head``) become separate copies per stage; they are
+refused unless the caller sums their gradients (:func:`tied_across_stages`).
+
+Loss reduction (:func:`step`): every micro-batch's loss is ``loss_fn(output, target)`` (a mean
+over that micro-batch) and the schedules scale gradients by ``1 / micro_batches``, so the
+gradient is that of the mean over micro-batches of the per-micro-batch mean loss; :func:`step`
+returns that mean. With equal-sized micro-batches (enforced) this is exactly the mean over the
+whole batch, i.e. what a single-process ``loss_fn(model(batch), target)`` computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    SplitPoint,
+    pipeline,
+)
+
+from hetplan.errors import SpecError, TraceError
+from hetplan.ir.plan_sections import Layout, Stage
+
+if TYPE_CHECKING:  # the common base of traced (``_PipelineStage``) and manual stages
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+__all__ = [
+    "SUPPORTED_SCHEDULES",
+    "SequentialStageModule",
+    "build_stage",
+    "build_stages",
+    "make_schedule",
+    "split_points",
+    "stage_indices_of_rank",
+    "step",
+    "tied_across_stages",
+]
+
+#: Plan schedule names the runtime executes (``chimera`` is simulated only).
+SUPPORTED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+
+_MISSING = object()
+
+
+# -- split points ----------------------------------------------------------------------------
+def _ordered(stages: Sequence[Stage]) -> list[Stage]:
+    ordered = sorted(stages, key=lambda s: s.index)
+    if [s.index for s in ordered] != list(range(len(ordered))):
+        raise SpecError(f"stage indices must be 0..{len(ordered) - 1}, got "
+                        f"{[s.index for s in ordered]}")
+    return ordered
+
+
+def split_points(ir_layer_names: Sequence[str], stages: Sequence[Stage]) -> dict[str, SplitPoint]:
+    """The ``split_spec`` of ``torch.distributed.pipelining.pipeline()`` for a stage split.
+
+    Args:
+        ir_layer_names: the IR's layer names in dataflow order (``ModelIR.layers``).
+        stages: the plan's stages; they must cover the layers contiguously, in index order.
+
+    Returns:
+        Module qualname → ``SplitPoint.BEGINNING`` for the first layer of every stage after the
+        first, in stage order (``{}`` for a single stage).
+
+    Raises:
+        SpecError: the stages do not tile the layers, a stage's ``layer_names`` disagree with
+            the IR, or a boundary cannot be split (a second invocation ``name@k``, a module
+            invoked several times, the root module, or a module enclosing earlier layers).
+    """
+    names = list(ir_layer_names)
+    ordered = _ordered(stages)
+    expect = 0
+    for s in ordered:
+        if s.first_layer != expect:
+            raise SpecError(f"stage {s.index} starts at layer {s.first_layer}, expected "
+                            f"{expect}: stages must cover the layers contiguously")
+        if s.last_layer >= len(names):
+            raise SpecError(f"stage {s.index} ends at layer {s.last_layer} but the model has "
+                            f"{len(names)} layers")
+        if s.layer_names and tuple(names[s.first_layer:s.last_layer + 1]) != s.layer_names:
+            raise SpecError(f"stage {s.index}: layer_names {list(s.layer_names)[:3]}... do not "
+                            f"match the model's layers {names[s.first_layer:s.first_layer + 3]}"
+                            "...; the plan was made for another model")
+        expect = s.last_layer + 1
+    if ordered and expect != len(names):
+        raise SpecError(f"the stages end at layer {expect - 1} but the model has {len(names)} "
+                        f"layers (last: {names[-1]!r})")
+    spec: dict[str, SplitPoint] = {}
+    for s in ordered[1:]:
+        name = names[s.first_layer]
+        where = f"stage {s.index} starts at layer {s.first_layer} {name!r}"
+        if "@" in name:
+            raise SpecError(f"{where}, a second invocation of module {name.split('@')[0]!r}: "
+                            "a pipeline split can only precede a module's first call; move the "
+                            "boundary to another layer")
+        if name == "":
+            raise SpecError(f"{where}, the root module (parameters read by glue code in the "
+                            "top-level forward): it cannot be a split point; move the boundary")
+        if again := [n for n in names if n.startswith(name + "@")]:
+            raise SpecError(f"{where}, but that module is invoked again as {again[0]!r}: a "
+                            "split before it would also split before every later call; move "
+                            "the boundary")
+        if inner := [n for n in names[:s.first_layer] if n.startswith(name + ".")]:
+            raise SpecError(f"{where}, a module enclosing layer {inner[0]!r} of an earlier "
+                            "stage: a split before it would move that layer too")
+        spec[name] = SplitPoint.BEGINNING
+    return spec
+
+
+def stage_indices_of_rank(stages: Sequence[Stage], rank: int) -> list[int]:
+    """Indices of the stages global ``rank`` holds (several for interleaved 1F1B)."""
+    return [s.index for s in _ordered(stages) if rank in s.ranks]
+
+
+def tied_across_stages(model: nn.Module, stages: Sequence[Stage],
+                       ir_layer_names: Sequence[str]) -> list[tuple[str, ...]]:
+    """Parameters shared by layers of different stages (tied embeddings), as name tuples.
+
+    Pipelining unties them: each stage holding a name trains its own copy, so the runtime must
+    sum the gradients of the names of one tuple across the ranks holding them after
+    :func:`step` and before the optimizer step, or training diverges from the unsplit model.
+    """
+    stage_of = {n.split("@")[0]: s.index for s in _ordered(stages)
+                for n in ir_layer_names[s.first_layer:s.last_layer + 1]}
+
+    def owner(param: str) -> int | None:
+        hits = [lay for lay in stage_of if lay == "" or param.startswith(lay + ".")]
+        return stage_of[max(hits, key=len)] if hits else None
+
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    out = []
+    for group in names.values():
+        by_stage = sorted({(owner(n), n) for n in group if owner(n) is not None})
+        if len({st for st, _ in by_stage}) > 1:
+            out.append(tuple(n for _, n in by_stage))
+    return out
+
+
+# -- stages ----------------------------------------------------------------------------------
+class SequentialStageModule(nn.Module):
+    """A manual stage: runs modules of a sequential model in order, like ``nn.Sequential``.
+
+    The modules are registered under their qualnames in the original model (a container per
+    dotted prefix), so parameter names match ``model.named_parameters()``.
+
+    Args:
+        layers: (qualname, module) pairs in call order.
+    """
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        self.order: list[str] = [q for q, _ in layers]
+        for q, mod in layers:
+            parent: nn.Module = self
+            *path, leaf = q.split(".")
+            for atom in path:
+                if not hasattr(parent, atom):
+                    parent.add_module(atom, nn.Module())
+                parent = getattr(parent, atom)
+            parent.add_module(leaf, mod)
+
+    def forward(self, *args: Any) -> Any:
+        """Feeds ``args`` to the first module and each output to the next one."""
+        x: Any = None
+        for i, q in enumerate(self.order):
+            mod = self.get_submodule(q)
+            x = mod(*args) if i == 0 else mod(x)
+        return x
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict | None,
+           spec: dict[str, SplitPoint]) -> tuple[Any, dict[str, int]]:
+    """``pipeline()`` with the spec; undoes its in-place forward patching; counts the calls
+    of every split module during the trace."""
+    calls = dict.fromkeys(spec, 0)
+    saved, hooks = [], []
+    for q in spec:
+        try:
+            mod = model.get_submodule(q)
+        except AttributeError as e:
+            raise SpecError(f"stage boundary {q!r} is not a submodule of "
+                            f"{type(model).__name__}; the plan was made for another model") from e
+        saved.append((mod, mod.__dict__.get("forward", _MISSING),
+                      mod.__dict__.get("_orig_forward", _MISSING)))
+        hooks.append(mod.register_forward_pre_hook(
+            lambda _m, _a, q=q: calls.__setitem__(q, calls[q] + 1)))
+    try:
+        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None, split_spec=spec)
+    finally:
+        for h in hooks:
+            h.remove()
+        for mod, fwd, orig in saved:
+            for attr, value in (("forward", fwd), ("_orig_forward", orig)):
+                if value is _MISSING:
+                    mod.__dict__.pop(attr, None)
+                else:
+                    mod.__dict__[attr] = value
+    return pipe, calls
+
+
+def _check_splits(model: nn.Module, calls: dict[str, int], got: int, want: int) -> None:
+    bad = {q: c for q, c in calls.items() if c != 1}
+    if not bad and got == want:
+        return
+    what = "; ".join(
+        f"{q!r} is never called as a module (its parameters are only read by glue code)"
+        if c == 0 else f"{q!r} is called {c} times" for q, c in bad.items())
+    raise SpecError(f"{type(model).__name__}: the plan's {want} stages cannot be cut at its "
+                    f"stage boundaries ({what or 'unknown reason'}); pipelining found {got} "
+                    "stages. A boundary must be a module called exactly once; move it to the "
+                    "next layer")
+
+
+def _declared_sequence(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str] | None:
+    """The model's plain call sequence and how it was found, or None."""
+    if isinstance(model, nn.Sequential):
+        return list(model.named_children()), "an nn.Sequential"
+    declared = getattr(model, "pipeline_layers", None)
+    if declared is None:
+        return None
+    mods = list(declared() if callable(declared) and not isinstance(declared, nn.Module)
+                else declared)
+    names = {id(m): q for q, m in model.named_modules() if q}
+    if missing := [type(m).__name__ for m in mods if id(m) not in names]:
+        raise SpecError(f"{type(model).__name__}.pipeline_layers lists modules that are not "
+                        f"submodules of the model: {missing}")
+    return [(names[id(m)], m) for m in mods], "declared by pipeline_layers"
+
+
+def _expand(seq: list[tuple[str, nn.Module]], cuts: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """Flattens nested ``nn.Sequential`` entries that contain a cut (calling a Sequential is
+    calling its children in order, so this keeps the computation)."""
+    out: list[tuple[str, nn.Module]] = []
+    for q, m in seq:
+        if isinstance(m, nn.Sequential) and any(c.startswith(q + ".") for c in cuts):
+            out += _expand([(f"{q}.{n}", c) for n, c in m.named_children()], cuts)
+        else:
+            out.append((q, m))
+    return out
+
+
+def _manual_stages(model: nn.Module, args: tuple, kwargs: dict | None, spec: Sequence[str],
+                   reason: str) -> list[SequentialStageModule]:
+    """Cuts a sequential model at the split points into one module per stage."""
+    model_name = type(model).__name__
+    found = _declared_sequence(model)
+    if found is None:
+        raise TraceError(
+            f"cannot split {model_name} into pipeline stages: torch.distributed.pipelining could "
+            f"not trace it ({reason}), and its forward is not a plain sequence of layer modules "
+            "(an nn.Sequential, or a model declaring `pipeline_layers`), so no manual stage can "
+            "be built. Remove the data-dependent control flow from its forward or declare "
+            "`pipeline_layers`", module="", reason=reason)
+    if kwargs:
+        raise SpecError(f"{model_name} needs a manual pipeline split ({found[1]}), which takes "
+                        f"positional inputs only, got keyword inputs {sorted(kwargs)}")
+    seq = _expand(found[0], spec)
+    where = {q: i for i, (q, _) in enumerate(seq)}
+    if missing := [q for q in spec if q not in where]:
+        raise SpecError(f"{model_name} ({found[1]}): stage boundaries {missing} are not entries "
+                        f"of its call sequence {list(where)[:8]}; cannot split it manually")
+    cuts = [0, *(where[q] for q in spec), len(seq)]
+    if cuts != sorted(cuts):
+        raise SpecError(f"{model_name}: stage boundaries {list(spec)} are out of call order")
+    parts = [SequentialStageModule(seq[a:b]) for a, b in itertools.pairwise(cuts)]
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    with torch.no_grad():  # guard: the composed parts must compute the model's forward
+        state = torch.random.get_rng_state()
+        want = model(*args)
+        torch.random.set_rng_state(state)
+        got: Any = args
+        for i, part in enumerate(parts):
+            got = part(*got) if i == 0 else part(got)
+        torch.random.set_rng_state(state)
+        for b, value in buffers:  # undo running-statistics updates of the two runs
+            b.copy_(value)
+    ok = isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and (
+        want.shape == got.shape and torch.equal(want, got))
+    if not ok:
+        raise TraceError(f"{model_name} ({found[1]}): running its layer modules in order does "
+                         "not reproduce its forward on the example inputs, so it cannot be "
+                         "split manually", module="", reason=reason)
+    return parts
+
+
+def build_stages(
+    model: nn.Module,
+    example_microbatch_args: Sequence[Any] | torch.Tensor,
+    example_kwargs: Mapping[str, Any] | None,
+    stages: Sequence[Stage],
+    stage_indices: Sequence[int],
+    pp_group: dist.ProcessGroup | None,
+    device: torch.device | str,
+    *,
+    ir_layer_names: Sequence[str] | None = None,
+    allow_cross_stage_ties: bool = False,
+) -> list[_PipelineStageBase]:
+    """This rank's pipeline stages (one, or several for interleaved 1F1B), traced once.
+
+    Args:
+        model: the full model; stage modules share its parameters.
+        example_microbatch_args: positional inputs of one micro-batch (for tracing).
+        example_kwargs: keyword inputs used for tracing (``{"use_cache": False}`` for HF LMs);
+            non-tensor values are baked into the traced stages.
+        stages: the plan's stages.
+        stage_indices: which stages to build.
+        pp_group: the pipeline process group; its group rank ``r`` must hold stage indices
+            ``≡ r (mod pp)`` (``None``: the default group).
+        device: the device of this rank.
+        ir_layer_names: the IR's layer names; default: the stages' ``layer_names`` joined.
+        allow_cross_stage_ties: accept parameters tied across stages (the caller syncs their
+            gradients, see :func:`tied_across_stages`); refused by default.
+
+    Returns:
+        One ``PipelineStage`` per entry of ``stage_indices``; ``stage.submod`` is either a
+        traced ``GraphModule`` or a :class:`SequentialStageModule` (manual fallback).
+
+    Raises:
+        SpecError: the boundaries cannot be split (see :func:`split_points`), or parameters
+            are tied across stages and ``allow_cross_stage_ties`` is False.
+        TraceError: the model cannot be traced and is not a plain sequence of modules.
+    """
+    ordered = _ordered(stages)
+    names = list(ir_layer_names) if ir_layer_names is not None else [
+        n for s in ordered for n in s.layer_names]
+    if ir_layer_names is None and any(not s.layer_names for s in ordered):
+        raise SpecError("the plan's stages carry no layer_names; pass ir_layer_names")
+    spec = split_points(names, ordered)
+    if (ties := tied_across_stages(model, ordered, names)) and not allow_cross_stage_ties:
+        raise SpecError(f"{type(model).__name__}: parameters tied across stages {ties} would be "
+                        "trained as separate copies; sum their gradients across the stages "
+                        "(see tied_across_stages) and pass allow_cross_stage_ties=True")
+    n = len(ordered)
+    if bad := [i for i in stage_indices if not 0 <= i < n]:
+        raise SpecError(f"stage indices {bad} are outside the plan's {n} stages")
+    device = torch.device(device)
+    args = (example_microbatch_args,) if isinstance(example_microbatch_args, torch.Tensor) \
+        else tuple(example_microbatch_args)
+    kwargs = dict(example_kwargs or {})
+    if n == 1:
+        return [PipelineStage(model, 0, 1, device, group=pp_group)]
+    try:
+        pipe, calls = _trace(model, args, kwargs, spec)
+    except SpecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure leads to the fallback
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        parts = _manual_stages(model, args, kwargs, list(spec), reason)
+        return [PipelineStage(parts[i], i, n, device, group=pp_group) for i in stage_indices]
+    _check_splits(model, calls, pipe.num_stages, n)
+    return [pipe.build_stage(i, device, group=pp_group) for i in stage_indices]
+
+
+def build_stage(
+    model: nn.Module,
+    example_microbatch_args: Sequence[Any] | torch.Tensor,
+    example_kwargs: Mapping[str, Any] | None,
+    stages: Sequence[Stage],
+    stage_index: int,
+    pp_group: dist.ProcessGroup | None,
+    device: torch.device | str,
+    *,
+    ir_layer_names: Sequence[str] | None = None,
+    allow_cross_stage_ties: bool = False,
+) -> _PipelineStageBase:
+    """The pipeline stage ``stage_index`` of ``model`` split as the plan's ``stages`` say.
+
+    Traces with ``pipeline(model, mb_args=..., mb_kwargs=..., split_spec=split_points(...))``
+    and builds the stage with ``pipe.build_stage(stage_index, device, group=pp_group)``; falls
+    back to a manual :class:`SequentialStageModule` when tracing fails (see module doc).
+    Arguments, result and errors as in :func:`build_stages`.
+    """
+    return build_stages(model, example_microbatch_args, example_kwargs, stages, [stage_index],
+                        pp_group, device, ir_layer_names=ir_layer_names,
+                        allow_cross_stage_ties=allow_cross_stage_ties)[0]
+
+
+# -- schedules -------------------------------------------------------------------------------
+def make_schedule(
+    stage: _PipelineStageBase | Sequence[_PipelineStageBase],
+    layout: Layout,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B:
+    """The ``torch.distributed.pipelining`` schedule of ``layout.schedule``.
+
+    Args:
+        stage: this rank's stage, or its stages (``layout.virtual_stages`` of them) for
+            ``interleaved-1f1b``.
+        layout: the plan's layout (schedule name and ``micro_batches``).
+        loss_fn: ``loss_fn(output, target)``, a mean over one micro-batch. A traced last
+            stage returns the model output's tensor leaves (an HF ``CausalLMOutput`` arrives
+            as the bare ``logits`` tensor when it is the only one).
+
+    Raises:
+        SpecError: a schedule the runtime does not run, or the wrong number of stages.
+    """
+    name = layout.schedule
+    if name not in SUPPORTED_SCHEDULES:
+        raise SpecError(f"the plan's schedule {name!r} is not executed by the runtime, which "
+                        f"runs {list(SUPPORTED_SCHEDULES)}; re-plan with one of them")
+    local: list[_PipelineStageBase] = (
+        list(stage) if isinstance(stage, (list, tuple)) else [stage])  # type: ignore[list-item]
+    n_mb = layout.micro_batches
+    if name == "interleaved-1f1b":
+        if len(local) != layout.virtual_stages:
+            raise SpecError(f"interleaved-1f1b with virtual_stages={layout.virtual_stages} "
+                            f"needs that many stages on this rank, got {len(local)}")
+        return ScheduleInterleaved1F1B(local, n_microbatches=n_mb, loss_fn=loss_fn)
+    if len(local) != 1:
+        raise SpecError(f"schedule {name!r} runs one stage per rank, got {len(local)}")
+    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+    return cls(local[0], n_microbatches=n_mb, loss_fn=loss_fn)
+
+
+def step(
+    schedule: Any,
+    stage_index: int | Sequence[int],
+    num_stages: int,
+    batch: Sequence[Any] | torch.Tensor | None,
+    target: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """One training iteration (forward and backward of every micro-batch, no optimizer step).
+
+    Args:
+        schedule: from :func:`make_schedule`.
+        stage_index: this rank's stage index (or indices, for interleaved 1F1B).
+        num_stages: number of stages of the pipeline.
+        batch: the whole batch's positional inputs (used on the rank holding stage 0).
+        target: the whole batch's target (used on the rank holding the last stage).
+        **kwargs: tensor keyword inputs of the model, chunked like ``batch`` (first stage).
+
+    Returns:
+        On the rank holding the last stage: the mean over micro-batches of the per-micro-batch
+        loss (detached scalar), equal to the whole-batch mean loss (see module doc); else None.
+
+    Raises:
+        SpecError: the batch does not split into equal micro-batches.
+    """
+    indices = {stage_index} if isinstance(stage_index, int) else set(stage_index)
+    first, last = 0 in indices, num_stages - 1 in indices
+    n_mb = schedule._n_microbatches
+    args: tuple = ()
+    if first:
+        args = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch or ())
+    for what, t in (("batch", args[0] if args else None), ("target", target if last else None)):
+        if isinstance(t, torch.Tensor) and t.size(0) % n_mb:
+            raise SpecError(f"the {what}'s size {t.size(0)} does not split into {n_mb} equal "
+                            "micro-batches; the loss would differ from the whole-batch mean")
+    losses: list[torch.Tensor] = []
+    extra: dict[str, Any] = {"target": target, "losses": losses} if last else {}
+    schedule.step(*args, **(kwargs if first else {}), **extra)
+    if not last:
+        return None
+    return torch.stack([loss.detach() for loss in losses]).mean()
