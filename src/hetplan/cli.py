@@ -594,6 +594,7 @@ def inspect_cmd(
         help="Only this section (repeatable): layout, stages, tp, sync, memory, predictions, "
         "provenance, warnings.",
     ),
+    run: Path = typer.Option(None, "--run", help="A run report (`hetplan run --report`)."),
 ) -> None:
     """Report on a plan: layout, stages, TP shards, sync, memory, predictions, warnings."""
     from hetplan.ir.plan import load_plan
@@ -602,10 +603,45 @@ def inspect_cmd(
 
     sections = _check_sections(section)
     plan = load_plan(plan_file)
+    measured = _load_run_report(run) if run else None
     if as_json:
-        typer.echo(dump_json(select_sections(build_report(plan), sections)), nl=False)
+        report = select_sections(build_report(plan), sections)
+        if measured is not None:
+            report["run"] = measured
+        typer.echo(dump_json(report), nl=False)
         return
     _print_plan(plan, sections)
+    if measured is not None:
+        _print_run(plan, measured)
+
+
+def _load_run_report(path: Path) -> dict[str, Any]:
+    from hetplan.ir.validation import load_structured_file
+
+    data = load_structured_file(path, what="run report")
+    if not isinstance(data.get("measured"), dict) or "iteration_ms" not in data["measured"]:
+        raise SpecError(f"{path}: not a run report (no measured.iteration_ms); write one with "
+                        "`hetplan run PLAN --report FILE`")
+    return data
+
+
+def _print_run(plan: Any, report: dict[str, Any]) -> None:
+    """Predicted vs measured, side by side."""
+    pred = plan.predictions
+    m = report["measured"]
+    table = Table(title=f"predicted vs measured ({report.get('steps', '?')} iterations, "
+                        f"{report.get('world_size', '?')} ranks)", title_justify="left")
+    for col in ("", "predicted ms", "measured ms", "error"):
+        table.add_column(col, justify="right" if col else "left")
+    rows = [("iteration", pred.iteration_time_ms if pred else None, m.get("iteration_ms")),
+            ("compute", pred.breakdown.compute_ms if pred else None, m.get("compute_ms")),
+            ("exposed comm", pred.breakdown.exposed_comm_ms if pred else None,
+             m.get("exposed_comm_ms"))]
+    for name, p, x in rows:
+        err_text = f"{(p - x) / x:+.1%}" if p is not None and x else "—"
+        table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
+                      err_text)
+    out.print(table)
 
 
 @app.command("explain")

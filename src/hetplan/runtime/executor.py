@@ -7,10 +7,10 @@ about search.
    given example inputs and its fingerprint compared with the plan's; the world size must be
    the plan's ``dp · pp · tp``.
 2. **Groups** for the layout (:class:`ParallelGroups`).
-3. **Tensor parallelism** (``tensor_parallel`` section): Megatron pairs replaced by uneven
-   column/row-parallel linears (:mod:`hetplan.runtime.tensor_parallel`).
-4. **Pipeline** (``stages`` + ``layout.schedule``): this rank's stage
-   (:mod:`hetplan.runtime.pipeline`).
+3. **Tensor parallelism** (``tensor_parallel`` section): Megatron MLP pairs replaced by
+   uneven column/row-parallel linears (:mod:`hetplan.runtime.tensor_parallel`).
+4. **Pipeline** (``stages`` + ``layout.schedule``): this rank's stage and the schedule
+   (:mod:`hetplan.runtime.pipeline`). Pipeline and tensor parallelism are not combined yet.
 5. **Gradient sync** (``gradient_sync``): the plan's buckets on the data-parallel group
    (:class:`GradSync`).
 6. :meth:`Runtime.train_step` runs one iteration over the global batch and returns the loss.
@@ -101,26 +101,70 @@ class Runtime:
             )
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.groups = ParallelGroups.build(layout, rank) if dist.is_initialized() else None
-        if layout.tp > 1 or layout.pp > 1:
+        if layout.tp > 1 and layout.pp > 1:
             raise SpecError(
-                f"this runtime executes data-parallel plans; the plan has pp={layout.pp}, "
-                f"tp={layout.tp} (pipeline and tensor-parallel execution are not wired in yet)"
+                f"the runtime runs pipeline (pp={layout.pp}) or tensor parallelism "
+                f"(tp={layout.tp}) with data parallelism, not both at once yet; re-plan with "
+                "--pp 1 or --tp 1"
             )
         # non-tensor keyword inputs (``use_cache=False``) are passed to every forward
         self.forward_kwargs = {
             k: v for k, v in self.example_kwargs.items() if not isinstance(v, torch.Tensor)
         }
-        self.named_params = list(self.model.named_parameters())
+        self.stage = self.schedule = None
+        if layout.tp > 1:
+            self._shard_tensor_parallel()
+        if layout.pp > 1:
+            self._build_pipeline_stage()
+            self.named_params = list(self.stage.submod.named_parameters())
+        else:
+            self.named_params = list(self.model.named_parameters())
         group = self.groups.dp_group if self.groups is not None else None
         self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync, group, layout.dp)
         self.opt = self.optimizer([p for _, p in self.named_params])
         self.last_times: StepTimes | None = None
+
+    def _shard_tensor_parallel(self) -> None:
+        from hetplan.runtime.tensor_parallel import shard_model
+
+        assert self.groups is not None
+        shard_model(self.model, self._ir().layers, self.plan.tensor_parallel,
+                    self.groups.tp_group, self.groups.tp_rank, self.layout.tp)
+
+    def _build_pipeline_stage(self) -> None:
+        from hetplan.runtime.pipeline import build_stage, make_schedule
+
+        assert self.groups is not None
+        mb = self.layout.micro_batch_size
+        example = [self._example_rows(a, mb) for a in self.example_args]
+        device = next(self.model.parameters()).device
+        self.stage = build_stage(
+            self.model, example, self.forward_kwargs, self.plan.stages, self.groups.pp_rank,
+            self.groups.pp_group, device, ir_layer_names=[x.name for x in self._ir().layers],
+        )
+        self.schedule = make_schedule(self.stage, self.layout, self.loss_fn)
+
+    @staticmethod
+    def _example_rows(a: Any, rows: int) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        reps = (rows + a.shape[0] - 1) // a.shape[0]
+        return a.repeat(reps, *([1] * (a.dim() - 1)))[:rows].clone()
+
+    def _ir(self) -> Any:
+        if getattr(self, "_model_ir", None) is None:
+            from hetplan.ir.capture import capture
+
+            self._model_ir = capture(self.model, tuple(self.example_args),
+                                     dict(self.example_kwargs), name=self.plan.model.name)
+        return self._model_ir
 
     def _verify_model(self) -> None:
         from hetplan.ir.capture import capture
 
         ir = capture(self.model, tuple(self.example_args), dict(self.example_kwargs),
                      name=self.plan.model.name)
+        self._model_ir = ir
         if ir.fingerprint() != self.plan.model.fingerprint:
             raise PlanMismatchError(
                 f"the model does not match the plan: its fingerprint is {ir.fingerprint()}, "
@@ -140,11 +184,13 @@ class Runtime:
 
     def train_step(self, inputs: Any, target: torch.Tensor) -> float:
         """One iteration on the global batch ``(inputs, target)``; returns this replica's
-        loss (mean over its rows)."""
+        loss (mean over its rows; NaN on pipeline ranks that do not hold the last stage)."""
         t0 = time.perf_counter()
         xs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         xs = [self._local_rows(x) for x in xs]
         y = self._local_rows(target)
+        if self.schedule is not None:
+            return self._pipeline_step(xs, y, t0)
         m = self.layout.micro_batches
         chunks = [torch.chunk(x, m) for x in xs]
         ys = torch.chunk(y, m)
@@ -157,6 +203,20 @@ class Runtime:
                 loss = self.loss_fn(out, ys[i]) / m
                 loss.backward()
             total += float(loss.detach())
+        return self._finish_step(total, t0)
+
+    def _pipeline_step(self, xs: list[torch.Tensor], y: torch.Tensor, t0: float) -> float:
+        """One pipeline iteration. The schedule runs every micro-batch's backward, so the
+        gradient hooks stay off and the stage's buckets are all sent after it (no overlap
+        with the last backward yet)."""
+        from hetplan.runtime.pipeline import step
+
+        assert self.groups is not None
+        with self.grad_sync.no_sync():
+            loss = step(self.schedule, self.groups.pp_rank, self.layout.pp, xs, y)
+        return self._finish_step(float(loss) if loss is not None else float("nan"), t0)
+
+    def _finish_step(self, loss: float, t0: float) -> float:
         t1 = time.perf_counter()
         self.grad_sync.finish()
         t2 = time.perf_counter()
@@ -164,4 +224,4 @@ class Runtime:
         self.opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         self.last_times = StepTimes(t3 - t0, t1 - t0, t2 - t1, t3 - t2)
-        return total
+        return loss
