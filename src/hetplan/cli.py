@@ -412,6 +412,8 @@ def run_cmd(
     steps: int = typer.Option(10, help="Training iterations (after 2 warm-up ones)."),
     report: Path = typer.Option(None, "--report", help="Write the run report JSON here."),
     timeout: float = typer.Option(120.0, help="Collective timeout in seconds."),
+    script: Path = typer.Option(None, "--script", help="Your training script (see "
+                                "examples/train.py) instead of synthetic data."),
     dry_run: bool = typer.Option(False, help="Print the torchrun command and exit."),
 ) -> None:
     """Train with the plan under torchrun on synthetic data (extra options go to torchrun)."""
@@ -420,14 +422,15 @@ def run_cmd(
 
     plan = load_plan(plan_file)
     cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,
-                           report=report, timeout_s=timeout, torchrun_args=ctx.args)
+                           report=report, timeout_s=timeout, torchrun_args=ctx.args,
+                           script=script)
     if dry_run:
         out.print(" ".join(cmd), markup=False)
         return
     code = launch(cmd)
     if code != 0:
         raise SpecError(f"training failed (torchrun exit code {code}); see the ranks' errors above")
-    if report:
+    if report and report.is_file():
         data = json.loads(report.read_text())
         m, p = data["measured"], data["predicted"]
         pred = f"{p['iteration_ms']:.2f} ms" if p.get("iteration_ms") is not None else "—"

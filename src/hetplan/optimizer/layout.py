@@ -7,7 +7,9 @@ Rules (each prunes layouts that cannot be right, not ones that merely look slow)
   run once per layer) and is ≤ ``max_tp``; ``tp > 1`` only if the model has Megatron pairs;
 - ``pp`` ≤ the number of layers;
 - the global batch splits evenly over replicas: ``global_batch % dp == 0``; the micro-batch
-  size divides the per-replica batch; candidates are its powers of two and itself.
+  size divides the per-replica batch; candidates are its powers of two and itself;
+- a pipeline has at least as many micro-batches as stages (fewer leaves stages idle for the
+  whole iteration, and torch's 1F1B schedules refuse it).
 
 The order of the returned list is deterministic (sorted by dp, pp, tp, micro-batch size).
 """
@@ -92,5 +94,7 @@ def enumerate_layouts(
             for mb in _micro_batch_sizes(per_replica):
                 if micro_batch_size is not None and mb != micro_batch_size:
                     continue
+                if p > 1 and per_replica // mb < p:
+                    continue  # a pipeline needs at least one micro-batch per stage
                 out.append(LayoutCandidate(d, p, t, mb, per_replica // mb))
     return sorted(out)

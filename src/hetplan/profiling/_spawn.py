@@ -35,6 +35,8 @@ def _entry(
 
     if threads is not None:
         torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     if backend is not None:
         import torch.distributed as dist
 

@@ -42,6 +42,7 @@ for what that changes.
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -441,10 +442,13 @@ def profile_layers_concurrent(
     if threads_per_process is None:
         threads_per_process = max(1, (os.cpu_count() or 1) // processes)
     args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    cpu_model = model if on_cpu else copy.deepcopy(model).cpu()  # never move the caller's
     timings: list[LayerTiming] = run_local_ranks(
         _concurrent_worker,
         processes,
-        (model.cpu(), tuple(args), dict(example_kwargs or {}), _hooked_units(ir),
+        (cpu_model, _to(tuple(args), torch.device("cpu")),
+         _to(dict(example_kwargs or {}), torch.device("cpu")), _hooked_units(ir),
          ir.layers[-1].name, warmup, iters, loss_fn, device),
         backend="gloo",
         timeout_s=timeout_s,

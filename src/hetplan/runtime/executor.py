@@ -135,6 +135,11 @@ class Runtime:
         from hetplan.runtime.pipeline import build_stage, make_schedule
 
         assert self.groups is not None
+        if self.layout.micro_batches < self.layout.pp:
+            raise SpecError(
+                f"the plan pipelines {self.layout.pp} stages over {self.layout.micro_batches} "
+                "micro-batch(es); the runtime's schedules need at least one per stage: re-plan"
+            )
         mb = self.layout.micro_batch_size
         example = [self._example_rows(a, mb) for a in self.example_args]
         device = next(self.model.parameters()).device

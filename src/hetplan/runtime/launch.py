@@ -31,12 +31,18 @@ def torchrun_command(
     report: str | Path | None = None,
     timeout_s: float = 120.0,
     torchrun_args: Sequence[str] = (),
+    script: str | Path | None = None,
 ) -> list[str]:
-    """The command line that runs ``plan`` (see module docstring)."""
+    """The command line that runs ``plan`` (see module docstring). With ``script`` the
+    user's training script runs instead of the synthetic-data worker; it gets
+    ``--plan PATH --steps N``."""
     if plan.layout is None:
         raise SpecError(f"{plan_path}: the plan has no layout; compile it with `hetplan plan`")
-    if bool(model) == bool(module):
-        raise SpecError("give exactly one of --model NAME or --module pkg.mod:factory")
+    if script is not None and not Path(script).is_file():
+        raise SpecError(f"training script {str(script)!r} does not exist")
+    if script is None and bool(model) == bool(module):
+        raise SpecError("give exactly one of --model NAME or --module pkg.mod:factory "
+                        "(or --script train.py)")
     extra = list(torchrun_args)
     multi_node = any(a.startswith(("--nnodes", "--rdzv")) for a in extra)
     cmd = [sys.executable, "-m", "torch.distributed.run"]
@@ -55,6 +61,8 @@ def torchrun_command(
     if not multi_node:
         cmd += ["--standalone", "--nnodes", "1"]
     cmd += extra
+    if script is not None:
+        return cmd + [str(script), "--plan", str(plan_path), "--steps", str(steps)]
     cmd += ["-m", "hetplan.runtime.worker", "--plan", str(plan_path), "--steps", str(steps),
             "--timeout", str(timeout_s)]
     cmd += ["--model", model] if model else ["--module", str(module)]
