@@ -48,3 +48,18 @@ def test_run_refuses_a_plan_for_another_model(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "does not match the plan" in proc.stderr
     assert "Traceback (most recent call last)" not in proc.stdout
+
+
+def test_run_a_user_script(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    plan_path = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetplan.cli", "plan", "--module", "examples.train:factory",
+         "--cluster", "local-cpu", "-b", "8", "--dp", "4", "-o", str(plan_path)],
+        capture_output=True, text=True, timeout=240, check=False, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _hetplan("run", str(plan_path), "--script", str(root / "examples" / "train.py"),
+                    "--steps", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 5: loss" in proc.stdout
