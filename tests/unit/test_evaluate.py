@@ -50,7 +50,8 @@ GiB = 2**30
 
 
 def toy_cluster(*, bandwidth_gbps: float = 80.0, latency_us: float = 5.0,
-                memory_gib: float = 16.0, devices: int = 2) -> ClusterSpec:
+                memory_gib: float = 16.0, devices: int = 2,
+                comm_overlaps_compute: bool = True) -> ClusterSpec:
     return ClusterSpec.from_dict({
         "name": "toy",
         "nodes": [{
@@ -62,7 +63,8 @@ def toy_cluster(*, bandwidth_gbps: float = 80.0, latency_us: float = 5.0,
         }],
         "device_types": {
             "toy": {"memory_gib": memory_gib, "peak_tflops": {"fp32": 10.0},
-                    "mem_bandwidth_gb_s": 1000.0},
+                    "mem_bandwidth_gb_s": 1000.0,
+                    "comm_overlaps_compute": comm_overlaps_compute},
         },
     })
 
@@ -138,6 +140,25 @@ def test_dp2_layerwise_sync_by_hand() -> None:
     assert ev.compute_s == pytest.approx(f + b)
     assert ev.comm_s == pytest.approx(ar1 + ar0)  # the link was busy this long
     assert ev.bubble_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_dp2_comm_takes_turns_with_compute_on_cpu_like_devices() -> None:
+    # a device whose communication shares the compute cores (gloo on a CPU): each allreduce
+    # runs as soon as its gradient is ready and delays the rest of backprop; nothing overlaps
+    layout = Layout(dp=2, micro_batches=1, micro_batch_size=1, global_batch_size=2)
+    ev = evaluate(WL, layout, ONE_STAGE, None,
+                  costs(toy_cluster(comm_overlaps_compute=False)))
+    serial = (F0 + F1) + B1 + allreduce2(8e6) + B0 + allreduce2(4e6) + optimizer(12e6)
+    assert serial == pytest.approx(7.334e-3)
+    assert ev.iteration_s == pytest.approx(serial, rel=1e-9)
+    overlapped = evaluate(WL, layout, ONE_STAGE, None, costs(toy_cluster()))
+    assert overlapped.iteration_s < ev.iteration_s
+
+
+def test_builtin_cpu_type_does_not_overlap_comm() -> None:
+    spec = ClusterSpec.from_preset("local-cpu")
+    assert all(not d.comm_overlaps_compute for d in spec.devices())
+    assert all(d.comm_overlaps_compute for d in ClusterSpec.from_preset("a100-nvlink-8x8").devices())
 
 
 def test_dp2_one_bucket_by_hand() -> None:

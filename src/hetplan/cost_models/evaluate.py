@@ -388,6 +388,8 @@ def _strategy_ops(
         else:
             group, lk = nodes, "inter"
         channel = "net" if step.level == "flat" else step.level
+        if not dev.comm_overlaps_compute:
+            channel = GPU  # takes turns with backprop on the compute resource
         ops.append(Op(channel, costs.comm.time_s(step.routine, size, group, lk), step.routine))
     if compressed_done and comp is not None and isinstance(strategy, CompressedSync):
         res = GPU if strategy.decompress_device == "gpu" else CPU

@@ -115,6 +115,10 @@ class DeviceSpec(BaseModel):
             peak / slowdown.
         relative_speed: a measured speed of this type relative to a reference device of the
             user's choosing (e.g. throughput on the model at hand), or None.
+        comm_overlaps_compute: whether gradient communication runs beside compute (True for
+            GPUs: collectives run on their own stream and copy engines) or takes turns with it
+            (False for ``cpu``: gloo reduces and copies on the same cores the training
+            threads keep busy, so the timeline puts communication on the compute resource).
     """
 
     model_config = _CONFIG
@@ -124,6 +128,7 @@ class DeviceSpec(BaseModel):
     mem_bandwidth_gb_s: _Positive
     slowdown: float = Field(default=1.0, ge=1.0, allow_inf_nan=False)
     relative_speed: _Positive | None = None
+    comm_overlaps_compute: bool = True
 
     @field_validator("peak_tflops")
     @classmethod
@@ -250,6 +255,7 @@ class Device:
         slowdown: combined straggler factor (device type x node group).
         relative_speed: the measured relative speed of the type divided by ``slowdown``, or
             None when the spec has no measurement.
+        comm_overlaps_compute: see :class:`DeviceSpec`.
     """
 
     rank: int
@@ -263,6 +269,7 @@ class Device:
     mem_bandwidth_bytes_per_s: float
     slowdown: float
     relative_speed: float | None
+    comm_overlaps_compute: bool = True
 
     def flops(self, dtype: str) -> float:
         """Effective peak FLOP/s for ``dtype`` (``"bf16"`` or a torch name ``"bfloat16"``).
@@ -534,6 +541,7 @@ def _make_device(
         mem_bandwidth_bytes_per_s=spec.mem_bandwidth_gb_s * 1e9 / slowdown,
         slowdown=slowdown,
         relative_speed=speed,
+        comm_overlaps_compute=spec.comm_overlaps_compute,
     )
 
 
@@ -577,7 +585,9 @@ DEVICE_CATALOGUE: dict[str, DeviceSpec] = {
     "A100-40GB": _gpu(40, 1555, **_A100),
     "A100-80GB": _gpu(80, 2039, **_A100),
     "H100-80GB": _gpu(80, 3350, **_H100),
-    "cpu": _gpu(4, 20, fp64=0.05, fp32=0.1),
+    "cpu": DeviceSpec(memory_gib=4, mem_bandwidth_gb_s=20,
+                      peak_tflops={"fp64": 0.05, "fp32": 0.1},  # type: ignore[dict-item]
+                      comm_overlaps_compute=False),
 }
 
 # Links. Per-direction bandwidth per device (intra) or per node (inter); latencies are
