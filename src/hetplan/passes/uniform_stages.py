@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hetplan.algorithms.partition import uniform_partition
 from hetplan.errors import PassError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Stage
@@ -47,11 +48,6 @@ class UniformStages:
         if pp > n:
             raise PassError(f"{self.name}: {pp} pipeline stages but only {n} layers")
         base, extra = divmod(n, pp)
-        bounds, first = [], 0
-        for s in range(pp):
-            size = base + (1 if s < extra else 0)
-            bounds.append((first, first + size - 1))
-            first += size
-        stages = stages_from_bounds(bounds, ctx)
+        stages = stages_from_bounds(list(uniform_partition(n, pp)), ctx)
         return PassResult(plan.model_copy(update={"stages": stages}), True,
                           (f"{pp} stage(s) of {base}-{base + (1 if extra else 0)} layers",))
