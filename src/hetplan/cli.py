@@ -638,6 +638,7 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         table.add_column(col, justify="right" if col else "left")
     rows = [("iteration", pred.iteration_time_ms if pred else None, m.get("iteration_ms")),
             ("compute", pred.breakdown.compute_ms if pred else None, m.get("compute_ms")),
+            ("pipeline bubble", pred.breakdown.bubble_ms if pred else None, m.get("bubble_ms")),
             ("exposed comm", pred.breakdown.exposed_comm_ms if pred else None,
              m.get("exposed_comm_ms"))]
     for name, p, x in rows:

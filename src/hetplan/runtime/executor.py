@@ -52,12 +52,19 @@ def _default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepTimes:
-    """Measured times of one iteration on this rank (seconds)."""
+    """Measured times of one iteration on this rank (seconds).
+
+    ``iteration_s = compute_s + bubble_s + sync_wait_s + optimizer_s``: forward and backward
+    (for a pipeline rank, the time its stages computed), the pipeline wait (schedule time not
+    spent computing: bubble and unhidden activation transfers; 0 without a pipeline), the wait
+    for gradient sync after backward, and the optimizer step.
+    """
 
     iteration_s: float
     compute_s: float
     sync_wait_s: float
     optimizer_s: float
+    bubble_s: float = 0.0  # pipeline: time in the schedule not spent computing (waits)
 
 
 @dataclass
@@ -132,7 +139,7 @@ class Runtime:
                     self.groups.tp_group, self.groups.tp_rank, self.layout.tp)
 
     def _build_pipeline_stage(self) -> None:
-        from hetplan.runtime.pipeline import build_stage, make_schedule
+        from hetplan.runtime.pipeline import StageClock, build_stage, make_schedule
 
         assert self.groups is not None
         if self.layout.micro_batches < self.layout.pp:
@@ -148,6 +155,7 @@ class Runtime:
             self.groups.pp_group, device, ir_layer_names=[x.name for x in self._ir().layers],
         )
         self.schedule = make_schedule(self.stage, self.layout, self.loss_fn)
+        self.stage_clock = StageClock(self.stage)
 
     @staticmethod
     def _example_rows(a: Any, rows: int) -> Any:
@@ -217,16 +225,19 @@ class Runtime:
         from hetplan.runtime.pipeline import step
 
         assert self.groups is not None
+        self.stage_clock.reset()
+        t_sched = time.perf_counter()
         with self.grad_sync.no_sync():
             loss = step(self.schedule, self.groups.pp_rank, self.layout.pp, xs, y)
-        return self._finish_step(float(loss) if loss is not None else float("nan"), t0)
+        waited = max(time.perf_counter() - t_sched - self.stage_clock.busy_s, 0.0)
+        return self._finish_step(float(loss) if loss is not None else float("nan"), t0, waited)
 
-    def _finish_step(self, loss: float, t0: float) -> float:
+    def _finish_step(self, loss: float, t0: float, bubble_s: float = 0.0) -> float:
         t1 = time.perf_counter()
         self.grad_sync.finish()
         t2 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        self.last_times = StepTimes(t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+        self.last_times = StepTimes(t3 - t0, t1 - t0 - bubble_s, t2 - t1, t3 - t2, bubble_s)
         return loss

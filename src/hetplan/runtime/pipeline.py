@@ -30,6 +30,7 @@ whole batch, i.e. what a single-process ``loss_fn(model(batch), target)`` comput
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -439,6 +440,39 @@ def make_schedule(
         raise SpecError(f"schedule {name!r} runs one stage per rank, got {len(local)}")
     cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
     return cls(local[0], n_microbatches=n_mb, loss_fn=loss_fn)
+
+
+class StageClock:
+    """Seconds this rank's stages spent computing during a schedule step.
+
+    Wraps each stage's ``forward_one_chunk``, ``backward_one_chunk`` and
+    ``backward_weight_one_chunk`` (the schedules issue point-to-point receives and sends
+    outside them), so ``schedule time - busy_s`` is the time the rank waited: the pipeline
+    bubble plus activation transfers it could not overlap. Read it after a step; call
+    :meth:`reset` before the next.
+    """
+
+    _METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, stages: _PipelineStageBase | Sequence[_PipelineStageBase]) -> None:
+        self.busy_s = 0.0
+        for st in stages if isinstance(stages, (list, tuple)) else [stages]:
+            for name in self._METHODS:
+                if hasattr(st, name):
+                    setattr(st, name, self._timed(getattr(st, name)))
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        return run
+
+    def reset(self) -> None:
+        self.busy_s = 0.0
 
 
 def step(

@@ -115,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             loss = rt.train_step(xs, target_of(xs, batch).to(device))
             if step >= args.warmup and rt.last_times is not None:
                 times.append(rt.last_times)
-        if rank == 0 and args.report:
-            _write_report(args.report, plan, times, loss, dist.get_world_size())
+        if args.report:
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, _rank_summary(rank, times))
+            if rank == 0:
+                _write_report(args.report, plan, times, loss, ranks)
     except HetplanError as e:
         print(f"rank {rank}: error: {e}", file=sys.stderr)
         return 2
@@ -129,25 +132,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write_report(path: str, plan: Any, times: list[Any], loss: float, world: int) -> None:
-    def med(xs: list[float]) -> float:
-        return statistics.median(xs) * 1e3 if xs else 0.0
+def _med_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3 if xs else 0.0
 
+
+def _rank_summary(rank: int, times: list[Any]) -> dict[str, Any]:
+    """This rank's median times (ms), for the run report's ``per_rank`` list."""
+    return {
+        "rank": rank,
+        "iteration_ms": _med_ms([t.iteration_s for t in times]),
+        "compute_ms": _med_ms([t.compute_s for t in times]),
+        "bubble_ms": _med_ms([t.bubble_s for t in times]),
+        "exposed_comm_ms": _med_ms([t.sync_wait_s for t in times]),
+        "optimizer_ms": _med_ms([t.optimizer_s for t in times]),
+    }
+
+
+def _write_report(path: str, plan: Any, times: list[Any], loss: float,
+                  ranks: list[Any]) -> None:
+    """Rank 0's times as ``measured`` (the pipeline bubble: the largest rank median, as the
+    iteration waits for the slowest stage), every rank's medians as ``per_rank``."""
     pred = plan.predictions
     report = {
-        "world_size": world,
+        "world_size": len(ranks),
         "steps": len(times),
         "final_loss": loss,
         "measured": {
-            "iteration_ms": med([t.iteration_s for t in times]),
-            "compute_ms": med([t.compute_s for t in times]),
-            "exposed_comm_ms": med([t.sync_wait_s for t in times]),
-            "optimizer_ms": med([t.optimizer_s for t in times]),
+            "iteration_ms": _med_ms([t.iteration_s for t in times]),
+            "compute_ms": _med_ms([t.compute_s for t in times]),
+            "bubble_ms": max(r["bubble_ms"] for r in ranks),
+            "exposed_comm_ms": _med_ms([t.sync_wait_s for t in times]),
+            "optimizer_ms": _med_ms([t.optimizer_s for t in times]),
             "per_iteration_ms": [round(t.iteration_s * 1e3, 4) for t in times],
         },
+        "per_rank": ranks,
         "predicted": {
             "iteration_ms": pred.iteration_time_ms if pred else None,
             "compute_ms": pred.breakdown.compute_ms if pred else None,
+            "bubble_ms": pred.breakdown.bubble_ms if pred else None,
             "exposed_comm_ms": pred.breakdown.exposed_comm_ms if pred else None,
         },
     }
