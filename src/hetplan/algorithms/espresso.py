@@ -1,0 +1,374 @@
+"""Espresso's decision algorithm: per-tensor compression options (thesis §4.7, digest §E.5–E.6).
+
+Every candidate strategy is scored by the shared data-parallel timeline simulator
+(:func:`hetplan.cost_models.timeline.simulate_dp`); the caller says what the ops of a tensor
+under an option are (:class:`SelectionProblem.ops`), so the same algorithm serves the plan pass
+(options are decision-tree paths, ops come from ``cost_models.evaluate``) and the figure tests
+(hand-made options and durations).
+
+1. **GPU decisions** (Algorithm 4.1, :func:`gpu_decisions`). Start with every tensor
+   uncompressed. Tensors are grouped by size, groups in descending size, each group latest-ready
+   first (Property #2; "closer to the output layer" = later in backprop). ``Remove()`` drops the
+   uncompressed tensors communicated before a bubble (Property #1) and is re-run after each
+   decision. For each remaining tensor every GPU-only option is simulated with the others fixed
+   and the one with the smallest iteration time kept (Property #3; ties keep the current option).
+2. **CPU offloading** (Algorithm 4.2 with Lemma 4.1 / Theorem 4.1, :func:`cpu_offload`). The
+   compressed tensors are grouped by (size, option), each group earliest-ready first; every
+   vector ``(u_1..u_d)``, ``0 <= u_i <= |G_i|``, offloads the first ``u_i`` tensors of group ``i``;
+   the best is kept. That is ``prod(|G_i| + 1)`` simulations, optimal among offloading subsets
+   when Lemma 4.1 holds for the simulator.
+3. :func:`select` runs both, or searches exhaustively when the whole strategy space is small,
+   and never returns a strategy predicted slower than the uncompressed one or than any of the
+   caller's ``seeds`` (e.g. uniform strategies).
+
+Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/decisions.md``):
+
+- §H.3: ready order is the order of ``backprop_s`` (tensor 0 is produced first); Algorithm 4.1
+  ties go to the latest-ready tensor, offloading (Lemma 4.1) goes to the earliest-ready first.
+- §H.4: timeline semantics are those of ``simulate_dp``: GPU (de)compression preempts the
+  remaining backprop, one FIFO per communication channel, a pool of ``cpu_workers`` CPU
+  workers; host↔device copies are not modelled separately.
+- §H.5: bubbles are gaps longer than 1e-9 s in the union of all communication channels; a
+  zero-length gap is not a bubble. A tensor is "communicated before a bubble" when its last
+  communication ends at or before the start of the last busy period. Removed tensors stay
+  removed.
+- §H.6: the GPU candidates of a tensor are all its GPU-only options the caller allows (the
+  pass gives flat and hierarchical ones on a multi-node group; tensors may mix them).
+- §H.7: offloading moves *all* of a tensor's (de)compressions to the CPU (``offload``);
+  groups are keyed by (size, option) as in the thesis. When ``prod(|G_i|+1)`` exceeds
+  ``offload_limit`` the groups are optimized one at a time (coordinate descent, repeated until
+  no group changes) instead — not optimal, stated in :attr:`Selection.method`.
+- Speed (§H.8): candidates with the same ops as one already scored for the tensor are not
+  re-simulated, and a candidate that is no shorter than the current option on every
+  resource (communication, GPU and CPU busy time) is skipped (it cannot shorten the timeline
+  in the common case; only improvements are ever accepted, so skipping never makes the
+  result worse than the start).
+- Not optimal: Algorithm 4.1 + 4.2 is a heuristic. On Fig. 4.2's example it returns NCG
+  (39.6) where the optimum is CNG (36.2): Algorithm 4.2 only offloads tensors Algorithm 4.1
+  compressed on the GPU. :func:`select` therefore searches exhaustively when the strategy
+  space has at most ``exhaustive_limit`` strategies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from hetplan.cost_models.timeline import CPU, GPU, Op, SyncUnit, simulate_dp
+
+__all__ = [
+    "SelectionProblem",
+    "Selection",
+    "gpu_decisions",
+    "cpu_offload",
+    "select",
+    "tensors_before_bubbles",
+    "processing_order",
+]
+
+K = TypeVar("K", bound=Hashable)
+_EPS = 1e-9
+
+
+@dataclass
+class SelectionProblem(Generic[K]):
+    """One data-parallel group's gradient tensors and their options.
+
+    Attributes:
+        backprop_s: backprop time before each tensor becomes ready (ready order).
+        sizes: tensor sizes (bytes); Algorithm 4.1 groups by them.
+        baseline: each tensor's uncompressed option (the start of Algorithm 4.1).
+        gpu_options: each tensor's candidate GPU-only options (may include ``baseline``).
+        ops: the simulator ops of tensor ``i`` under an option.
+        compressed: whether an option compresses.
+        offload: the option with its (de)compressions on the CPU, or None (not allowed).
+        all_options: each tensor's full option set for exhaustive search (default: the GPU
+            options, their offloaded versions and the baseline).
+        forward_s / optimizer_s / cpu_workers: passed to the simulator.
+    """
+
+    backprop_s: Sequence[float]
+    sizes: Sequence[int]
+    baseline: Sequence[K]
+    gpu_options: Sequence[Sequence[K]]
+    ops: Callable[[int, K], tuple[Op, ...]]
+    compressed: Callable[[K], bool]
+    offload: Callable[[K], K | None] = lambda k: None
+    all_options: Sequence[Sequence[K]] | None = None
+    forward_s: float = 0.0
+    optimizer_s: float = 0.0
+    cpu_workers: int = 1
+    evaluations: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.backprop_s)
+        if not (len(self.sizes) == len(self.baseline) == len(self.gpu_options) == n):
+            raise ValueError(
+                f"{n} backprop times, {len(self.sizes)} sizes, {len(self.baseline)} baseline "
+                f"options and {len(self.gpu_options)} option lists: one of each per tensor"
+            )
+
+    def units(self, strategy: Sequence[K]) -> list[SyncUnit]:
+        return [SyncUnit(i, self.ops(i, k)) for i, k in enumerate(strategy)]
+
+    def iteration_s(self, strategy: Sequence[K]) -> float:
+        """Predicted iteration time of ``strategy`` (one option per tensor)."""
+        self.evaluations += 1
+        return simulate_dp(self.backprop_s, self.units(strategy), forward_s=self.forward_s,
+                           optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers).iteration_s
+
+
+@dataclass(frozen=True)
+class Selection(Generic[K]):
+    """The chosen strategy and how it was found.
+
+    Attributes:
+        strategy: one option per tensor.
+        iteration_s: its predicted iteration time.
+        baseline_s: the all-uncompressed strategy's.
+        benefit_s: per tensor, how much longer the iteration is if that tensor alone goes
+            back to its baseline option (0 for tensors left at baseline).
+        method: ``exhaustive``, ``espresso`` (Algorithms 4.1 + 4.2), with ``+greedy-offload``
+            when Algorithm 4.2 ran group by group, or ``seed:<i>`` when a caller's seed won.
+        gpu_s / cpu_s: wall-clock time of the GPU decisions and of the CPU offloading.
+        evaluations: simulations run.
+    """
+
+    strategy: tuple[K, ...]
+    iteration_s: float
+    baseline_s: float
+    benefit_s: tuple[float, ...]
+    method: str
+    gpu_s: float
+    cpu_s: float
+    evaluations: int
+
+
+def processing_order(sizes: Sequence[int]) -> list[int]:
+    """Algorithm 4.1's order: size groups largest first, each latest-ready first."""
+    return sorted(range(len(sizes)), key=lambda i: (-sizes[i], -i))
+
+
+def tensors_before_bubbles(problem: SelectionProblem[K], strategy: Sequence[K]) -> set[int]:
+    """Tensors whose communication ends no later than the start of the last busy period of
+    the communication timeline (Property #1; see the module docstring, §H.5)."""
+    tl = simulate_dp(problem.backprop_s, problem.units(strategy), record=True,
+                     cpu_workers=problem.cpu_workers)
+    comm = sorted((e.start_s, e.end_s, e.unit) for e in tl.events
+                  if e.unit >= 0 and e.resource not in (GPU, CPU))
+    if not comm:
+        return set()
+    last_start, reach = comm[0][0], comm[0][1]
+    for s, e, _ in comm[1:]:
+        if s > reach + _EPS:
+            last_start = s
+        reach = max(reach, e)
+    ends: dict[int, float] = {}
+    for _, e, u in comm:
+        ends[u] = max(ends.get(u, 0.0), e)
+    return {u for u, e in ends.items() if e <= last_start + _EPS}
+
+
+def _footprint(ops: tuple[Op, ...]) -> tuple[float, float, float]:
+    """(communication, GPU, CPU) busy time of a tensor's ops."""
+    comm = gpu = cpu = 0.0
+    for op in ops:
+        if op.resource == GPU:
+            gpu += op.duration_s
+        elif op.resource == CPU:
+            cpu += op.duration_s
+        else:
+            comm += op.duration_s
+    return comm, gpu, cpu
+
+
+def _dominated(cand: tuple[float, float, float], cur: tuple[float, float, float]) -> bool:
+    return all(c >= k - _EPS for c, k in zip(cand, cur))
+
+
+def gpu_decisions(
+    problem: SelectionProblem[K], *, prune: bool = True
+) -> tuple[list[K], float]:
+    """Algorithm 4.1: GPU compression decisions (see the module docstring).
+
+    Args:
+        problem: the tensors and their options.
+        prune: skip candidates no shorter than the current option on every resource.
+
+    Returns:
+        (strategy, its iteration time).
+    """
+    strategy = list(problem.baseline)
+    best = problem.iteration_s(strategy)
+    removed = {i for i in tensors_before_bubbles(problem, strategy)
+               if not problem.compressed(strategy[i])}
+    for j in processing_order(problem.sizes):
+        if j in removed:
+            continue
+        current = strategy[j]
+        cur_ops = problem.ops(j, current)
+        cur_fp = _footprint(cur_ops)
+        seen = {cur_ops}
+        for cand in problem.gpu_options[j]:
+            ops = problem.ops(j, cand)
+            if ops in seen or (prune and _dominated(_footprint(ops), cur_fp)):
+                continue
+            seen.add(ops)
+            trial = strategy.copy()
+            trial[j] = cand
+            f = problem.iteration_s(trial)
+            if f < best - _EPS:
+                best, current = f, cand
+        strategy[j] = current
+        removed |= {i for i in tensors_before_bubbles(problem, strategy)
+                    if not problem.compressed(strategy[i])}
+    return strategy, best
+
+
+def _offload_groups(problem: SelectionProblem[K], strategy: Sequence[K]) -> list[list[int]]:
+    """Compressed tensors that can be offloaded, grouped by (size, option), each group
+    earliest-ready first; groups in order of their first tensor."""
+    groups: dict[tuple[int, K], list[int]] = {}
+    for i, k in enumerate(strategy):
+        if problem.compressed(k):
+            cpu = problem.offload(k)
+            if cpu is not None and cpu != k:
+                groups.setdefault((problem.sizes[i], k), []).append(i)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def _apply(problem: SelectionProblem[K], strategy: Sequence[K], groups: list[list[int]],
+           counts: Sequence[int]) -> list[K]:
+    out = list(strategy)
+    for g, u in zip(groups, counts):
+        for i in g[:u]:
+            cpu = problem.offload(strategy[i])
+            assert cpu is not None
+            out[i] = cpu
+    return out
+
+
+def cpu_offload(
+    problem: SelectionProblem[K],
+    strategy: Sequence[K],
+    *,
+    limit: int = 1 << 15,
+) -> tuple[list[K], float, bool]:
+    """Algorithm 4.2: the best CPU offloading of ``strategy``'s compressed tensors.
+
+    Returns:
+        (strategy, its iteration time, whether the exact search of Theorem 4.1 ran; False
+        means the coordinate-descent fallback for more than ``limit`` vectors).
+    """
+    groups = _offload_groups(problem, strategy)
+    base = list(strategy)
+    best_f = problem.iteration_s(base)
+    if not groups:
+        return base, best_f, True
+    total = 1
+    for g in groups:
+        total *= len(g) + 1
+    best_u = [0] * len(groups)
+    if total <= limit:
+        for u in itertools.product(*(range(len(g) + 1) for g in groups)):
+            if not any(u):
+                continue
+            f = problem.iteration_s(_apply(problem, base, groups, u))
+            if f < best_f - _EPS:
+                best_f, best_u = f, list(u)
+        return _apply(problem, base, groups, best_u), best_f, True
+    changed = True
+    while changed:
+        changed = False
+        for gi, g in enumerate(groups):
+            for u in range(len(g) + 1):
+                if u == best_u[gi]:
+                    continue
+                trial = best_u.copy()
+                trial[gi] = u
+                f = problem.iteration_s(_apply(problem, base, groups, trial))
+                if f < best_f - _EPS:
+                    best_f, best_u, changed = f, trial, True
+    return _apply(problem, base, groups, best_u), best_f, False
+
+
+def _full_options(problem: SelectionProblem[K]) -> list[list[K]]:
+    if problem.all_options is not None:
+        return [list(x) for x in problem.all_options]
+    out = []
+    for i, opts in enumerate(problem.gpu_options):
+        seen: list[K] = [problem.baseline[i]]
+        for k in opts:
+            for x in (k, problem.offload(k)):
+                if x is not None and x not in seen:
+                    seen.append(x)
+        out.append(seen)
+    return out
+
+
+def _exhaustive(problem: SelectionProblem[K], options: list[list[K]]) -> tuple[list[K], float]:
+    best: tuple[float, list[K]] | None = None
+    for combo in itertools.product(*options):
+        f = problem.iteration_s(combo)
+        if best is None or f < best[0] - _EPS:
+            best = (f, list(combo))
+    assert best is not None
+    return best[1], best[0]
+
+
+def select(
+    problem: SelectionProblem[K],
+    *,
+    exhaustive_limit: int = 4096,
+    offload_limit: int = 1 << 15,
+    seeds: Sequence[Sequence[K]] = (),
+    prune: bool = True,
+) -> Selection[K]:
+    """Choose one option per tensor (see the module docstring).
+
+    Args:
+        problem: the tensors and their options.
+        exhaustive_limit: search every strategy when there are at most this many.
+        offload_limit: Algorithm 4.2's exact search up to this many offloading vectors.
+        seeds: further whole strategies to compare with (the best of all is returned;
+            ties keep the algorithm's result).
+        prune: see :func:`gpu_decisions`.
+    """
+    baseline_s = problem.iteration_s(problem.baseline)
+    options = _full_options(problem)
+    space = 1
+    for o in options:
+        space *= len(o)
+        if space > exhaustive_limit:
+            break
+    t0 = time.perf_counter()
+    cpu_s = 0.0
+    if space <= exhaustive_limit:
+        strategy, f = _exhaustive(problem, options)
+        gpu_s, method = time.perf_counter() - t0, "exhaustive"
+    else:
+        strategy, f = gpu_decisions(problem, prune=prune)
+        gpu_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        strategy, f, exact = cpu_offload(problem, strategy, limit=offload_limit)
+        cpu_s = time.perf_counter() - t1
+        method = "espresso" if exact else "espresso+greedy-offload"
+    for n, seed in enumerate(seeds):
+        fs = problem.iteration_s(seed)
+        if fs < f - _EPS:
+            strategy, f, method = list(seed), fs, f"seed:{n}"
+    if baseline_s <= f + _EPS and list(problem.baseline) != strategy:
+        strategy, f = list(problem.baseline), baseline_s
+    benefit = []
+    for i, k in enumerate(strategy):
+        if k == problem.baseline[i]:
+            benefit.append(0.0)
+            continue
+        trial = strategy.copy()
+        trial[i] = problem.baseline[i]
+        benefit.append(problem.iteration_s(trial) - f)
+    return Selection(tuple(strategy), f, baseline_s, tuple(benefit), method, gpu_s, cpu_s,
+                     problem.evaluations)
