@@ -19,7 +19,9 @@ under an option are (:class:`SelectionProblem.ops`), so the same algorithm serve
    when Lemma 4.1 holds for the simulator.
 3. :func:`select` runs both, or searches exhaustively when the whole strategy space is small,
    and never returns a strategy predicted slower than the uncompressed one or than any of the
-   caller's ``seeds`` (e.g. uniform strategies).
+   caller's ``seeds`` (e.g. uniform strategies): Algorithm 4.1 is one greedy sweep and can
+   lock in a choice made while every later tensor was still uncompressed, so when a seed is
+   better the sweep is repeated from that seed (an extension; the method says which won).
 
 Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/decisions.md``):
 
@@ -190,18 +192,20 @@ def _dominated(cand: tuple[float, float, float], cur: tuple[float, float, float]
 
 
 def gpu_decisions(
-    problem: SelectionProblem[K], *, prune: bool = True
+    problem: SelectionProblem[K], *, prune: bool = True, start: Sequence[K] | None = None
 ) -> tuple[list[K], float]:
     """Algorithm 4.1: GPU compression decisions (see the module docstring).
 
     Args:
         problem: the tensors and their options.
         prune: skip candidates no shorter than the current option on every resource.
+        start: the initial strategy (default: the baseline, as in the thesis); a tensor's
+            baseline option is always among its candidates.
 
     Returns:
         (strategy, its iteration time).
     """
-    strategy = list(problem.baseline)
+    strategy = list(problem.baseline if start is None else start)
     best = problem.iteration_s(strategy)
     removed = {i for i in tensors_before_bubbles(problem, strategy)
                if not problem.compressed(strategy[i])}
@@ -212,7 +216,7 @@ def gpu_decisions(
         cur_ops = problem.ops(j, current)
         cur_fp = _footprint(cur_ops)
         seen = {cur_ops}
-        for cand in problem.gpu_options[j]:
+        for cand in itertools.chain((problem.baseline[j],), problem.gpu_options[j]):
             ops = problem.ops(j, cand)
             if ops in seen or (prune and _dominated(_footprint(ops), cur_fp)):
                 continue
@@ -333,8 +337,10 @@ def select(
         problem: the tensors and their options.
         exhaustive_limit: search every strategy when there are at most this many.
         offload_limit: Algorithm 4.2's exact search up to this many offloading vectors.
-        seeds: further whole strategies to compare with (the best of all is returned;
-            ties keep the algorithm's result).
+        seeds: further whole strategies (e.g. uniform ones). When the best seed beats
+            Algorithm 4.1's result, Algorithm 4.1 runs again starting from that seed (each
+            tensor may then also go back to its baseline), and the better result goes on to
+            Algorithm 4.2. Never worse than the best seed.
         prune: see :func:`gpu_decisions`.
     """
     baseline_s = problem.iteration_s(problem.baseline)
@@ -351,15 +357,18 @@ def select(
         gpu_s, method = time.perf_counter() - t0, "exhaustive"
     else:
         strategy, f = gpu_decisions(problem, prune=prune)
+        method = "espresso"
+        best_seed = min(((problem.iteration_s(sd), n) for n, sd in enumerate(seeds)),
+                        default=None)
+        if best_seed is not None and best_seed[0] < f - _EPS:
+            refined, fr = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]])
+            if fr < f - _EPS:
+                strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
         gpu_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         strategy, f, exact = cpu_offload(problem, strategy, limit=offload_limit)
         cpu_s = time.perf_counter() - t1
-        method = "espresso" if exact else "espresso+greedy-offload"
-    for n, seed in enumerate(seeds):
-        fs = problem.iteration_s(seed)
-        if fs < f - _EPS:
-            strategy, f, method = list(seed), fs, f"seed:{n}"
+        method += "" if exact else "+greedy-offload"
     if baseline_s <= f + _EPS and list(problem.baseline) != strategy:
         strategy, f = list(problem.baseline), baseline_s
     benefit = []

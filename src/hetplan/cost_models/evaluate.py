@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetplan.cost_models.compression import CompressionCost
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
     MemoryBreakdown,
@@ -48,7 +49,8 @@ from hetplan.ir.plan_sections import (
     WorkloadSummary,
 )
 
-__all__ = ["Evaluation", "StageCost", "evaluate", "rank_devices", "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
+__all__ = ["Evaluation", "StageCost", "StageSync", "stage_syncs", "evaluate", "rank_devices",
+           "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
 
 #: Bytes the optimizer step moves per parameter byte (Adam: read p, g, m, v; write p, m, v).
 OPTIMIZER_BYTES_PER_PARAM_BYTE = 7.0
@@ -306,25 +308,8 @@ def _sync_stage(
     record: bool,
 ) -> DPTimeline:
     """DP timeline of one stage over its last micro-batch's backward."""
-    # gradient-ready times: a layer's gradients are ready when its backward ends; layers are
-    # back-propagated in reverse order, so layer i ends after layers last..i
-    first = st.first_layer
-    end_of_layer: dict[int, float] = {}
-    t = 0.0
-    for i in range(st.last_layer, first - 1, -1):
-        t += bwd_per_layer[i - first]
-        end_of_layer[i] = t
-    grads = [
-        (i, g) for i, g in enumerate(workload.grads) if first <= g.layer_index <= st.last_layer
-    ]
-    position = {i: k for k, (i, _) in enumerate(grads)}
-    segments = []
-    prev = 0.0
-    for _, g in grads:
-        ready = max(end_of_layer[g.layer_index], prev)
-        segments.append(ready - prev)
-        prev = ready
-    segments[-1] += t - prev  # backprop that produces no gradient of this stage
+    grad_idx, segments = _stage_segments(workload, st, bwd_per_layer)
+    position = {i: k for k, i in enumerate(grad_idx)}
     dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
     link, nodes, per_node = _group_link(costs, dp_ranks)
     sync_units = []
@@ -338,6 +323,86 @@ def _sync_stage(
         sync_units.append(SyncUnit(position[idx[-1]], ops, workload.grads[idx[-1]].name))
     sync_units.sort(key=lambda u: u.last_tensor)
     return simulate_dp(segments, sync_units, record=record)
+
+
+def _stage_segments(
+    workload: WorkloadSummary, st: Stage, bwd_per_layer: list[float]
+) -> tuple[list[int], list[float]]:
+    """The stage's gradients (workload indices, ready order) and the backprop time before
+    each becomes ready (the last segment also holds backprop that produces no gradient)."""
+    # a layer's gradients are ready when its backward ends; layers are back-propagated in
+    # reverse order, so layer i ends after layers last..i
+    first = st.first_layer
+    end_of_layer: dict[int, float] = {}
+    t = 0.0
+    for i in range(st.last_layer, first - 1, -1):
+        t += bwd_per_layer[i - first]
+        end_of_layer[i] = t
+    grads = [i for i, g in enumerate(workload.grads) if first <= g.layer_index <= st.last_layer]
+    segments = []
+    prev = 0.0
+    for i in grads:
+        ready = max(end_of_layer[workload.grads[i].layer_index], prev)
+        segments.append(ready - prev)
+        prev = ready
+    if segments:
+        segments[-1] += t - prev
+    return grads, segments
+
+
+@dataclass(frozen=True)
+class StageSync:
+    """What a gradient-sync pass needs to score strategies of one stage's DP group with the
+    same ops and backprop segments :func:`evaluate` uses.
+
+    Attributes:
+        stage: the stage.
+        grads: workload gradient indices of the stage, in backward-ready order.
+        backprop_s: backprop time before each of them becomes ready.
+        nbytes: each gradient's bytes on one rank (TP shard).
+        dp / link / nodes / per_node: the DP group: size, link kind, nodes spanned, largest
+            number of its ranks on one node.
+    """
+
+    stage: Stage
+    grads: tuple[int, ...]
+    backprop_s: tuple[float, ...]
+    nbytes: tuple[float, ...]
+    dp: int
+    link: str
+    nodes: int
+    per_node: int
+
+    def ops(self, strategy: SyncStrategy, nbytes: float, costs: CostModel) -> tuple[Op, ...]:
+        """The simulator ops of syncing ``nbytes`` with ``strategy`` in this group."""
+        return _strategy_ops(strategy, nbytes, costs, self.stage, self.dp, self.link,
+                             self.nodes, self.per_node)
+
+
+def stage_syncs(
+    workload: WorkloadSummary, layout: Layout, stages: tuple[Stage, ...], costs: CostModel
+) -> list[StageSync]:
+    """One :class:`StageSync` per stage that has gradients (none when ``dp == 1``)."""
+    if layout.dp <= 1:
+        return []
+    if not stages:
+        stages = (Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
+                        ranks=tuple(range(layout.num_ranks))),)
+    out = []
+    for st in stages:
+        _, _, _, per_layer, _ = _stage_times(workload, st, layout, costs,
+                                             layout.micro_batch_size,
+                                             layout.micro_batch_size / workload.batch_size)
+        grads, segments = _stage_segments(workload, st, per_layer)
+        if not grads:
+            continue
+        dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
+        link, nodes, per_node = _group_link(costs, dp_ranks)
+        nbytes = tuple(_shard_bytes(workload, workload.grads[i].size_bytes,
+                                    workload.grads[i].layer_index, layout.tp) for i in grads)
+        out.append(StageSync(st, tuple(grads), tuple(segments), nbytes, layout.dp, link, nodes,
+                             per_node))
+    return out
 
 
 def _shard_bytes(workload: WorkloadSummary, nbytes: int, layer: int, tp: int) -> float:
@@ -374,6 +439,8 @@ def _strategy_ops(
         )
         if strategy.uncompressed_dtype != "fp32":
             payload = nbytes / 2
+    if isinstance(strategy, CompressedSync) and strategy.actions and comp is not None:
+        return _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node)
     compressed_done = False
     for step in strategy.steps:
         if step.compressed and comp is not None and not compressed_done:
@@ -381,19 +448,87 @@ def _strategy_ops(
             ops.append(Op(res, comp.compress_s(payload), "compress"))
             compressed_done = True
         size = comp.wire_bytes(payload) if step.compressed and comp else payload
-        if step.level == "flat":
-            group, lk = dp, link
-        elif step.level == "intra":
-            group, lk = per_node, "intra"
-        else:
-            group, lk = nodes, "inter"
-        channel = "net" if step.level == "flat" else step.level
-        if not dev.comm_overlaps_compute:
-            channel = GPU  # takes turns with backprop on the compute resource
+        group, lk, channel = _level_group(step.level, dev, dp, link, nodes, per_node)
         ops.append(Op(channel, costs.comm.time_s(step.routine, size, group, lk), step.routine))
     if compressed_done and comp is not None and isinstance(strategy, CompressedSync):
         res = GPU if strategy.decompress_device == "gpu" else CPU
         ops.append(Op(res, comp.decompress_s(payload), "decompress"))
+    return tuple(ops)
+
+
+def _level_group(
+    level: str, dev: Device, dp: int, link: str, nodes: int, per_node: int
+) -> tuple[int, str, str]:
+    """(group size, link, simulator channel) of a sync step at ``level``."""
+    if level == "flat":
+        group, lk = dp, link
+    elif level == "intra":
+        group, lk = per_node, "intra"
+    else:
+        group, lk = nodes, "inter"
+    channel = "net" if level == "flat" else level
+    if not dev.comm_overlaps_compute:
+        channel = GPU  # takes turns with backprop on the compute resource
+    return group, lk, channel
+
+
+def _action_ops(
+    strategy: CompressedSync,
+    payload: float,
+    comp: CompressionCost,
+    costs: CostModel,
+    dev: Device,
+    dp: int,
+    link: str,
+    nodes: int,
+    per_node: int,
+) -> tuple[Op, ...]:
+    """The ops of an Espresso path (``strategy.actions``), following one GPU's data.
+
+    State along the path: ``frac`` (the share of the tensor this GPU holds: a divisible
+    first step divides it by the group size, its second step multiplies it back),
+    ``copies`` (compressed pieces not yet aggregated: an allgather or alltoall of compressed
+    data multiplies them, a decompression sums them back to one) and ``active`` (GPUs per
+    node still carrying data: a root-type intra step leaves only the root). Sizes follow
+    :mod:`~hetplan.cost_models.comm`'s convention (gathers count their total output). The
+    inter-node NIC is shared by the ``active`` GPUs of a node, so an inter step moves
+    ``active`` times one GPU's bytes; with the full-size convention this gives the same
+    times as the uncompressed hierarchical steps above. A (de)compression handles all of
+    this GPU's pieces in one call.
+    """
+    ops: list[Op] = []
+    frac, copies, compressed, active = 1.0, 1, False, max(per_node, 1)
+    for a in strategy.actions:
+        if a.task in ("comp", "decomp"):
+            res = GPU if a.device == "gpu" else CPU
+            if a.task == "comp":
+                ops.append(Op(res, comp.compress_s(payload * frac), "compress"))
+                compressed, copies = True, 1
+            else:
+                ops.append(Op(res, comp.decompress_s(payload * frac * copies), "decompress"))
+                compressed, copies = False, 1
+            continue
+        group, lk, channel = _level_group(a.level, dev, dp, link, nodes, per_node)
+        unit = comp.wire_bytes(payload * frac) * copies if compressed else payload * frac
+        routine = a.routine or "allreduce"
+        size = unit * group if routine in ("allgather", "gather") else unit
+        if a.level == "inter":
+            size *= active
+        ops.append(Op(channel, costs.comm.time_s(routine, size, group, lk), routine))
+        if routine in ("reduce_scatter", "alltoall"):
+            frac /= group
+            copies *= group if routine == "alltoall" else 1
+        elif routine == "allgather":
+            if a.task == "comm_comp":
+                copies *= group
+            else:
+                frac *= group
+        elif routine in ("reduce", "gather"):
+            copies *= group if routine == "gather" else 1
+            if a.level == "intra":
+                active = 1
+        elif routine == "broadcast" and a.level == "intra":
+            active = max(per_node, 1)
     return tuple(ops)
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "ResizingController",
     "TensorParallel",
     "CommStep",
+    "PathAction",
     "NoSync",
     "CastSync",
     "CompressedSync",
@@ -453,6 +454,47 @@ class CommStep(_Section):
         return self
 
 
+#: Espresso's action tasks (Table 4.3) and the routines each may use.
+_TASK_ROUTINES: dict[str, frozenset[str]] = {
+    "comm": frozenset({"allreduce"}),
+    "comm1": frozenset({"reduce_scatter", "reduce"}),
+    "comm2": frozenset({"allgather", "broadcast"}),
+    "comm_comp": frozenset({"allgather"}),
+    "comm1_comp": frozenset({"alltoall", "gather"}),
+    "comm2_comp": frozenset({"allgather", "broadcast"}),
+}
+
+
+class PathAction(_Section):
+    """One action task of an Espresso compression option (a path of the decision tree).
+
+    ``comp``/``decomp`` carry a ``device``; the comm tasks carry a ``routine`` from their
+    Table 4.3 search space. A ``decomp`` after a compressed comm decompresses every received
+    piece and sums them; a later ``comp`` re-compresses the (aggregated) shard; ``comm1_comp``
+    followed directly by ``comm2_comp`` forwards the un-aggregated pieces.
+    """
+
+    task: Literal["comp", "decomp", "comm", "comm1", "comm2", "comm_comp", "comm1_comp",
+                  "comm2_comp"]
+    level: Literal["flat", "intra", "inter"] = "flat"
+    routine: Routine | None = None
+    device: Device | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PathAction:
+        if self.task in ("comp", "decomp"):
+            if self.device is None or self.routine is not None:
+                raise ValueError(f"action {self.task!r} needs a device and no routine")
+            return self
+        allowed = _TASK_ROUTINES[self.task]
+        if self.device is not None or self.routine not in allowed:
+            raise ValueError(
+                f"action {self.task!r} needs a routine in {sorted(allowed)} and no device, "
+                f"got routine={self.routine!r} device={self.device!r}"
+            )
+        return self
+
+
 class _PathSync(_Section):
     hierarchy: Literal["flat", "hierarchical"] = "flat"
     steps: tuple[CommStep, ...] = Field(default=(CommStep(),), min_length=1)
@@ -505,11 +547,31 @@ class CompressedSync(_PathSync):
     steps: tuple[CommStep, ...] = Field(
         default=(CommStep(routine="allgather", compressed=True),), min_length=1
     )
+    actions: tuple[PathAction, ...] = ()
+    option_id: NonNegInt | None = None
 
     @model_validator(mode="after")
     def _check_compressed(self) -> CompressedSync:
         if not any(s.compressed for s in self.steps):
             raise ValueError("a compressed path needs at least one step with compressed=true")
+        if self.actions:
+            comms = tuple(
+                CommStep(level=a.level, routine=a.routine, compressed=a.task.endswith("_comp"))
+                for a in self.actions if a.routine is not None
+            )
+            if comms != self.steps:
+                raise ValueError(
+                    "steps must list the comm actions of `actions` in order (level, routine, "
+                    "compressed = task ends with '_comp')"
+                )
+            devs = [a.device for a in self.actions if a.device is not None]
+            first = next(a.device for a in self.actions if a.task == "comp")
+            last = next(a.device for a in reversed(self.actions) if a.task == "decomp")
+            if (first, last) != (self.compress_device, self.decompress_device) or not devs:
+                raise ValueError(
+                    "compress_device / decompress_device must be the devices of the first "
+                    "comp and the last decomp action"
+                )
         return self
 
 
@@ -517,10 +579,15 @@ SyncStrategy = Annotated[Union[NoSync, CastSync, CompressedSync], Field(discrimi
 
 
 class TensorSync(_Section):
-    """Which strategy (a key of ``GradientSync.strategies``) a gradient tensor uses."""
+    """Which strategy (a key of ``GradientSync.strategies``) a gradient tensor uses.
+
+    ``predicted_benefit_ms`` (Espresso): how much longer the iteration is predicted to take if
+    this tensor alone went back to the uncompressed fp32 strategy; None when not computed.
+    """
 
     name: Name
     strategy: Name
+    predicted_benefit_ms: FiniteFloat | None = None
 
 
 class Bucket(_Section):
@@ -593,13 +660,20 @@ class Baseline(_Section):
 class Predictions(_Section):
     """What the simulator predicts for the plan, and for the baselines it beat.
 
-    ``memory_per_rank_bytes[r]`` is the peak memory of global rank ``r``.
+    ``memory_per_rank_bytes[r]`` is the peak memory of global rank ``r``. ``bubble_ratio`` is
+    the simulated bubble of the plan's (possibly unbalanced) stages; ``bubble_ratio_balanced``
+    the simulated bubble of the same schedule with every stage at the mean stage time (the
+    inherent part; the difference is the imbalance); ``bubble_ratio_eq1`` the DynPipe seed's
+    Eq. (1) (Chimera, B = P) at the mean stage times with ``T_C = 0``. Both are None without
+    a pipeline.
     """
 
     iteration_time_ms: Ms
     breakdown: TimeBreakdown = Field(default_factory=TimeBreakdown)
     memory_per_rank_bytes: tuple[NonNegInt, ...] = ()
     bubble_ratio: Ratio = 0.0
+    bubble_ratio_balanced: Ratio | None = None
+    bubble_ratio_eq1: Ratio | None = None
     baselines: tuple[Baseline, ...] = ()
 
     @model_validator(mode="after")

@@ -30,6 +30,9 @@ class PassContext:
     costs: CostModel
     layout: Layout
     seed: int = 0
+    #: Compressors the user allows gradient-sync passes to use (opt-in; lossy ones change
+    #: convergence), e.g. ``("dgc", "fp16")``; empty: none.
+    compressors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

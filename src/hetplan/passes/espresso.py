@@ -1,0 +1,250 @@
+"""Pass ``espresso``: a gradient-compression strategy per gradient tensor (thesis ch. 4).
+
+Owns ``plan.gradient_sync``. For each pipeline stage's data-parallel group the pass lists every
+tensor's candidate options — the decision tree's paths (:mod:`hetplan.algorithms.espresso_tree`)
+for each allowed compressor, the uncompressed routings (flat allreduce, reduce-scatter /
+allgather, reduce / broadcast, and the hierarchical ones when the group spans several nodes with
+several ranks each), and fp16/bf16 casts of those routings when allowed — and chooses one per
+tensor with :func:`hetplan.algorithms.espresso.select` (Algorithms 4.1 and 4.2), scoring with
+the ops and backprop segments :func:`~hetplan.cost_models.evaluate.evaluate` uses.
+
+Output: ``strategies`` (``fp32`` is the flat fp32 allreduce; others are named
+``<compressor>#<option_id>``, where ``option_id`` indexes the tree's canonical enumeration and
+``fp32#<id>`` is an uncompressed routing), ``tensors`` in backward-ready order with each tensor's
+``predicted_benefit_ms``, and no buckets (the fusion pass buckets tensors sharing a strategy).
+
+Decisions (also in ``docs/decisions.md``):
+
+- **Opt-in compression.** Compressors come from the pass option ``compressors`` or else
+  ``PassContext.compressors`` (``compile(compressors=...)``, ``hetplan plan --compress``). By
+  default none: lossy compression (and even an fp16/bf16 cast, which rounds gradients) changes
+  what training computes, so the user must ask for it. Without compressors the pass still
+  chooses each tensor's routing.
+- **Sparsifier ratio** 0.01 (the thesis' 99 % sparsity); error feedback on.
+- **Never slower than what it was given.** If the incoming ``gradient_sync`` (e.g. DDP buckets)
+  is predicted faster than the chosen per-tensor strategies, it is kept, with a note.
+- **Seeds.** Every uniform strategy (all tensors on one candidate option) is scored too, so the
+  result is never predicted slower than the best uniform compression; the note says which won.
+- **No mixing of flat and hierarchical paths in one group** (§H.6, open in the thesis): the
+  simulator gives flat and inter-node steps separate channels although they share the
+  network, so mixing would be predicted too optimistically. The pass selects among flat
+  options and among hierarchical ones (when the group spans several nodes with several ranks
+  each) and keeps the faster.
+- Options are pruned to at most ``max_compressions`` compressions per tensor (default 4: no
+  limit) and to the allowed ``devices`` (default GPU and CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hetplan.algorithms.espresso import Selection, SelectionProblem, select
+from hetplan.algorithms.espresso_tree import (
+    Option,
+    all_options,
+    offloaded,
+    option_id,
+    options,
+)
+from hetplan.cost_models.compression import COMPRESSORS, DEFAULT_SPARSITY_RATIO
+from hetplan.cost_models.evaluate import StageSync, evaluate, stage_syncs
+from hetplan.cost_models.timeline import Op
+from hetplan.errors import SpecError
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import (
+    CastSync,
+    CommStep,
+    CompressedSync,
+    GradientSync,
+    NoSync,
+    PathAction,
+    SyncStrategy,
+    TensorSync,
+)
+from hetplan.ir.validation import did_you_mean
+from hetplan.passes.base import PassContext, PassResult
+
+__all__ = ["Espresso", "strategy_for", "strategy_name", "check_compressors"]
+
+#: A candidate: (compressor or None for fp32, option id in the tree).
+Key = tuple[str | None, int]
+_CASTS = ("fp16", "bf16")
+_SPARSIFIERS = ("topk", "randomk", "dgc")
+
+
+def check_compressors(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Validate compressor names; returns them sorted and de-duplicated.
+
+    Raises:
+        SpecError: an unknown name (with the known ones and a suggestion).
+    """
+    for n in names:
+        if n not in COMPRESSORS:
+            raise SpecError(
+                f"unknown compressor {n!r}{did_you_mean(n, COMPRESSORS)} (known: "
+                f"{', '.join(COMPRESSORS)})"
+            )
+    return tuple(sorted(set(names)))
+
+
+def strategy_name(key: Key) -> str:
+    """``fp32`` for the flat fp32 allreduce, else ``<compressor or fp32>#<option_id>``."""
+    comp, oid = key
+    return "fp32" if key == (None, 0) else f"{comp or 'fp32'}#{oid}"
+
+
+def _steps(option: Option) -> tuple[CommStep, ...]:
+    return tuple(CommStep(level=a.level, routine=a.routine,  # type: ignore[arg-type]
+                          compressed=a.compressed_comm)
+                 for a in option if a.routine is not None)
+
+
+def strategy_for(key: Key, ratio: float = DEFAULT_SPARSITY_RATIO) -> SyncStrategy:
+    """The plan strategy of a candidate ``key``."""
+    comp, oid = key
+    option = all_options()[oid]
+    hierarchy = "hierarchical" if option[0].level != "flat" else "flat"
+    if comp is None:
+        return NoSync(hierarchy=hierarchy, steps=_steps(option))
+    if comp in _CASTS:
+        return CastSync(hierarchy=hierarchy, steps=_steps(option), dtype=comp)  # type: ignore[arg-type]
+    actions = tuple(PathAction(task=a.task, level=a.level, routine=a.routine,  # type: ignore[arg-type]
+                               device=a.device)  # type: ignore[arg-type]
+                    for a in option)
+    first = next(a.device for a in option if a.task == "comp")
+    last = next(a.device for a in reversed(option) if a.task == "decomp")
+    params: dict[str, bool | int | float | str] = (
+        {"ratio": ratio} if comp in _SPARSIFIERS else {}
+    )
+    return CompressedSync(hierarchy=hierarchy, steps=_steps(option), actions=actions,
+                          option_id=oid, compressor=comp, params=params,
+                          compress_device=first, decompress_device=last)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Espresso:
+    """Per-tensor compression options chosen by Espresso's decision algorithm.
+
+    Attributes:
+        compressors: allowed compressors; None: ``PassContext.compressors``.
+        devices: where (de)compression may run.
+        max_compressions: at most this many compressions per tensor.
+        ratio: fraction of elements the sparsifiers keep.
+        uniform_seeds: also score every uniform strategy (see module docstring).
+    """
+
+    compressors: tuple[str, ...] | None = None
+    devices: tuple[str, ...] = ("gpu", "cpu")
+    max_compressions: int = 4
+    ratio: float = DEFAULT_SPARSITY_RATIO
+    uniform_seeds: bool = True
+    name: ClassVar[str] = "espresso"
+    section: ClassVar[str] = "gradient_sync"
+
+    def run(self, plan: Plan, ctx: PassContext) -> PassResult:
+        allowed = check_compressors(
+            self.compressors if self.compressors is not None else ctx.compressors)
+        syncs = stage_syncs(ctx.workload, ctx.layout, plan.stages, ctx.costs)
+        if not syncs:
+            return PassResult(plan, False, ("no data-parallel gradient sync (dp = 1)",))
+        strategies: dict[str, SyncStrategy] = {}
+        chosen: dict[int, tuple[Key, float]] = {}
+        notes = [f"compressors allowed: {', '.join(allowed) or 'none (fp32 routings only)'}"]
+        for ss in syncs:
+            sel, keys = self._select_stage(ss, ctx, allowed)
+            for i, key, benefit in zip(ss.grads, sel.strategy, sel.benefit_s):
+                chosen[i] = (key, benefit)
+                strategies.setdefault(strategy_name(key), strategy_for(key, self.ratio))
+            notes.append(
+                f"stage {ss.stage.index}: {len(ss.grads)} tensors, {keys} candidate options, "
+                f"{sum(1 for k in sel.strategy if k[0] not in (None,) + _CASTS)} compressed, "
+                f"{sum(1 for k in sel.strategy if k[0] in _CASTS)} cast; predicted sync "
+                f"{sel.iteration_s * 1e3:.3f} ms vs {sel.baseline_s * 1e3:.3f} ms fp32 "
+                f"({sel.method}, {sel.evaluations} simulations, GPU decisions "
+                f"{sel.gpu_s * 1e3:.0f} ms, CPU offload {sel.cpu_s * 1e3:.0f} ms)"
+            )
+        tensors = tuple(
+            TensorSync(name=ctx.workload.grads[i].name, strategy=strategy_name(k),
+                       predicted_benefit_ms=round(b * 1e3, 6) + 0.0)
+            for i, (k, b) in sorted(chosen.items())
+        )
+        sync = GradientSync(strategies=dict(sorted(strategies.items())), tensors=tensors)
+        if plan.gradient_sync is not None:
+            mine = self._iteration_s(plan, ctx, sync)
+            theirs = self._iteration_s(plan, ctx, plan.gradient_sync)
+            if theirs < mine - 1e-12:
+                notes.append(f"kept the incoming gradient sync: {theirs * 1e3:.3f} ms < "
+                             f"{mine * 1e3:.3f} ms per-tensor")
+                return PassResult(plan, False, tuple(notes))
+        return PassResult(plan.model_copy(update={"gradient_sync": sync}), True, tuple(notes))
+
+    @staticmethod
+    def _iteration_s(plan: Plan, ctx: PassContext, sync: GradientSync) -> float:
+        return evaluate(ctx.workload, ctx.layout, plan.stages, sync, ctx.costs,
+                        check_memory=False).iteration_s
+
+    def _candidates(self, hier: list[str], allowed: tuple[str, ...]) -> list[Key]:
+        out: list[Key] = []
+        routings = options(hierarchies=hier, compress=False)
+        out += [(None, option_id(o)) for o in routings]
+        for c in allowed:
+            if c in _CASTS:
+                out += [(c, option_id(o)) for o in routings]
+        lossy = options(devices=["gpu"], hierarchies=hier, compress=True,
+                        max_compressions=self.max_compressions)
+        for c in allowed:
+            if c not in _CASTS:
+                out += [(c, option_id(o)) for o in lossy]
+        return out
+
+    def _select_stage(
+        self, ss: StageSync, ctx: PassContext, allowed: tuple[str, ...]
+    ) -> tuple[Selection[Key], int]:
+        if "gpu" not in self.devices and any(c not in _CASTS for c in allowed):
+            raise SpecError("espresso needs 'gpu' in devices: CPU options are offloaded "
+                            "GPU decisions (Algorithm 4.2)")
+        hierarchies = [["flat"]]
+        if ss.nodes > 1 and ss.per_node > 1:
+            hierarchies.append(["hierarchical"])
+        best: tuple[Selection[Key], int] | None = None
+        for hier in hierarchies:
+            sel = self._select(ss, ctx, self._candidates(hier, allowed))
+            if best is None or sel[0].iteration_s < best[0].iteration_s - 1e-12:
+                best = sel
+        assert best is not None
+        return best
+
+    def _select(
+        self, ss: StageSync, ctx: PassContext, cands: list[Key]
+    ) -> tuple[Selection[Key], int]:
+        cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
+        strat_cache: dict[Key, SyncStrategy] = {}
+
+        def ops(i: int, key: Key) -> tuple[Op, ...]:
+            nbytes = ss.nbytes[i]
+            got = cache.get((key, nbytes))
+            if got is None:
+                st = strat_cache.get(key)
+                if st is None:
+                    st = strat_cache[key] = strategy_for(key, self.ratio)
+                got = cache[(key, nbytes)] = ss.ops(st, nbytes, ctx.costs)
+            return got
+
+        def offload(key: Key) -> Key | None:
+            if "cpu" not in self.devices or key[0] is None or key[0] in _CASTS:
+                return None
+            return (key[0], option_id(offloaded(all_options()[key[1]])))
+
+        n = len(ss.grads)
+        problem: SelectionProblem[Key] = SelectionProblem(
+            backprop_s=ss.backprop_s,
+            sizes=[int(b) for b in ss.nbytes],
+            baseline=[(None, 0)] * n,
+            gpu_options=[cands] * n,
+            ops=ops,
+            compressed=lambda k: k[0] is not None,
+            offload=offload,
+        )
+        seeds = [[k] * n for k in cands] if self.uniform_seeds else []
+        return select(problem, seeds=seeds), len(cands)
