@@ -226,9 +226,10 @@ def gpu_decisions(
             f = problem.iteration_s(trial)
             if f < best - _EPS:
                 best, current = f, cand
-        strategy[j] = current
-        removed |= {i for i in tensors_before_bubbles(problem, strategy)
-                    if not problem.compressed(strategy[i])}
+        if current != strategy[j]:
+            strategy[j] = current
+            removed |= {i for i in tensors_before_bubbles(problem, strategy)
+                        if not problem.compressed(strategy[i])}
     return strategy, best
 
 

@@ -50,7 +50,8 @@ from hetplan.passes.manager import run_passes
 __all__ = ["compile", "simulate", "plan_costs", "resolve_cluster", "resolve_profile", "DEFAULT_PASSES"]
 
 #: The pass pipeline compile runs for every candidate layout.
-DEFAULT_PASSES: tuple[str, ...] = BASELINE_PASSES
+#: ``espresso`` (per-tensor gradient-sync options) runs after the baselines.
+DEFAULT_PASSES: tuple[str, ...] = BASELINE_PASSES + ("espresso",)
 
 
 def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
@@ -122,6 +123,7 @@ def compile(  # noqa: A001 - the product's verb
     efficiency: float = 0.5,
     optimizer: str = "adam",
     require_profiled: bool = False,
+    compressors: Sequence[str] = (),
 ) -> Plan:
     """Compile the fastest feasible plan for ``model`` on ``cluster``.
 
@@ -138,6 +140,8 @@ def compile(  # noqa: A001 - the product's verb
         dp / pp / tp / micro_batch_size: pin a layout dimension.
         dtype / efficiency / optimizer: cost-model settings (recorded in the plan).
         require_profiled: refuse analytic compute estimates.
+        compressors: compressors gradient-sync passes may use (opt-in: lossy ones change
+            convergence), e.g. ``("dgc", "fp16")``; see ``passes/espresso.py``.
 
     Returns:
         The plan; ``plan.predictions.baselines`` holds what it beat.
@@ -176,7 +180,8 @@ def compile(  # noqa: A001 - the product's verb
             infeasible.append((0.0, reason))
             continue
         try:
-            plan, ev = _plan_for(layout, model_ref, cluster_ref, pipeline, workload, spec, costs)
+            plan, ev = _plan_for(layout, model_ref, cluster_ref, pipeline, workload, spec, costs,
+                                 compressors=tuple(compressors))
         except InfeasiblePlanError as e:
             infeasible.append((0.0, str(e)))
             continue
@@ -253,8 +258,10 @@ def _plan_for(
     workload: WorkloadSummary,
     spec: ClusterSpec,
     costs: CostModel,
+    compressors: tuple[str, ...] = (),
 ) -> tuple[Plan, Evaluation]:
-    ctx = PassContext(workload=workload, cluster=spec, costs=costs, layout=layout)
+    ctx = PassContext(workload=workload, cluster=spec, costs=costs, layout=layout,
+                      compressors=compressors)
     plan = Plan(model=model_ref, cluster=cluster_ref, layout=layout)
     plan = run_passes(plan, pipeline, ctx)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs)

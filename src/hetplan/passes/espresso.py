@@ -18,8 +18,10 @@ Decisions (also in ``docs/decisions.md``):
 - **Opt-in compression.** Compressors come from the pass option ``compressors`` or else
   ``PassContext.compressors`` (``compile(compressors=...)``, ``hetplan plan --compress``). By
   default none: lossy compression (and even an fp16/bf16 cast, which rounds gradients) changes
-  what training computes, so the user must ask for it. Without compressors the pass still
-  chooses each tensor's routing.
+  what training computes, so the user must ask for it. Without compressors the pass only
+  picks the best uniform fp32 routing (flat allreduce, reduce-scatter/allgather,
+  reduce/broadcast, hierarchical variants) — cheap enough to run for every layout — and,
+  when the incoming sync has buckets (DDP), keeps them and only changes their routing.
 - **Sparsifier ratio** 0.01 (the thesis' 99 % sparsity); error feedback on.
 - **Never slower than what it was given.** If the incoming ``gradient_sync`` (e.g. DDP buckets)
   is predicted faster than the chosen per-tensor strategies, it is kept, with a note.
@@ -148,6 +150,8 @@ class Espresso:
         syncs = stage_syncs(ctx.workload, ctx.layout, plan.stages, ctx.costs)
         if not syncs:
             return PassResult(plan, False, ("no data-parallel gradient sync (dp = 1)",))
+        if not allowed and plan.gradient_sync is not None and plan.gradient_sync.buckets:
+            return self._route_buckets(plan, ctx, syncs)
         strategies: dict[str, SyncStrategy] = {}
         chosen: dict[int, tuple[Key, float]] = {}
         notes = [f"compressors allowed: {', '.join(allowed) or 'none (fp32 routings only)'}"]
@@ -161,8 +165,7 @@ class Espresso:
                 f"{sum(1 for k in sel.strategy if k[0] not in (None,) + _CASTS)} compressed, "
                 f"{sum(1 for k in sel.strategy if k[0] in _CASTS)} cast; predicted sync "
                 f"{sel.iteration_s * 1e3:.3f} ms vs {sel.baseline_s * 1e3:.3f} ms fp32 "
-                f"({sel.method}, {sel.evaluations} simulations, GPU decisions "
-                f"{sel.gpu_s * 1e3:.0f} ms, CPU offload {sel.cpu_s * 1e3:.0f} ms)"
+                f"({sel.method}, {sel.evaluations} simulations)"
             )
         tensors = tuple(
             TensorSync(name=ctx.workload.grads[i].name, strategy=strategy_name(k),
@@ -178,6 +181,29 @@ class Espresso:
                              f"{mine * 1e3:.3f} ms per-tensor")
                 return PassResult(plan, False, tuple(notes))
         return PassResult(plan.model_copy(update={"gradient_sync": sync}), True, tuple(notes))
+
+    def _route_buckets(self, plan: Plan, ctx: PassContext, syncs: list[StageSync]) -> PassResult:
+        """No compressors: keep the incoming buckets and give them the fastest fp32 routing."""
+        incoming = plan.gradient_sync
+        assert incoming is not None
+        hier = ["flat"]
+        if any(ss.nodes > 1 and ss.per_node > 1 for ss in syncs):
+            hier.append("hierarchical")
+        best = (self._iteration_s(plan, ctx, incoming), incoming, "incoming")
+        for o in options(hierarchies=hier, compress=False):
+            key: Key = (None, option_id(o))
+            name = strategy_name(key)
+            sync = GradientSync(
+                strategies={name: strategy_for(key)},
+                buckets=tuple(b.model_copy(update={"strategy": name}) for b in incoming.buckets),
+            )
+            f = self._iteration_s(plan, ctx, sync)
+            if f < best[0] - 1e-12:
+                best = (f, sync, name)
+        note = (f"compressors allowed: none; buckets kept, routing {best[2]} "
+                f"({best[0] * 1e3:.3f} ms predicted)")
+        changed = best[1] is not incoming
+        return PassResult(plan.model_copy(update={"gradient_sync": best[1]}), changed, (note,))
 
     @staticmethod
     def _iteration_s(plan: Plan, ctx: PassContext, sync: GradientSync) -> float:
@@ -247,4 +273,8 @@ class Espresso:
             offload=offload,
         )
         seeds = [[k] * n for k in cands] if self.uniform_seeds else []
+        if all(k[0] is None for k in cands):
+            # nothing to compress: the best uniform routing (cheap enough for every layout)
+            problem.gpu_options = [[]] * n
+            return select(problem, seeds=seeds, exhaustive_limit=0), len(cands)
         return select(problem, seeds=seeds), len(cands)
