@@ -345,6 +345,10 @@ def plan_cmd(
     micro_batch_size: int = typer.Option(None, "--micro-batch-size", help="Pin it."),
     dtype: str = typer.Option("fp32", help="Compute dtype for analytic costs (fp32, bf16 …)."),
     require_profiled: bool = typer.Option(False, help="Refuse analytic compute estimates."),
+    compress: str = typer.Option(
+        "", "--compress", help="Compressors gradient sync may use, comma-separated (opt-in; "
+        "lossy ones change convergence): dgc, randomk, topk, efsignsgd, onebit, qsgd, "
+        "powersgd, fp16, bf16."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
@@ -361,6 +365,7 @@ def plan_cmd(
             target, cluster, batch_size=batch_size, seq=seq, profile=profile,
             schedule=schedule, dp=dp, pp=pp, tp=tp, micro_batch_size=micro_batch_size,
             dtype=dtype, require_profiled=require_profiled,
+            compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
         )
     seconds = time.perf_counter() - t0
     if output:
