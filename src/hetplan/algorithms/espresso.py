@@ -44,7 +44,8 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   re-simulated, and a candidate that is no shorter than the current option on every
   resource (communication, GPU and CPU busy time) is skipped (it cannot shorten the timeline
   in the common case; only improvements are ever accepted, so skipping never makes the
-  result worse than the start).
+  result worse than the start). A tensor goes back to its baseline (uncompressed) option
+  on a tie: compression is kept only where it is predicted to pay.
 - Not optimal: Algorithm 4.1 + 4.2 is a heuristic. On Fig. 4.2's example it returns NCG
   (39.6) where the optimum is CNG (36.2): Algorithm 4.2 only offloads tensors Algorithm 4.1
   compressed on the GPU. :func:`select` therefore searches exhaustively when the strategy
@@ -224,7 +225,8 @@ def gpu_decisions(
             trial = strategy.copy()
             trial[j] = cand
             f = problem.iteration_s(trial)
-            if f < best - _EPS:
+            back = cand == problem.baseline[j] and f <= best + _EPS
+            if f < best - _EPS or back:
                 best, current = f, cand
         if current != strategy[j]:
             strategy[j] = current

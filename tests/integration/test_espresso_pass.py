@@ -1,0 +1,100 @@
+"""The espresso pass end to end on the GPT-2 workload of the Espresso artifact
+(``../shared/data/espresso_models.json``; skipped visibly when absent) on the bandwidth-poor
+PCIe preset (8 × 8 V100, 25 Gb/s): compression is chosen for large tensors, small ones stay
+uncompressed, and the plan is never predicted slower than fp32, all-fp16 or any uniform DGC
+option. Restricted options (GPU only, one compression per tensor) keep it quick."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.evaluate import evaluate
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import (
+    ClusterRef,
+    CompressedSync,
+    GradientSync,
+    Layout,
+    ModelRef,
+    TensorSync,
+    WorkloadSummary,
+)
+from hetplan.passes.base import PassContext
+from hetplan.passes.espresso import Espresso, strategy_for, strategy_name
+
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "espresso_models.json"
+
+
+@pytest.fixture(scope="module")
+def gpt2_run() -> tuple[Plan, PassContext, Plan]:
+    if not DATA.exists():
+        pytest.skip(f"{DATA} not found")
+    from hetplan.ir.workload import espresso_workloads
+
+    ir = espresso_workloads(DATA, gaps="effective")["gpt2"]
+    w = WorkloadSummary.from_model_ir(ir)
+    spec = ClusterSpec.from_preset("v100-pcie-8x8")
+    layout = Layout(dp=64, micro_batch_size=w.batch_size)
+    ctx = PassContext(workload=w, cluster=spec, costs=CostModel(spec), layout=layout,
+                      compressors=("dgc", "fp16"))
+    plan = Plan(model=ModelRef(name="gpt2", fingerprint="f", num_params=ir.num_params),
+                cluster=ClusterRef.from_cluster(spec), layout=layout)
+    out = Espresso(devices=("gpu",), max_compressions=1).run(plan, ctx).plan
+    return plan, ctx, out
+
+
+def _time(plan: Plan, ctx: PassContext, sync: GradientSync) -> float:
+    return evaluate(ctx.workload, ctx.layout, plan.stages, sync, ctx.costs,
+                    check_memory=False).iteration_s
+
+
+def _uniform(ctx: PassContext, key: tuple[str | None, int]) -> GradientSync:
+    name = strategy_name(key)
+    return GradientSync(strategies={name: strategy_for(key)},
+                        tensors=tuple(TensorSync(name=g.name, strategy=name)
+                                      for g in ctx.workload.grads))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not met yet: per tensor (no fusion), the comm model's per-ring-step latency makes a tiny "
+    "fp32 hierarchical allreduce cost ~2.6 ms, so compressing 3 KiB tensors is predicted to "
+    "pay while some 9 MiB tensors hide behind them; needs fusion (cupcake) or a latency fix"))
+def test_large_tensors_compressed_small_ones_not(gpt2_run: tuple[Plan, PassContext, Plan]) -> None:
+    _, ctx, out = gpt2_run
+    gs = out.gradient_sync
+    assert gs is not None and len(gs.tensors) == len(ctx.workload.grads)
+    size = {g.name: g.size_bytes for g in ctx.workload.grads}
+    comp = [t for t in gs.tensors if isinstance(gs.strategies[t.strategy], CompressedSync)]
+    plain = [t for t in gs.tensors if t not in comp]
+    assert comp and plain
+    # every tensor of 4 MiB or more is compressed; no tensor under 64 KiB is
+    assert all(t in comp for t in gs.tensors if size[t.name] >= 4 * 2**20)
+    assert all(t in plain for t in gs.tensors if size[t.name] < 64 * 2**10)
+    # typed path and recorded benefit
+    s = gs.strategies[comp[0].strategy]
+    assert isinstance(s, CompressedSync) and s.actions and s.option_id is not None
+    assert all(t.predicted_benefit_ms is not None for t in gs.tensors)
+    assert max(t.predicted_benefit_ms or 0.0 for t in comp) > 0
+
+
+def test_never_slower_than_fp32_fp16_or_uniform(gpt2_run: tuple[Plan, PassContext, Plan]) -> None:
+    plan, ctx, out = gpt2_run
+    assert out.gradient_sync is not None
+    chosen = _time(plan, ctx, out.gradient_sync)
+    fp32 = _time(plan, ctx, _uniform(ctx, (None, 0)))
+    fp16 = _time(plan, ctx, _uniform(ctx, ("fp16", 0)))
+    from hetplan.algorithms.espresso_tree import option_id, options
+
+    uniform = min(_time(plan, ctx, _uniform(ctx, ("dgc", option_id(o))))
+                  for o in options(devices=["gpu"], compress=True, max_compressions=1))
+    assert chosen <= fp32 and chosen <= fp16 and chosen <= uniform + 1e-12
+    assert chosen < 0.5 * fp32  # 25 Gb/s: compression must pay off a lot
+
+
+def test_plan_round_trips(gpt2_run: tuple[Plan, PassContext, Plan]) -> None:
+    _, _, out = gpt2_run
+    assert Plan.model_validate_json(out.model_dump_json()) == out
