@@ -345,6 +345,9 @@ def plan_cmd(
     micro_batch_size: int = typer.Option(None, "--micro-batch-size", help="Pin it."),
     dtype: str = typer.Option("fp32", help="Compute dtype for analytic costs (fp32, bf16 …)."),
     require_profiled: bool = typer.Option(False, help="Refuse analytic compute estimates."),
+    dynamics: Path = typer.Option(None, "--dynamics", help="A YAML/JSON file of how the model "
+                                  "changes while training (pruning, freezing, early exit) and "
+                                  "the re-balancing policy; see examples/pruning.yaml."),
     compress: str = typer.Option(
         "", "--compress", help="Compressors gradient sync may use, comma-separated (opt-in; "
         "lossy ones change convergence): dgc, randomk, topk, efsignsgd, onebit, qsgd, "
@@ -364,7 +367,7 @@ def plan_cmd(
         plan = compile_plan(
             target, cluster, batch_size=batch_size, seq=seq, profile=profile,
             schedule=schedule, dp=dp, pp=pp, tp=tp, micro_batch_size=micro_batch_size,
-            dtype=dtype, require_profiled=require_profiled,
+            dtype=dtype, require_profiled=require_profiled, dynamics=dynamics,
             compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
         )
     seconds = time.perf_counter() - t0

@@ -63,6 +63,7 @@ from hetplan.ir.plan_sections import (
     TPRankRole,
     WorkloadSummary,
 )
+from hetplan.ir.rebalancing import Rebalancing
 
 if TYPE_CHECKING:
     from hetplan.report.explain import Explanation
@@ -126,6 +127,8 @@ class Plan(BaseModel):
         provenance: for each cost kind (``compute``, ``comm.inter`` ...) where it came from.
         cost_settings: the cost-model settings the predictions were made with.
         pass_log: the passes that ran, in order.
+        rebalancing: pipeline re-balancing policy and planned events for a dynamic model
+            (None: static model).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -138,6 +141,7 @@ class Plan(BaseModel):
     stages: tuple[Stage, ...] = ()
     tensor_parallel: TensorParallel | None = None
     gradient_sync: GradientSync | None = None
+    rebalancing: Rebalancing | None = None
     predictions: Predictions | None = None
     provenance: dict[Name, CostSource] = Field(default_factory=dict)
     cost_settings: CostSettings | None = None

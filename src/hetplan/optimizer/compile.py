@@ -50,8 +50,10 @@ from hetplan.passes.manager import run_passes
 __all__ = ["compile", "simulate", "plan_costs", "resolve_cluster", "resolve_profile", "DEFAULT_PASSES"]
 
 #: The pass pipeline compile runs for every candidate layout.
-#: ``espresso`` (per-tensor gradient-sync options) runs after the baselines.
-DEFAULT_PASSES: tuple[str, ...] = BASELINE_PASSES + ("espresso",)
+#: The pass pipeline compile runs for every candidate layout: balanced pipeline stages
+#: (``dynpipe``; ``uniform-stages`` stays the baseline), then the baseline TP and buckets,
+#: then ``espresso`` (per-tensor gradient-sync options).
+DEFAULT_PASSES: tuple[str, ...] = ("dynpipe", "even-tp", "ddp-buckets", "espresso")
 
 
 def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
@@ -90,7 +92,8 @@ def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | N
     return capture(model, example_inputs, example_kwargs)
 
 
-def _passes(names: Sequence[str]) -> list[Any]:
+def _passes(names: Sequence[str], dynamics: Any = None) -> list[Any]:
+    """Instantiate passes by name; ``dynamics`` (a DynamicsSpec) goes to ``dynpipe``."""
     registry = get_all_passes()
     out = []
     for n in names:
@@ -100,7 +103,11 @@ def _passes(names: Sequence[str]) -> list[Any]:
             near = difflib.get_close_matches(n, list(registry), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise SpecError(f"unknown pass {n!r}{hint} (known: {sorted(registry)})")
-        out.append(registry[n]())
+        out.append(registry[n](dynamics=dynamics) if n == "dynpipe" and dynamics is not None
+                   else registry[n]())
+    if dynamics is not None and "dynpipe" not in names:
+        raise SpecError("dynamics were given but the pass list has no 'dynpipe' pass to "
+                        f"re-balance the pipeline (passes: {list(names)}); add 'dynpipe'")
     return out
 
 
@@ -124,6 +131,7 @@ def compile(  # noqa: A001 - the product's verb
     optimizer: str = "adam",
     require_profiled: bool = False,
     compressors: Sequence[str] = (),
+    dynamics: Any = None,
 ) -> Plan:
     """Compile the fastest feasible plan for ``model`` on ``cluster``.
 
@@ -142,6 +150,8 @@ def compile(  # noqa: A001 - the product's verb
         require_profiled: refuse analytic compute estimates.
         compressors: compressors gradient-sync passes may use (opt-in: lossy ones change
             convergence), e.g. ``("dgc", "fp16")``; see ``passes/espresso.py``.
+        dynamics: a :class:`~hetplan.ir.rebalancing.DynamicsSpec` (or its YAML/JSON path):
+            how the model changes while training; ``dynpipe`` plans the re-balancing.
 
     Returns:
         The plan; ``plan.predictions.baselines`` holds what it beat.
@@ -160,7 +170,11 @@ def compile(  # noqa: A001 - the product's verb
     workload = WorkloadSummary.from_model_ir(ir)
     costs = CostModel(spec, db, dtype=dtype, efficiency=efficiency, optimizer=optimizer,
                       require_profiled=require_profiled)
-    pipeline = _passes(passes)
+    if isinstance(dynamics, (str, Path)):
+        from hetplan.ir.rebalancing import DynamicsSpec
+
+        dynamics = DynamicsSpec.load(dynamics)
+    pipeline = _passes(passes, dynamics)
     model_ref = ModelRef(name=ir.name, fingerprint=ir.fingerprint(), num_params=ir.num_params)
     cluster_ref = ClusterRef.from_cluster(spec, embed=False)
     candidates = enumerate_layouts(workload, spec, batch_size, dp=dp, pp=pp, tp=tp,

@@ -1,0 +1,251 @@
+"""Pass ``dynpipe``: balanced pipeline stages for heterogeneous devices and dynamic models.
+
+Owns ``plan.stages`` and, for a dynamic model, ``plan.rebalancing``. Stage ``s`` stays on the
+ranks of pipeline coordinate ``s`` (the layout's rank order, which keeps a node's devices
+contiguous — the device order :func:`~hetplan.algorithms.partition.pipeline_device_order`
+recommends; the pass notes when the cluster's order differs from it).
+
+1. **Costs per stage position**: every layer's forward + backward time for one micro-batch
+   on the slowest device of each stage position (tensor-parallel split and all-reduces as
+   in the simulator), the boundary transfer time to the next stage (forward activation and
+   backward gradient over the link between the stages), and every layer's memory at that
+   position (parameters, gradients, optimizer state, activations × in-flight micro-batches)
+   against 90 % of the smallest device of the stage.
+2. **Candidates**: the exact min–max partition by time with transfers, by time without
+   transfers, by parameter bytes, and the uniform split (Megatron's default).
+3. **Choice**: each memory-feasible candidate gets DDP-style gradient buckets and is scored
+   by the simulator (:func:`~hetplan.cost_models.evaluate.evaluate`); the fastest wins, ties
+   to the earlier candidate. The uniform split is a candidate, so the result is never
+   predicted slower than the ``uniform-stages`` baseline under the baseline's gradient sync.
+4. **Dynamics** (``dynamics`` option): the model's phases (pruning steps, freezing, early
+   exit) are replayed with :func:`~hetplan.algorithms.dynamics.run_dynamic` under the
+   dynamics file's policy; every event lands in ``plan.rebalancing`` with its complete stage
+   assignment, layer moves, bytes and predicted times (the schedule simulator per phase).
+
+Complexity: O(D · L) cost lookups plus four simulator runs; the partition DP is O(P · L · w).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hetplan.algorithms.dynamics import (
+    BalancePolicy,
+    LayerProfile,
+    PruningModel,
+    build_phases,
+    run_dynamic,
+)
+from hetplan.algorithms.partition import (
+    min_max_partition,
+    pipeline_device_order,
+    uniform_partition,
+)
+from hetplan.cost_models.evaluate import evaluate
+from hetplan.cost_models.memory import USABLE_FRACTION, in_flight_micro_batches, stage_memory
+from hetplan.cost_models.pipeline import simulate_pipeline
+from hetplan.errors import InfeasiblePlanError, PassError
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import Stage
+from hetplan.ir.rebalancing import DynamicsSpec, LayerMigration, PlannedEvent, Rebalancing
+from hetplan.passes.base import PassContext, PassResult, rank_of
+from hetplan.passes.ddp_buckets import DDPBuckets
+from hetplan.passes.uniform_stages import stages_from_bounds
+
+__all__ = ["DynPipe"]
+
+Bounds = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class _Costs:
+    cost: list[list[float]]  # [stage][layer] fwd+bwd ms
+    fwd: list[list[float]]
+    bwd: list[list[float]]
+    send: list[list[float]]  # [stage][last layer] boundary transfer ms
+    mem: list[list[float]]  # [stage][layer] bytes
+    cap: list[float]
+
+
+def _stage_ranks(ctx: PassContext, s: int) -> list[int]:
+    lay = ctx.layout
+    return [rank_of(lay, d, s, t) for d in range(lay.dp) for t in range(lay.tp)]
+
+
+def _costs(ctx: PassContext) -> _Costs:
+    lay, wl, costs = ctx.layout, ctx.workload, ctx.costs
+    mb = lay.micro_batch_size
+    scale = mb / wl.batch_size
+    n = len(wl.layers)
+    fwd, bwd, send, mem, cap = [], [], [], [], []
+    for s in range(lay.pp):
+        ranks = _stage_ranks(ctx, s)
+        devs = {(costs.devices[r].type, costs.devices[r].slowdown): costs.devices[r]
+                for r in ranks}
+        f, b = [0.0] * n, [0.0] * n
+        for dev in devs.values():
+            for k, (layer, t) in enumerate(zip(wl.layers, costs.compute.layer_times(wl, dev, mb))):
+                div = lay.tp if lay.tp > 1 and layer.tp_pairs else 1
+                f[k], b[k] = max(f[k], t.fwd_s * 1e3 / div), max(b[k], t.bwd_s * 1e3 / div)
+        if lay.tp > 1:  # TP groups stay inside a node (layout rule)
+            for k, layer in enumerate(wl.layers):
+                if layer.tp_pairs:
+                    ar = costs.comm.time_s("allreduce", layer.act_out_bytes * scale, lay.tp,
+                                           "intra") * 1e3
+                    f[k] += layer.tp_pairs * ar
+                    b[k] += layer.tp_pairs * ar
+        fwd.append(f)
+        bwd.append(b)
+        if s + 1 < lay.pp:
+            link = costs.cluster.link_between(ranks[0], _stage_ranks(ctx, s + 1)[0])
+            send.append([2e3 * costs.comm.time_s("p2p", x.act_out_bytes * scale / lay.tp, 2,
+                                                 link) for x in wl.layers])
+        else:
+            send.append([0.0] * n)
+        flight = in_flight_micro_batches(lay.schedule, s, lay.pp, lay.micro_batches,
+                                         lay.virtual_stages)
+        mem.append([float(stage_memory([x], tp=lay.tp, micro_batch_scale=scale,
+                                       in_flight=flight, optimizer=costs.optimizer).total)
+                    for x in wl.layers])
+        cap.append(min(costs.devices[r].memory_bytes for r in ranks) * USABLE_FRACTION)
+    cost = [[a + b for a, b in zip(f, b)] for f, b in zip(fwd, bwd)]
+    return _Costs(cost, fwd, bwd, send, mem, cap)
+
+
+def _candidates(c: _Costs, ctx: PassContext) -> list[tuple[str, Bounds]]:
+    n, p = len(ctx.workload.layers), ctx.layout.pp
+    params = [float(x.param_bytes) for x in ctx.workload.layers]
+    out: list[tuple[str, Bounds]] = []
+    tries = (
+        ("time+transfers", lambda: min_max_partition(c.cost, p, send=c.send, mem=c.mem,
+                                                     mem_cap=c.cap).bounds),
+        ("time", lambda: min_max_partition(c.cost, p, mem=c.mem, mem_cap=c.cap).bounds),
+        ("params", lambda: min_max_partition(params, p, mem=c.mem, mem_cap=c.cap).bounds),
+    )
+    for name, fn in tries:
+        try:
+            out.append((name, fn()))
+        except InfeasiblePlanError:
+            continue
+    out.append(("uniform", uniform_partition(n, p)))
+    return out
+
+
+def _order_note(ctx: PassContext) -> str:
+    devs = [ctx.costs.devices[_stage_ranks(ctx, s)[0]] for s in range(ctx.layout.pp)]
+    speeds = [1.0 / d.slowdown if d.relative_speed is None else d.relative_speed for d in devs]
+    order = pipeline_device_order([d.node_index for d in devs],
+                                  [d.memory_bytes for d in devs], speeds)
+    if list(order) == list(range(len(devs))):
+        return ""
+    return (f"device order: the recommended pipeline order of the stage devices is "
+            f"{list(order)} (nodes contiguous, more memory first); stages follow rank order")
+
+
+@dataclass(frozen=True)
+class DynPipe:
+    """Exact min–max stage balancing, re-planned at the model's dynamic events.
+
+    Attributes:
+        dynamics: how the model changes while training (None: a static model).
+    """
+
+    dynamics: DynamicsSpec | None = None
+    name: ClassVar[str] = "dynpipe"
+    section: ClassVar[str] = "stages"
+
+    def run(self, plan: Plan, ctx: PassContext) -> PassResult:
+        n, p = len(ctx.workload.layers), ctx.layout.pp
+        if p > n:
+            raise PassError(f"{self.name}: {p} pipeline stages but only {n} layers")
+        c = _costs(ctx)
+        best: tuple[float, str, Bounds, tuple[Stage, ...]] | None = None
+        scored = []
+        for name, bounds in _candidates(c, ctx):
+            stages = stages_from_bounds(list(bounds), ctx)
+            sync = DDPBuckets().run(plan.model_copy(update={"stages": stages}), ctx).plan
+            try:
+                ev = evaluate(ctx.workload, ctx.layout, stages, sync.gradient_sync, ctx.costs)
+            except InfeasiblePlanError:
+                continue
+            scored.append(f"{name} {ev.iteration_s * 1e3:.4g} ms")
+            if best is None or ev.iteration_s < best[0]:
+                best = (ev.iteration_s, name, bounds, stages)
+        if best is None:  # nothing fits: the uniform split, so the simulator names the rank
+            bounds = uniform_partition(n, p)
+            best = (math.inf, "uniform", bounds, stages_from_bounds(list(bounds), ctx))
+        _, chosen, bounds, stages = best
+        notes = [f"{p} stage(s), sizes {[j - i + 1 for i, j in bounds]} ({chosen}); "
+                 f"candidates: {', '.join(scored) or 'none fits'}"]
+        if note := _order_note(ctx):
+            notes.append(note)
+        update: dict[str, object] = {"stages": stages}
+        if self.dynamics is not None and p > 1:
+            reb = _rebalancing(self.dynamics, c, ctx, bounds)
+            update["rebalancing"] = reb
+            applied = sum(e.applied for e in reb.events)
+            notes.append(f"dynamics: {len(reb.events)} event(s), {applied} re-balanced; "
+                         f"predicted speedup over static {reb.speedup_vs_static:.3f}x")
+        elif self.dynamics is not None:
+            update["rebalancing"] = Rebalancing(policy=self.dynamics.rebalance,
+                                                total_iterations=self.dynamics.total_iterations)
+        return PassResult(plan.model_copy(update=update), True, tuple(notes))
+
+
+def _rebalancing(dyn: DynamicsSpec, c: _Costs, ctx: PassContext, bounds: Bounds) -> Rebalancing:
+    """Replay the dynamics on stage-0's device times, with the other stages' relative speeds."""
+    lay, wl = ctx.layout, ctx.workload
+    ref = sum(c.cost[0]) or 1.0
+    speeds = [ref / (sum(row) or ref) for row in c.cost]
+    depth = [k / max(len(wl.layers) - 1, 1) for k in range(len(wl.layers))]
+    skew = dyn.pruning.scale_skew if dyn.pruning else 0.0
+    scale = lay.micro_batch_size / wl.batch_size
+    layers = [
+        LayerProfile(c.fwd[0][k], c.bwd[0][k], x.param_bytes / 4.0, prunable=x.kind == "block",
+                     scale=1.0 + skew * (depth[k] - 0.5), act_bytes=x.act_saved_bytes * scale)
+        for k, x in enumerate(wl.layers)
+    ]
+    pm = None
+    if dyn.pruning:
+        pr = dyn.pruning
+        pm = PruningModel(pr.final_sparsity, pr.start_iteration, pr.frequency, pr.steps,
+                          pr.initial_sparsity, pr.kernel, pr.crossover_sparsity,
+                          pr.sparse_floor, pr.gemm_share)
+    phases = build_phases(layers, pruning=pm,
+                          freezes=[(f.iteration, f.layers) for f in dyn.freezing],
+                          exits=[(e.iteration, e.after_layer, e.fraction)
+                                 for e in dyn.early_exit])
+    pol = dyn.rebalance
+    policy = BalancePolicy(pol.balancer, pol.metric, pol.max_iters, pol.trigger, pol.repack,
+                           pol.repack_slowdown)
+    link = ctx.costs.cluster.link_between(_stage_ranks(ctx, 0)[0], _stage_ranks(ctx, 1)[0])
+    per_gb = ctx.costs.comm.time_s("p2p", 1e9, 2, link) * 1e3
+    send = [sum(col) / len(c.send) for col in zip(*c.send)]
+
+    def iteration_ms(f: list[float], b: list[float], k: int) -> float:
+        return simulate_pipeline(f, b, lay.micro_batches, lay.schedule if k > 1 else "gpipe",
+                                 virtual_stages=lay.virtual_stages if k > 1 else 1
+                                 ).iteration_ms
+
+    mem_cap = [c.cap[s] for s in range(lay.pp)]
+    kw = dict(speeds=speeds, send_ms=send, link_bytes_per_ms=1e9 / per_gb, mem_cap=mem_cap,
+              initial=bounds)
+    run = run_dynamic(phases, lay.pp, dyn.total_iterations, policy, iteration_ms, **kw)
+    static = run_dynamic(phases, lay.pp, dyn.total_iterations, BalancePolicy("static"),
+                         iteration_ms, **kw)
+    events = tuple(
+        PlannedEvent(
+            iteration=e.iteration, label=e.label, stages=e.bounds,
+            migrations=tuple(LayerMigration(layer=m.layer, src_stage=m.src, dst_stage=m.dst,
+                                            bytes=m.bytes) for m in e.moves),
+            bytes_moved=e.bytes_moved, predicted_before_ms=e.before_ms,
+            predicted_after_ms=e.after_ms, overhead_ms=e.overhead_ms, applied=e.applied,
+            released_stages=e.released,
+        )
+        for e in run.events
+    )
+    return Rebalancing(policy=pol, total_iterations=dyn.total_iterations, events=events,
+                       speedup_vs_static=static.total_ms / run.total_ms if run.total_ms else 1.0,
+                       devices_used_mean=run.devices_used_mean)
