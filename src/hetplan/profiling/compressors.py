@@ -1,20 +1,9 @@
 """Compressor (encode / decode) times per size, on the CPU and, when present, on CUDA.
 
-Simple reference implementations in plain torch of every compressor the cost model knows
-(:data:`hetplan.cost_models.compression.COMPRESSORS`); they do the work a real implementation
-does (select, quantise, pack bits, scatter back), not the bookkeeping (error feedback, state):
-
-* ``fp16`` / ``bf16``: cast down; decode casts back to fp32.
-* ``topk``: ``topk(|x|, k)`` and a gather of the values; decode scatters into zeros.
-* ``randomk``: ``k`` random indices and a gather; decode scatters.
-* ``dgc``: the threshold is estimated by ``topk`` on a 1 % sample, then a mask and
-  ``nonzero`` select the elements above it; decode scatters.
-* ``efsignsgd``: mean magnitude and the signs packed 8 per byte; decode unpacks.
-* ``onebit``: like efsignsgd with separate means for the positive and negative elements.
-* ``qsgd``: the norm and stochastic rounding to ``levels`` levels stored as int8 with the
-  sign; decode rescales.
-* ``powersgd``: rank-``r`` factors of the buffer viewed as a square-ish matrix (one power
-  iteration with a QR orthogonalisation); decode multiplies them back.
+The compressors timed are the runtime's own (:mod:`hetplan.runtime.compressors`, every name
+in :data:`hetplan.cost_models.compression.COMPRESSORS` with its default parameters), so the
+cost model is fed with what training executes. Error-feedback bookkeeping (one add and one
+subtract per compression) is not included.
 
 Each sample is the median of several calls (at least ``iters``, more for small buffers, about
 ``min_time_s`` per size and compressor). Sizes are raw fp32 bytes, as the cost model expects.
@@ -22,7 +11,6 @@ Each sample is the median of several calls (at least ``iters``, more for small b
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,13 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetplan.cost_models.compression import (
-    COMPRESSORS,
-    DEFAULT_POWERSGD_RANK,
-    DEFAULT_QSGD_LEVELS,
-    DEFAULT_SPARSITY_RATIO,
-)
+from hetplan.cost_models.compression import COMPRESSORS
 from hetplan.cost_models.profile_db import CompressorRecord, CompressorSample
+from hetplan.errors import SpecError
+from hetplan.runtime.compressors import make_compressor
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -49,101 +34,19 @@ DEFAULT_COMPRESSOR_SIZES: tuple[int, ...] = (4 * KiB, 32 * KiB, 256 * KiB, 2 * M
 
 Encode = Callable[[torch.Tensor], Any]
 Decode = Callable[[Any], torch.Tensor]
-_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _bits(device: torch.device) -> torch.Tensor:
-    w = _BIT_WEIGHTS.get(device)
-    if w is None:
-        w = _BIT_WEIGHTS[device] = 2 ** torch.arange(8, dtype=torch.uint8, device=device)
-    return w
-
-
-def _pack(mask: torch.Tensor) -> torch.Tensor:
-    """Booleans → bytes, 8 per byte (padded)."""
-    n = mask.numel()
-    pad = (-n) % 8
-    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
-    return (m * _bits(mask.device)).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    bits = packed.unsqueeze(1).bitwise_and(_bits(packed.device)).ne(0)
-    return bits.view(-1)[:n]
 
 
 def codec(name: str, numel: int) -> tuple[Encode, Decode]:
-    """The ``(encode, decode)`` pair of compressor ``name`` for fp32 buffers of ``numel``.
+    """The ``(encode, decode)`` pair of the runtime compressor ``name`` for ``numel`` elements.
 
     Raises:
         ValueError: unknown compressor.
     """
-    k = max(1, int(numel * DEFAULT_SPARSITY_RATIO))
-    if name in ("fp16", "bf16"):
-        dtype = torch.float16 if name == "fp16" else torch.bfloat16
-        return (lambda x: x.to(dtype)), (lambda y: y.to(torch.float32))
-    if name in ("topk", "randomk", "dgc"):
-        def decode(c: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            vals, idx = c
-            return torch.zeros(numel, dtype=vals.dtype, device=vals.device).scatter_(0, idx, vals)
-
-        if name == "topk":
-            def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                idx = torch.topk(x.abs(), k, sorted=False).indices
-                return x.gather(0, idx), idx
-        elif name == "randomk":
-            def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                idx = torch.randint(0, numel, (k,), device=x.device)
-                return x.gather(0, idx), idx
-        else:
-            sample = max(1, numel // 100)
-
-            def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                a = x.abs()
-                picks = torch.randint(0, numel, (sample,), device=x.device)
-                kk = max(1, int(sample * DEFAULT_SPARSITY_RATIO))
-                thr = torch.topk(a[picks], kk, sorted=False).values.min()
-                idx = torch.nonzero(a >= thr).view(-1)
-                return x.gather(0, idx), idx
-        return encode, decode
-    if name == "efsignsgd":
-        return (
-            lambda x: (x.abs().mean(), _pack(x >= 0)),
-            lambda c: torch.where(_unpack(c[1], numel), c[0], -c[0]),
-        )
-    if name == "onebit":
-        def encode_1bit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            pos = x >= 0
-            n_pos = pos.sum().clamp(min=1)
-            s_pos = torch.where(pos, x, 0).sum() / n_pos
-            s_neg = torch.where(pos, 0, x).sum() / (numel - n_pos).clamp(min=1)
-            return s_pos, s_neg, _pack(pos)
-
-        return encode_1bit, lambda c: torch.where(_unpack(c[2], numel), c[0], c[1])
-    if name == "qsgd":
-        s = DEFAULT_QSGD_LEVELS
-
-        def encode_q(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            norm = x.norm().clamp(min=1e-30)
-            level = (x.abs() / norm * s + torch.rand_like(x)).floor_()
-            return norm, (level * x.sign()).to(torch.int8)
-
-        return encode_q, lambda c: c[1].to(torch.float32) * (c[0] / s)
-    if name == "powersgd":
-        rows = max(1, int(math.sqrt(numel)))
-        while numel % rows:
-            rows -= 1
-        cols = numel // rows
-        r = min(DEFAULT_POWERSGD_RANK, rows, cols)
-
-        def encode_p(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            m = x.view(rows, cols)
-            q = torch.randn(cols, r, device=x.device, dtype=x.dtype)
-            p = torch.linalg.qr(m @ q).Q
-            return p, m.t() @ p
-
-        return encode_p, lambda c: (c[0] @ c[1].t()).view(-1)
-    raise ValueError(f"unknown compressor {name!r} (known: {', '.join(COMPRESSORS)})")
+    try:
+        comp = make_compressor(name)
+    except SpecError as e:
+        raise ValueError(str(e)) from None
+    return (lambda x: comp.compress(x)), (lambda c: comp.decompress(c, numel))
 
 
 def _median_time(fn: Callable[[], Any], iters: int, min_time_s: float, cuda: bool) -> float:
