@@ -164,3 +164,18 @@ def test_dynamics_file_errors(tmp_path: Path) -> None:
         DynamicsSpec.load(bad)
     with pytest.raises(SpecError, match="missing.yaml"):
         DynamicsSpec.load(tmp_path / "missing.yaml")
+
+
+def test_compile_records_bubbles_baseline_and_dynamics() -> None:
+    from hetplan.optimizer.compile import compile as compile_plan
+
+    plan = compile_plan("tiny-gpt2", "mixed-generations", batch_size=64, pp=4, tp=1,
+                        passes=("dynpipe", "even-tp", "ddp-buckets"), dynamics=EXAMPLE)
+    pred = plan.predictions
+    assert pred is not None
+    assert pred.bubble_ratio_balanced is not None and pred.bubble_ratio_eq1 is not None
+    assert pred.bubble_ratio >= pred.bubble_ratio_balanced - 1e-9
+    base = next(b for b in pred.baselines if b.name == "baseline-passes")
+    assert pred.iteration_time_ms <= base.iteration_time_ms * (1 + 1e-9)
+    assert plan.rebalancing is not None
+    assert [e.iteration for e in plan.rebalancing.events] == [4000, 5000, 6000, 7000]

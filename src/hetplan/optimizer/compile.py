@@ -219,7 +219,7 @@ def compile(  # noqa: A001 - the product's verb
             "model": ModelRef(name=ir.name, fingerprint=ir.fingerprint(),
                               num_params=ir.num_params, workload=workload),
             "cluster": ClusterRef.from_cluster(spec),
-            "predictions": _predictions(ev, baselines),
+            "predictions": _predictions(ev, baselines, plan.layout),
             "provenance": _provenance(ev, costs),
             "cost_settings": CostSettings(dtype=dtype, efficiency=efficiency,
                                           optimizer=optimizer,  # type: ignore[arg-type]
@@ -339,8 +339,14 @@ def _breakdown(ev: Evaluation) -> TimeBreakdown:
     )
 
 
-def _predictions(ev: Evaluation, baselines: list[Baseline]) -> Predictions:
+def _predictions(ev: Evaluation, baselines: list[Baseline],
+                 layout: Layout | None = None) -> Predictions:
+    from hetplan.cost_models.bubble import bubble_ratios
+
+    balanced, eq1 = bubble_ratios(ev, layout) if layout is not None else (None, None)
     return Predictions(
+        bubble_ratio_balanced=balanced,
+        bubble_ratio_eq1=eq1,
         iteration_time_ms=ev.iteration_s * 1e3,
         breakdown=_breakdown(ev),
         memory_per_rank_bytes=tuple(m.total for m in ev.memory),
@@ -423,4 +429,4 @@ def simulate(
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs)
     baselines = plan.predictions.baselines if plan.predictions else ()
-    return _predictions(ev, list(baselines))
+    return _predictions(ev, list(baselines), layout)
