@@ -14,10 +14,12 @@ BASELINE_PASSES = ("uniform-stages", "even-tp", "ddp-buckets")
 
 def get_all_passes() -> dict[str, type]:
     """Registry: pass name → pass class (imported lazily)."""
+    from hetplan.passes.cupcake import CupcakeFusion
     from hetplan.passes.ddp_buckets import DDPBuckets
     from hetplan.passes.dynpipe import DynPipe
     from hetplan.passes.espresso import Espresso
     from hetplan.passes.even_tp import EvenTP
     from hetplan.passes.uniform_stages import UniformStages
 
-    return {cls.name: cls for cls in (UniformStages, EvenTP, DDPBuckets, DynPipe, Espresso)}
+    return {cls.name: cls for cls in (UniformStages, EvenTP, DDPBuckets, DynPipe, Espresso,
+                                              CupcakeFusion)}

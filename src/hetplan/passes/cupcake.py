@@ -1,0 +1,217 @@
+"""Pass ``cupcake-fusion``: optimal fusion of consecutive gradients into buckets (thesis ch. 5).
+
+Owns ``plan.gradient_sync.buckets``. For every pipeline stage's data-parallel group, the
+stage's gradients are taken in backward-ready order and partitioned into contiguous buckets;
+each bucket is one sync unit (one compression, one communication path, one decompression) of
+the strategy its tensors share. The partition minimises the stage's simulated DP timeline
+(:func:`~hetplan.cost_models.evaluate.evaluate`'s ops and backprop segments, so the pass and
+the simulator never disagree), solved by :func:`hetplan.algorithms.fusion.pareto_dp`.
+
+Strategies come from the incoming section: ``gradient_sync.tensors`` (the Espresso pass, which
+runs before this one), else the strategy of each tensor's incoming bucket (DDP buckets: fp32),
+else the flat fp32 allreduce. Only tensors sharing a strategy are fused (a bucket has one
+strategy); the tensors' strategies are kept unchanged.
+
+Decisions (also in ``docs/decisions.md``):
+
+- **Exact where the simulator is a tandem.** When every bucket's ops are compute-stream ops
+  followed by ops on distinct FIFO channels in one order (fp32/fp16 allreduce, GPU
+  compression + one collective, CPU (de)compression), the DP's recurrence *is* the
+  simulator, and the result is optimal (property-tested against brute force). Otherwise (a
+  decompression back on the compute stream after the collective, a channel used twice as in
+  reduce-scatter + allgather, different channel orders for different strategies) the DP
+  optimises a surrogate — every compute-stream op counted before the collective (the
+  thesis's own model, §F-2 option (a)), repeated channels as separate channels — and the note
+  says ``surrogate``; the result is still scored with the real simulator.
+- **Never slower than what it was given.** The fused section is scored with ``evaluate``
+  against the incoming one (DDP's 25 MiB buckets, or Espresso's unfused per-tensor sync) and
+  the faster is kept (ties keep the incoming one), with a note.
+- **Ties** between partitions: fewer buckets (the solver's tie rule, then neighbouring
+  buckets are merged wherever the predicted time does not grow).
+- Bucket ``size_bytes`` is the full (unsharded) fp32 gradient bytes of its tensors.
+
+Complexity per stage: O(N²) group-cost evaluations plus the DP (about O(N² · F) for Pareto
+fronts of F states); ResNet-101's 314 tensors take tens of milliseconds (``bench/fusion.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hetplan.algorithms.fusion import Fusion, GroupCost, pareto_dp
+from hetplan.cost_models.evaluate import StageSync, evaluate, stage_syncs
+from hetplan.cost_models.timeline import GPU, Op
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync, SyncStrategy, WorkloadSummary
+from hetplan.passes.base import PassContext, PassResult
+
+__all__ = ["CupcakeFusion", "tensor_strategies", "stage_fusion", "tandem_shape"]
+
+FP32 = "fp32"
+
+
+def tensor_strategies(
+    workload: WorkloadSummary, sync: GradientSync | None
+) -> tuple[dict[str, SyncStrategy], dict[str, str]]:
+    """(strategies, tensor name → strategy key) from the incoming gradient-sync section.
+
+    Per-tensor assignments win, then the tensor's bucket, then the flat fp32 allreduce
+    (added as ``fp32`` when missing)."""
+    strategies: dict[str, SyncStrategy] = dict(sync.strategies) if sync else {}
+    key: dict[str, str] = {}
+    if sync is not None:
+        for b in sync.buckets:
+            for t in b.tensors:
+                key[t] = b.strategy
+        for ts in sync.tensors:
+            key[ts.name] = ts.strategy
+    for g in workload.grads:
+        if g.name not in key:
+            key[g.name] = FP32
+            strategies.setdefault(FP32, NoSync())
+    return strategies, key
+
+
+def tandem_shape(ops: tuple[Op, ...]) -> tuple[str, ...] | None:
+    """The channel sequence of ``ops`` if they are compute-stream ops followed by ops on
+    distinct non-compute channels (the simulator is then the tandem recurrence), else None."""
+    k = 0
+    while k < len(ops) and ops[k].resource == GPU:
+        k += 1
+    rest = tuple(op.resource for op in ops[k:])
+    if GPU in rest or len(set(rest)) != len(rest):
+        return None
+    return rest
+
+
+def _surrogate_shape(ops: tuple[Op, ...]) -> tuple[str, ...]:
+    """Channel sequence with the n-th use of a channel named ``channel#n``."""
+    seen: dict[str, int] = {}
+    out = []
+    for op in ops:
+        if op.resource == GPU:
+            continue
+        n = seen.get(op.resource, 0)
+        seen[op.resource] = n + 1
+        out.append(f"{op.resource}#{n}")
+    return tuple(out)
+
+
+def _merge_orders(shapes: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """One channel order containing every shape as a subsequence where possible (first seen
+    first; a channel missing from the order is inserted after its predecessor)."""
+    order: list[str] = []
+    for shape in shapes:
+        last = -1
+        for ch in shape:
+            if ch in order:
+                last = max(last, order.index(ch))
+            else:
+                order.insert(last + 1, ch)
+                last += 1
+    return tuple(order)
+
+
+def stage_fusion(
+    ss: StageSync, keys: list[str], strategies: dict[str, SyncStrategy], ctx: PassContext,
+    *, max_group: int | None = None,
+) -> tuple[Fusion, bool]:
+    """Optimal buckets of one stage's gradients; returns (fusion, exact) where ``exact`` says
+    the DP objective was the simulator itself (tandem ops), not the surrogate."""
+    n = len(ss.grads)
+    prefix = [0.0]
+    for b in ss.nbytes:
+        prefix.append(prefix[-1] + b)
+    ops: dict[tuple[int, int], tuple[Op, ...]] = {}
+    for i in range(n):
+        last = n if max_group is None else min(n, i + max_group)
+        for j in range(i, last):
+            if keys[j] != keys[i]:
+                break
+            ops[i, j] = ss.ops(strategies[keys[i]], prefix[j + 1] - prefix[i], ctx.costs)
+    resources = {tuple(op.resource for op in o) for o in ops.values()}
+    shapes = {tandem_shape(tuple(Op(r, 0.0) for r in res)) for res in resources}
+    exact = len(shapes) == 1 and None not in shapes
+    if exact:
+        table: dict[tuple[int, int], GroupCost] = {}
+        for ij, o in ops.items():
+            pre, chain = 0.0, []
+            for op in o:
+                if op.resource == GPU:
+                    pre += op.duration_s
+                else:
+                    chain.append(op.duration_s)
+            table[ij] = GroupCost(pre, tuple(chain))
+
+        def cost(i: int, j: int) -> GroupCost | None:
+            return table.get((i, j))
+    else:
+        order = _merge_orders(sorted({_surrogate_shape(o) for o in ops.values()}))
+        position = {ch: k for k, ch in enumerate(order)}
+
+        def cost(i: int, j: int) -> GroupCost | None:
+            o = ops.get((i, j))
+            if o is None:
+                return None
+            chain = [0.0] * len(order)
+            for ch, op in zip(_surrogate_shape(o), (op for op in o if op.resource != GPU)):
+                chain[position[ch]] += op.duration_s
+            pre = sum(op.duration_s for op in o if op.resource == GPU)
+            return GroupCost(pre, tuple(chain))
+    return pareto_dp(ss.backprop_s, cost, max_group=max_group), exact
+
+
+@dataclass(frozen=True)
+class CupcakeFusion:
+    """Optimal contiguous buckets per shared strategy (see module docstring).
+
+    Attributes:
+        max_group: longest bucket in tensors (``None``: unlimited, the exact optimum).
+    """
+
+    max_group: int | None = None
+    name: ClassVar[str] = "cupcake-fusion"
+    section: ClassVar[str] = "gradient_sync"
+
+    def run(self, plan: Plan, ctx: PassContext) -> PassResult:
+        workload, incoming = ctx.workload, plan.gradient_sync
+        syncs = stage_syncs(workload, ctx.layout, plan.stages, ctx.costs)
+        if not syncs:
+            return PassResult(plan, False, ("dp=1: no gradient sync to fuse",))
+        strategies, key = tensor_strategies(workload, incoming)
+        buckets: list[tuple[int, Bucket]] = []
+        notes: list[str] = []
+        for ss in syncs:
+            names = [workload.grads[i].name for i in ss.grads]
+            fusion, exact = stage_fusion(ss, [key[n] for n in names], strategies, ctx,
+                                         max_group=self.max_group)
+            for i, j in fusion.groups:
+                members = ss.grads[i : j + 1]
+                buckets.append((members[-1], Bucket(
+                    tensors=tuple(workload.grads[m].name for m in members),
+                    size_bytes=sum(workload.grads[m].size_bytes for m in members),
+                    strategy=key[names[i]],
+                )))
+            notes.append(f"stage {ss.stage.index}: {len(ss.grads)} tensor(s) -> "
+                         f"{len(fusion.groups)} bucket(s), "
+                         f"{'exact' if exact else 'surrogate'} DP")
+        buckets.sort(key=lambda b: b[0])
+        fused = GradientSync(
+            strategies=strategies,
+            tensors=incoming.tensors if incoming else (),
+            buckets=tuple(b for _, b in buckets),
+        )
+        ours = self._iteration_s(plan, ctx, fused)
+        theirs = self._iteration_s(plan, ctx, incoming)
+        if theirs <= ours:
+            notes.append(f"kept the incoming gradient sync ({theirs * 1e3:.3f} ms <= fused "
+                         f"{ours * 1e3:.3f} ms)")
+            return PassResult(plan, False, tuple(notes))
+        notes.append(f"predicted {ours * 1e3:.3f} ms (incoming {theirs * 1e3:.3f} ms)")
+        return PassResult(plan.model_copy(update={"gradient_sync": fused}), True, tuple(notes))
+
+    @staticmethod
+    def _iteration_s(plan: Plan, ctx: PassContext, sync: GradientSync | None) -> float:
+        return evaluate(ctx.workload, ctx.layout, plan.stages, sync, ctx.costs,
+                        check_memory=False).iteration_s
