@@ -1,0 +1,531 @@
+"""Communication routines of Espresso's Table 4.2, flat and hierarchical, and the path executor.
+
+A synchronization *path* (a plan strategy: :class:`~hetplan.ir.plan_sections.NoSync`,
+:class:`~hetplan.ir.plan_sections.CastSync` or
+:class:`~hetplan.ir.plan_sections.CompressedSync`) is a list of actions — ``comp`` /
+``decomp`` on a device (a ``CastSync``'s compressed steps carry its fp16/bf16 cast, its
+uncompressed ones run in that dtype), and collectives at a level (``flat``: the whole data-parallel group;
+``intra``: the ranks of this node; ``inter``: the ranks with this rank's position on the other
+nodes). :meth:`PathRunner.run` executes one on a flat fp32 buffer and returns the **sum** over the
+data-parallel group (the caller divides by the group size).
+
+Routines (``g`` ranks in the level's group; chunk ``i`` of a range is its ``i``-th slice of
+``ceil(len / g)`` elements, the last ones shorter or empty):
+
+=====================  ===============================================================
+uncompressed
+``allreduce``          sum of the range on every rank
+``reduce_scatter``     rank ``i`` keeps the sum of chunk ``i`` (step 1, scatter type)
+``reduce``             the group's first rank keeps the sum of the whole range, the others
+                       nothing (step 1, root type)
+``allgather``          step 2 of reduce_scatter: every rank gets every chunk
+``broadcast``          step 2 of reduce: every rank gets the root's range
+compressed
+``allgather``          indivisible (no step 1 open at that level): every rank gets every
+                       rank's pieces of the same range; or step 2: every rank's chunks
+``alltoall``           step 1: piece ``i`` (compressed per chunk) goes to rank ``i``
+``gather``             step 1: every piece goes to the first rank
+``broadcast``          step 2 of gather
+=====================  ===============================================================
+
+Compressed state is a list of *segments* — a range of the buffer and the payloads whose
+decompressed sum it is. ``comp`` compresses each chunk that a later step 1 will send apart
+separately (looking ahead to the next ``decomp``, so nested intra/inter shuffles of compressed
+pieces work); ``decomp`` decompresses every piece and sums (the thesis' "decompress and
+aggregate"); a ``comp`` after a ``decomp`` re-compresses the aggregated shard with its own
+error-feedback site. A collective whose range is empty on every member (e.g. the inter step of
+the non-root ranks after an intra ``reduce``) is skipped.
+
+Gloo (decision in ``docs/decisions.md``): its ``all_gather`` rejects uneven sizes, so dense
+chunks are padded to ``ceil(len / g)`` and compressed byte buffers to the largest one (sizes are
+exchanged first); ``reduce_scatter`` uses ``reduce_scatter_tensor`` and falls back to
+``all_to_all_single`` plus a local sum where the backend lacks it; variable-size alltoall uses
+``all_to_all_single`` with split sizes. Collectives run synchronously on the calling thread;
+the gradient path runs them on its worker thread in the plan's bucket order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetplan.errors import SpecError
+from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync
+from hetplan.runtime.compressors import Compressor, ErrorFeedback, Payload, make_compressor
+
+__all__ = ["Level", "SyncLevels", "Step", "PathRunner", "path_of", "chunk_bounds"]
+
+_WIRE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
+           torch.int8, torch.float64]
+_RS_NATIVE: dict[str, bool] = {}
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level's process group: ``ranks`` (global, in group order), this rank's ``index``.
+
+    ``group`` is None for a group of one rank (every routine is then the identity).
+    """
+
+    group: Any
+    ranks: tuple[int, ...]
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def root(self) -> int:
+        return self.ranks[0]
+
+    @classmethod
+    def of(cls, group: Any, ranks: Sequence[int], rank: int) -> Level:
+        """The level of ``group`` (members ``ranks``) as seen by global ``rank``."""
+        return cls(group if len(ranks) > 1 else None, tuple(ranks), list(ranks).index(rank))
+
+
+@dataclass(frozen=True)
+class SyncLevels:
+    """The groups a path may use: ``flat`` always; ``intra``/``inter`` when the data-parallel
+    group spans several nodes with the same number of its ranks on each (else None)."""
+
+    flat: Level
+    intra: Level | None = None
+    inter: Level | None = None
+
+    def get(self, level: str) -> Level:
+        lv = getattr(self, level)
+        if lv is None:
+            raise SpecError(
+                f"a hierarchical path needs the {level!r} groups, but this data-parallel group "
+                "has no node structure (the plan's layout.ranks give no nodes, or nodes hold "
+                "different numbers of its ranks); compile the plan for a cluster with equal "
+                "nodes or use flat strategies"
+            )
+        return lv
+
+
+@dataclass(frozen=True)
+class Step:
+    """One action of a path: ``kind`` comp / decomp / comm."""
+
+    kind: str
+    level: str = "flat"
+    routine: str | None = None
+    compressed: bool = False
+    device: str | None = None
+
+
+def path_of(strategy: NoSync | CastSync | CompressedSync) -> tuple[Step, ...]:
+    """The actions of a plan strategy. ``CompressedSync.actions`` when given; otherwise its
+    ``steps`` with a ``comp`` before every run of compressed steps and a ``decomp`` after it."""
+    if isinstance(strategy, CompressedSync) and strategy.actions:
+        return tuple(
+            Step("comm", a.level, a.routine, a.task.endswith("_comp"))
+            if a.routine is not None else Step(a.task, a.level, device=a.device)
+            for a in strategy.actions
+        )
+    out: list[Step] = []
+    comp_dev = getattr(strategy, "compress_device", "gpu")
+    decomp_dev = getattr(strategy, "decompress_device", "gpu")
+    prev = False
+    for s in strategy.steps:
+        if s.compressed and not prev:
+            out.append(Step("comp", s.level, device=comp_dev))
+        if prev and not s.compressed:
+            out.append(Step("decomp", s.level, device=decomp_dev))
+        out.append(Step("comm", s.level, s.routine, s.compressed))
+        prev = s.compressed
+    if prev:
+        out.append(Step("decomp", strategy.steps[-1].level, device=decomp_dev))
+    return tuple(out)
+
+
+def chunk_bounds(lo: int, hi: int, g: int, kind: str) -> list[tuple[int, int]]:
+    """The ``g`` chunks of ``[lo, hi)``: even slices (``scatter``) or all-to-the-root (``root``)."""
+    if kind == "root":
+        return [(lo, hi)] + [(hi, hi)] * (g - 1)
+    c = -(-(hi - lo) // g)
+    return [(min(lo + i * c, hi), min(lo + (i + 1) * c, hi)) for i in range(g)]
+
+
+# -- dense collectives -----------------------------------------------------------------------
+def _reduce_scatter(x: torch.Tensor, lv: Level) -> torch.Tensor:
+    g = lv.size
+    c = -(-x.numel() // g)
+    padded = torch.nn.functional.pad(x, (0, g * c - x.numel()))
+    out = torch.empty(c, dtype=x.dtype, device=x.device)
+    backend = str(dist.get_backend(lv.group))
+    if _RS_NATIVE.get(backend, True):
+        try:
+            dist.reduce_scatter_tensor(out, padded, group=lv.group)
+            _RS_NATIVE[backend] = True
+            return out
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _RS_NATIVE[backend] = False  # local refusal: no rank has communicated yet
+    recv = torch.empty_like(padded)
+    dist.all_to_all_single(recv, padded, group=lv.group)
+    return recv.view(g, c).sum(0)
+
+
+def _allgather(chunk: torch.Tensor, lv: Level, c: int) -> torch.Tensor:
+    padded = torch.nn.functional.pad(chunk, (0, c - chunk.numel()))
+    parts = [torch.empty_like(padded) for _ in range(lv.size)]
+    dist.all_gather(parts, padded, group=lv.group)
+    return torch.cat(parts)
+
+
+# -- variable-size byte collectives ----------------------------------------------------------
+def _sizes(n: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([n], dtype=torch.int64, device=device)
+
+
+def _allgather_bytes(buf: torch.Tensor, lv: Level) -> list[torch.Tensor]:
+    sizes = [torch.empty(1, dtype=torch.int64, device=buf.device) for _ in range(lv.size)]
+    dist.all_gather(sizes, _sizes(buf.numel(), buf.device), group=lv.group)
+    n = [int(s) for s in sizes]
+    padded = torch.nn.functional.pad(buf, (0, max(n) - buf.numel()))
+    parts = [torch.empty_like(padded) for _ in range(lv.size)]
+    dist.all_gather(parts, padded, group=lv.group)
+    return [p[:k] for p, k in zip(parts, n)]
+
+
+def _alltoall_bytes(bufs: list[torch.Tensor], lv: Level) -> list[torch.Tensor]:
+    dev = bufs[0].device
+    send_n = torch.tensor([b.numel() for b in bufs], dtype=torch.int64, device=dev)
+    recv_n = torch.empty_like(send_n)
+    dist.all_to_all_single(recv_n, send_n, group=lv.group)
+    rn = [int(v) for v in recv_n]
+    out = torch.empty(sum(rn), dtype=torch.uint8, device=dev)
+    dist.all_to_all_single(out, torch.cat(bufs), rn, [b.numel() for b in bufs], group=lv.group)
+    return list(out.split(rn))
+
+
+def _gather_bytes(buf: torch.Tensor, lv: Level) -> list[torch.Tensor]:
+    """Every member's buffer at the root (others get an empty list); via padded gather."""
+    sizes = [torch.empty(1, dtype=torch.int64, device=buf.device) for _ in range(lv.size)]
+    dist.all_gather(sizes, _sizes(buf.numel(), buf.device), group=lv.group)
+    n = [int(s) for s in sizes]
+    padded = torch.nn.functional.pad(buf, (0, max(n) - buf.numel()))
+    is_root = lv.index == 0
+    parts = [torch.empty_like(padded) for _ in range(lv.size)] if is_root else None
+    dist.gather(padded, parts, dst=lv.root, group=lv.group)
+    return [p[:k] for p, k in zip(parts, n)] if parts is not None else []
+
+
+def _broadcast_bytes(buf: torch.Tensor, lv: Level) -> torch.Tensor:
+    n = _sizes(buf.numel(), buf.device)
+    dist.broadcast(n, src=lv.root, group=lv.group)
+    out = buf if lv.index == 0 else torch.empty(int(n), dtype=torch.uint8, device=buf.device)
+    dist.broadcast(out, src=lv.root, group=lv.group)
+    return out
+
+
+# -- segments and their wire format ----------------------------------------------------------
+@dataclass
+class _Seg:
+    lo: int
+    hi: int
+    dense: torch.Tensor | None = None
+    pieces: list[Payload] = field(default_factory=list)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _serialize(segs: list[_Seg], device: torch.device) -> torch.Tensor:
+    head: list[int] = [len(segs)]
+    data: list[torch.Tensor] = []
+    for s in segs:
+        head += [s.lo, s.hi, len(s.pieces)]
+        for p in s.pieces:
+            head.append(len(p))
+            for t in p:
+                head += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+                data.append(_as_bytes(t).to(device))
+    h = torch.tensor([len(head), *head], dtype=torch.int64).view(torch.uint8).to(device)
+    return torch.cat([h, *data]) if data else h
+
+
+def _deserialize(buf: torch.Tensor, device: torch.device) -> list[_Seg]:
+    n = int(buf[:8].cpu().clone().view(torch.int64))
+    head = buf[8: 8 * (n + 1)].cpu().clone().view(torch.int64).tolist()
+    pos, off = 0, 8 * (n + 1)
+
+    def take() -> int:
+        nonlocal pos
+        pos += 1
+        return int(head[pos - 1])
+
+    segs = []
+    for _ in range(take()):
+        s = _Seg(take(), take())
+        for _ in range(take()):
+            tensors = []
+            for _ in range(take()):
+                dtype = _DTYPES[take()]
+                shape = [take() for _ in range(take())]
+                nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+                raw = buf[off: off + nbytes]
+                off += nbytes
+                tensors.append(raw.clone().view(dtype).reshape(shape).to(device))
+            s.pieces.append(tuple(tensors))
+        segs.append(s)
+    return segs
+
+
+def _merge_pieces(groups: list[list[_Seg]]) -> list[_Seg]:
+    """Union of segment lists: equal ranges concatenate their pieces; sorted by range."""
+    by: dict[tuple[int, int], _Seg] = {}
+    for segs in groups:
+        for s in segs:
+            by.setdefault((s.lo, s.hi), _Seg(s.lo, s.hi)).pieces.extend(s.pieces)
+    return [by[k] for k in sorted(by)]
+
+
+# -- the path executor -----------------------------------------------------------------------
+@dataclass
+class _State:
+    lo: int
+    hi: int
+    segs: list[_Seg]
+    stack: list[tuple[str, str, int, int]] = field(default_factory=list)  # level, kind, lo, hi
+
+    def dense(self, what: str) -> torch.Tensor | None:
+        """The one dense tensor of the range (None when the range is empty)."""
+        if self.hi == self.lo:
+            return None
+        if len(self.segs) != 1 or self.segs[0].dense is None:
+            raise SpecError(f"{what} needs an uncompressed tensor; the path has a compressed "
+                            "one here (a decomp is missing)")
+        return self.segs[0].dense
+
+
+@dataclass
+class PathRunner:
+    """Runs paths for one gradient-sync instance (keeps error feedback across iterations).
+
+    Args:
+        levels: the groups.
+        comm_device: where collectives take their tensors (``cpu`` for gloo).
+        rank: this rank (seeds the randomized compressors).
+    """
+
+    levels: SyncLevels
+    comm_device: torch.device = torch.device("cpu")
+    rank: int = 0
+    feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
+    iteration: int = 0
+    _comps: dict[tuple[str, str], Compressor] = field(default_factory=dict)
+
+    def run(self, flat: torch.Tensor, strategy: NoSync | CastSync | CompressedSync,
+            site: Any = 0) -> torch.Tensor:
+        """The sum over the flat level of every rank's ``flat`` (fp32), following ``strategy``.
+
+        ``site`` keys the error-feedback memory (the bucket); results are on ``flat.device``.
+        """
+        steps = path_of(strategy)
+        comp = (self._compressor(strategy.compressor, strategy.params)
+                if isinstance(strategy, CompressedSync) else
+                self._compressor(strategy.dtype, {}) if isinstance(strategy, CastSync) else None)
+        wire = _WIRE[strategy.dtype if isinstance(strategy, CastSync) else
+                     getattr(strategy, "uncompressed_dtype", "fp32")]
+        ef = isinstance(strategy, CompressedSync) and strategy.error_feedback
+        st = _State(0, flat.numel(), [_Seg(0, flat.numel(), dense=flat.to(torch.float32))])
+        for i, s in enumerate(steps):
+            where = f"step {i} ({s.kind} {s.routine or s.device or ''} at {s.level})"
+            if s.kind == "comp":
+                if comp is None:
+                    raise SpecError(f"{where}: a comp in a strategy without a compressor")
+                self._comp(st, comp, steps[i + 1:], (site, i) if ef else None, flat.device, s)
+            elif s.kind == "decomp":
+                self._decomp(st, comp, s, flat.device)
+            elif s.compressed:
+                self._comm_compressed(st, s, where)
+            else:
+                self._comm_dense(st, s, wire, where)
+        if st.stack or (st.lo, st.hi) != (0, flat.numel()):
+            raise SpecError(f"the path {[(s.kind, s.level, s.routine) for s in steps]} does "
+                            "not end with the whole aggregated tensor on every rank")
+        out = st.dense("the end of the path")
+        return out.to(flat.device) if out is not None else flat.new_zeros(0)
+
+    def _compressor(self, name: str, params: Mapping[str, Any]) -> Compressor:
+        key = (name, repr(sorted(params.items())))
+        if key not in self._comps:
+            self._comps[key] = make_compressor(name, params)
+        return self._comps[key]
+
+    # -- comp / decomp --
+    def _split_ahead(self, lo: int, hi: int, ahead: Sequence[Step]) -> list[tuple[int, int]]:
+        """The ranges a comp must compress separately: split by every compressed step 1
+        before the next decomp."""
+        ranges = [(lo, hi)]
+        for s in ahead:
+            if s.kind == "decomp":
+                break
+            if s.kind == "comm" and s.routine in ("alltoall", "gather"):
+                g = self.levels.get(s.level).size
+                kind = "scatter" if s.routine == "alltoall" else "root"
+                ranges = [c for a, b in ranges for c in chunk_bounds(a, b, g, kind) if c[1] > c[0]]
+        return ranges
+
+    def _comp(self, st: _State, comp: Compressor, ahead: Sequence[Step], site: Any,
+              home: torch.device, s: Step) -> None:
+        x = st.dense("comp")
+        if x is None:
+            st.segs = []
+            return
+        dev = torch.device("cpu") if s.device == "cpu" else home
+        x = _to(x, dev)
+        segs = []
+        for a, b in self._split_ahead(st.lo, st.hi, ahead):
+            part = x[a - st.lo: b - st.lo]
+            seed = zlib.crc32(repr((self.iteration, self.rank, site, a)).encode())
+            p = (self.feedback.compress(comp, (site, a, b), part, seed) if site is not None
+                 else comp.compress(part, seed))
+            segs.append(_Seg(a, b, pieces=[p]))
+        st.segs = segs
+
+    def _decomp(self, st: _State, comp: Compressor | None, s: Step,
+                home: torch.device) -> None:
+        if comp is None:
+            raise SpecError("a decomp in a strategy without a compressor")
+        dev = torch.device("cpu") if s.device == "cpu" else home
+        out = torch.zeros(st.hi - st.lo, dtype=torch.float32, device=dev)
+        covered = 0
+        for seg in st.segs:
+            if seg.dense is not None:
+                raise SpecError("decomp of an uncompressed tensor (a comp is missing)")
+            view = out[seg.lo - st.lo: seg.hi - st.lo]
+            for p in seg.pieces:
+                view += comp.decompress(tuple(_to(t, dev) for t in p), seg.hi - seg.lo)
+            covered += seg.hi - seg.lo
+        if covered != st.hi - st.lo:
+            raise SpecError("decomp: the compressed pieces do not cover the range")
+        st.segs = [_Seg(st.lo, st.hi, dense=out)] if st.hi > st.lo else []
+
+    # -- collectives --
+    def _open(self, st: _State, level: str) -> tuple[str, str, int, int] | None:
+        return st.stack[-1] if st.stack and st.stack[-1][0] == level else None
+
+    def _comm_dense(self, st: _State, s: Step, wire: torch.dtype, where: str) -> None:
+        lv = self.levels.get(s.level)
+        r = s.routine
+        if r in ("allgather", "broadcast"):
+            top = self._open(st, s.level)
+            want = "scatter" if r == "allgather" else "root"
+            if top is None or top[1] != want:
+                raise SpecError(f"{where}: an uncompressed {r} must close a "
+                                f"{'reduce_scatter' if want == 'scatter' else 'reduce'} at "
+                                "the same level")
+            st.stack.pop()
+            _, _, lo, hi = top
+            x = st.dense(where)
+            if x is None:
+                x = torch.zeros(0, device=self.comm_device)
+            if lv.group is not None and hi > lo:
+                c = chunk_bounds(lo, hi, lv.size, want)
+                if r == "allgather":
+                    w = c[0][1] - c[0][0]
+                    y = _allgather(_to(x, self.comm_device).to(wire), lv, w)
+                    x = y[: hi - lo].to(torch.float32)
+                else:
+                    buf = (_to(x, self.comm_device).to(wire) if lv.index == 0 else
+                           torch.empty(hi - lo, dtype=wire, device=self.comm_device))
+                    dist.broadcast(buf, src=lv.root, group=lv.group)
+                    x = buf.to(torch.float32)
+            st.lo, st.hi = lo, hi
+            st.segs = [_Seg(lo, hi, dense=x)] if hi > lo else []
+            return
+        x = st.dense(where)
+        if r == "allreduce":
+            if lv.group is not None and x is not None:
+                y = _to(x, self.comm_device).to(wire)
+                dist.all_reduce(y, group=lv.group)
+                st.segs = [_Seg(st.lo, st.hi, dense=y.to(torch.float32))]
+            return
+        if r not in ("reduce_scatter", "reduce"):
+            raise SpecError(f"{where}: routine {r!r} cannot carry uncompressed tensors")
+        kind = "scatter" if r == "reduce_scatter" else "root"
+        lo, hi = st.lo, st.hi
+        a, b = chunk_bounds(lo, hi, lv.size, kind)[lv.index]
+        st.stack.append((s.level, kind, lo, hi))
+        if lv.group is not None and x is not None:
+            y = _to(x, self.comm_device).to(wire)
+            if kind == "scatter":
+                x = _reduce_scatter(y, lv)[: b - a].to(torch.float32)
+            else:
+                dist.reduce(y, dst=lv.root, group=lv.group)
+                x = y.to(torch.float32)
+        st.lo, st.hi = a, b
+        st.segs = [_Seg(a, b, dense=x[: b - a])] if b > a and x is not None else []
+
+    def _comm_compressed(self, st: _State, s: Step, where: str) -> None:
+        lv = self.levels.get(s.level)
+        r = s.routine
+        if any(seg.dense is not None for seg in st.segs):
+            raise SpecError(f"{where}: a compressed {r} of an uncompressed tensor (comp missing)")
+        top = self._open(st, s.level)
+        if r in ("broadcast", "allgather") and top is not None and top[1] == (
+                "scatter" if r == "allgather" else "root"):
+            st.stack.pop()
+            _, _, lo, hi = top
+            if lv.group is not None and hi > lo:
+                buf = _serialize(st.segs, self.comm_device)
+                got = (_allgather_bytes(buf, lv) if r == "allgather"
+                       else [_broadcast_bytes(buf, lv)])
+                st.segs = _merge_pieces([_deserialize(b, self.comm_device) for b in got])
+            st.lo, st.hi = lo, hi
+            return
+        if r == "allgather":  # indivisible
+            if lv.group is not None and st.hi > st.lo:
+                got = _allgather_bytes(_serialize(st.segs, self.comm_device), lv)
+                st.segs = _merge_pieces([_deserialize(b, self.comm_device) for b in got])
+            return
+        if r not in ("alltoall", "gather"):
+            raise SpecError(f"{where}: a compressed {r} must close a compressed step 1 "
+                            "(alltoall/gather) at the same level")
+        kind = "scatter" if r == "alltoall" else "root"
+        lo, hi = st.lo, st.hi
+        chunks = chunk_bounds(lo, hi, lv.size, kind)
+        st.stack.append((s.level, kind, lo, hi))
+        a, b = chunks[lv.index]
+        if lv.group is not None and hi > lo:
+            out: list[list[_Seg]] = [[] for _ in chunks]
+            for seg in st.segs:
+                j = next((j for j, (ca, cb) in enumerate(chunks)
+                          if ca <= seg.lo and seg.hi <= cb and cb > ca), None)
+                if j is None:
+                    raise SpecError(f"{where}: a compressed piece straddles two chunks")
+                out[j].append(seg)
+            if r == "alltoall":
+                got = _alltoall_bytes([_serialize(o, self.comm_device) for o in out], lv)
+            else:
+                got = _gather_bytes(_serialize(out[0], self.comm_device), lv)
+            st.segs = _merge_pieces([_deserialize(g, self.comm_device) for g in got])
+        elif (a, b) != (lo, hi):
+            st.segs = []
+        st.lo, st.hi = a, b
+
+
+def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``; CUDA → CPU goes through pinned memory."""
+    if x.device == device:
+        return x
+    if x.is_cuda and device.type == "cpu":
+        buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        buf.copy_(x, non_blocking=True)
+        torch.cuda.current_stream(x.device).synchronize()
+        return buf
+    return x.to(device, non_blocking=x.is_pinned())
+
