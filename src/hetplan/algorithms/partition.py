@@ -52,6 +52,7 @@ __all__ = [
     "greedy_partition",
     "uniform_partition",
     "stage_loads",
+    "check_bounds",
     "pipeline_device_order",
     "repack",
     "Repack",
@@ -308,11 +309,12 @@ def stage_loads(
 ) -> tuple[float, ...]:
     """Loads of a given partition under ``cost``/``send`` (same conventions). O(L)."""
     pr = _problem(cost, len(bounds), send, None, None, 0.0)
-    _check_bounds(bounds, pr.n)
+    check_bounds(bounds, pr.n)
     return _loads(pr, bounds)
 
 
-def _check_bounds(bounds: Sequence[tuple[int, int]], n: int) -> None:
+def check_bounds(bounds: Sequence[tuple[int, int]], n: int) -> None:
+    """Raise SpecError unless ``bounds`` are non-empty contiguous ranges covering 0..n-1."""
     expect = 0
     for s, (i, j) in enumerate(bounds):
         if i != expect or j < i:

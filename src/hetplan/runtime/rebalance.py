@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetplan.algorithms.dynamics import layer_moves
+from hetplan.algorithms.partition import check_bounds
 from hetplan.errors import SpecError
 
 __all__ = ["LayerStage", "build_layer_stage", "migrate"]
@@ -64,18 +65,6 @@ def build_layer_stage(factory: Callable[[int], nn.Module], bounds: Bounds,
         return LayerStage({})
     first, last = bounds[stage]
     return LayerStage({k: factory(k) for k in range(first, last + 1)})
-
-
-def _check(old: Bounds, new: Bounds) -> None:
-    for name, b in (("old", old), ("new", new)):
-        expect = 0
-        for s, (i, j) in enumerate(b):
-            if i != expect or j < i:
-                raise SpecError(f"{name} stage {s} covers layers {i}..{j}; stages must be "
-                                f"non-empty and contiguous from layer {expect}")
-            expect = j + 1
-    if old[-1][1] != new[-1][1]:
-        raise SpecError(f"the old stages end at layer {old[-1][1]}, the new at {new[-1][1]}")
 
 
 def _send_layer(module: nn.Module, opt: torch.optim.Optimizer, peer: int) -> None:
@@ -150,7 +139,8 @@ def migrate(
         SpecError: malformed assignments, more new stages than old, or an optimizer with
             several parameter groups.
     """
-    _check(old, new)
+    for b in (old, new):
+        check_bounds(b, old[-1][1] + 1)
     if len(new) > len(old) or len(ranks) != len(old):
         raise SpecError(f"migrate needs len(new) <= len(old) == len(ranks), got {len(new)}, "
                         f"{len(old)}, {len(ranks)}")
