@@ -392,3 +392,25 @@ def test_workload_convert(tmp_path: Path) -> None:
     for path in files:
         ir = ModelIR.load(path)
         assert len(ir.grad_tensors) == expected[path.stem], path.name
+
+
+# --------------------------------------------------------------------------------------
+# plan --dynamics (DynPipe re-balancing)
+# --------------------------------------------------------------------------------------
+def test_plan_with_dynamics_file(tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    example = Path(__file__).resolve().parents[2] / "examples" / "pruning.yaml"
+    out = tmp_path / "plan.json"
+    r = run(["plan", "--workload", workload, "-c", "local-cpu", "-b", "8", "--pp", "2",
+             "--dynamics", example, "-o", out])
+    assert_ok(r)
+    plan = Plan.model_validate_json(out.read_text())
+    assert plan.rebalancing is not None
+    assert [e.iteration for e in plan.rebalancing.events] == [4000, 5000, 6000, 7000]
+    bad = write_yaml(tmp_path / "bad.yaml", {"total_iterations": 100,
+                                             "pruning": {"final_sparsity": 0.9,
+                                                         "frequncy": 10, "steps": 2}})
+    assert_user_error(run(["plan", "--workload", workload, "-c", "local-cpu", "-b", "8",
+                           "--pp", "2", "--dynamics", bad]),
+                      "bad.yaml", "did you mean 'frequency'")
