@@ -148,3 +148,24 @@ def test_dp1_leaves_the_plan_alone():
     wl, ctx, plan = setup(4, 1, dp=1)
     out = CupcakeFusion().run(plan, ctx)
     assert not out.changed and out.plan == plan
+
+
+def test_compile_runs_the_pass_and_is_never_slower_than_ddp():
+    """``hetplan plan`` (compile with the default passes) includes cupcake-fusion, records
+    the DDP baseline beside it, and the plan is never predicted slower than that baseline."""
+    from pathlib import Path
+
+    from hetplan.ir.workload import espresso_workloads
+    from hetplan.optimizer.compile import DEFAULT_PASSES, compile
+
+    assert DEFAULT_PASSES[-1] == "cupcake-fusion"
+    data = Path("/work/shared/data/espresso_models.json")
+    if not data.is_file():
+        pytest.skip(f"benchmark file {data} not present on this machine")
+    ir = espresso_workloads(data)["resnet50"]
+    for cluster in ("v100-pcie-8x8", "v100-nvlink-8x8"):
+        plan = compile(ir, cluster, batch_size=64, dp=64, pp=1, tp=1)
+        assert "cupcake-fusion" in [e.name for e in plan.pass_log]
+        base = {b.name: b.iteration_time_ms for b in plan.predictions.baselines}
+        assert plan.predictions.iteration_time_ms <= base["ddp"] + 1e-9
+        assert plan.predictions.iteration_time_ms <= base["layer-wise"] + 1e-9

@@ -52,8 +52,10 @@ __all__ = ["compile", "simulate", "plan_costs", "resolve_cluster", "resolve_prof
 #: The pass pipeline compile runs for every candidate layout.
 #: The pass pipeline compile runs for every candidate layout: balanced pipeline stages
 #: (``dynpipe``; ``uniform-stages`` stays the baseline), then the baseline TP and buckets,
-#: then ``espresso`` (per-tensor gradient-sync options).
-DEFAULT_PASSES: tuple[str, ...] = ("dynpipe", "even-tp", "ddp-buckets", "espresso")
+#: then ``espresso`` (per-tensor gradient-sync options), then ``cupcake-fusion`` (optimal
+#: buckets of consecutive tensors sharing a strategy; never predicted slower than its input).
+DEFAULT_PASSES: tuple[str, ...] = ("dynpipe", "even-tp", "ddp-buckets", "espresso",
+                                   "cupcake-fusion")
 
 
 def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:

@@ -21,7 +21,7 @@ Decisions (also in ``docs/decisions.md``):
   decompression back on the compute stream after the collective, a channel used twice as in
   reduce-scatter + allgather, different channel orders for different strategies) the DP
   optimises a surrogate — every compute-stream op counted before the collective (the
-  thesis's own model, §F-2 option (a)), repeated channels as separate channels — and the note
+  thesis's own model, §F-2 option (a)), all channel work as one channel — and the note
   says ``surrogate``; the result is still scored with the real simulator.
 - **Never slower than what it was given.** The fused section is scored with ``evaluate``
   against the incoming one (DDP's 25 MiB buckets, or Espresso's unfused per-tensor sync) and
@@ -85,34 +85,6 @@ def tandem_shape(ops: tuple[Op, ...]) -> tuple[str, ...] | None:
     return rest
 
 
-def _surrogate_shape(ops: tuple[Op, ...]) -> tuple[str, ...]:
-    """Channel sequence with the n-th use of a channel named ``channel#n``."""
-    seen: dict[str, int] = {}
-    out = []
-    for op in ops:
-        if op.resource == GPU:
-            continue
-        n = seen.get(op.resource, 0)
-        seen[op.resource] = n + 1
-        out.append(f"{op.resource}#{n}")
-    return tuple(out)
-
-
-def _merge_orders(shapes: list[tuple[str, ...]]) -> tuple[str, ...]:
-    """One channel order containing every shape as a subsequence where possible (first seen
-    first; a channel missing from the order is inserted after its predecessor)."""
-    order: list[str] = []
-    for shape in shapes:
-        last = -1
-        for ch in shape:
-            if ch in order:
-                last = max(last, order.index(ch))
-            else:
-                order.insert(last + 1, ch)
-                last += 1
-    return tuple(order)
-
-
 def stage_fusion(
     ss: StageSync, keys: list[str], strategies: dict[str, SyncStrategy], ctx: PassContext,
     *, max_group: int | None = None,
@@ -147,18 +119,15 @@ def stage_fusion(
         def cost(i: int, j: int) -> GroupCost | None:
             return table.get((i, j))
     else:
-        order = _merge_orders(sorted({_surrogate_shape(o) for o in ops.values()}))
-        position = {ch: k for k, ch in enumerate(order)}
-
+        # surrogate: every compute-stream op before the communication, all channel work as
+        # one channel (a multi-channel Pareto front of a non-tandem path can grow without
+        # bound and would still not be the simulator)
         def cost(i: int, j: int) -> GroupCost | None:
             o = ops.get((i, j))
             if o is None:
                 return None
-            chain = [0.0] * len(order)
-            for ch, op in zip(_surrogate_shape(o), (op for op in o if op.resource != GPU)):
-                chain[position[ch]] += op.duration_s
             pre = sum(op.duration_s for op in o if op.resource == GPU)
-            return GroupCost(pre, tuple(chain))
+            return GroupCost(pre, (sum(op.duration_s for op in o if op.resource != GPU),))
     return pareto_dp(ss.backprop_s, cost, max_group=max_group), exact
 
 

@@ -200,7 +200,8 @@ class _Context:
         registry = get_all_passes()
         for entry in reversed(self.plan.pass_log):
             cls = registry.get(entry.name)
-            if cls is not None and getattr(cls, "section", None) == section:
+            if (cls is not None and getattr(cls, "section", None) == section
+                    and entry.changed):  # a pass that kept its input did not decide it
                 notes = f" ({'; '.join(entry.notes)})" if entry.notes else ""
                 return f"pass {entry.name}{notes}"
         return ""
