@@ -127,7 +127,9 @@ class Runtime:
         else:
             self.named_params = list(self.model.named_parameters())
         group = self.groups.dp_group if self.groups is not None else None
-        self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync, group, layout.dp)
+        levels = self.groups.sync_levels() if self.groups is not None else None
+        self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync, group, layout.dp,
+                                  levels)
         self.opt = self.optimizer([p for _, p in self.named_params])
         self.last_times: StepTimes | None = None
 

@@ -11,9 +11,15 @@ plug their strategies in. For every bucket of the plan that holds parameters of 
   collective starts (overlapping the rest of backward);
 - :meth:`GradSync.finish` launches what is left, waits, and writes the averaged gradients back.
 
-Strategies: ``none`` (fp32 allreduce) and ``cast`` (fp16/bf16 on the wire). Compressed
-strategies are executed by the compression runtime, which is not part of this module yet:
-building a GradSync for a plan that uses one raises :class:`SpecError` saying so.
+Strategies: a flat fp32 or fp16/bf16 allreduce runs as one asynchronous ``all_reduce`` (the
+fast path). Every other path — ``CompressedSync`` (flatten, compress once per site, the plan's
+routine steps flat or hierarchical, decompress, unflatten; error feedback per bucket and
+site), and the non-allreduce or hierarchical routings of ``NoSync``/``CastSync`` — runs in
+:class:`~hetplan.runtime.routines.PathRunner` on one worker thread, in the plan's bucket order
+(so collectives stay matched across ranks and overlap the rest of backward). When a plan has
+any such path, every bucket goes through the worker (mixing threads on one process group
+could issue collectives in different orders on different ranks). Tensors without a bucket
+use their per-tensor strategy (one "bucket" each).
 
 Gradient accumulation: :meth:`GradSync.sync_enabled` is False during all but the last
 micro-batch, so hooks only fire the collectives once per iteration.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +38,7 @@ import torch.distributed as dist
 
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import CastSync, CompressedSync, GradientSync, NoSync
+from hetplan.runtime.routines import Level, PathRunner, SyncLevels
 
 __all__ = ["GradSync"]
 
@@ -41,6 +49,7 @@ _WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class _Bucket:
     names: list[str]
     params: list[torch.nn.Parameter]
+    strategy: NoSync | CastSync | CompressedSync
     wire_dtype: torch.dtype | None
     ready: set[int] = field(default_factory=set)
     buffer: torch.Tensor | None = None
@@ -55,6 +64,8 @@ class GradSync:
         sync: the plan's gradient-sync section (None: one fp32 allreduce per tensor).
         group: the data-parallel process group (None: nothing to sync).
         world: its size.
+        levels: the flat/intra/inter groups for paths other than a flat allreduce (None: the
+            flat level is ``group``; a hierarchical path then raises :class:`SpecError`).
     """
 
     def __init__(
@@ -63,6 +74,7 @@ class GradSync:
         sync: GradientSync | None,
         group: Any,
         world: int,
+        levels: SyncLevels | None = None,
     ) -> None:
         self.group = group
         self.world = world
@@ -90,6 +102,10 @@ class GradSync:
             for pi, p in enumerate(b.params):
                 self._where[id(p)] = (bi, pi)
         self._next = 0
+        self._runner: PathRunner | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        if group is not None and any(not _simple(b.strategy) for b in self.buckets):
+            self._start_paths(group, levels)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_ready) for b in self.buckets
             for p in b.params
@@ -97,21 +113,23 @@ class GradSync:
 
     @staticmethod
     def _bucket(names: list[str], params: dict[str, torch.nn.Parameter], strategy: Any) -> _Bucket:
-        if isinstance(strategy, CompressedSync):
-            raise SpecError(
-                f"bucket {names[:3]} uses compressor {strategy.compressor!r}: compressed "
-                "gradient sync needs the compression runtime, which this hetplan does not have "
-                "yet; compile the plan without the compression pass"
-            )
-        if not isinstance(strategy, (NoSync, CastSync)):
+        if not isinstance(strategy, (NoSync, CastSync, CompressedSync)):
             raise SpecError(f"unknown gradient-sync strategy {strategy!r}")
-        if strategy.hierarchy != "flat" or [s.routine for s in strategy.steps] != ["allreduce"]:
-            raise SpecError(
-                f"bucket {names[:3]}: the runtime executes flat allreduce paths; got "
-                f"{[(s.level, s.routine) for s in strategy.steps]}"
-            )
         wire = _WIRE[strategy.dtype] if isinstance(strategy, CastSync) else None
-        return _Bucket(list(names), [params[n] for n in names], wire)
+        return _Bucket(list(names), [params[n] for n in names], strategy, wire)
+
+    def _start_paths(self, group: Any, levels: SyncLevels | None) -> None:
+        rank = dist.get_rank()
+        if levels is None:
+            levels = SyncLevels(Level.of(group, dist.get_process_group_ranks(group), rank))
+        for b in self.buckets:  # refuse now, not in the middle of backward
+            if b.strategy.hierarchy == "hierarchical":
+                for level in ("intra", "inter"):
+                    levels.get(level)
+        cuda = str(dist.get_backend(group)) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._runner = PathRunner(levels, device, rank)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetplan-grad-sync")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -142,6 +160,10 @@ class GradSync:
             p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params
         ]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if self._pool is not None and self._runner is not None:
+            site = self.buckets.index(b)
+            b.work = self._pool.submit(self._runner.run, flat, b.strategy, site)
+            return
         if b.wire_dtype is not None:
             flat = flat.to(b.wire_dtype)
         b.buffer = flat
@@ -153,7 +175,10 @@ class GradSync:
             return
         self._launch_ready(force=True)
         for b in self.buckets:
-            b.work.wait()
+            if isinstance(b.work, Future):
+                b.buffer = b.work.result()
+            else:
+                b.work.wait()
             assert b.buffer is not None
             flat = b.buffer.to(b.params[0].dtype) / self.world
             offset = 0
@@ -168,8 +193,19 @@ class GradSync:
             b.ready.clear()
             b.buffer = b.work = None
         self._next = 0
+        if self._runner is not None:
+            self._runner.iteration += 1
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _simple(strategy: NoSync | CastSync | CompressedSync) -> bool:
+    """A flat, uncompressed allreduce (the asynchronous fast path)."""
+    return (not isinstance(strategy, CompressedSync) and strategy.hierarchy == "flat"
+            and [(s.routine, s.compressed) for s in strategy.steps] == [("allreduce", False)])

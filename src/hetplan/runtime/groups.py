@@ -1,4 +1,10 @@
-"""Process groups for a plan's data-, pipeline- and tensor-parallel dimensions."""
+"""Process groups for a plan's data-, pipeline- and tensor-parallel dimensions.
+
+For hierarchical gradient sync, each data-parallel group is also split by node (``layout.ranks``
+gives every rank's node): the *intra* group holds its ranks on this node, the *inter* group its
+ranks with this rank's position on their node (Espresso's reference grouping). Both exist only
+when the group spans nodes that each hold the same number of its ranks.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hetplan.ir.plan_sections import Layout
+from hetplan.runtime.routines import Level, SyncLevels
 
 __all__ = ["ParallelGroups"]
 
@@ -30,6 +37,18 @@ class ParallelGroups:
     dp_group: Any
     pp_group: Any
     tp_group: Any
+    dp_intra_ranks: tuple[int, ...] | None = None
+    dp_inter_ranks: tuple[int, ...] | None = None
+    dp_intra_group: Any = None
+    dp_inter_group: Any = None
+
+    def sync_levels(self) -> SyncLevels:
+        """The levels the gradient path's routines use for this rank's data-parallel group."""
+        flat = Level.of(self.dp_group, self.dp_ranks, self.rank)
+        if self.dp_intra_ranks is None or self.dp_inter_ranks is None:
+            return SyncLevels(flat)
+        return SyncLevels(flat, Level.of(self.dp_intra_group, self.dp_intra_ranks, self.rank),
+                          Level.of(self.dp_inter_group, self.dp_inter_ranks, self.rank))
 
     @classmethod
     def build(cls, layout: Layout, rank: int, *, backend: str | None = None) -> ParallelGroups:
@@ -52,5 +71,32 @@ class ParallelGroups:
         for dp in range(layout.dp):
             for pp in range(layout.pp):
                 make("tp", tuple(layout.rank_of(dp, pp, x) for x in range(layout.tp)))
+        for pp in range(layout.pp):
+            for tp in range(layout.tp):
+                members = tuple(layout.rank_of(x, pp, tp) for x in range(layout.dp))
+                for kind, sub in node_split(layout, members):
+                    make(kind, sub)
         return cls(rank, d, p, t, ranks["dp"], ranks["pp"], ranks["tp"],
-                   mine["dp"], mine["pp"], mine["tp"])
+                   mine["dp"], mine["pp"], mine["tp"],
+                   ranks.get("intra"), ranks.get("inter"), mine.get("intra"), mine.get("inter"))
+
+
+def node_split(layout: Layout, members: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The intra-node and inter-node subgroups of a group (empty when not hierarchical).
+
+    Intra groups: the members on each node, in rank order. Inter groups: the j-th member of
+    every node, for each j. Needs ``layout.ranks`` (nodes), at least two nodes, and the same
+    number of members on every node.
+    """
+    if not layout.ranks:
+        return []
+    by_node: dict[int, list[int]] = {}
+    for r in members:
+        by_node.setdefault(layout.ranks[r].node, []).append(r)
+    counts = {len(v) for v in by_node.values()}
+    if len(by_node) < 2 or len(counts) != 1:
+        return []
+    nodes = [by_node[n] for n in sorted(by_node)]
+    out = [("intra", tuple(v)) for v in nodes]
+    out += [("inter", tuple(v[j] for v in nodes)) for j in range(counts.pop())]
+    return out

@@ -33,7 +33,9 @@ decompressed sum it is. ``comp`` compresses each chunk that a later step 1 will 
 separately (looking ahead to the next ``decomp``, so nested intra/inter shuffles of compressed
 pieces work); ``decomp`` decompresses every piece and sums (the thesis' "decompress and
 aggregate"); a ``comp`` after a ``decomp`` re-compresses the aggregated shard with its own
-error-feedback site. A collective whose range is empty on every member (e.g. the inter step of
+error-feedback site. Randomized compressors are seeded from (iteration, site, offset) and not
+from the rank, so ranks that hold the same aggregated shard compress it identically (replicas
+never diverge) and random-k draws the same positions on every rank. A collective whose range is empty on every member (e.g. the inter step of
 the non-root ranks after an intra ``reduce``) is skipped.
 
 Gloo (decision in ``docs/decisions.md``): its ``all_gather`` rejects uneven sizes, so dense
@@ -299,6 +301,7 @@ class _State:
     hi: int
     segs: list[_Seg]
     stack: list[tuple[str, str, int, int]] = field(default_factory=list)  # level, kind, lo, hi
+    dtype: torch.dtype = torch.float32  # of the dense values between collectives
 
     def dense(self, what: str) -> torch.Tensor | None:
         """The one dense tensor of the range (None when the range is empty)."""
@@ -329,18 +332,21 @@ class PathRunner:
 
     def run(self, flat: torch.Tensor, strategy: NoSync | CastSync | CompressedSync,
             site: Any = 0) -> torch.Tensor:
-        """The sum over the flat level of every rank's ``flat`` (fp32), following ``strategy``.
+        """The sum over the flat level of every rank's ``flat``, following ``strategy``.
 
-        ``site`` keys the error-feedback memory (the bucket); results are on ``flat.device``.
+        ``site`` keys the error-feedback memory (the bucket). The result has ``flat``'s device
+        and dtype; uncompressed steps of an fp32 strategy keep ``flat``'s dtype (fp64 stays
+        fp64), compressors compute in fp32.
         """
         steps = path_of(strategy)
         comp = (self._compressor(strategy.compressor, strategy.params)
                 if isinstance(strategy, CompressedSync) else
                 self._compressor(strategy.dtype, {}) if isinstance(strategy, CastSync) else None)
-        wire = _WIRE[strategy.dtype if isinstance(strategy, CastSync) else
-                     getattr(strategy, "uncompressed_dtype", "fp32")]
+        wire_name = (strategy.dtype if isinstance(strategy, CastSync) else
+                     getattr(strategy, "uncompressed_dtype", "fp32"))
+        wire = flat.dtype if wire_name == "fp32" else _WIRE[wire_name]
         ef = isinstance(strategy, CompressedSync) and strategy.error_feedback
-        st = _State(0, flat.numel(), [_Seg(0, flat.numel(), dense=flat.to(torch.float32))])
+        st = _State(0, flat.numel(), [_Seg(0, flat.numel(), dense=flat)], dtype=flat.dtype)
         for i, s in enumerate(steps):
             where = f"step {i} ({s.kind} {s.routine or s.device or ''} at {s.level})"
             if s.kind == "comp":
@@ -357,7 +363,7 @@ class PathRunner:
             raise SpecError(f"the path {[(s.kind, s.level, s.routine) for s in steps]} does "
                             "not end with the whole aggregated tensor on every rank")
         out = st.dense("the end of the path")
-        return out.to(flat.device) if out is not None else flat.new_zeros(0)
+        return out.to(flat.device, flat.dtype) if out is not None else flat.new_zeros(0)
 
     def _compressor(self, name: str, params: Mapping[str, Any]) -> Compressor:
         key = (name, repr(sorted(params.items())))
@@ -390,7 +396,7 @@ class PathRunner:
         segs = []
         for a, b in self._split_ahead(st.lo, st.hi, ahead):
             part = x[a - st.lo: b - st.lo]
-            seed = zlib.crc32(repr((self.iteration, self.rank, site, a)).encode())
+            seed = zlib.crc32(repr((self.iteration, site, a)).encode())
             p = (self.feedback.compress(comp, (site, a, b), part, seed) if site is not None
                  else comp.compress(part, seed))
             segs.append(_Seg(a, b, pieces=[p]))
@@ -412,7 +418,7 @@ class PathRunner:
             covered += seg.hi - seg.lo
         if covered != st.hi - st.lo:
             raise SpecError("decomp: the compressed pieces do not cover the range")
-        st.segs = [_Seg(st.lo, st.hi, dense=out)] if st.hi > st.lo else []
+        st.segs = [_Seg(st.lo, st.hi, dense=out.to(st.dtype))] if st.hi > st.lo else []
 
     # -- collectives --
     def _open(self, st: _State, level: str) -> tuple[str, str, int, int] | None:
@@ -438,12 +444,12 @@ class PathRunner:
                 if r == "allgather":
                     w = c[0][1] - c[0][0]
                     y = _allgather(_to(x, self.comm_device).to(wire), lv, w)
-                    x = y[: hi - lo].to(torch.float32)
+                    x = y[: hi - lo].to(st.dtype)
                 else:
                     buf = (_to(x, self.comm_device).to(wire) if lv.index == 0 else
                            torch.empty(hi - lo, dtype=wire, device=self.comm_device))
                     dist.broadcast(buf, src=lv.root, group=lv.group)
-                    x = buf.to(torch.float32)
+                    x = buf.to(st.dtype)
             st.lo, st.hi = lo, hi
             st.segs = [_Seg(lo, hi, dense=x)] if hi > lo else []
             return
@@ -452,7 +458,7 @@ class PathRunner:
             if lv.group is not None and x is not None:
                 y = _to(x, self.comm_device).to(wire)
                 dist.all_reduce(y, group=lv.group)
-                st.segs = [_Seg(st.lo, st.hi, dense=y.to(torch.float32))]
+                st.segs = [_Seg(st.lo, st.hi, dense=y.to(st.dtype))]
             return
         if r not in ("reduce_scatter", "reduce"):
             raise SpecError(f"{where}: routine {r!r} cannot carry uncompressed tensors")
@@ -463,10 +469,10 @@ class PathRunner:
         if lv.group is not None and x is not None:
             y = _to(x, self.comm_device).to(wire)
             if kind == "scatter":
-                x = _reduce_scatter(y, lv)[: b - a].to(torch.float32)
+                x = _reduce_scatter(y, lv)[: b - a].to(st.dtype)
             else:
                 dist.reduce(y, dst=lv.root, group=lv.group)
-                x = y.to(torch.float32)
+                x = y.to(st.dtype)
         st.lo, st.hi = a, b
         st.segs = [_Seg(a, b, dense=x[: b - a])] if b > a and x is not None else []
 
