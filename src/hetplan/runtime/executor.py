@@ -107,7 +107,10 @@ class Runtime:
                 f"`hetplan run` or torchrun --nproc-per-node matching the plan"
             )
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.groups = ParallelGroups.build(layout, rank) if dist.is_initialized() else None
+        spec = self.plan.cluster.spec
+        self.groups = (ParallelGroups.build(layout, rank,
+                                            node_of=spec.node_of if spec is not None else None)
+                       if dist.is_initialized() else None)
         if layout.tp > 1 and layout.pp > 1:
             raise SpecError(
                 f"the runtime runs pipeline (pp={layout.pp}) or tensor parallelism "

@@ -8,6 +8,7 @@ when the group spans nodes that each hold the same number of its ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +52,13 @@ class ParallelGroups:
                           Level.of(self.dp_inter_group, self.dp_inter_ranks, self.rank))
 
     @classmethod
-    def build(cls, layout: Layout, rank: int, *, backend: str | None = None) -> ParallelGroups:
-        """Create the groups for ``layout`` (a collective call: every rank must call it)."""
+    def build(cls, layout: Layout, rank: int, *, backend: str | None = None,
+              node_of: Callable[[int], int] | None = None) -> ParallelGroups:
+        """Create the groups for ``layout`` (a collective call: every rank must call it).
+
+        ``node_of`` gives a global rank's node when ``layout.ranks`` is empty (the plan's
+        ``ClusterSpec.node_of``); without either, no intra/inter groups are made.
+        """
         d, p, t = layout.coords(rank)
         mine: dict[str, Any] = {}
         ranks: dict[str, tuple[int, ...]] = {}
@@ -74,25 +80,28 @@ class ParallelGroups:
         for pp in range(layout.pp):
             for tp in range(layout.tp):
                 members = tuple(layout.rank_of(x, pp, tp) for x in range(layout.dp))
-                for kind, sub in node_split(layout, members):
+                for kind, sub in node_split(layout, members, node_of):
                     make(kind, sub)
         return cls(rank, d, p, t, ranks["dp"], ranks["pp"], ranks["tp"],
                    mine["dp"], mine["pp"], mine["tp"],
                    ranks.get("intra"), ranks.get("inter"), mine.get("intra"), mine.get("inter"))
 
 
-def node_split(layout: Layout, members: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+def node_split(layout: Layout, members: tuple[int, ...],
+               node_of: Callable[[int], int] | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """The intra-node and inter-node subgroups of a group (empty when not hierarchical).
 
     Intra groups: the members on each node, in rank order. Inter groups: the j-th member of
-    every node, for each j. Needs ``layout.ranks`` (nodes), at least two nodes, and the same
-    number of members on every node.
+    every node, for each j. Needs nodes (``layout.ranks``, else ``node_of``), at least two
+    nodes, and the same number of members on every node.
     """
-    if not layout.ranks:
+    if layout.ranks:
+        node_of = lambda r: layout.ranks[r].node  # noqa: E731
+    if node_of is None:
         return []
     by_node: dict[int, list[int]] = {}
     for r in members:
-        by_node.setdefault(layout.ranks[r].node, []).append(r)
+        by_node.setdefault(node_of(r), []).append(r)
     counts = {len(v) for v in by_node.values()}
     if len(by_node) < 2 or len(counts) != 1:
         return []

@@ -40,7 +40,8 @@ the non-root ranks after an intra ``reduce``) is skipped.
 
 Gloo (decision in ``docs/decisions.md``): its ``all_gather`` rejects uneven sizes, so dense
 chunks are padded to ``ceil(len / g)`` and compressed byte buffers to the largest one (sizes are
-exchanged first); ``reduce_scatter`` uses ``reduce_scatter_tensor`` and falls back to
+exchanged first); ``reduce_scatter`` uses ``reduce_scatter_single`` (``reduce_scatter_tensor``
+in older torch) and falls back to
 ``all_to_all_single`` plus a local sum where the backend lacks it; variable-size alltoall uses
 ``all_to_all_single`` with split sizes. Collectives run synchronously on the calling thread;
 the gradient path runs them on its worker thread in the plan's bucket order.
@@ -167,7 +168,8 @@ def _reduce_scatter(x: torch.Tensor, lv: Level) -> torch.Tensor:
     backend = str(dist.get_backend(lv.group))
     if _RS_NATIVE.get(backend, True):
         try:
-            dist.reduce_scatter_tensor(out, padded, group=lv.group)
+            native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            native(out, padded, group=lv.group)
             _RS_NATIVE[backend] = True
             return out
         except (RuntimeError, NotImplementedError, AttributeError):
