@@ -128,7 +128,8 @@ class Step:
 
 def path_of(strategy: NoSync | CastSync | CompressedSync) -> tuple[Step, ...]:
     """The actions of a plan strategy. ``CompressedSync.actions`` when given; otherwise its
-    ``steps`` with a ``comp`` before every run of compressed steps and a ``decomp`` after it."""
+    ``steps`` with a ``comp`` before every run of compressed steps and a ``decomp`` after it
+    (levels as in the tree: a comp's is the next comm's, a decomp's the previous comm's)."""
     if isinstance(strategy, CompressedSync) and strategy.actions:
         return tuple(
             Step("comm", a.level, a.routine, a.task.endswith("_comp"))
@@ -139,11 +140,11 @@ def path_of(strategy: NoSync | CastSync | CompressedSync) -> tuple[Step, ...]:
     comp_dev = getattr(strategy, "compress_device", "gpu")
     decomp_dev = getattr(strategy, "decompress_device", "gpu")
     prev = False
-    for s in strategy.steps:
+    for i, s in enumerate(strategy.steps):
         if s.compressed and not prev:
             out.append(Step("comp", s.level, device=comp_dev))
         if prev and not s.compressed:
-            out.append(Step("decomp", s.level, device=decomp_dev))
+            out.append(Step("decomp", strategy.steps[i - 1].level, device=decomp_dev))
         out.append(Step("comm", s.level, s.routine, s.compressed))
         prev = s.compressed
     if prev:
