@@ -60,7 +60,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from hetplan.cost_models.timeline import CPU, GPU, Op, SyncUnit, simulate_dp
+from hetplan.cost_models.timeline import CPU, GPU, DPSession, Op, SyncUnit, simulate_dp
 
 __all__ = [
     "SelectionProblem",
@@ -122,6 +122,23 @@ class SelectionProblem(Generic[K]):
         self.evaluations += 1
         return simulate_dp(self.backprop_s, self.units(strategy), forward_s=self.forward_s,
                            optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers).iteration_s
+
+    def session(self, strategy: Sequence[K]) -> DPSession:
+        """A :class:`~hetplan.cost_models.timeline.DPSession` based on ``strategy``: trials
+        that change a few tensors resume from the first changed one (same times as
+        :meth:`iteration_s`, bit for bit)."""
+        sess = DPSession(self.backprop_s, forward_s=self.forward_s,
+                         optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers)
+        self.evaluations += 1
+        sess.rebase([self.ops(i, k) for i, k in enumerate(strategy)])
+        return sess
+
+    def trial_s(self, sess: DPSession, changes: dict[int, K], bound: float = float("inf")
+                ) -> float:
+        """The session's base with ``changes`` (tensor -> option); ``inf`` once proven longer
+        than ``bound``."""
+        self.evaluations += 1
+        return sess.trial({i: self.ops(i, k) for i, k in changes.items()}, bound=bound)
 
 
 @dataclass(frozen=True)
@@ -193,7 +210,11 @@ def _dominated(cand: tuple[float, float, float], cur: tuple[float, float, float]
 
 
 def gpu_decisions(
-    problem: SelectionProblem[K], *, prune: bool = True, start: Sequence[K] | None = None
+    problem: SelectionProblem[K],
+    *,
+    prune: bool = True,
+    start: Sequence[K] | None = None,
+    fast: bool = True,
 ) -> tuple[list[K], float]:
     """Algorithm 4.1: GPU compression decisions (see the module docstring).
 
@@ -202,12 +223,16 @@ def gpu_decisions(
         prune: skip candidates no shorter than the current option on every resource.
         start: the initial strategy (default: the baseline, as in the thesis); a tensor's
             baseline option is always among its candidates.
+        fast: score candidates with a resumable simulation that starts at the candidate's
+            tensor and stops once a candidate is proven slower than the best so far (same
+            result as ``fast=False``, which simulates every candidate from scratch).
 
     Returns:
         (strategy, its iteration time).
     """
     strategy = list(problem.baseline if start is None else start)
-    best = problem.iteration_s(strategy)
+    sess = problem.session(strategy) if fast else None
+    best = sess.base_s if sess is not None else problem.iteration_s(strategy)
     removed = {i for i in tensors_before_bubbles(problem, strategy)
                if not problem.compressed(strategy[i])}
     for j in processing_order(problem.sizes):
@@ -222,14 +247,22 @@ def gpu_decisions(
             if ops in seen or (prune and _dominated(_footprint(ops), cur_fp)):
                 continue
             seen.add(ops)
-            trial = strategy.copy()
-            trial[j] = cand
-            f = problem.iteration_s(trial)
-            back = cand == problem.baseline[j] and f <= best + _EPS
-            if f < best - _EPS or back:
+            back = cand == problem.baseline[j]
+            if sess is not None:
+                # a candidate is kept only if f < best - eps, or f <= best + eps for the
+                # baseline: one proven longer than that cannot be kept
+                f = problem.trial_s(sess, {j: cand}, bound=best + _EPS if back else best - _EPS)
+            else:
+                trial = strategy.copy()
+                trial[j] = cand
+                f = problem.iteration_s(trial)
+            if f < best - _EPS or (back and f <= best + _EPS):
                 best, current = f, cand
         if current != strategy[j]:
             strategy[j] = current
+            if sess is not None:
+                problem.evaluations += 1
+                sess.rebase([*sess.base_ops[:j], problem.ops(j, current), *sess.base_ops[j + 1:]])
             removed |= {i for i in tensors_before_bubbles(problem, strategy)
                         if not problem.compressed(strategy[i])}
     return strategy, best
@@ -263,8 +296,14 @@ def cpu_offload(
     strategy: Sequence[K],
     *,
     limit: int = 1 << 15,
+    fast: bool = True,
 ) -> tuple[list[K], float, bool]:
     """Algorithm 4.2: the best CPU offloading of ``strategy``'s compressed tensors.
+
+    Args:
+        problem / strategy: the tensors and Algorithm 4.1's strategy.
+        limit: exact search (Theorem 4.1) up to this many offloading vectors.
+        fast: resumable, early-stopping simulations (same result as ``fast=False``).
 
     Returns:
         (strategy, its iteration time, whether the exact search of Theorem 4.1 ran; False
@@ -272,9 +311,18 @@ def cpu_offload(
     """
     groups = _offload_groups(problem, strategy)
     base = list(strategy)
-    best_f = problem.iteration_s(base)
+    sess = problem.session(base) if fast else None
+    best_f = sess.base_s if sess is not None else problem.iteration_s(base)
     if not groups:
         return base, best_f, True
+
+    def score(counts: Sequence[int]) -> float:
+        if sess is None:
+            return problem.iteration_s(_apply(problem, base, groups, counts))
+        changes = {i: problem.offload(base[i]) for g, u in zip(groups, counts) for i in g[:u]}
+        # kept only if f < best_f - eps: a trial proven longer than that cannot be kept
+        return problem.trial_s(sess, changes, bound=best_f - _EPS)  # type: ignore[arg-type]
+
     total = 1
     for g in groups:
         total *= len(g) + 1
@@ -283,7 +331,7 @@ def cpu_offload(
         for u in itertools.product(*(range(len(g) + 1) for g in groups)):
             if not any(u):
                 continue
-            f = problem.iteration_s(_apply(problem, base, groups, u))
+            f = score(u)
             if f < best_f - _EPS:
                 best_f, best_u = f, list(u)
         return _apply(problem, base, groups, best_u), best_f, True
@@ -296,7 +344,7 @@ def cpu_offload(
                     continue
                 trial = best_u.copy()
                 trial[gi] = u
-                f = problem.iteration_s(_apply(problem, base, groups, trial))
+                f = score(trial)
                 if f < best_f - _EPS:
                     best_f, best_u, changed = f, trial, True
     return _apply(problem, base, groups, best_u), best_f, False
@@ -326,6 +374,23 @@ def _exhaustive(problem: SelectionProblem[K], options: list[list[K]]) -> tuple[l
     return best[1], best[0]
 
 
+def _best_seed(
+    problem: SelectionProblem[K], seeds: Sequence[Sequence[K]], fast: bool
+) -> tuple[float, int] | None:
+    """``min((F(seed), index))`` over the seeds; the fast path stops a seed's simulation once
+    it is proven longer than the best seed so far (which then cannot be the minimum)."""
+    if not fast or not seeds:
+        return min(((problem.iteration_s(sd), n) for n, sd in enumerate(seeds)), default=None)
+    sess = problem.session(problem.baseline)
+    best: tuple[float, int] | None = None
+    for n, sd in enumerate(seeds):
+        changes = {i: k for i, k in enumerate(sd) if k != problem.baseline[i]}
+        f = problem.trial_s(sess, changes, bound=best[0] if best else float("inf"))
+        if best is None or (f, n) < best:
+            best = (f, n)
+    return best
+
+
 def select(
     problem: SelectionProblem[K],
     *,
@@ -333,6 +398,7 @@ def select(
     offload_limit: int = 1 << 15,
     seeds: Sequence[Sequence[K]] = (),
     prune: bool = True,
+    fast: bool = True,
 ) -> Selection[K]:
     """Choose one option per tensor (see the module docstring).
 
@@ -345,6 +411,8 @@ def select(
             tensor may then also go back to its baseline), and the better result goes on to
             Algorithm 4.2. Never worse than the best seed.
         prune: see :func:`gpu_decisions`.
+        fast: resumable, early-stopping simulations everywhere (see :func:`gpu_decisions`);
+            ``False`` is the slow reference (same strategies and times; the tests compare).
     """
     baseline_s = problem.iteration_s(problem.baseline)
     options = _full_options(problem)
@@ -359,25 +427,29 @@ def select(
         strategy, f = _exhaustive(problem, options)
         gpu_s, method = time.perf_counter() - t0, "exhaustive"
     else:
-        strategy, f = gpu_decisions(problem, prune=prune)
+        strategy, f = gpu_decisions(problem, prune=prune, fast=fast)
         method = "espresso"
-        best_seed = min(((problem.iteration_s(sd), n) for n, sd in enumerate(seeds)),
-                        default=None)
+        best_seed = _best_seed(problem, seeds, fast)
         if best_seed is not None and best_seed[0] < f - _EPS:
-            refined, fr = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]])
+            refined, fr = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]],
+                                        fast=fast)
             if fr < f - _EPS:
                 strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
         gpu_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        strategy, f, exact = cpu_offload(problem, strategy, limit=offload_limit)
+        strategy, f, exact = cpu_offload(problem, strategy, limit=offload_limit, fast=fast)
         cpu_s = time.perf_counter() - t1
         method += "" if exact else "+greedy-offload"
     if baseline_s <= f + _EPS and list(problem.baseline) != strategy:
         strategy, f = list(problem.baseline), baseline_s
     benefit = []
+    sess = problem.session(strategy) if fast else None
     for i, k in enumerate(strategy):
         if k == problem.baseline[i]:
             benefit.append(0.0)
+            continue
+        if sess is not None:
+            benefit.append(problem.trial_s(sess, {i: problem.baseline[i]}) - f)
             continue
         trial = strategy.copy()
         trial[i] = problem.baseline[i]

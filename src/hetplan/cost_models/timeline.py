@@ -27,10 +27,11 @@ first, then the lower unit index: deterministic.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "simulate_dp", "GPU", "CPU"]
+__all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "DPSession", "simulate_dp", "GPU", "CPU"]
 
 GPU = "gpu"
 CPU = "cpu"
@@ -304,3 +305,266 @@ def _event_loop(
         run_op(t, k, j)
     bp_end = bp_end_fixed if bp_end_fixed is not None else 0.0
     return _finish(forward_s, optimizer_s, bp_end, sync_end, busy, events)
+
+
+class DPSession:
+    """Fast, resumable :func:`simulate_dp` for one sync unit per tensor (unit ``i`` ends at
+    tensor ``i``), for searches that change a few tensors' ops at a time (Espresso).
+
+    :meth:`rebase` simulates a *base* strategy once and keeps the simulator's state at the
+    start of every backprop segment. That state depends only on the ops of the earlier
+    tensors: unit ``i`` enters the timeline when segment ``i`` ends, and the event order is a
+    fixed function of the state. :meth:`trial` therefore resumes from the state at the first
+    tensor whose ops differ from the base and replays the same float operations in the same
+    order as :func:`simulate_dp`'s general event loop: its result equals
+    ``simulate_dp(...).iteration_s`` bit for bit (``tests/unit/test_timeline_session.py``
+    checks this on random instances, with and without GPU and CPU ops).
+
+    With ``bound`` a trial may stop early and return ``inf`` once the iteration is proven
+    longer than ``bound``: the lower bound ``max over resources r of (r's free time + the
+    work still to start on r)`` (the GPU counts the remaining backprop too; CPU work is spread
+    over the pool) is checked at the resume point, and ``op start + the work on its resource
+    from this op on`` (plus the remaining backprop for the GPU) at every channel and GPU op. A
+    returned finite value is always exact. A trial also stops, returning the base's time,
+    when its state at a segment start after every changed tensor is equivalent to the
+    base's there (:meth:`_converged`): the rest of the run is then the base's.
+
+    Args:
+        backprop_s: backprop time before each tensor becomes ready.
+        forward_s / optimizer_s / cpu_workers: as for :func:`simulate_dp`.
+    """
+
+    __slots__ = ("_bp", "_fwd", "_opt", "_workers", "_suffix_bp", "_ops", "_snaps", "_pend",
+                 "_suffix", "_snap_gpu", "base_s")
+
+    def __init__(
+        self,
+        backprop_s: Sequence[float],
+        *,
+        forward_s: float = 0.0,
+        optimizer_s: float = 0.0,
+        cpu_workers: int = 1,
+    ) -> None:
+        if cpu_workers < 1:
+            raise ValueError(f"cpu_workers must be >= 1, got {cpu_workers}")
+        self._bp = tuple(backprop_s)
+        self._fwd = forward_s
+        self._opt = optimizer_s
+        self._workers = cpu_workers
+        suffix = [0.0] * (len(self._bp) + 1)
+        for i in range(len(self._bp) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + self._bp[i]
+        self._suffix_bp = suffix
+        self._ops: list[tuple[Op, ...]] = []
+        self._snaps: list[tuple[float, list, list, dict[str, float], list[float], float]] = []
+        self._pend: list[dict[str, float]] = []
+        self._suffix: list[dict[str, float]] = []
+        self._snap_gpu: list[float] = []
+        self.base_s = 0.0
+
+    @property
+    def base_ops(self) -> list[tuple[Op, ...]]:
+        """The base strategy's ops per tensor (do not modify)."""
+        return self._ops
+
+    def rebase(self, unit_ops: Sequence[tuple[Op, ...]]) -> float:
+        """Simulate ``unit_ops`` (one ops tuple per tensor) as the new base; its iteration time."""
+        if len(unit_ops) != len(self._bp):
+            raise ValueError(f"{len(unit_ops)} units for {len(self._bp)} tensors: one per tensor")
+        self._ops = list(unit_ops)
+        self._snaps = []
+        self._snap_gpu = []
+        self.base_s = self._run(self._ops, 0.0, 0, [], [], {}, [0.0] * self._workers, 0.0,
+                                self._snaps, float("inf"), None)
+        self._snap_gpu = [snap[0] for snap in self._snaps]
+        n = len(self._bp)
+        suffix: list[dict[str, float]] = [{} for _ in range(n + 1)]
+        for i in range(n - 1, -1, -1):
+            acc = dict(suffix[i + 1])
+            for op in self._ops[i]:
+                acc[op.resource] = acc.get(op.resource, 0.0) + op.duration_s
+            suffix[i] = acc
+        self._suffix = suffix
+        self._pend = []
+        for _, runnable, gpu_queue, _, _, _ in self._snaps:
+            pend: dict[str, float] = {}
+            for _, _, k, j in itertools.chain(runnable, gpu_queue):
+                for op in self._ops[k][j:]:
+                    pend[op.resource] = pend.get(op.resource, 0.0) + op.duration_s
+            self._pend.append(pend)
+        return self.base_s
+
+    def trial(
+        self,
+        changes: dict[int, tuple[Op, ...]],
+        *,
+        bound: float = float("inf"),
+    ) -> float:
+        """Iteration time of the base strategy with tensor ``i``'s ops replaced by
+        ``changes[i]``; ``inf`` when ``bound`` is finite and the time is proven > ``bound``."""
+        if not changes:
+            return self.base_s
+        first = min(changes)
+        if not 0 <= first < len(self._bp) or max(changes) >= len(self._bp):
+            raise ValueError(f"tensor index outside 0..{len(self._bp) - 1}: {sorted(changes)}")
+        ops = self._ops
+        if len(changes) == 1:
+            ops = ops.copy()
+            ops[first] = changes[first]
+        else:
+            ops = [changes.get(i, o) for i, o in enumerate(ops)]
+        rem = None
+        if bound < float("inf"):
+            rem = dict(self._pend[first])
+            for r, d in self._suffix[first].items():
+                rem[r] = rem.get(r, 0.0) + d
+            for i, new in changes.items():
+                for op in self._ops[i]:
+                    rem[op.resource] -= op.duration_s
+                for op in new:
+                    rem[op.resource] = rem.get(op.resource, 0.0) + op.duration_s
+        gpu_free, runnable, gpu_queue, free, cpu, sync_end = self._snaps[first]
+        if rem is not None and self._bound(gpu_free, first, free, cpu, sync_end,
+                                           rem) > bound + 1e-12:
+            return float("inf")
+        return self._run(ops, gpu_free, first, runnable.copy(), gpu_queue.copy(), dict(free),
+                         cpu.copy(), sync_end, None, bound, rem, tuple(changes))
+
+    def _converged(self, m: int, runnable: list, gpu_queue: list, free: dict[str, float],
+                   cpu: list[float], sync_end: float, changed: Sequence[int]) -> bool:
+        """Whether a trial's state at the start of segment ``m`` (all changed tensors before
+        ``m``, same ``gpu_free``) behaves exactly like the base's there, so that the rest of
+        the run, and the result, are the base's. Times at or before ``now`` are equivalent
+        (every remaining op starts after ``now`` and ``max(t, free)`` then gives ``t``;
+        ``sync_end`` only meets the backprop end, which is later), and no changed tensor may
+        still have ops in flight."""
+        now, b_run, b_queue, b_free, b_cpu, b_sync = self._snaps[m]
+        if max(sync_end, now) != max(b_sync, now) or len(runnable) != len(b_run) \
+                or len(gpu_queue) != len(b_queue):
+            return False
+        for r in set(free) | set(b_free):
+            if max(free.get(r, 0.0), now) != max(b_free.get(r, 0.0), now):
+                return False
+        if sorted(max(w, now) for w in cpu) != sorted(max(w, now) for w in b_cpu):
+            return False
+        if any(e[2] in changed for e in runnable) or any(e[2] in changed for e in gpu_queue):
+            return False
+        return sorted(runnable) == sorted(b_run) and sorted(gpu_queue) == sorted(b_queue)
+
+    def _bound(self, gpu_free: float, next_bp: int, free: dict[str, float], cpu: list[float],
+               sync_end: float, rem: dict[str, float]) -> float:
+        """A lower bound on the iteration time from a segment start (see the class doc)."""
+        # every op still to start starts at or after ``now``: the GPU stream only starts a
+        # segment while every runnable op is later, and later units are ready after it
+        now = gpu_free
+        end = max(sync_end, now + self._suffix_bp[next_bp] + rem.get(GPU, 0.0))
+        for r, d in rem.items():
+            if r == GPU or d <= 0.0:
+                continue
+            if r == CPU:
+                end = max(end, (sum(max(w, now) for w in cpu) + d) / len(cpu))
+            else:
+                end = max(end, max(free.get(r, 0.0), now) + d)
+        return self._fwd + end + self._opt
+
+    def _run(
+        self,
+        uops: Sequence[tuple[Op, ...]],
+        gpu_free: float,
+        next_bp: int,
+        runnable: list[tuple[float, float, int, int]],
+        gpu_queue: list[tuple[float, float, int, int]],
+        free: dict[str, float],
+        cpu: list[float],
+        sync_end: float,
+        snaps: list | None,
+        bound: float,
+        rem: dict[str, float] | None,
+        changed: Sequence[int] = (),
+    ) -> float:
+        """:func:`_event_loop`'s general path (same float operations in the same order) over
+        one unit per tensor, from a saved state."""
+        bp = self._bp
+        n = len(bp)
+        inf = float("inf")
+        push, pop = heapq.heappush, heapq.heappop
+        bp_end = 0.0
+        single_cpu = len(cpu) == 1
+        suffix_bp = self._suffix_bp
+        limit = bound + 1e-12 - self._fwd - self._opt
+        last_changed = max(changed) if changed else n
+        snap_gpu = self._snap_gpu
+        while True:
+            horizon = runnable[0][0] if runnable else inf
+            while gpu_free < horizon:
+                if gpu_queue and gpu_queue[0][0] <= gpu_free:
+                    t, r, k, j = pop(gpu_queue)
+                    ops = uops[k]
+                    d = ops[j].duration_s
+                    if rem is not None:
+                        left = rem[GPU]
+                        if gpu_free + left + suffix_bp[next_bp] > limit:
+                            return inf
+                        rem[GPU] = left - d
+                    e = gpu_free + d
+                    gpu_free = e
+                    if j + 1 < len(ops):
+                        push(runnable, (e, r, k, j + 1))
+                        if e < horizon:
+                            horizon = e
+                    elif e > sync_end:
+                        sync_end = e
+                elif next_bp < n:
+                    if snaps is not None:
+                        snaps.append((gpu_free, runnable.copy(), gpu_queue.copy(), dict(free),
+                                      cpu.copy(), sync_end))
+                    else:
+                        if next_bp > last_changed and gpu_free == snap_gpu[next_bp] and \
+                                self._converged(next_bp, runnable, gpu_queue, free, cpu,
+                                                sync_end, changed):
+                            return self.base_s
+                    e = gpu_free + bp[next_bp]
+                    gpu_free = e
+                    if uops[next_bp]:
+                        push(runnable, (e, e, next_bp, 0))
+                        if e < horizon:
+                            horizon = e
+                    next_bp += 1
+                    if next_bp == n:
+                        bp_end = e
+                elif gpu_queue:
+                    gpu_free = max(gpu_free, gpu_queue[0][0])
+                else:
+                    break
+            if not runnable:
+                if gpu_queue or next_bp < n:
+                    continue
+                break
+            t, r, k, j = pop(runnable)
+            ops = uops[k]
+            op = ops[j]
+            res = op.resource
+            if res == GPU:
+                push(gpu_queue, (t, r, k, j))
+                continue
+            d = op.duration_s
+            if res == CPU:
+                w = 0 if single_cpu else min(range(len(cpu)), key=cpu.__getitem__)
+                s = max(t, cpu[w])
+                cpu[w] = s + d
+            else:
+                s = max(t, free.get(res, 0.0))
+                free[res] = s + d
+            e = s + d
+            if rem is not None:
+                left = rem[res]
+                if res != CPU and s + left > limit:
+                    return inf  # this and the rest of res's work run one after another
+                rem[res] = left - d
+            if j + 1 < len(ops):
+                push(runnable, (e, r, k, j + 1))
+            elif e > sync_end:
+                sync_end = e
+        if n == 0:
+            bp_end = 0.0
+        return self._fwd + max(bp_end, sync_end) + self._opt

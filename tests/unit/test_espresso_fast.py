@@ -1,0 +1,68 @@
+"""The fast selection path (resumable, early-stopping simulations) against the slow reference
+(every candidate simulated from scratch with ``simulate_dp``): on random small instances both
+pick the same strategies with the same predicted times, with seeds, offloading and several
+channels."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetplan.algorithms.espresso import SelectionProblem, cpu_offload, gpu_decisions, select
+from hetplan.cost_models.timeline import CPU, GPU, Op
+
+_t = st.integers(1, 8).map(lambda x: x * 0.25)
+_OPTS = ("N", "G1", "G2", "H", "C1", "C2")
+
+
+@st.composite
+def _problem(draw: st.DrawFn) -> SelectionProblem[str]:
+    n = draw(st.integers(2, 7))
+    bp = draw(st.lists(_t, min_size=n, max_size=n))
+    sizes = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    raw = [draw(_t) * s for s in sizes]
+    comp = draw(_t)
+    dec = draw(_t)
+    cpu = draw(_t)
+
+    def ops(i: int, k: str) -> tuple[Op, ...]:
+        if k == "N":
+            return (Op("net", raw[i]),)
+        if k == "H":  # two channels in sequence, uncompressed
+            return (Op("intra", raw[i] / 4), Op("inter", raw[i] / 2), Op("intra", raw[i] / 4))
+        dev, c = (GPU, comp) if k.startswith("G") else (CPU, cpu * sizes[i])
+        wire = raw[i] / (4 if k.endswith("1") else 8)
+        extra = (Op(dev, dec),) if k.endswith("2") else ()
+        return (Op(dev, c), Op("net", wire), *extra)
+
+    return SelectionProblem(
+        backprop_s=bp, sizes=sizes, baseline=["N"] * n,
+        gpu_options=[["G1", "G2", "H"]] * n, ops=ops,
+        compressed=lambda k: k not in ("N", "H"),
+        offload=lambda k: "C" + k[1] if k.startswith("G") else None,
+        cpu_workers=draw(st.integers(1, 2)),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(p=_problem(), prune=st.booleans())
+def test_fast_gpu_decisions_and_offload_equal_reference(p: SelectionProblem[str],
+                                                        prune: bool) -> None:
+    fast = gpu_decisions(p, prune=prune, fast=True)
+    slow = gpu_decisions(p, prune=prune, fast=False)
+    assert fast == slow
+    assert cpu_offload(p, fast[0], fast=True) == cpu_offload(p, slow[0], fast=False)
+    # the coordinate-descent fallback too
+    assert cpu_offload(p, fast[0], limit=1, fast=True) == cpu_offload(p, slow[0], limit=1,
+                                                                       fast=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=_problem())
+def test_fast_select_equals_reference(p: SelectionProblem[str]) -> None:
+    n = len(p.sizes)
+    seeds = [[k] * n for k in _OPTS]
+    a = select(p, exhaustive_limit=0, seeds=seeds, fast=True)
+    b = select(p, exhaustive_limit=0, seeds=seeds, fast=False)
+    assert (a.strategy, a.iteration_s, a.baseline_s, a.benefit_s, a.method) == (
+        b.strategy, b.iteration_s, b.baseline_s, b.benefit_s, b.method)
