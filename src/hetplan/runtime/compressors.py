@@ -71,17 +71,17 @@ from hetplan.errors import SpecError
 from hetplan.ir.validation import did_you_mean
 
 __all__ = [
-    "Payload",
-    "Compressor",
-    "Cast",
-    "TopK",
-    "RandomK",
     "DGC",
-    "EFSignSGD",
-    "OneBit",
     "QSGD",
-    "PowerSGD",
+    "Cast",
+    "Compressor",
+    "EFSignSGD",
     "ErrorFeedback",
+    "OneBit",
+    "Payload",
+    "PowerSGD",
+    "RandomK",
+    "TopK",
     "make_compressor",
     "payload_bytes",
 ]
@@ -338,6 +338,8 @@ def make_compressor(name: str, params: Mapping[str, object] | None = None) -> Co
         SpecError: unknown name, or a parameter it does not take.
     """
     params = dict(params or {})
+    cls: type[Compressor]
+    allowed: tuple[str, ...]
     classes: dict[str, tuple[type[Compressor], tuple[str, ...]]] = {
         "topk": (TopK, ("ratio",)), "randomk": (RandomK, ("ratio",)),
         "dgc": (DGC, ("ratio", "sample_fraction")), "efsignsgd": (EFSignSGD, ()),

@@ -83,10 +83,10 @@ class GradSync:
         self.buckets: list[_Bucket] = []
         covered: set[str] = set()
         if sync is not None:
-            for b in sync.buckets:
-                local = [n for n in b.tensors if n in params]
+            for pb in sync.buckets:
+                local = [n for n in pb.tensors if n in params]
                 if local:
-                    self.buckets.append(self._bucket(local, params, sync.strategies[b.strategy]))
+                    self.buckets.append(self._bucket(local, params, sync.strategies[pb.strategy]))
                     covered.update(local)
             for t in sync.tensors:
                 if t.name in params and t.name not in covered:

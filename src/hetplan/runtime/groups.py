@@ -96,7 +96,11 @@ def node_split(layout: Layout, members: tuple[int, ...],
     nodes, and the same number of members on every node.
     """
     if layout.ranks:
-        node_of = lambda r: layout.ranks[r].node  # noqa: E731
+        placements = layout.ranks
+
+        def node_of(r: int) -> int:
+            return placements[r].node
+
     if node_of is None:
         return []
     by_node: dict[int, list[int]] = {}

@@ -61,7 +61,7 @@ from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync
 from hetplan.runtime.compressors import Compressor, ErrorFeedback, Payload, make_compressor
 
-__all__ = ["Level", "SyncLevels", "Step", "PathRunner", "path_of", "chunk_bounds"]
+__all__ = ["Level", "PathRunner", "Step", "SyncLevels", "chunk_bounds", "path_of"]
 
 _WIRE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
@@ -327,7 +327,7 @@ class PathRunner:
     """
 
     levels: SyncLevels
-    comm_device: torch.device = torch.device("cpu")
+    comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     rank: int = 0
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
     iteration: int = 0
