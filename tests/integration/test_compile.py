@@ -378,3 +378,38 @@ def test_cli_unknown_cluster_suggests_presets() -> None:
 def test_cli_misspelt_cluster_gets_nearest_preset() -> None:
     r = run("plan", "tiny-gpt2", "--cluster", "a100-nvlink-8x9", "--batch-size", "64")
     assert_user_error(r, "did you mean", "a100-nvlink-8x8")
+
+
+# --------------------------------------------------------------------------------------
+# screening, then refinement of the finalists
+# --------------------------------------------------------------------------------------
+def test_refinement_passes_run_on_the_finalists_only(tiny_gpt2: ModelIR,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetplan.optimizer import compile as compile_mod
+    from hetplan.passes.cupcake import CupcakeFusion
+
+    calls: list[str] = []
+    original = CupcakeFusion.run
+
+    def counting(self: Any, plan: Plan, ctx: Any) -> Any:
+        calls.append(ctx.layout.describe() if hasattr(ctx.layout, "describe") else "")
+        return original(self, plan, ctx)
+
+    monkeypatch.setattr(CupcakeFusion, "run", counting)
+    plan = compile(tiny_gpt2, "mixed-generations", batch_size=BATCH)
+    considered = int(plan.pass_log[0].notes[0].split()[0])
+    assert considered > compile_mod.FINALISTS
+    # finalists, then the baselines (which never run cupcake)
+    assert len(calls) == compile_mod.FINALISTS
+
+
+def test_finalist_search_matches_refining_every_layout(tiny_gpt2: ModelIR,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetplan.optimizer import compile as compile_mod
+
+    quick = compile(tiny_gpt2, "mixed-generations", batch_size=BATCH)
+    monkeypatch.setattr(compile_mod, "FINALISTS", 10**6)
+    full = compile(tiny_gpt2, "mixed-generations", batch_size=BATCH)
+    assert quick.predictions is not None and full.predictions is not None
+    assert quick.predictions.iteration_time_ms == full.predictions.iteration_time_ms
+    assert quick.layout == full.layout

@@ -5,9 +5,14 @@ Read top to bottom:
 1. **Workload**: capture the model (a zoo name, an ``nn.Module`` with example inputs, a
    :class:`ModelIR` or a workload file) into the plan's :class:`WorkloadSummary`.
 2. **Cost model** for the cluster, from the profile DB where it has measurements.
-3. **Layout search**: every layout :func:`enumerate_layouts` allows; for each, the pass
-   pipeline fills the plan sections and :func:`evaluate` predicts the iteration; infeasible
-   ones (memory) are dropped; the fastest wins (ties: the smaller layout tuple).
+3. **Layout search**: every layout :func:`enumerate_layouts` allows; for each, the passes
+   that shape it (stages, TP, baseline buckets) fill the plan sections and :func:`evaluate`
+   predicts the iteration; infeasible ones (memory) are dropped. The :data:`FINALISTS`
+   fastest then get the whole pipeline, refinement passes (Cupcake; Espresso when
+   compressors are allowed) included, and the fastest of those wins (ties: the smaller
+   layout tuple). A refinement never makes a layout slower, so a layout outside the
+   finalists could win only if refinement helped it by more than its gap to the last
+   finalist; that is the price of not running the expensive searches on every layout.
 4. **Baselines**: the same prediction for the baselines the plan must beat — DDP (pure data
    parallelism, 25 MiB fp32 buckets), the winning layout with baseline passes, and the winning
    layout with layer-wise (unfused) fp32 sync.
@@ -49,8 +54,10 @@ from hetplan.passes.manager import run_passes
 
 __all__ = ["compile", "simulate", "plan_costs", "resolve_cluster", "resolve_profile", "DEFAULT_PASSES"]
 
-#: The pass pipeline compile runs for every candidate layout.
-#: The pass pipeline compile runs for every candidate layout: balanced pipeline stages
+#: Layouts that get the refinement passes after screening (see :func:`compile`).
+FINALISTS = 3
+
+#: The pass pipeline compile runs: balanced pipeline stages
 #: (``dynpipe``; ``uniform-stages`` stays the baseline), then the baseline TP and buckets,
 #: then ``espresso`` (per-tensor gradient-sync options), then ``cupcake-fusion`` (optimal
 #: buckets of consecutive tensors sharing a strategy; never predicted slower than its input).
@@ -187,7 +194,10 @@ def compile(  # noqa: A001 - the product's verb
             f"(with dp={dp}, pp={pp}, tp={tp} pinned): choose a batch size divisible by a "
             "data-parallel degree the cluster allows"
         )
-    best: tuple[float, LayoutCandidate, Plan, Evaluation] | None = None
+    # screen every layout with the passes that shape it; refine only the finalists
+    screening = [p for p in pipeline if not _refines(p, tuple(compressors))]
+    refining = len(screening) < len(pipeline)
+    screened: list[tuple[float, LayoutCandidate, Plan, Evaluation]] = []
     infeasible: list[tuple[float, str]] = []
     for cand in candidates:
         layout = cand.to_layout(batch_size, schedule)
@@ -196,11 +206,24 @@ def compile(  # noqa: A001 - the product's verb
             infeasible.append((0.0, reason))
             continue
         try:
-            plan, ev = _plan_for(layout, model_ref, cluster_ref, pipeline, workload, spec, costs,
+            plan, ev = _plan_for(layout, model_ref, cluster_ref,
+                                 screening if refining else pipeline, workload, spec, costs,
                                  compressors=tuple(compressors))
         except InfeasiblePlanError as e:
             infeasible.append((0.0, str(e)))
             continue
+        screened.append((ev.iteration_s, cand, plan, ev))
+    screened.sort(key=lambda x: (x[0], x[1]))
+    best: tuple[float, LayoutCandidate, Plan, Evaluation] | None = None
+    for _, cand, plan, ev in screened[:FINALISTS] if refining else screened[:1]:
+        if refining:
+            try:
+                plan, ev = _plan_for(cand.to_layout(batch_size, schedule), model_ref,
+                                     cluster_ref, pipeline, workload, spec, costs,
+                                     compressors=tuple(compressors))
+            except InfeasiblePlanError as e:
+                infeasible.append((0.0, str(e)))
+                continue
         if best is None or (ev.iteration_s, cand) < (best[0], best[1]):
             best = (ev.iteration_s, cand, plan, ev)
     if best is None:
@@ -214,7 +237,8 @@ def compile(  # noqa: A001 - the product's verb
                            costs, passes)
     search_note = (
         f"{len(candidates)} layout(s) considered, {len(infeasible)} infeasible, "
-        f"chose {cand.describe()}"
+        + (f"best {min(FINALISTS, len(screened))} refined, " if refining else "")
+        + f"chose {cand.describe()}"
     )
     plan = plan.model_copy(
         update={
@@ -264,6 +288,12 @@ def _memory_lower_bound(
         f"{need / 2**30:.1f} GiB per rank even if perfectly balanced, more than "
         f"{cap / 2**30:.1f} GiB usable"
     )
+
+
+def _refines(p: Any, compressors: tuple[str, ...]) -> bool:
+    """Whether pass ``p`` is a refinement here (see ``passes/base.py``)."""
+    flag = getattr(p, "refines", False)
+    return bool(flag(compressors)) if callable(flag) else bool(flag)
 
 
 def _plan_for(

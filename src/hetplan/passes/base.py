@@ -4,6 +4,11 @@ A pass is a frozen dataclass with a kebab-case ``name`` and typed options. Its o
 ``run(plan, ctx)``, returns a :class:`PassResult` with a new plan in which it has filled or
 changed exactly one section (``section``); it never mutates its inputs. The algorithm lives in
 ``hetplan.algorithms`` as a pure function; the pass adapts plan and workload to it.
+
+A pass that sets ``refines = True`` (or a ``refines(compressors) -> bool`` function) improves
+a section an earlier pass already filled, at a price: ``compile`` screens every candidate
+layout without it and runs it only on the best few (``optimizer.compile.FINALISTS``), so an
+expensive search is paid a few times per compile, not once per layout.
 """
 
 from __future__ import annotations

@@ -142,6 +142,7 @@ class CupcakeFusion:
     max_group: int | None = None
     name: ClassVar[str] = "cupcake-fusion"
     section: ClassVar[str] = "gradient_sync"
+    refines: ClassVar[bool] = True
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         workload, incoming = ctx.workload, plan.gradient_sync

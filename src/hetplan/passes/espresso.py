@@ -144,6 +144,13 @@ class Espresso:
     name: ClassVar[str] = "espresso"
     section: ClassVar[str] = "gradient_sync"
 
+    @staticmethod
+    def refines(compressors: tuple[str, ...]) -> bool:
+        """A refinement (run on compile's finalists only) when compressors are allowed: the
+        option search is then expensive; choosing the fp32 routing alone is cheap and can
+        change which layout wins, so every layout gets it."""
+        return bool(compressors)
+
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         allowed = check_compressors(
             self.compressors if self.compressors is not None else ctx.compressors)
