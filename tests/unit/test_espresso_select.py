@@ -169,3 +169,24 @@ def test_lemma_4_1_counterexample_in_this_simulator() -> None:
     brute = min(p.iteration_s(["C" if m else "G" for m in mask])
                 for mask in itertools.product((0, 1), repeat=5))
     assert grouped == pytest.approx(8.25) and brute == pytest.approx(8.0)
+
+
+def test_a_gap_inside_one_tensors_path_is_no_bubble() -> None:
+    # T0 ready at 1, comm [1, 11]. T1 ready at 2: comm waits for the channel [11, 12], then
+    # GPU decompression [12, 13], then comm [13, 14]. The gap [12, 13] lies inside T1's own
+    # path, and T1 waited behind T0: shortening T0 (e.g. compressing it to 2) moves T1 to
+    # [3, 4] [4, 5] [5, 6], so T0 must stay a candidate.
+    def ops(i: int, k: str) -> tuple[Op, ...]:
+        if i == 0:
+            return (Op("net", 10.0 if k == "N" else 2.0),)
+        return (Op("net", 1.0), Op(GPU, 1.0), Op("net", 1.0))
+
+    p = SelectionProblem(backprop_s=[1.0, 1.0], sizes=[2, 1], baseline=["N", "N"],
+                         gpu_options=[["G"], []], ops=ops, compressed=lambda k: k != "N")
+    assert p.iteration_s(["N", "N"]) == pytest.approx(14.0)
+    assert p.iteration_s(["G", "N"]) == pytest.approx(6.0)
+    assert tensors_before_bubbles(p, ["N", "N"]) == set()
+    # a real bubble: T1 becomes ready after T0's communication ended
+    p2 = SelectionProblem(backprop_s=[1.0, 20.0], sizes=[2, 1], baseline=["N", "N"],
+                          gpu_options=[["G"], []], ops=ops, compressed=lambda k: k != "N")
+    assert tensors_before_bubbles(p2, ["N", "N"]) == {0}

@@ -30,17 +30,27 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
 - §H.4: timeline semantics are those of ``simulate_dp``: GPU (de)compression preempts the
   remaining backprop, one FIFO per communication channel, a pool of ``cpu_workers`` CPU
   workers; host↔device copies are not modelled separately.
-- §H.5: bubbles are gaps longer than 1e-9 s in the union of all communication channels; a
-  zero-length gap is not a bubble. A tensor is "communicated before a bubble" when its last
-  communication ends at or before the start of the last busy period. Removed tensors stay
-  removed.
+- §H.5: bubbles are gaps longer than 1e-9 s in the union of all communication channels that
+  no tensor spans (a tensor spans a gap when it became ready before it and still has ops
+  after it: a gap inside one tensor's path, e.g. its own decompression after it waited
+  behind earlier tensors, is no bubble, since shortening the earlier communication moves it
+  too); a zero-length gap is not a bubble. A tensor is "communicated before a bubble" when
+  its last communication ends at or before the start of the last busy period. Removed
+  tensors stay removed.
 - §H.6: the GPU candidates of a tensor are all its GPU-only options the caller allows (the
   pass gives flat and hierarchical ones on a multi-node group; tensors may mix them).
 - §H.7: offloading moves *all* of a tensor's (de)compressions to the CPU (``offload``);
   groups are keyed by (size, option) as in the thesis. When ``prod(|G_i|+1)`` exceeds
   ``offload_limit`` the groups are optimized one at a time (coordinate descent, repeated until
   no group changes) instead — not optimal, stated in :attr:`Selection.method`.
-- Speed (§H.8): candidates with the same ops as one already scored for the tensor are not
+- Speed (§H.8): every candidate is scored with a resumable simulation
+  (:class:`~hetplan.cost_models.timeline.DPSession`) that starts at the state saved at the
+  changed tensor's ready time (the prefix cannot change), stops once the candidate is
+  proven unable to be kept (a lower bound on its time exceeds what it must beat) and
+  returns the base's time once its state becomes equivalent to the base's. Values it
+  returns are bit-identical to :func:`simulate_dp`'s, so ``fast=True`` chooses exactly what
+  ``fast=False`` (every candidate simulated from scratch) chooses; tests compare the two.
+  Candidates with the same ops as one already scored for the tensor are not
   re-simulated, and a candidate that is no shorter than the current option on every
   resource (communication, GPU and CPU busy time) is skipped (it cannot shorten the timeline
   in the common case; only improvements are ever accepted, so skipping never makes the
@@ -174,16 +184,31 @@ def processing_order(sizes: Sequence[int]) -> list[int]:
 
 def tensors_before_bubbles(problem: SelectionProblem[K], strategy: Sequence[K]) -> set[int]:
     """Tensors whose communication ends no later than the start of the last busy period of
-    the communication timeline (Property #1; see the module docstring, §H.5)."""
+    the communication timeline (Property #1; see the module docstring, §H.5).
+
+    A gap in the communication timeline is a bubble only if no tensor *spans* it (became
+    ready before the gap and still has ops after it): a gap inside one tensor's own path,
+    e.g. its decompression between two communication steps after it waited behind earlier
+    tensors on a channel, is no bubble, because shortening the earlier communication would
+    move that tensor's later steps earlier too.
+    """
     tl = simulate_dp(problem.backprop_s, problem.units(strategy), record=True,
                      cpu_workers=problem.cpu_workers)
     comm = sorted((e.start_s, e.end_s, e.unit) for e in tl.events
                   if e.unit >= 0 and e.resource not in (GPU, CPU))
     if not comm:
         return set()
+    ready = [0.0] * len(problem.backprop_s)
+    done: dict[int, float] = {}
+    for e in tl.events:
+        if e.unit < 0:
+            ready[int(e.label.rsplit(" ", 1)[1])] = e.end_s
+        else:
+            done[e.unit] = max(done.get(e.unit, 0.0), e.end_s)
     last_start, reach = comm[0][0], comm[0][1]
     for s, e, _ in comm[1:]:
-        if s > reach + _EPS:
+        if s > reach + _EPS and not any(ready[u] < s - _EPS and end > reach + _EPS
+                                        for u, end in done.items()):
             last_start = s
         reach = max(reach, e)
     ends: dict[int, float] = {}

@@ -31,7 +31,9 @@ Decisions (also in ``docs/decisions.md``):
   simulator gives flat and inter-node steps separate channels although they share the
   network, so mixing would be predicted too optimistically. The pass selects among flat
   options and among hierarchical ones (when the group spans several nodes with several ranks
-  each) and keeps the faster.
+  each) and keeps the faster. Algorithm 4.1's "no compression" start is the fastest uniform
+  fp32 routing *of that hierarchy* (e.g. hierarchical reduce-scatter / allreduce /
+  allgather), not the flat allreduce, for the same reason.
 - Options are pruned to at most ``max_compressions`` compressions per tensor (default 4: no
   limit) and to the allowed ``devices`` (default GPU and CPU).
 """
@@ -279,6 +281,12 @@ class Espresso:
             compressed=lambda k: k[0] is not None,
             offload=offload,
         )
+        # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
+        # hierarchical candidates would put them on other channels than the tensors left
+        # uncompressed, so that every choice for one tensor looks free (and ties go by order)
+        plain = [k for k in cands if k[0] is None]
+        base = min(plain, key=lambda k: problem.iteration_s([k] * n))
+        problem.baseline = [base] * n
         seeds = [[k] * n for k in cands] if self.uniform_seeds else []
         if all(k[0] is None for k in cands):
             # nothing to compress: the best uniform routing (cheap enough for every layout)
