@@ -20,6 +20,8 @@ EXPECTED_PRESETS = {
     # name: (world_size, num_nodes, heterogeneous)
     "v100-pcie-8x8": (64, 8, False),
     "v100-nvlink-8x8": (64, 8, False),
+    "espresso-nvlink-8x8": (64, 8, False),
+    "espresso-pcie-8x8": (64, 8, False),
     "a100-nvlink-8x8": (64, 8, False),
     "a100-1024": (1024, 128, False),
     "h100-1024": (1024, 128, False),
@@ -410,3 +412,14 @@ def test_error_ends_with_hint(tmp_path: Path) -> None:
     msg = _load_error(tmp_path, data)
     assert msg.splitlines()[-1].startswith("hint:")
     assert "examples/clusters" in msg.splitlines()[-1]
+
+
+def test_espresso_presets_match_the_artifacts_constants() -> None:
+    # espresso_models.json: beta_intra 0.02 (NVLink) / 0.4 (PCIe) us per 1000 B, beta_inter
+    # 0.8 us per 1000 B, i.e. 50 / 2.5 / 1.25 GB/s
+    for name, intra_gbytes in (("espresso-nvlink-8x8", 50.0), ("espresso-pcie-8x8", 2.5)):
+        spec = ClusterSpec.from_preset(name)
+        assert spec.nodes[0].intra_link.bandwidth_gbps / 8 == pytest.approx(intra_gbytes)
+        assert spec.inter_node is not None
+        assert spec.inter_node.bandwidth_gbps / 8 == pytest.approx(1.25)
+        assert 1e3 / (spec.inter_node.bandwidth_gbps / 8 * 1e3) == pytest.approx(0.8)

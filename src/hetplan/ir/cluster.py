@@ -649,6 +649,25 @@ PRESETS: dict[str, Callable[[], ClusterSpec]] = {
         [_node("v100", 8, "V100-SXM2-32GB", 8, 48, _NVLINK2)],
         _eth(100),
     ),
+    "espresso-nvlink-8x8": _preset(
+        "espresso-nvlink-8x8",
+        "8 machines x 8 V100 SXM2 32GB, the Espresso artifact's NVLink constants: 50 GB/s "
+        "intra (0.02 us/KB), 1.25 GB/s inter (0.8 us/KB); latency per ring step 2 us intra, "
+        "25 us inter (the artifact's 150 us is per call: 2 x 150 us ~ 14 x 25 us for a "
+        "hierarchical allreduce over 8 nodes)",
+        [_node("v100", 8, "V100-SXM2-32GB", 8, 48,
+               {"kind": "nvlink", "bandwidth_gbps": 400.0, "latency_us": 2.0})],
+        _eth(10),
+    ),
+    "espresso-pcie-8x8": _preset(
+        "espresso-pcie-8x8",
+        "8 PCIe-only machines x 8 V100 32GB, the Espresso artifact's PCIe constants: 2.5 GB/s "
+        "intra (0.4 us/KB), 1.25 GB/s inter (0.8 us/KB); latency per ring step 3 us intra, "
+        "25 us inter",
+        [_node("v100", 8, "V100-PCIe-32GB", 8, 48,
+               {"kind": "pcie", "bandwidth_gbps": 20.0, "latency_us": 3.0})],
+        _eth(10),
+    ),
     "a100-nvlink-8x8": _preset(
         "a100-nvlink-8x8",
         "8 machines x 8 A100 80GB on NVLink, 128 cores, 100 Gb/s RDMA",
