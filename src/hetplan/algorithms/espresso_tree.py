@@ -250,6 +250,13 @@ def options(
         raise ValueError(f"unknown hierarchies {bad}; use 'flat' and/or 'hierarchical'")
     if max_compressions < 0:
         raise ValueError(f"max_compressions must be >= 0, got {max_compressions}")
+    return _options(devs, hiers, max_compressions, compress)
+
+
+@lru_cache(maxsize=256)
+def _options(devs: frozenset[str], hiers: frozenset[str], max_compressions: int,
+             compress: bool | None) -> tuple[Option, ...]:
+    """:func:`options` after validation (cached: the pass asks for the same sets often)."""
     out = []
     for o in all_options():
         n = num_compressions(o)

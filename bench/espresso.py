@@ -1,0 +1,186 @@
+"""Bench: Espresso per-tensor compression strategies — plan quality and selection time.
+
+For the six workloads of ``espresso_models.json`` (effective ready gaps, as the artifact's
+simulator uses them), dp = 64 on 8 nodes x 8 V100 with the artifact's NVLink and PCIe constants
+(presets ``espresso-nvlink-8x8`` and ``espresso-pcie-8x8``: 50 / 2.5 GB/s intra, 1.25 GB/s
+inter), and each of DGC, random-k (both keeping 1 %) and EF-SignSGD, the ``espresso`` pass
+chooses one option per tensor (the compressor and fp16 allowed, GPU and CPU (de)compression,
+flat and hierarchical paths, at most ``--max-compressions`` compressions per tensor; default 1,
+i.e. the one-level options HiPress / BytePS-Compress use; 4 is the whole tree of 4341 options).
+
+Reported per case (predicted by the shared simulator through ``evaluate``):
+
+* the chosen strategy's iteration time, and the same for every tensor on one option: the best
+  fp32 routing (flat allreduce, reduce-scatter/allgather, hierarchical ...), the flat fp32
+  allreduce, the best fp16 routing, and the best uniform compression (every option of the
+  compressor the pass may use, applied to all tensors);
+* the ratio to the compute-only bound (forward + backprop + optimizer, no communication);
+* selection time: the whole pass, Algorithm 4.1 (GPU decisions, both hierarchies, with the
+  uniform seeds) and Algorithm 4.2 (CPU offloading), and their ratios to the thesis' Table 4.5
+  (GPU selection) and Table 4.6 (offloading). The thesis does not say what ran its selector;
+  ours is this machine's CPU (shared), one process, Python.
+
+Assert-style checks (never slower than fp32 / fp16 / uniform) live in the tests; this script
+only measures. Run: ``python bench/espresso.py [--max-compressions N] [--models a,b]`` →
+``bench/results/espresso.json`` and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import hetplan.passes.espresso as espresso_pass
+from hetplan.algorithms.espresso import Selection
+from hetplan.algorithms.espresso_tree import option_id, options
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.evaluate import evaluate
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan import ClusterRef, ModelRef, Plan
+from hetplan.ir.plan_sections import GradientSync, Layout, TensorSync, WorkloadSummary
+from hetplan.ir.workload import espresso_workloads
+from hetplan.passes.base import PassContext
+from hetplan.passes.espresso import Espresso, Key, strategy_for, strategy_name
+
+DATA = Path("/work/shared/data/espresso_models.json")
+OUT = Path(__file__).parent / "results" / "espresso.json"
+CLUSTERS = {"nvlink": "espresso-nvlink-8x8", "pcie": "espresso-pcie-8x8"}
+COMPRESSORS = ("dgc", "randomk", "efsignsgd")
+DP = 64
+#: Thesis Table 4.5 (GPU selection) and Table 4.6 (CPU offloading), milliseconds.
+TABLE_4_5_MS = {"vgg16": 17, "resnet101": 179, "ugatit": 84, "bert": 125, "gpt2": 99, "lstm": 1}
+TABLE_4_6_MS = {"vgg16": 1, "resnet101": 30, "ugatit": 12, "bert": 44, "gpt2": 18, "lstm": 1}
+
+
+class _Recorder:
+    """Wraps the pass's ``select`` to keep every :class:`Selection` it returns."""
+
+    def __init__(self) -> None:
+        self.selections: list[Selection[Key]] = []
+        self._select = espresso_pass.select
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Selection[Key]:
+        sel = self._select(*args, **kwargs)
+        self.selections.append(sel)
+        return sel
+
+
+def _setup(wl: WorkloadSummary, preset: str, comps: tuple[str, ...]) -> tuple[PassContext, Plan]:
+    spec = ClusterSpec.from_preset(preset)
+    layout = Layout(dp=DP, micro_batch_size=wl.batch_size)
+    ctx = PassContext(workload=wl, cluster=spec, costs=CostModel(spec), layout=layout,
+                      compressors=comps)
+    plan = Plan(model=ModelRef(name="bench", fingerprint="0" * 16, num_params=1),
+                cluster=ClusterRef.from_cluster(spec, embed=False), layout=layout)
+    return ctx, plan
+
+
+def _uniform(ctx: PassContext, key: Key) -> GradientSync:
+    name = strategy_name(key)
+    return GradientSync(strategies={name: strategy_for(key)},
+                        tensors=tuple(TensorSync(name=g.name, strategy=name)
+                                      for g in ctx.workload.grads))
+
+
+def _time_ms(plan: Plan, ctx: PassContext, sync: GradientSync) -> float:
+    return evaluate(ctx.workload, ctx.layout, plan.stages, sync, ctx.costs,
+                    check_memory=False).iteration_s * 1e3
+
+
+def _best(plan: Plan, ctx: PassContext, keys: list[Key]) -> tuple[float, str]:
+    return min((_time_ms(plan, ctx, _uniform(ctx, k)), strategy_name(k)) for k in keys)
+
+
+def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int) -> dict[str, Any]:
+    ctx, plan = _setup(wl, preset, (comp, "fp16"))
+    rec = _Recorder()
+    espresso_pass.select = rec  # type: ignore[assignment]
+    try:
+        t0 = time.perf_counter()
+        out = Espresso(devices=("gpu", "cpu"), max_compressions=max_comp).run(plan, ctx)
+        total_s = time.perf_counter() - t0
+    finally:
+        espresso_pass.select = rec._select  # type: ignore[assignment]
+    assert out.plan.gradient_sync is not None
+    chosen = _time_ms(plan, ctx, out.plan.gradient_sync)
+    hier = ["flat", "hierarchical"]
+    plain = [(None, option_id(o)) for o in options(hierarchies=hier, compress=False)]
+    fp32 = evaluate(ctx.workload, ctx.layout, plan.stages, _uniform(ctx, (None, 0)), ctx.costs,
+                    check_memory=False)
+    compute_ms = (fp32.iteration_s - fp32.exposed_comm_s) * 1e3
+    best_fp32 = _best(plan, ctx, plain)
+    best_fp16 = _best(plan, ctx, [("fp16", k[1]) for k in plain])
+    lossy = [(comp, option_id(o)) for o in options(hierarchies=hier, compress=True,
+                                                     max_compressions=max_comp)]
+    best_uniform = _best(plan, ctx, lossy)
+    gs = out.plan.gradient_sync
+    n_comp = sum(1 for t in gs.tensors
+                 if type(gs.strategies[t.strategy]).__name__ == "CompressedSync")
+    gpu_ms = sum(s.gpu_s for s in rec.selections) * 1e3
+    cpu_ms = sum(s.cpu_s for s in rec.selections) * 1e3
+    return {
+        "chosen_ms": round(chosen, 4),
+        "fp32_flat_ms": round(fp32.iteration_s * 1e3, 4),
+        "fp32_best_ms": round(best_fp32[0], 4), "fp32_best": best_fp32[1],
+        "fp16_best_ms": round(best_fp16[0], 4), "fp16_best": best_fp16[1],
+        "uniform_best_ms": round(best_uniform[0], 4), "uniform_best": best_uniform[1],
+        "uniform_options": len(lossy),
+        "compute_bound_ms": round(compute_ms, 4),
+        "ratio_to_compute_bound": round(chosen / compute_ms, 4),
+        "speedup_vs_fp32_best": round(best_fp32[0] / chosen, 4),
+        "speedup_vs_uniform_best": round(best_uniform[0] / chosen, 4),
+        "tensors": len(wl.grads), "compressed_tensors": n_comp,
+        "offloaded_tensors": sum(1 for t in gs.tensors
+                                 if getattr(gs.strategies[t.strategy], "compress_device", "")
+                                 == "cpu"),
+        "selection_total_ms": round(total_s * 1e3, 2),
+        "selection_gpu_ms": round(gpu_ms, 2),
+        "selection_cpu_offload_ms": round(cpu_ms, 2),
+        "simulations": sum(s.evaluations for s in rec.selections),
+        "methods": [s.method for s in rec.selections],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-compressions", type=int, default=1)
+    ap.add_argument("--models", default=",".join(TABLE_4_5_MS))
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    wls = espresso_workloads(DATA, gaps="effective", include_extra=False)
+    cases: dict[str, Any] = {}
+    for model in args.models.split(","):
+        wl = WorkloadSummary.from_model_ir(wls[model])
+        for cname, preset in CLUSTERS.items():
+            for comp in COMPRESSORS:
+                r = run_case(wl, preset, comp, args.max_compressions)
+                r["vs_table_4_5"] = round(r["selection_gpu_ms"] / TABLE_4_5_MS[model], 3)
+                r["vs_table_4_6"] = round(r["selection_cpu_offload_ms"] / TABLE_4_6_MS[model], 3)
+                cases[f"{model}/{cname}/{comp}"] = r
+                print(f"{model:9s} {cname:6s} {comp:9s} chosen {r['chosen_ms']:9.2f} ms | "
+                      f"fp32 {r['fp32_best_ms']:9.2f} fp16 {r['fp16_best_ms']:9.2f} uniform "
+                      f"{r['uniform_best_ms']:9.2f} | x{r['ratio_to_compute_bound']:.3f} of "
+                      f"compute | {r['compressed_tensors']:3d}/{r['tensors']:3d} compressed | "
+                      f"select {r['selection_total_ms']:8.1f} ms (4.1: {r['vs_table_4_5']:.1f}x "
+                      f"T4.5, 4.2: {r['vs_table_4_6']:.1f}x T4.6)", flush=True)
+    result = {
+        "what": "Espresso pass: predicted iteration time and selection time (see bench/espresso.py)",
+        "dp": DP, "clusters": CLUSTERS, "compressors": list(COMPRESSORS),
+        "max_compressions": args.max_compressions, "allowed_extra": ["fp16"],
+        "devices": ["gpu", "cpu"], "gaps": "effective",
+        "table_4_5_ms": TABLE_4_5_MS, "table_4_6_ms": TABLE_4_6_MS,
+        "machine": {"python": platform.python_version(), "cpu": platform.processor()
+                    or platform.machine(), "note": "2 shared cores, other jobs running"},
+        "cases": cases,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
