@@ -13,7 +13,8 @@ Reported per case (predicted by the shared simulator through ``evaluate``):
 * the chosen strategy's iteration time, and the same for every tensor on one option: the best
   fp32 routing (flat allreduce, reduce-scatter/allgather, hierarchical ...), the flat fp32
   allreduce, the best fp16 routing, and the best uniform compression (every option of the
-  compressor the pass may use, applied to all tensors);
+  compressor the pass may use: its GPU-only paths and the same paths with every (de)compression
+  on the CPU, applied to all tensors);
 * the ratio to the compute-only bound (forward + backprop + optimizer, no communication);
 * selection time: the whole pass, Algorithm 4.1 (GPU decisions, both hierarchies, with the
   uniform seeds) and Algorithm 4.2 (CPU offloading), and their ratios to the thesis' Table 4.5
@@ -36,7 +37,7 @@ from typing import Any
 
 import hetplan.passes.espresso as espresso_pass
 from hetplan.algorithms.espresso import Selection
-from hetplan.algorithms.espresso_tree import option_id, options
+from hetplan.algorithms.espresso_tree import offloaded, option_id, options
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.ir.cluster import ClusterSpec
@@ -114,8 +115,10 @@ def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int) -> dict
     compute_ms = (fp32.iteration_s - fp32.exposed_comm_s) * 1e3
     best_fp32 = _best(plan, ctx, plain)
     best_fp16 = _best(plan, ctx, [("fp16", k[1]) for k in plain])
-    lossy = [(comp, option_id(o)) for o in options(hierarchies=hier, compress=True,
-                                                     max_compressions=max_comp)]
+    gpu_only = options(devices=["gpu"], hierarchies=hier, compress=True,
+                       max_compressions=max_comp)
+    lossy = [(comp, option_id(o)) for o in gpu_only] + [
+        (comp, option_id(offloaded(o))) for o in gpu_only]
     best_uniform = _best(plan, ctx, lossy)
     gs = out.plan.gradient_sync
     n_comp = sum(1 for t in gs.tensors

@@ -25,8 +25,9 @@ Decisions (also in ``docs/decisions.md``):
 - **Sparsifier ratio** 0.01 (the thesis' 99 % sparsity); error feedback on.
 - **Never slower than what it was given.** If the incoming ``gradient_sync`` (e.g. DDP buckets)
   is predicted faster than the chosen per-tensor strategies, it is kept, with a note.
-- **Seeds.** Every uniform strategy (all tensors on one candidate option) is scored too, so the
-  result is never predicted slower than the best uniform compression; the note says which won.
+- **Seeds.** Every uniform strategy (all tensors on one candidate option, or on its CPU-offloaded
+  version) is scored too, so the result is never predicted slower than the best uniform
+  compression; the note says which won.
 - **No mixing of flat and hierarchical paths in one group** (§H.6, open in the thesis): the
   simulator gives flat and inter-node steps separate channels although they share the
   network, so mixing would be predicted too optimistically. The pass selects among flat
@@ -288,6 +289,9 @@ class Espresso:
         base = min(plain, key=lambda k: problem.iteration_s([k] * n))
         problem.baseline = [base] * n
         seeds = [[k] * n for k in cands] if self.uniform_seeds else []
+        if self.uniform_seeds:  # every tensor offloaded the same way, too (Algorithm 4.2
+            # offloads subsets of Algorithm 4.1's choice and may miss these)
+            seeds += [[cpu] * n for k in cands if (cpu := offload(k)) is not None]
         if all(k[0] is None for k in cands):
             # nothing to compress: the best uniform routing (cheap enough for every layout)
             problem.gpu_options = [[]] * n
