@@ -71,7 +71,7 @@ def _cases() -> list[tuple[str, Any]]:
 
 def _rank(rank: int, world: int) -> dict[str, Any]:
     levels = _levels(rank)
-    runner = PathRunner(levels, rank=rank)
+    runner = PathRunner(levels)
     out = {}
     for label, strategy in _cases():
         out[label] = runner.run(_vec(rank), strategy, site=label)

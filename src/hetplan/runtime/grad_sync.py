@@ -128,7 +128,7 @@ class GradSync:
                     levels.get(level)
         cuda = str(dist.get_backend(group)) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self._runner = PathRunner(levels, device, rank)
+        self._runner = PathRunner(levels, device)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetplan-grad-sync")
 
     @contextlib.contextmanager

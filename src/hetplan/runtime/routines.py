@@ -323,12 +323,10 @@ class PathRunner:
     Args:
         levels: the groups.
         comm_device: where collectives take their tensors (``cpu`` for gloo).
-        rank: this rank (seeds the randomized compressors).
     """
 
     levels: SyncLevels
     comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    rank: int = 0
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
     iteration: int = 0
     _comps: dict[tuple[str, str], Compressor] = field(default_factory=dict)
@@ -339,7 +337,8 @@ class PathRunner:
 
         ``site`` keys the error-feedback memory (the bucket). The result has ``flat``'s device
         and dtype; uncompressed steps of an fp32 strategy keep ``flat``'s dtype (fp64 stays
-        fp64), compressors compute in fp32.
+        fp64), compressors compute in fp32. ``flat`` may be overwritten (collectives run in
+        place on it when no cast or copy is needed).
         """
         steps = path_of(strategy)
         comp = (self._compressor(strategy.compressor, strategy.params)
@@ -355,7 +354,7 @@ class PathRunner:
             if s.kind == "comp":
                 if comp is None:
                     raise SpecError(f"{where}: a comp in a strategy without a compressor")
-                self._comp(st, comp, steps[i + 1:], (site, i) if ef else None, flat.device, s)
+                self._comp(st, comp, steps[i + 1:], (site, i), ef, flat.device, s)
             elif s.kind == "decomp":
                 self._decomp(st, comp, s, flat.device)
             elif s.compressed:
@@ -388,7 +387,7 @@ class PathRunner:
                 ranges = [c for a, b in ranges for c in chunk_bounds(a, b, g, kind) if c[1] > c[0]]
         return ranges
 
-    def _comp(self, st: _State, comp: Compressor, ahead: Sequence[Step], site: Any,
+    def _comp(self, st: _State, comp: Compressor, ahead: Sequence[Step], site: Any, ef: bool,
               home: torch.device, s: Step) -> None:
         x = st.dense("comp")
         if x is None:
@@ -400,7 +399,7 @@ class PathRunner:
         for a, b in self._split_ahead(st.lo, st.hi, ahead):
             part = x[a - st.lo: b - st.lo]
             seed = zlib.crc32(repr((self.iteration, site, a)).encode())
-            p = (self.feedback.compress(comp, (site, a, b), part, seed) if site is not None
+            p = (self.feedback.compress(comp, (site, a, b), part, seed) if ef
                  else comp.compress(part, seed))
             segs.append(_Seg(a, b, pieces=[p]))
         st.segs = segs
