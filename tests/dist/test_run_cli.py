@@ -100,7 +100,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     # (torchrun starts the ranks in sessions of their own and stops them itself)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hetplan.cli", "run", str(tmp_path / "plan.json"), "--model",
-         "gpt-test", "--steps", "1000000"],
+         "gpt-test", "--steps", "5000"],  # bounded, even if all else fails
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     workers: list[int] = []
     try:
@@ -117,8 +117,8 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
         while time.monotonic() < deadline and any(_alive(p) for p in workers):
             time.sleep(0.5)
         assert not any(_alive(p) for p in workers), "ranks still running after Ctrl-C"
-    finally:
-        for pid in [proc.pid, *workers]:
+    finally:  # never leave ranks behind, whatever failed above
+        for pid in [*_descendants(proc.pid), proc.pid, *workers]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -127,7 +127,13 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
 
 
 def _workers_under(root: int) -> list[int]:
-    """Descendants of ``root`` that run hetplan's worker (not torchrun itself), from /proc."""
+    """Descendants of ``root`` that run hetplan's worker (not torchrun itself)."""
+    return [p for p, c in _descendants(root).items()
+            if b"hetplan.runtime.worker" in c and b"torch.distributed.run" not in c]
+
+
+def _descendants(root: int) -> dict[int, bytes]:
+    """Every descendant process of ``root`` with its command line, from /proc."""
     parent: dict[int, int] = {}
     cmd: dict[int, bytes] = {}
     for entry in os.listdir("/proc"):
@@ -147,8 +153,7 @@ def _workers_under(root: int) -> list[int]:
                 return True
         return False
 
-    return sorted(p for p, c in cmd.items() if under(p) and b"hetplan.runtime.worker" in c
-                  and b"torch.distributed.run" not in c)
+    return {p: c for p, c in sorted(cmd.items()) if under(p)}
 
 
 def _alive(pid: int) -> bool:
