@@ -98,3 +98,15 @@ def test_never_slower_than_fp32_fp16_or_uniform(gpt2_run: tuple[Plan, PassContex
 def test_plan_round_trips(gpt2_run: tuple[Plan, PassContext, Plan]) -> None:
     _, _, out = gpt2_run
     assert Plan.model_validate_json(out.model_dump_json()) == out
+
+
+def test_compressors_allowed_on_a_cpu_cluster() -> None:
+    # on the cpu device type a plan's "gpu" (de)compression is the device itself: the pass
+    # scores it with the CPU compressor cost instead of refusing the cluster
+    import hetplan
+
+    plan = hetplan.compile("gpt-test", "cpu-2x2", batch_size=8, dp=4, pp=1, tp=1,
+                           compressors=("topk",))
+    assert plan.predictions is not None and plan.gradient_sync is not None
+    ddp = next(b for b in plan.predictions.baselines if b.name == "ddp")
+    assert plan.predictions.iteration_time_ms <= ddp.iteration_time_ms

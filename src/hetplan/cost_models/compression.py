@@ -297,8 +297,8 @@ class CompressionModel:
             ratio / levels / rank: compressor parameters (see :func:`wire_ratio`).
 
         Raises:
-            SpecError: unknown compressor, device kind or device type, or a GPU cost asked of
-                the ``cpu`` device type.
+            SpecError: unknown compressor, device kind or device type. A ``gpu`` cost asked
+                of the ``cpu`` device type is its CPU cost (the device itself).
         """
         key = (compressor, device_kind, device_type, ratio, levels, rank)
         cached = self._cache.get(key)
@@ -311,9 +311,10 @@ class CompressionModel:
         dtype = device_type if device_type is not None else self._default_type
         spec = self._device_spec(dtype) if dtype is not None else None
         if device_kind == "gpu" and dtype == "cpu":
-            raise SpecError(
-                "device type 'cpu' has no GPU; ask for device_kind='cpu' or a GPU device type"
-            )
+            # a plan's "gpu" means the gradient's own device (as the runtime runs it); on the
+            # cpu device type that is the training process's cores: the CPU cost, on the
+            # compute resource (the caller's choice of resource)
+            device_kind = "cpu"
         record = (
             self.db.compressor(compressor, device_kind, dtype)
             if self.db is not None and dtype is not None else None
