@@ -47,7 +47,7 @@ from hetplan.ir.workload import espresso_workloads
 from hetplan.passes.base import PassContext
 from hetplan.passes.espresso import Espresso, Key, strategy_for, strategy_name
 
-DATA = Path("/work/shared/data/espresso_models.json")
+DATA = Path(__file__).resolve().parents[1] / "data" / "espresso_models.json"
 OUT = Path(__file__).parent / "results" / "espresso.json"
 CLUSTERS = {"nvlink": "espresso-nvlink-8x8", "pcie": "espresso-pcie-8x8"}
 COMPRESSORS = ("dgc", "randomk", "efsignsgd")

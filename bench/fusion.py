@@ -42,7 +42,7 @@ from hetplan.passes.base import PassContext
 from hetplan.passes.cupcake import CupcakeFusion
 from hetplan.passes.ddp_buckets import DDPBuckets
 
-DATA = Path("/work/shared/data/espresso_models.json")
+DATA = Path(__file__).resolve().parents[1] / "data" / "espresso_models.json"
 OUT = Path(__file__).parent / "results" / "fusion.json"
 THESIS_S = {"resnet50": 2.8, "resnet101": 6.6, "bert": 4.2}
 CLUSTERS = {"pcie-25G": "v100-pcie-8x8", "nvlink-100G": "v100-nvlink-8x8"}

@@ -22,7 +22,7 @@ from hetplan.cost_models.timeline import GPU, Op, SyncUnit, simulate_dp
 from hetplan.ir.workload import espresso_workloads
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "espresso_models.json"
+DATA = ROOT / "data" / "espresso_models.json"
 
 
 def _time(fn, repeat: int = 7, number: int = 50) -> float:

@@ -35,7 +35,7 @@ from hetplan.ir.plan import (
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "clusters"
-ESPRESSO = REPO / ".." / "shared" / "data" / "espresso_models.json"
+ESPRESSO = REPO / "data" / "espresso_models.json"
 ESPRESSO_SECTIONS = ("models", "extra_models_not_selectable_from_cli")
 
 

@@ -1,7 +1,8 @@
 """``hetplan.compile`` / ``simulate`` end to end, and the ``plan`` / ``simulate`` commands.
 
 Models: the tiny GPT-2 of the zoo (captured once per module) and Espresso benchmark
-workloads (``../shared/data/espresso_models.json``; skipped visibly when absent). Clusters:
+workloads (``data/espresso_models.json``, the Espresso artifact's public workload data).
+Clusters:
 the presets ``v100-pcie-8x8`` and ``a100-nvlink-8x8``, and heterogeneous presets against
 homogeneous A100 clusters of the same shape written out here.
 
@@ -29,7 +30,7 @@ from hetplan.ir.plan import Bucket, Plan, load_plan
 from hetplan.optimizer.compile import DEFAULT_PASSES, compile, simulate
 
 REPO = Path(__file__).resolve().parents[2]
-ESPRESSO = REPO / ".." / "shared" / "data" / "espresso_models.json"
+ESPRESSO = REPO / "data" / "espresso_models.json"
 PRESETS = ("v100-pcie-8x8", "a100-nvlink-8x8")
 BATCH = 64
 

@@ -1,6 +1,5 @@
 """The espresso pass end to end on the GPT-2 workload of the Espresso artifact
-(``../shared/data/espresso_models.json``; skipped visibly when absent) on the bandwidth-poor
-PCIe preset (8 × 8 V100, 25 Gb/s): compression is chosen for large tensors, small ones stay
+(``data/espresso_models.json``) on the bandwidth-poor PCIe preset (8 × 8 V100, 25 Gb/s): compression is chosen for large tensors, small ones stay
 uncompressed, and the plan is never predicted slower than fp32, all-fp16 or any uniform DGC
 option. Restricted options (GPU only, one compression per tensor) keep it quick."""
 
@@ -26,7 +25,7 @@ from hetplan.ir.plan_sections import (
 from hetplan.passes.base import PassContext
 from hetplan.passes.espresso import Espresso, strategy_for, strategy_name
 
-DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "espresso_models.json"
+DATA = Path(__file__).resolve().parents[2] / "data" / "espresso_models.json"
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,7 @@ def test_compile_runs_the_pass_and_is_never_slower_than_ddp():
     from hetplan.optimizer.compile import DEFAULT_PASSES, compile
 
     assert DEFAULT_PASSES[-1] == "cupcake-fusion"
-    data = Path("/work/shared/data/espresso_models.json")
+    data = Path(__file__).resolve().parents[2] / "data" / "espresso_models.json"
     if not data.is_file():
         pytest.skip(f"benchmark file {data} not present on this machine")
     ir = espresso_workloads(data)["resnet50"]

@@ -17,7 +17,7 @@ from hetplan.ir.model import ModelIR
 from hetplan.ir.workload import espresso_workloads, layer_of_tensor, workload_from_gradients
 
 REPO = Path(__file__).resolve().parents[2]
-ESPRESSO = REPO / ".." / "shared" / "data" / "espresso_models.json"
+ESPRESSO = REPO / "data" / "espresso_models.json"
 SECTIONS = ("models", "extra_models_not_selectable_from_cli")
 EXPECTED_MODELS = {
     "vgg16", "resnet101", "ugatit", "bert", "gpt2", "lstm", "resnet50", "bert_large", "ncf",

@@ -1,6 +1,6 @@
 """Workloads given as numbers rather than models: the Espresso benchmark file.
 
-``shared/data/espresso_models.json`` (from the Espresso artifact) describes each model only
+``data/espresso_models.json`` (from the Espresso artifact) describes each model only
 as gradient tensors in backward-ready order (names, element counts) and the measured time
 between consecutive gradient-ready events on a V100. :func:`espresso_workloads` turns each
 into a :class:`~hetplan.ir.model.ModelIR` (method ``workload``) that the rest of hetplan
