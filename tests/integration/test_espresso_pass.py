@@ -1,6 +1,6 @@
 """The espresso pass end to end on the GPT-2 workload of the Espresso artifact
-(``data/espresso_models.json``) on the bandwidth-poor PCIe preset (8 × 8 V100, 25 Gb/s): compression is chosen for large tensors, small ones stay
-uncompressed, and the plan is never predicted slower than fp32, all-fp16 or any uniform DGC
+(``data/espresso_models.json``) on the bandwidth-poor PCIe preset (8 × 8 V100, 25 Gb/s):
+compression is chosen for large tensors, small ones stay uncompressed, and the plan is never predicted slower than fp32, all-fp16 or any uniform DGC
 option. Restricted options (GPU only, one compression per tensor) keep it quick."""
 
 from __future__ import annotations
