@@ -3,6 +3,8 @@ for a cluster, built once per compile and shared by every pass (so passes never 
 
 from __future__ import annotations
 
+from typing import Any
+
 from hetplan.cost_models.comm import CommModel
 from hetplan.cost_models.compression import CompressionModel
 from hetplan.cost_models.compute import ComputeModel
@@ -43,3 +45,6 @@ class CostModel:
         )
         self.comm = CommModel(cluster, db)
         self.compression = CompressionModel(cluster, db)
+        #: pipeline simulations by their inputs: passes that only change gradient sync
+        #: re-evaluate the same schedule many times (see ``evaluate``)
+        self.pipeline_cache: dict[tuple[Any, ...], Any] = {}

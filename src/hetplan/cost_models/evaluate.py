@@ -151,19 +151,25 @@ def evaluate(
         nbytes = workload.layers[stages[-1].last_layer].act_out_bytes * scale / layout.tp
         link = costs.cluster.link_between(stages[-1].ranks[0], stages[0].ranks[0])
         p2p.append(costs.comm.time_s("p2p", nbytes, 2, link) * 1e3)
-    pipe = simulate_pipeline(
-        [x * 1e3 for x in fwd],
-        [x * 1e3 for x in bwd],
-        layout.micro_batches,
-        layout.schedule,
-        virtual_stages=layout.virtual_stages,
-        p2p_fwd_ms=p2p or 0,
-        p2p_bwd_ms=p2p or 0,
-    )
-    last_bwd_end = [0.0] * len(stages)
-    for ev in pipe.events:
-        if ev.kind.value == "B":
-            last_bwd_end[ev.rank] = max(last_bwd_end[ev.rank], ev.end_ms * 1e-3)
+    key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule,
+           layout.virtual_stages, tuple(p2p))
+    cached = costs.pipeline_cache.get(key)
+    if cached is None:
+        pipe = simulate_pipeline(
+            [x * 1e3 for x in fwd],
+            [x * 1e3 for x in bwd],
+            layout.micro_batches,
+            layout.schedule,
+            virtual_stages=layout.virtual_stages,
+            p2p_fwd_ms=p2p or 0,
+            p2p_bwd_ms=p2p or 0,
+        )
+        ends = [0.0] * len(stages)
+        for ev in pipe.events:
+            if ev.kind.value == "B":
+                ends[ev.rank] = max(ends[ev.rank], ev.end_ms * 1e-3)
+        cached = costs.pipeline_cache[key] = (pipe, tuple(ends))
+    pipe, last_bwd_end = cached
 
     strategies = _units_by_stage(workload, gradient_sync, stage_of, len(stages))
     stage_costs, timelines = [], []
