@@ -7,6 +7,9 @@ Espresso benchmark JSON, the version from the installed package metadata.
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import importlib.metadata
 import inspect
 import json
@@ -408,6 +411,20 @@ def test_plan_with_dynamics_file(tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
     plan = Plan.model_validate_json(out.read_text())
     assert plan.rebalancing is not None
     assert [e.iteration for e in plan.rebalancing.events] == [4000, 5000, 6000, 7000]
+    # `hetplan run` does not move layers yet: it says so instead of ignoring the events
+    from hetplan.runtime.worker import _warn_unexecuted_events
+
+    events = plan.rebalancing.events
+    assert not any(e.applied for e in events)  # the trigger declines them for this tiny model
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        _warn_unexecuted_events(plan, rank=0)
+    assert err.getvalue() == ""
+    forced = plan.model_copy(update={"rebalancing": plan.rebalancing.model_copy(update={
+        "events": (events[0].model_copy(update={"applied": True}),) + events[1:]})})
+    for rank, expected in ((0, "1 re-balancing event(s) (at iteration 4000)"), (1, "")):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            _warn_unexecuted_events(forced, rank=rank)
+        assert expected in err.getvalue() and bool(expected) == bool(err.getvalue())
     bad = write_yaml(tmp_path / "bad.yaml", {"total_iterations": 100,
                                              "pruning": {"final_sparsity": 0.9,
                                                          "frequncy": 10, "steps": 2}})

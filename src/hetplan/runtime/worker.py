@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         model, ex_args, ex_kwargs = build_model(args.model, args.module, args.seed)
         model = model.to(device)
         rt = Runtime(plan, model, example_args=ex_args, example_kwargs=ex_kwargs)
+        _warn_unexecuted_events(plan, rank)
         layout = plan.layout
         assert layout is not None
         batch = layout.micro_batch_size * layout.micro_batches * layout.dp
@@ -130,6 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _warn_unexecuted_events(plan: Any, rank: int) -> None:
+    """Say so when the plan has re-balancing events: this worker trains with the initial
+    stages (``runtime/rebalance.py`` moves layers, but the worker does not drive it yet)."""
+    events = [e for e in getattr(plan.rebalancing, "events", ()) if e.applied]
+    if events and rank == 0:
+        at = ", ".join(str(e.iteration) for e in events[:5]) + (" ..." if len(events) > 5 else "")
+        print(f"warning: the plan's {len(events)} re-balancing event(s) (at iteration {at}) "
+              "are not executed by `hetplan run` yet; training keeps the initial stages",
+              file=sys.stderr)
 
 
 def _med_ms(xs: list[float]) -> float:
