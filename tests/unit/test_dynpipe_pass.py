@@ -179,3 +179,16 @@ def test_compile_records_bubbles_baseline_and_dynamics() -> None:
     assert pred.iteration_time_ms <= base.iteration_time_ms * (1 + 1e-9)
     assert plan.rebalancing is not None
     assert [e.iteration for e in plan.rebalancing.events] == [4000, 5000, 6000, 7000]
+
+
+def test_planned_event_refuses_stages_that_are_not_contiguous() -> None:
+    import pydantic
+
+    from hetplan.ir.rebalancing import PlannedEvent
+
+    PlannedEvent(iteration=5, stages=((0, 3), (4, 6)))
+    for stages, where in ((((0, 3), (5, 6)), "stage 1 covers layers 5..6"),
+                          (((1, 3),), "stage 0 covers layers 1..3"),
+                          (((0, 3), (4, 2)), "stage 1 covers layers 4..2")):
+        with pytest.raises(pydantic.ValidationError, match=f"event at iteration 5: {where}"):
+            PlannedEvent(iteration=5, stages=stages)

@@ -180,12 +180,12 @@ class PlannedEvent(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> PlannedEvent:
-        expect = 0
-        for s, (i, j) in enumerate(self.stages):
-            if i != expect or j < i:
-                raise ValueError(f"event at iteration {self.iteration}: stage {s} covers "
-                                 f"{i}..{j}, expected a non-empty range starting at {expect}")
-            expect = j + 1
+        from hetplan.algorithms.partition import check_bounds
+
+        try:
+            check_bounds(self.stages)
+        except SpecError as e:
+            raise ValueError(f"event at iteration {self.iteration}: {e}") from None
         return self
 
 
