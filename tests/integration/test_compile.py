@@ -389,11 +389,11 @@ def test_refinement_passes_run_on_the_finalists_only(tiny_gpt2: ModelIR,
     from hetplan.optimizer import compile as compile_mod
     from hetplan.passes.cupcake import CupcakeFusion
 
-    calls: list[str] = []
+    calls: list[Any] = []
     original = CupcakeFusion.run
 
     def counting(self: Any, plan: Plan, ctx: Any) -> Any:
-        calls.append(ctx.layout.describe() if hasattr(ctx.layout, "describe") else "")
+        calls.append(ctx.layout)
         return original(self, plan, ctx)
 
     monkeypatch.setattr(CupcakeFusion, "run", counting)
@@ -402,6 +402,7 @@ def test_refinement_passes_run_on_the_finalists_only(tiny_gpt2: ModelIR,
     assert considered > compile_mod.FINALISTS
     # finalists, then the baselines (which never run cupcake)
     assert len(calls) == compile_mod.FINALISTS
+    assert len({(x.dp, x.pp, x.tp, x.micro_batch_size) for x in calls}) == len(calls)
 
 
 def test_finalist_search_matches_refining_every_layout(tiny_gpt2: ModelIR,
