@@ -246,3 +246,10 @@ class Runtime:
         t3 = time.perf_counter()
         self.last_times = StepTimes(t3 - t0, t1 - t0 - bubble_s, t2 - t1, t3 - t2, bubble_s)
         return loss
+
+    def close(self) -> None:
+        """Release what the runtime holds on to: gradient hooks, the sync thread and the
+        references to its process groups (call before ``destroy_process_group``)."""
+        self.grad_sync.close()
+        self.schedule = self.stage = None
+        self.groups = None

@@ -22,7 +22,7 @@ import statistics
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ def make_target(model: Any, example_args: tuple, example_kwargs: dict) -> Any:
     return lambda xs, batch: torch.zeros((batch, *shape), dtype=out.dtype, device=out.device)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     ap = argparse.ArgumentParser(prog="hetplan.runtime.worker")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--model")
@@ -87,18 +87,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-
-    from hetplan.errors import HetplanError
-    from hetplan.ir.plan import load_plan
-    from hetplan.runtime.executor import Runtime
-
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    code = _train(args, device)
+    _shutdown(clean=code == 0)
+    # Leave without interpreter finalisation: process-group objects still referenced from
+    # module globals would otherwise be torn down while gloo's worker threads run, which
+    # aborts the process now and then ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _train(args: argparse.Namespace, device: torch.device) -> int:
+    """Build the runtime, train, write the report; the process's exit code."""
+    from hetplan.errors import HetplanError
+    from hetplan.ir.plan import load_plan
+    from hetplan.runtime.executor import Runtime
+
     rank = dist.get_rank()
+    rt = None
     try:
         plan = load_plan(args.plan)
         model, ex_args, ex_kwargs = build_model(args.model, args.module, args.seed)
@@ -128,9 +140,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if rt is not None:
+            rt.close()
     return 0
+
+
+def _shutdown(clean: bool) -> None:
+    """Tear the process groups down in step: after a clean run every rank first waits for the
+    others (no rank closes its connections while a peer still sends on them); after an error
+    the barrier is skipped, as a peer may be dead."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        try:
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001 - a peer failed at the very end; exit anyway
+            print(f"rank {dist.get_rank()}: shutdown barrier: {e}", file=sys.stderr)
+    dist.destroy_process_group()
 
 
 def _warn_unexecuted_events(plan: Any, rank: int) -> None:
@@ -189,4 +215,4 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
