@@ -1,0 +1,74 @@
+"""Static skewed TP shards (algorithms/skewed_shards.py): checked against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetplan.algorithms.skewed_shards import proportional_shards, shard_granularity, shard_time
+from hetplan.errors import SpecError
+
+
+def _brute_best(units: int, g: int, speeds: list[float]) -> float:
+    best = float("inf")
+    for split in itertools.product(range(units + 1), repeat=len(speeds)):
+        if sum(split) == units:
+            best = min(best, max(u * g / s for u, s in zip(split, speeds)))
+    return best
+
+
+def test_two_to_one_speeds_split_two_to_one() -> None:
+    # 768 = 12 units of 64; speeds 2:2:1:1 -> ideal 4,4,2,2 units
+    assert proportional_shards(768, [2.0, 2.0, 1.0, 1.0]) == (256, 256, 128, 128)
+
+
+def test_equal_speeds_give_even_shards() -> None:
+    assert proportional_shards(3072, [1.0] * 4) == (768,) * 4
+
+
+def test_granularity_rule() -> None:
+    assert shard_granularity(768, 4) == 64      # 12 units >= 8
+    assert shard_granularity(256, 4) == 32      # 64 gives 4 units < 8; 32 gives 8
+    assert shard_granularity(24, 2) == 4        # 8 -> 3 units < 4; 4 -> 6 units
+    assert shard_granularity(7, 2) == 1
+
+
+def test_remainder_goes_to_least_loaded_rank() -> None:
+    sizes = proportional_shards(10, [1.0, 3.0], granularity=4)  # 2 units + 2 columns
+    assert sum(sizes) == 10
+    # brute force over all splits of whole columns respecting 4-column units plus one 2-tail
+    assert shard_time(sizes, [1.0, 3.0]) == pytest.approx(min(
+        max(a / 1.0, (10 - a) / 3.0) for a in (0, 2, 4, 6, 8, 10)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(units=st.integers(1, 9), g=st.sampled_from([1, 8, 64]),
+       speeds=st.lists(st.floats(0.2, 5.0), min_size=1, max_size=4))
+def test_greedy_matches_brute_force(units: int, g: int, speeds: list[float]) -> None:
+    sizes = proportional_shards(units * g, speeds, granularity=g)
+    assert sum(sizes) == units * g
+    assert all(s % g == 0 for s in sizes)
+    assert shard_time(sizes, speeds) == pytest.approx(_brute_best(units, g, speeds))
+
+
+@settings(max_examples=40, deadline=None)
+@given(speeds=st.lists(st.floats(0.2, 5.0), min_size=2, max_size=6))
+def test_faster_rank_never_gets_less(speeds: list[float]) -> None:
+    sizes = proportional_shards(4096, speeds)
+    for i, j in itertools.permutations(range(len(speeds)), 2):
+        if speeds[i] > speeds[j]:
+            assert sizes[i] >= sizes[j]
+
+
+@pytest.mark.parametrize("speeds", [[], [1.0, 0.0], [1.0, float("nan")], [-1.0]])
+def test_bad_speeds_are_rejected(speeds: list[float]) -> None:
+    with pytest.raises(SpecError, match="speed"):
+        proportional_shards(64, speeds)
+
+
+def test_bad_features_rejected() -> None:
+    with pytest.raises(SpecError, match="features"):
+        proportional_shards(0, [1.0])
