@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -37,9 +38,9 @@ def _entry(
         torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    if backend is not None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if backend is not None:
         store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
@@ -47,14 +48,18 @@ def _entry(
         )
     try:
         result = fn(rank, world_size, *args)
+        if backend is not None:
+            dist.barrier()  # no rank closes its connections while a peer still sends
     finally:
         if backend is not None:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
     tmp = Path(tmpdir) / f"result-{rank}.pkl.tmp"
     tmp.write_bytes(pickle.dumps(result))
     tmp.rename(Path(tmpdir) / f"result-{rank}.pkl")
+    # skip interpreter finalisation, where gloo's threads occasionally abort the process
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_local_ranks(
