@@ -1,0 +1,630 @@
+"""ZERO-resizing and SEMI-migration at run time: resized linears, migration, the controller.
+
+Executes the decisions of :mod:`hetplan.algorithms.zero_resizing` inside the uneven
+column/row-parallel linears of :mod:`hetplan.runtime.tensor_parallel` (digest
+``research/zero_resizing.md`` §2, §3, §6.4). The runtime knows nothing about search: each
+iteration the controller gathers one small vector of measured times per rank and applies the
+paper's closed-form rules.
+
+* **Resized linear** (:class:`ResizedLinearFn`): the kept contraction columns of ``X`` and
+  ``W`` are gathered (``index_select``) and three smaller GEMMs give ``Y``, ``dW[:, keep]``
+  and ``dX[..., keep]``; the pruned columns' ``dW`` and ``dX`` are zeros (zero imputation);
+  no output rescaling, the bias is untouched (§7.13, §7.14). Numerically it equals the 0/1
+  column-mask reference.
+* **Lineage**: every resizable linear keeps the pruned indices of the current iteration in
+  :attr:`LayerState.step`; it is replaced only between iterations, so forward and backward
+  of one iteration prune the same columns.
+* **Priority** (Alg. 1): per column, the statistic δ is the column's mean ``|Δw|`` summed
+  over the iterations of a statistics period (``period`` iterations; θ = period · θ_iter,
+  §7.7); pruned columns keep their δ (incremental update); before the first period ends δ
+  is the column's mean ``|w|`` (cold start, §7.10). α is the paper's PriDiff floor factor.
+* **Lightweight migration**: a sender's migrated columns are the *tail* of its contraction
+  dimension (every rank knows them without communication; pruning chooses among the rest).
+  Column-parallel: ``W_s[:, c]`` is broadcast in forward, receivers' partial outputs are
+  reduced to the sender; ``dY_s`` is broadcast in backward, each receiver adds its slice of
+  ``dX`` into its own ``dX`` before the layer's all-reduce (reduce-merging) and its ``dW_s``
+  slice is reduced to the sender. Row-parallel: ``X_s[..., c]`` and ``W_s[:, c]`` are
+  broadcast (one buffer) in forward and receivers add their partial products into their own
+  partial output before the forward all-reduce (merged); in backward the ``dW_s`` and
+  ``dX_s`` slices go back in one reduce. Receivers of one sender are split by the paper's
+  virtual renumbering. The weight update stays with the owner.
+* **Measured times** (§1.2): ``T`` = the rank's busy time of the iteration (the runtime's
+  compute time minus the time it waited in tensor-parallel collectives, so a fast rank does
+  not inherit the straggler's time), ``M`` = time in its own prunable GEMMs (emulated
+  slowdown included). Every rank gathers ``[T_raw, M_raw, L]`` (the un-balanced estimates of
+  :func:`~hetplan.algorithms.zero_resizing.unbalanced_times`) each iteration and re-decides
+  when some rank's ``T_raw`` moved by more than ``replan_trigger`` (either direction, so a
+  recovered straggler stops pruning, §7.3) since the last decision — every rank sees the same
+  gathered vector, so the trigger needs no extra agreement (§7.4).
+* **Costs of Eq. (2)/(3)** (Alg. 2 line 1, "pretest"): at the first decision every rank times
+  an ``index_select`` of its first layer's columns (Ω_2 per column, Ω_1 = 0) and a
+  broadcast + reduce of the bytes one migrated column moves (Φ_1 per column); the maximum
+  over ranks is used (identical on all). Φ_2 per column is a receiver's ``M_raw / L``.
+* **Straggler emulation** (:class:`StragglerEmulator`): after each of its own GEMMs the
+  straggler sleeps ``χ · t_gemm`` (extra time, χ = 0 is homogeneous, §7.27), optionally
+  rotating the straggler every ``rotate_every`` iterations.
+* Pruned columns get zero gradients and otherwise no special treatment by the optimizer
+  (§7.16, as in the paper).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetplan.algorithms.zero_resizing import (
+    CostCoefficients,
+    RankDecision,
+    n_columns,
+    pridiff_ratio,
+    receiver_ranges,
+    select_pruned,
+    semi_decision,
+    unbalanced_times,
+    update_wvar,
+    zero_decision,
+)
+from hetplan.errors import SpecError
+from hetplan.ir.plan_sections import ResizingController
+from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+__all__ = [
+    "Clock",
+    "LayerState",
+    "LayerStep",
+    "Migration",
+    "ResizableColumnLinear",
+    "ResizableRowLinear",
+    "ResizedLinearFn",
+    "ResizingRuntime",
+    "StragglerEmulator",
+    "make_resizable",
+    "masked_linear",
+]
+
+
+# -- the resized GEMMs -----------------------------------------------------------------------
+def _own_forward(x2: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``X[:, keep] · W[:, keep]ᵀ`` (all columns when ``keep`` is None); ``x2`` is 2-D."""
+    if keep is None:
+        return x2 @ w.t()
+    return x2.index_select(1, keep) @ w.index_select(1, keep).t()
+
+
+def _own_backward(dy: torch.Tensor, x2: torch.Tensor, w: torch.Tensor,
+                  keep: torch.Tensor | None, gemm: Callable[[Callable[[], torch.Tensor]],
+                                                            torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dX`` and ``dW`` of the kept columns, zeros at the pruned ones (zero imputation)."""
+    if keep is None:
+        return gemm(lambda: dy @ w), gemm(lambda: dy.t() @ x2)
+    dx = x2.new_zeros(x2.shape)
+    dw = w.new_zeros(w.shape)
+    dx.index_copy_(1, keep, gemm(lambda: dy @ w.index_select(1, keep)))
+    dw.index_copy_(1, keep, gemm(lambda: dy.t() @ x2.index_select(1, keep)))
+    return dx, dw
+
+
+def _plain(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return fn()
+
+
+class ResizedLinearFn(torch.autograd.Function):
+    """``Y = X[..., keep] W[:, keep]ᵀ``; backward imputes zeros at the pruned columns.
+
+    ``apply(x, w, keep)`` with ``x`` [..., K], ``w`` [out, K] and ``keep`` a sorted int64
+    tensor of kept contraction columns. Backward re-gathers the kept columns of the saved
+    full ``x`` and ``w`` with the lineage indices (§6.4): no pruned copy is kept alive.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, keep: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.save_for_backward(x, w, keep)
+        y = _own_forward(x.reshape(-1, x.shape[-1]), w, keep)
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w, keep = ctx.saved_tensors
+        dx, dw = _own_backward(dy.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w, keep,
+                               _plain)
+        return dx.reshape(x.shape), dw, None
+
+
+def masked_linear(x: torch.Tensor, w: torch.Tensor, keep: Sequence[int]) -> torch.Tensor:
+    """The test oracle: ``(X · mask) (W · mask)ᵀ`` with a 0/1 mask of the kept columns."""
+    mask = torch.zeros(w.shape[1], dtype=w.dtype)
+    mask[list(keep)] = 1
+    return (x * mask) @ (w * mask).t()
+
+
+# -- straggler emulation and clocks ----------------------------------------------------------
+@dataclass
+class StragglerEmulator:
+    """Slows one rank's matmuls: after each GEMM it sleeps ``chi · t_gemm``.
+
+    Attributes:
+        chi: extra time factor (0: homogeneous; the rank's matmuls take ``1 + chi`` times).
+        straggler: group position of the straggler at iteration 0.
+        tp_rank / tp_size: this rank's position and the group size.
+        rotate_every: move the straggler to the next position every this many iterations
+            (0: never), as the paper's round-robin tests do.
+    """
+
+    chi: float
+    straggler: int
+    tp_rank: int
+    tp_size: int
+    rotate_every: int = 0
+    iteration: int = 0
+
+    def current(self) -> int:
+        """The straggler's group position at this iteration."""
+        if self.rotate_every <= 0:
+            return self.straggler % self.tp_size
+        return (self.straggler + self.iteration // self.rotate_every) % self.tp_size
+
+    def extra(self, dt: float) -> float:
+        """Sleep ``chi · dt`` if this rank is the straggler now; returns the time slept."""
+        if self.chi <= 0 or self.current() != self.tp_rank:
+            return 0.0
+        t0 = time.perf_counter()
+        time.sleep(self.chi * dt)
+        return time.perf_counter() - t0
+
+    def advance(self) -> None:
+        """Count one iteration (call once per training step)."""
+        self.iteration += 1
+
+
+@dataclass
+class Clock:
+    """What one rank spent this iteration: own GEMMs, migrated GEMMs, TP collectives."""
+
+    emulator: StragglerEmulator | None = None
+    gemm_s: float = 0.0
+    recv_s: float = 0.0
+    comm_s: float = 0.0
+
+    def gemm(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run one of this rank's own GEMMs, timed and slowed by the emulator."""
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        slept = self.emulator.extra(dt) if self.emulator is not None else 0.0
+        self.gemm_s += dt + slept
+        return out
+
+    def received(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` for another rank's migrated columns (timed; the emulated slowdown
+        applies too: a slow device is slow for any work)."""
+        t0 = time.perf_counter()
+        out = a @ b
+        dt = time.perf_counter() - t0
+        slept = self.emulator.extra(dt) if self.emulator is not None else 0.0
+        self.recv_s += dt + slept
+        return out
+
+    @contextmanager
+    def comm(self) -> Iterator[None]:
+        """Time a tensor-parallel collective (including the wait for the slowest rank)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.comm_s += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        self.gemm_s = self.recv_s = self.comm_s = 0.0
+
+
+# -- per-layer state -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Migration:
+    """One sender's migrated columns of a layer: the tail ``[K_s − n, K_s)`` of its
+    contraction dimension, and each receiver's half-open range of positions in it."""
+
+    src: int
+    n: int
+    k_src: int
+    ranges: tuple[tuple[int, int, int], ...]  # (receiver, lo, hi)
+
+    def cols(self) -> torch.Tensor:
+        return torch.arange(self.k_src - self.n, self.k_src)
+
+    def mine(self, pos: int) -> tuple[int, int] | None:
+        for r, lo, hi in self.ranges:
+            if r == pos and hi > lo:
+                return lo, hi
+        return None
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """A layer's work this iteration: own kept columns (None: all), the lineage (pruned
+    columns, zero-imputed) and every migration of the group (same list on every rank)."""
+
+    keep: torch.Tensor | None = None
+    pruned: tuple[int, ...] = ()
+    migrations: tuple[Migration, ...] = ()
+
+
+@dataclass
+class LayerState:
+    """Run-time state of one resizable linear on this rank."""
+
+    name: str
+    mode: Literal["column", "row"]
+    clock: Clock
+    ranks: tuple[int, ...]  # global rank of every group position
+    k_sizes: tuple[int, ...]  # contraction columns of every group position
+    step: LayerStep = field(default_factory=LayerStep)
+    w_var: list[float] | None = None
+    acc: torch.Tensor | None = None
+    prev_w: torch.Tensor | None = None
+
+
+def _bcast(t: torch.Tensor, src: int, st: LayerState, group: Any) -> None:
+    with st.clock.comm():
+        dist.broadcast(t, src=st.ranks[src], group=group)
+
+
+def _reduce(t: torch.Tensor, dst: int, st: LayerState, group: Any) -> None:
+    with st.clock.comm():
+        dist.reduce(t, dst=st.ranks[dst], op=dist.ReduceOp.SUM, group=group)
+
+
+def _all_reduce(t: torch.Tensor, st: LayerState, group: Any) -> None:
+    with st.clock.comm():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+
+class _ColumnFn(torch.autograd.Function):
+    """Column-parallel linear with resizing and migration; backward all-reduces ``dX``
+    (Megatron ``f``) after the receivers merged their migrated ``dX`` columns into it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, mod: ResizableColumnLinear
+                ) -> torch.Tensor:
+        st, step, me = mod.rz, mod.rz.step, mod.tp_rank
+        x2 = x.reshape(-1, x.shape[-1])
+        y = st.clock.gemm(lambda: _own_forward(x2, w, step.keep))
+        sent: list[torch.Tensor] = []
+        for mig in step.migrations:
+            out_s = mod.shard_sizes[mig.src]
+            wc = (w.index_select(1, mig.cols()) if me == mig.src
+                  else w.new_empty(out_s, mig.n))
+            _bcast(wc, mig.src, st, mod.group)
+            sent.append(wc)
+            part = y if me == mig.src else x2.new_zeros(x2.shape[0], out_s)
+            rng = mig.mine(me)
+            if rng is not None:
+                cols = mig.cols()[rng[0]:rng[1]]
+                part += st.clock.received(x2.index_select(1, cols), wc[:, rng[0]:rng[1]].t())
+            _reduce(part, mig.src, st, mod.group)
+        ctx.save_for_backward(x2, w, *sent)
+        ctx.mod, ctx.step, ctx.x_shape = mod, step, x.shape
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x2, w, *sent = ctx.saved_tensors
+        mod, step = ctx.mod, ctx.step
+        st, me = mod.rz, mod.tp_rank
+        dy2 = dy.reshape(-1, w.shape[0]).contiguous()
+        dx, dw = _own_backward(dy2, x2, w, step.keep, st.clock.gemm)
+        for mig, wc in zip(step.migrations, sent, strict=True):
+            out_s = mod.shard_sizes[mig.src]
+            dys = dy2 if me == mig.src else dy2.new_empty(dy2.shape[0], out_s)
+            _bcast(dys, mig.src, st, mod.group)
+            buf = w.new_zeros(out_s, mig.n)
+            rng = mig.mine(me)
+            if rng is not None:
+                lo, hi = rng
+                cols = mig.cols()[lo:hi]
+                dx.index_add_(1, cols, st.clock.received(dys, wc[:, lo:hi]))
+                buf[:, lo:hi] = st.clock.received(dys.t(), x2.index_select(1, cols))
+            _reduce(buf, mig.src, st, mod.group)
+            if me == mig.src:
+                dw.index_copy_(1, mig.cols(), buf)
+        if mod.tp_size > 1:
+            _all_reduce(dx, st, mod.group)
+        return dx.reshape(ctx.x_shape), dw, None
+
+
+class _RowFn(torch.autograd.Function):
+    """Row-parallel linear (partial products) with resizing and migration; forward
+    all-reduces the partial output after the receivers merged their migrated products."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, mod: ResizableRowLinear
+                ) -> torch.Tensor:
+        st, step, me = mod.rz, mod.rz.step, mod.tp_rank
+        x2 = x.reshape(-1, x.shape[-1])
+        rows, out = x2.shape[0], w.shape[0]
+        y = st.clock.gemm(lambda: _own_forward(x2, w, step.keep))
+        sent: list[torch.Tensor] = []
+        for mig in step.migrations:
+            if me == mig.src:
+                c = mig.cols()
+                buf = torch.cat([x2.index_select(1, c).reshape(-1),
+                                 w.index_select(1, c).reshape(-1)])
+            else:
+                buf = w.new_empty(rows * mig.n + out * mig.n)
+            _bcast(buf, mig.src, st, mod.group)
+            xc, wc = buf[:rows * mig.n].view(rows, mig.n), buf[rows * mig.n:].view(out, mig.n)
+            sent += [xc, wc]
+            rng = mig.mine(me)
+            if rng is not None:
+                lo, hi = rng
+                y += st.clock.received(xc[:, lo:hi], wc[:, lo:hi].t())
+        if mod.tp_size > 1:
+            _all_reduce(y, st, mod.group)
+        ctx.save_for_backward(x2, w, *sent)
+        ctx.mod, ctx.step, ctx.x_shape = mod, step, x.shape
+        return y.reshape(*x.shape[:-1], out)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x2, w, *sent = ctx.saved_tensors
+        mod, step = ctx.mod, ctx.step
+        st, me = mod.rz, mod.tp_rank
+        dy2 = dy.reshape(-1, w.shape[0]).contiguous()
+        rows, out = dy2.shape
+        dx, dw = _own_backward(dy2, x2, w, step.keep, st.clock.gemm)
+        for i, mig in enumerate(step.migrations):
+            xc, wc = sent[2 * i], sent[2 * i + 1]
+            buf = w.new_zeros(out * mig.n + rows * mig.n)
+            bw, bx = buf[:out * mig.n].view(out, mig.n), buf[out * mig.n:].view(rows, mig.n)
+            rng = mig.mine(me)
+            if rng is not None:
+                lo, hi = rng
+                bw[:, lo:hi] = st.clock.received(dy2.t(), xc[:, lo:hi])
+                bx[:, lo:hi] = st.clock.received(dy2, wc[:, lo:hi])
+            _reduce(buf, mig.src, st, mod.group)
+            if me == mig.src:
+                dw.index_copy_(1, mig.cols(), bw)
+                dx.index_copy_(1, mig.cols(), bx)
+        return dx.reshape(ctx.x_shape), dw, None
+
+
+class ResizableColumnLinear(ColumnParallelLinear):
+    """A :class:`ColumnParallelLinear` whose GEMMs follow :attr:`rz` ``.step``."""
+
+    rz: LayerState
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ColumnFn.apply(x, self.weight, self)
+        return y + self.bias if self.bias is not None else y
+
+
+class ResizableRowLinear(RowParallelLinear):
+    """A :class:`RowParallelLinear` whose GEMMs follow :attr:`rz` ``.step``."""
+
+    rz: LayerState
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _RowFn.apply(x, self.weight, self)
+        return y + self.bias if self.bias is not None else y
+
+
+def _group_ranks(group: Any, size: int) -> tuple[int, ...]:
+    if group is None or not dist.is_initialized():
+        return tuple(range(size))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+Resizable = ResizableColumnLinear | ResizableRowLinear
+
+
+def make_resizable(model: nn.Module, clock: Clock) -> list[tuple[str, Resizable]]:
+    """Turn every column/row-parallel linear of ``model`` into its resizable form, in place.
+
+    The module keeps its parameters and names (its class is switched to the resizable
+    subclass, which only overrides ``forward``). Returns ``[(name, module)]`` in model order.
+    """
+    out: list[tuple[str, Resizable]] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, ColumnParallelLinear | RowParallelLinear):
+            column = isinstance(mod, ColumnParallelLinear)
+            mod.__class__ = ResizableColumnLinear if column else ResizableRowLinear
+            k = ((mod.in_features,) * mod.tp_size if column else mod.shard_sizes)
+            state = LayerState(name, "column" if column else "row", clock,
+                               _group_ranks(mod.group, mod.tp_size), tuple(k))
+            mod.rz = state  # type: ignore[assignment]
+            assert isinstance(mod, ResizableColumnLinear | ResizableRowLinear)
+            out.append((name, mod))
+    return out
+
+
+# -- the controller --------------------------------------------------------------------------
+@dataclass
+class ResizingRuntime:
+    """Per-iteration controller of one TP group (ZERO, migration or SEMI).
+
+    Args:
+        layers: the resizable linears of this rank (:func:`make_resizable`).
+        settings: the plan's controller settings (variant, α, θ_iter, trigger, γ_max).
+        clock: the clock the layers report to.
+        tp_rank / tp_size / group: this rank's position, the group size, the process group.
+        period: iterations per statistics period (the paper's epoch; θ = period · θ_iter).
+        eps: relative straggler tolerance on ``T_min`` for SEMI / migration (§7.25).
+        smoothing: weight of the newest measurement in the running T and M (noise filter).
+    """
+
+    layers: list[tuple[str, Resizable]]
+    settings: ResizingController
+    clock: Clock
+    tp_rank: int
+    tp_size: int
+    group: Any = None
+    period: int = 20
+    eps: float = 0.10
+    smoothing: float = 0.5
+    iteration: int = 0
+    decisions: list[RankDecision] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    _t: float | None = None
+    _m: float | None = None
+    _basis: list[float] | None = None
+    _costs: CostCoefficients | None = None
+    _rows: int = 1
+
+    def __post_init__(self) -> None:
+        if self.settings.variant == "off":
+            raise SpecError("the resizing controller needs a variant other than 'off'")
+        if self.period < 1:
+            raise SpecError(f"period must be >= 1 iteration, got {self.period}")
+
+    # statistics (Alg. 1 lines 4-8) ------------------------------------------------------------
+    def _track(self) -> None:
+        boundary = (self.iteration + 1) % self.period == 0
+        for _, mod in self.layers:
+            st = mod.rz
+            w = mod.weight.detach()
+            if st.prev_w is None:
+                st.prev_w, st.acc = w.clone(), torch.zeros(w.shape[1], dtype=torch.float64)
+                st.w_var = w.abs().mean(0).double().tolist()  # cold start: magnitude
+                continue
+            assert st.acc is not None and st.w_var is not None
+            st.acc += (w - st.prev_w).abs().mean(0).double()
+            st.prev_w.copy_(w)
+            if boundary:
+                st.w_var = update_wvar(st.w_var, st.acc.tolist(), st.step.pruned)
+                st.acc.zero_()
+
+    # measurements -------------------------------------------------------------------------
+    def _own_fraction(self) -> float:
+        me = self.tp_rank
+        total = sum(m.rz.k_sizes[me] for _, m in self.layers)
+        gone = 0
+        for _, m in self.layers:
+            step = m.rz.step
+            gone += len(step.pruned) + sum(g.n for g in step.migrations if g.src == me)
+        return min(gone / total, 0.999) if total else 0.0
+
+    def _gather(self, busy_s: float) -> list[list[float]]:
+        t_raw, m_raw = unbalanced_times(busy_s, self.clock.gemm_s, self._own_fraction(),
+                                        self.clock.recv_s)
+        a = self.smoothing
+        self._t = t_raw if self._t is None else a * t_raw + (1 - a) * self._t
+        self._m = m_raw if self._m is None else a * m_raw + (1 - a) * self._m
+        cols = sum(m.rz.k_sizes[self.tp_rank] for _, m in self.layers)
+        mine = torch.tensor([self._t, self._m, float(cols)], dtype=torch.float64)
+        if self.tp_size == 1:
+            return [mine.tolist()]
+        bufs = [torch.empty_like(mine) for _ in range(self.tp_size)]
+        dist.all_gather(bufs, mine, group=self.group)
+        return [b.tolist() for b in bufs]
+
+    def _pretest(self, rows: int) -> CostCoefficients:
+        """Alg. 2 line 1: Ω_2 and Φ_1 per column, the maximum over the group."""
+        _, mod = self.layers[0]
+        w = mod.weight.detach()
+        n = max(1, w.shape[1] // 2)
+        cols = torch.arange(n)
+        x = w.new_zeros(rows, w.shape[1])
+        t0 = time.perf_counter()
+        for _ in range(3):
+            x.index_select(1, cols)
+            w.index_select(1, cols)
+        omega2 = (time.perf_counter() - t0) / (3 * n)
+        buf = w.new_zeros(n * (rows + w.shape[0]))
+        phi1 = 0.0
+        if self.tp_size > 1:
+            dist.barrier(group=self.group)
+            t0 = time.perf_counter()
+            dist.broadcast(buf, src=mod.rz.ranks[0], group=self.group)
+            dist.reduce(buf, dst=mod.rz.ranks[0], group=self.group)
+            phi1 = (time.perf_counter() - t0) / n
+            vals = torch.tensor([omega2, phi1], dtype=torch.float64)
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.group)
+            omega2, phi1 = vals.tolist()
+        return CostCoefficients(omega2=omega2 * len(self.layers), phi1=phi1 * len(self.layers))
+
+    # decisions ----------------------------------------------------------------------------
+    def _decide(self, g: list[list[float]]) -> list[RankDecision]:
+        s = self.settings
+        t_raw, m_raw, cols = [v[0] for v in g], [v[1] for v in g], [int(v[2]) for v in g]
+        if s.variant == "zero":
+            return zero_decision(t_raw, m_raw, s.gamma_max)
+        if self._costs is None:
+            self._costs = self._pretest(self._rows)
+        me_speed = max(m / c if c else 0.0 for m, c in zip(m_raw, cols, strict=True))
+        costs = CostCoefficients(self._costs.omega1, self._costs.omega2, self._costs.phi1,
+                                 me_speed)
+        variant: Literal["semi", "migration"] = "migration" if s.variant == "migration" \
+            else "semi"
+        return semi_decision(t_raw, m_raw, cols, costs, s.gamma_max, self.eps, variant)
+
+    def _apply(self, decisions: list[RankDecision]) -> None:
+        """Turn the per-rank decisions into every layer's step (same on every rank)."""
+        me = self.tp_rank
+        theta = self.period * self.settings.theta_iter
+        for _, mod in self.layers:
+            st = mod.rz
+            migs = []
+            for src, d in enumerate(decisions):
+                n = n_columns(d.migrate, st.k_sizes[src])
+                if d.role != "migrate_src" or n == 0:
+                    continue
+                rng = receiver_ranges(src, d.receivers, self.tp_size, n)
+                migs.append(Migration(src, n, st.k_sizes[src],
+                                      tuple((r, lo, hi) for r, (lo, hi) in rng.items())))
+            mine = decisions[me]
+            k = st.k_sizes[me]
+            n_mig = sum(m.n for m in migs if m.src == me)
+            pruned: tuple[int, ...] = ()
+            if mine.resize > 0 and st.w_var is not None:
+                eligible = st.w_var[: k - n_mig]
+                gk = pridiff_ratio(eligible, theta, mine.resize, self.settings.alpha,
+                                   self.settings.gamma_max)
+                pruned = select_pruned(eligible, min(n_columns(gk, k), len(eligible)))
+            gone = set(pruned) | set(range(k - n_mig, k))
+            keep = (torch.tensor([c for c in range(k) if c not in gone], dtype=torch.long)
+                    if gone else None)
+            st.step = LayerStep(keep, pruned, tuple(migs))
+
+    def after_step(self, busy_s: float, rows: int) -> None:
+        """Call once per iteration after the optimizer step (a collective over the group).
+
+        Args:
+            busy_s: this rank's compute time of the iteration, TP collectives included (the
+                clock's collective time is subtracted here).
+            rows: tokens (rows of the 2-D activations) per iteration, for the pretest.
+        """
+        self._rows = max(1, rows)
+        self._track()
+        busy = max(busy_s - self.clock.comm_s, self.clock.gemm_s)
+        g = self._gather(busy)
+        t_now = [v[0] for v in g]
+        trigger = self.settings.replan_trigger
+        replan = (self._basis is None or (self.iteration + 1) % self.period == 0
+                  or any(abs(a - b) > trigger * b for a, b in zip(t_now, self._basis,
+                                                                  strict=True)))
+        if replan:
+            self._basis = t_now
+            self.decisions = self._decide(g)
+            self._apply(self.decisions)
+        self.history.append({"iteration": self.iteration, "t_raw": t_now,
+                             "replan": replan, "gamma": self.decisions[self.tp_rank].resize
+                             if self.decisions else 0.0,
+                             "migrate": self.decisions[self.tp_rank].migrate
+                             if self.decisions else 0.0})
+        self.clock.reset()
+        if self.clock.emulator is not None:
+            self.clock.emulator.advance()
+        self.iteration += 1
+
+    def lineage(self) -> dict[str, tuple[int, ...]]:
+        """``{layer name: pruned column indices}`` of the current iteration on this rank."""
+        return {name: mod.rz.step.pruned for name, mod in self.layers}
+
