@@ -158,7 +158,9 @@ def test_compile_runs_the_pass_and_is_never_slower_than_ddp():
     from hetplan.ir.workload import espresso_workloads
     from hetplan.optimizer.compile import DEFAULT_PASSES, compile
 
-    assert DEFAULT_PASSES[-1] == "cupcake-fusion"
+    # after the passes whose gradient sync it fuses (later passes own other sections)
+    assert DEFAULT_PASSES.index("cupcake-fusion") > DEFAULT_PASSES.index("espresso") > \
+        DEFAULT_PASSES.index("ddp-buckets")
     data = Path(__file__).resolve().parents[2] / "data" / "espresso_models.json"
     if not data.is_file():
         pytest.skip(f"benchmark file {data} not present on this machine")

@@ -48,8 +48,13 @@ finds at the least time (strict ``<``, as the listing).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "Group",
@@ -61,6 +66,7 @@ __all__ = [
     "alg51",
     "dp_affine",
     "pareto_dp",
+    "pareto_dp_table",
     "SearchBudgetExceeded",
 ]
 
@@ -308,30 +314,40 @@ def dp_affine(
     bp = np.concatenate(([0.0], np.cumsum(np.asarray(backprop_s, dtype=float))))
     sz = np.concatenate(([0.0], np.cumsum(np.asarray(sizes, dtype=float))))
     inf = np.inf
-    dp = np.full((n + 1, n + 1), inf)  # dp[k, y]
+    dp = np.full((n + 1, n + 1), inf)  # dp[y, k]: y groups over the first k tensors
     arg = np.zeros((n + 1, n + 1), dtype=np.int64)
     dp[0, 0] = 0.0
     ys = np.arange(1, n + 1, dtype=float)
+    buf = np.empty((n, n))
     for j in range(1, n + 1):
         comp = bp[j] + ys[:j] * alpha_h + beta_h * sz[j]  # comp(j, y) for y = 1..j
-        ks = np.arange(j)
-        g = alpha_g + beta_g * (sz[j] - sz[ks])  # g(k..j-1) for every k < j
-        # cand[k, y-1] = max(comp(j, y), dp[k, y-1]) + g[k]  (a prefix of k has <= k groups)
-        cand = np.maximum(comp[None, :], dp[:j, :j]) + g[:, None]
-        best_k = np.argmin(cand, axis=0)
-        dp[j, 1 : j + 1] = cand[best_k, np.arange(j)]
-        arg[j, 1 : j + 1] = best_k
-    y = int(np.argmin(dp[n, 1:])) + 1
+        g = alpha_g + beta_g * (sz[j] - sz[:j])  # g(k..j-1) for every k < j
+        # cand[y-1, k] = max(comp(j, y), dp[y-1, k]) + g[k]; a prefix of k tensors has at
+        # most k groups, so rows y-1 >= a only need k >= a: rows in 4 blocks, each from its
+        # first row's k on (rows are contiguous: the argmin over k runs along memory)
+        for a, b in _row_blocks(j):
+            cand = buf[: b - a, : j - a]
+            np.maximum(comp[a:b, None], dp[a:b, a:j], out=cand)
+            cand += g[None, a:]
+            best_k = np.argmin(cand, axis=1)
+            dp[a + 1 : b + 1, j] = cand[np.arange(b - a), best_k]
+            arg[a + 1 : b + 1, j] = best_k + a
+    y = int(np.argmin(dp[1:, n])) + 1
     groups: list[Group] = []
     j = n
     while j > 0:
-        k = int(arg[j, y])
+        k = int(arg[y, j])
         groups.append((k, j - 1))
         j, y = k, y - 1
     groups.reverse()
     cost = _affine_cost(sizes, alpha_h, beta_h, alpha_g, beta_g)
     t = tandem_time(backprop_s, groups, cost, forward_s=forward_s)
     return Fusion(groups=tuple(groups), time_s=t, solver="dp_affine", calls=n * n)
+
+
+def _row_blocks(j: int, blocks: int = 4) -> list[tuple[int, int]]:
+    """``[a, b)`` row ranges splitting ``0..j-1`` into at most ``blocks`` parts."""
+    return list(itertools.pairwise(sorted({j * q // blocks for q in range(blocks + 1)})))
 
 
 def _affine_cost(
@@ -382,6 +398,8 @@ def pareto_dp(
     Returns:
         The optimal groups. O(N² · F²) for fronts of at most F states.
     """
+    import numpy as np
+
     _check_backprop(backprop_s)
     n = len(backprop_s)
     rows = [_row(cost, k, n if max_group is None else min(n, k + max_group))
@@ -389,8 +407,82 @@ def pareto_dp(
     widths = {len(c.chain_s) for row in rows for c in row}
     if len(widths) != 1:
         raise ValueError(f"groups have {sorted(widths)} channel ops: not one tandem chain")
-    if widths == {1}:
-        return _merge_ties(backprop_s, _pareto_2d(backprop_s, rows, forward_s), rows, forward_s)
+    (width,) = widths
+    pre = np.full((n, n), np.inf)
+    chain = np.full((n, n, width), np.inf)
+    for k, row in enumerate(rows):
+        pre[k, k : k + len(row)] = [c.pre_s for c in row]
+        chain[k, k : k + len(row)] = [c.chain_s for c in row]
+    return pareto_dp_table(backprop_s, pre, chain, forward_s=forward_s)
+
+
+def pareto_dp_table(
+    backprop_s: Sequence[float],
+    pre_s: np.ndarray,
+    chain_s: np.ndarray,
+    *,
+    forward_s: float = 0.0,
+) -> Fusion:
+    """:func:`pareto_dp` with the group costs as dense tables (the fast path for callers
+    that compute every group's cost at once, e.g. with numpy).
+
+    Args:
+        backprop_s: backprop time before each tensor is ready (``N`` tensors).
+        pre_s: ``N x N``; ``pre_s[i, j]`` is the compute-stream time of the group ``i..j``.
+        chain_s: ``N x N x C``; ``chain_s[i, j, c]`` its time on channel ``c``.
+            Non-finite entries (``inf``) mark groups that are not allowed; the groups
+            allowed from ``i`` are ``i..j`` up to the first non-finite one (a longer group
+            contains it). Single-tensor groups must be allowed.
+
+    Returns:
+        The same :class:`Fusion` :func:`pareto_dp` returns for the same costs (it builds
+        these tables and calls this function).
+    """
+    import numpy as np
+
+    _check_backprop(backprop_s)
+    n = len(backprop_s)
+    pre = np.asarray(pre_s, dtype=float)
+    chain = np.asarray(chain_s, dtype=float)
+    if pre.shape != (n, n) or chain.ndim != 3 or chain.shape[:2] != (n, n):
+        raise ValueError(f"cost tables of shapes {pre.shape} and {chain.shape} for {n} tensors: "
+                         f"need ({n}, {n}) and ({n}, {n}, channels)")
+    ok = np.isfinite(pre) & np.isfinite(chain).all(axis=2)
+    ok &= np.triu(np.ones((n, n), dtype=bool))
+    row_len = [int(np.argmin(np.append(ok[k, k:], False))) for k in range(n)]
+    if 0 in row_len:
+        k = row_len.index(0)
+        raise ValueError(f"group ({k}, {k}) is not allowed: every single tensor must be a "
+                         f"valid group")
+    allowed = np.zeros((n, n), dtype=bool)
+    for k, m in enumerate(row_len):
+        allowed[k, k : k + m] = True
+    if (pre[allowed] < 0).any() or (chain[allowed] < 0).any():
+        k, j = (int(v[0]) for v in np.nonzero(allowed & ((pre < 0) | (chain < 0).any(axis=2))))
+        raise ValueError(f"group ({k}, {j}) has a negative cost {_cost_at(pre, chain, k, j)}")
+    pre = np.where(allowed, pre, np.inf)
+    chain = np.where(allowed[:, :, None], chain, np.inf)
+
+    def cost(i: int, j: int) -> GroupCost:
+        return _cost_at(pre, chain, i, j)
+
+    if chain.shape[2] == 1:
+        found = _pareto_2d(backprop_s, pre, chain[:, :, 0], forward_s)
+    else:
+        rows = [[cost(k, j) for j in range(k, k + m)] for k, m in enumerate(row_len)]
+        found = _pareto_nd(backprop_s, rows, forward_s)
+    return _merge_ties(backprop_s, found, cost, row_len, forward_s)
+
+
+def _cost_at(pre: np.ndarray, chain: np.ndarray, i: int, j: int) -> GroupCost:
+    return GroupCost(float(pre[i, j]), tuple(float(d) for d in chain[i, j]))
+
+
+def _pareto_nd(
+    backprop_s: Sequence[float], rows: list[list[GroupCost]], forward_s: float
+) -> Fusion:
+    """:func:`pareto_dp` for several channels: explicit fronts of :class:`_State`."""
+    n = len(backprop_s)
     fronts: list[list[_State]] = [[] for _ in range(n + 1)]
     fronts[0] = [_State((0.0,), 0, None, 0)]
     kept = 0
@@ -411,27 +503,23 @@ def pareto_dp(
         end = s.start - 1
         s = s.prev
     groups.reverse()
-    found = Fusion(groups=tuple(groups), time_s=forward_s + max(best.vec), solver="pareto_dp",
-                   calls=kept)
-    return _merge_ties(backprop_s, found, rows, forward_s)
+    return Fusion(groups=tuple(groups), time_s=forward_s + max(best.vec), solver="pareto_dp",
+                  calls=kept)
 
 
 def _merge_ties(
-    backprop_s: Sequence[float], found: Fusion, rows: list[list[GroupCost]], forward_s: float
+    backprop_s: Sequence[float], found: Fusion, cost: Callable[[int, int], GroupCost],
+    row_len: Sequence[int], forward_s: float,
 ) -> Fusion:
     """Fewer groups at the same time: merge neighbouring groups, left to right, wherever the
     merged strategy is predicted no slower. Many optima tie when the channel idles (a
     finish clamped to the compute finish), and fewer launches are the safer choice."""
-
-    def cost(i: int, j: int) -> GroupCost:
-        return rows[i][j - i]
-
     groups = list(found.groups)
     best = tandem_time(backprop_s, groups, cost, forward_s=forward_s)
     a = 0
     while a + 1 < len(groups):
         i, j = groups[a][0], groups[a + 1][1]
-        if j - i < len(rows[i]):
+        if j - i < row_len[i]:
             trial = groups[:a] + [(i, j)] + groups[a + 2 :]
             t = tandem_time(backprop_s, trial, cost, forward_s=forward_s)
             if t <= best:
@@ -458,19 +546,15 @@ def _row(cost: Callable[[int, int], GroupCost | None], k: int, last: int) -> lis
 
 
 def _pareto_2d(
-    backprop_s: Sequence[float], rows: list[list[GroupCost]], forward_s: float
+    backprop_s: Sequence[float], pre: np.ndarray, d: np.ndarray, forward_s: float
 ) -> Fusion:
     """:func:`pareto_dp` for one channel, vectorised over all kept states: for every prefix
     ``j`` the candidates are every kept state of a shorter prefix ``k`` extended by the group
-    ``(k, j-1)``; the 2-D front (compute, channel finish) is a sort and a running minimum."""
+    ``(k, j-1)``; the 2-D front (compute, channel finish) is a sort and a running minimum.
+    ``pre`` and ``d`` are the dense cost tables (``inf``: not allowed)."""
     import numpy as np
 
     n = len(backprop_s)
-    pre = np.full((n, n), np.inf)
-    d = np.full((n, n), np.inf)
-    for k, row in enumerate(rows):
-        pre[k, k : k + len(row)] = [c.pre_s for c in row]
-        d[k, k : k + len(row)] = [c.chain_s[0] for c in row]
     bp = np.concatenate(([0.0], np.cumsum(np.asarray(backprop_s, dtype=float))))
     comp = np.zeros(1)
     comm = np.zeros(1)

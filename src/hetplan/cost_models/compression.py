@@ -48,12 +48,15 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 from hetplan.cost_models.profile_db import CompressorRecord, ProfileDB
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import DEVICE_CATALOGUE, ClusterSpec, DeviceSpec
 from hetplan.ir.validation import did_you_mean
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "COMPRESSORS",
@@ -69,6 +72,7 @@ __all__ = [
     "Compressor",
     "PiecewiseTime",
     "TableTime",
+    "time_array",
     "TimeModel",
     "wire_ratio",
 ]
@@ -170,6 +174,49 @@ class TableTime:
         i = bisect.bisect_right(xs, nbytes)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+
+
+def time_array(model: TimeModel, nbytes: Sequence[float] | np.ndarray) -> np.ndarray:
+    """``model`` at every size of ``nbytes`` (for cost tables over many sizes at once).
+
+    The built-in models (:class:`AffineTime`, :class:`PiecewiseTime`, :class:`TableTime`) are
+    evaluated with numpy using the same float operations as their ``__call__``, so every
+    value is bit-identical to ``model(x)``; any other model is called once per size.
+    """
+    import numpy as np
+
+    x = np.asarray(nbytes, dtype=float)
+    if isinstance(model, AffineTime):
+        return np.where(x > 0, model.alpha_s + model.beta_s_per_byte * x, 0.0)
+    if isinstance(model, PiecewiseTime):
+        extra = x - model.threshold_bytes
+        t = np.where(extra > 0, model.constant_s + model.beta_s_per_byte * extra,
+                     model.constant_s)
+        return np.where(x > 0, t, 0.0)
+    if isinstance(model, TableTime):
+        return _table_array(model, x)
+    return np.array([model(float(v)) for v in x.ravel()], dtype=float).reshape(x.shape)
+
+
+def _table_array(model: TableTime, x: np.ndarray) -> np.ndarray:
+    """:meth:`TableTime.__call__` over an array, branch by branch with the same operations."""
+    import numpy as np
+
+    xs, ys = model.sizes, model.seconds
+    if len(xs) == 1:
+        above = ys[0] * x / xs[0] if xs[0] > 0 else np.full_like(x, ys[0])
+        out = above.copy()
+    else:
+        ax, ay = np.asarray(xs), np.asarray(ys)
+        i = np.clip(np.searchsorted(ax, x, side="right"), 1, len(xs) - 1)
+        x0, x1, y0, y1 = ax[i - 1], ax[i], ay[i - 1], ay[i]
+        out = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        hi = x >= xs[-1]
+        out[hi] = ys[-1] + slope * (x[hi] - xs[-1])
+    out[x <= xs[0]] = ys[0]
+    out[x <= 0] = 0.0
+    return out
 
 
 def wire_ratio(

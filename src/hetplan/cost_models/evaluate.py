@@ -24,9 +24,12 @@ Everything here is deterministic and free of torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetplan.cost_models.compression import CompressionCost
+import numpy as np
+
+from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
     MemoryBreakdown,
@@ -384,6 +387,22 @@ class StageSync:
         return _strategy_ops(strategy, nbytes, costs, self.stage, self.dp, self.link,
                              self.nodes, self.per_node)
 
+    def ops_table(
+        self, strategy: SyncStrategy, nbytes: Sequence[float] | np.ndarray, costs: CostModel
+    ) -> tuple[tuple[str, ...], np.ndarray]:
+        """:meth:`ops` at many sizes at once: (the ops' resources, which do not depend on the
+        size, and a ``len(nbytes) x ops`` array of durations). Row ``m`` equals
+        ``[op.duration_s for op in self.ops(strategy, nbytes[m], costs)]`` bit for bit;
+        for cost tables over every bucket of a stage (the fusion pass)."""
+        x = np.asarray(nbytes, dtype=float)
+        if x.ndim != 1 or not len(x):
+            raise ValueError(f"ops_table needs a non-empty 1-D list of sizes, got shape {x.shape}")
+        ops = _strategy_ops(strategy, x, costs, self.stage, self.dp, self.link, self.nodes,
+                            self.per_node)
+        cols = [np.broadcast_to(np.asarray(op.duration_s, dtype=float), x.shape) for op in ops]
+        table = np.stack(cols, axis=1) if cols else np.zeros((len(x), 0))
+        return tuple(op.resource for op in ops), table
+
 
 def stage_syncs(
     workload: WorkloadSummary, layout: Layout, stages: tuple[Stage, ...], costs: CostModel
@@ -420,6 +439,46 @@ def _shard_bytes(workload: WorkloadSummary, nbytes: int, layer: int, tp: int) ->
     return nbytes * (1 - frac + frac / tp)
 
 
+class _ScalarCalc:
+    """The size-dependent costs of a sync path at one size (floats): the simulator's path."""
+
+    @staticmethod
+    def time(model: TimeModel, nbytes: float) -> float:
+        return model(nbytes)
+
+    @staticmethod
+    def wire(comp: CompressionCost, nbytes: float) -> float:
+        return comp.wire_bytes(nbytes)
+
+    @staticmethod
+    def comm(costs: CostModel, routine: str, nbytes: float, group: int, link: str) -> float:
+        return costs.comm.time_s(routine, nbytes, group, link)  # type: ignore[arg-type]
+
+
+class _ArrayCalc(_ScalarCalc):
+    """The same costs at many sizes at once (numpy arrays), bit-identical to
+    :class:`_ScalarCalc` element by element (same float operations; see
+    :func:`~hetplan.cost_models.compression.time_array`)."""
+
+    @staticmethod
+    def time(model: TimeModel, nbytes: np.ndarray) -> np.ndarray:  # type: ignore[override]
+        return time_array(model, nbytes)
+
+    @staticmethod
+    def wire(comp: CompressionCost, nbytes: np.ndarray) -> np.ndarray:  # type: ignore[override]
+        if comp.compressor == "powersgd":  # the ratio depends on the size
+            return np.array([comp.wire_bytes(float(x)) for x in nbytes], dtype=float)
+        return nbytes * comp.wire_ratio()
+
+    @staticmethod
+    def comm(costs: CostModel, routine: str, nbytes: np.ndarray, group: int,  # type: ignore[override]
+             link: str) -> np.ndarray:
+        if (nbytes < 0).any():
+            raise ValueError(f"nbytes must be >= 0, got {float(nbytes.min())!r}")
+        line = costs.comm.alpha_beta(routine, group, link)  # type: ignore[arg-type]
+        return np.where(nbytes > 0, line.alpha_s + line.beta_s_per_byte * nbytes, 0.0)
+
+
 def _strategy_ops(
     strategy: SyncStrategy,
     nbytes: float,
@@ -434,6 +493,7 @@ def _strategy_ops(
     dev = costs.devices[st.ranks[0]]
     ops: list[Op] = []
     payload = nbytes
+    calc = _ArrayCalc if isinstance(nbytes, np.ndarray) else _ScalarCalc
     if isinstance(strategy, CastSync):
         ops.append(Op(GPU, 2 * nbytes / dev.mem_bandwidth_bytes_per_s, "cast"))
         payload = nbytes / 2
@@ -446,19 +506,19 @@ def _strategy_ops(
         if strategy.uncompressed_dtype != "fp32":
             payload = nbytes / 2
     if isinstance(strategy, CompressedSync) and strategy.actions and comp is not None:
-        return _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node)
+        return _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node, calc)
     compressed_done = False
     for step in strategy.steps:
         if step.compressed and comp is not None and not compressed_done:
             res = GPU if strategy.compress_device == "gpu" else CPU
-            ops.append(Op(res, comp.compress_s(payload), "compress"))
+            ops.append(Op(res, calc.time(comp.compress, payload), "compress"))
             compressed_done = True
-        size = comp.wire_bytes(payload) if step.compressed and comp else payload
+        size = calc.wire(comp, payload) if step.compressed and comp else payload
         group, lk, channel = _level_group(step.level, dev, dp, link, nodes, per_node)
-        ops.append(Op(channel, costs.comm.time_s(step.routine, size, group, lk), step.routine))
+        ops.append(Op(channel, calc.comm(costs, step.routine, size, group, lk), step.routine))
     if compressed_done and comp is not None and isinstance(strategy, CompressedSync):
         res = GPU if strategy.decompress_device == "gpu" else CPU
-        ops.append(Op(res, comp.decompress_s(payload), "decompress"))
+        ops.append(Op(res, calc.time(comp.decompress, payload), "decompress"))
     return tuple(ops)
 
 
@@ -488,6 +548,7 @@ def _action_ops(
     link: str,
     nodes: int,
     per_node: int,
+    calc: type[_ScalarCalc] = _ScalarCalc,
 ) -> tuple[Op, ...]:
     """The ops of an Espresso path (``strategy.actions``), following one GPU's data.
 
@@ -508,19 +569,20 @@ def _action_ops(
         if a.task in ("comp", "decomp"):
             res = GPU if a.device == "gpu" else CPU
             if a.task == "comp":
-                ops.append(Op(res, comp.compress_s(payload * frac), "compress"))
+                ops.append(Op(res, calc.time(comp.compress, payload * frac), "compress"))
                 compressed, copies = True, 1
             else:
-                ops.append(Op(res, comp.decompress_s(payload * frac * copies), "decompress"))
+                ops.append(Op(res, calc.time(comp.decompress, payload * frac * copies),
+                              "decompress"))
                 compressed, copies = False, 1
             continue
         group, lk, channel = _level_group(a.level, dev, dp, link, nodes, per_node)
-        unit = comp.wire_bytes(payload * frac) * copies if compressed else payload * frac
+        unit = calc.wire(comp, payload * frac) * copies if compressed else payload * frac
         routine = a.routine or "allreduce"
         size = unit * group if routine in ("allgather", "gather") else unit
         if a.level == "inter":
             size *= active
-        ops.append(Op(channel, costs.comm.time_s(routine, size, group, lk), routine))
+        ops.append(Op(channel, calc.comm(costs, routine, size, group, lk), routine))
         if routine in ("reduce_scatter", "alltoall"):
             frac /= group
             copies *= group if routine == "alltoall" else 1

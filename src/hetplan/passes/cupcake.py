@@ -39,14 +39,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hetplan.algorithms.fusion import Fusion, GroupCost, pareto_dp
+import numpy as np
+
+from hetplan.algorithms.fusion import Fusion, pareto_dp_table
 from hetplan.cost_models.evaluate import StageSync, evaluate, stage_syncs
 from hetplan.cost_models.timeline import GPU, Op
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync, SyncStrategy, WorkloadSummary
 from hetplan.passes.base import PassContext, PassResult
 
-__all__ = ["CupcakeFusion", "tensor_strategies", "stage_fusion", "tandem_shape"]
+__all__ = ["CupcakeFusion", "tensor_strategies", "stage_fusion", "group_cost_tables",
+           "tandem_shape"]
 
 FP32 = "fp32"
 
@@ -91,44 +94,72 @@ def stage_fusion(
 ) -> tuple[Fusion, bool]:
     """Optimal buckets of one stage's gradients; returns (fusion, exact) where ``exact`` says
     the DP objective was the simulator itself (tandem ops), not the surrogate."""
+    pre, chain, exact = group_cost_tables(ss, keys, strategies, ctx, max_group=max_group)
+    return pareto_dp_table(ss.backprop_s, pre, chain), exact
+
+
+def _runs(keys: list[str]) -> list[tuple[int, int]]:
+    """Maximal ranges ``[a, b)`` of consecutive tensors with one strategy key."""
+    runs, a = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[a]:
+            runs.append((a, i))
+            a = i
+    return runs
+
+
+def group_cost_tables(
+    ss: StageSync, keys: list[str], strategies: dict[str, SyncStrategy], ctx: PassContext,
+    *, max_group: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The DP's cost of every allowed bucket ``(i, j)`` of one stage: ``(pre, chain,
+    exact)`` as :func:`~hetplan.algorithms.fusion.pareto_dp_table` takes them (``inf``
+    where the tensors do not share a strategy or the bucket is longer than ``max_group``).
+
+    A bucket's ops are those of :meth:`StageSync.ops` for its bytes, computed for all
+    buckets of a strategy at once (:meth:`StageSync.ops_table`, bit-identical). ``exact``:
+    every strategy's ops have the same tandem shape, so ``pre`` is the compute-stream ops and
+    ``chain`` the channel ops in order; otherwise the surrogate (module docstring): ``pre``
+    is every compute-stream op and ``chain`` one channel with all other work.
+    """
     n = len(ss.grads)
     prefix = [0.0]
     for b in ss.nbytes:
         prefix.append(prefix[-1] + b)
-    ops: dict[tuple[int, int], tuple[Op, ...]] = {}
-    for i in range(n):
-        last = n if max_group is None else min(n, i + max_group)
-        for j in range(i, last):
-            if keys[j] != keys[i]:
-                break
-            ops[i, j] = ss.ops(strategies[keys[i]], prefix[j + 1] - prefix[i], ctx.costs)
-    resources = {tuple(op.resource for op in o) for o in ops.values()}
-    shapes = {tandem_shape(tuple(Op(r, 0.0) for r in res)) for res in resources}
+    cum = np.asarray(prefix)
+    pairs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for a, b in _runs(keys):
+        ii, jj = np.triu_indices(b - a)
+        if max_group is not None:
+            short = jj - ii < max_group
+            ii, jj = ii[short], jj[short]
+        pairs.setdefault(keys[a], []).append((ii + a, jj + a))
+    tables: list[tuple[np.ndarray, np.ndarray, tuple[str, ...], np.ndarray]] = []
+    for key, parts in pairs.items():
+        ii = np.concatenate([p[0] for p in parts])
+        jj = np.concatenate([p[1] for p in parts])
+        resources, dur = ss.ops_table(strategies[key], cum[jj + 1] - cum[ii], ctx.costs)
+        tables.append((ii, jj, resources, dur))
+    shapes = {tandem_shape(tuple(Op(r, 0.0) for r in res)) for _, _, res, _ in tables}
     exact = len(shapes) == 1 and None not in shapes
-    if exact:
-        table: dict[tuple[int, int], GroupCost] = {}
-        for ij, o in ops.items():
-            pre, chain = 0.0, []
-            for op in o:
-                if op.resource == GPU:
-                    pre += op.duration_s
-                else:
-                    chain.append(op.duration_s)
-            table[ij] = GroupCost(pre, tuple(chain))
-
-        def cost(i: int, j: int) -> GroupCost | None:
-            return table.get((i, j))
-    else:
-        # surrogate: every compute-stream op before the communication, all channel work as
-        # one channel (a multi-channel Pareto front of a non-tandem path can grow without
-        # bound and would still not be the simulator)
-        def cost(i: int, j: int) -> GroupCost | None:
-            o = ops.get((i, j))
-            if o is None:
-                return None
-            pre = sum(op.duration_s for op in o if op.resource == GPU)
-            return GroupCost(pre, (sum(op.duration_s for op in o if op.resource != GPU),))
-    return pareto_dp(ss.backprop_s, cost, max_group=max_group), exact
+    width = len(next(iter(shapes))) if exact else 1  # type: ignore[arg-type]
+    pre = np.full((n, n), np.inf)
+    chain = np.full((n, n, width), np.inf)
+    for ii, jj, resources, dur in tables:
+        on_gpu = [c for c, r in enumerate(resources) if r == GPU]
+        others = [c for c, r in enumerate(resources) if r != GPU]
+        p = np.zeros(len(ii))
+        for c in on_gpu:
+            p = p + dur[:, c]
+        pre[ii, jj] = p
+        if exact:
+            chain[ii, jj] = dur[:, others] if others else np.zeros((len(ii), 0))
+        else:
+            q = np.zeros(len(ii))
+            for c in others:
+                q = q + dur[:, c]
+            chain[ii, jj, 0] = q
+    return pre, chain, exact
 
 
 @dataclass(frozen=True)
