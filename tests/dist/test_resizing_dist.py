@@ -155,7 +155,7 @@ def _controller(rank: int) -> list[dict[str, Any]]:
         y = model.block.fc2(torch.relu(model.block.fc1(x)))
         y.square().mean().backward()
         model.zero_grad()
-        ctl.after_step(time.perf_counter() - t0, rows=256)
+        ctl.after_step(time.perf_counter() - t0)
     return [{"gamma": [d.resize for d in ctl.decisions], "roles": [d.role for d in
                                                                    ctl.decisions]}]
 

@@ -256,3 +256,18 @@ def test_receiver_ranges_partition(e: int, s: int, n: int) -> None:
     assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     sizes = [hi - lo for lo, hi in rng.values()]
     assert max(sizes) - min(sizes) <= 1
+
+
+def test_zero_with_min_criterion_and_tolerance() -> None:
+    # T_min = 10: rank 3 (20) → (20-10)/15 = 2/3; rank 2 (10.4) is within eps = 0.05 of T_min
+    dec = zero_decision([10.0, 10.0, 10.4, 20.0], [15.0] * 4, 0.9, criterion="min", eps=0.05)
+    assert [d.role for d in dec] == ["normal"] * 3 + ["resize"]
+    assert dec[3].resize == pytest.approx(2 / 3)
+
+
+def test_semi_normal_receivers_exclude_resizing_stragglers() -> None:
+    # TC-6 again with receivers='normal': the migrators send only to ranks 4..7
+    m = [t - 1.0 if t > 1 else 0.5 for t in T6]
+    dec = semi_decision(T6, m, [2048] * 8, CostCoefficients(phi1=3e-4), 0.9, 0.05,
+                        receivers="normal")
+    assert dec[0].receivers == (4, 5, 6, 7) and dec[3].role == "resize"

@@ -252,14 +252,16 @@ class RankDecision:
     receivers: tuple[int, ...] = ()
 
 
-def zero_decision(t_raw: Sequence[float], m_raw: Sequence[float], gamma_max: float
+def zero_decision(t_raw: Sequence[float], m_raw: Sequence[float], gamma_max: float,
+                  criterion: Literal["avg", "min"] = "avg", eps: float = 0.0
                   ) -> list[RankDecision]:
-    """ZERO-resizing: every rank with ``T_raw > T_avg`` prunes its Eq. (1) γ."""
+    """ZERO-resizing: every rank with ``T_raw > T_ref · (1 + eps)`` prunes its Eq. (1) γ
+    towards ``T_ref`` (``avg``: the mean, the paper's ZERO; ``min``: the fastest rank)."""
     _check_same_len(t_raw=t_raw, m_raw=m_raw)
-    t_avg = sum(t_raw) / len(t_raw)
+    t_ref = sum(t_raw) / len(t_raw) if criterion == "avg" else min(t_raw)
     out = []
     for t, m in zip(t_raw, m_raw, strict=True):
-        g = eq1_gamma(t, t_avg, m, gamma_max)
+        g = eq1_gamma(t, t_ref, m, gamma_max) if t > t_ref * (1.0 + eps) else 0.0
         out.append(RankDecision("resize", resize=g) if g > 0.0 else RankDecision())
     return out
 
@@ -270,7 +272,8 @@ def _migrate(frac: float, receivers: Sequence[int], resize: float = 0.0) -> Rank
 
 def semi_decision(t_raw: Sequence[float], m_raw: Sequence[float], cols: Sequence[int],
                   costs: CostCoefficients, gamma_max: float, eps: float,
-                  variant: Literal["semi", "migration"] = "semi") -> list[RankDecision]:
+                  variant: Literal["semi", "migration"] = "semi",
+                  receivers: Literal["all", "normal"] = "all") -> list[RankDecision]:
     """SEMI-migration (Alg. 2, cleaned up) or migration only, identical on every rank.
 
     Args:
@@ -280,6 +283,8 @@ def semi_decision(t_raw: Sequence[float], m_raw: Sequence[float], cols: Sequence
         gamma_max: cap of a resizing ratio.
         eps: relative straggler tolerance on ``T_min``.
         variant: ``migration`` migrates every straggler's full Eq. (1) fraction (MIG).
+        receivers: ``all`` ranks that do not migrate (Eq. (3) literal) or only ``normal``
+            ones (no straggler receives work, §7.23).
     """
     e = _check_same_len(t_raw=t_raw, m_raw=m_raw, cols=[float(c) for c in cols])
     t_min = min(t_raw)
@@ -308,10 +313,11 @@ def semi_decision(t_raw: Sequence[float], m_raw: Sequence[float], cols: Sequence
         l_sorted = [float(cols[r]) for r in slow + rest]
         x = choose_migrators(t_sorted, l_sorted, len(slow), costs.phi1)
     migrators = slow[:x]
-    receivers = [r for r in range(e) if r not in migrators]
+    busy = slow if receivers == "normal" else migrators
+    takers = [r for r in range(e) if r not in busy]
     for r in slow:
         if r in migrators:
-            out[r] = _migrate(frac[r], receivers)
+            out[r] = _migrate(frac[r], takers)
         elif frac[r] > 0.0:
             out[r] = RankDecision("resize", resize=min(frac[r], gamma_max))
     return out

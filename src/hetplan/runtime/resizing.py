@@ -72,7 +72,7 @@ from hetplan.algorithms.zero_resizing import (
     zero_decision,
 )
 from hetplan.errors import SpecError
-from hetplan.ir.plan_sections import ResizingController
+from hetplan.ir.plan_sections import ResizingController, TPGroup
 from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
@@ -87,6 +87,7 @@ __all__ = [
     "StragglerEmulator",
     "make_resizable",
     "masked_linear",
+    "plan_roles",
 ]
 
 
@@ -267,6 +268,7 @@ class LayerState:
     ranks: tuple[int, ...]  # global rank of every group position
     k_sizes: tuple[int, ...]  # contraction columns of every group position
     step: LayerStep = field(default_factory=LayerStep)
+    rows: int = 1  # rows of the 2-D activations in the last forward
     w_var: list[float] | None = None
     acc: torch.Tensor | None = None
     prev_w: torch.Tensor | None = None
@@ -296,6 +298,7 @@ class _ColumnFn(torch.autograd.Function):
                 ) -> torch.Tensor:
         st, step, me = mod.rz, mod.rz.step, mod.tp_rank
         x2 = x.reshape(-1, x.shape[-1])
+        st.rows = x2.shape[0]
         y = st.clock.gemm(lambda: _own_forward(x2, w, step.keep))
         sent: list[torch.Tensor] = []
         for mig in step.migrations:
@@ -350,6 +353,7 @@ class _RowFn(torch.autograd.Function):
         st, step, me = mod.rz, mod.rz.step, mod.tp_rank
         x2 = x.reshape(-1, x.shape[-1])
         rows, out = x2.shape[0], w.shape[0]
+        st.rows = rows
         y = st.clock.gemm(lambda: _own_forward(x2, w, step.keep))
         sent: list[torch.Tensor] = []
         for mig in step.migrations:
@@ -445,6 +449,29 @@ def make_resizable(model: nn.Module, clock: Clock) -> list[tuple[str, Resizable]
     return out
 
 
+def plan_roles(group: TPGroup) -> list[RankDecision]:
+    """The plan's initial roles as decisions, one per group position.
+
+    ``resize`` prunes ``γ``; ``migrate_src`` sends ``γ·β`` and prunes ``γ·(1 − β)`` (the
+    Eq. (2) split) to the ``migrate_dst`` ranks (every other rank when none is listed).
+    """
+    pos = {r: i for i, r in enumerate(group.ranks)}
+    by_rank = {role.rank: role for role in group.roles}
+    dst = tuple(pos[r.rank] for r in group.roles if r.role == "migrate_dst")
+    out = []
+    for i, r in enumerate(group.ranks):
+        role = by_rank.get(r)
+        if role is None or role.role in ("normal", "migrate_dst") or role.gamma <= 0:
+            out.append(RankDecision())
+        elif role.role == "resize":
+            out.append(RankDecision("resize", resize=role.gamma))
+        else:
+            takers = dst or tuple(j for j in range(len(group.ranks)) if j != i)
+            out.append(RankDecision("migrate_src", resize=role.gamma * (1 - role.beta),
+                                    migrate=role.gamma * role.beta, receivers=takers))
+    return out
+
+
 # -- the controller --------------------------------------------------------------------------
 @dataclass
 class ResizingRuntime:
@@ -456,8 +483,11 @@ class ResizingRuntime:
         clock: the clock the layers report to.
         tp_rank / tp_size / group: this rank's position, the group size, the process group.
         period: iterations per statistics period (the paper's epoch; θ = period · θ_iter).
-        eps: relative straggler tolerance on ``T_min`` for SEMI / migration (§7.25).
         smoothing: weight of the newest measurement in the running T and M (noise filter).
+
+    The straggler tolerance, ZERO's criterion and the receivers of migrated work come from
+    the settings (``straggler_eps``, ``criterion``, ``receivers``) when the plan has them;
+    else 0.05, ``avg`` and ``all`` (the paper's choices).
     """
 
     layers: list[tuple[str, Resizable]]
@@ -467,7 +497,6 @@ class ResizingRuntime:
     tp_size: int
     group: Any = None
     period: int = 20
-    eps: float = 0.10
     smoothing: float = 0.5
     iteration: int = 0
     decisions: list[RankDecision] = field(default_factory=list)
@@ -476,7 +505,6 @@ class ResizingRuntime:
     _m: float | None = None
     _basis: list[float] | None = None
     _costs: CostCoefficients | None = None
-    _rows: int = 1
 
     def __post_init__(self) -> None:
         if self.settings.variant == "off":
@@ -553,17 +581,19 @@ class ResizingRuntime:
     # decisions ----------------------------------------------------------------------------
     def _decide(self, g: list[list[float]]) -> list[RankDecision]:
         s = self.settings
+        eps = float(getattr(s, "straggler_eps", 0.05))
         t_raw, m_raw, cols = [v[0] for v in g], [v[1] for v in g], [int(v[2]) for v in g]
         if s.variant == "zero":
-            return zero_decision(t_raw, m_raw, s.gamma_max)
+            return zero_decision(t_raw, m_raw, s.gamma_max, getattr(s, "criterion", "avg"), eps)
         if self._costs is None:
-            self._costs = self._pretest(self._rows)
+            self._costs = self._pretest(self.layers[0][1].rz.rows)
         me_speed = max(m / c if c else 0.0 for m, c in zip(m_raw, cols, strict=True))
         costs = CostCoefficients(self._costs.omega1, self._costs.omega2, self._costs.phi1,
                                  me_speed)
         variant: Literal["semi", "migration"] = "migration" if s.variant == "migration" \
             else "semi"
-        return semi_decision(t_raw, m_raw, cols, costs, s.gamma_max, self.eps, variant)
+        return semi_decision(t_raw, m_raw, cols, costs, s.gamma_max, eps, variant,
+                             getattr(s, "receivers", "all"))
 
     def _apply(self, decisions: list[RankDecision]) -> None:
         """Turn the per-rank decisions into every layer's step (same on every rank)."""
@@ -593,15 +623,22 @@ class ResizingRuntime:
                     if gone else None)
             st.step = LayerStep(keep, pruned, tuple(migs))
 
-    def after_step(self, busy_s: float, rows: int) -> None:
+    def start(self, roles: Sequence[RankDecision]) -> None:
+        """Begin with the plan's initial decisions (one per group position), before any
+        measurement; statistics start at the weights' magnitudes (cold start)."""
+        if len(roles) != self.tp_size:
+            raise SpecError(f"{len(roles)} initial roles for a TP group of {self.tp_size}")
+        self._track()
+        self.decisions = list(roles)
+        self._apply(self.decisions)
+
+    def after_step(self, busy_s: float) -> None:
         """Call once per iteration after the optimizer step (a collective over the group).
 
         Args:
             busy_s: this rank's compute time of the iteration, TP collectives included (the
                 clock's collective time is subtracted here).
-            rows: tokens (rows of the 2-D activations) per iteration, for the pretest.
         """
-        self._rows = max(1, rows)
         self._track()
         busy = max(busy_s - self.clock.comm_s, self.clock.gemm_s)
         g = self._gather(busy)
