@@ -352,6 +352,11 @@ def plan_cmd(
         "", "--compress", help="Compressors gradient sync may use, comma-separated (opt-in; "
         "lossy ones change convergence): dgc, randomk, topk, efsignsgd, onebit, qsgd, "
         "powersgd, fp16, bf16."),
+    tp_controller: str = typer.Option(
+        "off", "--tp-controller", help="Heterogeneous-TP controller the plan turns on (opt-in; "
+        "resizing prunes computation): off, zero, migration, semi."),
+    tp_gamma_max: float = typer.Option(
+        0.9, "--tp-gamma-max", help="Largest pruning ratio the TP controller may use, in [0, 1)."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
@@ -369,6 +374,7 @@ def plan_cmd(
             schedule=schedule, dp=dp, pp=pp, tp=tp, micro_batch_size=micro_batch_size,
             dtype=dtype, require_profiled=require_profiled, dynamics=dynamics,
             compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
+            tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
         )
     seconds = time.perf_counter() - t0
     if output:

@@ -27,6 +27,7 @@ EXPECTED_PRESETS = {
     "h100-1024": (1024, 128, False),
     "mixed-generations": (32, 4, True),
     "one-slow-node": (32, 4, True),
+    "mixed-tp-node": (16, 2, True),
     "local-cpu": (4, 1, False),
     "cpu-2x2": (4, 2, False),
 }

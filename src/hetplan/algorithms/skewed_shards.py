@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 from hetplan.errors import SpecError
 
-__all__ = ["proportional_shards", "shard_granularity", "shard_time"]
+__all__ = ["even_shards", "proportional_shards", "shard_granularity", "shard_time"]
 
 #: The largest granularity tried (columns); see the module docstring.
 MAX_GRANULARITY = 64
@@ -59,6 +59,15 @@ def shard_granularity(features: int, parts: int) -> int:
             return g
         g //= 2
     return 1
+
+
+def even_shards(features: int, parts: int) -> tuple[int, ...]:
+    """The even split (the runtime's default): the first ``features % parts`` ranks get one
+    more column."""
+    if parts < 1:
+        raise SpecError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(features, parts)
+    return tuple(base + (1 if i < extra else 0) for i in range(parts))
 
 
 def _check_speeds(speeds: Sequence[float]) -> None:

@@ -39,6 +39,7 @@ from hetplan.cost_models.memory import (
 )
 from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline
 from hetplan.cost_models.timeline import CPU, GPU, DPTimeline, Op, SyncUnit, simulate_dp
+from hetplan.cost_models.tp_shares import stage_compute
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import (
@@ -49,6 +50,7 @@ from hetplan.ir.plan_sections import (
     NoSync,
     Stage,
     SyncStrategy,
+    TensorParallel,
     WorkloadSummary,
 )
 
@@ -113,8 +115,13 @@ def evaluate(
     *,
     check_memory: bool = True,
     record: bool = False,
+    tensor_parallel: TensorParallel | None = None,
 ) -> Evaluation:
     """Predict one iteration (see module docstring).
+
+    ``tensor_parallel``: the plan's TP section; with uneven shard sizes or resizing roles
+    the stage compute follows :mod:`hetplan.cost_models.tp_shares` (each TP layer at its
+    slowest rank's share), else every TP layer is split evenly.
 
     Raises:
         SpecError: the sections do not fit together (stages missing, unknown tensors).
@@ -136,7 +143,8 @@ def evaluate(
 
     fwd, bwd, tp_comm, bwd_layers, sources = [], [], [], [], []
     for st in stages:
-        f, b, c, per_layer, src = _stage_times(workload, st, layout, costs, mb, scale)
+        f, b, c, per_layer, src = _stage_times(workload, st, layout, costs, mb, scale,
+                                               tensor_parallel)
         fwd.append(f)
         bwd.append(b)
         tp_comm.append(c)
@@ -226,9 +234,11 @@ def _stage_times(
     costs: CostModel,
     mb: int,
     scale: float,
+    tp_section: TensorParallel | None = None,
 ) -> tuple[float, float, float, list[float], dict[str, int]]:
     """Per-micro-batch forward, backward and TP-communication time of a stage, at the speed
-    of its slowest device, and each layer's backward time (for the DP timeline)."""
+    of its slowest device (or, with uneven TP shards, of each layer's slowest rank), and each
+    layer's backward time (for the DP timeline)."""
     devices = {(d.type, d.slowdown): d for d in rank_devices(costs, st)}
     tp = layout.tp
     if tp > 1:
@@ -253,6 +263,9 @@ def _stage_times(
         if best is None or f + b > best[0] + best[1]:
             best = (f, b, per_layer)
     assert best is not None
+    uneven = stage_compute(workload, st, tp, costs, mb, tp_section)
+    if uneven is not None:
+        best, sources = (uneven[0], uneven[1], uneven[2]), uneven[3]
     if tp > 1:
         for lay in layers:
             if lay.tp_pairs:

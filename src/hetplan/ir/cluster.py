@@ -698,6 +698,16 @@ PRESETS: dict[str, Callable[[], ClusterSpec]] = {
         ],
         _eth(100),
     ),
+    "mixed-tp-node": _preset(
+        "mixed-tp-node",
+        "2 nodes x (2 A100 80GB + 2 V100 SXM2 32GB, repeated: 8 GPUs), NVLink 2 in each, "
+        "100 Gb/s RDMA; every 4 consecutive ranks (a TP group of 4) mix both generations",
+        [{"name": "mixed", "count": 2,
+          "devices": [{"type": "A100-80GB", "count": 2}, {"type": "V100-SXM2-32GB", "count": 2},
+                      {"type": "A100-80GB", "count": 2}, {"type": "V100-SXM2-32GB", "count": 2}],
+          "cpu_cores": 96, "intra_link": _NVLINK2}],
+        _ib(100),
+    ),
     "one-slow-node": _preset(
         "one-slow-node",
         "4 nodes x 8 A100 80GB on NVLink, 100 Gb/s RDMA; the last node runs 2x slower "

@@ -39,6 +39,7 @@ __all__ = [
     "TPRankRole",
     "TPGroup",
     "ResizingController",
+    "TPPrediction",
     "TensorParallel",
     "CommStep",
     "PathAction",
@@ -399,10 +400,17 @@ class ResizingController(_Section):
 
     Attributes:
         variant: ``off`` (static shards only), ``zero`` (resizing), ``migration``, ``semi``.
-        alpha: decay factor of the per-column priority statistics (paper: 0.8).
+        alpha: PriDiff's decay factor: a layer prunes at least ``alpha · γ`` (paper: 0.8).
         theta_iter: per-iteration micro-threshold θ_iter (paper: 1e-3; θ = n_iter · θ_iter).
         replan_trigger: relative increase of a rank's iteration time that triggers a re-plan.
-        gamma_max: upper bound on any rank's pruning ratio γ.
+        gamma_max: upper bound on any rank's pruning ratio γ (< 1: a rank keeps a column).
+        imputation: what pruned columns' gradients get (paper: zero).
+        criterion: who is a straggler: ``avg`` (T_i > T_avg, ZERO) or ``min`` (T_i > T_min,
+            SEMI).
+        straggler_eps: relative tolerance of the criterion (T_i > (1 + eps) · T_ref); not in
+            the paper (§7 item 25: T_min makes every rank but the fastest a straggler).
+        receivers: ranks that take migrated work: ``all`` others (Eq. (3) literal) or
+            ``normal`` ones only (§7 item 23).
     """
 
     variant: Literal["off", "zero", "migration", "semi"] = "off"
@@ -411,6 +419,33 @@ class ResizingController(_Section):
     replan_trigger: NonNegFloat = 0.10
     gamma_max: Ratio = 0.9
     imputation: Literal["zero", "same", "average"] = "zero"
+    criterion: Literal["avg", "min"] = "avg"
+    straggler_eps: NonNegFloat = 0.05
+    receivers: Literal["all", "normal"] = "all"
+
+    @model_validator(mode="after")
+    def _check(self) -> ResizingController:
+        if self.gamma_max >= 1:
+            raise ValueError(f"gamma_max must be in [0, 1), got {self.gamma_max}: a rank that "
+                             "pruned every column would compute nothing")
+        return self
+
+
+class TPPrediction(_Section):
+    """The predicted effect of the TP-resizing decisions (simulated iteration times).
+
+    Attributes:
+        even_ms: iteration with even shards and no controller.
+        skewed_ms: with the plan's static per-rank shard sizes.
+        controller_ms: even shards with the controller's expected pruning ratios (Eq. (1)
+            from the predicted per-rank times) — what resizing alone would reach.
+        expected_gamma: that expected γ per global rank (ranks not listed: 0).
+    """
+
+    even_ms: Ms
+    skewed_ms: Ms
+    controller_ms: Ms
+    expected_gamma: dict[str, Ratio] = Field(default_factory=dict)
 
 
 class TensorParallel(_Section):
@@ -418,6 +453,7 @@ class TensorParallel(_Section):
 
     controller: ResizingController = Field(default_factory=ResizingController)
     groups: tuple[TPGroup, ...] = ()
+    predicted: TPPrediction | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TensorParallel:

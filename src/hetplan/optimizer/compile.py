@@ -60,9 +60,11 @@ FINALISTS = 3
 #: The pass pipeline compile runs: balanced pipeline stages
 #: (``dynpipe``; ``uniform-stages`` stays the baseline), then the baseline TP and buckets,
 #: then ``espresso`` (per-tensor gradient-sync options), then ``cupcake-fusion`` (optimal
-#: buckets of consecutive tensors sharing a strategy; never predicted slower than its input).
+#: buckets of consecutive tensors sharing a strategy; never predicted slower than its input),
+#: then ``tp-resizing`` (TP shards by device speed, resizing controller settings; last, so its
+#: predicted effect uses the final gradient sync).
 DEFAULT_PASSES: tuple[str, ...] = ("dynpipe", "even-tp", "ddp-buckets", "espresso",
-                                   "cupcake-fusion")
+                                   "cupcake-fusion", "tp-resizing")
 
 
 def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
@@ -101,8 +103,10 @@ def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | N
     return capture(model, example_inputs, example_kwargs)
 
 
-def _passes(names: Sequence[str], dynamics: Any = None) -> list[Any]:
-    """Instantiate passes by name; ``dynamics`` (a DynamicsSpec) goes to ``dynpipe``."""
+def _passes(names: Sequence[str], dynamics: Any = None,
+            tp_options: dict[str, Any] | None = None) -> list[Any]:
+    """Instantiate passes by name; ``dynamics`` (a DynamicsSpec) goes to ``dynpipe``,
+    ``tp_options`` (keyword options) to ``tp-resizing``."""
     registry = get_all_passes()
     out = []
     for n in names:
@@ -112,6 +116,9 @@ def _passes(names: Sequence[str], dynamics: Any = None) -> list[Any]:
             near = difflib.get_close_matches(n, list(registry), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise SpecError(f"unknown pass {n!r}{hint} (known: {sorted(registry)})")
+        if n == "tp-resizing" and tp_options:
+            out.append(registry[n](**tp_options))
+            continue
         out.append(registry[n](dynamics=dynamics) if n == "dynpipe" and dynamics is not None
                    else registry[n]())
     if dynamics is not None and "dynpipe" not in names:
@@ -141,6 +148,8 @@ def compile(  # noqa: A001 - the product's verb
     require_profiled: bool = False,
     compressors: Sequence[str] = (),
     dynamics: Any = None,
+    tp_controller: str = "off",
+    tp_gamma_max: float = 0.9,
 ) -> Plan:
     """Compile the fastest feasible plan for ``model`` on ``cluster``.
 
@@ -161,6 +170,9 @@ def compile(  # noqa: A001 - the product's verb
             convergence), e.g. ``("dgc", "fp16")``; see ``passes/espresso.py``.
         dynamics: a :class:`~hetplan.ir.rebalancing.DynamicsSpec` (or its YAML/JSON path):
             how the model changes while training; ``dynpipe`` plans the re-balancing.
+        tp_controller / tp_gamma_max: the heterogeneous-TP controller ``tp-resizing`` writes
+            (``off``, ``zero``, ``migration``, ``semi``; opt-in, resizing is lossy) and its
+            largest pruning ratio γ, in [0, 1).
 
     Returns:
         The plan; ``plan.predictions.baselines`` holds what it beat.
@@ -183,7 +195,8 @@ def compile(  # noqa: A001 - the product's verb
         from hetplan.ir.rebalancing import DynamicsSpec
 
         dynamics = DynamicsSpec.load(dynamics)
-    pipeline = _passes(passes, dynamics)
+    pipeline = _passes(passes, dynamics,
+                       {"variant": tp_controller, "gamma_max": tp_gamma_max})
     model_ref = ModelRef(name=ir.name, fingerprint=ir.fingerprint(), num_params=ir.num_params)
     cluster_ref = ClusterRef.from_cluster(spec, embed=False)
     candidates = enumerate_layouts(workload, spec, batch_size, dp=dp, pp=pp, tp=tp,
@@ -208,7 +221,7 @@ def compile(  # noqa: A001 - the product's verb
         try:
             plan, ev = _plan_for(layout, model_ref, cluster_ref,
                                  screening if refining else pipeline, workload, spec, costs,
-                                 compressors=tuple(compressors))
+                                 compressors=tuple(compressors), model_ir=ir)
         except InfeasiblePlanError as e:
             infeasible.append((0.0, str(e)))
             continue
@@ -220,7 +233,7 @@ def compile(  # noqa: A001 - the product's verb
             try:
                 plan, ev = _plan_for(cand.to_layout(batch_size, schedule), model_ref,
                                      cluster_ref, pipeline, workload, spec, costs,
-                                     compressors=tuple(compressors))
+                                     compressors=tuple(compressors), model_ir=ir)
             except InfeasiblePlanError as e:
                 infeasible.append((0.0, str(e)))
                 continue
@@ -305,12 +318,14 @@ def _plan_for(
     spec: ClusterSpec,
     costs: CostModel,
     compressors: tuple[str, ...] = (),
+    model_ir: ModelIR | None = None,
 ) -> tuple[Plan, Evaluation]:
     ctx = PassContext(workload=workload, cluster=spec, costs=costs, layout=layout,
-                      compressors=compressors)
+                      compressors=compressors, model_ir=model_ir)
     plan = Plan(model=model_ref, cluster=cluster_ref, layout=layout)
     plan = run_passes(plan, pipeline, ctx)
-    ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs)
+    ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
+                  tensor_parallel=plan.tensor_parallel)
     return plan, ev
 
 
@@ -459,6 +474,7 @@ def simulate(
         SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
     """
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
-    ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs)
+    ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
+                  tensor_parallel=plan.tensor_parallel)
     baselines = plan.predictions.baselines if plan.predictions else ()
     return _predictions(ev, list(baselines), layout)

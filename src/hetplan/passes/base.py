@@ -22,6 +22,7 @@ from hetplan.ir.plan_sections import Layout, WorkloadSummary
 
 if TYPE_CHECKING:
     from hetplan.cost_models.costs import CostModel
+    from hetplan.ir.model import ModelIR
 
 __all__ = ["Pass", "PassContext", "PassResult", "rank_of"]
 
@@ -38,6 +39,8 @@ class PassContext:
     #: Compressors the user allows gradient-sync passes to use (opt-in; lossy ones change
     #: convergence), e.g. ``("dgc", "fp16")``; empty: none.
     compressors: tuple[str, ...] = ()
+    #: The captured model (its linears, for the tensor-parallel passes), when compile has it.
+    model_ir: ModelIR | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,275 @@
+"""Pass ``tp-resizing``: heterogeneous tensor parallelism (ZERO-resizing / SEMI-migration).
+
+Refines ``plan.tensor_parallel`` (filled by ``even-tp``), per TP group
+(``research/zero_resizing.md`` §6):
+
+1. **Static skewed shards.** Every Megatron pair of the group's stage (column linears
+   feeding one row linear, in the same module, ``out_features`` of the columns = the row's
+   ``in_features``) gets per-rank shard sizes proportional to the ranks' speed on that
+   stage (:func:`~hetplan.algorithms.skewed_shards.proportional_shards`; a pair's linears
+   share one size list, as the runtime requires). A rank's speed is the inverse of the
+   stage's TP-layer compute time (forward + backward) on its device in the project's
+   compute model, so profiled times enter when there are any. A group whose sizes come out
+   even lists no linears (the even default), so homogeneous plans do not change.
+2. **Controller settings** (``ResizingController``): the variant, α, θ_iter, the re-plan
+   trigger, γ_max, the straggler criterion (``avg`` for ZERO, ``min`` for SEMI and
+   migration, §3.3), its tolerance and the receivers.
+3. **Initial roles** for the plan's own shards: the controller's rule on the predicted
+   per-rank times — a rank whose time exceeds ``(1 + eps) · T_ref`` is a straggler with
+   Eq. (1) γ = (T_i − T_ref) / M_i clamped to [0, γ_max], T_ref the mean or minimum. T_i =
+   M_i = the rank's compute of its share of the TP layers per micro-batch: every TP layer
+   ends in an all-reduce, so time a slow device loses in replicated layers (embeddings, the
+   LM head) cannot be won back by pruning its TP matmuls (they would only wait longer at the
+   next all-reduce); counting it, as a literal whole-iteration T_i would, over-prunes
+   (a runtime controller measuring whole iterations sees more). ZERO and SEMI stragglers start
+   as ``resize`` (β = 0: Eq. (2) needs the runtime's measured Ω/Φ costs, so the runtime's
+   Algorithm 2 decides migration); the ``migration`` variant makes them ``migrate_src``
+   (β = 1) and the other ranks ``migrate_dst``. With static skew the residual imbalance is
+   at most one shard unit, so roles are usually all normal: the controller is for dynamic
+   stragglers.
+4. **Predicted effect** (``TensorParallel.predicted``), all with the project's simulator
+   (:func:`~hetplan.cost_models.evaluate.evaluate` with the TP section): even shards; the
+   plan's skewed shards; even shards with the expected γ of the controller (Eq. (1) with
+   the criterion of the variant; ``avg`` when the variant is ``off``). The skewed shards are
+   kept only when predicted no slower than even shards.
+
+Decisions (also in ``docs/decisions.md``, "TP resizing pass"): the controller is **opt-in**
+(``variant="off"`` by default): resizing prunes computation and changes convergence, like
+lossy gradient compression, which is also opt-in; static skew is lossless and always on.
+The attention pairs are listed too (64-column units = whole GPT-2/Llama heads); the runtime
+currently keeps attention pairs replicated and says so. Uneven shards are not reflected in
+the memory model (even shards are assumed per rank). Complexity O(groups · linears · ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from hetplan.algorithms.skewed_shards import even_shards, proportional_shards
+from hetplan.algorithms.zero_resizing import zero_decision
+from hetplan.cost_models.evaluate import evaluate
+from hetplan.errors import SpecError
+from hetplan.ir.model import LinearInfo, TPRole
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import (
+    ResizingController,
+    TensorParallel,
+    TPGroup,
+    TPLinearShard,
+    TPPrediction,
+    TPRankRole,
+)
+from hetplan.passes.base import PassContext, PassResult
+
+__all__ = ["TPResizing", "megatron_pairs", "rank_speeds", "expected_gammas"]
+
+Variant = Literal["off", "zero", "migration", "semi"]
+
+
+def megatron_pairs(linears: list[LinearInfo]) -> list[tuple[list[LinearInfo], LinearInfo]]:
+    """The shardable pairs among ``linears``: (column linears, row linear), in IR order."""
+    by_name = {lin.name: lin for lin in linears}
+    out = []
+    for row in linears:
+        if row.tp_role is not TPRole.ROW or row.pair not in by_name:
+            continue
+        parent = row.name.rpartition(".")[0]
+        cols = [c for c in linears if c.tp_role is TPRole.COLUMN and c.pair == row.name
+                and c.name.rpartition(".")[0] == parent]
+        if row.pair in {c.name for c in cols} and all(c.out_features == row.in_features
+                                                         for c in cols):
+            out.append((cols, row))
+    return out
+
+
+def rank_speeds(ctx: PassContext, ranks: tuple[int, ...], first: int, last: int) -> list[float]:
+    """Speed of every rank on the TP layers ``first..last``: 1 / their forward + backward
+    time on its device (layers without pairs count when the stage has no TP layer)."""
+    mb = ctx.layout.micro_batch_size
+    layers = ctx.workload.layers[first:last + 1]
+    tp_layers = [k for k, lay in enumerate(layers) if lay.tp_pairs] or list(range(len(layers)))
+    out = []
+    for r in ranks:
+        times = ctx.costs.compute.layer_times(ctx.workload, ctx.costs.devices[r], mb)
+        t = sum(times[first + k].fwd_s + times[first + k].bwd_s for k in tp_layers)
+        out.append(1.0 / t if t > 0 else 1.0)
+    return out
+
+
+def expected_gammas(ctx: PassContext, group: TPGroup, first: int, last: int,
+                    criterion: Literal["avg", "min"], eps: float,
+                    gamma_max: float) -> dict[int, float]:
+    """Eq. (1) per straggler of ``group`` on its current shards (see module docstring):
+    ``{global rank: γ}`` for ranks with ``T_i > (1 + eps) · T_ref``."""
+    from hetplan.cost_models.tp_shares import rank_shares
+
+    mb = ctx.layout.micro_batch_size
+    layers = ctx.workload.layers[first:last + 1]
+    plain = group.model_copy(update={"roles": ()})
+    shares = rank_shares(ctx.workload, plain, first, last)
+    t_all, m_all = [], []
+    for i, r in enumerate(group.ranks):
+        times = ctx.costs.compute.layer_times(ctx.workload, ctx.costs.devices[r], mb)
+        t = sum((times[first + k].fwd_s + times[first + k].bwd_s) * shares[k][i]
+                for k, lay in enumerate(layers) if lay.tp_pairs)
+        t_all.append(t)
+        m_all.append(t)  # T_i = M_i: only the TP layers count (see module docstring)
+    decisions = zero_decision(t_all, m_all, gamma_max, criterion, eps)
+    return {r: d.resize for r, d in zip(group.ranks, decisions) if d.resize > 0}
+
+
+@dataclass(frozen=True)
+class TPResizing:
+    """Skewed TP shards by device speed, controller settings and their predicted effect.
+
+    Attributes:
+        variant: the runtime controller (``off``: static shards only; opt-in ``zero``,
+            ``migration``, ``semi``).
+        gamma_max: upper bound on a rank's pruning ratio, in [0, 1).
+        criterion: straggler criterion; None: ``min`` for ``semi``/``migration``, else ``avg``.
+        straggler_eps: relative tolerance of the criterion.
+        receivers: ``all`` other ranks take migrated work, or ``normal`` ones only.
+        alpha / theta_iter / replan_trigger: the controller's hyper-parameters (paper: 0.8,
+            1e-3, 10 %).
+    """
+
+    name: ClassVar[str] = "tp-resizing"
+    section: ClassVar[str] = "tensor_parallel"
+    variant: Variant = "off"
+    gamma_max: float = 0.9
+    criterion: Literal["avg", "min"] | None = None
+    straggler_eps: float = 0.05
+    receivers: Literal["all", "normal"] = "all"
+    alpha: float = 0.8
+    theta_iter: float = 1e-3
+    replan_trigger: float = 0.10
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("off", "zero", "migration", "semi"):
+            raise SpecError(f"tp-resizing: unknown controller variant {self.variant!r}; use "
+                            "off, zero, migration or semi")
+        if not 0 <= self.gamma_max < 1:
+            raise SpecError(f"tp-resizing: gamma_max must be in [0, 1), got {self.gamma_max} "
+                            "(a rank pruning every column would compute nothing)")
+        if self.straggler_eps < 0:
+            raise SpecError(f"tp-resizing: straggler_eps must be >= 0, got "
+                            f"{self.straggler_eps}")
+
+    def controller(self) -> ResizingController:
+        """The controller settings this pass writes."""
+        crit = self.criterion or ("min" if self.variant in ("semi", "migration") else "avg")
+        return ResizingController(
+            variant=self.variant, alpha=self.alpha, theta_iter=self.theta_iter,
+            replan_trigger=self.replan_trigger, gamma_max=self.gamma_max, criterion=crit,
+            straggler_eps=self.straggler_eps, receivers=self.receivers)
+
+    def run(self, plan: Plan, ctx: PassContext) -> PassResult:
+        tp = plan.tensor_parallel
+        if tp is None or not tp.groups:
+            return PassResult(plan, False, ("no tensor parallelism",))
+        if ctx.model_ir is None:
+            return PassResult(plan, False, ("no model IR in the pass context: linears "
+                                            "unknown, shards stay even",))
+        _check_groups(tp, len(ctx.costs.devices), ctx.cluster.name)
+        ctl = self.controller()
+        groups = tuple(self._group(g, plan, ctx, ctl) for g in tp.groups)
+        skewed = tp.model_copy(update={"groups": groups, "controller": ctl})
+        even = TensorParallel(groups=tuple(g.model_copy(update={"linears": (), "roles": ()})
+                                           for g in tp.groups), controller=ctl)
+        even_ms = self._simulate(plan, ctx, even)
+        skewed_ms = self._simulate(plan, ctx, skewed.model_copy(update={"groups": tuple(
+            g.model_copy(update={"roles": ()}) for g in groups)}))
+        notes = []
+        if skewed_ms > even_ms:
+            notes.append(f"skewed shards predicted slower ({skewed_ms:.3f} > {even_ms:.3f} "
+                         "ms); kept even shards")
+            skewed, skewed_ms = even, even_ms
+        ctl_section, gammas = self._controller_effect(even, plan, ctx, ctl)
+        ctl_ms = self._simulate(plan, ctx, ctl_section)
+        pred = TPPrediction(even_ms=even_ms, skewed_ms=skewed_ms, controller_ms=ctl_ms,
+                            expected_gamma={str(r): g for r, g in sorted(gammas.items())})
+        out = skewed.model_copy(update={"predicted": pred})
+        uneven = sum(1 for g in out.groups if g.linears)
+        notes.append(f"{uneven}/{len(out.groups)} group(s) with skewed shards; predicted "
+                     f"{even_ms:.3f} ms even, {skewed_ms:.3f} ms skewed, {ctl_ms:.3f} ms even "
+                     f"+ controller ({ctl.criterion})")
+        return PassResult(plan.model_copy(update={"tensor_parallel": out}), True, tuple(notes))
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _group(self, g: TPGroup, plan: Plan, ctx: PassContext,
+               ctl: ResizingController) -> TPGroup:
+        first, last = _stage_layers(plan, ctx, g)
+        speeds = rank_speeds(ctx, g.ranks, first, last)
+        names = {lay.name for lay in ctx.model_ir.layers[first:last + 1]}  # type: ignore[union-attr]
+        linears = [lin for lay in ctx.model_ir.layers  # type: ignore[union-attr]
+                   if lay.name in names for lin in lay.linears]
+        shards: list[TPLinearShard] = []
+        for cols, row in megatron_pairs(linears):
+            sizes = proportional_shards(row.in_features, speeds)
+            if sizes == even_shards(row.in_features, len(sizes)):
+                continue
+            shards += [TPLinearShard(name=c.name, split="column", features=c.out_features,
+                                     shard_sizes=sizes) for c in cols]
+            shards.append(TPLinearShard(name=row.name, split="row", features=row.in_features,
+                                        shard_sizes=sizes))
+        new = g.model_copy(update={"linears": tuple(shards), "roles": ()})
+        if ctl.variant == "off":
+            return new
+        gammas = expected_gammas(ctx, new, first, last, ctl.criterion, ctl.straggler_eps,
+                                 ctl.gamma_max)
+        return new.model_copy(update={"roles": self._roles(new, gammas, ctl)})
+
+    def _roles(self, g: TPGroup, gammas: dict[int, float],
+               ctl: ResizingController) -> tuple[TPRankRole, ...]:
+        if not gammas:
+            return ()
+        if ctl.variant == "migration":
+            return tuple(TPRankRole(rank=r, role="migrate_src", gamma=gammas[r], beta=1.0)
+                         if r in gammas else TPRankRole(rank=r, role="migrate_dst")
+                         for r in g.ranks)
+        return tuple(TPRankRole(rank=r, role="resize", gamma=gammas[r]) if r in gammas
+                     else TPRankRole(rank=r) for r in g.ranks)
+
+    def _controller_effect(self, even: TensorParallel, plan: Plan, ctx: PassContext,
+                           ctl: ResizingController) -> tuple[TensorParallel, dict[int, float]]:
+        """Even shards with every straggler resizing by its Eq. (1) γ."""
+        all_g: dict[int, float] = {}
+        groups = []
+        for g in even.groups:
+            first, last = _stage_layers(plan, ctx, g)
+            gam = expected_gammas(ctx, g, first, last, ctl.criterion, ctl.straggler_eps,
+                                  ctl.gamma_max)
+            all_g.update(gam)
+            roles = tuple(TPRankRole(rank=r, role="resize", gamma=gam[r]) for r in g.ranks
+                          if r in gam)
+            groups.append(g.model_copy(update={"roles": roles}))
+        return even.model_copy(update={"groups": tuple(groups)}), all_g
+
+    @staticmethod
+    def _simulate(plan: Plan, ctx: PassContext, section: TensorParallel) -> float:
+        ev = evaluate(ctx.workload, ctx.layout, plan.stages, plan.gradient_sync, ctx.costs,
+                      check_memory=False, tensor_parallel=section)
+        return ev.iteration_s * 1e3
+
+
+def _stage_layers(plan: Plan, ctx: PassContext, g: TPGroup) -> tuple[int, int]:
+    """The layer range of the stage the group belongs to."""
+    if not plan.stages:
+        return 0, len(ctx.workload.layers) - 1
+    for st in plan.stages:
+        if (g.stage is not None and st.index == g.stage) or (
+                g.stage is None and set(g.ranks) <= set(st.ranks)):
+            return st.first_layer, st.last_layer
+    raise SpecError(f"TP group {list(g.ranks)} (stage {g.stage}) matches no pipeline stage of "
+                    f"the plan ({len(plan.stages)} stages); re-run the even-tp pass")
+
+
+def _check_groups(tp: TensorParallel, world: int, cluster: str) -> None:
+    """Every rank of every group must be a device of the cluster."""
+    for g in tp.groups:
+        missing = [r for r in g.ranks if not 0 <= r < world]
+        if missing:
+            raise SpecError(
+                f"TP group {list(g.ranks)} names ranks {missing}, which cluster {cluster!r} "
+                f"(world size {world}) does not have; plan for this cluster or fix the group")

@@ -1,0 +1,220 @@
+"""The ``tp-resizing`` pass and the uneven-TP cost model (cost_models/tp_shares.py).
+
+Expectations come from the rules the pass documents, recomputed here from the compute
+model's per-layer times (an input, not the code under test), or from a second compile
+without the pass; never from the pass's own output.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from hetplan.cli import app
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.evaluate import evaluate
+from hetplan.errors import SpecError
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import (
+    ResizingController,
+    TensorParallel,
+    TPGroup,
+    TPLinearShard,
+    TPRankRole,
+)
+from hetplan.optimizer.compile import DEFAULT_PASSES, compile
+from hetplan.passes.base import PassContext
+from hetplan.passes.tp_resizing import TPResizing
+
+PRESET = "mixed-tp-node"
+ARGS = dict(batch_size=16, dp=4, pp=1, tp=4, micro_batch_size=4, dtype="fp16")
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return compile("gpt-test", PRESET, **ARGS)
+
+
+@pytest.fixture(scope="module")
+def spec() -> ClusterSpec:
+    return ClusterSpec.from_preset(PRESET)
+
+
+def _is_a100(spec: ClusterSpec, rank: int) -> bool:
+    return spec.devices()[rank].type.startswith("A100")
+
+
+def test_preset_mixes_generations_inside_each_tp_group(spec: ClusterSpec) -> None:
+    for first in range(0, spec.world_size, 4):
+        kinds = {spec.devices()[r].type for r in range(first, first + 4)}
+        assert kinds == {"A100-80GB", "V100-SXM2-32GB"}
+
+
+def test_plan_carries_uneven_shards_per_rank(plan: Plan, spec: ClusterSpec) -> None:
+    tp = plan.tensor_parallel
+    assert tp is not None and len(tp.groups) == 4
+    for g in tp.groups:
+        names = {lin.name for lin in g.linears}
+        # every MLP pair of gpt-test's 4 blocks, both linears with one size list
+        assert names == {f"blocks.{i}.{n}" for i in range(4) for n in ("fc1", "fc2")}
+        for lin in g.linears:
+            assert sum(lin.shard_sizes) == lin.features == 256
+            fast = [s for r, s in zip(g.ranks, lin.shard_sizes) if _is_a100(spec, r)]
+            slow = [s for r, s in zip(g.ranks, lin.shard_sizes) if not _is_a100(spec, r)]
+            assert min(fast) > max(slow), (g.ranks, lin.shard_sizes)
+            assert all(s % 32 == 0 for s in lin.shard_sizes)  # 256 -> 32-column units
+
+
+def test_controller_settings_default_off(plan: Plan) -> None:
+    ctl = plan.tensor_parallel.controller
+    assert ctl.variant == "off" and ctl.criterion == "avg"
+    assert (ctl.alpha, ctl.theta_iter, ctl.replan_trigger, ctl.gamma_max) == (0.8, 1e-3, 0.1, 0.9)
+    assert all(not g.roles for g in plan.tensor_parallel.groups)
+
+
+def test_predicted_skewed_not_slower_than_even_and_matches_plan(plan: Plan) -> None:
+    pred = plan.tensor_parallel.predicted
+    assert pred is not None
+    assert pred.skewed_ms < pred.even_ms
+    # the pass runs last: the plan's own prediction is the skewed one
+    assert plan.predictions.iteration_time_ms == pytest.approx(pred.skewed_ms)
+    # even_ms is what the same layout predicts without the pass
+    without = compile("gpt-test", PRESET, passes=[p for p in DEFAULT_PASSES
+                                                  if p != "tp-resizing"], **ARGS)
+    assert without.tensor_parallel.predicted is None
+    assert without.predictions.iteration_time_ms == pytest.approx(pred.even_ms)
+
+
+def test_expected_gamma_is_eq1_on_even_shards(plan: Plan, spec: ClusterSpec) -> None:
+    # Eq. (1) with T_avg on the even split, T_i = rank's quarter of the TP layers' time
+    costs = CostModel(spec, dtype="fp16")
+    wl = plan.model.workload
+    t = {}
+    for r in range(4):
+        times = costs.compute.layer_times(wl, costs.devices[r], 4)
+        t[r] = sum((x.fwd_s + x.bwd_s) / 4 for x, lay in zip(times, wl.layers) if lay.tp_pairs)
+    avg = sum(t.values()) / 4
+    gam = plan.tensor_parallel.predicted.expected_gamma
+    for r in range(4):
+        want = (t[r] - avg) / t[r] if t[r] > 1.05 * avg else None
+        assert (gam.get(str(r)) is None) if want is None else gam[str(r)] == pytest.approx(want)
+    assert set(gam) == {str(r) for r in range(16) if not _is_a100(spec, r)}
+    assert plan.tensor_parallel.predicted.controller_ms < plan.tensor_parallel.predicted.even_ms
+
+
+def test_deterministic_bytes(plan: Plan) -> None:
+    again = compile("gpt-test", PRESET, **ARGS)
+    assert again.to_json() == plan.to_json()
+
+
+def test_semi_variant_roles_use_min_criterion() -> None:
+    p = compile("gpt-test", PRESET, tp_controller="semi", tp_gamma_max=0.5, **ARGS)
+    ctl = p.tensor_parallel.controller
+    assert (ctl.variant, ctl.criterion, ctl.gamma_max) == ("semi", "min", 0.5)
+    for g in p.tensor_parallel.groups:
+        for role in g.roles:
+            assert role.role in ("normal", "resize") and role.beta == 0
+            assert role.gamma <= 0.5
+
+
+def test_homogeneous_cluster_keeps_even_shards() -> None:
+    homogeneous = ClusterSpec.from_dict({
+        "name": "a100-2x8", "nodes": [{"name": "n", "count": 2,
+                                       "devices": [{"type": "A100-80GB", "count": 8}],
+                                       "cpu_cores": 8, "intra_link": {"kind": "nvlink",
+                                                                      "bandwidth_gbps": 2400,
+                                                                      "latency_us": 2}}],
+        "inter_node": {"kind": "infiniband", "bandwidth_gbps": 100, "latency_us": 3}})
+    p = compile("gpt-test", homogeneous, **ARGS)
+    tp = p.tensor_parallel
+    assert all(not g.linears and not g.roles for g in tp.groups)
+    assert tp.predicted.skewed_ms == tp.predicted.even_ms == tp.predicted.controller_ms
+    assert tp.predicted.expected_gamma == {}
+
+
+# -- cost model: uneven shards cost the slowest rank, per layer ----------------------------
+def _section(sizes: tuple[int, ...], roles: tuple[TPRankRole, ...] = ()) -> TensorParallel:
+    lins = tuple(TPLinearShard(name=f"blocks.{i}.{n}", split=s, features=256, shard_sizes=sizes)
+                 for i in range(4) for n, s in (("fc1", "column"), ("fc2", "row")))
+    groups = tuple(TPGroup(ranks=tuple(range(k, k + 4)), stage=0, linears=lins, roles=roles
+                           if k == 0 else ()) for k in range(0, 16, 4))
+    return TensorParallel(groups=groups)
+
+
+def _stage_fwd(plan: Plan, section: TensorParallel | None) -> float:
+    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
+    ev = evaluate(plan.model.workload, plan.layout, plan.stages, None, costs,
+                  check_memory=False, tensor_parallel=section)
+    return ev.stages[0].fwd_s - ev.stages[0].tp_comm_s
+
+
+def _by_hand(plan: Plan, shares: list[float]) -> float:
+    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
+    wl = plan.model.workload
+    total = 0.0
+    for k, lay in enumerate(wl.layers):
+        total += max(costs.compute.layer_times(wl, costs.devices[r], 4)[k].fwd_s
+                     * (shares[r] if lay.tp_pairs else 1.0) for r in range(4))
+    return total
+
+
+@pytest.mark.parametrize("sizes", [(64, 64, 64, 64), (96, 96, 32, 32), (0, 0, 128, 128),
+                                   (256, 0, 0, 0)])
+def test_uneven_shards_cost_slowest_rank_per_layer(plan: Plan, sizes: tuple[int, ...]) -> None:
+    assert _stage_fwd(plan, _section(sizes)) == pytest.approx(
+        _by_hand(plan, [s / 256 for s in sizes]))
+
+
+def test_even_listed_shards_cost_like_no_section(plan: Plan) -> None:
+    assert _stage_fwd(plan, _section((64, 64, 64, 64))) == pytest.approx(
+        _stage_fwd(plan, None))
+
+
+def test_resize_role_scales_the_rank_share(plan: Plan) -> None:
+    roles = (TPRankRole(rank=2, role="resize", gamma=0.5), TPRankRole(rank=3, role="resize",
+                                                                        gamma=0.5))
+    got = _stage_fwd(plan, _section((64, 64, 64, 64), roles))
+    # group 0 resized; the other groups (same devices) stay even and dominate
+    assert got == pytest.approx(_by_hand(plan, [0.25] * 4))
+    only = TensorParallel(groups=(_section((64, 64, 64, 64), roles).groups[0],))
+    costs_stage = plan.stages[0].model_copy(update={"ranks": (0, 1, 2, 3)})
+    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
+    layout = plan.layout.model_copy(update={"dp": 1})
+    ev = evaluate(plan.model.workload, layout, (costs_stage,), None, costs, check_memory=False,
+                  tensor_parallel=only)
+    assert ev.stages[0].fwd_s - ev.stages[0].tp_comm_s == pytest.approx(
+        _by_hand(plan, [0.25, 0.25, 0.125, 0.125]))
+
+
+# -- bad input -------------------------------------------------------------------------------
+def test_group_with_ranks_missing_from_the_cluster(plan: Plan) -> None:
+    small = ClusterSpec.from_dict({
+        "name": "eight", "nodes": [{"name": "n", "devices": [{"type": "A100-80GB",
+                                                              "count": 8}],
+                                    "cpu_cores": 8, "intra_link": {"kind": "nvlink",
+                                                                   "bandwidth_gbps": 2400,
+                                                                   "latency_us": 2}}]})
+    ctx = PassContext(workload=plan.model.workload, cluster=small, costs=CostModel(small),
+                      layout=plan.layout, model_ir=object())  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match=r"names ranks \[8, 9, 10, 11\].*world size 8"):
+        TPResizing().run(plan, ctx)
+
+
+@pytest.mark.parametrize("gamma", [1.0, -0.1, 1.5])
+def test_gamma_max_outside_range(gamma: float) -> None:
+    with pytest.raises(SpecError, match=r"gamma_max must be in \[0, 1\)"):
+        TPResizing(gamma_max=gamma)
+    with pytest.raises(ValidationError):
+        ResizingController(gamma_max=gamma)
+
+
+def test_cli_rejects_gamma_max_and_unknown_variant() -> None:
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", "gpt-test", "-c", PRESET, "-b", "16", "--tp", "4",
+                              "--tp-gamma-max", "1"])
+    assert res.exit_code != 0 and "gamma_max must be in [0, 1)" in res.output
+    res = runner.invoke(app, ["plan", "gpt-test", "-c", PRESET, "-b", "16", "--tp", "4",
+                              "--tp-controller", "fast"])
+    assert res.exit_code != 0 and "unknown controller variant 'fast'" in res.output
