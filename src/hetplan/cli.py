@@ -450,6 +450,9 @@ def run_cmd(
         pred = f"{p['iteration_ms']:.2f} ms" if p.get("iteration_ms") is not None else "—"
         out.print(f"measured {m['iteration_ms']:.2f} ms/iteration · predicted {pred} · "
                   f"report {report}")
+        if data.get("rebalanced_at"):
+            out.print(f"re-balanced the pipeline at iteration(s) {data['rebalanced_at']} "
+                      f"({', '.join(f'{x:.1f}' for x in data.get('rebalance_ms', []))} ms)")
 
 
 @app.command("simulate")

@@ -4,6 +4,9 @@ parameters of a run that never moved (same seeds); re-packing 4 -> 2 ranks likew
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -140,3 +143,136 @@ def test_migrate_refuses_bad_assignments() -> None:
         migrate(stage, opt, ((0, 1), (3, 3)), ((0, 1), (2, 3)), 0, factory, [0, 1])
     with pytest.raises(SpecError, match="len"):
         migrate(stage, opt, ((0, 1), (2, 3)), ((0, 0), (1, 1), (2, 3)), 0, factory, [0, 1])
+
+
+# -- the Runtime executes the plan's events ---------------------------------------------------
+RT_MODEL, RT_BATCH, RT_STEPS = "gpt-test", 8, 5
+
+
+def _rt_cluster(world: int) -> Any:
+    from hetplan.ir.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_preset("local-cpu").model_dump(mode="json")
+    spec["nodes"][0]["devices"] = [{"type": "cpu", "count": world}]
+    return ClusterSpec.from_dict(spec)
+
+
+def _rt_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11 + step)
+    ids = torch.randint(0, 256, (RT_BATCH, 32), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    out = getattr(out, "logits", out)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _rt_worker(rank: int, world: int, plan_json: str) -> tuple[dict, dict, dict, list]:
+    """Train RT_STEPS steps with the plan; every rank returns its losses, its parameters and
+    Adam's second moments by name, and the iterations it re-balanced at."""
+    torch.set_num_threads(1)
+    from hetplan import zoo
+    from hetplan.ir.plan import Plan
+    from hetplan.runtime.executor import Runtime
+
+    args, kwargs = zoo.example_inputs(RT_MODEL, batch=1, device="cpu")
+    model = zoo.build(RT_MODEL, device="cpu", seed=0, dtype=torch.float64)
+    rt = Runtime(Plan.from_json(plan_json), model, example_args=args, example_kwargs=kwargs,
+                 loss_fn=_lm_loss, optimizer=_adam)
+    losses = {}
+    for step in range(RT_STEPS):
+        loss = rt.train_step(*_rt_data(step))
+        if not math.isnan(loss):  # NaN on ranks without the last stage
+            losses[step] = loss
+    params = {n: p.detach().clone() for n, p in rt.named_params}
+    states = {n: rt.opt.state[p]["exp_avg_sq"].clone() for n, p in rt.named_params}
+    out = (losses, params, states, list(rt.rebalanced_at))
+    rt.close()
+    return out
+
+
+def _with_events(plan: Any, events: list[tuple[int, tuple[tuple[int, int], ...]]]) -> Any:
+    from hetplan.ir.rebalancing import PlannedEvent, Rebalancing
+
+    reb = Rebalancing(total_iterations=100, events=tuple(
+        PlannedEvent(iteration=i, stages=b, applied=True) for i, b in events))
+    return plan.model_copy(update={"rebalancing": reb})
+
+
+def _rt_run(plan: Any, world: int) -> tuple[dict, dict, dict, list, list]:
+    """Losses, parameters and Adam state by name over all ranks; per rank: the re-balanced
+    iterations and the parameter names held at the end."""
+    outs = run_local_ranks(_rt_worker, world, (plan.to_json(),), timeout_s=240)
+    losses, params, states = {}, {}, {}
+    for lo, pa, st, _ in outs:
+        losses.update(lo)
+        for n in pa:
+            assert n not in params, f"{n} held by two ranks"
+        params.update(pa)
+        states.update(st)
+    return losses, params, states, [o[3] for o in outs], [sorted(o[1]) for o in outs]
+
+
+def test_runtime_executes_plan_events_with_losses_of_a_run_that_never_moved() -> None:
+    """gpt-test (8 IR layers) on 2 pipeline ranks with Adam: the plan moves the boundary at
+    iteration 1 (4|4 -> 6|2 layers) and back past the start at iteration 2 (-> 2|6)."""
+    import hetplan
+    from hetplan import zoo
+
+    model = zoo.build(RT_MODEL, device="cpu", seed=0, dtype=torch.float64)
+    ir = hetplan.capture(model, *zoo.example_inputs(RT_MODEL, batch=1, device="cpu"),
+                         name=RT_MODEL)
+    plan = hetplan.compile(ir, _rt_cluster(2), batch_size=RT_BATCH, dp=1, pp=2, tp=1,
+                           micro_batch_size=2, schedule="1f1b")
+    first = [(s.first_layer, s.last_layer) for s in plan.stages]
+    assert len(first) == 2
+    moved_plan = _with_events(plan, [(1, ((0, 5), (6, 7))), (2, ((0, 1), (2, 7)))])
+    assert tuple(first) not in (((0, 5), (6, 7)), ((0, 1), (2, 7)))
+    moved = _rt_run(moved_plan, 2)
+    still = _rt_run(plan, 2)
+    assert moved[3] == [[1, 2], [1, 2]] and still[3] == [[], []]
+    assert sorted(moved[0]) == list(range(RT_STEPS))
+    assert moved[0] == still[0]  # bitwise: the same operations on the same values
+    assert sorted(moved[1]) == sorted(still[1])
+    for n in moved[1]:
+        assert torch.equal(moved[1][n], still[1][n]), n
+        assert torch.equal(moved[2][n], still[2][n]), n
+    # the layers really moved: blocks.0 ends on rank 1 (it started on rank 0), rank 0 holds
+    # only the embeddings
+    assert any(n.startswith("blocks.0.") for n in still[4][0])
+    assert any(n.startswith("blocks.0.") for n in moved[4][1])
+    assert all(n.startswith(("tok_emb.", "pos_emb.")) for n in moved[4][0])
+
+
+def test_hetplan_run_executes_events_and_warns_for_repacking(tmp_path: Any) -> None:
+    """`hetplan run` of an mlp plan (3 IR layers, 2 stages) with an event at iteration 1 that
+    moves the boundary and a re-packing event at iteration 3: the report lists the first, the
+    ranks warn about the second."""
+    import json
+    import subprocess
+    import sys
+
+    import hetplan
+
+    plan = hetplan.compile("mlp", _rt_cluster(2), batch_size=8, dp=1, pp=2, tp=1,
+                           micro_batch_size=2)
+    first = tuple((s.first_layer, s.last_layer) for s in plan.stages)
+    other = ((0, 1), (2, 2)) if first == ((0, 0), (1, 2)) else ((0, 0), (1, 2))
+    plan = _with_events(plan, [(1, other), (3, ((0, 2),))])
+    plan.save(tmp_path / "plan.json")
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetplan.cli", "run", str(tmp_path / "plan.json"), "--model",
+         "mlp", "--steps", "4", "--report", str(report)],
+        capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["rebalanced_at"] == [1] and len(data["rebalance_ms"]) == 1
+    assert "re-balanced the pipeline at iteration(s) [1]" in proc.stdout
+    assert "event at iteration 3 is not executed (re-packing onto 1 of 2 stages" in proc.stderr
+    assert "not executed by `hetplan run` yet" not in proc.stderr

@@ -411,19 +411,28 @@ def test_plan_with_dynamics_file(tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
     plan = Plan.model_validate_json(out.read_text())
     assert plan.rebalancing is not None
     assert [e.iteration for e in plan.rebalancing.events] == [4000, 5000, 6000, 7000]
-    # `hetplan run` does not move layers yet: it says so instead of ignoring the events
-    from hetplan.runtime.worker import _warn_unexecuted_events
+    # `hetplan run` executes applied events that keep the stage count and warns for the rest
+    from types import SimpleNamespace
+
+    from hetplan.runtime.rebalance import executable_events
+    from hetplan.runtime.worker import _warn_skipped_events
 
     events = plan.rebalancing.events
     assert not any(e.applied for e in events)  # the trigger declines them for this tiny model
-    with contextlib.redirect_stderr(io.StringIO()) as err:
-        _warn_unexecuted_events(plan, rank=0)
-    assert err.getvalue() == ""
-    forced = plan.model_copy(update={"rebalancing": plan.rebalancing.model_copy(update={
-        "events": (events[0].model_copy(update={"applied": True}),) + events[1:]})})
-    for rank, expected in ((0, "1 re-balancing event(s) (at iteration 4000)"), (1, "")):
+    assert executable_events(plan.rebalancing, 2) == ([], [])
+    moved = events[0].model_copy(update={"applied": True})
+    whole = ((0, plan.stages[-1].last_layer),)
+    packed = events[1].model_copy(update={"applied": True, "stages": whole,
+                                          "released_stages": (1,)})
+    forced = plan.rebalancing.model_copy(update={"events": (packed, moved) + events[2:]})
+    run_now, skipped = executable_events(forced, 2)
+    assert run_now == [moved] and [e for e, _ in skipped] == [packed]
+    assert "re-packing onto 1 of 2 stages" in skipped[0][1]
+    assert [e for e, _ in executable_events(forced, 1)[1]] == [moved, packed]  # no pipeline
+    assert executable_events(forced, 2, stages_per_rank=2)[0] == []  # interleaved
+    for rank, expected in ((0, "event at iteration 5000 is not executed (re-packing"), (1, "")):
         with contextlib.redirect_stderr(io.StringIO()) as err:
-            _warn_unexecuted_events(forced, rank=rank)
+            _warn_skipped_events(SimpleNamespace(skipped_events=skipped), rank=rank)
         assert expected in err.getvalue() and bool(expected) == bool(err.getvalue())
     bad = write_yaml(tmp_path / "bad.yaml", {"total_iterations": 100,
                                              "pruning": {"final_sparsity": 0.9,

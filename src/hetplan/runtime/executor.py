@@ -14,6 +14,12 @@ about search.
 5. **Gradient sync** (``gradient_sync``): the plan's buckets on the data-parallel group
    (:class:`GradSync`).
 6. :meth:`Runtime.train_step` runs one iteration over the global batch and returns the loss.
+7. **Re-balancing** (``rebalancing.events``, applied ones): after the optimizer step of the
+   event's iteration (counted from 0 by this runtime) the pipeline moves to the event's stage
+   assignment — parameters and optimizer state of the moved layers go point to point, stage,
+   schedule, gradient sync and optimizer are rebuilt — and iteration ``k + 1`` runs on the new
+   stages (:mod:`hetplan.runtime.rebalance`). Re-packing events (fewer stages) and
+   interleaved pipelines are not executed; they are listed in ``skipped_events``.
 
 Data: every rank is given the same global batch; data-parallel replica ``d`` trains on rows
 ``[d·b, (d+1)·b)`` with ``b = batch / dp``, split into the plan's micro-batches.
@@ -135,6 +141,7 @@ class Runtime:
                                   levels)
         self.opt = self.optimizer([p for _, p in self.named_params])
         self.last_times: StepTimes | None = None
+        self._init_rebalancing()
 
     def _shard_tensor_parallel(self) -> None:
         from hetplan.runtime.tensor_parallel import shard_model
@@ -143,7 +150,7 @@ class Runtime:
         shard_model(self.model, self._ir().layers, self.plan.tensor_parallel,
                     self.groups.tp_group, self.groups.tp_rank, self.layout.tp)
 
-    def _build_pipeline_stage(self) -> None:
+    def _build_pipeline_stage(self, stages: Sequence[Any] | None = None) -> None:
         from hetplan.runtime.pipeline import StageClock, build_stage, make_schedule
 
         assert self.groups is not None
@@ -156,7 +163,8 @@ class Runtime:
         example = [self._example_rows(a, mb) for a in self.example_args]
         device = next(self.model.parameters()).device
         self.stage = build_stage(
-            self.model, example, self.forward_kwargs, self.plan.stages, self.groups.pp_rank,
+            self.model, example, self.forward_kwargs,
+            self.plan.stages if stages is None else stages, self.groups.pp_rank,
             self.groups.pp_group, device, ir_layer_names=[x.name for x in self._ir().layers],
         )
         self.schedule = make_schedule(self.stage, self.layout, self.loss_fn)
@@ -245,7 +253,64 @@ class Runtime:
         self.opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         self.last_times = StepTimes(t3 - t0, t1 - t0 - bubble_s, t2 - t1, t3 - t2, bubble_s)
+        self._run_due_events()
         return loss
+
+    # -- re-balancing (the plan's ``rebalancing.events``) -----------------------------------
+    def _init_rebalancing(self) -> None:
+        """The events this runtime executes (see :func:`~hetplan.runtime.rebalance.
+        executable_events`); ``skipped_events`` holds the others with the reason."""
+        from hetplan.runtime.rebalance import executable_events
+
+        self.iteration = 0
+        self.rebalanced_at: list[int] = []
+        self.rebalance_s: list[float] = []
+        per_rank = len(self.plan.stages) // max(self.layout.pp, 1) if self.plan.stages else 1
+        self._events, self.skipped_events = executable_events(
+            self.plan.rebalancing, self.layout.pp, per_rank)
+
+    def _run_due_events(self) -> None:
+        """After the optimizer step of iteration ``i`` (counted from 0 by this runtime), run
+        the events planned at iteration ``i``: iterations ``i + 1`` on use the new stages."""
+        done, self.iteration = self.iteration, self.iteration + 1
+        while self._events and self._events[0].iteration <= done:
+            event = self._events.pop(0)
+            t0 = time.perf_counter()
+            self._rebalance(event.stages)
+            self.rebalanced_at.append(event.iteration)
+            self.rebalance_s.append(time.perf_counter() - t0)
+
+    def _rebalance(self, bounds: Sequence[tuple[int, int]]) -> None:
+        """Move to the stage assignment ``bounds`` (collective over the pipeline group): build
+        the new stage from the model (its parameters are the model's), send every parameter
+        whose stage changes with its optimizer state point to point, then rebuild the schedule,
+        the gradient sync and the optimizer with the carried state."""
+        from hetplan.runtime.rebalance import carry_optimizer, exchange_params, plan_param_moves
+
+        assert self.groups is not None and self.stage is not None
+        old = {s.index: s for s in self.plan.stages}
+        names = [x.name for x in self._ir().layers]
+        stages = [old[i].model_copy(update={"first_layer": a, "last_layer": b, "fwd_ms": 0.0,
+                                            "bwd_ms": 0.0, "memory_bytes": None,
+                                            "layer_names": tuple(names[a:b + 1])})
+                  for i, (a, b) in enumerate(bounds)]
+        sending, old_opt = dict(self.named_params), self.opt
+        self.grad_sync.close()
+        self._build_pipeline_stage(stages)
+        self.named_params = list(self.stage.submod.named_parameters())
+        receiving = dict(self.named_params)
+        held: list[Any] = [None] * self.layout.pp
+        dist.all_gather_object(held, (sorted(sending), sorted(receiving)),
+                               group=self.groups.pp_group)
+        moves = plan_param_moves([h[0] for h in held], [h[1] for h in held])
+        received = exchange_params(moves, sending, receiving, old_opt, self.groups.pp_rank,
+                                   self.groups.pp_ranks)
+        group = self.groups.dp_group
+        levels = self.groups.sync_levels()
+        self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync, group,
+                                  self.layout.dp, levels)
+        self.opt = carry_optimizer(old_opt, self.optimizer([p for _, p in self.named_params]),
+                                   received)
 
     def close(self) -> None:
         """Release what the runtime holds on to: gradient hooks, the sync thread and the

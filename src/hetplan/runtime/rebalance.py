@@ -18,12 +18,19 @@ ranges per stage); this module executes the step from one assignment to the next
 4. Re-packing is the same call with fewer stages: the ranks past the new stage count end with
    no layers and are released (they leave the pipeline; the caller decides whether they exit).
 
-Only single-param-group optimizers are supported (the runtime builds one group per stage).
+Only single-param-group optimizers are supported by :func:`migrate`.
+
+:class:`~hetplan.runtime.executor.Runtime` drives the same protocol for any model split by
+``torch.distributed.pipelining`` (whose stages share the model's parameters): it builds the
+new stage first, the pipeline ranks exchange which parameter names they hold before and after
+(:func:`plan_param_moves`), the moved parameters travel with their optimizer state
+(:func:`exchange_params`) straight into the model's tensors, and the optimizer is rebuilt with
+the carried state (:func:`carry_optimizer`). Which events it runs: :func:`executable_events`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +41,14 @@ from hetplan.algorithms.dynamics import layer_moves
 from hetplan.algorithms.partition import check_bounds
 from hetplan.errors import SpecError
 
-__all__ = ["LayerStage", "build_layer_stage", "migrate"]
+__all__ = [
+    "LayerStage",
+    "build_layer_stage",
+    "carry_optimizer",
+    "exchange_params",
+    "migrate",
+    "plan_param_moves",
+]
 
 Bounds = Sequence[tuple[int, int]]
 
@@ -67,15 +81,17 @@ def build_layer_stage(factory: Callable[[int], nn.Module], bounds: Bounds,
     return LayerStage({k: factory(k) for k in range(first, last + 1)})
 
 
-def _send_layer(module: nn.Module, opt: torch.optim.Optimizer, peer: int) -> None:
-    params = list(module.named_parameters())
+def _send_params(named: Sequence[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer,
+                 peer: int) -> None:
+    """Send parameters and their optimizer state to global rank ``peer``: one metadata
+    object (names, state keys, shapes, dtypes, plain numbers), then every tensor in order."""
     meta: list[Any] = []
-    for name, p in params:
+    for name, p in named:
         state = opt.state.get(p, {})
         meta.append((name, [(k, tuple(v.shape), v.dtype) if torch.is_tensor(v) else (k, None, v)
                             for k, v in sorted(state.items())]))
     dist.send_object_list([meta], dst=peer)  # small: names, shapes, dtypes, plain numbers
-    for name, p in params:
+    for _, p in named:
         dist.send(p.detach().contiguous(), dst=peer)
         state = opt.state.get(p, {})
         for key in sorted(state):
@@ -83,14 +99,17 @@ def _send_layer(module: nn.Module, opt: torch.optim.Optimizer, peer: int) -> Non
                 dist.send(state[key].detach().contiguous(), dst=peer)
 
 
-def _recv_layer(module: nn.Module, peer: int) -> dict[nn.Parameter, dict[str, Any]]:
+def _recv_params(named: Sequence[tuple[str, nn.Parameter]],
+                 peer: int) -> dict[nn.Parameter, dict[str, Any]]:
+    """Receive what :func:`_send_params` sent into ``named`` (copied in place); returns the
+    optimizer state per parameter."""
     box: list[Any] = [None]
     dist.recv_object_list(box, src=peer)
     meta = box[0]
-    params = dict(module.named_parameters())
+    params = dict(named)
     if [m[0] for m in meta] != list(params):
-        raise SpecError(f"the received layer has parameters {[m[0] for m in meta]}, the "
-                        f"factory built {list(params)}; both ranks must build the same layer")
+        raise SpecError(f"received parameters {[m[0] for m in meta]}, expected {list(params)}; "
+                        "both ranks must build the same layers")
     states: dict[nn.Parameter, dict[str, Any]] = {}
     for name, keys in meta:
         p = params[name]
@@ -103,12 +122,90 @@ def _recv_layer(module: nn.Module, peer: int) -> dict[nn.Parameter, dict[str, An
             if shape is None:  # a plain number travelled in the metadata
                 state[key] = value
                 continue
-            buf = torch.empty(shape, dtype=value)
+            buf = torch.empty(shape, dtype=value, device=p.device)
             dist.recv(buf, src=peer)
             state[key] = buf
         if state:
             states[p] = state
     return states
+
+
+def plan_param_moves(old: Sequence[Collection[str]],
+                     new: Sequence[Collection[str]]) -> list[tuple[int, int, list[str]]]:
+    """Which parameters change stage: ``(src, dst, names)`` per pair of stages, ascending.
+
+    Args:
+        old / new: the parameter names each stage holds before and after (``new`` may be
+            shorter: re-packing). Every name must be held by exactly one old stage, and every
+            new name by an old one.
+
+    Returns:
+        One entry per (source, destination) pair with its names sorted, pairs in ascending
+        order; every rank computes the same list, so walking it with blocking point-to-point
+        calls pairs them up without deadlock.
+
+    Raises:
+        SpecError: a name held by two old stages, or a new name no old stage holds.
+    """
+    owner: dict[str, int] = {}
+    for s, names in enumerate(old):
+        for n in names:
+            if n in owner:
+                raise SpecError(f"parameter {n!r} is held by stages {owner[n]} and {s}; "
+                                "re-balancing needs every parameter on exactly one stage")
+            owner[n] = s
+    moves: dict[tuple[int, int], list[str]] = {}
+    for d, names in enumerate(new):
+        for n in names:
+            if n not in owner:
+                raise SpecError(f"stage {d} needs parameter {n!r}, which no stage holds")
+            if owner[n] != d:
+                moves.setdefault((owner[n], d), []).append(n)
+    return [(s, d, sorted(ns)) for (s, d), ns in sorted(moves.items())]
+
+
+def exchange_params(
+    moves: Sequence[tuple[int, int, Sequence[str]]],
+    sending: Mapping[str, nn.Parameter],
+    receiving: Mapping[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    stage_index: int,
+    ranks: Sequence[int],
+) -> dict[nn.Parameter, dict[str, Any]]:
+    """Execute ``moves`` (from :func:`plan_param_moves`; collective over the pipeline ranks).
+
+    Args:
+        sending: this rank's parameters before the move, by name (with state in ``optimizer``).
+        receiving: its parameters after the move, by name (received values are copied in).
+        stage_index: this rank's pipeline coordinate; ``ranks[s]``: global rank of stage ``s``.
+
+    Returns:
+        The optimizer state of every received parameter.
+    """
+    received: dict[nn.Parameter, dict[str, Any]] = {}
+    for s, d, names in moves:
+        if s == stage_index:
+            _send_params([(n, sending[n]) for n in names], optimizer, ranks[d])
+        elif d == stage_index:
+            received.update(_recv_params([(n, receiving[n]) for n in names], ranks[s]))
+    return received
+
+
+def carry_optimizer(old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                    received: Mapping[nn.Parameter, dict[str, Any]]) -> torch.optim.Optimizer:
+    """Give ``new`` (built over the rebuilt stage's parameters) the state of ``old`` for the
+    parameters that stayed and ``received`` for those that arrived, and ``old``'s
+    hyper-parameters (a scheduler may have changed them) when both have as many groups."""
+    if len(old.param_groups) == len(new.param_groups):
+        for go, gn in zip(old.param_groups, new.param_groups):
+            gn.update({k: v for k, v in go.items() if k != "params"})
+    for group in new.param_groups:
+        for p in group["params"]:
+            if p in old.state:
+                new.state[p] = old.state[p]
+            elif p in received:
+                new.state[p] = received[p]
+    return new
 
 
 def migrate(
@@ -150,20 +247,46 @@ def migrate(
     received: dict[nn.Parameter, dict[str, Any]] = {}
     for mv in layer_moves(old, new, [0.0] * (old[-1][1] + 1)):
         if mv.src == stage_index:
-            _send_layer(held.pop(mv.layer), optimizer, ranks[mv.dst])
+            layer = held.pop(mv.layer)
+            _send_params(list(layer.named_parameters()), optimizer, ranks[mv.dst])
         elif mv.dst == stage_index:
             layer = factory(mv.layer)
-            received.update(_recv_layer(layer, ranks[mv.src]))
+            received.update(_recv_params(list(layer.named_parameters()), ranks[mv.src]))
             held[mv.layer] = layer
     new_stage = LayerStage(held)
-    group = optimizer.param_groups[0]
-    hyper = {k: v for k, v in group.items() if k != "params"}
-    params = [p for p in new_stage.parameters()]
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    params = list(new_stage.parameters())
     new_opt = type(optimizer)(params if params else [torch.zeros(0, requires_grad=True)],
                               **hyper)
-    for p in params:
-        if p in optimizer.state:
-            new_opt.state[p] = optimizer.state[p]
-        elif p in received:
-            new_opt.state[p] = received[p]
-    return new_stage, new_opt
+    return new_stage, carry_optimizer(optimizer, new_opt, received)
+
+
+def executable_events(rebalancing: Any, pp: int,
+                      stages_per_rank: int = 1) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """Split a plan's re-balancing events into those the runtime executes and the rest.
+
+    Only ``applied`` events count (the others are proposals the trigger policy declined). An
+    event runs when the pipeline has one stage per rank and the event keeps all ``pp`` stages;
+    re-packing (fewer stages, ranks released) and interleaved pipelines are reported with the
+    reason instead. Events are declarative (complete assignments), so skipping one does not
+    invalidate the next: the runtime always moves from the stages it holds.
+
+    Returns:
+        ``(run, skipped)``: events to run in iteration order, and ``(event, reason)`` pairs.
+    """
+    run: list[Any] = []
+    skipped: list[tuple[Any, str]] = []
+    events = sorted((e for e in getattr(rebalancing, "events", ()) if e.applied),
+                    key=lambda e: e.iteration)
+    for e in events:
+        if pp < 2:
+            skipped.append((e, "the plan has no pipeline (pp=1)"))
+        elif stages_per_rank != 1:
+            skipped.append((e, (f"an interleaved pipeline ({stages_per_rank} stages per "
+                                "rank) is not re-balanced")))
+        elif len(e.stages) != pp:
+            skipped.append((e, (f"re-packing onto {len(e.stages)} of {pp} stages (releasing "
+                                "ranks) is not executed by the runtime")))
+        else:
+            run.append(e)
+    return run, skipped

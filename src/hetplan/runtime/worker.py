@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         model, ex_args, ex_kwargs = build_model(args.model, args.module, args.seed)
         model = model.to(device)
         rt = Runtime(plan, model, example_args=ex_args, example_kwargs=ex_kwargs)
-        _warn_unexecuted_events(plan, rank)
+        _warn_skipped_events(rt, rank)
         layout = plan.layout
         assert layout is not None
         batch = layout.micro_batch_size * layout.micro_batches * layout.dp
@@ -132,7 +132,7 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, _rank_summary(rank, times))
             if rank == 0:
-                _write_report(args.report, plan, times, loss, ranks)
+                _write_report(args.report, plan, times, loss, ranks, rt)
     except HetplanError as e:
         print(f"rank {rank}: error: {e}", file=sys.stderr)
         return 2
@@ -159,15 +159,16 @@ def _shutdown(clean: bool) -> None:
     dist.destroy_process_group()
 
 
-def _warn_unexecuted_events(plan: Any, rank: int) -> None:
-    """Say so when the plan has re-balancing events: this worker trains with the initial
-    stages (``runtime/rebalance.py`` moves layers, but the worker does not drive it yet)."""
-    events = [e for e in getattr(plan.rebalancing, "events", ()) if e.applied]
-    if events and rank == 0:
-        at = ", ".join(str(e.iteration) for e in events[:5]) + (" ..." if len(events) > 5 else "")
-        print(f"warning: the plan's {len(events)} re-balancing event(s) (at iteration {at}) "
-              "are not executed by `hetplan run` yet; training keeps the initial stages",
-              file=sys.stderr)
+def _warn_skipped_events(rt: Any, rank: int) -> None:
+    """Say so when the plan has re-balancing events the runtime does not execute (re-packing
+    that releases ranks, interleaved pipelines); the others run at their iteration."""
+    skipped = rt.skipped_events
+    if skipped and rank == 0:
+        for event, why in skipped[:5]:
+            print(f"warning: the plan's re-balancing event at iteration {event.iteration} is "
+                  f"not executed ({why}); training keeps the stages it has", file=sys.stderr)
+        if len(skipped) > 5:
+            print(f"warning: ... and {len(skipped) - 5} more such event(s)", file=sys.stderr)
 
 
 def _med_ms(xs: list[float]) -> float:
@@ -187,7 +188,7 @@ def _rank_summary(rank: int, times: list[Any]) -> dict[str, Any]:
 
 
 def _write_report(path: str, plan: Any, times: list[Any], loss: float,
-                  ranks: list[Any]) -> None:
+                  ranks: list[Any], rt: Any = None) -> None:
     """Rank 0's times as ``measured`` (the pipeline bubble: the largest rank median, as the
     iteration waits for the slowest stage), every rank's medians as ``per_rank``."""
     pred = plan.predictions
@@ -204,6 +205,8 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
             "per_iteration_ms": [round(t.iteration_s * 1e3, 4) for t in times],
         },
         "per_rank": ranks,
+        "rebalanced_at": list(getattr(rt, "rebalanced_at", [])),
+        "rebalance_ms": [round(x * 1e3, 3) for x in getattr(rt, "rebalance_s", [])],
         "predicted": {
             "iteration_ms": pred.iteration_time_ms if pred else None,
             "compute_ms": pred.breakdown.compute_ms if pred else None,
