@@ -30,6 +30,7 @@ EXPECTED_PRESETS = {
     "mixed-tp-node": (16, 2, True),
     "local-cpu": (4, 1, False),
     "cpu-2x2": (4, 2, False),
+    "cpu-2x2-slow": (4, 2, False),
 }
 
 

@@ -36,7 +36,13 @@ scale or norm ignored; zen_espresso §E.4(c)):
   another GPU the slope is scaled by 900 GB/s over the device's memory bandwidth (divided by
   its ``slowdown``), the constant part (kernel launches) is not.
 * CPU: a pure-throughput :class:`AffineTime` at 20 Gbit/s (``t = bytes * 8 / 20e9``) for
-  compression and decompression alike.
+  compression and decompression alike (the reference code's model of a GPU machine's host
+  CPUs). When the device type itself is ``cpu`` (the training process's own cores run the
+  runtime's torch compressors, as in gloo runs) each call also pays a fixed
+  :data:`CPU_DEVICE_CALL_S` (compress, decompress): the dispatch of the compressor's few
+  torch ops, which the thesis' GPU kernels pay as their constant part. Without it a 3 KiB
+  LayerNorm gradient looks free to compress on a CPU cluster (decision in
+  ``docs/decisions.md``, "End-to-end runs").
 
 Profiled records (:class:`~.profile_db.CompressorRecord`) replace the defaults for their
 ``(compressor, device_kind, device_type)``.
@@ -60,6 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPRESSORS",
+    "CPU_DEVICE_CALL_S",
     "CPU_THROUGHPUT_BITS_PER_S",
     "DEFAULT_POWERSGD_RANK",
     "DEFAULT_QSGD_LEVELS",
@@ -92,6 +99,10 @@ GPU_THRESHOLD_BYTES = 4 * 2**20
 REFERENCE_MEM_BANDWIDTH_GB_S = 900.0
 #: CPU compression throughput of the reference model.
 CPU_THROUGHPUT_BITS_PER_S = 20e9
+#: Fixed (compress, decompress) seconds per call on the ``cpu`` device type: the runtime's
+#: top-k on a 3 KiB tensor took 95 / 22 us on one core of the development machine (error
+#: feedback included); rounded down, as cheaper compressors (casts) dispatch fewer ops.
+CPU_DEVICE_CALL_S = (50e-6, 20e-6)
 
 # (encode µs, decode µs) on a V100 for tensors up to GPU_THRESHOLD_BYTES.
 _GPU_REFERENCE_US: dict[str, tuple[float, float]] = {
@@ -373,11 +384,7 @@ class CompressionModel:
                 f"{len(record.samples)} samples on {dtype} ({device_kind})",
             )
         elif device_kind == "cpu":
-            line = AffineTime(0.0, 8.0 / CPU_THROUGHPUT_BITS_PER_S)
-            result = CompressionCost(
-                compressor, "cpu", dtype, line, line, "analytic",
-                f"CPU throughput model, {CPU_THROUGHPUT_BITS_PER_S / 1e9:g} Gbit/s",
-            )
+            result = _cpu_default(compressor, dtype)
         else:
             result = _gpu_default(compressor, dtype, spec)
         result = replace(result, ratio=ratio, levels=levels, rank=rank)
@@ -412,6 +419,21 @@ def _gpu_default(
     return CompressionCost(
         compressor, "gpu", device_type, model(encode_us), model(decode_us), "analytic",
         f"Espresso reference constants, constant below 4 MiB then linear; {where}",
+    )
+
+
+def _cpu_default(compressor: str, device_type: str | None) -> CompressionCost:
+    """The CPU throughput model; plus the per-call dispatch cost on the ``cpu`` device type."""
+    beta = 8.0 / CPU_THROUGHPUT_BITS_PER_S
+    where = f"CPU throughput model, {CPU_THROUGHPUT_BITS_PER_S / 1e9:g} Gbit/s"
+    if device_type != "cpu":
+        line = AffineTime(0.0, beta)
+        return CompressionCost(compressor, "cpu", device_type, line, line, "analytic", where)
+    comp_s, decomp_s = CPU_DEVICE_CALL_S
+    return CompressionCost(
+        compressor, "cpu", device_type, AffineTime(comp_s, beta), AffineTime(decomp_s, beta),
+        "analytic", f"{where}, + {comp_s * 1e6:g} / {decomp_s * 1e6:g} us per call on the "
+        "cpu device type",
     )
 
 

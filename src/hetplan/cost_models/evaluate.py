@@ -523,16 +523,25 @@ def _strategy_ops(
     compressed_done = False
     for step in strategy.steps:
         if step.compressed and comp is not None and not compressed_done:
-            res = GPU if strategy.compress_device == "gpu" else CPU
+            res = _comp_resource(strategy.compress_device, dev)
             ops.append(Op(res, calc.time(comp.compress, payload), "compress"))
             compressed_done = True
         size = calc.wire(comp, payload) if step.compressed and comp else payload
         group, lk, channel = _level_group(step.level, dev, dp, link, nodes, per_node)
         ops.append(Op(channel, calc.comm(costs, step.routine, size, group, lk), step.routine))
     if compressed_done and comp is not None and isinstance(strategy, CompressedSync):
-        res = GPU if strategy.decompress_device == "gpu" else CPU
+        res = _comp_resource(strategy.decompress_device, dev)
         ops.append(Op(res, calc.time(comp.decompress, payload), "decompress"))
     return tuple(ops)
+
+
+def _comp_resource(device: str | None, dev: Device) -> str:
+    """The simulator resource of a (de)compression on ``device`` (``gpu`` / ``cpu``) of a
+    gradient held by ``dev``: the compute resource or the host's CPU pool. On the ``cpu``
+    device type the host CPU *is* the compute resource (the training process's cores run
+    the compressors; there are no spare host cores to offload to), so both choices take
+    turns with backprop there (decision in ``docs/decisions.md``, "End-to-end runs")."""
+    return GPU if device == "gpu" or dev.type == "cpu" else CPU
 
 
 def _level_group(
@@ -580,7 +589,7 @@ def _action_ops(
     frac, copies, compressed, active = 1.0, 1, False, max(per_node, 1)
     for a in strategy.actions:
         if a.task in ("comp", "decomp"):
-            res = GPU if a.device == "gpu" else CPU
+            res = _comp_resource(a.device, dev)
             if a.task == "comp":
                 ops.append(Op(res, calc.time(comp.compress, payload * frac), "compress"))
                 compressed, copies = True, 1

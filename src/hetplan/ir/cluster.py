@@ -729,6 +729,13 @@ PRESETS: dict[str, Callable[[], ClusterSpec]] = {
         [_node("host", 2, "cpu", 2, 2, _LOOPBACK)],
         dict(_LOOPBACK),
     ),
+    "cpu-2x2-slow": _preset(
+        "cpu-2x2-slow",
+        "cpu-2x2 with a bandwidth-poor 1 Gb/s Ethernet link between the 2 emulated nodes "
+        "(compressed-sync end-to-end runs; HETPLAN_EMULATE_BW=1 throttles a local run to it)",
+        [_node("host", 2, "cpu", 2, 2, _LOOPBACK)],
+        _eth(1),
+    ),
 }
 
 
