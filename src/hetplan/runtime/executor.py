@@ -8,7 +8,10 @@ about search.
    the plan's ``dp · pp · tp``.
 2. **Groups** for the layout (:class:`ParallelGroups`).
 3. **Tensor parallelism** (``tensor_parallel`` section): Megatron MLP pairs replaced by
-   uneven column/row-parallel linears (:mod:`hetplan.runtime.tensor_parallel`).
+   uneven column/row-parallel linears (:mod:`hetplan.runtime.tensor_parallel`); with a
+   controller variant other than ``off`` (``tensor_parallel.controller``) they become
+   resizable and the ZERO / migration / SEMI controller runs after every step, starting from
+   the group's ``roles`` (:mod:`hetplan.runtime.resizing`).
 4. **Pipeline** (``stages`` + ``layout.schedule``): this rank's stage and the schedule
    (:mod:`hetplan.runtime.pipeline`). Pipeline and tensor parallelism are not combined yet.
 5. **Gradient sync** (``gradient_sync``): the plan's buckets on the data-parallel group
@@ -41,6 +44,13 @@ from hetplan.errors import PlanMismatchError, SpecError
 from hetplan.ir.plan import Plan
 from hetplan.runtime.grad_sync import GradSync
 from hetplan.runtime.groups import ParallelGroups
+from hetplan.runtime.resizing import (
+    Clock,
+    ResizingRuntime,
+    StragglerSpec,
+    attach_resizing,
+    end_iteration,
+)
 
 __all__ = ["Runtime", "StepTimes"]
 
@@ -86,6 +96,8 @@ class Runtime:
             MSE otherwise.
         optimizer: builds the optimizer from this rank's parameters (default SGD lr 0.01).
         verify: check the model's fingerprint (skip only in tests that build plans by hand).
+        straggler: emulate a slow rank in the TP group (tests and benchmarks): its matmuls
+            take ``1 + chi`` times as long.
     """
 
     plan: Plan
@@ -97,6 +109,7 @@ class Runtime:
         lambda params: torch.optim.SGD(params, lr=0.01)
     )
     verify: bool = True
+    straggler: StragglerSpec | None = None
 
     def __post_init__(self) -> None:
         layout = self.plan.layout
@@ -128,6 +141,8 @@ class Runtime:
             k: v for k, v in self.example_kwargs.items() if not isinstance(v, torch.Tensor)
         }
         self.stage = self.schedule = None
+        self.tp_clock: Clock | None = None
+        self.resizing: ResizingRuntime | None = None
         if layout.tp > 1:
             self._shard_tensor_parallel()
         if layout.pp > 1:
@@ -149,6 +164,9 @@ class Runtime:
         assert self.groups is not None
         shard_model(self.model, self._ir().layers, self.plan.tensor_parallel,
                     self.groups.tp_group, self.groups.tp_rank, self.layout.tp)
+        self.tp_clock, self.resizing = attach_resizing(
+            self.model, self.plan.tensor_parallel, self.groups.tp_group, self.groups.tp_rank,
+            self.layout.tp, self.straggler)
 
     def _build_pipeline_stage(self, stages: Sequence[Any] | None = None) -> None:
         from hetplan.runtime.pipeline import StageClock, build_stage, make_schedule
@@ -253,6 +271,7 @@ class Runtime:
         self.opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         self.last_times = StepTimes(t3 - t0, t1 - t0 - bubble_s, t2 - t1, t3 - t2, bubble_s)
+        end_iteration(self.tp_clock, self.resizing, self.last_times.compute_s)
         self._run_due_events()
         return loss
 

@@ -72,7 +72,7 @@ from hetplan.algorithms.zero_resizing import (
     zero_decision,
 )
 from hetplan.errors import SpecError
-from hetplan.ir.plan_sections import ResizingController, TPGroup
+from hetplan.ir.plan_sections import ResizingController, TensorParallel, TPGroup
 from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
@@ -85,6 +85,9 @@ __all__ = [
     "ResizedLinearFn",
     "ResizingRuntime",
     "StragglerEmulator",
+    "StragglerSpec",
+    "attach_resizing",
+    "end_iteration",
     "make_resizable",
     "masked_linear",
     "plan_roles",
@@ -639,6 +642,7 @@ class ResizingRuntime:
             busy_s: this rank's compute time of the iteration, TP collectives included (the
                 clock's collective time is subtracted here).
         """
+        skipped = self._own_fraction()
         self._track()
         busy = max(busy_s - self.clock.comm_s, self.clock.gemm_s)
         g = self._gather(busy)
@@ -651,8 +655,9 @@ class ResizingRuntime:
             self._basis = t_now
             self.decisions = self._decide(g)
             self._apply(self.decisions)
-        self.history.append({"iteration": self.iteration, "t_raw": t_now,
-                             "replan": replan, "gamma": self.decisions[self.tp_rank].resize
+        self.history.append({"iteration": self.iteration, "t_raw": t_now, "skipped": skipped,
+                             "busy_s": busy, "matmul_s": self.clock.gemm_s,
+                             "received_s": self.clock.recv_s, "replan": replan, "gamma": self.decisions[self.tp_rank].resize
                              if self.decisions else 0.0,
                              "migrate": self.decisions[self.tp_rank].migrate
                              if self.decisions else 0.0})
@@ -665,3 +670,62 @@ class ResizingRuntime:
         """``{layer name: pruned column indices}`` of the current iteration on this rank."""
         return {name: mod.rz.step.pruned for name, mod in self.layers}
 
+
+
+@dataclass(frozen=True)
+class StragglerSpec:
+    """Which rank to slow in tests and benchmarks: global ``rank``, extra factor ``chi``,
+    and ``rotate_every`` iterations the straggler moves to the next position of its group."""
+
+    chi: float
+    rank: int
+    rotate_every: int = 0
+
+
+def attach_resizing(model: nn.Module, tp: TensorParallel | None, group: Any, tp_rank: int,
+                    tp_size: int, straggler: StragglerSpec | None = None
+                    ) -> tuple[Clock | None, ResizingRuntime | None]:
+    """Make the sharded linears of ``model`` resizable and build the controller.
+
+    Nothing happens (``(None, None)``) when the plan's controller is ``off`` and no straggler
+    is emulated. With only an emulated straggler the linears compute in full (the baseline).
+
+    Args:
+        model: a model whose TP pairs :func:`~hetplan.runtime.tensor_parallel.shard_model`
+            already replaced.
+        tp: the plan's ``tensor_parallel`` section (controller settings, roles).
+        group / tp_rank / tp_size: the TP process group and this rank's position.
+        straggler: the emulated straggler, if any.
+
+    Returns:
+        The clock (call ``after_step`` of the controller, or ``reset`` the clock, each
+        iteration) and the controller (None when the variant is ``off``).
+    """
+    settings = tp.controller if tp is not None else ResizingController()
+    if settings.variant == "off" and straggler is None:
+        return None, None
+    ranks = _group_ranks(group, tp_size)
+    emulator = None
+    if straggler is not None and straggler.rank in ranks:
+        emulator = StragglerEmulator(straggler.chi, ranks.index(straggler.rank), tp_rank,
+                                     tp_size, straggler.rotate_every)
+    clock = Clock(emulator)
+    layers = make_resizable(model, clock)
+    if settings.variant == "off" or not layers:
+        return clock, None
+    ctl = ResizingRuntime(layers, settings, clock, tp_rank, tp_size, group)
+    mine = [g for g in (tp.groups if tp is not None else ()) if tuple(g.ranks) == ranks]
+    if mine and mine[0].roles:
+        ctl.start(plan_roles(mine[0]))
+    return clock, ctl
+
+
+def end_iteration(clock: Clock | None, controller: ResizingRuntime | None,
+                  busy_s: float) -> None:
+    """Per-iteration bookkeeping: the controller's step, or just the clock's reset."""
+    if controller is not None:
+        controller.after_step(busy_s)
+    elif clock is not None:
+        clock.reset()
+        if clock.emulator is not None:
+            clock.emulator.advance()
