@@ -21,6 +21,7 @@ from hetplan.algorithms.dynamics import (
     pruning_schedule,
     run_dynamic,
     sparse_time_factor,
+    stage_peak_memory,
     zhu_gupta_sparsity,
 )
 from hetplan.errors import SpecError
@@ -171,3 +172,18 @@ def test_build_phases_freezing_early_exit_and_pruning() -> None:
     # a frozen layer moves its weights only: 100 params * 4 bytes
     assert phases[2].move_bytes[0] == pytest.approx(400.0)
     assert phases[0].move_bytes[0] == pytest.approx(100 * 4 * 3)
+
+
+def test_stage_peak_memory_and_the_runs_peak() -> None:
+    """Stage s of p holds p - s micro-batches of activations (1F1B): by hand, stage 0 of
+    ((0, 1), (2, 3)) is 1 + 2 + (10 + 20) * 2 = 63 and stage 1 is 3 + 4 + (30 + 40) = 77."""
+    ph = Phase(0, (1.0,) * 4, (2.0,) * 4, (1.0,) * 4, (0.0,) * 4, (1.0, 2.0, 3.0, 4.0),
+               (10.0, 20.0, 30.0, 40.0))
+    assert stage_peak_memory(ph, ((0, 1), (2, 3))) == [63.0, 77.0]
+    assert stage_peak_memory(ph, ((0, 3),)) == [110.0]
+    assert stage_peak_memory(Phase(0, (1.0,), (1.0,), (1.0,), (0.0,)), ((0, 0),)) == []
+    later = Phase(5, (1.0,) * 4, (2.0,) * 4, (1.0,) * 4, (0.0,) * 4, (40.0, 2.0, 3.0, 4.0),
+                  (10.0, 20.0, 30.0, 40.0))
+    run = run_dynamic([ph, later], 2, 10, BalancePolicy("static"),
+                      lambda f, b, k: max(f) + max(b), initial=((0, 1), (2, 3)))
+    assert run.peak_stage_bytes == 102.0  # the later phase's stage 0: 40 + 2 + 30 * 2

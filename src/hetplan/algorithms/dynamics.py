@@ -62,6 +62,7 @@ __all__ = [
     "LayerProfile",
     "PruningModel",
     "build_phases",
+    "stage_peak_memory",
 ]
 
 Balancer = Literal["partition", "diffusion", "static"]
@@ -330,10 +331,24 @@ class DynamicRun:
     iterations: int
     final_bounds: tuple[tuple[int, int], ...]
     devices_used_mean: float = field(default=0.0)
+    peak_stage_bytes: float = field(default=0.0)
 
 
 #: iteration_ms(fwd per stage, bwd per stage, stage count) -> predicted iteration time
 IterationModel = Callable[[Sequence[float], Sequence[float], int], float]
+
+
+def stage_peak_memory(phase: Phase, bounds: Sequence[tuple[int, int]]) -> list[float]:
+    """Peak bytes of every stage in ``phase``: its layers' ``mem_bytes`` plus their saved
+    activations times the micro-batches stage ``s`` of ``p`` holds under 1F1B (``p - s``),
+    the same model the balancers' memory caps use. ``[]`` when the phase has no memory data.
+    O(L)."""
+    if not phase.mem_bytes:
+        return []
+    acts = phase.act_bytes or tuple(0.0 for _ in phase.mem_bytes)
+    p = len(bounds)
+    return [sum(phase.mem_bytes[i : j + 1]) + sum(acts[i : j + 1]) * (p - s)
+            for s, (i, j) in enumerate(bounds)]
 
 
 def _stage_sums(bounds: Sequence[tuple[int, int]], per_layer: Sequence[float],
@@ -399,7 +414,10 @@ def run_dynamic(
         initial: the starting partition (default: the balancer's, or uniform for static).
 
     Returns:
-        The events, the total time (overheads included) and the devices used on average.
+        The events, the total time (overheads included), the devices used on average and
+        the largest stage's peak memory over the run (:func:`stage_peak_memory`; 0 without
+        memory data) — the caller compares it with the devices' capacity, since the initial
+        partition is taken as given.
     """
     if not phases or phases[0].start != 0:
         raise SpecError("run_dynamic needs phases starting at iteration 0")
@@ -419,7 +437,7 @@ def run_dynamic(
                             _stage_sums(bd, ph.bwd_ms, speeds), len(bd))
 
     events: list[EventRecord] = []
-    total = overhead = device_iters = 0.0
+    total = overhead = device_iters = peak = 0.0
     for k, ph in enumerate(phases):
         end = phases[k + 1].start if k + 1 < len(phases) else total_iterations
         span = max(end - ph.start, 0)
@@ -443,8 +461,9 @@ def run_dynamic(
                 bounds, now = new, after
         total += now * span
         device_iters += len(bounds) * span
+        peak = max([peak, *stage_peak_memory(ph, bounds)])
     return DynamicRun(tuple(events), total + overhead, overhead, total_iterations, bounds,
-                      device_iters / max(total_iterations, 1))
+                      device_iters / max(total_iterations, 1), peak)
 
 
 def _try_repack(
