@@ -7,6 +7,9 @@ without the pass; never from the pass's own output.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
@@ -27,6 +30,8 @@ from hetplan.ir.plan_sections import (
 from hetplan.optimizer.compile import DEFAULT_PASSES, compile
 from hetplan.passes.base import PassContext
 from hetplan.passes.tp_resizing import TPResizing
+from hetplan.report.inspect import build_report
+from hetplan.report.render import render_text
 
 PRESET = "mixed-tp-node"
 ARGS = dict(batch_size=16, dp=4, pp=1, tp=4, micro_batch_size=4, dtype="fp16")
@@ -218,3 +223,40 @@ def test_cli_rejects_gamma_max_and_unknown_variant() -> None:
     res = runner.invoke(app, ["plan", "gpt-test", "-c", PRESET, "-b", "16", "--tp", "4",
                               "--tp-controller", "fast"])
     assert res.exit_code != 0 and "unknown controller variant 'fast'" in res.output
+
+
+# -- hetplan inspect explains the TP section -------------------------------------------------
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+@pytest.fixture(scope="module")
+def semi_plan() -> Plan:
+    return compile("gpt-test", PRESET, tp_controller="semi", **ARGS)
+
+
+def test_inspect_report_of_the_tp_section(semi_plan: Plan) -> None:
+    tp = build_report(semi_plan)["tp"]
+    assert tp["controller"]["variant"] == "semi" and tp["controller"]["criterion"] == "min"
+    plan_tp = semi_plan.tensor_parallel
+    assert len(tp["groups"]) == 1 and tp["groups"][0]["count"] == 4  # 4 identical groups
+    g = tp["groups"][0]
+    sizes = plan_tp.groups[0].linears[0].shard_sizes
+    assert g["linears"] == [{"first": "blocks.0.fc1", "last": "blocks.3.fc2", "count": 8,
+                             "shard_sizes": list(sizes)}]
+    assert [r["position"] for r in g["role_details"]] == [
+        plan_tp.groups[0].ranks.index(r.rank) for r in plan_tp.groups[0].roles
+        if r.role != "normal"]
+    pred = plan_tp.predicted
+    assert tp["predicted"]["skew_speedup"] == pytest.approx(pred.even_ms / pred.skewed_ms,
+                                                            abs=1e-6)
+
+
+def test_golden_inspect_tp_text(semi_plan: Plan) -> None:
+    text = render_text(build_report(semi_plan), sections=["tp"], width=100)
+    path = GOLDEN / "inspect_tp.txt"
+    if os.environ.get("HETPLAN_UPDATE_GOLDEN") == "1":
+        path.write_text(text, encoding="utf-8")
+    assert path.is_file(), f"{path} is missing; run with HETPLAN_UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(encoding="utf-8"), (
+        "inspect_tp.txt differs from the golden file; if the change is intended, regenerate "
+        "with HETPLAN_UPDATE_GOLDEN=1 and review the diff")

@@ -7,8 +7,10 @@ report is a JSON-ready dict with these sections (:data:`SECTIONS`):
 - ``layout``: model, cluster, fingerprints, dp × pp × tp, micro-batching, schedule, devices.
 - ``stages``: per pipeline stage its layers, ranks, device types, predicted per-micro-batch
   forward/backward times and how close it is to the slowest stage.
-- ``tp``: tensor-parallel degree, controller and shard sizes (groups with the same pattern are
-  folded into one entry).
+- ``tp``: tensor-parallel degree, controller settings and shard sizes (groups with the same
+  pattern are folded into one entry), per group its listed linears' shard sizes (runs of
+  linears with equal sizes folded) and the ranks' controller roles (γ, β), and the predicted
+  effect of ``tp-resizing`` (even vs skewed shards vs even shards with the controller).
 - ``sync``: per strategy the number of gradient tensors and bytes it syncs, and the fusion
   buckets (count, size distribution, the largest).
 - ``memory``: peak memory per rank summarised per stage and per device type, with headroom
@@ -182,18 +184,40 @@ def _tp(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
     for g in tp.groups:
         entry = _tp_group(plan, g, devices)
         key = (entry["stage"], tuple(entry["device_types"]), tuple(entry["shares"]),
-               tuple(entry["roles"]), entry["uneven_linears"])
+               tuple(entry["roles"]), entry["uneven_linears"],
+               repr(entry["linears"]), repr(entry["role_details"]))
         if key in patterns:
             patterns[key]["count"] += 1
             continue
         patterns[key] = {**entry, "count": 1, "example_ranks": list(g.ranks)}
+    pred = tp.predicted
     return {
         "degree": degree,
         "enabled": True,
         "num_groups": len(tp.groups),
         "controller": tp.controller.model_dump(mode="json"),
         "groups": list(patterns.values()),
+        "predicted": None if pred is None else {
+            **pred.model_dump(mode="json"),
+            "skew_speedup": _frac(pred.even_ms / pred.skewed_ms) if pred.skewed_ms else None,
+            "controller_speedup": (_frac(pred.even_ms / pred.controller_ms)
+                                   if pred.controller_ms else None),
+        },
     }
+
+
+def _tp_linears(g: TPGroup) -> list[dict[str, Any]]:
+    """The group's listed linears folded by shard sizes: runs of consecutive linears with the
+    same sizes become one entry (first and last name, count)."""
+    out: list[dict[str, Any]] = []
+    for lin in g.linears:
+        sizes = list(lin.shard_sizes)
+        if out and out[-1]["shard_sizes"] == sizes:
+            out[-1]["last"] = lin.name
+            out[-1]["count"] += 1
+            continue
+        out.append({"first": lin.name, "last": lin.name, "count": 1, "shard_sizes": sizes})
+    return out
 
 
 def _stage_of_ranks(plan: Plan, ranks: tuple[int, ...]) -> int | None:
@@ -230,6 +254,10 @@ def _tp_group(plan: Plan, g: TPGroup, devices: tuple[Device, ...] | None) -> dic
         "split_bytes": split,
         "shard_bytes": [int(split * s) for s in shares],
         "roles": [f"{pos}:{roles[r]}" for pos, r in enumerate(g.ranks) if r in roles],
+        "role_details": [{"position": g.ranks.index(r.rank), "role": r.role,
+                          "gamma": _frac(r.gamma), "beta": _frac(r.beta)}
+                         for r in g.roles if r.role != "normal"],
+        "linears": _tp_linears(g),
     }
 
 

@@ -108,6 +108,11 @@ def _tp(report: dict[str, Any], c: Console) -> None:
     ctrl = tp["controller"]
     c.print(f"tensor parallel: degree {tp['degree']}, {tp['num_groups']} group(s), resizing "
             f"controller {ctrl['variant']}")
+    c.print(f"  controller: straggler if T > {'T_min' if ctrl['criterion'] == 'min' else 'T_avg'}"
+            f" + {fmt_pct(ctrl['straggler_eps'])}, γ_max {ctrl['gamma_max']:g}, α "
+            f"{ctrl['alpha']:g}, θ_iter {ctrl['theta_iter']:g}")
+    c.print(f"  re-plan at +{fmt_pct(ctrl['replan_trigger'])} iteration time, receivers "
+            f"{ctrl['receivers']}, imputation {ctrl['imputation']}")
     table = _table("tensor-parallel shards (groups with the same shards folded)", (
         ("stage", "right"), ("groups", "right"), ("1st group", "left"),
         ("devices", "left"), ("shards", "left"), ("share/rank", "left"),
@@ -134,6 +139,28 @@ def _tp(report: dict[str, Any], c: Console) -> None:
             size_text,
         )
     c.print(table)
+    for g in tp["groups"]:
+        where = f"stage {'—' if g['stage'] is None else g['stage']}, {ranges(g['example_ranks'])}"
+        for lin in g.get("linears", []):
+            names = (lin["first"] if lin["count"] == 1
+                     else f"{lin['first']} … {lin['last']} ({lin['count']} linears)")
+            c.print(f"  shards {where}: {names}: "
+                    f"{' / '.join(str(x) for x in lin['shard_sizes'])} columns")
+        for r in g.get("role_details", []):
+            c.print(f"  role {where}: rank {g['example_ranks'][r['position']]} "
+                    f"{r['role']} γ={r['gamma']:.3f}"
+                    + (f" β={r['beta']:.3f}" if r["beta"] else ""))
+    pred = tp.get("predicted")
+    if pred:
+        gam = pred["expected_gamma"]
+        lo, hi = (min(gam.values()), max(gam.values())) if gam else (0.0, 0.0)
+        gam_text = ("no straggler" if not gam else
+                    f"γ {lo:.3f}{'' if lo == hi else f'–{hi:.3f}'} on "
+                    f"{len(gam)} rank(s) {ranges(sorted(int(r) for r in gam))}")
+        c.print(f"  predicted iteration: even shards {pred['even_ms']:.3f} ms, skewed "
+                f"{pred['skewed_ms']:.3f} ms ({pred['skew_speedup']:.2f}×)")
+        c.print(f"  even shards + controller: {pred['controller_ms']:.3f} ms "
+                f"({pred['controller_speedup']:.2f}×, lossy; {gam_text})")
 
 
 def _sync(report: dict[str, Any], c: Console) -> None:
