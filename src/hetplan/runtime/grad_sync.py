@@ -21,6 +21,10 @@ any such path, every bucket goes through the worker (mixing threads on one proce
 could issue collectives in different orders on different ranks). Tensors without a bucket
 use their per-tensor strategy (one "bucket" each).
 
+Bandwidth emulation (benchmarks, tests): with ``HETPLAN_EMULATE_BW`` set, collectives that
+cross nodes also occupy an emulated link (:mod:`hetplan.runtime.link_emulation`); ``finish``
+waits for the asynchronous allreduces' emulated ends.
+
 Gradient accumulation: :meth:`GradSync.sync_enabled` is False during all but the last
 micro-batch, so hooks only fire the collectives once per iteration.
 """
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import CastSync, CompressedSync, GradientSync, NoSync
+from hetplan.runtime.link_emulation import throttled
 from hetplan.runtime.routines import Level, PathRunner, SyncLevels
 
 __all__ = ["GradSync"]
@@ -54,6 +59,7 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     buffer: torch.Tensor | None = None
     work: Any = None
+    link_end: float | None = None  # its end on the emulated link (HETPLAN_EMULATE_BW)
 
 
 class GradSync:
@@ -168,6 +174,10 @@ class GradSync:
             flat = flat.to(b.wire_dtype)
         b.buffer = flat
         b.work = dist.all_reduce(flat, group=self.group, async_op=True)
+        link = throttled("flat")
+        if link is not None and self.world > 1:
+            b.link_end = link.reserve("allreduce", flat.numel() * flat.element_size(),
+                                      self.world)
 
     def finish(self) -> None:
         """Launch what is left, wait for every collective, write averaged gradients back."""
@@ -179,6 +189,9 @@ class GradSync:
                 b.buffer = b.work.result()
             else:
                 b.work.wait()
+                link = throttled("flat")
+                if link is not None and b.link_end is not None:
+                    link.wait(b.link_end)
             assert b.buffer is not None
             flat = b.buffer.to(b.params[0].dtype) / self.world
             offset = 0
@@ -191,7 +204,7 @@ class GradSync:
                     p.grad.copy_(g)
                 offset += n
             b.ready.clear()
-            b.buffer = b.work = None
+            b.buffer = b.work = b.link_end = None
         self._next = 0
         if self._runner is not None:
             self._runner.iteration += 1

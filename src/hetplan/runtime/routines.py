@@ -44,7 +44,9 @@ exchanged first); ``reduce_scatter`` uses ``reduce_scatter_single`` (``reduce_sc
 in older torch) and falls back to
 ``all_to_all_single`` plus a local sum where the backend lacks it; variable-size alltoall uses
 ``all_to_all_single`` with split sizes. Collectives run synchronously on the calling thread;
-the gradient path runs them on its worker thread in the plan's bucket order.
+the gradient path runs them on its worker thread in the plan's bucket order. With
+``HETPLAN_EMULATE_BW`` set, the ``flat`` and ``inter`` ones also hold an emulated slow link
+(:mod:`hetplan.runtime.link_emulation`; benchmarks and tests).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import torch.distributed as dist
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync
 from hetplan.runtime.compressors import Compressor, ErrorFeedback, Payload, make_compressor
+from hetplan.runtime.link_emulation import EmulatedLink, occupy, throttled
 
 __all__ = ["Level", "PathRunner", "Step", "SyncLevels", "chunk_bounds", "path_of"]
 
@@ -192,28 +195,34 @@ def _sizes(n: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([n], dtype=torch.int64, device=device)
 
 
-def _allgather_bytes(buf: torch.Tensor, lv: Level) -> list[torch.Tensor]:
+def _allgather_bytes(buf: torch.Tensor, lv: Level,
+                     link: EmulatedLink | None = None) -> list[torch.Tensor]:
     sizes = [torch.empty(1, dtype=torch.int64, device=buf.device) for _ in range(lv.size)]
     dist.all_gather(sizes, _sizes(buf.numel(), buf.device), group=lv.group)
     n = [int(s) for s in sizes]
     padded = torch.nn.functional.pad(buf, (0, max(n) - buf.numel()))
     parts = [torch.empty_like(padded) for _ in range(lv.size)]
-    dist.all_gather(parts, padded, group=lv.group)
+    with occupy(link, "allgather", max(n) * lv.size, lv.size):
+        dist.all_gather(parts, padded, group=lv.group)
     return [p[:k] for p, k in zip(parts, n)]
 
 
-def _alltoall_bytes(bufs: list[torch.Tensor], lv: Level) -> list[torch.Tensor]:
+def _alltoall_bytes(bufs: list[torch.Tensor], lv: Level,
+                    link: EmulatedLink | None = None) -> list[torch.Tensor]:
     dev = bufs[0].device
     send_n = torch.tensor([b.numel() for b in bufs], dtype=torch.int64, device=dev)
     recv_n = torch.empty_like(send_n)
     dist.all_to_all_single(recv_n, send_n, group=lv.group)
     rn = [int(v) for v in recv_n]
     out = torch.empty(sum(rn), dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(out, torch.cat(bufs), rn, [b.numel() for b in bufs], group=lv.group)
+    with occupy(link, "alltoall", sum(b.numel() for b in bufs), lv.size):
+        dist.all_to_all_single(out, torch.cat(bufs), rn, [b.numel() for b in bufs],
+                               group=lv.group)
     return list(out.split(rn))
 
 
-def _gather_bytes(buf: torch.Tensor, lv: Level) -> list[torch.Tensor]:
+def _gather_bytes(buf: torch.Tensor, lv: Level,
+                  link: EmulatedLink | None = None) -> list[torch.Tensor]:
     """Every member's buffer at the root (others get an empty list); via padded gather."""
     sizes = [torch.empty(1, dtype=torch.int64, device=buf.device) for _ in range(lv.size)]
     dist.all_gather(sizes, _sizes(buf.numel(), buf.device), group=lv.group)
@@ -221,15 +230,18 @@ def _gather_bytes(buf: torch.Tensor, lv: Level) -> list[torch.Tensor]:
     padded = torch.nn.functional.pad(buf, (0, max(n) - buf.numel()))
     is_root = lv.index == 0
     parts = [torch.empty_like(padded) for _ in range(lv.size)] if is_root else None
-    dist.gather(padded, parts, dst=lv.root, group=lv.group)
+    with occupy(link, "gather", max(n) * lv.size, lv.size):
+        dist.gather(padded, parts, dst=lv.root, group=lv.group)
     return [p[:k] for p, k in zip(parts, n)] if parts is not None else []
 
 
-def _broadcast_bytes(buf: torch.Tensor, lv: Level) -> torch.Tensor:
+def _broadcast_bytes(buf: torch.Tensor, lv: Level,
+                     link: EmulatedLink | None = None) -> torch.Tensor:
     n = _sizes(buf.numel(), buf.device)
     dist.broadcast(n, src=lv.root, group=lv.group)
     out = buf if lv.index == 0 else torch.empty(int(n), dtype=torch.uint8, device=buf.device)
-    dist.broadcast(out, src=lv.root, group=lv.group)
+    with occupy(link, "broadcast", int(n), lv.size):
+        dist.broadcast(out, src=lv.root, group=lv.group)
     return out
 
 
@@ -443,14 +455,17 @@ class PathRunner:
                 x = torch.zeros(0, device=self.comm_device)
             if lv.group is not None and hi > lo:
                 c = chunk_bounds(lo, hi, lv.size, want)
+                link, item = throttled(s.level), torch.empty(0, dtype=wire).element_size()
                 if r == "allgather":
                     w = c[0][1] - c[0][0]
-                    y = _allgather(_to(x, self.comm_device).to(wire), lv, w)
+                    with occupy(link, "allgather", w * lv.size * item, lv.size):
+                        y = _allgather(_to(x, self.comm_device).to(wire), lv, w)
                     x = y[: hi - lo].to(st.dtype)
                 else:
                     buf = (_to(x, self.comm_device).to(wire) if lv.index == 0 else
                            torch.empty(hi - lo, dtype=wire, device=self.comm_device))
-                    dist.broadcast(buf, src=lv.root, group=lv.group)
+                    with occupy(link, "broadcast", (hi - lo) * item, lv.size):
+                        dist.broadcast(buf, src=lv.root, group=lv.group)
                     x = buf.to(st.dtype)
             st.lo, st.hi = lo, hi
             st.segs = [_Seg(lo, hi, dense=x)] if hi > lo else []
@@ -459,7 +474,9 @@ class PathRunner:
         if r == "allreduce":
             if lv.group is not None and x is not None:
                 y = _to(x, self.comm_device).to(wire)
-                dist.all_reduce(y, group=lv.group)
+                with occupy(throttled(s.level), "allreduce", y.numel() * y.element_size(),
+                            lv.size):
+                    dist.all_reduce(y, group=lv.group)
                 st.segs = [_Seg(st.lo, st.hi, dense=y.to(st.dtype))]
             return
         if r not in ("reduce_scatter", "reduce"):
@@ -470,11 +487,12 @@ class PathRunner:
         st.stack.append((s.level, kind, lo, hi))
         if lv.group is not None and x is not None:
             y = _to(x, self.comm_device).to(wire)
-            if kind == "scatter":
-                x = _reduce_scatter(y, lv)[: b - a].to(st.dtype)
-            else:
-                dist.reduce(y, dst=lv.root, group=lv.group)
-                x = y.to(st.dtype)
+            with occupy(throttled(s.level), r, y.numel() * y.element_size(), lv.size):
+                if kind == "scatter":
+                    x = _reduce_scatter(y, lv)[: b - a].to(st.dtype)
+                else:
+                    dist.reduce(y, dst=lv.root, group=lv.group)
+                    x = y.to(st.dtype)
         st.lo, st.hi = a, b
         st.segs = [_Seg(a, b, dense=x[: b - a])] if b > a and x is not None else []
 
@@ -490,14 +508,16 @@ class PathRunner:
             _, _, lo, hi = top
             if lv.group is not None and hi > lo:
                 buf = _serialize(st.segs, self.comm_device)
-                got = (_allgather_bytes(buf, lv) if r == "allgather"
-                       else [_broadcast_bytes(buf, lv)])
+                link = throttled(s.level)
+                got = (_allgather_bytes(buf, lv, link) if r == "allgather"
+                       else [_broadcast_bytes(buf, lv, link)])
                 st.segs = _merge_pieces([_deserialize(b, self.comm_device) for b in got])
             st.lo, st.hi = lo, hi
             return
         if r == "allgather":  # indivisible
             if lv.group is not None and st.hi > st.lo:
-                got = _allgather_bytes(_serialize(st.segs, self.comm_device), lv)
+                got = _allgather_bytes(_serialize(st.segs, self.comm_device), lv,
+                                       throttled(s.level))
                 st.segs = _merge_pieces([_deserialize(b, self.comm_device) for b in got])
             return
         if r not in ("alltoall", "gather"):
@@ -517,9 +537,10 @@ class PathRunner:
                     raise SpecError(f"{where}: a compressed piece straddles two chunks")
                 out[j].append(seg)
             if r == "alltoall":
-                got = _alltoall_bytes([_serialize(o, self.comm_device) for o in out], lv)
+                got = _alltoall_bytes([_serialize(o, self.comm_device) for o in out], lv,
+                                      throttled(s.level))
             else:
-                got = _gather_bytes(_serialize(out[0], self.comm_device), lv)
+                got = _gather_bytes(_serialize(out[0], self.comm_device), lv, throttled(s.level))
             st.segs = _merge_pieces([_deserialize(g, self.comm_device) for g in got])
         elif (a, b) != (lo, hi):
             st.segs = []

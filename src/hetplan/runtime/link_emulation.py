@@ -1,0 +1,113 @@
+"""A slow network for local gloo runs: ``HETPLAN_EMULATE_BW=<Gbit/s>`` (benchmarks and tests).
+
+Loopback gloo moves gigabytes per second, so a plan made for a bandwidth-poor cluster cannot
+be measured on one machine as it is. With ``HETPLAN_EMULATE_BW`` set, every gradient-sync
+collective that crosses nodes (levels ``flat`` and ``inter``; ``intra`` stays at loopback
+speed) also occupies an emulated link of that many Gbit/s per rank:
+
+- the link is one FIFO per process (a rank's NIC): a collective issued at ``t`` starts on it
+  at ``max(t, link free)`` and holds it for ``volume * 8 / bandwidth``;
+- ``volume`` is what a rank sends under the ring / chain algorithms, the convention of
+  :mod:`hetplan.cost_models.comm`: ``bus_factor(collective, g) * nbytes`` with ``nbytes`` the
+  collective's size there (gathers count their whole output);
+- whoever waits for the collective's result (the gradient path's worker thread, or
+  :meth:`~hetplan.runtime.grad_sync.GradSync.finish` for the asynchronous allreduce) also
+  waits until its emulated end. The collective's real time counts too: the emulated end is a
+  lower bound, never added on top.
+
+So backprop keeps running while the emulated link is busy (overlap is measured, not modelled),
+and the bandwidth term of a collective is the one the cost model predicts; its latency,
+compute, (de)compression and thread scheduling are real. Every rank computes the same delays,
+as the volume of a ring collective is the same on every rank. Decision and limits in
+``docs/decisions.md`` ("End-to-end runs").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from hetplan.cost_models.comm import bus_factor
+from hetplan.errors import SpecError
+
+__all__ = ["ENV", "EmulatedLink", "emulated_link", "occupy", "throttled"]
+
+#: The environment variable: the emulated per-rank bandwidth in Gbit/s (unset or empty: off).
+ENV = "HETPLAN_EMULATE_BW"
+_THROTTLED_LEVELS = ("flat", "inter")
+
+
+class EmulatedLink:
+    """One rank's emulated NIC: a FIFO of ``gbps`` Gbit/s.
+
+    Args:
+        gbps: bandwidth, > 0.
+        clock: seconds (``time.perf_counter``; tests pass their own).
+        sleep: waits seconds (``time.sleep``).
+    """
+
+    def __init__(self, gbps: float, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not gbps > 0:
+            raise SpecError(f"{ENV}={gbps!r}: the emulated bandwidth must be > 0 Gbit/s")
+        self.bytes_per_s = gbps * 1e9 / 8
+        self._clock = clock
+        self._sleep = sleep
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+        #: seconds of link time reserved so far (the emulated transfer time, summed)
+        self.busy_s = 0.0
+
+    def reserve(self, collective: str, nbytes: float, group_size: int) -> float:
+        """Queue a collective issued now; the time at which it ends on the link."""
+        seconds = bus_factor(collective, group_size) * nbytes / self.bytes_per_s
+        with self._lock:
+            start = max(self._clock(), self._free_at)
+            self._free_at = start + seconds
+            self.busy_s += seconds
+            return self._free_at
+
+    def wait(self, end: float) -> None:
+        """Block until ``end`` (a :meth:`reserve` result)."""
+        left = end - self._clock()
+        if left > 0:
+            self._sleep(left)
+
+
+_LINK: EmulatedLink | None = None
+_LINK_GBPS: str | None = None
+
+
+def emulated_link() -> EmulatedLink | None:
+    """This process's link from ``HETPLAN_EMULATE_BW`` (None when unset or empty)."""
+    global _LINK, _LINK_GBPS
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    if _LINK is None or raw != _LINK_GBPS:
+        try:
+            gbps = float(raw)
+        except ValueError as e:
+            raise SpecError(f"{ENV}={raw!r}: expected a bandwidth in Gbit/s, e.g. "
+                            f"{ENV}=1 (unset it to run at full speed)") from e
+        _LINK, _LINK_GBPS = EmulatedLink(gbps), raw
+    return _LINK
+
+
+def throttled(level: str) -> EmulatedLink | None:
+    """The link a collective at ``level`` occupies (None: not emulated or intra-node)."""
+    return emulated_link() if level in _THROTTLED_LEVELS else None
+
+
+@contextlib.contextmanager
+def occupy(link: EmulatedLink | None, collective: str, nbytes: float,
+           group_size: int) -> Iterator[None]:
+    """Run a synchronous collective (the body) on ``link``: queued when the body starts,
+    waited for when it ends (nothing when ``link`` is None)."""
+    end = link.reserve(collective, nbytes, group_size) if link is not None else None
+    yield
+    if link is not None and end is not None:
+        link.wait(end)

@@ -1,0 +1,66 @@
+"""The emulated link of ``HETPLAN_EMULATE_BW``: FIFO occupancy, ring volumes, parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetplan.errors import SpecError
+from hetplan.runtime import link_emulation
+from hetplan.runtime.link_emulation import ENV, EmulatedLink, emulated_link, occupy, throttled
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def test_fifo_and_ring_volumes() -> None:
+    clock = _Clock()
+    link = EmulatedLink(8.0, clock=clock, sleep=clock.sleep)  # 1e9 bytes/s
+    # ring allreduce on 4 ranks sends 2*3/4 of the buffer: 1.5 ms for 1 MB
+    end1 = link.reserve("allreduce", 1e6, 4)
+    assert end1 == pytest.approx(1.5e-3)
+    # issued at the same time: queues behind the first (allgather sends 3/4 of its output)
+    end2 = link.reserve("allgather", 4e6, 4)
+    assert end2 == pytest.approx(1.5e-3 + 3e-3)
+    clock.now = 10.0  # an idle link starts the next one when it is issued
+    assert link.reserve("broadcast", 1e6, 2) == pytest.approx(10.001)
+    assert link.busy_s == pytest.approx(5.5e-3)
+    link.wait(9.0)  # in the past: no wait
+    assert clock.now == 10.0
+    with occupy(link, "reduce_scatter", 2e6, 2):  # 1 MB at 1 GB/s
+        clock.now += 2e-4  # the real collective took 0.2 ms
+    assert clock.now == pytest.approx(10.002)  # waited for the emulated end after 10.001
+
+
+def test_one_rank_and_no_link_cost_nothing() -> None:
+    clock = _Clock()
+    link = EmulatedLink(1.0, clock=clock, sleep=clock.sleep)
+    assert link.reserve("allreduce", 1e9, 1) == 0.0
+    with occupy(None, "allreduce", 1e9, 4):
+        pass
+    assert clock.now == 0.0
+
+
+def test_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(link_emulation, "_LINK", None)
+    monkeypatch.delenv(ENV, raising=False)
+    assert emulated_link() is None and throttled("flat") is None
+    monkeypatch.setenv(ENV, "0.5")
+    link = emulated_link()
+    assert link is not None and link.bytes_per_s == pytest.approx(0.5e9 / 8)
+    assert emulated_link() is link  # one link per process
+    assert throttled("inter") is link and throttled("flat") is link
+    assert throttled("intra") is None  # inside a node: loopback speed
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(SpecError, match=f"{ENV}='fast'.*Gbit/s"):
+        emulated_link()
+    monkeypatch.setenv(ENV, "0")
+    with pytest.raises(SpecError, match="must be > 0"):
+        emulated_link()
