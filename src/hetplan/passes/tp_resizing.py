@@ -178,15 +178,17 @@ class TPResizing:
         even = TensorParallel(groups=tuple(g.model_copy(update={"linears": (), "roles": ()})
                                            for g in tp.groups), controller=ctl)
         even_ms = self._simulate(plan, ctx, even)
+        any_skew = any(g.linears for g in groups)
         skewed_ms = self._simulate(plan, ctx, skewed.model_copy(update={"groups": tuple(
-            g.model_copy(update={"roles": ()}) for g in groups)}))
+            g.model_copy(update={"roles": ()}) for g in groups)})) if any_skew else even_ms
         notes = []
         if skewed_ms > even_ms:
             notes.append(f"skewed shards predicted slower ({skewed_ms:.3f} > {even_ms:.3f} "
                          "ms); kept even shards")
             skewed, skewed_ms = even, even_ms
         ctl_section, gammas = self._controller_effect(even, plan, ctx, ctl)
-        ctl_ms = self._simulate(plan, ctx, ctl_section)
+        # no expected straggler: the section is the even one (same simulation, not re-run)
+        ctl_ms = self._simulate(plan, ctx, ctl_section) if gammas else even_ms
         pred = TPPrediction(even_ms=even_ms, skewed_ms=skewed_ms, controller_ms=ctl_ms,
                             expected_gamma={str(r): g for r, g in sorted(gammas.items())})
         out = skewed.model_copy(update={"predicted": pred})
