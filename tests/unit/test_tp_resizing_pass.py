@@ -135,8 +135,11 @@ def test_homogeneous_cluster_keeps_even_shards() -> None:
     p = compile("gpt-test", homogeneous, **ARGS)
     tp = p.tensor_parallel
     assert all(not g.linears and not g.roles for g in tp.groups)
-    assert tp.predicted.skewed_ms == tp.predicted.even_ms == tp.predicted.controller_ms
-    assert tp.predicted.expected_gamma == {}
+    assert tp.predicted is None  # nothing to predict: even shards, no straggler
+    assert p.pass_log[-1].notes == ("4 homogeneous TP group(s): even shards",)
+    without = compile("gpt-test", homogeneous, passes=[x for x in DEFAULT_PASSES
+                                                       if x != "tp-resizing"], **ARGS)
+    assert without.predictions.iteration_time_ms == p.predictions.iteration_time_ms
 
 
 # -- cost model: uneven shards cost the slowest rank, per layer ----------------------------

@@ -31,7 +31,9 @@ Refines ``plan.tensor_parallel`` (filled by ``even-tp``), per TP group
    (:func:`~hetplan.cost_models.evaluate.evaluate` with the TP section): even shards; the
    plan's skewed shards; even shards with the expected γ of the controller (Eq. (1) with
    the criterion of the variant; ``avg`` when the variant is ``off``). The skewed shards are
-   kept only when predicted no slower than even shards.
+   kept only when predicted no slower than even shards. When every group's devices are
+   identical nothing is simulated and ``predicted`` stays None (even shards, no straggler):
+   layout search on homogeneous clusters costs what it did before.
 
 Decisions (also in ``docs/decisions.md``, "TP resizing pass"): the controller is **opt-in**
 (``variant="off"`` by default): resizing prunes computation and changes convergence, like
@@ -173,6 +175,14 @@ class TPResizing:
                                             "unknown, shards stay even",))
         _check_groups(tp, len(ctx.costs.devices), ctx.cluster.name)
         ctl = self.controller()
+        devs = ctx.costs.devices
+        if all(len({(devs[r].type, devs[r].slowdown, devs[r].relative_speed)
+                    for r in g.ranks}) == 1 for g in tp.groups):
+            # identical devices in every group: even shards, no straggler, nothing to predict
+            # (skipping the simulations keeps layout search on homogeneous clusters as fast)
+            out = tp.model_copy(update={"controller": ctl})
+            return PassResult(plan.model_copy(update={"tensor_parallel": out}), out != tp,
+                              (f"{len(tp.groups)} homogeneous TP group(s): even shards",))
         groups = tuple(self._group(g, plan, ctx, ctl) for g in tp.groups)
         skewed = tp.model_copy(update={"groups": groups, "controller": ctl})
         even = TensorParallel(groups=tuple(g.model_copy(update={"linears": (), "roles": ()})
