@@ -30,6 +30,7 @@ from hetplan.ir.plan_sections import (
 from hetplan.optimizer.compile import DEFAULT_PASSES, compile
 from hetplan.passes.base import PassContext
 from hetplan.passes.tp_resizing import TPResizing
+from hetplan.report.explain import explain, target_names
 from hetplan.report.inspect import build_report
 from hetplan.report.render import render_text
 
@@ -262,4 +263,46 @@ def test_golden_inspect_tp_text(semi_plan: Plan) -> None:
     assert path.is_file(), f"{path} is missing; run with HETPLAN_UPDATE_GOLDEN=1 to create it"
     assert text == path.read_text(encoding="utf-8"), (
         "inspect_tp.txt differs from the golden file; if the change is intended, regenerate "
+        "with HETPLAN_UPDATE_GOLDEN=1 and review the diff")
+
+
+# -- hetplan explain linear:NAME -------------------------------------------------------------
+def test_explain_a_tp_linear(semi_plan: Plan) -> None:
+    ex = explain(semi_plan, "linear:blocks.1.fc2")
+    assert ex.kind == "linear"
+    # re-evaluated with the plan's TP section: equals the plan's own prediction
+    assert ex.current_ms == pytest.approx(semi_plan.predictions.iteration_time_ms, abs=1e-6)
+    facts = dict(ex.facts)
+    sizes = next(lin.shard_sizes for lin in semi_plan.tensor_parallel.groups[0].linears
+                 if lin.name == "blocks.1.fc2")
+    assert facts["split"].startswith("row-parallel, 256 features over 4 ranks, 4 group(s)")
+    assert facts["ranks 0–3 (+3 alike)"] == (f"{sizes[0]} (A100-80GB), {sizes[1]} (A100-80GB), "
+                                              f"{sizes[2]} (V100-SXM2-32GB), {sizes[3]} "
+                                              "(V100-SXM2-32GB)")
+    (alt,) = ex.alternatives
+    assert alt.name == "even shards for 2 linear(s) of its pair"
+    # the alternative is the plan with blocks.1's pair even in every group, evaluated directly
+    tp = semi_plan.tensor_parallel
+    even = tp.model_copy(update={"groups": tuple(g.model_copy(update={"linears": tuple(
+        x for x in g.linears if not x.name.startswith("blocks.1."))}) for g in tp.groups)})
+    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
+    ev = evaluate(semi_plan.model.workload, semi_plan.layout, semi_plan.stages,
+                  semi_plan.gradient_sync, costs, tensor_parallel=even)
+    assert alt.iteration_time_ms == pytest.approx(ev.iteration_s * 1e3, abs=1e-6)
+    assert "linear:blocks.1.fc2" in target_names(semi_plan)
+
+
+def test_explain_unknown_linear(semi_plan: Plan) -> None:
+    with pytest.raises(SpecError, match=r"unknown target 'linear:blocks.1.fc3'.*did you mean"):
+        explain(semi_plan, "linear:blocks.1.fc3")
+
+
+def test_golden_explain_tp_text(semi_plan: Plan) -> None:
+    text = explain(semi_plan, "linear:blocks.0.fc1").text
+    path = GOLDEN / "explain_tp.txt"
+    if os.environ.get("HETPLAN_UPDATE_GOLDEN") == "1":
+        path.write_text(text, encoding="utf-8")
+    assert path.is_file(), f"{path} is missing; run with HETPLAN_UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(encoding="utf-8"), (
+        "explain_tp.txt differs from the golden file; if the change is intended, regenerate "
         "with HETPLAN_UPDATE_GOLDEN=1 and review the diff")

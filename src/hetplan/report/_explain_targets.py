@@ -334,9 +334,61 @@ def _breakdown(m: Any) -> str:
     return ", ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
 
 
+# -- tensor-parallel linear -------------------------------------------------------------
+def explain_linear(ctx: Any, name: str) -> tuple[Facts, list[Alternative]]:
+    """A TP linear with per-rank shard sizes: sizes per rank and device, the ranks' roles and
+    the predicted effect, against even shards of its pair (the linears sharing its sizes'
+    groups) everywhere."""
+    tp = ctx.plan.tensor_parallel
+    devices = ctx.costs.devices
+    groups = [(g, lin) for g in tp.groups for lin in g.linears if lin.name == name]
+    g0, lin0 = groups[0]
+    facts: Facts = [
+        ("split", f"{lin0.split}-parallel, {lin0.features} features over {len(g0.ranks)} "
+                  f"ranks, {len(groups)} group(s)"),
+    ]
+    patterns: dict[tuple[Any, ...], list[Any]] = {}
+    for g, lin in groups:
+        key = (tuple(devices[r].type for r in g.ranks), lin.shard_sizes)
+        patterns.setdefault(key, []).append(g)
+    for (types, sizes), gs in patterns.items():
+        per_rank = ", ".join(f"{s} ({t})" for s, t in zip(sizes, types))
+        facts.append((f"ranks {ranges(list(gs[0].ranks))}"
+                      + (f" (+{len(gs) - 1} alike)" if len(gs) > 1 else ""), per_rank))
+    by_role: dict[tuple[str, float, float], list[int]] = {}
+    for g, _ in groups:
+        for r in g.roles:
+            if r.role != "normal":
+                by_role.setdefault((r.role, r.gamma, r.beta), []).append(r.rank)
+    roles = [f"ranks {ranges(sorted(rs))} {role} γ={gam:.3f}" + (f" β={beta:.3f}" if beta
+                                                                  else "")
+             for (role, gam, beta), rs in by_role.items()]
+    ctl = tp.controller
+    facts.append(("controller", f"{ctl.variant} (criterion {ctl.criterion}, γ_max "
+                                f"{ctl.gamma_max:g})" + (f"; {', '.join(roles)}" if roles
+                                                          else "; every rank normal")))
+    if tp.predicted is not None:
+        p = tp.predicted
+        facts.append(("predicted", f"even {fmt_ms(p.even_ms)}, skewed {fmt_ms(p.skewed_ms)}, "
+                                   f"even + controller {fmt_ms(p.controller_ms)}"))
+    if decided := ctx.decided_by("tensor_parallel"):
+        facts.append(("decided by", decided))
+    # its Megatron pair: the linears of the same module (the runtime shards a pair with one
+    # size list, so they go even together)
+    parent = name.rpartition(".")[0]
+    pair = {lin.name for g, _ in groups for lin in g.linears
+            if lin.name.rpartition(".")[0] == parent}
+    even_groups = tuple(g.model_copy(update={"linears": tuple(
+        x for x in g.linears if x.name not in pair)}) for g in tp.groups)
+    even = tp.model_copy(update={"groups": even_groups})
+    alt = ctx.alternative(f"even shards for {len(pair)} linear(s) of its pair", tp=even)
+    return facts, [alt]
+
+
 EXPLAINERS: dict[str, Callable[[Any, Any], tuple[Facts, list[Alternative]]]] = {
     "tensor": explain_tensor,
     "bucket": explain_bucket,
     "stage": explain_stage,
     "rank": explain_rank,
+    "linear": explain_linear,
 }

@@ -9,7 +9,10 @@ A target names one decision of a plan:
 - ``stage:K`` (or ``stage:J-K``): the boundary between stage K−1 and K (stage 0: its boundary
   with stage 1), against moving it by one layer either way;
 - ``rank:R``: its device, stage, memory and compute time per micro-batch, against the slowest
-  device of its stage, the slowest stage and the rank with the most memory.
+  device of its stage, the slowest stage and the rank with the most memory;
+- ``linear:NAME``: a tensor-parallel linear the plan lists with per-rank shard sizes: its
+  split, the sizes per rank and device, the ranks' controller roles, against even shards of
+  its pair in every group.
 
 Alternatives are whole plans that differ in that one decision, re-evaluated with the plan's
 own cost model (:func:`hetplan.cost_models.evaluate.evaluate`, the objective of ``compile``),
@@ -41,6 +44,7 @@ from hetplan.ir.plan_sections import (
     GradientSync,
     NoSync,
     Stage,
+    TensorParallel,
     TensorSync,
 )
 from hetplan.report._text import fmt_delta_ms, fmt_ms
@@ -56,7 +60,7 @@ __all__ = [
     "strategy_text",
 ]
 
-Kind = Literal["tensor", "bucket", "stage", "rank"]
+Kind = Literal["tensor", "bucket", "stage", "rank", "linear"]
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ def explain(
 
     Args:
         plan: a plan with a workload summary and an embedded cluster spec.
-        target: a gradient name, ``bucket:N``, ``stage:K`` or ``rank:R``.
+        target: a gradient name, ``bucket:N``, ``stage:K``, ``rank:R`` or ``linear:NAME``.
         cluster: the cluster, when the plan does not embed it.
         profile: the profile DB the plan was made with (analytic costs otherwise).
 
@@ -165,23 +169,27 @@ class _Context:
         self.current_ms = self.current.iteration_s * 1e3
 
     def evaluate(
-        self, stages: tuple[Stage, ...], sync: GradientSync | None
+        self, stages: tuple[Stage, ...], sync: GradientSync | None,
+        tp: TensorParallel | None = None,
     ) -> tuple[Evaluation, str]:
-        """(evaluation, "" or why it does not fit in memory)."""
+        """(evaluation, "" or why it does not fit in memory); ``tp``: the TP section (None:
+        the plan's)."""
         args = (self.workload, self.layout, stages, sync, self.costs)
+        section = self.plan.tensor_parallel if tp is None else tp
         try:
-            return evaluate(*args), ""
+            return evaluate(*args, tensor_parallel=section), ""
         except InfeasiblePlanError as e:
-            return evaluate(*args, check_memory=False), str(e)
+            return evaluate(*args, check_memory=False, tensor_parallel=section), str(e)
 
     def alternative(
         self, name: str, *, stages: tuple[Stage, ...] | None = None,
         sync: GradientSync | None = None, note: Callable[[Evaluation], str] | None = None,
+        tp: TensorParallel | None = None,
     ) -> Alternative:
-        """Re-evaluate the plan with ``stages`` and/or ``sync`` replaced; ``note`` describes
-        the evaluation (shown when it fits in memory)."""
+        """Re-evaluate the plan with ``stages``, ``sync`` and/or the TP section ``tp``
+        replaced; ``note`` describes the evaluation (shown when it fits in memory)."""
         ev, oom = self.evaluate(self.stages if stages is None else stages,
-                                self.sync if sync is None else sync)
+                                self.sync if sync is None else sync, tp)
         ms = ev.iteration_s * 1e3
         return Alternative(name, round(ms, 6), round(ms - self.current_ms, 6) + 0.0,
                            fits_memory=not oom, note=oom or (note(ev) if note else ""))
@@ -215,10 +223,18 @@ def target_names(plan: Plan) -> list[str]:
     buckets = plan.gradient_sync.buckets if plan.gradient_sync is not None else ()
     return (grads + [f"bucket:{i}" for i in range(len(buckets))]
             + [f"stage:{k}" for k in range(max(len(plan.stages), 1))]
-            + [f"rank:{r}" for r in range(plan.cluster.world_size)])
+            + [f"rank:{r}" for r in range(plan.cluster.world_size)]
+            + [f"linear:{n}" for n in tp_linear_names(plan)])
 
 
-_PREFIXED = re.compile(r"(tensor|bucket|stage|rank):(.*)")
+def tp_linear_names(plan: Plan) -> list[str]:
+    """Linears the plan's TP groups list with shard sizes, in first-listed order."""
+    tp = plan.tensor_parallel
+    names = [lin.name for g in tp.groups for lin in g.linears] if tp is not None else []
+    return list(dict.fromkeys(names))
+
+
+_PREFIXED = re.compile(r"(tensor|bucket|stage|rank|linear):(.*)")
 
 
 def _resolve(plan: Plan, ctx: _Context, target: str) -> tuple[Kind, Any]:
@@ -231,6 +247,10 @@ def _resolve(plan: Plan, ctx: _Context, target: str) -> tuple[Kind, Any]:
             return "tensor", name
         raise SpecError(_unknown(plan, target))
     kind, arg = m.group(1), m.group(2).strip()
+    if kind == "linear":
+        if arg in tp_linear_names(plan):
+            return "linear", arg
+        raise SpecError(_unknown(plan, target))
     counts = {
         "bucket": len(ctx.sync.buckets) if ctx.sync is not None else 0,
         "stage": max(len(ctx.stages), 1),
@@ -260,7 +280,8 @@ def _unknown(plan: Plan, target: str) -> str:
     near = list(dict.fromkeys(contains + close))[:3]
     hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else "."
     return (f"unknown target {target!r}{hint} Targets are a gradient tensor name, bucket:N, "
-            "stage:K or rank:R (`hetplan inspect` lists them)")
+            "stage:K, rank:R or linear:NAME of an unevenly split TP linear (`hetplan "
+            "inspect` lists them)")
 
 
 # -- text --------------------------------------------------------------------------------
