@@ -306,3 +306,27 @@ def test_golden_explain_tp_text(semi_plan: Plan) -> None:
     assert text == path.read_text(encoding="utf-8"), (
         "explain_tp.txt differs from the golden file; if the change is intended, regenerate "
         "with HETPLAN_UPDATE_GOLDEN=1 and review the diff")
+
+
+# -- memory: a rank holds its share ----------------------------------------------------------
+def test_memory_follows_the_rank_share(plan: Plan) -> None:
+    from hetplan.cost_models.memory import in_flight_micro_batches, stage_memory
+
+    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
+    wl = plan.model.workload
+    ev = evaluate(wl, plan.layout, plan.stages, None, costs, check_memory=False,
+                  tensor_parallel=_section((192, 64, 0, 0)))
+    layers = list(wl.layers)
+    flight = in_flight_micro_batches(plan.layout.schedule, 0, 1, plan.layout.micro_batches, 1)
+    scale = plan.layout.micro_batch_size / wl.batch_size
+    names = [lay.name for lay in layers]
+    for r, share in ((0, 0.75), (1, 0.25), (2, 0.0)):
+        # by hand: layers holding listed linears (blocks.N) get the share, others 1/tp
+        shares = [share if any(f"blocks.{i}" == n for i in range(4)) else 0.25 for n in names]
+        want = stage_memory(layers, tp=4, micro_batch_scale=scale, in_flight=flight,
+                            shares=shares)
+        assert ev.memory[r] == want
+        params = sum(x.param_bytes - min(x.tp_split_bytes, x.param_bytes)
+                     + min(x.tp_split_bytes, x.param_bytes) * s for x, s in zip(layers, shares))
+        assert ev.memory[r].params == int(params)
+    assert ev.memory[0].params > ev.memory[1].params > ev.memory[2].params

@@ -39,7 +39,7 @@ from hetplan.cost_models.memory import (
 )
 from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline
 from hetplan.cost_models.timeline import CPU, GPU, DPTimeline, Op, SyncUnit, simulate_dp
-from hetplan.cost_models.tp_shares import stage_compute
+from hetplan.cost_models.tp_shares import rank_layer_shares, stage_compute
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import (
@@ -203,7 +203,7 @@ def evaluate(
     optimizer_s = _optimizer_s(workload, stages, layout, costs)
     iteration = max(finish) + optimizer_s
     compute = max((f + b) * layout.micro_batches for f, b in zip(fwd, bwd))
-    memory = _memory(workload, stages, layout, costs, scale)
+    memory = _memory(workload, stages, layout, costs, scale, tensor_parallel)
     if check_memory:
         check_fits(
             list(memory),
@@ -642,6 +642,7 @@ def _memory(
     layout: Layout,
     costs: CostModel,
     scale: float,
+    tp_section: TensorParallel | None = None,
 ) -> tuple[MemoryBreakdown, ...]:
     per_rank: dict[int, MemoryBreakdown] = {}
     for st in stages:
@@ -657,4 +658,9 @@ def _memory(
         )
         for r in st.ranks:
             per_rank[r] = mem
+        for r, shares in rank_layer_shares(workload, st, layout.tp, tp_section).items():
+            per_rank[r] = stage_memory(
+                list(workload.layers[st.first_layer : st.last_layer + 1]), tp=layout.tp,
+                micro_batch_scale=scale, in_flight=flight, optimizer=costs.optimizer,
+                shares=shares)
     return tuple(per_rank[r] for r in sorted(per_rank))

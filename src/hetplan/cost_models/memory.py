@@ -90,19 +90,27 @@ def stage_memory(
     in_flight: float,
     optimizer: str = "adam",
     buffers: int = 0,
+    shares: list[float] | None = None,
 ) -> MemoryBreakdown:
-    """Peak bytes of one rank of a stage made of ``layers`` (see module docstring)."""
+    """Peak bytes of one rank of a stage made of ``layers`` (see module docstring).
+
+    ``shares``: this rank's fraction of each layer's split parameters and activations
+    (uneven tensor-parallel shards), one per layer; None: ``1 / tp`` everywhere.
+    """
     if optimizer not in OPTIMIZER_STATE_FACTOR:
         raise ValueError(
             f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATE_FACTOR)}"
         )
     params = 0.0
     acts = 0.0
-    for lay in layers:
+    for k, lay in enumerate(layers):
         split = min(lay.tp_split_bytes, lay.param_bytes)
-        params += lay.param_bytes - split + split / tp
+        share = shares[k] if shares is not None else None
+        params += lay.param_bytes - split + (split / tp if share is None else split * share)
         saved = lay.act_saved_bytes * micro_batch_scale
-        acts += saved / tp if lay.tp_pairs else saved
+        if lay.tp_pairs:
+            saved = saved / tp if share is None else saved * share
+        acts += saved
     p = int(params)
     return MemoryBreakdown(
         params=p,

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from hetplan.cost_models.costs import CostModel
 from hetplan.ir.plan_sections import Stage, TensorParallel, TPGroup, WorkloadSummary
 
-__all__ = ["stage_compute", "rank_shares", "layer_of_linear"]
+__all__ = ["stage_compute", "rank_shares", "rank_layer_shares", "layer_of_linear"]
 
 
 def layer_of_linear(layer_names: Sequence[str], linear: str) -> int | None:
@@ -76,6 +76,33 @@ def rank_shares(workload: WorkloadSummary, group: TPGroup, first: int, last: int
     return out
 
 
+def _stage_groups(st: Stage, section: TensorParallel | None) -> list[TPGroup]:
+    """The section's TP groups inside stage ``st``."""
+    if section is None:
+        return []
+    in_stage = set(st.ranks)
+    return [g for g in section.groups if set(g.ranks) <= in_stage
+            and (g.stage is None or g.stage == st.index)]
+
+
+def rank_layer_shares(workload: WorkloadSummary, st: Stage, tp: int,
+                      section: TensorParallel | None) -> dict[int, list[float]]:
+    """``{rank: share of each layer of the stage}`` for the ranks of groups with listed
+    shard sizes (memory: a rank holds its share of the split parameters and activations;
+    roles do not change what a rank holds). Layers without pairs get ``1 / tp`` (unused)."""
+    if tp <= 1:
+        return {}
+    out: dict[int, list[float]] = {}
+    first, last = st.first_layer, st.last_layer
+    for g in _stage_groups(st, section):
+        if not g.linears:
+            continue
+        shares = rank_shares(workload, g.model_copy(update={"roles": ()}), first, last)
+        for i, r in enumerate(g.ranks):
+            out[r] = [shares[k][i] for k in range(last - first + 1)]
+    return out
+
+
 def stage_compute(
     workload: WorkloadSummary,
     st: Stage,
@@ -98,9 +125,7 @@ def stage_compute(
     """
     if tp <= 1 or section is None:
         return None
-    in_stage = set(st.ranks)
-    groups = [g for g in section.groups if set(g.ranks) <= in_stage
-              and (g.stage is None or g.stage == st.index)]
+    groups = _stage_groups(st, section)
     if not any(_uneven(g) for g in groups):
         return None
     covered = {r for g in groups for r in g.ranks}

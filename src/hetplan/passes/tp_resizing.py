@@ -39,8 +39,10 @@ Decisions (also in ``docs/decisions.md``, "TP resizing pass"): the controller is
 (``variant="off"`` by default): resizing prunes computation and changes convergence, like
 lossy gradient compression, which is also opt-in; static skew is lossless and always on.
 The attention pairs are listed too (64-column units = whole GPT-2/Llama heads); the runtime
-currently keeps attention pairs replicated and says so. Uneven shards are not reflected in
-the memory model (even shards are assumed per rank). Complexity O(groups · linears · ranks).
+currently keeps attention pairs replicated and says so. The memory model gives each rank its
+share of the split parameters and activations; skewed shards that overflow a fast rank's
+memory while even ones fit are dropped. Complexity O(groups · linears · ranks) plus four
+simulations when a group is heterogeneous.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from typing import ClassVar, Literal
 from hetplan.algorithms.skewed_shards import even_shards, proportional_shards
 from hetplan.algorithms.zero_resizing import zero_decision
 from hetplan.cost_models.evaluate import evaluate
-from hetplan.errors import SpecError
+from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.model import LinearInfo, TPRole
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
@@ -192,6 +194,10 @@ class TPResizing:
         skewed_ms = self._simulate(plan, ctx, skewed.model_copy(update={"groups": tuple(
             g.model_copy(update={"roles": ()}) for g in groups)})) if any_skew else even_ms
         notes = []
+        if any_skew and not self._fits(plan, ctx, skewed) and self._fits(plan, ctx, even):
+            notes.append("skewed shards do not fit in the faster ranks' memory; kept even "
+                         "shards")
+            skewed, skewed_ms = even, even_ms
         if skewed_ms > even_ms:
             notes.append(f"skewed shards predicted slower ({skewed_ms:.3f} > {even_ms:.3f} "
                          "ms); kept even shards")
@@ -257,6 +263,16 @@ class TPResizing:
                           if r in gam)
             groups.append(g.model_copy(update={"roles": roles}))
         return even.model_copy(update={"groups": tuple(groups)}), all_g
+
+    @staticmethod
+    def _fits(plan: Plan, ctx: PassContext, section: TensorParallel) -> bool:
+        """Whether every rank fits in memory with ``section``'s shards."""
+        try:
+            evaluate(ctx.workload, ctx.layout, plan.stages, plan.gradient_sync, ctx.costs,
+                     tensor_parallel=section)
+        except InfeasiblePlanError:
+            return False
+        return True
 
     @staticmethod
     def _simulate(plan: Plan, ctx: PassContext, section: TensorParallel) -> float:
