@@ -330,3 +330,31 @@ def test_memory_follows_the_rank_share(plan: Plan) -> None:
                      + min(x.tp_split_bytes, x.param_bytes) * s for x, s in zip(layers, shares))
         assert ev.memory[r].params == int(params)
     assert ev.memory[0].params > ev.memory[1].params > ev.memory[2].params
+
+
+def test_skew_that_overflows_the_fast_rank_is_dropped() -> None:
+    """A fast CPU type with little memory: even shards (3.2 MB per rank for gpt-test at tp=2,
+    from a compile without the pass) fit in its 3.6 MB usable, 3:1 skewed ones (4.6 MB) not."""
+    def cluster(fast_gib: float) -> ClusterSpec:
+        cpu = {"memory_gib": 4.0, "peak_tflops": {"fp32": 0.1}, "mem_bandwidth_gb_s": 20.0}
+        return ClusterSpec.from_dict({
+            "name": "cpu-mixed", "nodes": [{
+                "name": "host", "devices": [{"type": "fast", "count": 1},
+                                            {"type": "slow", "count": 1}],
+                "cpu_cores": 2, "intra_link": {"kind": "loopback", "bandwidth_gbps": 40.0,
+                                               "latency_us": 10.0}}],
+            "device_types": {"fast": {**cpu, "memory_gib": fast_gib},
+                             "slow": {**cpu, "peak_tflops": {"fp32": 0.05},
+                                      "mem_bandwidth_gb_s": 10.0}}})
+
+    kw = dict(batch_size=4, dp=1, pp=1, tp=2, micro_batch_size=4)
+    roomy = compile("gpt-test", cluster(4.0), **kw)
+    even = compile("gpt-test", cluster(4.0), passes=[p for p in DEFAULT_PASSES
+                                                     if p != "tp-resizing"], **kw)
+    need_skewed = roomy.predictions.memory_per_rank_bytes[0]
+    need_even = even.predictions.memory_per_rank_bytes[0]
+    assert roomy.tensor_parallel.groups[0].linears and need_skewed > need_even
+    fast_bytes = (need_even + need_skewed) / 2 / 0.9  # usable 90 %: between the two
+    tight = compile("gpt-test", cluster(fast_bytes / 2**30), **kw)
+    assert not tight.tensor_parallel.groups[0].linears
+    assert any("do not fit" in n for n in tight.pass_log[-1].notes)
