@@ -411,7 +411,7 @@ def test_plan_with_dynamics_file(tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
     plan = Plan.model_validate_json(out.read_text())
     assert plan.rebalancing is not None
     assert [e.iteration for e in plan.rebalancing.events] == [4000, 5000, 6000, 7000]
-    # `hetplan run` executes applied events that keep the stage count and warns for the rest
+    # `hetplan run` executes applied events (re-packing included) and warns for the rest
     from types import SimpleNamespace
 
     from hetplan.runtime.rebalance import executable_events
@@ -424,13 +424,16 @@ def test_plan_with_dynamics_file(tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
     whole = ((0, plan.stages[-1].last_layer),)
     packed = events[1].model_copy(update={"applied": True, "stages": whole,
                                           "released_stages": (1,)})
-    forced = plan.rebalancing.model_copy(update={"events": (packed, moved) + events[2:]})
+    regrow = events[2].model_copy(update={"applied": True})
+    forced = plan.rebalancing.model_copy(update={"events": (packed, moved, regrow)
+                                                 + events[3:]})
     run_now, skipped = executable_events(forced, 2)
-    assert run_now == [moved] and [e for e, _ in skipped] == [packed]
-    assert "re-packing onto 1 of 2 stages" in skipped[0][1]
-    assert [e for e, _ in executable_events(forced, 1)[1]] == [moved, packed]  # no pipeline
+    assert [e.iteration for e in run_now] == [4000, 5000]  # in iteration order
+    assert [e for e, _ in skipped] == [regrow]
+    assert "needs 2 stages but re-packing left 1" in skipped[0][1]
+    assert [e for e, _ in executable_events(forced, 1)[1]] == [moved, packed, regrow]
     assert executable_events(forced, 2, stages_per_rank=2)[0] == []  # interleaved
-    for rank, expected in ((0, "event at iteration 5000 is not executed (re-packing"), (1, "")):
+    for rank, expected in ((0, "event at iteration 6000 is not executed (it needs 2"), (1, "")):
         with contextlib.redirect_stderr(io.StringIO()) as err:
             _warn_skipped_events(SimpleNamespace(skipped_events=skipped), rank=rank)
         assert expected in err.getvalue() and bool(expected) == bool(err.getvalue())

@@ -21,8 +21,10 @@ about search.
    event's iteration (counted from 0 by this runtime) the pipeline moves to the event's stage
    assignment — parameters and optimizer state of the moved layers go point to point, stage,
    schedule, gradient sync and optimizer are rebuilt — and iteration ``k + 1`` runs on the new
-   stages (:mod:`hetplan.runtime.rebalance`). Re-packing events (fewer stages) and
-   interleaved pipelines are not executed; they are listed in ``skipped_events``.
+   stages (:mod:`hetplan.runtime.rebalance`). A re-packing event (fewer stages) releases the
+   ranks past the new stage count: they idle from then on (``released``). Events of
+   interleaved pipelines, or that would grow back onto released ranks, are not executed;
+   they are listed in ``skipped_events``.
 
 Data: every rank is given the same global batch; data-parallel replica ``d`` trains on rows
 ``[d·b, (d+1)·b)`` with ``b = batch / dp``, split into the plan's micro-batches.
@@ -168,7 +170,8 @@ class Runtime:
             self.model, self.plan.tensor_parallel, self.groups.tp_group, self.groups.tp_rank,
             self.layout.tp, self.straggler)
 
-    def _build_pipeline_stage(self, stages: Sequence[Any] | None = None) -> None:
+    def _build_pipeline_stage(self, stages: Sequence[Any] | None = None,
+                              pp_group: Any = None) -> None:
         from hetplan.runtime.pipeline import StageClock, build_stage, make_schedule
 
         assert self.groups is not None
@@ -183,7 +186,8 @@ class Runtime:
         self.stage = build_stage(
             self.model, example, self.forward_kwargs,
             self.plan.stages if stages is None else stages, self.groups.pp_rank,
-            self.groups.pp_group, device, ir_layer_names=[x.name for x in self._ir().layers],
+            self.groups.pp_group if stages is None else pp_group, device,
+            ir_layer_names=[x.name for x in self._ir().layers],
         )
         self.schedule = make_schedule(self.stage, self.layout, self.loss_fn)
         self.stage_clock = StageClock(self.stage)
@@ -235,6 +239,8 @@ class Runtime:
         y = self._local_rows(target)
         if self.schedule is not None:
             return self._pipeline_step(xs, y, t0)
+        if self.released:
+            return self._idle_step(t0)
         m = self.layout.micro_batches
         chunks = [torch.chunk(x, m) for x in xs]
         ys = torch.chunk(y, m)
@@ -259,7 +265,7 @@ class Runtime:
         self.stage_clock.reset()
         t_sched = time.perf_counter()
         with self.grad_sync.no_sync():
-            loss = step(self.schedule, self.groups.pp_rank, self.layout.pp, xs, y)
+            loss = step(self.schedule, self.groups.pp_rank, self.num_stages, xs, y)
         waited = max(time.perf_counter() - t_sched - self.stage_clock.busy_s, 0.0)
         return self._finish_step(float(loss) if loss is not None else float("nan"), t0, waited)
 
@@ -284,9 +290,19 @@ class Runtime:
         self.iteration = 0
         self.rebalanced_at: list[int] = []
         self.rebalance_s: list[float] = []
+        self.released = False
+        self.num_stages = self.layout.pp
+        self._pp = (self.groups.pp_group, self.groups.pp_ranks) if self.groups else (None, ())
         per_rank = len(self.plan.stages) // max(self.layout.pp, 1) if self.plan.stages else 1
         self._events, self.skipped_events = executable_events(
             self.plan.rebalancing, self.layout.pp, per_rank)
+
+    def _idle_step(self, t0: float) -> float:
+        """An iteration on a rank re-packing released: nothing to compute; it still counts
+        iterations, as later events create process groups with every rank."""
+        self.last_times = StepTimes(time.perf_counter() - t0, 0.0, 0.0, 0.0)
+        self._run_due_events()
+        return float("nan")
 
     def _run_due_events(self) -> None:
         """After the optimizer step of iteration ``i`` (counted from 0 by this runtime), run
@@ -299,14 +315,37 @@ class Runtime:
             self.rebalanced_at.append(event.iteration)
             self.rebalance_s.append(time.perf_counter() - t0)
 
+    def _shrunk_pipeline(self, k: int) -> tuple[Any, tuple[int, ...]]:
+        """The pipeline group and ranks of this rank's replica on the first ``k`` stages.
+        Creating groups is collective over the world: every rank, released ones included,
+        creates every replica's group in the same order."""
+        assert self.groups is not None
+        mine: tuple[Any, tuple[int, ...]] = (None, ())
+        for d in range(self.layout.dp):
+            members = tuple(self.layout.rank_of(d, s, 0) for s in range(k))
+            group = dist.new_group(list(members)) if k > 1 else None
+            if d == self.groups.dp_rank:
+                mine = (group, members)
+        return mine
+
     def _rebalance(self, bounds: Sequence[tuple[int, int]]) -> None:
-        """Move to the stage assignment ``bounds`` (collective over the pipeline group): build
-        the new stage from the model (its parameters are the model's), send every parameter
-        whose stage changes with its optimizer state point to point, then rebuild the schedule,
-        the gradient sync and the optimizer with the carried state."""
+        """Move to the stage assignment ``bounds`` (collective over the pipeline group; with
+        fewer stages — re-packing — the ranks past them are released and idle from then on).
+
+        Builds the new stage from the model (its parameters are the model's), sends every
+        parameter whose stage changes with its optimizer state point to point, then rebuilds
+        the schedule, the gradient sync and the optimizer with the carried state.
+        """
         from hetplan.runtime.rebalance import carry_optimizer, exchange_params, plan_param_moves
 
-        assert self.groups is not None and self.stage is not None
+        assert self.groups is not None
+        old_group, old_ranks = self._pp
+        new_pp = self._shrunk_pipeline(len(bounds)) if len(bounds) < self.num_stages \
+            else self._pp
+        if self.released:
+            self._pp, self.num_stages = new_pp, len(bounds)
+            return
+        me = self.groups.pp_rank
         old = {s.index: s for s in self.plan.stages}
         names = [x.name for x in self._ir().layers]
         stages = [old[i].model_copy(update={"first_layer": a, "last_layer": b, "fwd_ms": 0.0,
@@ -315,19 +354,26 @@ class Runtime:
                   for i, (a, b) in enumerate(bounds)]
         sending, old_opt = dict(self.named_params), self.opt
         self.grad_sync.close()
-        self._build_pipeline_stage(stages)
-        self.named_params = list(self.stage.submod.named_parameters())
+        self.stage = self.schedule = None
+        if me < len(bounds) and len(bounds) > 1:
+            self._build_pipeline_stage(stages, new_pp[0])
+            self.named_params = list(self.stage.submod.named_parameters())
+        elif me == 0:  # one stage left: this rank trains the whole model, no pipeline
+            self.named_params = list(self.model.named_parameters())
+        else:
+            self.named_params = []
         receiving = dict(self.named_params)
-        held: list[Any] = [None] * self.layout.pp
-        dist.all_gather_object(held, (sorted(sending), sorted(receiving)),
-                               group=self.groups.pp_group)
+        held: list[Any] = [(sorted(sending), sorted(receiving))] * len(old_ranks)
+        if old_group is not None:  # None: a one-stage pipeline, nothing to gather
+            dist.all_gather_object(held, held[0], group=old_group)
         moves = plan_param_moves([h[0] for h in held], [h[1] for h in held])
-        received = exchange_params(moves, sending, receiving, old_opt, self.groups.pp_rank,
-                                   self.groups.pp_ranks)
-        group = self.groups.dp_group
-        levels = self.groups.sync_levels()
-        self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync, group,
-                                  self.layout.dp, levels)
+        received = exchange_params(moves, sending, receiving, old_opt, me, old_ranks)
+        self._pp, self.num_stages = new_pp, len(bounds)
+        self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync,
+                                  self.groups.dp_group, self.layout.dp, self.groups.sync_levels())
+        if me >= len(bounds):
+            self.released = True
+            return
         self.opt = carry_optimizer(old_opt, self.optimizer([p for _, p in self.named_params]),
                                    received)
 

@@ -25,7 +25,8 @@ Only single-param-group optimizers are supported by :func:`migrate`.
 new stage first, the pipeline ranks exchange which parameter names they hold before and after
 (:func:`plan_param_moves`), the moved parameters travel with their optimizer state
 (:func:`exchange_params`) straight into the model's tensors, and the optimizer is rebuilt with
-the carried state (:func:`carry_optimizer`). Which events it runs: :func:`executable_events`.
+the carried state (:func:`carry_optimizer`); re-packing releases the ranks past the new stage
+count. Which events it runs: :func:`executable_events`.
 """
 
 from __future__ import annotations
@@ -266,10 +267,12 @@ def executable_events(rebalancing: Any, pp: int,
     """Split a plan's re-balancing events into those the runtime executes and the rest.
 
     Only ``applied`` events count (the others are proposals the trigger policy declined). An
-    event runs when the pipeline has one stage per rank and the event keeps all ``pp`` stages;
-    re-packing (fewer stages, ranks released) and interleaved pipelines are reported with the
-    reason instead. Events are declarative (complete assignments), so skipping one does not
-    invalidate the next: the runtime always moves from the stages it holds.
+    event runs when the pipeline has one stage per rank and the event needs no more stages
+    than the pipeline has by then: re-packing onto fewer stages runs (the ranks past them
+    are released), growing back onto released ranks does not, nor does anything in an
+    interleaved pipeline or a plan without one; those are reported with the reason. Events
+    are declarative (complete assignments), so skipping one does not invalidate the next: the
+    runtime always moves from the stages it holds.
 
     Returns:
         ``(run, skipped)``: events to run in iteration order, and ``(event, reason)`` pairs.
@@ -278,15 +281,17 @@ def executable_events(rebalancing: Any, pp: int,
     skipped: list[tuple[Any, str]] = []
     events = sorted((e for e in getattr(rebalancing, "events", ()) if e.applied),
                     key=lambda e: e.iteration)
+    stages = pp
     for e in events:
         if pp < 2:
             skipped.append((e, "the plan has no pipeline (pp=1)"))
         elif stages_per_rank != 1:
             skipped.append((e, (f"an interleaved pipeline ({stages_per_rank} stages per "
                                 "rank) is not re-balanced")))
-        elif len(e.stages) != pp:
-            skipped.append((e, (f"re-packing onto {len(e.stages)} of {pp} stages (releasing "
-                                "ranks) is not executed by the runtime")))
+        elif len(e.stages) > stages:
+            skipped.append((e, (f"it needs {len(e.stages)} stages but re-packing left "
+                                f"{stages}; released ranks do not rejoin")))
         else:
             run.append(e)
+            stages = len(e.stages)
     return run, skipped
