@@ -64,17 +64,33 @@ def test_gradcheck_float64() -> None:
 
 
 def test_emulator_sleeps_only_on_the_straggler() -> None:
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
     slow = Clock(StragglerEmulator(chi=3.0, straggler=1, tp_rank=1, tp_size=2))
     fast = Clock(StragglerEmulator(chi=3.0, straggler=1, tp_rank=0, tp_size=2))
+    t0 = time.perf_counter()
+    slow.gemm(a, b)
+    slow.settle()  # the emulated time is owed until the next collective (or settle)
+    wall = time.perf_counter() - t0
+    fast.gemm(a, b)
+    fast.settle()
+    assert slow.gemm_s == pytest.approx(wall, rel=0.2)  # what it reports is what it took
+    real = slow.gemm_s / 4  # the GEMM itself, then 3 times that asleep
+    assert fast.gemm_s < 2.5 * real or fast.gemm_s < 2e-3
 
-    def work() -> torch.Tensor:
-        time.sleep(0.01)
-        return torch.zeros(1)
 
-    slow.gemm(work)
-    fast.gemm(work)
-    assert slow.gemm_s >= 4 * 0.01 * 0.95  # 1 + χ times the GEMM
-    assert fast.gemm_s < 2.5 * 0.01
+def test_emulated_device_speed() -> None:
+    # 2 · 64 · 32 · 16 = 65536 FLOP at 1 MFLOP/s: 65.5 ms; the straggler (χ = 1) twice that
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    normal = Clock(StragglerEmulator(1.0, straggler=1, tp_rank=0, tp_size=2, flop_rate=1e6))
+    slow = Clock(StragglerEmulator(1.0, straggler=1, tp_rank=1, tp_size=2, flop_rate=1e6))
+    t0 = time.perf_counter()
+    slow.received(a, b)
+    with slow.comm():  # pays the debt before the collective, outside the comm time
+        pass
+    assert time.perf_counter() - t0 >= 0.131 * 0.95 and slow.comm_s < 0.01
+    normal.gemm(a, b)
+    assert normal.gemm_s == pytest.approx(0.0655, rel=0.15)
+    assert slow.recv_s == pytest.approx(0.131, rel=0.15) and slow.gemm_s == 0.0
 
 
 def test_emulator_rotates() -> None:

@@ -49,6 +49,7 @@ paper's closed-form rules.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -75,6 +76,9 @@ from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import ResizingController, TensorParallel, TPGroup
 from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+#: repetitions of each pretest measurement (the minimum is kept)
+_PRETEST_REPS = 5
+
 __all__ = [
     "Clock",
     "LayerState",
@@ -95,29 +99,28 @@ __all__ = [
 
 
 # -- the resized GEMMs -----------------------------------------------------------------------
-def _own_forward(x2: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _own_forward(x2: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None,
+                 mm: MatMul = torch.matmul) -> torch.Tensor:
     """``X[:, keep] · W[:, keep]ᵀ`` (all columns when ``keep`` is None); ``x2`` is 2-D."""
     if keep is None:
-        return x2 @ w.t()
-    return x2.index_select(1, keep) @ w.index_select(1, keep).t()
+        return mm(x2, w.t())
+    return mm(x2.index_select(1, keep), w.index_select(1, keep).t())
 
 
 def _own_backward(dy: torch.Tensor, x2: torch.Tensor, w: torch.Tensor,
-                  keep: torch.Tensor | None, gemm: Callable[[Callable[[], torch.Tensor]],
-                                                            torch.Tensor]
+                  keep: torch.Tensor | None, mm: MatMul = torch.matmul
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dX`` and ``dW`` of the kept columns, zeros at the pruned ones (zero imputation)."""
     if keep is None:
-        return gemm(lambda: dy @ w), gemm(lambda: dy.t() @ x2)
+        return mm(dy, w), mm(dy.t(), x2)
     dx = x2.new_zeros(x2.shape)
     dw = w.new_zeros(w.shape)
-    dx.index_copy_(1, keep, gemm(lambda: dy @ w.index_select(1, keep)))
-    dw.index_copy_(1, keep, gemm(lambda: dy.t() @ x2.index_select(1, keep)))
+    dx.index_copy_(1, keep, mm(dy, w.index_select(1, keep)))
+    dw.index_copy_(1, keep, mm(dy.t(), x2.index_select(1, keep)))
     return dx, dw
-
-
-def _plain(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    return fn()
 
 
 class ResizedLinearFn(torch.autograd.Function):
@@ -138,8 +141,7 @@ class ResizedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, w, keep = ctx.saved_tensors
-        dx, dw = _own_backward(dy.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w, keep,
-                               _plain)
+        dx, dw = _own_backward(dy.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w, keep)
         return dx.reshape(x.shape), dw, None
 
 
@@ -153,7 +155,14 @@ def masked_linear(x: torch.Tensor, w: torch.Tensor, keep: Sequence[int]) -> torc
 # -- straggler emulation and clocks ----------------------------------------------------------
 @dataclass
 class StragglerEmulator:
-    """Slows one rank's matmuls: after each GEMM it sleeps ``chi · t_gemm``.
+    """Slows one rank's matmuls by ``chi``; optionally emulates every rank's device speed.
+
+    Without ``flop_rate`` the straggler sleeps ``chi · t`` after each GEMM that took ``t``
+    (the paper's sleep injection) and the other ranks run at the machine's speed. With
+    ``flop_rate`` (FLOP/s) every GEMM of every rank lasts ``flops / flop_rate`` seconds —
+    ``(1 + chi)`` times that on the straggler — by sleeping what the real GEMM did not take:
+    a contention-free device model for CPU benchmarks where several ranks share few cores
+    (a sleeping rank frees its core for the others, which would hide the straggler).
 
     Attributes:
         chi: extra time factor (0: homogeneous; the rank's matmuls take ``1 + chi`` times).
@@ -161,6 +170,7 @@ class StragglerEmulator:
         tp_rank / tp_size: this rank's position and the group size.
         rotate_every: move the straggler to the next position every this many iterations
             (0: never), as the paper's round-robin tests do.
+        flop_rate: emulated device speed in FLOP/s (None: the real machine's).
     """
 
     chi: float
@@ -168,6 +178,7 @@ class StragglerEmulator:
     tp_rank: int
     tp_size: int
     rotate_every: int = 0
+    flop_rate: float | None = None
     iteration: int = 0
 
     def current(self) -> int:
@@ -176,13 +187,29 @@ class StragglerEmulator:
             return self.straggler % self.tp_size
         return (self.straggler + self.iteration // self.rotate_every) % self.tp_size
 
-    def extra(self, dt: float) -> float:
-        """Sleep ``chi · dt`` if this rank is the straggler now; returns the time slept."""
-        if self.chi <= 0 or self.current() != self.tp_rank:
-            return 0.0
-        t0 = time.perf_counter()
-        time.sleep(self.chi * dt)
-        return time.perf_counter() - t0
+    debt: float = 0.0
+
+    def extra(self, dt: float, flops: float = 0.0) -> float:
+        """The emulated extra time of a GEMM that took ``dt`` seconds for ``flops``.
+
+        It is owed, not slept at once: :meth:`settle` sleeps the debt before the rank's next
+        collective (where a slow device would make the others wait), so a layer's GEMMs
+        cost one sleep and its wake-up latency, not three."""
+        slow = self.chi > 0 and self.current() == self.tp_rank
+        if self.flop_rate is None:
+            target = (1.0 + self.chi) * dt if slow else dt
+        else:
+            target = flops / self.flop_rate * ((1.0 + self.chi) if slow else 1.0)
+        owed = max(target - dt, 0.0)
+        self.debt += owed
+        return owed
+
+    def settle(self) -> None:
+        """Sleep the time owed by the GEMMs since the last call."""
+        if self.debt > 0.0:
+            end = time.perf_counter() + self.debt
+            self.debt = 0.0
+            time.sleep(max(end - time.perf_counter(), 0.0))
 
     def advance(self) -> None:
         """Count one iteration (call once per training step)."""
@@ -198,28 +225,38 @@ class Clock:
     recv_s: float = 0.0
     comm_s: float = 0.0
 
-    def gemm(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run one of this rank's own GEMMs, timed and slowed by the emulator."""
+    def _timed(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
-        out = fn()
+        out = a @ b
         dt = time.perf_counter() - t0
-        slept = self.emulator.extra(dt) if self.emulator is not None else 0.0
-        self.gemm_s += dt + slept
+        if self.emulator is not None:
+            dt += self.emulator.extra(dt, 2.0 * a.shape[0] * a.shape[1] * b.shape[1])
+        return out, dt
+
+    def gemm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` as one of this rank's own GEMMs, timed and slowed by the emulator."""
+        out, dt = self._timed(a, b)
+        self.gemm_s += dt
         return out
 
     def received(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a @ b`` for another rank's migrated columns (timed; the emulated slowdown
         applies too: a slow device is slow for any work)."""
-        t0 = time.perf_counter()
-        out = a @ b
-        dt = time.perf_counter() - t0
-        slept = self.emulator.extra(dt) if self.emulator is not None else 0.0
-        self.recv_s += dt + slept
+        out, dt = self._timed(a, b)
+        self.recv_s += dt
         return out
+
+    def settle(self) -> None:
+        """Pay the emulated time owed by this rank's GEMMs (see :meth:`StragglerEmulator.
+        settle`)."""
+        if self.emulator is not None:
+            self.emulator.settle()
 
     @contextmanager
     def comm(self) -> Iterator[None]:
-        """Time a tensor-parallel collective (including the wait for the slowest rank)."""
+        """Time a tensor-parallel collective (including the wait for the slowest rank),
+        after paying the emulated GEMM time owed."""
+        self.settle()
         t0 = time.perf_counter()
         try:
             yield
@@ -302,7 +339,7 @@ class _ColumnFn(torch.autograd.Function):
         st, step, me = mod.rz, mod.rz.step, mod.tp_rank
         x2 = x.reshape(-1, x.shape[-1])
         st.rows = x2.shape[0]
-        y = st.clock.gemm(lambda: _own_forward(x2, w, step.keep))
+        y = _own_forward(x2, w, step.keep, st.clock.gemm)
         sent: list[torch.Tensor] = []
         for mig in step.migrations:
             out_s = mod.shard_sizes[mig.src]
@@ -357,7 +394,7 @@ class _RowFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         rows, out = x2.shape[0], w.shape[0]
         st.rows = rows
-        y = st.clock.gemm(lambda: _own_forward(x2, w, step.keep))
+        y = _own_forward(x2, w, step.keep, st.clock.gemm)
         sent: list[torch.Tensor] = []
         for mig in step.migrations:
             if me == mig.src:
@@ -563,19 +600,22 @@ class ResizingRuntime:
         n = max(1, w.shape[1] // 2)
         cols = torch.arange(n)
         x = w.new_zeros(rows, w.shape[1])
-        t0 = time.perf_counter()
-        for _ in range(3):
+        omega2 = math.inf
+        for _ in range(_PRETEST_REPS):  # the fastest of a few: noise only adds time
+            t0 = time.perf_counter()
             x.index_select(1, cols)
             w.index_select(1, cols)
-        omega2 = (time.perf_counter() - t0) / (3 * n)
+            omega2 = min(omega2, (time.perf_counter() - t0) / n)
         buf = w.new_zeros(n * (rows + w.shape[0]))
         phi1 = 0.0
         if self.tp_size > 1:
-            dist.barrier(group=self.group)
-            t0 = time.perf_counter()
-            dist.broadcast(buf, src=mod.rz.ranks[0], group=self.group)
-            dist.reduce(buf, dst=mod.rz.ranks[0], group=self.group)
-            phi1 = (time.perf_counter() - t0) / n
+            phi1 = math.inf
+            for _ in range(_PRETEST_REPS):
+                dist.barrier(group=self.group)
+                t0 = time.perf_counter()
+                dist.broadcast(buf, src=mod.rz.ranks[0], group=self.group)
+                dist.reduce(buf, dst=mod.rz.ranks[0], group=self.group)
+                phi1 = min(phi1, (time.perf_counter() - t0) / n)
             vals = torch.tensor([omega2, phi1], dtype=torch.float64)
             dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.group)
             omega2, phi1 = vals.tolist()
@@ -590,9 +630,12 @@ class ResizingRuntime:
             return zero_decision(t_raw, m_raw, s.gamma_max, getattr(s, "criterion", "avg"), eps)
         if self._costs is None:
             self._costs = self._pretest(self.layers[0][1].rz.rows)
-        me_speed = max(m / c if c else 0.0 for m, c in zip(m_raw, cols, strict=True))
+        # Φ_2 per column: the slowest receiver's seconds per column (all but the slowest rank)
+        slowest = max(range(len(t_raw)), key=lambda r: (t_raw[r], -r))
+        phi2 = max((m_raw[r] / cols[r] for r in range(len(cols)) if r != slowest and cols[r]),
+                   default=0.0)
         costs = CostCoefficients(self._costs.omega1, self._costs.omega2, self._costs.phi1,
-                                 me_speed)
+                                 phi2)
         variant: Literal["semi", "migration"] = "migration" if s.variant == "migration" \
             else "semi"
         return semi_decision(t_raw, m_raw, cols, costs, s.gamma_max, eps, variant,
@@ -643,6 +686,7 @@ class ResizingRuntime:
                 clock's collective time is subtracted here).
         """
         skipped = self._own_fraction()
+        self.clock.settle()
         self._track()
         busy = max(busy_s - self.clock.comm_s, self.clock.gemm_s)
         g = self._gather(busy)
@@ -675,11 +719,13 @@ class ResizingRuntime:
 @dataclass(frozen=True)
 class StragglerSpec:
     """Which rank to slow in tests and benchmarks: global ``rank``, extra factor ``chi``,
-    and ``rotate_every`` iterations the straggler moves to the next position of its group."""
+    ``rotate_every`` iterations the straggler moves to the next position of its group, and
+    the emulated device speed ``flop_rate`` (see :class:`StragglerEmulator`)."""
 
     chi: float
     rank: int
     rotate_every: int = 0
+    flop_rate: float | None = None
 
 
 def attach_resizing(model: nn.Module, tp: TensorParallel | None, group: Any, tp_rank: int,
@@ -708,7 +754,7 @@ def attach_resizing(model: nn.Module, tp: TensorParallel | None, group: Any, tp_
     emulator = None
     if straggler is not None and straggler.rank in ranks:
         emulator = StragglerEmulator(straggler.chi, ranks.index(straggler.rank), tp_rank,
-                                     tp_size, straggler.rotate_every)
+                                     tp_size, straggler.rotate_every, straggler.flop_rate)
     clock = Clock(emulator)
     layers = make_resizable(model, clock)
     if settings.variant == "off" or not layers:
@@ -726,6 +772,7 @@ def end_iteration(clock: Clock | None, controller: ResizingRuntime | None,
     if controller is not None:
         controller.after_step(busy_s)
     elif clock is not None:
+        clock.settle()
         clock.reset()
         if clock.emulator is not None:
             clock.emulator.advance()
