@@ -357,7 +357,7 @@ class DPSession:
         self._suffix_bp = suffix
         self._ops: list[tuple[Op, ...]] = []
         self._snaps: list[tuple[float, list, list, dict[str, float], list[float], float]] = []
-        self._pend: list[dict[str, float]] = []
+        self._pend: dict[int, dict[str, float]] = {}
         self._suffix: list[dict[str, float]] = []
         self._snap_gpu: list[float] = []
         self.base_s = 0.0
@@ -368,31 +368,64 @@ class DPSession:
         return self._ops
 
     def rebase(self, unit_ops: Sequence[tuple[Op, ...]]) -> float:
-        """Simulate ``unit_ops`` (one ops tuple per tensor) as the new base; its iteration time."""
+        """Simulate ``unit_ops`` (one ops tuple per tensor) as the new base; its iteration time.
+
+        Only the tensors from the first one whose ops differ from the current base's are
+        re-simulated (the saved states before it do not depend on them), from that state."""
         if len(unit_ops) != len(self._bp):
             raise ValueError(f"{len(unit_ops)} units for {len(self._bp)} tensors: one per tensor")
-        self._ops = list(unit_ops)
-        self._snaps = []
-        self._snap_gpu = []
-        self.base_s = self._run(self._ops, 0.0, 0, [], [], {}, [0.0] * self._workers, 0.0,
-                                self._snaps, float("inf"), None)
-        self._snap_gpu = [snap[0] for snap in self._snaps]
+        new = list(unit_ops)
         n = len(self._bp)
-        suffix: list[dict[str, float]] = [{} for _ in range(n + 1)]
-        for i in range(n - 1, -1, -1):
+        m, last = 0, n - 1
+        if n and len(self._snaps) == n and len(self._ops) == n:
+            while m < n and new[m] == self._ops[m]:
+                m += 1
+            if m == n:
+                self._ops = new
+                return self.base_s
+            while new[last] == self._ops[last]:
+                last -= 1
+        self._ops = new
+        if m == 0 or not self._snaps:
+            m = 0
+            self._snaps = []
+            state: tuple = (0.0, [], [], {}, [0.0] * self._workers, 0.0)
+        else:
+            gpu_free, runnable, gpu_queue, free, cpu, sync_end = self._snaps[m]
+            state = (gpu_free, runnable.copy(), gpu_queue.copy(), dict(free), cpu.copy(),
+                     sync_end)
+            del self._snaps[m:]
+        self._snap_gpu = []
+        gpu_free, runnable, gpu_queue, free, cpu, sync_end = state
+        self.base_s = self._run(self._ops, gpu_free, m, runnable, gpu_queue, free, cpu,
+                                sync_end, self._snaps, float("inf"), None)
+        self._snap_gpu = [snap[0] for snap in self._snaps]
+        # the work left per resource from each tensor on (from m down; later ones are kept)
+        if len(self._suffix) != n + 1:
+            self._suffix, last = [{} for _ in range(n + 1)], n - 1
+        suffix = self._suffix
+        for i in range(last, -1, -1):
             acc = dict(suffix[i + 1])
             for op in self._ops[i]:
                 acc[op.resource] = acc.get(op.resource, 0.0) + op.duration_s
             suffix[i] = acc
-        self._suffix = suffix
-        self._pend = []
-        for _, runnable, gpu_queue, _, _, _ in self._snaps:
-            pend: dict[str, float] = {}
+        # in-flight work at each saved state: computed when a trial needs it; states up to
+        # m hold only tensors before m, which did not change
+        self._pend = {i: p for i, p in self._pend.items() if i <= m}
+        return self.base_s
+
+    def _pending(self, i: int) -> dict[str, float]:
+        """Work per resource of the ops queued (not yet started) at the state before
+        segment ``i``, for the trial bound."""
+        pend = self._pend.get(i)
+        if pend is None:
+            _, runnable, gpu_queue, _, _, _ = self._snaps[i]
+            pend = {}
             for _, _, k, j in itertools.chain(runnable, gpu_queue):
                 for op in self._ops[k][j:]:
                     pend[op.resource] = pend.get(op.resource, 0.0) + op.duration_s
-            self._pend.append(pend)
-        return self.base_s
+            self._pend[i] = pend
+        return pend
 
     def trial(
         self,
@@ -415,7 +448,7 @@ class DPSession:
             ops = [changes.get(i, o) for i, o in enumerate(ops)]
         rem = None
         if bound < float("inf"):
-            rem = dict(self._pend[first])
+            rem = dict(self._pending(first))
             for r, d in self._suffix[first].items():
                 rem[r] = rem.get(r, 0.0) + d
             for i, new in changes.items():
@@ -441,6 +474,9 @@ class DPSession:
         now, b_run, b_queue, b_free, b_cpu, b_sync = self._snaps[m]
         if max(sync_end, now) != max(b_sync, now) or len(runnable) != len(b_run) \
                 or len(gpu_queue) != len(b_queue):
+            return False
+        # equal heaps have equal tops: a cheap rejection before the full comparison below
+        if (runnable and runnable[0] != b_run[0]) or (gpu_queue and gpu_queue[0] != b_queue[0]):
             return False
         for r in set(free) | set(b_free):
             if max(free.get(r, 0.0), now) != max(b_free.get(r, 0.0), now):
@@ -494,6 +530,9 @@ class DPSession:
         limit = bound + 1e-12 - self._fwd - self._opt
         last_changed = max(changed) if changed else n
         snap_gpu = self._snap_gpu
+        # changed tensors whose ops have not all finished: the state cannot equal the
+        # base's before they have (a cheap pre-check of :meth:`_converged`)
+        moving = {k for k in changed if uops[k]}
         while True:
             horizon = runnable[0][0] if runnable else inf
             while gpu_free < horizon:
@@ -512,15 +551,18 @@ class DPSession:
                         push(runnable, (e, r, k, j + 1))
                         if e < horizon:
                             horizon = e
-                    elif e > sync_end:
-                        sync_end = e
+                    else:
+                        if e > sync_end:
+                            sync_end = e
+                        if moving:
+                            moving.discard(k)
                 elif next_bp < n:
                     if snaps is not None:
                         snaps.append((gpu_free, runnable.copy(), gpu_queue.copy(), dict(free),
                                       cpu.copy(), sync_end))
                     else:
-                        if next_bp > last_changed and gpu_free == snap_gpu[next_bp] and \
-                                self._converged(next_bp, runnable, gpu_queue, free, cpu,
+                        if not moving and next_bp > last_changed and \
+                                gpu_free == snap_gpu[next_bp] and self._converged(next_bp, runnable, gpu_queue, free, cpu,
                                                 sync_end, changed):
                             return self.base_s
                     e = gpu_free + bp[next_bp]
@@ -550,10 +592,14 @@ class DPSession:
             d = op.duration_s
             if res == CPU:
                 w = 0 if single_cpu else min(range(len(cpu)), key=cpu.__getitem__)
-                s = max(t, cpu[w])
+                s = cpu[w]
+                if t > s:  # max(t, cpu[w]) without the call
+                    s = t
                 cpu[w] = s + d
             else:
-                s = max(t, free.get(res, 0.0))
+                s = free.get(res, 0.0)
+                if t > s:
+                    s = t
                 free[res] = s + d
             e = s + d
             if rem is not None:
@@ -563,8 +609,11 @@ class DPSession:
                 rem[res] = left - d
             if j + 1 < len(ops):
                 push(runnable, (e, r, k, j + 1))
-            elif e > sync_end:
-                sync_end = e
+            else:
+                if e > sync_end:
+                    sync_end = e
+                if moving:
+                    moving.discard(k)
         if n == 0:
             bp_end = 0.0
         return self._fwd + max(bp_end, sync_end) + self._opt
