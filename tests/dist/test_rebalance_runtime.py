@@ -308,3 +308,44 @@ def test_hetplan_run_executes_events_and_warns_for_regrowing(tmp_path: Any) -> N
     assert "re-balanced the pipeline at iteration(s) [1, 3]" in proc.stdout
     assert "event at iteration 4 is not executed (it needs 2 stages but re-packing" in proc.stderr
     assert math.isfinite(data["final_loss"])  # rank 0 holds the whole model at the end
+
+
+def test_plan_dynamics_then_run_executes_the_passes_event(tmp_path: Any) -> None:
+    """End to end: `hetplan plan --dynamics` (pruning from iteration 0, every-event trigger)
+    plans an applied event at iteration 1 for gpt-test on 2 stages; `hetplan run` executes
+    it."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from hetplan.ir.plan import load_plan
+
+    cluster = tmp_path / "cpu2.json"
+    cluster.write_text(_rt_cluster(2).model_dump_json())
+    dyn = tmp_path / "pruning.yaml"
+    dyn.write_text(yaml.safe_dump({
+        "total_iterations": 10,
+        "pruning": {"final_sparsity": 0.9, "start_iteration": 0, "frequency": 1, "steps": 3,
+                    "scale_skew": 1.5},
+        "rebalance": {"trigger": "every-event"}}))
+    plan_path, report = tmp_path / "plan.json", tmp_path / "report.json"
+
+    def hetplan_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True,
+                              text=True, timeout=240, check=False)
+
+    proc = hetplan_cli("plan", "gpt-test", "-c", str(cluster), "-b", "8", "--dp", "1", "--pp",
+                       "2", "--tp", "1", "--micro-batch-size", "2", "--dynamics", str(dyn),
+                       "-o", str(plan_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = load_plan(plan_path)
+    assert plan.rebalancing is not None
+    applied = [e.iteration for e in plan.rebalancing.events if e.applied]
+    assert applied and applied[0] < 5
+    proc = hetplan_cli("run", str(plan_path), "--model", "gpt-test", "--steps", "3",
+                       "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = 2 + 3  # the worker's 2 warm-up iterations and 3 steps
+    assert json.loads(report.read_text())["rebalanced_at"] == [i for i in applied if i < ran]
