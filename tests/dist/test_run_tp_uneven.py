@@ -60,3 +60,17 @@ def test_uneven_tp_plan_runs_and_matches_one_process(tmp_path: Path) -> None:
 
     assert uneven["world_size"] == 2 and single["world_size"] == 1
     assert uneven["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4, abs=1e-5)
+
+
+def test_uneven_tp_plan_with_the_zero_controller_runs(tmp_path: Path) -> None:
+    """With ``--tp-controller zero`` the plan starts the fast rank resizing (its 3 of 4 units
+    at twice the speed leave it a third slower than the slow rank: γ = (1.5 − 1.25) / 1.5);
+    the runtime's controller trains it (lossy, so only a finite loss is checked)."""
+    plan = hetplan.compile("gpt-test", _cluster(2), batch_size=4, dp=1, pp=1, tp=2,
+                           tp_controller="zero")
+    roles = {r.rank: r for r in plan.tensor_parallel.groups[0].roles}
+    assert roles[0].role == "resize" and roles[0].gamma == pytest.approx(1 / 6)
+    assert roles[1].role == "normal"
+    plan.save(tmp_path / "zero.json")
+    report = _run(tmp_path / "zero.json", tmp_path / "zero.report.json")
+    assert report["world_size"] == 2 and report["final_loss"] == report["final_loss"]  # not NaN
