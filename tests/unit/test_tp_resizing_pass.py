@@ -358,3 +358,25 @@ def test_skew_that_overflows_the_fast_rank_is_dropped() -> None:
     tight = compile("gpt-test", cluster(fast_bytes / 2**30), **kw)
     assert not tight.tensor_parallel.groups[0].linears
     assert any("do not fit" in n for n in tight.pass_log[-1].notes)
+
+
+def test_migration_roles_that_slow_the_plan_are_dropped(semi_plan: Plan) -> None:
+    mig = compile("gpt-test", PRESET, tp_controller="migration", **ARGS)
+    assert all(not g.roles for g in mig.tensor_parallel.groups)
+    assert any("initial migration roles predicted slower" in n for n in mig.pass_log[-1].notes)
+    assert mig.predictions.iteration_time_ms == pytest.approx(
+        mig.tensor_parallel.predicted.skewed_ms)
+    # the premise, by hand: the stragglers (semi's min criterion = migration's) sending their
+    # whole Eq. (1) fraction to the V100s makes the iteration slower than no roles
+    tp = semi_plan.tensor_parallel
+    groups = []
+    for g in tp.groups:
+        src = {r.rank: r.gamma for r in g.roles if r.role == "resize"}
+        roles = tuple(TPRankRole(rank=r, role="migrate_src", gamma=src[r], beta=1.0) if r in src
+                      else TPRankRole(rank=r, role="migrate_dst") for r in g.ranks)
+        groups.append(g.model_copy(update={"roles": roles}))
+    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
+    ev = evaluate(semi_plan.model.workload, semi_plan.layout, semi_plan.stages,
+                  mig.gradient_sync, costs,
+                  tensor_parallel=tp.model_copy(update={"groups": tuple(groups)}))
+    assert ev.iteration_s * 1e3 > mig.tensor_parallel.predicted.skewed_ms

@@ -26,7 +26,8 @@ Refines ``plan.tensor_parallel`` (filled by ``even-tp``), per TP group
    Algorithm 2 decides migration); the ``migration`` variant makes them ``migrate_src``
    (β = 1) and the other ranks ``migrate_dst``. With static skew the residual imbalance is
    at most one shard unit, so roles are usually all normal: the controller is for dynamic
-   stragglers.
+   stragglers. Roles predicted to slow the plan down (migration onto slower receivers: Eq.
+   (1) sizes the migrated work by the sender alone) are dropped: every rank starts normal.
 4. **Predicted effect** (``TensorParallel.predicted``), all with the project's simulator
    (:func:`~hetplan.cost_models.evaluate.evaluate` with the TP section): even shards; the
    plan's skewed shards; even shards with the expected γ of the controller (Eq. (1) with
@@ -191,8 +192,7 @@ class TPResizing:
                                            for g in tp.groups), controller=ctl)
         even_ms = self._simulate(plan, ctx, even)
         any_skew = any(g.linears for g in groups)
-        skewed_ms = self._simulate(plan, ctx, skewed.model_copy(update={"groups": tuple(
-            g.model_copy(update={"roles": ()}) for g in groups)})) if any_skew else even_ms
+        skewed_ms = self._simulate(plan, ctx, skewed) if any_skew else even_ms
         notes = []
         if any_skew and not self._fits(plan, ctx, skewed) and self._fits(plan, ctx, even):
             notes.append("skewed shards do not fit in the faster ranks' memory; kept even "
@@ -208,6 +208,16 @@ class TPResizing:
         pred = TPPrediction(even_ms=even_ms, skewed_ms=skewed_ms, controller_ms=ctl_ms,
                             expected_gamma={str(r): g for r, g in sorted(gammas.items())})
         out = skewed.model_copy(update={"predicted": pred})
+        if ctl.variant != "off":
+            roled = self._with_roles(out, plan, ctx, ctl)
+            if roled != out:
+                roled_ms = self._simulate(plan, ctx, roled)
+                if roled_ms <= skewed_ms:
+                    out = roled
+                else:
+                    notes.append(f"initial {ctl.variant} roles predicted slower ({roled_ms:.3f} "
+                                 f"> {skewed_ms:.3f} ms: migrated work lands on slower "
+                                 "ranks); every rank starts normal")
         uneven = sum(1 for g in out.groups if g.linears)
         notes.append(f"{uneven}/{len(out.groups)} group(s) with skewed shards; predicted "
                      f"{even_ms:.3f} ms even, {skewed_ms:.3f} ms skewed, {ctl_ms:.3f} ms even "
@@ -231,12 +241,18 @@ class TPResizing:
                                      shard_sizes=sizes) for c in cols]
             shards.append(TPLinearShard(name=row.name, split="row", features=row.in_features,
                                         shard_sizes=sizes))
-        new = g.model_copy(update={"linears": tuple(shards), "roles": ()})
-        if ctl.variant == "off":
-            return new
-        gammas = expected_gammas(ctx, new, first, last, ctl.criterion, ctl.straggler_eps,
-                                 ctl.gamma_max)
-        return new.model_copy(update={"roles": self._roles(new, gammas, ctl)})
+        return g.model_copy(update={"linears": tuple(shards), "roles": ()})
+
+    def _with_roles(self, section: TensorParallel, plan: Plan, ctx: PassContext,
+                    ctl: ResizingController) -> TensorParallel:
+        """``section`` with the controller's initial roles on its own shards."""
+        groups = []
+        for g in section.groups:
+            first, last = _stage_layers(plan, ctx, g)
+            gammas = expected_gammas(ctx, g, first, last, ctl.criterion, ctl.straggler_eps,
+                                     ctl.gamma_max)
+            groups.append(g.model_copy(update={"roles": self._roles(g, gammas, ctl)}))
+        return section.model_copy(update={"groups": tuple(groups)})
 
     def _roles(self, g: TPGroup, gammas: dict[int, float],
                ctl: ResizingController) -> tuple[TPRankRole, ...]:
