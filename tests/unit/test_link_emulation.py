@@ -6,7 +6,14 @@ import pytest
 
 from hetplan.errors import SpecError
 from hetplan.runtime import link_emulation
-from hetplan.runtime.link_emulation import ENV, EmulatedLink, emulated_link, occupy, throttled
+from hetplan.runtime.link_emulation import (
+    ENV,
+    ENV_LATENCY,
+    EmulatedLink,
+    emulated_link,
+    occupy,
+    throttled,
+)
 
 
 class _Clock:
@@ -32,6 +39,10 @@ def test_fifo_and_ring_volumes() -> None:
     clock.now = 10.0  # an idle link starts the next one when it is issued
     assert link.reserve("broadcast", 1e6, 2) == pytest.approx(10.001)
     assert link.busy_s == pytest.approx(5.5e-3)
+    # latency per ring step: allreduce on 4 ranks has 2*3 steps, broadcast on 2 one
+    slow = EmulatedLink(8.0, latency_us=100.0, clock=clock, sleep=clock.sleep)
+    assert slow.reserve("allreduce", 1e6, 4) == pytest.approx(10.0 + 6e-4 + 1.5e-3)
+    assert slow.busy_s == pytest.approx(6e-4 + 1.5e-3)
     link.wait(9.0)  # in the past: no wait
     assert clock.now == 10.0
     with occupy(link, "reduce_scatter", 2e6, 2):  # 1 MB at 1 GB/s
@@ -58,6 +69,17 @@ def test_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert emulated_link() is link  # one link per process
     assert throttled("inter") is link and throttled("flat") is link
     assert throttled("intra") is None  # inside a node: loopback speed
+    monkeypatch.setenv(ENV_LATENCY, "30")
+    slow = emulated_link()
+    assert slow is not link and slow is not None and slow.latency_s == pytest.approx(30e-6)
+    assert link.latency_s == 0.0
+    monkeypatch.setenv(ENV_LATENCY, "-1")
+    with pytest.raises(SpecError, match=f"{ENV_LATENCY}=-1.0: .*>= 0"):
+        emulated_link()
+    monkeypatch.setenv(ENV_LATENCY, "soon")
+    with pytest.raises(SpecError, match=f"{ENV_LATENCY}='soon': expected microseconds"):
+        emulated_link()
+    monkeypatch.delenv(ENV_LATENCY)
     monkeypatch.setenv(ENV, "fast")
     with pytest.raises(SpecError, match=f"{ENV}='fast'.*Gbit/s"):
         emulated_link()

@@ -3,21 +3,24 @@
 Loopback gloo moves gigabytes per second, so a plan made for a bandwidth-poor cluster cannot
 be measured on one machine as it is. With ``HETPLAN_EMULATE_BW`` set, every gradient-sync
 collective that crosses nodes (levels ``flat`` and ``inter``; ``intra`` stays at loopback
-speed) also occupies an emulated link of that many Gbit/s per rank:
+speed) also occupies an emulated link of that many Gbit/s per rank, with
+``HETPLAN_EMULATE_LATENCY_US`` (default 0) microseconds per algorithm step:
 
 - the link is one FIFO per process (a rank's NIC): a collective issued at ``t`` starts on it
-  at ``max(t, link free)`` and holds it for ``volume * 8 / bandwidth``;
-- ``volume`` is what a rank sends under the ring / chain algorithms, the convention of
-  :mod:`hetplan.cost_models.comm`: ``bus_factor(collective, g) * nbytes`` with ``nbytes`` the
-  collective's size there (gathers count their whole output);
+  at ``max(t, link free)`` and holds it for ``steps * latency + volume * 8 / bandwidth``;
+- ``steps`` and ``volume`` (what a rank sends) follow the ring / chain algorithms, the
+  convention of :mod:`hetplan.cost_models.comm`: ``latency_steps(collective, g)`` and
+  ``bus_factor(collective, g) * nbytes`` with ``nbytes`` the collective's size there (gathers
+  count their whole output) — the alpha-beta time the cost model predicts for that link;
 - whoever waits for the collective's result (the gradient path's worker thread, or
   :meth:`~hetplan.runtime.grad_sync.GradSync.finish` for the asynchronous allreduce) also
   waits until its emulated end. The collective's real time counts too: the emulated end is a
   lower bound, never added on top.
 
 So backprop keeps running while the emulated link is busy (overlap is measured, not modelled),
-and the bandwidth term of a collective is the one the cost model predicts; its latency,
-compute, (de)compression and thread scheduling are real. Every rank computes the same delays,
+and a collective's wire time is the one the cost model predicts (loopback gloo's real time,
+usually shorter, runs underneath it); compute, (de)compression, the order and overlap of the
+collectives and thread scheduling are real. Every rank computes the same delays,
 as the volume of a ring collective is the same on every rank. Decision and limits in
 ``docs/decisions.md`` ("End-to-end runs").
 """
@@ -30,13 +33,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from hetplan.cost_models.comm import bus_factor
+from hetplan.cost_models.comm import bus_factor, latency_steps
 from hetplan.errors import SpecError
 
-__all__ = ["ENV", "EmulatedLink", "emulated_link", "occupy", "throttled"]
+__all__ = ["ENV", "ENV_LATENCY", "EmulatedLink", "emulated_link", "occupy", "throttled"]
 
 #: The environment variable: the emulated per-rank bandwidth in Gbit/s (unset or empty: off).
 ENV = "HETPLAN_EMULATE_BW"
+#: Latency per algorithm step in microseconds (only with :data:`ENV`; default 0).
+ENV_LATENCY = "HETPLAN_EMULATE_LATENCY_US"
 _THROTTLED_LEVELS = ("flat", "inter")
 
 
@@ -45,15 +50,21 @@ class EmulatedLink:
 
     Args:
         gbps: bandwidth, > 0.
+        latency_us: latency per algorithm step, >= 0.
         clock: seconds (``time.perf_counter``; tests pass their own).
         sleep: waits seconds (``time.sleep``).
     """
 
-    def __init__(self, gbps: float, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, gbps: float, latency_us: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         if not gbps > 0:
             raise SpecError(f"{ENV}={gbps!r}: the emulated bandwidth must be > 0 Gbit/s")
+        if not latency_us >= 0:
+            raise SpecError(f"{ENV_LATENCY}={latency_us!r}: the emulated latency must be "
+                            ">= 0 microseconds")
         self.bytes_per_s = gbps * 1e9 / 8
+        self.latency_s = latency_us * 1e-6
         self._clock = clock
         self._sleep = sleep
         self._free_at = 0.0
@@ -63,7 +74,8 @@ class EmulatedLink:
 
     def reserve(self, collective: str, nbytes: float, group_size: int) -> float:
         """Queue a collective issued now; the time at which it ends on the link."""
-        seconds = bus_factor(collective, group_size) * nbytes / self.bytes_per_s
+        seconds = (latency_steps(collective, group_size) * self.latency_s
+                   + bus_factor(collective, group_size) * nbytes / self.bytes_per_s)
         with self._lock:
             start = max(self._clock(), self._free_at)
             self._free_at = start + seconds
@@ -82,19 +94,27 @@ _LINK_GBPS: str | None = None
 
 
 def emulated_link() -> EmulatedLink | None:
-    """This process's link from ``HETPLAN_EMULATE_BW`` (None when unset or empty)."""
+    """This process's link from ``HETPLAN_EMULATE_BW`` and ``HETPLAN_EMULATE_LATENCY_US``
+    (None when the bandwidth is unset or empty)."""
     global _LINK, _LINK_GBPS
     raw = os.environ.get(ENV, "").strip()
     if not raw:
         return None
-    if _LINK is None or raw != _LINK_GBPS:
-        try:
-            gbps = float(raw)
-        except ValueError as e:
-            raise SpecError(f"{ENV}={raw!r}: expected a bandwidth in Gbit/s, e.g. "
-                            f"{ENV}=1 (unset it to run at full speed)") from e
-        _LINK, _LINK_GBPS = EmulatedLink(gbps), raw
+    key = f"{raw}/{os.environ.get(ENV_LATENCY, '').strip()}"
+    if _LINK is None or key != _LINK_GBPS:
+        _LINK, _LINK_GBPS = EmulatedLink(_number(ENV, raw, "a bandwidth in Gbit/s", "1"),
+                                         _number(ENV_LATENCY, None, "microseconds", "50")), key
     return _LINK
+
+
+def _number(name: str, raw: str | None, what: str, example: str) -> float:
+    if raw is None:
+        raw = os.environ.get(name, "").strip() or "0"
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise SpecError(f"{name}={raw!r}: expected {what}, e.g. {name}={example} (unset "
+                        f"{ENV} to run at full speed)") from e
 
 
 def throttled(level: str) -> EmulatedLink | None:
