@@ -249,15 +249,46 @@ def test_runtime_executes_plan_events_with_losses_of_a_run_that_never_moved() ->
     assert all(n.startswith(("tok_emb.", "pos_emb.")) for n in moved[4][0])
 
 
-def _rt_plan(world: int) -> Any:
+def _rt_plan(world: int, dp: int = 1) -> Any:
     import hetplan
     from hetplan import zoo
 
     model = zoo.build(RT_MODEL, device="cpu", seed=0, dtype=torch.float64)
     ir = hetplan.capture(model, *zoo.example_inputs(RT_MODEL, batch=1, device="cpu"),
                          name=RT_MODEL)
-    return hetplan.compile(ir, _rt_cluster(world), batch_size=RT_BATCH, dp=1, pp=world, tp=1,
-                           micro_batch_size=2, schedule="1f1b")
+    return hetplan.compile(ir, _rt_cluster(world), batch_size=RT_BATCH, dp=dp,
+                           pp=world // dp, tp=1, micro_batch_size=2, schedule="1f1b")
+
+
+@pytest.mark.slow
+def test_runtime_rebalances_every_data_parallel_replica() -> None:
+    """dp=2 x pp=2 (4 gloo ranks): both replicas move the boundary at iteration 1 and
+    re-pack onto one stage at iteration 3; every replica's losses, parameters and Adam
+    moments match the never-moved run (bitwise while pipelined)."""
+    plan = _rt_plan(4, dp=2)
+    assert plan.layout is not None and (plan.layout.dp, plan.layout.pp) == (2, 2)
+    outs = {}
+    for name, p in (("moved", _with_events(plan, [(1, ((0, 5), (6, 7))), (3, ((0, 7),))])),
+                    ("still", plan)):
+        outs[name] = run_local_ranks(_rt_worker, 4, (p.to_json(),), timeout_s=300)
+    for rank in range(4):
+        moved, still = outs["moved"][rank], outs["still"][rank]
+        assert moved[3] == [1, 3]
+        assert all(moved[0][k] == still[0][k] for k in still[0] if k < 4)
+    held = {r: sorted(outs["moved"][r][1]) for r in range(4)}
+    ref, ref_states = {}, {}
+    for r in range(4):
+        ref.update(outs["still"][r][1])
+        ref_states.update(outs["still"][r][2])
+    assert [bool(v) for v in held.values()].count(True) == 2  # one rank per replica remains
+    for r, names in held.items():
+        if not names:
+            continue
+        assert names == sorted(ref)
+        for n in names:
+            torch.testing.assert_close(outs["moved"][r][1][n], ref[n], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(outs["moved"][r][2][n], ref_states[n], rtol=1e-8,
+                                       atol=1e-14)
 
 
 @pytest.mark.slow
