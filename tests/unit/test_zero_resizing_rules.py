@@ -23,6 +23,7 @@ from hetplan.algorithms.zero_resizing import (
     n_columns,
     pridiff_ratio,
     receiver_ranges,
+    renormalise_ratios,
     select_pruned,
     semi_decision,
     unbalanced_times,
@@ -271,3 +272,25 @@ def test_semi_normal_receivers_exclude_resizing_stragglers() -> None:
     dec = semi_decision(T6, m, [2048] * 8, CostCoefficients(phi1=3e-4), 0.9, 0.05,
                         receivers="normal")
     assert dec[0].receivers == (4, 5, 6, 7) and dec[3].role == "resize"
+
+
+# -- §7.8 renormalisation ---------------------------------------------------------------------
+def test_renormalise_raises_to_gamma() -> None:
+    # equal weights, both layers at the floor 0.4 (= 0.8 · 0.5): +0.1 each
+    assert renormalise_ratios([0.4, 0.4], [1, 1], 0.5, 0.9) == pytest.approx([0.5, 0.5])
+    # weights 1:3, ratios 0.8 / 0.2, γ 0.5: t = 0.15 would push the first past the cap 0.9,
+    # so it stops at 0.9 and (0.9 + 3 (0.2 + t)) / 4 = 0.5 gives t = 1/6
+    assert renormalise_ratios([0.8, 0.2], [1, 3], 0.5, 0.9) == pytest.approx([0.9, 0.2 + 1 / 6])
+    # already at or above γ: unchanged
+    assert renormalise_ratios([0.9, 0.1], [1, 1], 0.4, 0.9) == [0.9, 0.1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(st.floats(0.0, 0.9), st.floats(0.1, 10.0)), min_size=1,
+                      max_size=6), gamma=st.floats(0.0, 1.0))
+def test_renormalise_properties(pairs: list[tuple[float, float]], gamma: float) -> None:
+    ratios, weights = [p[0] for p in pairs], [p[1] for p in pairs]
+    out = renormalise_ratios(ratios, weights, gamma, 0.9)
+    assert all(r <= o <= 0.9 + 1e-12 for r, o in zip(ratios, out, strict=True))
+    mean = sum(o * w for o, w in zip(out, weights, strict=True)) / sum(weights)
+    assert mean >= min(gamma, 0.9) - 1e-9

@@ -20,7 +20,10 @@ Decisions on what the paper leaves open (§7 of the digest; also in ``docs/decis
   (the relative tolerance ``eps`` keeps measurement noise from making everyone a straggler).
 * **PriDiff (§2.6, §7.7, §7.8).** ``γ_k = min(γ_max, max(|{δ < θ}| / L_k, α · γ))``; θ is
   compared with the column's *accumulated* per-iteration change over the statistics period
-  (θ = n_iter · θ_iter only makes sense for a path length, §7.7); no renormalisation.
+  (θ = n_iter · θ_iter only makes sense for a path length, §7.7). The per-layer ratios are then
+  raised by a common amount until their cost-weighted mean reaches γ
+  (:func:`renormalise_ratios`, §7.8): with the floor α · γ alone the rank would save only
+  ~α of what Eq. (1) asked, and never reach its target.
 * **Pruned set (§7.5).** The ``n`` columns with the smallest statistic, ties by lower index,
   returned sorted ascending (the lineage); the kept set is its sorted complement.
 * **Rounding (§7.6).** Column counts round half-up (``floor(x + 0.5)``), clamped to [0, L].
@@ -55,6 +58,7 @@ __all__ = [
     "n_columns",
     "pridiff_ratio",
     "receiver_ranges",
+    "renormalise_ratios",
     "select_pruned",
     "semi_decision",
     "unbalanced_times",
@@ -120,6 +124,39 @@ def pridiff_ratio(w_var: Sequence[float], theta: float, gamma: float, alpha: flo
         return 0.0
     cand = sum(1 for d in w_var if d < theta) / len(w_var)
     return min(gamma_max, max(cand, alpha * gamma))
+
+
+def renormalise_ratios(ratios: Sequence[float], weights: Sequence[float], gamma: float,
+                       cap: float) -> list[float]:
+    """Raise per-layer ratios until their weighted mean reaches ``gamma`` (§7.8).
+
+    PriDiff's floor ``α · γ`` lets every layer without enough candidates prune less than γ,
+    so the rank saves less than Eq. (1) asked and — with the feedback-loop fix — never
+    catches up. Every ratio is raised by one common ``t`` (capped at ``cap``) — the smallest
+    ``t`` whose ``Σ w_k min(cap, γ_k + t) / Σ w_k ≥ γ`` (bisection); ratios whose mean
+    already reaches γ are returned unchanged.
+
+    Args:
+        ratios: PriDiff's per-layer ratios.
+        weights: each layer's cost share (e.g. its weight's element count: FLOPs ∝ it).
+        gamma: the rank's Eq. (1) ratio.
+        cap: γ_max.
+    """
+    if len(ratios) != len(weights) or not ratios:
+        raise SpecError(f"{len(ratios)} ratios for {len(weights)} weights")
+    total = sum(weights)
+    target = min(gamma, cap)
+
+    def mean(t: float) -> float:
+        return sum(w * min(cap, r + t) for r, w in zip(ratios, weights, strict=True)) / total
+
+    if total <= 0 or mean(0.0) >= target:
+        return list(ratios)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean(mid) < target else (lo, mid)
+    return [min(cap, r + hi) for r in ratios]
 
 
 def select_pruned(w_var: Sequence[float], n: int) -> tuple[int, ...]:

@@ -66,6 +66,7 @@ from hetplan.algorithms.zero_resizing import (
     n_columns,
     pridiff_ratio,
     receiver_ranges,
+    renormalise_ratios,
     select_pruned,
     semi_decision,
     unbalanced_times,
@@ -644,30 +645,48 @@ class ResizingRuntime:
     def _apply(self, decisions: list[RankDecision]) -> None:
         """Turn the per-rank decisions into every layer's step (same on every rank)."""
         me = self.tp_rank
-        theta = self.period * self.settings.theta_iter
-        for _, mod in self.layers:
+        migs = [self._migrations(mod.rz, decisions) for _, mod in self.layers]
+        ratios = self._ratios(decisions[me].resize, migs)
+        for (_, mod), layer_migs, gk in zip(self.layers, migs, ratios, strict=True):
             st = mod.rz
-            migs = []
-            for src, d in enumerate(decisions):
-                n = n_columns(d.migrate, st.k_sizes[src])
-                if d.role != "migrate_src" or n == 0:
-                    continue
-                rng = receiver_ranges(src, d.receivers, self.tp_size, n)
-                migs.append(Migration(src, n, st.k_sizes[src],
-                                      tuple((r, lo, hi) for r, (lo, hi) in rng.items())))
-            mine = decisions[me]
             k = st.k_sizes[me]
-            n_mig = sum(m.n for m in migs if m.src == me)
+            n_mig = sum(m.n for m in layer_migs if m.src == me)
             pruned: tuple[int, ...] = ()
-            if mine.resize > 0 and st.w_var is not None:
+            if gk > 0 and st.w_var is not None:
                 eligible = st.w_var[: k - n_mig]
-                gk = pridiff_ratio(eligible, theta, mine.resize, self.settings.alpha,
-                                   self.settings.gamma_max)
                 pruned = select_pruned(eligible, min(n_columns(gk, k), len(eligible)))
             gone = set(pruned) | set(range(k - n_mig, k))
             keep = (torch.tensor([c for c in range(k) if c not in gone], dtype=torch.long)
                     if gone else None)
-            st.step = LayerStep(keep, pruned, tuple(migs))
+            st.step = LayerStep(keep, pruned, tuple(layer_migs))
+
+    def _migrations(self, st: LayerState, decisions: list[RankDecision]) -> list[Migration]:
+        """Every sender's migrated columns of one layer, with the receivers' ranges."""
+        out = []
+        for src, d in enumerate(decisions):
+            n = n_columns(d.migrate, st.k_sizes[src])
+            if d.role != "migrate_src" or n == 0:
+                continue
+            rng = receiver_ranges(src, d.receivers, self.tp_size, n)
+            out.append(Migration(src, n, st.k_sizes[src],
+                                 tuple((r, lo, hi) for r, (lo, hi) in rng.items())))
+        return out
+
+    def _ratios(self, gamma: float, migs: list[list[Migration]]) -> list[float]:
+        """PriDiff's per-layer ratios of this rank, renormalised to a weighted mean of γ."""
+        if gamma <= 0:
+            return [0.0] * len(self.layers)
+        me, s = self.tp_rank, self.settings
+        theta = self.period * s.theta_iter
+        ratios, weights = [], []
+        for (_, mod), layer_migs in zip(self.layers, migs, strict=True):
+            st = mod.rz
+            n_mig = sum(m.n for m in layer_migs if m.src == me)
+            eligible = (st.w_var or [])[: st.k_sizes[me] - n_mig]
+            ratios.append(pridiff_ratio(eligible, theta, gamma, s.alpha, s.gamma_max)
+                          if st.w_var is not None else 0.0)
+            weights.append(float(mod.weight.numel()))
+        return renormalise_ratios(ratios, weights, gamma, s.gamma_max)
 
     def start(self, roles: Sequence[RankDecision]) -> None:
         """Begin with the plan's initial decisions (one per group position), before any
