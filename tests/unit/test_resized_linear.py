@@ -100,3 +100,14 @@ def test_emulator_rotates() -> None:
         seen.append(em.current())
         em.advance()
     assert seen == [3, 3, 0, 0, 1, 1]
+
+
+def test_controller_rejects_unsupported_settings() -> None:
+    from hetplan.errors import SpecError
+    from hetplan.ir.plan_sections import ResizingController
+    from hetplan.runtime.resizing import ResizingRuntime
+
+    with pytest.raises(SpecError, match="imputes pruned columns with zeros only"):
+        ResizingRuntime([], ResizingController(variant="zero", imputation="same"), Clock(), 0, 1)
+    with pytest.raises(SpecError, match="variant other than 'off'"):
+        ResizingRuntime([], ResizingController(), Clock(), 0, 1)

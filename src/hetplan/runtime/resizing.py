@@ -552,6 +552,10 @@ class ResizingRuntime:
             raise SpecError("the resizing controller needs a variant other than 'off'")
         if self.period < 1:
             raise SpecError(f"period must be >= 1 iteration, got {self.period}")
+        if self.settings.imputation != "zero":
+            raise SpecError(f"the runtime imputes pruned columns with zeros only (the paper's "
+                            f"choice); the plan asks for {self.settings.imputation!r}: set "
+                            "tensor_parallel.controller.imputation to 'zero'")
 
     # statistics (Alg. 1 lines 4-8) ------------------------------------------------------------
     def _track(self) -> None:
