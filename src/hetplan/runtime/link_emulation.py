@@ -3,7 +3,8 @@
 Loopback gloo moves gigabytes per second, so a plan made for a bandwidth-poor cluster cannot
 be measured on one machine as it is. With ``HETPLAN_EMULATE_BW`` set, every gradient-sync
 collective that crosses nodes (levels ``flat`` and ``inter``; ``intra`` stays at loopback
-speed) also occupies an emulated link of that many Gbit/s per rank, with
+speed; a ``flat`` group is taken to span nodes, so on a one-node plan every collective is
+throttled) also occupies an emulated link of that many Gbit/s per rank, with
 ``HETPLAN_EMULATE_LATENCY_US`` (default 0) microseconds per algorithm step:
 
 - the link is one FIFO per process (a rank's NIC): a collective issued at ``t`` starts on it
