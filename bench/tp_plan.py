@@ -1,7 +1,7 @@
 """The ``tp-resizing`` pass on the ``mixed-tp-node`` preset: its predicted effect and its cost.
 
-For GPT-2 at tp=4 (dp=4, pp=1 pinned; every TP group holds 2 A100 + 2 V100) in fp32 and fp16
-it records the simulated iteration with even shards, with the pass's skewed shards and with
+For GPT-2 at tp=4 (dp=4 pp=1, and dp=1 pp=4 without gradient sync; every TP group holds
+2 A100 + 2 V100) in fp32 and fp16 it records the simulated iteration with even shards, with the pass's skewed shards and with
 even shards plus the ZERO controller's expected γ (lossy), the shard sizes of the first
 linear and the expected γ; and the wall time of ``compile`` with and without the pass, side
 by side in one process (alternating, best of ``--reps``), pinned and with the full layout
@@ -32,8 +32,8 @@ def _timed(**kw: Any) -> tuple[float, Any]:
     return time.perf_counter() - t, plan
 
 
-def _effect(dtype: str, reps: int) -> dict[str, Any]:
-    pinned = dict(batch_size=16, dp=4, pp=1, tp=4, micro_batch_size=4, dtype=dtype)
+def _effect(dtype: str, dp: int, pp: int, reps: int) -> dict[str, Any]:
+    pinned = dict(batch_size=16, dp=dp, pp=pp, tp=4, micro_batch_size=4, dtype=dtype)
     best = {"with": float("inf"), "without": float("inf")}
     plan = None
     for _ in range(reps):
@@ -47,7 +47,8 @@ def _effect(dtype: str, reps: int) -> dict[str, Any]:
     g = tp.groups[0]
     return {
         "dtype": dtype,
-        "layout": "dp=4 pp=1 tp=4 mb=4",
+        "layout": f"dp={dp} pp={pp} tp=4 mb=4",
+        "pass_notes": list(plan.pass_log[-1].notes),
         "group_devices": [plan.cluster.spec.devices()[r].type for r in g.ranks],
         "first_linear": None if not g.linears else {
             "name": g.linears[0].name, "features": g.linears[0].features,
@@ -94,14 +95,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "tp_plan.json")
     args = ap.parse_args()
     compile("gpt2", PRESET, batch_size=16, dp=4, pp=1, tp=4)  # warm-up: imports, capture
-    rows = [_effect(d, args.reps) for d in ("fp32", "fp16")]
+    rows = [_effect(d, dp, pp, args.reps) for dp, pp in ((4, 1), (1, 4)) for d in ("fp32", "fp16")]
     search = _search_overhead(args.reps)
     out = {"preset": PRESET, "model": "gpt2", "rows": rows, "search": search,
            "machine": _machine()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     for r in rows:
-        print(f"{r['dtype']}: even {r['even_ms']:.2f} ms, skewed {r['skewed_ms']:.2f} ms "
+        print(f"{r['layout']} {r['dtype']}: even {r['even_ms']:.2f} ms, skewed {r['skewed_ms']:.2f} ms "
               f"({r['skew_speedup']:.3f}x), even+controller {r['controller_ms']:.2f} ms "
               f"({r['controller_speedup']:.3f}x); shards {r['first_linear']}; compile "
               f"{r['compile_seconds_pinned']}")

@@ -35,12 +35,28 @@ from hetplan.report.inspect import build_report
 from hetplan.report.render import render_text
 
 PRESET = "mixed-tp-node"
-ARGS = dict(batch_size=16, dp=4, pp=1, tp=4, micro_batch_size=4, dtype="fp16")
+#: dp=2 pp=2, micro-batch 32: compute matters enough that skewed shards win (at dp=4 pp=1 and
+#: micro-batch 4 gpt-test's sync of the largest shard across nodes costs more than the skew
+#: saves, and the pass keeps even shards)
+ARGS = dict(batch_size=128, dp=2, pp=2, tp=4, micro_batch_size=32, dtype="fp16")
+#: one stage, for the cost-model tests (their TP sections are built by hand)
+FLAT = dict(batch_size=16, dp=4, pp=1, tp=4, micro_batch_size=4, dtype="fp16")
 
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
     return compile("gpt-test", PRESET, **ARGS)
+
+
+@pytest.fixture(scope="module")
+def flat() -> Plan:
+    return compile("gpt-test", PRESET, **FLAT)
+
+
+def _stage_blocks(plan: Plan, stage: int) -> set[str]:
+    st = plan.stages[stage]
+    names = [x.name for x in plan.model.workload.layers[st.first_layer:st.last_layer + 1]]
+    return {f"{n}.{fc}" for n in names if n.startswith("blocks.") for fc in ("fc1", "fc2")}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +79,8 @@ def test_plan_carries_uneven_shards_per_rank(plan: Plan, spec: ClusterSpec) -> N
     assert tp is not None and len(tp.groups) == 4
     for g in tp.groups:
         names = {lin.name for lin in g.linears}
-        # every MLP pair of gpt-test's 4 blocks, both linears with one size list
-        assert names == {f"blocks.{i}.{n}" for i in range(4) for n in ("fc1", "fc2")}
+        # every MLP pair of the blocks of the group's stage, both linears with one size list
+        assert names == _stage_blocks(plan, g.stage) and names
         for lin in g.linears:
             assert sum(lin.shard_sizes) == lin.features == 256
             fast = [s for r, s in zip(g.ranks, lin.shard_sizes) if _is_a100(spec, r)]
@@ -97,10 +113,12 @@ def test_expected_gamma_is_eq1_on_even_shards(plan: Plan, spec: ClusterSpec) -> 
     # Eq. (1) with T_avg on the even split, T_i = rank's quarter of the TP layers' time
     costs = CostModel(spec, dtype="fp16")
     wl = plan.model.workload
+    st = plan.stages[0]  # ranks 0-3 form a group of stage 0
     t = {}
     for r in range(4):
-        times = costs.compute.layer_times(wl, costs.devices[r], 4)
-        t[r] = sum((x.fwd_s + x.bwd_s) / 4 for x, lay in zip(times, wl.layers) if lay.tp_pairs)
+        times = costs.compute.layer_times(wl, costs.devices[r], 32)
+        t[r] = sum((x.fwd_s + x.bwd_s) / 4 for k, (x, lay) in enumerate(zip(times, wl.layers))
+                   if lay.tp_pairs and st.first_layer <= k <= st.last_layer)
     avg = sum(t.values()) / 4
     gam = plan.tensor_parallel.predicted.expected_gamma
     for r in range(4):
@@ -171,30 +189,30 @@ def _by_hand(plan: Plan, shares: list[float]) -> float:
 
 @pytest.mark.parametrize("sizes", [(64, 64, 64, 64), (96, 96, 32, 32), (0, 0, 128, 128),
                                    (256, 0, 0, 0)])
-def test_uneven_shards_cost_slowest_rank_per_layer(plan: Plan, sizes: tuple[int, ...]) -> None:
-    assert _stage_fwd(plan, _section(sizes)) == pytest.approx(
-        _by_hand(plan, [s / 256 for s in sizes]))
+def test_uneven_shards_cost_slowest_rank_per_layer(flat: Plan, sizes: tuple[int, ...]) -> None:
+    assert _stage_fwd(flat, _section(sizes)) == pytest.approx(
+        _by_hand(flat, [s / 256 for s in sizes]))
 
 
-def test_even_listed_shards_cost_like_no_section(plan: Plan) -> None:
-    assert _stage_fwd(plan, _section((64, 64, 64, 64))) == pytest.approx(
-        _stage_fwd(plan, None))
+def test_even_listed_shards_cost_like_no_section(flat: Plan) -> None:
+    assert _stage_fwd(flat, _section((64, 64, 64, 64))) == pytest.approx(
+        _stage_fwd(flat, None))
 
 
-def test_resize_role_scales_the_rank_share(plan: Plan) -> None:
+def test_resize_role_scales_the_rank_share(flat: Plan) -> None:
     roles = (TPRankRole(rank=2, role="resize", gamma=0.5), TPRankRole(rank=3, role="resize",
                                                                         gamma=0.5))
-    got = _stage_fwd(plan, _section((64, 64, 64, 64), roles))
+    got = _stage_fwd(flat, _section((64, 64, 64, 64), roles))
     # group 0 resized; the other groups (same devices) stay even and dominate
-    assert got == pytest.approx(_by_hand(plan, [0.25] * 4))
+    assert got == pytest.approx(_by_hand(flat, [0.25] * 4))
     only = TensorParallel(groups=(_section((64, 64, 64, 64), roles).groups[0],))
-    costs_stage = plan.stages[0].model_copy(update={"ranks": (0, 1, 2, 3)})
+    costs_stage = flat.stages[0].model_copy(update={"ranks": (0, 1, 2, 3)})
     costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
-    layout = plan.layout.model_copy(update={"dp": 1})
-    ev = evaluate(plan.model.workload, layout, (costs_stage,), None, costs, check_memory=False,
+    layout = flat.layout.model_copy(update={"dp": 1})
+    ev = evaluate(flat.model.workload, layout, (costs_stage,), None, costs, check_memory=False,
                   tensor_parallel=only)
     assert ev.stages[0].fwd_s - ev.stages[0].tp_comm_s == pytest.approx(
-        _by_hand(plan, [0.25, 0.25, 0.125, 0.125]))
+        _by_hand(flat, [0.25, 0.25, 0.125, 0.125]))
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -242,11 +260,13 @@ def test_inspect_report_of_the_tp_section(semi_plan: Plan) -> None:
     tp = build_report(semi_plan)["tp"]
     assert tp["controller"]["variant"] == "semi" and tp["controller"]["criterion"] == "min"
     plan_tp = semi_plan.tensor_parallel
-    assert len(tp["groups"]) == 1 and tp["groups"][0]["count"] == 4  # 4 identical groups
+    # 2 stages x 2 data-parallel replicas: the replicas of a stage fold into one entry
+    assert [(x["stage"], x["count"]) for x in tp["groups"]] == [(0, 2), (1, 2)]
     g = tp["groups"][0]
-    sizes = plan_tp.groups[0].linears[0].shard_sizes
-    assert g["linears"] == [{"first": "blocks.0.fc1", "last": "blocks.3.fc2", "count": 8,
-                             "shard_sizes": list(sizes)}]
+    lins = plan_tp.groups[0].linears
+    assert len({x.shard_sizes for x in lins}) == 1  # one run: folded into one entry
+    assert g["linears"] == [{"first": lins[0].name, "last": lins[-1].name, "count": len(lins),
+                             "shard_sizes": list(lins[0].shard_sizes)}]
     assert [r["position"] for r in g["role_details"]] == [
         plan_tp.groups[0].ranks.index(r.rank) for r in plan_tp.groups[0].roles
         if r.role != "normal"]
@@ -275,8 +295,10 @@ def test_explain_a_tp_linear(semi_plan: Plan) -> None:
     facts = dict(ex.facts)
     sizes = next(lin.shard_sizes for lin in semi_plan.tensor_parallel.groups[0].linears
                  if lin.name == "blocks.1.fc2")
-    assert facts["split"].startswith("row-parallel, 256 features over 4 ranks, 4 group(s)")
-    assert facts["ranks 0–3 (+3 alike)"] == (f"{sizes[0]} (A100-80GB), {sizes[1]} (A100-80GB), "
+    # blocks.1 is in stage 0: the groups of ranks 0-3 and 4-7
+    assert "blocks.1.fc2" in {x.name for x in semi_plan.tensor_parallel.groups[1].linears}
+    assert facts["split"].startswith("row-parallel, 256 features over 4 ranks, 2 group(s)")
+    assert facts["ranks 0–3 (+1 alike)"] == (f"{sizes[0]} (A100-80GB), {sizes[1]} (A100-80GB), "
                                               f"{sizes[2]} (V100-SXM2-32GB), {sizes[3]} "
                                               "(V100-SXM2-32GB)")
     (alt,) = ex.alternatives
@@ -309,16 +331,16 @@ def test_golden_explain_tp_text(semi_plan: Plan) -> None:
 
 
 # -- memory: a rank holds its share ----------------------------------------------------------
-def test_memory_follows_the_rank_share(plan: Plan) -> None:
+def test_memory_follows_the_rank_share(flat: Plan) -> None:
     from hetplan.cost_models.memory import in_flight_micro_batches, stage_memory
 
     costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
-    wl = plan.model.workload
-    ev = evaluate(wl, plan.layout, plan.stages, None, costs, check_memory=False,
+    wl = flat.model.workload
+    ev = evaluate(wl, flat.layout, flat.stages, None, costs, check_memory=False,
                   tensor_parallel=_section((192, 64, 0, 0)))
     layers = list(wl.layers)
-    flight = in_flight_micro_batches(plan.layout.schedule, 0, 1, plan.layout.micro_batches, 1)
-    scale = plan.layout.micro_batch_size / wl.batch_size
+    flight = in_flight_micro_batches(flat.layout.schedule, 0, 1, flat.layout.micro_batches, 1)
+    scale = flat.layout.micro_batch_size / wl.batch_size
     names = [lay.name for lay in layers]
     for r, share in ((0, 0.75), (1, 0.25), (2, 0.0)):
         # by hand: layers holding listed linears (blocks.N) get the share, others 1/tp
@@ -380,3 +402,27 @@ def test_migration_roles_that_slow_the_plan_are_dropped(semi_plan: Plan) -> None
                   mig.gradient_sync, costs,
                   tensor_parallel=tp.model_copy(update={"groups": tuple(groups)}))
     assert ev.iteration_s * 1e3 > mig.tensor_parallel.predicted.skewed_ms
+
+
+def test_sync_and_optimizer_follow_the_largest_shard(flat: Plan) -> None:
+    from hetplan.cost_models.evaluate import OPTIMIZER_BYTES_PER_PARAM_BYTE
+
+    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
+    wl = flat.model.workload
+
+    def run(sizes: tuple[int, ...] | None):  # type: ignore[no-untyped-def]
+        return evaluate(wl, flat.layout, flat.stages, flat.gradient_sync, costs,
+                        check_memory=False,
+                        tensor_parallel=None if sizes is None else _section(sizes))
+
+    even, skew = run(None), run((128, 64, 32, 32))
+    # optimizer step, by hand: the largest shard (1/2 of the blocks' split bytes)
+    bw = min(costs.devices[r].mem_bandwidth_bytes_per_s for r in flat.stages[0].ranks)
+    pbytes = 0.0
+    for x in wl.layers:
+        frac = min(x.tp_split_bytes / x.param_bytes, 1.0) if x.param_bytes else 0.0
+        share = 0.5 if x.name.startswith("blocks.") else 0.25
+        pbytes += x.param_bytes * (1 - frac + frac * share) if x.tp_split_bytes else x.param_bytes
+    assert skew.optimizer_s == pytest.approx(OPTIMIZER_BYTES_PER_PARAM_BYTE * pbytes / bw)
+    assert skew.optimizer_s > even.optimizer_s
+    assert skew.comm_s > even.comm_s  # the largest shard's DP group syncs more bytes

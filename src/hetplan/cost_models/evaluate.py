@@ -39,7 +39,7 @@ from hetplan.cost_models.memory import (
 )
 from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline
 from hetplan.cost_models.timeline import CPU, GPU, DPTimeline, Op, SyncUnit, simulate_dp
-from hetplan.cost_models.tp_shares import rank_layer_shares, stage_compute
+from hetplan.cost_models.tp_shares import max_layer_shares, rank_layer_shares, stage_compute
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import (
@@ -190,7 +190,8 @@ def evaluate(
         tl = None
         exposed = busy = comp = 0.0
         if layout.dp > 1 and strategies[s]:
-            tl = _sync_stage(workload, st, layout, costs, strategies[s], bwd_layers[s], record)
+            tl = _sync_stage(workload, st, layout, costs, strategies[s], bwd_layers[s], record,
+                             max_layer_shares(workload, st, layout.tp, tensor_parallel))
             exposed = tl.iteration_s - bwd[s]
             busy = sum(v for k, v in tl.busy_s.items() if k not in (GPU, CPU))
             comp = tl.busy_s.get(GPU, 0.0) - sum(bwd_layers[s]) + tl.busy_s.get(CPU, 0.0)
@@ -200,7 +201,7 @@ def evaluate(
         compression = max(compression, comp)
         finish.append(last_bwd_end[s] + max(exposed, 0.0))
 
-    optimizer_s = _optimizer_s(workload, stages, layout, costs)
+    optimizer_s = _optimizer_s(workload, stages, layout, costs, tensor_parallel)
     iteration = max(finish) + optimizer_s
     compute = max((f + b) * layout.micro_batches for f, b in zip(fwd, bwd))
     memory = _memory(workload, stages, layout, costs, scale, tensor_parallel)
@@ -328,8 +329,10 @@ def _sync_stage(
     units: list[tuple[list[int], SyncStrategy]],
     bwd_per_layer: list[float],
     record: bool,
+    shares: list[float] | None = None,
 ) -> DPTimeline:
-    """DP timeline of one stage over its last micro-batch's backward."""
+    """DP timeline of one stage over its last micro-batch's backward (``shares``: the largest
+    TP share of each layer of the stage with uneven shards, else None: ``1 / tp``)."""
     grad_idx, segments = _stage_segments(workload, st, bwd_per_layer)
     position = {i: k for k, i in enumerate(grad_idx)}
     dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
@@ -338,7 +341,8 @@ def _sync_stage(
     for idx, strategy in units:
         nbytes = sum(
             _shard_bytes(workload, workload.grads[i].size_bytes, workload.grads[i].layer_index,
-                         layout.tp)
+                         layout.tp, None if shares is None
+                         else shares[workload.grads[i].layer_index - st.first_layer])
             for i in idx
         )
         ops = _strategy_ops(strategy, nbytes, costs, st, layout.dp, link, nodes, per_node)
@@ -443,13 +447,15 @@ def stage_syncs(
     return out
 
 
-def _shard_bytes(workload: WorkloadSummary, nbytes: int, layer: int, tp: int) -> float:
-    """A gradient's bytes on one TP rank: the splittable share divided by tp."""
+def _shard_bytes(workload: WorkloadSummary, nbytes: int, layer: int, tp: int,
+                 share: float | None = None) -> float:
+    """A gradient's bytes on one TP rank: the splittable part divided by tp (or times the
+    rank's ``share`` with uneven shards)."""
     lay = workload.layers[layer]
     if tp == 1 or not lay.param_bytes or not lay.tp_split_bytes:
         return float(nbytes)
     frac = min(lay.tp_split_bytes / lay.param_bytes, 1.0)
-    return nbytes * (1 - frac + frac / tp)
+    return nbytes * (1 - frac + (frac / tp if share is None else frac * share))
 
 
 class _ScalarCalc:
@@ -623,12 +629,15 @@ def _action_ops(
 
 
 def _optimizer_s(
-    workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout, costs: CostModel
+    workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout, costs: CostModel,
+    tp_section: TensorParallel | None = None,
 ) -> float:
     worst = 0.0
     for st in stages:
+        shares = max_layer_shares(workload, st, layout.tp, tp_section)
         pbytes = sum(
-            _shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp)
+            _shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
+                         None if shares is None else shares[k])
             for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
         )
         bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))

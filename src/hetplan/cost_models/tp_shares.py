@@ -13,6 +13,9 @@
   a ``resize`` or ``migrate_src`` rank computes ``1 − γ`` of its share (a ``migrate_src``
   rank sends ``γ·β`` of it and prunes ``γ·(1−β)``); the migrated work is spread evenly over
   the group's ``migrate_dst`` ranks. Migration's broadcast/reduce traffic is not modelled.
+* **Gradient sync and optimizer step** use the largest rank share of each layer: the DP group
+  of the largest shard syncs the most bytes and its optimizer step updates the most (the
+  simulator follows one DP group per stage).
 * **Synchronisation.** Every TP layer ends in an all-reduce, so each layer's forward (and
   backward) time is the *slowest rank's* time for its own share, and the stage time is the
   sum over layers of those maxima (not the maximum over ranks of their sums). A layer
@@ -28,7 +31,8 @@ from collections.abc import Sequence
 from hetplan.cost_models.costs import CostModel
 from hetplan.ir.plan_sections import Stage, TensorParallel, TPGroup, WorkloadSummary
 
-__all__ = ["stage_compute", "rank_shares", "rank_layer_shares", "layer_of_linear"]
+__all__ = ["stage_compute", "rank_shares", "rank_layer_shares", "max_layer_shares",
+           "layer_of_linear"]
 
 
 def layer_of_linear(layer_names: Sequence[str], linear: str) -> int | None:
@@ -101,6 +105,18 @@ def rank_layer_shares(workload: WorkloadSummary, st: Stage, tp: int,
         for i, r in enumerate(g.ranks):
             out[r] = [shares[k][i] for k in range(last - first + 1)]
     return out
+
+
+def max_layer_shares(workload: WorkloadSummary, st: Stage, tp: int,
+                     section: TensorParallel | None) -> list[float] | None:
+    """The largest rank share of each layer of the stage (the DP group of the largest shard
+    syncs the most gradient bytes, and its optimizer step updates the most), or None when
+    the stage's shards are even."""
+    per_rank = rank_layer_shares(workload, st, tp, section)
+    if not per_rank:
+        return None
+    return [max(v[k] for v in per_rank.values()) for k in range(st.last_layer - st.first_layer
+                                                                 + 1)]
 
 
 def stage_compute(
