@@ -3,7 +3,8 @@
 gradients and leaves the small ones in fp32, and ``hetplan run`` trains with it on 4 gloo
 ranks.
 
-The model is the reduced GPT-2 of ``examples/gpt2_cpu.py`` (GPT-2's architecture and 50257-token
+The zoo's full GPT-2 small is planned only (one training step of it takes minutes on two shared
+CPU cores); the run uses the reduced GPT-2 of ``examples/gpt2_cpu.py`` (GPT-2's architecture and 50257-token
 vocabulary at 2 layers of width 128): full GPT-2 small takes minutes per step on two shared CPU
 cores. Its gradients: ``wte`` 25.7 MB, the attention and MLP matrices 64-256 KB, ``wpe``
 32 KB, and 18 biases and LayerNorm vectors of 0.5-2 KB.
@@ -77,6 +78,29 @@ def test_large_gradients_compressed_small_ones_fp32(plan: tuple[hetplan.Plan, Pa
     assert p.predictions is not None
     ddp = next(b for b in p.predictions.baselines if b.name == "ddp")
     assert p.predictions.iteration_time_ms < 0.5 * ddp.iteration_time_ms
+
+
+def test_full_gpt2_plan_compresses_matrices_not_layernorms() -> None:
+    # the zoo's GPT-2 small itself (148 gradients), planned only: every LayerNorm vector and
+    # 3 KiB bias stays fp32, every weight matrix and embedding (>= 2.25 MiB) is compressed;
+    # the 9 and 12 KiB biases of c_attn / c_fc sit between two compressed matrices in
+    # backward order and may ride in their bucket (one compression call for the three)
+    p = hetplan.compile("gpt2", "cpu-2x2-slow", batch_size=8, seq=128, dp=4, pp=1, tp=1,
+                        compressors=("topk",))
+    gs = p.gradient_sync
+    assert gs is not None
+    size = _sizes(p)
+    strategy = {t.name: gs.strategies[t.strategy] for t in gs.tensors}
+    vectors = [n for n, b in size.items() if b <= 3 * 1024]
+    matrices = [n for n, b in size.items() if b >= 2 * 2**20]
+    assert len(vectors) == 12 * 6 + 2 and len(matrices) == 12 * 4 + 2
+    assert all(isinstance(strategy[n], NoSync) for n in vectors)
+    assert all(isinstance(strategy[n], CompressedSync) for n in matrices)
+    for b in gs.buckets:
+        assert len({type(strategy[n]) for n in b.tensors}) == 1
+    assert p.predictions is not None
+    ddp = next(b for b in p.predictions.baselines if b.name == "ddp")
+    assert p.predictions.iteration_time_ms < ddp.iteration_time_ms
 
 
 def _fp32_reference_losses(iterations: int) -> list[float]:
