@@ -3,10 +3,9 @@
 gradients and leaves the small ones in fp32, and ``hetplan run`` trains with it on 4 gloo
 ranks.
 
-The zoo's full GPT-2 small is planned only (one training step of it takes minutes on two shared
-CPU cores); the run uses the reduced GPT-2 of ``examples/gpt2_cpu.py`` (GPT-2's architecture and 50257-token
-vocabulary at 2 layers of width 128): full GPT-2 small takes minutes per step on two shared CPU
-cores. Its gradients: ``wte`` 25.7 MB, the attention and MLP matrices 64-256 KB, ``wpe``
+The zoo's full GPT-2 small is planned only (one training step of it takes minutes on two
+shared CPU cores); the run uses the reduced GPT-2 of ``examples/gpt2_cpu.py`` (GPT-2's
+architecture and 50257-token vocabulary at 2 layers of width 128). Its gradients: ``wte`` 25.7 MB, the attention and MLP matrices 64-256 KB, ``wpe``
 32 KB, and 18 biases and LayerNorm vectors of 0.5-2 KB.
 """
 
