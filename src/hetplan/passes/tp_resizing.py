@@ -54,6 +54,7 @@ from typing import ClassVar, Literal
 from hetplan.algorithms.skewed_shards import even_shards, proportional_shards
 from hetplan.algorithms.zero_resizing import zero_decision
 from hetplan.cost_models.evaluate import evaluate
+from hetplan.cost_models.tp_shares import rank_shares
 from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.model import LinearInfo, TPRole
 from hetplan.ir.plan import Plan
@@ -107,8 +108,6 @@ def expected_gammas(ctx: PassContext, group: TPGroup, first: int, last: int,
                     gamma_max: float) -> dict[int, float]:
     """Eq. (1) per straggler of ``group`` on its current shards (see module docstring):
     ``{global rank: γ}`` for ranks with ``T_i > (1 + eps) · T_ref``."""
-    from hetplan.cost_models.tp_shares import rank_shares
-
     mb = ctx.layout.micro_batch_size
     layers = ctx.workload.layers[first:last + 1]
     plain = group.model_copy(update={"roles": ()})
@@ -174,8 +173,8 @@ class TPResizing:
         if tp is None or not tp.groups:
             return PassResult(plan, False, ("no tensor parallelism",))
         if ctx.model_ir is None:
-            return PassResult(plan, False, ("no model IR in the pass context: linears "
-                                            "unknown, shards stay even",))
+            return PassResult(plan, False, (("no model IR in the pass context: linears "
+                                             "unknown, shards stay even"),))
         _check_groups(tp, len(ctx.costs.devices), ctx.cluster.name)
         ctl = self.controller()
         devs = ctx.costs.devices

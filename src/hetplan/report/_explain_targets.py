@@ -344,8 +344,8 @@ def explain_linear(ctx: Any, name: str) -> tuple[Facts, list[Alternative]]:
     groups = [(g, lin) for g in tp.groups for lin in g.linears if lin.name == name]
     g0, lin0 = groups[0]
     facts: Facts = [
-        ("split", f"{lin0.split}-parallel, {lin0.features} features over {len(g0.ranks)} "
-                  f"ranks, {len(groups)} group(s)"),
+        ("split", (f"{lin0.split}-parallel, {lin0.features} features over "
+                   f"{len(g0.ranks)} ranks, {len(groups)} group(s)")),
     ]
     patterns: dict[tuple[Any, ...], list[Any]] = {}
     for g, lin in groups:
@@ -369,8 +369,9 @@ def explain_linear(ctx: Any, name: str) -> tuple[Facts, list[Alternative]]:
                                                           else "; every rank normal")))
     if tp.predicted is not None:
         p = tp.predicted
-        facts.append(("predicted", f"even {fmt_ms(p.even_ms)}, skewed {fmt_ms(p.skewed_ms)}, "
-                                   f"even + controller {fmt_ms(p.controller_ms)}"))
+        facts.append(("predicted", (f"even {fmt_ms(p.even_ms)}, skewed "
+                                    f"{fmt_ms(p.skewed_ms)}, even + controller "
+                                    f"{fmt_ms(p.controller_ms)}")))
     if decided := ctx.decided_by("tensor_parallel"):
         facts.append(("decided by", decided))
     # its Megatron pair: the linears of the same module (the runtime shards a pair with one
