@@ -426,3 +426,13 @@ def test_sync_and_optimizer_follow_the_largest_shard(flat: Plan) -> None:
     assert skew.optimizer_s == pytest.approx(OPTIMIZER_BYTES_PER_PARAM_BYTE * pbytes / bw)
     assert skew.optimizer_s > even.optimizer_s
     assert skew.comm_s > even.comm_s  # the largest shard's DP group syncs more bytes
+
+
+def test_simulate_reads_the_tp_section(semi_plan: Plan) -> None:
+    from hetplan.optimizer.compile import simulate
+
+    again = simulate(semi_plan)
+    assert again.iteration_time_ms == pytest.approx(semi_plan.predictions.iteration_time_ms,
+                                                    abs=1e-6)
+    even = semi_plan.model_copy(update={"tensor_parallel": None})
+    assert simulate(even).iteration_time_ms != pytest.approx(again.iteration_time_ms, abs=1e-6)
