@@ -189,11 +189,12 @@ class TPResizing:
         skewed = tp.model_copy(update={"groups": groups, "controller": ctl})
         even = TensorParallel(groups=tuple(g.model_copy(update={"linears": (), "roles": ()})
                                            for g in tp.groups), controller=ctl)
-        even_ms = self._simulate(plan, ctx, even)
+        even_ms, even_fits = self._simulate_checked(plan, ctx, even)
         any_skew = any(g.linears for g in groups)
-        skewed_ms = self._simulate(plan, ctx, skewed) if any_skew else even_ms
+        skewed_ms, skew_fits = (self._simulate_checked(plan, ctx, skewed) if any_skew
+                                else (even_ms, even_fits))
         notes = []
-        if any_skew and not self._fits(plan, ctx, skewed) and self._fits(plan, ctx, even):
+        if not skew_fits and even_fits:
             notes.append("skewed shards do not fit in the faster ranks' memory; kept even "
                          "shards")
             skewed, skewed_ms = even, even_ms
@@ -280,14 +281,15 @@ class TPResizing:
         return even.model_copy(update={"groups": tuple(groups)}), all_g
 
     @staticmethod
-    def _fits(plan: Plan, ctx: PassContext, section: TensorParallel) -> bool:
-        """Whether every rank fits in memory with ``section``'s shards."""
+    def _simulate_checked(plan: Plan, ctx: PassContext,
+                          section: TensorParallel) -> tuple[float, bool]:
+        """(iteration ms, whether every rank fits in memory) with ``section``."""
         try:
-            evaluate(ctx.workload, ctx.layout, plan.stages, plan.gradient_sync, ctx.costs,
-                     tensor_parallel=section)
+            ev = evaluate(ctx.workload, ctx.layout, plan.stages, plan.gradient_sync,
+                          ctx.costs, tensor_parallel=section)
         except InfeasiblePlanError:
-            return False
-        return True
+            return TPResizing._simulate(plan, ctx, section), False
+        return ev.iteration_s * 1e3, True
 
     @staticmethod
     def _simulate(plan: Plan, ctx: PassContext, section: TensorParallel) -> float:
