@@ -142,7 +142,9 @@ class Runtime:
         self.forward_kwargs = {
             k: v for k, v in self.example_kwargs.items() if not isinstance(v, torch.Tensor)
         }
-        self.stage = self.schedule = None
+        # this rank's pipeline stage and schedule (torch.distributed.pipelining), if any
+        self.stage: Any = None
+        self.schedule: Any = None
         self.tp_clock: Clock | None = None
         self.resizing: ResizingRuntime | None = None
         if layout.tp > 1:
