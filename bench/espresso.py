@@ -22,8 +22,8 @@ Reported per case (predicted by the shared simulator through ``evaluate``):
   ours is this machine's CPU (shared), one process, Python.
 
 Assert-style checks (never slower than fp32 / fp16 / uniform) live in the tests; this script
-only measures. Run: ``python bench/espresso.py [--max-compressions N] [--models a,b]`` →
-``bench/results/espresso.json`` and a table.
+only measures. Run: ``python bench/espresso.py [--max-compressions N] [--models a,b]
+[--compressors dgc,...] [--out FILE]`` → ``bench/results/espresso.json`` and a table.
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-compressions", type=int, default=1)
     ap.add_argument("--models", default=",".join(TABLE_4_5_MS))
+    ap.add_argument("--compressors", default=",".join(COMPRESSORS))
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     wls = espresso_workloads(DATA, gaps="effective", include_extra=False)
@@ -159,7 +160,7 @@ def main() -> None:
     for model in args.models.split(","):
         wl = WorkloadSummary.from_model_ir(wls[model])
         for cname, preset in CLUSTERS.items():
-            for comp in COMPRESSORS:
+            for comp in args.compressors.split(","):
                 r = run_case(wl, preset, comp, args.max_compressions)
                 r["vs_table_4_5"] = round(r["selection_gpu_ms"] / TABLE_4_5_MS[model], 3)
                 r["vs_table_4_6"] = round(r["selection_cpu_offload_ms"] / TABLE_4_6_MS[model], 3)
@@ -172,7 +173,7 @@ def main() -> None:
                       f"T4.5, 4.2: {r['vs_table_4_6']:.1f}x T4.6)", flush=True)
     result = {
         "what": "Espresso pass: predicted iteration time and selection time (see bench/espresso.py)",
-        "dp": DP, "clusters": CLUSTERS, "compressors": list(COMPRESSORS),
+        "dp": DP, "clusters": CLUSTERS, "compressors": args.compressors.split(","),
         "max_compressions": args.max_compressions, "allowed_extra": ["fp16"],
         "devices": ["gpu", "cpu"], "gaps": "effective",
         "table_4_5_ms": TABLE_4_5_MS, "table_4_6_ms": TABLE_4_6_MS,

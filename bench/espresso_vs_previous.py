@@ -1,0 +1,107 @@
+"""Bench: the Espresso pass's selection time, one commit vs an earlier one, side by side.
+
+Runs the ``espresso`` pass (the setup of ``bench/espresso.py``: effective gaps, dp = 64,
+``--max-compressions 1``, the compressor and fp16 allowed, GPU and CPU) in a fresh process per
+case and per source tree, alternating the two trees so that both see the same load on a
+shared machine (both trees are ``git archive``s, so uncommitted work in the checkout does
+not enter); keeps the least wall time of ``--repeat`` runs of each, and a digest of the
+chosen gradient-sync section, which must be identical (same choices, only faster).
+
+Run: ``python bench/espresso_vs_previous.py [--commit REV] [--now REV] [--cases m/c/comp,...]``
+→
+``bench/results/espresso_vs_previous.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).parent / "results" / "espresso_vs_previous.json"
+#: The commit that made the resumable simulation faster (incremental rebase, lazy in-flight
+#: work, cheaper convergence checks) and its parent: the comparison of record, isolated from
+#: other changes to the tree.
+NOW = "32c3e6f"
+PREVIOUS = "32c3e6f^"
+CASES = "lstm/nvlink/dgc,vgg16/pcie/dgc,gpt2/nvlink/dgc,ugatit/pcie/dgc,bert/nvlink/dgc"
+
+_CHILD = """
+import hashlib, json, sys, time
+sys.path.insert(0, {bench!r})
+import espresso as be
+from hetplan.ir.plan_sections import WorkloadSummary
+from hetplan.ir.workload import espresso_workloads
+from hetplan.passes.espresso import Espresso
+model, cl, comp = sys.argv[1:4]
+wls = espresso_workloads(be.DATA, gaps="effective", include_extra=False)
+wl = WorkloadSummary.from_model_ir(wls[model])
+ctx, plan = be._setup(wl, be.CLUSTERS[cl], (comp, "fp16"))
+t = time.perf_counter()
+out = Espresso(devices=("gpu", "cpu"), max_compressions=1).run(plan, ctx)
+s = time.perf_counter() - t
+sync = out.plan.gradient_sync.model_dump_json().encode()
+print(json.dumps({{"s": s, "digest": hashlib.sha256(sync).hexdigest()[:16]}}))
+"""
+
+
+def _run(src: Path, case: str) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(src))
+    code = _CHILD.format(bench=str(ROOT / "bench"))
+    r = subprocess.run([sys.executable, "-c", code, *case.split("/")], env=env,
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--commit", default=PREVIOUS)
+    ap.add_argument("--now", default=NOW)
+    ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {}
+        for tag, rev in (("previous", args.commit), ("now", args.now)):
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"],
+                                     capture_output=True, check=True).stdout
+            (Path(tmp) / tag).mkdir()
+            subprocess.run(["tar", "-x", "-C", str(Path(tmp) / tag)], input=archive, check=True)
+            trees[tag] = Path(tmp) / tag / "src"
+        now_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.now],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        for case in args.cases.split(","):
+            row: dict[str, Any] = {}
+            for _ in range(args.repeat):
+                for tag, src in trees.items():
+                    got = _run(src, case)
+                    row[f"{tag}_s"] = min(row.get(f"{tag}_s", float("inf")), got["s"])
+                    row[f"{tag}_digest"] = got["digest"]
+            row["speedup"] = row["previous_s"] / row["now_s"]
+            row["same_choice"] = row["previous_digest"] == row["now_digest"]
+            rows[case] = row
+            print(f"{case:22s} previous {row['previous_s']:8.2f} s  now {row['now_s']:8.2f} s  "
+                  f"x{row['speedup']:.2f}  same choice: {row['same_choice']}", flush=True)
+    result = {
+        "what": "espresso pass wall time (whole pass), --now vs --commit, same setup as "
+                "bench/espresso.py with --max-compressions 1",
+        "commit": args.commit, "now": now_rev, "repeat": args.repeat,
+        "machine": {"note": "2 CPU cores shared with other jobs (load average ~10 during the "
+                            "run): absolute times are inflated; the two trees alternate, so "
+                            "the ratio is the comparable number"},
+        "cases": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
