@@ -14,6 +14,9 @@ by the freed core, see ``StragglerEmulator``); rank 3's GEMMs take ``1 + χ`` ti
 - ``semi``: even shards, SEMI-migration (criterion T_min, Eq. (2)/(3));
 - ``migration``: even shards, migration only (MIG), for reference.
 
+and, at χ = 8, the same with the straggler rotating to the next rank every 4 steps (the
+paper's round-robin tests): static shards sized for rank 3 cannot follow it.
+
 Per configuration: the median iteration time over the steps after ``WARMUP`` (rank 0's wall
 clock; all ranks meet in the all-reduces every layer), the training loss after ``STEPS``
 steps (mean of the last 4, as computed — pruned columns missing) and the held-out loss of the
@@ -48,6 +51,9 @@ WARMUP, LR = 5, 0.05
 FLOP_RATE = 1e9  # emulated device speed, FLOP/s (see StragglerEmulator)
 CHIS = (1.0, 2.0, 4.0, 8.0)
 METHODS = ("none", "static", "zero", "semi", "migration")
+#: the paper's round-robin straggler (Figs. 7-8): it moves to the next rank every few steps
+ROTATING_CHI, ROTATE_EVERY = 8.0, 4
+ROTATING_METHODS = ("none", "static", "zero", "semi")
 PAPER = {
     "source": "Wang et al., Accelerating Heterogeneous Tensor Parallelism via Flexible "
               "Workload Control, Sec. V-C, Fig. 9 (ViT-1B, CIFAR-10, 8 x V100, one straggler)",
@@ -125,7 +131,7 @@ def _teacher() -> nn.Module:
     return Net()
 
 
-def _run(rank: int, method: str, chi: float, steps: int) -> dict[str, Any]:
+def _run(rank: int, method: str, chi: float, steps: int, rotate: int = 0) -> dict[str, Any]:
     from hetplan.runtime.resizing import StragglerSpec, attach_resizing, end_iteration
     from hetplan.runtime.tensor_parallel import shard_model
 
@@ -133,7 +139,7 @@ def _run(rank: int, method: str, chi: float, steps: int) -> dict[str, Any]:
     model = Net()
     section = _section(method, chi)
     shard_model(model, _linears(), section, None, rank, WORLD)
-    straggler = StragglerSpec(chi, 3, flop_rate=FLOP_RATE)
+    straggler = StragglerSpec(chi, 3, rotate_every=rotate, flop_rate=FLOP_RATE)
     clock, ctl = attach_resizing(model, section, None, rank, WORLD, straggler)
     teacher = _teacher()
     params = list(model.parameters())
@@ -155,10 +161,12 @@ def _run(rank: int, method: str, chi: float, steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {"times": times, "losses": losses,
                            "eval_loss": _evaluate(model, teacher)}
     if ctl is not None:
-        last = ctl.decisions[3] if ctl.decisions else None
-        out["straggler_decision"] = (None if last is None else
-                                     {"role": last.role, "resize": round(last.resize, 4),
-                                      "migrate": round(last.migrate, 4)})
+        pos = max(range(WORLD), key=lambda r: (ctl.decisions[r].resize
+                                               + ctl.decisions[r].migrate, r))
+        last = ctl.decisions[pos]
+        out["straggler_decision"] = {"rank": pos, "role": last.role,
+                                     "resize": round(last.resize, 4),
+                                     "migrate": round(last.migrate, 4)}
         out["replans"] = sum(1 for h in ctl.history if h["replan"])
     return out
 
@@ -181,6 +189,9 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     for chi in CHIS:
         for method in METHODS:
             res[f"{method}/{chi:g}"] = _run(rank, method, chi, steps)
+    for method in ROTATING_METHODS:
+        res[f"{method}/{ROTATING_CHI:g}/rot{ROTATE_EVERY}"] = _run(
+            rank, method, ROTATING_CHI, steps, ROTATE_EVERY)
     return res
 
 
@@ -211,22 +222,25 @@ def _summary(res: dict[str, Any], steps: int) -> dict[str, Any]:
     homo_ms, homo_loss = med("homogeneous"), final("homogeneous")
     homo_eval = held_out("homogeneous")
     rows = []
-    for chi in CHIS:
-        base = med(f"none/{chi:g}")
-        for method in METHODS:
-            key = f"{method}/{chi:g}"
-            rows.append({
-                "chi": chi, "method": method, "iteration_ms": round(med(key), 2),
-                "speedup_vs_none": round(base / med(key), 3),
-                "slowdown_vs_homogeneous": round(med(key) / homo_ms, 3),
-                "final_loss": round(final(key), 6),
-                "loss_vs_homogeneous_pct": round(100 * (final(key) - homo_loss) / homo_loss, 2),
-                "eval_loss": round(held_out(key), 6),
-                "eval_vs_homogeneous_pct": round(100 * (held_out(key) - homo_eval) / homo_eval,
-                                                 2),
-                "straggler_decision": res[key].get("straggler_decision"),
-                "replans": res[key].get("replans"),
-            })
+    configs = [(chi, m, f"{m}/{chi:g}", f"none/{chi:g}", 0) for chi in CHIS for m in METHODS]
+    configs += [(ROTATING_CHI, m, f"{m}/{ROTATING_CHI:g}/rot{ROTATE_EVERY}",
+                 f"none/{ROTATING_CHI:g}/rot{ROTATE_EVERY}", ROTATE_EVERY)
+                for m in ROTATING_METHODS]
+    for chi, method, key, base_key, rotate in configs:
+        base = med(base_key)
+        rows.append({
+            "chi": chi, "method": method, "rotate_every": rotate,
+            "iteration_ms": round(med(key), 2),
+            "speedup_vs_none": round(base / med(key), 3),
+            "slowdown_vs_homogeneous": round(med(key) / homo_ms, 3),
+            "final_loss": round(final(key), 6),
+            "loss_vs_homogeneous_pct": round(100 * (final(key) - homo_loss) / homo_loss, 2),
+            "eval_loss": round(held_out(key), 6),
+            "eval_vs_homogeneous_pct": round(100 * (held_out(key) - homo_eval) / homo_eval,
+                                             2),
+            "straggler_decision": res[key].get("straggler_decision"),
+            "replans": res[key].get("replans"),
+        })
     return {"homogeneous": {"iteration_ms": round(homo_ms, 2), "final_loss": round(homo_loss, 6),
                             "eval_loss": round(homo_eval, 6),
                             "loss_curve": [round(v, 6) for v in res["homogeneous"]["losses"]]},
@@ -250,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                   "warmup_steps_excluded": WARMUP, "optimizer": f"SGD lr {LR}",
                   "chi": "extra matmul time factor on rank 3 (its GEMMs last (1 + chi) x)",
                   "emulated_flop_rate": FLOP_RATE,
-                  "controller_period": 20, "gamma_max": 0.9, "straggler_eps": 0.2},
+                  "controller_period": 20, "gamma_max": 0.9, "straggler_eps": 0.2,
+                  "rotating": f"chi {ROTATING_CHI:g}, straggler moves to the next rank every "
+                              f"{ROTATE_EVERY} steps (3, 0, 1, 2)"},
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "paper": PAPER, **summary,
     }
@@ -261,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'chi':>4} {'method':>10} {'ms/it':>8} {'speedup':>8} {'loss%':>7} {'eval%':>7}"
           "  decision")
     for r in summary["rows"]:
-        print(f"{r['chi']:>4g} {r['method']:>10} {r['iteration_ms']:>8} "
+        rot = f"/rot{r['rotate_every']}" if r["rotate_every"] else ""
+        print(f"{r['chi']:>4g} {r['method'] + rot:>10} {r['iteration_ms']:>8} "
               f"{r['speedup_vs_none']:>8} {r['loss_vs_homogeneous_pct']:>7} "
               f"{r['eval_vs_homogeneous_pct']:>7}  {r['straggler_decision']}")
     print(f"wrote {args.out} ({doc['wall_seconds']} s)")
