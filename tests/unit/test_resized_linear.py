@@ -111,3 +111,24 @@ def test_controller_rejects_unsupported_settings() -> None:
         ResizingRuntime([], ResizingController(variant="zero", imputation="same"), Clock(), 0, 1)
     with pytest.raises(SpecError, match="variant other than 'off'"):
         ResizingRuntime([], ResizingController(), Clock(), 0, 1)
+
+
+def test_plan_roles_to_decisions() -> None:
+    from hetplan.ir.plan_sections import TPGroup, TPRankRole
+    from hetplan.runtime.resizing import plan_roles
+
+    # global ranks 4..7: rank 6 resizes 0.3; rank 7 sends γ β = 0.6 · 0.5 and prunes
+    # γ (1 − β) = 0.3 towards the listed migrate_dst ranks 4 and 5 (positions 0 and 1)
+    g = TPGroup(ranks=(4, 5, 6, 7), roles=(
+        TPRankRole(rank=6, role="resize", gamma=0.3),
+        TPRankRole(rank=7, role="migrate_src", gamma=0.6, beta=0.5),
+        TPRankRole(rank=4, role="migrate_dst"), TPRankRole(rank=5, role="migrate_dst")))
+    d = plan_roles(g)
+    assert [x.role for x in d] == ["normal", "normal", "resize", "migrate_src"]
+    assert d[2].resize == pytest.approx(0.3)
+    assert (d[3].migrate, d[3].resize, d[3].receivers) == (pytest.approx(0.3),
+                                                           pytest.approx(0.3), (0, 1))
+    # without migrate_dst roles every other rank receives
+    g2 = TPGroup(ranks=(4, 5, 6), roles=(TPRankRole(rank=5, role="migrate_src", gamma=0.4,
+                                                    beta=1.0),))
+    assert plan_roles(g2)[1].receivers == (0, 2) and plan_roles(g2)[1].resize == 0.0
