@@ -132,3 +132,20 @@ def test_plan_roles_to_decisions() -> None:
     g2 = TPGroup(ranks=(4, 5, 6), roles=(TPRankRole(rank=5, role="migrate_src", gamma=0.4,
                                                     beta=1.0),))
     assert plan_roles(g2)[1].receivers == (0, 2) and plan_roles(g2)[1].resize == 0.0
+
+
+def test_straggler_from_env() -> None:
+    from hetplan.errors import SpecError
+    from hetplan.runtime.resizing import StragglerSpec, straggler_from_env
+
+    assert straggler_from_env({}) is None
+    assert straggler_from_env({"HETPLAN_EMULATE_STRAGGLER": "8@3"}) == StragglerSpec(8.0, 3)
+    assert straggler_from_env({"HETPLAN_EMULATE_STRAGGLER": "2.5@1/4",
+                               "HETPLAN_EMULATE_GEMM_FLOPS": "1e9"}) == StragglerSpec(
+        2.5, 1, 4, 1e9)
+    for bad in ("8", "x@1", "8@-1", "-1@0", "8@1/z"):
+        with pytest.raises(SpecError, match="CHI@RANK"):
+            straggler_from_env({"HETPLAN_EMULATE_STRAGGLER": bad})
+    with pytest.raises(SpecError, match="positive FLOP/s"):
+        straggler_from_env({"HETPLAN_EMULATE_STRAGGLER": "1@0",
+                            "HETPLAN_EMULATE_GEMM_FLOPS": "0"})

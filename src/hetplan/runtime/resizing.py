@@ -50,8 +50,9 @@ paper's closed-form rules.
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -96,6 +97,7 @@ __all__ = [
     "make_resizable",
     "masked_linear",
     "plan_roles",
+    "straggler_from_env",
 ]
 
 
@@ -751,6 +753,43 @@ class StragglerSpec:
     flop_rate: float | None = None
 
 
+#: ``hetplan run`` / ``Runtime``: emulate a straggler, ``CHI@RANK`` or ``CHI@RANK/ROTATE``
+ENV_STRAGGLER = "HETPLAN_EMULATE_STRAGGLER"
+#: with it, every rank's GEMMs last FLOPs / this rate (see :class:`StragglerEmulator`)
+ENV_GEMM_FLOPS = "HETPLAN_EMULATE_GEMM_FLOPS"
+
+
+def straggler_from_env(env: Mapping[str, str] | None = None) -> StragglerSpec | None:
+    """The emulated straggler of ``HETPLAN_EMULATE_STRAGGLER`` (None when unset).
+
+    ``"8@3"``: global rank 3's matmuls take 1 + 8 times as long; ``"8@3/4"``: the straggler
+    moves to the next rank of its TP group every 4 iterations. ``HETPLAN_EMULATE_GEMM_FLOPS``
+    (FLOP/s) also emulates every rank's device speed.
+
+    Raises:
+        SpecError: a malformed value (the message shows the expected form).
+    """
+    env = os.environ if env is None else env
+    raw = env.get(ENV_STRAGGLER, "").strip()
+    if not raw:
+        return None
+    try:
+        chi_s, _, rest = raw.partition("@")
+        rank_s, _, rot_s = rest.partition("/")
+        rate_s = env.get(ENV_GEMM_FLOPS, "").strip()
+        spec = StragglerSpec(float(chi_s), int(rank_s), int(rot_s) if rot_s else 0,
+                             float(rate_s) if rate_s else None)
+    except ValueError:
+        spec = None
+    if spec is None or spec.chi < 0 or spec.rank < 0 or spec.rotate_every < 0 or (
+            spec.flop_rate is not None and spec.flop_rate <= 0):
+        raise SpecError(f"{ENV_STRAGGLER}={raw!r} (with {ENV_GEMM_FLOPS}="
+                        f"{env.get(ENV_GEMM_FLOPS, '')!r}) is not valid: use CHI@RANK or "
+                        "CHI@RANK/ROTATE with CHI >= 0 (extra matmul time factor), a global "
+                        "RANK, ROTATE >= 0 iterations, and a positive FLOP/s rate")
+    return spec
+
+
 def attach_resizing(model: nn.Module, tp: TensorParallel | None, group: Any, tp_rank: int,
                     tp_size: int, straggler: StragglerSpec | None = None
                     ) -> tuple[Clock | None, ResizingRuntime | None]:
@@ -764,13 +803,14 @@ def attach_resizing(model: nn.Module, tp: TensorParallel | None, group: Any, tp_
             already replaced.
         tp: the plan's ``tensor_parallel`` section (controller settings, roles).
         group / tp_rank / tp_size: the TP process group and this rank's position.
-        straggler: the emulated straggler, if any.
+        straggler: the emulated straggler, if any (else ``HETPLAN_EMULATE_STRAGGLER``).
 
     Returns:
         The clock (call ``after_step`` of the controller, or ``reset`` the clock, each
         iteration) and the controller (None when the variant is ``off``).
     """
     settings = tp.controller if tp is not None else ResizingController()
+    straggler = straggler if straggler is not None else straggler_from_env()
     if settings.variant == "off" and straggler is None:
         return None, None
     ranks = _group_ranks(group, tp_size)
