@@ -74,3 +74,15 @@ def test_uneven_tp_plan_with_the_zero_controller_runs(tmp_path: Path) -> None:
     plan.save(tmp_path / "zero.json")
     report = _run(tmp_path / "zero.json", tmp_path / "zero.report.json")
     assert report["world_size"] == 2 and report["final_loss"] == report["final_loss"]  # not NaN
+
+
+@pytest.mark.parametrize("variant", ["semi", "migration"])
+def test_uneven_tp_plan_with_a_migrating_controller_runs(tmp_path: Path, variant: str) -> None:
+    """SEMI and migration on uneven shards (192 / 64 columns): the pretest's probe and every
+    migration buffer must have the same size on both ranks, or gloo aborts the job."""
+    plan = hetplan.compile("gpt-test", _cluster(2), batch_size=4, dp=1, pp=1, tp=2,
+                           tp_controller=variant)
+    assert plan.tensor_parallel.controller.variant == variant
+    plan.save(tmp_path / f"{variant}.json")
+    report = _run(tmp_path / f"{variant}.json", tmp_path / f"{variant}.report.json")
+    assert report["world_size"] == 2 and report["final_loss"] == report["final_loss"]

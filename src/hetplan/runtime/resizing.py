@@ -613,7 +613,11 @@ class ResizingRuntime:
             x.index_select(1, cols)
             w.index_select(1, cols)
             omega2 = min(omega2, (time.perf_counter() - t0) / n)
-        buf = w.new_zeros(n * (rows + w.shape[0]))
+        # the probe's size must be the same on every rank (shards may be uneven): half of
+        # group position 0's columns, with position 0's output rows
+        n0 = max(1, mod.rz.k_sizes[0] // 2)
+        out0 = mod.shard_sizes[0] if mod.rz.mode == "column" else w.shape[0]
+        buf = w.new_zeros(n0 * (rows + out0))
         phi1 = 0.0
         if self.tp_size > 1:
             phi1 = math.inf
@@ -622,7 +626,7 @@ class ResizingRuntime:
                 t0 = time.perf_counter()
                 dist.broadcast(buf, src=mod.rz.ranks[0], group=self.group)
                 dist.reduce(buf, dst=mod.rz.ranks[0], group=self.group)
-                phi1 = min(phi1, (time.perf_counter() - t0) / n)
+                phi1 = min(phi1, (time.perf_counter() - t0) / n0)
             vals = torch.tensor([omega2, phi1], dtype=torch.float64)
             dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.group)
             omega2, phi1 = vals.tolist()
