@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     rows: dict[str, Any] = {}
+    load0 = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {}
         for tag, rev in (("previous", args.commit), ("now", args.now)):
@@ -94,9 +95,10 @@ def main() -> None:
         "what": "espresso pass wall time (whole pass), --now vs --commit, same setup as "
                 "bench/espresso.py with --max-compressions 1",
         "commit": args.commit, "now": now_rev, "repeat": args.repeat,
-        "machine": {"note": "2 CPU cores shared with other jobs (load average ~10 during the "
-                            "run): absolute times are inflated; the two trees alternate, so "
-                            "the ratio is the comparable number"},
+        "machine": {"note": "2 CPU cores shared with other jobs: absolute times depend on "
+                            "their load; the two trees alternate, so the ratio is the "
+                            "comparable number",
+                    "load_average_1min_start_end": [load0, round(os.getloadavg()[0], 2)]},
         "cases": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
