@@ -143,9 +143,24 @@ def test_straggler_from_env() -> None:
     assert straggler_from_env({"HETPLAN_EMULATE_STRAGGLER": "2.5@1/4",
                                "HETPLAN_EMULATE_GEMM_FLOPS": "1e9"}) == StragglerSpec(
         2.5, 1, 4, 1e9)
-    for bad in ("8", "x@1", "8@-1", "-1@0", "8@1/z"):
+    for bad in ("8", "x@1", "8@-1", "-1@0", "8@1/z", "inf@1", "nan@1"):
         with pytest.raises(SpecError, match="CHI@RANK"):
             straggler_from_env({"HETPLAN_EMULATE_STRAGGLER": bad})
-    with pytest.raises(SpecError, match="positive FLOP/s"):
-        straggler_from_env({"HETPLAN_EMULATE_STRAGGLER": "1@0",
-                            "HETPLAN_EMULATE_GEMM_FLOPS": "0"})
+    for rate in ("0", "nan", "inf"):
+        with pytest.raises(SpecError, match="positive FLOP/s"):
+            straggler_from_env({"HETPLAN_EMULATE_STRAGGLER": "1@0",
+                                "HETPLAN_EMULATE_GEMM_FLOPS": rate})
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape"), [((2, 3, 0), (4, 0)), ((2, 3, 5), (0, 5))])
+def test_a_rank_with_an_empty_shard(x_shape: tuple[int, ...], w_shape: tuple[int, int]) -> None:
+    """A row shard with 0 input columns, a column shard with 0 output rows: forward and
+    backward work (``reshape(-1, 0)`` could not infer the rows) and give empty / zero parts."""
+    x = torch.randn(*x_shape, requires_grad=True)
+    w = torch.randn(*w_shape, requires_grad=True)
+    y = ResizedLinearFn.apply(x, w, torch.arange(w_shape[1]))
+    assert y.shape == (*x_shape[:-1], w_shape[0])
+    assert torch.equal(y, torch.zeros_like(y))
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.zeros(x_shape))
+    assert w.grad is not None and w.grad.shape == w_shape

@@ -436,3 +436,36 @@ def test_simulate_reads_the_tp_section(semi_plan: Plan) -> None:
                                                     abs=1e-6)
     even = semi_plan.model_copy(update={"tensor_parallel": None})
     assert simulate(even).iteration_time_ms != pytest.approx(again.iteration_time_ms, abs=1e-6)
+
+
+def test_migrate_src_without_dst_spreads_over_the_other_ranks(flat: Plan) -> None:
+    """As the runtime does (``plan_roles``): with no ``migrate_dst`` listed, every other rank
+    receives an equal part of the migrated work, so no work is lost from the cost."""
+    from hetplan.cost_models.tp_shares import rank_shares
+
+    roles = (TPRankRole(rank=2, role="migrate_src", gamma=0.5, beta=1.0),)
+    group = _section((64, 64, 64, 64), roles).groups[0]
+    st = flat.stages[0]
+    for row in rank_shares(flat.model.workload, group, st.first_layer, st.last_layer):
+        assert sum(row) == pytest.approx(1.0)
+        assert row == pytest.approx([0.25 + 0.125 / 3, 0.25 + 0.125 / 3, 0.125,
+                                     0.25 + 0.125 / 3])
+
+
+def test_a_rank_without_tp_work_makes_no_straggler() -> None:
+    """One rank 20x slower gets an empty shard (256 / 0); its TP time of 0 must not serve as
+    Eq. (1)'s reference, which made the only rank with MLP work prune (γ 0.5 under T_avg,
+    γ_max under SEMI's T_min)."""
+    cpu = {"memory_gib": 4.0, "peak_tflops": {"fp32": 0.1}, "mem_bandwidth_gb_s": 20.0}
+    spec = ClusterSpec.from_dict({
+        "name": "cpu-het", "nodes": [{
+            "name": "host", "devices": [{"type": "cpu", "count": 1},
+                                        {"type": "cpuslow", "count": 1}],
+            "cpu_cores": 2, "intra_link": {"kind": "loopback", "bandwidth_gbps": 40.0,
+                                           "latency_us": 10.0}}],
+        "device_types": {"cpu": cpu, "cpuslow": {**cpu, "peak_tflops": {"fp32": 0.005}}}})
+    for variant in ("zero", "semi"):
+        p = compile("gpt-test", spec, batch_size=4, dp=1, pp=1, tp=2, tp_controller=variant)
+        g = p.tensor_parallel.groups[0]
+        assert g.linears and all(lin.shard_sizes == (256, 0) for lin in g.linears)
+        assert all(r.role == "normal" and r.gamma == 0 for r in g.roles), (variant, g.roles)

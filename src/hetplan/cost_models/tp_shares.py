@@ -72,10 +72,13 @@ def rank_shares(workload: WorkloadSummary, group: TPGroup, first: int, last: int
     for k in range(last - first + 1):
         base = [f / total[k] for f in feats[k]] if total[k] else [1.0 / n] * n
         eff = [b * kp for b, kp in zip(base, keep)]
-        moved = sum(base[i] * role[r].gamma * role[r].beta for i, r in enumerate(group.ranks)
-                    if r in role and role[r].role == "migrate_src")
-        for i in dst:
-            eff[i] += moved / len(dst)
+        for i, r in enumerate(group.ranks):
+            if r not in role or role[r].role != "migrate_src":
+                continue
+            # as the runtime does: to the migrate_dst ranks, every other rank when none
+            takers = dst or [j for j in range(n) if j != i]
+            for j in takers:
+                eff[j] += base[i] * role[r].gamma * role[r].beta / len(takers)
         out.append(eff)
     return out
 

@@ -119,8 +119,14 @@ def expected_gammas(ctx: PassContext, group: TPGroup, first: int, last: int,
                 for k, lay in enumerate(layers) if lay.tp_pairs)
         t_all.append(t)
         m_all.append(t)  # T_i = M_i: only the TP layers count (see module docstring)
-    decisions = zero_decision(t_all, m_all, gamma_max, criterion, eps)
-    return {r: d.resize for r, d in zip(group.ranks, decisions) if d.resize > 0}
+    # a rank without TP work (an empty shard) is no reference: its T of 0 would make every
+    # other rank a straggler under T_min and halve T_avg
+    busy = [i for i, t in enumerate(t_all) if t > 0]
+    if len(busy) < 2:
+        return {}
+    decisions = zero_decision([t_all[i] for i in busy], [m_all[i] for i in busy], gamma_max,
+                              criterion, eps)
+    return {group.ranks[i]: d.resize for i, d in zip(busy, decisions) if d.resize > 0}
 
 
 @dataclass(frozen=True)
@@ -198,7 +204,7 @@ class TPResizing:
             notes.append("skewed shards do not fit in the faster ranks' memory; kept even "
                          "shards")
             skewed, skewed_ms = even, even_ms
-        if skewed_ms > even_ms:
+        if skewed_ms > even_ms and (even_fits or not skew_fits):
             notes.append(f"skewed shards predicted slower ({skewed_ms:.3f} > {even_ms:.3f} "
                          "ms); kept even shards")
             skewed, skewed_ms = even, even_ms
@@ -267,7 +273,8 @@ class TPResizing:
 
     def _controller_effect(self, even: TensorParallel, plan: Plan, ctx: PassContext,
                            ctl: ResizingController) -> tuple[TensorParallel, dict[int, float]]:
-        """Even shards with every straggler resizing by its Eq. (1) γ."""
+        """Even shards with the controller's roles for every straggler's Eq. (1) γ (resizing;
+        for the ``migration`` variant, migrating it to the other ranks)."""
         all_g: dict[int, float] = {}
         groups = []
         for g in even.groups:
@@ -275,9 +282,7 @@ class TPResizing:
             gam = expected_gammas(ctx, g, first, last, ctl.criterion, ctl.straggler_eps,
                                   ctl.gamma_max)
             all_g.update(gam)
-            roles = tuple(TPRankRole(rank=r, role="resize", gamma=gam[r]) for r in g.ranks
-                          if r in gam)
-            groups.append(g.model_copy(update={"roles": roles}))
+            groups.append(g.model_copy(update={"roles": self._roles(g, gam, ctl)}))
         return even.model_copy(update={"groups": tuple(groups)}), all_g
 
     @staticmethod

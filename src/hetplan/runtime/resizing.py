@@ -105,6 +105,12 @@ __all__ = [
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D ``[rows, features]`` view; works for a rank with 0 features, where
+    ``reshape(-1, 0)`` cannot infer the row count."""
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
+
+
 def _own_forward(x2: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None,
                  mm: MatMul = torch.matmul) -> torch.Tensor:
     """``X[:, keep] · W[:, keep]ᵀ`` (all columns when ``keep`` is None); ``x2`` is 2-D."""
@@ -138,13 +144,13 @@ class ResizedLinearFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, keep: torch.Tensor
                 ) -> torch.Tensor:
         ctx.save_for_backward(x, w, keep)
-        y = _own_forward(x.reshape(-1, x.shape[-1]), w, keep)
+        y = _own_forward(_rows(x), w, keep)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, w, keep = ctx.saved_tensors
-        dx, dw = _own_backward(dy.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w, keep)
+        dx, dw = _own_backward(_rows(dy), _rows(x), w, keep)
         return dx.reshape(x.shape), dw, None
 
 
@@ -229,8 +235,13 @@ class Clock:
     comm_s: float = 0.0
 
     def _timed(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
+        cuda = a.is_cuda
+        if cuda:  # time the kernel, not its launch
+            torch.cuda.synchronize(a.device)
         t0 = time.perf_counter()
         out = a @ b
+        if cuda:
+            torch.cuda.synchronize(a.device)
         dt = time.perf_counter() - t0
         if self.emulator is not None:
             dt += self.emulator.extra(dt, 2.0 * a.shape[0] * a.shape[1] * b.shape[1])
@@ -281,8 +292,8 @@ class Migration:
     k_src: int
     ranges: tuple[tuple[int, int, int], ...]  # (receiver, lo, hi)
 
-    def cols(self) -> torch.Tensor:
-        return torch.arange(self.k_src - self.n, self.k_src)
+    def cols(self, device: torch.device | None = None) -> torch.Tensor:
+        return torch.arange(self.k_src - self.n, self.k_src, device=device)
 
     def mine(self, pos: int) -> tuple[int, int] | None:
         for r, lo, hi in self.ranges:
@@ -340,20 +351,20 @@ class _ColumnFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, mod: ResizableColumnLinear
                 ) -> torch.Tensor:
         st, step, me = mod.rz, mod.rz.step, mod.tp_rank
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _rows(x)
         st.rows = x2.shape[0]
         y = _own_forward(x2, w, step.keep, st.clock.gemm)
         sent: list[torch.Tensor] = []
         for mig in step.migrations:
             out_s = mod.shard_sizes[mig.src]
-            wc = (w.index_select(1, mig.cols()) if me == mig.src
+            wc = (w.index_select(1, mig.cols(w.device)) if me == mig.src
                   else w.new_empty(out_s, mig.n))
             _bcast(wc, mig.src, st, mod.group)
             sent.append(wc)
             part = y if me == mig.src else x2.new_zeros(x2.shape[0], out_s)
             rng = mig.mine(me)
             if rng is not None:
-                cols = mig.cols()[rng[0]:rng[1]]
+                cols = mig.cols(w.device)[rng[0]:rng[1]]
                 part += st.clock.received(x2.index_select(1, cols), wc[:, rng[0]:rng[1]].t())
             _reduce(part, mig.src, st, mod.group)
         ctx.save_for_backward(x2, w, *sent)
@@ -365,7 +376,7 @@ class _ColumnFn(torch.autograd.Function):
         x2, w, *sent = ctx.saved_tensors
         mod, step = ctx.mod, ctx.step
         st, me = mod.rz, mod.tp_rank
-        dy2 = dy.reshape(-1, w.shape[0]).contiguous()
+        dy2 = _rows(dy).contiguous()
         dx, dw = _own_backward(dy2, x2, w, step.keep, st.clock.gemm)
         for mig, wc in zip(step.migrations, sent, strict=True):
             out_s = mod.shard_sizes[mig.src]
@@ -375,12 +386,12 @@ class _ColumnFn(torch.autograd.Function):
             rng = mig.mine(me)
             if rng is not None:
                 lo, hi = rng
-                cols = mig.cols()[lo:hi]
+                cols = mig.cols(w.device)[lo:hi]
                 dx.index_add_(1, cols, st.clock.received(dys, wc[:, lo:hi]))
                 buf[:, lo:hi] = st.clock.received(dys.t(), x2.index_select(1, cols))
             _reduce(buf, mig.src, st, mod.group)
             if me == mig.src:
-                dw.index_copy_(1, mig.cols(), buf)
+                dw.index_copy_(1, mig.cols(w.device), buf)
         if mod.tp_size > 1:
             _all_reduce(dx, st, mod.group)
         return dx.reshape(ctx.x_shape), dw, None
@@ -394,14 +405,14 @@ class _RowFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, mod: ResizableRowLinear
                 ) -> torch.Tensor:
         st, step, me = mod.rz, mod.rz.step, mod.tp_rank
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _rows(x)
         rows, out = x2.shape[0], w.shape[0]
         st.rows = rows
         y = _own_forward(x2, w, step.keep, st.clock.gemm)
         sent: list[torch.Tensor] = []
         for mig in step.migrations:
             if me == mig.src:
-                c = mig.cols()
+                c = mig.cols(w.device)
                 buf = torch.cat([x2.index_select(1, c).reshape(-1),
                                  w.index_select(1, c).reshape(-1)])
             else:
@@ -424,7 +435,7 @@ class _RowFn(torch.autograd.Function):
         x2, w, *sent = ctx.saved_tensors
         mod, step = ctx.mod, ctx.step
         st, me = mod.rz, mod.tp_rank
-        dy2 = dy.reshape(-1, w.shape[0]).contiguous()
+        dy2 = _rows(dy).contiguous()
         rows, out = dy2.shape
         dx, dw = _own_backward(dy2, x2, w, step.keep, st.clock.gemm)
         for i, mig in enumerate(step.migrations):
@@ -438,8 +449,8 @@ class _RowFn(torch.autograd.Function):
                 bx[:, lo:hi] = st.clock.received(dy2, wc[:, lo:hi])
             _reduce(buf, mig.src, st, mod.group)
             if me == mig.src:
-                dw.index_copy_(1, mig.cols(), bw)
-                dx.index_copy_(1, mig.cols(), bx)
+                dw.index_copy_(1, mig.cols(w.device), bw)
+                dx.index_copy_(1, mig.cols(w.device), bx)
         return dx.reshape(ctx.x_shape), dw, None
 
 
@@ -565,18 +576,24 @@ class ResizingRuntime:
         for _, mod in self.layers:
             st = mod.rz
             w = mod.weight.detach()
+            rows = max(w.shape[0], 1)  # a column shard may hold 0 rows
             if st.prev_w is None:
-                st.prev_w, st.acc = w.clone(), torch.zeros(w.shape[1], dtype=torch.float64)
-                st.w_var = w.abs().mean(0).double().tolist()  # cold start: magnitude
+                st.prev_w = w.clone()
+                st.acc = torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
+                st.w_var = (w.abs().sum(0) / rows).double().tolist()  # cold start: magnitude
                 continue
             assert st.acc is not None and st.w_var is not None
-            st.acc += (w - st.prev_w).abs().mean(0).double()
+            st.acc += ((w - st.prev_w).abs().sum(0) / rows).double()
             st.prev_w.copy_(w)
             if boundary:
                 st.w_var = update_wvar(st.w_var, st.acc.tolist(), st.step.pruned)
                 st.acc.zero_()
 
     # measurements -------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        """Where this rank's collectives run (NCCL needs CUDA tensors)."""
+        return self.layers[0][1].weight.device if self.layers else torch.device("cpu")
+
     def _own_fraction(self) -> float:
         me = self.tp_rank
         total = sum(m.rz.k_sizes[me] for _, m in self.layers)
@@ -593,7 +610,8 @@ class ResizingRuntime:
         self._t = t_raw if self._t is None else a * t_raw + (1 - a) * self._t
         self._m = m_raw if self._m is None else a * m_raw + (1 - a) * self._m
         cols = sum(m.rz.k_sizes[self.tp_rank] for _, m in self.layers)
-        mine = torch.tensor([self._t, self._m, float(cols)], dtype=torch.float64)
+        mine = torch.tensor([self._t, self._m, float(cols)], dtype=torch.float64,
+                            device=self._device())
         if self.tp_size == 1:
             return [mine.tolist()]
         bufs = [torch.empty_like(mine) for _ in range(self.tp_size)]
@@ -605,7 +623,7 @@ class ResizingRuntime:
         _, mod = self.layers[0]
         w = mod.weight.detach()
         n = max(1, w.shape[1] // 2)
-        cols = torch.arange(n)
+        cols = torch.arange(n, device=w.device)
         x = w.new_zeros(rows, w.shape[1])
         omega2 = math.inf
         for _ in range(_PRETEST_REPS):  # the fastest of a few: noise only adds time
@@ -627,7 +645,7 @@ class ResizingRuntime:
                 dist.broadcast(buf, src=mod.rz.ranks[0], group=self.group)
                 dist.reduce(buf, dst=mod.rz.ranks[0], group=self.group)
                 phi1 = min(phi1, (time.perf_counter() - t0) / n0)
-            vals = torch.tensor([omega2, phi1], dtype=torch.float64)
+            vals = torch.tensor([omega2, phi1], dtype=torch.float64, device=w.device)
             dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.group)
             omega2, phi1 = vals.tolist()
         return CostCoefficients(omega2=omega2 * len(self.layers), phi1=phi1 * len(self.layers))
@@ -666,7 +684,8 @@ class ResizingRuntime:
                 eligible = st.w_var[: k - n_mig]
                 pruned = select_pruned(eligible, min(n_columns(gk, k), len(eligible)))
             gone = set(pruned) | set(range(k - n_mig, k))
-            keep = (torch.tensor([c for c in range(k) if c not in gone], dtype=torch.long)
+            keep = (torch.tensor([c for c in range(k) if c not in gone], dtype=torch.long,
+                                 device=mod.weight.device)
                     if gone else None)
             st.step = LayerStep(keep, pruned, tuple(layer_migs))
 
@@ -785,12 +804,13 @@ def straggler_from_env(env: Mapping[str, str] | None = None) -> StragglerSpec | 
                              float(rate_s) if rate_s else None)
     except ValueError:
         spec = None
-    if spec is None or spec.chi < 0 or spec.rank < 0 or spec.rotate_every < 0 or (
-            spec.flop_rate is not None and spec.flop_rate <= 0):
+    if spec is None or not math.isfinite(spec.chi) or spec.chi < 0 or spec.rank < 0 or (
+            spec.rotate_every < 0) or (spec.flop_rate is not None and (
+                not math.isfinite(spec.flop_rate) or spec.flop_rate <= 0)):
         raise SpecError(f"{ENV_STRAGGLER}={raw!r} (with {ENV_GEMM_FLOPS}="
                         f"{env.get(ENV_GEMM_FLOPS, '')!r}) is not valid: use CHI@RANK or "
-                        "CHI@RANK/ROTATE with CHI >= 0 (extra matmul time factor), a global "
-                        "RANK, ROTATE >= 0 iterations, and a positive FLOP/s rate")
+                        "CHI@RANK/ROTATE with a finite CHI >= 0 (extra matmul time factor), a global "
+                        "RANK, ROTATE >= 0 iterations, and a positive FLOP/s rate (finite)")
     return spec
 
 
