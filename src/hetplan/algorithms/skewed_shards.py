@@ -19,8 +19,9 @@ Decisions (also in ``docs/decisions.md``, "TP resizing pass"):
   the maximum least, and the result is the same as the exact solution by exchange argument;
   the unit tests compare with brute force).
 * **Granularity** (:func:`shard_granularity`): 64 columns where 64 divides ``features`` and
-  leaves at least 2 units per rank (64 = the head dimension of GPT-2/Llama attention, so an
-  attention pair gets whole heads, and a multiple of the tensor-core tile), else the largest
+  leaves at least 2 units per rank (64 = GPT-2's attention head dimension — Llama's is 128,
+  so a 64-column unit could split one of its heads, were attention pairs sharded; the
+  runtime shards MLP pairs only — and a multiple of the tensor-core tile), else the largest
   power of two ≤ 64 that does, else 1. A rank may get zero units when it is very slow
   (the runtime supports empty shards).
 * Speeds must be positive and finite: a rank with no speed has no place in a TP group.
