@@ -441,7 +441,7 @@ def run_cmd(
     if dry_run:
         out.print(" ".join(cmd), markup=False)
         return
-    code = launch(cmd)
+    code = launch(cmd, keep_agent_traceback=_state["debug"])
     if code != 0:
         raise SpecError(f"training failed (torchrun exit code {code}); see the ranks' errors above")
     if report and report.is_file():

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 
-__all__ = ["torchrun_command", "launch"]
+__all__ = ["torchrun_command", "launch", "relay_stderr"]
 
 
 def torchrun_command(
@@ -71,9 +72,47 @@ def torchrun_command(
     return cmd
 
 
-def launch(cmd: list[str]) -> int:
-    """Run the torchrun command; its exit code (non-zero when any rank failed)."""
+#: the exception line that ends the launcher's own traceback when a rank fails
+_AGENT_ERROR = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def relay_stderr(lines: Iterable[str], out: TextIO, keep_agent_traceback: bool = False) -> None:
+    """Copy torchrun's stderr (its own and the ranks') to ``out``, without the launcher's
+    Python traceback when a rank fails: the ranks print their errors, torchrun prints a
+    summary box naming the failed ranks, and its ``Traceback … ChildFailedError`` says
+    nothing more. Any other traceback (a user script's) is copied whole."""
+    held: list[str] = []
+    for line in lines:
+        if held:
+            held.append(line)
+            if line.startswith(_AGENT_ERROR) and not keep_agent_traceback:
+                held = []  # the launcher's traceback: dropped
+            elif line.strip() and not line.startswith((" ", "\t", "Traceback")):
+                out.writelines(held)  # another exception line: the traceback stays
+                held = []
+            continue
+        if line.startswith("Traceback (most recent call last)"):
+            held = [line]
+            continue
+        out.write(line)
+        out.flush()
+    out.writelines(held)
+    out.flush()
+
+
+def launch(cmd: list[str], *, keep_agent_traceback: bool = False) -> int:
+    """Run the torchrun command, relaying its stderr (:func:`relay_stderr`); its exit code
+    (non-zero when any rank failed; 130 after Ctrl-C, which torchrun passes to the ranks)."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    assert proc.stderr is not None
     try:
-        return subprocess.run(cmd, check=False).returncode
+        relay_stderr(proc.stderr, sys.stderr, keep_agent_traceback)
+        return proc.wait()
     except KeyboardInterrupt:
+        try:  # torchrun got the same SIGINT: let it stop the ranks, draining its output
+            _, err = proc.communicate(timeout=60)
+            sys.stderr.write(err or "")
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.kill()
+            proc.wait()
         return 130
