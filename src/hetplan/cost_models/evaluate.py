@@ -264,9 +264,8 @@ def _stage_times(
         if best is None or f + b > best[0] + best[1]:
             best = (f, b, per_layer)
     assert best is not None
-    uneven = stage_compute(workload, st, tp, costs, mb, tp_section)
-    if uneven is not None:
-        best, sources = (uneven[0], uneven[1], uneven[2]), uneven[3]
+    # the cost sources stay those counted above (every device of the stage)
+    best = stage_compute(workload, st, tp, costs, mb, tp_section) or best
     if tp > 1:
         for lay in layers:
             if lay.tp_pairs:

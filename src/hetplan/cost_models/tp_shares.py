@@ -129,7 +129,7 @@ def stage_compute(
     costs: CostModel,
     mb: int,
     section: TensorParallel | None,
-) -> tuple[float, float, list[float], dict[str, int]] | None:
+) -> tuple[float, float, list[float]] | None:
     """Per-micro-batch forward and backward compute time of a stage and each layer's
     backward time, under the section's uneven shards and roles; None when the stage's TP
     groups are all even without roles (the caller's even model then applies unchanged).
@@ -154,9 +154,6 @@ def stage_compute(
     layers = workload.layers[first:last + 1]
     times = {r: costs.compute.layer_times(workload, costs.devices[r], mb)[first:last + 1]
              for r in st.ranks}
-    sources: dict[str, int] = {}
-    for t in times[st.ranks[0]]:
-        sources[t.source] = sources.get(t.source, 0) + 1
     fwd = [0.0] * len(layers)
     bwd = [0.0] * len(layers)
     for g in groups:
@@ -166,4 +163,4 @@ def stage_compute(
                 s = shares[k][i] if lay.tp_pairs else 1.0
                 fwd[k] = max(fwd[k], times[r][k].fwd_s * s)
                 bwd[k] = max(bwd[k], times[r][k].bwd_s * s)
-    return sum(fwd), sum(bwd), bwd, sources
+    return sum(fwd), sum(bwd), bwd
