@@ -112,6 +112,7 @@ class Runtime:
     )
     verify: bool = True
     straggler: StragglerSpec | None = None
+    _model_ir: Any = field(default=None, init=False, repr=False)  # captured once, on meta
 
     def __post_init__(self) -> None:
         layout = self.plan.layout
@@ -202,7 +203,7 @@ class Runtime:
         return a.repeat(reps, *([1] * (a.dim() - 1)))[:rows].clone()
 
     def _ir(self) -> Any:
-        if getattr(self, "_model_ir", None) is None:
+        if self._model_ir is None:
             from hetplan.ir.capture import capture
 
             self._model_ir = capture(self.model, tuple(self.example_args),
@@ -210,11 +211,7 @@ class Runtime:
         return self._model_ir
 
     def _verify_model(self) -> None:
-        from hetplan.ir.capture import capture
-
-        ir = capture(self.model, tuple(self.example_args), dict(self.example_kwargs),
-                     name=self.plan.model.name)
-        self._model_ir = ir
+        ir = self._ir()
         if ir.fingerprint() != self.plan.model.fingerprint:
             raise PlanMismatchError(
                 f"the model does not match the plan: its fingerprint is {ir.fingerprint()}, "

@@ -540,8 +540,8 @@ class ResizingRuntime:
         smoothing: weight of the newest measurement in the running T and M (noise filter).
 
     The straggler tolerance, ZERO's criterion and the receivers of migrated work come from
-    the settings (``straggler_eps``, ``criterion``, ``receivers``) when the plan has them;
-    else 0.05, ``avg`` and ``all`` (the paper's choices).
+    the settings (``straggler_eps``, ``criterion``, ``receivers``; by default 0.05, ``avg``
+    and ``all``, the paper's choices).
     """
 
     layers: list[tuple[str, Resizable]]
@@ -653,10 +653,10 @@ class ResizingRuntime:
     # decisions ----------------------------------------------------------------------------
     def _decide(self, g: list[list[float]]) -> list[RankDecision]:
         s = self.settings
-        eps = float(getattr(s, "straggler_eps", 0.05))
+        eps = s.straggler_eps
         t_raw, m_raw, cols = [v[0] for v in g], [v[1] for v in g], [int(v[2]) for v in g]
         if s.variant == "zero":
-            return zero_decision(t_raw, m_raw, s.gamma_max, getattr(s, "criterion", "avg"), eps)
+            return zero_decision(t_raw, m_raw, s.gamma_max, s.criterion, eps)
         if self._costs is None:
             self._costs = self._pretest(self.layers[0][1].rz.rows)
         # Φ_2 per column: the slowest receiver's seconds per column (all but the slowest rank)
@@ -668,7 +668,7 @@ class ResizingRuntime:
         variant: Literal["semi", "migration"] = "migration" if s.variant == "migration" \
             else "semi"
         return semi_decision(t_raw, m_raw, cols, costs, s.gamma_max, eps, variant,
-                             getattr(s, "receivers", "all"))
+                             s.receivers)
 
     def _apply(self, decisions: list[RankDecision]) -> None:
         """Turn the per-rank decisions into every layer's step (same on every rank)."""
