@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "TPRole",
     "ParamInfo",
     "LinearInfo",
+    "megatron_pairs",
     "LayerIR",
     "GradTensor",
     "ModelIR",
@@ -136,6 +138,56 @@ class LinearInfo:
     pair: str | None = None
 
     __pydantic_config__ = _FORBID
+
+
+def megatron_pairs(
+    linears: Iterable[LinearInfo],
+) -> tuple[list[tuple[list[LinearInfo], LinearInfo]], dict[str, str]]:
+    """The Megatron pairs among ``linears`` and why every other linear is not in one.
+
+    A pair is a row linear and the column linears whose ``pair`` names it, all in the same
+    parent module, the row naming one of them back, and every column's ``out_features``
+    equal to the row's ``in_features`` (so a split of the row's input splits the columns'
+    outputs alike). Both the ``tp-resizing`` pass (shard sizes) and the runtime's
+    :func:`~hetplan.runtime.tensor_parallel.tp_pairs` (which also needs the modules) use it.
+
+    Returns:
+        ``[(columns, row)]`` in IR order, and ``{linear name: reason}`` for the others.
+    """
+    infos = {lin.name: lin for lin in linears}
+    pairs: list[tuple[list[LinearInfo], LinearInfo]] = []
+    skipped: dict[str, str] = {}
+
+    def parent(name: str) -> str:
+        return name.rpartition(".")[0]
+
+    for row in infos.values():
+        if row.tp_role is not TPRole.ROW:
+            continue
+        cols = [c for c in infos.values() if c.tp_role is TPRole.COLUMN and c.pair == row.name]
+        why = ""
+        if row.pair not in {c.name for c in cols}:
+            why = f"row linear's partner {row.pair!r} does not name it back"
+        else:
+            for c in cols:
+                if parent(c.name) != parent(row.name):
+                    skipped[c.name] = f"paired with {row.name!r} in another module"
+            cols = [c for c in cols if parent(c.name) == parent(row.name)]
+            if row.pair not in {c.name for c in cols}:
+                why = "its partner lives in another module"
+            elif any(c.out_features != row.in_features for c in cols):
+                why = "column out_features differ from the row's in_features"
+        if why:
+            for n in [*(c.name for c in cols), row.name]:
+                skipped.setdefault(n, why)
+            continue
+        pairs.append((cols, row))
+    paired = {lin.name for cols, row in pairs for lin in (*cols, row)}
+    for name, lin in infos.items():
+        if name not in paired and name not in skipped:
+            skipped[name] = ("role 'either'" if lin.tp_role is TPRole.EITHER
+                             else "no row partner")
+    return pairs, skipped
 
 
 @dataclass(frozen=True, slots=True)

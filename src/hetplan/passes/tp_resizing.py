@@ -56,7 +56,7 @@ from hetplan.algorithms.zero_resizing import zero_decision
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.cost_models.tp_shares import rank_shares
 from hetplan.errors import InfeasiblePlanError, SpecError
-from hetplan.ir.model import LinearInfo, TPRole
+from hetplan.ir.model import megatron_pairs
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
     ResizingController,
@@ -68,25 +68,9 @@ from hetplan.ir.plan_sections import (
 )
 from hetplan.passes.base import PassContext, PassResult
 
-__all__ = ["TPResizing", "megatron_pairs", "rank_speeds", "expected_gammas"]
+__all__ = ["TPResizing", "rank_speeds", "expected_gammas"]
 
 Variant = Literal["off", "zero", "migration", "semi"]
-
-
-def megatron_pairs(linears: list[LinearInfo]) -> list[tuple[list[LinearInfo], LinearInfo]]:
-    """The shardable pairs among ``linears``: (column linears, row linear), in IR order."""
-    by_name = {lin.name: lin for lin in linears}
-    out = []
-    for row in linears:
-        if row.tp_role is not TPRole.ROW or row.pair not in by_name:
-            continue
-        parent = row.name.rpartition(".")[0]
-        cols = [c for c in linears if c.tp_role is TPRole.COLUMN and c.pair == row.name
-                and c.name.rpartition(".")[0] == parent]
-        if row.pair in {c.name for c in cols} and all(c.out_features == row.in_features
-                                                         for c in cols):
-            out.append((cols, row))
-    return out
 
 
 def rank_speeds(ctx: PassContext, ranks: tuple[int, ...], first: int, last: int) -> list[float]:
@@ -239,7 +223,7 @@ class TPResizing:
         linears = [lin for lay in ctx.model_ir.layers  # type: ignore[union-attr]
                    if lay.name in names for lin in lay.linears]
         shards: list[TPLinearShard] = []
-        for cols, row in megatron_pairs(linears):
+        for cols, row in megatron_pairs(linears)[0]:
             sizes = proportional_shards(row.in_features, speeds)
             if sizes == even_shards(row.in_features, len(sizes)):
                 continue

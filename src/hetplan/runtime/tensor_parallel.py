@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetplan.errors import PlanMismatchError
-from hetplan.ir.model import LayerIR, LinearInfo, TPRole
+from hetplan.ir.model import LayerIR, LinearInfo, megatron_pairs
 from hetplan.ir.plan_sections import TensorParallel, TPGroup
 
 __all__ = [
@@ -320,31 +320,13 @@ def tp_pairs(model: nn.Module, linears: Iterable[LinearInfo | LayerIR], tp_size:
             not fit the linear.
     """
     del tp_rank
-    infos = {lin.name: lin for lin in _flat_linears(linears)}
     listed = {s.name: s for s in tp_group.linears} if tp_group is not None else {}
-    skipped: dict[str, str] = {}
+    candidates, skipped = megatron_pairs(_flat_linears(linears))
     pairs: list[TPPair] = []
-    used: set[str] = set()
-    for row in infos.values():
-        if row.tp_role is not TPRole.ROW:
-            continue
-        cols = [c for c in infos.values() if c.tp_role is TPRole.COLUMN and c.pair == row.name]
+    for cols, row in candidates:
         names = [c.name for c in cols]
         why = ""
-        if row.pair not in names:
-            why = f"row linear's partner {row.pair!r} does not name it back"
-        elif any(_parent(n) != _parent(row.name) for n in names):
-            bad = [n for n in names if _parent(n) != _parent(row.name)]
-            cols = [c for c in cols if c.name not in bad]
-            names = [c.name for c in cols]
-            for n in bad:
-                skipped[n] = f"paired with {row.name!r} in another module"
-            if row.pair not in names:
-                why = "its partner lives in another module"
-        if not why and any(c.out_features != row.in_features for c in cols):
-            why = "column out_features differ from the row's in_features"
-        mods = [_module(model, n) for n in [*names, row.name]]
-        if not why and any(m is None for m in mods):
+        if any(_module(model, n) is None for n in [*names, row.name]):
             why = "not every linear of the pair is in this model (another stage?)"
         parent = _module(model, _parent(row.name))
         if not why and parent is not None and any(hasattr(parent, a) for a in HEAD_ATTRS):
@@ -367,11 +349,6 @@ def tp_pairs(model: nn.Module, linears: Iterable[LinearInfo | LayerIR], tp_size:
             raise PlanMismatchError(f"TP plan shard sizes {list(sizes)} for {row.name!r} do not "
                                     f"fit {row.in_features} features on {tp_size} ranks")
         pairs.append(TPPair(tuple(names), row.name, tuple(sizes)))
-        used.update([*names, row.name])
-    for name, lin in infos.items():
-        if name not in used and name not in skipped:
-            skipped[name] = ("role 'either'" if lin.tp_role is TPRole.EITHER
-                             else "no row partner")
     return pairs, skipped
 
 
