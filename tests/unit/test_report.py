@@ -16,7 +16,7 @@ regenerate them with::
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ from hetplan.report.render import render_text
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GiB = 2**30
 MiB = 2**20
+
+Golden = Callable[[str, str], None]  # the `golden` fixture (tests/conftest.py)
 
 
 # --------------------------------------------------------------------------------------
@@ -419,24 +421,12 @@ def test_diff_of_layouts(small: Plan) -> None:
 # --------------------------------------------------------------------------------------
 # golden text
 # --------------------------------------------------------------------------------------
-def _golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("HETPLAN_UPDATE_GOLDEN") == "1":
-        path.write_text(text, encoding="utf-8")
-    assert path.is_file(), f"{path} is missing; run with HETPLAN_UPDATE_GOLDEN=1 to create it"
-    expected = path.read_text(encoding="utf-8")
-    assert text == expected, (
-        f"{name} differs from the golden file; if the change is intended, regenerate with "
-        "HETPLAN_UPDATE_GOLDEN=1 and review the diff"
-    )
+def test_golden_inspect_text(small: Plan, golden: Golden) -> None:
+    golden("inspect_small.txt", render_text(build_report(small), width=100))
 
 
-def test_golden_inspect_text(small: Plan) -> None:
-    _golden("inspect_small.txt", render_text(build_report(small), width=100))
-
-
-def test_golden_explain_text(small: Plan) -> None:
+def test_golden_explain_text(small: Plan, golden: Golden) -> None:
     assert small.gradient_sync is not None
     tensor = small.gradient_sync.buckets[0].tensors[1]
     text = "\n".join(explain(small, t).text for t in ("bucket:0", "stage:1", "rank:17", tensor))
-    _golden("explain_small.txt", text)
+    golden("explain_small.txt", text)

@@ -7,8 +7,7 @@ without the pass; never from the pass's own output.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from pydantic import ValidationError
@@ -41,6 +40,8 @@ PRESET = "mixed-tp-node"
 ARGS = dict(batch_size=128, dp=2, pp=2, tp=4, micro_batch_size=32, dtype="fp16")
 #: one stage, for the cost-model tests (their TP sections are built by hand)
 FLAT = dict(batch_size=16, dp=4, pp=1, tp=4, micro_batch_size=4, dtype="fp16")
+
+Golden = Callable[[str, str], None]  # the `golden` fixture (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +249,6 @@ def test_cli_rejects_gamma_max_and_unknown_variant() -> None:
 
 
 # -- hetplan inspect explains the TP section -------------------------------------------------
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 @pytest.fixture(scope="module")
@@ -275,15 +275,8 @@ def test_inspect_report_of_the_tp_section(semi_plan: Plan) -> None:
                                                             abs=1e-6)
 
 
-def test_golden_inspect_tp_text(semi_plan: Plan) -> None:
-    text = render_text(build_report(semi_plan), sections=["tp"], width=100)
-    path = GOLDEN / "inspect_tp.txt"
-    if os.environ.get("HETPLAN_UPDATE_GOLDEN") == "1":
-        path.write_text(text, encoding="utf-8")
-    assert path.is_file(), f"{path} is missing; run with HETPLAN_UPDATE_GOLDEN=1 to create it"
-    assert text == path.read_text(encoding="utf-8"), (
-        "inspect_tp.txt differs from the golden file; if the change is intended, regenerate "
-        "with HETPLAN_UPDATE_GOLDEN=1 and review the diff")
+def test_golden_inspect_tp_text(semi_plan: Plan, golden: Golden) -> None:
+    golden("inspect_tp.txt", render_text(build_report(semi_plan), sections=["tp"], width=100))
 
 
 # -- hetplan explain linear:NAME -------------------------------------------------------------
@@ -319,15 +312,8 @@ def test_explain_unknown_linear(semi_plan: Plan) -> None:
         explain(semi_plan, "linear:blocks.1.fc3")
 
 
-def test_golden_explain_tp_text(semi_plan: Plan) -> None:
-    text = explain(semi_plan, "linear:blocks.0.fc1").text
-    path = GOLDEN / "explain_tp.txt"
-    if os.environ.get("HETPLAN_UPDATE_GOLDEN") == "1":
-        path.write_text(text, encoding="utf-8")
-    assert path.is_file(), f"{path} is missing; run with HETPLAN_UPDATE_GOLDEN=1 to create it"
-    assert text == path.read_text(encoding="utf-8"), (
-        "explain_tp.txt differs from the golden file; if the change is intended, regenerate "
-        "with HETPLAN_UPDATE_GOLDEN=1 and review the diff")
+def test_golden_explain_tp_text(semi_plan: Plan, golden: Golden) -> None:
+    golden("explain_tp.txt", explain(semi_plan, "linear:blocks.0.fc1").text)
 
 
 # -- memory: a rank holds its share ----------------------------------------------------------
