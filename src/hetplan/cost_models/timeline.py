@@ -562,8 +562,8 @@ class DPSession:
                                       cpu.copy(), sync_end))
                     else:
                         if not moving and next_bp > last_changed and \
-                                gpu_free == snap_gpu[next_bp] and self._converged(next_bp, runnable, gpu_queue, free, cpu,
-                                                sync_end, changed):
+                                gpu_free == snap_gpu[next_bp] and self._converged(
+                                    next_bp, runnable, gpu_queue, free, cpu, sync_end, changed):
                             return self.base_s
                     e = gpu_free + bp[next_bp]
                     gpu_free = e

@@ -24,10 +24,11 @@ Refines ``plan.tensor_parallel`` (filled by ``even-tp``), per TP group
    (a runtime controller measuring whole iterations sees more). ZERO and SEMI stragglers start
    as ``resize`` (β = 0: Eq. (2) needs the runtime's measured Ω/Φ costs, so the runtime's
    Algorithm 2 decides migration); the ``migration`` variant makes them ``migrate_src``
-   (β = 1) and the other ranks ``migrate_dst``. With static skew the residual imbalance is
-   at most one shard unit, so the roles it leaves are small (e.g. γ ≈ 0.05 on the V100s of
-   ``mixed-tp-node``): the controller is mainly for dynamic stragglers. Roles predicted to slow the plan down (migration onto slower receivers: Eq.
-   (1) sizes the migrated work by the sender alone) are dropped: every rank starts normal.
+   (β = 1) and the other ranks ``migrate_dst``. With static skew the residual imbalance is at
+   most one shard unit, so the roles it leaves are small (e.g. γ ≈ 0.05 on the V100s of
+   ``mixed-tp-node``): the controller is mainly for dynamic stragglers. Roles predicted to slow
+   the plan down (migration onto slower receivers: Eq. (1) sizes the migrated work by the
+   sender alone) are dropped: every rank starts normal.
 4. **Predicted effect** (``TensorParallel.predicted``), all with the project's simulator
    (:func:`~hetplan.cost_models.evaluate.evaluate` with the TP section): even shards; the
    plan's skewed shards; even shards with the expected γ of the controller (Eq. (1) with

@@ -747,12 +747,11 @@ class ResizingRuntime:
             self._basis = t_now
             self.decisions = self._decide(g)
             self._apply(self.decisions)
+        mine = self.decisions[self.tp_rank]  # set: the first call always re-plans
         self.history.append({"iteration": self.iteration, "t_raw": t_now, "skipped": skipped,
                              "busy_s": busy, "matmul_s": self.clock.gemm_s,
-                             "received_s": self.clock.recv_s, "replan": replan, "gamma": self.decisions[self.tp_rank].resize
-                             if self.decisions else 0.0,
-                             "migrate": self.decisions[self.tp_rank].migrate
-                             if self.decisions else 0.0})
+                             "received_s": self.clock.recv_s, "replan": replan,
+                             "gamma": mine.resize, "migrate": mine.migrate})
         self.clock.reset()
         if self.clock.emulator is not None:
             self.clock.emulator.advance()

@@ -35,8 +35,9 @@ pieces work); ``decomp`` decompresses every piece and sums (the thesis' "decompr
 aggregate"); a ``comp`` after a ``decomp`` re-compresses the aggregated shard with its own
 error-feedback site. Randomized compressors are seeded from (iteration, site, offset) and not
 from the rank, so ranks that hold the same aggregated shard compress it identically (replicas
-never diverge) and random-k draws the same positions on every rank. A collective whose range is empty on every member (e.g. the inter step of
-the non-root ranks after an intra ``reduce``) is skipped.
+never diverge) and random-k draws the same positions on every rank. A collective whose range is
+empty on every member (e.g. the inter step of the non-root ranks after an intra ``reduce``) is
+skipped.
 
 Gloo (decision in ``docs/decisions.md``): its ``all_gather`` rejects uneven sizes, so dense
 chunks are padded to ``ceil(len / g)`` and compressed byte buffers to the largest one (sizes are
