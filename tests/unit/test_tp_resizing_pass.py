@@ -425,7 +425,7 @@ def test_simulate_reads_the_tp_section(semi_plan: Plan) -> None:
 
 
 def test_migrate_src_without_dst_spreads_over_the_other_ranks(flat: Plan) -> None:
-    """As the runtime does (``plan_roles``): with no ``migrate_dst`` listed, every other rank
+    """The runtime's reading (``plan_roles``): with no ``migrate_dst`` listed, every other rank
     receives an equal part of the migrated work, so no work is lost from the cost."""
     from hetplan.cost_models.tp_shares import rank_shares
 

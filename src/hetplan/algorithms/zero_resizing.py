@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from hetplan.errors import SpecError
 
@@ -56,6 +56,7 @@ __all__ = [
     "eq3_f",
     "gamma_workload",
     "n_columns",
+    "plan_roles",
     "pridiff_ratio",
     "receiver_ranges",
     "renormalise_ratios",
@@ -287,6 +288,57 @@ class RankDecision:
     resize: float = 0.0
     migrate: float = 0.0
     receivers: tuple[int, ...] = ()
+
+
+class PlanRole(Protocol):
+    """A plan's initial role of one rank (``ir.plan_sections.TPRankRole``)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def gamma(self) -> float: ...
+
+    @property
+    def beta(self) -> float: ...
+
+
+class PlanGroup(Protocol):
+    """A plan's TP group (``ir.plan_sections.TPGroup``): its ranks and their roles."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+
+    @property
+    def roles(self) -> Sequence[PlanRole]: ...
+
+
+def plan_roles(group: PlanGroup) -> list[RankDecision]:
+    """The plan's initial roles as decisions, one per group position.
+
+    ``resize`` prunes ``γ``; ``migrate_src`` sends ``γ·β`` and prunes ``γ·(1 − β)`` (the
+    Eq. (2) split) to the ``migrate_dst`` ranks (every other rank when none is listed).
+    The one reading of a plan's roles: the runtime starts from it, the cost model
+    (:mod:`hetplan.cost_models.tp_shares`) prices it.
+    """
+    pos = {r: i for i, r in enumerate(group.ranks)}
+    by_rank = {role.rank: role for role in group.roles}
+    dst = tuple(pos[r.rank] for r in group.roles if r.role == "migrate_dst")
+    out = []
+    for i, r in enumerate(group.ranks):
+        role = by_rank.get(r)
+        if role is None or role.role in ("normal", "migrate_dst") or role.gamma <= 0:
+            out.append(RankDecision())
+        elif role.role == "resize":
+            out.append(RankDecision("resize", resize=role.gamma))
+        else:
+            takers = dst or tuple(j for j in range(len(group.ranks)) if j != i)
+            out.append(RankDecision("migrate_src", resize=role.gamma * (1 - role.beta),
+                                    migrate=role.gamma * role.beta, receivers=takers))
+    return out
 
 
 def zero_decision(t_raw: Sequence[float], m_raw: Sequence[float], gamma_max: float,

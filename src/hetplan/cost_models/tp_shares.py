@@ -12,7 +12,9 @@
 * **Roles** (the controller's expected effect, ``research/zero_resizing.md`` §2.3, §3.4):
   a ``resize`` or ``migrate_src`` rank computes ``1 − γ`` of its share (a ``migrate_src``
   rank sends ``γ·β`` of it and prunes ``γ·(1−β)``); the migrated work is spread evenly over
-  the group's ``migrate_dst`` ranks. Migration's broadcast/reduce traffic is not modelled.
+  the group's ``migrate_dst`` ranks, or every other rank when none is listed — the runtime's
+  reading, :func:`~hetplan.algorithms.zero_resizing.plan_roles`. Migration's
+  broadcast/reduce traffic is not modelled.
 * **Gradient sync and optimizer step** use the largest rank share of each layer: the DP group
   of the largest shard syncs the most bytes and its optimizer step updates the most (the
   simulator follows one DP group per stage).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hetplan.algorithms.zero_resizing import plan_roles
 from hetplan.cost_models.costs import CostModel
 from hetplan.ir.plan_sections import Stage, TensorParallel, TPGroup, WorkloadSummary
 
@@ -64,21 +67,14 @@ def rank_shares(workload: WorkloadSummary, group: TPGroup, first: int, last: int
         for i, size in enumerate(lin.shard_sizes):
             feats[k - first][i] += size
         total[k - first] += lin.features
-    role = {r.rank: r for r in group.roles}
-    keep = [1.0 - role[r].gamma if r in role and role[r].role in ("resize", "migrate_src")
-            else 1.0 for r in group.ranks]
-    dst = [i for i, r in enumerate(group.ranks) if r in role and role[r].role == "migrate_dst"]
+    decisions = plan_roles(group)  # the runtime's reading of the roles
     out = []
     for k in range(last - first + 1):
         base = [f / total[k] for f in feats[k]] if total[k] else [1.0 / n] * n
-        eff = [b * kp for b, kp in zip(base, keep)]
-        for i, r in enumerate(group.ranks):
-            if r not in role or role[r].role != "migrate_src":
-                continue
-            # as the runtime does: to the migrate_dst ranks, every other rank when none
-            takers = dst or [j for j in range(n) if j != i]
-            for j in takers:
-                eff[j] += base[i] * role[r].gamma * role[r].beta / len(takers)
+        eff = [b * (1.0 - d.resize - d.migrate) for b, d in zip(base, decisions)]
+        for i, d in enumerate(decisions):
+            for j in d.receivers:
+                eff[j] += base[i] * d.migrate / len(d.receivers)
         out.append(eff)
     return out
 

@@ -54,7 +54,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -65,6 +65,7 @@ from hetplan.algorithms.zero_resizing import (
     CostCoefficients,
     RankDecision,
     n_columns,
+    plan_roles,
     pridiff_ratio,
     receiver_ranges,
     renormalise_ratios,
@@ -75,7 +76,7 @@ from hetplan.algorithms.zero_resizing import (
     zero_decision,
 )
 from hetplan.errors import SpecError
-from hetplan.ir.plan_sections import ResizingController, TensorParallel, TPGroup
+from hetplan.ir.plan_sections import ResizingController, TensorParallel
 from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 #: repetitions of each pretest measurement (the minimum is kept)
@@ -96,7 +97,6 @@ __all__ = [
     "end_iteration",
     "make_resizable",
     "masked_linear",
-    "plan_roles",
     "straggler_from_env",
 ]
 
@@ -189,14 +189,13 @@ class StragglerEmulator:
     rotate_every: int = 0
     flop_rate: float | None = None
     iteration: int = 0
+    debt: float = 0.0  # emulated seconds owed by the GEMMs since the last settle
 
     def current(self) -> int:
         """The straggler's group position at this iteration."""
         if self.rotate_every <= 0:
             return self.straggler % self.tp_size
         return (self.straggler + self.iteration // self.rotate_every) % self.tp_size
-
-    debt: float = 0.0
 
     def extra(self, dt: float, flops: float = 0.0) -> float:
         """The emulated extra time of a GEMM that took ``dt`` seconds for ``flops``.
@@ -216,9 +215,8 @@ class StragglerEmulator:
     def settle(self) -> None:
         """Sleep the time owed by the GEMMs since the last call."""
         if self.debt > 0.0:
-            end = time.perf_counter() + self.debt
+            time.sleep(self.debt)
             self.debt = 0.0
-            time.sleep(max(end - time.perf_counter(), 0.0))
 
     def advance(self) -> None:
         """Count one iteration (call once per training step)."""
@@ -275,10 +273,19 @@ class Clock:
         try:
             yield
         finally:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # the collective's wait, not only its launch
             self.comm_s += time.perf_counter() - t0
 
     def reset(self) -> None:
         self.gemm_s = self.recv_s = self.comm_s = 0.0
+
+    def next_iteration(self) -> None:
+        """End an iteration: pay what is owed, zero the counters, move a rotating straggler."""
+        self.settle()
+        self.reset()
+        if self.emulator is not None:
+            self.emulator.advance()
 
 
 # -- per-layer state -------------------------------------------------------------------------
@@ -503,29 +510,6 @@ def make_resizable(model: nn.Module, clock: Clock) -> list[tuple[str, Resizable]
     return out
 
 
-def plan_roles(group: TPGroup) -> list[RankDecision]:
-    """The plan's initial roles as decisions, one per group position.
-
-    ``resize`` prunes ``γ``; ``migrate_src`` sends ``γ·β`` and prunes ``γ·(1 − β)`` (the
-    Eq. (2) split) to the ``migrate_dst`` ranks (every other rank when none is listed).
-    """
-    pos = {r: i for i, r in enumerate(group.ranks)}
-    by_rank = {role.rank: role for role in group.roles}
-    dst = tuple(pos[r.rank] for r in group.roles if r.role == "migrate_dst")
-    out = []
-    for i, r in enumerate(group.ranks):
-        role = by_rank.get(r)
-        if role is None or role.role in ("normal", "migrate_dst") or role.gamma <= 0:
-            out.append(RankDecision())
-        elif role.role == "resize":
-            out.append(RankDecision("resize", resize=role.gamma))
-        else:
-            takers = dst or tuple(j for j in range(len(group.ranks)) if j != i)
-            out.append(RankDecision("migrate_src", resize=role.gamma * (1 - role.beta),
-                                    migrate=role.gamma * role.beta, receivers=takers))
-    return out
-
-
 # -- the controller --------------------------------------------------------------------------
 @dataclass
 class ResizingRuntime:
@@ -594,23 +578,27 @@ class ResizingRuntime:
         """Where this rank's collectives run (NCCL needs CUDA tensors)."""
         return self.layers[0][1].weight.device if self.layers else torch.device("cpu")
 
+    def _own_columns(self) -> int:
+        """This rank's contraction columns over its resizable layers."""
+        return sum(m.rz.k_sizes[self.tp_rank] for _, m in self.layers)
+
     def _own_fraction(self) -> float:
-        me = self.tp_rank
-        total = sum(m.rz.k_sizes[me] for _, m in self.layers)
+        """The fraction of its own columns this rank prunes or migrates this iteration."""
+        me, total = self.tp_rank, self._own_columns()
         gone = 0
         for _, m in self.layers:
             step = m.rz.step
             gone += len(step.pruned) + sum(g.n for g in step.migrations if g.src == me)
         return min(gone / total, 0.999) if total else 0.0
 
-    def _gather(self, busy_s: float) -> list[list[float]]:
-        t_raw, m_raw = unbalanced_times(busy_s, self.clock.gemm_s, self._own_fraction(),
-                                        self.clock.recv_s)
+    def _gather(self, busy_s: float, skipped: float) -> list[list[float]]:
+        """Every rank's smoothed ``[T_raw, M_raw, columns]`` (``skipped``: this rank's
+        :meth:`_own_fraction` of the iteration measured)."""
+        t_raw, m_raw = unbalanced_times(busy_s, self.clock.gemm_s, skipped, self.clock.recv_s)
         a = self.smoothing
         self._t = t_raw if self._t is None else a * t_raw + (1 - a) * self._t
         self._m = m_raw if self._m is None else a * m_raw + (1 - a) * self._m
-        cols = sum(m.rz.k_sizes[self.tp_rank] for _, m in self.layers)
-        mine = torch.tensor([self._t, self._m, float(cols)], dtype=torch.float64,
+        mine = torch.tensor([self._t, self._m, float(self._own_columns())], dtype=torch.float64,
                             device=self._device())
         if self.tp_size == 1:
             return [mine.tolist()]
@@ -663,8 +651,7 @@ class ResizingRuntime:
         slowest = max(range(len(t_raw)), key=lambda r: (t_raw[r], -r))
         phi2 = max((m_raw[r] / cols[r] for r in range(len(cols)) if r != slowest and cols[r]),
                    default=0.0)
-        costs = CostCoefficients(self._costs.omega1, self._costs.omega2, self._costs.phi1,
-                                 phi2)
+        costs = replace(self._costs, phi2=phi2)
         variant: Literal["semi", "migration"] = "migration" if s.variant == "migration" \
             else "semi"
         return semi_decision(t_raw, m_raw, cols, costs, s.gamma_max, eps, variant,
@@ -734,10 +721,10 @@ class ResizingRuntime:
                 clock's collective time is subtracted here).
         """
         skipped = self._own_fraction()
-        self.clock.settle()
+        self.clock.settle()  # owed time counts in this iteration's busy time
         self._track()
         busy = max(busy_s - self.clock.comm_s, self.clock.gemm_s)
-        g = self._gather(busy)
+        g = self._gather(busy, skipped)
         t_now = [v[0] for v in g]
         trigger = self.settings.replan_trigger
         replan = (self._basis is None or (self.iteration + 1) % self.period == 0
@@ -752,9 +739,7 @@ class ResizingRuntime:
                              "busy_s": busy, "matmul_s": self.clock.gemm_s,
                              "received_s": self.clock.recv_s, "replan": replan,
                              "gamma": mine.resize, "migrate": mine.migrate})
-        self.clock.reset()
-        if self.clock.emulator is not None:
-            self.clock.emulator.advance()
+        self.clock.next_iteration()
         self.iteration += 1
 
     def lineage(self) -> dict[str, tuple[int, ...]]:
@@ -808,8 +793,9 @@ def straggler_from_env(env: Mapping[str, str] | None = None) -> StragglerSpec | 
                 not math.isfinite(spec.flop_rate) or spec.flop_rate <= 0)):
         raise SpecError(f"{ENV_STRAGGLER}={raw!r} (with {ENV_GEMM_FLOPS}="
                         f"{env.get(ENV_GEMM_FLOPS, '')!r}) is not valid: use CHI@RANK or "
-                        "CHI@RANK/ROTATE with a finite CHI >= 0 (extra matmul time factor), a global "
-                        "RANK, ROTATE >= 0 iterations, and a positive FLOP/s rate (finite)")
+                        "CHI@RANK/ROTATE with a finite CHI >= 0 (extra matmul time factor), "
+                        "a global RANK, ROTATE >= 0 iterations, and a positive FLOP/s rate "
+                        "(finite)")
     return spec
 
 
@@ -858,7 +844,4 @@ def end_iteration(clock: Clock | None, controller: ResizingRuntime | None,
     if controller is not None:
         controller.after_step(busy_s)
     elif clock is not None:
-        clock.settle()
-        clock.reset()
-        if clock.emulator is not None:
-            clock.emulator.advance()
+        clock.next_iteration()
