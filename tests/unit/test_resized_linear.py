@@ -1,32 +1,51 @@
-"""The resized linear (``hetplan.runtime.resizing.ResizedLinearFn``) against the 0/1 column
-mask oracle and the paper's Fig. 2 pattern worked out by hand (digest TC-1), plus the
-straggler emulator."""
+"""The resizable column- and row-parallel linears of the runtime (one rank, so no
+collectives) against the 0/1 column-mask oracle and the paper's Fig. 2 pattern worked out by
+hand (digest TC-1), plus the straggler emulator."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from torch import nn
 
-from hetplan.runtime.resizing import (
-    Clock,
-    ResizedLinearFn,
-    StragglerEmulator,
-    masked_linear,
-)
+from hetplan.runtime.resizing import Clock, LayerStep, StragglerEmulator, make_resizable
+from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-
-def _keep(idx: list[int]) -> torch.Tensor:
-    return torch.tensor(idx, dtype=torch.long)
+KINDS = ("column", "row")
 
 
-def test_tc1_fig2_by_hand() -> None:
+def masked_linear(x: torch.Tensor, w: torch.Tensor, keep: Sequence[int]) -> torch.Tensor:
+    """The oracle: ``(X · mask) (W · mask)ᵀ`` with a 0/1 mask of the kept columns."""
+    mask = torch.zeros(w.shape[1], dtype=w.dtype)
+    mask[list(keep)] = 1
+    return (x * mask) @ (w * mask).t()
+
+
+def resized(kind: str, w: torch.Tensor, keep: Sequence[int] | None
+            ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``f(x, w)``: the runtime's resizable ``kind`` linear (one rank) with weight ``w``,
+    computing only the ``keep`` contraction columns (None: all, the runtime's full path)."""
+    out, k = w.shape
+    full = nn.Linear(k, out, bias=False, dtype=w.dtype)
+    cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    model = nn.Sequential(cls.from_linear(full, (out,) if kind == "column" else (k,), 0))
+    (_, mod), = make_resizable(model, Clock())
+    idx = None if keep is None else torch.tensor(list(keep), dtype=torch.long)
+    pruned = () if keep is None else tuple(sorted(set(range(k)) - set(keep)))
+    mod.rz.step = LayerStep(idx, pruned)
+    return lambda x, weight: torch.func.functional_call(mod, {"weight": weight}, (x,))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tc1_fig2_by_hand(kind: str) -> None:
     # N = 3, out = 2, K = 4, γ = 0.5, keep = [0, 2], pruned P = [1, 3]
     x = torch.tensor([[1., 2, 3, 4], [5, 6, 7, 8], [-1, 0, 2, 1]], requires_grad=True)
     w = torch.tensor([[1., 0, 2, 1], [0, 1, -1, 3]], requires_grad=True)
     dy = torch.tensor([[1., -1], [2, 0], [0, 1]])
-    y = ResizedLinearFn.apply(x, w, _keep([0, 2]))
+    y = resized(kind, w, [0, 2])(x, w)
     # Y[0] = [1·1 + 3·2, 1·0 + 3·(-1)] = [7, -3] …
     assert torch.equal(y.detach(), torch.tensor([[7., -3], [19, -7], [3, -2]]))
     y.backward(dy)
@@ -36,31 +55,32 @@ def test_tc1_fig2_by_hand() -> None:
     assert torch.equal(x.grad, torch.tensor([[1., 0, 3, 0], [2, 0, 4, 0], [0, 0, -1, 0]]))
 
 
-@pytest.mark.parametrize("keep", [[0, 2, 5], [1], list(range(7)), [3, 4, 5, 6]])
-def test_equals_mask_reference(keep: list[int]) -> None:
-    g = torch.Generator().manual_seed(len(keep))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("keep", [[0, 2, 5], [1], list(range(7)), [3, 4, 5, 6], None])
+def test_equals_mask_reference(kind: str, keep: list[int] | None) -> None:
+    g = torch.Generator().manual_seed(len(keep or ()))
     x = torch.randn(2, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
-    y = ResizedLinearFn.apply(x, w, _keep(keep))
+    y = resized(kind, w, keep)(x, w)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
-    y_ref = masked_linear(x, w, keep)
+    y_ref = masked_linear(x, w, range(7) if keep is None else keep)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (x, w), dy)
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dx, dx_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dw, dw_ref, rtol=1e-12, atol=1e-12)
-    pruned = sorted(set(range(7)) - set(keep))
+    pruned = sorted(set(range(7)) - set(keep or range(7)))
     assert not dw[:, pruned].any() and not dx[..., pruned].any()  # zero imputation
 
 
-def test_gradcheck_float64() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_float64(kind: str) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    keep = _keep([0, 1, 4])
     # backward vs finite differences of the forward; the forward itself is pinned to the mask
     # oracle by test_equals_mask_reference, so together backward equals the oracle's too
-    assert torch.autograd.gradcheck(lambda a, b: ResizedLinearFn.apply(a, b, keep), (x, w))
+    assert torch.autograd.gradcheck(resized(kind, w, [0, 1, 4]), (x, w))
 
 
 def test_emulator_sleeps_only_on_the_straggler() -> None:
@@ -152,13 +172,16 @@ def test_straggler_from_env() -> None:
                                 "HETPLAN_EMULATE_GEMM_FLOPS": rate})
 
 
-@pytest.mark.parametrize(("x_shape", "w_shape"), [((2, 3, 0), (4, 0)), ((2, 3, 5), (0, 5))])
-def test_a_rank_with_an_empty_shard(x_shape: tuple[int, ...], w_shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize(("kind", "x_shape", "w_shape"),
+                         [("row", (2, 3, 0), (4, 0)), ("column", (2, 3, 5), (0, 5))])
+@pytest.mark.parametrize("keep_all", [True, False])
+def test_a_rank_with_an_empty_shard(kind: str, x_shape: tuple[int, ...],
+                                    w_shape: tuple[int, int], keep_all: bool) -> None:
     """A row shard with 0 input columns, a column shard with 0 output rows: forward and
     backward work (``reshape(-1, 0)`` could not infer the rows) and give empty / zero parts."""
     x = torch.randn(*x_shape, requires_grad=True)
     w = torch.randn(*w_shape, requires_grad=True)
-    y = ResizedLinearFn.apply(x, w, torch.arange(w_shape[1]))
+    y = resized(kind, w, None if keep_all else range(w_shape[1]))(x, w)
     assert y.shape == (*x_shape[:-1], w_shape[0])
     assert torch.equal(y, torch.zeros_like(y))
     y.sum().backward()

@@ -89,14 +89,12 @@ __all__ = [
     "Migration",
     "ResizableColumnLinear",
     "ResizableRowLinear",
-    "ResizedLinearFn",
     "ResizingRuntime",
     "StragglerEmulator",
     "StragglerSpec",
     "attach_resizing",
     "end_iteration",
     "make_resizable",
-    "masked_linear",
     "straggler_from_env",
 ]
 
@@ -130,35 +128,6 @@ def _own_backward(dy: torch.Tensor, x2: torch.Tensor, w: torch.Tensor,
     dx.index_copy_(1, keep, mm(dy, w.index_select(1, keep)))
     dw.index_copy_(1, keep, mm(dy.t(), x2.index_select(1, keep)))
     return dx, dw
-
-
-class ResizedLinearFn(torch.autograd.Function):
-    """``Y = X[..., keep] W[:, keep]ᵀ``; backward imputes zeros at the pruned columns.
-
-    ``apply(x, w, keep)`` with ``x`` [..., K], ``w`` [out, K] and ``keep`` a sorted int64
-    tensor of kept contraction columns. Backward re-gathers the kept columns of the saved
-    full ``x`` and ``w`` with the lineage indices (§6.4): no pruned copy is kept alive.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, keep: torch.Tensor
-                ) -> torch.Tensor:
-        ctx.save_for_backward(x, w, keep)
-        y = _own_forward(_rows(x), w, keep)
-        return y.reshape(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x, w, keep = ctx.saved_tensors
-        dx, dw = _own_backward(_rows(dy), _rows(x), w, keep)
-        return dx.reshape(x.shape), dw, None
-
-
-def masked_linear(x: torch.Tensor, w: torch.Tensor, keep: Sequence[int]) -> torch.Tensor:
-    """The test oracle: ``(X · mask) (W · mask)ᵀ`` with a 0/1 mask of the kept columns."""
-    mask = torch.zeros(w.shape[1], dtype=w.dtype)
-    mask[list(keep)] = 1
-    return (x * mask) @ (w * mask).t()
 
 
 # -- straggler emulation and clocks ----------------------------------------------------------
