@@ -26,7 +26,6 @@ from hetplan.models import TinyGPT
 from hetplan.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    even_shard_sizes,
     shard_model,
     tp_pairs,
 )
@@ -266,11 +265,6 @@ def test_local_shards_have_the_planned_sizes(results2: list[dict[str, Any]],
 
 
 # -- decisions, without processes ------------------------------------------------------------
-def test_even_shard_sizes_give_the_remainder_to_the_first_ranks() -> None:
-    assert even_shard_sizes(18, 4) == [5, 5, 4, 4]
-    assert even_shard_sizes(3, 4) == [1, 1, 1, 0]
-
-
 def test_only_mlp_pairs_are_sharded_in_tinygpt() -> None:
     pairs, skipped = tp_pairs(_model("gpt", 32), _gpt_linears(), 2)
     assert [(p.columns, p.row, p.shard_sizes) for p in pairs] == [

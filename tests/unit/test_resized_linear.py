@@ -134,8 +134,8 @@ def test_controller_rejects_unsupported_settings() -> None:
 
 
 def test_plan_roles_to_decisions() -> None:
-    from hetplan.ir.plan_sections import TPGroup, TPRankRole
     from hetplan.algorithms.zero_resizing import plan_roles
+    from hetplan.ir.plan_sections import TPGroup, TPRankRole
 
     # global ranks 4..7: rank 6 resizes 0.3; rank 7 sends γ β = 0.6 · 0.5 and prunes
     # γ (1 − β) = 0.3 towards the listed migrate_dst ranks 4 and 5 (positions 0 and 1)

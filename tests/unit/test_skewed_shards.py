@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.algorithms.skewed_shards import proportional_shards, shard_granularity, shard_time
+from hetplan.algorithms.skewed_shards import (
+    even_shards,
+    proportional_shards,
+    shard_granularity,
+    shard_time,
+)
 from hetplan.errors import SpecError
 
 
@@ -72,3 +77,8 @@ def test_bad_speeds_are_rejected(speeds: list[float]) -> None:
 def test_bad_features_rejected() -> None:
     with pytest.raises(SpecError, match="features"):
         proportional_shards(0, [1.0])
+
+
+def test_even_shards_give_the_remainder_to_the_first_ranks() -> None:
+    assert even_shards(18, 4) == (5, 5, 4, 4)
+    assert even_shards(3, 4) == (1, 1, 1, 0)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hetplan.algorithms.skewed_shards import even_shards
 from hetplan.errors import PlanMismatchError
 from hetplan.ir.model import LayerIR, LinearInfo, megatron_pairs
 from hetplan.ir.plan_sections import TensorParallel, TPGroup
@@ -48,7 +49,6 @@ __all__ = [
     "RowParallelLinear",
     "TPPair",
     "copy_to_tp",
-    "even_shard_sizes",
     "gather_shards",
     "reduce_from_tp",
     "shard_model",
@@ -60,14 +60,6 @@ log = logging.getLogger(__name__)
 #: Attributes that mark a module as multi-head attention (its pairs are not sharded).
 HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "num_key_value_heads",
               "head_dim")
-
-
-def even_shard_sizes(features: int, parts: int) -> list[int]:
-    """Split ``features`` into ``parts`` shares; the first ``features % parts`` get one more."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    base, extra = divmod(features, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -344,7 +336,7 @@ def tp_pairs(model: nn.Module, linears: Iterable[LinearInfo | LayerIR], tp_size:
         if len(given) > 1:
             raise PlanMismatchError(f"TP plan gives the pair {names} → {row.name!r} different "
                                     f"shard sizes {sorted(given)}; they must be equal")
-        sizes = given.pop() if given else tuple(even_shard_sizes(row.in_features, tp_size))
+        sizes = given.pop() if given else even_shards(row.in_features, tp_size)
         if len(sizes) != tp_size or sum(sizes) != row.in_features:
             raise PlanMismatchError(f"TP plan shard sizes {list(sizes)} for {row.name!r} do not "
                                     f"fit {row.in_features} features on {tp_size} ranks")
