@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -38,28 +37,26 @@ def _entry(
         torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    import torch.distributed as dist
-
     if backend is not None:
+        import torch.distributed as dist
+
         store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+    from hetplan.runtime.groups import exit_now, shutdown_process_groups
+
     try:
         result = fn(rank, world_size, *args)
-        if backend is not None:
-            dist.barrier()  # no rank closes its connections while a peer still sends
-    finally:
-        if backend is not None:
-            dist.destroy_process_group()
+    except BaseException:
+        shutdown_process_groups(clean=False)
+        raise
+    shutdown_process_groups(clean=True)
     tmp = Path(tmpdir) / f"result-{rank}.pkl.tmp"
     tmp.write_bytes(pickle.dumps(result))
     tmp.rename(Path(tmpdir) / f"result-{rank}.pkl")
-    # skip interpreter finalisation, where gloo's threads occasionally abort the process
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def run_local_ranks(

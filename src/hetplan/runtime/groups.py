@@ -8,16 +8,18 @@ when the group spans nodes that each hold the same number of its ranks.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
 from hetplan.ir.plan_sections import Layout
 from hetplan.runtime.routines import Level, SyncLevels
 
-__all__ = ["ParallelGroups"]
+__all__ = ["ParallelGroups", "shutdown_process_groups", "exit_now"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +115,27 @@ def node_split(layout: Layout, members: tuple[int, ...],
     out = [("intra", tuple(v)) for v in nodes]
     out += [("inter", tuple(v[j] for v in nodes)) for j in range(counts.pop())]
     return out
+
+
+def shutdown_process_groups(clean: bool) -> None:
+    """Tear the process groups down in step: after a clean run every rank first waits for the
+    others (no rank closes its connections while a peer still sends on them); after an error
+    the barrier is skipped, as a peer may be dead."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        try:
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001 - a peer failed at the very end; exit anyway
+            print(f"rank {dist.get_rank()}: shutdown barrier: {e}", file=sys.stderr)
+    dist.destroy_process_group()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave the process without interpreter finalisation (after
+    :func:`shutdown_process_groups`): process-group objects still referenced from module
+    globals would otherwise be torn down while gloo's threads run, which aborts the process
+    now and then ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

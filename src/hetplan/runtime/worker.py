@@ -94,13 +94,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     code = _train(args, device)
-    _shutdown(clean=code == 0)
-    # Leave without interpreter finalisation: process-group objects still referenced from
-    # module globals would otherwise be torn down while gloo's worker threads run, which
-    # aborts the process now and then ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from hetplan.runtime.groups import exit_now, shutdown_process_groups
+
+    shutdown_process_groups(clean=code == 0)
+    exit_now(code)
 
 
 def _train(args: argparse.Namespace, device: torch.device) -> int:
@@ -143,20 +140,6 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         if rt is not None:
             rt.close()
     return 0
-
-
-def _shutdown(clean: bool) -> None:
-    """Tear the process groups down in step: after a clean run every rank first waits for the
-    others (no rank closes its connections while a peer still sends on them); after an error
-    the barrier is skipped, as a peer may be dead."""
-    if not dist.is_initialized():
-        return
-    if clean:
-        try:
-            dist.barrier()
-        except Exception as e:  # noqa: BLE001 - a peer failed at the very end; exit anyway
-            print(f"rank {dist.get_rank()}: shutdown barrier: {e}", file=sys.stderr)
-    dist.destroy_process_group()
 
 
 def _warn_skipped_events(rt: Any, rank: int) -> None:
