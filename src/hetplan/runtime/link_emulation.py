@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from hetplan.cost_models.comm import bus_factor, latency_steps
+from hetplan.cost_models.comm import analytic_time_s
 from hetplan.errors import SpecError
 
 __all__ = ["ENV", "ENV_LATENCY", "EmulatedLink", "emulated_link", "occupy", "throttled"]
@@ -75,8 +75,8 @@ class EmulatedLink:
 
     def reserve(self, collective: str, nbytes: float, group_size: int) -> float:
         """Queue a collective issued now; the time at which it ends on the link."""
-        seconds = (latency_steps(collective, group_size) * self.latency_s
-                   + bus_factor(collective, group_size) * nbytes / self.bytes_per_s)
+        seconds = analytic_time_s(collective, nbytes, group_size, self.bytes_per_s,
+                                  self.latency_s)
         with self._lock:
             start = max(self._clock(), self._free_at)
             self._free_at = start + seconds
@@ -91,26 +91,25 @@ class EmulatedLink:
 
 
 _LINK: EmulatedLink | None = None
-_LINK_GBPS: str | None = None
+_LINK_KEY: str | None = None  # the settings _LINK was made from
 
 
 def emulated_link() -> EmulatedLink | None:
     """This process's link from ``HETPLAN_EMULATE_BW`` and ``HETPLAN_EMULATE_LATENCY_US``
     (None when the bandwidth is unset or empty)."""
-    global _LINK, _LINK_GBPS
+    global _LINK, _LINK_KEY
     raw = os.environ.get(ENV, "").strip()
     if not raw:
         return None
-    key = f"{raw}/{os.environ.get(ENV_LATENCY, '').strip()}"
-    if _LINK is None or key != _LINK_GBPS:
-        _LINK, _LINK_GBPS = EmulatedLink(_number(ENV, raw, "a bandwidth in Gbit/s", "1"),
-                                         _number(ENV_LATENCY, None, "microseconds", "50")), key
+    lat = os.environ.get(ENV_LATENCY, "").strip() or "0"
+    key = f"{raw}/{lat}"
+    if _LINK is None or key != _LINK_KEY:
+        _LINK, _LINK_KEY = EmulatedLink(_number(ENV, raw, "a bandwidth in Gbit/s", "1"),
+                                        _number(ENV_LATENCY, lat, "microseconds", "50")), key
     return _LINK
 
 
-def _number(name: str, raw: str | None, what: str, example: str) -> float:
-    if raw is None:
-        raw = os.environ.get(name, "").strip() or "0"
+def _number(name: str, raw: str, what: str, example: str) -> float:
     try:
         return float(raw)
     except ValueError as e:
@@ -128,7 +127,7 @@ def occupy(link: EmulatedLink | None, collective: str, nbytes: float,
            group_size: int) -> Iterator[None]:
     """Run a synchronous collective (the body) on ``link``: queued when the body starts,
     waited for when it ends (nothing when ``link`` is None)."""
-    end = link.reserve(collective, nbytes, group_size) if link is not None else None
+    end = link.reserve(collective, nbytes, group_size) if link is not None else 0.0
     yield
-    if link is not None and end is not None:
+    if link is not None:
         link.wait(end)

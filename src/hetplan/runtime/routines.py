@@ -456,7 +456,7 @@ class PathRunner:
                 x = torch.zeros(0, device=self.comm_device)
             if lv.group is not None and hi > lo:
                 c = chunk_bounds(lo, hi, lv.size, want)
-                link, item = throttled(s.level), torch.empty(0, dtype=wire).element_size()
+                link, item = throttled(s.level), wire.itemsize
                 if r == "allgather":
                     w = c[0][1] - c[0][0]
                     with occupy(link, "allgather", w * lv.size * item, lv.size):
