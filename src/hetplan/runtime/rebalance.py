@@ -41,6 +41,7 @@ from torch import nn
 from hetplan.algorithms.dynamics import layer_moves
 from hetplan.algorithms.partition import check_bounds
 from hetplan.errors import SpecError
+from hetplan.ir.rebalancing import PlannedEvent, Rebalancing
 
 __all__ = [
     "LayerStage",
@@ -262,8 +263,8 @@ def migrate(
     return new_stage, carry_optimizer(optimizer, new_opt, received)
 
 
-def executable_events(rebalancing: Any, pp: int,
-                      stages_per_rank: int = 1) -> tuple[list[Any], list[tuple[Any, str]]]:
+def executable_events(rebalancing: Rebalancing | None, pp: int, stages_per_rank: int = 1
+                      ) -> tuple[list[PlannedEvent], list[tuple[PlannedEvent, str]]]:
     """Split a plan's re-balancing events into those the runtime executes and the rest.
 
     Only ``applied`` events count (the others are proposals the trigger policy declined). An
@@ -277,18 +278,18 @@ def executable_events(rebalancing: Any, pp: int,
     Returns:
         ``(run, skipped)``: events to run in iteration order, and ``(event, reason)`` pairs.
     """
-    run: list[Any] = []
-    skipped: list[tuple[Any, str]] = []
-    events = sorted((e for e in getattr(rebalancing, "events", ()) if e.applied),
+    events = sorted((e for e in (rebalancing.events if rebalancing else ()) if e.applied),
                     key=lambda e: e.iteration)
+    if pp < 2:
+        return [], [(e, "the plan has no pipeline (pp=1)") for e in events]
+    if stages_per_rank != 1:
+        why = f"an interleaved pipeline ({stages_per_rank} stages per rank) is not re-balanced"
+        return [], [(e, why) for e in events]
+    run: list[PlannedEvent] = []
+    skipped: list[tuple[PlannedEvent, str]] = []
     stages = pp
     for e in events:
-        if pp < 2:
-            skipped.append((e, "the plan has no pipeline (pp=1)"))
-        elif stages_per_rank != 1:
-            skipped.append((e, (f"an interleaved pipeline ({stages_per_rank} stages per "
-                                "rank) is not re-balanced")))
-        elif len(e.stages) > stages:
+        if len(e.stages) > stages:
             skipped.append((e, (f"it needs {len(e.stages)} stages but re-packing left "
                                 f"{stages}; released ranks do not rejoin")))
         else:

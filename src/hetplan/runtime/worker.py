@@ -143,8 +143,9 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
 
 
 def _warn_skipped_events(rt: Any, rank: int) -> None:
-    """Say so when the plan has re-balancing events the runtime does not execute (re-packing
-    that releases ranks, interleaved pipelines); the others run at their iteration."""
+    """Say so when the plan has re-balancing events the runtime does not execute (growing
+    back onto released ranks, interleaved pipelines, plans without a pipeline); the others
+    run at their iteration."""
     skipped = rt.skipped_events
     if skipped and rank == 0:
         for event, why in skipped[:5]:
@@ -171,7 +172,7 @@ def _rank_summary(rank: int, times: list[Any]) -> dict[str, Any]:
 
 
 def _write_report(path: str, plan: Any, times: list[Any], loss: float,
-                  ranks: list[Any], rt: Any = None) -> None:
+                  ranks: list[Any], rt: Any) -> None:
     """Rank 0's times as ``measured`` (the pipeline bubble: the largest rank median, as the
     iteration waits for the slowest stage), every rank's medians as ``per_rank``."""
     pred = plan.predictions
@@ -188,8 +189,8 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
             "per_iteration_ms": [round(t.iteration_s * 1e3, 4) for t in times],
         },
         "per_rank": ranks,
-        "rebalanced_at": list(getattr(rt, "rebalanced_at", [])),
-        "rebalance_ms": [round(x * 1e3, 3) for x in getattr(rt, "rebalance_s", [])],
+        "rebalanced_at": list(rt.rebalanced_at),
+        "rebalance_ms": [round(x * 1e3, 3) for x in rt.rebalance_s],
         "predicted": {
             "iteration_ms": pred.iteration_time_ms if pred else None,
             "compute_ms": pred.breakdown.compute_ms if pred else None,
