@@ -151,7 +151,8 @@ class Runtime:
         if layout.tp > 1:
             self._shard_tensor_parallel()
         if layout.pp > 1:
-            self._build_pipeline_stage()
+            assert self.groups is not None  # pp > 1 passed the world-size check: distributed
+            self._build_pipeline_stage(self.plan.stages, self.groups.pp_group)
             self.named_params = list(self.stage.submod.named_parameters())
         else:
             self.named_params = list(self.model.named_parameters())
@@ -173,8 +174,8 @@ class Runtime:
             self.model, self.plan.tensor_parallel, self.groups.tp_group, self.groups.tp_rank,
             self.layout.tp, self.straggler)
 
-    def _build_pipeline_stage(self, stages: Sequence[Any] | None = None,
-                              pp_group: Any = None) -> None:
+    def _build_pipeline_stage(self, stages: Sequence[Any], pp_group: Any) -> None:
+        """This rank's stage of ``stages`` (pipeline group ``pp_group``) and its schedule."""
         from hetplan.runtime.pipeline import StageClock, build_stage, make_schedule
 
         assert self.groups is not None
@@ -187,9 +188,8 @@ class Runtime:
         example = [self._example_rows(a, mb) for a in self.example_args]
         device = next(self.model.parameters()).device
         self.stage = build_stage(
-            self.model, example, self.forward_kwargs,
-            self.plan.stages if stages is None else stages, self.groups.pp_rank,
-            self.groups.pp_group if stages is None else pp_group, device,
+            self.model, example, self.forward_kwargs, stages, self.groups.pp_rank, pp_group,
+            device,
             ir_layer_names=[x.name for x in self._ir().layers],
         )
         self.schedule = make_schedule(self.stage, self.layout, self.loss_fn)
