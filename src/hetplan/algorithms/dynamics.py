@@ -341,14 +341,19 @@ IterationModel = Callable[[Sequence[float], Sequence[float], int], float]
 def stage_peak_memory(phase: Phase, bounds: Sequence[tuple[int, int]]) -> list[float]:
     """Peak bytes of every stage in ``phase``: its layers' ``mem_bytes`` plus their saved
     activations times the micro-batches stage ``s`` of ``p`` holds under 1F1B (``p - s``),
-    the same model the balancers' memory caps use. ``[]`` when the phase has no memory data.
-    O(L)."""
+    the same model the balancers' memory caps use (:func:`_stage_mem`). ``[]`` when the
+    phase has no memory data. O(stages · L)."""
     if not phase.mem_bytes:
         return []
-    acts = phase.act_bytes or tuple(0.0 for _ in phase.mem_bytes)
-    p = len(bounds)
-    return [sum(phase.mem_bytes[i : j + 1]) + sum(acts[i : j + 1]) * (p - s)
-            for s, (i, j) in enumerate(bounds)]
+    mem = _stage_mem(phase, len(bounds))
+    return [sum(mem[s][i : j + 1]) for s, (i, j) in enumerate(bounds)]
+
+
+def _stage_mem(phase: Phase, k: int) -> list[list[float]]:
+    """``mem[s][l]``: bytes layer ``l`` costs on stage ``s`` of ``k`` under 1F1B (its
+    ``mem_bytes`` plus its saved activations times the ``k - s`` micro-batches in flight)."""
+    acts = phase.act_bytes or [0.0] * len(phase.mem_bytes)
+    return [[m + a * (k - s) for m, a in zip(phase.mem_bytes, acts)] for s in range(k)]
 
 
 def _stage_sums(bounds: Sequence[tuple[int, int]], per_layer: Sequence[float],
@@ -375,8 +380,7 @@ def _propose(
         cost, send = [list(phase.params)] * p, None
     mem = cap = None
     if mem_cap is not None and phase.mem_bytes:
-        mem = [[m + a * (p - s) for m, a in zip(phase.mem_bytes, phase.act_bytes or
-                                               [0.0] * len(phase.mem_bytes))] for s in range(p)]
+        mem = _stage_mem(phase, p)
         cap = list(mem_cap[:p])
     if policy.balancer == "partition":
         return min_max_partition(cost, p, send=send, mem=mem, mem_cap=cap).bounds
@@ -479,11 +483,10 @@ def _try_repack(
         return bounds, ()
     p = len(bounds)
     total = [f + b for f, b in zip(ph.fwd_ms, ph.bwd_ms)]
-    acts = ph.act_bytes or tuple(0.0 for _ in ph.mem_bytes)
     base = predict(ph, bounds)
     for k in range(1, p):
         cost = [[t / speeds[s] for t in total] for s in range(k)]
-        mem = [[m + a * (k - s) for m, a in zip(ph.mem_bytes, acts)] for s in range(k)]
+        mem = _stage_mem(ph, k)
         try:
             got = min_max_partition(cost, k, mem=mem, mem_cap=list(mem_cap[:k]))
         except InfeasiblePlanError:
