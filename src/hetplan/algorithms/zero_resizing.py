@@ -380,9 +380,9 @@ def semi_decision(t_raw: Sequence[float], m_raw: Sequence[float], cols: Sequence
     slow = sorted((r for r in range(e) if t_raw[r] > t_min * (1.0 + eps)),
                   key=lambda r: (-t_raw[r], r))
     out = [RankDecision() for _ in range(e)]
-    frac = {r: eq1_gamma(t_raw[r], t_min, m_raw[r], 1.0) for r in slow}
     if not slow or e < 2:
         return out
+    frac = {r: eq1_gamma(t_raw[r], t_min, m_raw[r], 1.0) for r in slow}
     if variant == "migration":
         x = len(slow)  # the fastest rank is never slow: at least one receiver
     elif len(slow) == 1:
@@ -395,12 +395,10 @@ def semi_decision(t_raw: Sequence[float], m_raw: Sequence[float], cols: Sequence
                   else RankDecision("resize", resize=resize))
         return out
     else:
-        t_sorted = [t_raw[r] for r in slow] + sorted(
-            (t_raw[r] for r in range(e) if r not in slow), reverse=True)
-        rest = [r for r in range(e) if r not in slow]
-        rest.sort(key=lambda r: (-t_raw[r], r))
-        l_sorted = [float(cols[r]) for r in slow + rest]
-        x = choose_migrators(t_sorted, l_sorted, len(slow), costs.phi1)
+        order = slow + sorted((r for r in range(e) if r not in slow),
+                              key=lambda r: (-t_raw[r], r))  # every rank, slowest first
+        x = choose_migrators([t_raw[r] for r in order], [float(cols[r]) for r in order],
+                             len(slow), costs.phi1)
     migrators = slow[:x]
     busy = slow if receivers == "normal" else migrators
     takers = [r for r in range(e) if r not in busy]
