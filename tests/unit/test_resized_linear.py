@@ -94,8 +94,9 @@ def test_emulator_sleeps_only_on_the_straggler() -> None:
     fast.gemm(a, b)
     fast.settle()
     assert slow.gemm_s == pytest.approx(wall, rel=0.2)  # what it reports is what it took
-    real = slow.gemm_s / 4  # the GEMM itself, then 3 times that asleep
-    assert fast.gemm_s < 2.5 * real or fast.gemm_s < 2e-3
+    # the owed time is exactly χ times the GEMM's own time, and only on the straggler
+    assert slow.emulator.extra(0.01) == pytest.approx(0.03)
+    assert fast.emulator.extra(0.01) == 0.0 and fast.emulator.debt == 0.0
 
 
 def test_emulated_device_speed() -> None:
