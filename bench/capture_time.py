@@ -19,16 +19,15 @@ Writes ``bench/results/capture_time.json`` and prints a table. Target: llama-70b
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _machine import machine
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "capture_time.json"
@@ -111,34 +110,6 @@ def run_one(name: str, timeout: float) -> dict[str, Any]:
     return result
 
 
-def machine_info() -> dict[str, Any]:
-    """Where the numbers were taken."""
-
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=HERE, check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "hetplan": version("hetplan"),
-        "git_commit": commit,
-    }
-
-
 def print_table(results: list[dict[str, Any]]) -> None:
     """A small fixed-width table of the results."""
     header = f"{'model':<12} {'capture s':>9} {'process s':>9} {'peak RSS MiB':>12} " \
@@ -181,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "capture_time",
         "settings": {"lm_batch": LM_BATCH, "lm_seq": LM_SEQ, "device": "meta"},
-        "machine": machine_info(),
+        "machine": machine(),
         "targets": TARGETS,
         "results": results,
     }

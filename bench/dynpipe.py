@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
 from pathlib import Path
+
+from _machine import machine
 
 from hetplan.algorithms.dynamics import (
     BalancePolicy,
@@ -334,7 +335,7 @@ def main() -> None:
                               "gemm_share": PRUNING.gemm_share, "scale_skew": SCALE_SKEW},
                   "heads": HEADS, "memory_cap_bytes": MEM_CAP,
                   "device": "A100, 50% of 312 TFLOP/s, NVLink 300 GB/s (analytic)"},
-        "machine": platform.platform(),
+        "machine": machine(),
         "note": ("speedups are simulated; decision_ms (part of their overhead term) and "
                  "replan_cost are wall-clock, measured on 2 CPU cores shared with other jobs"),
         "replan_cost": replan_cost(3 if args.quick else 7),

@@ -42,13 +42,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.metadata
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -58,6 +55,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _machine import machine
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
@@ -412,23 +410,6 @@ def _nosync_fwd_bwd(measured: dict[str, Any]) -> float:
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
-def machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "hetplan": importlib.metadata.version("hetplan"),
-        "git_commit": commit,
-    }
-
-
 def _table(rows: list[dict], mode: str) -> str:
     head = (f"{'model':<10} {'n':>2} {'measured':>9} {'plan':>8} {'ddp':>8} {'error':>7} | "
             f"{'nosync f+b':>10} {'prof f+b':>8} {'comp err':>8} {'opt meas':>8} "

@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -45,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _machine import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -287,10 +286,10 @@ def main() -> int:
     settings = [_setting(g, args.latency_us, args.rounds, args.iters) for g in args.gbps]
     grads = _compile(_cluster(1.0, 1.0, 25.0)).model.workload.grads
     result = {
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "backend": "gloo",
-                    "note": "2 cores shared with other work while measured: absolute times "
-                            "are noisy; variants were interleaved so noise hits all alike"},
+        "machine": machine(backend="gloo",
+                           note="2 cores shared with other work while measured: absolute "
+                                "times are noisy; variants were interleaved so noise hits "
+                                "all alike"),
         "model": {"class": "hetplan.models.TinyGPT", "args": list(MODEL), "seq": SEQ,
                   "micro_batch_per_rank": MICRO_BATCH, "grad_tensors": len(grads),
                   "grad_mib": round(sum(g.size_bytes for g in grads) / MiB, 3)},

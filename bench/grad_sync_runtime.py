@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -34,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _machine import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -152,9 +151,7 @@ def main() -> int:
         print(f"{k:12s} {v:8.2f} ms   ratio to ddp25 {v / med['ddp25']:.3f}")
     gs = plan.gradient_sync
     result = {
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
-                    "backend": "gloo", "note": "loopback: not bandwidth-limited"},
+        "machine": machine(device="cpu", backend="gloo", note="loopback: not bandwidth-limited"),
         "model": args.model, "world_size": WORLD, "cluster": "cpu-2x2",
         "global_batch": args.batch, "iterations_each": len(times["ddp25"]),
         "median_ms": med,

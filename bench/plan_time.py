@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _machine import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [
@@ -53,7 +54,7 @@ def main() -> int:
               f"{res['iteration_ms']:.1f} ms  ({res['notes'][0]})")
     big = [r for r in rows if r["model"] == "llama-70b"]
     out = {
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
+        "machine": machine(),
         "target_s": 60, "stretch_s": 10,
         "rows": rows,
         "meets_target": all(r["seconds"] < 60 for r in big),

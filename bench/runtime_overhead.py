@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _machine import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -105,9 +104,7 @@ def main() -> int:
     print(f"{args.model}: hetplan {med['hetplan']:.2f} ms, DDP {med['ddp']:.2f} ms, "
           f"ratio {ratio:.3f} (target ≤ 1.10)")
     result = {
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
-                    "backend": "gloo"},
+        "machine": machine(device="cpu", backend="gloo"),
         "model": args.model, "world_size": WORLD, "global_batch": args.batch,
         "iterations_each": len(times["ddp"]),
         "median_ms": med, "ratio_hetplan_over_ddp": ratio, "target": 1.10,

@@ -11,11 +11,11 @@ Writes ``bench/results/simulator_speed.json``.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
-import sys
 import timeit
 from pathlib import Path
+
+from _machine import machine
 
 from hetplan.cost_models.pipeline import simulate_pipeline
 from hetplan.cost_models.timeline import GPU, Op, SyncUnit, simulate_dp
@@ -60,8 +60,7 @@ def main() -> int:
     target_ms = 1.0
     out = {
         "pipeline_schedules": pipeline,
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                    "processor": platform.processor()},
+        "machine": machine(),
         "workload": "resnet101 (314 gradient tensors)",
         "target_ms": target_ms,
         "results": results,

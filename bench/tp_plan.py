@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from _machine import machine
 
 from hetplan.optimizer.compile import DEFAULT_PASSES, compile
 
@@ -77,18 +76,6 @@ def _search_overhead(reps: int) -> dict[str, Any]:
             "chosen_layout": chosen}
 
 
-def _machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=HERE, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "commit": commit,
-            "note": "machine shared with other jobs: wall times are noisy, compare the "
-                    "with/without pairs (alternating, best of reps) only"}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=2)
@@ -98,7 +85,8 @@ def main() -> int:
     rows = [_effect(d, dp, pp, args.reps) for dp, pp in ((4, 1), (1, 4)) for d in ("fp32", "fp16")]
     search = _search_overhead(args.reps)
     out = {"preset": PRESET, "model": "gpt2", "rows": rows, "search": search,
-           "machine": _machine()}
+           "machine": machine(note="machine shared with other jobs: wall times are noisy, compare "
+                                      "the with/without pairs (alternating, best of reps) only")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     for r in rows:

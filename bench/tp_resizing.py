@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _machine import machine
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,20 +192,6 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     return res
 
 
-def _machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    import hetplan
-
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": sys.version.split()[0], "torch": torch.__version__,
-            "hetplan": hetplan.__version__, "commit": commit,
-            "note": "shared machine: 2 cores for 4 gloo ranks and other work; compare ratios"}
-
-
 def _summary(res: dict[str, Any], steps: int) -> dict[str, Any]:
     def med(key: str) -> float:
         return statistics.median(res[key]["times"][WARMUP:]) * 1e3
@@ -258,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     outs = run_local_ranks(_rank, WORLD, (args.steps,), timeout_s=900, threads_per_process=1)
     summary = _summary(outs[0], args.steps)
     doc = {
-        "benchmark": "tp_resizing", "machine": _machine(),
+        "benchmark": "tp_resizing", "machine": machine(note="shared machine: 2 cores for 4 gloo ranks and other work; "
+                                                           "compare ratios"),
         "setup": {"tp_ranks": WORLD, "straggler_rank": 3, "model": f"{BLOCKS} residual MLP "
                   f"pairs D={D} H={H}, fp32", "rows_per_step": ROWS, "steps": args.steps,
                   "warmup_steps_excluded": WARMUP, "optimizer": f"SGD lr {LR}",
