@@ -14,8 +14,13 @@
    uses is memory-checked against the paper's 32e9-byte cap (weights, fp32 master, Adam,
    gradients, CSR indices, 1F1B activation stash with Megatron's per-layer estimate
    ``sbh(34 + 5as/h)``); the balancers respect the cap.
-   Diagnostics: the same rows under Chimera (the schedule the seed assumes), and the
-   sensitivity of three rows to the unpinned skew and sparse-kernel floor.
+   Diagnostics: the same rows under Chimera (the schedule the seed assumes), the
+   sensitivity of three rows to the unpinned skew and sparse-kernel floor, the same rows
+   with the blocks on the sparse kernel from iteration 0 (``sparse_from_start``: what the
+   paper's code runs — its blocks are CSR from construction), a ``summary`` of the rows at
+   or above Table 2 under each protocol and model, and ``table2_shape``: the shape of
+   Table 2 itself (GPU-seconds per sample against depth, Megatron's scaling from 2 to 8
+   GPUs) beside ours, which locates the imbalance the paper's balancer removes.
 2. **Re-packing**: the 56-layer model on 8 stages with re-packing allowed (memory cap 32e9
    bytes per GPU as in the paper, iteration time may grow ≤ 25 %): GPUs used on average and
    throughput per GPU.
@@ -249,6 +254,102 @@ def sensitivity(configs: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
+def sparse_from_start_rows(configs: list[tuple[int, int]]) -> list[dict]:
+    """The rows with every block on the sparse kernel from iteration 0 (the paper's code
+    builds the blocks' linears as CSR; before the first pruning step they run Sputnik at
+    0 % sparsity, 3.7x dense on our curve), all three protocols."""
+    pm = PruningModel(final_sparsity=0.9, start=3000, frequency=1000, steps=4,
+                      gemm_share=PRUNING.gemm_share, kernel="sparse-from-start")
+    out = []
+    for r in pruning_rows(configs, pm, quiet=True):
+        best = {b: max(r[f"{x}_by_time{sfx}"][key] for x in ("partition", "diffusion"))
+                for b, sfx, key in (("paper_protocol", "", "speedup"),
+                                    ("from_start", "_from_start", "speedup"),
+                                    ("after_first_pruning", "", "speedup_after_first_pruning"))}
+        out.append({"layers": r["layers"], "stages": r["stages"],
+                    "megatron_samples_per_s": r["megatron_samples_per_s"],
+                    "best_time_balancer_samples_per_s": max(
+                        r[f"{x}_by_time"]["samples_per_s"] for x in ("partition", "diffusion")),
+                    **best, "all_feasible": r["memory"]["all_feasible"],
+                    "paper": r["paper"]["speedup"] if r["paper"] else None})
+    return out
+
+
+def _count(rows: list[dict], key: str) -> dict:
+    """Rows of Table 2 (non-OOM) whose ``key`` speedup is at or above the paper's."""
+    rs = [r for r in rows if r["paper"] is not None]
+    vals = [r[key] for r in rs]
+    return {"rows_at_or_above_paper": sum(r[key] >= r["paper"] for r in rs), "rows": len(rs),
+            "min": min(vals), "max": max(vals)}
+
+
+def summary(main: list[dict], from_start_kernel: list[dict], chimera: list[dict]) -> dict:
+    """Rows at or above Table 2 under each protocol and each model."""
+    flat = [{"paper": r["paper"]["speedup"] if r["paper"] else None,
+             "paper_protocol": r["best_time_balancer_speedup"],
+             "from_start": r["best_time_balancer_speedup_from_start"],
+             "after_first_pruning": r["best_time_balancer_speedup_after_first_pruning"]}
+            for r in main]
+    protocols = ("paper_protocol", "from_start", "after_first_pruning")
+    return {
+        "sparse_after_pruning_1f1b": {k: _count(flat, k) for k in protocols},
+        "sparse_from_start_1f1b": {k: _count(from_start_kernel, k) for k in protocols},
+        "sparse_after_pruning_chimera": {k: _count(chimera, k)
+                                         for k in ("paper_protocol", "from_start")},
+    }
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares line ``y = a x + b``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return a, my - a * mx
+
+
+def table2_shape(main: list[dict], from_start_kernel: list[dict]) -> dict:
+    """Where the imbalance sits, read from Table 2's throughputs and from ours.
+
+    GPU-seconds per sample (GPUs / samples per second) against the number of blocks, per
+    GPU count: the slope is what one more block costs the run, the intercept what the rest
+    (embedding, head, bubbles) costs. A balancer that removes a fixed cost (an unpruned
+    head on the last stage) lowers the intercept; one that removes a spread among the
+    blocks lowers the slope. Also Megatron's throughput from 2 to 8 GPUs: a static split
+    whose last stage carries a heavy head scales far below 4x.
+    """
+    def series(rows: list[dict], static_key, best_key) -> dict:
+        out = {}
+        for p in (2, 4, 8):
+            rs = [r for r in rows if r["stages"] == p and (r["layers"], p) in TABLE2]
+            xs = [float(r["layers"]) for r in rs]
+            st = _fit(xs, [p / static_key(r) for r in rs])
+            bal = _fit(xs, [p / best_key(r) for r in rs])
+            out[str(p)] = {"layers": [r["layers"] for r in rs],
+                           "static_slope": st[0], "static_intercept": st[1],
+                           "balanced_slope": bal[0], "balanced_intercept": bal[1],
+                           "slope_ratio": st[0] / bal[0],
+                           "intercept_ratio": st[1] / bal[1] if bal[1] else None}
+        scaling = {}
+        for blocks in (24, 32, 40):
+            by = {r["stages"]: static_key(r) for r in rows if r["layers"] == blocks}
+            scaling[str(blocks)] = by[8] / by[2]
+        return {"gpu_s_per_sample_vs_layers": out, "megatron_8_over_2_gpus": scaling}
+
+    paper = [{"layers": b, "stages": p, "static": v[0], "best": max(v[1], v[2])}
+             for (b, p), v in TABLE2.items()]
+    return {
+        "note": ("paper: Table 2's Megatron and best time-balancer columns; ours: the "
+                 "paper's protocol (both runs on Megatron's split until the first pruning "
+                 "step), 1F1B"),
+        "paper": series(paper, lambda r: r["static"], lambda r: r["best"]),
+        "ours_sparse_after_pruning": series(
+            main, lambda r: r["megatron_samples_per_s"],
+            lambda r: max(r[f"{x}_by_time"]["samples_per_s"] for x in ("partition", "diffusion"))),
+        "ours_sparse_from_start": series(
+            from_start_kernel, lambda r: r["megatron_samples_per_s"],
+            lambda r: r["best_time_balancer_samples_per_s"]),
+    }
+
+
 def repack_row() -> dict:
     blocks, stages = 56, 8
     layers = gpt_layers(blocks)
@@ -343,9 +444,14 @@ def main() -> None:
         "sensitivity": sensitivity([(24, 2), (40, 2), (48, 4)] if not args.quick
                                    else [(40, 2)]),
         "chimera": chimera_rows([c for c in configs if c in TABLE2]),
+        "sparse_from_start": sparse_from_start_rows(configs),
         "repack": repack_row(),
         "heterogeneous": hetero_rows(args.quick),
     }
+    result["summary"] = summary(result["pruning"], result["sparse_from_start"],
+                                result["chimera"])
+    if not args.quick:
+        result["table2_shape"] = table2_shape(result["pruning"], result["sparse_from_start"])
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(f"wrote {OUT}")

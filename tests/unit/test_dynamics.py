@@ -174,6 +174,26 @@ def test_build_phases_freezing_early_exit_and_pruning() -> None:
     assert phases[0].move_bytes[0] == pytest.approx(100 * 4 * 3)
 
 
+def test_sparse_from_start_runs_the_sparse_kernel_before_the_first_pruning_step() -> None:
+    """The paper's code stores the blocks as CSR from construction, so before any pruning
+    a block runs the sparse kernel at 0 % sparsity. By hand (crossover 0.75, floor 0.1,
+    half the block's time in the pruned GEMMs): GEMM factor 0.1 + 0.9 * 1 / 0.25 = 3.7, block
+    factor 0.5 * 3.7 + 0.5 = 2.35; at 90 % 0.1 + 0.9 * 0.1 / 0.25 = 0.46 -> 0.73 with either
+    kernel. Embedding and head (not prunable) keep their dense times throughout."""
+    layers = [LayerProfile(1.0, 2.0, 50.0), LayerProfile(2.0, 4.0, 100.0, prunable=True),
+              LayerProfile(3.0, 6.0, 50.0)]
+    common = {"final_sparsity": 0.9, "start": 1000, "frequency": 1000, "steps": 1,
+              "gemm_share": 0.5}
+    csr = build_phases(layers, pruning=PruningModel(**common, kernel="sparse-from-start"))
+    late = build_phases(layers, pruning=PruningModel(**common, kernel="sparse"))
+    assert [p.start for p in csr] == [p.start for p in late] == [0, 2000]
+    assert csr[0].fwd_ms == pytest.approx((1.0, 4.7, 3.0))
+    assert csr[0].bwd_ms == pytest.approx((2.0, 9.4, 6.0))
+    assert late[0].fwd_ms == pytest.approx((1.0, 2.0, 3.0))
+    assert csr[1].fwd_ms == pytest.approx((1.0, 1.46, 3.0))
+    assert late[1].fwd_ms == pytest.approx(csr[1].fwd_ms)
+
+
 def test_stage_peak_memory_and_the_runs_peak() -> None:
     """Stage s of p holds p - s micro-batches of activations (1F1B): by hand, stage 0 of
     ((0, 1), (2, 3)) is 1 + 2 + (10 + 20) * 2 = 63 and stage 1 is 3 + 4 + (30 + 40) = 77."""

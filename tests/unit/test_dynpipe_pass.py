@@ -166,6 +166,30 @@ def test_dynamics_file_errors(tmp_path: Path) -> None:
         DynamicsSpec.load(tmp_path / "missing.yaml")
 
 
+def test_sparse_from_start_kernel_in_the_dynamics_file(tmp_path: Path) -> None:
+    """``kernel: sparse-from-start`` (the paper's code: blocks on the sparse kernel from
+    iteration 0) is accepted and reaches the replay. Both kernels price a pruned block
+    alike, so the events are the same; before the first pruning step, where the run and
+    the static pipeline share one partition, the blocks run the sparse kernel at 0 %
+    (slower than dense): a longer shared part, ``(D + S) / (D + S')`` with a larger ``D``,
+    so a smaller predicted speedup over the static pipeline."""
+    text = EXAMPLE.read_text()
+    assert "kernel: sparse " in text
+    path = tmp_path / "d.yaml"
+    path.write_text(text.replace("kernel: sparse ", "kernel: sparse-from-start "))
+    csr = DynamicsSpec.load(path)
+    assert csr.pruning is not None and csr.pruning.kernel == "sparse-from-start"
+    late = dynamic_plan(DynamicsSpec.load(EXAMPLE)).rebalancing
+    early = dynamic_plan(csr).rebalancing
+    assert late is not None and early is not None
+    assert [e.stages for e in early.events] == [e.stages for e in late.events]
+    assert any(e.applied for e in late.events)
+    assert 1.0 < early.speedup_vs_static < late.speedup_vs_static
+    path.write_text(text.replace("kernel: sparse ", "kernel: csr "))
+    with pytest.raises(SpecError, match="kernel"):
+        DynamicsSpec.load(path)
+
+
 def test_compile_records_bubbles_baseline_and_dynamics() -> None:
     from hetplan.optimizer.compile import compile as compile_plan
 

@@ -15,8 +15,13 @@ changes and re-plans the pipeline at each change (``research/dynpipe.md`` §2.2,
   ``floor + (1 - floor) · (1 - s) / (1 - crossover)`` of the dense time — linear in the
   non-zeros, equal to dense at the crossover, ``floor`` of dense at 100 %. With the defaults
   (crossover 0.75, floor 0.1) a layer at 50 % sparsity runs 1.9× slower than dense, at 90 %
-  2.2× faster. ``kernel="sparse"`` uses the sparse kernel once a layer is pruned (the
-  paper's implementation); ``kernel="best"`` takes the faster of the two.
+  2.2× faster. ``kernel="sparse"`` uses the sparse kernel once a layer is pruned;
+  ``kernel="best"`` takes the faster of the two; ``kernel="sparse-from-start"`` runs every
+  prunable layer on the sparse kernel from iteration 0, before the first pruning step too
+  (at 0 % sparsity: 3.7× dense with the defaults). The last is what the paper's
+  implementation runs: the reference code's pruning mode builds the blocks' four linears
+  as CSR tensors when the model is constructed and multiplies them with Sputnik from then
+  on (``docs/decisions.md``, "DynPipe, part 3").
 * **Layer freezing** freezes a prefix of layers (PipeTransformer-style): a frozen prefix runs
   no backward at all and keeps no optimizer state.
 * **Early exit**: from an iteration on, a fraction of the tokens leaves after a layer, so
@@ -516,7 +521,9 @@ class PruningModel:
     """Gradual global magnitude pruning: the Eq. (2) schedule and the sparse-kernel curve.
 
     ``gemm_share`` is the part of a prunable layer's time spent in the pruned GEMMs (the rest,
-    e.g. attention scores and norms, stays dense).
+    e.g. attention scores and norms, stays dense). ``kernel``: ``sparse`` (sparse kernel once
+    a layer is pruned), ``best`` (the faster of sparse and dense) or ``sparse-from-start``
+    (prunable layers on the sparse kernel from iteration 0, as the paper's code runs them).
     """
 
     final_sparsity: float
@@ -524,14 +531,15 @@ class PruningModel:
     frequency: int
     steps: int
     initial_sparsity: float = 0.0
-    kernel: Literal["sparse", "best"] = "sparse"
+    kernel: Literal["sparse", "best", "sparse-from-start"] = "sparse"
     crossover: float = 0.75
     floor: float = 0.1
     gemm_share: float = 0.9
 
 
 def _layer_factor(sparsity: float, pm: PruningModel) -> float:
-    if sparsity <= 0:
+    """Time of a prunable layer at ``sparsity`` relative to its dense time."""
+    if sparsity <= 0 and pm.kernel != "sparse-from-start":
         return 1.0
     f = sparse_time_factor(sparsity, crossover=pm.crossover, floor=pm.floor)
     if pm.kernel == "best":
@@ -592,7 +600,7 @@ def build_phases(
         fwd, bwd, params, moves, mems = [], [], [], [], []
         for k, lay in enumerate(layers):
             sp = per_layer[k] if lay.prunable else 0.0
-            f = _layer_factor(sp, pruning) if pruning else 1.0
+            f = _layer_factor(sp, pruning) if pruning and lay.prunable else 1.0
             tokens = math.prod(1 - fr for it, after, fr in exits if it <= t and k > after)
             fwd.append(lay.fwd_ms * f * tokens)
             bwd.append(0.0 if k < frozen else lay.bwd_ms * f * tokens)

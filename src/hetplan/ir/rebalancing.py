@@ -47,8 +47,10 @@ class PruningSpec(_Model):
     """Gradual global magnitude pruning with the Zhu–Gupta schedule (seed Eq. 2).
 
     Steps happen at ``start_iteration + k·frequency`` for ``k = 1..steps``; the last reaches
-    ``final_sparsity``. ``kernel``: ``sparse`` runs pruned layers on the sparse kernel (the
-    paper), ``best`` on whichever of sparse and dense is faster. The sparse kernel equals
+    ``final_sparsity``. ``kernel``: ``sparse`` runs pruned layers on the sparse kernel,
+    ``best`` on whichever of sparse and dense is faster, ``sparse-from-start`` runs every
+    prunable layer on the sparse kernel from iteration 0 (what the paper's code does: its
+    blocks are CSR from construction). The sparse kernel equals
     dense at ``crossover_sparsity`` and takes ``sparse_floor`` of dense at 100 %.
     ``gemm_share`` is the part of a block's time in the pruned GEMMs. ``scale_skew`` tilts
     the layers' weight scales with depth (scale ``1 + skew·(depth - 0.5)``), which makes a
@@ -60,7 +62,7 @@ class PruningSpec(_Model):
     start_iteration: NonNegInt = 0
     frequency: PosInt
     steps: PosInt
-    kernel: Literal["sparse", "best"] = "sparse"
+    kernel: Literal["sparse", "best", "sparse-from-start"] = "sparse"
     crossover_sparsity: Annotated[float, Field(gt=0, lt=1)] = 0.75
     sparse_floor: Fraction01 = 0.1
     gemm_share: Annotated[float, Field(ge=0, le=1)] = 0.9
