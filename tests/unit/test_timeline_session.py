@@ -1,6 +1,7 @@
 """``DPSession`` (resumable simulation) against ``simulate_dp``: bit-identical iteration times
 for rebased strategies and for trials that change any set of tensors, and early stopping that
-only ever stops trials proven longer than the bound."""
+only ever stops trials proven longer than the bound. Every test runs on both implementations:
+the pure-Python session and the compiled one (``dp_session(jit=True)``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.cost_models.timeline import CPU, GPU, DPSession, Op, SyncUnit, simulate_dp
+from hetplan.cost_models.timeline import (
+    CPU,
+    GPU,
+    DPSession,
+    Op,
+    SyncUnit,
+    before_last_busy_period,
+    dp_session,
+    jit_enabled,
+    simulate_dp,
+)
+
+_IMPLS = ["python", pytest.param("jit", marks=pytest.mark.skipif(
+    not jit_enabled(), reason="numba not installed or HETPLAN_JIT=0"))]
+
+
+def _session(impl: str, bp: list[float], **kw: float) -> DPSession:
+    return dp_session(bp, jit=impl == "jit", **kw)  # type: ignore[arg-type]
 
 # durations on a coarse grid so that ties (same instant on one resource) are frequent
 _dur = st.integers(0, 6).map(lambda x: x * 0.5)
@@ -24,6 +42,7 @@ def _reference(bp: list[float], ops: list[tuple[Op, ...]], workers: int, fwd: fl
                        cpu_workers=workers).iteration_s
 
 
+@pytest.mark.parametrize("impl", _IMPLS)
 @settings(max_examples=300, deadline=None)
 @given(
     data=st.data(),
@@ -32,11 +51,11 @@ def _reference(bp: list[float], ops: list[tuple[Op, ...]], workers: int, fwd: fl
     fwd=_dur,
     opt=_dur,
 )
-def test_rebase_and_trials_equal_simulate_dp(data: st.DataObject, n: int, workers: int,
+def test_rebase_and_trials_equal_simulate_dp(impl: str, data: st.DataObject, n: int, workers: int,
                                              fwd: float, opt: float) -> None:
     bp = data.draw(st.lists(_dur, min_size=n, max_size=n))
     base = data.draw(st.lists(_ops, min_size=n, max_size=n))
-    sess = DPSession(bp, forward_s=fwd, optimizer_s=opt, cpu_workers=workers)
+    sess = _session(impl, bp, forward_s=fwd, optimizer_s=opt, cpu_workers=workers)
     assert sess.rebase(base) == _reference(bp, base, workers, fwd, opt)
     for _ in range(4):
         idx = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n))
@@ -51,20 +70,21 @@ def test_rebase_and_trials_equal_simulate_dp(data: st.DataObject, n: int, worker
             assert got == exact
 
 
+@pytest.mark.parametrize("impl", _IMPLS)
 @settings(max_examples=200, deadline=None)
 @given(
     data=st.data(),
     n=st.integers(1, 8),
     workers=st.integers(1, 3),
 )
-def test_incremental_rebases_behave_like_a_fresh_session(data: st.DataObject, n: int,
+def test_incremental_rebases_behave_like_a_fresh_session(impl: str, data: st.DataObject, n: int,
                                                          workers: int) -> None:
     """``rebase`` re-simulates only from the first changed tensor: after a chain of rebases
     the base time, every trial and every bounded trial equal those of a session based on the
     same strategy from scratch (saved states, suffix work and in-flight work all updated)."""
     bp = data.draw(st.lists(_dur, min_size=n, max_size=n))
     base = data.draw(st.lists(_ops, min_size=n, max_size=n))
-    sess = DPSession(bp, forward_s=0.5, optimizer_s=1.0, cpu_workers=workers)
+    sess = _session(impl, bp, forward_s=0.5, optimizer_s=1.0, cpu_workers=workers)
     sess.rebase(base)
     for _ in range(4):
         idx = data.draw(st.sets(st.integers(0, n - 1), max_size=3))
@@ -73,7 +93,7 @@ def test_incremental_rebases_behave_like_a_fresh_session(data: st.DataObject, n:
                                                                min_size=1, max_size=2))}
         sess.trial(probe, bound=sess.base_s)  # leaves cached in-flight work behind
         base = [changes.get(i, o) for i, o in enumerate(base)]
-        fresh = DPSession(bp, forward_s=0.5, optimizer_s=1.0, cpu_workers=workers)
+        fresh = _session(impl, bp, forward_s=0.5, optimizer_s=1.0, cpu_workers=workers)
         assert sess.rebase(base) == fresh.rebase(base) == _reference(bp, base, workers, 0.5,
                                                                      1.0)
         for _ in range(3):
@@ -86,28 +106,59 @@ def test_incremental_rebases_behave_like_a_fresh_session(data: st.DataObject, n:
                 assert sess.trial(trial, bound=bound) == fresh.trial(trial, bound=bound)
 
 
-def test_trial_without_changes_is_the_base() -> None:
-    sess = DPSession([1.0, 1.0])
+@pytest.mark.parametrize("impl", _IMPLS)
+def test_trial_without_changes_is_the_base(impl: str) -> None:
+    sess = _session(impl, [1.0, 1.0])
     f = sess.rebase([(Op("net", 2.0),), (Op(GPU, 0.5), Op("net", 1.0))])
     assert sess.trial({}) == f
     # hand check: T0 comm [1,3]; T1 ready 2, compress [2,2.5], comm [3,4]
     assert f == pytest.approx(4.0)
 
 
-def test_bound_stops_a_trial_that_only_adds_work() -> None:
-    sess = DPSession([1.0] * 4)
+@pytest.mark.parametrize("impl", _IMPLS)
+def test_bound_stops_a_trial_that_only_adds_work(impl: str) -> None:
+    sess = _session(impl, [1.0] * 4)
     sess.rebase([(Op("net", 1.0),)] * 4)  # channel [1,2] [2,3] [3,4] [4,5]
     assert sess.base_s == pytest.approx(5.0)
     assert sess.trial({0: (Op("net", 3.0),)}, bound=5.0) == float("inf")
     assert sess.trial({0: (Op("net", 3.0),)}) == pytest.approx(7.0)
 
 
-def test_bad_input() -> None:
-    sess = DPSession([1.0, 1.0])
+@pytest.mark.parametrize("impl", _IMPLS)
+def test_bad_input(impl: str) -> None:
+    sess = _session(impl, [1.0, 1.0])
     with pytest.raises(ValueError, match="one per tensor"):
         sess.rebase([()])
     sess.rebase([(), ()])
     with pytest.raises(ValueError, match="outside"):
         sess.trial({2: ()})
     with pytest.raises(ValueError, match="cpu_workers"):
-        DPSession([1.0], cpu_workers=0)
+        _session(impl, [1.0], cpu_workers=0)
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(1, 8), workers=st.integers(1, 3))
+def test_best_option_and_bubbles_equal_the_reference(impl: str, data: st.DataObject, n: int,
+                                                     workers: int) -> None:
+    """``best_option`` keeps what a plain loop over ``simulate_dp`` keeps (Algorithm 4.1's
+    rule: strictly better, or no worse for the baseline), and ``before_bubbles`` equals
+    :func:`before_last_busy_period` on the base."""
+    bp = data.draw(st.lists(_dur, min_size=n, max_size=n))
+    base = data.draw(st.lists(_ops, min_size=n, max_size=n))
+    sess = _session(impl, bp, forward_s=0.5, cpu_workers=workers)
+    sess.rebase(base)
+    units = [SyncUnit(i, o) for i, o in enumerate(base)]
+    assert sess.before_bubbles(1e-9) == before_last_busy_period(bp, units, workers, 1e-9)
+    j = data.draw(st.integers(0, n - 1))
+    cands = data.draw(st.lists(_ops, max_size=5))
+    backs = data.draw(st.lists(st.booleans(), min_size=len(cands), max_size=len(cands)))
+    best, want = sess.base_s, -1
+    for c, (ops, back) in enumerate(zip(cands, backs)):
+        trial = base.copy()
+        trial[j] = ops
+        f = simulate_dp(bp, [SyncUnit(i, o) for i, o in enumerate(trial)], forward_s=0.5,
+                        cpu_workers=workers).iteration_s
+        if f < best - 1e-9 or (back and f <= best + 1e-9):
+            best, want = f, c
+    assert sess.best_option(j, cands, backs, sess.base_s, 1e-9) == (want, best)

@@ -70,7 +70,16 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from hetplan.cost_models.timeline import CPU, GPU, DPSession, Op, SyncUnit, simulate_dp
+from hetplan.cost_models.timeline import (
+    CPU,
+    GPU,
+    DPSession,
+    Op,
+    SyncUnit,
+    before_last_busy_period,
+    dp_session,
+    simulate_dp,
+)
 
 __all__ = [
     "SelectionProblem",
@@ -137,8 +146,8 @@ class SelectionProblem(Generic[K]):
         """A :class:`~hetplan.cost_models.timeline.DPSession` based on ``strategy``: trials
         that change a few tensors resume from the first changed one (same times as
         :meth:`iteration_s`, bit for bit)."""
-        sess = DPSession(self.backprop_s, forward_s=self.forward_s,
-                         optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers)
+        sess = dp_session(self.backprop_s, forward_s=self.forward_s,
+                          optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers)
         self.evaluations += 1
         sess.rebase([self.ops(i, k) for i, k in enumerate(strategy)])
         return sess
@@ -192,29 +201,8 @@ def tensors_before_bubbles(problem: SelectionProblem[K], strategy: Sequence[K]) 
     tensors on a channel, is no bubble, because shortening the earlier communication would
     move that tensor's later steps earlier too.
     """
-    tl = simulate_dp(problem.backprop_s, problem.units(strategy), record=True,
-                     cpu_workers=problem.cpu_workers)
-    comm = sorted((e.start_s, e.end_s, e.unit) for e in tl.events
-                  if e.unit >= 0 and e.resource not in (GPU, CPU))
-    if not comm:
-        return set()
-    ready = [0.0] * len(problem.backprop_s)
-    done: dict[int, float] = {}
-    for e in tl.events:
-        if e.unit < 0:
-            ready[int(e.label.rsplit(" ", 1)[1])] = e.end_s
-        else:
-            done[e.unit] = max(done.get(e.unit, 0.0), e.end_s)
-    last_start, reach = comm[0][0], comm[0][1]
-    for s, e, _ in comm[1:]:
-        if s > reach + _EPS and not any(ready[u] < s - _EPS and end > reach + _EPS
-                                        for u, end in done.items()):
-            last_start = s
-        reach = max(reach, e)
-    ends: dict[int, float] = {}
-    for _, e, u in comm:
-        ends[u] = max(ends.get(u, 0.0), e)
-    return {u for u, e in ends.items() if e <= last_start + _EPS}
+    return before_last_busy_period(problem.backprop_s, problem.units(strategy),
+                                   problem.cpu_workers, _EPS)
 
 
 def _footprint(ops: tuple[Op, ...]) -> tuple[float, float, float]:
@@ -258,8 +246,13 @@ def gpu_decisions(
     strategy = list(problem.baseline if start is None else start)
     sess = problem.session(strategy) if fast else None
     best = sess.base_s if sess is not None else problem.iteration_s(strategy)
-    removed = {i for i in tensors_before_bubbles(problem, strategy)
-               if not problem.compressed(strategy[i])}
+
+    def removed_now() -> set[int]:
+        before = (sess.before_bubbles(_EPS) if sess is not None
+                  else tensors_before_bubbles(problem, strategy))
+        return {i for i in before if not problem.compressed(strategy[i])}
+
+    removed = removed_now()
     for j in processing_order(problem.sizes):
         if j in removed:
             continue
@@ -267,29 +260,36 @@ def gpu_decisions(
         cur_ops = problem.ops(j, current)
         cur_fp = _footprint(cur_ops)
         seen = {cur_ops}
+        keys: list[K] = []
+        cands: list[tuple[Op, ...]] = []
         for cand in itertools.chain((problem.baseline[j],), problem.gpu_options[j]):
             ops = problem.ops(j, cand)
             if ops in seen or (prune and _dominated(_footprint(ops), cur_fp)):
                 continue
             seen.add(ops)
-            back = cand == problem.baseline[j]
-            if sess is not None:
-                # a candidate is kept only if f < best - eps, or f <= best + eps for the
-                # baseline: one proven longer than that cannot be kept
-                f = problem.trial_s(sess, {j: cand}, bound=best + _EPS if back else best - _EPS)
-            else:
+            keys.append(cand)
+            cands.append(ops)
+        backs = [k == problem.baseline[j] for k in keys]
+        if sess is not None:
+            # a candidate is kept only if f < best - eps, or f <= best + eps for the
+            # baseline: each trial stops once proven longer than that
+            problem.evaluations += len(cands)
+            idx, best = sess.best_option(j, cands, backs, best, _EPS)
+            if idx >= 0:
+                current = keys[idx]
+        else:
+            for cand, back in zip(keys, backs):
                 trial = strategy.copy()
                 trial[j] = cand
                 f = problem.iteration_s(trial)
-            if f < best - _EPS or (back and f <= best + _EPS):
-                best, current = f, cand
+                if f < best - _EPS or (back and f <= best + _EPS):
+                    best, current = f, cand
         if current != strategy[j]:
             strategy[j] = current
             if sess is not None:
                 problem.evaluations += 1
                 sess.rebase([*sess.base_ops[:j], problem.ops(j, current), *sess.base_ops[j + 1:]])
-            removed |= {i for i in tensors_before_bubbles(problem, strategy)
-                        if not problem.compressed(strategy[i])}
+            removed |= removed_now()
     return strategy, best
 
 

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "DPSession", "simulate_dp", "GPU", "CPU"]
+__all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "DPSession", "dp_session", "jit_enabled",
+           "before_last_busy_period", "simulate_dp", "GPU", "CPU"]
 
 GPU = "gpu"
 CPU = "cpu"
@@ -463,6 +465,25 @@ class DPSession:
         return self._run(ops, gpu_free, first, runnable.copy(), gpu_queue.copy(), dict(free),
                          cpu.copy(), sync_end, None, bound, rem, tuple(changes))
 
+    def best_option(self, j: int, candidates: Sequence[tuple[Op, ...]], backs: Sequence[bool],
+                    best: float, eps: float) -> tuple[int, float]:
+        """Algorithm 4.1's ``GetBestOption`` for tensor ``j``: try ``candidates`` (ops lists)
+        in order; candidate ``c`` is kept when its time is below ``best - eps``, or at most
+        ``best + eps`` when ``backs[c]`` (the baseline option, preferred on a tie). Each trial
+        is bounded by what it must beat. Returns ``(index of the kept candidate or -1, its
+        time or best)``."""
+        chosen = -1
+        for c, (ops, back) in enumerate(zip(candidates, backs)):
+            f = self.trial({j: ops}, bound=best + eps if back else best - eps)
+            if f < best - eps or (back and f <= best + eps):
+                best, chosen = f, c
+        return chosen, best
+
+    def before_bubbles(self, eps: float) -> set[int]:
+        """:func:`before_last_busy_period` of the base strategy."""
+        units = [SyncUnit(i, o) for i, o in enumerate(self._ops)]
+        return before_last_busy_period(self._bp, units, self._workers, eps)
+
     def _converged(self, m: int, runnable: list, gpu_queue: list, free: dict[str, float],
                    cpu: list[float], sync_end: float, changed: Sequence[int]) -> bool:
         """Whether a trial's state at the start of segment ``m`` (all changed tensors before
@@ -617,3 +638,68 @@ class DPSession:
         if n == 0:
             bp_end = 0.0
         return self._fwd + max(bp_end, sync_end) + self._opt
+
+
+def before_last_busy_period(backprop_s: Sequence[float], units: Sequence[SyncUnit],
+                            cpu_workers: int = 1, eps: float = 1e-9) -> set[int]:
+    """Units whose communication ends no later than the start of the last busy period of the
+    communication channels (all channels together), where a gap is only a gap if no unit
+    *spans* it (became ready before it and still has ops after it): a gap inside one unit's
+    own path, e.g. its decompression between two communication steps after it waited behind
+    earlier units, closes when the earlier communication shortens. Espresso's Property #1
+    (:func:`hetplan.algorithms.espresso.tensors_before_bubbles`); gaps of at most ``eps``
+    are no gaps."""
+    tl = simulate_dp(backprop_s, units, record=True, cpu_workers=cpu_workers)
+    comm = sorted((e.start_s, e.end_s, e.unit) for e in tl.events
+                  if e.unit >= 0 and e.resource not in (GPU, CPU))
+    if not comm:
+        return set()
+    ready = [0.0] * len(backprop_s)
+    done: dict[int, float] = {}
+    for e in tl.events:
+        if e.unit < 0:
+            ready[int(e.label.rsplit(" ", 1)[1])] = e.end_s
+        else:
+            done[e.unit] = max(done.get(e.unit, 0.0), e.end_s)
+    last_start, reach = comm[0][0], comm[0][1]
+    for s, e, _ in comm[1:]:
+        if s > reach + eps and not any(ready[u] < s - eps and end > reach + eps
+                                       for u, end in done.items()):
+            last_start = s
+        reach = max(reach, e)
+    ends: dict[int, float] = {}
+    for _, e, u in comm:
+        ends[u] = max(ends.get(u, 0.0), e)
+    return {u for u, e in ends.items() if e <= last_start + eps}
+
+
+def jit_enabled() -> bool:
+    """Whether :func:`dp_session` returns the compiled session: numba is installed and
+    ``HETPLAN_JIT`` is not ``0``."""
+    if os.environ.get("HETPLAN_JIT", "1") == "0":
+        return False
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def dp_session(
+    backprop_s: Sequence[float],
+    *,
+    forward_s: float = 0.0,
+    optimizer_s: float = 0.0,
+    cpu_workers: int = 1,
+    jit: bool | None = None,
+) -> DPSession:
+    """A :class:`DPSession`: the compiled one (:mod:`hetplan.cost_models._dp_jit`, same
+    results bit for bit, tens of times faster) when ``jit`` (default: :func:`jit_enabled`),
+    else the pure-Python one."""
+    if jit if jit is not None else jit_enabled():
+        from hetplan.cost_models._dp_jit import JitDPSession
+
+        return JitDPSession(backprop_s, forward_s=forward_s,  # type: ignore[return-value]
+                            optimizer_s=optimizer_s, cpu_workers=cpu_workers)
+    return DPSession(backprop_s, forward_s=forward_s, optimizer_s=optimizer_s,
+                     cpu_workers=cpu_workers)

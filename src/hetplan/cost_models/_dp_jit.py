@@ -1,0 +1,713 @@
+"""Compiled kernels of the resumable data-parallel timeline (:class:`~.timeline.DPSession`).
+
+The pure-Python :class:`~hetplan.cost_models.timeline.DPSession` replays a few hundred events
+per trial; Espresso's Algorithm 4.1 runs thousands of trials that are nearly all close calls
+(within ~0.3 % of the time they must beat), so no bound stops them early. These kernels run
+the *same* event loop, with the same float operations in the same order, compiled with numba:
+a trial returns the same value bit for bit (``tests/unit/test_timeline_session.py`` runs both
+implementations against :func:`~hetplan.cost_models.timeline.simulate_dp`).
+
+Data layout (all numpy):
+
+- resources are small integers: ``0`` the GPU stream, ``1`` the CPU pool, ``2..`` the
+  communication channels (:class:`~.timeline.DPSession` keeps the name -> id map);
+- a strategy's ops are flat arrays ``res``/``dur`` with ``ustart[i]``/``ucount[i]`` giving
+  tensor ``i``'s slice;
+- a heap entry is a row ``(runnable time, unit ready time, unit, op index)`` of a float64
+  ``(cap, 4)`` array, ordered lexicographically like the Python tuples (``unit`` and ``op``
+  are small integers, exact in float64); entries are distinct, so any binary heap pops them
+  in the same order as :mod:`heapq`;
+- the state before every backprop segment of the base run (the Python session's ``_snaps``)
+  is kept in ``snap_*`` arrays, the two heaps of state ``i`` in a pool at
+  ``[roff[i], roff[i + 1])`` / ``[goff[i], goff[i + 1])``.
+
+Nothing here is imported unless numba is installed; ``HETPLAN_JIT=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from hetplan.cost_models.timeline import CPU as _CPU
+from hetplan.cost_models.timeline import GPU as _GPU
+
+GPU_ID = 0
+CPU_ID = 1
+#: At most this many resources (GPU, CPU and channels) per session.
+MAX_RESOURCES = 16
+_EPS_BOUND = 1e-12
+
+
+@njit(cache=True)
+def _less(h, a, b):  # pragma: no cover - compiled
+    for c in range(4):
+        x = h[a, c]
+        y = h[b, c]
+        if x != y:
+            return x < y
+    return False
+
+
+@njit(cache=True)
+def _swap(h, a, b):  # pragma: no cover - compiled
+    for c in range(4):
+        t = h[a, c]
+        h[a, c] = h[b, c]
+        h[b, c] = t
+
+
+@njit(cache=True)
+def _push(h, size, t, r, k, j):  # pragma: no cover - compiled
+    i = size
+    h[i, 0] = t
+    h[i, 1] = r
+    h[i, 2] = k
+    h[i, 3] = j
+    while i > 0:
+        p = (i - 1) >> 1
+        if _less(h, i, p):
+            _swap(h, i, p)
+            i = p
+        else:
+            break
+    return size + 1
+
+
+@njit(cache=True)
+def _pop(h, size):  # pragma: no cover - compiled
+    """Remove the top (the caller has read row 0); the new size."""
+    size -= 1
+    if size > 0:
+        for c in range(4):
+            h[0, c] = h[size, c]
+        i = 0
+        while True:
+            left = 2 * i + 1
+            if left >= size:
+                break
+            m = left
+            right = left + 1
+            if right < size and _less(h, right, left):
+                m = right
+            if _less(h, m, i):
+                _swap(h, m, i)
+                i = m
+            else:
+                break
+    return size
+
+
+@njit(cache=True)
+def _event(ev, ev_n, s, e, k, comm):  # pragma: no cover - compiled
+    """Record one op's interval: a row ``(start, end, unit, 1.0 if on a channel)``."""
+    x = ev_n[0]
+    ev[x, 0] = s
+    ev[x, 1] = e
+    ev[x, 2] = k
+    ev[x, 3] = 1.0 if comm else 0.0
+    ev_n[0] = x + 1
+
+
+@njit(cache=True)
+def _restore(m, snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool,
+             run_h, gq_h, free, cpu):  # pragma: no cover - compiled
+    """Load the saved state before segment ``m`` into the work arrays; returns
+    ``(gpu_free, sync_end, runnable size, gpu-queue size)``."""
+    rn = roff[m + 1] - roff[m]
+    for x in range(rn):
+        for c in range(4):
+            run_h[x, c] = rpool[roff[m] + x, c]
+    gn = goff[m + 1] - goff[m]
+    for x in range(gn):
+        for c in range(4):
+            gq_h[x, c] = gpool[goff[m] + x, c]
+    for r in range(free.shape[0]):
+        free[r] = snap_free[m, r]
+    for w in range(cpu.shape[0]):
+        cpu[w] = snap_cpu[m, w]
+    return snap_gpu[m], snap_sync[m], rn, gn
+
+
+@njit(cache=True)
+def _has_changed(h, hn, changed_mask):  # pragma: no cover - compiled
+    for x in range(hn):
+        if changed_mask[int(h[x, 2])]:
+            return True
+    return False
+
+
+@njit(cache=True)
+def _same_rows(h, hn, pool, start):  # pragma: no cover - compiled
+    """Whether heap ``h[:hn]`` holds the rows ``pool[start:start + hn]`` (in any order); a
+    row's (unit, op) identifies it."""
+    for x in range(hn):
+        found = False
+        for y in range(start, start + hn):
+            if pool[y, 2] == h[x, 2] and pool[y, 3] == h[x, 3]:
+                found = pool[y, 0] == h[x, 0] and pool[y, 1] == h[x, 1]
+                break
+        if not found:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _converged(m, run_h, rn, gq_h, gn, free, cpu, sync_end, changed_mask, snap_gpu,
+               snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool):  # pragma: no cover
+    """:meth:`~.timeline.DPSession._converged` on arrays."""
+    now = snap_gpu[m]
+    if max(sync_end, now) != max(snap_sync[m], now):
+        return False
+    if rn != roff[m + 1] - roff[m] or gn != goff[m + 1] - goff[m]:
+        return False
+    if rn > 0:
+        for c in range(4):
+            if run_h[0, c] != rpool[roff[m], c]:
+                return False
+    if gn > 0:
+        for c in range(4):
+            if gq_h[0, c] != gpool[goff[m], c]:
+                return False
+    for r in range(free.shape[0]):
+        if max(free[r], now) != max(snap_free[m, r], now):
+            return False
+    a = np.sort(np.maximum(cpu, now))
+    b = np.sort(np.maximum(snap_cpu[m], now))
+    for w in range(a.shape[0]):
+        if a[w] != b[w]:
+            return False
+    if _has_changed(run_h, rn, changed_mask) or _has_changed(gq_h, gn, changed_mask):
+        return False
+    return _same_rows(run_h, rn, rpool, roff[m]) and _same_rows(gq_h, gn, gpool, goff[m])
+
+
+@njit(cache=True)
+def _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt,
+         gpu_free, next_bp, run_h, rn, gq_h, gn, free, cpu, sync_end,
+         record, snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool,
+         bound, use_rem, rem, changed_mask, n_moving, last_changed, base_s,
+         events, ev, ev_ready, ev_n):  # pragma: no cover - compiled
+    """:meth:`~.timeline.DPSession._run` on arrays. With ``record`` the state before every
+    segment is saved (the base run; returns ``-1.0`` when a snapshot pool is full);
+    otherwise a trial: bound checks when ``use_rem``, and the convergence test. With
+    ``events`` every op's interval is written to ``ev`` (:func:`_event`, ``ev_n[0]`` rows) and
+    every tensor's ready time to ``ev_ready``."""
+    n = bp.shape[0]
+    inf = np.inf
+    bp_end = 0.0
+    single_cpu = cpu.shape[0] == 1
+    limit = bound + _EPS_BOUND - fwd - opt
+    while True:
+        horizon = run_h[0, 0] if rn > 0 else inf
+        while gpu_free < horizon:
+            if gn > 0 and gq_h[0, 0] <= gpu_free:
+                r = gq_h[0, 1]
+                k = int(gq_h[0, 2])
+                j = int(gq_h[0, 3])
+                gn = _pop(gq_h, gn)
+                d = dur[ustart[k] + j]
+                if use_rem:
+                    left = rem[GPU_ID]
+                    if gpu_free + left + suffix_bp[next_bp] > limit:
+                        return inf
+                    rem[GPU_ID] = left - d
+                e = gpu_free + d
+                if events:
+                    _event(ev, ev_n, gpu_free, e, k, False)
+                gpu_free = e
+                if j + 1 < ucount[k]:
+                    rn = _push(run_h, rn, e, r, k, j + 1)
+                    if e < horizon:
+                        horizon = e
+                else:
+                    if e > sync_end:
+                        sync_end = e
+                    if n_moving > 0 and changed_mask[k]:
+                        n_moving -= 1
+            elif next_bp < n:
+                if record:
+                    i = next_bp
+                    if roff[i] + rn > rpool.shape[0] or goff[i] + gn > gpool.shape[0]:
+                        return -1.0
+                    snap_gpu[i] = gpu_free
+                    snap_sync[i] = sync_end
+                    for rr in range(free.shape[0]):
+                        snap_free[i, rr] = free[rr]
+                    for w in range(cpu.shape[0]):
+                        snap_cpu[i, w] = cpu[w]
+                    for x in range(rn):
+                        for c in range(4):
+                            rpool[roff[i] + x, c] = run_h[x, c]
+                    roff[i + 1] = roff[i] + rn
+                    for x in range(gn):
+                        for c in range(4):
+                            gpool[goff[i] + x, c] = gq_h[x, c]
+                    goff[i + 1] = goff[i] + gn
+                elif n_moving == 0 and next_bp > last_changed \
+                        and gpu_free == snap_gpu[next_bp] \
+                        and _converged(next_bp, run_h, rn, gq_h, gn, free, cpu, sync_end,
+                                       changed_mask, snap_gpu, snap_sync, snap_free, snap_cpu,
+                                       roff, rpool, goff, gpool):
+                    return base_s
+                e = gpu_free + bp[next_bp]
+                gpu_free = e
+                if events:
+                    ev_ready[next_bp] = e
+                if ucount[next_bp] > 0:
+                    rn = _push(run_h, rn, e, e, next_bp, 0)
+                    if e < horizon:
+                        horizon = e
+                next_bp += 1
+                if next_bp == n:
+                    bp_end = e
+            elif gn > 0:
+                gpu_free = max(gpu_free, gq_h[0, 0])
+            else:
+                break
+        if rn == 0:
+            if gn > 0 or next_bp < n:
+                continue
+            break
+        t = run_h[0, 0]
+        r = run_h[0, 1]
+        k = int(run_h[0, 2])
+        j = int(run_h[0, 3])
+        rn = _pop(run_h, rn)
+        o = ustart[k] + j
+        rid = res[o]
+        if rid == GPU_ID:
+            gn = _push(gq_h, gn, t, r, k, j)
+            continue
+        d = dur[o]
+        if rid == CPU_ID:
+            w = 0
+            if not single_cpu:
+                for x in range(1, cpu.shape[0]):
+                    if cpu[x] < cpu[w]:
+                        w = x
+            s = cpu[w]
+            if t > s:
+                s = t
+            cpu[w] = s + d
+        else:
+            s = free[rid]
+            if t > s:
+                s = t
+            free[rid] = s + d
+        e = s + d
+        if events:
+            _event(ev, ev_n, s, e, k, rid != CPU_ID)
+        if use_rem:
+            left = rem[rid]
+            if rid != CPU_ID and s + left > limit:
+                return inf
+            rem[rid] = left - d
+        if j + 1 < ucount[k]:
+            rn = _push(run_h, rn, e, r, k, j + 1)
+        else:
+            if e > sync_end:
+                sync_end = e
+            if n_moving > 0 and changed_mask[k]:
+                n_moving -= 1
+    if n == 0:
+        bp_end = 0.0
+    return fwd + max(bp_end, sync_end) + opt
+
+
+@njit(cache=True)
+def rebase_run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, m, workers,
+               snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool,
+               run_h, gq_h):  # pragma: no cover - compiled
+    """Simulate the base from the state saved before segment ``m`` (``m == 0``: the empty
+    start), saving the states from ``m`` on. Returns the iteration time, or ``-1.0`` when a
+    snapshot pool is too small (the caller grows it and calls again)."""
+    free = np.zeros(snap_free.shape[1])
+    cpu = np.zeros(workers)
+    if m == 0:
+        gpu_free, sync_end, rn, gn = 0.0, 0.0, 0, 0
+        roff[0] = 0
+        goff[0] = 0
+    else:
+        gpu_free, sync_end, rn, gn = _restore(m, snap_gpu, snap_sync, snap_free, snap_cpu,
+                                              roff, rpool, goff, gpool, run_h, gq_h, free,
+                                              cpu)
+    no_rem = np.zeros(1)
+    no_mask = np.zeros(1, dtype=np.bool_)
+    return _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, gpu_free, m, run_h, rn,
+                gq_h, gn, free, cpu, sync_end, True, snap_gpu, snap_sync, snap_free, snap_cpu,
+                roff, rpool, goff, gpool, np.inf, False, no_rem, no_mask, 0, bp.shape[0],
+                0.0, False, np.zeros((1, 4)), no_rem, np.zeros(1, dtype=np.int64))
+
+
+@njit(cache=True)
+def _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+           snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+           t_res, t_dur, t_start, t_count, changed, bound, run_h, gq_h, free, cpu, rem,
+           changed_mask):  # pragma: no cover - compiled
+    """One trial: the base with tensor ``changed[x]``'s ops replaced by the slice
+    ``[t_start[x], t_start[x] + t_count[x])`` of ``t_res``/``t_dur`` (see
+    :meth:`~.timeline.DPSession.trial`). ``changed`` is sorted; the work arrays are
+    overwritten."""
+    n_base = res.shape[0]
+    n_new = 0
+    for x in range(changed.shape[0]):
+        n_new += t_count[x]
+    a_res = np.empty(n_base + n_new, dtype=res.dtype)
+    a_dur = np.empty(n_base + n_new)
+    a_res[:n_base] = res
+    a_dur[:n_base] = dur
+    a_start = ustart.copy()
+    a_count = ucount.copy()
+    pos = n_base
+    n_moving = 0
+    for x in range(changed.shape[0]):
+        i = changed[x]
+        changed_mask[i] = True
+        a_start[i] = pos
+        a_count[i] = t_count[x]
+        for y in range(t_count[x]):
+            a_res[pos + y] = t_res[t_start[x] + y]
+            a_dur[pos + y] = t_dur[t_start[x] + y]
+        pos += t_count[x]
+        if t_count[x] > 0:
+            n_moving += 1
+    first = changed[0]
+    last_changed = changed[changed.shape[0] - 1]
+    gpu_free, sync_end, rn, gn = _restore(first, snap_gpu, snap_sync, snap_free, snap_cpu,
+                                          roff, rpool, goff, gpool, run_h, gq_h, free, cpu)
+    use_rem = bound < np.inf
+    if use_rem:
+        # in-flight work at the saved state, then the work of the tensors from ``first`` on
+        for r in range(rem.shape[0]):
+            rem[r] = 0.0
+        for x in range(rn):
+            k = int(run_h[x, 2])
+            for o in range(ustart[k] + int(run_h[x, 3]), ustart[k] + ucount[k]):
+                rem[res[o]] += dur[o]
+        for x in range(gn):
+            k = int(gq_h[x, 2])
+            for o in range(ustart[k] + int(gq_h[x, 3]), ustart[k] + ucount[k]):
+                rem[res[o]] += dur[o]
+        for r in range(rem.shape[0]):
+            rem[r] += suffix[first, r]
+        for x in range(changed.shape[0]):
+            i = changed[x]
+            for o in range(ustart[i], ustart[i] + ucount[i]):
+                rem[res[o]] -= dur[o]
+            for o in range(a_start[i], a_start[i] + a_count[i]):
+                rem[a_res[o]] += a_dur[o]
+        # the lower bound at the resume point (DPSession._bound)
+        now = gpu_free
+        end = max(sync_end, now + suffix_bp[first] + rem[GPU_ID])
+        for r in range(1, rem.shape[0]):
+            d = rem[r]
+            if d <= 0.0:
+                continue
+            if r == CPU_ID:
+                acc = 0.0
+                for w in range(cpu.shape[0]):
+                    acc += max(cpu[w], now)
+                end = max(end, (acc + d) / cpu.shape[0])
+            else:
+                end = max(end, max(free[r], now) + d)
+        if fwd + end + opt > bound + _EPS_BOUND:
+            for x in range(changed.shape[0]):
+                changed_mask[changed[x]] = False
+            return np.inf
+    f = _run(bp, suffix_bp, a_res, a_dur, a_start, a_count, fwd, opt, gpu_free, first, run_h,
+             rn, gq_h, gn, free, cpu, sync_end, False, snap_gpu, snap_sync, snap_free,
+             snap_cpu, roff, rpool, goff, gpool, bound, use_rem, rem, changed_mask, n_moving,
+             last_changed, base_s, False, run_h, rem, np.zeros(1, dtype=np.int64))
+    for x in range(changed.shape[0]):
+        changed_mask[changed[x]] = False
+    return f
+
+
+@njit(cache=True)
+def _work(n, n_res, workers):  # pragma: no cover - compiled
+    """Work arrays of a trial: two heaps, channel and CPU free times, remaining work, mask."""
+    return (np.empty((n + 1, 4)), np.empty((n + 1, 4)), np.empty(n_res), np.empty(workers),
+            np.empty(n_res), np.zeros(n, dtype=np.bool_))
+
+
+@njit(cache=True)
+def trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+          snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+          t_res, t_dur, t_start, t_count, changed, bound):  # pragma: no cover - compiled
+    """:func:`_trial` with fresh work arrays."""
+    run_h, gq_h, free, cpu, rem, mask = _work(bp.shape[0], snap_free.shape[1], workers)
+    return _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+                  snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+                  t_res, t_dur, t_start, t_count, changed, bound, run_h, gq_h, free, cpu, rem,
+                  mask)
+
+
+@njit(cache=True)
+def best_option(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+                snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+                j, c_res, c_dur, c_start, c_count, c_back, best, eps):  # pragma: no cover
+    """Algorithm 4.1's ``GetBestOption`` for tensor ``j`` over candidate op lists
+    ``[c_start[c], c_start[c] + c_count[c])``: candidate ``c`` is kept when its time is
+    below ``best - eps``, or at most ``best + eps`` if ``c_back[c]`` (the baseline option,
+    preferred on a tie); each trial is bounded by what it must beat. Returns
+    ``(index of the kept candidate or -1, its time or best)``."""
+    run_h, gq_h, free, cpu, rem, mask = _work(bp.shape[0], snap_free.shape[1], workers)
+    changed = np.array([j])
+    t_start = np.zeros(1, dtype=np.int64)
+    t_count = np.zeros(1, dtype=np.int64)
+    chosen = -1
+    for c in range(c_start.shape[0]):
+        back = c_back[c]
+        t_start[0] = c_start[c]
+        t_count[0] = c_count[c]
+        limit = best - eps
+        if back:
+            limit = best + eps
+        f = _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+                   snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+                   c_res, c_dur, t_start, t_count, changed, limit,
+                   run_h, gq_h, free, cpu, rem, mask)
+        if f < best - eps or (back and f <= best + eps):
+            best = f
+            chosen = c
+    return chosen, best
+
+
+@njit(cache=True)
+def before_bubbles(bp, res, dur, ustart, ucount, workers, n_res, eps):  # pragma: no cover
+    """:func:`hetplan.cost_models.timeline.before_last_busy_period` for the strategy in
+    ``res``/``dur``: one run recording every interval, then the same gap rules. Returns a
+    mask over tensors."""
+    n = bp.shape[0]
+    ev = np.zeros((max(res.shape[0], 1), 4))
+    ready = np.zeros(n)
+    ev_n = np.zeros(1, dtype=np.int64)
+    one = np.zeros(1)
+    _run(bp, one, res, dur, ustart, ucount, 0.0, 0.0, 0.0, 0, np.empty((n + 1, 4)), 0,
+         np.empty((n + 1, 4)), 0, np.zeros(n_res), np.zeros(workers), 0.0, False, one, one,
+         np.zeros((1, n_res)), np.zeros((1, workers)), ev_n, ev, ev_n, ev,
+         np.inf, False, one, np.zeros(1, dtype=np.bool_), 0, n, 0.0, True, ev, ready, ev_n)
+    ne = ev_n[0]
+    ev_s = ev[:ne, 0]
+    ev_e = ev[:ne, 1]
+    ev_u = ev[:ne, 2].astype(np.int64)
+    ev_comm = ev[:ne, 3] > 0.5
+    done = np.full(n, -1.0)
+    for x in range(ne):
+        k = ev_u[x]
+        if ev_e[x] > done[k]:
+            done[k] = ev_e[x]
+    # communication intervals sorted by (start, end, unit)
+    nc = 0
+    for x in range(ne):
+        if ev_comm[x]:
+            nc += 1
+    out = np.zeros(n, dtype=np.bool_)
+    if nc == 0:
+        return out
+    cs = np.empty(nc)
+    ce = np.empty(nc)
+    cu = np.empty(nc, dtype=np.int64)
+    y = 0
+    for x in range(ne):
+        if ev_comm[x]:
+            cs[y] = ev_s[x]
+            ce[y] = ev_e[x]
+            cu[y] = ev_u[x]
+            y += 1
+    order = np.argsort(cu, kind="mergesort")
+    order = order[np.argsort(ce[order], kind="mergesort")]
+    order = order[np.argsort(cs[order], kind="mergesort")]
+    last_start = cs[order[0]]
+    reach = ce[order[0]]
+    for y in range(1, nc):
+        s = cs[order[y]]
+        if s > reach + eps:
+            spanned = False
+            for u in range(n):
+                if done[u] >= 0.0 and ready[u] < s - eps and done[u] > reach + eps:
+                    spanned = True
+                    break
+            if not spanned:
+                last_start = s
+        reach = max(reach, ce[order[y]])
+    ends = np.full(n, -1.0)
+    for y in range(nc):
+        u = cu[y]
+        if ce[y] > ends[u]:
+            ends[u] = ce[y]
+    for u in range(n):
+        if ends[u] >= 0.0 and ends[u] <= last_start + eps:
+            out[u] = True
+    return out
+
+
+@njit(cache=True)
+def suffix_work(res, dur, ustart, ucount, suffix, last):  # pragma: no cover - compiled
+    """``suffix[i, r]``: work on resource ``r`` of tensors ``i..n-1``, recomputed from tensor
+    ``last`` down (rows after it are kept)."""
+    for i in range(last, -1, -1):
+        for r in range(suffix.shape[1]):
+            suffix[i, r] = suffix[i + 1, r]
+        for o in range(ustart[i], ustart[i] + ucount[i]):
+            suffix[i, res[o]] += dur[o]
+
+
+class JitDPSession:
+    """:class:`~hetplan.cost_models.timeline.DPSession` on the compiled kernels: the same
+    methods, the same results bit for bit (see the module docstring)."""
+
+    __slots__ = ("_bp", "_suffix_bp", "_fwd", "_opt", "_workers", "_rid", "_conv", "_ops",
+                 "_res", "_dur", "_ustart", "_ucount", "_valid", "_snap_gpu", "_snap_sync",
+                 "_snap_free", "_snap_cpu", "_roff", "_goff", "_rpool", "_gpool", "_suffix",
+                 "base_s")
+
+    def __init__(self, backprop_s, *, forward_s=0.0, optimizer_s=0.0, cpu_workers=1):
+        if cpu_workers < 1:
+            raise ValueError(f"cpu_workers must be >= 1, got {cpu_workers}")
+        bp = [float(b) for b in backprop_s]
+        n = len(bp)
+        suffix_bp = [0.0] * (n + 1)
+        for i in range(n - 1, -1, -1):  # the Python session's float order
+            suffix_bp[i] = suffix_bp[i + 1] + bp[i]
+        self._bp = np.array(bp, dtype=np.float64)
+        self._suffix_bp = np.array(suffix_bp, dtype=np.float64)
+        self._fwd = float(forward_s)
+        self._opt = float(optimizer_s)
+        self._workers = int(cpu_workers)
+        self._rid: dict[str, int] = {_GPU: GPU_ID, _CPU: CPU_ID}
+        self._conv: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
+        self._ops: list[tuple] = []
+        self._valid = False
+        r = MAX_RESOURCES
+        self._snap_gpu = np.zeros(n + 1)
+        self._snap_sync = np.zeros(n + 1)
+        self._snap_free = np.zeros((n + 1, r))
+        self._snap_cpu = np.zeros((n + 1, self._workers))
+        self._roff = np.zeros(n + 2, dtype=np.int64)
+        self._goff = np.zeros(n + 2, dtype=np.int64)
+        self._rpool = np.zeros((4 * n + 16, 4))
+        self._gpool = np.zeros((4 * n + 16, 4))
+        self._suffix = np.zeros((n + 1, r))
+        self.base_s = 0.0
+
+    @property
+    def base_ops(self):
+        """The base strategy's ops per tensor (do not modify)."""
+        return self._ops
+
+    def _arrays(self, ops):
+        """(resource ids, durations) of one tensor's ops, cached per ops tuple."""
+        got = self._conv.get(id(ops))
+        if got is not None and got[0] is ops:
+            return got[1], got[2]
+        ids = []
+        for op in ops:
+            rid = self._rid.get(op.resource)
+            if rid is None:
+                if len(self._rid) == MAX_RESOURCES:
+                    raise ValueError(f"more than {MAX_RESOURCES} resources in one session")
+                rid = self._rid[op.resource] = len(self._rid)
+            ids.append(rid)
+        res = np.array(ids, dtype=np.int64)
+        dur = np.array([op.duration_s for op in ops], dtype=np.float64)
+        self._conv[id(ops)] = (ops, res, dur)
+        return res, dur
+
+    def _pack(self, unit_ops):
+        parts = [self._arrays(o) for o in unit_ops]
+        counts = np.array([len(p[0]) for p in parts], dtype=np.int64)
+        starts = np.zeros(len(parts), dtype=np.int64)
+        if len(parts) > 1:
+            np.cumsum(counts[:-1], out=starts[1:])
+        if parts:
+            res = np.concatenate([p[0] for p in parts])
+            dur = np.concatenate([p[1] for p in parts])
+        else:
+            res, dur = np.zeros(0, dtype=np.int64), np.zeros(0)
+        return res, dur, starts, counts
+
+    def rebase(self, unit_ops):
+        """Simulate ``unit_ops`` as the new base (from the first changed tensor on)."""
+        n = len(self._bp)
+        if len(unit_ops) != n:
+            raise ValueError(f"{len(unit_ops)} units for {n} tensors: one per tensor")
+        new = list(unit_ops)
+        m, last = 0, n - 1
+        if self._valid and n:
+            old = self._ops
+            while m < n and new[m] == old[m]:
+                m += 1
+            if m == n:
+                self._ops = new
+                return self.base_s
+            while new[last] == old[last]:
+                last -= 1
+        else:
+            self._suffix[:] = 0.0
+        self._ops = new
+        self._res, self._dur, self._ustart, self._ucount = self._pack(new)
+        run_h = np.empty((n + 1, 4))
+        gq_h = np.empty((n + 1, 4))
+        while True:
+            f = rebase_run(self._bp, self._suffix_bp, self._res, self._dur, self._ustart,
+                           self._ucount, self._fwd, self._opt, m, self._workers,
+                           self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
+                           self._roff, self._rpool, self._goff, self._gpool, run_h, gq_h)
+            if f >= 0.0:
+                break
+            for name in ("_rpool", "_gpool"):  # grow a full pool, keeping the saved states
+                pool = getattr(self, name)
+                grown = np.zeros((2 * pool.shape[0], 4))
+                grown[:pool.shape[0]] = pool
+                setattr(self, name, grown)
+        self.base_s = f
+        self._valid = True
+        if n:
+            suffix_work(self._res, self._dur, self._ustart, self._ucount, self._suffix, last)
+        return f
+
+    def _check(self, idx):
+        n = len(self._bp)
+        if idx and (min(idx) < 0 or max(idx) >= n):
+            raise ValueError(f"tensor index outside 0..{n - 1}: {sorted(idx)}")
+
+    def trial(self, changes, *, bound=float("inf")):
+        """The base with tensor ``i``'s ops replaced by ``changes[i]``; ``inf`` once proven
+        longer than ``bound``."""
+        if not changes:
+            return self.base_s
+        idx = sorted(changes)
+        self._check(idx)
+        t_res, t_dur, t_start, t_count = self._pack([changes[i] for i in idx])
+        return trial(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
+                     self._ustart, self._ucount, self._fwd, self._opt, self._workers,
+                     self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
+                     self._roff, self._rpool, self._goff, self._gpool, self.base_s,
+                     t_res, t_dur, t_start, t_count, np.array(idx, dtype=np.int64),
+                     float(bound))
+
+    def best_option(self, j, candidates, backs, best, eps):
+        """Algorithm 4.1's ``GetBestOption`` for tensor ``j`` (see
+        :meth:`hetplan.cost_models.timeline.DPSession.best_option`)."""
+        if not candidates:
+            return -1, best
+        self._check([j])
+        c_res, c_dur, c_start, c_count = self._pack(candidates)
+        idx, f = best_option(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
+                             self._ustart, self._ucount, self._fwd, self._opt, self._workers,
+                             self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
+                             self._roff, self._rpool, self._goff, self._gpool, self.base_s,
+                             j, c_res, c_dur, c_start, c_count,
+                             np.array(backs, dtype=np.bool_), float(best), float(eps))
+        return int(idx), float(f)
+
+    def before_bubbles(self, eps):
+        """Tensors of the base communicated before its last communication busy period (see
+        :func:`hetplan.cost_models.timeline.before_last_busy_period`)."""
+        if not len(self._bp):
+            return set()
+        mask = before_bubbles(self._bp, self._res, self._dur, self._ustart, self._ucount,
+                              self._workers, MAX_RESOURCES, float(eps))
+        return {int(i) for i in np.flatnonzero(mask)}
