@@ -1,15 +1,23 @@
 """The fast selection path (resumable, early-stopping simulations) against the slow reference
 (every candidate simulated from scratch with ``simulate_dp``): on random small instances both
 pick the same strategies with the same predicted times, with seeds, offloading and several
-channels."""
+channels. The fast path runs on both sessions: the compiled one (the default when numba is
+installed) and the pure-Python one (``HETPLAN_JIT=0``)."""
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetplan.algorithms.espresso import SelectionProblem, cpu_offload, gpu_decisions, select
-from hetplan.cost_models.timeline import CPU, GPU, Op
+from hetplan.cost_models.timeline import CPU, GPU, Op, jit_enabled
+
+_JIT = ["0", pytest.param("1", marks=pytest.mark.skipif(
+    not jit_enabled(), reason="numba not installed or HETPLAN_JIT=0"))]
 
 _t = st.integers(1, 8).map(lambda x: x * 0.25)
 _OPTS = ("N", "G1", "G2", "H", "C1", "C2")
@@ -44,25 +52,54 @@ def _problem(draw: st.DrawFn) -> SelectionProblem[str]:
     )
 
 
+@pytest.mark.parametrize("jit", _JIT)
 @settings(max_examples=150, deadline=None)
 @given(p=_problem(), prune=st.booleans())
-def test_fast_gpu_decisions_and_offload_equal_reference(p: SelectionProblem[str],
+def test_fast_gpu_decisions_and_offload_equal_reference(jit: str, p: SelectionProblem[str],
                                                         prune: bool) -> None:
-    fast = gpu_decisions(p, prune=prune, fast=True)
+    with mock.patch.dict(os.environ, {"HETPLAN_JIT": jit}):
+        fast = gpu_decisions(p, prune=prune, fast=True)
+        fast_offload = cpu_offload(p, fast[0], fast=True)
+        fast_descent = cpu_offload(p, fast[0], limit=1, fast=True)
     slow = gpu_decisions(p, prune=prune, fast=False)
     assert fast == slow
-    assert cpu_offload(p, fast[0], fast=True) == cpu_offload(p, slow[0], fast=False)
+    assert fast_offload == cpu_offload(p, slow[0], fast=False)
     # the coordinate-descent fallback too
-    assert cpu_offload(p, fast[0], limit=1, fast=True) == cpu_offload(p, slow[0], limit=1,
-                                                                       fast=False)
+    assert fast_descent == cpu_offload(p, slow[0], limit=1, fast=False)
 
 
+@pytest.mark.parametrize("jit", _JIT)
 @settings(max_examples=100, deadline=None)
 @given(p=_problem())
-def test_fast_select_equals_reference(p: SelectionProblem[str]) -> None:
+def test_fast_select_equals_reference(jit: str, p: SelectionProblem[str]) -> None:
     n = len(p.sizes)
     seeds = [[k] * n for k in _OPTS]
-    a = select(p, exhaustive_limit=0, seeds=seeds, fast=True)
+    with mock.patch.dict(os.environ, {"HETPLAN_JIT": jit}):
+        a = select(p, exhaustive_limit=0, seeds=seeds, fast=True)
     b = select(p, exhaustive_limit=0, seeds=seeds, fast=False)
     assert (a.strategy, a.iteration_s, a.baseline_s, a.benefit_s, a.method) == (
         b.strategy, b.iteration_s, b.baseline_s, b.benefit_s, b.method)
+
+
+def test_candidates_skip_step_for_step_dominated_options() -> None:
+    """Algorithm 4.1 does not try an option whose ops are another option's step for step on
+    the same resources, each at least as long and one longer (B against A); an option on
+    another path (C) or with a shorter step (D against A) is tried, duplicates once, and the
+    baseline always, even when dominated (E)."""
+    from hetplan.algorithms.espresso import _Candidates
+
+    table = {
+        "N": (Op("net", 4.0),),
+        "A": (Op(GPU, 1.0), Op("net", 1.0)),
+        "B": (Op(GPU, 1.0), Op("net", 2.0)),
+        "C": (Op(GPU, 2.0), Op("net", 0.5), Op(GPU, 0.1)),
+        "D": (Op(GPU, 0.5), Op("net", 1.5)),
+        "A2": (Op(GPU, 1.0), Op("net", 1.0)),
+        "E": (Op("net", 3.0),),
+    }
+    p = SelectionProblem(backprop_s=[1.0], sizes=[1], baseline=["N"],
+                         gpu_options=[["A", "B", "C", "D", "A2", "E"]],
+                         ops=lambda i, k: table[k], compressed=lambda k: k != "N")
+    assert [k for k, _ in _Candidates(p, prune=True).candidates(0)] == ["N", "A", "C", "D", "E"]
+    assert [k for k, _ in _Candidates(p, prune=False).candidates(0)] == [
+        "N", "A", "B", "C", "D", "E"]

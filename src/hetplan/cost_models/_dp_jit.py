@@ -475,6 +475,54 @@ def best_option(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, worke
 
 
 @njit(cache=True)
+def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+                 snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+                 g_size, members, o_res, o_dur, o_start, o_count, best, eps):  # pragma: no cover
+    """Algorithm 4.2's exact search (Theorem 4.1): every vector ``u`` with
+    ``0 <= u[g] <= g_size[g]``, in :func:`itertools.product` order (the last group fastest),
+    offloads the first ``u[g]`` members of group ``g`` (``members`` lists the groups one
+    after another, each earliest-ready first; member ``x``'s offloaded ops are the slice
+    ``[o_start[x], o_start[x] + o_count[x])`` of ``o_res``/``o_dur``). A vector is kept when
+    its time is below ``best - eps`` (the first of equals wins). Returns ``(u, time)``;
+    ``u`` is all zeros when no vector beats ``best``."""
+    run_h, gq_h, free, cpu, rem, mask = _work(bp.shape[0], snap_free.shape[1], workers)
+    n_groups = g_size.shape[0]
+    g_off = np.zeros(n_groups + 1, dtype=np.int64)
+    for g in range(n_groups):
+        g_off[g + 1] = g_off[g] + g_size[g]
+    u = np.zeros(n_groups, dtype=np.int64)
+    best_u = np.zeros(n_groups, dtype=np.int64)
+    tensors = np.empty(members.shape[0], dtype=np.int64)
+    slots = np.empty(members.shape[0], dtype=np.int64)
+    while True:
+        g = n_groups - 1  # the odometer: the last group moves fastest
+        while g >= 0 and u[g] == g_size[g]:
+            u[g] = 0
+            g -= 1
+        if g < 0:
+            break
+        u[g] += 1
+        m = 0
+        for h in range(n_groups):
+            for x in range(g_off[h], g_off[h] + u[h]):
+                tensors[m] = members[x]
+                slots[m] = x
+                m += 1
+        order = np.argsort(tensors[:m])
+        changed = tensors[:m][order]
+        t_start = o_start[slots[:m][order]]
+        t_count = o_count[slots[:m][order]]
+        f = _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+                   snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+                   o_res, o_dur, t_start, t_count, changed, best - eps, run_h, gq_h, free, cpu,
+                   rem, mask)
+        if f < best - eps:
+            best = f
+            best_u[:] = u
+    return best_u, best
+
+
+@njit(cache=True)
 def before_bubbles(bp, res, dur, ustart, ucount, workers, n_res, eps):  # pragma: no cover
     """:func:`hetplan.cost_models.timeline.before_last_busy_period` for the strategy in
     ``res``/``dur``: one run recording every interval, then the same gap rules. Returns a
@@ -616,8 +664,13 @@ class JitDPSession:
         return res, dur
 
     def _pack(self, unit_ops):
-        parts = [self._arrays(o) for o in unit_ops]
-        counts = np.array([len(p[0]) for p in parts], dtype=np.int64)
+        conv = self._conv
+        parts = []
+        for o in unit_ops:
+            got = conv.get(id(o))
+            parts.append((got[1], got[2]) if got is not None and got[0] is o
+                         else self._arrays(o))
+        counts = np.array([len(o) for o in unit_ops], dtype=np.int64)
         starts = np.zeros(len(parts), dtype=np.int64)
         if len(parts) > 1:
             np.cumsum(counts[:-1], out=starts[1:])
@@ -646,8 +699,19 @@ class JitDPSession:
                 last -= 1
         else:
             self._suffix[:] = 0.0
+        if self._valid and n:  # splice the changed tensors' ops into the base arrays
+            res, dur, _, counts = self._pack(new[m:last + 1])
+            lo = self._ustart[m]
+            hi = self._ustart[last] + self._ucount[last]
+            self._res = np.concatenate((self._res[:lo], res, self._res[hi:]))
+            self._dur = np.concatenate((self._dur[:lo], dur, self._dur[hi:]))
+            self._ucount = self._ucount.copy()
+            self._ucount[m:last + 1] = counts
+            self._ustart = np.zeros(n, dtype=np.int64)
+            np.cumsum(self._ucount[:-1], out=self._ustart[1:])
+        else:
+            self._res, self._dur, self._ustart, self._ucount = self._pack(new)
         self._ops = new
-        self._res, self._dur, self._ustart, self._ucount = self._pack(new)
         run_h = np.empty((n + 1, 4))
         gq_h = np.empty((n + 1, 4))
         while True:
@@ -702,6 +766,23 @@ class JitDPSession:
                              j, c_res, c_dur, c_start, c_count,
                              np.array(backs, dtype=np.bool_), float(best), float(eps))
         return int(idx), float(f)
+
+    def best_offload(self, groups, offloaded, best, eps):
+        """Algorithm 4.2's exact search over offloading vectors (see
+        :meth:`hetplan.cost_models.timeline.DPSession.best_offload`)."""
+        members = [i for g in groups for i in g]
+        if not members:
+            return [0] * len(groups), best
+        self._check(members)
+        o_res, o_dur, o_start, o_count = self._pack([offloaded[i] for i in members])
+        u, f = best_offload(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
+                            self._ustart, self._ucount, self._fwd, self._opt, self._workers,
+                            self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
+                            self._roff, self._rpool, self._goff, self._gpool, self.base_s,
+                            np.array([len(g) for g in groups], dtype=np.int64),
+                            np.array(members, dtype=np.int64), o_res, o_dur, o_start, o_count,
+                            float(best), float(eps))
+        return [int(x) for x in u], float(f)
 
     def before_bubbles(self, eps):
         """Tensors of the base communicated before its last communication busy period (see

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "DPSession", "dp_session", "jit_enabled",
+           "warm_up",
            "before_last_busy_period", "simulate_dp", "GPU", "CPU"]
 
 GPU = "gpu"
@@ -479,6 +480,24 @@ class DPSession:
                 best, chosen = f, c
         return chosen, best
 
+    def best_offload(self, groups: Sequence[Sequence[int]],
+                     offloaded: dict[int, tuple[Op, ...]], best: float,
+                     eps: float) -> tuple[list[int], float]:
+        """Algorithm 4.2's exact search (Theorem 4.1): every vector ``u`` with
+        ``0 <= u[g] <= len(groups[g])``, in :func:`itertools.product` order, replaces the ops of
+        the first ``u[g]`` tensors of each group by ``offloaded[i]``; a vector is kept when its
+        time is below ``best - eps`` (the first of equals wins), each trial bounded by that.
+        Returns ``(u, its time)``, ``u`` all zeros when none beats ``best``."""
+        best_u = [0] * len(groups)
+        for u in itertools.product(*(range(len(g) + 1) for g in groups)):
+            if not any(u):
+                continue
+            changes = {i: offloaded[i] for g, k in zip(groups, u) for i in g[:k]}
+            f = self.trial(changes, bound=best - eps)
+            if f < best - eps:
+                best, best_u = f, list(u)
+        return best_u, best
+
     def before_bubbles(self, eps: float) -> set[int]:
         """:func:`before_last_busy_period` of the base strategy."""
         units = [SyncUnit(i, o) for i, o in enumerate(self._ops)]
@@ -703,3 +722,18 @@ def dp_session(
                             optimizer_s=optimizer_s, cpu_workers=cpu_workers)
     return DPSession(backprop_s, forward_s=forward_s, optimizer_s=optimizer_s,
                      cpu_workers=cpu_workers)
+
+
+def warm_up() -> bool:
+    """Compile (or load from numba's on-disk cache) every kernel of the compiled session by
+    running each once on a two-tensor problem; ``scripts/setup.sh`` calls it so that the first
+    plan does not wait for the compiler. Returns whether the kernels are in use."""
+    if not jit_enabled():
+        return False
+    s = dp_session([1.0, 1.0], jit=True)
+    s.rebase([(Op("net", 2.0),), (Op(GPU, 0.5), Op("net", 1.0))])
+    s.trial({0: (Op("net", 3.0),)}, bound=9.0)
+    s.best_option(1, [(Op("net", 0.1),)], [False], s.base_s, 1e-9)
+    s.best_offload([[0]], {0: (Op(CPU, 1.0),)}, 9.0, 1e-9)
+    s.before_bubbles(1e-9)
+    return True

@@ -267,10 +267,15 @@ class Espresso:
                 got = cache[(key, nbytes)] = ss.ops(st, nbytes, ctx.costs)
             return got
 
+        offload_of: dict[Key, Key | None] = {}
+
         def offload(key: Key) -> Key | None:
-            if "cpu" not in self.devices or key[0] is None or key[0] in _CASTS:
-                return None
-            return (key[0], option_id(offloaded(all_options()[key[1]])))
+            got = offload_of.get(key, key)
+            if got is key:
+                got = offload_of[key] = (
+                    None if "cpu" not in self.devices or key[0] is None or key[0] in _CASTS
+                    else (key[0], option_id(offloaded(all_options()[key[1]]))))
+            return got
 
         n = len(ss.grads)
         problem: SelectionProblem[Key] = SelectionProblem(
