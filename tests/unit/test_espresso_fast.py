@@ -49,6 +49,8 @@ def _problem(draw: st.DrawFn) -> SelectionProblem[str]:
         compressed=lambda k: k not in ("N", "H"),
         offload=lambda k: "C" + k[1] if k.startswith("G") else None,
         cpu_workers=draw(st.integers(1, 2)),
+        # tensors with equal (raw, size) have equal ops: lets uniform seeds run per class
+        ops_class=[(raw[i], sizes[i]) for i in range(n)] if draw(st.booleans()) else None,
     )
 
 

@@ -162,3 +162,46 @@ def test_best_option_and_bubbles_equal_the_reference(impl: str, data: st.DataObj
         if f < best - 1e-9 or (back and f <= best + 1e-9):
             best, want = f, c
     assert sess.best_option(j, cands, backs, sess.base_s, 1e-9) == (want, best)
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), n=st.integers(1, 8), workers=st.integers(1, 3))
+def test_best_classes_and_offload_equal_the_reference(impl: str, data: st.DataObject, n: int,
+                                                      workers: int) -> None:
+    """``best_classes`` returns the first strategy of least time (each tensor's ops by its
+    class), and ``best_offload`` the first offloading vector of least time below the bound,
+    as plain loops over ``simulate_dp`` find them."""
+    bp = data.draw(st.lists(_dur, min_size=n, max_size=n))
+    base = data.draw(st.lists(_ops, min_size=n, max_size=n))
+    sess = _session(impl, bp, optimizer_s=0.5, cpu_workers=workers)
+    sess.rebase(base)
+
+    def time(ops: list[tuple[Op, ...]]) -> float:
+        return simulate_dp(bp, [SyncUnit(i, o) for i, o in enumerate(ops)], optimizer_s=0.5,
+                           cpu_workers=workers).iteration_s
+
+    n_cls = data.draw(st.integers(1, 3))
+    class_idx = data.draw(st.lists(st.integers(0, n_cls - 1), min_size=n, max_size=n))
+    strategies = data.draw(st.lists(st.lists(_ops, min_size=n_cls, max_size=n_cls),
+                                    min_size=1, max_size=4))
+    times = [time([sd[c] for c in class_idx]) for sd in strategies]
+    want = min(range(len(times)), key=lambda s: (times[s], s))
+    assert sess.best_classes(class_idx, strategies) == (want, times[want])
+    # offloading: two groups of tensors, each tensor with its own replacement ops
+    members = data.draw(st.permutations(range(n)))
+    cut = data.draw(st.integers(0, n))
+    groups = [list(members[:cut]), list(members[cut:])]
+    offloaded = {i: data.draw(_ops) for i in range(n)}
+    best, best_u = sess.base_s, [0, 0]
+    for u0 in range(len(groups[0]) + 1):
+        for u1 in range(len(groups[1]) + 1):
+            if u0 == u1 == 0:
+                continue
+            trial = base.copy()
+            for i in groups[0][:u0] + groups[1][:u1]:
+                trial[i] = offloaded[i]
+            f = time(trial)
+            if f < best - 1e-9:
+                best, best_u = f, [u0, u1]
+    assert sess.best_offload(groups, offloaded, sess.base_s, 1e-9) == (best_u, best)

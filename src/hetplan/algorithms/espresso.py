@@ -122,6 +122,8 @@ class SelectionProblem(Generic[K]):
         all_options: each tensor's full option set for exhaustive search (default: the GPU
             options, their offloaded versions and the baseline).
         forward_s / optimizer_s / cpu_workers: passed to the simulator.
+        ops_class: optional; tensors with equal values have equal ops under every option (e.g.
+            tensors of one size in one group), so per-tensor work is shared between them.
     """
 
     backprop_s: Sequence[float]
@@ -135,6 +137,7 @@ class SelectionProblem(Generic[K]):
     forward_s: float = 0.0
     optimizer_s: float = 0.0
     cpu_workers: int = 1
+    ops_class: Sequence[Hashable] | None = None
     evaluations: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -245,8 +248,19 @@ class _Candidates(Generic[K]):
         self._problem = problem
         self._prune = prune
         self._cache: dict[tuple[int, ...], list[int]] = {}
+        self._by_class: dict[tuple[Hashable, int, K], list[tuple[K, tuple[Op, ...]]]] = {}
 
     def candidates(self, j: int) -> list[tuple[K, tuple[Op, ...]]]:
+        p = self._problem
+        if p.ops_class is None:
+            return self._compute(j)
+        cls = (p.ops_class[j], id(p.gpu_options[j]), p.baseline[j])
+        got = self._by_class.get(cls)
+        if got is None:
+            got = self._by_class[cls] = self._compute(j)
+        return got
+
+    def _compute(self, j: int) -> list[tuple[K, tuple[Op, ...]]]:
         p = self._problem
         keys = [p.baseline[j], *p.gpu_options[j]]
         all_ops = [p.ops(j, k) for k in keys]
@@ -466,7 +480,21 @@ def _best_seed(
         return min(((problem.iteration_s(sd), n) for n, sd in enumerate(seeds)), default=None)
     sess = problem.session(problem.baseline)
     best: tuple[float, int] | None = None
-    for n, sd in enumerate(seeds):
+    rest = list(range(len(seeds)))
+    if problem.ops_class is not None:  # uniform seeds: one compiled call over all of them
+        classes: dict[Hashable, int] = {}
+        class_idx = [classes.setdefault(c, len(classes)) for c in problem.ops_class]
+        reps = {c: i for i, c in reversed(list(enumerate(class_idx)))}  # a tensor per class
+        uniform = [n for n, sd in enumerate(seeds) if len(set(sd)) == 1]
+        if uniform:
+            problem.evaluations += len(uniform)
+            at, f = sess.best_classes(class_idx, [
+                [problem.ops(reps[c], seeds[n][0]) for c in range(len(classes))]
+                for n in uniform])
+            best = (f, uniform[at])
+            rest = [n for n in rest if n not in set(uniform)]
+    for n in rest:
+        sd = seeds[n]
         changes = {i: k for i, k in enumerate(sd) if k != problem.baseline[i]}
         f = problem.trial_s(sess, changes, bound=best[0] if best else float("inf"))
         if best is None or (f, n) < best:

@@ -523,6 +523,43 @@ def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
 
 
 @njit(cache=True)
+def best_classes(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+                 snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+                 class_idx, s_res, s_dur, s_cnt):  # pragma: no cover - compiled
+    """The fastest of ``S`` strategies in which tensor ``i`` gets strategy ``s``'s ops of
+    class ``class_idx[i]`` (the slice ``[:s_cnt[s, c]]`` of ``s_res[s, c]``/``s_dur[s, c]``),
+    each trial bounded by the best so far; the first of equals wins. Returns
+    ``(index, time)``."""
+    run_h, gq_h, free, cpu, rem, mask = _work(bp.shape[0], snap_free.shape[1], workers)
+    n = bp.shape[0]
+    changed = np.arange(n)
+    t_start = np.empty(n, dtype=np.int64)
+    t_count = np.empty(n, dtype=np.int64)
+    t_res = np.empty(n * s_res.shape[2], dtype=np.int64)
+    t_dur = np.empty(n * s_res.shape[2])
+    best_f = np.inf
+    best_s = -1
+    for s in range(s_cnt.shape[0]):
+        pos = 0
+        for i in range(n):
+            c = class_idx[i]
+            t_start[i] = pos
+            t_count[i] = s_cnt[s, c]
+            for y in range(s_cnt[s, c]):
+                t_res[pos + y] = s_res[s, c, y]
+                t_dur[pos + y] = s_dur[s, c, y]
+            pos += s_cnt[s, c]
+        f = _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+                   snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+                   t_res, t_dur, t_start, t_count, changed, best_f, run_h, gq_h, free, cpu,
+                   rem, mask)
+        if best_s < 0 or f < best_f:
+            best_f = f
+            best_s = s
+    return best_s, best_f
+
+
+@njit(cache=True)
 def before_bubbles(bp, res, dur, ustart, ucount, workers, n_res, eps):  # pragma: no cover
     """:func:`hetplan.cost_models.timeline.before_last_busy_period` for the strategy in
     ``res``/``dur``: one run recording every interval, then the same gap rules. Returns a
@@ -609,7 +646,7 @@ class JitDPSession:
     __slots__ = ("_bp", "_suffix_bp", "_fwd", "_opt", "_workers", "_rid", "_conv", "_ops",
                  "_res", "_dur", "_ustart", "_ucount", "_valid", "_snap_gpu", "_snap_sync",
                  "_snap_free", "_snap_cpu", "_roff", "_goff", "_rpool", "_gpool", "_suffix",
-                 "base_s")
+                 "_packed", "base_s")
 
     def __init__(self, backprop_s, *, forward_s=0.0, optimizer_s=0.0, cpu_workers=1):
         if cpu_workers < 1:
@@ -626,6 +663,7 @@ class JitDPSession:
         self._workers = int(cpu_workers)
         self._rid: dict[str, int] = {_GPU: GPU_ID, _CPU: CPU_ID}
         self._conv: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
+        self._packed: dict[tuple[int, ...], tuple] = {}
         self._ops: list[tuple] = []
         self._valid = False
         r = MAX_RESOURCES
@@ -752,13 +790,44 @@ class JitDPSession:
                      t_res, t_dur, t_start, t_count, np.array(idx, dtype=np.int64),
                      float(bound))
 
+    def best_classes(self, class_idx, strategies):
+        """:meth:`hetplan.cost_models.timeline.DPSession.best_classes` in one compiled call."""
+        n = len(self._bp)
+        if len(class_idx) != n:
+            raise ValueError(f"{len(class_idx)} class indices for {n} tensors: one per tensor")
+        if not strategies:
+            return -1, float("inf")
+        if n == 0:
+            return 0, self.base_s
+        packed = [[self._arrays(o) for o in sd] for sd in strategies]
+        width = max(1, max(len(r) for sd in packed for r, _ in sd))
+        shape = (len(packed), len(packed[0]), width)
+        s_res = np.zeros(shape, dtype=np.int64)
+        s_dur = np.zeros(shape)
+        s_cnt = np.zeros(shape[:2], dtype=np.int64)
+        for a, sd in enumerate(packed):
+            for c, (r, d) in enumerate(sd):
+                s_res[a, c, :len(r)] = r
+                s_dur[a, c, :len(d)] = d
+                s_cnt[a, c] = len(r)
+        idx, f = best_classes(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
+                              self._ustart, self._ucount, self._fwd, self._opt, self._workers,
+                              self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
+                              self._roff, self._rpool, self._goff, self._gpool, self.base_s,
+                              np.asarray(class_idx, dtype=np.int64), s_res, s_dur, s_cnt)
+        return int(idx), float(f)
+
     def best_option(self, j, candidates, backs, best, eps):
         """Algorithm 4.1's ``GetBestOption`` for tensor ``j`` (see
         :meth:`hetplan.cost_models.timeline.DPSession.best_option`)."""
         if not candidates:
             return -1, best
         self._check([j])
-        c_res, c_dur, c_start, c_count = self._pack(candidates)
+        sig = tuple(id(o) for o in candidates)
+        packed = self._packed.get(sig)
+        if packed is None or packed[0] != candidates:  # the ids' tuples may have been freed
+            packed = self._packed[sig] = (list(candidates), *self._pack(candidates))
+        _, c_res, c_dur, c_start, c_count = packed
         idx, f = best_option(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
                              self._ustart, self._ucount, self._fwd, self._opt, self._workers,
                              self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,

@@ -480,6 +480,19 @@ class DPSession:
                 best, chosen = f, c
         return chosen, best
 
+    def best_classes(self, class_idx: Sequence[int],
+                     strategies: Sequence[Sequence[tuple[Op, ...]]]) -> tuple[int, float]:
+        """The fastest of whole strategies given per class of tensors: in strategy ``s``
+        tensor ``i`` gets the ops ``strategies[s][class_idx[i]]`` (e.g. uniform strategies,
+        tensors of one size sharing their ops). Each trial is bounded by the best so far; the
+        first of equals wins. Returns ``(index, time)``; ``(-1, inf)`` without strategies."""
+        best, best_s = float("inf"), -1
+        for s, ops in enumerate(strategies):
+            f = self.trial({i: ops[c] for i, c in enumerate(class_idx)}, bound=best)
+            if best_s < 0 or f < best:
+                best, best_s = f, s
+        return best_s, best
+
     def best_offload(self, groups: Sequence[Sequence[int]],
                      offloaded: dict[int, tuple[Op, ...]], best: float,
                      eps: float) -> tuple[list[int], float]:

@@ -255,16 +255,22 @@ class Espresso:
         self, ss: StageSync, ctx: PassContext, cands: list[Key]
     ) -> tuple[Selection[Key], int]:
         cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
-        strat_cache: dict[Key, SyncStrategy] = {}
+        sizes = sorted({float(b) for b in ss.nbytes})
+
+        def table(key: Key) -> None:
+            """This option's ops at every size of the group (one vectorised evaluation)."""
+            st = strategy_for(key, self.ratio)
+            proto = ss.ops(st, sizes[0], ctx.costs)
+            _, times = ss.ops_table(st, sizes, ctx.costs)  # bit for bit ss.ops's times
+            for m, nb in enumerate(sizes):
+                cache[(key, nb)] = tuple(Op(op.resource, float(times[m, c]), op.label)
+                                         for c, op in enumerate(proto))
 
         def ops(i: int, key: Key) -> tuple[Op, ...]:
-            nbytes = ss.nbytes[i]
-            got = cache.get((key, nbytes))
+            got = cache.get((key, ss.nbytes[i]))
             if got is None:
-                st = strat_cache.get(key)
-                if st is None:
-                    st = strat_cache[key] = strategy_for(key, self.ratio)
-                got = cache[(key, nbytes)] = ss.ops(st, nbytes, ctx.costs)
+                table(key)
+                got = cache[(key, ss.nbytes[i])]
             return got
 
         offload_of: dict[Key, Key | None] = {}
@@ -277,6 +283,11 @@ class Espresso:
                     else (key[0], option_id(offloaded(all_options()[key[1]]))))
             return got
 
+        # every candidate's costs before the search (the search then only simulates)
+        for k in cands:
+            table(k)
+            if (cpu := offload(k)) is not None:
+                table(cpu)
         n = len(ss.grads)
         problem: SelectionProblem[Key] = SelectionProblem(
             backprop_s=ss.backprop_s,
@@ -286,6 +297,7 @@ class Espresso:
             ops=ops,
             compressed=lambda k: k[0] is not None,
             offload=offload,
+            ops_class=[float(b) for b in ss.nbytes],  # ops() depends on the size alone
         )
         # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
         # hierarchical candidates would put them on other channels than the tensors left
