@@ -205,3 +205,21 @@ def test_best_classes_and_offload_equal_the_reference(impl: str, data: st.DataOb
             if f < best - 1e-9:
                 best, best_u = f, [u0, u1]
     assert sess.best_offload(groups, offloaded, sess.base_s, 1e-9) == (best_u, best)
+
+
+def test_falls_back_to_python_when_the_kernels_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without loadable kernels (numba missing, no writable cache) the Python session runs and
+    ``jit_error`` says why; ``HETPLAN_JIT=0`` turns them off on purpose."""
+    import sys
+
+    from hetplan.cost_models import timeline
+
+    monkeypatch.setattr(timeline, "_JIT_ERROR", [])
+    monkeypatch.setitem(sys.modules, "hetplan.cost_models._dp_jit", None)  # import fails
+    monkeypatch.delenv("HETPLAN_JIT", raising=False)
+    assert not timeline.jit_enabled()
+    assert "_dp_jit" in (timeline.jit_error() or "")
+    assert type(dp_session([1.0])) is DPSession
+    monkeypatch.setattr(timeline, "_JIT_ERROR", [])
+    monkeypatch.setenv("HETPLAN_JIT", "0")
+    assert not timeline.jit_enabled() and timeline.jit_error() is None

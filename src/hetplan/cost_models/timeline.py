@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "DPSession", "dp_session", "jit_enabled",
-           "warm_up",
+           "jit_error", "warm_up",
            "before_last_busy_period", "simulate_dp", "GPU", "CPU"]
 
 GPU = "gpu"
@@ -705,16 +706,32 @@ def before_last_busy_period(backprop_s: Sequence[float], units: Sequence[SyncUni
     return {u for u, e in ends.items() if e <= last_start + eps}
 
 
+_JIT_ERROR: list[str] = []  # why the kernels could not be loaded, once known
+
+
 def jit_enabled() -> bool:
-    """Whether :func:`dp_session` returns the compiled session: numba is installed and
-    ``HETPLAN_JIT`` is not ``0``."""
+    """Whether :func:`dp_session` returns the compiled session: ``HETPLAN_JIT`` is not ``0``
+    and :mod:`hetplan.cost_models._dp_jit` loads (numba installed, a usable cache location).
+    When it does not, the pure-Python session runs and :func:`jit_error` says why."""
     if os.environ.get("HETPLAN_JIT", "1") == "0":
         return False
+    if _JIT_ERROR:
+        return False
     try:
-        import numba  # noqa: F401
-    except ImportError:
+        import hetplan.cost_models._dp_jit  # noqa: F401
+    except Exception as e:  # ImportError without numba; RuntimeError without a cache dir
+        _JIT_ERROR.append(f"{type(e).__name__}: {e}")
+        logging.getLogger("hetplan").warning(
+            "the compiled simulator could not be loaded (%s); using the pure-Python one "
+            "(same results, slower); install numba, or set HETPLAN_JIT=0 to silence this",
+            _JIT_ERROR[0])
         return False
     return True
+
+
+def jit_error() -> str | None:
+    """Why the compiled session is not in use (None when it is, or was never tried)."""
+    return _JIT_ERROR[0] if _JIT_ERROR else None
 
 
 def dp_session(
