@@ -409,24 +409,23 @@ def cpu_offload(
     if not groups:
         return base, best_f, True
 
-    def score(counts: Sequence[int]) -> float:
-        if sess is None:
-            return problem.iteration_s(_apply(problem, base, groups, counts))
-        changes = {i: problem.offload(base[i]) for g, u in zip(groups, counts) for i in g[:u]}
-        # kept only if f < best_f - eps: a trial proven longer than that cannot be kept
-        return problem.trial_s(sess, changes, bound=best_f - _EPS)  # type: ignore[arg-type]
-
     total = 1
     for g in groups:
         total *= len(g) + 1
+    if sess is not None:  # each trial bounded by what it must beat
+        offloaded = {i: problem.ops(i, problem.offload(base[i]))  # type: ignore[arg-type]
+                     for g in groups for i in g}
+        before = sess.trials
+        best_u, best_f = sess.best_offload(groups, offloaded, best_f, _EPS,
+                                           exhaustive=total <= limit)
+        problem.evaluations += sess.trials - before
+        return _apply(problem, base, groups, best_u), best_f, total <= limit
+
+    def score(counts: Sequence[int]) -> float:  # the reference: a full simulation each
+        return problem.iteration_s(_apply(problem, base, groups, counts))
+
     best_u = [0] * len(groups)
     if total <= limit:
-        if sess is not None:
-            offloaded = {i: problem.ops(i, problem.offload(base[i]))  # type: ignore[arg-type]
-                         for g in groups for i in g}
-            problem.evaluations += total - 1
-            best_u, best_f = sess.best_offload(groups, offloaded, best_f, _EPS)
-            return _apply(problem, base, groups, best_u), best_f, True
         for u in itertools.product(*(range(len(g) + 1) for g in groups)):
             if not any(u):
                 continue
@@ -438,11 +437,11 @@ def cpu_offload(
     while changed:
         changed = False
         for gi, g in enumerate(groups):
-            for u in range(len(g) + 1):
-                if u == best_u[gi]:
+            for k in range(len(g) + 1):
+                if k == best_u[gi]:
                     continue
                 trial = best_u.copy()
-                trial[gi] = u
+                trial[gi] = k
                 f = score(trial)
                 if f < best_f - _EPS:
                     best_f, best_u, changed = f, trial, True

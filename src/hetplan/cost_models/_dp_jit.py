@@ -475,17 +475,40 @@ def best_option(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, worke
 
 
 @njit(cache=True)
+def _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, res, dur, ustart,
+                   ucount, fwd, opt, workers, snap_gpu, snap_sync, snap_free, snap_cpu, roff,
+                   rpool, goff, gpool, base_s, o_res, o_dur, o_start, o_count, bound, run_h,
+                   gq_h, free, cpu, rem, mask):  # pragma: no cover - compiled
+    """The base with the first ``u[g]`` members of every group offloaded (see
+    :func:`best_offload`), bounded by ``bound``."""
+    m = 0
+    for h in range(u.shape[0]):
+        for x in range(g_off[h], g_off[h] + u[h]):
+            tensors[m] = members[x]
+            slots[m] = x
+            m += 1
+    order = np.argsort(tensors[:m])
+    return _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+                  snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
+                  o_res, o_dur, o_start[slots[:m][order]], o_count[slots[:m][order]],
+                  tensors[:m][order], bound, run_h, gq_h, free, cpu, rem, mask)
+
+
+@njit(cache=True)
 def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
                  snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
-                 g_size, members, o_res, o_dur, o_start, o_count, best, eps):  # pragma: no cover
-    """Algorithm 4.2's exact search (Theorem 4.1): every vector ``u`` with
-    ``0 <= u[g] <= g_size[g]``, in :func:`itertools.product` order (the last group fastest),
-    offloads the first ``u[g]`` members of group ``g`` (``members`` lists the groups one
+                 g_size, members, o_res, o_dur, o_start, o_count, best, eps,
+                 exhaustive):  # pragma: no cover - compiled
+    """Algorithm 4.2 over offloading vectors ``u`` (``0 <= u[g] <= g_size[g]``; ``u``
+    offloads the first ``u[g]`` members of group ``g``; ``members`` lists the groups one
     after another, each earliest-ready first; member ``x``'s offloaded ops are the slice
     ``[o_start[x], o_start[x] + o_count[x])`` of ``o_res``/``o_dur``). A vector is kept when
-    its time is below ``best - eps`` (the first of equals wins). Returns ``(u, time)``;
-    ``u`` is all zeros when no vector beats ``best``."""
+    its time is below ``best - eps``. With ``exhaustive``, every vector in
+    :func:`itertools.product` order (Theorem 4.1; the first of equals wins); otherwise
+    coordinate descent: one group's count at a time, repeated until no group changes.
+    Returns ``(u, time, trials)``; ``u`` is all zeros when no vector beats ``best``."""
     run_h, gq_h, free, cpu, rem, mask = _work(bp.shape[0], snap_free.shape[1], workers)
+    trials = 0
     n_groups = g_size.shape[0]
     g_off = np.zeros(n_groups + 1, dtype=np.int64)
     for g in range(n_groups):
@@ -494,32 +517,45 @@ def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
     best_u = np.zeros(n_groups, dtype=np.int64)
     tensors = np.empty(members.shape[0], dtype=np.int64)
     slots = np.empty(members.shape[0], dtype=np.int64)
-    while True:
-        g = n_groups - 1  # the odometer: the last group moves fastest
-        while g >= 0 and u[g] == g_size[g]:
-            u[g] = 0
-            g -= 1
-        if g < 0:
-            break
-        u[g] += 1
-        m = 0
-        for h in range(n_groups):
-            for x in range(g_off[h], g_off[h] + u[h]):
-                tensors[m] = members[x]
-                slots[m] = x
-                m += 1
-        order = np.argsort(tensors[:m])
-        changed = tensors[:m][order]
-        t_start = o_start[slots[:m][order]]
-        t_count = o_count[slots[:m][order]]
-        f = _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
-                   snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
-                   o_res, o_dur, t_start, t_count, changed, best - eps, run_h, gq_h, free, cpu,
-                   rem, mask)
-        if f < best - eps:
-            best = f
-            best_u[:] = u
-    return best_u, best
+    changed = True
+    while changed:
+        changed = False
+        if exhaustive:
+            g = n_groups - 1  # the odometer: the last group moves fastest
+            while g >= 0 and u[g] == g_size[g]:
+                u[g] = 0
+                g -= 1
+            if g < 0:
+                break
+            u[g] += 1
+            changed = True
+            trials += 1
+            f = _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, res,
+                               dur, ustart, ucount, fwd, opt, workers, snap_gpu, snap_sync,
+                               snap_free, snap_cpu, roff, rpool, goff, gpool, base_s, o_res,
+                               o_dur, o_start, o_count, best - eps, run_h, gq_h, free, cpu,
+                               rem, mask)
+            if f < best - eps:
+                best = f
+                best_u[:] = u
+            continue
+        for g in range(n_groups):
+            for k in range(g_size[g] + 1):
+                if k == best_u[g]:
+                    continue
+                u[:] = best_u
+                u[g] = k
+                trials += 1
+                f = _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix,
+                                   res, dur, ustart, ucount, fwd, opt, workers, snap_gpu,
+                                   snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool,
+                                   base_s, o_res, o_dur, o_start, o_count, best - eps, run_h,
+                                   gq_h, free, cpu, rem, mask)
+                if f < best - eps:
+                    best = f
+                    best_u[:] = u
+                    changed = True
+    return best_u, best, trials
 
 
 @njit(cache=True)
@@ -646,7 +682,7 @@ class JitDPSession:
     __slots__ = ("_bp", "_suffix_bp", "_fwd", "_opt", "_workers", "_rid", "_conv", "_ops",
                  "_res", "_dur", "_ustart", "_ucount", "_valid", "_snap_gpu", "_snap_sync",
                  "_snap_free", "_snap_cpu", "_roff", "_goff", "_rpool", "_gpool", "_suffix",
-                 "_packed", "base_s")
+                 "_packed", "base_s", "trials")
 
     def __init__(self, backprop_s, *, forward_s=0.0, optimizer_s=0.0, cpu_workers=1):
         if cpu_workers < 1:
@@ -664,6 +700,7 @@ class JitDPSession:
         self._rid: dict[str, int] = {_GPU: GPU_ID, _CPU: CPU_ID}
         self._conv: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
         self._packed: dict[tuple[int, ...], tuple] = {}
+        self.trials = 0  # trials run by best_offload
         self._ops: list[tuple] = []
         self._valid = False
         r = MAX_RESOURCES
@@ -836,21 +873,22 @@ class JitDPSession:
                              np.array(backs, dtype=np.bool_), float(best), float(eps))
         return int(idx), float(f)
 
-    def best_offload(self, groups, offloaded, best, eps):
-        """Algorithm 4.2's exact search over offloading vectors (see
+    def best_offload(self, groups, offloaded, best, eps, exhaustive=True):
+        """Algorithm 4.2 over offloading vectors (see
         :meth:`hetplan.cost_models.timeline.DPSession.best_offload`)."""
         members = [i for g in groups for i in g]
         if not members:
             return [0] * len(groups), best
         self._check(members)
         o_res, o_dur, o_start, o_count = self._pack([offloaded[i] for i in members])
-        u, f = best_offload(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
-                            self._ustart, self._ucount, self._fwd, self._opt, self._workers,
+        u, f, trials = best_offload(self._bp, self._suffix_bp, self._suffix, self._res,
+                                    self._dur, self._ustart, self._ucount, self._fwd, self._opt, self._workers,
                             self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
                             self._roff, self._rpool, self._goff, self._gpool, self.base_s,
                             np.array([len(g) for g in groups], dtype=np.int64),
                             np.array(members, dtype=np.int64), o_res, o_dur, o_start, o_count,
-                            float(best), float(eps))
+                            float(best), float(eps), bool(exhaustive))
+        self.trials += int(trials)
         return [int(x) for x in u], float(f)
 
     def before_bubbles(self, eps):

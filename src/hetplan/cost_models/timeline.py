@@ -339,7 +339,7 @@ class DPSession:
     """
 
     __slots__ = ("_bp", "_fwd", "_opt", "_workers", "_suffix_bp", "_ops", "_snaps", "_pend",
-                 "_suffix", "_snap_gpu", "base_s")
+                 "_suffix", "_snap_gpu", "base_s", "trials")
 
     def __init__(
         self,
@@ -365,6 +365,7 @@ class DPSession:
         self._suffix: list[dict[str, float]] = []
         self._snap_gpu: list[float] = []
         self.base_s = 0.0
+        self.trials = 0  # trials run by best_offload
 
     @property
     def base_ops(self) -> list[tuple[Op, ...]]:
@@ -495,21 +496,38 @@ class DPSession:
         return best_s, best
 
     def best_offload(self, groups: Sequence[Sequence[int]],
-                     offloaded: dict[int, tuple[Op, ...]], best: float,
-                     eps: float) -> tuple[list[int], float]:
-        """Algorithm 4.2's exact search (Theorem 4.1): every vector ``u`` with
-        ``0 <= u[g] <= len(groups[g])``, in :func:`itertools.product` order, replaces the ops of
-        the first ``u[g]`` tensors of each group by ``offloaded[i]``; a vector is kept when its
-        time is below ``best - eps`` (the first of equals wins), each trial bounded by that.
-        Returns ``(u, its time)``, ``u`` all zeros when none beats ``best``."""
-        best_u = [0] * len(groups)
-        for u in itertools.product(*(range(len(g) + 1) for g in groups)):
-            if not any(u):
-                continue
+                     offloaded: dict[int, tuple[Op, ...]], best: float, eps: float,
+                     exhaustive: bool = True) -> tuple[list[int], float]:
+        """Algorithm 4.2 over offloading vectors ``u`` (``0 <= u[g] <= len(groups[g])``;
+        ``u`` replaces the ops of the first ``u[g]`` tensors of each group by
+        ``offloaded[i]``). A vector is kept when its time is below ``best - eps``, each trial
+        bounded by that. With ``exhaustive``, every vector in :func:`itertools.product` order
+        (Theorem 4.1; the first of equals wins); otherwise coordinate descent: one group's
+        count at a time, repeated until no group changes. Returns ``(u, its time)``, ``u``
+        all zeros when none beats ``best``."""
+
+        def score(u: Sequence[int]) -> float:
+            self.trials += 1
             changes = {i: offloaded[i] for g, k in zip(groups, u) for i in g[:k]}
-            f = self.trial(changes, bound=best - eps)
-            if f < best - eps:
-                best, best_u = f, list(u)
+            return self.trial(changes, bound=best - eps)
+
+        best_u = [0] * len(groups)
+        if exhaustive:
+            for u in itertools.product(*(range(len(g) + 1) for g in groups)):
+                if any(u) and (f := score(u)) < best - eps:
+                    best, best_u = f, list(u)
+            return best_u, best
+        changed = True
+        while changed:
+            changed = False
+            for gi, g in enumerate(groups):
+                for k in range(len(g) + 1):
+                    if k == best_u[gi]:
+                        continue
+                    trial = best_u.copy()
+                    trial[gi] = k
+                    if (f := score(trial)) < best - eps:
+                        best, best_u, changed = f, trial, True
         return best_u, best
 
     def before_bubbles(self, eps: float) -> set[int]:
@@ -689,11 +707,11 @@ def before_last_busy_period(backprop_s: Sequence[float], units: Sequence[SyncUni
         return set()
     ready = [0.0] * len(backprop_s)
     done: dict[int, float] = {}
-    for e in tl.events:
-        if e.unit < 0:
-            ready[int(e.label.rsplit(" ", 1)[1])] = e.end_s
+    for ev in tl.events:
+        if ev.unit < 0:
+            ready[int(ev.label.rsplit(" ", 1)[1])] = ev.end_s
         else:
-            done[e.unit] = max(done.get(e.unit, 0.0), e.end_s)
+            done[ev.unit] = max(done.get(ev.unit, 0.0), ev.end_s)
     last_start, reach = comm[0][0], comm[0][1]
     for s, e, _ in comm[1:]:
         if s > reach + eps and not any(ready[u] < s - eps and end > reach + eps
