@@ -90,6 +90,7 @@ from hetplan.cost_models.timeline import (
     SyncUnit,
     before_last_busy_period,
     dp_session,
+    search_offload,
     simulate_dp,
 )
 
@@ -421,31 +422,11 @@ def cpu_offload(
         problem.evaluations += sess.trials - before
         return _apply(problem, base, groups, best_u), best_f, total <= limit
 
-    def score(counts: Sequence[int]) -> float:  # the reference: a full simulation each
-        return problem.iteration_s(_apply(problem, base, groups, counts))
-
-    best_u = [0] * len(groups)
-    if total <= limit:
-        for u in itertools.product(*(range(len(g) + 1) for g in groups)):
-            if not any(u):
-                continue
-            f = score(u)
-            if f < best_f - _EPS:
-                best_f, best_u = f, list(u)
-        return _apply(problem, base, groups, best_u), best_f, True
-    changed = True
-    while changed:
-        changed = False
-        for gi, g in enumerate(groups):
-            for k in range(len(g) + 1):
-                if k == best_u[gi]:
-                    continue
-                trial = best_u.copy()
-                trial[gi] = k
-                f = score(trial)
-                if f < best_f - _EPS:
-                    best_f, best_u, changed = f, trial, True
-    return _apply(problem, base, groups, best_u), best_f, False
+    best_u, best_f = search_offload(  # the reference: a full simulation per vector
+        [len(g) for g in groups],
+        lambda u, bound: problem.iteration_s(_apply(problem, base, groups, u)),
+        best_f, _EPS, exhaustive=total <= limit)
+    return _apply(problem, base, groups, best_u), best_f, total <= limit
 
 
 def _full_options(problem: SelectionProblem[K], i: int) -> list[K]:

@@ -30,11 +30,11 @@ import heapq
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "DPSession", "dp_session", "jit_enabled",
-           "jit_error", "warm_up",
+           "jit_error", "warm_up", "search_offload",
            "before_last_busy_period", "simulate_dp", "GPU", "CPU"]
 
 GPU = "gpu"
@@ -506,17 +506,12 @@ class DPSession:
         count at a time, repeated until no group changes. Returns ``(u, its time)``, ``u``
         all zeros when none beats ``best``."""
 
-        def score(u: Sequence[int]) -> float:
+        def score(u: Sequence[int], bound: float) -> float:
             self.trials += 1
             changes = {i: offloaded[i] for g, k in zip(groups, u) for i in g[:k]}
-            return self.trial(changes, bound=best - eps)
+            return self.trial(changes, bound=bound)
 
-        best_u = [0] * len(groups)
-        if exhaustive:
-            for u in itertools.product(*(range(len(g) + 1) for g in groups)):
-                if any(u) and (f := score(u)) < best - eps:
-                    best, best_u = f, list(u)
-            return best_u, best
+        return search_offload([len(g) for g in groups], score, best, eps, exhaustive)
         changed = True
         while changed:
             changed = False
@@ -689,6 +684,39 @@ class DPSession:
         if n == 0:
             bp_end = 0.0
         return self._fwd + max(bp_end, sync_end) + self._opt
+
+
+def search_offload(
+    counts: Sequence[int],
+    score: Callable[[Sequence[int], float], float],
+    best: float,
+    eps: float,
+    exhaustive: bool = True,
+) -> tuple[list[int], float]:
+    """Algorithm 4.2's search over vectors ``u`` with ``0 <= u[g] <= counts[g]``:
+    ``score(u, bound)`` is ``u``'s time (or anything above ``bound`` once proven longer). A
+    vector is kept when its time is below ``best - eps``. With ``exhaustive``, every vector
+    in :func:`itertools.product` order (Theorem 4.1; the first of equals wins); otherwise
+    coordinate descent: one group's count at a time, repeated until no group changes.
+    Returns ``(u, its time)``, ``u`` all zeros when none beats ``best``."""
+    best_u = [0] * len(counts)
+    if exhaustive:
+        for u in itertools.product(*(range(c + 1) for c in counts)):
+            if any(u) and (f := score(u, best - eps)) < best - eps:
+                best, best_u = f, list(u)
+        return best_u, best
+    changed = True
+    while changed:
+        changed = False
+        for gi, c in enumerate(counts):
+            for k in range(c + 1):
+                if k == best_u[gi]:
+                    continue
+                trial = best_u.copy()
+                trial[gi] = k
+                if (f := score(trial, best - eps)) < best - eps:
+                    best, best_u, changed = f, trial, True
+    return best_u, best
 
 
 def before_last_busy_period(backprop_s: Sequence[float], units: Sequence[SyncUnit],
