@@ -58,8 +58,10 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   on a tie: compression is kept only where it is predicted to pay.
 - Speed, compiled: the session is the numba-compiled one when numba is installed
   (:func:`~hetplan.cost_models.timeline.dp_session`; ``HETPLAN_JIT=0`` for the Python one,
-  same values bit for bit), and ``GetBestOption`` for one tensor, Algorithm 4.2's exact search
-  and the bubble test each run as one compiled call.
+  same values bit for bit), and ``GetBestOption`` for one tensor, Algorithm 4.2 (exact or
+  coordinate descent), the uniform seeds and the bubble test each run as one compiled call;
+  with ``SelectionProblem.ops_class`` the candidates of tensors that share their ops are
+  filtered once.
 - Step-for-step dominance (with ``prune``, :class:`_Candidates`): an option whose ops are
   another option's ops on the same resources in the same order, each step at least as long
   and one longer, is not tried (the baseline always is). The simulator is not monotone in op
