@@ -18,6 +18,7 @@ from hetplan.cost_models.timeline import (
     before_last_busy_period,
     dp_session,
     jit_enabled,
+    search_offload,
     simulate_dp,
 )
 
@@ -205,6 +206,20 @@ def test_best_classes_and_offload_equal_the_reference(impl: str, data: st.DataOb
             if f < best - 1e-9:
                 best, best_u = f, [u0, u1]
     assert sess.best_offload(groups, offloaded, sess.base_s, 1e-9) == (best_u, best)
+
+    # coordinate descent (it may step a group back to 0, i.e. back to the base) against the
+    # same search scored by full simulations
+    def full(u: list[int], bound: float) -> float:
+        trial = base.copy()
+        for g, k in zip(groups, u):
+            for i in g[:k]:
+                trial[i] = offloaded[i]
+        return time(trial)
+
+    want_descent = search_offload([len(g) for g in groups], full, sess.base_s, 1e-9,
+                                  exhaustive=False)
+    assert sess.best_offload(groups, offloaded, sess.base_s, 1e-9,
+                             exhaustive=False) == want_descent
 
 
 def test_falls_back_to_python_when_the_kernels_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -480,13 +480,15 @@ def _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, res
                    rpool, goff, gpool, base_s, o_res, o_dur, o_start, o_count, bound, run_h,
                    gq_h, free, cpu, rem, mask):  # pragma: no cover - compiled
     """The base with the first ``u[g]`` members of every group offloaded (see
-    :func:`best_offload`), bounded by ``bound``."""
+    :func:`best_offload`), bounded by ``bound``; the base's time when ``u`` is all zeros."""
     m = 0
     for h in range(u.shape[0]):
         for x in range(g_off[h], g_off[h] + u[h]):
             tensors[m] = members[x]
             slots[m] = x
             m += 1
+    if m == 0:  # coordinate descent can step back to the base
+        return base_s
     order = np.argsort(tensors[:m])
     return _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
                   snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
