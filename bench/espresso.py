@@ -17,11 +17,12 @@ Reported per case (predicted by the shared simulator through ``evaluate``):
   on the CPU, applied to all tensors);
 * the ratio to the compute-only bound (forward + backprop + optimizer, no communication);
 * selection time (least of ``--repeat`` runs, default 3): the whole pass, Algorithm 4.1 (GPU
-  decisions, both hierarchies, with the uniform seeds) and Algorithm 4.2 (CPU offloading), and their ratios to the thesis' Table 4.5
-  (GPU selection) and Table 4.6 (offloading). The thesis does not say what ran its selector;
-  ours is this machine's CPU (shared), one process, Python with the simulator compiled by numba
-(``compiled_simulator``; the kernels are loaded once before the first case, time in
-``kernel_warm_up_ms``; ``HETPLAN_JIT=0`` runs the pure-Python simulator).
+  decisions, both hierarchies, with the uniform seeds) and Algorithm 4.2 (CPU offloading),
+  and their ratios to the thesis' Table 4.5 (GPU selection) and Table 4.6 (offloading). The
+  thesis does not say what ran its selector; ours is this machine's CPU (shared), one
+  process, Python with the simulator compiled by numba (``compiled_simulator``; the kernels
+  are loaded once before the first case, time in ``kernel_warm_up_ms``; ``HETPLAN_JIT=0``
+  runs the pure-Python simulator).
 
 Assert-style checks (never slower than fp32 / fp16 / uniform) live in the tests; this script
 only measures. Run: ``python bench/espresso.py [--max-compressions N] [--models a,b]

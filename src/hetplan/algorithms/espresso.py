@@ -250,7 +250,7 @@ class _Candidates(Generic[K]):
     def __init__(self, problem: SelectionProblem[K], prune: bool) -> None:
         self._problem = problem
         self._prune = prune
-        self._cache: dict[tuple[int, ...], list[int]] = {}
+        self._cache: dict[tuple[tuple[Op, ...], ...], list[int]] = {}
         self._by_class: dict[tuple[Hashable, int, K], list[tuple[K, tuple[Op, ...]]]] = {}
 
     def candidates(self, j: int) -> list[tuple[K, tuple[Op, ...]]]:
@@ -267,7 +267,7 @@ class _Candidates(Generic[K]):
         p = self._problem
         keys = [p.baseline[j], *p.gpu_options[j]]
         all_ops = [p.ops(j, k) for k in keys]
-        sig = tuple(id(o) for o in all_ops)
+        sig = tuple(all_ops)  # the ops themselves: ids of freed tuples can come back
         keep = self._cache.get(sig)
         if keep is None:
             keep = self._cache[sig] = self._select(all_ops)
@@ -474,7 +474,8 @@ def _best_seed(
                 [problem.ops(reps[c], seeds[n][0]) for c in range(len(classes))]
                 for n in uniform])
             best = (f, uniform[at])
-            rest = [n for n in rest if n not in set(uniform)]
+            done = set(uniform)
+            rest = [n for n in rest if n not in done]
     for n in rest:
         sd = seeds[n]
         changes = {i: k for i, k in enumerate(sd) if k != problem.baseline[i]}

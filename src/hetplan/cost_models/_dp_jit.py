@@ -774,19 +774,16 @@ class JitDPSession:
                 return self.base_s
             while new[last] == old[last]:
                 last -= 1
-        else:
-            self._suffix[:] = 0.0
-        if self._valid and n:  # splice the changed tensors' ops into the base arrays
+            # splice the changed tensors' ops into the base arrays
             res, dur, _, counts = self._pack(new[m:last + 1])
             lo = self._ustart[m]
             hi = self._ustart[last] + self._ucount[last]
             self._res = np.concatenate((self._res[:lo], res, self._res[hi:]))
             self._dur = np.concatenate((self._dur[:lo], dur, self._dur[hi:]))
-            self._ucount = self._ucount.copy()
             self._ucount[m:last + 1] = counts
-            self._ustart = np.zeros(n, dtype=np.int64)
             np.cumsum(self._ucount[:-1], out=self._ustart[1:])
         else:
+            self._suffix[:] = 0.0
             self._res, self._dur, self._ustart, self._ucount = self._pack(new)
         self._ops = new
         run_h = np.empty((n + 1, 4))
@@ -809,6 +806,13 @@ class JitDPSession:
             suffix_work(self._res, self._dur, self._ustart, self._ucount, self._suffix, last)
         return f
 
+    def _state(self):
+        """The base and its saved states: the first arguments of every trial kernel."""
+        return (self._bp, self._suffix_bp, self._suffix, self._res, self._dur, self._ustart,
+                self._ucount, self._fwd, self._opt, self._workers, self._snap_gpu,
+                self._snap_sync, self._snap_free, self._snap_cpu, self._roff, self._rpool,
+                self._goff, self._gpool, self.base_s)
+
     def _check(self, idx):
         n = len(self._bp)
         if idx and (min(idx) < 0 or max(idx) >= n):
@@ -822,12 +826,8 @@ class JitDPSession:
         idx = sorted(changes)
         self._check(idx)
         t_res, t_dur, t_start, t_count = self._pack([changes[i] for i in idx])
-        return trial(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
-                     self._ustart, self._ucount, self._fwd, self._opt, self._workers,
-                     self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
-                     self._roff, self._rpool, self._goff, self._gpool, self.base_s,
-                     t_res, t_dur, t_start, t_count, np.array(idx, dtype=np.int64),
-                     float(bound))
+        return trial(*self._state(), t_res, t_dur, t_start, t_count,
+                     np.array(idx, dtype=np.int64), float(bound))
 
     def best_classes(self, class_idx, strategies):
         """:meth:`hetplan.cost_models.timeline.DPSession.best_classes` in one compiled call."""
@@ -849,11 +849,8 @@ class JitDPSession:
                 s_res[a, c, :len(r)] = r
                 s_dur[a, c, :len(d)] = d
                 s_cnt[a, c] = len(r)
-        idx, f = best_classes(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
-                              self._ustart, self._ucount, self._fwd, self._opt, self._workers,
-                              self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
-                              self._roff, self._rpool, self._goff, self._gpool, self.base_s,
-                              np.asarray(class_idx, dtype=np.int64), s_res, s_dur, s_cnt)
+        idx, f = best_classes(*self._state(), np.asarray(class_idx, dtype=np.int64), s_res,
+                              s_dur, s_cnt)
         return int(idx), float(f)
 
     def best_option(self, j, candidates, backs, best, eps):
@@ -867,11 +864,7 @@ class JitDPSession:
         if packed is None or packed[0] != candidates:  # the ids' tuples may have been freed
             packed = self._packed[sig] = (list(candidates), *self._pack(candidates))
         _, c_res, c_dur, c_start, c_count = packed
-        idx, f = best_option(self._bp, self._suffix_bp, self._suffix, self._res, self._dur,
-                             self._ustart, self._ucount, self._fwd, self._opt, self._workers,
-                             self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
-                             self._roff, self._rpool, self._goff, self._gpool, self.base_s,
-                             j, c_res, c_dur, c_start, c_count,
+        idx, f = best_option(*self._state(), j, c_res, c_dur, c_start, c_count,
                              np.array(backs, dtype=np.bool_), float(best), float(eps))
         return int(idx), float(f)
 
@@ -883,13 +876,10 @@ class JitDPSession:
             return [0] * len(groups), best
         self._check(members)
         o_res, o_dur, o_start, o_count = self._pack([offloaded[i] for i in members])
-        u, f, trials = best_offload(self._bp, self._suffix_bp, self._suffix, self._res,
-                                    self._dur, self._ustart, self._ucount, self._fwd, self._opt, self._workers,
-                            self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
-                            self._roff, self._rpool, self._goff, self._gpool, self.base_s,
-                            np.array([len(g) for g in groups], dtype=np.int64),
-                            np.array(members, dtype=np.int64), o_res, o_dur, o_start, o_count,
-                            float(best), float(eps), bool(exhaustive))
+        u, f, trials = best_offload(*self._state(),
+                                    np.array([len(g) for g in groups], dtype=np.int64),
+                                    np.array(members, dtype=np.int64), o_res, o_dur, o_start,
+                                    o_count, float(best), float(eps), bool(exhaustive))
         self.trials += int(trials)
         return [int(x) for x in u], float(f)
 

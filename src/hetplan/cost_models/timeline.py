@@ -512,18 +512,6 @@ class DPSession:
             return self.trial(changes, bound=bound)
 
         return search_offload([len(g) for g in groups], score, best, eps, exhaustive)
-        changed = True
-        while changed:
-            changed = False
-            for gi, g in enumerate(groups):
-                for k in range(len(g) + 1):
-                    if k == best_u[gi]:
-                        continue
-                    trial = best_u.copy()
-                    trial[gi] = k
-                    if (f := score(trial)) < best - eps:
-                        best, best_u, changed = f, trial, True
-        return best_u, best
 
     def before_bubbles(self, eps: float) -> set[int]:
         """:func:`before_last_busy_period` of the base strategy."""
@@ -811,5 +799,7 @@ def warm_up() -> bool:
     s.trial({0: (Op("net", 3.0),)}, bound=9.0)
     s.best_option(1, [(Op("net", 0.1),)], [False], s.base_s, 1e-9)
     s.best_offload([[0]], {0: (Op(CPU, 1.0),)}, 9.0, 1e-9)
+    s.best_offload([[0]], {0: (Op(CPU, 1.0),)}, 9.0, 1e-9, exhaustive=False)
+    s.best_classes([0, 0], [[(Op("net", 1.0),)]])
     s.before_bubbles(1e-9)
     return True
