@@ -219,7 +219,6 @@ def main() -> None:
         "devices": ["gpu", "cpu"], "gaps": "effective",
         "table_4_5_ms": TABLE_4_5_MS, "table_4_6_ms": TABLE_4_6_MS,
         "compiled_simulator": jit, "kernel_warm_up_ms": warm_ms, "repeat": args.repeat,
-
         "timing": "least of `repeat` runs of the pass per case (times of the whole pass, of "
                   "Algorithm 4.1 and of Algorithm 4.2 each least on their own)",
         "kernel_warm_up_note": "numba loads the kernels from its on-disk cache (compiles them "

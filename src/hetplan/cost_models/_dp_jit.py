@@ -497,6 +497,20 @@ def _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, res
 
 
 @njit(cache=True)
+def _next_vector(u, g_size):  # pragma: no cover - compiled
+    """Step ``u`` to the next vector in :func:`itertools.product` order (the last group
+    moves fastest); False after the last one."""
+    g = u.shape[0] - 1
+    while g >= 0 and u[g] == g_size[g]:
+        u[g] = 0
+        g -= 1
+    if g < 0:
+        return False
+    u[g] += 1
+    return True
+
+
+@njit(cache=True)
 def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
                  snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
                  g_size, members, o_res, o_dur, o_start, o_count, best, eps,
@@ -519,18 +533,8 @@ def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
     best_u = np.zeros(n_groups, dtype=np.int64)
     tensors = np.empty(members.shape[0], dtype=np.int64)
     slots = np.empty(members.shape[0], dtype=np.int64)
-    changed = True
-    while changed:
-        changed = False
-        if exhaustive:
-            g = n_groups - 1  # the odometer: the last group moves fastest
-            while g >= 0 and u[g] == g_size[g]:
-                u[g] = 0
-                g -= 1
-            if g < 0:
-                break
-            u[g] += 1
-            changed = True
+    if exhaustive:
+        while _next_vector(u, g_size):
             trials += 1
             f = _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, res,
                                dur, ustart, ucount, fwd, opt, workers, snap_gpu, snap_sync,
@@ -540,7 +544,10 @@ def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
             if f < best - eps:
                 best = f
                 best_u[:] = u
-            continue
+        return best_u, best, trials
+    changed = True
+    while changed:
+        changed = False
         for g in range(n_groups):
             for k in range(g_size[g] + 1):
                 if k == best_u[g]:

@@ -41,6 +41,7 @@ Decisions (also in ``docs/decisions.md``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -273,15 +274,11 @@ class Espresso:
                 got = cache[(key, ss.nbytes[i])]
             return got
 
-        offload_of: dict[Key, Key | None] = {}
-
+        @functools.cache
         def offload(key: Key) -> Key | None:
-            got = offload_of.get(key, key)
-            if got is key:
-                got = offload_of[key] = (
-                    None if "cpu" not in self.devices or key[0] is None or key[0] in _CASTS
-                    else (key[0], option_id(offloaded(all_options()[key[1]]))))
-            return got
+            if "cpu" not in self.devices or key[0] is None or key[0] in _CASTS:
+                return None
+            return (key[0], option_id(offloaded(all_options()[key[1]])))
 
         # every candidate's costs before the search (the search then only simulates)
         for k in cands:
