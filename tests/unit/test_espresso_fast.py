@@ -102,6 +102,6 @@ def test_candidates_skip_step_for_step_dominated_options() -> None:
     p = SelectionProblem(backprop_s=[1.0], sizes=[1], baseline=["N"],
                          gpu_options=[["A", "B", "C", "D", "A2", "E"]],
                          ops=lambda i, k: table[k], compressed=lambda k: k != "N")
-    assert [k for k, _ in _Candidates(p, prune=True).candidates(0)] == ["N", "A", "C", "D", "E"]
-    assert [k for k, _ in _Candidates(p, prune=False).candidates(0)] == [
+    assert [k for k, *_ in _Candidates(p, prune=True).candidates(0)] == ["N", "A", "C", "D", "E"]
+    assert [k for k, *_ in _Candidates(p, prune=False).candidates(0)] == [
         "N", "A", "B", "C", "D", "E"]

@@ -142,6 +142,10 @@ class SelectionProblem(Generic[K]):
     cpu_workers: int = 1
     ops_class: Sequence[Hashable] | None = None
     evaluations: int = field(default=0, init=False)
+    _candidates: dict[bool, _Candidates[K]] = field(default_factory=dict, init=False,
+                                                    repr=False, compare=False)
+    _last_session: DPSession | None = field(default=None, init=False, repr=False,
+                                            compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.backprop_s)
@@ -165,7 +169,9 @@ class SelectionProblem(Generic[K]):
         that change a few tensors resume from the first changed one (same times as
         :meth:`iteration_s`, bit for bit)."""
         sess = dp_session(self.backprop_s, forward_s=self.forward_s,
-                          optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers)
+                          optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers,
+                          share=self._last_session)
+        self._last_session = sess
         self.evaluations += 1
         sess.rebase([self.ops(i, k) for i, k in enumerate(strategy)])
         return sess
@@ -223,6 +229,10 @@ def tensors_before_bubbles(problem: SelectionProblem[K], strategy: Sequence[K]) 
                                    problem.cpu_workers, _EPS)
 
 
+#: A candidate of one tensor: (option, its ops, their (communication, GPU, CPU) busy time).
+_Cand = tuple[K, tuple[Op, ...], tuple[float, float, float]]
+
+
 def _footprint(ops: tuple[Op, ...]) -> tuple[float, float, float]:
     """(communication, GPU, CPU) busy time of a tensor's ops."""
     comm = gpu = cpu = 0.0
@@ -242,41 +252,55 @@ def _dominated(cand: tuple[float, float, float], cur: tuple[float, float, float]
 
 class _Candidates(Generic[K]):
     """Each tensor's distinct candidates for Algorithm 4.1, baseline first, in option order
-    (the first option of equal ops stands for them). With ``prune``, a candidate whose ops
-    are another candidate's ops step for step (same resources in the same order) with every
-    step at least as long, and one longer, is not tried (the baseline always is). Computed
-    once per distinct list of candidate ops (tensors of one size share it)."""
+    (the first option of equal ops stands for them), each as ``(option, ops, footprint)``.
+    With ``prune``, a candidate whose ops are another candidate's ops step for step (same
+    resources in the same order) with every step at least as long, and one longer, is not
+    tried (the baseline always is). Computed once per distinct list of candidate ops, and,
+    with ``ops_class``, once per class of tensors for the problem (:meth:`of`: every sweep
+    of one problem shares it)."""
 
     def __init__(self, problem: SelectionProblem[K], prune: bool) -> None:
         self._problem = problem
         self._prune = prune
-        self._cache: dict[tuple[tuple[Op, ...], ...], list[int]] = {}
-        self._by_class: dict[tuple[Hashable, int, K], list[tuple[K, tuple[Op, ...]]]] = {}
+        self._cache: dict[tuple[tuple[object, ...], ...], list[int]] = {}
+        # (class, baseline) -> (the option list it was computed for, the candidates)
+        self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
 
-    def candidates(self, j: int) -> list[tuple[K, tuple[Op, ...]]]:
+    @staticmethod
+    def of(problem: SelectionProblem[K], prune: bool) -> _Candidates[K]:
+        """The problem's candidate lists for ``prune`` (made on first use, then shared)."""
+        got = problem._candidates.get(prune)
+        if got is None:
+            got = problem._candidates[prune] = _Candidates(problem, prune)
+        return got
+
+    def candidates(self, j: int) -> list[_Cand[K]]:
         p = self._problem
         if p.ops_class is None:
             return self._compute(j)
-        cls = (p.ops_class[j], id(p.gpu_options[j]), p.baseline[j])
+        cls = (p.ops_class[j], p.baseline[j])
         got = self._by_class.get(cls)
-        if got is None:
-            got = self._by_class[cls] = self._compute(j)
-        return got
+        if got is None or got[0] is not p.gpu_options[j]:
+            got = self._by_class[cls] = (p.gpu_options[j], self._compute(j))
+        return got[1]
 
-    def _compute(self, j: int) -> list[tuple[K, tuple[Op, ...]]]:
+    def _compute(self, j: int) -> list[_Cand[K]]:
         p = self._problem
         keys = [p.baseline[j], *p.gpu_options[j]]
         all_ops = [p.ops(j, k) for k in keys]
-        sig = tuple(all_ops)  # the ops themselves: ids of freed tuples can come back
+        # plain tuples hash in C (an Op's dataclass hash runs Python code per op)
+        sigs = [tuple((op.resource, op.duration_s, op.label) for op in ops) for ops in all_ops]
+        sig = tuple(sigs)  # the ops themselves: ids of freed tuples can come back
         keep = self._cache.get(sig)
         if keep is None:
-            keep = self._cache[sig] = self._select(all_ops)
-        return [(keys[i], all_ops[i]) for i in keep]
+            keep = self._cache[sig] = self._select(all_ops, sigs)
+        return [(keys[i], all_ops[i], _footprint(all_ops[i])) for i in keep]
 
-    def _select(self, all_ops: list[tuple[Op, ...]]) -> list[int]:
-        first: dict[tuple[Op, ...], int] = {}
-        for i, ops in enumerate(all_ops):
-            first.setdefault(ops, i)
+    def _select(self, all_ops: list[tuple[Op, ...]], sigs: list[tuple[object, ...]]
+                ) -> list[int]:
+        first: dict[tuple[object, ...], int] = {}
+        for i, sg in enumerate(sigs):
+            first.setdefault(sg, i)
         idx = sorted(first.values())
         if not self._prune:
             return idx
@@ -287,10 +311,16 @@ class _Candidates(Generic[K]):
         for members in by_path.values():
             if len(members) < 2 or not all_ops[members[0]]:
                 continue
-            d = np.array([[op.duration_s for op in all_ops[i]] for i in members])
-            le = np.all(d[:, None, :] <= d[None, :, :], axis=2)  # [b, a]: b's steps <= a's
-            lt = np.any(d[:, None, :] < d[None, :, :], axis=2)
-            dropped.update(i for i, gone in zip(members, np.any(le & lt, axis=0)) if gone)
+            rows = [tuple(op.duration_s for op in all_ops[i]) for i in members]
+            if len(members) <= 16:  # a few per path: plain loops beat numpy's call overhead
+                gone = [any(b != a and all(x <= y for x, y in zip(b, a)) for b in rows)
+                        for a in rows]  # b != a and b <= a step for step: one step shorter
+            else:
+                d = np.array(rows)
+                le = np.all(d[:, None, :] <= d[None, :, :], axis=2)  # [b, a]: b's steps <= a's
+                lt = np.any(d[:, None, :] < d[None, :, :], axis=2)
+                gone = list(np.any(le & lt, axis=0))
+            dropped.update(i for i, g in zip(members, gone) if g)
         dropped.discard(idx[0])  # the baseline stays a candidate (Algorithm 4.1 may go back)
         return [i for i in idx if i not in dropped]
 
@@ -326,7 +356,7 @@ def gpu_decisions(
         return {i for i in before if not problem.compressed(strategy[i])}
 
     removed = removed_now()
-    pareto = _Candidates(problem, prune)
+    pareto = _Candidates.of(problem, prune)
     for j in processing_order(problem.sizes):
         if j in removed:
             continue
@@ -335,8 +365,8 @@ def gpu_decisions(
         cur_fp = _footprint(cur_ops)
         keys: list[K] = []
         cands: list[tuple[Op, ...]] = []
-        for cand, ops in pareto.candidates(j):
-            if ops == cur_ops or (prune and _dominated(_footprint(ops), cur_fp)):
+        for cand, ops, fp in pareto.candidates(j):
+            if ops == cur_ops or (prune and _dominated(fp, cur_fp)):
                 continue
             keys.append(cand)
             cands.append(ops)

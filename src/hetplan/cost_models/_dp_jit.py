@@ -99,14 +99,12 @@ def _pop(h, size):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _event(ev, ev_n, s, e, k, comm):  # pragma: no cover - compiled
-    """Record one op's interval: a row ``(start, end, unit, 1.0 if on a channel)``."""
-    x = ev_n[0]
-    ev[x, 0] = s
-    ev[x, 1] = e
-    ev[x, 2] = k
-    ev[x, 3] = 1.0 if comm else 0.0
-    ev_n[0] = x + 1
+def _event(ev, o, s, e, k, comm):  # pragma: no cover - compiled
+    """Record op ``o``'s interval: row ``o`` is ``(start, end, unit, 1.0 if on a channel)``."""
+    ev[o, 0] = s
+    ev[o, 1] = e
+    ev[o, 2] = k
+    ev[o, 3] = 1.0 if comm else 0.0
 
 
 @njit(cache=True)
@@ -187,11 +185,11 @@ def _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt,
          gpu_free, next_bp, run_h, rn, gq_h, gn, free, cpu, sync_end,
          record, snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool,
          bound, use_rem, rem, changed_mask, n_moving, last_changed, base_s,
-         events, ev, ev_ready, ev_n):  # pragma: no cover - compiled
+         events, ev, ev_ready):  # pragma: no cover - compiled
     """:meth:`~.timeline.DPSession._run` on arrays. With ``record`` the state before every
     segment is saved (the base run; returns ``-1.0`` when a snapshot pool is full);
     otherwise a trial: bound checks when ``use_rem``, and the convergence test. With
-    ``events`` every op's interval is written to ``ev`` (:func:`_event`, ``ev_n[0]`` rows) and
+    ``events`` every op's interval is written to ``ev`` (:func:`_event`, row = op index) and
     every tensor's ready time to ``ev_ready``."""
     n = bp.shape[0]
     inf = np.inf
@@ -214,7 +212,7 @@ def _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt,
                     rem[GPU_ID] = left - d
                 e = gpu_free + d
                 if events:
-                    _event(ev, ev_n, gpu_free, e, k, False)
+                    _event(ev, ustart[k] + j, gpu_free, e, k, False)
                 gpu_free = e
                 if j + 1 < ucount[k]:
                     rn = _push(run_h, rn, e, r, k, j + 1)
@@ -297,7 +295,7 @@ def _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt,
             free[rid] = s + d
         e = s + d
         if events:
-            _event(ev, ev_n, s, e, k, rid != CPU_ID)
+            _event(ev, o, s, e, k, rid != CPU_ID)
         if use_rem:
             left = rem[rid]
             if rid != CPU_ID and s + left > limit:
@@ -318,10 +316,13 @@ def _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt,
 @njit(cache=True)
 def rebase_run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, m, workers,
                snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool,
-               run_h, gq_h):  # pragma: no cover - compiled
+               run_h, gq_h, ev, ready):  # pragma: no cover - compiled
     """Simulate the base from the state saved before segment ``m`` (``m == 0``: the empty
     start), saving the states from ``m`` on. Returns the iteration time, or ``-1.0`` when a
-    snapshot pool is too small (the caller grows it and calls again)."""
+    snapshot pool is too small (the caller grows it and calls again). Every op run is
+    recorded in ``ev`` (row = op index) and every tensor's ready time from ``m`` on in
+    ``ready``: the ops before that state ran as recorded by the earlier runs (the prefix
+    is the same), so ``ev`` and ``ready`` always hold the whole base run."""
     free = np.zeros(snap_free.shape[1])
     cpu = np.zeros(workers)
     if m == 0:
@@ -337,7 +338,7 @@ def rebase_run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, m, workers,
     return _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, gpu_free, m, run_h, rn,
                 gq_h, gn, free, cpu, sync_end, True, snap_gpu, snap_sync, snap_free, snap_cpu,
                 roff, rpool, goff, gpool, np.inf, False, no_rem, no_mask, 0, bp.shape[0],
-                0.0, False, np.zeros((1, 4)), no_rem, np.zeros(1, dtype=np.int64))
+                0.0, True, ev, ready)
 
 
 @njit(cache=True)
@@ -418,7 +419,7 @@ def _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
     f = _run(bp, suffix_bp, a_res, a_dur, a_start, a_count, fwd, opt, gpu_free, first, run_h,
              rn, gq_h, gn, free, cpu, sync_end, False, snap_gpu, snap_sync, snap_free,
              snap_cpu, roff, rpool, goff, gpool, bound, use_rem, rem, changed_mask, n_moving,
-             last_changed, base_s, False, run_h, rem, np.zeros(1, dtype=np.int64))
+             last_changed, base_s, False, run_h, rem)
     for x in range(changed.shape[0]):
         changed_mask[changed[x]] = False
     return f
@@ -605,33 +606,19 @@ def best_classes(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
 
 
 @njit(cache=True)
-def before_bubbles(bp, res, dur, ustart, ucount, workers, n_res, eps):  # pragma: no cover
-    """:func:`hetplan.cost_models.timeline.before_last_busy_period` for the strategy in
-    ``res``/``dur``: one run recording every interval, then the same gap rules. Returns a
-    mask over tensors."""
-    n = bp.shape[0]
-    ev = np.zeros((max(res.shape[0], 1), 4))
-    ready = np.zeros(n)
-    ev_n = np.zeros(1, dtype=np.int64)
-    one = np.zeros(1)
-    _run(bp, one, res, dur, ustart, ucount, 0.0, 0.0, 0.0, 0, np.empty((n + 1, 4)), 0,
-         np.empty((n + 1, 4)), 0, np.zeros(n_res), np.zeros(workers), 0.0, False, one, one,
-         np.zeros((1, n_res)), np.zeros((1, workers)), ev_n, ev, ev_n, ev,
-         np.inf, False, one, np.zeros(1, dtype=np.bool_), 0, n, 0.0, True, ev, ready, ev_n)
-    ne = ev_n[0]
-    ev_s = ev[:ne, 0]
-    ev_e = ev[:ne, 1]
-    ev_u = ev[:ne, 2].astype(np.int64)
-    ev_comm = ev[:ne, 3] > 0.5
+def bubble_mask(ev, ready, eps):  # pragma: no cover - compiled
+    """:func:`~hetplan.cost_models.timeline.before_last_busy_period`'s gap rules on a
+    run's intervals (``ev``, one row ``(start, end, unit, on a channel)`` per op) and the
+    tensors' ready times. Returns a mask over tensors."""
+    n = ready.shape[0]
+    ne = ev.shape[0]
     done = np.full(n, -1.0)
-    for x in range(ne):
-        k = ev_u[x]
-        if ev_e[x] > done[k]:
-            done[k] = ev_e[x]
-    # communication intervals sorted by (start, end, unit)
     nc = 0
     for x in range(ne):
-        if ev_comm[x]:
+        k = int(ev[x, 2])
+        if ev[x, 1] > done[k]:
+            done[k] = ev[x, 1]
+        if ev[x, 3] > 0.5:
             nc += 1
     out = np.zeros(n, dtype=np.bool_)
     if nc == 0:
@@ -641,14 +628,14 @@ def before_bubbles(bp, res, dur, ustart, ucount, workers, n_res, eps):  # pragma
     cu = np.empty(nc, dtype=np.int64)
     y = 0
     for x in range(ne):
-        if ev_comm[x]:
-            cs[y] = ev_s[x]
-            ce[y] = ev_e[x]
-            cu[y] = ev_u[x]
+        if ev[x, 3] > 0.5:
+            cs[y] = ev[x, 0]
+            ce[y] = ev[x, 1]
+            cu[y] = int(ev[x, 2])
             y += 1
-    order = np.argsort(cu, kind="mergesort")
-    order = order[np.argsort(ce[order], kind="mergesort")]
-    order = order[np.argsort(cs[order], kind="mergesort")]
+    # by start: of intervals starting together only the first is tested against the
+    # reach so far (the others start inside it), so their order does not matter
+    order = np.argsort(cs)
     last_start = cs[order[0]]
     reach = ce[order[0]]
     for y in range(1, nc):
@@ -686,14 +673,18 @@ def suffix_work(res, dur, ustart, ucount, suffix, last):  # pragma: no cover - c
 
 class JitDPSession:
     """:class:`~hetplan.cost_models.timeline.DPSession` on the compiled kernels: the same
-    methods, the same results bit for bit (see the module docstring)."""
+    methods, the same results bit for bit (see the module docstring). ``share``: another
+    session whose caches of ops converted to arrays this one uses too (sessions of one
+    problem see the same op tuples; the resource ids only name the channels)."""
 
     __slots__ = ("_bp", "_suffix_bp", "_fwd", "_opt", "_workers", "_rid", "_conv", "_ops",
                  "_res", "_dur", "_ustart", "_ucount", "_valid", "_snap_gpu", "_snap_sync",
                  "_snap_free", "_snap_cpu", "_roff", "_goff", "_rpool", "_gpool", "_suffix",
+                 "_ev", "_ready",
                  "_packed", "base_s", "trials")
 
-    def __init__(self, backprop_s, *, forward_s=0.0, optimizer_s=0.0, cpu_workers=1):
+    def __init__(self, backprop_s, *, forward_s=0.0, optimizer_s=0.0, cpu_workers=1,
+                 share=None):
         if cpu_workers < 1:
             raise ValueError(f"cpu_workers must be >= 1, got {cpu_workers}")
         bp = [float(b) for b in backprop_s]
@@ -706,9 +697,12 @@ class JitDPSession:
         self._fwd = float(forward_s)
         self._opt = float(optimizer_s)
         self._workers = int(cpu_workers)
-        self._rid: dict[str, int] = {_GPU: GPU_ID, _CPU: CPU_ID}
-        self._conv: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
-        self._packed: dict[tuple[int, ...], tuple] = {}
+        if isinstance(share, JitDPSession):  # one problem's sessions: convert ops once
+            self._rid, self._conv, self._packed = share._rid, share._conv, share._packed
+        else:
+            self._rid: dict[str, int] = {_GPU: GPU_ID, _CPU: CPU_ID}
+            self._conv: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
+            self._packed: dict[tuple[int, ...], tuple] = {}
         self.trials = 0  # trials run by best_offload
         self._ops: list[tuple] = []
         self._valid = False
@@ -722,6 +716,8 @@ class JitDPSession:
         self._rpool = np.zeros((4 * n + 16, 4))
         self._gpool = np.zeros((4 * n + 16, 4))
         self._suffix = np.zeros((n + 1, r))
+        self._ev = np.zeros((0, 4))  # the base run's op intervals (row = op index)
+        self._ready = np.zeros(n)  # and the tensors' ready times
         self.base_s = 0.0
 
     @property
@@ -729,31 +725,46 @@ class JitDPSession:
         """The base strategy's ops per tensor (do not modify)."""
         return self._ops
 
-    def _arrays(self, ops):
-        """(resource ids, durations) of one tensor's ops, cached per ops tuple."""
-        got = self._conv.get(id(ops))
-        if got is not None and got[0] is ops:
-            return got[1], got[2]
+    def _arrays_of(self, many):
+        """(resource ids, durations) of each ops tuple in ``many``, cached per tuple; the
+        ones not cached yet are converted together (two numpy arrays for all of them, each
+        tuple's a slice)."""
+        conv = self._conv
+        out = []
+        missing = []
+        for ops in many:
+            got = conv.get(id(ops))
+            if got is not None and got[0] is ops:
+                out.append((got[1], got[2]))
+            else:
+                out.append(None)
+                missing.append(ops)
+        if not missing:
+            return out
+        rid = self._rid
         ids = []
-        for op in ops:
-            rid = self._rid.get(op.resource)
-            if rid is None:
-                if len(self._rid) == MAX_RESOURCES:
-                    raise ValueError(f"more than {MAX_RESOURCES} resources in one session")
-                rid = self._rid[op.resource] = len(self._rid)
-            ids.append(rid)
+        durs = []
+        for ops in missing:
+            for op in ops:
+                r = rid.get(op.resource)
+                if r is None:
+                    if len(rid) == MAX_RESOURCES:
+                        raise ValueError(f"more than {MAX_RESOURCES} resources in one session")
+                    r = rid[op.resource] = len(rid)
+                ids.append(r)
+                durs.append(op.duration_s)
         res = np.array(ids, dtype=np.int64)
-        dur = np.array([op.duration_s for op in ops], dtype=np.float64)
-        self._conv[id(ops)] = (ops, res, dur)
-        return res, dur
+        dur = np.array(durs, dtype=np.float64)
+        at = 0
+        for ops in missing:
+            k = len(ops)
+            conv[id(ops)] = (ops, res[at:at + k], dur[at:at + k])
+            at += k
+        return [x if x is not None else (conv[id(o)][1], conv[id(o)][2])
+                for x, o in zip(out, many)]
 
     def _pack(self, unit_ops):
-        conv = self._conv
-        parts = []
-        for o in unit_ops:
-            got = conv.get(id(o))
-            parts.append((got[1], got[2]) if got is not None and got[0] is o
-                         else self._arrays(o))
+        parts = self._arrays_of(unit_ops)
         counts = np.array([len(o) for o in unit_ops], dtype=np.int64)
         starts = np.zeros(len(parts), dtype=np.int64)
         if len(parts) > 1:
@@ -787,11 +798,13 @@ class JitDPSession:
             hi = self._ustart[last] + self._ucount[last]
             self._res = np.concatenate((self._res[:lo], res, self._res[hi:]))
             self._dur = np.concatenate((self._dur[:lo], dur, self._dur[hi:]))
+            self._ev = np.concatenate((self._ev[:lo], np.zeros((len(res), 4)), self._ev[hi:]))
             self._ucount[m:last + 1] = counts
             np.cumsum(self._ucount[:-1], out=self._ustart[1:])
         else:
             self._suffix[:] = 0.0
             self._res, self._dur, self._ustart, self._ucount = self._pack(new)
+            self._ev = np.zeros((len(self._res), 4))
         self._ops = new
         run_h = np.empty((n + 1, 4))
         gq_h = np.empty((n + 1, 4))
@@ -799,7 +812,8 @@ class JitDPSession:
             f = rebase_run(self._bp, self._suffix_bp, self._res, self._dur, self._ustart,
                            self._ucount, self._fwd, self._opt, m, self._workers,
                            self._snap_gpu, self._snap_sync, self._snap_free, self._snap_cpu,
-                           self._roff, self._rpool, self._goff, self._gpool, run_h, gq_h)
+                           self._roff, self._rpool, self._goff, self._gpool, run_h, gq_h,
+                           self._ev, self._ready)
             if f >= 0.0:
                 break
             for name in ("_rpool", "_gpool"):  # grow a full pool, keeping the saved states
@@ -845,17 +859,19 @@ class JitDPSession:
             return -1, float("inf")
         if n == 0:
             return 0, self.base_s
-        packed = [[self._arrays(o) for o in sd] for sd in strategies]
-        width = max(1, max(len(r) for sd in packed for r, _ in sd))
-        shape = (len(packed), len(packed[0]), width)
+        if any(len(sd) != len(strategies[0]) for sd in strategies):
+            raise ValueError("best_classes: every strategy needs ops for the same classes")
+        parts = self._arrays_of([o for sd in strategies for o in sd])
+        counts = np.array([len(r) for r, _ in parts], dtype=np.int64)
+        shape = (len(strategies), len(strategies[0]), max(1, int(counts.max())))
         s_res = np.zeros(shape, dtype=np.int64)
         s_dur = np.zeros(shape)
-        s_cnt = np.zeros(shape[:2], dtype=np.int64)
-        for a, sd in enumerate(packed):
-            for c, (r, d) in enumerate(sd):
-                s_res[a, c, :len(r)] = r
-                s_dur[a, c, :len(d)] = d
-                s_cnt[a, c] = len(r)
+        s_cnt = counts.reshape(shape[:2])
+        # scatter every (strategy, class)'s ops into its padded row at once
+        rows = np.repeat(np.arange(len(parts)), counts)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        s_res.reshape(-1, shape[2])[rows, cols] = np.concatenate([r for r, _ in parts])
+        s_dur.reshape(-1, shape[2])[rows, cols] = np.concatenate([d for _, d in parts])
         idx, f = best_classes(*self._state(), np.asarray(class_idx, dtype=np.int64), s_res,
                               s_dur, s_cnt)
         return int(idx), float(f)
@@ -895,6 +911,5 @@ class JitDPSession:
         :func:`hetplan.cost_models.timeline.before_last_busy_period`)."""
         if not len(self._bp):
             return set()
-        mask = before_bubbles(self._bp, self._res, self._dur, self._ustart, self._ucount,
-                              self._workers, MAX_RESOURCES, float(eps))
+        mask = bubble_mask(self._ev, self._ready, float(eps))  # from the base run's record
         return {int(i) for i in np.flatnonzero(mask)}

@@ -775,15 +775,17 @@ def dp_session(
     optimizer_s: float = 0.0,
     cpu_workers: int = 1,
     jit: bool | None = None,
+    share: DPSession | None = None,
 ) -> DPSession:
     """A :class:`DPSession`: the compiled one (:mod:`hetplan.cost_models._dp_jit`, same
     results bit for bit, tens of times faster) when ``jit`` (default: :func:`jit_enabled`),
-    else the pure-Python one."""
+    else the pure-Python one. ``share``: an earlier session of the same problem; a compiled
+    session reuses its ops already converted to arrays (no effect on results)."""
     if jit if jit is not None else jit_enabled():
         from hetplan.cost_models._dp_jit import JitDPSession
 
         return JitDPSession(backprop_s, forward_s=forward_s,  # type: ignore[return-value]
-                            optimizer_s=optimizer_s, cpu_workers=cpu_workers)
+                            optimizer_s=optimizer_s, cpu_workers=cpu_workers, share=share)
     return DPSession(backprop_s, forward_s=forward_s, optimizer_s=optimizer_s,
                      cpu_workers=cpu_workers)
 
