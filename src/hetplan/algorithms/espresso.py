@@ -77,6 +77,7 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -231,6 +232,13 @@ def tensors_before_bubbles(problem: SelectionProblem[K], strategy: Sequence[K]) 
 
 #: A candidate of one tensor: (option, its ops, their (communication, GPU, CPU) busy time).
 _Cand = tuple[K, tuple[Op, ...], tuple[float, float, float]]
+#: The candidates of one tensor that Algorithm 4.1 simulates: (options, their ops, baseline?).
+_Tried = tuple[list[K], list[tuple[Op, ...]], list[bool]]
+
+
+_FIELDS = operator.attrgetter("resource", "duration_s", "label")
+_RESOURCE = operator.attrgetter("resource")
+_DURATION = operator.attrgetter("duration_s")
 
 
 def _footprint(ops: tuple[Op, ...]) -> tuple[float, float, float]:
@@ -265,6 +273,8 @@ class _Candidates(Generic[K]):
         self._cache: dict[tuple[tuple[object, ...], ...], list[int]] = {}
         # (class, baseline) -> (the option list it was computed for, the candidates)
         self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
+        # (class, baseline, current option) -> (the candidates it was filtered from, tried)
+        self._tried: dict[tuple[Hashable, K, K], tuple[list[_Cand[K]], _Tried[K]]] = {}
 
     @staticmethod
     def of(problem: SelectionProblem[K], prune: bool) -> _Candidates[K]:
@@ -284,12 +294,41 @@ class _Candidates(Generic[K]):
             got = self._by_class[cls] = (p.gpu_options[j], self._compute(j))
         return got[1]
 
+    def tried(self, j: int, current: K) -> _Tried[K]:
+        """What Algorithm 4.1 simulates for tensor ``j`` while it holds ``current``: the
+        candidates (``(options, ops, is the baseline)``) other than ``current``'s own ops
+        and, with ``prune``, other than those no shorter than it on every resource (see
+        :func:`gpu_decisions`). With ``ops_class``, computed once per (class, current
+        option): every tensor of a class starts a sweep on the same option when the start
+        is uniform."""
+        p = self._problem
+        cands = self.candidates(j)
+        key = None
+        if p.ops_class is not None:
+            key = (p.ops_class[j], p.baseline[j], current)
+            got = self._tried.get(key)
+            if got is not None and got[0] is cands:
+                return got[1]
+        cur_ops = p.ops(j, current)
+        cur_fp = _footprint(cur_ops)
+        keys: list[K] = []
+        ops_list: list[tuple[Op, ...]] = []
+        for cand, ops, fp in cands:
+            if ops == cur_ops or (self._prune and _dominated(fp, cur_fp)):
+                continue
+            keys.append(cand)
+            ops_list.append(ops)
+        out = (keys, ops_list, [k == p.baseline[j] for k in keys])
+        if key is not None:
+            self._tried[key] = (cands, out)
+        return out
+
     def _compute(self, j: int) -> list[_Cand[K]]:
         p = self._problem
         keys = [p.baseline[j], *p.gpu_options[j]]
         all_ops = [p.ops(j, k) for k in keys]
         # plain tuples hash in C (an Op's dataclass hash runs Python code per op)
-        sigs = [tuple((op.resource, op.duration_s, op.label) for op in ops) for ops in all_ops]
+        sigs = [tuple(map(_FIELDS, ops)) for ops in all_ops]
         sig = tuple(sigs)  # the ops themselves: ids of freed tuples can come back
         keep = self._cache.get(sig)
         if keep is None:
@@ -306,14 +345,14 @@ class _Candidates(Generic[K]):
             return idx
         by_path: dict[tuple[str, ...], list[int]] = {}
         for i in idx:
-            by_path.setdefault(tuple(op.resource for op in all_ops[i]), []).append(i)
+            by_path.setdefault(tuple(map(_RESOURCE, all_ops[i])), []).append(i)
         dropped: set[int] = set()
         for members in by_path.values():
             if len(members) < 2 or not all_ops[members[0]]:
                 continue
-            rows = [tuple(op.duration_s for op in all_ops[i]) for i in members]
+            rows = [tuple(map(_DURATION, all_ops[i])) for i in members]
             if len(members) <= 16:  # a few per path: plain loops beat numpy's call overhead
-                gone = [any(b != a and all(x <= y for x, y in zip(b, a)) for b in rows)
+                gone = [any(b != a and all(map(operator.le, b, a)) for b in rows)
                         for a in rows]  # b != a and b <= a step for step: one step shorter
             else:
                 d = np.array(rows)
@@ -361,16 +400,7 @@ def gpu_decisions(
         if j in removed:
             continue
         current = strategy[j]
-        cur_ops = problem.ops(j, current)
-        cur_fp = _footprint(cur_ops)
-        keys: list[K] = []
-        cands: list[tuple[Op, ...]] = []
-        for cand, ops, fp in pareto.candidates(j):
-            if ops == cur_ops or (prune and _dominated(fp, cur_fp)):
-                continue
-            keys.append(cand)
-            cands.append(ops)
-        backs = [k == problem.baseline[j] for k in keys]
+        keys, cands, backs = pareto.tried(j, current)
         if sess is not None:
             # a candidate is kept only if f < best - eps, or f <= best + eps for the
             # baseline: each trial stops once proven longer than that

@@ -785,12 +785,12 @@ class JitDPSession:
         m, last = 0, n - 1
         if self._valid and n:
             old = self._ops
-            while m < n and new[m] == old[m]:
+            while m < n and (new[m] is old[m] or new[m] == old[m]):
                 m += 1
             if m == n:
                 self._ops = new
                 return self.base_s
-            while new[last] == old[last]:
+            while new[last] is old[last] or new[last] == old[last]:
                 last -= 1
             # splice the changed tensors' ops into the base arrays
             res, dur, _, counts = self._pack(new[m:last + 1])
@@ -882,10 +882,16 @@ class JitDPSession:
         if not candidates:
             return -1, best
         self._check([j])
-        sig = tuple(id(o) for o in candidates)
-        packed = self._packed.get(sig)
-        if packed is None or packed[0] != candidates:  # the ids' tuples may have been freed
-            packed = self._packed[sig] = (list(candidates), *self._pack(candidates))
+        # by the list's id first (Algorithm 4.1 passes one list per candidate set), then by
+        # its ops' ids; the stored copy is compared (item by item, identity first) because
+        # a list may have changed and the ids' objects may have been freed
+        packed = self._packed.get(id(candidates))
+        if packed is None or packed[0] != candidates:
+            sig = tuple(id(o) for o in candidates)
+            packed = self._packed.get(sig)
+            if packed is None or packed[0] != candidates:
+                packed = self._packed[sig] = (list(candidates), *self._pack(candidates))
+            self._packed[id(candidates)] = packed
         _, c_res, c_dur, c_start, c_count = packed
         idx, f = best_option(*self._state(), j, c_res, c_dur, c_start, c_count,
                              np.array(backs, dtype=np.bool_), float(best), float(eps))
