@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+# multi-process tests fork their ranks from one server that imported torch once, instead of
+# spawning a fresh interpreter (a ~2 s torch import) per rank; HETPLAN_START_METHOD=spawn
+# runs them the way `hetplan profile` does by default
+os.environ.setdefault("HETPLAN_START_METHOD", "forkserver")
+
 settings.register_profile("hetplan", deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "hetplan"))

@@ -27,6 +27,7 @@ from hetplan.ir.plan_sections import (
     NoSync,
 )
 from hetplan.models import MLP
+from hetplan.profiling._spawn import start_method
 from hetplan.runtime.executor import Runtime
 
 pytestmark = pytest.mark.dist
@@ -102,8 +103,9 @@ def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str, kil
 
 
 def _run(tmp_path: Path, plan: Plan, world: int, kill: int = -1) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path), plan.to_json(), str(tmp_path / "out"), kill),
-             nprocs=world, join=True)
+    mp.start_processes(_worker, args=(world, str(tmp_path), plan.to_json(),
+                                      str(tmp_path / "out"), kill),
+                       nprocs=world, join=True, start_method=start_method())
 
 
 @pytest.mark.parametrize(("dp", "micro_batches", "cast"),

@@ -23,6 +23,7 @@ from hetplan.errors import SpecError, TraceError
 from hetplan.ir.capture import capture
 from hetplan.ir.plan_sections import Layout, Stage
 from hetplan.models import DataDependentGate, DataDependentNet, TiedLM, TinyGPT
+from hetplan.profiling._spawn import start_method
 from hetplan.runtime.pipeline import (
     SequentialStageModule,
     build_stage,
@@ -202,8 +203,9 @@ def _worker(rank: int, world: int, store_dir: str, case: str, layout_json: str,
 
 def _run_and_compare(tmp_path: Path, case: str, layout: Layout) -> list[dict]:
     stages = _stages(case, layout)
-    mp.spawn(_worker, args=(layout.num_ranks, str(tmp_path), case, layout.model_dump_json(),
-                            stages, str(tmp_path / "out")), nprocs=layout.num_ranks, join=True)
+    mp.start_processes(_worker, args=(layout.num_ranks, str(tmp_path), case,
+                                      layout.model_dump_json(), stages, str(tmp_path / "out")),
+                       nprocs=layout.num_ranks, join=True, start_method=start_method())
     got = [torch.load(tmp_path / f"out.{r}") for r in range(layout.num_ranks)]
     ref_losses, ref_params = _reference(case)
     last = [g["losses"] for g in got if g["losses"]]

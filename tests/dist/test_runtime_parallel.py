@@ -17,6 +17,7 @@ import hetplan
 from hetplan import zoo
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
+from hetplan.profiling._spawn import start_method
 
 pytestmark = pytest.mark.dist
 
@@ -105,8 +106,9 @@ def test_parallel_plan_equals_reference(tmp_path: Path, world: int, pins: dict, 
     plan = hetplan.compile(ir, _cluster(world), batch_size=BATCH, schedule=schedule,
                            micro_batch_size=BATCH // pins["dp"] // 2, **pins)
     assert plan.layout is not None and plan.layout.micro_batches == 2
-    mp.spawn(_worker, args=(world, str(tmp_path), plan.to_json(), str(tmp_path / "out")),
-             nprocs=world, join=True)
+    mp.start_processes(_worker, args=(world, str(tmp_path), plan.to_json(),
+                                      str(tmp_path / "out")),
+                       nprocs=world, join=True, start_method=start_method())
     ref = _reference()
     seen: set[str] = set()
     for rank in range(world):

@@ -1,7 +1,7 @@
 """Tensor parallelism with uneven shards on gloo: forward, loss, every gradient and the
 parameters after SGD steps equal a single-process float64 reference.
 
-One ``mp.spawn`` per world size runs every case of that size (module-scoped fixtures), so the
+One process start per world size runs every case of that size (module-scoped fixtures), so the
 slow part (starting processes that import torch) is paid once per world size.
 """
 
@@ -23,6 +23,7 @@ from hetplan.errors import PlanMismatchError
 from hetplan.ir.model import LinearInfo, TPRole
 from hetplan.ir.plan_sections import TensorParallel, TPGroup, TPLinearShard
 from hetplan.models import TinyGPT
+from hetplan.profiling._spawn import start_method
 from hetplan.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -207,7 +208,8 @@ def _reference(kind: str, hidden: int) -> dict[str, Any]:
 
 
 def _spawn(tmp: Path, world: int) -> list[dict[str, Any]]:
-    mp.spawn(_worker, args=(world, str(tmp), str(tmp)), nprocs=world, join=True)
+    mp.start_processes(_worker, args=(world, str(tmp), str(tmp)), nprocs=world, join=True,
+                       start_method=start_method())
     return [torch.load(tmp / f"out.{r}") for r in range(world)]
 
 

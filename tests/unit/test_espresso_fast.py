@@ -105,3 +105,27 @@ def test_candidates_skip_step_for_step_dominated_options() -> None:
     assert [k for k, *_ in _Candidates(p, prune=True).candidates(0)] == ["N", "A", "C", "D", "E"]
     assert [k for k, *_ in _Candidates(p, prune=False).candidates(0)] == [
         "N", "A", "B", "C", "D", "E"]
+
+
+def test_select_sees_a_problem_changed_since_an_earlier_select() -> None:
+    """Candidate lists live for one selection: after an option list is extended in place,
+    the next ``select`` chooses what a fresh problem with that list chooses."""
+    table = {
+        "N": (Op("net", 4.0),),
+        "A": (Op(GPU, 1.0), Op("net", 3.0)),
+        "B": (Op(GPU, 0.5), Op("net", 0.5)),
+    }
+
+    def problem(opts: list[str]) -> SelectionProblem[str]:
+        return SelectionProblem(backprop_s=[1.0] * 4, sizes=[1] * 4, baseline=["N"] * 4,
+                                gpu_options=[opts] * 4, ops=lambda i, k: table[k],
+                                compressed=lambda k: k != "N", ops_class=[0] * 4)
+
+    opts = ["A"]
+    p = problem(opts)
+    before = select(p, exhaustive_limit=0)
+    opts.append("B")
+    after = select(p, exhaustive_limit=0)
+    fresh = select(problem(["A", "B"]), exhaustive_limit=0)
+    assert (after.strategy, after.iteration_s) == (fresh.strategy, fresh.iteration_s)
+    assert after.strategy != before.strategy  # B is better: the test can tell

@@ -143,8 +143,9 @@ class SelectionProblem(Generic[K]):
     cpu_workers: int = 1
     ops_class: Sequence[Hashable] | None = None
     evaluations: int = field(default=0, init=False)
-    _candidates: dict[bool, _Candidates[K]] = field(default_factory=dict, init=False,
-                                                    repr=False, compare=False)
+    # the last session made, whose caches of ops converted to arrays the next one shares
+    # (their entries are checked against the ops themselves, so they cannot go stale);
+    # select() drops it when it starts and when it returns
     _last_session: DPSession | None = field(default=None, init=False, repr=False,
                                             compare=False)
 
@@ -264,8 +265,8 @@ class _Candidates(Generic[K]):
     With ``prune``, a candidate whose ops are another candidate's ops step for step (same
     resources in the same order) with every step at least as long, and one longer, is not
     tried (the baseline always is). Computed once per distinct list of candidate ops, and,
-    with ``ops_class``, once per class of tensors for the problem (:meth:`of`: every sweep
-    of one problem shares it)."""
+    with ``ops_class``, once per class of tensors. One instance serves one :func:`select`
+    (both of its sweeps); the problem must not change while it is in use."""
 
     def __init__(self, problem: SelectionProblem[K], prune: bool) -> None:
         self._problem = problem
@@ -275,14 +276,6 @@ class _Candidates(Generic[K]):
         self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
         # (class, baseline, current option) -> (the candidates it was filtered from, tried)
         self._tried: dict[tuple[Hashable, K, K], tuple[list[_Cand[K]], _Tried[K]]] = {}
-
-    @staticmethod
-    def of(problem: SelectionProblem[K], prune: bool) -> _Candidates[K]:
-        """The problem's candidate lists for ``prune`` (made on first use, then shared)."""
-        got = problem._candidates.get(prune)
-        if got is None:
-            got = problem._candidates[prune] = _Candidates(problem, prune)
-        return got
 
     def candidates(self, j: int) -> list[_Cand[K]]:
         p = self._problem
@@ -300,7 +293,7 @@ class _Candidates(Generic[K]):
         and, with ``prune``, other than those no shorter than it on every resource (see
         :func:`gpu_decisions`). With ``ops_class``, computed once per (class, current
         option): every tensor of a class starts a sweep on the same option when the start
-        is uniform."""
+        is uniform. The lists are shared: do not modify them."""
         p = self._problem
         cands = self.candidates(j)
         key = None
@@ -329,7 +322,7 @@ class _Candidates(Generic[K]):
         all_ops = [p.ops(j, k) for k in keys]
         # plain tuples hash in C (an Op's dataclass hash runs Python code per op)
         sigs = [tuple(map(_FIELDS, ops)) for ops in all_ops]
-        sig = tuple(sigs)  # the ops themselves: ids of freed tuples can come back
+        sig = tuple(sigs)  # the ops' values (ids of freed tuples can come back)
         keep = self._cache.get(sig)
         if keep is None:
             keep = self._cache[sig] = self._select(all_ops, sigs)
@@ -370,6 +363,7 @@ def gpu_decisions(
     prune: bool = True,
     start: Sequence[K] | None = None,
     fast: bool = True,
+    candidates: _Candidates[K] | None = None,
 ) -> tuple[list[K], float]:
     """Algorithm 4.1: GPU compression decisions (see the module docstring).
 
@@ -381,6 +375,9 @@ def gpu_decisions(
         fast: score candidates with a resumable simulation that starts at the candidate's
             tensor and stops once a candidate is proven slower than the best so far (same
             result as ``fast=False``, which simulates every candidate from scratch).
+        candidates: the candidate lists of an earlier sweep of the same, unchanged problem
+            with the same ``prune`` (:func:`select` shares one between its sweeps); default:
+            computed here.
 
     Returns:
         (strategy, its iteration time).
@@ -395,7 +392,7 @@ def gpu_decisions(
         return {i for i in before if not problem.compressed(strategy[i])}
 
     removed = removed_now()
-    pareto = _Candidates.of(problem, prune)
+    pareto = candidates if candidates is not None else _Candidates(problem, prune)
     for j in processing_order(problem.sizes):
         if j in removed:
             continue
@@ -568,6 +565,7 @@ def select(
         fast: resumable, early-stopping simulations everywhere (see :func:`gpu_decisions`);
             ``False`` is the slow reference (same strategies and times; the tests compare).
     """
+    problem._last_session = None  # the problem may have changed since an earlier call
     baseline_s = problem.iteration_s(problem.baseline)
     space = 1
     for i in range(len(problem.backprop_s)):
@@ -581,12 +579,13 @@ def select(
                                              for i in range(len(problem.backprop_s))])
         gpu_s, method = time.perf_counter() - t0, "exhaustive"
     else:
-        strategy, f = gpu_decisions(problem, prune=prune, fast=fast)
+        pareto = _Candidates(problem, prune)  # both sweeps' candidate lists
+        strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto)
         method = "espresso"
         best_seed = _best_seed(problem, seeds, fast)
         if best_seed is not None and best_seed[0] < f - _EPS:
             refined, fr = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]],
-                                        fast=fast)
+                                        fast=fast, candidates=pareto)
             if fr < f - _EPS:
                 strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
         gpu_s = time.perf_counter() - t0
@@ -608,5 +607,6 @@ def select(
         trial = strategy.copy()
         trial[i] = problem.baseline[i]
         benefit.append(problem.iteration_s(trial) - f)
+    problem._last_session = None  # its caches are not kept past the selection
     return Selection(tuple(strategy), f, baseline_s, tuple(benefit), method, gpu_s, cpu_s,
                      problem.evaluations)

@@ -609,7 +609,10 @@ def best_classes(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
 def bubble_mask(ev, ready, eps):  # pragma: no cover - compiled
     """:func:`~hetplan.cost_models.timeline.before_last_busy_period`'s gap rules on a
     run's intervals (``ev``, one row ``(start, end, unit, on a channel)`` per op) and the
-    tensors' ready times. Returns a mask over tensors."""
+    tensors' ready times. Returns a mask over tensors. Needs ``eps >= 0`` and intervals that
+    end no earlier than they start (durations >= 0), as the simulator's always do: then of
+    intervals starting together only the first can open a gap, so sorting by start alone
+    gives the reference's result."""
     n = ready.shape[0]
     ne = ev.shape[0]
     done = np.full(n, -1.0)
@@ -633,9 +636,7 @@ def bubble_mask(ev, ready, eps):  # pragma: no cover - compiled
             ce[y] = ev[x, 1]
             cu[y] = int(ev[x, 2])
             y += 1
-    # by start: of intervals starting together only the first is tested against the
-    # reach so far (the others start inside it), so their order does not matter
-    order = np.argsort(cs)
+    order = np.argsort(cs)  # by start alone (see the docstring)
     last_start = cs[order[0]]
     reach = ce[order[0]]
     for y in range(1, nc):
@@ -697,12 +698,13 @@ class JitDPSession:
         self._fwd = float(forward_s)
         self._opt = float(optimizer_s)
         self._workers = int(cpu_workers)
+        self._rid: dict[str, int]  # resource name -> id
+        self._conv: dict[int, tuple[tuple, np.ndarray, np.ndarray]]  # id(ops) -> arrays
+        self._packed: dict[int | tuple[int, ...], tuple]  # candidate lists, packed
         if isinstance(share, JitDPSession):  # one problem's sessions: convert ops once
             self._rid, self._conv, self._packed = share._rid, share._conv, share._packed
         else:
-            self._rid: dict[str, int] = {_GPU: GPU_ID, _CPU: CPU_ID}
-            self._conv: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
-            self._packed: dict[tuple[int, ...], tuple] = {}
+            self._rid, self._conv, self._packed = {_GPU: GPU_ID, _CPU: CPU_ID}, {}, {}
         self.trials = 0  # trials run by best_offload
         self._ops: list[tuple] = []
         self._valid = False
@@ -915,6 +917,8 @@ class JitDPSession:
     def before_bubbles(self, eps):
         """Tensors of the base communicated before its last communication busy period (see
         :func:`hetplan.cost_models.timeline.before_last_busy_period`)."""
+        if eps < 0:
+            raise ValueError(f"before_bubbles needs eps >= 0, got {eps}")
         if not len(self._bp):
             return set()
         mask = bubble_mask(self._ev, self._ready, float(eps))  # from the base run's record

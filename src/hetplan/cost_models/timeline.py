@@ -488,6 +488,8 @@ class DPSession:
         tensor ``i`` gets the ops ``strategies[s][class_idx[i]]`` (e.g. uniform strategies,
         tensors of one size sharing their ops). Each trial is bounded by the best so far; the
         first of equals wins. Returns ``(index, time)``; ``(-1, inf)`` without strategies."""
+        if any(len(sd) != len(strategies[0]) for sd in strategies):
+            raise ValueError("best_classes: every strategy needs ops for the same classes")
         best, best_s = float("inf"), -1
         for s, ops in enumerate(strategies):
             f = self.trial({i: ops[c] for i, c in enumerate(class_idx)}, bound=best)
@@ -514,7 +516,9 @@ class DPSession:
         return search_offload([len(g) for g in groups], score, best, eps, exhaustive)
 
     def before_bubbles(self, eps: float) -> set[int]:
-        """:func:`before_last_busy_period` of the base strategy."""
+        """:func:`before_last_busy_period` of the base strategy (``eps >= 0``)."""
+        if eps < 0:
+            raise ValueError(f"before_bubbles needs eps >= 0, got {eps}")
         units = [SyncUnit(i, o) for i, o in enumerate(self._ops)]
         return before_last_busy_period(self._bp, units, self._workers, eps)
 
