@@ -28,11 +28,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "espresso_vs_previous.json"
-#: The commit that cut the Python around the compiled trials (candidate lists once per
-#: problem, shared op arrays, the bubble test from the base run's record) and its parent:
-#: the comparison of record, isolated from other changes to the tree.
-NOW = "5e0d9cd"
-PREVIOUS = "5e0d9cd^"
+#: The round that cut the Python around the compiled trials (candidate lists once per
+#: selection, shared op arrays, the bubble test from the base run's record; docs/decisions.md,
+#: "Espresso, part 5"): its last code commit against the head before it, the comparison of
+#: record.
+NOW = "3314b19"
+PREVIOUS = "7558b3c"
 CASES = ("lstm/nvlink/dgc,vgg16/nvlink/dgc,gpt2/nvlink/dgc,ugatit/nvlink/dgc,bert/pcie/randomk,"
          "resnet101/nvlink/dgc")
 
