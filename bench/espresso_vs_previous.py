@@ -8,7 +8,7 @@ not enter); keeps the least of ``--repeat`` runs of each for the whole pass's wa
 for its GPU selection (Algorithm 4.1 with the uniform seeds, both hierarchies: what
 ``bench/espresso.py`` sets beside Table 4.5), and a digest of the chosen gradient-sync
 section, which must be identical (same choices, only faster). Each process loads (or
-compiles) the numba kernels before the timed pass, where the tree has them.
+compiles) the numba kernels before the timed pass.
 
 Run: ``python bench/espresso_vs_previous.py [--commit REV] [--now REV] [--cases m/c/comp,...]``
 →
@@ -43,25 +43,18 @@ sys.path.insert(0, {bench!r})
 import espresso as be
 from hetplan.ir.plan_sections import WorkloadSummary
 from hetplan.ir.workload import espresso_workloads
-import hetplan.passes.espresso as ep
 from hetplan.passes.espresso import Espresso
-try:
-    from hetplan.cost_models.timeline import warm_up
-    warm_up()
-except ImportError:  # a tree from before the compiled session
-    pass
+be.warm_up()  # load (or compile) the kernels outside the timed pass
 model, cl, comp = sys.argv[1:4]
 wls = espresso_workloads(be.DATA, gaps="effective", include_extra=False)
 wl = WorkloadSummary.from_model_ir(wls[model])
 ctx, plan = be._setup(wl, be.CLUSTERS[cl], (comp, "fp16"))
-sels = []
-select = ep.select
-ep.select = lambda *a, **k: sels.append(select(*a, **k)) or sels[-1]
-t = time.perf_counter()
-out = Espresso(devices=("gpu", "cpu"), max_compressions=1).run(plan, ctx)
-s = time.perf_counter() - t
+with be._Recorder() as rec:  # keeps every Selection the pass makes
+    t = time.perf_counter()
+    out = Espresso(devices=("gpu", "cpu"), max_compressions=1).run(plan, ctx)
+    s = time.perf_counter() - t
 sync = out.plan.gradient_sync.model_dump_json().encode()
-print(json.dumps({{"s": s, "gpu_s": sum(x.gpu_s for x in sels),
+print(json.dumps({{"s": s, "gpu_s": sum(x.gpu_s for x in rec.selections),
                   "digest": hashlib.sha256(sync).hexdigest()[:16]}}))
 """
 

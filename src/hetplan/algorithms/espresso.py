@@ -270,7 +270,7 @@ class _Candidates(Generic[K]):
 
     def __init__(self, problem: SelectionProblem[K], prune: bool) -> None:
         self._problem = problem
-        self._prune = prune
+        self.prune = prune
         self._cache: dict[tuple[tuple[object, ...], ...], list[int]] = {}
         # (class, baseline) -> (the option list it was computed for, the candidates)
         self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
@@ -307,7 +307,7 @@ class _Candidates(Generic[K]):
         keys: list[K] = []
         ops_list: list[tuple[Op, ...]] = []
         for cand, ops, fp in cands:
-            if ops == cur_ops or (self._prune and _dominated(fp, cur_fp)):
+            if ops == cur_ops or (self.prune and _dominated(fp, cur_fp)):
                 continue
             keys.append(cand)
             ops_list.append(ops)
@@ -334,7 +334,7 @@ class _Candidates(Generic[K]):
         for i, sg in enumerate(sigs):
             first.setdefault(sg, i)
         idx = sorted(first.values())
-        if not self._prune:
+        if not self.prune:
             return idx
         by_path: dict[tuple[str, ...], list[int]] = {}
         for i in idx:
@@ -392,6 +392,9 @@ def gpu_decisions(
         return {i for i in before if not problem.compressed(strategy[i])}
 
     removed = removed_now()
+    if candidates is not None and candidates.prune != prune:
+        raise ValueError(f"candidate lists made with prune={candidates.prune}, sweep asks "
+                         f"prune={prune}")
     pareto = candidates if candidates is not None else _Candidates(problem, prune)
     for j in processing_order(problem.sizes):
         if j in removed:

@@ -700,7 +700,7 @@ class JitDPSession:
         self._workers = int(cpu_workers)
         self._rid: dict[str, int]  # resource name -> id
         self._conv: dict[int, tuple[tuple, np.ndarray, np.ndarray]]  # id(ops) -> arrays
-        self._packed: dict[int | tuple[int, ...], tuple]  # candidate lists, packed
+        self._packed: dict[tuple[int, ...], tuple]  # candidate lists, packed
         if isinstance(share, JitDPSession):  # one problem's sessions: convert ops once
             self._rid, self._conv, self._packed = share._rid, share._conv, share._packed
         else:
@@ -733,20 +733,20 @@ class JitDPSession:
         tuple's a slice)."""
         conv = self._conv
         out = []
-        missing = []
+        missing = []  # (position in out, ops)
         for ops in many:
             got = conv.get(id(ops))
             if got is not None and got[0] is ops:
                 out.append((got[1], got[2]))
             else:
+                missing.append((len(out), ops))
                 out.append(None)
-                missing.append(ops)
         if not missing:
             return out
         rid = self._rid
         ids = []
         durs = []
-        for ops in missing:
+        for _, ops in missing:
             for op in ops:
                 r = rid.get(op.resource)
                 if r is None:
@@ -758,12 +758,12 @@ class JitDPSession:
         res = np.array(ids, dtype=np.int64)
         dur = np.array(durs, dtype=np.float64)
         at = 0
-        for ops in missing:
+        for x, ops in missing:
             k = len(ops)
-            conv[id(ops)] = (ops, res[at:at + k], dur[at:at + k])
+            out[x] = (res[at:at + k], dur[at:at + k])
+            conv[id(ops)] = (ops, *out[x])
             at += k
-        return [x if x is not None else (conv[id(o)][1], conv[id(o)][2])
-                for x, o in zip(out, many)]
+        return out
 
     def _pack(self, unit_ops):
         parts = self._arrays_of(unit_ops)
@@ -884,16 +884,10 @@ class JitDPSession:
         if not candidates:
             return -1, best
         self._check([j])
-        # by the list's id first (Algorithm 4.1 passes one list per candidate set), then by
-        # its ops' ids; the stored copy is compared (item by item, identity first) because
-        # a list may have changed and the ids' objects may have been freed
-        packed = self._packed.get(id(candidates))
-        if packed is None or packed[0] != candidates:
-            sig = tuple(id(o) for o in candidates)
-            packed = self._packed.get(sig)
-            if packed is None or packed[0] != candidates:
-                packed = self._packed[sig] = (list(candidates), *self._pack(candidates))
-            self._packed[id(candidates)] = packed
+        sig = tuple(id(o) for o in candidates)
+        packed = self._packed.get(sig)
+        if packed is None or packed[0] != candidates:  # the ids' tuples may have been freed
+            packed = self._packed[sig] = (list(candidates), *self._pack(candidates))
         _, c_res, c_dur, c_start, c_count = packed
         idx, f = best_option(*self._state(), j, c_res, c_dur, c_start, c_count,
                              np.array(backs, dtype=np.bool_), float(best), float(eps))

@@ -3,10 +3,11 @@
 Processes are started with ``torch.multiprocessing``: ``spawn`` by default (no inherited
 OpenMP or CUDA state), or ``forkserver`` when ``HETPLAN_START_METHOD=forkserver`` (a server
 process that imports torch once, never touches CUDA or starts threads, and forks every rank:
-no ~2 s torch import per rank when a process starts many runs, e.g. the test suite). The rendezvous is a ``FileStore`` in a fresh temporary directory, so no fixed port is
-ever used, and the process group gets a timeout. Every rank's return value is pickled to that
-directory and returned to the caller in rank order; an exception in any rank is re-raised in
-the caller with the child's traceback, and a run that overstays ``timeout_s`` is terminated.
+no ~2 s torch import per rank when a process starts many runs, e.g. the test suite). The
+rendezvous is a ``FileStore`` in a fresh temporary directory, so no fixed port is ever used,
+and the process group gets a timeout. Every rank's return value is pickled to that directory
+and returned to the caller in rank order; an exception in any rank is re-raised in the caller
+with the child's traceback, and a run that overstays ``timeout_s`` is terminated.
 """
 
 from __future__ import annotations
