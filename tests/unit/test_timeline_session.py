@@ -107,6 +107,42 @@ def test_incremental_rebases_behave_like_a_fresh_session(impl: str, data: st.Dat
                 assert sess.trial(trial, bound=bound) == fresh.trial(trial, bound=bound)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(1, 8),
+    workers=st.integers(1, 3),
+)
+def test_release_bounds_are_lower_bounds_and_agree(data: st.DataObject, n: int,
+                                                   workers: int) -> None:
+    """The release bound of every saved state (GPU time there + ``_release[m]``) is at most
+    the base's iteration time, and both implementations compute the same values bit for
+    bit (a trial stops on it, so they must agree on when)."""
+    bp = data.draw(st.lists(_dur, min_size=n, max_size=n))
+    base = data.draw(st.lists(_ops, min_size=n, max_size=n))
+    impls = ["python"] + (["jit"] if jit_enabled() else [])
+    got = []
+    for impl in impls:
+        sess = _session(impl, bp, forward_s=0.5, optimizer_s=1.0, cpu_workers=workers)
+        sess.rebase(base)
+        release = [float(x) for x in sess._release]  # type: ignore[attr-defined]
+        for m in range(n):
+            gpu_m = sess._snap_gpu[m]  # type: ignore[attr-defined]
+            assert 0.5 + gpu_m + release[m] + 1.0 <= sess.base_s
+        got.append(release)
+    assert all(r == got[0] for r in got)
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
+def test_release_bound_follows_the_last_tensor(impl: str) -> None:
+    """Tensor 1 is ready at 11 and then needs 5 on the channel and 1 on the GPU: from the
+    start the run cannot end before 17, nor before 1 + 16 from segment 1 on (hand check;
+    the channel's backlog alone says 6 and 5)."""
+    sess = _session(impl, [1.0, 10.0])
+    assert sess.rebase([(Op("net", 1.0),), (Op("net", 5.0), Op(GPU, 1.0))]) == 17.0
+    assert [float(x) for x in sess._release[:2]] == [17.0, 16.0]  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("impl", _IMPLS)
 def test_trial_without_changes_is_the_base(impl: str) -> None:
     sess = _session(impl, [1.0, 1.0])

@@ -37,6 +37,8 @@ CPU_ID = 1
 #: At most this many resources (GPU, CPU and channels) per session.
 MAX_RESOURCES = 16
 _EPS_BOUND = 1e-12
+#: slack of the release bound (:func:`release_bounds`), which sums in another order
+_EPS_RELEASE = 1e-10
 
 
 @njit(cache=True)
@@ -181,7 +183,7 @@ def _converged(m, run_h, rn, gq_h, gn, free, cpu, sync_end, changed_mask, snap_g
 
 
 @njit(cache=True)
-def _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt,
+def _run(bp, suffix_bp, release, res, dur, ustart, ucount, fwd, opt,
          gpu_free, next_bp, run_h, rn, gq_h, gn, free, cpu, sync_end,
          record, snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool,
          bound, use_rem, rem, changed_mask, n_moving, last_changed, base_s,
@@ -242,6 +244,9 @@ def _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt,
                         for c in range(4):
                             gpool[goff[i] + x, c] = gq_h[x, c]
                     goff[i + 1] = goff[i] + gn
+                elif use_rem and next_bp > last_changed \
+                        and gpu_free + release[next_bp] > limit + _EPS_RELEASE:
+                    return inf
                 elif n_moving == 0 and next_bp > last_changed \
                         and gpu_free == snap_gpu[next_bp] \
                         and _converged(next_bp, run_h, rn, gq_h, gn, free, cpu, sync_end,
@@ -335,14 +340,15 @@ def rebase_run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, m, workers,
                                               cpu)
     no_rem = np.zeros(1)
     no_mask = np.zeros(1, dtype=np.bool_)
-    return _run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, gpu_free, m, run_h, rn,
-                gq_h, gn, free, cpu, sync_end, True, snap_gpu, snap_sync, snap_free, snap_cpu,
-                roff, rpool, goff, gpool, np.inf, False, no_rem, no_mask, 0, bp.shape[0],
-                0.0, True, ev, ready)
+    # no bound: ``release`` (here a stand-in) is not read
+    return _run(bp, suffix_bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, gpu_free, m,
+                run_h, rn, gq_h, gn, free, cpu, sync_end, True, snap_gpu, snap_sync, snap_free,
+                snap_cpu, roff, rpool, goff, gpool, np.inf, False, no_rem, no_mask, 0,
+                bp.shape[0], 0.0, True, ev, ready)
 
 
 @njit(cache=True)
-def _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+def _trial(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
            snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
            t_res, t_dur, t_start, t_count, changed, bound, run_h, gq_h, free, cpu, rem,
            changed_mask):  # pragma: no cover - compiled
@@ -416,10 +422,10 @@ def _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
             for x in range(changed.shape[0]):
                 changed_mask[changed[x]] = False
             return np.inf
-    f = _run(bp, suffix_bp, a_res, a_dur, a_start, a_count, fwd, opt, gpu_free, first, run_h,
-             rn, gq_h, gn, free, cpu, sync_end, False, snap_gpu, snap_sync, snap_free,
-             snap_cpu, roff, rpool, goff, gpool, bound, use_rem, rem, changed_mask, n_moving,
-             last_changed, base_s, False, run_h, rem)
+    f = _run(bp, suffix_bp, release, a_res, a_dur, a_start, a_count, fwd, opt, gpu_free,
+             first, run_h, rn, gq_h, gn, free, cpu, sync_end, False, snap_gpu, snap_sync,
+             snap_free, snap_cpu, roff, rpool, goff, gpool, bound, use_rem, rem, changed_mask,
+             n_moving, last_changed, base_s, False, run_h, rem)
     for x in range(changed.shape[0]):
         changed_mask[changed[x]] = False
     return f
@@ -433,19 +439,19 @@ def _work(n, n_res, workers):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+def trial(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
           snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
           t_res, t_dur, t_start, t_count, changed, bound):  # pragma: no cover - compiled
     """:func:`_trial` with fresh work arrays."""
     run_h, gq_h, free, cpu, rem, mask = _work(bp.shape[0], snap_free.shape[1], workers)
-    return _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+    return _trial(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
                   snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
                   t_res, t_dur, t_start, t_count, changed, bound, run_h, gq_h, free, cpu, rem,
                   mask)
 
 
 @njit(cache=True)
-def best_option(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+def best_option(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
                 snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
                 j, c_res, c_dur, c_start, c_count, c_back, best, eps):  # pragma: no cover
     """Algorithm 4.1's ``GetBestOption`` for tensor ``j`` over candidate op lists
@@ -465,7 +471,7 @@ def best_option(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, worke
         limit = best - eps
         if back:
             limit = best + eps
-        f = _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+        f = _trial(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
                    snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
                    c_res, c_dur, t_start, t_count, changed, limit,
                    run_h, gq_h, free, cpu, rem, mask)
@@ -476,10 +482,10 @@ def best_option(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, worke
 
 
 @njit(cache=True)
-def _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, res, dur, ustart,
-                   ucount, fwd, opt, workers, snap_gpu, snap_sync, snap_free, snap_cpu, roff,
-                   rpool, goff, gpool, base_s, o_res, o_dur, o_start, o_count, bound, run_h,
-                   gq_h, free, cpu, rem, mask):  # pragma: no cover - compiled
+def _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, release, res,
+                   dur, ustart, ucount, fwd, opt, workers, snap_gpu, snap_sync, snap_free,
+                   snap_cpu, roff, rpool, goff, gpool, base_s, o_res, o_dur, o_start, o_count,
+                   bound, run_h, gq_h, free, cpu, rem, mask):  # pragma: no cover - compiled
     """The base with the first ``u[g]`` members of every group offloaded (see
     :func:`best_offload`), bounded by ``bound``; the base's time when ``u`` is all zeros."""
     m = 0
@@ -491,7 +497,7 @@ def _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, res
     if m == 0:  # coordinate descent can step back to the base
         return base_s
     order = np.argsort(tensors[:m])
-    return _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+    return _trial(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
                   snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
                   o_res, o_dur, o_start[slots[:m][order]], o_count[slots[:m][order]],
                   tensors[:m][order], bound, run_h, gq_h, free, cpu, rem, mask)
@@ -512,7 +518,7 @@ def _next_vector(u, g_size):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+def best_offload(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
                  snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
                  g_size, members, o_res, o_dur, o_start, o_count, best, eps,
                  exhaustive):  # pragma: no cover - compiled
@@ -537,11 +543,11 @@ def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
     if exhaustive:
         while _next_vector(u, g_size):
             trials += 1
-            f = _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix, res,
-                               dur, ustart, ucount, fwd, opt, workers, snap_gpu, snap_sync,
-                               snap_free, snap_cpu, roff, rpool, goff, gpool, base_s, o_res,
-                               o_dur, o_start, o_count, best - eps, run_h, gq_h, free, cpu,
-                               rem, mask)
+            f = _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix,
+                               release, res, dur, ustart, ucount, fwd, opt, workers,
+                               snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff,
+                               gpool, base_s, o_res, o_dur, o_start, o_count, best - eps,
+                               run_h, gq_h, free, cpu, rem, mask)
             if f < best - eps:
                 best = f
                 best_u[:] = u
@@ -557,10 +563,10 @@ def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
                 u[g] = k
                 trials += 1
                 f = _offload_trial(u, g_off, members, tensors, slots, bp, suffix_bp, suffix,
-                                   res, dur, ustart, ucount, fwd, opt, workers, snap_gpu,
-                                   snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool,
-                                   base_s, o_res, o_dur, o_start, o_count, best - eps, run_h,
-                                   gq_h, free, cpu, rem, mask)
+                                   release, res, dur, ustart, ucount, fwd, opt, workers,
+                                   snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff,
+                                   gpool, base_s, o_res, o_dur, o_start, o_count, best - eps,
+                                   run_h, gq_h, free, cpu, rem, mask)
                 if f < best - eps:
                     best = f
                     best_u[:] = u
@@ -569,7 +575,7 @@ def best_offload(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
 
 
 @njit(cache=True)
-def best_classes(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+def best_classes(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
                  snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
                  class_idx, s_res, s_dur, s_cnt):  # pragma: no cover - compiled
     """The fastest of ``S`` strategies in which tensor ``i`` gets strategy ``s``'s ops of
@@ -595,7 +601,7 @@ def best_classes(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, work
                 t_res[pos + y] = s_res[s, c, y]
                 t_dur[pos + y] = s_dur[s, c, y]
             pos += s_cnt[s, c]
-        f = _trial(bp, suffix_bp, suffix, res, dur, ustart, ucount, fwd, opt, workers,
+        f = _trial(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, workers,
                    snap_gpu, snap_sync, snap_free, snap_cpu, roff, rpool, goff, gpool, base_s,
                    t_res, t_dur, t_start, t_count, changed, best_f, run_h, gq_h, free, cpu,
                    rem, mask)
@@ -672,6 +678,55 @@ def suffix_work(res, dur, ustart, ucount, suffix, last):  # pragma: no cover - c
             suffix[i, res[o]] += dur[o]
 
 
+@njit(cache=True)
+def release_bounds(bp, res, dur, ustart, ucount, workers, out):  # pragma: no cover - compiled
+    """:func:`~hetplan.cost_models.timeline._release_bounds` on arrays (same float
+    operations in the same order), into ``out`` (``n + 1`` values)."""
+    n = bp.shape[0]
+    inf = np.inf
+    work = np.zeros(MAX_RESOURCES)
+    lead = np.full(MAX_RESOURCES, inf)
+    tail = np.full(MAX_RESOURCES, inf)
+    first = np.full(MAX_RESOURCES, -1.0)
+    last = np.full(MAX_RESOURCES, -1.0)
+    seen = np.zeros(MAX_RESOURCES, dtype=np.bool_)
+    before = 0.0
+    for i in range(n):
+        before += bp[i]
+    best = -inf
+    out[n] = -inf
+    for k in range(n - 1, -1, -1):
+        pre = 0.0
+        for o in range(ustart[k], ustart[k] + ucount[k]):
+            r = res[o]
+            if r != GPU_ID:
+                if first[r] < 0.0:
+                    first[r] = pre
+                work[r] += dur[o]
+                seen[r] = True
+            pre += dur[o]
+        post = 0.0
+        for o in range(ustart[k] + ucount[k] - 1, ustart[k] - 1, -1):
+            r = res[o]
+            if r != GPU_ID and last[r] < 0.0:
+                last[r] = post
+            post += dur[o]
+        for r in range(MAX_RESOURCES):
+            if first[r] >= 0.0:
+                lead[r] = min(lead[r], first[r])
+                tail[r] = min(tail[r], last[r])
+                first[r] = -1.0
+                last[r] = -1.0
+        for r in range(MAX_RESOURCES):
+            if seen[r]:
+                w = work[r] / workers if r == CPU_ID else work[r]
+                span = lead[r] + w + tail[r]
+                if before + span > best:
+                    best = before + span
+        before -= bp[k]
+        out[k] = best - before
+
+
 class JitDPSession:
     """:class:`~hetplan.cost_models.timeline.DPSession` on the compiled kernels: the same
     methods, the same results bit for bit (see the module docstring). ``share``: another
@@ -681,7 +736,7 @@ class JitDPSession:
     __slots__ = ("_bp", "_suffix_bp", "_fwd", "_opt", "_workers", "_rid", "_conv", "_ops",
                  "_res", "_dur", "_ustart", "_ucount", "_valid", "_snap_gpu", "_snap_sync",
                  "_snap_free", "_snap_cpu", "_roff", "_goff", "_rpool", "_gpool", "_suffix",
-                 "_ev", "_ready",
+                 "_ev", "_ready", "_release",
                  "_packed", "base_s", "trials")
 
     def __init__(self, backprop_s, *, forward_s=0.0, optimizer_s=0.0, cpu_workers=1,
@@ -718,6 +773,7 @@ class JitDPSession:
         self._rpool = np.zeros((4 * n + 16, 4))
         self._gpool = np.zeros((4 * n + 16, 4))
         self._suffix = np.zeros((n + 1, r))
+        self._release = np.zeros(n + 1)
         self._ev = np.zeros((0, 4))  # the base run's op intervals (row = op index)
         self._ready = np.zeros(n)  # and the tensors' ready times
         self.base_s = 0.0
@@ -827,12 +883,14 @@ class JitDPSession:
         self._valid = True
         if n:
             suffix_work(self._res, self._dur, self._ustart, self._ucount, self._suffix, last)
+        release_bounds(self._bp, self._res, self._dur, self._ustart, self._ucount,
+                       self._workers, self._release)
         return f
 
     def _state(self):
         """The base and its saved states: the first arguments of every trial kernel."""
-        return (self._bp, self._suffix_bp, self._suffix, self._res, self._dur, self._ustart,
-                self._ucount, self._fwd, self._opt, self._workers, self._snap_gpu,
+        return (self._bp, self._suffix_bp, self._suffix, self._release, self._res, self._dur,
+                self._ustart, self._ucount, self._fwd, self._opt, self._workers, self._snap_gpu,
                 self._snap_sync, self._snap_free, self._snap_cpu, self._roff, self._rpool,
                 self._goff, self._gpool, self.base_s)
 

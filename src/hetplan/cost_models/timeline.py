@@ -39,6 +39,8 @@ __all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "DPSession", "dp_session",
 
 GPU = "gpu"
 CPU = "cpu"
+#: slack of the release bound (:func:`_release_bounds` sums in another order than the run)
+_EPS_RELEASE = 1e-10
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +341,7 @@ class DPSession:
     """
 
     __slots__ = ("_bp", "_fwd", "_opt", "_workers", "_suffix_bp", "_ops", "_snaps", "_pend",
-                 "_suffix", "_snap_gpu", "base_s", "trials")
+                 "_suffix", "_snap_gpu", "base_s", "trials", "_release")
 
     def __init__(
         self,
@@ -366,6 +368,7 @@ class DPSession:
         self._snap_gpu: list[float] = []
         self.base_s = 0.0
         self.trials = 0  # trials run by best_offload
+        self._release: list[float] = []
 
     @property
     def base_ops(self) -> list[tuple[Op, ...]]:
@@ -414,6 +417,7 @@ class DPSession:
             for op in self._ops[i]:
                 acc[op.resource] = acc.get(op.resource, 0.0) + op.duration_s
             suffix[i] = acc
+        self._release = _release_bounds(self._bp, self._ops, self._workers)
         # in-flight work at each saved state: computed when a trial needs it; states up to
         # m hold only tensors before m, which did not change
         self._pend = {i: p for i, p in self._pend.items() if i <= m}
@@ -589,6 +593,7 @@ class DPSession:
         limit = bound + 1e-12 - self._fwd - self._opt
         last_changed = max(changed) if changed else n
         snap_gpu = self._snap_gpu
+        release = self._release
         # changed tensors whose ops have not all finished: the state cannot equal the
         # base's before they have (a cheap pre-check of :meth:`_converged`)
         moving = {k for k in changed if uops[k]}
@@ -620,6 +625,9 @@ class DPSession:
                         snaps.append((gpu_free, runnable.copy(), gpu_queue.copy(), dict(free),
                                       cpu.copy(), sync_end))
                     else:
+                        if next_bp > last_changed and \
+                                gpu_free + release[next_bp] > limit + _EPS_RELEASE:
+                            return inf  # the work of the tensors from next_bp on
                         if not moving and next_bp > last_changed and \
                                 gpu_free == snap_gpu[next_bp] and self._converged(
                                     next_bp, runnable, gpu_queue, free, cpu, sync_end, changed):
@@ -676,6 +684,51 @@ class DPSession:
         if n == 0:
             bp_end = 0.0
         return self._fwd + max(bp_end, sync_end) + self._opt
+
+
+def _release_bounds(bp: Sequence[float], uops: Sequence[tuple[Op, ...]], workers: int
+                    ) -> list[float]:
+    """``out[m]``: a lower bound on ``end - now`` (end of the last op, ``now`` the GPU's time
+    at the start of segment ``m``) from the work of tensors ``m..n-1`` alone. Tensor ``k``
+    is ready no earlier than ``now + bp[m] + ... + bp[k]``; on a channel all work of tensors
+    ``>= k`` starts no earlier than that plus the shortest lead (ops before a tensor's first
+    op there) and runs one op at a time, and the op that ends last is followed by its
+    tensor's tail (ops after its last op there): so ``end >= ready_k + lead + work + tail``.
+    On the CPU pool the work is spread over the workers."""
+    n = len(bp)
+    inf = float("inf")
+    out = [-inf] * (n + 1)
+    work: dict[str, float] = {}
+    lead: dict[str, float] = {}
+    tail: dict[str, float] = {}
+    before = sum(bp)
+    best = -inf
+    for k in range(n - 1, -1, -1):
+        ops = uops[k]
+        pre = 0.0
+        first: dict[str, float] = {}
+        for op in ops:
+            if op.resource != GPU:
+                first.setdefault(op.resource, pre)
+                work[op.resource] = work.get(op.resource, 0.0) + op.duration_s
+            pre += op.duration_s
+        post = 0.0
+        last: dict[str, float] = {}
+        for op in reversed(ops):
+            if op.resource != GPU:
+                last.setdefault(op.resource, post)
+            post += op.duration_s
+        for r, x in first.items():
+            lead[r] = min(lead.get(r, inf), x)
+            tail[r] = min(tail.get(r, inf), last[r])
+        # ready_k - now >= bp[m] + ... + bp[k] = before - (bp[0] + ... + bp[m-1])
+        for r, w in work.items():
+            span = lead[r] + (w / workers if r == CPU else w) + tail[r]
+            if before + span > best:
+                best = before + span
+        before -= bp[k]
+        out[k] = best - before  # before = bp[0] + ... + bp[k-1]
+    return out
 
 
 def search_offload(
