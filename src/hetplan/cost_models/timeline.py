@@ -330,8 +330,9 @@ class DPSession:
     longer than ``bound``: the lower bound ``max over resources r of (r's free time + the
     work still to start on r)`` (the GPU counts the remaining backprop too; CPU work is spread
     over the pool) is checked at the resume point, and ``op start + the work on its resource
-    from this op on`` (plus the remaining backprop for the GPU) at every channel and GPU op. A
-    returned finite value is always exact. A trial also stops, returning the base's time,
+    from this op on`` (plus the remaining backprop for the GPU) at every channel and GPU op,
+    and the release bound of the later tensors' work (:func:`_release_bounds`) at every
+    segment start after the changed tensors. A returned finite value is always exact. A trial also stops, returning the base's time,
     when its state at a segment start after every changed tensor is equivalent to the
     base's there (:meth:`_converged`): the rest of the run is then the base's.
 
