@@ -28,12 +28,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "espresso_vs_previous.json"
-#: The round that cut the Python around the compiled trials (candidate lists once per
-#: selection, shared op arrays, the bubble test from the base run's record; docs/decisions.md,
-#: "Espresso, part 5"): its last code commit against the head before it, the comparison of
-#: record.
-NOW = "3314b19"
-PREVIOUS = "7558b3c"
+#: The round that added the release bound to the trials (docs/decisions.md, "Espresso, part
+#: 6"): its code commit against the head before it, the comparison of record.
+NOW = "05c170c"
+PREVIOUS = "0421d5c"
 CASES = ("lstm/nvlink/dgc,vgg16/nvlink/dgc,gpt2/nvlink/dgc,ugatit/nvlink/dgc,bert/pcie/randomk,"
          "resnet101/nvlink/dgc")
 
