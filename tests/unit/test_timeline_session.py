@@ -133,6 +133,48 @@ def test_release_bounds_are_lower_bounds_and_agree(data: st.DataObject, n: int,
     assert all(r == got[0] for r in got)
 
 
+# durations not exact in binary, so sums round (and round differently in another order)
+_fine = st.floats(0.0, 3.0, allow_nan=False).map(lambda x: round(x, 7))
+_fine_ops = st.lists(st.tuples(st.sampled_from([GPU, CPU, "net", "inter"]), _fine).map(
+    lambda t: Op(t[0], t[1])), max_size=4).map(tuple)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(1, 12),
+    workers=st.integers(1, 3),
+    scale=st.sampled_from([1e-3, 1.0, 1e6, 1e9]),
+)
+def test_bounded_trials_with_rounding_and_large_times(data: st.DataObject, n: int, workers: int,
+                                                      scale: float) -> None:
+    """With durations that round and times from milliseconds to 1e9 units, a trial bounded
+    by its own exact time is never stopped (the release bound's slack is relative), and both
+    implementations agree on the release bounds and on every bounded trial."""
+    def scaled(ops: tuple[Op, ...]) -> tuple[Op, ...]:
+        return tuple(Op(o.resource, o.duration_s * scale) for o in ops)
+
+    bp = [x * scale for x in data.draw(st.lists(_fine, min_size=n, max_size=n))]
+    base = [scaled(o) for o in data.draw(st.lists(_fine_ops, min_size=n, max_size=n))]
+    impls = ["python"] + (["jit"] if jit_enabled() else [])
+    sessions = [_session(impl, bp, cpu_workers=workers) for impl in impls]
+    for sess in sessions:
+        sess.rebase(base)
+    releases = {tuple(float(x) for x in s._release) for s in sessions}  # type: ignore[attr-defined]
+    assert len(releases) == 1
+    for _ in range(4):
+        idx = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=2))
+        changes = {i: scaled(data.draw(_fine_ops)) for i in idx}
+        exact = _reference(bp, [changes.get(i, o) for i, o in enumerate(base)], workers, 0.0,
+                           0.0)
+        for bound in (exact, exact * (1 - 1e-12), exact * 0.9):
+            got = [s.trial(changes, bound=bound) for s in sessions]
+            assert len(set(got)) == 1
+            assert got[0] == exact or (got[0] == float("inf") and exact > bound)
+            if exact <= bound:
+                assert got[0] == exact
+
+
 @pytest.mark.parametrize("impl", _IMPLS)
 def test_release_bound_follows_the_last_tensor(impl: str) -> None:
     """Tensor 1 is ready at 11 and then needs 5 on the channel and 1 on the GPU: from the

@@ -36,9 +36,10 @@ GPU_ID = 0
 CPU_ID = 1
 #: At most this many resources (GPU, CPU and channels) per session.
 MAX_RESOURCES = 16
+#: relative slack of the trial bounds (as :data:`~.timeline._EPS_BOUND`)
 _EPS_BOUND = 1e-12
-#: slack of the release bound (:func:`release_bounds`), which sums in another order
-_EPS_RELEASE = 1e-10
+#: relative slack of the release bound (:func:`release_bounds`), which sums in another order
+_EPS_RELEASE = 1e-9
 
 
 @njit(cache=True)
@@ -197,7 +198,8 @@ def _run(bp, suffix_bp, release, res, dur, ustart, ucount, fwd, opt,
     inf = np.inf
     bp_end = 0.0
     single_cpu = cpu.shape[0] == 1
-    limit = bound + _EPS_BOUND - fwd - opt
+    limit = bound + _EPS_BOUND * max(1.0, abs(bound)) - fwd - opt
+    release_limit = limit + _EPS_RELEASE * max(1.0, abs(limit))
     while True:
         horizon = run_h[0, 0] if rn > 0 else inf
         while gpu_free < horizon:
@@ -245,7 +247,7 @@ def _run(bp, suffix_bp, release, res, dur, ustart, ucount, fwd, opt,
                             gpool[goff[i] + x, c] = gq_h[x, c]
                     goff[i + 1] = goff[i] + gn
                 elif use_rem and next_bp > last_changed \
-                        and gpu_free + release[next_bp] > limit + _EPS_RELEASE:
+                        and gpu_free + release[next_bp] > release_limit:
                     return inf
                 elif n_moving == 0 and next_bp > last_changed \
                         and gpu_free == snap_gpu[next_bp] \
@@ -340,8 +342,8 @@ def rebase_run(bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, m, workers,
                                               cpu)
     no_rem = np.zeros(1)
     no_mask = np.zeros(1, dtype=np.bool_)
-    # no bound: ``release`` (here a stand-in) is not read
-    return _run(bp, suffix_bp, suffix_bp, res, dur, ustart, ucount, fwd, opt, gpu_free, m,
+    no_release = np.full(bp.shape[0] + 1, -np.inf)  # not read without a bound
+    return _run(bp, suffix_bp, no_release, res, dur, ustart, ucount, fwd, opt, gpu_free, m,
                 run_h, rn, gq_h, gn, free, cpu, sync_end, True, snap_gpu, snap_sync, snap_free,
                 snap_cpu, roff, rpool, goff, gpool, np.inf, False, no_rem, no_mask, 0,
                 bp.shape[0], 0.0, True, ev, ready)
@@ -418,7 +420,7 @@ def _trial(bp, suffix_bp, suffix, release, res, dur, ustart, ucount, fwd, opt, w
                 end = max(end, (acc + d) / cpu.shape[0])
             else:
                 end = max(end, max(free[r], now) + d)
-        if fwd + end + opt > bound + _EPS_BOUND:
+        if fwd + end + opt > bound + _EPS_BOUND * max(1.0, abs(bound)):
             for x in range(changed.shape[0]):
                 changed_mask[changed[x]] = False
             return np.inf
@@ -687,8 +689,10 @@ def release_bounds(bp, res, dur, ustart, ucount, workers, out):  # pragma: no co
     work = np.zeros(MAX_RESOURCES)
     lead = np.full(MAX_RESOURCES, inf)
     tail = np.full(MAX_RESOURCES, inf)
-    first = np.full(MAX_RESOURCES, -1.0)
-    last = np.full(MAX_RESOURCES, -1.0)
+    first = np.zeros(MAX_RESOURCES)  # this tensor's lead / tail per resource
+    last = np.zeros(MAX_RESOURCES)
+    has = np.zeros(MAX_RESOURCES, dtype=np.bool_)  # whether this tensor has ops there
+    got = np.zeros(MAX_RESOURCES, dtype=np.bool_)  # whether its tail there is set
     seen = np.zeros(MAX_RESOURCES, dtype=np.bool_)
     before = 0.0
     for i in range(n):
@@ -700,7 +704,8 @@ def release_bounds(bp, res, dur, ustart, ucount, workers, out):  # pragma: no co
         for o in range(ustart[k], ustart[k] + ucount[k]):
             r = res[o]
             if r != GPU_ID:
-                if first[r] < 0.0:
+                if not has[r]:
+                    has[r] = True
                     first[r] = pre
                 work[r] += dur[o]
                 seen[r] = True
@@ -708,15 +713,16 @@ def release_bounds(bp, res, dur, ustart, ucount, workers, out):  # pragma: no co
         post = 0.0
         for o in range(ustart[k] + ucount[k] - 1, ustart[k] - 1, -1):
             r = res[o]
-            if r != GPU_ID and last[r] < 0.0:
+            if r != GPU_ID and not got[r]:
+                got[r] = True
                 last[r] = post
             post += dur[o]
         for r in range(MAX_RESOURCES):
-            if first[r] >= 0.0:
+            if has[r]:
                 lead[r] = min(lead[r], first[r])
                 tail[r] = min(tail[r], last[r])
-                first[r] = -1.0
-                last[r] = -1.0
+                has[r] = False
+                got[r] = False
         for r in range(MAX_RESOURCES):
             if seen[r]:
                 w = work[r] / workers if r == CPU_ID else work[r]

@@ -39,8 +39,12 @@ __all__ = ["Op", "SyncUnit", "DPEvent", "DPTimeline", "DPSession", "dp_session",
 
 GPU = "gpu"
 CPU = "cpu"
-#: slack of the release bound (:func:`_release_bounds` sums in another order than the run)
-_EPS_RELEASE = 1e-10
+#: relative slack of the lower bounds that stop a trial (rounding: the run and the bounds add
+#: the same durations in other orders), at least this much in absolute terms
+_EPS_BOUND = 1e-12
+#: relative slack of the release bound (:func:`_release_bounds` sums in another order than
+#: the run: rounding of up to ~1e-13 relative for a thousand tensors)
+_EPS_RELEASE = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,9 +336,10 @@ class DPSession:
     over the pool) is checked at the resume point, and ``op start + the work on its resource
     from this op on`` (plus the remaining backprop for the GPU) at every channel and GPU op,
     and the release bound of the later tensors' work (:func:`_release_bounds`) at every
-    segment start after the changed tensors. A returned finite value is always exact. A trial also stops, returning the base's time,
-    when its state at a segment start after every changed tensor is equivalent to the
-    base's there (:meth:`_converged`): the rest of the run is then the base's.
+    segment start after the changed tensors. A returned finite value is always exact. A
+    trial also stops, returning the base's time, when its state at a segment start after
+    every changed tensor is equivalent to the base's there (:meth:`_converged`): the rest of
+    the run is then the base's.
 
     Args:
         backprop_s: backprop time before each tensor becomes ready.
@@ -468,7 +473,7 @@ class DPSession:
                     rem[op.resource] = rem.get(op.resource, 0.0) + op.duration_s
         gpu_free, runnable, gpu_queue, free, cpu, sync_end = self._snaps[first]
         if rem is not None and self._bound(gpu_free, first, free, cpu, sync_end,
-                                           rem) > bound + 1e-12:
+                                           rem) > bound + _EPS_BOUND * max(1.0, abs(bound)):
             return float("inf")
         return self._run(ops, gpu_free, first, runnable.copy(), gpu_queue.copy(), dict(free),
                          cpu.copy(), sync_end, None, bound, rem, tuple(changes))
@@ -562,7 +567,10 @@ class DPSession:
             if r == GPU or d <= 0.0:
                 continue
             if r == CPU:
-                end = max(end, (sum(max(w, now) for w in cpu) + d) / len(cpu))
+                acc = 0.0  # left to right, as the compiled kernel adds (not sum())
+                for w in cpu:
+                    acc += max(w, now)
+                end = max(end, (acc + d) / len(cpu))
             else:
                 end = max(end, max(free.get(r, 0.0), now) + d)
         return self._fwd + end + self._opt
@@ -591,7 +599,8 @@ class DPSession:
         bp_end = 0.0
         single_cpu = len(cpu) == 1
         suffix_bp = self._suffix_bp
-        limit = bound + 1e-12 - self._fwd - self._opt
+        limit = bound + _EPS_BOUND * max(1.0, abs(bound)) - self._fwd - self._opt
+        release_limit = limit + _EPS_RELEASE * max(1.0, abs(limit))
         last_changed = max(changed) if changed else n
         snap_gpu = self._snap_gpu
         release = self._release
@@ -626,8 +635,8 @@ class DPSession:
                         snaps.append((gpu_free, runnable.copy(), gpu_queue.copy(), dict(free),
                                       cpu.copy(), sync_end))
                     else:
-                        if next_bp > last_changed and \
-                                gpu_free + release[next_bp] > limit + _EPS_RELEASE:
+                        if rem is not None and next_bp > last_changed and \
+                                gpu_free + release[next_bp] > release_limit:
                             return inf  # the work of the tensors from next_bp on
                         if not moving and next_bp > last_changed and \
                                 gpu_free == snap_gpu[next_bp] and self._converged(
@@ -702,7 +711,9 @@ def _release_bounds(bp: Sequence[float], uops: Sequence[tuple[Op, ...]], workers
     work: dict[str, float] = {}
     lead: dict[str, float] = {}
     tail: dict[str, float] = {}
-    before = sum(bp)
+    before = 0.0
+    for b in bp:  # left to right, as the compiled kernel adds (Python 3.12's sum() compensates)
+        before += b
     best = -inf
     for k in range(n - 1, -1, -1):
         ops = uops[k]
