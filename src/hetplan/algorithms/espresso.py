@@ -83,7 +83,6 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-import numpy as np
 
 from hetplan.cost_models.timeline import (
     CPU,
@@ -343,15 +342,10 @@ class _Candidates(Generic[K]):
         for members in by_path.values():
             if len(members) < 2 or not all_ops[members[0]]:
                 continue
+            # a path has a few options (at most 4 in the bench's cases): plain loops
             rows = [tuple(map(_DURATION, all_ops[i])) for i in members]
-            if len(members) <= 16:  # a few per path: plain loops beat numpy's call overhead
-                gone = [any(b != a and all(map(operator.le, b, a)) for b in rows)
-                        for a in rows]  # b != a and b <= a step for step: one step shorter
-            else:
-                d = np.array(rows)
-                le = np.all(d[:, None, :] <= d[None, :, :], axis=2)  # [b, a]: b's steps <= a's
-                lt = np.any(d[:, None, :] < d[None, :, :], axis=2)
-                gone = list(np.any(le & lt, axis=0))
+            gone = [any(b != a and all(map(operator.le, b, a)) for b in rows)
+                    for a in rows]  # b != a and b <= a step for step: one step shorter
             dropped.update(i for i, g in zip(members, gone) if g)
         dropped.discard(idx[0])  # the baseline stays a candidate (Algorithm 4.1 may go back)
         return [i for i in idx if i not in dropped]

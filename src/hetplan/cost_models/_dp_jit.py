@@ -681,19 +681,19 @@ def suffix_work(res, dur, ustart, ucount, suffix, last):  # pragma: no cover - c
 
 
 @njit(cache=True)
-def release_bounds(bp, res, dur, ustart, ucount, workers, out):  # pragma: no cover - compiled
+def release_bounds(bp, res, dur, ustart, ucount, workers, suffix,
+                   out):  # pragma: no cover - compiled
     """:func:`~hetplan.cost_models.timeline._release_bounds` on arrays (same float
-    operations in the same order), into ``out`` (``n + 1`` values)."""
+    operations in the same order; ``suffix`` as :func:`suffix_work` leaves it), into
+    ``out`` (``n + 1`` values)."""
     n = bp.shape[0]
     inf = np.inf
-    work = np.zeros(MAX_RESOURCES)
-    lead = np.full(MAX_RESOURCES, inf)
+    lead = np.full(MAX_RESOURCES, inf)  # over tensors >= k: finite once a resource has ops
     tail = np.full(MAX_RESOURCES, inf)
     first = np.zeros(MAX_RESOURCES)  # this tensor's lead / tail per resource
     last = np.zeros(MAX_RESOURCES)
     has = np.zeros(MAX_RESOURCES, dtype=np.bool_)  # whether this tensor has ops there
     got = np.zeros(MAX_RESOURCES, dtype=np.bool_)  # whether its tail there is set
-    seen = np.zeros(MAX_RESOURCES, dtype=np.bool_)
     before = 0.0
     for i in range(n):
         before += bp[i]
@@ -703,12 +703,9 @@ def release_bounds(bp, res, dur, ustart, ucount, workers, out):  # pragma: no co
         pre = 0.0
         for o in range(ustart[k], ustart[k] + ucount[k]):
             r = res[o]
-            if r != GPU_ID:
-                if not has[r]:
-                    has[r] = True
-                    first[r] = pre
-                work[r] += dur[o]
-                seen[r] = True
+            if r != GPU_ID and not has[r]:
+                has[r] = True
+                first[r] = pre
             pre += dur[o]
         post = 0.0
         for o in range(ustart[k] + ucount[k] - 1, ustart[k] - 1, -1):
@@ -723,9 +720,8 @@ def release_bounds(bp, res, dur, ustart, ucount, workers, out):  # pragma: no co
                 tail[r] = min(tail[r], last[r])
                 has[r] = False
                 got[r] = False
-        for r in range(MAX_RESOURCES):
-            if seen[r]:
-                w = work[r] / workers if r == CPU_ID else work[r]
+            if lead[r] < inf:
+                w = suffix[k, r] / workers if r == CPU_ID else suffix[k, r]
                 span = lead[r] + w + tail[r]
                 if before + span > best:
                     best = before + span
@@ -889,8 +885,8 @@ class JitDPSession:
         self._valid = True
         if n:
             suffix_work(self._res, self._dur, self._ustart, self._ucount, self._suffix, last)
-        release_bounds(self._bp, self._res, self._dur, self._ustart, self._ucount,
-                       self._workers, self._release)
+            release_bounds(self._bp, self._res, self._dur, self._ustart, self._ucount,
+                           self._workers, self._suffix, self._release)
         return f
 
     def _state(self):

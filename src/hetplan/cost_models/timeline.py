@@ -423,7 +423,7 @@ class DPSession:
             for op in self._ops[i]:
                 acc[op.resource] = acc.get(op.resource, 0.0) + op.duration_s
             suffix[i] = acc
-        self._release = _release_bounds(self._bp, self._ops, self._workers)
+        self._release = _release_bounds(self._bp, self._ops, self._workers, suffix)
         # in-flight work at each saved state: computed when a trial needs it; states up to
         # m hold only tensors before m, which did not change
         self._pend = {i: p for i, p in self._pend.items() if i <= m}
@@ -696,20 +696,20 @@ class DPSession:
         return self._fwd + max(bp_end, sync_end) + self._opt
 
 
-def _release_bounds(bp: Sequence[float], uops: Sequence[tuple[Op, ...]], workers: int
-                    ) -> list[float]:
+def _release_bounds(bp: Sequence[float], uops: Sequence[tuple[Op, ...]], workers: int,
+                    suffix: Sequence[dict[str, float]]) -> list[float]:
     """``out[m]``: a lower bound on ``end - now`` (end of the last op, ``now`` the GPU's time
     at the start of segment ``m``) from the work of tensors ``m..n-1`` alone. Tensor ``k``
     is ready no earlier than ``now + bp[m] + ... + bp[k]``; on a channel all work of tensors
-    ``>= k`` starts no earlier than that plus the shortest lead (ops before a tensor's first
-    op there) and runs one op at a time, and the op that ends last is followed by its
-    tensor's tail (ops after its last op there): so ``end >= ready_k + lead + work + tail``.
-    On the CPU pool the work is spread over the workers."""
+    ``>= k`` (``suffix[k]``, the session's work per resource from tensor ``k`` on) starts no
+    earlier than that plus the shortest lead (ops before a tensor's first op there) and runs
+    one op at a time, and the op that ends last is followed by its tensor's tail (ops after
+    its last op there): so ``end >= ready_k + lead + work + tail``. On the CPU pool the work
+    is spread over the workers."""
     n = len(bp)
     inf = float("inf")
     out = [-inf] * (n + 1)
-    work: dict[str, float] = {}
-    lead: dict[str, float] = {}
+    lead: dict[str, float] = {}  # over tensors >= k: a resource is here once it has ops
     tail: dict[str, float] = {}
     before = 0.0
     for b in bp:  # left to right, as the compiled kernel adds (Python 3.12's sum() compensates)
@@ -722,7 +722,6 @@ def _release_bounds(bp: Sequence[float], uops: Sequence[tuple[Op, ...]], workers
         for op in ops:
             if op.resource != GPU:
                 first.setdefault(op.resource, pre)
-                work[op.resource] = work.get(op.resource, 0.0) + op.duration_s
             pre += op.duration_s
         post = 0.0
         last: dict[str, float] = {}
@@ -734,8 +733,9 @@ def _release_bounds(bp: Sequence[float], uops: Sequence[tuple[Op, ...]], workers
             lead[r] = min(lead.get(r, inf), x)
             tail[r] = min(tail.get(r, inf), last[r])
         # ready_k - now >= bp[m] + ... + bp[k] = before - (bp[0] + ... + bp[m-1])
-        for r, w in work.items():
-            span = lead[r] + (w / workers if r == CPU else w) + tail[r]
+        for r, x in lead.items():
+            w = suffix[k][r]
+            span = x + (w / workers if r == CPU else w) + tail[r]
             if before + span > best:
                 best = before + span
         before -= bp[k]
