@@ -25,7 +25,8 @@ from hetplan.ir.plan import (
     Plan,
     WorkloadSummary,
 )
-from hetplan.optimizer.compile import compile, simulate
+from hetplan.cost_models.predict import simulate
+from hetplan.optimizer.compile import compile
 from hetplan.report.timeline import render_timeline
 
 HERE = Path(__file__).resolve().parent

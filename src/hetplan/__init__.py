@@ -32,10 +32,18 @@ def __getattr__(name: str) -> object:
         from hetplan.ir.capture import capture
 
         return capture
-    if name in ("compile", "simulate"):
-        from hetplan.optimizer import compile as _compile_module
+    if name == "compile":
+        from hetplan.optimizer.compile import compile
 
-        return getattr(_compile_module, name)
+        return compile
+    if name == "simulate":
+        from hetplan.cost_models.predict import simulate
+
+        return simulate
+    if name == "CompileOptions":
+        from hetplan.optimizer.options import CompileOptions
+
+        return CompileOptions
     raise AttributeError(f"module 'hetplan' has no attribute {name!r}")
 
 
@@ -44,6 +52,7 @@ __all__ = [
     "capture",
     "compile",
     "simulate",
+    "CompileOptions",
     "ClusterSpec",
     "list_presets",
     "Plan",

@@ -357,11 +357,25 @@ def plan_cmd(
         "resizing prunes computation): off, zero, migration, semi."),
     tp_gamma_max: float = typer.Option(
         0.9, "--tp-gamma-max", help="Largest pruning ratio the TP controller may use, in [0, 1)."),
+    passes: str = typer.Option(
+        None, "--passes", help="The pass pipeline as a spec, e.g. "
+        "'dynpipe,even-tp,ddp-buckets,espresso{compressors=dgc,fp16},cupcake-fusion,"
+        "tp-resizing{controller=semi}' (default: the standard pipeline; `hetplan passes` "
+        "lists every pass and its options)."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
     from hetplan.optimizer.compile import compile as compile_plan
+    from hetplan.optimizer.options import CompileOptions
 
+    options = CompileOptions.build(
+        batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
+        micro_batch_size=micro_batch_size, dtype=dtype, require_profiled=require_profiled,
+        dynamics=dynamics, compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
+        tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
+        **({"passes": passes} if passes is not None else {}),
+    )
+    options.pipeline(where="--passes")  # a malformed spec fails before the model is captured
     if workload is not None or module is not None or model is None:
         ir = load_model_ir(model, module, workload, batch=1, seq=seq)
         target: Any = ir
@@ -369,13 +383,7 @@ def plan_cmd(
         target = model
     t0 = time.perf_counter()
     with err.status("searching layouts …", spinner="dots"):
-        plan = compile_plan(
-            target, cluster, batch_size=batch_size, seq=seq, profile=profile,
-            schedule=schedule, dp=dp, pp=pp, tp=tp, micro_batch_size=micro_batch_size,
-            dtype=dtype, require_profiled=require_profiled, dynamics=dynamics,
-            compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
-            tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
-        )
+        plan = compile_plan(target, cluster, options, profile=profile)
     seconds = time.perf_counter() - t0
     if output:
         plan.save(output)
@@ -465,7 +473,7 @@ def simulate_cmd(
 ) -> None:
     """Re-predict a plan from the plan file alone (its workload summary and cluster)."""
     from hetplan.ir.plan import load_plan
-    from hetplan.optimizer.compile import simulate
+    from hetplan.cost_models.predict import simulate
 
     plan = load_plan(plan_file)
     pred = simulate(plan, cluster=cluster, profile=profile)
@@ -504,6 +512,26 @@ def presets_cmd() -> None:
             name, str(spec.num_nodes), ", ".join(kinds), str(spec.world_size), description
         )
     out.print(table)
+
+
+@app.command("passes")
+@_user_errors
+def passes_cmd() -> None:
+    """List the passes a pipeline spec (`hetplan plan --passes`) can name, with their options."""
+    from hetplan.passes import DEFAULT_PIPELINE
+    from rich.markup import escape
+
+    from hetplan.passes.spec import describe_passes
+
+    table = Table(title="passes", title_justify="left")
+    for col in ("name", "what it decides", "options (default)"):
+        table.add_column(col)
+    for name, doc, options in describe_passes():
+        opts = "\n".join(f"{o}: {ty} ({default})" for o, ty, default in options) or "none"
+        table.add_row(name, escape(doc), escape(opts))
+    out.print(table)
+    out.print(f"default pipeline: {DEFAULT_PIPELINE}", markup=False)
+    out.print("spec syntax: name{option=value other-option=a,b},next-pass", markup=False)
 
 
 def print_cluster_summary(spec: Any) -> None:

@@ -27,7 +27,8 @@ from hetplan.errors import InfeasiblePlanError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.model import ModelIR
 from hetplan.ir.plan import Bucket, Plan, load_plan
-from hetplan.optimizer.compile import DEFAULT_PASSES, compile, simulate
+from hetplan.cost_models.predict import simulate
+from hetplan.optimizer.compile import DEFAULT_PASSES, compile
 
 REPO = Path(__file__).resolve().parents[2]
 ESPRESSO = REPO / "data" / "espresso_models.json"

@@ -38,11 +38,11 @@ def gpt2_run() -> tuple[Plan, PassContext, Plan]:
     w = WorkloadSummary.from_model_ir(ir)
     spec = ClusterSpec.from_preset("v100-pcie-8x8")
     layout = Layout(dp=64, micro_batch_size=w.batch_size)
-    ctx = PassContext(workload=w, cluster=spec, costs=CostModel(spec), layout=layout,
-                      compressors=("dgc", "fp16"))
+    ctx = PassContext(workload=w, cluster=spec, costs=CostModel(spec), layout=layout)
     plan = Plan(model=ModelRef(name="gpt2", fingerprint="f", num_params=ir.num_params),
                 cluster=ClusterRef.from_cluster(spec), layout=layout)
-    out = Espresso(devices=("gpu",), max_compressions=1).run(plan, ctx).plan
+    out = Espresso(compressors=("dgc", "fp16"), devices=("gpu",),
+                   max_compressions=1).run(plan, ctx).plan
     return plan, ctx, out
 
 

@@ -227,7 +227,7 @@ def test_compile_with_pinned_dp_that_does_not_exist() -> None:
 
 
 def test_compile_rejects_nonpositive_batch() -> None:
-    with pytest.raises(SpecError, match="batch_size must be >= 1"):
+    with pytest.raises(SpecError, match="batch_size: Input should be greater than or equal to 1"):
         compile(two_layer_ir(), cluster(8), batch_size=0)
 
 

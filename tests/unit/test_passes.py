@@ -91,10 +91,10 @@ def test_registry_keys_are_pass_names() -> None:
         assert key == cls.name
         assert cls().name == key  # instances agree with their class
     # the baselines own different sections; an optimizing pass replaces a baseline's section
-    sections = [registry[n].section for n in BASELINE_PASSES]
+    sections = [s for n in BASELINE_PASSES for s in registry[n].sections]
     assert len(sections) == len(set(sections))
-    assert {cls.section for cls in registry.values()} == {
-        "stages", "tensor_parallel", "gradient_sync"
+    assert {s for cls in registry.values() for s in cls.sections} == {
+        "stages", "rebalancing", "tensor_parallel", "gradient_sync"
     }
 
 
@@ -287,7 +287,8 @@ def test_even_tp_tp2_dp_only() -> None:
 @dataclass(frozen=True)
 class Exploding:
     name: ClassVar[str] = "exploding-pass"
-    section: ClassVar[str] = "stages"
+    sections: ClassVar[tuple[str, ...]] = ("stages",)
+    refines: ClassVar[bool] = False
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         raise RuntimeError("kaboom")
@@ -296,7 +297,8 @@ class Exploding:
 @dataclass(frozen=True)
 class BadSpec:
     name: ClassVar[str] = "bad-spec-pass"
-    section: ClassVar[str] = "stages"
+    sections: ClassVar[tuple[str, ...]] = ("stages",)
+    refines: ClassVar[bool] = False
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         raise SpecError("the spec is wrong")
@@ -307,7 +309,8 @@ class InvalidPlan:
     """Returns a plan whose stage does not start at layer 0 (fails re-validation)."""
 
     name: ClassVar[str] = "invalid-plan-pass"
-    section: ClassVar[str] = "stages"
+    sections: ClassVar[tuple[str, ...]] = ("stages",)
+    refines: ClassVar[bool] = False
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         from hetplan.ir.plan_sections import Stage

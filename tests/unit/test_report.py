@@ -48,7 +48,7 @@ from hetplan.ir.plan import (
     WorkloadSummary,
 )
 from hetplan.optimizer.compile import compile as compile_plan
-from hetplan.optimizer.compile import simulate
+from hetplan.cost_models.predict import simulate
 from hetplan.report.diff import diff_plans, diff_text
 from hetplan.report.explain import explain
 from hetplan.report.inspect import SECTIONS, build_report, select_sections
@@ -303,7 +303,7 @@ def test_explain_tensor_alone_with_fp32(small: Plan) -> None:
     assert small.gradient_sync is not None
     b0 = small.gradient_sync.buckets[0]
     name = b0.tensors[1]
-    exp = small.explain(name)
+    exp = explain(small, name)
     assert exp.kind == "tensor"
     rest = tuple(t for t in b0.tensors if t != name)
     size = _sizes(small)

@@ -32,7 +32,7 @@ from hetplan.ir.plan import (
     Stage,
     WorkloadSummary,
 )
-from hetplan.optimizer.compile import simulate
+from hetplan.cost_models.predict import simulate
 from hetplan.report.timeline import Segment, render_timeline, timeline_segments
 
 PP, DP, MICRO_BATCHES = 2, 4, 6

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetplan.errors import InfeasiblePlanError, SpecError
+from hetplan.ir.validation import check_bounds
 
 __all__ = [
     "Partition",
@@ -52,7 +53,6 @@ __all__ = [
     "greedy_partition",
     "uniform_partition",
     "stage_loads",
-    "check_bounds",
     "pipeline_device_order",
     "repack",
     "Repack",
@@ -311,20 +311,6 @@ def stage_loads(
     pr = _problem(cost, len(bounds), send, None, None, 0.0)
     check_bounds(bounds, pr.n)
     return _loads(pr, bounds)
-
-
-def check_bounds(bounds: Sequence[tuple[int, int]], n: int | None = None) -> None:
-    """Raise SpecError unless ``bounds`` are non-empty contiguous ranges from layer 0 (and,
-    when ``n`` is given, covering 0..n-1). The one contiguity check of solvers, the plan's
-    re-balancing events and the runtime."""
-    expect = 0
-    for s, (i, j) in enumerate(bounds):
-        if i != expect or j < i:
-            raise SpecError(f"stage {s} covers layers {i}..{j}; expected a non-empty range "
-                            f"starting at {expect}")
-        expect = j + 1
-    if n is not None and expect != n:
-        raise SpecError(f"the stages end at layer {expect - 1} but there are {n} layers")
 
 
 def uniform_partition(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:

@@ -27,7 +27,7 @@ How it works (each step is a function below):
    **backward-ready order** of gradients — exactly the order the runtime's gradient hooks,
    Espresso and Cupcake see.
 5. **Assembly and verification**: activation bytes in/out per layer from the graph's edges,
-   the tensor-parallel linears of each layer, and :func:`hetplan.ir.verify.verify_model_ir`.
+   the tensor-parallel linears of each layer, and :func:`hetplan.ir.model.verify_model_ir`.
 
 Glue code outside every layer (mask construction, residual adds written in a top-level
 forward, a loss) is attributed to the next layer in dataflow order (or the last layer when
@@ -75,8 +75,8 @@ from hetplan.ir.model import (
     ModelIR,
     ParamInfo,
     TPRole,
+    verify_model_ir,
 )
-from hetplan.ir.verify import verify_model_ir
 
 __all__ = ["capture", "layer_units", "UnitInfo"]
 

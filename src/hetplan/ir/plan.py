@@ -27,7 +27,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -64,9 +64,6 @@ from hetplan.ir.plan_sections import (
     WorkloadSummary,
 )
 from hetplan.ir.rebalancing import Rebalancing
-
-if TYPE_CHECKING:
-    from hetplan.report.explain import Explanation
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -267,31 +264,6 @@ class Plan(BaseModel):
             best_baseline=best.name if best is not None else None,
             best_baseline_time_ms=best.iteration_time_ms if best is not None else None,
         )
-
-    def explain(self, target: str, *, cluster: Any = None, profile: Any = None) -> Explanation:
-        """Why the plan made one decision, with alternatives re-evaluated by its cost model.
-
-        Delegates to :func:`hetplan.report.explain.explain` (imported on first use).
-
-        Args:
-            target: a gradient tensor name, ``bucket:N``, ``stage:K`` (the boundary before
-                stage K) or ``rank:R``.
-            cluster: the cluster, when the plan does not embed it.
-            profile: the profile DB the plan was made with (analytic costs otherwise).
-
-        Returns:
-            An :class:`~hetplan.report.explain.Explanation`: facts, alternatives with their
-            predicted iteration times, a verdict and the readable ``text``.
-
-        Raises:
-            SpecError: the target does not exist (naming the nearest ones).
-
-        Example:
-            >>> plan.explain("bucket:3").alternatives[0].delta_ms  # doctest: +SKIP
-        """
-        from hetplan.report.explain import explain
-
-        return explain(self, target, cluster=cluster, profile=profile)
 
 
 @dataclass(frozen=True)

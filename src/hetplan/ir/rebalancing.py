@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import Ms, NonNegFloat, NonNegInt, PosInt
-from hetplan.ir.validation import load_structured_file, validate_model
+from hetplan.ir.validation import check_bounds, load_structured_file, validate_model
 
 __all__ = [
     "PruningSpec",
@@ -182,8 +182,6 @@ class PlannedEvent(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> PlannedEvent:
-        from hetplan.algorithms.partition import check_bounds
-
         try:
             check_bounds(self.stages)
         except SpecError as e:

@@ -50,6 +50,7 @@ __all__ = [
     "format_validation_error",
     "validate_model",
     "did_you_mean",
+    "check_bounds",
 ]
 
 T = TypeVar("T")
@@ -464,3 +465,17 @@ def validate_model(
         return TypeAdapter(model_cls).validate_python(data)
     except ValidationError as e:
         raise SpecError(format_validation_error(e, where=where, model=model_cls, hint=hint)) from e
+
+
+def check_bounds(bounds: Sequence[tuple[int, int]], n: int | None = None) -> None:
+    """Raise SpecError unless ``bounds`` are non-empty contiguous ranges from layer 0 (and,
+    when ``n`` is given, covering 0..n-1). The one contiguity check of solvers, the plan's
+    re-balancing events and the runtime."""
+    expect = 0
+    for s, (i, j) in enumerate(bounds):
+        if i != expect or j < i:
+            raise SpecError(f"stage {s} covers layers {i}..{j}; expected a non-empty range "
+                            f"starting at {expect}")
+        expect = j + 1
+    if n is not None and expect != n:
+        raise SpecError(f"the stages end at layer {expect - 1} but there are {n} layers")

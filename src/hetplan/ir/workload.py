@@ -30,8 +30,14 @@ from pathlib import Path
 from typing import Literal
 
 from hetplan.errors import SpecError
-from hetplan.ir.model import GradTensor, LayerIR, LayerKind, ModelIR, ParamInfo
-from hetplan.ir.verify import verify_model_ir
+from hetplan.ir.model import (
+    GradTensor,
+    LayerIR,
+    LayerKind,
+    ModelIR,
+    ParamInfo,
+    verify_model_ir,
+)
 
 __all__ = ["espresso_workloads", "workload_from_gradients", "layer_of_tensor"]
 

@@ -172,7 +172,7 @@ class CupcakeFusion:
 
     max_group: int | None = None
     name: ClassVar[str] = "cupcake-fusion"
-    section: ClassVar[str] = "gradient_sync"
+    sections: ClassVar[tuple[str, ...]] = ("gradient_sync",)
     refines: ClassVar[bool] = True
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:

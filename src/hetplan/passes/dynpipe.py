@@ -28,7 +28,7 @@ Complexity: O(D · L) cost lookups plus four simulator runs; the partition DP is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from hetplan.algorithms.dynamics import (
@@ -43,6 +43,7 @@ from hetplan.algorithms.partition import (
     pipeline_device_order,
     uniform_partition,
 )
+from hetplan.cost_models.ddp import ddp_gradient_sync
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.cost_models.memory import USABLE_FRACTION, in_flight_micro_batches, stage_memory
 from hetplan.cost_models.pipeline import simulate_pipeline
@@ -50,9 +51,7 @@ from hetplan.errors import InfeasiblePlanError, PassError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Stage
 from hetplan.ir.rebalancing import DynamicsSpec, LayerMigration, PlannedEvent, Rebalancing
-from hetplan.passes.base import PassContext, PassResult, rank_of
-from hetplan.passes.ddp_buckets import DDPBuckets
-from hetplan.passes.uniform_stages import stages_from_bounds
+from hetplan.passes.base import PassContext, PassResult, rank_of, stages_from_bounds
 
 __all__ = ["DynPipe"]
 
@@ -149,12 +148,14 @@ class DynPipe:
     """Exact min–max stage balancing, re-planned at the model's dynamic events.
 
     Attributes:
-        dynamics: how the model changes while training (None: a static model).
+        dynamics: how the model changes while training (None: a static model); in a
+            pipeline spec, the path of a dynamics file (``dynpipe{dynamics=FILE}``).
     """
 
-    dynamics: DynamicsSpec | None = None
+    dynamics: DynamicsSpec | None = field(default=None, metadata={"parse": DynamicsSpec.load})
     name: ClassVar[str] = "dynpipe"
-    section: ClassVar[str] = "stages"
+    sections: ClassVar[tuple[str, ...]] = ("stages", "rebalancing")
+    refines: ClassVar[bool] = False
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         n, p = len(ctx.workload.layers), ctx.layout.pp
@@ -165,9 +166,9 @@ class DynPipe:
         scored = []
         for name, bounds in _candidates(c, ctx):
             stages = stages_from_bounds(list(bounds), ctx)
-            sync = DDPBuckets().run(plan.model_copy(update={"stages": stages}), ctx).plan
+            sync = ddp_gradient_sync(ctx.workload, stages)
             try:
-                ev = evaluate(ctx.workload, ctx.layout, stages, sync.gradient_sync, ctx.costs)
+                ev = evaluate(ctx.workload, ctx.layout, stages, sync, ctx.costs)
             except InfeasiblePlanError:
                 continue
             scored.append(f"{name} {ev.iteration_s * 1e3:.4g} ms")

@@ -15,8 +15,9 @@ Output: ``strategies`` (``fp32`` is the flat fp32 allreduce; others are named
 
 Decisions (also in ``docs/decisions.md``):
 
-- **Opt-in compression.** Compressors come from the pass option ``compressors`` or else
-  ``PassContext.compressors`` (``compile(compressors=...)``, ``hetplan plan --compress``). By
+- **Opt-in compression.** Compressors come from the pass option ``compressors``
+  (``espresso{compressors=dgc,fp16}`` in a pipeline spec; ``compile(compressors=...)`` and
+  ``hetplan plan --compress`` set it on the pipeline's espresso pass). By
   default none: lossy compression (and even an fp16/bf16 cast, which rounds gradients) changes
   what training computes, so the user must ask for it. Without compressors the pass only
   picks the best uniform fp32 routing (flat allreduce, reduce-scatter/allgather,
@@ -133,31 +134,33 @@ class Espresso:
     """Per-tensor compression options chosen by Espresso's decision algorithm.
 
     Attributes:
-        compressors: allowed compressors; None: ``PassContext.compressors``.
+        compressors: allowed compressors (none by default: compression is opt-in).
         devices: where (de)compression may run.
         max_compressions: at most this many compressions per tensor.
         ratio: fraction of elements the sparsifiers keep.
         uniform_seeds: also score every uniform strategy (see module docstring).
     """
 
-    compressors: tuple[str, ...] | None = None
+    compressors: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("gpu", "cpu")
     max_compressions: int = 4
     ratio: float = DEFAULT_SPARSITY_RATIO
     uniform_seeds: bool = True
     name: ClassVar[str] = "espresso"
-    section: ClassVar[str] = "gradient_sync"
+    sections: ClassVar[tuple[str, ...]] = ("gradient_sync",)
 
-    @staticmethod
-    def refines(compressors: tuple[str, ...]) -> bool:
+    def __post_init__(self) -> None:
+        check_compressors(self.compressors)
+
+    @property
+    def refines(self) -> bool:
         """A refinement (run on compile's finalists only) when compressors are allowed: the
         option search is then expensive; choosing the fp32 routing alone is cheap and can
         change which layout wins, so every layout gets it."""
-        return bool(compressors)
+        return bool(self.compressors)
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
-        allowed = check_compressors(
-            self.compressors if self.compressors is not None else ctx.compressors)
+        allowed = check_compressors(self.compressors)
         syncs = stage_syncs(ctx.workload, ctx.layout, plan.stages, ctx.costs)
         if not syncs:
             return PassResult(plan, False, ("no data-parallel gradient sync (dp = 1)",))

@@ -24,7 +24,8 @@ class EvenTP:
     """Even tensor-parallel shards (the baseline the TP-resizing pass must beat)."""
 
     name: ClassVar[str] = "even-tp"
-    section: ClassVar[str] = "tensor_parallel"
+    sections: ClassVar[tuple[str, ...]] = ("tensor_parallel",)
+    refines: ClassVar[bool] = False
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         lay = ctx.layout

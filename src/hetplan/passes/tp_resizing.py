@@ -38,7 +38,7 @@ Refines ``plan.tensor_parallel`` (filled by ``even-tp``), per TP group
    layout search on homogeneous clusters costs what it did before.
 
 Decisions (also in ``docs/decisions.md``, "TP resizing pass"): the controller is **opt-in**
-(``variant="off"`` by default): resizing prunes computation and changes convergence, like
+(``controller="off"`` by default): resizing prunes computation and changes convergence, like
 lossy gradient compression, which is also opt-in; static skew is lossless and always on.
 The attention pairs are listed too (64-column units = whole GPT-2/Llama heads); the runtime
 currently keeps attention pairs replicated and says so. The memory model gives each rank its
@@ -119,8 +119,8 @@ class TPResizing:
     """Skewed TP shards by device speed, controller settings and their predicted effect.
 
     Attributes:
-        variant: the runtime controller (``off``: static shards only; opt-in ``zero``,
-            ``migration``, ``semi``).
+        controller: the runtime controller variant (``off``: static shards only; opt-in
+            ``zero``, ``migration``, ``semi``).
         gamma_max: upper bound on a rank's pruning ratio, in [0, 1).
         criterion: straggler criterion; None: ``min`` for ``semi``/``migration``, else ``avg``.
         straggler_eps: relative tolerance of the criterion.
@@ -130,8 +130,9 @@ class TPResizing:
     """
 
     name: ClassVar[str] = "tp-resizing"
-    section: ClassVar[str] = "tensor_parallel"
-    variant: Variant = "off"
+    sections: ClassVar[tuple[str, ...]] = ("tensor_parallel",)
+    refines: ClassVar[bool] = False
+    controller: Variant = "off"
     gamma_max: float = 0.9
     criterion: Literal["avg", "min"] | None = None
     straggler_eps: float = 0.05
@@ -141,8 +142,8 @@ class TPResizing:
     replan_trigger: float = 0.10
 
     def __post_init__(self) -> None:
-        if self.variant not in ("off", "zero", "migration", "semi"):
-            raise SpecError(f"tp-resizing: unknown controller variant {self.variant!r}; use "
+        if self.controller not in ("off", "zero", "migration", "semi"):
+            raise SpecError(f"tp-resizing: unknown controller {self.controller!r}; use "
                             "off, zero, migration or semi")
         if not 0 <= self.gamma_max < 1:
             raise SpecError(f"tp-resizing: gamma_max must be in [0, 1), got {self.gamma_max} "
@@ -151,11 +152,11 @@ class TPResizing:
             raise SpecError(f"tp-resizing: straggler_eps must be >= 0, got "
                             f"{self.straggler_eps}")
 
-    def controller(self) -> ResizingController:
+    def settings(self) -> ResizingController:
         """The controller settings this pass writes."""
-        crit = self.criterion or ("min" if self.variant in ("semi", "migration") else "avg")
+        crit = self.criterion or ("min" if self.controller in ("semi", "migration") else "avg")
         return ResizingController(
-            variant=self.variant, alpha=self.alpha, theta_iter=self.theta_iter,
+            variant=self.controller, alpha=self.alpha, theta_iter=self.theta_iter,
             replan_trigger=self.replan_trigger, gamma_max=self.gamma_max, criterion=crit,
             straggler_eps=self.straggler_eps, receivers=self.receivers)
 
@@ -167,7 +168,7 @@ class TPResizing:
             return PassResult(plan, False, (("no model IR in the pass context: linears "
                                              "unknown, shards stay even"),))
         _check_groups(tp, len(ctx.costs.devices), ctx.cluster.name)
-        ctl = self.controller()
+        ctl = self.settings()
         devs = ctx.costs.devices
         if all(len({(devs[r].type, devs[r].slowdown, devs[r].relative_speed)
                     for r in g.ranks}) == 1 for g in tp.groups):

@@ -12,28 +12,9 @@ from typing import ClassVar
 from hetplan.algorithms.partition import uniform_partition
 from hetplan.errors import PassError
 from hetplan.ir.plan import Plan
-from hetplan.ir.plan_sections import Stage
-from hetplan.passes.base import PassContext, PassResult, rank_of
+from hetplan.passes.base import PassContext, PassResult, stages_from_bounds
 
-__all__ = ["UniformStages", "stages_from_bounds"]
-
-
-def stages_from_bounds(bounds: list[tuple[int, int]], ctx: PassContext) -> tuple[Stage, ...]:
-    """Stages for inclusive layer ranges, with the ranks of each pipeline coordinate."""
-    lay = ctx.layout
-    names = [layer.name for layer in ctx.workload.layers]
-    return tuple(
-        Stage(
-            index=s,
-            first_layer=first,
-            last_layer=last,
-            layer_names=tuple(names[first : last + 1]),
-            ranks=tuple(
-                rank_of(lay, d, s, t) for d in range(lay.dp) for t in range(lay.tp)
-            ),
-        )
-        for s, (first, last) in enumerate(bounds)
-    )
+__all__ = ["UniformStages"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +22,8 @@ class UniformStages:
     """Split layers evenly by count (the baseline every pipeline pass must beat)."""
 
     name: ClassVar[str] = "uniform-stages"
-    section: ClassVar[str] = "stages"
+    sections: ClassVar[tuple[str, ...]] = ("stages",)
+    refines: ClassVar[bool] = False
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         n, pp = len(ctx.workload.layers), ctx.layout.pp

@@ -4,7 +4,7 @@
   (:mod:`hetplan.report.inspect`, :mod:`hetplan.report.render`).
 - :func:`explain` / :class:`Explanation` — ``hetplan explain``: why a tensor, bucket, stage
   boundary or rank looks the way it does, with re-evaluated alternatives
-  (:mod:`hetplan.report.explain`; also ``Plan.explain``).
+  (:mod:`hetplan.report.explain`).
 - :func:`diff_plans` / :func:`render_diff` — ``hetplan diff`` (:mod:`hetplan.report.diff`).
 - :func:`render_timeline` — ``hetplan timeline`` (:mod:`hetplan.report.timeline`).
 

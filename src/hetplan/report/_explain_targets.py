@@ -7,20 +7,63 @@ resolved target, and returns the facts (label, value) and the re-evaluated alter
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hetplan.cost_models.evaluate import Evaluation
 from hetplan.cost_models.memory import USABLE_FRACTION
-from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync, Stage
+from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync, Stage, TensorSync
 from hetplan.report._text import device_mix, fmt_bytes, fmt_ms, fmt_pct, ranges
-from hetplan.report.explain import (
-    Alternative,
-    fp32_strategy,
-    strategy_text,
-    sync_with_buckets,
-)
+from hetplan.report.inspect import describe_strategy
 
-__all__ = ["EXPLAINERS"]
+__all__ = ["EXPLAINERS", "Alternative", "sync_with_buckets", "fp32_strategy", "strategy_text"]
+
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One alternative decision, re-evaluated.
+
+    Attributes:
+        name: short label (``split into 12 per-tensor operations``).
+        iteration_time_ms: predicted iteration time with this alternative.
+        delta_ms: ``iteration_time_ms`` minus the current plan's (positive: slower).
+        fits_memory: whether every rank still fits in its usable memory.
+        note: why it does not fit, or other remarks.
+    """
+
+    name: str
+    iteration_time_ms: float
+    delta_ms: float
+    fits_memory: bool = True
+    note: str = ""
+
+
+
+# -- helpers shared by the target explainers -----------------------------------------------
+def sync_with_buckets(sync: GradientSync, buckets: list[Bucket],
+                      extra: dict[str, Any] | None = None) -> GradientSync:
+    """``sync`` with new buckets (and extra strategies); per-tensor entries follow their
+    bucket's strategy so the section stays consistent."""
+    strategies = {**sync.strategies, **(extra or {})}
+    in_bucket = {t: b.strategy for b in buckets for t in b.tensors}
+    tensors = tuple(TensorSync(name=t.name, strategy=in_bucket.get(t.name, t.strategy))
+                    for t in sync.tensors)
+    return GradientSync(strategies=strategies, tensors=tensors, buckets=tuple(buckets))
+
+
+def fp32_strategy(sync: GradientSync) -> tuple[str, dict[str, Any]]:
+    """(key of a plain fp32 flat-allreduce strategy, strategies to add for it)."""
+    for key, strategy in sorted(sync.strategies.items()):
+        if strategy == NoSync():
+            return key, {}
+    key = "fp32" if "fp32" not in sync.strategies else "fp32-flat-allreduce"
+    return key, {key: NoSync()}
+
+
+def strategy_text(sync: GradientSync, key: str) -> str:
+    return f"{key} ({describe_strategy(sync.strategies[key])})"
+
 
 Facts = list[tuple[str, str]]
 

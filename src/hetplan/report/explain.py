@@ -20,7 +20,7 @@ so the predicted differences are what the optimizer would have seen. The current
 re-evaluated the same way, so differences never mix two cost models.
 
 Example:
-    >>> plan.explain("bucket:3").alternatives[0].delta_ms  # doctest: +SKIP
+    >>> explain(plan, "bucket:3").alternatives[0].delta_ms  # doctest: +SKIP
     2.5
 """
 
@@ -34,21 +34,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hetplan.cost_models.evaluate import Evaluation, evaluate
+from hetplan.cost_models.predict import plan_costs
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
-from hetplan.ir.plan_sections import (
-    Bucket,
-    CostSettings,
-    GradientSync,
-    NoSync,
-    Stage,
-    TensorParallel,
-    TensorSync,
+from hetplan.ir.plan_sections import CostSettings, GradientSync, Stage, TensorParallel
+from hetplan.passes import get_all_passes
+from hetplan.report import _explain_targets as targets
+from hetplan.report._explain_targets import (
+    Alternative,
+    fp32_strategy,
+    strategy_text,
+    sync_with_buckets,
 )
 from hetplan.report._text import fmt_delta_ms, fmt_ms
-from hetplan.report.inspect import describe_strategy
 
 __all__ = [
     "Alternative",
@@ -59,27 +59,10 @@ __all__ = [
     "fp32_strategy",
     "strategy_text",
 ]
+# Alternative and the helpers live in _explain_targets (the explainers use them); they are
+# part of this module's API.
 
 Kind = Literal["tensor", "bucket", "stage", "rank", "linear"]
-
-
-@dataclass(frozen=True)
-class Alternative:
-    """One alternative decision, re-evaluated.
-
-    Attributes:
-        name: short label (``split into 12 per-tensor operations``).
-        iteration_time_ms: predicted iteration time with this alternative.
-        delta_ms: ``iteration_time_ms`` minus the current plan's (positive: slower).
-        fits_memory: whether every rank still fits in its usable memory.
-        note: why it does not fit, or other remarks.
-    """
-
-    name: str
-    iteration_time_ms: float
-    delta_ms: float
-    fits_memory: bool = True
-    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -141,8 +124,6 @@ def explain(
     """
     ctx = _Context(plan, cluster, profile)
     kind, value = _resolve(plan, ctx, target)
-    from hetplan.report import _explain_targets as targets
-
     facts, alternatives = targets.EXPLAINERS[kind](ctx, value)
     verdict = _verdict(ctx, alternatives, kind)
     text = _text(target, ctx, facts, alternatives, verdict)
@@ -155,8 +136,6 @@ class _Context:
     """The plan, its cost model and its current evaluation."""
 
     def __init__(self, plan: Plan, cluster: Any, profile: Any) -> None:
-        from hetplan.optimizer.compile import plan_costs
-
         self.plan = plan
         self.workload, self.layout, self.costs = plan_costs(plan, cluster=cluster,
                                                             profile=profile)
@@ -203,12 +182,10 @@ class _Context:
 
     def decided_by(self, section: str) -> str:
         """``pass NAME (notes)`` of the last pass that wrote ``section``, or ""."""
-        from hetplan.passes import get_all_passes
-
         registry = get_all_passes()
         for entry in reversed(self.plan.pass_log):
             cls = registry.get(entry.name)
-            if (cls is not None and getattr(cls, "section", None) == section
+            if (cls is not None and section in getattr(cls, "sections", ())
                     and entry.changed):  # a pass that kept its input did not decide it
                 notes = f" ({'; '.join(entry.notes)})" if entry.notes else ""
                 return f"pass {entry.name}{notes}"
@@ -325,30 +302,3 @@ def _text(target: str, ctx: _Context, facts: list[tuple[str, str]],
                 lines.append(f"    {a.note}")
     lines.append(f"verdict: {verdict}")
     return "\n".join(lines) + "\n"
-
-
-# -- helpers shared by the target explainers -----------------------------------------------
-def sync_with_buckets(sync: GradientSync, buckets: list[Bucket],
-                      extra: dict[str, Any] | None = None) -> GradientSync:
-    """``sync`` with new buckets (and extra strategies); per-tensor entries follow their
-    bucket's strategy so the section stays consistent."""
-    strategies = {**sync.strategies, **(extra or {})}
-    in_bucket = {t: b.strategy for b in buckets for t in b.tensors}
-    tensors = tuple(TensorSync(name=t.name, strategy=in_bucket.get(t.name, t.strategy))
-                    for t in sync.tensors)
-    return GradientSync(strategies=strategies, tensors=tensors, buckets=tuple(buckets))
-
-
-def fp32_strategy(sync: GradientSync) -> tuple[str, dict[str, Any]]:
-    """(key of a plain fp32 flat-allreduce strategy, strategies to add for it)."""
-    for key, strategy in sorted(sync.strategies.items()):
-        if strategy == NoSync():
-            return key, {}
-    key = "fp32" if "fp32" not in sync.strategies else "fp32-flat-allreduce"
-    return key, {key: NoSync()}
-
-
-def strategy_text(sync: GradientSync, key: str) -> str:
-    return f"{key} ({describe_strategy(sync.strategies[key])})"
-
-

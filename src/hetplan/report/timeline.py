@@ -168,7 +168,7 @@ def _evaluate_plan(plan: Any, cluster: Any, profile: Any) -> tuple[Any, Any, Any
     only)."""
     from hetplan.cost_models.evaluate import evaluate
     from hetplan.ir.plan_sections import Stage
-    from hetplan.optimizer.compile import plan_costs
+    from hetplan.cost_models.predict import plan_costs
 
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     spec = costs.cluster

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetplan.algorithms.dynamics import layer_moves
-from hetplan.algorithms.partition import check_bounds
+from hetplan.ir.validation import check_bounds
 from hetplan.errors import SpecError
 from hetplan.ir.rebalancing import PlannedEvent, Rebalancing
 

@@ -1,0 +1,133 @@
+"""The objective applied to a whole plan: re-predict a plan from the plan file alone.
+
+- :func:`plan_costs` rebuilds what evaluating a plan needs (its workload summary, layout and
+  the cost model made with the plan's own cost settings on its embedded cluster);
+- :func:`simulate` re-evaluates the plan as it stands (also one edited by hand) and returns
+  its :class:`Predictions`;
+- :func:`predictions` / :func:`breakdown` turn an :class:`Evaluation` into the plan's
+  prediction section, the one place compile and simulate both use.
+
+This lives beside :func:`~hetplan.cost_models.evaluate.evaluate` (the objective every pass
+scores with), below the passes and the optimizer, so that reports can re-predict a plan
+without importing the search.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetplan.cost_models.bubble import bubble_ratios
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.evaluate import Evaluation, evaluate
+from hetplan.cost_models.profile_db import ProfileDB
+from hetplan.errors import PlanMismatchError, SpecError
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import (
+    Baseline,
+    CostSettings,
+    Layout,
+    Predictions,
+    TimeBreakdown,
+    WorkloadSummary,
+)
+
+__all__ = ["plan_costs", "simulate", "predictions", "breakdown", "resolve_cluster",
+           "resolve_profile"]
+
+
+def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
+    """A ClusterSpec from a spec, a preset name or a YAML/JSON file path."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    path = Path(cluster)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        return ClusterSpec.load(path)
+    return ClusterSpec.from_preset(str(cluster))
+
+
+def resolve_profile(profile: ProfileDB | str | Path | None) -> ProfileDB | None:
+    """A ProfileDB from a DB or its path; ``None`` stays ``None`` (analytic costs)."""
+    if profile is None or isinstance(profile, ProfileDB):
+        return profile
+    return ProfileDB.load(profile)
+
+
+def breakdown(ev: Evaluation) -> TimeBreakdown:
+    """The plan's time breakdown of an evaluation (milliseconds)."""
+    return TimeBreakdown(
+        compute_ms=ev.compute_s * 1e3,
+        comm_ms=ev.comm_s * 1e3,
+        exposed_comm_ms=ev.exposed_comm_s * 1e3,
+        bubble_ms=ev.bubble_s * 1e3,
+        compression_ms=ev.compression_s * 1e3,
+    )
+
+
+def predictions(ev: Evaluation, baselines: list[Baseline] | tuple[Baseline, ...],
+                layout: Layout | None = None) -> Predictions:
+    """The plan's prediction section of an evaluation, with the baselines it beat."""
+    balanced, eq1 = bubble_ratios(ev, layout) if layout is not None else (None, None)
+    return Predictions(
+        bubble_ratio_balanced=balanced,
+        bubble_ratio_eq1=eq1,
+        iteration_time_ms=ev.iteration_s * 1e3,
+        breakdown=breakdown(ev),
+        memory_per_rank_bytes=tuple(m.total for m in ev.memory),
+        bubble_ratio=min(max(ev.bubble_ratio, 0.0), 1.0),
+        baselines=tuple(baselines),
+    )
+
+
+def plan_costs(
+    plan: Plan,
+    *,
+    cluster: ClusterSpec | str | Path | None = None,
+    profile: ProfileDB | str | Path | None = None,
+) -> tuple[WorkloadSummary, Layout, CostModel]:
+    """What re-evaluating ``plan`` needs: its workload, its layout and the cost model built
+    with the plan's cost settings on its embedded cluster (or ``cluster``, which must have
+    the plan's fingerprint).
+
+    Raises:
+        SpecError: the plan has no workload summary or no cluster.
+        PlanMismatchError: ``cluster`` is not the plan's cluster.
+    """
+    workload = plan.model.workload
+    if workload is None:
+        raise SpecError("the plan carries no workload summary; re-run `hetplan plan`")
+    spec = resolve_cluster(cluster) if cluster is not None else plan.cluster.spec
+    if spec is None:
+        raise SpecError("the plan does not embed its cluster; pass --cluster FILE|PRESET")
+    if spec.fingerprint() != plan.cluster.fingerprint:
+        raise PlanMismatchError(
+            f"cluster {spec.name!r} (fingerprint {spec.fingerprint()}) is not the cluster the "
+            f"plan was made for ({plan.cluster.name!r}, {plan.cluster.fingerprint}); re-run "
+            "`hetplan plan` for this cluster"
+        )
+    settings = plan.cost_settings or CostSettings()
+    costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
+                      efficiency=settings.efficiency, optimizer=settings.optimizer)
+    layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
+    return workload, layout, costs
+
+
+def simulate(
+    plan: Plan,
+    *,
+    cluster: ClusterSpec | str | Path | None = None,
+    profile: ProfileDB | str | Path | None = None,
+) -> Predictions:
+    """Re-predict ``plan`` from the plan alone (its workload summary and embedded cluster).
+
+    A hand-edited plan (buckets, stages, layout) is re-evaluated as it stands; baselines are
+    carried over from the plan.
+
+    Raises:
+        SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
+    """
+    workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
+    ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
+                  tensor_parallel=plan.tensor_parallel)
+    baselines = plan.predictions.baselines if plan.predictions else ()
+    return predictions(ev, list(baselines), layout)

@@ -1,0 +1,148 @@
+"""``CompileOptions``: everything ``compile`` is asked to do, validated in one place.
+
+The pass pipeline is data (:mod:`hetplan.passes.spec`): ``passes`` is a spec string such as
+``"dynpipe,espresso{compressors=dgc,fp16},cupcake-fusion,tp-resizing{controller=semi}"``, or
+a sequence of names / pass instances. Three options are shorthands that set a pass option on
+the pipeline (they exist because ``hetplan plan`` has had these flags since before specs):
+
+- ``compressors`` sets ``espresso{compressors=...}``;
+- ``dynamics`` sets ``dynpipe{dynamics=...}`` (and needs a ``dynpipe`` pass);
+- ``tp_controller`` / ``tp_gamma_max`` set ``tp-resizing{controller=... gamma-max=...}``.
+
+A shorthand and the spec may not disagree: setting the same option both ways to different
+values is a :class:`~hetplan.errors.SpecError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hetplan.cost_models.pipeline import SCHEDULES
+from hetplan.errors import SpecError
+from hetplan.ir.rebalancing import DynamicsSpec
+from hetplan.ir.validation import did_you_mean, format_validation_error
+from hetplan.passes import DEFAULT_PIPELINE, get_all_passes
+from hetplan.passes.base import Pass
+from hetplan.passes.spec import resolve_pipeline
+
+__all__ = ["CompileOptions"]
+
+PosInt = Field(default=None, ge=1)
+
+
+class CompileOptions(BaseModel):
+    """What to plan and how (see module docstring and :func:`hetplan.compile`).
+
+    Attributes:
+        batch_size: global batch size per iteration (samples).
+        seq: sequence length for zoo language models.
+        schedule: pipeline schedule (one of ``cost_models.pipeline.SCHEDULES``).
+        passes: the pass pipeline (spec string, or names / pass instances).
+        dp / pp / tp / micro_batch_size: pin a layout dimension.
+        dtype / efficiency / optimizer: cost-model settings (recorded in the plan).
+        require_profiled: refuse analytic compute estimates.
+        compressors / dynamics / tp_controller / tp_gamma_max: pipeline shorthands.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    batch_size: int = Field(ge=1)
+    seq: int | None = PosInt
+    schedule: str = "1f1b"
+    passes: str | tuple[Any, ...] = DEFAULT_PIPELINE
+    dp: int | None = PosInt
+    pp: int | None = PosInt
+    tp: int | None = PosInt
+    micro_batch_size: int | None = PosInt
+    dtype: str = "fp32"
+    efficiency: float = Field(default=0.5, gt=0, le=1)
+    optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
+    require_profiled: bool = False
+    compressors: tuple[str, ...] = ()
+    dynamics: DynamicsSpec | str | Path | None = None
+    tp_controller: Literal["off", "zero", "migration", "semi"] = "off"
+    tp_gamma_max: float = 0.9
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, v: str) -> str:
+        if v not in SCHEDULES:
+            raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)} "
+                             f"(known: {', '.join(SCHEDULES)})")
+        return v
+
+    @classmethod
+    def build(cls, options: CompileOptions | None = None, **kwargs: Any) -> CompileOptions:
+        """``options`` updated with ``kwargs`` (or built from them), validated.
+
+        Raises:
+            SpecError: an unknown option (with a suggestion) or a value out of range.
+        """
+        data = options.model_dump() if options is not None else {}
+        if options is not None:
+            data["passes"] = options.passes  # keep pass instances as they are
+        data.update(kwargs)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise SpecError(format_validation_error(e, where="compile options", model=cls)
+                            ) from None
+
+    def pipeline(self, *, where: str = "passes") -> tuple[Pass, ...]:
+        """The pass instances to run: ``passes`` parsed, with the shorthands applied.
+
+        Raises:
+            SpecError: a malformed spec, or a shorthand that contradicts the spec or has no
+                pass to apply to.
+        """
+        passes = list(resolve_pipeline(self.passes, where=where))
+        names = [p.name for p in passes]
+        dynamics = self.dynamics
+        if isinstance(dynamics, (str, Path)):
+            dynamics = DynamicsSpec.load(dynamics)
+        shorthands: list[tuple[str, str, dict[str, Any]]] = [
+            ("compressors", "espresso", {"compressors": self.compressors}
+             if self.compressors else {}),
+            ("dynamics", "dynpipe", {"dynamics": dynamics} if dynamics is not None else {}),
+            ("tp_controller", "tp-resizing",
+             {"controller": self.tp_controller, "gamma_max": self.tp_gamma_max}
+             if self.tp_controller != "off" or self.tp_gamma_max != 0.9 else {}),
+        ]
+        for option, pass_name, values in shorthands:
+            if not values:
+                continue
+            if pass_name not in names:
+                raise SpecError(
+                    f"{option} was given but the pass pipeline has no {pass_name!r} pass to "
+                    f"apply it to (passes: {','.join(names)}); add {pass_name!r} to the pipeline"
+                )
+            i = names.index(pass_name)
+            passes[i] = _set_options(passes[i], values, option, where)
+        if "stages" not in passes[0].sections:
+            writers = [n for n, cls in sorted(get_all_passes().items())
+                       if "stages" in cls.sections]
+            raise SpecError(
+                f"{where}: the pipeline starts with {names[0]!r}, but the passes after the "
+                f"first read the pipeline stages: start it with a pass that writes them "
+                f"({' or '.join(writers)}), e.g. 'dynpipe,{','.join(names)}'"
+            )
+        return tuple(passes)
+
+
+def _set_options(p: Pass, values: dict[str, Any], option: str, where: str) -> Pass:
+    """``p`` with ``values`` set; a value the spec already set differently is an error."""
+    fields = {f.name: f for f in dataclasses.fields(p)}  # type: ignore[arg-type]
+    for key, value in values.items():
+        f = fields[key]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        current = getattr(p, key)
+        if current != default and current != value:
+            raise SpecError(
+                f"{where}: {p.name}{{{key.replace('_', '-')}=...}} and the {option} option "
+                f"disagree ({current!r} vs {value!r}); set it in one place"
+            )
+    return dataclasses.replace(p, **values)  # type: ignore[type-var]
