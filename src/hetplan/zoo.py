@@ -24,7 +24,6 @@ Input conventions (``example_inputs``):
 from __future__ import annotations
 
 import contextlib
-import difflib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from hetplan.errors import SpecError
+from hetplan.ir.validation import did_you_mean
 
 __all__ = [
     "ZOO",
@@ -806,11 +806,9 @@ def get(name: str) -> ZooEntry:
     entry = ZOO.get(key)
     if entry is not None:
         return entry
-    close = difflib.get_close_matches(key, list(ZOO), n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     raise SpecError(
-        f"unknown model {name!r} in the hetplan zoo; {hint}"
-        f"expected one of: {', '.join(sorted(ZOO))} (see hetplan.zoo.list_models())"
+        f"unknown model {name!r} in the hetplan zoo{did_you_mean(key, ZOO, n=3)} "
+        f"(expected one of: {', '.join(sorted(ZOO))}; see hetplan.zoo.list_models())"
     )
 
 

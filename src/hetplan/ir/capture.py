@@ -76,6 +76,7 @@ from hetplan.ir.model import (
     ParamInfo,
     TPRole,
 )
+from hetplan.ir.validation import did_you_mean
 from hetplan.ir.verify import verify_model_ir
 
 __all__ = ["capture", "layer_units", "UnitInfo"]
@@ -206,14 +207,11 @@ def _check_opaque_names(model: nn.Module, opaque: tuple[str, ...]) -> None:
     names = {n for n, _ in model.named_modules()}
     for q in opaque:
         if q not in names:
-            import difflib
-
-            near = difflib.get_close_matches(q, sorted(names), n=3) or sorted(
-                n for n, _ in model.named_children()
-            )
+            children = ", ".join(repr(n) for n, _ in sorted(model.named_children()))
+            near = did_you_mean(q, sorted(names), n=3) or f"; its top-level modules: {children}"
             raise TraceError(
                 f"opaque_modules names {q!r}, which is not a module of "
-                f"{type(model).__name__}; nearest: {near}",
+                f"{type(model).__name__}{near}",
                 module=q,
                 reason="unknown module",
             )

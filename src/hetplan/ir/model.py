@@ -333,10 +333,10 @@ class ModelIR:
         for layer in self.layers:
             if layer.name == name:
                 return layer
-        import difflib
+        from hetplan.ir.validation import did_you_mean
 
-        near = difflib.get_close_matches(name, [lay.name for lay in self.layers], n=3)
-        raise KeyError(f"no layer {name!r} in {self.name}; nearest: {near}")
+        near = did_you_mean(name, [lay.name for lay in self.layers], n=3)
+        raise KeyError(f"no layer {name!r} in {self.name}{near} ({len(self.layers)} layers)")
 
     def fingerprint(self) -> str:
         """A stable hash of everything a plan depends on (structure, sizes, FLOPs).

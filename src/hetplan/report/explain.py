@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -47,6 +46,7 @@ from hetplan.ir.plan_sections import (
     TensorParallel,
     TensorSync,
 )
+from hetplan.ir.validation import did_you_mean
 from hetplan.report._text import fmt_delta_ms, fmt_ms
 from hetplan.report.inspect import describe_strategy
 
@@ -275,10 +275,7 @@ def _resolve(plan: Plan, ctx: _Context, target: str) -> tuple[Kind, Any]:
 
 def _unknown(plan: Plan, target: str) -> str:
     names = target_names(plan)
-    contains = [n for n in names if target and target in n][:3]
-    close = difflib.get_close_matches(target, names, n=3, cutoff=0.5)
-    near = list(dict.fromkeys(contains + close))[:3]
-    hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else "."
+    hint = did_you_mean(target, names, n=3, substring=True) or "."
     return (f"unknown target {target!r}{hint} Targets are a gradient tensor name, bucket:N, "
             "stage:K, rank:R or linear:NAME of an unevenly split TP linear (`hetplan "
             "inspect` lists them)")
