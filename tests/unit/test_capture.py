@@ -16,7 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import hetplan
 from hetplan import zoo
 from hetplan.errors import TraceError
-from hetplan.ir.capture import capture, layer_units
+from hetplan.ir.capture import capture
+from hetplan.ir.capture.units import layer_units
 from hetplan.ir.model import LayerKind, ModelIR, TPRole
 
 HF_TINY = [
