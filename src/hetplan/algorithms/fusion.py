@@ -102,7 +102,8 @@ def _check_groups(groups: Sequence[Group], n: int) -> None:
     nxt = 0
     for i, j in groups:
         if i != nxt or j < i:
-            raise ValueError(f"groups {list(groups)} are not consecutive ranges covering 0..{n - 1}")
+            raise ValueError(
+                f"groups {list(groups)} are not consecutive ranges covering 0..{n - 1}")
         nxt = j + 1
     if nxt != n:
         raise ValueError(f"groups {list(groups)} do not cover 0..{n - 1}")
