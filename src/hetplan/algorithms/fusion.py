@@ -265,8 +265,8 @@ def _pareto_nd(
         bsum = 0.0
         for j, c in enumerate(rows[k], start=k):
             bsum += backprop_s[j]
-            for s in front:
-                fronts[j + 1].append(_extend(s, k, c, bsum))
+            for state in front:
+                fronts[j + 1].append(_extend(state, k, c, bsum))
     best = min(fronts[n], key=lambda s: (max(s.vec), s.groups, s.start))
     groups: list[Group] = []
     s: _State | None = best

@@ -65,8 +65,8 @@ def assemble(
 ) -> ModelIR:
     # canonical parameter names: the first name under which a tensor is registered
     canonical: dict[int, str] = {}
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        canonical.setdefault(id(p), pname)
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(param), pname)
     gm_params = {id(p): pname for pname, p in graph.gm.named_parameters(remove_duplicate=False)}
     gm_to_model = {}
     for pid, pname in gm_params.items():
@@ -141,8 +141,8 @@ def assemble(
             continue
         done.add(pid)
         p = by_id[pid]
-        inv = owner.get(pid)
-        if inv is None:
+        grad_layer = owner.get(pid)
+        if grad_layer is None:
             continue
         dtype = _dtype_name(p.dtype)
         grads.append(
@@ -151,8 +151,8 @@ def assemble(
                 numel=p.numel(),
                 size_bytes=p.numel() * DTYPE_BYTES.get(dtype, p.element_size()),
                 dtype=dtype,
-                layer=inv,
-                layer_index=index[inv],
+                layer=grad_layer,
+                layer_index=index[grad_layer],
             )
         )
     unused = [canonical[id(p)] for p in model.parameters() if id(p) not in owner]

@@ -44,7 +44,7 @@ class _FlopCounter(TorchDispatchMode):
         self.fwd: defaultdict[str | None, int] = defaultdict(int)
         self.bwd: defaultdict[str | None, int] = defaultdict(int)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
@@ -63,7 +63,7 @@ class _GradFnTagger(TorchFunctionMode):
         self.counter = counter
         self.tagged: set[int] = set()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SDPA:
             out = _fused_attention(self.counter, *args, **(kwargs or {}))
         else:
@@ -106,7 +106,7 @@ class _FusedAttention(torch.autograd.Function):
     model FLOPs, as MFU conventions count them)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, options, counter):  # type: ignore[override]
+    def forward(ctx, q, k, v, mask, options, counter):
         with torch.no_grad():
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, **options
@@ -117,7 +117,7 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         q, k, v, _out, _lse, *rest = ctx.saved_tensors
         mask = rest[0] if ctx.has_mask else None
         counter = ctx.counter
@@ -149,7 +149,7 @@ class _OpaqueCall(torch.autograd.Function):
     """Runs an opaque module for real on CPU (zero weights and inputs) inside a meta graph."""
 
     @staticmethod
-    def forward(ctx, module_and_state, *inputs):  # type: ignore[override]
+    def forward(ctx, module_and_state, *inputs):
         module, counter, on_backward = module_and_state
         ctx.shapes = [(i.shape, i.dtype) if isinstance(i, torch.Tensor) else None for i in inputs]
         ctx.on_backward = on_backward
@@ -166,7 +166,7 @@ class _OpaqueCall(torch.autograd.Function):
         return torch.empty(out.shape, dtype=out.dtype, device="meta")
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         ctx.on_backward()
         return (None,) + tuple(
             torch.zeros(s[0], dtype=s[1], device="meta") if s and s[1].is_floating_point else None

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from hetplan.ir.model import LayerKind, LinearInfo, TPRole
@@ -147,8 +148,9 @@ _ROW_RE = re.compile(
 def _linear_shape(m: nn.Module) -> tuple[int, int] | None:
     if isinstance(m, nn.Linear):
         return m.in_features, m.out_features
-    if type(m).__name__ == "Conv1D" and hasattr(m, "weight") and m.weight.dim() == 2:
-        return int(m.weight.shape[0]), int(m.weight.shape[1])  # HF Conv1D stores [in, out]
+    weight = getattr(m, "weight", None)
+    if type(m).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])  # HF Conv1D stores [in, out]
     return None
 
 
