@@ -1,4 +1,4 @@
-# The two quick-start commands (see README): `make demo` and `make test`.
+# The two quick-start commands (see README): `make demo` and `make test` (mypy, then pytest).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -11,7 +11,8 @@ demo: setup
 	@$(VENV)/bin/hetplan plan gpt2 --cluster mixed-generations --batch-size 256
 
 test: setup
+	@$(PY) -m mypy
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache

@@ -48,12 +48,12 @@ from pathlib import Path
 
 from _machine import machine
 
+from hetplan.algorithms.diffusion import diffusion_balance
 from hetplan.algorithms.dynamics import (
     BalancePolicy,
     LayerProfile,
     PruningModel,
     build_phases,
-    diffusion_balance,
     run_dynamic,
 )
 from hetplan.algorithms.partition import min_max_partition, uniform_partition

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hetplan.algorithms.fusion import SearchBudgetExceeded, alg51, dp_affine, pareto_dp_table
+from hetplan.algorithms.fusion import pareto_dp_table
+from hetplan.algorithms.fusion_reference import SearchBudgetExceeded, alg51, dp_affine
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import evaluate, stage_syncs
 from hetplan.ir.cluster import ClusterSpec

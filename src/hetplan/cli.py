@@ -617,17 +617,15 @@ def _print_plan(plan: Any, sections: list[str] | None = None) -> None:
 
 
 def _check_sections(sections: list[str] | None) -> list[str]:
+    from hetplan.ir.validation import did_you_mean
     from hetplan.report.inspect import SECTIONS
 
     chosen = list(sections or [])
     for name in chosen:
         if name not in SECTIONS:
-            import difflib
-
-            near = difflib.get_close_matches(name, SECTIONS, n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
             raise SpecError(
-                f"--section {name!r} is not a section; {hint}(sections: {', '.join(SECTIONS)})"
+                f"--section {name!r} is not a section{did_you_mean(name, SECTIONS)} "
+                f"(sections: {', '.join(SECTIONS)})"
             )
     return chosen
 

@@ -1,4 +1,5 @@
-"""Optimality of the fusion solvers (``hetplan.algorithms.fusion``) against brute force.
+"""Optimality of the fusion solvers (``hetplan.algorithms.fusion`` and the reference solvers
+of ``hetplan.algorithms.fusion_reference``) against brute force.
 
 The reference is independent of the solvers: every one of the 2^(N-1) contiguous partitions is
 turned into sync units and timed by the project's simulator (``simulate_dp``), and the least
@@ -13,14 +14,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.algorithms.fusion import (
-    GroupCost,
-    all_partitions,
-    alg51,
-    dp_affine,
-    pareto_dp,
-    tandem_time,
-)
+from hetplan.algorithms.fusion import GroupCost, pareto_dp, tandem_time
+from hetplan.algorithms.fusion_reference import all_partitions, alg51, dp_affine
 from hetplan.cost_models.timeline import CPU, GPU, Op, SyncUnit, simulate_dp
 
 REL = 1e-9

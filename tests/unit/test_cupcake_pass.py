@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from hetplan.algorithms.fusion import all_partitions
+from hetplan.algorithms.fusion_reference import all_partitions
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.ir.cluster import ClusterSpec

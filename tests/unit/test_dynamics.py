@@ -9,13 +9,13 @@ from fractions import Fraction as Fr
 
 import pytest
 
+from hetplan.algorithms.diffusion import diffusion_balance
 from hetplan.algorithms.dynamics import (
     BalancePolicy,
     LayerProfile,
     Phase,
     PruningModel,
     build_phases,
-    diffusion_balance,
     global_magnitude_sparsity,
     layer_moves,
     pruning_schedule,

@@ -8,15 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetplan.algorithms.fusion import (
-    GroupCost,
-    all_partitions,
-    alg51,
-    dp_affine,
-    pareto_dp,
-    tandem_time,
-    thesis_time,
-)
+from hetplan.algorithms.fusion import GroupCost, pareto_dp, tandem_time
+from hetplan.algorithms.fusion_reference import all_partitions, alg51, dp_affine, thesis_time
 from hetplan.cost_models.timeline import GPU, Op, SyncUnit, simulate_dp
 
 

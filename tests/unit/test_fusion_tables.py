@@ -236,7 +236,7 @@ def _dp_affine_reference(bp_s, sizes, alpha_h, beta_h, alpha_g, beta_g):
 
 def test_dp_affine_blocks_give_the_reference_groups():
     """Same groups (ties included: many zero and equal costs) as the unblocked DP."""
-    from hetplan.algorithms.fusion import dp_affine
+    from hetplan.algorithms.fusion_reference import dp_affine
 
     rng = random.Random(11)
     for trial in range(200):

@@ -4,13 +4,13 @@ hand (digest TC-1), plus the straggler emulator."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 from torch import nn
 
+from hetplan.runtime import resizing
 from hetplan.runtime.resizing import Clock, LayerStep, StragglerEmulator, make_resizable
 from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -83,35 +83,66 @@ def test_gradcheck_float64(kind: str) -> None:
     assert torch.autograd.gradcheck(resized(kind, w, [0, 1, 4]), (x, w))
 
 
-def test_emulator_sleeps_only_on_the_straggler() -> None:
+class FakeTime:
+    """Stands in for the ``time`` module of :mod:`hetplan.runtime.resizing`: every GEMM lasts
+    exactly ``TICK`` (each clock read advances it) and ``sleep`` only records and advances, so
+    the emulator's accounting is checked exactly, whatever the machine's load."""
+
+    TICK = 1e-3
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        self.now += self.TICK
+        return self.now - self.TICK
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    fake = FakeTime()
+    monkeypatch.setattr(resizing, "time", fake)
+    return fake
+
+
+def test_emulator_sleeps_only_on_the_straggler(fake_time: FakeTime) -> None:
+    tick = FakeTime.TICK
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     slow = Clock(StragglerEmulator(chi=3.0, straggler=1, tp_rank=1, tp_size=2))
     fast = Clock(StragglerEmulator(chi=3.0, straggler=1, tp_rank=0, tp_size=2))
-    t0 = time.perf_counter()
     slow.gemm(a, b)
-    slow.settle()  # the emulated time is owed until the next collective (or settle)
-    wall = time.perf_counter() - t0
+    assert fake_time.slept == []  # the emulated time is owed until the next collective
+    slow.settle()
+    assert fake_time.slept == [pytest.approx(3 * tick)] and slow.emulator.debt == 0.0
+    # what it reports is what it took: its own GEMM plus the sleep
+    assert slow.gemm_s == pytest.approx(tick + sum(fake_time.slept))
     fast.gemm(a, b)
     fast.settle()
-    assert slow.gemm_s == pytest.approx(wall, rel=0.2)  # what it reports is what it took
+    assert len(fake_time.slept) == 1 and fast.gemm_s == pytest.approx(tick)
     # the owed time is exactly χ times the GEMM's own time, and only on the straggler
     assert slow.emulator.extra(0.01) == pytest.approx(0.03)
     assert fast.emulator.extra(0.01) == 0.0 and fast.emulator.debt == 0.0
 
 
-def test_emulated_device_speed() -> None:
+def test_emulated_device_speed(fake_time: FakeTime) -> None:
     # 2 · 64 · 32 · 16 = 65536 FLOP at 1 MFLOP/s: 65.5 ms; the straggler (χ = 1) twice that
+    tick = FakeTime.TICK
     a, b = torch.randn(64, 32), torch.randn(32, 16)
     normal = Clock(StragglerEmulator(1.0, straggler=1, tp_rank=0, tp_size=2, flop_rate=1e6))
     slow = Clock(StragglerEmulator(1.0, straggler=1, tp_rank=1, tp_size=2, flop_rate=1e6))
-    t0 = time.perf_counter()
     slow.received(a, b)
     with slow.comm():  # pays the debt before the collective, outside the comm time
         pass
-    assert time.perf_counter() - t0 >= 0.131 * 0.95 and slow.comm_s < 0.01
+    assert fake_time.slept == [pytest.approx(0.131072 - tick)]
+    assert slow.comm_s == pytest.approx(tick)
     normal.gemm(a, b)
-    assert normal.gemm_s == pytest.approx(0.0655, rel=0.15)
-    assert slow.recv_s == pytest.approx(0.131, rel=0.15) and slow.gemm_s == 0.0
+    assert normal.gemm_s == pytest.approx(0.065536)
+    assert slow.recv_s == pytest.approx(0.131072) and slow.gemm_s == 0.0
 
 
 def test_emulator_rotates() -> None:

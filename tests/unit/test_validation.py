@@ -282,4 +282,12 @@ def test_validate_model_raises_spec_error_chained() -> None:
 def test_did_you_mean() -> None:
     assert did_you_mean("cuont", ["count", "type"]) == "; did you mean 'count'?"
     assert did_you_mean("a100-80gb", ["A100-80GB", "V100"]) == "; did you mean 'A100-80GB'?"
+    # several: closest first (equally close ones as difflib orders them)
+    names = ["fc1.weight", "fc1.bias", "fc2.weight", "head.weight"]
+    assert did_you_mean("fc3.weight", names, n=2) == "; did you mean 'fc2.weight' or 'fc1.weight'?"
+    # a part of a long dotted name is rarely close by difflib's ratio; ``substring`` finds it
+    long = ["blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias", "blocks.0.mlp.fc.weight"]
+    assert did_you_mean("qkv", long, n=3) == ""
+    assert did_you_mean("qkv", long, n=3, substring=True) == (
+        "; did you mean 'blocks.0.attn.qkv.weight' or 'blocks.0.attn.qkv.bias'?")
     assert did_you_mean("zzz", ["count", "type"]) == ""

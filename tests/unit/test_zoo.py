@@ -6,7 +6,6 @@ import dataclasses
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -151,12 +150,7 @@ def test_tiny_cpu_forward(name: str) -> None:
         out = model(*args, **kwargs)  # eager execution is fine; only tracing fails
         assert out.shape == (zoo.get(name).default_batch, 4)
         return
-    best = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        out = _first_tensor(model(*args, **kwargs))
-        best = min(best, time.perf_counter() - t0)
-    assert best < 1.0, f"{name} forward took {best:.2f}s"
+    out = _first_tensor(model(*args, **kwargs))
     assert torch.isfinite(out).all()
     assert out.shape[0] == zoo.get(name).default_batch
 

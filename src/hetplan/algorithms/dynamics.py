@@ -29,8 +29,8 @@ changes and re-plans the pipeline at each change (``research/dynpipe.md`` §2.2,
 
 Re-planning (:func:`run_dynamic`) happens at every event with one of four balancers — the
 centralized partition balancer (exact min–max, :mod:`hetplan.algorithms.partition`) or the
-iterative diffusion balancer (:func:`diffusion_balance`), each by time or by parameter
-count — plus the static uniform baseline. **Trigger policy** (decision): after every event
+iterative diffusion balancer (:mod:`hetplan.algorithms.diffusion`), each by time or by
+parameter count — plus the static uniform baseline. **Trigger policy** (decision): after every event
 the balancer proposes a partition; it is applied only when the predicted saving until the next
 event, ``(T_now - T_new) × iterations``, exceeds its cost — the balancing decision plus moving
 the layers' weights and optimizer state over the pipeline links. Optionally the layers are
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
 
+from hetplan.algorithms.diffusion import diffusion_balance
 from hetplan.algorithms.partition import min_max_partition, uniform_partition
 from hetplan.errors import InfeasiblePlanError, SpecError
 
@@ -56,7 +57,6 @@ __all__ = [
     "pruning_schedule",
     "sparse_time_factor",
     "global_magnitude_sparsity",
-    "diffusion_balance",
     "LayerMove",
     "layer_moves",
     "Phase",
@@ -150,97 +150,6 @@ def global_magnitude_sparsity(
         frac = sum(p * s for p, s in zip(params, kept_fraction(mid))) / total
         lo, hi = (mid, hi) if frac < target else (lo, mid)
     return tuple(kept_fraction((lo + hi) / 2))
-
-
-# -- diffusion balancer -----------------------------------------------------------------------
-def _pvar(xs: Sequence[float]) -> float:
-    m = sum(xs) / len(xs)
-    return sum((x - m) ** 2 for x in xs) / len(xs)
-
-
-def diffusion_balance(
-    bounds: Sequence[tuple[int, int]],
-    cost: Sequence[Sequence[float]],
-    *,
-    send: Sequence[Sequence[float]] | None = None,
-    mem: Sequence[Sequence[float]] | None = None,
-    mem_cap: Sequence[float] | None = None,
-    max_iters: int = 5,
-) -> tuple[tuple[int, int], ...]:
-    """DynPipe's Algorithm 2, restricted to neighbours so that stages stay contiguous.
-
-    Per iteration (at most ``max_iters``): loads, mean and population variance are computed
-    and every stage above the mean is *overloaded* (status fixed for the iteration). Each
-    overloaded stage, in index order, hands boundary layers to its lighter neighbour — its
-    first layer to the stage before, or its last layer to the stage after — one at a time,
-    as long as each move lowers the variance of the stage loads, fits the receiver's memory
-    and leaves the sender a layer. The iteration that accepts nothing ends the search.
-
-    Deviations from the seed (decisions): the receiver is a neighbour, not the globally least
-    loaded stage, because a non-adjacent move breaks the layer order (digest §3.3, §9.1); a
-    sender may move several layers per iteration (one "attempt" per neighbour direction),
-    which converges in few iterations as the seed reports.
-
-    Args:
-        bounds: the current partition.
-        cost: ``cost[s][l]``: load of layer ``l`` on stage ``s``.
-        send: ``send[s][j]`` added to stage ``s`` when it ends at layer ``j``.
-        mem / mem_cap: per-stage per-layer bytes and per-stage capacity.
-
-    Returns:
-        The new bounds. O(max_iters · L · P) with O(1) load updates.
-    """
-    p = len(bounds)
-    n = bounds[-1][1] + 1
-    pre = [[0.0] for _ in range(p)]
-    for s in range(p):
-        for x in cost[s]:
-            pre[s].append(pre[s][-1] + x)
-    b = [list(x) for x in bounds]
-
-    def load(s: int, i: int, j: int) -> float:
-        extra = send[s][j] if send is not None and s < p - 1 else 0.0
-        return pre[s][j + 1] - pre[s][i] + extra
-
-    def fits(s: int, i: int, j: int) -> bool:
-        return mem is None or mem_cap is None or sum(mem[s][i : j + 1]) <= mem_cap[s]
-
-    loads = [load(s, i, j) for s, (i, j) in enumerate(b)]
-    for _ in range(max_iters):
-        avg = sum(loads) / p
-        over = [s for s in range(p) if loads[s] > avg]
-        accepted = False
-        for src in over:
-            while True:
-                var = _pvar(loads)
-                options = []
-                if src > 0 and b[src][0] < b[src][1]:
-                    options.append((loads[src - 1], src - 1))
-                if src < p - 1 and b[src][0] < b[src][1]:
-                    options.append((loads[src + 1], src + 1))
-                moved = False
-                for _, dst in sorted(options):
-                    nb = [list(x) for x in b]
-                    if dst < src:
-                        nb[src][0] += 1
-                        nb[dst][1] += 1
-                    else:
-                        nb[src][1] -= 1
-                        nb[dst][0] -= 1
-                    if not fits(dst, *nb[dst]):
-                        continue
-                    new = list(loads)
-                    new[src], new[dst] = load(src, *nb[src]), load(dst, *nb[dst])
-                    if _pvar(new) < var * (1 - 1e-12) - 1e-15:
-                        b, loads, moved = nb, new, True
-                        break
-                if not moved:
-                    break
-                accepted = True
-        if not accepted:
-            break
-    assert b[0][0] == 0 and b[-1][1] == n - 1
-    return tuple((i, j) for i, j in b)
 
 
 # -- layer moves ------------------------------------------------------------------------------

@@ -20,36 +20,27 @@ simulator reduces to this recurrence (:func:`tandem_time`), which the solvers us
 of the remaining backprop; a channel serves ops in the order they become runnable, which is
 the group order because ``end_{c-1}`` grows with the group index). The thesis model (Eq. 5.1,
 §A3: compression ``h`` on the compute stream, communication ``g`` on one channel) is the case
-``C = 1``; :func:`thesis_time` evaluates it from ``h(i, j)`` and ``g(i, j)``.
+``C = 1`` (:func:`hetplan.algorithms.fusion_reference.thesis_time`).
 
-Solvers:
-
-- :func:`alg51` — Algorithm 5.1 as the thesis intends it, with the listing's defects fixed
-  (§A6.2 D1–D7): branch and bound over the first group, pruning 1 (the "optimistic outcome"
-  lower bound, Eq. 5.4, plus the forward time the listing omits) and pruning 2 (skip
-  first-group ends before ``j*``, Eq. 5.5 with ``M.delay``). Exponential in the worst case.
-  **Pruning 2 is exact only for affine** ``h`` and ``g`` (``α + β·bytes``): with the measured
-  "constant below a threshold, then linear" compression cost it can cut off the optimum
-  (case C5: 126.8 instead of 126). Pruning 1 needs subadditive ``h`` and ``g``. Both can be
-  switched off for the Table 5.1 ablation.
-- :func:`dp_affine` — exact O(N³) DP for the thesis's affine costs (§A9.1): the compute
-  finish of a prefix depends only on (tensors, groups), so the least channel finish per
-  (tensors, groups) is all the future needs. Vectorised with numpy.
-- :func:`pareto_dp` — exact DP for any non-negative group costs (profiled tables, piecewise,
-  several channels; §A9.2): per prefix, the Pareto front of (compute finish, channel
-  finishes, groups). The simulator is monotone in each of them, so a dominated prefix never
-  completes better.
+The solver — what the ``cupcake-fusion`` pass runs — is :func:`pareto_dp_table`, exact for
+any non-negative group costs (profiled tables, piecewise, several channels; §A9.2): per
+prefix, the Pareto front of (compute finish, channel finishes, groups). The simulator is
+monotone in each of them, so a dominated prefix never completes better. :func:`pareto_dp` is
+the same solver for callers holding a cost function instead of tables (it builds the tables).
 
 Ties (decided here; the thesis is silent, §F-7): the least time; then the fewest groups
-(both exact in :func:`dp_affine` and :func:`pareto_dp`, because the group count is part of
-the state); then the smallest predecessor boundary. :func:`alg51` keeps the first strategy it
-finds at the least time (strict ``<``, as the listing).
+(exact, because the group count is part of the state); then the smallest predecessor
+boundary; then neighbouring groups are merged wherever that is predicted no slower.
+
+Reference solvers that no pass calls — the thesis's Algorithm 5.1, the exact affine DP and
+brute force over every partition — live in :mod:`hetplan.algorithms.fusion_reference`: the
+differential tests hold :func:`pareto_dp` against them and ``bench/fusion.py`` compares their
+speed with the thesis's.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,14 +51,9 @@ __all__ = [
     "Group",
     "GroupCost",
     "Fusion",
-    "all_partitions",
     "tandem_time",
-    "thesis_time",
-    "alg51",
-    "dp_affine",
     "pareto_dp",
     "pareto_dp_table",
-    "SearchBudgetExceeded",
 ]
 
 #: A group of consecutive tensors ``(first, last)``, both inclusive.
@@ -90,7 +76,7 @@ class Fusion:
     Attributes:
         groups: consecutive ``(first, last)`` tensor ranges covering ``0..N-1``.
         time_s: predicted iteration time (forward + end of the last sync op or backprop).
-        solver: ``alg51``, ``dp_affine`` or ``pareto_dp``.
+        solver: ``pareto_dp``, or a reference solver's name (``alg51``, ``dp_affine``).
         calls: recursive calls (``alg51``) or states kept (the DPs).
     """
 
@@ -100,11 +86,9 @@ class Fusion:
     calls: int = 0
 
 
-class SearchBudgetExceeded(RuntimeError):
-    """:func:`alg51` made more recursive calls than ``max_calls`` allowed."""
-
-
-def _check_backprop(backprop_s: Sequence[float]) -> None:
+def check_backprop(backprop_s: Sequence[float]) -> None:
+    """Raise ValueError unless there is at least one tensor and every backprop time is
+    >= 0 (the input check of every fusion solver, here and in the reference module)."""
     if not backprop_s:
         raise ValueError("fusion needs at least one gradient tensor (backprop_s is empty)")
     bad = [i for i, b in enumerate(backprop_s) if not b >= 0.0]
@@ -114,26 +98,12 @@ def _check_backprop(backprop_s: Sequence[float]) -> None:
         )
 
 
-def all_partitions(n: int) -> Iterator[tuple[Group, ...]]:
-    """Every partition of ``0..n-1`` into contiguous groups (``2^(n-1)`` of them), the
-    single group first. For brute force in tests and benchmarks."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    for mask in range(2 ** (n - 1)):
-        groups, start = [], 0
-        for i in range(n - 1):
-            if mask >> i & 1:
-                groups.append((start, i))
-                start = i + 1
-        groups.append((start, n - 1))
-        yield tuple(groups)
-
-
 def _check_groups(groups: Sequence[Group], n: int) -> None:
     nxt = 0
     for i, j in groups:
         if i != nxt or j < i:
-            raise ValueError(f"groups {list(groups)} are not consecutive ranges covering 0..{n - 1}")
+            raise ValueError(
+                f"groups {list(groups)} are not consecutive ranges covering 0..{n - 1}")
         nxt = j + 1
     if nxt != n:
         raise ValueError(f"groups {list(groups)} do not cover 0..{n - 1}")
@@ -148,7 +118,7 @@ def tandem_time(
 ) -> float:
     """Iteration time of ``groups`` by the tandem recurrence (module docstring); equal to
     :func:`~hetplan.cost_models.timeline.simulate_dp` for tandem units. O(N + G·C)."""
-    _check_backprop(backprop_s)
+    check_backprop(backprop_s)
     _check_groups(groups, len(backprop_s))
     comp = 0.0
     ends: list[float] = []
@@ -166,204 +136,7 @@ def tandem_time(
     return forward_s + max([comp, *ends])
 
 
-def thesis_time(
-    backprop_s: Sequence[float],
-    groups: Sequence[Group],
-    h: Callable[[int, int], float],
-    g: Callable[[int, int], float],
-    *,
-    forward_s: float = 0.0,
-) -> float:
-    """Eq. 5.1 through the §A3 timeline: compression ``h(i, j)`` on the compute stream,
-    communication ``g(i, j)`` on one channel. ``A`` is ``forward_s``."""
-    return tandem_time(backprop_s, groups, lambda i, j: GroupCost(h(i, j), (g(i, j),)),
-                       forward_s=forward_s)
-
-
-# -- Algorithm 5.1 ---------------------------------------------------------------------------
-def alg51(
-    backprop_s: Sequence[float],
-    h: Callable[[int, int], float],
-    g: Callable[[int, int], float],
-    *,
-    forward_s: float = 0.0,
-    prune1: bool = True,
-    prune2: bool = True,
-    bootstrap: bool = True,
-    max_calls: int | None = None,
-) -> Fusion:
-    """Algorithm 5.1 (thesis §5.3.2) with the listing's defects fixed (§A6.2).
-
-    Fixes: D1 ``local_opt_time`` (not ``local_opt_fuse_time``); D2 base case ``k = N``
-    returns no groups; D3 ``M.comp`` and ``M.delay`` are carried down the recursion from the
-    timeline of ``M``; D4 ``Main`` is ``FindOptFusion({}, 0)``, so the first group is pruned
-    too (``M.comp = M.delay = 0``); D5 the incumbent is seeded with two equal groups (the
-    thesis's suggested bootstrap) and updated by every evaluated strategy, including
-    "the rest as one group"; D6 the bound adds the forward time ``A`` and empty ranges cost 0;
-    D7 strict ``<`` keeps the first strategy found at the least time.
-
-    Args:
-        backprop_s: ``B(T_i)`` per tensor, in backward-ready order.
-        h / g: compression and communication time of the group ``(i, j)``.
-        forward_s: ``A``.
-        prune1 / prune2: the two pruning techniques (§A4, §A5). Pruning 2 is exact only for
-            affine ``h`` and ``g``; pruning 1 needs them subadditive.
-        bootstrap: seed the incumbent with two equal groups.
-        max_calls: raise :class:`SearchBudgetExceeded` after this many recursive calls.
-
-    Returns:
-        The best strategy found (optimal under the conditions above). O(2^N) worst case.
-    """
-    _check_backprop(backprop_s)
-    n = len(backprop_s)
-    prefix = [0.0]
-    for b in backprop_s:
-        prefix.append(prefix[-1] + b)
-
-    def bsum(i: int, j: int) -> float:
-        return prefix[j + 1] - prefix[i] if i <= j else 0.0
-
-    def hh(i: int, j: int) -> float:
-        return h(i, j) if i <= j else 0.0
-
-    def gg(i: int, j: int) -> float:
-        return g(i, j) if i <= j else 0.0
-
-    def f(groups: Sequence[Group]) -> float:
-        return thesis_time(backprop_s, groups, h, g, forward_s=forward_s)
-
-    best: list[object] = [float("inf"), ()]
-    calls = [0]
-    if bootstrap and n >= 2:
-        seed = ((0, n // 2 - 1), (n // 2, n - 1))
-        best[:] = [f(seed), seed]
-
-    def offer(groups: tuple[Group, ...], t: float) -> None:
-        if t < best[0]:  # type: ignore[operator]
-            best[:] = [t, groups]
-
-    def rec(m: tuple[Group, ...], k: int, comp: float, comm_end: float) -> tuple[Group, ...]:
-        calls[0] += 1
-        if max_calls is not None and calls[0] > max_calls:
-            raise SearchBudgetExceeded(f"Algorithm 5.1 exceeded {max_calls} recursive calls")
-        if k == n:
-            return ()
-        local: tuple[Group, ...] = ((k, n - 1),)
-        local_t = f(m + local)
-        offer(m + local, local_t)
-        delay = comm_end - comp
-        jstar = k
-        if prune2:
-            for i in range(k, n):
-                if bsum(k, i) + hh(k, i) <= delay:
-                    jstar = i
-                else:
-                    break
-        for i in range(jstar, n):
-            if prune1:
-                base = bsum(k, n - 1) + hh(k, i) + hh(i + 1, n - 1)
-                cases = max(bsum(k, i) + hh(k, i), delay) + gg(k, i) + gg(i + 1, n - 1)
-                if forward_s + comp + max(base, cases) > best[0]:  # type: ignore[operator]
-                    continue
-            if i == n - 1:
-                continue  # the single remaining group: already evaluated as ``local``
-            new_comp = comp + bsum(k, i) + hh(k, i)
-            new_comm = max(new_comp, comm_end) + gg(k, i)
-            cur = ((k, i),) + rec(m + ((k, i),), i + 1, new_comp, new_comm)
-            t = f(m + cur)
-            if t < local_t:
-                local, local_t = cur, t
-            offer(m + cur, t)
-        return local
-
-    rec((), 0, 0.0, 0.0)
-    return Fusion(groups=best[1], time_s=best[0], solver="alg51",  # type: ignore[arg-type]
-                  calls=calls[0])
-
-
-# -- exact polynomial solvers ----------------------------------------------------------------
-def dp_affine(
-    backprop_s: Sequence[float],
-    sizes: Sequence[float],
-    alpha_h: float,
-    beta_h: float,
-    alpha_g: float,
-    beta_g: float,
-    *,
-    forward_s: float = 0.0,
-) -> Fusion:
-    """Exact fusion for affine costs ``h = α_h + β_h·bytes``, ``g = α_g + β_g·bytes``
-    (§A9.1), O(N³) time and O(N²) memory, vectorised over the predecessor boundary.
-
-    ``comp(k, y) = B(0..k-1) + y·α_h + β_h·S(0..k-1)`` depends only on the prefix length ``k``
-    and the group count ``y``; ``dp[k][y]`` is the least channel finish of such a prefix::
-
-        dp[j][y] = min_k max(comp(j, y), dp[k][y-1]) + α_g + β_g·S(k..j-1)
-
-    Ties: fewest groups, then the smallest ``k``. The returned time is re-evaluated with
-    :func:`tandem_time` (the simulator's order of float additions).
-    """
-    import numpy as np
-
-    _check_backprop(backprop_s)
-    n = len(backprop_s)
-    if len(sizes) != n:
-        raise ValueError(f"{len(sizes)} sizes for {n} tensors")
-    if min(alpha_h, beta_h, alpha_g, beta_g) < 0:
-        raise ValueError("affine cost coefficients must be >= 0")
-    bp = np.concatenate(([0.0], np.cumsum(np.asarray(backprop_s, dtype=float))))
-    sz = np.concatenate(([0.0], np.cumsum(np.asarray(sizes, dtype=float))))
-    inf = np.inf
-    dp = np.full((n + 1, n + 1), inf)  # dp[y, k]: y groups over the first k tensors
-    arg = np.zeros((n + 1, n + 1), dtype=np.int64)
-    dp[0, 0] = 0.0
-    ys = np.arange(1, n + 1, dtype=float)
-    buf = np.empty((n, n))
-    for j in range(1, n + 1):
-        comp = bp[j] + ys[:j] * alpha_h + beta_h * sz[j]  # comp(j, y) for y = 1..j
-        g = alpha_g + beta_g * (sz[j] - sz[:j])  # g(k..j-1) for every k < j
-        # cand[y-1, k] = max(comp(j, y), dp[y-1, k]) + g[k]; a prefix of k tensors has at
-        # most k groups, so rows y-1 >= a only need k >= a: rows in 4 blocks, each from its
-        # first row's k on (rows are contiguous: the argmin over k runs along memory)
-        for a, b in _row_blocks(j):
-            cand = buf[: b - a, : j - a]
-            np.maximum(comp[a:b, None], dp[a:b, a:j], out=cand)
-            cand += g[None, a:]
-            best_k = np.argmin(cand, axis=1)
-            dp[a + 1 : b + 1, j] = cand[np.arange(b - a), best_k]
-            arg[a + 1 : b + 1, j] = best_k + a
-    y = int(np.argmin(dp[1:, n])) + 1
-    groups: list[Group] = []
-    j = n
-    while j > 0:
-        k = int(arg[y, j])
-        groups.append((k, j - 1))
-        j, y = k, y - 1
-    groups.reverse()
-    cost = _affine_cost(sizes, alpha_h, beta_h, alpha_g, beta_g)
-    t = tandem_time(backprop_s, groups, cost, forward_s=forward_s)
-    return Fusion(groups=tuple(groups), time_s=t, solver="dp_affine", calls=n * n)
-
-
-def _row_blocks(j: int, blocks: int = 4) -> list[tuple[int, int]]:
-    """``[a, b)`` row ranges splitting ``0..j-1`` into at most ``blocks`` parts."""
-    return list(itertools.pairwise(sorted({j * q // blocks for q in range(blocks + 1)})))
-
-
-def _affine_cost(
-    sizes: Sequence[float], alpha_h: float, beta_h: float, alpha_g: float, beta_g: float
-) -> Callable[[int, int], GroupCost]:
-    pre = [0.0]
-    for s in sizes:
-        pre.append(pre[-1] + s)
-
-    def cost(i: int, j: int) -> GroupCost:
-        x = pre[j + 1] - pre[i]
-        return GroupCost(alpha_h + beta_h * x, (alpha_g + beta_g * x,))
-
-    return cost
-
-
+# -- the Pareto-front DP ----------------------------------------------------------------------
 @dataclass(slots=True)
 class _State:
     vec: tuple[float, ...]  # (compute finish, channel finishes...)
@@ -400,7 +173,7 @@ def pareto_dp(
     """
     import numpy as np
 
-    _check_backprop(backprop_s)
+    check_backprop(backprop_s)
     n = len(backprop_s)
     rows = [_row(cost, k, n if max_group is None else min(n, k + max_group))
             for k in range(n)]
@@ -440,7 +213,7 @@ def pareto_dp_table(
     """
     import numpy as np
 
-    _check_backprop(backprop_s)
+    check_backprop(backprop_s)
     n = len(backprop_s)
     pre = np.asarray(pre_s, dtype=float)
     chain = np.asarray(chain_s, dtype=float)
@@ -492,8 +265,8 @@ def _pareto_nd(
         bsum = 0.0
         for j, c in enumerate(rows[k], start=k):
             bsum += backprop_s[j]
-            for s in front:
-                fronts[j + 1].append(_extend(s, k, c, bsum))
+            for state in front:
+                fronts[j + 1].append(_extend(state, k, c, bsum))
     best = min(fronts[n], key=lambda s: (max(s.vec), s.groups, s.start))
     groups: list[Group] = []
     s: _State | None = best

@@ -276,7 +276,11 @@ def partition_by_time(
 ) -> Partition:
     """"Partition by Time": layer times on a reference device divided by each stage device's
     relative ``speeds`` (1.0 = the reference; default: all equal). Other arguments as in
-    :func:`min_max_partition`."""
+    :func:`min_max_partition`.
+
+    The paper's name for a use of :func:`min_max_partition`, kept as a convenience for
+    scripts; no pass calls it (the ``dynpipe`` pass and the balancer build per-device cost
+    rows themselves)."""
     if speeds is None:
         cost: Sequence[float] | list[list[float]] = layer_ms
     else:
@@ -296,7 +300,10 @@ def partition_by_params(
     fixed_mem: float | Sequence[float] = 0.0,
 ) -> Partition:
     """"Partition by Param": balance (non-zero) parameter counts, ignoring device speed and
-    transfers (PipeTransformer / DeepSpeed ``parameters`` method), memory-feasible."""
+    transfers (PipeTransformer / DeepSpeed ``parameters`` method), memory-feasible.
+
+    Like :func:`partition_by_time`, a named convenience that no pass calls (the ``dynpipe``
+    pass screens the same ``params`` cost through :func:`min_max_partition`)."""
     return min_max_partition(layer_params, num_stages, mem=mem, mem_cap=mem_cap,
                              fixed_mem=fixed_mem)
 
@@ -307,7 +314,10 @@ def stage_loads(
     *,
     send: Sequence[float] | Sequence[Sequence[float]] | None = None,
 ) -> tuple[float, ...]:
-    """Loads of a given partition under ``cost``/``send`` (same conventions). O(L)."""
+    """Loads of a given partition under ``cost``/``send`` (same conventions). O(L).
+
+    An independent evaluator, called by no pass: the property tests check the solvers'
+    reported loads and compare baselines with it."""
     pr = _problem(cost, len(bounds), send, None, None, 0.0)
     check_bounds(bounds, pr.n)
     return _loads(pr, bounds)
@@ -335,8 +345,10 @@ def greedy_partition(
 ) -> Partition:
     """DeepSpeed's ``partition_balanced`` idea, generalised: bisection on the bottleneck with a
     greedy front-fill probe (each stage takes the longest prefix whose load fits, leaving one
-    layer for each later stage). A baseline for the exact solver, not used for plans.
-    O(iterations · L)."""
+    layer for each later stage). O(iterations · L).
+
+    A reference baseline kept for differential tests, not used for plans: the property tests
+    check that the exact :func:`min_max_partition` is never worse than it."""
     pr = _problem(cost, num_stages, send, None, None, 0.0)
 
     def probe(limit: float) -> list[tuple[int, int]] | None:

@@ -118,10 +118,6 @@ class ParamInfo:
 
     __pydantic_config__ = _FORBID
 
-    @property
-    def is_alias(self) -> bool:
-        return self.tied_to is not None
-
 
 @dataclass(frozen=True, slots=True)
 class LinearInfo:
@@ -342,10 +338,10 @@ class ModelIR:
         for layer in self.layers:
             if layer.name == name:
                 return layer
-        import difflib
+        from hetplan.ir.validation import did_you_mean
 
-        near = difflib.get_close_matches(name, [lay.name for lay in self.layers], n=3)
-        raise KeyError(f"no layer {name!r} in {self.name}; nearest: {near}")
+        near = did_you_mean(name, [lay.name for lay in self.layers], n=3)
+        raise KeyError(f"no layer {name!r} in {self.name}{near} ({len(self.layers)} layers)")
 
     def fingerprint(self) -> str:
         """A stable hash of everything a plan depends on (structure, sizes, FLOPs).
@@ -397,23 +393,6 @@ class ModelIR:
         if not p.is_file():
             raise SpecError(f"workload file {str(p)!r} does not exist")
         return cls.from_json(p.read_text(), where=str(p))
-
-    # -- human summary -------------------------------------------------------------------
-    def summary_rows(self) -> list[tuple[str, str, str, str, str, str]]:
-        """(index, name, kind, params, fwd GFLOPs, act out MiB) per layer, for tables."""
-        rows = []
-        for lay in self.layers:
-            rows.append(
-                (
-                    str(lay.index),
-                    lay.name,
-                    lay.kind.value,
-                    f"{lay.param_numel:,}",
-                    f"{lay.fwd_flops / 1e9:.3f}",
-                    f"{lay.act_out_bytes / 2**20:.2f}",
-                )
-            )
-        return rows
 
 
 _ADAPTER: TypeAdapter[ModelIR] = TypeAdapter(ModelIR)

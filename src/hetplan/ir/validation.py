@@ -69,23 +69,44 @@ _DEFAULT_HINT = (
 # --------------------------------------------------------------------------------------
 # did-you-mean
 # --------------------------------------------------------------------------------------
-def did_you_mean(word: str, choices: Sequence[str] | Mapping[str, Any]) -> str:
+def did_you_mean(
+    word: str, choices: Sequence[str] | Mapping[str, Any], *, n: int = 1,
+    substring: bool = False,
+) -> str:
     """A ``"; did you mean 'x'?"`` suffix for ``word``, or ``""`` when nothing is close.
+
+    The one place that decides which names count as close (difflib's ratio >= 0.6, then the
+    same case-folded), so every "unknown name" error in hetplan suggests alike.
 
     Args:
         word: what the user wrote.
         choices: the valid names.
+        n: suggest up to this many names (``"; did you mean 'a', 'b' or 'c'?"``), closest
+            first.
+        substring: also suggest names that contain ``word`` (first, in ``choices`` order):
+            for long dotted names where a user types a part of one.
 
     Returns:
         The suffix to append to an error message (empty when no choice is similar).
+
+    Example:
+        >>> did_you_mean("cuont", ["count", "type"])
+        "; did you mean 'count'?"
     """
     names = [str(c) for c in choices]
-    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(word, names, n=n, cutoff=0.6)
     if not close:
         # Case slips ("a100-80gb") score low with difflib; compare case-folded too.
-        folded = {n.casefold(): n for n in names}
-        close = [folded[m] for m in difflib.get_close_matches(word.casefold(), list(folded))]
-    return f"; did you mean {close[0]!r}?" if close else ""
+        folded = {name.casefold(): name for name in names}
+        close = [folded[m] for m in difflib.get_close_matches(word.casefold(), list(folded), n=n)]
+    if substring and word:
+        close = [name for name in names if word in name][:n] + close
+    near = [repr(name) for name in dict.fromkeys(close)][:n]
+    if not near:
+        return ""
+    if len(near) == 1:
+        return f"; did you mean {near[0]}?"
+    return f"; did you mean {', '.join(near[:-1])} or {near[-1]}?"
 
 
 # --------------------------------------------------------------------------------------
@@ -117,7 +138,7 @@ def _construct_unique_mapping(
 
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_unique_mapping,  # type: ignore[arg-type]
+    _construct_unique_mapping,
 )
 
 

@@ -76,7 +76,7 @@ class CompileOptions(BaseModel):
         return v
 
     @classmethod
-    def build(cls, options: CompileOptions | None = None, **kwargs: Any) -> CompileOptions:
+    def build(cls, options: CompileOptions | None = None, /, **kwargs: Any) -> CompileOptions:
         """``options`` updated with ``kwargs`` (or built from them), validated.
 
         Raises:
@@ -124,7 +124,7 @@ class CompileOptions(BaseModel):
             passes[i] = _set_options(passes[i], values, option, where)
         if "stages" not in passes[0].sections:
             writers = [n for n, cls in sorted(get_all_passes().items())
-                       if "stages" in cls.sections]
+                       if "stages" in getattr(cls, "sections", ())]
             raise SpecError(
                 f"{where}: the pipeline starts with {names[0]!r}, but the passes after the "
                 f"first read the pipeline stages: start it with a pass that writes them "

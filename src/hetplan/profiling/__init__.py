@@ -96,9 +96,9 @@ def _resolve_model(
             "run_profile(model=...) takes a zoo name or a tuple (module, example_inputs, "
             f"example_kwargs), got {type(model).__name__}"
         )
-    net, args, kwargs = model
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    return net, args, dict(kwargs or {}), None
+    net, inputs, keywords = model
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    return net, args, dict(keywords or {}), None
 
 
 def _progress(show: bool) -> Any:

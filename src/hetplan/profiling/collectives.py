@@ -59,14 +59,14 @@ class CollectiveProfile:
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self):
         return iter(self.records)
 
     def __len__(self) -> int:
         return len(self.records)
 
 
-def _op(name: str, nbytes: int, rank: int, world: int, device: str):  # type: ignore[no-untyped-def]
+def _op(name: str, nbytes: int, rank: int, world: int, device: str):
     """A zero-argument callable doing one ``name`` collective of ``nbytes`` (see module doc)."""
     import torch
     import torch.distributed as dist
@@ -123,7 +123,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(op, n: int, device: str) -> list[float]:  # type: ignore[no-untyped-def]
+def _timed(op, n: int, device: str) -> list[float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()

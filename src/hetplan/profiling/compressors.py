@@ -11,6 +11,7 @@ Each sample is the median of several calls (at least ``iters``, more for small b
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -125,10 +126,10 @@ def profile_compressors(
         raise ValueError(f"unknown compressor(s) {unknown} (known: {', '.join(COMPRESSORS)})")
     if devices is None:
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    task = None
+    step: Callable[[], None] | None = None
     if progress is not None:
         total = len(compressors) * len(set(sizes)) * len(devices)
-        task = progress.add_task("compressors", total=total)
+        step = functools.partial(progress.advance, progress.add_task("compressors", total=total))
     records = []
     old_threads = torch.get_num_threads()
     try:
@@ -139,8 +140,7 @@ def profile_compressors(
             kind = "gpu" if device.type == "cuda" else "cpu"
             for name in compressors:
                 samples = _measure(
-                    name, sizes, device, iters, min_time_s,
-                    (lambda: progress.advance(task)) if progress is not None else None,
+                    name, sizes, device, iters, min_time_s, step,
                 )
                 records.append(CompressorRecord(
                     compressor=name, device_kind=kind,  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ for what that changes.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import statistics
 import time
@@ -358,9 +359,10 @@ def profile_layers(
     model = model.to(dev)
     args = _to(example_inputs, dev)
     kwargs = _to(dict(example_kwargs or {}), dev)
-    task = None
+    step: Callable[[], None] | None = None
     if progress is not None:
         task = progress.add_task(f"layers of {ir.name}", total=warmup + iters)
+        step = functools.partial(progress.advance, task)
     old_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
@@ -368,7 +370,7 @@ def profile_layers(
         timing = time_layers(
             model, args, kwargs, _hooked_units(ir), last_layer=ir.layers[-1].name,
             warmup=warmup, iters=iters, loss_fn=loss_fn,
-            progress=(lambda: progress.advance(task)) if progress is not None else None,
+            progress=step,
         )
     finally:
         torch.set_num_threads(old_threads)

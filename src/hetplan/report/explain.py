@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -48,6 +47,7 @@ from hetplan.report._explain_targets import (
     strategy_text,
     sync_with_buckets,
 )
+from hetplan.ir.validation import did_you_mean
 from hetplan.report._text import fmt_delta_ms, fmt_ms
 
 __all__ = [
@@ -252,10 +252,7 @@ def _resolve(plan: Plan, ctx: _Context, target: str) -> tuple[Kind, Any]:
 
 def _unknown(plan: Plan, target: str) -> str:
     names = target_names(plan)
-    contains = [n for n in names if target and target in n][:3]
-    close = difflib.get_close_matches(target, names, n=3, cutoff=0.5)
-    near = list(dict.fromkeys(contains + close))[:3]
-    hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else "."
+    hint = did_you_mean(target, names, n=3, substring=True) or "."
     return (f"unknown target {target!r}{hint} Targets are a gradient tensor name, bucket:N, "
             "stage:K, rank:R or linear:NAME of an unevenly split TP linear (`hetplan "
             "inspect` lists them)")

@@ -434,7 +434,7 @@ def _draw_png(tl: _Timeline, path: Path) -> None:
 
 def _draw_html(tl: _Timeline, path: Path) -> None:
     try:
-        import plotly.graph_objects as go  # type: ignore[import-untyped]
+        import plotly.graph_objects as go
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise SpecError(f"drawing HTML needs plotly (pip install plotly): {e}") from e
     fig = go.Figure()

@@ -1,0 +1,207 @@
+"""Model capture: ``nn.Module`` → :class:`~hetplan.ir.model.ModelIR`.
+
+This package is the only part of hetplan that imports ``torch.fx`` / ``torch.export``. The
+entry point :func:`capture` and step 1 live here; the other steps are one module each:
+:mod:`~hetplan.ir.capture.units` (step 2 and the tensor-parallel linears),
+:mod:`~hetplan.ir.capture.trace` (step 3), :mod:`~hetplan.ir.capture.execute` (step 4) and
+:mod:`~hetplan.ir.capture.assemble` (step 5).
+
+How it works:
+
+1. **Meta clone** (:func:`_meta_clone`). The model is deep-copied with every parameter and
+   buffer replaced by an empty ``meta`` tensor of the same shape and dtype, so no real weight
+   or activation is ever allocated: a 70B model is captured in a few hundred MiB. Tied
+   parameters stay tied (the copy is keyed on tensor identity). A model already on ``meta``
+   is used as it is. The caller's model is never modified.
+2. **Layer units** (:func:`~hetplan.ir.capture.units.layer_units`). The granularity pipeline
+   balancing needs: every element of a *repeated block list* (a ModuleList/Sequential whose
+   elements share one class and mostly one parameter structure — transformer blocks, ResNet
+   bottlenecks) is one layer; every other parameterised leaf module (embeddings, norms, heads,
+   convolutions) is one layer; parameters owned directly by a container (a ViT cls token) form
+   a ``params`` layer.
+3. **Graph** (:func:`~hetplan.ir.capture.trace.build_graph`). ``torch.fx.symbolic_trace`` with
+   the layer units as leaf modules where it works; otherwise ``torch.export`` (non-strict),
+   whose aten nodes are mapped back to layers through ``nn_module_stack``. Each call of a
+   module is a layer *invocation*; a module called twice (weight sharing across positions)
+   gives a second layer ``name@1`` whose parameters are aliases of the first.
+4. **Meta execution** (:class:`~hetplan.ir.capture.execute.Executor`). The captured graph is
+   run once forward and once backward on meta tensors. A dispatch mode counts FLOPs per aten op
+   with torch's own formulas (``torch.utils.flop_counter``), attributed to the layer running:
+   in forward the graph node being interpreted, in backward the layer that created the autograd
+   node (every ``grad_fn`` is tagged when it is created). Parameter post-accumulate-grad hooks
+   record the **backward-ready order** of gradients — exactly the order the runtime's gradient
+   hooks, Espresso and Cupcake see.
+5. **Assembly and verification** (:func:`~hetplan.ir.capture.assemble.assemble`): activation
+   bytes in/out per layer from the graph's edges, the tensor-parallel linears of each layer,
+   and :func:`hetplan.ir.model.verify_model_ir`.
+
+Glue code outside every layer (mask construction, residual adds written in a top-level
+forward, a loss) is attributed to the next layer in dataflow order (or the last layer when
+nothing follows), so per-layer FLOPs add up to the model's total. Decision recorded in
+``docs/decisions.md``.
+
+Escape hatch: ``opaque_modules=["encoder.router"]`` makes the named modules fx leaves that are
+executed for real on CPU with zero-filled weights and inputs (only that module is
+materialised), which gets past data-dependent control flow inside them; their backward FLOPs
+are estimated as 2× forward. This works on the fx path (models that are otherwise
+symbolically traceable).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from hetplan.errors import TraceError
+from hetplan.ir import block_reuse
+from hetplan.ir.capture.assemble import assemble
+from hetplan.ir.capture.execute import Executor
+from hetplan.ir.capture.trace import build_graph
+from hetplan.ir.capture.units import layer_units
+from hetplan.ir.model import ModelIR, verify_model_ir
+from hetplan.ir.validation import did_you_mean
+
+__all__ = ["capture"]
+
+
+# --------------------------------------------------------------------------------------
+# public entry point
+# --------------------------------------------------------------------------------------
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    opaque_modules: Iterable[str] = (),
+    method: str = "auto",
+    reuse_blocks: bool = True,
+) -> ModelIR:
+    """Capture ``model`` into a :class:`ModelIR` without allocating weights or activations.
+
+    Args:
+        model: any ``nn.Module``, on any device (``meta`` included); it is not modified.
+        example_inputs: positional inputs of one training micro-batch (tensors are used only
+            for their shape and dtype). A single tensor may be passed bare.
+        example_kwargs: keyword inputs (e.g. ``{"use_cache": False}`` for HF LMs).
+        name: the IR's name (default: the model's class name).
+        opaque_modules: qualified names of modules to treat as opaque leaves (see module doc).
+        method: ``"auto"`` (fx, then torch.export), ``"fx"`` or ``"export"``.
+        reuse_blocks: trace each long list of identical blocks once and replicate it in the
+            IR (:mod:`hetplan.ir.block_reuse`); the result equals a full capture. False
+            traces every block.
+
+    Returns:
+        The verified IR.
+
+    Raises:
+        TraceError: the model cannot be captured; names the module and the reason.
+
+    Example:
+        >>> import torch, hetplan
+        >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+        ...                           torch.nn.Linear(16, 4))
+        >>> ir = hetplan.capture(mlp, torch.randn(2, 8))
+        >>> [layer.name for layer in ir.layers], ir.num_params
+        (['0', '2'], 212)
+    """
+    if method not in ("auto", "fx", "export"):
+        raise ValueError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
+    if not isinstance(model, nn.Module):
+        raise TraceError(
+            f"capture() needs a torch.nn.Module, got {type(model).__name__}",
+            reason="not a module",
+        )
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    opaque = tuple(opaque_modules)
+    _check_opaque_names(model, opaque)
+
+    meta_model = _meta_clone(model)
+    args_meta = tree_map(_to_meta, tuple(example_inputs))
+    kwargs_meta = tree_map(_to_meta, kwargs)
+    units = layer_units(meta_model, opaque)
+    if not units:
+        raise TraceError(
+            f"{type(model).__name__} has no parameters: there is nothing to plan",
+            reason="no parameters",
+        )
+    groups = sorted({u.group for u in units.values() if u.group is not None})
+    cuts = block_reuse.plan_cuts(meta_model, groups) if reuse_blocks else []
+    ir = None
+    if cuts:
+        try:
+            with block_reuse.truncated(meta_model, cuts):
+                short = _capture_once(model, meta_model, args_meta, kwargs_meta, opaque, method)
+            ir = block_reuse.expand_blocks(short, cuts)
+        except TraceError:
+            ir = None  # the full capture below reports the real problem
+    if ir is None:
+        ir = _capture_once(model, meta_model, args_meta, kwargs_meta, opaque, method)
+    if name:
+        ir = dataclasses.replace(ir, name=name)
+    verify_model_ir(ir, where=ir.name)
+    return ir
+
+
+def _capture_once(
+    original: nn.Module,
+    meta_model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    opaque: tuple[str, ...],
+    method: str,
+) -> ModelIR:
+    units = layer_units(meta_model, opaque)
+    graph = build_graph(meta_model, args, kwargs, units, opaque, method)
+    executor = Executor(meta_model, graph, units)
+    executor.run()
+    return assemble(original, meta_model, graph, units, executor, None, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# 1. meta clone
+# --------------------------------------------------------------------------------------
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return x
+
+
+def _meta_clone(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` whose tensors are all on ``meta``; ties preserved."""
+    params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+    buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
+    tensors = params + buffers
+    if all(t.device.type == "meta" for t in tensors):
+        return model
+    memo: dict[int, Any] = {}
+    for p in params:
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(_to_meta(p), requires_grad=p.requires_grad)
+    for b in buffers:
+        memo.setdefault(id(b), _to_meta(b))
+    return copy.deepcopy(model, memo)
+
+
+def _check_opaque_names(model: nn.Module, opaque: tuple[str, ...]) -> None:
+    names = {n for n, _ in model.named_modules()}
+    for q in opaque:
+        if q not in names:
+            children = ", ".join(repr(n) for n, _ in sorted(model.named_children()))
+            near = did_you_mean(q, sorted(names), n=3) or f"; its top-level modules: {children}"
+            raise TraceError(
+                f"opaque_modules names {q!r}, which is not a module of "
+                f"{type(model).__name__}{near}",
+                module=q,
+                reason="unknown module",
+            )
+
+

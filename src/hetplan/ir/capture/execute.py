@@ -1,0 +1,306 @@
+"""Capture step 4: run the captured graph forward and backward on meta tensors.
+
+:class:`Executor` interprets the graph once forward and once backward. A dispatch mode counts
+FLOPs per aten op with torch's own formulas, attributed to the layer running (in backward,
+the layer that created the autograd node); parameter post-accumulate-grad hooks record the
+backward-ready order of gradients; saved-tensor hooks count the activation bytes kept for
+backward. Attention runs as a fused kernel would (no ``[seq x seq]`` scores saved), and opaque
+modules run for real on CPU with zero-filled weights and inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from hetplan.errors import TraceError
+from hetplan.ir.capture.trace import Graph
+from hetplan.ir.capture.units import UnitInfo
+from hetplan.ir.model import LayerKind
+
+__all__ = ["Executor"]
+
+
+# --------------------------------------------------------------------------------------
+# 4. meta execution: FLOPs per layer, gradient-ready order, tensor sizes
+# --------------------------------------------------------------------------------------
+class _FlopCounter(TorchDispatchMode):
+    """Counts FLOPs per aten op with torch's formulas, attributed to ``self.current``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: str | None = None
+        self.backward = False
+        self.paused = False
+        self.fwd: defaultdict[str | None, int] = defaultdict(int)
+        self.bwd: defaultdict[str | None, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None and not self.paused:
+            n = int(formula(*args, **kwargs, out_val=out))
+            (self.bwd if self.backward else self.fwd)[self.current] += n
+        return out
+
+
+class _GradFnTagger(TorchFunctionMode):
+    """Tags every autograd node created in forward with the layer that created it, so that
+    backward FLOPs can be attributed to that layer."""
+
+    def __init__(self, counter: _FlopCounter) -> None:
+        super().__init__()
+        self.counter = counter
+        self.tagged: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SDPA:
+            out = _fused_attention(self.counter, *args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
+        layer = self.counter.current
+        for t in tree_leaves(out):
+            fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+            if fn is not None and id(fn) not in self.tagged:
+                self.tagged.add(id(fn))
+                fn.register_prehook(_set_current(self.counter, layer))
+        return out
+
+
+_SDPA = (
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
+
+
+def _fused_attention(
+    counter: _FlopCounter,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    **extra: Any,
+) -> torch.Tensor:
+    options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra)
+    return _FusedAttention.apply(q, k, v, attn_mask, options, counter)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Attention as a fused (flash / memory-efficient) kernel, which is what training uses on
+    GPUs: it keeps q, k, v, the output and the row log-sum-exp for backward — not the
+    [seq × seq] score matrix that meta execution's math path would save — and recomputes the
+    scores in backward. FLOPs are counted as the math path's (recomputation is not counted:
+    model FLOPs, as MFU conventions count them)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, options, counter):
+        with torch.no_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, **options
+            )
+        lse = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+        ctx.options, ctx.counter, ctx.has_mask = options, counter, mask is not None
+        ctx.save_for_backward(q, k, v, out, lse, *((mask,) if mask is not None else ()))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _out, _lse, *rest = ctx.saved_tensors
+        mask = rest[0] if ctx.has_mask else None
+        counter = ctx.counter
+        with torch.enable_grad():
+            qq, kk, vv = (x.detach().requires_grad_(x.requires_grad) for x in (q, k, v))
+            counter.paused = True
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=mask, **ctx.options
+            )
+            counter.paused = False
+            wanted = [x for x in (qq, kk, vv) if x.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out)) if wanted else iter(())
+        return (
+            *(next(grads) if x.requires_grad else None for x in (qq, kk, vv)),
+            None,
+            None,
+            None,
+        )
+
+
+def _set_current(counter: _FlopCounter, layer: str | None):
+    def hook(_grad_outputs: Any) -> None:
+        counter.current = layer
+
+    return hook
+
+
+class _OpaqueCall(torch.autograd.Function):
+    """Runs an opaque module for real on CPU (zero weights and inputs) inside a meta graph."""
+
+    @staticmethod
+    def forward(ctx, module_and_state, *inputs):
+        module, counter, on_backward = module_and_state
+        ctx.shapes = [(i.shape, i.dtype) if isinstance(i, torch.Tensor) else None for i in inputs]
+        ctx.on_backward = on_backward
+        real_in = [
+            torch.zeros(i.shape, dtype=i.dtype) if isinstance(i, torch.Tensor) else i
+            for i in inputs
+        ]
+        with torch.no_grad():
+            out = module(*real_in)
+        if not isinstance(out, torch.Tensor):
+            raise TraceError(
+                "an opaque module must return one tensor", reason="opaque module output"
+            )
+        return torch.empty(out.shape, dtype=out.dtype, device="meta")
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_backward()
+        return (None,) + tuple(
+            torch.zeros(s[0], dtype=s[1], device="meta") if s and s[1].is_floating_point else None
+            for s in ctx.shapes
+        )
+
+
+class Executor(torch.fx.Interpreter):
+    """Runs the captured graph forward and backward on meta tensors (see module docstring)."""
+
+    def __init__(self, model: nn.Module, graph: Graph, units: dict[str, UnitInfo]) -> None:
+        super().__init__(graph.gm)
+        self.graph_info = graph
+        self.model = model
+        self.units = units
+        self.counter = _FlopCounter()
+        self.values: dict[torch.fx.Node, Any] = {}
+        self.grad_order: list[int] = []  # ids of parameters, in gradient-ready order
+        self.saved: defaultdict[str | None, int] = defaultdict(int)  # bytes kept for backward
+        self._saved_ids: set[int] = set()
+        self._param_ids = {id(p) for p in graph.gm.parameters()}
+        self._assign_glue()
+
+    def _assign_glue(self) -> None:
+        """Glue nodes (no layer) join the next layer in graph order, else the last layer."""
+        nodes = list(self.graph_info.gm.graph.nodes)
+        layer_of = self.graph_info.node_layer
+        pending: list[torch.fx.Node] = []
+        last = self.graph_info.invocations[-1][0] if self.graph_info.invocations else None
+        self.exec_layer: dict[torch.fx.Node, str | None] = {}
+        for node in nodes:
+            if node.op in ("placeholder", "get_attr", "output"):
+                self.exec_layer[node] = layer_of.get(node)
+                continue
+            if node in layer_of:
+                for p in pending:
+                    self.exec_layer[p] = layer_of[node]
+                pending.clear()
+                self.exec_layer[node] = layer_of[node]
+            else:
+                pending.append(node)
+        for p in pending:
+            self.exec_layer[p] = last
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.counter.current = self.exec_layer.get(n)
+        out = super().run_node(n)
+        self.values[n] = out
+        return out
+
+    def call_module(self, target: str, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
+        unit = self.units.get(target)
+        if unit is None or unit.kind is not LayerKind.OPAQUE:
+            return super().call_module(target, args, kwargs)
+        module = self.fetch_attr(target)
+        real = copy.deepcopy(module).to_empty(device="cpu")
+        for t in list(real.parameters()) + list(real.buffers()):
+            torch.nn.init.zeros_(t) if t.is_floating_point() else t.zero_()
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def on_backward() -> None:
+            for p in reversed(params):
+                self.grad_order.append(id(p))
+
+        before = self.counter.fwd[self.counter.current]
+        out = _OpaqueCall.apply((real, self.counter, on_backward), *args)
+        # The opaque body ran under the dispatch mode on CPU: its forward FLOPs are counted.
+        # Backward is not run for real: estimate it as 2x forward (dX and dW GEMMs).
+        fwd = self.counter.fwd[self.counter.current] - before
+        self.counter.bwd[self.counter.current] += 2 * fwd
+        if params:
+            out = out + 0 * sum(p.sum() for p in params)  # keep params in the autograd graph
+        return out
+
+    def run(self) -> None:  # type: ignore[override]
+        hooks = []
+        for p in self.module.parameters():
+            if p.requires_grad:
+                hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._opaque_param_ids = {
+            id(p)
+            for q, u in self.units.items()
+            if u.kind is LayerKind.OPAQUE
+            for p in self.model.get_submodule(q).parameters()
+        }
+        try:
+            with (
+                torch.enable_grad(),
+                self.counter,
+                _GradFnTagger(self.counter),
+                torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
+            ):
+                out = super().run(*self.graph_info.flat_inputs)
+            loss = _scalar_loss(out)
+            self.counter.backward = True
+            with self.counter:
+                if loss is not None:
+                    loss.backward()
+        finally:
+            for h in hooks:
+                h.remove()
+        for p in self.module.parameters():
+            p.grad = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Count a tensor autograd saves for backward against the running layer, once per
+        storage (views of one activation count once); parameters are not activations."""
+        base = t._base if t._base is not None else t
+        if id(base) in self._param_ids or id(t) in self._param_ids:
+            return t
+        key = t.untyped_storage()._cdata
+        if key not in self._saved_ids:
+            self._saved_ids.add(key)
+            self.saved[self.counter.current] += t.untyped_storage().nbytes()
+        return t
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if id(p) not in self._opaque_param_ids:
+            self.grad_order.append(id(p))
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _scalar_loss(out: Any) -> torch.Tensor | None:
+    parts = [
+        t.float().sum()
+        for t in tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not parts:
+        return None
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
