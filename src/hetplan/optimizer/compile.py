@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hetplan.algorithms.pipeline_schedules import layout_actions
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import Evaluation, evaluate
 from hetplan.cost_models.profile_db import ProfileDB
@@ -265,6 +266,8 @@ def compile(  # noqa: A001 - the product's verb
                                           profile_fingerprint=_db_fingerprint(db)),
             "pass_log": (PassLogEntry(name="layout-search", changed=True,
                                       notes=(search_note,)),) + plan.pass_log,
+            # the action lists the simulator costs and the runtime executes
+            "pipeline_actions": layout_actions(plan.layout) if plan.layout else None,
         }
     )
     return Plan.model_validate(plan.model_dump())
