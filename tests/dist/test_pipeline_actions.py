@@ -240,8 +240,8 @@ def _silent_peer_worker(rank: int, world: int, plan_json: str, marker: str) -> s
 
 def test_a_silent_pipeline_peer_fails_the_step_with_the_timeout(tmp_path: Path) -> None:
     plan = _hand("1f1b", (2,))
-    outs = run_local_ranks(_silent_peer_worker, 2, (plan.to_json(), str(tmp_path / "gave-up")),
-                           timeout_s=120)
+    marker = str(tmp_path / "gave-up")
+    outs = run_local_ranks(_silent_peer_worker, 2, (plan.to_json(), marker), timeout_s=120)
     assert outs[1] == "silent"
     assert outs[0].startswith("raised:"), outs[0]
     assert "timed out" in outs[0].lower() or "timeout" in outs[0].lower(), outs[0]

@@ -158,10 +158,10 @@ class StageMonitor:
 
     _METHODS = {"forward_one_chunk": ActionKind.F, "backward_one_chunk": ActionKind.B}
 
-    def __init__(self, stages: _PipelineStageBase | Sequence[_PipelineStageBase]) -> None:
+    def __init__(self, stages: Sequence[_PipelineStageBase]) -> None:
         self.busy_s = 0.0
         self.executed: list[Action] = []
-        for st in stages if isinstance(stages, (list, tuple)) else [stages]:
+        for st in stages:
             for name, kind in self._METHODS.items():
                 setattr(st, name, self._timed(getattr(st, name), kind, st.stage_index))
 

@@ -100,6 +100,7 @@ class RebalancingHandler(Handler):
                                             "layer_names": tuple(names[a:b + 1])})
                   for i, (a, b) in enumerate(bounds)]
         sending, old_opt = dict(ctx.named_params), ctx.optimizer
+        assert old_opt is not None  # a rank still in the pipeline has an optimizer
         stages_h.drop()
         if me < len(bounds) and len(bounds) > 1:
             stages_h.build(ctx, stages, new_group)
@@ -119,6 +120,5 @@ class RebalancingHandler(Handler):
         if me >= len(bounds):
             ctx.released, ctx.optimizer = True, None
             return
-        assert old_opt is not None
         ctx.optimizer = carry_optimizer(old_opt, ctx.make_optimizer(
             [p for _, p in ctx.named_params]), received)
