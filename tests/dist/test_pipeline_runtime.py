@@ -28,12 +28,12 @@ from hetplan.runtime.pipeline import (
     SequentialStageModule,
     build_stage,
     build_stages,
-    make_schedule,
     split_points,
     stage_indices_of_rank,
     tied_across_stages,
 )
-from hetplan.runtime.pipeline import step as pp_step
+from hetplan.runtime.schedule import make_schedule
+from hetplan.runtime.schedule import step as pp_step
 
 pytestmark = pytest.mark.dist
 

@@ -19,6 +19,10 @@ Convention (one for analytic and profiled costs; tests check it)::
   rank's contribution); the total each rank sends (its own block included) for alltoall.
 * Group size 1, and ``nbytes == 0``, cost 0 s.
 
+The formula on raw numbers (:func:`analytic_time_s`, :func:`bus_factor`,
+:func:`latency_steps`) lives in :mod:`hetplan.algorithms.collectives`, below both this module
+and the runtime's link emulation, and is re-exported here.
+
 Profiled fits take precedence over the analytic model. A :class:`~.profile_db.CollectiveRecord`
 measured at group size ``m`` on the same backend and link kind gives a line ``a + b * nbytes``
 (fitted with :func:`fit_alpha_beta` unless the record carries one); it is used as is for
@@ -38,8 +42,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
+from hetplan.algorithms.collectives import (
+    COLLECTIVES,
+    Collective,
+    analytic_time_s,
+    bus_factor,
+    check_collective,
+    latency_steps,
+)
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import ClusterSpec, LinkSpec
@@ -58,11 +70,6 @@ __all__ = [
     "latency_steps",
 ]
 
-#: The collective operations the model knows.
-Collective = Literal[
-    "allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "reduce", "gather", "p2p"
-]
-COLLECTIVES: tuple[str, ...] = get_args(Collective)
 #: Where a cost came from.
 CostSourceName = Literal["profiled", "analytic"]
 LinkRef = LinkSpec | Literal["intra", "inter"]
@@ -96,68 +103,6 @@ class CommCost:
     seconds: float
     source: CostSourceName
     detail: str = ""
-
-
-def _check_collective(collective: str) -> None:
-    if collective not in COLLECTIVES:
-        raise ValueError(
-            f"unknown collective {collective!r}{did_you_mean(collective, COLLECTIVES)} "
-            f"(known: {', '.join(COLLECTIVES)})"
-        )
-
-
-def bus_factor(collective: str, group_size: int) -> float:
-    """NCCL-tests bus-bandwidth factor of ``collective`` on ``group_size`` ranks (0 for 1)."""
-    _check_collective(collective)
-    n = group_size
-    if n <= 1:
-        return 0.0
-    if collective == "allreduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("broadcast", "reduce", "p2p"):
-        return 1.0
-    return (n - 1) / n
-
-
-def latency_steps(collective: str, group_size: int) -> int:
-    """Latency-bound steps of the ring/chain algorithm (0 for a group of 1)."""
-    _check_collective(collective)
-    n = group_size
-    if n <= 1:
-        return 0
-    if collective == "allreduce":
-        return 2 * (n - 1)
-    if collective == "p2p":
-        return 1
-    return n - 1
-
-
-def analytic_time_s(
-    collective: str,
-    nbytes: float,
-    group_size: int,
-    bandwidth_bytes_per_s: float,
-    latency_s: float,
-) -> float:
-    """The module's formula on raw numbers: ``steps * latency + factor * nbytes / bandwidth``.
-
-    Args:
-        collective: one of :data:`COLLECTIVES`.
-        nbytes: buffer size in bytes, as defined in the module docstring.
-        group_size: ranks taking part.
-        bandwidth_bytes_per_s: bus bandwidth of the link (> 0).
-        latency_s: latency of one algorithm step.
-
-    Returns:
-        Seconds; 0 for a group of 1 or 0 bytes.
-    """
-    if group_size <= 1 or nbytes <= 0:
-        _check_collective(collective)
-        return 0.0
-    return (
-        latency_steps(collective, group_size) * latency_s
-        + bus_factor(collective, group_size) * nbytes / bandwidth_bytes_per_s
-    )
 
 
 def fit_alpha_beta(
@@ -358,7 +303,7 @@ class CommModel:
         return spec
 
     def _build_line(self, collective: str, group_size: int, link: LinkRef) -> AlphaBeta:
-        _check_collective(collective)
+        check_collective(collective)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
         spec = self.resolve_link(link)

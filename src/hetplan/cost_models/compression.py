@@ -1,6 +1,7 @@
 """Compression cost: (de)compression time per compressor, device and size, and wire ratios.
 
-Compressors (:data:`COMPRESSORS`): the casts ``fp16`` and ``bf16``; the sparsifiers ``topk``,
+Compressors (:data:`COMPRESSORS`, with their default parameters, from
+:mod:`hetplan.ir.compressors`): the casts ``fp16`` and ``bf16``; the sparsifiers ``topk``,
 ``randomk`` and ``dgc``; the quantizers ``efsignsgd``, ``onebit`` and ``qsgd``; and the
 low-rank ``powersgd``. Each runs on a ``gpu`` or a ``cpu`` (Espresso's dimension 2).
 
@@ -54,11 +55,18 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from hetplan.cost_models.profile_db import CompressorRecord, ProfileDB
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import DEVICE_CATALOGUE, ClusterSpec, DeviceSpec
+from hetplan.ir.compressors import (
+    COMPRESSORS,
+    DEFAULT_POWERSGD_RANK,
+    DEFAULT_QSGD_LEVELS,
+    DEFAULT_SPARSITY_RATIO,
+    Compressor,
+)
 from hetplan.ir.validation import did_you_mean
 
 if TYPE_CHECKING:
@@ -84,15 +92,7 @@ __all__ = [
     "wire_ratio",
 ]
 
-Compressor = Literal[
-    "fp16", "bf16", "topk", "randomk", "dgc", "efsignsgd", "qsgd", "onebit", "powersgd"
-]
-COMPRESSORS: tuple[str, ...] = get_args(Compressor)
 _SPARSIFIERS = ("topk", "randomk", "dgc")
-
-DEFAULT_SPARSITY_RATIO = 0.01
-DEFAULT_QSGD_LEVELS = 127
-DEFAULT_POWERSGD_RANK = 4
 #: GPU (de)compression time is constant up to this size (2^20 fp32 elements).
 GPU_THRESHOLD_BYTES = 4 * 2**20
 #: Memory bandwidth of the V100 the reference constants were measured on.

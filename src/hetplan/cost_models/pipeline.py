@@ -1,11 +1,13 @@
 """Discrete-event simulator of one training iteration of a pipeline: the pipeline objective.
 
 Schedules are data, as in ``torch.distributed.pipelining``: per rank an ordered tuple of
-:class:`Action` (F or B, micro-batch, virtual stage). Generators exist for ``gpipe``,
-``1f1b`` (PipeDream-flush, Megatron non-interleaved), ``interleaved-1f1b`` (Megatron, with
-``virtual_stages`` chunks per rank) and ``chimera`` (Li & Hoefler, SC'21). The simulator
-replays a schedule against per-rank compute times and per-link transfer times and returns
-the makespan, per-rank busy/idle time, the bubble ratio and every timed event.
+:class:`Action` (F or B, micro-batch, virtual stage), generated for ``gpipe``, ``1f1b``,
+``interleaved-1f1b`` and ``chimera`` by :mod:`hetplan.algorithms.pipeline_schedules` (its
+names are re-exported here). The plan carries exactly those lists (``Plan.pipeline_actions``)
+and the runtime executes them; :func:`simulate_schedule` replays a schedule's lists against
+per-rank compute times and per-link transfer times and returns the makespan, per-rank
+busy/idle time, the bubble ratio and every timed event; :func:`simulate_pipeline` does so for
+the lists :func:`build_schedule` generates, i.e. the ones a compiled plan carries.
 
 Timing model (what "simulate" means here):
     * Each rank executes its action list strictly in order, one action at a time.
@@ -34,13 +36,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 from fractions import Fraction
-from functools import lru_cache
 from numbers import Rational
 from typing import NamedTuple
 
-from hetplan.errors import HetplanError
+from hetplan.algorithms.pipeline_schedules import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    PipelineDeadlockError,
+    PipelineSchedule,
+    PipelineScheduleError,
+    build_schedule,
+    check_sizes,
+    chimera_schedule,
+    gpipe_schedule,
+    interleaved_1f1b_schedule,
+    one_f_one_b_schedule,
+)
 
 __all__ = [
     "SCHEDULES", "Action", "ActionKind", "PipelineDeadlockError", "PipelineSchedule",
@@ -50,87 +63,7 @@ __all__ = [
     "simulate_schedule",
 ]
 
-#: Schedule names accepted by :func:`build_schedule` and :func:`simulate_pipeline`.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "chimera")
-
-
-class PipelineScheduleError(HetplanError, ValueError):
-    """A schedule or its inputs are malformed (bad sizes, missing or duplicate actions)."""
-
-
-class PipelineDeadlockError(PipelineScheduleError):
-    """No rank can make progress; ``table`` is the step x rank table marking the stall."""
-
-    def __init__(self, message: str, table: str) -> None:
-        super().__init__(f"{message}\n{table}")
-        self.table = table
-
-
-class ActionKind(str, Enum):
-    """Forward or backward computation of one micro-batch on one stage."""
-
-    F = "F"
-    B = "B"
-
-
-class Action(NamedTuple):
-    """One computation in a rank's list: ``kind`` of ``microbatch`` on virtual ``stage``.
-
-    ``stage`` indexes the micro-batch's own pipeline, ``0 .. num_stages-1`` (for gpipe/1f1b
-    it equals the rank; interleaved rank ``r`` holds stages ``r, r+P, ...``; in Chimera it is
-    the stage in the micro-batch's direction). Prints as ``"{stage}{kind}{microbatch}"``,
-    like ``torch.distributed.pipelining``'s ``_Action``.
-    """
-
-    kind: ActionKind
-    microbatch: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
-
-
-@dataclass(frozen=True)
-class PipelineSchedule:
-    """A pipeline schedule as data: per rank, the ordered actions it executes.
-
-    Attributes:
-        name: schedule name (one of :data:`SCHEDULES` for generated schedules).
-        num_ranks: pipeline ranks ``P``.
-        num_microbatches: micro-batches ``M`` per iteration.
-        num_stages: virtual stages ``S`` each micro-batch passes through (``P * v``).
-        actions: ``actions[r]`` is rank ``r``'s ordered tuple of :class:`Action`.
-    """
-
-    name: str
-    num_ranks: int
-    num_microbatches: int
-    num_stages: int
-    actions: tuple[tuple[Action, ...], ...]
-
-    def format_table(self, stalled: dict[int, int] | None = None) -> str:
-        """Render a step x rank table; ``stalled[rank] = step`` cells print as ``[..]``.
-
-        Rows with a stalled cell end in ``<-- STALLED HERE``. O(P * max steps).
-        """
-        stalled = stalled or {}
-        steps = max((len(a) for a in self.actions), default=0)
-        header = ["step"] + [f"rank {r}" for r in range(self.num_ranks)]
-        rows: list[list[str]] = []
-        for k in range(steps):
-            row = [str(k)]
-            for r, acts in enumerate(self.actions):
-                cell = str(acts[k]) if k < len(acts) else ""
-                row.append(f"[{cell}]" if stalled.get(r) == k else cell)
-            rows.append(row)
-        widths = [max(len(x[c]) for x in [header, *rows]) for c in range(len(header))]
-        lines = [" | ".join(h.rjust(w) for h, w in zip(header, widths))]
-        for k, row in enumerate(rows):
-            line = " | ".join(c.rjust(w) for c, w in zip(row, widths))
-            if k in stalled.values():
-                line += "  <-- STALLED HERE"
-            lines.append(line)
-        return "\n".join(lines)
+_F, _B = ActionKind.F, ActionKind.B
 
 
 class TimedEvent(NamedTuple):
@@ -165,241 +98,7 @@ class PipelineSimResult:
     events: tuple[TimedEvent, ...]
 
 
-# --------------------------------------------------------------------------- generators
-
-_F, _B = ActionKind.F, ActionKind.B
-
-
-def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
-    if num_ranks < 1:
-        raise PipelineScheduleError(f"num_ranks must be >= 1, got {num_ranks!r}")
-    if num_microbatches < 1:
-        raise PipelineScheduleError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
-
-
-def gpipe_schedule(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
-    """GPipe: every rank runs all forwards, then all backwards, both in micro-batch order.
-
-    O(P * M).
-    """
-    _check_sizes(num_ranks, num_microbatches)
-    m_range = range(num_microbatches)
-    actions = tuple(
-        tuple([Action(_F, m, r) for m in m_range] + [Action(_B, m, r) for m in m_range])
-        for r in range(num_ranks)
-    )
-    return PipelineSchedule("gpipe", num_ranks, num_microbatches, num_ranks, actions)
-
-
-def one_f_one_b_schedule(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
-    """1F1B (PipeDream-flush; Megatron ``forward_backward_pipelining_without_interleaving``).
-
-    Rank ``r`` runs ``min(P-r-1, M)`` warm-up forwards, then alternates one forward and one
-    backward, then drains the remaining backwards. O(P * M).
-    """
-    _check_sizes(num_ranks, num_microbatches)
-    per_rank = []
-    for r in range(num_ranks):
-        warm = min(num_ranks - r - 1, num_microbatches)
-        acts = [Action(_F, m, r) for m in range(warm)]
-        for i in range(num_microbatches - warm):
-            acts += [Action(_F, warm + i, r), Action(_B, i, r)]
-        acts += [Action(_B, m, r) for m in range(num_microbatches - warm, num_microbatches)]
-        per_rank.append(tuple(acts))
-    return PipelineSchedule("1f1b", num_ranks, num_microbatches, num_ranks, tuple(per_rank))
-
-
-def interleaved_1f1b_schedule(
-    num_ranks: int, num_microbatches: int, virtual_stages: int
-) -> PipelineSchedule:
-    """Megatron's interleaved 1F1B with ``v = virtual_stages`` model chunks per rank.
-
-    Rank ``r`` holds virtual stages ``r, r+P, ..., r+(v-1)P``. It walks ``M*v`` virtual
-    micro-batches: the ``k``-th forward is micro-batch ``(k // (P*v)) * P + k % P`` on chunk
-    ``(k % (P*v)) // P``; backwards walk the chunks in reverse. Warm-up is
-    ``min(2*(P-r-1) + (v-1)*P, M*v)`` forwards (all of them when ``M == P``), then 1F1B, then
-    drain, exactly as in Megatron-LM. O(P * M * v).
-
-    Raises:
-        PipelineScheduleError: ``virtual_stages < 2`` or ``M % P != 0``.
-    """
-    _check_sizes(num_ranks, num_microbatches)
-    p, v, m_total = num_ranks, virtual_stages, num_microbatches
-    if v < 2:
-        raise PipelineScheduleError(
-            f"interleaved-1f1b needs virtual_stages >= 2, got {v!r}; use '1f1b' for one chunk"
-        )
-    if m_total % p != 0:
-        raise PipelineScheduleError(
-            f"interleaved-1f1b needs micro_batches divisible by the pipeline size: "
-            f"{m_total} % {p} = {m_total % p}; use a multiple of {p} micro-batches"
-        )
-    total = m_total * v
-
-    def action(kind: ActionKind, k: int, r: int) -> Action:
-        chunk = (k % (p * v)) // p
-        if kind is _B:
-            chunk = v - 1 - chunk
-        return Action(kind, (k // (p * v)) * p + k % p, chunk * p + r)
-
-    per_rank = []
-    for r in range(p):
-        warm = total if m_total == p else min(2 * (p - r - 1) + (v - 1) * p, total)
-        acts = [action(_F, k, r) for k in range(warm)]
-        for i in range(total - warm):
-            acts += [action(_F, warm + i, r), action(_B, i, r)]
-        acts += [action(_B, k, r) for k in range(total - warm, total)]
-        per_rank.append(tuple(acts))
-    return PipelineSchedule("interleaved-1f1b", p, m_total, p * v, tuple(per_rank))
-
-
-@lru_cache(maxsize=64)
-def _chimera_unit(p: int, n: int) -> tuple[tuple[tuple[ActionKind, int, int], ...], ...]:
-    """Per-rank order of one Chimera basic unit of ``n`` micro-batches (see chimera_schedule).
-
-    Non-delay list scheduling at unit times F=1, B=2: repeatedly start the action with the
-    earliest possible start; ties on a rank go to backward first, then the higher stage, then
-    the lower micro-batch. O(n * P * (P + n)) once per (P, n), cached.
-    """
-    half = n // 2
-
-    def rank_of(m: int, s: int) -> int:
-        return s if m < half else p - 1 - s
-
-    ready: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(p)]
-    for m in range(n):  # (ready_time, kind 0=B 1=F, -stage, mb, stage)
-        ready[rank_of(m, 0)].append((0, 1, 0, m, 0))
-    free = [0] * p
-    order: list[list[tuple[ActionKind, int, int]]] = [[] for _ in range(p)]
-    for _ in range(2 * p * n):
-        best: tuple[int, int, tuple[int, int, int, int, int]] | None = None
-        for r in range(p):
-            if not ready[r]:
-                continue
-            start = max(free[r], min(c[0] for c in ready[r]))
-            pick = min((c for c in ready[r] if c[0] <= start), key=lambda c: c[1:4])
-            if best is None or start < best[0]:
-                best = (start, r, pick)
-        assert best is not None, "chimera unit generator ran dry"
-        start, r, (_, kind_bit, _, m, s) = best
-        ready[r].remove(best[2])
-        kind = _F if kind_bit else _B
-        end = start + (1 if kind is _F else 2)
-        free[r] = end
-        order[r].append((kind, m, s))
-        if kind is _F and s + 1 < p:
-            ready[rank_of(m, s + 1)].append((end, 1, -(s + 1), m, s + 1))
-        elif kind is _F:
-            ready[r].append((end, 0, -s, m, s))
-        elif s > 0:
-            ready[rank_of(m, s - 1)].append((end, 0, -(s - 1), m, s - 1))
-    return tuple(tuple(o) for o in order)
-
-
-def chimera_schedule(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
-    """Chimera (Li & Hoefler, SC'21): two model replicas in opposite directions.
-
-    Rank ``i`` holds stage ``i`` of the *down* pipeline and stage ``P-1-i`` of the *up*
-    pipeline. Micro-batches form units of ``P`` (the last unit may be smaller); in each unit
-    the first half goes down and the second half up. Decisions, since the paper gives the
-    schedule only as figures:
-
-    * A unit's per-rank order comes from non-delay list scheduling at unit times F=1, B=2
-      (the paper's assumption), ties to backward first, then the stage nearer the loss, then
-      the lower micro-batch. It reproduces the paper's D-2 bubbles per worker; with
-      balanced stages, no transfer and ``M == P`` its makespan is ``P*T_F + (2P-2)*T_B``,
-      i.e. exactly Eq. (1) of the DynPipe seed, whenever ``T_B >= 2*T_F`` (tested for
-      P = 2..16). For ``T_B < 2*T_F`` this fixed order is a few ``T_F`` slower than Eq. (1).
-    * Units are concatenated per rank ("direct concatenation"); forward doubling and
-      backward halving are not modelled.
-    * Both replicas' stages on a rank cost that rank's ``forward_ms``/``backward_ms``;
-      the gradient all-reduce between the replicas is outside the iteration simulated here.
-
-    O(P^2 * M) plus a cached O(P^4) unit construction.
-
-    Raises:
-        PipelineScheduleError: ``P`` or ``M`` is odd (Chimera assumes even depth and splits
-            micro-batches half/half between the directions).
-    """
-    _check_sizes(num_ranks, num_microbatches)
-    p, m_total = num_ranks, num_microbatches
-    if p % 2 or m_total % 2:
-        raise PipelineScheduleError(
-            f"chimera needs an even number of ranks and of micro-batches, got P={p}, "
-            f"M={m_total}; micro-batches are split half/half between the two directions"
-        )
-    per_rank: list[list[Action]] = [[] for _ in range(p)]
-    for base in range(0, m_total, p):
-        unit = _chimera_unit(p, min(p, m_total - base))
-        for r in range(p):
-            per_rank[r] += [Action(k, base + m, s) for k, m, s in unit[r]]
-    return PipelineSchedule("chimera", p, m_total, p, tuple(tuple(a) for a in per_rank))
-
-
-def build_schedule(
-    name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
-) -> PipelineSchedule:
-    """Build a named schedule (one of :data:`SCHEDULES`). O(P * M * v).
-
-    Raises:
-        PipelineScheduleError: unknown name, or ``virtual_stages != 1`` for a schedule
-            without chunks, or the generator's own size requirements.
-    """
-    if name == "interleaved-1f1b":
-        return interleaved_1f1b_schedule(num_ranks, num_microbatches, virtual_stages)
-    generators = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule,
-                  "chimera": chimera_schedule}
-    if name not in generators:
-        raise PipelineScheduleError(f"unknown pipeline schedule {name!r}; expected one of "
-                                    f"{', '.join(SCHEDULES)}")
-    if virtual_stages != 1:
-        raise PipelineScheduleError(f"schedule {name!r} has one chunk per rank, got "
-                                    f"virtual_stages={virtual_stages}; use 'interleaved-1f1b'")
-    return generators[name](num_ranks, num_microbatches)
-
-
 # --------------------------------------------------------------------------- simulator
-
-
-def _encode(schedule: PipelineSchedule) -> tuple[list[list[int]], list[int]]:
-    """Validate the schedule and encode it as ints. O(P * M * S).
-
-    Returns:
-        ``codes[r]``: rank ``r``'s actions, ``m * S + s`` for F and ``n + m * S + s`` for B
-        (``n = M * S``); and ``rank_of[m * S + s]``, the rank that runs stage ``s`` of ``m``.
-    """
-    p, m_total, s_total = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
-    if len(schedule.actions) != p:
-        raise PipelineScheduleError(f"schedule {schedule.name!r} lists {len(schedule.actions)} "
-                                    f"ranks, expected num_ranks={p}")
-    if s_total < 1 or s_total % p:
-        raise PipelineScheduleError(f"num_stages={s_total} must be a positive multiple of "
-                                    f"num_ranks={p}")
-    n = m_total * s_total
-    owner = [-1] * (2 * n)
-    codes: list[list[int]] = []
-    for r, acts in enumerate(schedule.actions):
-        row = []
-        for a in acts:
-            if not (0 <= a.microbatch < m_total and 0 <= a.stage < s_total):
-                raise PipelineScheduleError(f"rank {r}: action {a} is out of range "
-                                            f"(M={m_total}, S={s_total})")
-            code = a.microbatch * s_total + a.stage + (0 if a.kind is _F else n)
-            if owner[code] >= 0:
-                raise PipelineScheduleError(f"action {a} appears twice (ranks {owner[code]}, {r})")
-            owner[code] = r
-            row.append(code)
-        codes.append(row)
-    for i in range(n):
-        rf, rb = owner[i], owner[n + i]
-        if rf < 0 or rb < 0:
-            missing = Action(_F if rf < 0 else _B, i // s_total, i % s_total)
-            raise PipelineScheduleError(f"schedule {schedule.name!r} never runs {missing}")
-        if rf != rb:
-            raise PipelineScheduleError(f"{Action(_F, i // s_total, i % s_total)} runs on rank "
-                                        f"{rf} but its backward on rank {rb}; both must share "
-                                        f"a rank")
-    return codes, owner[:n]
 
 
 def _hops(
@@ -475,7 +174,7 @@ def simulate_schedule(
     if any(not t >= 0 for t in [*forward_ms, *backward_ms]):
         raise PipelineScheduleError("forward_ms and backward_ms must be >= 0, got "
                                     f"{list(forward_ms)!r} and {list(backward_ms)!r}")
-    codes, rank_of = _encode(schedule)
+    codes, rank_of = schedule.index()
     hop_f = _hops(p2p_fwd_ms, rank_of, s_total, p, "p2p_fwd_ms", back=False)
     hop_b = _hops(p2p_bwd_ms, rank_of, s_total, p, "p2p_bwd_ms", back=True)
     v = s_total // p
@@ -615,7 +314,7 @@ def bubble_ratio_eq1(p: int, t_f: float, t_b: float, t_c: float) -> float:
 
 def bubble_ratio_gpipe_1f1b(num_stages: int, num_microbatches: int) -> Fraction:
     """Classic GPipe/1F1B bubble ratio ``(P-1)/(M+P-1)``: balanced stages, no transfer. O(1)."""
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     return Fraction(num_stages - 1, num_microbatches + num_stages - 1)
 
 
@@ -623,5 +322,5 @@ def bubble_ratio_interleaved(
     num_stages: int, num_microbatches: int, virtual_stages: int
 ) -> Fraction:
     """Interleaved 1F1B bubble ratio ``(P-1)/(v*M+P-1)``: balanced, no transfer. O(1)."""
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     return Fraction(num_stages - 1, virtual_stages * num_microbatches + num_stages - 1)

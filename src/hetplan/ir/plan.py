@@ -50,6 +50,7 @@ from hetplan.ir.plan_sections import (
     Name,
     NoSync,
     PassLogEntry,
+    PipelineActions,
     Predictions,
     RankPlacement,
     ResizingController,
@@ -88,6 +89,7 @@ __all__ = [
     "ModelRef",
     "NoSync",
     "PassLogEntry",
+    "PipelineActions",
     "Predictions",
     "RankPlacement",
     "ResizingController",
@@ -118,6 +120,9 @@ class Plan(BaseModel):
         cluster: cluster name, fingerprint and world size.
         layout: dp × pp × tp, micro-batching, schedule, rank mapping (None: not decided).
         stages: pipeline stages, in order (empty: no pipeline decided).
+        pipeline_actions: per pipeline rank, the ordered actions of the layout's schedule
+            (None: no pipeline, or a plan written before this section; the runtime then
+            generates the same lists from the layout).
         tensor_parallel: TP groups, shard sizes and resizing controller (None: no TP).
         gradient_sync: per-tensor strategies and fusion buckets (None: not decided).
         predictions: predicted iteration time, memory and the baselines' numbers.
@@ -136,6 +141,7 @@ class Plan(BaseModel):
     cluster: ClusterRef
     layout: Layout | None = None
     stages: tuple[Stage, ...] = ()
+    pipeline_actions: PipelineActions | None = None
     tensor_parallel: TensorParallel | None = None
     gradient_sync: GradientSync | None = None
     rebalancing: Rebalancing | None = None
@@ -164,7 +170,25 @@ class Plan(BaseModel):
                 f"{len(self.predictions.memory_per_rank_bytes)} entries for world_size {ws}"
             )
         self._check_stages()
+        self._check_pipeline_actions()
         return self
+
+    def _check_pipeline_actions(self) -> None:
+        acts, lay = self.pipeline_actions, self.layout
+        if acts is None:
+            return
+        if lay is None:
+            raise ValueError("pipeline_actions needs a layout; re-run `hetplan plan`")
+        want = {"schedule": lay.schedule, "micro_batches": lay.micro_batches,
+                "num_stages": lay.pp * lay.virtual_stages, "len(ranks)": lay.pp}
+        got = {"schedule": acts.schedule, "micro_batches": acts.micro_batches,
+               "num_stages": acts.num_stages, "len(ranks)": len(acts.ranks)}
+        if bad := [k for k in want if want[k] != got[k]]:
+            raise ValueError(
+                "pipeline_actions do not match the layout: "
+                + ", ".join(f"{k} is {got[k]!r}, the layout needs {want[k]!r}" for k in bad)
+                + f"; {_RERUN}"
+            )
 
     def _check_stages(self) -> None:
         next_first = 0

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hetplan.algorithms.pipeline_schedules import layout_actions
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import Evaluation, evaluate
 from hetplan.cost_models.memory import OPTIMIZER_STATE_FACTOR, USABLE_FRACTION
@@ -245,6 +246,8 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
                                       profile_fingerprint=_db_fingerprint(job.db)),
         "pass_log": (PassLogEntry(name="layout-search", changed=True, notes=(search_note,)),)
         + plan.pass_log,
+        # the action lists the simulator costs and the runtime executes
+        "pipeline_actions": layout_actions(plan.layout) if plan.layout else None,
     })
     return Plan.model_validate(plan.model_dump())
 

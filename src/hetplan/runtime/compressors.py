@@ -61,13 +61,13 @@ from typing import ClassVar
 
 import torch
 
-from hetplan.cost_models.compression import (
+from hetplan.errors import SpecError
+from hetplan.ir.compressors import (
     COMPRESSORS,
     DEFAULT_POWERSGD_RANK,
     DEFAULT_QSGD_LEVELS,
     DEFAULT_SPARSITY_RATIO,
 )
-from hetplan.errors import SpecError
 from hetplan.ir.validation import did_you_mean
 
 __all__ = [

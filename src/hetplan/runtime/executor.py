@@ -1,41 +1,28 @@
 """Execute a plan inside a ``torchrun``-launched process: ``Runtime(plan, model, …)``.
 
-The runtime is thin: it does what the plan says, one handler per section, and knows nothing
-about search.
+The runtime is thin: it does what the plan says and knows nothing about search. It only
+composes handlers, one per plan section (:mod:`hetplan.runtime.handlers`):
 
 1. **Refuse a mismatch before any collective**: the model is captured on ``meta`` with the
    given example inputs and its fingerprint compared with the plan's; the world size must be
    the plan's ``dp · pp · tp``.
-2. **Groups** for the layout (:class:`ParallelGroups`).
-3. **Tensor parallelism** (``tensor_parallel`` section): Megatron MLP pairs replaced by
-   uneven column/row-parallel linears (:mod:`hetplan.runtime.tensor_parallel`); with a
-   controller variant other than ``off`` (``tensor_parallel.controller``) they become
-   resizable and the ZERO / migration / SEMI controller runs after every step, starting from
-   the group's ``roles`` (:mod:`hetplan.runtime.resizing`).
-4. **Pipeline** (``stages`` + ``layout.schedule``): this rank's stage and the schedule
-   (:mod:`hetplan.runtime.pipeline`). Pipeline and tensor parallelism are not combined yet.
-5. **Gradient sync** (``gradient_sync``): the plan's buckets on the data-parallel group
-   (:class:`GradSync`).
-6. :meth:`Runtime.train_step` runs one iteration over the global batch and returns the loss.
-7. **Re-balancing** (``rebalancing.events``, applied ones): after the optimizer step of the
-   event's iteration (counted from 0 by this runtime) the pipeline moves to the event's stage
-   assignment — parameters and optimizer state of the moved layers go point to point, stage,
-   schedule, gradient sync and optimizer are rebuilt — and iteration ``k + 1`` runs on the new
-   stages (:mod:`hetplan.runtime.rebalance`). A re-packing event (fewer stages) releases the
-   ranks past the new stage count: they idle from then on (``released``). Events of
-   interleaved pipelines, or that would grow back onto released ranks, are not executed;
-   they are listed in ``skipped_events``.
+2. **Groups** for the layout (:class:`ParallelGroups`), each with the runtime's timeout.
+3. **Handlers**: every handler of :data:`~hetplan.runtime.handlers.DEFAULT_HANDLERS` (or of
+   ``handlers``) sets up from its section, in order — tensor-parallel shards, the resizing
+   controller, this rank's pipeline stages and the plan's action list, gradient sync,
+   re-balancing events — then the optimizer is built over this rank's parameters.
+4. :meth:`Runtime.train_step` runs one iteration over the global batch: the handlers' step
+   hooks around the optimizer step, timed into :class:`StepTimes`; returns the loss.
 
-Data: every rank is given the same global batch; data-parallel replica ``d`` trains on rows
-``[d·b, (d+1)·b)`` with ``b = batch / dp``, split into the plan's micro-batches.
+Adding a plan section's execution adds a handler; nothing here changes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,20 +30,24 @@ import torch.distributed as dist
 from torch import nn
 
 from hetplan.errors import PlanMismatchError, SpecError
+from hetplan.ir.model import ModelIR
 from hetplan.ir.plan import Plan
-from hetplan.runtime.grad_sync import GradSync
-from hetplan.runtime.groups import ParallelGroups
-from hetplan.runtime.resizing import (
-    Clock,
-    ResizingRuntime,
-    StragglerSpec,
-    attach_resizing,
-    end_iteration,
+from hetplan.ir.plan_sections import Layout
+from hetplan.ir.rebalancing import PlannedEvent
+from hetplan.runtime.groups import ParallelGroups, job_timeout
+from hetplan.runtime.handlers import (
+    DEFAULT_HANDLERS,
+    Handler,
+    LossFn,
+    OptimizerFactory,
+    RebalancingHandler,
+    ResizingHandler,
+    RuntimeContext,
+    StepTimes,
 )
+from hetplan.runtime.resizing import ResizingRuntime, StragglerSpec
 
 __all__ = ["Runtime", "StepTimes"]
-
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 def _default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -68,21 +59,8 @@ def _default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-@dataclass
-class StepTimes:
-    """Measured times of one iteration on this rank (seconds).
-
-    ``iteration_s = compute_s + bubble_s + sync_wait_s + optimizer_s``: forward and backward
-    (for a pipeline rank, the time its stages computed), the pipeline wait (schedule time not
-    spent computing: bubble and unhidden activation transfers; 0 without a pipeline), the wait
-    for gradient sync after backward, and the optimizer step.
-    """
-
-    iteration_s: float
-    compute_s: float
-    sync_wait_s: float
-    optimizer_s: float
-    bubble_s: float = 0.0  # pipeline: time in the schedule not spent computing (waits)
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01)
 
 
 @dataclass
@@ -100,6 +78,13 @@ class Runtime:
         verify: check the model's fingerprint (skip only in tests that build plans by hand).
         straggler: emulate a slow rank in the TP group (tests and benchmarks): its matmuls
             take ``1 + chi`` times as long.
+        timeout: of every process group the runtime creates, so that every point-to-point
+            operation and collective on them fails after it (default: the default process
+            group's timeout).
+        handlers: the handler classes to compose, in setup order.
+
+    Attributes:
+        ctx: the state the handlers share (``ctx.named_params``, ``ctx.optimizer`` ...).
     """
 
     plan: Plan
@@ -107,20 +92,18 @@ class Runtime:
     example_args: Sequence[Any] = ()
     example_kwargs: dict[str, Any] = field(default_factory=dict)
     loss_fn: LossFn = _default_loss
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = (
-        lambda params: torch.optim.SGD(params, lr=0.01)
-    )
+    optimizer: OptimizerFactory = _sgd
     verify: bool = True
     straggler: StragglerSpec | None = None
-    _model_ir: Any = field(default=None, init=False, repr=False)  # captured once, on meta
+    timeout: timedelta | None = None
+    handlers: Sequence[Callable[[], Handler]] = DEFAULT_HANDLERS
+    ctx: RuntimeContext = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         layout = self.plan.layout
         if layout is None:
             raise SpecError("the plan has no layout; compile it with `hetplan plan`")
-        self.layout = layout
-        if self.verify:
-            self._verify_model()
+        model_ir = self._verified_ir() if self.verify else None
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != layout.num_ranks:
             raise PlanMismatchError(
@@ -128,90 +111,30 @@ class Runtime:
                 f"tp={layout.tp}) but this job has {world}; launch it with "
                 f"`hetplan run` or torchrun --nproc-per-node matching the plan"
             )
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        timeout = self.timeout if self.timeout is not None else job_timeout()
         spec = self.plan.cluster.spec
-        self.groups = (ParallelGroups.build(layout, rank,
-                                            node_of=spec.node_of if spec is not None else None)
-                       if dist.is_initialized() else None)
-        if layout.tp > 1 and layout.pp > 1:
-            raise SpecError(
-                f"the runtime runs pipeline (pp={layout.pp}) or tensor parallelism "
-                f"(tp={layout.tp}) with data parallelism, not both at once yet; re-plan with "
-                "--pp 1 or --tp 1"
-            )
-        # non-tensor keyword inputs (``use_cache=False``) are passed to every forward
-        self.forward_kwargs = {
-            k: v for k, v in self.example_kwargs.items() if not isinstance(v, torch.Tensor)
-        }
-        # this rank's pipeline stage and schedule (torch.distributed.pipelining), if any
-        self.stage: Any = None
-        self.schedule: Any = None
-        self.tp_clock: Clock | None = None
-        self.resizing: ResizingRuntime | None = None
-        if layout.tp > 1:
-            self._shard_tensor_parallel()
-        if layout.pp > 1:
-            assert self.groups is not None  # pp > 1 passed the world-size check: distributed
-            self._build_pipeline_stage(self.plan.stages, self.groups.pp_group)
-            self.named_params = list(self.stage.submod.named_parameters())
-        else:
-            self.named_params = list(self.model.named_parameters())
-        group = self.groups.dp_group if self.groups is not None else None
-        levels = self.groups.sync_levels() if self.groups is not None else None
-        self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync, group, layout.dp,
-                                  levels)
-        self.opt = self.optimizer([p for _, p in self.named_params])
-        self.last_times: StepTimes | None = None
-        self._init_rebalancing()
+        groups = (ParallelGroups.build(layout, dist.get_rank(), timeout=timeout,
+                                       node_of=spec.node_of if spec is not None else None)
+                  if dist.is_initialized() else None)
+        self.ctx = RuntimeContext(
+            plan=self.plan, layout=layout, model=self.model, loss_fn=self.loss_fn,
+            make_optimizer=self.optimizer, example_args=self.example_args,
+            example_kwargs=self.example_kwargs,
+            # non-tensor keyword inputs (``use_cache=False``) are passed to every forward
+            forward_kwargs={k: v for k, v in self.example_kwargs.items()
+                            if not isinstance(v, torch.Tensor)},
+            groups=groups, timeout=timeout, straggler=self.straggler,
+            handlers=tuple(make() for make in self.handlers), captured=model_ir)
+        for h in self.ctx.handlers:
+            h.setup(self.ctx)
+        self.ctx.optimizer = self.optimizer([p for _, p in self.ctx.named_params])
 
-    def _shard_tensor_parallel(self) -> None:
-        from hetplan.runtime.tensor_parallel import shard_model
+    def _verified_ir(self) -> ModelIR:
+        """The model captured on ``meta``; refuses a model the plan was not made for."""
+        from hetplan.ir.capture import capture
 
-        assert self.groups is not None
-        shard_model(self.model, self._ir().layers, self.plan.tensor_parallel,
-                    self.groups.tp_group, self.groups.tp_rank, self.layout.tp)
-        self.tp_clock, self.resizing = attach_resizing(
-            self.model, self.plan.tensor_parallel, self.groups.tp_group, self.groups.tp_rank,
-            self.layout.tp, self.straggler)
-
-    def _build_pipeline_stage(self, stages: Sequence[Any], pp_group: Any) -> None:
-        """This rank's stage of ``stages`` (pipeline group ``pp_group``) and its schedule."""
-        from hetplan.runtime.pipeline import StageClock, build_stage, make_schedule
-
-        assert self.groups is not None
-        if self.layout.micro_batches < self.layout.pp:
-            raise SpecError(
-                f"the plan pipelines {self.layout.pp} stages over {self.layout.micro_batches} "
-                "micro-batch(es); the runtime's schedules need at least one per stage: re-plan"
-            )
-        mb = self.layout.micro_batch_size
-        example = [self._example_rows(a, mb) for a in self.example_args]
-        device = next(self.model.parameters()).device
-        self.stage = build_stage(
-            self.model, example, self.forward_kwargs, stages, self.groups.pp_rank, pp_group,
-            device,
-            ir_layer_names=[x.name for x in self._ir().layers],
-        )
-        self.schedule = make_schedule(self.stage, self.layout, self.loss_fn)
-        self.stage_clock = StageClock(self.stage)
-
-    @staticmethod
-    def _example_rows(a: Any, rows: int) -> Any:
-        if not isinstance(a, torch.Tensor):
-            return a
-        reps = (rows + a.shape[0] - 1) // a.shape[0]
-        return a.repeat(reps, *([1] * (a.dim() - 1)))[:rows].clone()
-
-    def _ir(self) -> Any:
-        if self._model_ir is None:
-            from hetplan.ir.capture import capture
-
-            self._model_ir = capture(self.model, tuple(self.example_args),
-                                     dict(self.example_kwargs), name=self.plan.model.name)
-        return self._model_ir
-
-    def _verify_model(self) -> None:
-        ir = self._ir()
+        ir = capture(self.model, tuple(self.example_args), dict(self.example_kwargs),
+                     name=self.plan.model.name)
         if ir.fingerprint() != self.plan.model.fingerprint:
             raise PlanMismatchError(
                 f"the model does not match the plan: its fingerprint is {ir.fingerprint()}, "
@@ -219,166 +142,85 @@ class Runtime:
                 f"{self.plan.model.fingerprint}; re-run `hetplan plan` for this model (and the "
                 "same example input shapes)"
             )
-
-    def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
-        b = t.shape[0] // self.layout.dp
-        if b * self.layout.dp != t.shape[0]:
-            raise SpecError(
-                f"global batch of {t.shape[0]} rows does not split over dp={self.layout.dp}"
-            )
-        d = self.groups.dp_rank if self.groups is not None else 0
-        return t[d * b : (d + 1) * b]
+        return ir
 
     def train_step(self, inputs: Any, target: torch.Tensor) -> float:
         """One iteration on the global batch ``(inputs, target)``; returns this replica's
-        loss (mean over its rows; NaN on pipeline ranks that do not hold the last stage)."""
+        loss (mean over its rows; NaN on pipeline ranks that do not hold the last stage and
+        on ranks re-packing released)."""
+        ctx = self.ctx
         t0 = time.perf_counter()
-        xs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        xs = [self._local_rows(x) for x in xs]
-        y = self._local_rows(target)
-        if self.schedule is not None:
-            return self._pipeline_step(xs, y, t0)
-        if self.released:
-            return self._idle_step(t0)
-        m = self.layout.micro_batches
-        chunks = [torch.chunk(x, m) for x in xs]
-        ys = torch.chunk(y, m)
-        total = 0.0
-        for i in range(m):
-            last = i == m - 1
-            ctx = self.grad_sync.no_sync() if not last else contextlib.nullcontext()
-            with ctx:
-                out = self.model(*[c[i] for c in chunks], **self.forward_kwargs)
-                loss = self.loss_fn(out, ys[i]) / m
-                loss.backward()
-            total += float(loss.detach())
-        return self._finish_step(total, t0)
-
-    def _pipeline_step(self, xs: list[torch.Tensor], y: torch.Tensor, t0: float) -> float:
-        """One pipeline iteration. The schedule runs every micro-batch's backward, so the
-        gradient hooks stay off and the stage's buckets are all sent after it (no overlap
-        with the last backward yet)."""
-        from hetplan.runtime.pipeline import step
-
-        assert self.groups is not None
-        self.stage_clock.reset()
-        t_sched = time.perf_counter()
-        with self.grad_sync.no_sync():
-            loss = step(self.schedule, self.groups.pp_rank, self.num_stages, xs, y)
-        waited = max(time.perf_counter() - t_sched - self.stage_clock.busy_s, 0.0)
-        return self._finish_step(float(loss) if loss is not None else float("nan"), t0, waited)
-
-    def _finish_step(self, loss: float, t0: float, bubble_s: float = 0.0) -> float:
+        ctx.bubble_s = 0.0
+        xs = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+        loss = next((x for h in ctx.handlers
+                     if (x := h.run_micro_batches(ctx, xs, target)) is not None), None)
+        if loss is None:
+            raise SpecError(f"none of the runtime's handlers "
+                            f"{[type(h).__name__ for h in ctx.handlers]} runs the step's "
+                            "micro-batches; include StagesHandler")
         t1 = time.perf_counter()
-        self.grad_sync.finish()
+        for h in ctx.handlers:
+            h.after_backward(ctx)
         t2 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if ctx.optimizer is not None:
+            ctx.optimizer.step()
+            ctx.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        self.last_times = StepTimes(t3 - t0, t1 - t0 - bubble_s, t2 - t1, t3 - t2, bubble_s)
-        end_iteration(self.tp_clock, self.resizing, self.last_times.compute_s)
-        self._run_due_events()
+        ctx.last_times = StepTimes(t3 - t0, t1 - t0 - ctx.bubble_s, t2 - t1, t3 - t2,
+                                   ctx.bubble_s)
+        for h in ctx.handlers:
+            h.after_step(ctx)
+        ctx.iteration += 1
         return loss
 
-    # -- re-balancing (the plan's ``rebalancing.events``) -----------------------------------
-    def _init_rebalancing(self) -> None:
-        """The events this runtime executes (see :func:`~hetplan.runtime.rebalance.
-        executable_events`); ``skipped_events`` holds the others with the reason."""
-        from hetplan.runtime.rebalance import executable_events
+    def handler(self, kind: type[Any]) -> Any:
+        """The composed handler of class ``kind`` (e.g. ``StagesHandler``)."""
+        return self.ctx.handler(kind)
 
-        self.iteration = 0
-        self.rebalanced_at: list[int] = []
-        self.rebalance_s: list[float] = []
-        self.released = False
-        self.num_stages = self.layout.pp
-        self._pp = (self.groups.pp_group, self.groups.pp_ranks) if self.groups else (None, ())
-        per_rank = len(self.plan.stages) // max(self.layout.pp, 1) if self.plan.stages else 1
-        self._events, self.skipped_events = executable_events(
-            self.plan.rebalancing, self.layout.pp, per_rank)
+    # -- what callers read (views of the handlers' state) ----------------------------------
+    @property
+    def layout(self) -> Layout:
+        """The plan's layout."""
+        return self.ctx.layout
 
-    def _idle_step(self, t0: float) -> float:
-        """An iteration on a rank re-packing released: nothing to compute; it still counts
-        iterations, as later events create process groups with every rank."""
-        self.last_times = StepTimes(time.perf_counter() - t0, 0.0, 0.0, 0.0)
-        self._run_due_events()
-        return float("nan")
+    @property
+    def named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's trainable parameters by name (its stages', or the whole model's)."""
+        return self.ctx.named_params
 
-    def _run_due_events(self) -> None:
-        """After the optimizer step of iteration ``i`` (counted from 0 by this runtime), run
-        the events planned at iteration ``i``: iterations ``i + 1`` on use the new stages."""
-        done, self.iteration = self.iteration, self.iteration + 1
-        while self._events and self._events[0].iteration <= done:
-            event = self._events.pop(0)
-            t0 = time.perf_counter()
-            self._rebalance(event.stages)
-            self.rebalanced_at.append(event.iteration)
-            self.rebalance_s.append(time.perf_counter() - t0)
+    @property
+    def opt(self) -> torch.optim.Optimizer | None:
+        """The optimizer over :attr:`named_params` (None once re-packing released the rank)."""
+        return self.ctx.optimizer
 
-    def _shrunk_pipeline(self, k: int) -> tuple[Any, tuple[int, ...]]:
-        """The pipeline group and ranks of this rank's replica on the first ``k`` stages.
-        Creating groups is collective over the world: every rank, released ones included,
-        creates every replica's group in the same order."""
-        assert self.groups is not None
-        mine: tuple[Any, tuple[int, ...]] = (None, ())
-        for d in range(self.layout.dp):
-            members = tuple(self.layout.rank_of(d, s, 0) for s in range(k))
-            group = dist.new_group(list(members)) if k > 1 else None
-            if d == self.groups.dp_rank:
-                mine = (group, members)
-        return mine
+    @property
+    def last_times(self) -> StepTimes | None:
+        """The measured times of the last step."""
+        return self.ctx.last_times
 
-    def _rebalance(self, bounds: Sequence[tuple[int, int]]) -> None:
-        """Move to the stage assignment ``bounds`` (collective over the pipeline group; with
-        fewer stages — re-packing — the ranks past them are released and idle from then on).
+    @property
+    def resizing(self) -> ResizingRuntime | None:
+        """The TP resizing controller (None: variant ``off`` or no TP)."""
+        return self.ctx.handler(ResizingHandler).controller
 
-        Builds the new stage from the model (its parameters are the model's), sends every
-        parameter whose stage changes with its optimizer state point to point, then rebuilds
-        the schedule, the gradient sync and the optimizer with the carried state.
-        """
-        from hetplan.runtime.rebalance import carry_optimizer, exchange_params, plan_param_moves
+    @property
+    def rebalanced_at(self) -> list[int]:
+        """The iterations whose re-balancing events ran."""
+        return self.ctx.handler(RebalancingHandler).rebalanced_at
 
-        assert self.groups is not None
-        old_group, old_ranks = self._pp
-        new_pp = self._shrunk_pipeline(len(bounds)) if len(bounds) < self.num_stages \
-            else self._pp
-        if self.released:
-            self._pp, self.num_stages = new_pp, len(bounds)
-            return
-        me = self.groups.pp_rank
-        old = {s.index: s for s in self.plan.stages}
-        names = [x.name for x in self._ir().layers]
-        stages = [old[i].model_copy(update={"first_layer": a, "last_layer": b, "fwd_ms": 0.0,
-                                            "bwd_ms": 0.0, "memory_bytes": None,
-                                            "layer_names": tuple(names[a:b + 1])})
-                  for i, (a, b) in enumerate(bounds)]
-        sending, old_opt = dict(self.named_params), self.opt
-        self.grad_sync.close()
-        self.stage = self.schedule = None
-        if me < len(bounds) and len(bounds) > 1:
-            self._build_pipeline_stage(stages, new_pp[0])
-            self.named_params = list(self.stage.submod.named_parameters())
-        elif me == 0:  # one stage left: this rank trains the whole model, no pipeline
-            self.named_params = list(self.model.named_parameters())
-        else:
-            self.named_params = []
-        receiving = dict(self.named_params)
-        held: list[Any] = [(sorted(sending), sorted(receiving))] * len(old_ranks)
-        if old_group is not None:  # None: a one-stage pipeline, nothing to gather
-            dist.all_gather_object(held, held[0], group=old_group)
-        moves = plan_param_moves([h[0] for h in held], [h[1] for h in held])
-        received = exchange_params(moves, sending, receiving, old_opt, me, old_ranks)
-        self._pp, self.num_stages = new_pp, len(bounds)
-        self.grad_sync = GradSync(self.named_params, self.plan.gradient_sync,
-                                  self.groups.dp_group, self.layout.dp, self.groups.sync_levels())
-        if me >= len(bounds):
-            self.released = True
-            return
-        self.opt = carry_optimizer(old_opt, self.optimizer([p for _, p in self.named_params]),
-                                   received)
+    @property
+    def rebalance_s(self) -> list[float]:
+        """Seconds each executed re-balancing event took."""
+        return self.ctx.handler(RebalancingHandler).rebalance_s
+
+    @property
+    def skipped_events(self) -> list[tuple[PlannedEvent, str]]:
+        """The plan's events this runtime does not execute, with the reason."""
+        return self.ctx.handler(RebalancingHandler).skipped
 
     def close(self) -> None:
         """Release what the runtime holds on to: gradient hooks, the sync thread and the
         references to its process groups (call before ``destroy_process_group``)."""
-        self.grad_sync.close()
-        self.schedule = self.stage = None
-        self.groups = None
+        for h in self.ctx.handlers:
+            h.close(self.ctx)
+        self.ctx.groups = None

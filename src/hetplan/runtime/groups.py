@@ -1,5 +1,9 @@
 """Process groups for a plan's data-, pipeline- and tensor-parallel dimensions.
 
+Every group is created with an explicit timeout (by default the job's, :func:`job_timeout`):
+``new_group`` would otherwise give it torch's 30-minute default whatever the job set, and a
+send, receive or collective with a dead peer would hang that long.
+
 For hierarchical gradient sync, each data-parallel group is also split by node (``layout.ranks``
 gives every rank's node): the *intra* group holds its ranks on this node, the *inter* group its
 ranks with this rank's position on their node (Espresso's reference grouping). Both exist only
@@ -12,14 +16,37 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, NoReturn
+
+import torch
 
 import torch.distributed as dist
 
 from hetplan.ir.plan_sections import Layout
 from hetplan.runtime.routines import Level, SyncLevels
 
-__all__ = ["ParallelGroups", "shutdown_process_groups", "exit_now"]
+__all__ = ["ParallelGroups", "exit_now", "job_timeout", "shutdown_process_groups"]
+
+
+def job_timeout() -> timedelta:
+    """The default process group's timeout (what ``init_process_group`` was given).
+
+    Read from the group's backend options; torch's default for the backend when it does not
+    expose them (or no process group exists).
+    """
+    if not dist.is_initialized():
+        return dist.default_pg_timeout
+    group = dist.distributed_c10d._get_default_group()
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            options = group._get_backend(device).options
+        except (RuntimeError, AttributeError):
+            continue
+        timeout = getattr(options, "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
 
 
 @dataclass(frozen=True)
@@ -55,18 +82,22 @@ class ParallelGroups:
 
     @classmethod
     def build(cls, layout: Layout, rank: int, *, backend: str | None = None,
-              node_of: Callable[[int], int] | None = None) -> ParallelGroups:
+              node_of: Callable[[int], int] | None = None,
+              timeout: timedelta | None = None) -> ParallelGroups:
         """Create the groups for ``layout`` (a collective call: every rank must call it).
 
         ``node_of`` gives a global rank's node when ``layout.ranks`` is empty (the plan's
-        ``ClusterSpec.node_of``); without either, no intra/inter groups are made.
+        ``ClusterSpec.node_of``); without either, no intra/inter groups are made. Every
+        group gets ``timeout`` (default: :func:`job_timeout`).
         """
+        timeout = timeout if timeout is not None else job_timeout()
         d, p, t = layout.coords(rank)
         mine: dict[str, Any] = {}
         ranks: dict[str, tuple[int, ...]] = {}
 
         def make(kind: str, members: tuple[int, ...]) -> None:
-            group = dist.new_group(list(members), backend=backend) if len(members) > 1 else None
+            group = (dist.new_group(list(members), backend=backend, timeout=timeout)
+                     if len(members) > 1 else None)
             if rank in members:
                 mine[kind], ranks[kind] = group, members
 

@@ -9,10 +9,11 @@ throttled) also occupies an emulated link of that many Gbit/s per rank, with
 
 - the link is one FIFO per process (a rank's NIC): a collective issued at ``t`` starts on it
   at ``max(t, link free)`` and holds it for ``steps * latency + volume * 8 / bandwidth``;
-- ``steps`` and ``volume`` (what a rank sends) follow the ring / chain algorithms, the
-  convention of :mod:`hetplan.cost_models.comm`: ``latency_steps(collective, g)`` and
-  ``bus_factor(collective, g) * nbytes`` with ``nbytes`` the collective's size there (gathers
-  count their whole output) — the alpha-beta time the cost model predicts for that link;
+- ``steps`` and ``volume`` (what a rank sends) follow the ring / chain algorithms, the cost
+  model's convention in :mod:`hetplan.algorithms.collectives`: ``latency_steps(collective,
+  g)`` and ``bus_factor(collective, g) * nbytes`` with ``nbytes`` the collective's size there
+  (gathers count their whole output) — the alpha-beta time the cost model predicts for that
+  link;
 - whoever waits for the collective's result (the gradient path's worker thread, or
   :meth:`~hetplan.runtime.grad_sync.GradSync.finish` for the asynchronous allreduce) also
   waits until its emulated end. The collective's real time counts too: the emulated end is a
@@ -34,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from hetplan.cost_models.comm import analytic_time_s
+from hetplan.algorithms.collectives import analytic_time_s
 from hetplan.errors import SpecError
 
 __all__ = ["ENV", "ENV_LATENCY", "EmulatedLink", "emulated_link", "occupy", "throttled"]

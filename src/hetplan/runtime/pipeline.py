@@ -1,4 +1,4 @@
-"""Pipeline-parallel stages and schedules from a plan's stage split (torch pipelining).
+"""Pipeline-parallel stages from a plan's stage split (torch pipelining).
 
 ``torch.distributed.pipelining`` lost PiPPy's automatic split policies, so hetplan emits the
 ``split_spec`` itself (:func:`split_points`): a ``SplitPoint.BEGINNING`` at the module that is
@@ -20,52 +20,34 @@ once cannot be split, and is refused with a :class:`~hetplan.errors.SpecError`. 
 tied across stages (GPT-2's ``wte``/``lm_head``) become separate copies per stage; they are
 refused unless the caller sums their gradients (:func:`tied_across_stages`).
 
-Loss reduction (:func:`step`): every micro-batch's loss is ``loss_fn(output, target)`` (a mean
-over that micro-batch) and the schedules scale gradients by ``1 / micro_batches``, so the
-gradient is that of the mean over micro-batches of the per-micro-batch mean loss; :func:`step`
-returns that mean. With equal-sized micro-batches (enforced) this is exactly the mean over the
-whole batch, i.e. what a single-process ``loss_fn(model(batch), target)`` computes.
+The stages run the plan's per-rank action lists through :mod:`hetplan.runtime.schedule`.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    SplitPoint,
-    pipeline,
-)
+from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 
 from hetplan.errors import SpecError, TraceError
-from hetplan.ir.plan_sections import Layout, Stage
+from hetplan.ir.plan_sections import Stage
 
 if TYPE_CHECKING:  # the common base of traced (``_PipelineStage``) and manual stages
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
 __all__ = [
-    "SUPPORTED_SCHEDULES",
     "SequentialStageModule",
     "build_stage",
     "build_stages",
-    "make_schedule",
     "split_points",
     "stage_indices_of_rank",
-    "step",
     "tied_across_stages",
 ]
-
-#: Plan schedule names the runtime executes (``chimera`` is simulated only).
-SUPPORTED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
 _MISSING = object()
 
@@ -403,116 +385,3 @@ def build_stage(
     return build_stages(model, example_microbatch_args, example_kwargs, stages, [stage_index],
                         pp_group, device, ir_layer_names=ir_layer_names,
                         allow_cross_stage_ties=allow_cross_stage_ties)[0]
-
-
-# -- schedules -------------------------------------------------------------------------------
-def make_schedule(
-    stage: _PipelineStageBase | Sequence[_PipelineStageBase],
-    layout: Layout,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-) -> ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B:
-    """The ``torch.distributed.pipelining`` schedule of ``layout.schedule``.
-
-    Args:
-        stage: this rank's stage, or its stages (``layout.virtual_stages`` of them) for
-            ``interleaved-1f1b``.
-        layout: the plan's layout (schedule name and ``micro_batches``).
-        loss_fn: ``loss_fn(output, target)``, a mean over one micro-batch. A traced last
-            stage returns the model output's tensor leaves (an HF ``CausalLMOutput`` arrives
-            as the bare ``logits`` tensor when it is the only one).
-
-    Raises:
-        SpecError: a schedule the runtime does not run, or the wrong number of stages.
-    """
-    name = layout.schedule
-    if name not in SUPPORTED_SCHEDULES:
-        raise SpecError(f"the plan's schedule {name!r} is not executed by the runtime, which "
-                        f"runs {list(SUPPORTED_SCHEDULES)}; re-plan with one of them")
-    local: list[_PipelineStageBase] = (
-        list(stage) if isinstance(stage, (list, tuple)) else [stage])  # type: ignore[list-item]
-    n_mb = layout.micro_batches
-    if name == "interleaved-1f1b":
-        if len(local) != layout.virtual_stages:
-            raise SpecError(f"interleaved-1f1b with virtual_stages={layout.virtual_stages} "
-                            f"needs that many stages on this rank, got {len(local)}")
-        return ScheduleInterleaved1F1B(local, n_microbatches=n_mb, loss_fn=loss_fn)
-    if len(local) != 1:
-        raise SpecError(f"schedule {name!r} runs one stage per rank, got {len(local)}")
-    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
-    return cls(local[0], n_microbatches=n_mb, loss_fn=loss_fn)
-
-
-class StageClock:
-    """Seconds this rank's stages spent computing during a schedule step.
-
-    Wraps each stage's ``forward_one_chunk``, ``backward_one_chunk`` and
-    ``backward_weight_one_chunk`` (the schedules issue point-to-point receives and sends
-    outside them), so ``schedule time - busy_s`` is the time the rank waited: the pipeline
-    bubble plus activation transfers it could not overlap. Read it after a step; call
-    :meth:`reset` before the next.
-    """
-
-    _METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-    def __init__(self, stages: _PipelineStageBase | Sequence[_PipelineStageBase]) -> None:
-        self.busy_s = 0.0
-        for st in stages if isinstance(stages, (list, tuple)) else [stages]:
-            for name in self._METHODS:
-                if hasattr(st, name):
-                    setattr(st, name, self._timed(getattr(st, name)))
-
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.busy_s += time.perf_counter() - t0
-
-        return run
-
-    def reset(self) -> None:
-        self.busy_s = 0.0
-
-
-def step(
-    schedule: Any,
-    stage_index: int | Sequence[int],
-    num_stages: int,
-    batch: Sequence[Any] | torch.Tensor | None,
-    target: Any = None,
-    **kwargs: Any,
-) -> torch.Tensor | None:
-    """One training iteration (forward and backward of every micro-batch, no optimizer step).
-
-    Args:
-        schedule: from :func:`make_schedule`.
-        stage_index: this rank's stage index (or indices, for interleaved 1F1B).
-        num_stages: number of stages of the pipeline.
-        batch: the whole batch's positional inputs (used on the rank holding stage 0).
-        target: the whole batch's target (used on the rank holding the last stage).
-        **kwargs: tensor keyword inputs of the model, chunked like ``batch`` (first stage).
-
-    Returns:
-        On the rank holding the last stage: the mean over micro-batches of the per-micro-batch
-        loss (detached scalar), equal to the whole-batch mean loss (see module doc); else None.
-
-    Raises:
-        SpecError: the batch does not split into equal micro-batches.
-    """
-    indices = {stage_index} if isinstance(stage_index, int) else set(stage_index)
-    first, last = 0 in indices, num_stages - 1 in indices
-    n_mb = schedule._n_microbatches
-    args: tuple = ()
-    if first:
-        args = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch or ())
-    for what, t in (("batch", args[0] if args else None), ("target", target if last else None)):
-        if isinstance(t, torch.Tensor) and t.size(0) % n_mb:
-            raise SpecError(f"the {what}'s size {t.size(0)} does not split into {n_mb} equal "
-                            "micro-batches; the loss would differ from the whole-batch mean")
-    losses: list[torch.Tensor] = []
-    extra: dict[str, Any] = {"target": target, "losses": losses} if last else {}
-    schedule.step(*args, **(kwargs if first else {}), **extra)
-    if not last:
-        return None
-    return torch.stack([loss.detach() for loss in losses]).mean()

@@ -1,0 +1,51 @@
+"""The ``gradient_sync`` section: the plan's buckets and strategies on the data-parallel group.
+
+A thin adapter over :class:`~hetplan.runtime.grad_sync.GradSync`: built over this rank's
+parameters once the stage handler chose them, hooks held back while gradients accumulate,
+every bucket finished (and averaged) after the last backward, rebuilt when re-balancing moves
+parameters.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+from hetplan.runtime.grad_sync import GradSync
+from hetplan.runtime.handlers.base import Handler, RuntimeContext
+
+__all__ = ["GradSyncHandler"]
+
+
+class GradSyncHandler(Handler):
+    """Synchronises gradients across data-parallel replicas as the plan's section says.
+
+    Attributes:
+        sync: the gradient path over this rank's current parameters (None before setup).
+    """
+
+    section = "gradient_sync"
+
+    def __init__(self) -> None:
+        self.sync: GradSync | None = None
+
+    def setup(self, ctx: RuntimeContext) -> None:
+        groups = ctx.groups
+        self.sync = GradSync(ctx.named_params, ctx.plan.gradient_sync,
+                             groups.dp_group if groups is not None else None, ctx.layout.dp,
+                             groups.sync_levels() if groups is not None else None)
+
+    def accumulating(self, ctx: RuntimeContext) -> AbstractContextManager[None]:
+        assert self.sync is not None
+        return self.sync.no_sync()
+
+    def after_backward(self, ctx: RuntimeContext) -> None:
+        assert self.sync is not None
+        self.sync.finish()
+
+    def params_changed(self, ctx: RuntimeContext) -> None:
+        self.close(ctx)
+        self.setup(ctx)
+
+    def close(self, ctx: RuntimeContext) -> None:
+        if self.sync is not None:
+            self.sync.close()

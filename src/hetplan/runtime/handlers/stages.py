@@ -1,0 +1,184 @@
+"""The ``stages`` and ``pipeline_actions`` sections: this rank's stages and the schedule.
+
+With a pipeline (``pp > 1``) the handler builds the stages this rank holds — one, or
+``virtual_stages`` for interleaved 1F1B: every plan stage whose ``ranks`` name this rank —
+from the plan's split (:mod:`hetplan.runtime.pipeline`), and a schedule that executes the
+plan's action list for its pipeline rank (:mod:`hetplan.runtime.schedule`). A plan written
+before ``pipeline_actions`` existed runs the lists generated for its layout by the same pure
+function the simulator uses (:func:`~hetplan.algorithms.pipeline_schedules.plan_schedule`).
+Without a pipeline the rank trains the whole model, micro-batch after micro-batch
+(gradient accumulation; the gradient sync of the last one overlaps its backward).
+
+Data: every rank is given the same global batch; data-parallel replica ``d`` trains on rows
+``[d·b, (d+1)·b)`` with ``b = batch / dp``, split into the plan's micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hetplan.algorithms.pipeline_schedules import (
+    Action,
+    PipelineSchedule,
+    PipelineScheduleError,
+    build_schedule,
+    plan_schedule,
+)
+from hetplan.errors import SpecError
+from hetplan.ir.plan_sections import Stage
+from hetplan.runtime.handlers.base import Handler, RuntimeContext
+from hetplan.runtime.pipeline import build_stages, stage_indices_of_rank
+from hetplan.runtime.schedule import StageMonitor, make_schedule, step
+
+__all__ = ["StagesHandler"]
+
+
+class StagesHandler(Handler):
+    """Runs the step's micro-batches: through the plan's pipeline schedule, or locally.
+
+    Attributes:
+        stages: this rank's pipeline stages (empty without a pipeline).
+        schedule: the torch schedule running ``actions`` (None without a pipeline).
+        actions: the plan's per-rank action lists in use (None without a pipeline).
+        monitor: compute time and executed actions of the last step (None without one).
+        pp_group / pp_ranks: the pipeline group of this rank's replica and its global ranks.
+        num_stages: the pipeline's current stage count (re-packing lowers it).
+    """
+
+    section = "stages, pipeline_actions"
+
+    def __init__(self) -> None:
+        self.stages: list[Any] = []
+        self.schedule: Any = None
+        self.actions: PipelineSchedule | None = None
+        self.monitor: StageMonitor | None = None
+        self.pp_group: Any = None
+        self.pp_ranks: tuple[int, ...] = ()
+        self.num_stages = 1
+
+    @property
+    def executed(self) -> tuple[Action, ...]:
+        """The actions this rank's stages executed in the last step, in order."""
+        return tuple(self.monitor.executed) if self.monitor is not None else ()
+
+    @property
+    def stage_indices(self) -> list[int]:
+        """The plan stage indices this rank holds."""
+        return [st.stage_index for st in self.stages]
+
+    def setup(self, ctx: RuntimeContext) -> None:
+        layout = ctx.layout
+        self.num_stages = layout.pp
+        if ctx.groups is not None:
+            self.pp_group, self.pp_ranks = ctx.groups.pp_group, ctx.groups.pp_ranks
+        if layout.pp == 1:
+            ctx.named_params = list(ctx.model.named_parameters())
+            return
+        try:
+            actions = plan_schedule(layout, ctx.plan.pipeline_actions)
+        except PipelineScheduleError as e:
+            raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
+                            "`hetplan plan`") from e
+        self.build(ctx, ctx.plan.stages, self.pp_group, actions)
+
+    def build(self, ctx: RuntimeContext, stages: Sequence[Stage], pp_group: Any,
+              actions: PipelineSchedule | None = None) -> None:
+        """Build this rank's stages of ``stages`` on ``pp_group`` and the schedule running
+        ``actions`` (default: the lists generated for the layout's schedule over
+        ``len(stages) / virtual_stages`` ranks); ``ctx.named_params`` becomes theirs."""
+        layout = ctx.layout
+        assert ctx.groups is not None  # pp > 1 passed the world-size check: distributed
+        v = layout.virtual_stages
+        ranks = len(stages) // v
+        if len(stages) != ranks * v or ranks < 2:
+            raise SpecError(f"the plan has {len(stages)} stage(s) for a pipeline of "
+                            f"{layout.pp} ranks with virtual_stages={v}; it needs "
+                            f"{layout.pp * v}: re-run `hetplan plan`")
+        if layout.micro_batches < ranks:
+            raise SpecError(f"the plan pipelines {ranks} stages over {layout.micro_batches} "
+                            "micro-batch(es); the runtime's schedules need at least one per "
+                            "stage: re-plan")
+        indices = stage_indices_of_rank(stages, ctx.groups.rank)
+        example = [_example_rows(a, layout.micro_batch_size) for a in ctx.example_args]
+        device = next(ctx.model.parameters()).device
+        self.stages = build_stages(
+            ctx.model, example, ctx.forward_kwargs, stages, indices, pp_group, device,
+            ir_layer_names=[x.name for x in ctx.model_ir().layers])
+        sized = layout if ranks == layout.pp else layout.model_copy(update={"pp": ranks})
+        if actions is None:
+            actions = build_schedule(layout.schedule, ranks, layout.micro_batches, v)
+        self.schedule = make_schedule(self.stages, sized, ctx.loss_fn, actions)
+        self.actions = actions
+        self.monitor = StageMonitor(self.stages)
+        self.pp_group, self.num_stages = pp_group, ranks
+        ctx.named_params = [(n, p) for st in self.stages for n, p in st.submod.named_parameters()]
+
+    def drop(self) -> None:
+        """Forget the stages and the schedule (before re-balancing builds new ones)."""
+        self.stages, self.schedule, self.actions, self.monitor = [], None, None, None
+
+    def run_micro_batches(self, ctx: RuntimeContext, inputs: Sequence[torch.Tensor],
+                          target: torch.Tensor) -> float | None:
+        xs = [_local_rows(ctx, x) for x in inputs]
+        y = _local_rows(ctx, target)
+        if ctx.released:
+            return float("nan")
+        if self.schedule is not None:
+            return self._pipeline(ctx, xs, y)
+        m = ctx.layout.micro_batches
+        chunks = [torch.chunk(x, m) for x in xs]
+        ys = torch.chunk(y, m)
+        total = 0.0
+        for i in range(m):
+            if i < m - 1:
+                with ctx.accumulating():
+                    total += self._micro_batch(ctx, [c[i] for c in chunks], ys[i], m)
+            else:
+                total += self._micro_batch(ctx, [c[i] for c in chunks], ys[i], m)
+        return total
+
+    @staticmethod
+    def _micro_batch(ctx: RuntimeContext, xs: list[torch.Tensor], y: torch.Tensor,
+                     m: int) -> float:
+        out = ctx.model(*xs, **ctx.forward_kwargs)
+        loss = ctx.loss_fn(out, y) / m
+        loss.backward()
+        return float(loss.detach())
+
+    def _pipeline(self, ctx: RuntimeContext, xs: list[torch.Tensor], y: torch.Tensor) -> float:
+        """One schedule step. It runs every micro-batch's backward, so gradient sync waits
+        until it ends (no overlap with the last backward yet); ``ctx.bubble_s`` gets the
+        schedule time the stages did not compute."""
+        assert self.monitor is not None
+        self.monitor.reset()
+        t0 = time.perf_counter()
+        with ctx.accumulating():
+            loss = step(self.schedule, self.stage_indices, self.num_stages, xs, y)
+        ctx.bubble_s = max(time.perf_counter() - t0 - self.monitor.busy_s, 0.0)
+        return float(loss) if loss is not None else float("nan")
+
+    def close(self, ctx: RuntimeContext) -> None:
+        self.drop()
+        self.pp_group = None
+
+
+def _example_rows(a: Any, rows: int) -> Any:
+    """The example input repeated to ``rows`` rows (one micro-batch, for tracing)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    reps = (rows + a.shape[0] - 1) // a.shape[0]
+    return a.repeat(reps, *([1] * (a.dim() - 1)))[:rows].clone()
+
+
+def _local_rows(ctx: RuntimeContext, t: torch.Tensor) -> torch.Tensor:
+    """This data-parallel replica's rows of the global batch."""
+    dp = ctx.layout.dp
+    b = t.shape[0] // dp
+    if b * dp != t.shape[0]:
+        raise SpecError(f"global batch of {t.shape[0]} rows does not split over dp={dp}")
+    d = ctx.groups.dp_rank if ctx.groups is not None else 0
+    return t[d * b : (d + 1) * b]
