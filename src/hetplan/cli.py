@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from rich.table import Table
 
 from hetplan._version import __version__
 from hetplan.errors import HetplanError, SpecError
+from hetplan.ir.validation import check_output_path
 
 __all__ = ["app", "main"]
 
@@ -112,35 +112,6 @@ def models_cmd(
     out.print(table)
 
 
-def _load_module_factory(spec: str) -> tuple[Any, tuple, dict]:
-    """``pkg.mod:factory`` → (model, args, kwargs). The factory returns
-    ``(model, example_args)`` or ``(model, example_args, example_kwargs)``."""
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise SpecError(f"--module {spec!r}: expected 'package.module:factory'")
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise SpecError(f"--module {spec!r}: cannot import {mod_name!r}: {e}") from e
-    finally:
-        sys.path.pop(0)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise SpecError(f"--module {spec!r}: {mod_name} has no callable {attr!r}")
-    result = factory()
-    if not isinstance(result, tuple) or len(result) not in (2, 3):
-        raise SpecError(
-            f"--module {spec!r}: the factory must return (model, example_args) or "
-            f"(model, example_args, example_kwargs), got {type(result).__name__}"
-        )
-    model, args = result[0], result[1]
-    kwargs = result[2] if len(result) == 3 else {}
-    if not isinstance(args, (tuple, list)):
-        args = (args,)
-    return model, tuple(args), dict(kwargs)
-
-
 def load_model_ir(
     model: str | None,
     module: str | None = None,
@@ -164,7 +135,9 @@ def load_model_ir(
     from hetplan.ir.capture import capture
 
     if module:
-        m, args, kwargs = _load_module_factory(module)
+        from hetplan.ir.capture.factory import load_factory
+
+        m, args, kwargs = load_factory(module)
         name = type(m).__name__
     else:
         from hetplan import zoo
@@ -281,6 +254,8 @@ def ir_cmd(
     output: Path = typer.Option(None, "-o", "--output", help="Write the workload JSON here."),
 ) -> None:
     """Capture a model and summarise its IR: layers, parameters, FLOPs, gradients."""
+    if output is not None:
+        check_output_path(output, option="-o/--output")
     t0 = time.perf_counter()
     ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
     seconds = time.perf_counter() - t0
@@ -362,11 +337,19 @@ def plan_cmd(
         "'dynpipe,even-tp,ddp-buckets,espresso{compressors=dgc,fp16},cupcake-fusion,"
         "tp-resizing{controller=semi}' (default: the standard pipeline; `hetplan passes` "
         "lists every pass and its options)."),
+    opaque: list[str] = typer.Option(
+        None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
+        "for a module whose forward capture cannot follow, see `hetplan ir`)."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
+    from hetplan.cost_models.predict import resolve_cluster, resolve_profile
     from hetplan.optimizer.compile import compile as compile_plan
     from hetplan.optimizer.options import CompileOptions
+
+    # Everything the user typed is checked before the model is captured or anything planned.
+    if output is not None:
+        check_output_path(output, option="-o/--output")
 
     options = CompileOptions.build(
         batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
@@ -376,14 +359,16 @@ def plan_cmd(
         **({"passes": passes} if passes is not None else {}),
     )
     options.pipeline(where="--passes")  # a malformed spec fails before the model is captured
-    if workload is not None or module is not None or model is None:
-        ir = load_model_ir(model, module, workload, batch=1, seq=seq)
+    spec = resolve_cluster(cluster)
+    db = resolve_profile(profile)
+    if workload is not None or module is not None or model is None or opaque:
+        ir = load_model_ir(model, module, workload, batch=1, seq=seq, opaque=opaque)
         target: Any = ir
     else:
         target = model
     t0 = time.perf_counter()
     with err.status("searching layouts …", spinner="dots"):
-        plan = compile_plan(target, cluster, options, profile=profile)
+        plan = compile_plan(target, spec, options, profile=db)
     seconds = time.perf_counter() - t0
     if output:
         plan.save(output)
@@ -409,6 +394,7 @@ def profile_cmd(
     """Measure this machine (layers, collectives, compressors) into a profile DB."""
     from hetplan.profiling import WHAT, run_profile
 
+    check_output_path(output, option="-o/--output")
     chosen = tuple(what) if what else tuple(w for w in WHAT if w != "layers" or model)
     if "layers" in chosen and not model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
@@ -747,16 +733,17 @@ def timeline_cmd(
     """Draw the predicted iteration (pipeline and gradient sync) as a PNG or HTML timeline."""
     from hetplan.ir.plan import load_plan
 
+    try:
+        from hetplan.report.timeline import check_output, render_timeline
+    except ImportError as e:  # the module, or its plotting library, is missing
+        raise SpecError(f"timeline rendering is not available in this install: {e}") from e
+    check_output(output, option="-o/--output")  # before the plan is simulated
     plan = load_plan(plan_file)
     measured = None
     if run_report is not None:
         from hetplan.ir.validation import load_structured_file
 
         measured = load_structured_file(run_report, what="run report")
-    try:
-        from hetplan.report.timeline import render_timeline
-    except ImportError as e:  # the module, or its plotting library, is missing
-        raise SpecError(f"timeline rendering is not available in this install: {e}") from e
     render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     err.print(f"wrote {output}")
 

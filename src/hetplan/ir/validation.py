@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import re
 import types
 import typing
@@ -45,12 +46,17 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from hetplan.errors import SpecError
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_ELEMENTS",
+    "loads_json",
+    "check_shape",
     "parse_json_object",
     "load_structured_file",
     "format_validation_error",
     "validate_model",
     "did_you_mean",
     "check_bounds",
+    "check_output_path",
 ]
 
 T = TypeVar("T")
@@ -59,6 +65,12 @@ T = TypeVar("T")
 _MAX_ERROR_LINES = 20
 #: Offending input values longer than this (as ``repr``) are cut.
 _MAX_VALUE_CHARS = 60
+
+#: Files nest at most this deep (the deepest real plan or cluster spec nests 7 levels).
+MAX_DEPTH = 32
+#: Files hold at most this many values (lists, mappings and scalars; a YAML alias counts each
+#: time it is used, so an "alias bomb" is refused instead of expanding for minutes).
+MAX_ELEMENTS = 2_000_000
 
 _DEFAULT_HINT = (
     "hint: fix the fields listed above; keys are case-sensitive and unknown keys are "
@@ -122,7 +134,12 @@ def _construct_unique_mapping(
     seen: dict[Any, yaml.Mark] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
-        if isinstance(key, typing.Hashable) and key in seen:
+        if not isinstance(key, typing.Hashable):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain value, got {_kind_of(key)} {key!r}",
+                key_node.start_mark,
+            )
+        if key in seen:
             first = seen[key]
             raise yaml.constructor.ConstructorError(
                 None,
@@ -130,8 +147,7 @@ def _construct_unique_mapping(
                 f"duplicate key {key!r} (first written at line {first.line + 1})",
                 key_node.start_mark,
             )
-        if isinstance(key, typing.Hashable):
-            seen[key] = key_node.start_mark
+        seen[key] = key_node.start_mark
     loader.flatten_mapping(node)
     return dict(loader.construct_pairs(node, deep=deep))
 
@@ -151,9 +167,89 @@ def _source_excerpt(text: str, line: int, column: int) -> str:
     return f"\n    {src}\n    {' ' * max(column - 1, 0)}^"
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, keys: list[str]) -> None:
+        super().__init__(key)
+        self.key, self.keys = key, keys
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key, [k for k, _ in pairs])
+        out[key] = value
+    return out
+
+
+def loads_json(text: str, *, where: str) -> Any:
+    """``json.loads`` that refuses what the standard parser lets through or turns into a crash.
+
+    Refused with a :class:`SpecError` naming ``where``: a key written twice in one object
+    (``json.loads`` keeps the last silently; YAML files are refused alike), nesting deeper
+    than :data:`MAX_DEPTH` or more than :data:`MAX_ELEMENTS` values (see :func:`check_shape`),
+    and integers too long to convert (over 4300 digits).
+
+    Raises:
+        json.JSONDecodeError: a syntax error, for the caller to explain with its position.
+        SpecError: as above.
+    """
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_object)
+    except _DuplicateKey as e:
+        raise SpecError(
+            f"{where}: not valid: the key {e.key!r} is written twice in one object (keys "
+            f"{_short_repr(e.keys)}); keep one"
+        ) from None
+    except RecursionError:
+        raise SpecError(
+            f"{where}: nested too deeply to read (more than {MAX_DEPTH} levels are never "
+            "needed); is this the right file?"
+        ) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:  # e.g. an integer literal longer than Python converts
+        raise SpecError(f"{where}: not valid JSON: {e}") from None
+    check_shape(data, where=where)
+    return data
+
+
+def check_shape(data: Any, *, where: str) -> None:
+    """Refuse parsed data nested deeper than :data:`MAX_DEPTH` or holding more than
+    :data:`MAX_ELEMENTS` values, naming the path of the first value too deep.
+
+    O(values), stopped at :data:`MAX_ELEMENTS` (a YAML alias is visited each time it is used,
+    as validation would).
+    """
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
+    count = 1
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, Mapping):
+            items: Any = value.items()
+        elif isinstance(value, (list, tuple)):
+            items = enumerate(value)
+        else:
+            continue
+        if len(path) >= MAX_DEPTH:
+            raise SpecError(
+                f"{where}: {_format_loc(path[:6])}...: nested more than {MAX_DEPTH} levels "
+                "deep; no hetplan file nests this deeply, is this the right file?"
+            )
+        count += len(value)
+        if count > MAX_ELEMENTS:
+            raise SpecError(
+                f"{where}: holds more than {MAX_ELEMENTS:,} values (YAML aliases count each "
+                "time they are used); no hetplan file is this large, is this the right file?"
+            )
+        for key, child in items:
+            if isinstance(child, (Mapping, list, tuple)):
+                stack.append((child, (*path, key if isinstance(key, int) else str(key))))
+
+
 def _parse_json(text: str, where: str) -> Any:
     try:
-        return json.loads(text)
+        return loads_json(text, where=where)
     except json.JSONDecodeError as e:
         raise SpecError(
             f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
@@ -175,7 +271,7 @@ def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> di
         data = _parse_json(text, where)
     else:
         try:
-            data = json.loads(text)
+            data = loads_json(text, where=where)
         except json.JSONDecodeError as e:
             raise SpecError(
                 f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; {hint}"
@@ -190,7 +286,14 @@ def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> di
 
 def _parse_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
+    except RecursionError:
+        raise SpecError(
+            f"{where}: nested too deeply to read (more than {MAX_DEPTH} levels are never "
+            "needed); is this the right file?"
+        ) from None
+    except ValueError as e:  # e.g. an integer literal longer than Python converts
+        raise SpecError(f"{where}: not valid YAML: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e)
@@ -203,6 +306,8 @@ def _parse_yaml(text: str, where: str) -> Any:
             "hint: check the indentation (spaces, not tabs), a missing ':' after a key, "
             "and unbalanced quotes or brackets near that position"
         ) from e
+    check_shape(data, where=where)
+    return data
 
 
 def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
@@ -250,7 +355,7 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
         data = _parse_json(text, where)
     else:
         try:
-            data = json.loads(text)
+            data = loads_json(text, where=where)
         except json.JSONDecodeError:
             data = _parse_yaml(text, where)
 
@@ -500,3 +605,35 @@ def check_bounds(bounds: Sequence[tuple[int, int]], n: int | None = None) -> Non
         expect = j + 1
     if n is not None and expect != n:
         raise SpecError(f"the stages end at layer {expect - 1} but there are {n} layers")
+
+
+def check_output_path(path: str | Path, *, option: str) -> Path:
+    """Refuse, before any work, an output file that could not be written.
+
+    The directory must exist (hetplan never creates directories: a typo in ``-o
+    /nonexistent/x.png`` must not create ``/nonexistent``) and be writable, and the path
+    must not be a directory.
+
+    Args:
+        path: the file to be written.
+        option: how the user gave it (``"-o/--output"``), for the message.
+
+    Returns:
+        ``path`` as a :class:`Path`.
+
+    Raises:
+        SpecError: naming the option, the path and the fix.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise SpecError(f"{option} {str(p)!r} is a directory; give the path of a file to write")
+    parent = p.parent
+    if not parent.exists():
+        raise SpecError(f"{option} {str(p)!r}: the directory {str(parent)!r} does not exist; "
+                        "create it first (hetplan does not create directories)")
+    if not parent.is_dir():
+        raise SpecError(f"{option} {str(p)!r}: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise SpecError(f"{option} {str(p)!r} cannot be written (permission denied); choose "
+                        "another path")
+    return p

@@ -19,7 +19,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from hetplan.cost_models.pipeline import SCHEDULES
 from hetplan.errors import SpecError
@@ -74,6 +81,23 @@ class CompileOptions(BaseModel):
             raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)} "
                              f"(known: {', '.join(SCHEDULES)})")
         return v
+
+    @model_validator(mode="after")
+    def _batch_splits(self) -> CompileOptions:
+        """Blame a pinned dp or micro-batch size that cannot split the global batch (before
+        any layout search, which would only report that no layout fits)."""
+        batch, dp, mbs = self.batch_size, self.dp, self.micro_batch_size
+        if dp is not None and batch % dp:
+            raise ValueError(f"dp={dp} does not divide batch_size={batch} (each data-parallel "
+                             "replica trains batch_size / dp samples); pin a dp that divides "
+                             "it, or change the batch size")
+        per = batch // dp if dp is not None else batch
+        if mbs is not None and per % mbs:
+            of = f"the per-replica batch {per} (batch_size={batch} / dp={dp})" if dp else (
+                f"batch_size={batch}")
+            raise ValueError(f"micro_batch_size={mbs} does not divide {of}; choose a "
+                             "micro-batch size that divides it")
+        return self
 
     @classmethod
     def build(cls, options: CompileOptions | None = None, /, **kwargs: Any) -> CompileOptions:
