@@ -462,6 +462,7 @@ def simulate_cmd(
     from hetplan.cost_models.predict import simulate
 
     plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
     pred = simulate(plan, cluster=cluster, profile=profile)
     if as_json:
         out.print(pred.model_dump_json(indent=2), markup=False)
@@ -477,6 +478,15 @@ def simulate_cmd(
         f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · bubble ratio "
         f"{pred.bubble_ratio:.3f}"
     )
+
+
+def _need_cluster(plan: Any, plan_file: Path, cluster: str | None) -> None:
+    """Re-predicting needs the cluster: embedded in the plan, or given with --cluster."""
+    if plan.cluster.spec is None and cluster is None:
+        raise SpecError(
+            f"{plan_file}: cluster.spec: the plan does not embed its cluster "
+            f"{plan.cluster.name!r}; pass it with --cluster FILE|PRESET"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -556,7 +566,8 @@ def _file_kind(path: Path) -> str:
     from hetplan.ir.validation import load_structured_file
 
     if path.suffix == ".json" and path.is_file():
-        head = path.read_text(errors="replace")[:4096]
+        with path.open("rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace")
         if '"tool_version"' in head or '"schema_version"' in head and '"cluster"' in head:
             return "plan"  # even when truncated: the plan loader explains what is wrong
     data = load_structured_file(path, what="input")
@@ -694,6 +705,7 @@ def explain_cmd(
     from hetplan.report.explain import explain
 
     plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
     result = explain(plan, target, cluster=cluster, profile=profile)
     if as_json:
         typer.echo(dump_json(result.to_dict()), nl=False)
@@ -739,6 +751,7 @@ def timeline_cmd(
         raise SpecError(f"timeline rendering is not available in this install: {e}") from e
     check_output(output, option="-o/--output")  # before the plan is simulated
     plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
     measured = None
     if run_report is not None:
         from hetplan.ir.validation import load_structured_file

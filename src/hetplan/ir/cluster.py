@@ -372,7 +372,7 @@ class ClusterSpec(BaseModel):
     def _consistent(self) -> ClusterSpec:
         problems: list[str] = []
         if not self.nodes:
-            problems.append("'nodes' is empty; list at least one node group")
+            problems.append("nodes: the list is empty; list at least one node group")
         for i, node in enumerate(self.nodes):
             if node.devices_per_node > MAX_DEVICES_PER_NODE:
                 problems.append(
@@ -391,11 +391,11 @@ class ClusterSpec(BaseModel):
             raise ValueError("\n".join(problems))  # what follows is O(nodes): stop here
         group_counts = Counter(node.name for node in self.nodes)
         for name in sorted(g for g, n in group_counts.items() if n > 1):
-            problems.append(f"two node groups are named {name!r}; rename one")
+            problems.append(f"nodes: two node groups are named {name!r}; rename one")
         clashes = sorted(n for n, k in Counter(self.node_names()).items() if k > 1)
         if clashes and len(group_counts) == len(self.nodes):
             problems.append(
-                f"node names {clashes} occur twice (a group with count > 1 names its nodes "
+                f"nodes: node names {clashes} occur twice (a group with count > 1 names its nodes "
                 "'<name>-<i>'); rename the clashing group"
             )
         known = sorted(set(self.device_types) | set(DEVICE_CATALOGUE))
@@ -410,7 +410,8 @@ class ClusterSpec(BaseModel):
                     )
         if self.num_nodes > 1 and self.inter_node is None:
             problems.append(
-                f"the cluster has {self.num_nodes} nodes but no inter_node network; add e.g. "
+                f"inter_node: missing; the cluster has {self.num_nodes} nodes, so it needs the "
+                "network between them; add e.g. "
                 "'inter_node: {kind: ethernet, bandwidth_gbps: 100, latency_us: 10}'"
             )
         if problems:

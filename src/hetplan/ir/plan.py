@@ -73,7 +73,7 @@ from hetplan.ir.plan_sections import (
     WorkloadSummary,
 )
 from hetplan.ir.rebalancing import Rebalancing
-from hetplan.ir.validation import format_validation_error, loads_json
+from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -298,7 +298,7 @@ def _check_version(data: dict[str, Any], where: str) -> None:
     version = data["schema_version"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise SpecError(
-            f"{where}: schema_version must be an integer (this hetplan reads "
+            f"{where}: schema_version: must be an integer (this hetplan reads "
             f"{SCHEMA_VERSION}), got {version!r}"
         )
     if version > SCHEMA_VERSION:
@@ -331,12 +331,7 @@ def load_plan(path: str | Path) -> Plan:
     p = Path(path)
     if not p.exists():
         raise SpecError(f"plan file {str(p)!r} does not exist; create one with `hetplan plan`")
-    if not p.is_file():
-        raise SpecError(f"plan file {str(p)!r} is not a regular file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"cannot read plan file {str(p)!r}: {e}") from e
+    text = read_text_file(p, what="plan")
     return Plan.from_json(text, where=str(p), complete=True)
 
 

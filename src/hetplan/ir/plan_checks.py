@@ -23,7 +23,8 @@ Rules (each applies when the sections it relates are present):
    run by the simulator and the runtime.)
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
    in their tp coordinate), inside its stage; each rank has one role.
-6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage.
+6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
+   inter-node step needs more than one node.
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages.
 8. **predictions**: at most one memory figure per rank.
 9. **complete** plans — what ``hetplan plan`` writes, required when a plan is read from JSON:
@@ -278,8 +279,10 @@ def _tensor_parallel(plan: Plan) -> list[str]:
 # -- 6. gradient sync -------------------------------------------------------------------------
 def _gradient_sync(plan: Plan) -> list[str]:
     sync, workload = plan.gradient_sync, plan.model.workload
-    if sync is None or workload is None:
+    if sync is None:
         return []
+    if workload is None:
+        return _hierarchy_needs_nodes(plan)
     layer_of = {g.name: g.layer_index for g in workload.grads}
     known = list(layer_of)
     out = []
@@ -287,6 +290,7 @@ def _gradient_sync(plan: Plan) -> list[str]:
         if t.name not in layer_of:
             out.append(f"gradient_sync.tensors[{i}].name: {t.name!r} is not a gradient of "
                        f"model {plan.model.name!r}{did_you_mean(t.name, known)}")
+    out += _hierarchy_needs_nodes(plan)
     stage_of = _stage_of_layer(plan.stages, len(workload.layers))
     for i, b in enumerate(sync.buckets):
         for j, name in enumerate(b.tensors):
@@ -298,6 +302,17 @@ def _gradient_sync(plan: Plan) -> list[str]:
             out.append(f"gradient_sync.buckets[{i}]: holds gradients of stages {stages}; a "
                        "bucket stays inside one pipeline stage (each stage syncs its own)")
     return out[:_MAX_PER_RULE]
+
+
+def _hierarchy_needs_nodes(plan: Plan) -> list[str]:
+    """A path with an inter-node step needs a cluster of more than one node."""
+    spec, sync = plan.cluster.spec, plan.gradient_sync
+    if spec is None or sync is None or spec.num_nodes > 1:
+        return []
+    return [f"gradient_sync.strategies[{name!r}]: has an inter-node step, but cluster "
+            f"{spec.name!r} has one node; use a flat path"
+            for name, st in sorted(sync.strategies.items())
+            if any(step.level == "inter" for step in st.steps)]
 
 
 def _stage_of_layer(stages: tuple[Stage, ...], n_layers: int) -> list[int]:

@@ -48,6 +48,8 @@ from hetplan.errors import SpecError
 __all__ = [
     "MAX_DEPTH",
     "MAX_ELEMENTS",
+    "MAX_FILE_BYTES",
+    "read_text_file",
     "loads_json",
     "check_shape",
     "parse_json_object",
@@ -66,6 +68,9 @@ _MAX_ERROR_LINES = 20
 #: Offending input values longer than this (as ``repr``) are cut.
 _MAX_VALUE_CHARS = 60
 
+#: Files are at most this large (the largest real one, a plan for a 70B-parameter model, is a
+#: few hundred KiB); a larger file is refused before it is parsed.
+MAX_FILE_BYTES = 32 * 2**20
 #: Files nest at most this deep (the deepest real plan or cluster spec nests 7 levels).
 MAX_DEPTH = 32
 #: Files hold at most this many values (lists, mappings and scalars; a YAML alias counts each
@@ -221,13 +226,14 @@ def check_shape(data: Any, *, where: str) -> None:
     O(values), stopped at :data:`MAX_ELEMENTS` (a YAML alias is visited each time it is used,
     as validation would).
     """
+    containers = (dict, list, tuple)  # what json and yaml build (exact types: fast)
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
     count = 1
     while stack:
         value, path = stack.pop()
-        if isinstance(value, Mapping):
+        if type(value) is dict:
             items: Any = value.items()
-        elif isinstance(value, (list, tuple)):
+        elif type(value) in (list, tuple):
             items = enumerate(value)
         else:
             continue
@@ -243,7 +249,7 @@ def check_shape(data: Any, *, where: str) -> None:
                 "time they are used); no hetplan file is this large, is this the right file?"
             )
         for key, child in items:
-            if isinstance(child, (Mapping, list, tuple)):
+            if type(child) in containers:
                 stack.append((child, (*path, key if isinstance(key, int) else str(key))))
 
 
@@ -310,6 +316,36 @@ def _parse_yaml(text: str, where: str) -> Any:
     return data
 
 
+def read_text_file(path: Path, *, what: str) -> str:
+    """The UTF-8 text of ``path``, refusing a directory, an unreadable file, one that is not
+    UTF-8, and one over :data:`MAX_FILE_BYTES` (checked before reading it).
+
+    Raises:
+        SpecError: naming the file and what to do.
+    """
+    where = str(path)
+    if not path.is_file():
+        raise SpecError(f"{what} file {where!r} is not a regular file; pass the path of a file")
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise SpecError(
+                f"{where}: the {what} file is {size / 2**20:.1f} MiB; hetplan reads files of "
+                f"at most {MAX_FILE_BYTES // 2**20} MiB (real ones are far smaller): is this "
+                "the right file?"
+            )
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            f"{where}: the {what} file is not UTF-8 text ({e.reason} at byte {e.start}); "
+            "save it as UTF-8 YAML or JSON"
+        ) from e
+    except OSError as e:
+        raise SpecError(
+            f"{what} file {where!r} cannot be read: {e.strerror or e}; check its permissions"
+        ) from e
+
+
 def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
     """Read a YAML or JSON file whose top level is a mapping.
 
@@ -334,19 +370,7 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
             f"{what} file {where!r} does not exist (resolved to {str(p.absolute())!r}); "
             "check the path"
         )
-    if not p.is_file():
-        raise SpecError(f"{what} file {where!r} is not a regular file; pass the path of a file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(
-            f"{where}: the {what} file is not UTF-8 text ({e.reason} at byte {e.start}); "
-            "save it as UTF-8 YAML or JSON"
-        ) from e
-    except OSError as e:
-        raise SpecError(
-            f"{what} file {where!r} cannot be read: {e.strerror or e}; check its permissions"
-        ) from e
+    text = read_text_file(p, what=what)
 
     suffix = p.suffix.lower()
     if suffix in (".yaml", ".yml"):
