@@ -74,6 +74,19 @@ def test_micro_batch_size_that_cannot_split_the_batch_is_blamed(no_work: None) -
             "micro_batch_size=3 does not divide the per-replica batch 4 (batch_size=8 / dp=2)")
 
 
+def test_other_plan_options_fail_before_capture(no_work: None) -> None:
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--dtype", "fp33"),
+            "dtype: unknown compute dtype 'fp33'; did you mean 'fp32'?")
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", str(10**20)),
+            "batch_size: Input should be less than or equal to 9007199254740992")
+
+
+def test_more_micro_batches_than_a_plan_may_have_is_explained() -> None:
+    refused(run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "1000000", "--dp",
+                "4", "--micro-batch-size", "1"),
+            "into at most 65,536 micro-batches per replica", "micro_batch_size=1 pinned")
+
+
 def test_a_bad_cluster_fails_before_capture(no_work: None, tmp_path: Path) -> None:
     bad = tmp_path / "c.yaml"
     bad.write_text("name: x\nnodes: []\n", encoding="utf-8")

@@ -43,15 +43,46 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from hetplan.ir.plan_sections import (
+    ClusterRef,
+    GradientSync,
+    Layout,
+    ModelRef,
+    PipelineActions,
+    Predictions,
+    Stage,
+    TensorParallel,
+)
+from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import did_you_mean
 
-if TYPE_CHECKING:
-    from hetplan.ir.plan import Plan
-    from hetplan.ir.plan_sections import Layout, Stage
-
 __all__ = ["plan_problems"]
+
+
+class Plan(Protocol):
+    """The sections of a :class:`hetplan.ir.plan.Plan` the rules read (a protocol, so that
+    this module, which ``plan.py`` imports, does not import it back)."""
+
+    @property
+    def model(self) -> ModelRef: ...
+    @property
+    def cluster(self) -> ClusterRef: ...
+    @property
+    def layout(self) -> Layout | None: ...
+    @property
+    def stages(self) -> tuple[Stage, ...]: ...
+    @property
+    def pipeline_actions(self) -> PipelineActions | None: ...
+    @property
+    def tensor_parallel(self) -> TensorParallel | None: ...
+    @property
+    def gradient_sync(self) -> GradientSync | None: ...
+    @property
+    def rebalancing(self) -> Rebalancing | None: ...
+    @property
+    def predictions(self) -> Predictions | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from hetplan.ir.model import ModelIR
 
 __all__ = [
+    "MAX_MICRO_BATCHES",
     "LayerCost",
     "GradCost",
     "WorkloadSummary",
@@ -95,8 +96,10 @@ Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), BeforeValidator
 #: A rank, or a count of ranks (at most the largest cluster a spec may describe).
 Rank = Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE), BeforeValidator(strict_int)]
 Ranks = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE), BeforeValidator(strict_int)]
-#: Micro-batches per iteration (a pipeline simulation is O(micro-batches x stages)).
-MicroBatches = Annotated[int, Field(ge=1, le=2**16), BeforeValidator(strict_int)]
+#: Most micro-batches per iteration a plan may have: a pipeline's simulation and its action
+#: lists are O(micro-batches x stages).
+MAX_MICRO_BATCHES = 2**16
+MicroBatches = Annotated[int, Field(ge=1, le=MAX_MICRO_BATCHES), BeforeValidator(strict_int)]
 Device = Literal["gpu", "cpu"]
 
 

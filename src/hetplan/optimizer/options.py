@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -30,6 +30,8 @@ from pydantic import (
 
 from hetplan.cost_models.pipeline import SCHEDULES
 from hetplan.errors import SpecError
+from hetplan.ir.cluster import DTYPE_ALIASES, Dtype
+from hetplan.ir.fields import MAX_COUNT
 from hetplan.ir.rebalancing import DynamicsSpec
 from hetplan.ir.validation import did_you_mean, format_validation_error
 from hetplan.passes import DEFAULT_PIPELINE, get_all_passes
@@ -57,7 +59,7 @@ class CompileOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    batch_size: int = Field(ge=1)
+    batch_size: int = Field(ge=1, le=MAX_COUNT)
     seq: int | None = PosInt
     schedule: str = "1f1b"
     passes: str | tuple[Any, ...] = DEFAULT_PIPELINE
@@ -80,6 +82,15 @@ class CompileOptions(BaseModel):
         if v not in SCHEDULES:
             raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)} "
                              f"(known: {', '.join(SCHEDULES)})")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        known = [*get_args(Dtype), *DTYPE_ALIASES]
+        if v not in known:
+            raise ValueError(f"unknown compute dtype {v!r}{did_you_mean(v, known)} (known: "
+                             f"{', '.join(get_args(Dtype))})")
         return v
 
     @model_validator(mode="after")
