@@ -662,9 +662,19 @@ def _load_run_report(path: Path) -> dict[str, Any]:
     from hetplan.ir.validation import load_structured_file
 
     data = load_structured_file(path, what="run report")
-    if not isinstance(data.get("measured"), dict) or "iteration_ms" not in data["measured"]:
+    measured = data.get("measured")
+    if not isinstance(measured, dict) or "iteration_ms" not in measured:
         raise SpecError(f"{path}: not a run report (no measured.iteration_ms); write one with "
                         "`hetplan run PLAN --report FILE`")
+    for key in ("iteration_ms", "compute_ms", "bubble_ms", "exposed_comm_ms"):
+        value = measured.get(key)
+        if value is None and key != "iteration_ms":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 <= value < float("inf")):
+            raise SpecError(f"{path}: measured.{key}: expected milliseconds (a number >= 0), "
+                            f"got {value!r}; write the report with `hetplan run PLAN --report "
+                            "FILE`")
     return data
 
 

@@ -200,3 +200,14 @@ def test_plan_opaque_with_a_zoo_model() -> None:
 def test_factory_failures_are_user_errors(user_module: str, factory: str,
                                           expected: str) -> None:
     refused(run("ir", "--module", f"{user_module}:{factory}"), expected)
+
+
+def test_a_malformed_run_report_names_its_field(tmp_path: Path) -> None:
+    plan = tmp_path / "p.json"
+    assert run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8", "-o",
+               plan).exit_code == 0
+    for value in ('"x"', "true", "-1"):
+        report = tmp_path / "r.json"
+        report.write_text('{"measured": {"iteration_ms": ' + value + "}}", encoding="utf-8")
+        refused(run("inspect", plan, "--run", report),
+                f"{report}: measured.iteration_ms: expected milliseconds")

@@ -13,8 +13,10 @@ mutated file goes through every command, in-process through typer's ``CliRunner`
 Each command must accept the file (exit 0) or refuse it (exit 2) with a message that names
 the file and, for a field, its path; never exit 1 ("internal error") or show a traceback,
 never run past :data:`CASE_SECONDS`, and every command gives the verdict ``validate`` gives
-(no plan accepted by one command and refused by a later one). The number of generated cases
-is printed at the end of the run.
+(no plan accepted by one command and refused by a later one). One verdict is not validity:
+``simulate`` may find that a valid plan whose workload was edited no longer fits in memory
+(it costs the plan; ``validate`` has no cost model), and says which rank needs how much.
+The number of generated cases is printed at the end of the run.
 """
 
 from __future__ import annotations
