@@ -321,3 +321,11 @@ def test_layout_numbers_are_strict_and_bounded(tmp_path: Path, field: str, value
 def test_a_bool_is_not_a_flag_value_elsewhere(tmp_path: Path) -> None:
     refused(tmp_path, lambda d: d["gradient_sync"]["strategies"]["topk"].update(
         error_feedback=1), "error_feedback: Input should be a valid boolean")
+
+
+def test_the_compute_dtype_is_known_and_listed_by_every_device(tmp_path: Path) -> None:
+    refused(tmp_path, lambda d: d.update(cost_settings={"dtype": "fp33"}),
+            "cost_settings.dtype: unknown compute dtype 'fp33'; did you mean 'fp32'?")
+    refused(tmp_path, lambda d: d.update(cost_settings={"dtype": "bf16"}),
+            "cost_settings.dtype: 'bf16', but device type 'cpu' of cluster.spec lists no peak "
+            "for it (it lists fp64, fp32)")

@@ -9,7 +9,8 @@ runs. It therefore runs wherever a plan is built or read — ``Plan(...)``, the 
 
 Rules (each applies when the sections it relates are present):
 
-1. **cluster**: ``world_size`` and ``fingerprint`` are those of the embedded spec.
+1. **cluster**: ``world_size`` and ``fingerprint`` are those of the embedded spec, whose
+   devices all list a peak for the cost settings' compute dtype.
 2. **layout**: it uses at most the cluster's devices (dp·pp·tp ≤ world size; ``hetplan
    plan`` uses all of them, tests and re-packing fewer); the global batch is
    dp × micro-batch size × micro-batches; ``ranks`` placements follow
@@ -27,7 +28,8 @@ Rules (each applies when the sections it relates are present):
    inter-node step needs more than one node.
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages.
 8. **predictions**: at most one memory figure per rank.
-9. **complete** plans — what ``hetplan plan`` writes, required when a plan is read from JSON:
+9. **complete** plans — what ``hetplan plan`` writes, required of every plan file
+   (:func:`~hetplan.ir.plan.load_plan`; ``Plan.from_json(..., complete=True)``):
    a layout, the stages of a pipeline, the model's workload summary; a pipeline with at
    least one micro-batch per stage and interleaved 1F1B with at least 2 virtual stages (what
    the runtime's schedules need). Drafts, the plans passes hand to each other, lack sections
@@ -45,8 +47,10 @@ import re
 from collections import Counter
 from typing import Protocol
 
+from hetplan.ir.cluster import DTYPE_ALIASES
 from hetplan.ir.plan_sections import (
     ClusterRef,
+    CostSettings,
     GradientSync,
     Layout,
     ModelRef,
@@ -83,6 +87,8 @@ class Plan(Protocol):
     def rebalancing(self) -> Rebalancing | None: ...
     @property
     def predictions(self) -> Predictions | None: ...
+    @property
+    def cost_settings(self) -> CostSettings | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
@@ -112,6 +118,14 @@ def _cluster(plan: Plan) -> list[str]:
     if ref.world_size != spec.world_size:
         out.append(f"cluster.world_size: {ref.world_size}, but the embedded cluster spec "
                    f"(cluster.spec) has {spec.world_size} devices; {_RERUN}")
+    settings = plan.cost_settings
+    if settings is not None:
+        dtype = DTYPE_ALIASES.get(settings.dtype, settings.dtype)
+        used = sorted({g.type for node in spec.nodes for g in node.devices})
+        if lacking := [t for t in used if dtype not in spec.device_types[t].peak_tflops]:
+            out.append(f"cost_settings.dtype: {settings.dtype!r}, but device type "
+                       f"{lacking[0]!r} of cluster.spec lists no peak for it (it lists "
+                       f"{', '.join(spec.device_types[lacking[0]].peak_tflops)})")
     if ref.fingerprint != spec.fingerprint():
         out.append(f"cluster.fingerprint: {ref.fingerprint!r}, but the embedded cluster spec "
                    f"has fingerprint {spec.fingerprint()!r} (was cluster.spec edited after "

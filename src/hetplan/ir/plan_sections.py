@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Annotated, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Literal, Union, get_args
 
 from pydantic import (
     AfterValidator,
@@ -25,10 +25,11 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    field_validator,
     model_validator,
 )
 
-from hetplan.ir.cluster import MAX_WORLD_SIZE, ClusterSpec
+from hetplan.ir.cluster import DTYPE_ALIASES, MAX_WORLD_SIZE, ClusterSpec, Dtype
 from hetplan.ir.compressors import compressor_problems
 from hetplan.ir.fields import (
     MAX_MS,
@@ -39,6 +40,7 @@ from hetplan.ir.fields import (
     strict_float,
     strict_int,
 )
+from hetplan.ir.validation import did_you_mean
 
 if TYPE_CHECKING:
     from hetplan.ir.model import ModelIR
@@ -261,6 +263,15 @@ class CostSettings(_Section):
                           BeforeValidator(strict_float)] = 0.5
     optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
     profile_fingerprint: str = ""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        known = [*get_args(Dtype), *DTYPE_ALIASES]
+        if v not in known:
+            raise ValueError(f"unknown compute dtype {v[:40]!r}{did_you_mean(v[:40], known)} "
+                             f"(known: {', '.join(get_args(Dtype))})")
+        return v
 
 
 # -- layout and pipeline stages --------------------------------------------------------------
