@@ -105,7 +105,7 @@ __all__ = [
 ]
 
 #: The plan format this hetplan writes and reads.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 _RERUN = "re-run `hetplan plan` for this model and cluster"
 

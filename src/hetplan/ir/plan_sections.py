@@ -86,7 +86,7 @@ class _Section(BaseModel):
 def _duplicates(items: Iterable[str | int]) -> list[str | int]:
     """The items that occur more than once, sorted."""
     counts = Counter(items)
-    return sorted(x for x, n in counts.items() if n > 1)  # type: ignore[type-var]
+    return sorted(x for x, n in counts.items() if n > 1)
 
 
 # -- model and cluster references ------------------------------------------------------------

@@ -28,11 +28,13 @@ Complexity: O(D · L) cost lookups plus four simulator runs; the partition DP is
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from hetplan.algorithms.dynamics import (
     BalancePolicy,
+    DynamicRun,
     LayerProfile,
     PruningModel,
     build_phases,
@@ -225,17 +227,19 @@ def _rebalancing(dyn: DynamicsSpec, c: _Costs, ctx: PassContext, bounds: Bounds)
     per_gb = ctx.costs.comm.time_s("p2p", 1e9, 2, link) * 1e3
     send = [sum(col) / len(c.send) for col in zip(*c.send)]
 
-    def iteration_ms(f: list[float], b: list[float], k: int) -> float:
+    def iteration_ms(f: Sequence[float], b: Sequence[float], k: int) -> float:
         return simulate_pipeline(f, b, lay.micro_batches, lay.schedule if k > 1 else "gpipe",
                                  virtual_stages=lay.virtual_stages if k > 1 else 1
                                  ).iteration_ms
 
     mem_cap = [c.cap[s] for s in range(lay.pp)]
-    kw = dict(speeds=speeds, send_ms=send, link_bytes_per_ms=1e9 / per_gb, mem_cap=mem_cap,
-              initial=bounds)
-    run = run_dynamic(phases, lay.pp, dyn.total_iterations, policy, iteration_ms, **kw)
-    static = run_dynamic(phases, lay.pp, dyn.total_iterations, BalancePolicy("static"),
-                         iteration_ms, **kw)
+    def replay(pol: BalancePolicy) -> DynamicRun:
+        return run_dynamic(phases, lay.pp, dyn.total_iterations, pol, iteration_ms,
+                           speeds=speeds, send_ms=send, link_bytes_per_ms=1e9 / per_gb,
+                           mem_cap=mem_cap, initial=bounds)
+
+    run = replay(policy)
+    static = replay(BalancePolicy("static"))
     events = tuple(
         PlannedEvent(
             iteration=e.iteration, label=e.label, stages=e.bounds,

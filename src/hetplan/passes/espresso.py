@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from hetplan.algorithms.espresso import Selection, SelectionProblem, select
 from hetplan.algorithms.espresso_tree import (
@@ -111,7 +111,8 @@ def strategy_for(key: Key, ratio: float = DEFAULT_SPARSITY_RATIO) -> SyncStrateg
     """The plan strategy of a candidate ``key``."""
     comp, oid = key
     option = all_options()[oid]
-    hierarchy = "hierarchical" if option[0].level != "flat" else "flat"
+    hierarchy: Literal["flat", "hierarchical"] = (
+        "hierarchical" if option[0].level != "flat" else "flat")
     if comp is None:
         return NoSync(hierarchy=hierarchy, steps=_steps(option))
     if comp in _CASTS:
