@@ -153,6 +153,9 @@ class Measured(BaseModel):
     #: values as the source prints them where JSON would drop trailing zeros ("1.10"), so
     #: that their rounding is known
     printed: dict[str, str] = Field(default_factory=dict)
+    #: half-unit rounding of values the source rounds more coarsely than their digits show
+    #: (e.g. 5.0 for TFLOP/s rounded to tens); ``field_sources`` says why
+    rounding: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _printed_matches(self) -> Measured:
@@ -303,6 +306,8 @@ class MeasuredTime:
 def _rounding(measured: Measured, key: str) -> float:
     """Half a unit of the last printed digit of ``measured.<key>`` (137 → 0.5, 4.4 → 0.05,
     "1.10" → 0.005)."""
+    if key in measured.rounding:
+        return measured.rounding[key]
     text = measured.printed.get(key) or repr(float(getattr(measured, key)))
     decimals = len(text.split(".")[1]) if "." in text else 0
     if key not in measured.printed and text.endswith(".0"):
