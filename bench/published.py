@@ -125,7 +125,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
 
 
 def _option_fields() -> set[str]:
-    from hetplan.optimizer.options import CompileOptions
+    from hetplan import CompileOptions
 
     return set(CompileOptions.model_fields)
 
@@ -188,7 +188,7 @@ def capture_model(run: Run) -> tuple[Any, float]:
     run's sequence length) and the seconds build + capture took (0 when cached)."""
     import torch
 
-    from hetplan.ir.capture import capture
+    from hetplan import capture
 
     m = run.model
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[
@@ -209,7 +209,7 @@ def capture_model(run: Run) -> tuple[Any, float]:
 
 def cluster_for(run: Run, *, unbounded_memory: bool = False) -> Any:
     """The run's cluster file scaled to its GPU count (optionally with unbounded memory)."""
-    from hetplan.ir.cluster import ClusterSpec
+    from hetplan import ClusterSpec
 
     c = run.cluster
     data = ClusterSpec.load(CLUSTER_DIR / c.cluster_file).model_dump(mode="json")
@@ -234,7 +234,7 @@ def cluster_for(run: Run, *, unbounded_memory: bool = False) -> Any:
 def _compile(ir: Any, cluster: Any, batch: int, **opts: Any) -> dict[str, Any]:
     """``hetplan.compile`` → its layout, predicted time and peak memory, or why it failed."""
     import hetplan
-    from hetplan.errors import HetplanError, InfeasiblePlanError
+    from hetplan import HetplanError, InfeasiblePlanError
 
     t0 = time.perf_counter()
     try:
@@ -246,12 +246,17 @@ def _compile(ir: Any, cluster: Any, batch: int, **opts: Any) -> dict[str, Any]:
                 "seconds": time.perf_counter() - t0}
     s = plan.summary()
     lay = plan.layout
+    pred = plan.predictions
+    br = pred.breakdown if pred is not None else None
     return {
         "fits": True,
         "layout": {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp,
                    "micro_batch_size": lay.micro_batch_size, "micro_batches": lay.micro_batches,
                    "schedule": lay.schedule, "virtual_stages": lay.virtual_stages},
         "predicted_iteration_s": s.iteration_time_ms / 1e3,
+        "breakdown_s": ({k.removesuffix("_ms") + "_s": v / 1e3
+                         for k, v in br.model_dump().items()} if br is not None else None),
+        "bubble_ratio": s.bubble_ratio,
         "peak_memory_gib": (s.peak_memory_bytes or 0) / 2**30,
         "seconds": time.perf_counter() - t0,
     }
@@ -336,7 +341,16 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                                   if feasible else None),
         "unexpressed_dimension_counts": {
             d.name: sum(d.name in r["unexpressed"] for r in rows) for d in DIMENSIONS},
+        "by_source": {},
     }
+    for src in sorted({r["source"] for r in rows}):
+        mine = [r["pinned"]["vs_measured"] for r in rows
+                if r["source"] == src and r["pinned"]["vs_measured"] is not None]
+        out["by_source"][src] = {
+            "runs": sum(r["source"] == src for r in rows),
+            "median_abs_error": statistics.median(v["abs_error"] for v in mine) if mine else None,
+            "ratios": [round(v["ratio"], 3) for v in mine],
+        }
     if frees:
         out.update(
             free_search_runs=len(frees),
@@ -380,6 +394,10 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
               f"{s['pinned_predicted']} runs (median ratio {s['pinned_median_ratio']:.2f}); "
               f"worst {s['pinned_worst']['id']} ({s['pinned_worst']['abs_error']:.1%}); "
               f"{s['pinned_within_10pct']} within 10 %")
+        for src, v in s["by_source"].items():
+            if v["median_abs_error"] is not None:
+                print(f"  {src:18s} {v['runs']:2d} runs, median |pred/meas - 1| "
+                      f"{v['median_abs_error']:.1%}, ratios {v['ratios']}")
     print(f"published layouts that fit the planner's memory model: "
           f"{s['published_layouts_feasible']} / {s['runs']}")
     if "free_search_runs" in s:
