@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.append(str(BENCH))  # after everything else: bench/ holds scripts named like modules
 
 import published_data as pdata  # noqa: E402
 
