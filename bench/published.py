@@ -145,7 +145,7 @@ def express(run: Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         elif dim.option is not None and dim.option in fields:
             pins[dim.option] = dim.to_option(value)
             rec["status"] = "pinned"
-        elif value == dim.default or (dim.name == "mixed_precision_state" and value == "fp32"):
+        elif value == dim.default:
             rec["status"] = "default"
         else:
             rec["status"] = "unexpressed"
