@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,8 @@ def _one_run(cmd: list[str], ranks: int, steps: int) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     output = proc.stdout + proc.stderr
     last = (steps - 1) // 5 * 5  # the script prints every 5th step
-    finished = sum(f"step {last}: loss" in line for line in output.splitlines())
+    # ranks write unbuffered (torchrun runs python -u): two ranks' lines may share one line
+    finished = len(set(re.findall(rf"rank (\d+) step {last}: loss", output)))
     left = _left_behind(mark)
     for pid in left:  # never leave them running, whatever the result
         try:
