@@ -9,9 +9,9 @@ launcher owns that tree:
   ``/proc`` (:func:`marked_processes`), with their ``RANK``, whatever re-parented them.
 - **Tied to their parent.** torchrun gets the parent-death signal ``SIGKILL`` (Linux
   ``prctl(PR_SET_PDEATHSIG)``, :func:`set_parent_death_signal`) so it dies with the
-  launcher; each rank gets it too and dies with torchrun. A rank also watches the launcher's
-  pid (:func:`watch_launcher`), for a torchrun that is alive but frozen when the launcher
-  dies.
+  launcher; each rank sets it too and dies with torchrun. A rank also watches the
+  launcher's pid (:func:`watch_launcher`), for a torchrun that is alive but frozen when the
+  launcher dies.
 - **Stopped at once.** A rank's ``SIGINT``, ``SIGTERM`` or ``SIGHUP`` ends it within
   moments with one line, even while its main thread waits inside a collective
   (:func:`stop_on_signals`): Python runs signal handlers only between bytecodes, so a
@@ -250,8 +250,8 @@ def stop_on_signals(signals: Iterable[int] = STOP_SIGNALS) -> None:
 
 def watch_launcher(period_s: float = 1.0) -> bool:
     """In a rank of ``hetplan run``: exit when the launcher (``HETPLAN_LAUNCHER_PID``) is
-    gone, checked every ``period_s`` by a daemon thread; and die with the parent (torchrun)
-    through the parent-death signal. False (nothing done) outside ``hetplan run``.
+    gone, checked every ``period_s`` by a daemon thread (torchrun, which dies with the
+    launcher, may be frozen). False (nothing done) outside ``hetplan run``.
 
     A launcher that died before this call is noticed at once: its pid no longer runs, or
     runs another process (its start time changed), and this rank exits.
@@ -259,7 +259,6 @@ def watch_launcher(period_s: float = 1.0) -> bool:
     text = os.environ.get(LAUNCHER_PID_ENV, "")
     if not text.isdigit():
         return False
-    set_parent_death_signal(signal.SIGKILL)
     launcher = int(text)
     born = os.environ.get(LAUNCHER_PID_ENV + "_START", "")
     expected = int(born) if born.isdigit() else start_time(launcher)

@@ -97,8 +97,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     argv = sys.argv[1:] if argv is None else argv
     proctree.stop_on_signals()
+    proctree.set_parent_death_signal()  # die with torchrun
     proctree.watch_launcher()
-    code = run_script(argv[1:]) if argv[:1] == ["--script"] else _run_worker(argv)
+    try:
+        code = run_script(argv[1:]) if argv[:1] == ["--script"] else _run_worker(argv)
+    except Exception as e:  # noqa: BLE001 - e.g. the rendezvous timed out: one line, code 1
+        _print_error(f"{type(e).__name__}: {e}")
+        code = 1
     from hetplan.runtime.groups import exit_now, shutdown_process_groups
 
     proctree.defer_stop(5.0)  # the teardown below, not a signal, ends this rank
