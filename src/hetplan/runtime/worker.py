@@ -152,7 +152,7 @@ def _print_error(message: str) -> None:
     """One line for this rank (``HETPLAN_DEBUG``: with the traceback being handled)."""
     from hetplan.runtime.proctree import DEBUG_ENV, say
 
-    if os.environ.get(DEBUG_ENV):
+    if os.environ.get(DEBUG_ENV) and sys.exc_info()[0] is not None:
         traceback.print_exc()
     say(f"rank {_rank()}: {message}")
 
