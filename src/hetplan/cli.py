@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from rich.table import Table
 
 from hetplan._version import __version__
 from hetplan.errors import HetplanError, SpecError
+from hetplan.ir.validation import check_output_path
 
 __all__ = ["app", "main"]
 
@@ -113,35 +113,6 @@ def models_cmd(
     out.print(table)
 
 
-def _load_module_factory(spec: str) -> tuple[Any, tuple, dict]:
-    """``pkg.mod:factory`` → (model, args, kwargs). The factory returns
-    ``(model, example_args)`` or ``(model, example_args, example_kwargs)``."""
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise SpecError(f"--module {spec!r}: expected 'package.module:factory'")
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise SpecError(f"--module {spec!r}: cannot import {mod_name!r}: {e}") from e
-    finally:
-        sys.path.pop(0)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise SpecError(f"--module {spec!r}: {mod_name} has no callable {attr!r}")
-    result = factory()
-    if not isinstance(result, tuple) or len(result) not in (2, 3):
-        raise SpecError(
-            f"--module {spec!r}: the factory must return (model, example_args) or "
-            f"(model, example_args, example_kwargs), got {type(result).__name__}"
-        )
-    model, args = result[0], result[1]
-    kwargs = result[2] if len(result) == 3 else {}
-    if not isinstance(args, (tuple, list)):
-        args = (args,)
-    return model, tuple(args), dict(kwargs)
-
-
 def load_model_ir(
     model: str | None,
     module: str | None = None,
@@ -165,7 +136,9 @@ def load_model_ir(
     from hetplan.ir.capture import capture
 
     if module:
-        m, args, kwargs = _load_module_factory(module)
+        from hetplan.ir.capture.factory import load_factory
+
+        m, args, kwargs = load_factory(module)
         name = type(m).__name__
     else:
         from hetplan import zoo
@@ -282,6 +255,8 @@ def ir_cmd(
     output: Path = typer.Option(None, "-o", "--output", help="Write the workload JSON here."),
 ) -> None:
     """Capture a model and summarise its IR: layers, parameters, FLOPs, gradients."""
+    if output is not None:
+        check_output_path(output, option="-o/--output")
     t0 = time.perf_counter()
     ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
     seconds = time.perf_counter() - t0
@@ -363,11 +338,19 @@ def plan_cmd(
         "'dynpipe,even-tp,ddp-buckets,espresso{compressors=dgc,fp16},cupcake-fusion,"
         "tp-resizing{controller=semi}' (default: the standard pipeline; `hetplan passes` "
         "lists every pass and its options)."),
+    opaque: list[str] = typer.Option(
+        None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
+        "for a module whose forward capture cannot follow, see `hetplan ir`)."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
+    from hetplan.cost_models.predict import resolve_cluster, resolve_profile
     from hetplan.optimizer.compile import compile as compile_plan
     from hetplan.optimizer.options import CompileOptions
+
+    # Everything the user typed is checked before the model is captured or anything planned.
+    if output is not None:
+        check_output_path(output, option="-o/--output")
 
     options = CompileOptions.build(
         batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
@@ -377,14 +360,16 @@ def plan_cmd(
         **({"passes": passes} if passes is not None else {}),
     )
     options.pipeline(where="--passes")  # a malformed spec fails before the model is captured
-    if workload is not None or module is not None or model is None:
-        ir = load_model_ir(model, module, workload, batch=1, seq=seq)
+    spec = resolve_cluster(cluster)
+    db = resolve_profile(profile)
+    if workload is not None or module is not None or model is None or opaque:
+        ir = load_model_ir(model, module, workload, batch=1, seq=seq, opaque=opaque)
         target: Any = ir
     else:
         target = model
     t0 = time.perf_counter()
     with err.status("searching layouts …", spinner="dots"):
-        plan = compile_plan(target, cluster, options, profile=profile)
+        plan = compile_plan(target, spec, options, profile=db)
     seconds = time.perf_counter() - t0
     if output:
         plan.save(output)
@@ -410,6 +395,7 @@ def profile_cmd(
     """Measure this machine (layers, collectives, compressors) into a profile DB."""
     from hetplan.profiling import WHAT, run_profile
 
+    check_output_path(output, option="-o/--output")
     chosen = tuple(what) if what else tuple(w for w in WHAT if w != "layers" or model)
     if "layers" in chosen and not model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
@@ -535,6 +521,7 @@ def simulate_cmd(
     from hetplan.cost_models.predict import simulate
 
     plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
     pred = simulate(plan, cluster=cluster, profile=profile)
     if as_json:
         out.print(pred.model_dump_json(indent=2), markup=False)
@@ -550,6 +537,15 @@ def simulate_cmd(
         f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · bubble ratio "
         f"{pred.bubble_ratio:.3f}"
     )
+
+
+def _need_cluster(plan: Any, plan_file: Path, cluster: str | None) -> None:
+    """Re-predicting needs the cluster: embedded in the plan, or given with --cluster."""
+    if plan.cluster.spec is None and cluster is None:
+        raise SpecError(
+            f"{plan_file}: cluster.spec: the plan does not embed its cluster "
+            f"{plan.cluster.name!r}; pass it with --cluster FILE|PRESET"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -629,7 +625,8 @@ def _file_kind(path: Path) -> str:
     from hetplan.ir.validation import load_structured_file
 
     if path.suffix == ".json" and path.is_file():
-        head = path.read_text(errors="replace")[:4096]
+        with path.open("rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace")
         if '"tool_version"' in head or '"schema_version"' in head and '"cluster"' in head:
             return "plan"  # even when truncated: the plan loader explains what is wrong
     data = load_structured_file(path, what="input")
@@ -724,9 +721,19 @@ def _load_run_report(path: Path) -> dict[str, Any]:
     from hetplan.ir.validation import load_structured_file
 
     data = load_structured_file(path, what="run report")
-    if not isinstance(data.get("measured"), dict) or "iteration_ms" not in data["measured"]:
+    measured = data.get("measured")
+    if not isinstance(measured, dict) or "iteration_ms" not in measured:
         raise SpecError(f"{path}: not a run report (no measured.iteration_ms); write one with "
                         "`hetplan run PLAN --report FILE`")
+    for key in ("iteration_ms", "compute_ms", "bubble_ms", "exposed_comm_ms"):
+        value = measured.get(key)
+        if value is None and key != "iteration_ms":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 <= value < float("inf")):
+            raise SpecError(f"{path}: measured.{key}: expected milliseconds (a number >= 0), "
+                            f"got {value!r}; write the report with `hetplan run PLAN --report "
+                            "FILE`")
     return data
 
 
@@ -767,6 +774,7 @@ def explain_cmd(
     from hetplan.report.explain import explain
 
     plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
     result = explain(plan, target, cluster=cluster, profile=profile)
     if as_json:
         typer.echo(dump_json(result.to_dict()), nl=False)
@@ -806,16 +814,18 @@ def timeline_cmd(
     """Draw the predicted iteration (pipeline and gradient sync) as a PNG or HTML timeline."""
     from hetplan.ir.plan import load_plan
 
+    try:
+        from hetplan.report.timeline import check_output, render_timeline
+    except ImportError as e:  # the module, or its plotting library, is missing
+        raise SpecError(f"timeline rendering is not available in this install: {e}") from e
+    check_output(output, option="-o/--output")  # before the plan is simulated
     plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
     measured = None
     if run_report is not None:
         from hetplan.ir.validation import load_structured_file
 
         measured = load_structured_file(run_report, what="run report")
-    try:
-        from hetplan.report.timeline import render_timeline
-    except ImportError as e:  # the module, or its plotting library, is missing
-        raise SpecError(f"timeline rendering is not available in this install: {e}") from e
     render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     err.print(f"wrote {output}")
 

@@ -52,7 +52,7 @@ def _cases() -> list[tuple[str, Any]]:
             continue
         key = ("fp16", oid) if is_compressed(opt) else (None, oid)
         cases.append((f"tree#{oid}", strategy_for(key)))
-    flat_ag = CompressedSync(compressor="x", steps=(CommStep(routine="allgather",
+    flat_ag = CompressedSync(compressor="topk", steps=(CommStep(routine="allgather",
                                                               compressed=True),))
     for name in ("topk", "randomk", "dgc", "efsignsgd", "onebit", "qsgd", "powersgd"):
         cases.append((f"lossy-flat:{name}", flat_ag.model_copy(update={"compressor": name})))

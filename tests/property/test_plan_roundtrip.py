@@ -1,10 +1,18 @@
-"""Property: any valid Plan survives a JSON round trip unchanged, byte for byte."""
+"""Property: any valid Plan survives a JSON round trip unchanged, byte for byte.
+
+The generated plans are consistent across sections (the plan validator,
+:mod:`hetplan.ir.plan_checks`, refuses any other): the layout uses every rank of the cluster,
+stage ``s`` runs on the ranks of pipeline coordinate ``s mod pp``, TP groups are TP groups of
+the layout, gradient sync names the workload's gradients, compressors take their own
+parameters.
+"""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetplan.ir.fields import MAX_COUNT
 from hetplan.ir.plan import (
     Baseline,
     Bucket,
@@ -37,15 +45,35 @@ from hetplan.ir.plan import (
 names = st.text(st.characters(codec="utf-8", categories=["L", "N", "P", "S", "Zs"]),
                 min_size=1, max_size=12)
 ids = st.text("abcdefghijklmnopqrstuvwxyz0123456789-._", min_size=1, max_size=10)
-counts = st.integers(min_value=0, max_value=2**62)
+counts = st.integers(min_value=0, max_value=MAX_COUNT)
 times = st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False)
 ratios = st.floats(min_value=0, max_value=1)
 maybe_times = st.none() | times
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> WorkloadSummary:
-    layer_names = draw(st.lists(names, min_size=1, max_size=6, unique=True))
+def layouts(draw: st.DrawFn) -> Layout:
+    dp, pp, tp = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]))
+    virtual = draw(st.integers(2, 3)) if schedule == "interleaved-1f1b" else 1
+    micro_batches = draw(st.integers(pp, 64))
+    micro_batch_size = draw(st.integers(1, 32))
+    lay = Layout(dp=dp, pp=pp, tp=tp, micro_batches=micro_batches,
+                 micro_batch_size=micro_batch_size, schedule=schedule, virtual_stages=virtual,
+                 global_batch_size=draw(st.sampled_from([None, dp * micro_batch_size
+                                                         * micro_batches])))
+    if draw(st.booleans()):
+        ranks = tuple(RankPlacement(rank=r, node=r // 2, local_rank=r % 2, device=draw(ids),
+                                    dp=d, pp=p, tp=t)
+                      for r in range(lay.num_ranks) for d, p, t in [lay.coords(r)])
+        lay = lay.model_copy(update={"ranks": ranks})
+    return lay
+
+
+@st.composite
+def workloads(draw: st.DrawFn, min_layers: int) -> WorkloadSummary:
+    layer_names = draw(st.lists(names, min_size=min_layers, max_size=min_layers + 4,
+                                unique=True))
     layers = [LayerCost(name=n, fwd_flops=draw(counts), bwd_flops=draw(counts),
                         param_bytes=draw(counts), act_out_bytes=draw(counts),
                         measured_bwd_us=draw(maybe_times)) for n in layer_names]
@@ -58,41 +86,23 @@ def workloads(draw: st.DrawFn) -> WorkloadSummary:
 
 
 @st.composite
-def layouts(draw: st.DrawFn, world_size: int) -> Layout:
-    dp, pp = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    tp = draw(st.integers(1, max(1, world_size // (dp * pp))))
-    if dp * pp * tp > world_size:
-        dp = pp = tp = 1
-    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]))
-    ranks = ()
-    if draw(st.booleans()):
-        coords = [(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)]
-        ranks = tuple(RankPlacement(rank=r, node=r // 2, local_rank=r % 2, device=draw(ids),
-                                    dp=d, pp=p, tp=t) for r, (d, p, t) in enumerate(coords))
-    return Layout(dp=dp, pp=pp, tp=tp, micro_batches=draw(st.integers(1, 64)),
-                  micro_batch_size=draw(st.integers(1, 32)),
-                  global_batch_size=draw(st.none() | st.integers(1, 4096)), schedule=schedule,
-                  virtual_stages=draw(st.integers(1, 3)) if schedule == "interleaved-1f1b" else 1,
-                  ranks=ranks)
-
-
-@st.composite
-def stage_lists(draw: st.DrawFn, num_layers: int, world_size: int) -> tuple[Stage, ...]:
-    cuts = []
-    if num_layers > 1:
-        cuts = sorted(draw(st.sets(st.integers(1, num_layers - 1), max_size=3)))
+def stage_lists(draw: st.DrawFn, num_layers: int, lay: Layout) -> tuple[Stage, ...]:
+    n = lay.pp * lay.virtual_stages
+    cuts = sorted(draw(st.sets(st.integers(1, num_layers - 1), min_size=n - 1,
+                               max_size=n - 1))) if n > 1 else []
     bounds = [0, *cuts, num_layers]
-    rank_ids = st.integers(0, world_size - 1)
     return tuple(Stage(index=i, first_layer=a, last_layer=b - 1,
-                       ranks=tuple(draw(st.lists(rank_ids, min_size=1, max_size=2))),
+                       ranks=tuple(lay.rank_of(d, i % lay.pp, t)
+                                   for d in range(lay.dp) for t in range(lay.tp)),
                        fwd_ms=draw(times), bwd_ms=draw(times),
                        memory_bytes=draw(st.none() | counts))
                  for i, (a, b) in enumerate(zip(bounds, bounds[1:])))
 
 
 @st.composite
-def tensor_parallel(draw: st.DrawFn, world_size: int) -> TensorParallel:
-    ranks = draw(st.lists(st.integers(0, world_size - 1), min_size=1, max_size=3, unique=True))
+def tensor_parallel(draw: st.DrawFn, lay: Layout, with_stages: bool) -> TensorParallel:
+    d, p = draw(st.integers(0, lay.dp - 1)), draw(st.integers(0, lay.pp - 1))
+    ranks = [lay.rank_of(d, p, t) for t in range(lay.tp)]
     shards = tuple(draw(st.integers(0, 512)) for _ in ranks)
     linear = TPLinearShard(name=draw(names), split=draw(st.sampled_from(["column", "row"])),
                            features=max(1, sum(shards)),
@@ -104,16 +114,18 @@ def tensor_parallel(draw: st.DrawFn, world_size: int) -> TensorParallel:
                                     alpha=draw(ratios),
                                     gamma_max=draw(st.floats(0, 0.999)),  # 9-digit rounding
                                     theta_iter=draw(times), replan_trigger=draw(times))
-    return TensorParallel(controller=controller,
-                          groups=(TPGroup(ranks=tuple(ranks), linears=(linear,), roles=roles),))
+    group = TPGroup(ranks=tuple(ranks), linears=(linear,), roles=roles,
+                    stage=p if with_stages else None)
+    return TensorParallel(controller=controller, groups=(group,))
 
 
-param_values = st.booleans() | st.integers(-(2**40), 2**40) | times | ids
+sparsifier_params = st.fixed_dictionaries(
+    {}, optional={"ratio": st.floats(min_value=1e-6, max_value=1.0)})
 sync_strategies = st.one_of(
     st.builds(NoSync),
     st.builds(CastSync, dtype=st.sampled_from(["fp16", "bf16"])),
-    st.builds(CompressedSync, compressor=ids,
-              params=st.dictionaries(ids, param_values, max_size=3),
+    st.builds(CompressedSync, compressor=st.sampled_from(["topk", "randomk", "dgc"]),
+              params=sparsifier_params,
               compress_device=st.sampled_from(["gpu", "cpu"]),
               decompress_device=st.sampled_from(["gpu", "cpu"]),
               uncompressed_dtype=st.sampled_from(["fp32", "fp16", "bf16"]),
@@ -122,6 +134,8 @@ sync_strategies = st.one_of(
               steps=st.just((CommStep(level="intra", routine="reduce"),
                              CommStep(level="inter", routine="gather", compressed=True),
                              CommStep(level="intra", routine="broadcast")))),
+    st.builds(CompressedSync, compressor=st.just("qsgd"),
+              params=st.fixed_dictionaries({}, optional={"levels": st.integers(1, 127)})),
 )
 
 
@@ -141,9 +155,10 @@ breakdowns = st.builds(TimeBreakdown, compute_ms=times, comm_ms=times, exposed_c
 
 @st.composite
 def plans(draw: st.DrawFn) -> Plan:
-    world_size = draw(st.integers(1, 8))
-    workload = draw(workloads())
-    n_layers = len(workload.layers)
+    lay = draw(layouts())
+    world_size = lay.num_ranks
+    workload = draw(workloads(lay.pp * lay.virtual_stages))
+    stages = draw(stage_lists(len(workload.layers), lay))
     memory = st.lists(counts, max_size=world_size).map(tuple)
     baselines = st.lists(st.builds(Baseline, name=names, iteration_time_ms=times,
                                    breakdown=st.none() | breakdowns,
@@ -151,11 +166,11 @@ def plans(draw: st.DrawFn) -> Plan:
                          max_size=3, unique_by=lambda b: b.name).map(tuple)
     return Plan(
         model=ModelRef(name=draw(names), fingerprint=draw(ids), num_params=draw(counts),
-                       workload=draw(st.none() | st.just(workload))),
+                       workload=workload),
         cluster=ClusterRef(name=draw(names), fingerprint=draw(ids), world_size=world_size),
-        layout=draw(st.none() | layouts(world_size)),
-        stages=draw(st.just(()) | stage_lists(n_layers, world_size)),
-        tensor_parallel=draw(st.none() | tensor_parallel(world_size)),
+        layout=lay,
+        stages=stages,
+        tensor_parallel=draw(st.none() | tensor_parallel(lay, with_stages=True)),
         gradient_sync=draw(st.none() | gradient_syncs([g.name for g in workload.grads])),
         predictions=draw(st.none() | st.builds(
             Predictions, iteration_time_ms=times, breakdown=breakdowns,
@@ -174,7 +189,7 @@ def plans(draw: st.DrawFn) -> Plan:
 @given(plans())
 def test_plan_json_round_trip_is_unchanged(plan: Plan) -> None:
     text = plan.to_json()
-    again = Plan.from_json(text)
+    again = Plan.from_json(text, complete=True)
     assert again == plan
     assert again.to_json() == text
     assert text.endswith("\n")

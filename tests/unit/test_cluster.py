@@ -359,7 +359,7 @@ def test_multi_node_without_inter_node(tmp_path: Path) -> None:
     data = _two_node_spec()
     del data["inter_node"]
     msg = _load_error(tmp_path, data)
-    assert "2 nodes but no inter_node network" in msg
+    assert "inter_node: missing; the cluster has 2 nodes" in msg
 
 
 def test_duplicate_node_names(tmp_path: Path) -> None:

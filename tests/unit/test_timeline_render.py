@@ -214,11 +214,16 @@ def test_plan_without_workload_is_refused(plan: Plan) -> None:
 # files
 # --------------------------------------------------------------------------------------
 def test_png_is_written(plan: Plan, tmp_path: Path) -> None:
-    out = render_timeline(plan, tmp_path / "sub" / "t.png",
-                          run_report={"iteration_ms": 80.0})
+    out = render_timeline(plan, tmp_path / "t.png", run_report={"iteration_ms": 80.0})
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 10_000
+
+
+def test_a_missing_directory_is_refused_not_created(plan: Plan, tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="directory .*sub' does not exist"):
+        render_timeline(plan, tmp_path / "sub" / "t.png")
+    assert not (tmp_path / "sub").exists()
 
 
 def test_html_is_self_contained(plan: Plan, tmp_path: Path) -> None:

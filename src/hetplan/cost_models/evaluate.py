@@ -132,7 +132,8 @@ def evaluate(
     slowest rank's share), else every TP layer is split evenly.
 
     Raises:
-        SpecError: the sections do not fit together (stages missing, unknown tensors).
+        SpecError: the layout and the stages disagree (a validated plan also names only the
+            workload's gradients and keeps each bucket in one stage: hetplan.ir.plan_checks).
         InfeasiblePlanError: a rank runs out of memory (with ``check_memory``).
     """
     if not stages:
@@ -304,20 +305,11 @@ def _units_by_stage(
         in_bucket = {n for names, _ in groups for n in names}
         groups += [([n], s) for n, s in per_tensor.items() if n not in in_bucket]
         for names, strategy in groups:
-            idx = []
-            for n in names:
-                if n not in index:
-                    raise SpecError(
-                        f"gradient_sync names tensor {n!r}, which the workload does not have"
-                    )
-                idx.append(index[n])
-            idx.sort()
+            # Every name is a gradient of the workload and a bucket stays in one stage: the
+            # plan's validation checks both (hetplan.ir.plan_checks, rule 6).
+            idx = sorted(index[n] for n in names)
             stages = {stage_of[workload.grads[i].layer_index] for i in idx}
-            if len(stages) != 1:
-                raise SpecError(
-                    f"a sync unit holds tensors of stages {sorted(stages)}: "
-                    f"{names[:3]}…; a bucket must stay inside one pipeline stage"
-                )
+            assert len(stages) == 1, (names[:3], sorted(stages))
             out[stages.pop()].append((idx, sync.strategies[strategy]))
             covered.update(idx)
     for i, g in enumerate(workload.grads):

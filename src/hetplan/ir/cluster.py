@@ -49,8 +49,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -58,6 +60,7 @@ from pydantic import (
 
 from hetplan.errors import SpecError
 from hetplan.ir.cluster_presets import DEVICE_TYPES, PRESET_SPECS
+from hetplan.ir.fields import strict_float, strict_int
 from hetplan.ir.validation import did_you_mean, load_structured_file, validate_model
 
 __all__ = [
@@ -94,7 +97,35 @@ DTYPE_ALIASES: dict[str, str] = {
 
 LinkKind = Literal["nvlink", "pcie", "ethernet", "infiniband", "loopback"]
 
-_Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: The largest cluster a spec may describe (every device is a rank; plans and the simulator
+#: are O(world size)). Far above today's largest training jobs; raise it here if needed.
+MAX_WORLD_SIZE = 65_536
+#: At most this many devices in one node, node groups in a spec, and nodes in one group.
+MAX_DEVICES_PER_NODE = 1_024
+MAX_NODE_GROUPS = 4_096
+MAX_NODES = MAX_WORLD_SIZE
+
+_Name = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+_Float = BeforeValidator(strict_float)
+_Int = BeforeValidator(strict_int)
+#: Device memory in GiB: 1 MiB .. 1 PiB.
+_MemoryGiB = Annotated[float, Field(ge=2**-10, le=2**20, allow_inf_nan=False), _Float]
+#: Peak TFLOP/s: 1 MFLOP/s .. 1 EFLOP/s.
+_TFlops = Annotated[float, Field(ge=1e-6, le=1e6, allow_inf_nan=False), _Float]
+#: Memory bandwidth in GB/s, link bandwidth in Gbit/s: 1 MB/s (Mbit/s) .. 1 PB/s (Pbit/s).
+_Bandwidth = Annotated[float, Field(ge=1e-3, le=1e6, allow_inf_nan=False), _Float]
+#: Link latency in microseconds: up to 1 s.
+_LatencyUs = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False), _Float]
+#: A straggler factor (>= 1: that many times slower), up to 10,000.
+_Slowdown = Annotated[float, Field(ge=1.0, le=1e4, allow_inf_nan=False), _Float]
+_Speed = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False), _Float]
+_Rate = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False), _Float]
+#: Devices of one type in a node (0 is refused with its own message, see NodeSpec).
+_DeviceCount = Annotated[int, Field(ge=0, le=MAX_DEVICES_PER_NODE), _Int]
+_NodeCount = Annotated[int, Field(ge=1, le=MAX_NODES), _Int]
+_Cores = Annotated[int, Field(ge=1, le=1 << 20), _Int]
 
 _CLUSTER_HINT = (
     "hint: compare with a complete cluster file in examples/clusters/ (or start from a "
@@ -125,12 +156,12 @@ class DeviceSpec(BaseModel):
 
     model_config = _CONFIG
 
-    memory_gib: _Positive
-    peak_tflops: dict[Dtype, _Positive]
-    mem_bandwidth_gb_s: _Positive
-    slowdown: float = Field(default=1.0, ge=1.0, allow_inf_nan=False)
-    relative_speed: _Positive | None = None
-    comm_overlaps_compute: bool = True
+    memory_gib: _MemoryGiB
+    peak_tflops: dict[Dtype, _TFlops]
+    mem_bandwidth_gb_s: _Bandwidth
+    slowdown: _Slowdown = 1.0
+    relative_speed: _Speed | None = None
+    comm_overlaps_compute: StrictBool = True
 
     @field_validator("peak_tflops")
     @classmethod
@@ -157,8 +188,8 @@ class LinkSpec(BaseModel):
     model_config = _CONFIG
 
     kind: LinkKind
-    bandwidth_gbps: _Positive
-    latency_us: float = Field(ge=0, allow_inf_nan=False)
+    bandwidth_gbps: _Bandwidth
+    latency_us: _LatencyUs
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
@@ -176,8 +207,8 @@ class DeviceGroup(BaseModel):
 
     model_config = _CONFIG
 
-    type: str
-    count: int
+    type: _Name
+    count: _DeviceCount
 
 
 class NodeSpec(BaseModel):
@@ -197,13 +228,13 @@ class NodeSpec(BaseModel):
 
     model_config = _CONFIG
 
-    name: str = Field(min_length=1)
-    count: int = Field(default=1, ge=1)
-    devices: tuple[DeviceGroup, ...]
-    cpu_cores: int = Field(ge=1)
+    name: _Name
+    count: _NodeCount = 1
+    devices: tuple[DeviceGroup, ...] = Field(max_length=MAX_DEVICES_PER_NODE)
+    cpu_cores: _Cores
     intra_link: LinkSpec
-    slowdown: float = Field(default=1.0, ge=1.0, allow_inf_nan=False)
-    failure_rate_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    slowdown: _Slowdown = 1.0
+    failure_rate_per_hour: _Rate | None = None
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -308,11 +339,12 @@ class ClusterSpec(BaseModel):
 
     model_config = _CONFIG
 
-    name: str = Field(min_length=1)
-    description: str = ""
-    nodes: tuple[NodeSpec, ...]
+    name: _Name
+    description: str = Field(default="", max_length=10_000)
+    nodes: tuple[NodeSpec, ...] = Field(max_length=MAX_NODE_GROUPS)
     inter_node: LinkSpec | None = None
-    device_types: dict[str, DeviceSpec] = Field(default_factory=dict)
+    device_types: dict[_Name, DeviceSpec] = Field(default_factory=dict,
+                                                  max_length=MAX_NODE_GROUPS)
 
     # -- validation ---------------------------------------------------------------------
     @model_validator(mode="before")
@@ -340,14 +372,30 @@ class ClusterSpec(BaseModel):
     def _consistent(self) -> ClusterSpec:
         problems: list[str] = []
         if not self.nodes:
-            problems.append("'nodes' is empty; list at least one node group")
+            problems.append("nodes: the list is empty; list at least one node group")
+        for i, node in enumerate(self.nodes):
+            if node.devices_per_node > MAX_DEVICES_PER_NODE:
+                problems.append(
+                    f"nodes[{i}].devices: node {node.name!r} has {node.devices_per_node} "
+                    f"devices; at most {MAX_DEVICES_PER_NODE} per node"
+                )
+        if self.num_nodes > MAX_NODES or self.world_size > MAX_WORLD_SIZE:
+            counts = " + ".join(f"{n.count} x {n.devices_per_node}" for n in self.nodes[:4])
+            more = " + ..." if len(self.nodes) > 4 else ""
+            problems.append(
+                f"nodes: {self.num_nodes:,} nodes with {self.world_size:,} devices in all "
+                f"({counts}{more} per node group); hetplan plans for at most "
+                f"{MAX_WORLD_SIZE:,} devices and {MAX_NODES:,} nodes: check the 'count' of "
+                "each node group and device group"
+            )
+            raise ValueError("\n".join(problems))  # what follows is O(nodes): stop here
         group_counts = Counter(node.name for node in self.nodes)
         for name in sorted(g for g, n in group_counts.items() if n > 1):
-            problems.append(f"two node groups are named {name!r}; rename one")
+            problems.append(f"nodes: two node groups are named {name!r}; rename one")
         clashes = sorted(n for n, k in Counter(self.node_names()).items() if k > 1)
         if clashes and len(group_counts) == len(self.nodes):
             problems.append(
-                f"node names {clashes} occur twice (a group with count > 1 names its nodes "
+                f"nodes: node names {clashes} occur twice (a group with count > 1 names its nodes "
                 "'<name>-<i>'); rename the clashing group"
             )
         known = sorted(set(self.device_types) | set(DEVICE_CATALOGUE))
@@ -362,7 +410,8 @@ class ClusterSpec(BaseModel):
                     )
         if self.num_nodes > 1 and self.inter_node is None:
             problems.append(
-                f"the cluster has {self.num_nodes} nodes but no inter_node network; add e.g. "
+                f"inter_node: missing; the cluster has {self.num_nodes} nodes, so it needs the "
+                "network between them; add e.g. "
                 "'inter_node: {kind: ethernet, bandwidth_gbps: 100, latency_us: 10}'"
             )
         if problems:

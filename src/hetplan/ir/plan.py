@@ -29,10 +29,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from hetplan._version import __version__
 from hetplan.errors import PlanMismatchError, PlanVersionError, SpecError
+from hetplan.ir.plan_checks import plan_problems
 from hetplan.ir.plan_sections import (
     Baseline,
     Bucket,
@@ -65,6 +73,7 @@ from hetplan.ir.plan_sections import (
     WorkloadSummary,
 )
 from hetplan.ir.rebalancing import Rebalancing
+from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -151,62 +160,13 @@ class Plan(BaseModel):
     pass_log: tuple[PassLogEntry, ...] = ()
 
     @model_validator(mode="after")
-    def _check_cross_section(self) -> Plan:
-        ws = self.cluster.world_size
-        if self.layout is not None and self.layout.num_ranks > ws:
-            lay = self.layout
-            raise ValueError(
-                f"layout dp={lay.dp} pp={lay.pp} tp={lay.tp} needs {lay.num_ranks} ranks, but "
-                f"cluster {self.cluster.name!r} has world_size {ws}"
-            )
-        used = [r for s in self.stages for r in s.ranks]
-        if self.tensor_parallel is not None:
-            used += [r for g in self.tensor_parallel.groups for r in g.ranks]
-        if bad := sorted({r for r in used if r >= ws}):
-            raise ValueError(f"ranks {bad} do not exist in a world of size {ws}")
-        if self.predictions is not None and len(self.predictions.memory_per_rank_bytes) > ws:
-            raise ValueError(
-                f"predictions.memory_per_rank_bytes has "
-                f"{len(self.predictions.memory_per_rank_bytes)} entries for world_size {ws}"
-            )
-        self._check_stages()
-        self._check_pipeline_actions()
+    def _check_cross_section(self, info: ValidationInfo) -> Plan:
+        """The one semantic check (:mod:`hetplan.ir.plan_checks`); a complete plan is
+        required when the validation context says ``{"complete": True}`` (reading JSON)."""
+        complete = bool(info.context and info.context.get("complete"))
+        if problems := plan_problems(self, complete=complete):
+            raise ValueError("\n".join(problems))  # one line each in the SpecError
         return self
-
-    def _check_pipeline_actions(self) -> None:
-        acts, lay = self.pipeline_actions, self.layout
-        if acts is None:
-            return
-        if lay is None:
-            raise ValueError("pipeline_actions needs a layout; re-run `hetplan plan`")
-        want = {"schedule": lay.schedule, "micro_batches": lay.micro_batches,
-                "num_stages": lay.pp * lay.virtual_stages, "len(ranks)": lay.pp}
-        got = {"schedule": acts.schedule, "micro_batches": acts.micro_batches,
-               "num_stages": acts.num_stages, "len(ranks)": len(acts.ranks)}
-        if bad := [k for k in want if want[k] != got[k]]:
-            raise ValueError(
-                "pipeline_actions do not match the layout: "
-                + ", ".join(f"{k} is {got[k]!r}, the layout needs {want[k]!r}" for k in bad)
-                + f"; {_RERUN}"
-            )
-
-    def _check_stages(self) -> None:
-        next_first = 0
-        for i, stage in enumerate(self.stages):
-            if stage.index != i:
-                raise ValueError(f"stages[{i}] has index {stage.index}; expected {i}")
-            if stage.first_layer != next_first:
-                raise ValueError(
-                    f"stage {i} starts at layer {stage.first_layer}, expected {next_first} "
-                    "(stages cover consecutive layers without gaps or overlap)"
-                )
-            next_first = stage.last_layer + 1
-        workload = self.model.workload
-        if self.stages and workload is not None and next_first != len(workload.layers):
-            raise ValueError(
-                f"stages end at layer {next_first - 1}, but the model has "
-                f"{len(workload.layers)} layers (0..{len(workload.layers) - 1})"
-            )
 
     # -- serialization -------------------------------------------------------------------
     def to_json(self) -> str:
@@ -220,20 +180,25 @@ class Plan(BaseModel):
         Path(path).write_text(self.to_json(), encoding="utf-8")
 
     @classmethod
-    def from_json(cls, text: str, *, where: str = "<string>") -> Plan:
+    def from_json(cls, text: str, *, where: str = "<string>", complete: bool = False) -> Plan:
         """Parse plan JSON.
 
         Args:
             text: the JSON text.
             where: how to name the source in error messages (usually the file path).
+            complete: also require a finished plan (a layout, the stages of a pipeline, the
+                workload summary: rule 9 of :mod:`hetplan.ir.plan_checks`), as
+                :func:`load_plan` does for plan files; the default reads drafts too.
 
         Raises:
-            SpecError: invalid JSON, not an object, missing ``schema_version``, or a field
-                that is unknown, missing or out of range.
+            SpecError: invalid JSON (a key written twice, nesting too deep included), not an
+                object, missing ``schema_version``, a field that is unknown, missing or out
+                of range, or sections that do not fit together; one line per problem, each
+                naming ``where`` and the field path.
             PlanVersionError: the plan has a schema version this hetplan does not read.
         """
         try:
-            data = json.loads(text)
+            data = loads_json(text, where=where)
         except json.JSONDecodeError as e:
             hint = ""
             if not text.strip():
@@ -251,10 +216,8 @@ class Plan(BaseModel):
             )
         _check_version(data, where)
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(data, context={"complete": complete})
         except ValidationError as e:
-            from hetplan.ir.validation import format_validation_error
-
             hint = f"hint: plan files are written by `hetplan plan`; {_RERUN} rather than editing"
             raise SpecError(format_validation_error(e, where=where, model=cls, hint=hint)) from e
 
@@ -335,7 +298,7 @@ def _check_version(data: dict[str, Any], where: str) -> None:
     version = data["schema_version"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise SpecError(
-            f"{where}: schema_version must be an integer (this hetplan reads "
+            f"{where}: schema_version: must be an integer (this hetplan reads "
             f"{SCHEMA_VERSION}), got {version!r}"
         )
     if version > SCHEMA_VERSION:
@@ -355,20 +318,21 @@ def _check_version(data: dict[str, Any], where: str) -> None:
 def load_plan(path: str | Path) -> Plan:
     """Read a plan file written by :meth:`Plan.save`.
 
+    Every command that reads a plan (``validate``, ``inspect``, ``simulate``, ``explain``,
+    ``diff``, ``timeline``, ``run`` and its workers) reads it here, so each sees the same
+    verdict: the plan's full validation, a complete plan required (see
+    :mod:`hetplan.ir.plan_checks`).
+
     Raises:
-        SpecError: the file is missing, unreadable, or not a valid plan.
+        SpecError: the file is missing, unreadable, or not a valid, complete plan; one line
+            per problem, each naming the file and the field path.
         PlanVersionError: the plan is from a newer (or unknown) schema version.
     """
     p = Path(path)
     if not p.exists():
         raise SpecError(f"plan file {str(p)!r} does not exist; create one with `hetplan plan`")
-    if not p.is_file():
-        raise SpecError(f"plan file {str(p)!r} is not a regular file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"cannot read plan file {str(p)!r}: {e}") from e
-    return Plan.from_json(text, where=str(p))
+    text = read_text_file(p, what="plan")
+    return Plan.from_json(text, where=str(p), complete=True)
 
 
 class _Fingerprinted(Protocol):

@@ -18,14 +18,33 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    model_validator,
+)
 
-from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.cluster import MAX_WORLD_SIZE, ClusterSpec
+from hetplan.ir.compressors import compressor_problems
+from hetplan.ir.fields import (
+    MAX_MS,
+    FiniteFloat,
+    NonNegFloat,
+    NonNegInt,
+    PosInt,
+    strict_float,
+    strict_int,
+)
 
 if TYPE_CHECKING:
     from hetplan.ir.model import ModelIR
 
 __all__ = [
+    "MAX_MICRO_BATCHES",
     "LayerCost",
     "GradCost",
     "WorkloadSummary",
@@ -67,15 +86,20 @@ def _round_ratio(v: float) -> float:
     return round(v, 9) + 0.0
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
-PosInt = Annotated[int, Field(ge=1)]
 Name = Annotated[str, Field(min_length=1)]
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 #: A time in milliseconds, rounded to 1e-6 ms.
-Ms = Annotated[float, Field(ge=0, allow_inf_nan=False), AfterValidator(_round_ms)]
+Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False), BeforeValidator(strict_float),
+               AfterValidator(_round_ms)]
 #: A fraction in [0, 1], rounded to 1e-9.
-Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), AfterValidator(_round_ratio)]
+Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), BeforeValidator(strict_float),
+                  AfterValidator(_round_ratio)]
+#: A rank, or a count of ranks (at most the largest cluster a spec may describe).
+Rank = Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE), BeforeValidator(strict_int)]
+Ranks = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE), BeforeValidator(strict_int)]
+#: Most micro-batches per iteration a plan may have: a pipeline's simulation and its action
+#: lists are O(micro-batches x stages).
+MAX_MICRO_BATCHES = 2**16
+MicroBatches = Annotated[int, Field(ge=1, le=MAX_MICRO_BATCHES), BeforeValidator(strict_int)]
 Device = Literal["gpu", "cpu"]
 
 
@@ -216,7 +240,7 @@ class ClusterRef(_Section):
 
     name: Name
     fingerprint: Name
-    world_size: PosInt
+    world_size: Ranks
     spec: ClusterSpec | None = None
 
     @classmethod
@@ -233,7 +257,8 @@ class CostSettings(_Section):
     """
 
     dtype: Name = "fp32"
-    efficiency: Annotated[float, Field(gt=0, le=1)] = 0.5
+    efficiency: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False),
+                          BeforeValidator(strict_float)] = 0.5
     optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
     profile_fingerprint: str = ""
 
@@ -242,13 +267,13 @@ class CostSettings(_Section):
 class RankPlacement(_Section):
     """Where one global rank sits: its device and its (dp, pp, tp) coordinates."""
 
-    rank: NonNegInt
-    node: NonNegInt = 0
-    local_rank: NonNegInt = 0
+    rank: Rank
+    node: Rank = 0
+    local_rank: Rank = 0
     device: str = ""
-    dp: NonNegInt = 0
-    pp: NonNegInt = 0
-    tp: NonNegInt = 0
+    dp: Rank = 0
+    pp: Rank = 0
+    tp: Rank = 0
 
 
 class Layout(_Section):
@@ -258,14 +283,14 @@ class Layout(_Section):
     ``ranks`` is empty or lists every rank ``0 .. dp*pp*tp-1`` in order.
     """
 
-    dp: PosInt = 1
-    pp: PosInt = 1
-    tp: PosInt = 1
-    micro_batches: PosInt = 1
+    dp: Ranks = 1
+    pp: Ranks = 1
+    tp: Ranks = 1
+    micro_batches: MicroBatches = 1
     micro_batch_size: PosInt = 1
     global_batch_size: PosInt | None = None
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "chimera"] = "1f1b"
-    virtual_stages: PosInt = 1
+    virtual_stages: Ranks = 1
     ranks: tuple[RankPlacement, ...] = ()
 
     @property
@@ -317,7 +342,7 @@ class Stage(_Section):
     first_layer: NonNegInt
     last_layer: NonNegInt
     layer_names: tuple[str, ...] = ()
-    ranks: tuple[NonNegInt, ...] = Field(min_length=1)
+    ranks: tuple[Rank, ...] = Field(min_length=1)
     fwd_ms: Ms = 0.0
     bwd_ms: Ms = 0.0
     memory_bytes: NonNegInt | None = None
@@ -355,8 +380,8 @@ class PipelineActions(_Section):
     """
 
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "chimera"]
-    micro_batches: PosInt
-    num_stages: PosInt
+    micro_batches: MicroBatches
+    num_stages: Ranks
     ranks: tuple[Annotated[str, Field(pattern=_ACTIONS_PATTERN)], ...] = Field(min_length=1)
 
 
@@ -390,7 +415,7 @@ class TPRankRole(_Section):
     the fraction a ``migrate_src`` rank sends to the other ranks of its group.
     """
 
-    rank: NonNegInt
+    rank: Rank
     role: Literal["normal", "resize", "migrate_src", "migrate_dst"] = "normal"
     gamma: Ratio = 0.0
     beta: Ratio = 0.0
@@ -399,8 +424,8 @@ class TPRankRole(_Section):
 class TPGroup(_Section):
     """One tensor-parallel group: its ranks, per-linear shard sizes and rank roles."""
 
-    ranks: tuple[NonNegInt, ...] = Field(min_length=1)
-    stage: NonNegInt | None = None
+    ranks: tuple[Rank, ...] = Field(min_length=1)
+    stage: Rank | None = None
     linears: tuple[TPLinearShard, ...] = ()
     roles: tuple[TPRankRole, ...] = ()
 
@@ -500,7 +525,7 @@ class CommStep(_Section):
 
     level: Literal["flat", "intra", "inter"] = "flat"
     routine: Routine = "allreduce"
-    compressed: bool = False
+    compressed: StrictBool = False
 
     @model_validator(mode="after")
     def _check(self) -> CommStep:
@@ -603,7 +628,7 @@ class CompressedSync(_PathSync):
     compress_device: Device = "gpu"
     decompress_device: Device = "gpu"
     uncompressed_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
-    error_feedback: bool = True
+    error_feedback: StrictBool = True
     steps: tuple[CommStep, ...] = Field(
         default=(CommStep(routine="allgather", compressed=True),), min_length=1
     )
@@ -612,6 +637,8 @@ class CompressedSync(_PathSync):
 
     @model_validator(mode="after")
     def _check_compressed(self) -> CompressedSync:
+        if problems := compressor_problems(self.compressor, self.params):
+            raise ValueError("\n".join(problems))
         if not any(s.compressed for s in self.steps):
             raise ValueError("a compressed path needs at least one step with compressed=true")
         if self.actions:
@@ -624,10 +651,12 @@ class CompressedSync(_PathSync):
                     "steps must list the comm actions of `actions` in order (level, routine, "
                     "compressed = task ends with '_comp')"
                 )
-            devs = [a.device for a in self.actions if a.device is not None]
-            first = next(a.device for a in self.actions if a.task == "comp")
-            last = next(a.device for a in reversed(self.actions) if a.task == "decomp")
-            if (first, last) != (self.compress_device, self.decompress_device) or not devs:
+            first = next((a.device for a in self.actions if a.task == "comp"), None)
+            last = next((a.device for a in reversed(self.actions) if a.task == "decomp"), None)
+            if first is None or last is None:
+                raise ValueError("actions compress ('comp') and decompress ('decomp') at least "
+                                 "once each")
+            if (first, last) != (self.compress_device, self.decompress_device):
                 raise ValueError(
                     "compress_device / decompress_device must be the devices of the first "
                     "comp and the last decomp action"
@@ -758,6 +787,6 @@ class PassLogEntry(_Section):
     """
 
     name: Name
-    changed: bool
+    changed: StrictBool
     duration_ms: Ms | None = None
     notes: tuple[str, ...] = ()

@@ -4,7 +4,8 @@ Every file a user types (cluster specs, workloads, plans, profiles) goes through
 two steps:
 
 1. :func:`load_structured_file` reads YAML or JSON into a ``dict``; syntax errors are reported
-   with the file, line and column.
+   with the file, line and column, and files too large, too deep or writing a key twice are
+   refused (:mod:`hetplan.ir.files`, whose functions are re-exported here).
 2. :func:`validate_model` validates the dict with pydantic; a ``ValidationError`` becomes a
    :class:`~hetplan.errors.SpecError` whose message has one line per problem, in the form
    ``"{where}: {field.path[0].name}: {what is wrong}"``, with a difflib "did you mean" for
@@ -31,35 +32,49 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, TypeVar, Union, cast
 
-import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from hetplan.errors import SpecError
+from hetplan.ir.files import (  # step 1, re-exported: every loader imports them from here
+    MAX_DEPTH,
+    MAX_ELEMENTS,
+    MAX_FILE_BYTES,
+    check_output_path,
+    check_shape,
+    format_loc,
+    load_structured_file,
+    loads_json,
+    parse_json_object,
+    read_text_file,
+    short_repr,
+)
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_ELEMENTS",
+    "MAX_FILE_BYTES",
+    "read_text_file",
+    "loads_json",
+    "check_shape",
     "parse_json_object",
     "load_structured_file",
     "format_validation_error",
     "validate_model",
     "did_you_mean",
     "check_bounds",
+    "check_output_path",
 ]
 
 T = TypeVar("T")
 
 #: At most this many error lines are printed; the rest are counted.
 _MAX_ERROR_LINES = 20
-#: Offending input values longer than this (as ``repr``) are cut.
-_MAX_VALUE_CHARS = 60
-
 _DEFAULT_HINT = (
     "hint: fix the fields listed above; keys are case-sensitive and unknown keys are "
     "rejected, so check their spelling"
@@ -107,172 +122,6 @@ def did_you_mean(
     if len(near) == 1:
         return f"; did you mean {near[0]}?"
     return f"; did you mean {', '.join(near[:-1])} or {near[-1]}?"
-
-
-# --------------------------------------------------------------------------------------
-# reading files
-# --------------------------------------------------------------------------------------
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A SafeLoader that rejects a key written twice in one mapping (PyYAML keeps the last)."""
-
-
-def _construct_unique_mapping(
-    loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
-) -> dict[Any, Any]:
-    seen: dict[Any, yaml.Mark] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if isinstance(key, typing.Hashable) and key in seen:
-            first = seen[key]
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"duplicate key {key!r} (first written at line {first.line + 1})",
-                key_node.start_mark,
-            )
-        if isinstance(key, typing.Hashable):
-            seen[key] = key_node.start_mark
-    loader.flatten_mapping(node)
-    return dict(loader.construct_pairs(node, deep=deep))
-
-
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_unique_mapping,
-)
-
-
-def _source_excerpt(text: str, line: int, column: int) -> str:
-    """The 1-based ``line`` of ``text`` with a caret under ``column`` (1-based), indented."""
-    lines = text.splitlines()
-    if not 1 <= line <= len(lines):
-        return ""
-    src = lines[line - 1]
-    return f"\n    {src}\n    {' ' * max(column - 1, 0)}^"
-
-
-def _parse_json(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SpecError(
-            f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
-            f"{_source_excerpt(text, e.lineno, e.colno)}\n"
-            "hint: check for a missing comma or quote, or a trailing comma, near that position"
-        ) from e
-
-
-def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> dict[str, Any]:
-    """Parse ``text`` as a JSON object, or raise SpecError naming ``where`` and the position.
-
-    Args:
-        text: the JSON text.
-        where: the source's name in messages (a file path).
-        what: what the file should be ("a workload file", "a profile DB").
-        hint: appended to the message (how to get a fresh file).
-    """
-    if not hint:
-        data = _parse_json(text, where)
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecError(
-                f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; {hint}"
-            ) from e
-    if not isinstance(data, dict):
-        raise SpecError(
-            f"{where}: {what} is a JSON object, got a JSON {_kind_of(data)}"
-            + (f"; {hint}" if hint else "")
-        )
-    return data
-
-
-def _parse_yaml(text: str, where: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        problem = getattr(e, "problem", None) or str(e)
-        if mark is None:
-            raise SpecError(f"{where}: not valid YAML: {problem}") from e
-        line, col = mark.line + 1, mark.column + 1
-        raise SpecError(
-            f"{where}: not valid YAML: {problem} at line {line}, column {col}"
-            f"{_source_excerpt(text, line, col)}\n"
-            "hint: check the indentation (spaces, not tabs), a missing ':' after a key, "
-            "and unbalanced quotes or brackets near that position"
-        ) from e
-
-
-def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
-    """Read a YAML or JSON file whose top level is a mapping.
-
-    ``.yaml``/``.yml`` files are parsed as YAML (a key written twice is an error), ``.json``
-    files as JSON; any other suffix is tried as JSON first, then as YAML.
-
-    Args:
-        path: the file.
-        what: what the file should contain, for messages (``"cluster spec"``).
-
-    Returns:
-        The top-level mapping.
-
-    Raises:
-        SpecError: the file is missing or unreadable, its syntax is invalid (the message has
-            the line and column), or its top level is not a mapping.
-    """
-    p = Path(path)
-    where = str(p)
-    if not p.exists():
-        raise SpecError(
-            f"{what} file {where!r} does not exist (resolved to {str(p.absolute())!r}); "
-            "check the path"
-        )
-    if not p.is_file():
-        raise SpecError(f"{what} file {where!r} is not a regular file; pass the path of a file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(
-            f"{where}: the {what} file is not UTF-8 text ({e.reason} at byte {e.start}); "
-            "save it as UTF-8 YAML or JSON"
-        ) from e
-    except OSError as e:
-        raise SpecError(
-            f"{what} file {where!r} cannot be read: {e.strerror or e}; check its permissions"
-        ) from e
-
-    suffix = p.suffix.lower()
-    if suffix in (".yaml", ".yml"):
-        data = _parse_yaml(text, where)
-    elif suffix == ".json":
-        data = _parse_json(text, where)
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            data = _parse_yaml(text, where)
-
-    if data is None:
-        raise SpecError(
-            f"{where}: the {what} file is empty; write the {what} as a YAML or JSON mapping"
-        )
-    if not isinstance(data, dict):
-        raise SpecError(
-            f"{where}: the top level of a {what} file must be a mapping of keys to values, "
-            f"got a {_kind_of(data)}; write it as 'key: value' lines (YAML) or an object "
-            "{...} (JSON)"
-        )
-    return cast(dict[str, Any], data)
-
-
-def _kind_of(value: Any) -> str:
-    if isinstance(value, list):
-        return "list"
-    if isinstance(value, str):
-        return "string"
-    return type(value).__name__
 
 
 # --------------------------------------------------------------------------------------
@@ -360,29 +209,6 @@ def _allowed_keys(model: Any, parent_loc: Sequence[str | int]) -> list[str] | No
 # --------------------------------------------------------------------------------------
 # formatting
 # --------------------------------------------------------------------------------------
-_PLAIN_KEY = re.compile(r"^[A-Za-z_][\w\-]*$")
-
-
-def _format_loc(loc: Sequence[str | int]) -> str:
-    """``('nodes', 0, 'devices', 1, 'count')`` → ``nodes[0].devices[1].count``."""
-    out = ""
-    for item in loc:
-        if isinstance(item, int):
-            out += f"[{item}]"
-        elif _PLAIN_KEY.match(item):
-            out += f".{item}" if out else item
-        else:
-            out += f"[{item!r}]"
-    return out
-
-
-def _short_repr(value: Any) -> str:
-    text = repr(value)
-    if len(text) > _MAX_VALUE_CHARS:
-        text = text[: _MAX_VALUE_CHARS - 3] + "..."
-    return text
-
-
 _EXTRA_TYPES = ("extra_forbidden", "unexpected_keyword_argument")
 _MISSING_TYPES = ("missing", "missing_argument", "missing_keyword_only_argument")
 
@@ -418,7 +244,7 @@ def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
 
     text = f"invalid key {value!r}: {msg}" if is_key else msg
     if not is_key and not isinstance(value, (dict, list, tuple)):
-        text += f" (got {_short_repr(value)})"
+        text += f" (got {short_repr(value)})"
     if kind == "literal_error" and isinstance(value, str):
         choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
         text += did_you_mean(value, choices)
@@ -426,7 +252,7 @@ def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
 
 
 def _line(where: str, loc: Sequence[str | int], text: str) -> str:
-    path = _format_loc(loc)
+    path = format_loc(loc)
     return f"{where}: {path}: {text}" if path else f"{where}: {text}"
 
 

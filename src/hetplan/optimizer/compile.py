@@ -46,6 +46,7 @@ from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.model import ModelIR
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
+    MAX_MICRO_BATCHES,
     Baseline,
     ClusterRef,
     CostSettings,
@@ -157,8 +158,10 @@ def compile(  # noqa: A001 - the product's verb
     if not candidates:
         raise InfeasiblePlanError(
             f"no layout of {spec.world_size} devices divides the global batch of "
-            f"{opts.batch_size} (with dp={opts.dp}, pp={opts.pp}, tp={opts.tp} pinned): choose "
-            "a batch size divisible by a data-parallel degree the cluster allows"
+            f"{opts.batch_size} into at most {MAX_MICRO_BATCHES:,} micro-batches per replica "
+            f"(with dp={opts.dp}, pp={opts.pp}, tp={opts.tp}, micro_batch_size="
+            f"{opts.micro_batch_size} pinned): choose a batch size divisible by a "
+            "data-parallel degree the cluster allows, or a larger micro-batch size"
         )
     infeasible: list[str] = []
     screened = _screen(job, candidates, infeasible)

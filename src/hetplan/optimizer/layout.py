@@ -9,7 +9,8 @@ Rules (each prunes layouts that cannot be right, not ones that merely look slow)
 - the global batch splits evenly over replicas: ``global_batch % dp == 0``; the micro-batch
   size divides the per-replica batch; candidates are its powers of two and itself;
 - a pipeline has at least as many micro-batches as stages (fewer leaves stages idle for the
-  whole iteration, and torch's 1F1B schedules refuse it).
+  whole iteration, and torch's 1F1B schedules refuse it);
+- at most ``MAX_MICRO_BATCHES`` (65,536) micro-batches, the most a plan may have.
 
 The order of the returned list is deterministic (sorted by dp, pp, tp, micro-batch size).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetplan.ir.cluster import ClusterSpec
-from hetplan.ir.plan_sections import Layout, WorkloadSummary
+from hetplan.ir.plan_sections import MAX_MICRO_BATCHES, Layout, WorkloadSummary
 
 __all__ = ["LayoutCandidate", "enumerate_layouts", "divisors"]
 
@@ -96,5 +97,7 @@ def enumerate_layouts(
                     continue
                 if p > 1 and per_replica // mb < p:
                     continue  # a pipeline needs at least one micro-batch per stage
+                if per_replica // mb > MAX_MICRO_BATCHES:
+                    continue
                 out.append(LayoutCandidate(d, p, t, mb, per_replica // mb))
     return sorted(out)

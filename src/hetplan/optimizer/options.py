@@ -17,12 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from hetplan.cost_models.pipeline import SCHEDULES
 from hetplan.errors import SpecError
+from hetplan.ir.cluster import DTYPE_ALIASES, Dtype
+from hetplan.ir.fields import MAX_COUNT
 from hetplan.ir.rebalancing import DynamicsSpec
 from hetplan.ir.validation import did_you_mean, format_validation_error
 from hetplan.passes import DEFAULT_PIPELINE, get_all_passes
@@ -50,7 +59,7 @@ class CompileOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    batch_size: int = Field(ge=1)
+    batch_size: int = Field(ge=1, le=MAX_COUNT)
     seq: int | None = PosInt
     schedule: str = "1f1b"
     passes: str | tuple[Any, ...] = DEFAULT_PIPELINE
@@ -74,6 +83,32 @@ class CompileOptions(BaseModel):
             raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)} "
                              f"(known: {', '.join(SCHEDULES)})")
         return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        known = [*get_args(Dtype), *DTYPE_ALIASES]
+        if v not in known:
+            raise ValueError(f"unknown compute dtype {v!r}{did_you_mean(v, known)} (known: "
+                             f"{', '.join(get_args(Dtype))})")
+        return v
+
+    @model_validator(mode="after")
+    def _batch_splits(self) -> CompileOptions:
+        """Blame a pinned dp or micro-batch size that cannot split the global batch (before
+        any layout search, which would only report that no layout fits)."""
+        batch, dp, mbs = self.batch_size, self.dp, self.micro_batch_size
+        if dp is not None and batch % dp:
+            raise ValueError(f"dp={dp} does not divide batch_size={batch} (each data-parallel "
+                             "replica trains batch_size / dp samples); pin a dp that divides "
+                             "it, or change the batch size")
+        per = batch // dp if dp is not None else batch
+        if mbs is not None and per % mbs:
+            of = f"the per-replica batch {per} (batch_size={batch} / dp={dp})" if dp else (
+                f"batch_size={batch}")
+            raise ValueError(f"micro_batch_size={mbs} does not divide {of}; choose a "
+                             "micro-batch size that divides it")
+        return self
 
     @classmethod
     def build(cls, options: CompileOptions | None = None, /, **kwargs: Any) -> CompileOptions:

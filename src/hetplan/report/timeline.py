@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.errors import SpecError
+from hetplan.ir.validation import check_output_path
 
-__all__ = ["SUFFIXES", "Segment", "render_timeline", "timeline_segments"]
+__all__ = ["SUFFIXES", "Segment", "check_output", "render_timeline", "timeline_segments"]
 
 #: File suffixes :func:`render_timeline` writes (PNG via matplotlib, HTML via plotly).
 SUFFIXES: tuple[str, ...] = (".png", ".html", ".htm")
@@ -97,13 +98,23 @@ class _Timeline:
     iteration_ms: float
 
 
-def _check_suffix(path: Path) -> str:
-    suffix = path.suffix.lower()
+def check_output(path: str | Path, *, option: str = "path") -> str:
+    """Refuse, before anything is simulated, a timeline file that cannot be written: an
+    unknown suffix, or a directory that does not exist (it is never created) or is not
+    writable. Returns the suffix (lower case).
+
+    Raises:
+        SpecError: naming ``option`` and the path.
+    """
+    p = Path(path)
+    suffix = p.suffix.lower()
     if suffix not in SUFFIXES:
         raise SpecError(
-            f"cannot draw a timeline to {str(path)!r}: unknown suffix {path.suffix!r}; use "
-            f"{' or '.join(SUFFIXES)} (PNG image or self-contained interactive HTML)"
+            f"{option} {str(p)!r}: cannot draw a timeline to it: unknown suffix "
+            f"{p.suffix!r}; use {' or '.join(SUFFIXES)} (PNG image or self-contained "
+            "interactive HTML)"
         )
+    check_output_path(p, option=option)
     return suffix
 
 
@@ -130,14 +141,14 @@ def render_timeline(
         The path written.
 
     Raises:
-        SpecError: unknown suffix, a plan that cannot be simulated, a bad run report, or a
-            missing plotting library.
+        SpecError: unknown suffix, a directory that does not exist (it is not created) or
+            is not writable, a plan that cannot be simulated, a bad run report, or a missing
+            plotting library.
         PlanMismatchError: ``cluster`` is not the cluster the plan was made for.
     """
     out = Path(path)
-    suffix = _check_suffix(out)
+    suffix = check_output(out)
     tl = _build(plan, cluster, profile, run_report)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".png":
         _draw_png(tl, out)
     else:

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from hetplan.errors import TraceError
-from hetplan.ir.capture.trace import Graph
+from hetplan.ir.capture.trace import Graph, capture_error, explain_failure, module_of_node
 from hetplan.ir.capture.units import UnitInfo
 from hetplan.ir.model import LayerKind
 
@@ -188,6 +188,7 @@ class Executor(torch.fx.Interpreter):
         self.saved: defaultdict[str | None, int] = defaultdict(int)  # bytes kept for backward
         self._saved_ids: set[int] = set()
         self._param_ids = {id(p) for p in graph.gm.parameters()}
+        self.node: torch.fx.Node | None = None  # the node being run (to blame a failure)
         self._assign_glue()
 
     def _assign_glue(self) -> None:
@@ -212,6 +213,7 @@ class Executor(torch.fx.Interpreter):
             self.exec_layer[p] = last
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        self.node = n
         self.counter.current = self.exec_layer.get(n)
         out = super().run_node(n)
         self.values[n] = out
@@ -238,7 +240,13 @@ class Executor(torch.fx.Interpreter):
         fwd = self.counter.fwd[self.counter.current] - before
         self.counter.bwd[self.counter.current] += 2 * fwd
         if params:
-            out = out + 0 * sum(p.sum() for p in params)  # keep params in the autograd graph
+            anchor = sum(p.sum() for p in params)
+            if not out.requires_grad:
+                # No input needs a gradient (the module reads the model's inputs), so the
+                # opaque call's backward never runs: its parameters are ready when the
+                # gradient reaches them through this term instead.
+                anchor.register_hook(lambda grad: on_backward())
+            out = out + 0 * anchor  # keep params in the autograd graph
         return out
 
     def run(self) -> None:  # type: ignore[override]
@@ -262,14 +270,31 @@ class Executor(torch.fx.Interpreter):
                 out = super().run(*self.graph_info.flat_inputs)
             loss = _scalar_loss(out)
             self.counter.backward = True
+            self.node = None
             with self.counter:
                 if loss is not None:
                     loss.backward()
+        except TraceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's module failed: say which
+            raise self._failure(e) from e
         finally:
             for h in hooks:
                 h.remove()
         for p in self.module.parameters():
             p.grad = None
+
+    def _failure(self, e: Exception) -> TraceError:
+        """A TraceError naming the module whose code was running when ``e`` was raised (in
+        backward: the layer whose autograd node ran)."""
+        if self.node is not None:
+            culprit = module_of_node(self.node)
+            where = f"at fx node %{self.node.name}: {self.node.op} {self.node.target}"
+        else:
+            culprit = (self.counter.current or "").split("@")[0]
+            where = "in backward"
+        reason = explain_failure(e)
+        return capture_error(self.model, culprit, f"{reason} [{where}]")
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         """Count a tensor autograd saves for backward against the running layer, once per

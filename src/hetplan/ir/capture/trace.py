@@ -26,7 +26,7 @@ from torch import nn
 from hetplan.errors import TraceError
 from hetplan.ir.capture.units import UnitInfo
 
-__all__ = ["Graph", "build_graph"]
+__all__ = ["Graph", "build_graph", "capture_error", "explain_failure", "module_of_node"]
 
 
 # --------------------------------------------------------------------------------------
@@ -224,17 +224,77 @@ def _trace_error(
     """Find the module where eager meta execution fails and build a TraceError naming it."""
     culprit, reason = _locate_failure(model, args, kwargs)
     if not reason:
-        reason = _one_line(errors[-1][1]) if errors else "unknown"
+        reason = explain_failure(errors[-1][1]) if errors else "unknown"
+    # Eager meta execution fails on an `if` over a tensor as on `.item()`; the tracers
+    # know it was control flow.
+    flow = [e for _, e in errors if explain_failure(e).startswith(_CONTROL_FLOW)]
+    if flow and not reason.startswith(_CONTROL_FLOW):
+        reason = explain_failure(flow[0])
     tried = "; ".join(f"{how}: {_one_line(e)}" for how, e in errors)
-    where = f"module {culprit!r} ({_module_type(model, culprit)})" if culprit else "the model"
-    msg = (
-        f"cannot capture {type(model).__name__}: {where} failed: {reason}\n"
-        f"  tried: {tried}\n"
-        "  fix: make the control flow in that module independent of tensor values, or pass "
-        f"opaque_modules=[{culprit!r}] (CLI: --opaque {culprit}) to treat it as an opaque "
-        "leaf executed on CPU with zero inputs"
-    )
-    return TraceError(msg, module=culprit, reason=reason)
+    return capture_error(model, culprit, reason, tried=tried)
+
+
+#: Failure messages torch gives for the constructs capture cannot follow, and what they mean.
+_REASONS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("item() cannot be called on meta", "Tensor.item", "call_method[target=item]"),
+     "it reads a tensor's value with .item() (capture runs on meta tensors, which have "
+     "shapes but no values)"),
+    (("numpy", "__array__", "__array_struct__"),
+     "it converts a tensor to numpy (capture runs on meta tensors, which have shapes but no "
+     "values)"),
+    (("data-dependent", "used as inputs to control flow", "Boolean value of Tensor",
+      "GuardOnDataDependent"),
+     "its control flow depends on a tensor's value (an `if` or loop on a tensor)"),
+    (("shapes cannot be multiplied", "size mismatch", "must match the size",
+      "Expected input", "expected input", "shape '[", "but got", "dimension",
+      "must be Tensor"),
+     "the example inputs do not fit it"),
+)
+_CONTROL_FLOW = "its control flow depends"
+_BAD_INPUTS = "the example inputs do not fit"
+
+
+def explain_failure(e: BaseException) -> str:
+    """``e`` as a reason a person can act on: what the module did that capture cannot follow
+    (``.item()``, numpy, value-dependent control flow, inputs of the wrong shape), with
+    torch's own one-line message."""
+    text = f"{type(e).__name__}: {e}"
+    for needles, meaning in _REASONS:
+        if any(n in text for n in needles):
+            return f"{meaning} ({_one_line(e)})"
+    return _one_line(e)
+
+
+def capture_error(model: nn.Module, culprit: str, reason: str, *, tried: str = "") -> TraceError:
+    """The TraceError for a failure in module ``culprit`` ("" for the top-level module).
+
+    The fix offered always names a real module: ``opaque_modules=[culprit]`` for a
+    submodule; for the top-level module (which cannot be opaque: the model would be one
+    layer) moving the failing code into a submodule and making that opaque, with the
+    top-level module's children listed.
+    """
+    name = type(model).__name__
+    lines = [f"cannot capture {name}: "
+             + (f"module {culprit!r} ({_module_type(model, culprit)})" if culprit
+                else f"the top-level forward of {name}") + f" failed: {reason}"]
+    if tried:
+        lines.append(f"  tried: {tried}")
+    if reason.startswith(_BAD_INPUTS):
+        lines.append("  fix: check the example inputs' shapes and dtypes (a --module "
+                     "factory returns (model, example_args)): one micro-batch the model's "
+                     "forward accepts")
+    elif culprit:
+        lines.append("  fix: make that module independent of tensor values, or pass "
+                     f"opaque_modules=[{culprit!r}] (CLI: --opaque {culprit}) to treat it as "
+                     "an opaque leaf executed on CPU with zero inputs")
+    else:
+        children = ", ".join(repr(n) for n, _ in list(model.named_children())[:8]) or "none"
+        lines.append(f"  fix: the failing code is in {name}.forward itself, and the top-level "
+                     "module cannot be opaque (the model would be a single layer): move that "
+                     "code into a submodule and mark the submodule opaque (opaque_modules="
+                     "['<its name>'], CLI: --opaque <its name>); "
+                     f"{name}'s submodules now: {children}")
+    return TraceError("\n".join(lines), module=culprit, reason=reason)
 
 
 def _module_type(model: nn.Module, q: str) -> str:
@@ -270,10 +330,22 @@ def _locate_failure(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, s
         with _quiet():
             model(*args, **kwargs)
     except Exception as e:  # noqa: BLE001
-        failed.append(_one_line(e))
+        failed.append(explain_failure(e))
         culprit = stack[-1] if stack else ""
         return culprit, failed[0]
     finally:
         for h in handles:
             h.remove()
     return "", ""
+
+
+def module_of_node(node: torch.fx.Node) -> str:
+    """The qualified name of the innermost module whose code made ``node`` ("" for the
+    top-level forward): the module it calls, else the last entry of its ``nn_module_stack``
+    (recorded by both symbolic tracing and torch.export)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    for fqn, _cls in reversed(list(stack.values())):
+        return _clean_fqn(str(fqn))
+    return ""

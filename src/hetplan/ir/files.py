@@ -1,0 +1,389 @@
+"""Reading the files a user types: YAML or JSON text into plain data, within limits.
+
+Step 1 of turning a file into a validated object (step 2, validation with readable errors, is
+:mod:`hetplan.ir.validation`). Every file a user types goes through here: cluster specs,
+plans, workloads, profiles, dynamics files and run reports. A file is refused with a
+:class:`~hetplan.errors.SpecError` naming it (and the line and column, or the path inside it)
+when it is missing, not UTF-8, over :data:`MAX_FILE_BYTES`, not valid YAML/JSON, writes a key
+twice (JSON's own parser keeps the last silently), nests deeper than :data:`MAX_DEPTH`, or
+holds more than :data:`MAX_ELEMENTS` values: never a RecursionError, an OverflowError or a
+hang. Output paths are checked here too (:func:`check_output_path`), before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import yaml
+
+from hetplan.errors import SpecError
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_ELEMENTS",
+    "MAX_FILE_BYTES",
+    "check_output_path",
+    "check_shape",
+    "format_loc",
+    "load_structured_file",
+    "loads_json",
+    "parse_json_object",
+    "read_text_file",
+    "short_repr",
+]
+
+#: Files are at most this large (the largest real one, a plan for a 70B-parameter model, is a
+#: few hundred KiB); a larger file is refused before it is parsed.
+MAX_FILE_BYTES = 32 * 2**20
+#: Files nest at most this deep (the deepest real plan or cluster spec nests 7 levels).
+MAX_DEPTH = 32
+#: Files hold at most this many values (lists, mappings and scalars; a YAML alias counts each
+#: time it is used, so an "alias bomb" is refused instead of expanding for minutes).
+MAX_ELEMENTS = 2_000_000
+#: Offending input values longer than this (as ``repr``) are cut in messages.
+_MAX_VALUE_CHARS = 60
+
+
+# --------------------------------------------------------------------------------------
+# reading files
+# --------------------------------------------------------------------------------------
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects a key written twice in one mapping (PyYAML keeps the last)."""
+
+
+def _construct_unique_mapping(
+    loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
+) -> dict[Any, Any]:
+    seen: dict[Any, yaml.Mark] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, typing.Hashable):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain value, got {_kind_of(key)} {key!r}",
+                key_node.start_mark,
+            )
+        if key in seen:
+            first = seen[key]
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key!r} (first written at line {first.line + 1})",
+                key_node.start_mark,
+            )
+        seen[key] = key_node.start_mark
+    loader.flatten_mapping(node)
+    return dict(loader.construct_pairs(node, deep=deep))
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_unique_mapping,
+)
+
+
+def _source_excerpt(text: str, line: int, column: int) -> str:
+    """The 1-based ``line`` of ``text`` with a caret under ``column`` (1-based), indented."""
+    lines = text.splitlines()
+    if not 1 <= line <= len(lines):
+        return ""
+    src = lines[line - 1]
+    return f"\n    {src}\n    {' ' * max(column - 1, 0)}^"
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, keys: list[str]) -> None:
+        super().__init__(key)
+        self.key, self.keys = key, keys
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key, [k for k, _ in pairs])
+        out[key] = value
+    return out
+
+
+def loads_json(text: str, *, where: str) -> Any:
+    """``json.loads`` that refuses what the standard parser lets through or turns into a crash.
+
+    Refused with a :class:`SpecError` naming ``where``: a key written twice in one object
+    (``json.loads`` keeps the last silently; YAML files are refused alike), nesting deeper
+    than :data:`MAX_DEPTH` or more than :data:`MAX_ELEMENTS` values (see :func:`check_shape`),
+    and integers too long to convert (over 4300 digits).
+
+    Raises:
+        json.JSONDecodeError: a syntax error, for the caller to explain with its position.
+        SpecError: as above.
+    """
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_object)
+    except _DuplicateKey as e:
+        raise SpecError(
+            f"{where}: not valid: the key {e.key!r} is written twice in one object (keys "
+            f"{short_repr(e.keys)}); keep one"
+        ) from None
+    except RecursionError:
+        raise SpecError(
+            f"{where}: nested too deeply to read (more than {MAX_DEPTH} levels are never "
+            "needed); is this the right file?"
+        ) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:  # e.g. an integer literal longer than Python converts
+        raise SpecError(f"{where}: not valid JSON: {e}") from None
+    check_shape(data, where=where)
+    return data
+
+
+def check_shape(data: Any, *, where: str) -> None:
+    """Refuse parsed data nested deeper than :data:`MAX_DEPTH` or holding more than
+    :data:`MAX_ELEMENTS` values, naming the path of the first value too deep.
+
+    O(values), stopped at :data:`MAX_ELEMENTS` (a YAML alias is visited each time it is used,
+    as validation would).
+    """
+    containers = (dict, list, tuple)  # what json and yaml build (exact types: fast)
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
+    count = 1
+    while stack:
+        value, path = stack.pop()
+        if type(value) is dict:
+            items: Any = value.items()
+        elif type(value) in (list, tuple):
+            items = enumerate(value)
+        else:
+            continue
+        if len(path) >= MAX_DEPTH:
+            raise SpecError(
+                f"{where}: {format_loc(path[:6])}...: nested more than {MAX_DEPTH} levels "
+                "deep; no hetplan file nests this deeply, is this the right file?"
+            )
+        count += len(value)
+        if count > MAX_ELEMENTS:
+            raise SpecError(
+                f"{where}: holds more than {MAX_ELEMENTS:,} values (YAML aliases count each "
+                "time they are used); no hetplan file is this large, is this the right file?"
+            )
+        for key, child in items:
+            if type(child) in containers:
+                stack.append((child, (*path, key if isinstance(key, int) else str(key))))
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return loads_json(text, where=where)
+    except json.JSONDecodeError as e:
+        raise SpecError(
+            f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+            f"{_source_excerpt(text, e.lineno, e.colno)}\n"
+            "hint: check for a missing comma or quote, or a trailing comma, near that position"
+        ) from e
+
+
+def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> dict[str, Any]:
+    """Parse ``text`` as a JSON object, or raise SpecError naming ``where`` and the position.
+
+    Args:
+        text: the JSON text.
+        where: the source's name in messages (a file path).
+        what: what the file should be ("a workload file", "a profile DB").
+        hint: appended to the message (how to get a fresh file).
+    """
+    if not hint:
+        data = _parse_json(text, where)
+    else:
+        try:
+            data = loads_json(text, where=where)
+        except json.JSONDecodeError as e:
+            raise SpecError(
+                f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; {hint}"
+            ) from e
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{where}: {what} is a JSON object, got a JSON {_kind_of(data)}"
+            + (f"; {hint}" if hint else "")
+        )
+    return data
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
+    except RecursionError:
+        raise SpecError(
+            f"{where}: nested too deeply to read (more than {MAX_DEPTH} levels are never "
+            "needed); is this the right file?"
+        ) from None
+    except ValueError as e:  # e.g. an integer literal longer than Python converts
+        raise SpecError(f"{where}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e)
+        if mark is None:
+            raise SpecError(f"{where}: not valid YAML: {problem}") from e
+        line, col = mark.line + 1, mark.column + 1
+        raise SpecError(
+            f"{where}: not valid YAML: {problem} at line {line}, column {col}"
+            f"{_source_excerpt(text, line, col)}\n"
+            "hint: check the indentation (spaces, not tabs), a missing ':' after a key, "
+            "and unbalanced quotes or brackets near that position"
+        ) from e
+    check_shape(data, where=where)
+    return data
+
+
+def read_text_file(path: Path, *, what: str) -> str:
+    """The UTF-8 text of ``path``, refusing a directory, an unreadable file, one that is not
+    UTF-8, and one over :data:`MAX_FILE_BYTES` (checked before reading it).
+
+    Raises:
+        SpecError: naming the file and what to do.
+    """
+    where = str(path)
+    if not path.is_file():
+        raise SpecError(f"{what} file {where!r} is not a regular file; pass the path of a file")
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise SpecError(
+                f"{where}: the {what} file is {size / 2**20:.1f} MiB; hetplan reads files of "
+                f"at most {MAX_FILE_BYTES // 2**20} MiB (real ones are far smaller): is this "
+                "the right file?"
+            )
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            f"{where}: the {what} file is not UTF-8 text ({e.reason} at byte {e.start}); "
+            "save it as UTF-8 YAML or JSON"
+        ) from e
+    except OSError as e:
+        raise SpecError(
+            f"{what} file {where!r} cannot be read: {e.strerror or e}; check its permissions"
+        ) from e
+
+
+def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
+    """Read a YAML or JSON file whose top level is a mapping.
+
+    ``.yaml``/``.yml`` files are parsed as YAML (a key written twice is an error), ``.json``
+    files as JSON; any other suffix is tried as JSON first, then as YAML.
+
+    Args:
+        path: the file.
+        what: what the file should contain, for messages (``"cluster spec"``).
+
+    Returns:
+        The top-level mapping.
+
+    Raises:
+        SpecError: the file is missing or unreadable, its syntax is invalid (the message has
+            the line and column), or its top level is not a mapping.
+    """
+    p = Path(path)
+    where = str(p)
+    if not p.exists():
+        raise SpecError(
+            f"{what} file {where!r} does not exist (resolved to {str(p.absolute())!r}); "
+            "check the path"
+        )
+    text = read_text_file(p, what=what)
+
+    suffix = p.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        data = _parse_yaml(text, where)
+    elif suffix == ".json":
+        data = _parse_json(text, where)
+    else:
+        try:
+            data = loads_json(text, where=where)
+        except json.JSONDecodeError:
+            data = _parse_yaml(text, where)
+
+    if data is None:
+        raise SpecError(
+            f"{where}: the {what} file is empty; write the {what} as a YAML or JSON mapping"
+        )
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{where}: the top level of a {what} file must be a mapping of keys to values, "
+            f"got a {_kind_of(data)}; write it as 'key: value' lines (YAML) or an object "
+            "{...} (JSON)"
+        )
+    return cast(dict[str, Any], data)
+
+
+def _kind_of(value: Any) -> str:
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, str):
+        return "string"
+    return type(value).__name__
+
+
+# --------------------------------------------------------------------------------------
+# output paths
+# --------------------------------------------------------------------------------------
+def check_output_path(path: str | Path, *, option: str) -> Path:
+    """Refuse, before any work, an output file that could not be written.
+
+    The directory must exist (hetplan never creates directories: a typo in ``-o
+    /nonexistent/x.png`` must not create ``/nonexistent``) and be writable, and the path
+    must not be a directory.
+
+    Args:
+        path: the file to be written.
+        option: how the user gave it (``"-o/--output"``), for the message.
+
+    Returns:
+        ``path`` as a :class:`Path`.
+
+    Raises:
+        SpecError: naming the option, the path and the fix.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise SpecError(f"{option} {str(p)!r} is a directory; give the path of a file to write")
+    parent = p.parent
+    if not parent.exists():
+        raise SpecError(f"{option} {str(p)!r}: the directory {str(parent)!r} does not exist; "
+                        "create it first (hetplan does not create directories)")
+    if not parent.is_dir():
+        raise SpecError(f"{option} {str(p)!r}: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise SpecError(f"{option} {str(p)!r} cannot be written (permission denied); choose "
+                        "another path")
+    return p
+
+
+# --------------------------------------------------------------------------------------
+# message helpers (shared with hetplan.ir.validation)
+# --------------------------------------------------------------------------------------
+_PLAIN_KEY = re.compile(r"^[A-Za-z_][\w\-]*$")
+
+
+def format_loc(loc: Sequence[str | int]) -> str:
+    """``('nodes', 0, 'devices', 1, 'count')`` → ``nodes[0].devices[1].count``."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif _PLAIN_KEY.match(item):
+            out += f".{item}" if out else item
+        else:
+            out += f"[{item!r}]"
+    return out
+
+
+def short_repr(value: Any) -> str:
+    text = repr(value)
+    if len(text) > _MAX_VALUE_CHARS:
+        text = text[: _MAX_VALUE_CHARS - 3] + "..."
+    return text

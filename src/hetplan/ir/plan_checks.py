@@ -1,0 +1,435 @@
+"""The one semantic check of a plan: every rule that relates one plan section to another.
+
+Each section's pydantic model checks what it can alone (a stage's layer range, a TP linear's
+shard sum, a bucket's strategy name, a compressor's parameters). What needs two sections is
+here, in :func:`plan_problems`, which :class:`~hetplan.ir.plan.Plan`'s own model validator
+runs. It therefore runs wherever a plan is built or read — ``Plan(...)``, the pass manager's
+``Plan.model_validate`` after every pass, ``load_plan`` in ``validate``, ``inspect``,
+``simulate``, ``explain``, ``diff``, ``timeline`` and the runtime — and no path skips it.
+
+Rules (each applies when the sections it relates are present):
+
+1. **cluster**: ``world_size`` and ``fingerprint`` are those of the embedded spec.
+2. **layout**: it uses at most the cluster's devices (dp·pp·tp ≤ world size; ``hetplan
+   plan`` uses all of them, tests and re-packing fewer); the global batch is
+   dp × micro-batch size × micro-batches; ``ranks`` placements follow
+   :meth:`Layout.rank_of` (and the embedded cluster's devices).
+3. **stages**: pp · virtual_stages of them; stage ``s`` runs on exactly the dp·tp ranks of
+   pipeline coordinate ``s mod pp``; their layers are contiguous from 0 and cover the
+   workload; ``layer_names`` are the workload's.
+4. **pipeline_actions**: the layout's schedule, micro-batches, stage and rank counts; every
+   forward and backward of every stage and micro-batch exactly once. (Whether the order can
+   deadlock is the pure schedule code's check: :mod:`hetplan.algorithms.pipeline_schedules`,
+   run by the simulator and the runtime.)
+5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
+   in their tp coordinate), inside its stage; each rank has one role.
+6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
+   inter-node step needs more than one node.
+7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages.
+8. **predictions**: at most one memory figure per rank.
+9. **complete** plans — what ``hetplan plan`` writes, required when a plan is read from JSON:
+   a layout, the stages of a pipeline, the model's workload summary; a pipeline with at
+   least one micro-batch per stage and interleaved 1F1B with at least 2 virtual stages (what
+   the runtime's schedules need). Drafts, the plans passes hand to each other, lack sections
+   (there are no stages before the balancing pass), so rule 9 applies only when asked for.
+
+Every problem is one line ``"field.path: what is wrong, what was expected"``; the caller
+joins them into one error, so a broken plan shows all of its problems at once.
+
+Complexity: O(world size + layers + gradients + pipeline actions).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Protocol
+
+from hetplan.ir.plan_sections import (
+    ClusterRef,
+    GradientSync,
+    Layout,
+    ModelRef,
+    PipelineActions,
+    Predictions,
+    Stage,
+    TensorParallel,
+)
+from hetplan.ir.rebalancing import Rebalancing
+from hetplan.ir.validation import did_you_mean
+
+__all__ = ["plan_problems"]
+
+
+class Plan(Protocol):
+    """The sections of a :class:`hetplan.ir.plan.Plan` the rules read (a protocol, so that
+    this module, which ``plan.py`` imports, does not import it back)."""
+
+    @property
+    def model(self) -> ModelRef: ...
+    @property
+    def cluster(self) -> ClusterRef: ...
+    @property
+    def layout(self) -> Layout | None: ...
+    @property
+    def stages(self) -> tuple[Stage, ...]: ...
+    @property
+    def pipeline_actions(self) -> PipelineActions | None: ...
+    @property
+    def tensor_parallel(self) -> TensorParallel | None: ...
+    @property
+    def gradient_sync(self) -> GradientSync | None: ...
+    @property
+    def rebalancing(self) -> Rebalancing | None: ...
+    @property
+    def predictions(self) -> Predictions | None: ...
+
+_RERUN = "re-run `hetplan plan`"
+_ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
+
+
+def plan_problems(plan: Plan, *, complete: bool = False) -> list[str]:
+    """Every cross-section problem of ``plan``, one line each (empty: consistent).
+
+    Args:
+        plan: a plan whose sections each passed their own validation.
+        complete: also require what a finished plan has (rule 9 of the module docstring).
+    """
+    problems = _cluster(plan) + _layout(plan)
+    problems += _stages(plan) + _pipeline_actions(plan) + _tensor_parallel(plan)
+    problems += _gradient_sync(plan) + _rebalancing(plan) + _predictions(plan)
+    if complete:
+        problems += _completeness(plan)
+    return problems
+
+
+# -- 1. cluster -------------------------------------------------------------------------------
+def _cluster(plan: Plan) -> list[str]:
+    ref, spec = plan.cluster, plan.cluster.spec
+    if spec is None:
+        return []
+    out = []
+    if ref.world_size != spec.world_size:
+        out.append(f"cluster.world_size: {ref.world_size}, but the embedded cluster spec "
+                   f"(cluster.spec) has {spec.world_size} devices; {_RERUN}")
+    if ref.fingerprint != spec.fingerprint():
+        out.append(f"cluster.fingerprint: {ref.fingerprint!r}, but the embedded cluster spec "
+                   f"has fingerprint {spec.fingerprint()!r} (was cluster.spec edited after "
+                   f"planning?); {_RERUN} for the cluster you mean")
+    return out
+
+
+# -- 2. layout --------------------------------------------------------------------------------
+def _layout(plan: Plan) -> list[str]:
+    lay, ws = plan.layout, plan.cluster.world_size
+    if lay is None:
+        return []
+    out = []
+    if lay.num_ranks > ws:
+        out.append(f"layout: dp={lay.dp} x pp={lay.pp} x tp={lay.tp} = {lay.num_ranks} ranks, "
+                   f"but cluster {plan.cluster.name!r} has world_size {ws}: {_RERUN}")
+    batch = lay.dp * lay.micro_batch_size * lay.micro_batches
+    if lay.global_batch_size is not None and lay.global_batch_size != batch:
+        out.append(f"layout.global_batch_size: {lay.global_batch_size}, but dp={lay.dp} x "
+                   f"micro_batch_size={lay.micro_batch_size} x micro_batches="
+                   f"{lay.micro_batches} = {batch}; make them agree ({_RERUN})")
+    spec = plan.cluster.spec
+    devices = spec.devices() if spec is not None and lay.ranks and lay.num_ranks <= ws else None
+    for i, r in enumerate(lay.ranks):
+        want = lay.coords(r.rank)
+        if (r.dp, r.pp, r.tp) != want:
+            out.append(f"layout.ranks[{i}]: rank {r.rank} has coordinates (dp={r.dp}, "
+                       f"pp={r.pp}, tp={r.tp}); the layout's rank mapping puts it at (dp="
+                       f"{want[0]}, pp={want[1]}, tp={want[2]})")
+        if devices is None:
+            continue
+        d = devices[r.rank]
+        if (r.node, r.local_rank) != (d.node_index, d.local_rank) or r.device not in ("", d.type):
+            out.append(f"layout.ranks[{i}]: rank {r.rank} is placed on node {r.node} local "
+                       f"rank {r.local_rank} ({r.device or 'no device'}), but cluster.spec has "
+                       f"it on node {d.node_index} local rank {d.local_rank} ({d.type})")
+    return out[:_MAX_PER_RULE]
+
+
+#: A rule reports at most this many problems (a plan with 1000 bad ranks says so 8 times).
+_MAX_PER_RULE = 8
+
+
+# -- 3. stages --------------------------------------------------------------------------------
+def _stages(plan: Plan) -> list[str]:
+    stages, lay = plan.stages, plan.layout
+    out: list[str] = []
+    next_first = 0
+    for i, st in enumerate(stages):
+        if st.index != i:
+            out.append(f"stages[{i}].index: {st.index}; stages are listed in order, so "
+                       f"expected {i}")
+        if st.first_layer != next_first:
+            out.append(f"stages[{i}].first_layer: {st.first_layer}, expected {next_first} "
+                       "(stages cover consecutive layers from 0, without gaps or overlap)")
+        next_first = st.last_layer + 1
+    workload = plan.model.workload
+    if stages and workload is not None:
+        names = [x.name for x in workload.layers]
+        if next_first != len(names):
+            out.append(f"stages[{len(stages) - 1}].last_layer: {next_first - 1}, but the model "
+                       f"has {len(names)} layers (0..{len(names) - 1}); the stages must cover "
+                       "them all")
+        for i, st in enumerate(stages):
+            want = names[st.first_layer: st.last_layer + 1]
+            if st.layer_names and list(st.layer_names) != want:
+                out.append(f"stages[{i}].layer_names: {_short(st.layer_names)} are not the "
+                           f"workload's layers {st.first_layer}..{st.last_layer} {_short(want)}")
+    if stages and lay is not None:
+        out += _stage_ranks(stages, lay)
+    else:
+        out += _ranks_exist(plan)
+    return out[:_MAX_PER_RULE]
+
+
+def _stage_ranks(stages: tuple[Stage, ...], lay: Layout) -> list[str]:
+    """Rule 3's rank part: stage ``s`` holds the ranks of pipeline coordinate ``s mod pp``."""
+    want_n = lay.pp * lay.virtual_stages
+    if len(stages) != want_n:
+        v = f" x virtual_stages={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        return [f"stages: {len(stages)} stage(s), but the layout has pp={lay.pp}{v}, so "
+                f"{want_n} stage(s); {_RERUN}"]
+    out = []
+    group = lay.dp * lay.tp
+    for i, st in enumerate(stages):
+        if dup := _duplicates(st.ranks):
+            out.append(f"stages[{i}].ranks: lists ranks {dup} more than once")
+        p = i % lay.pp
+        want = sorted(lay.rank_of(d, p, t) for d in range(lay.dp) for t in range(lay.tp))
+        got = sorted(set(st.ranks))
+        if got == want and len(st.ranks) == group:
+            continue
+        if len(st.ranks) != group:
+            out.append(f"stages[{i}].ranks: {len(st.ranks)} rank(s), but a stage runs on "
+                       f"dp x tp = {lay.dp} x {lay.tp} = {group} ranks")
+            continue
+        others = sorted({j for j, o in enumerate(stages) if j != i and j % lay.pp != p
+                         and set(o.ranks) & set(st.ranks)})
+        shared = f" (it shares ranks with stage(s) {others})" if others else ""
+        out.append(f"stages[{i}].ranks: {_short(st.ranks)}{shared}, but pipeline coordinate "
+                   f"pp={p} of the layout is ranks {_short(want)} (rank = (pp*dp + dp_index)"
+                   f"*tp + tp_index); each rank is in exactly one pipeline stage")
+    return out
+
+
+def _ranks_exist(plan: Plan) -> list[str]:
+    """Without a layout, at least every rank a section names must exist."""
+    ws = plan.cluster.world_size
+    out = []
+    for i, st in enumerate(plan.stages):
+        if bad := sorted({r for r in st.ranks if r >= ws}):
+            out.append(f"stages[{i}].ranks: ranks {_short(bad)} do not exist in a world of "
+                       f"size {ws} (cluster.world_size)")
+    return out
+
+
+# -- 4. pipeline actions ----------------------------------------------------------------------
+def _pipeline_actions(plan: Plan) -> list[str]:
+    acts, lay = plan.pipeline_actions, plan.layout
+    if acts is None:
+        return []
+    if lay is None:
+        return [f"pipeline_actions: the section needs a layout to run in; {_RERUN}"]
+    want = {"schedule": lay.schedule, "micro_batches": lay.micro_batches,
+            "num_stages": lay.pp * lay.virtual_stages, "len(ranks)": lay.pp}
+    got = {"schedule": acts.schedule, "micro_batches": acts.micro_batches,
+           "num_stages": acts.num_stages, "len(ranks)": len(acts.ranks)}
+    if bad := [k for k in want if want[k] != got[k]]:
+        return ["pipeline_actions: the lists do not match the layout: "
+                + ", ".join(f"{k} is {got[k]!r}, the layout needs {want[k]!r}" for k in bad)
+                + f"; {_RERUN}"]
+    seen: Counter[tuple[int, str, int]] = Counter()
+    out = []
+    for r, text in enumerate(acts.ranks):
+        for a in text.split(" "):
+            m = _ACTION.match(a)
+            if m is None:
+                continue  # the section's own pattern already refused it
+            stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3))
+            seen[(stage, kind, mb)] += 1
+            if stage >= acts.num_stages or mb >= acts.micro_batches:
+                out.append(f"pipeline_actions.ranks[{r}]: action {a!r} names stage {stage} and "
+                           f"micro-batch {mb}, but there are {acts.num_stages} stages and "
+                           f"{acts.micro_batches} micro-batches")
+    expected = {(s, k, m) for s in range(acts.num_stages) for k in "FB"
+                for m in range(acts.micro_batches)}
+    if twice := sorted(a for a, n in seen.items() if n > 1):
+        out.append(f"pipeline_actions.ranks: actions {_short([_fmt(a) for a in twice])} run "
+                   "more than once")
+    if missing := sorted(expected - set(seen)):
+        out.append(f"pipeline_actions.ranks: actions {_short([_fmt(a) for a in missing])} "
+                   f"never run; every stage runs forward (F) and backward (B) of every "
+                   f"micro-batch once; {_RERUN}")
+    return out[:_MAX_PER_RULE]
+
+
+def _fmt(action: tuple[int, str, int]) -> str:
+    return f"{action[0]}{action[1]}{action[2]}"
+
+
+# -- 5. tensor parallelism --------------------------------------------------------------------
+def _tensor_parallel(plan: Plan) -> list[str]:
+    tp, lay, ws = plan.tensor_parallel, plan.layout, plan.cluster.world_size
+    if tp is None:
+        return []
+    out = []
+    for i, g in enumerate(tp.groups):
+        where = f"tensor_parallel.groups[{i}]"
+        if bad := sorted({r for r in g.ranks if r >= ws}):
+            out.append(f"{where}.ranks: ranks {_short(bad)} do not exist in a world of size "
+                       f"{ws}")
+            continue
+        if dup := _duplicates([r.rank for r in g.roles]):
+            out.append(f"{where}.roles: ranks {dup} have more than one role")
+        if lay is not None and lay.num_ranks <= ws:
+            dp, pp, _ = lay.coords(g.ranks[0])
+            want = sorted(lay.rank_of(dp, pp, t) for t in range(lay.tp))
+            if sorted(g.ranks) != want:
+                out.append(f"{where}.ranks: {_short(g.ranks)}, but the layout's TP group of "
+                           f"rank {g.ranks[0]} is {_short(want)} (tp={lay.tp} ranks that differ "
+                           "only in their tp coordinate)")
+        if g.stage is None:
+            continue
+        if g.stage >= len(plan.stages) and plan.stages:
+            out.append(f"{where}.stage: {g.stage}, but the plan has {len(plan.stages)} stages")
+        elif plan.stages and not set(g.ranks) <= set(plan.stages[g.stage].ranks):
+            out.append(f"{where}.ranks: {_short(g.ranks)} are not all ranks of its stage "
+                       f"{g.stage} {_short(plan.stages[g.stage].ranks)}")
+    gammas = tp.predicted.expected_gamma if tp.predicted is not None else {}
+    if bad_keys := sorted(k for k in gammas if not k.isdigit() or int(k) >= ws):
+        out.append(f"tensor_parallel.predicted.expected_gamma: keys {_short(bad_keys)} are not "
+                   f"ranks of a world of size {ws}")
+    return out[:_MAX_PER_RULE]
+
+
+# -- 6. gradient sync -------------------------------------------------------------------------
+def _gradient_sync(plan: Plan) -> list[str]:
+    sync, workload = plan.gradient_sync, plan.model.workload
+    if sync is None:
+        return []
+    if workload is None:
+        return _hierarchy_needs_nodes(plan)
+    layer_of = {g.name: g.layer_index for g in workload.grads}
+    known = list(layer_of)
+    out = []
+    for i, t in enumerate(sync.tensors):
+        if t.name not in layer_of:
+            out.append(f"gradient_sync.tensors[{i}].name: {t.name!r} is not a gradient of "
+                       f"model {plan.model.name!r}{did_you_mean(t.name, known)}")
+    out += _hierarchy_needs_nodes(plan)
+    stage_of = _stage_of_layer(plan.stages, len(workload.layers))
+    for i, b in enumerate(sync.buckets):
+        for j, name in enumerate(b.tensors):
+            if name not in layer_of:
+                out.append(f"gradient_sync.buckets[{i}].tensors[{j}]: {name!r} is not a "
+                           f"gradient of model {plan.model.name!r}{did_you_mean(name, known)}")
+        stages = sorted({stage_of[layer_of[n]] for n in b.tensors if n in layer_of})
+        if len(stages) > 1:
+            out.append(f"gradient_sync.buckets[{i}]: holds gradients of stages {stages}; a "
+                       "bucket stays inside one pipeline stage (each stage syncs its own)")
+    return out[:_MAX_PER_RULE]
+
+
+def _hierarchy_needs_nodes(plan: Plan) -> list[str]:
+    """A path with an inter-node step needs a cluster of more than one node."""
+    spec, sync = plan.cluster.spec, plan.gradient_sync
+    if spec is None or sync is None or spec.num_nodes > 1:
+        return []
+    return [f"gradient_sync.strategies[{name!r}]: has an inter-node step, but cluster "
+            f"{spec.name!r} has one node; use a flat path"
+            for name, st in sorted(sync.strategies.items())
+            if any(step.level == "inter" for step in st.steps)]
+
+
+def _stage_of_layer(stages: tuple[Stage, ...], n_layers: int) -> list[int]:
+    """Stage index of every layer (0 where no stage covers it: the single implied stage)."""
+    out = [0] * n_layers
+    for st in stages:
+        for k in range(st.first_layer, min(st.last_layer + 1, n_layers)):
+            out[k] = st.index
+    return out
+
+
+# -- 7. rebalancing ---------------------------------------------------------------------------
+def _rebalancing(plan: Plan) -> list[str]:
+    reb, workload = plan.rebalancing, plan.model.workload
+    if reb is None or not plan.stages:
+        return []
+    n_stages = len(plan.stages)
+    n_layers = len(workload.layers) if workload is not None else None
+    out = []
+    for i, ev in enumerate(reb.events):
+        where = f"rebalancing.events[{i}]"
+        if len(ev.stages) > n_stages:
+            out.append(f"{where}.stages: {len(ev.stages)} stage ranges, but the plan has "
+                       f"{n_stages} stages")
+        if n_layers is not None and ev.stages[-1][1] != n_layers - 1:
+            out.append(f"{where}.stages: the ranges end at layer {ev.stages[-1][1]}, but the "
+                       f"model has {n_layers} layers")
+        if bad := sorted({s for s in ev.released_stages if s >= n_stages}):
+            out.append(f"{where}.released_stages: {bad} are not stages of the plan "
+                       f"(0..{n_stages - 1})")
+        for j, m in enumerate(ev.migrations):
+            if max(m.src_stage, m.dst_stage) >= n_stages or (
+                    n_layers is not None and m.layer >= n_layers):
+                out.append(f"{where}.migrations[{j}]: moves layer {m.layer} from stage "
+                           f"{m.src_stage} to {m.dst_stage}, outside the plan's {n_stages} "
+                           f"stages{'' if n_layers is None else f' and {n_layers} layers'}")
+    return out[:_MAX_PER_RULE]
+
+
+# -- 8. predictions ---------------------------------------------------------------------------
+def _predictions(plan: Plan) -> list[str]:
+    pred, ws = plan.predictions, plan.cluster.world_size
+    if pred is None:
+        return []
+    out = []
+    if len(pred.memory_per_rank_bytes) > ws:
+        out.append(f"predictions.memory_per_rank_bytes: {len(pred.memory_per_rank_bytes)} "
+                   f"entries for world_size {ws} (one per rank)")
+    for i, b in enumerate(pred.baselines):
+        if len(b.memory_per_rank_bytes) > ws:
+            out.append(f"predictions.baselines[{i}].memory_per_rank_bytes: "
+                       f"{len(b.memory_per_rank_bytes)} entries for world_size {ws}")
+    return out
+
+
+# -- 9. completeness --------------------------------------------------------------------------
+def _completeness(plan: Plan) -> list[str]:
+    lay = plan.layout
+    out = []
+    if lay is None:
+        out.append("layout: missing; a plan says how the devices are split (dp, pp, tp, "
+                   f"micro-batches): {_RERUN}")
+    elif not plan.stages and lay.pp * lay.virtual_stages > 1:
+        out.append(f"stages: missing; the layout pipelines over pp={lay.pp} stages, so the "
+                   f"plan lists which layers and ranks each one has: {_RERUN}")
+    if lay is not None and lay.pp > 1 and lay.micro_batches < lay.pp:
+        out.append(f"layout.micro_batches: {lay.micro_batches}, but a pipeline of pp={lay.pp} "
+                   f"stages needs at least {lay.pp} micro-batches (one per stage; the "
+                   "runtime's schedules refuse fewer)")
+    if lay is not None and lay.schedule == "interleaved-1f1b" and lay.virtual_stages < 2:
+        out.append("layout.virtual_stages: interleaved-1f1b runs at least 2 model chunks per "
+                   "pipeline rank, got 1; use schedule '1f1b' for one chunk")
+    if plan.model.workload is None:
+        out.append("model.workload: missing; a plan carries its model's workload summary "
+                   f"(simulate, inspect and the runtime read it): {_RERUN}")
+    return out
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _duplicates(items: tuple[int, ...] | list[int]) -> list[int]:
+    return sorted(x for x, n in Counter(items).items() if n > 1)
+
+
+def _short(items: object, limit: int = 8) -> str:
+    """A list for a message, cut after ``limit`` items."""
+    seq = list(items)  # type: ignore[call-overload]
+    if len(seq) <= limit:
+        return repr(seq)
+    return "[" + ", ".join(repr(x) for x in seq[:limit]) + f", ... ({len(seq)} in all)]"

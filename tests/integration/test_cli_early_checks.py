@@ -1,0 +1,213 @@
+"""Options and paths are checked before anything is captured, planned or drawn, and the error
+blames the option at fault; capture failures are user errors (exit 2), never "internal error".
+
+"Before" is checked by replacing capture and compile with functions that fail the test if
+they are called.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from hetplan.cli import app
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan import ClusterRef, Layout, ModelRef, Plan, WorkloadSummary
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+WORKLOAD = GOLDEN / "inspect_small.workload.json"
+
+
+def run(*args: object) -> Result:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def refused(result: Result, *expected: str) -> str:
+    assert result.exit_code == 2, result.output
+    assert "internal error" not in result.output and "Traceback" not in result.output
+    flat = " ".join(result.output.split())
+    for text in expected:
+        assert text in flat, f"{text!r} not in:\n{result.output}"
+    return flat
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capturing or compiling fails the test: the command must stop before either."""
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command captured or planned before checking its options")
+
+    monkeypatch.setattr("hetplan.optimizer.compile.compile", forbidden)
+    monkeypatch.setattr("hetplan.ir.capture.capture", forbidden)
+
+
+def test_plan_output_in_a_missing_directory_fails_before_planning(no_work: None,
+                                                                  tmp_path: Path) -> None:
+    out = tmp_path / "bad" / "dir" / "p.json"
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "-o", out),
+            f"-o/--output '{out}': the directory '{out.parent}' does not exist")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_plan_output_that_is_a_directory_fails_before_planning(no_work: None,
+                                                               tmp_path: Path) -> None:
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "-o", tmp_path), "is a directory")
+
+
+def test_unknown_schedule_fails_before_capture(no_work: None) -> None:
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--schedule", "zigzag"),
+            "schedule: unknown schedule 'zigzag'")
+
+
+def test_micro_batch_size_that_cannot_split_the_batch_is_blamed(no_work: None) -> None:
+    flat = refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--micro-batch-size", "3"),
+                   "micro_batch_size=3 does not divide batch_size=8")
+    assert "dp=None" not in flat and "pinned" not in flat
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--dp", "3"),
+            "dp=3 does not divide batch_size=8")
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--dp", "2",
+                "--micro-batch-size", "3"),
+            "micro_batch_size=3 does not divide the per-replica batch 4 (batch_size=8 / dp=2)")
+
+
+def test_other_plan_options_fail_before_capture(no_work: None) -> None:
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--dtype", "fp33"),
+            "dtype: unknown compute dtype 'fp33'; did you mean 'fp32'?")
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", str(10**20)),
+            "batch_size: Input should be less than or equal to 9007199254740992")
+
+
+def test_more_micro_batches_than_a_plan_may_have_is_explained() -> None:
+    refused(run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "1000000", "--dp",
+                "4", "--micro-batch-size", "1"),
+            "into at most 65,536 micro-batches per replica", "micro_batch_size=1 pinned")
+
+
+def test_a_bad_cluster_fails_before_capture(no_work: None, tmp_path: Path) -> None:
+    bad = tmp_path / "c.yaml"
+    bad.write_text("name: x\nnodes: []\n", encoding="utf-8")
+    refused(run("plan", "--workload", WORKLOAD, "-c", bad, "-b", "8"),
+            f"{bad}: nodes: the list is empty")
+
+
+def test_timeline_to_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "nonexistent" / "x.png"
+    refused(run("timeline", tmp_path / "no-plan.json", "-o", out),
+            f"the directory '{out.parent}' does not exist")
+    assert not out.parent.exists()
+    refused(run("timeline", tmp_path / "no-plan.json", "-o", tmp_path / "x.svg"),
+            "unknown suffix '.svg'")
+
+
+def test_ir_output_checked_before_capture(no_work: None, tmp_path: Path) -> None:
+    refused(run("ir", "mlp", "-o", tmp_path / "missing" / "w.json"), "does not exist")
+
+
+def test_simulate_without_a_cluster_names_the_field(tmp_path: Path) -> None:
+    spec = ClusterSpec.from_preset("local-cpu")
+    plan = Plan(model=ModelRef(name="m", fingerprint="f", num_params=1,
+                               workload=WorkloadSummary()),
+                cluster=ClusterRef.from_cluster(spec, embed=False),
+                layout=Layout(dp=4))
+    path = tmp_path / "p.json"
+    plan.save(path)
+    refused(run("simulate", path), f"{path}: cluster.spec: the plan does not embed its cluster",
+            "--cluster")
+
+
+def test_validate_refuses_stages_that_share_ranks(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    assert run("plan", "--workload", WORKLOAD, "-c", "mixed-generations", "-b", "64", "--dp",
+               "8", "--pp", "2", "--tp", "2", "-o", good).exit_code == 0
+    assert run("validate", good).exit_code == 0
+    data = json.loads(good.read_text(encoding="utf-8"))
+    data["stages"][1]["ranks"] = data["stages"][0]["ranks"]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    refused(run("validate", path), f"{path}: stages[1].ranks:", "shares ranks with stage(s) [0]")
+
+
+# -- capture errors through the CLI -------------------------------------------------------------
+MODULES = """
+import torch
+from torch import nn
+
+
+class Reads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * x.sum().item()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Reads()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.gate(x))
+
+
+def net():
+    return Net(), (torch.randn(2, 4),)
+
+
+def raises():
+    raise RuntimeError("checkpoint missing")
+
+
+def needs(path):
+    return net()
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                request: pytest.FixtureRequest) -> str:
+    name = f"user_{request.node.name}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(MODULES), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    return name
+
+
+def test_plan_opaque_gets_past_a_module_capture_cannot_follow(user_module: str) -> None:
+    refused(run("plan", "--module", f"{user_module}:net", "-c", "local-cpu", "-b", "8"),
+            "module 'gate' (Reads) failed", "reads a tensor's value with .item()",
+            "--opaque gate")
+    ok = run("plan", "--module", f"{user_module}:net", "-c", "local-cpu", "-b", "8",
+             "--opaque", "gate")
+    assert ok.exit_code == 0, ok.output
+
+
+def test_plan_opaque_with_a_zoo_model() -> None:
+    refused(run("plan", "data-dependent", "-c", "local-cpu", "-b", "8"), "--opaque gate")
+    ok = run("plan", "data-dependent", "-c", "local-cpu", "-b", "8", "--opaque", "gate")
+    assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("factory, expected", [
+    ("raises", "the factory raised RuntimeError: checkpoint missing"),
+    ("needs", "the factory takes argument(s) path"),
+])
+def test_factory_failures_are_user_errors(user_module: str, factory: str,
+                                          expected: str) -> None:
+    refused(run("ir", "--module", f"{user_module}:{factory}"), expected)
+
+
+def test_a_malformed_run_report_names_its_field(tmp_path: Path) -> None:
+    plan = tmp_path / "p.json"
+    assert run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8", "-o",
+               plan).exit_code == 0
+    for value in ('"x"', "true", "-1"):
+        report = tmp_path / "r.json"
+        report.write_text('{"measured": {"iteration_ms": ' + value + "}}", encoding="utf-8")
+        refused(run("inspect", plan, "--run", report),
+                f"{report}: measured.iteration_ms: expected milliseconds")

@@ -1,0 +1,192 @@
+"""Capture failures are TraceErrors naming the module, the reason and the escape hatch.
+
+Before, ``.item()`` or numpy in a forward, and a factory that raised, needed arguments or was
+given inputs of the wrong shape, ended as a raw RuntimeError/TypeError ("internal error"),
+and a failure in the top-level forward suggested ``--opaque`` with an empty name.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hetplan.errors import SpecError, TraceError
+from hetplan.ir.capture import capture
+from hetplan.ir.capture.factory import load_factory
+
+
+class Reads(nn.Module):
+    """Calls ``.item()`` on an activation: a value capture (on meta tensors) does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * x.sum().item()
+
+
+class ToNumpy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h + float(np.asarray(h.detach()).mean())
+
+
+class Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if h.sum() > 0:
+            h = h * 2
+        return h
+
+
+class Outer(nn.Module):
+    """A model whose submodule ``inner`` does what ``inner_cls`` does."""
+
+    def __init__(self, inner_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.inner = inner_cls()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+X = torch.randn(2, 4)
+
+
+@pytest.mark.parametrize("inner, reason", [
+    (Reads, "reads a tensor's value with .item()"),
+    (ToNumpy, "converts a tensor to numpy"),
+    (Branches, "control flow depends on a tensor's value"),
+])
+def test_a_failing_submodule_is_named_with_the_opaque_fix(inner: type[nn.Module],
+                                                          reason: str) -> None:
+    with pytest.raises(TraceError) as exc:
+        capture(Outer(inner), X)
+    e = exc.value
+    assert e.module == "inner" and reason in e.reason
+    msg = str(e)
+    assert f"module 'inner' ({inner.__name__})" in msg and reason in msg
+    assert "opaque_modules=['inner']" in msg and "--opaque inner" in msg
+
+
+@pytest.mark.parametrize("model, reason", [
+    (Reads(), "reads a tensor's value with .item()"),
+    (ToNumpy(), "converts a tensor to numpy"),
+    (Branches(), "control flow depends on a tensor's value"),
+])
+def test_a_failing_top_level_forward_never_suggests_an_empty_name(model: nn.Module,
+                                                                 reason: str) -> None:
+    with pytest.raises(TraceError) as exc:
+        capture(model, X)
+    msg = str(exc.value)
+    assert reason in msg and f"the top-level forward of {type(model).__name__}" in msg
+    assert "--opaque <its name>" in msg and "submodules now: 'fc'" in msg
+    assert "--opaque \n" not in msg + "\n" and "--opaque )" not in msg
+    assert "opaque_modules=['']" not in msg
+
+
+def test_the_opaque_escape_hatch_gets_past_item() -> None:
+    ir = capture(Outer(Reads), X, opaque_modules=["inner"])
+    assert [layer.name for layer in ir.layers] == ["inner", "head"]
+
+
+def test_inputs_of_the_wrong_shape_blame_the_inputs() -> None:
+    with pytest.raises(TraceError) as exc:
+        capture(Outer(Reads), torch.randn(2, 7))
+    msg = str(exc.value)
+    assert exc.value.module == "inner.fc" and "the example inputs do not fit it" in msg
+    assert "check the example inputs' shapes" in msg
+
+
+# -- factories (--module pkg.mod:factory) -------------------------------------------------------
+FACTORIES = """
+import torch
+from torch import nn
+
+def good():
+    return nn.Linear(4, 2), (torch.randn(2, 4),)
+
+def raises():
+    raise RuntimeError("weights not found")
+
+def takes(n, *, seed):
+    return good()
+
+def wrong_shape():
+    return nn.Linear(4, 2), (torch.randn(2, 7),)
+
+def not_a_pair():
+    return nn.Linear(4, 2)
+
+not_callable = 3
+"""
+
+
+@pytest.fixture
+def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+              ) -> str:
+    """A module of factories in the current directory, under a name unique to the test."""
+    name = f"factories_{request.node.name.replace('[', '_').replace(']', '').replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(FACTORIES), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    return name
+
+
+def test_a_good_factory(factories: str) -> None:
+    model, args, kwargs = load_factory(f"{factories}:good")
+    assert isinstance(model, nn.Linear) and args[0].shape == (2, 4) and kwargs == {}
+
+
+def test_a_factory_that_raises(factories: str) -> None:
+    with pytest.raises(TraceError) as exc:
+        load_factory(f"{factories}:raises")
+    assert exc.value.module == f"{factories}:raises"
+    assert "the factory raised RuntimeError: weights not found" in str(exc.value)
+    assert isinstance(exc.value.__cause__, RuntimeError)
+
+
+def test_a_factory_that_takes_arguments(factories: str) -> None:
+    with pytest.raises(TraceError, match="takes argument\\(s\\) n, seed, but it is called with"):
+        load_factory(f"{factories}:takes")
+
+
+def test_a_factory_whose_inputs_have_the_wrong_shape(factories: str) -> None:
+    model, args, kwargs = load_factory(f"{factories}:wrong_shape")
+    with pytest.raises(TraceError, match="the example inputs do not fit it"):
+        capture(model, args, kwargs)
+
+
+def test_a_factory_that_returns_something_else(factories: str) -> None:
+    with pytest.raises(TraceError, match="must return \\(model, example_args\\)"):
+        load_factory(f"{factories}:not_a_pair")
+
+
+def test_spec_errors_name_the_option(factories: str) -> None:
+    with pytest.raises(SpecError, match="expected 'package.module:factory'"):
+        load_factory("no-colon")
+    with pytest.raises(SpecError, match="cannot import 'no_such_module_here'"):
+        load_factory("no_such_module_here:f")
+    with pytest.raises(SpecError, match="has no callable 'not_callable'"):
+        load_factory(f"{factories}:not_callable")
+
+
+def test_a_module_that_raises_on_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "explodes_on_import.py").write_text("raise ValueError('bad config')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TraceError, match="importing 'explodes_on_import' raised ValueError"):
+        load_factory("explodes_on_import:f")

@@ -1,0 +1,169 @@
+"""Files a user types are refused at once, with the field named, when they are too large, too
+deep, repeat a key, or give a boolean or a string where a number is meant; never a hang, an
+OverflowError or a RecursionError (what `hetplan validate` did before).
+
+Each check runs through the public loaders: ``ClusterSpec.load``, ``load_plan`` and
+``load_structured_file`` (workloads, profiles, dynamics and run reports use it too).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hetplan.errors import SpecError
+from hetplan.ir.cluster import MAX_WORLD_SIZE, ClusterSpec
+from hetplan.ir.plan import load_plan
+from hetplan.ir.validation import (
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    check_output_path,
+    load_structured_file,
+    loads_json,
+)
+
+
+def preset() -> dict[str, Any]:
+    return json.loads(ClusterSpec.from_preset("mixed-tp-node").to_json())
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def refused(path: Path, *expected: str) -> str:
+    with pytest.raises(SpecError) as exc:
+        ClusterSpec.load(path)
+    msg = str(exc.value)
+    assert str(path) in msg
+    for text in expected:
+        assert text in msg, f"{text!r} not in:\n{msg}"
+    return msg
+
+
+# -- counts and sizes ---------------------------------------------------------------------------
+def test_a_billion_devices_is_refused_at_once(tmp_path: Path) -> None:
+    data = preset()
+    data["nodes"][0]["count"] = 1_000_000_000
+    refused(write(tmp_path, "c.yaml", yaml.safe_dump(data)), "nodes[0].count",
+            "less than or equal to 65536")
+
+
+def test_a_world_over_the_limit_names_the_counts(tmp_path: Path) -> None:
+    data = preset()
+    data["nodes"][0]["count"] = MAX_WORLD_SIZE // 8 + 1
+    refused(write(tmp_path, "c.yaml", yaml.safe_dump(data)),
+            f"nodes: {MAX_WORLD_SIZE // 8 + 1:,} nodes with", "at most 65,536 devices",
+            "check the 'count'")
+
+
+def test_a_400_digit_count_is_a_clear_error(tmp_path: Path) -> None:
+    text = json.dumps(preset()).replace('"count": 2', '"count": ' + "9" * 400, 1)
+    msg = refused(write(tmp_path, "c.json", text), "nodes[0].count", "less than or equal")
+    assert "Overflow" not in msg
+    huge = json.dumps(preset()).replace('"count": 2', '"count": ' + "9" * 5000, 1)
+    refused(write(tmp_path, "c2.json", huge), "not valid JSON", "digits")
+
+
+@pytest.mark.parametrize("path, value, expected", [
+    (("nodes", 0, "intra_link", "bandwidth_gbps"), 1e12, "intra_link.bandwidth_gbps"),
+    (("nodes", 0, "intra_link", "bandwidth_gbps"), 1e-9, "intra_link.bandwidth_gbps"),
+    (("nodes", 0, "devices", 0, "count"), 100_000, "devices[0].count"),
+    (("nodes", 0, "cpu_cores"), 10**9, "cpu_cores"),
+    (("nodes", 0, "slowdown"), 1e9, "slowdown"),
+    (("device_types", "A100-80GB", "memory_gib"), 1e12, "memory_gib"),
+    (("device_types", "A100-80GB", "peak_tflops", "fp32"), 1e12, "peak_tflops.fp32"),
+])
+def test_numbers_have_sane_bounds(tmp_path: Path, path: tuple[Any, ...], value: float,
+                                  expected: str) -> None:
+    data = preset()
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    refused(write(tmp_path, "c.yaml", yaml.safe_dump(data)), expected)
+
+
+# -- strict types -------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, kind", [(True, "a boolean True"), ("8", "a string '8'")])
+def test_no_bool_or_string_as_a_count(tmp_path: Path, value: object, kind: str) -> None:
+    data = preset()
+    data["nodes"][0]["devices"][0]["count"] = value
+    refused(write(tmp_path, "c.yaml", yaml.safe_dump(data)),
+            f"nodes[0].devices[0].count: expected an integer, got {kind}")
+
+
+def test_no_bool_as_a_number(tmp_path: Path) -> None:
+    data = preset()
+    data["inter_node"]["latency_us"] = False
+    refused(write(tmp_path, "c.yaml", yaml.safe_dump(data)),
+            "inter_node.latency_us: expected a number, got a boolean False")
+
+
+# -- duplicate keys, nesting, size --------------------------------------------------------------
+def test_duplicate_keys_are_refused_in_json_as_in_yaml(tmp_path: Path) -> None:
+    text = json.dumps(preset())
+    dup = text.replace('"name": "mixed-tp-node"', '"name": "a", "name": "mixed-tp-node"', 1)
+    refused(write(tmp_path, "c.json", dup), "the key 'name' is written twice")
+    yaml_dup = "name: a\nname: b\nnodes: []\n"
+    refused(write(tmp_path, "c.yaml", yaml_dup), "duplicate key 'name'")
+
+
+def test_deep_nesting_is_a_spec_error_not_a_recursion_error(tmp_path: Path) -> None:
+    for depth in (MAX_DEPTH + 5, 100_000):
+        deep = "[" * depth + "1" + "]" * depth
+        for suffix in (".json", ".yaml"):
+            path = write(tmp_path, f"c{suffix}", '{"name": "x", "nodes": ' + deep + "}")
+            msg = refused(path)
+            assert "nested" in msg and "deep" in msg or "too deeply" in msg, msg
+
+
+def test_a_yaml_alias_bomb_is_refused(tmp_path: Path) -> None:
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for i in range(1, 9):
+        prev = f"*a{i - 1}"
+        lines.append(f"a{i}: &a{i} [{', '.join([prev] * 10)}]")
+    path = write(tmp_path, "bomb.yaml", "\n".join(lines) + "\nname: x\n")
+    refused(path, "more than 2,000,000 values")
+
+
+def test_unhashable_yaml_key_is_a_spec_error(tmp_path: Path) -> None:
+    refused(write(tmp_path, "c.yaml", "? [a, b]\n: 1\n"), "a key must be a plain value")
+
+
+def test_a_file_over_the_size_limit_is_refused_before_parsing(tmp_path: Path) -> None:
+    path = tmp_path / "big.json"
+    with path.open("wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: nothing is written
+    refused(path, "MiB; hetplan reads files of at most 32 MiB")
+    with pytest.raises(SpecError, match="at most 32 MiB"):
+        load_plan(path)
+
+
+def test_loads_json_keeps_syntax_errors_for_the_caller() -> None:
+    with pytest.raises(json.JSONDecodeError):
+        loads_json("{", where="x")
+    assert loads_json('{"a": [1, {"b": 2}]}', where="x") == {"a": [1, {"b": 2}]}
+
+
+def test_structured_files_share_the_limits(tmp_path: Path) -> None:
+    path = write(tmp_path, "w.json", '{"a": 1, "a": 2}')
+    with pytest.raises(SpecError, match="w.json: not valid: the key 'a' is written twice"):
+        load_structured_file(path, what="workload")
+
+
+# -- output paths -------------------------------------------------------------------------------
+def test_output_paths_are_checked_and_never_created(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "dir" / "x.json"
+    with pytest.raises(SpecError, match="^-o '.*x.json': the directory .*dir' does not exist"):
+        check_output_path(missing, option="-o")
+    assert not (tmp_path / "no").exists()
+    with pytest.raises(SpecError, match="is a directory"):
+        check_output_path(tmp_path, option="-o")
+    assert check_output_path(tmp_path / "x.json", option="-o") == tmp_path / "x.json"
