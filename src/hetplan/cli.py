@@ -319,7 +319,9 @@ def plan_cmd(
     pp: int = typer.Option(None, help="Pin the pipeline-parallel degree."),
     tp: int = typer.Option(None, help="Pin the tensor-parallel degree."),
     micro_batch_size: int = typer.Option(None, "--micro-batch-size", help="Pin it."),
-    dtype: str = typer.Option("fp32", help="Compute dtype for analytic costs (fp32, bf16 …)."),
+    dtype: str = typer.Option(
+        "mixed", help="Precision: mixed (per device type: bf16 on A100/H100, fp16 with loss "
+        "scaling on V100, fp32 on CPU; fp32 master weights), or fp32, bf16, fp16 everywhere."),
     require_profiled: bool = typer.Option(False, help="Refuse analytic compute estimates."),
     dynamics: Path = typer.Option(None, "--dynamics", help="A YAML/JSON file of how the model "
                                   "changes while training (pruning, freezing, early exit) and "
@@ -491,9 +493,10 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
     1, under the plan's model name, which the fingerprint includes), for the preflight
     check."""
     from hetplan.ir.capture import capture
+    from hetplan.ir.capture.factory import load_factory
 
     if module:
-        m, args, kwargs = _load_module_factory(module)
+        m, args, kwargs = load_factory(module)
         given = module
     else:
         from hetplan import zoo

@@ -42,6 +42,7 @@ Decisions (also in ``docs/decisions.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -165,6 +166,13 @@ class Espresso:
         syncs = stage_syncs(ctx.workload, ctx.layout, plan.stages, ctx.costs)
         if not syncs:
             return PassResult(plan, False, ("no data-parallel gradient sync (dp = 1)",))
+        if allowed and ctx.layout.zero_stage >= 2:
+            # ZeRO-2/3 reduce-scatter gradients during backward; compression applies with
+            # zero_stage <= 1 (docs/decisions.md, "Strategy space")
+            res = dataclasses.replace(self, compressors=()).run(plan, ctx)
+            note = (f"compressors {', '.join(allowed)} not used: ZeRO-{ctx.layout.zero_stage} "
+                    "shards gradients during backward (compression needs zero_stage <= 1)")
+            return dataclasses.replace(res, notes=(note, *res.notes))
         if not allowed and plan.gradient_sync is not None and plan.gradient_sync.buckets:
             return self._route_buckets(plan, ctx, syncs)
         strategies: dict[str, SyncStrategy] = {}
