@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetplan._version import __version__
-from hetplan.errors import HetplanError, SpecError
+from hetplan.errors import HetplanError, InfeasiblePlanError, SpecError
 from hetplan.ir.validation import check_output_path
 
 __all__ = ["app", "main"]
@@ -525,7 +525,10 @@ def simulate_cmd(
 
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
-    pred = simulate(plan, cluster=cluster, profile=profile)
+    try:
+        pred = simulate(plan, cluster=cluster, profile=profile)
+    except InfeasiblePlanError as e:  # a valid plan that does not fit: name the file
+        raise InfeasiblePlanError(f"{plan_file}: the plan does not fit in memory: {e}") from e
     if as_json:
         out.print(pred.model_dump_json(indent=2), markup=False)
         return

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -32,7 +32,6 @@ from pydantic import (
 
 from hetplan.cost_models.pipeline import SCHEDULES
 from hetplan.errors import SpecError
-from hetplan.ir.cluster import DTYPE_ALIASES, Dtype
 from hetplan.ir.fields import MAX_COUNT
 from hetplan.ir.rebalancing import DynamicsSpec
 from hetplan.ir.validation import did_you_mean, format_validation_error
@@ -97,15 +96,6 @@ class CompileOptions(BaseModel):
         if v not in SCHEDULES:
             raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)} "
                              f"(known: {', '.join(SCHEDULES)})")
-        return v
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        known = [*get_args(Dtype), *DTYPE_ALIASES]
-        if v not in known:
-            raise ValueError(f"unknown compute dtype {v!r}{did_you_mean(v, known)} (known: "
-                             f"{', '.join(get_args(Dtype))})")
         return v
 
     @model_validator(mode="after")
