@@ -42,7 +42,11 @@ import espresso as be
 from hetplan.ir.plan_sections import WorkloadSummary
 from hetplan.ir.workload import espresso_workloads
 from hetplan.passes.espresso import Espresso
-be.warm_up()  # load (or compile) the kernels outside the timed pass
+try:  # the simulator's place in the tree under test
+    from hetplan.algorithms.dp_session import warm_up
+except ImportError:  # trees before it moved to algorithms/ (issue 17)
+    from hetplan.cost_models.timeline import warm_up
+warm_up()  # load (or compile) the kernels outside the timed pass
 model, cl, comp = sys.argv[1:4]
 wls = espresso_workloads(be.DATA, gaps="effective", include_extra=False)
 wl = WorkloadSummary.from_model_ir(wls[model])

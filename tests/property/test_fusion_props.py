@@ -13,6 +13,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import CPU, GPU, Op, SyncUnit
 from hetplan.algorithms.fusion import (
     GroupCost,
     all_partitions,
@@ -21,7 +23,6 @@ from hetplan.algorithms.fusion import (
     pareto_dp,
     tandem_time,
 )
-from hetplan.cost_models.timeline import CPU, GPU, Op, SyncUnit, simulate_dp
 
 REL = 1e-9
 

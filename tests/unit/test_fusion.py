@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import GPU, Op, SyncUnit
 from hetplan.algorithms.fusion import (
     GroupCost,
     all_partitions,
@@ -17,7 +19,6 @@ from hetplan.algorithms.fusion import (
     tandem_time,
     thesis_time,
 )
-from hetplan.cost_models.timeline import GPU, Op, SyncUnit, simulate_dp
 
 
 def affine(sizes, a, b):

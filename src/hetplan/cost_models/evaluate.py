@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import CPU, GPU, DPTimeline, Op, SyncUnit
 from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
@@ -38,7 +40,6 @@ from hetplan.cost_models.memory import (
     stage_memory,
 )
 from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline
-from hetplan.cost_models.timeline import CPU, GPU, DPTimeline, Op, SyncUnit, simulate_dp
 from hetplan.cost_models.tp_shares import max_layer_shares, rank_layer_shares, stage_compute
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import Device
