@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hetplan.algorithms import _dp_kernels
-from hetplan.algorithms._dp_kernels import Base, Ops, new_work
+from hetplan.algorithms._dp_kernels import Base, Ops
 from hetplan.algorithms.dp_types import CPU, GPU, MAX_RESOURCES, Op, ResourceIds
 
 __all__ = ["DPSession", "jit_enabled", "jit_error", "warm_up"]
@@ -118,7 +118,7 @@ class DPSession:
     """
 
     __slots__ = ("_k", "_n", "_workers", "_rid", "_conv", "_packed", "_ops", "_valid", "_b",
-                 "trials")
+                 "_bt", "trials")
 
     def __init__(
         self,
@@ -149,18 +149,24 @@ class DPSession:
         self.trials = 0  # trials run by best_offload
         self._ops: list[tuple[Op, ...]] = []
         self._valid = False
-        empty_ops = Ops(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(n, dtype=np.int64),
-                        np.zeros(n, dtype=np.int64))
         r = MAX_RESOURCES
-        self._b = Base(
+        self._set_base(Base(
             bp=np.array(bp, dtype=np.float64), suffix_bp=np.array(suffix_bp, dtype=np.float64),
-            fwd=float(forward_s), opt=float(optimizer_s), base_s=0.0, ops=empty_ops,
+            fwd=float(forward_s), opt=float(optimizer_s), base_s=0.0,
+            res=np.zeros(0, dtype=np.int64), dur=np.zeros(0), start=np.zeros(n, dtype=np.int64),
+            count=np.zeros(n, dtype=np.int64),
             suffix=np.zeros((n + 1, r)), release=np.zeros(n + 1),
             snap_gpu=np.zeros(n + 1), snap_sync=np.zeros(n + 1),
             snap_free=np.zeros((n + 1, r)), snap_cpu=np.zeros((n + 1, self._workers)),
             roff=np.zeros(n + 2, dtype=np.int64), rpool=np.zeros((4 * n + 16, 4)),
             goff=np.zeros(n + 2, dtype=np.int64), gpool=np.zeros((4 * n + 16, 4)),
-            ev=np.zeros((0, 4)), ready=np.zeros(n))
+            ev=np.zeros((0, 4)), ready=np.zeros(n)))
+
+    def _set_base(self, b: Base) -> None:
+        """Keep ``b``, and its fields as a plain tuple, which is what the kernels are passed
+        (see :mod:`~hetplan.algorithms._dp_kernels`: cheaper to dispatch)."""
+        self._b = b
+        self._bt = tuple(b)
 
     @property
     def base_s(self) -> float:
@@ -194,7 +200,7 @@ class DPSession:
         if not missing:
             return out
         rid = self._rid
-        ids = [rid(op.resource) for _, ops in missing for op in ops]
+        ids = [rid[op.resource] for _, ops in missing for op in ops]
         durs = [op.duration_s for _, ops in missing for op in ops]
         res = np.array(ids, dtype=np.int64)
         dur = np.array(durs, dtype=np.float64)
@@ -242,33 +248,32 @@ class DPSession:
                 last -= 1
             # splice the changed tensors' ops into the base arrays
             part = self._pack(new[m:last + 1])
-            lo = b.ops.start[m]
-            hi = b.ops.start[last] + b.ops.count[last]
-            count = b.ops.count.copy()
+            lo = b.start[m]
+            hi = b.start[last] + b.count[last]
+            count = b.count.copy()
             count[m:last + 1] = part.count
             start = np.zeros(n, dtype=np.int64)
             np.cumsum(count[:-1], out=start[1:])
-            ops = Ops(np.concatenate((b.ops.res[:lo], part.res, b.ops.res[hi:])),
-                      np.concatenate((b.ops.dur[:lo], part.dur, b.ops.dur[hi:])), start, count)
+            ops = Ops(np.concatenate((b.res[:lo], part.res, b.res[hi:])),
+                      np.concatenate((b.dur[:lo], part.dur, b.dur[hi:])), start, count)
             ev = np.concatenate((b.ev[:lo], np.zeros((len(part.res), 4)), b.ev[hi:]))
         else:
             b.suffix[:] = 0.0
             ops = self._pack(new)
             ev = np.zeros((len(ops.res), 4))
         self._ops = new
-        b = b._replace(ops=ops, ev=ev)
-        w = new_work(n, self._workers)
+        b = b._replace(res=ops.res, dur=ops.dur, start=ops.start, count=ops.count, ev=ev)
         while True:
-            f = self._k.rebase_run(b, w, m)
+            f = self._k.rebase_run(tuple(b), m)
             if f >= 0.0:
                 break
             # a heap pool is full: grow both, keeping the saved states
             b = b._replace(rpool=_grown(b.rpool), gpool=_grown(b.gpool))
-        self._b = b = b._replace(base_s=float(f))
+        self._set_base(b._replace(base_s=float(f)))
         self._valid = True
         if n:
-            self._k.suffix_work(b, last)
-            self._k.release_bounds(b)
+            self._k.suffix_work(self._bt, last)
+            self._k.release_bounds(self._bt)
         return self._b.base_s
 
     def _check(self, idx: Sequence[int]) -> None:
@@ -283,7 +288,8 @@ class DPSession:
         idx = sorted(changes)
         self._check(idx)
         t = self._pack([changes[i] for i in idx])
-        return float(self._k.trial(self._b, t, np.array(idx, dtype=np.int64), float(bound)))
+        return float(self._k.trial(self._bt, tuple(t), np.array(idx, dtype=np.int64),
+                                   float(bound)))
 
     def best_option(self, j: int, candidates: Sequence[tuple[Op, ...]], backs: Sequence[bool],
                     best: float, eps: float) -> tuple[int, float]:
@@ -298,8 +304,8 @@ class DPSession:
         sig = tuple(id(o) for o in candidates)
         packed = self._packed.get(sig)
         if packed is None or packed[0] != candidates:  # the ids' tuples may have been freed
-            packed = self._packed[sig] = (list(candidates), self._pack(candidates))
-        idx, f = self._k.best_option(self._b, j, packed[1], np.array(backs, dtype=np.bool_),
+            packed = self._packed[sig] = (list(candidates), tuple(self._pack(candidates)))
+        idx, f = self._k.best_option(self._bt, j, packed[1], np.array(backs, dtype=np.bool_),
                                      float(best), float(eps))
         return int(idx), float(f)
 
@@ -329,7 +335,7 @@ class DPSession:
         cols = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
         s_res.reshape(-1, shape[2])[rows, cols] = np.concatenate([r for r, _ in parts])
         s_dur.reshape(-1, shape[2])[rows, cols] = np.concatenate([d for _, d in parts])
-        idx, f = self._k.best_classes(self._b, np.asarray(class_idx, dtype=np.int64), s_res,
+        idx, f = self._k.best_classes(self._bt, np.asarray(class_idx, dtype=np.int64), s_res,
                                       s_dur, s_cnt)
         return int(idx), float(f)
 
@@ -349,8 +355,9 @@ class DPSession:
         self._check(members)
         o = self._pack([offloaded[i] for i in members])
         u, f, trials = self._k.best_offload(
-            self._b, np.array([len(g) for g in groups], dtype=np.int64),
-            np.array(members, dtype=np.int64), o, float(best), float(eps), bool(exhaustive))
+            self._bt, np.array([len(g) for g in groups], dtype=np.int64),
+            np.array(members, dtype=np.int64), tuple(o), float(best), float(eps),
+            bool(exhaustive))
         self.trials += int(trials)
         return [int(x) for x in u], float(f)
 

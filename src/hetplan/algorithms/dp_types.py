@@ -90,26 +90,19 @@ class DPTimeline:
     events: tuple[DPEvent, ...] = ()
 
 
-class ResourceIds:
+class ResourceIds(dict[str, int]):
     """Resource name -> kernel id: :data:`GPU` is :data:`GPU_ID`, :data:`CPU` is
-    :data:`CPU_ID`, each new channel the next free id. Sessions of one problem may share a
-    table (the ids only name the channels)."""
-
-    __slots__ = ("_ids",)
+    :data:`CPU_ID`, and looking up a channel not seen yet gives it the next free id (a dict,
+    so that known names cost one lookup). Sessions of one problem may share a table (the ids
+    only name the channels)."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {GPU: GPU_ID, CPU: CPU_ID}
+        super().__init__({GPU: GPU_ID, CPU: CPU_ID})
 
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def __call__(self, name: str) -> int:
-        """The id of resource ``name`` (a new one for a channel not seen yet)."""
-        rid = self._ids.get(name)
-        if rid is None:
-            if len(self._ids) == MAX_RESOURCES:
-                raise ValueError(
-                    f"resource {name!r} would be the {MAX_RESOURCES + 1}th of one session; "
-                    f"at most {MAX_RESOURCES} (GPU, CPU and channels) are supported")
-            rid = self._ids[name] = len(self._ids)
+    def __missing__(self, name: str) -> int:
+        if len(self) == MAX_RESOURCES:
+            raise ValueError(
+                f"resource {name!r} would be the {MAX_RESOURCES + 1}th of one session; "
+                f"at most {MAX_RESOURCES} (GPU, CPU and channels) are supported")
+        rid = self[name] = len(self)
         return rid
