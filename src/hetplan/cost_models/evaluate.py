@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import CPU, GPU, DPTimeline, Op, SyncUnit
 from hetplan.algorithms.pipeline_schedules import build_schedule
 from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
@@ -64,7 +66,6 @@ from hetplan.cost_models.stage_times import (
     shard_bytes,
     stage_times,
 )
-from hetplan.cost_models.timeline import CPU, GPU, DPTimeline, Op, SyncUnit, simulate_dp
 from hetplan.cost_models.tp_shares import max_layer_shares, stage_compute
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import Device

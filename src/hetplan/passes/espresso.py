@@ -47,6 +47,7 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from hetplan.algorithms.dp_types import Op
 from hetplan.algorithms.espresso import Selection, SelectionProblem, select
 from hetplan.algorithms.espresso_tree import (
     Option,
@@ -57,7 +58,6 @@ from hetplan.algorithms.espresso_tree import (
 )
 from hetplan.cost_models.compression import COMPRESSORS, DEFAULT_SPARSITY_RATIO
 from hetplan.cost_models.evaluate import StageSync, evaluate, stage_syncs
-from hetplan.cost_models.timeline import Op
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
