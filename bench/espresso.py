@@ -22,7 +22,7 @@ Reported per case (predicted by the shared simulator through ``evaluate``):
   thesis does not say what ran its selector; ours is this machine's CPU (shared), one
   process, Python with the simulator compiled by numba (``compiled_simulator``; the kernels
   are loaded once before the first case, time in ``kernel_warm_up_ms``; ``HETPLAN_JIT=0``
-  runs the pure-Python simulator);
+  runs the same kernels uncompiled);
 * each single run of Algorithm 4.1 from the baseline (``algorithm_4_1_runs_ms``: the flat
   options' run, then the hierarchical options' run) beside Table 4.5
   (``one_run_vs_table_4_5``): the thesis' algorithm is one such sweep; the pass adds the
@@ -48,7 +48,6 @@ from hetplan.algorithms.espresso import Selection
 from hetplan.algorithms.espresso_tree import offloaded, option_id, options
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import evaluate
-from hetplan.cost_models.timeline import warm_up
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import ClusterRef, ModelRef, Plan
 from hetplan.ir.plan_sections import GradientSync, Layout, TensorSync, WorkloadSummary
@@ -97,11 +96,10 @@ class _Recorder:
         espresso_algorithms.gpu_decisions = self._sweep  # type: ignore[assignment]
 
 
-def _setup(wl: WorkloadSummary, preset: str, comps: tuple[str, ...]) -> tuple[PassContext, Plan]:
+def _setup(wl: WorkloadSummary, preset: str) -> tuple[PassContext, Plan]:
     spec = ClusterSpec.from_preset(preset)
     layout = Layout(dp=DP, micro_batch_size=wl.batch_size)
-    ctx = PassContext(workload=wl, cluster=spec, costs=CostModel(spec), layout=layout,
-                      compressors=comps)
+    ctx = PassContext(workload=wl, cluster=spec, costs=CostModel(spec), layout=layout)
     plan = Plan(model=ModelRef(name="bench", fingerprint="0" * 16, num_params=1),
                 cluster=ClusterRef.from_cluster(spec, embed=False), layout=layout)
     return ctx, plan
@@ -125,12 +123,13 @@ def _best(plan: Plan, ctx: PassContext, keys: list[Key]) -> tuple[float, str]:
 
 def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int,
              repeat: int = 3) -> dict[str, Any]:
-    ctx, plan = _setup(wl, preset, (comp, "fp16"))
+    ctx, plan = _setup(wl, preset)
     runs = []  # (total s, gpu s, cpu s, recorder, output): least of ``repeat`` runs
     for _ in range(repeat):
         with _Recorder() as rec:
             t0 = time.perf_counter()
-            out = Espresso(devices=("gpu", "cpu"), max_compressions=max_comp).run(plan, ctx)
+            out = Espresso(compressors=(comp, "fp16"), devices=("gpu", "cpu"),
+                           max_compressions=max_comp).run(plan, ctx)
             total_s = time.perf_counter() - t0
         runs.append((total_s, sum(sel.gpu_s for sel in rec.selections),
                      sum(sel.cpu_s for sel in rec.selections), rec, out))
@@ -191,6 +190,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--repeat", type=int, default=3, help="times per case (least time kept)")
     args = ap.parse_args()
+    # imported here: espresso_vs_previous.py imports this module into older source trees too
+    from hetplan.algorithms.dp_session import warm_up
+
     t0 = time.perf_counter()
     jit = warm_up()  # load (or compile) the kernels once, outside every timed case
     warm_ms = round((time.perf_counter() - t0) * 1e3, 1)

@@ -42,14 +42,20 @@ import espresso as be
 from hetplan.ir.plan_sections import WorkloadSummary
 from hetplan.ir.workload import espresso_workloads
 from hetplan.passes.espresso import Espresso
-be.warm_up()  # load (or compile) the kernels outside the timed pass
+try:  # the simulator's place in the tree under test
+    from hetplan.algorithms.dp_session import warm_up
+except ImportError:  # trees before it moved to algorithms/ (issue 17)
+    from hetplan.cost_models.timeline import warm_up
+warm_up()  # load (or compile) the kernels outside the timed pass
 model, cl, comp = sys.argv[1:4]
 wls = espresso_workloads(be.DATA, gaps="effective", include_extra=False)
 wl = WorkloadSummary.from_model_ir(wls[model])
-ctx, plan = be._setup(wl, be.CLUSTERS[cl], (comp, "fp16"))
+ctx, plan = be._setup(wl, be.CLUSTERS[cl])
 with be._Recorder() as rec:  # keeps every Selection the pass makes
     t = time.perf_counter()
-    out = Espresso(devices=("gpu", "cpu"), max_compressions=1).run(plan, ctx)
+    # the compressors as the pass's option: every tree under comparison takes it there
+    out = Espresso(compressors=(comp, "fp16"), devices=("gpu", "cpu"),
+                   max_compressions=1).run(plan, ctx)
     s = time.perf_counter() - t
 sync = out.plan.gradient_sync.model_dump_json().encode()
 print(json.dumps({{"s": s, "gpu_s": sum(x.gpu_s for x in rec.selections),

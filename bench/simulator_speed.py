@@ -17,8 +17,9 @@ from pathlib import Path
 
 from _machine import machine
 
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import GPU, Op, SyncUnit
 from hetplan.cost_models.pipeline import simulate_pipeline
-from hetplan.cost_models.timeline import GPU, Op, SyncUnit, simulate_dp
 from hetplan.ir.workload import espresso_workloads
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,6 +6,12 @@
 
 ``factory()`` gives the model and one example micro-batch (what the plan was captured with);
 the script owns the data and the loop, and hetplan owns the parallelism and gradient sync.
+
+At the end the script releases the runtime (``rt.close()``: gradient hooks, threads, the
+heartbeat, its process groups), waits for every rank, then destroys the process groups.
+A process that reaches interpreter exit while torch.distributed still holds a thread in C++
+may abort ("terminate called without an active exception"); under ``hetplan run --script``
+the worker also tears down whatever the script left and exits without finalisation.
 """
 
 from __future__ import annotations
@@ -60,7 +66,9 @@ def main() -> None:
         x = torch.randn(batch, 32, generator=gen)  # the same global batch on every rank
         loss = rt.train_step(x, x @ w)
         if loss == loss and step % 5 == 0:  # NaN on pipeline ranks without the last stage
-            print(f"rank {dist.get_rank()} step {step}: loss {loss:.4f}")
+            print(f"rank {dist.get_rank()} step {step}: loss {loss:.4f}", flush=True)
+    rt.close()
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ and exit with code 1 (``--debug`` for the traceback).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -318,7 +319,9 @@ def plan_cmd(
     pp: int = typer.Option(None, help="Pin the pipeline-parallel degree."),
     tp: int = typer.Option(None, help="Pin the tensor-parallel degree."),
     micro_batch_size: int = typer.Option(None, "--micro-batch-size", help="Pin it."),
-    dtype: str = typer.Option("fp32", help="Compute dtype for analytic costs (fp32, bf16 …)."),
+    dtype: str = typer.Option(
+        "mixed", help="Precision: mixed (per device type: bf16 on A100/H100, fp16 with loss "
+        "scaling on V100, fp32 on CPU; fp32 master weights), or fp32, bf16, fp16 everywhere."),
     require_profiled: bool = typer.Option(False, help="Refuse analytic compute estimates."),
     dynamics: Path = typer.Option(None, "--dynamics", help="A YAML/JSON file of how the model "
                                   "changes while training (pruning, freezing, early exit) and "
@@ -419,25 +422,49 @@ def run_cmd(
     module: str = typer.Option(None, "--module", help="pkg.mod:factory returning (model, args)."),
     steps: int = typer.Option(10, help="Training iterations (after 2 warm-up ones)."),
     report: Path = typer.Option(None, "--report", help="Write the run report JSON here."),
-    timeout: float = typer.Option(120.0, help="Collective timeout in seconds."),
+    timeout: float = typer.Option(120.0, help="Seconds any collective may wait for a peer; "
+                                  "a frozen or dead rank fails the run within it."),
     script: Path = typer.Option(None, "--script", help="Your training script (see "
                                 "examples/train.py) instead of synthetic data."),
-    dry_run: bool = typer.Option(False, help="Print the torchrun command and exit."),
+    dry_run: bool = typer.Option(False, help="Check the plan, print the torchrun command and "
+                                 "exit."),
 ) -> None:
-    """Train with the plan under torchrun on synthetic data (extra options go to torchrun)."""
+    """Train with the plan under torchrun on synthetic data (extra options go to torchrun).
+
+    Before any rank starts, the plan is checked against its cluster, the model (captured
+    here; not with --script), the world size and the --report path. Ctrl-C (SIGINT),
+    SIGTERM or SIGHUP stop every rank within seconds (each prints one line); the launcher
+    kills what has not stopped 5 s later, and no process of the run outlives it.
+
+    Exit codes: 0 trained; 1 the run failed (a rank's error, a frozen or dead rank named
+    after --timeout, torchrun killed); 2 refused (bad option or plan, plan not for this
+    model, cluster or world size, ranks that loaded different plans); 130 stopped by Ctrl-C
+    (SIGINT), 143 by SIGTERM, 129 by SIGHUP.
+    """
+    import signal
+
     from hetplan.ir.plan import load_plan
-    from hetplan.runtime.launch import launch, torchrun_command
+    from hetplan.runtime.launch import launch, preflight, torchrun_command
 
     plan = load_plan(plan_file)
     cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,
                            report=report, timeout_s=timeout, torchrun_args=ctx.args,
                            script=script)
+    capture = None if script is not None else (lambda: _run_model_ir(plan, model, module))
+    preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout)
     if dry_run:
         out.print(" ".join(cmd), markup=False)
         return
-    code = launch(cmd, keep_agent_traceback=_state["debug"])
-    if code != 0:
-        raise SpecError(f"training failed (torchrun exit code {code}); see the ranks' errors above")
+    outcome = launch(cmd, keep_agent_traceback=_state["debug"])
+    if outcome.stopped_by is not None:
+        err.print(f"stopped by {signal.Signals(outcome.stopped_by).name}: every process of "
+                  "the run has ended", markup=False)
+        raise typer.Exit(outcome.code)
+    if outcome.code != 0:
+        what = "refused the plan" if outcome.code == 2 else "failed"
+        err.print(f"[bold red]error:[/] training {what} (exit code {outcome.code}); see the "
+                  "ranks' errors above")
+        raise typer.Exit(outcome.code)
     if report and report.is_file():
         data = json.loads(report.read_text())
         m, p = data["measured"], data["predicted"]
@@ -447,6 +474,41 @@ def run_cmd(
         if data.get("rebalanced_at"):
             out.print(f"re-balanced the pipeline at iteration(s) {data['rebalanced_at']} "
                       f"({', '.join(f'{x:.1f}' for x in data.get('rebalance_ms', []))} ms)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunModel:
+    """The model ``hetplan run`` was given (its name as the user gave it), fingerprinted as
+    the ranks will fingerprint it."""
+
+    name: str
+    digest: str
+
+    def fingerprint(self) -> str:
+        return self.digest
+
+
+def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel:
+    """The model ``hetplan run`` would train, captured here as every rank captures it (batch
+    1, under the plan's model name, which the fingerprint includes), for the preflight
+    check."""
+    from hetplan.ir.capture import capture
+    from hetplan.ir.capture.factory import load_factory
+
+    if module:
+        m, args, kwargs = load_factory(module)
+        given = module
+    else:
+        from hetplan import zoo
+
+        assert model is not None
+        entry = zoo.get(model)
+        m = zoo.build(entry.name)
+        args, kwargs = zoo.example_inputs(entry.name, batch=1)
+        given = entry.name
+    with err.status(f"checking {given} against the plan …", spinner="dots"):
+        ir = capture(m, args, kwargs, name=plan.model.name)
+    return _RunModel(given, ir.fingerprint())
 
 
 @app.command("simulate")
@@ -465,8 +527,8 @@ def simulate_cmd(
     _need_cluster(plan, plan_file, cluster)
     try:
         pred = simulate(plan, cluster=cluster, profile=profile)
-    except InfeasiblePlanError as e:  # a valid plan that does not fit: say which file
-        raise InfeasiblePlanError(f"{plan_file}: the plan does not fit: {e}") from e
+    except InfeasiblePlanError as e:  # a valid plan that does not fit: name the file
+        raise InfeasiblePlanError(f"{plan_file}: the plan does not fit in memory: {e}") from e
     if as_json:
         out.print(pred.model_dump_json(indent=2), markup=False)
         return

@@ -1,7 +1,8 @@
 """Small pure-PyTorch models used by the zoo, the tests and the examples.
 
-All of them are cheap to build and run on CPU. :class:`MLP`, :class:`SkipCNN`, :class:`TiedLM`
-and :class:`TinyGPT` are ``torch.fx.symbolic_trace``-able (no data-dependent control flow);
+All of them are cheap to build and run on CPU. :class:`MLP`, :class:`SkipCNN`, :class:`TiedLM`,
+:class:`TinyGPT` and :class:`MegatronGPT` are ``torch.fx.symbolic_trace``-able (no
+data-dependent control flow);
 :class:`DataDependentNet` deliberately is not, to exercise capture error messages.
 """
 
@@ -16,9 +17,13 @@ from torch import nn
 __all__ = [
     "MLP",
     "CausalSelfAttention",
+    "CoreAttention",
     "DataDependentGate",
     "DataDependentNet",
     "GPTBlock",
+    "MegatronBlock",
+    "MegatronGPT",
+    "NativeDropout",
     "ResidualBlock",
     "SkipCNN",
     "TiedBlock",
@@ -298,3 +303,136 @@ class DataDependentNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``x`` [batch, in_features] to [batch, out_features]."""
         return self.fc_out(self.gate(F.relu(self.fc_in(x))))
+
+
+def native_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout through ``torch.native_dropout`` on every device: autograd keeps a 1-byte mask,
+    as the fused CUDA kernel does (``F.dropout`` on CPU keeps a mask in ``x``'s dtype)."""
+    if not training or p == 0:
+        return x
+    return torch.native_dropout(x, p, True)[0]
+
+
+class NativeDropout(nn.Module):
+    """``nn.Dropout`` through :func:`native_dropout` (a 1-byte mask on every device).
+
+    Args:
+        p: dropout probability.
+    """
+
+    def __init__(self, p: float = 0.1) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Drops elements of ``x`` with probability ``p`` in training."""
+        return native_dropout(x, self.p, self.training)
+
+
+class CoreAttention(nn.Module):
+    """Megatron-LM's attention core, unfused: ``dropout(softmax(QKᵀ/√d + causal)) · V``.
+
+    What autograd keeps is what Korthikanti et al. 2022 (Table 2) count for the core: Q and
+    K for ``QKᵀ``, the softmax output, the dropout mask on the scores, and the dropout output
+    and V for the product with V. The causal mask is added (an addition saves nothing), as
+    Megatron's fused scale-mask-softmax does. Recomputing this module in backward is
+    *selective* activation recomputation.
+
+    Args:
+        head_dim: width of one head (the scale is ``1/√head_dim``).
+        max_seq: the longest sequence (size of the causal mask).
+        dropout: dropout probability on the attention probabilities.
+    """
+
+    def __init__(self, head_dim: int, max_seq: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.scale = head_dim ** -0.5
+        self.dropout = dropout
+        causal = torch.full((max_seq, max_seq), float("-inf")).triu(1)
+        self.causal: torch.Tensor
+        self.register_buffer("causal", causal, persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q``, ``k``, ``v`` [batch, heads, seq, head_dim]; same shape out."""
+        t = q.size(2)
+        causal = self.causal.narrow(0, 0, t).narrow(1, 0, t)  # (narrow: fx-traceable)
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale + causal
+        probs = native_dropout(torch.softmax(scores, dim=-1), self.dropout, self.training)
+        return torch.matmul(probs, v)
+
+
+class MegatronBlock(nn.Module):
+    """A GPT-3 / Megatron-LM transformer layer with the activations Korthikanti et al. count.
+
+    ``ln1 → qkv (column) → core → out_proj (row) → dropout → residual``, then ``ln2 → fc1
+    (column) → GeLU → fc2 (row) → dropout → residual``. Without tensor parallelism autograd
+    keeps ``34·s·b·h + 5·a·s²·b`` bytes per layer in 16-bit activations with 1-byte dropout
+    masks (their Table 2); the tests hold hetplan's memory model to that.
+
+    Args:
+        dim: hidden size ``h``.
+        n_heads: attention heads ``a``.
+        max_seq: the longest sequence.
+        dropout: dropout probability (attention probabilities and both residual branches).
+    """
+
+    def __init__(self, dim: int, n_heads: int, max_seq: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"dim={dim} is not divisible by n_heads={n_heads}")
+        self.dim, self.n_heads, self.head_dim = dim, n_heads, dim // n_heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.core = CoreAttention(self.head_dim, max_seq, dropout)
+        self.out_proj = nn.Linear(dim, dim)
+        self.drop1 = NativeDropout(dropout)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.drop2 = NativeDropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Applies the layer to ``x`` [batch, seq, dim]."""
+        b = x.size(0)
+        t = x.size(1)
+        q, k, v = self.qkv(self.ln1(x)).split(self.dim, dim=2)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        ctx = self.core(q, k, v).transpose(1, 2).reshape(b, t, self.dim)
+        x = x + self.drop1(self.out_proj(ctx))
+        return x + self.drop2(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class MegatronGPT(nn.Module):
+    """A GPT of :class:`MegatronBlock` layers (token and position embeddings with dropout,
+    final LayerNorm, untied LM head), ``torch.fx.symbolic_trace``-able.
+
+    Args:
+        vocab_size: vocabulary size.
+        max_seq: maximum sequence length.
+        dim: hidden size.
+        n_layers: transformer layers in ``blocks`` (a ``ModuleList``).
+        n_heads: attention heads per layer.
+        dropout: dropout probability everywhere.
+    """
+
+    def __init__(self, vocab_size: int = 256, max_seq: int = 64, dim: int = 64,
+                 n_layers: int = 2, n_heads: int = 4, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tok_emb = nn.Embedding(vocab_size, dim)
+        self.pos_emb = nn.Embedding(max_seq, dim)
+        self.drop = NativeDropout(dropout)
+        self.blocks = nn.ModuleList(
+            MegatronBlock(dim, n_heads, max_seq, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Maps token ids [batch, seq ≤ max_seq] to logits [batch, seq, vocab_size]."""
+        t = input_ids.size(1)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb.weight[:t])
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))

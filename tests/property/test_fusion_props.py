@@ -14,9 +14,10 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import CPU, GPU, Op, SyncUnit
 from hetplan.algorithms.fusion import GroupCost, pareto_dp, tandem_time
 from hetplan.algorithms.fusion_reference import all_partitions, alg51, dp_affine
-from hetplan.cost_models.timeline import CPU, GPU, Op, SyncUnit, simulate_dp
 
 REL = 1e-9
 

@@ -1,8 +1,8 @@
 """The fast selection path (resumable, early-stopping simulations) against the slow reference
 (every candidate simulated from scratch with ``simulate_dp``): on random small instances both
 pick the same strategies with the same predicted times, with seeds, offloading and several
-channels. The fast path runs on both sessions: the compiled one (the default when numba is
-installed) and the pure-Python one (``HETPLAN_JIT=0``)."""
+channels. The fast path runs the session's kernels both ways: compiled (the default when numba
+is installed) and uncompiled (``HETPLAN_JIT=0``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetplan.algorithms.dp_session import jit_enabled
+from hetplan.algorithms.dp_types import CPU, GPU, Op
 from hetplan.algorithms.espresso import SelectionProblem, cpu_offload, gpu_decisions, select
-from hetplan.cost_models.timeline import CPU, GPU, Op, jit_enabled
 
 _JIT = ["0", pytest.param("1", marks=pytest.mark.skipif(
     not jit_enabled(), reason="numba not installed or HETPLAN_JIT=0"))]

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetplan.algorithms.dp_types import CPU, GPU, Op
 from hetplan.algorithms.espresso import (
     SelectionProblem,
     cpu_offload,
@@ -20,7 +21,6 @@ from hetplan.algorithms.espresso import (
     select,
     tensors_before_bubbles,
 )
-from hetplan.cost_models.timeline import CPU, GPU, Op
 
 # ---- Fig. 4.2: three tensors, options N (none), G (GPU compression), C (CPU compression) --
 _B42 = [10, 10, 9]

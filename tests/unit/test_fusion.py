@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import GPU, Op, SyncUnit
 from hetplan.algorithms.fusion import GroupCost, pareto_dp, tandem_time
 from hetplan.algorithms.fusion_reference import all_partitions, alg51, dp_affine, thesis_time
-from hetplan.cost_models.timeline import GPU, Op, SyncUnit, simulate_dp
 
 
 def affine(sizes, a, b):

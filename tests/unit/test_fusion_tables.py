@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from test_cupcake_pass import setup as cupcake_setup
 
+from hetplan.algorithms.dp_types import GPU, Op
 from hetplan.algorithms.espresso_tree import all_options, offloaded
 from hetplan.algorithms.fusion import GroupCost, pareto_dp, pareto_dp_table
 from hetplan.cost_models.compression import AffineTime, PiecewiseTime, TableTime, time_array
 from hetplan.cost_models.evaluate import stage_syncs
-from hetplan.cost_models.timeline import GPU, Op
 from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync
 from hetplan.passes.cupcake import stage_fusion, tandem_shape
 from hetplan.passes.espresso import strategy_for

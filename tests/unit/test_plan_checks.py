@@ -323,9 +323,14 @@ def test_a_bool_is_not_a_flag_value_elsewhere(tmp_path: Path) -> None:
         error_feedback=1), "error_feedback: Input should be a valid boolean")
 
 
-def test_the_compute_dtype_is_known_and_listed_by_every_device(tmp_path: Path) -> None:
+def test_the_precision_policy_and_peaks_are_known_and_listed(tmp_path: Path) -> None:
     refused(tmp_path, lambda d: d.update(cost_settings={"dtype": "fp33"}),
-            "cost_settings.dtype: unknown compute dtype 'fp33'; did you mean 'fp32'?")
-    refused(tmp_path, lambda d: d.update(cost_settings={"dtype": "bf16"}),
-            "cost_settings.dtype: 'bf16', but device type 'cpu' of cluster.spec lists no peak "
-            "for it (it lists fp64, fp32)")
+            "cost_settings.dtype: unknown precision policy 'fp33'; did you mean 'fp32'?")
+    cpu = {"compute_dtype": "fp32", "loss_scaling": "none", "peak_dtype": "fp32"}
+    refused(tmp_path, lambda d: d.update(precision={"devices": {"gpu": cpu}}),
+            "precision.devices['gpu']: not a device type of cluster 'cpu-2x2' (its types: cpu)")
+    refused(tmp_path, lambda d: d.update(precision={"devices": {"cpu": dict(
+        cpu, peak_dtype="bf16")}}), "precision.devices['cpu'].peak_dtype: 'bf16', but "
+            "cluster.spec lists no cpu peak for it (it lists fp64, fp32)")
+    refused(tmp_path, lambda d: d.update(precision={"devices": {"cpu": dict(
+        cpu, peak_dtype="fp32x")}}), "peak_dtype: unknown dtype 'fp32x'")

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.cost_models.timeline import CPU, GPU, Op, SyncUnit, simulate_dp
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import CPU, GPU, Op, SyncUnit
 
 
 def _units(ops_per_tensor: list[list[Op]]) -> list[SyncUnit]:

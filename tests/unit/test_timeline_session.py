@@ -1,33 +1,27 @@
 """``DPSession`` (resumable simulation) against ``simulate_dp``: bit-identical iteration times
 for rebased strategies and for trials that change any set of tensors, and early stopping that
-only ever stops trials proven longer than the bound. Every test runs on both implementations:
-the pure-Python session and the compiled one (``dp_session(jit=True)``)."""
+only ever stops trials proven longer than the bound. Every test runs the session's kernels
+both ways: uncompiled (``jit=False``, what runs without numba or with ``HETPLAN_JIT=0``) and
+compiled with numba (``jit=True``); one test holds the two against each other."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.cost_models.timeline import (
-    CPU,
-    GPU,
-    DPSession,
-    Op,
-    SyncUnit,
-    before_last_busy_period,
-    dp_session,
-    jit_enabled,
-    search_offload,
-    simulate_dp,
-)
+from hetplan.algorithms.dp_session import DPSession, jit_enabled
+from hetplan.algorithms.dp_timeline import before_last_busy_period, simulate_dp
+from hetplan.algorithms.dp_types import CPU, GPU, Op, SyncUnit
+from hetplan.algorithms.espresso import search_offload
 
-_IMPLS = ["python", pytest.param("jit", marks=pytest.mark.skipif(
+_IMPLS = ["uncompiled", pytest.param("jit", marks=pytest.mark.skipif(
     not jit_enabled(), reason="numba not installed or HETPLAN_JIT=0"))]
 
 
 def _session(impl: str, bp: list[float], **kw: float) -> DPSession:
-    return dp_session(bp, jit=impl == "jit", **kw)  # type: ignore[arg-type]
+    return DPSession(bp, jit=impl == "jit", **kw)  # type: ignore[arg-type]
 
 # durations on a coarse grid so that ties (same instant on one resource) are frequent
 _dur = st.integers(0, 6).map(lambda x: x * 0.5)
@@ -120,14 +114,14 @@ def test_release_bounds_are_lower_bounds_and_agree(data: st.DataObject, n: int,
     bit (a trial stops on it, so they must agree on when)."""
     bp = data.draw(st.lists(_dur, min_size=n, max_size=n))
     base = data.draw(st.lists(_ops, min_size=n, max_size=n))
-    impls = ["python"] + (["jit"] if jit_enabled() else [])
+    impls = ["uncompiled"] + (["jit"] if jit_enabled() else [])
     got = []
     for impl in impls:
         sess = _session(impl, bp, forward_s=0.5, optimizer_s=1.0, cpu_workers=workers)
         sess.rebase(base)
-        release = [float(x) for x in sess._release]  # type: ignore[attr-defined]
+        release = [float(x) for x in sess._b.release]
         for m in range(n):
-            gpu_m = sess._snap_gpu[m]  # type: ignore[attr-defined]
+            gpu_m = sess._b.snap_gpu[m]
             assert 0.5 + gpu_m + release[m] + 1.0 <= sess.base_s
         got.append(release)
     assert all(r == got[0] for r in got)
@@ -156,11 +150,11 @@ def test_bounded_trials_with_rounding_and_large_times(data: st.DataObject, n: in
 
     bp = [x * scale for x in data.draw(st.lists(_fine, min_size=n, max_size=n))]
     base = [scaled(o) for o in data.draw(st.lists(_fine_ops, min_size=n, max_size=n))]
-    impls = ["python"] + (["jit"] if jit_enabled() else [])
+    impls = ["uncompiled"] + (["jit"] if jit_enabled() else [])
     sessions = [_session(impl, bp, cpu_workers=workers) for impl in impls]
     for sess in sessions:
         sess.rebase(base)
-    releases = {tuple(float(x) for x in s._release) for s in sessions}  # type: ignore[attr-defined]
+    releases = {tuple(float(x) for x in s._b.release) for s in sessions}
     assert len(releases) == 1
     for _ in range(4):
         idx = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=2))
@@ -182,7 +176,7 @@ def test_release_bound_follows_the_last_tensor(impl: str) -> None:
     the channel's backlog alone says 6 and 5)."""
     sess = _session(impl, [1.0, 10.0])
     assert sess.rebase([(Op("net", 1.0),), (Op("net", 5.0), Op(GPU, 1.0))]) == 17.0
-    assert [float(x) for x in sess._release[:2]] == [17.0, 16.0]  # type: ignore[attr-defined]
+    assert [float(x) for x in sess._b.release[:2]] == [17.0, 16.0]
 
 
 @pytest.mark.parametrize("impl", _IMPLS)
@@ -293,34 +287,111 @@ def test_best_classes_and_offload_equal_the_reference(impl: str, data: st.DataOb
                 best, best_u = f, [u0, u1]
     assert sess.best_offload(groups, offloaded, sess.base_s, 1e-9) == (best_u, best)
 
-    # coordinate descent (it may step a group back to 0, i.e. back to the base) against the
-    # same search scored by full simulations
-    def full(u: list[int], bound: float) -> float:
+    # coordinate descent (it may step a group back to 0, i.e. back to the base), written out
+    # here as plain loops: the session and ``search_offload`` share the kernels' order
+    def full(u: list[int]) -> float:
         trial = base.copy()
         for g, k in zip(groups, u):
             for i in g[:k]:
                 trial[i] = offloaded[i]
         return time(trial)
 
-    want_descent = search_offload([len(g) for g in groups], full, sess.base_s, 1e-9,
-                                  exhaustive=False)
+    best, best_u, again, tried = sess.base_s, [0, 0], True, 0
+    while again:
+        again = False
+        for g in range(2):
+            for k in range(len(groups[g]) + 1):
+                if k != best_u[g]:
+                    u = best_u.copy()
+                    u[g] = k
+                    tried += 1
+                    if (f := full(u)) < best - 1e-9:
+                        best, best_u, again = f, u, True
+    before = sess.trials
     assert sess.best_offload(groups, offloaded, sess.base_s, 1e-9,
-                             exhaustive=False) == want_descent
+                             exhaustive=False) == (best_u, best)
+    assert sess.trials - before == tried
+    assert search_offload([len(g) for g in groups], lambda u, bound: full(list(u)),
+                          sess.base_s, 1e-9, exhaustive=False) == (best_u, best)
 
 
-def test_falls_back_to_python_when_the_kernels_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without loadable kernels (numba missing, no writable cache) the Python session runs and
-    ``jit_error`` says why; ``HETPLAN_JIT=0`` turns them off on purpose."""
+def test_runs_uncompiled_when_the_kernels_cannot_be_compiled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without numba (or without a writable cache) the kernels run uncompiled and
+    ``jit_error`` says why; ``HETPLAN_JIT=0`` turns compilation off on purpose."""
     import sys
 
-    from hetplan.cost_models import timeline
+    from hetplan.algorithms import dp_session
 
-    monkeypatch.setattr(timeline, "_JIT_ERROR", [])
-    monkeypatch.setitem(sys.modules, "hetplan.cost_models._dp_jit", None)  # import fails
+    monkeypatch.setattr(dp_session, "_JIT_ERROR", [])
+    monkeypatch.setattr(dp_session, "_COMPILED", [])
+    monkeypatch.setitem(sys.modules, "numba", None)  # import fails
     monkeypatch.delenv("HETPLAN_JIT", raising=False)
-    assert not timeline.jit_enabled()
-    assert "_dp_jit" in (timeline.jit_error() or "")
-    assert type(dp_session([1.0])) is DPSession
-    monkeypatch.setattr(timeline, "_JIT_ERROR", [])
+    assert not dp_session.jit_enabled()
+    assert "numba" in (dp_session.jit_error() or "")
+    sess = DPSession([1.0])
+    assert not sess.compiled
+    assert sess.rebase([(Op("net", 2.0),)]) == 3.0
+    monkeypatch.setattr(dp_session, "_JIT_ERROR", [])
     monkeypatch.setenv("HETPLAN_JIT", "0")
-    assert not timeline.jit_enabled() and timeline.jit_error() is None
+    assert not dp_session.jit_enabled() and dp_session.jit_error() is None
+    assert not DPSession([1.0]).compiled
+
+
+def _same_base(a: DPSession, b: DPSession) -> bool:
+    """The two sessions' base records (saved states, suffix work, release bounds, the run's
+    intervals and ready times) are equal bit for bit; heap pools up to their used rows."""
+    x, y = a._b, b._b
+    n = len(x.bp)
+    pools = [(x.rpool, y.rpool, x.roff[n]), (x.gpool, y.gpool, x.goff[n])]
+    return (x.base_s == y.base_s
+            and all(np.array_equal(getattr(x, f), getattr(y, f)) for f in (
+                "suffix", "release", "snap_gpu", "snap_sync", "snap_free", "snap_cpu", "ev",
+                "ready"))
+            and np.array_equal(x.roff[:n + 1], y.roff[:n + 1])
+            and np.array_equal(x.goff[:n + 1], y.goff[:n + 1])
+            and all(np.array_equal(p[:used], q[:used]) for p, q, used in pools))
+
+
+@pytest.mark.skipif(not jit_enabled(), reason="numba not installed or HETPLAN_JIT=0")
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), n=st.integers(1, 8), workers=st.integers(1, 3))
+def test_compiled_kernels_equal_the_same_kernels_uncompiled(data: st.DataObject, n: int,
+                                                           workers: int) -> None:
+    """The compiled kernels and the same functions run uncompiled leave the same base record
+    after every rebase (full and partial) and return the same values from every entry
+    point, bit for bit (small instances: the uncompiled kernels are slow)."""
+    bp = data.draw(st.lists(_fine, min_size=n, max_size=n))
+    base = data.draw(st.lists(_fine_ops, min_size=n, max_size=n))
+    kw = {"forward_s": 0.25, "optimizer_s": 0.5, "cpu_workers": workers}
+    plain, jit = DPSession(bp, jit=False, **kw), DPSession(bp, jit=True, **kw)
+    assert not plain.compiled and jit.compiled
+    for _ in range(3):
+        assert plain.rebase(base) == jit.rebase(base)
+        assert _same_base(plain, jit)
+        assert plain.before_bubbles(1e-9) == jit.before_bubbles(1e-9)
+        changes = {i: data.draw(_fine_ops) for i in data.draw(
+            st.sets(st.integers(0, n - 1), min_size=1, max_size=n))}
+        exact = plain.trial(changes)
+        assert exact == jit.trial(changes)
+        for bound in (exact * 0.9, exact, exact * 1.1):
+            assert plain.trial(changes, bound=bound) == jit.trial(changes, bound=bound)
+        j = data.draw(st.integers(0, n - 1))
+        cands = data.draw(st.lists(_fine_ops, max_size=4))
+        backs = data.draw(st.lists(st.booleans(), min_size=len(cands), max_size=len(cands)))
+        assert plain.best_option(j, cands, backs, plain.base_s, 1e-9) == jit.best_option(
+            j, cands, backs, jit.base_s, 1e-9)
+        class_idx = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+        strategies = data.draw(st.lists(st.lists(_fine_ops, min_size=2, max_size=2),
+                                        min_size=1, max_size=3))
+        assert plain.best_classes(class_idx, strategies) == jit.best_classes(class_idx,
+                                                                            strategies)
+        members = data.draw(st.permutations(range(n)))
+        cut = data.draw(st.integers(0, n))
+        groups = [list(members[:cut]), list(members[cut:])]
+        offloaded = {i: data.draw(_fine_ops) for i in range(n)}
+        for exhaustive in (True, False):
+            assert plain.best_offload(groups, offloaded, plain.base_s, 1e-9, exhaustive) == \
+                jit.best_offload(groups, offloaded, jit.base_s, 1e-9, exhaustive)
+        assert plain.trials == jit.trials
+        base = [changes.get(i, o) for i, o in enumerate(base)]

@@ -54,8 +54,9 @@ TINY_HF = [
     "tiny-vit",
     "tiny-resnet",
 ]
-CUSTOM = ["mlp", "skip-cnn", "tied-lm", "tiny-gpt", "gpt-test", "data-dependent"]
-FX_TRACEABLE = ["mlp", "skip-cnn", "tied-lm", "tiny-gpt", "gpt-test"]
+CUSTOM = ["mlp", "skip-cnn", "tied-lm", "tiny-gpt", "gpt-test", "megatron-gpt-test",
+          "data-dependent"]
+FX_TRACEABLE = ["mlp", "skip-cnn", "tied-lm", "tiny-gpt", "gpt-test", "megatron-gpt-test"]
 
 
 def _unique_params(model: torch.nn.Module) -> int:

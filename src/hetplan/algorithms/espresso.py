@@ -1,7 +1,7 @@
 """Espresso's decision algorithm: per-tensor compression options (thesis §4.7, digest §E.5–E.6).
 
 Every candidate strategy is scored by the shared data-parallel timeline simulator
-(:func:`hetplan.cost_models.timeline.simulate_dp`); the caller says what the ops of a tensor
+(:func:`hetplan.algorithms.dp_timeline.simulate_dp`); the caller says what the ops of a tensor
 under an option are (:class:`SelectionProblem.ops`), so the same algorithm serves the plan pass
 (options are decision-tree paths, ops come from ``cost_models.evaluate``) and the figure tests
 (hand-made options and durations).
@@ -44,7 +44,7 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   ``offload_limit`` the groups are optimized one at a time (coordinate descent, repeated until
   no group changes) instead — not optimal, stated in :attr:`Selection.method`.
 - Speed (§H.8): every candidate is scored with a resumable simulation
-  (:class:`~hetplan.cost_models.timeline.DPSession`) that starts at the state saved at the
+  (:class:`~hetplan.algorithms.dp_session.DPSession`) that starts at the state saved at the
   changed tensor's ready time (the prefix cannot change), stops once the candidate is
   proven unable to be kept (a lower bound on its time exceeds what it must beat) and
   returns the base's time once its state becomes equivalent to the base's. Values it
@@ -56,9 +56,9 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   in the common case; only improvements are ever accepted, so skipping never makes the
   result worse than the start). A tensor goes back to its baseline (uncompressed) option
   on a tie: compression is kept only where it is predicted to pay.
-- Speed, compiled: the session is the numba-compiled one when numba is installed
-  (:func:`~hetplan.cost_models.timeline.dp_session`; ``HETPLAN_JIT=0`` for the Python one,
-  same values bit for bit), and ``GetBestOption`` for one tensor, Algorithm 4.2 (exact or
+- Speed, compiled: the session's kernels are compiled with numba when it is installed
+  (:mod:`~hetplan.algorithms.dp_session`; ``HETPLAN_JIT=0`` runs the same kernels
+  uncompiled, same values bit for bit), and ``GetBestOption`` for one tensor, Algorithm 4.2 (exact or
   coordinate descent), the uniform seeds and the bubble test each run as one compiled call;
   with ``SelectionProblem.ops_class`` the candidates of tensors that share their ops are
   filtered once.
@@ -83,18 +83,12 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+import numpy as np
 
-from hetplan.cost_models.timeline import (
-    CPU,
-    GPU,
-    DPSession,
-    Op,
-    SyncUnit,
-    before_last_busy_period,
-    dp_session,
-    search_offload,
-    simulate_dp,
-)
+from hetplan.algorithms._dp_kernels import next_offload
+from hetplan.algorithms.dp_session import DPSession
+from hetplan.algorithms.dp_timeline import before_last_busy_period, simulate_dp
+from hetplan.algorithms.dp_types import CPU, GPU, Op, SyncUnit
 
 __all__ = [
     "SelectionProblem",
@@ -104,6 +98,7 @@ __all__ = [
     "select",
     "tensors_before_bubbles",
     "processing_order",
+    "search_offload",
 ]
 
 K = TypeVar("K", bound=Hashable)
@@ -166,12 +161,12 @@ class SelectionProblem(Generic[K]):
                            optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers).iteration_s
 
     def session(self, strategy: Sequence[K]) -> DPSession:
-        """A :class:`~hetplan.cost_models.timeline.DPSession` based on ``strategy``: trials
+        """A :class:`~hetplan.algorithms.dp_session.DPSession` based on ``strategy``: trials
         that change a few tensors resume from the first changed one (same times as
         :meth:`iteration_s`, bit for bit)."""
-        sess = dp_session(self.backprop_s, forward_s=self.forward_s,
-                          optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers,
-                          share=self._last_session)
+        sess = DPSession(self.backprop_s, forward_s=self.forward_s,
+                         optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers,
+                         share=self._last_session)
         self._last_session = sess
         self.evaluations += 1
         sess.rebase([self.ops(i, k) for i, k in enumerate(strategy)])
@@ -439,6 +434,33 @@ def _apply(problem: SelectionProblem[K], strategy: Sequence[K], groups: list[lis
             assert cpu is not None
             out[i] = cpu
     return out
+
+
+def search_offload(
+    counts: Sequence[int],
+    score: Callable[[Sequence[int], float], float],
+    best: float,
+    eps: float,
+    exhaustive: bool = True,
+) -> tuple[list[int], float]:
+    """Algorithm 4.2's search over vectors ``u`` with ``0 <= u[g] <= counts[g]``, each scored
+    by ``score(u, bound)`` (``u``'s time, or anything above ``bound`` once proven longer).
+    A vector is kept when its time is below ``best - eps``. The vectors come in the order of
+    :func:`~hetplan.algorithms._dp_kernels.next_offload`, which the session's kernel walks
+    too: with ``exhaustive`` every vector in :func:`itertools.product` order (Theorem 4.1;
+    the first of equals wins), otherwise coordinate descent. Returns ``(u, its time)``, ``u``
+    all zeros when none beats ``best``. The reference for ``cpu_offload(fast=False)``."""
+    sizes = np.array(counts, dtype=np.int64)
+    u = np.zeros(len(counts), dtype=np.int64)
+    best_u = np.zeros(len(counts), dtype=np.int64)
+    at = np.array([0, -1, 0])
+    while next_offload(u, best_u, sizes, exhaustive, at):
+        f = score([int(x) for x in u], best - eps)
+        if f < best - eps:
+            best = f
+            best_u[:] = u
+            at[2] = 1
+    return [int(x) for x in best_u], best
 
 
 def cpu_offload(

@@ -6,7 +6,7 @@ Partition them into contiguous *groups*; each group is one sync unit: compute-st
 (compression, a cast) right after its last tensor's backprop, then one op on each of a chain
 of FIFO channels (communication, CPU work). Minimise the iteration time.
 
-The objective is the project's DP timeline simulator (:func:`hetplan.cost_models.timeline.
+The objective is the project's DP timeline simulator (:func:`hetplan.algorithms.dp_timeline.
 simulate_dp`) for units whose ops are *tandem*: zero or more compute-stream ops, then ops on
 distinct FIFO channels, in one fixed channel order for all groups. For such units the
 simulator reduces to this recurrence (:func:`tandem_time`), which the solvers use::
@@ -117,7 +117,7 @@ def tandem_time(
     forward_s: float = 0.0,
 ) -> float:
     """Iteration time of ``groups`` by the tandem recurrence (module docstring); equal to
-    :func:`~hetplan.cost_models.timeline.simulate_dp` for tandem units. O(N + G·C)."""
+    :func:`~hetplan.algorithms.dp_timeline.simulate_dp` for tandem units. O(N + G·C)."""
     check_backprop(backprop_s)
     _check_groups(groups, len(backprop_s))
     comp = 0.0

@@ -18,8 +18,9 @@ __all__ = ["bubble_ratios"]
 
 
 def bubble_ratios(ev: Evaluation, layout: Layout) -> tuple[float | None, float | None]:
-    """(balanced-stage simulated bubble, Eq. (1)) for a pipeline; (None, None) without one."""
-    p = len(ev.stages)
+    """(balanced-stage simulated bubble, Eq. (1)) for a pipeline; (None, None) without one.
+    Interleaved chunks count per pipeline rank (a rank's time is the sum of its chunks')."""
+    p = layout.pp if layout.virtual_stages > 1 else len(ev.stages)
     if p < 2:
         return None, None
     t_f = sum(s.fwd_s for s in ev.stages) / p * 1e3

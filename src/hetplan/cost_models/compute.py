@@ -11,7 +11,11 @@ the forward and backward time of one micro-batch comes from, in order:
 3. ``analytic``: a roofline, ``max(FLOPs / (peak · efficiency), bytes / memory bandwidth)``,
    where bytes are the parameters read plus the activations read and written (backward: twice
    the parameters — read weights, write gradients — plus the saved activations and the
-   incoming and outgoing gradients).
+   incoming and outgoing gradients). Each device type is priced in its own compute dtype
+   (the plan's :class:`~hetplan.ir.plan_sections.Precision`): the peak its
+   ``DevicePrecision.peak_dtype`` names, and bytes in that dtype (the workload's captured
+   bytes times compute over captured element size). A dtype the device lists no peak for
+   runs at its fp32 peak.
 
 With ``require_profiled=True`` a missing profile raises :class:`MissingProfileError` listing
 every missing (layer, device type) key instead of falling back.
@@ -22,10 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetplan.cost_models.memory import capture_bytes
+from hetplan.cost_models.precision import DTYPE_SIZE
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import MissingProfileError
 from hetplan.ir.cluster import Device
-from hetplan.ir.plan_sections import LayerCost, WorkloadSummary
+from hetplan.ir.plan_sections import LayerCost, Precision, WorkloadSummary
 
 __all__ = ["LayerTime", "ComputeModel", "V100_FP32_FLOPS"]
 
@@ -48,8 +54,10 @@ class ComputeModel:
     Args:
         db: profile DB (or None: no profiled times).
         efficiency: fraction of peak FLOP/s the roofline assumes dense layers reach.
-        dtype: the compute dtype whose peak the roofline uses (``fp32``, ``bf16`` ...).
+        dtype: the compute dtype whose peak the roofline uses (``fp32``, ``bf16`` ...) on a
+            device type ``precision`` does not list (its fp32 peak if it lists none for it).
         require_profiled: raise instead of falling back to analytic estimates.
+        precision: the compute dtype of each device type (None: ``dtype`` everywhere).
     """
 
     def __init__(
@@ -59,6 +67,7 @@ class ComputeModel:
         efficiency: float = 0.5,
         dtype: str = "fp32",
         require_profiled: bool = False,
+        precision: Precision | None = None,
     ) -> None:
         if not 0 < efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
@@ -66,6 +75,7 @@ class ComputeModel:
         self.efficiency = efficiency
         self.dtype = dtype
         self.require_profiled = require_profiled
+        self.precision = precision
         self._cache: dict[tuple[int, str, float, int], tuple[object, list[LayerTime]]] = {}
 
     def layer_times(
@@ -77,7 +87,8 @@ class ComputeModel:
         if cached is not None and cached[0] is workload:
             return cached[1]
         scale = micro_batch / workload.batch_size
-        times = [self._one(lay, device, scale) for lay in workload.layers]
+        bytes_scale = self._bytes_scale(workload, device)
+        times = [self._one(lay, device, scale, bytes_scale) for lay in workload.layers]
         if self.require_profiled:
             missing = [
                 f"{lay.name} (signature {lay.signature}) on {device.type}"
@@ -95,7 +106,24 @@ class ComputeModel:
         self._cache[key] = (workload, times)
         return times
 
-    def _one(self, lay: LayerCost, device: Device, scale: float) -> LayerTime:
+    def peak_dtype(self, device: Device) -> str:
+        """The dtype whose peak prices ``device`` (see module docstring)."""
+        if self.precision is not None and device.type in self.precision.devices:
+            return self.precision.devices[device.type].peak_dtype
+        listed = {name for name, _ in device.peak_flops}
+        key = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(self.dtype,
+                                                                              self.dtype)
+        return key if key in listed else "fp32"
+
+    def _bytes_scale(self, workload: WorkloadSummary, device: Device) -> float:
+        """Captured bytes → bytes in ``device``'s compute dtype."""
+        if self.precision is None or device.type not in self.precision.devices:
+            return 1.0
+        size = DTYPE_SIZE[self.precision.devices[device.type].compute_dtype]
+        return size / capture_bytes(workload)
+
+    def _one(self, lay: LayerCost, device: Device, scale: float,
+             bytes_scale: float = 1.0) -> LayerTime:
         if self.db is not None and lay.signature:
             rec = self.db.compute_record(lay.signature, device.type)
             if rec is not None:
@@ -108,11 +136,12 @@ class ComputeModel:
             ratio = V100_FP32_FLOPS / device.flops("fp32")
             bwd = lay.measured_bwd_us * 1e-6 * scale * ratio
             return LayerTime(bwd / 2, bwd, "measured")
-        return self._roofline(lay, device, scale)
+        return self._roofline(lay, device, scale, bytes_scale)
 
-    def _roofline(self, lay: LayerCost, device: Device, scale: float) -> LayerTime:
-        peak = device.flops(self.dtype) * self.efficiency
-        bw = device.mem_bandwidth_bytes_per_s
+    def _roofline(self, lay: LayerCost, device: Device, scale: float,
+                  bytes_scale: float = 1.0) -> LayerTime:
+        peak = device.flops(self.peak_dtype(device)) * self.efficiency
+        bw = device.mem_bandwidth_bytes_per_s / bytes_scale
         act = (lay.act_in_bytes + lay.act_out_bytes) * scale
         fwd = max(lay.fwd_flops * scale / peak, (lay.param_bytes + act) / bw)
         bwd_bytes = 2 * lay.param_bytes + lay.act_saved_bytes * scale + act

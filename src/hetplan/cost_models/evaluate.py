@@ -4,30 +4,37 @@
 into an iteration time, a breakdown, the memory of every rank and the pipeline bubble:
 
 1. **Stage times.** For every pipeline stage, each layer's forward and backward time for one
-   micro-batch on every distinct device of the stage (:class:`ComputeModel`); a synchronous
-   stage runs at its slowest device. Layers with Megatron pairs are split ``tp`` ways and add
-   one all-reduce of their output per pair in forward and in backward on the TP group's link.
+   micro-batch on every distinct device of the stage (:class:`ComputeModel`, each device type
+   in its own compute dtype: ``costs.precision``); a synchronous stage runs at its slowest
+   device. Layers with Megatron pairs are split ``tp`` ways and add one all-reduce of their
+   output per pair in forward and in backward on the TP group's link (with sequence
+   parallelism a reduce-scatter and an all-gather, which cost the same). Backward adds the
+   stage's recomputation; ZeRO-3 adds the weights' all-gathers not hidden by prefetch.
 2. **Pipeline.** The schedule is simulated over the stage times with point-to-point
-   activation transfers between stages (:func:`simulate_pipeline`), giving each stage's end of
-   its last backward.
+   activation transfers between stages (:func:`simulate_pipeline`; interleaved chunks, one
+   plan stage each, with their own times), giving each stage's end of its last backward.
 3. **Gradient sync.** Each stage's data-parallel group syncs that stage's gradients while the
    stage runs its last micro-batch's backward: the DP timeline (:func:`simulate_dp`) over that
    backward, with one sync unit per bucket (or per tensor), gives the time the stage finishes
-   after its backward ends (exposed communication, GPU compression delays).
+   after its backward ends (exposed communication, GPU compression delays). Gradients move in
+   the precision section's reduce dtype; ZeRO's reduce-scatter and all-gather are priced as
+   :func:`_strategy_ops` says.
 4. **Iteration** ``= max over stages (last backward end + exposed sync) + optimizer step``; the
-   optimizer step is memory-bound (Adam reads and writes about 7 bytes per parameter byte).
-5. **Memory** per rank (:mod:`hetplan.cost_models.memory`) with the schedule's in-flight
-   micro-batches; :class:`~hetplan.errors.InfeasiblePlanError` when a rank does not fit.
+   optimizer step is memory-bound (Adam moves 28 bytes per parameter; ZeRO divides it).
+5. **Memory** per rank (:mod:`hetplan.cost_models.memory`): model state in the precision's
+   dtypes and ZeRO's sharding, activations under each stage's recomputation at the peak of
+   the rank's action list, ZeRO buffers and the allocator margin;
+   :class:`~hetplan.errors.InfeasiblePlanError` with the breakdown when a rank does not fit.
 
 Everything here is deterministic and free of torch.
 
-Why one file (about 670 lines, over the project's ~600): it is the definition of the
+Why one file (about 680 lines, over the project's ~600): it is the definition of the
 objective, read top to bottom as the steps above. The largest part after :func:`evaluate`
 itself is step 3's pricing of a sync strategy (:class:`StageSync`, the strategy-op builders):
 the gradient-sync passes score their candidates through :class:`StageSync` precisely so that
 they price sync with the code :func:`evaluate` uses, and keeping both in this module is what
-guarantees that. The seams that do exist (memory, the pipeline and DP timelines, TP shares)
-are already modules of their own.
+guarantees that. The seams that do exist (step 1's stage times, step 5's per-rank memory,
+the pipeline and DP timelines, TP shares) are modules of their own.
 """
 
 from __future__ import annotations
@@ -37,23 +44,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetplan.algorithms.dp_timeline import simulate_dp
+from hetplan.algorithms.dp_types import CPU, GPU, DPTimeline, Op, SyncUnit
+from hetplan.algorithms.pipeline_schedules import build_schedule
 from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
+    MOMENT_BYTES,
     MemoryBreakdown,
+    StatePrecision,
+    capture_bytes,
     check_fits,
-    in_flight_micro_batches,
-    stage_memory,
 )
-from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline
-from hetplan.cost_models.timeline import CPU, GPU, DPTimeline, Op, SyncUnit, simulate_dp
-from hetplan.cost_models.tp_shares import max_layer_shares, rank_layer_shares, stage_compute
+from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline, simulate_schedule
+from hetplan.cost_models.precision import state_precision
+from hetplan.cost_models.rank_memory import rank_memory, stage_precision
+from hetplan.cost_models.stage_times import (
+    group_link,
+    p2p_ms,
+    rank_devices,
+    shard_bytes,
+    stage_times,
+)
+from hetplan.cost_models.tp_shares import max_layer_shares, stage_compute
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import (
     CastSync,
     CompressedSync,
     GradientSync,
+    LayerCost,
     Layout,
     NoSync,
     Stage,
@@ -65,7 +85,8 @@ from hetplan.ir.plan_sections import (
 __all__ = ["Evaluation", "StageCost", "StageSync", "stage_syncs", "evaluate", "rank_devices",
            "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
 
-#: Bytes the optimizer step moves per parameter byte (Adam: read p, g, m, v; write p, m, v).
+#: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (read p, g, m, v;
+#: write p, m, v); :func:`_step_bytes` gives every precision and optimizer.
 OPTIMIZER_BYTES_PER_PARAM_BYTE = 7.0
 
 
@@ -100,20 +121,6 @@ class Evaluation:
     dp_timelines: tuple[DPTimeline | None, ...]
 
 
-def rank_devices(costs: CostModel, stage: Stage) -> list[Device]:
-    return [costs.devices[r] for r in stage.ranks]
-
-
-def _group_link(costs: CostModel, ranks: list[int]) -> tuple[str, int, int]:
-    """(link name, nodes spanned, largest members on one node) of a rank group."""
-    nodes: dict[int, int] = {}
-    for r in ranks:
-        n = costs.devices[r].node_index
-        nodes[n] = nodes.get(n, 0) + 1
-    link = "intra" if len(nodes) == 1 else "inter"
-    return link, len(nodes), max(nodes.values())
-
-
 def evaluate(
     workload: WorkloadSummary,
     layout: Layout,
@@ -141,8 +148,11 @@ def evaluate(
             Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
                   ranks=tuple(range(layout.num_ranks))),
         )
-    if len(stages) != layout.pp:
-        raise SpecError(f"layout has pp={layout.pp} but the plan lists {len(stages)} stage(s)")
+    v = layout.virtual_stages
+    if len(stages) != layout.pp * v:
+        chunks = f" × virtual_stages={v}" if v > 1 else ""
+        raise SpecError(f"layout has pp={layout.pp}{chunks} but the plan lists {len(stages)} "
+                        f"stage(s); it needs {layout.pp * v}")
     mb = layout.micro_batch_size
     scale = mb / workload.batch_size
     stage_of = [0] * len(workload.layers)
@@ -152,7 +162,7 @@ def evaluate(
 
     fwd, bwd, tp_comm, bwd_layers, sources = [], [], [], [], []
     for st in stages:
-        f, b, c, per_layer, src = _stage_times(workload, st, layout, costs, mb, scale,
+        f, b, c, per_layer, src = stage_times(workload, st, layout, costs, mb, scale,
                                                tensor_parallel)
         fwd.append(f)
         bwd.append(b)
@@ -160,34 +170,23 @@ def evaluate(
         bwd_layers.append(per_layer)
         sources.append(src)
 
-    p2p = []
-    for s in range(len(stages) - 1):
-        nbytes = workload.layers[stages[s].last_layer].act_out_bytes * scale / layout.tp
-        a, b = stages[s].ranks[0], stages[s + 1].ranks[0]
-        link = costs.cluster.link_between(a, b)
-        p2p.append(costs.comm.time_s("p2p", nbytes, 2, link) * 1e3)
-    if layout.schedule == "interleaved-1f1b" and p2p:
-        # chunk v of the last rank feeds chunk v+1 of the first: the wrap-around link
-        nbytes = workload.layers[stages[-1].last_layer].act_out_bytes * scale / layout.tp
-        link = costs.cluster.link_between(stages[-1].ranks[0], stages[0].ranks[0])
-        p2p.append(costs.comm.time_s("p2p", nbytes, 2, link) * 1e3)
-    key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule,
-           layout.virtual_stages, tuple(p2p))
+    p2p = p2p_ms(workload, layout, stages, costs, scale)
+    key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule, v, tuple(p2p))
     cached = costs.pipeline_cache.get(key)
     if cached is None:
-        pipe = simulate_pipeline(
-            [x * 1e3 for x in fwd],
-            [x * 1e3 for x in bwd],
-            layout.micro_batches,
-            layout.schedule,
-            virtual_stages=layout.virtual_stages,
-            p2p_fwd_ms=p2p or 0,
-            p2p_bwd_ms=p2p or 0,
-        )
+        fwd_ms, bwd_ms = [x * 1e3 for x in fwd], [x * 1e3 for x in bwd]
+        if v > 1:  # one time per virtual stage (chunks may differ)
+            sched = build_schedule(layout.schedule, layout.pp, layout.micro_batches, v)
+            pipe = simulate_schedule(sched, fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
+        else:  # (one rank of an interleaved layout: no pipeline, no chunks)
+            name = "1f1b" if layout.schedule == "interleaved-1f1b" else layout.schedule
+            pipe = simulate_pipeline(fwd_ms, bwd_ms, layout.micro_batches, name,
+                                     p2p_fwd_ms=p2p or 0, p2p_bwd_ms=p2p or 0)
         ends = [0.0] * len(stages)
         for ev in pipe.events:
             if ev.kind.value == "B":
-                ends[ev.rank] = max(ends[ev.rank], ev.end_ms * 1e-3)
+                s = ev.stage if v > 1 else ev.rank
+                ends[s] = max(ends[s], ev.end_ms * 1e-3)
         cached = costs.pipeline_cache[key] = (pipe, tuple(ends))
     pipe, last_bwd_end = cached
 
@@ -212,14 +211,19 @@ def evaluate(
 
     optimizer_s = _optimizer_s(workload, stages, layout, costs, tensor_parallel)
     iteration = max(finish) + optimizer_s
-    compute = max((f + b) * layout.micro_batches for f, b in zip(fwd, bwd))
-    memory = _memory(workload, stages, layout, costs, scale, tensor_parallel)
+    per_rank = [0.0] * layout.pp
+    for s, (f, b) in enumerate(zip(fwd, bwd)):
+        per_rank[s % layout.pp] += (f + b) * layout.micro_batches
+    compute = max(per_rank)
+    memory = rank_memory(workload, stages, layout, costs, scale, tensor_parallel)
     if check_memory:
         check_fits(
             list(memory),
             [d.memory_bytes for d in costs.devices[: len(memory)]],
             what=f"layout dp={layout.dp} pp={layout.pp} tp={layout.tp} "
-            f"micro-batch {layout.micro_batch_size}",
+            f"micro-batch {layout.micro_batch_size}"
+            + (f", ZeRO-{layout.zero_stage}" if layout.zero_stage else "")
+            + _recompute_note(stages),
         )
     return Evaluation(
         iteration_s=iteration,
@@ -237,54 +241,9 @@ def evaluate(
     )
 
 
-def _stage_times(
-    workload: WorkloadSummary,
-    st: Stage,
-    layout: Layout,
-    costs: CostModel,
-    mb: int,
-    scale: float,
-    tp_section: TensorParallel | None = None,
-) -> tuple[float, float, float, list[float], dict[str, int]]:
-    """Per-micro-batch forward, backward and TP-communication time of a stage, at the speed
-    of its slowest device (or, with uneven TP shards, of each layer's slowest rank), and each
-    layer's backward time (for the DP timeline)."""
-    devices = {(d.type, d.slowdown): d for d in rank_devices(costs, st)}
-    tp = layout.tp
-    if tp > 1:
-        tp_ranks = list(st.ranks[:tp])
-        link, _, _ = _group_link(costs, tp_ranks)
-    best: tuple[float, float, list[float]] | None = None
-    sources: dict[str, int] = {}
-    layers = workload.layers[st.first_layer : st.last_layer + 1]
-    tp_comm = 0.0
-    for dev in devices.values():
-        times = costs.compute.layer_times(workload, dev, mb)[st.first_layer : st.last_layer + 1]
-        f = b = 0.0
-        per_layer = []
-        for lay, t in zip(layers, times):
-            lf, lb = t.fwd_s, t.bwd_s
-            if tp > 1 and lay.tp_pairs:
-                lf, lb = lf / tp, lb / tp
-            f += lf
-            b += lb
-            per_layer.append(lb)
-            sources[t.source] = sources.get(t.source, 0) + 1
-        if best is None or f + b > best[0] + best[1]:
-            best = (f, b, per_layer)
-    assert best is not None
-    # the cost sources stay those counted above (every device of the stage)
-    best = stage_compute(workload, st, tp, costs, mb, tp_section) or best
-    if tp > 1:
-        for lay in layers:
-            if lay.tp_pairs:
-                nbytes = lay.act_out_bytes * scale
-                tp_comm += lay.tp_pairs * costs.comm.time_s("allreduce", nbytes, tp, link)
-    # TP all-reduces happen in forward and again in backward
-    per_layer = list(best[2])
-    if per_layer and tp_comm:
-        per_layer[-1] += tp_comm
-    return best[0] + tp_comm, best[1] + tp_comm, tp_comm, per_layer, sources
+def _recompute_note(stages: Sequence[Stage]) -> str:
+    modes = sorted({st.recompute for st in stages} - {"none"})
+    return f", {'/'.join(modes)} recomputation" if modes else ""
 
 
 def _units_by_stage(
@@ -335,16 +294,18 @@ def _sync_stage(
     grad_idx, segments = _stage_segments(workload, st, bwd_per_layer)
     position = {i: k for k, i in enumerate(grad_idx)}
     dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
-    link, nodes, per_node = _group_link(costs, dp_ranks)
+    link, nodes, per_node = group_link(costs, dp_ranks)
+    dtypes = _sync_dtypes(workload, st, layout, costs)
     sync_units = []
     for idx, strategy in units:
         nbytes = sum(
-            _shard_bytes(workload, workload.grads[i].size_bytes, workload.grads[i].layer_index,
+            shard_bytes(workload, workload.grads[i].size_bytes, workload.grads[i].layer_index,
                          layout.tp, None if shares is None
                          else shares[workload.grads[i].layer_index - st.first_layer])
             for i in idx
         )
-        ops = _strategy_ops(strategy, nbytes, costs, st, layout.dp, link, nodes, per_node)
+        ops = _strategy_ops(strategy, nbytes, costs, st, layout.dp, link, nodes, per_node,
+                            dtypes)
         sync_units.append(SyncUnit(position[idx[-1]], ops, workload.grads[idx[-1]].name))
     sync_units.sort(key=lambda u: u.last_tensor)
     return simulate_dp(segments, sync_units, record=record)
@@ -376,6 +337,29 @@ def _stage_segments(
 
 
 @dataclass(frozen=True)
+class SyncDtypes:
+    """What a data-parallel group's gradients and ZeRO do to the bytes it moves.
+
+    Attributes:
+        grad_scale: bytes of the gradients as kept and reduced (the precision section's
+            reduce dtype) per captured byte: 0.5 for 16-bit gradients of an fp32 capture.
+        param_scale: bytes of the working weights per captured byte.
+        zero_stage: the layout's ZeRO stage.
+    """
+
+    grad_scale: float = 1.0
+    param_scale: float = 1.0
+    zero_stage: int = 0
+
+
+def _sync_dtypes(workload: WorkloadSummary, st: Stage, layout: Layout,
+                 costs: CostModel) -> SyncDtypes:
+    prec = stage_precision(workload, st, costs)
+    return SyncDtypes(prec.grad_bytes / prec.capture_bytes,
+                      prec.weight_bytes / prec.capture_bytes, layout.zero_stage)
+
+
+@dataclass(frozen=True)
 class StageSync:
     """What a gradient-sync pass needs to score strategies of one stage's DP group with the
     same ops and backprop segments :func:`evaluate` uses.
@@ -387,6 +371,7 @@ class StageSync:
         nbytes: each gradient's bytes on one rank (TP shard).
         dp / link / nodes / per_node: the DP group: size, link kind, nodes spanned, largest
             number of its ranks on one node.
+        dtypes: the gradients' reduce dtype and ZeRO (see :class:`SyncDtypes`).
     """
 
     stage: Stage
@@ -397,11 +382,12 @@ class StageSync:
     link: str
     nodes: int
     per_node: int
+    dtypes: SyncDtypes = SyncDtypes()
 
     def ops(self, strategy: SyncStrategy, nbytes: float, costs: CostModel) -> tuple[Op, ...]:
         """The simulator ops of syncing ``nbytes`` with ``strategy`` in this group."""
         return _strategy_ops(strategy, nbytes, costs, self.stage, self.dp, self.link,
-                             self.nodes, self.per_node)
+                             self.nodes, self.per_node, self.dtypes)
 
     def ops_table(
         self, strategy: SyncStrategy, nbytes: Sequence[float] | np.ndarray, costs: CostModel
@@ -414,7 +400,7 @@ class StageSync:
         if x.ndim != 1 or not len(x):
             raise ValueError(f"ops_table needs a non-empty 1-D list of sizes, got shape {x.shape}")
         ops = _strategy_ops(strategy, x, costs, self.stage, self.dp, self.link, self.nodes,
-                            self.per_node)
+                            self.per_node, self.dtypes)
         cols = [np.broadcast_to(np.asarray(op.duration_s, dtype=float), x.shape) for op in ops]
         table = np.stack(cols, axis=1) if cols else np.zeros((len(x), 0))
         return tuple(op.resource for op in ops), table
@@ -431,30 +417,19 @@ def stage_syncs(
                         ranks=tuple(range(layout.num_ranks))),)
     out = []
     for st in stages:
-        _, _, _, per_layer, _ = _stage_times(workload, st, layout, costs,
+        _, _, _, per_layer, _ = stage_times(workload, st, layout, costs,
                                              layout.micro_batch_size,
                                              layout.micro_batch_size / workload.batch_size)
         grads, segments = _stage_segments(workload, st, per_layer)
         if not grads:
             continue
         dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
-        link, nodes, per_node = _group_link(costs, dp_ranks)
-        nbytes = tuple(_shard_bytes(workload, workload.grads[i].size_bytes,
+        link, nodes, per_node = group_link(costs, dp_ranks)
+        nbytes = tuple(shard_bytes(workload, workload.grads[i].size_bytes,
                                     workload.grads[i].layer_index, layout.tp) for i in grads)
         out.append(StageSync(st, tuple(grads), tuple(segments), nbytes, layout.dp, link, nodes,
-                             per_node))
+                             per_node, _sync_dtypes(workload, st, layout, costs)))
     return out
-
-
-def _shard_bytes(workload: WorkloadSummary, nbytes: int, layer: int, tp: int,
-                 share: float | None = None) -> float:
-    """A gradient's bytes on one TP rank: the splittable part divided by tp (or times the
-    rank's ``share`` with uneven shards)."""
-    lay = workload.layers[layer]
-    if tp == 1 or not lay.param_bytes or not lay.tp_split_bytes:
-        return float(nbytes)
-    frac = min(lay.tp_split_bytes / lay.param_bytes, 1.0)
-    return nbytes * (1 - frac + (frac / tp if share is None else frac * share))
 
 
 class _ScalarCalc:
@@ -506,15 +481,35 @@ def _strategy_ops(
     link: str,
     nodes: int,
     per_node: int,
+    dtypes: SyncDtypes = SyncDtypes(),
 ) -> tuple[Op, ...]:
-    """The ops of one sync unit under ``strategy`` (see the gradient-sync plan section)."""
+    """The ops of one sync unit under ``strategy`` (see the gradient-sync plan section).
+
+    ``nbytes`` is the unit's gradients at the captured dtype; ``dtypes`` says what they are
+    kept and reduced in. Uncompressed steps carry them in that dtype (a ``cast`` strategy
+    casts only fp32 gradients to 16 bits; 16-bit ones already are). Under ZeRO the
+    reduce-scatter of gradients and the all-gather of updated weights cost what the
+    all-reduce does (ring: ``2(n-1)/n`` of the bytes either way), so an uncompressed unit is
+    priced by its steps as they are; ZeRO-3 keeps no replicated weights to gather after the
+    step, so its all-reduce steps become reduce-scatters. A cast or compressed strategy
+    under ZeRO-1 delivers full gradients and then all-gathers the updated weight shards
+    (an extra op); ZeRO-2 and -3 shard gradients during backward, which compression does
+    not (refused).
+    """
     dev = costs.devices[st.ranks[0]]
     ops: list[Op] = []
-    payload = nbytes
+    g = dtypes.grad_scale
+    payload = nbytes * g
     calc = _ArrayCalc if isinstance(nbytes, np.ndarray) else _ScalarCalc
+    if not isinstance(strategy, NoSync) and dtypes.zero_stage >= 2:
+        raise SpecError(
+            f"a {strategy.kind} gradient sync needs zero_stage <= 1 (ZeRO-{dtypes.zero_stage} "
+            "reduce-scatters gradients during backward, which compression and casting do not "
+            "compose with); use the 'fp32' (uncompressed) strategy or zero_stage 0 or 1")
     if isinstance(strategy, CastSync):
-        ops.append(Op(GPU, 2 * nbytes / dev.mem_bandwidth_bytes_per_s, "cast"))
-        payload = nbytes / 2
+        if g >= 1:
+            ops.append(Op(GPU, 2 * nbytes / dev.mem_bandwidth_bytes_per_s, "cast"))
+        payload = nbytes * min(g, 0.5)
     comp = None
     if isinstance(strategy, CompressedSync):
         comp = costs.compression.cost(
@@ -522,9 +517,11 @@ def _strategy_ops(
             **{k: v for k, v in strategy.params.items() if k in ("ratio", "levels", "rank")},
         )
         if strategy.uncompressed_dtype != "fp32":
-            payload = nbytes / 2
+            payload = nbytes * min(g, 0.5)
     if isinstance(strategy, CompressedSync) and strategy.actions and comp is not None:
-        return _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node, calc)
+        out = _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node, calc)
+        return out + _zero_gather(strategy, nbytes, dtypes, costs, dev, dp, link, nodes,
+                                  per_node, calc)
     compressed_done = False
     for step in strategy.steps:
         if step.compressed and comp is not None and not compressed_done:
@@ -533,11 +530,27 @@ def _strategy_ops(
             compressed_done = True
         size = calc.wire(comp, payload) if step.compressed and comp else payload
         group, lk, channel = _level_group(step.level, dev, dp, link, nodes, per_node)
-        ops.append(Op(channel, calc.comm(costs, step.routine, size, group, lk), step.routine))
+        routine = step.routine
+        if dtypes.zero_stage >= 3 and routine == "allreduce":
+            routine = "reduce_scatter"
+        ops.append(Op(channel, calc.comm(costs, routine, size, group, lk), routine))
     if compressed_done and comp is not None and isinstance(strategy, CompressedSync):
         res = _comp_resource(strategy.decompress_device, dev)
         ops.append(Op(res, calc.time(comp.decompress, payload), "decompress"))
-    return tuple(ops)
+    return tuple(ops) + _zero_gather(strategy, nbytes, dtypes, costs, dev, dp, link, nodes,
+                                     per_node, calc)
+
+
+def _zero_gather(strategy: SyncStrategy, nbytes: float, dtypes: SyncDtypes, costs: CostModel,
+                 dev: Device, dp: int, link: str, nodes: int, per_node: int,
+                 calc: type[_ScalarCalc]) -> tuple[Op, ...]:
+    """ZeRO-1's all-gather of the updated weight shards after a cast or compressed sync
+    (see :func:`_strategy_ops`); nothing otherwise."""
+    if dtypes.zero_stage != 1 or isinstance(strategy, NoSync):
+        return ()
+    group, lk, channel = _level_group("flat", dev, dp, link, nodes, per_node)
+    size = nbytes * dtypes.param_scale
+    return (Op(channel, calc.comm(costs, "allgather", size, group, lk), "allgather"),)
 
 
 def _comp_resource(device: str | None, dev: Device) -> str:
@@ -631,44 +644,33 @@ def _optimizer_s(
     workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout, costs: CostModel,
     tp_section: TensorParallel | None = None,
 ) -> float:
-    worst = 0.0
+    """The optimizer step of the slowest stage: memory-bound, it reads and writes the fp32
+    master weights (or fp32 weights) and the moments, reads the gradients and writes 16-bit
+    weights (Adam in fp32: 28 bytes per parameter, 7 per fp32 parameter byte); under ZeRO
+    each rank steps ``1/dp`` of them. A rank holding several stages (interleaved chunks)
+    steps them all."""
+    per_rank: dict[int, float] = {}
     for st in stages:
         shares = max_layer_shares(workload, st, layout.tp, tp_section)
+        prec = stage_precision(workload, st, costs)
         pbytes = sum(
-            _shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
+            shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
                          None if shares is None else shares[k])
             for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
         )
+        per_elem = _step_bytes(prec, costs.optimizer)
+        if layout.zero_stage >= 1:
+            per_elem /= layout.dp
         bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
-        worst = max(worst, OPTIMIZER_BYTES_PER_PARAM_BYTE * pbytes / bw)
-    return worst
+        s = st.index % layout.pp
+        per_rank[s] = per_rank.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes / bw
+    return max(per_rank.values(), default=0.0)
 
 
-def _memory(
-    workload: WorkloadSummary,
-    stages: tuple[Stage, ...],
-    layout: Layout,
-    costs: CostModel,
-    scale: float,
-    tp_section: TensorParallel | None = None,
-) -> tuple[MemoryBreakdown, ...]:
-    per_rank: dict[int, MemoryBreakdown] = {}
-    for st in stages:
-        flight = in_flight_micro_batches(
-            layout.schedule, st.index, layout.pp, layout.micro_batches, layout.virtual_stages
-        )
-        mem = stage_memory(
-            list(workload.layers[st.first_layer : st.last_layer + 1]),
-            tp=layout.tp,
-            micro_batch_scale=scale,
-            in_flight=flight,
-            optimizer=costs.optimizer,
-        )
-        for r in st.ranks:
-            per_rank[r] = mem
-        for r, shares in rank_layer_shares(workload, st, layout.tp, tp_section).items():
-            per_rank[r] = stage_memory(
-                list(workload.layers[st.first_layer : st.last_layer + 1]), tp=layout.tp,
-                micro_batch_scale=scale, in_flight=flight, optimizer=costs.optimizer,
-                shares=shares)
-    return tuple(per_rank[r] for r in sorted(per_rank))
+def _step_bytes(prec: StatePrecision, optimizer: str) -> float:
+    """Bytes the optimizer step moves per parameter element (see :func:`_optimizer_s`)."""
+    fp32 = prec.master_bytes or prec.weight_bytes
+    out = 2 * fp32 + prec.grad_bytes + 2 * MOMENT_BYTES[optimizer]
+    return out + (prec.weight_bytes if prec.master_bytes else 0)
+
+

@@ -23,7 +23,9 @@ Timing model (what "simulate" means here):
       the model) forward for one micro-batch. A schedule with ``S`` virtual stages charges
       ``forward_ms[r] * P / S`` per stage (so interleaved chunks take ``1/v`` each, and each
       of Chimera's two replica stages on a rank takes the full ``forward_ms[r]``). Rank
-      speed thus models heterogeneous devices; a slow stage shows up as extra bubble.
+      speed thus models heterogeneous devices; a slow stage shows up as extra bubble. With
+      ``S > P`` entries instead, ``forward_ms[s]`` is virtual stage ``s``'s own time
+      (interleaved chunks of different sizes).
     * Link ``i`` joins rank ``i`` and rank ``i+1`` (either direction). Interleaved schedules
       also hop from rank ``P-1`` back to rank 0; that wrap-around link is entry ``P-1`` of a
       length-``P`` list (a scalar means every link, the wrap one included).
@@ -151,8 +153,9 @@ def simulate_schedule(
 
     Args:
         schedule: per-rank action lists (generated or hand-written).
-        forward_ms: per rank, forward time of one micro-batch through the rank's 1/P share.
-        backward_ms: per rank, the same for backward.
+        forward_ms: per rank, forward time of one micro-batch through the rank's 1/P share
+            (or, with ``S > P`` entries, per virtual stage: that stage's own time).
+        backward_ms: per rank (or per virtual stage), the same for backward.
         p2p_fwd_ms: activation transfer time per link ``i -> i+1`` (scalar = every link).
         p2p_bwd_ms: gradient transfer time per link ``i+1 -> i`` (scalar = every link).
 
@@ -168,7 +171,8 @@ def simulate_schedule(
     the action it waits for ends, and the final sort of the events dominates.
     """
     p, m_total, s_total = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
-    if len(forward_ms) != p or len(backward_ms) != p:
+    per_stage = s_total > p and len(forward_ms) == len(backward_ms) == s_total
+    if not per_stage and (len(forward_ms) != p or len(backward_ms) != p):
         raise PipelineScheduleError(f"forward_ms and backward_ms need {p} entries (one per "
                                     f"rank), got {len(forward_ms)} and {len(backward_ms)}")
     if any(not t >= 0 for t in [*forward_ms, *backward_ms]):
@@ -177,7 +181,7 @@ def simulate_schedule(
     codes, rank_of = schedule.index()
     hop_f = _hops(p2p_fwd_ms, rank_of, s_total, p, "p2p_fwd_ms", back=False)
     hop_b = _hops(p2p_bwd_ms, rank_of, s_total, p, "p2p_bwd_ms", back=True)
-    v = s_total // p
+    v = 1 if per_stage else s_total // p
     dur_f = [t / v if v > 1 else t for t in forward_ms]
     dur_b = [t / v if v > 1 else t for t in backward_ms]
 
@@ -195,7 +199,8 @@ def simulate_schedule(
         while k < len(row):
             code = row[k]
             if code < n:  # F(m, s) waits for F(m, s-1) + activation transfer
-                dep, hop, start, d = code - 1, hop_f[code], t_free, dur_f[r]
+                d = dur_f[code % s_total] if per_stage else dur_f[r]
+                dep, hop, start = code - 1, hop_f[code], t_free
                 if code % s_total == 0:
                     dep = -1
             else:  # B(m, s) waits for F(m, s) and B(m, s+1) + gradient transfer
@@ -204,7 +209,8 @@ def simulate_schedule(
                 if t is None:
                     waiters.setdefault(i, []).append(r)
                     break
-                dep, hop, start, d = code + 1, hop_b[i], max(t, t_free), dur_b[r]
+                d = dur_b[i % s_total] if per_stage else dur_b[r]
+                dep, hop, start = code + 1, hop_b[i], max(t, t_free)
                 if (i + 1) % s_total == 0:
                     dep = -1
             if dep >= 0:

@@ -1,7 +1,8 @@
 """The objective applied to a whole plan: re-predict a plan from the plan file alone.
 
 - :func:`plan_costs` rebuilds what evaluating a plan needs (its workload summary, layout and
-  the cost model made with the plan's own cost settings on its embedded cluster);
+  the cost model made with the plan's own cost settings and precision section on its
+  embedded cluster);
 - :func:`simulate` re-evaluates the plan as it stands (also one edited by hand) and returns
   its :class:`Predictions`;
 - :func:`predictions` / :func:`breakdown` turn an :class:`Evaluation` into the plan's
@@ -28,6 +29,7 @@ from hetplan.ir.plan_sections import (
     CostSettings,
     Layout,
     Predictions,
+    RankMemory,
     TimeBreakdown,
     WorkloadSummary,
 )
@@ -74,6 +76,10 @@ def predictions(ev: Evaluation, baselines: list[Baseline] | tuple[Baseline, ...]
         iteration_time_ms=ev.iteration_s * 1e3,
         breakdown=breakdown(ev),
         memory_per_rank_bytes=tuple(m.total for m in ev.memory),
+        memory_breakdown=tuple(
+            RankMemory(params=m.params, grads=m.grads, optimizer=m.optimizer,
+                       activations=m.activations, buffers=m.buffers, margin=m.margin)
+            for m in ev.memory),
         bubble_ratio=min(max(ev.bubble_ratio, 0.0), 1.0),
         baselines=tuple(baselines),
     )
@@ -107,7 +113,8 @@ def plan_costs(
         )
     settings = plan.cost_settings or CostSettings()
     costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
-                      efficiency=settings.efficiency, optimizer=settings.optimizer)
+                      efficiency=settings.efficiency, optimizer=settings.optimizer,
+                      precision=plan.precision)
     layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
     return workload, layout, costs
 

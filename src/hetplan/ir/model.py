@@ -205,10 +205,29 @@ class LayerIR:
         fwd_flops / bwd_flops: FLOPs of one forward / backward for the captured batch shape.
         act_in_bytes / act_out_bytes: bytes of the tensors entering / leaving the layer.
         act_saved_bytes: bytes of the activations autograd keeps from this layer's forward
-            until its backward (what a pipeline stage holds per in-flight micro-batch).
+            until its backward (what a pipeline stage holds per in-flight micro-batch), at
+            the captured dtypes, each storage once.
         linears: the linears a tensor-parallel pass may split.
         measured_bwd_us: backprop time of this layer as measured when the workload was
             recorded (benchmark workloads only), else None.
+        act_saved_nonfloat_bytes: the part of ``act_saved_bytes`` in non-floating tensors
+            (dropout masks, indices): stored at the same size whatever the compute dtype.
+        act_replicated_bytes: the part of ``act_saved_bytes`` saved outside the layer's
+            tensor-parallel regions (layer-norm inputs, the inputs of column-parallel
+            linears, dropout masks after row-parallel ones): every TP rank holds all of it
+            unless sequence parallelism splits it. A region runs from the end of a Megatron
+            pair's column linear to the end of its row linear. 0 when the capture could not
+            tell (then every saved byte of a layer with pairs counts as split).
+        act_replicated_nonfloat_bytes: its non-floating part.
+        act_attn_core_bytes: how much less autograd keeps when the attention core (QK^T,
+            softmax, dropout on the scores, the score-times-V product: a
+            ``scaled_dot_product_attention`` call or a module of a class in
+            ``ATTENTION_CORE_TYPES``) is recomputed in backward: the bytes saved inside the
+            core minus those of its inputs, which recomputation keeps (selective
+            recomputation, Korthikanti et al. 2022).
+        act_attn_core_nonfloat_bytes: its non-floating part.
+        attn_core_fwd_flops: forward FLOPs of the attention core (what selective
+            recomputation runs again in backward).
     """
 
     index: int
@@ -224,6 +243,12 @@ class LayerIR:
     group: str | None = None
     linears: tuple[LinearInfo, ...] = ()
     measured_bwd_us: float | None = None
+    act_saved_nonfloat_bytes: int = 0
+    act_replicated_bytes: int = 0
+    act_replicated_nonfloat_bytes: int = 0
+    act_attn_core_bytes: int = 0
+    act_attn_core_nonfloat_bytes: int = 0
+    attn_core_fwd_flops: int = 0
 
     __pydantic_config__ = _FORBID
 
@@ -397,6 +422,36 @@ class ModelIR:
 
 _ADAPTER: TypeAdapter[ModelIR] = TypeAdapter(ModelIR)
 
+#: The parts of ``act_saved_bytes`` a layer may break down (see :class:`LayerIR`).
+_ACT_PARTS = ("act_saved_nonfloat_bytes", "act_replicated_bytes",
+              "act_replicated_nonfloat_bytes", "act_attn_core_bytes",
+              "act_attn_core_nonfloat_bytes")
+
+
+def _check_act_parts(layer: LayerIR, at: str) -> None:
+    """Each part of a layer's saved activations fits inside the whole it is a part of."""
+    within = (
+        ("act_saved_nonfloat_bytes", "act_saved_bytes"),
+        ("act_replicated_bytes", "act_saved_bytes"),
+        ("act_attn_core_bytes", "act_saved_bytes"),
+        ("act_replicated_nonfloat_bytes", "act_replicated_bytes"),
+        ("act_replicated_nonfloat_bytes", "act_saved_nonfloat_bytes"),
+        ("act_attn_core_nonfloat_bytes", "act_attn_core_bytes"),
+        ("act_attn_core_nonfloat_bytes", "act_saved_nonfloat_bytes"),
+    )
+    for part, whole in within:
+        if getattr(layer, part) > getattr(layer, whole):
+            raise SpecError(
+                f"{at}layer {layer.name!r}: {part} ({getattr(layer, part)}) exceeds {whole} "
+                f"({getattr(layer, whole)}); it is a part of it"
+            )
+    if layer.act_replicated_bytes + layer.act_attn_core_bytes > layer.act_saved_bytes:
+        raise SpecError(
+            f"{at}layer {layer.name!r}: act_replicated_bytes + act_attn_core_bytes exceed "
+            "act_saved_bytes (the attention core lies inside a tensor-parallel region, so the "
+            "two parts are disjoint)"
+        )
+
 
 def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
     """Check the IR's invariants.
@@ -420,9 +475,11 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
         if layer.name in names:
             raise SpecError(f"{at}layer name {layer.name!r} appears twice")
         names.add(layer.name)
-        for field_name in ("fwd_flops", "bwd_flops", "act_in_bytes", "act_out_bytes", "act_saved_bytes"):
+        for field_name in ("fwd_flops", "bwd_flops", "act_in_bytes", "act_out_bytes",
+                           "act_saved_bytes", *_ACT_PARTS, "attn_core_fwd_flops"):
             if getattr(layer, field_name) < 0:
                 raise SpecError(f"{at}layer {layer.name!r}: {field_name} is negative")
+        _check_act_parts(layer, at)
         for p in layer.params:
             if p.tied_to is not None:
                 continue

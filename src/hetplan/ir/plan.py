@@ -59,6 +59,7 @@ from hetplan.ir.plan_sections import (
     NoSync,
     PassLogEntry,
     PipelineActions,
+    Precision,
     Predictions,
     RankPlacement,
     ResizingController,
@@ -99,6 +100,7 @@ __all__ = [
     "NoSync",
     "PassLogEntry",
     "PipelineActions",
+    "Precision",
     "Predictions",
     "RankPlacement",
     "ResizingController",
@@ -114,7 +116,7 @@ __all__ = [
 ]
 
 #: The plan format this hetplan writes and reads.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 _RERUN = "re-run `hetplan plan` for this model and cluster"
 
@@ -137,6 +139,9 @@ class Plan(BaseModel):
         predictions: predicted iteration time, memory and the baselines' numbers.
         provenance: for each cost kind (``compute``, ``comm.inter`` ...) where it came from.
         cost_settings: the cost-model settings the predictions were made with.
+        precision: the compute dtype of every device type, master weights, optimizer state
+            and gradient-reduce dtypes (None: a plan written before the section existed,
+            computing in ``cost_settings.dtype`` everywhere).
         pass_log: the passes that ran, in order.
         rebalancing: pipeline re-balancing policy and planned events for a dynamic model
             (None: static model).
@@ -157,6 +162,7 @@ class Plan(BaseModel):
     predictions: Predictions | None = None
     provenance: dict[Name, CostSource] = Field(default_factory=dict)
     cost_settings: CostSettings | None = None
+    precision: Precision | None = None
     pass_log: tuple[PassLogEntry, ...] = ()
 
     @model_validator(mode="after")

@@ -9,8 +9,8 @@ runs. It therefore runs wherever a plan is built or read — ``Plan(...)``, the 
 
 Rules (each applies when the sections it relates are present):
 
-1. **cluster**: ``world_size`` and ``fingerprint`` are those of the embedded spec, whose
-   devices all list a peak for the cost settings' compute dtype.
+1. **cluster**: ``world_size`` and ``fingerprint`` are those of the embedded spec; the
+   precision section names its device types, at peaks they list.
 2. **layout**: it uses at most the cluster's devices (dp·pp·tp ≤ world size; ``hetplan
    plan`` uses all of them, tests and re-packing fewer); the global batch is
    dp × micro-batch size × micro-batches; ``ranks`` placements follow
@@ -47,10 +47,9 @@ import re
 from collections import Counter
 from typing import Protocol
 
-from hetplan.ir.cluster import DTYPE_ALIASES
 from hetplan.ir.plan_sections import (
     ClusterRef,
-    CostSettings,
+    Precision,
     GradientSync,
     Layout,
     ModelRef,
@@ -88,7 +87,7 @@ class Plan(Protocol):
     @property
     def predictions(self) -> Predictions | None: ...
     @property
-    def cost_settings(self) -> CostSettings | None: ...
+    def precision(self) -> Precision | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
@@ -118,14 +117,17 @@ def _cluster(plan: Plan) -> list[str]:
     if ref.world_size != spec.world_size:
         out.append(f"cluster.world_size: {ref.world_size}, but the embedded cluster spec "
                    f"(cluster.spec) has {spec.world_size} devices; {_RERUN}")
-    settings = plan.cost_settings
-    if settings is not None:
-        dtype = DTYPE_ALIASES.get(settings.dtype, settings.dtype)
-        used = sorted({g.type for node in spec.nodes for g in node.devices})
-        if lacking := [t for t in used if dtype not in spec.device_types[t].peak_tflops]:
-            out.append(f"cost_settings.dtype: {settings.dtype!r}, but device type "
-                       f"{lacking[0]!r} of cluster.spec lists no peak for it (it lists "
-                       f"{', '.join(spec.device_types[lacking[0]].peak_tflops)})")
+    precision = plan.precision
+    used = sorted({g.type for node in spec.nodes for g in node.devices})
+    for name, dev in sorted(precision.devices.items()) if precision is not None else ():
+        if name not in used:
+            out.append(f"precision.devices[{name!r}]: not a device type of cluster "
+                       f"{spec.name!r} (its types: {', '.join(used)})"
+                       f"{did_you_mean(name, used)}")
+        elif dev.peak_dtype not in spec.device_types[name].peak_tflops:
+            out.append(f"precision.devices[{name!r}].peak_dtype: {dev.peak_dtype!r}, but "
+                       f"cluster.spec lists no {name} peak for it (it lists "
+                       f"{', '.join(spec.device_types[name].peak_tflops)})")
     if ref.fingerprint != spec.fingerprint():
         out.append(f"cluster.fingerprint: {ref.fingerprint!r}, but the embedded cluster spec "
                    f"has fingerprint {spec.fingerprint()!r} (was cluster.spec edited after "

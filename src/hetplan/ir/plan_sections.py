@@ -53,6 +53,8 @@ __all__ = [
     "ModelRef",
     "ClusterRef",
     "CostSettings",
+    "Precision",
+    "DevicePrecision",
     "RankPlacement",
     "Layout",
     "Stage",
@@ -75,6 +77,7 @@ __all__ = [
     "TimeBreakdown",
     "Baseline",
     "Predictions",
+    "RankMemory",
     "CostSource",
     "PassLogEntry",
 ]
@@ -112,7 +115,7 @@ class _Section(BaseModel):
 def _duplicates(items: Iterable[str | int]) -> list[str | int]:
     """The items that occur more than once, sorted."""
     counts = Counter(items)
-    return sorted(x for x, n in counts.items() if n > 1)  # type: ignore[type-var]
+    return sorted(x for x, n in counts.items() if n > 1)
 
 
 # -- model and cluster references ------------------------------------------------------------
@@ -121,7 +124,11 @@ class LayerCost(_Section):
 
     ``signature`` keys profiled times (identical blocks share one); ``tp_pairs`` counts the
     Megatron column/row pairs (one all-reduce each in forward and backward under TP);
-    ``tp_split_bytes`` is the parameter bytes in splittable linears.
+    ``tp_split_bytes`` is the parameter bytes in splittable linears. The ``act_*`` parts of
+    ``act_saved_bytes`` and ``attn_core_fwd_flops`` are :class:`~hetplan.ir.model.LayerIR`'s
+    (non-floating bytes, bytes outside tensor-parallel regions, the attention core that
+    selective recomputation drops); plans written before they existed read them as 0, which
+    the memory model takes as before: every byte floating, split under TP, no core.
     """
 
     name: Name
@@ -136,6 +143,12 @@ class LayerCost(_Section):
     tp_pairs: NonNegInt = 0
     tp_split_bytes: NonNegInt = 0
     measured_bwd_us: NonNegFloat | None = None
+    act_saved_nonfloat_bytes: NonNegInt = 0
+    act_replicated_bytes: NonNegInt = 0
+    act_replicated_nonfloat_bytes: NonNegInt = 0
+    act_attn_core_bytes: NonNegInt = 0
+    act_attn_core_nonfloat_bytes: NonNegInt = 0
+    attn_core_fwd_flops: NonNegInt = 0
 
 
 class GradCost(_Section):
@@ -204,6 +217,12 @@ class WorkloadSummary(_Section):
                     tp_pairs=sum(1 for x in lay.linears if x.tp_role.value == "row" and x.pair),
                     tp_split_bytes=lay.tp_split_bytes(),
                     measured_bwd_us=lay.measured_bwd_us,
+                    act_saved_nonfloat_bytes=lay.act_saved_nonfloat_bytes,
+                    act_replicated_bytes=lay.act_replicated_bytes,
+                    act_replicated_nonfloat_bytes=lay.act_replicated_nonfloat_bytes,
+                    act_attn_core_bytes=lay.act_attn_core_bytes,
+                    act_attn_core_nonfloat_bytes=lay.act_attn_core_nonfloat_bytes,
+                    attn_core_fwd_flops=lay.attn_core_fwd_flops,
                 )
                 for lay in ir.layers
             ),
@@ -255,7 +274,11 @@ class ClusterRef(_Section):
 class CostSettings(_Section):
     """The cost-model settings a plan was predicted with (``simulate`` reuses them).
 
-    ``profile_fingerprint`` identifies the profile DB used (empty: analytic costs only).
+    ``dtype`` is the precision policy asked for: ``mixed`` (each device type at its own
+    16-bit dtype, see :class:`Precision`) or one dtype forced everywhere (``fp32``, ``bf16``,
+    ``fp16``); plans written before mixed precision existed say ``fp32`` (the default), which
+    still means fp32 everywhere. ``profile_fingerprint`` identifies the profile DB used
+    (empty: analytic costs only).
     """
 
     dtype: Name = "fp32"
@@ -267,11 +290,93 @@ class CostSettings(_Section):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        known = [*get_args(Dtype), *DTYPE_ALIASES]
+        known = ["mixed", *get_args(Dtype), *DTYPE_ALIASES]
         if v not in known:
-            raise ValueError(f"unknown compute dtype {v[:40]!r}{did_you_mean(v[:40], known)} "
-                             f"(known: {', '.join(get_args(Dtype))})")
+            raise ValueError(f"unknown precision policy {v[:40]!r}{did_you_mean(v[:40], known)}"
+                             f" (known: mixed, {', '.join(get_args(Dtype))})")
         return v
+
+
+# -- precision -------------------------------------------------------------------------------
+ComputeDtype = Literal["fp32", "bf16", "fp16"]
+
+
+class DevicePrecision(_Section):
+    """How one device type computes.
+
+    Attributes:
+        compute_dtype: the dtype of its weights, activations and matmuls.
+        loss_scaling: ``dynamic`` for fp16 (its range needs a loss scale that backs off on
+            overflow), else ``none``.
+        peak_dtype: the peak its compute time was priced at: the compute dtype where the
+            device type lists a peak for it, else ``fp32`` (a dtype without tensor-core
+            support runs at most at the fp32 rate, e.g. bf16 forced on a V100 or a CPU).
+    """
+
+    compute_dtype: ComputeDtype = "fp32"
+    loss_scaling: Literal["none", "dynamic"] = "none"
+    peak_dtype: Name = "fp32"
+
+    @field_validator("peak_dtype")
+    @classmethod
+    def _known_peak(cls, v: str) -> str:
+        known = get_args(Dtype)
+        if v not in known:
+            raise ValueError(f"unknown dtype {v[:40]!r}{did_you_mean(v[:40], known)} (known: "
+                             f"{', '.join(known)})")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> DevicePrecision:
+        want = "dynamic" if self.compute_dtype == "fp16" else "none"
+        if self.loss_scaling != want:
+            raise ValueError(f"compute_dtype {self.compute_dtype!r} needs loss_scaling "
+                             f"{want!r}, got {self.loss_scaling!r}")
+        return self
+
+
+class Precision(_Section):
+    """Mixed precision per device type (the ``precision`` plan section).
+
+    Attributes:
+        policy: what was asked for: ``mixed`` (bf16 where the device type lists a bf16 peak —
+            A100, H100 and newer —, else fp16 with dynamic loss scaling where it lists fp16 —
+            V100 and other pre-Ampere GPUs —, else fp32, e.g. CPUs) or one dtype forced.
+        devices: per device type of the cluster, how it computes.
+        master_weights_dtype: ``fp32`` master weights beside 16-bit working weights; None
+            when every device computes in fp32 (the weights are the master copy).
+        optimizer_state_dtype: the optimizer's moments.
+        grad_reduce_dtype: what gradients are kept and reduced in: ``compute`` (the DP
+            group's compute dtype, or fp32 where its ranks compute in different dtypes) or
+            ``fp32``.
+
+    A plan without this section (written before it existed) computes in
+    ``CostSettings.dtype`` everywhere, as it was predicted.
+    """
+
+    policy: Literal["mixed", "fp32", "bf16", "fp16"] = "fp32"
+    devices: dict[Name, DevicePrecision] = Field(default_factory=dict)
+    master_weights_dtype: Literal["fp32"] | None = None
+    optimizer_state_dtype: Literal["fp32"] = "fp32"
+    grad_reduce_dtype: Literal["compute", "fp32"] = "compute"
+
+    @model_validator(mode="after")
+    def _check(self) -> Precision:
+        half = any(d.compute_dtype != "fp32" for d in self.devices.values())
+        if half and self.master_weights_dtype is None:
+            raise ValueError("16-bit compute needs master_weights_dtype 'fp32' (the optimizer "
+                             "updates fp32 master weights, not the 16-bit copy)")
+        if self.policy != "mixed" and self.policy != "fp32":
+            bad = sorted(t for t, d in self.devices.items() if d.compute_dtype != self.policy)
+            if bad:
+                raise ValueError(f"policy {self.policy!r} forces that dtype everywhere, but "
+                                 f"device types {bad} compute in another")
+        return self
+
+    def compute_dtype(self, device_type: str) -> str:
+        """The compute dtype of ``device_type`` (fp32 for a type the section does not list)."""
+        d = self.devices.get(device_type)
+        return d.compute_dtype if d is not None else "fp32"
 
 
 # -- layout and pipeline stages --------------------------------------------------------------
@@ -290,8 +395,16 @@ class RankPlacement(_Section):
 class Layout(_Section):
     """The parallel layout: dp × pp × tp, micro-batching, pipeline schedule, rank mapping.
 
-    ``virtual_stages`` is the number of model chunks per pipeline rank (interleaved 1F1B only).
-    ``ranks`` is empty or lists every rank ``0 .. dp*pp*tp-1`` in order.
+    ``virtual_stages`` is the number of model chunks per pipeline rank (interleaved 1F1B only;
+    the plan then lists ``pp * virtual_stages`` stages, stage ``k`` on the ranks of pipeline
+    coordinate ``k % pp``). ``ranks`` is empty or lists every rank ``0 .. dp*pp*tp-1`` in
+    order. ``sequence_parallel`` (Megatron's, with ``tp > 1``): the layer norms and dropouts
+    outside the tensor-parallel regions run on a ``1/tp`` slice of the sequence, their TP
+    all-reduces become a reduce-scatter and an all-gather. ``zero_stage``: sharding inside
+    each data-parallel group (ZeRO): 1 the fp32 master weights and optimizer state (the
+    distributed optimizer), 2 also the gradients, 3 also the parameters (FSDP), which are
+    all-gathered per layer in forward and backward. The defaults (off, 0) are what plans
+    written before these fields meant.
     """
 
     dp: Ranks = 1
@@ -303,6 +416,8 @@ class Layout(_Section):
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "chimera"] = "1f1b"
     virtual_stages: Ranks = 1
     ranks: tuple[RankPlacement, ...] = ()
+    sequence_parallel: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = 0
 
     @property
     def num_ranks(self) -> int:
@@ -346,8 +461,18 @@ class Layout(_Section):
         return self
 
 
+Recompute = Literal["none", "selective", "full"]
+
+
 class Stage(_Section):
-    """One pipeline stage: layers ``first_layer..last_layer`` (inclusive) on ``ranks``."""
+    """One pipeline stage: layers ``first_layer..last_layer`` (inclusive) on ``ranks``.
+
+    ``recompute``: activation recomputation of the stage's transformer blocks: ``none``
+    (autograd keeps what it saves), ``selective`` (the attention core is recomputed in
+    backward; Korthikanti et al. 2022), ``full`` (each block keeps only its input and runs
+    its forward again in backward). The pass that writes the stages chooses it with the
+    partition, since whether a partition fits depends on it.
+    """
 
     index: NonNegInt
     first_layer: NonNegInt
@@ -357,6 +482,7 @@ class Stage(_Section):
     fwd_ms: Ms = 0.0
     bwd_ms: Ms = 0.0
     memory_bytes: NonNegInt | None = None
+    recompute: Recompute = "none"
 
     @model_validator(mode="after")
     def _check(self) -> Stage:
@@ -757,10 +883,39 @@ class Baseline(_Section):
     memory_per_rank_bytes: tuple[NonNegInt, ...] = ()
 
 
+class RankMemory(_Section):
+    """The predicted peak memory of one rank, by what holds it (bytes; ``total`` their sum).
+
+    Attributes:
+        params: working weights (compute dtype), after TP/PP and ZeRO-3 sharding.
+        grads: gradients (the reduce dtype), after ZeRO-2 sharding.
+        optimizer: fp32 master weights and optimizer state, after ZeRO-1 sharding.
+        activations: activations kept for backward at the schedule's peak of in-flight
+            micro-batches, under the stage's recomputation, plus the recomputation's transient.
+        buffers: communication buffers: ZeRO all-gather and reduce-scatter buckets, buffers
+            passes ask for.
+        margin: the allocator margin (``cost_models.memory.ALLOCATOR_MARGIN`` of the
+            activations and buffers: fragmentation of the caching allocator).
+    """
+
+    params: NonNegInt = 0
+    grads: NonNegInt = 0
+    optimizer: NonNegInt = 0
+    activations: NonNegInt = 0
+    buffers: NonNegInt = 0
+    margin: NonNegInt = 0
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations + self.buffers
+                + self.margin)
+
+
 class Predictions(_Section):
     """What the simulator predicts for the plan, and for the baselines it beat.
 
-    ``memory_per_rank_bytes[r]`` is the peak memory of global rank ``r``. ``bubble_ratio`` is
+    ``memory_per_rank_bytes[r]`` is the peak memory of global rank ``r``; ``memory_breakdown``
+    (empty in plans written before it existed) says what holds it, rank by rank. ``bubble_ratio`` is
     the simulated bubble of the plan's (possibly unbalanced) stages; ``bubble_ratio_balanced``
     the simulated bubble of the same schedule with every stage at the mean stage time (the
     inherent part; the difference is the imbalance); ``bubble_ratio_eq1`` the DynPipe seed's
@@ -775,11 +930,17 @@ class Predictions(_Section):
     bubble_ratio_balanced: Ratio | None = None
     bubble_ratio_eq1: Ratio | None = None
     baselines: tuple[Baseline, ...] = ()
+    memory_breakdown: tuple[RankMemory, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> Predictions:
         if dup := _duplicates([b.name for b in self.baselines]):
             raise ValueError(f"baseline names {dup} appear more than once")
+        if self.memory_breakdown:
+            totals = tuple(m.total for m in self.memory_breakdown)
+            if totals != self.memory_per_rank_bytes:
+                raise ValueError("memory_breakdown must add up to memory_per_rank_bytes, "
+                                 "rank by rank")
         return self
 
 

@@ -10,8 +10,14 @@ Read top to bottom (:func:`compile` is these steps in this order):
    model for the cluster, from the profile DB where it has measurements.
 3. **Screen** (:func:`_screen`): every layout :func:`enumerate_layouts` allows gets the
    *screening* passes — the pipeline without its refinements (``Pass.refines``) — which shape
-   it (stages, TP, baseline buckets); :func:`evaluate` predicts the iteration; layouts that
-   cannot fit (memory) are dropped.
+   it (stages with their recomputation, TP, baseline buckets); :func:`evaluate` predicts the
+   iteration; layouts that cannot fit (memory) are dropped. The ZeRO stage is chosen per
+   layout (:meth:`_Job.zero_ladder`): the lowest that fits, starting at 1 with ``dp > 1``
+   when the data-parallel link's reduce-scatter plus all-gather cost no more than its
+   all-reduce (then sharding the optimizer state is free in time) and the pipeline does not
+   compress gradients (a compressed sync under ZeRO-1 all-gathers the updated weights on
+   top); a layout that fits only with recomputation also gets the next stage up, and the
+   faster of the two is kept.
 4. **Refine** (:func:`_refine`): the :data:`FINALISTS` fastest layouts get the *refinement*
    list — the whole pipeline, in order, refinement passes (Cupcake; Espresso when compressors
    are allowed) included — and the fastest of those wins (ties: the smaller layout tuple). A
@@ -31,14 +37,15 @@ from the plan file alone.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hetplan.algorithms.pipeline_schedules import layout_actions
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import Evaluation, evaluate
-from hetplan.cost_models.memory import OPTIMIZER_STATE_FACTOR, USABLE_FRACTION
+from hetplan.cost_models.memory import USABLE_FRACTION, model_state
+from hetplan.cost_models.rank_memory import stage_precision
 from hetplan.cost_models.predict import breakdown, predictions, resolve_cluster, resolve_profile
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, SpecError
@@ -54,6 +61,7 @@ from hetplan.ir.plan_sections import (
     Layout,
     ModelRef,
     PassLogEntry,
+    Stage,
     WorkloadSummary,
 )
 from hetplan.optimizer.layout import LayoutCandidate, enumerate_layouts
@@ -88,6 +96,17 @@ class _Job:
 
     def layout(self, cand: LayoutCandidate) -> Layout:
         return cand.to_layout(self.opts.batch_size, self.opts.schedule)
+
+    def zero_ladder(self, cand: LayoutCandidate) -> list[int]:
+        """The ZeRO stages to try for ``cand``, in order (see module docstring, step 3)."""
+        if cand.dp == 1:
+            return [0]
+        if self.opts.zero_stage is not None:
+            return [self.opts.zero_stage]
+        compressing = any(getattr(p, "compressors", ()) for p in self.pipeline)
+        free = not compressing and _zero1_free(self.costs, self.layout(cand))
+        first = 1 if free else 0
+        return [first] + [z for z in (1, 2, 3) if z > first]
 
     def plan_for(self, layout: Layout, passes: tuple[Pass, ...]) -> tuple[Plan, Evaluation]:
         """Run ``passes`` on an empty plan of ``layout`` and evaluate the result."""
@@ -154,14 +173,20 @@ def compile(  # noqa: A001 - the product's verb
     )
     candidates = enumerate_layouts(job.workload, spec, opts.batch_size, dp=opts.dp,
                                    pp=opts.pp, tp=opts.tp,
-                                   micro_batch_size=opts.micro_batch_size)
+                                   micro_batch_size=opts.micro_batch_size,
+                                   schedule=opts.schedule, virtual_stages=opts.virtual_stages,
+                                   sequence_parallel=opts.sequence_parallel)
     if not candidates:
         raise InfeasiblePlanError(
             f"no layout of {spec.world_size} devices divides the global batch of "
             f"{opts.batch_size} into at most {MAX_MICRO_BATCHES:,} micro-batches per replica "
             f"(with dp={opts.dp}, pp={opts.pp}, tp={opts.tp}, micro_batch_size="
-            f"{opts.micro_batch_size} pinned): choose a batch size divisible by a "
-            "data-parallel degree the cluster allows, or a larger micro-batch size"
+            f"{opts.micro_batch_size} pinned"
+            + (f", schedule {opts.schedule!r}: micro-batches must be a multiple of pp and "
+               "pp·virtual_stages at most the layers" if opts.schedule == "interleaved-1f1b"
+               else "")
+            + "): choose a batch size divisible by a data-parallel degree the cluster allows, "
+            "or a larger micro-batch size"
         )
     infeasible: list[str] = []
     screened = _screen(job, candidates, infeasible)
@@ -198,22 +223,44 @@ def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | N
 
 
 def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[str]) -> list[Scored]:
-    """Every candidate layout with the screening passes, fastest first; the reasons of those
-    that cannot fit are appended to ``infeasible``."""
+    """Every candidate layout with the screening passes at its ZeRO stage, fastest first; the
+    reasons of those that cannot fit at any stage are appended to ``infeasible``."""
     screened: list[Scored] = []
     for cand in candidates:
-        reason = _memory_lower_bound(job.workload, cand, job.costs)
-        if reason:
-            infeasible.append(reason)
-            continue
-        try:
-            plan, ev = job.plan_for(job.layout(cand), job.screening)
-        except InfeasiblePlanError as e:
-            infeasible.append(str(e))
-            continue
-        screened.append((ev.iteration_s, cand, plan, ev))
+        best = _screen_one(job, cand, infeasible)
+        if best is not None:
+            screened.append(best)
     screened.sort(key=lambda x: (x[0], x[1]))
     return screened
+
+
+def _screen_one(job: _Job, cand: LayoutCandidate, infeasible: list[str]) -> Scored | None:
+    """``cand`` at the lowest ZeRO stage of its ladder that fits (and, if that needed
+    recomputation, the next stage too: the faster wins); None if none fits."""
+    best: Scored | None = None
+    reason = ""
+    ladder = job.zero_ladder(cand)
+    extra = 0
+    for z in ladder:
+        c = replace(cand, zero_stage=z)
+        reason = _memory_lower_bound(job.workload, c, job.costs)
+        if reason:
+            continue
+        try:
+            plan, ev = job.plan_for(job.layout(c), job.screening)
+        except InfeasiblePlanError as e:
+            reason = str(e)
+            if best is not None:
+                break
+            continue
+        if best is None or (ev.iteration_s, c) < (best[0], best[1]):
+            best = (ev.iteration_s, c, plan, ev)
+        if all(st.recompute == "none" for st in plan.stages) or extra:
+            break
+        extra = 1  # it needed recomputation: one more ZeRO stage may avoid it
+    if best is None:
+        infeasible.append(reason)
+    return best
 
 
 def _refine(job: _Job, screened: list[Scored], infeasible: list[str]) -> Scored | None:
@@ -247,6 +294,7 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
         "cost_settings": CostSettings(dtype=opts.dtype, efficiency=opts.efficiency,
                                       optimizer=opts.optimizer,
                                       profile_fingerprint=_db_fingerprint(job.db)),
+        "precision": job.costs.precision,
         "pass_log": (PassLogEntry(name="layout-search", changed=True, notes=(search_note,)),)
         + plan.pass_log,
         # the action lists the simulator costs and the runtime executes
@@ -269,26 +317,50 @@ def _stages_with_times(plan: Plan, ev: Evaluation) -> tuple[Any, ...]:
 
 def _memory_lower_bound(workload: WorkloadSummary, cand: LayoutCandidate,
                         costs: CostModel) -> str:
-    """Why ``cand`` cannot fit whatever the stage partition (the parameter-related bytes of
-    the model spread perfectly over pp·tp ranks exceed the smallest device), or ""."""
-    per_param_byte = 2.0 + OPTIMIZER_STATE_FACTOR[costs.optimizer]
-    split = sum(min(x.tp_split_bytes, x.param_bytes) for x in workload.layers)
-    total = sum(x.param_bytes for x in workload.layers)
-    need = per_param_byte * ((total - split) + split / cand.tp) / cand.pp
+    """Why ``cand`` cannot fit whatever the stage partition (the model state of the whole
+    model — weights, gradients, master weights and optimizer state in the precision's dtypes,
+    with the candidate's TP and ZeRO division — spread perfectly over its ``pp`` pipeline
+    ranks exceeds the smallest device), or ""."""
+    whole = Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
+                  ranks=tuple(range(len(costs.devices))))
+    prec = min((stage_precision(workload, whole, costs, r) for r in range(len(costs.devices))),
+               key=lambda p: (p.weight_bytes + p.grad_bytes + p.master_bytes, p.act_bytes))
+    w, g, o = model_state(workload.layers, tp=cand.tp, dp=cand.dp, zero_stage=cand.zero_stage,
+                          optimizer=costs.optimizer, precision=prec)
+    need = (w + g + o) / cand.pp
     cap = min(d.memory_bytes for d in costs.devices) * USABLE_FRACTION
     if need <= cap:
         return ""
     return (
-        f"layout {cand.describe()}: parameters, gradients and optimizer state alone need "
-        f"{need / 2**30:.1f} GiB per rank even if perfectly balanced, more than "
+        f"layout {cand.describe()}: weights, gradients, master weights and optimizer state "
+        f"alone need {need / 2**30:.1f} GiB per rank even if perfectly balanced, more than "
         f"{cap / 2**30:.1f} GiB usable"
     )
+
+
+def _zero1_free(costs: CostModel, layout: Layout) -> bool:
+    """Whether the data-parallel link of ``layout``'s first stage moves a reduce-scatter
+    plus an all-gather in no more time than an all-reduce (at 1 MiB and 1 GiB): then ZeRO-1
+    costs nothing and is never worse (it also divides the optimizer step)."""
+    ranks = [layout.rank_of(d, 0, 0) for d in range(layout.dp)]
+    link: Literal["intra", "inter"] = (
+        "intra" if len({costs.devices[r].node_index for r in ranks}) == 1 else "inter")
+    for size in (2.0**20, 2.0**30):
+        ar = costs.comm.time_s("allreduce", size, layout.dp, link)
+        split = (costs.comm.time_s("reduce_scatter", size, layout.dp, link)
+                 + costs.comm.time_s("allgather", size, layout.dp, link))
+        if split > ar * (1 + 1e-9):
+            return False
+    return True
 
 
 def _baselines(job: _Job, cand: LayoutCandidate) -> list[Baseline]:
     """DDP, the winning layout with the baseline passes, and with layer-wise fp32 sync."""
     out: list[Baseline] = []
     base = parse_pipeline(BASELINE_PIPELINE)
+    if job.opts.recompute != "auto":
+        base = tuple(replace(p, recompute=job.opts.recompute)  # type: ignore[type-var]
+                     if p.name == "uniform-stages" else p for p in base)
     layout = job.layout(cand)
 
     def add(name: str, description: str, fn: Any) -> None:
@@ -304,7 +376,7 @@ def _baselines(job: _Job, cand: LayoutCandidate) -> list[Baseline]:
     ddp = enumerate_layouts(job.workload, job.spec, job.opts.batch_size, pp=1, tp=1)
     for c in sorted(ddp, key=lambda c: -c.micro_batch_size):
         before = len(out)
-        add("ddp", f"PyTorch DDP: dp={c.dp}, 25 MiB fp32 buckets, micro-batch "
+        add("ddp", f"PyTorch DDP: dp={c.dp}, 25 MiB uncompressed buckets, micro-batch "
                    f"{c.micro_batch_size}×{c.micro_batches}",
             lambda c=c: job.plan_for(job.layout(c), base)[1])
         if len(out) > before:
@@ -317,7 +389,8 @@ def _baselines(job: _Job, cand: LayoutCandidate) -> list[Baseline]:
         plan, _ = job.plan_for(layout, base)
         return evaluate(job.workload, layout, plan.stages, None, job.costs)
 
-    add("layer-wise", f"{cand.describe()} with one fp32 allreduce per gradient (no fusion)",
+    add("layer-wise", f"{cand.describe()} with one uncompressed allreduce per gradient "
+                      "(no fusion)",
         layerwise)
     return out
 

@@ -11,8 +11,19 @@ Rules (each prunes layouts that cannot be right, not ones that merely look slow)
 - a pipeline has at least as many micro-batches as stages (fewer leaves stages idle for the
   whole iteration, and torch's 1F1B schedules refuse it);
 - at most ``MAX_MICRO_BATCHES`` (65,536) micro-batches, the most a plan may have.
+- interleaved 1F1B: ``virtual_stages`` ``v`` in 2..4 with ``pp · v`` at most the number of
+  layers, and a micro-batch count divisible by ``pp`` (Megatron's schedule needs it); a layout
+  without a pipeline runs ``v = 1``;
+- sequence parallelism whenever ``tp > 1``: it replaces each TP all-reduce by a
+  reduce-scatter and an all-gather that cost the same (ring: ``2(n-1)/n`` of the bytes
+  either way) and divides the activations outside the TP regions by ``tp``, so it is never
+  worse in the model (a dominated choice pruned, not searched).
 
-The order of the returned list is deterministic (sorted by dp, pp, tp, micro-batch size).
+The ZeRO stage is not enumerated here: ``compile`` chooses it per layout (the cheapest that
+fits, :func:`~hetplan.optimizer.compile.compile`).
+
+The order of the returned list is deterministic (sorted by dp, pp, tp, micro-batch size,
+micro-batches, virtual stages).
 """
 
 from __future__ import annotations
@@ -27,13 +38,19 @@ __all__ = ["LayoutCandidate", "enumerate_layouts", "divisors"]
 
 @dataclass(frozen=True, order=True)
 class LayoutCandidate:
+    """One layout to try: the degrees, micro-batching, interleaved chunks, sequence
+    parallelism and ZeRO stage (see :class:`~hetplan.ir.plan_sections.Layout`)."""
+
     dp: int
     pp: int
     tp: int
     micro_batch_size: int
     micro_batches: int
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
 
-    def to_layout(self, global_batch: int, schedule: str, virtual_stages: int = 1) -> Layout:
+    def to_layout(self, global_batch: int, schedule: str) -> Layout:
         return Layout(
             dp=self.dp,
             pp=self.pp,
@@ -42,12 +59,17 @@ class LayoutCandidate:
             micro_batch_size=self.micro_batch_size,
             global_batch_size=global_batch,
             schedule=schedule,  # type: ignore[arg-type]
-            virtual_stages=virtual_stages,
+            virtual_stages=self.virtual_stages,
+            sequence_parallel=self.sequence_parallel,
+            zero_stage=self.zero_stage,  # type: ignore[arg-type]
         )
 
     def describe(self) -> str:
+        extra = "".join((f" v={self.virtual_stages}" if self.virtual_stages > 1 else "",
+                         " sp" if self.sequence_parallel else "",
+                         f" zero={self.zero_stage}" if self.zero_stage else ""))
         return (f"dp={self.dp} pp={self.pp} tp={self.tp} mb={self.micro_batch_size}"
-                f"×{self.micro_batches}")
+                f"×{self.micro_batches}{extra}")
 
 
 def divisors(n: int) -> list[int]:
@@ -74,8 +96,13 @@ def enumerate_layouts(
     pp: int | None = None,
     tp: int | None = None,
     micro_batch_size: int | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int | None = None,
+    sequence_parallel: bool | None = None,
 ) -> list[LayoutCandidate]:
-    """All layouts the rules allow; ``dp``/``pp``/``tp``/``micro_batch_size`` pin a value."""
+    """All layouts the rules allow; ``dp``/``pp``/``tp``/``micro_batch_size``/
+    ``virtual_stages``/``sequence_parallel`` pin a value (``virtual_stages`` applies to
+    pipelines of the interleaved schedule)."""
     world = cluster.world_size
     node_sizes = [sum(g.count for g in node.devices) for node in cluster.nodes]
     has_pairs = any(layer.tp_pairs for layer in workload.layers)
@@ -97,7 +124,21 @@ def enumerate_layouts(
                     continue
                 if p > 1 and per_replica // mb < p:
                     continue  # a pipeline needs at least one micro-batch per stage
-                if per_replica // mb > MAX_MICRO_BATCHES:
+                m = per_replica // mb
+                if m > MAX_MICRO_BATCHES:
                     continue
-                out.append(LayoutCandidate(d, p, t, mb, per_replica // mb))
+                sp = t > 1 if sequence_parallel is None else sequence_parallel and t > 1
+                for v in _chunk_counts(schedule, p, m, len(workload.layers), virtual_stages):
+                    out.append(LayoutCandidate(d, p, t, mb, m, v, sp))
     return sorted(out)
+
+
+def _chunk_counts(schedule: str, pp: int, micro_batches: int, layers: int,
+                  pinned: int | None) -> list[int]:
+    """The interleaved chunk counts ``v`` a pipeline may use (``[1]`` without one)."""
+    if schedule != "interleaved-1f1b" or pp == 1:
+        return [1]
+    if micro_batches % pp:
+        return []
+    options = [pinned] if pinned is not None else [2, 3, 4]
+    return [v for v in options if v >= 2 and pp * v <= layers]

@@ -7,7 +7,9 @@ the pipeline (they exist because ``hetplan plan`` has had these flags since befo
 
 - ``compressors`` sets ``espresso{compressors=...}``;
 - ``dynamics`` sets ``dynpipe{dynamics=...}`` (and needs a ``dynpipe`` pass);
-- ``tp_controller`` / ``tp_gamma_max`` set ``tp-resizing{controller=... gamma-max=...}``.
+- ``tp_controller`` / ``tp_gamma_max`` set ``tp-resizing{controller=... gamma-max=...}``;
+- ``recompute`` sets the ``recompute`` option of the pass that writes the stages
+  (``dynpipe`` or ``uniform-stages``).
 
 A shorthand and the spec may not disagree: setting the same option both ways to different
 values is a :class:`~hetplan.errors.SpecError`.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,7 +32,6 @@ from pydantic import (
 
 from hetplan.cost_models.pipeline import SCHEDULES
 from hetplan.errors import SpecError
-from hetplan.ir.cluster import DTYPE_ALIASES, Dtype
 from hetplan.ir.fields import MAX_COUNT
 from hetplan.ir.rebalancing import DynamicsSpec
 from hetplan.ir.validation import did_you_mean, format_validation_error
@@ -52,7 +53,16 @@ class CompileOptions(BaseModel):
         schedule: pipeline schedule (one of ``cost_models.pipeline.SCHEDULES``).
         passes: the pass pipeline (spec string, or names / pass instances).
         dp / pp / tp / micro_batch_size: pin a layout dimension.
-        dtype / efficiency / optimizer: cost-model settings (recorded in the plan).
+        virtual_stages / sequence_parallel / zero_stage: pin a strategy dimension (interleaved
+            chunks per pipeline rank; Megatron sequence parallelism with TP; ZeRO sharding
+            inside data-parallel groups); None: searched.
+        recompute: pin every stage's activation recomputation (``none``, ``selective``,
+            ``full``); ``auto``: the cheapest that fits, per stage (the shorthand sets the
+            ``recompute`` option of the pass that writes the stages).
+        dtype: the precision policy: ``mixed`` (the default: bf16 on device types with a bf16
+            peak, fp16 with loss scaling where only fp16, fp32 elsewhere; fp32 master weights
+            and optimizer state) or one of ``fp32``, ``bf16``, ``fp16`` everywhere.
+        efficiency / optimizer: cost-model settings (recorded in the plan).
         require_profiled: refuse analytic compute estimates.
         compressors / dynamics / tp_controller / tp_gamma_max: pipeline shorthands.
     """
@@ -67,7 +77,11 @@ class CompileOptions(BaseModel):
     pp: int | None = PosInt
     tp: int | None = PosInt
     micro_batch_size: int | None = PosInt
-    dtype: str = "fp32"
+    virtual_stages: int | None = Field(default=None, ge=2)
+    sequence_parallel: bool | None = None
+    zero_stage: Literal[0, 1, 2, 3] | None = None
+    recompute: Literal["auto", "none", "selective", "full"] = "auto"
+    dtype: Literal["mixed", "fp32", "bf16", "fp16"] = "mixed"
     efficiency: float = Field(default=0.5, gt=0, le=1)
     optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
     require_profiled: bool = False
@@ -82,15 +96,6 @@ class CompileOptions(BaseModel):
         if v not in SCHEDULES:
             raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)} "
                              f"(known: {', '.join(SCHEDULES)})")
-        return v
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        known = [*get_args(Dtype), *DTYPE_ALIASES]
-        if v not in known:
-            raise ValueError(f"unknown compute dtype {v!r}{did_you_mean(v, known)} (known: "
-                             f"{', '.join(get_args(Dtype))})")
         return v
 
     @model_validator(mode="after")
@@ -147,6 +152,9 @@ class CompileOptions(BaseModel):
              {"controller": self.tp_controller, "gamma_max": self.tp_gamma_max}
              if self.tp_controller != "off" or self.tp_gamma_max != 0.9 else {}),
         ]
+        if self.recompute != "auto":
+            writer = next((n for n in names if n in ("dynpipe", "uniform-stages")), "dynpipe")
+            shorthands.append(("recompute", writer, {"recompute": self.recompute}))
         for option, pass_name, values in shorthands:
             if not values:
                 continue

@@ -77,7 +77,8 @@ def rank_of(layout: Layout, dp: int, pp: int, tp: int) -> int:
 
 
 def stages_from_bounds(bounds: list[tuple[int, int]], ctx: PassContext) -> tuple[Stage, ...]:
-    """Stages for inclusive layer ranges, with the ranks of each pipeline coordinate."""
+    """Stages for inclusive layer ranges, with the ranks of each pipeline coordinate (stage
+    ``s`` on coordinate ``s % pp``: interleaved chunks list ``pp * virtual_stages``)."""
     lay = ctx.layout
     names = [layer.name for layer in ctx.workload.layers]
     return tuple(
@@ -87,7 +88,7 @@ def stages_from_bounds(bounds: list[tuple[int, int]], ctx: PassContext) -> tuple
             last_layer=last,
             layer_names=tuple(names[first : last + 1]),
             ranks=tuple(
-                rank_of(lay, d, s, t) for d in range(lay.dp) for t in range(lay.tp)
+                rank_of(lay, d, s % lay.pp, t) for d in range(lay.dp) for t in range(lay.tp)
             ),
         )
         for s, (first, last) in enumerate(bounds)

@@ -41,9 +41,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from hetplan.algorithms.dp_types import GPU, Op
 from hetplan.algorithms.fusion import Fusion, pareto_dp_table
 from hetplan.cost_models.evaluate import StageSync, evaluate, stage_syncs
-from hetplan.cost_models.timeline import GPU, Op
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync, SyncStrategy, WorkloadSummary
 from hetplan.passes.base import PassContext, PassResult

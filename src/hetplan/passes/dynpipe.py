@@ -9,13 +9,19 @@ recommends; the pass notes when the cluster's order differs from it).
    on the slowest device of each stage position (tensor-parallel split and all-reduces as
    in the simulator), the boundary transfer time to the next stage (forward activation and
    backward gradient over the link between the stages), and every layer's memory at that
-   position (parameters, gradients, optimizer state, activations × in-flight micro-batches)
-   against 90 % of the smallest device of the stage.
+   position (model state in the plan's precision and ZeRO stage, activations × in-flight
+   micro-batches under the smallest recomputation the ``recompute`` option allows) against
+   90 % of the smallest device of the stage. Interleaved 1F1B partitions into
+   ``pp * virtual_stages`` chunks, chunk ``k`` on pipeline rank ``k % pp`` (its memory
+   against ``1 / virtual_stages`` of the rank's).
 2. **Candidates**: the exact min–max partition by time with transfers, by time without
    transfers, by parameter bytes, and the uniform split (Megatron's default).
-3. **Choice**: each memory-feasible candidate gets DDP-style gradient buckets and is scored
-   by the simulator (:func:`~hetplan.cost_models.evaluate.evaluate`); the fastest wins, ties
-   to the earlier candidate. The uniform split is a candidate, so the result is never
+3. **Choice**: each candidate gets its stages' activation recomputation — the cheapest that
+   fits, per stage (:func:`~hetplan.cost_models.rank_memory.choose_recompute`; decided here
+   because whether a partition fits depends on it), or the ``recompute`` option's mode — and
+   DDP-style gradient buckets, and is scored by the simulator
+   (:func:`~hetplan.cost_models.evaluate.evaluate`); the fastest wins, ties to the earlier
+   candidate. The uniform split is a candidate, so the result is never
    predicted slower than the ``uniform-stages`` baseline under the baseline's gradient sync.
 4. **Dynamics** (``dynamics`` option): the model's phases (pruning steps, freezing, early
    exit) are replayed with :func:`~hetplan.algorithms.dynamics.run_dynamic` under the
@@ -28,11 +34,13 @@ Complexity: O(D · L) cost lookups plus four simulator runs; the partition DP is
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from hetplan.algorithms.dynamics import (
     BalancePolicy,
+    DynamicRun,
     LayerProfile,
     PruningModel,
     build_phases,
@@ -45,9 +53,16 @@ from hetplan.algorithms.partition import (
 )
 from hetplan.cost_models.ddp import ddp_gradient_sync
 from hetplan.cost_models.evaluate import evaluate
-from hetplan.cost_models.memory import USABLE_FRACTION, in_flight_micro_batches, stage_memory
+from hetplan.cost_models.memory import (
+    USABLE_FRACTION,
+    capture_bytes,
+    in_flight_micro_batches,
+    stage_memory,
+)
 from hetplan.cost_models.pipeline import simulate_pipeline
-from hetplan.errors import InfeasiblePlanError, PassError
+from hetplan.cost_models.precision import state_precision
+from hetplan.cost_models.rank_memory import RECOMPUTE_ORDER, choose_recompute
+from hetplan.errors import InfeasiblePlanError, PassError, SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Stage
 from hetplan.ir.rebalancing import DynamicsSpec, LayerMigration, PlannedEvent, Rebalancing
@@ -70,17 +85,22 @@ class _Costs:
 
 def _stage_ranks(ctx: PassContext, s: int) -> list[int]:
     lay = ctx.layout
-    return [rank_of(lay, d, s, t) for d in range(lay.dp) for t in range(lay.tp)]
+    return [rank_of(lay, d, s % lay.pp, t) for d in range(lay.dp) for t in range(lay.tp)]
 
 
-def _costs(ctx: PassContext) -> _Costs:
+def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
     lay, wl, costs = ctx.layout, ctx.workload, ctx.costs
     mb = lay.micro_batch_size
     scale = mb / wl.batch_size
     n = len(wl.layers)
+    v = lay.virtual_stages
+    mode = "full" if recompute == "auto" else recompute
     fwd, bwd, send, mem, cap = [], [], [], [], []
-    for s in range(lay.pp):
+    for s in range(lay.pp * v):
         ranks = _stage_ranks(ctx, s)
+        types = sorted({costs.devices[r].type for r in ranks})
+        prec = max((state_precision(costs.precision, t, types, capture_bytes(wl))
+                    for t in types), key=lambda x: (x.act_bytes, x.weight_bytes, x.grad_bytes))
         devs = {(costs.devices[r].type, costs.devices[r].slowdown): costs.devices[r]
                 for r in ranks}
         f, b = [0.0] * n, [0.0] * n
@@ -91,30 +111,34 @@ def _costs(ctx: PassContext) -> _Costs:
         if lay.tp > 1:  # TP groups stay inside a node (layout rule)
             for k, layer in enumerate(wl.layers):
                 if layer.tp_pairs:
-                    ar = costs.comm.time_s("allreduce", layer.act_out_bytes * scale, lay.tp,
-                                           "intra") * 1e3
+                    ar = costs.comm.time_s("allreduce",
+                                           layer.act_out_bytes * scale * prec.act_scale,
+                                           lay.tp, "intra") * 1e3
                     f[k] += layer.tp_pairs * ar
                     b[k] += layer.tp_pairs * ar
         fwd.append(f)
         bwd.append(b)
-        if s + 1 < lay.pp:
+        if s + 1 < lay.pp * v:
             link = costs.cluster.link_between(ranks[0], _stage_ranks(ctx, s + 1)[0])
-            send.append([2e3 * costs.comm.time_s("p2p", x.act_out_bytes * scale / lay.tp, 2,
-                                                 link) for x in wl.layers])
+            send.append([2e3 * costs.comm.time_s(
+                "p2p", x.act_out_bytes * scale * prec.act_scale / lay.tp, 2, link)
+                for x in wl.layers])
         else:
             send.append([0.0] * n)
-        flight = in_flight_micro_batches(lay.schedule, s, lay.pp, lay.micro_batches,
-                                         lay.virtual_stages)
-        mem.append([float(stage_memory([x], tp=lay.tp, micro_batch_scale=scale,
-                                       in_flight=flight, optimizer=costs.optimizer).total)
-                    for x in wl.layers])
-        cap.append(min(costs.devices[r].memory_bytes for r in ranks) * USABLE_FRACTION)
+        flight = in_flight_micro_batches(lay.schedule, s % lay.pp, lay.pp, lay.micro_batches,
+                                         v)
+        mem.append([float(stage_memory(
+            [x], tp=lay.tp, micro_batch_scale=scale, in_flight=flight,
+            optimizer=costs.optimizer, precision=prec, dp=lay.dp, zero_stage=lay.zero_stage,
+            sequence_parallel=lay.sequence_parallel, recompute=mode).total)
+            for x in wl.layers])
+        cap.append(min(costs.devices[r].memory_bytes for r in ranks) * USABLE_FRACTION / v)
     cost = [[a + b for a, b in zip(f, b)] for f, b in zip(fwd, bwd)]
     return _Costs(cost, fwd, bwd, send, mem, cap)
 
 
 def _candidates(c: _Costs, ctx: PassContext) -> list[tuple[str, Bounds]]:
-    n, p = len(ctx.workload.layers), ctx.layout.pp
+    n, p = len(ctx.workload.layers), ctx.layout.pp * ctx.layout.virtual_stages
     params = [float(x.param_bytes) for x in ctx.workload.layers]
     out: list[tuple[str, Bounds]] = []
     tries = (
@@ -150,22 +174,35 @@ class DynPipe:
     Attributes:
         dynamics: how the model changes while training (None: a static model); in a
             pipeline spec, the path of a dynamics file (``dynpipe{dynamics=FILE}``).
+        recompute: ``auto`` (the cheapest activation recomputation that fits, per stage) or
+            one mode for every stage: ``none``, ``selective``, ``full``.
     """
 
     dynamics: DynamicsSpec | None = field(default=None, metadata={"parse": DynamicsSpec.load})
+    recompute: str = "auto"
     name: ClassVar[str] = "dynpipe"
     sections: ClassVar[tuple[str, ...]] = ("stages", "rebalancing")
     refines: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        if self.recompute not in ("auto", *RECOMPUTE_ORDER):
+            raise SpecError(f"{self.name}{{recompute={self.recompute}}}: expected auto, "
+                            f"{', '.join(RECOMPUTE_ORDER)}")
+
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
-        n, p = len(ctx.workload.layers), ctx.layout.pp
+        n, p = len(ctx.workload.layers), ctx.layout.pp * ctx.layout.virtual_stages
         if p > n:
             raise PassError(f"{self.name}: {p} pipeline stages but only {n} layers")
-        c = _costs(ctx)
+        if self.dynamics is not None and ctx.layout.virtual_stages > 1:
+            raise PassError(f"{self.name}: re-balancing a dynamic model needs one chunk per "
+                            "pipeline rank; plan it with schedule '1f1b' or 'gpipe'")
+        c = _costs(ctx, self.recompute)
         best: tuple[float, str, Bounds, tuple[Stage, ...]] | None = None
         scored = []
         for name, bounds in _candidates(c, ctx):
-            stages = stages_from_bounds(list(bounds), ctx)
+            stages = choose_recompute(ctx.workload, ctx.layout,
+                                      stages_from_bounds(list(bounds), ctx), ctx.costs,
+                                      mode=self.recompute)
             sync = ddp_gradient_sync(ctx.workload, stages)
             try:
                 ev = evaluate(ctx.workload, ctx.layout, stages, sync, ctx.costs)
@@ -176,10 +213,15 @@ class DynPipe:
                 best = (ev.iteration_s, name, bounds, stages)
         if best is None:  # nothing fits: the uniform split, so the simulator names the rank
             bounds = uniform_partition(n, p)
-            best = (math.inf, "uniform", bounds, stages_from_bounds(list(bounds), ctx))
+            stages = choose_recompute(ctx.workload, ctx.layout,
+                                      stages_from_bounds(list(bounds), ctx), ctx.costs,
+                                      mode=self.recompute)
+            best = (math.inf, "uniform", bounds, stages)
         _, chosen, bounds, stages = best
         notes = [f"{p} stage(s), sizes {[j - i + 1 for i, j in bounds]} ({chosen}); "
                  f"candidates: {', '.join(scored) or 'none fits'}"]
+        if any(st.recompute != "none" for st in stages):
+            notes.append("recompute per stage: " + " ".join(st.recompute for st in stages))
         if note := _order_note(ctx):
             notes.append(note)
         update: dict[str, object] = {"stages": stages}
@@ -225,17 +267,19 @@ def _rebalancing(dyn: DynamicsSpec, c: _Costs, ctx: PassContext, bounds: Bounds)
     per_gb = ctx.costs.comm.time_s("p2p", 1e9, 2, link) * 1e3
     send = [sum(col) / len(c.send) for col in zip(*c.send)]
 
-    def iteration_ms(f: list[float], b: list[float], k: int) -> float:
+    def iteration_ms(f: Sequence[float], b: Sequence[float], k: int) -> float:
         return simulate_pipeline(f, b, lay.micro_batches, lay.schedule if k > 1 else "gpipe",
                                  virtual_stages=lay.virtual_stages if k > 1 else 1
                                  ).iteration_ms
 
     mem_cap = [c.cap[s] for s in range(lay.pp)]
-    kw = dict(speeds=speeds, send_ms=send, link_bytes_per_ms=1e9 / per_gb, mem_cap=mem_cap,
-              initial=bounds)
-    run = run_dynamic(phases, lay.pp, dyn.total_iterations, policy, iteration_ms, **kw)
-    static = run_dynamic(phases, lay.pp, dyn.total_iterations, BalancePolicy("static"),
-                         iteration_ms, **kw)
+    def replay(pol: BalancePolicy) -> DynamicRun:
+        return run_dynamic(phases, lay.pp, dyn.total_iterations, pol, iteration_ms,
+                           speeds=speeds, send_ms=send, link_bytes_per_ms=1e9 / per_gb,
+                           mem_cap=mem_cap, initial=bounds)
+
+    run = replay(policy)
+    static = replay(BalancePolicy("static"))
     events = tuple(
         PlannedEvent(
             iteration=e.iteration, label=e.label, stages=e.bounds,

@@ -42,10 +42,12 @@ Decisions (also in ``docs/decisions.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
+from hetplan.algorithms.dp_types import Op
 from hetplan.algorithms.espresso import Selection, SelectionProblem, select
 from hetplan.algorithms.espresso_tree import (
     Option,
@@ -56,7 +58,6 @@ from hetplan.algorithms.espresso_tree import (
 )
 from hetplan.cost_models.compression import COMPRESSORS, DEFAULT_SPARSITY_RATIO
 from hetplan.cost_models.evaluate import StageSync, evaluate, stage_syncs
-from hetplan.cost_models.timeline import Op
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
@@ -111,7 +112,8 @@ def strategy_for(key: Key, ratio: float = DEFAULT_SPARSITY_RATIO) -> SyncStrateg
     """The plan strategy of a candidate ``key``."""
     comp, oid = key
     option = all_options()[oid]
-    hierarchy = "hierarchical" if option[0].level != "flat" else "flat"
+    hierarchy: Literal["flat", "hierarchical"] = (
+        "hierarchical" if option[0].level != "flat" else "flat")
     if comp is None:
         return NoSync(hierarchy=hierarchy, steps=_steps(option))
     if comp in _CASTS:
@@ -164,6 +166,13 @@ class Espresso:
         syncs = stage_syncs(ctx.workload, ctx.layout, plan.stages, ctx.costs)
         if not syncs:
             return PassResult(plan, False, ("no data-parallel gradient sync (dp = 1)",))
+        if allowed and ctx.layout.zero_stage >= 2:
+            # ZeRO-2/3 reduce-scatter gradients during backward; compression applies with
+            # zero_stage <= 1 (docs/decisions.md, "Strategy space")
+            res = dataclasses.replace(self, compressors=()).run(plan, ctx)
+            note = (f"compressors {', '.join(allowed)} not used: ZeRO-{ctx.layout.zero_stage} "
+                    "shards gradients during backward (compression needs zero_stage <= 1)")
+            return dataclasses.replace(res, notes=(note, *res.notes))
         if not allowed and plan.gradient_sync is not None and plan.gradient_sync.buckets:
             return self._route_buckets(plan, ctx, syncs)
         strategies: dict[str, SyncStrategy] = {}

@@ -373,7 +373,8 @@ def _rank_memory(ctx: Any, r: int, ev: Evaluation) -> Facts:
 
 def _breakdown(m: Any) -> str:
     parts = (("params", m.params), ("grads", m.grads), ("optimizer", m.optimizer),
-             ("activations", m.activations), ("buffers", m.buffers))
+             ("activations", m.activations), ("buffers", m.buffers),
+             ("allocator margin", m.margin))
     return ", ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
 
 

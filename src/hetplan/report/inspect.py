@@ -141,6 +141,10 @@ def _layout(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
         dp=lay.dp, pp=lay.pp, tp=lay.tp, micro_batches=lay.micro_batches,
         micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch_size,
         schedule=lay.schedule, virtual_stages=lay.virtual_stages, ranks_used=lay.num_ranks,
+        zero_stage=lay.zero_stage, sequence_parallel=lay.sequence_parallel,
+        recompute=[st.recompute for st in plan.stages],
+        precision=plan.precision.model_dump(mode="json") if plan.precision is not None
+        else None,
     )
     return out
 

@@ -70,6 +70,29 @@ def _layout(report: dict[str, Any], c: Console) -> None:
             f"{_n(lay['micro_batches'], 'micro-batch', 'micro-batches')} of "
             f"{lay['micro_batch_size']}{batch}{virtual}"
             f" · {lay['ranks_used']} of {lay['world_size']} ranks used")
+    c.print(f"strategy: {_strategy(lay)}")
+
+
+def _strategy(lay: dict[str, Any]) -> str:
+    """Precision per device type, ZeRO, sequence parallelism, recomputation per stage."""
+    prec = lay.get("precision")
+    if prec:
+        dtypes = ", ".join(
+            f"{t} {d['compute_dtype']}" + (" + loss scaling" if d["loss_scaling"] != "none"
+                                           else "")
+            for t, d in prec["devices"].items())
+        parts = [f"precision {prec['policy']} ({dtypes})"]
+    else:
+        parts = ["precision as cost settings"]
+    parts.append(f"ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "no ZeRO")
+    if lay.get("sequence_parallel"):
+        parts.append("sequence parallel")
+    modes = lay.get("recompute") or []
+    if any(m != "none" for m in modes):
+        parts.append("recompute per stage " + " ".join(modes))
+    else:
+        parts.append("no recomputation")
+    return ", ".join(parts)
 
 
 def _stages(report: dict[str, Any], c: Console) -> None:

@@ -356,7 +356,7 @@ def make_compressor(name: str, params: Mapping[str, object] | None = None) -> Co
         raise SpecError(f"compressor {name!r} takes parameters {list(allowed)}, got {bad}")
     if "ratio" in params and not 0 < float(params["ratio"]) <= 1:  # type: ignore[arg-type]
         raise SpecError(f"compressor {name!r}: ratio must be in (0, 1], got {params['ratio']}")
-    return cls(**params)  # type: ignore[arg-type]
+    return cls(**params)
 
 
 @dataclass

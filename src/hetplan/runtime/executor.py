@@ -3,16 +3,24 @@
 The runtime is thin: it does what the plan says and knows nothing about search. It only
 composes handlers, one per plan section (:mod:`hetplan.runtime.handlers`):
 
-1. **Refuse a mismatch before any collective**: the model is captured on ``meta`` with the
-   given example inputs and its fingerprint compared with the plan's; the world size must be
-   the plan's ``dp · pp · tp``.
+1. **Refuse a mismatch**: first the ranks agree on the plan (its digest, gathered from every
+   rank: ranks that loaded different plans all refuse, naming who has which); then, before
+   any other collective, the model is captured on ``meta`` with the given example inputs and
+   its fingerprint compared with the plan's, and the world size must be the plan's
+   ``dp · pp · tp``.
 2. **Groups** for the layout (:class:`ParallelGroups`), each with the runtime's timeout.
+   This rank's heartbeat in the job's store (:class:`~hetplan.runtime.liveness.Heartbeat`)
+   beats from the start, so a collective of the setup that fails because a peer froze or
+   died names that peer too.
 3. **Handlers**: every handler of :data:`~hetplan.runtime.handlers.DEFAULT_HANDLERS` (or of
    ``handlers``) sets up from its section, in order — tensor-parallel shards, the resizing
    controller, this rank's pipeline stages and the plan's action list, gradient sync,
    re-balancing events — then the optimizer is built over this rank's parameters.
 4. :meth:`Runtime.train_step` runs one iteration over the global batch: the handlers' step
-   hooks around the optimizer step, timed into :class:`StepTimes`; returns the loss.
+   hooks around the optimizer step, timed into :class:`StepTimes`; returns the loss. A
+   step whose collective fails because a peer froze or died raises
+   :class:`~hetplan.runtime.liveness.PeerFailureError` naming that peer.
+5. :meth:`Runtime.close` releases hooks, threads, the heartbeat and the group references.
 
 Adding a plan section's execution adds a handler; nothing here changes.
 """
@@ -34,7 +42,7 @@ from hetplan.ir.model import ModelIR
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Layout
 from hetplan.ir.rebalancing import PlannedEvent
-from hetplan.runtime.groups import ParallelGroups, job_timeout
+from hetplan.runtime.groups import ParallelGroups, agree_on_plan, job_timeout
 from hetplan.runtime.handlers import (
     DEFAULT_HANDLERS,
     Handler,
@@ -45,6 +53,7 @@ from hetplan.runtime.handlers import (
     RuntimeContext,
     StepTimes,
 )
+from hetplan.runtime.liveness import Heartbeat
 from hetplan.runtime.resizing import ResizingRuntime, StragglerSpec
 
 __all__ = ["Runtime", "StepTimes"]
@@ -85,6 +94,8 @@ class Runtime:
 
     Attributes:
         ctx: the state the handlers share (``ctx.named_params``, ``ctx.optimizer`` ...).
+        heartbeat: this rank's heartbeat (None without a process group, or after
+            :meth:`close`).
     """
 
     plan: Plan
@@ -98,8 +109,25 @@ class Runtime:
     timeout: timedelta | None = None
     handlers: Sequence[Callable[[], Handler]] = DEFAULT_HANDLERS
     ctx: RuntimeContext = field(init=False, repr=False)
+    heartbeat: Heartbeat | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.heartbeat = Heartbeat.of_default_group()
+        try:
+            self._setup()
+        except BaseException as e:
+            heartbeat, self.heartbeat = self.heartbeat, None
+            explained = (heartbeat.explain(e) if heartbeat is not None
+                         and isinstance(e, RuntimeError) else None)
+            if heartbeat is not None:
+                heartbeat.stop()
+            if explained is not None:
+                raise explained from e
+            raise
+
+    def _setup(self) -> None:
+        if dist.is_initialized():
+            agree_on_plan(self.plan)  # every rank, before anything a rank could refuse alone
         layout = self.plan.layout
         if layout is None:
             raise SpecError("the plan has no layout; compile it with `hetplan plan`")
@@ -147,7 +175,21 @@ class Runtime:
     def train_step(self, inputs: Any, target: torch.Tensor) -> float:
         """One iteration on the global batch ``(inputs, target)``; returns this replica's
         loss (mean over its rows; NaN on pipeline ranks that do not hold the last stage and
-        on ranks re-packing released)."""
+        on ranks re-packing released).
+
+        Raises:
+            PeerFailureError: a collective failed and some ranks stopped beating (frozen or
+                dead); names them. Other failures propagate unchanged.
+        """
+        try:
+            return self._step(inputs, target)
+        except RuntimeError as e:
+            explained = self.heartbeat.explain(e) if self.heartbeat is not None else None
+            if explained is None:
+                raise
+            raise explained from e
+
+    def _step(self, inputs: Any, target: torch.Tensor) -> float:
         ctx = self.ctx
         t0 = time.perf_counter()
         ctx.bubble_s = 0.0
@@ -219,8 +261,12 @@ class Runtime:
         return self.ctx.handler(RebalancingHandler).skipped
 
     def close(self) -> None:
-        """Release what the runtime holds on to: gradient hooks, the sync thread and the
-        references to its process groups (call before ``destroy_process_group``)."""
+        """Release what the runtime holds on to: gradient hooks, the sync thread, the
+        heartbeat and the references to its process groups (call before
+        ``destroy_process_group``; calling it again does nothing)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         for h in self.ctx.handlers:
             h.close(self.ctx)
         self.ctx.groups = None

@@ -8,10 +8,16 @@ For hierarchical gradient sync, each data-parallel group is also split by node (
 gives every rank's node): the *intra* group holds its ranks on this node, the *inter* group its
 ranks with this rank's position on their node (Espresso's reference grouping). Both exist only
 when the group spans nodes that each hold the same number of its ranks.
+
+Before any group exists, the ranks agree on the plan (:func:`agree_on_plan`): each rank's
+digest of the plan it loaded is gathered on the default group, and if they differ every rank
+refuses with the same message, instead of crashing later inside a collective whose sizes no
+longer match.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from collections.abc import Callable
@@ -23,10 +29,62 @@ import torch
 
 import torch.distributed as dist
 
+from hetplan.errors import PlanMismatchError
+from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Layout
 from hetplan.runtime.routines import Level, SyncLevels
 
-__all__ = ["ParallelGroups", "exit_now", "job_timeout", "shutdown_process_groups"]
+__all__ = [
+    "ParallelGroups",
+    "agree_on_plan",
+    "exit_now",
+    "job_timeout",
+    "plan_digest",
+    "shutdown_process_groups",
+]
+
+
+def plan_digest(plan: Plan) -> str:
+    """The first 16 hex digits of the sha256 of the plan's canonical JSON: equal exactly when
+    the plans are."""
+    return hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
+
+
+def _describe(plan: Plan) -> str:
+    lay = plan.layout
+    shape = (f"dp={lay.dp} pp={lay.pp} tp={lay.tp}, global batch "
+             f"{lay.dp * lay.micro_batches * lay.micro_batch_size}" if lay is not None
+             else "no layout")
+    return f"model {plan.model.name!r} on cluster {plan.cluster.name!r}, {shape}"
+
+
+def agree_on_plan(plan: Plan) -> None:
+    """Check that every rank of the default group loaded the same plan (a collective: every
+    rank calls it, before any other runtime collective).
+
+    Raises:
+        PlanMismatchError: on every rank, when the ranks' plans differ; lists which ranks
+            hold which plan and how to fix it.
+    """
+    if not dist.is_initialized():
+        return
+    mine = (plan_digest(plan), _describe(plan))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    holders: dict[tuple[str, str], list[int]] = {}
+    for rank, entry in enumerate(everyone):
+        holders.setdefault(tuple(entry), []).append(rank)
+    if len(holders) == 1:
+        return
+    groups = "; ".join(
+        f"rank(s) {', '.join(map(str, ranks))} loaded plan {digest} ({what})"
+        for (digest, what), ranks in sorted(holders.items(), key=lambda kv: kv[1][0])
+    )
+    raise PlanMismatchError(
+        f"the ranks loaded different plans: {groups}. Every rank must load the same plan "
+        "file (the same bytes): copy one plan file to every node, or re-run `hetplan plan` "
+        "once and use its output on every rank"
+    )
 
 
 def job_timeout() -> timedelta:

@@ -1,25 +1,59 @@
-"""``hetplan run``: launch torchrun with the plan's processes per node.
+"""``hetplan run``: check what can be checked alone, then launch torchrun and own its tree.
 
 Single machine: ``--standalone`` with ``nproc_per_node = dp · pp · tp``. Several machines:
 pass torchrun's rendezvous options after ``--`` (``--nnodes 4 --rdzv-endpoint host:29500
 --rdzv-id job1``) on every node; processes per node then come from the plan's cluster (its
 devices per node), or ``--nproc-per-node`` in the extra options.
 
-Ctrl-C: torchrun runs in the same process group, receives the signal and stops every rank.
+1. **Preflight** (:func:`preflight`), before any rank starts: the plan against its cluster
+   and the model's fingerprint (``check_plan_matches``, the plan's one validator), the world
+   size torchrun would start against the plan's, the ``--report`` path writable, the options
+   in range. A mismatch is one message and exit code 2, at once.
+2. **Launch** (:func:`launch`): torchrun runs in a session of its own with the parent-death
+   signal SIGKILL, so it dies with the launcher; every process of the run carries the run's
+   marker (:mod:`hetplan.runtime.proctree`). torchrun's stderr (its own and the ranks') is
+   relayed by a thread (:func:`relay_stderr`), so the launcher itself never blocks on a pipe.
+3. **Supervise**, every 0.1 s:
+
+   - SIGINT, SIGTERM or SIGHUP to the launcher (Ctrl-C reaches it alone, torchrun being in
+     its own session) is forwarded to torchrun and to every rank; each rank prints one line
+     and exits. Whatever still runs ``grace_s`` later is killed. The launcher's chatter
+     (torchrun's log lines and its ``SignalException`` traceback) is dropped unless
+     ``--debug``. A second signal kills at once.
+   - Once a rank has recorded a failure, torchrun stops the others; whatever still runs
+     ``failed_grace_s`` later (a frozen rank ignores SIGTERM) is killed.
+   - When torchrun has exited (or was killed), every process still marked with the run is
+     killed, and the relay is given ``grace_s`` to finish; it is not waited for longer.
+
+Exit codes (:class:`RunOutcome`): 0 trained; 1 the run failed (a rank's error, a frozen or
+dead peer, torchrun killed); 2 refused (preflight, or every failed rank refused the plan);
+128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from types import FrameType
+from typing import Any, TextIO
 
 from hetplan.errors import SpecError
-from hetplan.ir.plan import Plan
+from hetplan.ir.plan import Plan, check_plan_matches
+from hetplan.runtime import proctree
 
-__all__ = ["torchrun_command", "launch", "relay_stderr"]
+__all__ = ["RunOutcome", "launch", "launched_world_size", "preflight", "relay_stderr",
+           "torchrun_command"]
 
 
 def torchrun_command(
@@ -35,12 +69,13 @@ def torchrun_command(
     script: str | Path | None = None,
 ) -> list[str]:
     """The command line that runs ``plan`` (see module docstring). With ``script`` the
-    user's training script runs instead of the synthetic-data worker; it gets
+    user's training script runs (through the worker, which ties it to the launcher and
+    releases the runtime when it ends) instead of the synthetic-data worker; it gets
     ``--plan PATH --steps N``."""
     if plan.layout is None:
         raise SpecError(f"{plan_path}: the plan has no layout; compile it with `hetplan plan`")
     if script is not None and not Path(script).is_file():
-        raise SpecError(f"training script {str(script)!r} does not exist")
+        raise SpecError(f"--script: training script {str(script)!r} does not exist")
     if script is None and bool(model) == bool(module):
         raise SpecError("give exactly one of --model NAME or --module pkg.mod:factory "
                         "(or --script train.py)")
@@ -62,36 +97,138 @@ def torchrun_command(
     if not multi_node:
         cmd += ["--standalone", "--nnodes", "1"]
     cmd += extra
+    cmd += ["-m", "hetplan.runtime.worker"]
     if script is not None:
-        return cmd + [str(script), "--plan", str(plan_path), "--steps", str(steps)]
-    cmd += ["-m", "hetplan.runtime.worker", "--plan", str(plan_path), "--steps", str(steps),
-            "--timeout", str(timeout_s)]
+        return cmd + ["--script", str(script), "--plan", str(plan_path), "--steps", str(steps)]
+    cmd += ["--plan", str(plan_path), "--steps", str(steps), "--timeout", str(timeout_s)]
     cmd += ["--model", model] if model else ["--module", str(module)]
     if report:
         cmd += ["--report", str(report)]
     return cmd
 
 
-#: the exception line that ends the launcher's own traceback when a rank fails
-_AGENT_ERROR = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+# -- preflight --------------------------------------------------------------------------------
+def _option(args: Sequence[str], name: str) -> str | None:
+    """The value of torchrun option ``--name`` (``--name V``, ``--name=V``, or with ``_``)."""
+    names = {f"--{name}", f"--{name.replace('-', '_')}"}
+    for i, a in enumerate(args):
+        key, eq, value = a.partition("=")
+        if key in names:
+            return value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return None
 
 
-def relay_stderr(lines: Iterable[str], out: TextIO, keep_agent_traceback: bool = False) -> None:
+def launched_world_size(cmd: Sequence[str]) -> int | None:
+    """The number of ranks a torchrun command starts (``--nproc-per-node`` × ``--nnodes``);
+    None when it is not fixed (an elastic ``--nnodes 1:4``, ``auto``, ``gpu``)."""
+    per_node, nodes = _option(cmd, "nproc-per-node"), _option(cmd, "nnodes") or "1"
+    if per_node is None or not per_node.isdigit() or not nodes.isdigit():
+        return None
+    return int(per_node) * int(nodes)
+
+
+def _check_writable(path: Path, option: str) -> None:
+    if path.is_dir():
+        raise SpecError(f"{option} {str(path)!r} is a directory; give a file path, e.g. "
+                        f"{str(path / 'report.json')!r}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise SpecError(f"{option} {str(path)!r}: directory {str(parent)!r} does not exist; "
+                        f"create it (mkdir -p {parent}) or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists()
+                                                   and not os.access(path, os.W_OK)):
+        raise SpecError(f"{option} {str(path)!r} is not writable; choose a path you can write")
+
+
+def preflight(
+    plan: Plan,
+    cmd: Sequence[str],
+    *,
+    model_ir: Callable[[], Any] | None = None,
+    report: str | Path | None = None,
+    steps: int = 10,
+    timeout_s: float = 120.0,
+) -> None:
+    """Refuse, before any rank starts, what the launcher can know is wrong.
+
+    Args:
+        plan: the loaded (hence schema-validated) plan.
+        cmd: the torchrun command (:func:`torchrun_command`), for the world size it starts.
+        model_ir: captures the model here (returns anything with ``name`` and
+            ``fingerprint()``); called after the cheap checks. None when the model is only
+            known to the ranks (``--script``).
+        report: the ``--report`` path, or None.
+        steps / timeout_s: ``--steps`` and ``--timeout``.
+
+    Raises:
+        SpecError: an option out of range, an unwritable report path, a plan without layout.
+        PlanMismatchError: the plan is not for this model, its cluster, or the world size
+            torchrun would start (every mismatch listed).
+    """
+    if steps < 1:
+        raise SpecError(f"--steps must be at least 1, got {steps}")
+    if not timeout_s > 0 or timeout_s > 86400:
+        raise SpecError(f"--timeout must be in (0, 86400] seconds, got {timeout_s}")
+    if report is not None:
+        _check_writable(Path(report), "--report")
+    layout = plan.layout
+    if layout is None:
+        raise SpecError("the plan has no layout; compile it with `hetplan plan`")
+    world = launched_world_size(cmd)
+    if world is not None and world != layout.num_ranks:
+        from hetplan.errors import PlanMismatchError
+
+        raise PlanMismatchError(
+            f"the plan needs {layout.num_ranks} processes (dp={layout.dp} pp={layout.pp} "
+            f"tp={layout.tp}) but torchrun would start {world} (--nproc-per-node × --nnodes); "
+            "drop --nproc-per-node (hetplan run sets it from the plan) or re-plan for "
+            f"{world} ranks"
+        )
+    check_plan_matches(plan, cluster=plan.cluster.spec)
+    if model_ir is not None:
+        check_plan_matches(plan, model_ir=model_ir())
+
+
+# -- relaying torchrun's stderr ------------------------------------------------------------------
+#: how torchrun's agent's exceptions end a traceback (a rank failed; a signal stopped it)
+_AGENT_ERRORS = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
+                 "torch.distributed.elastic.multiprocessing.api.SignalException")
+
+#: the line between two chained tracebacks
+_CHAINED = ("During handling of the above exception, another exception occurred:",
+            "The above exception was the direct cause of the following exception:")
+
+#: a torch log line: level, date, time, then the pid of the process that logged it
+_LOG_LINE = re.compile(r"^\[?[IWEF]\d{4} [\d:.]+ (\d+) ")
+
+#: how long torchrun gets to pass a stop signal on before the launcher signals the ranks
+_DIRECT_AFTER_S = 1.0
+
+#: the lines of a C++ stack that torch prints under a warning or in an error's message
+_CPP_FRAMES = ("Exception raised from ", "frame #", "<omitting python frames>")
+
+
+def relay_stderr(lines: Iterable[str], out: TextIO, keep_agent_traceback: bool = False,
+                 drop: Callable[[str], bool] | None = None) -> None:
     """Copy torchrun's stderr (its own and the ranks') to ``out``, without the launcher's
-    Python traceback when a rank fails: the ranks print their errors, torchrun prints a
-    summary box naming the failed ranks, and its ``Traceback … ChildFailedError`` says
-    nothing more. Any other traceback (a user script's) is copied whole."""
+    Python traceback when a rank fails or a signal stops it: the ranks print their errors,
+    torchrun prints a summary box naming the failed ranks, and its ``Traceback …
+    ChildFailedError`` (or ``SignalException``) says nothing more. Any other traceback (a
+    user script's) is copied whole, chained ones included. Lines for which ``drop`` is true
+    are left out."""
     held: list[str] = []
     for line in lines:
+        if drop is not None and drop(line):
+            continue
         if held:
             held.append(line)
-            if line.startswith(_AGENT_ERROR) and not keep_agent_traceback:
+            if line.startswith(_AGENT_ERRORS) and not keep_agent_traceback:
                 held = []  # the launcher's traceback: dropped
-            elif line.strip() and not line.startswith((" ", "\t", "Traceback")):
+            elif line.strip() and not line.startswith((" ", "\t", "Traceback", *_CHAINED)):
                 out.writelines(held)  # another exception line: the traceback stays
                 held = []
             continue
-        if line.startswith("Traceback (most recent call last)"):
+        if line.startswith(("Traceback (most recent call last)", *_CHAINED)):
             held = [line]
             continue
         out.write(line)
@@ -100,19 +237,220 @@ def relay_stderr(lines: Iterable[str], out: TextIO, keep_agent_traceback: bool =
     out.flush()
 
 
-def launch(cmd: list[str], *, keep_agent_traceback: bool = False) -> int:
-    """Run the torchrun command, relaying its stderr (:func:`relay_stderr`); its exit code
-    (non-zero when any rank failed; 130 after Ctrl-C, which torchrun passes to the ranks)."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
-    assert proc.stderr is not None
+# -- launching and supervising -----------------------------------------------------------------
+@dataclass
+class RunOutcome:
+    """How a run ended.
+
+    Attributes:
+        code: the exit code ``hetplan run`` returns (module docstring).
+        stopped_by: the signal that stopped the run (None: it ended by itself).
+        torchrun_code: torchrun's exit status (negative: killed by that signal).
+        rank_codes: the exit codes the ranks recorded, by rank (a killed rank records none).
+        killed: the ranks (None for torchrun itself) the launcher had to kill, by pid.
+    """
+
+    code: int
+    stopped_by: int | None = None
+    torchrun_code: int | None = None
+    rank_codes: dict[int, int] = field(default_factory=dict)
+    killed: dict[int, int | None] = field(default_factory=dict)
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn`` giving the child the parent-death signal SIGKILL; the child exits at
+    once if the parent is already gone. Only async-signal-safe calls run in the child: libc's
+    ``prctl`` is looked up here, before the fork."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def child() -> None:
+        if prctl is not None:
+            prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return child
+
+
+class _Job:
+    """One launched torchrun and its ranks (see module docstring, steps 2–3)."""
+
+    def __init__(self, cmd: list[str], *, debug: bool, grace_s: float, failed_grace_s: float,
+                 out: TextIO) -> None:
+        self.cmd, self.debug, self.out = cmd, debug, out
+        self.grace_s, self.failed_grace_s = grace_s, failed_grace_s
+        self.run_dir = tempfile.mkdtemp(prefix="hetplan-run-")
+        self.run_id = f"{os.getpid()}-{Path(self.run_dir).name}"
+        self.proc: subprocess.Popen[str] | None = None
+        self.stopped_by: int | None = None
+        self.kill_at: float | None = None  # when whatever still runs is killed
+        self.direct_at: float | None = None  # when a stop signal goes to the ranks directly
+        self.killed: dict[int, int | None] = {}
+        self.relay: threading.Thread | None = None
+
+    # -- signals --------------------------------------------------------------------------
+    def on_signal(self, sig: int, _frame: FrameType | None) -> None:
+        if self.stopped_by is not None:  # a second one: no more waiting
+            self.kill_at = time.monotonic()
+            return
+        self.stopped_by = sig
+        now = time.monotonic()
+        self.kill_at, self.direct_at = now + self.grace_s, now + _DIRECT_AFTER_S
+        self._forward(sig, ranks=False)
+
+    def _forward(self, sig: int, *, ranks: bool) -> None:
+        """Send ``sig`` to torchrun, which sends it on to every rank in one sweep (so each
+        rank reports the same signal); with ``ranks`` (torchrun gone, or the ranks still
+        running a moment later) straight to the ranks too."""
+        torchrun_alive = self.proc is not None and self.proc.poll() is None
+        if torchrun_alive:
+            assert self.proc is not None
+            proctree.kill([self.proc.pid], sig)
+        if ranks or not torchrun_alive:
+            left = [p for p, r in self.processes().items() if r is not None]
+            proctree.kill(left, sig)
+
+    def processes(self) -> dict[int, int | None]:
+        """Every running process of the run but the launcher: pid → rank (None: torchrun)."""
+        return proctree.marked_processes(self.run_id)
+
+    def _quiet(self, line: str) -> bool:
+        """Lines left out unless --debug: C++ stack frames (under a rank's warning or error),
+        and torchrun's own log lines once a stop signal came."""
+        if self.debug:
+            return False
+        if line.startswith(_CPP_FRAMES):
+            return True
+        if self.stopped_by is None or self.proc is None:
+            return False
+        m = _LOG_LINE.match(line)
+        return m is not None and int(m.group(1)) == self.proc.pid
+
+    # -- running --------------------------------------------------------------------------
+    def start(self) -> None:
+        env = dict(os.environ)
+        env[proctree.RUN_ID_ENV] = self.run_id
+        env[proctree.RUN_DIR_ENV] = self.run_dir
+        env[proctree.LAUNCHER_PID_ENV] = str(os.getpid())
+        env[proctree.LAUNCHER_PID_ENV + "_START"] = str(proctree.start_time(os.getpid()) or "")
+        if self.debug:
+            env[proctree.DEBUG_ENV] = "1"
+        self.proc = subprocess.Popen(
+            self.cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
+            start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+        )
+        stderr = self.proc.stderr
+        assert stderr is not None
+        self.relay = threading.Thread(
+            target=relay_stderr, args=(stderr, self.out, self.debug, self._quiet),
+            name="hetplan-relay", daemon=True)
+        self.relay.start()
+        if self.stopped_by is not None:  # a signal came while starting
+            self._forward(self.stopped_by, ranks=False)
+
+    def supervise(self) -> int:
+        """Wait for torchrun (module docstring, step 3); its exit status."""
+        assert self.proc is not None
+        rounds = 0
+        while (status := self.proc.poll()) is None:
+            now = time.monotonic()
+            if self.direct_at is not None and now >= self.direct_at and self.stopped_by:
+                self._forward(self.stopped_by, ranks=True)  # torchrun did not pass it on
+                self.direct_at = None
+            if self.kill_at is None and any(c != 0 for c in self._rank_codes().values()):
+                self.kill_at = now + self.failed_grace_s  # torchrun stops the rest
+            if self.kill_at is not None and now >= self.kill_at:
+                # after a failure torchrun is spared once, to reap the ranks and print its
+                # summary; after a signal, or when it does not exit either, it goes too
+                self._kill_all(include_torchrun=self.stopped_by is not None or rounds > 0)
+                self.kill_at, rounds = now + self.grace_s, rounds + 1
+            time.sleep(0.1)
+        return status
+
+    def _rank_codes(self) -> dict[int, int]:
+        return proctree.recorded_exits(self.run_dir)
+
+    def _kill_all(self, include_torchrun: bool) -> None:
+        procs = self.processes()
+        if self.proc is not None:
+            procs.pop(self.proc.pid, None)
+            if include_torchrun and self.proc.poll() is None:
+                procs[self.proc.pid] = None
+        victims = {p: r for p, r in procs.items() if p not in self.killed}
+        for pid, rank in sorted(victims.items(), key=lambda kv: (kv[1] is None, kv[1] or 0)):
+            who = f"rank {rank}" if rank is not None else "torchrun"
+            why = (f"did not stop {self.grace_s:g} s after {signal.Signals(self.stopped_by).name}"
+                   if self.stopped_by is not None else
+                   f"still running {self.failed_grace_s:g} s after a rank failed (frozen?)")
+            self.out.write(f"hetplan run: killed {who} (pid {pid}): {why}\n")
+        self.out.flush()
+        proctree.kill(victims)
+        self.killed.update(victims)
+
+    def finish(self) -> None:
+        """After torchrun: kill whatever of the run is left, let the relay drain (bounded),
+        remove the run's directory."""
+        deadline = time.monotonic() + self.grace_s
+        while (left := self.processes()) and time.monotonic() < deadline:
+            proctree.kill(left)  # their parent is gone: nobody else will stop them
+            self.killed.update({p: r for p, r in left.items() if p not in self.killed})
+            time.sleep(0.05)
+        if self.relay is not None:
+            self.relay.join(max(0.0, deadline - time.monotonic()) + 1.0)
+            if self.relay.is_alive():
+                self.out.write("hetplan run: stopped relaying output: a process outside the "
+                               "run still holds torchrun's stderr open\n")
+                self.out.flush()
+
+    def outcome(self, status: int | None) -> RunOutcome:
+        codes = self._rank_codes()
+        if status is not None and status < 0 and self.stopped_by is None and self.proc \
+                and self.proc.pid not in self.killed:
+            self.out.write(f"hetplan run: torchrun (pid {self.proc.pid}) was killed by "
+                           f"{signal.Signals(-status).name}; its ranks were stopped with it\n")
+            self.out.flush()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        failed = [c for c in codes.values() if c != 0 and c < 128]
+        if self.stopped_by is not None:
+            code = proctree.signal_exit_code(self.stopped_by)
+        elif status == 0:
+            code = 0
+        elif failed and all(c == 2 for c in failed):
+            code = 2
+        else:
+            code = 1
+        return RunOutcome(code, self.stopped_by, status, codes, dict(self.killed))
+
+
+def launch(cmd: list[str], *, keep_agent_traceback: bool = False, grace_s: float = 5.0,
+           failed_grace_s: float = 2.0, out: TextIO | None = None) -> RunOutcome:
+    """Run the torchrun command and own its process tree (module docstring, steps 2–3).
+
+    Args:
+        cmd: the command (:func:`torchrun_command`).
+        keep_agent_traceback: ``--debug``: keep torchrun's tracebacks and log lines, and let
+            the ranks print tracebacks.
+        grace_s: how long processes get to stop after a signal before they are killed.
+        failed_grace_s: how long the other ranks get to stop once a rank has failed (torchrun
+            stops them at once; only a frozen one needs killing).
+        out: where stderr is relayed (default ``sys.stderr``).
+
+    Returns:
+        How the run ended; ``.code`` is the exit code for ``hetplan run``.
+    """
+    job = _Job(cmd, debug=keep_agent_traceback, grace_s=grace_s, failed_grace_s=failed_grace_s,
+               out=out or sys.stderr)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, job.on_signal) for sig in proctree.STOP_SIGNALS} \
+        if in_main else {}
+    status: int | None = None
     try:
-        relay_stderr(proc.stderr, sys.stderr, keep_agent_traceback)
-        return proc.wait()
-    except KeyboardInterrupt:
-        try:  # torchrun got the same SIGINT: let it stop the ranks, draining its output
-            _, err = proc.communicate(timeout=60)
-            sys.stderr.write(err or "")
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            proc.kill()
-            proc.wait()
-        return 130
+        job.start()
+        status = job.supervise()
+    finally:
+        if status is None:  # the launcher itself failed: leave nothing behind
+            job._kill_all(include_torchrun=True)
+        job.finish()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return job.outcome(status)

@@ -1,16 +1,29 @@
-"""The process ``hetplan run`` starts under torchrun: train a zoo or user model with a plan.
+"""The process ``hetplan run`` starts under torchrun: train a zoo or user model with a plan,
+or run the user's training script.
 
     python -m torch.distributed.run --nproc-per-node N -m hetplan.runtime.worker \\
         --plan plan.json --model gpt-test --steps 10 --report report.json
+    python -m torch.distributed.run --nproc-per-node N -m hetplan.runtime.worker \\
+        --script train.py --plan plan.json --steps 10
 
 Each rank builds the model with the same seed, builds :class:`Runtime`, trains on synthetic
 data (the same global batch on every rank; each replica takes its rows), and rank 0 writes the
 run report: per-iteration measured times (after warm-up), their medians, and the plan's
-predicted times beside them.
+predicted times beside them. With ``--script`` the script runs as ``__main__`` with the
+remaining arguments instead (:func:`run_script`).
 
-Reliability: the process group has a timeout (``--timeout``); a collective with a dead peer
-fails within it and the rank exits non-zero naming the error; torchrun's agent then stops the
-other ranks. Ctrl-C reaches every rank through torchrun.
+Reliability (:mod:`hetplan.runtime.proctree`, :mod:`hetplan.runtime.liveness`):
+
+- The process group has a timeout (``--timeout``); a collective with a frozen or dead peer
+  fails within it, and the rank exits 1 naming the peer whose heartbeat stopped.
+- SIGINT, SIGTERM or SIGHUP end a rank at once with one line (no traceback) and exit code
+  128 + the signal's number, even inside a collective; the rank dies with torchrun
+  (parent-death signal) and exits when the launcher is gone.
+- Exit codes: 0 trained; 1 the run failed (a peer, a collective, the user's script);
+  2 the plan was refused (mismatched model, world size, or ranks that loaded different
+  plans); 128 + N stopped by signal N. Each rank records its code for the launcher.
+- Every exit releases the runtime and the process groups (a barrier first after success),
+  then leaves without interpreter finalisation (:func:`~hetplan.runtime.groups.exit_now`).
 """
 
 from __future__ import annotations
@@ -18,8 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,7 +42,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "synthetic_batch", "build_model", "make_target"]
+__all__ = ["main", "run_script", "synthetic_batch", "build_model", "make_target"]
 
 
 def build_model(name: str | None, module: str | None, seed: int) -> tuple[Any, tuple, dict]:
@@ -77,6 +92,73 @@ def make_target(model: Any, example_args: tuple, example_kwargs: dict) -> Any:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
+    """The rank's entry point (see module docstring); never returns."""
+    from hetplan.runtime import proctree
+
+    argv = sys.argv[1:] if argv is None else argv
+    proctree.stop_on_signals()
+    proctree.set_parent_death_signal()  # die with torchrun
+    proctree.watch_launcher()
+    try:
+        code = run_script(argv[1:]) if argv[:1] == ["--script"] else _run_worker(argv)
+    except Exception as e:  # noqa: BLE001 - e.g. the rendezvous timed out: one line, code 1
+        _print_error(f"{type(e).__name__}: {e}")
+        code = 1
+    from hetplan.runtime.groups import exit_now, shutdown_process_groups
+
+    proctree.defer_stop(5.0)  # the teardown below, not a signal, ends this rank
+    shutdown_process_groups(clean=code == 0)
+    proctree.record_exit(code)
+    exit_now(code)
+
+
+def run_script(argv: list[str]) -> int:
+    """Run the training script ``argv[0]`` as ``__main__`` with ``argv[1:]`` as its
+    arguments (as ``python train.py ...`` would); its exit code. Hetplan's errors print as
+    one line (2), a failed peer as one line (1), anything else with its traceback (1)."""
+    from hetplan.errors import HetplanError
+    from hetplan.runtime.liveness import PeerFailureError
+
+    script = argv[0] if argv else ""
+    if not os.path.isfile(script):
+        _print_error(f"error: training script {script!r} does not exist")
+        return 2
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        print(e.code, file=sys.stderr)
+        return 1
+    except HetplanError as e:
+        _print_error(f"error: {e}")
+        return 2
+    except PeerFailureError as e:
+        _print_error(str(e))
+        return 1
+    except Exception:  # noqa: BLE001 - the user's own error: their traceback says where
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "?")
+
+
+def _print_error(message: str) -> None:
+    """One line for this rank (``HETPLAN_DEBUG``: with the traceback being handled)."""
+    from hetplan.runtime.proctree import DEBUG_ENV, say
+
+    if os.environ.get(DEBUG_ENV) and sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    say(f"rank {_rank()}: {message}")
+
+
+def _run_worker(argv: list[str]) -> int:
+    """Train on synthetic data (the ``--model`` / ``--module`` form); the exit code."""
     ap = argparse.ArgumentParser(prog="hetplan.runtime.worker")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--model")
@@ -93,11 +175,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    code = _train(args, device)
-    from hetplan.runtime.groups import exit_now, shutdown_process_groups
-
-    shutdown_process_groups(clean=code == 0)
-    exit_now(code)
+    return _train(args, device)
 
 
 def _train(args: argparse.Namespace, device: torch.device) -> int:
@@ -105,6 +183,7 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
     from hetplan.errors import HetplanError
     from hetplan.ir.plan import load_plan
     from hetplan.runtime.executor import Runtime
+    from hetplan.runtime.liveness import PeerFailureError
 
     rank = dist.get_rank()
     rt = None
@@ -125,16 +204,21 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
             loss = rt.train_step(xs, target_of(xs, batch).to(device))
             if step >= args.warmup and rt.last_times is not None:
                 times.append(rt.last_times)
+            if step == args.warmup - 1 and rank == 0:
+                print(f"rank 0: warm-up done; timing {args.steps} step(s)", flush=True)
         if args.report:
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, _rank_summary(rank, times))
             if rank == 0:
                 _write_report(args.report, plan, times, loss, ranks, rt)
     except HetplanError as e:
-        print(f"rank {rank}: error: {e}", file=sys.stderr)
+        _print_error(f"error: {e}")
         return 2
-    except Exception as e:  # a dead peer surfaces here as a collective error / timeout
-        print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+    except PeerFailureError as e:  # a frozen or dead peer, named
+        _print_error(str(e))
+        return 1
+    except Exception as e:  # a collective error / timeout without a suspect, or a bug
+        _print_error(f"{type(e).__name__}: {e}")
         return 1
     finally:
         if rt is not None:

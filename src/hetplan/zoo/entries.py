@@ -530,6 +530,19 @@ def _entries() -> Iterator[ZooEntry]:
         input_kind="tokens",
     )
     yield ZooEntry(
+        name="megatron-gpt-test",
+        family="custom",
+        description="Pure-PyTorch GPT with Megatron-LM's layer (unfused attention core, "
+        "dropout everywhere): the activations Korthikanti et al. 2022 count; 4 layers, dim 64",
+        build=lambda: models.MegatronGPT(256, 32, 64, 4, 4),
+        example_inputs=token_inputs(256, use_cache=False),
+        default_batch=4,
+        default_seq=32,
+        params_approx="~0.23M",
+        size="tiny",
+        input_kind="tokens",
+    )
+    yield ZooEntry(
         name="data-dependent",
         family="custom",
         description="Net with a data-dependent branch in submodule 'gate' (not traceable)",

@@ -1,7 +1,8 @@
 """Capture step 5: the :class:`~hetplan.ir.model.ModelIR` from the graph and its meta run.
 
 :func:`assemble` names each layer's parameters (canonical names; aliases of tied weights),
-takes FLOPs and saved bytes from the :class:`~hetplan.ir.capture.execute.Executor`,
+takes FLOPs and saved bytes (with their breakdown: non-floating, replicated under tensor
+parallelism, attention core) from the :class:`~hetplan.ir.capture.execute.Executor`,
 activation bytes in/out from the graph's edges between layers, the gradient tensors in
 backward-ready order and the layers' tensor-parallel linears; it refuses parameters the
 inputs never use (they would get no gradient).
@@ -95,6 +96,7 @@ def assemble(
     index = {inv: i for i, (inv, _) in enumerate(graph.invocations)}
     _check_dataflow_order(graph, ex, index)
     act_in, act_out = _activation_bytes(graph, ex)
+    parts = ex.activation_parts()
 
     layers: list[LayerIR] = []
     for inv, unit in graph.invocations:
@@ -127,6 +129,8 @@ def assemble(
                 act_out_bytes=act_out.get(inv, 0),
                 act_saved_bytes=ex.saved.get(inv, 0),
                 linears=() if u.own_only or "@" in inv else layer_linears(module, unit),
+                **_act_parts(parts.get(inv, {})),
+                attn_core_fwd_flops=ex.counter.core_fwd.get(inv, 0),
             )
         )
     layers = _mark_head(layers)
@@ -179,6 +183,17 @@ def assemble(
             if isinstance(t, torch.Tensor)
         ),
     )
+
+
+def _act_parts(part: dict[str, int]) -> dict[str, int]:
+    """The ``act_*`` breakdown fields of a layer from the executor's per-layer parts."""
+    return {
+        "act_saved_nonfloat_bytes": part.get("saved_nonfloat", 0),
+        "act_replicated_bytes": part.get("replicated", 0),
+        "act_replicated_nonfloat_bytes": part.get("replicated_nonfloat", 0),
+        "act_attn_core_bytes": part.get("core", 0),
+        "act_attn_core_nonfloat_bytes": part.get("core_nonfloat", 0),
+    }
 
 
 def _canon_in(canon: str, params: list[tuple[str, torch.Tensor]]) -> bool:

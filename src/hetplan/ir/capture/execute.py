@@ -4,14 +4,32 @@
 FLOPs per aten op with torch's own formulas, attributed to the layer running (in backward,
 the layer that created the autograd node); parameter post-accumulate-grad hooks record the
 backward-ready order of gradients; saved-tensor hooks count the activation bytes kept for
-backward. Attention runs as a fused kernel would (no ``[seq x seq]`` scores saved), and opaque
-modules run for real on CPU with zero-filled weights and inputs.
+backward. Attention runs as a fused kernel would (no ``[seq x seq]`` scores saved), dropout as
+the fused GPU kernel (a 1-byte mask), and opaque modules run for real on CPU with zero-filled
+weights and inputs.
+
+Every saved storage is recorded once (:class:`SavedRecord`) with what the memory model needs
+to price recomputation, dtypes and tensor parallelism (:class:`~hetplan.ir.model.LayerIR`'s
+``act_*`` fields):
+
+* whether it is floating (dropout masks and indices keep their size under mixed precision);
+* whether it was saved inside a tensor-parallel region — from the end of a column linear to
+  the end of the row linear it pairs with (the pairs ``LayerCost.tp_pairs`` counts) — or
+  outside, where every TP rank holds it unless sequence parallelism splits it;
+* whether it was saved inside an attention core (a ``scaled_dot_product_attention`` call, or a
+  module whose class is in :data:`ATTENTION_CORE_TYPES`); each core call also records the
+  storages of its inputs, which selective recomputation keeps instead.
+
+On the fx path a layer runs as one module call, so regions and cores are followed with
+forward hooks on the linears and core modules; on the export path every aten node names its
+module stack (``nn_module_stack``), which gives the same transitions node by node.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,11 +41,40 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from hetplan.errors import TraceError
-from hetplan.ir.capture.trace import Graph, capture_error, explain_failure, module_of_node
-from hetplan.ir.capture.units import UnitInfo
-from hetplan.ir.model import LayerKind
+from hetplan.ir.capture.trace import (
+    Graph,
+    _clean_fqn,
+    capture_error,
+    explain_failure,
+    module_of_node,
+)
+from hetplan.ir.capture.units import UnitInfo, layer_linears
+from hetplan.ir.model import LayerKind, TPRole
 
-__all__ = ["Executor"]
+__all__ = ["ATTENTION_CORE_TYPES", "Executor", "SavedRecord"]
+
+#: Module classes that are an attention core (QK^T, softmax, dropout, times V): Megatron-LM's
+#: names and hetplan's own (:class:`hetplan.models.CoreAttention`).
+ATTENTION_CORE_TYPES = frozenset({"CoreAttention", "DotProductAttention"})
+
+
+@dataclass(frozen=True, slots=True)
+class SavedRecord:
+    """One storage autograd keeps for backward, counted against ``layer``.
+
+    Attributes:
+        layer: the layer invocation running when it was first saved.
+        nbytes: the storage's bytes.
+        floating: a floating-point tensor (False: masks, indices).
+        split: saved inside a tensor-parallel region or an attention core.
+        core: index into ``Executor.cores`` of the attention core that saved it, or None.
+    """
+
+    layer: str | None
+    nbytes: int
+    floating: bool
+    split: bool
+    core: int | None
 
 
 # --------------------------------------------------------------------------------------
@@ -43,6 +90,9 @@ class _FlopCounter(TorchDispatchMode):
         self.paused = False
         self.fwd: defaultdict[str | None, int] = defaultdict(int)
         self.bwd: defaultdict[str | None, int] = defaultdict(int)
+        #: forward FLOPs run inside an attention core, per layer
+        self.core_fwd: defaultdict[str | None, int] = defaultdict(int)
+        self.in_core = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,21 +101,34 @@ class _FlopCounter(TorchDispatchMode):
         if formula is not None and not self.paused:
             n = int(formula(*args, **kwargs, out_val=out))
             (self.bwd if self.backward else self.fwd)[self.current] += n
+            if self.in_core and not self.backward:
+                self.core_fwd[self.current] += n
         return out
 
 
 class _GradFnTagger(TorchFunctionMode):
     """Tags every autograd node created in forward with the layer that created it, so that
-    backward FLOPs can be attributed to that layer."""
+    backward FLOPs can be attributed to that layer. It also marks scaled-dot-product attention
+    calls as attention cores for the executor's saved-bytes accounting."""
 
-    def __init__(self, counter: _FlopCounter) -> None:
+    def __init__(self, counter: _FlopCounter, executor: Executor | None = None) -> None:
         super().__init__()
         self.counter = counter
+        self.executor = executor
         self.tagged: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SDPA:
-            out = _fused_attention(self.counter, *args, **(kwargs or {}))
+            ex = self.executor
+            inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            started = ex.enter_core(inputs) if ex is not None else False
+            try:
+                out = _fused_attention(self.counter, *args, **(kwargs or {}))
+            finally:
+                if started and ex is not None:
+                    ex.leave_core()
+        elif func in _DROPOUT:
+            out = _fused_dropout(*args, **(kwargs or {}))
         else:
             out = func(*args, **(kwargs or {}))
         layer = self.counter.current
@@ -81,6 +144,19 @@ _SDPA = (
     torch.nn.functional.scaled_dot_product_attention,
     torch.ops.aten.scaled_dot_product_attention.default,
 )
+
+
+_DROPOUT = (torch.nn.functional.dropout, torch.ops.aten.dropout.default)
+
+
+def _fused_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
+                   inplace: bool = False, **_: Any) -> torch.Tensor:
+    """Dropout as the fused kernel GPUs run (``native_dropout``: autograd keeps a 1-byte
+    mask), not the CPU composite (a mask in the input's dtype); the output is never in-place
+    (meta tensors hold no values to overwrite)."""
+    if not training or p == 0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
 
 
 def _fused_attention(
@@ -189,7 +265,159 @@ class Executor(torch.fx.Interpreter):
         self._saved_ids: set[int] = set()
         self._param_ids = {id(p) for p in graph.gm.parameters()}
         self.node: torch.fx.Node | None = None  # the node being run (to blame a failure)
+        #: every storage saved for backward, by storage key (see SavedRecord)
+        self.saved_records: dict[int, SavedRecord] = {}
+        #: attention-core calls: (layer, their input tensors), in call order
+        self.cores: list[tuple[str | None, list[torch.Tensor]]] = []
+        self._core_depth = 0
+        self._core: int | None = None
+        self._split = False  # inside a tensor-parallel region
+        self._linear: str | None = None  # the pair linear running (export path)
+        self._layer: str | None = None
+        self._pair_role = self._pair_linears()
+        self._export_info: dict[torch.fx.Node, tuple[str | None, bool]] = (
+            self._node_info() if graph.method == "export" else {})
         self._assign_glue()
+
+    # -- tensor-parallel regions and attention cores -------------------------------------
+    def _pair_linears(self) -> dict[str, str]:
+        """``{linear qualname: "column" | "row"}`` for the column/row pairs of every layer:
+        a row linear with a partner and the column linears naming it (the pairs
+        ``LayerCost.tp_pairs`` counts; a fused QKV projection pairs with the attention output
+        even where its width differs)."""
+        roles: dict[str, str] = {}
+        for q, u in self.units.items():
+            if u.own_only or u.kind is LayerKind.OPAQUE:
+                continue
+            module = self.model.get_submodule(q) if q else self.model
+            linears = layer_linears(module, q)
+            rows = {x.name for x in linears if x.tp_role is TPRole.ROW and x.pair}
+            for x in linears:
+                if x.name in rows:
+                    roles[x.name] = "row"
+                elif x.tp_role is TPRole.COLUMN and x.pair in rows:
+                    roles[x.name] = "column"
+        return roles
+
+    def _node_info(self) -> dict[torch.fx.Node, tuple[str | None, bool]]:
+        """Export path: per node, the innermost pair linear on its module stack (or None) and
+        whether an attention-core module is on it."""
+        info: dict[torch.fx.Node, tuple[str | None, bool]] = {}
+        for node in self.graph_info.gm.graph.nodes:
+            stack = node.meta.get("nn_module_stack") or {}
+            linear, core = None, False
+            for fqn, cls in stack.values():
+                name = _clean_fqn(fqn)
+                if name in self._pair_role:
+                    linear = name
+                cls_name = cls if isinstance(cls, str) else getattr(cls, "__name__", "")
+                core = core or cls_name.rsplit(".", 1)[-1] in ATTENTION_CORE_TYPES
+            info[node] = (linear, core)
+        return info
+
+    def _enter_linear(self, name: str) -> None:
+        self._linear = name
+
+    def _leave_linear(self, name: str) -> None:
+        """A column linear's end opens its pair's region, the row linear's end closes it."""
+        self._split = self._pair_role.get(name) == "column" or (
+            self._split and self._pair_role.get(name) != "row")
+        self._linear = None
+
+    def enter_core(self, inputs: list[torch.Tensor]) -> bool:
+        """Start an attention core whose tensor inputs are ``inputs`` (nested calls join the
+        outer core). Returns True: the caller must :meth:`leave_core`."""
+        self._core_depth += 1
+        if self._core_depth == 1:
+            self.cores.append((self.counter.current, list(inputs)))
+            self._core = len(self.cores) - 1
+            self.counter.in_core = True
+        return True
+
+    def leave_core(self) -> None:
+        self._core_depth -= 1
+        if self._core_depth == 0:
+            self._core = None
+            self.counter.in_core = False
+
+    def _hooks(self) -> list[Any]:
+        """fx path: forward hooks on the pair linears and the attention-core modules."""
+        handles = []
+        for name in self._pair_role:
+            m = self.model.get_submodule(name)
+            handles.append(m.register_forward_pre_hook(
+                lambda _m, _a, name=name: self._enter_linear(name)))
+            handles.append(m.register_forward_hook(
+                lambda _m, _a, _o, name=name: self._leave_linear(name)))
+        for m in self.model.modules():
+            if type(m).__name__ in ATTENTION_CORE_TYPES:
+                handles.append(m.register_forward_pre_hook(
+                    lambda _m, args: self.enter_core(
+                        [a for a in tree_leaves(args) if isinstance(a, torch.Tensor)]) and None))
+                handles.append(m.register_forward_hook(lambda *_: self.leave_core()))
+        return handles
+
+    def _export_transitions(self, n: torch.fx.Node) -> None:
+        """Export path: follow regions and cores from the node's module stack."""
+        if n.op not in ("call_function", "call_method"):
+            return
+        linear, core = self._export_info.get(n, (None, False))
+        if linear != self._linear:
+            if self._linear is not None:
+                self._leave_linear(self._linear)
+            if linear is not None:
+                self._enter_linear(linear)
+        if core and self._core is None:
+            self.enter_core([])
+        elif not core and self._core is not None and self._core_depth == 1:
+            self.leave_core()
+        if core and self._core is not None:
+            inputs = self.cores[self._core][1]
+            for a in n.all_input_nodes:
+                v = self.values.get(a)
+                if isinstance(v, torch.Tensor) and not self._export_info.get(a, (None, False))[1]:
+                    inputs.append(v)
+
+    def activation_parts(self) -> dict[str | None, dict[str, int]]:
+        """Per layer: ``saved``, ``saved_nonfloat``, ``replicated``, ``replicated_nonfloat``,
+        ``core``, ``core_nonfloat`` bytes (the ``act_*`` fields of
+        :class:`~hetplan.ir.model.LayerIR`).
+
+        ``core`` is what selective recomputation saves: the bytes saved inside the layer's
+        attention cores minus the storages of their inputs that nothing outside a core keeps
+        (recomputation keeps those instead), at least 0.
+        """
+        out: defaultdict[str | None, defaultdict[str, int]] = defaultdict(
+            lambda: defaultdict(int))
+        kept: set[int] = set()
+        for key, rec in self.saved_records.items():
+            o = out[rec.layer]
+            o["saved"] += rec.nbytes
+            o["saved_nonfloat"] += 0 if rec.floating else rec.nbytes
+            if not rec.split:
+                o["replicated"] += rec.nbytes
+                o["replicated_nonfloat"] += 0 if rec.floating else rec.nbytes
+            if rec.core is None:
+                kept.add(key)
+            else:
+                o["core"] += rec.nbytes
+                o["core_nonfloat"] += 0 if rec.floating else rec.nbytes
+        for layer, inputs in self.cores:
+            for t in inputs:
+                key = t.untyped_storage()._cdata
+                if key in kept or (t._base is not None and id(t._base) in self._param_ids):
+                    continue
+                if id(t) in self._param_ids:
+                    continue
+                kept.add(key)
+                nbytes = t.untyped_storage().nbytes()
+                out[layer]["core"] -= nbytes
+                out[layer]["core_nonfloat"] -= 0 if t.is_floating_point() else nbytes
+        for o in out.values():
+            o["core"] = min(max(o["core"], 0), o["saved"] - o["replicated"])
+            o["core_nonfloat"] = min(max(o["core_nonfloat"], 0), o["core"],
+                                     o["saved_nonfloat"])
+        return {k: dict(v) for k, v in out.items()}
 
     def _assign_glue(self) -> None:
         """Glue nodes (no layer) join the next layer in graph order, else the last layer."""
@@ -215,6 +443,12 @@ class Executor(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         self.node = n
         self.counter.current = self.exec_layer.get(n)
+        if self.counter.current != self._layer:  # regions and cores end with their layer
+            self._layer, self._split, self._linear = self.counter.current, False, None
+            while self._core is not None:
+                self.leave_core()
+        if self._export_info:
+            self._export_transitions(n)
         out = super().run_node(n)
         self.values[n] = out
         return out
@@ -260,11 +494,12 @@ class Executor(torch.fx.Interpreter):
             if u.kind is LayerKind.OPAQUE
             for p in self.model.get_submodule(q).parameters()
         }
+        hooks += self._hooks() if not self._export_info else []
         try:
             with (
                 torch.enable_grad(),
                 self.counter,
-                _GradFnTagger(self.counter),
+                _GradFnTagger(self.counter, self),
                 torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
             ):
                 out = super().run(*self.graph_info.flat_inputs)
@@ -305,7 +540,11 @@ class Executor(torch.fx.Interpreter):
         key = t.untyped_storage()._cdata
         if key not in self._saved_ids:
             self._saved_ids.add(key)
-            self.saved[self.counter.current] += t.untyped_storage().nbytes()
+            nbytes = t.untyped_storage().nbytes()
+            self.saved[self.counter.current] += nbytes
+            self.saved_records[key] = SavedRecord(
+                self.counter.current, nbytes, t.is_floating_point(),
+                self._split or self._core is not None, self._core)
         return t
 
     def _grad_ready(self, p: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,8 +31,9 @@ from hetplan.algorithms.pipeline_schedules import (
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import Stage
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
-from hetplan.runtime.pipeline import build_stages, stage_indices_of_rank
-from hetplan.runtime.schedule import StageMonitor, make_schedule, step
+
+if TYPE_CHECKING:
+    from hetplan.runtime.schedule import StageMonitor
 
 __all__ = ["StagesHandler"]
 
@@ -102,6 +103,10 @@ class StagesHandler(Handler):
             raise SpecError(f"the plan pipelines {ranks} stages over {layout.micro_batches} "
                             "micro-batch(es); the runtime's schedules need at least one per "
                             "stage: re-plan")
+        # torch.distributed.pipelining takes seconds to import: only pipelines pay for it
+        from hetplan.runtime.pipeline import build_stages, stage_indices_of_rank
+        from hetplan.runtime.schedule import StageMonitor, make_schedule
+
         indices = stage_indices_of_rank(stages, ctx.groups.rank)
         example = [_example_rows(a, layout.micro_batch_size) for a in ctx.example_args]
         device = next(ctx.model.parameters()).device
@@ -153,6 +158,8 @@ class StagesHandler(Handler):
         """One schedule step. It runs every micro-batch's backward, so gradient sync waits
         until it ends (no overlap with the last backward yet); ``ctx.bubble_s`` gets the
         schedule time the stages did not compute."""
+        from hetplan.runtime.schedule import step
+
         assert self.monitor is not None
         self.monitor.reset()
         t0 = time.perf_counter()

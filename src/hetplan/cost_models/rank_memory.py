@@ -1,0 +1,161 @@
+"""Every rank's memory for a plan, and the recomputation that makes a partition fit.
+
+:func:`rank_memory` applies :mod:`hetplan.cost_models.memory` to a plan's sections: each rank
+holds the model state of the stages on it (one, or ``virtual_stages`` interleaved chunks) in
+its device type's dtypes (:func:`stage_precision`) with the layout's ZeRO sharding and
+uneven TP shares, the activations of its stages under their recomputation at the peak of its
+pipeline rank's action list, ZeRO's buffers and the allocator margin.
+
+:func:`choose_recompute` is how the passes that write stages pick each stage's
+recomputation: the cheapest mode that fits (``none``, then ``selective`` where the stage has
+an attention core to drop, then ``full``), upgrading one stage at a time — the stage with the
+most activation bytes on the rank that overflows most — until every rank fits or every stage
+is at ``full``. Deterministic; O(upgrades · ranks · layers).
+"""
+
+from __future__ import annotations
+
+from hetplan.algorithms.pipeline_schedules import PipelineSchedule
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.memory import (
+    USABLE_FRACTION,
+    MemoryBreakdown,
+    StatePrecision,
+    breakdown,
+    capture_bytes,
+    layer_activations,
+    model_state,
+    peak_in_flight,
+    recompute_transient,
+    schedule_of,
+    zero_buffers,
+)
+from hetplan.cost_models.precision import state_precision
+from hetplan.cost_models.tp_shares import rank_layer_shares
+from hetplan.ir.plan_sections import Layout, Stage, TensorParallel, WorkloadSummary
+
+__all__ = ["rank_memory", "stage_precision", "choose_recompute", "RECOMPUTE_ORDER"]
+
+#: Recomputation modes from the cheapest in time to the smallest in memory.
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+def stage_precision(workload: WorkloadSummary, st: Stage, costs: CostModel,
+                     rank: int | None = None) -> StatePrecision:
+    """Bytes per element a rank of ``st`` holds (``rank``: that rank's device type; None: the
+    stage's largest)."""
+    types = sorted({costs.devices[r].type for r in st.ranks})
+    cap = capture_bytes(workload)
+    if rank is not None:
+        return state_precision(costs.precision, costs.devices[rank].type, types, cap)
+    options = [state_precision(costs.precision, t, types, cap) for t in types]
+    return max(options, key=lambda p: (p.act_bytes, p.weight_bytes, p.grad_bytes))
+
+
+def rank_memory(
+    workload: WorkloadSummary,
+    stages: tuple[Stage, ...],
+    layout: Layout,
+    costs: CostModel,
+    scale: float,
+    tp_section: TensorParallel | None = None,
+) -> tuple[MemoryBreakdown, ...]:
+    """Every rank's peak memory (:mod:`hetplan.cost_models.memory`): the model state of the
+    stages it holds, their activations at the peak of its schedule's action list (with each
+    stage's recomputation), ZeRO's buffers and the allocator margin."""
+    pp, v = layout.pp, layout.virtual_stages
+    sched = schedule_of(layout.schedule, pp, layout.micro_batches, v) if pp > 1 else None
+    rank_stages: dict[int, list[Stage]] = {}
+    uneven: dict[tuple[int, int], list[float]] = {}
+    for st in stages:
+        for r in st.ranks:
+            rank_stages.setdefault(r, []).append(st)
+        for r, shares in rank_layer_shares(workload, st, layout.tp, tp_section).items():
+            uneven[(st.index, r)] = shares
+    cache: dict[tuple[object, ...], MemoryBreakdown] = {}
+    out = []
+    for r in sorted(rank_stages):
+        mine = rank_stages[r]
+        key = (costs.devices[r].type, tuple(st.index for st in mine),
+               tuple(tuple(uneven.get((st.index, r), ())) for st in mine))
+        if key not in cache:
+            cache[key] = _rank_memory(workload, mine, layout, costs, scale, r, sched,
+                                      [uneven.get((st.index, r)) for st in mine])
+        out.append(cache[key])
+    return tuple(out)
+
+
+def _rank_memory(workload: WorkloadSummary, mine: list[Stage], layout: Layout,
+                 costs: CostModel, scale: float, rank: int, sched: PipelineSchedule | None,
+                 shares: list[list[float] | None]) -> MemoryBreakdown:
+    """One rank's breakdown; ``mine`` are the stages it holds, ``shares`` its uneven TP
+    shares of each (None: even)."""
+    weights = grads = state = buffers = transient = 0.0
+    stage_bytes = [0.0] * len(mine) if sched is None else [0.0] * (layout.pp * layout.virtual_stages)
+    for k, st in enumerate(mine):
+        layers = workload.layers[st.first_layer : st.last_layer + 1]
+        prec = stage_precision(workload, st, costs, rank)
+        w, g, o = model_state(layers, tp=layout.tp, dp=layout.dp, zero_stage=layout.zero_stage,
+                              optimizer=costs.optimizer, precision=prec, shares=shares[k])
+        weights, grads, state = weights + w, grads + g, state + o
+        buffers = max(buffers, zero_buffers(layers, tp=layout.tp, zero_stage=layout.zero_stage,
+                                            precision=prec, shares=shares[k]))
+        acts = 0.0
+        mine_shares = shares[k]
+        for j, lay in enumerate(layers):
+            share = None if mine_shares is None else mine_shares[j]
+            acts += layer_activations(
+                lay, st.recompute, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                precision=prec, micro_batch_scale=scale, share=share)
+            transient = max(transient, recompute_transient(
+                lay, st.recompute, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                precision=prec, micro_batch_scale=scale, share=share))
+        stage_bytes[k if sched is None else st.index] = acts
+    if sched is None:
+        activations = sum(stage_bytes)
+    else:
+        activations = peak_in_flight(sched, mine[0].index % layout.pp, stage_bytes)
+    return breakdown(weights, grads, state, activations + transient, buffers)
+
+
+def choose_recompute(
+    workload: WorkloadSummary,
+    layout: Layout,
+    stages: tuple[Stage, ...],
+    costs: CostModel,
+    *,
+    tensor_parallel: TensorParallel | None = None,
+    mode: str = "auto",
+) -> tuple[Stage, ...]:
+    """``stages`` with their recomputation: ``mode`` everywhere, or for ``auto`` the cheapest
+    per stage that lets every rank fit (see module docstring). Stages that cannot fit even at
+    ``full`` stay at ``full``; :func:`~hetplan.cost_models.evaluate.evaluate` then refuses
+    the plan with the breakdown."""
+    if mode != "auto":
+        if mode not in RECOMPUTE_ORDER:
+            raise ValueError(f"recompute must be auto or one of {RECOMPUTE_ORDER}, got {mode!r}")
+        return tuple(st.model_copy(update={"recompute": mode}) for st in stages)
+    scale = layout.micro_batch_size / workload.batch_size
+    caps = [d.memory_bytes * USABLE_FRACTION for d in costs.devices]
+    has_core = [any(x.act_attn_core_bytes for x in workload.layers[st.first_layer:
+                                                                  st.last_layer + 1])
+                for st in stages]
+    weight = [sum(x.act_saved_bytes for x in workload.layers[st.first_layer:st.last_layer + 1])
+              for st in stages]
+    current = tuple(st if st.recompute == "none" else st.model_copy(update={"recompute": "none"})
+                    for st in stages)
+    while True:
+        mem = rank_memory(workload, current, layout, costs, scale, tensor_parallel)
+        over = [(m.total - caps[r], -r) for r, m in enumerate(mem) if m.total > caps[r]]
+        if not over:
+            return current
+        worst = -max(over)[1]
+        options = [st for st in current if worst in st.ranks and st.recompute != "full"]
+        if not options:
+            return current
+        st = max(options, key=lambda x: (weight[x.index], -x.index))
+        step = RECOMPUTE_ORDER.index(st.recompute) + 1
+        if RECOMPUTE_ORDER[step] == "selective" and not has_core[st.index]:
+            step += 1
+        upgraded = st.model_copy(update={"recompute": RECOMPUTE_ORDER[step]})
+        current = tuple(upgraded if x.index == st.index else x for x in current)
