@@ -10,6 +10,11 @@ Serialization is deterministic: ``Plan.to_json()`` writes sorted keys with a fix
 no timestamps or paths, so equal plans give byte-identical files. Reading checks the schema
 version first and refuses plans from a newer hetplan (:class:`PlanVersionError`).
 
+Validation: every plan, however it is made (``Plan(...)``, ``model_validate`` after each pass,
+:func:`load_plan`), passes its sections' own checks and the cross-section rules of
+:mod:`hetplan.ir.plan_checks`; a plan file must also be complete (a layout, the stages of a
+pipeline, the workload summary). Every problem is one line naming the field path.
+
 Example:
     >>> plan = Plan(model=ModelRef(name="mlp", fingerprint="ab12", num_params=10),
     ...             cluster=ClusterRef(name="local", fingerprint="cd34", world_size=2))
