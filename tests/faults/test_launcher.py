@@ -5,6 +5,7 @@ stop signals ending it with one line, the launcher watch, exit records)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from faultlib import cluster
 
 import hetplan
 from hetplan.errors import PlanMismatchError, SpecError
-from hetplan.ir.plan import Plan
+from hetplan.ir.plan import Plan, load_plan
 from hetplan.runtime import proctree
 from hetplan.runtime.launch import launched_world_size, preflight, relay_stderr, torchrun_command
 
@@ -93,13 +94,16 @@ def test_a_world_size_the_plan_does_not_have_is_refused(plan: Plan) -> None:
         preflight(plan, cmd)
 
 
-def test_an_edited_cluster_is_refused(plan: Plan) -> None:
+def test_an_edited_cluster_is_refused(plan: Plan, tmp_path: Path) -> None:
+    """A plan file whose embedded cluster was edited after planning is refused when it is
+    loaded — the launcher's first step, before any rank starts."""
     data = plan.model_dump(mode="json")
     data["cluster"]["spec"]["nodes"][0]["devices"][0]["count"] = 8
     data["cluster"]["world_size"] = 8
-    edited = Plan.model_validate(data)
-    with pytest.raises(PlanMismatchError, match="the plan is for cluster"):
-        preflight(edited, _cmd(edited))
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match="cluster.fingerprint.*was cluster.spec edited"):
+        load_plan(path)
 
 
 @pytest.mark.parametrize(("args", "world"), [
