@@ -28,10 +28,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "espresso_vs_previous.json"
-#: The round that added the release bound to the trials (docs/decisions.md, "Espresso, part
-#: 6"): its code commit against the head before it, the comparison of record.
-NOW = "05c170c"
-PREVIOUS = "0421d5c"
+#: The comparison of record: one simulator in algorithms/ (issue 17; docs/decisions.md, "One
+#: data-parallel simulator") at its last code commit against the head before it. Earlier
+#: rounds: 05c170c (the release bound) against 0421d5c.
+NOW = "6b57a95"
+PREVIOUS = "41a21ba"
 CASES = ("lstm/nvlink/dgc,vgg16/nvlink/dgc,gpt2/nvlink/dgc,ugatit/nvlink/dgc,bert/pcie/randomk,"
          "resnet101/nvlink/dgc")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -96,15 +95,14 @@ def test_a_world_size_the_plan_does_not_have_is_refused(plan: Plan) -> None:
 
 
 def test_an_edited_cluster_is_refused(plan: Plan, tmp_path: Path) -> None:
-    """The embedded cluster no longer has the plan's fingerprint: loading the plan (what
-    `hetplan run` does first, before any rank starts) refuses it, naming the field."""
+    """A plan file whose embedded cluster was edited after planning is refused when it is
+    loaded — the launcher's first step, before any rank starts."""
     data = plan.model_dump(mode="json")
     data["cluster"]["spec"]["nodes"][0]["devices"][0]["count"] = 8
     data["cluster"]["world_size"] = 8
     path = tmp_path / "edited.json"
-    path.write_text(json.dumps(data), encoding="utf-8")
-    with pytest.raises(SpecError, match=re.escape(f"{path}: cluster.fingerprint: ") + ".*"
-                       + re.escape("(was cluster.spec edited after planning?)")):
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match="cluster.fingerprint.*was cluster.spec edited"):
         load_plan(path)
 
 

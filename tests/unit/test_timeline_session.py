@@ -207,6 +207,15 @@ def test_bad_input(impl: str) -> None:
         sess.trial({2: ()})
     with pytest.raises(ValueError, match="cpu_workers"):
         _session(impl, [1.0], cpu_workers=0)
+    # the kernels keep per-resource arrays of a fixed width: a 17th resource is refused
+    channels = [(Op(f"link{i}", 1.0),) for i in range(14)]
+    wide = _session(impl, [1.0] * 15)
+    wide.rebase([*channels, ()])
+    with pytest.raises(ValueError, match="at most 16"):
+        wide.trial({14: (Op("one-too-many", 1.0),)})
+    # the bubble rule needs one unit per tensor, unit i ending at tensor i
+    with pytest.raises(ValueError, match="one unit per tensor"):
+        before_last_busy_period([1.0, 1.0], [SyncUnit(1, (Op("net", 1.0),))])
 
 
 @pytest.mark.parametrize("impl", _IMPLS)

@@ -25,14 +25,14 @@ Data layout:
 - :class:`Base` holds the problem, the base strategy and the state before every backprop
   segment of the base run (``snap_*``; the two heaps of state ``i`` in a pool at
   ``[roff[i], roff[i + 1])`` / ``[goff[i], goff[i + 1])``), and that run's record;
-- :class:`Work` holds a run's scratch arrays (heaps, free times, remaining work).
+- :class:`Work` holds a kernel call's scratch arrays (the run's ops, heaps, free times,
+  remaining work).
 
-The entry points (:func:`rebase_run`, :func:`trial`, :func:`best_option`,
-:func:`best_offload`, :func:`best_classes`, :func:`suffix_work`, :func:`release_bounds`)
-take a :class:`Base` and :class:`Ops` as named tuples or as plain tuples of the same fields
-and name them again inside: numba's dispatcher types a plain tuple about 2 µs faster per call
-than a named one (measured: 1.9 against 4.2 µs for a call with these arguments), and
-Espresso's sweeps make thousands of calls.
+The entry points (:func:`rebase_run`, :func:`trial` and the search loops of
+:mod:`~hetplan.algorithms._dp_search`) take a :class:`Base` and :class:`Ops` as named tuples
+or as plain tuples of the same fields and name them again inside: numba's dispatcher types
+a plain tuple about 2 µs faster per call than a named one (measured: 1.9 against 4.2 µs for a
+call with these arguments), and Espresso's sweeps make thousands of calls.
 
 The bound, convergence and release-bound rules are described on
 :class:`~hetplan.algorithms.dp_session.DPSession`.
@@ -49,8 +49,14 @@ from hetplan.algorithms.dp_types import CPU_ID, EPS_BOUND, EPS_RELEASE, GPU_ID, 
 #: The functions that are compiled (together: each calls the others compiled).
 KERNELS = ("_less", "_swap", "_push", "_pop", "_record", "_has_changed",
            "_same_rows", "_converged", "_run", "new_work", "rebase_run", "_trial", "trial",
-           "best_option", "next_offload", "_offload_trial", "best_offload", "best_classes",
-           "bubble_mask", "suffix_work", "release_bounds")
+           "_suffix_work", "_release_bounds")
+#: Helpers compiled without numba's reference counting (``_nrt=False``): they only read and
+#: write elements of arrays their caller holds, and counting a reference to each array
+#: argument costs two atomic operations per call, which on the heap steps was most of the
+#: atomic work of a trial (callgrind on the Espresso pass for GPT-2: 35.5 M instructions in
+#: the counters with, 5.6 M without; the compiled code 818 M instructions with, 727 M
+#: without).
+UNCOUNTED = ("_less", "_swap", "_push", "_pop", "_record", "_has_changed", "_same_rows")
 
 
 class Ops(NamedTuple):
@@ -497,16 +503,21 @@ def _run(b, w, m, changed, bound, rebase):
 # -- entry points -------------------------------------------------------------------------
 
 
-def rebase_run(base, m):
+def rebase_run(base, m, last):
     """Simulate the base's ops from the state saved before segment ``m`` (``m == 0``: the
     empty start), saving the states from ``m`` on into ``base`` (a :class:`Base`, or its
-    fields as a plain tuple). Returns the iteration time, or
-    ``-1.0`` when a heap pool is too small (the caller grows it and calls again). Every op
-    run is recorded in ``b.ev`` and every tensor's ready time from ``m`` on in ``b.ready``:
-    the ops before that state ran as recorded by the earlier runs (the prefix is the same),
-    so ``ev`` and ``ready`` always hold the whole base run."""
+    fields as a plain tuple), and update what the trial bounds read (:func:`_suffix_work`
+    from tensor ``last``, the last whose ops changed, down; :func:`_release_bounds`).
+    Returns the iteration time, or ``-1.0`` when a heap pool is too small (the caller grows
+    it and calls again). Every op run is recorded in ``b.ev`` and every tensor's ready time
+    from ``m`` on in ``b.ready``: the ops before that state ran as recorded by the earlier
+    runs (the prefix is the same), so ``ev`` and ``ready`` always hold the whole base run."""
     b = Base(*base)
-    return _run(b, new_work(b, 0), m, np.zeros(0, dtype=np.int64), np.inf, True)
+    f = _run(b, new_work(b, 0), m, np.zeros(0, dtype=np.int64), np.inf, True)
+    if f >= 0.0 and b.bp.shape[0] > 0:
+        _suffix_work(b, last)
+        _release_bounds(b)
+    return f
 
 
 def _trial(b, w, t, changed, bound):
@@ -543,224 +554,12 @@ def trial(base, t, changed, bound):
     return _trial(b, new_work(b, t.res.shape[0]), t, changed, bound)
 
 
-def best_option(base, j, c, backs, best, eps):
-    """Algorithm 4.1's ``GetBestOption`` for tensor ``j`` over candidates ``c`` (an
-    :class:`Ops` whose entry ``x`` is candidate ``x``'s ops): candidate ``x`` is kept when its
-    time is below ``best - eps``, or at most ``best + eps`` if ``backs[x]`` (the baseline
-    option, preferred on a tie); each trial is bounded by what it must beat. Returns
-    ``(index of the kept candidate or -1, its time or best)``."""
-    b = Base(*base)
-    c = Ops(*c)
-    w = new_work(b, c.count.max() if c.count.shape[0] > 0 else 0)
-    changed = np.array([j])
-    t_start = np.zeros(1, dtype=np.int64)
-    t_count = np.zeros(1, dtype=np.int64)
-    one = Ops(c.res, c.dur, t_start, t_count)
-    c_start, c_count = c.start, c.count
-    chosen = -1
-    for x in range(c_start.shape[0]):
-        back = backs[x]
-        t_start[0] = c_start[x]
-        t_count[0] = c_count[x]
-        limit = best - eps
-        if back:
-            limit = best + eps
-        f = _trial(b, w, one, changed, limit)
-        if f < best - eps or (back and f <= best + eps):
-            best = f
-            chosen = x
-    return chosen, best
-
-
-def next_offload(u, best_u, sizes, exhaustive, at):
-    """Step ``u`` to the next offloading vector Algorithm 4.2 tries (``0 <= u[g] <=
-    sizes[g]``); False when none is left. The one definition of the search order: the
-    kernel :func:`best_offload` and the reference (``algorithms/espresso.py``) both walk it.
-
-    With ``exhaustive``, every vector after ``u`` in :func:`itertools.product` order (the last
-    group moves fastest; start from all zeros, which is never tried itself). Otherwise
-    coordinate descent: ``u`` is ``best_u`` with one group's count changed, for each group in
-    turn and each count other than ``best_u``'s, in sweeps repeated until one keeps nothing;
-    ``at`` (three ints, start ``[0, -1, 0]``) is the position ``(group, count, kept since the
-    sweep began)``: the caller sets ``at[2] = 1`` when it keeps ``u`` as ``best_u``."""
-    n_groups = len(u)
-    if exhaustive:
-        g = n_groups - 1
-        while g >= 0 and u[g] == sizes[g]:
-            u[g] = 0
-            g -= 1
-        if g < 0:
-            return False
-        u[g] += 1
-        return True
-    g = at[0]
-    k = at[1]
-    while True:
-        k += 1
-        if g < n_groups and k > sizes[g]:
-            g += 1
-            k = 0
-        if g >= n_groups:
-            if at[2] == 0:
-                return False
-            at[2] = 0
-            g = 0
-            k = 0
-        if k != best_u[g]:
-            break
-    at[0] = g
-    at[1] = k
-    for h in range(n_groups):
-        u[h] = best_u[h]
-    u[g] = k
-    return True
-
-
-def _offload_trial(b, w, u, g_off, members, o, tensors, slots, bound):
-    """The base with the first ``u[g]`` members of every group offloaded (see
-    :func:`best_offload`), bounded by ``bound``; the base's time when ``u`` is all zeros."""
-    m = 0
-    for h in range(u.shape[0]):
-        for x in range(g_off[h], g_off[h] + u[h]):
-            tensors[m] = members[x]
-            slots[m] = x
-            m += 1
-    if m == 0:  # coordinate descent can step back to the base
-        return b.base_s
-    order = np.argsort(tensors[:m])
-    picked = slots[:m][order]
-    t = Ops(o.res, o.dur, o.start[picked], o.count[picked])
-    return _trial(b, w, t, tensors[:m][order], bound)
-
-
-def best_offload(base, sizes, members, o, best, eps, exhaustive):
-    """Algorithm 4.2 over offloading vectors ``u`` (:func:`next_offload`; ``u`` offloads the
-    first ``u[g]`` members of group ``g``; ``members`` lists the groups one after another,
-    each earliest-ready first; member ``x``'s offloaded ops are entry ``x`` of ``o``). A
-    vector is kept when its time is below ``best - eps``, each trial bounded by that; the
-    first of equals wins. Returns ``(u, time, trials)``; ``u`` is all zeros when no vector
-    beats ``best``."""
-    b = Base(*base)
-    o = Ops(*o)
-    w = new_work(b, o.res.shape[0])
-    n_groups = sizes.shape[0]
-    g_off = np.zeros(n_groups + 1, dtype=np.int64)
-    for g in range(n_groups):
-        g_off[g + 1] = g_off[g] + sizes[g]
-    u = np.zeros(n_groups, dtype=np.int64)
-    best_u = np.zeros(n_groups, dtype=np.int64)
-    at = np.array([0, -1, 0])
-    tensors = np.empty(members.shape[0], dtype=np.int64)
-    slots = np.empty(members.shape[0], dtype=np.int64)
-    trials = 0
-    while next_offload(u, best_u, sizes, exhaustive, at):
-        trials += 1
-        f = _offload_trial(b, w, u, g_off, members, o, tensors, slots, best - eps)
-        if f < best - eps:
-            best = f
-            best_u[:] = u
-            at[2] = 1
-    return best_u, best, trials
-
-
-def best_classes(base, class_idx, s_res, s_dur, s_cnt):
-    """The fastest of ``S`` whole strategies in which tensor ``i`` gets strategy ``s``'s ops
-    of class ``class_idx[i]`` (the slice ``[:s_cnt[s, c]]`` of ``s_res[s, c]`` /
-    ``s_dur[s, c]``), each trial bounded by the best so far; the first of equals wins.
-    Returns ``(index, time)``."""
-    b = Base(*base)
-    n = b.bp.shape[0]
-    w = new_work(b, n * s_res.shape[2])
-    changed = np.arange(n)
-    t_res = np.empty(n * s_res.shape[2], dtype=np.int64)
-    t_dur = np.empty(n * s_res.shape[2])
-    t_start = np.empty(n, dtype=np.int64)
-    t_count = np.empty(n, dtype=np.int64)
-    t = Ops(t_res, t_dur, t_start, t_count)
-    best_f = np.inf
-    best_s = -1
-    for s in range(s_cnt.shape[0]):
-        pos = 0
-        for i in range(n):
-            c = class_idx[i]
-            t_start[i] = pos
-            t_count[i] = s_cnt[s, c]
-            for y in range(s_cnt[s, c]):
-                t_res[pos + y] = s_res[s, c, y]
-                t_dur[pos + y] = s_dur[s, c, y]
-            pos += s_cnt[s, c]
-        f = _trial(b, w, t, changed, best_f)
-        if best_s < 0 or f < best_f:
-            best_f = f
-            best_s = s
-    return best_s, best_f
-
-
-def bubble_mask(ev, ready, eps):
-    """Espresso's Property #1 (see :func:`~hetplan.algorithms.dp_timeline.
-    before_last_busy_period`) on a run's op intervals (``ev``, one row ``(start, end, unit,
-    1.0 if on a channel)`` per op, in any order) and the tensors' ready times (unit ``i`` is
-    tensor ``i``): a mask of the units whose communication ends no later than the start of
-    the last busy period of the channels, where a gap longer than ``eps`` is one only if no
-    unit spans it (ready before it, ops after it). Needs ``eps >= 0`` and intervals that end
-    no earlier than they start (durations >= 0), as the simulator's always do: then of
-    intervals starting together only the first can open a gap, so sorting by start alone
-    gives the result of sorting by (start, end, unit)."""
-    n = ready.shape[0]
-    ne = ev.shape[0]
-    done = np.full(n, -1.0)
-    nc = 0
-    for x in range(ne):
-        k = int(ev[x, 2])
-        if ev[x, 1] > done[k]:
-            done[k] = ev[x, 1]
-        if ev[x, 3] > 0.5:
-            nc += 1
-    out = np.zeros(n, dtype=np.bool_)
-    if nc == 0:
-        return out
-    cs = np.empty(nc)
-    ce = np.empty(nc)
-    cu = np.empty(nc, dtype=np.int64)
-    y = 0
-    for x in range(ne):
-        if ev[x, 3] > 0.5:
-            cs[y] = ev[x, 0]
-            ce[y] = ev[x, 1]
-            cu[y] = int(ev[x, 2])
-            y += 1
-    order = np.argsort(cs)  # by start alone (see the docstring)
-    last_start = cs[order[0]]
-    reach = ce[order[0]]
-    for y in range(1, nc):
-        s = cs[order[y]]
-        if s > reach + eps:
-            spanned = False
-            for u in range(n):
-                if done[u] >= 0.0 and ready[u] < s - eps and done[u] > reach + eps:
-                    spanned = True
-                    break
-            if not spanned:
-                last_start = s
-        reach = max(reach, ce[order[y]])
-    ends = np.full(n, -1.0)
-    for y in range(nc):
-        u = cu[y]
-        if ce[y] > ends[u]:
-            ends[u] = ce[y]
-    for u in range(n):
-        if ends[u] >= 0.0 and ends[u] <= last_start + eps:
-            out[u] = True
-    return out
-
-
 # -- what the trial bounds read -----------------------------------------------------------
 
 
-def suffix_work(base, last):
-    """``base.suffix[i, r]``: work on resource ``r`` of tensors ``i..n-1``, recomputed from
+def _suffix_work(b, last):
+    """``b.suffix[i, r]``: work on resource ``r`` of tensors ``i..n-1``, recomputed from
     tensor ``last`` down (rows after it are kept)."""
-    b = Base(*base)
     res, dur, start, count, suffix = b.res, b.dur, b.start, b.count, b.suffix
     for i in range(last, -1, -1):
         for r in range(suffix.shape[1]):
@@ -769,16 +568,15 @@ def suffix_work(base, last):
             suffix[i, res[o]] += dur[o]
 
 
-def release_bounds(base):
-    """``base.release[m]``: a lower bound on ``end - now`` (end of the last op, ``now`` the
+def _release_bounds(b):
+    """``b.release[m]``: a lower bound on ``end - now`` (end of the last op, ``now`` the
     GPU's time at the start of segment ``m``) from the work of tensors ``m..n-1`` alone.
     Tensor ``k`` is ready no earlier than ``now + bp[m] + ... + bp[k]``; on a channel all
-    work of tensors ``>= k`` (``base.suffix[k]``, as :func:`suffix_work` leaves it) starts no
+    work of tensors ``>= k`` (``b.suffix[k]``, as :func:`_suffix_work` leaves it) starts no
     earlier than that plus the shortest lead (ops before a tensor's first op there) and runs
     one op at a time, and the op that ends last is followed by its tensor's tail (ops after
     its last op there): so ``end >= ready_k + lead + work + tail``. On the CPU pool the work
     is spread over the workers."""
-    b = Base(*base)
     bp, res, dur, start, count, suffix = b.bp, b.res, b.dur, b.start, b.count, b.suffix
     out = b.release
     workers = b.snap_cpu.shape[1]

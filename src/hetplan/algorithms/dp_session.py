@@ -5,8 +5,9 @@ Searches that score thousands of candidates, each changing a few tensors of a ba
 :func:`~hetplan.algorithms.dp_timeline.simulate_dp` per candidate. A session simulates the
 base once, keeps the simulator's state before every backprop segment, and resumes each trial
 from the first changed tensor. The event loop and the search loops are the kernels of
-:mod:`hetplan.algorithms._dp_kernels`: compiled with numba when it is available, otherwise
-the same functions run uncompiled (same results bit for bit, much slower):
+:mod:`hetplan.algorithms._dp_kernels` and :mod:`hetplan.algorithms._dp_search`: compiled
+with numba when it is available, otherwise the same functions run uncompiled (same results
+bit for bit, much slower):
 
 - ``HETPLAN_JIT=0`` runs them uncompiled on purpose;
 - when numba is missing or cannot compile or cache them, :func:`jit_enabled` logs a warning
@@ -24,30 +25,42 @@ from typing import Any
 
 import numpy as np
 
-from hetplan.algorithms import _dp_kernels
+from hetplan.algorithms import _dp_kernels, _dp_search
 from hetplan.algorithms._dp_kernels import Base, Ops
 from hetplan.algorithms.dp_types import CPU, GPU, MAX_RESOURCES, Op, ResourceIds
 
 __all__ = ["DPSession", "jit_enabled", "jit_error", "warm_up"]
 
+_MODULES = (_dp_kernels, _dp_search)
+#: The kernels as plain functions: what runs uncompiled.
+_PLAIN = types.SimpleNamespace(**{n: getattr(m, n) for m in _MODULES for n in m.KERNELS})
 _COMPILED: list[types.SimpleNamespace] = []  # the compiled kernels, once built
 _JIT_ERROR: list[str] = []  # why the kernels could not be compiled, once known
 
 
 def _compile() -> types.SimpleNamespace:
-    """The kernels of :mod:`~hetplan.algorithms._dp_kernels` compiled with
-    ``numba.njit(cache=True)``: each function is copied with a namespace in which every
-    kernel it calls is the compiled one (the module itself keeps the plain functions)."""
+    """The kernels compiled with ``numba.njit(cache=True)``: each function is copied with a
+    copy of its module's namespace in which every kernel is the compiled one, so compiled
+    kernels call compiled kernels (the modules themselves keep the plain functions; numba's
+    global ``DISABLE_JIT`` cannot give both in one process, which the tests need)."""
     import numba
 
-    glb = dict(vars(_dp_kernels))
-    for name in _dp_kernels.KERNELS:
-        f = glb[name]
-        copy = types.FunctionType(f.__code__, glb, f.__name__, f.__defaults__, f.__closure__)
-        copy.__qualname__ = f.__qualname__
-        copy.__doc__ = f.__doc__
-        glb[name] = numba.njit(cache=True)(copy)
-    return types.SimpleNamespace(**{name: glb[name] for name in _dp_kernels.KERNELS})
+    spaces = [dict(vars(m)) for m in _MODULES]
+    compiled = {}
+    for mod, glb in zip(_MODULES, spaces):
+        for name in mod.KERNELS:
+            f = glb[name]
+            copy = types.FunctionType(f.__code__, glb, f.__name__, f.__defaults__,
+                                      f.__closure__)
+            copy.__qualname__ = f.__qualname__
+            copy.__doc__ = f.__doc__
+            # helpers that only touch elements of arrays their caller holds skip reference
+            # counting (see _dp_kernels.UNCOUNTED)
+            counted = name not in _dp_kernels.UNCOUNTED
+            compiled[name] = numba.njit(cache=True, _nrt=counted)(copy)
+    for glb in spaces:  # compiled when first called: every name is set by then
+        glb.update((name, k) for name, k in compiled.items() if name in glb)
+    return types.SimpleNamespace(**compiled)
 
 
 def jit_enabled() -> bool:
@@ -57,7 +70,7 @@ def jit_enabled() -> bool:
     :func:`jit_error` says why."""
     if os.environ.get("HETPLAN_JIT", "1") == "0":
         return False
-    return _kernels(True) is not _dp_kernels
+    return _kernels(True) is not _PLAIN
 
 
 def jit_error() -> str | None:
@@ -68,7 +81,7 @@ def jit_error() -> str | None:
 def _kernels(jit: bool) -> Any:
     """The compiled kernels when ``jit`` and they can be built, else the plain ones."""
     if not jit or _JIT_ERROR:
-        return _dp_kernels
+        return _PLAIN
     if not _COMPILED:
         try:
             _COMPILED.append(_compile())
@@ -78,7 +91,7 @@ def _kernels(jit: bool) -> Any:
                 "the simulator kernels could not be compiled (%s); running them uncompiled "
                 "(same results, much slower); install numba, or set HETPLAN_JIT=0 to silence "
                 "this", _JIT_ERROR[0])
-            return _dp_kernels
+            return _PLAIN
     return _COMPILED[0]
 
 
@@ -101,7 +114,7 @@ class DPSession:
     work still to start on r)`` (the GPU counts the remaining backprop too; CPU work is spread
     over the pool) is checked at the resume point, ``op start + the work on its resource
     from this op on`` (plus the remaining backprop for the GPU) at every channel and GPU op,
-    and the release bound of the later tensors' work (``_dp_kernels.release_bounds``) at
+    and the release bound of the later tensors' work (``_dp_kernels._release_bounds``) at
     every segment start after the changed tensors. A returned finite value is always exact.
     A trial also stops, returning the base's time, when its state at a segment start after
     every changed tensor is equivalent to the base's there (``_dp_kernels._converged``): the
@@ -181,7 +194,7 @@ class DPSession:
     @property
     def compiled(self) -> bool:
         """Whether this session runs the compiled kernels."""
-        return self._k is not _dp_kernels
+        return self._k is not _PLAIN
 
     def _arrays_of(self, many: Sequence[tuple[Op, ...]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(resource ids, durations) of each ops tuple in ``many``, cached per tuple; the
@@ -264,16 +277,13 @@ class DPSession:
         self._ops = new
         b = b._replace(res=ops.res, dur=ops.dur, start=ops.start, count=ops.count, ev=ev)
         while True:
-            f = self._k.rebase_run(tuple(b), m)
+            f = self._k.rebase_run(tuple(b), m, last)
             if f >= 0.0:
                 break
             # a heap pool is full: grow both, keeping the saved states
             b = b._replace(rpool=_grown(b.rpool), gpool=_grown(b.gpool))
         self._set_base(b._replace(base_s=float(f)))
         self._valid = True
-        if n:
-            self._k.suffix_work(self._bt, last)
-            self._k.release_bounds(self._bt)
         return self._b.base_s
 
     def _check(self, idx: Sequence[int]) -> None:
@@ -347,7 +357,7 @@ class DPSession:
         ``offloaded[i]``). A vector is kept when its time is below ``best - eps``, each trial
         bounded by that. With ``exhaustive``, every vector in :func:`itertools.product` order
         (Theorem 4.1; the first of equals wins); otherwise coordinate descent: one group's
-        count at a time, repeated until no group changes (``_dp_kernels.next_offload``).
+        count at a time, repeated until no group changes (``_dp_search.next_offload``).
         Returns ``(u, its time)``, ``u`` all zeros when none beats ``best``."""
         members = [i for g in groups for i in g]
         if not members:

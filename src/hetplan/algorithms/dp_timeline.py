@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hetplan.algorithms._dp_kernels import bubble_mask
+from hetplan.algorithms._dp_search import bubble_mask
 from hetplan.algorithms.dp_types import CPU, GPU, DPEvent, DPTimeline, Op, SyncUnit
 
 __all__ = ["simulate_dp", "before_last_busy_period"]
@@ -272,7 +272,7 @@ def before_last_busy_period(backprop_s: Sequence[float], units: Sequence[SyncUni
     (:func:`hetplan.algorithms.espresso.tensors_before_bubbles`); gaps of at most ``eps``
     are no gaps.
 
-    The gap rules are the search session's (:func:`~hetplan.algorithms._dp_kernels.
+    The gap rules are the search session's (:func:`~hetplan.algorithms._dp_search.
     bubble_mask`, run uncompiled) applied to this module's recorded run.
 
     Args:

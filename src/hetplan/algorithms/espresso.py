@@ -85,7 +85,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from hetplan.algorithms._dp_kernels import next_offload
+from hetplan.algorithms._dp_search import next_offload
 from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_timeline import before_last_busy_period, simulate_dp
 from hetplan.algorithms.dp_types import CPU, GPU, Op, SyncUnit
@@ -446,7 +446,7 @@ def search_offload(
     """Algorithm 4.2's search over vectors ``u`` with ``0 <= u[g] <= counts[g]``, each scored
     by ``score(u, bound)`` (``u``'s time, or anything above ``bound`` once proven longer).
     A vector is kept when its time is below ``best - eps``. The vectors come in the order of
-    :func:`~hetplan.algorithms._dp_kernels.next_offload`, which the session's kernel walks
+    :func:`~hetplan.algorithms._dp_search.next_offload`, which the session's kernel walks
     too: with ``exhaustive`` every vector in :func:`itertools.product` order (Theorem 4.1;
     the first of equals wins), otherwise coordinate descent. Returns ``(u, its time)``, ``u``
     all zeros when none beats ``best``. The reference for ``cpu_offload(fast=False)``."""

@@ -16,12 +16,15 @@ devices per node), or ``--nproc-per-node`` in the extra options.
 3. **Supervise**, every 0.1 s:
 
    - SIGINT, SIGTERM or SIGHUP to the launcher (Ctrl-C reaches it alone, torchrun being in
-     its own session) is forwarded to torchrun and to every rank; each rank prints one line
-     and exits. Whatever still runs ``grace_s`` later is killed. The launcher's chatter
-     (torchrun's log lines and its ``SignalException`` traceback) is dropped unless
-     ``--debug``. A second signal kills at once.
-   - Once a rank has recorded a failure, torchrun stops the others; whatever still runs
-     ``failed_grace_s`` later (a frozen rank ignores SIGTERM) is killed.
+     its own session) is forwarded to torchrun, which passes it to every rank in one sweep
+     (so all report the same signal); ranks still running 1 s later get it from the
+     launcher. Each rank prints one line and exits. Whatever still runs ``grace_s`` later
+     is killed. torchrun's chatter (its log lines and its ``SignalException`` traceback) is
+     dropped unless ``--debug``. A second signal kills at once.
+   - Once a rank has recorded a failure, torchrun stops the others (but waits 30 s for one
+     that ignores SIGTERM, as a frozen rank does): the ranks still running
+     ``failed_grace_s`` later are killed, torchrun too if it still runs ``grace_s`` after
+     that.
    - When torchrun has exited (or was killed), every process still marked with the run is
      killed, and the relay is given ``grace_s`` to finish; it is not waited for longer.
 
