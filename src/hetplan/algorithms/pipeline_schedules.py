@@ -38,6 +38,7 @@ from hetplan.ir.plan_sections import Layout, PipelineActions
 
 __all__ = [
     "SCHEDULES", "Action", "ActionKind", "PipelineDeadlockError", "PipelineSchedule",
+    "deadlock_error",
     "PipelineScheduleError", "build_schedule", "check_progress", "check_sizes", "chimera_schedule",
     "decode_schedule", "gpipe_schedule", "interleaved_1f1b_schedule", "layout_actions",
     "one_f_one_b_schedule", "plan_schedule",
@@ -256,14 +257,7 @@ def check_progress(schedule: PipelineSchedule) -> None:
         pos[r] = k
     stuck = {r: pos[r] for r in range(schedule.num_ranks) if pos[r] < len(codes[r])}
     if stuck:
-        heads = ", ".join(f"rank {r} at step {k} ({schedule.actions[r][k]})"
-                          for r, k in stuck.items())
-        raise PipelineDeadlockError(
-            f"pipeline schedule {schedule.name!r} deadlocks: no rank can make progress; "
-            f"stuck: {heads}. Each rank runs its list in order, so a rank waiting on an "
-            f"action that is queued behind another waiting rank never starts.",
-            schedule.format_table(stuck),
-        )
+        raise deadlock_error(schedule, stuck)
 
 
 # --------------------------------------------------------------------------- generators
@@ -489,3 +483,16 @@ def plan_schedule(layout: Layout, actions: PipelineActions | None) -> PipelineSc
                               layout.virtual_stages)
     return decode_schedule(actions.schedule, actions.micro_batches, actions.num_stages,
                            actions.ranks)
+
+
+def deadlock_error(schedule: PipelineSchedule, stuck: dict[int, int]) -> PipelineDeadlockError:
+    """The error for ``schedule`` stuck at ``{rank: step}``: each stuck rank's next action in
+    the message and the step x rank table (the progress check and the simulator share it)."""
+    heads = ", ".join(f"rank {r} at step {k} ({schedule.actions[r][k]})"
+                      for r, k in stuck.items())
+    return PipelineDeadlockError(
+        f"pipeline schedule {schedule.name!r} deadlocks: no rank can make progress; "
+        f"stuck: {heads}. Each rank runs its list in order, so a rank waiting on an "
+        f"action that is queued behind another waiting rank never starts.",
+        schedule.format_table(stuck),
+    )

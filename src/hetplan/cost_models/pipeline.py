@@ -50,6 +50,7 @@ from hetplan.algorithms.pipeline_schedules import (
     PipelineSchedule,
     PipelineScheduleError,
     build_schedule,
+    deadlock_error,
     check_sizes,
     chimera_schedule,
     gpipe_schedule,
@@ -227,14 +228,7 @@ def simulate_schedule(
         pos[r], free[r] = k, t_free
     stuck = {r: pos[r] for r in range(p) if pos[r] < len(codes[r])}
     if stuck:
-        heads = ", ".join(f"rank {r} at step {k} ({schedule.actions[r][k]})"
-                          for r, k in stuck.items())
-        raise PipelineDeadlockError(
-            f"pipeline schedule {schedule.name!r} deadlocks: no rank can make progress; "
-            f"stuck: {heads}. Each rank runs its list in order, so a rank waiting on an "
-            f"action that is queued behind another waiting rank never starts.",
-            schedule.format_table(stuck),
-        )
+        raise deadlock_error(schedule, stuck)
     makespan = max(free, default=0)
     done.sort()
     events = tuple(
