@@ -12,11 +12,16 @@ Complexity: O(gradient-sync strategies + stages).
 from __future__ import annotations
 
 from hetplan.ir.plan import Plan
-from hetplan.ir.plan_sections import CompressedSync
+from hetplan.ir.plan_sections import CompressedSync, Layout
 
-__all__ = ["refusals"]
+__all__ = ["effective_zero_stage", "refusals"]
 
 _DOC = "docs/decisions/runtime-composition.md"
+
+
+def effective_zero_stage(layout: Layout) -> int:
+    """The ZeRO stage that runs: the layout's, or 0 when ``dp == 1`` (nothing to shard)."""
+    return layout.zero_stage if layout.dp > 1 else 0
 
 
 def refusals(plan: Plan) -> list[str]:
@@ -25,7 +30,7 @@ def refusals(plan: Plan) -> list[str]:
     if lay is None:
         return []
     out: list[str] = []
-    zero = lay.zero_stage if lay.dp > 1 else 0
+    zero = effective_zero_stage(lay)
     sync = plan.gradient_sync
     used = set()
     if sync is not None:

@@ -67,7 +67,7 @@ def _wrap(module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., 
     if "forward" in module.__dict__:
         raise SpecError(f"module {type(module).__name__} already has its forward replaced "
                         "(recomputation applied twice?)")
-    module.forward = make(module.forward)  # type: ignore[method-assign]
+    module.forward = make(module.forward)
 
 
 def apply_recompute(root: nn.Module, layers: Sequence[LayerIR], mode: str) -> list[nn.Module]:

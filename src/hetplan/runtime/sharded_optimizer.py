@@ -187,7 +187,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- what tests and the run report read ---------------------------------------------------
     def full_master(self) -> list[torch.Tensor]:
         """Every parameter's fp32 master value, gathered from all replicas (collective)."""
-        out = []
+        out: list[torch.Tensor] = []
         for seg in self.segments:
             mine = self.master[seg.offset : seg.offset + seg.chunk]
             if self.world > 1:

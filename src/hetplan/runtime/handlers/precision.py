@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from hetplan.runtime.composition import effective_zero_stage
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
-from hetplan.runtime.handlers.zero import effective_zero_stage
 from hetplan.runtime.precision import (
     DTYPES,
     Autocast,

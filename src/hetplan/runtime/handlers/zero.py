@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from hetplan.ir.model import LayerKind
-from hetplan.ir.plan_sections import CastSync, Layout
+from hetplan.ir.plan_sections import CastSync
+from hetplan.runtime.composition import effective_zero_stage
 from hetplan.runtime.handlers.base import Handler, OptimizerFactory, RuntimeContext
 from hetplan.runtime.precision import DTYPES, DynamicLossScale
 from hetplan.runtime.sharded_optimizer import GradReducer, ShardedOptimizer, segments_of
@@ -37,12 +38,7 @@ from hetplan.runtime.sharded_optimizer import GradReducer, ShardedOptimizer, seg
 if TYPE_CHECKING:
     from hetplan.runtime.handlers.precision import PrecisionHandler
 
-__all__ = ["ZeroHandler", "effective_zero_stage"]
-
-
-def effective_zero_stage(layout: Layout) -> int:
-    """The ZeRO stage that runs: the layout's, or 0 when ``dp == 1`` (nothing to shard)."""
-    return layout.zero_stage if layout.dp > 1 else 0
+__all__ = ["ZeroHandler"]
 
 
 class ZeroHandler(Handler):
