@@ -761,6 +761,39 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
                       err_text)
     out.print(table)
+    _print_run_ranks(plan, report)
+    losses = report.get("loss_per_step")
+    if isinstance(losses, list) and losses:
+        out.print("loss per step: " + " ".join(f"{x:.4f}" for x in losses[:20])
+                  + (" ..." if len(losses) > 20 else ""))
+
+
+def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:
+    """Per rank: measured times, and measured peak memory beside the predicted one (without
+    the allocator margin, which a tensor count cannot see)."""
+    ranks = [r for r in report.get("per_rank") or [] if isinstance(r, dict)]
+    if not ranks:
+        return
+    pred = plan.predictions
+    table = Table(title="per rank (measured medians; memory: predicted vs measured peak)",
+                  title_justify="left")
+    for col in ("rank", "compute ms", "bubble ms", "exposed comm ms", "predicted MiB",
+                "measured MiB", "error"):
+        table.add_column(col, justify="right")
+    for r in ranks:
+        rank = r.get("rank")
+        p = r.get("predicted_memory_bytes")
+        if p is None and pred is not None and isinstance(rank, int) \
+                and rank < len(pred.memory_breakdown):
+            m = pred.memory_breakdown[rank]
+            p = m.total - m.margin
+        x = r.get("peak_memory_bytes")
+        err = f"{(p - x) / x:+.1%}" if isinstance(p, (int, float)) and x else "—"
+        table.add_row(str(rank), *(f"{r.get(k, 0.0):.3f}" for k in
+                                   ("compute_ms", "bubble_ms", "exposed_comm_ms")),
+                      "—" if p is None else f"{p / 2**20:.2f}",
+                      "—" if x is None else f"{x / 2**20:.2f}", err)
+    out.print(table)
 
 
 @app.command("explain")
