@@ -343,6 +343,10 @@ def plan_cmd(
     opaque: list[str] = typer.Option(
         None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
         "for a module whose forward capture cannot follow, see `hetplan ir`)."),
+    sparse: str = typer.Option(
+        "off", "--sparse", help="Sparse (embedding) gradients: off (dense all-reduce), auto "
+        "(the fastest predicted of dense, AGsparse, Zen), zen (always Zen); appends the zen "
+        "pass to the pipeline."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
@@ -353,6 +357,12 @@ def plan_cmd(
     # Everything the user typed is checked before the model is captured or anything planned.
     if output is not None:
         check_output_path(output, option="-o/--output")
+    if sparse not in ("off", "auto", "zen"):
+        raise SpecError(f"--sparse must be off, auto or zen, got {sparse!r}")
+    if sparse != "off":
+        from hetplan.passes import DEFAULT_PIPELINE
+
+        passes = f"{passes or DEFAULT_PIPELINE},zen{{mode={sparse}}}"
 
     options = CompileOptions.build(
         batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,

@@ -156,9 +156,11 @@ class _Context:
         args = (self.workload, self.layout, stages, sync, self.costs)
         section = self.plan.tensor_parallel if tp is None else tp
         try:
-            return evaluate(*args, tensor_parallel=section), ""
+            return evaluate(*args, tensor_parallel=section,
+                            sparse_sync=self.plan.sparse_sync), ""
         except InfeasiblePlanError as e:
-            return evaluate(*args, check_memory=False, tensor_parallel=section), str(e)
+            return evaluate(*args, check_memory=False, tensor_parallel=section,
+                            sparse_sync=self.plan.sparse_sync), str(e)
 
     def alternative(
         self, name: str, *, stages: tuple[Stage, ...] | None = None,
