@@ -26,7 +26,7 @@ parallel shards) are left dense. Hash seeds come from the plan's seed. Cost: one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from hetplan.algorithms.zen import zipf_stats
 from hetplan.cost_models.evaluate import evaluate, stage_syncs
@@ -97,7 +97,7 @@ class Zen:
             stats = zipf_stats(sg.rows, sg.row_elems, max(1, round(sg.lookups_per_sample
                                                                    * tokens)), lay.dp,
                                ZIPF_ALPHA)
-            source = "assumed"
+            source: Literal["profiled", "assumed"] = "assumed"
             if self.density > 0:
                 gamma = stats.gamma
                 stats = type(stats)(sg.rows, sg.row_elems, self.density,
