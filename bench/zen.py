@@ -2,7 +2,7 @@
 simulated scaling table beside the thesis's Fig. 3.7.
 
 1. **Measured** (8 gloo ranks on this machine, ``HETPLAN_EMULATE_BW`` Gbit/s per rank, default
-   0.25): an ``Embedding(ROWS, DIM)`` gradient from Zipf(1) tokens at d about 1-3 % is summed by
+   0.1): an ``Embedding(ROWS, DIM)`` gradient from Zipf(1) tokens at d about 1-3 % is summed by
    ``dense`` (``all_reduce`` of the whole table), ``agsparse`` (all-gather of COO), ``zen``
    (hash-bitmap pull) and ``zen-coo``, in rounds that alternate the order of the variants; the
    median per variant is reported with the prediction of :func:`hetplan.algorithms.zen.
@@ -15,8 +15,8 @@ simulated scaling table beside the thesis's Fig. 3.7.
 
 Writes ``bench/results/zen.json``.
 
-    python bench/zen.py [--world 8] [--rows 200000] [--dim 64] [--tokens 6000] [--rounds 3]
-                        [--gbps 0.25]
+    python bench/zen.py [--world 8] [--rows 200000] [--dim 64] [--tokens 6000] [--rounds 2]
+                        [--gbps 0.1]
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=6_000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--gbps", type=float, default=0.25)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gbps", type=float, default=0.1)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from _machine import machine
