@@ -403,6 +403,9 @@ def profile_cmd(
     batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
+    dtype: list[str] = typer.Option(
+        None, "--dtype", help="Compute dtype(s) to time layers in: fp32 (default), bf16, fp16 "
+        "(autocast, as a mixed-precision plan runs); repeat for several."),
 ) -> None:
     """Measure this machine (layers, collectives, compressors) into a profile DB."""
     from hetplan.profiling import WHAT, run_profile
@@ -411,9 +414,13 @@ def profile_cmd(
     chosen = tuple(what) if what else tuple(w for w in WHAT if w != "layers" or model)
     if "layers" in chosen and not model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
+    dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
+    bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
+    if bad:
+        raise SpecError(f"--dtype {bad[0]!r}: choose fp32, bf16 or fp16")
     db = run_profile(
         model, world_size=world_size, device_type=device_type, output=output, what=chosen,
-        batch_size=batch_size, seq=seq, layer_processes=layer_processes,
+        batch_size=batch_size, seq=seq, layer_processes=layer_processes, dtypes=dtypes,
     )
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
