@@ -45,3 +45,15 @@ def test_sparse_off_has_no_section_and_auto_keeps_a_guarded_choice(tmp_path: Pat
 def test_bad_sparse_value_is_one_line(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["plan", "mlp", "--batch-size", "8", "--sparse", "yes"])
     assert res.exit_code == 2 and "--sparse must be off, auto or zen" in res.output
+
+
+def test_position_embeddings_made_inside_forward_stay_dense() -> None:
+    """GPT-2's position ids come from ``arange`` inside ``forward``: every iteration touches
+    the same rows, so ``wpe`` is not a sparse gradient (and ``wte`` is tied to the head)."""
+    from hetplan import capture, zoo
+    from hetplan.ir.sparse_grads import sparse_gradients
+
+    args, kwargs = zoo.example_inputs("tiny-gpt2", batch=2)
+    ir = capture(zoo.build("tiny-gpt2"), args, kwargs)
+    assert any(lay.name.endswith("wpe") for lay in ir.layers)
+    assert sparse_gradients(ir) == ()

@@ -7,7 +7,11 @@ head's gradient is dense over every row, so the sum is dense. Embeddings inside 
 layer (a block that owns other parameters) are not detected; they stay on the dense path.
 
 ``lookups_per_sample`` is read from the capture: the layer's input is its index tensor
-(int64, 8 bytes per id), ``act_in_bytes / 8`` ids per captured micro-batch.
+(int64, 8 bytes per id), ``act_in_bytes / 8`` ids per captured micro-batch. An embedding whose
+ids the capture does not see as an input activation (``act_in_bytes == 0``: ids made inside
+``forward``, such as GPT-2's position ids from ``arange``) is left dense: such ids are
+typically every position of the sequence, so every iteration touches the same rows, and there
+is no count to estimate a density from.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ def sparse_gradients(ir: ModelIR) -> tuple[SparseGrad, ...]:
                 or p.name not in grads):
             continue
         ids = layer.act_in_bytes / 8
+        if ids <= 0:  # ids generated inside forward (positions): dense, see module docstring
+            continue
         found[p.name] = SparseGrad(p.name, layer.name, p.shape[0], p.shape[1],
                                    ids / max(ir.batch_size, 1))
     return tuple(found[g.name] for g in ir.grad_tensors if g.name in found)
