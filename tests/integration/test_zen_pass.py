@@ -57,3 +57,23 @@ def test_position_embeddings_made_inside_forward_stay_dense() -> None:
     ir = capture(zoo.build("tiny-gpt2"), args, kwargs)
     assert any(lay.name.endswith("wpe") for lay in ir.layers)
     assert sparse_gradients(ir) == ()
+
+
+def test_inspect_and_explain_show_the_sparse_scheme(tmp_path: Path) -> None:
+    from hetplan.report.explain import explain
+    from hetplan.report.inspect import build_report
+
+    plan = _plan(tmp_path, "zen")
+    (row,) = build_report(plan)["sync"]["sparse"]
+    (t,) = plan.sparse_sync.tensors  # type: ignore[union-attr]
+    assert (row["name"], row["scheme"], row["pull"]) == ("emb.weight", "zen", t.pull)
+    assert row["predicted_ms"] == round(t.predicted_ms, 6)
+    assert row["benefit"] == round(t.dense_ms / t.predicted_ms, 6)
+    text = CliRunner().invoke(app, ["inspect", str(tmp_path / "zen.json")]).output
+    assert "sparse gradients (Zen)" in text and "emb.weight" in text
+    ex = explain(plan, "emb.weight")
+    assert any(k == "sparse sync" and v.startswith("zen") for k, v in ex.facts)
+    (alt,) = ex.alternatives
+    assert alt.name.startswith("dense")
+    # the alternative really drops the section: the re-evaluation differs from the plan's
+    assert alt.iteration_time_ms != ex.current_ms
