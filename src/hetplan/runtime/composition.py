@@ -2,9 +2,8 @@
 
 :func:`refusals` lists, one line each (``"field: what, why, how to fix"``), every
 combination of the plan's strategies that the runtime does not execute; the runtime refuses
-such a plan at setup (every rank alike, so none waits for another), and ``hetplan validate
---runtime`` shows the same lines before a job is launched. The table with the reasons is in
-``docs/decisions/runtime-composition.md``.
+such a plan at setup (every rank alike, so none waits for another). The table with the
+reasons is in ``docs/decisions/runtime-composition.md``.
 
 Complexity: O(gradient-sync strategies + stages).
 """
@@ -51,6 +50,10 @@ def refusals(plan: Plan) -> list[str]:
                 out.append(f"gradient_sync.strategies[{name!r}]: hierarchical under ZeRO-{zero}; "
                            "the runtime's reduce-scatter is flat over the data-parallel group; "
                            f"re-plan with --zero 1 ({_DOC})")
+    if zero >= 2 and plan.sparse_sync is not None and plan.sparse_sync.synced():
+        out.append(f"sparse_sync: sparse gradient schemes under ZeRO-{zero}, which "
+                   "reduce-scatters every gradient during backward; the sparse schemes need "
+                   f"the full gradient (zero_stage <= 1); re-plan with --zero 1 ({_DOC})")
     if zero == 3 and plan.precision is not None and any(
             d.compute_dtype == "fp16" for d in plan.precision.devices.values()):
         out.append("precision: fp16 with ZeRO-3 (FSDP2) has no loss scaling in this runtime "

@@ -33,6 +33,7 @@ RecomputeHandler           ``stages.recompute``            checkpoint per block 
 ZeroHandler                ``layout.zero_stage``           fp32 master shard, ZeRO-1/2
                                                            optimizer, ZeRO-3 (FSDP2)
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
+SparseSyncHandler          ``sparse_sync``                 Zen / AGsparse for embeddings
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
 ========================== =============================== ================================
 
@@ -56,6 +57,7 @@ from hetplan.runtime.handlers.grad_sync import GradSyncHandler
 from hetplan.runtime.handlers.precision import PrecisionHandler
 from hetplan.runtime.handlers.rebalancing import RebalancingHandler
 from hetplan.runtime.handlers.recompute import RecomputeHandler
+from hetplan.runtime.handlers.sparse_sync import SparseSyncHandler
 from hetplan.runtime.handlers.stages import StagesHandler
 from hetplan.runtime.handlers.tensor_parallel import ResizingHandler, TensorParallelHandler
 from hetplan.runtime.handlers.zero import ZeroHandler
@@ -72,6 +74,7 @@ __all__ = [
     "RecomputeHandler",
     "ResizingHandler",
     "RuntimeContext",
+    "SparseSyncHandler",
     "StagesHandler",
     "StepTimes",
     "TensorParallelHandler",
@@ -88,5 +91,6 @@ DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
     RecomputeHandler,
     ZeroHandler,
     GradSyncHandler,
+    SparseSyncHandler,
     RebalancingHandler,
 )
