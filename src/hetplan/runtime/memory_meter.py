@@ -50,9 +50,10 @@ class MemoryPeak:
 
 @contextmanager
 def peak_memory(model: nn.Module, optimizer: Any = None,
-                extra: Sequence[torch.Tensor] = ()) -> Iterator[MemoryPeak]:
+                extra: Sequence[torch.Tensor | None] = ()) -> Iterator[MemoryPeak]:
     """Measure the peak of live tensor bytes inside the ``with`` block (see module
-    docstring); ``extra``: tensors held outside the model and the optimizer's state."""
+    docstring); ``extra``: tensors held outside the model and the optimizer's state (None
+    entries are skipped)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     out = MemoryPeak()
