@@ -184,7 +184,7 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
     """Build the runtime, train, write the report; the process's exit code."""
     from hetplan.errors import HetplanError
     from hetplan.ir.plan import load_plan
-    from hetplan.runtime.executor import Runtime
+    from hetplan.runtime.executor import Runtime, plan_optimizer
     from hetplan.runtime.liveness import PeerFailureError
 
     rank = dist.get_rank()
@@ -193,7 +193,9 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         plan = load_plan(args.plan)
         model, ex_args, ex_kwargs = build_model(args.model, args.module, args.seed)
         model = model.to(device)
-        rt = Runtime(plan, model, example_args=ex_args, example_kwargs=ex_kwargs)
+        settings = plan.cost_settings
+        rt = Runtime(plan, model, example_args=ex_args, example_kwargs=ex_kwargs,
+                     optimizer=plan_optimizer(settings.optimizer if settings else "sgd"))
         _warn_skipped_events(rt, rank)
         layout = plan.layout
         assert layout is not None
