@@ -318,9 +318,12 @@ def megatron(view: PlanView) -> EngineConfig:
     z = lay.zero_stage
     if z == 1:
         args["use_distributed_optimizer"] = True
-    elif z >= 2:
+    elif z >= 2:  # Megatron-FSDP and the flags its documentation requires with it
         args["use_megatron_fsdp"] = True
         args["data_parallel_sharding_strategy"] = {2: "optim_grads", 3: "optim_grads_params"}[z]
+        args["use_distributed_optimizer"] = True
+        args["no_gradient_accumulation_fusion"] = True
+        args["ckpt_format"] = "fsdp_dtensor"
     if dtype == "bf16":
         args["bf16"] = True
     elif dtype == "fp16":
@@ -406,8 +409,8 @@ def torchtitan(view: PlanView) -> EngineConfig:
         if isinstance(val, bool):
             section, _, name = key.rpartition(".")
             lines.append(f"--{key}" if val else f"--{section}.no-{name}")
-        elif isinstance(val, list):
-            lines.append(f"--{key} '{json.dumps(val)}'")
+        elif isinstance(val, list):  # list[list[str]]: one comma-joined word per part
+            lines.append(f"--{key} " + " ".join(",".join(part) for part in val))
         else:
             lines.append(f"--{key} {val}")
     lines.append(f"activation-checkpoint:{mode}")  # a tyro subcommand: it comes last

@@ -154,14 +154,18 @@ class _Pricer:
                 optimizer=c.optimizer, precision=resolve_precision(precision, c.cluster))
         return self._forced[precision]
 
-    def price(self, v: Variant) -> tuple[float, bool, str]:
-        """(iteration ms, fits in memory, why not)."""
+    def price(self, v: Variant) -> tuple[float | None, bool, str]:
+        """(iteration ms, fits in memory, why not); the ms are None when the cost model
+        refuses the combination (e.g. compression under ZeRO-2), with its reason."""
         sync = split_buckets(self.workload, v.stages, v.sync)
         args = (self.workload, v.layout, v.stages, sync, self.costs_for(v.precision))
         try:
-            ev, note = evaluate(*args, tensor_parallel=v.tp), ""
-        except InfeasiblePlanError as e:
-            ev, note = evaluate(*args, tensor_parallel=v.tp, check_memory=False), str(e)
+            try:
+                ev, note = evaluate(*args, tensor_parallel=v.tp), ""
+            except InfeasiblePlanError as e:
+                ev, note = evaluate(*args, tensor_parallel=v.tp, check_memory=False), str(e)
+        except SpecError as e:
+            return None, True, str(e)
         return round(ev.iteration_s * 1e3, 6), not note, note
 
 
@@ -191,11 +195,15 @@ def export_plan(
     view = plan_view(plan, pricer.costs)
     cfg = WRITERS[engine](view)
     base = view.variant()
-    plan_ms, plan_fits, _ = pricer.price(base)
+    plan_ms, _, why = pricer.price(base)
+    if plan_ms is None:
+        raise SpecError(f"the plan cannot be re-predicted: {why}")
     gaps = tuple(_priced(pricer, base, u, plan_ms) for u in cfg.unexpressed)
     priced = [u.apply for u in cfg.unexpressed if u.apply is not None]
     exported = reduce(lambda v, f: f(v), priced, base)
     exp_ms, exp_fits, exp_note = pricer.price(exported)
+    if exp_ms is None:
+        raise SpecError(f"the exported configuration cannot be priced: {exp_note}")
     baselines = tuple((b.name, b.iteration_time_ms)
                       for b in (plan.predictions.baselines if plan.predictions else ()))
     result = Export(engine, cfg.content, cfg.values, gaps, plan_ms, exp_ms, exp_fits,
@@ -207,6 +215,10 @@ def _priced(pricer: _Pricer, base: Variant, u: Unexpressed, plan_ms: float) -> G
     if u.apply is None:
         return Gap(u.part, u.plan_does, u.exported_as, None, None, True, u.worth)
     ms, fits, note = pricer.price(u.apply(base))
+    if ms is None:
+        return Gap(u.part, u.plan_does, u.exported_as, None, None, True,
+                   f"not priced alone: the cost model refuses the plan with only this part "
+                   f"changed ({note})")
     delta = round(ms - plan_ms, 6) + 0.0
     if not fits:
         worth = f"without it the plan does not fit in memory ({note})"
