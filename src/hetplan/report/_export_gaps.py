@@ -148,9 +148,10 @@ def with_recompute(stages: tuple[Stage, ...], mode: str) -> tuple[Stage, ...]:
 
 def _stage(old: Stage, index: int, first: int, last: int, names: list[str],
            recompute: str | None = None) -> Stage:
-    return Stage(index=index, first_layer=first, last_layer=last,
-                 layer_names=tuple(names[first:last + 1]) if old.layer_names else (),
-                 ranks=old.ranks, recompute=recompute or old.recompute)
+    return Stage.model_validate({
+        "index": index, "first_layer": first, "last_layer": last,
+        "layer_names": tuple(names[first:last + 1]) if old.layer_names else (),
+        "ranks": old.ranks, "recompute": recompute or old.recompute})
 
 
 def even_stages(view: PlanView, n: int | None = None) -> tuple[Stage, ...] | None:
