@@ -343,6 +343,10 @@ def plan_cmd(
     opaque: list[str] = typer.Option(
         None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
         "for a module whose forward capture cannot follow, see `hetplan ir`)."),
+    sparse: str = typer.Option(
+        "off", "--sparse", help="Sparse (embedding) gradients: off (dense all-reduce), auto "
+        "(the fastest predicted of dense, AGsparse, Zen), zen (always Zen); appends the zen "
+        "pass to the pipeline."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
@@ -353,6 +357,12 @@ def plan_cmd(
     # Everything the user typed is checked before the model is captured or anything planned.
     if output is not None:
         check_output_path(output, option="-o/--output")
+    if sparse not in ("off", "auto", "zen"):
+        raise SpecError(f"--sparse must be off, auto or zen, got {sparse!r}")
+    if sparse != "off":
+        from hetplan.passes import DEFAULT_PIPELINE
+
+        passes = f"{passes or DEFAULT_PIPELINE},zen{{mode={sparse}}}"
 
     options = CompileOptions.build(
         batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
@@ -767,6 +777,39 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         err_text = f"{(p - x) / x:+.1%}" if p is not None and x else "—"
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
                       err_text)
+    out.print(table)
+    _print_run_ranks(plan, report)
+    losses = report.get("loss_per_step")
+    if isinstance(losses, list) and losses:
+        out.print("loss per step: " + " ".join(f"{x:.4f}" for x in losses[:20])
+                  + (" ..." if len(losses) > 20 else ""))
+
+
+def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:
+    """Per rank: measured times, and measured peak memory beside the predicted one (without
+    the allocator margin, which a tensor count cannot see)."""
+    ranks = [r for r in report.get("per_rank") or [] if isinstance(r, dict)]
+    if not ranks:
+        return
+    pred = plan.predictions
+    table = Table(title="per rank (measured medians; memory: predicted vs measured peak)",
+                  title_justify="left")
+    for col in ("rank", "compute ms", "bubble ms", "exposed comm ms", "predicted MiB",
+                "measured MiB", "error"):
+        table.add_column(col, justify="right")
+    for r in ranks:
+        rank = r.get("rank")
+        p = r.get("predicted_memory_bytes")
+        if p is None and pred is not None and isinstance(rank, int) \
+                and rank < len(pred.memory_breakdown):
+            m = pred.memory_breakdown[rank]
+            p = m.total - m.margin
+        x = r.get("peak_memory_bytes")
+        err = f"{(p - x) / x:+.1%}" if isinstance(p, (int, float)) and x else "—"
+        table.add_row(str(rank), *(f"{r.get(k, 0.0):.3f}" for k in
+                                   ("compute_ms", "bubble_ms", "exposed_comm_ms")),
+                      "—" if p is None else f"{p / 2**20:.2f}",
+                      "—" if x is None else f"{x / 2**20:.2f}", err)
     out.print(table)
 
 

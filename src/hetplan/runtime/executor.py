@@ -155,7 +155,8 @@ class Runtime:
             handlers=tuple(make() for make in self.handlers), captured=model_ir)
         for h in self.ctx.handlers:
             h.setup(self.ctx)
-        self.ctx.optimizer = self.optimizer([p for _, p in self.ctx.named_params])
+        # a handler may have wrapped the factory (ZeRO's sharded optimizer, master weights)
+        self.ctx.optimizer = self.ctx.make_optimizer([p for _, p in self.ctx.named_params])
 
     def _verified_ir(self) -> ModelIR:
         """The model captured on ``meta``; refuses a model the plan was not made for."""
