@@ -857,6 +857,43 @@ def diff_cmd(
     render_diff(d, out)
 
 
+@app.command("export")
+@_user_errors
+def export_cmd(
+    plan_file: Path = typer.Argument(..., help="A plan JSON file."),
+    to: str = typer.Option(..., "--to", help="The engine: torchtitan, megatron or deepspeed."),
+    output: Path = typer.Option(
+        None, "-o", "--output", help="Write the configuration here (default: stdout, with the "
+        "report on stderr)."),
+    cluster: str = typer.Option(None, "--cluster", help="Cluster, if the plan lacks one."),
+    profile: Path = typer.Option(None, "--profile", help="Profile DB the plan was made with."),
+    as_json: bool = typer.Option(False, "--json", help="Print the export and its report as "
+                                 "JSON."),
+) -> None:
+    """Write the launch configuration an engine needs for the parts of the plan it can express,
+    and price the parts it cannot."""
+    from hetplan.ir.plan import load_plan
+    from hetplan.report._text import dump_json
+    from hetplan.report.export import export_plan
+
+    if output is not None:
+        check_output_path(output, option="-o/--output")
+    plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
+    result = export_plan(plan, to, cluster=cluster, profile=profile)
+    if output is not None:
+        output.write_text(result.content, encoding="utf-8")
+    if as_json:
+        typer.echo(dump_json(result.to_dict()), nl=False)
+    elif output is None:
+        typer.echo(result.content, nl=False)
+        typer.echo(result.text, nl=False, err=True)
+    else:
+        typer.echo(result.text, nl=False)
+    if output is not None:
+        err.print(f"wrote {output}")
+
+
 @app.command("timeline")
 @_user_errors
 def timeline_cmd(
