@@ -174,7 +174,16 @@ def _run_worker(argv: list[str]) -> int:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    timeout = timedelta(seconds=args.timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0":
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # torchrun --max-restarts: the job's store still holds the failed attempt's keys
+        from torch.distributed.rendezvous import rendezvous
+
+        store, rank, world = next(rendezvous("env://", timeout=timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"/attempt{restart}", store),
+                                rank=rank, world_size=world, timeout=timeout)
     return _train(args, device)
 
 
@@ -199,7 +208,8 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         target_of = make_target(model, tuple(a.to(device) for a in ex_args), ex_kwargs)
         times = []
         loss = float("nan")
-        for step in range(args.warmup + args.steps):
+        # a restart resumes where the restored checkpoint left off (0 without one)
+        for step in range(rt.ctx.iteration, args.warmup + args.steps):
             xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
             loss = rt.train_step(xs, target_of(xs, batch).to(device))
             if step >= args.warmup and rt.last_times is not None:
@@ -223,6 +233,12 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
     finally:
         if rt is not None:
             rt.close()
+    if plan.checkpointing is not None:  # the run succeeded: drop its in-memory checkpoints
+        from hetplan.runtime.checkpoint_store import remove_default_root
+
+        dist.barrier()
+        if rank == 0:
+            remove_default_root()
     return 0
 
 

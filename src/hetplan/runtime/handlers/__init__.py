@@ -26,6 +26,8 @@ StagesHandler              ``stages``,                     this rank's stages; r
                                                            micro-batches locally)
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
+CheckpointingHandler       ``checkpointing``               Gemini snapshots, replicas to
+                                                           holders, recovery on restart
 ========================== =============================== ================================
 
 **Adding a plan section's execution** is adding a handler: a module here with a
@@ -43,12 +45,14 @@ from hetplan.runtime.handlers.base import (
     RuntimeContext,
     StepTimes,
 )
+from hetplan.runtime.handlers.checkpointing import CheckpointingHandler
 from hetplan.runtime.handlers.grad_sync import GradSyncHandler
 from hetplan.runtime.handlers.rebalancing import RebalancingHandler
 from hetplan.runtime.handlers.stages import StagesHandler
 from hetplan.runtime.handlers.tensor_parallel import ResizingHandler, TensorParallelHandler
 
 __all__ = [
+    "CheckpointingHandler",
     "DEFAULT_HANDLERS",
     "GradSyncHandler",
     "Handler",
@@ -69,4 +73,5 @@ DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
     StagesHandler,
     GradSyncHandler,
     RebalancingHandler,
+    CheckpointingHandler,
 )
