@@ -105,6 +105,7 @@ class CheckpointingHandler(Handler):
         self.enabled = False
         self.events: list[str] = []
         self.wait_s: list[float] = []
+        self.round_s: list[float] = []
         self.resumed_from: int = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -227,7 +228,7 @@ class CheckpointingHandler(Handler):
         if not self.enabled:
             return
         t0 = time.perf_counter()
-        self._join()
+        self.wait_round()
         self.wait_s.append(time.perf_counter() - t0)
         if self._pending_optim is not None and ctx.optimizer is not None:
             ctx.optimizer.load_state_dict(self._pending_optim)
@@ -239,7 +240,7 @@ class CheckpointingHandler(Handler):
         completed = ctx.iteration + 1
         if completed % self.ck.every_iters:
             return
-        self._join()
+        self.wait_round()
         params = [(n, p.detach()) for n, p in ctx.named_params]
         optim = ctx.optimizer.state_dict() if ctx.optimizer is not None else None
         rng = torch.get_rng_state()
@@ -252,7 +253,9 @@ class CheckpointingHandler(Handler):
             name=f"gemini-round-{completed}", daemon=True)
         self._thread.start()
 
-    def _join(self) -> None:
+    def wait_round(self) -> None:
+        """Wait until the current round (snapshot stored, copies acknowledged) is done;
+        re-raise its error."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -270,6 +273,7 @@ class CheckpointingHandler(Handler):
                optim: dict[str, Any] | None, rng: torch.Tensor, blob: bytes | None) -> None:
         """Serialise, store locally, send to the holders, receive and store the held
         copies, acknowledge them, and wait for this rank's acknowledgements."""
+        t0 = time.perf_counter()
         if blob is None:
             blob = _serialize(params, optim, rng, completed)
         self.store.write("own", self.rank, completed, blob)
@@ -301,6 +305,7 @@ class CheckpointingHandler(Handler):
         for r in [*reqs, *(w for _, w in acks)]:
             if r is not None:  # None only for a rank outside the group, never here
                 r.wait()
+        self.round_s.append(time.perf_counter() - t0)
 
     def close(self, ctx: RuntimeContext) -> None:
         if self._thread is not None:
