@@ -25,6 +25,7 @@ StagesHandler              ``stages``,                     this rank's stages; r
                            ``pipeline_actions``            plan's action list (or the
                                                            micro-batches locally)
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
+SparseSyncHandler          ``sparse_sync``                 Zen / AGsparse for embeddings
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
 CheckpointingHandler       ``checkpointing``               Gemini snapshots, replicas to
                                                            holders, recovery on restart
@@ -48,6 +49,7 @@ from hetplan.runtime.handlers.base import (
 from hetplan.runtime.handlers.checkpointing import CheckpointingHandler
 from hetplan.runtime.handlers.grad_sync import GradSyncHandler
 from hetplan.runtime.handlers.rebalancing import RebalancingHandler
+from hetplan.runtime.handlers.sparse_sync import SparseSyncHandler
 from hetplan.runtime.handlers.stages import StagesHandler
 from hetplan.runtime.handlers.tensor_parallel import ResizingHandler, TensorParallelHandler
 
@@ -61,6 +63,7 @@ __all__ = [
     "RebalancingHandler",
     "ResizingHandler",
     "RuntimeContext",
+    "SparseSyncHandler",
     "StagesHandler",
     "StepTimes",
     "TensorParallelHandler",
@@ -72,6 +75,7 @@ DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
     ResizingHandler,
     StagesHandler,
     GradSyncHandler,
+    SparseSyncHandler,
     RebalancingHandler,
     CheckpointingHandler,
 )
