@@ -53,7 +53,8 @@ def _state_blob(rt) -> bytes:  # type: ignore[no-untyped-def]
     return buf.getvalue()
 
 
-def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, rounds: int, iters: int,
+def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, rounds: int,
+            iters: int,
             out: str) -> None:
     torch.set_num_threads(1)
     os.environ["HETPLAN_CHECKPOINT_DIR"] = shm

@@ -24,7 +24,8 @@ def test_counting_equals_enumeration(case: tuple[int, int, int], placement: str)
     n, m, k = case
     if placement == "group" and n % m:
         placement = "mixed"
-    enumerated = g.recovery_probability_enumerated(g.place(n, m, placement), k)  # type: ignore[arg-type]
+    holders = g.place(n, m, placement)  # type: ignore[arg-type]
+    enumerated = g.recovery_probability_enumerated(holders, k)
     old = g.ENUMERATION_LIMIT
     g.ENUMERATION_LIMIT = 0  # force the counting path
     try:
