@@ -11,6 +11,10 @@ under one synchronisation policy, so the group-sync pass can choose between them
 - ``"local"``: no synchronisation (an upper bound on speed).
 
 The objective is throughput over K iterations, not the time of one: each pipeline trains K
+mini-batches; the throughput is the mean per-pipeline rate of completed mini-batches (stage
+0's average after its backward) until the first pipeline finishes (so a persistently faster
+pipeline counts for more, as in the paper's samples per second), and the makespan of all K is
+reported beside it. Each pipeline trains K
 mini-batches with PipeDream's 1F1B (no flush: stage j runs ``M-1-j`` warm-up forwards, then
 alternates forward and backward); a replica averages after each backward (local update
 first, then the average, as in Algorithm 1). Forward of mini-batch b on stage j waits for
@@ -93,7 +97,9 @@ class SimResult:
         policy: the synchronisation policy simulated.
         iterations: K, mini-batches per pipeline.
         makespan_s: time until the last replica finished its last average.
-        iters_per_s: K / makespan (each pipeline's iterations per second).
+        iters_per_s: mean iterations per second of a pipeline until the first pipeline
+            finished its K (iterations end with stage 0's average).
+        makespan_iters_per_s: K / makespan (every pipeline trains exactly K).
         mean_group_size: mean size of the groups that averaged (1 for ``local``).
         groups: number of group averages over all stages.
         lock_skips: SDPipe groups committed without validation (another stage held the lock).
@@ -106,6 +112,7 @@ class SimResult:
     iterations: int
     makespan_s: float
     iters_per_s: float
+    makespan_iters_per_s: float
     mean_group_size: float
     groups: int
     lock_skips: int
@@ -147,6 +154,7 @@ class _Run:
         self.f_done: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(m)]
         self.b_done: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(m)]
         self.finish = [[0.0] * n for _ in range(m)]
+        self.s0_done: list[list[float]] = [[] for _ in range(n)]
         self.delays = [[straggler_delays(seed, j, i, k, mesh.straggle_prob[j][i],
                                          mesh.straggle_delay_s[j][i]) for i in range(n)]
                        for j in range(m)]
@@ -204,6 +212,8 @@ class _Run:
         self.busy[j][i] = False
         self.idx[j][i] += 1
         self.finish[j][i] = t
+        if kind == "S" and j == 0:
+            self.s0_done[i].append(t)
         if kind == "F":
             self.f_done[j][i].append(t)
             if j + 1 < self.m:
@@ -284,11 +294,17 @@ class _Run:
                       if self.idx[j][i] < len(self.ops[j][i]))
         makespan = max(max(row) for row in self.finish)
         sched = self.sched
+        rate = 0.0
+        if not stuck and makespan > 0:
+            first = min(done[-1] for done in self.s0_done)
+            counted = sum(sum(1 for at in done if at <= first) for done in self.s0_done)
+            rate = counted / self.n / first if first > 0 else self.k / makespan
         return SimResult(
             policy=self.policy,
             iterations=self.k,
             makespan_s=makespan,
-            iters_per_s=self.k / makespan if makespan > 0 and not stuck else 0.0,
+            iters_per_s=rate,
+            makespan_iters_per_s=self.k / makespan if makespan > 0 and not stuck else 0.0,
             mean_group_size=sum(self.sizes) / len(self.sizes) if self.sizes else 0.0,
             groups=len(self.sizes),
             lock_skips=0 if sched is None else sum(c.lock_skipped for c in sched.commits),

@@ -78,6 +78,7 @@ from hetplan.ir.plan_sections import (
     TPRankRole,
     WorkloadSummary,
 )
+from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
@@ -150,6 +151,8 @@ class Plan(BaseModel):
         pass_log: the passes that ran, in order.
         rebalancing: pipeline re-balancing policy and planned events for a dynamic model
             (None: static model).
+        group_sync: semi-decentralized group synchronisation of the pipeline replicas
+            (SDPipe; :mod:`hetplan.ir.plan_group_sync`), or None: synchronous data parallel.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -169,6 +172,7 @@ class Plan(BaseModel):
     cost_settings: CostSettings | None = None
     precision: Precision | None = None
     pass_log: tuple[PassLogEntry, ...] = ()
+    group_sync: GroupSync | None = None
 
     @model_validator(mode="after")
     def _check_cross_section(self, info: ValidationInfo) -> Plan:

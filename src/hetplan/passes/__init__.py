@@ -33,8 +33,9 @@ def get_all_passes() -> dict[str, type]:
     from hetplan.passes.dynpipe import DynPipe
     from hetplan.passes.espresso import Espresso
     from hetplan.passes.even_tp import EvenTP
+    from hetplan.passes.sdpipe import SDPipe
     from hetplan.passes.tp_resizing import TPResizing
     from hetplan.passes.uniform_stages import UniformStages
 
     return {cls.name: cls for cls in (UniformStages, EvenTP, DDPBuckets, DynPipe, Espresso,
-                                      CupcakeFusion, TPResizing)}
+                                      CupcakeFusion, TPResizing, SDPipe)}
