@@ -84,3 +84,18 @@ def test_cli_option_appends_the_pass_and_pins_zero():
         _with_group_sync("uniform-stages,sdpipe{mode=sdpipe}", "auto")
     with pytest.raises(SpecError, match="did you mean 'auto'"):
         _with_group_sync(None, "atuo")
+
+
+def test_inspect_shows_the_policy_and_its_prediction():
+    from hetplan.report.inspect import build_report
+    from hetplan.report.render import render_text
+
+    plan = _plan(stragglers={"probability": 0.1, "delay_s": 0.3})
+    report = build_report(plan)
+    assert report["group_sync"]["policy"] == "sdpipe"
+    text = render_text(report, sections=["group_sync"])
+    assert "group sync: sdpipe (asked: auto) on 2 stage(s) x 2 pipeline(s)" in text
+    assert "P=10 groups" in text and "+300.0 ms with probability 0.1" in text
+    assert "allreduce" in text and "adpsgd" in text
+    assert build_report(_plan(stragglers=None).model_copy(update={"group_sync": None})
+                        )["group_sync"] is None

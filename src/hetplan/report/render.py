@@ -22,6 +22,7 @@ from hetplan.report._text import (
     plain_text,
     ranges,
 )
+from hetplan.report.group_sync import render_group_sync
 from hetplan.report.inspect import SECTIONS
 
 __all__ = ["render_report", "render_text"]
@@ -313,5 +314,6 @@ _RENDERERS = {
     "memory": _memory,
     "predictions": _predictions,
     "provenance": _provenance,
+    "group_sync": render_group_sync,
     "warnings": _warnings,
 }
