@@ -26,6 +26,8 @@ StagesHandler              ``stages``,                     this rank's stages; r
                                                            micro-batches locally)
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
+GroupSyncHandler           ``group_sync``                  SDPipe: local step, then average
+                                                           with the scheduler's group
 ========================== =============================== ================================
 
 **Adding a plan section's execution** is adding a handler: a module here with a
@@ -44,6 +46,7 @@ from hetplan.runtime.handlers.base import (
     StepTimes,
 )
 from hetplan.runtime.handlers.grad_sync import GradSyncHandler
+from hetplan.runtime.handlers.group_sync import GroupSyncHandler
 from hetplan.runtime.handlers.rebalancing import RebalancingHandler
 from hetplan.runtime.handlers.stages import StagesHandler
 from hetplan.runtime.handlers.tensor_parallel import ResizingHandler, TensorParallelHandler
@@ -51,6 +54,7 @@ from hetplan.runtime.handlers.tensor_parallel import ResizingHandler, TensorPara
 __all__ = [
     "DEFAULT_HANDLERS",
     "GradSyncHandler",
+    "GroupSyncHandler",
     "Handler",
     "LossFn",
     "OptimizerFactory",
@@ -69,4 +73,5 @@ DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
     StagesHandler,
     GradSyncHandler,
     RebalancingHandler,
+    GroupSyncHandler,
 )

@@ -30,6 +30,8 @@ class GradSyncHandler(Handler):
 
     def setup(self, ctx: RuntimeContext) -> None:
         groups = ctx.groups
+        if ctx.plan.group_sync is not None and ctx.plan.group_sync.policy == "sdpipe":
+            groups = None  # gradients stay local: the group-sync handler averages parameters
         self.sync = GradSync(ctx.named_params, ctx.plan.gradient_sync,
                              groups.dp_group if groups is not None else None, ctx.layout.dp,
                              groups.sync_levels() if groups is not None else None)
