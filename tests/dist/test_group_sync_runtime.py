@@ -30,8 +30,10 @@ from hetplan.profiling._spawn import start_method
 pytestmark = pytest.mark.dist
 
 BATCH = 8
-#: The loss of the 2 x 2 SDPipe run (replicas averaged at the end) against synchronous
-#: training after the same steps: measured differences were about 1 % (see the test).
+#: The held-out loss of the 2 x 2 SDPipe run (replicas averaged at the end) against
+#: synchronous training after the same 30 steps. Measured in two runs: initial 0.92937,
+#: synchronous 0.76199, SDPipe 0.76335 and 0.76482 (0.2 % and 0.4 % apart; the groups depend on
+#: timing, so runs differ); the tolerance leaves room for slower machines.
 LOSS_RTOL = 0.05
 BASE = "uniform-stages,even-tp,ddp-buckets"
 
@@ -189,13 +191,15 @@ def test_two_by_two_with_a_straggler_trains_like_synchronous_dp(tmp_path: Path) 
                 state.update(o["final"])
         model.load_state_dict(state)
         x, y = _data("mlp", 10_000)
-        return float(nn.functional.mse_loss(model(x), y))
+        with torch.no_grad():
+            return float(nn.functional.mse_loss(model(x), y))
 
     for stage in _by_stage(group, "final").values():  # replicas are one model at the end
         for name in stage[0]:
             torch.testing.assert_close(stage[0][name], stage[1][name], rtol=0, atol=1e-15)
-    initial = float(nn.functional.mse_loss(_build("mlp")(_data("mlp", 10_000)[0]),
-                                           _data("mlp", 10_000)[1]))
+    x, y = _data("mlp", 10_000)
+    with torch.no_grad():
+        initial = float(nn.functional.mse_loss(_build("mlp")(x), y))
     ls, lg = loss(sync), loss(group)
     assert ls < 0.9 * initial  # training did something
     assert abs(lg - ls) <= LOSS_RTOL * ls, (lg, ls, initial)
