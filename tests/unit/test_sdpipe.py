@@ -222,3 +222,12 @@ def test_simulator_allreduce_matches_the_expected_straggler_cost():
     delays = [straggler_delays(5, 0, i, 200, 0.1, 0.3) for i in range(4)]
     expected = sum(0.1 + max(d[b] for d in delays) for b in range(200))
     assert res.makespan_s == pytest.approx(expected)
+
+
+def test_flush_schedule_serialises_each_iteration():
+    """With a flush every iteration, a 2-stage pipeline takes fwd0+fwd1+bwd1+bwd0 per
+    iteration (no stragglers, no sync cost); 1F1B overlaps the stages."""
+    mesh = _mesh(2, 1, prob=0.0, fwd=0.1, bwd=0.2, avg=0.0)
+    flush = simulate(mesh, "allreduce", 10, schedule="flush")
+    assert flush.makespan_s == pytest.approx(10 * (0.6 + 2 * 0.002))
+    assert simulate(mesh, "allreduce", 10).makespan_s < flush.makespan_s

@@ -129,9 +129,12 @@ def straggler_delays(seed: int, stage: int, pipeline: int, iterations: int, prob
     return [delay_s if rng.random() < prob else 0.0 for _ in range(iterations)]
 
 
-def _ops(m: int, j: int, k: int) -> list[tuple[str, int]]:
-    """1F1B without flush on stage j of m: ``("F", b)``, ``("B", b)`` and ``("S", b)``."""
-    warm = min(m - 1 - j, k)
+def _ops(m: int, j: int, k: int, schedule: str = "1f1b") -> list[tuple[str, int]]:
+    """Stage j of m: ``("F", b)``, ``("B", b)`` and ``("S", b)`` in order; ``1f1b``: PipeDream
+    without flush (``m-1-j`` warm-up forwards); ``flush``: every mini-batch's forward and
+    backward before the next one's forward (a pipeline that flushes every iteration, as the
+    runtime's schedules do, at the granularity of whole iterations)."""
+    warm = min(m - 1 - j, k) if schedule == "1f1b" else 0
     ops: list[tuple[str, int]] = [("F", b) for b in range(warm)]
     for b in range(k - warm):
         ops += [("F", warm + b), ("B", b), ("S", b)]
@@ -144,11 +147,11 @@ class _Run:
     """The discrete-event loop of one :func:`simulate` call."""
 
     def __init__(self, mesh: ReplicaMesh, policy: str, k: int, seed: int,
-                 scheduler: SchedulerConfig | None) -> None:
+                 scheduler: SchedulerConfig | None, schedule: str) -> None:
         self.mesh, self.policy, self.k = mesh, policy, k
         m, n = mesh.num_stages, mesh.num_pipelines
         self.m, self.n = m, n
-        self.ops = [[_ops(m, j, k) for _ in range(n)] for j in range(m)]
+        self.ops = [[_ops(m, j, k, schedule) for _ in range(n)] for j in range(m)]
         self.idx = [[0] * n for _ in range(m)]
         self.busy = [[False] * n for _ in range(m)]
         self.f_done: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(m)]
@@ -315,7 +318,8 @@ class _Run:
 
 
 def simulate(mesh: ReplicaMesh, policy: str, iterations: int, *, seed: int = 0,
-             scheduler: SchedulerConfig | None = None) -> SimResult:
+             scheduler: SchedulerConfig | None = None,
+             schedule: Literal["1f1b", "flush"] = "1f1b") -> SimResult:
     """Simulate K = ``iterations`` mini-batches per pipeline under ``policy``.
 
     Args:
@@ -324,6 +328,7 @@ def simulate(mesh: ReplicaMesh, policy: str, iterations: int, *, seed: int = 0,
         iterations: mini-batches per pipeline (K ≥ 1).
         seed: seeds the straggler delays (and AD-PSGD's pairing).
         scheduler: SDPipe's settings (required for ``"sdpipe"``; its mesh must match).
+        schedule: ``1f1b`` (PipeDream, the paper's) or ``flush`` (see :func:`_ops`).
 
     Returns:
         A :class:`SimResult`; ``deadlocked`` is True (and ``iters_per_s`` 0) when replicas
@@ -333,4 +338,6 @@ def simulate(mesh: ReplicaMesh, policy: str, iterations: int, *, seed: int = 0,
         raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
-    return _Run(mesh, policy, iterations, seed, scheduler).run()
+    if schedule not in ("1f1b", "flush"):
+        raise ValueError(f"unknown schedule {schedule!r}; expected '1f1b' or 'flush'")
+    return _Run(mesh, policy, iterations, seed, scheduler, schedule).run()

@@ -1,4 +1,5 @@
-"""The ``group_sync`` section: SDPipe's semi-decentralized averaging of pipeline replicas.
+"""The ``group_sync`` section: SDPipe's semi-decentralized averaging of pipeline replicas,
+and the emulated random straggler of local runs (under every policy).
 
 With ``plan.group_sync.policy == "sdpipe"`` the data-parallel replicas of a stage no longer
 all-reduce gradients in lock step (the gradient-sync handler keeps gradients local). Each
@@ -30,8 +31,9 @@ tensor parallelism (tp > 1), ZeRO sharding (zero_stage > 0), interleaved stages,
 resizing controller or re-balancing: setup refuses those layouts, and the sdpipe pass never
 chooses group sync for them.
 
-Straggler emulation (tests, benchmarks): ``HETPLAN_EMULATE_DELAY="<p>,<delay_s>[,<seed>[,<ranks>]]"``
-delays this rank by ``delay_s`` with probability ``p`` each step (the paper's model; the
+Straggler emulation (tests, benchmarks), under every policy (synchronous data parallel too,
+so runs compare alike): ``HETPLAN_EMULATE_DELAY="<p>,<delay_s>[,<seed>[,<ranks>]]"`` sleeps
+this rank ``delay_s`` after a step with probability ``p`` (the paper's model; the
 draws are :func:`hetplan.algorithms.sdpipe_sim.straggler_delays`, so the simulator predicts
 the same delays), on every rank or only on ``ranks`` (``0+3``). ``HETPLAN_EMULATE_DELAY=plan``
 uses the straggler model of the plan's embedded cluster spec.
@@ -124,10 +126,14 @@ class GroupSyncHandler(Handler):
         return self.section_ is not None
 
     def setup(self, ctx: RuntimeContext) -> None:
+        lay = ctx.layout
+        if dist.is_initialized():  # the emulated straggler delays every policy alike
+            rank = dist.get_rank()
+            self._pipeline, self._stage, _ = lay.coords(rank)
+            self._delays = emulated_delays(ctx, rank, self._stage, self._pipeline)
         gs = ctx.plan.group_sync
         if gs is None or gs.policy != "sdpipe":
             return
-        lay = ctx.layout
         if lay.tp > 1 or lay.zero_stage > 0 or lay.virtual_stages > 1:
             raise SpecError(
                 f"group_sync: policy 'sdpipe' runs with tp=1, zero_stage=0 and no interleaved "
@@ -142,7 +148,6 @@ class GroupSyncHandler(Handler):
                             "torchrun or `hetplan run`)")
         self.section_ = gs
         rank = dist.get_rank()
-        self._pipeline, self._stage, _ = lay.coords(rank)
         window_s = gs.window_ms * 1e-3
         adaptive = (AdaptiveWindow(start_s=window_s, lo_s=window_s / 100, hi_s=window_s * 10)
                     if gs.window_adapt == "adaptive" and window_s > 0 else None)
@@ -159,7 +164,6 @@ class GroupSyncHandler(Handler):
                                       timeout_s=ctx.timeout.total_seconds())
         if gs.communicator == "prebuilt":
             self._prebuild(ctx)
-        self._delays = emulated_delays(ctx, rank, self._stage, self._pipeline)
 
     def _ranks(self, ctx: RuntimeContext, members: tuple[int, ...], stage: int) -> list[int]:
         return [ctx.layout.rank_of(i, stage, 0) for i in members]
@@ -212,15 +216,17 @@ class GroupSyncHandler(Handler):
                 offset += n
 
     def after_step(self, ctx: RuntimeContext) -> None:
-        if self.section_ is None or ctx.released:
+        if ctx.released:
             return
-        assert self.client is not None
         delay = 0.0
         if self._delays is not None:
             delay = self._delays[ctx.iteration % len(self._delays)]
             if delay > 0:
                 time.sleep(delay)
         self.delays_s.append(delay)
+        if self.section_ is None:
+            return
+        assert self.client is not None
         members = self.client.ready()
         self.group_sizes.append(len(members))
         self._average(ctx, members)
