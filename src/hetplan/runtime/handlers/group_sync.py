@@ -143,6 +143,11 @@ class GroupSyncHandler(Handler):
                                                 and ctx.plan.tensor_parallel.controller):
             raise SpecError("group_sync: policy 'sdpipe' does not compose with re-balancing or "
                             "the TP resizing controller; plan without them")
+        if gs.optimizer_state != "local":
+            raise SpecError(f"group_sync.optimizer_state: {gs.optimizer_state!r} is planned but "
+                            "the runtime keeps optimizer state local only (the correction is "
+                            "hetplan.algorithms.sdpipe.adam_scaled_update); re-plan with "
+                            "sdpipe{optimizer-state=local}")
         if not dist.is_initialized():
             raise SpecError("group_sync: policy 'sdpipe' needs a process group (run under "
                             "torchrun or `hetplan run`)")
