@@ -36,6 +36,7 @@ def get_all_passes() -> dict[str, type]:
     from hetplan.passes.sdpipe import SDPipe
     from hetplan.passes.tp_resizing import TPResizing
     from hetplan.passes.uniform_stages import UniformStages
+    from hetplan.passes.zen import Zen
 
     return {cls.name: cls for cls in (UniformStages, EvenTP, DDPBuckets, DynPipe, Espresso,
-                                      CupcakeFusion, TPResizing, SDPipe)}
+                                      CupcakeFusion, TPResizing, Zen, SDPipe)}

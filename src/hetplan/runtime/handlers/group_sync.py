@@ -25,11 +25,12 @@ waits for every worker's done before stopping its thread. Every pipeline must tr
 number of steps (the final average is a collective of the whole stage).
 
 What composes with group sync: ``stages`` / ``pipeline_actions`` (each pipeline runs its
-schedule and flushes every step, as usual), ``precision``, recomputation, and
-``gradient_sync``'s local part (accumulation across micro-batches). It does not compose with
-tensor parallelism (tp > 1), ZeRO sharding (zero_stage > 0), interleaved stages, the TP
-resizing controller or re-balancing: setup refuses those layouts, and the sdpipe pass never
-chooses group sync for them.
+schedule and flushes every step, as usual), fp32 ``precision``, and ``gradient_sync``'s local
+part (accumulation across micro-batches). It does not compose with tensor parallelism
+(tp > 1), ZeRO sharding (zero_stage > 0), interleaved stages, the TP resizing controller,
+re-balancing, 16-bit compute (the fp32 master weights belong to the optimizer) or sparse
+gradient sync: :func:`hetplan.runtime.composition.refusals` refuses those plans, and the
+sdpipe pass never chooses group sync for the layouts among them.
 
 Straggler emulation (tests, benchmarks), under every policy (synchronous data parallel too,
 so runs compare alike): ``HETPLAN_EMULATE_DELAY="<p>,<delay_s>[,<seed>[,<ranks>]]"`` sleeps
@@ -134,20 +135,7 @@ class GroupSyncHandler(Handler):
         gs = ctx.plan.group_sync
         if gs is None or gs.policy != "sdpipe":
             return
-        if lay.tp > 1 or lay.zero_stage > 0 or lay.virtual_stages > 1:
-            raise SpecError(
-                f"group_sync: policy 'sdpipe' runs with tp=1, zero_stage=0 and no interleaved "
-                f"stages; the layout has tp={lay.tp}, zero_stage={lay.zero_stage}, "
-                f"virtual_stages={lay.virtual_stages}; re-plan with --group-sync")
-        if ctx.plan.rebalancing is not None or (ctx.plan.tensor_parallel is not None
-                                                and ctx.plan.tensor_parallel.controller):
-            raise SpecError("group_sync: policy 'sdpipe' does not compose with re-balancing or "
-                            "the TP resizing controller; plan without them")
-        if gs.optimizer_state != "local":
-            raise SpecError(f"group_sync.optimizer_state: {gs.optimizer_state!r} is planned but "
-                            "the runtime keeps optimizer state local only (the correction is "
-                            "hetplan.algorithms.sdpipe.adam_scaled_update); re-plan with "
-                            "sdpipe{optimizer-state=local}")
+        # what group sync does not compose with: hetplan.runtime.composition.refusals
         if not dist.is_initialized():
             raise SpecError("group_sync: policy 'sdpipe' needs a process group (run under "
                             "torchrun or `hetplan run`)")
