@@ -99,3 +99,21 @@ def test_inspect_shows_the_policy_and_its_prediction():
     assert "allreduce" in text and "adpsgd" in text
     assert build_report(_plan(stragglers=None).model_copy(update={"group_sync": None})
                         )["group_sync"] is None
+
+
+def test_the_runtime_refuses_what_group_sync_does_not_compose_with():
+    from hetplan.runtime.composition import refusals
+
+    plan = _plan("sdpipe")
+    assert refusals(plan) == []
+    gs = plan.group_sync
+    lay = plan.layout
+    bad = plan.model_copy(update={
+        "layout": lay.model_copy(update={"zero_stage": 1}),
+        "group_sync": gs.model_copy(update={"optimizer_state": "adam-correction"})})
+    lines = refusals(bad)
+    assert any(line.startswith("group_sync: SDPipe group sync with ZeRO-1") for line in lines)
+    assert any(line.startswith("group_sync.optimizer_state: 'adam-correction'")
+               for line in lines)
+    off = plan.model_copy(update={"group_sync": gs.model_copy(update={"policy": "allreduce"})})
+    assert refusals(off) == []
