@@ -12,6 +12,7 @@ from hetplan.algorithms.sdpipe import (
     AdaptiveWindow,
     GroupScheduler,
     SchedulerConfig,
+    TumblingWindow,
     adam_scaled_update,
     communicator_count,
     group_average,
@@ -101,6 +102,22 @@ def test_e5_closed_loop_trace(p):
     assert commits == [(float(t), g) for t, g in expected]
     counts = [sum(w in g for _, g in commits) for w in range(n)]
     assert counts == per_worker
+
+
+# -- E6: the authors' tumbling window -----------------------------------------------------------
+def test_e6_tumbling_window_of_the_authors_code():
+    w = TumblingWindow(n=4, p=2)
+    expected = [((0, 1), 2, False, [0, 0, 2, 3]), ((2,), 3, False, [0, 0, 2, 3]),
+                ((0, 1), 5, False, [0, 0, 2, 3]), ((3,), 6, False, [0, 0, 2, 3]),
+                ((0, 1, 2), 9, True, [0, 0, 0, 3])]
+    for group, acc, need, roots in expected:
+        w.record(group)
+        assert (w.acc, w.need_enforce, w.roots()) == (acc, need, roots), group
+    assert not w.enforced_valid([0])
+    assert not w.enforced_valid([0, 1])
+    assert w.enforced_valid([0, 1, 3])
+    w.record((0, 1, 3), enforced=True)
+    assert (w.acc, w.need_enforce, w.roots()) == (12, False, [0, 1, 2, 3])
 
 
 # -- E7: the global lock -----------------------------------------------------------------------

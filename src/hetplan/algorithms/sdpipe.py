@@ -45,6 +45,7 @@ __all__ = [
     "Commit",
     "GroupScheduler",
     "SchedulerConfig",
+    "TumblingWindow",
     "UnionFind",
     "adam_scaled_update",
     "communicator_count",
@@ -461,6 +462,52 @@ class GroupScheduler:
                 self._wait[stage][w] = next_wait(self._wait[stage][w], len(group), rule)
         self.commits.append(commit)
         out.append(commit)
+
+
+class TumblingWindow:
+    """The authors' code's approximation of Assumption 1 for one stage (``ReduceStat``, N ≤ 8),
+    kept as a reference for the digest's E6; :class:`GroupScheduler` uses the sliding window.
+
+    Every committed group is merged into one disjoint set; once the stage has committed
+    ``n·p`` worker updates since the last enforcement (``acc``), the next formation is
+    enforced: it waits, without a timeout, until the disjoint set merged with the pending
+    group connects all ``n`` workers; after it the set is reset.
+    """
+
+    def __init__(self, n: int, p: int) -> None:
+        if n < 1 or p < 1:
+            raise ValueError(f"need n >= 1 and p >= 1, got n={n}, p={p}")
+        self.n, self.bound = n, n * p
+        self.acc = 0
+        self.need_enforce = False
+        self._uf = UnionFind(n)
+
+    def roots(self) -> list[int]:
+        """Each worker's component, named by its smallest member."""
+        smallest: dict[int, int] = {}
+        for w in range(self.n):
+            smallest.setdefault(self._uf.find(w), w)
+        return [smallest[self._uf.find(w)] for w in range(self.n)]
+
+    def enforced_valid(self, pending: Sequence[int]) -> bool:
+        """Whether an enforced formation with ``pending`` ready may commit."""
+        uf = UnionFind(self.n)
+        for w in range(self.n):
+            uf.union(w, self._uf.find(w))
+        uf.union_all(sorted(set(pending)))
+        return uf.count == 1
+
+    def record(self, group: Sequence[int], *, enforced: bool = False) -> None:
+        """A group was committed (``enforced``: by an enforced formation)."""
+        before = self.acc // self.bound
+        if enforced:
+            self._uf = UnionFind(self.n)
+            self.need_enforce = False
+        else:
+            self._uf.union_all(sorted(set(group)))
+        self.acc += len(group)
+        if self.acc // self.bound > before:
+            self.need_enforce = True
 
 
 # --------------------------------------------------------------------------------------
