@@ -13,6 +13,7 @@ module holds every rule the scheduler and the workers apply, so the runtime
 2. :func:`is_valid_group` — Assumption 1 (sync-graph connectivity): the union of the cliques of
    the last ``p - 1`` committed groups and the candidate connects all ``n`` replicas
    (a union-find, :class:`UnionFind`). ``p = 1`` admits only the full group (all-reduce).
+   :class:`TumblingWindow` is the authors' code's approximation, kept as a reference.
 3. :class:`GroupScheduler` — Algorithm 2 as an event-driven state machine over every stage:
    ``ready(stage, worker, t)`` and ``advance(t)`` return the groups committed; a window of
    ``T`` seconds (fixed, or adapted per worker by :func:`next_wait`) collects ready signals;
