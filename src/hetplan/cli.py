@@ -22,7 +22,7 @@ from rich.table import Table
 
 from hetplan._version import __version__
 from hetplan.errors import HetplanError, InfeasiblePlanError, SpecError
-from hetplan.ir.validation import check_output_path
+from hetplan.ir.validation import check_output_path, did_you_mean
 
 __all__ = ["app", "main"]
 
@@ -303,6 +303,29 @@ def workload_convert_cmd(
 # --------------------------------------------------------------------------------------
 # plan / simulate
 # --------------------------------------------------------------------------------------
+def _with_group_sync(passes: str | None, mode: str) -> tuple[str | None, dict[str, Any]]:
+    """The pass spec and compile options ``--group-sync MODE`` asks for: ``sdpipe{mode=..}``
+    appended to the pipeline (or its mode set, when ``--passes`` names it) and ZeRO sharding
+    pinned off (each replica steps its own optimizer)."""
+    modes = ("auto", "sdpipe", "off")
+    if mode not in modes:
+        raise SpecError(f"--group-sync: unknown mode {mode!r}{did_you_mean(mode, modes)} "
+                        f"(choose {', '.join(modes)})")
+    if mode == "off":
+        return passes, {}
+    from hetplan.passes import DEFAULT_PIPELINE
+    from hetplan.passes.spec import parse_pipeline
+
+    spec = passes or DEFAULT_PIPELINE
+    given = [p for p in parse_pipeline(spec, where="--passes") if p.name == "sdpipe"]
+    if not given:
+        return f"{spec},sdpipe{{mode={mode}}}", {"zero_stage": 0}
+    if getattr(given[0], "mode") != mode:
+        raise SpecError(f"--group-sync {mode} and --passes sdpipe{{mode="
+                        f"{getattr(given[0], 'mode')}}} disagree; set the mode in one place")
+    return spec, {"zero_stage": 0}
+
+
 @app.command("plan")
 @_user_errors
 def plan_cmd(
@@ -353,6 +376,10 @@ def plan_cmd(
         "checkpoints in peers' CPU memory, sent in the network's idle time)."),
     replicas: int = typer.Option(None, "--replicas", help="Gemini: copies of every rank's "
                                  "state, its own node's included (default 2)."),
+    group_sync: str = typer.Option(
+        "off", "--group-sync", help="Semi-decentralized group sync of the pipeline replicas "
+        "(SDPipe): auto (only when the straggler simulation predicts it faster), sdpipe "
+        "(always; the sdpipe pass in --passes sets P and T), off. Pins zero_stage=0."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
     from hetplan.cost_models.predict import resolve_cluster, resolve_profile
@@ -370,12 +397,13 @@ def plan_cmd(
         passes = f"{passes or DEFAULT_PIPELINE},zen{{mode={sparse}}}"
     pipeline_spec = _with_checkpointing(passes, checkpoint, replicas)
 
+    pipeline_spec, group_opts = _with_group_sync(passes, group_sync)
     options = CompileOptions.build(
         batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
         micro_batch_size=micro_batch_size, dtype=dtype, require_profiled=require_profiled,
         dynamics=dynamics, compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
         tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
-        **({"passes": pipeline_spec} if pipeline_spec is not None else {}),
+        **({"passes": pipeline_spec} if pipeline_spec is not None else {}), **group_opts,
     )
     options.pipeline(where="--passes")  # a malformed spec fails before the model is captured
     spec = resolve_cluster(cluster)

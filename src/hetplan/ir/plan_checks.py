@@ -58,6 +58,7 @@ from hetplan.ir.plan_sections import (
     Stage,
     TensorParallel,
 )
+from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import did_you_mean
 
@@ -88,6 +89,8 @@ class Plan(Protocol):
     def predictions(self) -> Predictions | None: ...
     @property
     def precision(self) -> Precision | None: ...
+    @property
+    def group_sync(self) -> GroupSync | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
@@ -103,6 +106,7 @@ def plan_problems(plan: Plan, *, complete: bool = False) -> list[str]:
     problems = _cluster(plan) + _layout(plan)
     problems += _stages(plan) + _pipeline_actions(plan) + _tensor_parallel(plan)
     problems += _gradient_sync(plan) + _rebalancing(plan) + _predictions(plan)
+    problems += group_sync_problems(plan.group_sync, plan.layout)
     if complete:
         problems += _completeness(plan)
     return problems
