@@ -323,7 +323,10 @@ def _memory_lower_bound(workload: WorkloadSummary, cand: LayoutCandidate,
     ranks exceeds the smallest device), or ""."""
     whole = Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
                   ranks=tuple(range(len(costs.devices))))
-    prec = min((stage_precision(workload, whole, costs, r) for r in range(len(costs.devices))),
+    first_of_type: dict[str, int] = {}
+    for r, dev in enumerate(costs.devices):  # the precision depends on the device type only
+        first_of_type.setdefault(dev.type, r)
+    prec = min((stage_precision(workload, whole, costs, r) for r in first_of_type.values()),
                key=lambda p: (p.weight_bytes + p.grad_bytes + p.master_bytes, p.act_bytes))
     w, g, o = model_state(workload.layers, tp=cand.tp, dp=cand.dp, zero_stage=cand.zero_stage,
                           optimizer=costs.optimizer, precision=prec)
