@@ -91,20 +91,30 @@ def rank_memory(
     types = [d.type for d in costs.devices]
     # a stage's state precision depends on the device types of its ranks
     stage_types = [tuple(sorted({types[r] for r in st.ranks})) for st in stages]
-    out = []
+    classes: dict[tuple[object, ...], list[int]] = {}
     for r in sorted(held):
-        mine = [stages[k] for k in held[r]]
-        shares_of = [uneven.get((st.index, r)) for st in mine] if uneven else [None] * len(mine)
-        key = context + (types[r],) + tuple(
-            (st.index, st.first_layer, st.last_layer, st.recompute, stage_types[k], sh)
-            for k, st, sh in zip(held[r], mine, shares_of))
-        hit = costs.memo.get(key)
-        if hit is None:
-            hit = costs.memo[key] = _rank_memory(
-                workload, mine, layout, costs, scale, r, sched,
-                [None if sh is None else list(sh) for sh in shares_of])
-        out.append(hit)
-    return tuple(out)
+        classes.setdefault((types[r], tuple(held[r])), []).append(r)
+    out: dict[int, MemoryBreakdown] = {}
+    for (kind, ks), ranks in classes.items():
+        mine = [stages[k] for k in ks]
+        for r in ranks:  # shares differ only between ranks of uneven TP groups
+            shares_of = ([uneven.get((st.index, r)) for st in mine] if uneven
+                         else [None] * len(mine))
+            key = context + (kind,) + tuple(
+                (st.index, st.first_layer, st.last_layer, st.recompute, stage_types[k], sh)
+                for k, st, sh in zip(ks, mine, shares_of))
+            hit = costs.memo.get(key)
+            if hit is None:
+                hit = costs.memo[key] = _rank_memory(
+                    workload, mine, layout, costs, scale, r, sched,
+                    [None if sh is None else list(sh) for sh in shares_of])
+            if uneven:
+                out[r] = hit
+                continue
+            for q in ranks:
+                out[q] = hit
+            break
+    return tuple(out[r] for r in sorted(held))
 
 
 def _rank_memory(workload: WorkloadSummary, mine: list[Stage], layout: Layout,
