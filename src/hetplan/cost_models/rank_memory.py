@@ -91,7 +91,7 @@ def rank_memory(
     types = [d.type for d in costs.devices]
     # a stage's state precision depends on the device types of its ranks
     stage_types = [tuple(sorted({types[r] for r in st.ranks})) for st in stages]
-    classes: dict[tuple[object, ...], list[int]] = {}
+    classes: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for r in sorted(held):
         classes.setdefault((types[r], tuple(held[r])), []).append(r)
     out: dict[int, MemoryBreakdown] = {}
