@@ -76,7 +76,7 @@ def test_micro_batch_size_that_cannot_split_the_batch_is_blamed(no_work: None) -
 
 def test_other_plan_options_fail_before_capture(no_work: None) -> None:
     refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--dtype", "fp33"),
-            "dtype:", "(got 'fp33'); did you mean 'fp32'?")
+            "--dtype 'fp33' is not a precision", "did you mean 'fp32'?")
     refused(run("plan", "mlp", "-c", "local-cpu", "-b", str(10**20)),
             "batch_size: Input should be less than or equal to 9007199254740992")
 
