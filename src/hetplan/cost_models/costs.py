@@ -58,3 +58,7 @@ class CostModel:
         #: pipeline simulations by their inputs: passes that only change gradient sync
         #: re-evaluate the same schedule many times (see ``evaluate``)
         self.pipeline_cache: dict[tuple[Any, ...], Any] = {}
+        #: small derived values by their inputs (a stage's state precision by its ranks'
+        #: device types, ...): pure functions of this model the search asks for again and
+        #: again; every entry is keyed by a tag naming the function first
+        self.memo: dict[tuple[Any, ...], Any] = {}

@@ -65,6 +65,9 @@ class CompileOptions(BaseModel):
         efficiency / optimizer: cost-model settings (recorded in the plan).
         require_profiled: refuse analytic compute estimates.
         compressors / dynamics / tp_controller / tp_gamma_max: pipeline shorthands.
+        progress: the layout search's progress bar on stderr for a search over a second
+            (:mod:`hetplan.optimizer.progress`): True always, False never, None (default)
+            only when stderr is a terminal. It does not change the plan.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -89,6 +92,7 @@ class CompileOptions(BaseModel):
     dynamics: DynamicsSpec | str | Path | None = None
     tp_controller: Literal["off", "zero", "migration", "semi"] = "off"
     tp_gamma_max: float = 0.9
+    progress: bool | None = None
 
     @field_validator("schedule")
     @classmethod
