@@ -166,7 +166,8 @@ def compile(  # noqa: A001 - the product's verb
     job = _Job(
         opts=opts, ir=ir, workload=WorkloadSummary.from_model_ir(ir), spec=spec, db=db,
         costs=CostModel(spec, db, dtype=opts.dtype, efficiency=opts.efficiency,
-                        optimizer=opts.optimizer, require_profiled=opts.require_profiled),
+                        optimizer=opts.optimizer, require_profiled=opts.require_profiled,
+                        attention=opts.attention, dp_overlap=opts.dp_overlap),
         model_ref=ModelRef(name=ir.name, fingerprint=ir.fingerprint(),
                            num_params=ir.num_params),
         cluster_ref=ClusterRef.from_cluster(spec, embed=False),
@@ -324,7 +325,8 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
         "provenance": _provenance(ev, job.costs),
         "cost_settings": CostSettings(dtype=opts.dtype, efficiency=opts.efficiency,
                                       optimizer=opts.optimizer,
-                                      profile_fingerprint=_db_fingerprint(job.db)),
+                                      profile_fingerprint=_db_fingerprint(job.db),
+                                      attention=opts.attention, dp_overlap=opts.dp_overlap),
         "precision": job.costs.precision,
         "pass_log": (PassLogEntry(name="layout-search", changed=True, notes=(search_note,)),)
         + plan.pass_log,
