@@ -88,8 +88,8 @@ from hetplan.ir.plan_sections import (
 )
 from hetplan.ir.plan_sparse import SparseSync, SparseTensorSync
 
-__all__ = ["Evaluation", "StageCost", "StageSync", "stage_syncs", "evaluate", "rank_devices",
-           "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
+__all__ = ["Evaluation", "StageCost", "StageSync", "SyncScorer", "stage_syncs", "evaluate",
+           "rank_devices", "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
 
 #: A sync unit's strategy: a gradient-sync strategy, or a sparse gradient's own scheme.
 UnitStrategy = Union[SyncStrategy, SparseTensorSync]
@@ -157,6 +157,70 @@ def evaluate(
             workload's gradients and keeps each bucket in one stage: hetplan.ir.plan_checks).
         InfeasiblePlanError: a rank runs out of memory (with ``check_memory``).
     """
+    pre = _prefix(workload, layout, stages, costs, tensor_parallel)
+    stages = pre.stages
+    units = _units_by_stage(workload, gradient_sync, pre.stage_of, len(stages), sparse_sync)
+    stage_costs, timelines, comm_busy, compression, finish = _sync_all(
+        workload, layout, costs, pre, units, record, tensor_parallel)
+    iteration = max(finish) + pre.optimizer_s
+    fwd, bwd, tp_comm = pre.fwd, pre.bwd, pre.tp_comm
+    per_rank = [0.0] * layout.pp
+    for s, (f, b) in enumerate(zip(fwd, bwd)):
+        per_rank[s % layout.pp] += (f + b) * layout.micro_batches
+    compute = max(per_rank)
+    memory = rank_memory(workload, stages, layout, costs, pre.scale, tensor_parallel)
+    if check_memory:
+        check_fits(
+            list(memory),
+            [d.memory_bytes for d in costs.devices[: len(memory)]],
+            what=f"layout dp={layout.dp} pp={layout.pp} tp={layout.tp} "
+            f"micro-batch {layout.micro_batch_size}"
+            + (f", ZeRO-{layout.zero_stage}" if layout.zero_stage else "")
+            + _recompute_note(stages),
+        )
+    return Evaluation(
+        iteration_s=iteration,
+        compute_s=compute,
+        comm_s=comm_busy + max(c * layout.micro_batches for c in tp_comm),
+        exposed_comm_s=max(max(f - e, 0.0) for f, e in zip(finish, pre.last_bwd_end)),
+        bubble_s=max(pre.pipe.iteration_ms * 1e-3 - compute, 0.0),
+        compression_s=compression,
+        optimizer_s=pre.optimizer_s,
+        bubble_ratio=pre.pipe.bubble_ratio,
+        memory=memory,
+        stages=tuple(stage_costs),
+        pipeline=pre.pipe,
+        dp_timelines=tuple(timelines),
+    )
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """Steps 1 and 2 and the optimizer step of :func:`evaluate`: everything it computes
+    before gradient sync, which does not depend on the gradient-sync section."""
+
+    stages: tuple[Stage, ...]
+    stage_of: list[int]
+    scale: float
+    fwd: list[float]
+    bwd: list[float]
+    tp_comm: list[float]
+    bwd_layers: list[list[float]]
+    sources: list[dict[str, int]]
+    pipe: PipelineSimResult
+    last_bwd_end: tuple[float, ...]
+    optimizer_s: float
+
+
+def _prefix(
+    workload: WorkloadSummary,
+    layout: Layout,
+    stages: tuple[Stage, ...],
+    costs: CostModel,
+    tensor_parallel: TensorParallel | None,
+) -> _Prefix:
+    """Stage times, the pipeline simulation and the optimizer step (steps 1, 2 and 4's
+    optimizer term of the module docstring)."""
     if not stages:
         stages = (
             Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
@@ -203,60 +267,53 @@ def evaluate(
                 ends[s] = max(ends[s], ev.end_ms * 1e-3)
         cached = costs.pipeline_cache[key] = (pipe, tuple(ends))
     pipe, last_bwd_end = cached
+    optimizer_s = _optimizer_s(workload, stages, layout, costs, tensor_parallel)
+    return _Prefix(stages, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources, pipe,
+                   last_bwd_end, optimizer_s)
 
-    strategies = _units_by_stage(workload, gradient_sync, stage_of, len(stages), sparse_sync)
+
+def _sync_all(
+    workload: WorkloadSummary,
+    layout: Layout,
+    costs: CostModel,
+    pre: _Prefix,
+    strategies: list[list[tuple[list[int], UnitStrategy]]],
+    record: bool,
+    tensor_parallel: TensorParallel | None,
+    preps: dict[int, _SyncPrep] | None = None,
+) -> tuple[list[StageCost], list[DPTimeline | None], float, float, list[float]]:
+    """Step 3 for every stage: (stage costs, DP timelines, busiest channel, largest
+    compression time, each stage's finish: last backward end + exposed sync). ``preps``
+    keeps each stage's :class:`_SyncPrep` between calls on the same prefix."""
     stage_costs, timelines = [], []
     comm_busy = compression = 0.0
     finish = []
-    for s, st in enumerate(stages):
+    for s, st in enumerate(pre.stages):
         tl = None
         exposed = busy = comp = 0.0
         if layout.dp > 1 and strategies[s]:
             # after the flush, sync starts when the stage's last backward has ended: the
             # timeline runs over no backprop (every gradient is ready at once)
             overlap = costs.dp_overlap == "backward"
-            backprop = bwd_layers[s] if overlap else [0.0] * len(bwd_layers[s])
+            backprop = pre.bwd_layers[s] if overlap else [0.0] * len(pre.bwd_layers[s])
+            prep = None if preps is None else preps.get(s)
+            if prep is None:
+                prep = _sync_prep(workload, st, layout, costs, backprop,
+                                  max_layer_shares(workload, st, layout.tp, tensor_parallel))
+                if preps is not None:
+                    preps[s] = prep
             tl = _sync_stage(workload, st, layout, costs, strategies[s], backprop, record,
-                             max_layer_shares(workload, st, layout.tp, tensor_parallel))
-            exposed = tl.iteration_s - (bwd[s] if overlap else 0.0)
+                             prep=prep)
+            exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
             busy = sum(v for k, v in tl.busy_s.items() if k not in (GPU, CPU))
             comp = tl.busy_s.get(GPU, 0.0) - sum(backprop) + tl.busy_s.get(CPU, 0.0)
-        stage_costs.append(StageCost(fwd[s], bwd[s], tp_comm[s], exposed, busy, comp, sources[s]))
+        stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
+                                     comp, pre.sources[s]))
         timelines.append(tl)
         comm_busy = max(comm_busy, busy)
         compression = max(compression, comp)
-        finish.append(last_bwd_end[s] + max(exposed, 0.0))
-
-    optimizer_s = _optimizer_s(workload, stages, layout, costs, tensor_parallel)
-    iteration = max(finish) + optimizer_s
-    per_rank = [0.0] * layout.pp
-    for s, (f, b) in enumerate(zip(fwd, bwd)):
-        per_rank[s % layout.pp] += (f + b) * layout.micro_batches
-    compute = max(per_rank)
-    memory = rank_memory(workload, stages, layout, costs, scale, tensor_parallel)
-    if check_memory:
-        check_fits(
-            list(memory),
-            [d.memory_bytes for d in costs.devices[: len(memory)]],
-            what=f"layout dp={layout.dp} pp={layout.pp} tp={layout.tp} "
-            f"micro-batch {layout.micro_batch_size}"
-            + (f", ZeRO-{layout.zero_stage}" if layout.zero_stage else "")
-            + _recompute_note(stages),
-        )
-    return Evaluation(
-        iteration_s=iteration,
-        compute_s=compute,
-        comm_s=comm_busy + max(c * layout.micro_batches for c in tp_comm),
-        exposed_comm_s=max(max(f - e, 0.0) for f, e in zip(finish, last_bwd_end)),
-        bubble_s=max(pipe.iteration_ms * 1e-3 - compute, 0.0),
-        compression_s=compression,
-        optimizer_s=optimizer_s,
-        bubble_ratio=pipe.bubble_ratio,
-        memory=memory,
-        stages=tuple(stage_costs),
-        pipeline=pipe,
-        dp_timelines=tuple(timelines),
-    )
+        finish.append(pre.last_bwd_end[s] + max(exposed, 0.0))
+    return stage_costs, timelines, comm_busy, compression, finish
 
 
 def _recompute_note(stages: Sequence[Stage]) -> str:
@@ -275,6 +332,29 @@ def _units_by_stage(
 
     Without a gradient-sync section every gradient is its own fp32 allreduce (layer-wise).
     A sparse gradient synced by its own scheme (``sparse``) is its own unit, out of its bucket."""
+    return _units_from_groups(workload, _sync_groups(sync), stage_of, num_stages, sparse)
+
+
+def _sync_groups(sync: GradientSync | None) -> list[tuple[list[str], SyncStrategy]]:
+    """The sync units a gradient-sync section names: each bucket, then each per-tensor
+    entry outside the buckets, with its strategy."""
+    if sync is None:
+        return []
+    per_tensor = {t.name: t.strategy for t in sync.tensors}
+    groups = [(list(b.tensors), b.strategy) for b in sync.buckets]
+    in_bucket = {n for names, _ in groups for n in names}
+    groups += [([n], s) for n, s in per_tensor.items() if n not in in_bucket]
+    return [(names, sync.strategies[s]) for names, s in groups]
+
+
+def _units_from_groups(
+    workload: WorkloadSummary,
+    groups: list[tuple[list[str], SyncStrategy]],
+    stage_of: list[int],
+    num_stages: int,
+    sparse: SparseSync | None = None,
+) -> list[list[tuple[list[int], UnitStrategy]]]:
+    """:func:`_units_by_stage` of the units ``groups`` (see :func:`_sync_groups`)."""
     index = {g.name: i for i, g in enumerate(workload.grads)}
     out: list[list[tuple[list[int], UnitStrategy]]] = [[] for _ in range(num_stages)]
     covered: set[int] = set()
@@ -283,27 +363,49 @@ def _units_by_stage(
             i = index[name]
             out[stage_of[workload.grads[i].layer_index]].append(([i], entry))
             covered.add(i)
-    if sync is not None:
-        per_tensor = {t.name: t.strategy for t in sync.tensors}
-        groups = [(list(b.tensors), b.strategy) for b in sync.buckets]
-        in_bucket = {n for names, _ in groups for n in names}
-        groups += [([n], s) for n, s in per_tensor.items() if n not in in_bucket]
-        for names, strategy in groups:
-            # Every name is a gradient of the workload and a bucket stays in one stage: the
-            # plan's validation checks both (hetplan.ir.plan_checks, rule 6).
-            idx = sorted(index[n] for n in names if index[n] not in covered)
-            if not idx:
-                continue
-            stages = {stage_of[workload.grads[i].layer_index] for i in idx}
-            assert len(stages) == 1, (names[:3], sorted(stages))
-            out[stages.pop()].append((idx, sync.strategies[strategy]))
-            covered.update(idx)
+    for names, strategy in groups:
+        # Every name is a gradient of the workload and a bucket stays in one stage: the
+        # plan's validation checks both (hetplan.ir.plan_checks, rule 6).
+        idx = sorted(index[n] for n in names if index[n] not in covered)
+        if not idx:
+            continue
+        stages = {stage_of[workload.grads[i].layer_index] for i in idx}
+        assert len(stages) == 1, (names[:3], sorted(stages))
+        out[stages.pop()].append((idx, strategy))
+        covered.update(idx)
+    default = NoSync()
     for i, g in enumerate(workload.grads):
         if i not in covered:
-            out[stage_of[g.layer_index]].append(([i], NoSync()))
+            out[stage_of[g.layer_index]].append(([i], default))
     for units in out:
         units.sort(key=lambda u: u[0][-1])
     return out
+
+
+@dataclass
+class _SyncPrep:
+    """What a stage's DP timeline needs that does not depend on the sync strategies: the
+    stage's gradients (ready order) and backprop segments, its DP group, the reduce dtype,
+    the TP shares, and each unit's bytes by its gradient indices (filled as asked)."""
+
+    grad_idx: list[int]
+    segments: list[float]
+    position: dict[int, int]
+    link: str
+    nodes: int
+    per_node: int
+    dtypes: SyncDtypes
+    shares: list[float] | None
+    nbytes: dict[tuple[int, ...], float]
+
+
+def _sync_prep(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+               bwd_per_layer: list[float], shares: list[float] | None) -> _SyncPrep:
+    grad_idx, segments = _stage_segments(workload, st, bwd_per_layer)
+    dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
+    link, nodes, per_node = group_link(costs, dp_ranks)
+    return _SyncPrep(grad_idx, segments, {i: k for k, i in enumerate(grad_idx)}, link, nodes,
+                     per_node, _sync_dtypes(workload, st, layout, costs), shares, {})
 
 
 def _sync_stage(
@@ -315,33 +417,47 @@ def _sync_stage(
     bwd_per_layer: list[float],
     record: bool,
     shares: list[float] | None = None,
+    *,
+    prep: _SyncPrep | None = None,
 ) -> DPTimeline:
     """DP timeline of one stage over its last micro-batch's backward (``shares``: the largest
-    TP share of each layer of the stage with uneven shards, else None: ``1 / tp``)."""
-    grad_idx, segments = _stage_segments(workload, st, bwd_per_layer)
-    position = {i: k for k, i in enumerate(grad_idx)}
-    dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
-    link, nodes, per_node = group_link(costs, dp_ranks)
-    dtypes = _sync_dtypes(workload, st, layout, costs)
+    TP share of each layer of the stage with uneven shards, else None: ``1 / tp``; ``prep``:
+    the stage's :class:`_SyncPrep` if already built, with these ``bwd_per_layer`` and
+    ``shares``). A strategy's ops at one size are built once per call: units of equal
+    bytes and strategy (a repeated block's buckets) share them."""
+    if prep is None:
+        prep = _sync_prep(workload, st, layout, costs, bwd_per_layer, shares)
+    shares = prep.shares
+    dev = costs.devices[st.ranks[0]]
+    built: dict[tuple[int, float], tuple[Op, ...]] = {}
     sync_units = []
     for idx, strategy in units:
-        nbytes = sum(
-            shard_bytes(workload, workload.grads[i].size_bytes, workload.grads[i].layer_index,
-                         layout.tp, None if shares is None
-                         else shares[workload.grads[i].layer_index - st.first_layer])
-            for i in idx
-        )
+        key_idx = tuple(idx)
+        nbytes = prep.nbytes.get(key_idx)
+        if nbytes is None:
+            nbytes = prep.nbytes[key_idx] = sum(
+                shard_bytes(workload, workload.grads[i].size_bytes,
+                            workload.grads[i].layer_index, layout.tp,
+                            None if shares is None
+                            else shares[workload.grads[i].layer_index - st.first_layer])
+                for i in idx
+            )
         if isinstance(strategy, SparseTensorSync):
-            channel = _level_group("flat", costs.devices[st.ranks[0]], layout.dp, link, nodes,
-                                   per_node)[2]
-            ops = sparse_ops(strategy, layout.dp, costs, costs.devices[st.ranks[0]], link,
-                             channel)
+            channel = _level_group("flat", dev, layout.dp, prep.link, prep.nodes,
+                                   prep.per_node)[2]
+            ops = sparse_ops(strategy, layout.dp, costs, dev, prep.link, channel)
         else:
-            ops = _strategy_ops(strategy, nbytes, costs, st, layout.dp, link, nodes, per_node,
-                                dtypes)
-        sync_units.append(SyncUnit(position[idx[-1]], ops, workload.grads[idx[-1]].name))
+            # the strategy objects live through this call, so their ids are stable keys
+            okey = (id(strategy), nbytes)
+            got = built.get(okey)
+            if got is None:
+                got = built[okey] = _strategy_ops(strategy, nbytes, costs, st, layout.dp,
+                                                  prep.link, prep.nodes, prep.per_node,
+                                                  prep.dtypes)
+            ops = got
+        sync_units.append(SyncUnit(prep.position[idx[-1]], ops, workload.grads[idx[-1]].name))
     sync_units.sort(key=lambda u: u.last_tensor)
-    return simulate_dp(segments, sync_units, record=record)
+    return simulate_dp(prep.segments, sync_units, record=record)
 
 
 def _stage_segments(
@@ -469,6 +585,45 @@ def stage_syncs(
         out.append(StageSync(st, tuple(grads), tuple(segments), nbytes, layout.dp, link, nodes,
                              per_node, _sync_dtypes(workload, st, layout, costs)))
     return out
+
+
+class SyncScorer:
+    """The predicted iteration time of many gradient-sync sections of one plan, for passes
+    that score candidates (Espresso's routings): :func:`evaluate`'s ``iteration_s`` with
+    ``check_memory=False``, bit for bit (the same functions, the same float operations in
+    the same order), with what does not depend on the sync — stage times, the pipeline, the
+    optimizer step, each stage's backprop segments, DP group and unit bytes — computed once.
+
+    Args:
+        workload / layout / stages / costs / tensor_parallel / sparse_sync: as for
+            :func:`evaluate`.
+    """
+
+    def __init__(self, workload: WorkloadSummary, layout: Layout, stages: tuple[Stage, ...],
+                 costs: CostModel, *, tensor_parallel: TensorParallel | None = None,
+                 sparse_sync: SparseSync | None = None) -> None:
+        self._workload, self._layout, self._costs = workload, layout, costs
+        self._tp, self._sparse = tensor_parallel, sparse_sync
+        self._pre = _prefix(workload, layout, stages, costs, tensor_parallel)
+        self._preps: dict[int, _SyncPrep] = {}
+
+    def iteration_s(self, gradient_sync: GradientSync | None) -> float:
+        """``evaluate(..., gradient_sync, check_memory=False).iteration_s``."""
+        return self._iteration(_sync_groups(gradient_sync))
+
+    def rerouted_s(self, gradient_sync: GradientSync, strategy: SyncStrategy) -> float:
+        """:meth:`iteration_s` of ``gradient_sync``'s buckets all synced by ``strategy``,
+        without per-tensor entries: the section ``GradientSync(strategies={name:
+        strategy}, buckets=<its buckets, each on name>)``, without building it."""
+        return self._iteration([(list(b.tensors), strategy) for b in gradient_sync.buckets])
+
+    def _iteration(self, groups: list[tuple[list[str], SyncStrategy]]) -> float:
+        pre = self._pre
+        units = _units_from_groups(self._workload, groups, pre.stage_of, len(pre.stages),
+                                   self._sparse)
+        finish = _sync_all(self._workload, self._layout, self._costs, pre, units, False,
+                           self._tp, self._preps)[4]
+        return max(finish) + pre.optimizer_s
 
 
 class _ScalarCalc:
