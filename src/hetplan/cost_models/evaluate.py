@@ -401,7 +401,7 @@ class _SyncPrep:
 
 def _sync_prep(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
                bwd_per_layer: list[float], shares: list[float] | None) -> _SyncPrep:
-    grad_idx, segments = _stage_segments(workload, st, bwd_per_layer)
+    grad_idx, segments = _stage_segments(workload, st, bwd_per_layer, costs)
     dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
     link, nodes, per_node = group_link(costs, dp_ranks)
     return _SyncPrep(grad_idx, segments, {i: k for k, i in enumerate(grad_idx)}, link, nodes,
@@ -461,7 +461,8 @@ def _sync_stage(
 
 
 def _stage_segments(
-    workload: WorkloadSummary, st: Stage, bwd_per_layer: list[float]
+    workload: WorkloadSummary, st: Stage, bwd_per_layer: list[float],
+    costs: CostModel | None = None,
 ) -> tuple[list[int], list[float]]:
     """The stage's gradients (workload indices, ready order) and the backprop time before
     each becomes ready (the last segment also holds backprop that produces no gradient)."""
@@ -473,7 +474,8 @@ def _stage_segments(
     for i in range(st.last_layer, first - 1, -1):
         t += bwd_per_layer[i - first]
         end_of_layer[i] = t
-    grads = [i for i, g in enumerate(workload.grads) if first <= g.layer_index <= st.last_layer]
+    grads = ([i for i, g in enumerate(workload.grads) if first <= g.layer_index <= st.last_layer]
+             if costs is None else _stage_grads(workload, costs, first, st.last_layer))
     segments = []
     prev = 0.0
     for i in grads:
@@ -483,6 +485,23 @@ def _stage_segments(
     if segments:
         segments[-1] += t - prev
     return grads, segments
+
+
+def _stage_grads(workload: WorkloadSummary, costs: CostModel, first: int,
+                 last: int) -> list[int]:
+    """The gradients of layers ``first..last`` (workload indices, ready order), from a
+    per-workload table of each layer's gradients kept in ``costs.memo``."""
+    key = ("grads_by_layer", id(workload))
+    by_layer: list[list[int]] | None = costs.memo.get(key)
+    if by_layer is None:
+        costs.memo[("workload", id(workload))] = workload  # its id stays unique while cached
+        by_layer = [[] for _ in workload.layers]
+        for i, g in enumerate(workload.grads):
+            by_layer[g.layer_index].append(i)
+        costs.memo[key] = by_layer
+    if last - first + 1 == len(by_layer):
+        return list(range(len(workload.grads)))
+    return sorted(i for layer in by_layer[first:last + 1] for i in layer)
 
 
 @dataclass(frozen=True)
@@ -575,7 +594,7 @@ def stage_syncs(
         _, _, _, per_layer, _ = stage_times(workload, st, layout, costs,
                                              layout.micro_batch_size,
                                              layout.micro_batch_size / workload.batch_size)
-        grads, segments = _stage_segments(workload, st, per_layer)
+        grads, segments = _stage_segments(workload, st, per_layer, costs)
         if not grads:
             continue
         dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
