@@ -49,7 +49,6 @@ import numpy as np
 
 from hetplan.algorithms.dp_timeline import simulate_dp
 from hetplan.algorithms.dp_types import CPU, GPU, DPTimeline, Op, SyncUnit
-from hetplan.algorithms.pipeline_schedules import build_schedule
 from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
@@ -59,7 +58,7 @@ from hetplan.cost_models.memory import (
     capture_bytes,
     check_fits,
 )
-from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline, simulate_schedule
+from hetplan.cost_models.pipeline import PipelineSimResult, simulate_named, simulate_pipeline
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import rank_memory, stage_precision
 from hetplan.cost_models.stage_times import (
@@ -254,18 +253,15 @@ def _prefix(
     if cached is None:
         fwd_ms, bwd_ms = [x * 1e3 for x in fwd], [x * 1e3 for x in bwd]
         if v > 1:  # one time per virtual stage (chunks may differ)
-            sched = build_schedule(layout.schedule, layout.pp, layout.micro_batches, v)
-            pipe = simulate_schedule(sched, fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
+            pipe = simulate_named(layout.schedule, layout.pp, layout.micro_batches, v,
+                                  fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
         else:  # (one rank of an interleaved layout: no pipeline, no chunks)
             name = "1f1b" if layout.schedule == "interleaved-1f1b" else layout.schedule
             pipe = simulate_pipeline(fwd_ms, bwd_ms, layout.micro_batches, name,
                                      p2p_fwd_ms=p2p or 0, p2p_bwd_ms=p2p or 0)
-        ends = [0.0] * len(stages)
-        for ev in pipe.events:
-            if ev.kind.value == "B":
-                s = ev.stage if v > 1 else ev.rank
-                ends[s] = max(ends[s], ev.end_ms * 1e-3)
-        cached = costs.pipeline_cache[key] = (pipe, tuple(ends))
+        # each stage's (or, one chunk per rank, each rank's) end of its last backward
+        ends = pipe.stage_bwd_end_ms if v > 1 else pipe.rank_bwd_end_ms
+        cached = costs.pipeline_cache[key] = (pipe, tuple(max(0.0, e * 1e-3) for e in ends))
     pipe, last_bwd_end = cached
     optimizer_s = _optimizer_s(workload, stages, layout, costs, tensor_parallel)
     return _Prefix(stages, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources, pipe,
