@@ -101,3 +101,32 @@ def test_scorer_equals_evaluate(workload: WorkloadSummary, dp: int, pp: int, zer
         assert scorer.rerouted_s(ddp, strategy) == want
     # the routings do differ, so equality above is not trivially one number
     assert len({scorer.iteration_s(s) for s in syncs}) > 1
+
+
+@pytest.mark.parametrize("dp, pp, zero, overlap", [
+    (64, 1, 1, "backward"), (16, 4, 0, "after-flush"),
+])
+def test_threshold_decides_as_the_exact_time(workload: WorkloadSummary, dp: int, pp: int,
+                                             zero: int, overlap: str) -> None:
+    """With ``below``, the scorer returns the exact time when it is below the threshold and
+    otherwise a number at least the threshold and at most the exact time (a lower bound);
+    the bound does skip simulations (some results differ from the exact time)."""
+    costs = CostModel(ClusterSpec.from_preset("v100-pcie-8x8"), dtype="fp16",
+                      dp_overlap=overlap)  # type: ignore[arg-type]
+    layout = Layout(dp=dp, pp=pp, micro_batches=pp, micro_batch_size=workload.batch_size,
+                    zero_stage=zero)  # type: ignore[arg-type]
+    plan = _plan(workload, layout, costs)
+    scorer = SyncScorer(workload, layout, plan.stages, costs)
+    syncs = [s for s in _syncs(workload, plan, zero) if s.buckets]
+    exact = [scorer.rerouted_s(syncs[0], next(iter(s.strategies.values()))) for s in syncs]
+    skipped = 0
+    for s, t in zip(syncs, exact):
+        strategy = next(iter(s.strategies.values()))
+        for below in (0.5 * t, t, min(exact), 1.5 * t):
+            got = scorer.rerouted_s(syncs[0], strategy, below=below)
+            if t < below:
+                assert got == t
+            else:
+                assert below <= got <= t
+                skipped += got != t
+    assert skipped

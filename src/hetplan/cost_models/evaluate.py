@@ -92,6 +92,8 @@ __all__ = ["Evaluation", "StageCost", "StageSync", "SyncScorer", "stage_syncs", 
 
 #: A sync unit's strategy: a gradient-sync strategy, or a sparse gradient's own scheme.
 UnitStrategy = Union[SyncStrategy, SparseTensorSync]
+#: Per stage: (gradient indices, strategy) per sync unit (:func:`_units_by_stage`).
+_Units = list[list[tuple[list[int], UnitStrategy]]]
 
 #: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (read p, g, m, v;
 #: write p, m, v); :func:`_step_bytes` gives every precision and optimizer.
@@ -268,6 +270,53 @@ def _prefix(
                    last_bwd_end, optimizer_s)
 
 
+#: Per stage with a DP sync: (its backprop segments per layer, its :class:`_SyncPrep`, its
+#: simulator units).
+_Built = dict[int, tuple[list[float], "_SyncPrep", list[SyncUnit]]]
+
+
+def _build_units(
+    workload: WorkloadSummary,
+    layout: Layout,
+    costs: CostModel,
+    pre: _Prefix,
+    strategies: list[list[tuple[list[int], UnitStrategy]]],
+    tensor_parallel: TensorParallel | None,
+    preps: dict[int, _SyncPrep] | None = None,
+) -> _Built:
+    """The simulator units of every stage that syncs (step 3's inputs); ``preps`` keeps each
+    stage's :class:`_SyncPrep` between calls on the same prefix."""
+    built: _Built = {}
+    for s, st in enumerate(pre.stages):
+        if layout.dp > 1 and strategies[s]:
+            # after the flush, sync starts when the stage's last backward has ended: the
+            # timeline runs over no backprop (every gradient is ready at once)
+            backprop = (pre.bwd_layers[s] if costs.dp_overlap == "backward"
+                        else [0.0] * len(pre.bwd_layers[s]))
+            prep = None if preps is None else preps.get(s)
+            if prep is None:
+                prep = _sync_prep(workload, st, layout, costs, backprop,
+                                  max_layer_shares(workload, st, layout.tp, tensor_parallel))
+                if preps is not None:
+                    preps[s] = prep
+            built[s] = (backprop, prep,
+                        _stage_units(workload, st, layout, costs, strategies[s], prep))
+    return built
+
+
+def _sync_floor(pre: _Prefix, built: _Built, costs: CostModel) -> float:
+    """A lower bound of the iteration step 3 and 4 give for ``built``: each stage's
+    :func:`_timeline_floor` in place of its simulated timeline, less a relative ``1e-9``
+    (the floor adds the same durations in another order than the simulator)."""
+    overlap = costs.dp_overlap == "backward"
+    floor = pre.optimizer_s + max(
+        pre.last_bwd_end[s] + (max(_timeline_floor(built[s][1].segments, built[s][2])
+                                   - (pre.bwd[s] if overlap else 0.0), 0.0)
+                               if s in built else 0.0)
+        for s in range(len(pre.stages)))
+    return floor * (1.0 - 1e-9)
+
+
 def _sync_all(
     workload: WorkloadSummary,
     layout: Layout,
@@ -276,30 +325,23 @@ def _sync_all(
     strategies: list[list[tuple[list[int], UnitStrategy]]],
     record: bool,
     tensor_parallel: TensorParallel | None,
-    preps: dict[int, _SyncPrep] | None = None,
+    built: _Built | None = None,
 ) -> tuple[list[StageCost], list[DPTimeline | None], float, float, list[float]]:
     """Step 3 for every stage: (stage costs, DP timelines, busiest channel, largest
-    compression time, each stage's finish: last backward end + exposed sync). ``preps``
-    keeps each stage's :class:`_SyncPrep` between calls on the same prefix."""
+    compression time, each stage's finish: last backward end + exposed sync); ``built``:
+    :func:`_build_units` of ``strategies`` if already made."""
+    if built is None:
+        built = _build_units(workload, layout, costs, pre, strategies, tensor_parallel)
+    overlap = costs.dp_overlap == "backward"
     stage_costs, timelines = [], []
     comm_busy = compression = 0.0
     finish = []
-    for s, st in enumerate(pre.stages):
+    for s in range(len(pre.stages)):
         tl = None
         exposed = busy = comp = 0.0
-        if layout.dp > 1 and strategies[s]:
-            # after the flush, sync starts when the stage's last backward has ended: the
-            # timeline runs over no backprop (every gradient is ready at once)
-            overlap = costs.dp_overlap == "backward"
-            backprop = pre.bwd_layers[s] if overlap else [0.0] * len(pre.bwd_layers[s])
-            prep = None if preps is None else preps.get(s)
-            if prep is None:
-                prep = _sync_prep(workload, st, layout, costs, backprop,
-                                  max_layer_shares(workload, st, layout.tp, tensor_parallel))
-                if preps is not None:
-                    preps[s] = prep
-            tl = _sync_stage(workload, st, layout, costs, strategies[s], backprop, record,
-                             prep=prep)
+        if s in built:
+            backprop, prep, units = built[s]
+            tl = simulate_dp(prep.segments, units, record=record)
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
             busy = sum(v for k, v in tl.busy_s.items() if k not in (GPU, CPU))
             comp = tl.busy_s.get(GPU, 0.0) - sum(backprop) + tl.busy_s.get(CPU, 0.0)
@@ -419,10 +461,24 @@ def _sync_stage(
     """DP timeline of one stage over its last micro-batch's backward (``shares``: the largest
     TP share of each layer of the stage with uneven shards, else None: ``1 / tp``; ``prep``:
     the stage's :class:`_SyncPrep` if already built, with these ``bwd_per_layer`` and
-    ``shares``). A strategy's ops at one size are built once per call: units of equal
-    bytes and strategy (a repeated block's buckets) share them."""
+    ``shares``)."""
     if prep is None:
         prep = _sync_prep(workload, st, layout, costs, bwd_per_layer, shares)
+    units_ = _stage_units(workload, st, layout, costs, units, prep)
+    return simulate_dp(prep.segments, units_, record=record)
+
+
+def _stage_units(
+    workload: WorkloadSummary,
+    st: Stage,
+    layout: Layout,
+    costs: CostModel,
+    units: list[tuple[list[int], UnitStrategy]],
+    prep: _SyncPrep,
+) -> list[SyncUnit]:
+    """The simulator's sync units of one stage, in ready order. A strategy's ops at one size
+    are built once per call: units of equal bytes and strategy (a repeated block's buckets)
+    share them."""
     shares = prep.shares
     dev = costs.devices[st.ranks[0]]
     built: dict[tuple[int, float], tuple[Op, ...]] = {}
@@ -453,7 +509,31 @@ def _sync_stage(
             ops = got
         sync_units.append(SyncUnit(prep.position[idx[-1]], ops, workload.grads[idx[-1]].name))
     sync_units.sort(key=lambda u: u.last_tensor)
-    return simulate_dp(prep.segments, sync_units, record=record)
+    return sync_units
+
+
+def _timeline_floor(segments: list[float], units: list[SyncUnit]) -> float:
+    """A time :func:`simulate_dp` ``(segments, units).iteration_s`` is never below (up to
+    float rounding: the simulator adds the same durations in another order): backprop alone;
+    backprop plus every GPU op (one compute stream); every op of one communication channel
+    one after the other (FIFO, from time 0); and each unit's ops one after the other from
+    its tensor's ready time with undelayed backprop."""
+    ready = []
+    t = 0.0
+    for b in segments:
+        t += b
+        ready.append(t)
+    floor = t
+    busy: dict[str, float] = {}
+    for u in units:
+        chain = ready[u.last_tensor]
+        for op in u.ops:
+            chain += op.duration_s
+            if op.resource != CPU:  # the CPU pool has several workers
+                busy[op.resource] = busy.get(op.resource, 0.0) + op.duration_s
+        floor = max(floor, chain)
+    floor = max(floor, t + busy.pop(GPU, 0.0), *busy.values())
+    return floor
 
 
 def _stage_segments(
@@ -621,24 +701,51 @@ class SyncScorer:
         self._tp, self._sparse = tensor_parallel, sparse_sync
         self._pre = _prefix(workload, layout, stages, costs, tensor_parallel)
         self._preps: dict[int, _SyncPrep] = {}
+        #: the section rerouted last, and its units with a placeholder strategy
+        self._rerouted: tuple[GradientSync, _Units] | None = None
 
-    def iteration_s(self, gradient_sync: GradientSync | None) -> float:
-        """``evaluate(..., gradient_sync, check_memory=False).iteration_s``."""
-        return self._iteration(_sync_groups(gradient_sync))
+    def iteration_s(self, gradient_sync: GradientSync | None,
+                    below: float | None = None) -> float:
+        """``evaluate(..., gradient_sync, check_memory=False).iteration_s``.
 
-    def rerouted_s(self, gradient_sync: GradientSync, strategy: SyncStrategy) -> float:
+        ``below``: a threshold the caller compares with; when a lower bound of the time
+        (:func:`_sync_floor`) shows it is not below ``below``, that bound is returned without
+        simulating the sync (a number ``>= below``, so ``result < below`` is decided as
+        the exact time would decide it)."""
+        pre = self._pre
+        units = _units_from_groups(self._workload, _sync_groups(gradient_sync), pre.stage_of,
+                                   len(pre.stages), self._sparse)
+        return self._iteration(units, below)
+
+    def rerouted_s(self, gradient_sync: GradientSync, strategy: SyncStrategy,
+                   below: float | None = None) -> float:
         """:meth:`iteration_s` of ``gradient_sync``'s buckets all synced by ``strategy``,
         without per-tensor entries: the section ``GradientSync(strategies={name:
         strategy}, buckets=<its buckets, each on name>)``, without building it."""
-        return self._iteration([(list(b.tensors), strategy) for b in gradient_sync.buckets])
+        if self._rerouted is None or self._rerouted[0] is not gradient_sync:
+            groups = [(list(b.tensors), _PLACEHOLDER) for b in gradient_sync.buckets]
+            pre = self._pre
+            self._rerouted = (gradient_sync, _units_from_groups(
+                self._workload, groups, pre.stage_of, len(pre.stages), self._sparse))
+        units = [[(idx, strategy if st is _PLACEHOLDER else st) for idx, st in stage]
+                 for stage in self._rerouted[1]]
+        return self._iteration(units, below)
 
-    def _iteration(self, groups: list[tuple[list[str], SyncStrategy]]) -> float:
+    def _iteration(self, units: _Units, below: float | None) -> float:
         pre = self._pre
-        units = _units_from_groups(self._workload, groups, pre.stage_of, len(pre.stages),
-                                   self._sparse)
+        built = _build_units(self._workload, self._layout, self._costs, pre, units, self._tp,
+                             self._preps)
+        if below is not None:
+            floor = _sync_floor(pre, built, self._costs)
+            if floor >= below:
+                return floor
         finish = _sync_all(self._workload, self._layout, self._costs, pre, units, False,
-                           self._tp, self._preps)[4]
+                           self._tp, built)[4]
         return max(finish) + pre.optimizer_s
+
+
+#: The strategy :meth:`SyncScorer.rerouted_s` puts in place of its argument.
+_PLACEHOLDER = NoSync()
 
 
 class _ScalarCalc:

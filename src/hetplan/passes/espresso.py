@@ -209,8 +209,10 @@ class Espresso:
         """No compressors: keep the incoming buckets and give them the fastest fp32 routing.
 
         Every routing is scored by a :class:`SyncScorer` of the plan: the numbers of
-        ``evaluate`` bit for bit, with the stage times and the pipeline computed once; only
-        the chosen routing's section is built."""
+        ``evaluate`` bit for bit, with the stage times and the pipeline computed once, and a
+        routing whose lower bound (communication alone, each channel FIFO) is not below the
+        best so far is not simulated: it could not replace it. Only the chosen routing's
+        section is built."""
         incoming = plan.gradient_sync
         assert incoming is not None
         hier = ["flat"]
@@ -222,7 +224,8 @@ class Espresso:
         for o in options(hierarchies=hier, compress=False):
             key: Key = (None, option_id(o))
             strategy = strategy_for(key)
-            f = scorer.rerouted_s(incoming, strategy)
+            # a routing whose lower bound is not below the best so far cannot win
+            f = scorer.rerouted_s(incoming, strategy, below=best[0] - 1e-12)
             if f < best[0] - 1e-12:
                 best = (f, strategy, strategy_name(key))
         note = (f"compressors allowed: none; buckets kept, routing {best[2]} "
