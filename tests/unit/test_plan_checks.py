@@ -220,6 +220,40 @@ def test_pipeline_actions_must_match_the_layout_and_run_everything_once(tmp_path
             "pipeline_actions.ranks[1]: action '2F0' names stage 2")
 
 
+def test_pipeline_actions_that_deadlock_are_refused(tmp_path: Path) -> None:
+    """Every action once, but rank 1 waits for its backward before running the forward it
+    needs (and rank 0 for rank 1's backward): the lists can never finish, on any machine."""
+    def edit(d: dict[str, Any]) -> None:
+        acts = d["pipeline_actions"]["ranks"][1].split(" ")
+        assert acts[:2] == ["1F0", "1B0"]
+        d["pipeline_actions"]["ranks"][1] = " ".join(["1B0", "1F0"] + acts[2:])
+
+    msg = refused(tmp_path, edit, "pipeline_actions.ranks: pipeline schedule '1f1b' deadlocks",
+                  "rank 1 at step 0 (1B0)", "rank 0 at step 2 (0B0)")
+    assert "Traceback" not in msg
+
+
+def test_a_backward_on_another_rank_than_its_forward_is_refused(tmp_path: Path) -> None:
+    def edit(d: dict[str, Any]) -> None:
+        ranks = d["pipeline_actions"]["ranks"]
+        ranks[0] = ranks[0].replace("0B3", "").strip()
+        ranks[1] = ranks[1] + " 0B3"
+
+    refused(tmp_path, edit, "pipeline_actions.ranks:", "0F3 runs on rank 0 but its backward "
+            "on rank 1; both must share a rank")
+
+
+def test_validate_refuses_deadlocking_lists_with_exit_2(tmp_path: Path) -> None:
+    data = json.loads(valid_plan().to_json())
+    ranks = data["pipeline_actions"]["ranks"]
+    ranks[0] = " ".join(sorted(ranks[0].split(" "), key=lambda a: "F" in a))  # B first
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "deadlocks" in result.output and "internal error" not in result.output
+
+
 def test_tp_groups_are_tp_groups_of_the_layout_inside_their_stage(tmp_path: Path) -> None:
     refused(tmp_path, lambda d: d["tensor_parallel"].update(groups=[{"ranks": [1, 2]}]),
             "tensor_parallel.groups[0].ranks: [1, 2], but the layout's TP group of rank 1 is "

@@ -19,9 +19,10 @@ Rules (each applies when the sections it relates are present):
    pipeline coordinate ``s mod pp``; their layers are contiguous from 0 and cover the
    workload; ``layer_names`` are the workload's.
 4. **pipeline_actions**: the layout's schedule, micro-batches, stage and rank counts; every
-   forward and backward of every stage and micro-batch exactly once. (Whether the order can
-   deadlock is the pure schedule code's check: :mod:`hetplan.algorithms.pipeline_schedules`,
-   run by the simulator and the runtime.)
+   forward and backward of every stage and micro-batch exactly once, each backward on its
+   forward's rank; and the lists can finish: executed rank by rank in list order they do not
+   deadlock (:func:`~hetplan.ir.pipeline_order.check_progress`, the check the simulator and
+   the runtime run, with its message naming each stuck rank and its next action).
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
    in their tp coordinate), inside its stage; each rank has one role.
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
@@ -38,7 +39,8 @@ Rules (each applies when the sections it relates are present):
 Every problem is one line ``"field.path: what is wrong, what was expected"``; the caller
 joins them into one error, so a broken plan shows all of its problems at once.
 
-Complexity: O(world size + layers + gradients + pipeline actions).
+Complexity: O(world size + layers + gradients + pipeline actions) (the progress check is
+linear in the actions: a blocked rank sleeps until its dependency ends).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ import re
 from collections import Counter
 from typing import Protocol
 
+from hetplan.ir.pipeline_order import (
+    PipelineDeadlockError,
+    PipelineScheduleError,
+    decode_schedule,
+)
 from hetplan.ir.plan_sections import (
     ClusterRef,
     Precision,
@@ -281,7 +288,21 @@ def _pipeline_actions(plan: Plan) -> list[str]:
         out.append(f"pipeline_actions.ranks: actions {_short([_fmt(a) for a in missing])} "
                    f"never run; every stage runs forward (F) and backward (B) of every "
                    f"micro-batch once; {_RERUN}")
+    if not out:
+        out += _progress(acts)
     return out[:_MAX_PER_RULE]
+
+
+def _progress(acts: PipelineActions) -> list[str]:
+    """Rule 4's order part: each backward on its forward's rank, and no deadlock."""
+    try:
+        decode_schedule(acts.schedule, acts.micro_batches, acts.num_stages, acts.ranks)
+    except PipelineDeadlockError as e:
+        return [f"pipeline_actions.ranks: {e.message.rstrip('.')}; {_RERUN} (or restore "
+                "the lists it wrote)"]
+    except PipelineScheduleError as e:
+        return [f"pipeline_actions.ranks: {e}; {_RERUN}"]
+    return []
 
 
 def _fmt(action: tuple[int, str, int]) -> str:
