@@ -7,12 +7,13 @@ and exit with code 1 (``--debug`` for the traceback).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetplan._version import __version__
-from hetplan.errors import HetplanError, InfeasiblePlanError, SpecError
+from hetplan.errors import HetplanError, InfeasiblePlanError, PlanMismatchError, SpecError
 from hetplan.ir.validation import check_output_path
 
 __all__ = ["app", "main"]
@@ -526,7 +527,8 @@ def simulate_cmd(
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
     try:
-        pred = simulate(plan, cluster=cluster, profile=profile)
+        with _naming(plan_file):
+            pred = simulate(plan, cluster=cluster, profile=profile)
     except InfeasiblePlanError as e:  # a valid plan that does not fit: name the file
         raise InfeasiblePlanError(f"{plan_file}: the plan does not fit in memory: {e}") from e
     if as_json:
@@ -543,6 +545,17 @@ def simulate_cmd(
         f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · bubble ratio "
         f"{pred.bubble_ratio:.3f}"
     )
+
+
+@contextlib.contextmanager
+def _naming(plan_file: Path) -> Iterator[None]:
+    """Name the plan file in each line of a :class:`PlanMismatchError` (``--cluster`` is not
+    the plan's cluster, or a plan without its cluster does not fit the one given)."""
+    try:
+        yield
+    except PlanMismatchError as e:
+        raise PlanMismatchError("\n".join(f"{plan_file}: {line}"
+                                           for line in str(e).splitlines())) from e
 
 
 def _need_cluster(plan: Any, plan_file: Path, cluster: str | None) -> None:
@@ -781,7 +794,8 @@ def explain_cmd(
 
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
-    result = explain(plan, target, cluster=cluster, profile=profile)
+    with _naming(plan_file):
+        result = explain(plan, target, cluster=cluster, profile=profile)
     if as_json:
         typer.echo(dump_json(result.to_dict()), nl=False)
         return
@@ -832,7 +846,8 @@ def timeline_cmd(
         from hetplan.ir.validation import load_structured_file
 
         measured = load_structured_file(run_report, what="run report")
-    render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
+    with _naming(plan_file):
+        render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     err.print(f"wrote {output}")
 
 

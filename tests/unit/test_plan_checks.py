@@ -340,6 +340,34 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     assert msg.count(str(tmp_path / "plan.json")) >= 3
 
 
+def test_simulate_checks_a_plan_without_its_cluster_against_the_cluster_given(
+        tmp_path: Path) -> None:
+    """A plan that does not embed its cluster is checked, by the same rules, against the
+    ``--cluster`` it is simulated on: a peak the device type lacks is exit 2 naming the file
+    and the field, not a KeyError inside the compute model."""
+    data = json.loads(valid_plan().to_json())
+    data["cluster"]["spec"] = None
+    data["precision"] = {"devices": {"cpu": {"compute_dtype": "bf16", "loss_scaling": "none",
+                                             "peak_dtype": "bf16"}},
+                         "master_weights_dtype": "fp32"}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    assert load_plan(path).cluster.spec is None  # nothing to check it against on its own
+    result = CliRunner().invoke(app, ["simulate", "--cluster", "cpu-2x2", str(path)])
+    assert result.exit_code == 2, result.output
+    out = " ".join(result.output.split())
+    assert f"{path}: " in out and "internal error" not in out, out
+    assert "precision.devices['cpu'].peak_dtype: 'bf16', but cluster 'cpu-2x2' (--cluster) " \
+           "lists no cpu peak for it (it lists fp64, fp32)" in out, out
+    result = CliRunner().invoke(app, ["explain", "--cluster", "cpu-2x2", str(path), "stage:1"])
+    assert result.exit_code == 2 and f"{path}: precision.devices['cpu']" in result.output, \
+        result.output
+    data["precision"]["devices"]["cpu"].update(compute_dtype="fp32", peak_dtype="fp32")
+    path.write_text(json.dumps(data), encoding="utf-8")
+    result = CliRunner().invoke(app, ["simulate", "--cluster", "cpu-2x2", str(path)])
+    assert result.exit_code == 0, result.output
+
+
 # -- strict types and bounds --------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, expected", [
     ("dp", True, "layout.dp: expected an integer, got a boolean True"),

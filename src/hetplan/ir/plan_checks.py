@@ -39,6 +39,12 @@ Rules (each applies when the sections it relates are present):
 Every problem is one line ``"field.path: what is wrong, what was expected"``; the caller
 joins them into one error, so a broken plan shows all of its problems at once.
 
+A plan that does not embed its cluster spec is checked against the cluster it is used with
+(``plan_problems(plan, cluster=spec)``: what ``simulate --cluster`` runs), so the rules that
+read the spec (1, 2's placements, 6's hierarchy) hold there too; a peak the device type
+lacks is then a refusal naming ``precision.devices[...]``, never a lookup failure in a cost
+model. The caller checks that cluster's fingerprint itself.
+
 Complexity: O(world size + layers + gradients + pipeline actions) (the progress check is
 linear in the actions: a blocked rank sleeps until its dependency ends).
 """
@@ -49,6 +55,7 @@ import re
 from collections import Counter
 from typing import Protocol
 
+from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.pipeline_order import (
     PipelineDeadlockError,
     PipelineScheduleError,
@@ -100,30 +107,37 @@ _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
 
 
-def plan_problems(plan: Plan, *, complete: bool = False) -> list[str]:
+def plan_problems(plan: Plan, *, complete: bool = False,
+                  cluster: ClusterSpec | None = None) -> list[str]:
     """Every cross-section problem of ``plan``, one line each (empty: consistent).
 
     Args:
         plan: a plan whose sections each passed their own validation.
         complete: also require what a finished plan has (rule 9 of the module docstring).
+        cluster: the spec the plan is used with, in place of its embedded one (None: the
+            embedded ``cluster.spec``, if any). Its fingerprint is the caller's to check.
     """
-    problems = _cluster(plan) + _layout(plan)
+    given = cluster is not None
+    spec = cluster if cluster is not None else plan.cluster.spec
+    label = f"cluster {spec.name!r} (--cluster)" if given and spec else "cluster.spec"
+    problems = _cluster(plan, spec, label, given) + _layout(plan, spec, label)
     problems += _stages(plan) + _pipeline_actions(plan) + _tensor_parallel(plan)
-    problems += _gradient_sync(plan) + _rebalancing(plan) + _predictions(plan)
+    problems += _gradient_sync(plan, spec) + _rebalancing(plan) + _predictions(plan)
     if complete:
         problems += _completeness(plan)
     return problems
 
 
 # -- 1. cluster -------------------------------------------------------------------------------
-def _cluster(plan: Plan) -> list[str]:
-    ref, spec = plan.cluster, plan.cluster.spec
+def _cluster(plan: Plan, spec: ClusterSpec | None, label: str, given: bool) -> list[str]:
+    ref = plan.cluster
     if spec is None:
         return []
     out = []
     if ref.world_size != spec.world_size:
-        out.append(f"cluster.world_size: {ref.world_size}, but the embedded cluster spec "
-                   f"(cluster.spec) has {spec.world_size} devices; {_RERUN}")
+        where = label if given else "the embedded cluster spec (cluster.spec)"
+        out.append(f"cluster.world_size: {ref.world_size}, but {where} has {spec.world_size} "
+                   f"devices; {_RERUN}")
     precision = plan.precision
     used = sorted({g.type for node in spec.nodes for g in node.devices})
     for name, dev in sorted(precision.devices.items()) if precision is not None else ():
@@ -133,9 +147,9 @@ def _cluster(plan: Plan) -> list[str]:
                        f"{did_you_mean(name, used)}")
         elif dev.peak_dtype not in spec.device_types[name].peak_tflops:
             out.append(f"precision.devices[{name!r}].peak_dtype: {dev.peak_dtype!r}, but "
-                       f"cluster.spec lists no {name} peak for it (it lists "
+                       f"{label} lists no {name} peak for it (it lists "
                        f"{', '.join(spec.device_types[name].peak_tflops)})")
-    if ref.fingerprint != spec.fingerprint():
+    if not given and ref.fingerprint != spec.fingerprint():
         out.append(f"cluster.fingerprint: {ref.fingerprint!r}, but the embedded cluster spec "
                    f"has fingerprint {spec.fingerprint()!r} (was cluster.spec edited after "
                    f"planning?); {_RERUN} for the cluster you mean")
@@ -143,7 +157,7 @@ def _cluster(plan: Plan) -> list[str]:
 
 
 # -- 2. layout --------------------------------------------------------------------------------
-def _layout(plan: Plan) -> list[str]:
+def _layout(plan: Plan, spec: ClusterSpec | None, label: str) -> list[str]:
     lay, ws = plan.layout, plan.cluster.world_size
     if lay is None:
         return []
@@ -156,7 +170,6 @@ def _layout(plan: Plan) -> list[str]:
         out.append(f"layout.global_batch_size: {lay.global_batch_size}, but dp={lay.dp} x "
                    f"micro_batch_size={lay.micro_batch_size} x micro_batches="
                    f"{lay.micro_batches} = {batch}; make them agree ({_RERUN})")
-    spec = plan.cluster.spec
     devices = spec.devices() if spec is not None and lay.ranks and lay.num_ranks <= ws else None
     for i, r in enumerate(lay.ranks):
         want = lay.coords(r.rank)
@@ -169,7 +182,7 @@ def _layout(plan: Plan) -> list[str]:
         d = devices[r.rank]
         if (r.node, r.local_rank) != (d.node_index, d.local_rank) or r.device not in ("", d.type):
             out.append(f"layout.ranks[{i}]: rank {r.rank} is placed on node {r.node} local "
-                       f"rank {r.local_rank} ({r.device or 'no device'}), but cluster.spec has "
+                       f"rank {r.local_rank} ({r.device or 'no device'}), but {label} has "
                        f"it on node {d.node_index} local rank {d.local_rank} ({d.type})")
     return out[:_MAX_PER_RULE]
 
@@ -345,12 +358,12 @@ def _tensor_parallel(plan: Plan) -> list[str]:
 
 
 # -- 6. gradient sync -------------------------------------------------------------------------
-def _gradient_sync(plan: Plan) -> list[str]:
+def _gradient_sync(plan: Plan, spec: ClusterSpec | None) -> list[str]:
     sync, workload = plan.gradient_sync, plan.model.workload
     if sync is None:
         return []
     if workload is None:
-        return _hierarchy_needs_nodes(plan)
+        return _hierarchy_needs_nodes(plan, spec)
     layer_of = {g.name: g.layer_index for g in workload.grads}
     known = list(layer_of)
     out = []
@@ -358,7 +371,7 @@ def _gradient_sync(plan: Plan) -> list[str]:
         if t.name not in layer_of:
             out.append(f"gradient_sync.tensors[{i}].name: {t.name!r} is not a gradient of "
                        f"model {plan.model.name!r}{did_you_mean(t.name, known)}")
-    out += _hierarchy_needs_nodes(plan)
+    out += _hierarchy_needs_nodes(plan, spec)
     stage_of = _stage_of_layer(plan.stages, len(workload.layers))
     for i, b in enumerate(sync.buckets):
         for j, name in enumerate(b.tensors):
@@ -372,9 +385,9 @@ def _gradient_sync(plan: Plan) -> list[str]:
     return out[:_MAX_PER_RULE]
 
 
-def _hierarchy_needs_nodes(plan: Plan) -> list[str]:
+def _hierarchy_needs_nodes(plan: Plan, spec: ClusterSpec | None) -> list[str]:
     """A path with an inter-node step needs a cluster of more than one node."""
-    spec, sync = plan.cluster.spec, plan.gradient_sync
+    sync = plan.gradient_sync
     if spec is None or sync is None or spec.num_nodes > 1:
         return []
     return [f"gradient_sync.strategies[{name!r}]: has an inter-node step, but cluster "
