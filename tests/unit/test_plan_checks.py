@@ -254,6 +254,40 @@ def test_validate_refuses_deadlocking_lists_with_exit_2(tmp_path: Path) -> None:
     assert "deadlocks" in result.output and "internal error" not in result.output
 
 
+def test_the_layouts_schedule_can_be_built_for_its_sizes(tmp_path: Path) -> None:
+    """What each schedule's generator needs is a rule of the layout, so `validate` refuses
+    what `simulate` and the runtime would."""
+    def chimera(micro_batches: int) -> Edit:
+        def edit(d: dict[str, Any]) -> None:
+            d["layout"].update(schedule="chimera", micro_batches=micro_batches,
+                               global_batch_size=2 * micro_batches)
+            d.pop("pipeline_actions")
+        return edit
+
+    refused(tmp_path, chimera(3), "layout.micro_batches: 3, but schedule 'chimera' needs an "
+            "even number")
+    data = json.loads(valid_plan().to_json())
+    chimera(4)(data)
+    assert Plan.from_json(json.dumps(data), complete=True).layout is not None  # pp=2, M=4
+
+    def one_stage(d: dict[str, Any]) -> None:
+        d["layout"].update(schedule="chimera", pp=1, dp=2, global_batch_size=16)
+        for key in ("pipeline_actions", "stages", "tensor_parallel", "gradient_sync"):
+            d.pop(key)
+
+    refused(tmp_path, one_stage, "layout.schedule: 'chimera' runs two pipeline directions "
+            "over an even pp of at least 2, got pp=1")
+
+    def interleaved(d: dict[str, Any]) -> None:
+        d["layout"].update(schedule="interleaved-1f1b", virtual_stages=2, micro_batches=3,
+                           global_batch_size=6)
+        for key in ("pipeline_actions", "stages", "tensor_parallel", "gradient_sync"):
+            d.pop(key)
+
+    refused(tmp_path, interleaved, "layout.micro_batches: 3, but schedule 'interleaved-1f1b' "
+            "needs a multiple of pp=2")
+
+
 def test_tp_groups_are_tp_groups_of_the_layout_inside_their_stage(tmp_path: Path) -> None:
     refused(tmp_path, lambda d: d["tensor_parallel"].update(groups=[{"ranks": [1, 2]}]),
             "tensor_parallel.groups[0].ranks: [1, 2], but the layout's TP group of rank 1 is "

@@ -14,7 +14,9 @@ Rules (each applies when the sections it relates are present):
 2. **layout**: it uses at most the cluster's devices (dp·pp·tp ≤ world size; ``hetplan
    plan`` uses all of them, tests and re-packing fewer); the global batch is
    dp × micro-batch size × micro-batches; ``ranks`` placements follow
-   :meth:`Layout.rank_of` (and the embedded cluster's devices).
+   :meth:`Layout.rank_of` (and the embedded cluster's devices); the schedule can be built
+   for its sizes (Chimera: an even pp of at least 2 and an even micro-batch count;
+   interleaved 1F1B: micro-batches a multiple of pp), as the simulator and runtime build it.
 3. **stages**: pp · virtual_stages of them; stage ``s`` runs on exactly the dp·tp ranks of
    pipeline coordinate ``s mod pp``; their layers are contiguous from 0 and cover the
    workload; ``layer_names`` are the workload's.
@@ -165,6 +167,7 @@ def _layout(plan: Plan, spec: ClusterSpec | None, label: str) -> list[str]:
     if lay.num_ranks > ws:
         out.append(f"layout: dp={lay.dp} x pp={lay.pp} x tp={lay.tp} = {lay.num_ranks} ranks, "
                    f"but cluster {plan.cluster.name!r} has world_size {ws}: {_RERUN}")
+    out += _schedule_sizes(lay)
     batch = lay.dp * lay.micro_batch_size * lay.micro_batches
     if lay.global_batch_size is not None and lay.global_batch_size != batch:
         out.append(f"layout.global_batch_size: {lay.global_batch_size}, but dp={lay.dp} x "
@@ -185,6 +188,21 @@ def _layout(plan: Plan, spec: ClusterSpec | None, label: str) -> list[str]:
                        f"rank {r.local_rank} ({r.device or 'no device'}), but {label} has "
                        f"it on node {d.node_index} local rank {d.local_rank} ({d.type})")
     return out[:_MAX_PER_RULE]
+
+
+def _schedule_sizes(lay: Layout) -> list[str]:
+    """Rule 2's schedule part: the sizes the layout's schedule generator accepts."""
+    m, pp = lay.micro_batches, lay.pp
+    if lay.schedule == "chimera" and (pp < 2 or pp % 2):
+        return [f"layout.schedule: 'chimera' runs two pipeline directions over an even pp of "
+                f"at least 2, got pp={pp}; use '1f1b' (or gpipe) for this layout"]
+    if lay.schedule == "chimera" and m % 2:
+        return [f"layout.micro_batches: {m}, but schedule 'chimera' needs an even number (it "
+                "splits micro-batches half/half between its two directions)"]
+    if lay.schedule == "interleaved-1f1b" and pp > 1 and m % pp:
+        return [f"layout.micro_batches: {m}, but schedule 'interleaved-1f1b' needs a multiple "
+                f"of pp={pp} (Megatron's interleaving walks micro-batches in groups of pp)"]
+    return []
 
 
 #: A rule reports at most this many problems (a plan with 1000 bad ranks says so 8 times).
