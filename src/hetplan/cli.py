@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -355,14 +356,16 @@ def plan_cmd(
     if output is not None:
         check_output_path(output, option="-o/--output")
 
-    options = CompileOptions.build(
-        batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
-        micro_batch_size=micro_batch_size, dtype=dtype, require_profiled=require_profiled,
-        dynamics=dynamics, compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
-        tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
-        **({"passes": passes} if passes is not None else {}),
-    )
-    options.pipeline(where="--passes")  # a malformed spec fails before the model is captured
+    with _blaming_options():
+        options = CompileOptions.build(
+            batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
+            micro_batch_size=micro_batch_size, dtype=dtype, require_profiled=require_profiled,
+            dynamics=dynamics,
+            compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
+            tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
+            **({"passes": passes} if passes is not None else {}),
+        )
+        options.pipeline(where="--passes")  # a malformed spec fails before capture
     spec = resolve_cluster(cluster)
     db = resolve_profile(profile)
     if workload is not None or module is not None or model is None or opaque:
@@ -545,6 +548,38 @@ def simulate_cmd(
         f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · bubble ratio "
         f"{pred.bubble_ratio:.3f}"
     )
+
+
+#: The `plan` flag of each compile option whose flag is not ``--`` + its name with dashes.
+_FLAGS = {"batch_size": "--batch-size/-b", "compressors": "--compress"}
+
+
+@contextlib.contextmanager
+def _blaming_options() -> Iterator[None]:
+    """Name the `plan` flag at fault in a :class:`SpecError` about a compile option (the
+    library names its field: ``compile options: tp_gamma_max: ...``), without the hint for
+    files that a field error ends with."""
+    from hetplan.ir.validation import DEFAULT_HINT
+    from hetplan.optimizer.options import CompileOptions
+
+    try:
+        yield
+    except SpecError as e:
+        fields = "|".join(sorted(CompileOptions.model_fields))
+        field = re.compile(rf"^(?:compile options: )?({fields}): ")
+        lines = []
+        for line in str(e).splitlines():
+            if line == DEFAULT_HINT:
+                continue
+            m = field.match(line)
+            if m is not None:
+                name = m.group(1)
+                flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+                line = f"{flag}: {line[m.end():]}"
+            elif line.startswith("compile options: "):
+                line = "plan options: " + line[len("compile options: "):]
+            lines.append(line)
+        raise SpecError("\n".join(lines)) from None
 
 
 @contextlib.contextmanager
