@@ -345,6 +345,10 @@ def plan_cmd(
     opaque: list[str] = typer.Option(
         None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
         "for a module whose forward capture cannot follow, see `hetplan ir`)."),
+    sparse: str = typer.Option(
+        "off", "--sparse", help="Sparse (embedding) gradients: off (dense all-reduce), auto "
+        "(the fastest predicted of dense, AGsparse, Zen), zen (always Zen); appends the zen "
+        "pass to the pipeline."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
@@ -355,6 +359,12 @@ def plan_cmd(
     # Everything the user typed is checked before the model is captured or anything planned.
     if output is not None:
         check_output_path(output, option="-o/--output")
+    if sparse not in ("off", "auto", "zen"):
+        raise SpecError(f"--sparse must be off, auto or zen, got {sparse!r}")
+    if sparse != "off":
+        from hetplan.passes import DEFAULT_PIPELINE
+
+        passes = f"{passes or DEFAULT_PIPELINE},zen{{mode={sparse}}}"
 
     with _blaming_options():
         options = CompileOptions.build(
@@ -397,6 +407,9 @@ def profile_cmd(
     batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
+    dtype: list[str] = typer.Option(
+        None, "--dtype", help="Compute dtype(s) to time layers in: fp32 (default), bf16, fp16 "
+        "(autocast, as a mixed-precision plan runs); repeat for several."),
 ) -> None:
     """Measure this machine (layers, collectives, compressors) into a profile DB."""
     from hetplan.profiling import WHAT, run_profile
@@ -405,9 +418,13 @@ def profile_cmd(
     chosen = tuple(what) if what else tuple(w for w in WHAT if w != "layers" or model)
     if "layers" in chosen and not model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
+    dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
+    bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
+    if bad:
+        raise SpecError(f"--dtype {bad[0]!r}: choose fp32, bf16 or fp16")
     db = run_profile(
         model, world_size=world_size, device_type=device_type, output=output, what=chosen,
-        batch_size=batch_size, seq=seq, layer_processes=layer_processes,
+        batch_size=batch_size, seq=seq, layer_processes=layer_processes, dtypes=dtypes,
     )
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "

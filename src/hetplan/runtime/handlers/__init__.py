@@ -25,6 +25,7 @@ StagesHandler              ``stages``,                     this rank's stages; r
                            ``pipeline_actions``            plan's action list (or the
                                                            micro-batches locally)
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
+SparseSyncHandler          ``sparse_sync``                 Zen / AGsparse for embeddings
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
 ========================== =============================== ================================
 
@@ -45,6 +46,7 @@ from hetplan.runtime.handlers.base import (
 )
 from hetplan.runtime.handlers.grad_sync import GradSyncHandler
 from hetplan.runtime.handlers.rebalancing import RebalancingHandler
+from hetplan.runtime.handlers.sparse_sync import SparseSyncHandler
 from hetplan.runtime.handlers.stages import StagesHandler
 from hetplan.runtime.handlers.tensor_parallel import ResizingHandler, TensorParallelHandler
 
@@ -57,6 +59,7 @@ __all__ = [
     "RebalancingHandler",
     "ResizingHandler",
     "RuntimeContext",
+    "SparseSyncHandler",
     "StagesHandler",
     "StepTimes",
     "TensorParallelHandler",
@@ -68,5 +71,6 @@ DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
     ResizingHandler,
     StagesHandler,
     GradSyncHandler,
+    SparseSyncHandler,
     RebalancingHandler,
 )

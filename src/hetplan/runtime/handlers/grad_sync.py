@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 
 from hetplan.runtime.grad_sync import GradSync
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
+from hetplan.runtime.handlers.sparse_sync import sparse_names
 
 __all__ = ["GradSyncHandler"]
 
@@ -30,7 +31,9 @@ class GradSyncHandler(Handler):
 
     def setup(self, ctx: RuntimeContext) -> None:
         groups = ctx.groups
-        self.sync = GradSync(ctx.named_params, ctx.plan.gradient_sync,
+        sparse = sparse_names(ctx)  # synced by the sparse-sync handler instead
+        named = [(n, p) for n, p in ctx.named_params if n not in sparse]
+        self.sync = GradSync(named, ctx.plan.gradient_sync,
                              groups.dp_group if groups is not None else None, ctx.layout.dp,
                              groups.sync_levels() if groups is not None else None)
 
