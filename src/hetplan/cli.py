@@ -830,6 +830,39 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
                       err_text)
     out.print(table)
+    _print_run_ranks(plan, report)
+    losses = report.get("loss_per_step")
+    if isinstance(losses, list) and losses:
+        out.print("loss per step: " + " ".join(f"{x:.4f}" for x in losses[:20])
+                  + (" ..." if len(losses) > 20 else ""))
+
+
+def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:
+    """Per rank: measured times, and measured peak memory beside the predicted one (without
+    the allocator margin, which a tensor count cannot see)."""
+    ranks = [r for r in report.get("per_rank") or [] if isinstance(r, dict)]
+    if not ranks:
+        return
+    pred = plan.predictions
+    table = Table(title="per rank (measured medians; memory: predicted vs measured peak)",
+                  title_justify="left")
+    for col in ("rank", "compute ms", "bubble ms", "exposed comm ms", "predicted MiB",
+                "measured MiB", "error"):
+        table.add_column(col, justify="right")
+    for r in ranks:
+        rank = r.get("rank")
+        p = r.get("predicted_memory_bytes")
+        if p is None and pred is not None and isinstance(rank, int) \
+                and rank < len(pred.memory_breakdown):
+            m = pred.memory_breakdown[rank]
+            p = m.total - m.margin
+        x = r.get("peak_memory_bytes")
+        err = f"{(p - x) / x:+.1%}" if isinstance(p, (int, float)) and x else "—"
+        table.add_row(str(rank), *(f"{r.get(k, 0.0):.3f}" for k in
+                                   ("compute_ms", "bubble_ms", "exposed_comm_ms")),
+                      "—" if p is None else f"{p / 2**20:.2f}",
+                      "—" if x is None else f"{x / 2**20:.2f}", err)
+    out.print(table)
 
 
 @app.command("explain")
@@ -875,6 +908,43 @@ def diff_cmd(
         typer.echo(dump_json(d), nl=False)
         return
     render_diff(d, out)
+
+
+@app.command("export")
+@_user_errors
+def export_cmd(
+    plan_file: Path = typer.Argument(..., help="A plan JSON file."),
+    to: str = typer.Option(..., "--to", help="The engine: torchtitan, megatron or deepspeed."),
+    output: Path = typer.Option(
+        None, "-o", "--output", help="Write the configuration here (default: stdout, with the "
+        "report on stderr)."),
+    cluster: str = typer.Option(None, "--cluster", help="Cluster, if the plan lacks one."),
+    profile: Path = typer.Option(None, "--profile", help="Profile DB the plan was made with."),
+    as_json: bool = typer.Option(False, "--json", help="Print the export and its report as "
+                                 "JSON."),
+) -> None:
+    """Write the launch configuration an engine needs for the parts of the plan it can express,
+    and price the parts it cannot."""
+    from hetplan.ir.plan import load_plan
+    from hetplan.report._text import dump_json
+    from hetplan.report.export import export_plan
+
+    if output is not None:
+        check_output_path(output, option="-o/--output")
+    plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
+    result = export_plan(plan, to, cluster=cluster, profile=profile)
+    if output is not None:
+        output.write_text(result.content, encoding="utf-8")
+    if as_json:
+        typer.echo(dump_json(result.to_dict()), nl=False)
+    elif output is None:
+        typer.echo(result.content, nl=False)
+        typer.echo(result.text, nl=False, err=True)
+    else:
+        typer.echo(result.text, nl=False)
+    if output is not None:
+        err.print(f"wrote {output}")
 
 
 @app.command("timeline")

@@ -3,11 +3,13 @@
 A thin adapter over :class:`~hetplan.runtime.grad_sync.GradSync`: built over this rank's
 parameters once the stage handler chose them, hooks held back while gradients accumulate,
 every bucket finished (and averaged) after the last backward, rebuilt when re-balancing moves
-parameters.
+parameters. Under ZeRO-2 and -3 the ZeRO handler owns the gradient path (reduce-scatter), and
+this handler syncs nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import AbstractContextManager
 
 from hetplan.runtime.grad_sync import GradSync
@@ -30,6 +32,8 @@ class GradSyncHandler(Handler):
         self.sync: GradSync | None = None
 
     def setup(self, ctx: RuntimeContext) -> None:
+        if ctx.layout.dp > 1 and ctx.layout.zero_stage >= 2:
+            return  # ZeroHandler reduce-scatters the gradients
         groups = ctx.groups
         sparse = sparse_names(ctx)  # synced by the sparse-sync handler instead
         named = [(n, p) for n, p in ctx.named_params if n not in sparse]
@@ -38,12 +42,11 @@ class GradSyncHandler(Handler):
                              groups.sync_levels() if groups is not None else None)
 
     def accumulating(self, ctx: RuntimeContext) -> AbstractContextManager[None]:
-        assert self.sync is not None
-        return self.sync.no_sync()
+        return self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()
 
     def after_backward(self, ctx: RuntimeContext) -> None:
-        assert self.sync is not None
-        self.sync.finish()
+        if self.sync is not None:
+            self.sync.finish()
 
     def params_changed(self, ctx: RuntimeContext) -> None:
         self.close(ctx)
@@ -52,3 +55,4 @@ class GradSyncHandler(Handler):
     def close(self, ctx: RuntimeContext) -> None:
         if self.sync is not None:
             self.sync.close()
+            self.sync = None
