@@ -353,6 +353,11 @@ def plan_cmd(
         "(the fastest predicted of dense, AGsparse, Zen), zen (always Zen); appends the zen "
         "pass to the pipeline."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
+    checkpoint: str = typer.Option(
+        "none", "--checkpoint", help="Checkpointing to plan: none, or gemini (in-memory "
+        "checkpoints in peers' CPU memory, sent in the network's idle time)."),
+    replicas: int = typer.Option(None, "--replicas", help="Gemini: copies of every rank's "
+                                 "state, its own node's included (default 2)."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
     from hetplan.cost_models.predict import resolve_cluster, resolve_profile
@@ -368,6 +373,7 @@ def plan_cmd(
         from hetplan.passes import DEFAULT_PIPELINE
 
         passes = f"{passes or DEFAULT_PIPELINE},zen{{mode={sparse}}}"
+    pipeline_spec = _with_checkpointing(passes, checkpoint, replicas)
 
     with _blaming_options():
         options = CompileOptions.build(
@@ -376,7 +382,7 @@ def plan_cmd(
             dynamics=dynamics,
             compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
             tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
-            **({"passes": passes} if passes is not None else {}),
+            **({"passes": pipeline_spec} if pipeline_spec is not None else {}),
         )
         options.pipeline(where="--passes")  # a malformed spec fails before capture
     spec = resolve_cluster(cluster)
@@ -395,6 +401,25 @@ def plan_cmd(
         err.print(f"wrote {output}")
     _print_plan(plan)
     err.print(f"planned in {seconds:.1f} s")
+
+
+def _with_checkpointing(passes: str | None, checkpoint: str, replicas: int | None) -> str | None:
+    """The pipeline spec with the checkpointing pass ``--checkpoint`` asks for appended."""
+    from hetplan.passes import DEFAULT_PIPELINE
+
+    if checkpoint not in ("none", "gemini"):
+        raise SpecError(f"--checkpoint {checkpoint!r}: use 'none' or 'gemini'")
+    if checkpoint == "none":
+        if replicas is not None:
+            raise SpecError("--replicas needs --checkpoint gemini")
+        return passes
+    if replicas is not None and replicas < 1:
+        raise SpecError(f"--replicas {replicas}: must be >= 1 (2 keeps a copy on another node)")
+    base = passes if passes is not None else DEFAULT_PIPELINE
+    if "gemini" in base.split("{")[0].split(",") or ",gemini" in base:
+        raise SpecError("--checkpoint gemini and a 'gemini' pass in --passes: set it in one "
+                        "place")
+    return f"{base},gemini{{replicas={replicas if replicas is not None else 2}}}"
 
 
 @app.command("profile")

@@ -76,6 +76,7 @@ __all__ = [
     "DEVICE_CATALOGUE",
     "PRESETS",
     "list_presets",
+    "DEFAULT_STORAGE_BANDWIDTH_GBPS",
 ]
 
 _CONFIG = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -104,6 +105,8 @@ MAX_WORLD_SIZE = 65_536
 MAX_DEVICES_PER_NODE = 1_024
 MAX_NODE_GROUPS = 4_096
 MAX_NODES = MAX_WORLD_SIZE
+#: Remote-storage bandwidth assumed when a spec gives none: the thesis's FSx (20 Gbit/s).
+DEFAULT_STORAGE_BANDWIDTH_GBPS = 20.0
 
 _Name = Annotated[str, Field(min_length=1, max_length=200)]
 
@@ -224,6 +227,9 @@ class NodeSpec(BaseModel):
         intra_link: the interconnect between the devices of one node.
         slowdown: straggler factor ≥ 1 for every device of these nodes.
         failure_rate_per_hour: expected failures per node-hour, or None when unknown.
+        cpu_memory_gib: host (CPU) memory of one node in GiB, 1 MiB .. 1 PiB, or None when
+            unknown. The Gemini checkpoint pass checks that its in-memory replicas fit in it;
+            when None, that check is skipped and the plan says so.
     """
 
     model_config = _CONFIG
@@ -235,6 +241,7 @@ class NodeSpec(BaseModel):
     intra_link: LinkSpec
     slowdown: _Slowdown = 1.0
     failure_rate_per_hour: _Rate | None = None
+    cpu_memory_gib: _MemoryGiB | None = None
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -328,6 +335,10 @@ class ClusterSpec(BaseModel):
         inter_node: the network between nodes; required when there is more than one node.
         device_types: the device catalogue, by type name; types the nodes use but the file
             does not define are filled in from :data:`DEVICE_CATALOGUE` when loading.
+        storage_bandwidth_gbps: aggregate bandwidth (Gbit/s) of the remote persistent storage
+            that checkpoints are written to, or None when unknown; the Gemini pass then
+            assumes :data:`DEFAULT_STORAGE_BANDWIDTH_GBPS` (the thesis's 20 Gb/s FSx) and
+            records the assumption in the plan.
 
     Example:
         >>> spec = ClusterSpec.from_preset("mixed-generations")
@@ -345,6 +356,7 @@ class ClusterSpec(BaseModel):
     inter_node: LinkSpec | None = None
     device_types: dict[_Name, DeviceSpec] = Field(default_factory=dict,
                                                   max_length=MAX_NODE_GROUPS)
+    storage_bandwidth_gbps: _Bandwidth | None = None
 
     # -- validation ---------------------------------------------------------------------
     @model_validator(mode="before")
@@ -518,6 +530,13 @@ class ClusterSpec(BaseModel):
         its plans; any change to a device, node, link or count does.
         """
         data = self.model_dump(mode="json", exclude={"name", "description"})
+        # Fields added after the first release count only when set, so the fingerprints
+        # (and the plans that carry them) of specs that leave them out stay the same.
+        if data.get("storage_bandwidth_gbps") is None:
+            data.pop("storage_bandwidth_gbps", None)
+        for node in data.get("nodes", ()):
+            if node.get("cpu_memory_gib") is None:
+                node.pop("cpu_memory_gib", None)
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -22,6 +22,7 @@ from hetplan.report._text import (
     plain_text,
     ranges,
 )
+from hetplan.report.checkpointing import render_checkpointing
 from hetplan.report.inspect import SECTIONS
 
 __all__ = ["render_report", "render_text"]
@@ -329,6 +330,7 @@ _RENDERERS = {
     "sync": _sync,
     "memory": _memory,
     "predictions": _predictions,
+    "checkpointing": render_checkpointing,
     "provenance": _provenance,
     "warnings": _warnings,
 }

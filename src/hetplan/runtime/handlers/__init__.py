@@ -35,6 +35,8 @@ ZeroHandler                ``layout.zero_stage``           fp32 master shard, Ze
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
 SparseSyncHandler          ``sparse_sync``                 Zen / AGsparse for embeddings
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
+CheckpointingHandler       ``checkpointing``               Gemini snapshots, replicas to
+                                                           holders, recovery on restart
 ========================== =============================== ================================
 
 **Adding a plan section's execution** is adding a handler: a module here with a
@@ -52,6 +54,7 @@ from hetplan.runtime.handlers.base import (
     RuntimeContext,
     StepTimes,
 )
+from hetplan.runtime.handlers.checkpointing import CheckpointingHandler
 from hetplan.runtime.handlers.composition import CompositionHandler
 from hetplan.runtime.handlers.grad_sync import GradSyncHandler
 from hetplan.runtime.handlers.precision import PrecisionHandler
@@ -64,6 +67,7 @@ from hetplan.runtime.handlers.zero import ZeroHandler
 
 __all__ = [
     "DEFAULT_HANDLERS",
+    "CheckpointingHandler",
     "CompositionHandler",
     "GradSyncHandler",
     "Handler",
@@ -93,4 +97,5 @@ DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
     GradSyncHandler,
     SparseSyncHandler,
     RebalancingHandler,
+    CheckpointingHandler,
 )
