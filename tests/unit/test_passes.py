@@ -96,6 +96,7 @@ def test_registry_keys_are_pass_names() -> None:
     assert {s for cls in registry.values() for s in cls.sections} == {
         "stages", "rebalancing", "tensor_parallel", "gradient_sync", "sparse_sync",
         "checkpointing",
+        "group_sync",
     }
 
 

@@ -27,6 +27,7 @@ what one node can send through all its NICs together. Device memory bandwidth is
 Heterogeneity and stragglers: ``slowdown`` (≥ 1) on a device type or on a node group divides
 the device's effective speed (peak FLOP/s and memory bandwidth); the two multiply.
 ``relative_speed`` records a measured speed, passed through to the cost model as is.
+``stragglers`` (optional) adds random per-iteration delays (:mod:`hetplan.ir.stragglers`).
 
 Presets for the seeds' testbeds and common machines are in :data:`PRESETS` (their numbers, and
 the device types', in :mod:`hetplan.ir.cluster_presets`); each is also written to
@@ -61,6 +62,7 @@ from pydantic import (
 from hetplan.errors import SpecError
 from hetplan.ir.cluster_presets import DEVICE_TYPES, PRESET_SPECS
 from hetplan.ir.fields import strict_float, strict_int
+from hetplan.ir.stragglers import StragglerSpec
 from hetplan.ir.validation import did_you_mean, load_structured_file, validate_model
 
 __all__ = [
@@ -339,6 +341,7 @@ class ClusterSpec(BaseModel):
             that checkpoints are written to, or None when unknown; the Gemini pass then
             assumes :data:`DEFAULT_STORAGE_BANDWIDTH_GBPS` (the thesis's 20 Gb/s FSx) and
             records the assumption in the plan.
+        stragglers: random per-iteration delays of devices (:class:`StragglerSpec`), or None.
 
     Example:
         >>> spec = ClusterSpec.from_preset("mixed-generations")
@@ -357,6 +360,7 @@ class ClusterSpec(BaseModel):
     device_types: dict[_Name, DeviceSpec] = Field(default_factory=dict,
                                                   max_length=MAX_NODE_GROUPS)
     storage_bandwidth_gbps: _Bandwidth | None = None
+    stragglers: StragglerSpec | None = None
 
     # -- validation ---------------------------------------------------------------------
     @model_validator(mode="before")
@@ -420,6 +424,13 @@ class ClusterSpec(BaseModel):
                         f"built-in type: {', '.join(DEVICE_CATALOGUE)})"
                         + did_you_mean(group.type, known)
                     )
+        group_names = [node.name for node in self.nodes]
+        for name in self.stragglers.nodes if self.stragglers is not None else ():
+            if name not in group_names:
+                problems.append(
+                    f"stragglers.nodes: unknown node group {name!r} (node groups: "
+                    f"{', '.join(group_names)}){did_you_mean(name, group_names)}"
+                )
         if self.num_nodes > 1 and self.inter_node is None:
             problems.append(
                 f"inter_node: missing; the cluster has {self.num_nodes} nodes, so it needs the "
@@ -446,6 +457,14 @@ class ClusterSpec(BaseModel):
         """Devices per node when every node has the same number, else None."""
         sizes = {node.devices_per_node for node in self.nodes}
         return sizes.pop() if len(sizes) == 1 else None
+
+    def straggler_of(self, rank: int) -> tuple[float, float]:
+        """``(probability, delay_s)`` of the random per-iteration delay of ``rank``'s device
+        (``(0.0, 0.0)`` when it does not straggle)."""
+        spec = self.stragglers
+        if spec is None or (spec.nodes and self._device(rank).group not in spec.nodes):
+            return 0.0, 0.0
+        return spec.probability, spec.delay_s
 
     @property
     def is_heterogeneous(self) -> bool:
@@ -537,6 +556,8 @@ class ClusterSpec(BaseModel):
         for node in data.get("nodes", ()):
             if node.get("cpu_memory_gib") is None:
                 node.pop("cpu_memory_gib", None)
+        if data.get("stragglers") is None:  # specs written before the field keep their hash
+            data.pop("stragglers", None)
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -19,6 +19,8 @@ report is a JSON-ready dict with these sections (:data:`SECTIONS`):
 - ``provenance``: where each cost came from (profiled or analytic), cost settings, passes.
 - ``checkpointing``: Gemini's placement, chunk schedule and predictions
   (:mod:`hetplan.report.checkpointing`); ``{"available": false}`` without the section.
+- ``group_sync``: SDPipe's policy, P and T, and the simulated throughput of each policy
+  (None without the section; :mod:`hetplan.report.group_sync`).
 - ``warnings``: analytic costs, near-OOM ranks, heavy pipeline bubbles, baselines that are
   faster than the plan, missing sections.
 
@@ -42,6 +44,7 @@ from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync, SyncStrategy, TPGroup
 from hetplan.report._text import fmt_pct, ranges
 from hetplan.report.checkpointing import checkpointing_report
+from hetplan.report.group_sync import group_sync_report
 
 __all__ = [
     "SECTIONS",
@@ -59,7 +62,7 @@ REPORT_VERSION = 1
 #: The report sections, in display order (``--section NAME``).
 SECTIONS: tuple[str, ...] = (
     "layout", "stages", "tp", "sync", "memory", "predictions", "provenance", "checkpointing",
-    "warnings",
+    "group_sync", "warnings",
 )
 #: A rank is near OOM at this fraction of its usable memory.
 NEAR_OOM_FRACTION = 0.9
@@ -104,6 +107,7 @@ def build_report(plan: Plan) -> dict[str, Any]:
         "predictions": _predictions(plan),
         "provenance": _provenance(plan),
         "checkpointing": checkpointing_report(plan),
+        "group_sync": group_sync_report(plan),
     }
     report["warnings"] = _warnings(plan, report)
     return report

@@ -23,6 +23,7 @@ from hetplan.report._text import (
     ranges,
 )
 from hetplan.report.checkpointing import render_checkpointing
+from hetplan.report.group_sync import render_group_sync
 from hetplan.report.inspect import SECTIONS
 
 __all__ = ["render_report", "render_text"]
@@ -332,5 +333,6 @@ _RENDERERS = {
     "predictions": _predictions,
     "checkpointing": render_checkpointing,
     "provenance": _provenance,
+    "group_sync": render_group_sync,
     "warnings": _warnings,
 }

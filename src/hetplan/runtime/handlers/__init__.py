@@ -37,6 +37,8 @@ SparseSyncHandler          ``sparse_sync``                 Zen / AGsparse for em
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
 CheckpointingHandler       ``checkpointing``               Gemini snapshots, replicas to
                                                            holders, recovery on restart
+GroupSyncHandler           ``group_sync``                  SDPipe: local step, then average
+                                                           with the scheduler's group
 ========================== =============================== ================================
 
 **Adding a plan section's execution** is adding a handler: a module here with a
@@ -57,6 +59,7 @@ from hetplan.runtime.handlers.base import (
 from hetplan.runtime.handlers.checkpointing import CheckpointingHandler
 from hetplan.runtime.handlers.composition import CompositionHandler
 from hetplan.runtime.handlers.grad_sync import GradSyncHandler
+from hetplan.runtime.handlers.group_sync import GroupSyncHandler
 from hetplan.runtime.handlers.precision import PrecisionHandler
 from hetplan.runtime.handlers.rebalancing import RebalancingHandler
 from hetplan.runtime.handlers.recompute import RecomputeHandler
@@ -70,6 +73,7 @@ __all__ = [
     "CheckpointingHandler",
     "CompositionHandler",
     "GradSyncHandler",
+    "GroupSyncHandler",
     "Handler",
     "LossFn",
     "OptimizerFactory",
@@ -98,4 +102,5 @@ DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
     SparseSyncHandler,
     RebalancingHandler,
     CheckpointingHandler,
+    GroupSyncHandler,
 )
