@@ -190,8 +190,11 @@ def test_sparsity_records_round_trip_through_the_db(tmp_path: Path) -> None:
     assert again == db and again.to_json() == db.to_json()
     assert [r.key for r in again.sparsity] == sorted(r.key for r in db.sparsity)
     # nearest batch by ratio (12 is 1.33x from 16 and 1.5x from 8); exact n only
-    assert again.sparsity_record("EmbeddingMLP", "emb.weight", 4, 12).batch_size == 16  # type: ignore[union-attr]
-    assert again.sparsity_record("EmbeddingMLP", "emb.weight", 4, 1000).batch_size == 32  # type: ignore[union-attr]
+    def nearest(batch: int) -> int | None:
+        rec = again.sparsity_record("EmbeddingMLP", "emb.weight", 4, batch)
+        return None if rec is None else rec.batch_size
+
+    assert (nearest(12), nearest(1000), nearest(8)) == (16, 32, 8)
     assert again.sparsity_record("EmbeddingMLP", "emb.weight", 3, 8) is None
     assert again.sparsity_record("Other", "emb.weight", 4, 8) is None
 

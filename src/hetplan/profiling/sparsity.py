@@ -166,7 +166,7 @@ def load_batches(script: str | Path) -> BatchSource:
     if not callable(fn):
         raise SpecError(f"--script {str(path)!r} defines no function {BATCHES_FUNCTION}"
                         "(worker, workers, batch_size) yielding the model's batches")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _as_batch(item: Any, where: str) -> Batch:
@@ -205,6 +205,12 @@ def _is_ids(x: Any) -> bool:
         and x.dtype != torch.bool and x.dim() >= 1
 
 
+def _rows(embedding: nn.Module) -> int:
+    weight = embedding.weight
+    assert isinstance(weight, torch.Tensor)  # nn.Embedding / EmbeddingBag
+    return int(weight.shape[0])
+
+
 def _vocabularies(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                   ) -> dict[int, int]:
     """Position of each integer input (args first, then kwargs in order) → its vocabulary."""
@@ -222,7 +228,7 @@ def _vocabularies(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ptr = ids.untyped_storage().data_ptr()
         for i, p in ptrs.items():
             if p == ptr:
-                rows = int(module.weight.shape[0])  # type: ignore[union-attr]
+                rows = _rows(module)
                 seen[i] = min(seen.get(i, rows), rows)
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in embs]
@@ -232,7 +238,7 @@ def _vocabularies(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     finally:
         for h in handles:
             h.remove()
-    smallest = min(int(m.weight.shape[0]) for m in embs)
+    smallest = min(_rows(m) for m in embs)
     return {i: seen.get(i, smallest) for i in ptrs}
 
 
