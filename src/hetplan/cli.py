@@ -513,31 +513,74 @@ def profile_cmd(
     device_type: str = typer.Option("cpu", help="Cluster device type to file records under."),
     what: list[str] = typer.Option(None, "--what",
                                    help="layers, collectives, compressors (default: all)."),
-    batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements."),
+    batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements; with "
+                                   "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
     dtype: list[str] = typer.Option(
         None, "--dtype", help="Compute dtype(s) to time layers in: fp32 (default), bf16, fp16 "
         "(autocast, as a mixed-precision plan runs); repeat for several."),
+    module: str = typer.Option(None, "--module", help="pkg.mod:factory returning (model, args)"
+                               " (instead of MODEL)."),
+    sparsity: bool = typer.Option(
+        False, "--sparsity", help="Measure the density, overlap and skew of every embedding "
+        "gradient (forward steps of --workers simulated workers on CPU); alone, without "
+        "--what, it measures only that."),
+    workers: int = typer.Option(2, "--workers", help="--sparsity: data-parallel workers n."),
+    steps: int = typer.Option(4, "--steps", help="--sparsity: steps per worker."),
+    zipf_alpha: float = typer.Option(1.0, "--zipf-alpha", help="--sparsity: exponent of the "
+                                     "synthetic Zipf token stream."),
+    script: Path = typer.Option(None, "--script", help="--sparsity: a Python file defining "
+                                "sparsity_batches(worker, workers, batch_size) that yields the "
+                                "model's batches (instead of the Zipf stream)."),
 ) -> None:
-    """Measure this machine (layers, collectives, compressors) into a profile DB."""
-    from hetplan.profiling import WHAT, run_profile
+    """Measure this machine (layers, collectives, compressors) and, with --sparsity, the
+    model's sparse gradients into a profile DB."""
+    from hetplan.profiling import WHAT, SparsitySpec, run_profile
 
     check_output_path(output, option="-o/--output")
-    chosen = tuple(what) if what else tuple(w for w in WHAT if w != "layers" or model)
-    if "layers" in chosen and not model:
+    if model and module:
+        raise SpecError("give MODEL (a zoo name) or --module pkg.mod:factory, not both")
+    if sparsity and not (model or module):
+        raise SpecError("--sparsity needs a MODEL (see `hetplan models`) or --module "
+                        "pkg.mod:factory")
+    if not sparsity and (script is not None or zipf_alpha != 1.0):
+        raise SpecError("--script and --zipf-alpha shape the --sparsity measurement; add "
+                        "--sparsity")
+    has_model = bool(model or module)
+    default = () if sparsity else tuple(w for w in WHAT if w != "layers" or has_model)
+    chosen = tuple(what) if what else default
+    if "layers" in chosen and not has_model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
     dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
     bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
     if bad:
         raise SpecError(f"--dtype {bad[0]!r}: choose fp32, bf16 or fp16")
+    target: Any = model
+    if module:
+        from hetplan.ir.capture.factory import load_factory
+
+        target = load_factory(module)
+    spec = SparsitySpec(workers=workers, batch_size=batch_size, steps=steps,
+                        zipf_alpha=zipf_alpha, script=script) if sparsity else None
     db = run_profile(
-        model, world_size=world_size, device_type=device_type, output=output, what=chosen,
+        target, world_size=world_size, device_type=device_type, output=output, what=chosen,
         batch_size=batch_size, seq=seq, layer_processes=layer_processes, dtypes=dtypes,
+        sparsity=spec,
     )
+    if spec is not None:
+        from hetplan.profiling.sparsity import describe_records
+
+        from hetplan import zoo
+
+        name = zoo.get(model).name if model else type(target[0]).__name__
+        for line in describe_records(r for r in db.sparsity if r.model == name
+                                     and (r.workers, r.batch_size) == (workers, batch_size)):
+            out.print(_escape(line))
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
-        f"collective record(s), {len(db.compressors)} compressor record(s)"
+        f"collective record(s), {len(db.compressors)} compressor record(s), "
+        f"{len(db.sparsity)} sparsity record(s)"
     )
 
 
