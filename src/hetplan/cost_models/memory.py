@@ -36,7 +36,7 @@ bytes per micro-batch in flight, beside the layers' activations. In backward, th
 gradients of the log-probabilities (``nll_loss``) and of the logits (log-softmax) are live
 at once: ``8E`` more, one micro-batch at a time. At ``E = b·s·V`` with ``V = 50257`` this is
 ``16·b·s·V`` bytes — more than all of GPT-2 small's blocks keep (measured on CPU with
-saved-tensor hooks and the storages live at the peak: ``bench/memory_fidelity.py``).
+the storages live at the peak: ``tests/unit/test_loss_memory.py``).
 
 **In flight**: a rank holds the activations of every micro-batch it ran forward and not yet
 backward; :func:`peak_in_flight` walks the rank's action list of the schedule
