@@ -59,6 +59,7 @@ from hetplan.ir.plan_sections import (
     TensorParallel,
 )
 from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
+from hetplan.ir.plan_hetero import Hetero, hetero_problems
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import did_you_mean
 
@@ -91,6 +92,8 @@ class Plan(Protocol):
     def precision(self) -> Precision | None: ...
     @property
     def group_sync(self) -> GroupSync | None: ...
+    @property
+    def hetero(self) -> Hetero | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
@@ -200,7 +203,9 @@ def _stages(plan: Plan) -> list[str]:
             if st.layer_names and list(st.layer_names) != want:
                 out.append(f"stages[{i}].layer_names: {_short(st.layer_names)} are not the "
                            f"workload's layers {st.first_layer}..{st.last_layer} {_short(want)}")
-    if stages and lay is not None:
+    if plan.hetero is not None:  # per-stage degrees: rule 3's rank part in its own form
+        out += hetero_problems(plan.hetero, lay, stages, plan.cluster.world_size)
+    elif stages and lay is not None:
         out += _stage_ranks(stages, lay)
     else:
         out += _ranks_exist(plan)
