@@ -292,27 +292,32 @@ def _dp(problem: HeteroProblem, table: Table, tau: float, shape: tuple[int, ...]
                     best[i][0, shift] = a[0]
                     back[i][:, 0, shift] = (o, mode[0], j, -1, -1)
                 continue
-            src_ok = grid[c] + step < shape[c]
-            for q in range(Q):
-                qq = min(q + 1, Q - 1)
-                if not v[qq] <= tau:
+            # a stage before a suffix of index q is of index qq = min(q + 1, Q - 1)
+            qq = np.minimum(np.arange(Q) + 1, Q - 1)
+            allowed = (v[qq] <= tau) & np.isfinite(a[qq])
+            if not allowed.any():
+                continue
+            src = best[j][:, :size - shift] if shift else best[j]
+            src_ok = (grid[c] + step < shape[c])[:size - shift] if shift else None
+            cand = src + a[qq][:, None]
+            cand[~allowed] = INF
+            if src_ok is not None:
+                cand[:, ~src_ok] = INF
+            for q in range(Q):  # suffix index q -> this stage's index qq[q] (Q-2, Q-1 merge)
+                if not allowed[q]:
                     continue
-                src = best[j][q]
-                idx = np.nonzero(src_ok & np.isfinite(src))[0]
-                if not len(idx):
-                    continue
-                cand = src[idx] + a[qq]
-                dst = idx + shift
-                better = cand < best[i][qq, dst]
+                row = best[i][qq[q], shift:]
+                better = cand[q] < row
                 if not better.any():
                     continue
-                dst, idx, cand = dst[better], idx[better], cand[better]
-                best[i][qq, dst] = cand
-                back[i][0, qq, dst] = o
-                back[i][1, qq, dst] = mode[qq]
-                back[i][2, qq, dst] = j
-                back[i][3, qq, dst] = q
-                back[i][4, qq, dst] = idx
+                dst = np.nonzero(better)[0]
+                row[dst] = cand[q][dst]
+                b = back[i]
+                b[0, qq[q], dst + shift] = o
+                b[1, qq[q], dst + shift] = mode[qq[q]]
+                b[2, qq[q], dst + shift] = j
+                b[3, qq[q], dst + shift] = q
+                b[4, qq[q], dst + shift] = dst
     top = best[0]
     if not np.isfinite(top).any():
         return None, None
