@@ -28,8 +28,9 @@ Solvers:
   ``max v`` it computes ``S(tau)``, the least ``sum a`` of a plan whose stages all have
   ``v <= tau``, right to left over (first layer, stages after, devices used per class), so a
   stage's in-flight count is known when it is placed; then ``J* = min_tau S(tau) + tau``
-  over the distinct ``v`` values. Thresholds are taken in increasing order and the scan
-  stops once ``tau + S(inf)`` reaches the best ``J`` found (no later threshold can win).
+  over the distinct ``v`` values, scanned downwards along the Pareto front of
+  ``(sum a, max v)``: each DP jumps below the ``max v`` its plan reached, and the scan stops
+  once ``S(tau)`` plus the smallest ``v`` cannot beat the best ``J`` found.
   Each threshold costs ``O(L^2 . options . modes)`` numpy operations over arrays of
   ``min(m, L) x prod(capacity[c] / unit[c] + 1)`` states.
 - :func:`solve_brute_force`: the readable reference, every sequence of (option, layer count),
@@ -42,6 +43,7 @@ Deterministic: ties go to the lexicographically smallest stage tuple.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 
@@ -215,22 +217,29 @@ def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000
     taus = sorted({float(x) for (_, vv, _) in table.values() for x in vv if x < INF})
     if not taus:
         return None
-    s_inf, _ = _dp(problem, table, INF, shape, units, Q)
-    if s_inf is None:
-        return None
+    # Descending scan over the Pareto front of (sum a, max v): the best plan with every
+    # v <= tau has max v = tau' <= tau, and no plan with max v in [tau', tau] beats it
+    # (its sum a is the least there); so the next threshold is the largest v below tau'.
+    # S only grows as tau falls: stop once S(tau) + the smallest v cannot beat the best.
     best: tuple[float, tuple[StageChoice, ...]] | None = None
     explored = 0
-    for tau in taus:
-        if best is not None and tau + s_inf > best[0] + 1e-12:
-            break
-        res, stages = _dp(problem, table, tau, shape, units, Q)
+    tau = INF
+    while True:
+        value, stages = _dp(problem, table, tau, shape, units, Q)
         explored += n_states
-        if res is None:
-            continue
-        assert stages is not None
+        if value is None or stages is None:
+            break
         j = objective(problem, stages)
         if best is None or (j, stages) < best:
             best = (j, stages)
+        if value + taus[0] >= best[0]:
+            break
+        reached = max(float(problem.options[x.option].v[x.mode][x.first, x.end])
+                      for x in stages)
+        k = bisect.bisect_left(taus, reached) - 1
+        if k < 0:
+            break
+        tau = taus[k]
     if best is None:
         return None
     return HeteroSolution(best[1], best[0], best[0], "exact-dp", explored)
