@@ -159,6 +159,8 @@ def solve_brute_force(problem: HeteroProblem) -> HeteroSolution | None:
     best: tuple[float, tuple[StageChoice, ...]] | None = None
     for cuts in _compositions(L):
         P = len(cuts)
+        if P > sum(problem.capacity):  # every stage uses at least one device
+            continue
         bounds = list(itertools.accumulate(cuts, initial=0))
         for opts in itertools.product(range(len(problem.options)), repeat=P):
             stages = []
@@ -315,12 +317,12 @@ def _dp(problem: HeteroProblem, table: Table, tau: float, shape: tuple[int, ...]
             for q in range(Q):  # suffix index q -> this stage's index qq[q] (Q-2, Q-1 merge)
                 if not allowed[q]:
                     continue
-                row = best[i][qq[q], shift:]
-                better = cand[q] < row
+                cur = best[i][qq[q], shift:]
+                better = cand[q] < cur
                 if not better.any():
                     continue
                 dst = np.nonzero(better)[0]
-                row[dst] = cand[q][dst]
+                cur[dst] = cand[q][dst]
                 b = back[i]
                 b[0, qq[q], dst + shift] = o
                 b[1, qq[q], dst + shift] = mode[qq[q]]

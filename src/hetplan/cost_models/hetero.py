@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -93,7 +94,7 @@ class DeviceClass:
 def device_classes(costs: CostModel) -> tuple[DeviceClass, ...]:
     """The cluster's device classes, ordered by (type, slowdown, per-node count, group)."""
     spec = costs.cluster
-    by_key: dict[tuple[object, ...], list[Device]] = {}
+    by_key: dict[tuple[str, float, int, float, float], list[Device]] = {}
     per_node: dict[tuple[int, str, float], int] = {}
     for d in costs.devices:
         per_node[(d.node_index, d.type, d.slowdown)] = per_node.get(
@@ -110,7 +111,7 @@ def device_classes(costs: CostModel) -> tuple[DeviceClass, ...]:
         name = str(key[0])
         if types.count(key[0]) > 1:
             name = f"{key[0]}@{min(d.group for d in devs)}"
-        out.append(DeviceClass(name, str(key[0]), tuple(d.rank for d in devs), int(key[2])))  # type: ignore[call-overload]
+        out.append(DeviceClass(name, str(key[0]), tuple(d.rank for d in devs), key[2]))
     return tuple(out)
 
 
@@ -130,7 +131,7 @@ def assign_ranks(classes: Sequence[DeviceClass], shapes: Sequence[tuple[int, int
 
 # -- the pieces of a stage's cost ----------------------------------------------------------
 def _layer_arrays(workload: WorkloadSummary, costs: CostModel, dev: Device, tp: int,
-                  mb: int, link: str, mode: str) -> tuple[np.ndarray, np.ndarray]:
+                  mb: int, link: Literal["intra", "inter"], mode: str) -> tuple[np.ndarray, np.ndarray]:
     """Per layer, forward and backward seconds of one replica of ``mb`` samples at ``tp``
     with recomputation ``mode``, TP all-reduces on ``link`` included (as stage_times)."""
     times = costs.compute.layer_times(workload, dev, mb, tp=tp, sp=tp > 1)
@@ -145,7 +146,7 @@ def _layer_arrays(workload: WorkloadSummary, costs: CostModel, dev: Device, tp: 
         comm = 0.0
         if tp > 1 and lay.tp_pairs:
             comm = lay.tp_pairs * costs.comm.time_s(
-                "allreduce", lay.act_out_bytes * scale * prec.act_scale, tp, link)  # type: ignore[arg-type]
+                "allreduce", lay.act_out_bytes * scale * prec.act_scale, tp, link)
         f[k] = lf + comm
         b[k] = lb + recompute_s(lay, lf, mode, t.core_fwd_s) + comm
     return f, b
@@ -163,7 +164,7 @@ def reshard_s(workload: WorkloadSummary, costs: CostModel, boundary: int, dev: D
     per_replica = workload.layers[boundary - 1].act_out_bytes * (mb / dp) / workload.batch_size
     per_replica *= prec.act_scale
     piece = per_replica / tp
-    link = "inter" if cross_node else "intra"
+    link: Literal["intra", "inter"] = "inter" if cross_node else "intra"
     if cross_node:
         t = costs.comm.time_s("p2p", piece * receivers_per_node, 2, link)
     else:
@@ -180,7 +181,7 @@ def sync_s(costs: CostModel, grad_bytes: float, dp: int, tp: int, cross_node: bo
     reduce-scatter plus an all-gather of the updated weights (the same bytes in a ring)."""
     if dp == 1 or grad_bytes <= 0:
         return 0.0
-    link = "inter" if cross_node else "intra"
+    link: Literal["intra", "inter"] = "inter" if cross_node else "intra"
     nbytes = grad_bytes * (tp if cross_node else 1)
     if zero_stage:
         return (costs.comm.time_s("reduce_scatter", nbytes, dp, link)
