@@ -269,6 +269,8 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
         sum(model_state([lay], tp=tp, dp=dp, zero_stage=zero, optimizer=costs.optimizer,
                         precision=prec)) for lay in workload.layers])])
     overlap = costs.dp_overlap == "backward"
+    bufs = np.array([(workload.layers[i - 1].act_out_bytes * scale * prec.act_scale) if i
+                     else 0.0 for i in range(L + 1)])
     a_modes, v_modes, q_modes = [], [], []
     for mode in MODES:
         f, b = _layer_arrays(workload, costs, dev, tp, mb, "intra", mode)
@@ -281,38 +283,55 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
         a = np.full((L + 1, L + 1), np.inf)
         v = np.full((L + 1, L + 1), np.inf)
         q = np.full((L + 1, L + 1), -1.0)
+        ii, jj = np.triu_indices(L + 1, k=1)
+        t = fb[jj] - fb[ii]
+        sync = _sync_vec(costs, (elems[jj] - elems[ii]) * prec.grad_bytes, dp, tp, cross,
+                         zero)
+        exposed = np.maximum(sync - (bb[jj] - bb[ii]), 0.0) if overlap else sync
+        step = step_per_elem * (elems[jj] - elems[ii]) / dev.mem_bandwidth_bytes_per_s
+        a[ii, jj] = t + np.asarray(reshard)[ii]
+        v[ii, jj] = (m - 1) * t + exposed + step
+        # the largest recomputation transient over [i, j): a running max along j
+        peak = np.zeros((L + 1, L + 1))
+        tr = np.asarray(trans)
         for i in range(L):
-            buf = (workload.layers[i - 1].act_out_bytes * scale * prec.act_scale) if i else 0.0
-            peak = 0.0
-            for j in range(i + 1, L + 1):
-                peak = max(peak, trans[j - 1])
-                t = fb[j] - fb[i]
-                sync = sync_s(costs, (elems[j] - elems[i]) * prec.grad_bytes, dp, tp, cross,
-                              zero)
-                exposed = max(sync - (bb[j] - bb[i]), 0.0) if overlap else sync
-                step = step_per_elem * (elems[j] - elems[i]) / dev.mem_bandwidth_bytes_per_s
-                a[i, j] = t + reshard[i]
-                v[i, j] = (m - 1) * t + exposed + step
-                q[i, j] = _in_flight(state[j] - state[i], acts[j] - acts[i], peak, buf, cap, m)
+            peak[i, i + 1:] = np.maximum.accumulate(tr[i:])
+        q[ii, jj] = _in_flight_vec(state[jj] - state[ii], acts[jj] - acts[ii], peak[ii, jj],
+                                   bufs[ii], cap, m)
         a_modes.append(a)
         v_modes.append(v)
         q_modes.append(q)
     return StageOption(c, dp, tp, tuple(a_modes), tuple(v_modes), tuple(q_modes))
 
 
-def _in_flight(state: float, acts: float, transient: float, buf: float, cap: float,
-               m: int) -> float:
-    """The most micro-batches of activations (``acts`` bytes each) a rank holds within
-    ``cap`` beside its model state, the recomputation transient and the resharding buffer,
-    allocator margin included (as :func:`~hetplan.cost_models.memory.breakdown`), capped at
-    ``m``; -1 when one does not fit."""
+def _sync_vec(costs: CostModel, grad_bytes: np.ndarray, dp: int, tp: int, cross_node: bool,
+              zero_stage: int) -> np.ndarray:
+    """:func:`sync_s` over an array of gradient byte counts (the collectives are lines)."""
+    if dp == 1:
+        return np.zeros_like(grad_bytes)
+    link: Literal["intra", "inter"] = "inter" if cross_node else "intra"
+    nbytes = grad_bytes * (tp if cross_node else 1)
+    kinds = ("reduce_scatter", "allgather") if zero_stage else ("allreduce",)
+    out = np.zeros_like(grad_bytes)
+    for kind in kinds:
+        line = costs.comm.alpha_beta(kind, dp, link)
+        out += line.alpha_s + line.beta_s_per_byte * nbytes
+    return np.where(grad_bytes > 0, out, 0.0)
+
+
+def _in_flight_vec(state: np.ndarray, acts: np.ndarray, transient: np.ndarray,
+                   buf: np.ndarray, cap: float, m: int) -> np.ndarray:
+    """Per layer range, the most micro-batches of activations (``acts`` bytes each) a rank
+    holds within ``cap`` beside its model state, the recomputation transient and the
+    resharding buffer, allocator margin included (as
+    :func:`~hetplan.cost_models.memory.breakdown`), capped at ``m``; -1 where one does not
+    fit."""
     k = 1.0 + ALLOCATOR_MARGIN
     room = cap - state - k * (transient + buf)
-    if room < k * acts:
-        return -1.0
-    if acts <= 0:
-        return float(m)
-    return float(min(m, math.floor(room / (k * acts))))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fit = np.minimum(m, np.floor(room / (k * np.where(acts > 0, acts, 1.0))))
+    out = np.where(acts > 0, fit, float(m))
+    return np.where(room < k * acts, -1.0, out)
 
 
 # -- 3. prediction of a plan with per-stage degrees ------------------------------------------
