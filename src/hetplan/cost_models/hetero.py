@@ -61,7 +61,8 @@ from hetplan.ir.cluster import Device
 from hetplan.ir.plan_hetero import Hetero
 from hetplan.ir.plan_sections import Layout, Stage, WorkloadSummary
 
-__all__ = ["DeviceClass", "device_classes", "assign_ranks", "build_problem", "reshard_s",
+__all__ = ["DeviceClass", "device_classes", "assign_ranks", "build_problem", "coarse_units",
+           "STATE_BUDGET", "reshard_s",
            "sync_s", "HeteroEvaluation", "evaluate_hetero", "MODES", "TP_DEGREES"]
 
 #: Recomputation modes, cheapest in time first (the search takes the first that fits).
@@ -206,6 +207,33 @@ def _rank_param_bytes(workload: WorkloadSummary, tp: int) -> np.ndarray:
 
 
 # -- 2. the search tables ------------------------------------------------------------------
+#: Device-use vectors the exact DP tracks at most (product over classes of count/unit + 1):
+#: 32 mixed GPUs (17 x 17 = 289) stay at unit 1; 512 of three types are coarsened.
+STATE_BUDGET = 400
+
+
+def coarse_units(classes: Sequence[DeviceClass], budget: int = STATE_BUDGET) -> tuple[int, ...]:
+    """Per class, the device multiple every stage uses so that the DP's device-use vectors
+    number at most ``budget``: all 1 where that already holds; otherwise the class with the
+    most values steps to whole nodes, then doubles, until the product fits."""
+    units = [1] * len(classes)
+
+    def size() -> int:
+        out = 1
+        for cls, u in zip(classes, units):
+            out *= cls.count // u + 1
+        return out
+
+    while size() > budget:
+        c = max(range(len(classes)), key=lambda k: (classes[k].count // units[k], -k))
+        if classes[c].count // units[c] <= 1:
+            break
+        nxt = classes[c].per_node if units[c] < classes[c].per_node else 2 * units[c]
+        if nxt > classes[c].count:
+            break
+        units[c] = nxt
+    return tuple(units)
+
 @dataclass(frozen=True)
 class OptionInfo:
     """What an option of the problem is, for turning a solution into a plan."""
@@ -218,12 +246,14 @@ class OptionInfo:
 
 def build_problem(workload: WorkloadSummary, costs: CostModel, classes: Sequence[DeviceClass],
                   micro_batch: int, micro_batches: int, *, max_tp: int = 8,
-                  tp_pinned: int | None = None) -> tuple[HeteroProblem, list[OptionInfo]]:
+                  tp_pinned: int | None = None, units: Sequence[int] | None = None
+                  ) -> tuple[HeteroProblem, list[OptionInfo]]:
     """The search problem for global micro-batch ``micro_batch`` x ``micro_batches``: every
     option (class, dp dividing the micro-batch, tp dividing the class's per-node count) and
     its ``a``/``v``/``q`` tables under each recomputation mode. ZeRO-1 inside a stage's
     data-parallel group whenever ``dp > 1`` (it only divides memory; the ring moves the same
-    bytes). Complexity: O(options x modes x L^2)."""
+    bytes). ``units[c]``: only stages whose ``dp x tp`` is a multiple of it (a coarser space
+    for large clusters, :func:`coarse_units`). Complexity: O(options x modes x L^2)."""
     L, m = len(workload.layers), micro_batches
     has_pairs = any(x.tp_pairs for x in workload.layers)
     options: list[StageOption] = []
@@ -238,6 +268,8 @@ def build_problem(workload: WorkloadSummary, costs: CostModel, classes: Sequence
                 continue
             for dp in range(1, cls.count // tp + 1):
                 if micro_batch % dp or dp * tp > cls.count:
+                    continue
+                if units is not None and (dp * tp) % units[c]:
                     continue
                 cross = dp * tp > cls.per_node and nodes > 1
                 opt = _option(workload, costs, dev, c, dp, tp, micro_batch // dp, m, cross,
@@ -272,9 +304,12 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
     bufs = np.array([(workload.layers[i - 1].act_out_bytes * scale * prec.act_scale) if i
                      else 0.0 for i in range(L + 1)])
     a_modes, v_modes, q_modes = [], [], []
+    work = None
     for mode in MODES:
         f, b = _layer_arrays(workload, costs, dev, tp, mb, "intra", mode)
         fb = np.concatenate([[0.0], np.cumsum(f + b)])
+        if work is None:  # the first mode (no recomputation) is the cheapest
+            work = (m - 1) * (f + b)
         bb = np.concatenate([[0.0], np.cumsum(b)])
         kw = dict(tp=tp, sequence_parallel=tp > 1, precision=prec, micro_batch_scale=scale)
         acts = np.concatenate([[0.0], np.cumsum(
@@ -301,7 +336,7 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
         a_modes.append(a)
         v_modes.append(v)
         q_modes.append(q)
-    return StageOption(c, dp, tp, tuple(a_modes), tuple(v_modes), tuple(q_modes))
+    return StageOption(c, dp, tp, tuple(a_modes), tuple(v_modes), tuple(q_modes), work)
 
 
 def _sync_vec(costs: CostModel, grad_bytes: np.ndarray, dp: int, tp: int, cross_node: bool,
