@@ -29,14 +29,16 @@ _COMPILED: list[Callable[..., None]] = []
 def dp_pass(arc_o: np.ndarray, arc_i: np.ndarray, arc_j: np.ndarray, arc_a: np.ndarray,
             arc_v: np.ndarray, arc_mode: np.ndarray, opt_class: np.ndarray,
             opt_step: np.ndarray, shape: np.ndarray, strides: np.ndarray, tau: float,
-            num_layers: int, best: np.ndarray, back: np.ndarray) -> None:
+            num_layers: int, cap_stages: bool, best: np.ndarray, back: np.ndarray) -> None:
     """One DP pass at threshold ``tau`` (every stage ``v <= tau``), filling ``best`` and
     ``back`` in place.
 
     ``best[i, q, u]``: least ``sum a`` of stages covering ``[i, L)``, ``min(count, Q)`` =
     ``q + 1`` in number, using the device vector of flat index ``u`` (in units, class ``c``
     at stride ``strides[c]``, ``shape[c]`` values). ``back[i, :, q, u]``: (option, mode, end
-    layer, suffix q, suffix u) of its first stage."""
+    layer, suffix q, suffix u) of its first stage. ``cap_stages``: ``Q`` is the micro-batch
+    count and a pipeline has at most that many stages (no stage goes before a suffix of
+    index ``Q - 1``); otherwise suffixes of ``Q`` or more stages share index ``Q - 1``."""
     L = num_layers
     Q = best.shape[1]
     size = best.shape[2]
@@ -63,6 +65,8 @@ def dp_pass(arc_o: np.ndarray, arc_i: np.ndarray, arc_j: np.ndarray, arc_a: np.n
             continue
         limit = shape[c] - step
         for q in range(Q):
+            if cap_stages and q + 1 >= Q:
+                break
             qq = min(q + 1, Q - 1)
             av = arc_a[n, qq]
             if not (arc_v[n, qq] <= tau) or not (av < np.inf):

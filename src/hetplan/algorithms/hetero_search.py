@@ -19,8 +19,8 @@ fits iff ``q >= min(m, P - k)``. The **search objective** is the closed-form 1F1
 
     ``J = sum_k a_k + max_k v_k``
 
-(fill and drain pass every stage once; the slowest stage is busy for the rest), and device
-use per class is bounded by its capacity. Stages may come in any order of classes.
+(fill and drain pass every stage once; the slowest stage is busy for the rest), device
+use per class is bounded by its capacity, and there are at most ``m`` stages. Stages may come in any order of classes.
 
 Solvers:
 
@@ -142,6 +142,8 @@ def objective(problem: HeteroProblem, stages: tuple[StageChoice, ...]) -> float:
     order, a class over capacity, a stage that does not fit or at a mode that is not the
     cheapest that fits)."""
     if not stages or stages[0].first != 0 or stages[-1].end != problem.num_layers:
+        return INF
+    if len(stages) > problem.micro_batches:  # 1F1B needs a micro-batch per stage
         return INF
     used = [0] * len(problem.capacity)
     total, worst, P = 0.0, 0.0, len(stages)
@@ -271,7 +273,7 @@ def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000,
     def one_pass(tau: float) -> tuple[float, tuple[StageChoice, ...]] | None:
         nonlocal explored, best, incumbent
         run(arc_o, arc_i, arc_j, arc_a, arc_v, arc_mode, opt_class, opt_step,
-            np.array(shape, np.int64), strides, tau, L, best_arr, back)
+            np.array(shape, np.int64), strides, tau, L, m <= L, best_arr, back)
         explored += (L + 1) * Q * size
         found = _read_back(best_arr, back, L, size)
         if found is not None:
@@ -360,9 +362,10 @@ def _arcs(problem: HeteroProblem, Q: int) -> Arcs | None:
     # Depths past which no stage changes (mode, a, v) are one state: a stage with more
     # stages after it holds more micro-batches, and where every stage fits them at the same
     # mode the DP need not tell those depths apart (exact; GPT-2-medium on 512 GPUs of
-    # 80 and 32 GB: 28 depths -> 1).
+    # 80 and 32 GB: 28 depths -> 1). Only with more micro-batches than layers: otherwise
+    # the depth also counts stages, at most one per micro-batch.
     last = Q
-    while last > 1 and all(np.array_equal(x[:, last - 1], x[:, last - 2], equal_nan=True)
+    while m > L and last > 1 and all(np.array_equal(x[:, last - 1], x[:, last - 2], equal_nan=True)
                            for x in (a_, v_, m_)):
         last -= 1
     a_, v_, m_ = a_[:, :last], v_[:, :last], m_[:, :last]

@@ -71,12 +71,19 @@ class HeteroAlternative(_Section):
         degrees: ``"dp x tp"`` of each stage.
         iteration_time_ms: its predicted iteration time.
         note: why it lost (or ``""``).
+        first_layers: each stage's first layer (so ``explain`` can re-predict it).
+        recompute: each stage's recomputation mode.
+        micro_batch_size / micro_batches: its global micro-batch and their number.
     """
 
     order: tuple[Name, ...]
     degrees: tuple[Name, ...] = ()
     iteration_time_ms: Ms
     note: str = ""
+    first_layers: tuple[NonNegInt, ...] = ()
+    recompute: tuple[Literal["none", "selective", "full"], ...] = ()
+    micro_batch_size: PosInt = 1
+    micro_batches: PosInt = 1
 
 
 class HeteroSearch(_Section):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 from hetplan.algorithms.hetero_search import (
     HeteroSolution,
@@ -46,7 +47,9 @@ from hetplan.cost_models.hetero import (
     device_classes,
     evaluate_hetero,
 )
-from hetplan.errors import InfeasiblePlanError
+from hetplan.cost_models.profile_db import ProfileDB
+from hetplan.errors import InfeasiblePlanError, SpecError
+from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_hetero import Hetero, HeteroAlternative, HeteroSearch, StageShape
 from hetplan.ir.plan_sections import (
@@ -62,7 +65,8 @@ from hetplan.ir.plan_sections import (
     WorkloadSummary,
 )
 
-__all__ = ["compile_hetero", "HeteroCandidate", "search_hetero", "predict", "COARSE_GAP"]
+__all__ = ["compile_hetero", "choose_hetero", "HeteroCandidate", "search_hetero", "predict",
+           "rebuild_alternative", "COARSE_GAP"]
 
 #: Where the device-use space is coarsened (:func:`~hetplan.cost_models.hetero.
 #: coarse_units`: large clusters), the threshold scan may skip windows of ``max v`` of this
@@ -282,5 +286,100 @@ def _runner_up(best: HeteroCandidate, fits: list[HeteroCandidate]) -> HeteroAlte
             iteration_time_ms=cand.evaluation.iteration_s * 1e3,
             note=f"micro-batch {cand.micro_batch}x{cand.micro_batches}; search objective "
                  f"{cand.solution.objective * 1e3:.3f} ms vs "
-                 f"{best.solution.objective * 1e3:.3f} ms")
+                 f"{best.solution.objective * 1e3:.3f} ms",
+            first_layers=tuple(st.first_layer for st in cand.stages),
+            recompute=tuple(st.recompute for st in cand.stages),
+            micro_batch_size=cand.micro_batch, micro_batches=cand.micro_batches)
     return None
+
+
+def rebuild_alternative(workload: WorkloadSummary, costs: CostModel, alt: HeteroAlternative
+                        ) -> tuple[Layout, tuple[Stage, ...], Hetero]:
+    """The layout, stages and section of a stored runner-up, for re-predicting it
+    (``hetplan explain``). Ranks are drawn from each class as :func:`compile_hetero` draws
+    them.
+
+    Raises:
+        SpecError: the alternative names a device class the cluster lacks, or lacks its
+            layer splits (a plan written before they were recorded).
+    """
+    classes = device_classes(costs)
+    index = {c.name: k for k, c in enumerate(classes)}
+    if not alt.first_layers or len(alt.first_layers) != len(alt.order):
+        raise SpecError("hetero.search.runner_up: no layer splits recorded; re-run "
+                        "`hetplan plan --hetero`")
+    missing = [n for n in alt.order if n not in index]
+    if missing:
+        raise SpecError(f"hetero.search.runner_up: device class(es) {missing} are not in the "
+                        f"cluster (classes: {sorted(index)})")
+    dims = [tuple(int(x) for x in d.split("x")) for d in alt.degrees]
+    shapes = [(index[n], dp, tp) for n, (dp, tp) in zip(alt.order, dims)]
+    ranks = assign_ranks(classes, shapes)
+    ends = list(alt.first_layers[1:]) + [len(workload.layers)]
+    names = [x.name for x in workload.layers]
+    mb, m = alt.micro_batch_size, alt.micro_batches
+    stages = tuple(
+        Stage(index=k, first_layer=a, last_layer=b - 1, layer_names=tuple(names[a:b]),
+              ranks=r, recompute=alt.recompute[k] if alt.recompute else "none")
+        for k, (a, b, r) in enumerate(zip(alt.first_layers, ends, ranks)))
+    hetero = Hetero(stages=tuple(
+        StageShape(stage=k, device_class=n, dp=dp, tp=tp, micro_batch_size=mb // dp,
+                   zero_stage=1 if dp > 1 else 0)
+        for k, (n, (dp, tp)) in enumerate(zip(alt.order, dims))))
+    layout = Layout(dp=1, pp=len(stages), tp=1, micro_batches=m, micro_batch_size=mb,
+                    global_batch_size=mb * m, schedule="1f1b")
+    return layout, stages, hetero
+
+
+def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_size: int,
+                  mode: Literal["auto", "on", "off"]) -> Plan:
+    """``hetplan plan --hetero``: ``compile()``'s ``plan`` or the heterogeneous one.
+
+    ``off`` returns ``plan``; ``on`` returns :func:`compile_hetero`'s plan; ``auto`` the one
+    predicted faster (ties keep ``plan``). Both are priced by one cost model (``plan``'s
+    cost settings and profile) and the same pipeline simulator; ``compile()``'s prediction
+    also runs the per-bucket gradient sync of its passes, the heterogeneous one the ring
+    sync of :func:`~hetplan.cost_models.hetero.sync_s`. The plan returned records the
+    comparison in its pass log.
+
+    Raises:
+        InfeasiblePlanError: with ``on``, no heterogeneous pipeline fits.
+    """
+    if mode == "off":
+        return plan
+    cs = plan.cost_settings or CostSettings()
+    costs = CostModel(spec, db, dtype=cs.dtype, efficiency=cs.efficiency, optimizer=cs.optimizer,
+                      attention=cs.attention, dp_overlap=cs.dp_overlap)
+    workload = plan.model.workload
+    if workload is None:
+        raise InfeasiblePlanError("the plan carries no workload summary to search "
+                                  "heterogeneous stages over; re-run `hetplan plan`")
+    base_ms = plan.predictions.iteration_time_ms if plan.predictions else float("inf")
+    try:
+        het = compile_hetero(workload, costs, batch_size, model_ref=plan.model,
+                             cluster_ref=ClusterRef.from_cluster(spec), cost_settings=cs)
+    except InfeasiblePlanError as e:
+        if mode == "on":
+            raise
+        return _noted(plan, f"--hetero auto: no heterogeneous pipeline fits ({e}); kept "
+                            f"compile()'s plan ({base_ms:.3f} ms)")
+    assert het.predictions is not None
+    het_ms = het.predictions.iteration_time_ms
+    if mode == "on" or het_ms < base_ms:
+        return _noted(het, f"--hetero {mode}: heterogeneous {het_ms:.3f} ms vs compile()'s "
+                           f"{base_ms:.3f} ms ({_layout_text(plan)}); took the heterogeneous plan")
+    return _noted(plan, f"--hetero auto: compile()'s {base_ms:.3f} ms vs heterogeneous "
+                        f"{het_ms:.3f} ms ({het.hetero.describe() if het.hetero else '-'}); "
+                        "kept compile()'s plan")
+
+
+def _layout_text(plan: Plan) -> str:
+    lay = plan.layout
+    if lay is None:
+        return "-"
+    return f"dp{lay.dp} pp{lay.pp} tp{lay.tp}, micro-batch {lay.micro_batch_size}x{lay.micro_batches}"
+
+
+def _noted(plan: Plan, note: str) -> Plan:
+    return plan.model_copy(update={"pass_log": plan.pass_log + (
+        PassLogEntry(name="hetero-choice", changed=plan.hetero is not None, notes=(note,)),)})
