@@ -126,7 +126,10 @@ def explain(
     if plan.hetero is not None:  # per-stage degrees: priced by evaluate_hetero
         from hetplan.report.explain_hetero import explain_hetero
 
-        return explain_hetero(plan, target, cluster=cluster, profile=profile)  # type: ignore[return-value]
+        h = explain_hetero(plan, target, cluster=cluster, profile=profile)
+        alts = tuple(Alternative(n, ms, d, fits_memory=f, note=why)
+                     for n, ms, d, f, why in h.alternatives)
+        return Explanation(target, "stage", h.current_ms, h.facts, alts, h.verdict, h.text)
     ctx = _Context(plan, cluster, profile)
     kind, value = _resolve(plan, ctx, target)
     facts, alternatives = targets.EXPLAINERS[kind](ctx, value)

@@ -11,6 +11,7 @@ file.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from hetplan.cost_models.hetero import evaluate_hetero
@@ -20,22 +21,31 @@ from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
 from hetplan.optimizer.hetero import rebuild_alternative
-from hetplan.report._explain_targets import Alternative
 from hetplan.report._text import fmt_delta_ms, fmt_ms, ranges
 
-__all__ = ["explain_hetero"]
+__all__ = ["explain_hetero", "hetero_layout", "HeteroExplained"]
+
+
+@dataclass(frozen=True)
+class HeteroExplained:
+    """What :func:`~hetplan.report.explain.explain` turns into its ``Explanation``:
+    ``alternatives`` as (name, ms, delta ms, fits in memory, note)."""
+
+    current_ms: float
+    facts: tuple[tuple[str, str], ...]
+    alternatives: tuple[tuple[str, float, float, bool, str], ...]
+    verdict: str
+    text: str
 
 
 def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path | None = None,
-                   profile: ProfileDB | str | Path | None = None) -> object:
-    """The :class:`~hetplan.report.explain.Explanation` of ``stage:K`` on a heterogeneous plan.
+                   profile: ProfileDB | str | Path | None = None) -> HeteroExplained:
+    """What explains ``stage:K`` of a heterogeneous plan.
 
     Raises:
         SpecError: ``target`` is not ``stage:K`` of an existing stage (heterogeneous plans
             explain stages only).
     """
-    from hetplan.report.explain import Explanation
-
     hetero = plan.hetero
     assert hetero is not None
     k = _stage_index(target, len(plan.stages))
@@ -68,7 +78,7 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
         ("search", f"{hetero.search.method}, objective {fmt_ms(hetero.search.objective_ms)}, "
                    f"gap {hetero.search.gap:.4f}"),
     ]
-    alternatives: list[Alternative] = []
+    alternatives: list[tuple[str, float, float, bool, str]] = []
     runner = hetero.search.runner_up
     if runner is not None and runner.first_layers:
         lay2, stages2, het2 = rebuild_alternative(workload, costs, runner)
@@ -82,17 +92,16 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
             alt = evaluate_hetero(workload, lay2, stages2, het2, costs, check_memory=False)
             fits, why = False, str(e)
         ms = alt.iteration_s * 1e3
-        alternatives.append(Alternative(name, round(ms, 6), round(ms - current, 6) + 0.0,
-                                        fits_memory=fits, note=why))
+        alternatives.append((name, round(ms, 6), round(ms - current, 6) + 0.0, fits, why))
     if not alternatives:
         verdict = "no other device order fits: this order is the only feasible one"
-    elif not alternatives[0].fits_memory:
+    elif not alternatives[0][3]:
         verdict = "the runner-up order runs out of memory: this order is the only one that fits"
-    elif alternatives[0].delta_ms > 0:
-        verdict = (f"this order is predicted {alternatives[0].delta_ms:.3f} ms faster than the "
+    elif alternatives[0][2] > 0:
+        verdict = (f"this order is predicted {alternatives[0][2]:.3f} ms faster than the "
                    "runner-up order")
     else:
-        verdict = (f"the runner-up order is predicted {-alternatives[0].delta_ms:.3f} ms faster: "
+        verdict = (f"the runner-up order is predicted {-alternatives[0][2]:.3f} ms faster: "
                    "the plan's order is not the fastest of the two")
     lines = [f"explain {target}"]
     width = max(len(a) for a, _ in facts)
@@ -105,14 +114,13 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
         lines.append(f"  note: as planned it does not fit in memory: {note}")
     if alternatives:
         lines.append("alternatives, re-predicted with the plan's cost model:")
-        for a in alternatives:
-            tail = "" if a.fits_memory else "  [does not fit in memory]"
-            lines.append(f"  {a.name}: {fmt_ms(a.iteration_time_ms)} "
-                         f"({fmt_delta_ms(a.delta_ms)}){tail}")
-            lines.append(f"    {a.note}")
+        for name, ms, delta, fits, why in alternatives:
+            tail = "" if fits else "  [does not fit in memory]"
+            lines.append(f"  {name}: {fmt_ms(ms)} ({fmt_delta_ms(delta)}){tail}")
+            lines.append(f"    {why}")
     lines.append(f"verdict: {verdict}")
-    return Explanation(target, "stage", current, tuple(facts), tuple(alternatives), verdict,
-                       "\n".join(lines) + "\n")
+    return HeteroExplained(current, tuple(facts), tuple(alternatives), verdict,
+                           "\n".join(lines) + "\n")
 
 
 def _stage_index(target: str, n: int) -> int:
