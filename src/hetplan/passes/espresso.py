@@ -106,7 +106,7 @@ def check_compressors(names: tuple[str, ...]) -> tuple[str, ...]:
 def _full(key: Key | ShortKey) -> tuple[str | None, int, str]:
     """A three-part key; a two-part ``(cast, id)`` is the cast of path ``id``."""
     if len(key) == 3:
-        return key  # type: ignore[return-value]
+        return key
     comp, oid = key[0], key[1]
     return (None, oid, comp) if comp in _CASTS else (comp, oid, "fp32")
 
