@@ -38,6 +38,17 @@ Decisions (also in ``docs/decisions.md``):
   allgather), not the flat allreduce, for the same reason.
 - Options are pruned to at most ``max_compressions`` compressions per tensor (default 4: no
   limit) and to the allowed ``devices`` (default GPU and CPU).
+- **16-bit uncompressed steps.** With ``fp16`` (or ``bf16``) among the compressors, every
+  compressed path with an uncompressed step is also a candidate with those steps in 16 bits
+  (the reference implementation's "intra-node FP16" options; key ``(compressor, option_id,
+  dtype)``, strategy ``<compressor>#<option_id>+fp16``).
+- **Widening in rungs** (:meth:`Espresso._ladder`): (0) the uncompressed routings and casts
+  with the one-compression paths in fp32 (what this pass searched before), (1) those paths
+  with 16-bit uncompressed steps, (k) the paths with k = 2 .. ``max_compressions``
+  compressions. Each rung starts Algorithm 4.1 from the previous rung's choice, tries only
+  its new options (and the routings and casts again), and never returns anything slower than
+  that choice, so a wider search is never predicted slower than a narrower one along the
+  rungs. Decisions in ``docs/decisions/espresso-mp.md``.
 """
 
 from __future__ import annotations
