@@ -245,7 +245,7 @@ def test_cli_rejects_gamma_max_and_unknown_variant() -> None:
     assert res.exit_code != 0 and "gamma_max must be in [0, 1)" in res.output
     res = runner.invoke(app, ["plan", "gpt-test", "-c", PRESET, "-b", "16", "--tp", "4",
                               "--tp-controller", "fast"])
-    assert res.exit_code != 0 and "tp_controller" in res.output and "'fast'" in res.output
+    assert res.exit_code != 0 and "--tp-controller" in res.output and "'fast'" in res.output
 
 
 # -- hetplan inspect explains the TP section -------------------------------------------------
