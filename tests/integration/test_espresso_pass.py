@@ -114,3 +114,21 @@ def test_compressors_allowed_on_a_cpu_cluster() -> None:
     assert plan.predictions is not None and plan.gradient_sync is not None
     ddp = next(b for b in plan.predictions.baselines if b.name == "ddp")
     assert plan.predictions.iteration_time_ms <= ddp.iteration_time_ms
+
+
+def test_the_plan_carries_and_beats_the_reference_implementations_choice() -> None:
+    """With compressors allowed, the plan's baselines include what the Espresso reference
+    implementation's threshold rule would choose (per compressor), priced by the same
+    simulator; the plan is never predicted slower than it."""
+    import hetplan
+
+    plan = hetplan.compile("gpt2", "v100-pcie-8x8", batch_size=256,
+                           compressors=("dgc", "fp16"))
+    assert plan.predictions is not None
+    names = [b.name for b in plan.predictions.baselines]
+    assert "espresso-reference-dgc" in names and "espresso-reference-fp16" not in names
+    ref = next(b for b in plan.predictions.baselines if b.name == "espresso-reference-dgc")
+    assert plan.predictions.iteration_time_ms <= ref.iteration_time_ms
+    none = hetplan.compile("gpt-test", "cpu-2x2", batch_size=8, dp=4, pp=1, tp=1)
+    assert none.predictions is not None
+    assert not any(b.name.startswith("espresso-reference") for b in none.predictions.baselines)
