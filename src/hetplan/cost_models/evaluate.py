@@ -216,11 +216,11 @@ def evaluate(
             # timeline runs over no backprop (every gradient is ready at once)
             overlap = costs.dp_overlap == "backward"
             backprop = bwd_layers[s] if overlap else [0.0] * len(bwd_layers[s])
-            tl = _sync_stage(workload, st, layout, costs, strategies[s], backprop, record,
-                             max_layer_shares(workload, st, layout.tp, tensor_parallel))
+            tl, units = _sync_stage(workload, st, layout, costs, strategies[s], backprop,
+                                    record,
+                                    max_layer_shares(workload, st, layout.tp, tensor_parallel))
             exposed = tl.iteration_s - (bwd[s] if overlap else 0.0)
-            busy = sum(v for k, v in tl.busy_s.items() if k not in (GPU, CPU))
-            comp = tl.busy_s.get(GPU, 0.0) - sum(backprop) + tl.busy_s.get(CPU, 0.0)
+            busy, comp = _comm_and_compression_s(units)
         stage_costs.append(StageCost(fwd[s], bwd[s], tp_comm[s], exposed, busy, comp, sources[s]))
         timelines.append(tl)
         comm_busy = max(comm_busy, busy)
@@ -315,9 +315,10 @@ def _sync_stage(
     bwd_per_layer: list[float],
     record: bool,
     shares: list[float] | None = None,
-) -> DPTimeline:
-    """DP timeline of one stage over its last micro-batch's backward (``shares``: the largest
-    TP share of each layer of the stage with uneven shards, else None: ``1 / tp``)."""
+) -> tuple[DPTimeline, list[SyncUnit]]:
+    """DP timeline of one stage over its last micro-batch's backward, and its sync units
+    (``shares``: the largest TP share of each layer of the stage with uneven shards, else
+    None: ``1 / tp``)."""
     grad_idx, segments = _stage_segments(workload, st, bwd_per_layer)
     position = {i: k for k, i in enumerate(grad_idx)}
     dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
@@ -341,7 +342,29 @@ def _sync_stage(
                                 dtypes)
         sync_units.append(SyncUnit(position[idx[-1]], ops, workload.grads[idx[-1]].name))
     sync_units.sort(key=lambda u: u.last_tensor)
-    return simulate_dp(segments, sync_units, record=record)
+    return simulate_dp(segments, sync_units, record=record), sync_units
+
+
+#: Op labels that are (de)compression, casting or sparse-encoding work (Zen's hashing,
+#: aggregation and decoding: :mod:`~hetplan.cost_models.sparse`); every other op communicates.
+_COMPRESSION_LABELS = frozenset({"compress", "decompress", "cast", "zen-hash",
+                                 "zen-aggregate", "zen-decode"})
+
+
+def _comm_and_compression_s(units: Sequence[SyncUnit]) -> tuple[float, float]:
+    """(communication, compression) seconds of a stage's sync ops, told apart by what each
+    op does (its label), not by the resource it runs on: on a device whose collectives take
+    turns with compute (``comm_overlaps_compute: false``, the ``cpu`` type) communication
+    runs on the compute resource too, and counting that resource's extra time as
+    compression reported a plan that compresses nothing as compressing."""
+    comm = comp = 0.0
+    for u in units:
+        for op in u.ops:
+            if op.label in _COMPRESSION_LABELS:
+                comp += op.duration_s
+            else:
+                comm += op.duration_s
+    return comm, comp
 
 
 def _stage_segments(
