@@ -504,7 +504,8 @@ def profile_cmd(
     world_size: int = typer.Option(2, "--world-size", "-n", help="Local processes."),
     device_type: str = typer.Option("cpu", help="Cluster device type to file records under."),
     what: list[str] = typer.Option(None, "--what",
-                                   help="layers, collectives, compressors (default: all)."),
+                                   help="layers, collectives, compressors, step (the optimizer "
+                                   "step; default: all)."),
     batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
@@ -512,7 +513,8 @@ def profile_cmd(
         None, "--dtype", help="Compute dtype(s) to time layers in: fp32 (default), bf16, fp16 "
         "(autocast, as a mixed-precision plan runs); repeat for several."),
 ) -> None:
-    """Measure this machine (layers, collectives, compressors) into a profile DB."""
+    """Measure this machine (layers, collectives, compressors, optimizer step) into a profile
+    DB."""
     from hetplan.profiling import WHAT, run_profile
 
     check_output_path(output, option="-o/--output")
@@ -529,7 +531,8 @@ def profile_cmd(
     )
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
-        f"collective record(s), {len(db.compressors)} compressor record(s)"
+        f"collective record(s), {len(db.compressors)} compressor record(s), "
+        f"{len(db.optimizer_steps)} optimizer-step record(s)"
     )
 
 

@@ -41,6 +41,7 @@ the pipeline and DP timelines, TP shares) are modules of their own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -714,7 +715,16 @@ def _optimizer_s(
     master weights (or fp32 weights) and the moments, reads the gradients and writes 16-bit
     weights (Adam in fp32: 28 bytes per parameter, 7 per fp32 parameter byte); under ZeRO
     each rank steps ``1/dp`` of them. A rank holding several stages (interleaved chunks)
-    steps them all."""
+    steps them all.
+
+    Where the profile DB has a measured optimizer step for the stage's device type
+    (:class:`~hetplan.cost_models.profile_db.OptimizerRecord`, ``hetplan profile --what
+    step``), that line prices it instead: a fixed cost per parameter tensor stepped (the
+    optimizer's Python and dispatch per tensor, which dominate small models on a CPU and which
+    the memory-bound estimate does not see) plus a cost per fp32 byte, measured with as many
+    processes stepping at once as the node has ranks. Under ZeRO-1/2 a rank steps views of
+    the ``1/dp`` of each parameter in its chunk (about ``tensors / dp`` of them); FSDP2
+    (ZeRO-3) steps every parameter's local shard."""
     per_rank: dict[int, float] = {}
     for st in stages:
         shares = max_layer_shares(workload, st, layout.tp, tp_section)
@@ -724,13 +734,40 @@ def _optimizer_s(
                          None if shares is None else shares[k])
             for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
         )
+        s = st.index % layout.pp
+        measured = _measured_step_s(workload, st, layout, costs, prec, pbytes)
+        if measured is not None:
+            per_rank[s] = per_rank.get(s, 0.0) + measured
+            continue
         per_elem = _step_bytes(prec, costs.optimizer)
         if layout.zero_stage >= 1:
             per_elem /= layout.dp
         bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
-        s = st.index % layout.pp
         per_rank[s] = per_rank.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes / bw
     return max(per_rank.values(), default=0.0)
+
+
+def _measured_step_s(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+                     prec: StatePrecision, pbytes: float) -> float | None:
+    """The stage's optimizer step from the profile's measured line (see :func:`_optimizer_s`),
+    at the stage's slowest device type; None when the DB has no record for one of them."""
+    if costs.db is None or not costs.db.optimizer_steps:
+        return None
+    tensors = float(sum(1 for g in workload.grads
+                        if st.first_layer <= g.layer_index <= st.last_layer))
+    fp32_bytes = pbytes / prec.capture_bytes * 4.0
+    if layout.zero_stage >= 1 and layout.dp > 1:
+        fp32_bytes /= layout.dp
+        if layout.zero_stage <= 2:
+            tensors = math.ceil(tensors / layout.dp)
+    worst = 0.0
+    for dev in rank_devices(costs, st):
+        rec = costs.db.optimizer_step(costs.optimizer, dev.type,
+                                      costs.node_sizes[dev.node_index])
+        if rec is None:
+            return None
+        worst = max(worst, rec.time_s(tensors, fp32_bytes) * dev.slowdown)
+    return worst
 
 
 def _step_bytes(prec: StatePrecision, optimizer: str) -> float:

@@ -20,6 +20,13 @@ A :class:`ProfileDB` holds three kinds of records, each identified by a key:
   (``gpu`` or ``cpu``) and ``device_type`` the cluster device type of the machine (a GPU type
   such as ``A100-80GB``, or ``cpu``).
 
+* :class:`OptimizerRecord`, key ``(optimizer, device_type, processes)``: measured time of one
+  optimizer step (``step()`` then ``zero_grad()``) over ``tensors`` parameters holding
+  ``nbytes`` fp32 bytes, with ``processes`` processes stepping at once on the machine, and a
+  fitted line ``seconds = per_tensor_s * tensors + per_byte_s * nbytes``. On a CPU the
+  per-tensor term (the optimizer's Python and dispatch per parameter) dominates small models:
+  the memory-bound estimate misses it.
+
 plus :class:`MachineInfo` entries describing the machines measured (device type, torch
 version, backend; never a hostname, so DBs can be shared).
 
@@ -58,6 +65,8 @@ __all__ = [
     "ComputeRecord",
     "DeviceKind",
     "MachineInfo",
+    "OptimizerRecord",
+    "OptimizerSample",
     "ProfileDB",
     "merge",
 ]
@@ -252,6 +261,54 @@ class CompressorRecord(BaseModel):
         return len(self.samples)
 
 
+class OptimizerSample(BaseModel):
+    """One timing of an optimizer step over ``tensors`` parameters of ``nbytes`` fp32 bytes."""
+
+    model_config = _CONFIG
+
+    tensors: int = Field(ge=1)
+    nbytes: int = Field(ge=0)
+    seconds: _NonNeg
+
+
+class OptimizerRecord(BaseModel):
+    """Measured optimizer steps of one optimizer on one device type.
+
+    Attributes:
+        optimizer: the optimizer's name in plans (``adam``, ``adamw``, ``sgd``,
+            ``sgd-momentum``: ``cost_settings.optimizer``).
+        device_type: the cluster device type measured.
+        processes: processes that stepped at once on the machine (the ranks of one node:
+            on a CPU they share its cores).
+        samples: the measured ``(tensors, nbytes, seconds)`` points (at least one).
+        per_tensor_s / per_byte_s: the fitted line ``seconds = per_tensor_s * tensors +
+            per_byte_s * nbytes`` (non-negative least squares on relative residuals).
+    """
+
+    model_config = _CONFIG
+
+    optimizer: _Name
+    device_type: _Name
+    processes: int = Field(ge=1)
+    samples: tuple[OptimizerSample, ...] = Field(min_length=1)
+    per_tensor_s: _NonNeg
+    per_byte_s: _NonNeg
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """``(optimizer, device_type, processes)``."""
+        return (self.optimizer, self.device_type, self.processes)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples behind the record (used by :func:`merge`)."""
+        return len(self.samples)
+
+    def time_s(self, tensors: float, nbytes: float) -> float:
+        """The fitted step time of ``tensors`` parameters holding ``nbytes`` fp32 bytes."""
+        return self.per_tensor_s * tensors + self.per_byte_s * nbytes
+
+
 def _canonical(records: tuple[Any, ...], what: str) -> tuple[Any, ...]:
     counts = Counter(r.key for r in records)
     dup = sorted(k for k, c in counts.items() if c > 1)
@@ -270,7 +327,8 @@ class ProfileDB(BaseModel):
         schema_version: always :data:`PROFILE_SCHEMA_VERSION`; files with another version are
             refused by :meth:`load`.
         machines: the machines measured.
-        compute / collectives / compressors: the records, kept sorted by key.
+        compute / collectives / compressors / optimizer_steps: the records, kept sorted
+            by key.
     """
 
     model_config = _CONFIG
@@ -280,6 +338,7 @@ class ProfileDB(BaseModel):
     compute: tuple[ComputeRecord, ...] = ()
     collectives: tuple[CollectiveRecord, ...] = ()
     compressors: tuple[CompressorRecord, ...] = ()
+    optimizer_steps: tuple[OptimizerRecord, ...] = ()
 
     @field_validator("machines")
     @classmethod
@@ -305,6 +364,13 @@ class ProfileDB(BaseModel):
         cls, value: tuple[CompressorRecord, ...]
     ) -> tuple[CompressorRecord, ...]:
         return _canonical(value, "compressor")
+
+    @field_validator("optimizer_steps")
+    @classmethod
+    def _sort_optimizer_steps(
+        cls, value: tuple[OptimizerRecord, ...]
+    ) -> tuple[OptimizerRecord, ...]:
+        return _canonical(value, "optimizer step")
 
     # -- lookups ---------------------------------------------------------------------------
     @cached_property
@@ -354,6 +420,18 @@ class ProfileDB(BaseModel):
     ) -> CompressorRecord | None:
         """The record of ``compressor`` on ``device_kind`` of a ``device_type`` machine."""
         return self._compressor_index.get((compressor, device_kind, device_type))
+
+    def optimizer_step(
+        self, optimizer: str, device_type: str, processes: int = 1
+    ) -> OptimizerRecord | None:
+        """The optimizer-step record of ``optimizer`` on ``device_type`` measured with the
+        number of processes nearest ``processes`` (by ratio; on a tie the larger), or None."""
+        records = [r for r in self.optimizer_steps
+                   if (r.optimizer, r.device_type) == (optimizer, device_type)]
+        if not records:
+            return None
+        return min(records, key=lambda r: (max(r.processes / processes,
+                                                processes / r.processes), -r.processes))
 
     # -- (de)serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
@@ -450,4 +528,5 @@ def merge(*dbs: ProfileDB) -> ProfileDB:
         compute=_merge_records(db.compute for db in dbs),
         collectives=_merge_records(db.collectives for db in dbs),
         compressors=_merge_records(db.compressors for db in dbs),
+        optimizer_steps=_merge_records(db.optimizer_steps for db in dbs),
     )

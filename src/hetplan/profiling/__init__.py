@@ -11,6 +11,8 @@ real work on the local hardware:
   processes (gloo or NCCL), with fitted α–β lines.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
+* :func:`profile_optimizer_steps` (:mod:`.step`): the optimizer step's cost per parameter
+  tensor and per byte, on ``n`` processes at once (CPU).
 * :func:`run_profile`: all of it for one model, merged into the DB file at ``output``.
 
 Import rules: this is the one place besides ``runtime/`` that may import ``torch`` *and*
@@ -45,6 +47,7 @@ from hetplan.profiling.layers import (
     profile_layers,
     profile_layers_concurrent,
 )
+from hetplan.profiling.step import profile_optimizer_steps
 
 __all__ = [
     "DEFAULT_COLLECTIVES",
@@ -58,6 +61,7 @@ __all__ = [
     "profile_compressors",
     "profile_layers",
     "profile_layers_concurrent",
+    "profile_optimizer_steps",
     "run_local_ranks",
     "run_profile",
 ]
@@ -65,7 +69,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: What :func:`run_profile` can measure.
-WHAT: tuple[str, ...] = ("layers", "collectives", "compressors")
+WHAT: tuple[str, ...] = ("layers", "collectives", "compressors", "step")
 
 ModelArg = str | tuple[nn.Module, Sequence[Any] | Any, Mapping[str, Any] | None]
 
@@ -139,13 +143,15 @@ def run_profile(
     Args:
         model: a zoo name (built with seed 0 on ``device``), or ``(module, example_inputs,
             example_kwargs)``; None when ``what`` has no ``layers``.
-        world_size: processes for collectives (and the ``device_count`` recorded).
+        world_size: processes for collectives and the optimizer step (and the
+            ``device_count`` recorded).
         device_type: the cluster device type the records are filed under (``cpu``, or the
             GPU type of this machine, e.g. ``A100-80GB``).
         output: the DB file. If it exists it is loaded and merged
             (:func:`~hetplan.cost_models.profile_db.merge`: per key the record with more
             samples wins, the new one on a tie); None writes nothing.
-        what: any of :data:`WHAT`.
+        what: any of :data:`WHAT` (``step``: the optimizer step on ``world_size`` processes at
+            once, :func:`profile_optimizer_steps`; on CPU only).
         batch_size / seq: example inputs for a zoo model. Compute records are keyed by the
             layer's per-sample signature and record the micro-batch they were measured at;
             planning at another micro-batch scales the nearest measured one linearly, so
@@ -224,11 +230,22 @@ def run_profile(
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
                                         progress=progress)
+        steps = []
+        if "step" in what:
+            if not device.startswith("cpu"):
+                log.warning("step skipped: the optimizer step is measured on CPU ranks only")
+            else:
+                task = progress.add_task(f"optimizer step on {world_size} processes",
+                                         total=None)
+                steps = profile_optimizer_steps(world_size, device_type=device_type,
+                                                timeout_s=timeout_s)
+                progress.update(task, total=1, completed=1)
     db = ProfileDB(
         machines=(machine_info(device_type, backend, world_size),),
         compute=tuple(compute),
         collectives=tuple(colls),
         compressors=tuple(comps),
+        optimizer_steps=tuple(steps),
     )
     if output is not None:
         path = Path(output)
