@@ -102,3 +102,20 @@ def test_fit_step_line_recovers_a_line() -> None:
     a, b = fit_step_line(samples)
     assert a == pytest.approx(20e-6, rel=1e-6)
     assert b == pytest.approx(2e-9, rel=1e-6)
+
+
+def test_layers_profiled_at_a_micro_batch_are_found_by_the_batch_1_plan() -> None:
+    # tiny-gpt2's position embedding (a (1, seq) index input) and first block (the mask)
+    # have batch-specific signatures: profiled at micro-batch 2 they were not found when
+    # planning from the batch-1 capture, and fell back to the roofline
+    from hetplan.cost_models.compute import ComputeModel
+    from hetplan.ir.plan_sections import WorkloadSummary
+    from hetplan.profiling import run_profile
+
+    db = run_profile("tiny-gpt2", what=("layers",), batch_size=2, warmup=0, iters=1,
+                     show_progress=False)
+    wl = WorkloadSummary.from_model_ir(_tiny_gpt2_ir())
+    dev = ClusterSpec.from_preset("local-cpu").devices()[0]
+    times = ComputeModel(db).layer_times(wl, dev, 2)
+    assert ComputeModel.sources(times) == {"profiled": len(wl.layers)}
+    assert {r.batch_size for r in db.compute} == {2}

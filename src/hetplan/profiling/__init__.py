@@ -43,6 +43,7 @@ from hetplan.profiling.collectives import (
 )
 from hetplan.profiling.compressors import DEFAULT_COMPRESSOR_SIZES, profile_compressors
 from hetplan.profiling.layers import (
+    alias_records,
     default_loss,
     profile_layers,
     profile_layers_concurrent,
@@ -83,6 +84,20 @@ def machine_info(device_type: str, backend: str, device_count: int) -> MachineIn
         cuda_version=torch.version.cuda,
         device_count=device_count,
     )
+
+
+def _planning_capture(model: ModelArg, ir: Any, seq: int | None, device: str) -> Any:
+    """The zoo model's capture as ``hetplan plan`` and ``compile`` make it (batch 1), when
+    ``ir`` was captured at another batch; None otherwise (see
+    :func:`~hetplan.profiling.layers.alias_records`)."""
+    if not isinstance(model, str) or ir.batch_size == 1:
+        return None
+    from hetplan import zoo
+    from hetplan.ir.capture import capture
+
+    entry = zoo.get(model)
+    args, kwargs = zoo.example_inputs(entry.name, batch=1, seq=seq, device="meta")
+    return capture(zoo.build(entry.name, device="meta", seed=0), args, kwargs, name=entry.name)
 
 
 def _resolve_model(
@@ -197,6 +212,7 @@ def run_profile(
             from hetplan.ir.capture import capture
 
             ir = capture(net, args, kwargs, name=name)
+            planning_ir = _planning_capture(model, ir, seq, device)
             for dtype in dtypes:
                 if layer_processes > 1:
                     task = progress.add_task(
@@ -212,6 +228,8 @@ def run_profile(
                     compute += profile_layers(net, args, kwargs, device_type=device_type,
                                               device=device, warmup=warmup, iters=iters,
                                               ir=ir, progress=progress, dtype=dtype)
+            if planning_ir is not None:
+                compute += alias_records(compute, ir, planning_ir)
         if "collectives" in what:
             if world_size < 2:
                 log.warning("collectives skipped: world_size=%d (need >= 2)", world_size)
