@@ -64,15 +64,14 @@ def _step_db(per_tensor_s: float, per_byte_s: float, processes: int = 4) -> obje
 
 
 def test_measured_optimizer_step_prices_every_tensor() -> None:
-    # the memory-bound estimate sees bytes only: Adam over tiny-gpt2's 28 tensors (0.55 MB)
-    # at the cpu preset's 20 GB/s is about 0.2 ms, where the runtime measures ~1 ms on this
-    # machine, mostly per tensor
+    # the analytic estimate (bytes over the preset's bandwidth, a launch per kernel) is the
+    # fallback; a measured line (hetplan profile --what step) replaces it
     ir = _tiny_gpt2_ir()
     wl_tensors = len(ir.grad_tensors)
     fp32_bytes = sum(g.size_bytes for g in ir.grad_tensors)
     analytic = _optimizer_ms(None)
     measured = _optimizer_ms(_step_db(30e-6, 1e-9))
-    assert analytic < 0.3
+    assert measured != pytest.approx(analytic, rel=1e-3)
     assert measured == pytest.approx((30e-6 * wl_tensors + 1e-9 * fp32_bytes) * 1e3, rel=1e-6)
     # ZeRO-1: a rank steps its 1/dp chunk: about a quarter of the tensors and of the bytes
     zero1 = _optimizer_ms(_step_db(30e-6, 1e-9), zero=1)

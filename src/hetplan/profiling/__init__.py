@@ -11,6 +11,8 @@ real work on the local hardware:
   processes (gloo or NCCL), with fitted α–β lines.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
+* :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
+  gradient over ``n`` simulated workers (``hetplan profile --sparsity``).
 * :func:`profile_optimizer_steps` (:mod:`.step`): the optimizer step's cost per parameter
   tensor and per byte, on ``n`` processes at once (CPU).
 * :func:`run_profile`: all of it for one model, merged into the DB file at ``output``.
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, merge
+from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, SparsityRecord, merge
 from hetplan.profiling._spawn import run_local_ranks
 from hetplan.profiling.collectives import (
     DEFAULT_COLLECTIVES,
@@ -49,6 +51,7 @@ from hetplan.profiling.layers import (
     profile_layers_concurrent,
 )
 from hetplan.profiling.step import profile_optimizer_steps
+from hetplan.profiling.sparsity import SparsitySpec, profile_sparsity
 
 __all__ = [
     "DEFAULT_COLLECTIVES",
@@ -56,6 +59,7 @@ __all__ = [
     "DEFAULT_SIZES",
     "WHAT",
     "CollectiveProfile",
+    "SparsitySpec",
     "default_loss",
     "machine_info",
     "profile_collectives",
@@ -63,6 +67,7 @@ __all__ = [
     "profile_layers",
     "profile_layers_concurrent",
     "profile_optimizer_steps",
+    "profile_sparsity",
     "run_local_ranks",
     "run_profile",
 ]
@@ -86,7 +91,7 @@ def machine_info(device_type: str, backend: str, device_count: int) -> MachineIn
     )
 
 
-def _planning_capture(model: ModelArg, ir: Any, seq: int | None, device: str) -> Any:
+def _planning_capture(model: Any, ir: Any, seq: int | None) -> Any:
     """The zoo model's capture as ``hetplan plan`` and ``compile`` make it (batch 1), when
     ``ir`` was captured at another batch; None otherwise (see
     :func:`~hetplan.profiling.layers.alias_records`)."""
@@ -118,6 +123,19 @@ def _resolve_model(
     net, inputs, keywords = model
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     return net, args, dict(keywords or {}), None
+
+
+def _sparsity(model: ModelArg, spec: SparsitySpec, seq: int | None
+              ) -> tuple[SparsityRecord, ...]:
+    """:func:`profile_sparsity` of ``model`` built on CPU; the records are filed under the
+    name planning captures it with (the zoo name, else the model's class name)."""
+    from hetplan.ir.capture import capture
+
+    net, args, kwargs, name = _resolve_model(model, 1, seq, "cpu")
+    ir = capture(net, args, kwargs, name=name or type(net).__name__)
+    return profile_sparsity(net, args, kwargs, ir=ir, workers=spec.workers,
+                            batch_size=spec.batch_size, steps=spec.steps,
+                            zipf_alpha=spec.zipf_alpha, script=spec.script, seed=spec.seed)
 
 
 def _progress(show: bool) -> Any:
@@ -152,6 +170,7 @@ def run_profile(
     timeout_s: float = 300.0,
     show_progress: bool = True,
     dtypes: Sequence[str] = ("fp32",),
+    sparsity: SparsitySpec | None = None,
 ) -> ProfileDB:
     """Profile ``model`` and this machine; write (merged) to ``output``.
 
@@ -187,12 +206,15 @@ def run_profile(
         collective_sizes / collectives / compressor_sizes: what to sweep.
         timeout_s: limit for each multi-process measurement.
         show_progress: rich progress bars on stderr.
+        sparsity: also measure the model's sparse (embedding) gradients on CPU
+            (:func:`profile_sparsity`); None skips it. Independent of ``what``.
 
     Returns:
         The DB (merged with the existing file when there is one).
 
     Raises:
-        ValueError: an unknown entry in ``what``, or ``layers`` without a model.
+        ValueError: an unknown entry in ``what``, or ``layers`` or ``sparsity`` without a
+            model.
     """
     bad = [w for w in what if w not in WHAT]
     if bad:
@@ -204,6 +226,8 @@ def run_profile(
     if link_kind is None:
         link_kind = "nvlink" if backend == "nccl" else "loopback"
     compute, colls, comps = [], [], []
+    sparse: tuple[SparsityRecord, ...] = ()
+    steps: list[Any] = []
     with _progress(show_progress) as progress:
         if "layers" in what:
             if model is None:
@@ -212,7 +236,7 @@ def run_profile(
             from hetplan.ir.capture import capture
 
             ir = capture(net, args, kwargs, name=name)
-            planning_ir = _planning_capture(model, ir, seq, device)
+            planning_ir = _planning_capture(model, ir, seq)
             for dtype in dtypes:
                 if layer_processes > 1:
                     task = progress.add_task(
@@ -248,7 +272,6 @@ def run_profile(
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
                                         progress=progress)
-        steps = []
         if "step" in what:
             if not device.startswith("cpu"):
                 log.warning("step skipped: the optimizer step is measured on CPU ranks only")
@@ -258,11 +281,19 @@ def run_profile(
                 steps = profile_optimizer_steps(world_size, device_type=device_type,
                                                 timeout_s=timeout_s)
                 progress.update(task, total=1, completed=1)
+        if sparsity is not None:
+            if model is None:
+                raise ValueError("profiling sparsity needs a model (a zoo name or a module)")
+            task = progress.add_task(f"sparsity on {sparsity.workers} simulated worker(s)",
+                                     total=None)
+            sparse = _sparsity(model, sparsity, seq)
+            progress.update(task, total=1, completed=1)
     db = ProfileDB(
         machines=(machine_info(device_type, backend, world_size),),
         compute=tuple(compute),
         collectives=tuple(colls),
         compressors=tuple(comps),
+        sparsity=sparse,
         optimizer_steps=tuple(steps),
     )
     if output is not None:
