@@ -110,16 +110,19 @@ def _call(cmd: list[str], env: dict[str, str] | None, timeout_s: float) -> tuple
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or "") if isinstance(e.stdout, str) else ""
         return 124, out[-2000:] + f"\n(timed out after {timeout_s:.0f} s)", timeout_s
-    tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-12:])
+    tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-60:])
     return p.returncode, tail, time.perf_counter() - t0
 
 
 def _reason(tail: str) -> str:
     """The line that says why a command refused or failed (``error:`` first)."""
     lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
-    for ln in lines:
-        if "error" in ln.lower() or "refus" in ln.lower():
-            return ln[:400]
+    for test in (lambda ln: ln.startswith("rank ") and "error" in ln.lower(),
+                 lambda ln: ln.lower().startswith("error"),
+                 lambda ln: "refus" in ln.lower()):
+        for ln in lines:
+            if test(ln):
+                return ln[:400]
     return (lines[-1] if lines else "")[:400]
 
 
