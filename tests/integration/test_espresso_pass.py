@@ -69,7 +69,12 @@ def test_large_tensors_compressed_small_ones_not(gpt2_run: tuple[Plan, PassConte
     # no tensor under 64 KiB is compressed (latency-bound: nothing to gain, kernels to pay);
     # the largest is, and so is at least 90 % of the bytes in tensors of 4 MiB or more (the
     # rest: tensors communicated before the last bubble, Property #1, may stay as they are)
-    assert all(t in plain for t in gs.tensors if size[t.name] < 64 * 2**10)
+    # (a path with fp16 uncompressed steps may compress a small tensor that ends the
+    # backward pass: its GPU kernels then overlap the link's queue; only for a real gain)
+    strat = gs.strategies
+    assert all(t in plain or (strat[t.strategy].uncompressed_dtype != "fp32"  # type: ignore[union-attr]
+                              and t.predicted_benefit_ms > 0)
+               for t in gs.tensors if size[t.name] < 64 * 2**10)
     assert max(gs.tensors, key=lambda t: size[t.name]) in comp
     big = [t for t in gs.tensors if size[t.name] >= 4 * 2**20]
     assert sum(size[t.name] for t in big if t in comp) >= 0.9 * sum(size[t.name] for t in big)

@@ -576,25 +576,31 @@ def _strategy_ops(
             ops.append(Op(GPU, 2 * nbytes / dev.mem_bandwidth_bytes_per_s, "cast"))
         payload = nbytes * min(g, 0.5)
     comp = None
+    dense = payload  # bytes of the uncompressed steps
     if isinstance(strategy, CompressedSync):
         comp = costs.compression.cost(
             strategy.compressor, strategy.compress_device, dev.type,
             **{k: v for k, v in strategy.params.items() if k in ("ratio", "levels", "rank")},
         )
+        # 16-bit uncompressed steps: only their bytes shrink; the compressor still sees (and
+        # its wire size follows) the gradients as kept, and the casts are GPU kernels
+        narrow = strategy.uncompressed_dtype != "fp32" and g >= 1
+        if strategy.actions:
+            out = _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node,
+                              calc, dtypes.nic_share, narrow)
+            return out + _zero_gather(strategy, nbytes, dtypes, costs, dev, dp, link, nodes,
+                                      per_node, calc)
         if strategy.uncompressed_dtype != "fp32":
-            payload = nbytes * min(g, 0.5)
-    if isinstance(strategy, CompressedSync) and strategy.actions and comp is not None:
-        out = _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node, calc,
-                          dtypes.nic_share)
-        return out + _zero_gather(strategy, nbytes, dtypes, costs, dev, dp, link, nodes,
-                                  per_node, calc)
+            dense = nbytes * min(g, 0.5)
+            if narrow and any(not s.compressed for s in strategy.steps):
+                ops.append(Op(GPU, 2 * payload / dev.mem_bandwidth_bytes_per_s, "cast"))
     compressed_done = False
     for step in strategy.steps:
         if step.compressed and comp is not None and not compressed_done:
             res = _comp_resource(strategy.compress_device, dev)
             ops.append(Op(res, calc.time(comp.compress, payload), "compress"))
             compressed_done = True
-        size = calc.wire(comp, payload) if step.compressed and comp else payload
+        size = calc.wire(comp, payload) if step.compressed and comp else dense
         group, lk, channel = _level_group(step.level, dev, dp, link, nodes, per_node)
         routine = step.routine
         if dtypes.zero_stage >= 3 and routine == "allreduce":
@@ -658,6 +664,7 @@ def _action_ops(
     per_node: int,
     calc: type[_ScalarCalc] = _ScalarCalc,
     share: float = 1.0,
+    narrow: bool = False,
 ) -> tuple[Op, ...]:
     """The ops of an Espresso path (``strategy.actions``), following one GPU's data.
 
@@ -671,14 +678,43 @@ def _action_ops(
     ``active`` times one GPU's bytes; with the full-size convention this gives the same
     times as the uncompressed hierarchical steps above. A (de)compression handles all of
     this GPU's pieces in one call.
+
+    With ``narrow`` (a 16-bit ``uncompressed_dtype`` on fp32 gradients) the uncompressed
+    steps move half the bytes; compressed steps move what the compressor makes of the fp32
+    values, and (de)compression times stay those of the fp32 values. Each stretch of
+    uncompressed steps is cast to 16 bits before its first step and back after its last
+    (``cast``: read plus write over the memory bandwidth, ``payload * frac / mem_bw`` per
+    direction, so a round trip costs what :class:`CastSync`'s cast does). A cast next to a
+    GPU (de)compression is part of that kernel (it reads or writes the 16-bit values), so
+    it adds to that op instead of being an op of its own.
     """
     ops: list[Op] = []
     frac, copies, compressed, active = 1.0, 1, False, max(per_node, 1)
+    half = False  # the dense values are 16-bit now
+    bw = dev.mem_bandwidth_bytes_per_s
+
+    def cast(nb: float) -> None:
+        """A cast of ``nb`` fp32 bytes, merged into a GPU (de)compression right before."""
+        dur = nb / bw
+        if ops and ops[-1].resource == GPU and ops[-1].label in ("decompress", "compress"):
+            last = ops.pop()
+            ops.append(Op(GPU, last.duration_s + dur, last.label + "+cast"))
+        else:
+            ops.append(Op(GPU, dur, "cast"))
+
     for a in strategy.actions:
         if a.task in ("comp", "decomp"):
             res = _comp_resource(a.device, dev)
             if a.task == "comp":
-                ops.append(Op(res, calc.time(comp.compress, payload * frac), "compress"))
+                t = calc.time(comp.compress, payload * frac)
+                label = "compress"
+                if half:  # back to fp32 first: fused into a GPU compression
+                    if res == GPU:
+                        t, label = t + payload * frac / bw, "cast+compress"
+                    else:
+                        cast(payload * frac)
+                    half = False
+                ops.append(Op(res, t, label))
                 compressed, copies = True, 1
             else:
                 ops.append(Op(res, calc.time(comp.decompress, payload * frac * copies),
@@ -686,7 +722,11 @@ def _action_ops(
                 compressed, copies = False, 1
             continue
         group, lk, channel = _level_group(a.level, dev, dp, link, nodes, per_node)
-        unit = calc.wire(comp, payload * frac) * copies if compressed else payload * frac
+        if narrow and not compressed and not half:
+            cast(payload * frac)
+            half = True
+        unit = (calc.wire(comp, payload * frac) * copies if compressed
+                else payload * frac * (0.5 if half else 1.0))
         routine = a.routine or "allreduce"
         size = unit * group if routine in ("allgather", "gather") else unit
         if a.level == "inter":
@@ -706,6 +746,8 @@ def _action_ops(
                 active = 1
         elif routine == "broadcast" and a.level == "intra":
             active = max(per_node, 1)
+    if half:
+        ops.append(Op(GPU, payload * frac / bw, "cast"))
     return tuple(ops)
 
 
