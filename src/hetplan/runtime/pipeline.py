@@ -46,6 +46,7 @@ __all__ = [
     "build_stages",
     "split_points",
     "stage_indices_of_rank",
+    "stage_owning",
     "tied_across_stages",
 ]
 
@@ -122,6 +123,16 @@ def stage_indices_of_rank(stages: Sequence[Stage], rank: int) -> list[int]:
     return [s.index for s in _ordered(stages) if rank in s.ranks]
 
 
+def stage_owning(stages: Sequence[Stage], ir_layer_names: Sequence[str],
+                 param: str) -> int | None:
+    """The index of the stage whose layer owns parameter ``param`` (the layer with the longest
+    name that prefixes it), or None when no layer does."""
+    stage_of = {n.split("@")[0]: s.index for s in _ordered(stages)
+                for n in ir_layer_names[s.first_layer:s.last_layer + 1]}
+    hits = [lay for lay in stage_of if lay == "" or param.startswith(lay + ".")]
+    return stage_of[max(hits, key=len)] if hits else None
+
+
 def tied_across_stages(model: nn.Module, stages: Sequence[Stage],
                        ir_layer_names: Sequence[str]) -> list[tuple[str, ...]]:
     """Parameters shared by layers of different stages (tied embeddings), as name tuples.
@@ -130,12 +141,8 @@ def tied_across_stages(model: nn.Module, stages: Sequence[Stage],
     sum the gradients of the names of one tuple across the ranks holding them after
     :func:`step` and before the optimizer step, or training diverges from the unsplit model.
     """
-    stage_of = {n.split("@")[0]: s.index for s in _ordered(stages)
-                for n in ir_layer_names[s.first_layer:s.last_layer + 1]}
-
     def owner(param: str) -> int | None:
-        hits = [lay for lay in stage_of if lay == "" or param.startswith(lay + ".")]
-        return stage_of[max(hits, key=len)] if hits else None
+        return stage_owning(stages, ir_layer_names, param)
 
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
