@@ -149,6 +149,11 @@ class _ParallelLinear(nn.Module):
     """Shared state of the column and row linears; ``weight`` is [local_out, local_in]."""
 
     split_dim: int  # dimension of ``weight`` ([out, in]) that is split
+    #: sequence parallelism (:mod:`hetplan.runtime.megatron`): ``""`` off; a column linear
+    #: ``"gather"`` (all-gathers the sequence of its input) or ``"gathered"`` (its input was
+    #: gathered by its attention module); a row linear ``"scatter"`` (reduce-scatters its
+    #: output along the sequence instead of all-reducing it)
+    sp_mode: str = ""
 
     def __init__(self, in_features: int, out_features: int, shard_sizes: Sequence[int],
                  rank: int, group: Any = None, *, bias: bool = True,
@@ -243,7 +248,11 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``x`` [..., in_features] to [..., shard_sizes[rank]]."""
-        if self.tp_size > 1:
+        if self.sp_mode == "gather":
+            from hetplan.runtime.megatron import sp_column_input
+
+            x = sp_column_input(x, self.tp_rank, self.tp_size, self.group)
+        elif self.tp_size > 1 and self.sp_mode != "gathered":
             x = copy_to_tp(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
@@ -260,7 +269,11 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps this rank's input slice [..., shard_sizes[rank]] to [..., out_features]."""
         y = F.linear(x, self.weight)
-        if self.tp_size > 1:
+        if self.sp_mode == "scatter":
+            from hetplan.runtime.megatron import sp_row_output
+
+            y = sp_row_output(y, self.tp_rank, self.tp_size, self.group)
+        elif self.tp_size > 1:
             y = reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
