@@ -48,6 +48,7 @@ __all__ = [
     "stage_indices_of_rank",
     "stage_owning",
     "tied_across_stages",
+    "use_eager_layers",
 ]
 
 _MISSING = object()
@@ -313,6 +314,8 @@ def build_stages(
     *,
     ir_layer_names: Sequence[str] | None = None,
     allow_cross_stage_ties: bool = False,
+    traced_from: nn.Module | None = None,
+    eager_layers: Sequence[str] = (),
 ) -> list[_PipelineStageBase]:
     """This rank's pipeline stages (one, or several for interleaved 1F1B), traced once.
 
@@ -329,6 +332,10 @@ def build_stages(
         ir_layer_names: the IR's layer names; default: the stages' ``layer_names`` joined.
         allow_cross_stage_ties: accept parameters tied across stages (the caller syncs their
             gradients, see :func:`tied_across_stages`); refused by default.
+        traced_from: trace this copy of ``model`` instead (the model before tensor
+            parallelism sharded it: sharded modules run collectives, which tracing cannot).
+        eager_layers: layers whose traced module is replaced by ``model``'s own (sharded)
+            module in the stage (:func:`use_eager_layers`).
 
     Returns:
         One ``PipelineStage`` per entry of ``stage_indices``; ``stage.submod`` is either a
@@ -358,16 +365,64 @@ def build_stages(
     kwargs = dict(example_kwargs or {})
     if n == 1:
         return [PipelineStage(model, 0, 1, device, group=pp_group)]
+    source = traced_from if traced_from is not None else model
     try:
-        pipe, calls = _trace(model, args, kwargs, spec)
+        pipe, calls = _trace(source, args, kwargs, spec)
     except SpecError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure leads to the fallback
+        if eager_layers:
+            raise SpecError(f"{type(model).__name__} cannot be traced into pipeline stages "
+                            f"({e}); pipeline with tensor parallelism needs a traced split: "
+                            "re-plan with --pp 1 or --tp 1") from e
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         parts = _manual_stages(model, args, kwargs, list(spec), reason)
         return [PipelineStage(parts[i], i, n, device, group=pp_group) for i in stage_indices]
-    _check_splits(model, calls, pipe.num_stages, n)
+    _check_splits(source, calls, pipe.num_stages, n)
+    for i in stage_indices:
+        use_eager_layers(pipe.get_stage_module(i), model, eager_layers)
     return [pipe.build_stage(i, device, group=pp_group) for i in stage_indices]
+
+
+def use_eager_layers(stage_module: nn.Module, model: nn.Module, layers: Sequence[str]) -> None:
+    """Replace, in a traced stage, the traced module of every layer of ``layers`` it calls
+    by ``model``'s module of the same name (in place).
+
+    Tracing fixes every shape of a layer's computation; a tensor-parallel layer computes
+    ``1/tp`` of its heads and features, so its stage must run the sharded module itself. The
+    traced call must pass exactly one tensor and use the result as one tensor (what a
+    transformer block, a linear or an embedding does), the eager module's calling
+    convention.
+
+    Raises:
+        SpecError: a listed layer is called with several inputs or returns several outputs
+            in the traced stage.
+    """
+    wanted = set(layers)
+    if not wanted:
+        return
+    for gm_name, gm in list(stage_module.named_modules()):
+        graph = getattr(gm, "graph", None)
+        if graph is None:
+            continue
+        for node in graph.nodes:
+            if node.op != "call_module":
+                continue
+            full = f"{gm_name}.{node.target}" if gm_name else str(node.target)
+            if full not in wanted:
+                continue
+            many_out = any(u.op == "call_function" and "getitem" in str(u.target)
+                           for u in node.users)
+            if len(node.args) != 1 or node.kwargs or many_out:
+                raise SpecError(f"layer {full!r} is called with {len(node.args)} input(s) "
+                                f"{'and several outputs ' if many_out else ''}in its traced "
+                                "pipeline stage; pipeline with tensor parallelism runs a "
+                                "sharded layer as its own module, which takes one tensor: "
+                                "re-plan with --pp 1 or --tp 1")
+            parent_name, _, attr = full.rpartition(".")
+            parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
+            setattr(parent, attr, model.get_submodule(full))
+            wanted.discard(full)
 
 
 def build_stage(

@@ -128,10 +128,12 @@ class StagesHandler(Handler):
                                 f"other ranks than {list(tie.ranks)} (re-balancing); the "
                                 "runtime sums their gradients over the ranks of the plan's "
                                 "own stages only: re-plan without re-balancing")
+        unsharded, eager = _tensor_parallel_source(ctx)
         self.stages = build_stages(
             ctx.model, example, ctx.forward_kwargs, stages, indices, pp_group, device,
             ir_layer_names=[x.name for x in ctx.model_ir().layers],
-            allow_cross_stage_ties=bool(self.ties))
+            allow_cross_stage_ties=bool(self.ties), traced_from=unsharded,
+            eager_layers=eager)
         sized = layout if ranks == layout.pp else layout.model_copy(update={"pp": ranks})
         if actions is None:
             actions = build_schedule(layout.schedule, ranks, layout.micro_batches, v)
@@ -197,6 +199,18 @@ class StagesHandler(Handler):
         self.drop()
         self.pp_group = None
         self.ties = []
+
+
+def _tensor_parallel_source(ctx: RuntimeContext) -> tuple[Any, list[str]]:
+    """With tensor parallelism: the model as it was before sharding (to trace) and the
+    layers whose sharded modules the stages run; else ``(None, [])``."""
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
+
+    try:
+        tp = ctx.handler(TensorParallelHandler)
+    except LookupError:
+        return None, []
+    return tp.unsharded, list(tp.eager_layers)
 
 
 @dataclass(frozen=True)

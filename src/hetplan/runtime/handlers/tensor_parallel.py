@@ -13,6 +13,7 @@ linears compute in full and the clock measures them.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from torch import nn
 from hetplan.errors import SpecError
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.megatron import (
+    VocabParallelEmbedding,
     attention_modules,
     sequence_parallel,
     shard_attention,
@@ -65,6 +67,8 @@ class TensorParallelHandler(Handler):
         self.attention: list[str] = []
         self.vocab: tuple[str, str | None] | None = None
         self.group: Any = None
+        self.unsharded: nn.Module | None = None
+        self.eager_layers: list[str] = []
 
     def setup(self, ctx: RuntimeContext) -> None:
         layout = ctx.layout
@@ -75,6 +79,8 @@ class TensorParallelHandler(Handler):
         stage = _my_stage(ctx)
         self.group = g
         layers = ctx.model_ir().layers
+        if layout.pp > 1:  # the stage handler traces the model as it was before sharding
+            self.unsharded = copy.deepcopy(ctx.model)
         shard_model(ctx.model, layers, ctx.plan.tensor_parallel, g, r, tp, stage=stage)
         if _controller_on(ctx):
             if layout.sequence_parallel:
@@ -93,6 +99,8 @@ class TensorParallelHandler(Handler):
                                       ctx.loss_fn)
         if layout.sequence_parallel:
             self.sp_params = _sequence_parallel(ctx, g, r, tp, self.vocab)
+        self.eager_layers = [x.name for x in layers if "@" not in x.name
+                             and _holds_shards(ctx.model, x.name)]
 
     def after_backward(self, ctx: RuntimeContext) -> None:
         for p in self.sp_params:
@@ -100,7 +108,7 @@ class TensorParallelHandler(Handler):
                 dist.all_reduce(p.grad, group=self.group)
 
     def close(self, ctx: RuntimeContext) -> None:
-        self.sp_params, self.group = [], None
+        self.sp_params, self.group, self.unsharded = [], None, None
 
 
 def _my_stage(ctx: RuntimeContext) -> int | None:
@@ -142,13 +150,21 @@ def _vocab_pair(model: nn.Module, layer_names: list[str]) -> tuple[str, str | No
     return None
 
 
+def _holds_shards(model: nn.Module, layer: str) -> bool:
+    if not layer:
+        return False
+    return any(isinstance(m, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding)
+               for m in model.get_submodule(layer).modules())
+
+
 def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
                        vocab_pair: tuple[str, str | None] | None) -> list[Any]:
     """Hooks sequence parallelism on between the first and last layer holding a sharded
     linear (other than the vocabulary's); switches their MLP linears to the sequence-parallel
     collectives; the parameters whose gradients must be summed."""
     model = ctx.model
-    names = [x.name for x in ctx.model_ir().layers if "@" not in x.name]
+    all_names = [x.name for x in ctx.model_ir().layers]
+    names = [n for n in all_names if "@" not in n]
     vocab = {n for n in (vocab_pair or ()) if n}
 
     def sharded(layer: str) -> bool:
@@ -157,19 +173,27 @@ def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
         return any(isinstance(m, ColumnParallelLinear | RowParallelLinear)
                    for m in model.get_submodule(layer).modules())
 
-    region = [n for n in names if sharded(n)]
-    if not region:
-        return []
-    first, last = names.index(region[0]), names.index(region[-1])
-    inside = names[first:last + 1]
-    for lay in inside:
-        for m in model.get_submodule(lay).modules():
-            if isinstance(m, ColumnParallelLinear) and not m.sp_mode:
-                m.sp_mode = "gather"
-            elif isinstance(m, RowParallelLinear) and not m.sp_mode:
-                m.sp_mode = "scatter"
-    sequence_parallel(model, region[0], region[-1], group, rank, tp)
-    return sp_replicated_params(model, inside)
+    # one region per pipeline stage: stages exchange the whole sequence
+    per_stage = ([[n for n in s.layer_names if n in names] or
+                  [n for n in all_names[s.first_layer:s.last_layer + 1] if n in names]
+                  for s in sorted(ctx.plan.stages, key=lambda s: s.index)]
+                 if ctx.layout.pp > 1 else [names])
+    out: list[Any] = []
+    for stage_names in per_stage:
+        region = [n for n in stage_names if sharded(n)]
+        if not region:
+            continue
+        first, last = stage_names.index(region[0]), stage_names.index(region[-1])
+        inside = stage_names[first:last + 1]
+        for lay in inside:
+            for m in model.get_submodule(lay).modules():
+                if isinstance(m, ColumnParallelLinear) and not m.sp_mode:
+                    m.sp_mode = "gather"
+                elif isinstance(m, RowParallelLinear) and not m.sp_mode:
+                    m.sp_mode = "scatter"
+        sequence_parallel(model, region[0], region[-1], group, rank, tp)
+        out += sp_replicated_params(model, inside)
+    return out
 
 
 class ResizingHandler(Handler):
