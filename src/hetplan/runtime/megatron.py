@@ -74,16 +74,23 @@ def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
     return t
 
 
+def _weight(linear: nn.Module) -> torch.Tensor:
+    w = getattr(linear, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"expected nn.Linear or Conv1D, got {type(linear).__name__}")
+    return w
+
+
 def _weight_out_in(linear: nn.Module) -> tuple[int, int]:
-    w = linear.weight
+    w = _weight(linear)
     if isinstance(linear, nn.Linear):
-        return w.shape[0], w.shape[1]
-    return w.shape[1], w.shape[0]  # HF Conv1D stores [in, out]
+        return int(w.shape[0]), int(w.shape[1])
+    return int(w.shape[1]), int(w.shape[0])  # HF Conv1D stores [in, out]
 
 
 def _linear_children(mod: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, c) for n, c in mod.named_children()
-            if isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2
+            if isinstance(getattr(c, "weight", None), torch.Tensor) and _weight(c).dim() == 2
             and (isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D")]
 
 
@@ -176,7 +183,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
     def from_fused(cls, linear: nn.Module, shard_sizes: Sequence[int], rank: int,
                    group: Any = None, parts: int = 3) -> FusedColumnParallelLinear:
         """This rank's rows of every part of a full ``nn.Linear`` or HF ``Conv1D``."""
-        w = linear.weight.detach()
+        w = _weight(linear).detach()
         conv1d = not isinstance(linear, nn.Linear)
         w = w.t() if conv1d else w
         b = getattr(linear, "bias", None)
@@ -188,7 +195,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
                           for p in range(parts)])
         with torch.no_grad():
             mod.weight.copy_(w[rows])
-            mod.weight.requires_grad_(linear.weight.requires_grad)
+            mod.weight.requires_grad_(_weight(linear).requires_grad)
             if mod.bias is not None and isinstance(b, torch.Tensor):
                 mod.bias.copy_(b.detach()[rows])
                 mod.bias.requires_grad_(b.requires_grad)
@@ -504,10 +511,13 @@ def shard_vocab(model: nn.Module, head: str, embedding: str | None, group: Any, 
     lin = model.get_submodule(head)
     vocab = _weight_out_in(lin)[0]
     sizes = tuple(even_shards(vocab, tp))
-    tied = embedding is not None and model.get_submodule(embedding).weight is lin.weight
+    emb_mod = model.get_submodule(embedding) if embedding is not None else None
+    if emb_mod is not None and not isinstance(emb_mod, nn.Embedding):
+        raise TypeError(f"{embedding!r} is a {type(emb_mod).__name__}, not an nn.Embedding")
+    tied = emb_mod is not None and emb_mod.weight is _weight(lin)
     new_head = ColumnParallelLinear.from_linear(lin, sizes, rank, group)
-    if embedding is not None:
-        emb = VocabParallelEmbedding(model.get_submodule(embedding), sizes, rank, group)
+    if embedding is not None and emb_mod is not None:
+        emb = VocabParallelEmbedding(emb_mod, sizes, rank, group)
         _set(model, embedding, emb)
         if tied:
             new_head.weight = emb.weight

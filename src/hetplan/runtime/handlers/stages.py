@@ -298,8 +298,8 @@ def _sum_tied(stages: Sequence[Any], tie: _Tie) -> None:
     local = list(copies.values())
     if not local and tie.group is None:
         return
-    total = (torch.stack([p.grad for p in local]).sum(0) if local
-             else None)
+    grads = [p.grad for p in local if p.grad is not None]
+    total = torch.stack(grads).sum(0) if grads else None
     if tie.group is not None:
         if total is None:  # this rank's stages hold the name but never read it
             raise SpecError(f"tied parameter {list(tie.names)}: no gradient on rank "

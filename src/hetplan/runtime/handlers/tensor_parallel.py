@@ -120,7 +120,8 @@ def _my_stage(ctx: RuntimeContext) -> int | None:
 
 
 def _controller_on(ctx: RuntimeContext) -> bool:
-    return ctx.plan.tensor_parallel.controller.variant != "off" or ctx.straggler is not None
+    tp = ctx.plan.tensor_parallel
+    return (tp is not None and tp.controller.variant != "off") or ctx.straggler is not None
 
 
 def _planned_sizes(ctx: RuntimeContext, group: Any, rank: int, tp: int,
