@@ -28,8 +28,8 @@ rest of a transformer, in place, on the same uneven-shard linears
   linear reduce-scatters its output instead of all-reducing it. The parameters the slices
   share (norms, row biases) get partial gradients, summed over the TP group after backward
   (:func:`sp_replicated_params`). Uneven sequence slices work (the first ranks get the
-  remainder): every collective is an ``all_reduce`` of zero-padded buffers, as in
-  :mod:`~hetplan.runtime.tensor_parallel`; a reduce-scatter is an all-reduce and a slice.
+  remainder): the collectives are :mod:`~hetplan.runtime.tp_comm`'s, all of them
+  ``all_reduce`` of zero-padded buffers; a reduce-scatter is an all-reduce and a slice.
 """
 
 from __future__ import annotations
@@ -43,10 +43,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetplan.algorithms.skewed_shards import even_shards
-from hetplan.runtime.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
+from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from hetplan.runtime.tp_comm import (
+    SeqState,
+    all_reduce_sum,
+    gather_seq,
     gather_shards,
+    reduce_from_tp,
+    scatter_seq,
 )
 
 __all__ = [
@@ -69,11 +73,6 @@ _HEAD_COUNT = ("n_heads", "num_heads", "n_head", "num_attention_heads")
 _WIDTH = ("dim", "split_size")
 
 
-def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
-
-
 def _weight(linear: nn.Module) -> torch.Tensor:
     w = getattr(linear, "weight", None)
     if not isinstance(w, torch.Tensor):
@@ -92,63 +91,6 @@ def _linear_children(mod: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, c) for n, c in mod.named_children()
             if isinstance(getattr(c, "weight", None), torch.Tensor) and _weight(c).dim() == 2
             and (isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D")]
-
-
-# -- sequence slicing ----------------------------------------------------------------------
-def seq_sizes(length: int, tp: int) -> tuple[int, ...]:
-    """Tokens of every rank's sequence slice (even; the first ranks get the remainder)."""
-    return tuple(even_shards(length, tp))
-
-
-class _ScatterSeq(torch.autograd.Function):
-    """This rank's slice of dim 1; backward all-gathers the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rank: int, tp: int, group: Any) -> torch.Tensor:
-        sizes = seq_sizes(x.size(1), tp)
-        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
-        return x.narrow(1, sum(sizes[:rank]), sizes[rank]).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return gather_shards(grad.contiguous(), ctx.sizes, ctx.rank, 1, ctx.group), None, None, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """All slices of dim 1 concatenated; backward keeps this rank's slice of the gradient
-    (``reduce=False``: the consumers compute replicated gradients) or sums the gradients over
-    the group first (``reduce=True``: each rank's consumer saw its own part, Megatron's
-    reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rank: int, tp: int, total: int, group: Any,
-                reduce: bool) -> torch.Tensor:
-        sizes = seq_sizes(total, tp)
-        ctx.sizes, ctx.rank, ctx.group, ctx.reduce = sizes, rank, group, reduce
-        return gather_shards(x.contiguous(), sizes, rank, 1, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        g = grad.contiguous().clone()
-        if ctx.reduce:
-            _all_reduce(g, ctx.group)
-        start = sum(ctx.sizes[:ctx.rank])
-        return g.narrow(1, start, ctx.sizes[ctx.rank]).contiguous(), None, None, None, None, None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Sum over the group, keep this rank's slice of dim 1; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rank: int, tp: int, group: Any) -> torch.Tensor:
-        sizes = seq_sizes(x.size(1), tp)
-        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
-        full = _all_reduce(x.contiguous().clone(), group)
-        return full.narrow(1, sum(sizes[:rank]), sizes[rank]).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return gather_shards(grad.contiguous(), ctx.sizes, ctx.rank, 1, ctx.group), None, None, None
 
 
 # -- attention -----------------------------------------------------------------------------
@@ -305,18 +247,12 @@ def _replace_first(args: tuple, kwargs: dict, key: str | None,
     return args, {**kwargs, key: x}
 
 
-class _SeqState:
-    """The full sequence length of the current forward (set where the stream is scattered)."""
-
-    total = 0
-
-
 def _gather_input_hook(rank: int, tp: int, group: Any) -> Callable[..., Any]:
     def hook(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         x, key = _first_arg(args, kwargs)
         if x is None:
             return None
-        full = _GatherSeq.apply(x, rank, tp, _SeqState.total, group, True)
+        full = gather_seq(x, rank, tp, SeqState.total, group, True)
         return _replace_first(args, kwargs, key, full)
     return hook
 
@@ -330,12 +266,12 @@ def sequence_parallel(model: nn.Module, first: str, last: str, group: Any, rank:
         x, key = _first_arg(args, kwargs)
         if x is None:
             return None
-        _SeqState.total = x.size(1)
-        return _replace_first(args, kwargs, key, _ScatterSeq.apply(x, rank, tp, group))
+        SeqState.total = x.size(1)
+        return _replace_first(args, kwargs, key, scatter_seq(x, rank, tp, group))
 
     def gather(_m: nn.Module, _args: Any, output: Any) -> Any:
         def full(t: torch.Tensor) -> torch.Tensor:
-            return _GatherSeq.apply(t, rank, tp, _SeqState.total, group, False)
+            return gather_seq(t, rank, tp, SeqState.total, group, False)
         if isinstance(output, torch.Tensor):
             return full(output)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -346,16 +282,6 @@ def sequence_parallel(model: nn.Module, first: str, last: str, group: Any, rank:
 
     model.get_submodule(first).register_forward_pre_hook(scatter, with_kwargs=True)
     model.get_submodule(last).register_forward_hook(gather)
-
-
-def sp_column_input(x: torch.Tensor, rank: int, tp: int, group: Any) -> torch.Tensor:
-    """A sequence-parallel column linear's input: all slices (backward: reduce-scatter)."""
-    return _GatherSeq.apply(x, rank, tp, _SeqState.total, group, True)
-
-
-def sp_row_output(y: torch.Tensor, rank: int, tp: int, group: Any) -> torch.Tensor:
-    """A sequence-parallel row linear's output: summed partial products, this rank's slice."""
-    return _ReduceScatterSeq.apply(y, rank, tp, group)
 
 
 def sp_replicated_params(model: nn.Module, layers: Sequence[str]) -> list[nn.Parameter]:
@@ -396,8 +322,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        from hetplan.runtime.tensor_parallel import reduce_from_tp
-
         return reduce_from_tp(y, self.group) if len(self.shard_sizes) > 1 else y
 
     def gather_weight(self, grad: bool = False, source_layout: bool = True) -> torch.Tensor:
@@ -423,9 +347,9 @@ class _ParallelCE(torch.autograd.Function):
         inside = (target >= start) & (target < start + n)
         idx = (target - start).masked_fill(~inside, 0)
         picked = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
-        _all_reduce(picked, group)
+        all_reduce_sum(picked, group)
         e = x.exp()
-        s = _all_reduce(e.sum(-1), group)
+        s = all_reduce_sum(e.sum(-1), group)
         softmax = e / s.unsqueeze(-1)
         ctx.save_for_backward(softmax, idx, inside)
         return torch.log(s) - picked
