@@ -97,9 +97,9 @@ def _worker(rank: int, world: int, store_dir: str, name: str, seq: int, plan_jso
                      example_kwargs=kwargs, loss_fn=_loss, optimizer=_sgd)
         losses = [rt.train_step(*_data(step, seq)) for step in range(STEPS)]
         params = {n: p.detach().clone() for n, p in rt.named_params}
-        mine = {n.rpartition(".")[0] for n in params}
+        mine = {id(p) for _, p in rt.named_params}  # this rank's stages' parameters
         for mname, module in rt.model.named_modules():
-            if mname not in mine:
+            if not any(id(p) in mine for p in module.parameters(recurse=False)):
                 continue
             if hasattr(module, "gather_weight"):
                 params[f"{mname}.weight"] = module.gather_weight()

@@ -14,12 +14,12 @@ linears compute in full and the clock measures them.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from hetplan.errors import SpecError
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.megatron import (
     VocabParallelEmbedding,
@@ -45,7 +45,7 @@ class TensorParallelHandler(Handler):
 
     In order: the MLP pairs (:func:`~hetplan.runtime.tensor_parallel.shard_model`, the plan's
     per-linear shard sizes); then, unless the resizing controller (or an emulated straggler)
-    runs on the MLP shards, Megatron's remaining splits (:mod:`hetplan.runtime.megatron`):
+    runs on the MLP shards (then, with a warning, nothing more), Megatron's remaining splits (:mod:`hetplan.runtime.megatron`):
     attention by whole heads (the plan's sizes for the output projection when it lists them),
     the vocabulary-parallel embedding and LM head — ``ctx.loss_fn`` becomes the parallel
     cross-entropy when it is the token cross-entropy — and, with
@@ -83,10 +83,12 @@ class TensorParallelHandler(Handler):
             self.unsharded = copy.deepcopy(ctx.model)
         shard_model(ctx.model, layers, ctx.plan.tensor_parallel, g, r, tp, stage=stage)
         if _controller_on(ctx):
-            if layout.sequence_parallel:
-                raise SpecError("the plan asks for sequence parallelism and the TP resizing "
-                                "controller at once; the controller resizes MLP shards only: "
-                                "re-plan with --no-sp or --tp-controller off")
+            if layout.sequence_parallel and r == 0:
+                warnings.warn("the plan asks for sequence parallelism with the TP resizing "
+                              "controller, which resizes the MLP shards only: attention, "
+                              "vocabulary and sequence stay unsplit (activations and their "
+                              "memory as without sequence parallelism); re-plan with --no-sp "
+                              "to match the prediction", RuntimeWarning, stacklevel=2)
             return
         planned = _planned_sizes(ctx, g, r, tp, stage)
         for name, (_a, _f, out, _h, _d) in sorted(attention_modules(ctx.model).items()):
