@@ -11,7 +11,10 @@ process draws them.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -140,10 +143,8 @@ def _check(got: list[dict], name: str, seq: int, used: set[str]) -> None:
     [
         ("tied-lm", 16, 2, {"dp": 1, "pp": 2, "tp": 1, "micro_batch_size": 4}),
         ("tiny-gpt2", 16, 2, {"dp": 1, "pp": 2, "tp": 1, "micro_batch_size": 4}),
-        pytest.param("tied-lm", 16, 4,
-                     {"dp": 2, "pp": 2, "tp": 1, "micro_batch_size": 2,
-                      "schedule": "interleaved-1f1b", "virtual_stages": 2},
-                     marks=pytest.mark.slow),
+        ("tied-lm", 16, 4, {"dp": 2, "pp": 2, "tp": 1, "micro_batch_size": 2,
+                            "schedule": "interleaved-1f1b", "virtual_stages": 2}),
     ],
     ids=["tied-lm-pp2", "tiny-gpt2-pp2", "tied-lm-dp2xpp2-interleaved"],
 )
@@ -153,3 +154,25 @@ def test_tied_pipeline_equals_reference(tmp_path: Path, name: str, seq: int, wor
     assert plan.layout is not None and plan.layout.pp == 2
     got = _run(tmp_path, name, seq, world, plan)
     _check(got, name, seq, used=set())
+
+
+def test_cli_plans_and_runs_tiny_gpt2_with_two_stages(tmp_path: Path) -> None:
+    """``hetplan plan tiny-gpt2 --pp 2`` then ``hetplan run``: GPT-2's tied ``wte`` /
+    ``lm_head`` end up on the first and the last stage, and the run trains (it was refused)."""
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True,
+                              text=True, timeout=600, check=False)
+
+    plan_file, report = tmp_path / "plan.json", tmp_path / "report.json"
+    proc = cli("plan", "tiny-gpt2", "--pp", "2", "-b", "8", "--cluster", "local-cpu", "-o",
+               str(plan_file))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = Plan.from_json(plan_file.read_text())
+    assert plan.layout is not None and plan.layout.pp == 2
+    assert "transformer.wte" in plan.stages[0].layer_names
+    assert "lm_head" in plan.stages[-1].layer_names
+    proc = cli("run", str(plan_file), "--model", "tiny-gpt2", "--steps", "2", "--report",
+               str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["steps"] == 2 and data["world_size"] == plan.layout.num_ranks
