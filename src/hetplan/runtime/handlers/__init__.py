@@ -19,11 +19,15 @@ up with :meth:`RuntimeContext.handler` (re-balancing rebuilds the stage handler'
 ========================== =============================== ================================
 handler                    section                         does
 ========================== =============================== ================================
-TensorParallelHandler      ``tensor_parallel``             uneven column/row shards
+TensorParallelHandler      ``tensor_parallel``             Megatron TP: uneven MLP shards,
+                                                           attention by heads, vocabulary-
+                                                           parallel embedding / head / loss,
+                                                           sequence parallelism
 ResizingHandler            ``tensor_parallel.controller``  ZERO / migration / SEMI per step
 StagesHandler              ``stages``,                     this rank's stages; runs the
                            ``pipeline_actions``            plan's action list (or the
-                                                           micro-batches locally)
+                                                           micro-batches locally); sums
+                                                           tied weights' gradients
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
 ========================== =============================== ================================
