@@ -343,6 +343,10 @@ def plan_cmd(
     opaque: list[str] = typer.Option(
         None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
         "for a module whose forward capture cannot follow, see `hetplan ir`)."),
+    sparse: str = typer.Option(
+        "off", "--sparse", help="Sparse (embedding) gradients: off (dense all-reduce), auto "
+        "(the fastest predicted of dense, AGsparse, Zen), zen (always Zen); appends the zen "
+        "pass to the pipeline."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
@@ -353,6 +357,12 @@ def plan_cmd(
     # Everything the user typed is checked before the model is captured or anything planned.
     if output is not None:
         check_output_path(output, option="-o/--output")
+    if sparse not in ("off", "auto", "zen"):
+        raise SpecError(f"--sparse must be off, auto or zen, got {sparse!r}")
+    if sparse != "off":
+        from hetplan.passes import DEFAULT_PIPELINE
+
+        passes = f"{passes or DEFAULT_PIPELINE},zen{{mode={sparse}}}"
 
     options = CompileOptions.build(
         batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
@@ -393,6 +403,9 @@ def profile_cmd(
     batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
+    dtype: list[str] = typer.Option(
+        None, "--dtype", help="Compute dtype(s) to time layers in: fp32 (default), bf16, fp16 "
+        "(autocast, as a mixed-precision plan runs); repeat for several."),
 ) -> None:
     """Measure this machine (layers, collectives, compressors) into a profile DB."""
     from hetplan.profiling import WHAT, run_profile
@@ -401,9 +414,13 @@ def profile_cmd(
     chosen = tuple(what) if what else tuple(w for w in WHAT if w != "layers" or model)
     if "layers" in chosen and not model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
+    dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
+    bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
+    if bad:
+        raise SpecError(f"--dtype {bad[0]!r}: choose fp32, bf16 or fp16")
     db = run_profile(
         model, world_size=world_size, device_type=device_type, output=output, what=chosen,
-        batch_size=batch_size, seq=seq, layer_processes=layer_processes,
+        batch_size=batch_size, seq=seq, layer_processes=layer_processes, dtypes=dtypes,
     )
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
@@ -761,6 +778,39 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
                       err_text)
     out.print(table)
+    _print_run_ranks(plan, report)
+    losses = report.get("loss_per_step")
+    if isinstance(losses, list) and losses:
+        out.print("loss per step: " + " ".join(f"{x:.4f}" for x in losses[:20])
+                  + (" ..." if len(losses) > 20 else ""))
+
+
+def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:
+    """Per rank: measured times, and measured peak memory beside the predicted one (without
+    the allocator margin, which a tensor count cannot see)."""
+    ranks = [r for r in report.get("per_rank") or [] if isinstance(r, dict)]
+    if not ranks:
+        return
+    pred = plan.predictions
+    table = Table(title="per rank (measured medians; memory: predicted vs measured peak)",
+                  title_justify="left")
+    for col in ("rank", "compute ms", "bubble ms", "exposed comm ms", "predicted MiB",
+                "measured MiB", "error"):
+        table.add_column(col, justify="right")
+    for r in ranks:
+        rank = r.get("rank")
+        p = r.get("predicted_memory_bytes")
+        if p is None and pred is not None and isinstance(rank, int) \
+                and rank < len(pred.memory_breakdown):
+            m = pred.memory_breakdown[rank]
+            p = m.total - m.margin
+        x = r.get("peak_memory_bytes")
+        err = f"{(p - x) / x:+.1%}" if isinstance(p, (int, float)) and x else "—"
+        table.add_row(str(rank), *(f"{r.get(k, 0.0):.3f}" for k in
+                                   ("compute_ms", "bubble_ms", "exposed_comm_ms")),
+                      "—" if p is None else f"{p / 2**20:.2f}",
+                      "—" if x is None else f"{x / 2**20:.2f}", err)
+    out.print(table)
 
 
 @app.command("explain")
@@ -805,6 +855,43 @@ def diff_cmd(
         typer.echo(dump_json(d), nl=False)
         return
     render_diff(d, out)
+
+
+@app.command("export")
+@_user_errors
+def export_cmd(
+    plan_file: Path = typer.Argument(..., help="A plan JSON file."),
+    to: str = typer.Option(..., "--to", help="The engine: torchtitan, megatron or deepspeed."),
+    output: Path = typer.Option(
+        None, "-o", "--output", help="Write the configuration here (default: stdout, with the "
+        "report on stderr)."),
+    cluster: str = typer.Option(None, "--cluster", help="Cluster, if the plan lacks one."),
+    profile: Path = typer.Option(None, "--profile", help="Profile DB the plan was made with."),
+    as_json: bool = typer.Option(False, "--json", help="Print the export and its report as "
+                                 "JSON."),
+) -> None:
+    """Write the launch configuration an engine needs for the parts of the plan it can express,
+    and price the parts it cannot."""
+    from hetplan.ir.plan import load_plan
+    from hetplan.report._text import dump_json
+    from hetplan.report.export import export_plan
+
+    if output is not None:
+        check_output_path(output, option="-o/--output")
+    plan = load_plan(plan_file)
+    _need_cluster(plan, plan_file, cluster)
+    result = export_plan(plan, to, cluster=cluster, profile=profile)
+    if output is not None:
+        output.write_text(result.content, encoding="utf-8")
+    if as_json:
+        typer.echo(dump_json(result.to_dict()), nl=False)
+    elif output is None:
+        typer.echo(result.content, nl=False)
+        typer.echo(result.text, nl=False, err=True)
+    else:
+        typer.echo(result.text, nl=False)
+    if output is not None:
+        err.print(f"wrote {output}")
 
 
 @app.command("timeline")

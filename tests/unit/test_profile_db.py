@@ -75,7 +75,7 @@ def test_order_of_records_does_not_change_the_file() -> None:
 
 def test_json_has_sorted_keys_and_version() -> None:
     data = json.loads(_db().to_json())
-    assert data["schema_version"] == PROFILE_SCHEMA_VERSION == 1
+    assert data["schema_version"] == PROFILE_SCHEMA_VERSION == 2
     assert list(data) == sorted(data)
 
 
@@ -153,12 +153,39 @@ def _write(tmp_path: Path, data: object, name: str = "p.json") -> Path:
 
 def test_other_schema_version_is_refused(tmp_path: Path) -> None:
     data = json.loads(_db().to_json())
-    data["schema_version"] = 2
+    data["schema_version"] = 3
     with pytest.raises(PlanVersionError) as e:
         ProfileDB.load(_write(tmp_path, data))
     msg = str(e.value)
-    assert "profile DB schema_version 2; this hetplan reads 1; re-run `hetplan profile`" in msg
+    assert "profile DB schema_version 3; this hetplan reads 2; re-run `hetplan profile`" in msg
     assert "p.json" in msg
+
+
+def test_version_1_is_refused_with_the_reason(tmp_path: Path) -> None:
+    data = {"schema_version": 1, "compute": []}
+    with pytest.raises(PlanVersionError, match="batch-specific signatures"):
+        ProfileDB.load(_write(tmp_path, data))
+
+
+def _rec(batch: int, fwd: float, dtype: str = "fp32") -> ComputeRecord:
+    return ComputeRecord(signature="s", device_type="gpu", dtype=dtype,  # type: ignore[arg-type]
+                         batch_size=batch, fwd_ms=fwd, bwd_ms=2 * fwd, samples=1)
+
+
+def test_compute_record_takes_the_nearest_batch_in_the_asked_dtype() -> None:
+    db = ProfileDB(compute=(_rec(1, 1.0), _rec(8, 5.0), _rec(32, 17.0), _rec(8, 0.7, "bf16")))
+    assert db.compute_record("s", "gpu", "fp32", 8).fwd_ms == 5.0
+    assert db.compute_record("s", "gpu", "fp32", 2).fwd_ms == 1.0   # 2/1 < 8/2
+    assert db.compute_record("s", "gpu", "fp32", 16).fwd_ms == 17.0  # 16/8 = 32/16: the larger
+    assert db.compute_record("s", "gpu", "fp32", 100).fwd_ms == 17.0
+    assert db.compute_record("s", "gpu", "bf16", 1).fwd_ms == 0.7   # only one bf16 record
+    assert db.compute_record("s", "gpu", "fp16", 8) is None         # never another dtype
+    assert db.compute_record("s", "cpu", "fp32", 8) is None
+
+
+def test_records_at_several_batches_are_distinct_keys() -> None:
+    db = merge(ProfileDB(compute=(_rec(1, 1.0),)), ProfileDB(compute=(_rec(8, 5.0),)))
+    assert [r.batch_size for r in db.compute] == [1, 8]
 
 
 def test_missing_or_non_integer_version(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ def test_profile_layers_one_record_per_signature() -> None:
     model, ids = _gpt()
     ir = hetplan.capture(model, ids)
     recs = profile_layers(model, ids, device_type="cpu", warmup=1, iters=3)
-    sigs = {lay.signature() for lay in ir.layers}
+    sigs = {lay.signature(ir.batch_size) for lay in ir.layers}
     assert {r.signature for r in recs} == sigs
     assert len(recs) < len(ir.layers)  # the three identical blocks share one record
     assert all(r.device_type == "cpu" and r.fwd_ms >= 0 and r.bwd_ms >= 0 for r in recs)
@@ -86,7 +86,7 @@ def test_profile_layers_second_invocation_is_covered() -> None:
     assert "shared@1" in [lay.name for lay in ir.layers]
     recs = profile_layers(model, x, device_type="cpu", warmup=1, iters=2, ir=ir)
     by_sig = {r.signature: r for r in recs}
-    second = by_sig[ir.layer("shared@1").signature()]
+    second = by_sig[ir.layer("shared@1").signature(ir.batch_size)]
     assert second.fwd_ms > 0 and second.bwd_ms > 0
 
 
@@ -146,7 +146,7 @@ def test_run_profile_zoo_model(tmp_path) -> None:  # type: ignore[no-untyped-def
     db = run_profile("mlp", world_size=1, output=None, what=("layers",), batch_size=4,
                      warmup=0, iters=1, show_progress=False)
     ir = hetplan.capture(zoo.build("mlp"), torch.empty(4, 32, device="meta"))
-    assert {r.signature for r in db.compute} == {lay.signature() for lay in ir.layers}
+    assert {r.signature for r in db.compute} == {lay.signature(ir.batch_size) for lay in ir.layers}
 
 
 def test_run_profile_bad_what() -> None:
@@ -192,7 +192,7 @@ def test_profile_layers_concurrent_two_processes() -> None:
     recs = profile_layers_concurrent(model, ids, processes=2, device_type="cpu", warmup=1,
                                      iters=2, timeout_s=120)
     ir = hetplan.capture(model, ids)
-    assert {r.signature for r in recs} == {lay.signature() for lay in ir.layers}
+    assert {r.signature for r in recs} == {lay.signature(ir.batch_size) for lay in ir.layers}
     block = next(r for r in recs if r.label.startswith("GPTBlock"))
     assert block.samples == 2 * 2 * 3 and block.fwd_ms > 0  # steps x processes x blocks
 
@@ -202,3 +202,28 @@ def test_profile_collectives_needs_two() -> None:
         profile_collectives(1)
     with pytest.raises(ValueError, match="unknown collective"):
         profile_collectives(2, collectives=("allreduce", "scan"))
+
+
+def test_a_profile_at_one_batch_prices_a_capture_at_another() -> None:
+    """Records are keyed per sample and carry their micro-batch and dtype: a profile taken at
+    micro-batch 4 in bf16 prices the blocks of a capture at batch 1, scaled from batch 4, for
+    a device that computes in bf16, and nothing for one that computes in fp32."""
+    from hetplan.cost_models.compute import ComputeModel
+    from hetplan.ir.plan_sections import DevicePrecision, Precision, WorkloadSummary
+
+    model, ids = _gpt()
+    recs = profile_layers(model, ids, device_type="cpu", warmup=1, iters=2, dtype="bf16")
+    assert {(r.dtype, r.batch_size) for r in recs} == {("bf16", 4)}
+    block = next(r for r in recs if r.label.startswith("GPTBlock"))
+    one = WorkloadSummary.from_model_ir(hetplan.capture(model, ids[:1]))
+    device = ClusterSpec.from_preset("local-cpu").devices()[0]
+    db = ProfileDB(compute=tuple(recs))
+    bf16 = Precision(policy="bf16", master_weights_dtype="fp32",
+                     devices={"cpu": DevicePrecision(compute_dtype="bf16", peak_dtype="fp32")})
+    times = ComputeModel(db, precision=bf16).layer_times(one, device, micro_batch=2)
+    names = [lay.name for lay in one.layers]
+    t = times[names.index("blocks.0")]
+    assert t.source == "profiled"
+    assert t.fwd_s == pytest.approx(block.fwd_ms * 1e-3 * 2 / 4)
+    fp32 = ComputeModel(db).layer_times(one, device, micro_batch=2)
+    assert fp32[names.index("blocks.0")].source == "analytic"

@@ -125,3 +125,20 @@ def test_training_through_the_handlers_equals_gradient_accumulation() -> None:
     assert rt.handler(StagesHandler).executed == ()  # no pipeline: no actions
     assert rt.last_times is not None and rt.last_times.bubble_s == 0.0
     rt.close()
+
+
+def test_hetplan_run_uses_the_optimizer_the_plan_was_costed_with() -> None:
+    """The memory model counts the plan's optimizer state (Adam: two moments); the runtime
+    must hold the same, not a hard-wired SGD."""
+    import torch
+
+    from hetplan.runtime.executor import plan_optimizer
+
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    kinds = {name: type(plan_optimizer(name)(p)) for name in ("adam", "adamw", "sgd",
+                                                              "sgd-momentum")}
+    assert kinds == {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+                     "sgd": torch.optim.SGD, "sgd-momentum": torch.optim.SGD}
+    assert plan_optimizer("sgd-momentum")(p).defaults["momentum"] == 0.9
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        plan_optimizer("lamb")

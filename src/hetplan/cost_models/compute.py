@@ -3,9 +3,12 @@
 For each layer of a workload (:class:`~hetplan.ir.plan_sections.WorkloadSummary`) and a device,
 the forward and backward time of one micro-batch comes from, in order:
 
-1. ``profiled``: the profile DB record for the layer's signature on that device type (measured
-   at the capture's micro-batch size, scaled linearly to the micro-batch asked for, divided by
-   the device's slowdown);
+1. ``profiled``: the profile DB record for the layer's per-sample signature on that device
+   type, in the device type's compute dtype (the plan's precision; fp32 without one), measured
+   at the micro-batch nearest the one asked for and scaled linearly from it, divided by the
+   device's slowdown. A record in another dtype is never used: an fp32 time says little about
+   a bf16 run (the H200 in ``bench/results/gpu_kernels_nvidia_h200.json`` runs large GEMMs
+   14x faster in bf16 than in fp32);
 2. ``measured``: a benchmark workload's recorded backprop time (``measured_bwd_us``, V100), the
    forward taken as half of it, scaled by the device's fp32 peak relative to a V100 SXM2;
 3. ``analytic``: a roofline, ``max(FLOPs / (peak · efficiency), bytes / memory bandwidth)``,
@@ -88,7 +91,8 @@ class ComputeModel:
             return cached[1]
         scale = micro_batch / workload.batch_size
         bytes_scale = self._bytes_scale(workload, device)
-        times = [self._one(lay, device, scale, bytes_scale) for lay in workload.layers]
+        times = [self._one(lay, device, scale, bytes_scale, micro_batch)
+                 for lay in workload.layers]
         if self.require_profiled:
             missing = [
                 f"{lay.name} (signature {lay.signature}) on {device.type}"
@@ -122,14 +126,23 @@ class ComputeModel:
         size = DTYPE_SIZE[self.precision.devices[device.type].compute_dtype]
         return size / capture_bytes(workload)
 
+    def compute_dtype(self, device: Device) -> str:
+        """The dtype ``device`` computes in: the plan's precision, else ``dtype``."""
+        if self.precision is not None and device.type in self.precision.devices:
+            return self.precision.devices[device.type].compute_dtype
+        return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(self.dtype,
+                                                                             self.dtype)
+
     def _one(self, lay: LayerCost, device: Device, scale: float,
-             bytes_scale: float = 1.0) -> LayerTime:
+             bytes_scale: float = 1.0, micro_batch: int = 1) -> LayerTime:
         if self.db is not None and lay.signature:
-            rec = self.db.compute_record(lay.signature, device.type)
+            rec = self.db.compute_record(lay.signature, device.type,
+                                         self.compute_dtype(device), micro_batch)
             if rec is not None:
                 speed = 1.0 / device.slowdown
+                rscale = micro_batch / rec.batch_size
                 return LayerTime(
-                    rec.fwd_ms * 1e-3 * scale / speed, rec.bwd_ms * 1e-3 * scale / speed,
+                    rec.fwd_ms * 1e-3 * rscale / speed, rec.bwd_ms * 1e-3 * rscale / speed,
                     "profiled",
                 )
         if lay.measured_bwd_us is not None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
@@ -66,6 +67,7 @@ from hetplan.cost_models.stage_times import (
     shard_bytes,
     stage_times,
 )
+from hetplan.cost_models.sparse import sparse_ops
 from hetplan.cost_models.tp_shares import max_layer_shares, stage_compute
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import Device
@@ -81,9 +83,13 @@ from hetplan.ir.plan_sections import (
     TensorParallel,
     WorkloadSummary,
 )
+from hetplan.ir.plan_sparse import SparseSync, SparseTensorSync
 
 __all__ = ["Evaluation", "StageCost", "StageSync", "stage_syncs", "evaluate", "rank_devices",
            "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
+
+#: A sync unit's strategy: a gradient-sync strategy, or a sparse gradient's own scheme.
+UnitStrategy = Union[SyncStrategy, SparseTensorSync]
 
 #: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (read p, g, m, v;
 #: write p, m, v); :func:`_step_bytes` gives every precision and optimizer.
@@ -131,8 +137,13 @@ def evaluate(
     check_memory: bool = True,
     record: bool = False,
     tensor_parallel: TensorParallel | None = None,
+    sparse_sync: SparseSync | None = None,
 ) -> Evaluation:
     """Predict one iteration (see module docstring).
+
+    ``sparse_sync``: the plan's sparse-sync section; each of its tensors with a scheme other
+    than ``dense`` leaves its gradient-sync unit and is its own unit, priced by
+    :func:`hetplan.cost_models.sparse.sparse_ops`.
 
     ``tensor_parallel``: the plan's TP section; with uneven shard sizes or resizing roles
     the stage compute follows :mod:`hetplan.cost_models.tp_shares` (each TP layer at its
@@ -190,7 +201,7 @@ def evaluate(
         cached = costs.pipeline_cache[key] = (pipe, tuple(ends))
     pipe, last_bwd_end = cached
 
-    strategies = _units_by_stage(workload, gradient_sync, stage_of, len(stages))
+    strategies = _units_by_stage(workload, gradient_sync, stage_of, len(stages), sparse_sync)
     stage_costs, timelines = [], []
     comm_busy = compression = 0.0
     finish = []
@@ -251,13 +262,20 @@ def _units_by_stage(
     sync: GradientSync | None,
     stage_of: list[int],
     num_stages: int,
-) -> list[list[tuple[list[int], SyncStrategy]]]:
+    sparse: SparseSync | None = None,
+) -> list[list[tuple[list[int], UnitStrategy]]]:
     """Per stage: (gradient indices, strategy) per sync unit, in backward-ready order.
 
-    Without a gradient-sync section every gradient is its own fp32 allreduce (layer-wise)."""
+    Without a gradient-sync section every gradient is its own fp32 allreduce (layer-wise).
+    A sparse gradient synced by its own scheme (``sparse``) is its own unit, out of its bucket."""
     index = {g.name: i for i, g in enumerate(workload.grads)}
-    out: list[list[tuple[list[int], SyncStrategy]]] = [[] for _ in range(num_stages)]
+    out: list[list[tuple[list[int], UnitStrategy]]] = [[] for _ in range(num_stages)]
     covered: set[int] = set()
+    for name, entry in (sparse.synced() if sparse is not None else {}).items():
+        if name in index:
+            i = index[name]
+            out[stage_of[workload.grads[i].layer_index]].append(([i], entry))
+            covered.add(i)
     if sync is not None:
         per_tensor = {t.name: t.strategy for t in sync.tensors}
         groups = [(list(b.tensors), b.strategy) for b in sync.buckets]
@@ -266,7 +284,9 @@ def _units_by_stage(
         for names, strategy in groups:
             # Every name is a gradient of the workload and a bucket stays in one stage: the
             # plan's validation checks both (hetplan.ir.plan_checks, rule 6).
-            idx = sorted(index[n] for n in names)
+            idx = sorted(index[n] for n in names if index[n] not in covered)
+            if not idx:
+                continue
             stages = {stage_of[workload.grads[i].layer_index] for i in idx}
             assert len(stages) == 1, (names[:3], sorted(stages))
             out[stages.pop()].append((idx, sync.strategies[strategy]))
@@ -284,7 +304,7 @@ def _sync_stage(
     st: Stage,
     layout: Layout,
     costs: CostModel,
-    units: list[tuple[list[int], SyncStrategy]],
+    units: list[tuple[list[int], UnitStrategy]],
     bwd_per_layer: list[float],
     record: bool,
     shares: list[float] | None = None,
@@ -304,8 +324,14 @@ def _sync_stage(
                          else shares[workload.grads[i].layer_index - st.first_layer])
             for i in idx
         )
-        ops = _strategy_ops(strategy, nbytes, costs, st, layout.dp, link, nodes, per_node,
-                            dtypes)
+        if isinstance(strategy, SparseTensorSync):
+            channel = _level_group("flat", costs.devices[st.ranks[0]], layout.dp, link, nodes,
+                                   per_node)[2]
+            ops = sparse_ops(strategy, layout.dp, costs, costs.devices[st.ranks[0]], link,
+                             channel)
+        else:
+            ops = _strategy_ops(strategy, nbytes, costs, st, layout.dp, link, nodes, per_node,
+                                dtypes)
         sync_units.append(SyncUnit(position[idx[-1]], ops, workload.grads[idx[-1]].name))
     sync_units.sort(key=lambda u: u.last_tensor)
     return simulate_dp(segments, sync_units, record=record)

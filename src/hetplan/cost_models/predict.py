@@ -135,6 +135,6 @@ def simulate(
     """
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
-                  tensor_parallel=plan.tensor_parallel)
+                  tensor_parallel=plan.tensor_parallel, sparse_sync=plan.sparse_sync)
     baselines = plan.predictions.baselines if plan.predictions else ()
     return predictions(ev, list(baselines), layout)

@@ -1,11 +1,16 @@
-"""The profile DB: measured costs written by ``hetplan profile`` (schema version 1).
+"""The profile DB: measured costs written by ``hetplan profile`` (schema version 2).
 
 A :class:`ProfileDB` holds three kinds of records, each identified by a key:
 
-* :class:`ComputeRecord`, key ``(signature, device_type)``: forward and backward time of one
-  layer. ``signature`` is the layer's shape signature, :meth:`hetplan.ir.model.LayerIR.signature`
-  (module type, parameter shapes and dtypes, activation sizes, FLOPs), so identical blocks share
-  one record.
+* :class:`ComputeRecord`, key ``(signature, device_type, dtype, batch_size)``: forward and
+  backward time of one layer, run in compute dtype ``dtype`` (autocast for bf16/fp16) at
+  micro-batch ``batch_size``. ``signature`` is the layer's per-sample shape signature,
+  :meth:`hetplan.ir.model.LayerIR.signature` (module type, parameter shapes and dtypes,
+  activation sizes and FLOPs per sample), so identical blocks share one record and a layer
+  profiled at one micro-batch is found when planning at another
+  (:meth:`ProfileDB.compute_record` returns the nearest measured micro-batch; the compute model
+  scales from it). Version 1 keyed records by batch-specific signatures without saying the
+  batch or dtype; such files are refused with a hint to re-profile.
 * :class:`CollectiveRecord`, key ``(collective, backend, link_kind, group_size)``: measured
   ``(nbytes, seconds)`` samples and/or a fitted line ``seconds = alpha_s + beta_s_per_byte *
   nbytes`` for that collective at that group size (see :mod:`hetplan.cost_models.comm` for what
@@ -58,12 +63,14 @@ __all__ = [
 ]
 
 #: The profile DB format this hetplan reads and writes.
-PROFILE_SCHEMA_VERSION: Final = 1
+PROFILE_SCHEMA_VERSION: Final = 2
 
 #: Collective operations a profile can measure (the names :mod:`.comm` uses).
 CollectiveName = Literal[
     "allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "reduce", "gather", "p2p"
 ]
+#: Compute dtypes a layer can be profiled in.
+ComputeDtypeName = Literal["fp32", "bf16", "fp16"]
 #: Where a compressor runs.
 DeviceKind = Literal["gpu", "cpu"]
 
@@ -103,8 +110,10 @@ class ComputeRecord(BaseModel):
     """Measured forward/backward time of one layer signature on one device type.
 
     Attributes:
-        signature: the layer's shape signature (``LayerIR.signature()``).
+        signature: the layer's per-sample shape signature (``LayerIR.signature(batch)``).
         device_type: cluster device type name.
+        dtype: the compute dtype it ran in (``fp32``; ``bf16`` / ``fp16`` under autocast).
+        batch_size: the micro-batch it was measured at.
         fwd_ms / bwd_ms: mean forward and backward time in milliseconds.
         samples: how many timed iterations the means are over (≥ 1).
         fwd_stdev_ms / bwd_stdev_ms: their standard deviations.
@@ -116,6 +125,8 @@ class ComputeRecord(BaseModel):
 
     signature: _Name
     device_type: _Name
+    dtype: ComputeDtypeName = "fp32"
+    batch_size: int = Field(default=1, ge=1, le=1 << 20)
     fwd_ms: _NonNeg
     bwd_ms: _NonNeg
     samples: int = Field(ge=1)
@@ -124,9 +135,9 @@ class ComputeRecord(BaseModel):
     label: str = ""
 
     @property
-    def key(self) -> tuple[str, str]:
-        """``(signature, device_type)``."""
-        return (self.signature, self.device_type)
+    def key(self) -> tuple[str, str, str, int]:
+        """``(signature, device_type, dtype, batch_size)``."""
+        return (self.signature, self.device_type, self.dtype, self.batch_size)
 
     @property
     def num_samples(self) -> int:
@@ -264,7 +275,7 @@ class ProfileDB(BaseModel):
 
     model_config = _CONFIG
 
-    schema_version: Literal[1] = PROFILE_SCHEMA_VERSION
+    schema_version: Literal[2] = PROFILE_SCHEMA_VERSION
     machines: tuple[MachineInfo, ...] = ()
     compute: tuple[ComputeRecord, ...] = ()
     collectives: tuple[CollectiveRecord, ...] = ()
@@ -297,8 +308,11 @@ class ProfileDB(BaseModel):
 
     # -- lookups ---------------------------------------------------------------------------
     @cached_property
-    def _compute_index(self) -> dict[tuple[str, str], ComputeRecord]:
-        return {r.key: r for r in self.compute}
+    def _compute_index(self) -> dict[tuple[str, str, str], tuple[ComputeRecord, ...]]:
+        index: dict[tuple[str, str, str], list[ComputeRecord]] = {}
+        for r in self.compute:  # sorted by key, so each list is sorted by batch size
+            index.setdefault((r.signature, r.device_type, r.dtype), []).append(r)
+        return {k: tuple(v) for k, v in index.items()}
 
     @cached_property
     def _collective_index(self) -> dict[tuple[str, str, str, int], CollectiveRecord]:
@@ -308,9 +322,17 @@ class ProfileDB(BaseModel):
     def _compressor_index(self) -> dict[tuple[str, str, str], CompressorRecord]:
         return {r.key: r for r in self.compressors}
 
-    def compute_record(self, signature: str, device_type: str) -> ComputeRecord | None:
-        """The compute record of a layer signature on a device type, or None."""
-        return self._compute_index.get((signature, device_type))
+    def compute_record(
+        self, signature: str, device_type: str, dtype: str = "fp32", batch_size: int = 1
+    ) -> ComputeRecord | None:
+        """The compute record of a layer signature on a device type in ``dtype``, measured at
+        the micro-batch nearest ``batch_size`` (by ratio; on a tie the larger one, whose
+        kernels are closer to saturating the device), or None."""
+        records = self._compute_index.get((signature, device_type, dtype))
+        if not records:
+            return None
+        return min(records, key=lambda r: (max(r.batch_size / batch_size,
+                                                batch_size / r.batch_size), -r.batch_size))
 
     def collective(
         self, collective: str, backend: str, link_kind: str, group_size: int
@@ -395,6 +417,8 @@ def _check_version(data: dict[str, Any], where: str) -> None:
         raise PlanVersionError(
             f"{where}: profile DB schema_version {version}; this hetplan reads "
             f"{PROFILE_SCHEMA_VERSION}; {_RERUN}"
+            + (" (version 1 keyed layer times by batch-specific signatures and recorded neither "
+               "the micro-batch nor the dtype they were measured at)" if version == 1 else "")
         )
 
 

@@ -269,12 +269,29 @@ class LayerIR:
             p.size_bytes for p in self.params if p.tied_to is None and p.name.startswith(prefixes)
         ) if prefixes else 0
 
-    def signature(self) -> str:
+    def signature(self, batch_size: int = 1) -> str:
         """A key for profiled times: equal for layers that compute the same thing on the
-        same shapes (all blocks of a transformer share one), independent of names."""
+        same shapes (all blocks of a transformer share one), independent of names and of the
+        batch size.
+
+        Activation sizes and FLOPs enter **per sample** (divided by ``batch_size``, the
+        micro-batch of the capture this layer came from), so a layer profiled at micro-batch 8
+        and the same layer captured for planning at micro-batch 1 share a key; the profile
+        record says which micro-batch it was measured at and the compute model scales from
+        there. A quantity that does not scale with the batch (e.g. a position embedding's
+        ``(1, seq)`` index input) makes the key batch-specific; such a layer falls back to the
+        analytic estimate when planned at another batch size.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+        def per_sample(x: int) -> int | float:
+            return x // batch_size if x % batch_size == 0 else x / batch_size
+
         shapes = tuple((p.shape, p.dtype) for p in self.params)
-        key = repr((self.module_type, shapes, self.act_in_bytes, self.act_out_bytes,
-                    self.fwd_flops, self.bwd_flops, self.measured_bwd_us))
+        key = repr((self.module_type, shapes, per_sample(self.act_in_bytes),
+                    per_sample(self.act_out_bytes), per_sample(self.fwd_flops),
+                    per_sample(self.bwd_flops), self.measured_bwd_us))
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

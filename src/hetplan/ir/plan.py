@@ -78,6 +78,7 @@ from hetplan.ir.plan_sections import (
     TPRankRole,
     WorkloadSummary,
 )
+from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
@@ -141,6 +142,8 @@ class Plan(BaseModel):
             generates the same lists from the layout).
         tensor_parallel: TP groups, shard sizes and resizing controller (None: no TP).
         gradient_sync: per-tensor strategies and fusion buckets (None: not decided).
+        sparse_sync: the scheme of each sparse (embedding) gradient (None: all dense;
+            :mod:`hetplan.ir.plan_sparse`).
         predictions: predicted iteration time, memory and the baselines' numbers.
         provenance: for each cost kind (``compute``, ``comm.inter`` ...) where it came from.
         cost_settings: the cost-model settings the predictions were made with.
@@ -163,6 +166,7 @@ class Plan(BaseModel):
     pipeline_actions: PipelineActions | None = None
     tensor_parallel: TensorParallel | None = None
     gradient_sync: GradientSync | None = None
+    sparse_sync: SparseSync | None = None
     rebalancing: Rebalancing | None = None
     predictions: Predictions | None = None
     provenance: dict[Name, CostSource] = Field(default_factory=dict)

@@ -207,7 +207,7 @@ class WorkloadSummary(_Section):
                 LayerCost(
                     name=lay.name,
                     kind=lay.kind.value,
-                    signature=lay.signature(),
+                    signature=lay.signature(ir.batch_size),
                     fwd_flops=lay.fwd_flops,
                     bwd_flops=lay.bwd_flops,
                     param_bytes=lay.param_bytes,

@@ -115,7 +115,7 @@ class _Job:
         plan = run_passes(Plan(model=self.model_ref, cluster=self.cluster_ref, layout=layout),
                           passes, ctx)
         ev = evaluate(self.workload, layout, plan.stages, plan.gradient_sync, self.costs,
-                      tensor_parallel=plan.tensor_parallel)
+                      tensor_parallel=plan.tensor_parallel, sparse_sync=plan.sparse_sync)
         return plan, ev
 
 

@@ -35,6 +35,7 @@ def get_all_passes() -> dict[str, type]:
     from hetplan.passes.even_tp import EvenTP
     from hetplan.passes.tp_resizing import TPResizing
     from hetplan.passes.uniform_stages import UniformStages
+    from hetplan.passes.zen import Zen
 
     return {cls.name: cls for cls in (UniformStages, EvenTP, DDPBuckets, DynPipe, Espresso,
-                                      CupcakeFusion, TPResizing)}
+                                      CupcakeFusion, TPResizing, Zen)}

@@ -132,6 +132,7 @@ def run_profile(
     compressor_sizes: Sequence[int] = DEFAULT_COMPRESSOR_SIZES,
     timeout_s: float = 300.0,
     show_progress: bool = True,
+    dtypes: Sequence[str] = ("fp32",),
 ) -> ProfileDB:
     """Profile ``model`` and this machine; write (merged) to ``output``.
 
@@ -145,10 +146,13 @@ def run_profile(
             (:func:`~hetplan.cost_models.profile_db.merge`: per key the record with more
             samples wins, the new one on a tie); None writes nothing.
         what: any of :data:`WHAT`.
-        batch_size / seq: example inputs for a zoo model. Compute records are keyed by layer
-            signature, which includes activation sizes: profile at the micro-batch (and
-            sequence length) the model will be captured with when planning (``hetplan plan``
-            captures zoo models at batch 1).
+        batch_size / seq: example inputs for a zoo model. Compute records are keyed by the
+            layer's per-sample signature and record the micro-batch they were measured at;
+            planning at another micro-batch scales the nearest measured one linearly, so
+            profile at the micro-batch the plan will use (several runs with different
+            ``batch_size`` merge into one DB). The sequence length is part of the signature.
+        dtypes: compute dtypes to time layers in (``fp32``; ``bf16`` / ``fp16`` under
+            autocast, as the runtime runs a mixed-precision plan).
         device: ``cpu`` or ``cuda``; default ``cuda`` when ``device_type`` is not ``cpu`` and
             CUDA is available.
         backend: ``gloo`` or ``nccl``; default ``nccl`` on CUDA, else ``gloo``.
@@ -187,18 +191,21 @@ def run_profile(
             from hetplan.ir.capture import capture
 
             ir = capture(net, args, kwargs, name=name)
-            if layer_processes > 1:
-                task = progress.add_task(f"layers of {ir.name} on {layer_processes} processes",
-                                         total=None)
-                compute = profile_layers_concurrent(
-                    net, args, kwargs, processes=layer_processes, device_type=device_type,
-                    device=device, warmup=warmup, iters=iters, ir=ir, timeout_s=timeout_s,
-                )
-                progress.update(task, total=1, completed=1)
-            else:
-                compute = profile_layers(net, args, kwargs, device_type=device_type,
-                                         device=device, warmup=warmup, iters=iters, ir=ir,
-                                         progress=progress)
+            for dtype in dtypes:
+                if layer_processes > 1:
+                    task = progress.add_task(
+                        f"layers of {ir.name} ({dtype}) on {layer_processes} processes",
+                        total=None)
+                    compute += profile_layers_concurrent(
+                        net, args, kwargs, processes=layer_processes, device_type=device_type,
+                        device=device, warmup=warmup, iters=iters, ir=ir,
+                        timeout_s=timeout_s, dtype=dtype,
+                    )
+                    progress.update(task, total=1, completed=1)
+                else:
+                    compute += profile_layers(net, args, kwargs, device_type=device_type,
+                                              device=device, warmup=warmup, iters=iters,
+                                              ir=ir, progress=progress, dtype=dtype)
         if "collectives" in what:
             if world_size < 2:
                 log.warning("collectives skipped: world_size=%d (need >= 2)", world_size)

@@ -42,6 +42,7 @@ for what that changes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -188,6 +189,7 @@ def time_layers(
     iters: int = 5,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[], None] | None = None,
+    dtype: str = "fp32",
 ) -> LayerTiming:
     """Time every layer invocation over ``iters`` forward + backward steps (after ``warmup``).
 
@@ -202,6 +204,8 @@ def time_layers(
         warmup / iters: untimed and timed steps.
         loss_fn: output → scalar loss (default :func:`default_loss`).
         progress: called after every step.
+        dtype: compute dtype: ``fp32`` as the model is, or ``bf16`` / ``fp16`` under
+            ``torch.autocast`` on the model's device (how the runtime runs a mixed plan).
 
     Returns:
         The per-step times.
@@ -219,7 +223,8 @@ def time_layers(
             model.zero_grad(set_to_none=True)
             clock.sync()
             t0 = clock.now()
-            loss = loss_fn(model(*args, **kwargs))
+            with _autocast(device, dtype):
+                loss = loss_fn(model(*args, **kwargs))
             t1 = clock.now()
             loss.backward()
             t2 = clock.now()
@@ -232,6 +237,18 @@ def time_layers(
         hooks.remove()
         model.zero_grad(set_to_none=True)
     return out
+
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocast(device: torch.device, dtype: str) -> Any:
+    """``torch.autocast`` for a reduced compute dtype, a no-op context for fp32."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    if dtype not in _AUTOCAST:
+        raise ValueError(f"dtype must be fp32, bf16 or fp16, got {dtype!r}")
+    return torch.autocast(device.type, dtype=_AUTOCAST[dtype])
 
 
 def _attribute(
@@ -275,7 +292,7 @@ def _hooked_units(ir: ModelIR) -> list[str]:
 
 
 def records_from_timing(
-    ir: ModelIR, timing: LayerTiming, device_type: str, iters: int
+    ir: ModelIR, timing: LayerTiming, device_type: str, iters: int, dtype: str = "fp32"
 ) -> list[ComputeRecord]:
     """One record per distinct layer signature: per-layer means averaged over equal layers.
 
@@ -284,12 +301,13 @@ def records_from_timing(
         timing: per-step times of every layer invocation.
         device_type: cluster device type the times were measured on.
         iters: timed steps (``samples`` = iters × layers sharing the signature).
+        dtype: the compute dtype the times were measured in.
     """
     by_sig: dict[str, list[tuple[list[float], list[float], str]]] = defaultdict(list)
     for lay in ir.layers:
         f = timing.fwd_ms.get(lay.name) or [0.0] * iters
         b = timing.bwd_ms.get(lay.name) or [0.0] * iters
-        by_sig[lay.signature()].append((f, b, f"{lay.module_type} {lay.name}"))
+        by_sig[lay.signature(ir.batch_size)].append((f, b, f"{lay.module_type} {lay.name}"))
     records = []
     for sig, group in by_sig.items():
         fwd = [v for f, _, _ in group for v in f]
@@ -298,6 +316,8 @@ def records_from_timing(
         records.append(ComputeRecord(
             signature=sig,
             device_type=device_type,
+            dtype=dtype,  # type: ignore[arg-type]  # validated by the record
+            batch_size=ir.batch_size,
             fwd_ms=statistics.fmean(fwd),
             bwd_ms=statistics.fmean(bwd),
             samples=max(len(fwd), 1),
@@ -321,6 +341,7 @@ def profile_layers(
     ir: ModelIR | None = None,
     num_threads: int | None = None,
     progress: Progress | None = None,
+    dtype: str = "fp32",
 ) -> list[ComputeRecord]:
     """Measure forward and backward time of every layer signature of ``model``.
 
@@ -337,6 +358,7 @@ def profile_layers(
         ir: the model's IR if already captured with these inputs (else captured here).
         num_threads: ``torch.set_num_threads`` during the measurement (restored after).
         progress: a ``rich.progress.Progress`` to show a task on.
+        dtype: compute dtype, ``fp32`` or ``bf16`` / ``fp16`` under autocast.
 
     Returns:
         One :class:`ComputeRecord` per distinct ``LayerIR.signature()``, sorted by key.
@@ -370,11 +392,11 @@ def profile_layers(
         timing = time_layers(
             model, args, kwargs, _hooked_units(ir), last_layer=ir.layers[-1].name,
             warmup=warmup, iters=iters, loss_fn=loss_fn,
-            progress=step,
+            progress=step, dtype=dtype,
         )
     finally:
         torch.set_num_threads(old_threads)
-    return records_from_timing(ir, timing, device_type, iters)
+    return records_from_timing(ir, timing, device_type, iters, dtype)
 
 
 def _concurrent_worker(
@@ -389,6 +411,7 @@ def _concurrent_worker(
     iters: int,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     device: str,
+    dtype: str = "fp32",
 ) -> LayerTiming:
     import torch.distributed as dist
 
@@ -398,7 +421,8 @@ def _concurrent_worker(
     model = model.to(dev)
     dist.barrier()  # start together, so the processes contend as training would
     timing = time_layers(model, _to(args, dev), _to(kwargs, dev), layer_names,
-                         last_layer=last_layer, warmup=warmup, iters=iters, loss_fn=loss_fn)
+                         last_layer=last_layer, warmup=warmup, iters=iters, loss_fn=loss_fn,
+                         dtype=dtype)
     return LayerTiming(dict(timing.fwd_ms), dict(timing.bwd_ms), timing.step_ms)
 
 
@@ -416,6 +440,7 @@ def profile_layers_concurrent(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     ir: ModelIR | None = None,
     timeout_s: float = 600.0,
+    dtype: str = "fp32",
 ) -> list[ComputeRecord]:
     """:func:`profile_layers` on ``processes`` local processes at once; times averaged.
 
@@ -451,7 +476,7 @@ def profile_layers_concurrent(
         processes,
         (cpu_model, _to(tuple(args), torch.device("cpu")),
          _to(dict(example_kwargs or {}), torch.device("cpu")), _hooked_units(ir),
-         ir.layers[-1].name, warmup, iters, loss_fn, device),
+         ir.layers[-1].name, warmup, iters, loss_fn, device, dtype),
         backend="gloo",
         timeout_s=timeout_s,
         threads_per_process=threads_per_process,
@@ -463,4 +488,4 @@ def profile_layers_concurrent(
         for inv, vals in t.bwd_ms.items():
             merged.bwd_ms[inv].extend(vals)
         merged.step_ms.extend(t.step_ms)
-    return records_from_timing(ir, merged, device_type, iters * processes)
+    return records_from_timing(ir, merged, device_type, iters * processes, dtype)

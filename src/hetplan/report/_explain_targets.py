@@ -81,6 +81,21 @@ def explain_tensor(ctx: Any, name: str) -> tuple[Facts, list[Alternative]]:
                   f"{stage_of[g.layer_index]})")),
         ("ready", f"{order[name] + 1} of {len(wl.grads)} in backward order"),
     ]
+    sparse = ctx.plan.sparse_sync
+    row = next((t for t in sparse.tensors if t.name == name), None) if sparse else None
+    if row is not None and row.scheme != "dense":
+        assert sparse is not None
+        how = f"{row.scheme}" + (f" ({row.pull} pull)" if row.scheme == "zen" else "")
+        facts.append(("sparse sync", (
+            f"{how}: {row.rows}x{row.row_elems} rows, density {row.stats.density:.4f} per "
+            f"rank, {row.stats.density_n:.4f} over the group, skew {row.stats.skew:.2f} "
+            f"({row.stats.source}); predicted {row.predicted_ms:.3f} ms vs dense "
+            f"{row.dense_ms:.3f} ms")))
+        if decided := ctx.decided_by("sparse_sync"):
+            facts.append(("decided by", decided))
+        rest = tuple(t for t in sparse.tensors if t.name != name)
+        dense = sparse.model_copy(update={"tensors": rest}) if rest else None
+        return facts, [ctx.alternative("dense: left to the gradient-sync path", sparse=dense)]
     sync: GradientSync | None = ctx.sync
     if sync is None:
         facts.append(("sync", "undecided: synced alone with an fp32 allreduce"))

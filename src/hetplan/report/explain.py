@@ -39,6 +39,7 @@ from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import CostSettings, GradientSync, Stage, TensorParallel
+from hetplan.ir.plan_sparse import SparseSync
 from hetplan.passes import get_all_passes
 from hetplan.report import _explain_targets as targets
 from hetplan.report._explain_targets import (
@@ -132,6 +133,13 @@ def explain(
 
 
 # -- re-evaluation ---------------------------------------------------------------------------
+class _Keep:
+    """Marks "keep the plan's section" where None means "no section"."""
+
+
+_KEEP = _Keep()
+
+
 class _Context:
     """The plan, its cost model and its current evaluation."""
 
@@ -149,26 +157,29 @@ class _Context:
 
     def evaluate(
         self, stages: tuple[Stage, ...], sync: GradientSync | None,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, sparse: SparseSync | None | _Keep = _KEEP,
     ) -> tuple[Evaluation, str]:
         """(evaluation, "" or why it does not fit in memory); ``tp``: the TP section (None:
-        the plan's)."""
+        the plan's); ``sparse``: the sparse-sync section (default: the plan's; None: none)."""
         args = (self.workload, self.layout, stages, sync, self.costs)
         section = self.plan.tensor_parallel if tp is None else tp
+        sparse_sync = self.plan.sparse_sync if isinstance(sparse, _Keep) else sparse
         try:
-            return evaluate(*args, tensor_parallel=section), ""
+            return evaluate(*args, tensor_parallel=section, sparse_sync=sparse_sync), ""
         except InfeasiblePlanError as e:
-            return evaluate(*args, check_memory=False, tensor_parallel=section), str(e)
+            return evaluate(*args, check_memory=False, tensor_parallel=section,
+                            sparse_sync=sparse_sync), str(e)
 
     def alternative(
         self, name: str, *, stages: tuple[Stage, ...] | None = None,
         sync: GradientSync | None = None, note: Callable[[Evaluation], str] | None = None,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, sparse: SparseSync | None | _Keep = _KEEP,
     ) -> Alternative:
-        """Re-evaluate the plan with ``stages``, ``sync`` and/or the TP section ``tp``
-        replaced; ``note`` describes the evaluation (shown when it fits in memory)."""
+        """Re-evaluate the plan with ``stages``, ``sync``, the TP section ``tp`` and/or the
+        sparse-sync section ``sparse`` replaced; ``note`` describes the evaluation (shown
+        when it fits in memory)."""
         ev, oom = self.evaluate(self.stages if stages is None else stages,
-                                self.sync if sync is None else sync, tp)
+                                self.sync if sync is None else sync, tp, sparse)
         ms = ev.iteration_s * 1e3
         return Alternative(name, round(ms, 6), round(ms - self.current_ms, 6) + 0.0,
                            fits_memory=not oom, note=oom or (note(ev) if note else ""))

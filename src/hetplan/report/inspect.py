@@ -296,6 +296,7 @@ def _sync(plan: Plan) -> dict[str, Any]:
         "decided": sync is not None,
         "num_tensors": len(grads),
         "total_bytes": sum(size.values()),
+        "sparse": _sparse(plan),
     }
     if sync is None:
         return out
@@ -329,6 +330,19 @@ def _sync(plan: Plan) -> dict[str, Any]:
         buckets=_buckets(plan),
     )
     return out
+
+
+def _sparse(plan: Plan) -> list[dict[str, Any]]:
+    """The sparse gradients (``sparse_sync``): scheme, statistics, predicted vs dense."""
+    if plan.sparse_sync is None:
+        return []
+    return [{
+        "name": t.name, "rows": t.rows, "row_elems": t.row_elems, "scheme": t.scheme,
+        "pull": t.pull, "density": t.stats.density, "density_n": t.stats.density_n,
+        "skew": t.stats.skew, "stats_source": t.stats.source,
+        "predicted_ms": _ms(t.predicted_ms), "dense_ms": _ms(t.dense_ms),
+        "benefit": _frac(t.benefit),
+    } for t in plan.sparse_sync.tensors]
 
 
 def _buckets(plan: Plan) -> dict[str, Any]:

@@ -186,8 +186,25 @@ def _tp(report: dict[str, Any], c: Console) -> None:
                 f"({pred['controller_speedup']:.2f}×, lossy; {gam_text})")
 
 
+def _sparse(rows: list[dict[str, Any]], c: Console) -> None:
+    table = _table("sparse gradients (Zen)", (
+        ("tensor", "left"), ("rows", "right"), ("scheme", "left"), ("density", "right"),
+        ("over group", "right"), ("skew", "right"), ("stats", "left"),
+        ("predicted", "right"), ("dense", "right"), ("benefit", "right"),
+    ))
+    for r in rows:
+        scheme = r["scheme"] + (f" ({r['pull']})" if r["scheme"] == "zen" else "")
+        table.add_row(escape(r["name"]), f"{r['rows']}x{r['row_elems']}", scheme,
+                      f"{r['density']:.4f}", f"{r['density_n']:.4f}", f"{r['skew']:.2f}",
+                      r["stats_source"], f"{r['predicted_ms']:.3f} ms",
+                      f"{r['dense_ms']:.3f} ms", f"{r['benefit']:.2f}x")
+    c.print(table)
+
+
 def _sync(report: dict[str, Any], c: Console) -> None:
     sync = report["sync"]
+    if sync.get("sparse"):
+        _sparse(sync["sparse"], c)
     if not sync["decided"]:
         c.print(f"gradient sync: undecided ({sync['num_tensors']} gradient tensors, "
                 f"{fmt_bytes(sync['total_bytes'])}; each would be one fp32 allreduce)")

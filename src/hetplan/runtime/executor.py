@@ -72,6 +72,23 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01)
 
 
+def plan_optimizer(name: str) -> OptimizerFactory:
+    """The optimizer the plan was costed with (``cost_settings.optimizer``), so that what runs
+    holds the state the memory model counted: ``adam`` / ``adamw`` (lr 1e-4; two fp32 moments),
+    ``sgd-momentum`` (lr 0.01, momentum 0.9; one buffer) or ``sgd`` (lr 0.01; none). The
+    learning rates are fixed, reasonable defaults for the synthetic-data runs of ``hetplan
+    run``; a training script passes its own optimizer."""
+    factories: dict[str, OptimizerFactory] = {
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+        "sgd": _sgd,
+    }
+    if name not in factories:
+        raise ValueError(f"unknown optimizer {name!r}; known: {sorted(factories)}")
+    return factories[name]
+
+
 @dataclass
 class Runtime:
     """Run ``plan`` for ``model`` on this process (see module docstring).
@@ -155,7 +172,8 @@ class Runtime:
             handlers=tuple(make() for make in self.handlers), captured=model_ir)
         for h in self.ctx.handlers:
             h.setup(self.ctx)
-        self.ctx.optimizer = self.optimizer([p for _, p in self.ctx.named_params])
+        # a handler may have wrapped the factory (ZeRO's sharded optimizer, master weights)
+        self.ctx.optimizer = self.ctx.make_optimizer([p for _, p in self.ctx.named_params])
 
     def _verified_ir(self) -> ModelIR:
         """The model captured on ``meta``; refuses a model the plan was not made for."""

@@ -7,9 +7,11 @@ or run the user's training script.
         --script train.py --plan plan.json --steps 10
 
 Each rank builds the model with the same seed, builds :class:`Runtime`, trains on synthetic
-data (the same global batch on every rank; each replica takes its rows), and rank 0 writes the
-run report: per-iteration measured times (after warm-up), their medians, and the plan's
-predicted times beside them. With ``--script`` the script runs as ``__main__`` with the
+data (the same global batch on every rank; each replica takes its rows), rank 0 prints a
+progress line per step (step, loss, iteration time), and rank 0 writes the run report:
+per-iteration measured times (after warm-up), their medians, the loss per step, every rank's
+medians and its peak memory (measured in one extra, untimed step) beside the plan's
+predictions. With ``--script`` the script runs as ``__main__`` with the
 remaining arguments instead (:func:`run_script`).
 
 Reliability (:mod:`hetplan.runtime.proctree`, :mod:`hetplan.runtime.liveness`):
@@ -182,7 +184,7 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
     """Build the runtime, train, write the report; the process's exit code."""
     from hetplan.errors import HetplanError
     from hetplan.ir.plan import load_plan
-    from hetplan.runtime.executor import Runtime
+    from hetplan.runtime.executor import Runtime, plan_optimizer
     from hetplan.runtime.liveness import PeerFailureError
 
     rank = dist.get_rank()
@@ -191,24 +193,35 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         plan = load_plan(args.plan)
         model, ex_args, ex_kwargs = build_model(args.model, args.module, args.seed)
         model = model.to(device)
-        rt = Runtime(plan, model, example_args=ex_args, example_kwargs=ex_kwargs)
+        settings = plan.cost_settings
+        rt = Runtime(plan, model, example_args=ex_args, example_kwargs=ex_kwargs,
+                     optimizer=plan_optimizer(settings.optimizer if settings else "sgd"))
         _warn_skipped_events(rt, rank)
         layout = plan.layout
         assert layout is not None
         batch = layout.micro_batch_size * layout.micro_batches * layout.dp
         target_of = make_target(model, tuple(a.to(device) for a in ex_args), ex_kwargs)
-        times = []
+        times, losses = [], []
         loss = float("nan")
-        for step in range(args.warmup + args.steps):
+        total = args.warmup + args.steps
+        for step in range(total):
             xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
             loss = rt.train_step(xs, target_of(xs, batch).to(device))
+            losses.append(loss)
             if step >= args.warmup and rt.last_times is not None:
                 times.append(rt.last_times)
             if step == args.warmup - 1 and rank == 0:
                 print(f"rank 0: warm-up done; timing {args.steps} step(s)", flush=True)
+            if rank == 0 and rt.last_times is not None:
+                print(f"step {step + 1}/{total}  loss {loss:.4f}  "
+                      f"iteration {rt.last_times.iteration_s * 1e3:.2f} ms", flush=True)
         if args.report:
+            # the tracker's module hooks break torch pipelining's traced stages: measured
+            # without a pipeline only (the report says so)
+            peak = (_measure_peak(rt, ex_args, batch, total, target_of, device)
+                    if layout.pp == 1 else None)
             ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, _rank_summary(rank, times))
+            dist.all_gather_object(ranks, _rank_summary(rank, times, losses, peak, plan))
             if rank == 0:
                 _write_report(args.report, plan, times, loss, ranks, rt)
     except HetplanError as e:
@@ -243,16 +256,57 @@ def _med_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3 if xs else 0.0
 
 
-def _rank_summary(rank: int, times: list[Any]) -> dict[str, Any]:
-    """This rank's median times (ms), for the run report's ``per_rank`` list."""
-    return {
+def _measure_peak(rt: Any, ex_args: tuple, batch: int, step: int, target_of: Any,
+                  device: torch.device) -> Any:
+    """One more step, untimed, under the memory meter (it slows every operator): this rank's
+    peak of live tensor bytes (:mod:`hetplan.runtime.memory_meter`)."""
+    from hetplan.runtime.memory_meter import peak_memory
+
+    xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
+    opt = rt.opt
+    with peak_memory(rt.model, opt, [getattr(opt, "master", None)]) as peak:
+        rt.train_step(xs, target_of(xs, batch).to(device))
+    return peak
+
+
+def _rank_summary(rank: int, times: list[Any], losses: list[float] | None = None,
+                  peak: Any = None, plan: Any = None) -> dict[str, Any]:
+    """This rank's median times (ms), losses, and measured peak memory beside the plan's
+    prediction for it, for the run report's ``per_rank`` list."""
+    out: dict[str, Any] = {
         "rank": rank,
         "iteration_ms": _med_ms([t.iteration_s for t in times]),
         "compute_ms": _med_ms([t.compute_s for t in times]),
         "bubble_ms": _med_ms([t.bubble_s for t in times]),
         "exposed_comm_ms": _med_ms([t.sync_wait_s for t in times]),
         "optimizer_ms": _med_ms([t.optimizer_s for t in times]),
+        "losses": list(losses or []),
     }
+    if peak is None:
+        out["peak_memory_note"] = "not measured: pipeline stages"
+    else:
+        out["peak_memory_bytes"] = peak.peak_bytes
+        out["peak_memory_by_kind"] = dict(sorted(peak.at_peak.items()))
+        pred = plan.predictions if plan is not None else None
+        if pred is not None and rank < len(pred.memory_breakdown):
+            m = pred.memory_breakdown[rank]
+            out["predicted_memory_bytes"] = m.total - m.margin
+            out["predicted_memory_by_kind"] = {
+                "params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+                "activations": m.activations, "buffers": m.buffers}
+    return out
+
+
+def _loss_per_step(ranks: list[Any]) -> list[float]:
+    """Each step's loss, the mean over the ranks that computed one (a pipeline's other ranks
+    report NaN): the data-parallel replicas' mean is the global batch's loss."""
+    n = max((len(r.get("losses", [])) for r in ranks), default=0)
+    out = []
+    for i in range(n):
+        vals = [r["losses"][i] for r in ranks if i < len(r.get("losses", []))
+                and r["losses"][i] == r["losses"][i]]
+        out.append(round(sum(vals) / len(vals), 6) if vals else float("nan"))
+    return out
 
 
 def _write_report(path: str, plan: Any, times: list[Any], loss: float,
@@ -273,6 +327,7 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
             "per_iteration_ms": [round(t.iteration_s * 1e3, 4) for t in times],
         },
         "per_rank": ranks,
+        "loss_per_step": _loss_per_step(ranks),
         "rebalanced_at": list(rt.rebalanced_at),
         "rebalance_ms": [round(x * 1e3, 3) for x in rt.rebalance_s],
         "predicted": {

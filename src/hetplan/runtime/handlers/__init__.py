@@ -19,6 +19,8 @@ up with :meth:`RuntimeContext.handler` (re-balancing rebuilds the stage handler'
 ========================== =============================== ================================
 handler                    section                         does
 ========================== =============================== ================================
+CompositionHandler         (all)                           refuses combinations the runtime
+                                                           does not compose
 TensorParallelHandler      ``tensor_parallel``             Megatron TP: uneven MLP shards,
                                                            attention by heads, vocabulary-
                                                            parallel embedding / head / loss,
@@ -28,7 +30,14 @@ StagesHandler              ``stages``,                     this rank's stages; r
                            ``pipeline_actions``            plan's action list (or the
                                                            micro-batches locally); sums
                                                            tied weights' gradients
+PrecisionHandler           ``precision``                   16-bit working weights, autocast,
+                                                           fp32 loss, fp16 loss scale
+RecomputeHandler           ``stages.recompute``            checkpoint per block / per
+                                                           attention core
+ZeroHandler                ``layout.zero_stage``           fp32 master shard, ZeRO-1/2
+                                                           optimizer, ZeRO-3 (FSDP2)
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
+SparseSyncHandler          ``sparse_sync``                 Zen / AGsparse for embeddings
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
 ========================== =============================== ================================
 
@@ -47,30 +56,45 @@ from hetplan.runtime.handlers.base import (
     RuntimeContext,
     StepTimes,
 )
+from hetplan.runtime.handlers.composition import CompositionHandler
 from hetplan.runtime.handlers.grad_sync import GradSyncHandler
+from hetplan.runtime.handlers.precision import PrecisionHandler
 from hetplan.runtime.handlers.rebalancing import RebalancingHandler
+from hetplan.runtime.handlers.recompute import RecomputeHandler
+from hetplan.runtime.handlers.sparse_sync import SparseSyncHandler
 from hetplan.runtime.handlers.stages import StagesHandler
 from hetplan.runtime.handlers.tensor_parallel import ResizingHandler, TensorParallelHandler
+from hetplan.runtime.handlers.zero import ZeroHandler
 
 __all__ = [
     "DEFAULT_HANDLERS",
+    "CompositionHandler",
     "GradSyncHandler",
     "Handler",
     "LossFn",
     "OptimizerFactory",
+    "PrecisionHandler",
     "RebalancingHandler",
+    "RecomputeHandler",
     "ResizingHandler",
     "RuntimeContext",
+    "SparseSyncHandler",
     "StagesHandler",
     "StepTimes",
     "TensorParallelHandler",
+    "ZeroHandler",
 ]
 
 #: The handlers a :class:`~hetplan.runtime.executor.Runtime` composes, in setup order.
 DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
+    CompositionHandler,
     TensorParallelHandler,
     ResizingHandler,
     StagesHandler,
+    PrecisionHandler,
+    RecomputeHandler,
+    ZeroHandler,
     GradSyncHandler,
+    SparseSyncHandler,
     RebalancingHandler,
 )

@@ -3,15 +3,18 @@
 A thin adapter over :class:`~hetplan.runtime.grad_sync.GradSync`: built over this rank's
 parameters once the stage handler chose them, hooks held back while gradients accumulate,
 every bucket finished (and averaged) after the last backward, rebuilt when re-balancing moves
-parameters.
+parameters. Under ZeRO-2 and -3 the ZeRO handler owns the gradient path (reduce-scatter), and
+this handler syncs nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import AbstractContextManager
 
 from hetplan.runtime.grad_sync import GradSync
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
+from hetplan.runtime.handlers.sparse_sync import sparse_names
 
 __all__ = ["GradSyncHandler"]
 
@@ -29,18 +32,21 @@ class GradSyncHandler(Handler):
         self.sync: GradSync | None = None
 
     def setup(self, ctx: RuntimeContext) -> None:
+        if ctx.layout.dp > 1 and ctx.layout.zero_stage >= 2:
+            return  # ZeroHandler reduce-scatters the gradients
         groups = ctx.groups
-        self.sync = GradSync(ctx.named_params, ctx.plan.gradient_sync,
+        sparse = sparse_names(ctx)  # synced by the sparse-sync handler instead
+        named = [(n, p) for n, p in ctx.named_params if n not in sparse]
+        self.sync = GradSync(named, ctx.plan.gradient_sync,
                              groups.dp_group if groups is not None else None, ctx.layout.dp,
                              groups.sync_levels() if groups is not None else None)
 
     def accumulating(self, ctx: RuntimeContext) -> AbstractContextManager[None]:
-        assert self.sync is not None
-        return self.sync.no_sync()
+        return self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()
 
     def after_backward(self, ctx: RuntimeContext) -> None:
-        assert self.sync is not None
-        self.sync.finish()
+        if self.sync is not None:
+            self.sync.finish()
 
     def params_changed(self, ctx: RuntimeContext) -> None:
         self.close(ctx)
@@ -49,3 +55,4 @@ class GradSyncHandler(Handler):
     def close(self, ctx: RuntimeContext) -> None:
         if self.sync is not None:
             self.sync.close()
+            self.sync = None

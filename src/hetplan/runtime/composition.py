@@ -1,0 +1,77 @@
+"""Which strategies this runtime composes, as one pure check over a plan.
+
+:func:`refusals` lists, one line each (``"field: what, why, how to fix"``), every
+combination of the plan's strategies that the runtime does not execute; the runtime refuses
+such a plan at setup (every rank alike, so none waits for another). The table with the
+reasons is in ``docs/decisions/runtime-composition.md``.
+
+Complexity: O(gradient-sync strategies + stages).
+"""
+
+from __future__ import annotations
+
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import CompressedSync, Layout
+
+__all__ = ["effective_zero_stage", "refusals"]
+
+_DOC = "docs/decisions/runtime-composition.md"
+
+
+def effective_zero_stage(layout: Layout) -> int:
+    """The ZeRO stage that runs: the layout's, or 0 when ``dp == 1`` (nothing to shard)."""
+    return layout.zero_stage if layout.dp > 1 else 0
+
+
+def refusals(plan: Plan) -> list[str]:
+    """The combinations of ``plan``'s strategies this runtime refuses (empty: it runs)."""
+    lay = plan.layout
+    if lay is None:
+        return []
+    out: list[str] = []
+    zero = effective_zero_stage(lay)
+    sync = plan.gradient_sync
+    used = set()
+    if sync is not None:
+        used = {b.strategy for b in sync.buckets} | {t.strategy for t in sync.tensors}
+    strategies = {n: sync.strategies[n] for n in sorted(used)} if sync is not None else {}
+    if zero >= 1 and (lay.pp > 1 or lay.tp > 1):
+        out.append(f"layout.zero_stage: ZeRO-{zero} with pp={lay.pp} tp={lay.tp}; the runtime "
+                   "shards inside data-parallel groups of plans without pipeline or tensor "
+                   f"parallelism only; re-plan with --zero 0, or --pp 1 --tp 1 ({_DOC})")
+    if zero >= 2:
+        for name, s in strategies.items():
+            if isinstance(s, CompressedSync):
+                out.append(f"gradient_sync.strategies[{name!r}]: compressed ({s.compressor}) "
+                           f"under ZeRO-{zero}, which reduce-scatters gradients during backward: "
+                           "compression needs the full gradient (zero_stage <= 1); re-plan "
+                           f"with --zero 1 or without --compress ({_DOC})")
+            elif s.hierarchy == "hierarchical":
+                out.append(f"gradient_sync.strategies[{name!r}]: hierarchical under ZeRO-{zero}; "
+                           "the runtime's reduce-scatter is flat over the data-parallel group; "
+                           f"re-plan with --zero 1 ({_DOC})")
+    if zero >= 2 and plan.sparse_sync is not None and plan.sparse_sync.synced():
+        out.append(f"sparse_sync: sparse gradient schemes under ZeRO-{zero}, which "
+                   "reduce-scatters every gradient during backward; the sparse schemes need "
+                   f"the full gradient (zero_stage <= 1); re-plan with --zero 1 ({_DOC})")
+    if zero == 3 and plan.precision is not None and any(
+            d.compute_dtype == "fp16" for d in plan.precision.devices.values()):
+        out.append("precision: fp16 with ZeRO-3 (FSDP2) has no loss scaling in this runtime "
+                   f"yet; re-plan with --dtype bf16 or --zero 2 ({_DOC})")
+    if lay.pp > 1 and _half(plan):
+        out.append(f"precision: 16-bit compute with a pipeline (pp={lay.pp}) is not executed by "
+                   "this runtime yet (the stages are traced in fp32); re-plan with --dtype fp32 "
+                   f"or --pp 1 ({_DOC})")
+    if lay.pp > 1:
+        modes = sorted({st.recompute for st in plan.stages} - {"none"})
+        if modes:
+            out.append(f"stages: recompute {modes} with a pipeline (pp={lay.pp}) is not executed "
+                       f"by this runtime yet; re-plan with --pp 1 or recompute none ({_DOC})")
+    return out
+
+
+def _half(plan: Plan) -> bool:
+    """Some rank of ``plan`` computes in a 16-bit dtype."""
+    if plan.precision is not None:
+        return any(d.compute_dtype != "fp32" for d in plan.precision.devices.values())
+    return plan.cost_settings is not None and plan.cost_settings.dtype in ("bf16", "fp16")

@@ -1,0 +1,192 @@
+"""Mixed precision as the plan's ``precision`` section says: which dtype a rank computes in,
+autocast around its forward, and dynamic loss scaling for fp16.
+
+- :func:`rank_compute_dtype` decides this rank's compute dtype: its device type's
+  ``DevicePrecision.compute_dtype`` (the device type from the plan's embedded cluster spec,
+  else the layout's rank placement, else the section's only device type); a plan without the
+  section computes in ``CostSettings.dtype`` everywhere, as it was predicted.
+- :class:`Autocast` enters ``torch.autocast`` in a forward pre-hook of the modules this rank
+  runs and leaves it in their forward hook, so the step's code (the stage handler's
+  micro-batches) needs no change. The working weights are cast to the compute dtype by
+  :func:`cast_working_weights`; the fp32 master copy lives in the optimizer
+  (:mod:`hetplan.runtime.sharded_optimizer`), so the optimizer never updates 16-bit weights.
+- :class:`DynamicLossScale` is the fp16 loss scale (torch's ``GradScaler`` defaults: start at
+  2^16, halve on an overflow and skip that step, double after 2000 clean steps). It scales
+  the gradient flowing out of the loss (:func:`fp32_loss_fn`: identity forward, ``· scale``
+  in backward), so the loss the runtime reports is the true one; the optimizer unscales and
+  asks :meth:`DynamicLossScale.update` whether to step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetplan.errors import SpecError
+from hetplan.ir.plan import Plan
+
+__all__ = [
+    "DTYPES",
+    "Autocast",
+    "DynamicLossScale",
+    "cast_working_weights",
+    "rank_compute_dtype",
+    "fp32_loss_fn",
+]
+
+#: The plan's dtype names.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rank_compute_dtype(plan: Plan, rank: int) -> str:
+    """The compute dtype (``fp32``, ``bf16``, ``fp16``) of global ``rank`` in ``plan``.
+
+    Raises:
+        SpecError: the section lists several device types and the plan says of none which
+            device ``rank`` is (no embedded cluster spec, no rank placement).
+    """
+    prec = plan.precision
+    if prec is None:
+        dtype = plan.cost_settings.dtype if plan.cost_settings is not None else "fp32"
+        if dtype not in DTYPES:
+            raise SpecError(f"cost_settings.dtype {dtype!r} of a plan without a precision "
+                            "section is not one the runtime computes in (fp32, bf16, fp16); "
+                            "re-run `hetplan plan`")
+        return dtype
+    if not prec.devices:
+        return "fp32"
+    spec = plan.cluster.spec
+    if spec is not None and rank < spec.world_size:
+        return prec.compute_dtype(spec.devices()[rank].type)
+    layout = plan.layout
+    if layout is not None and rank < len(layout.ranks) and layout.ranks[rank].device:
+        return prec.compute_dtype(layout.ranks[rank].device)
+    kinds = {d.compute_dtype for d in prec.devices.values()}
+    if len(kinds) == 1:
+        return kinds.pop()
+    raise SpecError(f"the precision section computes in {sorted(kinds)} on device types "
+                    f"{sorted(prec.devices)}, but the plan does not say which device rank {rank} "
+                    "is (no embedded cluster spec, no layout.ranks); re-run `hetplan plan`")
+
+
+def cast_working_weights(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Cast the floating parameters and buffers of ``modules`` to ``dtype`` in place (the
+    parameter objects stay the same, so hooks and names keep working)."""
+    for m in modules:
+        for p in m.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for b in m.buffers():
+            if b.is_floating_point() and b.dtype != dtype:
+                b.data = b.data.to(dtype)
+
+
+class Autocast:
+    """``torch.autocast(device, dtype)`` around every forward of the given modules.
+
+    Entered by a forward pre-hook, left by a forward hook that always runs (also when the
+    forward raises); nested modules enter once (a depth counter).
+
+    Args:
+        modules: the top modules this rank calls (the model, or its pipeline stages).
+        dtype: the compute dtype.
+    """
+
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._stack: list[Any] = []
+        self._handles = []
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._enter))
+            self._handles.append(m.register_forward_hook(self._exit, always_call=True))
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        device = next((p.device.type for p in module.parameters()), "cpu")
+        ctx = torch.autocast(device_type=device, dtype=self.dtype)
+        ctx.__enter__()
+        self._stack.append(ctx)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop().__exit__(None, None, None)
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+@dataclass
+class DynamicLossScale:
+    """The fp16 dynamic loss scale (the defaults of ``torch.amp.GradScaler``).
+
+    Attributes:
+        scale: the current scale.
+        growth_factor / backoff_factor: multiply the scale after ``growth_interval`` clean
+            steps / after an overflow.
+        growth_interval: clean steps before the scale grows.
+        clean_steps: clean steps since the last change.
+        skipped: steps skipped because a gradient overflowed.
+    """
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    clean_steps: int = 0
+    skipped: int = 0
+
+    def update(self, found_inf: bool) -> bool:
+        """Record a step's overflow check; True when the optimizer may step."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            self.skipped += 1
+            return False
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+        return True
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the incoming gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: D102
+        ctx.scale = scale
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return grad * ctx.scale, None
+
+
+def fp32_loss_fn(loss_fn: Any, scaler: DynamicLossScale | None = None) -> Any:
+    """``loss_fn`` on the model's output upcast to fp32 (the loss and its softmax in fp32, as
+    Megatron computes its cross-entropy); with ``scaler`` its backward starts at
+    ``scaler.scale`` (the value it returns is the unscaled loss)."""
+
+    def wrapped(output: Any, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(_upcast(output), target)
+        return loss if scaler is None else _ScaleGrad.apply(loss, scaler.scale)
+
+    return wrapped
+
+
+def _upcast(output: Any) -> Any:
+    """Floating tensors of a model output (a tensor, a tuple or list, an object with
+    ``logits``) in fp32."""
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.is_floating_point() else output
+    if isinstance(output, (tuple, list)):
+        return type(output)(_upcast(x) for x in output)
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        output.logits = _upcast(logits)
+    return output
