@@ -170,12 +170,14 @@ def _check(got: list[dict], name: str, seq: int) -> None:
 
 @pytest.mark.parametrize(
     ("name", "sp"),
-    [("gpt-test", True), ("tied-lm", False)],
-    ids=["gpt-test-sp", "tied-lm"],
+    [("gpt-test", True), ("tied-lm", False), ("tiny-gpt2", False)],
+    ids=["gpt-test-sp", "tied-lm", "tiny-gpt2"],
 )
 def test_pp2_x_tp2_equals_reference(tmp_path: Path, name: str, sp: bool) -> None:
-    """PP 2 × TP 2 on 4 ranks; tied-lm's tied embedding/head is vocabulary-parallel on the
-    first and last stage, its gradients summed between them. Traced stages fix the sequence
+    """PP 2 × TP 2 on 4 ranks; tied-lm's and GPT-2's tied embedding/head is vocabulary-
+    parallel on the first and last stage, its gradients summed between them. GPT-2's
+    attention is called with several inputs inside its traced stage, so it runs replicated
+    there (with a warning); its MLP and vocabulary are split. Traced stages fix the sequence
     length to the zoo example's."""
     seq = 32 if name == "gpt-test" else 16
     plan = _plan(name, sp, pp=2)

@@ -158,14 +158,16 @@ def test_tied_pipeline_equals_reference(tmp_path: Path, name: str, seq: int, wor
 
 def test_cli_plans_and_runs_tiny_gpt2_with_two_stages(tmp_path: Path) -> None:
     """``hetplan plan tiny-gpt2 --pp 2`` then ``hetplan run``: GPT-2's tied ``wte`` /
-    ``lm_head`` end up on the first and the last stage, and the run trains (it was refused)."""
+    ``lm_head`` end up on the first and the last stage, and the run trains (it was refused).
+    ``--dp 1``: the planner picks ZeRO-1 for dp > 1, which the runtime composes with
+    pipelines only from another change on (``runtime/composition.py``)."""
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True,
                               text=True, timeout=600, check=False)
 
     plan_file, report = tmp_path / "plan.json", tmp_path / "report.json"
-    proc = cli("plan", "tiny-gpt2", "--pp", "2", "-b", "8", "--cluster", "local-cpu", "-o",
-               str(plan_file))
+    proc = cli("plan", "tiny-gpt2", "--pp", "2", "--dp", "1", "-b", "8", "--cluster",
+               "local-cpu", "-o", str(plan_file))
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = Plan.from_json(plan_file.read_text())
     assert plan.layout is not None and plan.layout.pp == 2

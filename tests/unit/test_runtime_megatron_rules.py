@@ -51,17 +51,24 @@ def test_traced_single_input_layers_run_as_their_own_modules() -> None:
     ids = torch.randint(0, 256, (2, 32))
     pipe = pipeline(model, mb_args=(ids,), split_spec={"blocks.2": SplitPoint.BEGINNING})
     stage = pipe.get_stage_module(1)
-    use_eager_layers(stage, model, ["blocks.2", "head"])
+    assert use_eager_layers(stage, model, [("blocks.2",), ("head",), ("blocks.0",)]) == []
     assert stage.get_submodule("blocks.2") is model.blocks[2]
     assert stage.get_submodule("head") is model.head
     x = torch.randn(2, 32, 64)  # dim 64
     torch.testing.assert_close(stage(x), model.head(model.ln_f(model.blocks[3](model.blocks[2](x)))))
 
 
-def test_hf_blocks_called_with_several_inputs_are_refused_by_name() -> None:
+def test_hf_blocks_called_with_several_inputs_stay_traced_or_are_refused_by_name() -> None:
     model = zoo.build("tiny-gpt2", device="cpu", seed=0)
     args, _ = zoo.example_inputs("tiny-gpt2", batch=2, device="cpu")
     pipe = pipeline(model, mb_args=args, mb_kwargs={"use_cache": False},
                     split_spec={"transformer.h.1": SplitPoint.BEGINNING})
+    stage = pipe.get_stage_module(0)
+    mlp = ("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj")
+    kept = use_eager_layers(stage, model, [("transformer.h.0.attn",), mlp,
+                                           ("transformer.wte",)])
+    assert kept == [("transformer.h.0.attn",)]  # several inputs: runs replicated
+    assert stage.get_submodule(mlp[0]) is model.transformer.h[0].mlp.c_fc
+    assert stage.get_submodule("transformer.wte") is model.transformer.wte
     with pytest.raises(SpecError, match=r"'transformer\.h\.0'.*--pp 1 or --tp 1"):
-        use_eager_layers(pipe.get_stage_module(0), model, ["transformer.h.0"])
+        use_eager_layers(stage, model, [("transformer.h.0",)], required=["transformer.h.0"])

@@ -59,6 +59,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelLoss",
     "attention_modules",
+    "attention_sequence_parallel",
     "is_token_cross_entropy",
     "sequence_parallel",
     "shard_attention",
@@ -219,8 +220,6 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
     feats = [h * head_dim for h in per_rank]
     col = FusedColumnParallelLinear.from_fused(getattr(mod, fused), feats, rank, group)
     row = RowParallelLinear.from_linear(getattr(mod, out), feats, rank, group)
-    if sp:
-        col.sp_mode, row.sp_mode = "gathered", "scatter"
     setattr(mod, fused, col)
     setattr(mod, out, row)
     for a in _WIDTH:
@@ -228,7 +227,18 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
             setattr(mod, a, feats[rank])
     setattr(mod, attr, per_rank[rank])
     if sp:
-        mod.register_forward_pre_hook(_gather_input_hook(rank, tp, group), with_kwargs=True)
+        attention_sequence_parallel(mod, rank, tp, group)
+
+
+def attention_sequence_parallel(mod: nn.Module, rank: int, tp: int, group: Any) -> None:
+    """Sequence parallelism for an attention module :func:`shard_attention` split: gather
+    the sequence at its input, reduce-scatter its output projection."""
+    for child in mod.children():
+        if isinstance(child, FusedColumnParallelLinear):
+            child.sp_mode = "gathered"
+        elif isinstance(child, RowParallelLinear):
+            child.sp_mode = "scatter"
+    mod.register_forward_pre_hook(_gather_input_hook(rank, tp, group), with_kwargs=True)
 
 
 # -- sequence parallelism ------------------------------------------------------------------

@@ -315,7 +315,9 @@ def build_stages(
     ir_layer_names: Sequence[str] | None = None,
     allow_cross_stage_ties: bool = False,
     traced_from: nn.Module | None = None,
-    eager_layers: Sequence[str] = (),
+    eager_units: Sequence[Sequence[str]] = (),
+    eager_required: Sequence[str] = (),
+    kept: list[tuple[int, tuple[str, ...]]] | None = None,
 ) -> list[_PipelineStageBase]:
     """This rank's pipeline stages (one, or several for interleaved 1F1B), traced once.
 
@@ -334,8 +336,10 @@ def build_stages(
             gradients, see :func:`tied_across_stages`); refused by default.
         traced_from: trace this copy of ``model`` instead (the model before tensor
             parallelism sharded it: sharded modules run collectives, which tracing cannot).
-        eager_layers: layers whose traced module is replaced by ``model``'s own (sharded)
-            module in the stage (:func:`use_eager_layers`).
+        eager_units / eager_required: the module groups whose traced modules are replaced
+            by ``model``'s own (sharded) modules in the stage, and the names that must be
+            (:func:`use_eager_layers`); a unit that cannot be is kept traced.
+        kept: receives ``(stage index, unit)`` for every unit kept traced.
 
     Returns:
         One ``PipelineStage`` per entry of ``stage_indices``; ``stage.submod`` is either a
@@ -371,7 +375,7 @@ def build_stages(
     except SpecError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure leads to the fallback
-        if eager_layers:
+        if eager_units:
             raise SpecError(f"{type(model).__name__} cannot be traced into pipeline stages "
                             f"({e}); pipeline with tensor parallelism needs a traced split: "
                             "re-plan with --pp 1 or --tp 1") from e
@@ -380,27 +384,34 @@ def build_stages(
         return [PipelineStage(parts[i], i, n, device, group=pp_group) for i in stage_indices]
     _check_splits(source, calls, pipe.num_stages, n)
     for i in stage_indices:
-        use_eager_layers(pipe.get_stage_module(i), model, eager_layers)
+        here = [r for r in eager_required
+                if stage_owning(ordered, names, r + ".") == ordered[i].index]
+        left = use_eager_layers(pipe.get_stage_module(i), model, eager_units, here)
+        if kept is not None:
+            kept += [(i, u) for u in left]
     return [pipe.build_stage(i, device, group=pp_group) for i in stage_indices]
 
 
-def use_eager_layers(stage_module: nn.Module, model: nn.Module, layers: Sequence[str]) -> None:
-    """Replace, in a traced stage, the traced module of every layer of ``layers`` it calls
-    by ``model``'s module of the same name (in place).
+def use_eager_layers(stage_module: nn.Module, model: nn.Module,
+                     units: Sequence[Sequence[str]], required: Sequence[str] = ()
+                     ) -> list[tuple[str, ...]]:
+    """Replace, in a traced stage, the traced modules of every *unit* the stage calls by
+    ``model``'s modules of the same names (in place); the units kept traced.
 
-    Tracing fixes every shape of a layer's computation; a tensor-parallel layer computes
-    ``1/tp`` of its heads and features, so its stage must run the sharded module itself. The
-    traced call must pass exactly one tensor and use the result as one tensor (what a
-    transformer block, a linear or an embedding does), the eager module's calling
-    convention.
+    Tracing fixes every shape of a module's computation; a tensor-parallel module computes
+    ``1/tp`` of its heads and features, so its stage must run the sharded module itself. A
+    unit (an attention module, the linears of one MLP pair, a whole layer) is replaced
+    whole or not at all: each of its modules must be called with exactly one tensor and its
+    result used as one tensor (the eager calling convention of a block, a linear, an
+    embedding, a single-input attention). A unit that does not qualify keeps its traced,
+    unsharded copy: correct, replicated computation.
 
     Raises:
-        SpecError: a listed layer is called with several inputs or returns several outputs
-            in the traced stage.
+        SpecError: a unit with a name in ``required`` (names of this stage that must run
+            sharded: the vocabulary-parallel head and embedding, whose sharding the loss
+            relies on; every layer under sequence parallelism) does not qualify.
     """
-    wanted = set(layers)
-    if not wanted:
-        return
+    calls: dict[str, tuple[nn.Module, str, bool]] = {}
     for gm_name, gm in list(stage_module.named_modules()):
         graph = getattr(gm, "graph", None)
         if graph is None:
@@ -409,41 +420,30 @@ def use_eager_layers(stage_module: nn.Module, model: nn.Module, layers: Sequence
             if node.op != "call_module":
                 continue
             full = f"{gm_name}.{node.target}" if gm_name else str(node.target)
-            if full not in wanted:
-                continue
             many_out = any(u.op == "call_function" and "getitem" in str(u.target)
                            for u in node.users)
-            if len(node.args) != 1 or node.kwargs or many_out:
-                raise SpecError(f"layer {full!r} is called with {len(node.args)} input(s) "
-                                f"{'and several outputs ' if many_out else ''}in its traced "
-                                "pipeline stage; pipeline with tensor parallelism runs a "
-                                "sharded layer as its own module, which takes one tensor: "
-                                "re-plan with --pp 1 or --tp 1")
-            parent_name, _, attr = full.rpartition(".")
-            parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
-            setattr(parent, attr, model.get_submodule(full))
-            wanted.discard(full)
-
-
-def build_stage(
-    model: nn.Module,
-    example_microbatch_args: Sequence[Any] | torch.Tensor,
-    example_kwargs: Mapping[str, Any] | None,
-    stages: Sequence[Stage],
-    stage_index: int,
-    pp_group: dist.ProcessGroup | None,
-    device: torch.device | str,
-    *,
-    ir_layer_names: Sequence[str] | None = None,
-    allow_cross_stage_ties: bool = False,
-) -> _PipelineStageBase:
-    """The pipeline stage ``stage_index`` of ``model`` split as the plan's ``stages`` say.
-
-    Traces with ``pipeline(model, mb_args=..., mb_kwargs=..., split_spec=split_points(...))``
-    and builds the stage with ``pipe.build_stage(stage_index, device, group=pp_group)``; falls
-    back to a manual :class:`SequentialStageModule` when tracing fails (see module doc).
-    Arguments, result and errors as in :func:`build_stages`.
-    """
-    return build_stages(model, example_microbatch_args, example_kwargs, stages, [stage_index],
-                        pp_group, device, ir_layer_names=ir_layer_names,
-                        allow_cross_stage_ties=allow_cross_stage_ties)[0]
+            ok = len(node.args) == 1 and not node.kwargs and not many_out
+            why = "" if ok else (f"called with {len(node.args)} input(s)"
+                                 f"{' and several outputs' if many_out else ''}")
+            calls[full] = (gm, why, ok)
+    kept = []
+    for unit in units:
+        present = [n for n in unit if n in calls or n in required]
+        if not present:
+            continue  # another stage's
+        bad = {n: calls[n][1] if n in calls else "not called as a module of its own"
+               for n in unit if n not in calls or not calls[n][2]}
+        if not bad:
+            for n in unit:
+                parent_name, _, attr = n.rpartition(".")
+                parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
+                setattr(parent, attr, model.get_submodule(n))
+            continue
+        if any(n in required for n in unit):
+            name, why = next(iter(bad.items()))
+            raise SpecError(f"layer {name!r} is {why} in its traced pipeline stage; pipeline "
+                            "with tensor parallelism runs a sharded module as itself, which "
+                            "takes one tensor: re-plan with --pp 1 or --tp 1 (or without "
+                            "sequence parallelism)")
+        kept.append(tuple(unit))
+    return kept

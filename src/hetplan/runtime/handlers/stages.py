@@ -128,12 +128,15 @@ class StagesHandler(Handler):
                                 f"other ranks than {list(tie.ranks)} (re-balancing); the "
                                 "runtime sums their gradients over the ranks of the plan's "
                                 "own stages only: re-plan without re-balancing")
-        unsharded, eager = _tensor_parallel_source(ctx)
+        unsharded, units, required = _tensor_parallel_source(ctx)
+        kept: list[tuple[int, tuple[str, ...]]] = []
         self.stages = build_stages(
             ctx.model, example, ctx.forward_kwargs, stages, indices, pp_group, device,
             ir_layer_names=[x.name for x in ctx.model_ir().layers],
             allow_cross_stage_ties=bool(self.ties), traced_from=unsharded,
-            eager_layers=eager)
+            eager_units=units, eager_required=required, kept=kept)
+        if unsharded is not None:
+            _tensor_parallel_in_stages(ctx, indices, kept)
         sized = layout if ranks == layout.pp else layout.model_copy(update={"pp": ranks})
         if actions is None:
             actions = build_schedule(layout.schedule, ranks, layout.micro_batches, v)
@@ -201,16 +204,45 @@ class StagesHandler(Handler):
         self.ties = []
 
 
-def _tensor_parallel_source(ctx: RuntimeContext) -> tuple[Any, list[str]]:
-    """With tensor parallelism: the model as it was before sharding (to trace) and the
-    layers whose sharded modules the stages run; else ``(None, [])``."""
+def _tensor_parallel_source(ctx: RuntimeContext) -> tuple[Any, list[tuple[str, ...]],
+                                                          list[str]]:
+    """With tensor parallelism: the model as it was before sharding (to trace), the units
+    whose sharded modules the stages run, and the names that must run sharded; else
+    ``(None, [], [])``."""
     from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
 
     try:
         tp = ctx.handler(TensorParallelHandler)
     except LookupError:
-        return None, []
-    return tp.unsharded, list(tp.eager_layers)
+        return None, [], []
+    return tp.unsharded, list(tp.eager_units), list(tp.eager_required)
+
+
+def _tensor_parallel_in_stages(ctx: RuntimeContext, indices: Sequence[int],
+                               kept: Sequence[tuple[int, tuple[str, ...]]]) -> None:
+    """Sequence parallelism on the stages whose layers all run as the model's sharded
+    modules; a warning naming what runs without it, or replicated (modules whose traced
+    calls take several inputs)."""
+    import warnings
+
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
+
+    tp = ctx.handler(TensorParallelHandler)
+    layer_names = {x.name for x in ctx.model_ir().layers}
+    no_sp = {i for i, u in kept if u[0] in layer_names}
+    split_parts = {u for _, u in kept if u[0] not in layer_names}
+    if ctx.layout.sequence_parallel:
+        tp.sequence_parallel_stages(ctx, set(indices) - no_sp)
+    first_tp = ctx.groups is not None and ctx.groups.tp_rank == 0
+    if no_sp and ctx.layout.sequence_parallel and first_tp:
+        warnings.warn(f"stages {sorted(no_sp)} run without sequence parallelism: their "
+                      f"layers {sorted({u[0] for i, u in kept if i in no_sp})} take several "
+                      "inputs in the traced stage, and a sequence slice cannot enter them",
+                      RuntimeWarning, stacklevel=2)
+    if split_parts and first_tp:
+        warnings.warn(f"{sorted(split_parts)} run replicated in their traced stages (their "
+                      "calls take several inputs); the rest of those layers is split",
+                      RuntimeWarning, stacklevel=2)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,10 @@ from torch import nn
 
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.megatron import (
+    FusedColumnParallelLinear,
     VocabParallelEmbedding,
     attention_modules,
+    attention_sequence_parallel,
     sequence_parallel,
     shard_attention,
     shard_vocab,
@@ -68,7 +70,8 @@ class TensorParallelHandler(Handler):
         self.vocab: tuple[str, str | None] | None = None
         self.group: Any = None
         self.unsharded: nn.Module | None = None
-        self.eager_layers: list[str] = []
+        self.eager_units: list[tuple[str, ...]] = []
+        self.eager_required: list[str] = []
 
     def setup(self, ctx: RuntimeContext) -> None:
         layout = ctx.layout
@@ -93,16 +96,25 @@ class TensorParallelHandler(Handler):
         planned = _planned_sizes(ctx, g, r, tp, stage)
         for name, (_a, _f, out, _h, _d) in sorted(attention_modules(ctx.model).items()):
             shard_attention(ctx.model, name, g, r, tp, planned.get(f"{name}.{out}"),
-                            sp=layout.sequence_parallel)
+                            sp=layout.sequence_parallel and layout.pp == 1)
             self.attention.append(name)
         self.vocab = _vocab_pair(ctx.model, [x.name for x in layers])
         if self.vocab is not None:
             ctx.loss_fn = shard_vocab(ctx.model, self.vocab[0], self.vocab[1], g, r, tp,
                                       ctx.loss_fn)
-        if layout.sequence_parallel:
+        if layout.sequence_parallel and layout.pp == 1:
             self.sp_params = _sequence_parallel(ctx, g, r, tp, self.vocab)
-        self.eager_layers = [x.name for x in layers if "@" not in x.name
-                             and _holds_shards(ctx.model, x.name)]
+        if layout.pp > 1:  # sequence parallelism: per stage, once its layers run sharded
+            self.eager_units, self.eager_required = _eager_units(
+                ctx.model, [x.name for x in layers], self.attention, self.vocab,
+                layout.sequence_parallel)
+
+    def sequence_parallel_stages(self, ctx: RuntimeContext, stages: set[int]) -> None:
+        """Turn sequence parallelism on for pipeline stages ``stages`` (their layers run as
+        the model's own sharded modules; the stage handler calls this after tracing)."""
+        assert ctx.groups is not None
+        self.sp_params += _sequence_parallel(ctx, self.group, ctx.groups.tp_rank,
+                                             ctx.layout.tp, self.vocab, stages)
 
     def after_backward(self, ctx: RuntimeContext) -> None:
         for p in self.sp_params:
@@ -153,6 +165,12 @@ def _vocab_pair(model: nn.Module, layer_names: list[str]) -> tuple[str, str | No
     return None
 
 
+def attention_modules_split(model: nn.Module) -> list[str]:
+    """Names of the attention modules whose QKV projection is split."""
+    return [n for n, m in model.named_modules()
+            if any(isinstance(c, FusedColumnParallelLinear) for c in m.children())]
+
+
 def _holds_shards(model: nn.Module, layer: str) -> bool:
     if not layer:
         return False
@@ -160,8 +178,31 @@ def _holds_shards(model: nn.Module, layer: str) -> bool:
                for m in model.get_submodule(layer).modules())
 
 
+def _eager_units(model: nn.Module, layer_names: list[str], attention: list[str],
+                 vocab: tuple[str, str | None] | None,
+                 sp: bool) -> tuple[list[tuple[str, ...]], list[str]]:
+    """What traced pipeline stages must run as the sharded modules themselves
+    (:func:`~hetplan.runtime.pipeline.use_eager_layers`), and which of those must: with
+    sequence parallelism every layer holding a shard (its hooks scatter and gather the
+    sequence), else each attention module, each MLP pair's linears, the vocabulary's head
+    and embedding (required: the loss reads the head's split logits)."""
+    vocab_names = [n for n in (vocab or ()) if n]
+    layers: list[tuple[str, ...]] = []
+    if sp:  # whole layers first (their hooks slice the sequence), else their parts
+        layers = [(n,) for n in layer_names if "@" not in n and _holds_shards(model, n)
+                  and n not in vocab_names]
+    pairs: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        if (isinstance(m, ColumnParallelLinear | RowParallelLinear) and name not in vocab_names
+                and not any(name.startswith(a + ".") for a in attention)):
+            pairs.setdefault(name.rpartition(".")[0], []).append(name)
+    units = [(a,) for a in attention] + [tuple(v) for _, v in sorted(pairs.items())]
+    return layers + units + [(n,) for n in vocab_names], vocab_names
+
+
 def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
-                       vocab_pair: tuple[str, str | None] | None) -> list[Any]:
+                       vocab_pair: tuple[str, str | None] | None,
+                       stages: set[int] | None = None) -> list[Any]:
     """Hooks sequence parallelism on between the first and last layer holding a sharded
     linear (other than the vocabulary's); switches their MLP linears to the sequence-parallel
     collectives; the parameters whose gradients must be summed."""
@@ -177,10 +218,11 @@ def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
                    for m in model.get_submodule(layer).modules())
 
     # one region per pipeline stage: stages exchange the whole sequence
-    per_stage = ([[n for n in s.layer_names if n in names] or
-                  [n for n in all_names[s.first_layer:s.last_layer + 1] if n in names]
-                  for s in sorted(ctx.plan.stages, key=lambda s: s.index)]
+    per_stage = ([[n for n in all_names[s.first_layer:s.last_layer + 1] if n in names]
+                  for s in sorted(ctx.plan.stages, key=lambda s: s.index)
+                  if stages is None or s.index in stages]
                  if ctx.layout.pp > 1 else [names])
+    attention = set(attention_modules_split(model))
     out: list[Any] = []
     for stage_names in per_stage:
         region = [n for n in stage_names if sharded(n)]
@@ -189,6 +231,9 @@ def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
         first, last = stage_names.index(region[0]), stage_names.index(region[-1])
         inside = stage_names[first:last + 1]
         for lay in inside:
+            for mname, m in model.get_submodule(lay).named_modules(prefix=lay):
+                if mname in attention and ctx.layout.pp > 1:
+                    attention_sequence_parallel(m, rank, tp, group)
             for m in model.get_submodule(lay).modules():
                 if isinstance(m, ColumnParallelLinear) and not m.sp_mode:
                     m.sp_mode = "gather"
