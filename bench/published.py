@@ -10,9 +10,10 @@ For every run of ``bench/data/published_runs.json`` (see :mod:`published_data` a
 2. **Cluster**: the run's cluster file (``bench/data/clusters``, one node and the network)
    scaled to the run's GPU count.
 3. **Pinned**: ``hetplan.compile`` with everything of the published layout that the planner
-   can express today (dp, pp, tp, the micro-batch size where published, the compute dtype).
-   The dimensions it cannot express yet are listed per run (:data:`DIMENSIONS`); when the
-   planner gains one, setting its ``option`` there pins it. When the published layout does not
+   can express (dp, pp, tp, the schedule, and where published the micro-batch size, the
+   precision, interleaved virtual stages, recomputation, sequence parallelism and ZeRO /
+   FSDP sharding; :data:`DIMENSIONS`). A dimension the source does not publish is left to
+   the planner's search; one it cannot express (context parallelism) is listed per run. When the published layout does not
    fit the planner's memory model, the :class:`InfeasiblePlanError` message is recorded and
    the same layout is compiled again on the same cluster with unbounded device memory, so
    that its predicted time can still be compared with the measured one (marked
@@ -99,29 +100,44 @@ class Dimension:
     to_option: Callable[[Any], Any] = lambda v: v
 
 
+_ZERO = {"none": 0, "zero-1": 1, "zero-2": 2, "zero-3": 3, "fsdp": 3}
+
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("micro_batch_size", "micro_batch_size", None, "micro_batch_size",
               ("micro_batch_size",), "micro-batch size"),
     Dimension("compute_dtype", "precision", "fp32", "dtype", ("dtype",),
-              "compute dtype (roofline peak of fp16/bf16 tensor cores)"),
-    Dimension("mixed_precision_state", "precision", "fp32", None,
-              ("master_weights", "mixed_precision", "precision"),
-              "16-bit weights with fp32 master weights and optimizer state (today: model "
-              "state sized by the captured dtype)"),
-    Dimension("virtual_stages", "virtual_stages", 1, None,
+              "compute dtype (fp16 / bf16 tensor cores) with fp32 master weights and "
+              "optimizer state (the planner's mixed precision)"),
+    Dimension("virtual_stages", "virtual_stages", 1, "virtual_stages",
               ("virtual_stages", "interleave", "num_virtual_stages"),
               "interleaved virtual pipeline stages"),
-    Dimension("recompute", "recompute", "none", None,
+    Dimension("recompute", "recompute", "none", "recompute",
               ("recompute", "activation_recompute", "recomputation"),
               "activation recomputation (selective or full)"),
-    Dimension("sequence_parallel", "sequence_parallel", False, None,
+    Dimension("sequence_parallel", "sequence_parallel", False, "sequence_parallel",
               ("sequence_parallel", "sp"), "sequence parallelism alongside TP"),
-    Dimension("dp_sharding", "dp_sharding", "none", None,
+    Dimension("dp_sharding", "dp_sharding", "none", "zero_stage",
               ("zero", "zero_stage", "dp_sharding", "fsdp", "sharding"),
-              "ZeRO / FSDP sharding across data-parallel ranks"),
+              "ZeRO / FSDP sharding across data-parallel ranks",
+              to_option=lambda v: _ZERO[v]),
     Dimension("context_parallel", "cp", 1, None, ("cp", "context_parallel"),
               "context parallelism"),
 )
+
+
+#: The training software's kernels and sync order, per source (cost-model settings, not
+#: layout): Megatron-LM of 2021-22 (Narayanan et al. 2021, Korthikanti et al. 2022) and
+#: Megatron-DeepSpeed for BLOOM wrote the attention scores to memory (fused scale-mask-
+#: softmax, no fused attention kernel: the 5·a·s² activation term Korthikanti et al. count is
+#: those scores) and all-reduced gradients after the pipeline flush (Narayanan et al. 2021,
+#: section 2.2: "at the end of every batch ... gradients are all-reduced"); Llama 3 trained
+#: with fused attention and FSDP, whose reduce-scatters overlap backward.
+SOFTWARE: dict[str, dict[str, str]] = {
+    "narayanan2021": {"attention": "materialized", "dp_overlap": "after-flush"},
+    "korthikanti2022": {"attention": "materialized", "dp_overlap": "after-flush"},
+    "bloom2022": {"attention": "materialized", "dp_overlap": "after-flush"},
+    "llama3_2024": {"attention": "flash", "dp_overlap": "backward"},
+}
 
 
 def _option_fields() -> set[str]:
@@ -135,13 +151,19 @@ def express(run: Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     (``status``: pinned / default / unexpressed / unpublished)."""
     lay = run.layout
     fields = _option_fields()
-    pins: dict[str, Any] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "schedule": "1f1b"}
+    pins: dict[str, Any] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp,
+                            "schedule": lay.schedule}
+    pins.update({k: v for k, v in SOFTWARE.get(run.source, {}).items() if k in fields})
     report = []
     for dim in DIMENSIONS:
         value = getattr(lay, dim.field)
         rec: dict[str, Any] = {"dimension": dim.name, "published": value, "what": dim.what}
         if value is None:
             rec["status"] = "unpublished"
+        elif dim.name == "virtual_stages" and value == 1:
+            # one chunk per rank is what the pinned non-interleaved schedule means (the
+            # option takes 2 and more)
+            rec["status"] = "default"
         elif dim.option is not None and dim.option in fields:
             pins[dim.option] = dim.to_option(value)
             rec["status"] = "pinned"
@@ -153,9 +175,6 @@ def express(run: Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             if wired:
                 rec["option_available"] = wired
         report.append(rec)
-    vs = next(r for r in report if r["dimension"] == "virtual_stages")
-    if vs["status"] == "pinned":
-        pins["schedule"] = "interleaved-1f1b"
     return pins, report
 
 
@@ -304,7 +323,8 @@ def bench_run(run: Run, data: PublishedRuns, *, free: bool) -> dict[str, Any]:
         "pinned": pinned,
     }
     if free:
-        f = _compile(ir, cluster, batch, dtype=dtype)
+        soft = {k: pins[k] for k in ("attention", "dp_overlap") if k in pins}
+        f = _compile(ir, cluster, batch, dtype=dtype, **soft)
         fp = f.get("predicted_iteration_s")
         f["vs_measured"] = _ratio(fp, meas.seconds)
         f["at_least_as_fast_as_published"] = (fp <= pred) if fp is not None and pred else None

@@ -2,7 +2,8 @@
 # The checks a lent GPU machine runs, in one go (see bench/README.md, "GPU checks"):
 #   1. the `gpu`-marked tests (NCCL runtime path, CUDA compressors);
 #   2. bench/gpu_kernels.py: GEMM / attention / memory-bound throughput of this GPU;
-#   3. profile -> plan --profile -> run for gpt2 on this one GPU, predicted against measured.
+#   3. profile -> plan --profile -> run for gpt2 on this one GPU, predicted against measured;
+#   4. the same training as plain PyTorch, DDP and FSDP2 loops (the runtime's overhead).
 # Every step has its own timeout; results go to $OUT (or bench/results/gpu when run by hand).
 # Python deps missing on the machine travel as wheels in .whl/ (pydantic, plotly, ...).
 set -u
@@ -34,4 +35,7 @@ for p in analytic profiled; do
   timeout 150 "${HP[@]}" run "$OUT/plan_$p.json" --model gpt2 --steps 20 \
     --report "$OUT/run_$p.json" 2>&1 | tail -4
 done
+step "reference loops: plain PyTorch, DDP, FSDP2 (gpt2, bf16 autocast, Adam)"
+timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+  bench/gpu/reference_loop.py --model gpt2 --batch 8 --out "$OUT/reference_loop.json" 2>&1 | tail -4
 step done

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from hetplan._version import __version__
 from hetplan.errors import HetplanError, InfeasiblePlanError, SpecError
-from hetplan.ir.validation import check_output_path
+from hetplan.ir.validation import check_output_path, did_you_mean
 
 __all__ = ["app", "main"]
 
@@ -303,6 +303,29 @@ def workload_convert_cmd(
 # --------------------------------------------------------------------------------------
 # plan / simulate
 # --------------------------------------------------------------------------------------
+def _with_group_sync(passes: str | None, mode: str) -> tuple[str | None, dict[str, Any]]:
+    """The pass spec and compile options ``--group-sync MODE`` asks for: ``sdpipe{mode=..}``
+    appended to the pipeline (or its mode set, when ``--passes`` names it) and ZeRO sharding
+    pinned off (each replica steps its own optimizer)."""
+    modes = ("auto", "sdpipe", "off")
+    if mode not in modes:
+        raise SpecError(f"--group-sync: unknown mode {mode!r}{did_you_mean(mode, modes)} "
+                        f"(choose {', '.join(modes)})")
+    if mode == "off":
+        return passes, {}
+    from hetplan.passes import DEFAULT_PIPELINE
+    from hetplan.passes.spec import parse_pipeline
+
+    spec = passes or DEFAULT_PIPELINE
+    given = [p for p in parse_pipeline(spec, where="--passes") if p.name == "sdpipe"]
+    if not given:
+        return f"{spec},sdpipe{{mode={mode}}}", {"zero_stage": 0}
+    if getattr(given[0], "mode") != mode:
+        raise SpecError(f"--group-sync {mode} and --passes sdpipe{{mode="
+                        f"{getattr(given[0], 'mode')}}} disagree; set the mode in one place")
+    return spec, {"zero_stage": 0}
+
+
 @app.command("plan")
 @_user_errors
 def plan_cmd(
@@ -321,7 +344,24 @@ def plan_cmd(
     micro_batch_size: int = typer.Option(None, "--micro-batch-size", help="Pin it."),
     dtype: str = typer.Option(
         "mixed", help="Precision: mixed (per device type: bf16 on A100/H100, fp16 with loss "
-        "scaling on V100, fp32 on CPU; fp32 master weights), or fp32, bf16, fp16 everywhere."),
+        "scaling on V100, fp32 on CPU; fp32 master weights), or fp32, bf16, fp16 everywhere "
+        "(a device without a peak for it, such as a CPU, stores 16-bit bytes and is priced "
+        "at its fp32 peak)."),
+    zero: int = typer.Option(None, "--zero", help="Pin the ZeRO stage inside data-parallel "
+                             "groups: 0 (none), 1 (optimizer state), 2 (+ gradients), "
+                             "3 (+ parameters, FSDP); default: the cheapest that fits."),
+    recompute: str = typer.Option(
+        "auto", "--recompute", help="Pin every stage's activation recomputation: none, "
+        "selective (the attention core) or full; default auto: the cheapest that fits, per "
+        "stage."),
+    sp: bool = typer.Option(None, "--sp/--no-sp", help="Pin sequence parallelism with tensor "
+                            "parallelism on or off (default: on whenever tp > 1)."),
+    virtual_stages: int = typer.Option(
+        None, "--virtual-stages", help="Pin the interleaved chunks per pipeline rank (2 or "
+        "more; needs --schedule interleaved-1f1b; default: 2-4 searched)."),
+    progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the layout "
+                                  "search's progress bar on stderr (default: on a terminal, "
+                                  "for a search over a second)."),
     require_profiled: bool = typer.Option(False, help="Refuse analytic compute estimates."),
     dynamics: Path = typer.Option(None, "--dynamics", help="A YAML/JSON file of how the model "
                                   "changes while training (pruning, freezing, early exit) and "
@@ -348,6 +388,15 @@ def plan_cmd(
         "(the fastest predicted of dense, AGsparse, Zen), zen (always Zen); appends the zen "
         "pass to the pipeline."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
+    checkpoint: str = typer.Option(
+        "none", "--checkpoint", help="Checkpointing to plan: none, or gemini (in-memory "
+        "checkpoints in peers' CPU memory, sent in the network's idle time)."),
+    replicas: int = typer.Option(None, "--replicas", help="Gemini: copies of every rank's "
+                                 "state, its own node's included (default 2)."),
+    group_sync: str = typer.Option(
+        "off", "--group-sync", help="Semi-decentralized group sync of the pipeline replicas "
+        "(SDPipe): auto (only when the straggler simulation predicts it faster), sdpipe "
+        "(always; the sdpipe pass in --passes sets P and T), off. Pins zero_stage=0."),
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
     from hetplan.cost_models.predict import resolve_cluster, resolve_profile
@@ -363,13 +412,22 @@ def plan_cmd(
         from hetplan.passes import DEFAULT_PIPELINE
 
         passes = f"{passes or DEFAULT_PIPELINE},zen{{mode={sparse}}}"
+    pipeline_spec = _with_checkpointing(passes, checkpoint, replicas)
 
+    pipeline_spec, group_opts = _with_group_sync(pipeline_spec, group_sync)
+    pins = strategy_pins(dtype=dtype, zero=zero, recompute=recompute, sp=sp, tp=tp,
+                         virtual_stages=virtual_stages, schedule=schedule)
+    if group_opts.get("zero_stage") == 0 and zero not in (None, 0):
+        raise SpecError(f"--group-sync {group_sync} steps each replica's own optimizer, so it "
+                        f"cannot shard it: drop --zero {zero} (or use --group-sync off)")
+    pins.update(group_opts)
     options = CompileOptions.build(
         batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
-        micro_batch_size=micro_batch_size, dtype=dtype, require_profiled=require_profiled,
+        micro_batch_size=micro_batch_size, require_profiled=require_profiled, progress=progress,
+        **pins,
         dynamics=dynamics, compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
         tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
-        **({"passes": passes} if passes is not None else {}),
+        **({"passes": pipeline_spec} if pipeline_spec is not None else {}),
     )
     options.pipeline(where="--passes")  # a malformed spec fails before the model is captured
     spec = resolve_cluster(cluster)
@@ -380,14 +438,61 @@ def plan_cmd(
     else:
         target = model
     t0 = time.perf_counter()
-    with err.status("searching layouts …", spinner="dots"):
-        plan = compile_plan(target, spec, options, profile=db)
+    plan = compile_plan(target, spec, options, profile=db)
     seconds = time.perf_counter() - t0
     if output:
         plan.save(output)
         err.print(f"wrote {output}")
     _print_plan(plan)
     err.print(f"planned in {seconds:.1f} s")
+
+
+def _with_checkpointing(passes: str | None, checkpoint: str, replicas: int | None) -> str | None:
+    """The pipeline spec with the checkpointing pass ``--checkpoint`` asks for appended."""
+    from hetplan.passes import DEFAULT_PIPELINE
+
+    if checkpoint not in ("none", "gemini"):
+        raise SpecError(f"--checkpoint {checkpoint!r}: use 'none' or 'gemini'")
+    if checkpoint == "none":
+        if replicas is not None:
+            raise SpecError("--replicas needs --checkpoint gemini")
+        return passes
+    if replicas is not None and replicas < 1:
+        raise SpecError(f"--replicas {replicas}: must be >= 1 (2 keeps a copy on another node)")
+    base = passes if passes is not None else DEFAULT_PIPELINE
+    if "gemini" in base.split("{")[0].split(",") or ",gemini" in base:
+        raise SpecError("--checkpoint gemini and a 'gemini' pass in --passes: set it in one "
+                        "place")
+    return f"{base},gemini{{replicas={replicas if replicas is not None else 2}}}"
+
+
+def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | None,
+                  tp: int | None, virtual_stages: int | None, schedule: str) -> dict[str, Any]:
+    """The strategy pins of `hetplan plan` as CompileOptions fields, checked before anything
+    is captured or planned; a bad value is a SpecError naming the option and the fix."""
+    from hetplan.cost_models.precision import POLICIES
+
+    if dtype not in POLICIES:
+        raise SpecError(f"--dtype {dtype!r} is not a precision{did_you_mean(dtype, POLICIES)} "
+                        f"(use one of {', '.join(POLICIES)})")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise SpecError(f"--zero {zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+    modes = ("auto", "none", "selective", "full")
+    if recompute not in modes:
+        raise SpecError(f"--recompute {recompute!r} is not a recomputation mode"
+                        f"{did_you_mean(recompute, modes)} (use one of {', '.join(modes)})")
+    if sp and tp == 1:
+        raise SpecError("--sp needs tensor parallelism, but --tp 1 is pinned; pin --tp 2 or "
+                        "more, or leave --tp free")
+    if virtual_stages is not None:
+        if virtual_stages < 2:
+            raise SpecError(f"--virtual-stages {virtual_stages}: interleaving needs 2 or more "
+                            "chunks per pipeline rank; use --virtual-stages 2 (or more)")
+        if schedule != "interleaved-1f1b":
+            raise SpecError(f"--virtual-stages needs --schedule interleaved-1f1b (the schedule "
+                            f"is {schedule!r}); add --schedule interleaved-1f1b")
+    return {"dtype": dtype, "zero_stage": zero, "recompute": recompute,
+            "sequence_parallel": sp, "virtual_stages": virtual_stages}
 
 
 @app.command("profile")

@@ -76,7 +76,7 @@ def test_micro_batch_size_that_cannot_split_the_batch_is_blamed(no_work: None) -
 
 def test_other_plan_options_fail_before_capture(no_work: None) -> None:
     refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--dtype", "fp33"),
-            "dtype:", "(got 'fp33'); did you mean 'fp32'?")
+            "--dtype 'fp33' is not a precision", "did you mean 'fp32'?")
     refused(run("plan", "mlp", "-c", "local-cpu", "-b", str(10**20)),
             "batch_size: Input should be less than or equal to 9007199254740992")
 
@@ -211,3 +211,18 @@ def test_a_malformed_run_report_names_its_field(tmp_path: Path) -> None:
         report.write_text('{"measured": {"iteration_ms": ' + value + "}}", encoding="utf-8")
         refused(run("inspect", plan, "--run", report),
                 f"{report}: measured.iteration_ms: expected milliseconds")
+
+
+def test_group_sync_with_a_pinned_zero_stage_is_refused_before_capture(no_work: None) -> None:
+    refused(run("plan", "tiny-gpt2", "--cluster", "cpu-2x2", "-b", "8", "--group-sync",
+                "sdpipe", "--zero", "1"), "--group-sync sdpipe", "drop --zero 1")
+
+
+def test_checkpointing_and_group_sync_options_both_reach_the_pipeline(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    res = run("plan", "tiny-gpt2", "--cluster", "cpu-2x2", "-b", "8", "--checkpoint",
+              "gemini", "--group-sync", "sdpipe", "-o", out)
+    assert res.exit_code == 0, res.output
+    plan = Plan.from_json(out.read_text())
+    assert [e.name for e in plan.pass_log][-2:] == ["gemini", "sdpipe"]
+    assert plan.checkpointing is not None and plan.group_sync is not None

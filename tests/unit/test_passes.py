@@ -94,7 +94,9 @@ def test_registry_keys_are_pass_names() -> None:
     sections = [s for n in BASELINE_PASSES for s in registry[n].sections]
     assert len(sections) == len(set(sections))
     assert {s for cls in registry.values() for s in cls.sections} == {
-        "stages", "rebalancing", "tensor_parallel", "gradient_sync", "sparse_sync"
+        "stages", "rebalancing", "tensor_parallel", "gradient_sync", "sparse_sync",
+        "checkpointing",
+        "group_sync",
     }
 
 

@@ -11,7 +11,12 @@ the forward and backward time of one micro-batch comes from, in order:
    14x faster in bf16 than in fp32);
 2. ``measured``: a benchmark workload's recorded backprop time (``measured_bwd_us``, V100), the
    forward taken as half of it, scaled by the device's fp32 peak relative to a V100 SXM2;
-3. ``analytic``: a roofline, ``max(FLOPs / (peak · efficiency), bytes / memory bandwidth)``,
+3. ``kernels``: on a device type with a GEMM efficiency curve (A100, H100), from the
+   layer's captured kernels: each matrix multiply by its shape on the curve, the attention
+   core fused or materialized, the other kernels by the bytes they move
+   (:mod:`hetplan.cost_models.kernels`). A tensor-parallel layer is priced as one rank of
+   its TP group runs it (``tp``), so small per-rank shapes lose efficiency as they do;
+4. ``analytic``: a roofline, ``max(FLOPs / (peak · efficiency), bytes / memory bandwidth)``,
    where bytes are the parameters read plus the activations read and written (backward: twice
    the parameters — read weights, write gradients — plus the saved activations and the
    incoming and outgoing gradients). Each device type is priced in its own compute dtype
@@ -26,9 +31,11 @@ every missing (layer, device type) key instead of falling back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetplan.cost_models.kernels import ATTENTION_KERNELS, Attention, curve_for, kernel_times
 from hetplan.cost_models.memory import capture_bytes
 from hetplan.cost_models.precision import DTYPE_SIZE
 from hetplan.cost_models.profile_db import ProfileDB
@@ -44,11 +51,18 @@ V100_FP32_FLOPS = 15.7e12
 
 @dataclass(frozen=True, slots=True)
 class LayerTime:
-    """Forward and backward time of one layer for one micro-batch, and where it came from."""
+    """Forward and backward time of one layer for one micro-batch, and where it came from.
+
+    ``per_rank``: the times are already one TP rank's (``kernels`` priced at ``tp``);
+    otherwise a TP layer's times are the whole layer's and the caller divides them.
+    ``core_fwd_s``: the attention core's share of ``fwd_s`` where it was priced apart
+    (``kernels``), else None (callers take the core's FLOP share of ``fwd_s``)."""
 
     fwd_s: float
     bwd_s: float
-    source: str  # "profiled" | "measured" | "analytic"
+    source: str  # "profiled" | "measured" | "kernels" | "analytic"
+    per_rank: bool = False
+    core_fwd_s: float | None = None
 
 
 class ComputeModel:
@@ -61,6 +75,7 @@ class ComputeModel:
             device type ``precision`` does not list (its fp32 peak if it lists none for it).
         require_profiled: raise instead of falling back to analytic estimates.
         precision: the compute dtype of each device type (None: ``dtype`` everywhere).
+        attention: how the attention core runs: ``flash`` (fused) or ``materialized``.
     """
 
     def __init__(
@@ -71,27 +86,36 @@ class ComputeModel:
         dtype: str = "fp32",
         require_profiled: bool = False,
         precision: Precision | None = None,
+        attention: Attention = "flash",
     ) -> None:
         if not 0 < efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+        self.attention: Attention = attention
         self.db = db
         self.efficiency = efficiency
         self.dtype = dtype
         self.require_profiled = require_profiled
         self.precision = precision
-        self._cache: dict[tuple[int, str, float, int], tuple[object, list[LayerTime]]] = {}
+        self._cache: dict[tuple[int, str, float, int, int, bool],
+                          tuple[object, list[LayerTime]]] = {}
 
     def layer_times(
-        self, workload: WorkloadSummary, device: Device, micro_batch: int
+        self, workload: WorkloadSummary, device: Device, micro_batch: int, *, tp: int = 1,
+        sp: bool = False,
     ) -> list[LayerTime]:
-        """Times of every layer of ``workload`` on ``device`` for a micro-batch of that size."""
-        key = (id(workload), device.type, device.slowdown, micro_batch)
+        """Times of every layer of ``workload`` on ``device`` for a micro-batch of that size
+        (``tp`` / ``sp``: price a TP layer as one rank of a ``tp``-way group runs it, where
+        the layer's kernels allow; such times say ``per_rank``)."""
+        key = (id(workload), device.type, device.slowdown, micro_batch, tp, sp)
         cached = self._cache.get(key)
         if cached is not None and cached[0] is workload:
             return cached[1]
         scale = micro_batch / workload.batch_size
         bytes_scale = self._bytes_scale(workload, device)
-        times = [self._one(lay, device, scale, bytes_scale, micro_batch)
+        tokens = _tokens(workload)
+        times = [self._one(lay, device, scale, bytes_scale, micro_batch, tokens, tp, sp)
                  for lay in workload.layers]
         if self.require_profiled:
             missing = [
@@ -134,7 +158,8 @@ class ComputeModel:
                                                                              self.dtype)
 
     def _one(self, lay: LayerCost, device: Device, scale: float,
-             bytes_scale: float = 1.0, micro_batch: int = 1) -> LayerTime:
+             bytes_scale: float = 1.0, micro_batch: int = 1, tokens: int = 0, tp: int = 1,
+             sp: bool = False) -> LayerTime:
         if self.db is not None and lay.signature:
             rec = self.db.compute_record(lay.signature, device.type,
                                          self.compute_dtype(device), micro_batch)
@@ -149,6 +174,16 @@ class ComputeModel:
             ratio = V100_FP32_FLOPS / device.flops("fp32")
             bwd = lay.measured_bwd_us * 1e-6 * scale * ratio
             return LayerTime(bwd / 2, bwd, "measured")
+        curve = curve_for(device.type)
+        if curve is not None and lay.gemms:
+            dtype = self.peak_dtype(device)
+            k = kernel_times(
+                lay, curve, peak_flops=device.flops(dtype),
+                mem_bw=device.mem_bandwidth_bytes_per_s,
+                elem_bytes=DTYPE_SIZE.get(dtype, 4), bytes_scale=bytes_scale, tokens=tokens,
+                r=scale, tp=tp, sp=sp, attention=self.attention)
+            return LayerTime(k.fwd_s, k.bwd_s, "kernels", per_rank=tp > 1,
+                             core_fwd_s=k.core_fwd_s)
         return self._roofline(lay, device, scale, bytes_scale)
 
     def _roofline(self, lay: LayerCost, device: Device, scale: float,
@@ -168,3 +203,11 @@ class ComputeModel:
         for t in times:
             out[t.source] = out.get(t.source, 0) + 1
         return out
+
+
+def _tokens(workload: WorkloadSummary) -> int:
+    """Tokens (or samples) of the capture's first input: a matrix dimension equal to it
+    grows with the micro-batch."""
+    if not workload.input_shapes or not workload.input_shapes[0]:
+        return workload.batch_size
+    return math.prod(workload.input_shapes[0])

@@ -3,11 +3,13 @@ for a cluster, built once per compile and shared by every pass (so passes never 
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from typing import Any, Literal
 
 from hetplan.cost_models.comm import CommModel
 from hetplan.cost_models.compression import CompressionModel
 from hetplan.cost_models.compute import ComputeModel
+from hetplan.cost_models.kernels import Attention
 from hetplan.cost_models.precision import resolve_precision
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.ir.cluster import ClusterSpec
@@ -30,6 +32,10 @@ class CostModel:
         require_profiled: a missing profiled compute time is an error, not a fallback.
         precision: the plan's precision section (None: resolved from ``dtype``); every
             pass, the memory model and the compute model read ``self.precision``.
+        attention: the attention core fused (``flash``) or ``materialized``
+            (:mod:`hetplan.cost_models.kernels`).
+        dp_overlap: data-parallel sync overlaps the last backward (``backward``) or runs
+            after the pipeline flush (``after-flush``); ``evaluate`` reads it.
     """
 
     def __init__(
@@ -42,19 +48,30 @@ class CostModel:
         optimizer: str = "adam",
         require_profiled: bool = False,
         precision: Precision | None = None,
+        attention: Attention = "flash",
+        dp_overlap: Literal["backward", "after-flush"] = "backward",
     ) -> None:
         self.cluster = cluster
         self.db = db
         self.optimizer = optimizer
         self.devices = cluster.devices()
+        #: devices per node index (NIC sharing, :func:`~.stage_times.nic_share`)
+        self.node_sizes = Counter(d.node_index for d in self.devices)
         self.precision = precision if precision is not None else resolve_precision(dtype,
                                                                                    cluster)
         self.compute = ComputeModel(
             db, efficiency=efficiency, dtype=dtype, require_profiled=require_profiled,
-            precision=self.precision,
+            precision=self.precision, attention=attention,
         )
+        if dp_overlap not in ("backward", "after-flush"):
+            raise ValueError(f"dp_overlap must be 'backward' or 'after-flush', got {dp_overlap!r}")
+        self.dp_overlap = dp_overlap
         self.comm = CommModel(cluster, db)
         self.compression = CompressionModel(cluster, db)
         #: pipeline simulations by their inputs: passes that only change gradient sync
         #: re-evaluate the same schedule many times (see ``evaluate``)
         self.pipeline_cache: dict[tuple[Any, ...], Any] = {}
+        #: small derived values by their inputs (a stage's state precision by its ranks'
+        #: device types, ...): pure functions of this model the search asks for again and
+        #: again; every entry is keyed by a tag naming the function first
+        self.memo: dict[tuple[Any, ...], Any] = {}

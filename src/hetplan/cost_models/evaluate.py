@@ -14,7 +14,9 @@ into an iteration time, a breakdown, the memory of every rank and the pipeline b
    activation transfers between stages (:func:`simulate_pipeline`; interleaved chunks, one
    plan stage each, with their own times), giving each stage's end of its last backward.
 3. **Gradient sync.** Each stage's data-parallel group syncs that stage's gradients while the
-   stage runs its last micro-batch's backward: the DP timeline (:func:`simulate_dp`) over that
+   stage runs its last micro-batch's backward (``costs.dp_overlap == "backward"``; with
+   ``"after-flush"`` the sync starts when that backward has ended, as in Megatron-LM
+   before its overlapped gradient reduce): the DP timeline (:func:`simulate_dp`) over that
    backward, with one sync unit per bucket (or per tensor), gives the time the stage finishes
    after its backward ends (exposed communication, GPU compression delays). Gradients move in
    the precision section's reduce dtype; ZeRO's reduce-scatter and all-gather are priced as
@@ -62,6 +64,7 @@ from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import rank_memory, stage_precision
 from hetplan.cost_models.stage_times import (
     group_link,
+    nic_share,
     p2p_ms,
     rank_devices,
     shard_bytes,
@@ -209,11 +212,15 @@ def evaluate(
         tl = None
         exposed = busy = comp = 0.0
         if layout.dp > 1 and strategies[s]:
-            tl = _sync_stage(workload, st, layout, costs, strategies[s], bwd_layers[s], record,
+            # after the flush, sync starts when the stage's last backward has ended: the
+            # timeline runs over no backprop (every gradient is ready at once)
+            overlap = costs.dp_overlap == "backward"
+            backprop = bwd_layers[s] if overlap else [0.0] * len(bwd_layers[s])
+            tl = _sync_stage(workload, st, layout, costs, strategies[s], backprop, record,
                              max_layer_shares(workload, st, layout.tp, tensor_parallel))
-            exposed = tl.iteration_s - bwd[s]
+            exposed = tl.iteration_s - (bwd[s] if overlap else 0.0)
             busy = sum(v for k, v in tl.busy_s.items() if k not in (GPU, CPU))
-            comp = tl.busy_s.get(GPU, 0.0) - sum(bwd_layers[s]) + tl.busy_s.get(CPU, 0.0)
+            comp = tl.busy_s.get(GPU, 0.0) - sum(backprop) + tl.busy_s.get(CPU, 0.0)
         stage_costs.append(StageCost(fwd[s], bwd[s], tp_comm[s], exposed, busy, comp, sources[s]))
         timelines.append(tl)
         comm_busy = max(comm_busy, busy)
@@ -371,18 +378,24 @@ class SyncDtypes:
             reduce dtype) per captured byte: 0.5 for 16-bit gradients of an fp32 capture.
         param_scale: bytes of the working weights per captured byte.
         zero_stage: the layout's ZeRO stage.
+        nic_share: how many data-parallel groups share a node's network interfaces while
+            they sync (:func:`~hetplan.cost_models.stage_times.nic_share`): an inter-node
+            step moves this many times its bytes through the node's links.
     """
 
     grad_scale: float = 1.0
     param_scale: float = 1.0
     zero_stage: int = 0
+    nic_share: float = 1.0
 
 
 def _sync_dtypes(workload: WorkloadSummary, st: Stage, layout: Layout,
                  costs: CostModel) -> SyncDtypes:
     prec = stage_precision(workload, st, costs)
+    dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
     return SyncDtypes(prec.grad_bytes / prec.capture_bytes,
-                      prec.weight_bytes / prec.capture_bytes, layout.zero_stage)
+                      prec.weight_bytes / prec.capture_bytes, layout.zero_stage,
+                      nic_share(costs, dp_ranks))
 
 
 @dataclass(frozen=True)
@@ -545,7 +558,8 @@ def _strategy_ops(
         if strategy.uncompressed_dtype != "fp32":
             payload = nbytes * min(g, 0.5)
     if isinstance(strategy, CompressedSync) and strategy.actions and comp is not None:
-        out = _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node, calc)
+        out = _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node, calc,
+                          dtypes.nic_share)
         return out + _zero_gather(strategy, nbytes, dtypes, costs, dev, dp, link, nodes,
                                   per_node, calc)
     compressed_done = False
@@ -559,6 +573,8 @@ def _strategy_ops(
         routine = step.routine
         if dtypes.zero_stage >= 3 and routine == "allreduce":
             routine = "reduce_scatter"
+        if lk == "inter":
+            size = size * dtypes.nic_share
         ops.append(Op(channel, calc.comm(costs, routine, size, group, lk), routine))
     if compressed_done and comp is not None and isinstance(strategy, CompressedSync):
         res = _comp_resource(strategy.decompress_device, dev)
@@ -575,7 +591,7 @@ def _zero_gather(strategy: SyncStrategy, nbytes: float, dtypes: SyncDtypes, cost
     if dtypes.zero_stage != 1 or isinstance(strategy, NoSync):
         return ()
     group, lk, channel = _level_group("flat", dev, dp, link, nodes, per_node)
-    size = nbytes * dtypes.param_scale
+    size = nbytes * dtypes.param_scale * (dtypes.nic_share if lk == "inter" else 1.0)
     return (Op(channel, calc.comm(costs, "allgather", size, group, lk), "allgather"),)
 
 
@@ -615,6 +631,7 @@ def _action_ops(
     nodes: int,
     per_node: int,
     calc: type[_ScalarCalc] = _ScalarCalc,
+    share: float = 1.0,
 ) -> tuple[Op, ...]:
     """The ops of an Espresso path (``strategy.actions``), following one GPU's data.
 
@@ -647,7 +664,7 @@ def _action_ops(
         routine = a.routine or "allreduce"
         size = unit * group if routine in ("allgather", "gather") else unit
         if a.level == "inter":
-            size *= active
+            size *= active * share
         ops.append(Op(channel, calc.comm(costs, routine, size, group, lk), routine))
         if routine in ("reduce_scatter", "alltoall"):
             frac /= group

@@ -110,9 +110,26 @@ class StatePrecision:
         return self.act_bytes / self.capture_bytes
 
 
+#: :func:`capture_bytes` of the last few workloads, by identity (a workload is immutable;
+#: the entry holds it, so its id cannot be reused while cached). The search asks for it
+#: hundreds of thousands of times per compile.
+_CAPTURE_BYTES: dict[int, tuple[WorkloadSummary, int]] = {}
+
+
 def capture_bytes(workload: WorkloadSummary) -> int:
     """Bytes per element of the floating dtype the workload was captured in: its gradients'
     (the parameters') most common dtype; 4 (fp32) when it lists none."""
+    hit = _CAPTURE_BYTES.get(id(workload))
+    if hit is not None and hit[0] is workload:
+        return hit[1]
+    if len(_CAPTURE_BYTES) >= 8:
+        _CAPTURE_BYTES.clear()
+    value = _capture_bytes(workload)
+    _CAPTURE_BYTES[id(workload)] = (workload, value)
+    return value
+
+
+def _capture_bytes(workload: WorkloadSummary) -> int:
     counts: dict[str, int] = {}
     for g in workload.grads:
         counts[g.dtype] = counts.get(g.dtype, 0) + 1

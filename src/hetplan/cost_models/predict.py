@@ -114,7 +114,8 @@ def plan_costs(
     settings = plan.cost_settings or CostSettings()
     costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
                       efficiency=settings.efficiency, optimizer=settings.optimizer,
-                      precision=plan.precision)
+                      precision=plan.precision, attention=settings.attention,
+                      dp_overlap=settings.dp_overlap)
     layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
     return workload, layout, costs
 

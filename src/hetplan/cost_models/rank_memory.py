@@ -44,12 +44,20 @@ def stage_precision(workload: WorkloadSummary, st: Stage, costs: CostModel,
                      rank: int | None = None) -> StatePrecision:
     """Bytes per element a rank of ``st`` holds (``rank``: that rank's device type; None: the
     stage's largest)."""
-    types = sorted({costs.devices[r].type for r in st.ranks})
     cap = capture_bytes(workload)
-    if rank is not None:
-        return state_precision(costs.precision, costs.devices[rank].type, types, cap)
-    options = [state_precision(costs.precision, t, types, cap) for t in types]
-    return max(options, key=lambda p: (p.act_bytes, p.weight_bytes, p.grad_bytes))
+    own = None if rank is None else costs.devices[rank].type
+    key = ("stage_precision", st.ranks, own, cap)
+    hit: StatePrecision | None = costs.memo.get(key)
+    if hit is not None:
+        return hit
+    types = sorted({costs.devices[r].type for r in st.ranks})
+    if own is not None:
+        out = state_precision(costs.precision, own, types, cap)
+    else:
+        options = [state_precision(costs.precision, t, types, cap) for t in types]
+        out = max(options, key=lambda p: (p.act_bytes, p.weight_bytes, p.grad_bytes))
+    costs.memo[key] = out
+    return out
 
 
 def rank_memory(
@@ -65,24 +73,48 @@ def rank_memory(
     stage's recomputation), ZeRO's buffers and the allocator margin."""
     pp, v = layout.pp, layout.virtual_stages
     sched = schedule_of(layout.schedule, pp, layout.micro_batches, v) if pp > 1 else None
-    rank_stages: dict[int, list[Stage]] = {}
-    uneven: dict[tuple[int, int], list[float]] = {}
-    for st in stages:
+    held: dict[int, list[int]] = {}  # rank -> positions in ``stages`` of the stages it holds
+    uneven: dict[tuple[int, int], tuple[float, ...]] = {}
+    for k, st in enumerate(stages):
         for r in st.ranks:
-            rank_stages.setdefault(r, []).append(st)
+            held.setdefault(r, []).append(k)
         for r, shares in rank_layer_shares(workload, st, layout.tp, tp_section).items():
-            uneven[(st.index, r)] = shares
-    cache: dict[tuple[object, ...], MemoryBreakdown] = {}
-    out = []
-    for r in sorted(rank_stages):
-        mine = rank_stages[r]
-        key = (costs.devices[r].type, tuple(st.index for st in mine),
-               tuple(tuple(uneven.get((st.index, r), ())) for st in mine))
-        if key not in cache:
-            cache[key] = _rank_memory(workload, mine, layout, costs, scale, r, sched,
-                                      [uneven.get((st.index, r)) for st in mine])
-        out.append(cache[key])
-    return tuple(out)
+            uneven[(st.index, r)] = tuple(shares)
+    # Ranks of one device type holding the same stages (with the same shares) hold the same
+    # bytes: one breakdown each, looked up in ``costs.memo`` across calls (the recomputation
+    # search re-prices the same stages again and again, one stage changed at a time).
+    # The memo holds the workload, so its id is not reused while the entries live.
+    costs.memo[("workload", id(workload))] = workload
+    context = ("rank_memory", id(workload), layout.pp, v, layout.tp, layout.dp,
+               layout.zero_stage, layout.sequence_parallel, layout.schedule,
+               layout.micro_batches, scale)
+    types = [d.type for d in costs.devices]
+    # a stage's state precision depends on the device types of its ranks
+    stage_types = [tuple(sorted({types[r] for r in st.ranks})) for st in stages]
+    classes: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for r in sorted(held):
+        classes.setdefault((types[r], tuple(held[r])), []).append(r)
+    out: dict[int, MemoryBreakdown] = {}
+    for (kind, ks), ranks in classes.items():
+        mine = [stages[k] for k in ks]
+        for r in ranks:  # shares differ only between ranks of uneven TP groups
+            shares_of = ([uneven.get((st.index, r)) for st in mine] if uneven
+                         else [None] * len(mine))
+            key = context + (kind,) + tuple(
+                (st.index, st.first_layer, st.last_layer, st.recompute, stage_types[k], sh)
+                for k, st, sh in zip(ks, mine, shares_of))
+            hit = costs.memo.get(key)
+            if hit is None:
+                hit = costs.memo[key] = _rank_memory(
+                    workload, mine, layout, costs, scale, r, sched,
+                    [None if sh is None else list(sh) for sh in shares_of])
+            if uneven:
+                out[r] = hit
+                continue
+            for q in ranks:
+                out[q] = hit
+            break
+    return tuple(out[r] for r in sorted(held))
 
 
 def _rank_memory(workload: WorkloadSummary, mine: list[Stage], layout: Layout,

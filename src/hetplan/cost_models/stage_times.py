@@ -51,11 +51,27 @@ def group_link(costs: CostModel, ranks: list[int]) -> tuple[Literal["intra", "in
     return link, len(nodes), max(nodes.values())
 
 
+def nic_share(costs: CostModel, ranks: list[int]) -> float:
+    """How many groups like ``ranks`` share each node's network interfaces when they all
+    communicate at once: a node's devices over the group's members on it (1 for a group
+    within one node). With tensor parallelism inside a node every TP rank's data-parallel
+    group crosses the node at the same time (tp=8: eight groups on eight NICs), so each gets
+    ``members / devices`` of the node's inter-node bandwidth (``inter_node`` is the node's
+    total)."""
+    link, _, per_node = group_link(costs, ranks)
+    if link != "inter":
+        return 1.0
+    on_node = costs.node_sizes[costs.devices[ranks[0]].node_index]
+    return max(on_node / per_node, 1.0)
+
+
 def p2p_ms(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
             costs: CostModel, scale: float) -> list[float]:
     """Per pipeline link ``i -> i+1`` (and, for interleaved chunks, the wrap-around link
     ``pp-1 -> 0`` last), the activation transfer time in ms of the largest boundary crossing
-    it, in the sending stage's compute dtype."""
+    it, in the sending stage's compute dtype. Each TP rank sends its ``1/tp`` slice
+    (Megatron's scatter-gather); across nodes, every rank of the sending stage on the node
+    sends at once through the node's shared network (``inter_node`` is the node's total)."""
     pp = layout.pp
     links = [0.0] * (pp if layout.virtual_stages > 1 else pp - 1)
     cap = capture_bytes(workload)
@@ -65,6 +81,9 @@ def p2p_ms(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
                               cap).act_scale
         nbytes = workload.layers[stages[k].last_layer].act_out_bytes * scale * act / layout.tp
         link = costs.cluster.link_between(a, b)
+        node = costs.devices[a].node_index
+        if costs.devices[b].node_index != node:
+            nbytes *= sum(1 for r in stages[k].ranks if costs.devices[r].node_index == node)
         links[k % pp] = max(links[k % pp], costs.comm.time_s("p2p", nbytes, 2, link) * 1e3)
     return links
 
@@ -97,14 +116,16 @@ def stage_times(
     layers = workload.layers[st.first_layer : st.last_layer + 1]
     tp_comm = 0.0
     for dev in devices.values():
-        times = costs.compute.layer_times(workload, dev, mb)[st.first_layer : st.last_layer + 1]
+        times = costs.compute.layer_times(workload, dev, mb, tp=tp,
+                                          sp=layout.sequence_parallel)[
+            st.first_layer : st.last_layer + 1]
         per_f, per_b = [], []
         for lay, t in zip(layers, times):
-            lf, lb = t.fwd_s, t.bwd_s
-            if tp > 1 and lay.tp_pairs:
+            lf, lb, core = t.fwd_s, t.bwd_s, t.core_fwd_s
+            if tp > 1 and lay.tp_pairs and not t.per_rank:
                 lf, lb = lf / tp, lb / tp
             per_f.append(lf)
-            per_b.append(lb + recompute_s(lay, lf, st.recompute))
+            per_b.append(lb + recompute_s(lay, lf, st.recompute, core))
             sources[t.source] = sources.get(t.source, 0) + 1
         f, b = sum(per_f), sum(per_b)
         if best is None or f + b > best[0] + best[1]:
@@ -135,11 +156,17 @@ def stage_times(
     return fwd_s + tp_comm, bwd_s + tp_comm, tp_comm, per_layer, sources
 
 
-def recompute_s(lay: LayerCost, fwd_s: float, mode: str) -> float:
-    """Backward's extra time to recompute ``lay`` (its forward time ``fwd_s``) under ``mode``."""
+def recompute_s(lay: LayerCost, fwd_s: float, mode: str,
+                core_fwd_s: float | None = None) -> float:
+    """Backward's extra time to recompute ``lay`` (its forward time ``fwd_s``) under ``mode``:
+    the whole forward (``full``) or the attention core's (``selective``): ``core_fwd_s``
+    where the compute model priced the core apart, else the core's FLOP share of
+    ``fwd_s``."""
     if mode == "full" and lay.kind == "block":
         return fwd_s
     if mode == "selective" and lay.act_attn_core_bytes and lay.fwd_flops:
+        if core_fwd_s is not None:
+            return min(core_fwd_s, fwd_s)
         return fwd_s * min(lay.attn_core_fwd_flops / lay.fwd_flops, 1.0)
     return 0.0
 
@@ -155,7 +182,7 @@ def _zerostage_times(
     dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
     link, _, _ = group_link(costs, dp_ranks)
     layers = range(st.first_layer, st.last_layer + 1)
-    cap = prec.capture_bytes
+    cap = prec.capture_bytes / nic_share(costs, dp_ranks)
     elems = [shard_bytes(workload, workload.layers[i].param_bytes, i, layout.tp) / cap
              for i in layers]
     rs = 0.0

@@ -27,6 +27,7 @@ what one node can send through all its NICs together. Device memory bandwidth is
 Heterogeneity and stragglers: ``slowdown`` (≥ 1) on a device type or on a node group divides
 the device's effective speed (peak FLOP/s and memory bandwidth); the two multiply.
 ``relative_speed`` records a measured speed, passed through to the cost model as is.
+``stragglers`` (optional) adds random per-iteration delays (:mod:`hetplan.ir.stragglers`).
 
 Presets for the seeds' testbeds and common machines are in :data:`PRESETS` (their numbers, and
 the device types', in :mod:`hetplan.ir.cluster_presets`); each is also written to
@@ -61,6 +62,7 @@ from pydantic import (
 from hetplan.errors import SpecError
 from hetplan.ir.cluster_presets import DEVICE_TYPES, PRESET_SPECS
 from hetplan.ir.fields import strict_float, strict_int
+from hetplan.ir.stragglers import StragglerSpec
 from hetplan.ir.validation import did_you_mean, load_structured_file, validate_model
 
 __all__ = [
@@ -76,6 +78,7 @@ __all__ = [
     "DEVICE_CATALOGUE",
     "PRESETS",
     "list_presets",
+    "DEFAULT_STORAGE_BANDWIDTH_GBPS",
 ]
 
 _CONFIG = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -104,6 +107,8 @@ MAX_WORLD_SIZE = 65_536
 MAX_DEVICES_PER_NODE = 1_024
 MAX_NODE_GROUPS = 4_096
 MAX_NODES = MAX_WORLD_SIZE
+#: Remote-storage bandwidth assumed when a spec gives none: the thesis's FSx (20 Gbit/s).
+DEFAULT_STORAGE_BANDWIDTH_GBPS = 20.0
 
 _Name = Annotated[str, Field(min_length=1, max_length=200)]
 
@@ -224,6 +229,9 @@ class NodeSpec(BaseModel):
         intra_link: the interconnect between the devices of one node.
         slowdown: straggler factor ≥ 1 for every device of these nodes.
         failure_rate_per_hour: expected failures per node-hour, or None when unknown.
+        cpu_memory_gib: host (CPU) memory of one node in GiB, 1 MiB .. 1 PiB, or None when
+            unknown. The Gemini checkpoint pass checks that its in-memory replicas fit in it;
+            when None, that check is skipped and the plan says so.
     """
 
     model_config = _CONFIG
@@ -235,6 +243,7 @@ class NodeSpec(BaseModel):
     intra_link: LinkSpec
     slowdown: _Slowdown = 1.0
     failure_rate_per_hour: _Rate | None = None
+    cpu_memory_gib: _MemoryGiB | None = None
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -328,6 +337,11 @@ class ClusterSpec(BaseModel):
         inter_node: the network between nodes; required when there is more than one node.
         device_types: the device catalogue, by type name; types the nodes use but the file
             does not define are filled in from :data:`DEVICE_CATALOGUE` when loading.
+        storage_bandwidth_gbps: aggregate bandwidth (Gbit/s) of the remote persistent storage
+            that checkpoints are written to, or None when unknown; the Gemini pass then
+            assumes :data:`DEFAULT_STORAGE_BANDWIDTH_GBPS` (the thesis's 20 Gb/s FSx) and
+            records the assumption in the plan.
+        stragglers: random per-iteration delays of devices (:class:`StragglerSpec`), or None.
 
     Example:
         >>> spec = ClusterSpec.from_preset("mixed-generations")
@@ -345,6 +359,8 @@ class ClusterSpec(BaseModel):
     inter_node: LinkSpec | None = None
     device_types: dict[_Name, DeviceSpec] = Field(default_factory=dict,
                                                   max_length=MAX_NODE_GROUPS)
+    storage_bandwidth_gbps: _Bandwidth | None = None
+    stragglers: StragglerSpec | None = None
 
     # -- validation ---------------------------------------------------------------------
     @model_validator(mode="before")
@@ -408,6 +424,13 @@ class ClusterSpec(BaseModel):
                         f"built-in type: {', '.join(DEVICE_CATALOGUE)})"
                         + did_you_mean(group.type, known)
                     )
+        group_names = [node.name for node in self.nodes]
+        for name in self.stragglers.nodes if self.stragglers is not None else ():
+            if name not in group_names:
+                problems.append(
+                    f"stragglers.nodes: unknown node group {name!r} (node groups: "
+                    f"{', '.join(group_names)}){did_you_mean(name, group_names)}"
+                )
         if self.num_nodes > 1 and self.inter_node is None:
             problems.append(
                 f"inter_node: missing; the cluster has {self.num_nodes} nodes, so it needs the "
@@ -434,6 +457,14 @@ class ClusterSpec(BaseModel):
         """Devices per node when every node has the same number, else None."""
         sizes = {node.devices_per_node for node in self.nodes}
         return sizes.pop() if len(sizes) == 1 else None
+
+    def straggler_of(self, rank: int) -> tuple[float, float]:
+        """``(probability, delay_s)`` of the random per-iteration delay of ``rank``'s device
+        (``(0.0, 0.0)`` when it does not straggle)."""
+        spec = self.stragglers
+        if spec is None or (spec.nodes and self._device(rank).group not in spec.nodes):
+            return 0.0, 0.0
+        return spec.probability, spec.delay_s
 
     @property
     def is_heterogeneous(self) -> bool:
@@ -518,6 +549,15 @@ class ClusterSpec(BaseModel):
         its plans; any change to a device, node, link or count does.
         """
         data = self.model_dump(mode="json", exclude={"name", "description"})
+        # Fields added after the first release count only when set, so the fingerprints
+        # (and the plans that carry them) of specs that leave them out stay the same.
+        if data.get("storage_bandwidth_gbps") is None:
+            data.pop("storage_bandwidth_gbps", None)
+        for node in data.get("nodes", ()):
+            if node.get("cpu_memory_gib") is None:
+                node.pop("cpu_memory_gib", None)
+        if data.get("stragglers") is None:  # specs written before the field keep their hash
+            data.pop("stragglers", None)
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

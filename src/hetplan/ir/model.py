@@ -29,6 +29,7 @@ from typing import Literal
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from hetplan.errors import SpecError
+from hetplan.ir.kernels import Gemm
 
 __all__ = [
     "WORKLOAD_SCHEMA_VERSION",
@@ -228,6 +229,14 @@ class LayerIR:
         act_attn_core_nonfloat_bytes: its non-floating part.
         attn_core_fwd_flops: forward FLOPs of the attention core (what selective
             recomputation runs again in backward).
+        gemms: every matrix multiply of the layer's forward and backward, by shape
+            (:class:`~hetplan.ir.kernels.Gemm`), at the captured batch.
+        mem_fwd_bytes / mem_bwd_bytes: bytes read and written by the layer's other kernels
+            (element-wise, normalisation, softmax, dropout, copies) outside the attention
+            core, in forward / backward, each kernel run on its own (no fusion).
+        core_mem_fwd_bytes / core_mem_bwd_bytes: the same inside the attention core: what
+            an unfused attention moves through memory (scores, softmax, dropout), and a
+            fused one does not.
     """
 
     index: int
@@ -249,6 +258,11 @@ class LayerIR:
     act_attn_core_bytes: int = 0
     act_attn_core_nonfloat_bytes: int = 0
     attn_core_fwd_flops: int = 0
+    gemms: tuple[Gemm, ...] = ()
+    mem_fwd_bytes: int = 0
+    mem_bwd_bytes: int = 0
+    core_mem_fwd_bytes: int = 0
+    core_mem_bwd_bytes: int = 0
 
     __pydantic_config__ = _FORBID
 
@@ -493,7 +507,9 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
             raise SpecError(f"{at}layer name {layer.name!r} appears twice")
         names.add(layer.name)
         for field_name in ("fwd_flops", "bwd_flops", "act_in_bytes", "act_out_bytes",
-                           "act_saved_bytes", *_ACT_PARTS, "attn_core_fwd_flops"):
+                           "act_saved_bytes", *_ACT_PARTS, "attn_core_fwd_flops",
+                           "mem_fwd_bytes", "mem_bwd_bytes", "core_mem_fwd_bytes",
+                           "core_mem_bwd_bytes"):
             if getattr(layer, field_name) < 0:
                 raise SpecError(f"{at}layer {layer.name!r}: {field_name} is negative")
         _check_act_parts(layer, at)

@@ -45,6 +45,7 @@ from pydantic import (
 
 from hetplan._version import __version__
 from hetplan.errors import PlanMismatchError, PlanVersionError, SpecError
+from hetplan.ir.plan_checkpointing import Checkpointing
 from hetplan.ir.plan_checks import plan_problems
 from hetplan.ir.plan_sections import (
     Baseline,
@@ -78,6 +79,7 @@ from hetplan.ir.plan_sections import (
     TPRankRole,
     WorkloadSummary,
 )
+from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
@@ -153,6 +155,10 @@ class Plan(BaseModel):
         pass_log: the passes that ran, in order.
         rebalancing: pipeline re-balancing policy and planned events for a dynamic model
             (None: static model).
+        checkpointing: Gemini's in-memory checkpoints (None: no checkpointing planned);
+            :mod:`hetplan.ir.plan_checkpointing`.
+        group_sync: semi-decentralized group synchronisation of the pipeline replicas
+            (SDPipe; :mod:`hetplan.ir.plan_group_sync`), or None: synchronous data parallel.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -173,6 +179,8 @@ class Plan(BaseModel):
     cost_settings: CostSettings | None = None
     precision: Precision | None = None
     pass_log: tuple[PassLogEntry, ...] = ()
+    checkpointing: Checkpointing | None = None
+    group_sync: GroupSync | None = None
 
     @model_validator(mode="after")
     def _check_cross_section(self, info: ValidationInfo) -> Plan:

@@ -25,7 +25,8 @@ Rules (each applies when the sections it relates are present):
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
    in their tp coordinate), inside its stage; each rank has one role.
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
-   inter-node step needs more than one node.
+   inter-node step needs more than one node. **sparse_sync** names only gradients of the
+   workload, each with its shape (rows x row_elems elements).
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages.
 8. **predictions**: at most one memory figure per rank.
 9. **complete** plans — what ``hetplan plan`` writes, required of every plan file
@@ -58,6 +59,9 @@ from hetplan.ir.plan_sections import (
     Stage,
     TensorParallel,
 )
+from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
+from hetplan.ir.model import DTYPE_BYTES
+from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import did_you_mean
 
@@ -88,6 +92,10 @@ class Plan(Protocol):
     def predictions(self) -> Predictions | None: ...
     @property
     def precision(self) -> Precision | None: ...
+    @property
+    def group_sync(self) -> GroupSync | None: ...
+    @property
+    def sparse_sync(self) -> SparseSync | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
@@ -102,7 +110,9 @@ def plan_problems(plan: Plan, *, complete: bool = False) -> list[str]:
     """
     problems = _cluster(plan) + _layout(plan)
     problems += _stages(plan) + _pipeline_actions(plan) + _tensor_parallel(plan)
-    problems += _gradient_sync(plan) + _rebalancing(plan) + _predictions(plan)
+    problems += _gradient_sync(plan) + _sparse_sync(plan) + _rebalancing(plan)
+    problems += _predictions(plan)
+    problems += group_sync_problems(plan.group_sync, plan.layout)
     if complete:
         problems += _completeness(plan)
     return problems
@@ -348,6 +358,25 @@ def _gradient_sync(plan: Plan) -> list[str]:
         if len(stages) > 1:
             out.append(f"gradient_sync.buckets[{i}]: holds gradients of stages {stages}; a "
                        "bucket stays inside one pipeline stage (each stage syncs its own)")
+    return out[:_MAX_PER_RULE]
+
+
+def _sparse_sync(plan: Plan) -> list[str]:
+    """Each sparse-synced tensor is a gradient of the model, with the shape it has there."""
+    sparse, workload = plan.sparse_sync, plan.model.workload
+    if sparse is None or workload is None:
+        return []
+    numel = {g.name: g.size_bytes // DTYPE_BYTES[g.dtype] for g in workload.grads
+             if g.dtype in DTYPE_BYTES}
+    names = [g.name for g in workload.grads]
+    out = []
+    for i, t in enumerate(sparse.tensors):
+        if t.name not in names:
+            out.append(f"sparse_sync.tensors[{i}].name: {t.name!r} is not a gradient of model "
+                       f"{plan.model.name!r}{did_you_mean(t.name, names)}; {_RERUN}")
+        elif t.name in numel and t.rows * t.row_elems != numel[t.name]:
+            out.append(f"sparse_sync.tensors[{i}]: rows x row_elems = {t.rows} x {t.row_elems} "
+                       f"but gradient {t.name!r} has {numel[t.name]} elements; {_RERUN}")
     return out[:_MAX_PER_RULE]
 
 

@@ -31,6 +31,7 @@ from pydantic import (
 
 from hetplan.ir.cluster import DTYPE_ALIASES, MAX_WORLD_SIZE, ClusterSpec, Dtype
 from hetplan.ir.compressors import compressor_problems
+from hetplan.ir.kernels import Gemm
 from hetplan.ir.fields import (
     MAX_MS,
     FiniteFloat,
@@ -129,6 +130,9 @@ class LayerCost(_Section):
     (non-floating bytes, bytes outside tensor-parallel regions, the attention core that
     selective recomputation drops); plans written before they existed read them as 0, which
     the memory model takes as before: every byte floating, split under TP, no core.
+    ``gemms`` and the ``*mem_*_bytes`` are the layer's kernels (:mod:`hetplan.ir.kernels`),
+    which the compute model prices shape by shape; empty in plans written before them (the
+    compute model then prices the layer's FLOPs at the roofline).
     """
 
     name: Name
@@ -149,6 +153,11 @@ class LayerCost(_Section):
     act_attn_core_bytes: NonNegInt = 0
     act_attn_core_nonfloat_bytes: NonNegInt = 0
     attn_core_fwd_flops: NonNegInt = 0
+    gemms: tuple[Gemm, ...] = ()
+    mem_fwd_bytes: NonNegInt = 0
+    mem_bwd_bytes: NonNegInt = 0
+    core_mem_fwd_bytes: NonNegInt = 0
+    core_mem_bwd_bytes: NonNegInt = 0
 
 
 class GradCost(_Section):
@@ -223,6 +232,11 @@ class WorkloadSummary(_Section):
                     act_attn_core_bytes=lay.act_attn_core_bytes,
                     act_attn_core_nonfloat_bytes=lay.act_attn_core_nonfloat_bytes,
                     attn_core_fwd_flops=lay.attn_core_fwd_flops,
+                    gemms=lay.gemms,
+                    mem_fwd_bytes=lay.mem_fwd_bytes,
+                    mem_bwd_bytes=lay.mem_bwd_bytes,
+                    core_mem_fwd_bytes=lay.core_mem_fwd_bytes,
+                    core_mem_bwd_bytes=lay.core_mem_bwd_bytes,
                 )
                 for lay in ir.layers
             ),
@@ -278,7 +292,10 @@ class CostSettings(_Section):
     16-bit dtype, see :class:`Precision`) or one dtype forced everywhere (``fp32``, ``bf16``,
     ``fp16``); plans written before mixed precision existed say ``fp32`` (the default), which
     still means fp32 everywhere. ``profile_fingerprint`` identifies the profile DB used
-    (empty: analytic costs only).
+    (empty: analytic costs only). ``attention``: the attention core runs fused (``flash``)
+    or writes its scores to memory (``materialized``); ``dp_overlap``: data-parallel
+    gradient sync overlaps the last micro-batch's backward (``backward``) or starts after
+    the pipeline flush (``after-flush``); see ``docs/decisions/cost-model.md``.
     """
 
     dtype: Name = "fp32"
@@ -286,6 +303,8 @@ class CostSettings(_Section):
                           BeforeValidator(strict_float)] = 0.5
     optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
     profile_fingerprint: str = ""
+    attention: Literal["flash", "materialized"] = "flash"
+    dp_overlap: Literal["backward", "after-flush"] = "backward"
 
     @field_validator("dtype")
     @classmethod

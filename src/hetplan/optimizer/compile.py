@@ -64,8 +64,10 @@ from hetplan.ir.plan_sections import (
     Stage,
     WorkloadSummary,
 )
+from hetplan.optimizer.bounds import bounds_apply, iteration_lower_bound
 from hetplan.optimizer.layout import LayoutCandidate, enumerate_layouts
 from hetplan.optimizer.options import CompileOptions
+from hetplan.optimizer.progress import Progress, search_progress
 from hetplan.passes import BASELINE_PASSES, BASELINE_PIPELINE, DEFAULT_PASSES
 from hetplan.passes.base import Pass, PassContext
 from hetplan.passes.manager import run_passes
@@ -164,7 +166,8 @@ def compile(  # noqa: A001 - the product's verb
     job = _Job(
         opts=opts, ir=ir, workload=WorkloadSummary.from_model_ir(ir), spec=spec, db=db,
         costs=CostModel(spec, db, dtype=opts.dtype, efficiency=opts.efficiency,
-                        optimizer=opts.optimizer, require_profiled=opts.require_profiled),
+                        optimizer=opts.optimizer, require_profiled=opts.require_profiled,
+                        attention=opts.attention, dp_overlap=opts.dp_overlap),
         model_ref=ModelRef(name=ir.name, fingerprint=ir.fingerprint(),
                            num_params=ir.num_params),
         cluster_ref=ClusterRef.from_cluster(spec, embed=False),
@@ -189,14 +192,17 @@ def compile(  # noqa: A001 - the product's verb
             "or a larger micro-batch size"
         )
     infeasible: list[str] = []
-    screened = _screen(job, candidates, infeasible)
-    best = _refine(job, screened, infeasible)
+    with search_progress(len(candidates), opts.progress) as progress:
+        screened, pruned = _screen(job, candidates, infeasible, progress)
+        best = _refine(job, screened, infeasible)
     if best is None:
         raise InfeasiblePlanError(
             f"none of the {len(candidates)} layouts fits in memory; for example: "
             f"{infeasible[-1]}"
         )
-    note = (f"{len(candidates)} layout(s) considered, {len(infeasible)} infeasible, "
+    note = (f"{len(candidates)} layout(s) considered, "
+            + (f"{pruned} pruned by lower bounds, " if pruned else "")
+            + f"{len(infeasible)} infeasible, "
             + (f"best {min(FINALISTS, len(screened))} refined, " if job.refinement else "")
             + f"chose {best[1].describe()}")
     return _assemble(job, best, note)
@@ -222,16 +228,42 @@ def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | N
     return capture(model, example_inputs, example_kwargs)
 
 
-def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[str]) -> list[Scored]:
-    """Every candidate layout with the screening passes at its ZeRO stage, fastest first; the
-    reasons of those that cannot fit at any stage are appended to ``infeasible``."""
+def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[str],
+            progress: Progress | None = None) -> tuple[list[Scored], int]:
+    """Every candidate layout with the screening passes at its ZeRO stage, fastest first,
+    and how many were pruned; the reasons of those that cannot fit at any stage are appended
+    to ``infeasible``.
+
+    Candidates are screened in the order of their lower bound
+    (:func:`~hetplan.optimizer.bounds.iteration_lower_bound`, ties in layout order); once
+    :data:`FINALISTS` layouts fit, a candidate whose bound exceeds the slowest of the
+    fastest :data:`FINALISTS` so far cannot become a finalist, and neither can any after it:
+    the rest are pruned unscreened. The finalists, and so the plan, are those of screening
+    every candidate."""
+    order = list(candidates)
+    bounds: dict[LayoutCandidate, float] = {}
+    if bounds_apply(job.screening, job.opts.schedule):
+        for cand in candidates:
+            bounds[cand] = iteration_lower_bound(job.workload, job.costs, cand,
+                                                 job.opts.schedule, job.zero_ladder(cand))
+        order.sort(key=lambda c: (bounds[c], c))
     screened: list[Scored] = []
-    for cand in candidates:
+    top: list[float] = []  # the FINALISTS fastest times so far, ascending
+    for k, cand in enumerate(order):
+        if len(top) >= FINALISTS and bounds.get(cand, 0.0) > top[-1]:
+            pruned = len(order) - k
+            if progress is not None:
+                progress.advance(pruned)
+            screened.sort(key=lambda x: (x[0], x[1]))
+            return screened, pruned
         best = _screen_one(job, cand, infeasible)
+        if progress is not None:
+            progress.advance(1)
         if best is not None:
             screened.append(best)
+            top = sorted(top + [best[0]])[:FINALISTS]
     screened.sort(key=lambda x: (x[0], x[1]))
-    return screened
+    return screened, 0
 
 
 def _screen_one(job: _Job, cand: LayoutCandidate, infeasible: list[str]) -> Scored | None:
@@ -293,7 +325,8 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
         "provenance": _provenance(ev, job.costs),
         "cost_settings": CostSettings(dtype=opts.dtype, efficiency=opts.efficiency,
                                       optimizer=opts.optimizer,
-                                      profile_fingerprint=_db_fingerprint(job.db)),
+                                      profile_fingerprint=_db_fingerprint(job.db),
+                                      attention=opts.attention, dp_overlap=opts.dp_overlap),
         "precision": job.costs.precision,
         "pass_log": (PassLogEntry(name="layout-search", changed=True, notes=(search_note,)),)
         + plan.pass_log,
@@ -323,7 +356,10 @@ def _memory_lower_bound(workload: WorkloadSummary, cand: LayoutCandidate,
     ranks exceeds the smallest device), or ""."""
     whole = Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
                   ranks=tuple(range(len(costs.devices))))
-    prec = min((stage_precision(workload, whole, costs, r) for r in range(len(costs.devices))),
+    first_of_type: dict[str, int] = {}
+    for r, dev in enumerate(costs.devices):  # the precision depends on the device type only
+        first_of_type.setdefault(dev.type, r)
+    prec = min((stage_precision(workload, whole, costs, r) for r in first_of_type.values()),
                key=lambda p: (p.weight_bytes + p.grad_bytes + p.master_bytes, p.act_bytes))
     w, g, o = model_state(workload.layers, tp=cand.tp, dp=cand.dp, zero_stage=cand.zero_stage,
                           optimizer=costs.optimizer, precision=prec)

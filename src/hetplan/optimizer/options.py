@@ -62,9 +62,13 @@ class CompileOptions(BaseModel):
         dtype: the precision policy: ``mixed`` (the default: bf16 on device types with a bf16
             peak, fp16 with loss scaling where only fp16, fp32 elsewhere; fp32 master weights
             and optimizer state) or one of ``fp32``, ``bf16``, ``fp16`` everywhere.
-        efficiency / optimizer: cost-model settings (recorded in the plan).
+        efficiency / optimizer / attention / dp_overlap: cost-model settings (recorded in
+            the plan; see ``CostSettings``).
         require_profiled: refuse analytic compute estimates.
         compressors / dynamics / tp_controller / tp_gamma_max: pipeline shorthands.
+        progress: the layout search's progress bar on stderr for a search over a second
+            (:mod:`hetplan.optimizer.progress`): True always, False never, None (default)
+            only when stderr is a terminal. It does not change the plan.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -84,11 +88,14 @@ class CompileOptions(BaseModel):
     dtype: Literal["mixed", "fp32", "bf16", "fp16"] = "mixed"
     efficiency: float = Field(default=0.5, gt=0, le=1)
     optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
+    attention: Literal["flash", "materialized"] = "flash"
+    dp_overlap: Literal["backward", "after-flush"] = "backward"
     require_profiled: bool = False
     compressors: tuple[str, ...] = ()
     dynamics: DynamicsSpec | str | Path | None = None
     tp_controller: Literal["off", "zero", "migration", "semi"] = "off"
     tp_gamma_max: float = 0.9
+    progress: bool | None = None
 
     @field_validator("schedule")
     @classmethod

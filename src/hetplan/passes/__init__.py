@@ -32,10 +32,12 @@ def get_all_passes() -> dict[str, type]:
     from hetplan.passes.ddp_buckets import DDPBuckets
     from hetplan.passes.dynpipe import DynPipe
     from hetplan.passes.espresso import Espresso
+    from hetplan.passes.gemini import Gemini
     from hetplan.passes.even_tp import EvenTP
+    from hetplan.passes.sdpipe import SDPipe
     from hetplan.passes.tp_resizing import TPResizing
     from hetplan.passes.uniform_stages import UniformStages
     from hetplan.passes.zen import Zen
 
     return {cls.name: cls for cls in (UniformStages, EvenTP, DDPBuckets, DynPipe, Espresso,
-                                      CupcakeFusion, TPResizing, Zen)}
+                                      CupcakeFusion, TPResizing, Zen, Gemini, SDPipe)}

@@ -17,6 +17,10 @@ report is a JSON-ready dict with these sections (:data:`SECTIONS`):
   against the usable memory of the embedded cluster spec.
 - ``predictions``: iteration time, its breakdown, and each baseline with the speedup over it.
 - ``provenance``: where each cost came from (profiled or analytic), cost settings, passes.
+- ``checkpointing``: Gemini's placement, chunk schedule and predictions
+  (:mod:`hetplan.report.checkpointing`); ``{"available": false}`` without the section.
+- ``group_sync``: SDPipe's policy, P and T, and the simulated throughput of each policy
+  (None without the section; :mod:`hetplan.report.group_sync`).
 - ``warnings``: analytic costs, near-OOM ranks, heavy pipeline bubbles, baselines that are
   faster than the plan, missing sections.
 
@@ -39,6 +43,8 @@ from hetplan.ir.cluster import Device
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync, SyncStrategy, TPGroup
 from hetplan.report._text import fmt_pct, ranges
+from hetplan.report.checkpointing import checkpointing_report
+from hetplan.report.group_sync import group_sync_report
 
 __all__ = [
     "SECTIONS",
@@ -55,7 +61,8 @@ __all__ = [
 REPORT_VERSION = 1
 #: The report sections, in display order (``--section NAME``).
 SECTIONS: tuple[str, ...] = (
-    "layout", "stages", "tp", "sync", "memory", "predictions", "provenance", "warnings",
+    "layout", "stages", "tp", "sync", "memory", "predictions", "provenance", "checkpointing",
+    "group_sync", "warnings",
 )
 #: A rank is near OOM at this fraction of its usable memory.
 NEAR_OOM_FRACTION = 0.9
@@ -99,6 +106,8 @@ def build_report(plan: Plan) -> dict[str, Any]:
         "memory": _memory(plan, devices),
         "predictions": _predictions(plan),
         "provenance": _provenance(plan),
+        "checkpointing": checkpointing_report(plan),
+        "group_sync": group_sync_report(plan),
     }
     report["warnings"] = _warnings(plan, report)
     return report

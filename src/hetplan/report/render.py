@@ -22,6 +22,8 @@ from hetplan.report._text import (
     plain_text,
     ranges,
 )
+from hetplan.report.checkpointing import render_checkpointing
+from hetplan.report.group_sync import render_group_sync
 from hetplan.report.inspect import SECTIONS
 
 __all__ = ["render_report", "render_text"]
@@ -329,6 +331,8 @@ _RENDERERS = {
     "sync": _sync,
     "memory": _memory,
     "predictions": _predictions,
+    "checkpointing": render_checkpointing,
     "provenance": _provenance,
+    "group_sync": render_group_sync,
     "warnings": _warnings,
 }

@@ -67,6 +67,33 @@ def refusals(plan: Plan) -> list[str]:
         if modes:
             out.append(f"stages: recompute {modes} with a pipeline (pp={lay.pp}) is not executed "
                        f"by this runtime yet; re-plan with --pp 1 or recompute none ({_DOC})")
+    return out + _group_sync(plan, lay, zero)
+
+
+def _group_sync(plan: Plan, lay: Layout, zero: int) -> list[str]:
+    """What SDPipe group sync (``group_sync.policy == "sdpipe"``) does not compose with: it
+    averages each replica's own weights after a local step (docs/decisions/sdpipe.md)."""
+    gs = plan.group_sync
+    if gs is None or gs.policy != "sdpipe":
+        return []
+    fix = "re-plan with --group-sync off, or without it"
+    out = []
+    for what, bad in ((f"tensor parallelism (tp={lay.tp})", lay.tp > 1),
+                      (f"ZeRO-{zero} (optimizer state sharded across the replicas)", zero > 0),
+                      ("interleaved stages", lay.virtual_stages > 1),
+                      ("pipeline re-balancing", plan.rebalancing is not None),
+                      ("the TP resizing controller", plan.tensor_parallel is not None
+                       and plan.tensor_parallel.controller is not None),
+                      ("16-bit compute (the fp32 master weights are the optimizer's)",
+                       _half(plan)),
+                      ("sparse gradient sync", plan.sparse_sync is not None
+                       and plan.sparse_sync.synced())):
+        if bad:
+            out.append(f"group_sync: SDPipe group sync with {what} is not executed by this "
+                       f"runtime; {fix} ({_DOC}, docs/decisions/sdpipe.md)")
+    if gs.optimizer_state != "local":
+        out.append(f"group_sync.optimizer_state: {gs.optimizer_state!r}; the runtime keeps "
+                   "optimizer state local only; re-plan with sdpipe{optimizer-state=local}")
     return out
 
 

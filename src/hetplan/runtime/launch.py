@@ -24,7 +24,8 @@ devices per node), or ``--nproc-per-node`` in the extra options.
    - Once a rank has recorded a failure, torchrun stops the others (but waits 30 s for one
      that ignores SIGTERM, as a frozen rank does): the ranks still running
      ``failed_grace_s`` later are killed, torchrun too if it still runs ``grace_s`` after
-     that.
+     that. Not with torchrun's ``--max-restarts N`` (N > 0): torchrun then restarts the
+     ranks, and the launcher leaves them to it.
    - When torchrun has exited (or was killed), every process still marked with the run is
      killed, and the relay is given ``grace_s`` to finish; it is not waited for longer.
 
@@ -282,6 +283,8 @@ class _Job:
                  out: TextIO) -> None:
         self.cmd, self.debug, self.out = cmd, debug, out
         self.grace_s, self.failed_grace_s = grace_s, failed_grace_s
+        # torchrun --max-restarts N: a failed rank is torchrun's to restart, not to kill
+        self.elastic = (_option(cmd, "max-restarts") or "0") != "0"
         self.run_dir = tempfile.mkdtemp(prefix="hetplan-run-")
         self.run_id = f"{os.getpid()}-{Path(self.run_dir).name}"
         self.proc: subprocess.Popen[str] | None = None
@@ -360,7 +363,8 @@ class _Job:
             if self.direct_at is not None and now >= self.direct_at and self.stopped_by:
                 self._forward(self.stopped_by, ranks=True)  # torchrun did not pass it on
                 self.direct_at = None
-            if self.kill_at is None and any(c != 0 for c in self._rank_codes().values()):
+            if self.kill_at is None and not self.elastic and any(
+                    c != 0 for c in self._rank_codes().values()):
                 self.kill_at = now + self.failed_grace_s  # torchrun stops the rest
             if self.kill_at is not None and now >= self.kill_at:
                 # after a failure torchrun is spared once, to reap the ranks and print its

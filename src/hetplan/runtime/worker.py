@@ -176,7 +176,16 @@ def _run_worker(argv: list[str]) -> int:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    timeout = timedelta(seconds=args.timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0":
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # torchrun --max-restarts: the job's store still holds the failed attempt's keys
+        from torch.distributed.rendezvous import rendezvous
+
+        store, rank, world = next(rendezvous("env://", timeout=timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"/attempt{restart}", store),
+                                rank=rank, world_size=world, timeout=timeout)
     return _train(args, device)
 
 
@@ -204,7 +213,8 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         times, losses = [], []
         loss = float("nan")
         total = args.warmup + args.steps
-        for step in range(total):
+        # a restart resumes where the restored checkpoint left off (0 without one)
+        for step in range(rt.ctx.iteration, total):
             xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
             loss = rt.train_step(xs, target_of(xs, batch).to(device))
             losses.append(loss)
@@ -236,6 +246,12 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
     finally:
         if rt is not None:
             rt.close()
+    if plan.checkpointing is not None:  # the run succeeded: drop its in-memory checkpoints
+        from hetplan.runtime.checkpoint_store import remove_default_root
+
+        dist.barrier()
+        if rank == 0:
+            remove_default_root()
     return 0
 
 

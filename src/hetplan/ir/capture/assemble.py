@@ -21,6 +21,7 @@ from hetplan.errors import TraceError
 from hetplan.ir.capture.execute import Executor
 from hetplan.ir.capture.trace import Graph
 from hetplan.ir.capture.units import UnitInfo, layer_linears
+from hetplan.ir.kernels import Gemm
 from hetplan.ir.model import DTYPE_BYTES, GradTensor, LayerIR, LayerKind, ModelIR, ParamInfo
 
 __all__ = ["assemble"]
@@ -129,8 +130,9 @@ def assemble(
                 act_out_bytes=act_out.get(inv, 0),
                 act_saved_bytes=ex.saved.get(inv, 0),
                 linears=() if u.own_only or "@" in inv else layer_linears(module, unit),
-                **_act_parts(parts.get(inv, {})),
                 attn_core_fwd_flops=ex.counter.core_fwd.get(inv, 0),
+                **_act_parts(parts.get(inv, {})),
+                **_kernels(ex.counter, inv),
             )
         )
     layers = _mark_head(layers)
@@ -185,7 +187,7 @@ def assemble(
     )
 
 
-def _act_parts(part: dict[str, int]) -> dict[str, int]:
+def _act_parts(part: dict[str, int]) -> dict[str, Any]:
     """The ``act_*`` breakdown fields of a layer from the executor's per-layer parts."""
     return {
         "act_saved_nonfloat_bytes": part.get("saved_nonfloat", 0),
@@ -249,3 +251,20 @@ def _mark_head(layers: list[LayerIR]) -> list[LayerIR]:
 
         layers[-1] = replace(layers[-1], kind=LayerKind.HEAD)
     return layers
+
+
+def _kernels(counter: Any, inv: str) -> dict[str, Any]:
+    """A layer's matrix multiplies by shape and the bytes its other kernels move (see
+    :class:`~hetplan.ir.model.LayerIR`), in a deterministic order."""
+    gemms = tuple(
+        Gemm(phase=phase, core=core, batch=b, m=m, n=n, k=k, count=count)
+        for (phase, core, b, m, n, k), count in sorted(counter.gemms.get(inv, {}).items())
+    )
+    mem = counter.mem_bytes.get(inv, {})
+    return {
+        "gemms": gemms,
+        "mem_fwd_bytes": mem.get(("fwd", False), 0),
+        "mem_bwd_bytes": mem.get(("bwd", False), 0),
+        "core_mem_fwd_bytes": mem.get(("fwd", True), 0),
+        "core_mem_bwd_bytes": mem.get(("bwd", True), 0),
+    }

@@ -93,17 +93,70 @@ class _FlopCounter(TorchDispatchMode):
         #: forward FLOPs run inside an attention core, per layer
         self.core_fwd: defaultdict[str | None, int] = defaultdict(int)
         self.in_core = False
+        #: per layer: (phase, core, batch, m, n, k) -> how many matrix multiplies
+        self.gemms: defaultdict[str | None, defaultdict[tuple[str, bool, int, int, int, int],
+                                                        int]] = defaultdict(
+            lambda: defaultdict(int))
+        #: per layer and (phase, core): bytes read and written by the other kernels
+        self.mem_bytes: defaultdict[str | None, defaultdict[tuple[str, bool], int]] = (
+            defaultdict(lambda: defaultdict(int)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        phase = "bwd" if self.backward else "fwd"
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None and not self.paused:
+        if formula is not None:
             n = int(formula(*args, **kwargs, out_val=out))
             (self.bwd if self.backward else self.fwd)[self.current] += n
             if self.in_core and not self.backward:
                 self.core_fwd[self.current] += n
+            shape = _gemm_shape(func, args)
+            if shape is not None:
+                self.gemms[self.current][(phase, self.in_core) + shape] += 1
+        elif not _moves_no_data(func):
+            moved = sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs, out))
+                        if isinstance(t, torch.Tensor))
+            self.mem_bytes[self.current][(phase, self.in_core)] += moved
         return out
+
+
+#: aten ops that move no data (views, metadata, allocation without initialisation)
+_NO_DATA = frozenset({
+    "detach", "alias", "empty", "empty_like", "empty_strided", "new_empty", "lift_fresh",
+    "_unsafe_view", "scalar_tensor", "t", "zeros_like", "ones_like", "new_ones", "new_zeros",
+    "arange", "full", "zeros", "ones", "bernoulli_",
+})
+
+
+def _moves_no_data(func: Any) -> bool:
+    """Whether ``func`` is a view or an op that reads and writes no tensor data worth
+    pricing (its output is written once at most by an initialiser)."""
+    if getattr(func, "is_view", False):
+        return True
+    return func._overloadpacket.__name__ in _NO_DATA
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _gemm_shape(func: Any, args: tuple[Any, ...]) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) of a matrix multiply op, or None for any other op with a FLOP
+    formula (convolutions, fused attention)."""
+    name = func._overloadpacket.__name__
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in ("mm", "addmm") and len(tensors) >= 2:
+        a, b = tensors[-2], tensors[-1]
+        if a.dim() == 2 and b.dim() == 2:
+            return 1, int(a.shape[0]), int(b.shape[1]), int(a.shape[1])
+    if name in ("bmm", "baddbmm") and len(tensors) >= 2:
+        a, b = tensors[-2], tensors[-1]
+        if a.dim() == 3 and b.dim() == 3:
+            return int(a.shape[0]), int(a.shape[1]), int(b.shape[2]), int(a.shape[2])
+    return None
 
 
 class _GradFnTagger(TorchFunctionMode):
@@ -205,7 +258,12 @@ class _FusedAttention(torch.autograd.Function):
             )
             counter.paused = False
             wanted = [x for x in (qq, kk, vv) if x.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out)) if wanted else iter(())
+            was_core, counter.in_core = counter.in_core, True
+            try:
+                grads = (iter(torch.autograd.grad(out, wanted, grad_out)) if wanted
+                         else iter(()))
+            finally:
+                counter.in_core = was_core
         return (
             *(next(grads) if x.requires_grad else None for x in (qq, kk, vv)),
             None,

@@ -39,6 +39,10 @@ ZeroHandler                ``layout.zero_stage``           fp32 master shard, Ze
 GradSyncHandler            ``gradient_sync``               buckets, compression, all-reduce
 SparseSyncHandler          ``sparse_sync``                 Zen / AGsparse for embeddings
 RebalancingHandler         ``rebalancing``                 planned stage moves, re-packing
+CheckpointingHandler       ``checkpointing``               Gemini snapshots, replicas to
+                                                           holders, recovery on restart
+GroupSyncHandler           ``group_sync``                  SDPipe: local step, then average
+                                                           with the scheduler's group
 ========================== =============================== ================================
 
 **Adding a plan section's execution** is adding a handler: a module here with a
@@ -56,8 +60,10 @@ from hetplan.runtime.handlers.base import (
     RuntimeContext,
     StepTimes,
 )
+from hetplan.runtime.handlers.checkpointing import CheckpointingHandler
 from hetplan.runtime.handlers.composition import CompositionHandler
 from hetplan.runtime.handlers.grad_sync import GradSyncHandler
+from hetplan.runtime.handlers.group_sync import GroupSyncHandler
 from hetplan.runtime.handlers.precision import PrecisionHandler
 from hetplan.runtime.handlers.rebalancing import RebalancingHandler
 from hetplan.runtime.handlers.recompute import RecomputeHandler
@@ -68,8 +74,10 @@ from hetplan.runtime.handlers.zero import ZeroHandler
 
 __all__ = [
     "DEFAULT_HANDLERS",
+    "CheckpointingHandler",
     "CompositionHandler",
     "GradSyncHandler",
+    "GroupSyncHandler",
     "Handler",
     "LossFn",
     "OptimizerFactory",
@@ -97,4 +105,6 @@ DEFAULT_HANDLERS: tuple[type[Handler], ...] = (
     GradSyncHandler,
     SparseSyncHandler,
     RebalancingHandler,
+    CheckpointingHandler,
+    GroupSyncHandler,
 )

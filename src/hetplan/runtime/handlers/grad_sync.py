@@ -37,6 +37,8 @@ class GradSyncHandler(Handler):
         groups = ctx.groups
         sparse = sparse_names(ctx)  # synced by the sparse-sync handler instead
         named = [(n, p) for n, p in ctx.named_params if n not in sparse]
+        if ctx.plan.group_sync is not None and ctx.plan.group_sync.policy == "sdpipe":
+            groups = None  # gradients stay local: the group-sync handler averages parameters
         self.sync = GradSync(named, ctx.plan.gradient_sync,
                              groups.dp_group if groups is not None else None, ctx.layout.dp,
                              groups.sync_levels() if groups is not None else None)

@@ -1,0 +1,125 @@
+"""Lower bounds on a layout's predicted iteration time, so the search can skip layouts that
+cannot be among its finalists without running any pass on them.
+
+:func:`iteration_lower_bound` gives, for a :class:`LayoutCandidate`, a time that
+:func:`~hetplan.cost_models.evaluate.evaluate` can never predict below for any plan the
+screening passes may make of it (whatever the stage partition, recomputation, ZeRO stage of
+its ladder, bucketing or routing). It adds two parts, each priced with the cost model's own
+functions:
+
+1. **Compute and pipeline.** ``T``: one micro-batch's forward and backward through every
+   layer, each layer at the fastest device of the cluster, its Megatron part divided by
+   ``tp``, plus the TP all-reduces of its outputs (forward and backward) at the smallest
+   activation dtype of the cluster. A stage of the plan takes at least its layers' share
+   of ``T`` (it runs at its slowest device and adds recomputation, ZeRO's exposed
+   communication and point-to-point transfers, all ``>= 0``). For GPipe and 1F1B with ``pp``
+   stages and ``m`` micro-batches, stage ``k`` cannot start before micro-batch 1 crossed the
+   forwards of stages ``< k``, must run all its ``m`` forwards and backwards one after the
+   other, and its last backward must still cross the backwards of stages ``< k``: the
+   iteration is at least ``prefix_k + m · t_k`` for every ``k``. The smallest possible
+   maximum over ``k`` of that, over all ways of splitting ``T`` into ``t_0 .. t_{pp-1}``, is
+   ``T / (1 - (1 - 1/m)^pp)`` (equalise the terms: ``T - prefix`` shrinks by ``1 - 1/m``
+   per stage); it is ``m · T`` without a pipeline and ``T`` with one micro-batch. For
+   interleaved 1F1B: ``max(T, m · T / pp)`` (one micro-batch crosses every chunk in order;
+   the busiest pipeline rank runs at least ``1/pp`` of all the work). Chimera: ``0`` (not
+   bounded here).
+2. **Optimizer step.** The memory-bound step of the slowest pipeline rank is at least the
+   whole model's step bytes over ``pp`` ranks, at the smallest bytes per element of any
+   device type, divided by ``dp`` if the ladder has a ZeRO stage, at the largest memory
+   bandwidth of the cluster.
+
+Gradient sync is bounded by ``0`` (it may be hidden under backward). A bound is valid only
+when the screening passes keep every layer's full work (:func:`bounds_apply`: no TP
+resizing controller, which prunes computation). The result is multiplied by
+``1 - 1e-9`` so that a different order of the same float additions never makes it exceed
+the prediction. Deterministic; O(layers · device kinds) per ``(mb, tp)``, cached.
+"""
+
+from __future__ import annotations
+
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.evaluate import _step_bytes
+from hetplan.cost_models.memory import capture_bytes
+from hetplan.cost_models.precision import state_precision
+from hetplan.cost_models.stage_times import shard_bytes
+from hetplan.ir.plan_sections import WorkloadSummary
+from hetplan.optimizer.layout import LayoutCandidate
+from hetplan.passes.base import Pass
+
+__all__ = ["bounds_apply", "iteration_lower_bound", "micro_batch_compute_s"]
+
+#: Relative slack against float reassociation (see module docstring).
+SLACK = 1e-9
+
+
+def bounds_apply(passes: tuple[Pass, ...], schedule: str) -> bool:
+    """Whether :func:`iteration_lower_bound` holds for plans made by ``passes``: none may
+    prune computation (a TP resizing controller), and the schedule must be bounded."""
+    if schedule == "chimera":
+        return False
+    return all(getattr(p, "controller", "off") == "off" for p in passes)
+
+
+def micro_batch_compute_s(workload: WorkloadSummary, costs: CostModel, mb: int,
+                          tp: int) -> float:
+    """``T`` of the module docstring: one micro-batch of ``mb`` samples through every layer,
+    forward and backward, at the fastest device, with ``tp``-way splits and their
+    all-reduces."""
+    key = ("micro_batch_compute_s", id(workload), mb, tp)
+    hit: float | None = costs.memo.get(key)
+    if hit is not None:
+        return hit
+    costs.memo[("workload", id(workload))] = workload  # its id stays unique while cached
+    kinds = {(d.type, d.slowdown): d for d in costs.devices}
+    per_device = [costs.compute.layer_times(workload, dev, mb) for dev in kinds.values()]
+    total = 0.0
+    for i, lay in enumerate(workload.layers):
+        best = float("inf")
+        for times in per_device:
+            f, b = times[i].fwd_s, times[i].bwd_s
+            if tp > 1 and lay.tp_pairs:
+                f, b = f / tp, b / tp
+            best = min(best, f + b)  # recomputation would only add
+        total += best
+    if tp > 1:
+        cap = capture_bytes(workload)
+        act = min(state_precision(costs.precision, t, (), cap).act_scale
+                  for t in sorted({d.type for d in costs.devices}))
+        scale = mb / workload.batch_size
+        for lay in workload.layers:
+            if lay.tp_pairs:
+                nbytes = lay.act_out_bytes * scale * act
+                total += 2 * lay.tp_pairs * costs.comm.time_s("allreduce", nbytes, tp, "intra")
+    costs.memo[key] = total
+    return total
+
+
+def _pipeline_bound(t: float, pp: int, m: int, schedule: str) -> float:
+    if schedule == "chimera":
+        return 0.0
+    if schedule == "interleaved-1f1b":
+        return max(t, m * t / pp)
+    return t / (1.0 - (1.0 - 1.0 / m) ** pp)
+
+
+def _optimizer_bound(workload: WorkloadSummary, costs: CostModel, cand: LayoutCandidate,
+                     sharded: bool) -> float:
+    cap = capture_bytes(workload)
+    elems = sum(shard_bytes(workload, lay.param_bytes, i, cand.tp)
+                for i, lay in enumerate(workload.layers)) / cap
+    per_elem = min(_step_bytes(state_precision(costs.precision, t, (t,), cap), costs.optimizer)
+                   for t in sorted({d.type for d in costs.devices}))
+    if sharded:
+        per_elem /= cand.dp
+    bw = max(d.mem_bandwidth_bytes_per_s for d in costs.devices)
+    return per_elem * elems / cand.pp / bw
+
+
+def iteration_lower_bound(workload: WorkloadSummary, costs: CostModel, cand: LayoutCandidate,
+                          schedule: str, ladder: list[int]) -> float:
+    """A time no plan of ``cand`` (at any ZeRO stage of ``ladder``) is predicted below, in
+    seconds (see module docstring)."""
+    t = micro_batch_compute_s(workload, costs, cand.micro_batch_size, cand.tp)
+    pipe = _pipeline_bound(t, cand.pp, cand.micro_batches, schedule)
+    opt = _optimizer_bound(workload, costs, cand, any(z >= 1 for z in ladder) and cand.dp > 1)
+    return (pipe + opt) * (1.0 - SLACK)

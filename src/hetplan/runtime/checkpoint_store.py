@@ -1,0 +1,129 @@
+"""Where Gemini's in-memory checkpoints live so that they outlive a rank's process.
+
+Decision (``docs/decisions/gemini.md``): a checkpoint must survive the death of the worker
+that wrote it (torchrun's elastic restart starts fresh processes), so it cannot live in the
+worker's heap. Each node's "CPU memory" is a directory of plain files in shared memory
+(``/dev/shm``, i.e. RAM, not disk): ``<root>/node<n>/``. A file there outlives the process and
+costs no serialisation at failure time (the thesis's ``torch.save`` of 162 s), and a machine
+that is lost takes its directory with it — a test wipes it to emulate that. A node's ranks
+only ever read their own node's directory; copies on other nodes reach them over the network
+(the handler's fetch).
+
+Layout, per node::
+
+    own/rank<r>/slot<0|1>.bin|.json     rank r's own snapshots (two buffers)
+    held/rank<r>/slot<0|1>.bin|.json    copies of rank r's snapshots this node holds
+
+A slot is complete when its ``.json`` (iteration, size, CRC-32) exists and matches its
+``.bin``: the data is written first, the metadata last by an atomic rename, and a slot being
+rewritten loses its metadata first. The newer complete slot is never overwritten, so a failure
+while writing leaves the previous snapshot intact (double buffering).
+
+The root is ``$HETPLAN_CHECKPOINT_DIR`` when set (kept after the run: the user owns it), else
+``/dev/shm/hetplan-ckpt-<torchrun run id>`` (the same for every restart of one run; removed when
+the run succeeds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CHECKPOINT_DIR_ENV", "NodeStore", "default_root", "remove_default_root"]
+
+CHECKPOINT_DIR_ENV = "HETPLAN_CHECKPOINT_DIR"
+
+
+def default_root() -> tuple[Path, bool]:
+    """(the store's root, whether the run owns it and removes it on success)."""
+    given = os.environ.get(CHECKPOINT_DIR_ENV)
+    if given:
+        return Path(given), False
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"hetplan-ckpt-{run_id}", True
+
+
+def remove_default_root() -> None:
+    """Remove the run-owned store (after a successful run); a user-given root stays."""
+    root, owned = default_root()
+    if owned:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class NodeStore:
+    """One node's checkpoint directory (see module docstring)."""
+
+    root: Path
+    node: int
+
+    @property
+    def path(self) -> Path:
+        return self.root / f"node{self.node}"
+
+    def _slot(self, kind: str, rank: int, slot: int) -> tuple[Path, Path]:
+        d = self.path / kind / f"rank{rank}"
+        return d / f"slot{slot}.bin", d / f"slot{slot}.json"
+
+    def iterations(self, kind: str, rank: int) -> dict[int, int]:
+        """Complete snapshots: iteration → slot."""
+        out: dict[int, int] = {}
+        for slot in (0, 1):
+            meta = self._meta(kind, rank, slot)
+            if meta is not None:
+                out[int(meta["iteration"])] = slot
+        return out
+
+    def _meta(self, kind: str, rank: int, slot: int) -> dict[str, int] | None:
+        data, meta = self._slot(kind, rank, slot)
+        try:
+            m = json.loads(meta.read_text())
+            if data.stat().st_size != int(m["nbytes"]):
+                return None
+            return {k: int(v) for k, v in m.items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, kind: str, rank: int, iteration: int, blob: bytes) -> None:
+        """Write ``blob`` as ``rank``'s snapshot of ``iteration`` into the slot that does not
+        hold the newest complete one."""
+        have = self.iterations(kind, rank)
+        if iteration in have:
+            return
+        newest = max(have, default=None)
+        slot = 0 if newest is None else 1 - have[newest]
+        data, meta = self._slot(kind, rank, slot)
+        data.parent.mkdir(parents=True, exist_ok=True)
+        meta.unlink(missing_ok=True)  # the slot is incomplete from here on
+        data.write_bytes(blob)
+        tmp = meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"iteration": iteration, "nbytes": len(blob),
+                                   "crc32": zlib.crc32(blob)}))
+        os.replace(tmp, meta)
+
+    def read(self, kind: str, rank: int, iteration: int) -> bytes:
+        """The snapshot of ``iteration``; ``LookupError`` when absent or corrupt."""
+        slot = self.iterations(kind, rank).get(iteration)
+        if slot is None:
+            raise LookupError(f"node {self.node} holds no {kind} snapshot of rank {rank} at "
+                              f"iteration {iteration}")
+        data, _ = self._slot(kind, rank, slot)
+        blob = data.read_bytes()
+        meta = self._meta(kind, rank, slot)
+        if meta is None or zlib.crc32(blob) != meta["crc32"]:
+            raise LookupError(f"node {self.node}: {kind} snapshot of rank {rank} at iteration "
+                              f"{iteration} is corrupt")
+        return blob
+
+    def held_ranks(self) -> list[int]:
+        """The ranks this node holds copies of."""
+        d = self.path / "held"
+        if not d.is_dir():
+            return []
+        return sorted(int(p.name[4:]) for p in d.iterdir() if p.name.startswith("rank"))

@@ -1,0 +1,65 @@
+"""Gemini's per-node store (two buffers, completeness) and the choice of the iteration
+every rank resumes from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetplan.ir.plan_checkpointing import (
+    CheckpointCost,
+    Checkpointing,
+    ChunkSchedule,
+    RankCheckpoint,
+)
+from hetplan.runtime.checkpoint_store import NodeStore
+from hetplan.runtime.handlers.checkpointing import newest_common
+
+
+def test_two_buffers_keep_the_newest_complete(tmp_path: Path) -> None:
+    s = NodeStore(tmp_path, 0)
+    s.write("own", 3, 1, b"one")
+    s.write("own", 3, 2, b"two")
+    s.write("own", 3, 3, b"three")  # overwrites iteration 1, never 2
+    assert sorted(s.iterations("own", 3)) == [2, 3]
+    assert s.read("own", 3, 2) == b"two"
+    # a slot being rewritten is incomplete: its metadata goes first
+    _, meta = s._slot("own", 3, s.iterations("own", 3)[2])
+    meta.unlink()
+    assert sorted(s.iterations("own", 3)) == [3]
+    with pytest.raises(LookupError, match="iteration 2"):
+        s.read("own", 3, 2)
+
+
+def test_corrupt_data_is_refused(tmp_path: Path) -> None:
+    s = NodeStore(tmp_path, 1)
+    s.write("held", 0, 5, b"abcd")
+    data, _ = s._slot("held", 0, 0)
+    data.write_bytes(b"abce")
+    with pytest.raises(LookupError, match="corrupt"):
+        s.read("held", 0, 5)
+    assert s.held_ranks() == [0]
+
+
+def _section() -> Checkpointing:
+    cost = CheckpointCost(name="x", checkpoint_ms=1, every_iters=1, retrieval_ms=1,
+                          slowdown=0, wasted_ms=1)
+    holders = [(0, 1), (1, 0), (2, 3), (3, 2)]
+    return Checkpointing(
+        replicas=2, placement="group", node_groups=((0, 1), (2, 3)),
+        node_holders=tuple(holders),
+        ranks=tuple(RankCheckpoint(rank=r, node=r, state_bytes=4, holders=h, schedule=0)
+                    for r, h in enumerate(holders)),
+        buffer_bytes=8, sub_buffers=2, mu=0.5, chunk_alpha_ms=0, chunk_bandwidth_gbps=1,
+        schedules=(ChunkSchedule(id=0, state_bytes=4),), storage_every_iters=10,
+        storage_bandwidth_gbps=1, iteration_ms=1, gemini=cost, baseline=cost)
+
+
+def test_newest_common() -> None:
+    ck = _section()
+    own = [[4, 5], [], [4, 5], [5, 6]]  # rank 1's node was wiped; rank 3 ran ahead
+    held = [{1: [4, 5]}, {0: []}, {3: [4]}, {2: [4, 5]}]
+    assert newest_common(ck, own, held) == (5, {0: 0, 1: 0, 2: 2, 3: 3})
+    # the whole group {0, 1} lost: nothing is held by everyone
+    assert newest_common(ck, [[], [], [5], [5]], [{}, {}, {3: [5]}, {2: [5]}]) is None
