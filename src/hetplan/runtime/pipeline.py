@@ -447,3 +447,27 @@ def use_eager_layers(stage_module: nn.Module, model: nn.Module,
                             "sequence parallelism)")
         kept.append(tuple(unit))
     return kept
+
+
+def build_stage(
+    model: nn.Module,
+    example_microbatch_args: Sequence[Any] | torch.Tensor,
+    example_kwargs: Mapping[str, Any] | None,
+    stages: Sequence[Stage],
+    stage_index: int,
+    pp_group: dist.ProcessGroup | None,
+    device: torch.device | str,
+    *,
+    ir_layer_names: Sequence[str] | None = None,
+    allow_cross_stage_ties: bool = False,
+) -> _PipelineStageBase:
+    """The pipeline stage ``stage_index`` of ``model`` split as the plan's ``stages`` say.
+
+    Traces with ``pipeline(model, mb_args=..., mb_kwargs=..., split_spec=split_points(...))``
+    and builds the stage with ``pipe.build_stage(stage_index, device, group=pp_group)``; falls
+    back to a manual :class:`SequentialStageModule` when tracing fails (see module doc).
+    Arguments, result and errors as in :func:`build_stages`.
+    """
+    return build_stages(model, example_microbatch_args, example_kwargs, stages, [stage_index],
+                        pp_group, device, ir_layer_names=ir_layer_names,
+                        allow_cross_stage_ties=allow_cross_stage_ties)[0]
