@@ -22,7 +22,8 @@ into an iteration time, a breakdown, the memory of every rank and the pipeline b
    the precision section's reduce dtype; ZeRO's reduce-scatter and all-gather are priced as
    :func:`_strategy_ops` says.
 4. **Iteration** ``= max over stages (last backward end + exposed sync) + optimizer step``; the
-   optimizer step is memory-bound (Adam moves 28 bytes per parameter; ZeRO divides it).
+   optimizer step is memory-bound, priced by the bytes its kernels move plus a launch per
+   kernel (:mod:`hetplan.cost_models.optimizer_step`; ZeRO divides the bytes).
 5. **Memory** per rank (:mod:`hetplan.cost_models.memory`): model state in the precision's
    dtypes and ZeRO's sharding, activations under each stage's recomputation at the peak of
    the rank's action list, ZeRO buffers and the allocator margin;
@@ -53,12 +54,12 @@ from hetplan.algorithms.pipeline_schedules import build_schedule
 from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
-    MOMENT_BYTES,
     MemoryBreakdown,
     StatePrecision,
     capture_bytes,
     check_fits,
 )
+from hetplan.cost_models.optimizer_step import step_bytes, step_kernels, step_seconds
 from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline, simulate_schedule
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import rank_memory, stage_precision
@@ -94,9 +95,10 @@ __all__ = ["Evaluation", "StageCost", "StageSync", "stage_syncs", "evaluate", "r
 #: A sync unit's strategy: a gradient-sync strategy, or a sparse gradient's own scheme.
 UnitStrategy = Union[SyncStrategy, SparseTensorSync]
 
-#: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (read p, g, m, v;
-#: write p, m, v); :func:`_step_bytes` gives every precision and optimizer.
-OPTIMIZER_BYTES_PER_PARAM_BYTE = 7.0
+#: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (torch's foreach
+#: Adam: 72 bytes per element, :data:`hetplan.cost_models.optimizer_step.UPDATE_BYTES`);
+#: :func:`_step_bytes` gives every precision and optimizer.
+OPTIMIZER_BYTES_PER_PARAM_BYTE = 18.0
 
 
 @dataclass(frozen=True)
@@ -687,12 +689,15 @@ def _optimizer_s(
     workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout, costs: CostModel,
     tp_section: TensorParallel | None = None,
 ) -> float:
-    """The optimizer step of the slowest stage: memory-bound, it reads and writes the fp32
-    master weights (or fp32 weights) and the moments, reads the gradients and writes 16-bit
-    weights (Adam in fp32: 28 bytes per parameter, 7 per fp32 parameter byte); under ZeRO
-    each rank steps ``1/dp`` of them. A rank holding several stages (interleaved chunks)
-    steps them all."""
-    per_rank: dict[int, float] = {}
+    """The optimizer step of the slowest pipeline rank (:mod:`hetplan.cost_models.optimizer_step`):
+    the bytes its kernels move over memory bandwidth plus a launch per kernel; under ZeRO
+    each rank steps ``1/dp`` of the elements. A rank holding several stages (interleaved
+    chunks) steps them all in one optimizer."""
+    dp = layout.dp if layout.zero_stage >= 1 else 1
+    nbytes: dict[int, float] = {}
+    tensors: dict[int, int] = {}
+    precs: dict[int, StatePrecision] = {}
+    bws: dict[int, float] = {}
     for st in stages:
         shares = max_layer_shares(workload, st, layout.tp, tp_section)
         prec = stage_precision(workload, st, costs)
@@ -701,19 +706,20 @@ def _optimizer_s(
                          None if shares is None else shares[k])
             for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
         )
-        per_elem = _step_bytes(prec, costs.optimizer)
-        if layout.zero_stage >= 1:
-            per_elem /= layout.dp
-        bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
         s = st.index % layout.pp
-        per_rank[s] = per_rank.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes / bw
-    return max(per_rank.values(), default=0.0)
+        per_elem = step_bytes(prec, costs.optimizer, dp=dp)
+        nbytes[s] = nbytes.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes
+        tensors[s] = tensors.get(s, 0) + sum(
+            1 for g in workload.grads if st.first_layer <= g.layer_index <= st.last_layer)
+        precs.setdefault(s, prec)
+        bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
+        bws[s] = min(bws.get(s, bw), bw)
+    return max((step_seconds(nbytes[s], step_kernels(precs[s], costs.optimizer, tensors[s],
+                                                      dp=dp), bws[s])
+                for s in nbytes), default=0.0)
 
 
 def _step_bytes(prec: StatePrecision, optimizer: str) -> float:
-    """Bytes the optimizer step moves per parameter element (see :func:`_optimizer_s`)."""
-    fp32 = prec.master_bytes or prec.weight_bytes
-    out = 2 * fp32 + prec.grad_bytes + 2 * MOMENT_BYTES[optimizer]
-    return out + (prec.weight_bytes if prec.master_bytes else 0)
-
-
+    """Bytes the optimizer step moves per parameter element without ZeRO
+    (:func:`hetplan.cost_models.optimizer_step.step_bytes`; the search's lower bound uses it)."""
+    return step_bytes(prec, optimizer)

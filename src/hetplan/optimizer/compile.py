@@ -188,6 +188,8 @@ def compile(  # noqa: A001 - the product's verb
             + (f", schedule {opts.schedule!r}: micro-batches must be a multiple of pp and "
                "pp·virtual_stages at most the layers" if opts.schedule == "interleaved-1f1b"
                else "")
+            + (", schedule 'chimera': a pipeline needs an even pp and an even number of "
+               "micro-batches" if opts.schedule == "chimera" else "")
             + "): choose a batch size divisible by a data-parallel degree the cluster allows, "
             "or a larger micro-batch size"
         )

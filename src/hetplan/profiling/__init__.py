@@ -11,6 +11,8 @@ real work on the local hardware:
   processes (gloo or NCCL), with fitted α–β lines.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
+* :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
+  gradient over ``n`` simulated workers (``hetplan profile --sparsity``).
 * :func:`run_profile`: all of it for one model, merged into the DB file at ``output``.
 
 Import rules: this is the one place besides ``runtime/`` that may import ``torch`` *and*
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, merge
+from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, SparsityRecord, merge
 from hetplan.profiling._spawn import run_local_ranks
 from hetplan.profiling.collectives import (
     DEFAULT_COLLECTIVES,
@@ -45,6 +47,7 @@ from hetplan.profiling.layers import (
     profile_layers,
     profile_layers_concurrent,
 )
+from hetplan.profiling.sparsity import SparsitySpec, profile_sparsity
 
 __all__ = [
     "DEFAULT_COLLECTIVES",
@@ -52,12 +55,14 @@ __all__ = [
     "DEFAULT_SIZES",
     "WHAT",
     "CollectiveProfile",
+    "SparsitySpec",
     "default_loss",
     "machine_info",
     "profile_collectives",
     "profile_compressors",
     "profile_layers",
     "profile_layers_concurrent",
+    "profile_sparsity",
     "run_local_ranks",
     "run_profile",
 ]
@@ -101,6 +106,19 @@ def _resolve_model(
     return net, args, dict(keywords or {}), None
 
 
+def _sparsity(model: ModelArg, spec: SparsitySpec, seq: int | None
+              ) -> tuple[SparsityRecord, ...]:
+    """:func:`profile_sparsity` of ``model`` built on CPU; the records are filed under the
+    name planning captures it with (the zoo name, else the model's class name)."""
+    from hetplan.ir.capture import capture
+
+    net, args, kwargs, name = _resolve_model(model, 1, seq, "cpu")
+    ir = capture(net, args, kwargs, name=name or type(net).__name__)
+    return profile_sparsity(net, args, kwargs, ir=ir, workers=spec.workers,
+                            batch_size=spec.batch_size, steps=spec.steps,
+                            zipf_alpha=spec.zipf_alpha, script=spec.script, seed=spec.seed)
+
+
 def _progress(show: bool) -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -133,6 +151,7 @@ def run_profile(
     timeout_s: float = 300.0,
     show_progress: bool = True,
     dtypes: Sequence[str] = ("fp32",),
+    sparsity: SparsitySpec | None = None,
 ) -> ProfileDB:
     """Profile ``model`` and this machine; write (merged) to ``output``.
 
@@ -166,12 +185,15 @@ def run_profile(
         collective_sizes / collectives / compressor_sizes: what to sweep.
         timeout_s: limit for each multi-process measurement.
         show_progress: rich progress bars on stderr.
+        sparsity: also measure the model's sparse (embedding) gradients on CPU
+            (:func:`profile_sparsity`); None skips it. Independent of ``what``.
 
     Returns:
         The DB (merged with the existing file when there is one).
 
     Raises:
-        ValueError: an unknown entry in ``what``, or ``layers`` without a model.
+        ValueError: an unknown entry in ``what``, or ``layers`` or ``sparsity`` without a
+            model.
     """
     bad = [w for w in what if w not in WHAT]
     if bad:
@@ -183,6 +205,7 @@ def run_profile(
     if link_kind is None:
         link_kind = "nvlink" if backend == "nccl" else "loopback"
     compute, colls, comps = [], [], []
+    sparse: tuple[SparsityRecord, ...] = ()
     with _progress(show_progress) as progress:
         if "layers" in what:
             if model is None:
@@ -224,11 +247,19 @@ def run_profile(
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
                                         progress=progress)
+        if sparsity is not None:
+            if model is None:
+                raise ValueError("profiling sparsity needs a model (a zoo name or a module)")
+            task = progress.add_task(f"sparsity on {sparsity.workers} simulated worker(s)",
+                                     total=None)
+            sparse = _sparsity(model, sparsity, seq)
+            progress.update(task, total=1, completed=1)
     db = ProfileDB(
         machines=(machine_info(device_type, backend, world_size),),
         compute=tuple(compute),
         collectives=tuple(colls),
         compressors=tuple(comps),
+        sparsity=sparse,
     )
     if output is not None:
         path = Path(output)
