@@ -76,6 +76,7 @@ from hetplan.ir.plan_sections import (
     TensorParallel,
 )
 from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
+from hetplan.ir.plan_hetero import Hetero, hetero_problems
 from hetplan.ir.model import DTYPE_BYTES
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
@@ -112,6 +113,8 @@ class Plan(Protocol):
     def group_sync(self) -> GroupSync | None: ...
     @property
     def sparse_sync(self) -> SparseSync | None: ...
+    @property
+    def hetero(self) -> Hetero | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
@@ -244,7 +247,9 @@ def _stages(plan: Plan) -> list[str]:
             if st.layer_names and list(st.layer_names) != want:
                 out.append(f"stages[{i}].layer_names: {_short(st.layer_names)} are not the "
                            f"workload's layers {st.first_layer}..{st.last_layer} {_short(want)}")
-    if stages and lay is not None:
+    if plan.hetero is not None:  # per-stage degrees: rule 3's rank part in its own form
+        out += hetero_problems(plan.hetero, lay, stages, plan.cluster.world_size)
+    elif stages and lay is not None:
         out += _stage_ranks(stages, lay)
     else:
         out += _ranks_exist(plan)
