@@ -30,7 +30,7 @@ pytestmark = pytest.mark.dist
 
 CLUSTER = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / "cpu-4-nodes.yaml"
 STEPS, WARMUP = 6, 2  # hetplan run warms up 2 iterations
-STRETCH = 10.0  # spans at 0 … 21 ms after the step's start
+STRETCH = 40.0  # spans at 0 … 84 ms after the step's start (the step takes ~130-160 ms)
 TOLERANCE_MS = 500.0
 
 
