@@ -379,7 +379,8 @@ class CheckpointingHandler(Handler):
                                             c.due_ms, ms(), how))
         post_receives(block=True)
         for r in reqs:
-            r.wait()
+            if r is not None:  # None only for a rank outside the group, never here
+                r.wait()
         acks = []
         for s in self.sources:
             hdr = incoming[s][0]
@@ -393,7 +394,8 @@ class CheckpointingHandler(Handler):
                 raise RuntimeError(f"holder rank {h} acknowledged iteration {int(got)}, "
                                    f"expected {completed}")
         for _, w in acks:
-            w.wait()
+            if w is not None:
+                w.wait()
         record.round_ms = ms()
         record.checkpoint_cpu_ms = (time.thread_time() - cpu0) * 1e3
         self.round_s.append(record.round_ms / 1e3)
