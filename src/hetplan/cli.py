@@ -522,7 +522,8 @@ def profile_cmd(
     world_size: int = typer.Option(2, "--world-size", "-n", help="Local processes."),
     device_type: str = typer.Option("cpu", help="Cluster device type to file records under."),
     what: list[str] = typer.Option(None, "--what",
-                                   help="layers, collectives, compressors (default: all)."),
+                                   help="layers, collectives, compressors, step (the optimizer "
+                                   "step; default: all)."),
     batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements; with "
                                    "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
@@ -544,8 +545,8 @@ def profile_cmd(
                                 "sparsity_batches(worker, workers, batch_size) that yields the "
                                 "model's batches (instead of the Zipf stream)."),
 ) -> None:
-    """Measure this machine (layers, collectives, compressors) and, with --sparsity, the
-    model's sparse gradients into a profile DB."""
+    """Measure this machine (layers, collectives, compressors, optimizer step) and, with
+    --sparsity, the model's sparse gradients into a profile DB."""
     from hetplan.profiling import WHAT, SparsitySpec, run_profile
 
     check_output_path(output, option="-o/--output")
@@ -590,7 +591,8 @@ def profile_cmd(
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
         f"collective record(s), {len(db.compressors)} compressor record(s), "
-        f"{len(db.sparsity)} sparsity record(s)"
+        f"{len(db.sparsity)} sparsity record(s), {len(db.optimizer_steps)} optimizer-step "
+        "record(s)"
     )
 
 

@@ -20,6 +20,13 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   (``gpu`` or ``cpu``) and ``device_type`` the cluster device type of the machine (a GPU type
   such as ``A100-80GB``, or ``cpu``).
 
+* :class:`OptimizerRecord`, key ``(optimizer, device_type, processes)``: measured time of one
+  optimizer step (``step()`` then ``zero_grad()``) over ``tensors`` parameters holding
+  ``nbytes`` fp32 bytes, with ``processes`` processes stepping at once on the machine, and a
+  fitted line ``seconds = per_tensor_s * tensors + per_byte_s * nbytes`` (``hetplan profile
+  --what step``). On a CPU the per-tensor term (the optimizer's Python and dispatch per
+  parameter) dominates small models. Added like sparsity records, without a version bump: an
+  absent ``optimizer_steps`` list reads as empty and an empty one is not written.
 * :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
   statistics of one row-sparse (embedding) gradient when ``workers`` data-parallel workers
   each look up ``batch_size`` samples per synchronized step (``hetplan profile --sparsity``,
@@ -73,6 +80,8 @@ __all__ = [
     "DeviceKind",
     "MachineInfo",
     "ProfileDB",
+    "OptimizerRecord",
+    "OptimizerSample",
     "SparsityRecord",
     "merge",
 ]
@@ -326,6 +335,54 @@ class SparsityRecord(BaseModel):
         return self.steps
 
 
+class OptimizerSample(BaseModel):
+    """One timing of an optimizer step over ``tensors`` parameters of ``nbytes`` fp32 bytes."""
+
+    model_config = _CONFIG
+
+    tensors: int = Field(ge=1)
+    nbytes: int = Field(ge=0)
+    seconds: _NonNeg
+
+
+class OptimizerRecord(BaseModel):
+    """Measured optimizer steps of one optimizer on one device type.
+
+    Attributes:
+        optimizer: the optimizer's name in plans (``adam``, ``adamw``, ``sgd``,
+            ``sgd-momentum``: ``cost_settings.optimizer``).
+        device_type: the cluster device type measured.
+        processes: processes that stepped at once on the machine (the ranks of one node:
+            on a CPU they share its cores).
+        samples: the measured ``(tensors, nbytes, seconds)`` points (at least one).
+        per_tensor_s / per_byte_s: the fitted line ``seconds = per_tensor_s * tensors +
+            per_byte_s * nbytes`` (non-negative least squares on relative residuals).
+    """
+
+    model_config = _CONFIG
+
+    optimizer: _Name
+    device_type: _Name
+    processes: int = Field(ge=1)
+    samples: tuple[OptimizerSample, ...] = Field(min_length=1)
+    per_tensor_s: _NonNeg
+    per_byte_s: _NonNeg
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """``(optimizer, device_type, processes)``."""
+        return (self.optimizer, self.device_type, self.processes)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples behind the record (used by :func:`merge`)."""
+        return len(self.samples)
+
+    def time_s(self, tensors: float, nbytes: float) -> float:
+        """The fitted step time of ``tensors`` parameters holding ``nbytes`` fp32 bytes."""
+        return self.per_tensor_s * tensors + self.per_byte_s * nbytes
+
+
 def _canonical(records: tuple[Any, ...], what: str) -> tuple[Any, ...]:
     counts = Counter(r.key for r in records)
     dup = sorted(k for k, c in counts.items() if c > 1)
@@ -344,8 +401,9 @@ class ProfileDB(BaseModel):
         schema_version: always :data:`PROFILE_SCHEMA_VERSION`; files with another version are
             refused by :meth:`load`.
         machines: the machines measured.
-        compute / collectives / compressors / sparsity: the records, kept sorted by key
-            (``sparsity`` may be absent from a file: it reads as empty).
+        compute / collectives / compressors / sparsity / optimizer_steps: the records, kept
+            sorted by key (``sparsity`` and ``optimizer_steps`` may be absent from a file:
+            they read as empty).
     """
 
     model_config = _CONFIG
@@ -356,6 +414,7 @@ class ProfileDB(BaseModel):
     collectives: tuple[CollectiveRecord, ...] = ()
     compressors: tuple[CompressorRecord, ...] = ()
     sparsity: tuple[SparsityRecord, ...] = ()
+    optimizer_steps: tuple[OptimizerRecord, ...] = ()
 
     @field_validator("machines")
     @classmethod
@@ -386,6 +445,13 @@ class ProfileDB(BaseModel):
     @classmethod
     def _sort_sparsity(cls, value: tuple[SparsityRecord, ...]) -> tuple[SparsityRecord, ...]:
         return _canonical(value, "sparsity")
+
+    @field_validator("optimizer_steps")
+    @classmethod
+    def _sort_optimizer_steps(
+        cls, value: tuple[OptimizerRecord, ...]
+    ) -> tuple[OptimizerRecord, ...]:
+        return _canonical(value, "optimizer step")
 
     # -- lookups ---------------------------------------------------------------------------
     @cached_property
@@ -448,13 +514,26 @@ class ProfileDB(BaseModel):
         """The record of ``compressor`` on ``device_kind`` of a ``device_type`` machine."""
         return self._compressor_index.get((compressor, device_kind, device_type))
 
+    def optimizer_step(
+        self, optimizer: str, device_type: str, processes: int = 1
+    ) -> OptimizerRecord | None:
+        """The optimizer-step record of ``optimizer`` on ``device_type`` measured with the
+        number of processes nearest ``processes`` (by ratio; on a tie the larger), or None."""
+        records = [r for r in self.optimizer_steps
+                   if (r.optimizer, r.device_type) == (optimizer, device_type)]
+        if not records:
+            return None
+        return min(records, key=lambda r: (max(r.processes / processes,
+                                                processes / r.processes), -r.processes))
+
     # -- (de)serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, indent 2, trailing newline (byte-identical for equal
         DBs)."""
         data = self.model_dump(mode="json")
-        if not data["sparsity"]:  # written as before sparsity records existed
-            del data["sparsity"]
+        for key in ("sparsity", "optimizer_steps"):  # written as before they existed
+            if not data[key]:
+                del data[key]
         return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
 
     def save(self, path: str | Path) -> None:
@@ -546,4 +625,5 @@ def merge(*dbs: ProfileDB) -> ProfileDB:
         collectives=_merge_records(db.collectives for db in dbs),
         compressors=_merge_records(db.compressors for db in dbs),
         sparsity=_merge_records(db.sparsity for db in dbs),
+        optimizer_steps=_merge_records(db.optimizer_steps for db in dbs),
     )

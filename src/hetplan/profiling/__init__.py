@@ -13,6 +13,8 @@ real work on the local hardware:
   GPU.
 * :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
   gradient over ``n`` simulated workers (``hetplan profile --sparsity``).
+* :func:`profile_optimizer_steps` (:mod:`.step`): the optimizer step's cost per parameter
+  tensor and per byte, on ``n`` processes at once (CPU).
 * :func:`run_profile`: all of it for one model, merged into the DB file at ``output``.
 
 Import rules: this is the one place besides ``runtime/`` that may import ``torch`` *and*
@@ -43,10 +45,12 @@ from hetplan.profiling.collectives import (
 )
 from hetplan.profiling.compressors import DEFAULT_COMPRESSOR_SIZES, profile_compressors
 from hetplan.profiling.layers import (
+    alias_records,
     default_loss,
     profile_layers,
     profile_layers_concurrent,
 )
+from hetplan.profiling.step import profile_optimizer_steps
 from hetplan.profiling.sparsity import SparsitySpec, profile_sparsity
 
 __all__ = [
@@ -62,6 +66,7 @@ __all__ = [
     "profile_compressors",
     "profile_layers",
     "profile_layers_concurrent",
+    "profile_optimizer_steps",
     "profile_sparsity",
     "run_local_ranks",
     "run_profile",
@@ -70,7 +75,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: What :func:`run_profile` can measure.
-WHAT: tuple[str, ...] = ("layers", "collectives", "compressors")
+WHAT: tuple[str, ...] = ("layers", "collectives", "compressors", "step")
 
 ModelArg = str | tuple[nn.Module, Sequence[Any] | Any, Mapping[str, Any] | None]
 
@@ -84,6 +89,20 @@ def machine_info(device_type: str, backend: str, device_count: int) -> MachineIn
         cuda_version=torch.version.cuda,
         device_count=device_count,
     )
+
+
+def _planning_capture(model: Any, ir: Any, seq: int | None) -> Any:
+    """The zoo model's capture as ``hetplan plan`` and ``compile`` make it (batch 1), when
+    ``ir`` was captured at another batch; None otherwise (see
+    :func:`~hetplan.profiling.layers.alias_records`)."""
+    if not isinstance(model, str) or ir.batch_size == 1:
+        return None
+    from hetplan import zoo
+    from hetplan.ir.capture import capture
+
+    entry = zoo.get(model)
+    args, kwargs = zoo.example_inputs(entry.name, batch=1, seq=seq, device="meta")
+    return capture(zoo.build(entry.name, device="meta", seed=0), args, kwargs, name=entry.name)
 
 
 def _resolve_model(
@@ -158,13 +177,15 @@ def run_profile(
     Args:
         model: a zoo name (built with seed 0 on ``device``), or ``(module, example_inputs,
             example_kwargs)``; None when ``what`` has no ``layers``.
-        world_size: processes for collectives (and the ``device_count`` recorded).
+        world_size: processes for collectives and the optimizer step (and the
+            ``device_count`` recorded).
         device_type: the cluster device type the records are filed under (``cpu``, or the
             GPU type of this machine, e.g. ``A100-80GB``).
         output: the DB file. If it exists it is loaded and merged
             (:func:`~hetplan.cost_models.profile_db.merge`: per key the record with more
             samples wins, the new one on a tie); None writes nothing.
-        what: any of :data:`WHAT`.
+        what: any of :data:`WHAT` (``step``: the optimizer step on ``world_size`` processes at
+            once, :func:`profile_optimizer_steps`; on CPU only).
         batch_size / seq: example inputs for a zoo model. Compute records are keyed by the
             layer's per-sample signature and record the micro-batch they were measured at;
             planning at another micro-batch scales the nearest measured one linearly, so
@@ -206,6 +227,7 @@ def run_profile(
         link_kind = "nvlink" if backend == "nccl" else "loopback"
     compute, colls, comps = [], [], []
     sparse: tuple[SparsityRecord, ...] = ()
+    steps: list[Any] = []
     with _progress(show_progress) as progress:
         if "layers" in what:
             if model is None:
@@ -214,6 +236,7 @@ def run_profile(
             from hetplan.ir.capture import capture
 
             ir = capture(net, args, kwargs, name=name)
+            planning_ir = _planning_capture(model, ir, seq)
             for dtype in dtypes:
                 if layer_processes > 1:
                     task = progress.add_task(
@@ -229,6 +252,8 @@ def run_profile(
                     compute += profile_layers(net, args, kwargs, device_type=device_type,
                                               device=device, warmup=warmup, iters=iters,
                                               ir=ir, progress=progress, dtype=dtype)
+            if planning_ir is not None:
+                compute += alias_records(compute, ir, planning_ir)
         if "collectives" in what:
             if world_size < 2:
                 log.warning("collectives skipped: world_size=%d (need >= 2)", world_size)
@@ -247,6 +272,15 @@ def run_profile(
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
                                         progress=progress)
+        if "step" in what:
+            if not device.startswith("cpu"):
+                log.warning("step skipped: the optimizer step is measured on CPU ranks only")
+            else:
+                task = progress.add_task(f"optimizer step on {world_size} processes",
+                                         total=None)
+                steps = profile_optimizer_steps(world_size, device_type=device_type,
+                                                timeout_s=timeout_s)
+                progress.update(task, total=1, completed=1)
         if sparsity is not None:
             if model is None:
                 raise ValueError("profiling sparsity needs a model (a zoo name or a module)")
@@ -260,6 +294,7 @@ def run_profile(
         collectives=tuple(colls),
         compressors=tuple(comps),
         sparsity=sparse,
+        optimizer_steps=tuple(steps),
     )
     if output is not None:
         path = Path(output)
