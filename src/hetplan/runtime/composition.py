@@ -70,10 +70,6 @@ def refusals(plan: Plan) -> list[str]:
             d.compute_dtype == "fp16" for d in plan.precision.devices.values()):
         out.append("precision: fp16 with ZeRO-3 (FSDP2) has no loss scaling in this runtime "
                    f"yet; re-plan with --dtype bf16 or --zero 2 ({_DOC})")
-    if lay.pp > 1 and _half(plan):
-        out.append(f"precision: 16-bit compute with a pipeline (pp={lay.pp}) is not executed by "
-                   "this runtime yet (the stages are traced in fp32); re-plan with --dtype fp32 "
-                   f"or --pp 1 ({_DOC})")
     if lay.pp > 1:
         modes = sorted({st.recompute for st in plan.stages} - {"none"})
         if modes:
