@@ -70,11 +70,6 @@ def refusals(plan: Plan) -> list[str]:
             d.compute_dtype == "fp16" for d in plan.precision.devices.values()):
         out.append("precision: fp16 with ZeRO-3 (FSDP2) has no loss scaling in this runtime "
                    f"yet; re-plan with --dtype bf16 or --zero 2 ({_DOC})")
-    if lay.pp > 1:
-        modes = sorted({st.recompute for st in plan.stages} - {"none"})
-        if modes:
-            out.append(f"stages: recompute {modes} with a pipeline (pp={lay.pp}) is not executed "
-                       f"by this runtime yet; re-plan with --pp 1 or recompute none ({_DOC})")
     return out + _group_sync(plan, lay, zero)
 
 
