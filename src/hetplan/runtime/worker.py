@@ -230,8 +230,13 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
             # without a pipeline only (the report says so)
             peak = (_measure_peak(rt, ex_args, batch, total, target_of, device)
                     if layout.pp == 1 else None)
+            summary = _rank_summary(rank, times, losses, peak, plan)
+            if plan.checkpointing is not None:  # this attempt's checkpoint rounds
+                from hetplan.runtime.handlers import CheckpointingHandler
+
+                summary["checkpoint_rounds"] = rt.handler(CheckpointingHandler).report()
             ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, _rank_summary(rank, times, losses, peak, plan))
+            dist.all_gather_object(ranks, summary)
             if rank == 0:
                 _write_report(args.report, plan, times, loss, ranks, rt)
     except HetplanError as e:
