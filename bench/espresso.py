@@ -4,17 +4,21 @@ For the six workloads of ``espresso_models.json`` (effective ready gaps, as the 
 simulator uses them), dp = 64 on 8 nodes x 8 V100 with the artifact's NVLink and PCIe constants
 (presets ``espresso-nvlink-8x8`` and ``espresso-pcie-8x8``: 50 / 2.5 GB/s intra, 1.25 GB/s
 inter), and each of DGC, random-k (both keeping 1 %) and EF-SignSGD, the ``espresso`` pass
-chooses one option per tensor (the compressor and fp16 allowed, GPU and CPU (de)compression,
-flat and hierarchical paths, at most ``--max-compressions`` compressions per tensor; default 1,
-i.e. the one-level options HiPress / BytePS-Compress use; 4 is the whole tree of 4341 options).
+chooses one option per tensor with the pass's defaults (the compressor and fp16 allowed, GPU
+and CPU (de)compression, flat and hierarchical paths, up to 4 compressions per tensor: the
+whole extended tree, fp32 / fp16 / bf16 uncompressed steps; ``--max-compressions N`` narrows
+it), and the ``espresso-reference`` baseline pass applies the reference implementation's
+threshold rule to the same workload, priced by the same simulator.
 
 Reported per case (predicted by the shared simulator through ``evaluate``):
 
 * the chosen strategy's iteration time, and the same for every tensor on one option: the best
   fp32 routing (flat allreduce, reduce-scatter/allgather, hierarchical ...), the flat fp32
   allreduce, the best fp16 routing, and the best uniform compression (every option of the
-  compressor the pass may use: its GPU-only paths and the same paths with every (de)compression
-  on the CPU, applied to all tensors);
+  compressor the pass may use: its GPU-only paths, in fp32 and with fp16 uncompressed steps,
+  and the same paths with every (de)compression on the CPU, applied to all tensors), and the
+  ``espresso-reference`` baseline (``reference_ms``, ``reference_s`` its selection time);
+* ``chosen_over_*``: the chosen time over each of these (<= 1 everywhere is the claim);
 * the ratio to the compute-only bound (forward + backprop + optimizer, no communication);
 * selection time (least of ``--repeat`` runs, default 3): the whole pass, Algorithm 4.1 (GPU
   decisions, both hierarchies, with the uniform seeds) and Algorithm 4.2 (CPU offloading),
@@ -45,7 +49,12 @@ from typing import Any
 import hetplan.algorithms.espresso as espresso_algorithms
 import hetplan.passes.espresso as espresso_pass
 from hetplan.algorithms.espresso import Selection
-from hetplan.algorithms.espresso_tree import offloaded, option_id, options
+from hetplan.algorithms.espresso_tree import (
+    has_uncompressed_step,
+    offloaded,
+    option_id,
+    options,
+)
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.ir.cluster import ClusterSpec
@@ -54,6 +63,7 @@ from hetplan.ir.plan_sections import GradientSync, Layout, TensorSync, WorkloadS
 from hetplan.ir.workload import espresso_workloads
 from hetplan.passes.base import PassContext
 from hetplan.passes.espresso import Espresso, Key, strategy_for, strategy_name
+from hetplan.passes.espresso_reference import EspressoReference
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "espresso_models.json"
 OUT = Path(__file__).parent / "results" / "espresso.json"
@@ -121,15 +131,15 @@ def _best(plan: Plan, ctx: PassContext, keys: list[Key]) -> tuple[float, str]:
     return min((_time_ms(plan, ctx, _uniform(ctx, k)), strategy_name(k)) for k in keys)
 
 
-def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int,
+def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int | None,
              repeat: int = 3) -> dict[str, Any]:
     ctx, plan = _setup(wl, preset)
     runs = []  # (total s, gpu s, cpu s, recorder, output): least of ``repeat`` runs
     for _ in range(repeat):
         with _Recorder() as rec:
             t0 = time.perf_counter()
-            out = Espresso(compressors=(comp, "fp16"), devices=("gpu", "cpu"),
-                           max_compressions=max_comp).run(plan, ctx)
+            kw = {} if max_comp is None else {"max_compressions": max_comp}
+            out = Espresso(compressors=(comp, "fp16"), **kw).run(plan, ctx)
             total_s = time.perf_counter() - t0
         runs.append((total_s, sum(sel.gpu_s for sel in rec.selections),
                      sum(sel.cpu_s for sel in rec.selections), rec, out))
@@ -139,17 +149,23 @@ def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int,
     assert out.plan.gradient_sync is not None
     chosen = _time_ms(plan, ctx, out.plan.gradient_sync)
     hier = ["flat", "hierarchical"]
-    plain = [(None, option_id(o)) for o in options(hierarchies=hier, compress=False)]
-    fp32 = evaluate(ctx.workload, ctx.layout, plan.stages, _uniform(ctx, (None, 0)), ctx.costs,
+    plain: list[Key] = [(None, option_id(o), "fp32")
+                        for o in options(hierarchies=hier, compress=False)]
+    fp32 = evaluate(ctx.workload, ctx.layout, plan.stages, _uniform(ctx, (None, 0, "fp32")), ctx.costs,
                     check_memory=False)
     compute_ms = (fp32.iteration_s - fp32.exposed_comm_s) * 1e3
     best_fp32 = _best(plan, ctx, plain)
-    best_fp16 = _best(plan, ctx, [("fp16", k[1]) for k in plain])
+    best_fp16 = _best(plan, ctx, [(None, k[1], "fp16") for k in plain])
     gpu_only = options(devices=["gpu"], hierarchies=hier, compress=True,
-                       max_compressions=max_comp)
-    lossy = [(comp, option_id(o)) for o in gpu_only] + [
-        (comp, option_id(offloaded(o))) for o in gpu_only]
+                       max_compressions=4 if max_comp is None else max_comp)
+    lossy: list[Key] = [(comp, option_id(x), d) for o in gpu_only for x in (o, offloaded(o))
+                        for d in ("fp32", "fp16") if d == "fp32" or has_uncompressed_step(o)]
     best_uniform = _best(plan, ctx, lossy)
+    t0 = time.perf_counter()
+    ref = EspressoReference(compressor=comp).run(plan, ctx)
+    ref_s = time.perf_counter() - t0
+    assert ref.plan.gradient_sync is not None
+    reference = _time_ms(plan, ctx, ref.plan.gradient_sync)
     gs = out.plan.gradient_sync
     n_comp = sum(1 for t in gs.tensors
                  if type(gs.strategies[t.strategy]).__name__ == "CompressedSync")
@@ -166,6 +182,14 @@ def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int,
         "uniform_best_ms": round(best_uniform[0], 4), "uniform_best": best_uniform[1],
         "uniform_options": len(lossy),
         "compute_bound_ms": round(compute_ms, 4),
+        "reference_ms": round(reference, 4), "reference_s": round(ref_s, 3),
+        "chosen_over_fp32_best": round(chosen / best_fp32[0], 4),
+        "chosen_over_fp16_best": round(chosen / best_fp16[0], 4),
+        "chosen_over_uniform_best": round(chosen / best_uniform[0], 4),
+        "chosen_over_reference": round(chosen / reference, 4),
+        "chosen_16bit_compressed": sum(
+            1 for t in gs.tensors
+            if getattr(gs.strategies[t.strategy], "uncompressed_dtype", "fp32") != "fp32"),
         "ratio_to_compute_bound": round(chosen / compute_ms, 4),
         "speedup_vs_fp32_best": round(best_fp32[0] / chosen, 4),
         "speedup_vs_uniform_best": round(best_uniform[0] / chosen, 4),
@@ -184,7 +208,8 @@ def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-compressions", type=int, default=1)
+    ap.add_argument("--max-compressions", type=int, default=None,
+                    help="narrow the pass (default: its own default, the whole tree)")
     ap.add_argument("--models", default=",".join(TABLE_4_5_MS))
     ap.add_argument("--compressors", default=",".join(COMPRESSORS))
     ap.add_argument("--out", type=Path, default=OUT)
@@ -210,7 +235,8 @@ def main() -> None:
                 cases[f"{model}/{cname}/{comp}"] = r
                 print(f"{model:9s} {cname:6s} {comp:9s} chosen {r['chosen_ms']:9.2f} ms | "
                       f"fp32 {r['fp32_best_ms']:9.2f} fp16 {r['fp16_best_ms']:9.2f} uniform "
-                      f"{r['uniform_best_ms']:9.2f} | x{r['ratio_to_compute_bound']:.3f} of "
+                      f"{r['uniform_best_ms']:9.2f} ref {r['reference_ms']:9.2f} | "
+                      f"x{r['ratio_to_compute_bound']:.3f} of "
                       f"compute | {r['compressed_tensors']:3d}/{r['tensors']:3d} compressed | "
                       f"select {r['selection_total_ms']:8.1f} ms (4.1: {r['vs_table_4_5']:.1f}x "
                       f"T4.5, 4.2: {r['vs_table_4_6']:.1f}x T4.6)", flush=True)

@@ -7,12 +7,15 @@ and exit with code 1 (``--debug`` for the traceback).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import os
+import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetplan._version import __version__
-from hetplan.errors import HetplanError, InfeasiblePlanError, SpecError
+from hetplan.errors import HetplanError, InfeasiblePlanError, PlanMismatchError, SpecError
 from hetplan.ir.validation import check_output_path, did_you_mean
 
 __all__ = ["app", "main"]
@@ -39,7 +42,9 @@ app.add_typer(workload_app, name="workload")
 # Piped output (files, CI logs, tests) gets a fixed wide layout instead of rich's 80 columns.
 out = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 150)
-_state = {"debug": False}
+#: ``debug``: --debug; ``exit_now``: `run` has ended every process of its run, so ``main``
+#: exits without the interpreter's teardown (see :func:`main`).
+_state = {"debug": False, "exit_now": False}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -383,6 +388,10 @@ def plan_cmd(
     opaque: list[str] = typer.Option(
         None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
         "for a module whose forward capture cannot follow, see `hetplan ir`)."),
+    hetero: str = typer.Option(
+        "off", "--hetero", help="Heterogeneous stages (each its own device class and dp x tp, "
+        "order searched): 'on' always, 'auto' when predicted faster than the plan above, "
+        "'off'."),
     sparse: str = typer.Option(
         "off", "--sparse", help="Sparse (embedding) gradients: off (dense all-reduce), auto "
         "(the fastest predicted of dense, AGsparse, Zen), zen (always Zen); appends the zen "
@@ -406,6 +415,8 @@ def plan_cmd(
     # Everything the user typed is checked before the model is captured or anything planned.
     if output is not None:
         check_output_path(output, option="-o/--output")
+    if hetero not in ("off", "auto", "on"):
+        raise SpecError(f"--hetero must be off, auto or on, got {hetero!r}")
     if sparse not in ("off", "auto", "zen"):
         raise SpecError(f"--sparse must be off, auto or zen, got {sparse!r}")
     if sparse != "off":
@@ -421,15 +432,18 @@ def plan_cmd(
         raise SpecError(f"--group-sync {group_sync} steps each replica's own optimizer, so it "
                         f"cannot shard it: drop --zero {zero} (or use --group-sync off)")
     pins.update(group_opts)
-    options = CompileOptions.build(
-        batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
-        micro_batch_size=micro_batch_size, require_profiled=require_profiled, progress=progress,
-        **pins,
-        dynamics=dynamics, compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
-        tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
-        **({"passes": pipeline_spec} if pipeline_spec is not None else {}),
-    )
-    options.pipeline(where="--passes")  # a malformed spec fails before the model is captured
+    with _blaming_options():
+        options = CompileOptions.build(
+            batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
+            micro_batch_size=micro_batch_size, require_profiled=require_profiled,
+            progress=progress,
+            **pins,
+            dynamics=dynamics,
+            compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
+            tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
+            **({"passes": pipeline_spec} if pipeline_spec is not None else {}),
+        )
+        options.pipeline(where="--passes")  # a malformed spec fails before capture
     spec = resolve_cluster(cluster)
     db = resolve_profile(profile)
     if workload is not None or module is not None or model is None or opaque:
@@ -439,6 +453,10 @@ def plan_cmd(
         target = model
     t0 = time.perf_counter()
     plan = compile_plan(target, spec, options, profile=db)
+    if hetero != "off":
+        from hetplan.optimizer.hetero import choose_hetero
+
+        plan = choose_hetero(plan, spec, db, batch_size, hetero)  # type: ignore[arg-type]
     seconds = time.perf_counter() - t0
     if output:
         plan.save(output)
@@ -504,32 +522,77 @@ def profile_cmd(
     world_size: int = typer.Option(2, "--world-size", "-n", help="Local processes."),
     device_type: str = typer.Option("cpu", help="Cluster device type to file records under."),
     what: list[str] = typer.Option(None, "--what",
-                                   help="layers, collectives, compressors (default: all)."),
-    batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements."),
+                                   help="layers, collectives, compressors, step (the optimizer "
+                                   "step; default: all)."),
+    batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements; with "
+                                   "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
     dtype: list[str] = typer.Option(
         None, "--dtype", help="Compute dtype(s) to time layers in: fp32 (default), bf16, fp16 "
         "(autocast, as a mixed-precision plan runs); repeat for several."),
+    module: str = typer.Option(None, "--module", help="pkg.mod:factory returning (model, args)"
+                               " (instead of MODEL)."),
+    sparsity: bool = typer.Option(
+        False, "--sparsity", help="Measure the density, overlap and skew of every embedding "
+        "gradient (forward steps of --workers simulated workers on CPU); alone, without "
+        "--what, it measures only that."),
+    workers: int = typer.Option(2, "--workers", help="--sparsity: data-parallel workers n."),
+    steps: int = typer.Option(4, "--steps", help="--sparsity: steps per worker."),
+    zipf_alpha: float = typer.Option(1.0, "--zipf-alpha", help="--sparsity: exponent of the "
+                                     "synthetic Zipf token stream."),
+    script: Path = typer.Option(None, "--script", help="--sparsity: a Python file defining "
+                                "sparsity_batches(worker, workers, batch_size) that yields the "
+                                "model's batches (instead of the Zipf stream)."),
 ) -> None:
-    """Measure this machine (layers, collectives, compressors) into a profile DB."""
-    from hetplan.profiling import WHAT, run_profile
+    """Measure this machine (layers, collectives, compressors, optimizer step) and, with
+    --sparsity, the model's sparse gradients into a profile DB."""
+    from hetplan.profiling import WHAT, SparsitySpec, run_profile
 
     check_output_path(output, option="-o/--output")
-    chosen = tuple(what) if what else tuple(w for w in WHAT if w != "layers" or model)
-    if "layers" in chosen and not model:
+    if model and module:
+        raise SpecError("give MODEL (a zoo name) or --module pkg.mod:factory, not both")
+    if sparsity and not (model or module):
+        raise SpecError("--sparsity needs a MODEL (see `hetplan models`) or --module "
+                        "pkg.mod:factory")
+    if not sparsity and (script is not None or zipf_alpha != 1.0):
+        raise SpecError("--script and --zipf-alpha shape the --sparsity measurement; add "
+                        "--sparsity")
+    has_model = bool(model or module)
+    default = () if sparsity else tuple(w for w in WHAT if w != "layers" or has_model)
+    chosen = tuple(what) if what else default
+    if "layers" in chosen and not has_model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
     dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
     bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
     if bad:
         raise SpecError(f"--dtype {bad[0]!r}: choose fp32, bf16 or fp16")
+    target: Any = model
+    if module:
+        from hetplan.ir.capture.factory import load_factory
+
+        target = load_factory(module)
+    spec = SparsitySpec(workers=workers, batch_size=batch_size, steps=steps,
+                        zipf_alpha=zipf_alpha, script=script) if sparsity else None
     db = run_profile(
-        model, world_size=world_size, device_type=device_type, output=output, what=chosen,
+        target, world_size=world_size, device_type=device_type, output=output, what=chosen,
         batch_size=batch_size, seq=seq, layer_processes=layer_processes, dtypes=dtypes,
+        sparsity=spec,
     )
+    if spec is not None:
+        from hetplan.profiling.sparsity import describe_records
+
+        from hetplan import zoo
+
+        name = zoo.get(model).name if model else type(target[0]).__name__
+        for line in describe_records(r for r in db.sparsity if r.model == name
+                                     and (r.workers, r.batch_size) == (workers, batch_size)):
+            out.print(_escape(line))
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
-        f"collective record(s), {len(db.compressors)} compressor record(s)"
+        f"collective record(s), {len(db.compressors)} compressor record(s), "
+        f"{len(db.sparsity)} sparsity record(s), {len(db.optimizer_steps)} optimizer-step "
+        "record(s)"
     )
 
 
@@ -578,6 +641,7 @@ def run_cmd(
         out.print(" ".join(cmd), markup=False)
         return
     outcome = launch(cmd, keep_agent_traceback=_state["debug"])
+    _state["exit_now"] = True
     if outcome.stopped_by is not None:
         err.print(f"stopped by {signal.Signals(outcome.stopped_by).name}: every process of "
                   "the run has ended", markup=False)
@@ -648,7 +712,8 @@ def simulate_cmd(
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
     try:
-        pred = simulate(plan, cluster=cluster, profile=profile)
+        with _naming(plan_file):
+            pred = simulate(plan, cluster=cluster, profile=profile)
     except InfeasiblePlanError as e:  # a valid plan that does not fit: name the file
         raise InfeasiblePlanError(f"{plan_file}: the plan does not fit in memory: {e}") from e
     if as_json:
@@ -665,6 +730,49 @@ def simulate_cmd(
         f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · bubble ratio "
         f"{pred.bubble_ratio:.3f}"
     )
+
+
+#: The `plan` flag of each compile option whose flag is not ``--`` + its name with dashes.
+_FLAGS = {"batch_size": "--batch-size/-b", "compressors": "--compress"}
+
+
+@contextlib.contextmanager
+def _blaming_options() -> Iterator[None]:
+    """Name the `plan` flag at fault in a :class:`SpecError` about a compile option (the
+    library names its field: ``compile options: tp_gamma_max: ...``), without the hint for
+    files that a field error ends with."""
+    from hetplan.ir.validation import DEFAULT_HINT
+    from hetplan.optimizer.options import CompileOptions
+
+    try:
+        yield
+    except SpecError as e:
+        fields = "|".join(sorted(CompileOptions.model_fields))
+        field = re.compile(rf"^(?:compile options: )?({fields}): ")
+        lines = []
+        for line in str(e).splitlines():
+            if line == DEFAULT_HINT:
+                continue
+            m = field.match(line)
+            if m is not None:
+                name = m.group(1)
+                flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+                line = f"{flag}: {line[m.end():]}"
+            elif line.startswith("compile options: "):
+                line = "plan options: " + line[len("compile options: "):]
+            lines.append(line)
+        raise SpecError("\n".join(lines)) from None
+
+
+@contextlib.contextmanager
+def _naming(plan_file: Path) -> Iterator[None]:
+    """Name the plan file in each line of a :class:`PlanMismatchError` (``--cluster`` is not
+    the plan's cluster, or a plan without its cluster does not fit the one given)."""
+    try:
+        yield
+    except PlanMismatchError as e:
+        raise PlanMismatchError("\n".join(f"{plan_file}: {line}"
+                                           for line in str(e).splitlines())) from e
 
 
 def _need_cluster(plan: Any, plan_file: Path, cluster: str | None) -> None:
@@ -936,7 +1044,8 @@ def explain_cmd(
 
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
-    result = explain(plan, target, cluster=cluster, profile=profile)
+    with _naming(plan_file):
+        result = explain(plan, target, cluster=cluster, profile=profile)
     if as_json:
         typer.echo(dump_json(result.to_dict()), nl=False)
         return
@@ -1024,13 +1133,32 @@ def timeline_cmd(
         from hetplan.ir.validation import load_structured_file
 
         measured = load_structured_file(run_report, what="run report")
-    render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
+    with _naming(plan_file):
+        render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     err.print(f"wrote {output}")
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point.
+
+    After `hetplan run` has ended every process of its run, the launcher exits at once
+    (``os._exit`` once its output is flushed): the interpreter's teardown of the torch it
+    imported to check the model took 3 to 5 s on a loaded machine (measured with load
+    average 18 on 2 cores), which counted against the bound on a stopped or failed job.
+    """
+    try:
+        app()
+    except SystemExit as e:
+        if not _state["exit_now"]:
+            raise
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    else:
+        if not _state["exit_now"]:
+            return
+        code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

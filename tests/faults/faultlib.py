@@ -125,6 +125,10 @@ class Job:
                 return time.monotonic() - t0
             time.sleep(0.1)
         left = self.processes()
+        if not left:  # gone between the last poll and now: late, not left behind
+            raise AssertionError(f"the job's processes were gone only "
+                                 f"{time.monotonic() - t0:.1f} s after the fault, more than "
+                                 f"{limit_s:g} s (machine load: {os.getloadavg()[0]:.1f})")
         raise AssertionError(f"{len(left)} process(es) of the job still run "
                              f"{limit_s:g} s after the fault: {left}")
 

@@ -94,6 +94,27 @@ def test_a_world_size_the_plan_does_not_have_is_refused(plan: Plan) -> None:
         preflight(plan, cmd)
 
 
+def test_a_schedule_the_runtime_does_not_execute_is_refused_by_the_launcher() -> None:
+    """Chimera plans are made and simulated, but the runtime executes gpipe and the 1F1B
+    schedules only: `hetplan run` says so before any rank starts."""
+    chimera = hetplan.compile("mlp", cluster(4), batch_size=8, pp=2, schedule="chimera")
+    assert chimera.layout is not None and chimera.layout.schedule == "chimera"
+    with pytest.raises(SpecError, match="the plan's schedule 'chimera' is not executed by the "
+                                        "runtime, which runs .*'1f1b'.*; re-plan"):
+        preflight(chimera, _cmd(chimera))
+
+
+def test_a_combination_the_runtime_does_not_compose_is_refused_by_the_launcher() -> None:
+    """The runtime's composition refusals (every rank refuses such a plan at setup) are
+    checked before any rank starts."""
+    piped = hetplan.compile("mlp", cluster(4), batch_size=8, dp=2, pp=2, zero_stage=3)
+    assert piped.layout is not None and piped.layout.zero_stage == 3
+    with pytest.raises(SpecError, match="the runtime does not execute this plan's combination "
+                                        "of strategies:\n  layout.zero_stage: ZeRO-3 \\(FSDP2\\) "
+                                        "with pp=2"):
+        preflight(piped, _cmd(piped))
+
+
 def test_an_edited_cluster_is_refused(plan: Plan, tmp_path: Path) -> None:
     """A plan file whose embedded cluster was edited after planning is refused when it is
     loaded — the launcher's first step, before any rank starts."""

@@ -59,8 +59,9 @@ def test_plan_output_that_is_a_directory_fails_before_planning(no_work: None,
 
 
 def test_unknown_schedule_fails_before_capture(no_work: None) -> None:
-    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--schedule", "zigzag"),
-            "schedule: unknown schedule 'zigzag'")
+    flat = refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--schedule", "zigzag"),
+                   "--schedule: unknown schedule 'zigzag'")
+    assert "keys are case-sensitive" not in flat  # a file's hint, not an option's
 
 
 def test_micro_batch_size_that_cannot_split_the_batch_is_blamed(no_work: None) -> None:
@@ -78,7 +79,14 @@ def test_other_plan_options_fail_before_capture(no_work: None) -> None:
     refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--dtype", "fp33"),
             "--dtype 'fp33' is not a precision", "did you mean 'fp32'?")
     refused(run("plan", "mlp", "-c", "local-cpu", "-b", str(10**20)),
-            "batch_size: Input should be less than or equal to 9007199254740992")
+            "--batch-size/-b: Input should be less than or equal to 9007199254740992")
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--tp-gamma-max", "2"),
+            "--tp-gamma-max:")
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--compress", "zip"),
+            "--compress: unknown compressor 'zip'")
+    refused(run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--passes",
+                "uniform-stages,ddp-buckets", "--compress", "dgc"),
+            "--compress: given, but the pass pipeline has no 'espresso' pass")
 
 
 def test_more_micro_batches_than_a_plan_may_have_is_explained() -> None:

@@ -77,3 +77,24 @@ def test_inspect_and_explain_show_the_sparse_scheme(tmp_path: Path) -> None:
     assert alt.name.startswith("dense")
     # the alternative really drops the section: the re-evaluation differs from the plan's
     assert alt.iteration_time_ms != ex.current_ms
+
+
+def test_a_sparse_sync_naming_a_foreign_or_misshaped_tensor_is_refused(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from hetplan.errors import HetplanError
+
+    plan = _plan(tmp_path, "zen")
+    data = json.loads(plan.to_json())
+    good = json.dumps(data)
+    data["sparse_sync"]["tensors"][0]["name"] = "emb.wieght"
+    with pytest.raises(HetplanError, match=r"sparse_sync.tensors\[0\].name: 'emb.wieght'"):
+        Plan.from_json(json.dumps(data))
+    data = json.loads(good)
+    data["sparse_sync"]["tensors"][0]["rows"] = 19999
+    with pytest.raises(HetplanError, match=r"rows x row_elems = 19999 x 32"):
+        Plan.from_json(json.dumps(data))
+    res = CliRunner().invoke(app, ["validate", str(tmp_path / "zen.json")])
+    assert res.exit_code == 0, res.output

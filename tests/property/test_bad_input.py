@@ -8,7 +8,9 @@ of levels deep; and whole files truncated or emptied. Each mutated file goes thr
 command, in-process through typer's ``CliRunner``:
 
 - a plan: ``validate``, ``inspect``, ``simulate`` and the run preflight's plan loading
-  (:func:`hetplan.ir.plan.load_plan`, what ``hetplan run`` and its workers call);
+  (:func:`hetplan.ir.plan.load_plan`, what ``hetplan run`` and its workers call); a plan
+  whose embedded cluster spec was deleted is simulated as a user must, with ``--cluster``
+  naming the cluster it was made for (it is then checked against that one);
 - a cluster spec: ``validate`` and ``plan`` (a small workload on that cluster).
 
 Each command must accept the file (exit 0) or refuse it (exit 2) with a message that names
@@ -63,6 +65,8 @@ Path_ = tuple[str | int, ...]
 
 # -- the valid inputs ---------------------------------------------------------------------------
 WORKLOAD = GOLDEN / "inspect_small.workload.json"
+#: The preset the base plan is made for, and the base cluster spec.
+BASE_CLUSTER = "mixed-tp-node"
 
 
 @functools.cache
@@ -72,7 +76,7 @@ def base_plan() -> dict[str, Any]:
     from hetplan.optimizer.compile import compile as compile_plan
 
     ir = ModelIR.load(WORKLOAD)
-    plan = compile_plan(ir, "mixed-tp-node", batch_size=64, dp=2, pp=2, tp=4,
+    plan = compile_plan(ir, BASE_CLUSTER, batch_size=64, dp=2, pp=2, tp=4,
                         tp_controller="semi")
     sync = plan.gradient_sync
     assert sync is not None and sync.buckets and plan.tensor_parallel is not None
@@ -88,7 +92,7 @@ def base_plan() -> dict[str, Any]:
 
 @functools.cache
 def base_cluster() -> dict[str, Any]:
-    return json.loads(ClusterSpec.from_preset("mixed-tp-node").to_json())
+    return json.loads(ClusterSpec.from_preset(BASE_CLUSTER).to_json())
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -314,9 +318,10 @@ def check_plan_commands(text: str, kind: str, path: Path_, tmp_path: Path) -> di
     COUNTS["plan"] += 1
     file = _write(tmp_path, "plan.json", text)
     verdicts = {}
+    given = ["--cluster", BASE_CLUSTER] if _without_spec(text) else []
     for name, run in (("validate", lambda: run_cli(["validate", str(file)])),
                       ("inspect", lambda: run_cli(["inspect", str(file)])),
-                      ("simulate", lambda: run_cli(["simulate", str(file)])),
+                      ("simulate", lambda: run_cli(["simulate", *given, str(file)])),
                       ("run preflight (load_plan)", lambda: run_load_plan(file))):
         code, output = run()
         check_refusal(name, code, output, file, kind, path)
@@ -334,6 +339,27 @@ def check_plan_commands(text: str, kind: str, path: Path_, tmp_path: Path) -> di
         f"commands disagree on a plan mutated by {kind} at {path}: {codes}\n"
         + "\n".join(f"--- {n}\n{o[-2000:]}" for n, (_, o) in verdicts.items()))
     return {name: code for name, (code, _) in verdicts.items()}
+
+
+def _without_spec(text: str) -> bool:
+    """Whether ``text`` is a plan object whose cluster embeds no spec (simulate then needs
+    ``--cluster``)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    cluster = data.get("cluster") if isinstance(data, dict) else None
+    return isinstance(cluster, dict) and cluster.get("spec") is None
+
+
+def test_a_plan_without_its_cluster_spec_is_simulated_on_the_cluster_given(
+        tmp_path: Path) -> None:
+    """The case hypothesis found: `simulate` needs the cluster of a plan that does not embed
+    it; given, every command accepts the plan."""
+    data = json.loads(json.dumps(base_plan()))
+    del data["cluster"]["spec"]
+    codes = check_plan_commands(json.dumps(data), "delete", ("cluster", "spec"), tmp_path)
+    assert set(codes.values()) == {0}, codes
 
 
 def test_a_valid_plan_that_no_longer_fits_is_simulate_s_to_refuse(tmp_path: Path) -> None:

@@ -57,6 +57,8 @@ def layouts(draw: st.DrawFn) -> Layout:
     schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]))
     virtual = draw(st.integers(2, 3)) if schedule == "interleaved-1f1b" else 1
     micro_batches = draw(st.integers(pp, 64))
+    if schedule == "interleaved-1f1b":  # Megatron's interleaving walks groups of pp
+        micro_batches -= micro_batches % pp
     micro_batch_size = draw(st.integers(1, 32))
     lay = Layout(dp=dp, pp=pp, tp=tp, micro_batches=micro_batches,
                  micro_batch_size=micro_batch_size, schedule=schedule, virtual_stages=virtual,

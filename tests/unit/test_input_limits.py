@@ -106,6 +106,16 @@ def test_no_bool_as_a_number(tmp_path: Path) -> None:
             "inter_node.latency_us: expected a number, got a boolean False")
 
 
+@pytest.mark.parametrize("text, number", [("1e3", "1.0e3"), ("-2E+9", "-2.0E+9")])
+def test_a_yaml_exponent_without_a_point_is_explained(tmp_path: Path, text: str,
+                                                       number: str) -> None:
+    """YAML 1.1 (PyYAML) reads ``1e3`` as text; the refusal says how to write the number."""
+    body = yaml.safe_dump(preset()).replace("latency_us: 3.0", f"latency_us: {text}", 1)
+    assert f"latency_us: {text}" in body
+    refused(write(tmp_path, "c.yaml", body), f"expected a number, got a string '{text}'",
+            f"write {number}")
+
+
 # -- duplicate keys, nesting, size --------------------------------------------------------------
 def test_duplicate_keys_are_refused_in_json_as_in_yaml(tmp_path: Path) -> None:
     text = json.dumps(preset())

@@ -113,3 +113,28 @@ def test_nic_share_counts_groups_per_node() -> None:
     # inside one node: no network
     assert nic_share(costs, list(range(8))) == 1
     assert math.isclose(nic_share(costs, list(range(spec.world_size))), 1.0)
+
+
+def test_a_cluster_with_a_device_type_lacking_a_curve_prices_every_device_alike() -> None:
+    """Mixed A100 + V100 (no V100 curve): every device by the roofline, so the passes compare
+    devices, not pricing methods; the TP-resizing pass then gives the A100s the larger
+    shards. An A100-only cluster keeps the kernel prices."""
+    from hetplan.cost_models.costs import CostModel
+    from hetplan.ir.cluster import ClusterSpec
+    from hetplan.optimizer.compile import compile
+
+    mixed = CostModel(ClusterSpec.from_preset("mixed-tp-node"), dtype="fp16")
+    assert not mixed.compute.kernel_devices
+    assert CostModel(ClusterSpec.from_preset("a100-nvlink-8x8"), dtype="bf16").compute \
+        .kernel_devices
+    plan = compile("gpt-test", "mixed-tp-node", batch_size=128, dp=2, pp=2, tp=4,
+                   micro_batch_size=32, dtype="fp16")
+    assert plan.tensor_parallel is not None
+    devices = plan.cluster.spec.devices()  # type: ignore[union-attr]
+    for g in plan.tensor_parallel.groups:
+        for lin in g.linears:
+            by_type: dict[str, set[int]] = {}
+            for r, size in zip(g.ranks, lin.shard_sizes):
+                by_type.setdefault(devices[r].type, set()).add(size)
+            if len(by_type) == 2:
+                assert min(by_type["A100-80GB"]) > max(by_type["V100-SXM2-32GB"])

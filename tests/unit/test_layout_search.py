@@ -237,3 +237,35 @@ def test_compile_finds_layout_when_batch_divides() -> None:
     lay = plan.layout
     assert lay.dp * lay.pp * lay.tp == 8
     assert lay.dp * lay.micro_batch_size * lay.micro_batches == 8
+
+
+# --------------------------------------------------------------------------------------
+# Chimera: two directions need an even pipeline and an even micro-batch count
+# --------------------------------------------------------------------------------------
+def test_chimera_layouts_have_an_even_pipeline_and_micro_batch_count() -> None:
+    wl, spec = workload(8, pairs=False), cluster(8)
+    every = enumerate_layouts(wl, spec, 24)
+    chimera = enumerate_layouts(wl, spec, 24, schedule="chimera")
+    assert chimera == [c for c in every
+                       if c.pp == 1 or (c.pp % 2 == 0 and c.micro_batches % 2 == 0)]
+    assert any(c.pp > 1 for c in chimera) and any(c.pp == 1 for c in chimera)
+    assert any(c.pp > 1 and c.micro_batches % 2 for c in every)  # some were pruned
+    no_pipeline = LayoutCandidate(dp=8, pp=1, tp=1, micro_batch_size=3, micro_batches=1)
+    assert no_pipeline.to_layout(24, "chimera").schedule == "1f1b"  # no directions to split
+    pipeline = LayoutCandidate(dp=4, pp=2, tp=1, micro_batch_size=3, micro_batches=2)
+    assert pipeline.to_layout(24, "chimera").schedule == "chimera"
+
+
+@pytest.mark.parametrize("pp", [2, None])
+def test_compile_plans_chimera(pp: int | None) -> None:
+    """`hetplan plan ... --schedule chimera --pp 2` used to fail inside compile: the DDP
+    baseline (pp=1) and odd micro-batch counts were built as Chimera schedules."""
+    eight = workload_from_gradients("eight", [f"l{i}.weight" for i in reversed(range(8))],
+                                    [1000] * 8, [100.0 * i for i in range(8)])
+    plan = compile(eight, cluster(4), batch_size=8, schedule="chimera", pp=pp)
+    lay = plan.layout
+    assert lay is not None and plan.predictions is not None
+    if lay.pp > 1:
+        assert lay.schedule == "chimera" and lay.pp % 2 == 0 and lay.micro_batches % 2 == 0
+        assert plan.pipeline_actions is not None
+    assert [b.name for b in plan.predictions.baselines][0] == "ddp"

@@ -220,6 +220,74 @@ def test_pipeline_actions_must_match_the_layout_and_run_everything_once(tmp_path
             "pipeline_actions.ranks[1]: action '2F0' names stage 2")
 
 
+def test_pipeline_actions_that_deadlock_are_refused(tmp_path: Path) -> None:
+    """Every action once, but rank 1 waits for its backward before running the forward it
+    needs (and rank 0 for rank 1's backward): the lists can never finish, on any machine."""
+    def edit(d: dict[str, Any]) -> None:
+        acts = d["pipeline_actions"]["ranks"][1].split(" ")
+        assert acts[:2] == ["1F0", "1B0"]
+        d["pipeline_actions"]["ranks"][1] = " ".join(["1B0", "1F0"] + acts[2:])
+
+    msg = refused(tmp_path, edit, "pipeline_actions.ranks: pipeline schedule '1f1b' deadlocks",
+                  "rank 1 at step 0 (1B0)", "rank 0 at step 2 (0B0)")
+    assert "Traceback" not in msg
+
+
+def test_a_backward_on_another_rank_than_its_forward_is_refused(tmp_path: Path) -> None:
+    def edit(d: dict[str, Any]) -> None:
+        ranks = d["pipeline_actions"]["ranks"]
+        ranks[0] = ranks[0].replace("0B3", "").strip()
+        ranks[1] = ranks[1] + " 0B3"
+
+    refused(tmp_path, edit, "pipeline_actions.ranks:", "0F3 runs on rank 0 but its backward "
+            "on rank 1; both must share a rank")
+
+
+def test_validate_refuses_deadlocking_lists_with_exit_2(tmp_path: Path) -> None:
+    data = json.loads(valid_plan().to_json())
+    ranks = data["pipeline_actions"]["ranks"]
+    ranks[0] = " ".join(sorted(ranks[0].split(" "), key=lambda a: "F" in a))  # B first
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "deadlocks" in result.output and "internal error" not in result.output
+
+
+def test_the_layouts_schedule_can_be_built_for_its_sizes(tmp_path: Path) -> None:
+    """What each schedule's generator needs is a rule of the layout, so `validate` refuses
+    what `simulate` and the runtime would."""
+    def chimera(micro_batches: int) -> Edit:
+        def edit(d: dict[str, Any]) -> None:
+            d["layout"].update(schedule="chimera", micro_batches=micro_batches,
+                               global_batch_size=2 * micro_batches)
+            d.pop("pipeline_actions")
+        return edit
+
+    refused(tmp_path, chimera(3), "layout.micro_batches: 3, but schedule 'chimera' needs an "
+            "even number")
+    data = json.loads(valid_plan().to_json())
+    chimera(4)(data)
+    assert Plan.from_json(json.dumps(data), complete=True).layout is not None  # pp=2, M=4
+
+    def one_stage(d: dict[str, Any]) -> None:
+        d["layout"].update(schedule="chimera", pp=1, dp=2, global_batch_size=16)
+        for key in ("pipeline_actions", "stages", "tensor_parallel", "gradient_sync"):
+            d.pop(key)
+
+    refused(tmp_path, one_stage, "layout.schedule: 'chimera' runs two pipeline directions "
+            "over an even pp of at least 2, got pp=1")
+
+    def interleaved(d: dict[str, Any]) -> None:
+        d["layout"].update(schedule="interleaved-1f1b", virtual_stages=2, micro_batches=3,
+                           global_batch_size=6)
+        for key in ("pipeline_actions", "stages", "tensor_parallel", "gradient_sync"):
+            d.pop(key)
+
+    refused(tmp_path, interleaved, "layout.micro_batches: 3, but schedule 'interleaved-1f1b' "
+            "needs a multiple of pp=2")
+
+
 def test_tp_groups_are_tp_groups_of_the_layout_inside_their_stage(tmp_path: Path) -> None:
     refused(tmp_path, lambda d: d["tensor_parallel"].update(groups=[{"ranks": [1, 2]}]),
             "tensor_parallel.groups[0].ranks: [1, 2], but the layout's TP group of rank 1 is "
@@ -304,6 +372,34 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
 
     msg = refused(tmp_path, edit, "global_batch_size", "stages[1].ranks", "'nope'")
     assert msg.count(str(tmp_path / "plan.json")) >= 3
+
+
+def test_simulate_checks_a_plan_without_its_cluster_against_the_cluster_given(
+        tmp_path: Path) -> None:
+    """A plan that does not embed its cluster is checked, by the same rules, against the
+    ``--cluster`` it is simulated on: a peak the device type lacks is exit 2 naming the file
+    and the field, not a KeyError inside the compute model."""
+    data = json.loads(valid_plan().to_json())
+    data["cluster"]["spec"] = None
+    data["precision"] = {"devices": {"cpu": {"compute_dtype": "bf16", "loss_scaling": "none",
+                                             "peak_dtype": "bf16"}},
+                         "master_weights_dtype": "fp32"}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    assert load_plan(path).cluster.spec is None  # nothing to check it against on its own
+    result = CliRunner().invoke(app, ["simulate", "--cluster", "cpu-2x2", str(path)])
+    assert result.exit_code == 2, result.output
+    out = " ".join(result.output.split())
+    assert f"{path}: " in out and "internal error" not in out, out
+    assert "precision.devices['cpu'].peak_dtype: 'bf16', but cluster 'cpu-2x2' (--cluster) " \
+           "lists no cpu peak for it (it lists fp64, fp32)" in out, out
+    result = CliRunner().invoke(app, ["explain", "--cluster", "cpu-2x2", str(path), "stage:1"])
+    assert result.exit_code == 2 and f"{path}: precision.devices['cpu']" in result.output, \
+        result.output
+    data["precision"]["devices"]["cpu"].update(compute_dtype="fp32", peak_dtype="fp32")
+    path.write_text(json.dumps(data), encoding="utf-8")
+    result = CliRunner().invoke(app, ["simulate", "--cluster", "cpu-2x2", str(path)])
+    assert result.exit_code == 0, result.output
 
 
 # -- strict types and bounds --------------------------------------------------------------------

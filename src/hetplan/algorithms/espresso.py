@@ -569,6 +569,7 @@ def select(
     seeds: Sequence[Sequence[K]] = (),
     prune: bool = True,
     fast: bool = True,
+    start: Sequence[K] | None = None,
 ) -> Selection[K]:
     """Choose one option per tensor (see the module docstring).
 
@@ -583,6 +584,11 @@ def select(
         prune: see :func:`gpu_decisions`.
         fast: resumable, early-stopping simulations everywhere (see :func:`gpu_decisions`);
             ``False`` is the slow reference (same strategies and times; the tests compare).
+        start: the choice of a narrower search (a subset of these options, e.g. fewer
+            compressions per tensor): Algorithm 4.1's first sweep starts from it instead of
+            the baseline, and the result is never predicted slower than it (on a tie it is
+            returned), so widening a search in steps, each seeded with the last, never
+            yields a slower choice.
     """
     problem._last_session = None  # the problem may have changed since an earlier call
     baseline_s = problem.iteration_s(problem.baseline)
@@ -599,8 +605,9 @@ def select(
         gpu_s, method = time.perf_counter() - t0, "exhaustive"
     else:
         pareto = _Candidates(problem, prune)  # both sweeps' candidate lists
-        strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto)
-        method = "espresso"
+        strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
+                                    start=start)
+        method = "espresso" if start is None else "espresso from the narrower choice"
         best_seed = _best_seed(problem, seeds, fast)
         if best_seed is not None and best_seed[0] < f - _EPS:
             refined, fr = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]],
@@ -614,6 +621,10 @@ def select(
         method += "" if exact else "+greedy-offload"
     if baseline_s <= f + _EPS and list(problem.baseline) != strategy:
         strategy, f = list(problem.baseline), baseline_s
+    if start is not None and list(start) != strategy:
+        start_s = problem.iteration_s(start)
+        if start_s <= f + _EPS:
+            strategy, f, method = list(start), start_s, "the narrower choice"
     benefit = []
     sess = problem.session(strategy) if fast else None
     for i, k in enumerate(strategy):

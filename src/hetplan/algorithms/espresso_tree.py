@@ -25,6 +25,16 @@ Under these rules the full tree has |C| = 4341 options (63 flat, 4278 hierarchic
 them GPU-only (9 without compression). :func:`all_options` enumerates them in a canonical
 order; an option's index there is its ``option_id``. :func:`options` filters by constraints
 (allowed devices, hierarchies, maximum compressions per tensor).
+
+**Precision of the uncompressed steps** (an extension: the reference implementation's
+"intra-node FP16" options, digest §E.8–§E.9). A path's uncompressed communication steps may
+carry the gradients in ``fp32``, ``fp16`` or ``bf16``; compressed steps carry what the
+compressor makes of the fp32 values either way. The precision is one choice per path, for all
+its uncompressed steps (the plan's ``uncompressed_dtype``). The thesis' tree is the fp32
+sub-tree; a path with at least one uncompressed step gets two more variants, so the extended
+tree has 4341 + 2 x 2097 = **8535** options (:func:`extended_options`), 174 + 2 x 129 = 432 of
+them GPU-only. Choosing the precision step by step instead would need a dtype per step in the
+plan; it is not searched (``docs/decisions/espresso-mp.md``).
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ __all__ = [
     "is_hierarchical",
     "devices_of",
     "offloaded",
+    "PRECISIONS",
+    "has_uncompressed_step",
+    "extended_options",
 ]
 
 Task = Literal["comp", "decomp", "comm", "comm1", "comm2", "comm_comp", "comm1_comp",
@@ -63,6 +76,8 @@ TASKS: dict[str, tuple[str, ...]] = {
     "comm2_comp": ("allgather", "broadcast"),
 }
 _DEVICES = ("gpu", "cpu")
+#: Precisions of a path's uncompressed steps (fp32 first: the thesis' tree).
+PRECISIONS = ("fp32", "fp16", "bf16")
 #: Routine pairs of divisible schemes: (uncompressed step 1, compressed step 1, step 2).
 _PAIRS = {"scatter": ("reduce_scatter", "alltoall", "allgather"),
           "root": ("reduce", "gather", "broadcast")}
@@ -267,4 +282,28 @@ def _options(devs: frozenset[str], hiers: frozenset[str], max_compressions: int,
         if ("hierarchical" if is_hierarchical(o) else "flat") not in hiers:
             continue
         out.append(o)
+    return tuple(out)
+
+
+def has_uncompressed_step(option: Option) -> bool:
+    """Whether the path has an uncompressed communication step (so a precision to choose)."""
+    return any(a.routine is not None and not a.compressed_comm for a in option)
+
+
+def extended_options(precisions: Iterable[str] = PRECISIONS,
+                     base: Iterable[Option] | None = None) -> tuple[tuple[int, str], ...]:
+    """The extended tree: ``(option_id, precision)`` for every path of ``base`` (default: the
+    whole tree) and every precision of its uncompressed steps (only ``fp32`` for a path without
+    one), path by path in canonical order, precisions in :data:`PRECISIONS` order.
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    precs = [p for p in PRECISIONS if p in set(precisions)]
+    if bad := sorted(set(precisions) - set(PRECISIONS)):
+        raise ValueError(f"unknown precisions {bad}; use {', '.join(PRECISIONS)}")
+    out: list[tuple[int, str]] = []
+    for o in all_options() if base is None else base:
+        oid = option_id(o)
+        out += [(oid, p) for p in precs if p == "fp32" or has_uncompressed_step(o)]
     return tuple(out)

@@ -17,23 +17,28 @@ back. ``stage`` indexes the micro-batch's own pipeline ``0 .. S-1``: for gpipe a
 the rank; interleaved rank ``r`` holds stages ``r, r+P, …``; in Chimera it is the stage in the
 micro-batch's direction (so a stage index names two ranks, one per direction).
 
-Dependencies (what every consumer assumes): ``F(m, s)`` needs ``F(m, s-1)``; ``B(m, s)`` needs
-``F(m, s)`` and ``B(m, s+1)`` (the last stage's backward follows its own forward, where the
-loss lives). :func:`check_progress` says whether a rank-by-rank execution in list order can
-finish; a schedule that cannot deadlocks on any machine.
+The schedule as data (:class:`Action`, :class:`PipelineSchedule`, the errors) and the check
+that lists can finish (:func:`check_progress`, :func:`decode_schedule`, :func:`deadlock_error`)
+live in :mod:`hetplan.ir.pipeline_order`, so that the plan's one validator runs the same check
+on a plan's lists; they are re-exported here, and this module keeps the generators.
 
-Pure Python, no torch: the only imports are hetplan's errors and the plan section type.
+Pure Python, no torch: the only imports are the plan's ``ir`` modules.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from enum import Enum
 from functools import lru_cache
-from typing import NamedTuple
 
-from hetplan.errors import HetplanError
+from hetplan.ir.pipeline_order import (
+    Action,
+    ActionKind,
+    PipelineDeadlockError,
+    PipelineSchedule,
+    PipelineScheduleError,
+    check_progress,
+    deadlock_error,
+    decode_schedule,
+)
 from hetplan.ir.plan_sections import Layout, PipelineActions
 
 __all__ = [
@@ -47,217 +52,7 @@ __all__ = [
 #: Schedule names :func:`build_schedule` generates.
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "chimera")
 
-_ACTION = re.compile(r"(\d+)([FB])(\d+)")
-
-
-class PipelineScheduleError(HetplanError, ValueError):
-    """A schedule or its inputs are malformed (bad sizes, missing or duplicate actions)."""
-
-
-class PipelineDeadlockError(PipelineScheduleError):
-    """No rank can make progress; ``table`` is the step x rank table marking the stall."""
-
-    def __init__(self, message: str, table: str) -> None:
-        super().__init__(f"{message}\n{table}")
-        self.table = table
-
-
-class ActionKind(str, Enum):
-    """Forward or backward computation of one micro-batch on one stage."""
-
-    F = "F"
-    B = "B"
-
-
-class Action(NamedTuple):
-    """One computation in a rank's list: ``kind`` of ``microbatch`` on virtual ``stage``.
-
-    Prints as ``"{stage}{kind}{microbatch}"`` (``"2F0"``); :meth:`parse` is the inverse.
-    """
-
-    kind: ActionKind
-    microbatch: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
-
-    @staticmethod
-    def parse(text: str) -> Action:
-        """The action ``"{stage}{F|B}{microbatch}"`` (``"2F0"``).
-
-        Raises:
-            PipelineScheduleError: ``text`` is not of that form.
-        """
-        match = _ACTION.fullmatch(text.strip())
-        if match is None:
-            raise PipelineScheduleError(f"pipeline action {text!r} is not of the form "
-                                        "'{stage}{F|B}{microbatch}', e.g. '2F0'")
-        stage, kind, mb = match.groups()
-        return Action(ActionKind(kind), int(mb), int(stage))
-
-
 _F, _B = ActionKind.F, ActionKind.B
-
-
-@dataclass(frozen=True)
-class PipelineSchedule:
-    """A pipeline schedule as data: per rank, the ordered actions it executes.
-
-    Attributes:
-        name: schedule name (one of :data:`SCHEDULES` for generated schedules).
-        num_ranks: pipeline ranks ``P``.
-        num_microbatches: micro-batches ``M`` per iteration.
-        num_stages: virtual stages ``S`` each micro-batch passes through (``P * v``).
-        actions: ``actions[r]`` is rank ``r``'s ordered tuple of :class:`Action`.
-    """
-
-    name: str
-    num_ranks: int
-    num_microbatches: int
-    num_stages: int
-    actions: tuple[tuple[Action, ...], ...]
-
-    def encode(self) -> tuple[str, ...]:
-        """One string per rank, its actions separated by spaces (``"0F0 0F1 0B0 0B1"``).
-        O(actions)."""
-        return tuple(" ".join(str(a) for a in acts) for acts in self.actions)
-
-    def index(self) -> tuple[list[list[int]], list[int]]:
-        """Validate the schedule and encode it as ints. O(P * M * S).
-
-        Returns:
-            ``codes[r]``: rank ``r``'s actions, ``m * S + s`` for F and ``n + m * S + s`` for
-            B (``n = M * S``); and ``rank_of[m * S + s]``, the rank that runs stage ``s`` of
-            micro-batch ``m``.
-
-        Raises:
-            PipelineScheduleError: wrong rank count or stage count, an action out of range,
-                twice, missing, or a backward on another rank than its forward.
-        """
-        p, m_total, s_total = self.num_ranks, self.num_microbatches, self.num_stages
-        if len(self.actions) != p:
-            raise PipelineScheduleError(f"schedule {self.name!r} lists {len(self.actions)} "
-                                        f"ranks, expected num_ranks={p}")
-        if s_total < 1 or s_total % p:
-            raise PipelineScheduleError(f"num_stages={s_total} must be a positive multiple of "
-                                        f"num_ranks={p}")
-        n = m_total * s_total
-        owner = [-1] * (2 * n)
-        codes: list[list[int]] = []
-        for r, acts in enumerate(self.actions):
-            row = []
-            for a in acts:
-                if not (0 <= a.microbatch < m_total and 0 <= a.stage < s_total):
-                    raise PipelineScheduleError(f"rank {r}: action {a} is out of range "
-                                                f"(M={m_total}, S={s_total})")
-                code = a.microbatch * s_total + a.stage + (0 if a.kind is _F else n)
-                if owner[code] >= 0:
-                    raise PipelineScheduleError(f"action {a} appears twice (ranks "
-                                                f"{owner[code]}, {r})")
-                owner[code] = r
-                row.append(code)
-            codes.append(row)
-        for i in range(n):
-            rf, rb = owner[i], owner[n + i]
-            if rf < 0 or rb < 0:
-                missing = Action(_F if rf < 0 else _B, i // s_total, i % s_total)
-                raise PipelineScheduleError(f"schedule {self.name!r} never runs {missing}")
-            if rf != rb:
-                raise PipelineScheduleError(f"{Action(_F, i // s_total, i % s_total)} runs on "
-                                            f"rank {rf} but its backward on rank {rb}; both "
-                                            "must share a rank")
-        return codes, owner[:n]
-
-    def stage_ranks(self) -> dict[int, int]:
-        """Stage index → the rank that runs it, when each stage has one rank (not Chimera).
-
-        Raises:
-            PipelineScheduleError: a stage runs on two ranks.
-        """
-        where: dict[int, int] = {}
-        for r, acts in enumerate(self.actions):
-            for a in acts:
-                if where.setdefault(a.stage, r) != r:
-                    raise PipelineScheduleError(
-                        f"schedule {self.name!r} runs stage {a.stage} on ranks "
-                        f"{where[a.stage]} and {r}; a stage must live on one rank")
-        return where
-
-    def format_table(self, stalled: dict[int, int] | None = None) -> str:
-        """Render a step x rank table; ``stalled[rank] = step`` cells print as ``[..]``.
-
-        Rows with a stalled cell end in ``<-- STALLED HERE``. O(P * max steps).
-        """
-        stalled = stalled or {}
-        steps = max((len(a) for a in self.actions), default=0)
-        header = ["step"] + [f"rank {r}" for r in range(self.num_ranks)]
-        rows: list[list[str]] = []
-        for k in range(steps):
-            row = [str(k)]
-            for r, acts in enumerate(self.actions):
-                cell = str(acts[k]) if k < len(acts) else ""
-                row.append(f"[{cell}]" if stalled.get(r) == k else cell)
-            rows.append(row)
-        widths = [max(len(x[c]) for x in [header, *rows]) for c in range(len(header))]
-        lines = [" | ".join(h.rjust(w) for h, w in zip(header, widths))]
-        for k, row in enumerate(rows):
-            line = " | ".join(c.rjust(w) for c, w in zip(row, widths))
-            if k in stalled.values():
-                line += "  <-- STALLED HERE"
-            lines.append(line)
-        return "\n".join(lines)
-
-
-def decode_schedule(name: str, num_microbatches: int, num_stages: int,
-                    ranks: tuple[str, ...] | list[str]) -> PipelineSchedule:
-    """The schedule :meth:`PipelineSchedule.encode` wrote, validated and checked to finish.
-
-    Raises:
-        PipelineScheduleError: a malformed action, or the checks of
-            :meth:`PipelineSchedule.index`.
-        PipelineDeadlockError: the lists can never complete (:func:`check_progress`).
-    """
-    actions = tuple(tuple(Action.parse(t) for t in row.split()) for row in ranks)
-    schedule = PipelineSchedule(name, len(actions), num_microbatches, num_stages, actions)
-    check_progress(schedule)
-    return schedule
-
-
-def check_progress(schedule: PipelineSchedule) -> None:
-    """Raise unless executing every rank's list in order, respecting the dependencies (module
-    docstring), finishes. O(A) for A actions: a blocked rank sleeps until its dependency ends.
-
-    Raises:
-        PipelineScheduleError: the checks of :meth:`PipelineSchedule.index`.
-        PipelineDeadlockError: with the step x rank table marking every stuck rank.
-    """
-    codes, _ = schedule.index()
-    s_total, n = schedule.num_stages, schedule.num_microbatches * schedule.num_stages
-    done = [False] * (2 * n)
-    waiters: dict[int, list[int]] = {}
-    pos = [0] * schedule.num_ranks
-    stack = list(range(schedule.num_ranks - 1, -1, -1))
-    while stack:
-        r = stack.pop()
-        row, k = codes[r], pos[r]
-        while k < len(row):
-            code = row[k]
-            i = code if code < n else code - n
-            deps = [i - 1] if code < n and i % s_total else []
-            if code >= n:
-                deps = [i] + ([n + i + 1] if (i + 1) % s_total else [])
-            blocked = next((d for d in deps if not done[d]), None)
-            if blocked is not None:
-                waiters.setdefault(blocked, []).append(r)
-                break
-            done[code] = True
-            k += 1
-            stack.extend(waiters.pop(code, ()))
-        pos[r] = k
-    stuck = {r: pos[r] for r in range(schedule.num_ranks) if pos[r] < len(codes[r])}
-    if stuck:
-        raise deadlock_error(schedule, stuck)
 
 
 # --------------------------------------------------------------------------- generators
@@ -483,16 +278,3 @@ def plan_schedule(layout: Layout, actions: PipelineActions | None) -> PipelineSc
                               layout.virtual_stages)
     return decode_schedule(actions.schedule, actions.micro_batches, actions.num_stages,
                            actions.ranks)
-
-
-def deadlock_error(schedule: PipelineSchedule, stuck: dict[int, int]) -> PipelineDeadlockError:
-    """The error for ``schedule`` stuck at ``{rank: step}``: each stuck rank's next action in
-    the message and the step x rank table (the progress check and the simulator share it)."""
-    heads = ", ".join(f"rank {r} at step {k} ({schedule.actions[r][k]})"
-                      for r, k in stuck.items())
-    return PipelineDeadlockError(
-        f"pipeline schedule {schedule.name!r} deadlocks: no rank can make progress; "
-        f"stuck: {heads}. Each rank runs its list in order, so a rank waiting on an "
-        f"action that is queued behind another waiting rank never starts.",
-        schedule.format_table(stuck),
-    )

@@ -268,12 +268,14 @@ def hierarchy_incremental_volume(densities_pow2: Sequence[float], elements: floa
 
 def skew_of(indices: np.ndarray, units: int, n: int) -> float:
     """Definition 3.5 on an index set: the densest of ``n`` even partitions of ``[0, units)``
-    over the average density (1 for an empty set)."""
+    over the average density (1 for an empty set). Partition ``j`` is
+    ``[floor(j units / n), floor((j+1) units / n))``, as in :func:`zipf_stats`."""
     if indices.size == 0:
         return 1.0
-    bounds = np.linspace(0, units, n + 1)
-    counts = np.histogram(indices, bins=bounds)[0]
-    sizes = np.diff(np.floor(bounds))
+    bounds = np.arange(n + 1, dtype=np.int64) * units // n
+    part = np.searchsorted(bounds, indices, side="right") - 1
+    counts = np.bincount(np.clip(part, 0, n - 1), minlength=n)
+    sizes = np.diff(bounds)
     return float((counts / np.maximum(sizes, 1)).max() / (indices.size / units))
 
 

@@ -76,6 +76,13 @@ class ComputeModel:
         require_profiled: raise instead of falling back to analytic estimates.
         precision: the compute dtype of each device type (None: ``dtype`` everywhere).
         attention: how the attention core runs: ``flash`` (fused) or ``materialized``.
+        kernel_devices: price layers by their kernels on device types that have a GEMM
+            curve. :class:`~hetplan.cost_models.costs.CostModel` sets it False when some device
+            type of the cluster has none: every device of a plan is then priced by the same
+            roofline, because the passes compare devices with each other (TP shard sizes, stage
+            balancing), and a kernel-priced A100 beside a roofline-priced V100 would compare
+            two models, not two devices (the kernel model's wave quantization made an A100
+            slower than a V100 on small layers).
     """
 
     def __init__(
@@ -87,12 +94,14 @@ class ComputeModel:
         require_profiled: bool = False,
         precision: Precision | None = None,
         attention: Attention = "flash",
+        kernel_devices: bool = True,
     ) -> None:
         if not 0 < efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
         self.attention: Attention = attention
+        self.kernel_devices = kernel_devices
         self.db = db
         self.efficiency = efficiency
         self.dtype = dtype
@@ -174,7 +183,7 @@ class ComputeModel:
             ratio = V100_FP32_FLOPS / device.flops("fp32")
             bwd = lay.measured_bwd_us * 1e-6 * scale * ratio
             return LayerTime(bwd / 2, bwd, "measured")
-        curve = curve_for(device.type)
+        curve = curve_for(device.type) if self.kernel_devices else None
         if curve is not None and lay.gemms:
             dtype = self.peak_dtype(device)
             k = kernel_times(

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from hetplan.cost_models.comm import CommModel
 from hetplan.cost_models.compression import CompressionModel
 from hetplan.cost_models.compute import ComputeModel
-from hetplan.cost_models.kernels import Attention
+from hetplan.cost_models.kernels import Attention, curve_for
 from hetplan.cost_models.precision import resolve_precision
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.ir.cluster import ClusterSpec
@@ -62,6 +62,7 @@ class CostModel:
         self.compute = ComputeModel(
             db, efficiency=efficiency, dtype=dtype, require_profiled=require_profiled,
             precision=self.precision, attention=attention,
+            kernel_devices=all(curve_for(t) is not None for t in {d.type for d in self.devices}),
         )
         if dp_overlap not in ("backward", "after-flush"):
             raise ValueError(f"dp_overlap must be 'backward' or 'after-flush', got {dp_overlap!r}")

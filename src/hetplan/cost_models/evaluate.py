@@ -22,7 +22,8 @@ into an iteration time, a breakdown, the memory of every rank and the pipeline b
    the precision section's reduce dtype; ZeRO's reduce-scatter and all-gather are priced as
    :func:`_strategy_ops` says.
 4. **Iteration** ``= max over stages (last backward end + exposed sync) + optimizer step``; the
-   optimizer step is memory-bound (Adam moves 28 bytes per parameter; ZeRO divides it).
+   optimizer step is memory-bound, priced by the bytes its kernels move plus a launch per
+   kernel (:mod:`hetplan.cost_models.optimizer_step`; ZeRO divides the bytes).
 5. **Memory** per rank (:mod:`hetplan.cost_models.memory`): model state in the precision's
    dtypes and ZeRO's sharding, activations under each stage's recomputation at the peak of
    the rank's action list, ZeRO buffers and the allocator margin;
@@ -41,6 +42,7 @@ the pipeline and DP timelines, TP shares) are modules of their own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -52,12 +54,12 @@ from hetplan.algorithms.dp_types import CPU, GPU, DPTimeline, Op, SyncUnit
 from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
-    MOMENT_BYTES,
     MemoryBreakdown,
     StatePrecision,
     capture_bytes,
     check_fits,
 )
+from hetplan.cost_models.optimizer_step import step_bytes, step_kernels, step_seconds
 from hetplan.cost_models.pipeline import PipelineSimResult, simulate_named, simulate_pipeline
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import rank_memory, stage_precision
@@ -95,9 +97,10 @@ UnitStrategy = Union[SyncStrategy, SparseTensorSync]
 #: Per stage: (gradient indices, strategy) per sync unit (:func:`_units_by_stage`).
 _Units = list[list[tuple[list[int], UnitStrategy]]]
 
-#: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (read p, g, m, v;
-#: write p, m, v); :func:`_step_bytes` gives every precision and optimizer.
-OPTIMIZER_BYTES_PER_PARAM_BYTE = 7.0
+#: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (torch's foreach
+#: Adam: 72 bytes per element, :data:`hetplan.cost_models.optimizer_step.UPDATE_BYTES`);
+#: :func:`_step_bytes` gives every precision and optimizer.
+OPTIMIZER_BYTES_PER_PARAM_BYTE = 18.0
 
 
 @dataclass(frozen=True)
@@ -343,8 +346,7 @@ def _sync_all(
             backprop, prep, units = built[s]
             tl = simulate_dp(prep.segments, units, record=record)
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
-            busy = sum(v for k, v in tl.busy_s.items() if k not in (GPU, CPU))
-            comp = tl.busy_s.get(GPU, 0.0) - sum(backprop) + tl.busy_s.get(CPU, 0.0)
+            busy, comp = _comm_and_compression_s(units)
         stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
                                      comp, pre.sources[s]))
         timelines.append(tl)
@@ -446,28 +448,6 @@ def _sync_prep(workload: WorkloadSummary, st: Stage, layout: Layout, costs: Cost
                      per_node, _sync_dtypes(workload, st, layout, costs), shares, {})
 
 
-def _sync_stage(
-    workload: WorkloadSummary,
-    st: Stage,
-    layout: Layout,
-    costs: CostModel,
-    units: list[tuple[list[int], UnitStrategy]],
-    bwd_per_layer: list[float],
-    record: bool,
-    shares: list[float] | None = None,
-    *,
-    prep: _SyncPrep | None = None,
-) -> DPTimeline:
-    """DP timeline of one stage over its last micro-batch's backward (``shares``: the largest
-    TP share of each layer of the stage with uneven shards, else None: ``1 / tp``; ``prep``:
-    the stage's :class:`_SyncPrep` if already built, with these ``bwd_per_layer`` and
-    ``shares``)."""
-    if prep is None:
-        prep = _sync_prep(workload, st, layout, costs, bwd_per_layer, shares)
-    units_ = _stage_units(workload, st, layout, costs, units, prep)
-    return simulate_dp(prep.segments, units_, record=record)
-
-
 def _stage_units(
     workload: WorkloadSummary,
     st: Stage,
@@ -534,6 +514,28 @@ def _timeline_floor(segments: list[float], units: list[SyncUnit]) -> float:
         floor = max(floor, chain)
     floor = max(floor, t + busy.pop(GPU, 0.0), *busy.values())
     return floor
+
+
+#: Op labels that are (de)compression, casting or sparse-encoding work (Zen's hashing,
+#: aggregation and decoding: :mod:`~hetplan.cost_models.sparse`); every other op communicates.
+_COMPRESSION_LABELS = frozenset({"compress", "decompress", "cast", "zen-hash",
+                                 "zen-aggregate", "zen-decode"})
+
+
+def _comm_and_compression_s(units: Sequence[SyncUnit]) -> tuple[float, float]:
+    """(communication, compression) seconds of a stage's sync ops, told apart by what each
+    op does (its label), not by the resource it runs on: on a device whose collectives take
+    turns with compute (``comm_overlaps_compute: false``, the ``cpu`` type) communication
+    runs on the compute resource too, and counting that resource's extra time as
+    compression reported a plan that compresses nothing as compressing."""
+    comm = comp = 0.0
+    for u in units:
+        for op in u.ops:
+            if op.label in _COMPRESSION_LABELS:
+                comp += op.duration_s
+            else:
+                comm += op.duration_s
+    return comm, comp
 
 
 def _stage_segments(
@@ -827,25 +829,31 @@ def _strategy_ops(
             ops.append(Op(GPU, 2 * nbytes / dev.mem_bandwidth_bytes_per_s, "cast"))
         payload = nbytes * min(g, 0.5)
     comp = None
+    dense = payload  # bytes of the uncompressed steps
     if isinstance(strategy, CompressedSync):
         comp = costs.compression.cost(
             strategy.compressor, strategy.compress_device, dev.type,
             **{k: v for k, v in strategy.params.items() if k in ("ratio", "levels", "rank")},
         )
+        # 16-bit uncompressed steps: only their bytes shrink; the compressor still sees (and
+        # its wire size follows) the gradients as kept, and the casts are GPU kernels
+        narrow = strategy.uncompressed_dtype != "fp32" and g >= 1
+        if strategy.actions:
+            out = _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node,
+                              calc, dtypes.nic_share, narrow)
+            return out + _zero_gather(strategy, nbytes, dtypes, costs, dev, dp, link, nodes,
+                                      per_node, calc)
         if strategy.uncompressed_dtype != "fp32":
-            payload = nbytes * min(g, 0.5)
-    if isinstance(strategy, CompressedSync) and strategy.actions and comp is not None:
-        out = _action_ops(strategy, payload, comp, costs, dev, dp, link, nodes, per_node, calc,
-                          dtypes.nic_share)
-        return out + _zero_gather(strategy, nbytes, dtypes, costs, dev, dp, link, nodes,
-                                  per_node, calc)
+            dense = nbytes * min(g, 0.5)
+            if narrow and any(not s.compressed for s in strategy.steps):
+                ops.append(Op(GPU, 2 * payload / dev.mem_bandwidth_bytes_per_s, "cast"))
     compressed_done = False
     for step in strategy.steps:
         if step.compressed and comp is not None and not compressed_done:
             res = _comp_resource(strategy.compress_device, dev)
             ops.append(Op(res, calc.time(comp.compress, payload), "compress"))
             compressed_done = True
-        size = calc.wire(comp, payload) if step.compressed and comp else payload
+        size = calc.wire(comp, payload) if step.compressed and comp else dense
         group, lk, channel = _level_group(step.level, dev, dp, link, nodes, per_node)
         routine = step.routine
         if dtypes.zero_stage >= 3 and routine == "allreduce":
@@ -909,6 +917,7 @@ def _action_ops(
     per_node: int,
     calc: type[_ScalarCalc] = _ScalarCalc,
     share: float = 1.0,
+    narrow: bool = False,
 ) -> tuple[Op, ...]:
     """The ops of an Espresso path (``strategy.actions``), following one GPU's data.
 
@@ -922,14 +931,43 @@ def _action_ops(
     ``active`` times one GPU's bytes; with the full-size convention this gives the same
     times as the uncompressed hierarchical steps above. A (de)compression handles all of
     this GPU's pieces in one call.
+
+    With ``narrow`` (a 16-bit ``uncompressed_dtype`` on fp32 gradients) the uncompressed
+    steps move half the bytes; compressed steps move what the compressor makes of the fp32
+    values, and (de)compression times stay those of the fp32 values. Each stretch of
+    uncompressed steps is cast to 16 bits before its first step and back after its last
+    (``cast``: read plus write over the memory bandwidth, ``payload * frac / mem_bw`` per
+    direction, so a round trip costs what :class:`CastSync`'s cast does). A cast next to a
+    GPU (de)compression is part of that kernel (it reads or writes the 16-bit values), so
+    it adds to that op instead of being an op of its own.
     """
     ops: list[Op] = []
     frac, copies, compressed, active = 1.0, 1, False, max(per_node, 1)
+    half = False  # the dense values are 16-bit now
+    bw = dev.mem_bandwidth_bytes_per_s
+
+    def cast(nb: float) -> None:
+        """A cast of ``nb`` fp32 bytes, merged into a GPU (de)compression right before."""
+        dur = nb / bw
+        if ops and ops[-1].resource == GPU and ops[-1].label in ("decompress", "compress"):
+            last = ops.pop()
+            ops.append(Op(GPU, last.duration_s + dur, last.label + "+cast"))
+        else:
+            ops.append(Op(GPU, dur, "cast"))
+
     for a in strategy.actions:
         if a.task in ("comp", "decomp"):
             res = _comp_resource(a.device, dev)
             if a.task == "comp":
-                ops.append(Op(res, calc.time(comp.compress, payload * frac), "compress"))
+                t = calc.time(comp.compress, payload * frac)
+                label = "compress"
+                if half:  # back to fp32 first: fused into a GPU compression
+                    if res == GPU:
+                        t, label = t + payload * frac / bw, "cast+compress"
+                    else:
+                        cast(payload * frac)
+                    half = False
+                ops.append(Op(res, t, label))
                 compressed, copies = True, 1
             else:
                 ops.append(Op(res, calc.time(comp.decompress, payload * frac * copies),
@@ -937,7 +975,11 @@ def _action_ops(
                 compressed, copies = False, 1
             continue
         group, lk, channel = _level_group(a.level, dev, dp, link, nodes, per_node)
-        unit = calc.wire(comp, payload * frac) * copies if compressed else payload * frac
+        if narrow and not compressed and not half:
+            cast(payload * frac)
+            half = True
+        unit = (calc.wire(comp, payload * frac) * copies if compressed
+                else payload * frac * (0.5 if half else 1.0))
         routine = a.routine or "allreduce"
         size = unit * group if routine in ("allgather", "gather") else unit
         if a.level == "inter":
@@ -957,6 +999,8 @@ def _action_ops(
                 active = 1
         elif routine == "broadcast" and a.level == "intra":
             active = max(per_node, 1)
+    if half:
+        ops.append(Op(GPU, payload * frac / bw, "cast"))
     return tuple(ops)
 
 
@@ -964,11 +1008,55 @@ def _optimizer_s(
     workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout, costs: CostModel,
     tp_section: TensorParallel | None = None,
 ) -> float:
-    """The optimizer step of the slowest stage: memory-bound, it reads and writes the fp32
-    master weights (or fp32 weights) and the moments, reads the gradients and writes 16-bit
-    weights (Adam in fp32: 28 bytes per parameter, 7 per fp32 parameter byte); under ZeRO
-    each rank steps ``1/dp`` of them. A rank holding several stages (interleaved chunks)
-    steps them all."""
+    """The optimizer step of the slowest pipeline rank (:mod:`hetplan.cost_models.optimizer_step`):
+    the bytes its kernels move over memory bandwidth plus a launch per kernel; under ZeRO
+    each rank steps ``1/dp`` of the elements. A rank holding several stages (interleaved
+    chunks) steps them all in one optimizer.
+
+    Where the profile DB has a measured optimizer step for the rank's device types
+    (:class:`~hetplan.cost_models.profile_db.OptimizerRecord`, ``hetplan profile --what
+    step``), that line prices it instead: a cost per parameter tensor stepped (the optimizer's
+    Python and dispatch per tensor, what dominates a small model on a CPU) plus a cost per
+    fp32 byte, measured with as many processes stepping at once as the node has ranks."""
+    measured = _measured_step_s(workload, stages, layout, costs, tp_section)
+    if measured is not None:
+        return measured
+    dp = layout.dp if layout.zero_stage >= 1 else 1
+    nbytes: dict[int, float] = {}
+    tensors: dict[int, int] = {}
+    precs: dict[int, StatePrecision] = {}
+    bws: dict[int, float] = {}
+    for st in stages:
+        shares = max_layer_shares(workload, st, layout.tp, tp_section)
+        prec = stage_precision(workload, st, costs)
+        pbytes = sum(
+            shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
+                         None if shares is None else shares[k])
+            for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
+        )
+        s = st.index % layout.pp
+        per_elem = step_bytes(prec, costs.optimizer, dp=dp)
+        nbytes[s] = nbytes.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes
+        tensors[s] = tensors.get(s, 0) + sum(
+            1 for g in workload.grads if st.first_layer <= g.layer_index <= st.last_layer)
+        precs.setdefault(s, prec)
+        bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
+        bws[s] = min(bws.get(s, bw), bw)
+    return max((step_seconds(nbytes[s], step_kernels(precs[s], costs.optimizer, tensors[s],
+                                                      dp=dp), bws[s])
+                for s in nbytes), default=0.0)
+
+
+def _measured_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout,
+                     costs: CostModel, tp_section: TensorParallel | None) -> float | None:
+    """The slowest pipeline rank's optimizer step from the profile's measured lines (see
+    :func:`_optimizer_s`); None when the DB lacks one for a device type of the plan. Under
+    ZeRO-1/2 a rank steps views of its ``1/dp`` chunk of each parameter (about ``tensors /
+    dp`` of them) and ``1/dp`` of the bytes; FSDP2 (ZeRO-3) steps every parameter's local
+    shard."""
+    if costs.db is None or not costs.db.optimizer_steps:
+        return None
+    sharded = layout.zero_stage >= 1 and layout.dp > 1
     per_rank: dict[int, float] = {}
     for st in stages:
         shares = max_layer_shares(workload, st, layout.tp, tp_section)
@@ -978,19 +1066,26 @@ def _optimizer_s(
                          None if shares is None else shares[k])
             for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
         )
-        per_elem = _step_bytes(prec, costs.optimizer)
-        if layout.zero_stage >= 1:
-            per_elem /= layout.dp
-        bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
+        tensors = float(sum(1 for g in workload.grads
+                            if st.first_layer <= g.layer_index <= st.last_layer))
+        fp32_bytes = pbytes / prec.capture_bytes * 4.0
+        if sharded:
+            fp32_bytes /= layout.dp
+            if layout.zero_stage <= 2:
+                tensors = math.ceil(tensors / layout.dp)
+        worst = 0.0
+        for dev in rank_devices(costs, st):
+            rec = costs.db.optimizer_step(costs.optimizer, dev.type,
+                                          costs.node_sizes[dev.node_index])
+            if rec is None:
+                return None
+            worst = max(worst, rec.time_s(tensors, fp32_bytes) * dev.slowdown)
         s = st.index % layout.pp
-        per_rank[s] = per_rank.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes / bw
+        per_rank[s] = per_rank.get(s, 0.0) + worst
     return max(per_rank.values(), default=0.0)
 
 
 def _step_bytes(prec: StatePrecision, optimizer: str) -> float:
-    """Bytes the optimizer step moves per parameter element (see :func:`_optimizer_s`)."""
-    fp32 = prec.master_bytes or prec.weight_bytes
-    out = 2 * fp32 + prec.grad_bytes + 2 * MOMENT_BYTES[optimizer]
-    return out + (prec.weight_bytes if prec.master_bytes else 0)
-
-
+    """Bytes the optimizer step moves per parameter element without ZeRO
+    (:func:`hetplan.cost_models.optimizer_step.step_bytes`; the search's lower bound uses it)."""
+    return step_bytes(prec, optimizer)

@@ -26,6 +26,18 @@ the part outside too with sequence parallelism. Per recomputation mode of a tran
 attention core (``act_attn_core_*``), ``full`` keeps the block's input only
 (``act_in_bytes``). This reproduces Korthikanti et al. 2022, Table 2 (tested).
 
+**The loss** (:func:`loss_activations`): the runtime's cross-entropy over a language
+model's logits (the workload's last layer, a ``head``; ``E`` output elements per
+micro-batch: its captured ``act_out_bytes`` over the capture dtype) runs in fp32, as
+Megatron-LM computes it, whatever the compute dtype. From forward to backward the rank holds
+the fp32 logits (the upcast copy of 16-bit logits, or the fp32 output itself: the model's
+output keeps them until its backward ends) and log-softmax's saved fp32 output: ``8E``
+bytes per micro-batch in flight, beside the layers' activations. In backward, the
+gradients of the log-probabilities (``nll_loss``) and of the logits (log-softmax) are live
+at once: ``8E`` more, one micro-batch at a time. At ``E = b·s·V`` with ``V = 50257`` this is
+``16·b·s·V`` bytes — more than all of GPT-2 small's blocks keep (measured on CPU with
+the storages live at the peak: ``tests/unit/test_loss_memory.py``).
+
 **In flight**: a rank holds the activations of every micro-batch it ran forward and not yet
 backward; :func:`peak_in_flight` walks the rank's action list of the schedule
 (:mod:`hetplan.algorithms.pipeline_schedules` — the lists the runtime executes) and takes the
@@ -68,6 +80,7 @@ __all__ = [
     "check_fits",
     "in_flight_micro_batches",
     "layer_activations",
+    "loss_activations",
     "model_state",
     "peak_in_flight",
     "recompute_transient",
@@ -259,6 +272,24 @@ def layer_activations(
     return ((total - replicated) * frac + replicated) * micro_batch_scale
 
 
+#: fp32 bytes per output element the cross-entropy keeps from forward to backward (the fp32
+#: logits, log-softmax's output) and adds in its backward (two gradients).
+LOSS_HELD_BYTES = 8.0
+LOSS_TRANSIENT_BYTES = 8.0
+
+
+def loss_activations(lay: LayerCost, capture_bytes: int = 4, *,
+                     micro_batch_scale: float = 1.0) -> tuple[float, float]:
+    """(held, transient) bytes of the loss over ``lay``'s output for one micro-batch (see
+    module docstring): ``lay`` must be the workload's last layer; (0, 0) unless it is a
+    ``head`` (the runtime's cross-entropy over its logits). The logits are not split under
+    tensor parallelism: the runtime gathers them (no vocab-parallel cross-entropy)."""
+    if lay.kind != "head" or not lay.act_out_bytes:
+        return 0.0, 0.0
+    elems = lay.act_out_bytes / capture_bytes * micro_batch_scale
+    return LOSS_HELD_BYTES * elems, LOSS_TRANSIENT_BYTES * elems
+
+
 def recompute_transient(
     lay: LayerCost,
     mode: str,
@@ -333,10 +364,11 @@ def stage_memory(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    last: bool = False,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank of a stage made of ``layers`` holding ``in_flight``
     micro-batches' worth of its activations (see module docstring); ``buffers``: bytes a pass
-    asks for beside ZeRO's."""
+    asks for beside ZeRO's; ``last``: the stage ends the model (it computes the loss)."""
     w, g, o = model_state(layers, tp=tp, dp=dp, zero_stage=zero_stage, optimizer=optimizer,
                           precision=precision, shares=shares)
     acts = transient = 0.0
@@ -348,6 +380,11 @@ def stage_memory(
         transient = max(transient, recompute_transient(
             lay, recompute, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
             micro_batch_scale=micro_batch_scale, share=share))
+    if last and layers:
+        held, loss_transient = loss_activations(layers[-1], precision.capture_bytes,
+                                                micro_batch_scale=micro_batch_scale)
+        acts += held
+        transient = max(transient, loss_transient)
     bufs = buffers + zero_buffers(layers, tp=tp, zero_stage=zero_stage, precision=precision,
                                   shares=shares)
     return breakdown(w, g, o, acts * in_flight + transient, bufs)

@@ -24,6 +24,7 @@ from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import PlanMismatchError, SpecError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
+from hetplan.ir.plan_checks import plan_problems
 from hetplan.ir.plan_sections import (
     Baseline,
     CostSettings,
@@ -93,11 +94,14 @@ def plan_costs(
 ) -> tuple[WorkloadSummary, Layout, CostModel]:
     """What re-evaluating ``plan`` needs: its workload, its layout and the cost model built
     with the plan's cost settings on its embedded cluster (or ``cluster``, which must have
-    the plan's fingerprint).
+    the plan's fingerprint; a plan that does not embed its spec is then checked against it by
+    the plan's own rules, :mod:`hetplan.ir.plan_checks`).
 
     Raises:
         SpecError: the plan has no workload summary or no cluster.
-        PlanMismatchError: ``cluster`` is not the plan's cluster.
+        PlanMismatchError: ``cluster`` is not the plan's cluster, or the plan does not fit
+            it (e.g. a precision peak its device type lacks; one line per problem, each
+            naming the field).
     """
     workload = plan.model.workload
     if workload is None:
@@ -111,6 +115,8 @@ def plan_costs(
             f"plan was made for ({plan.cluster.name!r}, {plan.cluster.fingerprint}); re-run "
             "`hetplan plan` for this cluster"
         )
+    if plan.cluster.spec is None and (problems := plan_problems(plan, cluster=spec)):
+        raise PlanMismatchError("\n".join(problems))
     settings = plan.cost_settings or CostSettings()
     costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
                       efficiency=settings.efficiency, optimizer=settings.optimizer,

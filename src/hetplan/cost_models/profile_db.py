@@ -1,6 +1,6 @@
 """The profile DB: measured costs written by ``hetplan profile`` (schema version 2).
 
-A :class:`ProfileDB` holds three kinds of records, each identified by a key:
+A :class:`ProfileDB` holds four kinds of records, each identified by a key:
 
 * :class:`ComputeRecord`, key ``(signature, device_type, dtype, batch_size)``: forward and
   backward time of one layer, run in compute dtype ``dtype`` (autocast for bf16/fp16) at
@@ -20,8 +20,29 @@ A :class:`ProfileDB` holds three kinds of records, each identified by a key:
   (``gpu`` or ``cpu``) and ``device_type`` the cluster device type of the machine (a GPU type
   such as ``A100-80GB``, or ``cpu``).
 
+* :class:`OptimizerRecord`, key ``(optimizer, device_type, processes)``: measured time of one
+  optimizer step (``step()`` then ``zero_grad()``) over ``tensors`` parameters holding
+  ``nbytes`` fp32 bytes, with ``processes`` processes stepping at once on the machine, and a
+  fitted line ``seconds = per_tensor_s * tensors + per_byte_s * nbytes`` (``hetplan profile
+  --what step``). On a CPU the per-tensor term (the optimizer's Python and dispatch per
+  parameter) dominates small models. Added like sparsity records, without a version bump: an
+  absent ``optimizer_steps`` list reads as empty and an empty one is not written.
+* :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
+  statistics of one row-sparse (embedding) gradient when ``workers`` data-parallel workers
+  each look up ``batch_size`` samples per synchronized step (``hetplan profile --sparsity``,
+  :mod:`hetplan.profiling.sparsity`): per-worker density ``d_G``, aggregated density ``d_G^n``
+  and skew ``s_G^n`` (thesis Definitions 3.4-3.5), the steps they are means over and the data
+  they came from (a synthetic ``zipf`` token stream or the user's ``script``).
+  :meth:`ProfileDB.sparsity_record` returns the record of the nearest measured batch; the zen
+  pass scales it (:mod:`hetplan.passes.zen`).
+
 plus :class:`MachineInfo` entries describing the machines measured (device type, torch
 version, backend; never a hostname, so DBs can be shared).
+
+Sparsity records were added without a version bump: an absent ``sparsity`` list reads as
+empty, so every older version-2 file keeps loading with the same meaning, and
+:meth:`ProfileDB.to_json` leaves the list out when it is empty, so a DB without sparsity
+records is written exactly as before (and stays readable by a hetplan that predates them).
 
 Determinism: records are kept sorted by key whatever order they were given in, and
 :meth:`ProfileDB.to_json` writes sorted keys with a fixed indent, so equal DBs give
@@ -59,6 +80,9 @@ __all__ = [
     "DeviceKind",
     "MachineInfo",
     "ProfileDB",
+    "OptimizerRecord",
+    "OptimizerSample",
+    "SparsityRecord",
     "merge",
 ]
 
@@ -252,6 +276,113 @@ class CompressorRecord(BaseModel):
         return len(self.samples)
 
 
+class SparsityRecord(BaseModel):
+    """Measured statistics of one row-sparse gradient (thesis Definitions 3.4-3.5).
+
+    Each statistic is the mean over ``steps`` measured steps; within a step, ``density`` and
+    ``skew`` are means over the ``workers`` workers.
+
+    Attributes:
+        model: the captured model's name (``ModelIR.name``: the zoo name, or the class name
+            of a ``--module`` factory's model).
+        gradient: the gradient's (embedding weight's) parameter name.
+        workers: ``n``, the data-parallel workers whose index sets were aggregated (>= 1).
+        batch_size: samples one worker looks up per synchronized step (its micro-batch times
+            the micro-batches accumulated before the sync).
+        rows: rows of the table measured (a record whose rows differ from the planned model's
+            is not used).
+        density: ``d_G``, fraction of rows one worker's step touches, in (0, 1].
+        density_n: ``d_G^n``, fraction touched by the union of the ``n`` workers' steps.
+        skew: ``s_G^n``, densest of ``n`` even row partitions of one worker's rows over
+            ``density`` (>= 1).
+        steps: steps measured (>= 1).
+        data: ``zipf`` (synthetic Zipf token stream) or ``script`` (the user's batches).
+        zipf_alpha: the Zipf exponent of a ``zipf`` stream; None for ``script``.
+    """
+
+    model_config = _CONFIG
+
+    model: _Name
+    gradient: _Name
+    workers: int = Field(ge=1)
+    batch_size: int = Field(ge=1, le=1 << 20)
+    rows: int = Field(ge=1)
+    density: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+    density_n: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+    skew: Annotated[float, Field(ge=1, allow_inf_nan=False)]
+    steps: int = Field(ge=1)
+    data: Literal["zipf", "script"]
+    zipf_alpha: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SparsityRecord:
+        if self.density_n < self.density * (1 - 1e-9):
+            raise ValueError(f"density_n {self.density_n!r} is below density "
+                             f"{self.density!r}; aggregating workers cannot remove rows")
+        if (self.data == "zipf") != (self.zipf_alpha is not None):
+            raise ValueError("give zipf_alpha exactly when data is 'zipf' "
+                             f"(data={self.data!r}, zipf_alpha={self.zipf_alpha!r})")
+        return self
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        """``(model, gradient, workers, batch_size)``."""
+        return (self.model, self.gradient, self.workers, self.batch_size)
+
+    @property
+    def num_samples(self) -> int:
+        """Steps behind the record (used by :func:`merge`)."""
+        return self.steps
+
+
+class OptimizerSample(BaseModel):
+    """One timing of an optimizer step over ``tensors`` parameters of ``nbytes`` fp32 bytes."""
+
+    model_config = _CONFIG
+
+    tensors: int = Field(ge=1)
+    nbytes: int = Field(ge=0)
+    seconds: _NonNeg
+
+
+class OptimizerRecord(BaseModel):
+    """Measured optimizer steps of one optimizer on one device type.
+
+    Attributes:
+        optimizer: the optimizer's name in plans (``adam``, ``adamw``, ``sgd``,
+            ``sgd-momentum``: ``cost_settings.optimizer``).
+        device_type: the cluster device type measured.
+        processes: processes that stepped at once on the machine (the ranks of one node:
+            on a CPU they share its cores).
+        samples: the measured ``(tensors, nbytes, seconds)`` points (at least one).
+        per_tensor_s / per_byte_s: the fitted line ``seconds = per_tensor_s * tensors +
+            per_byte_s * nbytes`` (non-negative least squares on relative residuals).
+    """
+
+    model_config = _CONFIG
+
+    optimizer: _Name
+    device_type: _Name
+    processes: int = Field(ge=1)
+    samples: tuple[OptimizerSample, ...] = Field(min_length=1)
+    per_tensor_s: _NonNeg
+    per_byte_s: _NonNeg
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """``(optimizer, device_type, processes)``."""
+        return (self.optimizer, self.device_type, self.processes)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples behind the record (used by :func:`merge`)."""
+        return len(self.samples)
+
+    def time_s(self, tensors: float, nbytes: float) -> float:
+        """The fitted step time of ``tensors`` parameters holding ``nbytes`` fp32 bytes."""
+        return self.per_tensor_s * tensors + self.per_byte_s * nbytes
+
+
 def _canonical(records: tuple[Any, ...], what: str) -> tuple[Any, ...]:
     counts = Counter(r.key for r in records)
     dup = sorted(k for k, c in counts.items() if c > 1)
@@ -270,7 +401,9 @@ class ProfileDB(BaseModel):
         schema_version: always :data:`PROFILE_SCHEMA_VERSION`; files with another version are
             refused by :meth:`load`.
         machines: the machines measured.
-        compute / collectives / compressors: the records, kept sorted by key.
+        compute / collectives / compressors / sparsity / optimizer_steps: the records, kept
+            sorted by key (``sparsity`` and ``optimizer_steps`` may be absent from a file:
+            they read as empty).
     """
 
     model_config = _CONFIG
@@ -280,6 +413,8 @@ class ProfileDB(BaseModel):
     compute: tuple[ComputeRecord, ...] = ()
     collectives: tuple[CollectiveRecord, ...] = ()
     compressors: tuple[CompressorRecord, ...] = ()
+    sparsity: tuple[SparsityRecord, ...] = ()
+    optimizer_steps: tuple[OptimizerRecord, ...] = ()
 
     @field_validator("machines")
     @classmethod
@@ -305,6 +440,18 @@ class ProfileDB(BaseModel):
         cls, value: tuple[CompressorRecord, ...]
     ) -> tuple[CompressorRecord, ...]:
         return _canonical(value, "compressor")
+
+    @field_validator("sparsity")
+    @classmethod
+    def _sort_sparsity(cls, value: tuple[SparsityRecord, ...]) -> tuple[SparsityRecord, ...]:
+        return _canonical(value, "sparsity")
+
+    @field_validator("optimizer_steps")
+    @classmethod
+    def _sort_optimizer_steps(
+        cls, value: tuple[OptimizerRecord, ...]
+    ) -> tuple[OptimizerRecord, ...]:
+        return _canonical(value, "optimizer step")
 
     # -- lookups ---------------------------------------------------------------------------
     @cached_property
@@ -334,6 +481,18 @@ class ProfileDB(BaseModel):
         return min(records, key=lambda r: (max(r.batch_size / batch_size,
                                                 batch_size / r.batch_size), -r.batch_size))
 
+    def sparsity_record(self, model: str, gradient: str, workers: int,
+                        batch_size: int) -> SparsityRecord | None:
+        """The sparsity record of ``gradient`` of ``model`` on exactly ``workers`` workers,
+        measured at the batch nearest ``batch_size`` (by ratio; on a tie the larger), or
+        None."""
+        records = [r for r in self.sparsity
+                   if (r.model, r.gradient, r.workers) == (model, gradient, workers)]
+        if not records:
+            return None
+        return min(records, key=lambda r: (max(r.batch_size / batch_size,
+                                                batch_size / r.batch_size), -r.batch_size))
+
     def collective(
         self, collective: str, backend: str, link_kind: str, group_size: int
     ) -> CollectiveRecord | None:
@@ -355,11 +514,26 @@ class ProfileDB(BaseModel):
         """The record of ``compressor`` on ``device_kind`` of a ``device_type`` machine."""
         return self._compressor_index.get((compressor, device_kind, device_type))
 
+    def optimizer_step(
+        self, optimizer: str, device_type: str, processes: int = 1
+    ) -> OptimizerRecord | None:
+        """The optimizer-step record of ``optimizer`` on ``device_type`` measured with the
+        number of processes nearest ``processes`` (by ratio; on a tie the larger), or None."""
+        records = [r for r in self.optimizer_steps
+                   if (r.optimizer, r.device_type) == (optimizer, device_type)]
+        if not records:
+            return None
+        return min(records, key=lambda r: (max(r.processes / processes,
+                                                processes / r.processes), -r.processes))
+
     # -- (de)serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, indent 2, trailing newline (byte-identical for equal
         DBs)."""
         data = self.model_dump(mode="json")
+        for key in ("sparsity", "optimizer_steps"):  # written as before they existed
+            if not data[key]:
+                del data[key]
         return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
 
     def save(self, path: str | Path) -> None:
@@ -450,4 +624,6 @@ def merge(*dbs: ProfileDB) -> ProfileDB:
         compute=_merge_records(db.compute for db in dbs),
         collectives=_merge_records(db.collectives for db in dbs),
         compressors=_merge_records(db.compressors for db in dbs),
+        sparsity=_merge_records(db.sparsity for db in dbs),
+        optimizer_steps=_merge_records(db.optimizer_steps for db in dbs),
     )

@@ -4,7 +4,8 @@
 holds the model state of the stages on it (one, or ``virtual_stages`` interleaved chunks) in
 its device type's dtypes (:func:`stage_precision`) with the layout's ZeRO sharding and
 uneven TP shares, the activations of its stages under their recomputation at the peak of its
-pipeline rank's action list, ZeRO's buffers and the allocator margin.
+pipeline rank's action list (the last stage's with the loss's fp32 logits), ZeRO's buffers
+and the allocator margin.
 
 :func:`choose_recompute` is how the passes that write stages pick each stage's
 recomputation: the cheapest mode that fits (``none``, then ``selective`` where the stage has
@@ -26,6 +27,7 @@ from hetplan.cost_models.memory import (
     breakdown,
     capture_bytes,
     layer_activations,
+    loss_activations,
     model_state,
     peak_in_flight,
     recompute_transient,
@@ -243,6 +245,11 @@ def _rank_memory(workload: WorkloadSummary, mine: list[Stage], layout: Layout,
             transient = max(transient, recompute_transient(
                 lay, st.recompute, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
                 precision=prec, micro_batch_scale=scale, share=share))
+        if st.last_layer == len(workload.layers) - 1:  # this stage computes the loss
+            held, loss_transient = loss_activations(layers[-1], prec.capture_bytes,
+                                                    micro_batch_scale=scale)
+            acts += held
+            transient = max(transient, loss_transient)
         stage_bytes[k if sched is None else st.index] = acts
     if sched is None:
         activations = sum(stage_bytes)

@@ -21,6 +21,7 @@ bounded fields.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
@@ -52,18 +53,33 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
+#: A number in exponent form without a decimal point: YAML 1.1 (PyYAML) reads it as text.
+_YAML_TEXT_EXPONENT = re.compile(r"^([+-]?[0-9]+)([eE][+-]?[0-9]+)$")
+
+
+def _yaml_hint(value: Any) -> str:
+    """How to write ``value`` so that YAML reads a number (empty: not that case)."""
+    m = _YAML_TEXT_EXPONENT.match(value) if isinstance(value, str) else None
+    if m is None:
+        return ""
+    return (f" (YAML reads an exponent without a decimal point as text: for a number, "
+            f"write {m.group(1)}.0{m.group(2)})")
+
+
 def strict_int(value: Any) -> Any:
     """Refuse a boolean or a string where an integer is meant (pydantic would read ``true``
     as 1 and ``"8"`` as 8); everything else is left to pydantic's own integer check."""
     if isinstance(value, (bool, str, bytes)):
-        raise ValueError(f"expected an integer, got {_kind(value)} {value!r}")
+        raise ValueError(f"expected an integer, got {_kind(value)} {value!r}{_yaml_hint(value)}")
     return value
 
 
 def strict_float(value: Any) -> Any:
-    """Refuse a boolean or a string where a number is meant (see :func:`strict_int`)."""
+    """Refuse a boolean or a string where a number is meant (see :func:`strict_int`); a
+    string such as ``'1e3'`` (YAML 1.1 reads an exponent without a point as text) gets the
+    spelling YAML reads as a number."""
     if isinstance(value, (bool, str, bytes)):
-        raise ValueError(f"expected a number, got {_kind(value)} {value!r}")
+        raise ValueError(f"expected a number, got {_kind(value)} {value!r}{_yaml_hint(value)}")
     return value
 
 

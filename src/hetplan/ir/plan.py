@@ -80,6 +80,7 @@ from hetplan.ir.plan_sections import (
     WorkloadSummary,
 )
 from hetplan.ir.plan_group_sync import GroupSync
+from hetplan.ir.plan_hetero import Hetero
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
@@ -159,6 +160,8 @@ class Plan(BaseModel):
             :mod:`hetplan.ir.plan_checkpointing`.
         group_sync: semi-decentralized group synchronisation of the pipeline replicas
             (SDPipe; :mod:`hetplan.ir.plan_group_sync`), or None: synchronous data parallel.
+        hetero: each stage's own device class and (dp, tp) (:mod:`hetplan.ir.plan_hetero`),
+            or None: every stage runs the layout's dp x tp.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -181,6 +184,7 @@ class Plan(BaseModel):
     pass_log: tuple[PassLogEntry, ...] = ()
     checkpointing: Checkpointing | None = None
     group_sync: GroupSync | None = None
+    hetero: Hetero | None = None
 
     @model_validator(mode="after")
     def _check_cross_section(self, info: ValidationInfo) -> Plan:

@@ -14,18 +14,22 @@ Rules (each applies when the sections it relates are present):
 2. **layout**: it uses at most the cluster's devices (dp·pp·tp ≤ world size; ``hetplan
    plan`` uses all of them, tests and re-packing fewer); the global batch is
    dp × micro-batch size × micro-batches; ``ranks`` placements follow
-   :meth:`Layout.rank_of` (and the embedded cluster's devices).
+   :meth:`Layout.rank_of` (and the embedded cluster's devices); the schedule can be built
+   for its sizes (Chimera: an even pp of at least 2 and an even micro-batch count;
+   interleaved 1F1B: micro-batches a multiple of pp), as the simulator and runtime build it.
 3. **stages**: pp · virtual_stages of them; stage ``s`` runs on exactly the dp·tp ranks of
    pipeline coordinate ``s mod pp``; their layers are contiguous from 0 and cover the
    workload; ``layer_names`` are the workload's.
 4. **pipeline_actions**: the layout's schedule, micro-batches, stage and rank counts; every
-   forward and backward of every stage and micro-batch exactly once. (Whether the order can
-   deadlock is the pure schedule code's check: :mod:`hetplan.algorithms.pipeline_schedules`,
-   run by the simulator and the runtime.)
+   forward and backward of every stage and micro-batch exactly once, each backward on its
+   forward's rank; and the lists can finish: executed rank by rank in list order they do not
+   deadlock (:func:`~hetplan.ir.pipeline_order.check_progress`, the check the simulator and
+   the runtime run, with its message naming each stuck rank and its next action).
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
    in their tp coordinate), inside its stage; each rank has one role.
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
-   inter-node step needs more than one node.
+   inter-node step needs more than one node. **sparse_sync** names only gradients of the
+   workload, each with its shape (rows x row_elems elements).
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages.
 8. **predictions**: at most one memory figure per rank.
 9. **complete** plans — what ``hetplan plan`` writes, required of every plan file
@@ -38,7 +42,14 @@ Rules (each applies when the sections it relates are present):
 Every problem is one line ``"field.path: what is wrong, what was expected"``; the caller
 joins them into one error, so a broken plan shows all of its problems at once.
 
-Complexity: O(world size + layers + gradients + pipeline actions).
+A plan that does not embed its cluster spec is checked against the cluster it is used with
+(``plan_problems(plan, cluster=spec)``: what ``simulate --cluster`` runs), so the rules that
+read the spec (1, 2's placements, 6's hierarchy) hold there too; a peak the device type
+lacks is then a refusal naming ``precision.devices[...]``, never a lookup failure in a cost
+model. The caller checks that cluster's fingerprint itself.
+
+Complexity: O(world size + layers + gradients + pipeline actions) (the progress check is
+linear in the actions: a blocked rank sleeps until its dependency ends).
 """
 
 from __future__ import annotations
@@ -47,6 +58,12 @@ import re
 from collections import Counter
 from typing import Protocol
 
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.pipeline_order import (
+    PipelineDeadlockError,
+    PipelineScheduleError,
+    decode_schedule,
+)
 from hetplan.ir.plan_sections import (
     ClusterRef,
     Precision,
@@ -59,6 +76,9 @@ from hetplan.ir.plan_sections import (
     TensorParallel,
 )
 from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
+from hetplan.ir.plan_hetero import Hetero, hetero_problems
+from hetplan.ir.model import DTYPE_BYTES
+from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import did_you_mean
 
@@ -91,21 +111,32 @@ class Plan(Protocol):
     def precision(self) -> Precision | None: ...
     @property
     def group_sync(self) -> GroupSync | None: ...
+    @property
+    def sparse_sync(self) -> SparseSync | None: ...
+    @property
+    def hetero(self) -> Hetero | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
 
 
-def plan_problems(plan: Plan, *, complete: bool = False) -> list[str]:
+def plan_problems(plan: Plan, *, complete: bool = False,
+                  cluster: ClusterSpec | None = None) -> list[str]:
     """Every cross-section problem of ``plan``, one line each (empty: consistent).
 
     Args:
         plan: a plan whose sections each passed their own validation.
         complete: also require what a finished plan has (rule 9 of the module docstring).
+        cluster: the spec the plan is used with, in place of its embedded one (None: the
+            embedded ``cluster.spec``, if any). Its fingerprint is the caller's to check.
     """
-    problems = _cluster(plan) + _layout(plan)
+    given = cluster is not None
+    spec = cluster if cluster is not None else plan.cluster.spec
+    label = f"cluster {spec.name!r} (--cluster)" if given and spec else "cluster.spec"
+    problems = _cluster(plan, spec, label, given) + _layout(plan, spec, label)
     problems += _stages(plan) + _pipeline_actions(plan) + _tensor_parallel(plan)
-    problems += _gradient_sync(plan) + _rebalancing(plan) + _predictions(plan)
+    problems += _gradient_sync(plan, spec) + _sparse_sync(plan) + _rebalancing(plan)
+    problems += _predictions(plan)
     problems += group_sync_problems(plan.group_sync, plan.layout)
     if complete:
         problems += _completeness(plan)
@@ -113,14 +144,15 @@ def plan_problems(plan: Plan, *, complete: bool = False) -> list[str]:
 
 
 # -- 1. cluster -------------------------------------------------------------------------------
-def _cluster(plan: Plan) -> list[str]:
-    ref, spec = plan.cluster, plan.cluster.spec
+def _cluster(plan: Plan, spec: ClusterSpec | None, label: str, given: bool) -> list[str]:
+    ref = plan.cluster
     if spec is None:
         return []
     out = []
     if ref.world_size != spec.world_size:
-        out.append(f"cluster.world_size: {ref.world_size}, but the embedded cluster spec "
-                   f"(cluster.spec) has {spec.world_size} devices; {_RERUN}")
+        where = label if given else "the embedded cluster spec (cluster.spec)"
+        out.append(f"cluster.world_size: {ref.world_size}, but {where} has {spec.world_size} "
+                   f"devices; {_RERUN}")
     precision = plan.precision
     used = sorted({g.type for node in spec.nodes for g in node.devices})
     for name, dev in sorted(precision.devices.items()) if precision is not None else ():
@@ -130,9 +162,9 @@ def _cluster(plan: Plan) -> list[str]:
                        f"{did_you_mean(name, used)}")
         elif dev.peak_dtype not in spec.device_types[name].peak_tflops:
             out.append(f"precision.devices[{name!r}].peak_dtype: {dev.peak_dtype!r}, but "
-                       f"cluster.spec lists no {name} peak for it (it lists "
+                       f"{label} lists no {name} peak for it (it lists "
                        f"{', '.join(spec.device_types[name].peak_tflops)})")
-    if ref.fingerprint != spec.fingerprint():
+    if not given and ref.fingerprint != spec.fingerprint():
         out.append(f"cluster.fingerprint: {ref.fingerprint!r}, but the embedded cluster spec "
                    f"has fingerprint {spec.fingerprint()!r} (was cluster.spec edited after "
                    f"planning?); {_RERUN} for the cluster you mean")
@@ -140,7 +172,7 @@ def _cluster(plan: Plan) -> list[str]:
 
 
 # -- 2. layout --------------------------------------------------------------------------------
-def _layout(plan: Plan) -> list[str]:
+def _layout(plan: Plan, spec: ClusterSpec | None, label: str) -> list[str]:
     lay, ws = plan.layout, plan.cluster.world_size
     if lay is None:
         return []
@@ -148,12 +180,12 @@ def _layout(plan: Plan) -> list[str]:
     if lay.num_ranks > ws:
         out.append(f"layout: dp={lay.dp} x pp={lay.pp} x tp={lay.tp} = {lay.num_ranks} ranks, "
                    f"but cluster {plan.cluster.name!r} has world_size {ws}: {_RERUN}")
+    out += _schedule_sizes(lay)
     batch = lay.dp * lay.micro_batch_size * lay.micro_batches
     if lay.global_batch_size is not None and lay.global_batch_size != batch:
         out.append(f"layout.global_batch_size: {lay.global_batch_size}, but dp={lay.dp} x "
                    f"micro_batch_size={lay.micro_batch_size} x micro_batches="
                    f"{lay.micro_batches} = {batch}; make them agree ({_RERUN})")
-    spec = plan.cluster.spec
     devices = spec.devices() if spec is not None and lay.ranks and lay.num_ranks <= ws else None
     for i, r in enumerate(lay.ranks):
         want = lay.coords(r.rank)
@@ -166,9 +198,24 @@ def _layout(plan: Plan) -> list[str]:
         d = devices[r.rank]
         if (r.node, r.local_rank) != (d.node_index, d.local_rank) or r.device not in ("", d.type):
             out.append(f"layout.ranks[{i}]: rank {r.rank} is placed on node {r.node} local "
-                       f"rank {r.local_rank} ({r.device or 'no device'}), but cluster.spec has "
+                       f"rank {r.local_rank} ({r.device or 'no device'}), but {label} has "
                        f"it on node {d.node_index} local rank {d.local_rank} ({d.type})")
     return out[:_MAX_PER_RULE]
+
+
+def _schedule_sizes(lay: Layout) -> list[str]:
+    """Rule 2's schedule part: the sizes the layout's schedule generator accepts."""
+    m, pp = lay.micro_batches, lay.pp
+    if lay.schedule == "chimera" and (pp < 2 or pp % 2):
+        return [f"layout.schedule: 'chimera' runs two pipeline directions over an even pp of "
+                f"at least 2, got pp={pp}; use '1f1b' (or gpipe) for this layout"]
+    if lay.schedule == "chimera" and m % 2:
+        return [f"layout.micro_batches: {m}, but schedule 'chimera' needs an even number (it "
+                "splits micro-batches half/half between its two directions)"]
+    if lay.schedule == "interleaved-1f1b" and pp > 1 and m % pp:
+        return [f"layout.micro_batches: {m}, but schedule 'interleaved-1f1b' needs a multiple "
+                f"of pp={pp} (Megatron's interleaving walks micro-batches in groups of pp)"]
+    return []
 
 
 #: A rule reports at most this many problems (a plan with 1000 bad ranks says so 8 times).
@@ -200,7 +247,9 @@ def _stages(plan: Plan) -> list[str]:
             if st.layer_names and list(st.layer_names) != want:
                 out.append(f"stages[{i}].layer_names: {_short(st.layer_names)} are not the "
                            f"workload's layers {st.first_layer}..{st.last_layer} {_short(want)}")
-    if stages and lay is not None:
+    if plan.hetero is not None:  # per-stage degrees: rule 3's rank part in its own form
+        out += hetero_problems(plan.hetero, lay, stages, plan.cluster.world_size)
+    elif stages and lay is not None:
         out += _stage_ranks(stages, lay)
     else:
         out += _ranks_exist(plan)
@@ -285,7 +334,21 @@ def _pipeline_actions(plan: Plan) -> list[str]:
         out.append(f"pipeline_actions.ranks: actions {_short([_fmt(a) for a in missing])} "
                    f"never run; every stage runs forward (F) and backward (B) of every "
                    f"micro-batch once; {_RERUN}")
+    if not out:
+        out += _progress(acts)
     return out[:_MAX_PER_RULE]
+
+
+def _progress(acts: PipelineActions) -> list[str]:
+    """Rule 4's order part: each backward on its forward's rank, and no deadlock."""
+    try:
+        decode_schedule(acts.schedule, acts.micro_batches, acts.num_stages, acts.ranks)
+    except PipelineDeadlockError as e:
+        return [f"pipeline_actions.ranks: {e.message.rstrip('.')}; {_RERUN} (or restore "
+                "the lists it wrote)"]
+    except PipelineScheduleError as e:
+        return [f"pipeline_actions.ranks: {e}; {_RERUN}"]
+    return []
 
 
 def _fmt(action: tuple[int, str, int]) -> str:
@@ -328,12 +391,12 @@ def _tensor_parallel(plan: Plan) -> list[str]:
 
 
 # -- 6. gradient sync -------------------------------------------------------------------------
-def _gradient_sync(plan: Plan) -> list[str]:
+def _gradient_sync(plan: Plan, spec: ClusterSpec | None) -> list[str]:
     sync, workload = plan.gradient_sync, plan.model.workload
     if sync is None:
         return []
     if workload is None:
-        return _hierarchy_needs_nodes(plan)
+        return _hierarchy_needs_nodes(plan, spec)
     layer_of = {g.name: g.layer_index for g in workload.grads}
     known = list(layer_of)
     out = []
@@ -341,7 +404,7 @@ def _gradient_sync(plan: Plan) -> list[str]:
         if t.name not in layer_of:
             out.append(f"gradient_sync.tensors[{i}].name: {t.name!r} is not a gradient of "
                        f"model {plan.model.name!r}{did_you_mean(t.name, known)}")
-    out += _hierarchy_needs_nodes(plan)
+    out += _hierarchy_needs_nodes(plan, spec)
     stage_of = _stage_of_layer(plan.stages, len(workload.layers))
     for i, b in enumerate(sync.buckets):
         for j, name in enumerate(b.tensors):
@@ -355,9 +418,28 @@ def _gradient_sync(plan: Plan) -> list[str]:
     return out[:_MAX_PER_RULE]
 
 
-def _hierarchy_needs_nodes(plan: Plan) -> list[str]:
+def _sparse_sync(plan: Plan) -> list[str]:
+    """Each sparse-synced tensor is a gradient of the model, with the shape it has there."""
+    sparse, workload = plan.sparse_sync, plan.model.workload
+    if sparse is None or workload is None:
+        return []
+    numel = {g.name: g.size_bytes // DTYPE_BYTES[g.dtype] for g in workload.grads
+             if g.dtype in DTYPE_BYTES}
+    names = [g.name for g in workload.grads]
+    out = []
+    for i, t in enumerate(sparse.tensors):
+        if t.name not in names:
+            out.append(f"sparse_sync.tensors[{i}].name: {t.name!r} is not a gradient of model "
+                       f"{plan.model.name!r}{did_you_mean(t.name, names)}; {_RERUN}")
+        elif t.name in numel and t.rows * t.row_elems != numel[t.name]:
+            out.append(f"sparse_sync.tensors[{i}]: rows x row_elems = {t.rows} x {t.row_elems} "
+                       f"but gradient {t.name!r} has {numel[t.name]} elements; {_RERUN}")
+    return out[:_MAX_PER_RULE]
+
+
+def _hierarchy_needs_nodes(plan: Plan, spec: ClusterSpec | None) -> list[str]:
     """A path with an inter-node step needs a cluster of more than one node."""
-    spec, sync = plan.cluster.spec, plan.gradient_sync
+    sync = plan.gradient_sync
     if spec is None or sync is None or spec.num_nodes > 1:
         return []
     return [f"gradient_sync.strategies[{name!r}]: has an inter-node step, but cluster "

@@ -59,6 +59,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_ELEMENTS",
     "MAX_FILE_BYTES",
+    "DEFAULT_HINT",
     "read_text_file",
     "loads_json",
     "check_shape",
@@ -75,7 +76,8 @@ T = TypeVar("T")
 
 #: At most this many error lines are printed; the rest are counted.
 _MAX_ERROR_LINES = 20
-_DEFAULT_HINT = (
+#: The closing line of a field error without a hint of its own (about a file's keys).
+DEFAULT_HINT = (
     "hint: fix the fields listed above; keys are case-sensitive and unknown keys are "
     "rejected, so check their spelling"
 )
@@ -285,7 +287,7 @@ def format_validation_error(
     lines = [_format_one(err, where, model) for err in errors[:_MAX_ERROR_LINES]]
     if len(errors) > _MAX_ERROR_LINES:
         lines.append(f"{where}: ... and {len(errors) - _MAX_ERROR_LINES} more errors")
-    lines.append(hint if hint is not None else _DEFAULT_HINT)
+    lines.append(hint if hint is not None else DEFAULT_HINT)
     return "\n".join(lines)
 
 

@@ -188,6 +188,8 @@ def compile(  # noqa: A001 - the product's verb
             + (f", schedule {opts.schedule!r}: micro-batches must be a multiple of pp and "
                "pp·virtual_stages at most the layers" if opts.schedule == "interleaved-1f1b"
                else "")
+            + (", schedule 'chimera': a pipeline needs an even pp and an even number of "
+               "micro-batches" if opts.schedule == "chimera" else "")
             + "): choose a batch size divisible by a data-parallel degree the cluster allows, "
             "or a larger micro-batch size"
         )
@@ -428,6 +430,25 @@ def _baselines(job: _Job, cand: LayoutCandidate) -> list[Baseline]:
     add("layer-wise", f"{cand.describe()} with one uncompressed allreduce per gradient "
                       "(no fusion)",
         layerwise)
+    # what the Espresso authors' reference implementation would choose, per compressor the
+    # plan's Espresso pass may use, priced by the same simulator
+    for comp in _espresso_compressors(job.pipeline):
+        ref = parse_pipeline(f"{BASELINE_PIPELINE},espresso-reference{{compressor={comp}}}")
+        add(f"espresso-reference-{comp}",
+            f"{cand.describe()}: the Espresso reference implementation's threshold rule "
+            f"with {comp}",
+            lambda ref=ref: job.plan_for(layout, ref)[1])
+    return out
+
+
+def _espresso_compressors(pipeline: tuple[Any, ...]) -> list[str]:
+    """The sparsifying/quantizing compressors the pipeline's Espresso pass may use (the
+    reference rule picks among its options for one compressor; 16-bit casts are not one)."""
+    out: list[str] = []
+    for p in pipeline:
+        if p.name == "espresso":
+            out += [c for c in getattr(p, "compressors", ())
+                    if c not in ("fp16", "bf16") and c not in out]
     return out
 
 

@@ -14,6 +14,9 @@ Rules (each prunes layouts that cannot be right, not ones that merely look slow)
 - interleaved 1F1B: ``virtual_stages`` ``v`` in 2..4 with ``pp · v`` at most the number of
   layers, and a micro-batch count divisible by ``pp`` (Megatron's schedule needs it); a layout
   without a pipeline runs ``v = 1``;
+- Chimera: a pipeline of an even ``pp`` with an even micro-batch count (its two directions
+  split them half/half); a layout without a pipeline has no schedule to run and is written
+  with ``1f1b`` (Chimera's two directions need at least two stages);
 - sequence parallelism whenever ``tp > 1``: it replaces each TP all-reduce by a
   reduce-scatter and an all-gather that cost the same (ring: ``2(n-1)/n`` of the bytes
   either way) and divides the activations outside the TP regions by ``tp``, so it is never
@@ -51,6 +54,8 @@ class LayoutCandidate:
     zero_stage: int = 0
 
     def to_layout(self, global_batch: int, schedule: str) -> Layout:
+        if schedule == "chimera" and self.pp == 1:  # no pipeline: no directions to split
+            schedule = "1f1b"
         return Layout(
             dp=self.dp,
             pp=self.pp,
@@ -127,6 +132,8 @@ def enumerate_layouts(
                 m = per_replica // mb
                 if m > MAX_MICRO_BATCHES:
                     continue
+                if schedule == "chimera" and p > 1 and (p % 2 or m % 2):
+                    continue  # Chimera splits micro-batches half/half over two directions
                 sp = t > 1 if sequence_parallel is None else sequence_parallel and t > 1
                 for v in _chunk_counts(schedule, p, m, len(workload.layers), virtual_stages):
                     out.append(LayoutCandidate(d, p, t, mb, m, v, sp))

@@ -156,8 +156,9 @@ class CompileOptions(BaseModel):
              if self.compressors else {}),
             ("dynamics", "dynpipe", {"dynamics": dynamics} if dynamics is not None else {}),
             ("tp_controller", "tp-resizing",
-             {"controller": self.tp_controller, "gamma_max": self.tp_gamma_max}
-             if self.tp_controller != "off" or self.tp_gamma_max != 0.9 else {}),
+             {"controller": self.tp_controller} if self.tp_controller != "off" else {}),
+            ("tp_gamma_max", "tp-resizing",
+             {"gamma_max": self.tp_gamma_max} if self.tp_gamma_max != 0.9 else {}),
         ]
         if self.recompute != "auto":
             writer = next((n for n in names if n in ("dynpipe", "uniform-stages")), "dynpipe")
@@ -167,11 +168,16 @@ class CompileOptions(BaseModel):
                 continue
             if pass_name not in names:
                 raise SpecError(
-                    f"{option} was given but the pass pipeline has no {pass_name!r} pass to "
+                    f"{option}: given, but the pass pipeline has no {pass_name!r} pass to "
                     f"apply it to (passes: {','.join(names)}); add {pass_name!r} to the pipeline"
                 )
             i = names.index(pass_name)
-            passes[i] = _set_options(passes[i], values, option, where)
+            try:
+                passes[i] = _set_options(passes[i], values, option, where)
+            except SpecError as e:  # the pass refused the value: name the option given
+                if str(e).startswith(f"{where}: "):
+                    raise  # the option and the spec disagree: both named already
+                raise SpecError(f"{option}: {e}") from None
         if "stages" not in passes[0].sections:
             writers = [n for n, cls in sorted(get_all_passes().items())
                        if "stages" in getattr(cls, "sections", ())]

@@ -32,6 +32,7 @@ def get_all_passes() -> dict[str, type]:
     from hetplan.passes.ddp_buckets import DDPBuckets
     from hetplan.passes.dynpipe import DynPipe
     from hetplan.passes.espresso import Espresso
+    from hetplan.passes.espresso_reference import EspressoReference
     from hetplan.passes.gemini import Gemini
     from hetplan.passes.even_tp import EvenTP
     from hetplan.passes.sdpipe import SDPipe
@@ -40,4 +41,5 @@ def get_all_passes() -> dict[str, type]:
     from hetplan.passes.zen import Zen
 
     return {cls.name: cls for cls in (UniformStages, EvenTP, DDPBuckets, DynPipe, Espresso,
-                                      CupcakeFusion, TPResizing, Zen, Gemini, SDPipe)}
+                                      CupcakeFusion, TPResizing, Zen, Gemini, SDPipe,
+                                      EspressoReference)}

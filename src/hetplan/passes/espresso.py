@@ -38,6 +38,17 @@ Decisions (also in ``docs/decisions.md``):
   allgather), not the flat allreduce, for the same reason.
 - Options are pruned to at most ``max_compressions`` compressions per tensor (default 4: no
   limit) and to the allowed ``devices`` (default GPU and CPU).
+- **16-bit uncompressed steps.** With ``fp16`` (or ``bf16``) among the compressors, every
+  compressed path with an uncompressed step is also a candidate with those steps in 16 bits
+  (the reference implementation's "intra-node FP16" options; key ``(compressor, option_id,
+  dtype)``, strategy ``<compressor>#<option_id>+fp16``).
+- **Widening in rungs** (:meth:`Espresso._ladder`): (0) the uncompressed routings and casts
+  with the one-compression paths in fp32 (what this pass searched before), (1) those paths
+  with 16-bit uncompressed steps, (k) the paths with k = 2 .. ``max_compressions``
+  compressions. Each rung starts Algorithm 4.1 from the previous rung's choice, tries only
+  its new options (and the routings and casts again), and never returns anything slower than
+  that choice, so a wider search is never predicted slower than a narrower one along the
+  rungs. Decisions in ``docs/decisions/espresso-mp.md``.
 """
 
 from __future__ import annotations
@@ -50,8 +61,11 @@ from typing import ClassVar, Literal
 from hetplan.algorithms.dp_types import Op
 from hetplan.algorithms.espresso import Selection, SelectionProblem, select
 from hetplan.algorithms.espresso_tree import (
+    PRECISIONS,
     Option,
     all_options,
+    has_uncompressed_step,
+    num_compressions,
     offloaded,
     option_id,
     options,
@@ -75,8 +89,12 @@ from hetplan.passes.base import PassContext, PassResult
 
 __all__ = ["Espresso", "strategy_for", "strategy_name", "check_compressors"]
 
-#: A candidate: (compressor or None for fp32, option id in the tree).
-Key = tuple[str | None, int]
+#: A candidate: (compressor or None for uncompressed, option id in the tree, dtype of the
+#: uncompressed steps): one path of the extended tree
+#: (:func:`~hetplan.algorithms.espresso_tree.extended_options`).
+Key = tuple[str | None, int, str]
+#: The older two-part key ``(compressor or cast or None, option id)``, fp32 uncompressed steps.
+ShortKey = tuple[str | None, int]
 _CASTS = ("fp16", "bf16")
 _SPARSIFIERS = ("topk", "randomk", "dgc")
 
@@ -96,10 +114,22 @@ def check_compressors(names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(set(names)))
 
 
-def strategy_name(key: Key) -> str:
-    """``fp32`` for the flat fp32 allreduce, else ``<compressor or fp32>#<option_id>``."""
-    comp, oid = key
-    return "fp32" if key == (None, 0) else f"{comp or 'fp32'}#{oid}"
+def _full(key: Key | ShortKey) -> tuple[str | None, int, str]:
+    """A three-part key; a two-part ``(cast, id)`` is the cast of path ``id``."""
+    if len(key) == 3:
+        return key
+    comp, oid = key[0], key[1]
+    return (None, oid, comp) if comp in _CASTS else (comp, oid, "fp32")
+
+
+def strategy_name(key: Key | ShortKey) -> str:
+    """``fp32`` for the flat fp32 allreduce; ``<fp32|fp16|bf16>#<option_id>`` for an
+    uncompressed path; ``<compressor>#<option_id>`` for a compressed one, with ``+fp16`` /
+    ``+bf16`` when its uncompressed steps are 16-bit."""
+    comp, oid, dtype = _full(key)
+    if comp is None:
+        return "fp32" if (oid, dtype) == (0, "fp32") else f"{dtype}#{oid}"
+    return f"{comp}#{oid}" + ("" if dtype == "fp32" else f"+{dtype}")
 
 
 def _steps(option: Option) -> tuple[CommStep, ...]:
@@ -108,16 +138,19 @@ def _steps(option: Option) -> tuple[CommStep, ...]:
                  for a in option if a.routine is not None)
 
 
-def strategy_for(key: Key, ratio: float = DEFAULT_SPARSITY_RATIO) -> SyncStrategy:
-    """The plan strategy of a candidate ``key``."""
-    comp, oid = key
+def strategy_for(key: Key | ShortKey, ratio: float = DEFAULT_SPARSITY_RATIO) -> SyncStrategy:
+    """The plan strategy of a candidate ``key`` (three-part, or the older two-part key)."""
+    if len(key) == 2 and key[0] in _CASTS:  # a cast of any path's steps, as it always was
+        comp, oid, dtype = None, key[1], key[0]
+    else:
+        comp, oid, dtype = _full(key)
     option = all_options()[oid]
     hierarchy: Literal["flat", "hierarchical"] = (
         "hierarchical" if option[0].level != "flat" else "flat")
-    if comp is None:
+    if comp is None and dtype == "fp32":
         return NoSync(hierarchy=hierarchy, steps=_steps(option))
-    if comp in _CASTS:
-        return CastSync(hierarchy=hierarchy, steps=_steps(option), dtype=comp)  # type: ignore[arg-type]
+    if comp is None:
+        return CastSync(hierarchy=hierarchy, steps=_steps(option), dtype=dtype)  # type: ignore[arg-type]
     actions = tuple(PathAction(task=a.task, level=a.level, routine=a.routine,  # type: ignore[arg-type]
                                device=a.device)  # type: ignore[arg-type]
                     for a in option)
@@ -128,7 +161,8 @@ def strategy_for(key: Key, ratio: float = DEFAULT_SPARSITY_RATIO) -> SyncStrateg
     )
     return CompressedSync(hierarchy=hierarchy, steps=_steps(option), actions=actions,
                           option_id=oid, compressor=comp, params=params,
-                          compress_device=first, decompress_device=last)  # type: ignore[arg-type]
+                          compress_device=first, decompress_device=last,  # type: ignore[arg-type]
+                          uncompressed_dtype=dtype)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -185,8 +219,11 @@ class Espresso:
                 strategies.setdefault(strategy_name(key), strategy_for(key, self.ratio))
             notes.append(
                 f"stage {ss.stage.index}: {len(ss.grads)} tensors, {keys} candidate options, "
-                f"{sum(1 for k in sel.strategy if k[0] not in (None,) + _CASTS)} compressed, "
-                f"{sum(1 for k in sel.strategy if k[0] in _CASTS)} cast; predicted sync "
+                f"{sum(1 for k in sel.strategy if k[0] is not None)} compressed "
+                f"({sum(1 for k in sel.strategy if k[0] is not None and k[2] != 'fp32')} with "
+                "16-bit uncompressed steps), "
+                f"{sum(1 for k in sel.strategy if k[0] is None and k[2] != 'fp32')} cast; "
+                "predicted sync "
                 f"{sel.iteration_s * 1e3:.3f} ms vs {sel.baseline_s * 1e3:.3f} ms fp32 "
                 f"({sel.method}, {sel.evaluations} simulations)"
             )
@@ -222,7 +259,7 @@ class Espresso:
         best: tuple[float, SyncStrategy | None, str] = (
             scorer.iteration_s(incoming), None, "incoming")
         for o in options(hierarchies=hier, compress=False):
-            key: Key = (None, option_id(o))
+            key: Key = (None, option_id(o), "fp32")
             strategy = strategy_for(key)
             # a routing whose lower bound is not below the best so far cannot win
             f = scorer.rerouted_s(incoming, strategy, below=best[0] - 1e-12)
@@ -244,19 +281,35 @@ class Espresso:
         return evaluate(ctx.workload, ctx.layout, plan.stages, sync, ctx.costs,
                         check_memory=False).iteration_s
 
-    def _candidates(self, hier: list[str], allowed: tuple[str, ...]) -> list[Key]:
-        out: list[Key] = []
+    def _ladder(self, hier: list[str], allowed: tuple[str, ...]) -> list[list[Key]]:
+        """The search's rungs, each the candidates it adds to the ones before (see the
+        module docstring, "Widening in rungs"): (0) every uncompressed routing in fp32 and
+        cast to each allowed 16-bit dtype, and the compressed paths with at most one
+        compression, fp32 uncompressed steps; (1) the same compressed paths with 16-bit
+        uncompressed steps; (k) the paths with k compressions, k = 2 .. max_compressions,
+        in every allowed precision."""
         routings = options(hierarchies=hier, compress=False)
-        out += [(None, option_id(o)) for o in routings]
+        rung0: list[Key] = [(None, option_id(o), "fp32") for o in routings]
         for c in allowed:
             if c in _CASTS:
-                out += [(c, option_id(o)) for o in routings]
-        lossy = options(devices=["gpu"], hierarchies=hier, compress=True,
-                        max_compressions=self.max_compressions)
-        for c in allowed:
-            if c not in _CASTS:
-                out += [(c, option_id(o)) for o in lossy]
-        return out
+                rung0 += [(None, option_id(o), c) for o in routings]
+        lossy = [c for c in allowed if c not in _CASTS]
+        narrow = [d for d in PRECISIONS[1:] if d in allowed]
+        if not lossy or self.max_compressions < 1:
+            return [rung0]
+
+        def paths(k: int) -> list[Option]:
+            return [o for o in options(devices=["gpu"], hierarchies=hier, compress=True,
+                                       max_compressions=k) if num_compressions(o) == k]
+
+        one = paths(1)
+        rungs = [rung0 + [(c, option_id(o), "fp32") for c in lossy for o in one]]
+        rungs.append([(c, option_id(o), d) for c in lossy for o in one
+                      if has_uncompressed_step(o) for d in narrow])
+        for k in range(2, self.max_compressions + 1):
+            rungs.append([(c, option_id(o), d) for c in lossy for o in paths(k)
+                          for d in ("fp32", *narrow) if d == "fp32" or has_uncompressed_step(o)])
+        return [r for r in rungs if r]
 
     def _select_stage(
         self, ss: StageSync, ctx: PassContext, allowed: tuple[str, ...]
@@ -269,68 +322,102 @@ class Espresso:
             hierarchies.append(["hierarchical"])
         best: tuple[Selection[Key], int] | None = None
         for hier in hierarchies:
-            sel = self._select(ss, ctx, self._candidates(hier, allowed))
-            if best is None or sel[0].iteration_s < best[0].iteration_s - 1e-12:
-                best = sel
+            costs = _StageCosts(ss, ctx, self.ratio, self.devices)
+            sel: Selection[Key] | None = None
+            cum: list[Key] = []
+            for new in self._ladder(hier, allowed):
+                # a wider rung also retries the uncompressed routings and casts (a few): a
+                # tensor a new path would compress for a sliver may do as well with a cast
+                retry = [k for k in cum if k[0] is None]
+                cum += new
+                sel = self._select(ss, costs, cum, retry + new, sel)
+            assert sel is not None
+            if best is None or sel.iteration_s < best[0].iteration_s - 1e-12:
+                best = (sel, len(cum))
         assert best is not None
         return best
 
     def _select(
-        self, ss: StageSync, ctx: PassContext, cands: list[Key]
-    ) -> tuple[Selection[Key], int]:
-        cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
-        sizes = sorted({float(b) for b in ss.nbytes})
-
-        def table(key: Key) -> None:
-            """This option's ops at every size of the group (one vectorised evaluation)."""
-            st = strategy_for(key, self.ratio)
-            proto = ss.ops(st, sizes[0], ctx.costs)
-            _, times = ss.ops_table(st, sizes, ctx.costs)  # bit for bit ss.ops's times
-            for m, nb in enumerate(sizes):
-                cache[(key, nb)] = tuple(Op(op.resource, float(times[m, c]), op.label)
-                                         for c, op in enumerate(proto))
-
-        def ops(i: int, key: Key) -> tuple[Op, ...]:
-            got = cache.get((key, ss.nbytes[i]))
-            if got is None:
-                table(key)
-                got = cache[(key, ss.nbytes[i])]
-            return got
-
-        @functools.cache
-        def offload(key: Key) -> Key | None:
-            if "cpu" not in self.devices or key[0] is None or key[0] in _CASTS:
-                return None
-            return (key[0], option_id(offloaded(all_options()[key[1]])))
-
-        # every candidate's costs before the search (the search then only simulates)
-        for k in cands:
-            table(k)
-            if (cpu := offload(k)) is not None:
-                table(cpu)
+        self, ss: StageSync, costs: _StageCosts, cands: list[Key], new: list[Key],
+        narrower: Selection[Key] | None,
+    ) -> Selection[Key]:
+        """One rung: ``cands`` are all its candidates, ``new`` the ones the rungs before did
+        not have; ``narrower`` is the previous rung's choice (None on the first rung)."""
+        for k in cands:  # every candidate's costs before the search (it then only simulates)
+            costs.table(k)
+            if (cpu := costs.offload(k)) is not None:
+                costs.table(cpu)
         n = len(ss.grads)
+        plain = [k for k in cands if k[0] is None and k[2] == "fp32"]
         problem: SelectionProblem[Key] = SelectionProblem(
             backprop_s=ss.backprop_s,
             sizes=[int(b) for b in ss.nbytes],
-            baseline=[(None, 0)] * n,
-            gpu_options=[cands] * n,
-            ops=ops,
-            compressed=lambda k: k[0] is not None,
-            offload=offload,
+            baseline=[plain[0]] * n,
+            gpu_options=[cands if narrower is None else new] * n,
+            ops=costs.ops,
+            # casts count as compressed, as Remove() and offloading have always seen them
+            compressed=lambda k: k[0] is not None or k[2] != "fp32",
+            offload=costs.offload,
             ops_class=[float(b) for b in ss.nbytes],  # ops() depends on the size alone
         )
         # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
         # hierarchical candidates would put them on other channels than the tensors left
         # uncompressed, so that every choice for one tensor looks free (and ties go by order)
-        plain = [k for k in cands if k[0] is None]
         base = min(plain, key=lambda k: problem.iteration_s([k] * n))
         problem.baseline = [base] * n
-        seeds = [[k] * n for k in cands] if self.uniform_seeds else []
+        if narrower is not None:  # the exhaustive search (small problems) sees every rung
+            full: list[Key] = [base]
+            for k in cands:
+                for x in (k, costs.offload(k)):
+                    if x is not None and x not in full:
+                        full.append(x)
+            problem.all_options = [full] * n
+        pool = cands if narrower is None else new
+        seeds = [[k] * n for k in pool] if self.uniform_seeds else []
         if self.uniform_seeds:  # every tensor offloaded the same way, too (Algorithm 4.2
             # offloads subsets of Algorithm 4.1's choice and may miss these)
-            seeds += [[cpu] * n for k in cands if (cpu := offload(k)) is not None]
+            seeds += [[cpu] * n for k in pool if (cpu := costs.offload(k)) is not None]
         if all(k[0] is None for k in cands):
             # nothing to compress: the best uniform routing (cheap enough for every layout)
             problem.gpu_options = [[]] * n
-            return select(problem, seeds=seeds, exhaustive_limit=0), len(cands)
-        return select(problem, seeds=seeds), len(cands)
+            return select(problem, seeds=seeds, exhaustive_limit=0)
+        return select(problem, seeds=seeds,
+                      start=None if narrower is None else narrower.strategy)
+
+
+class _StageCosts:
+    """The ops of every candidate at every tensor size of one stage's group, computed once
+    per candidate (one vectorised evaluation over the sizes) and shared by the rungs."""
+
+    def __init__(self, ss: StageSync, ctx: PassContext, ratio: float,
+                 devices: tuple[str, ...]) -> None:
+        self._ss, self._ctx, self._ratio, self._devices = ss, ctx, ratio, devices
+        self._sizes = sorted({float(b) for b in ss.nbytes})
+        self._cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
+        self._done: set[Key] = set()
+        self.offload = functools.cache(self._offload)
+
+    def table(self, key: Key) -> None:
+        """This option's ops at every size of the group."""
+        if key in self._done:
+            return
+        self._done.add(key)
+        ss, sizes, costs = self._ss, self._sizes, self._ctx.costs
+        st = strategy_for(key, self._ratio)
+        proto = ss.ops(st, sizes[0], costs)
+        _, times = ss.ops_table(st, sizes, costs)  # bit for bit ss.ops's times
+        for m, nb in enumerate(sizes):
+            self._cache[(key, nb)] = tuple(Op(op.resource, float(times[m, c]), op.label)
+                                           for c, op in enumerate(proto))
+
+    def ops(self, i: int, key: Key) -> tuple[Op, ...]:
+        got = self._cache.get((key, self._ss.nbytes[i]))
+        if got is None:
+            self.table(key)
+            got = self._cache[(key, self._ss.nbytes[i])]
+        return got
+
+    def _offload(self, key: Key) -> Key | None:
+        if "cpu" not in self._devices or key[0] is None:
+            return None
+        return (key[0], option_id(offloaded(all_options()[key[1]])), key[2])

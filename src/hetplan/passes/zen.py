@@ -4,11 +4,21 @@ Owns ``plan.sparse_sync``. The sparse gradients are the captured model's untied
 ``nn.Embedding`` / ``EmbeddingBag`` weights (:func:`hetplan.ir.sparse_grads.sparse_gradients`);
 for each one, on its stage's data-parallel group:
 
-1. **Statistics.** ``density`` given as an option (``zen{density=0.02}``, marked profiled:
-   the user measured it, e.g. with ``hetplan profile --sparsity``), else the documented
-   default, marked ``assumed``: every rank looks up ``lookups_per_sample x micro-batch x
-   micro-batches`` Zipf(1) ids per iteration (:func:`hetplan.algorithms.zen.zipf_stats`,
-   which also gives ``d_G^n`` and the skew for the group size).
+1. **Statistics**, the first that applies, each rank looking up the ids of ``b =
+   micro-batch x micro-batches`` samples per iteration:
+
+   a. ``density`` given as an option (``zen{density=0.02}``, marked ``profiled``: the user
+      measured it); ``d_G^n`` and the skew from the assumed default's ``gamma`` and skew.
+   b. A :class:`~hetplan.cost_models.profile_db.SparsityRecord` of the profile DB (``hetplan
+      profile --sparsity``) for this model, this gradient and ``n`` = the stage's data-
+      parallel degree, with the table's row count, measured at the batch nearest ``b``
+      (marked ``profiled``). Measured at another batch ``b'``, each statistic is scaled by the
+      analytic Zipf model's ratio between the two batches (``zipf_stats`` at ``b`` over at
+      ``b'``, with the record's Zipf exponent), and the pass note says so.
+   c. The documented default, marked ``assumed``: Zipf(1) ids,
+      ``lookups_per_sample x b`` of them per rank
+      (:func:`hetplan.algorithms.zen.zipf_stats`, which also gives ``d_G^n`` and the skew
+      for the group size).
 2. **Scheme.** Each executable scheme (dense all-reduce, AGsparse, Zen) is priced with the
    evaluator's own ops (:func:`hetplan.cost_models.sparse.scheme_seconds`); ``mode=auto``
    takes the fastest (ties: dense), ``mode=zen`` takes Zen for every sparse gradient.
@@ -28,13 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from hetplan.algorithms.zen import zipf_stats
+from hetplan.algorithms.zen import SparseStats, zipf_stats
 from hetplan.cost_models.evaluate import evaluate, stage_syncs
 from hetplan.cost_models.sparse import scheme_seconds
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sparse import SparseStatsRecord, SparseSync, SparseTensorSync
-from hetplan.ir.sparse_grads import sparse_gradients
+from hetplan.ir.sparse_grads import SparseGrad, sparse_gradients
 from hetplan.passes.base import PassContext, PassResult
 
 __all__ = ["Zen", "ZIPF_ALPHA"]
@@ -88,21 +98,25 @@ class Zen:
         grad_index = {g.name: i for i, g in enumerate(ctx.workload.grads)}
         group = {i: ss for ss in stage_syncs(ctx.workload, lay, plan.stages, ctx.costs)
                  for i in ss.grads}
-        tokens = lay.micro_batch_size * lay.micro_batches
-        entries, notes = [], []
+        samples = lay.micro_batch_size * lay.micro_batches
+        entries: list[SparseTensorSync] = []
+        notes: list[str] = []
         for sg in found:
             ss = group.get(grad_index.get(sg.name, -1))
             if ss is None:
                 continue
             stats = zipf_stats(sg.rows, sg.row_elems, max(1, round(sg.lookups_per_sample
-                                                                   * tokens)), lay.dp,
+                                                                   * samples)), lay.dp,
                                ZIPF_ALPHA)
             source: Literal["profiled", "assumed"] = "assumed"
+            measured = None if self.density > 0 else _profiled(sg, samples, ctx, notes)
             if self.density > 0:
                 gamma = stats.gamma
                 stats = type(stats)(sg.rows, sg.row_elems, self.density,
                                     min(1.0, self.density * gamma), stats.skew)
                 source = "profiled"
+            elif measured is not None:
+                stats, source = measured, "profiled"
             rec = SparseStatsRecord(density=stats.density, density_n=stats.density_n,
                                     skew=stats.skew, source=source)
             entry = SparseTensorSync(name=sg.name, rows=sg.rows, row_elems=sg.row_elems,
@@ -139,3 +153,40 @@ class Zen:
         return evaluate(ctx.workload, ctx.layout, plan.stages, plan.gradient_sync, ctx.costs,
                         check_memory=False, tensor_parallel=plan.tensor_parallel,
                         sparse_sync=section).iteration_s
+
+
+def _profiled(sg: SparseGrad, samples: int, ctx: PassContext,
+              notes: list[str]) -> SparseStats | None:
+    """``sg``'s statistics from the profile DB's sparsity record at ``n = dp``, scaled to
+    ``samples`` per rank (module docstring, step 1b), or None; appends what it did to
+    ``notes``."""
+    db, ir, n = ctx.costs.db, ctx.model_ir, ctx.layout.dp
+    if db is None or ir is None:
+        return None
+    rec = db.sparsity_record(ir.name, sg.name, n, samples)
+    if rec is None:
+        have = sorted({r.workers for r in db.sparsity
+                       if (r.model, r.gradient) == (ir.name, sg.name)})
+        if have:
+            notes.append(f"{sg.name}: profiled on n={have} workers, not n={n}: assumed "
+                         f"(re-profile with --workers {n})")
+        return None
+    if rec.rows != sg.rows:
+        notes.append(f"{sg.name}: the sparsity record has {rec.rows} rows, the model "
+                     f"{sg.rows}: assumed (re-profile the model)")
+        return None
+    d, dn, skew = rec.density, rec.density_n, rec.skew
+    if rec.batch_size != samples:
+        alpha = rec.zipf_alpha if rec.zipf_alpha is not None else ZIPF_ALPHA
+        at = zipf_stats(sg.rows, sg.row_elems,
+                        max(1, round(sg.lookups_per_sample * rec.batch_size)), n, alpha)
+        to = zipf_stats(sg.rows, sg.row_elems,
+                        max(1, round(sg.lookups_per_sample * samples)), n, alpha)
+        rd, rdn, rs = to.density / at.density, to.density_n / at.density_n, to.skew / at.skew
+        d = min(1.0, d * rd)
+        dn = min(1.0, max(d, dn * rdn))
+        skew = max(1.0, skew * rs)
+        notes.append(f"{sg.name}: profiled at batch {rec.batch_size} per rank ({rec.data} "
+                     f"data, {rec.steps} steps), scaled to batch {samples} by the Zipf"
+                     f"({alpha:g}) model's ratios: d x{rd:.3f}, d^n x{rdn:.3f}, skew x{rs:.3f}")
+    return SparseStats(sg.rows, sg.row_elems, d, dn, skew)

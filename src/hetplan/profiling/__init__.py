@@ -11,6 +11,10 @@ real work on the local hardware:
   processes (gloo or NCCL), with fitted α–β lines.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
+* :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
+  gradient over ``n`` simulated workers (``hetplan profile --sparsity``).
+* :func:`profile_optimizer_steps` (:mod:`.step`): the optimizer step's cost per parameter
+  tensor and per byte, on ``n`` processes at once (CPU).
 * :func:`run_profile`: all of it for one model, merged into the DB file at ``output``.
 
 Import rules: this is the one place besides ``runtime/`` that may import ``torch`` *and*
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, merge
+from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, SparsityRecord, merge
 from hetplan.profiling._spawn import run_local_ranks
 from hetplan.profiling.collectives import (
     DEFAULT_COLLECTIVES,
@@ -41,10 +45,13 @@ from hetplan.profiling.collectives import (
 )
 from hetplan.profiling.compressors import DEFAULT_COMPRESSOR_SIZES, profile_compressors
 from hetplan.profiling.layers import (
+    alias_records,
     default_loss,
     profile_layers,
     profile_layers_concurrent,
 )
+from hetplan.profiling.step import profile_optimizer_steps
+from hetplan.profiling.sparsity import SparsitySpec, profile_sparsity
 
 __all__ = [
     "DEFAULT_COLLECTIVES",
@@ -52,12 +59,15 @@ __all__ = [
     "DEFAULT_SIZES",
     "WHAT",
     "CollectiveProfile",
+    "SparsitySpec",
     "default_loss",
     "machine_info",
     "profile_collectives",
     "profile_compressors",
     "profile_layers",
     "profile_layers_concurrent",
+    "profile_optimizer_steps",
+    "profile_sparsity",
     "run_local_ranks",
     "run_profile",
 ]
@@ -65,7 +75,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: What :func:`run_profile` can measure.
-WHAT: tuple[str, ...] = ("layers", "collectives", "compressors")
+WHAT: tuple[str, ...] = ("layers", "collectives", "compressors", "step")
 
 ModelArg = str | tuple[nn.Module, Sequence[Any] | Any, Mapping[str, Any] | None]
 
@@ -79,6 +89,20 @@ def machine_info(device_type: str, backend: str, device_count: int) -> MachineIn
         cuda_version=torch.version.cuda,
         device_count=device_count,
     )
+
+
+def _planning_capture(model: Any, ir: Any, seq: int | None) -> Any:
+    """The zoo model's capture as ``hetplan plan`` and ``compile`` make it (batch 1), when
+    ``ir`` was captured at another batch; None otherwise (see
+    :func:`~hetplan.profiling.layers.alias_records`)."""
+    if not isinstance(model, str) or ir.batch_size == 1:
+        return None
+    from hetplan import zoo
+    from hetplan.ir.capture import capture
+
+    entry = zoo.get(model)
+    args, kwargs = zoo.example_inputs(entry.name, batch=1, seq=seq, device="meta")
+    return capture(zoo.build(entry.name, device="meta", seed=0), args, kwargs, name=entry.name)
 
 
 def _resolve_model(
@@ -99,6 +123,19 @@ def _resolve_model(
     net, inputs, keywords = model
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     return net, args, dict(keywords or {}), None
+
+
+def _sparsity(model: ModelArg, spec: SparsitySpec, seq: int | None
+              ) -> tuple[SparsityRecord, ...]:
+    """:func:`profile_sparsity` of ``model`` built on CPU; the records are filed under the
+    name planning captures it with (the zoo name, else the model's class name)."""
+    from hetplan.ir.capture import capture
+
+    net, args, kwargs, name = _resolve_model(model, 1, seq, "cpu")
+    ir = capture(net, args, kwargs, name=name or type(net).__name__)
+    return profile_sparsity(net, args, kwargs, ir=ir, workers=spec.workers,
+                            batch_size=spec.batch_size, steps=spec.steps,
+                            zipf_alpha=spec.zipf_alpha, script=spec.script, seed=spec.seed)
 
 
 def _progress(show: bool) -> Any:
@@ -133,19 +170,22 @@ def run_profile(
     timeout_s: float = 300.0,
     show_progress: bool = True,
     dtypes: Sequence[str] = ("fp32",),
+    sparsity: SparsitySpec | None = None,
 ) -> ProfileDB:
     """Profile ``model`` and this machine; write (merged) to ``output``.
 
     Args:
         model: a zoo name (built with seed 0 on ``device``), or ``(module, example_inputs,
             example_kwargs)``; None when ``what`` has no ``layers``.
-        world_size: processes for collectives (and the ``device_count`` recorded).
+        world_size: processes for collectives and the optimizer step (and the
+            ``device_count`` recorded).
         device_type: the cluster device type the records are filed under (``cpu``, or the
             GPU type of this machine, e.g. ``A100-80GB``).
         output: the DB file. If it exists it is loaded and merged
             (:func:`~hetplan.cost_models.profile_db.merge`: per key the record with more
             samples wins, the new one on a tie); None writes nothing.
-        what: any of :data:`WHAT`.
+        what: any of :data:`WHAT` (``step``: the optimizer step on ``world_size`` processes at
+            once, :func:`profile_optimizer_steps`; on CPU only).
         batch_size / seq: example inputs for a zoo model. Compute records are keyed by the
             layer's per-sample signature and record the micro-batch they were measured at;
             planning at another micro-batch scales the nearest measured one linearly, so
@@ -166,12 +206,15 @@ def run_profile(
         collective_sizes / collectives / compressor_sizes: what to sweep.
         timeout_s: limit for each multi-process measurement.
         show_progress: rich progress bars on stderr.
+        sparsity: also measure the model's sparse (embedding) gradients on CPU
+            (:func:`profile_sparsity`); None skips it. Independent of ``what``.
 
     Returns:
         The DB (merged with the existing file when there is one).
 
     Raises:
-        ValueError: an unknown entry in ``what``, or ``layers`` without a model.
+        ValueError: an unknown entry in ``what``, or ``layers`` or ``sparsity`` without a
+            model.
     """
     bad = [w for w in what if w not in WHAT]
     if bad:
@@ -183,6 +226,8 @@ def run_profile(
     if link_kind is None:
         link_kind = "nvlink" if backend == "nccl" else "loopback"
     compute, colls, comps = [], [], []
+    sparse: tuple[SparsityRecord, ...] = ()
+    steps: list[Any] = []
     with _progress(show_progress) as progress:
         if "layers" in what:
             if model is None:
@@ -191,6 +236,7 @@ def run_profile(
             from hetplan.ir.capture import capture
 
             ir = capture(net, args, kwargs, name=name)
+            planning_ir = _planning_capture(model, ir, seq)
             for dtype in dtypes:
                 if layer_processes > 1:
                     task = progress.add_task(
@@ -206,6 +252,8 @@ def run_profile(
                     compute += profile_layers(net, args, kwargs, device_type=device_type,
                                               device=device, warmup=warmup, iters=iters,
                                               ir=ir, progress=progress, dtype=dtype)
+            if planning_ir is not None:
+                compute += alias_records(compute, ir, planning_ir)
         if "collectives" in what:
             if world_size < 2:
                 log.warning("collectives skipped: world_size=%d (need >= 2)", world_size)
@@ -224,11 +272,29 @@ def run_profile(
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
                                         progress=progress)
+        if "step" in what:
+            if not device.startswith("cpu"):
+                log.warning("step skipped: the optimizer step is measured on CPU ranks only")
+            else:
+                task = progress.add_task(f"optimizer step on {world_size} processes",
+                                         total=None)
+                steps = profile_optimizer_steps(world_size, device_type=device_type,
+                                                timeout_s=timeout_s)
+                progress.update(task, total=1, completed=1)
+        if sparsity is not None:
+            if model is None:
+                raise ValueError("profiling sparsity needs a model (a zoo name or a module)")
+            task = progress.add_task(f"sparsity on {sparsity.workers} simulated worker(s)",
+                                     total=None)
+            sparse = _sparsity(model, sparsity, seq)
+            progress.update(task, total=1, completed=1)
     db = ProfileDB(
         machines=(machine_info(device_type, backend, world_size),),
         compute=tuple(compute),
         collectives=tuple(colls),
         compressors=tuple(comps),
+        sparsity=sparse,
+        optimizer_steps=tuple(steps),
     )
     if output is not None:
         path = Path(output)

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayerTiming",
+    "alias_records",
     "default_loss",
     "profile_layers",
     "profile_layers_concurrent",
@@ -326,6 +327,36 @@ def records_from_timing(
             label=label,
         ))
     return sorted(records, key=lambda r: r.key)
+
+
+def alias_records(records: Sequence[ComputeRecord], ir: ModelIR,
+                  planning_ir: ModelIR) -> list[ComputeRecord]:
+    """Records of ``records`` filed again under the signatures ``planning_ir`` gives the same
+    layers (matched by name), where those differ.
+
+    Signatures are per sample, but a layer with an input that does not grow with the batch
+    (a position embedding's ``(1, seq)`` index, a block fed a ``(1, 1, seq, seq)`` mask) gets
+    a batch-specific one: tiny-gpt2 profiled at micro-batch 2 and planned from the zoo's
+    batch-1 capture matched 4 of its 6 layers, and the other 2 (the position embedding, and
+    the first block, which carries the mask creation) fell back to the roofline. The
+    profiler knows both captures of the same layer, so it files the measured time under both
+    keys; the record keeps the micro-batch it was measured at (the compute model scales from
+    it). Returns only the new records."""
+    planned = {lay.name: lay.signature(planning_ir.batch_size) for lay in planning_ir.layers}
+    by_key = {(r.signature, r.dtype): r for r in records}
+    taken = set(by_key)
+    out = []
+    for lay in ir.layers:
+        sig, alias = lay.signature(ir.batch_size), planned.get(lay.name)
+        for dtype in sorted({r.dtype for r in records}):
+            if alias is None or (alias, dtype) in taken or (sig, dtype) not in by_key:
+                continue
+            taken.add((alias, dtype))
+            out.append(by_key[(sig, dtype)].model_copy(update={
+                "signature": alias,
+                "label": f"{lay.module_type} {lay.name} (as captured at batch "
+                         f"{planning_ir.batch_size})"}))
+    return out
 
 
 def profile_layers(

@@ -8,7 +8,8 @@ devices per node), or ``--nproc-per-node`` in the extra options.
 1. **Preflight** (:func:`preflight`), before any rank starts: the plan against its cluster
    and the model's fingerprint (``check_plan_matches``, the plan's one validator), the world
    size torchrun would start against the plan's, the ``--report`` path writable, the options
-   in range. A mismatch is one message and exit code 2, at once.
+   in range, the pipeline schedule one the runtime executes, the strategies a combination it
+   composes. A mismatch is one message and exit code 2, at once.
 2. **Launch** (:func:`launch`): torchrun runs in a session of its own with the parent-death
    signal SIGKILL, so it dies with the launcher; every process of the run carries the run's
    marker (:mod:`hetplan.runtime.proctree`). torchrun's stderr (its own and the ranks') is
@@ -55,6 +56,7 @@ from typing import Any, TextIO
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan, check_plan_matches
 from hetplan.runtime import proctree
+from hetplan.runtime.composition import refusals
 
 __all__ = ["RunOutcome", "launch", "launched_world_size", "preflight", "relay_stderr",
            "torchrun_command"]
@@ -165,7 +167,10 @@ def preflight(
         steps / timeout_s: ``--steps`` and ``--timeout``.
 
     Raises:
-        SpecError: an option out of range, an unwritable report path, a plan without layout.
+        SpecError: an option out of range, an unwritable report path, a plan without layout,
+            a pipeline schedule the runtime does not execute (Chimera is simulated only), a
+            combination of strategies it does not compose
+            (:func:`~hetplan.runtime.composition.refusals`).
         PlanMismatchError: the plan is not for this model, its cluster, or the world size
             torchrun would start (every mismatch listed).
     """
@@ -178,6 +183,17 @@ def preflight(
     layout = plan.layout
     if layout is None:
         raise SpecError("the plan has no layout; compile it with `hetplan plan`")
+    if layout.pp > 1:  # (imports torch: only a pipeline needs the runtime's schedule list)
+        from hetplan.runtime.schedule import SUPPORTED_SCHEDULES
+
+        if layout.schedule not in SUPPORTED_SCHEDULES:
+            raise SpecError(
+                f"the plan's schedule {layout.schedule!r} is not executed by the runtime, "
+                f"which runs {list(SUPPORTED_SCHEDULES)}; re-plan with `hetplan plan "
+                "--schedule 1f1b` (or another of them) to train with it")
+    if problems := refusals(plan):  # what every rank would refuse at setup
+        raise SpecError("the runtime does not execute this plan's combination of strategies:"
+                        "\n  " + "\n  ".join(problems))
     world = launched_world_size(cmd)
     if world is not None and world != layout.num_ranks:
         from hetplan.errors import PlanMismatchError

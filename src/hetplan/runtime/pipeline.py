@@ -46,7 +46,9 @@ __all__ = [
     "build_stages",
     "split_points",
     "stage_indices_of_rank",
+    "stage_owning",
     "tied_across_stages",
+    "use_eager_layers",
 ]
 
 _MISSING = object()
@@ -122,6 +124,16 @@ def stage_indices_of_rank(stages: Sequence[Stage], rank: int) -> list[int]:
     return [s.index for s in _ordered(stages) if rank in s.ranks]
 
 
+def stage_owning(stages: Sequence[Stage], ir_layer_names: Sequence[str],
+                 param: str) -> int | None:
+    """The index of the stage whose layer owns parameter ``param`` (the layer with the longest
+    name that prefixes it), or None when no layer does."""
+    stage_of = {n.split("@")[0]: s.index for s in _ordered(stages)
+                for n in ir_layer_names[s.first_layer:s.last_layer + 1]}
+    hits = [lay for lay in stage_of if lay == "" or param.startswith(lay + ".")]
+    return stage_of[max(hits, key=len)] if hits else None
+
+
 def tied_across_stages(model: nn.Module, stages: Sequence[Stage],
                        ir_layer_names: Sequence[str]) -> list[tuple[str, ...]]:
     """Parameters shared by layers of different stages (tied embeddings), as name tuples.
@@ -130,12 +142,8 @@ def tied_across_stages(model: nn.Module, stages: Sequence[Stage],
     sum the gradients of the names of one tuple across the ranks holding them after
     :func:`step` and before the optimizer step, or training diverges from the unsplit model.
     """
-    stage_of = {n.split("@")[0]: s.index for s in _ordered(stages)
-                for n in ir_layer_names[s.first_layer:s.last_layer + 1]}
-
     def owner(param: str) -> int | None:
-        hits = [lay for lay in stage_of if lay == "" or param.startswith(lay + ".")]
-        return stage_of[max(hits, key=len)] if hits else None
+        return stage_owning(stages, ir_layer_names, param)
 
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -306,6 +314,10 @@ def build_stages(
     *,
     ir_layer_names: Sequence[str] | None = None,
     allow_cross_stage_ties: bool = False,
+    traced_from: nn.Module | None = None,
+    eager_units: Sequence[Sequence[str]] = (),
+    eager_required: Sequence[str] = (),
+    kept: list[tuple[int, tuple[str, ...]]] | None = None,
 ) -> list[_PipelineStageBase]:
     """This rank's pipeline stages (one, or several for interleaved 1F1B), traced once.
 
@@ -322,6 +334,12 @@ def build_stages(
         ir_layer_names: the IR's layer names; default: the stages' ``layer_names`` joined.
         allow_cross_stage_ties: accept parameters tied across stages (the caller syncs their
             gradients, see :func:`tied_across_stages`); refused by default.
+        traced_from: trace this copy of ``model`` instead (the model before tensor
+            parallelism sharded it: sharded modules run collectives, which tracing cannot).
+        eager_units / eager_required: the module groups whose traced modules are replaced
+            by ``model``'s own (sharded) modules in the stage, and the names that must be
+            (:func:`use_eager_layers`); a unit that cannot be is kept traced.
+        kept: receives ``(stage index, unit)`` for every unit kept traced.
 
     Returns:
         One ``PipelineStage`` per entry of ``stage_indices``; ``stage.submod`` is either a
@@ -351,16 +369,84 @@ def build_stages(
     kwargs = dict(example_kwargs or {})
     if n == 1:
         return [PipelineStage(model, 0, 1, device, group=pp_group)]
+    source = traced_from if traced_from is not None else model
     try:
-        pipe, calls = _trace(model, args, kwargs, spec)
+        pipe, calls = _trace(source, args, kwargs, spec)
     except SpecError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure leads to the fallback
+        if eager_units:
+            raise SpecError(f"{type(model).__name__} cannot be traced into pipeline stages "
+                            f"({e}); pipeline with tensor parallelism needs a traced split: "
+                            "re-plan with --pp 1 or --tp 1") from e
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         parts = _manual_stages(model, args, kwargs, list(spec), reason)
         return [PipelineStage(parts[i], i, n, device, group=pp_group) for i in stage_indices]
-    _check_splits(model, calls, pipe.num_stages, n)
+    _check_splits(source, calls, pipe.num_stages, n)
+    for i in stage_indices:
+        here = [r for r in eager_required
+                if stage_owning(ordered, names, r + ".") == ordered[i].index]
+        left = use_eager_layers(pipe.get_stage_module(i), model, eager_units, here)
+        if kept is not None:
+            kept += [(i, u) for u in left]
     return [pipe.build_stage(i, device, group=pp_group) for i in stage_indices]
+
+
+def use_eager_layers(stage_module: nn.Module, model: nn.Module,
+                     units: Sequence[Sequence[str]], required: Sequence[str] = ()
+                     ) -> list[tuple[str, ...]]:
+    """Replace, in a traced stage, the traced modules of every *unit* the stage calls by
+    ``model``'s modules of the same names (in place); the units kept traced.
+
+    Tracing fixes every shape of a module's computation; a tensor-parallel module computes
+    ``1/tp`` of its heads and features, so its stage must run the sharded module itself. A
+    unit (an attention module, the linears of one MLP pair, a whole layer) is replaced
+    whole or not at all: each of its modules must be called with exactly one tensor and its
+    result used as one tensor (the eager calling convention of a block, a linear, an
+    embedding, a single-input attention). A unit that does not qualify keeps its traced,
+    unsharded copy: correct, replicated computation.
+
+    Raises:
+        SpecError: a unit with a name in ``required`` (names of this stage that must run
+            sharded: the vocabulary-parallel head and embedding, whose sharding the loss
+            relies on; every layer under sequence parallelism) does not qualify.
+    """
+    calls: dict[str, tuple[nn.Module, str, bool]] = {}
+    for gm_name, gm in list(stage_module.named_modules()):
+        graph = getattr(gm, "graph", None)
+        if graph is None:
+            continue
+        for node in graph.nodes:
+            if node.op != "call_module":
+                continue
+            full = f"{gm_name}.{node.target}" if gm_name else str(node.target)
+            many_out = any(u.op == "call_function" and "getitem" in str(u.target)
+                           for u in node.users)
+            ok = len(node.args) == 1 and not node.kwargs and not many_out
+            why = "" if ok else (f"called with {len(node.args)} input(s)"
+                                 f"{' and several outputs' if many_out else ''}")
+            calls[full] = (gm, why, ok)
+    kept = []
+    for unit in units:
+        present = [n for n in unit if n in calls or n in required]
+        if not present:
+            continue  # another stage's
+        bad = {n: calls[n][1] if n in calls else "not called as a module of its own"
+               for n in unit if n not in calls or not calls[n][2]}
+        if not bad:
+            for n in unit:
+                parent_name, _, attr = n.rpartition(".")
+                parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
+                setattr(parent, attr, model.get_submodule(n))
+            continue
+        if any(n in required for n in unit):
+            name, why = next(iter(bad.items()))
+            raise SpecError(f"layer {name!r} is {why} in its traced pipeline stage; pipeline "
+                            "with tensor parallelism runs a sharded module as itself, which "
+                            "takes one tensor: re-plan with --pp 1 or --tp 1 (or without "
+                            "sequence parallelism)")
+        kept.append(tuple(unit))
+    return kept
 
 
 def build_stage(

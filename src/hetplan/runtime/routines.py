@@ -39,6 +39,15 @@ never diverge) and random-k draws the same positions on every rank. A collective
 empty on every member (e.g. the inter step of the non-root ranks after an intra ``reduce``) is
 skipped.
 
+Precision: an uncompressed step of a 16-bit path (``CastSync``, or ``CompressedSync`` with a
+16-bit ``uncompressed_dtype``) sends 16-bit values. A stretch of uncompressed steps is cast
+to 16 bits once, before its first collective (on the gradient's device), stays 16-bit
+between its collectives, and is cast back once: before the next compression (compressors
+compute in fp32) or at the end of the path. This is what the cost model prices
+(:func:`hetplan.cost_models.evaluate._action_ops`: one cast per direction per stretch); the
+values are those of a cast around every collective, since fp16 -> fp32 -> fp16 is exact.
+:attr:`PathRunner.casts` counts the casts done.
+
 Gloo (decision in ``docs/decisions.md``): its ``all_gather`` rejects uneven sizes, so dense
 chunks are padded to ``ceil(len / g)`` and compressed byte buffers to the largest one (sizes are
 exchanged first); ``reduce_scatter`` uses ``reduce_scatter_single`` (``reduce_scatter_tensor``
@@ -317,7 +326,7 @@ class _State:
     hi: int
     segs: list[_Seg]
     stack: list[tuple[str, str, int, int]] = field(default_factory=list)  # level, kind, lo, hi
-    dtype: torch.dtype = torch.float32  # of the dense values between collectives
+    dtype: torch.dtype = torch.float32  # of the gradients (a 16-bit stretch casts back to it)
 
     def dense(self, what: str) -> torch.Tensor | None:
         """The one dense tensor of the range (None when the range is empty)."""
@@ -336,12 +345,17 @@ class PathRunner:
     Args:
         levels: the groups.
         comm_device: where collectives take their tensors (``cpu`` for gloo).
+
+    Attributes:
+        casts: dtype casts of dense values done so far (into and out of a 16-bit stretch of
+            uncompressed steps; see the module docstring).
     """
 
     levels: SyncLevels
     comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
     iteration: int = 0
+    casts: int = 0
     _comps: dict[tuple[str, str], Compressor] = field(default_factory=dict)
 
     def run(self, flat: torch.Tensor, strategy: NoSync | CastSync | CompressedSync,
@@ -378,7 +392,16 @@ class PathRunner:
             raise SpecError(f"the path {[(s.kind, s.level, s.routine) for s in steps]} does "
                             "not end with the whole aggregated tensor on every rank")
         out = st.dense("the end of the path")
-        return out.to(flat.device, flat.dtype) if out is not None else flat.new_zeros(0)
+        if out is None:
+            return flat.new_zeros(0)
+        return self._cast(out, flat.dtype).to(flat.device)
+
+    def _cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` in ``dtype`` (on its own device), counted in :attr:`casts` when it changes."""
+        if x.dtype == dtype:
+            return x
+        self.casts += 1
+        return x.to(dtype)
 
     def _compressor(self, name: str, params: Mapping[str, Any]) -> Compressor:
         key = (name, repr(sorted(params.items())))
@@ -407,7 +430,7 @@ class PathRunner:
             st.segs = []
             return
         dev = torch.device("cpu") if s.device == "cpu" else home
-        x = _to(x, dev)
+        x = _to(self._cast(x, st.dtype), dev)  # the end of a 16-bit stretch
         segs = []
         for a, b in self._split_ahead(st.lo, st.hi, ahead):
             part = x[a - st.lo: b - st.lo]
@@ -453,32 +476,32 @@ class PathRunner:
             _, _, lo, hi = top
             x = st.dense(where)
             if x is None:
-                x = torch.zeros(0, device=self.comm_device)
+                x = torch.zeros(0, dtype=wire, device=self.comm_device)
             if lv.group is not None and hi > lo:
                 c = chunk_bounds(lo, hi, lv.size, want)
                 link, item = throttled(s.level), wire.itemsize
                 if r == "allgather":
                     w = c[0][1] - c[0][0]
                     with occupy(link, "allgather", w * lv.size * item, lv.size):
-                        y = _allgather(_to(x, self.comm_device).to(wire), lv, w)
-                    x = y[: hi - lo].to(st.dtype)
+                        y = _allgather(_to(self._cast(x, wire), self.comm_device), lv, w)
+                    x = y[: hi - lo]
                 else:
-                    buf = (_to(x, self.comm_device).to(wire) if lv.index == 0 else
+                    buf = (_to(self._cast(x, wire), self.comm_device) if lv.index == 0 else
                            torch.empty(hi - lo, dtype=wire, device=self.comm_device))
                     with occupy(link, "broadcast", (hi - lo) * item, lv.size):
                         dist.broadcast(buf, src=lv.root, group=lv.group)
-                    x = buf.to(st.dtype)
+                    x = buf
             st.lo, st.hi = lo, hi
             st.segs = [_Seg(lo, hi, dense=x)] if hi > lo else []
             return
         x = st.dense(where)
         if r == "allreduce":
             if lv.group is not None and x is not None:
-                y = _to(x, self.comm_device).to(wire)
+                y = _to(self._cast(x, wire), self.comm_device)
                 with occupy(throttled(s.level), "allreduce", y.numel() * y.element_size(),
                             lv.size):
                     dist.all_reduce(y, group=lv.group)
-                st.segs = [_Seg(st.lo, st.hi, dense=y.to(st.dtype))]
+                st.segs = [_Seg(st.lo, st.hi, dense=y)]
             return
         if r not in ("reduce_scatter", "reduce"):
             raise SpecError(f"{where}: routine {r!r} cannot carry uncompressed tensors")
@@ -487,13 +510,13 @@ class PathRunner:
         a, b = chunk_bounds(lo, hi, lv.size, kind)[lv.index]
         st.stack.append((s.level, kind, lo, hi))
         if lv.group is not None and x is not None:
-            y = _to(x, self.comm_device).to(wire)
+            y = _to(self._cast(x, wire), self.comm_device)
             with occupy(throttled(s.level), r, y.numel() * y.element_size(), lv.size):
                 if kind == "scatter":
-                    x = _reduce_scatter(y, lv)[: b - a].to(st.dtype)
+                    x = _reduce_scatter(y, lv)[: b - a]
                 else:
                     dist.reduce(y, dst=lv.root, group=lv.group)
-                    x = y.to(st.dtype)
+                    x = y
         st.lo, st.hi = a, b
         st.segs = [_Seg(a, b, dense=x[: b - a])] if b > a and x is not None else []
 

@@ -13,16 +13,17 @@ input arrives as this rank's slice of the column layer's output; the partial pro
 all-reduced in forward and the bias, replicated, is added once after the reduce). Between
 them only element-wise operations may run (an activation, dropout, ``act(gate) * up``).
 
-Scope of :func:`shard_model` (decided, not an oversight): only *MLP-style* pairs are sharded.
-A pair group is a row linear ``R`` and every column linear ``C`` whose ``pair`` is ``R``; it is
-sharded when ``R.pair`` is one of those columns, all of them live in the same parent module,
-every column's ``out_features`` equals ``R.in_features``, and the parent module is not an
+Scope of :func:`shard_model`: only *MLP-style* pairs are sharded here. A pair group is a row
+linear ``R`` and every column linear ``C`` whose ``pair`` is ``R``; it is sharded when
+``R.pair`` is one of those columns, all of them live in the same parent module, every
+column's ``out_features`` equals ``R.in_features``, and the parent module is not an
 attention module (it has none of the head-count attributes in :data:`HEAD_ATTRS`). Attention
-pairs (q/k/v → o, fused ``c_attn`` → ``c_proj``) need whole heads per rank, per-part slicing
-of fused projections and a rewritten head count in the attention module; they stay
-replicated for now and :func:`tp_pairs` reports them as skipped, as it does linears of role
-``either`` or without a partner. The parameter names of a sharded linear do not change
-(``blocks.0.fc1.weight``); their shapes become the local shard's.
+(whole heads per rank, the fused QKV projection split per part, the module's head count
+rewritten), the vocabulary-parallel embedding and LM head, and sequence parallelism are
+:mod:`hetplan.runtime.megatron`'s; :func:`tp_pairs` reports the linears it leaves to others
+as skipped, with the reason. The parameter names of a sharded linear do not change
+(``blocks.0.fc1.weight``); their shapes become the local shard's. The collectives live in
+:mod:`hetplan.runtime.tp_comm`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ from hetplan.algorithms.skewed_shards import even_shards
 from hetplan.errors import PlanMismatchError
 from hetplan.ir.model import LayerIR, LinearInfo, megatron_pairs
 from hetplan.ir.plan_sections import TensorParallel, TPGroup
+from hetplan.runtime.tp_comm import (
+    copy_to_tp,
+    gather_shards,
+    reduce_from_tp,
+    sp_column_input,
+    sp_row_output,
+)
 
 __all__ = [
     "HEAD_ATTRS",
@@ -60,73 +68,6 @@ log = logging.getLogger(__name__)
 #: Attributes that mark a module as multi-head attention (its pairs are not sharded).
 HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "num_key_value_heads",
               "head_dim")
-
-
-def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Megatron's ``f``: identity in forward, all-reduce of the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad.contiguous().clone(), ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Megatron's ``g``: all-reduce in forward, identity of the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        return _all_reduce(x.contiguous().clone(), group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def copy_to_tp(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Identity whose backward all-reduces the gradient over ``group`` (``None``: world)."""
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """All-reduce (sum) over ``group`` whose backward passes the gradient through."""
-    return _ReduceFromTP.apply(x, group)
-
-
-def gather_shards(local: torch.Tensor, shard_sizes: Sequence[int], rank: int, dim: int,
-                  group: Any = None) -> torch.Tensor:
-    """Rebuild a full tensor from uneven shards along ``dim`` (a collective call).
-
-    Every rank writes its shard into a zero buffer of the full shape and the buffers are
-    summed with ``all_reduce`` (gloo's ``all_gather`` rejects uneven sizes).
-
-    Args:
-        local: this rank's shard (``shard_sizes[rank]`` long along ``dim``).
-        shard_sizes: the share of every rank of the group.
-        rank: this rank's index in the group.
-        dim: the split dimension.
-        group: the process group (``None``: the default group).
-    """
-    if local.size(dim) != shard_sizes[rank]:
-        raise ValueError(f"shard of rank {rank} has {local.size(dim)} features along dim "
-                         f"{dim}, expected {shard_sizes[rank]}")
-    shape = list(local.shape)
-    shape[dim] = sum(shard_sizes)
-    full = torch.zeros(shape, dtype=local.dtype, device=local.device)
-    start = sum(shard_sizes[:rank])
-    full.narrow(dim, start, shard_sizes[rank]).copy_(local.detach())
-    if len(shard_sizes) > 1:
-        _all_reduce(full, group)
-    return full
 
 
 def _source_weight(linear: nn.Module) -> tuple[torch.Tensor, bool, bool]:
@@ -149,6 +90,11 @@ class _ParallelLinear(nn.Module):
     """Shared state of the column and row linears; ``weight`` is [local_out, local_in]."""
 
     split_dim: int  # dimension of ``weight`` ([out, in]) that is split
+    #: sequence parallelism (:mod:`hetplan.runtime.megatron`): ``""`` off; a column linear
+    #: ``"gather"`` (all-gathers the sequence of its input) or ``"gathered"`` (its input was
+    #: gathered by its attention module); a row linear ``"scatter"`` (reduce-scatters its
+    #: output along the sequence instead of all-reducing it)
+    sp_mode: str = ""
 
     def __init__(self, in_features: int, out_features: int, shard_sizes: Sequence[int],
                  rank: int, group: Any = None, *, bias: bool = True,
@@ -243,7 +189,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``x`` [..., in_features] to [..., shard_sizes[rank]]."""
-        if self.tp_size > 1:
+        if self.sp_mode == "gather":
+            x = sp_column_input(x, self.tp_rank, self.tp_size, self.group)
+        elif self.tp_size > 1 and self.sp_mode != "gathered":
             x = copy_to_tp(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
@@ -260,7 +208,9 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps this rank's input slice [..., shard_sizes[rank]] to [..., out_features]."""
         y = F.linear(x, self.weight)
-        if self.tp_size > 1:
+        if self.sp_mode == "scatter":
+            y = sp_row_output(y, self.tp_rank, self.tp_size, self.group)
+        elif self.tp_size > 1:
             y = reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -322,7 +272,7 @@ def tp_pairs(model: nn.Module, linears: Iterable[LinearInfo | LayerIR], tp_size:
             why = "not every linear of the pair is in this model (another stage?)"
         parent = _module(model, _parent(row.name))
         if not why and parent is not None and any(hasattr(parent, a) for a in HEAD_ATTRS):
-            why = "attention pair (head-aware sharding not supported yet)"
+            why = "attention pair (split by heads by hetplan.runtime.megatron, or replicated)"
         if why:
             for n in [*names, row.name]:
                 skipped.setdefault(n, why)

@@ -21,11 +21,15 @@ handler                    section                         does
 ========================== =============================== ================================
 CompositionHandler         (all)                           refuses combinations the runtime
                                                            does not compose
-TensorParallelHandler      ``tensor_parallel``             uneven column/row shards
+TensorParallelHandler      ``tensor_parallel``             Megatron TP: uneven MLP shards,
+                                                           attention by heads, vocabulary-
+                                                           parallel embedding / head / loss,
+                                                           sequence parallelism
 ResizingHandler            ``tensor_parallel.controller``  ZERO / migration / SEMI per step
 StagesHandler              ``stages``,                     this rank's stages; runs the
                            ``pipeline_actions``            plan's action list (or the
-                                                           micro-batches locally)
+                                                           micro-batches locally); sums
+                                                           tied weights' gradients
 PrecisionHandler           ``precision``                   16-bit working weights, autocast,
                                                            fp32 loss, fp16 loss scale
 RecomputeHandler           ``stages.recompute``            checkpoint per block / per

@@ -9,6 +9,14 @@ function the simulator uses (:func:`~hetplan.algorithms.pipeline_schedules.plan_
 Without a pipeline the rank trains the whole model, micro-batch after micro-batch
 (gradient accumulation; the gradient sync of the last one overlaps its backward).
 
+Tied parameters (GPT-2's ``wte``/``lm_head``): a parameter that layers of different stages
+read is kept on every stage that reads it, as Megatron keeps the word embedding on the first
+and last stage. Each copy accumulates the gradient of its own uses; after the schedule, the
+copies' gradients are summed over the *tie group* (the ranks of one data- and tensor-parallel
+coordinate that hold such a stage) and every copy gets the sum, before the data-parallel
+gradient sync. The copies start equal (every rank builds the model with the same weights) and
+take the same optimizer steps, so they stay equal: the gradient is the unsplit model's.
+
 Data: every rank is given the same global batch; data-parallel replica ``d`` trains on rows
 ``[d·b, (d+1)·b)`` with ``b = batch / dp``, split into the plan's micro-batches.
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +54,7 @@ class StagesHandler(Handler):
         stages: this rank's pipeline stages (empty without a pipeline).
         schedule: the torch schedule running ``actions`` (None without a pipeline).
         actions: the plan's per-rank action lists in use (None without a pipeline).
+        ties: the parameters tied across stages and this rank's group for each.
         monitor: compute time and executed actions of the last step (None without one).
         pp_group / pp_ranks: the pipeline group of this rank's replica and its global ranks.
         num_stages: the pipeline's current stage count (re-packing lowers it).
@@ -60,6 +70,7 @@ class StagesHandler(Handler):
         self.pp_group: Any = None
         self.pp_ranks: tuple[int, ...] = ()
         self.num_stages = 1
+        self.ties: list[_Tie] = []
 
     @property
     def executed(self) -> tuple[Action, ...]:
@@ -84,6 +95,7 @@ class StagesHandler(Handler):
         except PipelineScheduleError as e:
             raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
                             "`hetplan plan`") from e
+        self.ties = _tie_groups(ctx, ctx.plan.stages)
         self.build(ctx, ctx.plan.stages, self.pp_group, actions)
 
     def build(self, ctx: RuntimeContext, stages: Sequence[Stage], pp_group: Any,
@@ -110,17 +122,31 @@ class StagesHandler(Handler):
         indices = stage_indices_of_rank(stages, ctx.groups.rank)
         example = [_example_rows(a, layout.micro_batch_size) for a in ctx.example_args]
         device = next(ctx.model.parameters()).device
+        for tie in self.ties:
+            if _tie_members(ctx, stages, tie.names) != tie.ranks:
+                raise SpecError(f"the parameters tied across stages {list(tie.names)} moved to "
+                                f"other ranks than {list(tie.ranks)} (re-balancing); the "
+                                "runtime sums their gradients over the ranks of the plan's "
+                                "own stages only: re-plan without re-balancing")
+        unsharded, units, required = _tensor_parallel_source(ctx)
+        kept: list[tuple[int, tuple[str, ...]]] = []
         self.stages = build_stages(
             ctx.model, example, ctx.forward_kwargs, stages, indices, pp_group, device,
-            ir_layer_names=[x.name for x in ctx.model_ir().layers])
+            ir_layer_names=[x.name for x in ctx.model_ir().layers],
+            allow_cross_stage_ties=bool(self.ties), traced_from=unsharded,
+            eager_units=units, eager_required=required, kept=kept)
+        if unsharded is not None:
+            _tensor_parallel_in_stages(ctx, indices, kept)
         sized = layout if ranks == layout.pp else layout.model_copy(update={"pp": ranks})
         if actions is None:
             actions = build_schedule(layout.schedule, ranks, layout.micro_batches, v)
-        self.schedule = make_schedule(self.stages, sized, ctx.loss_fn, actions)
+        # through ctx: handlers set up later (precision's fp32 loss) wrap ctx.loss_fn
+        self.schedule = make_schedule(self.stages, sized, lambda out, y: ctx.loss_fn(out, y),
+                                      actions)
         self.actions = actions
         self.monitor = StageMonitor(self.stages)
         self.pp_group, self.num_stages = pp_group, ranks
-        ctx.named_params = [(n, p) for st in self.stages for n, p in st.submod.named_parameters()]
+        ctx.named_params = _owned_params(self.stages, stages, ctx.model_ir().layers)
 
     def drop(self) -> None:
         """Forget the stages and the schedule (before re-balancing builds new ones)."""
@@ -168,9 +194,154 @@ class StagesHandler(Handler):
         ctx.bubble_s = max(time.perf_counter() - t0 - self.monitor.busy_s, 0.0)
         return float(loss) if loss is not None else float("nan")
 
+    def after_backward(self, ctx: RuntimeContext) -> None:
+        """Sum the gradients of every tied parameter's copies over its tie group (before the
+        data-parallel sync, which the gradient-sync handler finishes after this one)."""
+        for tie in self.ties:
+            _sum_tied(self.stages, tie)
+
     def close(self, ctx: RuntimeContext) -> None:
         self.drop()
         self.pp_group = None
+        self.ties = []
+
+
+def _tensor_parallel_source(ctx: RuntimeContext) -> tuple[Any, list[tuple[str, ...]],
+                                                          list[str]]:
+    """With tensor parallelism: the model as it was before sharding (to trace), the units
+    whose sharded modules the stages run, and the names that must run sharded; else
+    ``(None, [], [])``."""
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
+
+    try:
+        tp = ctx.handler(TensorParallelHandler)
+    except LookupError:
+        return None, [], []
+    return tp.unsharded, list(tp.eager_units), list(tp.eager_required)
+
+
+def _tensor_parallel_in_stages(ctx: RuntimeContext, indices: Sequence[int],
+                               kept: Sequence[tuple[int, tuple[str, ...]]]) -> None:
+    """Sequence parallelism on the stages whose layers all run as the model's sharded
+    modules; a warning naming what runs without it, or replicated (modules whose traced
+    calls take several inputs)."""
+    import warnings
+
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
+
+    tp = ctx.handler(TensorParallelHandler)
+    layer_names = {x.name for x in ctx.model_ir().layers}
+    no_sp = {i for i, u in kept if u[0] in layer_names}
+    split_parts = {u for _, u in kept if u[0] not in layer_names}
+    if ctx.layout.sequence_parallel:
+        tp.sequence_parallel_stages(ctx, set(indices) - no_sp)
+    first_tp = ctx.groups is not None and ctx.groups.tp_rank == 0
+    if no_sp and ctx.layout.sequence_parallel and first_tp:
+        warnings.warn(f"stages {sorted(no_sp)} run without sequence parallelism: their "
+                      f"layers {sorted({u[0] for i, u in kept if i in no_sp})} take several "
+                      "inputs in the traced stage, and a sequence slice cannot enter them",
+                      RuntimeWarning, stacklevel=2)
+    if split_parts and first_tp:
+        warnings.warn(f"{sorted(split_parts)} run replicated in their traced stages (their "
+                      "calls take several inputs); the rest of those layers is split",
+                      RuntimeWarning, stacklevel=2)
+
+
+@dataclass(frozen=True)
+class _Tie:
+    """Names of one parameter tied across stages, the global ranks of this rank's tie group
+    (its data- and tensor-parallel coordinate), and that group (None: one rank)."""
+
+    names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    group: Any
+
+
+def _tie_members(ctx: RuntimeContext, stages: Sequence[Stage], names: Sequence[str],
+                 rank: int | None = None) -> tuple[int, ...]:
+    """The global ranks with ``rank``'s (dp, tp) coordinates (default: this rank's) that hold
+    a stage whose layers own one of ``names``."""
+    from hetplan.runtime.pipeline import stage_owning
+
+    assert ctx.groups is not None
+    layout = ctx.layout
+    me = ctx.groups.rank if rank is None else rank
+    d, _, t = layout.coords(me)
+    layer_names = [x.name for x in ctx.model_ir().layers]
+    owners = {stage_owning(stages, layer_names, n) for n in names}
+    return tuple(sorted(r for s in stages if s.index in owners for r in s.ranks
+                        if layout.coords(r)[0] == d and layout.coords(r)[2] == t))
+
+
+def _tie_groups(ctx: RuntimeContext, stages: Sequence[Stage]) -> list[_Tie]:
+    """One process group per tied parameter and (dp, tp) coordinate, created on every rank in
+    the same order (``new_group`` is collective); this rank keeps its own."""
+    import torch.distributed as dist
+
+    from hetplan.runtime.pipeline import tied_across_stages
+
+    assert ctx.groups is not None
+    layer_names = [x.name for x in ctx.model_ir().layers]
+    ties = tied_across_stages(ctx.model, stages, layer_names)
+    out = []
+    world = ctx.layout.num_ranks
+    for names in ties:
+        mine: _Tie | None = None
+        seen: list[tuple[int, ...]] = []
+        for r in range(world):
+            members = _tie_members(ctx, stages, names, r)
+            if members in seen or r not in members:
+                continue
+            seen.append(members)
+            group = (dist.new_group(list(members), timeout=ctx.timeout) if len(members) > 1
+                     else None)
+            if ctx.groups.rank in members:
+                mine = _Tie(tuple(names), members, group)
+        assert mine is not None  # every rank holds a stage; the tie spans the first stage
+        out.append(mine)
+    return out
+
+
+def _owned_params(local: Sequence[Any], stages: Sequence[Stage],
+                  layers: Sequence[Any]) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trainable parameters of this rank's stages: those owned by one of the stage's
+    layers, or by no layer at all. A traced stage may also carry a tied parameter under the
+    name of a layer of another stage (pipelining keeps the attribute), which it never reads;
+    training it would only leave a stale copy."""
+    from hetplan.runtime.pipeline import stage_owning
+
+    names = [x.name for x in layers]
+    out = []
+    for st in local:
+        for n, p in st.submod.named_parameters():
+            owner = stage_owning(stages, names, n)
+            if owner is None or owner == st.stage_index:
+                out.append((n, p))
+    return out
+
+
+def _sum_tied(stages: Sequence[Any], tie: _Tie) -> None:
+    """Every local copy of ``tie`` gets the sum of all copies' gradients over its group."""
+    import torch.distributed as dist
+
+    copies: dict[int, torch.nn.Parameter] = {}
+    for st in stages:
+        for n, p in st.submod.named_parameters(remove_duplicate=False):
+            if n in tie.names and p.grad is not None:
+                copies[id(p)] = p
+    local = list(copies.values())
+    if not local and tie.group is None:
+        return
+    grads = [p.grad for p in local if p.grad is not None]
+    total = torch.stack(grads).sum(0) if grads else None
+    if tie.group is not None:
+        if total is None:  # this rank's stages hold the name but never read it
+            raise SpecError(f"tied parameter {list(tie.names)}: no gradient on rank "
+                            f"{dist.get_rank()}; its stages do not use it")
+        dist.all_reduce(total, group=tie.group)
+    for p in local:
+        assert p.grad is not None and total is not None
+        p.grad.copy_(total)
 
 
 def _example_rows(a: Any, rows: int) -> Any:

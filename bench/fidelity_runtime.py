@@ -1,0 +1,282 @@
+"""Benchmark: does ``hetplan plan --profile`` predict what ``hetplan run`` measures on this CPU?
+
+The whole user path, through the command line, for each plan kind on 4 gloo ranks:
+
+1. **Profile** once per model: ``hetplan profile MODEL --batch-size MB --layer-processes 4
+   -n 4 --what layers --what collectives --what step`` — layers at the plans' micro-batch,
+   timed on 4 processes at once (so the 4-processes-on-2-cores contention of training is in
+   the times), the gloo collectives on 4 ranks, and the per-step framework costs (the
+   optimizer step per tensor and per byte, on 4 processes at once).
+2. **Plan** each kind: ``hetplan plan MODEL --cluster local-cpu --profile prof.json`` pinned
+   to the kind (``KINDS``: dp, pp, tp, micro-batch, ZeRO, schedule, passes).
+3. **Run** it: ``hetplan run plan.json --model MODEL --steps N --report report.json`` on 4 CPU
+   ranks; the report's median iteration (after warm-up) is the measurement.
+4. **Report** predicted vs measured per kind, ``|pred / meas - 1|``, the median over the
+   kinds that ran (target ≤ 10 %, none beyond 25 %), and every kind the planner or the
+   runtime refused, with its message (not hidden). ``--rounds`` repeats plan + run per kind,
+   rounds interleaved so that a shared machine's drifts hit every kind alike; per kind the
+   median over rounds is reported. The machine's load average is recorded at every run.
+
+Nothing is tuned on the numbers reported: the profile and the cost model are used as they are.
+
+Writes ``bench/results/fidelity_runtime_cpu.json``. Usage::
+
+    python bench/fidelity_runtime.py                          # full: 3 rounds, 20 steps
+    python bench/fidelity_runtime.py --rounds 1 --steps 5     # a quick check
+    python bench/fidelity_runtime.py --kinds dp pp --out /tmp/f.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _machine import machine
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "fidelity_runtime_cpu.json"
+TARGET_MEDIAN = 0.10
+TARGET_MAX = 0.25
+RANKS = 4
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One plan kind: the model, global batch and the ``hetplan plan`` pins that make it."""
+
+    name: str
+    model: str
+    batch: int
+    pins: tuple[str, ...]
+    cluster: str = "local-cpu"
+    env: dict[str, str] = field(default_factory=dict)
+    note: str = ""
+
+
+#: Micro-batch of every kind (the layers are profiled at it).
+MICRO_BATCH = 2
+_FP32 = ("--dtype", "fp32", "--recompute", "none", "--micro-batch-size", str(MICRO_BATCH))
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("dp", "gpt-test", 8, ("--dp", "4", "--pp", "1", "--tp", "1", "--zero", "0",
+                               "--passes", "uniform-stages,ddp-buckets", *_FP32),
+         note="DDP-style buckets, uncompressed"),
+    Kind("zero3", "gpt-test", 8, ("--dp", "4", "--pp", "1", "--tp", "1", "--zero", "3",
+                                  *_FP32), note="FSDP2 inside the data-parallel group"),
+    Kind("pp", "gpt-test", 8, ("--dp", "1", "--pp", "4", "--tp", "1", "--zero", "0",
+                               "--schedule", "1f1b", *_FP32), note="4 stages, 1F1B"),
+    Kind("tp", "megatron-gpt-test", 4, ("--dp", "2", "--pp", "1", "--tp", "2", "--zero", "0",
+                                        *_FP32), note="Megatron TP 2 x DP 2"),
+    Kind("pp-tp", "megatron-gpt-test", 4, ("--dp", "1", "--pp", "2", "--tp", "2", "--zero",
+                                           "0", "--schedule", "1f1b", *_FP32),
+         note="PP 2 x TP 2"),
+    Kind("interleaved", "gpt-test", 8, ("--dp", "2", "--pp", "2", "--tp", "1", "--zero", "0",
+                                        "--schedule", "interleaved-1f1b", "--virtual-stages",
+                                        "2", *_FP32), note="PP 2 x DP 2, 2 chunks per rank"),
+    Kind("compressed", "gpt-test", 8, ("--dp", "4", "--pp", "1", "--tp", "1", "--zero", "0",
+                                       "--compress", "fp16,dgc", *_FP32),
+         cluster="cpu-2x2-slow", env={"HETPLAN_EMULATE_BW": "1"},
+         note="Espresso on the 1 Gbit/s emulated inter-node link (HETPLAN_EMULATE_BW=1)"),
+    Kind("fused", "gpt-test", 8, ("--dp", "4", "--pp", "1", "--tp", "1", "--zero", "0",
+                                  *_FP32), note="the default pipeline: Cupcake's fused buckets"),
+)}
+
+
+def _hetplan() -> list[str]:
+    exe = Path(sys.executable).with_name("hetplan")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("hetplan")
+    if found is None:
+        raise SystemExit("the `hetplan` command is not on PATH; install the package first")
+    return [found]
+
+
+def _call(cmd: list[str], env: dict[str, str] | None, timeout_s: float) -> tuple[int, str, float]:
+    """Run a command; (exit code, last lines of its output, seconds)."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                           env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or "") if isinstance(e.stdout, str) else ""
+        return 124, out[-2000:] + f"\n(timed out after {timeout_s:.0f} s)", timeout_s
+    tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-60:])
+    return p.returncode, tail, time.perf_counter() - t0
+
+
+def _reason(tail: str) -> str:
+    """The line that says why a command refused or failed (``error:`` first)."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    for test in (lambda ln: ln.startswith("rank ") and "error" in ln.lower(),
+                 lambda ln: ln.lower().startswith("error"),
+                 lambda ln: "refus" in ln.lower()):
+        for ln in lines:
+            if test(ln):
+                return ln[:400]
+    return (lines[-1] if lines else "")[:400]
+
+
+def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """``hetplan profile`` of ``model`` at the micro-batch, on 4 processes at once."""
+    out = tmp / f"profile_{model}.json"
+    cmd = [*_hetplan(), "profile", model, "-o", str(out), "-n", str(RANKS),
+           "--batch-size", str(MICRO_BATCH), "--layer-processes", str(RANKS),
+           "--what", "layers", "--what", "collectives", "--what", "step"]
+    code, tail, secs = _call(cmd, None, args.timeout)
+    info = {"command": " ".join(cmd[1:]), "exit": code, "seconds": round(secs, 1),
+            "load_average": os.getloadavg()}
+    if code != 0:
+        info["error"] = _reason(tail)
+    return out, info
+
+
+def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """Plan one kind with the profile and run it; predicted and measured (ms) or why not."""
+    plan = tmp / f"plan_{kind.name}_{rnd}.json"
+    report = tmp / f"report_{kind.name}_{rnd}.json"
+    cmd = [*_hetplan(), "plan", kind.model, "--cluster", kind.cluster, "--batch-size",
+           str(kind.batch), "--profile", str(prof), "--no-progress", *kind.pins,
+           "-o", str(plan)]
+    code, tail, secs = _call(cmd, None, args.timeout)
+    row: dict[str, Any] = {"round": rnd, "plan_seconds": round(secs, 1)}
+    if code != 0:
+        return row | {"status": "plan refused", "reason": _reason(tail)}
+    doc = json.loads(plan.read_text())
+    pred = doc.get("predictions") or {}
+    row["predicted_ms"] = pred.get("iteration_time_ms")
+    row["predicted_breakdown_ms"] = pred.get("breakdown")
+    row["provenance"] = {k: v.get("detail") for k, v in (doc.get("provenance") or {}).items()}
+    row["plan_summary"] = _summary(doc)
+    run = [*_hetplan(), "run", str(plan), "--model", kind.model, "--steps", str(args.steps),
+           "--report", str(report)]
+    row["load_average_before_run"] = os.getloadavg()
+    code, tail, secs = _call(run, kind.env, args.timeout)
+    row["run_seconds"] = round(secs, 1)
+    row["load_average_after_run"] = os.getloadavg()
+    if code != 0:
+        status = "refused by the runtime" if code == 2 else f"run failed (exit {code})"
+        return row | {"status": status, "reason": _reason(tail)}
+    rep = json.loads(report.read_text())
+    meas = rep["measured"]
+    row["measured_ms"] = meas["iteration_ms"]
+    row["measured_breakdown_ms"] = {k: v for k, v in meas.items() if k != "per_iteration_ms"}
+    row["measured_per_iteration_ms"] = meas.get("per_iteration_ms")
+    row["status"] = "ran"
+    return row
+
+
+def _summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """What the plan decided, in a few fields (to check the kind is what it says)."""
+    lay = doc.get("layout") or {}
+    sync = doc.get("gradient_sync") or {}
+    strategies = sync.get("strategies") or {}
+    used = {b.get("strategy") for b in sync.get("buckets", [])}
+    return {
+        "layout": {k: lay.get(k) for k in ("dp", "pp", "tp", "micro_batch_size",
+                                            "micro_batches", "schedule", "virtual_stages",
+                                            "zero_stage")},
+        "buckets": len(sync.get("buckets", [])),
+        "strategies_used": sorted(f"{n}:{strategies.get(n, {}).get('kind')}"
+                                  for n in used if n is not None),
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kind: median predicted and measured over the rounds that ran, and the error."""
+    ran = [r for r in rows if r["status"] == "ran"]
+    if not ran:
+        return {"status": rows[-1]["status"], "reason": rows[-1].get("reason")}
+    pred = statistics.median(r["predicted_ms"] for r in ran)
+    meas = statistics.median(r["measured_ms"] for r in ran)
+    return {"status": "ran", "rounds_ran": len(ran), "predicted_ms": pred, "measured_ms": meas,
+            "ratio": pred / meas, "error": abs(pred / meas - 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per command")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="keep the profiles, plans and reports in this folder")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    kinds = [KINDS[k] for k in args.kinds]
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = args.keep or Path(tmp_name)
+        tmp.mkdir(parents=True, exist_ok=True)
+        profiles: dict[str, tuple[Path, dict[str, Any]]] = {}
+        for model in sorted({k.model for k in kinds}):
+            print(f"[profile {model}] ...", file=sys.stderr, flush=True)
+            profiles[model] = profile(model, tmp, args)
+        per_kind: dict[str, list[dict[str, Any]]] = {k.name: [] for k in kinds}
+        for rnd in range(args.rounds):
+            for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
+                print(f"[round {rnd} {kind.name}] plan + run ...", file=sys.stderr, flush=True)
+                path, info = profiles[kind.model]
+                if info["exit"] != 0:
+                    per_kind[kind.name].append({"round": rnd, "status": "profile failed",
+                                                "reason": info.get("error")})
+                    continue
+                per_kind[kind.name].append(plan_and_run(kind, path, tmp, rnd, args))
+    cases = []
+    for kind in kinds:
+        cases.append({"kind": kind.name, "model": kind.model, "cluster": kind.cluster,
+                      "global_batch": kind.batch, "pins": list(kind.pins), "env": kind.env,
+                      "note": kind.note, **summarize(per_kind[kind.name]),
+                      "rounds": per_kind[kind.name]})
+    errors = [c["error"] for c in cases if c["status"] == "ran"]
+    summary = {
+        "kinds": len(cases), "kinds_ran": len(errors),
+        "not_run": {c["kind"]: f"{c['status']}: {c.get('reason')}" for c in cases
+                    if c["status"] != "ran"},
+        "median_error": statistics.median(errors) if errors else None,
+        "max_error": max(errors) if errors else None,
+        "target_median": TARGET_MEDIAN, "target_max": TARGET_MAX,
+    }
+    summary["meets_target"] = bool(errors) and summary["median_error"] <= TARGET_MEDIAN and (
+        summary["max_error"] <= TARGET_MAX) and len(errors) == len(cases)
+    print(f"{'kind':<12} {'model':<18} {'predicted':>10} {'measured':>10} {'error':>7}  status")
+    for c in cases:
+        if c["status"] == "ran":
+            print(f"{c['kind']:<12} {c['model']:<18} {c['predicted_ms']:>8.2f}ms "
+                  f"{c['measured_ms']:>8.2f}ms {c['error']:>7.1%}  ran")
+        else:
+            print(f"{c['kind']:<12} {c['model']:<18} {'':>10} {'':>10} {'':>7}  "
+                  f"{c['status']}: {c.get('reason')}")
+    if errors:
+        print(f"median |pred/meas - 1| {summary['median_error']:.1%} (target <= "
+              f"{TARGET_MEDIAN:.0%}), max {summary['max_error']:.1%} (target <= "
+              f"{TARGET_MAX:.0%}); {len(errors)}/{len(cases)} kinds ran")
+    result = {
+        "benchmark": "fidelity_runtime_cpu",
+        "machine": machine(device="cpu", backend="gloo", ranks=RANKS),
+        "load_average_at_start_and_end": [list(os.getloadavg())],
+        "settings": {"rounds": args.rounds, "steps": args.steps, "micro_batch": MICRO_BATCH,
+                     "kinds": args.kinds},
+        "seconds": round(time.perf_counter() - started, 1),
+        "profiles": {m: info for m, (_, info) in profiles.items()},
+        "summary": summary,
+        "cases": cases,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if summary["meets_target"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,468 @@
+"""Megatron tensor parallelism beyond MLP pairs: attention by heads, the vocabulary-parallel
+embedding and LM head with a parallel cross-entropy, and sequence parallelism.
+
+:func:`~hetplan.runtime.tensor_parallel.shard_model` splits MLP pairs; this module splits the
+rest of a transformer, in place, on the same uneven-shard linears
+(:class:`~hetplan.runtime.tensor_parallel.ColumnParallelLinear` / ``RowParallelLinear``):
+
+* **Attention** (:func:`shard_attention`): a module with a head count (``n_heads``,
+  ``num_heads``, ...), ``head_dim``, a fused QKV projection (``in → 3·heads·head_dim``) and an
+  output projection (``heads·head_dim → out``). Each rank keeps whole heads: the Q, K and V
+  rows of its heads (:class:`FusedColumnParallelLinear`) and the matching input columns of the
+  output projection (a row-parallel linear), and the module's head count and width attributes
+  are rewritten to the local ones, so its own forward computes its heads only. The heads per
+  rank come from the plan (the output projection's ``shard_sizes`` in features, a multiple of
+  ``head_dim``), else an even split (the first ranks get the remainder). Separate q/k/v
+  projections (grouped-query attention) are not split yet and stay replicated.
+* **Vocabulary** (:func:`shard_vocab`): the token embedding whose rows are the LM head's
+  outputs is split by rows (:class:`VocabParallelEmbedding`: a rank looks up the ids in its
+  range, the partial embeddings are summed), the head by output features; a tied
+  embedding/head stays tied (one local parameter). The head's local logits go to
+  :func:`vocab_parallel_cross_entropy` (never gathered) when the runtime's loss is the token
+  cross-entropy — checked on a probe (:func:`is_token_cross_entropy`); with any other loss the
+  logits are gathered first (:class:`GatherLogits`) and the given loss runs on them.
+* **Sequence parallelism** (:func:`sequence_parallel`): between the first and the last
+  sharded block the residual stream holds this rank's slice of the sequence (dim 1,
+  batch-first), so layer norms, dropouts and residual adds run on ``1/tp`` of the tokens. A
+  column linear (MLP) or an attention module all-gathers the sequence at its input; a row
+  linear reduce-scatters its output instead of all-reducing it. The parameters the slices
+  share (norms, row biases) get partial gradients, summed over the TP group after backward
+  (:func:`sp_replicated_params`). Uneven sequence slices work (the first ranks get the
+  remainder): the collectives are :mod:`~hetplan.runtime.tp_comm`'s, all of them
+  ``all_reduce`` of zero-padded buffers; a reduce-scatter is an all-reduce and a slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hetplan.algorithms.skewed_shards import even_shards
+from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from hetplan.runtime.tp_comm import (
+    SeqState,
+    all_reduce_sum,
+    gather_seq,
+    gather_shards,
+    reduce_from_tp,
+    scatter_seq,
+)
+
+__all__ = [
+    "FusedColumnParallelLinear",
+    "GatherLogits",
+    "VocabParallelEmbedding",
+    "VocabParallelLoss",
+    "attention_modules",
+    "attention_sequence_parallel",
+    "is_token_cross_entropy",
+    "sequence_parallel",
+    "shard_attention",
+    "shard_vocab",
+    "sp_replicated_params",
+    "vocab_parallel_cross_entropy",
+]
+
+#: Head-count attributes of an attention module, in the order they are looked up.
+_HEAD_COUNT = ("n_heads", "num_heads", "n_head", "num_attention_heads")
+#: Width attributes (``heads · head_dim``) the attention's forward reads; rewritten to local.
+_WIDTH = ("dim", "split_size")
+
+
+def _weight(linear: nn.Module) -> torch.Tensor:
+    w = getattr(linear, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"expected nn.Linear or Conv1D, got {type(linear).__name__}")
+    return w
+
+
+def _weight_out_in(linear: nn.Module) -> tuple[int, int]:
+    w = _weight(linear)
+    if isinstance(linear, nn.Linear):
+        return int(w.shape[0]), int(w.shape[1])
+    return int(w.shape[1]), int(w.shape[0])  # HF Conv1D stores [in, out]
+
+
+def _linear_children(mod: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, c) for n, c in mod.named_children()
+            if isinstance(getattr(c, "weight", None), torch.Tensor) and _weight(c).dim() == 2
+            and (isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D")]
+
+
+# -- attention -----------------------------------------------------------------------------
+class FusedColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel fused projection of ``parts`` equal parts (Q, K, V): this rank keeps
+    rows ``[start:end]`` of *every* part, so its heads get their own queries, keys and
+    values. ``shard_sizes`` are per part; ``weight`` is ``[parts · local, in]``."""
+
+    def __init__(self, in_features: int, out_features: int, shard_sizes: Sequence[int],
+                 rank: int, group: Any = None, *, parts: int = 3, bias: bool = True,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 conv1d: bool = False) -> None:
+        nn.Module.__init__(self)
+        sizes = [int(s) for s in shard_sizes]
+        if sum(sizes) * parts != out_features:
+            raise ValueError(f"shard_sizes {sizes} per part × {parts} parts must sum to "
+                             f"{out_features}")
+        self.in_features, self.out_features, self.parts = in_features, out_features, parts
+        self.shard_sizes, self.tp_rank, self.tp_size = tuple(sizes), rank, len(sizes)
+        self.group, self.conv1d = group, conv1d
+        self.start = sum(sizes[:rank])
+        self.end = self.start + sizes[rank]
+        local = parts * sizes[rank]
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
+        self.bias: nn.Parameter | None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_fused(cls, linear: nn.Module, shard_sizes: Sequence[int], rank: int,
+                   group: Any = None, parts: int = 3) -> FusedColumnParallelLinear:
+        """This rank's rows of every part of a full ``nn.Linear`` or HF ``Conv1D``."""
+        w = _weight(linear).detach()
+        conv1d = not isinstance(linear, nn.Linear)
+        w = w.t() if conv1d else w
+        b = getattr(linear, "bias", None)
+        mod = cls(w.shape[1], w.shape[0], shard_sizes, rank, group, parts=parts,
+                  bias=isinstance(b, torch.Tensor), dtype=w.dtype, device=w.device,
+                  conv1d=conv1d)
+        part = w.shape[0] // parts
+        rows = torch.cat([torch.arange(p * part + mod.start, p * part + mod.end)
+                          for p in range(parts)])
+        with torch.no_grad():
+            mod.weight.copy_(w[rows])
+            mod.weight.requires_grad_(_weight(linear).requires_grad)
+            if mod.bias is not None and isinstance(b, torch.Tensor):
+                mod.bias.copy_(b.detach()[rows])
+                mod.bias.requires_grad_(b.requires_grad)
+        return mod
+
+    def _gather_parts(self, local: torch.Tensor) -> torch.Tensor:
+        n = self.end - self.start
+        return torch.cat([gather_shards(local.narrow(0, p * n, n), self.shard_sizes,
+                                        self.tp_rank, 0, self.group)
+                          for p in range(self.parts)])
+
+    def gather_weight(self, grad: bool = False, source_layout: bool = True) -> torch.Tensor:
+        local = self.weight.grad if grad else self.weight
+        full = self._gather_parts(local if local is not None else torch.zeros_like(self.weight))
+        return full.t() if (self.conv1d and source_layout) else full
+
+    def gather_bias(self, grad: bool = False) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        local = self.bias.grad if grad else self.bias
+        return self._gather_parts(local if local is not None else torch.zeros_like(self.bias))
+
+
+def _attention_parts(mod: nn.Module) -> tuple[str, str, str, int, int] | None:
+    """(head-count attribute, fused QKV child, output child, heads, head_dim) of an attention
+    module this module can split, else None."""
+    attr = next((a for a in _HEAD_COUNT if isinstance(getattr(mod, a, None), int)), None)
+    head_dim = getattr(mod, "head_dim", None)
+    if attr is None or not isinstance(head_dim, int):
+        return None
+    heads: int = getattr(mod, attr)
+    width = heads * head_dim
+    lins = _linear_children(mod)
+    fused = [n for n, c in lins if _weight_out_in(c)[0] == 3 * width]
+    out = [n for n, c in lins if _weight_out_in(c)[1] == width and n not in fused]
+    if len(fused) != 1 or len(out) != 1:
+        return None
+    return attr, fused[0], out[0], heads, head_dim
+
+
+def attention_modules(model: nn.Module) -> dict[str, tuple[str, str, str, int, int]]:
+    """Qualified name → :func:`_attention_parts` of every attention module that can be split."""
+    out = {}
+    for name, mod in model.named_modules():
+        parts = _attention_parts(mod)
+        if parts is not None:
+            out[name] = parts
+    return out
+
+
+def head_shards(heads: int, head_dim: int, tp: int,
+                planned: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Heads per rank: the plan's feature shard sizes divided by ``head_dim`` (each must be a
+    multiple of it), else an even split of the heads."""
+    if planned is None:
+        return tuple(even_shards(heads, tp))
+    if len(planned) != tp or sum(planned) != heads * head_dim or any(
+            s % head_dim for s in planned):
+        raise ValueError(f"attention shard sizes {list(planned)} must be {tp} multiples of "
+                         f"head_dim={head_dim} summing to {heads * head_dim} (whole heads)")
+    return tuple(s // head_dim for s in planned)
+
+
+def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
+                    planned: Sequence[int] | None = None, *, sp: bool = False) -> None:
+    """Split attention module ``name`` of ``model`` by heads, in place (see module doc).
+
+    Args:
+        planned: the plan's shard sizes (features) for the output projection, or None.
+        sp: sequence parallelism: gather the sequence at the module's input and
+            reduce-scatter the output projection.
+    """
+    mod = model.get_submodule(name)
+    parts = _attention_parts(mod)
+    if parts is None:
+        raise ValueError(f"{name!r} is not an attention module with a fused QKV projection")
+    attr, fused, out, heads, head_dim = parts
+    per_rank = head_shards(heads, head_dim, tp, planned)
+    feats = [h * head_dim for h in per_rank]
+    col = FusedColumnParallelLinear.from_fused(getattr(mod, fused), feats, rank, group)
+    row = RowParallelLinear.from_linear(getattr(mod, out), feats, rank, group)
+    setattr(mod, fused, col)
+    setattr(mod, out, row)
+    for a in _WIDTH:
+        if getattr(mod, a, None) == heads * head_dim:
+            setattr(mod, a, feats[rank])
+    setattr(mod, attr, per_rank[rank])
+    if sp:
+        attention_sequence_parallel(mod, rank, tp, group)
+
+
+def attention_sequence_parallel(mod: nn.Module, rank: int, tp: int, group: Any) -> None:
+    """Sequence parallelism for an attention module :func:`shard_attention` split: gather
+    the sequence at its input, reduce-scatter its output projection."""
+    for child in mod.children():
+        if isinstance(child, FusedColumnParallelLinear):
+            child.sp_mode = "gathered"
+        elif isinstance(child, RowParallelLinear):
+            child.sp_mode = "scatter"
+    mod.register_forward_pre_hook(_gather_input_hook(rank, tp, group), with_kwargs=True)
+
+
+# -- sequence parallelism ------------------------------------------------------------------
+def _first_arg(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, str | None]:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0], None
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"], "hidden_states"
+    return None, None
+
+
+def _replace_first(args: tuple, kwargs: dict, key: str | None,
+                   x: torch.Tensor) -> tuple[tuple, dict]:
+    if key is None:
+        return (x, *args[1:]), kwargs
+    return args, {**kwargs, key: x}
+
+
+def _gather_input_hook(rank: int, tp: int, group: Any) -> Callable[..., Any]:
+    def hook(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        x, key = _first_arg(args, kwargs)
+        if x is None:
+            return None
+        full = gather_seq(x, rank, tp, SeqState.total, group, True)
+        return _replace_first(args, kwargs, key, full)
+    return hook
+
+
+def sequence_parallel(model: nn.Module, first: str, last: str, group: Any, rank: int,
+                      tp: int) -> None:
+    """Scatter the residual stream along the sequence at the input of layer ``first`` and
+    gather it at the output of layer ``last`` (in place, by forward hooks); the MLP column
+    linears between them gather their input, the row linears reduce-scatter their output."""
+    def scatter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        x, key = _first_arg(args, kwargs)
+        if x is None:
+            return None
+        SeqState.total = x.size(1)
+        return _replace_first(args, kwargs, key, scatter_seq(x, rank, tp, group))
+
+    def gather(_m: nn.Module, _args: Any, output: Any) -> Any:
+        def full(t: torch.Tensor) -> torch.Tensor:
+            return gather_seq(t, rank, tp, SeqState.total, group, False)
+        if isinstance(output, torch.Tensor):
+            return full(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (full(output[0]), *output[1:])
+        raise TypeError(f"sequence parallelism: layer {last!r} returns "
+                        f"{type(output).__name__}, expected a tensor or a tuple starting "
+                        "with one")
+
+    model.get_submodule(first).register_forward_pre_hook(scatter, with_kwargs=True)
+    model.get_submodule(last).register_forward_hook(gather)
+
+
+def sp_replicated_params(model: nn.Module, layers: Sequence[str]) -> list[nn.Parameter]:
+    """Parameters of ``layers`` that every TP rank holds whole (norms, row biases): with
+    sequence parallelism each rank's gradient covers its tokens only, so they are summed."""
+    out: dict[int, nn.Parameter] = {}
+    for lay in layers:
+        for mod in model.get_submodule(lay).modules():
+            sharded = isinstance(mod, ColumnParallelLinear | RowParallelLinear)
+            for pname, p in mod.named_parameters(recurse=False):
+                if sharded and not (pname == "bias" and isinstance(mod, RowParallelLinear)):
+                    continue
+                out[id(p)] = p
+    return list(out.values())
+
+
+# -- vocabulary ----------------------------------------------------------------------------
+class VocabParallelEmbedding(nn.Module):
+    """An ``nn.Embedding`` split by rows (uneven allowed): this rank holds rows
+    ``[start:end]``, looks up the ids in that range (zeros elsewhere) and the partial
+    embeddings are summed over the group (Megatron's ``g``)."""
+
+    def __init__(self, emb: nn.Embedding, shard_sizes: Sequence[int], rank: int,
+                 group: Any) -> None:
+        super().__init__()
+        sizes = [int(s) for s in shard_sizes]
+        if sum(sizes) != emb.num_embeddings:
+            raise ValueError(f"vocab shard sizes {sizes} must sum to {emb.num_embeddings}")
+        self.shard_sizes, self.tp_rank, self.group = tuple(sizes), rank, group
+        self.start = sum(sizes[:rank])
+        self.end = self.start + sizes[rank]
+        self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
+        self.weight = nn.Parameter(emb.weight.detach()[self.start:self.end].clone(),
+                                   requires_grad=emb.weight.requires_grad)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Maps token ids to embeddings [..., embedding_dim] (replicated)."""
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(y, self.group) if len(self.shard_sizes) > 1 else y
+
+    def gather_weight(self, grad: bool = False, source_layout: bool = True) -> torch.Tensor:
+        """The full table on every rank (a collective call)."""
+        local = self.weight.grad if grad else self.weight
+        local = local if local is not None else torch.zeros_like(self.weight)
+        return gather_shards(local, self.shard_sizes, self.tp_rank, 0, self.group)
+
+
+class _ParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary (Megatron's
+    ``vocab_parallel_cross_entropy``): max, target logit and sum of exponentials are reduced
+    over the group; the gradient is ``softmax - onehot`` on this rank's columns."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int,
+                group: Any) -> torch.Tensor:
+        x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        m = x.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        x = x - m.unsqueeze(-1)
+        n = x.size(-1)
+        inside = (target >= start) & (target < start + n)
+        idx = (target - start).masked_fill(~inside, 0)
+        picked = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        all_reduce_sum(picked, group)
+        e = x.exp()
+        s = all_reduce_sum(e.sum(-1), group)
+        softmax = e / s.unsqueeze(-1)
+        ctx.save_for_backward(softmax, idx, inside)
+        return torch.log(s) - picked
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, idx, inside = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, idx.unsqueeze(-1), -inside.to(g.dtype).unsqueeze(-1))
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tensor,
+                                 start: int, group: Any) -> torch.Tensor:
+    """The mean token cross-entropy of logits whose vocabulary columns ``[start, start +
+    local_logits.size(-1))`` live on this rank (a collective over ``group``)."""
+    flat = local_logits.reshape(-1, local_logits.size(-1))
+    return _ParallelCE.apply(flat, target.reshape(-1), start, group).mean()
+
+
+class VocabParallelLoss:
+    """The runtime's loss when the LM head is vocabulary-parallel: unwraps HF outputs
+    (``.logits``, tuples) like the default loss, then :func:`vocab_parallel_cross_entropy`."""
+
+    def __init__(self, start: int, group: Any) -> None:
+        self.start, self.group = start, group
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        out = getattr(output, "logits", output)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        return vocab_parallel_cross_entropy(out, target, self.start, self.group)
+
+
+def is_token_cross_entropy(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``loss_fn(logits, ids)`` is the mean token cross-entropy, on a fixed probe
+    (float64 logits [2, 3, 5], ids [2, 3]); any error means no."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 5, (2, 3), generator=g)
+    try:
+        got = loss_fn(logits, ids)
+    except Exception:  # noqa: BLE001 - a loss that cannot take logits is not this one
+        return False
+    want = F.cross_entropy(logits.reshape(-1, 5), ids.reshape(-1))
+    return (isinstance(got, torch.Tensor) and got.dim() == 0
+            and bool(torch.allclose(got.double(), want, rtol=1e-9, atol=1e-12)))
+
+
+class GatherLogits(nn.Module):
+    """Wraps a vocabulary-parallel head so that it returns the full logits (a loss other than
+    the token cross-entropy needs them); backward keeps this rank's columns."""
+
+    def __init__(self, head: ColumnParallelLinear) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's full output [..., vocab]."""
+        return _GatherCols.apply(self.head(x), self.head.shard_sizes, self.head.tp_rank,
+                                 self.head.group)
+
+
+class _GatherCols(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sizes: Sequence[int], rank: int,
+                group: Any) -> torch.Tensor:
+        ctx.sizes, ctx.rank = sizes, rank
+        return gather_shards(x.contiguous(), sizes, rank, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        start = sum(ctx.sizes[:ctx.rank])
+        return grad.narrow(-1, start, ctx.sizes[ctx.rank]).contiguous(), None, None, None
+
+
+def shard_vocab(model: nn.Module, head: str, embedding: str | None, group: Any, rank: int,
+                tp: int, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                ) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """Split LM head ``head`` (by output features) and, when given, token embedding
+    ``embedding`` (by rows) evenly over the vocabulary, in place; a tied pair stays tied.
+    Returns the loss to train with (see module doc)."""
+    lin = model.get_submodule(head)
+    vocab = _weight_out_in(lin)[0]
+    sizes = tuple(even_shards(vocab, tp))
+    emb_mod = model.get_submodule(embedding) if embedding is not None else None
+    if emb_mod is not None and not isinstance(emb_mod, nn.Embedding):
+        raise TypeError(f"{embedding!r} is a {type(emb_mod).__name__}, not an nn.Embedding")
+    tied = emb_mod is not None and emb_mod.weight is _weight(lin)
+    new_head = ColumnParallelLinear.from_linear(lin, sizes, rank, group)
+    if embedding is not None and emb_mod is not None:
+        emb = VocabParallelEmbedding(emb_mod, sizes, rank, group)
+        _set(model, embedding, emb)
+        if tied:
+            new_head.weight = emb.weight
+    if is_token_cross_entropy(loss_fn):
+        _set(model, head, new_head)
+        return VocabParallelLoss(new_head.start, group)
+    _set(model, head, GatherLogits(new_head))
+    return loss_fn
+
+
+def _set(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, new)
