@@ -31,12 +31,14 @@ into an iteration time, a breakdown, the memory of every rank and the pipeline b
 
 Everything here is deterministic and free of torch.
 
-Why one file (about 680 lines, over the project's ~600): it is the definition of the
+Why one file (about 1,100 lines, over the project's ~600): it is the definition of the
 objective, read top to bottom as the steps above. The largest part after :func:`evaluate`
-itself is step 3's pricing of a sync strategy (:class:`StageSync`, the strategy-op builders):
-the gradient-sync passes score their candidates through :class:`StageSync` precisely so that
-they price sync with the code :func:`evaluate` uses, and keeping both in this module is what
-guarantees that. The seams that do exist (step 1's stage times, step 5's per-rank memory,
+itself is step 3's pricing of a sync strategy (:class:`StageSync`, the strategy-op builders,
+and :class:`SyncScorer`, which re-prices only step 3 for many sync sections of one plan):
+the gradient-sync passes score their candidates through them precisely so that they price
+sync with the code :func:`evaluate` uses, bit for bit, and keeping them in this module is
+what guarantees that; splitting the strategy-op builders into a module of their own is the
+next cut. The seams that do exist (step 1's stage times, step 5's per-rank memory,
 the pipeline and DP timelines, TP shares) are modules of their own.
 """
 
