@@ -92,8 +92,10 @@ def test_predictions_carry_the_per_rank_breakdown(gpt_test: ModelIR) -> None:
     pred = plan.predictions
     assert pred is not None and len(pred.memory_breakdown) == 32
     assert tuple(m.total for m in pred.memory_breakdown) == pred.memory_per_rank_bytes
-    assert all(m.params and m.grads and m.optimizer and m.activations and m.margin
-               for m in pred.memory_breakdown)
+    assert all(m.params and m.grads and m.optimizer for m in pred.memory_breakdown)
+    # a stage may save no activations (an embedding's integer ids); the margin follows them
+    assert any(m.activations for m in pred.memory_breakdown)
+    assert all(bool(m.margin) == bool(m.activations) for m in pred.memory_breakdown)
     assert simulate(plan) == pred.model_copy(update={"baselines": pred.baselines})
 
 
@@ -122,8 +124,8 @@ def test_interleaved_pins_its_chunk_count(gpt_test: ModelIR) -> None:
 
 
 def test_interleaved_rank_holds_all_its_chunks(gpt_test: ModelIR) -> None:
-    plan = compile(gpt_test, "cpu-2x2", batch_size=8, pp=2, schedule="interleaved-1f1b",
-                   virtual_stages=2)
+    plan = compile(gpt_test, "cpu-2x2", batch_size=8, pp=2, tp=1, zero_stage=0,
+                   schedule="interleaved-1f1b", virtual_stages=2)  # tp=1: whole layers
     assert plan.model.workload is not None and plan.layout is not None
     wl = plan.model.workload
     ev = evaluate(wl, plan.layout, plan.stages, None, CostModel(ClusterSpec.from_preset(
@@ -189,7 +191,8 @@ def test_recompute_is_chosen_per_stage_only_when_memory_needs_it(megatron: Model
     need = roomy.predictions.memory_per_rank_bytes  # type: ignore[union-attr]
     acts = [m.activations for m in roomy.predictions.memory_breakdown]  # type: ignore[union-attr]
     # a device a little smaller than the fullest rank needs: that stage recomputes
-    gib = (max(need) - max(acts) / 2) / 0.9 / 2**30
+    # (and above what the other stage needs: the last stage also holds the loss's logits)
+    gib = max(max(need) - max(acts) / 2, min(need) * 1.001) / 0.9 / 2**30
     tight = compile(megatron, _tight(gib, 2), batch_size=16, dp=1, pp=2, micro_batch_size=8)
     modes = [st.recompute for st in tight.stages]
     assert modes.count("none") == 1 and set(modes) - {"none"} <= {"selective", "full"}
