@@ -348,11 +348,14 @@ class Espresso:
             compressed=lambda k: k[0] is not None or k[2] != "fp32",
             offload=costs.offload,
             ops_class=[float(b) for b in ss.nbytes],  # ops() depends on the size alone
+            ops_fields=costs.signature,
         )
         # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
         # hierarchical candidates would put them on other channels than the tensors left
         # uncompressed, so that every choice for one tensor looks free (and ties go by order)
-        base = min(plain, key=lambda k: problem.iteration_s([k] * n))
+        if costs.base is None:  # every rung has the same routings: chosen once
+            costs.base = min(plain, key=lambda k: problem.iteration_s([k] * n))
+        base = costs.base
         problem.baseline = [base] * n
         if narrower is not None:  # the exhaustive search (small problems) sees every rung
             full: list[Key] = [base]
@@ -384,7 +387,19 @@ class _StageCosts:
         self._sizes = sorted({float(b) for b in ss.nbytes})
         self._cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
         self._done: set[Key] = set()
+        # id of a cached ops tuple -> its (resource, duration, label) fields; the tuples
+        # live in ``_cache`` as long as this object, so their ids are not reused
+        self._sigs: dict[int, tuple[tuple[str, float, str], ...]] = {}
+        #: the fastest uniform fp32 routing (Algorithm 4.1's start), the same for every rung
+        self.base: Key | None = None
         self.offload = functools.cache(self._offload)
+
+    def signature(self, ops: tuple[Op, ...]) -> tuple[tuple[str, float, str], ...]:
+        """``ops``' (resource, duration, label) fields, computed once per cached tuple."""
+        got = self._sigs.get(id(ops))  # a live cached tuple's id is no other object's
+        if got is None:
+            return tuple((op.resource, op.duration_s, op.label) for op in ops)
+        return got
 
     def table(self, key: Key) -> None:
         """This option's ops at every size of the group."""
@@ -395,9 +410,11 @@ class _StageCosts:
         st = strategy_for(key, self._ratio)
         proto = ss.ops(st, sizes[0], costs)
         _, times = ss.ops_table(st, sizes, costs)  # bit for bit ss.ops's times
-        for m, nb in enumerate(sizes):
-            self._cache[(key, nb)] = tuple(Op(op.resource, float(times[m, c]), op.label)
-                                           for c, op in enumerate(proto))
+        steps = [(op.resource, op.label) for op in proto]
+        for nb, row in zip(sizes, times.tolist()):  # tolist: the same doubles, as floats
+            ops = tuple(Op(r, t, lb) for (r, lb), t in zip(steps, row))
+            self._cache[(key, nb)] = ops
+            self._sigs[id(ops)] = tuple((r, t, lb) for (r, lb), t in zip(steps, row))
 
     def ops(self, i: int, key: Key) -> tuple[Op, ...]:
         got = self._cache.get((key, self._ss.nbytes[i]))
