@@ -97,6 +97,9 @@ Key = tuple[str | None, int, str]
 ShortKey = tuple[str | None, int]
 _CASTS = ("fp16", "bf16")
 _SPARSIFIERS = ("topk", "randomk", "dgc")
+#: A hierarchy is not searched when its lower bound exceeds another's result by more than
+#: this (seconds): far above the float rounding of the bound's sums against the simulator's.
+_SKIP_EPS = 1e-9
 
 
 def check_compressors(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -309,20 +312,30 @@ class Espresso:
         hierarchies = [["flat"]]
         if ss.nodes > 1 and ss.per_node > 1:
             hierarchies.append(["hierarchical"])
-        best: tuple[Selection[Key], int] | None = None
-        for hier in hierarchies:
-            costs = _StageCosts(ss, ctx, self.ratio, self.devices)
+        ladders = [self._ladder(hier, allowed) for hier in hierarchies]
+        costs = [_StageCosts(ss, ctx, self.ratio, self.devices) for _ in hierarchies]
+        bounds = [c.lower_bound([k for rung in lad for k in rung])
+                  for c, lad in zip(costs, ladders)]
+        # the hierarchy with the smaller bound first; another is searched only when its
+        # bound does not prove it slower than that result (it could not be kept: below)
+        done: dict[int, tuple[Selection[Key], int]] = {}
+        for h in sorted(range(len(hierarchies)), key=lambda h: (bounds[h], h)):
+            if done and bounds[h] > min(s.iteration_s for s, _ in done.values()) + _SKIP_EPS:
+                continue
             sel: Selection[Key] | None = None
             cum: list[Key] = []
-            for new in self._ladder(hier, allowed):
+            for new in ladders[h]:
                 # a wider rung also retries the uncompressed routings and casts (a few): a
                 # tensor a new path would compress for a sliver may do as well with a cast
                 retry = [k for k in cum if k[0] is None]
                 cum += new
-                sel = self._select(ss, costs, cum, retry + new, sel)
+                sel = self._select(ss, costs[h], cum, retry + new, sel)
             assert sel is not None
-            if best is None or sel.iteration_s < best[0].iteration_s - 1e-12:
-                best = (sel, len(cum))
+            done[h] = (sel, len(cum))
+        best: tuple[Selection[Key], int] | None = None
+        for h in sorted(done):  # flat first: it is kept on a tie, as it always was
+            if best is None or done[h][0].iteration_s < best[0].iteration_s - 1e-12:
+                best = done[h]
         assert best is not None
         return best
 
@@ -393,6 +406,26 @@ class _StageCosts:
         #: the fastest uniform fp32 routing (Algorithm 4.1's start), the same for every rung
         self.base: Key | None = None
         self.offload = functools.cache(self._offload)
+
+    def lower_bound(self, keys: list[Key]) -> float:
+        """A lower bound on the group's sync time (the selection's ``iteration_s``) under
+        any choice among ``keys`` and their CPU-offloaded versions: the end of backprop,
+        and for every tensor its ready time (the backprop before it; GPU work only delays
+        it) plus its ops' total duration under its shortest option (a tensor's ops run one
+        after another)."""
+        for k in keys:
+            self.table(k)
+            if (cpu := self.offload(k)) is not None:
+                self.table(cpu)
+        every = [*keys, *(c for k in keys if (c := self.offload(k)) is not None)]
+        shortest = {nb: min(sum(op.duration_s for op in self._cache[(k, nb)]) for k in every)
+                    for nb in self._sizes}
+        ready = 0.0
+        bound = 0.0
+        for bp, nb in zip(self._ss.backprop_s, self._ss.nbytes):
+            ready += bp
+            bound = max(bound, ready + shortest[float(nb)])
+        return max(bound, ready)
 
     def signature(self, ops: tuple[Op, ...]) -> tuple[tuple[str, float, str], ...]:
         """``ops``' (resource, duration, label) fields, computed once per cached tuple."""
