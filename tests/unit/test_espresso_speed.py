@@ -66,5 +66,5 @@ def test_bound_below_each_hierarchy_and_skip_keeps_the_plan(
     spy = _Spy(monkeypatch)
     fast = Espresso(compressors=("dgc", "fp16")).run(plan, ctx)
     assert fast.plan.gradient_sync == every.plan.gradient_sync
-    if preset == "espresso-nvlink-8x8":  # flat's bound (31.4 ms) > hierarchical's 16.3 ms
+    if preset == "espresso-nvlink-8x8":  # flat's bound (34.7 ms) > hierarchical's 16.3 ms
         assert len(spy.last) == 1

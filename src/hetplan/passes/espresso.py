@@ -58,7 +58,7 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from hetplan.algorithms.dp_types import Op
+from hetplan.algorithms.dp_types import CPU, GPU, Op
 from hetplan.algorithms.espresso import Selection, SelectionProblem, select
 from hetplan.algorithms.espresso_tree import (
     PRECISIONS,
@@ -409,23 +409,73 @@ class _StageCosts:
 
     def lower_bound(self, keys: list[Key]) -> float:
         """A lower bound on the group's sync time (the selection's ``iteration_s``) under
-        any choice among ``keys`` and their CPU-offloaded versions: the end of backprop,
-        and for every tensor its ready time (the backprop before it; GPU work only delays
-        it) plus its ops' total duration under its shortest option (a tensor's ops run one
-        after another)."""
+        any choice among ``keys`` and their CPU-offloaded versions, the largest of:
+
+        - the end of backprop;
+        - per tensor, its ready time (the backprop before it: GPU work only delays it) plus
+          its ops' total duration under its shortest option (its ops run one at a time);
+        - per communication channel and tensor ``k``, when every choice puts work of the
+          tensors ``>= k`` on it: ``k``'s ready time, plus the shortest lead before any of
+          their ops there, plus the least work they can put there (the channel runs one op
+          at a time), plus the shortest tail after an op there.
+        """
         for k in keys:
             self.table(k)
             if (cpu := self.offload(k)) is not None:
                 self.table(cpu)
         every = [*keys, *(c for k in keys if (c := self.offload(k)) is not None)]
-        shortest = {nb: min(sum(op.duration_s for op in self._cache[(k, nb)]) for k in every)
-                    for nb in self._sizes}
-        ready = 0.0
-        bound = 0.0
-        for bp, nb in zip(self._ss.backprop_s, self._ss.nbytes):
-            ready += bp
-            bound = max(bound, ready + shortest[float(nb)])
-        return max(bound, ready)
+        # per size: shortest total; per channel the least work, lead and tail over options
+        inf = float("inf")
+        shortest: dict[float, float] = {}
+        work: dict[float, dict[str, float]] = {}
+        lead: dict[float, dict[str, float]] = {}
+        tail: dict[float, dict[str, float]] = {}
+        channels = sorted({op.resource for k in every for op in self._cache[(k, self._sizes[0])]}
+                          - {GPU, CPU})
+        for nb in self._sizes:
+            w = dict.fromkeys(channels, inf)
+            ld = dict.fromkeys(channels, inf)
+            tl = dict.fromkeys(channels, inf)
+            best = inf
+            for k in every:
+                ops = self._cache[(k, nb)]
+                total = sum(op.duration_s for op in ops)
+                best = min(best, total)
+                mine = dict.fromkeys(channels, 0.0)
+                pre = 0.0
+                for op in ops:
+                    if op.resource in mine:
+                        mine[op.resource] += op.duration_s
+                        ld[op.resource] = min(ld[op.resource], pre)
+                    pre += op.duration_s
+                post = 0.0
+                for op in reversed(ops):
+                    if op.resource in mine:
+                        tl[op.resource] = min(tl[op.resource], post)
+                    post += op.duration_s
+                for r in channels:
+                    w[r] = min(w[r], mine[r])
+            shortest[nb], work[nb], lead[nb], tail[nb] = best, w, ld, tl
+        ready = [0.0] * len(self._ss.backprop_s)
+        t = 0.0
+        for i, bp in enumerate(self._ss.backprop_s):
+            t += bp
+            ready[i] = t
+        bound = t
+        sizes = [float(nb) for nb in self._ss.nbytes]
+        for i, nb in enumerate(sizes):
+            bound = max(bound, ready[i] + shortest[nb])
+        for r in channels:
+            acc = lo = hi = 0.0
+            lo = hi = inf
+            for i in range(len(sizes) - 1, -1, -1):
+                nb = sizes[i]
+                acc += work[nb][r]
+                lo = min(lo, lead[nb][r])
+                hi = min(hi, tail[nb][r])
+                if acc > 0.0:  # every choice puts work of the tensors >= i on r
+                    bound = max(bound, ready[i] + lo + acc + hi)
+        return bound
 
     def signature(self, ops: tuple[Op, ...]) -> tuple[tuple[str, float, str], ...]:
         """``ops``' (resource, duration, label) fields, computed once per cached tuple."""
