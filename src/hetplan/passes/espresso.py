@@ -35,7 +35,11 @@ Decisions (also in ``docs/decisions.md``):
   options and among hierarchical ones (when the group spans several nodes with several ranks
   each) and keeps the faster. Algorithm 4.1's "no compression" start is the fastest uniform
   fp32 routing *of that hierarchy* (e.g. hierarchical reduce-scatter / allreduce /
-  allgather), not the flat allreduce, for the same reason.
+  allgather), not the flat allreduce, for the same reason. The hierarchy with the smaller
+  lower bound (:meth:`_StageCosts.lower_bound`: ready times, shortest paths, each channel's
+  least work) is searched first, and another is not searched when its bound is above that
+  result: it could not be kept, so the choice is the same as searching both
+  (``docs/decisions/espresso-speed.md``).
 - Options are pruned to at most ``max_compressions`` compressions per tensor (default 4: no
   limit) and to the allowed ``devices`` (default GPU and CPU).
 - **16-bit uncompressed steps.** With ``fp16`` (or ``bf16``) among the compressors, every
