@@ -16,9 +16,25 @@ alternating blocks of iterations (so that machine noise hits every scheme alike)
 A block's time includes waiting for its last checkpoint, so nothing is carried into the next
 block. Target: median iteration time gemini / none ≤ 1.03. The plan's predictions (checkpoint
 time, interval, slowdown; remote storage beside) are written next to the measurements.
-Writes ``bench/results/gemini_cpu.json``.
 
-    python bench/gemini.py [--model gpt-test] [--batch 16] [--rounds 6] [--iters 5]
+Wall time on a shared machine mostly measures the machine's load. So beside it the benchmark
+reports what load does not change much:
+
+* ``paired_ratio_over_none``: per round, each scheme's block time over the ``none`` block of
+  the same round (the rounds interleave the schemes, alternating their order), then the
+  median over rounds: load that drifts between rounds cancels;
+* ``cpu_ms_per_iteration``: per scheme, the CPU time of the training thread per iteration
+  (``time.thread_time``; a blocking save runs on it), the whole process's (``process_time``:
+  also gloo's I/O threads and Gemini's thread), and for Gemini the checkpoint thread's CPU
+  time per round (serialise, write, send, receive, acknowledge; it needs a spare core, which
+  a GPU machine's host has and this one does not);
+* ``gemini_wait_before_step_ms``: how long the optimizer step waited for the round (≈ 0 when
+  the checkpoint traffic fits before the next step), and how the chunks went against the
+  plan's idle spans (``on_time`` / ``late`` / ``released``).
+
+Writes ``bench/results/gemini_cpu.json``. One command, for a quiet machine:
+
+    python bench/gemini.py [--model gpt-test] [--batch 16] [--rounds 12] [--iters 3]
 """
 
 from __future__ import annotations
@@ -81,6 +97,8 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
     target_of = make_target(zoo.build(model, device="cpu", seed=0), ex_args, ex_kwargs)
     disk = Path(tmp) / f"disk{rank}.pt"
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}  # training thread, s/iteration
+    proc_cpu: dict[str, list[float]] = {m: [] for m in MODES}  # whole process
     save_s: dict[str, list[float]] = {"blocking-disk": [], "dcp": []}
     gemini = runtimes["gemini"].handler(CheckpointingHandler)
     for r in range(rounds + 1):  # round 0 is warm-up
@@ -88,7 +106,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
         for which in order:
             rt = runtimes[which]
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             for i in range(iters):
                 xs = synthetic_batch(ex_args, batch, r * 100 + i)
                 rt.train_step(xs, target_of(xs, batch))
@@ -105,11 +123,19 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
                     save_s[which].append(time.perf_counter() - s0)
             if which == "gemini":
                 gemini.wait_round()
+            c1, p1 = time.thread_time(), time.process_time()
             dist.barrier()
             if r:
                 times[which].append((time.perf_counter() - t0) / iters)
-    result = {"times": times, "save_s": save_s, "gemini_round_s": gemini.round_s[iters:],
-              "gemini_wait_s": gemini.wait_s[iters:]}
+                cpu[which].append((c1 - c0) / iters)
+                proc_cpu[which].append((p1 - p0) / iters)
+    rounds = gemini.report()[iters:]
+    result = {"times": times, "cpu_s": cpu, "process_cpu_s": proc_cpu, "save_s": save_s,
+              "gemini_round_s": gemini.round_s[iters:],
+              "gemini_wait_s": [x["wait_before_step_ms"] / 1e3 for x in rounds
+                                if x["wait_before_step_ms"] is not None],
+              "gemini_cpu_s": [x["checkpoint_cpu_ms"] / 1e3 for x in rounds],
+              "gemini_chunks": [c["how"] for x in rounds for c in x["chunks"]]}
     gathered: list[object] = [None] * WORLD
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -127,14 +153,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="gpt-test")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--iters", type=int, default=3)
     args = ap.parse_args()
     import hetplan
     from hetplan.ir.cluster import ClusterSpec
 
     spec = ClusterSpec.load(CLUSTER)
-    gem = hetplan.compile(args.model, spec, batch_size=args.batch, pp=2, dp=2,
+    load0 = os.getloadavg()[0]
+    gem = hetplan.compile(args.model, spec, batch_size=args.batch, pp=2, dp=2, zero_stage=0,
                           passes="dynpipe,even-tp,ddp-buckets,gemini{replicas=2}")
     plain = gem.model_copy(update={"checkpointing": None})
     shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else None  # CPU memory, not disk
@@ -154,6 +181,18 @@ def main() -> int:
         "dcp_save": _med_ms([x for r in ranks for x in r["save_s"]["dcp"]]),
     }
     ratio = {m: med[m] / med["none"] for m in MODES}
+    n_blocks = len(ranks[0]["times"]["none"])
+    block = {m: [max(r["times"][m][k] for r in ranks) for k in range(n_blocks)] for m in MODES}
+    paired = {m: statistics.median(block[m][k] / block["none"][k] for k in range(n_blocks))
+              for m in MODES}
+    cpu_ms = {m: {"training_thread": _med_ms([x for r in ranks for x in r["cpu_s"][m]]),
+                  "process": _med_ms([x for r in ranks for x in r["process_cpu_s"][m]])}
+              for m in MODES}
+    cpu_ms["gemini"]["checkpoint_thread_per_round"] = _med_ms(
+        [x for r in ranks for x in r["gemini_cpu_s"]])
+    waits = sorted(x * 1e3 for r in ranks for x in r["gemini_wait_s"])
+    hows = [h for r in ranks for h in r["gemini_chunks"]]
+    chunk_hows = {h: hows.count(h) for h in ("on_time", "late", "released")}
     base = med["none"]
     every = {"gemini": 1,
              "dcp_highfreq": max(1, math.ceil(ckpt_ms["dcp_save"] / base)),
@@ -161,17 +200,29 @@ def main() -> int:
     ck = gem.checkpointing
     assert ck is not None
     for m in MODES:
-        print(f"{m:>14}: {med[m]:8.2f} ms/iteration  ({ratio[m]:.3f}x)")
-    print(f"checkpoint time: gemini round {ckpt_ms['gemini_round']:.2f} ms (wait before the "
-          f"step {ckpt_ms['gemini_wait_before_step']:.2f} ms), blocking disk "
-          f"{ckpt_ms['blocking_disk_save']:.2f} ms, DCP {ckpt_ms['dcp_save']:.2f} ms")
+        print(f"{m:>14}: {med[m]:8.2f} ms/iteration  ({ratio[m]:.3f}x, paired "
+              f"{paired[m]:.3f}x)  CPU: training thread {cpu_ms[m]['training_thread']:.2f} "
+              f"ms, process {cpu_ms[m]['process']:.2f} ms")
+    print(f"checkpoint time: gemini round {ckpt_ms['gemini_round']:.2f} ms (thread CPU "
+          f"{cpu_ms['gemini']['checkpoint_thread_per_round']:.2f} ms, wait before the step "
+          f"median {ckpt_ms['gemini_wait_before_step']:.3f} ms, max {max(waits):.3f} ms), "
+          f"blocking disk {ckpt_ms['blocking_disk_save']:.2f} ms, DCP "
+          f"{ckpt_ms['dcp_save']:.2f} ms; chunks {chunk_hows}")
     result = {
         "machine": machine(device="cpu", backend="gloo"),
+        "load_average_1min": {"before": load0, "after": os.getloadavg()[0]},
         "model": args.model, "world_size": WORLD, "global_batch": args.batch,
         "layout": "pp=2 dp=2", "cluster": CLUSTER.name,
-        "iterations_each": len(ranks[0]["times"]["none"]) * args.iters,
+        "rounds": args.rounds, "iterations_per_block": args.iters,
+        "iterations_each": n_blocks * args.iters,
         "median_iteration_ms": med, "ratio_over_none": ratio,
+        "paired_ratio_over_none": paired,
         "target_gemini_over_none": 1.03, "meets_target": ratio["gemini"] <= 1.03,
+        "cpu_ms_per_iteration": cpu_ms,
+        "gemini_wait_before_step_ms": {"median": statistics.median(waits),
+                                       "p90": waits[int(0.9 * (len(waits) - 1))],
+                                       "max": waits[-1], "count": len(waits)},
+        "gemini_chunks_vs_plan": chunk_hows,
         "measured_checkpoint_ms": ckpt_ms,
         "checkpoint_every_iters": every,
         "predicted": {"iteration_ms": ck.iteration_ms,
@@ -179,7 +230,9 @@ def main() -> int:
                       "remote_storage": ck.baseline.model_dump(mode="json"),
                       "storage_bandwidth_gbps": ck.storage_bandwidth_gbps},
         "note": "predictions are for the emulated cluster spec (10 Gb/s between nodes, "
-                "1 Gb/s storage); the measurements run all 4 'nodes' on one shared CPU",
+                "1 Gb/s storage; idle spans within a 3-5 ms iteration, so on this CPU every "
+                "chunk's span has passed by the time the snapshot is serialised: 'late' "
+                "means sent at once); the measurements run all 4 'nodes' on one shared CPU",
     }
     path = ROOT / "bench" / "results" / "gemini_cpu.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")

@@ -11,8 +11,11 @@ Cases and targets (issue 18, "Search in seconds"), each the free search (nothing
 - and, without a target, llama-70b on ``a100-1024`` and gpt2 on ``v100-pcie-8x8``.
 
 Each case runs in a fresh process: the import, then the capture (``capture_seconds``), then
-``compile`` on the captured IR (``plan_seconds``, what the targets bound). Writes
-``bench/results/plan_time.json`` with the machine record; ``--out`` another path.
+``compile`` on the captured IR (``plan_seconds``, the wall time the targets bound, and
+``plan_cpu_seconds``, the process's CPU time over the same span: on a shared machine the wall
+time also counts the other jobs' turns, so the 1-minute load average when each case started is
+recorded beside it as ``load_avg_1min``). Writes ``bench/results/plan_time.json`` with the
+machine record; ``--out`` another path.
 
     python bench/plan_time.py [--quick] [--only NAME ...] [--out PATH]
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,11 +59,13 @@ if model.startswith("published:"):
 else:
     ir = _workload(model, None, None, None)
 t2 = time.perf_counter()
+c2 = time.process_time()
 plan = hetplan.compile(ir, cluster, batch_size=batch, progress=False)
 t3 = time.perf_counter()
+c3 = time.process_time()
 s = plan.summary()
 print(json.dumps({"import_seconds": t1 - t0, "capture_seconds": t2 - t1,
-                  "plan_seconds": t3 - t2, "layout": s.layout,
+                  "plan_seconds": t3 - t2, "plan_cpu_seconds": c3 - c2, "layout": s.layout,
                   "iteration_ms": s.iteration_time_ms, "notes": plan.pass_log[0].notes,
                   "world_size": plan.layout.num_ranks if plan.layout else 1}))
 """
@@ -75,6 +81,7 @@ def main() -> int:
              and (not args.only or c[0] in args.only)]
     rows = []
     for name, model, cluster, batch, target in cases:
+        load = os.getloadavg()[0]
         t0 = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, model, cluster, str(batch), str(ROOT / "bench")],
@@ -85,12 +92,13 @@ def main() -> int:
             return 1
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         res.update(case=name, model=model, cluster=cluster, batch_size=batch,
-                   target_s=target, process_seconds=wall,
+                   target_s=target, process_seconds=wall, load_avg_1min=load,
                    meets_target=None if target is None else res["plan_seconds"] <= target)
         rows.append(res)
         mark = "" if target is None else (" ok" if res["meets_target"] else
                                           f" OVER {target:g} s")
-        print(f"{name:22s} plan {res['plan_seconds']:6.2f} s{mark:10s} capture "
+        print(f"{name:22s} plan {res['plan_seconds']:6.2f} s "
+              f"(cpu {res['plan_cpu_seconds']:6.2f} s, load {load:4.1f}){mark:10s} capture "
               f"{res['capture_seconds']:5.1f} s  {res['layout']:18s} "
               f"{res['iteration_ms']:.1f} ms  ({res['notes'][0]})")
     out = {

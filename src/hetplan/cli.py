@@ -388,6 +388,10 @@ def plan_cmd(
     opaque: list[str] = typer.Option(
         None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
         "for a module whose forward capture cannot follow, see `hetplan ir`)."),
+    hetero: str = typer.Option(
+        "off", "--hetero", help="Heterogeneous stages (each its own device class and dp x tp, "
+        "order searched): 'on' always, 'auto' when predicted faster than the plan above, "
+        "'off'."),
     sparse: str = typer.Option(
         "off", "--sparse", help="Sparse (embedding) gradients: off (dense all-reduce), auto "
         "(the fastest predicted of dense, AGsparse, Zen), zen (always Zen); appends the zen "
@@ -411,6 +415,8 @@ def plan_cmd(
     # Everything the user typed is checked before the model is captured or anything planned.
     if output is not None:
         check_output_path(output, option="-o/--output")
+    if hetero not in ("off", "auto", "on"):
+        raise SpecError(f"--hetero must be off, auto or on, got {hetero!r}")
     if sparse not in ("off", "auto", "zen"):
         raise SpecError(f"--sparse must be off, auto or zen, got {sparse!r}")
     if sparse != "off":
@@ -447,6 +453,10 @@ def plan_cmd(
         target = model
     t0 = time.perf_counter()
     plan = compile_plan(target, spec, options, profile=db)
+    if hetero != "off":
+        from hetplan.optimizer.hetero import choose_hetero
+
+        plan = choose_hetero(plan, spec, db, batch_size, hetero)  # type: ignore[arg-type]
     seconds = time.perf_counter() - t0
     if output:
         plan.save(output)

@@ -12,6 +12,7 @@ process draws them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -159,18 +160,19 @@ def test_tied_pipeline_equals_reference(tmp_path: Path, name: str, seq: int, wor
 def test_cli_plans_and_runs_tiny_gpt2_with_two_stages(tmp_path: Path) -> None:
     """``hetplan plan tiny-gpt2 --pp 2`` then ``hetplan run``: GPT-2's tied ``wte`` /
     ``lm_head`` end up on the first and the last stage, and the run trains (it was refused).
-    ``--dp 1``: the planner picks ZeRO-1 for dp > 1, which the runtime composes with
-    pipelines only from another change on (``runtime/composition.py``)."""
+    The planner's own choice on 4 CPU ranks is dp 2 x pp 2 with ZeRO-1 (checked); the
+    report's final loss is the last stage's, not rank 0's NaN."""
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True,
                               text=True, timeout=600, check=False)
 
     plan_file, report = tmp_path / "plan.json", tmp_path / "report.json"
-    proc = cli("plan", "tiny-gpt2", "--pp", "2", "--dp", "1", "-b", "8", "--cluster",
+    proc = cli("plan", "tiny-gpt2", "--pp", "2", "-b", "8", "--cluster",
                "local-cpu", "-o", str(plan_file))
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = Plan.from_json(plan_file.read_text())
     assert plan.layout is not None and plan.layout.pp == 2
+    assert (plan.layout.dp, plan.layout.zero_stage) == (2, 1)
     assert "transformer.wte" in plan.stages[0].layer_names
     assert "lm_head" in plan.stages[-1].layer_names
     proc = cli("run", str(plan_file), "--model", "tiny-gpt2", "--steps", "2", "--report",
@@ -178,3 +180,5 @@ def test_cli_plans_and_runs_tiny_gpt2_with_two_stages(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(report.read_text())
     assert data["steps"] == 2 and data["world_size"] == plan.layout.num_ranks
+    assert math.isfinite(data["final_loss"])
+    assert data["final_loss"] == pytest.approx(data["loss_per_step"][-1], abs=1e-6)

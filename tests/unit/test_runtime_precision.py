@@ -85,12 +85,16 @@ def test_refusals_name_the_field_and_the_fix() -> None:
     assert problem.startswith("gradient_sync.strategies['c']") and "--zero 1" in problem
     assert refusals(_plan("fp32", dp=2, zero_stage=1)) == []
     assert refusals(_plan("fp32", dp=1, zero_stage=3)) == []  # nothing to shard: ZeRO-0
-    (pipe,) = refusals(_plan("bf16", dp=1, pp=2, micro_batches=2))
-    assert pipe.startswith("precision:") and "--dtype fp32" in pipe
+    assert refusals(_plan("fp32", dp=2, pp=2, tp=2, micro_batches=2, zero_stage=2)) == []
+    (fsdp,) = refusals(_plan("fp32", dp=2, tp=2, zero_stage=3))
+    assert fsdp.startswith("layout.zero_stage: ZeRO-3") and "--zero 2" in fsdp
+    assert refusals(_plan("bf16", dp=1, pp=2, micro_batches=2)) == []  # runs per stage
+    (fp16,) = refusals(_plan("fp16", dp=2, zero_stage=3))
+    assert fp16.startswith("precision:") and "--dtype bf16" in fp16
 
 
 def test_the_first_handler_refuses_with_every_problem() -> None:
-    plan = _plan("bf16", dp=2, pp=2, micro_batches=2, zero_stage=1)
+    plan = _plan("fp16", dp=2, pp=2, micro_batches=2, zero_stage=3)
     with pytest.raises(SpecError, match="does not execute this plan's combination") as info:
         CompositionHandler().setup(SimpleNamespace(plan=plan))  # type: ignore[arg-type]
     assert "layout.zero_stage" in str(info.value) and "precision:" in str(info.value)

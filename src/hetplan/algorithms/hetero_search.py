@@ -19,8 +19,8 @@ fits iff ``q >= min(m, P - k)``. The **search objective** is the closed-form 1F1
 
     ``J = sum_k a_k + max_k v_k``
 
-(fill and drain pass every stage once; the slowest stage is busy for the rest), and device
-use per class is bounded by its capacity. Stages may come in any order of classes.
+(fill and drain pass every stage once; the slowest stage is busy for the rest), device
+use per class is bounded by its capacity, and there are at most ``m`` stages. Stages may come in any order of classes.
 
 Solvers:
 
@@ -30,9 +30,10 @@ Solvers:
   stage's in-flight count is known when it is placed; then ``J* = min_tau S(tau) + tau``
   over the distinct ``v`` values, scanned downwards along the Pareto front of
   ``(sum a, max v)``: each DP jumps below the ``max v`` its plan reached, and the scan stops
-  once ``S(tau)`` plus the smallest ``v`` cannot beat the best ``J`` found.
-  Each threshold costs ``O(L^2 . options . modes)`` numpy operations over arrays of
-  ``min(m, L) x prod(capacity[c] / unit[c] + 1)`` states.
+  once ``S(tau)`` plus a floor of ``max v`` cannot beat the best ``J`` found (or, with a
+  ``judge``, the best time a finer model gives the plans visited). Each threshold is one
+  pass of :func:`~hetplan.algorithms._hetero_kernels.dp_pass` (numba-compiled):
+  ``O(L^2 . options . min(m, L) . prod(capacity[c] / unit[c] + 1))``.
 - :func:`solve_brute_force`: the readable reference, every sequence of (option, layer count),
   for tests on small instances.
 - :func:`solve_cpsat` (:mod:`hetplan.algorithms.hetero_cpsat`): the same objective as a
@@ -43,11 +44,13 @@ Deterministic: ties go to the lexicographically smallest stage tuple.
 
 from __future__ import annotations
 
-import bisect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from hetplan.algorithms import _hetero_kernels as _kernels
 
 __all__ = ["StageOption", "HeteroProblem", "StageChoice", "HeteroSolution", "solve_exact",
            "solve_brute_force", "objective", "state_count"]
@@ -65,6 +68,9 @@ class StageOption:
         a / v / q: per recomputation mode (``modes`` of the problem), ``(L+1, L+1)`` arrays
             indexed ``[i, j]`` for layers ``[i, j)`` (see the module docstring); entries
             with ``j <= i`` are ignored.
+        work: optional, per layer, seconds whose sum over ``[i, j)`` is at most ``v`` of
+            that range under every mode (the steady-state compute); lets the search bound
+            ``max v`` by balancing all work over all devices (:func:`_max_v_floor`).
     """
 
     device_class: int
@@ -73,6 +79,7 @@ class StageOption:
     a: tuple[np.ndarray, ...]
     v: tuple[np.ndarray, ...]
     q: tuple[np.ndarray, ...]
+    work: np.ndarray | None = None
 
     @property
     def devices(self) -> int:
@@ -117,6 +124,7 @@ class HeteroSolution:
     method: str
     states: int = 0
     notes: tuple[str, ...] = field(default=())
+    front: tuple[tuple[float, tuple[StageChoice, ...]], ...] = field(default=())
 
 
 def _mode_for(problem: HeteroProblem, o: int, i: int, j: int, in_flight: int) -> int | None:
@@ -134,6 +142,8 @@ def objective(problem: HeteroProblem, stages: tuple[StageChoice, ...]) -> float:
     order, a class over capacity, a stage that does not fit or at a mode that is not the
     cheapest that fits)."""
     if not stages or stages[0].first != 0 or stages[-1].end != problem.num_layers:
+        return INF
+    if len(stages) > problem.micro_batches:  # 1F1B needs a micro-batch per stage
         return INF
     used = [0] * len(problem.capacity)
     total, worst, P = 0.0, 0.0, len(stages)
@@ -199,12 +209,34 @@ def state_count(problem: HeteroProblem) -> int:
     return (problem.num_layers + 1) * (q + 1) * u
 
 
-def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000
-                ) -> HeteroSolution | None:
+def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000,
+                incumbent: float = INF,
+                judge: Callable[[tuple[StageChoice, ...]], float] | None = None,
+                rel_gap: float = 0.0) -> HeteroSolution | None:
     """The plan minimising ``J`` (see the module docstring); None if no plan fits.
 
+    ``incumbent``: the objective of a plan found elsewhere (another micro-batch size); the
+    threshold scan stops once no plan here can beat it, and the returned ``bound`` is then
+    the lower bound proven on this problem's ``J`` (``bound == objective`` when the scan
+    ran to the end). ``front`` holds every plan the scan visited (one per DP pass, on the
+    Pareto front of ``(sum a, max v)``), best ``J`` first: the candidates a caller may
+    re-predict with a finer model.
+
+    ``judge``: a finer model's time of a plan (``inf``: it does not fit there). With it the
+    scan stops only once ``S(tau)`` plus the floor of ``max v`` reaches the best *judged*
+    time (and ``incumbent``, a judged time from elsewhere): every plan whose objective
+    could be below the judge's best so far is visited. The judge is not bound by ``J``, so
+    this is exhaustive for the judge only where ``J`` never exceeds it; ``best`` is still
+    the least ``J`` among the plans visited.
+
+    ``rel_gap``: after a pass whose plan reached ``max v = t``, the next threshold is the
+    largest ``v`` below ``(1 - rel_gap) t`` rather than below ``t``. A plan skipped that
+    way has ``J >= S + (1 - rel_gap) t`` (``S`` only grows as the threshold falls), so the
+    returned ``bound`` stays a proven lower bound and the gap ``(objective - bound) /
+    objective`` is at most about ``rel_gap``; 0 (the default) is exact.
+
     Raises:
-        ValueError: the state space exceeds ``max_states`` (use CP-SAT).
+        ValueError: the state space exceeds ``max_states`` (coarsen the problem).
     """
     n_states = state_count(problem)
     if n_states > max_states:
@@ -213,131 +245,173 @@ def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000
     units = problem.units()
     shape = tuple(cap // unit + 1 for cap, unit in zip(problem.capacity, units))
     Q = min(m, L)
-    # per (option, i, j): a, v and the mode as vectors over q, the stage's in-flight count
-    # being min(m, q + 1); inf where no mode fits
-    table = _tables(problem, Q)
-    taus = sorted({float(x) for (_, vv, _) in table.values() for x in vv if x < INF})
-    if not taus:
+    arcs = _arcs(problem, Q)
+    if arcs is None:
         return None
+    arc_o, arc_i, arc_j, arc_a, arc_v, arc_mode = arcs
+    Q = arc_a.shape[1]
+    taus = np.unique(arc_v[np.isfinite(arc_v)])
+    if not taus.size:
+        return None
+    floor_v = _max_v_floor(arc_i, arc_j, arc_v, L, problem)
+    size = int(np.prod(shape))
+    strides = np.array([int(np.prod(shape[c + 1:])) for c in range(len(shape))], np.int64)
+    opt_class = np.array([o.device_class for o in problem.options], np.int64)
+    opt_step = np.array([o.devices // units[o.device_class] for o in problem.options],
+                        np.int64)
+    best_arr = np.empty((L + 1, Q, size))
+    back = np.empty((L + 1, 5, Q, size), np.int64)
+    run = _kernels.kernel()
     # Descending scan over the Pareto front of (sum a, max v): the best plan with every
     # v <= tau has max v = tau' <= tau, and no plan with max v in [tau', tau] beats it
     # (its sum a is the least there); so the next threshold is the largest v below tau'.
-    # S only grows as tau falls: stop once S(tau) + the smallest v cannot beat the best.
+    # S only grows as tau falls: stop once S(tau) + the floor of max v cannot beat the best.
     best: tuple[float, tuple[StageChoice, ...]] | None = None
-    explored = 0
-    tau = INF
+    front: list[tuple[float, tuple[StageChoice, ...]]] = []
+    explored, bound = 0, INF
+
+    def one_pass(tau: float) -> tuple[float, tuple[StageChoice, ...]] | None:
+        nonlocal explored, best, incumbent
+        run(arc_o, arc_i, arc_j, arc_a, arc_v, arc_mode, opt_class, opt_step,
+            np.array(shape, np.int64), strides, tau, L, m <= L, best_arr, back)
+        explored += (L + 1) * Q * size
+        found = _read_back(best_arr, back, L, size)
+        if found is not None:
+            j = objective(problem, found[1])
+            if (j, found[1]) not in front:
+                front.append((j, found[1]))
+            if best is None or (j, found[1]) < best:
+                best = (j, found[1])
+            if judge is not None:
+                incumbent = min(incumbent, judge(found[1]))
+        return found
+
+    def limit() -> float:
+        assert best is not None
+        return incumbent if judge is not None else min(best[0], incumbent)
+
+    def max_v(stages: tuple[StageChoice, ...]) -> float:
+        return max(float(problem.options[x.option].v[x.mode][x.first, x.end]) for x in stages)
+
+    # 1. the plan of least sum a (no threshold)
+    found = one_pass(INF)
+    if found is None:
+        return None
+    s_inf, reached = found[0], max_v(found[1])
+    # 2. probes from the floor of max v upwards: a plan found there bounds J* from above
+    probe = floor_v * 1.5
+    while 0.0 < probe < reached and s_inf + floor_v < limit():
+        if one_pass(probe) is not None:
+            break
+        probe *= 1.5
+    # 3. the scan: plans of max v = t at thresholds below tau have J >= S(tau) + t, so
+    # every t with S(tau) + t >= the best is skipped (S(inf) for the first step)
+    value = s_inf
     while True:
-        value, stages = _dp(problem, table, tau, shape, units, Q)
-        explored += n_states
-        if value is None or stages is None:
+        if value + floor_v >= limit():
+            bound = min(bound, value + floor_v)
             break
-        j = objective(problem, stages)
-        if best is None or (j, stages) < best:
-            best = (j, stages)
-        if value + taus[0] >= best[0]:
-            break
-        reached = max(float(problem.options[x.option].v[x.mode][x.first, x.end])
-                      for x in stages)
-        k = bisect.bisect_left(taus, reached) - 1
+        target = reached
+        if rel_gap > 0.0 and reached < INF:
+            target = reached * (1.0 - rel_gap)
+            bound = min(bound, value + target)  # the plans of the window skipped
+        k = int(np.searchsorted(taus, min(target, limit() - value), side="left")) - 1
         if k < 0:
             break
-        tau = taus[k]
+        found = one_pass(float(taus[k]))
+        if found is None:
+            break
+        value, reached = found[0], max_v(found[1])
     if best is None:
         return None
-    return HeteroSolution(best[1], best[0], best[0], "exact-dp", explored)
+    front.sort()
+    return HeteroSolution(best[1], best[0], min(best[0], bound), "exact-dp", explored,
+                          front=tuple(front))
 
 
-Table = dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+Arcs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def _tables(problem: HeteroProblem, Q: int) -> Table:
-    """``(o, i, j) -> (a over q, v over q, mode over q)`` for ``q = 0..Q-1`` stages after the
-    stage, at the cheapest mode that fits ``min(m, q + 1)`` micro-batches."""
+def _arcs(problem: HeteroProblem, Q: int) -> Arcs | None:
+    """Every stage the DP may place, as the arrays of :mod:`._hetero_kernels`: option,
+    first and end layer, and ``a``, ``v``, mode over ``q = 0..Q'-1`` stages after it, at the
+    cheapest mode that fits ``min(m, q + 1)`` micro-batches (inf / -1 where none does);
+    sorted by first layer descending, then option, then end layer. ``Q' <= Q``: the depths
+    at and past ``Q' - 1`` look the same to every stage. None: no stage fits."""
     L, m = problem.num_layers, problem.micro_batches
-    out: Table = {}
+    ii, jj = np.triu_indices(L + 1, k=1)
+    need = np.minimum(m, np.arange(Q) + 1)
+    rows = []
     for o, opt in enumerate(problem.options):
-        for i in range(L):
-            for j in range(i + 1, L + 1):
-                a = np.full(Q, INF)
-                v = np.full(Q, INF)
-                mode = np.full(Q, -1, dtype=np.int64)
-                for q in range(Q):
-                    r = _mode_for(problem, o, i, j, min(m, q + 1))
-                    if r is None:
-                        continue
-                    a[q], v[q], mode[q] = opt.a[r][i, j], opt.v[r][i, j], r
-                if np.isfinite(a).any():
-                    out[(o, i, j)] = (a, v, mode)
+        q = np.stack([x[ii, jj] for x in opt.q])  # (R, ranges)
+        fits = q[:, :, None] >= need[None, None, :]  # (R, ranges, Q)
+        any_fit = fits.any(axis=0)
+        mode = np.where(any_fit, fits.argmax(axis=0), -1)
+        a_all = np.stack([x[ii, jj] for x in opt.a])
+        v_all = np.stack([x[ii, jj] for x in opt.v])
+        r = np.maximum(mode, 0)
+        cols = np.arange(len(ii))[:, None]
+        a = np.where(any_fit, a_all[r, cols], INF)
+        v = np.where(any_fit, v_all[r, cols], INF)
+        keep = np.isfinite(a).any(axis=1)
+        rows.append((np.full(int(keep.sum()), o), ii[keep], jj[keep], a[keep], v[keep],
+                     mode[keep]))
+    if not any(len(r[0]) for r in rows):
+        return None
+    o_, i_, j_, a_, v_, m_ = (np.concatenate([r[k] for r in rows]) for k in range(6))
+    # Depths past which no stage changes (mode, a, v) are one state: a stage with more
+    # stages after it holds more micro-batches, and where every stage fits them at the same
+    # mode the DP need not tell those depths apart (exact; GPT-2-medium on 512 GPUs of
+    # 80 and 32 GB: 28 depths -> 1). Only with more micro-batches than layers: otherwise
+    # the depth also counts stages, at most one per micro-batch.
+    last = Q
+    while m > L and last > 1 and all(np.array_equal(x[:, last - 1], x[:, last - 2], equal_nan=True)
+                           for x in (a_, v_, m_)):
+        last -= 1
+    a_, v_, m_ = a_[:, :last], v_[:, :last], m_[:, :last]
+    order = np.lexsort((j_, o_, -i_))
+    return (o_[order].astype(np.int64), i_[order].astype(np.int64),
+            j_[order].astype(np.int64), np.ascontiguousarray(a_[order], dtype=np.float64),
+            np.ascontiguousarray(v_[order], dtype=np.float64), m_[order].astype(np.int64))
+
+
+def _max_v_floor(arc_i: np.ndarray, arc_j: np.ndarray, arc_v: np.ndarray, L: int,
+                 problem: HeteroProblem) -> float:
+    """A lower bound on ``max v`` of any plan, the larger of two:
+
+    - every layer lies in some stage, so ``max v`` is at least, for every layer, the least
+      ``v`` of the stages that could cover it;
+    - with every option's ``work``: a stage of ``d`` devices of class ``c`` has
+      ``d max v >= d sum work >= sum over its layers of e_c(layer)``, the least device-seconds
+      any option of class ``c`` spends on the layer; summed over stages,
+      ``max v >= sum_layer min_c e_c(layer) / sum_c capacity[c]``."""
+    v = arc_v.min(axis=1)
+    out = 0.0
+    for layer in range(L):
+        cover = (arc_i <= layer) & (arc_j > layer)
+        if cover.any():
+            out = max(out, float(v[cover].min()))
+    if problem.options and all(o.work is not None for o in problem.options):
+        per_layer = np.full(L, INF)
+        for o in problem.options:
+            assert o.work is not None
+            per_layer = np.minimum(per_layer, o.devices * o.work)
+        out = max(out, float(per_layer.sum()) / sum(problem.capacity))
     return out
 
 
-def _dp(problem: HeteroProblem, table: Table, tau: float, shape: tuple[int, ...],
-        units: tuple[int, ...], Q: int
-        ) -> tuple[float | None, tuple[StageChoice, ...] | None]:
-    """``S(tau)`` and its stages by dynamic programming (None, None: no plan has every
-    ``v <= tau``).
-
-    ``best[i][q, u]``: least ``sum a`` of stages covering ``[i, L)`` that are
-    ``min(count, Q)`` = ``q + 1`` in number and use the device vector of flat index ``u``
-    (in units); a stage placed before such a suffix holds ``min(m, q + 2)`` micro-batches."""
-    L = problem.num_layers
-    size = int(np.prod(shape))
-    strides = [int(np.prod(shape[c + 1:])) for c in range(len(shape))]
-    grid = np.indices(shape).reshape(len(shape), -1)
-    best = [np.full((Q, size), INF) for _ in range(L + 1)]
-    # back-pointers: (option, mode, end layer, suffix q, suffix u) per state
-    back = [np.full((5, Q, size), -1, dtype=np.int64) for _ in range(L + 1)]
-    by_start: dict[int, list[tuple[int, int, tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {}
-    for (o, i, j), row in table.items():
-        by_start.setdefault(i, []).append((o, j, row))
-    for i in range(L - 1, -1, -1):
-        for o, j, (a, v, mode) in by_start.get(i, ()):
-            opt = problem.options[o]
-            c = opt.device_class
-            step = opt.devices // units[c]
-            if step >= shape[c]:
-                continue
-            shift = step * strides[c]
-            if j == L:  # the last stage: one stage from i on, only its own devices
-                if v[0] <= tau and a[0] < best[i][0, shift]:
-                    best[i][0, shift] = a[0]
-                    back[i][:, 0, shift] = (o, mode[0], j, -1, -1)
-                continue
-            # a stage before a suffix of index q is of index qq = min(q + 1, Q - 1)
-            qq = np.minimum(np.arange(Q) + 1, Q - 1)
-            allowed = (v[qq] <= tau) & np.isfinite(a[qq])
-            if not allowed.any():
-                continue
-            src = best[j][:, :size - shift] if shift else best[j]
-            src_ok = (grid[c] + step < shape[c])[:size - shift] if shift else None
-            cand = src + a[qq][:, None]
-            cand[~allowed] = INF
-            if src_ok is not None:
-                cand[:, ~src_ok] = INF
-            for q in range(Q):  # suffix index q -> this stage's index qq[q] (Q-2, Q-1 merge)
-                if not allowed[q]:
-                    continue
-                cur = best[i][qq[q], shift:]
-                better = cand[q] < cur
-                if not better.any():
-                    continue
-                dst = np.nonzero(better)[0]
-                cur[dst] = cand[q][dst]
-                b = back[i]
-                b[0, qq[q], dst + shift] = o
-                b[1, qq[q], dst + shift] = mode[qq[q]]
-                b[2, qq[q], dst + shift] = j
-                b[3, qq[q], dst + shift] = q
-                b[4, qq[q], dst + shift] = dst
+def _read_back(best: np.ndarray, back: np.ndarray, L: int, size: int
+               ) -> tuple[float, tuple[StageChoice, ...]] | None:
+    """``S(tau)`` and its stages from a filled DP (None: no plan has every ``v <= tau``)."""
     top = best[0]
     if not np.isfinite(top).any():
-        return None, None
+        return None
     q0, u0 = divmod(int(np.argmin(top)), size)
     value = float(top[q0, u0])
     stages = []
     i, q, u = 0, q0, u0
     while True:
-        o, r, j, qn, un = (int(x) for x in back[i][:, q, u])
+        o, r, j, qn, un = (int(x) for x in back[i, :, q, u])
         stages.append(StageChoice(o, r, i, j))
         if j == L:
             break

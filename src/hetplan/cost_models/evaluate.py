@@ -31,12 +31,14 @@ into an iteration time, a breakdown, the memory of every rank and the pipeline b
 
 Everything here is deterministic and free of torch.
 
-Why one file (about 680 lines, over the project's ~600): it is the definition of the
+Why one file (about 1,100 lines, over the project's ~600): it is the definition of the
 objective, read top to bottom as the steps above. The largest part after :func:`evaluate`
-itself is step 3's pricing of a sync strategy (:class:`StageSync`, the strategy-op builders):
-the gradient-sync passes score their candidates through :class:`StageSync` precisely so that
-they price sync with the code :func:`evaluate` uses, and keeping both in this module is what
-guarantees that. The seams that do exist (step 1's stage times, step 5's per-rank memory,
+itself is step 3's pricing of a sync strategy (:class:`StageSync`, the strategy-op builders,
+and :class:`SyncScorer`, which re-prices only step 3 for many sync sections of one plan):
+the gradient-sync passes score their candidates through them precisely so that they price
+sync with the code :func:`evaluate` uses, bit for bit, and keeping them in this module is
+what guarantees that; splitting the strategy-op builders into a module of their own is the
+next cut. The seams that do exist (step 1's stage times, step 5's per-rank memory,
 the pipeline and DP timelines, TP shares) are modules of their own.
 """
 
@@ -51,7 +53,6 @@ import numpy as np
 
 from hetplan.algorithms.dp_timeline import simulate_dp
 from hetplan.algorithms.dp_types import CPU, GPU, DPTimeline, Op, SyncUnit
-from hetplan.algorithms.pipeline_schedules import build_schedule
 from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
@@ -61,7 +62,7 @@ from hetplan.cost_models.memory import (
     check_fits,
 )
 from hetplan.cost_models.optimizer_step import step_bytes, step_kernels, step_seconds
-from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline, simulate_schedule
+from hetplan.cost_models.pipeline import PipelineSimResult, simulate_named, simulate_pipeline
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import rank_memory, stage_precision
 from hetplan.cost_models.stage_times import (
@@ -90,11 +91,13 @@ from hetplan.ir.plan_sections import (
 )
 from hetplan.ir.plan_sparse import SparseSync, SparseTensorSync
 
-__all__ = ["Evaluation", "StageCost", "StageSync", "stage_syncs", "evaluate", "rank_devices",
-           "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
+__all__ = ["Evaluation", "StageCost", "StageSync", "SyncScorer", "stage_syncs", "evaluate",
+           "rank_devices", "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
 
 #: A sync unit's strategy: a gradient-sync strategy, or a sparse gradient's own scheme.
 UnitStrategy = Union[SyncStrategy, SparseTensorSync]
+#: Per stage: (gradient indices, strategy) per sync unit (:func:`_units_by_stage`).
+_Units = list[list[tuple[list[int], UnitStrategy]]]
 
 #: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (torch's foreach
 #: Adam: 72 bytes per element, :data:`hetplan.cost_models.optimizer_step.UPDATE_BYTES`);
@@ -160,6 +163,70 @@ def evaluate(
             workload's gradients and keeps each bucket in one stage: hetplan.ir.plan_checks).
         InfeasiblePlanError: a rank runs out of memory (with ``check_memory``).
     """
+    pre = _prefix(workload, layout, stages, costs, tensor_parallel)
+    stages = pre.stages
+    units = _units_by_stage(workload, gradient_sync, pre.stage_of, len(stages), sparse_sync)
+    stage_costs, timelines, comm_busy, compression, finish = _sync_all(
+        workload, layout, costs, pre, units, record, tensor_parallel)
+    iteration = max(finish) + pre.optimizer_s
+    fwd, bwd, tp_comm = pre.fwd, pre.bwd, pre.tp_comm
+    per_rank = [0.0] * layout.pp
+    for s, (f, b) in enumerate(zip(fwd, bwd)):
+        per_rank[s % layout.pp] += (f + b) * layout.micro_batches
+    compute = max(per_rank)
+    memory = rank_memory(workload, stages, layout, costs, pre.scale, tensor_parallel)
+    if check_memory:
+        check_fits(
+            list(memory),
+            [d.memory_bytes for d in costs.devices[: len(memory)]],
+            what=f"layout dp={layout.dp} pp={layout.pp} tp={layout.tp} "
+            f"micro-batch {layout.micro_batch_size}"
+            + (f", ZeRO-{layout.zero_stage}" if layout.zero_stage else "")
+            + _recompute_note(stages),
+        )
+    return Evaluation(
+        iteration_s=iteration,
+        compute_s=compute,
+        comm_s=comm_busy + max(c * layout.micro_batches for c in tp_comm),
+        exposed_comm_s=max(max(f - e, 0.0) for f, e in zip(finish, pre.last_bwd_end)),
+        bubble_s=max(pre.pipe.iteration_ms * 1e-3 - compute, 0.0),
+        compression_s=compression,
+        optimizer_s=pre.optimizer_s,
+        bubble_ratio=pre.pipe.bubble_ratio,
+        memory=memory,
+        stages=tuple(stage_costs),
+        pipeline=pre.pipe,
+        dp_timelines=tuple(timelines),
+    )
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """Steps 1 and 2 and the optimizer step of :func:`evaluate`: everything it computes
+    before gradient sync, which does not depend on the gradient-sync section."""
+
+    stages: tuple[Stage, ...]
+    stage_of: list[int]
+    scale: float
+    fwd: list[float]
+    bwd: list[float]
+    tp_comm: list[float]
+    bwd_layers: list[list[float]]
+    sources: list[dict[str, int]]
+    pipe: PipelineSimResult
+    last_bwd_end: tuple[float, ...]
+    optimizer_s: float
+
+
+def _prefix(
+    workload: WorkloadSummary,
+    layout: Layout,
+    stages: tuple[Stage, ...],
+    costs: CostModel,
+    tensor_parallel: TensorParallel | None,
+) -> _Prefix:
+    """Stage times, the pipeline simulation and the optimizer step (steps 1, 2 and 4's
+    optimizer term of the module docstring)."""
     if not stages:
         stages = (
             Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
@@ -193,73 +260,102 @@ def evaluate(
     if cached is None:
         fwd_ms, bwd_ms = [x * 1e3 for x in fwd], [x * 1e3 for x in bwd]
         if v > 1:  # one time per virtual stage (chunks may differ)
-            sched = build_schedule(layout.schedule, layout.pp, layout.micro_batches, v)
-            pipe = simulate_schedule(sched, fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
+            pipe = simulate_named(layout.schedule, layout.pp, layout.micro_batches, v,
+                                  fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
         else:  # (one rank of an interleaved layout: no pipeline, no chunks)
             name = "1f1b" if layout.schedule == "interleaved-1f1b" else layout.schedule
             pipe = simulate_pipeline(fwd_ms, bwd_ms, layout.micro_batches, name,
                                      p2p_fwd_ms=p2p or 0, p2p_bwd_ms=p2p or 0)
-        ends = [0.0] * len(stages)
-        for ev in pipe.events:
-            if ev.kind.value == "B":
-                s = ev.stage if v > 1 else ev.rank
-                ends[s] = max(ends[s], ev.end_ms * 1e-3)
-        cached = costs.pipeline_cache[key] = (pipe, tuple(ends))
+        # each stage's (or, one chunk per rank, each rank's) end of its last backward
+        ends = pipe.stage_bwd_end_ms if v > 1 else pipe.rank_bwd_end_ms
+        cached = costs.pipeline_cache[key] = (pipe, tuple(max(0.0, e * 1e-3) for e in ends))
     pipe, last_bwd_end = cached
+    optimizer_s = _optimizer_s(workload, stages, layout, costs, tensor_parallel)
+    return _Prefix(stages, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources, pipe,
+                   last_bwd_end, optimizer_s)
 
-    strategies = _units_by_stage(workload, gradient_sync, stage_of, len(stages), sparse_sync)
-    stage_costs, timelines = [], []
-    comm_busy = compression = 0.0
-    finish = []
-    for s, st in enumerate(stages):
-        tl = None
-        exposed = busy = comp = 0.0
+
+#: Per stage with a DP sync: (its backprop segments per layer, its :class:`_SyncPrep`, its
+#: simulator units).
+_Built = dict[int, tuple[list[float], "_SyncPrep", list[SyncUnit]]]
+
+
+def _build_units(
+    workload: WorkloadSummary,
+    layout: Layout,
+    costs: CostModel,
+    pre: _Prefix,
+    strategies: list[list[tuple[list[int], UnitStrategy]]],
+    tensor_parallel: TensorParallel | None,
+    preps: dict[int, _SyncPrep] | None = None,
+) -> _Built:
+    """The simulator units of every stage that syncs (step 3's inputs); ``preps`` keeps each
+    stage's :class:`_SyncPrep` between calls on the same prefix."""
+    built: _Built = {}
+    for s, st in enumerate(pre.stages):
         if layout.dp > 1 and strategies[s]:
             # after the flush, sync starts when the stage's last backward has ended: the
             # timeline runs over no backprop (every gradient is ready at once)
-            overlap = costs.dp_overlap == "backward"
-            backprop = bwd_layers[s] if overlap else [0.0] * len(bwd_layers[s])
-            tl, units = _sync_stage(workload, st, layout, costs, strategies[s], backprop,
-                                    record,
-                                    max_layer_shares(workload, st, layout.tp, tensor_parallel))
-            exposed = tl.iteration_s - (bwd[s] if overlap else 0.0)
+            backprop = (pre.bwd_layers[s] if costs.dp_overlap == "backward"
+                        else [0.0] * len(pre.bwd_layers[s]))
+            prep = None if preps is None else preps.get(s)
+            if prep is None:
+                prep = _sync_prep(workload, st, layout, costs, backprop,
+                                  max_layer_shares(workload, st, layout.tp, tensor_parallel))
+                if preps is not None:
+                    preps[s] = prep
+            built[s] = (backprop, prep,
+                        _stage_units(workload, st, layout, costs, strategies[s], prep))
+    return built
+
+
+def _sync_floor(pre: _Prefix, built: _Built, costs: CostModel) -> float:
+    """A lower bound of the iteration step 3 and 4 give for ``built``: each stage's
+    :func:`_timeline_floor` in place of its simulated timeline, less a relative ``1e-9``
+    (the floor adds the same durations in another order than the simulator)."""
+    overlap = costs.dp_overlap == "backward"
+    floor = pre.optimizer_s + max(
+        pre.last_bwd_end[s] + (max(_timeline_floor(built[s][1].segments, built[s][2])
+                                   - (pre.bwd[s] if overlap else 0.0), 0.0)
+                               if s in built else 0.0)
+        for s in range(len(pre.stages)))
+    return floor * (1.0 - 1e-9)
+
+
+def _sync_all(
+    workload: WorkloadSummary,
+    layout: Layout,
+    costs: CostModel,
+    pre: _Prefix,
+    strategies: list[list[tuple[list[int], UnitStrategy]]],
+    record: bool,
+    tensor_parallel: TensorParallel | None,
+    built: _Built | None = None,
+) -> tuple[list[StageCost], list[DPTimeline | None], float, float, list[float]]:
+    """Step 3 for every stage: (stage costs, DP timelines, busiest channel, largest
+    compression time, each stage's finish: last backward end + exposed sync); ``built``:
+    :func:`_build_units` of ``strategies`` if already made."""
+    if built is None:
+        built = _build_units(workload, layout, costs, pre, strategies, tensor_parallel)
+    overlap = costs.dp_overlap == "backward"
+    stage_costs, timelines = [], []
+    comm_busy = compression = 0.0
+    finish = []
+    for s in range(len(pre.stages)):
+        tl = None
+        exposed = busy = comp = 0.0
+        if s in built:
+            backprop, prep, units = built[s]
+            tl = simulate_dp(prep.segments, units, record=record)
+            exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
             busy, comp = _comm_and_compression_s(units)
-        stage_costs.append(StageCost(fwd[s], bwd[s], tp_comm[s], exposed, busy, comp, sources[s]))
+        stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
+                                     comp, pre.sources[s]))
         timelines.append(tl)
         comm_busy = max(comm_busy, busy)
         compression = max(compression, comp)
-        finish.append(last_bwd_end[s] + max(exposed, 0.0))
-
-    optimizer_s = _optimizer_s(workload, stages, layout, costs, tensor_parallel)
-    iteration = max(finish) + optimizer_s
-    per_rank = [0.0] * layout.pp
-    for s, (f, b) in enumerate(zip(fwd, bwd)):
-        per_rank[s % layout.pp] += (f + b) * layout.micro_batches
-    compute = max(per_rank)
-    memory = rank_memory(workload, stages, layout, costs, scale, tensor_parallel)
-    if check_memory:
-        check_fits(
-            list(memory),
-            [d.memory_bytes for d in costs.devices[: len(memory)]],
-            what=f"layout dp={layout.dp} pp={layout.pp} tp={layout.tp} "
-            f"micro-batch {layout.micro_batch_size}"
-            + (f", ZeRO-{layout.zero_stage}" if layout.zero_stage else "")
-            + _recompute_note(stages),
-        )
-    return Evaluation(
-        iteration_s=iteration,
-        compute_s=compute,
-        comm_s=comm_busy + max(c * layout.micro_batches for c in tp_comm),
-        exposed_comm_s=max(max(f - e, 0.0) for f, e in zip(finish, last_bwd_end)),
-        bubble_s=max(pipe.iteration_ms * 1e-3 - compute, 0.0),
-        compression_s=compression,
-        optimizer_s=optimizer_s,
-        bubble_ratio=pipe.bubble_ratio,
-        memory=memory,
-        stages=tuple(stage_costs),
-        pipeline=pipe,
-        dp_timelines=tuple(timelines),
-    )
+        finish.append(pre.last_bwd_end[s] + max(exposed, 0.0))
+    return stage_costs, timelines, comm_busy, compression, finish
 
 
 def _recompute_note(stages: Sequence[Stage]) -> str:
@@ -278,6 +374,29 @@ def _units_by_stage(
 
     Without a gradient-sync section every gradient is its own fp32 allreduce (layer-wise).
     A sparse gradient synced by its own scheme (``sparse``) is its own unit, out of its bucket."""
+    return _units_from_groups(workload, _sync_groups(sync), stage_of, num_stages, sparse)
+
+
+def _sync_groups(sync: GradientSync | None) -> list[tuple[list[str], SyncStrategy]]:
+    """The sync units a gradient-sync section names: each bucket, then each per-tensor
+    entry outside the buckets, with its strategy."""
+    if sync is None:
+        return []
+    per_tensor = {t.name: t.strategy for t in sync.tensors}
+    groups = [(list(b.tensors), b.strategy) for b in sync.buckets]
+    in_bucket = {n for names, _ in groups for n in names}
+    groups += [([n], s) for n, s in per_tensor.items() if n not in in_bucket]
+    return [(names, sync.strategies[s]) for names, s in groups]
+
+
+def _units_from_groups(
+    workload: WorkloadSummary,
+    groups: list[tuple[list[str], SyncStrategy]],
+    stage_of: list[int],
+    num_stages: int,
+    sparse: SparseSync | None = None,
+) -> list[list[tuple[list[int], UnitStrategy]]]:
+    """:func:`_units_by_stage` of the units ``groups`` (see :func:`_sync_groups`)."""
     index = {g.name: i for i, g in enumerate(workload.grads)}
     out: list[list[tuple[list[int], UnitStrategy]]] = [[] for _ in range(num_stages)]
     covered: set[int] = set()
@@ -286,66 +405,117 @@ def _units_by_stage(
             i = index[name]
             out[stage_of[workload.grads[i].layer_index]].append(([i], entry))
             covered.add(i)
-    if sync is not None:
-        per_tensor = {t.name: t.strategy for t in sync.tensors}
-        groups = [(list(b.tensors), b.strategy) for b in sync.buckets]
-        in_bucket = {n for names, _ in groups for n in names}
-        groups += [([n], s) for n, s in per_tensor.items() if n not in in_bucket]
-        for names, strategy in groups:
-            # Every name is a gradient of the workload and a bucket stays in one stage: the
-            # plan's validation checks both (hetplan.ir.plan_checks, rule 6).
-            idx = sorted(index[n] for n in names if index[n] not in covered)
-            if not idx:
-                continue
-            stages = {stage_of[workload.grads[i].layer_index] for i in idx}
-            assert len(stages) == 1, (names[:3], sorted(stages))
-            out[stages.pop()].append((idx, sync.strategies[strategy]))
-            covered.update(idx)
+    for names, strategy in groups:
+        # Every name is a gradient of the workload and a bucket stays in one stage: the
+        # plan's validation checks both (hetplan.ir.plan_checks, rule 6).
+        idx = sorted(index[n] for n in names if index[n] not in covered)
+        if not idx:
+            continue
+        stages = {stage_of[workload.grads[i].layer_index] for i in idx}
+        assert len(stages) == 1, (names[:3], sorted(stages))
+        out[stages.pop()].append((idx, strategy))
+        covered.update(idx)
+    default = NoSync()
     for i, g in enumerate(workload.grads):
         if i not in covered:
-            out[stage_of[g.layer_index]].append(([i], NoSync()))
+            out[stage_of[g.layer_index]].append(([i], default))
     for units in out:
         units.sort(key=lambda u: u[0][-1])
     return out
 
 
-def _sync_stage(
+@dataclass
+class _SyncPrep:
+    """What a stage's DP timeline needs that does not depend on the sync strategies: the
+    stage's gradients (ready order) and backprop segments, its DP group, the reduce dtype,
+    the TP shares, and each unit's bytes by its gradient indices (filled as asked)."""
+
+    grad_idx: list[int]
+    segments: list[float]
+    position: dict[int, int]
+    link: str
+    nodes: int
+    per_node: int
+    dtypes: SyncDtypes
+    shares: list[float] | None
+    nbytes: dict[tuple[int, ...], float]
+
+
+def _sync_prep(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+               bwd_per_layer: list[float], shares: list[float] | None) -> _SyncPrep:
+    grad_idx, segments = _stage_segments(workload, st, bwd_per_layer, costs)
+    dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
+    link, nodes, per_node = group_link(costs, dp_ranks)
+    return _SyncPrep(grad_idx, segments, {i: k for k, i in enumerate(grad_idx)}, link, nodes,
+                     per_node, _sync_dtypes(workload, st, layout, costs), shares, {})
+
+
+def _stage_units(
     workload: WorkloadSummary,
     st: Stage,
     layout: Layout,
     costs: CostModel,
     units: list[tuple[list[int], UnitStrategy]],
-    bwd_per_layer: list[float],
-    record: bool,
-    shares: list[float] | None = None,
-) -> tuple[DPTimeline, list[SyncUnit]]:
-    """DP timeline of one stage over its last micro-batch's backward, and its sync units
-    (``shares``: the largest TP share of each layer of the stage with uneven shards, else
-    None: ``1 / tp``)."""
-    grad_idx, segments = _stage_segments(workload, st, bwd_per_layer)
-    position = {i: k for k, i in enumerate(grad_idx)}
-    dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
-    link, nodes, per_node = group_link(costs, dp_ranks)
-    dtypes = _sync_dtypes(workload, st, layout, costs)
+    prep: _SyncPrep,
+) -> list[SyncUnit]:
+    """The simulator's sync units of one stage, in ready order. A strategy's ops at one size
+    are built once per call: units of equal bytes and strategy (a repeated block's buckets)
+    share them."""
+    shares = prep.shares
+    dev = costs.devices[st.ranks[0]]
+    built: dict[tuple[int, float], tuple[Op, ...]] = {}
     sync_units = []
     for idx, strategy in units:
-        nbytes = sum(
-            shard_bytes(workload, workload.grads[i].size_bytes, workload.grads[i].layer_index,
-                         layout.tp, None if shares is None
-                         else shares[workload.grads[i].layer_index - st.first_layer])
-            for i in idx
-        )
+        key_idx = tuple(idx)
+        nbytes = prep.nbytes.get(key_idx)
+        if nbytes is None:
+            nbytes = prep.nbytes[key_idx] = sum(
+                shard_bytes(workload, workload.grads[i].size_bytes,
+                            workload.grads[i].layer_index, layout.tp,
+                            None if shares is None
+                            else shares[workload.grads[i].layer_index - st.first_layer])
+                for i in idx
+            )
         if isinstance(strategy, SparseTensorSync):
-            channel = _level_group("flat", costs.devices[st.ranks[0]], layout.dp, link, nodes,
-                                   per_node)[2]
-            ops = sparse_ops(strategy, layout.dp, costs, costs.devices[st.ranks[0]], link,
-                             channel)
+            channel = _level_group("flat", dev, layout.dp, prep.link, prep.nodes,
+                                   prep.per_node)[2]
+            ops = sparse_ops(strategy, layout.dp, costs, dev, prep.link, channel)
         else:
-            ops = _strategy_ops(strategy, nbytes, costs, st, layout.dp, link, nodes, per_node,
-                                dtypes)
-        sync_units.append(SyncUnit(position[idx[-1]], ops, workload.grads[idx[-1]].name))
+            # the strategy objects live through this call, so their ids are stable keys
+            okey = (id(strategy), nbytes)
+            got = built.get(okey)
+            if got is None:
+                got = built[okey] = _strategy_ops(strategy, nbytes, costs, st, layout.dp,
+                                                  prep.link, prep.nodes, prep.per_node,
+                                                  prep.dtypes)
+            ops = got
+        sync_units.append(SyncUnit(prep.position[idx[-1]], ops, workload.grads[idx[-1]].name))
     sync_units.sort(key=lambda u: u.last_tensor)
-    return simulate_dp(segments, sync_units, record=record), sync_units
+    return sync_units
+
+
+def _timeline_floor(segments: list[float], units: list[SyncUnit]) -> float:
+    """A time :func:`simulate_dp` ``(segments, units).iteration_s`` is never below (up to
+    float rounding: the simulator adds the same durations in another order): backprop alone;
+    backprop plus every GPU op (one compute stream); every op of one communication channel
+    one after the other (FIFO, from time 0); and each unit's ops one after the other from
+    its tensor's ready time with undelayed backprop."""
+    ready = []
+    t = 0.0
+    for b in segments:
+        t += b
+        ready.append(t)
+    floor = t
+    busy: dict[str, float] = {}
+    for u in units:
+        chain = ready[u.last_tensor]
+        for op in u.ops:
+            chain += op.duration_s
+            if op.resource != CPU:  # the CPU pool has several workers
+                busy[op.resource] = busy.get(op.resource, 0.0) + op.duration_s
+        floor = max(floor, chain)
+    floor = max(floor, t + busy.pop(GPU, 0.0), *busy.values())
+    return floor
 
 
 #: Op labels that are (de)compression, casting or sparse-encoding work (Zen's hashing,
@@ -371,7 +541,8 @@ def _comm_and_compression_s(units: Sequence[SyncUnit]) -> tuple[float, float]:
 
 
 def _stage_segments(
-    workload: WorkloadSummary, st: Stage, bwd_per_layer: list[float]
+    workload: WorkloadSummary, st: Stage, bwd_per_layer: list[float],
+    costs: CostModel | None = None,
 ) -> tuple[list[int], list[float]]:
     """The stage's gradients (workload indices, ready order) and the backprop time before
     each becomes ready (the last segment also holds backprop that produces no gradient)."""
@@ -383,7 +554,8 @@ def _stage_segments(
     for i in range(st.last_layer, first - 1, -1):
         t += bwd_per_layer[i - first]
         end_of_layer[i] = t
-    grads = [i for i, g in enumerate(workload.grads) if first <= g.layer_index <= st.last_layer]
+    grads = ([i for i, g in enumerate(workload.grads) if first <= g.layer_index <= st.last_layer]
+             if costs is None else _stage_grads(workload, costs, first, st.last_layer))
     segments = []
     prev = 0.0
     for i in grads:
@@ -393,6 +565,23 @@ def _stage_segments(
     if segments:
         segments[-1] += t - prev
     return grads, segments
+
+
+def _stage_grads(workload: WorkloadSummary, costs: CostModel, first: int,
+                 last: int) -> list[int]:
+    """The gradients of layers ``first..last`` (workload indices, ready order), from a
+    per-workload table of each layer's gradients kept in ``costs.memo``."""
+    key = ("grads_by_layer", id(workload))
+    by_layer: list[list[int]] | None = costs.memo.get(key)
+    if by_layer is None:
+        costs.memo[("workload", id(workload))] = workload  # its id stays unique while cached
+        by_layer = [[] for _ in workload.layers]
+        for i, g in enumerate(workload.grads):
+            by_layer[g.layer_index].append(i)
+        costs.memo[key] = by_layer
+    if last - first + 1 == len(by_layer):
+        return list(range(len(workload.grads)))
+    return sorted(i for layer in by_layer[first:last + 1] for i in layer)
 
 
 @dataclass(frozen=True)
@@ -485,7 +674,7 @@ def stage_syncs(
         _, _, _, per_layer, _ = stage_times(workload, st, layout, costs,
                                              layout.micro_batch_size,
                                              layout.micro_batch_size / workload.batch_size)
-        grads, segments = _stage_segments(workload, st, per_layer)
+        grads, segments = _stage_segments(workload, st, per_layer, costs)
         if not grads:
             continue
         dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
@@ -495,6 +684,72 @@ def stage_syncs(
         out.append(StageSync(st, tuple(grads), tuple(segments), nbytes, layout.dp, link, nodes,
                              per_node, _sync_dtypes(workload, st, layout, costs)))
     return out
+
+
+class SyncScorer:
+    """The predicted iteration time of many gradient-sync sections of one plan, for passes
+    that score candidates (Espresso's routings): :func:`evaluate`'s ``iteration_s`` with
+    ``check_memory=False``, bit for bit (the same functions, the same float operations in
+    the same order), with what does not depend on the sync — stage times, the pipeline, the
+    optimizer step, each stage's backprop segments, DP group and unit bytes — computed once.
+
+    Args:
+        workload / layout / stages / costs / tensor_parallel / sparse_sync: as for
+            :func:`evaluate`.
+    """
+
+    def __init__(self, workload: WorkloadSummary, layout: Layout, stages: tuple[Stage, ...],
+                 costs: CostModel, *, tensor_parallel: TensorParallel | None = None,
+                 sparse_sync: SparseSync | None = None) -> None:
+        self._workload, self._layout, self._costs = workload, layout, costs
+        self._tp, self._sparse = tensor_parallel, sparse_sync
+        self._pre = _prefix(workload, layout, stages, costs, tensor_parallel)
+        self._preps: dict[int, _SyncPrep] = {}
+        #: the section rerouted last, and its units with a placeholder strategy
+        self._rerouted: tuple[GradientSync, _Units] | None = None
+
+    def iteration_s(self, gradient_sync: GradientSync | None,
+                    below: float | None = None) -> float:
+        """``evaluate(..., gradient_sync, check_memory=False).iteration_s``.
+
+        ``below``: a threshold the caller compares with; when a lower bound of the time
+        (:func:`_sync_floor`) shows it is not below ``below``, that bound is returned without
+        simulating the sync (a number ``>= below``, so ``result < below`` is decided as
+        the exact time would decide it)."""
+        pre = self._pre
+        units = _units_from_groups(self._workload, _sync_groups(gradient_sync), pre.stage_of,
+                                   len(pre.stages), self._sparse)
+        return self._iteration(units, below)
+
+    def rerouted_s(self, gradient_sync: GradientSync, strategy: SyncStrategy,
+                   below: float | None = None) -> float:
+        """:meth:`iteration_s` of ``gradient_sync``'s buckets all synced by ``strategy``,
+        without per-tensor entries: the section ``GradientSync(strategies={name:
+        strategy}, buckets=<its buckets, each on name>)``, without building it."""
+        if self._rerouted is None or self._rerouted[0] is not gradient_sync:
+            groups = [(list(b.tensors), _PLACEHOLDER) for b in gradient_sync.buckets]
+            pre = self._pre
+            self._rerouted = (gradient_sync, _units_from_groups(
+                self._workload, groups, pre.stage_of, len(pre.stages), self._sparse))
+        units = [[(idx, strategy if st is _PLACEHOLDER else st) for idx, st in stage]
+                 for stage in self._rerouted[1]]
+        return self._iteration(units, below)
+
+    def _iteration(self, units: _Units, below: float | None) -> float:
+        pre = self._pre
+        built = _build_units(self._workload, self._layout, self._costs, pre, units, self._tp,
+                             self._preps)
+        if below is not None:
+            floor = _sync_floor(pre, built, self._costs)
+            if floor >= below:
+                return floor
+        finish = _sync_all(self._workload, self._layout, self._costs, pre, units, False,
+                           self._tp, built)[4]
+        return max(finish) + pre.optimizer_s
+
+
+#: The strategy :meth:`SyncScorer.rerouted_s` puts in place of its argument.
+_PLACEHOLDER = NoSync()
 
 
 class _ScalarCalc:

@@ -61,7 +61,8 @@ from hetplan.ir.cluster import Device
 from hetplan.ir.plan_hetero import Hetero
 from hetplan.ir.plan_sections import Layout, Stage, WorkloadSummary
 
-__all__ = ["DeviceClass", "device_classes", "assign_ranks", "build_problem", "reshard_s",
+__all__ = ["DeviceClass", "device_classes", "assign_ranks", "build_problem", "coarse_units",
+           "STATE_BUDGET", "reshard_s",
            "sync_s", "HeteroEvaluation", "evaluate_hetero", "MODES", "TP_DEGREES"]
 
 #: Recomputation modes, cheapest in time first (the search takes the first that fits).
@@ -206,6 +207,33 @@ def _rank_param_bytes(workload: WorkloadSummary, tp: int) -> np.ndarray:
 
 
 # -- 2. the search tables ------------------------------------------------------------------
+#: Device-use vectors the exact DP tracks at most (product over classes of count/unit + 1):
+#: 32 mixed GPUs (17 x 17 = 289) stay at unit 1; 512 of three types are coarsened.
+STATE_BUDGET = 400
+
+
+def coarse_units(classes: Sequence[DeviceClass], budget: int = STATE_BUDGET) -> tuple[int, ...]:
+    """Per class, the device multiple every stage uses so that the DP's device-use vectors
+    number at most ``budget``: all 1 where that already holds; otherwise the class with the
+    most values steps to whole nodes, then doubles, until the product fits."""
+    units = [1] * len(classes)
+
+    def size() -> int:
+        out = 1
+        for cls, u in zip(classes, units):
+            out *= cls.count // u + 1
+        return out
+
+    while size() > budget:
+        c = max(range(len(classes)), key=lambda k: (classes[k].count // units[k], -k))
+        if classes[c].count // units[c] <= 1:
+            break
+        nxt = classes[c].per_node if units[c] < classes[c].per_node else 2 * units[c]
+        if nxt > classes[c].count:
+            break
+        units[c] = nxt
+    return tuple(units)
+
 @dataclass(frozen=True)
 class OptionInfo:
     """What an option of the problem is, for turning a solution into a plan."""
@@ -218,12 +246,14 @@ class OptionInfo:
 
 def build_problem(workload: WorkloadSummary, costs: CostModel, classes: Sequence[DeviceClass],
                   micro_batch: int, micro_batches: int, *, max_tp: int = 8,
-                  tp_pinned: int | None = None) -> tuple[HeteroProblem, list[OptionInfo]]:
+                  tp_pinned: int | None = None, units: Sequence[int] | None = None
+                  ) -> tuple[HeteroProblem, list[OptionInfo]]:
     """The search problem for global micro-batch ``micro_batch`` x ``micro_batches``: every
     option (class, dp dividing the micro-batch, tp dividing the class's per-node count) and
     its ``a``/``v``/``q`` tables under each recomputation mode. ZeRO-1 inside a stage's
     data-parallel group whenever ``dp > 1`` (it only divides memory; the ring moves the same
-    bytes). Complexity: O(options x modes x L^2)."""
+    bytes). ``units[c]``: only stages whose ``dp x tp`` is a multiple of it (a coarser space
+    for large clusters, :func:`coarse_units`). Complexity: O(options x modes x L^2)."""
     L, m = len(workload.layers), micro_batches
     has_pairs = any(x.tp_pairs for x in workload.layers)
     options: list[StageOption] = []
@@ -238,6 +268,8 @@ def build_problem(workload: WorkloadSummary, costs: CostModel, classes: Sequence
                 continue
             for dp in range(1, cls.count // tp + 1):
                 if micro_batch % dp or dp * tp > cls.count:
+                    continue
+                if units is not None and (dp * tp) % units[c]:
                     continue
                 cross = dp * tp > cls.per_node and nodes > 1
                 opt = _option(workload, costs, dev, c, dp, tp, micro_batch // dp, m, cross,
@@ -269,10 +301,15 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
         sum(model_state([lay], tp=tp, dp=dp, zero_stage=zero, optimizer=costs.optimizer,
                         precision=prec)) for lay in workload.layers])])
     overlap = costs.dp_overlap == "backward"
+    bufs = np.array([(workload.layers[i - 1].act_out_bytes * scale * prec.act_scale) if i
+                     else 0.0 for i in range(L + 1)])
     a_modes, v_modes, q_modes = [], [], []
+    work = None
     for mode in MODES:
         f, b = _layer_arrays(workload, costs, dev, tp, mb, "intra", mode)
         fb = np.concatenate([[0.0], np.cumsum(f + b)])
+        if work is None:  # the first mode (no recomputation) is the cheapest
+            work = (m - 1) * (f + b)
         bb = np.concatenate([[0.0], np.cumsum(b)])
         kw = dict(tp=tp, sequence_parallel=tp > 1, precision=prec, micro_batch_scale=scale)
         acts = np.concatenate([[0.0], np.cumsum(
@@ -281,38 +318,55 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
         a = np.full((L + 1, L + 1), np.inf)
         v = np.full((L + 1, L + 1), np.inf)
         q = np.full((L + 1, L + 1), -1.0)
+        ii, jj = np.triu_indices(L + 1, k=1)
+        t = fb[jj] - fb[ii]
+        sync = _sync_vec(costs, (elems[jj] - elems[ii]) * prec.grad_bytes, dp, tp, cross,
+                         zero)
+        exposed = np.maximum(sync - (bb[jj] - bb[ii]), 0.0) if overlap else sync
+        step = step_per_elem * (elems[jj] - elems[ii]) / dev.mem_bandwidth_bytes_per_s
+        a[ii, jj] = t + np.asarray(reshard)[ii]
+        v[ii, jj] = (m - 1) * t + exposed + step
+        # the largest recomputation transient over [i, j): a running max along j
+        peak = np.zeros((L + 1, L + 1))
+        tr = np.asarray(trans)
         for i in range(L):
-            buf = (workload.layers[i - 1].act_out_bytes * scale * prec.act_scale) if i else 0.0
-            peak = 0.0
-            for j in range(i + 1, L + 1):
-                peak = max(peak, trans[j - 1])
-                t = fb[j] - fb[i]
-                sync = sync_s(costs, (elems[j] - elems[i]) * prec.grad_bytes, dp, tp, cross,
-                              zero)
-                exposed = max(sync - (bb[j] - bb[i]), 0.0) if overlap else sync
-                step = step_per_elem * (elems[j] - elems[i]) / dev.mem_bandwidth_bytes_per_s
-                a[i, j] = t + reshard[i]
-                v[i, j] = (m - 1) * t + exposed + step
-                q[i, j] = _in_flight(state[j] - state[i], acts[j] - acts[i], peak, buf, cap, m)
+            peak[i, i + 1:] = np.maximum.accumulate(tr[i:])
+        q[ii, jj] = _in_flight_vec(state[jj] - state[ii], acts[jj] - acts[ii], peak[ii, jj],
+                                   bufs[ii], cap, m)
         a_modes.append(a)
         v_modes.append(v)
         q_modes.append(q)
-    return StageOption(c, dp, tp, tuple(a_modes), tuple(v_modes), tuple(q_modes))
+    return StageOption(c, dp, tp, tuple(a_modes), tuple(v_modes), tuple(q_modes), work)
 
 
-def _in_flight(state: float, acts: float, transient: float, buf: float, cap: float,
-               m: int) -> float:
-    """The most micro-batches of activations (``acts`` bytes each) a rank holds within
-    ``cap`` beside its model state, the recomputation transient and the resharding buffer,
-    allocator margin included (as :func:`~hetplan.cost_models.memory.breakdown`), capped at
-    ``m``; -1 when one does not fit."""
+def _sync_vec(costs: CostModel, grad_bytes: np.ndarray, dp: int, tp: int, cross_node: bool,
+              zero_stage: int) -> np.ndarray:
+    """:func:`sync_s` over an array of gradient byte counts (the collectives are lines)."""
+    if dp == 1:
+        return np.zeros_like(grad_bytes)
+    link: Literal["intra", "inter"] = "inter" if cross_node else "intra"
+    nbytes = grad_bytes * (tp if cross_node else 1)
+    kinds = ("reduce_scatter", "allgather") if zero_stage else ("allreduce",)
+    out = np.zeros_like(grad_bytes)
+    for kind in kinds:
+        line = costs.comm.alpha_beta(kind, dp, link)
+        out += line.alpha_s + line.beta_s_per_byte * nbytes
+    return np.where(grad_bytes > 0, out, 0.0)
+
+
+def _in_flight_vec(state: np.ndarray, acts: np.ndarray, transient: np.ndarray,
+                   buf: np.ndarray, cap: float, m: int) -> np.ndarray:
+    """Per layer range, the most micro-batches of activations (``acts`` bytes each) a rank
+    holds within ``cap`` beside its model state, the recomputation transient and the
+    resharding buffer, allocator margin included (as
+    :func:`~hetplan.cost_models.memory.breakdown`), capped at ``m``; -1 where one does not
+    fit."""
     k = 1.0 + ALLOCATOR_MARGIN
     room = cap - state - k * (transient + buf)
-    if room < k * acts:
-        return -1.0
-    if acts <= 0:
-        return float(m)
-    return float(min(m, math.floor(room / (k * acts))))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fit = np.minimum(m, np.floor(room / (k * np.where(acts > 0, acts, 1.0))))
+    out = np.where(acts > 0, fit, float(m))
+    return np.where(room < k * acts, -1.0, out)
 
 
 # -- 3. prediction of a plan with per-stage degrees ------------------------------------------

@@ -86,6 +86,11 @@ GEMM_CURVES: dict[str, GemmCurve] = {
         sms=132, tiles=_TILES, ceiling=792.1 / 989.4,
         source="H100 SXM bf16 matmul 792.1 of 989 TFLOP/s (ml-engineering MAMF table); "
                "132 SMs (H100 SXM5 datasheet)"),
+    # the H100's compute die with 141 GB HBM3e: same SMs and dense peak
+    "H200": GemmCurve(
+        sms=132, tiles=_TILES, ceiling=785.0 / 989.4,
+        source="H200 bf16 matmul 785 of 989 TFLOP/s, the best of hetplan's own GEMM sweep "
+               "(bench/results/gpu_kernels_nvidia_h200.json); 132 SMs (as reported by torch)"),
 }
 
 

@@ -37,8 +37,9 @@ results (except interleaved chunk durations, which divide).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import cached_property, lru_cache
 from numbers import Rational
 from typing import NamedTuple
 
@@ -62,8 +63,8 @@ __all__ = [
     "SCHEDULES", "Action", "ActionKind", "PipelineDeadlockError", "PipelineSchedule",
     "PipelineScheduleError", "PipelineSimResult", "TimedEvent", "bubble_ratio_eq1",
     "bubble_ratio_gpipe_1f1b", "bubble_ratio_interleaved", "build_schedule", "chimera_schedule",
-    "gpipe_schedule", "interleaved_1f1b_schedule", "one_f_one_b_schedule", "simulate_pipeline",
-    "simulate_schedule",
+    "gpipe_schedule", "interleaved_1f1b_schedule", "one_f_one_b_schedule", "simulate_named",
+    "simulate_pipeline", "simulate_schedule",
 ]
 
 _F, _B = ActionKind.F, ActionKind.B
@@ -80,7 +81,7 @@ class TimedEvent(NamedTuple):
     end_ms: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PipelineSimResult:
     """Outcome of simulating one iteration.
 
@@ -90,7 +91,10 @@ class PipelineSimResult:
         busy_ms: per-rank compute time.
         idle_ms: per-rank ``iteration_ms - busy_ms`` (bubbles, including head and tail).
         bubble_ratio: ``1 - sum(busy_ms) / (P * iteration_ms)`` (0 when the makespan is 0).
-        events: every action with its start and end, sorted by (start, rank).
+        rank_bwd_end_ms: per rank, when its last backward ends (0 without one).
+        stage_bwd_end_ms: per virtual stage, when its last backward ends.
+        events: every action with its start and end, sorted by (start, rank); built on first
+            use (a search reads only the numbers above).
     """
 
     schedule: str
@@ -98,14 +102,62 @@ class PipelineSimResult:
     busy_ms: tuple[float, ...]
     idle_ms: tuple[float, ...]
     bubble_ratio: float
-    events: tuple[TimedEvent, ...]
+    rank_bwd_end_ms: tuple[float, ...]
+    stage_bwd_end_ms: tuple[float, ...]
+    #: (start, rank, action code, end) per action, and the schedule's ``S`` and ``M * S``
+    _done: list[tuple[float, int, int, float]] = field(repr=False)
+    _s_total: int = field(repr=False)
+    _n: int = field(repr=False)
+
+    @cached_property
+    def events(self) -> tuple[TimedEvent, ...]:
+        s_total, n = self._s_total, self._n
+        return tuple(
+            TimedEvent(r, _F, c // s_total, c % s_total, st, e) if c < n
+            else TimedEvent(r, _B, (c - n) // s_total, (c - n) % s_total, st, e)
+            for st, r, c, e in sorted(self._done)
+        )
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.schedule, self.iteration_ms, self.busy_ms, self.idle_ms,
+                self.bubble_ratio, self.events)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PipelineSimResult):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 # --------------------------------------------------------------------------- simulator
 
 
+@lru_cache(maxsize=64)
+def _hop_links(rank_of: tuple[int, ...], s_total: int, p: int,
+               back: bool) -> tuple[tuple[int, ...], tuple[int, int, int] | None]:
+    """Per ``m * S + s``: the link a transfer into stage s crosses (from s-1, or from s+1 when
+    ``back``): ``i`` for ranks ``i, i+1``, ``p - 1`` for the wrap-around ``p-1 <-> 0``, -1
+    for none (and after the first non-neighbour pair); and that first pair as (position,
+    src, dst), if any. O(M * S),
+    cached per schedule shape (the search simulates one shape many times)."""
+    out = [-1] * len(rank_of)
+    for i, dst in enumerate(rank_of):
+        if (i + 1 if back else i) % s_total == 0:
+            continue  # no stage beyond the last (backward) or before the first (forward)
+        src = rank_of[i + 1] if back else rank_of[i - 1]
+        lo, hi = min(src, dst), max(src, dst)
+        if lo == hi:
+            continue
+        if hi - lo != 1 and (lo, hi) != (0, p - 1):
+            return tuple(out), (i, src, dst)
+        out[i] = lo if hi - lo == 1 else p - 1
+    return tuple(out), None
+
+
 def _hops(
-    value: float | Sequence[float], rank_of: list[int], s_total: int, p: int, what: str,
+    value: float | Sequence[float], rank_of: tuple[int, ...], s_total: int, p: int, what: str,
     back: bool,
 ) -> list[float]:
     """Per ``m * S + s``: transfer time into stage s from s-1 (or from s+1 when ``back``).
@@ -122,24 +174,17 @@ def _hops(
                                     f"wrap-around link {p - 1}->0), got {len(value)}")
     if any(t is not None and not t >= 0 for t in links):
         raise PipelineScheduleError(f"{what} must be >= 0, got {value!r}")
-    hops: list[float] = [0] * len(rank_of)
-    for i, dst in enumerate(rank_of):
-        if (i + 1 if back else i) % s_total == 0:
-            continue  # no stage beyond the last (backward) or before the first (forward)
-        src = rank_of[i + 1] if back else rank_of[i - 1]
-        lo, hi = min(src, dst), max(src, dst)
-        if lo == hi:
-            continue
-        if hi - lo != 1 and (lo, hi) != (0, p - 1):
-            raise PipelineScheduleError(f"the schedule sends between ranks {src} and {dst}, "
-                                        f"which are not neighbours (links i<->i+1, {p - 1}<->0)")
-        t = links[lo if hi - lo == 1 else p - 1]
-        if t is None:
-            raise PipelineScheduleError(f"the schedule crosses the wrap-around link {p - 1}->0;"
-                                        f" give {what} as a scalar or as {p} entries (last = "
-                                        f"wrap)")
-        hops[i] = t
-    return hops
+    which, bad = _hop_links(rank_of, s_total, p, back)
+    wrap = which.index(p - 1) if links[p - 1] is None and (p - 1) in which else None
+    if bad is not None and (wrap is None or bad[0] < wrap):
+        raise PipelineScheduleError(f"the schedule sends between ranks {bad[1]} and {bad[2]}, "
+                                    f"which are not neighbours (links i<->i+1, {p - 1}<->0)")
+    if wrap is not None:
+        raise PipelineScheduleError(f"the schedule crosses the wrap-around link {p - 1}->0;"
+                                    f" give {what} as a scalar or as {p} entries (last = "
+                                    f"wrap)")
+    table = [0 if t is None else t for t in links] + [0]  # index -1: no hop
+    return [table[k] for k in which]
 
 
 def simulate_schedule(
@@ -171,6 +216,21 @@ def simulate_schedule(
     Complexity: O(A log A) for A = 2*M*S actions: event-driven, a blocked rank sleeps until
     the action it waits for ends, and the final sort of the events dominates.
     """
+    codes, rank_of = schedule.index()
+    return _simulate(schedule, codes, tuple(rank_of), forward_ms, backward_ms, p2p_fwd_ms,
+                     p2p_bwd_ms)
+
+
+def _simulate(
+    schedule: PipelineSchedule,
+    codes: Sequence[Sequence[int]],
+    rank_of: tuple[int, ...],
+    forward_ms: Sequence[float],
+    backward_ms: Sequence[float],
+    p2p_fwd_ms: float | Sequence[float],
+    p2p_bwd_ms: float | Sequence[float],
+) -> PipelineSimResult:
+    """:func:`simulate_schedule` of a schedule already indexed (``schedule.index()``)."""
     p, m_total, s_total = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
     per_stage = s_total > p and len(forward_ms) == len(backward_ms) == s_total
     if not per_stage and (len(forward_ms) != p or len(backward_ms) != p):
@@ -179,7 +239,6 @@ def simulate_schedule(
     if any(not t >= 0 for t in [*forward_ms, *backward_ms]):
         raise PipelineScheduleError("forward_ms and backward_ms must be >= 0, got "
                                     f"{list(forward_ms)!r} and {list(backward_ms)!r}")
-    codes, rank_of = schedule.index()
     hop_f = _hops(p2p_fwd_ms, rank_of, s_total, p, "p2p_fwd_ms", back=False)
     hop_b = _hops(p2p_bwd_ms, rank_of, s_total, p, "p2p_bwd_ms", back=True)
     v = 1 if per_stage else s_total // p
@@ -192,6 +251,8 @@ def simulate_schedule(
     pos = [0] * p
     free: list[float] = [0] * p
     busy: list[float] = [0] * p
+    rank_bwd: list[float] = [0] * p
+    stage_bwd: list[float] = [0] * s_total
     done: list[tuple[float, int, int, float]] = []  # (start, rank, code, end)
     stack = list(range(p - 1, -1, -1))
     while stack:
@@ -222,6 +283,10 @@ def simulate_schedule(
                 start = max(start, t + hop)
             t_free = end[code] = start + d
             busy[r] += d
+            if code >= n:
+                rank_bwd[r] = max(rank_bwd[r], t_free)
+                s = (code - n) % s_total
+                stage_bwd[s] = max(stage_bwd[s], t_free)
             done.append((start, r, code, t_free))
             k += 1
             stack.extend(waiters.pop(code, ()))
@@ -230,20 +295,46 @@ def simulate_schedule(
     if stuck:
         raise deadlock_error(schedule, stuck)
     makespan = max(free, default=0)
-    done.sort()
-    events = tuple(
-        TimedEvent(r, _F, c // s_total, c % s_total, st, e) if c < n
-        else TimedEvent(r, _B, (c - n) // s_total, (c - n) % s_total, st, e)
-        for st, r, c, e in done
-    )
     return PipelineSimResult(
         schedule=schedule.name,
         iteration_ms=makespan,
         busy_ms=tuple(busy),
         idle_ms=tuple(makespan - b for b in busy),
         bubble_ratio=1 - sum(busy) / (p * makespan) if makespan else 0,
-        events=events,
+        rank_bwd_end_ms=tuple(rank_bwd),
+        stage_bwd_end_ms=tuple(stage_bwd),
+        _done=done,
+        _s_total=s_total,
+        _n=n,
     )
+
+
+@lru_cache(maxsize=32)
+def _indexed(name: str, p: int, m: int, v: int
+             ) -> tuple[PipelineSchedule, tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """The named schedule and its index (:meth:`PipelineSchedule.index`), built once per
+    shape: a search simulates the same shape with many stage times."""
+    sched = build_schedule(name, p, m, v)
+    codes, rank_of = sched.index()
+    return sched, tuple(tuple(row) for row in codes), tuple(rank_of)
+
+
+def simulate_named(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    forward_ms: Sequence[float],
+    backward_ms: Sequence[float],
+    *,
+    p2p_fwd_ms: float | Sequence[float] = 0,
+    p2p_bwd_ms: float | Sequence[float] = 0,
+) -> PipelineSimResult:
+    """:func:`simulate_schedule` of ``build_schedule(name, num_ranks, num_microbatches,
+    virtual_stages)``, with the schedule and its index built once per shape; ``forward_ms``
+    and ``backward_ms`` per rank or (``S > P`` entries) per virtual stage."""
+    sched, codes, rank_of = _indexed(name, num_ranks, num_microbatches, virtual_stages)
+    return _simulate(sched, codes, rank_of, forward_ms, backward_ms, p2p_fwd_ms, p2p_bwd_ms)
 
 
 def simulate_pipeline(
@@ -277,9 +368,8 @@ def simulate_pipeline(
 
     Complexity: O(P * M * v log(P * M * v)); P=16, M=64 takes a few milliseconds.
     """
-    sched = build_schedule(schedule, len(forward_ms), num_microbatches, virtual_stages)
-    return simulate_schedule(sched, forward_ms, backward_ms,
-                             p2p_fwd_ms=p2p_fwd_ms, p2p_bwd_ms=p2p_bwd_ms)
+    return simulate_named(schedule, len(forward_ms), num_microbatches, virtual_stages,
+                          forward_ms, backward_ms, p2p_fwd_ms=p2p_fwd_ms, p2p_bwd_ms=p2p_bwd_ms)
 
 
 # --------------------------------------------------------------------------- closed forms

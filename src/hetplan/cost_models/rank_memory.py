@@ -16,6 +16,8 @@ is at ``full``. Deterministic; O(upgrades · ranks · layers).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hetplan.algorithms.pipeline_schedules import PipelineSchedule
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
@@ -73,6 +75,118 @@ def rank_memory(
     """Every rank's peak memory (:mod:`hetplan.cost_models.memory`): the model state of the
     stages it holds, their activations at the peak of its schedule's action list (with each
     stage's recomputation), ZeRO's buffers and the allocator margin."""
+    even = _class_memory(workload, stages, layout, costs, scale, tp_section)
+    if even is not None:
+        rc, per_class = even
+        return tuple(per_class[c] for c in rc.class_of)
+    return _uneven_rank_memory(workload, stages, layout, costs, scale, tp_section)
+
+
+@dataclass(frozen=True)
+class _RankClasses:
+    """The ranks of a stage list grouped by what they hold: ranks of one device type
+    holding the same stages hold the same bytes (with even TP shards).
+
+    Attributes:
+        classes: per class, (device type, positions in the stage list of the stages its
+            ranks hold, its ranks ascending); classes in the order of their first rank.
+        class_of: per rank holding a stage, ascending, its class.
+        worst: per class, for each distinct usable capacity of its ranks, (capacity, the
+            position in ``class_of`` of the first of its ranks with that capacity): the rank
+            of the class that overflows most, whatever the class's bytes.
+        stage_types: per stage, the device types of its ranks, sorted (its state precision
+            depends on them).
+    """
+
+    classes: list[tuple[str, tuple[int, ...], list[int]]]
+    class_of: list[int]
+    worst: list[list[tuple[float, int]]]
+    stage_types: list[tuple[str, ...]]
+
+
+def _rank_classes(costs: CostModel, stages: tuple[Stage, ...]) -> _RankClasses:
+    """:class:`_RankClasses` of ``stages`` (memoised by their ranks: the recomputation
+    search and the passes ask again and again for stages that differ in layers only)."""
+    key = ("rank_classes", tuple(st.ranks for st in stages))
+    hit: _RankClasses | None = costs.memo.get(key)
+    if hit is not None:
+        return hit
+    held: dict[int, list[int]] = {}  # rank -> positions in ``stages`` of the stages it holds
+    for k, st in enumerate(stages):
+        for r in st.ranks:
+            held.setdefault(r, []).append(k)
+    types = [d.type for d in costs.devices]
+    index: dict[tuple[str, tuple[int, ...]], int] = {}
+    classes: list[tuple[str, tuple[int, ...], list[int]]] = []
+    class_of: list[int] = []
+    for r in sorted(held):
+        ck = (types[r], tuple(held[r]))
+        c = index.get(ck)
+        if c is None:
+            c = index[ck] = len(classes)
+            classes.append((ck[0], ck[1], []))
+        classes[c][2].append(r)
+        class_of.append(c)
+    caps = [d.memory_bytes * USABLE_FRACTION for d in costs.devices]
+    worst: list[dict[float, int]] = [{} for _ in classes]
+    for pos, c in enumerate(class_of):
+        worst[c].setdefault(caps[pos], pos)
+    out = costs.memo[key] = _RankClasses(
+        classes, class_of, [sorted(w.items()) for w in worst],
+        [tuple(sorted({types[r] for r in st.ranks})) for st in stages])
+    return out
+
+
+def _class_memory(
+    workload: WorkloadSummary,
+    stages: tuple[Stage, ...],
+    layout: Layout,
+    costs: CostModel,
+    scale: float,
+    tp_section: TensorParallel | None,
+) -> tuple[_RankClasses, list[MemoryBreakdown]] | None:
+    """One breakdown per rank class (:func:`_rank_classes`), or None when some TP group has
+    uneven shares (then ranks of one class may differ)."""
+    if any(rank_layer_shares(workload, st, layout.tp, tp_section) for st in stages):
+        return None
+    pp, v = layout.pp, layout.virtual_stages
+    sched = schedule_of(layout.schedule, pp, layout.micro_batches, v) if pp > 1 else None
+    rc = _rank_classes(costs, stages)
+    # Each class's breakdown is looked up in ``costs.memo`` across calls (the recomputation
+    # search re-prices the same stages again and again, one stage changed at a time). The
+    # memo holds the workload, so its id is not reused while the entries live.
+    context = _memo_context(workload, layout, costs, scale)
+    out: list[MemoryBreakdown] = []
+    for kind, ks, ranks in rc.classes:
+        mine = [stages[k] for k in ks]
+        key = context + (kind,) + tuple(
+            (st.index, st.first_layer, st.last_layer, st.recompute, rc.stage_types[k], None)
+            for k, st in zip(ks, mine))
+        hit = costs.memo.get(key)
+        if hit is None:
+            hit = costs.memo[key] = _rank_memory(workload, mine, layout, costs, scale,
+                                                 ranks[0], sched, [None] * len(mine))
+        out.append(hit)
+    return rc, out
+
+
+def _memo_context(workload: WorkloadSummary, layout: Layout, costs: CostModel,
+                  scale: float) -> tuple[object, ...]:
+    costs.memo[("workload", id(workload))] = workload  # its id stays unique while cached
+    return ("rank_memory", id(workload), layout.pp, layout.virtual_stages, layout.tp,
+            layout.dp, layout.zero_stage, layout.sequence_parallel, layout.schedule,
+            layout.micro_batches, scale)
+
+
+def _uneven_rank_memory(
+    workload: WorkloadSummary,
+    stages: tuple[Stage, ...],
+    layout: Layout,
+    costs: CostModel,
+    scale: float,
+    tp_section: TensorParallel | None,
+) -> tuple[MemoryBreakdown, ...]:
+    """:func:`rank_memory` with uneven TP shares: one breakdown per rank of uneven groups."""
     pp, v = layout.pp, layout.virtual_stages
     sched = schedule_of(layout.schedule, pp, layout.micro_batches, v) if pp > 1 else None
     held: dict[int, list[int]] = {}  # rank -> positions in ``stages`` of the stages it holds
@@ -82,14 +196,7 @@ def rank_memory(
             held.setdefault(r, []).append(k)
         for r, shares in rank_layer_shares(workload, st, layout.tp, tp_section).items():
             uneven[(st.index, r)] = tuple(shares)
-    # Ranks of one device type holding the same stages (with the same shares) hold the same
-    # bytes: one breakdown each, looked up in ``costs.memo`` across calls (the recomputation
-    # search re-prices the same stages again and again, one stage changed at a time).
-    # The memo holds the workload, so its id is not reused while the entries live.
-    costs.memo[("workload", id(workload))] = workload
-    context = ("rank_memory", id(workload), layout.pp, v, layout.tp, layout.dp,
-               layout.zero_stage, layout.sequence_parallel, layout.schedule,
-               layout.micro_batches, scale)
+    context = _memo_context(workload, layout, costs, scale)
     types = [d.type for d in costs.devices]
     # a stage's state precision depends on the device types of its ranks
     stage_types = [tuple(sorted({types[r] for r in st.ranks})) for st in stages]
@@ -100,8 +207,7 @@ def rank_memory(
     for (kind, ks), ranks in classes.items():
         mine = [stages[k] for k in ks]
         for r in ranks:  # shares differ only between ranks of uneven TP groups
-            shares_of = ([uneven.get((st.index, r)) for st in mine] if uneven
-                         else [None] * len(mine))
+            shares_of = [uneven.get((st.index, r)) for st in mine]
             key = context + (kind,) + tuple(
                 (st.index, st.first_layer, st.last_layer, st.recompute, stage_types[k], sh)
                 for k, st, sh in zip(ks, mine, shares_of))
@@ -110,12 +216,7 @@ def rank_memory(
                 hit = costs.memo[key] = _rank_memory(
                     workload, mine, layout, costs, scale, r, sched,
                     [None if sh is None else list(sh) for sh in shares_of])
-            if uneven:
-                out[r] = hit
-                continue
-            for q in ranks:
-                out[q] = hit
-            break
+            out[r] = hit
     return tuple(out[r] for r in sorted(held))
 
 
@@ -184,8 +285,15 @@ def choose_recompute(
     current = tuple(st if st.recompute == "none" else st.model_copy(update={"recompute": "none"})
                     for st in stages)
     while True:
-        mem = rank_memory(workload, current, layout, costs, scale, tensor_parallel)
-        over = [(m.total - caps[r], -r) for r, m in enumerate(mem) if m.total > caps[r]]
+        even = _class_memory(workload, current, layout, costs, scale, tensor_parallel)
+        if even is not None:  # the worst rank of each class and capacity only
+            rc, per_class = even
+            totals = [m.total for m in per_class]
+            over = [(totals[c] - cap, -r) for c, worst in enumerate(rc.worst)
+                    for cap, r in worst if totals[c] > cap]
+        else:
+            mem = rank_memory(workload, current, layout, costs, scale, tensor_parallel)
+            over = [(m.total - caps[r], -r) for r, m in enumerate(mem) if m.total > caps[r]]
         if not over:
             return current
         worst = -max(over)[1]

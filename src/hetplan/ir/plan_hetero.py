@@ -20,7 +20,8 @@ then describes the pipeline as a whole:
   rank).
 
 The section also records how the stages were chosen (:class:`HeteroSearch`): the search
-method (exact dynamic programming or CP-SAT), its objective and bound (CP-SAT's gap), and the
+method (exact dynamic programming, or the same over a coarser space), its objective and
+bound (the gap), and the
 runner-up device order with its re-predicted time, which ``hetplan explain`` shows.
 
 Written by :mod:`hetplan.optimizer.hetero`; priced by :mod:`hetplan.cost_models.hetero`.
@@ -70,12 +71,19 @@ class HeteroAlternative(_Section):
         degrees: ``"dp x tp"`` of each stage.
         iteration_time_ms: its predicted iteration time.
         note: why it lost (or ``""``).
+        first_layers: each stage's first layer (so ``explain`` can re-predict it).
+        recompute: each stage's recomputation mode.
+        micro_batch_size / micro_batches: its global micro-batch and their number.
     """
 
     order: tuple[Name, ...]
     degrees: tuple[Name, ...] = ()
     iteration_time_ms: Ms
     note: str = ""
+    first_layers: tuple[NonNegInt, ...] = ()
+    recompute: tuple[Literal["none", "selective", "full"], ...] = ()
+    micro_batch_size: PosInt = 1
+    micro_batches: PosInt = 1
 
 
 class HeteroSearch(_Section):
@@ -83,8 +91,12 @@ class HeteroSearch(_Section):
 
     Attributes:
         method: ``exact-dp`` (dynamic programming over layer splits, device use and stage
-            degrees; exact for the search objective) or ``cp-sat`` (OR-Tools' CP-SAT with a
-            time limit, warm-started from the best exact plan of a coarser space).
+            degrees; exact for the search objective) or ``coarse-dp`` (the same DP where
+            every stage of a class uses a multiple of ``units`` devices, on large clusters,
+            with a threshold scan that may skip windows: ``gap`` bounds the loss on the
+            objective within that space).
+        units: per device class (in the order of the classes' names), the device multiple
+            stages use (all 1 for ``exact-dp``).
         objective_ms: the search objective of the chosen stages (a closed-form 1F1B time,
             :mod:`hetplan.algorithms.hetero_search`).
         bound_ms: the best lower bound proven on that objective (= ``objective_ms`` when
@@ -95,7 +107,8 @@ class HeteroSearch(_Section):
             order fits).
     """
 
-    method: Literal["exact-dp", "cp-sat"] = "exact-dp"
+    method: Literal["exact-dp", "coarse-dp"] = "exact-dp"
+    units: tuple[PosInt, ...] = ()
     objective_ms: Ms = 0.0
     bound_ms: Ms = 0.0
     gap: float = Field(default=0.0, ge=0.0, le=1.0)

@@ -19,7 +19,9 @@ functions:
    iteration is at least ``prefix_k + m · t_k`` for every ``k``. The smallest possible
    maximum over ``k`` of that, over all ways of splitting ``T`` into ``t_0 .. t_{pp-1}``, is
    ``T / (1 - (1 - 1/m)^pp)`` (equalise the terms: ``T - prefix`` shrinks by ``1 - 1/m``
-   per stage); it is ``m · T`` without a pipeline and ``T`` with one micro-batch. For
+   per stage); it is ``m · T`` without a pipeline and ``T`` with one micro-batch. Stages
+   hold whole layers, so :func:`partition_bound` takes the smallest maximum over the cuts
+   of the layers' shares of ``T`` into contiguous stages instead (at least as large). For
    interleaved 1F1B: ``max(T, m · T / pp)`` (one micro-batch crosses every chunk in order;
    the busiest pipeline rank runs at least ``1/pp`` of all the work). Chimera: ``0`` (not
    bounded here).
@@ -32,7 +34,8 @@ Gradient sync is bounded by ``0`` (it may be hidden under backward). A bound is 
 when the screening passes keep every layer's full work (:func:`bounds_apply`: no TP
 resizing controller, which prunes computation). The result is multiplied by
 ``1 - 1e-9`` so that a different order of the same float additions never makes it exceed
-the prediction. Deterministic; O(layers · device kinds) per ``(mb, tp)``, cached.
+the prediction. Deterministic; O(layers · device kinds) per ``(mb, tp)``, cached, and
+O(60 · layers) per candidate for the partition.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from hetplan.ir.plan_sections import WorkloadSummary
 from hetplan.optimizer.layout import LayoutCandidate
 from hetplan.passes.base import Pass
 
-__all__ = ["bounds_apply", "iteration_lower_bound", "micro_batch_compute_s"]
+__all__ = ["bounds_apply", "iteration_lower_bound", "layer_compute_s", "micro_batch_compute_s",
+           "partition_bound"]
 
 #: Relative slack against float reassociation (see module docstring).
 SLACK = 1e-9
@@ -60,19 +64,19 @@ def bounds_apply(passes: tuple[Pass, ...], schedule: str) -> bool:
     return all(getattr(p, "controller", "off") == "off" for p in passes)
 
 
-def micro_batch_compute_s(workload: WorkloadSummary, costs: CostModel, mb: int,
-                          tp: int) -> float:
-    """``T`` of the module docstring: one micro-batch of ``mb`` samples through every layer,
-    forward and backward, at the fastest device, with ``tp``-way splits and their
-    all-reduces."""
-    key = ("micro_batch_compute_s", id(workload), mb, tp)
-    hit: float | None = costs.memo.get(key)
+def layer_compute_s(workload: WorkloadSummary, costs: CostModel, mb: int,
+                    tp: int) -> list[float]:
+    """Each layer's share of ``T`` (module docstring): one micro-batch of ``mb`` samples
+    forward and backward at the fastest device, with its ``tp``-way split and its TP
+    all-reduces (memoised per ``(mb, tp)``)."""
+    key = ("layer_compute_s", id(workload), mb, tp)
+    hit: list[float] | None = costs.memo.get(key)
     if hit is not None:
         return hit
     costs.memo[("workload", id(workload))] = workload  # its id stays unique while cached
     kinds = {(d.type, d.slowdown): d for d in costs.devices}
     per_device = [costs.compute.layer_times(workload, dev, mb) for dev in kinds.values()]
-    total = 0.0
+    out = []
     for i, lay in enumerate(workload.layers):
         best = float("inf")
         for times in per_device:
@@ -80,18 +84,26 @@ def micro_batch_compute_s(workload: WorkloadSummary, costs: CostModel, mb: int,
             if tp > 1 and lay.tp_pairs:
                 f, b = f / tp, b / tp
             best = min(best, f + b)  # recomputation would only add
-        total += best
+        out.append(best)
     if tp > 1:
         cap = capture_bytes(workload)
         act = min(state_precision(costs.precision, t, (), cap).act_scale
                   for t in sorted({d.type for d in costs.devices}))
         scale = mb / workload.batch_size
-        for lay in workload.layers:
+        for i, lay in enumerate(workload.layers):
             if lay.tp_pairs:
                 nbytes = lay.act_out_bytes * scale * act
-                total += 2 * lay.tp_pairs * costs.comm.time_s("allreduce", nbytes, tp, "intra")
-    costs.memo[key] = total
-    return total
+                out[i] += 2 * lay.tp_pairs * costs.comm.time_s("allreduce", nbytes, tp, "intra")
+    costs.memo[key] = out
+    return out
+
+
+def micro_batch_compute_s(workload: WorkloadSummary, costs: CostModel, mb: int,
+                          tp: int) -> float:
+    """``T`` of the module docstring: one micro-batch of ``mb`` samples through every layer,
+    forward and backward, at the fastest device, with ``tp``-way splits and their
+    all-reduces."""
+    return sum(layer_compute_s(workload, costs, mb, tp))
 
 
 def _pipeline_bound(t: float, pp: int, m: int, schedule: str) -> float:
@@ -100,6 +112,50 @@ def _pipeline_bound(t: float, pp: int, m: int, schedule: str) -> float:
     if schedule == "interleaved-1f1b":
         return max(t, m * t / pp)
     return t / (1.0 - (1.0 - 1.0 / m) ** pp)
+
+
+def partition_bound(times: list[float], pp: int, m: int) -> float:
+    """GPipe / 1F1B: the smallest ``max_k (prefix_k + m · t_k)`` (module docstring, part 1)
+    over the ways of cutting ``times`` (each layer's share of ``T``) into at most ``pp``
+    contiguous stages, from below (a value no partition goes under).
+
+    A layer is never split, so this is at least the continuous bound
+    ``T / (1 - (1 - 1/m)^pp)`` and can be much more (a 2-layer stage of an 80-layer model
+    on 64 stages). For a target ``X``, cutting each stage as late as ``prefix + m · t <= X``
+    allows is feasible whenever any cut is (a later cut leaves every later stage a subset of
+    its layers, with a prefix that grew by less than ``m`` times what the stage lost), so
+    bisection on ``X`` with that greedy check finds the optimum; it returns the last
+    infeasible ``X`` (or the continuous bound when that is feasible). O(60 · layers)."""
+    total = sum(times)
+    lo = _pipeline_bound(total, pp, m, "1f1b")
+    hi = m * total
+    if pp <= 1 or _fits(times, pp, m, lo):
+        return lo
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if mid <= lo or mid >= hi:
+            break
+        if _fits(times, pp, m, mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def _fits(times: list[float], pp: int, m: int, x: float) -> bool:
+    """Whether ``times`` cut greedily (each stage as long as ``prefix + m · t <= x``) needs
+    at most ``pp`` stages."""
+    stages, prefix, t = 1, 0.0, 0.0
+    for d in times:
+        if prefix + m * (t + d) <= x:
+            t += d
+            continue
+        if t == 0.0 and prefix + m * d > x:
+            return False  # this layer alone does not fit
+        stages, prefix, t = stages + 1, prefix + t, d
+        if stages > pp or prefix + m * t > x:
+            return False
+    return True
 
 
 def _optimizer_bound(workload: WorkloadSummary, costs: CostModel, cand: LayoutCandidate,
@@ -119,7 +175,10 @@ def iteration_lower_bound(workload: WorkloadSummary, costs: CostModel, cand: Lay
                           schedule: str, ladder: list[int]) -> float:
     """A time no plan of ``cand`` (at any ZeRO stage of ``ladder``) is predicted below, in
     seconds (see module docstring)."""
-    t = micro_batch_compute_s(workload, costs, cand.micro_batch_size, cand.tp)
-    pipe = _pipeline_bound(t, cand.pp, cand.micro_batches, schedule)
+    times = layer_compute_s(workload, costs, cand.micro_batch_size, cand.tp)
+    if schedule in ("gpipe", "1f1b"):
+        pipe = partition_bound(times, cand.pp, cand.micro_batches)
+    else:
+        pipe = _pipeline_bound(sum(times), cand.pp, cand.micro_batches, schedule)
     opt = _optimizer_bound(workload, costs, cand, any(z >= 1 for z in ladder) and cand.dp > 1)
     return (pipe + opt) * (1.0 - SLACK)

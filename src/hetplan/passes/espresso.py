@@ -75,7 +75,7 @@ from hetplan.algorithms.espresso_tree import (
     options,
 )
 from hetplan.cost_models.compression import COMPRESSORS, DEFAULT_SPARSITY_RATIO
-from hetplan.cost_models.evaluate import StageSync, evaluate, stage_syncs
+from hetplan.cost_models.evaluate import StageSync, SyncScorer, evaluate, stage_syncs
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
@@ -250,27 +250,38 @@ class Espresso:
         return PassResult(plan.model_copy(update={"gradient_sync": sync}), True, tuple(notes))
 
     def _route_buckets(self, plan: Plan, ctx: PassContext, syncs: list[StageSync]) -> PassResult:
-        """No compressors: keep the incoming buckets and give them the fastest fp32 routing."""
+        """No compressors: keep the incoming buckets and give them the fastest fp32 routing.
+
+        Every routing is scored by a :class:`SyncScorer` of the plan: the numbers of
+        ``evaluate`` bit for bit, with the stage times and the pipeline computed once, and a
+        routing whose lower bound (communication alone, each channel FIFO) is not below the
+        best so far is not simulated: it could not replace it. Only the chosen routing's
+        section is built."""
         incoming = plan.gradient_sync
         assert incoming is not None
         hier = ["flat"]
         if any(ss.nodes > 1 and ss.per_node > 1 for ss in syncs):
             hier.append("hierarchical")
-        best = (self._iteration_s(plan, ctx, incoming), incoming, "incoming")
+        scorer = SyncScorer(ctx.workload, ctx.layout, plan.stages, ctx.costs)
+        best: tuple[float, SyncStrategy | None, str] = (
+            scorer.iteration_s(incoming), None, "incoming")
         for o in options(hierarchies=hier, compress=False):
             key: Key = (None, option_id(o), "fp32")
-            name = strategy_name(key)
-            sync = GradientSync(
-                strategies={name: strategy_for(key)},
-                buckets=tuple(b.model_copy(update={"strategy": name}) for b in incoming.buckets),
-            )
-            f = self._iteration_s(plan, ctx, sync)
+            strategy = strategy_for(key)
+            # a routing whose lower bound is not below the best so far cannot win
+            f = scorer.rerouted_s(incoming, strategy, below=best[0] - 1e-12)
             if f < best[0] - 1e-12:
-                best = (f, sync, name)
+                best = (f, strategy, strategy_name(key))
         note = (f"compressors allowed: none; buckets kept, routing {best[2]} "
                 f"({best[0] * 1e3:.3f} ms predicted)")
-        changed = best[1] is not incoming
-        return PassResult(plan.model_copy(update={"gradient_sync": best[1]}), changed, (note,))
+        if best[1] is None:
+            return PassResult(plan, False, (note,))
+        name = best[2]
+        sync = GradientSync(
+            strategies={name: best[1]},
+            buckets=tuple(b.model_copy(update={"strategy": name}) for b in incoming.buckets),
+        )
+        return PassResult(plan.model_copy(update={"gradient_sync": sync}), True, (note,))
 
     @staticmethod
     def _iteration_s(plan: Plan, ctx: PassContext, sync: GradientSync) -> float:

@@ -123,6 +123,13 @@ def explain(
         SpecError: the target does not exist (the message names the nearest targets), or the
             plan cannot be re-evaluated (no workload summary, no cluster).
     """
+    if plan.hetero is not None:  # per-stage degrees: priced by evaluate_hetero
+        from hetplan.report.explain_hetero import explain_hetero
+
+        h = explain_hetero(plan, target, cluster=cluster, profile=profile)
+        alts = tuple(Alternative(n, ms, d, fits_memory=f, note=why)
+                     for n, ms, d, f, why in h.alternatives)
+        return Explanation(target, "stage", h.current_ms, h.facts, alts, h.verdict, h.text)
     ctx = _Context(plan, cluster, profile)
     kind, value = _resolve(plan, ctx, target)
     facts, alternatives = targets.EXPLAINERS[kind](ctx, value)

@@ -155,6 +155,11 @@ def _layout(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
         precision=plan.precision.model_dump(mode="json") if plan.precision is not None
         else None,
     )
+    if plan.hetero is not None:
+        from hetplan.report.explain_hetero import hetero_layout
+
+        out.update(ranks_used=sum(len(st.ranks) for st in plan.stages),
+                   hetero=hetero_layout(plan))
     return out
 
 

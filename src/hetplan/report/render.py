@@ -72,6 +72,8 @@ def _layout(report: dict[str, Any], c: Console) -> None:
             f"{_n(lay['micro_batches'], 'micro-batch', 'micro-batches')} of "
             f"{lay['micro_batch_size']}{batch}{virtual}"
             f" · {lay['ranks_used']} of {lay['world_size']} ranks used")
+    for line in lay.get("hetero", {}).get("lines", ()):
+        c.print(escape(line))
     c.print(f"strategy: {_strategy(lay)}")
 
 

@@ -35,10 +35,22 @@ def refusals(plan: Plan) -> list[str]:
     if sync is not None:
         used = {b.strategy for b in sync.buckets} | {t.strategy for t in sync.tensors}
     strategies = {n: sync.strategies[n] for n in sorted(used)} if sync is not None else {}
-    if zero >= 1 and (lay.pp > 1 or lay.tp > 1):
-        out.append(f"layout.zero_stage: ZeRO-{zero} with pp={lay.pp} tp={lay.tp}; the runtime "
-                   "shards inside data-parallel groups of plans without pipeline or tensor "
-                   f"parallelism only; re-plan with --zero 0, or --pp 1 --tp 1 ({_DOC})")
+    if zero == 3 and (lay.pp > 1 or lay.tp > 1):
+        out.append(f"layout.zero_stage: ZeRO-3 (FSDP2) with pp={lay.pp} tp={lay.tp}; the "
+                   "runtime shards parameters only in plans without pipeline or tensor "
+                   f"parallelism; re-plan with --zero 2, or --pp 1 --tp 1 ({_DOC})")
+    if zero >= 1 and plan.rebalancing is not None and any(
+            e.applied for e in plan.rebalancing.events):
+        out.append(f"rebalancing: moving layers under ZeRO-{zero} (dp={lay.dp}); their "
+                   "optimizer state is sharded across the data-parallel replicas and the "
+                   "runtime moves whole per-parameter state only; re-plan with --zero 0 "
+                   f"({_DOC})")
+    if zero >= 1 and plan.tensor_parallel is not None and (
+            plan.tensor_parallel.controller.variant != "off"):
+        out.append(f"tensor_parallel.controller: the TP resizing controller "
+                   f"({plan.tensor_parallel.controller.variant}) under ZeRO-{zero}; it "
+                   "resizes the shards the optimizer state is cut from; re-plan with --zero 0 "
+                   f"({_DOC})")
     if zero >= 2:
         for name, s in strategies.items():
             if isinstance(s, CompressedSync):
@@ -58,15 +70,6 @@ def refusals(plan: Plan) -> list[str]:
             d.compute_dtype == "fp16" for d in plan.precision.devices.values()):
         out.append("precision: fp16 with ZeRO-3 (FSDP2) has no loss scaling in this runtime "
                    f"yet; re-plan with --dtype bf16 or --zero 2 ({_DOC})")
-    if lay.pp > 1 and _half(plan):
-        out.append(f"precision: 16-bit compute with a pipeline (pp={lay.pp}) is not executed by "
-                   "this runtime yet (the stages are traced in fp32); re-plan with --dtype fp32 "
-                   f"or --pp 1 ({_DOC})")
-    if lay.pp > 1:
-        modes = sorted({st.recompute for st in plan.stages} - {"none"})
-        if modes:
-            out.append(f"stages: recompute {modes} with a pipeline (pp={lay.pp}) is not executed "
-                       f"by this runtime yet; re-plan with --pp 1 or recompute none ({_DOC})")
     return out + _group_sync(plan, lay, zero)
 
 

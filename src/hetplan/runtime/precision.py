@@ -93,25 +93,36 @@ class Autocast:
     Args:
         modules: the top modules this rank calls (the model, or its pipeline stages).
         dtype: the compute dtype.
+        fp32_outputs: pipeline stages: their floating inputs are cast to ``dtype`` (what the
+            unsplit model's next layer would receive) and their floating outputs returned in
+            fp32 (the stages were traced in fp32, which fixes the dtype of their P2P
+            buffers; the casts are exact both ways for a 16-bit activation).
     """
 
-    def __init__(self, modules: list[nn.Module], dtype: torch.dtype) -> None:
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype,
+                 fp32_outputs: bool = False) -> None:
         self.dtype = dtype
+        self.fp32_outputs = fp32_outputs
         self._stack: list[Any] = []
         self._handles = []
         for m in modules:
             self._handles.append(m.register_forward_pre_hook(self._enter))
             self._handles.append(m.register_forward_hook(self._exit, always_call=True))
 
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    def _enter(self, module: nn.Module, args: Any) -> Any:
         device = next((p.device.type for p in module.parameters()), "cpu")
         ctx = torch.autocast(device_type=device, dtype=self.dtype)
         ctx.__enter__()
         self._stack.append(ctx)
+        if not self.fp32_outputs:
+            return None
+        return tuple(a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     else a for a in args)
 
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._stack:
             self._stack.pop().__exit__(None, None, None)
+        return _upcast(output) if self.fp32_outputs else None
 
     def remove(self) -> None:
         """Remove the hooks."""

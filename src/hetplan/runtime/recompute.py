@@ -23,6 +23,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -43,13 +44,17 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+#: ``scaled_dot_product_attention`` as a traced pipeline stage calls it (an aten operator)
+_SDPA_OPS = (torch.ops.aten.scaled_dot_product_attention.default,)
+
+
 class _CheckpointSDPA(TorchFunctionMode):
     """Routes ``scaled_dot_product_attention`` calls through a non-reentrant checkpoint."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention or func in _SDPA_OPS:
             return checkpoint(func, *args, use_reentrant=False, **kwargs)
         return func(*args, **kwargs)
 
@@ -70,9 +75,14 @@ def _wrap(module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., 
     module.forward = make(module.forward)
 
 
-def apply_recompute(root: nn.Module, layers: Sequence[LayerIR], mode: str) -> list[nn.Module]:
+def apply_recompute(root: nn.Module, layers: Sequence[LayerIR], mode: str,
+                    types_from: nn.Module | None = None) -> list[nn.Module]:
     """Apply recomputation ``mode`` to the blocks among ``layers`` (their ``name`` is their
     qualified name in ``root``); returns the modules whose forward was wrapped.
+
+    ``types_from``: the model whose modules of the same names say which submodules are
+    attention cores (default ``root``). A traced pipeline stage keeps the model's module
+    names but not its classes: there ``root`` is the stage and ``types_from`` the model.
 
     Raises:
         SpecError: an unknown mode, or a block the IR names that ``root`` does not have.
@@ -88,6 +98,7 @@ def apply_recompute(root: nn.Module, layers: Sequence[LayerIR], mode: str) -> li
             continue
         try:
             block = root.get_submodule(lay.name)
+            typed = (types_from if types_from is not None else root).get_submodule(lay.name)
         except AttributeError as e:
             raise SpecError(f"the plan recomputes block {lay.name!r}, which the model does not "
                             "have; re-run `hetplan plan` for this model") from e
@@ -95,10 +106,11 @@ def apply_recompute(root: nn.Module, layers: Sequence[LayerIR], mode: str) -> li
             _wrap(block, _checkpointed)
             wrapped.append(block)
             continue
-        for sub in block.modules():
+        for rel, sub in typed.named_modules():
             if type(sub).__name__ in ATTENTION_CORE_TYPES:
-                _wrap(sub, _checkpointed)
-                wrapped.append(sub)
+                core = block.get_submodule(rel)
+                _wrap(core, _checkpointed)
+                wrapped.append(core)
         _wrap(block, _sdpa_checkpointed)
         wrapped.append(block)
     return wrapped

@@ -208,10 +208,14 @@ class GradReducer:
         group / world: the data-parallel group and its size.
         accumulate_dtype: the dtype the replica's chunk is accumulated in (None: the
             gradients' dtype, at least fp32).
+        eager: reduce each segment as backward completes it (hooks). False: every segment
+            is reduced by :meth:`finish`, after the step's whole backward — for gradients
+            that other handlers still change after backward (a pipeline schedule's scaling by
+            ``1 / micro_batches``, tied weights' and sequence-parallel sums).
     """
 
     def __init__(self, segments: list[Segment], group: Any, world: int,
-                 accumulate_dtype: torch.dtype | None) -> None:
+                 accumulate_dtype: torch.dtype | None, eager: bool = True) -> None:
         self.segments, self.group, self.world = segments, group, world
         first = segments[0].params[0].dtype if segments else torch.float32
         self.accumulate_dtype = accumulate_dtype or torch.promote_types(torch.float32, first)
@@ -222,8 +226,9 @@ class GradReducer:
         for si, seg in enumerate(segments):
             for pi, p in enumerate(seg.params):
                 self._where[id(p)] = (si, pi)
+        self.eager = eager
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready)
-                       for seg in segments for p in seg.params]
+                       for seg in segments for p in seg.params] if eager else []
 
     def _on_ready(self, p: torch.Tensor) -> None:
         si, pi = self._where[id(p)]
@@ -257,8 +262,9 @@ class GradReducer:
                                                                alpha=1.0 / self.world)
 
     def finish(self) -> None:
-        """Reduce the segments backward left incomplete (parameters without a gradient)."""
-        if self._next or any(self._ready):
+        """Reduce the segments backward left incomplete (parameters without a gradient);
+        without eager hooks, every segment."""
+        if not self.eager or self._next or any(self._ready):
             self._launch_ready(force=True)
 
     def take_chunk(self, dtype: torch.dtype) -> torch.Tensor:

@@ -230,8 +230,13 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
             # without a pipeline only (the report says so)
             peak = (_measure_peak(rt, ex_args, batch, total, target_of, device)
                     if layout.pp == 1 else None)
+            summary = _rank_summary(rank, times, losses, peak, plan)
+            if plan.checkpointing is not None:  # this attempt's checkpoint rounds
+                from hetplan.runtime.handlers import CheckpointingHandler
+
+                summary["checkpoint_rounds"] = rt.handler(CheckpointingHandler).report()
             ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, _rank_summary(rank, times, losses, peak, plan))
+            dist.all_gather_object(ranks, summary)
             if rank == 0:
                 _write_report(args.report, plan, times, loss, ranks, rt)
     except HetplanError as e:
@@ -325,6 +330,15 @@ def _loss_per_step(ranks: list[Any]) -> list[float]:
     return out
 
 
+def _final_loss(ranks: list[Any], fallback: float) -> float:
+    """The last step's loss: the mean over the ranks that computed one (the last pipeline
+    stage of each data-parallel replica; rank 0 reports NaN when it holds another stage);
+    ``fallback`` (rank 0's) when no rank recorded losses."""
+    last = [r["losses"][-1] for r in ranks if r.get("losses")]
+    vals = [x for x in last if x == x]
+    return sum(vals) / len(vals) if vals else fallback
+
+
 def _write_report(path: str, plan: Any, times: list[Any], loss: float,
                   ranks: list[Any], rt: Any) -> None:
     """Rank 0's times as ``measured`` (the pipeline bubble: the largest rank median, as the
@@ -333,7 +347,7 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
     report = {
         "world_size": len(ranks),
         "steps": len(times),
-        "final_loss": loss,
+        "final_loss": _final_loss(ranks, loss),
         "measured": {
             "iteration_ms": _med_ms([t.iteration_s for t in times]),
             "compute_ms": _med_ms([t.compute_s for t in times]),

@@ -169,6 +169,11 @@ class _GradFnTagger(TorchFunctionMode):
         self.counter = counter
         self.executor = executor
         self.tagged: set[int] = set()
+        #: the tagged autograd nodes themselves, kept alive for the capture: ``id`` of a
+        #: freed node can be reused by a new one, which would then go untagged and have its
+        #: backward kernels attributed to whichever layer ran last (the capture, and the model
+        #: fingerprint with it, then differed between processes)
+        self._tagged_nodes: list[Any] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SDPA:
@@ -189,6 +194,7 @@ class _GradFnTagger(TorchFunctionMode):
             fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
             if fn is not None and id(fn) not in self.tagged:
                 self.tagged.add(id(fn))
+                self._tagged_nodes.append(fn)
                 fn.register_prehook(_set_current(self.counter, layer))
         return out
 

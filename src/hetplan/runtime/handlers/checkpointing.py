@@ -8,14 +8,21 @@ What it does, per rank (``docs/decisions/gemini.md`` has the why):
    thread into this node's store (:mod:`hetplan.runtime.checkpoint_store`: shared-memory
    files, two buffers, so they outlive the process).
 2. **Replicas**: the same thread sends the snapshot to the rank's holders
-   (``checkpointing.ranks[r].holders[1:]``) over a side gloo group, in chunks of one
-   sub-buffer (``buffer_bytes / sub_buffers``), while the next iteration's forward and
-   backward run; it receives the snapshots of the ranks this rank holds, writes them to its
-   node's store and acknowledges each. The plan's idle-span timing is not enforced on gloo:
-   chunks go as soon as the snapshot is serialised, in the plan's order (replica by replica).
-3. **At most one iteration lost**: the next optimizer step waits (``after_backward``) until
-   this rank's round is done, i.e. its snapshot is written locally and every holder has
-   acknowledged its copy; the previous snapshot stays in the other buffer meanwhile.
+   (``checkpointing.ranks[r].holders[1:]``) over a side gloo group, each chunk of the plan's
+   schedule at its idle span's offset from the step's start (the end of the optimizer step
+   that completed the snapshot's iteration; :mod:`hetplan.runtime.checkpoint_schedule` maps
+   the planned chunks onto the serialised blob); a chunk whose span has passed goes at once.
+   It receives the snapshots of the ranks this rank holds (their receives are posted as soon
+   as each sender's header arrives, so the data moves when the sender sends it), writes them
+   to its node's store and acknowledges each. Every round is recorded (chunks sent, bytes,
+   when, how; the wait before the step; CPU time of the training and checkpoint threads) for
+   the run report (:meth:`CheckpointingHandler.report`).
+3. **At most one interval lost**: the optimizer step waits (``after_backward``) until the
+   snapshot is serialised (the step changes the parameters in place); the step that takes the
+   next snapshot waits for the whole round, i.e. its snapshot is written locally and every
+   holder has acknowledged its copy, and releases at once the chunks whose spans are still
+   ahead (the schedule never delays a step beyond that bound). The previous snapshot stays in
+   the other buffer meanwhile.
 4. **Storage fallback**: every ``storage_every_iters`` iterations the snapshot is also saved
    with ``torch.distributed.checkpoint`` under ``<store root>/storage/step<N>`` (or
    ``$HETPLAN_STORAGE_DIR``).
@@ -44,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from hetplan.ir.plan_checkpointing import Checkpointing
+from hetplan.runtime.checkpoint_schedule import ChunkEvent, RoundRecord, timetable
 from hetplan.runtime.checkpoint_store import NodeStore, default_root
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 
@@ -110,6 +118,12 @@ class CheckpointingHandler(Handler):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending_optim: dict[str, Any] | None = None
+        self.rounds: list[RoundRecord] = []
+        self._release = threading.Event()  # the step needs the round: send what is left
+        self._serialised = threading.Event()
+        self._serialised.set()
+        self._anchor: float | None = None
+        self._anchor_cpu = 0.0
 
     # -- setup and recovery ------------------------------------------------------------
     def setup(self, ctx: RuntimeContext) -> None:
@@ -122,7 +136,6 @@ class CheckpointingHandler(Handler):
         row = ck.ranks[self.rank]
         self.holders = list(row.holders[1:])
         self.sources = [r.rank for r in ck.ranks if self.rank in r.holders[1:]]
-        self.chunk = max(1, ck.buffer_bytes // ck.sub_buffers)
         root, _ = default_root()
         self.store = NodeStore(root, row.node)
         self.storage = Path(os.environ.get(STORAGE_DIR_ENV) or root / "storage")
@@ -225,11 +238,22 @@ class CheckpointingHandler(Handler):
 
     # -- the step ----------------------------------------------------------------------
     def after_backward(self, ctx: RuntimeContext) -> None:
+        """Before the optimizer step: wait until the snapshot is serialised (the step changes
+        the parameters in place); before the step that takes the next snapshot, wait for the
+        whole round, releasing chunks whose span is still ahead (at most one checkpoint
+        interval lost)."""
         if not self.enabled:
             return
         t0 = time.perf_counter()
-        self.wait_round()
-        self.wait_s.append(time.perf_counter() - t0)
+        if (ctx.iteration + 1) % self.ck.every_iters == 0:
+            self.wait_round()
+        else:
+            self._serialised.wait()
+            self._raise_error()
+        waited = time.perf_counter() - t0
+        self.wait_s.append(waited)
+        if self.rounds and self.rounds[-1].wait_before_step_ms is None:
+            self.rounds[-1].wait_before_step_ms = waited * 1e3
         if self._pending_optim is not None and ctx.optimizer is not None:
             ctx.optimizer.load_state_dict(self._pending_optim)
             self._pending_optim = None
@@ -237,6 +261,12 @@ class CheckpointingHandler(Handler):
     def after_step(self, ctx: RuntimeContext) -> None:
         if not self.enabled:
             return
+        now, cpu = time.perf_counter(), time.thread_time()
+        last = self.rounds[-1] if self.rounds else None
+        if last is not None and last.train_cpu_ms is None and self._anchor is not None:
+            last.train_cpu_ms = (cpu - self._anchor_cpu) * 1e3
+            if ctx.last_times is not None:
+                last.step_start_ms = (now - ctx.last_times.iteration_s - self._anchor) * 1e3
         completed = ctx.iteration + 1
         if completed % self.ck.every_iters:
             return
@@ -248,53 +278,114 @@ class CheckpointingHandler(Handler):
         if completed % self.ck.storage_every_iters == 0:
             blob = _serialize(params, optim, rng, completed)
             self._save_storage(completed, blob)
+        self._release.clear()
+        self._serialised.clear()
+        self._anchor, self._anchor_cpu = time.perf_counter(), time.thread_time()
+        record = RoundRecord(iteration=completed, bytes=0)
+        self.rounds.append(record)
         self._thread = threading.Thread(
-            target=self._round_guarded, args=(completed, params, optim, rng, blob),
+            target=self._round_guarded,
+            args=(completed, params, optim, rng, blob, self._anchor, record),
             name=f"gemini-round-{completed}", daemon=True)
         self._thread.start()
 
     def wait_round(self) -> None:
-        """Wait until the current round (snapshot stored, copies acknowledged) is done;
-        re-raise its error."""
+        """Wait until the current round (snapshot stored, copies acknowledged) is done,
+        sending at once the chunks whose span is still ahead; re-raise its error."""
         if self._thread is not None:
+            self._release.set()
             self._thread.join()
             self._thread = None
+        self._raise_error()
+
+    def _raise_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"checkpoint round failed: {err}") from err
 
+    def report(self) -> list[dict[str, Any]]:
+        """The rounds of this attempt, for the run report (:class:`RoundRecord`); waits for
+        the current round first."""
+        if self.enabled:
+            self.wait_round()
+        return [r.to_json() for r in self.rounds]
+
     def _round_guarded(self, *args: Any) -> None:
         try:
             self._round(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by _join
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             self._error = e
+        finally:
+            self._serialised.set()
 
     def _round(self, completed: int, params: list[tuple[str, torch.Tensor]],
-               optim: dict[str, Any] | None, rng: torch.Tensor, blob: bytes | None) -> None:
-        """Serialise, store locally, send to the holders, receive and store the held
-        copies, acknowledge them, and wait for this rank's acknowledgements."""
-        t0 = time.perf_counter()
+               optim: dict[str, Any] | None, rng: torch.Tensor, blob: bytes | None,
+               anchor: float, record: RoundRecord) -> None:
+        """Serialise and store locally; send each chunk to its holder at its planned time
+        (:func:`timetable`; at once when its span has passed or the step releases it) while
+        receiving the copies this rank holds; store and acknowledge those; wait for this
+        rank's acknowledgements."""
+        cpu0 = time.thread_time()
+
+        def ms() -> float:
+            return (time.perf_counter() - anchor) * 1e3
+
         if blob is None:
             blob = _serialize(params, optim, rng, completed)
+        self._serialised.set()
         self.store.write("own", self.rank, completed, blob)
+        record.bytes, record.serialise_ms = len(blob), ms()
         data = _as_tensor(blob)
         header = torch.tensor([completed, len(blob)], dtype=torch.int64)
-        reqs = []
-        for h in self.holders:
-            reqs.append(dist.isend(header, h, group=self.group, tag=_DATA))
-            for off in range(0, len(blob), self.chunk):
-                reqs.append(dist.isend(data[off:off + self.chunk], h, group=self.group,
-                                       tag=_DATA))
-        acks = []
+        reqs = [dist.isend(header, h, group=self.group, tag=_DATA) for h in self.holders]
+        # the copies this rank holds: the header first, then the sender's cuts
+        incoming: dict[int, tuple[torch.Tensor, Any]] = {}
         for s in self.sources:
             hdr = torch.empty(2, dtype=torch.int64)
-            dist.recv(hdr, s, group=self.group, tag=_DATA)
-            it, n = int(hdr[0]), int(hdr[1])
-            buf = torch.empty(n, dtype=torch.uint8)
-            for off in range(0, n, self.chunk):
-                dist.recv(buf[off:off + self.chunk], s, group=self.group, tag=_DATA)
-            self.store.write("held", s, it, buf.numpy().tobytes())
-            ack = torch.tensor([it], dtype=torch.int64)
+            incoming[s] = (hdr, dist.irecv(hdr, s, group=self.group, tag=_DATA))
+        bufs: dict[int, torch.Tensor] = {}
+
+        def post_receives(block: bool) -> None:
+            for s, (hdr, work) in incoming.items():
+                if s in bufs or not (block or work.is_completed()):
+                    continue
+                work.wait()
+                n = int(hdr[1])
+                bufs[s] = buf = torch.empty(n, dtype=torch.uint8)
+                for c in timetable(self.ck, s, n):
+                    if c.holder == self.rank:
+                        reqs.append(dist.irecv(buf[c.start:c.end], s, group=self.group,
+                                               tag=_DATA))
+
+        for c in timetable(self.ck, self.rank, len(blob)):
+            how = "on_time"
+            while True:
+                post_receives(block=False)
+                left = c.due_ms - ms()
+                if left <= 0:
+                    how = "late" if how == "on_time" and left < -1.0 else how
+                    break
+                if self._release.is_set():
+                    how = "released"
+                    break
+                # short waits while a header is outstanding, to post its receives early
+                pending = len(bufs) < len(incoming)
+                if self._release.wait(min(left, 2.0) / 1e3 if pending else left / 1e3):
+                    how = "released"
+                    break
+            reqs.append(dist.isend(data[c.start:c.end], c.holder, group=self.group,
+                                   tag=_DATA))
+            record.chunks.append(ChunkEvent(c.holder, c.span, c.start, c.end - c.start,
+                                            c.due_ms, ms(), how))
+        post_receives(block=True)
+        for r in reqs:
+            if r is not None:  # None only for a rank outside the group, never here
+                r.wait()
+        acks = []
+        for s in self.sources:
+            hdr = incoming[s][0]
+            self.store.write("held", s, int(hdr[0]), bufs[s].numpy().tobytes())
+            ack = torch.tensor([int(hdr[0])], dtype=torch.int64)
             acks.append((ack, dist.isend(ack, s, group=self.group, tag=_ACK)))
         for h in self.holders:
             got = torch.empty(1, dtype=torch.int64)
@@ -302,10 +393,12 @@ class CheckpointingHandler(Handler):
             if int(got) != completed:
                 raise RuntimeError(f"holder rank {h} acknowledged iteration {int(got)}, "
                                    f"expected {completed}")
-        for r in [*reqs, *(w for _, w in acks)]:
-            if r is not None:  # None only for a rank outside the group, never here
-                r.wait()
-        self.round_s.append(time.perf_counter() - t0)
+        for _, w in acks:
+            if w is not None:
+                w.wait()
+        record.round_ms = ms()
+        record.checkpoint_cpu_ms = (time.thread_time() - cpu0) * 1e3
+        self.round_s.append(record.round_ms / 1e3)
 
     def close(self, ctx: RuntimeContext) -> None:
         if self._thread is not None:

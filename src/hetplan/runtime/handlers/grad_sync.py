@@ -36,7 +36,8 @@ class GradSyncHandler(Handler):
             return  # ZeroHandler reduce-scatters the gradients
         groups = ctx.groups
         sparse = sparse_names(ctx)  # synced by the sparse-sync handler instead
-        named = [(n, p) for n, p in ctx.named_params if n not in sparse]
+        sp = _sequence_parallel_ids(ctx)  # averaged by the TP handler after its TP sum
+        named = [(n, p) for n, p in ctx.named_params if n not in sparse and id(p) not in sp]
         if ctx.plan.group_sync is not None and ctx.plan.group_sync.policy == "sdpipe":
             groups = None  # gradients stay local: the group-sync handler averages parameters
         self.sync = GradSync(named, ctx.plan.gradient_sync,
@@ -58,3 +59,17 @@ class GradSyncHandler(Handler):
         if self.sync is not None:
             self.sync.close()
             self.sync = None
+
+
+def _sequence_parallel_ids(ctx: RuntimeContext) -> set[int]:
+    """``id`` of the parameters whose gradients the TP handler sums over the TP group and
+    then averages over the data-parallel group itself (sequence parallelism)."""
+    from hetplan.runtime.handlers.tensor_parallel import (
+        TensorParallelHandler,
+        dp_averages_sp_params,
+    )
+
+    tp = next((h for h in ctx.handlers if isinstance(h, TensorParallelHandler)), None)
+    if tp is None or not dp_averages_sp_params(ctx):
+        return set()
+    return {id(p) for p in tp.sp_params}

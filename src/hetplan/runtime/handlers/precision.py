@@ -3,7 +3,10 @@
 With a 16-bit compute dtype (:func:`~hetplan.runtime.precision.rank_compute_dtype`) the
 handler casts the working weights to it (unless ZeRO-3's FSDP keeps the fp32 shards and casts
 on all-gather), runs every forward under ``torch.autocast``, computes the loss in fp32 and,
-for fp16, scales its gradient by the dynamic loss scale. The fp32 master weights and the
+for fp16, scales its gradient by the dynamic loss scale. With a pipeline the same holds per
+stage: the stage modules (traced in fp32, sharing the model's parameters) run under autocast
+and hand fp32 activations to the next stage — the dtype their P2P buffers were traced with
+(twice the bytes of a 16-bit boundary; the activations are 16-bit inside the stage). The fp32 master weights and the
 unscaling belong to the optimizer (:class:`~hetplan.runtime.handlers.zero.ZeroHandler`
 builds it), which reads :attr:`PrecisionHandler.dtype` and :attr:`PrecisionHandler.scaler`.
 An fp32 rank changes nothing.
@@ -56,11 +59,26 @@ class PrecisionHandler(Handler):
         if effective_zero_stage(ctx.layout) < 3:
             self.fp32_weights = {id(p): p.detach().clone() for p in ctx.model.parameters()
                                  if p.is_floating_point()}
-            cast_working_weights([ctx.model], dtype)
-        self.autocast = Autocast([ctx.model], dtype)
+            cast_working_weights([ctx.model, *_stage_modules(ctx)], dtype)
+        self._hook(ctx)
         if self.dtype == "fp16":
             self.scaler = DynamicLossScale()
         ctx.loss_fn = fp32_loss_fn(ctx.loss_fn, self.scaler)
+
+    def _hook(self, ctx: RuntimeContext) -> None:
+        """Autocast around the modules this rank calls: the model, or its pipeline stages
+        (whose outputs go back to fp32, the dtype of the traced P2P buffers)."""
+        stages = _stage_modules(ctx)
+        self.autocast = Autocast(stages or [ctx.model], DTYPES[self.dtype],
+                                 fp32_outputs=bool(stages))
+
+    def params_changed(self, ctx: RuntimeContext) -> None:
+        """Re-balancing built new stages: cast them and move the autocast hooks onto them."""
+        if self.autocast is None:
+            return
+        self.autocast.remove()
+        cast_working_weights(_stage_modules(ctx), DTYPES[self.dtype])
+        self._hook(ctx)
 
     def take_fp32_weights(self) -> dict[int, torch.Tensor]:
         """The pre-cast weights (once: the handler forgets them)."""
@@ -71,3 +89,12 @@ class PrecisionHandler(Handler):
         if self.autocast is not None:
             self.autocast.remove()
             self.autocast = None
+
+
+def _stage_modules(ctx: RuntimeContext) -> list[torch.nn.Module]:
+    """This rank's pipeline stage modules (empty without a pipeline). They share the model's
+    parameters; a traced stage may hold buffers of its own."""
+    from hetplan.runtime.handlers.stages import StagesHandler
+
+    stages = next((h for h in ctx.handlers if isinstance(h, StagesHandler)), None)
+    return [st.submod for st in stages.stages] if stages is not None else []

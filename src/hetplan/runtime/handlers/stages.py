@@ -140,7 +140,9 @@ class StagesHandler(Handler):
         sized = layout if ranks == layout.pp else layout.model_copy(update={"pp": ranks})
         if actions is None:
             actions = build_schedule(layout.schedule, ranks, layout.micro_batches, v)
-        self.schedule = make_schedule(self.stages, sized, ctx.loss_fn, actions)
+        # through ctx: handlers set up later (precision's fp32 loss) wrap ctx.loss_fn
+        self.schedule = make_schedule(self.stages, sized, lambda out, y: ctx.loss_fn(out, y),
+                                      actions)
         self.actions = actions
         self.monitor = StageMonitor(self.stages)
         self.pp_group, self.num_stages = pp_group, ranks

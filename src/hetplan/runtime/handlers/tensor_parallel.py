@@ -117,12 +117,30 @@ class TensorParallelHandler(Handler):
                                              ctx.layout.tp, self.vocab, stages)
 
     def after_backward(self, ctx: RuntimeContext) -> None:
+        """Sum the sequence-parallel parameters' gradients over the TP group; with data
+        parallelism below ZeRO-2 also average them over the data-parallel group here (the
+        gradient-sync handler leaves them out: it flattens a bucket when backward completes
+        it, before this sum, and would write the unsummed values back)."""
+        average = dp_averages_sp_params(ctx)
         for p in self.sp_params:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.group)
+                if average:
+                    assert ctx.groups is not None
+                    dist.all_reduce(p.grad, group=ctx.groups.dp_group)
+                    p.grad.div_(ctx.layout.dp)
 
     def close(self, ctx: RuntimeContext) -> None:
         self.sp_params, self.group, self.unsharded = [], None, None
+
+
+def dp_averages_sp_params(ctx: RuntimeContext) -> bool:
+    """Whether the TP handler (not the gradient path) averages the sequence-parallel
+    parameters' gradients over the data-parallel group: ``dp > 1`` below ZeRO-2 (ZeRO-2
+    reduce-scatters them after this handler's sum) and without SDPipe's local gradients."""
+    gs = ctx.plan.group_sync
+    return (ctx.layout.dp > 1 and ctx.layout.zero_stage < 2 and ctx.groups is not None
+            and not (gs is not None and gs.policy == "sdpipe"))
 
 
 def _my_stage(ctx: RuntimeContext) -> int | None:

@@ -9,7 +9,15 @@ master weights.
 - **ZeRO-2**: the same optimizer, fed by
   :class:`~hetplan.runtime.sharded_optimizer.GradReducer`, which reduce-scatters each of the
   plan's (fused) buckets as backward completes it and frees the full gradients; the gradient
-  sync handler stands aside (it syncs nothing when ``zero_stage >= 2``).
+  sync handler stands aside (it syncs nothing when ``zero_stage >= 2``). With a pipeline or
+  sequence parallelism the gradients change after backward (the schedule's ``1 /
+  micro_batches``, tied weights' and sequence-parallel sums, in earlier handlers'
+  ``after_backward``), so the buckets are reduce-scattered after those instead, once per
+  step: the bytes on the wire are ZeRO-2's, the full gradients live until the step's end.
+
+With pipeline and tensor parallelism, the data-parallel group is the ranks holding the same
+stage and the same TP coordinate (``ParallelGroups.dp_group``), so every replica of it holds
+the same parameters (TP shards included) and cuts them into the same segments.
 - **ZeRO-3**: FSDP2 (``torch.distributed.fsdp.fully_shard``) on every transformer block and
   the root, over the data-parallel group, with a ``MixedPrecisionPolicy`` from the
   ``precision`` section (fp32 shards are the master weights, 16-bit all-gathers); FSDP
@@ -95,7 +103,8 @@ class ZeroHandler(Handler):
             prec = ctx.plan.precision
             in_compute = dtype != "fp32" and (prec is None or prec.grad_reduce_dtype == "compute")
             self.reducer = GradReducer(segments, group, world,
-                                       DTYPES[dtype] if in_compute else None)
+                                       DTYPES[dtype] if in_compute else None,
+                                       eager=not _changed_after_backward(ctx))
         self.optimizer = ShardedOptimizer(segments, inner, group, world, rank,
                                           reducer=self.reducer, scaler=scaler, initial=initial)
         return self.optimizer
@@ -143,6 +152,19 @@ class ZeroHandler(Handler):
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
+
+
+def _changed_after_backward(ctx: RuntimeContext) -> bool:
+    """Whether earlier handlers still change this rank's gradients after backward: a
+    pipeline (torch's schedule divides them by the micro-batch count when it ends; the stage
+    handler sums tied weights' copies) or sequence parallelism (the TP handler sums the
+    norms' gradients over the TP group). ZeRO-2 then reduce-scatters after them."""
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
+
+    if ctx.layout.pp > 1:
+        return True
+    tp = next((h for h in ctx.handlers if isinstance(h, TensorParallelHandler)), None)
+    return tp is not None and bool(tp.sp_params)
 
 
 def _precision_of(ctx: RuntimeContext) -> PrecisionHandler | None:
