@@ -1,7 +1,7 @@
 """Bench: the Espresso pass's selection time, one commit vs an earlier one, side by side.
 
 Runs the ``espresso`` pass (the setup of ``bench/espresso.py``: effective gaps, dp = 64,
-``--max-compressions 1``, the compressor and fp16 allowed, GPU and CPU) in a fresh process per
+``--max-compressions 1`` unless told, the compressor and fp16 allowed, GPU and CPU) in a fresh process per
 case and per source tree, alternating the two trees so that both see the same load on a
 shared machine (both trees are ``git archive``s, so uncommitted work in the checkout does
 not enter); keeps the least of ``--repeat`` runs of each for the whole pass's wall time and
@@ -10,7 +10,8 @@ for its GPU selection (Algorithm 4.1 with the uniform seeds, both hierarchies: w
 section, which must be identical (same choices, only faster). Each process loads (or
 compiles) the numba kernels before the timed pass.
 
-Run: ``python bench/espresso_vs_previous.py [--commit REV] [--now REV] [--cases m/c/comp,...]``
+Run: ``python bench/espresso_vs_previous.py [--commit REV] [--now REV] [--cases m/c/comp,...]
+[--max-compressions N]`` (default 1; 4 is the pass's default, the whole tree)
 →
 ``bench/results/espresso_vs_previous.json``.
 """
@@ -48,7 +49,7 @@ try:  # the simulator's place in the tree under test
 except ImportError:  # trees before it moved to algorithms/ (issue 17)
     from hetplan.cost_models.timeline import warm_up
 warm_up()  # load (or compile) the kernels outside the timed pass
-model, cl, comp = sys.argv[1:4]
+model, cl, comp = sys.argv[1:4]  # then max_compressions
 wls = espresso_workloads(be.DATA, gaps="effective", include_extra=False)
 wl = WorkloadSummary.from_model_ir(wls[model])
 ctx, plan = be._setup(wl, be.CLUSTERS[cl])
@@ -56,7 +57,7 @@ with be._Recorder() as rec:  # keeps every Selection the pass makes
     t = time.perf_counter()
     # the compressors as the pass's option: every tree under comparison takes it there
     out = Espresso(compressors=(comp, "fp16"), devices=("gpu", "cpu"),
-                   max_compressions=1).run(plan, ctx)
+                   max_compressions=int(sys.argv[4])).run(plan, ctx)
     s = time.perf_counter() - t
 sync = out.plan.gradient_sync.model_dump_json().encode()
 print(json.dumps({{"s": s, "gpu_s": sum(x.gpu_s for x in rec.selections),
@@ -64,10 +65,10 @@ print(json.dumps({{"s": s, "gpu_s": sum(x.gpu_s for x in rec.selections),
 """
 
 
-def _run(src: Path, case: str) -> dict[str, Any]:
+def _run(src: Path, case: str, max_comp: int) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(src), NUMBA_CACHE_DIR=str(src.parent / "numba"))
     code = _CHILD.format(bench=str(ROOT / "bench"))
-    r = subprocess.run([sys.executable, "-c", code, *case.split("/")], env=env,
+    r = subprocess.run([sys.executable, "-c", code, *case.split("/"), str(max_comp)], env=env,
                        capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--now", default=NOW)
     ap.add_argument("--cases", default=CASES)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--max-compressions", type=int, default=1,
+                    help="the pass's max_compressions (4: its default, the whole tree)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     rows: dict[str, Any] = {}
@@ -96,7 +99,7 @@ def main() -> None:
             row: dict[str, Any] = {}
             for _ in range(args.repeat):
                 for tag, src in trees.items():
-                    got = _run(src, case)
+                    got = _run(src, case, args.max_compressions)
                     for key in ("s", "gpu_s"):
                         row[f"{tag}_{key}"] = min(row.get(f"{tag}_{key}", float("inf")),
                                                   got[key])
@@ -113,7 +116,8 @@ def main() -> None:
     result = {
         "what": "espresso pass wall time (whole pass, kernels loaded before it) and its GPU "
                 "selection time, --now vs --commit, same setup as bench/espresso.py with "
-                "--max-compressions 1",
+                f"--max-compressions {args.max_compressions}",
+        "max_compressions": args.max_compressions,
         "commit": args.commit, "now": now_rev, "repeat": args.repeat,
         "machine": {"note": "2 CPU cores shared with other jobs: absolute times depend on "
                             "their load; the two trees alternate, so the ratio is the "

@@ -122,6 +122,9 @@ class SelectionProblem(Generic[K]):
         forward_s / optimizer_s / cpu_workers: passed to the simulator.
         ops_class: optional; tensors with equal values have equal ops under every option (e.g.
             tensors of one size in one group), so per-tensor work is shared between them.
+        ops_fields: optional; the ``(resource, duration_s, label)`` of every op of an ops
+            tuple, as a tuple (the candidates' identity); lets a caller that keeps its ops
+            tuples compute them once for all its selections (default: computed each time).
     """
 
     backprop_s: Sequence[float]
@@ -136,6 +139,7 @@ class SelectionProblem(Generic[K]):
     optimizer_s: float = 0.0
     cpu_workers: int = 1
     ops_class: Sequence[Hashable] | None = None
+    ops_fields: Callable[[tuple[Op, ...]], tuple[object, ...]] | None = None
     evaluations: int = field(default=0, init=False)
     # the last session made, whose caches of ops converted to arrays the next one shares
     # (their entries are checked against the ops themselves, so they cannot go stale);
@@ -315,7 +319,9 @@ class _Candidates(Generic[K]):
         keys = [p.baseline[j], *p.gpu_options[j]]
         all_ops = [p.ops(j, k) for k in keys]
         # plain tuples hash in C (an Op's dataclass hash runs Python code per op)
-        sigs = [tuple(map(_FIELDS, ops)) for ops in all_ops]
+        fields = p.ops_fields
+        sigs = ([tuple(map(_FIELDS, ops)) for ops in all_ops] if fields is None
+                else [fields(ops) for ops in all_ops])
         sig = tuple(sigs)  # the ops' values (ids of freed tuples can come back)
         keep = self._cache.get(sig)
         if keep is None:

@@ -35,7 +35,11 @@ Decisions (also in ``docs/decisions.md``):
   options and among hierarchical ones (when the group spans several nodes with several ranks
   each) and keeps the faster. Algorithm 4.1's "no compression" start is the fastest uniform
   fp32 routing *of that hierarchy* (e.g. hierarchical reduce-scatter / allreduce /
-  allgather), not the flat allreduce, for the same reason.
+  allgather), not the flat allreduce, for the same reason. The hierarchy with the smaller
+  lower bound (:meth:`_StageCosts.lower_bound`: ready times, shortest paths, each channel's
+  least work) is searched first, and another is not searched when its bound is above that
+  result: it could not be kept, so the choice is the same as searching both
+  (``docs/decisions/espresso-speed.md``).
 - Options are pruned to at most ``max_compressions`` compressions per tensor (default 4: no
   limit) and to the allowed ``devices`` (default GPU and CPU).
 - **16-bit uncompressed steps.** With ``fp16`` (or ``bf16``) among the compressors, every
@@ -58,7 +62,7 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from hetplan.algorithms.dp_types import Op
+from hetplan.algorithms.dp_types import CPU, GPU, Op
 from hetplan.algorithms.espresso import Selection, SelectionProblem, select
 from hetplan.algorithms.espresso_tree import (
     PRECISIONS,
@@ -97,6 +101,9 @@ Key = tuple[str | None, int, str]
 ShortKey = tuple[str | None, int]
 _CASTS = ("fp16", "bf16")
 _SPARSIFIERS = ("topk", "randomk", "dgc")
+#: A hierarchy is not searched when its lower bound exceeds another's result by more than
+#: this (seconds): far above the float rounding of the bound's sums against the simulator's.
+_SKIP_EPS = 1e-9
 
 
 def check_compressors(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -320,20 +327,30 @@ class Espresso:
         hierarchies = [["flat"]]
         if ss.nodes > 1 and ss.per_node > 1:
             hierarchies.append(["hierarchical"])
-        best: tuple[Selection[Key], int] | None = None
-        for hier in hierarchies:
-            costs = _StageCosts(ss, ctx, self.ratio, self.devices)
+        ladders = [self._ladder(hier, allowed) for hier in hierarchies]
+        costs = [_StageCosts(ss, ctx, self.ratio, self.devices) for _ in hierarchies]
+        bounds = [c.lower_bound([k for rung in lad for k in rung])
+                  for c, lad in zip(costs, ladders)]
+        # the hierarchy with the smaller bound first; another is searched only when its
+        # bound does not prove it slower than that result (it could not be kept: below)
+        done: dict[int, tuple[Selection[Key], int]] = {}
+        for h in sorted(range(len(hierarchies)), key=lambda h: (bounds[h], h)):
+            if done and bounds[h] > min(s.iteration_s for s, _ in done.values()) + _SKIP_EPS:
+                continue
             sel: Selection[Key] | None = None
             cum: list[Key] = []
-            for new in self._ladder(hier, allowed):
+            for new in ladders[h]:
                 # a wider rung also retries the uncompressed routings and casts (a few): a
                 # tensor a new path would compress for a sliver may do as well with a cast
                 retry = [k for k in cum if k[0] is None]
                 cum += new
-                sel = self._select(ss, costs, cum, retry + new, sel)
+                sel = self._select(ss, costs[h], cum, retry + new, sel)
             assert sel is not None
-            if best is None or sel.iteration_s < best[0].iteration_s - 1e-12:
-                best = (sel, len(cum))
+            done[h] = (sel, len(cum))
+        best: tuple[Selection[Key], int] | None = None
+        for h in sorted(done):  # flat first: it is kept on a tie, as it always was
+            if best is None or done[h][0].iteration_s < best[0].iteration_s - 1e-12:
+                best = done[h]
         assert best is not None
         return best
 
@@ -359,11 +376,14 @@ class Espresso:
             compressed=lambda k: k[0] is not None or k[2] != "fp32",
             offload=costs.offload,
             ops_class=[float(b) for b in ss.nbytes],  # ops() depends on the size alone
+            ops_fields=costs.signature,
         )
         # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
         # hierarchical candidates would put them on other channels than the tensors left
         # uncompressed, so that every choice for one tensor looks free (and ties go by order)
-        base = min(plain, key=lambda k: problem.iteration_s([k] * n))
+        if costs.base is None:  # every rung has the same routings: chosen once
+            costs.base = min(plain, key=lambda k: problem.iteration_s([k] * n))
+        base = costs.base
         problem.baseline = [base] * n
         if narrower is not None:  # the exhaustive search (small problems) sees every rung
             full: list[Key] = [base]
@@ -395,7 +415,89 @@ class _StageCosts:
         self._sizes = sorted({float(b) for b in ss.nbytes})
         self._cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
         self._done: set[Key] = set()
+        # id of a cached ops tuple -> its (resource, duration, label) fields; the tuples
+        # live in ``_cache`` as long as this object, so their ids are not reused
+        self._sigs: dict[int, tuple[tuple[str, float, str], ...]] = {}
+        #: the fastest uniform fp32 routing (Algorithm 4.1's start), the same for every rung
+        self.base: Key | None = None
         self.offload = functools.cache(self._offload)
+
+    def lower_bound(self, keys: list[Key]) -> float:
+        """A lower bound on the group's sync time (the selection's ``iteration_s``) under
+        any choice among ``keys`` and their CPU-offloaded versions, the largest of:
+
+        - the end of backprop;
+        - per tensor, its ready time (the backprop before it: GPU work only delays it) plus
+          its ops' total duration under its shortest option (its ops run one at a time);
+        - per communication channel and tensor ``k``, when every choice puts work of the
+          tensors ``>= k`` on it: ``k``'s ready time, plus the shortest lead before any of
+          their ops there, plus the least work they can put there (the channel runs one op
+          at a time), plus the shortest tail after an op there.
+        """
+        for k in keys:
+            self.table(k)
+            if (cpu := self.offload(k)) is not None:
+                self.table(cpu)
+        every = [*keys, *(c for k in keys if (c := self.offload(k)) is not None)]
+        # per size: shortest total; per channel the least work, lead and tail over options
+        inf = float("inf")
+        shortest: dict[float, float] = {}
+        work: dict[float, dict[str, float]] = {}
+        lead: dict[float, dict[str, float]] = {}
+        tail: dict[float, dict[str, float]] = {}
+        channels = sorted({op.resource for k in every for op in self._cache[(k, self._sizes[0])]}
+                          - {GPU, CPU})
+        for nb in self._sizes:
+            w = dict.fromkeys(channels, inf)
+            ld = dict.fromkeys(channels, inf)
+            tl = dict.fromkeys(channels, inf)
+            best = inf
+            for k in every:
+                ops = self._cache[(k, nb)]
+                total = sum(op.duration_s for op in ops)
+                best = min(best, total)
+                mine = dict.fromkeys(channels, 0.0)
+                pre = 0.0
+                for op in ops:
+                    if op.resource in mine:
+                        mine[op.resource] += op.duration_s
+                        ld[op.resource] = min(ld[op.resource], pre)
+                    pre += op.duration_s
+                post = 0.0
+                for op in reversed(ops):
+                    if op.resource in mine:
+                        tl[op.resource] = min(tl[op.resource], post)
+                    post += op.duration_s
+                for r in channels:
+                    w[r] = min(w[r], mine[r])
+            shortest[nb], work[nb], lead[nb], tail[nb] = best, w, ld, tl
+        ready = [0.0] * len(self._ss.backprop_s)
+        t = 0.0
+        for i, bp in enumerate(self._ss.backprop_s):
+            t += bp
+            ready[i] = t
+        bound = t
+        sizes = [float(nb) for nb in self._ss.nbytes]
+        for i, nb in enumerate(sizes):
+            bound = max(bound, ready[i] + shortest[nb])
+        for r in channels:
+            acc = lo = hi = 0.0
+            lo = hi = inf
+            for i in range(len(sizes) - 1, -1, -1):
+                nb = sizes[i]
+                acc += work[nb][r]
+                lo = min(lo, lead[nb][r])
+                hi = min(hi, tail[nb][r])
+                if acc > 0.0:  # every choice puts work of the tensors >= i on r
+                    bound = max(bound, ready[i] + lo + acc + hi)
+        return bound
+
+    def signature(self, ops: tuple[Op, ...]) -> tuple[tuple[str, float, str], ...]:
+        """``ops``' (resource, duration, label) fields, computed once per cached tuple."""
+        got = self._sigs.get(id(ops))  # a live cached tuple's id is no other object's
+        if got is None:
+            return tuple((op.resource, op.duration_s, op.label) for op in ops)
+        return got
 
     def table(self, key: Key) -> None:
         """This option's ops at every size of the group."""
@@ -406,9 +508,11 @@ class _StageCosts:
         st = strategy_for(key, self._ratio)
         proto = ss.ops(st, sizes[0], costs)
         _, times = ss.ops_table(st, sizes, costs)  # bit for bit ss.ops's times
-        for m, nb in enumerate(sizes):
-            self._cache[(key, nb)] = tuple(Op(op.resource, float(times[m, c]), op.label)
-                                           for c, op in enumerate(proto))
+        steps = [(op.resource, op.label) for op in proto]
+        for nb, row in zip(sizes, times.tolist()):  # tolist: the same doubles, as floats
+            ops = tuple(Op(r, t, lb) for (r, lb), t in zip(steps, row))
+            self._cache[(key, nb)] = ops
+            self._sigs[id(ops)] = tuple((r, t, lb) for (r, lb), t in zip(steps, row))
 
     def ops(self, i: int, key: Key) -> tuple[Op, ...]:
         got = self._cache.get((key, self._ss.nbytes[i]))
