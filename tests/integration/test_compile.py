@@ -24,6 +24,7 @@ from typer.testing import CliRunner, Result
 
 from hetplan.cli import app
 from hetplan.errors import InfeasiblePlanError
+from hetplan.cost_models.kernels import curve_for
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.model import ModelIR
 from hetplan.ir.plan import Bucket, Plan, load_plan
@@ -251,14 +252,23 @@ def test_edited_plan_survives_the_file(models: dict[str, ModelIR], tmp_path: Pat
 # --------------------------------------------------------------------------------------
 # heterogeneity
 # --------------------------------------------------------------------------------------
-def _a100_cluster(nodes: int, inter: dict[str, Any]) -> ClusterSpec:
+def _a100_cluster(nodes: int, inter: dict[str, Any], *, kernel_priced: bool = True
+                  ) -> ClusterSpec:
+    """``nodes`` x 8 A100s. ``kernel_priced=False`` names the same device ``A100twin``, a type
+    with no GEMM curve: the cost model then prices it by the roofline, as it prices every
+    device of a cluster that has a type without a curve (the V100s of mixed-generations), so
+    the two clusters are priced by one method and their times compare."""
+    kind = "A100-80GB" if kernel_priced else "A100twin"
+    a100 = ClusterSpec.from_preset("a100-nvlink-8x8").model_dump(mode="json")
     return ClusterSpec.from_dict({
         "name": f"a100-nvlink-{nodes}x8",
-        "nodes": [{"name": "a100", "count": nodes, "devices": [{"type": "A100-80GB", "count": 8}],
+        "nodes": [{"name": "a100", "count": nodes, "devices": [{"type": kind, "count": 8}],
                    "cpu_cores": 128,
                    "intra_link": {"kind": "nvlink", "bandwidth_gbps": 2400.0,
                                   "latency_us": 2.0}}],
         "inter_node": inter,
+        **({} if kernel_priced else
+           {"device_types": {kind: a100["device_types"]["A100-80GB"]}}),
     })
 
 
@@ -282,7 +292,8 @@ def test_heterogeneous_is_slower_than_homogeneous(models: dict[str, ModelIR], mo
     if model not in models:
         pytest.skip(f"{model}: Espresso benchmark file not found at {ESPRESSO}")
     het_spec = ClusterSpec.from_preset(hetero)
-    twin = _a100_cluster(4, TWINS[hetero])
+    twin = _a100_cluster(4, TWINS[hetero], kernel_priced=all(
+        curve_for(d.type) is not None for d in het_spec.devices()))
     assert het_spec.world_size == twin.world_size == 32
     assert het_spec.is_heterogeneous and not twin.is_heterogeneous
     het = compile(models[model], het_spec, batch_size=BATCH, **pins)
