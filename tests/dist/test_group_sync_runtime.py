@@ -55,7 +55,12 @@ def _build(kind: str) -> nn.Module:
     if kind == "exact":
         return Exact()
     torch.manual_seed(0)
-    return MLP(in_features=6, hidden=(16, 16), out_features=4).double()
+    mlp = MLP(in_features=6, hidden=(16, 16), out_features=4)
+    return mlp if kind == "mlp32" else mlp.double()  # autocast to bf16 takes fp32 inputs
+
+
+def _dtype(kind: str) -> torch.dtype:
+    return torch.float32 if kind == "mlp32" else torch.float64
 
 
 def _features(kind: str) -> int:
@@ -67,7 +72,8 @@ def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "exact":
         x = torch.randint(-2, 3, (BATCH, 4), generator=g).double()
         return x, torch.randint(-2, 3, (BATCH, 2), generator=g).double()
-    x = torch.randn(BATCH, 6, generator=g, dtype=torch.float64)
+    x = torch.randn(BATCH, 6, generator=g,
+                    dtype=torch.float32 if kind == "mlp32" else torch.float64)
     return x, torch.tanh(x[:, :4] * 2.0)
 
 
@@ -77,12 +83,13 @@ def _cluster(world: int) -> ClusterSpec:
     return ClusterSpec.from_dict(spec)
 
 
-def _plan(kind: str, dp: int, pp: int, group: str | None) -> Plan:
+def _plan(kind: str, dp: int, pp: int, group: str | None, dtype: str = "mixed") -> Plan:
     model = _build(kind)
-    ir = hetplan.capture(model, torch.zeros(1, _features(kind), dtype=torch.float64))
+    ir = hetplan.capture(model, torch.zeros(1, _features(kind), dtype=_dtype(kind)))
     passes = BASE + (f",sdpipe{{mode=sdpipe {group}}}" if group is not None else "")
     plan = hetplan.compile(ir, _cluster(dp * pp), batch_size=BATCH, dp=dp, pp=pp, tp=1,
-                           zero_stage=0, micro_batch_size=BATCH // dp // pp, passes=passes)
+                           zero_stage=0, micro_batch_size=BATCH // dp // pp, passes=passes,
+                           dtype=dtype)
     assert plan.layout is not None and (plan.layout.dp, plan.layout.pp) == (dp, pp)
     if group is not None:
         assert plan.group_sync is not None and plan.group_sync.policy == "sdpipe"
@@ -103,7 +110,7 @@ def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str, kin
     try:
         plan = Plan.from_json(plan_json)
         rt = Runtime(plan, _build(kind),
-                     example_args=(torch.zeros(1, _features(kind), dtype=torch.float64),),
+                     example_args=(torch.zeros(1, _features(kind), dtype=_dtype(kind)),),
                      optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
         pipeline = rt.layout.coords(rank)[0]
         if spread:  # replicas start apart: pipeline i's parameters shifted by its own noise
@@ -115,12 +122,15 @@ def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str, kin
         for step in range(steps):
             rt.train_step(*_data(kind, step))
         trained = {n: p.detach().clone() for n, p in rt.named_params}
+        master = getattr(rt.ctx.optimizer, "master", None)  # 16-bit: the fp32 master weights
+        master = master.detach().clone() if master is not None else None
         handler = rt.handler(GroupSyncHandler)
         sizes = list(handler.group_sizes)
         rt.close()  # group sync: done, then the final full average (when the plan says so)
         final = {n: p.detach().clone() for n, p in rt.named_params}
         skips = handler.service.stats.lock_skips if handler.service is not None else None
         torch.save({"start": start, "trained": trained, "final": final, "sizes": sizes,
+                    "master": master,
                     "coords": rt.layout.coords(rank), "skips": skips}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -151,6 +161,32 @@ def test_one_stage_four_pipelines_p1_equals_synchronous_dp(tmp_path: Path, kind:
                 torch.testing.assert_close(value, b["trained"][name], rtol=1e-12, atol=1e-14)
     changed = any(not torch.equal(sync[0]["start"][n], v) for n, v in sync[0]["trained"].items())
     assert changed  # the comparison is not between untrained models
+
+
+def test_bf16_group_sync_averages_the_master_weights(tmp_path: Path) -> None:
+    """16-bit compute: the replicas average the optimizer's fp32 master weights (averaging the
+    bf16 working copies would be overwritten by the next step's copy from each master). With
+    P = 1 every step averages all four replicas, so they end identical, and close to
+    synchronous data parallelism in bf16 (which averages gradients, not weights)."""
+    sync = _run(tmp_path, "sync", _plan("mlp32", 4, 1, None, "bf16"), "mlp32", steps=3,
+                lr=0.05)
+    group = _run(tmp_path, "group", _plan("mlp32", 4, 1, "p=1", "bf16"), "mlp32", steps=3,
+                 lr=0.05)
+    assert all(b["sizes"] == [4, 4, 4] for b in group)
+    # the weights the next step starts from: the masters, identical after the last average
+    assert group[0]["master"] is not None and group[0]["master"].dtype == torch.float32
+    for other in group[1:]:
+        assert torch.equal(group[0]["master"], other["master"])
+    for name, value in group[0]["trained"].items():
+        assert value.dtype == torch.bfloat16  # the working weights are bf16 copies
+        for other in group[1:]:
+            assert torch.equal(value, other["trained"][name]), name
+        # one bf16 rounding apart at most (2**-8 relative), plus the lr-scaled differences
+        # between averaging weights after the step and gradients before it
+        torch.testing.assert_close(value.float(), sync[0]["trained"][name].float(),
+                                   rtol=2**-7, atol=1e-3)
+    assert any(not torch.equal(group[0]["start"][n], v)
+               for n, v in group[0]["trained"].items())
 
 
 def _by_stage(outs: list[dict], key: str) -> dict[int, list[dict[str, torch.Tensor]]]:

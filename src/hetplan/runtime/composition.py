@@ -87,8 +87,6 @@ def _group_sync(plan: Plan, lay: Layout, zero: int) -> list[str]:
                       ("pipeline re-balancing", plan.rebalancing is not None),
                       ("the TP resizing controller", plan.tensor_parallel is not None
                        and plan.tensor_parallel.controller is not None),
-                      ("16-bit compute (the fp32 master weights are the optimizer's)",
-                       _half(plan)),
                       ("sparse gradient sync", plan.sparse_sync is not None
                        and plan.sparse_sync.synced())):
         if bad:
@@ -98,10 +96,3 @@ def _group_sync(plan: Plan, lay: Layout, zero: int) -> list[str]:
         out.append(f"group_sync.optimizer_state: {gs.optimizer_state!r}; the runtime keeps "
                    "optimizer state local only; re-plan with sdpipe{optimizer-state=local}")
     return out
-
-
-def _half(plan: Plan) -> bool:
-    """Some rank of ``plan`` computes in a 16-bit dtype."""
-    if plan.precision is not None:
-        return any(d.compute_dtype != "fp32" for d in plan.precision.devices.values())
-    return plan.cost_settings is not None and plan.cost_settings.dtype in ("bf16", "fp16")

@@ -26,10 +26,10 @@ number of steps (the final average is a collective of the whole stage).
 
 What composes with group sync: ``stages`` / ``pipeline_actions`` (each pipeline runs its
 schedule and flushes every step, as usual), fp32 ``precision``, and ``gradient_sync``'s local
-part (accumulation across micro-batches). It does not compose with tensor parallelism
-(tp > 1), ZeRO sharding (zero_stage > 0), interleaved stages, the TP resizing controller,
-re-balancing, 16-bit compute (the fp32 master weights belong to the optimizer) or sparse
-gradient sync: :func:`hetplan.runtime.composition.refusals` refuses those plans, and the
+part (accumulation across micro-batches), and 16-bit compute (the replicas average the
+optimizer's fp32 master weights, then write their working weights from them, as a step does).
+It does not compose with tensor parallelism (tp > 1), ZeRO sharding (zero_stage > 0),
+interleaved stages, the TP resizing controller, re-balancing or sparse gradient sync: :func:`hetplan.runtime.composition.refusals` refuses those plans, and the
 sdpipe pass never chooses group sync for the layouts among them.
 
 Straggler emulation (tests, benchmarks), under every policy (synchronous data parallel too,
@@ -179,9 +179,9 @@ class GroupSyncHandler(Handler):
             self.groups[members] = pg
         return pg
 
-    def _tensors(self, ctx: RuntimeContext) -> list[torch.Tensor]:
+    def _tensors(self, ctx: RuntimeContext, params: bool = True) -> list[torch.Tensor]:
         assert self.section_ is not None
-        out = [p.data for _, p in ctx.named_params]
+        out = [p.data for _, p in ctx.named_params] if params else []
         if self.section_.averaged == "params+buffers":
             owned = {id(p) for _, p in ctx.named_params}
             for module in _stage_modules(ctx):
@@ -191,10 +191,19 @@ class GroupSyncHandler(Handler):
         return out
 
     def _average(self, ctx: RuntimeContext, members: tuple[int, ...]) -> None:
-        tensors = self._tensors(ctx)
-        if len(members) < 2 or not tensors:
+        # With 16-bit compute the weights are the optimizer's fp32 master copy (the working
+        # weights are its casts, rewritten from it at every step): average the masters, then
+        # write the working weights from them, as a step does.
+        opt = ctx.optimizer
+        master = getattr(opt, "master", None)
+        tensors = self._tensors(ctx, params=master is None)
+        if len(members) < 2 or (master is None and not tensors):
             return
         group = self._group(ctx, members)
+        if master is not None:
+            dist.all_reduce(master, op=dist.ReduceOp.SUM, group=group)
+            master /= len(members)
+            opt._gather()  # type: ignore[union-attr]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:  # one flat all-reduce per dtype, in the parameters' own precision
             by_dtype.setdefault(t.dtype, []).append(t)
