@@ -148,7 +148,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for piece in self.pieces:
             piece.grad = None
-        self._gather()
+        self.write_working_weights()
 
     def _grad_chunk(self) -> torch.Tensor:
         """This replica's gradient chunk of every segment, fp32, in master order."""
@@ -161,8 +161,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 out[at : at + hi - lo].copy_(g.reshape(-1)[lo:hi])
         return out
 
-    def _gather(self) -> None:
-        """Every replica's chunk, in the working dtype, into the parameters."""
+    def write_working_weights(self) -> None:
+        """Every replica's chunk of the master, in the working dtype, into the parameters (what
+        a step ends with; also after the masters were changed outside a step, e.g. averaged)."""
         for seg in self.segments:
             if not seg.params:
                 continue

@@ -57,6 +57,7 @@ from hetplan.errors import SpecError
 from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.sdpipe_service import SchedulerClient, SchedulerService
+from hetplan.runtime.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["ENV_DELAY", "GroupSyncHandler", "emulated_delays"]
 
@@ -194,16 +195,16 @@ class GroupSyncHandler(Handler):
         # With 16-bit compute the weights are the optimizer's fp32 master copy (the working
         # weights are its casts, rewritten from it at every step): average the masters, then
         # write the working weights from them, as a step does.
-        opt = ctx.optimizer
-        master = getattr(opt, "master", None)
+        opt = ctx.optimizer if isinstance(ctx.optimizer, ShardedOptimizer) else None
+        master = opt.master if opt is not None else None
         tensors = self._tensors(ctx, params=master is None)
         if len(members) < 2 or (master is None and not tensors):
             return
         group = self._group(ctx, members)
-        if master is not None:
+        if opt is not None and master is not None:
             dist.all_reduce(master, op=dist.ReduceOp.SUM, group=group)
             master /= len(members)
-            opt._gather()  # type: ignore[union-attr]
+            opt.write_working_weights()
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:  # one flat all-reduce per dtype, in the parameters' own precision
             by_dtype.setdefault(t.dtype, []).append(t)
