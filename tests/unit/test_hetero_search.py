@@ -123,13 +123,19 @@ def test_chosen_plan_is_the_simulators_best_of_the_visited_plans(gpt2: WorkloadS
     costs = CostModel(spec, dtype="mixed")
     cands = search_hetero(gpt2, costs, 256)
     assert len(cands) >= 8
-    predicted = []
+    predicted, skipped = [], []
     for c in cands:
         ev = predict(gpt2, costs, c)  # independently of the search's own judging
+        if c.skipped:  # not predicted: its lower bound was above its scan's best
+            assert ev is None or ev.iteration_s >= c.bound_s
+            skipped.append(ev.iteration_s if ev is not None else float("inf"))
+            continue
         assert (ev is None) == (c.evaluation is None)
         if ev is not None:
             assert ev.iteration_s == c.predicted_s
+            assert ev.iteration_s >= c.bound_s  # the bound is a floor
             predicted.append(ev.iteration_s)
+    assert skipped and min(skipped) >= min(predicted)
     plan = compile_hetero(gpt2, costs, 256,
                           model_ref=ModelRef(name="gpt2", fingerprint="x", num_params=1),
                           cluster_ref=ClusterRef.from_cluster(spec))
