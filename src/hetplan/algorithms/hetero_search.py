@@ -213,7 +213,9 @@ def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000,
                 incumbent: float = INF,
                 judge: Callable[[tuple[StageChoice, ...]], float] | None = None,
                 rel_gap: float = 0.0) -> HeteroSolution | None:
-    """The plan minimising ``J`` (see the module docstring); None if no plan fits.
+    """The plan minimising ``J`` (see the module docstring); None if no plan fits, or if a
+    floor of ``J`` (:func:`_sum_a_floor` plus the floor of ``max v``) already reaches
+    ``incumbent``.
 
     ``incumbent``: the objective of a plan found elsewhere (another micro-batch size); the
     threshold scan stops once no plan here can beat it, and the returned ``bound`` is then
@@ -254,6 +256,8 @@ def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000,
     if not taus.size:
         return None
     floor_v = _max_v_floor(arc_i, arc_j, arc_v, L, problem)
+    if floor_v + _sum_a_floor(arc_i, arc_j, arc_a, L) >= incumbent:
+        return None  # no plan here can beat the incumbent: not one pass
     size = int(np.prod(shape))
     strides = np.array([int(np.prod(shape[c + 1:])) for c in range(len(shape))], np.int64)
     opt_class = np.array([o.device_class for o in problem.options], np.int64)
@@ -398,6 +402,20 @@ def _max_v_floor(arc_i: np.ndarray, arc_j: np.ndarray, arc_v: np.ndarray, L: int
             per_layer = np.minimum(per_layer, o.devices * o.work)
         out = max(out, float(per_layer.sum()) / sum(problem.capacity))
     return out
+
+
+def _sum_a_floor(arc_i: np.ndarray, arc_j: np.ndarray, arc_a: np.ndarray, L: int) -> float:
+    """A lower bound on ``sum a`` of any plan: the shortest path from layer 0 to ``L``
+    over the arcs, each at its least ``a`` over depths (arcs come sorted by first layer
+    descending). O(arcs)."""
+    least = arc_a.min(axis=1)
+    dist = np.full(L + 1, INF)
+    dist[L] = 0.0
+    starts = np.flatnonzero(np.diff(arc_i, prepend=arc_i[0] + 1))
+    ends = np.append(starts[1:], len(arc_i))
+    for lo, hi in zip(starts, ends):
+        dist[arc_i[lo]] = float(np.min(least[lo:hi] + dist[arc_j[lo:hi]]))
+    return float(dist[0])
 
 
 def _read_back(best: np.ndarray, back: np.ndarray, L: int, size: int

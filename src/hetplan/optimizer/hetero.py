@@ -25,6 +25,7 @@ tuple.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -219,18 +220,23 @@ def search_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, 
     and candidates are sorted by objective.
 
     ``restrict``: only stages of this ``(dp, tp)`` (the best plan with one (dp, tp) for all
-    stages, a bench baseline). ``seed_single`` (with ``judge``, in exact spaces): after the
-    unrestricted scans, the scans restricted to each ``(dp, tp)`` run too and their plans
-    join the candidates. The DP's front misses plans the simulator prefers (its objective
-    does not see the pipeline transfers of the steady state: gpt2-medium on mixed-tp-node,
-    the front's best predicts 428.9 ms where a single-(dp, tp) plan off the front predicts
-    407.1 ms). A pair is skipped when :func:`space_floor_s` of its space is above the best
-    so far, and each restricted scan starts from the best predicted time so far, so it
-    visits every plan whose objective is below it: the chosen plan is then never predicted
-    slower than the best single-(dp, tp) plan whenever that plan's objective does not
-    exceed its own prediction by more than the distance to the best (the objective is
-    optimistic but for resharding, which it prices as cross-node). The tables are built
-    once per micro-batch size and each plan is predicted at most once."""
+    stages, a bench baseline).
+
+    ``seed_single`` (with ``judge``, in exact spaces): after the unrestricted scans, the
+    scans restricted to each ``(dp, tp)`` run too (few options: cheap passes) and their
+    plans join the candidates. The DP's front misses plans the simulator prefers (its
+    objective does not see the pipeline transfers of the 1F1B steady state: gpt2-medium on
+    mixed-tp-node, the front's best predicts 428.9 ms where a single-(dp, tp) plan off the
+    front predicts 407.1 ms). A pair is skipped when :func:`space_floor_s` of its space is
+    above the best so far, and each restricted scan starts from the best predicted time so
+    far, so it visits every plan of its front whose objective is below it: the chosen plan
+    is never predicted slower than the best single-(dp, tp) plan as long as that plan's
+    objective is not above the best's predicted time (the objective is optimistic but for
+    resharding, which it prices as cross-node).
+
+    Order: micro-batch counts near the layer count first (the best plans of the bench lie
+    there), so later scans start from a low best and stop early. Each micro-batch size's
+    tables are built once and each plan is predicted at most once."""
     classes = device_classes(costs)
     units = coarse_units(classes)
     problems = []
@@ -238,6 +244,10 @@ def search_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, 
         problem, infos = build_problem(workload, costs, classes, mb, batch_size // mb,
                                        max_tp=max_tp, units=units)
         problems.append((mb, batch_size // mb, problem, infos))
+    # micro-batch counts near the layer count first (deep pipelines with small bubbles:
+    # where the best plans of the bench lie), so the later scans start from a low best
+    # and stop early; the order changes no plan's prediction
+    problems.sort(key=lambda x: (abs(math.log2(x[1]) - math.log2(x[2].num_layers)), x[0]))
     ctx = _Search(workload, costs, classes, units, problems, max_states, judge)
     out = _scan(ctx, restrict)
     if restrict is None and judge and seed_single and not ctx.coarse:
