@@ -14,8 +14,9 @@ batch 256, every time predicted by the one cost model of ``compile()``'s plan:
   order of the nodes in the cluster file (a filter over the visited plans, those the search
   skipped by its lower bound predicted here; not a constrained search: an upper bound on
   the best file-order plan);
-- ``front_only``: the search without the single-(dp, tp) seeds (``seed_single=False``: the
-  DP's front alone, the previous search's candidates).
+- ``front_only``: the search without the single-(dp, tp) seeds and the local search
+  (``seed_single=False, local=False``: the DP's front alone, the previous search's
+  candidates).
 - ``previous_release``: ``compile()``'s plan (unchanged by the heterogeneous search, so the
   same as the release before it).
 
@@ -124,7 +125,7 @@ def row(model: str, ir: Any, cluster: str, spec: ClusterSpec, batch: int = BATCH
                        "method": plan.hetero.search.method, "gap": plan.hetero.search.gap,
                        "plans_visited": len(cands),
                        "plans_predicted": sum(c.evaluation is not None for c in cands)}
-    front = [c for c in search_hetero(workload, costs, batch, seed_single=False)
+    front = [c for c in search_hetero(workload, costs, batch, seed_single=False, local=False)
              if c.evaluation is not None]
     if front:
         out["front_only"] = {"ms": front[0].predicted_s * 1e3,

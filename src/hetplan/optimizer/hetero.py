@@ -314,7 +314,9 @@ def _improve(ctx: _Search, cands: list[HeteroCandidate]) -> list[HeteroCandidate
     if found == stages or t >= start.predicted_s:
         return []
     j = objective(problem, found)
-    sol = HeteroSolution(found, j, j, start.solution.method, start.solution.states)
+    # the bound proven on the objective where the start was found still holds
+    sol = HeteroSolution(found, j, min(j, start.solution.bound), start.solution.method,
+                         start.solution.states)
     cand = _candidate(ctx.workload, mb, m, sol, infos, ctx.classes, ctx.units)
     return [dataclasses.replace(cand, evaluation=evals[found], local=True)]
 
