@@ -239,11 +239,12 @@ def search_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, 
     objective is not above the best's predicted time (the objective is optimistic but for
     resharding, which it prices as cross-node).
 
-    ``local`` (with ``judge``): from the best predicted plan, a first-improvement local
-    search under the simulator (:func:`~hetplan.algorithms.hetero_search.improve_locally`:
-    boundaries moved by one or two layers, neighbouring stages' options swapped); a better
-    plan it finds joins the candidates with ``local`` set (2.7B on mixed-generations:
-    1525.4 -> 1520.6 ms).
+    ``local`` (with ``judge``, unrestricted): from the best predicted plan, a
+    first-improvement local search under the simulator
+    (:func:`~hetplan.algorithms.hetero_search.improve_locally`: boundaries moved by one or
+    two layers, neighbouring stages' options swapped); a better plan it finds joins the
+    candidates with ``local`` set (2.7B on mixed-generations: 1525.4 -> 1520.6 ms). Not
+    run with ``restrict``, so the single-(dp, tp) searches stay the scans the seeds repeat.
 
     Order: micro-batch counts near the layer count first (the best plans of the bench lie
     there), so later scans start from a low best and stop early. Each micro-batch size's
@@ -274,7 +275,7 @@ def search_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, 
                 if key not in seen:
                     seen.add(key)
                     out.append(cand)
-    if judge and local:
+    if judge and local and restrict is None:
         out += _improve(ctx, out)
     out.sort(key=lambda c: (c.predicted_s if judge else c.solution.objective,
                             c.solution.objective, c.micro_batch,
@@ -314,8 +315,10 @@ def _improve(ctx: _Search, cands: list[HeteroCandidate]) -> list[HeteroCandidate
     if found == stages or t >= start.predicted_s:
         return []
     j = objective(problem, found)
-    # the bound proven on the objective where the start was found still holds
-    sol = HeteroSolution(found, j, min(j, start.solution.bound), start.solution.method,
+    # the plan it started from records the gap of its scan (coarse spaces: the windows
+    # skipped); the local plan keeps that relative gap
+    ratio = start.solution.bound / start.solution.objective if start.solution.objective else 1.0
+    sol = HeteroSolution(found, j, j * min(ratio, 1.0), start.solution.method,
                          start.solution.states)
     cand = _candidate(ctx.workload, mb, m, sol, infos, ctx.classes, ctx.units)
     return [dataclasses.replace(cand, evaluation=evals[found], local=True)]
