@@ -34,6 +34,9 @@ Solvers:
   ``judge``, the best time a finer model gives the plans visited). Each threshold is one
   pass of :func:`~hetplan.algorithms._hetero_kernels.dp_pass` (numba-compiled):
   ``O(L^2 . options . min(m, L) . prod(capacity[c] / unit[c] + 1))``.
+- :func:`improve_locally`: first-improvement hill climbing from a plan under a finer
+  model's judge (boundary moves, swaps of neighbouring stages' options), for the plans the
+  DP's front misses.
 - :func:`solve_brute_force`: the readable reference, every sequence of (option, layer count),
   for tests on small instances.
 - :func:`solve_cpsat` (:mod:`hetplan.algorithms.hetero_cpsat`): the same objective as a

@@ -11,15 +11,21 @@
    out of the DP (stages of any class in any order).
 3. **Re-predict** every plan the DP's threshold scans visit with the full simulator
    (:func:`~hetplan.cost_models.hetero.evaluate_hetero`) and keep the fastest; a scan
-   stops only once its remaining plans' objective cannot be below the best predicted time
-   (:func:`search_hetero`). The best plan with another order of classes is kept as the
-   runner-up ``explain`` shows.
+   stops only once its remaining plans' objective cannot be below the best predicted time,
+   and a plan whose floor (:func:`lower_bound_s`) is above its scan's best is not
+   predicted (:func:`search_hetero`). The scans restricted to each single (dp, tp) add
+   their plans (the DP's front misses plans the simulator prefers), and a local search
+   under the simulator starts from the best. The best plan with another order of classes
+   is kept as the runner-up ``explain`` shows.
 4. **Assemble** the plan: the layout of the pipeline (``dp = tp = 1``, the global
    micro-batch), the stages with their ranks (tp innermost), the ``hetero`` section,
    predictions and the pass log (method, objective, bound, gap, states).
 
 Deterministic: ties go to the smaller objective, then the micro-batch size, then the stage
 tuple.
+
+About 630 lines: the search (steps 2-3) and the assembly (4) share :class:`HeteroCandidate`;
+the search is the part to move to its own module when this file grows again.
 """
 
 from __future__ import annotations
