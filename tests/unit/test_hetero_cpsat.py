@@ -1,0 +1,142 @@
+"""The CP-SAT model of the heterogeneous search (:mod:`hetplan.algorithms.hetero_cpsat`):
+equal to brute force on small clusters (random tables and the cost model's own tables,
+at most 4 device groups and 12 layers) with a zero gap, deterministic, warm-started, and
+honest about a restricted neighbourhood."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetplan.algorithms.hetero_cpsat import solve_cpsat, window_arcs
+from hetplan.algorithms.hetero_search import (
+    HeteroProblem,
+    StageOption,
+    objective,
+    solve_brute_force,
+    solve_exact,
+)
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.hetero import build_problem, device_classes
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan_sections import WorkloadSummary
+
+
+def _random_problem(rng: np.random.Generator, max_layers: int = 7) -> HeteroProblem:
+    """Two device classes, 1-3 options, two recomputation modes (the second slower and
+    holding twice as many micro-batches), memory that binds on long ranges."""
+    L, m = int(rng.integers(2, max_layers)), int(rng.integers(1, 6))
+    caps = (int(rng.integers(1, 5)), int(rng.integers(1, 5)))
+    options = []
+    for _ in range(int(rng.integers(1, 4))):
+        c, dp, tp = int(rng.integers(2)), int(rng.choice([1, 2])), int(rng.choice([1, 2]))
+        per = rng.uniform(0.5, 2.0, size=L)
+        a, v, q = [], [], []
+        for r in range(2):
+            A, V, Q = (np.zeros((L + 1, L + 1)) for _ in range(3))
+            for i in range(L):
+                for j in range(i + 1, L + 1):
+                    t = per[i:j].sum() / (dp * tp) * (1 + 0.3 * r)
+                    A[i, j], V[i, j] = t + (0.1 if i else 0.0), (m - 1) * t + rng.uniform(0, 1)
+                    Q[i, j] = int(6 * (1 + r) / (j - i)) - 1
+            a.append(A)
+            v.append(V)
+            q.append(Q)
+        options.append(StageOption(c, dp, tp, tuple(a), tuple(v), tuple(q)))
+    return HeteroProblem(L, tuple(options), caps, m, ("none", "full"))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_cpsat_equals_brute_force_on_random_tables(seed: int) -> None:
+    problem = _random_problem(np.random.default_rng(seed))
+    brute, sat = solve_brute_force(problem), solve_cpsat(problem)
+    assert (brute is None) == (not sat.stages), (brute, sat.status)
+    if brute is None:
+        assert sat.status == "INFEASIBLE"
+        return
+    assert sat.status == "OPTIMAL" and sat.gap == 0.0 and not sat.restricted
+    assert sat.objective == pytest.approx(brute.objective, rel=1e-8)
+    assert objective(problem, sat.stages) == sat.objective
+
+
+def _node(name: str, kind: str, count: int, per_node: int) -> dict[str, object]:
+    return {"name": name, "count": count, "devices": [{"type": kind, "count": per_node}],
+            "cpu_cores": 16, "intra_link": {"kind": "nvlink", "bandwidth_gbps": 1200.0,
+                                            "latency_us": 2.0}}
+
+
+_SMALL = {  # at most 4 device groups each
+    "2xA100+2xV100": [_node("a", "A100-80GB", 1, 2), _node("v", "V100-SXM2-32GB", 1, 2)],
+    "A100+V100+V100": [_node("a", "A100-80GB", 1, 1), _node("v", "V100-SXM2-32GB", 2, 1)],
+    "A100,2xV100,A100-40": [_node("a", "A100-80GB", 1, 1), _node("v", "V100-SXM2-32GB", 1, 2),
+                            _node("b", "A100-40GB", 1, 1)],
+}
+
+
+def _spec(cluster: str) -> ClusterSpec:
+    return ClusterSpec.from_dict({"name": cluster, "nodes": _SMALL[cluster],
+                                  "inter_node": {"kind": "ethernet", "bandwidth_gbps": 100.0,
+                                                 "latency_us": 25.0}})
+
+
+@pytest.fixture(scope="module")
+def gpt_test() -> WorkloadSummary:
+    from hetplan import zoo
+    from hetplan.ir.capture import capture
+
+    args, kwargs = zoo.example_inputs("gpt-test", batch=1)
+    ir = capture(zoo.build("gpt-test"), args, kwargs, name="gpt-test")
+    return WorkloadSummary.from_model_ir(ir)
+
+
+@pytest.mark.parametrize("cluster", sorted(_SMALL))
+@pytest.mark.parametrize("micro_batch,micro_batches", [(2, 4), (4, 2)])
+def test_cpsat_equals_brute_force_on_mixed_clusters(gpt_test: WorkloadSummary, cluster: str,
+                                                    micro_batch: int,
+                                                    micro_batches: int) -> None:
+    """The cost model's own tables (memory, divisibility, resharding, recomputation)."""
+    costs = CostModel(_spec(cluster), dtype="mixed")
+    problem, infos = build_problem(gpt_test, costs, device_classes(costs), micro_batch,
+                                   micro_batches)
+    assert problem.num_layers <= 12 and len(problem.capacity) <= 4 and len(infos) >= 3
+    brute = solve_brute_force(problem)
+    assert brute is not None
+    sat = solve_cpsat(problem)
+    assert sat.status == "OPTIMAL" and sat.gap == 0.0
+    assert sat.objective == pytest.approx(brute.objective, rel=1e-8)
+
+
+def test_two_solves_give_the_same_result() -> None:
+    """Deterministic (one worker, fixed seed, deterministic time limit): the same stages,
+    objective, bound and status, also when the limit stops the search early."""
+    problem = _random_problem(np.random.default_rng(7), max_layers=12)
+    for limit in (0.001, 5.0):
+        one, two = (solve_cpsat(problem, deterministic_limit=limit) for _ in range(2))
+        assert (one.stages, one.objective, one.bound, one.status, one.deterministic_time) == \
+               (two.stages, two.objective, two.bound, two.status, two.deterministic_time)
+
+
+def test_warm_start_and_neighbourhood_are_reported() -> None:
+    """A hint from the exact DP is accepted (its objective recorded), and a neighbourhood
+    model around it says it is restricted; its solution is never worse than the hint."""
+    problem = next(p for p in (_random_problem(np.random.default_rng(s), max_layers=10)
+                               for s in range(100))
+                   if p.num_layers >= 6 and solve_exact(p) is not None)
+    exact = solve_exact(problem)
+    assert exact is not None
+    slots, arcs = window_arcs(problem, exact.stages, window=1)
+    near = solve_cpsat(problem, hint=exact.stages, max_slots=slots, arcs=arcs)
+    assert near.restricted and near.hint_objective == pytest.approx(exact.objective)
+    assert near.objective <= exact.objective
+    full = solve_cpsat(problem, hint=exact.stages)
+    assert not full.restricted and full.objective == pytest.approx(exact.objective, rel=1e-8)
+
+
+def test_infeasible_when_nothing_fits() -> None:
+    problem = _random_problem(np.random.default_rng(3))
+    none_fit = HeteroProblem(problem.num_layers, tuple(
+        StageOption(o.device_class, o.dp, o.tp, o.a, o.v, tuple(np.full_like(x, -1.0)
+                                                                for x in o.q))
+        for o in problem.options), problem.capacity, problem.micro_batches, problem.modes)
+    sat = solve_cpsat(none_fit)
+    assert not sat.stages and sat.status == "INFEASIBLE" and sat.objective == float("inf")
