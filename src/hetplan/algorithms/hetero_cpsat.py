@@ -192,6 +192,7 @@ def solve_cpsat(problem: HeteroProblem, *, hint: Sequence[StageChoice] = (),
     start = [model.new_int_var(0, L - 1, f"s{d}") for d in range(K)]
     model.add(on[0] == 1)
     V = model.new_int_var(0, units(biggest), "maxv")
+    firsts = []
     for d in range(K):
         model.add(sum(x[d]) == on[d])
         if d + 1 < K:
@@ -208,6 +209,7 @@ def solve_cpsat(problem: HeteroProblem, *, hint: Sequence[StageChoice] = (),
             model.add_bool_and([on[d], on[d + 1].negated()]).only_enforce_if(first)
             model.add_bool_or([on[d].negated(), on[d + 1]]).only_enforce_if(first.negated())
         model.add(start[d] == 0).only_enforce_if(first)
+        firsts.append(first)
         model.add(V >= sum(units(v) * b for (*_, v), b in zip(table[d], x[d])))
     for c, cap in enumerate(problem.capacity):
         use = [problem.options[o].devices * b for d in range(K)
@@ -216,14 +218,21 @@ def solve_cpsat(problem: HeteroProblem, *, hint: Sequence[StageChoice] = (),
             model.add(sum(use) <= cap)
     model.minimize(sum(units(a) * b for d in range(K)
                        for (_, _, _, _, a, _), b in zip(table[d], x[d])) + V)
-    # 3. the warm start, as a complete hint
+    # 3. the warm start, as a complete hint (every variable: a partial hint left the
+    # single-worker search without any solution on 512 GPUs within 2 deterministic seconds)
     if hint and hint_j < INF and len(hint) <= K:
         P = len(hint)
         want = {(P - 1 - k, s.option, s.first, s.end) for k, s in enumerate(hint)}
+        worst = 0
         for d in range(K):
             model.add_hint(on[d], d < P)
-            for (o, _, i, j, _, _), b in zip(table[d], x[d]):
+            model.add_hint(start[d], hint[P - 1 - d].first if d < P else 0)
+            if firsts[d] is not on[d]:
+                model.add_hint(firsts[d], d == P - 1)
+            for (o, _, i, j, _, v), b in zip(table[d], x[d]):
                 model.add_hint(b, (d, o, i, j) in want)
+                worst = max(worst, units(v)) if (d, o, i, j) in want else worst
+        model.add_hint(V, worst)
     # 4. solve, deterministically
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
