@@ -140,3 +140,38 @@ def test_infeasible_when_nothing_fits() -> None:
         for o in problem.options), problem.capacity, problem.micro_batches, problem.modes)
     sat = solve_cpsat(none_fit)
     assert not sat.stages and sat.status == "INFEASIBLE" and sat.objective == float("inf")
+
+
+def test_coarse_search_records_the_cpsat_refinement(gpt_test: WorkloadSummary) -> None:
+    """On a cluster too large for the exact DP at one device (3 classes of 8: 9^3 device
+    vectors), the best coarse plan is refined by CP-SAT: the record is in the plan and its
+    pass log whether or not CP-SAT's plan is taken, the warm start is the coarse plan, and
+    two compilations give byte-identical JSON."""
+    from hetplan.cost_models.hetero import coarse_units
+    from hetplan.ir.plan_sections import ClusterRef, ModelRef
+    from hetplan.optimizer.hetero import compile_hetero, search_hetero
+
+    spec = ClusterSpec.from_dict({"name": "three", "nodes": [
+        _node("a", "A100-80GB", 2, 4), _node("h", "H100-80GB", 2, 4),
+        _node("v", "V100-SXM2-32GB", 2, 4)], "inter_node": {
+            "kind": "ethernet", "bandwidth_gbps": 100.0, "latency_us": 25.0}})
+    costs = CostModel(spec, dtype="mixed")
+    assert any(u > 1 for u in coarse_units(device_classes(costs)))
+    assert all(c.hetero.search.cpsat is None
+               for c in search_hetero(gpt_test, costs, 64, cpsat=False))
+    cands = search_hetero(gpt_test, costs, 64)
+    recorded = [c for c in cands if c.hetero.search.cpsat is not None]
+    assert recorded and recorded[0] is cands[0]  # the plan chosen carries it
+    rec = cands[0].hetero.search.cpsat
+    assert rec is not None and rec.status == "OPTIMAL" and rec.gap == 0.0
+    assert rec.objective_ms <= rec.hint_objective_ms
+    if rec.taken:
+        assert cands[0].hetero.search.method == "coarse-dp+cp-sat"
+        assert set(cands[0].hetero.search.units) == {1}
+    else:
+        assert cands[0].hetero.search.method == "coarse-dp"
+    kw = dict(model_ref=ModelRef(name="gpt-test", fingerprint="x", num_params=1),
+              cluster_ref=ClusterRef.from_cluster(spec))
+    one, two = (compile_hetero(gpt_test, costs, 64, **kw) for _ in range(2))  # type: ignore[arg-type]
+    assert one.model_dump_json() == two.model_dump_json()
+    assert any("cp-sat at one-device resolution" in n for n in one.pass_log[0].notes)
