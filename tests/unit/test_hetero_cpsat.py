@@ -112,8 +112,11 @@ def test_two_solves_give_the_same_result() -> None:
     problem = _random_problem(np.random.default_rng(7), max_layers=12)
     for limit in (0.001, 5.0):
         one, two = (solve_cpsat(problem, deterministic_limit=limit) for _ in range(2))
-        assert (one.stages, one.objective, one.bound, one.status, one.deterministic_time) == \
-               (two.stages, two.objective, two.bound, two.status, two.deterministic_time)
+        # the work spent may differ in the last bit (summation order); the plan rounds it
+        assert (one.stages, one.objective, one.bound, one.status,
+                round(one.deterministic_time, 9)) == \
+               (two.stages, two.objective, two.bound, two.status,
+                round(two.deterministic_time, 9))
 
 
 def test_warm_start_and_neighbourhood_are_reported() -> None:

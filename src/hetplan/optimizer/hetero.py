@@ -8,7 +8,10 @@
    micro-batch per ... pipeline): the tables of :func:`~hetplan.cost_models.hetero.
    build_problem` and the exact DP (:func:`~hetplan.algorithms.hetero_search.solve_exact`)
    over layer splits, device use, stage degrees and recomputation; orders of classes come
-   out of the DP (stages of any class in any order).
+   out of the DP (stages of any class in any order). On large clusters the DP runs in a
+   coarser space (stages of whole device units); CP-SAT then re-solves a neighbourhood of
+   its best plan at one-device resolution (:func:`_refine_best`,
+   :mod:`hetplan.optimizer.hetero_refine`), and both are re-predicted.
 3. **Re-predict** every plan the DP's threshold scans visit with the full simulator
    (:func:`~hetplan.cost_models.hetero.evaluate_hetero`) and keep the fastest; a scan
    stops only once its remaining plans' objective cannot be below the best predicted time
