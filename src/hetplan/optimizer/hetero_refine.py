@@ -33,13 +33,15 @@ from hetplan.ir.plan_sections import WorkloadSummary
 
 __all__ = ["Refinement", "refine_stages", "WINDOW", "DETERMINISTIC_LIMIT"]
 
-#: Layers each stage boundary of the coarse plan may move. 1: on mixed-512 (batch 1024)
-#: every model solved to optimality in 0.01-0.6 deterministic units; 2 and 3 left 8- and
-#: 10-stage plans without a solution after 2 units (presolve probing of 10-25 k booleans).
+#: Layers each stage boundary of the coarse plan may move. 1: on mixed-512 (batch 1024) both
+#: bench models are proven optimal in their neighbourhood within 0.01-0.03 deterministic
+#: units; windows of 2 and 3 layers around 8- and 10-stage plans (10-25 k booleans) found no
+#: solution within 2 units (with presolve probing, since turned off).
 WINDOW = 1
-#: CP-SAT's ``max_deterministic_time``: about 1-5 s of wall time on the shared 2-core
-#: development machine under load 9 (about 9 s of wall time per unit there).
-DETERMINISTIC_LIMIT = 0.3
+#: CP-SAT's ``max_deterministic_time``: the solves above need at most 0.03; a unit took
+#: 3-9 s of wall time on the shared 2-core development machine (load 9-20), so the limit
+#: bounds CP-SAT's share of the 5-s search budget to about a second there.
+DETERMINISTIC_LIMIT = 0.1
 
 
 @dataclass(frozen=True)
