@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import networkx as nx
+if TYPE_CHECKING:  # imported where a graph is built: every capture imports this module
+    import networkx as nx
 
 __all__ = ["FlowTensor", "LayerDataflow", "INPUT"]
 
@@ -59,6 +61,8 @@ class LayerDataflow:
     def graph(self) -> nx.MultiDiGraph:
         """Nodes: ``"input"`` and ``0 .. num_layers - 1``; an edge ``producer -> consumer``
         per tensor and consumer, key = the tensor's name, attribute ``size_bytes``."""
+        import networkx as nx
+
         g = nx.MultiDiGraph()
         g.add_node(INPUT)
         g.add_nodes_from(range(self.num_layers))
@@ -78,6 +82,8 @@ class LayerDataflow:
                  ) -> tuple[FlowTensor, ...]:
         """The tensors a pipeline boundary before layer ``boundary`` cuts (each once, in
         name order): produced before it, read at or after it."""
+        import networkx as nx
+
         g = self.graph() if graph is None else graph
         before: list[object] = [INPUT, *range(boundary)]
         after = range(boundary, self.num_layers)
