@@ -22,10 +22,12 @@ from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan_sections import WorkloadSummary
 
 
-def _random_problem(rng: np.random.Generator, max_layers: int = 7) -> HeteroProblem:
+def _random_problem(rng: np.random.Generator, max_layers: int = 7,
+                    layers: int | None = None) -> HeteroProblem:
     """Two device classes, 1-3 options, two recomputation modes (the second slower and
     holding twice as many micro-batches), memory that binds on long ranges."""
     L, m = int(rng.integers(2, max_layers)), int(rng.integers(1, 6))
+    L = layers if layers is not None else L
     caps = (int(rng.integers(1, 5)), int(rng.integers(1, 5)))
     options = []
     for _ in range(int(rng.integers(1, 4))):
@@ -59,6 +61,17 @@ def test_cpsat_equals_brute_force_on_random_tables(seed: int) -> None:
     assert objective(problem, sat.stages) == sat.objective
 
 
+@pytest.mark.parametrize("seed", [109, 118, 123, 128])
+def test_cpsat_equals_brute_force_on_twelve_layers(seed: int) -> None:
+    """Twelve layers, 2-3 options, 3-5 micro-batches: seeds where some plan fits (at 12
+    layers most random instances have a range too long for memory everywhere)."""
+    problem = _random_problem(np.random.default_rng(seed), layers=12)
+    brute, sat = solve_brute_force(problem), solve_cpsat(problem)
+    assert brute is not None and len(problem.options) >= 2
+    assert sat.status == "OPTIMAL" and sat.gap == 0.0
+    assert sat.objective == pytest.approx(brute.objective, rel=1e-8)
+
+
 def _node(name: str, kind: str, count: int, per_node: int) -> dict[str, object]:
     return {"name": name, "count": count, "devices": [{"type": kind, "count": per_node}],
             "cpu_cores": 16, "intra_link": {"kind": "nvlink", "bandwidth_gbps": 1200.0,
@@ -70,6 +83,8 @@ _SMALL = {  # at most 4 device groups each
     "A100+V100+V100": [_node("a", "A100-80GB", 1, 1), _node("v", "V100-SXM2-32GB", 2, 1)],
     "A100,2xV100,A100-40": [_node("a", "A100-80GB", 1, 1), _node("v", "V100-SXM2-32GB", 1, 2),
                             _node("b", "A100-40GB", 1, 1)],
+    "A100,V100,A100-40,H100": [_node("a", "A100-80GB", 1, 1), _node("v", "V100-SXM2-32GB", 1, 1),
+                               _node("b", "A100-40GB", 1, 1), _node("h", "H100-80GB", 1, 1)],
 }
 
 
@@ -99,6 +114,7 @@ def test_cpsat_equals_brute_force_on_mixed_clusters(gpt_test: WorkloadSummary, c
     problem, infos = build_problem(gpt_test, costs, device_classes(costs), micro_batch,
                                    micro_batches)
     assert problem.num_layers <= 12 and len(problem.capacity) <= 4 and len(infos) >= 3
+    assert len(problem.capacity) == len({o.device_class for o in infos})
     brute = solve_brute_force(problem)
     assert brute is not None
     sat = solve_cpsat(problem)
