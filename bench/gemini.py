@@ -35,6 +35,17 @@ reports what load does not change much:
 Writes ``bench/results/gemini_cpu.json``. One command, for a quiet machine:
 
     python bench/gemini.py [--model gpt-test] [--batch 16] [--rounds 12] [--iters 3]
+
+``--gil`` instead measures, in one process and without a process group, what a checkpoint
+thread's work costs the training thread through the GIL: the training thread runs the model's
+forward and backward (one small torch op after another, each releasing the GIL and taking it
+back) while a second thread does, once per iteration, nothing (``noop``), the former round's
+local work (``torch.save`` of the state and a write to ``/dev/shm``: ``torch-save``), or
+today's (:class:`~hetplan.runtime.checkpoint_snapshot.Packer` straight into a mapped
+shared-memory slot, CRC and metadata: ``flat``). Per mode: the training thread's wall and CPU
+time per iteration, and their difference, the time it was off the CPU (waiting for the GIL,
+or for a core), in blocks that alternate the modes. Writes
+``bench/results/gemini_gil_cpu.json``.
 """
 
 from __future__ import annotations
@@ -145,6 +156,97 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
     dist.destroy_process_group()
 
 
+GIL_MODES = ("noop", "torch-save", "flat")
+
+
+def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, object]:
+    """The ``--gil`` measurement (module docstring); returns the results entry."""
+    import threading
+
+    from hetplan import zoo
+    from hetplan.runtime.checkpoint_snapshot import Packer
+    from hetplan.runtime.checkpoint_store import NodeStore
+    from hetplan.runtime.worker import make_target, synthetic_batch
+
+    torch.set_num_threads(1)
+    net = zoo.build(model, device="cpu", seed=0)
+    ex_args, ex_kwargs = zoo.example_inputs(model, batch=1, device="cpu")
+    target_of = make_target(net, ex_args, ex_kwargs)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+    params = [(n, p) for n, p in net.named_parameters()]
+    packer = Packer()
+    go, done = threading.Event(), threading.Event()
+    state: dict[str, object] = {"mode": "noop", "it": 0, "stop": False}
+    side_cpu: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+    shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=shm_base) as shm:
+        store = NodeStore(Path(shm), 0)
+
+        def side() -> None:
+            while True:
+                go.wait()
+                go.clear()
+                if state["stop"]:
+                    return
+                mode, it = str(state["mode"]), int(state["it"])  # type: ignore[call-overload]
+                c0 = time.thread_time()
+                if mode == "torch-save":
+                    buf = io.BytesIO()
+                    torch.save({"params": {n: p.detach() for n, p in params},
+                                "optim": opt.state_dict(), "rng": torch.get_rng_state(),
+                                "iteration": it}, buf)
+                    store.write("own", 0, it, buf.getvalue())
+                elif mode == "flat":
+                    packed = packer.prepare(params, opt.state_dict(), torch.get_rng_state(), it)
+                    res = store.reserve("own", 0, it, packed.nbytes)
+                    assert res is not None
+                    packer.pack_into(packed, torch.frombuffer(res.buffer, dtype=torch.uint8,
+                                                              count=packed.nbytes))
+                    store.commit(res)
+                side_cpu[mode].append(time.thread_time() - c0)
+                done.set()
+
+        th = threading.Thread(target=side, daemon=True)
+        th.start()
+        wall: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+        cpu: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+        it = 0
+        for r in range(rounds + 1):
+            order = GIL_MODES if r % 2 else tuple(reversed(GIL_MODES))
+            for mode in order:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for _ in range(iters):
+                    it += 1
+                    state["mode"], state["it"] = mode, it
+                    done.clear()
+                    go.set()  # the side thread works while this one runs the iteration
+                    xs = synthetic_batch(ex_args, batch, it)
+                    out = net(*xs)
+                    logits = getattr(out, "logits", out)
+                    tgt = target_of(xs, batch)
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+                    loss.backward()
+                    done.wait()  # the step waits for the snapshot
+                    opt.step()
+                    opt.zero_grad()
+                if r:
+                    wall[mode].append((time.perf_counter() - t0) / iters)
+                    cpu[mode].append((time.thread_time() - c0) / iters)
+        state["stop"] = True
+        go.set()
+        th.join()
+    res: dict[str, object] = {}
+    for m in GIL_MODES:
+        off = [w - c for w, c in zip(wall[m], cpu[m], strict=True)]
+        res[m] = {"wall_ms": _med_ms(wall[m]), "training_thread_cpu_ms": _med_ms(cpu[m]),
+                  "training_thread_off_cpu_ms": _med_ms(off),
+                  "side_thread_cpu_ms": _med_ms(side_cpu[m]) if m != "noop" else 0.0,
+                  "paired_wall_over_noop": statistics.median(
+                      a / b for a, b in zip(wall[m], wall["noop"], strict=True))}
+    return res
+
+
 def _med_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3 if xs else math.nan
 
@@ -155,7 +257,21 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--gil", action="store_true", help="the GIL measurement (docstring)")
     args = ap.parse_args()
+    if args.gil:
+        load0 = os.getloadavg()[0]
+        res = gil_bench(args.model, args.batch, args.rounds, args.iters)
+        for m, v in res.items():
+            print(f"{m:>11}: {v}")
+        out = {"machine": machine(device="cpu"), "model": args.model,
+               "batch": args.batch, "rounds": args.rounds, "iterations_per_block": args.iters,
+               "load_average_1min": {"before": load0, "after": os.getloadavg()[0]},
+               "modes": res}
+        path = ROOT / "bench" / "results" / "gemini_gil_cpu.json"
+        path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path.relative_to(ROOT)}")
+        return 0
     import hetplan
     from hetplan.ir.cluster import ClusterSpec
 

@@ -22,19 +22,26 @@ while writing leaves the previous snapshot intact (double buffering).
 The root is ``$HETPLAN_CHECKPOINT_DIR`` when set (kept after the run: the user owns it), else
 ``/dev/shm/hetplan-ckpt-<torchrun run id>`` (the same for every restart of one run; removed when
 the run succeeds).
+
+The checkpoint thread writes a slot in place: :meth:`NodeStore.reserve` maps the slot's data
+file into the process (``mmap``; the mapping is kept while the file stays the same, so a
+round reuses the pages of the round before last), the snapshot is packed or received straight
+into it, and :meth:`NodeStore.commit` writes the metadata: no copy of the blob in the heap.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CHECKPOINT_DIR_ENV", "NodeStore", "default_root", "remove_default_root"]
+__all__ = ["CHECKPOINT_DIR_ENV", "NodeStore", "Reserved", "default_root",
+           "remove_default_root"]
 
 CHECKPOINT_DIR_ENV = "HETPLAN_CHECKPOINT_DIR"
 
@@ -57,11 +64,25 @@ def remove_default_root() -> None:
 
 
 @dataclass(frozen=True)
+class Reserved:
+    """A slot being written: ``buffer`` maps its data file (``nbytes``); :meth:`NodeStore.commit`
+    completes it as ``iteration``."""
+
+    kind: str
+    rank: int
+    slot: int
+    iteration: int
+    buffer: mmap.mmap
+
+
+@dataclass(frozen=True)
 class NodeStore:
     """One node's checkpoint directory (see module docstring)."""
 
     root: Path
     node: int
+    _maps: dict[tuple[str, int, int], tuple[int, int, mmap.mmap]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def path(self) -> Path:
@@ -105,6 +126,44 @@ class NodeStore:
         tmp = meta.with_suffix(".tmp")
         tmp.write_text(json.dumps({"iteration": iteration, "nbytes": len(blob),
                                    "crc32": zlib.crc32(blob)}))
+        os.replace(tmp, meta)
+
+    def reserve(self, kind: str, rank: int, iteration: int, nbytes: int) -> Reserved | None:
+        """Make the slot that does not hold the newest complete snapshot incomplete, size its
+        data file to ``nbytes`` (> 0) and map it; None when ``iteration`` is already
+        complete."""
+        if nbytes <= 0:
+            raise ValueError(f"a snapshot has at least a header; got nbytes={nbytes}")
+        have = self.iterations(kind, rank)
+        if iteration in have:
+            return None
+        newest = max(have, default=None)
+        slot = 0 if newest is None else 1 - have[newest]
+        data, meta = self._slot(kind, rank, slot)
+        data.parent.mkdir(parents=True, exist_ok=True)
+        meta.unlink(missing_ok=True)  # the slot is incomplete from here on
+        fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            st = os.fstat(fd)
+            cached = self._maps.get((kind, rank, slot))
+            if cached is not None and cached[:2] == (st.st_ino, nbytes) and st.st_size == nbytes:
+                mm = cached[2]  # the same file, the same size: its pages are mapped already
+            else:
+                if st.st_size != nbytes:
+                    os.ftruncate(fd, nbytes)
+                mm = mmap.mmap(fd, nbytes)
+                self._maps[(kind, rank, slot)] = (st.st_ino, nbytes, mm)
+        finally:
+            os.close(fd)
+        return Reserved(kind, rank, slot, iteration, mm)
+
+    def commit(self, r: Reserved) -> None:
+        """Complete a reserved slot: its metadata (with the data's CRC-32), by a rename."""
+        data, meta = self._slot(r.kind, r.rank, r.slot)
+        size = os.stat(data).st_size
+        tmp = meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"iteration": r.iteration, "nbytes": size,
+                                   "crc32": zlib.crc32(memoryview(r.buffer)[:size])}))
         os.replace(tmp, meta)
 
     def read(self, kind: str, rank: int, iteration: int) -> bytes:
