@@ -44,7 +44,9 @@ local work (``torch.save`` of the state and a write to ``/dev/shm``: ``torch-sav
 today's (:class:`~hetplan.runtime.checkpoint_snapshot.Packer` straight into a mapped
 shared-memory slot, CRC and metadata: ``flat``). Per mode: the training thread's wall and CPU
 time per iteration, and their difference, the time it was off the CPU (waiting for the GIL,
-or for a core), in blocks that alternate the modes. Writes
+or for a core), in blocks that alternate the modes; the side thread's CPU time per phase
+(which phases hold the GIL: ``torch.save``'s pickling and ``prepare`` do, the copy of
+``pack`` (``torch.cat``), the CRC and the file writes do not). Writes
 ``bench/results/gemini_gil_cpu.json``.
 """
 
@@ -178,6 +180,9 @@ def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, obje
     go, done = threading.Event(), threading.Event()
     state: dict[str, object] = {"mode": "noop", "it": 0, "stop": False}
     side_cpu: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+    phases: dict[str, dict[str, list[float]]] = {
+        "noop": {}, "torch-save": {"serialise": [], "write": []},
+        "flat": {"prepare": [], "reserve": [], "pack": [], "commit": []}}
     shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=shm_base) as shm:
         store = NodeStore(Path(shm), 0)
@@ -190,19 +195,29 @@ def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, obje
                     return
                 mode, it = str(state["mode"]), int(state["it"])  # type: ignore[call-overload]
                 c0 = time.thread_time()
+                ph = phases[mode]
                 if mode == "torch-save":
                     buf = io.BytesIO()
                     torch.save({"params": {n: p.detach() for n, p in params},
                                 "optim": opt.state_dict(), "rng": torch.get_rng_state(),
                                 "iteration": it}, buf)
+                    c1 = time.thread_time()
                     store.write("own", 0, it, buf.getvalue())
+                    ph["serialise"].append(c1 - c0)
+                    ph["write"].append(time.thread_time() - c1)
                 elif mode == "flat":
                     packed = packer.prepare(params, opt.state_dict(), torch.get_rng_state(), it)
+                    c1 = time.thread_time()
                     res = store.reserve("own", 0, it, packed.nbytes)
                     assert res is not None
+                    c2 = time.thread_time()
                     packer.pack_into(packed, torch.frombuffer(res.buffer, dtype=torch.uint8,
                                                               count=packed.nbytes))
+                    c3 = time.thread_time()
                     store.commit(res)
+                    for k, a, b in (("prepare", c0, c1), ("reserve", c1, c2), ("pack", c2, c3),
+                                    ("commit", c3, time.thread_time())):
+                        ph[k].append(b - a)
                 side_cpu[mode].append(time.thread_time() - c0)
                 done.set()
 
@@ -242,6 +257,7 @@ def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, obje
         res[m] = {"wall_ms": _med_ms(wall[m]), "training_thread_cpu_ms": _med_ms(cpu[m]),
                   "training_thread_off_cpu_ms": _med_ms(off),
                   "side_thread_cpu_ms": _med_ms(side_cpu[m]) if m != "noop" else 0.0,
+                  "side_thread_cpu_ms_by_phase": {k: _med_ms(v) for k, v in phases[m].items()},
                   "paired_wall_over_noop": statistics.median(
                       a / b for a, b in zip(wall[m], wall["noop"], strict=True))}
     return res

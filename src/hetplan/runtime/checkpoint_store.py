@@ -83,14 +83,28 @@ class NodeStore:
     node: int
     _maps: dict[tuple[str, int, int], tuple[int, int, mmap.mmap]] = field(
         default_factory=dict, compare=False, repr=False)
+    _paths: dict[tuple[str, int, int], tuple[str, str, str]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def path(self) -> Path:
         return self.root / f"node{self.node}"
 
     def _slot(self, kind: str, rank: int, slot: int) -> tuple[Path, Path]:
-        d = self.path / kind / f"rank{rank}"
-        return d / f"slot{slot}.bin", d / f"slot{slot}.json"
+        data, meta, _ = self._files(kind, rank, slot)
+        return Path(data), Path(meta)
+
+    def _files(self, kind: str, rank: int, slot: int) -> tuple[str, str, str]:
+        """The slot's data, metadata and temporary metadata file names (kept: a round's
+        checkpoint thread looks them up a dozen times)."""
+        key = (kind, rank, slot)
+        got = self._paths.get(key)
+        if got is None:
+            d = os.path.join(self.root, f"node{self.node}", kind, f"rank{rank}")
+            got = self._paths[key] = (os.path.join(d, f"slot{slot}.bin"),
+                                      os.path.join(d, f"slot{slot}.json"),
+                                      os.path.join(d, f"slot{slot}.tmp"))
+        return got
 
     def iterations(self, kind: str, rank: int) -> dict[int, int]:
         """Complete snapshots: iteration → slot."""
@@ -102,10 +116,11 @@ class NodeStore:
         return out
 
     def _meta(self, kind: str, rank: int, slot: int) -> dict[str, int] | None:
-        data, meta = self._slot(kind, rank, slot)
+        data, meta, _ = self._files(kind, rank, slot)
         try:
-            m = json.loads(meta.read_text())
-            if data.stat().st_size != int(m["nbytes"]):
+            with open(meta, "rb") as f:
+                m = json.loads(f.read())
+            if os.stat(data).st_size != int(m["nbytes"]):
                 return None
             return {k: int(v) for k, v in m.items()}
         except (OSError, ValueError, KeyError, TypeError):
@@ -139,9 +154,11 @@ class NodeStore:
             return None
         newest = max(have, default=None)
         slot = 0 if newest is None else 1 - have[newest]
-        data, meta = self._slot(kind, rank, slot)
-        data.parent.mkdir(parents=True, exist_ok=True)
-        meta.unlink(missing_ok=True)  # the slot is incomplete from here on
+        data, meta, _ = self._files(kind, rank, slot)
+        try:
+            os.unlink(meta)  # the slot is incomplete from here on
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(data), exist_ok=True)
         fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             st = os.fstat(fd)
@@ -159,11 +176,11 @@ class NodeStore:
 
     def commit(self, r: Reserved) -> None:
         """Complete a reserved slot: its metadata (with the data's CRC-32), by a rename."""
-        data, meta = self._slot(r.kind, r.rank, r.slot)
+        data, meta, tmp = self._files(r.kind, r.rank, r.slot)
         size = os.stat(data).st_size
-        tmp = meta.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"iteration": r.iteration, "nbytes": size,
-                                   "crc32": zlib.crc32(memoryview(r.buffer)[:size])}))
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"iteration": r.iteration, "nbytes": size,
+                                "crc32": zlib.crc32(memoryview(r.buffer)[:size])}))
         os.replace(tmp, meta)
 
     def read(self, kind: str, rank: int, iteration: int) -> bytes:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from hetplan.ir.plan_checkpointing import Checkpointing
-from hetplan.runtime.checkpoint_schedule import ChunkEvent, RoundRecord, timetable
+from hetplan.runtime.checkpoint_schedule import ChunkEvent, PlannedSend, RoundRecord, timetable
 from hetplan.runtime.checkpoint_snapshot import Packed, Packer, unpack
 from hetplan.runtime.checkpoint_store import NodeStore, Reserved, default_root
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
@@ -117,6 +117,7 @@ class CheckpointingHandler(Handler):
         self._done = threading.Event()  # the current round is over
         self._done.set()
         self.packer = Packer()
+        self._timetables: dict[tuple[int, int], list[PlannedSend]] = {}
         self._error: BaseException | None = None
         self._pending_optim: dict[str, Any] | None = None
         self.rounds: list[RoundRecord] = []
@@ -312,6 +313,13 @@ class CheckpointingHandler(Handler):
             self.wait_round()
         return [r.to_json() for r in self.rounds]
 
+    def _timetable(self, rank: int, nbytes: int) -> list[PlannedSend]:
+        """:func:`timetable`, kept per (rank, size): the size repeats every round."""
+        key = (rank, nbytes)
+        if key not in self._timetables:
+            self._timetables[key] = timetable(self.ck, rank, nbytes)
+        return self._timetables[key]
+
     def _serve(self) -> None:
         """The checkpoint thread: one round per job until ``None``."""
         while True:
@@ -379,12 +387,12 @@ class CheckpointingHandler(Handler):
                 slots[s] = res = self.store.reserve("held", s, int(hdr[0]), n)
                 bufs[s] = buf = (_mapped(res.buffer, n) if res is not None
                                  else torch.empty(n, dtype=torch.uint8))
-                for c in timetable(self.ck, s, n):
+                for c in self._timetable(s, n):
                     if c.holder == self.rank:
                         reqs.append(dist.irecv(buf[c.start:c.end], s, group=self.group,
                                                tag=_DATA))
 
-        for c in timetable(self.ck, self.rank, nbytes):
+        for c in self._timetable(self.rank, nbytes):
             how = "on_time"
             while True:
                 post_receives(block=False)
