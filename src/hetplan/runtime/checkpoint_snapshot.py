@@ -6,8 +6,9 @@ training thread (each torch op the training thread issues releases the GIL and m
 back). ``torch.save`` pickles every tensor in Python and writes a zip archive: about 2 ms of
 GIL-held work per MiB-sized rank state. Here instead:
 
-* a small **header** (pickled: the iteration, the RNG state, the parameter names, where each
-  tensor lies, and the optimizer state dict with its tensors replaced by :class:`TensorRef`);
+* a small **header** (pickled: the iteration, the RNG state, the parameter names and where
+  each tensor lies (pickled once per layout), and the optimizer state dict with its tensors
+  replaced by :class:`TensorRef`);
 * the **data**: every tensor's bytes, each at a 64-byte aligned offset, written by one
   ``torch.cat(..., out=)`` into the destination (a shared-memory slot mapped into the
   process: no intermediate copy), which runs with the GIL released.
@@ -89,7 +90,9 @@ class Packer:
     """Packs a rank's state into the buffer format above (see module docstring)."""
 
     def __init__(self) -> None:
-        self._key: list[tuple[int, int, tuple[int, ...], torch.dtype]] = []
+        self._key: list[tuple[int, int, torch.Size, torch.dtype]] = []
+        self._names: list[str] = []
+        self._static = b""  # the pickled names and entries of the current layout
         self._sources: list[torch.Tensor] = []
         self._entries: list[tuple[torch.dtype, tuple[int, ...], int, int]] = []
         self._data_bytes = 0
@@ -101,13 +104,14 @@ class Packer:
         a walk over the optimizer state and one small pickle)."""
         tensors = [p for _, p in params]
         skeleton = _skeleton(optim, tensors)
-        key = [(id(t), t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors]
-        if key != self._key:
+        key = [(id(t), t.data_ptr(), t.shape, t.dtype) for t in tensors]
+        names = [n for n, _ in params]
+        if key != self._key or names != self._names:
             self._layout(tensors)
-            self._key = key
+            self._key, self._names = key, names
+            self._static = pickle.dumps({"names": names, "entries": self._entries}, protocol=5)
         header = pickle.dumps({"iteration": iteration, "rng": rng.numpy().tobytes(),
-                               "names": [n for n, _ in params], "entries": self._entries,
-                               "optim": skeleton}, protocol=5)
+                               "layout": self._static, "optim": skeleton}, protocol=5)
         head_len = _align(_PREFIX + len(header))
         head = MAGIC + struct.pack("<Q", len(header)) + header
         head += bytes(head_len - len(head))
@@ -150,6 +154,7 @@ def unpack(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
                          "hetplan version?")
     (hlen,) = struct.unpack("<Q", mv[len(MAGIC):_PREFIX])
     header = pickle.loads(mv[_PREFIX:_PREFIX + hlen])
+    header.update(pickle.loads(header.pop("layout")))
     base = _align(_PREFIX + hlen)
     data = torch.frombuffer(bytearray(mv[base:]), dtype=torch.uint8) if len(mv) > base else (
         torch.empty(0, dtype=torch.uint8))
