@@ -44,7 +44,10 @@ local work (``torch.save`` of the state and a write to ``/dev/shm``: ``torch-sav
 today's (:class:`~hetplan.runtime.checkpoint_snapshot.Packer` straight into a mapped
 shared-memory slot, CRC and metadata: ``flat``). Per mode: the training thread's wall and CPU
 time per iteration, and their difference, the time it was off the CPU (waiting for the GIL,
-or for a core), in blocks that alternate the modes; the side thread's CPU time per phase
+or for a core), split with the kernel's ``schedstat`` into the time it was runnable but
+waiting for a core and the time it slept, i.e. waited for the GIL (``gil_wait``: the loop
+takes no other lock; the wait for the snapshot before the step is subtracted), in blocks that
+alternate the modes; the side thread's CPU time per phase
 (which phases hold the GIL: ``torch.save``'s pickling and ``prepare`` do, the copy of
 ``pack`` (``torch.cat``), the CRC and the file writes do not). Writes
 ``bench/results/gemini_gil_cpu.json``.
@@ -148,6 +151,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
               "gemini_wait_s": [x["wait_before_step_ms"] / 1e3 for x in rounds
                                 if x["wait_before_step_ms"] is not None],
               "gemini_cpu_s": [x["checkpoint_cpu_ms"] / 1e3 for x in rounds],
+              "gemini_serialise_s": [x["serialise_ms"] / 1e3 for x in rounds],
               "gemini_chunks": [c["how"] for x in rounds for c in x["chunks"]]}
     gathered: list[object] = [None] * WORLD
     dist.all_gather_object(gathered, result)
@@ -159,6 +163,19 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
 
 
 GIL_MODES = ("noop", "torch-save", "flat")
+
+
+def _schedstat() -> tuple[float, float]:
+    """This thread's (time on a CPU, time runnable but waiting for one), in seconds, from
+    ``/proc/self/task/<tid>/schedstat`` (zeros where the kernel does not give it)."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            on, rq, _ = f.read().split()
+        return int(on) / 1e9, int(rq) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
 
 
 def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, object]:
@@ -225,11 +242,15 @@ def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, obje
         th.start()
         wall: dict[str, list[float]] = {m: [] for m in GIL_MODES}
         cpu: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+        gil: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+        runq: dict[str, list[float]] = {m: [] for m in GIL_MODES}
         it = 0
         for r in range(rounds + 1):
             order = GIL_MODES if r % 2 else tuple(reversed(GIL_MODES))
             for mode in order:
                 t0, c0 = time.perf_counter(), time.thread_time()
+                on0, rq0 = _schedstat()
+                waited = 0.0
                 for _ in range(iters):
                     it += 1
                     state["mode"], state["it"] = mode, it
@@ -242,12 +263,20 @@ def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, obje
                     loss = torch.nn.functional.cross_entropy(
                         logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
                     loss.backward()
+                    w0 = time.perf_counter()
                     done.wait()  # the step waits for the snapshot
+                    waited += time.perf_counter() - w0
                     opt.step()
                     opt.zero_grad()
+                on1, rq1 = _schedstat()
                 if r:
-                    wall[mode].append((time.perf_counter() - t0) / iters)
+                    span = time.perf_counter() - t0
+                    wall[mode].append(span / iters)
                     cpu[mode].append((time.thread_time() - c0) / iters)
+                    runq[mode].append((rq1 - rq0) / iters)
+                    # neither running nor runnable nor waiting for the snapshot: waiting for
+                    # the GIL (the only other lock this loop takes)
+                    gil[mode].append((span - (on1 - on0) - (rq1 - rq0) - waited) / iters)
         state["stop"] = True
         go.set()
         th.join()
@@ -256,6 +285,8 @@ def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, obje
         off = [w - c for w, c in zip(wall[m], cpu[m], strict=True)]
         res[m] = {"wall_ms": _med_ms(wall[m]), "training_thread_cpu_ms": _med_ms(cpu[m]),
                   "training_thread_off_cpu_ms": _med_ms(off),
+                  "training_thread_runqueue_ms": _med_ms(runq[m]),
+                  "training_thread_gil_wait_ms": _med_ms(gil[m]),
                   "side_thread_cpu_ms": _med_ms(side_cpu[m]) if m != "noop" else 0.0,
                   "side_thread_cpu_ms_by_phase": {k: _med_ms(v) for k, v in phases[m].items()},
                   "paired_wall_over_noop": statistics.median(
@@ -309,6 +340,7 @@ def main() -> int:
     ckpt_ms = {
         "gemini_round": _med_ms([x for r in ranks for x in r["gemini_round_s"]]),
         "gemini_wait_before_step": _med_ms([x for r in ranks for x in r["gemini_wait_s"]]),
+        "gemini_serialised": _med_ms([x for r in ranks for x in r.get("gemini_serialise_s", [])]),
         "blocking_disk_save": _med_ms([x for r in ranks for x in r["save_s"]["blocking-disk"]]),
         "dcp_save": _med_ms([x for r in ranks for x in r["save_s"]["dcp"]]),
     }
@@ -337,7 +369,8 @@ def main() -> int:
               f"ms, process {cpu_ms[m]['process']:.2f} ms")
     print(f"checkpoint time: gemini round {ckpt_ms['gemini_round']:.2f} ms (thread CPU "
           f"{cpu_ms['gemini']['checkpoint_thread_per_round']:.2f} ms, wait before the step "
-          f"median {ckpt_ms['gemini_wait_before_step']:.3f} ms, max {max(waits):.3f} ms), "
+          f"median {ckpt_ms['gemini_wait_before_step']:.3f} ms, max {max(waits):.3f} ms, "
+          f"serialised after {ckpt_ms['gemini_serialised']:.2f} ms), "
           f"blocking disk {ckpt_ms['blocking_disk_save']:.2f} ms, DCP "
           f"{ckpt_ms['dcp_save']:.2f} ms; chunks {chunk_hows}")
     result = {
@@ -362,9 +395,11 @@ def main() -> int:
                       "remote_storage": ck.baseline.model_dump(mode="json"),
                       "storage_bandwidth_gbps": ck.storage_bandwidth_gbps},
         "note": "predictions are for the emulated cluster spec (10 Gb/s between nodes, "
-                "1 Gb/s storage; idle spans within a 3-5 ms iteration, so on this CPU every "
-                "chunk's span has passed by the time the snapshot is serialised: 'late' "
-                "means sent at once); the measurements run all 4 'nodes' on one shared CPU",
+                "1 Gb/s storage; a 5.2 ms iteration whose idle spans put every chunk within "
+                "1.6 ms of the step's start): a chunk is 'late' (sent at once, over 1 ms past "
+                "its span) when the snapshot is serialised later than that "
+                "(measured_checkpoint_ms.gemini_serialised); the measurements run all 4 "
+                "'nodes' on one machine's CPU",
     }
     path = ROOT / "bench" / "results" / "gemini_cpu.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
