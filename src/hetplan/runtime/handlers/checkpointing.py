@@ -4,17 +4,21 @@ What it does, per rank (``docs/decisions/gemini.md`` has the why):
 
 1. **Snapshot** after every ``every_iters``-th optimizer step: this rank's parameters, its
    optimizer state, the torch RNG state and the data position (the number of completed
-   iterations; the worker's synthetic batches are a function of it) are serialised on a side
-   thread into this node's store (:mod:`hetplan.runtime.checkpoint_store`: shared-memory
-   files, two buffers, so they outlive the process).
+   iterations; the worker's synthetic batches are a function of it) are packed by the
+   checkpoint thread (one thread for all rounds, fed by a queue) into one flat buffer
+   (:mod:`hetplan.runtime.checkpoint_snapshot`: a small pickled header, then every tensor's
+   bytes copied by one ``torch.cat`` without the GIL) straight into this node's store
+   (:mod:`hetplan.runtime.checkpoint_store`: shared-memory files mapped into the process, two
+   buffers, so they outlive the process). The training thread only hands over references.
 2. **Replicas**: the same thread sends the snapshot to the rank's holders
    (``checkpointing.ranks[r].holders[1:]``) over a side gloo group, each chunk of the plan's
    schedule at its idle span's offset from the step's start (the end of the optimizer step
    that completed the snapshot's iteration; :mod:`hetplan.runtime.checkpoint_schedule` maps
    the planned chunks onto the serialised blob); a chunk whose span has passed goes at once.
    It receives the snapshots of the ranks this rank holds (their receives are posted as soon
-   as each sender's header arrives, so the data moves when the sender sends it), writes them
-   to its node's store and acknowledges each. Every round is recorded (chunks sent, bytes,
+   as each sender's header arrives, straight into the mapped slot of its node's store, so
+   the data moves when the sender sends it and is never copied again), completes them and
+   acknowledges each. Every round is recorded (chunks sent, bytes,
    when, how; the wait before the step; CPU time of the training and checkpoint threads) for
    the run report (:meth:`CheckpointingHandler.report`).
 3. **At most one interval lost**: the optimizer step waits (``after_backward``) until the
