@@ -27,7 +27,11 @@ reports what load does not change much:
   (``time.thread_time``; a blocking save runs on it), the whole process's (``process_time``:
   also gloo's I/O threads and Gemini's thread), and for Gemini the checkpoint thread's CPU
   time per round (serialise, write, send, receive, acknowledge; it needs a spare core, which
-  a GPU machine's host has and this one does not);
+  a GPU machine's host has and this one does not); and, from the kernel's ``schedstat``, the
+  training thread's time runnable but without a CPU (``training_thread_runqueue``: the
+  machine's load) and its time asleep (``training_thread_asleep``: waiting for the other
+  ranks, for the checkpoint round, or for the GIL; on a quiet machine Gemini's extra over
+  ``none`` here is what the checkpoint thread costs the training thread);
 * ``gemini_wait_before_step_ms``: how long the optimizer step waited for the round (≈ 0 when
   the checkpoint traffic fits before the next step), and how the chunks went against the
   plan's idle spans (``on_time`` / ``late`` / ``released``).
@@ -115,6 +119,8 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
     times: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}  # training thread, s/iteration
     proc_cpu: dict[str, list[float]] = {m: [] for m in MODES}  # whole process
+    runq: dict[str, list[float]] = {m: [] for m in MODES}  # training thread runnable, no CPU
+    asleep: dict[str, list[float]] = {m: [] for m in MODES}  # ... neither: comm or GIL waits
     save_s: dict[str, list[float]] = {"blocking-disk": [], "dcp": []}
     gemini = runtimes["gemini"].handler(CheckpointingHandler)
     for r in range(rounds + 1):  # round 0 is warm-up
@@ -123,6 +129,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
             rt = runtimes[which]
             dist.barrier()
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            on0, rq0 = _schedstat()
             for i in range(iters):
                 xs = synthetic_batch(ex_args, batch, r * 100 + i)
                 rt.train_step(xs, target_of(xs, batch))
@@ -140,13 +147,18 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
             if which == "gemini":
                 gemini.wait_round()
             c1, p1 = time.thread_time(), time.process_time()
+            on1, rq1 = _schedstat()
+            span = time.perf_counter() - t0
             dist.barrier()
             if r:
                 times[which].append((time.perf_counter() - t0) / iters)
                 cpu[which].append((c1 - c0) / iters)
                 proc_cpu[which].append((p1 - p0) / iters)
+                runq[which].append((rq1 - rq0) / iters)
+                asleep[which].append((span - (on1 - on0) - (rq1 - rq0)) / iters)
     rounds = gemini.report()[iters:]
     result = {"times": times, "cpu_s": cpu, "process_cpu_s": proc_cpu, "save_s": save_s,
+              "runqueue_s": runq, "asleep_s": asleep,
               "gemini_round_s": gemini.round_s[iters:],
               "gemini_wait_s": [x["wait_before_step_ms"] / 1e3 for x in rounds
                                 if x["wait_before_step_ms"] is not None],
@@ -350,7 +362,9 @@ def main() -> int:
     paired = {m: statistics.median(block[m][k] / block["none"][k] for k in range(n_blocks))
               for m in MODES}
     cpu_ms = {m: {"training_thread": _med_ms([x for r in ranks for x in r["cpu_s"][m]]),
-                  "process": _med_ms([x for r in ranks for x in r["process_cpu_s"][m]])}
+                  "process": _med_ms([x for r in ranks for x in r["process_cpu_s"][m]]),
+                  "training_thread_runqueue": _med_ms([x for r in ranks for x in r["runqueue_s"][m]]),
+                  "training_thread_asleep": _med_ms([x for r in ranks for x in r["asleep_s"][m]])}
               for m in MODES}
     cpu_ms["gemini"]["checkpoint_thread_per_round"] = _med_ms(
         [x for r in ranks for x in r["gemini_cpu_s"]])
@@ -366,7 +380,9 @@ def main() -> int:
     for m in MODES:
         print(f"{m:>14}: {med[m]:8.2f} ms/iteration  ({ratio[m]:.3f}x, paired "
               f"{paired[m]:.3f}x)  CPU: training thread {cpu_ms[m]['training_thread']:.2f} "
-              f"ms, process {cpu_ms[m]['process']:.2f} ms")
+              f"ms, process {cpu_ms[m]['process']:.2f} ms; training thread asleep "
+              f"{cpu_ms[m]['training_thread_asleep']:.2f} ms, runnable "
+              f"{cpu_ms[m]['training_thread_runqueue']:.2f} ms")
     print(f"checkpoint time: gemini round {ckpt_ms['gemini_round']:.2f} ms (thread CPU "
           f"{cpu_ms['gemini']['checkpoint_thread_per_round']:.2f} ms, wait before the step "
           f"median {ckpt_ms['gemini_wait_before_step']:.3f} ms, max {max(waits):.3f} ms, "
