@@ -51,7 +51,7 @@ from hetplan.cost_models.costs import CostModel  # noqa: E402
 from hetplan.errors import InfeasiblePlanError  # noqa: E402
 from hetplan.ir.capture import capture  # noqa: E402
 from hetplan.ir.cluster import ClusterSpec  # noqa: E402
-from hetplan.ir.plan_sections import ClusterRef, CostSettings, ModelRef  # noqa: E402
+from hetplan.ir.plan_sections import ClusterRef, CostSettings  # noqa: E402
 from hetplan.optimizer.compile import compile as compile_plan  # noqa: E402
 from hetplan.optimizer.hetero import compile_hetero, predict, search_hetero  # noqa: E402
 from hetplan.zoo.builders import gpt2  # noqa: E402
