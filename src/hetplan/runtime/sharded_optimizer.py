@@ -154,13 +154,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This replica's gradient chunk of every segment, fp32, in master order."""
         if self.reducer is not None:
             return self.reducer.take_chunk(self.master.dtype)
-        out = torch.zeros_like(self.master)
-        dst, src = [], []
+        src, where = [], []
         for si, pi, lo, hi, at in self._pieces:
             g = self.segments[si].params[pi].grad
             if g is not None:
-                dst.append(out[at : at + hi - lo])
                 src.append(g.reshape(-1)[lo:hi])
+                where.append((at, hi - lo))
+        # every element written (one replica, every gradient present): no zero fill needed
+        full = sum(n for _, n in where) == self.master.numel()
+        out = torch.empty_like(self.master) if full else torch.zeros_like(self.master)
+        dst = [out[at : at + n] for at, n in where]
         if dst:  # one multi-tensor copy (and cast), not one copy per parameter
             torch._foreach_copy_(dst, src)
         return out
