@@ -97,7 +97,10 @@ def run_hetero_passes(plan: Plan, passes: Sequence[Pass], costs: CostModel) -> P
             entry = sub.pass_log[-1]
             changed |= entry.changed
             shape = het.stages[k]
-            text = "; ".join(entry.notes) or ("changed" if entry.changed else "no change")
+            # the projection's one stage is its stage 0: the note's own "stage 0: " says
+            # nothing the prefix does not
+            text = "; ".join(n.replace("stage 0: ", "") for n in entry.notes) or (
+                "changed" if entry.changed else "no change")
             notes.append(f"stage {k} ({shape.device_class} {shape.dp}x{shape.tp}): {text}")
         if not subs:
             notes.append("every stage has dp=1: no gradient sync to plan")
