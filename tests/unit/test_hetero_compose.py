@@ -18,6 +18,7 @@ from hetplan.cost_models.hetero import (
     stage_sync_section,
 )
 from hetplan.cost_models.memory import capture_bytes
+from hetplan.cost_models.predict import simulate
 from hetplan.cost_models.precision import state_precision
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import ClusterSpec
@@ -26,6 +27,7 @@ from hetplan.ir.plan_hetero import Hetero, StageShape
 from hetplan.ir.plan_sections import (
     Bucket,
     ClusterRef,
+    CostSettings,
     GradientSync,
     Layout,
     ModelRef,
@@ -218,7 +220,7 @@ def test_compile_hetero_with_passes_is_byte_identical_and_chooses_zero_per_stage
                               model_ref=ModelRef(name="gpt-test", fingerprint="test",
                                                  num_params=1, workload=workload),
                               cluster_ref=ClusterRef.from_cluster(spec),
-                              passes=(DDPBuckets(), Espresso(compressors=("dgc",)),
+                              cost_settings=CostSettings(dtype="mixed"), passes=(DDPBuckets(), Espresso(compressors=("dgc",)),
                                       CupcakeFusion(), TPResizing()))
 
     a, b = once(), once()
@@ -234,6 +236,9 @@ def test_compile_hetero_with_passes_is_byte_identical_and_chooses_zero_per_stage
     assert len(tried) == sum(s.dp > 1 for s in a.hetero.stages)
     assert a.predictions.iteration_time_ms == pytest.approx(_predict_s(a, costs) * 1e3,
                                                             abs=1e-6)
+    # `hetplan simulate` re-predicts it from the plan alone, per-stage sync included
+    again = simulate(Plan.from_json(a.to_json()), cluster=spec)
+    assert again.iteration_time_ms == a.predictions.iteration_time_ms
 
 
 def test_validator_refuses_sections_that_disagree_with_the_stages(

@@ -71,12 +71,21 @@ from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.stage_times import recompute_s, stage_times
 from hetplan.ir.cluster import Device
 from hetplan.ir.plan_hetero import Hetero, StageShape
-from hetplan.ir.plan_sections import GradientSync, Layout, Stage, WorkloadSummary
+from hetplan.ir.plan_sections import (
+    Baseline,
+    GradientSync,
+    Layout,
+    Predictions,
+    RankMemory,
+    Stage,
+    TimeBreakdown,
+    WorkloadSummary,
+)
 
 __all__ = ["DeviceClass", "device_classes", "assign_ranks", "build_problem", "coarse_units",
            "STATE_BUDGET", "reshard_s",
            "sync_s", "HeteroEvaluation", "evaluate_hetero", "MODES", "TP_DEGREES",
-           "StageProjection", "stage_projection", "stage_sync_section"]
+           "StageProjection", "stage_projection", "stage_sync_section", "hetero_predictions"]
 
 #: Recomputation modes, cheapest in time first (the search takes the first that fits).
 MODES = ("none", "selective", "full")
@@ -539,6 +548,24 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
         optimizer_s=optimizer, bubble_ratio=pipe.bubble_ratio, fwd_s=tuple(fwd),
         bwd_s=tuple(bwd), reshard_s=(0.0, *links), sync_s=tuple(syncs), memory=memory,
         pipeline=pipe, compression_s=compression)
+
+
+def hetero_predictions(ev: HeteroEvaluation, baselines: Sequence[Baseline] = ()
+                       ) -> Predictions:
+    """The plan's ``predictions`` section of a :func:`evaluate_hetero` result (milliseconds),
+    for ``compile_hetero`` and ``simulate`` alike."""
+    return Predictions(
+        iteration_time_ms=ev.iteration_s * 1e3,
+        breakdown=TimeBreakdown(compute_ms=ev.compute_s * 1e3, comm_ms=ev.comm_s * 1e3,
+                                exposed_comm_ms=ev.exposed_comm_s * 1e3,
+                                compression_ms=ev.compression_s * 1e3,
+                                bubble_ms=ev.bubble_s * 1e3),
+        memory_per_rank_bytes=tuple(m.total for m in ev.memory),
+        memory_breakdown=tuple(RankMemory(params=m.params, grads=m.grads,
+                                          optimizer=m.optimizer, activations=m.activations,
+                                          buffers=m.buffers, margin=m.margin)
+                               for m in ev.memory),
+        bubble_ratio=min(max(ev.bubble_ratio, 0.0), 1.0), baselines=tuple(baselines))
 
 
 def _link_reshard(workload: WorkloadSummary, costs: CostModel, sender: Stage, receiver: Stage,

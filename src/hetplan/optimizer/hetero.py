@@ -63,6 +63,7 @@ from hetplan.cost_models.hetero import (
     coarse_units,
     device_classes,
     evaluate_hetero,
+    hetero_predictions,
 )
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, SpecError
@@ -76,10 +77,7 @@ from hetplan.ir.plan_sections import (
     Layout,
     ModelRef,
     PassLogEntry,
-    Predictions,
-    RankMemory,
     Stage,
-    TimeBreakdown,
     WorkloadSummary,
 )
 from hetplan.optimizer.hetero_passes import with_passes
@@ -561,18 +559,7 @@ def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int,
     if passes:
         plan, ev = with_passes(workload, costs, plan, passes, ev)
     plan = plan.model_copy(update={
-        "predictions": Predictions(
-            iteration_time_ms=ev.iteration_s * 1e3,
-            breakdown=TimeBreakdown(compute_ms=ev.compute_s * 1e3, comm_ms=ev.comm_s * 1e3,
-                                    exposed_comm_ms=ev.exposed_comm_s * 1e3,
-                                    compression_ms=ev.compression_s * 1e3,
-                                    bubble_ms=ev.bubble_s * 1e3),
-            memory_per_rank_bytes=tuple(m.total for m in ev.memory),
-            memory_breakdown=tuple(RankMemory(params=m.params, grads=m.grads,
-                                              optimizer=m.optimizer,
-                                              activations=m.activations, buffers=m.buffers,
-                                              margin=m.margin) for m in ev.memory),
-            bubble_ratio=min(max(ev.bubble_ratio, 0.0), 1.0))})
+        "predictions": hetero_predictions(ev)})
     return Plan.model_validate(plan.model_dump())
 
 
