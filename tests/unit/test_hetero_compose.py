@@ -39,6 +39,7 @@ from hetplan.ir.plan_sections import (
 )
 from hetplan.optimizer.hetero import compile_hetero
 from hetplan.passes._hetero_sync import REASONS, run_hetero_passes
+from hetplan.passes.base import Pass
 from hetplan.passes.cupcake import CupcakeFusion
 from hetplan.passes.ddp_buckets import DDPBuckets
 from hetplan.passes.dynpipe import DynPipe
@@ -207,23 +208,27 @@ def test_precision_is_chosen_and_priced_per_stage(workload: WorkloadSummary,
     assert all(a < b for a, b in zip(t16, t32))
 
 
-def test_compile_hetero_with_passes_is_byte_identical_and_chooses_zero_per_stage(
-        workload: WorkloadSummary) -> None:
+def _mixed_2x2() -> CostModel:
     spec = ClusterSpec.from_dict({
         "name": "mixed-2x2", "nodes": [_node("a", "A100-80GB", 2, 2),
                                        _node("v", "V100-SXM2-32GB", 2, 2)],
         "inter_node": {"kind": "ethernet", "bandwidth_gbps": 10.0, "latency_us": 25.0}})
-    costs = CostModel(spec, dtype="mixed")
+    return CostModel(spec, dtype="mixed")
 
-    def once() -> Plan:
-        return compile_hetero(workload, costs, 64, micro_batch=16,
-                              model_ref=ModelRef(name="gpt-test", fingerprint="test",
-                                                 num_params=1, workload=workload),
-                              cluster_ref=ClusterRef.from_cluster(spec),
-                              cost_settings=CostSettings(dtype="mixed"), passes=(DDPBuckets(), Espresso(compressors=("dgc",)),
-                                      CupcakeFusion(), TPResizing()))
 
-    a, b = once(), once()
+def _compiled(workload: WorkloadSummary, costs: CostModel, passes: tuple[Pass, ...]) -> Plan:
+    return compile_hetero(workload, costs, 64, micro_batch=16,
+                          model_ref=ModelRef(name="gpt-test", fingerprint="test", num_params=1,
+                                             workload=workload),
+                          cluster_ref=ClusterRef.from_cluster(costs.cluster),
+                          cost_settings=CostSettings(dtype="mixed"), passes=passes)
+
+
+def test_compile_hetero_with_passes_is_byte_identical_and_chooses_zero_per_stage(
+        workload: WorkloadSummary) -> None:
+    costs = _mixed_2x2()
+    passes = (DDPBuckets(), Espresso(compressors=("dgc",)), CupcakeFusion(), TPResizing())
+    a, b = _compiled(workload, costs, passes), _compiled(workload, costs, passes)
     assert a.to_json() == b.to_json()
     assert a.hetero is not None and a.predictions is not None
     assert any(s.dp > 1 for s in a.hetero.stages)
@@ -234,11 +239,21 @@ def test_compile_hetero_with_passes_is_byte_identical_and_chooses_zero_per_stage
     # every stage with ZeRO-1 from the search was tried at ZeRO-0 for the compressed sync
     tried = [n for n in sync_notes[1:] if "ZeRO-0" in n]
     assert len(tried) == sum(s.dp > 1 for s in a.hetero.stages)
+    assert sync_notes[-1].startswith("without compressors")
     assert a.predictions.iteration_time_ms == pytest.approx(_predict_s(a, costs) * 1e3,
                                                             abs=1e-6)
     # `hetplan simulate` re-predicts it from the plan alone, per-stage sync included
-    again = simulate(Plan.from_json(a.to_json()), cluster=spec)
+    again = simulate(Plan.from_json(a.to_json()), cluster=costs.cluster)
     assert again.iteration_time_ms == a.predictions.iteration_time_ms
+
+
+def test_allowing_compressors_never_predicts_slower(workload: WorkloadSummary) -> None:
+    costs = _mixed_2x2()
+    plain = _compiled(workload, costs, (DDPBuckets(), Espresso(), CupcakeFusion()))
+    comp = _compiled(workload, costs, (DDPBuckets(), Espresso(compressors=("dgc", "fp16")),
+                                       CupcakeFusion()))
+    assert plain.predictions is not None and comp.predictions is not None
+    assert comp.predictions.iteration_time_ms <= plain.predictions.iteration_time_ms
 
 
 def test_validator_refuses_sections_that_disagree_with_the_stages(
