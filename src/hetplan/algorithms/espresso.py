@@ -122,9 +122,15 @@ class SelectionProblem(Generic[K]):
         forward_s / optimizer_s / cpu_workers: passed to the simulator.
         ops_class: optional; tensors with equal values have equal ops under every option (e.g.
             tensors of one size in one group), so per-tensor work is shared between them.
-        ops_fields: optional; the ``(resource, duration_s, label)`` of every op of an ops
-            tuple, as a tuple (the candidates' identity); lets a caller that keeps its ops
-            tuples compute them once for all its selections (default: computed each time).
+        ops_fields: optional; the identity of an ops tuple's values: equal for two tuples
+            exactly when their ops' ``(resource, duration_s, label)`` are equal (e.g. those
+            fields as a tuple, or a number the caller interned them to); lets a caller that
+            keeps its ops tuples compute it once for all its selections (default: the fields
+            as a tuple, computed each time).
+        share: optional; a :class:`~hetplan.algorithms.dp_session.DPSession` whose caches of
+            ops converted to arrays every session of every :func:`select` on this problem
+            uses (e.g. arrays the caller registered for all its ops ahead); no effect on
+            results. Default: each selection's sessions share their own.
     """
 
     backprop_s: Sequence[float]
@@ -139,7 +145,8 @@ class SelectionProblem(Generic[K]):
     optimizer_s: float = 0.0
     cpu_workers: int = 1
     ops_class: Sequence[Hashable] | None = None
-    ops_fields: Callable[[tuple[Op, ...]], tuple[object, ...]] | None = None
+    ops_fields: Callable[[tuple[Op, ...]], Hashable] | None = None
+    share: DPSession | None = None
     evaluations: int = field(default=0, init=False)
     # the last session made, whose caches of ops converted to arrays the next one shares
     # (their entries are checked against the ops themselves, so they cannot go stale);
@@ -170,7 +177,7 @@ class SelectionProblem(Generic[K]):
         :meth:`iteration_s`, bit for bit)."""
         sess = DPSession(self.backprop_s, forward_s=self.forward_s,
                          optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers,
-                         share=self._last_session)
+                         share=self._last_session or self.share)
         self._last_session = sess
         self.evaluations += 1
         sess.rebase([self.ops(i, k) for i, k in enumerate(strategy)])
@@ -229,8 +236,9 @@ def tensors_before_bubbles(problem: SelectionProblem[K], strategy: Sequence[K]) 
                                    problem.cpu_workers, _EPS)
 
 
-#: A candidate of one tensor: (option, its ops, their (communication, GPU, CPU) busy time).
-_Cand = tuple[K, tuple[Op, ...], tuple[float, float, float]]
+#: A candidate of one tensor: (option, its ops, their (communication, GPU, CPU) busy time,
+#: the identity of the ops' values).
+_Cand = tuple[K, tuple[Op, ...], tuple[float, float, float], Hashable]
 #: The candidates of one tensor that Algorithm 4.1 simulates: (options, their ops, baseline?).
 _Tried = tuple[list[K], list[tuple[Op, ...]], list[bool]]
 
@@ -269,7 +277,8 @@ class _Candidates(Generic[K]):
     def __init__(self, problem: SelectionProblem[K], prune: bool) -> None:
         self._problem = problem
         self.prune = prune
-        self._cache: dict[tuple[tuple[object, ...], ...], list[int]] = {}
+        self._cache: dict[tuple[Hashable, ...], list[int]] = {}
+        self._fp: dict[Hashable, tuple[float, float, float]] = {}  # value identity -> footprint
         # (class, baseline) -> (the option list it was computed for, the candidates)
         self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
         # (class, baseline, current option) -> (the candidates it was filtered from, tried)
@@ -301,11 +310,12 @@ class _Candidates(Generic[K]):
             if got is not None and got[0] is cands:
                 return got[1]
         cur_ops = p.ops(j, current)
-        cur_fp = _footprint(cur_ops)
+        cur_sig = self._sig(cur_ops)
+        cur_fp = self._footprint(cur_sig, cur_ops)
         keys: list[K] = []
         ops_list: list[tuple[Op, ...]] = []
-        for cand, ops, fp in cands:
-            if ops == cur_ops or (self.prune and _dominated(fp, cur_fp)):
+        for cand, ops, fp, sg in cands:
+            if sg == cur_sig or (self.prune and _dominated(fp, cur_fp)):
                 continue
             keys.append(cand)
             ops_list.append(ops)
@@ -319,18 +329,27 @@ class _Candidates(Generic[K]):
         keys = [p.baseline[j], *p.gpu_options[j]]
         all_ops = [p.ops(j, k) for k in keys]
         # plain tuples hash in C (an Op's dataclass hash runs Python code per op)
-        fields = p.ops_fields
-        sigs = ([tuple(map(_FIELDS, ops)) for ops in all_ops] if fields is None
-                else [fields(ops) for ops in all_ops])
+        sigs = [self._sig(ops) for ops in all_ops]
         sig = tuple(sigs)  # the ops' values (ids of freed tuples can come back)
         keep = self._cache.get(sig)
         if keep is None:
             keep = self._cache[sig] = self._select(all_ops, sigs)
-        return [(keys[i], all_ops[i], _footprint(all_ops[i])) for i in keep]
+        return [(keys[i], all_ops[i], self._footprint(sigs[i], all_ops[i]), sigs[i])
+                for i in keep]
 
-    def _select(self, all_ops: list[tuple[Op, ...]], sigs: list[tuple[object, ...]]
-                ) -> list[int]:
-        first: dict[tuple[object, ...], int] = {}
+    def _sig(self, ops: tuple[Op, ...]) -> Hashable:
+        """The identity of ``ops``' values (equal exactly when the ops' fields are)."""
+        fields = self._problem.ops_fields
+        return tuple(map(_FIELDS, ops)) if fields is None else fields(ops)
+
+    def _footprint(self, sig: Hashable, ops: tuple[Op, ...]) -> tuple[float, float, float]:
+        got = self._fp.get(sig)
+        if got is None:
+            got = self._fp[sig] = _footprint(ops)
+        return got
+
+    def _select(self, all_ops: list[tuple[Op, ...]], sigs: list[Hashable]) -> list[int]:
+        first: dict[Hashable, int] = {}
         for i, sg in enumerate(sigs):
             first.setdefault(sg, i)
         idx = sorted(first.values())

@@ -62,6 +62,9 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import numpy as np
+
+from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_types import CPU, GPU, Op
 from hetplan.algorithms.espresso import Selection, SelectionProblem, select
 from hetplan.algorithms.espresso_tree import (
@@ -377,6 +380,7 @@ class Espresso:
             offload=costs.offload,
             ops_class=[float(b) for b in ss.nbytes],  # ops() depends on the size alone
             ops_fields=costs.signature,
+            share=costs.arrays,
         )
         # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
         # hierarchical candidates would put them on other channels than the tensors left
@@ -415,9 +419,14 @@ class _StageCosts:
         self._sizes = sorted({float(b) for b in ss.nbytes})
         self._cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
         self._done: set[Key] = set()
-        # id of a cached ops tuple -> its (resource, duration, label) fields; the tuples
-        # live in ``_cache`` as long as this object, so their ids are not reused
-        self._sigs: dict[int, tuple[tuple[str, float, str], ...]] = {}
+        # id of a cached ops tuple -> the number its (resource, duration, label) fields are
+        # interned to (equal numbers exactly for equal fields); the tuples live in
+        # ``_cache`` as long as this object, so their ids are not reused
+        self._sigs: dict[int, int] = {}
+        self._interned: dict[tuple[tuple[str, float, str], ...], int] = {}
+        #: holds every cached ops tuple's arrays (registered once per candidate, for all
+        #: sizes at once) for the sessions of every rung's selection
+        self.arrays = DPSession(ss.backprop_s)
         #: the fastest uniform fp32 routing (Algorithm 4.1's start), the same for every rung
         self.base: Key | None = None
         self.offload = functools.cache(self._offload)
@@ -492,11 +501,13 @@ class _StageCosts:
                     bound = max(bound, ready[i] + lo + acc + hi)
         return bound
 
-    def signature(self, ops: tuple[Op, ...]) -> tuple[tuple[str, float, str], ...]:
-        """``ops``' (resource, duration, label) fields, computed once per cached tuple."""
+    def signature(self, ops: tuple[Op, ...]) -> int:
+        """The number ``ops``' (resource, duration, label) fields are interned to: equal
+        exactly for equal fields; computed once per cached tuple."""
         got = self._sigs.get(id(ops))  # a live cached tuple's id is no other object's
         if got is None:
-            return tuple((op.resource, op.duration_s, op.label) for op in ops)
+            fields = tuple((op.resource, op.duration_s, op.label) for op in ops)
+            return self._interned.setdefault(fields, len(self._interned))
         return got
 
     def table(self, key: Key) -> None:
@@ -509,10 +520,16 @@ class _StageCosts:
         proto = ss.ops(st, sizes[0], costs)
         _, times = ss.ops_table(st, sizes, costs)  # bit for bit ss.ops's times
         steps = [(op.resource, op.label) for op in proto]
+        rows = []
         for nb, row in zip(sizes, times.tolist()):  # tolist: the same doubles, as floats
             ops = tuple(Op(r, t, lb) for (r, lb), t in zip(steps, row))
             self._cache[(key, nb)] = ops
-            self._sigs[id(ops)] = tuple((r, t, lb) for (r, lb), t in zip(steps, row))
+            fields = tuple((r, t, lb) for (r, lb), t in zip(steps, row))
+            self._sigs[id(ops)] = self._interned.setdefault(fields, len(self._interned))
+            rows.append(ops)
+        self.arrays.register(rows, [r for r, _ in steps],
+                             np.ascontiguousarray(times, dtype=np.float64).reshape(
+                                 len(rows), len(steps)))
 
     def ops(self, i: int, key: Key) -> tuple[Op, ...]:
         got = self._cache.get((key, self._ss.nbytes[i]))
