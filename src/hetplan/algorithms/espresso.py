@@ -99,6 +99,7 @@ __all__ = [
     "tensors_before_bubbles",
     "processing_order",
     "search_offload",
+    "tensor_benefits",
 ]
 
 K = TypeVar("K", bound=Hashable)
@@ -586,6 +587,26 @@ def _best_seed(
     return best
 
 
+def tensor_benefits(problem: SelectionProblem[K], strategy: Sequence[K], iteration_s: float,
+                    *, fast: bool = True) -> tuple[float, ...]:
+    """:attr:`Selection.benefit_s` of ``strategy`` (predicted ``iteration_s``): per tensor,
+    how much longer the iteration is if that tensor alone goes back to its baseline option
+    (0 for tensors at baseline). One simulation per tensor off its baseline (resumed from
+    that tensor with ``fast``)."""
+    out = []
+    sess = problem.session(strategy) if fast else None
+    for i, k in enumerate(strategy):
+        if k == problem.baseline[i]:
+            out.append(0.0)
+        elif sess is not None:
+            out.append(problem.trial_s(sess, {i: problem.baseline[i]}) - iteration_s)
+        else:
+            trial = list(strategy)
+            trial[i] = problem.baseline[i]
+            out.append(problem.iteration_s(trial) - iteration_s)
+    return tuple(out)
+
+
 def select(
     problem: SelectionProblem[K],
     *,
@@ -595,6 +616,7 @@ def select(
     prune: bool = True,
     fast: bool = True,
     start: Sequence[K] | None = None,
+    benefits: bool = True,
 ) -> Selection[K]:
     """Choose one option per tensor (see the module docstring).
 
@@ -614,6 +636,9 @@ def select(
             the baseline, and the result is never predicted slower than it (on a tie it is
             returned), so widening a search in steps, each seeded with the last, never
             yields a slower choice.
+        benefits: compute :attr:`Selection.benefit_s` (one simulation per tensor off its
+            baseline); False leaves zeros, for a caller that keeps only some selections
+            and computes it for those with :func:`tensor_benefits`.
     """
     problem._last_session = None  # the problem may have changed since an earlier call
     baseline_s = problem.iteration_s(problem.baseline)
@@ -650,18 +675,8 @@ def select(
         start_s = problem.iteration_s(start)
         if start_s <= f + _EPS:
             strategy, f, method = list(start), start_s, "the narrower choice"
-    benefit = []
-    sess = problem.session(strategy) if fast else None
-    for i, k in enumerate(strategy):
-        if k == problem.baseline[i]:
-            benefit.append(0.0)
-            continue
-        if sess is not None:
-            benefit.append(problem.trial_s(sess, {i: problem.baseline[i]}) - f)
-            continue
-        trial = strategy.copy()
-        trial[i] = problem.baseline[i]
-        benefit.append(problem.iteration_s(trial) - f)
+    benefit = (tensor_benefits(problem, strategy, f, fast=fast) if benefits
+               else (0.0,) * len(strategy))
     problem._last_session = None  # its caches are not kept past the selection
-    return Selection(tuple(strategy), f, baseline_s, tuple(benefit), method, gpu_s, cpu_s,
+    return Selection(tuple(strategy), f, baseline_s, benefit, method, gpu_s, cpu_s,
                      problem.evaluations)

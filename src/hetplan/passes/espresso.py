@@ -66,7 +66,12 @@ import numpy as np
 
 from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_types import CPU, GPU, Op
-from hetplan.algorithms.espresso import Selection, SelectionProblem, select
+from hetplan.algorithms.espresso import (
+    Selection,
+    SelectionProblem,
+    select,
+    tensor_benefits,
+)
 from hetplan.algorithms.espresso_tree import (
     PRECISIONS,
     Option,
@@ -350,12 +355,20 @@ class Espresso:
                 sel = self._select(ss, costs[h], cum, retry + new, sel)
             assert sel is not None
             done[h] = (sel, len(cum))
-        best: tuple[Selection[Key], int] | None = None
+        best: int | None = None
         for h in sorted(done):  # flat first: it is kept on a tie, as it always was
-            if best is None or done[h][0].iteration_s < best[0].iteration_s - 1e-12:
-                best = done[h]
+            if best is None or done[h][0].iteration_s < done[best][0].iteration_s - 1e-12:
+                best = h
         assert best is not None
-        return best
+        # the rungs leave benefit_s out: computed for the kept selection alone, on the
+        # problem of its hierarchy's last rung
+        sel, keys = done[best]
+        problem = costs[best].problem
+        assert problem is not None
+        before = problem.evaluations
+        benefit = tensor_benefits(problem, sel.strategy, sel.iteration_s)
+        return dataclasses.replace(sel, benefit_s=benefit, evaluations=sel.evaluations
+                                   + problem.evaluations - before), keys
 
     def _select(
         self, ss: StageSync, costs: _StageCosts, cands: list[Key], new: list[Key],
@@ -382,6 +395,7 @@ class Espresso:
             ops_fields=costs.signature,
             share=costs.arrays,
         )
+        costs.problem = problem
         # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
         # hierarchical candidates would put them on other channels than the tensors left
         # uncompressed, so that every choice for one tensor looks free (and ties go by order)
@@ -404,8 +418,8 @@ class Espresso:
         if all(k[0] is None for k in cands):
             # nothing to compress: the best uniform routing (cheap enough for every layout)
             problem.gpu_options = [[]] * n
-            return select(problem, seeds=seeds, exhaustive_limit=0)
-        return select(problem, seeds=seeds,
+            return select(problem, seeds=seeds, exhaustive_limit=0, benefits=False)
+        return select(problem, seeds=seeds, benefits=False,
                       start=None if narrower is None else narrower.strategy)
 
 
@@ -429,6 +443,8 @@ class _StageCosts:
         self.arrays = DPSession(ss.backprop_s)
         #: the fastest uniform fp32 routing (Algorithm 4.1's start), the same for every rung
         self.base: Key | None = None
+        #: the last rung's selection problem
+        self.problem: SelectionProblem[Key] | None = None
         self.offload = functools.cache(self._offload)
 
     def lower_bound(self, keys: list[Key]) -> float:
