@@ -206,6 +206,8 @@ class Selection(Generic[K]):
             when Algorithm 4.2 ran group by group, or ``seed:<i>`` when a caller's seed won.
         gpu_s / cpu_s: wall-clock time of the GPU decisions and of the CPU offloading.
         evaluations: simulations run.
+        gpu_process_s: the process's CPU time during the GPU decisions (``gpu_s`` without
+            what other processes on a shared machine took of it).
     """
 
     strategy: tuple[K, ...]
@@ -216,6 +218,7 @@ class Selection(Generic[K]):
     gpu_s: float
     cpu_s: float
     evaluations: int
+    gpu_process_s: float = 0.0
 
 
 def processing_order(sizes: Sequence[int]) -> list[int]:
@@ -647,12 +650,13 @@ def select(
         space *= len(_full_options(problem, i))
         if space > exhaustive_limit:
             break
-    t0 = time.perf_counter()
+    t0, p0 = time.perf_counter(), time.process_time()
     cpu_s = 0.0
     if space <= exhaustive_limit:
         strategy, f = _exhaustive(problem, [_full_options(problem, i)
                                              for i in range(len(problem.backprop_s))])
         gpu_s, method = time.perf_counter() - t0, "exhaustive"
+        gpu_process_s = time.process_time() - p0
     else:
         pareto = _Candidates(problem, prune)  # both sweeps' candidate lists
         strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
@@ -665,6 +669,7 @@ def select(
             if fr < f - _EPS:
                 strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
         gpu_s = time.perf_counter() - t0
+        gpu_process_s = time.process_time() - p0
         t1 = time.perf_counter()
         strategy, f, exact = cpu_offload(problem, strategy, limit=offload_limit, fast=fast)
         cpu_s = time.perf_counter() - t1
@@ -679,4 +684,4 @@ def select(
                else (0.0,) * len(strategy))
     problem._last_session = None  # its caches are not kept past the selection
     return Selection(tuple(strategy), f, baseline_s, benefit, method, gpu_s, cpu_s,
-                     problem.evaluations)
+                     problem.evaluations, gpu_process_s)
