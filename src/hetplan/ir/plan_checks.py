@@ -361,6 +361,7 @@ def _tensor_parallel(plan: Plan) -> list[str]:
     if tp is None:
         return []
     out = []
+    stage_ranks: dict[int, set[int]] = {}  # built once per stage, not once per group
     for i, g in enumerate(tp.groups):
         where = f"tensor_parallel.groups[{i}]"
         if bad := sorted({r for r in g.ranks if r >= ws}):
@@ -380,7 +381,10 @@ def _tensor_parallel(plan: Plan) -> list[str]:
             continue
         if g.stage >= len(plan.stages) and plan.stages:
             out.append(f"{where}.stage: {g.stage}, but the plan has {len(plan.stages)} stages")
-        elif plan.stages and not set(g.ranks) <= set(plan.stages[g.stage].ranks):
+            continue
+        if plan.stages and g.stage not in stage_ranks:
+            stage_ranks[g.stage] = set(plan.stages[g.stage].ranks)
+        if plan.stages and not set(g.ranks) <= stage_ranks[g.stage]:
             out.append(f"{where}.ranks: {_short(g.ranks)} are not all ranks of its stage "
                        f"{g.stage} {_short(plan.stages[g.stage].ranks)}")
     gammas = tp.predicted.expected_gamma if tp.predicted is not None else {}
