@@ -341,12 +341,19 @@ def _sync_all(
     stage_costs, timelines = [], []
     comm_busy = compression = 0.0
     finish = []
+    # stages with the same backprop segments and the same units (a deep pipeline of repeated
+    # blocks on one device class) have the same timeline: simulated once
+    same: dict[tuple[float, ...], list[tuple[list[SyncUnit], DPTimeline]]] = {}
     for s in range(len(pre.stages)):
         tl = None
         exposed = busy = comp = 0.0
         if s in built:
             backprop, prep, units = built[s]
-            tl = simulate_dp(prep.segments, units, record=record)
+            seen = same.setdefault(tuple(prep.segments), []) if not record else []
+            tl = next((t for u, t in seen if _same_units(u, units)), None)
+            if tl is None:
+                tl = simulate_dp(prep.segments, units, record=record)
+                seen.append((units, tl))
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
             busy, comp = _comm_and_compression_s(units)
         stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
@@ -356,6 +363,13 @@ def _sync_all(
         compression = max(compression, comp)
         finish.append(pre.last_bwd_end[s] + max(exposed, 0.0))
     return stage_costs, timelines, comm_busy, compression, finish
+
+
+def _same_units(a: list[SyncUnit], b: list[SyncUnit]) -> bool:
+    """Whether :func:`simulate_dp` times ``a`` and ``b`` alike (same ready tensors and ops; a
+    unit's name only labels it)."""
+    return len(a) == len(b) and all(x.last_tensor == y.last_tensor and x.ops == y.ops
+                                    for x, y in zip(a, b))
 
 
 def _recompute_note(stages: Sequence[Stage]) -> str:
