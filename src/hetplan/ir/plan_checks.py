@@ -269,7 +269,8 @@ def _stage_ranks(stages: tuple[Stage, ...], lay: Layout) -> list[str]:
         if dup := _duplicates(st.ranks):
             out.append(f"stages[{i}].ranks: lists ranks {dup} more than once")
         p = i % lay.pp
-        want = sorted(lay.rank_of(d, p, t) for d in range(lay.dp) for t in range(lay.tp))
+        # rank_of(d, p, t) over every d and t: the contiguous block of pipeline coordinate p
+        want = list(range(lay.rank_of(0, p, 0), lay.rank_of(0, p, 0) + group))
         got = sorted(set(st.ranks))
         if got == want and len(st.ranks) == group:
             continue
@@ -372,7 +373,7 @@ def _tensor_parallel(plan: Plan) -> list[str]:
             out.append(f"{where}.roles: ranks {dup} have more than one role")
         if lay is not None and lay.num_ranks <= ws:
             dp, pp, _ = lay.coords(g.ranks[0])
-            want = sorted(lay.rank_of(dp, pp, t) for t in range(lay.tp))
+            want = list(range(lay.rank_of(dp, pp, 0), lay.rank_of(dp, pp, 0) + lay.tp))
             if sorted(g.ranks) != want:
                 out.append(f"{where}.ranks: {_short(g.ranks)}, but the layout's TP group of "
                            f"rank {g.ranks[0]} is {_short(want)} (tp={lay.tp} ranks that differ "
