@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import CompressedSync, Layout
+from hetplan.runtime.hetero_ranks import hetero_refusals
 
 __all__ = ["effective_zero_stage", "refusals"]
 
@@ -70,7 +71,7 @@ def refusals(plan: Plan) -> list[str]:
             d.compute_dtype == "fp16" for d in plan.precision.devices.values()):
         out.append("precision: fp16 with ZeRO-3 (FSDP2) has no loss scaling in this runtime "
                    f"yet; re-plan with --dtype bf16 or --zero 2 ({_DOC})")
-    return out + _group_sync(plan, lay, zero)
+    return out + _group_sync(plan, lay, zero) + hetero_refusals(plan)
 
 
 def _group_sync(plan: Plan, lay: Layout, zero: int) -> list[str]:
