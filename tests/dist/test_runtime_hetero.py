@@ -161,3 +161,43 @@ def test_hetero_stages_equal_reference(tmp_path: Path, batch: int, describe: str
     assert seen == set(ref), f"unchecked: {sorted(set(ref) - seen)}"
     if batch == 3:  # stage 1's ranks ran sharded layers
         assert "FusedColumnParallelLinear" in got[1]["sharded"]
+
+
+def test_hetplan_run_on_the_clis_hetero_plan(tmp_path: Path) -> None:
+    """``hetplan plan --hetero on`` then ``hetplan run`` (torchrun, 3 ranks): the report's
+    loss per step is the single-process replay's (same synthetic batches, model and
+    optimizer as the worker's)."""
+    import subprocess
+    import sys
+
+    from hetplan.runtime.executor import _default_loss, plan_optimizer
+    from hetplan.runtime.worker import build_model, make_target, synthetic_batch
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True,
+                              text=True, timeout=300, check=False)
+
+    path, report = tmp_path / "plan.json", tmp_path / "report.json"
+    proc = cli("plan", NAME, "--cluster", str(CLUSTER), "--batch-size", "3", "--hetero", "on",
+               "-o", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = load_plan(path)
+    assert plan.hetero is not None and plan.hetero.describe() == "cpu@fast 1x1 | cpu@slow 1x2"
+    proc = cli("run", str(path), "--model", NAME, "--steps", "1", "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["world_size"] == 3 and data["steps"] == 1
+
+    model, args, kwargs = build_model(NAME, None, 0)
+    assert plan.cost_settings is not None
+    opt = plan_optimizer(plan.cost_settings.optimizer)(list(model.parameters()))
+    target_of = make_target(model, args, kwargs)
+    want = []
+    for step in range(3):  # 2 warm-up steps and 1 timed one
+        xs = synthetic_batch(args, 3, step)
+        loss = _default_loss(model(*xs), target_of(xs, 3))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    assert data["loss_per_step"] == pytest.approx(want, rel=1e-4)
