@@ -66,7 +66,7 @@ class StagesHandler(Handler):
         num_stages: the pipeline's current stage count (re-packing lowers it).
     """
 
-    section = "stages, pipeline_actions"
+    section = "stages, pipeline_actions, hetero"
 
     def __init__(self) -> None:
         self.stages: list[Any] = []
