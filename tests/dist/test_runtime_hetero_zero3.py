@@ -106,10 +106,11 @@ def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str) -> 
         dist.destroy_process_group()
 
 
-def test_zero3_x_tp2_equals_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_zero3_x_tp2_equals_reference(tmp_path: Path, sp: bool) -> None:
     ir = hetplan.capture(_model(), _example(), name=NAME)
     plan = hetplan.compile(ir, _cluster(4), batch_size=BATCH, dtype="fp32", zero_stage=3,
-                           dp=2, pp=1, tp=2, sequence_parallel=False, micro_batch_size=2)
+                           dp=2, pp=1, tp=2, sequence_parallel=sp, micro_batch_size=2)
     assert plan.layout is not None and (plan.layout.dp, plan.layout.tp,
                                         plan.layout.zero_stage) == (2, 2, 3)
     mp.start_processes(_worker, args=(4, str(tmp_path), plan.to_json(), str(tmp_path / "out")),

@@ -45,6 +45,7 @@ from hetplan.runtime.sharded_optimizer import GradReducer, ShardedOptimizer, seg
 
 if TYPE_CHECKING:
     from hetplan.runtime.handlers.precision import PrecisionHandler
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
 
 __all__ = ["ZeroHandler"]
 
@@ -123,11 +124,20 @@ class ZeroHandler(Handler):
         if half is not None and prec is not None and prec.grad_reduce_dtype == "fp32":
             reduce = torch.float32
         policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=reduce)
+        # fully_shard replaces every parameter by a sharded one: the TP handler's
+        # sequence-parallel parameters (their gradients summed over the TP group after
+        # FSDP's reduce-scatter) are looked up again by name
+        tp = _tensor_parallel_of(ctx)
+        names = {id(p): n for n, p in model.named_parameters()}
+        sp_names = [names[id(p)] for p in tp.sp_params] if tp is not None else []
         for lay in ctx.model_ir().layers:
             if lay.kind == LayerKind.BLOCK:
                 fully_shard(model.get_submodule(lay.name), mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         ctx.named_params = list(model.named_parameters())
+        if tp is not None and sp_names:
+            now = dict(ctx.named_params)
+            tp.sp_params = [now[n] for n in sp_names]
         self._fsdp = True
 
     def after_backward(self, ctx: RuntimeContext) -> None:
@@ -165,6 +175,13 @@ def _changed_after_backward(ctx: RuntimeContext) -> bool:
         return True
     tp = next((h for h in ctx.handlers if isinstance(h, TensorParallelHandler)), None)
     return tp is not None and bool(tp.sp_params)
+
+
+def _tensor_parallel_of(ctx: RuntimeContext) -> TensorParallelHandler | None:
+    """The runtime's tensor-parallel handler (None: it composes none)."""
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
+
+    return next((h for h in ctx.handlers if isinstance(h, TensorParallelHandler)), None)
 
 
 def _precision_of(ctx: RuntimeContext) -> PrecisionHandler | None:
