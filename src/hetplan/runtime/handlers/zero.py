@@ -130,6 +130,9 @@ class ZeroHandler(Handler):
         tp = _tensor_parallel_of(ctx)
         names = {id(p): n for n, p in model.named_parameters()}
         sp_names = [names[id(p)] for p in tp.sp_params] if tp is not None else []
+        if ctx.layout.pp > 1:
+            self._fully_shard_stages(ctx, mesh, policy)
+            return
         for lay in ctx.model_ir().layers:
             if lay.kind == LayerKind.BLOCK:
                 fully_shard(model.get_submodule(lay.name), mesh=mesh, mp_policy=policy)
@@ -138,6 +141,25 @@ class ZeroHandler(Handler):
         if tp is not None and sp_names:
             now = dict(ctx.named_params)
             tp.sp_params = [now[n] for n in sp_names]
+        self._fsdp = True
+
+    def _fully_shard_stages(self, ctx: RuntimeContext, mesh: Any, policy: Any) -> None:
+        """ZeRO-3 under a pipeline: each of this rank's stage modules is one FSDP unit over
+        the data-parallel group (the ranks holding the same stage and TP coordinate). torch's
+        pipeline schedule drives it: no gradient sync on the micro-batches' backwards, one
+        reduce-scatter per stage after the last (its ``REDUCE_GRAD`` action), then the
+        division by the micro-batch count. The stage's parameters are its own (traced
+        stages do not share parameter objects with other stages)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from hetplan.runtime.handlers.stages import StagesHandler
+
+        keep = {n for n, _ in ctx.named_params}
+        named: list[tuple[str, nn.Parameter]] = []
+        for st in ctx.handler(StagesHandler).stages:
+            fully_shard(st.submod, mesh=mesh, mp_policy=policy)
+            named += [(n, p) for n, p in st.submod.named_parameters() if n in keep]
+        ctx.named_params = named
         self._fsdp = True
 
     def after_backward(self, ctx: RuntimeContext) -> None:
