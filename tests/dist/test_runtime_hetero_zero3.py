@@ -149,14 +149,17 @@ def _pp_worker(rank: int, world: int, store_dir: str, plan_json: str, out: str) 
         dist.destroy_process_group()
 
 
-def test_zero3_x_pp2_equals_reference(tmp_path: Path) -> None:
-    """pp 2 x dp 2 (4 ranks, 1F1B over 2 micro-batches): each stage module is one FSDP unit
-    over its data-parallel pair."""
+@pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved"])
+def test_zero3_x_pp2_equals_reference(tmp_path: Path, virtual: int) -> None:
+    """pp 2 x dp 2 (4 ranks, 2 micro-batches; 1F1B, or interleaved with 2 stages per rank):
+    each stage module is one FSDP unit over its data-parallel pair."""
     ir = hetplan.capture(_model(), _example(), name=NAME)
+    extra: dict = ({"virtual_stages": 2, "schedule": "interleaved-1f1b"} if virtual > 1
+                   else {})
     plan = hetplan.compile(ir, _cluster(4), batch_size=BATCH, dtype="fp32", zero_stage=3,
-                           dp=2, pp=2, tp=1, micro_batch_size=1)
-    assert plan.layout is not None and (plan.layout.dp, plan.layout.pp,
-                                        plan.layout.zero_stage) == (2, 2, 3)
+                           dp=2, pp=2, tp=1, micro_batch_size=1, **extra)
+    assert plan.layout is not None and (plan.layout.dp, plan.layout.pp, plan.layout.zero_stage,
+                                        plan.layout.virtual_stages) == (2, 2, 3, virtual)
     mp.start_processes(_pp_worker, args=(4, str(tmp_path), plan.to_json(),
                                          str(tmp_path / "out")),
                        nprocs=4, join=True, start_method=start_method())
