@@ -175,3 +175,4 @@ def test_zero3_x_pp2_equals_reference(tmp_path: Path, virtual: int) -> None:
             torch.testing.assert_close(value, ref[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
             seen.add(n)
     assert seen == set(ref)
+

@@ -36,11 +36,6 @@ def refusals(plan: Plan) -> list[str]:
     if sync is not None:
         used = {b.strategy for b in sync.buckets} | {t.strategy for t in sync.tensors}
     strategies = {n: sync.strategies[n] for n in sorted(used)} if sync is not None else {}
-    if zero == 3 and lay.pp > 1 and lay.tp > 1:
-        out.append(f"layout.zero_stage: ZeRO-3 (FSDP2) with both pp={lay.pp} and tp={lay.tp}; "
-                   "the runtime shards parameters with a pipeline or with tensor parallelism, "
-                   "not both yet (the planner does not emit it); re-plan with --zero 2, --pp 1 "
-                   f"or --tp 1 ({_DOC})")
     if zero >= 1 and plan.rebalancing is not None and any(
             e.applied for e in plan.rebalancing.events):
         out.append(f"rebalancing: moving layers under ZeRO-{zero} (dp={lay.dp}); their "

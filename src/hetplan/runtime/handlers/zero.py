@@ -30,12 +30,14 @@ runtime does not compose are refused before any handler sets up
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from hetplan.errors import SpecError
 from hetplan.ir.model import LayerKind
 from hetplan.ir.plan_sections import CastSync
 from hetplan.runtime.composition import effective_zero_stage
@@ -124,24 +126,16 @@ class ZeroHandler(Handler):
         if half is not None and prec is not None and prec.grad_reduce_dtype == "fp32":
             reduce = torch.float32
         policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=reduce)
-        # fully_shard replaces every parameter by a sharded one: the TP handler's
-        # sequence-parallel parameters (their gradients summed over the TP group after
-        # FSDP's reduce-scatter) are looked up again by name
-        tp = _tensor_parallel_of(ctx)
-        names = {id(p): n for n, p in model.named_parameters()}
-        sp_names = [names[id(p)] for p in tp.sp_params] if tp is not None else []
-        if ctx.layout.pp > 1:
-            self._fully_shard_stages(ctx, mesh, policy)
-            return
-        for lay in ctx.model_ir().layers:
-            if lay.kind == LayerKind.BLOCK:
-                fully_shard(model.get_submodule(lay.name), mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        ctx.named_params = list(model.named_parameters())
-        if tp is not None and sp_names:
-            now = dict(ctx.named_params)
-            tp.sp_params = [now[n] for n in sp_names]
-        self._fsdp = True
+        with _sequence_parallel_params_kept(ctx):
+            if ctx.layout.pp > 1:
+                self._fully_shard_stages(ctx, mesh, policy)
+                return
+            for lay in ctx.model_ir().layers:
+                if lay.kind == LayerKind.BLOCK:
+                    fully_shard(model.get_submodule(lay.name), mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            ctx.named_params = list(model.named_parameters())
+            self._fsdp = True
 
     def _fully_shard_stages(self, ctx: RuntimeContext, mesh: Any, policy: Any) -> None:
         """ZeRO-3 under a pipeline: each of this rank's stage modules is one FSDP unit over
@@ -197,6 +191,30 @@ def _changed_after_backward(ctx: RuntimeContext) -> bool:
         return True
     tp = next((h for h in ctx.handlers if isinstance(h, TensorParallelHandler)), None)
     return tp is not None and bool(tp.sp_params)
+
+
+@contextlib.contextmanager
+def _sequence_parallel_params_kept(ctx: RuntimeContext) -> Iterator[None]:
+    """``fully_shard`` replaces every parameter by a sharded one: the TP handler's
+    sequence-parallel parameters (whose gradients it sums over the TP group after FSDP's
+    reduce-scatter) are looked up again, by module and name, in the modules that were
+    sharded (the model, or this rank's stage modules)."""
+    from hetplan.runtime.handlers.stages import StagesHandler
+
+    tp = _tensor_parallel_of(ctx)
+    if tp is None or not tp.sp_params:
+        yield
+        return
+    roots = ([st.submod for st in ctx.handler(StagesHandler).stages] if ctx.layout.pp > 1
+             else [ctx.model])
+    where = {id(p): (i, n) for i, root in enumerate(roots) for n, p in root.named_parameters()}
+    if missing := [p for p in tp.sp_params if id(p) not in where]:
+        raise SpecError(f"{len(missing)} sequence-parallel parameter(s) are in none of the "
+                        "modules ZeRO-3 shards; re-plan without sequence parallelism")
+    keys = [where[id(p)] for p in tp.sp_params]
+    yield
+    now = [dict(root.named_parameters()) for root in roots]
+    tp.sp_params = [now[i][n] for i, n in keys]
 
 
 def _tensor_parallel_of(ctx: RuntimeContext) -> TensorParallelHandler | None:
