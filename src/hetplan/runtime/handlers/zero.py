@@ -21,7 +21,10 @@ the same parameters (TP shards included) and cuts them into the same segments.
 - **ZeRO-3**: FSDP2 (``torch.distributed.fsdp.fully_shard``) on every transformer block and
   the root, over the data-parallel group, with a ``MixedPrecisionPolicy`` from the
   ``precision`` section (fp32 shards are the master weights, 16-bit all-gathers); FSDP
-  reduce-scatters per block, which is how the cost model prices ZeRO-3.
+  reduce-scatters per block, which is how the cost model prices ZeRO-3. With tensor
+  parallelism the TP shards are sharded like any parameter (one shape per DP group); with a
+  pipeline each stage module is one FSDP unit, driven by torch's schedule
+  (``docs/decisions/zero3-pipeline-tp.md``).
 
 With ``dp == 1`` there is nothing to shard: every stage runs as ZeRO-0. Combinations the
 runtime does not compose are refused before any handler sets up
