@@ -11,7 +11,10 @@ dim 64, sequence 32) the search picks
   TP ranks of stage 1, and one copy of the input gradient comes back;
 - global batch 6: ``cpu@fast 1x1 | cpu@slow 2x1`` (stage 1 at dp 2): each micro-batch's
   rows are split between stage 1's replicas, whose gradients are averaged over stage 1's
-  own data-parallel group.
+  own data-parallel group;
+- the batch-3 plan with its stages reversed (``cpu@slow 1x2 | cpu@fast 1x1``, built from
+  the searched one and checked by the plan's validator): TP rank 0 of stage 0 sends, and
+  the gradient returns to both TP ranks.
 
 The float64 model (eval mode) trains ``STEPS`` SGD steps; the last stage's loss per step and
 every parameter (gathered from the tensor-parallel shards) equal the reference to ``rtol
@@ -97,6 +100,21 @@ def _plan(batch: int) -> Plan:
     return plan
 
 
+def _reversed(plan: Plan) -> Plan:
+    """``plan`` with the stages' devices and degrees swapped (stage 0 on the tp-2 pair,
+    stage 1 on the single rank), validated by the plan's one validator: the boundary the
+    search did not pick, from a tensor-parallel sender to a tp-1 receiver."""
+    assert plan.hetero is not None
+    a, b = plan.stages
+    sa, sb = plan.hetero.stages
+    stages = (a.model_copy(update={"ranks": b.ranks}), b.model_copy(update={"ranks": a.ranks}))
+    shapes = (sb.model_copy(update={"stage": 0}), sa.model_copy(update={"stage": 1}))
+    data = plan.model_copy(update={
+        "stages": stages, "hetero": plan.hetero.model_copy(update={"stages": shapes})}
+    ).model_dump(mode="json")
+    return Plan.model_validate(data)
+
+
 def _worker(rank: int, world: int, store_dir: str, batch: int, plan_json: str,
             out: str) -> None:
     torch.set_num_threads(1)
@@ -135,12 +153,16 @@ def _worker(rank: int, world: int, store_dir: str, batch: int, plan_json: str,
          [(0, 0, 0, (0,), (0,)), (1, 0, 0, (1, 2), (1,)), (1, 0, 1, (1, 2), (2,))]),
         (6, "cpu@fast 1x1 | cpu@slow 2x1",
          [(0, 0, 0, (0,), (0,)), (1, 0, 0, (1,), (1, 2)), (1, 1, 0, (2,), (1, 2))]),
+        (-3, "cpu@slow 1x2 | cpu@fast 1x1",
+         [(1, 0, 0, (0,), (0,)), (0, 0, 0, (1, 2), (1,)), (0, 0, 1, (1, 2), (2,))]),
     ],
-    ids=["tp1-tp2", "dp1-dp2"],
+    ids=["tp1-tp2", "dp1-dp2", "tp2-tp1"],
 )
 def test_hetero_stages_equal_reference(tmp_path: Path, batch: int, describe: str,
                                        coords: list[tuple]) -> None:
-    plan = _plan(batch)
+    """``batch < 0``: the searched plan of ``-batch`` with its stages reversed."""
+    plan = _plan(abs(batch)) if batch > 0 else _reversed(_plan(-batch))
+    batch = abs(batch)
     assert plan.hetero is not None and plan.hetero.describe() == describe
     mp.start_processes(_worker, args=(3, str(tmp_path), batch, plan.to_json(),
                                       str(tmp_path / "out")),
@@ -148,9 +170,10 @@ def test_hetero_stages_equal_reference(tmp_path: Path, batch: int, describe: str
     got = [torch.load(tmp_path / f"out.{r}") for r in range(3)]
     assert [g["coords"] for g in got] == coords
     losses, ref = _reference(batch)
-    assert all(x != x for x in got[0]["losses"])  # rank 0 does not hold the last stage
+    last = [g["losses"] for g, c in zip(got, coords) if c[0] == 1]
+    assert all(x != x for g, c in zip(got, coords) if c[0] == 0 for x in g["losses"])
     # each last-stage replica's loss is the mean over its rows: their mean is the batch's
-    mean = [(a + b) / 2 for a, b in zip(got[1]["losses"], got[2]["losses"])]
+    mean = [sum(xs) / len(xs) for xs in zip(*last)]
     assert mean == pytest.approx(losses, rel=1e-9)
     seen: set[str] = set()
     for g in got:
@@ -159,7 +182,7 @@ def test_hetero_stages_equal_reference(tmp_path: Path, batch: int, describe: str
                 torch.testing.assert_close(value, ref[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
                 seen.add(n)
     assert seen == set(ref), f"unchecked: {sorted(set(ref) - seen)}"
-    if batch == 3:  # stage 1's ranks ran sharded layers
+    if describe.count("1x2"):  # the tp-2 stage's ranks ran sharded layers
         assert "FusedColumnParallelLinear" in got[1]["sharded"]
 
 
