@@ -20,7 +20,8 @@ Each ratio is ``searched / baseline`` (< 1: the searched plan is faster). ``sear
 heterogeneous search's wall time (warm: numba's kernel loaded, the model captured), on this
 machine; the 512-GPU rows use ``bench/data/clusters/mixed-512.yaml`` (three device types)
 with batch 1024. ``gap``: the proven gap on the search objective the plan records (0 for the
-exact DP; the coarse DP's, at most about 2 %, on 512 GPUs). CP-SAT is not used (see
+exact DP; the coarse DP's, at most about 2 %, on 512 GPUs, or CP-SAT's within its
+neighbourhood where its refinement was taken: ``bench/hetero_cpsat.py``, see
 ``docs/decisions/hetero-search.md``).
 
 Run: ``PYTHONPATH=src python bench/heterogeneous.py`` (about 5 minutes on 2 shared cores).

@@ -8,7 +8,10 @@
    micro-batch per ... pipeline): the tables of :func:`~hetplan.cost_models.hetero.
    build_problem` and the exact DP (:func:`~hetplan.algorithms.hetero_search.solve_exact`)
    over layer splits, device use, stage degrees and recomputation; orders of classes come
-   out of the DP (stages of any class in any order).
+   out of the DP (stages of any class in any order). On large clusters the DP runs in a
+   coarser space (stages of whole device units); CP-SAT then re-solves a neighbourhood of
+   its best plan at one-device resolution (:func:`_refine_best`,
+   :mod:`hetplan.optimizer.hetero_refine`), and both are re-predicted.
 3. **Re-predict** every plan the DP's threshold scans visit with the full simulator
    (:func:`~hetplan.cost_models.hetero.evaluate_hetero`) and keep the fastest; a scan
    stops only once its remaining plans' objective cannot be below the best predicted time
@@ -51,6 +54,7 @@ from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
+from hetplan.ir.plan_cpsat import CpSatRecord
 from hetplan.ir.plan_hetero import Hetero, HeteroAlternative, HeteroSearch, StageShape
 from hetplan.ir.plan_sections import (
     ClusterRef,
@@ -66,6 +70,7 @@ from hetplan.ir.plan_sections import (
 )
 
 __all__ = ["compile_hetero", "choose_hetero", "HeteroCandidate", "search_hetero", "predict",
+           "cpsat_note",
            "rebuild_alternative", "COARSE_GAP"]
 
 #: Where the device-use space is coarsened (:func:`~hetplan.cost_models.hetero.
@@ -117,7 +122,8 @@ def _micro_batch_sizes(batch: int) -> list[int]:
 def search_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, *,
                   micro_batch: int | None = None, max_tp: int = 8,
                   restrict: tuple[int, int] | None = None,
-                  max_states: int = 5_000_000, judge: bool = True) -> list[HeteroCandidate]:
+                  max_states: int = 5_000_000, judge: bool = True,
+                  cpsat: bool = True) -> list[HeteroCandidate]:
     """The plans the exact DP visits, over every micro-batch size, best first.
 
     Each micro-batch size's threshold scan visits the Pareto front of ``(sum a, max v)``
@@ -128,7 +134,8 @@ def search_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, 
     never below); candidates are then sorted by predicted time. Without ``judge`` a scan
     stops at the objective's own optimum and candidates are sorted by objective.
     ``restrict``: only stages of this ``(dp, tp)`` (the best plan with one (dp, tp) for all
-    stages, a bench baseline)."""
+    stages, a bench baseline). ``cpsat``: in a coarse space, refine the best plan with
+    CP-SAT at one-device resolution (:func:`_refine_best`)."""
     classes = device_classes(costs)
     units = coarse_units(classes)
     coarse = any(u > 1 for u in units)
@@ -179,9 +186,47 @@ def search_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, 
                 if cand.evaluation is not None:
                     incumbent = min(incumbent, cand.evaluation.iteration_s)
             out.append(cand)
+    if coarse and cpsat and out:
+        out = _refine_best(workload, costs, classes, out, judge, max_tp)
     out.sort(key=lambda c: (c.predicted_s if judge else c.solution.objective,
                             c.solution.objective, c.micro_batch, c.solution.stages))
     return out
+
+
+def _refine_best(workload: WorkloadSummary, costs: CostModel, classes: tuple[DeviceClass, ...],
+                 out: list[HeteroCandidate], judge: bool, max_tp: int) -> list[HeteroCandidate]:
+    """CP-SAT around the best coarse plan (:mod:`hetplan.optimizer.hetero_refine`): its
+    record goes on that plan and, where CP-SAT found a smaller objective, on a new
+    candidate at one-device resolution (re-predicted like the others)."""
+    from hetplan.optimizer.hetero_refine import refine_stages  # imports OR-Tools (~1 s)
+
+    def rank(c: HeteroCandidate) -> tuple[float, float, int, tuple[StageChoice, ...]]:
+        return (c.predicted_s if judge else c.solution.objective, c.solution.objective,
+                c.micro_batch, c.solution.stages)
+
+    old = best = min(out, key=rank)
+    ref = refine_stages(workload, costs, classes, best.micro_batch, best.micro_batches,
+                        [(best.infos[s.option], s) for s in best.solution.stages],
+                        max_tp=max_tp)
+    if ref is None:
+        return out
+    res, record, new = ref.result, ref.record, None
+    if res.stages and res.objective < res.hint_objective:
+        ones = tuple(1 for _ in classes)
+        new = _candidate(workload, best.micro_batch, best.micro_batches,
+                         HeteroSolution(res.stages, res.objective, res.bound, "cp-sat"),
+                         list(ref.infos), classes, ones)
+        ev = predict(workload, costs, new) if judge else None
+        taken = (ev is not None and ev.iteration_s < best.predicted_s) if judge else True
+        record = record.model_copy(update={
+            "taken": taken, "predicted_ms": ev.iteration_s * 1e3 if ev is not None else 0.0})
+        new = dataclasses.replace(new, evaluation=ev, hetero=new.hetero.model_copy(update={
+            "search": new.hetero.search.model_copy(update={
+                "method": "coarse-dp+cp-sat", "cpsat": record,
+                "bound_ms": record.bound_ms, "gap": record.gap})}))
+    best = dataclasses.replace(best, hetero=best.hetero.model_copy(update={
+        "search": best.hetero.search.model_copy(update={"cpsat": record})}))
+    return [best if c is old else c for c in out] + ([new] if new is not None else [])
 
 
 def _candidate(workload: WorkloadSummary, mb: int, m: int, sol: HeteroSolution,
@@ -255,6 +300,7 @@ def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int,
             f"{best.solution.objective * 1e3:.3f} ms; the objective's best "
             f"({by_objective.hetero.describe()}, {by_objective.solution.objective * 1e3:.3f} "
             f"ms) predicts {by_objective.predicted_s * 1e3:.3f} ms")
+    notes = (note,) + ((cpsat_note(hetero.search.cpsat),) if hetero.search.cpsat else ())
     plan = Plan(
         model=model_ref, cluster=cluster_ref, layout=best.layout, stages=stages,
         pipeline_actions=layout_actions(best.layout), hetero=hetero,
@@ -270,9 +316,22 @@ def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int,
                                               margin=m.margin) for m in ev.memory),
             bubble_ratio=min(max(ev.bubble_ratio, 0.0), 1.0)),
         cost_settings=cost_settings, precision=costs.precision,
-        pass_log=(PassLogEntry(name="hetero-search", changed=True, notes=(note,)),),
+        pass_log=(PassLogEntry(name="hetero-search", changed=True, notes=notes),),
     )
     return Plan.model_validate(plan.model_dump())
+
+
+def cpsat_note(rec: CpSatRecord) -> str:
+    """The pass log's (and ``inspect``'s) line on a CP-SAT refinement."""
+    verdict = ("taken" if rec.taken else
+               f"not taken (predicted {rec.predicted_ms:.3f} ms)" if rec.predicted_ms else
+               "not taken")
+    return (f"cp-sat at one-device resolution around the coarse plan (window {rec.window} "
+            f"layer(s), {rec.slots} stage(s), {rec.booleans} booleans, warm start "
+            f"{rec.hint_objective_ms:.3f} ms): {rec.status}, objective "
+            f"{rec.objective_ms:.3f} ms, bound {rec.bound_ms:.3f} ms, gap {rec.gap:.4f} "
+            f"within the neighbourhood, {rec.deterministic_time:.3f} of "
+            f"{rec.deterministic_limit:g} deterministic units; {verdict}")
 
 
 def _runner_up(best: HeteroCandidate, fits: list[HeteroCandidate]) -> HeteroAlternative | None:

@@ -218,8 +218,12 @@ class Runtime:
             raise explained from e
 
     def _step(self, inputs: Any, target: torch.Tensor) -> float:
+        """One iteration. The loss stays on the device until the optimizer step has been
+        issued: reading it is the step's only host synchronisation, at its end (as a timed
+        training loop synchronises once per step), so on a GPU the host queues backward,
+        gradient sync and the optimizer step without waiting for the device in between."""
         ctx = self.ctx
-        t0 = time.perf_counter()
+        clock = _StepClock.start(ctx.model)
         ctx.bubble_s = 0.0
         xs = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
         loss = next((x for h in ctx.handlers
@@ -228,20 +232,20 @@ class Runtime:
             raise SpecError(f"none of the runtime's handlers "
                             f"{[type(h).__name__ for h in ctx.handlers]} runs the step's "
                             "micro-batches; include StagesHandler")
-        t1 = time.perf_counter()
+        clock.mark()
         for h in ctx.handlers:
             h.after_backward(ctx)
-        t2 = time.perf_counter()
+        clock.mark()
         if ctx.optimizer is not None:
             ctx.optimizer.step()
             ctx.optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        ctx.last_times = StepTimes(t3 - t0, t1 - t0 - ctx.bubble_s, t2 - t1, t3 - t2,
-                                   ctx.bubble_s)
+        clock.mark()
+        value = float(loss)  # the step's one host synchronisation
+        ctx.last_times = clock.times(ctx.bubble_s)
         for h in ctx.handlers:
             h.after_step(ctx)
         ctx.iteration += 1
-        return loss
+        return value
 
     def handler(self, kind: type[Any]) -> Any:
         """The composed handler of class ``kind`` (e.g. ``StagesHandler``)."""
@@ -298,3 +302,53 @@ class Runtime:
         for h in self.ctx.handlers:
             h.close(self.ctx)
         self.ctx.groups = None
+
+
+class _StepClock:
+    """The times of one step's three phases (micro-batches, after-backward, optimizer).
+
+    On the CPU the host's clock is the device's: ``perf_counter`` at each mark. On a GPU the
+    host only queues the work, so each mark also records a CUDA event on the current stream,
+    and the phases are read from the events once the step has synchronised (reading the
+    loss); the iteration is the host's wall time from the start to that synchronisation.
+    Recording an event does not wait for the device.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.host = [time.perf_counter()]
+        self.events: list[Any] = []
+        if cuda:
+            self.events.append(_event())
+
+    @classmethod
+    def start(cls, model: nn.Module) -> _StepClock:
+        """A clock for ``model``'s device, started now."""
+        p = next(model.parameters(), None)
+        return cls(p is not None and p.device.type == "cuda")
+
+    def mark(self) -> None:
+        """The end of a phase."""
+        self.host.append(time.perf_counter())
+        if self.cuda:
+            self.events.append(_event())
+
+    def times(self, bubble_s: float) -> StepTimes:
+        """The step's times; call after the step synchronised with its device."""
+        if self.cuda:  # a no-op when the loss was read (a pipeline rank's loss may be a float)
+            self.events[-1].synchronize()
+        end = time.perf_counter()
+        if self.cuda:
+            phases = [a.elapsed_time(b) / 1e3 for a, b in zip(self.events, self.events[1:])]
+        else:
+            phases = [b - a for a, b in zip(self.host, self.host[1:])]
+        compute, sync, opt = phases
+        iteration = (end if self.cuda else self.host[-1]) - self.host[0]
+        return StepTimes(iteration, max(compute - bubble_s, 0.0) if self.cuda
+                         else compute - bubble_s, sync, opt, bubble_s)
+
+
+def _event() -> Any:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev

@@ -196,7 +196,7 @@ class StagesHandler(Handler):
         self.stages, self.schedule, self.actions, self.monitor = [], None, None, None
 
     def run_micro_batches(self, ctx: RuntimeContext, inputs: Sequence[torch.Tensor],
-                          target: torch.Tensor) -> float | None:
+                          target: torch.Tensor) -> float | torch.Tensor | None:
         if self.hetero is not None:  # the replica's rows of every micro-batch: its own
             t0 = time.perf_counter()
             self.hetero.busy_s = 0.0
@@ -213,22 +213,23 @@ class StagesHandler(Handler):
         m = ctx.layout.micro_batches
         chunks = [torch.chunk(x, m) for x in xs]
         ys = torch.chunk(y, m)
-        total = 0.0
+        losses = []
         for i in range(m):
             if i < m - 1:
                 with ctx.accumulating():
-                    total += self._micro_batch(ctx, [c[i] for c in chunks], ys[i], m)
+                    losses.append(self._micro_batch(ctx, [c[i] for c in chunks], ys[i], m))
             else:
-                total += self._micro_batch(ctx, [c[i] for c in chunks], ys[i], m)
-        return total
+                losses.append(self._micro_batch(ctx, [c[i] for c in chunks], ys[i], m))
+        # summed on the device: the runtime reads it once the step is queued (no host sync)
+        return losses[0] if m == 1 else torch.stack(losses).sum()
 
     @staticmethod
     def _micro_batch(ctx: RuntimeContext, xs: list[torch.Tensor], y: torch.Tensor,
-                     m: int) -> float:
+                     m: int) -> torch.Tensor:
         out = ctx.model(*xs, **ctx.forward_kwargs)
         loss = ctx.loss_fn(out, y) / m
         loss.backward()
-        return float(loss.detach())
+        return loss.detach()
 
     def _pipeline(self, ctx: RuntimeContext, xs: list[torch.Tensor], y: torch.Tensor) -> float:
         """One schedule step. It runs every micro-batch's backward, so gradient sync waits
