@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,23 +119,30 @@ def _train_one(name: str, batch: int, seq: int, steps: int, plan_json: str) -> d
     return out
 
 
-def train_plans(rank: int, world: int, cases: dict[str, tuple[str, int, int, int, str]],
-                ) -> dict[str, dict[str, Any]]:
-    """Rank function for :func:`hetplan.profiling._spawn.run_local_ranks`: trains each case
-    ``label -> (zoo model, batch, seq, steps, plan JSON)`` in turn and returns, per label, the
-    losses per step (NaN where this rank holds no last stage), its parameters (tensor-parallel
-    shards gathered to full tensors), the kinds of parallel modules built and the loss
-    function's class. The first case that raises ends the run: its label maps to
+def run_each(cases: dict[str, Any], train: Callable[[Any], dict[str, Any]],
+             ) -> dict[str, dict[str, Any]]:
+    """``label -> train(case)`` for each case in turn, inside a rank of a process group that
+    all cases share. The first case that raises ends the run: its label maps to
     ``{"error": traceback}``, and the cases after it are absent (the ranks' collectives no
-    longer line up)."""
+    longer line up). :func:`case_results` reads the outcome back per case."""
     out: dict[str, dict[str, Any]] = {}
-    for label, (name, batch, seq, steps, plan_json) in cases.items():
+    for label, case in cases.items():
         try:
-            out[label] = _train_one(name, batch, seq, steps, plan_json)
+            out[label] = train(case)
         except Exception:  # reported to the case's test, which fails with it
             out[label] = {"error": traceback.format_exc()}
             break
     return out
+
+
+def train_plans(rank: int, world: int, cases: dict[str, tuple[str, int, int, int, str]],
+                ) -> dict[str, dict[str, Any]]:
+    """Rank function for :func:`hetplan.profiling._spawn.run_local_ranks`: trains each case
+    ``label -> (zoo model, batch, seq, steps, plan JSON)`` in turn (:func:`run_each`) and
+    returns, per label, the losses per step (NaN where this rank holds no last stage), its
+    parameters (tensor-parallel shards gathered to full tensors), the kinds of parallel
+    modules built and the loss function's class."""
+    return run_each(cases, lambda case: _train_one(*case))
 
 
 def case_results(results: list[dict[str, dict[str, Any]]], label: str) -> list[dict[str, Any]]:
