@@ -384,7 +384,9 @@ def test_plan_dynamics_then_run_executes_the_passes_event(tmp_path: Any) -> None
     import sys
 
     import yaml
+    from typer.testing import CliRunner
 
+    from hetplan.cli import app
     from hetplan.ir.plan import load_plan
 
     cluster = tmp_path / "cpu2.json"
@@ -401,10 +403,11 @@ def test_plan_dynamics_then_run_executes_the_passes_event(tmp_path: Any) -> None
         return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True,
                               text=True, timeout=240, check=False)
 
-    proc = hetplan_cli("plan", "gpt-test", "-c", str(cluster), "-b", "8", "--dp", "1", "--pp",
-                       "2", "--tp", "1", "--micro-batch-size", "2", "--dynamics", str(dyn),
-                       "-o", str(plan_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # in-process: planning needs no fresh interpreter (`hetplan run` below starts one)
+    planned = CliRunner().invoke(app, [
+        "plan", "gpt-test", "-c", str(cluster), "-b", "8", "--dp", "1", "--pp", "2", "--tp",
+        "1", "--micro-batch-size", "2", "--dynamics", str(dyn), "-o", str(plan_path)])
+    assert planned.exit_code == 0, planned.output[-3000:]
     plan = load_plan(plan_path)
     assert plan.rebalancing is not None
     applied = [e.iteration for e in plan.rebalancing.events if e.applied]
