@@ -13,7 +13,8 @@ time to hand the boundary activation of layer ``j`` to stage ``s+1`` (the seed's
 network-aware load: the time until work arrives at the next worker; ``0`` for the last stage).
 Memory: ``fixed_mem[s] + sum(mem[s][i..j]) <= mem_cap[s]`` (per-device, per-layer bytes, so
 activation stashes that depend on the stage position — 1F1B stage ``s`` holds ``P-s``
-micro-batches — are expressible).
+micro-batches — are expressible). Cuts: ``cuttable[k]`` False forbids a stage to start at
+layer ``k`` (the runtime cannot split the model there; ``LayerIR.cuttable_before``).
 
 Decisions (the paper leaves these open; also in ``docs/decisions.md``):
 
@@ -124,6 +125,10 @@ class _Problem:
     room: list[float]  # mem_cap - fixed_mem per stage
     n: int
     p: int
+    starts: list[bool]  # may a stage start at layer k
+
+    def can_start(self, i: int) -> bool:
+        return i == 0 or self.starts[i]
 
     def load(self, s: int, i: int, j: int) -> float:
         return self.cost_pre[s][j + 1] - self.cost_pre[s][i] + self.send[s][j]
@@ -141,6 +146,7 @@ def _problem(
     mem: Sequence[float] | Sequence[Sequence[float]] | None,
     mem_cap: float | Sequence[float] | None,
     fixed_mem: float | Sequence[float],
+    cuttable: Sequence[bool] | None = None,
 ) -> _Problem:
     if num_stages < 1:
         raise SpecError(f"num_stages must be >= 1, got {num_stages!r}")
@@ -167,7 +173,15 @@ def _problem(
         if len(caps) != num_stages or len(fixed) != num_stages:
             raise SpecError(f"mem_cap and fixed_mem need one value per stage ({num_stages})")
         room = [cap - f for cap, f in zip(caps, fixed)]
-    return _Problem(_prefix(c), snd, mem_pre, room, n, num_stages)
+    starts = [True] * n if cuttable is None else [bool(x) for x in cuttable]
+    if len(starts) != n:
+        raise SpecError(f"cuttable needs one value per layer ({n}), got {len(starts)}")
+    if 1 + sum(starts[1:]) < num_stages:
+        raise InfeasiblePlanError(
+            f"{num_stages} pipeline stages need {num_stages - 1} cuts, but only "
+            f"{sum(starts[1:])} of the {n - 1} layer boundaries can be cut (a stage cannot "
+            "start at a layer that is not called as a module); use fewer stages")
+    return _Problem(_prefix(c), snd, mem_pre, room, n, num_stages, starts)
 
 
 def _solve(pr: _Problem, limit: float | None) -> list[tuple[int, int]] | None:
@@ -190,6 +204,8 @@ def _solve(pr: _Problem, limit: float | None) -> list[tuple[int, int]] | None:
                     break
                 if limit is None and ld >= b:
                     break  # load only grows; cannot improve max(prev, load)
+                if not pr.can_start(i):
+                    continue  # the runtime cannot split before layer i
                 prev = 0.0 if s == 0 else best[s - 1][i - 1]
                 if prev == inf:
                     continue
@@ -230,6 +246,7 @@ def min_max_partition(
     mem: Sequence[float] | Sequence[Sequence[float]] | None = None,
     mem_cap: float | Sequence[float] | None = None,
     fixed_mem: float | Sequence[float] = 0.0,
+    cuttable: Sequence[bool] | None = None,
 ) -> Partition:
     """Exact min–max contiguous partition (see module docstring for the model).
 
@@ -241,19 +258,22 @@ def min_max_partition(
         mem: per-layer bytes (per stage and layer, or one vector); needs ``mem_cap``.
         mem_cap: bytes each device may hold (one value, or one per stage).
         fixed_mem: bytes each stage holds whatever its layers (one value or one per stage).
+        cuttable: per layer, whether a stage may start there (default: everywhere); the
+            first layer always starts stage 0.
 
     Returns:
         The optimal :class:`Partition`; ties go to the smallest sum of squared loads.
 
     Raises:
-        InfeasiblePlanError: fewer layers than stages, or no partition fits in memory.
+        InfeasiblePlanError: fewer layers (or cuttable boundaries) than stages, or no
+            partition fits in memory.
         SpecError: malformed inputs (shapes, negative or non-finite values).
 
     Example:
         >>> min_max_partition([2, 2, 2, 2, 1, 1, 1, 1], 4).bounds
         ((0, 1), (2, 2), (3, 4), (5, 7))
     """
-    pr = _problem(cost, num_stages, send, mem, mem_cap, fixed_mem)
+    pr = _problem(cost, num_stages, send, mem, mem_cap, fixed_mem, cuttable)
     bounds = _solve(pr, None)
     if bounds is None:
         raise _infeasible(pr)
@@ -323,8 +343,12 @@ def stage_loads(
     return _loads(pr, bounds)
 
 
-def uniform_partition(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
-    """Megatron's default: equal layer counts, the first ``L mod P`` stages one more. O(P)."""
+def uniform_partition(num_layers: int, num_stages: int,
+                      cuttable: Sequence[bool] | None = None) -> tuple[tuple[int, int], ...]:
+    """Megatron's default: equal layer counts, the first ``L mod P`` stages one more. O(P).
+
+    When a cut of that split falls where ``cuttable`` forbids one, the most even layer
+    counts among the allowed cuts instead (:func:`min_max_partition` of one per layer)."""
     if num_stages < 1 or num_layers < num_stages:
         raise InfeasiblePlanError(f"cannot split {num_layers} layers into {num_stages} stages")
     base, extra = divmod(num_layers, num_stages)
@@ -333,6 +357,8 @@ def uniform_partition(num_layers: int, num_stages: int) -> tuple[tuple[int, int]
         size = base + (1 if s < extra else 0)
         out.append((first, first + size - 1))
         first += size
+    if cuttable is not None and not all(cuttable[i] for i, _ in out[1:]):
+        return min_max_partition([1.0] * num_layers, num_stages, cuttable=cuttable).bounds
     return tuple(out)
 
 
@@ -428,6 +454,7 @@ def repack(
     target: int = 1,
     fixed_mem: Sequence[float] | None = None,
     max_slowdown: float = math.inf,
+    cuttable: Sequence[bool] | None = None,
 ) -> Repack:
     """Re-pack layers onto fewer devices: the fewest pipeline stages ``k >= target`` on the
     first ``k`` devices of the pipeline such that an exact memory-feasible partition exists
@@ -451,11 +478,12 @@ def repack(
     if not (len(mem) == len(mem_cap) == d) or d < 1:
         raise SpecError("cost, mem and mem_cap need one row per device")
     fixed = list(fixed_mem) if fixed_mem is not None else [0.0] * d
-    full = min_max_partition(cost, d, mem=mem, mem_cap=mem_cap, fixed_mem=fixed)
+    full = min_max_partition(cost, d, mem=mem, mem_cap=mem_cap, fixed_mem=fixed,
+                             cuttable=cuttable)
     for k in range(max(1, target), d):
         try:
             part = min_max_partition(cost[:k], k, mem=mem[:k], mem_cap=mem_cap[:k],
-                                     fixed_mem=fixed[:k])
+                                     fixed_mem=fixed[:k], cuttable=cuttable)
         except InfeasiblePlanError:
             continue
         if part.bottleneck <= full.bottleneck * max_slowdown * (1 + _REL_EPS):

@@ -78,7 +78,7 @@ def replica_mesh(workload: WorkloadSummary, layout: Layout, stages: tuple[Stage,
     p2p = []
     for j in range(m - 1):
         a, b_ = layout.rank_of(0, j, 0), layout.rank_of(0, j + 1, 0)
-        nbytes = workload.layers[stages[j].last_layer].act_out_bytes * scale / tp
+        nbytes = workload.layers[stages[j].last_layer].boundary_bytes * scale / tp
         p2p.append(costs.comm.time_s("p2p", nbytes, 2, cluster.link_between(a, b_)))
     avg = []
     for j, st in enumerate(stages):

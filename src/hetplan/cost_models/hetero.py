@@ -184,7 +184,7 @@ def reshard_s(workload: WorkloadSummary, costs: CostModel, boundary: int, dev: D
     if boundary == 0:
         return 0.0
     prec = state_precision(costs.precision, dev.type, (dev.type,), capture_bytes(workload))
-    per_replica = workload.layers[boundary - 1].act_out_bytes * (mb / dp) / workload.batch_size
+    per_replica = workload.layers[boundary - 1].boundary_bytes * (mb / dp) / workload.batch_size
     per_replica *= prec.act_scale
     piece = per_replica / tp
     link: Literal["intra", "inter"] = "inter" if cross_node else "intra"
@@ -323,7 +323,7 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
         sum(model_state([lay], tp=tp, dp=dp, zero_stage=zero, optimizer=costs.optimizer,
                         precision=prec)) for lay in workload.layers])])
     overlap = costs.dp_overlap == "backward"
-    bufs = np.array([(workload.layers[i - 1].act_out_bytes * scale * prec.act_scale) if i
+    bufs = np.array([(workload.layers[i - 1].boundary_bytes * scale * prec.act_scale) if i
                      else 0.0 for i in range(L + 1)])
     a_modes, v_modes, q_modes = [], [], []
     work = None
@@ -596,7 +596,7 @@ def _memory(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage], 
         prec = state_precision(costs.precision, dev.type, (dev.type,), capture_bytes(workload))
         scale = shape.micro_batch_size / workload.batch_size
         in_flight = 1.0 if sched is None else peak_in_flight(sched, k, [1.0] * P)
-        buf = (workload.layers[st.first_layer - 1].act_out_bytes * scale * prec.act_scale
+        buf = (workload.layers[st.first_layer - 1].boundary_bytes * scale * prec.act_scale
                if st.first_layer else 0.0)
         mem = stage_memory(workload.layers[st.first_layer:st.last_layer + 1], tp=shape.tp,
                            micro_batch_scale=scale, in_flight=in_flight,

@@ -79,7 +79,7 @@ def p2p_ms(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
         a, b = stages[k].ranks[0], stages[k + 1].ranks[0]
         act = state_precision(costs.precision, costs.devices[a].type, (),
                               cap).act_scale
-        nbytes = workload.layers[stages[k].last_layer].act_out_bytes * scale * act / layout.tp
+        nbytes = workload.layers[stages[k].last_layer].boundary_bytes * scale * act / layout.tp
         link = costs.cluster.link_between(a, b)
         node = costs.devices[a].node_index
         if costs.devices[b].node_index != node:

@@ -6,7 +6,9 @@ identical IR apart from their names, so :func:`capture` traces the model with ea
 block list cut to its *steady state* — the blocks up to the first of the final run of
 identically shaped blocks, plus one more, so that the last kept block receives its input
 from a block like itself — and :func:`expand_blocks` copies the last kept block's layer and
-gradients for the blocks that were cut.
+gradients for the blocks that were cut. The bytes a pipeline boundary cuts between two
+copies are those after the second-to-last kept block (a block like itself follows it); the
+last copy keeps the template's boundary to the layer after the list.
 
 The result is exactly what a full capture gives (a test compares the two on models with
 several blocks); whenever the shortcut does not apply cleanly (the cut changes which modules
@@ -120,16 +122,24 @@ def _expand_one(ir: ModelIR, cut: BlockCut) -> ModelIR | None:
         return None
     t_index = template.index
     extra = cut.total - cut.keep
+    # a boundary between two blocks cuts what the one after the block before the template
+    # cuts (a block like itself follows it); the last copy's boundary is the template's
+    between = by_name[names[-2]].cut_bytes_after
 
     # layers: copies right after the template, later layers shifted
     new_layers: list[LayerIR] = []
     for layer in ir.layers:
         if layer.index <= t_index:
-            new_layers.append(layer)
             if layer.index == t_index:
+                new_layers.append(replace(layer, cut_bytes_after=between))
                 for k in range(extra):
                     copy = _copy_layer(template, template.name, f"{prefix}{cut.keep + k}")
-                    new_layers.append(replace(copy, index=t_index + 1 + k))
+                    copy = replace(copy, index=t_index + 1 + k)
+                    if k < extra - 1:
+                        copy = replace(copy, cut_bytes_after=between)
+                    new_layers.append(copy)
+            else:
+                new_layers.append(layer)
         else:
             new_layers.append(replace(layer, index=layer.index + extra))
 

@@ -92,10 +92,20 @@ class LayerDataflow:
                             key=lambda t: t.name))
 
     def boundary_bytes(self) -> tuple[int, ...]:
-        """Per boundary ``1 .. num_layers - 1``, the bytes of the tensors it cuts."""
-        g = self.graph()
-        return tuple(sum(t.size_bytes for t in self.crossing(b, g))
-                     for b in range(1, self.num_layers))
+        """Per boundary ``1 .. num_layers - 1``, the bytes of the tensors it cuts (what
+        :meth:`crossing` sums, by a sweep: a tensor crosses the boundaries
+        ``producer + 1 .. max(consumers)``; O(layers + tensors), no graph)."""
+        diff = [0] * (self.num_layers + 1)
+        for t in self.tensors:
+            first, last = t.producer + 1, max(t.consumers, default=t.producer)
+            if last >= first:
+                diff[max(first, 1)] += t.size_bytes
+                diff[last + 1] -= t.size_bytes
+        out, acc = [], diff[0]
+        for b in range(1, self.num_layers):
+            acc += diff[b]
+            out.append(acc)
+        return tuple(out)
 
     def is_chain(self) -> bool:
         """True when every boundary cuts only tensors of the layer just before it."""

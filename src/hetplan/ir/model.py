@@ -237,6 +237,17 @@ class LayerIR:
         core_mem_fwd_bytes / core_mem_bwd_bytes: the same inside the attention core: what
             an unfused attention moves through memory (scores, softmax, dropout), and a
             fused one does not.
+        cut_bytes_after: bytes of every tensor a pipeline boundary right after this layer
+            cuts (produced at or before it, read after it: :mod:`hetplan.ir.dataflow`). It
+            equals ``act_out_bytes`` where the model is a chain; more where a residual
+            shortcut, an encoder's output or a second embedding crosses the boundary. None
+            (workload files, IRs written before the field): taken as ``act_out_bytes``.
+            Read it through :attr:`boundary_bytes`.
+        cuttable_before: False when a pipeline stage cannot start at this layer because the
+            runtime cannot split the model there: the layer is never called as a module
+            (its parameters are only read by glue code, like ``pos_emb.weight[:t]``), is
+            called more than once, or owns only a container's parameters. The partition
+            algorithms skip such boundaries and the plan validator refuses them.
     """
 
     index: int
@@ -263,8 +274,16 @@ class LayerIR:
     mem_bwd_bytes: int = 0
     core_mem_fwd_bytes: int = 0
     core_mem_bwd_bytes: int = 0
+    cut_bytes_after: int | None = None
+    cuttable_before: bool = True
 
     __pydantic_config__ = _FORBID
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Bytes a pipeline boundary right after this layer sends per micro-batch (at the
+        captured batch): ``cut_bytes_after``, else ``act_out_bytes``."""
+        return self.act_out_bytes if self.cut_bytes_after is None else self.cut_bytes_after
 
     @property
     def param_numel(self) -> int:
@@ -512,6 +531,8 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
                            "core_mem_bwd_bytes"):
             if getattr(layer, field_name) < 0:
                 raise SpecError(f"{at}layer {layer.name!r}: {field_name} is negative")
+        if layer.cut_bytes_after is not None and layer.cut_bytes_after < 0:
+            raise SpecError(f"{at}layer {layer.name!r}: cut_bytes_after is negative")
         _check_act_parts(layer, at)
         for p in layer.params:
             if p.tied_to is not None:

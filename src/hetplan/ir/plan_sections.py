@@ -136,6 +136,9 @@ class LayerCost(_Section):
     ``gemms`` and the ``*mem_*_bytes`` are the layer's kernels (:mod:`hetplan.ir.kernels`),
     which the compute model prices shape by shape; empty in plans written before them (the
     compute model then prices the layer's FLOPs at the roofline).
+    ``cut_bytes_after`` / ``cuttable_before`` are the IR's pipeline-boundary fields (the
+    bytes a boundary after the layer cuts; whether a stage may start at it); read the bytes
+    through :attr:`boundary_bytes` (``act_out_bytes`` in plans written before them).
     """
 
     name: Name
@@ -161,6 +164,14 @@ class LayerCost(_Section):
     mem_bwd_bytes: NonNegInt = 0
     core_mem_fwd_bytes: NonNegInt = 0
     core_mem_bwd_bytes: NonNegInt = 0
+    cut_bytes_after: NonNegInt | None = None
+    cuttable_before: bool = True
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Bytes a pipeline boundary right after this layer sends per micro-batch, at the
+        captured batch (``cut_bytes_after``, else ``act_out_bytes``)."""
+        return self.act_out_bytes if self.cut_bytes_after is None else self.cut_bytes_after
 
 
 class GradCost(_Section):
@@ -240,6 +251,8 @@ class WorkloadSummary(_Section):
                     mem_bwd_bytes=lay.mem_bwd_bytes,
                     core_mem_fwd_bytes=lay.core_mem_fwd_bytes,
                     core_mem_bwd_bytes=lay.core_mem_bwd_bytes,
+                    cut_bytes_after=lay.cut_bytes_after,
+                    cuttable_before=lay.cuttable_before,
                 )
                 for lay in ir.layers
             ),

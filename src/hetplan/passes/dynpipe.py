@@ -121,7 +121,7 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
         if s + 1 < lay.pp * v:
             link = costs.cluster.link_between(ranks[0], _stage_ranks(ctx, s + 1)[0])
             send.append([2e3 * costs.comm.time_s(
-                "p2p", x.act_out_bytes * scale * prec.act_scale / lay.tp, 2, link)
+                "p2p", x.boundary_bytes * scale * prec.act_scale / lay.tp, 2, link)
                 for x in wl.layers])
         else:
             send.append([0.0] * n)
@@ -140,19 +140,22 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
 def _candidates(c: _Costs, ctx: PassContext) -> list[tuple[str, Bounds]]:
     n, p = len(ctx.workload.layers), ctx.layout.pp * ctx.layout.virtual_stages
     params = [float(x.param_bytes) for x in ctx.workload.layers]
+    cut = [x.cuttable_before for x in ctx.workload.layers]
     out: list[tuple[str, Bounds]] = []
     tries = (
         ("time+transfers", lambda: min_max_partition(c.cost, p, send=c.send, mem=c.mem,
-                                                     mem_cap=c.cap).bounds),
-        ("time", lambda: min_max_partition(c.cost, p, mem=c.mem, mem_cap=c.cap).bounds),
-        ("params", lambda: min_max_partition(params, p, mem=c.mem, mem_cap=c.cap).bounds),
+                                                     mem_cap=c.cap, cuttable=cut).bounds),
+        ("time", lambda: min_max_partition(c.cost, p, mem=c.mem, mem_cap=c.cap,
+                                           cuttable=cut).bounds),
+        ("params", lambda: min_max_partition(params, p, mem=c.mem, mem_cap=c.cap,
+                                             cuttable=cut).bounds),
     )
     for name, fn in tries:
         try:
             out.append((name, fn()))
         except InfeasiblePlanError:
             continue
-    out.append(("uniform", uniform_partition(n, p)))
+    out.append(("uniform", uniform_partition(n, p, cut)))
     return out
 
 
@@ -212,7 +215,7 @@ class DynPipe:
             if best is None or ev.iteration_s < best[0]:
                 best = (ev.iteration_s, name, bounds, stages)
         if best is None:  # nothing fits: the uniform split, so the simulator names the rank
-            bounds = uniform_partition(n, p)
+            bounds = uniform_partition(n, p, [x.cuttable_before for x in ctx.workload.layers])
             stages = choose_recompute(ctx.workload, ctx.layout,
                                       stages_from_bounds(list(bounds), ctx), ctx.costs,
                                       mode=self.recompute)

@@ -33,7 +33,9 @@ How it works:
    hooks, Espresso and Cupcake see.
 5. **Assembly and verification** (:func:`~hetplan.ir.capture.assemble.assemble`): activation
    bytes in/out per layer from the graph's edges, the tensor-parallel linears of each layer,
-   and :func:`hetplan.ir.model.verify_model_ir`.
+   and :func:`hetplan.ir.model.verify_model_ir`; then the pipeline-boundary fields
+   (:func:`~hetplan.ir.capture.dataflow.boundary_fields`: the bytes every boundary cuts,
+   which layers a stage may start at).
 
 Glue code outside every layer (mask construction, residual adds written in a top-level
 forward, a loss) is attributed to the next layer in dataflow order (or the last layer when
@@ -61,7 +63,7 @@ from torch.utils._pytree import tree_map
 from hetplan.errors import TraceError
 from hetplan.ir import block_reuse
 from hetplan.ir.capture.assemble import assemble
-from hetplan.ir.capture.dataflow import layer_dataflow
+from hetplan.ir.capture.dataflow import boundary_fields, layer_dataflow
 from hetplan.ir.capture.execute import Executor
 from hetplan.ir.capture.trace import build_graph
 from hetplan.ir.capture.units import layer_units
@@ -201,7 +203,12 @@ def _capture_once(
     graph = build_graph(meta_model, args, kwargs, units, opaque, method)
     executor = Executor(meta_model, graph, units)
     executor.run()
-    return assemble(original, meta_model, graph, units, executor, None, args, kwargs)
+    ir = assemble(original, meta_model, graph, units, executor, None, args, kwargs)
+    cut, cuttable = boundary_fields(
+        graph, executor, {lay.name: lay.act_out_bytes for lay in ir.layers})
+    return dataclasses.replace(ir, layers=tuple(
+        dataclasses.replace(lay, cut_bytes_after=c, cuttable_before=ok)
+        for lay, c, ok in zip(ir.layers, cut, cuttable, strict=True)))
 
 
 # --------------------------------------------------------------------------------------
