@@ -19,7 +19,8 @@ Rules (each applies when the sections it relates are present):
    interleaved 1F1B: micro-batches a multiple of pp), as the simulator and runtime build it.
 3. **stages**: pp · virtual_stages of them; stage ``s`` runs on exactly the dp·tp ranks of
    pipeline coordinate ``s mod pp``; their layers are contiguous from 0 and cover the
-   workload; ``layer_names`` are the workload's.
+   workload; ``layer_names`` are the workload's; no stage after the first starts at a layer
+   whose ``cuttable_before`` is False (the runtime cannot split the model there).
 4. **pipeline_actions**: the layout's schedule, micro-batches, stage and rank counts; every
    forward and backward of every stage and micro-batch exactly once, each backward on its
    forward's rank; and the lists can finish: executed rank by rank in list order they do not
@@ -66,6 +67,7 @@ from hetplan.ir.pipeline_order import (
 )
 from hetplan.ir.plan_sections import (
     ClusterRef,
+    LayerCost,
     Precision,
     GradientSync,
     Layout,
@@ -247,6 +249,7 @@ def _stages(plan: Plan) -> list[str]:
             if st.layer_names and list(st.layer_names) != want:
                 out.append(f"stages[{i}].layer_names: {_short(st.layer_names)} are not the "
                            f"workload's layers {st.first_layer}..{st.last_layer} {_short(want)}")
+        out += _uncuttable_starts(stages, workload.layers)
     if plan.hetero is not None:  # per-stage degrees: rule 3's rank part in its own form
         out += hetero_problems(plan.hetero, lay, stages, plan.cluster.world_size)
         out += hetero_section_problems(
@@ -257,6 +260,26 @@ def _stages(plan: Plan) -> list[str]:
     else:
         out += _ranks_exist(plan)
     return out[:_MAX_PER_RULE]
+
+
+def _uncuttable_starts(stages: tuple[Stage, ...], layers: tuple[LayerCost, ...]) -> list[str]:
+    """Stages after the first that start at a layer the runtime cannot split before
+    (``cuttable_before`` False), each with the nearest layers it could start at instead."""
+    out = []
+    for i, st in enumerate(stages):
+        k = st.first_layer
+        if i == 0 or k >= len(layers) or layers[k].cuttable_before:
+            continue
+        near = [j for j in (*range(k - 1, 0, -1), *range(k + 1, len(layers)))
+                if layers[j].cuttable_before]
+        near = sorted(sorted(near, key=lambda j: abs(j - k))[:2])
+        fix = (" or ".join(f"{layers[j].name!r} (#{j})" for j in near) if near
+               else "no other layer: use fewer stages")
+        out.append(f"stages[{i}].first_layer: {k} ({layers[k].name!r}), which the runtime "
+                   "cannot split the model before (the layer is never called as a module, "
+                   "its parameters only read by glue code, or is called more than once); "
+                   f"start the stage at {fix}")
+    return out
 
 
 def _stage_ranks(stages: tuple[Stage, ...], lay: Layout) -> list[str]:
