@@ -124,3 +124,29 @@ def test_the_validator_refuses_a_stage_starting_at_pos_emb(plans: dict[int, Plan
     with pytest.raises(ValueError, match=r"stages\[1\]\.first_layer: 1 \('pos_emb'\).*"
                                          r"never called as a module.*'blocks\.0' \(#2\)"):
         Plan.model_validate(data)
+
+
+def test_the_validator_refuses_a_rebalancing_event_starting_at_pos_emb(
+        plans: dict[int, Plan]) -> None:
+    from hetplan.ir.rebalancing import PlannedEvent, Rebalancing
+
+    plan = plans[2]
+    good = Rebalancing(total_iterations=10, events=(
+        PlannedEvent(iteration=1, stages=((0, 3), (4, 5)), applied=True),))
+    Plan.model_validate(plan.model_copy(update={"rebalancing": good}).model_dump())
+    bad = Rebalancing(total_iterations=10, events=(
+        PlannedEvent(iteration=1, stages=((0, 0), (1, 5)), applied=True),))
+    with pytest.raises(ValueError, match=r"rebalancing\.events\[0\]\.stages\[1\]: 1 "
+                                         r"\('pos_emb'\)"):
+        Plan.model_validate(plan.model_copy(update={"rebalancing": bad}).model_dump())
+
+
+def test_repack_skips_a_non_cuttable_boundary() -> None:
+    from hetplan.algorithms.partition import repack
+
+    cost = [[9.0, 1.0, 1.0, 1.0]] * 2
+    mem = [[1.0] * 4] * 2
+    free = repack(cost, mem, [10.0, 10.0], target=2)
+    assert free.partition.cuts == (1,)
+    got = repack(cost, mem, [10.0, 10.0], target=2, cuttable=[True, False, True, True])
+    assert got.partition.cuts == (2,)

@@ -282,6 +282,7 @@ def _propose(
     send_ms: Sequence[float],
     policy: BalancePolicy,
     mem_cap: Sequence[float] | None,
+    cuttable: Sequence[bool] | None = None,
 ) -> tuple[tuple[int, int], ...]:
     p = len(bounds)
     if policy.balancer == "static":
@@ -297,9 +298,16 @@ def _propose(
         mem = _stage_mem(phase, p)
         cap = list(mem_cap[:p])
     if policy.balancer == "partition":
-        return min_max_partition(cost, p, send=send, mem=mem, mem_cap=cap).bounds
-    return diffusion_balance(bounds, cost, send=send, mem=mem, mem_cap=cap,
-                             max_iters=policy.max_iters)
+        return min_max_partition(cost, p, send=send, mem=mem, mem_cap=cap,
+                                 cuttable=cuttable).bounds
+    got = diffusion_balance(bounds, cost, send=send, mem=mem, mem_cap=cap,
+                            max_iters=policy.max_iters)
+    if cuttable is not None and not all(cuttable[i] for i, _ in got[1:]):
+        # diffusion moves one layer at a time and may stop at a boundary the runtime
+        # cannot split at: the exact partition over the allowed boundaries instead
+        return min_max_partition(cost, p, send=send, mem=mem, mem_cap=cap,
+                                 cuttable=cuttable).bounds
+    return got
 
 
 def run_dynamic(
@@ -315,6 +323,7 @@ def run_dynamic(
     decision_ms: float = 0.0,
     mem_cap: Sequence[float] | None = None,
     initial: Sequence[tuple[int, int]] | None = None,
+    cuttable: Sequence[bool] | None = None,
 ) -> DynamicRun:
     """Train through ``phases`` (the first starts at iteration 0) re-planning at each event.
 
@@ -330,6 +339,8 @@ def run_dynamic(
         decision_ms: time the balancer's decision costs per event (measured by the caller).
         mem_cap: per-device memory capacity (layers' ``mem_bytes`` + 1F1B activation stash).
         initial: the starting partition (default: the balancer's, or uniform for static).
+        cuttable: per layer, whether a stage may start there (``LayerIR.cuttable_before``;
+            default everywhere): no proposal starts a stage elsewhere.
 
     Returns:
         The events, the total time (overheads included), the devices used on average and
@@ -345,10 +356,10 @@ def run_dynamic(
     if initial is not None:
         bounds = tuple(initial)
     elif policy.balancer == "static":
-        bounds = uniform_partition(n, num_stages)
+        bounds = uniform_partition(n, num_stages, cuttable)
     else:
-        bounds = _propose(phases[0], uniform_partition(n, num_stages), speeds, send, policy,
-                          mem_cap)
+        bounds = _propose(phases[0], uniform_partition(n, num_stages, cuttable), speeds, send,
+                          policy, mem_cap, cuttable)
 
     def predict(ph: Phase, bd: tuple[tuple[int, int], ...]) -> float:
         return iteration_ms(_stage_sums(bd, ph.fwd_ms, speeds),
@@ -361,10 +372,11 @@ def run_dynamic(
         span = max(end - ph.start, 0)
         now = predict(ph, bounds)
         if k > 0 and policy.balancer != "static":
-            new = _propose(ph, bounds, speeds, send, policy, mem_cap)
+            new = _propose(ph, bounds, speeds, send, policy, mem_cap, cuttable)
             released: tuple[int, ...] = ()
             if policy.repack:
-                new, released = _try_repack(ph, new, speeds, mem_cap, policy, predict)
+                new, released = _try_repack(ph, new, speeds, mem_cap, policy, predict,
+                                            cuttable)
             moves = layer_moves(bounds, new, ph.move_bytes)
             moved = sum(m.bytes for m in moves)
             cost = decision_ms + (moved / link_bytes_per_ms if moved else 0.0)
@@ -391,6 +403,7 @@ def _try_repack(
     mem_cap: Sequence[float] | None,
     policy: BalancePolicy,
     predict: Callable[[Phase, tuple[tuple[int, int], ...]], float],
+    cuttable: Sequence[bool] | None = None,
 ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
     """Fewer stages if memory allows and the iteration slows by at most repack_slowdown."""
     if mem_cap is None or not ph.mem_bytes:
@@ -402,7 +415,8 @@ def _try_repack(
         cost = [[t / speeds[s] for t in total] for s in range(k)]
         mem = _stage_mem(ph, k)
         try:
-            got = min_max_partition(cost, k, mem=mem, mem_cap=list(mem_cap[:k]))
+            got = min_max_partition(cost, k, mem=mem, mem_cap=list(mem_cap[:k]),
+                                    cuttable=cuttable)
         except InfeasiblePlanError:
             continue
         if predict(ph, got.bounds) <= base * policy.repack_slowdown:

@@ -31,7 +31,8 @@ Rules (each applies when the sections it relates are present):
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
    inter-node step needs more than one node. **sparse_sync** names only gradients of the
    workload, each with its shape (rows x row_elems elements).
-7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages.
+7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages,
+   none of them starting at a layer the runtime cannot split before (as in rule 3).
 8. **predictions**: at most one memory figure per rank.
 9. **complete** plans — what ``hetplan plan`` writes, required of every plan file
    (:func:`~hetplan.ir.plan.load_plan`; ``Plan.from_json(..., complete=True)``):
@@ -249,7 +250,8 @@ def _stages(plan: Plan) -> list[str]:
             if st.layer_names and list(st.layer_names) != want:
                 out.append(f"stages[{i}].layer_names: {_short(st.layer_names)} are not the "
                            f"workload's layers {st.first_layer}..{st.last_layer} {_short(want)}")
-        out += _uncuttable_starts(stages, workload.layers)
+        out += _uncuttable_starts([(f"stages[{i}].first_layer", st.first_layer)
+                                   for i, st in enumerate(stages) if i], workload.layers)
     if plan.hetero is not None:  # per-stage degrees: rule 3's rank part in its own form
         out += hetero_problems(plan.hetero, lay, stages, plan.cluster.world_size)
         out += hetero_section_problems(
@@ -262,23 +264,24 @@ def _stages(plan: Plan) -> list[str]:
     return out[:_MAX_PER_RULE]
 
 
-def _uncuttable_starts(stages: tuple[Stage, ...], layers: tuple[LayerCost, ...]) -> list[str]:
-    """Stages after the first that start at a layer the runtime cannot split before
-    (``cuttable_before`` False), each with the nearest layers it could start at instead."""
+def _uncuttable_starts(starts: list[tuple[str, int]],
+                       layers: tuple[LayerCost, ...]) -> list[str]:
+    """``(field path, first layer)`` of the stages after the first: those that start at a
+    layer the runtime cannot split before (``cuttable_before`` False), each with the nearest
+    layers the stage could start at instead."""
     out = []
-    for i, st in enumerate(stages):
-        k = st.first_layer
-        if i == 0 or k >= len(layers) or layers[k].cuttable_before:
+    for where, k in starts:
+        if k >= len(layers) or layers[k].cuttable_before:
             continue
         near = [j for j in (*range(k - 1, 0, -1), *range(k + 1, len(layers)))
                 if layers[j].cuttable_before]
         near = sorted(sorted(near, key=lambda j: abs(j - k))[:2])
         fix = (" or ".join(f"{layers[j].name!r} (#{j})" for j in near) if near
                else "no other layer: use fewer stages")
-        out.append(f"stages[{i}].first_layer: {k} ({layers[k].name!r}), which the runtime "
-                   "cannot split the model before (the layer is never called as a module, "
-                   "its parameters only read by glue code, or is called more than once); "
-                   f"start the stage at {fix}")
+        out.append(f"{where}: {k} ({layers[k].name!r}), which the runtime cannot split the "
+                   "model before (the layer is never called as a module, its parameters "
+                   f"only read by glue code, or is called more than once); start the stage "
+                   f"at {fix}")
     return out
 
 
@@ -504,6 +507,9 @@ def _rebalancing(plan: Plan) -> list[str]:
         if n_layers is not None and ev.stages[-1][1] != n_layers - 1:
             out.append(f"{where}.stages: the ranges end at layer {ev.stages[-1][1]}, but the "
                        f"model has {n_layers} layers")
+        if workload is not None and ev.stages[-1][1] < len(workload.layers):
+            out += _uncuttable_starts([(f"{where}.stages[{k}]", i) for k, (i, _) in
+                                       enumerate(ev.stages) if k], workload.layers)
         if bad := sorted({s for s in ev.released_stages if s >= n_stages}):
             out.append(f"{where}.released_stages: {bad} are not stages of the plan "
                        f"(0..{n_stages - 1})")

@@ -279,7 +279,8 @@ def _rebalancing(dyn: DynamicsSpec, c: _Costs, ctx: PassContext, bounds: Bounds)
     def replay(pol: BalancePolicy) -> DynamicRun:
         return run_dynamic(phases, lay.pp, dyn.total_iterations, pol, iteration_ms,
                            speeds=speeds, send_ms=send, link_bytes_per_ms=1e9 / per_gb,
-                           mem_cap=mem_cap, initial=bounds)
+                           mem_cap=mem_cap, initial=bounds,
+                           cuttable=[x.cuttable_before for x in wl.layers])
 
     run = replay(policy)
     static = replay(BalancePolicy("static"))
