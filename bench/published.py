@@ -102,6 +102,13 @@ class Dimension:
 
 _ZERO = {"none": 0, "zero-1": 1, "zero-2": 2, "zero-3": 3, "fsdp": 3}
 
+#: Where a source's sharding is not the name's usual stage. Llama 3's FSDP "shards optimizer
+#: states and gradients, but for model shards we do not reshard after forward computation to
+#: avoid an extra all-gather communication during backward passes" (Llama 3 Team 2024,
+#: section 3.3.2): parameters stay whole through forward and backward, gradients and
+#: optimizer state are sharded, which is the planner's ZeRO-2.
+ZERO_BY_SOURCE: dict[str, dict[str, int]] = {"llama3_2024": {"fsdp": 2}}
+
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("micro_batch_size", "micro_batch_size", None, "micro_batch_size",
               ("micro_batch_size",), "micro-batch size"),
@@ -131,12 +138,18 @@ DIMENSIONS: tuple[Dimension, ...] = (
 #: softmax, no fused attention kernel: the 5·a·s² activation term Korthikanti et al. count is
 #: those scores) and all-reduced gradients after the pipeline flush (Narayanan et al. 2021,
 #: section 2.2: "at the end of every batch ... gradients are all-reduced"); Llama 3 trained
-#: with fused attention and FSDP, whose reduce-scatters overlap backward.
+#: with fused attention and FSDP, whose reduce-scatters overlap backward. All of them ran
+#: fused memory-bound kernels (``fusion="fused"``): Megatron-LM's fused bias+GeLU,
+#: bias+dropout+add, scale-mask-softmax and Apex layer norm (Narayanan et al. 2021,
+#: section 4.2 "Operator fusion"; Megatron-DeepSpeed keeps them); Llama 3 fused RMSNorm,
+#: SwiGLU and rotary kernels beside flash attention.
 SOFTWARE: dict[str, dict[str, str]] = {
-    "narayanan2021": {"attention": "materialized", "dp_overlap": "after-flush"},
-    "korthikanti2022": {"attention": "materialized", "dp_overlap": "after-flush"},
-    "bloom2022": {"attention": "materialized", "dp_overlap": "after-flush"},
-    "llama3_2024": {"attention": "flash", "dp_overlap": "backward"},
+    "narayanan2021": {"attention": "materialized", "dp_overlap": "after-flush",
+                      "fusion": "fused"},
+    "korthikanti2022": {"attention": "materialized", "dp_overlap": "after-flush",
+                        "fusion": "fused"},
+    "bloom2022": {"attention": "materialized", "dp_overlap": "after-flush", "fusion": "fused"},
+    "llama3_2024": {"attention": "flash", "dp_overlap": "backward", "fusion": "fused"},
 }
 
 
@@ -164,6 +177,10 @@ def express(run: Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             # one chunk per rank is what the pinned non-interleaved schedule means (the
             # option takes 2 and more)
             rec["status"] = "default"
+        elif dim.name == "dp_sharding" and value in ZERO_BY_SOURCE.get(run.source, {}):
+            pins[dim.option or "zero_stage"] = ZERO_BY_SOURCE[run.source][value]
+            rec["status"] = "pinned"
+            rec["as"] = f"zero-{pins[dim.option or 'zero_stage']} (see ZERO_BY_SOURCE)"
         elif dim.option is not None and dim.option in fields:
             pins[dim.option] = dim.to_option(value)
             rec["status"] = "pinned"
@@ -323,7 +340,7 @@ def bench_run(run: Run, data: PublishedRuns, *, free: bool) -> dict[str, Any]:
         "pinned": pinned,
     }
     if free:
-        soft = {k: pins[k] for k in ("attention", "dp_overlap") if k in pins}
+        soft = {k: pins[k] for k in ("attention", "dp_overlap", "fusion") if k in pins}
         f = _compile(ir, cluster, batch, dtype=dtype, **soft)
         fp = f.get("predicted_iteration_s")
         f["vs_measured"] = _ratio(fp, meas.seconds)
