@@ -242,3 +242,17 @@ def test_a_cluster_with_a_device_type_lacking_a_curve_prices_every_device_alike(
                 checked += 1
                 assert min(by_type["A100-80GB"]) > max(by_type["V100-SXM2-32GB"])
     assert checked  # mixed-tp-node's TP groups mix both generations
+
+
+def test_vocab_parallel_splits_the_head_by_its_vocabulary() -> None:
+    g = Gemm(phase="fwd", batch=1, m=2048, n=51200, k=4096)
+    head = _layer(kind="head", gemms=(g,))
+    whole = _times(head, tp=8).fwd_s
+    # without vocab parallelism every TP rank computes all logits
+    assert whole == pytest.approx(_times(head).fwd_s)
+    split = _times(head, tp=8, vocab_parallel=True).fwd_s
+    assert split == pytest.approx(
+        g.flops / 8 / (312e12 * gemm_efficiency(A100, 1, 2048, 51200 / 8)))
+    # only the head: another layer without Megatron pairs is not split
+    other = _layer(kind="other", gemms=(g,))
+    assert _times(other, tp=8, vocab_parallel=True).fwd_s == pytest.approx(whole)

@@ -85,6 +85,8 @@ class ComputeModel:
         attention: how the attention core runs: ``flash`` (fused) or ``materialized``.
         fusion: which memory-bound kernels the engine fuses: ``none`` (each captured kernel
             alone) or ``fused`` (:func:`~hetplan.cost_models.kernels.fused_block_bytes`).
+        vocab_parallel: the engine splits the LM head across TP ranks by vocabulary
+            (priced only: the runtime gathers the logits).
         kernel_devices: price layers by their kernels on device types that have a GEMM
             curve. :class:`~hetplan.cost_models.costs.CostModel` sets it False when some device
             type of the cluster has none: every device of a plan is then priced by the same
@@ -105,6 +107,7 @@ class ComputeModel:
         attention: Attention = "flash",
         kernel_devices: bool = True,
         fusion: Fusion = "none",
+        vocab_parallel: bool = False,
     ) -> None:
         if not 0 < efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
@@ -114,6 +117,7 @@ class ComputeModel:
         if fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
         self.fusion: Fusion = fusion
+        self.vocab_parallel = vocab_parallel
         self.kernel_devices = kernel_devices
         self.db = db
         self.efficiency = efficiency
@@ -204,7 +208,7 @@ class ComputeModel:
                 mem_bw=device.mem_bandwidth_bytes_per_s,
                 elem_bytes=DTYPE_SIZE.get(dtype, 4), bytes_scale=bytes_scale, tokens=tokens,
                 r=scale, tp=tp, sp=sp, attention=self.attention,
-                fusion=self.fusion)
+                fusion=self.fusion, vocab_parallel=self.vocab_parallel)
             return LayerTime(k.fwd_s, k.bwd_s, "kernels", per_rank=tp > 1,
                              core_fwd_s=k.core_fwd_s)
         return self._roofline(lay, device, scale, bytes_scale)

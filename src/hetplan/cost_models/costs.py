@@ -36,6 +36,8 @@ class CostModel:
             (:mod:`hetplan.cost_models.kernels`).
         fusion: the engine's memory-bound kernels run fused (``fused``) or as captured
             (``none``; :mod:`hetplan.cost_models.kernels`).
+        vocab_parallel: the engine's LM head is split across TP ranks by vocabulary
+            (compute only; :func:`~hetplan.cost_models.kernels.kernel_times`).
         dp_overlap: data-parallel sync overlaps the last backward (``backward``) or runs
             after the pipeline flush (``after-flush``); ``evaluate`` reads it.
     """
@@ -53,6 +55,7 @@ class CostModel:
         attention: Attention = "flash",
         dp_overlap: Literal["backward", "after-flush"] = "backward",
         fusion: Fusion = "none",
+        vocab_parallel: bool = False,
     ) -> None:
         self.cluster = cluster
         self.db = db
@@ -65,6 +68,7 @@ class CostModel:
         self.compute = ComputeModel(
             db, efficiency=efficiency, dtype=dtype, require_profiled=require_profiled,
             precision=self.precision, attention=attention, fusion=fusion,
+            vocab_parallel=vocab_parallel,
             kernel_devices=all(curve_for(t) is not None for t in {d.type for d in self.devices}),
         )
         if dp_overlap not in ("backward", "after-flush"):

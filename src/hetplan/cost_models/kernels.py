@@ -31,7 +31,8 @@ Three kinds of work, each priced by what bounds it on the device:
    priced by the bytes that group reads and writes (:func:`fused_block_bytes`); layers that
    are not recognisable blocks keep their captured bytes.
 
-Tensor parallelism (``tp``): a layer with Megatron pairs runs ``1/tp`` of its attention heads
+Tensor parallelism (``tp``): a layer with Megatron pairs (and, with ``vocab_parallel``, the LM
+head: its vocabulary is the split dimension) runs ``1/tp`` of its attention heads
 (``bmm`` batch) and ``1/tp`` of each linear's split dimension (the largest dimension that is
 not the token count: a column linear's outputs, a row linear's inputs, and the same
 dimension in backward's products); its memory-bound kernels inside TP regions are split, the
@@ -277,6 +278,7 @@ def kernel_times(
     sp: bool = False,
     attention: Attention = "flash",
     fusion: Fusion = "none",
+    vocab_parallel: bool = False,
 ) -> KernelTimes:
     """Forward / backward time of ``lay`` (see module docstring).
 
@@ -296,8 +298,11 @@ def kernel_times(
         attention: ``flash`` or ``materialized`` (see module docstring).
         fusion: ``none`` (captured kernels) or ``fused`` (the engine's fused block kernels,
             :func:`fused_block_bytes`; layers that are not blocks keep their captured bytes).
+        vocab_parallel: the LM head is split across the ``tp`` ranks by vocabulary
+            (Megatron-LM's column-parallel output layer with a vocab-parallel
+            cross-entropy): its products run ``1/tp`` of the vocabulary on each rank.
     """
-    split = tp > 1 and lay.tp_pairs > 0
+    split = tp > 1 and (lay.tp_pairs > 0 or (vocab_parallel and lay.kind == "head"))
     mem_bw = mem_bw * curve.stream
     fwd = bwd = core_fwd = 0.0
     for g in lay.gemms:

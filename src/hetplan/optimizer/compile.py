@@ -168,7 +168,7 @@ def compile(  # noqa: A001 - the product's verb
         costs=CostModel(spec, db, dtype=opts.dtype, efficiency=opts.efficiency,
                         optimizer=opts.optimizer, require_profiled=opts.require_profiled,
                         attention=opts.attention, dp_overlap=opts.dp_overlap,
-                        fusion=opts.fusion),
+                        fusion=opts.fusion, vocab_parallel=opts.vocab_parallel),
         model_ref=ModelRef(name=ir.name, fingerprint=ir.fingerprint(),
                            num_params=ir.num_params),
         cluster_ref=ClusterRef.from_cluster(spec, embed=False),
@@ -330,7 +330,8 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
                                       optimizer=opts.optimizer,
                                       profile_fingerprint=_db_fingerprint(job.db),
                                       attention=opts.attention, dp_overlap=opts.dp_overlap,
-                                      fusion=opts.fusion),
+                                      fusion=opts.fusion,
+                                      vocab_parallel=opts.vocab_parallel),
         "precision": job.costs.precision,
         "pass_log": (PassLogEntry(name="layout-search", changed=True, notes=(search_note,)),)
         + plan.pass_log,
