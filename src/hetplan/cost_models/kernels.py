@@ -9,7 +9,8 @@ Three kinds of work, each priced by what bounds it on the device:
 
    ``e`` is the device's GEMM efficiency curve (:class:`GemmCurve`): the largest fraction of
    the dense 16-bit peak a matrix multiply reaches on it (its *ceiling*, a published
-   measurement), times the work lost to **tile and wave quantization**: cuBLAS cuts the
+   measurement), times the share of it a transformer block's shapes reach (*typical*,
+   measured), times the work lost to **tile and wave quantization**: cuBLAS cuts the
    ``m x n`` output into tiles, one thread block each, and runs them in waves of one block
    per SM, so a product occupies ``ceil(b·ceil(m/Tm)·ceil(n/Tn) / SMs)`` full waves whatever
    its useful share of them (NVIDIA, *Matrix Multiplication Background User's Guide*,
@@ -77,6 +78,8 @@ class GemmCurve:
         source: where ``ceiling`` and ``sms`` come from.
         stream: the fraction of the datasheet memory bandwidth a streaming kernel reaches
             (memory-bound kernels and the memory bound of matrix multiplies use it).
+        typical: the fraction of ``ceiling`` x quantization that a transformer block's
+            products reach: ``ceiling`` is the best shape of a sweep, an upper tail.
     """
 
     sms: int
@@ -84,6 +87,7 @@ class GemmCurve:
     ceiling: float
     source: str
     stream: float = 1.0
+    typical: float = 1.0
 
 
 #: Streaming kernels reach about 88 % of the datasheet DRAM bandwidth on these parts: 1.80 of
@@ -92,6 +96,14 @@ class GemmCurve:
 #: A100"; 4245 of 4800 GB/s for the largest element-wise add of hetplan's own H200 sweep
 #: (bench/results/gpu_kernels_nvidia_h200.json).
 _STREAM = 0.88
+
+#: A transformer block's products reach 0.889 of what the ceiling and quantization predict:
+#: the median over the 180 bf16 block shapes (qkv, proj, fc1, fc2, forward and both
+#: backward products; hidden 1024-12288, 2048-16384 tokens; interquartile 0.845-0.920) of
+#: hetplan's H200 sweep (bench/results/gpu_kernels_nvidia_h200.json), whose ceiling is
+#: that sweep's best shape. The A100 and H100 ceilings are also the best shape of a sweep
+#: (MAMF), so the same factor applies; a sweep on those devices would replace it.
+_TYPICAL = 0.889
 
 #: cuBLAS's large tiles on Ampere and Hopper (User's Guide, "Typical Tile Dimensions In
 #: cuBLAS And Performance": 256x128 and 128x256 are the most efficient, 128x128 next).
@@ -102,17 +114,17 @@ GEMM_CURVES: dict[str, GemmCurve] = {
     "A100": GemmCurve(
         sms=108, tiles=_TILES, ceiling=267.9 / 312.0,
         source="A100 SXM bf16 matmul 267.9 of 312 TFLOP/s (ml-engineering MAMF table); "
-               "108 SMs (A100 datasheet)", stream=_STREAM),
+               "108 SMs (A100 datasheet)", stream=_STREAM, typical=_TYPICAL),
     "H100": GemmCurve(
         sms=132, tiles=_TILES, ceiling=792.1 / 989.4,
         source="H100 SXM bf16 matmul 792.1 of 989 TFLOP/s (ml-engineering MAMF table); "
-               "132 SMs (H100 SXM5 datasheet)", stream=_STREAM),
+               "132 SMs (H100 SXM5 datasheet)", stream=_STREAM, typical=_TYPICAL),
     # the H100's compute die with 141 GB HBM3e: same SMs and dense peak
     "H200": GemmCurve(
         sms=132, tiles=_TILES, ceiling=785.0 / 989.4,
         source="H200 bf16 matmul 785 of 989 TFLOP/s, the best of hetplan's own GEMM sweep "
                "(bench/results/gpu_kernels_nvidia_h200.json); 132 SMs (as reported by torch)",
-        stream=_STREAM),
+        stream=_STREAM, typical=_TYPICAL),
 }
 
 
@@ -123,15 +135,16 @@ def curve_for(device_type: str) -> GemmCurve | None:
 
 def gemm_efficiency(curve: GemmCurve, batch: float, m: float, n: float) -> float:
     """Fraction of peak a ``batch x (m x n)``-output matrix multiply reaches: the ceiling
-    times the best tile shape's useful share of the waves it occupies."""
+    times the best tile shape's useful share of the waves it occupies, times the typical
+    shape's share of the ceiling (``curve.typical``)."""
     if batch <= 0 or m <= 0 or n <= 0:
-        return curve.ceiling
+        return curve.ceiling * curve.typical
     best = 0.0
     for tm, tn in curve.tiles:
         tiles = math.ceil(batch) * math.ceil(m / tm) * math.ceil(n / tn)
         waves = math.ceil(tiles / curve.sms)
         best = max(best, batch * m * n / (waves * curve.sms * tm * tn))
-    return curve.ceiling * min(best, 1.0)
+    return curve.ceiling * curve.typical * min(best, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
