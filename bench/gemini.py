@@ -27,7 +27,11 @@ reports what load does not change much:
   (``time.thread_time``; a blocking save runs on it), the whole process's (``process_time``:
   also gloo's I/O threads and Gemini's thread), and for Gemini the checkpoint thread's CPU
   time per round (serialise, write, send, receive, acknowledge; it needs a spare core, which
-  a GPU machine's host has and this one does not);
+  a GPU machine's host has and this one does not); and, from the kernel's ``schedstat``, the
+  training thread's time runnable but without a CPU (``training_thread_runqueue``: the
+  machine's load) and its time asleep (``training_thread_asleep``: waiting for the other
+  ranks, for the checkpoint round, or for the GIL; on a quiet machine Gemini's extra over
+  ``none`` here is what the checkpoint thread costs the training thread);
 * ``gemini_wait_before_step_ms``: how long the optimizer step waited for the round (≈ 0 when
   the checkpoint traffic fits before the next step), and how the chunks went against the
   plan's idle spans (``on_time`` / ``late`` / ``released``).
@@ -35,6 +39,22 @@ reports what load does not change much:
 Writes ``bench/results/gemini_cpu.json``. One command, for a quiet machine:
 
     python bench/gemini.py [--model gpt-test] [--batch 16] [--rounds 12] [--iters 3]
+
+``--gil`` instead measures, in one process and without a process group, what a checkpoint
+thread's work costs the training thread through the GIL: the training thread runs the model's
+forward and backward (one small torch op after another, each releasing the GIL and taking it
+back) while a second thread does, once per iteration, nothing (``noop``), the former round's
+local work (``torch.save`` of the state and a write to ``/dev/shm``: ``torch-save``), or
+today's (:class:`~hetplan.runtime.checkpoint_snapshot.Packer` straight into a mapped
+shared-memory slot, CRC and metadata: ``flat``). Per mode: the training thread's wall and CPU
+time per iteration, and their difference, the time it was off the CPU (waiting for the GIL,
+or for a core), split with the kernel's ``schedstat`` into the time it was runnable but
+waiting for a core and the time it slept, i.e. waited for the GIL (``gil_wait``: the loop
+takes no other lock; the wait for the snapshot before the step is subtracted), in blocks that
+alternate the modes; the side thread's CPU time per phase
+(which phases hold the GIL: ``torch.save``'s pickling and ``prepare`` do, the copy of
+``pack`` (``torch.cat``), the CRC and the file writes do not). Writes
+``bench/results/gemini_gil_cpu.json``.
 """
 
 from __future__ import annotations
@@ -99,6 +119,8 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
     times: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}  # training thread, s/iteration
     proc_cpu: dict[str, list[float]] = {m: [] for m in MODES}  # whole process
+    runq: dict[str, list[float]] = {m: [] for m in MODES}  # training thread runnable, no CPU
+    asleep: dict[str, list[float]] = {m: [] for m in MODES}  # ... neither: comm or GIL waits
     save_s: dict[str, list[float]] = {"blocking-disk": [], "dcp": []}
     gemini = runtimes["gemini"].handler(CheckpointingHandler)
     for r in range(rounds + 1):  # round 0 is warm-up
@@ -107,6 +129,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
             rt = runtimes[which]
             dist.barrier()
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            on0, rq0 = _schedstat()
             for i in range(iters):
                 xs = synthetic_batch(ex_args, batch, r * 100 + i)
                 rt.train_step(xs, target_of(xs, batch))
@@ -124,17 +147,23 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
             if which == "gemini":
                 gemini.wait_round()
             c1, p1 = time.thread_time(), time.process_time()
+            on1, rq1 = _schedstat()
+            span = time.perf_counter() - t0
             dist.barrier()
             if r:
                 times[which].append((time.perf_counter() - t0) / iters)
                 cpu[which].append((c1 - c0) / iters)
                 proc_cpu[which].append((p1 - p0) / iters)
+                runq[which].append((rq1 - rq0) / iters)
+                asleep[which].append((span - (on1 - on0) - (rq1 - rq0)) / iters)
     rounds = gemini.report()[iters:]
     result = {"times": times, "cpu_s": cpu, "process_cpu_s": proc_cpu, "save_s": save_s,
+              "runqueue_s": runq, "asleep_s": asleep,
               "gemini_round_s": gemini.round_s[iters:],
               "gemini_wait_s": [x["wait_before_step_ms"] / 1e3 for x in rounds
                                 if x["wait_before_step_ms"] is not None],
               "gemini_cpu_s": [x["checkpoint_cpu_ms"] / 1e3 for x in rounds],
+              "gemini_serialise_s": [x["serialise_ms"] / 1e3 for x in rounds],
               "gemini_chunks": [c["how"] for x in rounds for c in x["chunks"]]}
     gathered: list[object] = [None] * WORLD
     dist.all_gather_object(gathered, result)
@@ -143,6 +172,138 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
     for rt in runtimes.values():
         rt.close()
     dist.destroy_process_group()
+
+
+GIL_MODES = ("noop", "torch-save", "flat")
+
+
+def _schedstat() -> tuple[float, float]:
+    """This thread's (time on a CPU, time runnable but waiting for one), in seconds, from
+    ``/proc/self/task/<tid>/schedstat`` (zeros where the kernel does not give it)."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            on, rq, _ = f.read().split()
+        return int(on) / 1e9, int(rq) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
+def gil_bench(model: str, batch: int, rounds: int, iters: int) -> dict[str, object]:
+    """The ``--gil`` measurement (module docstring); returns the results entry."""
+    import threading
+
+    from hetplan import zoo
+    from hetplan.runtime.checkpoint_snapshot import Packer
+    from hetplan.runtime.checkpoint_store import NodeStore
+    from hetplan.runtime.worker import make_target, synthetic_batch
+
+    torch.set_num_threads(1)
+    net = zoo.build(model, device="cpu", seed=0)
+    ex_args, ex_kwargs = zoo.example_inputs(model, batch=1, device="cpu")
+    target_of = make_target(net, ex_args, ex_kwargs)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+    params = [(n, p) for n, p in net.named_parameters()]
+    packer = Packer()
+    go, done = threading.Event(), threading.Event()
+    state: dict[str, object] = {"mode": "noop", "it": 0, "stop": False}
+    side_cpu: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+    phases: dict[str, dict[str, list[float]]] = {
+        "noop": {}, "torch-save": {"serialise": [], "write": []},
+        "flat": {"prepare": [], "reserve": [], "pack": [], "commit": []}}
+    shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=shm_base) as shm:
+        store = NodeStore(Path(shm), 0)
+
+        def side() -> None:
+            while True:
+                go.wait()
+                go.clear()
+                if state["stop"]:
+                    return
+                mode, it = str(state["mode"]), int(state["it"])  # type: ignore[call-overload]
+                c0 = time.thread_time()
+                ph = phases[mode]
+                if mode == "torch-save":
+                    buf = io.BytesIO()
+                    torch.save({"params": {n: p.detach() for n, p in params},
+                                "optim": opt.state_dict(), "rng": torch.get_rng_state(),
+                                "iteration": it}, buf)
+                    c1 = time.thread_time()
+                    store.write("own", 0, it, buf.getvalue())
+                    ph["serialise"].append(c1 - c0)
+                    ph["write"].append(time.thread_time() - c1)
+                elif mode == "flat":
+                    packed = packer.prepare(params, opt.state_dict(), torch.get_rng_state(), it)
+                    c1 = time.thread_time()
+                    res = store.reserve("own", 0, it, packed.nbytes)
+                    assert res is not None
+                    c2 = time.thread_time()
+                    packer.pack_into(packed, torch.frombuffer(res.buffer, dtype=torch.uint8,
+                                                              count=packed.nbytes))
+                    c3 = time.thread_time()
+                    store.commit(res)
+                    for k, a, b in (("prepare", c0, c1), ("reserve", c1, c2), ("pack", c2, c3),
+                                    ("commit", c3, time.thread_time())):
+                        ph[k].append(b - a)
+                side_cpu[mode].append(time.thread_time() - c0)
+                done.set()
+
+        th = threading.Thread(target=side, daemon=True)
+        th.start()
+        wall: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+        cpu: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+        gil: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+        runq: dict[str, list[float]] = {m: [] for m in GIL_MODES}
+        it = 0
+        for r in range(rounds + 1):
+            order = GIL_MODES if r % 2 else tuple(reversed(GIL_MODES))
+            for mode in order:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                on0, rq0 = _schedstat()
+                waited = 0.0
+                for _ in range(iters):
+                    it += 1
+                    state["mode"], state["it"] = mode, it
+                    done.clear()
+                    go.set()  # the side thread works while this one runs the iteration
+                    xs = synthetic_batch(ex_args, batch, it)
+                    out = net(*xs)
+                    logits = getattr(out, "logits", out)
+                    tgt = target_of(xs, batch)
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+                    loss.backward()
+                    w0 = time.perf_counter()
+                    done.wait()  # the step waits for the snapshot
+                    waited += time.perf_counter() - w0
+                    opt.step()
+                    opt.zero_grad()
+                on1, rq1 = _schedstat()
+                if r:
+                    span = time.perf_counter() - t0
+                    wall[mode].append(span / iters)
+                    cpu[mode].append((time.thread_time() - c0) / iters)
+                    runq[mode].append((rq1 - rq0) / iters)
+                    # neither running nor runnable nor waiting for the snapshot: waiting for
+                    # the GIL (the only other lock this loop takes)
+                    gil[mode].append((span - (on1 - on0) - (rq1 - rq0) - waited) / iters)
+        state["stop"] = True
+        go.set()
+        th.join()
+    res: dict[str, object] = {}
+    for m in GIL_MODES:
+        off = [w - c for w, c in zip(wall[m], cpu[m], strict=True)]
+        res[m] = {"wall_ms": _med_ms(wall[m]), "training_thread_cpu_ms": _med_ms(cpu[m]),
+                  "training_thread_off_cpu_ms": _med_ms(off),
+                  "training_thread_runqueue_ms": _med_ms(runq[m]),
+                  "training_thread_gil_wait_ms": _med_ms(gil[m]),
+                  "side_thread_cpu_ms": _med_ms(side_cpu[m]) if m != "noop" else 0.0,
+                  "side_thread_cpu_ms_by_phase": {k: _med_ms(v) for k, v in phases[m].items()},
+                  "paired_wall_over_noop": statistics.median(
+                      a / b for a, b in zip(wall[m], wall["noop"], strict=True))}
+    return res
 
 
 def _med_ms(xs: list[float]) -> float:
@@ -155,7 +316,21 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--gil", action="store_true", help="the GIL measurement (docstring)")
     args = ap.parse_args()
+    if args.gil:
+        load0 = os.getloadavg()[0]
+        res = gil_bench(args.model, args.batch, args.rounds, args.iters)
+        for m, v in res.items():
+            print(f"{m:>11}: {v}")
+        out = {"machine": machine(device="cpu"), "model": args.model,
+               "batch": args.batch, "rounds": args.rounds, "iterations_per_block": args.iters,
+               "load_average_1min": {"before": load0, "after": os.getloadavg()[0]},
+               "modes": res}
+        path = ROOT / "bench" / "results" / "gemini_gil_cpu.json"
+        path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path.relative_to(ROOT)}")
+        return 0
     import hetplan
     from hetplan.ir.cluster import ClusterSpec
 
@@ -177,6 +352,7 @@ def main() -> int:
     ckpt_ms = {
         "gemini_round": _med_ms([x for r in ranks for x in r["gemini_round_s"]]),
         "gemini_wait_before_step": _med_ms([x for r in ranks for x in r["gemini_wait_s"]]),
+        "gemini_serialised": _med_ms([x for r in ranks for x in r.get("gemini_serialise_s", [])]),
         "blocking_disk_save": _med_ms([x for r in ranks for x in r["save_s"]["blocking-disk"]]),
         "dcp_save": _med_ms([x for r in ranks for x in r["save_s"]["dcp"]]),
     }
@@ -186,7 +362,9 @@ def main() -> int:
     paired = {m: statistics.median(block[m][k] / block["none"][k] for k in range(n_blocks))
               for m in MODES}
     cpu_ms = {m: {"training_thread": _med_ms([x for r in ranks for x in r["cpu_s"][m]]),
-                  "process": _med_ms([x for r in ranks for x in r["process_cpu_s"][m]])}
+                  "process": _med_ms([x for r in ranks for x in r["process_cpu_s"][m]]),
+                  "training_thread_runqueue": _med_ms([x for r in ranks for x in r["runqueue_s"][m]]),
+                  "training_thread_asleep": _med_ms([x for r in ranks for x in r["asleep_s"][m]])}
               for m in MODES}
     cpu_ms["gemini"]["checkpoint_thread_per_round"] = _med_ms(
         [x for r in ranks for x in r["gemini_cpu_s"]])
@@ -202,10 +380,13 @@ def main() -> int:
     for m in MODES:
         print(f"{m:>14}: {med[m]:8.2f} ms/iteration  ({ratio[m]:.3f}x, paired "
               f"{paired[m]:.3f}x)  CPU: training thread {cpu_ms[m]['training_thread']:.2f} "
-              f"ms, process {cpu_ms[m]['process']:.2f} ms")
+              f"ms, process {cpu_ms[m]['process']:.2f} ms; training thread asleep "
+              f"{cpu_ms[m]['training_thread_asleep']:.2f} ms, runnable "
+              f"{cpu_ms[m]['training_thread_runqueue']:.2f} ms")
     print(f"checkpoint time: gemini round {ckpt_ms['gemini_round']:.2f} ms (thread CPU "
           f"{cpu_ms['gemini']['checkpoint_thread_per_round']:.2f} ms, wait before the step "
-          f"median {ckpt_ms['gemini_wait_before_step']:.3f} ms, max {max(waits):.3f} ms), "
+          f"median {ckpt_ms['gemini_wait_before_step']:.3f} ms, max {max(waits):.3f} ms, "
+          f"serialised after {ckpt_ms['gemini_serialised']:.2f} ms), "
           f"blocking disk {ckpt_ms['blocking_disk_save']:.2f} ms, DCP "
           f"{ckpt_ms['dcp_save']:.2f} ms; chunks {chunk_hows}")
     result = {
@@ -230,9 +411,11 @@ def main() -> int:
                       "remote_storage": ck.baseline.model_dump(mode="json"),
                       "storage_bandwidth_gbps": ck.storage_bandwidth_gbps},
         "note": "predictions are for the emulated cluster spec (10 Gb/s between nodes, "
-                "1 Gb/s storage; idle spans within a 3-5 ms iteration, so on this CPU every "
-                "chunk's span has passed by the time the snapshot is serialised: 'late' "
-                "means sent at once); the measurements run all 4 'nodes' on one shared CPU",
+                "1 Gb/s storage; a 5.2 ms iteration whose idle spans put every chunk within "
+                "1.6 ms of the step's start): a chunk is 'late' (sent at once, over 1 ms past "
+                "its span) when the snapshot is serialised later than that "
+                "(measured_checkpoint_ms.gemini_serialised); the measurements run all 4 "
+                "'nodes' on one machine's CPU",
     }
     path = ROOT / "bench" / "results" / "gemini_cpu.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")

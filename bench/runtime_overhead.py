@@ -14,6 +14,15 @@ Reported: median iteration per variant and the ratios hetplan / DDP and hetplan-
 FSDP2 (target ≤ 1.05 each). Writes ``bench/results/runtime_overhead_cpu.json``.
 
     python bench/runtime_overhead.py [--model gpt-test] [--world 2] [--rounds 6] [--iters 5]
+
+``--single``: the GPU overhead job's shape on one process (no process group): bf16 autocast
+and Adam, as ``bench/gpu/reference_loop.py`` trains, ``hetplan`` (the runtime with a dp=1
+bf16 plan: bf16 working weights, fp32 masters) against ``plain`` (fp32 weights under
+``torch.autocast``), alternating blocks. It reports each variant's median wall time and
+median host CPU time (``time.process_time``) per step: on a GPU the host only queues the
+work, so the CPU time is what the runtime adds on the host. Writes
+``bench/results/runtime_overhead_single_cpu.json``; ``--label`` names the source tree (to
+compare two trees in one sitting, run it with each tree on ``PYTHONPATH``, alternating).
 """
 
 from __future__ import annotations
@@ -113,6 +122,74 @@ def _worker(rank: int, store_dir: str, plans: dict[str, str], model_name: str, r
     dist.destroy_process_group()
 
 
+def _single(model_name: str, batch: int, rounds: int, iters: int) -> dict[str, list[float]]:
+    """``--single``: per-step (wall, CPU) seconds of ``hetplan`` and ``plain`` (see module
+    docstring), in alternating blocks; round 0 is warm-up."""
+    import hetplan
+    from hetplan import zoo
+    from hetplan.runtime.executor import Runtime, _default_loss, plan_optimizer
+    from hetplan.runtime.worker import make_target, synthetic_batch
+
+    torch.set_num_threads(1)
+    plan = hetplan.compile(model_name, _cluster(1), batch_size=batch, dp=1, pp=1, tp=1,
+                           micro_batch_size=batch, dtype="bf16", zero_stage=0,
+                           optimizer="adam")
+    ex_args, ex_kwargs = zoo.example_inputs(model_name, batch=1, device="cpu")
+    rt = Runtime(plan, zoo.build(model_name, device="cpu", seed=0), example_args=ex_args,
+                 example_kwargs=ex_kwargs, optimizer=plan_optimizer("adam"))
+    plain = zoo.build(model_name, device="cpu", seed=0)
+    opt = torch.optim.Adam(plain.parameters(), lr=1e-4)
+    kwargs = {k: v for k, v in ex_kwargs.items() if not isinstance(v, torch.Tensor)}
+    target_of = make_target(zoo.build(model_name, device="cpu", seed=0), ex_args, ex_kwargs)
+
+    def plain_step(xs: tuple, y: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = plain(*xs, **kwargs)
+        loss = _default_loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss.detach())  # the loss per step, as the runtime reports it
+
+    steps = {"hetplan": rt.train_step, "plain": plain_step}
+    out: dict[str, list[float]] = {f"{k}_{m}": [] for k in steps for m in ("wall", "cpu")}
+    batches = [synthetic_batch(ex_args, batch, s) for s in range(4)]
+    for r in range(rounds + 1):
+        for which in (("hetplan", "plain") if r % 2 else ("plain", "hetplan")):
+            for i in range(iters):
+                xs = batches[i % len(batches)]
+                y = target_of(xs, batch)
+                w0, c0 = time.perf_counter(), time.process_time()
+                steps[which](xs, y)
+                if r:
+                    out[f"{which}_wall"].append(time.perf_counter() - w0)
+                    out[f"{which}_cpu"].append(time.process_time() - c0)
+    rt.close()
+    return out
+
+
+def main_single(args: argparse.Namespace) -> int:
+    """``--single`` (see module docstring)."""
+    times = _single(args.model, args.batch, args.rounds, args.iters)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    for k, v in med.items():
+        print(f"{args.label} {args.model} single: {k:<13} {v:8.2f} ms")
+    ratios = {"hetplan_over_plain_wall": med["hetplan_wall"] / med["plain_wall"],
+              "hetplan_over_plain_cpu": med["hetplan_cpu"] / med["plain_cpu"]}
+    for k, v in ratios.items():
+        print(f"{args.label} {k}: {v:.3f}")
+    result = {"machine": machine(device="cpu", backend="none"), "label": args.label,
+              "model": args.model, "global_batch": args.batch, "optimizer": "adam",
+              "dtype": "bf16 autocast", "iterations_each": len(times["plain_wall"]),
+              "median_ms": med, "ratios": ratios,
+              "times_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()}}
+    out = args.out or ROOT / "bench" / "results" / "runtime_overhead_single_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="gpt-test")
@@ -120,9 +197,14 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2, help="gloo ranks (2-4)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--out", type=Path,
-                    default=ROOT / "bench" / "results" / "runtime_overhead_cpu.json")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--single", action="store_true",
+                    help="one process, bf16 autocast + Adam: hetplan vs plain (CPU time)")
+    ap.add_argument("--label", default="", help="--single: names the source tree measured")
     args = ap.parse_args()
+    if args.single:
+        return main_single(args)
+    args.out = args.out or ROOT / "bench" / "results" / "runtime_overhead_cpu.json"
     import hetplan
 
     world = args.world

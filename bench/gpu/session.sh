@@ -41,5 +41,5 @@ for p in analytic profiled; do
 done
 step "reference loops: plain PyTorch, DDP, FSDP2 (gpt2, bf16 autocast, Adam)"
 timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-  bench/gpu/reference_loop.py --model gpt2 --batch 8 --out "$OUT/reference_loop.json" 2>&1 | tail -4
+  bench/gpu/reference_loop.py --model gpt2 --batch 8 --loss fp32,bf16 --out "$OUT/reference_loop.json" 2>&1 | tail -7
 step done

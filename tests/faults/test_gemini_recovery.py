@@ -14,7 +14,6 @@ The final parameters are read from each rank's last snapshot in the store (a
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -28,6 +27,7 @@ from faultlib import Job, start
 
 import hetplan
 from hetplan.ir.cluster import ClusterSpec
+from hetplan.runtime.checkpoint_snapshot import unpack
 from hetplan.runtime.checkpoint_store import NodeStore
 
 pytestmark = pytest.mark.dist
@@ -69,7 +69,7 @@ def _final_params(store: Path) -> dict[int, dict[str, torch.Tensor]]:
     out = {}
     for rank in range(4):
         blob = NodeStore(store, rank).read("own", rank, LAST)  # node n holds rank n
-        out[rank] = torch.load(io.BytesIO(blob), weights_only=False)["params"]
+        out[rank] = unpack(blob)["params"]
     return out
 
 

@@ -123,13 +123,19 @@ def test_chosen_plan_is_the_simulators_best_of_the_visited_plans(gpt2: WorkloadS
     costs = CostModel(spec, dtype="mixed")
     cands = search_hetero(gpt2, costs, 256)
     assert len(cands) >= 8
-    predicted = []
+    predicted, skipped = [], []
     for c in cands:
         ev = predict(gpt2, costs, c)  # independently of the search's own judging
+        if c.skipped:  # not predicted: its lower bound was above its scan's best
+            assert ev is None or ev.iteration_s >= c.bound_s
+            skipped.append(ev.iteration_s if ev is not None else float("inf"))
+            continue
         assert (ev is None) == (c.evaluation is None)
         if ev is not None:
             assert ev.iteration_s == c.predicted_s
+            assert ev.iteration_s >= c.bound_s  # the bound is a floor
             predicted.append(ev.iteration_s)
+    assert skipped and min(skipped) >= min(predicted)
     plan = compile_hetero(gpt2, costs, 256,
                           model_ref=ModelRef(name="gpt2", fingerprint="x", num_params=1),
                           cluster_ref=ClusterRef.from_cluster(spec))
@@ -139,3 +145,29 @@ def test_chosen_plan_is_the_simulators_best_of_the_visited_plans(gpt2: WorkloadS
     by_objective = min(cands, key=lambda c: c.solution.objective)
     assert by_objective.predicted_s > min(predicted) * 1.05
     assert "re-predicted by the simulator" in plan.pass_log[0].notes[0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_local_search_ends_at_a_local_optimum_never_worse(seed: int) -> None:
+    """improve_locally under the objective itself: it cannot improve the exact optimum, and
+    from a worse plan it ends no worse than it started, where no move improves."""
+    from hetplan.algorithms.hetero_search import _neighbours, improve_locally
+
+    problem = _random_problem(np.random.default_rng(100 + seed))
+    exact = solve_exact(problem)
+    if exact is None:
+        return
+    calls: list[tuple[StageChoice, ...]] = []
+
+    def judge(st: tuple[StageChoice, ...]) -> float:
+        calls.append(st)
+        return objective(problem, st)
+
+    found, t, judged = improve_locally(problem, exact.stages, judge)
+    assert t == pytest.approx(exact.objective, rel=1e-12) and judged == len(calls)
+    # from the worst plan one move away from the optimum: back down, to a local optimum
+    worse = sorted(_neighbours(problem, exact.stages), key=lambda st: objective(problem, st))
+    for start in [exact.stages] + worse[-1:]:
+        found, t, _ = improve_locally(problem, start, lambda st: objective(problem, st))
+        assert t <= objective(problem, start)
+        assert all(objective(problem, n) >= t for n in _neighbours(problem, found))

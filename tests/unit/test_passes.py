@@ -361,3 +361,64 @@ def test_manager_logs_every_pass_in_order() -> None:
     assert [e.name for e in plan.pass_log] == ["uniform-stages", "even-tp", "ddp-buckets"]
     assert all(e.changed for e in plan.pass_log)
     assert plan.stages and plan.tensor_parallel is not None and plan.gradient_sync is not None
+
+
+# -- re-validation of the sections a pass changed, and of a plan handed in unvalidated --------
+def _unvalidated_stage(num_layers: int) -> object:
+    """A stage pydantic would refuse (an unknown recompute mode), built without validation."""
+    from hetplan.ir.plan_sections import Stage
+
+    return Stage.model_construct(index=0, first_layer=0, last_layer=num_layers - 1,
+                                 layer_names=(), ranks=(0,), fwd_ms=0.0, bwd_ms=0.0,
+                                 memory_bytes=None, recompute="sometimes")
+
+
+@dataclass(frozen=True)
+class SmugglesStage:
+    """Writes a stage that skipped validation into a plan that passed it."""
+
+    name: ClassVar[str] = "smuggles-stage-pass"
+    sections: ClassVar[tuple[str, ...]] = ("stages",)
+    refines: ClassVar[bool] = False
+
+    def run(self, plan: Plan, ctx: PassContext) -> PassResult:
+        stage = _unvalidated_stage(len(ctx.workload.layers))
+        return PassResult(plan.model_copy(update={"stages": (stage,)}), True)
+
+
+@dataclass(frozen=True)
+class LeavesPlan:
+    """Changes nothing."""
+
+    name: ClassVar[str] = "leaves-plan-pass"
+    sections: ClassVar[tuple[str, ...]] = ("gradient_sync",)
+    refines: ClassVar[bool] = False
+
+    def run(self, plan: Plan, ctx: PassContext) -> PassResult:
+        return PassResult(plan, False)
+
+
+def test_manager_revalidates_a_section_a_later_pass_changed() -> None:
+    # the plan was validated after uniform-stages; the next pass's new section is validated
+    # from its dump, not trusted as an object
+    ctx = context(workload(4), Layout(dp=1))
+    with pytest.raises(PassError, match="(?s)smuggles-stage-pass.*sometimes"):
+        run_passes(empty_plan(ctx), [UniformStages(), SmugglesStage()], ctx)
+
+
+def test_manager_validates_a_plan_handed_in_unvalidated_whole() -> None:
+    # the incoming plan never went through this loop's validation: the first re-validation
+    # covers every section, even those the first pass leaves alone
+    ctx = context(workload(4), Layout(dp=1))
+    bad = empty_plan(ctx).model_copy(update={"stages": (_unvalidated_stage(4),)})
+    with pytest.raises(PassError, match="(?s)leaves-plan-pass.*sometimes"):
+        run_passes(bad, [LeavesPlan()], ctx)
+
+
+def test_manager_result_equals_whole_revalidation() -> None:
+    ctx = context(workload(4, tp_pairs=1), Layout(dp=2, pp=2, tp=2))
+    registry = get_all_passes()
+    passes = [registry[n]() for n in ("uniform-stages", "even-tp", "ddp-buckets")]
+    plan = run_passes(empty_plan(ctx), passes, ctx)
+    assert plan == Plan.model_validate(plan.model_dump())
+    assert plan.to_json() == Plan.model_validate(plan.model_dump()).to_json()

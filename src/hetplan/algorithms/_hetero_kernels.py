@@ -42,8 +42,8 @@ def dp_pass(arc_o: np.ndarray, arc_i: np.ndarray, arc_j: np.ndarray, arc_a: np.n
     L = num_layers
     Q = best.shape[1]
     size = best.shape[2]
-    best[:] = np.inf
-    back[:] = -1
+    best[:] = np.inf  # back[] is read only where best[] is finite, so it is not cleared
+    alive = np.zeros((L + 1, Q), np.bool_)  # [i, q]: some best[i, q, :] is finite
     for n in range(arc_o.shape[0]):
         o = arc_o[n]
         i = arc_i[n]
@@ -57,6 +57,7 @@ def dp_pass(arc_o: np.ndarray, arc_i: np.ndarray, arc_j: np.ndarray, arc_a: np.n
         if j == L:  # the last stage: only its own devices
             if arc_v[n, 0] <= tau and arc_a[n, 0] < best[i, 0, shift]:
                 best[i, 0, shift] = arc_a[n, 0]
+                alive[i, 0] = True
                 back[i, 0, 0, shift] = o
                 back[i, 1, 0, shift] = arc_mode[n, 0]
                 back[i, 2, 0, shift] = j
@@ -64,28 +65,36 @@ def dp_pass(arc_o: np.ndarray, arc_i: np.ndarray, arc_j: np.ndarray, arc_a: np.n
                 back[i, 4, 0, shift] = -1
             continue
         limit = shape[c] - step
+        block = shape[c] * stride  # the flat span of one value of the higher digits
         for q in range(Q):
             if cap_stages and q + 1 >= Q:
                 break
+            if not alive[j, q]:
+                continue
             qq = min(q + 1, Q - 1)
             av = arc_a[n, qq]
             if not (arc_v[n, qq] <= tau) or not (av < np.inf):
                 continue
-            for u in range(size - shift):
-                s = best[j, q, u]
-                if s == np.inf:
-                    continue
-                if (u // stride) % shape[c] >= limit:
-                    continue
-                cand = s + av
-                w = u + shift
-                if cand < best[i, qq, w]:
-                    best[i, qq, w] = cand
-                    back[i, 0, qq, w] = o
-                    back[i, 1, qq, w] = arc_mode[n, qq]
-                    back[i, 2, qq, w] = j
-                    back[i, 3, qq, w] = q
-                    back[i, 4, qq, w] = u
+            mode = arc_mode[n, qq]
+            # the suffix vectors u whose class-c digit leaves room for this stage:
+            # u = hi * block + d * stride + lo with d < limit (no division per state)
+            for hi in range(0, size, block):
+                for d in range(limit):
+                    base = hi + d * stride
+                    for u in range(base, base + stride):
+                        s = best[j, q, u]
+                        if s == np.inf:
+                            continue
+                        cand = s + av
+                        w = u + shift
+                        if cand < best[i, qq, w]:
+                            best[i, qq, w] = cand
+                            back[i, 0, qq, w] = o
+                            back[i, 1, qq, w] = mode
+                            back[i, 2, qq, w] = j
+                            back[i, 3, qq, w] = q
+                            back[i, 4, qq, w] = u
+                            alive[i, qq] = True
 
 
 def kernel() -> Callable[..., Any]:

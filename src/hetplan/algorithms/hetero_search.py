@@ -34,6 +34,9 @@ Solvers:
   ``judge``, the best time a finer model gives the plans visited). Each threshold is one
   pass of :func:`~hetplan.algorithms._hetero_kernels.dp_pass` (numba-compiled):
   ``O(L^2 . options . min(m, L) . prod(capacity[c] / unit[c] + 1))``.
+- :func:`improve_locally`: first-improvement hill climbing from a plan under a finer
+  model's judge (boundary moves, swaps of neighbouring stages' options), for the plans the
+  DP's front misses.
 - :func:`solve_brute_force`: the readable reference, every sequence of (option, layer count),
   for tests on small instances.
 - :func:`solve_cpsat` (:mod:`hetplan.algorithms.hetero_cpsat`): the same objective as a
@@ -53,7 +56,7 @@ import numpy as np
 from hetplan.algorithms import _hetero_kernels as _kernels
 
 __all__ = ["StageOption", "HeteroProblem", "StageChoice", "HeteroSolution", "solve_exact",
-           "solve_brute_force", "objective", "state_count"]
+           "solve_brute_force", "objective", "state_count", "improve_locally"]
 
 INF = float("inf")
 
@@ -189,6 +192,61 @@ def solve_brute_force(problem: HeteroProblem) -> HeteroSolution | None:
     return HeteroSolution(best[1], best[0], best[0], "brute-force")
 
 
+def _neighbours(problem: HeteroProblem, stages: tuple[StageChoice, ...]
+                ) -> list[tuple[StageChoice, ...]]:
+    """The plans one move from ``stages``, in a fixed order: each boundary moved by -2, -1,
+    +1, +2 layers, then the options of each two neighbouring stages swapped; every stage
+    at its cheapest fitting mode, plans that break a rule (:func:`objective`) left out."""
+    moves: list[list[StageChoice]] = []
+    for k in range(len(stages) - 1):
+        x, y = stages[k], stages[k + 1]
+        for d in (-2, -1, 1, 2):
+            if x.first < x.end + d < y.end:
+                moves.append([*stages[:k], StageChoice(x.option, x.mode, x.first, x.end + d),
+                              StageChoice(y.option, y.mode, x.end + d, y.end), *stages[k + 2:]])
+    for k in range(len(stages) - 1):
+        x, y = stages[k], stages[k + 1]
+        if x.option != y.option:
+            moves.append([*stages[:k], StageChoice(y.option, x.mode, x.first, x.end),
+                          StageChoice(x.option, y.mode, y.first, y.end), *stages[k + 2:]])
+    out = []
+    P = len(stages)
+    for move in moves:
+        fixed = []
+        for k, st in enumerate(move):
+            r = _mode_for(problem, st.option, st.first, st.end, min(problem.micro_batches, P - k))
+            if r is None:
+                break
+            fixed.append(StageChoice(st.option, r, st.first, st.end))
+        else:
+            if objective(problem, tuple(fixed)) < INF:
+                out.append(tuple(fixed))
+    return out
+
+
+def improve_locally(problem: HeteroProblem, stages: tuple[StageChoice, ...],
+                    judge: Callable[[tuple[StageChoice, ...]], float], *,
+                    max_rounds: int = 64) -> tuple[tuple[StageChoice, ...], float, int]:
+    """First-improvement hill climbing from ``stages`` under ``judge`` (a finer model's
+    time; inf: does not fit) over :func:`_neighbours` (boundary moves and swaps of
+    neighbouring stages' options), until no move improves or ``max_rounds`` moves were
+    taken. The DP's front misses plans the finer model prefers; this repairs the plan it
+    chose where one move away is better. Returns the plan, its judged time and how many
+    plans were judged. Deterministic (moves in a fixed order). Each round judges at most
+    ``6 (P - 1)`` plans."""
+    best_t, judged = judge(stages), 1
+    for _ in range(max_rounds):
+        for cand in _neighbours(problem, stages):
+            t = judge(cand)
+            judged += 1
+            if t < best_t:
+                stages, best_t = cand, t
+                break
+        else:
+            break
+    return stages, best_t, judged
+
+
 def _compositions(n: int) -> list[tuple[int, ...]]:
     """Every ordered way of writing ``n`` as a sum of positive integers."""
     out = []
@@ -213,7 +271,9 @@ def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000,
                 incumbent: float = INF,
                 judge: Callable[[tuple[StageChoice, ...]], float] | None = None,
                 rel_gap: float = 0.0) -> HeteroSolution | None:
-    """The plan minimising ``J`` (see the module docstring); None if no plan fits.
+    """The plan minimising ``J`` (see the module docstring); None if no plan fits, or if a
+    floor of ``J`` (:func:`_sum_a_floor` plus the floor of ``max v``) already reaches
+    ``incumbent``.
 
     ``incumbent``: the objective of a plan found elsewhere (another micro-batch size); the
     threshold scan stops once no plan here can beat it, and the returned ``bound`` is then
@@ -254,6 +314,8 @@ def solve_exact(problem: HeteroProblem, *, max_states: int = 5_000_000,
     if not taus.size:
         return None
     floor_v = _max_v_floor(arc_i, arc_j, arc_v, L, problem)
+    if floor_v + _sum_a_floor(arc_i, arc_j, arc_a, L) >= incumbent:
+        return None  # no plan here can beat the incumbent: not one pass
     size = int(np.prod(shape))
     strides = np.array([int(np.prod(shape[c + 1:])) for c in range(len(shape))], np.int64)
     opt_class = np.array([o.device_class for o in problem.options], np.int64)
@@ -341,8 +403,8 @@ def _arcs(problem: HeteroProblem, Q: int) -> Arcs | None:
     L, m = problem.num_layers, problem.micro_batches
     ii, jj = np.triu_indices(L + 1, k=1)
     need = np.minimum(m, np.arange(Q) + 1)
-    rows = []
-    for o, opt in enumerate(problem.options):
+    tables = []
+    for opt in problem.options:
         q = np.stack([x[ii, jj] for x in opt.q])  # (R, ranges)
         fits = q[:, :, None] >= need[None, None, :]  # (R, ranges, Q)
         any_fit = fits.any(axis=0)
@@ -351,14 +413,17 @@ def _arcs(problem: HeteroProblem, Q: int) -> Arcs | None:
         v_all = np.stack([x[ii, jj] for x in opt.v])
         r = np.maximum(mode, 0)
         cols = np.arange(len(ii))[:, None]
-        a = np.where(any_fit, a_all[r, cols], INF)
-        v = np.where(any_fit, v_all[r, cols], INF)
+        tables.append((np.where(any_fit, a_all[r, cols], INF),
+                       np.where(any_fit, v_all[r, cols], INF), mode))
+    rows = []
+    for o, (a, v, mode) in enumerate(tables):
         keep = np.isfinite(a).any(axis=1)
+        dominated = _dominated(problem, o, tables)
         rows.append((np.full(int(keep.sum()), o), ii[keep], jj[keep], a[keep], v[keep],
-                     mode[keep]))
+                     mode[keep], dominated[keep]))
     if not any(len(r[0]) for r in rows):
         return None
-    o_, i_, j_, a_, v_, m_ = (np.concatenate([r[k] for r in rows]) for k in range(6))
+    o_, i_, j_, a_, v_, m_, d_ = (np.concatenate([r[k] for r in rows]) for k in range(7))
     # Depths past which no stage changes (mode, a, v) are one state: a stage with more
     # stages after it holds more micro-batches, and where every stage fits them at the same
     # mode the DP need not tell those depths apart (exact; GPT-2-medium on 512 GPUs of
@@ -370,9 +435,31 @@ def _arcs(problem: HeteroProblem, Q: int) -> Arcs | None:
         last -= 1
     a_, v_, m_ = a_[:, :last], v_[:, :last], m_[:, :last]
     order = np.lexsort((j_, o_, -i_))
+    order = order[~d_[order]]
     return (o_[order].astype(np.int64), i_[order].astype(np.int64),
             j_[order].astype(np.int64), np.ascontiguousarray(a_[order], dtype=np.float64),
             np.ascontiguousarray(v_[order], dtype=np.float64), m_[order].astype(np.int64))
+
+
+def _dominated(problem: HeteroProblem, o: int,
+               tables: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Per layer range, whether option ``o``'s stage is dominated: an option of a lower
+    index, the same class and as many devices has ``a`` and ``v`` no larger at every depth.
+    The DP meets the other first (arcs go by option within a first layer) and only a
+    strictly smaller ``sum a`` replaces a state, so dropping ``o``'s stage there changes
+    no state, no back pointer and no plan; the thresholds it alone brought (its ``v``)
+    find the same plans as the next lower ones. GPT-2.7B on mixed-generations: 44 % of the
+    stages at micro-batch 8."""
+    me = problem.options[o]
+    a, v, _ = tables[o]
+    out = np.zeros(a.shape[0], bool)
+    for k in range(o):
+        other = problem.options[k]
+        if other.device_class != me.device_class or other.devices != me.devices:
+            continue
+        ak, vk, _ = tables[k]
+        out |= (ak <= a).all(axis=1) & (vk <= v).all(axis=1)
+    return out
 
 
 def _max_v_floor(arc_i: np.ndarray, arc_j: np.ndarray, arc_v: np.ndarray, L: int,
@@ -386,11 +473,11 @@ def _max_v_floor(arc_i: np.ndarray, arc_j: np.ndarray, arc_v: np.ndarray, L: int
       any option of class ``c`` spends on the layer; summed over stages,
       ``max v >= sum_layer min_c e_c(layer) / sum_c capacity[c]``."""
     v = arc_v.min(axis=1)
-    out = 0.0
-    for layer in range(L):
-        cover = (arc_i <= layer) & (arc_j > layer)
-        if cover.any():
-            out = max(out, float(v[cover].min()))
+    layers = np.arange(L)
+    cover = (arc_i[:, None] <= layers) & (arc_j[:, None] > layers)  # (arcs, L)
+    least = np.where(cover, v[:, None], INF).min(axis=0)
+    finite = least[np.isfinite(least)]
+    out = float(finite.max()) if finite.size else 0.0
     if problem.options and all(o.work is not None for o in problem.options):
         per_layer = np.full(L, INF)
         for o in problem.options:
@@ -398,6 +485,20 @@ def _max_v_floor(arc_i: np.ndarray, arc_j: np.ndarray, arc_v: np.ndarray, L: int
             per_layer = np.minimum(per_layer, o.devices * o.work)
         out = max(out, float(per_layer.sum()) / sum(problem.capacity))
     return out
+
+
+def _sum_a_floor(arc_i: np.ndarray, arc_j: np.ndarray, arc_a: np.ndarray, L: int) -> float:
+    """A lower bound on ``sum a`` of any plan: the shortest path from layer 0 to ``L``
+    over the arcs, each at its least ``a`` over depths (arcs come sorted by first layer
+    descending). O(arcs)."""
+    least = arc_a.min(axis=1)
+    dist = np.full(L + 1, INF)
+    dist[L] = 0.0
+    starts = np.flatnonzero(np.diff(arc_i, prepend=arc_i[0] + 1))
+    ends = np.append(starts[1:], len(arc_i))
+    for lo, hi in zip(starts, ends):
+        dist[arc_i[lo]] = float(np.min(least[lo:hi] + dist[arc_j[lo:hi]]))
+    return float(dist[0])
 
 
 def _read_back(best: np.ndarray, back: np.ndarray, L: int, size: int

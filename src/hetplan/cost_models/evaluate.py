@@ -341,12 +341,19 @@ def _sync_all(
     stage_costs, timelines = [], []
     comm_busy = compression = 0.0
     finish = []
+    # stages with the same backprop segments and the same units (a deep pipeline of repeated
+    # blocks on one device class) have the same timeline: simulated once
+    same: dict[tuple[float, ...], list[tuple[list[SyncUnit], DPTimeline]]] = {}
     for s in range(len(pre.stages)):
         tl = None
         exposed = busy = comp = 0.0
         if s in built:
             backprop, prep, units = built[s]
-            tl = simulate_dp(prep.segments, units, record=record)
+            seen = same.setdefault(tuple(prep.segments), []) if not record else []
+            tl = next((t for u, t in seen if _same_units(u, units)), None)
+            if tl is None:
+                tl = simulate_dp(prep.segments, units, record=record)
+                seen.append((units, tl))
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
             busy, comp = _comm_and_compression_s(units)
         stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
@@ -356,6 +363,13 @@ def _sync_all(
         compression = max(compression, comp)
         finish.append(pre.last_bwd_end[s] + max(exposed, 0.0))
     return stage_costs, timelines, comm_busy, compression, finish
+
+
+def _same_units(a: list[SyncUnit], b: list[SyncUnit]) -> bool:
+    """Whether :func:`simulate_dp` times ``a`` and ``b`` alike (same ready tensors and ops; a
+    unit's name only labels it)."""
+    return len(a) == len(b) and all(x.last_tensor == y.last_tensor and x.ops == y.ops
+                                    for x, y in zip(a, b))
 
 
 def _recompute_note(stages: Sequence[Stage]) -> str:
@@ -397,7 +411,7 @@ def _units_from_groups(
     sparse: SparseSync | None = None,
 ) -> list[list[tuple[list[int], UnitStrategy]]]:
     """:func:`_units_by_stage` of the units ``groups`` (see :func:`_sync_groups`)."""
-    index = {g.name: i for i, g in enumerate(workload.grads)}
+    index = _grad_index(workload)
     out: list[list[tuple[list[int], UnitStrategy]]] = [[] for _ in range(num_stages)]
     covered: set[int] = set()
     for name, entry in (sparse.synced() if sparse is not None else {}).items():
@@ -422,6 +436,24 @@ def _units_from_groups(
     for units in out:
         units.sort(key=lambda u: u[0][-1])
     return out
+
+
+#: :func:`_grad_index` of the last few workloads, by id (with the workload, which keeps its id
+#: unique while it is cached).
+_GRAD_INDEX: dict[int, tuple[WorkloadSummary, dict[str, int]]] = {}
+
+
+def _grad_index(workload: WorkloadSummary) -> dict[str, int]:
+    """``{gradient name: its index in workload.grads}``, built once per workload (a search
+    prices thousands of sync sections of the same workload)."""
+    hit = _GRAD_INDEX.get(id(workload))
+    if hit is not None and hit[0] is workload:
+        return hit[1]
+    if len(_GRAD_INDEX) >= 8:
+        _GRAD_INDEX.clear()
+    index = {g.name: i for i, g in enumerate(workload.grads)}
+    _GRAD_INDEX[id(workload)] = (workload, index)
+    return index
 
 
 @dataclass
@@ -1039,8 +1071,8 @@ def _optimizer_s(
         s = st.index % layout.pp
         per_elem = step_bytes(prec, costs.optimizer, dp=dp)
         nbytes[s] = nbytes.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes
-        tensors[s] = tensors.get(s, 0) + sum(
-            1 for g in workload.grads if st.first_layer <= g.layer_index <= st.last_layer)
+        tensors[s] = tensors.get(s, 0) + len(
+            _stage_grads(workload, costs, st.first_layer, st.last_layer))
         precs.setdefault(s, prec)
         bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
         bws[s] = min(bws.get(s, bw), bw)

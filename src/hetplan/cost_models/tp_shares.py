@@ -84,8 +84,9 @@ def _stage_groups(st: Stage, section: TensorParallel | None) -> list[TPGroup]:
     if section is None:
         return []
     in_stage = set(st.ranks)
-    return [g for g in section.groups if set(g.ranks) <= in_stage
-            and (g.stage is None or g.stage == st.index)]
+    # the stage test first: it is cheap and rejects most groups of a deep pipeline
+    return [g for g in section.groups if (g.stage is None or g.stage == st.index)
+            and set(g.ranks) <= in_stage]
 
 
 def rank_layer_shares(workload: WorkloadSummary, st: Stage, tp: int,

@@ -269,7 +269,8 @@ def _stage_ranks(stages: tuple[Stage, ...], lay: Layout) -> list[str]:
         if dup := _duplicates(st.ranks):
             out.append(f"stages[{i}].ranks: lists ranks {dup} more than once")
         p = i % lay.pp
-        want = sorted(lay.rank_of(d, p, t) for d in range(lay.dp) for t in range(lay.tp))
+        # rank_of(d, p, t) over every d and t: the contiguous block of pipeline coordinate p
+        want = list(range(lay.rank_of(0, p, 0), lay.rank_of(0, p, 0) + group))
         got = sorted(set(st.ranks))
         if got == want and len(st.ranks) == group:
             continue
@@ -361,6 +362,7 @@ def _tensor_parallel(plan: Plan) -> list[str]:
     if tp is None:
         return []
     out = []
+    stage_ranks: dict[int, set[int]] = {}  # built once per stage, not once per group
     for i, g in enumerate(tp.groups):
         where = f"tensor_parallel.groups[{i}]"
         if bad := sorted({r for r in g.ranks if r >= ws}):
@@ -371,7 +373,7 @@ def _tensor_parallel(plan: Plan) -> list[str]:
             out.append(f"{where}.roles: ranks {dup} have more than one role")
         if lay is not None and lay.num_ranks <= ws:
             dp, pp, _ = lay.coords(g.ranks[0])
-            want = sorted(lay.rank_of(dp, pp, t) for t in range(lay.tp))
+            want = list(range(lay.rank_of(dp, pp, 0), lay.rank_of(dp, pp, 0) + lay.tp))
             if sorted(g.ranks) != want:
                 out.append(f"{where}.ranks: {_short(g.ranks)}, but the layout's TP group of "
                            f"rank {g.ranks[0]} is {_short(want)} (tp={lay.tp} ranks that differ "
@@ -380,7 +382,10 @@ def _tensor_parallel(plan: Plan) -> list[str]:
             continue
         if g.stage >= len(plan.stages) and plan.stages:
             out.append(f"{where}.stage: {g.stage}, but the plan has {len(plan.stages)} stages")
-        elif plan.stages and not set(g.ranks) <= set(plan.stages[g.stage].ranks):
+            continue
+        if plan.stages and g.stage not in stage_ranks:
+            stage_ranks[g.stage] = set(plan.stages[g.stage].ranks)
+        if plan.stages and not set(g.ranks) <= stage_ranks[g.stage]:
             out.append(f"{where}.ranks: {_short(g.ranks)} are not all ranks of its stage "
                        f"{g.stage} {_short(plan.stages[g.stage].ranks)}")
     gammas = tp.predicted.expected_gamma if tp.predicted is not None else {}

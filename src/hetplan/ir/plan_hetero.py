@@ -33,6 +33,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from hetplan.ir.plan_cpsat import CpSatRecord
 from hetplan.ir.plan_sections import Layout, Ms, Name, NonNegInt, PosInt, Ranks, Stage, _Section
 
 __all__ = ["StageShape", "HeteroAlternative", "HeteroSearch", "Hetero", "hetero_problems"]
@@ -94,7 +95,9 @@ class HeteroSearch(_Section):
             degrees; exact for the search objective) or ``coarse-dp`` (the same DP where
             every stage of a class uses a multiple of ``units`` devices, on large clusters,
             with a threshold scan that may skip windows: ``gap`` bounds the loss on the
-            objective within that space).
+            objective within that space), or ``coarse-dp+cp-sat`` (the coarse DP's plan
+            refined by CP-SAT at one-device resolution and taken: ``bound_ms`` and ``gap``
+            are then CP-SAT's, proven within its neighbourhood; see ``cpsat``).
         units: per device class (in the order of the classes' names), the device multiple
             stages use (all 1 for ``exact-dp``).
         objective_ms: the search objective of the chosen stages (a closed-form 1F1B time,
@@ -105,15 +108,18 @@ class HeteroSearch(_Section):
         states: dynamic-programming states (or CP-SAT branches) explored.
         runner_up: the best plan with another device order, re-predicted (None: no other
             order fits).
+        cpsat: the CP-SAT refinement of a coarse search, taken or not (None: not run;
+            :mod:`hetplan.ir.plan_cpsat`).
     """
 
-    method: Literal["exact-dp", "coarse-dp"] = "exact-dp"
+    method: Literal["exact-dp", "coarse-dp", "coarse-dp+cp-sat"] = "exact-dp"
     units: tuple[PosInt, ...] = ()
     objective_ms: Ms = 0.0
     bound_ms: Ms = 0.0
     gap: float = Field(default=0.0, ge=0.0, le=1.0)
     states: NonNegInt = 0
     runner_up: HeteroAlternative | None = None
+    cpsat: CpSatRecord | None = None
 
 
 class Hetero(_Section):

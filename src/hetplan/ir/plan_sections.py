@@ -115,7 +115,10 @@ class _Section(BaseModel):
 
 def _duplicates(items: Iterable[str | int]) -> list[str | int]:
     """The items that occur more than once, sorted."""
-    counts = Counter(items)
+    seq = list(items)
+    if len(set(seq)) == len(seq):  # the common case, without counting
+        return []
+    counts = Counter(seq)
     return sorted(x for x, n in counts.items() if n > 1)
 
 

@@ -4,7 +4,11 @@ names the pass that failed.
 After every pass the manager checks that the plan differs from the one the pass was given
 only in the sections the pass declares (``Pass.sections``); anything else is a
 :class:`~hetplan.errors.PassError` naming the pass, the section and the first field that
-changed. The new plan is then re-validated as a whole (a pass must leave a valid plan).
+changed. The new plan is then re-validated as a whole (a pass must leave a valid plan):
+every section it changed from its dump, every other one as the object the previous
+re-validation already made of it (pydantic keeps a validated model instance as it is), then
+the plan's cross-section rules. That is the check of dumping and validating the whole plan,
+without re-validating the large sections (a 3072-rank plan's TP groups) after every pass.
 
 A failure inside a pass is re-raised with the pass named: a hetplan error keeps its class and
 its attributes (e.g. :attr:`TraceError.module`), any other exception becomes a ``PassError``;
@@ -67,6 +71,19 @@ def _named(e: HetplanError, note: str) -> HetplanError:
     return out
 
 
+def _revalidate(plan: Plan, validated: Plan | None) -> Plan:
+    """``Plan.model_validate(plan.model_dump())``, passing each field that is still the
+    very object of ``validated`` (a plan that validation made) as that object, which pydantic
+    does not validate again; the plan-level rules run in full."""
+    if validated is None:
+        return Plan.model_validate(plan.model_dump())
+    kept = {name for name in Plan.model_fields
+            if getattr(plan, name) is getattr(validated, name)}
+    data = plan.model_dump(exclude=kept)
+    data.update({name: getattr(plan, name) for name in kept})
+    return Plan.model_validate(data)
+
+
 def run_passes(plan: Plan, passes: Sequence[Pass], ctx: PassContext) -> Plan:
     """Run ``passes`` in order (see module docstring).
 
@@ -77,11 +94,12 @@ def run_passes(plan: Plan, passes: Sequence[Pass], ctx: PassContext) -> Plan:
     """
     log = list(plan.pass_log)
     done: list[str] = []
+    validated: Plan | None = None  # the last plan this loop re-validated
     for p in passes:
         try:
             result = p.run(plan, ctx)
             check_sections(p, plan, result.plan)
-            plan = Plan.model_validate(result.plan.model_dump())
+            plan = validated = _revalidate(result.plan, validated)
         except PassError:
             raise
         except HetplanError as e:

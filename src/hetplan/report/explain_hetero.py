@@ -20,7 +20,7 @@ from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
-from hetplan.optimizer.hetero import rebuild_alternative
+from hetplan.optimizer.hetero import cpsat_note, rebuild_alternative
 from hetplan.report._text import fmt_delta_ms, fmt_ms, ranges
 
 __all__ = ["explain_hetero", "hetero_layout", "HeteroExplained"]
@@ -149,9 +149,12 @@ def hetero_layout(plan: Plan) -> dict[str, object]:
     search = hetero.search
     lines.append(f"  searched by {search.method}: objective {fmt_ms(search.objective_ms)}, "
                  f"bound {fmt_ms(search.bound_ms)}, gap {search.gap:.4f}")
+    if search.cpsat is not None:
+        lines.append(f"  {cpsat_note(search.cpsat)}")
     if search.runner_up is not None:
         r = search.runner_up
         lines.append("  runner-up order: " + " → ".join(
             f"{c} {d}" for c, d in zip(r.order, r.degrees))
             + f", predicted {fmt_ms(r.iteration_time_ms)} (`hetplan explain PLAN stage:0`)")
-    return {"stages": rows, "method": search.method, "gap": search.gap, "lines": lines}
+    return {"stages": rows, "method": search.method, "gap": search.gap, "lines": lines,
+            "cpsat": search.cpsat.model_dump() if search.cpsat is not None else None}

@@ -22,19 +22,26 @@ while writing leaves the previous snapshot intact (double buffering).
 The root is ``$HETPLAN_CHECKPOINT_DIR`` when set (kept after the run: the user owns it), else
 ``/dev/shm/hetplan-ckpt-<torchrun run id>`` (the same for every restart of one run; removed when
 the run succeeds).
+
+The checkpoint thread writes a slot in place: :meth:`NodeStore.reserve` maps the slot's data
+file into the process (``mmap``; the mapping is kept while the file stays the same, so a
+round reuses the pages of the round before last), the snapshot is packed or received straight
+into it, and :meth:`NodeStore.commit` writes the metadata: no copy of the blob in the heap.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CHECKPOINT_DIR_ENV", "NodeStore", "default_root", "remove_default_root"]
+__all__ = ["CHECKPOINT_DIR_ENV", "NodeStore", "Reserved", "default_root",
+           "remove_default_root"]
 
 CHECKPOINT_DIR_ENV = "HETPLAN_CHECKPOINT_DIR"
 
@@ -57,19 +64,47 @@ def remove_default_root() -> None:
 
 
 @dataclass(frozen=True)
+class Reserved:
+    """A slot being written: ``buffer`` maps its data file (``nbytes``); :meth:`NodeStore.commit`
+    completes it as ``iteration``."""
+
+    kind: str
+    rank: int
+    slot: int
+    iteration: int
+    buffer: mmap.mmap
+
+
+@dataclass(frozen=True)
 class NodeStore:
     """One node's checkpoint directory (see module docstring)."""
 
     root: Path
     node: int
+    _maps: dict[tuple[str, int, int], tuple[int, int, mmap.mmap]] = field(
+        default_factory=dict, compare=False, repr=False)
+    _paths: dict[tuple[str, int, int], tuple[str, str, str]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def path(self) -> Path:
         return self.root / f"node{self.node}"
 
     def _slot(self, kind: str, rank: int, slot: int) -> tuple[Path, Path]:
-        d = self.path / kind / f"rank{rank}"
-        return d / f"slot{slot}.bin", d / f"slot{slot}.json"
+        data, meta, _ = self._files(kind, rank, slot)
+        return Path(data), Path(meta)
+
+    def _files(self, kind: str, rank: int, slot: int) -> tuple[str, str, str]:
+        """The slot's data, metadata and temporary metadata file names (kept: a round's
+        checkpoint thread looks them up a dozen times)."""
+        key = (kind, rank, slot)
+        got = self._paths.get(key)
+        if got is None:
+            d = os.path.join(self.root, f"node{self.node}", kind, f"rank{rank}")
+            got = self._paths[key] = (os.path.join(d, f"slot{slot}.bin"),
+                                      os.path.join(d, f"slot{slot}.json"),
+                                      os.path.join(d, f"slot{slot}.tmp"))
+        return got
 
     def iterations(self, kind: str, rank: int) -> dict[int, int]:
         """Complete snapshots: iteration → slot."""
@@ -81,10 +116,11 @@ class NodeStore:
         return out
 
     def _meta(self, kind: str, rank: int, slot: int) -> dict[str, int] | None:
-        data, meta = self._slot(kind, rank, slot)
+        data, meta, _ = self._files(kind, rank, slot)
         try:
-            m = json.loads(meta.read_text())
-            if data.stat().st_size != int(m["nbytes"]):
+            with open(meta, "rb") as f:
+                m = json.loads(f.read())
+            if os.stat(data).st_size != int(m["nbytes"]):
                 return None
             return {k: int(v) for k, v in m.items()}
         except (OSError, ValueError, KeyError, TypeError):
@@ -105,6 +141,46 @@ class NodeStore:
         tmp = meta.with_suffix(".tmp")
         tmp.write_text(json.dumps({"iteration": iteration, "nbytes": len(blob),
                                    "crc32": zlib.crc32(blob)}))
+        os.replace(tmp, meta)
+
+    def reserve(self, kind: str, rank: int, iteration: int, nbytes: int) -> Reserved | None:
+        """Make the slot that does not hold the newest complete snapshot incomplete, size its
+        data file to ``nbytes`` (> 0) and map it; None when ``iteration`` is already
+        complete."""
+        if nbytes <= 0:
+            raise ValueError(f"a snapshot has at least a header; got nbytes={nbytes}")
+        have = self.iterations(kind, rank)
+        if iteration in have:
+            return None
+        newest = max(have, default=None)
+        slot = 0 if newest is None else 1 - have[newest]
+        data, meta, _ = self._files(kind, rank, slot)
+        try:
+            os.unlink(meta)  # the slot is incomplete from here on
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(data), exist_ok=True)
+        fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            st = os.fstat(fd)
+            cached = self._maps.get((kind, rank, slot))
+            if cached is not None and cached[:2] == (st.st_ino, nbytes) and st.st_size == nbytes:
+                mm = cached[2]  # the same file, the same size: its pages are mapped already
+            else:
+                if st.st_size != nbytes:
+                    os.ftruncate(fd, nbytes)
+                mm = mmap.mmap(fd, nbytes)
+                self._maps[(kind, rank, slot)] = (st.st_ino, nbytes, mm)
+        finally:
+            os.close(fd)
+        return Reserved(kind, rank, slot, iteration, mm)
+
+    def commit(self, r: Reserved) -> None:
+        """Complete a reserved slot: its metadata (with the data's CRC-32), by a rename."""
+        data, meta, tmp = self._files(r.kind, r.rank, r.slot)
+        size = os.stat(data).st_size
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"iteration": r.iteration, "nbytes": size,
+                                "crc32": zlib.crc32(memoryview(r.buffer)[:size])}))
         os.replace(tmp, meta)
 
     def read(self, kind: str, rank: int, iteration: int) -> bytes:

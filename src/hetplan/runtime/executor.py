@@ -7,8 +7,10 @@ composes handlers, one per plan section (:mod:`hetplan.runtime.handlers`):
    rank: ranks that loaded different plans all refuse, naming who has which); then, before
    any other collective, the model is captured on ``meta`` with the given example inputs and
    its fingerprint compared with the plan's, and the world size must be the plan's
-   ``dp · pp · tp``.
-2. **Groups** for the layout (:class:`ParallelGroups`), each with the runtime's timeout.
+   ``dp · pp · tp`` (with per-stage degrees, the ranks its stages list).
+2. **Groups** for the layout (:class:`ParallelGroups`), each with the runtime's timeout; a
+   plan with per-stage degrees gets each stage's own groups and its rank's handlers the
+   stage's layout (:mod:`hetplan.runtime.handlers.hetero`).
    This rank's heartbeat in the job's store (:class:`~hetplan.runtime.liveness.Heartbeat`)
    beats from the start, so a collective of the setup that fails because a peer froze or
    died names that peer too.
@@ -53,6 +55,8 @@ from hetplan.runtime.handlers import (
     RuntimeContext,
     StepTimes,
 )
+from hetplan.runtime.handlers.hetero import hetero_groups
+from hetplan.runtime.hetero_ranks import plan_world_size, stage_layout
 from hetplan.runtime.liveness import Heartbeat
 from hetplan.runtime.resizing import ResizingRuntime, StragglerSpec
 
@@ -150,17 +154,23 @@ class Runtime:
             raise SpecError("the plan has no layout; compile it with `hetplan plan`")
         model_ir = self._verified_ir() if self.verify else None
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != layout.num_ranks:
+        if world != (need := plan_world_size(self.plan)):
+            shape = (self.plan.hetero.describe() if self.plan.hetero is not None
+                     else f"dp={layout.dp} pp={layout.pp} tp={layout.tp}")
             raise PlanMismatchError(
-                f"the plan needs {layout.num_ranks} processes (dp={layout.dp} pp={layout.pp} "
-                f"tp={layout.tp}) but this job has {world}; launch it with "
-                f"`hetplan run` or torchrun --nproc-per-node matching the plan"
+                f"the plan needs {need} processes ({shape}) but this job has {world}; launch "
+                f"it with `hetplan run` or torchrun --nproc-per-node matching the plan"
             )
         timeout = self.timeout if self.timeout is not None else job_timeout()
         spec = self.plan.cluster.spec
-        groups = (ParallelGroups.build(layout, dist.get_rank(), timeout=timeout,
-                                       node_of=spec.node_of if spec is not None else None)
-                  if dist.is_initialized() else None)
+        groups = None
+        if dist.is_initialized() and self.plan.hetero is not None:
+            # per-stage degrees: the stage's groups, and its own (dp, tp) for the handlers
+            groups = hetero_groups(self.plan, dist.get_rank(), timeout)
+            layout = stage_layout(self.plan, dist.get_rank())
+        elif dist.is_initialized():
+            groups = ParallelGroups.build(layout, dist.get_rank(), timeout=timeout,
+                                          node_of=spec.node_of if spec is not None else None)
         self.ctx = RuntimeContext(
             plan=self.plan, layout=layout, model=self.model, loss_fn=self.loss_fn,
             make_optimizer=self.optimizer, example_args=self.example_args,
@@ -208,8 +218,12 @@ class Runtime:
             raise explained from e
 
     def _step(self, inputs: Any, target: torch.Tensor) -> float:
+        """One iteration. The loss stays on the device until the optimizer step has been
+        issued: reading it is the step's only host synchronisation, at its end (as a timed
+        training loop synchronises once per step), so on a GPU the host queues backward,
+        gradient sync and the optimizer step without waiting for the device in between."""
         ctx = self.ctx
-        t0 = time.perf_counter()
+        clock = _StepClock.start(ctx.model)
         ctx.bubble_s = 0.0
         xs = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
         loss = next((x for h in ctx.handlers
@@ -218,20 +232,20 @@ class Runtime:
             raise SpecError(f"none of the runtime's handlers "
                             f"{[type(h).__name__ for h in ctx.handlers]} runs the step's "
                             "micro-batches; include StagesHandler")
-        t1 = time.perf_counter()
+        clock.mark()
         for h in ctx.handlers:
             h.after_backward(ctx)
-        t2 = time.perf_counter()
+        clock.mark()
         if ctx.optimizer is not None:
             ctx.optimizer.step()
             ctx.optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        ctx.last_times = StepTimes(t3 - t0, t1 - t0 - ctx.bubble_s, t2 - t1, t3 - t2,
-                                   ctx.bubble_s)
+        clock.mark()
+        value = float(loss)  # the step's one host synchronisation
+        ctx.last_times = clock.times(ctx.bubble_s)
         for h in ctx.handlers:
             h.after_step(ctx)
         ctx.iteration += 1
-        return loss
+        return value
 
     def handler(self, kind: type[Any]) -> Any:
         """The composed handler of class ``kind`` (e.g. ``StagesHandler``)."""
@@ -288,3 +302,53 @@ class Runtime:
         for h in self.ctx.handlers:
             h.close(self.ctx)
         self.ctx.groups = None
+
+
+class _StepClock:
+    """The times of one step's three phases (micro-batches, after-backward, optimizer).
+
+    On the CPU the host's clock is the device's: ``perf_counter`` at each mark. On a GPU the
+    host only queues the work, so each mark also records a CUDA event on the current stream,
+    and the phases are read from the events once the step has synchronised (reading the
+    loss); the iteration is the host's wall time from the start to that synchronisation.
+    Recording an event does not wait for the device.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.host = [time.perf_counter()]
+        self.events: list[Any] = []
+        if cuda:
+            self.events.append(_event())
+
+    @classmethod
+    def start(cls, model: nn.Module) -> _StepClock:
+        """A clock for ``model``'s device, started now."""
+        p = next(model.parameters(), None)
+        return cls(p is not None and p.device.type == "cuda")
+
+    def mark(self) -> None:
+        """The end of a phase."""
+        self.host.append(time.perf_counter())
+        if self.cuda:
+            self.events.append(_event())
+
+    def times(self, bubble_s: float) -> StepTimes:
+        """The step's times; call after the step synchronised with its device."""
+        if self.cuda:  # a no-op when the loss was read (a pipeline rank's loss may be a float)
+            self.events[-1].synchronize()
+        end = time.perf_counter()
+        if self.cuda:
+            phases = [a.elapsed_time(b) / 1e3 for a, b in zip(self.events, self.events[1:])]
+        else:
+            phases = [b - a for a, b in zip(self.host, self.host[1:])]
+        compute, sync, opt = phases
+        iteration = (end if self.cuda else self.host[-1]) - self.host[0]
+        return StepTimes(iteration, max(compute - bubble_s, 0.0) if self.cuda
+                         else compute - bubble_s, sync, opt, bubble_s)
+
+
+def _event() -> Any:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev

@@ -154,28 +154,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This replica's gradient chunk of every segment, fp32, in master order."""
         if self.reducer is not None:
             return self.reducer.take_chunk(self.master.dtype)
-        out = torch.zeros_like(self.master)
+        src, where = [], []
         for si, pi, lo, hi, at in self._pieces:
             g = self.segments[si].params[pi].grad
             if g is not None:
-                out[at : at + hi - lo].copy_(g.reshape(-1)[lo:hi])
+                src.append(g.reshape(-1)[lo:hi])
+                where.append((at, hi - lo))
+        # every element written (one replica, every gradient present): no zero fill needed
+        full = sum(n for _, n in where) == self.master.numel()
+        out = torch.empty_like(self.master) if full else torch.zeros_like(self.master)
+        dst = [out[at : at + n] for at, n in where]
+        if dst:  # one multi-tensor copy (and cast), not one copy per parameter
+            torch._foreach_copy_(dst, src)
         return out
 
     def write_working_weights(self) -> None:
         """Every replica's chunk of the master, in the working dtype, into the parameters (what
         a step ends with; also after the masters were changed outside a step, e.g. averaged)."""
+        if self.world == 1:  # the master is the whole model: one multi-tensor copy (and cast)
+            dst, src = [], []
+            for seg in self.segments:
+                for p, (a, b) in zip(seg.params, seg.bounds(), strict=True):
+                    dst.append(p.detach())
+                    src.append(self.master[seg.offset + a : seg.offset + b].view_as(p))
+            if dst:
+                torch._foreach_copy_(dst, src)
+            return
         for seg in self.segments:
             if not seg.params:
                 continue
             dtype = seg.params[0].dtype
             mine = self.master[seg.offset : seg.offset + seg.chunk].to(dtype)
-            if self.world > 1:
-                full = torch.empty(seg.chunk * self.world, dtype=dtype, device=mine.device)
-                dist.all_gather_into_tensor(full, mine, group=self.group)
-            else:
-                full = mine
-            for p, (a, b) in zip(seg.params, seg.bounds(), strict=True):
-                p.detach().copy_(full[a:b].view_as(p))
+            full = torch.empty(seg.chunk * self.world, dtype=dtype, device=mine.device)
+            dist.all_gather_into_tensor(full, mine, group=self.group)
+            torch._foreach_copy_([p.detach() for p in seg.params],
+                                 [full[a:b].view_as(p) for p, (a, b)
+                                  in zip(seg.params, seg.bounds(), strict=True)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the working weights' gradients and the reduced chunk."""

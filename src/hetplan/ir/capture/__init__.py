@@ -61,13 +61,15 @@ from torch.utils._pytree import tree_map
 from hetplan.errors import TraceError
 from hetplan.ir import block_reuse
 from hetplan.ir.capture.assemble import assemble
+from hetplan.ir.capture.dataflow import layer_dataflow
 from hetplan.ir.capture.execute import Executor
 from hetplan.ir.capture.trace import build_graph
 from hetplan.ir.capture.units import layer_units
+from hetplan.ir.dataflow import LayerDataflow
 from hetplan.ir.model import ModelIR, verify_model_ir
 from hetplan.ir.validation import did_you_mean
 
-__all__ = ["capture"]
+__all__ = ["capture", "capture_dataflow"]
 
 
 # --------------------------------------------------------------------------------------
@@ -149,6 +151,42 @@ def capture(
         ir = dataclasses.replace(ir, name=name)
     verify_model_ir(ir, where=ir.name)
     return ir
+
+
+def capture_dataflow(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    opaque_modules: Iterable[str] = (),
+    method: str = "auto",
+) -> LayerDataflow:
+    """The tensors passed between the layers of ``model`` (:mod:`hetplan.ir.dataflow`):
+    what each pipeline boundary must send when the model is not a chain. Same arguments as
+    :func:`capture` (every block traced); its layer ``k`` is ``capture(...).layers[k]``.
+
+    Raises:
+        TraceError: the model cannot be captured, or a layer reads a later layer's tensor.
+    """
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    opaque = tuple(opaque_modules)
+    _check_opaque_names(model, opaque)
+    meta_model = _meta_clone(model)
+    args = tree_map(_to_meta, tuple(example_inputs))
+    kwargs = tree_map(_to_meta, dict(example_kwargs or {}))
+    units = layer_units(meta_model, opaque)
+    graph = build_graph(meta_model, args, kwargs, units, opaque, method)
+    executor = Executor(meta_model, graph, units)
+    executor.run()
+    flow = layer_dataflow(graph, executor)
+    back = flow.backward_edges()
+    if back:
+        u, v, name = back[0]
+        raise TraceError(f"layer order is inconsistent with dataflow: layer #{v} reads "
+                         f"{name!r} produced by layer #{u}; this is a hetplan bug, please "
+                         "report it with the model", reason="dataflow order")
+    return flow
 
 
 def _capture_once(

@@ -138,9 +138,10 @@ class Handler:
         """Build what the section needs (shards, stages, hooks), before the first step."""
 
     def run_micro_batches(self, ctx: RuntimeContext, inputs: Sequence[torch.Tensor],
-                          target: torch.Tensor) -> float | None:
-        """Forward and backward of this rank's share of the global batch; the loss, or None
-        when this handler does not run the step's computation (exactly one handler does)."""
+                          target: torch.Tensor) -> float | torch.Tensor | None:
+        """Forward and backward of this rank's share of the global batch; the loss (a float,
+        or a 0-d tensor the runtime reads after the optimizer step is queued), or None when
+        this handler does not run the step's computation (exactly one handler does)."""
         return None
 
     def accumulating(self, ctx: RuntimeContext) -> AbstractContextManager[None]:

@@ -4,17 +4,21 @@ What it does, per rank (``docs/decisions/gemini.md`` has the why):
 
 1. **Snapshot** after every ``every_iters``-th optimizer step: this rank's parameters, its
    optimizer state, the torch RNG state and the data position (the number of completed
-   iterations; the worker's synthetic batches are a function of it) are serialised on a side
-   thread into this node's store (:mod:`hetplan.runtime.checkpoint_store`: shared-memory
-   files, two buffers, so they outlive the process).
+   iterations; the worker's synthetic batches are a function of it) are packed by the
+   checkpoint thread (one thread for all rounds, fed by a queue) into one flat buffer
+   (:mod:`hetplan.runtime.checkpoint_snapshot`: a small pickled header, then every tensor's
+   bytes copied by one ``torch.cat`` without the GIL) straight into this node's store
+   (:mod:`hetplan.runtime.checkpoint_store`: shared-memory files mapped into the process, two
+   buffers, so they outlive the process). The training thread only hands over references.
 2. **Replicas**: the same thread sends the snapshot to the rank's holders
    (``checkpointing.ranks[r].holders[1:]``) over a side gloo group, each chunk of the plan's
    schedule at its idle span's offset from the step's start (the end of the optimizer step
    that completed the snapshot's iteration; :mod:`hetplan.runtime.checkpoint_schedule` maps
    the planned chunks onto the serialised blob); a chunk whose span has passed goes at once.
    It receives the snapshots of the ranks this rank holds (their receives are posted as soon
-   as each sender's header arrives, so the data moves when the sender sends it), writes them
-   to its node's store and acknowledges each. Every round is recorded (chunks sent, bytes,
+   as each sender's header arrives, straight into the mapped slot of its node's store, so
+   the data moves when the sender sends it and is never copied again), completes them and
+   acknowledges each. Every round is recorded (chunks sent, bytes,
    when, how; the wait before the step; CPU time of the training and checkpoint threads) for
    the run report (:meth:`CheckpointingHandler.report`).
 3. **At most one interval lost**: the optimizer step waits (``after_backward``) until the
@@ -38,8 +42,8 @@ Without the section, or in a single process, the handler does nothing.
 
 from __future__ import annotations
 
-import io
 import os
+import queue
 import sys
 import threading
 import time
@@ -51,8 +55,9 @@ import torch
 import torch.distributed as dist
 
 from hetplan.ir.plan_checkpointing import Checkpointing
-from hetplan.runtime.checkpoint_schedule import ChunkEvent, RoundRecord, timetable
-from hetplan.runtime.checkpoint_store import NodeStore, default_root
+from hetplan.runtime.checkpoint_schedule import ChunkEvent, PlannedSend, RoundRecord, timetable
+from hetplan.runtime.checkpoint_snapshot import Packed, Packer, unpack
+from hetplan.runtime.checkpoint_store import NodeStore, Reserved, default_root
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 
 __all__ = ["CheckpointingHandler", "newest_common", "STORAGE_DIR_ENV"]
@@ -92,16 +97,12 @@ def newest_common(ck: Checkpointing, own: Sequence[Sequence[int]],
     return None
 
 
-def _serialize(params: list[tuple[str, torch.Tensor]], optim: dict[str, Any] | None,
-               rng: torch.Tensor, completed: int) -> bytes:
-    buf = io.BytesIO()
-    torch.save({"params": dict(params), "optim": optim, "rng": rng, "iteration": completed},
-               buf)
-    return buf.getvalue()
-
-
 def _as_tensor(blob: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def _mapped(buffer: Any, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
 
 
 class CheckpointingHandler(Handler):
@@ -115,7 +116,12 @@ class CheckpointingHandler(Handler):
         self.wait_s: list[float] = []
         self.round_s: list[float] = []
         self.resumed_from: int = 0
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the checkpoint thread, for all rounds
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._done = threading.Event()  # the current round is over
+        self._done.set()
+        self.packer = Packer()
+        self._timetables: dict[tuple[int, int], list[PlannedSend]] = {}
         self._error: BaseException | None = None
         self._pending_optim: dict[str, Any] | None = None
         self.rounds: list[RoundRecord] = []
@@ -197,7 +203,7 @@ class CheckpointingHandler(Handler):
         return mine
 
     def _load(self, ctx: RuntimeContext, blob: bytes) -> None:
-        state = torch.load(io.BytesIO(blob), weights_only=False)
+        state = unpack(blob)
         params = dict(ctx.named_params)
         if set(params) != set(state["params"]):
             raise RuntimeError("the checkpoint's parameters are not this rank's "
@@ -218,11 +224,11 @@ class CheckpointingHandler(Handler):
         dist.all_gather_object(found, max(steps, default=None), group=self.group)
         return None if None in found else min(found)
 
-    def _save_storage(self, completed: int, blob: bytes) -> None:
+    def _save_storage(self, completed: int, blob: torch.Tensor) -> None:
         import torch.distributed.checkpoint as dcp
 
         path = self.storage / f"step{completed}"
-        dcp.save({f"rank{self.rank}": _as_tensor(blob)}, checkpoint_id=path,
+        dcp.save({f"rank{self.rank}": blob}, checkpoint_id=path,
                  process_group=self.group)
 
     def _load_storage(self, step: int) -> bytes:
@@ -271,31 +277,32 @@ class CheckpointingHandler(Handler):
         if completed % self.ck.every_iters:
             return
         self.wait_round()
-        params = [(n, p.detach()) for n, p in ctx.named_params]
+        params = list(ctx.named_params)
         optim = ctx.optimizer.state_dict() if ctx.optimizer is not None else None
         rng = torch.get_rng_state()
-        blob = None
-        if completed % self.ck.storage_every_iters == 0:
-            blob = _serialize(params, optim, rng, completed)
-            self._save_storage(completed, blob)
+        stored = None
+        if completed % self.ck.storage_every_iters == 0:  # packed here: DCP saves it now
+            packed = self.packer.prepare(params, optim, rng, completed)
+            stored = (packed, self._pack_own(packed, completed))
+            self._save_storage(completed, stored[1])
         self._release.clear()
         self._serialised.clear()
+        self._done.clear()
         self._anchor, self._anchor_cpu = time.perf_counter(), time.thread_time()
         record = RoundRecord(iteration=completed, bytes=0)
         self.rounds.append(record)
-        self._thread = threading.Thread(
-            target=self._round_guarded,
-            args=(completed, params, optim, rng, blob, self._anchor, record),
-            name=f"gemini-round-{completed}", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="gemini-checkpoint",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put((completed, params, optim, rng, stored, self._anchor, record))
 
     def wait_round(self) -> None:
         """Wait until the current round (snapshot stored, copies acknowledged) is done,
         sending at once the chunks whose span is still ahead; re-raise its error."""
-        if self._thread is not None:
+        if not self._done.is_set():
             self._release.set()
-            self._thread.join()
-            self._thread = None
+            self._done.wait()
         self._raise_error()
 
     def _raise_error(self) -> None:
@@ -310,33 +317,62 @@ class CheckpointingHandler(Handler):
             self.wait_round()
         return [r.to_json() for r in self.rounds]
 
-    def _round_guarded(self, *args: Any) -> None:
-        try:
-            self._round(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
-            self._error = e
-        finally:
-            self._serialised.set()
+    def _timetable(self, rank: int, nbytes: int) -> list[PlannedSend]:
+        """:func:`timetable`, kept per (rank, size): the size repeats every round."""
+        key = (rank, nbytes)
+        if key not in self._timetables:
+            self._timetables[key] = timetable(self.ck, rank, nbytes)
+        return self._timetables[key]
 
-    def _round(self, completed: int, params: list[tuple[str, torch.Tensor]],
-               optim: dict[str, Any] | None, rng: torch.Tensor, blob: bytes | None,
-               anchor: float, record: RoundRecord) -> None:
-        """Serialise and store locally; send each chunk to its holder at its planned time
+    def _serve(self) -> None:
+        """The checkpoint thread: one round per job until ``None``."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._round(*job)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                self._error = e
+            finally:
+                self._serialised.set()
+                self._done.set()
+
+    def _pack_own(self, packed: Packed, completed: int) -> torch.Tensor:
+        """Pack the snapshot straight into this rank's own slot and complete it; the packed
+        bytes (the mapped slot, or a heap buffer when the slot already holds
+        ``completed``)."""
+        res = self.store.reserve("own", self.rank, completed, packed.nbytes)
+        out = (_mapped(res.buffer, packed.nbytes) if res is not None
+               else torch.empty(packed.nbytes, dtype=torch.uint8))
+        self.packer.pack_into(packed, out)
+        self._serialised.set()
+        if res is not None:
+            self.store.commit(res)
+        return out
+
+    def _round(self, completed: int, params: Sequence[tuple[str, torch.Tensor]],
+               optim: dict[str, Any] | None, rng: torch.Tensor,
+               stored: tuple[Packed, torch.Tensor] | None, anchor: float,
+               record: RoundRecord) -> None:
+        """Pack into the own slot; send each chunk to its holder at its planned time
         (:func:`timetable`; at once when its span has passed or the step releases it) while
-        receiving the copies this rank holds; store and acknowledge those; wait for this
-        rank's acknowledgements."""
+        receiving the copies this rank holds straight into their slots; complete and
+        acknowledge those; wait for this rank's acknowledgements."""
         cpu0 = time.thread_time()
 
         def ms() -> float:
             return (time.perf_counter() - anchor) * 1e3
 
-        if blob is None:
-            blob = _serialize(params, optim, rng, completed)
-        self._serialised.set()
-        self.store.write("own", self.rank, completed, blob)
-        record.bytes, record.serialise_ms = len(blob), ms()
-        data = _as_tensor(blob)
-        header = torch.tensor([completed, len(blob)], dtype=torch.int64)
+        if stored is None:
+            data = self._pack_own(self.packer.prepare(params, optim, rng, completed),
+                                  completed)
+        else:  # packed and stored on the training thread (a storage iteration)
+            data = stored[1]
+            self._serialised.set()
+        nbytes = data.numel()
+        record.bytes, record.serialise_ms = nbytes, ms()
+        header = torch.tensor([completed, nbytes], dtype=torch.int64)
         reqs = [dist.isend(header, h, group=self.group, tag=_DATA) for h in self.holders]
         # the copies this rank holds: the header first, then the sender's cuts
         incoming: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -344,6 +380,7 @@ class CheckpointingHandler(Handler):
             hdr = torch.empty(2, dtype=torch.int64)
             incoming[s] = (hdr, dist.irecv(hdr, s, group=self.group, tag=_DATA))
         bufs: dict[int, torch.Tensor] = {}
+        slots: dict[int, Reserved | None] = {}
 
         def post_receives(block: bool) -> None:
             for s, (hdr, work) in incoming.items():
@@ -351,13 +388,15 @@ class CheckpointingHandler(Handler):
                     continue
                 work.wait()
                 n = int(hdr[1])
-                bufs[s] = buf = torch.empty(n, dtype=torch.uint8)
-                for c in timetable(self.ck, s, n):
+                slots[s] = res = self.store.reserve("held", s, int(hdr[0]), n)
+                bufs[s] = buf = (_mapped(res.buffer, n) if res is not None
+                                 else torch.empty(n, dtype=torch.uint8))
+                for c in self._timetable(s, n):
                     if c.holder == self.rank:
                         reqs.append(dist.irecv(buf[c.start:c.end], s, group=self.group,
                                                tag=_DATA))
 
-        for c in timetable(self.ck, self.rank, len(blob)):
+        for c in self._timetable(self.rank, nbytes):
             how = "on_time"
             while True:
                 post_receives(block=False)
@@ -384,7 +423,9 @@ class CheckpointingHandler(Handler):
         acks = []
         for s in self.sources:
             hdr = incoming[s][0]
-            self.store.write("held", s, int(hdr[0]), bufs[s].numpy().tobytes())
+            res = slots[s]
+            if res is not None:
+                self.store.commit(res)
             ack = torch.tensor([int(hdr[0])], dtype=torch.int64)
             acks.append((ack, dist.isend(ack, s, group=self.group, tag=_ACK)))
         for h in self.holders:
@@ -402,5 +443,6 @@ class CheckpointingHandler(Handler):
 
     def close(self, ctx: RuntimeContext) -> None:
         if self._thread is not None:
+            self._jobs.put(None)
             self._thread.join(timeout=ctx.timeout.total_seconds())
             self._thread = None
