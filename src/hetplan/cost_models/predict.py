@@ -121,7 +121,8 @@ def plan_costs(
     costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
                       efficiency=settings.efficiency, optimizer=settings.optimizer,
                       precision=plan.precision, attention=settings.attention,
-                      dp_overlap=settings.dp_overlap)
+                      dp_overlap=settings.dp_overlap, fusion=settings.fusion,
+                      vocab_parallel=settings.vocab_parallel)
     layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
     return workload, layout, costs
 
@@ -141,7 +142,13 @@ def simulate(
         SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
     """
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
+    baselines = plan.predictions.baselines if plan.predictions else ()
+    if plan.hetero is not None:  # per-stage degrees (hetplan.cost_models.hetero)
+        from hetplan.cost_models.hetero import evaluate_hetero, hetero_predictions
+
+        return hetero_predictions(evaluate_hetero(
+            workload, layout, plan.stages, plan.hetero, costs,
+            gradient_sync=plan.gradient_sync), baselines)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
                   tensor_parallel=plan.tensor_parallel, sparse_sync=plan.sparse_sync)
-    baselines = plan.predictions.baselines if plan.predictions else ()
     return predictions(ev, list(baselines), layout)
