@@ -352,9 +352,9 @@ class Espresso:
                 # a wider rung also retries the uncompressed routings and casts the narrower
                 # choice uses (the baseline is always a candidate): a tensor a new path would
                 # compress for a sliver may do as well with a cast another tensor holds.
-                # Retrying every routing and cast instead took 0-26 % more CPU time on the
-                # 36 bench cases and was at most 0.38 % faster, up to 6.6 % slower
-                # (docs/decisions/espresso-speed.md, "Round 4")
+                # Retrying every routing and cast instead took 1.10x the CPU time (median
+                # over the 36 bench cases) for plans at most 0.38 % faster and up to 6.6 %
+                # slower (docs/decisions/espresso-speed.md, "Round 4")
                 retry = [] if sel is None else _uncompressed_in(cum, sel.strategy)
                 cum += new
                 sel = self._select(ss, costs[h], cum, retry + new, sel)
