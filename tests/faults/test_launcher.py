@@ -107,11 +107,11 @@ def test_a_schedule_the_runtime_does_not_execute_is_refused_by_the_launcher() ->
 def test_a_combination_the_runtime_does_not_compose_is_refused_by_the_launcher() -> None:
     """The runtime's composition refusals (every rank refuses such a plan at setup) are
     checked before any rank starts."""
-    piped = hetplan.compile("mlp", cluster(4), batch_size=8, dp=2, pp=2, zero_stage=3)
+    piped = hetplan.compile("mlp", cluster(4), batch_size=8, dp=2, pp=2, zero_stage=3,
+                            dtype="fp16")
     assert piped.layout is not None and piped.layout.zero_stage == 3
     with pytest.raises(SpecError, match="the runtime does not execute this plan's combination "
-                                        "of strategies:\n  layout.zero_stage: ZeRO-3 \\(FSDP2\\) "
-                                        "with pp=2"):
+                                        "of strategies:\n  precision: fp16 with ZeRO-3"):
         preflight(piped, _cmd(piped))
 
 

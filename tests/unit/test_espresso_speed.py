@@ -68,3 +68,57 @@ def test_bound_below_each_hierarchy_and_skip_keeps_the_plan(
     assert fast.plan.gradient_sync == every.plan.gradient_sync
     if preset == "espresso-nvlink-8x8":  # flat's bound (34.7 ms) > hierarchical's 16.3 ms
         assert len(spy.last) == 1
+
+
+def test_registered_arrays_are_the_converted_ones() -> None:
+    """The cost tables register every ops tuple's arrays with one session ahead (one slice of
+    the table per size); they must be what converting the tuple op by op gives, bit for bit,
+    or every trial of every rung would see other durations."""
+    from hetplan.algorithms.dp_session import DPSession
+    from hetplan.cost_models.evaluate import stage_syncs
+
+    ctx, plan = _setup("vgg16", "espresso-pcie-8x8")
+    ss = stage_syncs(ctx.workload, ctx.layout, plan.stages, ctx.costs)[0]
+    costs = espresso_pass._StageCosts(ss, ctx, 0.01, ("gpu", "cpu"))
+    keys = [(None, 0, "fp32"), ("dgc", 5, "fp32"), ("dgc", 5, "fp16"), ("efsignsgd", 40, "fp32")]
+    fresh = DPSession(ss.backprop_s)
+    checked = 0
+    for key in keys:
+        costs.table(key)
+        for i in range(len(ss.grads)):
+            ops = costs.ops(i, key)
+            (r1, d1), = costs.arrays._arrays_of([ops])
+            (r2, d2), = fresh._arrays_of([ops])
+            assert r1.tolist() == r2.tolist() and d1.tolist() == d2.tolist()
+            assert costs.arrays._conv[id(ops)][0] is ops  # registered, not converted again
+            checked += 1
+    assert checked == 4 * len(ss.grads)
+    # equal ops values get one identity, different ones different identities
+    a, b = costs.ops(0, keys[1]), costs.ops(0, keys[2])
+    assert (costs.signature(a) == costs.signature(b)) == (a == b)
+    assert costs.signature(tuple(a)) == costs.signature(a)
+
+
+def test_benefits_left_out_then_computed_once_are_the_same() -> None:
+    """``select(benefits=False)`` + :func:`tensor_benefits` (what the pass does for the kept
+    selection alone) gives the benefits ``select`` computes itself."""
+    from hetplan.algorithms.dp_types import GPU, Op
+    from hetplan.algorithms.espresso import SelectionProblem, select, tensor_benefits
+
+    raw, comp = [14.0, 11.0, 10.0, 6.0, 9.0], [5.0, 5.0, 3.6, 2.0, 4.0]
+
+    def problem() -> SelectionProblem[str]:
+        def ops(i: int, k: str) -> tuple[Op, ...]:
+            return (Op("net", raw[i]),) if k == "N" else (Op(GPU, comp[i]), Op("net", 3.6))
+        return SelectionProblem(backprop_s=[10, 10, 9, 4, 3], sizes=[3, 2, 1, 1, 2],
+                                baseline=["N"] * 5, gpu_options=[["G"]] * 5, ops=ops,
+                                compressed=lambda k: k != "N")
+
+    full = select(problem(), exhaustive_limit=0)
+    p = problem()
+    lean = select(p, exhaustive_limit=0, benefits=False)
+    assert lean.strategy == full.strategy and lean.iteration_s == full.iteration_s
+    assert any(k != "N" for k in full.strategy)
+    assert set(lean.benefit_s) == {0.0}
+    assert tensor_benefits(p, lean.strategy, lean.iteration_s) == full.benefit_s
+    assert tensor_benefits(p, lean.strategy, lean.iteration_s, fast=False) == full.benefit_s

@@ -86,16 +86,21 @@ def test_refusals_name_the_field_and_the_fix() -> None:
     assert refusals(_plan("fp32", dp=2, zero_stage=1)) == []
     assert refusals(_plan("fp32", dp=1, zero_stage=3)) == []  # nothing to shard: ZeRO-0
     assert refusals(_plan("fp32", dp=2, pp=2, tp=2, micro_batches=2, zero_stage=2)) == []
-    (fsdp,) = refusals(_plan("fp32", dp=2, tp=2, zero_stage=3))
-    assert fsdp.startswith("layout.zero_stage: ZeRO-3") and "--zero 2" in fsdp
+    assert refusals(_plan("fp32", dp=2, tp=2, zero_stage=3)) == []  # FSDP2 over TP shards
+    assert refusals(_plan("fp32", dp=2, pp=2, micro_batches=2, zero_stage=3)) == []  # per stage
+    assert refusals(_plan("fp32", dp=2, pp=2, tp=2, micro_batches=2, zero_stage=3)) == []
     assert refusals(_plan("bf16", dp=1, pp=2, micro_batches=2)) == []  # runs per stage
     (fp16,) = refusals(_plan("fp16", dp=2, zero_stage=3))
     assert fp16.startswith("precision:") and "--dtype bf16" in fp16
 
 
 def test_the_first_handler_refuses_with_every_problem() -> None:
-    plan = _plan("fp16", dp=2, pp=2, micro_batches=2, zero_stage=3)
+    comp = CompressedSync(compressor="topk", params={"ratio": 0.1})
+    sync = GradientSync(strategies={"c": comp}, tensors=(TensorSync(name="fc_in.weight",
+                                                                   strategy="c"),))
+    plan = _plan("fp16", dp=2, pp=2, micro_batches=2, zero_stage=3).model_copy(
+        update={"gradient_sync": sync})
     with pytest.raises(SpecError, match="does not execute this plan's combination") as info:
         CompositionHandler().setup(SimpleNamespace(plan=plan))  # type: ignore[arg-type]
-    assert "layout.zero_stage" in str(info.value) and "precision:" in str(info.value)
+    assert "gradient_sync.strategies" in str(info.value) and "precision:" in str(info.value)
     assert DEFAULT_HANDLERS[0] is CompositionHandler

@@ -225,6 +225,22 @@ class DPSession:
             at += k
         return out
 
+    def register(self, rows: Sequence[tuple[Op, ...]], resources: Sequence[str],
+                 durations: np.ndarray) -> None:
+        """Give ops tuples their arrays ahead, without converting them op by op: every
+        tuple of ``rows`` has one op per entry of ``resources`` (the resource names, in
+        order), and ``durations[x]`` (float64, one row per tuple) holds tuple ``x``'s
+        durations, the same doubles as its ops'. Sessions sharing this one's caches
+        (``share``) find them there. No effect on results; the caller keeps the tuples
+        alive as long as it registers them (the cache is keyed by their ids and holds them)."""
+        if durations.shape != (len(rows), len(resources)):
+            raise ValueError(f"durations of shape {durations.shape} for {len(rows)} tuples "
+                             f"of {len(resources)} ops")
+        ids = np.array([self._rid[r] for r in resources], dtype=np.int64)
+        conv = self._conv
+        for ops, row in zip(rows, durations):
+            conv[id(ops)] = (ops, ids, row)
+
     def _pack(self, unit_ops: Sequence[tuple[Op, ...]]) -> Ops:
         """``unit_ops`` as one :class:`~hetplan.algorithms._dp_kernels.Ops`."""
         parts = self._arrays_of(unit_ops)

@@ -99,6 +99,7 @@ __all__ = [
     "tensors_before_bubbles",
     "processing_order",
     "search_offload",
+    "tensor_benefits",
 ]
 
 K = TypeVar("K", bound=Hashable)
@@ -122,9 +123,15 @@ class SelectionProblem(Generic[K]):
         forward_s / optimizer_s / cpu_workers: passed to the simulator.
         ops_class: optional; tensors with equal values have equal ops under every option (e.g.
             tensors of one size in one group), so per-tensor work is shared between them.
-        ops_fields: optional; the ``(resource, duration_s, label)`` of every op of an ops
-            tuple, as a tuple (the candidates' identity); lets a caller that keeps its ops
-            tuples compute them once for all its selections (default: computed each time).
+        ops_fields: optional; the identity of an ops tuple's values: equal for two tuples
+            exactly when their ops' ``(resource, duration_s, label)`` are equal (e.g. those
+            fields as a tuple, or a number the caller interned them to); lets a caller that
+            keeps its ops tuples compute it once for all its selections (default: the fields
+            as a tuple, computed each time).
+        share: optional; a :class:`~hetplan.algorithms.dp_session.DPSession` whose caches of
+            ops converted to arrays every session of every :func:`select` on this problem
+            uses (e.g. arrays the caller registered for all its ops ahead); no effect on
+            results. Default: each selection's sessions share their own.
     """
 
     backprop_s: Sequence[float]
@@ -139,7 +146,8 @@ class SelectionProblem(Generic[K]):
     optimizer_s: float = 0.0
     cpu_workers: int = 1
     ops_class: Sequence[Hashable] | None = None
-    ops_fields: Callable[[tuple[Op, ...]], tuple[object, ...]] | None = None
+    ops_fields: Callable[[tuple[Op, ...]], Hashable] | None = None
+    share: DPSession | None = None
     evaluations: int = field(default=0, init=False)
     # the last session made, whose caches of ops converted to arrays the next one shares
     # (their entries are checked against the ops themselves, so they cannot go stale);
@@ -170,7 +178,7 @@ class SelectionProblem(Generic[K]):
         :meth:`iteration_s`, bit for bit)."""
         sess = DPSession(self.backprop_s, forward_s=self.forward_s,
                          optimizer_s=self.optimizer_s, cpu_workers=self.cpu_workers,
-                         share=self._last_session)
+                         share=self._last_session or self.share)
         self._last_session = sess
         self.evaluations += 1
         sess.rebase([self.ops(i, k) for i, k in enumerate(strategy)])
@@ -198,6 +206,8 @@ class Selection(Generic[K]):
             when Algorithm 4.2 ran group by group, or ``seed:<i>`` when a caller's seed won.
         gpu_s / cpu_s: wall-clock time of the GPU decisions and of the CPU offloading.
         evaluations: simulations run.
+        gpu_process_s: the process's CPU time during the GPU decisions (``gpu_s`` without
+            what other processes on a shared machine took of it).
     """
 
     strategy: tuple[K, ...]
@@ -208,6 +218,7 @@ class Selection(Generic[K]):
     gpu_s: float
     cpu_s: float
     evaluations: int
+    gpu_process_s: float = 0.0
 
 
 def processing_order(sizes: Sequence[int]) -> list[int]:
@@ -229,8 +240,9 @@ def tensors_before_bubbles(problem: SelectionProblem[K], strategy: Sequence[K]) 
                                    problem.cpu_workers, _EPS)
 
 
-#: A candidate of one tensor: (option, its ops, their (communication, GPU, CPU) busy time).
-_Cand = tuple[K, tuple[Op, ...], tuple[float, float, float]]
+#: A candidate of one tensor: (option, its ops, their (communication, GPU, CPU) busy time,
+#: the identity of the ops' values).
+_Cand = tuple[K, tuple[Op, ...], tuple[float, float, float], Hashable]
 #: The candidates of one tensor that Algorithm 4.1 simulates: (options, their ops, baseline?).
 _Tried = tuple[list[K], list[tuple[Op, ...]], list[bool]]
 
@@ -269,7 +281,8 @@ class _Candidates(Generic[K]):
     def __init__(self, problem: SelectionProblem[K], prune: bool) -> None:
         self._problem = problem
         self.prune = prune
-        self._cache: dict[tuple[tuple[object, ...], ...], list[int]] = {}
+        self._cache: dict[tuple[Hashable, ...], list[int]] = {}
+        self._fp: dict[Hashable, tuple[float, float, float]] = {}  # value identity -> footprint
         # (class, baseline) -> (the option list it was computed for, the candidates)
         self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
         # (class, baseline, current option) -> (the candidates it was filtered from, tried)
@@ -301,11 +314,12 @@ class _Candidates(Generic[K]):
             if got is not None and got[0] is cands:
                 return got[1]
         cur_ops = p.ops(j, current)
-        cur_fp = _footprint(cur_ops)
+        cur_sig = self._sig(cur_ops)
+        cur_fp = self._footprint(cur_sig, cur_ops)
         keys: list[K] = []
         ops_list: list[tuple[Op, ...]] = []
-        for cand, ops, fp in cands:
-            if ops == cur_ops or (self.prune and _dominated(fp, cur_fp)):
+        for cand, ops, fp, sg in cands:
+            if sg == cur_sig or (self.prune and _dominated(fp, cur_fp)):
                 continue
             keys.append(cand)
             ops_list.append(ops)
@@ -319,18 +333,27 @@ class _Candidates(Generic[K]):
         keys = [p.baseline[j], *p.gpu_options[j]]
         all_ops = [p.ops(j, k) for k in keys]
         # plain tuples hash in C (an Op's dataclass hash runs Python code per op)
-        fields = p.ops_fields
-        sigs = ([tuple(map(_FIELDS, ops)) for ops in all_ops] if fields is None
-                else [fields(ops) for ops in all_ops])
+        sigs = [self._sig(ops) for ops in all_ops]
         sig = tuple(sigs)  # the ops' values (ids of freed tuples can come back)
         keep = self._cache.get(sig)
         if keep is None:
             keep = self._cache[sig] = self._select(all_ops, sigs)
-        return [(keys[i], all_ops[i], _footprint(all_ops[i])) for i in keep]
+        return [(keys[i], all_ops[i], self._footprint(sigs[i], all_ops[i]), sigs[i])
+                for i in keep]
 
-    def _select(self, all_ops: list[tuple[Op, ...]], sigs: list[tuple[object, ...]]
-                ) -> list[int]:
-        first: dict[tuple[object, ...], int] = {}
+    def _sig(self, ops: tuple[Op, ...]) -> Hashable:
+        """The identity of ``ops``' values (equal exactly when the ops' fields are)."""
+        fields = self._problem.ops_fields
+        return tuple(map(_FIELDS, ops)) if fields is None else fields(ops)
+
+    def _footprint(self, sig: Hashable, ops: tuple[Op, ...]) -> tuple[float, float, float]:
+        got = self._fp.get(sig)
+        if got is None:
+            got = self._fp[sig] = _footprint(ops)
+        return got
+
+    def _select(self, all_ops: list[tuple[Op, ...]], sigs: list[Hashable]) -> list[int]:
+        first: dict[Hashable, int] = {}
         for i, sg in enumerate(sigs):
             first.setdefault(sg, i)
         idx = sorted(first.values())
@@ -567,6 +590,26 @@ def _best_seed(
     return best
 
 
+def tensor_benefits(problem: SelectionProblem[K], strategy: Sequence[K], iteration_s: float,
+                    *, fast: bool = True) -> tuple[float, ...]:
+    """:attr:`Selection.benefit_s` of ``strategy`` (predicted ``iteration_s``): per tensor,
+    how much longer the iteration is if that tensor alone goes back to its baseline option
+    (0 for tensors at baseline). One simulation per tensor off its baseline (resumed from
+    that tensor with ``fast``)."""
+    out = []
+    sess = problem.session(strategy) if fast else None
+    for i, k in enumerate(strategy):
+        if k == problem.baseline[i]:
+            out.append(0.0)
+        elif sess is not None:
+            out.append(problem.trial_s(sess, {i: problem.baseline[i]}) - iteration_s)
+        else:
+            trial = list(strategy)
+            trial[i] = problem.baseline[i]
+            out.append(problem.iteration_s(trial) - iteration_s)
+    return tuple(out)
+
+
 def select(
     problem: SelectionProblem[K],
     *,
@@ -576,6 +619,7 @@ def select(
     prune: bool = True,
     fast: bool = True,
     start: Sequence[K] | None = None,
+    benefits: bool = True,
 ) -> Selection[K]:
     """Choose one option per tensor (see the module docstring).
 
@@ -595,6 +639,9 @@ def select(
             the baseline, and the result is never predicted slower than it (on a tie it is
             returned), so widening a search in steps, each seeded with the last, never
             yields a slower choice.
+        benefits: compute :attr:`Selection.benefit_s` (one simulation per tensor off its
+            baseline); False leaves zeros, for a caller that keeps only some selections
+            and computes it for those with :func:`tensor_benefits`.
     """
     problem._last_session = None  # the problem may have changed since an earlier call
     baseline_s = problem.iteration_s(problem.baseline)
@@ -603,12 +650,13 @@ def select(
         space *= len(_full_options(problem, i))
         if space > exhaustive_limit:
             break
-    t0 = time.perf_counter()
+    t0, p0 = time.perf_counter(), time.process_time()
     cpu_s = 0.0
     if space <= exhaustive_limit:
         strategy, f = _exhaustive(problem, [_full_options(problem, i)
                                              for i in range(len(problem.backprop_s))])
         gpu_s, method = time.perf_counter() - t0, "exhaustive"
+        gpu_process_s = time.process_time() - p0
     else:
         pareto = _Candidates(problem, prune)  # both sweeps' candidate lists
         strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
@@ -621,6 +669,7 @@ def select(
             if fr < f - _EPS:
                 strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
         gpu_s = time.perf_counter() - t0
+        gpu_process_s = time.process_time() - p0
         t1 = time.perf_counter()
         strategy, f, exact = cpu_offload(problem, strategy, limit=offload_limit, fast=fast)
         cpu_s = time.perf_counter() - t1
@@ -631,18 +680,8 @@ def select(
         start_s = problem.iteration_s(start)
         if start_s <= f + _EPS:
             strategy, f, method = list(start), start_s, "the narrower choice"
-    benefit = []
-    sess = problem.session(strategy) if fast else None
-    for i, k in enumerate(strategy):
-        if k == problem.baseline[i]:
-            benefit.append(0.0)
-            continue
-        if sess is not None:
-            benefit.append(problem.trial_s(sess, {i: problem.baseline[i]}) - f)
-            continue
-        trial = strategy.copy()
-        trial[i] = problem.baseline[i]
-        benefit.append(problem.iteration_s(trial) - f)
+    benefit = (tensor_benefits(problem, strategy, f, fast=fast) if benefits
+               else (0.0,) * len(strategy))
     problem._last_session = None  # its caches are not kept past the selection
-    return Selection(tuple(strategy), f, baseline_s, tuple(benefit), method, gpu_s, cpu_s,
-                     problem.evaluations)
+    return Selection(tuple(strategy), f, baseline_s, benefit, method, gpu_s, cpu_s,
+                     problem.evaluations, gpu_process_s)

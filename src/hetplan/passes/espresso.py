@@ -62,8 +62,16 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import numpy as np
+
+from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_types import CPU, GPU, Op
-from hetplan.algorithms.espresso import Selection, SelectionProblem, select
+from hetplan.algorithms.espresso import (
+    Selection,
+    SelectionProblem,
+    select,
+    tensor_benefits,
+)
 from hetplan.algorithms.espresso_tree import (
     PRECISIONS,
     Option,
@@ -347,12 +355,20 @@ class Espresso:
                 sel = self._select(ss, costs[h], cum, retry + new, sel)
             assert sel is not None
             done[h] = (sel, len(cum))
-        best: tuple[Selection[Key], int] | None = None
+        best: int | None = None
         for h in sorted(done):  # flat first: it is kept on a tie, as it always was
-            if best is None or done[h][0].iteration_s < best[0].iteration_s - 1e-12:
-                best = done[h]
+            if best is None or done[h][0].iteration_s < done[best][0].iteration_s - 1e-12:
+                best = h
         assert best is not None
-        return best
+        # the rungs leave benefit_s out: computed for the kept selection alone, on the
+        # problem of its hierarchy's last rung
+        sel, keys = done[best]
+        problem = costs[best].problem
+        assert problem is not None
+        before = problem.evaluations
+        benefit = tensor_benefits(problem, sel.strategy, sel.iteration_s)
+        return dataclasses.replace(sel, benefit_s=benefit, evaluations=sel.evaluations
+                                   + problem.evaluations - before), keys
 
     def _select(
         self, ss: StageSync, costs: _StageCosts, cands: list[Key], new: list[Key],
@@ -377,7 +393,9 @@ class Espresso:
             offload=costs.offload,
             ops_class=[float(b) for b in ss.nbytes],  # ops() depends on the size alone
             ops_fields=costs.signature,
+            share=costs.arrays,
         )
+        costs.problem = problem
         # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
         # hierarchical candidates would put them on other channels than the tensors left
         # uncompressed, so that every choice for one tensor looks free (and ties go by order)
@@ -400,8 +418,8 @@ class Espresso:
         if all(k[0] is None for k in cands):
             # nothing to compress: the best uniform routing (cheap enough for every layout)
             problem.gpu_options = [[]] * n
-            return select(problem, seeds=seeds, exhaustive_limit=0)
-        return select(problem, seeds=seeds,
+            return select(problem, seeds=seeds, exhaustive_limit=0, benefits=False)
+        return select(problem, seeds=seeds, benefits=False,
                       start=None if narrower is None else narrower.strategy)
 
 
@@ -415,11 +433,18 @@ class _StageCosts:
         self._sizes = sorted({float(b) for b in ss.nbytes})
         self._cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
         self._done: set[Key] = set()
-        # id of a cached ops tuple -> its (resource, duration, label) fields; the tuples
-        # live in ``_cache`` as long as this object, so their ids are not reused
-        self._sigs: dict[int, tuple[tuple[str, float, str], ...]] = {}
+        # id of a cached ops tuple -> the number its (resource, duration, label) fields are
+        # interned to (equal numbers exactly for equal fields); the tuples live in
+        # ``_cache`` as long as this object, so their ids are not reused
+        self._sigs: dict[int, int] = {}
+        self._interned: dict[tuple[tuple[str, float, str], ...], int] = {}
+        #: holds every cached ops tuple's arrays (registered once per candidate, for all
+        #: sizes at once) for the sessions of every rung's selection
+        self.arrays = DPSession(ss.backprop_s)
         #: the fastest uniform fp32 routing (Algorithm 4.1's start), the same for every rung
         self.base: Key | None = None
+        #: the last rung's selection problem
+        self.problem: SelectionProblem[Key] | None = None
         self.offload = functools.cache(self._offload)
 
     def lower_bound(self, keys: list[Key]) -> float:
@@ -492,11 +517,13 @@ class _StageCosts:
                     bound = max(bound, ready[i] + lo + acc + hi)
         return bound
 
-    def signature(self, ops: tuple[Op, ...]) -> tuple[tuple[str, float, str], ...]:
-        """``ops``' (resource, duration, label) fields, computed once per cached tuple."""
+    def signature(self, ops: tuple[Op, ...]) -> int:
+        """The number ``ops``' (resource, duration, label) fields are interned to: equal
+        exactly for equal fields; computed once per cached tuple."""
         got = self._sigs.get(id(ops))  # a live cached tuple's id is no other object's
         if got is None:
-            return tuple((op.resource, op.duration_s, op.label) for op in ops)
+            fields = tuple((op.resource, op.duration_s, op.label) for op in ops)
+            return self._interned.setdefault(fields, len(self._interned))
         return got
 
     def table(self, key: Key) -> None:
@@ -509,10 +536,16 @@ class _StageCosts:
         proto = ss.ops(st, sizes[0], costs)
         _, times = ss.ops_table(st, sizes, costs)  # bit for bit ss.ops's times
         steps = [(op.resource, op.label) for op in proto]
+        rows = []
         for nb, row in zip(sizes, times.tolist()):  # tolist: the same doubles, as floats
             ops = tuple(Op(r, t, lb) for (r, lb), t in zip(steps, row))
             self._cache[(key, nb)] = ops
-            self._sigs[id(ops)] = tuple((r, t, lb) for (r, lb), t in zip(steps, row))
+            fields = tuple((r, t, lb) for (r, lb), t in zip(steps, row))
+            self._sigs[id(ops)] = self._interned.setdefault(fields, len(self._interned))
+            rows.append(ops)
+        self.arrays.register(rows, [r for r, _ in steps],
+                             np.ascontiguousarray(times, dtype=np.float64).reshape(
+                                 len(rows), len(steps)))
 
     def ops(self, i: int, key: Key) -> tuple[Op, ...]:
         got = self._cache.get((key, self._ss.nbytes[i]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import CompressedSync, Layout
+from hetplan.runtime.hetero_ranks import hetero_refusals
 
 __all__ = ["effective_zero_stage", "refusals"]
 
@@ -35,10 +36,6 @@ def refusals(plan: Plan) -> list[str]:
     if sync is not None:
         used = {b.strategy for b in sync.buckets} | {t.strategy for t in sync.tensors}
     strategies = {n: sync.strategies[n] for n in sorted(used)} if sync is not None else {}
-    if zero == 3 and (lay.pp > 1 or lay.tp > 1):
-        out.append(f"layout.zero_stage: ZeRO-3 (FSDP2) with pp={lay.pp} tp={lay.tp}; the "
-                   "runtime shards parameters only in plans without pipeline or tensor "
-                   f"parallelism; re-plan with --zero 2, or --pp 1 --tp 1 ({_DOC})")
     if zero >= 1 and plan.rebalancing is not None and any(
             e.applied for e in plan.rebalancing.events):
         out.append(f"rebalancing: moving layers under ZeRO-{zero} (dp={lay.dp}); their "
@@ -70,7 +67,7 @@ def refusals(plan: Plan) -> list[str]:
             d.compute_dtype == "fp16" for d in plan.precision.devices.values()):
         out.append("precision: fp16 with ZeRO-3 (FSDP2) has no loss scaling in this runtime "
                    f"yet; re-plan with --dtype bf16 or --zero 2 ({_DOC})")
-    return out + _group_sync(plan, lay, zero)
+    return out + _group_sync(plan, lay, zero) + hetero_refusals(plan)
 
 
 def _group_sync(plan: Plan, lay: Layout, zero: int) -> list[str]:

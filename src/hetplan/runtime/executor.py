@@ -7,8 +7,10 @@ composes handlers, one per plan section (:mod:`hetplan.runtime.handlers`):
    rank: ranks that loaded different plans all refuse, naming who has which); then, before
    any other collective, the model is captured on ``meta`` with the given example inputs and
    its fingerprint compared with the plan's, and the world size must be the plan's
-   ``dp · pp · tp``.
-2. **Groups** for the layout (:class:`ParallelGroups`), each with the runtime's timeout.
+   ``dp · pp · tp`` (with per-stage degrees, the ranks its stages list).
+2. **Groups** for the layout (:class:`ParallelGroups`), each with the runtime's timeout; a
+   plan with per-stage degrees gets each stage's own groups and its rank's handlers the
+   stage's layout (:mod:`hetplan.runtime.handlers.hetero`).
    This rank's heartbeat in the job's store (:class:`~hetplan.runtime.liveness.Heartbeat`)
    beats from the start, so a collective of the setup that fails because a peer froze or
    died names that peer too.
@@ -53,6 +55,8 @@ from hetplan.runtime.handlers import (
     RuntimeContext,
     StepTimes,
 )
+from hetplan.runtime.handlers.hetero import hetero_groups
+from hetplan.runtime.hetero_ranks import plan_world_size, stage_layout
 from hetplan.runtime.liveness import Heartbeat
 from hetplan.runtime.resizing import ResizingRuntime, StragglerSpec
 
@@ -150,17 +154,23 @@ class Runtime:
             raise SpecError("the plan has no layout; compile it with `hetplan plan`")
         model_ir = self._verified_ir() if self.verify else None
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != layout.num_ranks:
+        if world != (need := plan_world_size(self.plan)):
+            shape = (self.plan.hetero.describe() if self.plan.hetero is not None
+                     else f"dp={layout.dp} pp={layout.pp} tp={layout.tp}")
             raise PlanMismatchError(
-                f"the plan needs {layout.num_ranks} processes (dp={layout.dp} pp={layout.pp} "
-                f"tp={layout.tp}) but this job has {world}; launch it with "
-                f"`hetplan run` or torchrun --nproc-per-node matching the plan"
+                f"the plan needs {need} processes ({shape}) but this job has {world}; launch "
+                f"it with `hetplan run` or torchrun --nproc-per-node matching the plan"
             )
         timeout = self.timeout if self.timeout is not None else job_timeout()
         spec = self.plan.cluster.spec
-        groups = (ParallelGroups.build(layout, dist.get_rank(), timeout=timeout,
-                                       node_of=spec.node_of if spec is not None else None)
-                  if dist.is_initialized() else None)
+        groups = None
+        if dist.is_initialized() and self.plan.hetero is not None:
+            # per-stage degrees: the stage's groups, and its own (dp, tp) for the handlers
+            groups = hetero_groups(self.plan, dist.get_rank(), timeout)
+            layout = stage_layout(self.plan, dist.get_rank())
+        elif dist.is_initialized():
+            groups = ParallelGroups.build(layout, dist.get_rank(), timeout=timeout,
+                                          node_of=spec.node_of if spec is not None else None)
         self.ctx = RuntimeContext(
             plan=self.plan, layout=layout, model=self.model, loss_fn=self.loss_fn,
             make_optimizer=self.optimizer, example_args=self.example_args,

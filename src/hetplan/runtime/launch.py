@@ -57,6 +57,7 @@ from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan, check_plan_matches
 from hetplan.runtime import proctree
 from hetplan.runtime.composition import refusals
+from hetplan.runtime.hetero_ranks import plan_world_size
 
 __all__ = ["RunOutcome", "launch", "launched_world_size", "preflight", "relay_stderr",
            "torchrun_command"]
@@ -89,7 +90,7 @@ def torchrun_command(
     multi_node = any(a.startswith(("--nnodes", "--rdzv")) for a in extra)
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if not any(a.startswith("--nproc") for a in extra):
-        world = plan.layout.num_ranks
+        world = plan_world_size(plan)
         per_node = world
         spec = plan.cluster.spec
         if multi_node:
@@ -195,12 +196,14 @@ def preflight(
         raise SpecError("the runtime does not execute this plan's combination of strategies:"
                         "\n  " + "\n  ".join(problems))
     world = launched_world_size(cmd)
-    if world is not None and world != layout.num_ranks:
+    if world is not None and world != (need := plan_world_size(plan)):
         from hetplan.errors import PlanMismatchError
 
+        shape = (plan.hetero.describe() if plan.hetero is not None
+                 else f"dp={layout.dp} pp={layout.pp} tp={layout.tp}")
         raise PlanMismatchError(
-            f"the plan needs {layout.num_ranks} processes (dp={layout.dp} pp={layout.pp} "
-            f"tp={layout.tp}) but torchrun would start {world} (--nproc-per-node × --nnodes); "
+            f"the plan needs {need} processes ({shape}) but torchrun would start {world} "
+            "(--nproc-per-node × --nnodes); "
             "drop --nproc-per-node (hetplan run sets it from the plan) or re-plan for "
             f"{world} ranks"
         )

@@ -46,6 +46,7 @@ __all__ = [
     "build_stages",
     "split_points",
     "stage_indices_of_rank",
+    "stage_modules",
     "stage_owning",
     "tied_across_stages",
     "use_eager_layers",
@@ -364,11 +365,61 @@ def build_stages(
     if bad := [i for i in stage_indices if not 0 <= i < n]:
         raise SpecError(f"stage indices {bad} are outside the plan's {n} stages")
     device = torch.device(device)
+    if n == 1:
+        return [PipelineStage(model, 0, 1, device, group=pp_group)]
+    parts, pipe = _split(model, example_microbatch_args, example_kwargs, ordered, names, spec,
+                         stage_indices, traced_from, eager_units, eager_required, kept)
+    if pipe is None:
+        return [PipelineStage(parts[i], i, n, device, group=pp_group) for i in stage_indices]
+    return [pipe.build_stage(i, device, group=pp_group) for i in stage_indices]
+
+
+def stage_modules(
+    model: nn.Module,
+    example_microbatch_args: Sequence[Any] | torch.Tensor,
+    example_kwargs: Mapping[str, Any] | None,
+    stages: Sequence[Stage],
+    stage_indices: Sequence[int],
+    *,
+    ir_layer_names: Sequence[str],
+    traced_from: nn.Module | None = None,
+    eager_units: Sequence[Sequence[str]] = (),
+    eager_required: Sequence[str] = (),
+    kept: list[tuple[int, tuple[str, ...]]] | None = None,
+) -> dict[int, nn.Module]:
+    """The modules of stages ``stage_indices`` (index -> module), split as
+    :func:`build_stages` splits them but without torch's ``PipelineStage`` around them: for
+    runtimes that move activations themselves (a heterogeneous pipeline, whose neighbouring
+    stages run different numbers of ranks). Parameters tied across stages are refused.
+    Arguments and errors as in :func:`build_stages`."""
+    ordered = _ordered(stages)
+    names = list(ir_layer_names)
+    spec = split_points(names, ordered)
+    if ties := tied_across_stages(model, ordered, names):
+        raise SpecError(f"{type(model).__name__}: parameters tied across stages {ties}; "
+                        "this pipeline does not sum tied gradients across stages of "
+                        "different degrees: re-plan without per-stage degrees (--hetero off)")
+    if bad := [i for i in stage_indices if not 0 <= i < len(ordered)]:
+        raise SpecError(f"stage indices {bad} are outside the plan's {len(ordered)} stages")
+    if len(ordered) == 1:
+        return {0: model}
+    parts, _ = _split(model, example_microbatch_args, example_kwargs, ordered, names, spec,
+                      stage_indices, traced_from, eager_units, eager_required, kept)
+    return {i: parts[i] for i in stage_indices}
+
+
+def _split(model: nn.Module, example_microbatch_args: Sequence[Any] | torch.Tensor,
+           example_kwargs: Mapping[str, Any] | None, ordered: Sequence[Stage],
+           names: Sequence[str], spec: dict[str, SplitPoint], stage_indices: Sequence[int],
+           traced_from: nn.Module | None, eager_units: Sequence[Sequence[str]],
+           eager_required: Sequence[str], kept: list[tuple[int, tuple[str, ...]]] | None,
+           ) -> tuple[list[nn.Module], Any]:
+    """Every stage's module (traced, with the eager units of ``stage_indices`` put back; or
+    manual) and the traced pipe (None for manual stages)."""
+    n = len(ordered)
     args = (example_microbatch_args,) if isinstance(example_microbatch_args, torch.Tensor) \
         else tuple(example_microbatch_args)
     kwargs = dict(example_kwargs or {})
-    if n == 1:
-        return [PipelineStage(model, 0, 1, device, group=pp_group)]
     source = traced_from if traced_from is not None else model
     try:
         pipe, calls = _trace(source, args, kwargs, spec)
@@ -380,8 +431,7 @@ def build_stages(
                             f"({e}); pipeline with tensor parallelism needs a traced split: "
                             "re-plan with --pp 1 or --tp 1") from e
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        parts = _manual_stages(model, args, kwargs, list(spec), reason)
-        return [PipelineStage(parts[i], i, n, device, group=pp_group) for i in stage_indices]
+        return list(_manual_stages(model, args, kwargs, list(spec), reason)), None
     _check_splits(source, calls, pipe.num_stages, n)
     for i in stage_indices:
         here = [r for r in eager_required
@@ -389,7 +439,7 @@ def build_stages(
         left = use_eager_layers(pipe.get_stage_module(i), model, eager_units, here)
         if kept is not None:
             kept += [(i, u) for u in left]
-    return [pipe.build_stage(i, device, group=pp_group) for i in stage_indices]
+    return [pipe.get_stage_module(i) for i in range(n)], pipe
 
 
 def use_eager_layers(stage_module: nn.Module, model: nn.Module,

@@ -27,9 +27,10 @@ TensorParallelHandler      ``tensor_parallel``             Megatron TP: uneven M
                                                            sequence parallelism
 ResizingHandler            ``tensor_parallel.controller``  ZERO / migration / SEMI per step
 StagesHandler              ``stages``,                     this rank's stages; runs the
-                           ``pipeline_actions``            plan's action list (or the
-                                                           micro-batches locally); sums
-                                                           tied weights' gradients
+                           ``pipeline_actions``,           plan's action list (or the
+                           ``hetero``                      micro-batches locally); sums
+                                                           tied weights' gradients; per-
+                                                           stage degrees: ``hetero.py``
 PrecisionHandler           ``precision``                   16-bit working weights, autocast,
                                                            fp32 loss, fp16 loss scale
 RecomputeHandler           ``stages.recompute``            checkpoint per block / per

@@ -19,6 +19,11 @@ take the same optimizer steps, so they stay equal: the gradient is the unsplit m
 
 Data: every rank is given the same global batch; data-parallel replica ``d`` trains on rows
 ``[d·b, (d+1)·b)`` with ``b = batch / dp``, split into the plan's micro-batches.
+
+A plan with per-stage degrees (``hetero``) builds this rank's one stage module and runs it
+with :class:`~hetplan.runtime.handlers.hetero.HeteroPipeline`, which moves activations
+between stages of different data- and tensor-parallel degrees itself (torch's stages talk to
+one peer per neighbour); its replicas take rows of every micro-batch instead.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from hetplan.ir.plan_sections import Stage
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 
 if TYPE_CHECKING:
+    from hetplan.runtime.handlers.hetero import HeteroPipeline
     from hetplan.runtime.schedule import StageMonitor
 
 __all__ = ["StagesHandler"]
@@ -60,7 +66,7 @@ class StagesHandler(Handler):
         num_stages: the pipeline's current stage count (re-packing lowers it).
     """
 
-    section = "stages, pipeline_actions"
+    section = "stages, pipeline_actions, hetero"
 
     def __init__(self) -> None:
         self.stages: list[Any] = []
@@ -71,6 +77,7 @@ class StagesHandler(Handler):
         self.pp_ranks: tuple[int, ...] = ()
         self.num_stages = 1
         self.ties: list[_Tie] = []
+        self.hetero: HeteroPipeline | None = None
 
     @property
     def executed(self) -> tuple[Action, ...]:
@@ -89,6 +96,9 @@ class StagesHandler(Handler):
             self.pp_group, self.pp_ranks = ctx.groups.pp_group, ctx.groups.pp_ranks
         if layout.pp == 1:
             ctx.named_params = list(ctx.model.named_parameters())
+            return
+        if ctx.plan.hetero is not None:
+            self._build_hetero(ctx)
             return
         try:
             actions = plan_schedule(layout, ctx.plan.pipeline_actions)
@@ -148,12 +158,52 @@ class StagesHandler(Handler):
         self.pp_group, self.num_stages = pp_group, ranks
         ctx.named_params = _owned_params(self.stages, stages, ctx.model_ir().layers)
 
+    def _build_hetero(self, ctx: RuntimeContext) -> None:
+        """This rank's stage of a plan with per-stage degrees, and its executor."""
+        from hetplan.runtime.handlers.hetero import HeteroPipeline, HeteroStage
+        from hetplan.runtime.pipeline import stage_modules
+
+        plan, groups = ctx.plan, ctx.groups
+        assert plan.layout is not None and groups is not None
+        try:
+            sched = plan_schedule(plan.layout, plan.pipeline_actions)
+        except PipelineScheduleError as e:
+            raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
+                            "`hetplan plan`") from e
+        k = groups.pp_rank
+        mine = sched.actions[k]
+        if any(a.stage != k for a in mine):
+            raise SpecError(f"pipeline_actions.ranks[{k}]: actions of other stages "
+                            f"({[str(a) for a in mine if a.stage != k][:3]}); a pipeline of "
+                            "per-stage degrees runs one stage per position (gpipe, 1f1b)")
+        example = [_example_rows(a, ctx.layout.micro_batch_size) for a in ctx.example_args]
+        unsharded, units, required = _tensor_parallel_source(ctx)
+        kept: list[tuple[int, tuple[str, ...]]] = []
+        module = stage_modules(
+            ctx.model, example, ctx.forward_kwargs, plan.stages, [k],
+            ir_layer_names=[x.name for x in ctx.model_ir().layers], traced_from=unsharded,
+            eager_units=units, eager_required=required, kept=kept)[k]
+        if unsharded is not None:
+            _tensor_parallel_in_stages(ctx, [k], kept)
+        self.stages = [HeteroStage(module, k)]
+        self.hetero = HeteroPipeline(ctx, self.stages[0],
+                                     [(a.kind.value, a.microbatch) for a in mine])
+        self.num_stages = len(plan.stages)
+        ctx.named_params = _owned_params(self.stages, plan.stages, ctx.model_ir().layers)
+
     def drop(self) -> None:
         """Forget the stages and the schedule (before re-balancing builds new ones)."""
         self.stages, self.schedule, self.actions, self.monitor = [], None, None, None
 
     def run_micro_batches(self, ctx: RuntimeContext, inputs: Sequence[torch.Tensor],
                           target: torch.Tensor) -> float | torch.Tensor | None:
+        if self.hetero is not None:  # the replica's rows of every micro-batch: its own
+            t0 = time.perf_counter()
+            self.hetero.busy_s = 0.0
+            with ctx.accumulating():
+                loss = self.hetero.step(ctx, inputs, target)
+            ctx.bubble_s = max(time.perf_counter() - t0 - self.hetero.busy_s, 0.0)
+            return loss
         xs = [_local_rows(ctx, x) for x in inputs]
         y = _local_rows(ctx, target)
         if ctx.released:
@@ -203,6 +253,7 @@ class StagesHandler(Handler):
 
     def close(self, ctx: RuntimeContext) -> None:
         self.drop()
+        self.hetero = None
         self.pp_group = None
         self.ties = []
 

@@ -124,7 +124,9 @@ class TensorParallelHandler(Handler):
         average = dp_averages_sp_params(ctx)
         for p in self.sp_params:
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
+                # under ZeRO-3 the gradient is FSDP's shard (a DTensor over the DP group),
+                # the same rows on every TP rank: sum the local shards
+                dist.all_reduce(getattr(p.grad, "to_local", lambda: p.grad)(), group=self.group)
                 if average:
                     assert ctx.groups is not None
                     dist.all_reduce(p.grad, group=ctx.groups.dp_group)

@@ -21,7 +21,10 @@ the same parameters (TP shards included) and cuts them into the same segments.
 - **ZeRO-3**: FSDP2 (``torch.distributed.fsdp.fully_shard``) on every transformer block and
   the root, over the data-parallel group, with a ``MixedPrecisionPolicy`` from the
   ``precision`` section (fp32 shards are the master weights, 16-bit all-gathers); FSDP
-  reduce-scatters per block, which is how the cost model prices ZeRO-3.
+  reduce-scatters per block, which is how the cost model prices ZeRO-3. With tensor
+  parallelism the TP shards are sharded like any parameter (one shape per DP group); with a
+  pipeline each stage module is one FSDP unit, driven by torch's schedule
+  (``docs/decisions/zero3-pipeline-tp.md``).
 
 With ``dp == 1`` there is nothing to shard: every stage runs as ZeRO-0. Combinations the
 runtime does not compose are refused before any handler sets up
@@ -30,12 +33,14 @@ runtime does not compose are refused before any handler sets up
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from hetplan.errors import SpecError
 from hetplan.ir.model import LayerKind
 from hetplan.ir.plan_sections import CastSync
 from hetplan.runtime.composition import effective_zero_stage
@@ -45,6 +50,7 @@ from hetplan.runtime.sharded_optimizer import GradReducer, ShardedOptimizer, seg
 
 if TYPE_CHECKING:
     from hetplan.runtime.handlers.precision import PrecisionHandler
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
 
 __all__ = ["ZeroHandler"]
 
@@ -123,11 +129,34 @@ class ZeroHandler(Handler):
         if half is not None and prec is not None and prec.grad_reduce_dtype == "fp32":
             reduce = torch.float32
         policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=reduce)
-        for lay in ctx.model_ir().layers:
-            if lay.kind == LayerKind.BLOCK:
-                fully_shard(model.get_submodule(lay.name), mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        ctx.named_params = list(model.named_parameters())
+        with _sequence_parallel_params_kept(ctx):
+            if ctx.layout.pp > 1:
+                self._fully_shard_stages(ctx, mesh, policy)
+                return
+            for lay in ctx.model_ir().layers:
+                if lay.kind == LayerKind.BLOCK:
+                    fully_shard(model.get_submodule(lay.name), mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            ctx.named_params = list(model.named_parameters())
+            self._fsdp = True
+
+    def _fully_shard_stages(self, ctx: RuntimeContext, mesh: Any, policy: Any) -> None:
+        """ZeRO-3 under a pipeline: each of this rank's stage modules is one FSDP unit over
+        the data-parallel group (the ranks holding the same stage and TP coordinate). torch's
+        pipeline schedule drives it: no gradient sync on the micro-batches' backwards, one
+        reduce-scatter per stage after the last (its ``REDUCE_GRAD`` action), then the
+        division by the micro-batch count. The stage's parameters are its own (traced
+        stages do not share parameter objects with other stages)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from hetplan.runtime.handlers.stages import StagesHandler
+
+        keep = {n for n, _ in ctx.named_params}
+        named: list[tuple[str, nn.Parameter]] = []
+        for st in ctx.handler(StagesHandler).stages:
+            fully_shard(st.submod, mesh=mesh, mp_policy=policy)
+            named += [(n, p) for n, p in st.submod.named_parameters() if n in keep]
+        ctx.named_params = named
         self._fsdp = True
 
     def after_backward(self, ctx: RuntimeContext) -> None:
@@ -165,6 +194,37 @@ def _changed_after_backward(ctx: RuntimeContext) -> bool:
         return True
     tp = next((h for h in ctx.handlers if isinstance(h, TensorParallelHandler)), None)
     return tp is not None and bool(tp.sp_params)
+
+
+@contextlib.contextmanager
+def _sequence_parallel_params_kept(ctx: RuntimeContext) -> Iterator[None]:
+    """``fully_shard`` replaces every parameter by a sharded one: the TP handler's
+    sequence-parallel parameters (whose gradients it sums over the TP group after FSDP's
+    reduce-scatter) are looked up again, by module and name, in the modules that were
+    sharded (the model, or this rank's stage modules)."""
+    from hetplan.runtime.handlers.stages import StagesHandler
+
+    tp = _tensor_parallel_of(ctx)
+    if tp is None or not tp.sp_params:
+        yield
+        return
+    roots = ([st.submod for st in ctx.handler(StagesHandler).stages] if ctx.layout.pp > 1
+             else [ctx.model])
+    where = {id(p): (i, n) for i, root in enumerate(roots) for n, p in root.named_parameters()}
+    if missing := [p for p in tp.sp_params if id(p) not in where]:
+        raise SpecError(f"{len(missing)} sequence-parallel parameter(s) are in none of the "
+                        "modules ZeRO-3 shards; re-plan without sequence parallelism")
+    keys = [where[id(p)] for p in tp.sp_params]
+    yield
+    now = [dict(root.named_parameters()) for root in roots]
+    tp.sp_params = [now[i][n] for i, n in keys]
+
+
+def _tensor_parallel_of(ctx: RuntimeContext) -> TensorParallelHandler | None:
+    """The runtime's tensor-parallel handler (None: it composes none)."""
+    from hetplan.runtime.handlers.tensor_parallel import TensorParallelHandler
+
+    return next((h for h in ctx.handlers if isinstance(h, TensorParallelHandler)), None)
 
 
 def _precision_of(ctx: RuntimeContext) -> PrecisionHandler | None:

@@ -1,0 +1,226 @@
+"""A pipeline whose stages have their own data- and tensor-parallel degrees (the plan's
+``hetero`` section) runs on gloo (3 ranks) and equals a single-process reference.
+
+The plans come from the planner's own search (``compile()`` then ``choose_hetero(..., "on")``,
+what ``hetplan plan --hetero on`` runs) on ``tests/fixtures/clusters/cpu-hetero-3.yaml``: a
+node with one fast CPU device and a node with two 3x slower ones. For gpt-test (4 layers,
+dim 64, sequence 32) the search picks
+
+- global batch 3: ``cpu@fast 1x1 | cpu@slow 1x2`` (stage 0 at tp 1 on rank 0, stage 1 at
+  tp 2 on ranks 1-2), 3 micro-batches of 1 row: stage 0 sends the whole activation to both
+  TP ranks of stage 1, and one copy of the input gradient comes back;
+- global batch 6: ``cpu@fast 1x1 | cpu@slow 2x1`` (stage 1 at dp 2): each micro-batch's
+  rows are split between stage 1's replicas, whose gradients are averaged over stage 1's
+  own data-parallel group;
+- the batch-3 plan with its stages reversed (``cpu@slow 1x2 | cpu@fast 1x1``, built from
+  the searched one and checked by the plan's validator): TP rank 0 of stage 0 sends, and
+  the gradient returns to both TP ranks.
+
+The float64 model (eval mode) trains ``STEPS`` SGD steps; the last stage's loss per step and
+every parameter (gathered from the tensor-parallel shards) equal the reference to ``rtol
+1e-9, atol 1e-11`` (only the summation order differs). A third test runs ``hetplan run`` on
+the CLI's own plan (batch 3) for 2 steps and checks the run report's loss per step against
+a single-process replay of the worker's synthetic data and optimizer (``rtol 1e-4``: the
+report rounds to 6 digits, fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import hetplan
+from hetplan import zoo
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan import Plan, load_plan
+from hetplan.ir.plan_checks import plan_problems
+from hetplan.profiling._spawn import start_method
+
+pytestmark = pytest.mark.dist
+
+NAME, SEQ, VOCAB, STEPS = "gpt-test", 32, 64, 2
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+CLUSTER = Path(__file__).parents[1] / "fixtures" / "clusters" / "cpu-hetero-3.yaml"
+
+
+def _model() -> nn.Module:
+    return zoo.build(NAME, device="cpu", seed=0, dtype=torch.float64).eval()
+
+
+def _example() -> tuple[torch.Tensor, ...]:
+    return tuple(zoo.example_inputs(NAME, batch=1, device="cpu")[0])
+
+
+def _data(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + step)
+    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def _reference(batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model()
+    opt = _sgd(list(model.parameters()))
+    losses = []
+    for step in range(STEPS):
+        ids, y = _data(step, batch)
+        loss = _loss(model(ids), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _plan(batch: int) -> Plan:
+    """The searched heterogeneous plan for ``batch``, as ``hetplan plan --hetero on`` makes
+    it (for the float64 model, whose fingerprint the runtime checks)."""
+    from hetplan.optimizer.hetero import choose_hetero
+
+    spec = ClusterSpec.load(CLUSTER)
+    ir = hetplan.capture(_model(), _example(), name=NAME)
+    plan = hetplan.compile(ir, spec, batch_size=batch, dtype="fp32")
+    plan = choose_hetero(plan, spec, None, batch, "on")
+    assert plan_problems(plan) == []
+    return plan
+
+
+def _reversed(plan: Plan) -> Plan:
+    """``plan`` with the stages' devices and degrees swapped (stage 0 on the tp-2 pair,
+    stage 1 on the single rank), validated by the plan's one validator: the boundary the
+    search did not pick, from a tensor-parallel sender to a tp-1 receiver."""
+    assert plan.hetero is not None
+    a, b = plan.stages
+    sa, sb = plan.hetero.stages
+    stages = (a.model_copy(update={"ranks": b.ranks}), b.model_copy(update={"ranks": a.ranks}))
+    shapes = (sb.model_copy(update={"stage": 0}), sa.model_copy(update={"stage": 1}))
+    data = plan.model_copy(update={
+        "stages": stages, "hetero": plan.hetero.model_copy(update={"stages": shapes})}
+    ).model_dump(mode="json")
+    return Plan.model_validate(data)
+
+
+def _worker(rank: int, world: int, store_dir: str, batch: int, plan_json: str,
+            out: str) -> None:
+    torch.set_num_threads(1)
+    from hetplan.runtime.executor import Runtime
+
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
+                     loss_fn=_loss, optimizer=_sgd)
+        losses = [rt.train_step(*_data(step, batch)) for step in range(STEPS)]
+        params = {n: p.detach().clone() for n, p in rt.named_params}
+        mine = {id(p) for _, p in rt.named_params}
+        for mname, module in rt.model.named_modules():
+            if not any(id(p) in mine for p in module.parameters(recurse=False)):
+                continue
+            if hasattr(module, "gather_weight"):
+                params[f"{mname}.weight"] = module.gather_weight()
+                if getattr(module, "bias", None) is not None:
+                    params[f"{mname}.bias"] = module.gather_bias()
+        g = rt.ctx.groups
+        torch.save({"losses": losses, "params": params,
+                    "coords": (g.pp_rank, g.dp_rank, g.tp_rank, g.tp_ranks, g.dp_ranks),
+                    "sharded": sorted({type(m).__name__ for m in rt.model.modules()
+                                       if hasattr(m, "gather_weight")})}, f"{out}.{rank}")
+        rt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("batch", "describe", "coords"),
+    [
+        (3, "cpu@fast 1x1 | cpu@slow 1x2",
+         [(0, 0, 0, (0,), (0,)), (1, 0, 0, (1, 2), (1,)), (1, 0, 1, (1, 2), (2,))]),
+        (6, "cpu@fast 1x1 | cpu@slow 2x1",
+         [(0, 0, 0, (0,), (0,)), (1, 0, 0, (1,), (1, 2)), (1, 1, 0, (2,), (1, 2))]),
+        (-3, "cpu@slow 1x2 | cpu@fast 1x1",
+         [(1, 0, 0, (0,), (0,)), (0, 0, 0, (1, 2), (1,)), (0, 0, 1, (1, 2), (2,))]),
+    ],
+    ids=["tp1-tp2", "dp1-dp2", "tp2-tp1"],
+)
+def test_hetero_stages_equal_reference(tmp_path: Path, batch: int, describe: str,
+                                       coords: list[tuple]) -> None:
+    """``batch < 0``: the searched plan of ``-batch`` with its stages reversed."""
+    plan = _plan(abs(batch)) if batch > 0 else _reversed(_plan(-batch))
+    batch = abs(batch)
+    assert plan.hetero is not None and plan.hetero.describe() == describe
+    mp.start_processes(_worker, args=(3, str(tmp_path), batch, plan.to_json(),
+                                      str(tmp_path / "out")),
+                       nprocs=3, join=True, start_method=start_method())
+    got = [torch.load(tmp_path / f"out.{r}") for r in range(3)]
+    assert [g["coords"] for g in got] == coords
+    losses, ref = _reference(batch)
+    last = [g["losses"] for g, c in zip(got, coords) if c[0] == 1]
+    assert all(x != x for g, c in zip(got, coords) if c[0] == 0 for x in g["losses"])
+    # each last-stage replica's loss is the mean over its rows: their mean is the batch's
+    mean = [sum(xs) / len(xs) for xs in zip(*last)]
+    assert mean == pytest.approx(losses, rel=1e-9)
+    seen: set[str] = set()
+    for g in got:
+        for n, value in g["params"].items():
+            if n in ref:
+                torch.testing.assert_close(value, ref[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+                seen.add(n)
+    assert seen == set(ref), f"unchecked: {sorted(set(ref) - seen)}"
+    if describe.count("1x2"):  # the tp-2 stage's ranks ran sharded layers
+        assert "FusedColumnParallelLinear" in got[1]["sharded"]
+
+
+def test_hetplan_run_on_the_clis_hetero_plan(tmp_path: Path) -> None:
+    """``hetplan plan --hetero on`` then ``hetplan run`` (torchrun, 3 ranks): the report's
+    loss per step is the single-process replay's (same synthetic batches, model and
+    optimizer as the worker's)."""
+    import subprocess
+    import sys
+
+    from hetplan.runtime.executor import _default_loss, plan_optimizer
+    from hetplan.runtime.worker import build_model, make_target, synthetic_batch
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True,
+                              text=True, timeout=300, check=False)
+
+    path, report = tmp_path / "plan.json", tmp_path / "report.json"
+    proc = cli("plan", NAME, "--cluster", str(CLUSTER), "--batch-size", "3", "--hetero", "on",
+               "-o", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = load_plan(path)
+    assert plan.hetero is not None and plan.hetero.describe() == "cpu@fast 1x1 | cpu@slow 1x2"
+    proc = cli("run", str(path), "--model", NAME, "--steps", "1", "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["world_size"] == 3 and data["steps"] == 1
+
+    model, args, kwargs = build_model(NAME, None, 0)
+    assert plan.cost_settings is not None
+    opt = plan_optimizer(plan.cost_settings.optimizer)(list(model.parameters()))
+    target_of = make_target(model, args, kwargs)
+    want = []
+    for step in range(3):  # 2 warm-up steps and 1 timed one
+        xs = synthetic_batch(args, 3, step)
+        loss = _default_loss(model(*xs), target_of(xs, 3))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    assert data["loss_per_step"] == pytest.approx(want, rel=1e-4)
