@@ -30,6 +30,23 @@ functions:
    device type, divided by ``dp`` if the ladder has a ZeRO stage, at the largest memory
    bandwidth of the cluster.
 
+3. **One stage** (``pp = 1``, :func:`single_stage_s`), at each ZeRO stage the search can plan
+   (those whose model state fits, as ``compile`` screens them), the least over them: ``m``
+   times one micro-batch's forward and backward, which is at least ``T`` and at least the
+   sum of (a) every layer's fastest forward, and backward plus the blocks' forward again
+   when recomputation is certainly ``full`` (the partitioner picks it automatically —
+   ``dynpipe{recompute=auto}`` alone writing ``stages`` — and
+   :func:`~hetplan.cost_models.rank_memory.choose_recompute` picks ``full`` for the one
+   stage, which is the stage every plan of the layout has; or ``recompute=full``),
+   (b) under ZeRO-2/3, backward no shorter than the micro-batch's gradient reduce-scatter,
+   and under ZeRO-3 the first all-gather of forward and of backward exposed and every
+   layer at least as long as the next layer's all-gather — priced with the stage's own
+   precision and data-parallel link, as
+   :func:`~hetplan.cost_models.stage_times.stage_times` prices them — and (c) the TP
+   all-reduces of part 1; plus part 2 at that ZeRO stage. This is what the compute-only
+   bound left out of pp=1 / ZeRO-3 layouts (llama-70b on ``h100-1024``: 0.72-0.94 of the
+   prediction before, 0.78-0.97 after; the 1T GPT: 0.30-0.75 before, 0.96-0.99 after).
+
 Gradient sync is bounded by ``0`` (it may be hidden under backward). A bound is valid only
 when the screening passes keep every layer's full work (:func:`bounds_apply`: no TP
 resizing controller, which prunes computation). The result is multiplied by
