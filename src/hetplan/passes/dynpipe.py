@@ -13,15 +13,18 @@ recommends; the pass notes when the cluster's order differs from it).
    micro-batches under the smallest recomputation the ``recompute`` option allows) against
    90 % of the smallest device of the stage. Interleaved 1F1B partitions into
    ``pp * virtual_stages`` chunks, chunk ``k`` on pipeline rank ``k % pp`` (its memory
-   against ``1 / virtual_stages`` of the rank's).
+   against ``1 / virtual_stages`` of the rank's). A layer's memory is priced once per class
+   of layers equal but for their name (identical blocks).
 2. **Candidates**: the exact min–max partition by time with transfers, by time without
-   transfers, by parameter bytes, and the uniform split (Megatron's default).
+   transfers, by parameter bytes, and the uniform split (Megatron's default). Whether any
+   partition fits depends on the layer count and memory alone, so the tries stop at the
+   first that finds none (the uniform split is still scored).
 3. **Choice**: each candidate gets its stages' activation recomputation — the cheapest that
    fits, per stage (:func:`~hetplan.cost_models.rank_memory.choose_recompute`; decided here
    because whether a partition fits depends on it), or the ``recompute`` option's mode — and
    DDP-style gradient buckets, and is scored by the simulator
    (:func:`~hetplan.cost_models.evaluate.evaluate`); the fastest wins, ties to the earlier
-   candidate. The uniform split is a candidate, so the result is never
+   candidate. Candidates with the same stages are scored once (the note lists each). The uniform split is a candidate, so the result is never
    predicted slower than the ``uniform-stages`` baseline under the baseline's gradient sync.
 4. **Dynamics** (``dynamics`` option): the model's phases (pruning steps, freezing, early
    exit) are replayed with :func:`~hetplan.algorithms.dynamics.run_dynamic` under the
