@@ -456,7 +456,8 @@ def plan_cmd(
     if hetero != "off":
         from hetplan.optimizer.hetero import choose_hetero
 
-        plan = choose_hetero(plan, spec, db, batch_size, hetero)  # type: ignore[arg-type]
+        plan = choose_hetero(plan, spec, db, batch_size, hetero,  # type: ignore[arg-type]
+                             passes=options.pipeline(where="--passes"))
     seconds = time.perf_counter() - t0
     if output:
         plan.save(output)

@@ -18,7 +18,18 @@ Three things, all from the one :class:`~hetplan.cost_models.costs.CostModel`:
 3. **Prediction** (:func:`evaluate_hetero`): a plan with a ``hetero`` section: stage times
    with :func:`stage_times` on each stage's own layout, the 1F1B pipeline simulated with
    the resharding transfers on its links, each stage's exposed sync and optimizer step,
-   and every rank's memory at the peak of its action list.
+   and every rank's memory at the peak of its action list. With a ``gradient_sync``
+   section, each stage's sync is the per-bucket DP timeline
+   :func:`~hetplan.cost_models.evaluate.evaluate` runs, over that stage's own
+   data-parallel group (:func:`stage_projection`); without one (the search), the closed
+   form of :func:`sync_s`.
+
+**Stage projection** (:func:`stage_projection`): stage ``k`` seen as a homogeneous plan of
+its own: the workload of its layers and gradients only, a layout of ``dp_k x tp_k`` with
+ZeRO ``zero_k`` and the stage's per-replica micro-batch, one stage on the stage's real
+ranks. The gradient-sync passes (Espresso, Cupcake, DDP buckets) run on it unchanged and
+:func:`evaluate_hetero` prices its sync with it, so passes and prediction never disagree.
+Stages sync on disjoint groups, so a stage's choices change only its own finish time.
 
 Resharding (forward; backward moves the same bytes back): every receiving replica needs its
 ``micro_batch / dp_recv`` samples of the boundary activation. Its TP ranks each take
@@ -40,6 +51,7 @@ import numpy as np
 
 from hetplan.algorithms.hetero_search import HeteroProblem, StageOption
 from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.evaluate import evaluate
 from hetplan.cost_models.memory import (
     ALLOCATOR_MARGIN,
     MOMENT_BYTES,
@@ -58,12 +70,22 @@ from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.stage_times import recompute_s, stage_times
 from hetplan.ir.cluster import Device
-from hetplan.ir.plan_hetero import Hetero
-from hetplan.ir.plan_sections import Layout, Stage, WorkloadSummary
+from hetplan.ir.plan_hetero import Hetero, StageShape
+from hetplan.ir.plan_sections import (
+    Baseline,
+    GradientSync,
+    Layout,
+    Predictions,
+    RankMemory,
+    Stage,
+    TimeBreakdown,
+    WorkloadSummary,
+)
 
 __all__ = ["DeviceClass", "device_classes", "assign_ranks", "build_problem", "coarse_units",
            "STATE_BUDGET", "reshard_s",
-           "sync_s", "HeteroEvaluation", "evaluate_hetero", "MODES", "TP_DEGREES"]
+           "sync_s", "HeteroEvaluation", "evaluate_hetero", "MODES", "TP_DEGREES",
+           "StageProjection", "stage_projection", "stage_sync_section", "hetero_predictions"]
 
 #: Recomputation modes, cheapest in time first (the search takes the first that fits).
 MODES = ("none", "selective", "full")
@@ -389,6 +411,64 @@ class HeteroEvaluation:
     sync_s: tuple[float, ...]
     memory: tuple[MemoryBreakdown, ...]
     pipeline: PipelineSimResult
+    #: the largest stage's (de)compression seconds (0 without a gradient-sync section)
+    compression_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StageProjection:
+    """One stage of a heterogeneous pipeline as a homogeneous data-parallel plan of its own
+    (see the module docstring): ``workload`` holds only the stage's layers (re-indexed from
+    0) and gradients (their names kept), ``stage`` is its only stage on the real ranks,
+    ``layout`` its ``dp x tp`` with its ZeRO stage and per-replica micro-batch."""
+
+    workload: WorkloadSummary
+    layout: Layout
+    stage: Stage
+
+
+def stage_projection(workload: WorkloadSummary, layout: Layout, st: Stage,
+                     shape: StageShape) -> StageProjection:
+    """The :class:`StageProjection` of stage ``st`` (degrees ``shape``) of a pipeline with
+    ``layout`` (its micro-batch count). Complexity O(layers + gradients)."""
+    first, last = st.first_layer, st.last_layer
+    layers = workload.layers[first:last + 1]
+    grads = tuple(g.model_copy(update={"layer_index": g.layer_index - first})
+                  for g in workload.grads if first <= g.layer_index <= last)
+    sub = workload.model_copy(update={"layers": layers, "grads": grads})
+    sub_layout = Layout(dp=shape.dp, pp=1, tp=shape.tp, micro_batches=layout.micro_batches,
+                        micro_batch_size=shape.micro_batch_size, schedule="1f1b",
+                        sequence_parallel=shape.tp > 1, zero_stage=shape.zero_stage)
+    stage = Stage(index=0, first_layer=0, last_layer=len(layers) - 1,
+                  layer_names=tuple(x.name for x in layers), ranks=st.ranks,
+                  recompute=st.recompute)
+    return StageProjection(sub, sub_layout, stage)
+
+
+def stage_sync_section(sync: GradientSync, names: Sequence[str]) -> GradientSync:
+    """The part of a plan's gradient-sync section that names the tensors ``names`` (one
+    stage's gradients): their per-tensor entries, the buckets of them and the strategies
+    those use. A bucket holds one stage's tensors only (rule 6 of
+    :mod:`hetplan.ir.plan_checks`)."""
+    mine = set(names)
+    tensors = tuple(t for t in sync.tensors if t.name in mine)
+    buckets = tuple(b for b in sync.buckets if b.tensors[0] in mine)
+    used = {t.strategy for t in tensors} | {b.strategy for b in buckets}
+    return GradientSync(strategies={k: v for k, v in sync.strategies.items() if k in used},
+                        tensors=tensors, buckets=buckets)
+
+
+def stage_sync_exposed_s(workload: WorkloadSummary, layout: Layout, st: Stage,
+                         shape: StageShape, sync: GradientSync, costs: CostModel
+                         ) -> tuple[float, float, float]:
+    """(communication busy, exposed sync, compression) seconds of stage ``st``'s gradient
+    sync: :func:`~hetplan.cost_models.evaluate.evaluate`'s DP timeline over the stage's
+    last backward, on its :func:`stage_projection`, with its part of ``sync``."""
+    proj = stage_projection(workload, layout, st, shape)
+    part = stage_sync_section(sync, [g.name for g in proj.workload.grads])
+    ev = evaluate(proj.workload, proj.layout, (proj.stage,), part, costs, check_memory=False)
+    cost = ev.stages[0]
+    return cost.sync_busy_s, max(cost.exposed_sync_s, 0.0), cost.compression_s
 
 
 def stage_layout(layout: Layout, shape_dp: int, shape_tp: int, mb: int, zero: int) -> Layout:
@@ -400,9 +480,13 @@ def stage_layout(layout: Layout, shape_dp: int, shape_tp: int, mb: int, zero: in
 
 
 def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
-                    hetero: Hetero, costs: CostModel, *, check_memory: bool = True
-                    ) -> HeteroEvaluation:
+                    hetero: Hetero, costs: CostModel, *, check_memory: bool = True,
+                    gradient_sync: GradientSync | None = None) -> HeteroEvaluation:
     """Predict one iteration of a plan with a ``hetero`` section (see the module docstring).
+
+    ``gradient_sync``: the plan's gradient-sync section; each stage with ``dp > 1`` then
+    syncs its tensors' buckets and strategies on the DP timeline over its own group
+    (:func:`stage_sync_exposed_s`); None prices every stage's sync with :func:`sync_s`.
 
     Raises:
         InfeasiblePlanError: a rank runs out of memory (with ``check_memory``), naming it
@@ -429,6 +513,7 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
         if ev.kind.value == "B":
             ends[ev.rank] = max(ends[ev.rank], ev.end_ms * 1e-3)
     syncs, exposed, steps = [], [], []
+    compression = 0.0
     for st, shape, b in zip(stages, hetero.stages, bwd):
         dev = costs.devices[st.ranks[0]]
         prec = state_precision(costs.precision, dev.type, (dev.type,), capture_bytes(workload))
@@ -436,9 +521,16 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
                       .sum()) / prec.capture_bytes
         dp_group = list(st.ranks[::shape.tp])
         cross = len({costs.devices[r].node_index for r in dp_group}) > 1
-        s = sync_s(costs, elems * prec.grad_bytes, shape.dp, shape.tp, cross, shape.zero_stage)
-        syncs.append(s)
-        exposed.append(max(s - b, 0.0) if costs.dp_overlap == "backward" else s)
+        if gradient_sync is not None and shape.dp > 1:
+            s, e, c = stage_sync_exposed_s(workload, layout, st, shape, gradient_sync, costs)
+            compression = max(compression, c)
+            syncs.append(s)
+            exposed.append(e)
+        else:
+            s = sync_s(costs, elems * prec.grad_bytes, shape.dp, shape.tp, cross,
+                       shape.zero_stage)
+            syncs.append(s)
+            exposed.append(max(s - b, 0.0) if costs.dp_overlap == "backward" else s)
         per_elem = _step_bytes(prec, costs.optimizer) / (shape.dp if shape.zero_stage else 1)
         steps.append(per_elem * elems / dev.mem_bandwidth_bytes_per_s)
     optimizer = max(steps)
@@ -455,7 +547,25 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
         exposed_comm_s=max(exposed), comm_s=max(syncs) + sum(links) * 2,
         optimizer_s=optimizer, bubble_ratio=pipe.bubble_ratio, fwd_s=tuple(fwd),
         bwd_s=tuple(bwd), reshard_s=(0.0, *links), sync_s=tuple(syncs), memory=memory,
-        pipeline=pipe)
+        pipeline=pipe, compression_s=compression)
+
+
+def hetero_predictions(ev: HeteroEvaluation, baselines: Sequence[Baseline] = ()
+                       ) -> Predictions:
+    """The plan's ``predictions`` section of a :func:`evaluate_hetero` result (milliseconds),
+    for ``compile_hetero`` and ``simulate`` alike."""
+    return Predictions(
+        iteration_time_ms=ev.iteration_s * 1e3,
+        breakdown=TimeBreakdown(compute_ms=ev.compute_s * 1e3, comm_ms=ev.comm_s * 1e3,
+                                exposed_comm_ms=ev.exposed_comm_s * 1e3,
+                                compression_ms=ev.compression_s * 1e3,
+                                bubble_ms=ev.bubble_s * 1e3),
+        memory_per_rank_bytes=tuple(m.total for m in ev.memory),
+        memory_breakdown=tuple(RankMemory(params=m.params, grads=m.grads,
+                                          optimizer=m.optimizer, activations=m.activations,
+                                          buffers=m.buffers, margin=m.margin)
+                               for m in ev.memory),
+        bubble_ratio=min(max(ev.bubble_ratio, 0.0), 1.0), baselines=tuple(baselines))
 
 
 def _link_reshard(workload: WorkloadSummary, costs: CostModel, sender: Stage, receiver: Stage,

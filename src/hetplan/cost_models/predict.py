@@ -141,7 +141,13 @@ def simulate(
         SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
     """
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
+    baselines = plan.predictions.baselines if plan.predictions else ()
+    if plan.hetero is not None:  # per-stage degrees (hetplan.cost_models.hetero)
+        from hetplan.cost_models.hetero import evaluate_hetero, hetero_predictions
+
+        return hetero_predictions(evaluate_hetero(
+            workload, layout, plan.stages, plan.hetero, costs,
+            gradient_sync=plan.gradient_sync), baselines)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
                   tensor_parallel=plan.tensor_parallel, sparse_sync=plan.sparse_sync)
-    baselines = plan.predictions.baselines if plan.predictions else ()
     return predictions(ev, list(baselines), layout)

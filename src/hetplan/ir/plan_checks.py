@@ -76,7 +76,7 @@ from hetplan.ir.plan_sections import (
     TensorParallel,
 )
 from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
-from hetplan.ir.plan_hetero import Hetero, hetero_problems
+from hetplan.ir.plan_hetero import Hetero, hetero_problems, hetero_section_problems
 from hetplan.ir.model import DTYPE_BYTES
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
@@ -249,6 +249,9 @@ def _stages(plan: Plan) -> list[str]:
                            f"workload's layers {st.first_layer}..{st.last_layer} {_short(want)}")
     if plan.hetero is not None:  # per-stage degrees: rule 3's rank part in its own form
         out += hetero_problems(plan.hetero, lay, stages, plan.cluster.world_size)
+        out += hetero_section_problems(
+            plan.hetero, tensor_parallel=plan.tensor_parallel, rebalancing=plan.rebalancing,
+            sparse_sync=plan.sparse_sync, group_sync=plan.group_sync)
     elif stages and lay is not None:
         out += _stage_ranks(stages, lay)
     else:

@@ -36,7 +36,8 @@ from pydantic import Field, model_validator
 from hetplan.ir.plan_cpsat import CpSatRecord
 from hetplan.ir.plan_sections import Layout, Ms, Name, NonNegInt, PosInt, Ranks, Stage, _Section
 
-__all__ = ["StageShape", "HeteroAlternative", "HeteroSearch", "Hetero", "hetero_problems"]
+__all__ = ["StageShape", "HeteroAlternative", "HeteroSearch", "Hetero", "hetero_problems",
+           "hetero_section_problems"]
 
 
 class StageShape(_Section):
@@ -185,3 +186,24 @@ def hetero_problems(hetero: Hetero | None, layout: Layout | None,
                            "each rank is in exactly one pipeline stage")
             seen.setdefault(r, st.index)
     return out[:8]
+
+
+def hetero_section_problems(hetero: Hetero | None, **sections: object) -> list[str]:
+    """Sections a plan with per-stage degrees cannot hold, one line each: each of them
+    describes one layout-wide ``dp x tp`` that such a plan does not have (tensor
+    parallelism: each stage's degree is ``hetero.stages[k].tp`` with even shards;
+    re-balancing moves, sparse sync and group sync: the layout's replicas). ``sections``:
+    section name -> the plan's value (None: absent). The gradient-sync section is checked
+    by rule 6 of :mod:`hetplan.ir.plan_checks` (a bucket stays in one stage, so it syncs on
+    that stage's own data-parallel group)."""
+    if hetero is None:
+        return []
+    why = {"tensor_parallel": "each stage's tensor parallelism is its hetero.stages[k].tp "
+                              "with even shards",
+           "rebalancing": "re-balancing moves layers between layout stages",
+           "sparse_sync": "sparse sync runs on the layout's data-parallel group",
+           "group_sync": "group sync averages the layout's pipeline replicas"}
+    return [f"{name}: a plan with per-stage degrees (hetero: {hetero.describe()}) cannot hold "
+            f"this section ({why.get(name, 'it assumes one layout-wide dp x tp')}); drop it "
+            "or re-run `hetplan plan`"
+            for name, value in sections.items() if value is not None]

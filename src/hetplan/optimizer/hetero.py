@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -62,6 +63,7 @@ from hetplan.cost_models.hetero import (
     coarse_units,
     device_classes,
     evaluate_hetero,
+    hetero_predictions,
 )
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, SpecError
@@ -75,12 +77,11 @@ from hetplan.ir.plan_sections import (
     Layout,
     ModelRef,
     PassLogEntry,
-    Predictions,
-    RankMemory,
     Stage,
-    TimeBreakdown,
     WorkloadSummary,
 )
+from hetplan.optimizer.hetero_passes import with_passes
+from hetplan.passes.base import Pass
 
 __all__ = ["compile_hetero", "choose_hetero", "HeteroCandidate", "search_hetero", "predict",
            "cpsat_note",
@@ -497,8 +498,14 @@ def predict(workload: WorkloadSummary, costs: CostModel, cand: HeteroCandidate
 def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, *,
                    model_ref: ModelRef, cluster_ref: ClusterRef,
                    cost_settings: CostSettings | None = None, micro_batch: int | None = None,
-                   max_tp: int = 8) -> Plan:
+                   max_tp: int = 8, passes: Sequence[Pass] = ()) -> Plan:
     """The fastest heterogeneous pipeline plan (see the module docstring).
+
+    ``passes``: the pass pipeline to apply to the chosen stages
+    (:func:`~hetplan.passes._hetero_sync.run_hetero_passes`: gradient-sync passes per
+    stage, the others logged with why they do not apply); with a gradient-sync section the
+    plan is re-predicted with each stage's per-bucket DP timeline, and the pass log gives
+    both predictions. The search itself ranks with the closed-form ring sync.
 
     Raises:
         InfeasiblePlanError: no pipeline of any micro-batch size fits in memory.
@@ -545,23 +552,14 @@ def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int,
             f"({by_objective.hetero.describe()}, {by_objective.solution.objective * 1e3:.3f} "
             f"ms) predicts {obj_ms:.3f} ms")
     notes = (note,) + ((cpsat_note(hetero.search.cpsat),) if hetero.search.cpsat else ())
-    plan = Plan(
-        model=model_ref, cluster=cluster_ref, layout=best.layout, stages=stages,
-        pipeline_actions=layout_actions(best.layout), hetero=hetero,
-        predictions=Predictions(
-            iteration_time_ms=ev.iteration_s * 1e3,
-            breakdown=TimeBreakdown(compute_ms=ev.compute_s * 1e3, comm_ms=ev.comm_s * 1e3,
-                                    exposed_comm_ms=ev.exposed_comm_s * 1e3,
-                                    bubble_ms=ev.bubble_s * 1e3),
-            memory_per_rank_bytes=tuple(m.total for m in ev.memory),
-            memory_breakdown=tuple(RankMemory(params=m.params, grads=m.grads,
-                                              optimizer=m.optimizer,
-                                              activations=m.activations, buffers=m.buffers,
-                                              margin=m.margin) for m in ev.memory),
-            bubble_ratio=min(max(ev.bubble_ratio, 0.0), 1.0)),
-        cost_settings=cost_settings, precision=costs.precision,
-        pass_log=(PassLogEntry(name="hetero-search", changed=True, notes=notes),),
-    )
+    plan = Plan(model=model_ref, cluster=cluster_ref, layout=best.layout, stages=stages,
+                pipeline_actions=layout_actions(best.layout), hetero=hetero,
+                cost_settings=cost_settings, precision=costs.precision,
+                pass_log=(PassLogEntry(name="hetero-search", changed=True, notes=notes),))
+    if passes:
+        plan, ev = with_passes(workload, costs, plan, passes, ev)
+    plan = plan.model_copy(update={
+        "predictions": hetero_predictions(ev)})
     return Plan.model_validate(plan.model_dump())
 
 
@@ -654,14 +652,17 @@ def rebuild_alternative(workload: WorkloadSummary, costs: CostModel, alt: Hetero
 
 
 def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_size: int,
-                  mode: Literal["auto", "on", "off"]) -> Plan:
+                  mode: Literal["auto", "on", "off"], passes: Sequence[Pass] = ()) -> Plan:
     """``hetplan plan --hetero``: ``compile()``'s ``plan`` or the heterogeneous one.
 
-    ``off`` returns ``plan``; ``on`` returns :func:`compile_hetero`'s plan; ``auto`` the one
-    predicted faster (ties keep ``plan``). Both are priced by one cost model (``plan``'s
+    ``off`` returns ``plan``; ``on`` returns :func:`compile_hetero`'s plan with ``passes``
+    (``compile()``'s pipeline) applied per stage; ``auto`` the one predicted faster (ties
+    keep ``plan``). Both are priced by one cost model (``plan``'s
     cost settings and profile) and the same pipeline simulator; ``compile()``'s prediction
-    also runs the per-bucket gradient sync of its passes, the heterogeneous one the ring
-    sync of :func:`~hetplan.cost_models.hetero.sync_s`. The plan returned records the
+    runs the per-bucket gradient sync of its passes, and so does the heterogeneous one's
+    when ``passes`` hold gradient-sync passes (per stage, on each stage's own DP group;
+    without them, the ring sync of :func:`~hetplan.cost_models.hetero.sync_s`). The plan
+    returned records the
     comparison in its pass log.
 
     Raises:
@@ -679,7 +680,8 @@ def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_siz
     base_ms = plan.predictions.iteration_time_ms if plan.predictions else float("inf")
     try:
         het = compile_hetero(workload, costs, batch_size, model_ref=plan.model,
-                             cluster_ref=ClusterRef.from_cluster(spec), cost_settings=cs)
+                             cluster_ref=ClusterRef.from_cluster(spec), cost_settings=cs,
+                             passes=passes)
     except InfeasiblePlanError as e:
         if mode == "on":
             raise

@@ -51,12 +51,17 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
     k = _stage_index(target, len(plan.stages))
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     note = ""
+    sync = plan.gradient_sync  # each stage's sync on its DP timeline (None: the ring)
     try:
-        ev = evaluate_hetero(workload, layout, plan.stages, hetero, costs)
+        ev = evaluate_hetero(workload, layout, plan.stages, hetero, costs, gradient_sync=sync)
     except InfeasiblePlanError as e:
         note = str(e)
-        ev = evaluate_hetero(workload, layout, plan.stages, hetero, costs, check_memory=False)
+        ev = evaluate_hetero(workload, layout, plan.stages, hetero, costs, check_memory=False,
+                             gradient_sync=sync)
     current = ev.iteration_s * 1e3
+    # the runner-up carries no gradient-sync section: compare both with the search's ring
+    ring = current if sync is None else evaluate_hetero(
+        workload, layout, plan.stages, hetero, costs, check_memory=False).iteration_s * 1e3
     st, shape = plan.stages[k], hetero.stages[k]
     slowest = max(range(len(ev.fwd_s)), key=lambda i: ev.fwd_s[i] + ev.bwd_s[i])
     facts: list[tuple[str, str]] = [
@@ -92,7 +97,9 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
             alt = evaluate_hetero(workload, lay2, stages2, het2, costs, check_memory=False)
             fits, why = False, str(e)
         ms = alt.iteration_s * 1e3
-        alternatives.append((name, round(ms, 6), round(ms - current, 6) + 0.0, fits, why))
+        if sync is not None:
+            why += f"; both with the search's ring sync (this plan: {fmt_ms(ring)})"
+        alternatives.append((name, round(ms, 6), round(ms - ring, 6) + 0.0, fits, why))
     if not alternatives:
         verdict = "no other device order fits: this order is the only feasible one"
     elif not alternatives[0][3]:
