@@ -45,7 +45,7 @@ functions:
    :func:`~hetplan.cost_models.stage_times.stage_times` prices them — and (c) the TP
    all-reduces of part 1; plus part 2 at that ZeRO stage. This is what the compute-only
    bound left out of pp=1 / ZeRO-3 layouts (llama-70b on ``h100-1024``: 0.72-0.94 of the
-   prediction before, 0.78-0.97 after; the 1T GPT: 0.30-0.75 before, 0.96-0.99 after).
+   prediction before, 0.80-0.98 after; the 1T GPT: 0.33-0.75 before, 0.96-0.99 after).
 
 Gradient sync is bounded by ``0`` (it may be hidden under backward). A bound is valid only
 when the screening passes keep every layer's full work (:func:`bounds_apply`: no TP
