@@ -22,7 +22,9 @@ another path.
 ``hetplan`` package under ``DIR`` (e.g. ``src`` of an older commit, exported with ``git
 archive COMMIT src | tar -x -C /tmp/base``), then with this checkout's, one fresh process
 each, back to back; the row gets ``baseline`` (the same timings of the older code) and
-``same_plan_as_baseline`` (the plan JSON byte-identical).
+``same_plan_as_baseline`` (the plan JSON byte-identical) and ``same_plan_but_pruned_count``
+(byte-identical once the search note's "N pruned by lower bounds" is dropped: a tighter
+bound prunes more layouts and changes only that count).
 
     python bench/plan_time.py [--quick] [--only NAME ...] [--baseline-src DIR] [--out PATH]
 """
@@ -51,7 +53,7 @@ CASES = [
     ("gpt2@v100-pcie-8x8", "gpt2", "v100-pcie-8x8", 512, None),
 ]
 CHILD = """
-import hashlib, json, sys, time
+import hashlib, json, re, sys, time
 sys.path.insert(0, sys.argv[4])
 t0 = time.perf_counter()
 import hetplan
@@ -76,6 +78,9 @@ print(json.dumps({"import_seconds": t1 - t0, "capture_seconds": t2 - t1,
                   "plan_seconds": t3 - t2, "plan_cpu_seconds": c3 - c2, "layout": s.layout,
                   "iteration_ms": s.iteration_time_ms, "notes": plan.pass_log[0].notes,
                   "plan_sha256": hashlib.sha256(plan.to_json().encode()).hexdigest()[:16],
+                  "plan_sha256_but_pruned_count": hashlib.sha256(re.sub(
+                      r"\d+ pruned by lower bounds, ", "", plan.to_json()).encode()
+                      ).hexdigest()[:16],
                   "world_size": plan.layout.num_ranks if plan.layout else 1}))
 """
 
@@ -128,9 +133,12 @@ def main() -> int:
                 "layout", "iteration_ms", "plan_sha256", "notes")}
             res["baseline"]["src"] = str(args.baseline_src)
             res["same_plan_as_baseline"] = base["plan_sha256"] == res["plan_sha256"]
+            res["same_plan_but_pruned_count"] = (base.get("plan_sha256_but_pruned_count")
+                                                 == res["plan_sha256_but_pruned_count"])
             print(f"{name:22s} before {base['plan_seconds']:6.2f} s "
                   f"(cpu {base['plan_cpu_seconds']:6.2f} s, load {base['load_avg_1min']:4.1f})"
-                  f" same plan: {res['same_plan_as_baseline']}")
+                  f" same plan: {res['same_plan_as_baseline']} (but the search note's "
+                  f"pruned count: {res['same_plan_but_pruned_count']})")
         rows.append(res)
         load = res["load_avg_1min"]
         mark = "" if target is None else (" ok" if res["meets_target"] else

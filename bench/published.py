@@ -102,6 +102,13 @@ class Dimension:
 
 _ZERO = {"none": 0, "zero-1": 1, "zero-2": 2, "zero-3": 3, "fsdp": 3}
 
+#: Where a source's sharding is not the name's usual stage. Llama 3's FSDP "shards optimizer
+#: states and gradients, but for model shards we do not reshard after forward computation to
+#: avoid an extra all-gather communication during backward passes" (Llama 3 Team 2024,
+#: section 3.3.2): parameters stay whole through forward and backward, gradients and
+#: optimizer state are sharded, which is the planner's ZeRO-2.
+ZERO_BY_SOURCE: dict[str, dict[str, int]] = {"llama3_2024": {"fsdp": 2}}
+
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("micro_batch_size", "micro_batch_size", None, "micro_batch_size",
               ("micro_batch_size",), "micro-batch size"),
@@ -131,12 +138,22 @@ DIMENSIONS: tuple[Dimension, ...] = (
 #: softmax, no fused attention kernel: the 5·a·s² activation term Korthikanti et al. count is
 #: those scores) and all-reduced gradients after the pipeline flush (Narayanan et al. 2021,
 #: section 2.2: "at the end of every batch ... gradients are all-reduced"); Llama 3 trained
-#: with fused attention and FSDP, whose reduce-scatters overlap backward.
-SOFTWARE: dict[str, dict[str, str]] = {
-    "narayanan2021": {"attention": "materialized", "dp_overlap": "after-flush"},
-    "korthikanti2022": {"attention": "materialized", "dp_overlap": "after-flush"},
-    "bloom2022": {"attention": "materialized", "dp_overlap": "after-flush"},
-    "llama3_2024": {"attention": "flash", "dp_overlap": "backward"},
+#: with fused attention and FSDP, whose reduce-scatters overlap backward. All of them ran
+#: fused memory-bound kernels (``fusion="fused"``): Megatron-LM's fused bias+GeLU,
+#: bias+dropout+add, scale-mask-softmax and Apex layer norm (Narayanan et al. 2021,
+#: section 4.2 "Operator fusion"; Megatron-DeepSpeed keeps them); Llama 3 fused RMSNorm,
+#: SwiGLU and rotary kernels beside flash attention. All of them split the LM head across
+#: the TP ranks by vocabulary (``vocab_parallel``: Megatron-LM's parallel output layer and
+#: vocab-parallel cross-entropy, Shoeybi et al. 2019, section 3; Llama 3 "4D parallelism"
+#: with Megatron-style TP).
+_MEGATRON: dict[str, Any] = {"attention": "materialized", "dp_overlap": "after-flush",
+                             "fusion": "fused", "vocab_parallel": True}
+SOFTWARE: dict[str, dict[str, Any]] = {
+    "narayanan2021": _MEGATRON,
+    "korthikanti2022": _MEGATRON,
+    "bloom2022": _MEGATRON,
+    "llama3_2024": {"attention": "flash", "dp_overlap": "backward", "fusion": "fused",
+                    "vocab_parallel": True},
 }
 
 
@@ -164,6 +181,10 @@ def express(run: Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             # one chunk per rank is what the pinned non-interleaved schedule means (the
             # option takes 2 and more)
             rec["status"] = "default"
+        elif dim.name == "dp_sharding" and value in ZERO_BY_SOURCE.get(run.source, {}):
+            pins[dim.option or "zero_stage"] = ZERO_BY_SOURCE[run.source][value]
+            rec["status"] = "pinned"
+            rec["as"] = f"zero-{pins[dim.option or 'zero_stage']} (see ZERO_BY_SOURCE)"
         elif dim.option is not None and dim.option in fields:
             pins[dim.option] = dim.to_option(value)
             rec["status"] = "pinned"
@@ -287,6 +308,46 @@ def _ratio(pred: float | None, meas: float) -> dict[str, float] | None:
     return {"ratio": pred / meas, "abs_error": abs(pred / meas - 1)}
 
 
+def block_split(ir: Any, run: Run, pins: dict[str, Any], dtype: str,
+                micro_batch: int) -> dict[str, float] | None:
+    """Where one transformer block's time goes on one rank for one micro-batch, as the
+    kernel model prices it with the run's settings (ms, forward and backward): matrix
+    multiplies outside the attention core, the attention core's products, and the
+    memory-bound kernels (with, materialized, the attention scores' share)."""
+    from hetplan.cost_models.kernels import curve_for, kernel_times
+    from hetplan.ir.plan_sections import WorkloadSummary
+
+    ws = WorkloadSummary.from_model_ir(ir)
+    block = next((lay for lay in ws.layers if lay.tp_pairs > 0), None)
+    dev = cluster_for(run).devices()[0]
+    curve = curve_for(dev.type)
+    if block is None or curve is None:
+        return None
+    no_mem = {"mem_fwd_bytes": 0, "mem_bwd_bytes": 0, "core_mem_fwd_bytes": 0,
+              "core_mem_bwd_bytes": 0}
+    no_core = tuple(g for g in block.gemms if not g.core)
+    kw: dict[str, Any] = dict(
+        peak_flops=dev.flops(dtype), mem_bw=dev.mem_bandwidth_bytes_per_s, elem_bytes=2,
+        bytes_scale=1.0, tokens=run.model.seq_len, r=float(micro_batch), tp=pins["tp"],
+        sp=bool(pins.get("sequence_parallel")), attention=pins.get("attention", "flash"),
+        fusion=pins.get("fusion", "none"))
+    full = kernel_times(block, curve, **kw)
+    bare = dict(kw, fusion="none")
+    products = kernel_times(block.model_copy(update=no_mem), curve, **bare)
+    linear = kernel_times(block.model_copy(update=dict(no_mem, gemms=no_core)), curve, **bare)
+    return {
+        "gemm_fwd_ms": linear.fwd_s * 1e3,
+        "gemm_bwd_ms": linear.bwd_s * 1e3,
+        "attention_core_gemm_fwd_ms": (products.fwd_s - linear.fwd_s) * 1e3,
+        "attention_core_gemm_bwd_ms": (products.bwd_s - linear.bwd_s) * 1e3,
+        "memory_bound_fwd_ms": (full.fwd_s - products.fwd_s) * 1e3,
+        "memory_bound_bwd_ms": (full.bwd_s - products.bwd_s) * 1e3,
+        "of_which_attention_scores_fwd_ms": (full.core_fwd_s - products.core_fwd_s) * 1e3,
+        "fwd_ms": full.fwd_s * 1e3,
+        "bwd_ms": full.bwd_s * 1e3,
+    }
+
+
 def bench_run(run: Run, data: PublishedRuns, *, free: bool) -> dict[str, Any]:
     """Pinned and free-search compiles of one published run (see module docstring)."""
     meas = measured_iteration(run, data.flops_conventions)
@@ -306,6 +367,10 @@ def bench_run(run: Run, data: PublishedRuns, *, free: bool) -> dict[str, Any]:
         pred = pinned.get("predicted_iteration_s")
     pinned["options"] = dict(pins, dtype=dtype)
     pinned["vs_measured"] = _ratio(pred, meas.seconds)
+    lay_used = pinned.get("layout") or (pinned.get("memory_ignored") or {}).get("layout")
+    if lay_used:
+        pinned["block_split"] = block_split(
+            ir, run, pins, "bf16" if dtype == "bf16" else "fp16", lay_used["micro_batch_size"])
 
     out: dict[str, Any] = {
         "id": run.id,
@@ -323,7 +388,8 @@ def bench_run(run: Run, data: PublishedRuns, *, free: bool) -> dict[str, Any]:
         "pinned": pinned,
     }
     if free:
-        soft = {k: pins[k] for k in ("attention", "dp_overlap") if k in pins}
+        soft = {k: pins[k] for k in ("attention", "dp_overlap", "fusion", "vocab_parallel")
+                if k in pins}
         f = _compile(ir, cluster, batch, dtype=dtype, **soft)
         fp = f.get("predicted_iteration_s")
         f["vs_measured"] = _ratio(fp, meas.seconds)

@@ -1,5 +1,7 @@
 """Espresso pass speed-ups that must not change the choice: the per-hierarchy lower bound
-(a hierarchy proven slower than another's result is not searched) and the cost tables."""
+(a hierarchy proven slower than another's result is not searched) and the cost tables; and
+the narrower retry of wider rungs (it may change the choice: measured in
+``docs/decisions/espresso-speed.md``, "Round 4")."""
 
 from __future__ import annotations
 
@@ -122,3 +124,33 @@ def test_benefits_left_out_then_computed_once_are_the_same() -> None:
     assert set(lean.benefit_s) == {0.0}
     assert tensor_benefits(p, lean.strategy, lean.iteration_s) == full.benefit_s
     assert tensor_benefits(p, lean.strategy, lean.iteration_s, fast=False) == full.benefit_s
+
+
+def test_wider_rungs_retry_only_the_routings_and_casts_in_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wider rung's sweep tries its new paths and, besides them, exactly the uncompressed
+    routings and casts the narrower choice holds (not every routing and cast again); the
+    first rung tries everything it has."""
+    ctx, plan = _setup("lstm", "espresso-pcie-8x8")
+    calls: list[tuple[list[Any], list[Any], Any]] = []
+    select = Espresso._select
+
+    def one_rung(pass_: Any, ss: Any, costs: Any, cands: Any, new: Any, narrower: Any) -> Any:
+        calls.append((list(cands), list(new), narrower))
+        return select(pass_, ss, costs, cands, new, narrower)
+
+    monkeypatch.setattr(Espresso, "_select", one_rung)
+    Espresso(compressors=("randomk", "fp16")).run(plan, ctx)
+    assert len(calls) >= 3
+    first_cands, first_new, first_narrower = calls[0]
+    assert first_narrower is None and first_new == first_cands
+    retried = 0
+    for cands, new, narrower in calls[1:]:
+        if narrower is None:  # the other hierarchy's first rung
+            continue
+        used = set(narrower.strategy)
+        plain = [k for k in new if k[0] is None]
+        assert plain == [k for k in cands if k[0] is None and k in used]
+        retried += len(plain)
+        assert any(k[0] is not None for k in new)
+    assert retried > 0  # the narrower choices do hold routings or casts here

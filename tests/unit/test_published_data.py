@@ -203,3 +203,20 @@ def test_bench_pins_only_options_the_planner_has() -> None:
     llama = {d["dimension"]: d["status"]
              for d in published.express(RUNS["llama3-405b-8k-gpus"])[1]}
     assert llama["micro_batch_size"] == "unpublished" and llama["recompute"] == "unpublished"
+
+
+def test_engine_settings_and_llama3_sharding() -> None:
+    import published
+
+    pins, dims = published.express(RUNS["llama3-405b-8k-gpus"])
+    # Llama 3's FSDP keeps parameters whole through backward: the planner's ZeRO-2
+    assert pins["zero_stage"] == 2
+    assert {d["dimension"]: d.get("as") for d in dims}["dp_sharding"] == (
+        "zero-2 (see ZERO_BY_SOURCE)")
+    assert pins["fusion"] == "fused" and pins["vocab_parallel"] is True
+    assert pins["attention"] == "flash"
+    meg, _ = published.express(RUNS["korthikanti2022-gpt-175b-sp-selective"])
+    assert (meg["attention"], meg["fusion"], meg["dp_overlap"]) == (
+        "materialized", "fused", "after-flush")
+    bloom, _ = published.express(RUNS["bloom2022-176b"])
+    assert bloom["zero_stage"] == 1

@@ -125,10 +125,7 @@ class _Problem:
     room: list[float]  # mem_cap - fixed_mem per stage
     n: int
     p: int
-    starts: list[bool]  # may a stage start at layer k
-
-    def can_start(self, i: int) -> bool:
-        return i == 0 or self.starts[i]
+    starts: list[bool]  # may a stage start at layer k (layer 0 always starts stage 0)
 
     def load(self, s: int, i: int, j: int) -> float:
         return self.cost_pre[s][j + 1] - self.cost_pre[s][i] + self.send[s][j]
@@ -192,27 +189,36 @@ def _solve(pr: _Problem, limit: float | None) -> list[tuple[int, int]] | None:
     # best[s][j]: objective of stages 0..s covering layers 0..j; arg[s][j]: first layer of s
     best = [[inf] * n for _ in range(p)]
     arg = [[-1] * n for _ in range(p)]
+    # the loop inlines _Problem.load and .fits (same arithmetic): it runs O(P · L · w) times
+    cap = limit if limit is not None else inf
+    starts = [True, *pr.starts[1:]]  # stage 0 starts at layer 0
     for s in range(p):
+        pre, snd, room = pr.cost_pre[s], pr.send[s], pr.room[s]
+        mpre = pr.mem_pre[s] if pr.mem_pre is not None else None
+        prev_row = best[s - 1] if s else None
+        row_b, row_a = best[s], arg[s]
         # stage s ends at j; stages after it need one layer each
         for j in range(s, n - (p - 1 - s)):
             b, a = inf, -1
+            end, tail = pre[j + 1], snd[j]
+            mend = mpre[j + 1] if mpre is not None else 0.0
             for i in (range(j, s - 1, -1) if s else (0,)):  # stage s = layers i..j
-                if not pr.fits(s, i, j):
+                if mpre is not None and not mend - mpre[i] <= room:
                     break  # memory only grows as the stage gets longer
-                ld = pr.load(s, i, j)
-                if limit is not None and ld > limit:
+                ld = end - pre[i] + tail
+                if ld > cap:
                     break
                 if limit is None and ld >= b:
                     break  # load only grows; cannot improve max(prev, load)
-                if not pr.can_start(i):
+                if not starts[i]:
                     continue  # the runtime cannot split before layer i
-                prev = 0.0 if s == 0 else best[s - 1][i - 1]
+                prev = 0.0 if prev_row is None else prev_row[i - 1]
                 if prev == inf:
                     continue
                 val = max(prev, ld) if limit is None else prev + ld * ld
                 if val < b:  # strict: on ties the shorter stage s (found first) stays
                     b, a = val, i
-            best[s][j], arg[s][j] = b, a
+            row_b[j], row_a[j] = b, a
     if best[p - 1][n - 1] == inf:
         return None
     bounds, j = [], n - 1

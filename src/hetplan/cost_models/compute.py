@@ -35,7 +35,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetplan.cost_models.kernels import ATTENTION_KERNELS, Attention, curve_for, kernel_times
+from hetplan.cost_models.kernels import (
+    ATTENTION_KERNELS,
+    FUSIONS,
+    Attention,
+    Fusion,
+    curve_for,
+    kernel_times,
+)
 from hetplan.cost_models.memory import capture_bytes
 from hetplan.cost_models.precision import DTYPE_SIZE
 from hetplan.cost_models.profile_db import ProfileDB
@@ -76,6 +83,10 @@ class ComputeModel:
         require_profiled: raise instead of falling back to analytic estimates.
         precision: the compute dtype of each device type (None: ``dtype`` everywhere).
         attention: how the attention core runs: ``flash`` (fused) or ``materialized``.
+        fusion: which memory-bound kernels the engine fuses: ``none`` (each captured kernel
+            alone) or ``fused`` (:func:`~hetplan.cost_models.kernels.fused_block_bytes`).
+        vocab_parallel: the engine splits the LM head across TP ranks by vocabulary
+            (priced only: the runtime gathers the logits).
         kernel_devices: price layers by their kernels on device types that have a GEMM
             curve. :class:`~hetplan.cost_models.costs.CostModel` sets it False when some device
             type of the cluster has none: every device of a plan is then priced by the same
@@ -95,12 +106,18 @@ class ComputeModel:
         precision: Precision | None = None,
         attention: Attention = "flash",
         kernel_devices: bool = True,
+        fusion: Fusion = "none",
+        vocab_parallel: bool = False,
     ) -> None:
         if not 0 < efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
         self.attention: Attention = attention
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
+        self.fusion: Fusion = fusion
+        self.vocab_parallel = vocab_parallel
         self.kernel_devices = kernel_devices
         self.db = db
         self.efficiency = efficiency
@@ -190,7 +207,8 @@ class ComputeModel:
                 lay, curve, peak_flops=device.flops(dtype),
                 mem_bw=device.mem_bandwidth_bytes_per_s,
                 elem_bytes=DTYPE_SIZE.get(dtype, 4), bytes_scale=bytes_scale, tokens=tokens,
-                r=scale, tp=tp, sp=sp, attention=self.attention)
+                r=scale, tp=tp, sp=sp, attention=self.attention,
+                fusion=self.fusion, vocab_parallel=self.vocab_parallel)
             return LayerTime(k.fwd_s, k.bwd_s, "kernels", per_rank=tp > 1,
                              core_fwd_s=k.core_fwd_s)
         return self._roofline(lay, device, scale, bytes_scale)

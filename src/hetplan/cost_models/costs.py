@@ -9,7 +9,7 @@ from typing import Any, Literal
 from hetplan.cost_models.comm import CommModel
 from hetplan.cost_models.compression import CompressionModel
 from hetplan.cost_models.compute import ComputeModel
-from hetplan.cost_models.kernels import Attention, curve_for
+from hetplan.cost_models.kernels import Attention, Fusion, curve_for
 from hetplan.cost_models.precision import resolve_precision
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.ir.cluster import ClusterSpec
@@ -34,6 +34,10 @@ class CostModel:
             pass, the memory model and the compute model read ``self.precision``.
         attention: the attention core fused (``flash``) or ``materialized``
             (:mod:`hetplan.cost_models.kernels`).
+        fusion: the engine's memory-bound kernels run fused (``fused``) or as captured
+            (``none``; :mod:`hetplan.cost_models.kernels`).
+        vocab_parallel: the engine's LM head is split across TP ranks by vocabulary
+            (compute only; :func:`~hetplan.cost_models.kernels.kernel_times`).
         dp_overlap: data-parallel sync overlaps the last backward (``backward``) or runs
             after the pipeline flush (``after-flush``); ``evaluate`` reads it.
     """
@@ -50,6 +54,8 @@ class CostModel:
         precision: Precision | None = None,
         attention: Attention = "flash",
         dp_overlap: Literal["backward", "after-flush"] = "backward",
+        fusion: Fusion = "none",
+        vocab_parallel: bool = False,
     ) -> None:
         self.cluster = cluster
         self.db = db
@@ -61,7 +67,8 @@ class CostModel:
                                                                                    cluster)
         self.compute = ComputeModel(
             db, efficiency=efficiency, dtype=dtype, require_profiled=require_profiled,
-            precision=self.precision, attention=attention,
+            precision=self.precision, attention=attention, fusion=fusion,
+            vocab_parallel=vocab_parallel,
             kernel_devices=all(curve_for(t) is not None for t in {d.type for d in self.devices}),
         )
         if dp_overlap not in ("backward", "after-flush"):

@@ -121,7 +121,8 @@ def plan_costs(
     costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
                       efficiency=settings.efficiency, optimizer=settings.optimizer,
                       precision=plan.precision, attention=settings.attention,
-                      dp_overlap=settings.dp_overlap)
+                      dp_overlap=settings.dp_overlap, fusion=settings.fusion,
+                      vocab_parallel=settings.vocab_parallel)
     layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
     return workload, layout, costs
 

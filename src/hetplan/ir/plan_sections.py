@@ -311,7 +311,11 @@ class CostSettings(_Section):
     (empty: analytic costs only). ``attention``: the attention core runs fused (``flash``)
     or writes its scores to memory (``materialized``); ``dp_overlap``: data-parallel
     gradient sync overlaps the last micro-batch's backward (``backward``) or starts after
-    the pipeline flush (``after-flush``); see ``docs/decisions/cost-model.md``.
+    the pipeline flush (``after-flush``); ``fusion``: the engine's memory-bound kernels
+    run as captured (``none``) or as its fused transformer-block kernels (``fused``);
+    ``vocab_parallel``: its LM head's products are split across TP ranks by vocabulary (a
+    compute-cost setting: the runtime gathers the logits); see
+    ``docs/decisions/cost-model.md``.
     """
 
     dtype: Name = "fp32"
@@ -321,6 +325,8 @@ class CostSettings(_Section):
     profile_fingerprint: str = ""
     attention: Literal["flash", "materialized"] = "flash"
     dp_overlap: Literal["backward", "after-flush"] = "backward"
+    fusion: Literal["none", "fused"] = "none"
+    vocab_parallel: bool = False
 
     @field_validator("dtype")
     @classmethod

@@ -167,7 +167,8 @@ def compile(  # noqa: A001 - the product's verb
         opts=opts, ir=ir, workload=WorkloadSummary.from_model_ir(ir), spec=spec, db=db,
         costs=CostModel(spec, db, dtype=opts.dtype, efficiency=opts.efficiency,
                         optimizer=opts.optimizer, require_profiled=opts.require_profiled,
-                        attention=opts.attention, dp_overlap=opts.dp_overlap),
+                        attention=opts.attention, dp_overlap=opts.dp_overlap,
+                        fusion=opts.fusion, vocab_parallel=opts.vocab_parallel),
         model_ref=ModelRef(name=ir.name, fingerprint=ir.fingerprint(),
                            num_params=ir.num_params),
         cluster_ref=ClusterRef.from_cluster(spec, embed=False),
@@ -245,9 +246,15 @@ def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[str],
     order = list(candidates)
     bounds: dict[LayoutCandidate, float] = {}
     if bounds_apply(job.screening, job.opts.schedule):
+        recompute = _partitioner_recompute(job.screening)
         for cand in candidates:
+            # the ZeRO stages _screen_one can plan: it skips those the model state rules out
+            ladder = [z for z in job.zero_ladder(cand)
+                      if not _memory_lower_bound(job.workload, replace(cand, zero_stage=z),
+                                                 job.costs)]
             bounds[cand] = iteration_lower_bound(job.workload, job.costs, cand,
-                                                 job.opts.schedule, job.zero_ladder(cand))
+                                                 job.opts.schedule, ladder,
+                                                 recompute=recompute)
         order.sort(key=lambda c: (bounds[c], c))
     screened: list[Scored] = []
     top: list[float] = []  # the FINALISTS fastest times so far, ascending
@@ -266,6 +273,16 @@ def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[str],
             top = sorted(top + [best[0]])[:FINALISTS]
     screened.sort(key=lambda x: (x[0], x[1]))
     return screened, 0
+
+
+def _partitioner_recompute(passes: tuple[Pass, ...]) -> str | None:
+    """How the screening picks activation recomputation: ``dynpipe``'s ``recompute`` option
+    when it is the only screening pass that writes ``stages``, else None (unknown)."""
+    owners = [p for p in passes if "stages" in getattr(p, "sections", ())]
+    if len(owners) != 1 or owners[0].name != "dynpipe":
+        return None
+    mode = getattr(owners[0], "recompute", None)
+    return mode if isinstance(mode, str) else None
 
 
 def _screen_one(job: _Job, cand: LayoutCandidate, infeasible: list[str]) -> Scored | None:
@@ -328,7 +345,9 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
         "cost_settings": CostSettings(dtype=opts.dtype, efficiency=opts.efficiency,
                                       optimizer=opts.optimizer,
                                       profile_fingerprint=_db_fingerprint(job.db),
-                                      attention=opts.attention, dp_overlap=opts.dp_overlap),
+                                      attention=opts.attention, dp_overlap=opts.dp_overlap,
+                                      fusion=opts.fusion,
+                                      vocab_parallel=opts.vocab_parallel),
         "precision": job.costs.precision,
         "pass_log": (PassLogEntry(name="layout-search", changed=True, notes=(search_note,)),)
         + plan.pass_log,

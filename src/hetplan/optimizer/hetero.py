@@ -672,7 +672,8 @@ def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_siz
         return plan
     cs = plan.cost_settings or CostSettings()
     costs = CostModel(spec, db, dtype=cs.dtype, efficiency=cs.efficiency, optimizer=cs.optimizer,
-                      attention=cs.attention, dp_overlap=cs.dp_overlap)
+                      attention=cs.attention, dp_overlap=cs.dp_overlap, fusion=cs.fusion,
+                      vocab_parallel=cs.vocab_parallel)
     workload = plan.model.workload
     if workload is None:
         raise InfeasiblePlanError("the plan carries no workload summary to search "

@@ -62,8 +62,8 @@ class CompileOptions(BaseModel):
         dtype: the precision policy: ``mixed`` (the default: bf16 on device types with a bf16
             peak, fp16 with loss scaling where only fp16, fp32 elsewhere; fp32 master weights
             and optimizer state) or one of ``fp32``, ``bf16``, ``fp16`` everywhere.
-        efficiency / optimizer / attention / dp_overlap: cost-model settings (recorded in
-            the plan; see ``CostSettings``).
+        efficiency / optimizer / attention / dp_overlap / fusion / vocab_parallel: cost-model
+            settings (recorded in the plan; see ``CostSettings``).
         require_profiled: refuse analytic compute estimates.
         compressors / dynamics / tp_controller / tp_gamma_max: pipeline shorthands.
         progress: the layout search's progress bar on stderr for a search over a second
@@ -90,6 +90,8 @@ class CompileOptions(BaseModel):
     optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
     attention: Literal["flash", "materialized"] = "flash"
     dp_overlap: Literal["backward", "after-flush"] = "backward"
+    fusion: Literal["none", "fused"] = "none"
+    vocab_parallel: bool = False
     require_profiled: bool = False
     compressors: tuple[str, ...] = ()
     dynamics: DynamicsSpec | str | Path | None = None

@@ -13,15 +13,18 @@ recommends; the pass notes when the cluster's order differs from it).
    micro-batches under the smallest recomputation the ``recompute`` option allows) against
    90 % of the smallest device of the stage. Interleaved 1F1B partitions into
    ``pp * virtual_stages`` chunks, chunk ``k`` on pipeline rank ``k % pp`` (its memory
-   against ``1 / virtual_stages`` of the rank's).
+   against ``1 / virtual_stages`` of the rank's). A layer's memory is priced once per class
+   of layers equal but for their name (identical blocks).
 2. **Candidates**: the exact min–max partition by time with transfers, by time without
-   transfers, by parameter bytes, and the uniform split (Megatron's default).
+   transfers, by parameter bytes, and the uniform split (Megatron's default). Whether any
+   partition fits depends on the layer count and memory alone, so the tries stop at the
+   first that finds none (the uniform split is still scored).
 3. **Choice**: each candidate gets its stages' activation recomputation — the cheapest that
    fits, per stage (:func:`~hetplan.cost_models.rank_memory.choose_recompute`; decided here
    because whether a partition fits depends on it), or the ``recompute`` option's mode — and
    DDP-style gradient buckets, and is scored by the simulator
    (:func:`~hetplan.cost_models.evaluate.evaluate`); the fastest wins, ties to the earlier
-   candidate. The uniform split is a candidate, so the result is never
+   candidate. Candidates with the same stages are scored once (the note lists each). The uniform split is a candidate, so the result is never
    predicted slower than the ``uniform-stages`` baseline under the baseline's gradient sync.
 4. **Dynamics** (``dynamics`` option): the model's phases (pruning steps, freezing, early
    exit) are replayed with :func:`~hetplan.algorithms.dynamics.run_dynamic` under the
@@ -36,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from hetplan.algorithms.dynamics import (
     BalancePolicy,
@@ -64,7 +67,7 @@ from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import RECOMPUTE_ORDER, choose_recompute
 from hetplan.errors import InfeasiblePlanError, PassError, SpecError
 from hetplan.ir.plan import Plan
-from hetplan.ir.plan_sections import Stage
+from hetplan.ir.plan_sections import LayerCost, Stage, WorkloadSummary
 from hetplan.ir.rebalancing import DynamicsSpec, LayerMigration, PlannedEvent, Rebalancing
 from hetplan.passes.base import PassContext, PassResult, rank_of, stages_from_bounds
 
@@ -88,6 +91,28 @@ def _stage_ranks(ctx: PassContext, s: int) -> list[int]:
     return [rank_of(lay, d, s % lay.pp, t) for d in range(lay.dp) for t in range(lay.tp)]
 
 
+def _layer_classes(wl: WorkloadSummary,
+                   memo: dict[tuple[Any, ...], Any]) -> tuple[list[int], list[LayerCost]]:
+    """Layers equal in every field but their name, which one layer's memory depends on
+    alone (identical blocks): each layer's class index and one layer per class, in order of
+    first appearance. Memoised per workload in ``memo`` (the cost model's)."""
+    key = ("dynpipe.layer_classes", id(wl))
+    hit: tuple[list[int], list[LayerCost]] | None = memo.get(key)
+    if hit is not None:
+        return hit
+    memo[("workload", id(wl))] = wl  # keeps the id unique while cached
+    index: dict[str, int] = {}
+    cls: list[int] = []
+    reps: list[LayerCost] = []
+    for x in wl.layers:
+        k = index.setdefault(repr(x.model_dump(exclude={"name"})), len(reps))
+        if k == len(reps):
+            reps.append(x)
+        cls.append(k)
+    memo[key] = (cls, reps)
+    return cls, reps
+
+
 def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
     lay, wl, costs = ctx.layout, ctx.workload, ctx.costs
     mb = lay.micro_batch_size
@@ -96,6 +121,7 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
     v = lay.virtual_stages
     mode = "full" if recompute == "auto" else recompute
     fwd, bwd, send, mem, cap = [], [], [], [], []
+    cls, reps = _layer_classes(wl, costs.memo)
     for s in range(lay.pp * v):
         ranks = _stage_ranks(ctx, s)
         types = sorted({costs.devices[r].type for r in ranks})
@@ -127,11 +153,12 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
             send.append([0.0] * n)
         flight = in_flight_micro_batches(lay.schedule, s % lay.pp, lay.pp, lay.micro_batches,
                                          v)
-        mem.append([float(stage_memory(
+        per_class = [float(stage_memory(
             [x], tp=lay.tp, micro_batch_scale=scale, in_flight=flight,
             optimizer=costs.optimizer, precision=prec, dp=lay.dp, zero_stage=lay.zero_stage,
             sequence_parallel=lay.sequence_parallel, recompute=mode).total)
-            for x in wl.layers])
+            for x in reps]
+        mem.append([per_class[k] for k in cls])
         cap.append(min(costs.devices[r].memory_bytes for r in ranks) * USABLE_FRACTION / v)
     cost = [[a + b for a, b in zip(f, b)] for f, b in zip(fwd, bwd)]
     return _Costs(cost, fwd, bwd, send, mem, cap)
@@ -154,7 +181,9 @@ def _candidates(c: _Costs, ctx: PassContext) -> list[tuple[str, Bounds]]:
         try:
             out.append((name, fn()))
         except InfeasiblePlanError:
-            continue
+            # whether a partition fits depends on the layer count, the cuttable boundaries
+            # and memory alone, which every try shares: if one has none, none has
+            break
     out.append(("uniform", uniform_partition(n, p, cut)))
     return out
 
@@ -202,7 +231,14 @@ class DynPipe:
         c = _costs(ctx, self.recompute)
         best: tuple[float, str, Bounds, tuple[Stage, ...]] | None = None
         scored = []
+        seen: dict[Bounds, float | None] = {}  # bounds scored: time, None if it did not fit
         for name, bounds in _candidates(c, ctx):
+            if bounds in seen:  # the same stages score the same; an earlier one wins ties
+                t = seen[bounds]
+                if t is not None:
+                    scored.append(f"{name} {t * 1e3:.4g} ms")
+                continue
+            seen[bounds] = None
             stages = choose_recompute(ctx.workload, ctx.layout,
                                       stages_from_bounds(list(bounds), ctx), ctx.costs,
                                       mode=self.recompute)
@@ -211,6 +247,7 @@ class DynPipe:
                 ev = evaluate(ctx.workload, ctx.layout, stages, sync, ctx.costs)
             except InfeasiblePlanError:
                 continue
+            seen[bounds] = ev.iteration_s
             scored.append(f"{name} {ev.iteration_s * 1e3:.4g} ms")
             if best is None or ev.iteration_s < best[0]:
                 best = (ev.iteration_s, name, bounds, stages)

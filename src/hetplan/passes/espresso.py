@@ -50,9 +50,10 @@ Decisions (also in ``docs/decisions.md``):
   with the one-compression paths in fp32 (what this pass searched before), (1) those paths
   with 16-bit uncompressed steps, (k) the paths with k = 2 .. ``max_compressions``
   compressions. Each rung starts Algorithm 4.1 from the previous rung's choice, tries only
-  its new options (and the routings and casts again), and never returns anything slower than
-  that choice, so a wider search is never predicted slower than a narrower one along the
-  rungs. Decisions in ``docs/decisions/espresso-mp.md``.
+  its new options (and again the routings and casts that choice uses), and never returns
+  anything slower than that choice, so a wider search is never predicted slower than a
+  narrower one along the rungs. Decisions in ``docs/decisions/espresso-mp.md`` and
+  ``docs/decisions/espresso-speed.md``.
 """
 
 from __future__ import annotations
@@ -348,9 +349,13 @@ class Espresso:
             sel: Selection[Key] | None = None
             cum: list[Key] = []
             for new in ladders[h]:
-                # a wider rung also retries the uncompressed routings and casts (a few): a
-                # tensor a new path would compress for a sliver may do as well with a cast
-                retry = [k for k in cum if k[0] is None]
+                # a wider rung also retries the uncompressed routings and casts the narrower
+                # choice uses (the baseline is always a candidate): a tensor a new path would
+                # compress for a sliver may do as well with a cast another tensor holds.
+                # Retrying every routing and cast instead took 1.10x the CPU time (median
+                # over the 36 bench cases) for plans at most 0.38 % faster and up to 6.6 %
+                # slower (docs/decisions/espresso-speed.md, "Round 4")
+                retry = [] if sel is None else _uncompressed_in(cum, sel.strategy)
                 cum += new
                 sel = self._select(ss, costs[h], cum, retry + new, sel)
             assert sel is not None
@@ -421,6 +426,13 @@ class Espresso:
             return select(problem, seeds=seeds, exhaustive_limit=0, benefits=False)
         return select(problem, seeds=seeds, benefits=False,
                       start=None if narrower is None else narrower.strategy)
+
+
+def _uncompressed_in(cands: list[Key], strategy: tuple[Key, ...]) -> list[Key]:
+    """The uncompressed routings and casts among ``cands`` that ``strategy`` uses, in
+    ``cands``' order: what a wider rung retries besides its new paths."""
+    used = set(strategy)
+    return [k for k in cands if k[0] is None and k in used]
 
 
 class _StageCosts:

@@ -45,7 +45,8 @@ class UniformStages:
         if pp > n:
             raise PassError(f"{self.name}: {pp} pipeline stages but only {n} layers")
         base, extra = divmod(n, pp)
-        stages = stages_from_bounds(list(uniform_partition(n, pp)), ctx)
+        cut = [x.cuttable_before for x in ctx.workload.layers]
+        stages = stages_from_bounds(list(uniform_partition(n, pp, cut)), ctx)
         stages = choose_recompute(ctx.workload, ctx.layout, stages, ctx.costs,
                                   mode=self.recompute)
         modes = sorted({st.recompute for st in stages} - {"none"})
