@@ -16,7 +16,8 @@ The model (:func:`solve_cpsat`):
   that the model reads by boolean selection.
 - **Variables.** ``x[d, o, i, j]``: slot ``d`` runs option ``o`` over layers ``[i, j)``,
   one boolean per *arc* that fits in memory at that depth (arcs that do not fit are never
-  created: the memory constraint). ``on[d]``: slot ``d`` is used.
+  created: the memory constraint), and none that starts or ends at a boundary where the
+  runtime cannot split the model (``HeteroProblem.cuttable``). ``on[d]``: slot ``d`` is used.
 - **Constraints.** Each used slot takes exactly one arc; ``on[d] >= on[d + 1]``; slot 0
   ends at ``L``; a used slot ``d + 1`` ends where slot ``d`` starts; the first stage (a
   used slot whose next slot is unused) starts at layer 0; per class ``c``,
@@ -160,12 +161,15 @@ def solve_cpsat(problem: HeteroProblem, *, hint: Sequence[StageChoice] = (),
     restricted = arcs is not None or K < full_slots
     # 1. the arcs of each slot, at the cheapest mode that fits its depth
     table: list[list[tuple[int, int, int, int, float, float]]] = []
+    allowed = problem.cut_allowed()
     for d in range(K):
         rows = []
         cand = arcs(d) if arcs is not None else [
             (o, i, j) for o in range(len(problem.options))
             for i in range(L) for j in range(i + 1, L + 1)]
         for o, i, j in cand:
+            if not (allowed[i] and allowed[j]):
+                continue  # a stage may only start and end at a cuttable boundary
             r = _mode_for(problem, o, i, j, min(m, d + 1))
             if r is None:
                 continue

@@ -21,6 +21,10 @@ fits iff ``q >= min(m, P - k)``. The **search objective** is the closed-form 1F1
 
 (fill and drain pass every stage once; the slowest stage is busy for the rest), device
 use per class is bounded by its capacity, and there are at most ``m`` stages. Stages may come in any order of classes.
+A stage may start only at a layer whose ``cuttable[k]`` holds (``LayerIR.cuttable_before``:
+the runtime cannot split the model elsewhere); every solver skips the other boundaries
+(the DP and CP-SAT place no stage that starts or ends there, :func:`objective` refuses a
+plan that cuts there, so the local search and brute force never reach one).
 
 Solvers:
 
@@ -94,7 +98,10 @@ class HeteroProblem:
     """Layers, options, device classes and micro-batches (see the module docstring).
 
     ``unit[c]``: every option of class ``c`` uses a multiple of ``unit[c]`` devices (the DP
-    counts devices in these units)."""
+    counts devices in these units).
+
+    ``cuttable``: per layer, whether a stage may start there (empty: at every layer; the
+    first layer always may)."""
 
     num_layers: int
     options: tuple[StageOption, ...]
@@ -102,9 +109,24 @@ class HeteroProblem:
     micro_batches: int
     modes: tuple[str, ...] = ("none",)
     unit: tuple[int, ...] = ()
+    cuttable: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.cuttable and len(self.cuttable) != self.num_layers:
+            raise ValueError(f"HeteroProblem.cuttable needs one value per layer "
+                             f"({self.num_layers}), got {len(self.cuttable)}")
 
     def units(self) -> tuple[int, ...]:
         return self.unit or tuple(1 for _ in self.capacity)
+
+    def cut_allowed(self) -> np.ndarray:
+        """Per layer boundary ``0..L``, whether a stage may start (``< L``) or end there
+        (boundaries 0 and ``L`` always; boundary ``k`` of ``0 < k < L`` where
+        ``cuttable[k]`` holds)."""
+        out = np.ones(self.num_layers + 1, bool)
+        if self.cuttable:
+            out[1:self.num_layers] = self.cuttable[1:]
+        return out
 
 
 @dataclass(frozen=True, order=True)
@@ -148,6 +170,8 @@ def objective(problem: HeteroProblem, stages: tuple[StageChoice, ...]) -> float:
         return INF
     if len(stages) > problem.micro_batches:  # 1F1B needs a micro-batch per stage
         return INF
+    if problem.cuttable and not all(problem.cuttable[s.first] for s in stages[1:]):
+        return INF  # a stage starts where the runtime cannot split the model
     used = [0] * len(problem.capacity)
     total, worst, P = 0.0, 0.0, len(stages)
     for k, s in enumerate(stages):
@@ -169,12 +193,15 @@ def solve_brute_force(problem: HeteroProblem) -> HeteroSolution | None:
     """Every sequence of stages (option, layer count), each at its cheapest fitting mode:
     the reference for :func:`solve_exact`. Exponential; for ``L <= 12`` and a few options."""
     L = problem.num_layers
+    allowed = problem.cut_allowed()
     best: tuple[float, tuple[StageChoice, ...]] | None = None
     for cuts in _compositions(L):
         P = len(cuts)
         if P > sum(problem.capacity):  # every stage uses at least one device
             continue
         bounds = list(itertools.accumulate(cuts, initial=0))
+        if not all(allowed[b] for b in bounds):
+            continue  # a cut where the runtime cannot split the model
         for opts in itertools.product(range(len(problem.options)), repeat=P):
             stages = []
             for k, o in enumerate(opts):
@@ -196,7 +223,8 @@ def _neighbours(problem: HeteroProblem, stages: tuple[StageChoice, ...]
                 ) -> list[tuple[StageChoice, ...]]:
     """The plans one move from ``stages``, in a fixed order: each boundary moved by -2, -1,
     +1, +2 layers, then the options of each two neighbouring stages swapped; every stage
-    at its cheapest fitting mode, plans that break a rule (:func:`objective`) left out."""
+    at its cheapest fitting mode, plans that break a rule (:func:`objective`: a boundary
+    moved onto a layer that is not cuttable, too) left out."""
     moves: list[list[StageChoice]] = []
     for k in range(len(stages) - 1):
         x, y = stages[k], stages[k + 1]
@@ -398,10 +426,14 @@ def _arcs(problem: HeteroProblem, Q: int) -> Arcs | None:
     """Every stage the DP may place, as the arrays of :mod:`._hetero_kernels`: option,
     first and end layer, and ``a``, ``v``, mode over ``q = 0..Q'-1`` stages after it, at the
     cheapest mode that fits ``min(m, q + 1)`` micro-batches (inf / -1 where none does);
+    only stages whose both ends are allowed cuts (:meth:`HeteroProblem.cut_allowed`);
     sorted by first layer descending, then option, then end layer. ``Q' <= Q``: the depths
     at and past ``Q' - 1`` look the same to every stage. None: no stage fits."""
     L, m = problem.num_layers, problem.micro_batches
     ii, jj = np.triu_indices(L + 1, k=1)
+    allowed = problem.cut_allowed()
+    ok = allowed[ii] & allowed[jj]  # no stage starts or ends where no cut may fall
+    ii, jj = ii[ok], jj[ok]
     need = np.minimum(m, np.arange(Q) + 1)
     tables = []
     for opt in problem.options:

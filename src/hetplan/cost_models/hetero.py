@@ -275,7 +275,8 @@ def build_problem(workload: WorkloadSummary, costs: CostModel, classes: Sequence
     its ``a``/``v``/``q`` tables under each recomputation mode. ZeRO-1 inside a stage's
     data-parallel group whenever ``dp > 1`` (it only divides memory; the ring moves the same
     bytes). ``units[c]``: only stages whose ``dp x tp`` is a multiple of it (a coarser space
-    for large clusters, :func:`coarse_units`). Complexity: O(options x modes x L^2)."""
+    for large clusters, :func:`coarse_units`). Stages start only where the workload's
+    layers are ``cuttable_before``. Complexity: O(options x modes x L^2)."""
     L, m = len(workload.layers), micro_batches
     has_pairs = any(x.tp_pairs for x in workload.layers)
     options: list[StageOption] = []
@@ -301,7 +302,8 @@ def build_problem(workload: WorkloadSummary, costs: CostModel, classes: Sequence
     units = tuple(math.gcd(*[o.devices for o in options if o.device_class == c] or [1])
                   for c in range(len(classes)))
     capacity = tuple(cls.count - cls.count % u for cls, u in zip(classes, units))
-    problem = HeteroProblem(L, tuple(options), capacity, m, MODES, units)
+    problem = HeteroProblem(L, tuple(options), capacity, m, MODES, units,
+                            tuple(x.cuttable_before for x in workload.layers))
     return problem, infos
 
 

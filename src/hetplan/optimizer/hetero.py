@@ -353,7 +353,7 @@ def _restricted(problem: HeteroProblem, infos: list[OptionInfo],
     keep = [k for k, o in enumerate(infos) if (o.dp, o.tp) == restrict]
     return (HeteroProblem(problem.num_layers, tuple(problem.options[k] for k in keep),
                           problem.capacity, problem.micro_batches, problem.modes,
-                          problem.unit), [infos[k] for k in keep])
+                          problem.unit, problem.cuttable), [infos[k] for k in keep])
 
 
 def _pair_floor_s(ctx: _Search, pair: tuple[int, int]) -> float:
