@@ -10,7 +10,9 @@ Data layout: the stages the DP may place are *arcs* ``n`` (option ``arc_o[n]`` o
 ``[arc_i[n], arc_j[n])``) sorted by first layer descending, then option, then end layer
 (the order of the numpy version, so ties resolve identically). ``arc_a[n, q]``,
 ``arc_v[n, q]`` and ``arc_mode[n, q]`` are the stage's ``a``, ``v`` and recomputation mode
-when ``min(Q - 1, q)`` stages follow it (``inf`` / ``-1`` where no mode fits).
+when ``min(Q - 1, q)`` stages follow it (``inf`` / ``-1`` where no mode fits). Only arcs
+whose both ends are allowed cuts come in (``HeteroProblem.cuttable``, filtered by
+:func:`~.hetero_search._arcs`), so the kernel needs no mask of its own.
 """
 
 from __future__ import annotations
