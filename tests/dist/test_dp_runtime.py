@@ -1,16 +1,19 @@
 """The runtime's data-parallel path on gloo: equal to a single-process reference; refusals;
-a killed rank makes the run fail, and no rank finishes training alone."""
+a killed rank makes the run fail, and no rank finishes training alone. The equality cases of
+one world size train one after another in one process group."""
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from reflib import case_results, run_each
 from torch import nn
 
 from hetplan.errors import PlanMismatchError
@@ -26,7 +29,7 @@ from hetplan.ir.plan_sections import (
     NoSync,
 )
 from hetplan.models import MLP
-from hetplan.profiling._spawn import start_method
+from hetplan.profiling._spawn import run_local_ranks, start_method
 from hetplan.runtime.executor import Runtime
 
 pytestmark = pytest.mark.dist
@@ -107,17 +110,47 @@ def _run(tmp_path: Path, plan: Plan, world: int, kill: int = -1) -> None:
                        nprocs=world, join=True, start_method=start_method())
 
 
-@pytest.mark.parametrize(("dp", "micro_batches", "cast"),
-                         [(2, 1, False), (2, 2, False), (4, 1, False), (2, 1, True)])
-def test_data_parallel_equals_single_process(
-    tmp_path: Path, dp: int, micro_batches: int, cast: bool
-) -> None:
-    plan = _plan(dp, micro_batches, cast)
-    _run(tmp_path, plan, dp)
+def _train(plan_json: str) -> dict[str, Any]:
+    rt = Runtime(Plan.from_json(plan_json), _model(),
+                 example_args=(torch.zeros(1, 6, dtype=torch.float64),))
+    losses = [rt.train_step(*_data(step)) for step in range(STEPS)]
+    # the replica losses average to the full-batch loss
+    t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(t)
+    params = {n: p.detach().clone() for n, p in rt.model.named_parameters()}
+    rt.close()
+    return {"losses": (t / dist.get_world_size()).tolist(), "params": params}
+
+
+def _cases_worker(rank: int, world: int, plans: dict[str, str]) -> dict[str, dict[str, Any]]:
+    return run_each(plans, _train)
+
+
+#: label -> (dp, micro-batches, a bf16 cast bucket)
+CASES = {"2-1-False": (2, 1, False), "2-2-False": (2, 2, False), "4-1-False": (4, 1, False),
+         "2-1-True": (2, 1, True)}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict[str, Any]]]:
+    """label -> every rank's result; one process group per world size."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for world in sorted({dp for dp, _, _ in CASES.values()}):
+        plans = {label: _plan(dp, mb, cast).to_json()
+                 for label, (dp, mb, cast) in CASES.items() if dp == world}
+        got = run_local_ranks(_cases_worker, world, (plans,), timeout_s=300)
+        out.update({label: case_results(got, label) for label in plans})
+    return out
+
+
+@pytest.mark.parametrize("label", list(CASES))
+def test_data_parallel_equals_single_process(results: dict[str, list[dict[str, Any]]],
+                                             label: str) -> None:
+    dp, _, cast = CASES[label]
     ref_losses, ref_params = _reference()
     tol = dict(rtol=1e-2, atol=1e-3) if cast else dict(rtol=1e-10, atol=1e-12)
-    for rank in range(dp):
-        got = torch.load(tmp_path / f"out.{rank}")
+    assert len(results[label]) == dp
+    for got in results[label]:
         assert got["losses"] == pytest.approx(ref_losses, rel=tol["rtol"])
         for name, value in ref_params.items():
             torch.testing.assert_close(got["params"][name], value, **tol)

@@ -7,25 +7,25 @@
 - 2 stages x 2 pipelines with one seeded emulated straggler: no hang; with lr = 0 and
   replicas that start apart, every stage's replica mean is unchanged while the replicas meet;
   with lr > 0 the loss after the run is within LOSS_RTOL of synchronous training.
+
+Every run is on 4 ranks; all of them train one after another in one process group.
 """
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from reflib import case_results, run_each
 from torch import nn
 
 import hetplan
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
 from hetplan.models import MLP
-from hetplan.profiling._spawn import start_method
+from hetplan.profiling._spawn import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -96,62 +96,77 @@ def _plan(kind: str, dp: int, pp: int, group: str | None, dtype: str = "mixed") 
     return plan
 
 
-def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str, kind: str,
-            steps: int, lr: float, spread: float, delay: str) -> None:
-    torch.set_num_threads(1)
+def _train(rank: int, plan_json: str, kind: str, steps: int, lr: float, spread: float,
+           delay: str) -> dict[str, Any]:
     from hetplan.runtime.executor import Runtime
     from hetplan.runtime.handlers.group_sync import ENV_DELAY, GroupSyncHandler
 
     if delay:
         os.environ[ENV_DELAY] = delay
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        plan = Plan.from_json(plan_json)
-        rt = Runtime(plan, _build(kind),
-                     example_args=(torch.zeros(1, _features(kind), dtype=_dtype(kind)),),
-                     optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
-        pipeline = rt.layout.coords(rank)[0]
-        if spread:  # replicas start apart: pipeline i's parameters shifted by its own noise
-            g = torch.Generator().manual_seed(1000 + pipeline)
-            with torch.no_grad():
-                for _, p in rt.named_params:
-                    p.add_(spread * torch.randn(p.shape, generator=g, dtype=p.dtype))
-        start = {n: p.detach().clone() for n, p in rt.named_params}
-        for step in range(steps):
-            rt.train_step(*_data(kind, step))
-        trained = {n: p.detach().clone() for n, p in rt.named_params}
-        master = getattr(rt.ctx.optimizer, "master", None)  # 16-bit: the fp32 master weights
-        master = master.detach().clone() if master is not None else None
-        handler = rt.handler(GroupSyncHandler)
-        sizes = list(handler.group_sizes)
-        rt.close()  # group sync: done, then the final full average (when the plan says so)
-        final = {n: p.detach().clone() for n, p in rt.named_params}
-        skips = handler.service.stats.lock_skips if handler.service is not None else None
-        torch.save({"start": start, "trained": trained, "final": final, "sizes": sizes,
-                    "master": master,
-                    "coords": rt.layout.coords(rank), "skips": skips}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    else:
+        os.environ.pop(ENV_DELAY, None)
+    plan = Plan.from_json(plan_json)
+    rt = Runtime(plan, _build(kind),
+                 example_args=(torch.zeros(1, _features(kind), dtype=_dtype(kind)),),
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
+    pipeline = rt.layout.coords(rank)[0]
+    if spread:  # replicas start apart: pipeline i's parameters shifted by its own noise
+        g = torch.Generator().manual_seed(1000 + pipeline)
+        with torch.no_grad():
+            for _, p in rt.named_params:
+                p.add_(spread * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    start = {n: p.detach().clone() for n, p in rt.named_params}
+    for step in range(steps):
+        rt.train_step(*_data(kind, step))
+    trained = {n: p.detach().clone() for n, p in rt.named_params}
+    master = getattr(rt.ctx.optimizer, "master", None)  # 16-bit: the fp32 master weights
+    master = master.detach().clone() if master is not None else None
+    handler = rt.handler(GroupSyncHandler)
+    sizes = list(handler.group_sizes)
+    rt.close()  # group sync: done, then the final full average (when the plan says so)
+    final = {n: p.detach().clone() for n, p in rt.named_params}
+    skips = handler.service.stats.lock_skips if handler.service is not None else None
+    os.environ.pop(ENV_DELAY, None)
+    return {"start": start, "trained": trained, "final": final, "sizes": sizes,
+            "master": master, "coords": rt.layout.coords(rank), "skips": skips}
 
 
-def _run(tmp_path: Path, name: str, plan: Plan, kind: str, steps: int, lr: float,
-         spread: float = 0.0, delay: str = "") -> list[dict]:
-    world = plan.layout.num_ranks if plan.layout is not None else 1
-    run_dir = tmp_path / name
-    run_dir.mkdir()
-    mp.start_processes(_worker, args=(world, str(run_dir), plan.to_json(), str(run_dir / "out"),
-                                      kind, steps, lr, spread, delay),
-                       nprocs=world, join=True, start_method=start_method())
-    return [torch.load(run_dir / f"out.{r}") for r in range(world)]
+def _worker(rank: int, world: int, runs: dict[str, tuple]) -> dict[str, dict[str, Any]]:
+    """Each run ``label -> (plan JSON, model kind, steps, lr, spread, emulated delay)`` in
+    turn, in this one process group."""
+    torch.set_num_threads(1)
+    return run_each(runs, lambda r: _train(rank, *r))
+
+
+#: label -> (model kind, dp, pp, group-sync options or None for synchronous, dtype policy,
+#: steps, lr, spread, emulated delay)
+RUNS: dict[str, tuple[str, int, int, str | None, str, int, float, float, str]] = {
+    **{f"{kind}-{mode}": (kind, 4, 1, group, "mixed", 3, 1 / 64 if kind == "exact" else 0.05,
+                          0.0, "")
+       for kind in ("exact", "mlp") for mode, group in (("sync", None), ("group", "p=1"))},
+    "bf16-sync": ("mlp32", 4, 1, None, "bf16", 3, 0.05, 0.0, ""),
+    "bf16-group": ("mlp32", 4, 1, "p=1", "bf16", 3, 0.05, 0.0, ""),
+    # rank 1 (stage 0, pipeline 1) straggles
+    "lr0": ("mlp", 2, 2, "p=2 final-full-average=false", "mixed", 12, 0.0, 0.1,
+            "0.5,0.05,3,1"),
+    "straggler-sync": ("mlp", 2, 2, None, "mixed", 30, 0.05, 0.0, ""),
+    "straggler-group": ("mlp", 2, 2, "p=2", "mixed", 30, 0.05, 0.0, "0.5,0.05,3,1"),
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, dict[str, Any]]]:
+    runs = {label: (_plan(kind, dp, pp, group, dtype).to_json(), kind, steps, lr, spread,
+                    delay)
+            for label, (kind, dp, pp, group, dtype, steps, lr, spread, delay) in RUNS.items()}
+    return run_local_ranks(_worker, 4, (runs,), timeout_s=600)
 
 
 @pytest.mark.parametrize("kind", ["exact", "mlp"])
-def test_one_stage_four_pipelines_p1_equals_synchronous_dp(tmp_path: Path, kind: str) -> None:
-    lr = 1 / 64 if kind == "exact" else 0.05
-    sync = _run(tmp_path, "sync", _plan(kind, 4, 1, None), kind, steps=3, lr=lr)
-    group = _run(tmp_path, "group", _plan(kind, 4, 1, "p=1"), kind, steps=3, lr=lr)
+def test_one_stage_four_pipelines_p1_equals_synchronous_dp(
+        results: list[dict[str, dict[str, Any]]], kind: str) -> None:
+    sync = case_results(results, f"{kind}-sync")
+    group = case_results(results, f"{kind}-group")
     for a, b in zip(sync, group):
         assert b["sizes"] == [4, 4, 4]  # P = 1: every group is all the replicas
         for name, value in a["trained"].items():
@@ -163,15 +178,14 @@ def test_one_stage_four_pipelines_p1_equals_synchronous_dp(tmp_path: Path, kind:
     assert changed  # the comparison is not between untrained models
 
 
-def test_bf16_group_sync_averages_the_master_weights(tmp_path: Path) -> None:
+def test_bf16_group_sync_averages_the_master_weights(
+        results: list[dict[str, dict[str, Any]]]) -> None:
     """16-bit compute: the replicas average the optimizer's fp32 master weights (averaging the
     bf16 working copies would be overwritten by the next step's copy from each master). With
     P = 1 every step averages all four replicas, so they end identical, and close to
     synchronous data parallelism in bf16 (which averages gradients, not weights)."""
-    sync = _run(tmp_path, "sync", _plan("mlp32", 4, 1, None, "bf16"), "mlp32", steps=3,
-                lr=0.05)
-    group = _run(tmp_path, "group", _plan("mlp32", 4, 1, "p=1", "bf16"), "mlp32", steps=3,
-                 lr=0.05)
+    sync = case_results(results, "bf16-sync")
+    group = case_results(results, "bf16-group")
     assert all(b["sizes"] == [4, 4, 4] for b in group)
     # the weights the next step starts from: the masters, identical after the last average
     assert group[0]["master"] is not None and group[0]["master"].dtype == torch.float32
@@ -196,10 +210,9 @@ def _by_stage(outs: list[dict], key: str) -> dict[int, list[dict[str, torch.Tens
     return stages
 
 
-def test_two_by_two_with_a_straggler_keeps_the_mean_at_lr_zero(tmp_path: Path) -> None:
-    plan = _plan("mlp", 2, 2, "p=2 final-full-average=false")
-    outs = _run(tmp_path, "lr0", plan, "mlp", steps=12, lr=0.0, spread=0.1,
-                delay="0.5,0.05,3,1")  # rank 1 (stage 0, pipeline 1) straggles
+def test_two_by_two_with_a_straggler_keeps_the_mean_at_lr_zero(
+        results: list[dict[str, dict[str, Any]]]) -> None:
+    outs = case_results(results, "lr0")
     start, trained = _by_stage(outs, "start"), _by_stage(outs, "trained")
     for stage, replicas in start.items():
         for name in replicas[0]:
@@ -211,11 +224,10 @@ def test_two_by_two_with_a_straggler_keeps_the_mean_at_lr_zero(tmp_path: Path) -
     assert len(sizes) == 4 * 12 and set(sizes) <= {1, 2} and 2 in sizes
 
 
-def test_two_by_two_with_a_straggler_trains_like_synchronous_dp(tmp_path: Path) -> None:
-    steps, lr = 30, 0.05
-    sync = _run(tmp_path, "sync", _plan("mlp", 2, 2, None), "mlp", steps=steps, lr=lr)
-    group = _run(tmp_path, "group", _plan("mlp", 2, 2, "p=2"), "mlp", steps=steps, lr=lr,
-                 delay="0.5,0.05,3,1")
+def test_two_by_two_with_a_straggler_trains_like_synchronous_dp(
+        results: list[dict[str, dict[str, Any]]]) -> None:
+    sync = case_results(results, "straggler-sync")
+    group = case_results(results, "straggler-group")
     straggler_sizes = next(o["sizes"] for o in group if o["coords"] == (1, 0, 0))
     assert 1 in straggler_sizes  # the straggler's stage did not always wait for it
 

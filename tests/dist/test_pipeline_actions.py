@@ -6,10 +6,13 @@ interleaved-1f1b plan (two chunks per rank), and a plan whose lists differ from 
 ones (so the runtime cannot be regenerating them). Losses and parameters still equal a
 single-process float64 reference. A pipeline peer that stops answering makes the waiting
 rank fail with the group's timeout instead of hanging.
+
+The four plans train one after another in one process group; the silent peer gets its own.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from reflib import case_results, run_each
 from torch import nn
 
 import hetplan
@@ -100,6 +104,7 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
+@functools.cache
 def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     build, loss_fn, _ = MODELS[name]
     model = build()
@@ -151,8 +156,7 @@ def _hand(schedule: str, cuts: tuple[int, ...], virtual: int = 1,
 
 
 # -- the run --------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, name: str, plan_json: str) -> dict[str, Any]:
-    torch.set_num_threads(1)
+def _train(name: str, plan_json: str) -> dict[str, Any]:
     from hetplan.runtime.executor import Runtime
     from hetplan.runtime.handlers import StagesHandler
 
@@ -169,9 +173,37 @@ def _worker(rank: int, world: int, name: str, plan_json: str) -> dict[str, Any]:
     return out
 
 
-def _run_and_compare(name: str, plan: Plan) -> None:
+def _worker(rank: int, world: int, runs: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Each run ``label -> (model name, plan JSON)`` in turn, in this one process group."""
+    torch.set_num_threads(1)
+    return run_each(runs, lambda r: _train(*r))
+
+
+#: action lists for the 1f1b plan of :class:`Blocks` that differ from the generated ones: rank
+#: 0 takes the backward gradients in another order than rank 1 sends them (legal)
+CUSTOM = ("0F0 0F1 0F2 0F3 0B1 0B0 0B3 0B2", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3")
+
+
+def _plans() -> dict[str, tuple[str, Plan]]:
+    return {"gpipe": ("gpt", _compiled("gpipe")), "1f1b": ("gpt", _compiled("1f1b")),
+            "interleaved": ("blocks", _hand("interleaved-1f1b", (1, 2, 3), virtual=2)),
+            "custom": ("blocks", _hand("1f1b", (2,), ranks=CUSTOM))}
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, tuple[str, Plan]], list[dict[str, Any]]]:
+    """The plans by label, and every rank's results of all of them."""
+    plans = _plans()
+    runs = {label: (name, plan.to_json()) for label, (name, plan) in plans.items()}
+    return plans, run_local_ranks(_worker, 2, (runs,), timeout_s=600)
+
+
+def _compare(runs: tuple[dict[str, tuple[str, Plan]], list[dict[str, Any]]], label: str,
+             ) -> Plan:
+    """The run ``label`` executed its plan's lists and equals the reference; its plan."""
+    name, plan = runs[0][label]
     assert plan.pipeline_actions is not None
-    outs = run_local_ranks(_worker, 2, (name, plan.to_json()), timeout_s=240)
+    outs = case_results(runs[1], label)
     ref_losses, ref_params = _reference(name)
     for out in outs:
         want = plan.pipeline_actions.ranks[out["pp_rank"]].split()
@@ -187,31 +219,29 @@ def _run_and_compare(name: str, plan: Plan) -> None:
             torch.testing.assert_close(value, ref_params[n], **TOL)
             seen.add(n)
     assert seen == set(ref_params), "every parameter is checked on some rank"
+    return plan
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_compiled_plan_actions_are_executed(schedule: str) -> None:
-    plan = _compiled(schedule)
+def test_compiled_plan_actions_are_executed(runs: Any, schedule: str) -> None:
+    plan = _compare(runs, schedule)
     generated = build_schedule(schedule, 2, MICRO_BATCHES).encode()
     assert plan.pipeline_actions == PipelineActions(
         schedule=schedule, micro_batches=MICRO_BATCHES, num_stages=2, ranks=generated)
-    _run_and_compare("gpt", plan)
 
 
-def test_interleaved_plan_actions_are_executed_with_two_chunks_per_rank() -> None:
-    plan = _hand("interleaved-1f1b", (1, 2, 3), virtual=2)
+def test_interleaved_plan_actions_are_executed_with_two_chunks_per_rank(runs: Any) -> None:
+    plan = _compare(runs, "interleaved")
     assert plan.pipeline_actions is not None and plan.pipeline_actions.num_stages == 4
-    _run_and_compare("blocks", plan)
 
 
-def test_the_plans_lists_run_even_when_they_differ_from_the_generated_ones() -> None:
+def test_the_plans_lists_run_even_when_they_differ_from_the_generated_ones(runs: Any) -> None:
     """Rank 0 takes the backward gradients in another order than rank 1 sends them (legal,
     deadlock-free): they are matched by the receive order, not swapped."""
-    custom = ("0F0 0F1 0F2 0F3 0B1 0B0 0B3 0B2", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3")
-    plan = _hand("1f1b", (2,), ranks=custom)
+    plan = _compare(runs, "custom")
     assert plan.pipeline_actions is not None
+    assert plan.pipeline_actions.ranks == CUSTOM
     assert plan.pipeline_actions.ranks != build_schedule("1f1b", 2, MICRO_BATCHES).encode()
-    _run_and_compare("blocks", plan)
 
 
 # -- timeouts ---------------------------------------------------------------------------------------

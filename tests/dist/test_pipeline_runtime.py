@@ -1,29 +1,29 @@
 """Pipeline stages and schedules on gloo (2 or 4 CPU processes) equal a single-process
-reference: the loss of every step and every parameter after 3 SGD steps (float64)."""
+reference: the loss of every step and every parameter after 2 SGD steps (float64; the two
+steps see different batches, and the second runs on the weights the first updated). The
+2-rank cases train one after another in one process group."""
 
 from __future__ import annotations
 
+import functools
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from reflib import case_results, run_each
 from torch import nn
 
 from hetplan.errors import SpecError, TraceError
 from hetplan.ir.capture import capture
 from hetplan.ir.plan_sections import Layout, Stage
 from hetplan.models import DataDependentGate, DataDependentNet, TiedLM, TinyGPT
-from hetplan.profiling._spawn import start_method
+from hetplan.profiling._spawn import run_local_ranks
 from hetplan.runtime.pipeline import (
     SequentialStageModule,
     build_stage,
@@ -37,7 +37,7 @@ from hetplan.runtime.schedule import step as pp_step
 
 pytestmark = pytest.mark.dist
 
-STEPS = 3
+STEPS = 2
 BATCH = 8
 MICRO_BATCHES = 4
 LR = 0.1
@@ -117,6 +117,7 @@ def _data(case: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return CASES[case].data(torch.Generator().manual_seed(100 + step))
 
 
+@functools.cache
 def _reference(case: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _model(case)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -149,64 +150,82 @@ def _stages(case: str, layout: Layout) -> list[Stage]:
 
 
 # -- the multi-process run ----------------------------------------------------------------------
-def _worker(rank: int, world: int, store_dir: str, case: str, layout_json: str,
-            stages: list[Stage], out: str) -> None:
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        layout = Layout.model_validate_json(layout_json)
-        d, _, _ = layout.coords(rank)
-        pp_groups = [dist.new_group([layout.rank_of(i, j, 0) for j in range(layout.pp)])
-                     for i in range(layout.dp)]
-        dp_groups = [dist.new_group([layout.rank_of(i, j, 0) for i in range(layout.dp)])
-                     for j in range(layout.pp)]
-        dp_group = dp_groups[layout.coords(rank)[1]]
-        model = _model(case)
-        shard = slice(d * BATCH // layout.dp, (d + 1) * BATCH // layout.dp)
-        micro = _data(case, 0)[0][shard][:layout.micro_batch_size]
-        indices = stage_indices_of_rank(stages, rank)
-        names = [n for s in stages for n in s.layer_names]
-        ties = tied_across_stages(model, stages, names)
-        built = build_stages(model, (micro,), None, stages, indices, pp_groups[d], "cpu",
-                             allow_cross_stage_ties=True)
-        schedule = make_schedule(built if len(built) > 1 else built[0], layout,
-                                 CASES[case].loss)
-        named = [(n, p) for st in built for n, p in st.submod.named_parameters()]
-        params = [p for _, p in named]
-        opt = torch.optim.SGD(params, lr=LR)
-        losses = []
-        for step in range(STEPS):
-            x, y = _data(case, step)
-            loss = pp_step(schedule, indices, len(stages), x[shard], y[shard])
-            for tie in ties:  # copies of a tied tensor on several stages: sum their grads
-                local = [p for n, p in named if n in tie and p.grad is not None]
-                buf = local[0].grad if local else torch.zeros_like(model.get_parameter(tie[0]))
-                dist.all_reduce(buf, group=pp_groups[d])
-            if layout.dp > 1:  # stand-in for the runtime's gradient sync: average replicas
-                for p in params:
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=dp_group)
-                        p.grad /= layout.dp
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            if loss is not None:
-                losses.append(float(loss))
-        # a traced stage may keep an unused stale alias of a tied tensor: skip it
-        stale = {n for n, p in named if p.grad is None and any(n in t for t in ties)}
-        trained = {n: p.detach().clone() for n, p in named if n not in stale}
-        manual = all(isinstance(st.submod, SequentialStageModule) for st in built)
-        torch.save({"losses": losses, "params": trained, "manual": manual}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _train(rank: int, case: str, layout_json: str, stages: list[Stage]) -> dict[str, Any]:
+    layout = Layout.model_validate_json(layout_json)
+    d, _, _ = layout.coords(rank)
+    pp_groups = [dist.new_group([layout.rank_of(i, j, 0) for j in range(layout.pp)])
+                 for i in range(layout.dp)]
+    dp_groups = [dist.new_group([layout.rank_of(i, j, 0) for i in range(layout.dp)])
+                 for j in range(layout.pp)]
+    dp_group = dp_groups[layout.coords(rank)[1]]
+    model = _model(case)
+    shard = slice(d * BATCH // layout.dp, (d + 1) * BATCH // layout.dp)
+    micro = _data(case, 0)[0][shard][:layout.micro_batch_size]
+    indices = stage_indices_of_rank(stages, rank)
+    names = [n for s in stages for n in s.layer_names]
+    ties = tied_across_stages(model, stages, names)
+    built = build_stages(model, (micro,), None, stages, indices, pp_groups[d], "cpu",
+                         allow_cross_stage_ties=True)
+    schedule = make_schedule(built if len(built) > 1 else built[0], layout, CASES[case].loss)
+    named = [(n, p) for st in built for n, p in st.submod.named_parameters()]
+    params = [p for _, p in named]
+    opt = torch.optim.SGD(params, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _data(case, step)
+        loss = pp_step(schedule, indices, len(stages), x[shard], y[shard])
+        for tie in ties:  # copies of a tied tensor on several stages: sum their grads
+            local = [p for n, p in named if n in tie and p.grad is not None]
+            buf = local[0].grad if local else torch.zeros_like(model.get_parameter(tie[0]))
+            dist.all_reduce(buf, group=pp_groups[d])
+        if layout.dp > 1:  # stand-in for the runtime's gradient sync: average replicas
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad /= layout.dp
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if loss is not None:
+            losses.append(float(loss))
+    # a traced stage may keep an unused stale alias of a tied tensor: skip it
+    stale = {n for n, p in named if p.grad is None and any(n in t for t in ties)}
+    trained = {n: p.detach().clone() for n, p in named if n not in stale}
+    manual = all(isinstance(st.submod, SequentialStageModule) for st in built)
+    return {"losses": losses, "params": trained, "manual": manual}
 
 
-def _run_and_compare(tmp_path: Path, case: str, layout: Layout) -> list[dict]:
-    stages = _stages(case, layout)
-    mp.start_processes(_worker, args=(layout.num_ranks, str(tmp_path), case,
-                                      layout.model_dump_json(), stages, str(tmp_path / "out")),
-                       nprocs=layout.num_ranks, join=True, start_method=start_method())
-    got = [torch.load(tmp_path / f"out.{r}") for r in range(layout.num_ranks)]
+def _worker(rank: int, world: int, cases: dict[str, tuple[str, str, list[Stage]]],
+            ) -> dict[str, dict[str, Any]]:
+    """Each case ``label -> (model case, layout JSON, stages)`` in turn, in this one group."""
+    return run_each(cases, lambda c: _train(rank, *c))
+
+
+#: label -> (model case, layout) of the 2-rank runs, all trained in one process group
+TWO_RANKS: dict[str, tuple[str, Layout]] = {
+    **{f"{case}-{schedule}": (case, _layout(schedule, dp=1, pp=2))
+       for case in ("blocks", "gpt") for schedule in ("gpipe", "1f1b")},
+    "tied-1f1b": ("tied", _layout("1f1b", dp=1, pp=2)),
+    "seq-1f1b": ("seq", _layout("1f1b", dp=1, pp=2)),
+    "blocks4-interleaved": ("blocks4", _layout("interleaved-1f1b", dp=1, pp=2, virtual=2)),
+}
+
+
+def _spawn(runs: dict[str, tuple[str, Layout]]) -> list[dict[str, dict[str, Any]]]:
+    world = {layout.num_ranks for _, layout in runs.values()}
+    assert len(world) == 1
+    cases = {label: (case, layout.model_dump_json(), _stages(case, layout))
+             for label, (case, layout) in runs.items()}
+    return run_local_ranks(_worker, world.pop(), (cases,), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, dict[str, Any]]]:
+    return _spawn(TWO_RANKS)
+
+
+def _compare(results: list[dict[str, dict[str, Any]]], label: str, case: str,
+             layout: Layout) -> list[dict]:
+    got = case_results(results, label)
     ref_losses, ref_params = _reference(case)
     last = [g["losses"] for g in got if g["losses"]]
     assert len(last) == layout.dp  # one last-stage rank per replica
@@ -221,29 +240,38 @@ def _run_and_compare(tmp_path: Path, case: str, layout: Layout) -> list[dict]:
     return got
 
 
+def _compare_two(results: list[dict[str, dict[str, Any]]], label: str) -> list[dict]:
+    case, layout = TWO_RANKS[label]
+    return _compare(results, label, case, layout)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("case", ["blocks", "gpt"])
-def test_two_stages_equal_single_process(tmp_path: Path, case: str, schedule: str) -> None:
-    got = _run_and_compare(tmp_path, case, _layout(schedule, dp=1, pp=2))
+def test_two_stages_equal_single_process(two_ranks: list[dict[str, dict[str, Any]]], case: str,
+                                         schedule: str) -> None:
+    got = _compare_two(two_ranks, f"{case}-{schedule}")
     assert not any(g["manual"] for g in got), "traced stages expected"
 
 
-def test_tied_embedding_across_stages_with_summed_grads(tmp_path: Path) -> None:
-    _run_and_compare(tmp_path, "tied", _layout("1f1b", dp=1, pp=2))
+def test_tied_embedding_across_stages_with_summed_grads(
+        two_ranks: list[dict[str, dict[str, Any]]]) -> None:
+    _compare_two(two_ranks, "tied-1f1b")
 
 
-def test_untraceable_sequential_uses_manual_stages(tmp_path: Path) -> None:
-    got = _run_and_compare(tmp_path, "seq", _layout("1f1b", dp=1, pp=2))
+def test_untraceable_sequential_uses_manual_stages(
+        two_ranks: list[dict[str, dict[str, Any]]]) -> None:
+    got = _compare_two(two_ranks, "seq-1f1b")
     assert all(g["manual"] for g in got)
 
 
-def test_interleaved_1f1b_two_chunks_per_rank(tmp_path: Path) -> None:
-    _run_and_compare(tmp_path, "blocks4", _layout("interleaved-1f1b", dp=1, pp=2, virtual=2))
+def test_interleaved_1f1b_two_chunks_per_rank(two_ranks: list[dict[str, dict[str, Any]]]) -> None:
+    _compare_two(two_ranks, "blocks4-interleaved")
 
 
-@pytest.mark.slow  # 4 processes: 20 s on 2 idle cores, up to 40 s when they are shared
-def test_dp2_pp2_equals_single_process(tmp_path: Path) -> None:
-    _run_and_compare(tmp_path, "blocks", _layout("1f1b", dp=2, pp=2))
+@pytest.mark.slow  # 4 processes
+def test_dp2_pp2_equals_single_process() -> None:
+    layout = _layout("1f1b", dp=2, pp=2)
+    _compare(_spawn({"dp2-pp2": ("blocks", layout)}), "dp2-pp2", "blocks", layout)
 
 
 # -- split points and refusals (single process) ------------------------------------------------

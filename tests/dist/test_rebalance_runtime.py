@@ -73,36 +73,51 @@ def train_step(stage: LayerStage, opt: torch.optim.Optimizer, s: int, n: int,
     return total if s == n - 1 else None
 
 
-def worker(rank: int, world: int, old, new, switch: int, steps: int):
+def worker(rank: int, world: int, runs: list[tuple[Any, Any, int, int]]) -> list[tuple]:
+    """Each run ``(old, new, switch, steps)`` in turn, in this one process group: train
+    ``steps`` GPipe iterations on the ``old`` layer ranges, migrating to ``new`` before
+    iteration ``switch``. Per run: the losses by step, the parameters and Adam's second
+    moments by layer, and the layers held at the end."""
     torch.set_num_threads(1)
-    stage = build_layer_stage(factory, old, rank)
-    opt = torch.optim.Adam(stage.parameters(), lr=1e-2)
-    bounds = old
-    losses = {}
-    for step in range(steps):
-        if step == switch and new != old:
-            stage, opt = migrate(stage, opt, bounds, new, rank, factory, list(range(len(bounds))))
-            bounds = new
-        if rank < len(bounds):
-            loss = train_step(stage, opt, rank, len(bounds), step)
-            if loss is not None:
-                losses[step] = loss
-    params = {k: [p.detach().clone() for p in stage.layers[str(k)].parameters()]
-              for k in stage.indices}
-    states = {k: [opt.state[p]["exp_avg_sq"].clone() for p in stage.layers[str(k)].parameters()]
-              for k in stage.indices}
-    return losses, params, states, stage.indices
+    out = []
+    for old, new, switch, steps in runs:
+        stage = build_layer_stage(factory, old, rank)
+        opt = torch.optim.Adam(stage.parameters(), lr=1e-2)
+        bounds = old
+        losses = {}
+        for step in range(steps):
+            if step == switch and new != old:
+                stage, opt = migrate(stage, opt, bounds, new, rank, factory,
+                                     list(range(len(bounds))))
+                bounds = new
+            if rank < len(bounds):
+                loss = train_step(stage, opt, rank, len(bounds), step)
+                if loss is not None:
+                    losses[step] = loss
+        params = {k: [p.detach().clone() for p in stage.layers[str(k)].parameters()]
+                  for k in stage.indices}
+        states = {k: [opt.state[p]["exp_avg_sq"].clone()
+                      for p in stage.layers[str(k)].parameters()] for k in stage.indices}
+        out.append((losses, params, states, stage.indices))
+    return out
 
 
-def run(world: int, old, new, switch: int = 3, steps: int = 6):
-    outs = run_local_ranks(worker, world, (old, new, switch, steps), timeout_s=180)
-    losses, params, states, held = {}, {}, {}, []
-    for lo, pa, stt, idx in outs:
-        losses.update(lo)
-        params.update(pa)
-        states.update(stt)
-        held.append(idx)
-    return losses, params, states, held
+def run(world: int, *runs: tuple[Any, Any, int, int]) -> list[tuple]:
+    """The runs ``(old, new, switch, steps)`` one after another in one group of ``world``
+    ranks; per run: losses, parameters and Adam states over all ranks, and each rank's
+    layers."""
+    outs = run_local_ranks(worker, world, (list(runs),), timeout_s=180)
+    merged = []
+    for i in range(len(runs)):
+        losses, params, states, held = {}, {}, {}, []
+        for per_run in outs:
+            lo, pa, stt, idx = per_run[i]
+            losses.update(lo)
+            params.update(pa)
+            states.update(stt)
+            held.append(idx)
+        merged.append((losses, params, states, held))
+    return merged
 
 
 def assert_same(a, b) -> None:
@@ -118,20 +133,21 @@ def assert_same(a, b) -> None:
 
 
 def test_rebalance_mid_run_matches_a_run_that_never_moved() -> None:
+    """Adam state exists from the first step; the move comes after two steps, and two more
+    steps use the moved state."""
     old = ((0, 1), (2, 7))
     new = ((0, 4), (5, 7))
-    moved = run(2, old, new)
-    still = run(2, old, old)
-    assert len(moved[0]) == 6
+    moved, still = run(2, (old, new, 2, 4), (old, old, 2, 4))
+    assert len(moved[0]) == 4
     assert moved[3] == [[0, 1, 2, 3, 4], [5, 6, 7]]
+    assert still[3] == [[0, 1], [2, 3, 4, 5, 6, 7]]
     assert_same(moved, still)
 
 
 def test_repack_4_to_2_ranks_continues_training() -> None:
     old = ((0, 1), (2, 3), (4, 5), (6, 7))
     new = ((0, 3), (4, 7))
-    packed = run(4, old, new, switch=2, steps=5)
-    still = run(4, old, old, switch=2, steps=5)
+    packed, still = run(4, (old, new, 2, 4), (old, old, 2, 4))
     assert packed[3] == [[0, 1, 2, 3], [4, 5, 6, 7], [], []]  # ranks 2, 3 released
     assert_same(packed, still)
 
@@ -172,10 +188,7 @@ def _lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _rt_worker(rank: int, world: int, plan_json: str) -> tuple[dict, dict, dict, list]:
-    """Train RT_STEPS steps with the plan; every rank returns its losses, its parameters and
-    Adam's second moments by name, and the iterations it re-balanced at."""
-    torch.set_num_threads(1)
+def _rt_train(plan_json: str) -> tuple[dict, dict, dict, list]:
     from hetplan import zoo
     from hetplan.ir.plan import Plan
     from hetplan.runtime.executor import Runtime
@@ -196,6 +209,14 @@ def _rt_worker(rank: int, world: int, plan_json: str) -> tuple[dict, dict, dict,
     return out
 
 
+def _rt_worker(rank: int, world: int, plans: dict[str, str]) -> dict[str, tuple]:
+    """Train RT_STEPS steps with each plan in turn, in this one process group; per plan label
+    every rank returns its losses, its parameters and Adam's second moments by name, and the
+    iterations it re-balanced at."""
+    torch.set_num_threads(1)
+    return {label: _rt_train(plan_json) for label, plan_json in plans.items()}
+
+
 def _with_events(plan: Any, events: list[tuple[int, tuple[tuple[int, int], ...]]]) -> Any:
     from hetplan.ir.rebalancing import PlannedEvent, Rebalancing
 
@@ -204,10 +225,17 @@ def _with_events(plan: Any, events: list[tuple[int, tuple[tuple[int, int], ...]]
     return plan.model_copy(update={"rebalancing": reb})
 
 
-def _rt_run(plan: Any, world: int) -> tuple[dict, dict, dict, list, list]:
+def _rt_runs(world: int, plans: dict[str, Any]) -> dict[str, list[tuple]]:
+    """The plans one after another in one group of ``world`` ranks: per label, every rank's
+    ``(losses, params, states, rebalanced_at)``."""
+    outs = run_local_ranks(_rt_worker, world, ({k: p.to_json() for k, p in plans.items()},),
+                           timeout_s=300)
+    return {label: [o[label] for o in outs] for label in plans}
+
+
+def _merged(outs: list[tuple]) -> tuple[dict, dict, dict, list, list]:
     """Losses, parameters and Adam state by name over all ranks; per rank: the re-balanced
     iterations and the parameter names held at the end."""
-    outs = run_local_ranks(_rt_worker, world, (plan.to_json(),), timeout_s=240)
     losses, params, states = {}, {}, {}
     for lo, pa, st, _ in outs:
         losses.update(lo)
@@ -218,23 +246,31 @@ def _rt_run(plan: Any, world: int) -> tuple[dict, dict, dict, list, list]:
     return losses, params, states, [o[3] for o in outs], [sorted(o[1]) for o in outs]
 
 
-def test_runtime_executes_plan_events_with_losses_of_a_run_that_never_moved() -> None:
-    """gpt-test (8 IR layers) on 2 pipeline ranks with Adam: the plan moves the boundary at
-    iteration 1 (4|4 -> 6|2 layers) and back past the start at iteration 2 (-> 2|6)."""
+def _rt_plan(world: int, dp: int = 1, zero_stage: int | None = 0) -> Any:
     import hetplan
     from hetplan import zoo
 
     model = zoo.build(RT_MODEL, device="cpu", seed=0, dtype=torch.float64)
     ir = hetplan.capture(model, *zoo.example_inputs(RT_MODEL, batch=1, device="cpu"),
                          name=RT_MODEL)
-    plan = hetplan.compile(ir, _rt_cluster(2), batch_size=RT_BATCH, dp=1, pp=2, tp=1,
-                           micro_batch_size=2, schedule="1f1b")
+    # ZeRO-0: re-balancing moves whole per-parameter optimizer state (the runtime refuses
+    # it under ZeRO, whose state is sharded across the replicas), and the planner picks
+    # ZeRO-1 for dp > 1
+    return hetplan.compile(ir, _rt_cluster(world), batch_size=RT_BATCH, dp=dp,
+                           pp=world // dp, tp=1, micro_batch_size=2, schedule="1f1b",
+                           zero_stage=zero_stage)
+
+
+def test_runtime_executes_plan_events_with_losses_of_a_run_that_never_moved() -> None:
+    """gpt-test (8 IR layers) on 2 pipeline ranks with Adam: the plan moves the boundary at
+    iteration 1 (4|4 -> 6|2 layers) and back past the start at iteration 2 (-> 2|6)."""
+    plan = _rt_plan(2, zero_stage=None)
     first = [(s.first_layer, s.last_layer) for s in plan.stages]
     assert len(first) == 2
     moved_plan = _with_events(plan, [(1, ((0, 5), (6, 7))), (2, ((0, 1), (2, 7)))])
     assert tuple(first) not in (((0, 5), (6, 7)), ((0, 1), (2, 7)))
-    moved = _rt_run(moved_plan, 2)
-    still = _rt_run(plan, 2)
+    runs = _rt_runs(2, {"still": plan, "moved": moved_plan})
+    moved, still = _merged(runs["moved"]), _merged(runs["still"])
     assert moved[3] == [[1, 2], [1, 2]] and still[3] == [[], []]
     assert sorted(moved[0]) == list(range(RT_STEPS))
     assert moved[0] == still[0]  # bitwise: the same operations on the same values
@@ -249,32 +285,26 @@ def test_runtime_executes_plan_events_with_losses_of_a_run_that_never_moved() ->
     assert all(n.startswith(("tok_emb.", "pos_emb.")) for n in moved[4][0])
 
 
-def _rt_plan(world: int, dp: int = 1) -> Any:
-    import hetplan
-    from hetplan import zoo
-
-    model = zoo.build(RT_MODEL, device="cpu", seed=0, dtype=torch.float64)
-    ir = hetplan.capture(model, *zoo.example_inputs(RT_MODEL, batch=1, device="cpu"),
-                         name=RT_MODEL)
-    # ZeRO-0: re-balancing moves whole per-parameter optimizer state (the runtime refuses
-    # it under ZeRO, whose state is sharded across the replicas), and the planner picks
-    # ZeRO-1 for dp > 1
-    return hetplan.compile(ir, _rt_cluster(world), batch_size=RT_BATCH, dp=dp,
-                           pp=world // dp, tp=1, micro_batch_size=2, schedule="1f1b",
-                           zero_stage=0)
+@pytest.fixture(scope="module")
+def four_rank_runs() -> dict[str, list[tuple]]:
+    """dp=2 x pp=2 and pp=4, each never moved and with events, one after another in one group
+    of 4 ranks."""
+    dp2 = _rt_plan(4, dp=2)
+    assert dp2.layout is not None and (dp2.layout.dp, dp2.layout.pp) == (2, 2)
+    pp4 = _rt_plan(4)
+    return _rt_runs(4, {
+        "dp2-still": dp2, "pp4-still": pp4,
+        "dp2-moved": _with_events(dp2, [(1, ((0, 5), (6, 7))), (3, ((0, 7),))]),
+        "pp4-moved": _with_events(pp4, [(1, ((0, 3), (4, 7))), (3, ((0, 7),))])})
 
 
 @pytest.mark.slow
-def test_runtime_rebalances_every_data_parallel_replica() -> None:
+def test_runtime_rebalances_every_data_parallel_replica(
+        four_rank_runs: dict[str, list[tuple]]) -> None:
     """dp=2 x pp=2 (4 gloo ranks): both replicas move the boundary at iteration 1 and
     re-pack onto one stage at iteration 3; every replica's losses, parameters and Adam
     moments match the never-moved run (bitwise while pipelined)."""
-    plan = _rt_plan(4, dp=2)
-    assert plan.layout is not None and (plan.layout.dp, plan.layout.pp) == (2, 2)
-    outs = {}
-    for name, p in (("moved", _with_events(plan, [(1, ((0, 5), (6, 7))), (3, ((0, 7),))])),
-                    ("still", plan)):
-        outs[name] = run_local_ranks(_rt_worker, 4, (p.to_json(),), timeout_s=300)
+    outs = {"moved": four_rank_runs["dp2-moved"], "still": four_rank_runs["dp2-still"]}
     for rank in range(4):
         moved, still = outs["moved"][rank], outs["still"][rank]
         assert moved[3] == [1, 3]
@@ -296,15 +326,15 @@ def test_runtime_rebalances_every_data_parallel_replica() -> None:
 
 
 @pytest.mark.slow
-def test_runtime_repacks_4_to_2_to_1_ranks_and_trains_on() -> None:
+def test_runtime_repacks_4_to_2_to_1_ranks_and_trains_on(
+        four_rank_runs: dict[str, list[tuple]]) -> None:
     """gpt-test on 4 pipeline ranks with Adam; after iteration 1 the plan re-packs onto 2
     stages (ranks 2, 3 released), after iteration 3 onto rank 0 alone (no pipeline). Losses
     of the pipelined iterations equal the never-moved run bitwise; the last iteration (one
     process, the loss summed per micro-batch instead of averaged by the schedule) and the
     final parameters and Adam moments agree to rounding."""
-    plan = _rt_plan(4)
-    moved = _rt_run(_with_events(plan, [(1, ((0, 3), (4, 7))), (3, ((0, 7),))]), 4)
-    still = _rt_run(plan, 4)
+    moved = _merged(four_rank_runs["pp4-moved"])
+    still = _merged(four_rank_runs["pp4-still"])
     assert moved[3] == [[1, 3]] * 4
     assert moved[4][1] == moved[4][2] == moved[4][3] == []  # released: nothing held
     assert sorted(moved[4][0]) == sorted(still[1])  # rank 0 holds the whole model
@@ -354,7 +384,9 @@ def test_plan_dynamics_then_run_executes_the_passes_event(tmp_path: Any) -> None
     import sys
 
     import yaml
+    from typer.testing import CliRunner
 
+    from hetplan.cli import app
     from hetplan.ir.plan import load_plan
 
     cluster = tmp_path / "cpu2.json"
@@ -371,10 +403,11 @@ def test_plan_dynamics_then_run_executes_the_passes_event(tmp_path: Any) -> None
         return subprocess.run([sys.executable, "-m", "hetplan.cli", *args], capture_output=True,
                               text=True, timeout=240, check=False)
 
-    proc = hetplan_cli("plan", "gpt-test", "-c", str(cluster), "-b", "8", "--dp", "1", "--pp",
-                       "2", "--tp", "1", "--micro-batch-size", "2", "--dynamics", str(dyn),
-                       "-o", str(plan_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # in-process: planning needs no fresh interpreter (`hetplan run` below starts one)
+    planned = CliRunner().invoke(app, [
+        "plan", "gpt-test", "-c", str(cluster), "-b", "8", "--dp", "1", "--pp", "2", "--tp",
+        "1", "--micro-batch-size", "2", "--dynamics", str(dyn), "-o", str(plan_path)])
+    assert planned.exit_code == 0, planned.output[-3000:]
     plan = load_plan(plan_path)
     assert plan.rebalancing is not None
     applied = [e.iteration for e in plan.rebalancing.events if e.applied]

@@ -18,57 +18,28 @@ fp32 master weights under mixed precision). Tolerances are those of the pp=1 cas
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from reflib import (BATCH, WORLD, assert_params, cpu_cluster, gpt_batch, gpt_example, gpt_model,
+                    gpt_optimizer, gpt_reference)
 
 import hetplan
-from hetplan.ir.cluster import ClusterSpec
-from hetplan.ir.cluster_presets import PRESET_SPECS
 from hetplan.ir.plan import Plan
 from hetplan.models import MegatronGPT
 from hetplan.profiling._spawn import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
-WORLD, BATCH, SEQ, VOCAB, STEPS, LR = 2, 8, 8, 64, 3, 1e-2
-
-
-def _model(dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(0)
-    return MegatronGPT(vocab_size=VOCAB, max_seq=SEQ, dim=16, n_layers=2, n_heads=2,
-                       dropout=0.0).to(dtype)
-
-
-def _example() -> torch.Tensor:
-    return torch.zeros(1, SEQ, dtype=torch.long)
-
-
-def _batch(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-
-
-def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    """Adam for fp64; SGD with momentum for bf16 (see ``test_runtime_strategies.py``)."""
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=LR)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _cluster() -> ClusterSpec:
-    spec = copy.deepcopy(PRESET_SPECS["local-cpu"])
-    spec["name"] = "cpu-2"
-    spec["nodes"][0]["devices"][0]["count"] = WORLD
-    return ClusterSpec.model_validate(spec)
+STEPS = 3
 
 
 def _compile(dtype: torch.dtype, policy: str, recompute: str = "none") -> str:
-    plan = hetplan.compile(_model(dtype), _cluster(), example_inputs=(_example(),),
+    plan = hetplan.compile(gpt_model(dtype), cpu_cluster(WORLD),
+                           example_inputs=(gpt_example(),),
                            batch_size=BATCH, dp=1, pp=WORLD, tp=1, zero_stage=0,
                            micro_batch_size=BATCH // 2, schedule="1f1b",
                            recompute=recompute, dtype=policy, optimizer="adam")
@@ -94,43 +65,14 @@ def _rank(rank: int, world: int, cases: dict[str, tuple[str, str]]) -> dict[str,
     for label, (dtype, plan_json) in cases.items():
         plan = Plan.from_json(plan_json)
         kind = "adam" if label.startswith("fp64") else "sgd-momentum"
-        rt = Runtime(plan, _model(getattr(torch, dtype)), example_args=(_example(),),
-                     optimizer=functools.partial(_optimizer, kind))
-        losses = [rt.train_step(_batch(s), _batch(s)) for s in range(STEPS)]
+        rt = Runtime(plan, gpt_model(getattr(torch, dtype)), example_args=(gpt_example(),),
+                     optimizer=functools.partial(gpt_optimizer, kind))
+        losses = [rt.train_step(gpt_batch(s), gpt_batch(s)) for s in range(STEPS)]
         params = rt.handler(ZeroHandler).full_parameters(rt.ctx)
         out[label] = {"losses": losses, "params": {n: v.double() for n, v in params.items()},
                       "recomputed": len(rt.handler(RecomputeHandler).wrapped)}
         rt.close()
     return out
-
-
-def _reference(dtype: torch.dtype, half: torch.dtype | None = None,
-               ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Full-batch training in one process (Adam in fp64, else SGD with momentum); with
-    ``half``: 16-bit working weights, autocast forward, fp32 loss, fp32 master weights."""
-    master = _model(dtype)
-    work = copy.deepcopy(master).to(half) if half is not None else master
-    opt = _optimizer("adam" if dtype == torch.float64 else "sgd-momentum", master.parameters())
-    losses = []
-    for step in range(STEPS):
-        ids = _batch(step)
-        with torch.autocast("cpu", dtype=half, enabled=half is not None):
-            out = work(ids)
-        logits = out.float() if half is not None else out
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
-        loss.backward()
-        if half is not None:
-            for m, w in zip(master.parameters(), work.parameters(), strict=True):
-                m.grad = w.grad.float()
-                w.grad = None
-        opt.step()
-        opt.zero_grad()
-        if half is not None:
-            with torch.no_grad():
-                for m, w in zip(master.parameters(), work.parameters(), strict=True):
-                    w.copy_(m)
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().double() for n, p in master.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -150,21 +92,14 @@ def _merged(results: list[dict[str, Any]], label: str) -> tuple[list[float], dic
     return last["losses"], params
 
 
-def _assert_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                   **tol: float) -> None:
-    assert sorted(got) == sorted(want)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, msg=lambda m: f"{name}: {m}", **tol)
-
-
 def test_bf16_pipeline_matches_the_bf16_recipe(results: list[dict[str, Any]]) -> None:
     losses, params = _merged(results, "bf16/pp2")
-    ref_losses, ref = _reference(torch.float32, torch.bfloat16)
+    ref_losses, ref = gpt_reference(torch.float32, STEPS, torch.bfloat16)
     assert all(v.dtype == torch.float64 for v in params.values())  # fp32 masters, upcast
     assert losses == pytest.approx(ref_losses, rel=1e-2)
-    _assert_params(params, ref, rtol=0.0, atol=2e-3)
-    _, fp32 = _reference(torch.float32)
-    _assert_params(params, fp32, rtol=0.0, atol=1e-2)
+    assert_params(params, ref, rtol=0.0, atol=2e-3)
+    _, fp32 = gpt_reference(torch.float32, STEPS)
+    assert_params(params, fp32, rtol=0.0, atol=1e-2)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -173,6 +108,6 @@ def test_recompute_in_a_pipeline_equals_the_reference(results: list[dict[str, An
     label = f"fp64/pp2-{mode}"
     losses, params = _merged(results, label)
     assert all(r[label]["recomputed"] > 0 for r in results)  # every stage recomputes
-    ref_losses, ref = _reference(torch.float64)
+    ref_losses, ref = gpt_reference(torch.float64, STEPS)
     assert losses == pytest.approx(ref_losses, rel=1e-9)
-    _assert_params(params, ref, rtol=1e-9, atol=1e-11)
+    assert_params(params, ref, rtol=1e-9, atol=1e-11)

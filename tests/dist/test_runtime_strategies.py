@@ -22,17 +22,15 @@ weights under mixed precision). Tolerances:
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from reflib import (BATCH, WORLD, assert_params, cpu_cluster, gpt_batch, gpt_example, gpt_model,
+                    gpt_optimizer, gpt_reference)
 
 import hetplan
-from hetplan.ir.cluster import ClusterSpec
-from hetplan.ir.cluster_presets import PRESET_SPECS
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Bucket, CastSync, GradientSync
 from hetplan.models import MegatronGPT
@@ -41,41 +39,12 @@ from hetplan.profiling._spawn import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
-WORLD, BATCH, SEQ, VOCAB, STEPS, LR = 2, 8, 8, 64, 3, 1e-2
-
-
-def _model(dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(0)
-    return MegatronGPT(vocab_size=VOCAB, max_seq=SEQ, dim=16, n_layers=2, n_heads=2,
-                       dropout=0.0).to(dtype)
-
-
-def _example() -> torch.Tensor:
-    return torch.zeros(1, SEQ, dtype=torch.long)
-
-
-def _batch(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-
-
-def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    """Adam for the fp64 cases; SGD with momentum for bf16, whose update is linear in the
-    gradient (Adam's normalisation turns bf16 rounding of near-zero gradients into full
-    ``lr``-sized steps of either sign, which no tolerance on the weights can bound)."""
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=LR)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _cluster() -> ClusterSpec:
-    spec = copy.deepcopy(PRESET_SPECS["local-cpu"])
-    spec["name"] = "cpu-2"
-    spec["nodes"][0]["devices"][0]["count"] = WORLD
-    return ClusterSpec.model_validate(spec)
+STEPS = 3
 
 
 def _compile(dtype: torch.dtype, policy: str) -> Plan:
-    return hetplan.compile(_model(dtype), _cluster(), example_inputs=(_example(),),
+    return hetplan.compile(gpt_model(dtype), cpu_cluster(WORLD),
+                           example_inputs=(gpt_example(),),
                            batch_size=BATCH, dp=WORLD, pp=1, tp=1, zero_stage=0,
                            recompute="none", dtype=policy, optimizer="adam")
 
@@ -140,11 +109,11 @@ def _rank(rank: int, world: int, cases: dict[str, tuple[str, str]]) -> dict[str,
     out: dict[str, Any] = {}
     for label, (dtype, plan_json) in cases.items():
         plan = Plan.from_json(plan_json)
-        rt = Runtime(plan, _model(getattr(torch, dtype)), example_args=(_example(),),
-                     optimizer=functools.partial(_optimizer, _kind(label)))
+        rt = Runtime(plan, gpt_model(getattr(torch, dtype)), example_args=(gpt_example(),),
+                     optimizer=functools.partial(gpt_optimizer, _kind(label)))
         losses = []
         for step in range(STEPS):
-            ids = _batch(step)
+            ids = gpt_batch(step)
             losses.append(rt.train_step(ids, ids))
         t = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(t)
@@ -155,45 +124,9 @@ def _rank(rank: int, world: int, cases: dict[str, tuple[str, str]]) -> dict[str,
     return out
 
 
-def _reference(dtype: torch.dtype, half: torch.dtype | None = None,
-               ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Full-batch training in one process (Adam in fp64, else SGD with momentum); with
-    ``half``: 16-bit working weights, autocast forward, fp32 loss, fp32 master weights."""
-    master = _model(dtype)
-    work = copy.deepcopy(master).to(half) if half is not None else master
-    opt = _optimizer("adam" if dtype == torch.float64 else "sgd-momentum", master.parameters())
-    losses = []
-    for step in range(STEPS):
-        ids = _batch(step)
-        with torch.autocast("cpu", dtype=half, enabled=half is not None):
-            out = work(ids)
-        logits = out.float() if half is not None else out
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
-        loss.backward()
-        if half is not None:
-            for m, w in zip(master.parameters(), work.parameters(), strict=True):
-                m.grad = w.grad.float()
-                w.grad = None
-        opt.step()
-        opt.zero_grad()
-        if half is not None:
-            with torch.no_grad():
-                for m, w in zip(master.parameters(), work.parameters(), strict=True):
-                    w.copy_(m)
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().double() for n, p in master.named_parameters()}
-
-
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
     return run_local_ranks(_rank, WORLD, (_cases(),), timeout_s=600, threads_per_process=1)
-
-
-def _assert_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                   **tol: float) -> None:
-    assert sorted(got) == sorted(want)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, msg=lambda m: f"{name}: {m}", **tol)
 
 
 @pytest.mark.parametrize("label", ["fp64/zero0", "fp64/zero1", "fp64/zero2", "fp64/zero2-mb2",
@@ -201,22 +134,22 @@ def _assert_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
                                    "fp64/full-zero1"])
 def test_zero_and_recompute_equal_the_reference(results: list[dict[str, Any]],
                                                  label: str) -> None:
-    ref_losses, ref_params = _reference(torch.float64)
+    ref_losses, ref_params = gpt_reference(torch.float64, STEPS)
     for r in range(WORLD):
         got = results[r][label]
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-9)
-        _assert_params(got["params"], ref_params, rtol=1e-9, atol=1e-11)
+        assert_params(got["params"], ref_params, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize(("sharded", "unsharded"), [("fp64/topk-zero1", "fp64/topk-zero0"),
                                                     ("fp64/cast-zero2", "fp64/cast-zero0")])
 def test_zero_keeps_the_plans_gradient_path(results: list[dict[str, Any]], sharded: str,
                                             unsharded: str) -> None:
-    ref_losses, ref_params = _reference(torch.float64)
+    ref_losses, ref_params = gpt_reference(torch.float64, STEPS)
     for r in range(WORLD):
         got, base = results[r][sharded], results[r][unsharded]
         assert got["losses"] == pytest.approx(base["losses"], rel=1e-12)
-        _assert_params(got["params"], base["params"], rtol=0, atol=1e-12)
+        assert_params(got["params"], base["params"], rtol=0, atol=1e-12)
     # and the path is really the lossy one the plan asked for, not a plain allreduce
     diff = max(float((results[0][sharded]["params"][n] - v).abs().max())
                for n, v in ref_params.items())
@@ -226,14 +159,14 @@ def test_zero_keeps_the_plans_gradient_path(results: list[dict[str, Any]], shard
 @pytest.mark.parametrize("label", ["bf16/zero0", "bf16/zero1", "bf16/zero2", "bf16/zero3"])
 def test_bf16_autocast_with_fp32_master_weights(results: list[dict[str, Any]],
                                                 label: str) -> None:
-    ref_losses, ref_params = _reference(torch.float32, torch.bfloat16)
-    _, fp32_params = _reference(torch.float32)
+    ref_losses, ref_params = gpt_reference(torch.float32, STEPS, torch.bfloat16)
+    _, fp32_params = gpt_reference(torch.float32, STEPS)
     for r in range(WORLD):
         got = results[r][label]
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-2)
-        _assert_params(got["params"], {n: v for n, v in ref_params.items()},
+        assert_params(got["params"], {n: v for n, v in ref_params.items()},
                        rtol=0, atol=2e-3)
-        _assert_params(got["params"], fp32_params, rtol=0, atol=1e-2)
+        assert_params(got["params"], fp32_params, rtol=0, atol=1e-2)
     # the master weights are not the bf16 working copy: some differ from their bf16 rounding
     p = results[0][label]["params"]["blocks.0.fc1.weight"]
     assert not torch.equal(p, p.to(torch.bfloat16).double())

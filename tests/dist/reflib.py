@@ -1,0 +1,225 @@
+"""Single-process references and the rank function that the runtime-equality tests share.
+
+Two families, each used by two test modules:
+
+- zoo language models (``gpt-test``, ``tied-lm``, ``tiny-gpt2``) in float64 and eval mode,
+  trained with SGD on next-token batches (``test_runtime_megatron.py``,
+  ``test_runtime_pp_tied.py``): :func:`zoo_reference` trains one process, :func:`train_plans`
+  trains several compiled plans one after another inside one process group (one spawn per
+  world size, not one per plan) and returns what each rank ended with;
+- a 2-layer :class:`~hetplan.models.MegatronGPT` trained with Adam (fp64) or SGD with
+  momentum (bf16) on 2 ranks (``test_runtime_strategies.py``,
+  ``test_runtime_pp_strategies.py``): :func:`gpt_reference` is the full-batch recipe.
+
+Models are built from a seed, so every rank and the reference start from the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetplan import zoo
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.cluster_presets import PRESET_SPECS
+from hetplan.ir.plan import Plan
+from hetplan.models import MegatronGPT
+
+SGD_LR = 0.05
+
+
+def cpu_cluster(world: int) -> ClusterSpec:
+    """The ``local-cpu`` preset with ``world`` CPU devices."""
+    spec = copy.deepcopy(PRESET_SPECS["local-cpu"])
+    spec["name"] = f"cpu-{world}"
+    spec["nodes"][0]["devices"] = [{"type": "cpu", "count": world}]
+    return ClusterSpec.model_validate(spec)
+
+
+# -- zoo language models ----------------------------------------------------------------------
+def zoo_model(name: str) -> nn.Module:
+    """The zoo model in float64; eval(): no dropout, whose random masks a split model cannot
+    draw as one process does."""
+    return zoo.build(name, device="cpu", seed=0, dtype=torch.float64).eval()
+
+
+def zoo_example(name: str) -> tuple[tuple, dict]:
+    """The zoo's example inputs (batch 1), with ``use_cache=False`` where the model takes it."""
+    args, kwargs = zoo.example_inputs(name, batch=1, device="cpu")
+    return args, ({k: v for k, v in kwargs.items() if k != "use_cache"}
+                  | ({"use_cache": False} if "use_cache" in kwargs else {}))
+
+
+def lm_data(step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s token ids (vocabulary 64) and their next-token targets."""
+    g = torch.Generator().manual_seed(7 + step)
+    ids = torch.randint(0, 64, (batch, seq), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits (a HF output's ``logits``, or a tuple's first item)."""
+    out = getattr(out, "logits", out)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=SGD_LR)
+
+
+@functools.cache
+def zoo_reference(name: str, batch: int, seq: int, steps: int,
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process trains ``steps`` SGD steps: the loss of each step and every parameter
+    (tied ones under each of their names). Computed once per argument tuple; callers must
+    not modify what it returns."""
+    model = zoo_model(name)
+    _, kwargs = zoo_example(name)
+    opt = sgd(list(model.parameters()))
+    losses = []
+    for step in range(steps):
+        ids, y = lm_data(step, batch, seq)
+        loss = lm_loss(model(ids, **kwargs), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.detach().clone()
+                    for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _train_one(name: str, batch: int, seq: int, steps: int, plan_json: str) -> dict[str, Any]:
+    from hetplan.runtime.executor import Runtime
+
+    args, kwargs = zoo_example(name)
+    rt = Runtime(Plan.from_json(plan_json), zoo_model(name), example_args=args,
+                 example_kwargs=kwargs, loss_fn=lm_loss, optimizer=sgd)
+    losses = [rt.train_step(*lm_data(step, batch, seq)) for step in range(steps)]
+    params = {n: p.detach().clone() for n, p in rt.named_params}
+    mine = {id(p) for _, p in rt.named_params}  # this rank's stages' parameters
+    for mname, module in rt.model.named_modules():
+        if not any(id(p) in mine for p in module.parameters(recurse=False)):
+            continue
+        if hasattr(module, "gather_weight"):  # a tensor-parallel shard: the full weight
+            params[f"{mname}.weight"] = module.gather_weight()
+            if getattr(module, "bias", None) is not None:
+                params[f"{mname}.bias"] = module.gather_bias()
+    kinds = sorted({type(m).__name__ for m in rt.model.modules() if hasattr(m, "gather_weight")})
+    out = {"losses": losses, "params": params, "kinds": kinds,
+           "loss_fn": type(rt.ctx.loss_fn).__name__}
+    rt.close()
+    return out
+
+
+def run_each(cases: dict[str, Any], train: Callable[[Any], dict[str, Any]],
+             ) -> dict[str, dict[str, Any]]:
+    """``label -> train(case)`` for each case in turn, inside a rank of a process group that
+    all cases share. The first case that raises ends the run: its label maps to
+    ``{"error": traceback}``, and the cases after it are absent (the ranks' collectives no
+    longer line up). :func:`case_results` reads the outcome back per case."""
+    out: dict[str, dict[str, Any]] = {}
+    for label, case in cases.items():
+        try:
+            out[label] = train(case)
+        except Exception:  # reported to the case's test, which fails with it
+            out[label] = {"error": traceback.format_exc()}
+            break
+    return out
+
+
+def train_plans(rank: int, world: int, cases: dict[str, tuple[str, int, int, int, str]],
+                ) -> dict[str, dict[str, Any]]:
+    """Rank function for :func:`hetplan.profiling._spawn.run_local_ranks`: trains each case
+    ``label -> (zoo model, batch, seq, steps, plan JSON)`` in turn (:func:`run_each`) and
+    returns, per label, the losses per step (NaN where this rank holds no last stage), its
+    parameters (tensor-parallel shards gathered to full tensors), the kinds of parallel
+    modules built and the loss function's class."""
+    return run_each(cases, lambda case: _train_one(*case))
+
+
+def case_results(results: list[dict[str, dict[str, Any]]], label: str) -> list[dict[str, Any]]:
+    """Every rank's result of case ``label``; fails with the rank's traceback if it raised, or
+    names the case that stopped the run before it."""
+    got = []
+    for rank, res in enumerate(results):
+        if label not in res:
+            failed = [k for k, v in res.items() if "error" in v]
+            raise AssertionError(f"rank {rank} never ran {label}: {failed} failed before it")
+        assert "error" not in res[label], f"rank {rank}, {label}:\n{res[label]['error']}"
+        got.append(res[label])
+    return got
+
+
+# -- a 2-layer Megatron GPT on 2 ranks --------------------------------------------------------
+WORLD, BATCH, SEQ, VOCAB, LR = 2, 8, 8, 64, 1e-2
+
+
+def gpt_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return MegatronGPT(vocab_size=VOCAB, max_seq=SEQ, dim=16, n_layers=2, n_heads=2,
+                       dropout=0.0).to(dtype)
+
+
+def gpt_example() -> torch.Tensor:
+    return torch.zeros(1, SEQ, dtype=torch.long)
+
+
+def gpt_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def gpt_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    """Adam for the fp64 cases; SGD with momentum for bf16, whose update is linear in the
+    gradient (Adam's normalisation turns bf16 rounding of near-zero gradients into full
+    ``lr``-sized steps of either sign, which no tolerance on the weights can bound)."""
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=LR)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@functools.cache
+def gpt_reference(dtype: torch.dtype, steps: int, half: torch.dtype | None = None,
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Full-batch training in one process (Adam in fp64, else SGD with momentum); with
+    ``half``: 16-bit working weights, autocast forward, fp32 loss, fp32 master weights.
+    Computed once per argument tuple; callers must not modify what it returns."""
+    master = gpt_model(dtype)
+    work = copy.deepcopy(master).to(half) if half is not None else master
+    opt = gpt_optimizer("adam" if dtype == torch.float64 else "sgd-momentum",
+                        master.parameters())
+    losses = []
+    for step in range(steps):
+        ids = gpt_batch(step)
+        with torch.autocast("cpu", dtype=half, enabled=half is not None):
+            out = work(ids)
+        logits = out.float() if half is not None else out
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
+        loss.backward()
+        if half is not None:
+            for m, w in zip(master.parameters(), work.parameters(), strict=True):
+                m.grad = w.grad.float()
+                w.grad = None
+        opt.step()
+        opt.zero_grad()
+        if half is not None:
+            with torch.no_grad():
+                for m, w in zip(master.parameters(), work.parameters(), strict=True):
+                    w.copy_(m)
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().double() for n, p in master.named_parameters()}
+
+
+def assert_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                  **tol: float) -> None:
+    """``got`` has exactly ``want``'s names, each value within ``tol`` of it."""
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, msg=lambda m: f"{name}: {m}", **tol)
