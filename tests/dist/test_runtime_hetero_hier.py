@@ -24,27 +24,33 @@ One spawn runs three gradient-sync sections on the same plan, each a fresh ``Run
 - ``topk``: the same bucket at ratio 0.25 with error feedback (lossy). The four stage-1
   replicas hold bitwise-equal parameters after the steps, which differ from ``hier``'s.
 
-Each check fails if a level's groups are wrong: a sum over the intra group alone, or an
-inter group pairing ranks of one node, gives each replica half the batch's gradient.
-Measured: the module (plan assembly, one spawn, three runs) took 47 s under pytest on this
-shared 2-core machine.
+Without the per-stage subgroups every case fails at setup (the grad-sync path's
+``SpecError``: no 'intra' group); with the intra group passed as the inter level too, the
+ranks fail in the path. A sum over the intra group alone would give each replica half the
+batch's gradient, which the reference comparison rejects. The cases share one process group
+(``reflib.run_each``, docs/decisions/test-budget.md); the reference is ``reflib``'s.
+Measured: the module took 38 s under pytest on this shared 2-core machine.
 """
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
+from reflib import (
+    case_results,
+    lm_data,
+    lm_loss,
+    run_each,
+    sgd,
+    zoo_example,
+    zoo_model,
+    zoo_reference,
+)
 
 import hetplan
-from hetplan import zoo
 from hetplan.algorithms.espresso_tree import (
     all_options,
     devices_of,
@@ -55,11 +61,11 @@ from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_checks import plan_problems
 from hetplan.ir.plan_sections import Bucket, CommStep, GradientSync, NoSync, TensorSync
-from hetplan.profiling._spawn import start_method
+from hetplan.profiling._spawn import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
-NAME, SEQ, VOCAB, STEPS, WORLD = "gpt-test", 32, 64, 2, 5
+NAME, SEQ, STEPS, WORLD = "gpt-test", 32, 2, 5
 MB, M = 4, 2  # micro-batch rows, micro-batches: global batch 8
 BATCH = MB * M
 SPLIT = 3  # stage 0: the first SPLIT layers of the captured model
@@ -70,42 +76,6 @@ HIER = NoSync(hierarchy="hierarchical", steps=(
     CommStep(level="intra", routine="reduce_scatter"), CommStep(level="inter"),
     CommStep(level="intra", routine="allgather")))
 BUCKET_PREFIX = "blocks.3."
-
-
-def _model() -> nn.Module:
-    return zoo.build(NAME, device="cpu", seed=0, dtype=torch.float64).eval()
-
-
-def _example() -> tuple[torch.Tensor, ...]:
-    return tuple(zoo.example_inputs(NAME, batch=1, device="cpu")[0])
-
-
-def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.roll(ids, -1, dims=1)
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-
-
-def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05)
-
-
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model()
-    opt = _sgd(list(model.parameters()))
-    losses = []
-    for step in range(STEPS):
-        ids, y = _data(step)
-        loss = _loss(model(ids), y)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _two_level_option() -> int:
@@ -126,7 +96,7 @@ def _plan() -> Plan:
 
     spec = ClusterSpec.load(CLUSTER)
     assert [spec.node_of(r) for r in range(WORLD)] == [0, 1, 1, 2, 2]
-    ir = hetplan.capture(_model(), _example(), name=NAME)
+    ir = hetplan.capture(zoo_model(NAME), zoo_example(NAME)[0], name=NAME)
     searched = choose_hetero(hetplan.compile(ir, spec, batch_size=20, dtype="fp32"),
                              spec, None, 20, "on")
     workload = searched.model.workload
@@ -180,94 +150,89 @@ def _plans() -> dict[str, Plan]:
             "topk": _with_sync(plan, strategy_for(("topk", oid), ratio=0.25))}
 
 
-def _worker(rank: int, world: int, store_dir: str, plans: dict[str, str], out: str) -> None:
-    torch.set_num_threads(1)
+def _train(plan_json: str) -> dict[str, Any]:
     from hetplan.runtime.executor import Runtime
 
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    result: dict[str, Any] = {}
-    try:
-        for label, plan_json in plans.items():
-            rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
-                         loss_fn=_loss, optimizer=_sgd)
-            g = rt.ctx.groups
-            assert g is not None
-            result[label] = {
-                "losses": [rt.train_step(*_data(step)) for step in range(STEPS)],
-                "params": {n: p.detach().clone() for n, p in rt.named_params},
-                "levels": (g.dp_ranks, g.dp_intra_ranks, g.dp_inter_ranks)}
-            rt.close()
-        torch.save(result, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    rt = Runtime(Plan.from_json(plan_json), zoo_model(NAME), example_args=zoo_example(NAME)[0],
+                 loss_fn=lm_loss, optimizer=sgd)
+    g = rt.ctx.groups
+    assert g is not None
+    out = {"losses": [rt.train_step(*lm_data(step, BATCH, SEQ)) for step in range(STEPS)],
+           "params": {n: p.detach().clone() for n, p in rt.named_params},
+           "levels": (g.dp_ranks, g.dp_intra_ranks, g.dp_inter_ranks)}
+    rt.close()
+    return out
+
+
+def _rank(rank: int, world: int, plans: dict[str, str]) -> dict[str, dict[str, Any]]:
+    return run_each(plans, _train)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("hetero-hier")
+def results() -> list[dict[str, dict[str, Any]]]:
+    """Every rank's ``label -> result`` (one spawn runs all cases)."""
     plans = {k: p.to_json() for k, p in _plans().items()}
-    mp.start_processes(_worker, args=(WORLD, str(tmp), plans, str(tmp / "out")),
-                       nprocs=WORLD, join=True, start_method=start_method())
-    return [torch.load(tmp / f"out.{r}") for r in range(WORLD)]
+    return run_local_ranks(_rank, WORLD, (plans,), timeout_s=300, threads_per_process=1)
 
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return _reference()
+    return zoo_reference(NAME, BATCH, SEQ, STEPS)
 
 
-def _last_stage_loss(results: list[dict[str, Any]], label: str) -> list[float]:
+def _last_stage_loss(ranks: list[dict[str, Any]]) -> list[float]:
     """Mean over stage 1's replicas of each one's loss (the mean over its rows)."""
-    per_rank = [results[r][label]["losses"] for r in range(1, WORLD)]
-    assert all(x != x for x in results[0][label]["losses"])  # stage 0 reports no loss
-    return [sum(xs) / len(xs) for xs in zip(*per_rank)]
+    assert all(x != x for x in ranks[0]["losses"])  # stage 0 reports no loss
+    return [sum(xs) / len(xs) for xs in zip(*(r["losses"] for r in ranks[1:]))]
 
 
-def _check_params(results: list[dict[str, Any]], label: str,
-                  ref: dict[str, torch.Tensor], tol: dict[str, float]) -> None:
+def _check_params(ranks: list[dict[str, Any]], ref: dict[str, torch.Tensor],
+                  tol: dict[str, float]) -> None:
     seen: set[str] = set()
-    for r in range(WORLD):
-        for n, value in results[r][label]["params"].items():
+    for r in ranks:
+        for n, value in r["params"].items():
             torch.testing.assert_close(value, ref[n], **tol, msg=lambda m, n=n: f"{n}: {m}")
             seen.add(n)
     assert seen == set(ref), f"unchecked: {sorted(set(ref) - seen)}"
 
 
-def test_stage_dp_group_split_by_node(results: list[dict[str, Any]]) -> None:
-    levels = [results[r]["hier"]["levels"] for r in range(WORLD)]
+def test_stage_dp_group_split_by_node(results: list[dict[str, dict[str, Any]]]) -> None:
+    levels = [r["levels"] for r in case_results(results, "hier")]
     assert levels == [((0,), None, None),
                       ((1, 2, 3, 4), (1, 2), (1, 3)), ((1, 2, 3, 4), (1, 2), (2, 4)),
                       ((1, 2, 3, 4), (3, 4), (1, 3)), ((1, 2, 3, 4), (3, 4), (2, 4))]
 
 
 def test_hierarchical_fp32_equals_reference(
-        results: list[dict[str, Any]],
+        results: list[dict[str, dict[str, Any]]],
         reference: tuple[list[float], dict[str, torch.Tensor]]) -> None:
     losses, ref = reference
-    assert _last_stage_loss(results, "hier") == pytest.approx(losses, rel=1e-9)
-    _check_params(results, "hier", ref, EXACT)
+    ranks = case_results(results, "hier")
+    assert _last_stage_loss(ranks) == pytest.approx(losses, rel=1e-9)
+    _check_params(ranks, ref, EXACT)
 
 
 def test_lossless_compressed_bucket_equals_reference_to_fp32(
-        results: list[dict[str, Any]],
+        results: list[dict[str, dict[str, Any]]],
         reference: tuple[list[float], dict[str, torch.Tensor]]) -> None:
     losses, ref = reference
-    assert _last_stage_loss(results, "topk1") == pytest.approx(losses, rel=1e-6)
-    _check_params(results, "topk1", ref, FP32)
-    bucket = [n for n in results[1]["topk1"]["params"] if n.startswith(BUCKET_PREFIX)]
-    assert bucket
-    assert any(not torch.equal(results[1]["topk1"]["params"][n], results[1]["hier"]["params"][n])
-               for n in bucket)
+    ranks = case_results(results, "topk1")
+    assert _last_stage_loss(ranks) == pytest.approx(losses, rel=1e-6)
+    _check_params(ranks, ref, FP32)
+    got, hier = ranks[1]["params"], case_results(results, "hier")[1]["params"]
+    bucket = [n for n in got if n.startswith(BUCKET_PREFIX)]
+    assert bucket and any(not torch.equal(got[n], hier[n]) for n in bucket)
 
 
-def test_lossy_compressed_bucket_keeps_replicas_equal(results: list[dict[str, Any]]) -> None:
-    first = results[1]["topk"]["params"]
+def test_lossy_compressed_bucket_keeps_replicas_equal(
+        results: list[dict[str, dict[str, Any]]]) -> None:
+    ranks = case_results(results, "topk")
+    first = ranks[1]["params"]
     for r in range(2, WORLD):
-        got = results[r]["topk"]["params"]
+        got = ranks[r]["params"]
         assert sorted(got) == sorted(first)
         for n, value in got.items():
             assert torch.equal(value, first[n]), f"rank {r}: {n} differs from rank 1"
+    hier = case_results(results, "hier")[1]["params"]
     bucket = [n for n in first if n.startswith(BUCKET_PREFIX)]
-    assert any(not torch.equal(first[n], results[1]["hier"]["params"][n]) for n in bucket)
+    assert any(not torch.equal(first[n], hier[n]) for n in bucket)
