@@ -24,9 +24,10 @@ One spawn runs three gradient-sync sections on the same plan, each a fresh ``Run
 - ``topk``: the same bucket at ratio 0.25 with error feedback (lossy). The four stage-1
   replicas hold bitwise-equal parameters after the steps, which differ from ``hier``'s.
 
-Without the per-stage subgroups every case fails at setup (the grad-sync path's
-``SpecError``: no 'intra' group); with the intra group passed as the inter level too, the
-ranks fail in the path. A sum over the intra group alone would give each replica half the
+Without the per-stage subgroups stage 1's ranks refuse the first case at setup (the
+grad-sync path's ``SpecError``: no 'intra' group) and the module fails: rank 0, which syncs
+nothing, waits on the pipeline until the spawn's limit (``TIMEOUT_S``; checked). With the
+intra group passed as the inter level too, the ranks fail in the path. A sum over the intra group alone would give each replica half the
 batch's gradient, which the reference comparison rejects. The cases share one process group
 (``reflib.run_each``, docs/decisions/test-budget.md); the reference is ``reflib``'s.
 Measured: the module took 38 s under pytest on this shared 2-core machine.
@@ -76,6 +77,7 @@ HIER = NoSync(hierarchy="hierarchical", steps=(
     CommStep(level="intra", routine="reduce_scatter"), CommStep(level="inter"),
     CommStep(level="intra", routine="allgather")))
 BUCKET_PREFIX = "blocks.3."
+TIMEOUT_S = 180  # process-group timeout and wall limit: 4-5x the measured run
 
 
 def _two_level_option() -> int:
@@ -172,7 +174,8 @@ def _rank(rank: int, world: int, plans: dict[str, str]) -> dict[str, dict[str, A
 def results() -> list[dict[str, dict[str, Any]]]:
     """Every rank's ``label -> result`` (one spawn runs all cases)."""
     plans = {k: p.to_json() for k, p in _plans().items()}
-    return run_local_ranks(_rank, WORLD, (plans,), timeout_s=300, threads_per_process=1)
+    return run_local_ranks(_rank, WORLD, (plans,), timeout_s=TIMEOUT_S,
+                           threads_per_process=1)
 
 
 @pytest.fixture(scope="module")
