@@ -178,15 +178,16 @@ class ParallelGroups:
                    ranks.get("intra"), ranks.get("inter"), mine.get("intra"), mine.get("inter"))
 
 
-def node_split(layout: Layout, members: tuple[int, ...],
+def node_split(layout: Layout | None, members: tuple[int, ...],
                node_of: Callable[[int], int] | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """The intra-node and inter-node subgroups of a group (empty when not hierarchical).
 
     Intra groups: the members on each node, in rank order. Inter groups: the j-th member of
-    every node, for each j. Needs nodes (``layout.ranks``, else ``node_of``), at least two
-    nodes, and the same number of members on every node.
+    every node, for each j. Needs nodes (``layout.ranks``, else ``node_of``; a heterogeneous
+    plan passes no layout, its ranks are the cluster's), at least two nodes, and the same
+    number of members on every node.
     """
-    if layout.ranks:
+    if layout is not None and layout.ranks:
         placements = layout.ranks
 
         def node_of(r: int) -> int:

@@ -10,8 +10,11 @@ receives with point-to-point operations on the default group (:class:`HeteroPipe
 group per replica and data-parallel group per TP rank (the mapping of
 :mod:`hetplan.runtime.hetero_ranks`); this rank's are its ``ParallelGroups``, so tensor
 parallelism, ZeRO and gradient sync run inside the stage, and gradient sync of a stage
-averages over that stage's own replicas. There are no intra/inter-node subgroups and no
-pipeline group (``pp_group`` is None; ``pp_ranks`` lists the first rank of every stage).
+averages over that stage's own replicas. Each stage's data-parallel group is split by node
+as a homogeneous plan's is (:func:`~hetplan.runtime.groups.node_split` on the cluster's
+nodes), so a hierarchical routing the planner gave a stage (Espresso per stage) runs on its
+intra- and inter-node subgroups. There is no pipeline group (``pp_group`` is None;
+``pp_ranks`` lists the first rank of every stage).
 
 **Reshard at a boundary** (no sequence parallelism: a TP stage's input and output are
 replicated on its TP ranks). Forward: for every pair of sender replica and receiver replica
@@ -50,7 +53,7 @@ from torch import nn
 
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
-from hetplan.runtime.groups import ParallelGroups
+from hetplan.runtime.groups import ParallelGroups, node_split
 from hetplan.runtime.handlers.base import RuntimeContext
 from hetplan.runtime.hetero_ranks import (
     HeteroCoords,
@@ -59,7 +62,7 @@ from hetplan.runtime.hetero_ranks import (
     row_overlaps,
 )
 
-__all__ = ["HeteroPipeline", "HeteroStage", "hetero_groups"]
+__all__ = ["HeteroPipeline", "HeteroStage", "hetero_group_members", "hetero_groups"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.bool, torch.uint8)
@@ -67,23 +70,45 @@ _HEADER = 12  # [tensors, dtype, ndim, shape (up to 9 dims)]
 _FWD, _BWD = 0, 1
 
 
-def hetero_groups(plan: Plan, rank: int, timeout: timedelta) -> ParallelGroups:
-    """This rank's groups under ``plan.hetero`` (a collective: every rank calls it)."""
-    me = hetero_coords(plan, rank)
-    mine: dict[str, Any] = {}
+def hetero_group_members(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+    """Every group of a heterogeneous plan as ``(kind, global ranks)``, in the order every
+    rank creates them: per stage, the TP group of each replica, the data-parallel group of
+    each TP rank, then each data-parallel group's intra- and inter-node subgroups
+    (:func:`~hetplan.runtime.groups.node_split` on the cluster's nodes: made only when the
+    group spans at least two nodes holding the same number of its ranks, as for a
+    homogeneous plan). Pure: no process group is touched."""
     assert plan.hetero is not None
+    spec = plan.cluster.spec
+    node_of = spec.node_of if spec is not None else None
+    out: list[tuple[str, tuple[int, ...]]] = []
     for st, shape in zip(plan.stages, plan.hetero.stages):
         ranks, tp = tuple(st.ranks), shape.tp
-        groups = [("tp", ranks[d * tp:(d + 1) * tp]) for d in range(shape.dp)]
-        groups += [("dp", ranks[t::tp]) for t in range(tp)]
-        for kind, members in groups:
-            group = (dist.new_group(list(members), timeout=timeout)
-                     if len(members) > 1 else None)
-            if rank in members:
-                mine[kind] = group
+        dps = [ranks[t::tp] for t in range(tp)]
+        out += [("tp", ranks[d * tp:(d + 1) * tp]) for d in range(shape.dp)]
+        out += [("dp", members) for members in dps]
+        for members in dps:
+            out += node_split(None, members, node_of)
+    return out
+
+
+def hetero_groups(plan: Plan, rank: int, timeout: timedelta) -> ParallelGroups:
+    """This rank's groups under ``plan.hetero`` (a collective: every rank calls it and
+    creates every group of :func:`hetero_group_members`, in that order); its data-parallel
+    group's intra/inter-node subgroups when the group has them, so a hierarchical routing
+    runs on the stage as on a homogeneous plan."""
+    me = hetero_coords(plan, rank)
+    mine: dict[str, Any] = {}
+    ranks: dict[str, tuple[int, ...]] = {}
+    for kind, members in hetero_group_members(plan):
+        group = (dist.new_group(list(members), timeout=timeout)
+                 if len(members) > 1 else None)
+        if rank in members:
+            mine[kind], ranks[kind] = group, members
     firsts = tuple(st.ranks[0] for st in plan.stages)
     return ParallelGroups(rank, me.dp_rank, me.stage, me.tp_rank, me.dp_ranks, firsts,
-                          me.tp_ranks, mine.get("dp"), None, mine.get("tp"))
+                          me.tp_ranks, mine.get("dp"), None, mine.get("tp"),
+                          ranks.get("intra"), ranks.get("inter"), mine.get("intra"),
+                          mine.get("inter"))
 
 
 @dataclass
