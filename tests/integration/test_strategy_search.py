@@ -101,7 +101,9 @@ def test_predictions_carry_the_per_rank_breakdown(gpt_test: ModelIR) -> None:
 
 # -- interleaved virtual stages ------------------------------------------------------------------
 def test_interleaved_1f1b_compiles(gpt_test: ModelIR) -> None:
-    plan = compile(gpt_test, "a100-nvlink-8x8", batch_size=64, pp=4,
+    # pp 2: gpt-test has 7 layer boundaries of which 6 can be cut (``pos_emb`` is only read
+    # by glue), too few for pp 4 x 2 chunks; the search refuses that with the reason
+    plan = compile(gpt_test, "a100-nvlink-8x8", batch_size=64, pp=2,
                    schedule="interleaved-1f1b")
     lay = plan.layout
     assert lay is not None and lay.schedule == "interleaved-1f1b" and lay.virtual_stages >= 2
