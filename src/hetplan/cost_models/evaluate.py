@@ -1061,24 +1061,31 @@ def _optimizer_s(
     precs: dict[int, StatePrecision] = {}
     bws: dict[int, float] = {}
     for st in stages:
-        shares = max_layer_shares(workload, st, layout.tp, tp_section)
         prec = stage_precision(workload, st, costs)
-        pbytes = sum(
-            shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
-                         None if shares is None else shares[k])
-            for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
-        )
+        pbytes, count = _stage_params(workload, st, layout, costs, tp_section)
         s = st.index % layout.pp
         per_elem = step_bytes(prec, costs.optimizer, dp=dp)
         nbytes[s] = nbytes.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes
-        tensors[s] = tensors.get(s, 0) + len(
-            _stage_grads(workload, costs, st.first_layer, st.last_layer))
+        tensors[s] = tensors.get(s, 0) + count
         precs.setdefault(s, prec)
         bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
         bws[s] = min(bws.get(s, bw), bw)
     return max((step_seconds(nbytes[s], step_kernels(precs[s], costs.optimizer, tensors[s],
                                                       dp=dp), bws[s])
                 for s in nbytes), default=0.0)
+
+
+def _stage_params(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+                  tp_section: TensorParallel | None) -> tuple[float, int]:
+    """A stage's parameter bytes on its most loaded TP rank (capture dtype) and its number
+    of parameter tensors: what one rank's optimizer step of that stage touches."""
+    shares = max_layer_shares(workload, st, layout.tp, tp_section)
+    pbytes = sum(
+        shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
+                     None if shares is None else shares[k])
+        for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
+    )
+    return pbytes, len(_stage_grads(workload, costs, st.first_layer, st.last_layer))
 
 
 def _measured_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout,
@@ -1093,15 +1100,9 @@ def _measured_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...], layou
     sharded = layout.zero_stage >= 1 and layout.dp > 1
     per_rank: dict[int, float] = {}
     for st in stages:
-        shares = max_layer_shares(workload, st, layout.tp, tp_section)
         prec = stage_precision(workload, st, costs)
-        pbytes = sum(
-            shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
-                         None if shares is None else shares[k])
-            for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
-        )
-        tensors = float(sum(1 for g in workload.grads
-                            if st.first_layer <= g.layer_index <= st.last_layer))
+        pbytes, count = _stage_params(workload, st, layout, costs, tp_section)
+        tensors = float(count)
         fp32_bytes = pbytes / prec.capture_bytes * 4.0
         if sharded:
             fp32_bytes /= layout.dp
