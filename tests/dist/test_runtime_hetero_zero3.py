@@ -6,25 +6,24 @@ coordinate, so every member holds a TP shard of the same shape): the TP layers' 
 shards are plain tensors, so a one-dimensional mesh of the DP group suffices. gpt-test in
 float64 (eval mode), 2 SGD steps; the loss of every step and every parameter (un-sharded by
 FSDP, then gathered from the TP shards) equal the reference to ``rtol 1e-9, atol 1e-11``.
+The four plans train one after another in one 4-rank process group (``reflib.run_each``,
+docs/decisions/test-budget.md).
 """
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from reflib import case_results, run_each
 from torch import nn
 
 import hetplan
 from hetplan import zoo
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
-from hetplan.profiling._spawn import start_method
+from hetplan.profiling._spawn import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -74,19 +73,40 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str) -> None:
-    torch.set_num_threads(1)
+def _compile(dp: int, pp: int, tp: int, mb: int, **pins: Any) -> str:
+    ir = hetplan.capture(_model(), _example(), name=NAME)
+    plan = hetplan.compile(ir, _cluster(4), batch_size=BATCH, dtype="fp32", zero_stage=3,
+                           dp=dp, pp=pp, tp=tp, micro_batch_size=mb, **pins)
+    lay = plan.layout
+    assert lay is not None and (lay.dp, lay.pp, lay.tp, lay.zero_stage) == (dp, pp, tp, 3)
+    assert lay.virtual_stages == pins.get("virtual_stages", 1)
+    return plan.to_json()
+
+
+#: label -> plan JSON; "tp*" cases are dp 2 x tp 2, "pp*" cases dp 2 x pp 2
+CASES = {
+    "tp": lambda: _compile(2, 1, 2, 2),
+    "tp-sp": lambda: _compile(2, 1, 2, 2, sequence_parallel=True),
+    "pp-1f1b": lambda: _compile(2, 2, 1, 1),
+    "pp-interleaved": lambda: _compile(2, 2, 1, 1, virtual_stages=2,
+                                       schedule="interleaved-1f1b"),
+}
+
+
+def _train(case: tuple[str, str]) -> dict[str, Any]:
+    label, plan_json = case
     from torch.distributed.fsdp import FSDPModule
 
     from hetplan.runtime.executor import Runtime
 
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
+                 loss_fn=_loss, optimizer=_sgd)
     try:
-        rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
-                     loss_fn=_loss, optimizer=_sgd)
         losses = [rt.train_step(*_data(step)) for step in range(STEPS)]
+        if label.startswith("pp"):  # each stage module is one FSDP unit
+            sharded = all(hasattr(p, "full_tensor") for _, p in rt.named_params)
+            params = {n: p.full_tensor().detach().clone() for n, p in rt.named_params}
+            return {"losses": losses, "params": params, "sharded": sharded}
         fsdp = [m for m in rt.model.modules() if isinstance(m, FSDPModule)]
         for m in fsdp:
             m.unshard()
@@ -99,23 +119,26 @@ def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str) -> 
         for m in fsdp:
             m.reshard()
         sharded = all(hasattr(p, "full_tensor") for p in rt.model.parameters())  # DTensors
-        torch.save({"losses": losses, "params": params, "fsdp": len(fsdp),
-                    "sharded": sharded}, f"{out}.{rank}")
-        rt.close()
+        return {"losses": losses, "params": params, "fsdp": len(fsdp), "sharded": sharded}
     finally:
-        dist.destroy_process_group()
+        rt.close()
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
-def test_zero3_x_tp2_equals_reference(tmp_path: Path, sp: bool) -> None:
-    ir = hetplan.capture(_model(), _example(), name=NAME)
-    plan = hetplan.compile(ir, _cluster(4), batch_size=BATCH, dtype="fp32", zero_stage=3,
-                           dp=2, pp=1, tp=2, sequence_parallel=sp, micro_batch_size=2)
-    assert plan.layout is not None and (plan.layout.dp, plan.layout.tp,
-                                        plan.layout.zero_stage) == (2, 2, 3)
-    mp.start_processes(_worker, args=(4, str(tmp_path), plan.to_json(), str(tmp_path / "out")),
-                       nprocs=4, join=True, start_method=start_method())
-    got = [torch.load(tmp_path / f"out.{r}") for r in range(4)]
+def _rank(rank: int, world: int, plans: dict[str, str]) -> dict[str, dict[str, Any]]:
+    torch.set_num_threads(1)
+    return run_each({k: (k, v) for k, v in plans.items()}, _train)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, dict[str, Any]]]:
+    plans = {label: make() for label, make in CASES.items()}
+    return run_local_ranks(_rank, 4, (plans,), timeout_s=300, threads_per_process=1)
+
+
+@pytest.mark.parametrize("label", ["tp", "tp-sp"])
+def test_zero3_x_tp2_equals_reference(results: list[dict[str, dict[str, Any]]],
+                                      label: str) -> None:
+    got = case_results(results, label)
     losses, ref = _reference()
     # ranks 0-1 are replica 0 (tp 0, 1), ranks 2-3 replica 1: each loss is its replica's
     # rows' mean, and the replicas' mean is the batch's
@@ -130,40 +153,12 @@ def test_zero3_x_tp2_equals_reference(tmp_path: Path, sp: bool) -> None:
                                        msg=lambda m, n=n: f"{n}: {m}")
 
 
-def _pp_worker(rank: int, world: int, store_dir: str, plan_json: str, out: str) -> None:
-    torch.set_num_threads(1)
-    from hetplan.runtime.executor import Runtime
-
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
-                     loss_fn=_loss, optimizer=_sgd)
-        losses = [rt.train_step(*_data(step)) for step in range(STEPS)]
-        sharded = all(hasattr(p, "full_tensor") for _, p in rt.named_params)
-        params = {n: p.full_tensor().detach().clone() for n, p in rt.named_params}
-        torch.save({"losses": losses, "params": params, "sharded": sharded}, f"{out}.{rank}")
-        rt.close()
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved"])
-def test_zero3_x_pp2_equals_reference(tmp_path: Path, virtual: int) -> None:
+@pytest.mark.parametrize("label", ["pp-1f1b", "pp-interleaved"])
+def test_zero3_x_pp2_equals_reference(results: list[dict[str, dict[str, Any]]],
+                                      label: str) -> None:
     """pp 2 x dp 2 (4 ranks, 2 micro-batches; 1F1B, or interleaved with 2 stages per rank):
     each stage module is one FSDP unit over its data-parallel pair."""
-    ir = hetplan.capture(_model(), _example(), name=NAME)
-    extra: dict = ({"virtual_stages": 2, "schedule": "interleaved-1f1b"} if virtual > 1
-                   else {})
-    plan = hetplan.compile(ir, _cluster(4), batch_size=BATCH, dtype="fp32", zero_stage=3,
-                           dp=2, pp=2, tp=1, micro_batch_size=1, **extra)
-    assert plan.layout is not None and (plan.layout.dp, plan.layout.pp, plan.layout.zero_stage,
-                                        plan.layout.virtual_stages) == (2, 2, 3, virtual)
-    mp.start_processes(_pp_worker, args=(4, str(tmp_path), plan.to_json(),
-                                         str(tmp_path / "out")),
-                       nprocs=4, join=True, start_method=start_method())
-    got = [torch.load(tmp_path / f"out.{r}") for r in range(4)]
+    got = case_results(results, label)
     losses, ref = _reference()
     last = [g["losses"] for g in got if all(x == x for x in g["losses"])]
     assert len(last) == 2  # the last stage's two replicas
@@ -175,4 +170,3 @@ def test_zero3_x_pp2_equals_reference(tmp_path: Path, virtual: int) -> None:
             torch.testing.assert_close(value, ref[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
             seen.add(n)
     assert seen == set(ref)
-
