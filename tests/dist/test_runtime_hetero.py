@@ -27,14 +27,12 @@ report rounds to 6 digits, fp32).
 from __future__ import annotations
 
 import json
-import os
-from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from reflib import case_results, run_each
 from torch import nn
 
 import hetplan
@@ -42,7 +40,7 @@ from hetplan import zoo
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan, load_plan
 from hetplan.ir.plan_checks import plan_problems
-from hetplan.profiling._spawn import start_method
+from hetplan.profiling._spawn import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -115,17 +113,13 @@ def _reversed(plan: Plan) -> Plan:
     return Plan.model_validate(data)
 
 
-def _worker(rank: int, world: int, store_dir: str, batch: int, plan_json: str,
-            out: str) -> None:
-    torch.set_num_threads(1)
+def _train(case: tuple[int, str]) -> dict[str, Any]:
+    batch, plan_json = case
     from hetplan.runtime.executor import Runtime
 
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
+                 loss_fn=_loss, optimizer=_sgd)
     try:
-        rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
-                     loss_fn=_loss, optimizer=_sgd)
         losses = [rt.train_step(*_data(step, batch)) for step in range(STEPS)]
         params = {n: p.detach().clone() for n, p in rt.named_params}
         mine = {id(p) for _, p in rt.named_params}
@@ -137,37 +131,54 @@ def _worker(rank: int, world: int, store_dir: str, batch: int, plan_json: str,
                 if getattr(module, "bias", None) is not None:
                     params[f"{mname}.bias"] = module.gather_bias()
         g = rt.ctx.groups
-        torch.save({"losses": losses, "params": params,
-                    "coords": (g.pp_rank, g.dp_rank, g.tp_rank, g.tp_ranks, g.dp_ranks),
-                    "sharded": sorted({type(m).__name__ for m in rt.model.modules()
-                                       if hasattr(m, "gather_weight")})}, f"{out}.{rank}")
-        rt.close()
+        return {"losses": losses, "params": params,
+                "coords": (g.pp_rank, g.dp_rank, g.tp_rank, g.tp_ranks, g.dp_ranks),
+                "sharded": sorted({type(m).__name__ for m in rt.model.modules()
+                                   if hasattr(m, "gather_weight")})}
     finally:
-        dist.destroy_process_group()
+        rt.close()
+
+
+def _rank(rank: int, world: int, cases: dict[str, tuple[int, str]]
+          ) -> dict[str, dict[str, Any]]:
+    torch.set_num_threads(1)
+    return run_each(cases, _train)
+
+
+#: label -> (batch, describe); ``batch < 0``: the searched plan of ``-batch`` with its stages
+#: reversed
+CASES = {"tp1-tp2": (3, "cpu@fast 1x1 | cpu@slow 1x2"),
+         "dp1-dp2": (6, "cpu@fast 1x1 | cpu@slow 2x1"),
+         "tp2-tp1": (-3, "cpu@slow 1x2 | cpu@fast 1x1")}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, dict[str, Any]]]:
+    """The three plans trained one after another in one 3-rank group (``reflib.run_each``,
+    docs/decisions/test-budget.md)."""
+    cases = {}
+    for label, (batch, describe) in CASES.items():
+        plan = _plan(abs(batch)) if batch > 0 else _reversed(_plan(-batch))
+        assert plan.hetero is not None and plan.hetero.describe() == describe
+        cases[label] = (abs(batch), plan.to_json())
+    return run_local_ranks(_rank, 3, (cases,), timeout_s=300, threads_per_process=1)
 
 
 @pytest.mark.parametrize(
-    ("batch", "describe", "coords"),
+    ("label", "coords"),
     [
-        (3, "cpu@fast 1x1 | cpu@slow 1x2",
+        ("tp1-tp2",
          [(0, 0, 0, (0,), (0,)), (1, 0, 0, (1, 2), (1,)), (1, 0, 1, (1, 2), (2,))]),
-        (6, "cpu@fast 1x1 | cpu@slow 2x1",
+        ("dp1-dp2",
          [(0, 0, 0, (0,), (0,)), (1, 0, 0, (1,), (1, 2)), (1, 1, 0, (2,), (1, 2))]),
-        (-3, "cpu@slow 1x2 | cpu@fast 1x1",
+        ("tp2-tp1",
          [(1, 0, 0, (0,), (0,)), (0, 0, 0, (1, 2), (1,)), (0, 0, 1, (1, 2), (2,))]),
     ],
-    ids=["tp1-tp2", "dp1-dp2", "tp2-tp1"],
 )
-def test_hetero_stages_equal_reference(tmp_path: Path, batch: int, describe: str,
+def test_hetero_stages_equal_reference(results: list[dict[str, dict[str, Any]]], label: str,
                                        coords: list[tuple]) -> None:
-    """``batch < 0``: the searched plan of ``-batch`` with its stages reversed."""
-    plan = _plan(abs(batch)) if batch > 0 else _reversed(_plan(-batch))
-    batch = abs(batch)
-    assert plan.hetero is not None and plan.hetero.describe() == describe
-    mp.start_processes(_worker, args=(3, str(tmp_path), batch, plan.to_json(),
-                                      str(tmp_path / "out")),
-                       nprocs=3, join=True, start_method=start_method())
-    got = [torch.load(tmp_path / f"out.{r}") for r in range(3)]
+    batch, describe = abs(CASES[label][0]), CASES[label][1]
+    got = case_results(results, label)
     assert [g["coords"] for g in got] == coords
     losses, ref = _reference(batch)
     last = [g["losses"] for g, c in zip(got, coords) if c[0] == 1]
