@@ -73,4 +73,5 @@ def test_searched_plan_beats_single_dp_tp_where_the_front_misses_it() -> None:
     single = _best(search_hetero(workload, costs, 256, restrict=(4, 1)))
     front_only = _best(search_hetero(workload, costs, 256, seed_single=False, local=False))
     assert front_only > single * 1.02  # the case this guards: the front misses it
+    # predicted iteration times of the cost model (no clock is read)
     assert _best(search_hetero(workload, costs, 256)) <= single * (1 + 1e-12)
