@@ -25,6 +25,7 @@ from hetplan.profiling import (
     run_local_ranks,
     run_profile,
 )
+from hetplan.profiling.collectives import sample_seconds
 from hetplan.profiling.compressors import codec
 from hetplan.profiling.layers import _hooked_units, time_layers
 
@@ -184,6 +185,29 @@ def test_profile_collectives_world_2() -> None:
     comm = CommModel(ClusterSpec.from_preset("local-cpu"), db)
     line = comm.alpha_beta("allreduce", 2, "intra")
     assert line.source == "profiled"
+
+
+def test_p2p_sample_is_the_mean_hand_over_of_a_relay() -> None:
+    # a pipeline pays every hop: one slow wake-up in three relays counts (a median drops it),
+    # and a relay around 4 ranks is 4 hand-overs
+    times = [0.004, 0.004, 0.016]
+    assert sample_seconds("p2p", times, 4) == pytest.approx(0.008 / 4)
+    assert sample_seconds("p2p", times, 2) == pytest.approx(0.008 / 2)
+    # collectives keep the median call
+    assert sample_seconds("allreduce", times, 4) == pytest.approx(0.004)
+    with pytest.raises(ValueError, match="no timed calls"):
+        sample_seconds("p2p", [], 4)
+
+
+@pytest.mark.dist
+def test_p2p_relay_through_three_ranks() -> None:
+    # an odd ring: every rank receives from the previous one and sends to the next
+    prof = profile_collectives(3, sizes=(4096, 65536), collectives=("p2p",), iters=2,
+                               max_iters=3, min_time_s=0.0, timeout_s=120)
+    (rec,) = prof.records
+    assert rec.key == ("p2p", "gloo", "loopback", 2)
+    assert [s.nbytes for s in rec.samples] == [4096, 65536]
+    assert all(s.seconds > 0 for s in rec.samples)
 
 
 @pytest.mark.dist

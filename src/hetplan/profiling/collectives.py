@@ -10,9 +10,21 @@ gathered output of allgather and gather, and the total each rank sends for allto
 How one sample is taken: after ``warmup`` untimed calls, ``iters`` calls run back to back
 (collectives synchronise the ranks themselves) and each is timed on its own; the sample is
 the **median** call time, and the slowest rank's median is recorded (a collective ends when
-its last rank does). p2p is a ping-pong between ranks 0 and 1 (half the round trip), filed
-under group size 2 whatever ``world_size`` is. Small sizes get more calls (at least
-``iters``, up to ``max_iters``, about ``min_time_s`` per size) because they are noisy.
+its last rank does). Small sizes get more calls (at least ``iters``, up to ``max_iters``,
+about ``min_time_s`` per size) because they are noisy.
+
+p2p is measured the way a pipeline pays it, as a **relay** through every rank: rank 0 sends
+to 1, each rank receives from the previous one and sends to the next, rank ``n-1`` back to
+0, with the ``isend``/``irecv`` + ``wait`` calls torch's pipeline runtime makes; each rank
+sits blocked in its receive until the hand-over reaches it, as a pipeline stage waits for
+its activation. The sample is one hand-over (a relay's time over ``world_size`` hops), the
+**mean** over the calls, not the median: a pipeline pays every hop on its critical path
+(ten in a 4-stage 1F1B over 4 micro-batches), and on 4 processes sharing 2 cores the slow
+wake-ups are a large part of the total; a median drops them. Filed under group size 2
+whatever ``world_size`` is. (Before 2026-11-26 p2p was a ping-pong between ranks 0 and 1
+while the other ranks sat in the next all-reduce; on this machine its small-size samples
+jumped between 0.06 ms and 1.5–2 ms by whether those ranks' wake-ups fell inside the
+ping-pong, and the median hid it.)
 
 Collectives the backend does not implement (gloo lacks ``reduce_scatter`` on CPU in some
 torch versions) are skipped; :func:`profile_collectives` returns the reasons in
@@ -34,6 +46,7 @@ __all__ = [
     "DEFAULT_SIZES",
     "CollectiveProfile",
     "profile_collectives",
+    "sample_seconds",
 ]
 
 KiB, MiB = 2**10, 2**20
@@ -103,17 +116,36 @@ def _op(name: str, nbytes: int, rank: int, world: int, device: str):
         return lambda: dist.all_to_all_single(out, inp)
     if name == "p2p":
         x = buf(numel)
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
 
-        def pingpong() -> None:
+        def relay() -> None:  # one hand-over per rank, around the ring (module doc)
             if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            elif rank == 1:
-                dist.recv(x, 0)
-                dist.send(x, 0)
+                dist.isend(x, nxt).wait()
+                dist.irecv(x, prev).wait()
+            else:
+                dist.irecv(x, prev).wait()
+                dist.isend(x, nxt).wait()
 
-        return pingpong
+        return relay
     raise ValueError(f"unknown collective {name!r} (known: {', '.join(_ALL)})")
+
+
+def sample_seconds(name: str, times: Sequence[float], world: int) -> float:
+    """One sample from one rank's timed calls: the median call of a collective; for p2p
+    the mean relay over its ``world`` hand-overs (a pipeline pays every hop, slow wake-ups
+    included: module doc).
+
+    Example:
+        >>> sample_seconds("p2p", [0.25, 0.25, 1.0], 4)
+        0.125
+        >>> sample_seconds("allreduce", [0.25, 0.25, 1.0], 4)
+        0.25
+    """
+    if not times:
+        raise ValueError(f"no timed calls of {name!r} to take a sample from")
+    if name == "p2p":
+        return statistics.fmean(times) / world
+    return statistics.median(times)
 
 
 def _sync(device: str) -> None:
@@ -180,13 +212,10 @@ def _worker(
             extra = torch.tensor([max(more, 0)], dtype=torch.float64)
             dist.all_reduce(extra, op=dist.ReduceOp.MAX)
             times += _timed(op, int(extra.item()), device)
-            med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            med = torch.tensor([sample_seconds(name, times, world)], dtype=torch.float64)
             dist.all_reduce(med, op=dist.ReduceOp.MAX)
             dist.barrier()
-            seconds = float(med.item())
-            if name == "p2p":
-                seconds /= 2.0  # half a round trip
-            points.append((nbytes, seconds))
+            points.append((nbytes, float(med.item())))
         if points:
             out[name] = points
     return out, skipped
