@@ -25,7 +25,7 @@ from hetplan.profiling import (
     run_local_ranks,
     run_profile,
 )
-from hetplan.profiling.collectives import sample_seconds
+from hetplan.profiling.collectives import sample_seconds, subgroups
 from hetplan.profiling.compressors import codec
 from hetplan.profiling.layers import _hooked_units, time_layers
 
@@ -208,6 +208,36 @@ def test_p2p_relay_through_three_ranks() -> None:
     assert rec.key == ("p2p", "gloo", "loopback", 2)
     assert [s.nbytes for s in rec.samples] == [4096, 65536]
     assert all(s.seconds > 0 for s in rec.samples)
+
+
+def test_subgroups_are_consecutive_equal_groups() -> None:
+    assert subgroups(4, 2) == [[0, 1], [2, 3]]
+    assert subgroups(6, 3) == [[0, 1, 2], [3, 4, 5]]
+    assert subgroups(4, 4) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="divide the 4 processes"):
+        subgroups(4, 3)
+    with pytest.raises(ValueError, match="must be >= 2"):
+        subgroups(4, 1)
+    with pytest.raises(ValueError, match="divide the 4 processes"):
+        profile_collectives(4, group_sizes=[3])
+
+
+@pytest.mark.dist
+def test_pairs_of_four_ranks_are_measured_not_rescaled() -> None:
+    # a tp=2 plan on 4 ranks prices its collectives from pairs measured together, not from
+    # the 4-rank line rescaled by latency steps
+    prof = profile_collectives(4, sizes=(4096, 65536), collectives=("allreduce",), iters=2,
+                               max_iters=3, min_time_s=0.0, timeout_s=120)
+    assert [r.key for r in prof.records] == [("allreduce", "gloo", "loopback", 4),
+                                             ("allreduce", "gloo", "loopback", 2)]
+    pair = prof.records[1]
+    assert [s.nbytes for s in pair.samples] == [4096, 65536]
+    assert all(s.seconds > 0 for s in pair.samples)
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), ProfileDB(collectives=tuple(
+        prof.records)))
+    line = comm.alpha_beta("allreduce", 2, "intra")
+    assert line.source == "profiled" and "rescaled" not in line.detail
+    assert line.alpha_s == pytest.approx(pair.alpha_s)
 
 
 @pytest.mark.dist
