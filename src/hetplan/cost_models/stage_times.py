@@ -122,8 +122,9 @@ def stage_times(
         per_f, per_b = [], []
         for lay, t in zip(layers, times):
             lf, lb, core = t.fwd_s, t.bwd_s, t.core_fwd_s
-            if tp > 1 and lay.tp_pairs and not t.per_rank:
-                lf, lb = lf / tp, lb / tp
+            if not t.per_rank:
+                div = costs.compute.tp_divisor(lay, tp)
+                lf, lb = lf / div, lb / div
             per_f.append(lf)
             per_b.append(lb + recompute_s(lay, lf, st.recompute, core))
             sources[t.source] = sources.get(t.source, 0) + 1
