@@ -13,8 +13,13 @@ phase and a caller's pipeline model, with the same balancers, trigger rule and r
 change. Stages are never released: a stage keeps its device class and degrees, and a
 re-pack would leave a class's devices idle (the caller refuses ``repack``).
 
-Pure: numbers in, numbers out; deterministic (ties as in :func:`min_max_partition`).
-Complexity per event: one partition, O(P · L · w), plus two calls of the pipeline model.
+At each event the replay takes the fastest, under the caller's pipeline model, of the
+balancer's proposal (with and without the boundary transfers), the initial stages and the
+current ones: the balancer's min-max objective is not the pipeline's time (:func:`_best`),
+so a phase is never predicted slower than it would be on its stages before the event or on
+the initial ones, but where moving back does not pay for the moved bytes. Pure: numbers in,
+numbers out; deterministic (ties as in :func:`min_max_partition`, then in candidate order).
+Complexity per event: two partitions, O(P · L · w), plus five calls of the pipeline model.
 """
 
 from __future__ import annotations
@@ -122,8 +127,10 @@ def replay_stages(phases: Sequence[StagePhase], total_iterations: int, policy: B
         span = max(end - ph.start, 0)
         now = iteration_ms(k, bounds)
         if k > 0 and policy.balancer != "static":
-            new = propose_stages(ph, bounds, policy, send=send, mem=mem, mem_cap=mem_cap,
-                                 cuttable=cuttable)
+            new = _best(k, bounds, initial, iteration_ms, propose_stages(
+                ph, bounds, policy, send=send, mem=mem, mem_cap=mem_cap, cuttable=cuttable),
+                propose_stages(ph, bounds, policy, mem=mem, mem_cap=mem_cap,
+                               cuttable=cuttable) if send is not None else None)
             moves = layer_moves(bounds, new, ph.move_bytes)
             moved = sum(m.bytes for m in moves)
             cost = moved / link_bytes_per_ms if moved else 0.0
@@ -138,3 +145,16 @@ def replay_stages(phases: Sequence[StagePhase], total_iterations: int, policy: B
         total += now * span
     return DynamicRun(tuple(events), total + overhead, overhead, total_iterations, bounds,
                       float(len(bounds)))
+
+
+def _best(k: int, current: Bounds, initial: Sequence[tuple[int, int]], model: PhaseModel,
+          proposal: Bounds, plain: Bounds | None) -> Bounds:
+    """The fastest under ``model`` of the balancer's proposal, its proposal without the
+    boundary transfers, the initial stages and the current ones (ties: in that order).
+
+    The balancer minimises the largest stage's load; the pipeline also pays every stage's
+    fill and drain, and moving a layer onto a stage of slower devices adds to that sum, so
+    the min-max proposal can predict slower than stages it did not consider."""
+    cands = [proposal, *([plain] if plain is not None else []), tuple(initial), current]
+    times = [model(k, b) for b in cands]
+    return cands[times.index(min(times))]

@@ -213,9 +213,10 @@ def _notes(phases: Sequence[StagePhase], events: Sequence[EventRecord], initial:
         if e is not None and e.applied:
             bounds = e.bounds
         static_ms, now_ms = model(k, initial), model(k, bounds)
-        verdict = "" if e is None else (" (applied)" if e.applied else
-                                        f" (proposal {_sizes(e.bounds)} not applied: "
-                                        "its gain does not pay for the moves)")
+        verdict = ("" if e is None else " (applied)" if e.applied else
+                   " (no better stages)" if not e.moves else
+                   f" (proposal {_sizes(e.bounds)} not applied: its gain does not pay for "
+                   "the moves)")
         out.append(f"phase {k} from iteration {ph.start} ({ph.label}): static "
                    f"{static_ms:.3f} ms, re-balanced {now_ms:.3f} ms "
                    f"({static_ms / now_ms:.3f}x), stage sizes {_sizes(bounds)}{verdict}")
