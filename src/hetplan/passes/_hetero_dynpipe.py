@@ -35,6 +35,7 @@ one partition and two pipeline simulations per event.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hetplan.algorithms.dynamics import (
     BalancePolicy,
@@ -64,7 +65,7 @@ from hetplan.ir.rebalancing import (
     RebalancePolicy,
 )
 
-__all__ = ["hetero_rebalancing"]
+__all__ = ["PhaseSetup", "phase_setup", "hetero_rebalancing"]
 
 
 def _tables(plan: Plan, costs: CostModel) -> tuple[list[list[float]], list[list[float]],
@@ -139,30 +140,34 @@ def _sizes(bounds: Bounds) -> list[int]:
     return [j - i + 1 for i, j in bounds]
 
 
-def hetero_rebalancing(plan: Plan, dyn: DynamicsSpec, costs: CostModel
-                       ) -> tuple[Rebalancing, tuple[str, ...]]:
-    """The ``rebalancing`` section of heterogeneous ``plan`` under ``dyn``, and the pass
-    log's notes (one per phase: static vs re-balanced predicted ms).
+@dataclass(frozen=True)
+class PhaseSetup:
+    """What the replay of a heterogeneous plan's dynamics runs on: the phases priced on
+    every stage, the pipeline model of a phase on given stages, the stages' boundary
+    transfers, memory and capacity, the initial stages, the cuttable boundaries and the
+    bandwidth layer moves use (bytes per ms)."""
 
-    Raises:
-        PassError: ``rebalance.repack`` is set (stages keep their devices here).
-    """
-    wl, lay, het = plan.model.workload, plan.layout, plan.hetero
-    assert wl is not None and lay is not None and het is not None
-    pol = dyn.rebalance
-    if pol.repack:
-        raise PassError("dynpipe: rebalance.repack on a heterogeneous plan would release a "
-                        "stage and leave its device class idle; set repack: false in the "
-                        "dynamics file or plan with --hetero off")
-    if len(plan.stages) < 2:
-        return (Rebalancing(policy=pol, total_iterations=dyn.total_iterations),
-                ("one stage: nothing to re-balance",))
+    phases: tuple[StagePhase, ...]
+    iteration_ms: PhaseModel
+    send: list[list[float]]
+    mem: list[list[float]]
+    cap: list[float]
+    initial: Bounds
+    cuttable: list[bool]
+    link_bytes_per_ms: float
+
+
+def phase_setup(plan: Plan, dyn: DynamicsSpec, costs: CostModel) -> PhaseSetup:
+    """The :class:`PhaseSetup` of heterogeneous ``plan`` (two stages or more) under
+    ``dyn`` (steps 1 and 2 of the module docstring)."""
+    wl, lay = plan.model.workload, plan.layout
+    assert wl is not None and lay is not None
     fwd, bwd, send, mem, cap = _tables(plan, costs)
     ff, bf, shells = _factors(plan, dyn)
-    phases = [StagePhase(sh.start, sh.label, tuple(
+    phases = tuple(StagePhase(sh.start, sh.label, tuple(
         tuple(f * a + b * c for f, a, b, c in zip(fs, ff[k], bs, bf[k]))
         for fs, bs in zip(fwd, bwd)), sh.params, sh.move_bytes)
-        for k, sh in enumerate(shells)]
+        for k, sh in enumerate(shells))
 
     def iteration_ms(k: int, bounds: Bounds) -> float:
         f = [sum(fwd[s][x] * ff[k][x] for x in range(i, j + 1))
@@ -175,13 +180,34 @@ def hetero_rebalancing(plan: Plan, dyn: DynamicsSpec, costs: CostModel
 
     per_gb = max(costs.comm.time_s("p2p", 1e9, 2, costs.cluster.link_between(
         a.ranks[0], b.ranks[0])) for a, b in zip(plan.stages, plan.stages[1:])) * 1e3
-    initial: Bounds = tuple((st.first_layer, st.last_layer) for st in plan.stages)
-    cut = [x.cuttable_before for x in wl.layers]
-    runs = [replay_stages(phases, dyn.total_iterations, policy, iteration_ms, initial,
-                          send=send, mem=mem, mem_cap=cap, cuttable=cut,
-                          link_bytes_per_ms=1e9 / per_gb)
-            for policy in (_policy(pol), BalancePolicy("static"))]
-    run, static = runs
+    return PhaseSetup(phases, iteration_ms, send, mem, cap,
+                      tuple((st.first_layer, st.last_layer) for st in plan.stages),
+                      [x.cuttable_before for x in wl.layers], 1e9 / per_gb)
+
+
+def hetero_rebalancing(plan: Plan, dyn: DynamicsSpec, costs: CostModel
+                       ) -> tuple[Rebalancing, tuple[str, ...]]:
+    """The ``rebalancing`` section of heterogeneous ``plan`` under ``dyn``, and the pass
+    log's notes (one per phase: static vs re-balanced predicted ms).
+
+    Raises:
+        PassError: ``rebalance.repack`` is set (stages keep their devices here).
+    """
+    het = plan.hetero
+    assert het is not None
+    pol = dyn.rebalance
+    if pol.repack:
+        raise PassError("dynpipe: rebalance.repack on a heterogeneous plan would release a "
+                        "stage and leave its device class idle; set repack: false in the "
+                        "dynamics file or plan with --hetero off")
+    if len(plan.stages) < 2:
+        return (Rebalancing(policy=pol, total_iterations=dyn.total_iterations),
+                ("one stage: nothing to re-balance",))
+    su = phase_setup(plan, dyn, costs)
+    run, static = [replay_stages(su.phases, dyn.total_iterations, policy, su.iteration_ms,
+                                 su.initial, send=su.send, mem=su.mem, mem_cap=su.cap,
+                                 cuttable=su.cuttable, link_bytes_per_ms=su.link_bytes_per_ms)
+                   for policy in (_policy(pol), BalancePolicy("static"))]
     events = tuple(PlannedEvent(
         iteration=e.iteration, label=e.label, stages=e.bounds,
         migrations=tuple(LayerMigration(layer=mv.layer, src_stage=mv.src, dst_stage=mv.dst,
@@ -193,7 +219,8 @@ def hetero_rebalancing(plan: Plan, dyn: DynamicsSpec, costs: CostModel
     reb = Rebalancing(policy=pol, total_iterations=dyn.total_iterations, events=events,
                       speedup_vs_static=speedup, devices_used_mean=float(
                           sum(s.dp * s.tp for s in het.stages)))
-    return reb, _notes(phases, run.events, initial, iteration_ms, speedup, het.describe())
+    return reb, _notes(su.phases, run.events, su.initial, su.iteration_ms, speedup,
+                       het.describe())
 
 
 def _policy(pol: RebalancePolicy) -> BalancePolicy:
