@@ -6,6 +6,7 @@ Every time compared here is a prediction of the project's simulator, not a measu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,35 @@ def test_compiled_plan_with_dynpipe_and_controller_is_byte_identical(
     tp = a.tensor_parallel
     assert tp is not None and tp.controller.variant == "zero"
     assert [(g.stage, g.ranks, g.roles) for g in tp.groups] == [(1, a.stages[1].ranks, ())]
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+def test_cli_plan_inspect_explain_show_the_per_stage_entries(tmp_path: Path) -> None:
+    """`hetplan plan --hetero on --dynamics F --tp-controller zero` on cpu-hetero-3 (the
+    searched ``cpu@fast 1x1 | cpu@slow 1x2``), then `inspect` and `explain stage:1`."""
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+    from hetplan.ir.plan import load_plan
+
+    runner = CliRunner()
+    dyn = tmp_path / "pruning.json"
+    dyn.write_text(json.dumps(PRUNE))
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", "gpt-test", "--cluster",
+                              str(FIXTURES / "cpu-hetero-3.yaml"), "--batch-size", "3",
+                              "--dtype", "fp32", "--hetero", "on", "--dynamics", str(dyn),
+                              "--tp-controller", "zero", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = load_plan(out)
+    assert plan.hetero is not None and plan.hetero.describe() == "cpu@fast 1x1 | cpu@slow 1x2"
+    assert plan.rebalancing is not None and plan.tensor_parallel is not None
+    res = runner.invoke(app, ["inspect", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "re-balancing: partition by time" in res.output
+    assert "cpu@fast 1x1: 0–" in res.output and "| cpu@slow 1x2: " in res.output
+    assert "resizing controller zero" in res.output
+    res = runner.invoke(app, ["explain", str(out), "stage:1"])
+    assert res.exit_code == 0, res.output
+    assert "TP controller     zero in 1 TP group(s); no straggler expected" in res.output
+    assert "re-balancing      layers " in res.output
