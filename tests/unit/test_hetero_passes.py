@@ -355,3 +355,44 @@ def test_cli_plan_inspect_explain_show_the_per_stage_entries(tmp_path: Path) -> 
     assert res.exit_code == 0, res.output
     assert "TP controller     zero in 1 TP group(s); no straggler expected" in res.output
     assert "re-balancing      layers " in res.output
+
+
+# -- the strategy dimensions per stage (recompute, ZeRO, precision) ------------------------------
+def test_recompute_and_precision_are_chosen_per_stage() -> None:
+    """GPT-2 on 2 A100s and 2 V100s cut to 2 GiB each, global micro-batch 8: the searched
+    plan is ``A100 2x1 | V100 2x1``; the first stage, holding two micro-batches' activations
+    under 1F1B, recomputes (``full``: without it the plan does not fit) while the second
+    does not; each stage computes in its device type's dtype (bf16 / fp16) and shards its
+    optimizer state over its own replicas (ZeRO-1). The ZeRO stage per stage is also chosen
+    against ZeRO-0 with compressors (test_hetero_compose.py::
+    test_compile_hetero_with_passes_is_byte_identical_and_chooses_zero_per_stage)."""
+    from hetplan import zoo
+    from hetplan.errors import InfeasiblePlanError
+    from hetplan.ir.capture import capture
+
+    args, kwargs = zoo.example_inputs("gpt2", batch=1)
+    wl = WorkloadSummary.from_model_ir(capture(zoo.build("gpt2"), args, kwargs, name="gpt2"))
+    small = {name: {**DEVICE_CATALOGUE[base].model_dump(), "memory_gib": 2.0}
+             for name, base in (("A100-2GB", "A100-80GB"), ("V100-2GB", "V100-SXM2-32GB"))}
+    spec = ClusterSpec.from_dict({
+        "name": "tight", "device_types": small,
+        "nodes": [_node("a", [{"type": "A100-2GB", "count": 1}], 2),
+                  _node("v", [{"type": "V100-2GB", "count": 1}], 2)],
+        "inter_node": {"kind": "infiniband", "bandwidth_gbps": 100.0, "latency_us": 5.0}})
+    costs = CostModel(spec, dtype="mixed")
+    plan = compile_hetero(wl, costs, 64, micro_batch=8,
+                          model_ref=ModelRef(name="gpt2", fingerprint="test", num_params=1,
+                                             workload=wl),
+                          cluster_ref=ClusterRef.from_cluster(costs.cluster),
+                          cost_settings=CostSettings(dtype="mixed"))
+    assert plan.hetero is not None and plan.layout is not None
+    assert plan.hetero.describe() == "A100-2GB 2x1 | V100-2GB 2x1"
+    assert [st.recompute for st in plan.stages] == ["full", "none"]
+    assert [s.zero_stage for s in plan.hetero.stages] == [1, 1]
+    assert plan.precision is not None
+    assert [plan.precision.devices[t].compute_dtype for t in ("A100-2GB", "V100-2GB")] == [
+        "bf16", "fp16"]
+    # the first stage's recomputation is needed: without it the plan does not fit
+    bare = tuple(st.model_copy(update={"recompute": "none"}) for st in plan.stages)
+    with pytest.raises(InfeasiblePlanError):
+        evaluate_hetero(wl, plan.layout, bare, plan.hetero, costs)
