@@ -25,7 +25,7 @@ from hetplan.profiling import (
     run_local_ranks,
     run_profile,
 )
-from hetplan.profiling.collectives import sample_seconds, subgroups
+from hetplan.profiling.collectives import sample_seconds, size_order, subgroups
 from hetplan.profiling.compressors import codec
 from hetplan.profiling.layers import _hooked_units, time_layers
 
@@ -208,6 +208,17 @@ def test_p2p_relay_through_three_ranks() -> None:
     assert rec.key == ("p2p", "gloo", "loopback", 2)
     assert [s.nbytes for s in rec.samples] == [4096, 65536]
     assert all(s.seconds > 0 for s in rec.samples)
+
+
+def test_sizes_are_timed_in_rounds_over_all_of_them() -> None:
+    # every size meets the same spells of a busy host: rounds over all sizes, not one block
+    # per size
+    assert size_order([4096, 65536, 1 << 20], 2) == [4096, 65536, 1 << 20] * 2
+    assert size_order([4096], 3) == [4096, 4096, 4096]
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        size_order([4096], 0)
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        profile_collectives(2, passes=0)
 
 
 def test_subgroups_are_consecutive_equal_groups() -> None:

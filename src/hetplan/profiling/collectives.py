@@ -7,11 +7,12 @@ of buffer sizes. Sizes follow the convention of :mod:`hetplan.cost_models.comm`:
 is the per-rank buffer of allreduce, reduce_scatter, broadcast, reduce and p2p, the total
 gathered output of allgather and gather, and the total each rank sends for alltoall.
 
-How one sample is taken: after ``warmup`` untimed calls, ``iters`` calls run back to back
-(collectives synchronise the ranks themselves) and each is timed on its own; the sample is
-the **median** call time, and the slowest rank's median is recorded (a collective ends when
-its last rank does). Small sizes get more calls (at least ``iters``, up to ``max_iters``,
-about ``min_time_s`` per size) because they are noisy.
+How one sample is taken: after ``warmup`` untimed calls, calls run back to back
+(collectives synchronise the ranks themselves) and each is timed on its own, in ``passes``
+rounds over all sizes (:func:`size_order`), so that no size is measured in one spell of a
+busy host alone; the sample is the **median** call time, and the slowest rank's median is
+recorded (a collective ends when its last rank does). Small sizes get more calls (at least
+``iters``, up to ``max_iters``, about ``min_time_s`` per size) because they are noisy.
 
 p2p is measured the way a pipeline pays it, as a **relay** through every rank: rank 0 sends
 to 1, each rank receives from the previous one and sends to the next, rank ``n-1`` back to
@@ -54,6 +55,7 @@ __all__ = [
     "CollectiveProfile",
     "profile_collectives",
     "sample_seconds",
+    "size_order",
     "subgroups",
 ]
 
@@ -180,6 +182,21 @@ def _timed(op, n: int, device: str) -> list[float]:
     return times
 
 
+def size_order(sizes: Sequence[int], passes: int) -> list[int]:
+    """The order sizes are timed in: ``passes`` rounds over all of them, so that every size
+    meets the same mix of the host's fast and slow spells (on the CPU presets' machine a
+    spell outlasts one size's block of calls: a pair all-reduce measured 0.31 ms at 4 KiB and
+    3.9 ms at 16 KiB in one block-per-size profile, and the fit follows the fast sizes).
+
+    Example:
+        >>> size_order([4096, 65536], 2)
+        [4096, 65536, 4096, 65536]
+    """
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes!r}")
+    return [n for _ in range(passes) for n in sizes]
+
+
 def subgroups(world: int, group_size: int) -> list[list[int]]:
     """The consecutive rank groups of ``group_size`` that :func:`profile_collectives` times
     at once (``[[0, 1], [2, 3]]`` for 2 of 4), as tensor- or data-parallel groups of that
@@ -205,6 +222,7 @@ def _worker(
     min_time_s: float,
     device: str,
     group_sizes: Sequence[int] = (),
+    passes: int = 1,
 ) -> tuple[dict[tuple[str, int], list[tuple[int, float]]], dict[str, str]]:
     """Runs in every rank; returns ((collective, group size) → [(nbytes, seconds)], skipped).
     Groups smaller than the world are measured all at once (:func:`subgroups`); a sample is
@@ -232,7 +250,7 @@ def _worker(
         if name == "p2p" and world < 2:
             continue
         group, root = mine.get(gsize, (None, 0))
-        points: list[tuple[int, float]] = []
+        ops: dict[int, Any] = {}
         for nbytes in sizes:
             # every rank must agree on skipping, or the others hang in the collective
             err = ""
@@ -241,6 +259,7 @@ def _worker(
                 for _ in range(max(warmup, 1)):
                     op()
                 _sync(device)
+                ops[nbytes] = op
             except (RuntimeError, NotImplementedError, ValueError) as e:
                 err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             flag.fill_(1.0 if err else 0.0)
@@ -248,20 +267,28 @@ def _worker(
             if flag.item() > 0:
                 skipped[name if gsize == world else f"{name} n={gsize}"] = (
                     err or "not supported on another rank")
-                points = []
+                ops = {}
                 break
-            times = _timed(op, iters, device)
+        if not ops:
+            continue
+        times: dict[int, list[float]] = {n: [] for n in ops}
+        per_pass = -(-iters // passes)
+        for nbytes in size_order(list(ops), passes):
+            timed = _timed(ops[nbytes], per_pass, device)
             # every rank must make the same number of calls: agree on how many more
-            more = min(max_iters, int(min_time_s / max(statistics.median(times), 1e-9))) - iters
-            extra = torch.tensor([max(more, 0)], dtype=torch.float64)
+            more = min(max(max_iters // passes, per_pass),
+                       int(min_time_s / passes / max(statistics.median(timed), 1e-9)))
+            extra = torch.tensor([max(more - per_pass, 0)], dtype=torch.float64)
             dist.all_reduce(extra, op=dist.ReduceOp.MAX)
-            times += _timed(op, int(extra.item()), device)
-            med = torch.tensor([sample_seconds(name, times, world)], dtype=torch.float64)
+            times[nbytes] += timed + _timed(ops[nbytes], int(extra.item()), device)
+        points: list[tuple[int, float]] = []
+        for nbytes in ops:
+            med = torch.tensor([sample_seconds(name, times[nbytes], world)],
+                               dtype=torch.float64)
             dist.all_reduce(med, op=dist.ReduceOp.MAX)
-            dist.barrier()
             points.append((nbytes, float(med.item())))
-        if points:
-            out[(name, gsize)] = points
+        dist.barrier()
+        out[(name, gsize)] = points
     return out, skipped
 
 
@@ -279,6 +306,7 @@ def profile_collectives(
     timeout_s: float = 120.0,
     threads_per_process: int | None = 1,
     group_sizes: Sequence[int] | None = None,
+    passes: int = 3,
 ) -> CollectiveProfile:
     """Measure collectives on ``world_size`` local processes and fit α–β lines.
 
@@ -304,6 +332,8 @@ def profile_collectives(
             group; with more processes than cores it does not (a ring step waits for a
             sleeping peer's wake-up), so the sizes plans use are measured. Not for p2p,
             gather and reduce.
+        passes: rounds over the sizes (:func:`size_order`); ``iters``, ``max_iters`` and
+            ``min_time_s`` are split over them.
 
     Returns:
         A :class:`CollectiveProfile`: records with samples and fitted ``alpha_s`` /
@@ -333,13 +363,14 @@ def profile_collectives(
         group_sizes = [g for g in range(2, world_size) if world_size % g == 0]
     for g in group_sizes:
         subgroups(world_size, g)  # raises for a size that does not divide the world
+    size_order(sizes, passes)  # raises for passes < 1
     device = "cuda" if backend == "nccl" else "cpu"
     t0 = time.perf_counter()
     results = run_local_ranks(
         _worker,
         world_size,
         (tuple(collectives), tuple(sorted(sizes)), warmup, iters, max_iters, min_time_s,
-         device, tuple(sorted(set(group_sizes) - {world_size}))),
+         device, tuple(sorted(set(group_sizes) - {world_size})), passes),
         backend=backend,
         timeout_s=timeout_s,
         threads_per_process=threads_per_process,
