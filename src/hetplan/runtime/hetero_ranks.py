@@ -157,8 +157,37 @@ def hetero_refusals(plan: Plan) -> list[str]:
     if lay.schedule not in ("gpipe", "1f1b"):
         out.append(f"layout.schedule: {lay.schedule!r} with per-stage degrees; the "
                    "heterogeneous pipeline runs gpipe and 1f1b: re-plan with --schedule 1f1b")
-    if plan.rebalancing is not None and any(e.applied for e in plan.rebalancing.events):
-        out.append(f"rebalancing: moving layers between stages of different degrees; {fix}")
+    out += _rebalancing_refusals(plan)
     if plan.group_sync is not None and plan.group_sync.policy == "sdpipe":
         out.append(f"group_sync: SDPipe group sync with per-stage degrees; {fix}")
+    return out
+
+
+def _rebalancing_refusals(plan: Plan) -> list[str]:
+    """The applied re-balancing events the heterogeneous pipeline does not execute (moves
+    between stages of any data- and tensor-parallel degrees do run:
+    :mod:`hetplan.runtime.handlers.hetero_rebalancing`)."""
+    reb, hetero = plan.rebalancing, plan.hetero
+    assert hetero is not None
+    applied = [(i, e) for i, e in enumerate(reb.events if reb is not None else ())
+               if e.applied]
+    if not applied:
+        return []
+    out = [f"rebalancing.events[{i}].stages: {len(e.stages)} stages on a pipeline of "
+           f"{len(plan.stages)} stages of per-stage degrees (re-packing would leave a "
+           "stage's devices idle and its ranks without a stage); re-plan with "
+           "rebalance.repack false in the dynamics file"
+           for i, e in applied if len(e.stages) != len(plan.stages)]
+    out += [f"hetero.stages[{s.stage}].zero_stage: re-balancing moves layers of a stage "
+            f"under ZeRO-{s.zero_stage} (dp={s.dp}), whose optimizer state is sharded across "
+            "its replicas; the runtime moves whole per-parameter state only: re-plan with "
+            "--zero 0"
+            for s in hetero.stages if s.zero_stage >= 1 and s.dp > 1]
+    tp = plan.tensor_parallel
+    if tp is not None and tp.controller.variant != "off":
+        out.append(f"tensor_parallel.controller: the TP resizing controller "
+                   f"({tp.controller.variant}) with applied re-balancing events on per-stage "
+                   "degrees (the controller's per-linear state is built for the stage's "
+                   "layers at setup and is not moved with a layer); re-plan with "
+                   "--tp-controller off, or without --dynamics")
     return out
