@@ -172,7 +172,9 @@ def _layer_arrays(workload: WorkloadSummary, costs: CostModel, dev: Device, tp: 
             comm = lay.tp_pairs * costs.comm.time_s(
                 "allreduce", lay.act_out_bytes * scale * prec.act_scale, tp, link)
         f[k] = lf + comm
-        b[k] = lb + recompute_s(lay, lf, mode, t.core_fwd_s) + comm
+        # full recomputation runs the forward's all-reduces again (stage_times)
+        again = comm if mode == "full" and lay.kind == "block" else 0.0
+        b[k] = lb + recompute_s(lay, lf, mode, t.core_fwd_s) + comm + again
     return f, b
 
 
