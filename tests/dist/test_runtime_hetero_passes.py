@@ -14,9 +14,10 @@ its preflight (``hetero_refusals``), which the last assertions show.
 **Moves across the tp boundary** (:func:`test_applied_events_move_layers_across_tp`): the
 searched plan (``cpu@fast 1x1 | cpu@slow 1x2``, layers 0-4 | 5-7) and the same plan with its
 stages' devices swapped (``cpu@slow 1x2 | cpu@fast 1x1``) and the plan searched for batch 6
-(``cpu@fast 1x1 | cpu@slow 2x1``, its dp-2 stage at ZeRO-0 instead of the searched ZeRO-1,
-which the runtime refuses to re-balance: both replicas of stage 1 get their own copy of an
-entering layer, and its gradients are then averaged over them) get two applied events: after
+(``cpu@fast 1x1 | cpu@slow 2x1``, its dp-2 stage under ZeRO-1: both replicas of stage 1 get
+their own copy of an entering layer, its Adam state is gathered from and cut into the
+replicas' chunks of the sharded optimizer, and its gradients are averaged over them) get two
+applied events: after
 iteration 1 layer 4 (``blocks.2``) moves to the next stage (0-3 | 4-7), after iteration 3
 layers 4-5 (``blocks.2``, ``blocks.3``) move to the first stage (0-5 | 6-7). So each case
 of the first two moves a layer into the tp-2 stage (split as its attention and MLP shard it)
@@ -181,12 +182,7 @@ def _searched(batch: int, swap: bool) -> Plan:
                        b.model_copy(update={"ranks": a.ranks})),
             "hetero": plan.hetero.model_copy(update={"stages": (
                 sb.model_copy(update={"stage": 0}), sa.model_copy(update={"stage": 1}))})})
-    assert plan.hetero is not None
-    # the search puts a dp-2 stage under ZeRO-1, whose moves the runtime refuses (sharded
-    # optimizer state): this test moves layers of a ZeRO-0 stage
-    shapes = tuple(h.model_copy(update={"zero_stage": 0}) for h in plan.hetero.stages)
-    return _with_events(plan.model_copy(update={
-        "hetero": plan.hetero.model_copy(update={"stages": shapes})}))
+    return _with_events(plan)
 
 
 def _train(case: tuple[int, str]) -> dict[str, Any]:
@@ -211,7 +207,8 @@ def _train(case: tuple[int, str]) -> dict[str, Any]:
         assert rt.ctx.groups is not None
         return {"losses": losses, "params": params, "stage": rt.ctx.groups.pp_rank,
                 "sharded": sharded, "rebalanced_at": list(rt.rebalanced_at),
-                "skipped": len(rt.skipped_events)}
+                "skipped": len(rt.skipped_events),
+                "optimizer": (type(rt.opt).__name__, getattr(rt.opt, "world", 1))}
     finally:
         rt.close()
 
@@ -235,6 +232,7 @@ def moved() -> list[dict[str, dict[str, Any]]]:
     for label, (batch, swap, describe) in MOVE_CASES.items():
         plan = _searched(batch, swap)
         assert plan.hetero is not None and plan.hetero.describe() == describe
+        assert [h.zero_stage for h in plan.hetero.stages] == [0, 1 if batch == 6 else 0]
         cases[label] = (batch, plan.to_json())
     return run_local_ranks(_rank, 3, (cases,), timeout_s=300, threads_per_process=1)
 
@@ -245,6 +243,8 @@ def test_applied_events_move_layers_across_tp(moved: list[dict[str, dict[str, An
     got = case_results(moved, label)
     assert [g["rebalanced_at"] for g in got] == [[1, 3]] * 3
     assert [g["skipped"] for g in got] == [0] * 3
+    if label == "dp1-dp2":  # ZeRO-1 over stage 1's two replicas, rebuilt after each move
+        assert [g["optimizer"] for g in got] == [("Adam", 1)] + [("ShardedOptimizer", 2)] * 2
     batch, swap, _ = MOVE_CASES[label]
     losses, ref = _reference(batch)
     last = [g["losses"] for g in got if g["stage"] == 1]

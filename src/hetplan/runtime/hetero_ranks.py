@@ -179,10 +179,9 @@ def _rebalancing_refusals(plan: Plan) -> list[str]:
            "rebalance.repack false in the dynamics file"
            for i, e in applied if len(e.stages) != len(plan.stages)]
     out += [f"hetero.stages[{s.stage}].zero_stage: re-balancing moves layers of a stage "
-            f"under ZeRO-{s.zero_stage} (dp={s.dp}), whose optimizer state is sharded across "
-            "its replicas; the runtime moves whole per-parameter state only: re-plan with "
-            "--zero 0"
-            for s in hetero.stages if s.zero_stage >= 1 and s.dp > 1]
+            f"under ZeRO-3 (dp={s.dp}), whose parameters FSDP shards across its replicas; "
+            "the runtime rebuilds ZeRO-1/2 state only: re-plan with --zero 2"
+            for s in hetero.stages if s.zero_stage >= 3 and s.dp > 1]
     tp = plan.tensor_parallel
     if tp is not None and tp.controller.variant != "off":
         out.append(f"tensor_parallel.controller: the TP resizing controller "

@@ -55,6 +55,7 @@ from hetplan.runtime.handlers.stages import StagesHandler
 from hetplan.runtime.hetero_ranks import HeteroCoords, hetero_coords
 from hetplan.runtime.megatron import FusedColumnParallelLinear, VocabParallelEmbedding
 from hetplan.runtime.rebalance import carry_optimizer, plan_param_moves
+from hetplan.runtime.sharded_optimizer import ShardedOptimizer
 from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from hetplan.runtime.tp_comm import all_reduce_sum
 
@@ -158,6 +159,7 @@ def rebalance_hetero(ctx: RuntimeContext, bounds: Sequence[tuple[int, int]]) -> 
                                        "layer_names": tuple(names[a:b + 1])})
                   for s, (a, b) in zip(old_stages, bounds)]
     old_opt = ctx.optimizer
+    whole = _whole_state(ctx, old_opt)  # collective over the stage's replicas under ZeRO
     sending, send_holders = dict(ctx.named_params), _holders(stages_h.stages[0].submod)
     stages_h.rebuild_hetero(ctx, new_stages)
     receiving, recv_holders = dict(ctx.named_params), _holders(stages_h.stages[0].submod)
@@ -169,21 +171,39 @@ def rebalance_hetero(ctx: RuntimeContext, bounds: Sequence[tuple[int, int]]) -> 
     speaker = {s.index: s.ranks[0] for s in old_stages}
     moves = plan_param_moves([held[speaker[s.index]][1] for s in old_stages],
                              [held[speaker[s.index]][2] for s in old_stages])
-    received: dict[nn.Parameter, dict[str, Any]] = {}
+    received: dict[nn.Parameter, tuple[torch.Tensor | None, dict[str, Any]]] = {}
     for src, dst, moved in moves:
         to = hetero_coords(plan, speaker[dst])
         if me.stage == src and me.dp_rank == 0:
-            _send(moved, sending, send_holders, old_opt, me, to, groups.tp_group)
+            _send(moved, sending, send_holders, whole, me, to, groups.tp_group)
         elif me.stage == dst:
             received.update(_recv(moved, receiving, recv_holders, speaker[src]))
     ctx.plan = plan.model_copy(update={"stages": tuple(new_stages)})
     ctx.params_changed()
-    ctx.optimizer = carry_optimizer(old_opt, ctx.make_optimizer(
-        [p for _, p in ctx.named_params]), received)
+    new_opt = ctx.make_optimizer([p for _, p in ctx.named_params])
+    if isinstance(new_opt, ShardedOptimizer):  # a new flat layout: every value is loaded
+        carry_optimizer(old_opt, new_opt, {})  # the hyper-parameters
+        new_opt.load_full_state({**whole, **received})
+        ctx.optimizer = new_opt
+    else:
+        ctx.optimizer = carry_optimizer(old_opt, new_opt,
+                                        {p: state for p, (_, state) in received.items()})
+
+
+def _whole_state(ctx: RuntimeContext, opt: torch.optim.Optimizer
+                 ) -> Mapping[nn.Parameter, tuple[torch.Tensor | None, dict[str, Any]]]:
+    """Per parameter of this rank: its master value (None: the parameter is its own) and
+    its optimizer state, as whole tensors of the parameter's shape; under ZeRO-1/2 or 16-bit
+    master weights (:class:`~hetplan.runtime.sharded_optimizer.ShardedOptimizer`) gathered
+    from the replicas' chunks, a collective over the stage's data-parallel group."""
+    if isinstance(opt, ShardedOptimizer):
+        return opt.full_state()
+    return {p: (None, dict(opt.state.get(p, {}))) for _, p in ctx.named_params}
 
 
 def _send(moved: Sequence[str], params: Mapping[str, nn.Parameter],
-          holders: Mapping[str, tuple[nn.Module, str]], opt: torch.optim.Optimizer,
+          holders: Mapping[str, tuple[nn.Module, str]],
+          whole: Mapping[nn.Parameter, tuple[torch.Tensor | None, dict[str, Any]]],
           me: HeteroCoords, to: HeteroCoords, tp_group: Any) -> None:
     """On replica 0 of the source stage: gather every moved parameter and its
     optimizer state to full tensors (collectives over this replica's TP group
@@ -197,10 +217,11 @@ def _send(moved: Sequence[str], params: Mapping[str, nn.Parameter],
         module, attr = holders[name]
         spec = shard_spec(module, attr)
         conv1d = _conv1d_weight(module, attr)
-        full = gather_full(p, spec, group, conv1d=conv1d)
+        master, state = whole.get(p, (None, {}))
+        value = master if master is not None else p  # the master is the full-precision value
+        full = gather_full(value, spec, group, conv1d=conv1d)
         keys: list[Any] = []
         tensors.append(full)
-        state = opt.state.get(p, {})
         for key in sorted(state):
             v = state[key]
             if not torch.is_tensor(v):
@@ -221,16 +242,17 @@ def _send(moved: Sequence[str], params: Mapping[str, nn.Parameter],
 
 def _recv(moved: Sequence[str], params: Mapping[str, nn.Parameter],
           holders: Mapping[str, tuple[nn.Module, str]],
-          src: int) -> dict[nn.Parameter, dict[str, Any]]:
+          src: int) -> dict[nn.Parameter, tuple[torch.Tensor, dict[str, Any]]]:
     """On every rank of the destination stage: receive what :func:`_send` sent from global
-    rank ``src``, copy this rank's part into its parameters; their optimizer state."""
+    rank ``src`` and copy this rank's part into its parameters; per parameter, that part in
+    full precision (the master value) and its optimizer state."""
     box: list[Any] = [None]
     dist.recv_object_list(box, src=src)
     meta = box[0]
     if [m[0] for m in meta] != list(moved):
         raise SpecError(f"rebalancing: received parameters {[m[0] for m in meta]}, expected "
                         f"{list(moved)}; every stage must build the same layers")
-    states: dict[nn.Parameter, dict[str, Any]] = {}
+    states: dict[nn.Parameter, tuple[torch.Tensor, dict[str, Any]]] = {}
     for name, shape, dtype, keys in meta:
         p = params[name]
         module, attr = holders[name]
@@ -252,6 +274,5 @@ def _recv(moved: Sequence[str], params: Mapping[str, nn.Parameter],
             dist.recv(buf, src=src)
             state[key] = (local_part(buf, spec, conv1d=conv1d) if sharded
                           else buf).clone()
-        if state:
-            states[p] = state
+        states[p] = (part.clone(), state)
     return states
