@@ -164,29 +164,17 @@ def hetero_refusals(plan: Plan) -> list[str]:
 
 
 def _rebalancing_refusals(plan: Plan) -> list[str]:
-    """The applied re-balancing events the heterogeneous pipeline does not execute (moves
-    between stages of any data- and tensor-parallel degrees do run:
-    :mod:`hetplan.runtime.handlers.hetero_rebalancing`)."""
-    reb, hetero = plan.rebalancing, plan.hetero
-    assert hetero is not None
-    applied = [(i, e) for i, e in enumerate(reb.events if reb is not None else ())
-               if e.applied]
-    if not applied:
+    """The applied re-balancing events the heterogeneous pipeline does not execute. Moves
+    between stages of any data- and tensor-parallel degrees and ZeRO stage (0 or 1 per
+    stage) run (:mod:`hetplan.runtime.handlers.hetero_rebalancing`); an event with another
+    stage count (re-packing) is already refused by the plan's validator."""
+    reb, tp = plan.rebalancing, plan.tensor_parallel
+    if reb is None or not any(e.applied for e in reb.events):
         return []
-    out = [f"rebalancing.events[{i}].stages: {len(e.stages)} stages on a pipeline of "
-           f"{len(plan.stages)} stages of per-stage degrees (re-packing would leave a "
-           "stage's devices idle and its ranks without a stage); re-plan with "
-           "rebalance.repack false in the dynamics file"
-           for i, e in applied if len(e.stages) != len(plan.stages)]
-    out += [f"hetero.stages[{s.stage}].zero_stage: re-balancing moves layers of a stage "
-            f"under ZeRO-3 (dp={s.dp}), whose parameters FSDP shards across its replicas; "
-            "the runtime rebuilds ZeRO-1/2 state only: re-plan with --zero 2"
-            for s in hetero.stages if s.zero_stage >= 3 and s.dp > 1]
-    tp = plan.tensor_parallel
     if tp is not None and tp.controller.variant != "off":
-        out.append(f"tensor_parallel.controller: the TP resizing controller "
-                   f"({tp.controller.variant}) with applied re-balancing events on per-stage "
-                   "degrees (the controller's per-linear state is built for the stage's "
-                   "layers at setup and is not moved with a layer); re-plan with "
-                   "--tp-controller off, or without --dynamics")
-    return out
+        return [f"tensor_parallel.controller: the TP resizing controller "
+                f"({tp.controller.variant}) with applied re-balancing events on per-stage "
+                "degrees (the controller's per-linear state is built for the stage's layers "
+                "at setup and is not moved with a layer); re-plan with --tp-controller off, "
+                "or without --dynamics"]
+    return []

@@ -16,8 +16,13 @@ gradients are cleared, so only parameters and optimizer state move). The steps:
    speaks for it and :func:`~hetplan.runtime.rebalance.plan_param_moves` (the homogeneous
    mechanism) lists ``(source stage, destination stage, names)`` in one order every rank
    walks, so the blocking point-to-point calls pair up.
-3. **Full tensors travel.** Per move, the ranks of the source stage's replica 0 rebuild each
-   parameter's *full* tensor in the unsharded model's layout — and every optimizer-state
+3. **Full tensors travel.** First every rank takes its optimizer's state as whole
+   parameters (:func:`_whole_state`): a plain optimizer's per-parameter state as it is; the
+   runtime's sharded optimizer (ZeRO-1/2 over the stage's replicas, or 16-bit working
+   weights with fp32 masters) gathers its master values and state chunks from the replicas
+   (:meth:`~hetplan.runtime.sharded_optimizer.ShardedOptimizer.full_state`). Per move, the
+   ranks of the source stage's replica 0 rebuild each parameter's *full* tensor (its master
+   value where there is one) in the unsharded model's layout — and every optimizer-state
    tensor of the parameter's shape (Adam's moments, a momentum buffer) the same way — by
    writing their shard at its place in a zero buffer and summing over their TP group
    (:func:`gather_full`; a replicated parameter, or a scalar state such as Adam's ``step``,
@@ -30,8 +35,11 @@ gradients are cleared, so only parameters and optimizer state move). The steps:
 4. **Continue.** The other handlers rebuild over the new parameters
    (``ctx.params_changed()``: gradient sync over the stage's own replicas, precision,
    recomputation), ``ctx.plan`` carries the new bounds, and the optimizer is rebuilt with the
-   kept state and the received state (:func:`~hetplan.runtime.rebalance.carry_optimizer`),
-   so training continues exactly as the unsplit model would.
+   kept state and the received state (:func:`~hetplan.runtime.rebalance.carry_optimizer`;
+   a sharded optimizer, whose flat layout changed with the stage's parameters, loads every
+   parameter's whole master and state into its new chunks:
+   :meth:`~hetplan.runtime.sharded_optimizer.ShardedOptimizer.load_full_state`), so
+   training continues exactly as the unsplit model would.
 
 Every collective runs on the runtime's groups (the stage's TP group, created with the
 runtime's timeout) or the default group (the job's timeout), so a peer that dies during the

@@ -1,5 +1,6 @@
-"""The shard rules a heterogeneous re-balancing move cuts and gathers with
-(:mod:`hetplan.runtime.handlers.hetero_rebalancing`), in one process.
+"""Re-balancing a pipeline of per-stage degrees, in one process: the shard rules a move cuts
+and gathers with (:mod:`hetplan.runtime.handlers.hetero_rebalancing`), and which applied
+events the runtime still refuses (:func:`~hetplan.runtime.hetero_ranks.hetero_refusals`).
 
 For every module the tensor-parallel handler builds — column and row linears (uneven
 shards, a zero-width shard), the fused QKV projection of split attention, the
@@ -8,6 +9,10 @@ weights) — and every TP rank: :func:`local_part` of the full tensor is exactly
 module holds, and :func:`gather_full` of the ranks' shards (each placed in a zero buffer; the
 TP group would sum them) summed over the ranks is the full tensor. A replicated parameter
 (a row linear's bias, a LayerNorm) is taken whole.
+
+Refusals: an applied event on stages ``1x1 | 2x2`` runs with the dp-2 stage at ZeRO-0 or
+ZeRO-1 (what a stage's shape can hold); re-packing (fewer stages) never reaches the runtime:
+the plan's validator refuses it, naming the field.
 """
 
 from __future__ import annotations
@@ -16,6 +21,11 @@ import pytest
 import torch
 from torch import nn
 
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_hetero import Hetero, StageShape
+from hetplan.ir.plan_sections import ClusterRef, Layout, ModelRef, Stage
+from hetplan.ir.rebalancing import PlannedEvent, RebalancePolicy, Rebalancing
+from hetplan.runtime.composition import refusals
 from hetplan.runtime.handlers.hetero_rebalancing import (
     gather_full,
     local_part,
@@ -83,3 +93,28 @@ def test_replicated_modules_are_taken_whole() -> None:
     assert shard_spec(norm, "weight") is None
     row = RowParallelLinear.from_linear(nn.Linear(8, 4), SIZES, 0)
     assert shard_spec(row, "bias") is None and shard_spec(row, "weight") is not None
+
+
+def _plan(zero: int, event: tuple[tuple[int, int], ...]) -> Plan:
+    """Layers 0-1 | 2-3 on stages ``1x1 | 2x2`` (stage 1 at ZeRO ``zero``), one applied
+    event to ``event``."""
+    layout = Layout(dp=1, pp=2, tp=1, micro_batches=2, micro_batch_size=4,
+                    global_batch_size=8)
+    stages = (Stage(index=0, first_layer=0, last_layer=1, ranks=(0,)),
+              Stage(index=1, first_layer=2, last_layer=3, ranks=(1, 2, 3, 4)))
+    hetero = Hetero(stages=(
+        StageShape(stage=0, device_class="fast", dp=1, tp=1, micro_batch_size=4),
+        StageShape(stage=1, device_class="slow", dp=2, tp=2, micro_batch_size=2,
+                   zero_stage=zero)))
+    reb = Rebalancing(policy=RebalancePolicy(), total_iterations=10, events=(
+        PlannedEvent(iteration=3, stages=event, applied=True),))
+    return Plan(model=ModelRef(name="m", fingerprint="f00", num_params=1),
+                cluster=ClusterRef(name="c", fingerprint="c00", world_size=5),
+                layout=layout, stages=stages, hetero=hetero, rebalancing=reb)
+
+
+def test_applied_events_run_at_zero_0_and_1_and_repacking_is_invalid() -> None:
+    moves = ((0, 2), (3, 3))
+    assert [refusals(_plan(z, moves)) for z in (0, 1)] == [[], []]
+    with pytest.raises(ValueError, match=r"rebalancing\.events\[0\]\.stages: 1 layer range"):
+        _plan(1, ((0, 3),))
