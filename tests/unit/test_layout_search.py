@@ -304,3 +304,22 @@ def test_auto_schedule_plan_is_at_least_as_fast_as_either() -> None:
 def test_auto_schedule_is_a_known_option() -> None:
     with pytest.raises(SpecError, match="auto"):
         compile(workload(4, pairs=False), cluster(4), batch_size=8, schedule="autoo")
+
+
+def test_auto_schedule_with_dynamics_keeps_to_1f1b() -> None:
+    """DynPipe re-balances one chunk per pipeline rank: ``auto`` with dynamics searches 1F1B
+    only instead of failing on an interleaved candidate; a pinned chunk count still fails
+    with DynPipe's message."""
+    from hetplan.errors import PassError
+
+    prune = {"total_iterations": 1000, "pruning": {"final_sparsity": 0.9,
+                                                   "start_iteration": 100, "frequency": 100,
+                                                   "steps": 3}}
+    twelve = workload_from_gradients("twelve", [f"l{i}.weight" for i in reversed(range(12))],
+                                     [4_000_000] * 12, [100.0 * i for i in range(12)])
+    plan = compile(twelve, cluster(4), batch_size=32, schedule="auto", pp=2, dynamics=prune)
+    assert plan.layout is not None and plan.rebalancing is not None
+    assert (plan.layout.schedule, plan.layout.virtual_stages) == ("1f1b", 1)
+    with pytest.raises(PassError, match="one chunk per pipeline rank"):
+        compile(twelve, cluster(4), batch_size=32, schedule="auto", pp=2, virtual_stages=2,
+                dynamics=prune)

@@ -124,6 +124,13 @@ class _Job:
 Scored = tuple[float, LayoutCandidate, Plan, Evaluation]
 
 
+def _rebalances(pipeline: tuple[Pass, ...]) -> bool:
+    """Whether ``pipeline`` re-balances a dynamic model (a ``dynpipe`` pass given dynamics),
+    which needs one chunk per pipeline rank."""
+    return any(p.name == "dynpipe" and getattr(p, "dynamics", None) is not None
+               for p in pipeline)
+
+
 def compile(  # noqa: A001 - the product's verb
     model: Any,
     cluster: ClusterSpec | str | Path,
@@ -180,6 +187,9 @@ def compile(  # noqa: A001 - the product's verb
                                    micro_batch_size=opts.micro_batch_size,
                                    schedule=opts.schedule, virtual_stages=opts.virtual_stages,
                                    sequence_parallel=opts.sequence_parallel)
+    if opts.schedule == "auto" and opts.virtual_stages is None and _rebalances(pipeline):
+        # DynPipe re-balances one chunk per pipeline rank: auto keeps to 1F1B
+        candidates = [c for c in candidates if c.virtual_stages == 1]
     if not candidates:
         raise InfeasiblePlanError(
             f"no layout of {spec.world_size} devices divides the global batch of "

@@ -51,7 +51,8 @@ class CompileOptions(BaseModel):
         batch_size: global batch size per iteration (samples).
         seq: sequence length for zoo language models.
         schedule: pipeline schedule (one of ``cost_models.pipeline.SCHEDULES``), or ``auto``:
-            search 1F1B and interleaved 1F1B (2 to 4 chunks per rank) side by side.
+            search 1F1B and interleaved 1F1B (2 to 4 chunks per rank) side by side (1F1B
+            alone when ``dynamics`` are re-balanced: DynPipe needs one chunk per rank).
         passes: the pass pipeline (spec string, or names / pass instances).
         dp / pp / tp / micro_batch_size: pin a layout dimension.
         virtual_stages / sequence_parallel / zero_stage: pin a strategy dimension (interleaved
