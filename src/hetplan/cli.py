@@ -509,8 +509,8 @@ def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | No
             raise SpecError(f"--virtual-stages {virtual_stages}: interleaving needs 2 or more "
                             "chunks per pipeline rank; use --virtual-stages 2 (or more)")
         if schedule not in ("interleaved-1f1b", "auto"):
-            raise SpecError(f"--virtual-stages needs --schedule interleaved-1f1b (the schedule "
-                            f"is {schedule!r}); add --schedule interleaved-1f1b")
+            raise SpecError(f"--virtual-stages needs --schedule interleaved-1f1b or auto (the "
+                            f"schedule is {schedule!r}); add --schedule interleaved-1f1b")
     return {"dtype": dtype, "zero_stage": zero, "recompute": recompute,
             "sequence_parallel": sp, "virtual_stages": virtual_stages}
 

@@ -122,7 +122,7 @@ def _plan_cli(*args: object) -> tuple[int, str]:
     (("--zero", 4), "--zero 4"),
     (("--recompute", "partial"), "--recompute 'partial'"),
     (("--sp", "--tp", 1), "--sp needs tensor parallelism"),
-    (("--virtual-stages", 2), "--virtual-stages needs --schedule interleaved-1f1b"),
+    (("--virtual-stages", 2), "--virtual-stages needs --schedule interleaved-1f1b or auto"),
     (("--virtual-stages", 1, "--schedule", "interleaved-1f1b"), "--virtual-stages 1"),
     (("--dtype", "bf32"), "--dtype 'bf32'"),
 ])
