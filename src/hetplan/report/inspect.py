@@ -262,9 +262,13 @@ def _tp_group(plan: Plan, g: TPGroup, devices: tuple[Device, ...] | None) -> dic
         shares = [1.0 / n] * n
     split = 0
     workload = plan.model.workload
-    if workload is not None and stage is not None and stage < len(plan.stages):
-        st = plan.stages[stage]
-        split = sum(min(x.tp_split_bytes, x.param_bytes)
+    # the stages the group's ranks hold: every chunk of its pipeline rank when interleaved
+    # (``g.stage`` is the pipeline rank, not an index of ``plan.stages``)
+    held = [st for st in plan.stages if g.ranks and g.ranks[0] in st.ranks]
+    if not held and stage is not None and stage < len(plan.stages):
+        held = [plan.stages[stage]]
+    if workload is not None:
+        split = sum(min(x.tp_split_bytes, x.param_bytes) for st in held
                     for x in workload.layers[st.first_layer: st.last_layer + 1])
     uneven = sum(1 for lin in g.linears if len(set(lin.shard_sizes)) > 1)
     roles = {r.rank: r.role for r in g.roles if r.role != "normal"}
