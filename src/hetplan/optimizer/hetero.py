@@ -66,7 +66,7 @@ from hetplan.cost_models.hetero import (
     hetero_predictions,
 )
 from hetplan.cost_models.profile_db import ProfileDB
-from hetplan.errors import InfeasiblePlanError, SpecError
+from hetplan.errors import InfeasiblePlanError, PassError, SpecError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_cpsat import CpSatRecord
@@ -667,6 +667,8 @@ def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_siz
 
     Raises:
         InfeasiblePlanError: with ``on``, no heterogeneous pipeline fits.
+        PassError: with ``on``, a pass refuses the heterogeneous pipeline (``auto`` keeps
+            ``plan`` then, as when none fits).
     """
     if mode == "off":
         return plan
@@ -688,6 +690,11 @@ def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_siz
             raise
         return _noted(plan, f"--hetero auto: no heterogeneous pipeline fits ({e}); kept "
                             f"compile()'s plan ({base_ms:.3f} ms)")
+    except PassError as e:  # a pass refuses per-stage degrees (DynPipe's re-packing)
+        if mode == "on":
+            raise
+        return _noted(plan, f"--hetero auto: a pass refuses the heterogeneous pipeline ({e}); "
+                            f"kept compile()'s plan ({base_ms:.3f} ms)")
     assert het.predictions is not None
     het_ms = het.predictions.iteration_time_ms
     if mode == "on" or het_ms < base_ms:
