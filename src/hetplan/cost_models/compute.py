@@ -86,7 +86,8 @@ class ComputeModel:
         fusion: which memory-bound kernels the engine fuses: ``none`` (each captured kernel
             alone) or ``fused`` (:func:`~hetplan.cost_models.kernels.fused_block_bytes`).
         vocab_parallel: the engine splits the LM head across TP ranks by vocabulary
-            (priced only: the runtime gathers the logits).
+            (:meth:`tp_divisor`; the runtime's ``shard_vocab`` splits it beside a ``V x h``
+            token embedding, with a vocabulary-parallel cross-entropy).
         kernel_devices: price layers by their kernels on device types that have a GEMM
             curve. :class:`~hetplan.cost_models.costs.CostModel` sets it False when some device
             type of the cluster has none: every device of a plan is then priced by the same
