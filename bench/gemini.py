@@ -66,6 +66,7 @@ import math
 import os
 import statistics
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -122,7 +123,9 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
     runq: dict[str, list[float]] = {m: [] for m in MODES}  # training thread runnable, no CPU
     asleep: dict[str, list[float]] = {m: [] for m in MODES}  # ... neither: comm or GIL waits
     save_s: dict[str, list[float]] = {"blocking-disk": [], "dcp": []}
+    threads: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}  # s/iteration
     gemini = runtimes["gemini"].handler(CheckpointingHandler)
+    main_tid = threading.get_native_id()
     for r in range(rounds + 1):  # round 0 is warm-up
         order = MODES if r % 2 else tuple(reversed(MODES))
         for which in order:
@@ -130,6 +133,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
             dist.barrier()
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             on0, rq0 = _schedstat()
+            th0 = _thread_cpu()
             for i in range(iters):
                 xs = synthetic_batch(ex_args, batch, r * 100 + i)
                 rt.train_step(xs, target_of(xs, batch))
@@ -148,6 +152,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
                 gemini.wait_round()
             c1, p1 = time.thread_time(), time.process_time()
             on1, rq1 = _schedstat()
+            th1 = _thread_cpu()
             span = time.perf_counter() - t0
             dist.barrier()
             if r:
@@ -156,9 +161,10 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
                 proc_cpu[which].append((p1 - p0) / iters)
                 runq[which].append((rq1 - rq0) / iters)
                 asleep[which].append((span - (on1 - on0) - (rq1 - rq0)) / iters)
+                threads[which].append(_by_thread(th0, th1, main_tid, gemini, iters))
     rounds = gemini.report()[iters:]
     result = {"times": times, "cpu_s": cpu, "process_cpu_s": proc_cpu, "save_s": save_s,
-              "runqueue_s": runq, "asleep_s": asleep,
+              "runqueue_s": runq, "asleep_s": asleep, "threads_s": threads,
               "gemini_round_s": gemini.round_s[iters:],
               "gemini_wait_s": [x["wait_before_step_ms"] / 1e3 for x in rounds
                                 if x["wait_before_step_ms"] is not None],
@@ -175,6 +181,35 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
 
 
 GIL_MODES = ("noop", "torch-save", "flat")
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """Every thread of this process: native id -> (its name, ``comm``; seconds on a CPU),
+    from ``/proc/self/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock ticks)."""
+    out: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                on = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (name, on)
+    return out
+
+
+def _by_thread(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+               main_tid: int, gemini: object, iters: int) -> dict[str, float]:
+    """CPU seconds per iteration of each kind of thread between two :func:`_thread_cpu`
+    readings: ``training`` (the main thread), ``checkpoint`` (Gemini's thread), the others
+    summed by name (gloo's and torch's threads); a thread started in between counts whole."""
+    ck = getattr(getattr(gemini, "_thread", None), "native_id", None)
+    out: dict[str, float] = {}
+    for tid, (name, on) in after.items():
+        label = "training" if tid == main_tid else "checkpoint" if tid == ck else name
+        out[label] = out.get(label, 0.0) + (on - before.get(tid, (name, 0.0))[1]) / iters
+    return out
 
 
 def _schedstat() -> tuple[float, float]:
@@ -366,6 +401,18 @@ def main() -> int:
                   "training_thread_runqueue": _med_ms([x for r in ranks for x in r["runqueue_s"][m]]),
                   "training_thread_asleep": _med_ms([x for r in ranks for x in r["asleep_s"][m]])}
               for m in MODES}
+    labels = sorted({k for r in ranks for m in MODES for b in r["threads_s"][m] for k in b})
+    per_thread = {m: {k: statistics.fmean(b.get(k, 0.0) for r in ranks
+                                          for b in r["threads_s"][m]) * 1e3 for k in labels}
+                  for m in MODES}
+    per_thread = {m: {k: round(v, 3) for k, v in d.items() if v >= 0.0005}
+                  for m, d in per_thread.items()}
+    extra = {k: round(per_thread["gemini"].get(k, 0.0) - per_thread["none"].get(k, 0.0), 3)
+             for k in labels}
+    print("CPU ms per iteration per rank, by thread (mean over ranks and blocks):")
+    for k in labels:
+        print(f"  {k:>18}: " + "  ".join(f"{m} {per_thread[m].get(k, 0.0):7.3f}"
+                                         for m in MODES) + f"   gemini-none {extra[k]:+.3f}")
     cpu_ms["gemini"]["checkpoint_thread_per_round"] = _med_ms(
         [x for r in ranks for x in r["gemini_cpu_s"]])
     waits = sorted(x * 1e3 for r in ranks for x in r["gemini_wait_s"])
@@ -400,6 +447,9 @@ def main() -> int:
         "paired_ratio_over_none": paired,
         "target_gemini_over_none": 1.03, "meets_target": ratio["gemini"] <= 1.03,
         "cpu_ms_per_iteration": cpu_ms,
+        "cpu_ms_per_iteration_by_thread": per_thread,
+        "gemini_extra_cpu_ms_by_thread": extra,
+        "gemini_extra_cpu_ms_total": round(sum(extra.values()), 3),
         "gemini_wait_before_step_ms": {"median": statistics.median(waits),
                                        "p90": waits[int(0.9 * (len(waits) - 1))],
                                        "max": waits[-1], "count": len(waits)},
