@@ -183,32 +183,40 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
 GIL_MODES = ("noop", "torch-save", "flat")
 
 
-def _thread_cpu() -> dict[int, tuple[str, float]]:
-    """Every thread of this process: native id -> (its name, ``comm``; seconds on a CPU),
-    from ``/proc/self/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock ticks)."""
-    out: dict[int, tuple[str, float]] = {}
+def _thread_cpu() -> dict[int, tuple[str, float, int]]:
+    """Every thread of this process: native id -> (its name, ``comm``; seconds on a CPU;
+    times it was scheduled onto a CPU, i.e. woken or preempted and resumed), from
+    ``/proc/self/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock ticks)."""
+    out: dict[int, tuple[str, float, int]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                on = int(f.read().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+                fields = f.read().split()
+        except OSError:  # the thread ended meanwhile
             continue
-        out[int(tid)] = (name, on)
+        out[int(tid)] = (name, int(fields[0]) / 1e9, int(fields[2]))
     return out
 
 
-def _by_thread(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+def _by_thread(before: dict[int, tuple[str, float, int]],
+               after: dict[int, tuple[str, float, int]],
                main_tid: int, gemini: object, iters: int) -> dict[str, float]:
     """CPU seconds per iteration of each kind of thread between two :func:`_thread_cpu`
-    readings: ``training`` (the main thread), ``checkpoint`` (Gemini's thread), the others
-    summed by name (gloo's and torch's threads); a thread started in between counts whole."""
+    readings: ``training`` (the main thread), ``checkpoint`` (Gemini's sending thread),
+    ``receiver`` (its receiver threads), the others
+    summed by name (gloo's and torch's threads); a thread started in between counts whole.
+    ``<label>/runs``: the times those threads were put on a CPU, per iteration."""
     ck = getattr(getattr(gemini, "_thread", None), "native_id", None)
+    receivers = {t.native_id for t in getattr(gemini, "receivers", ())}
     out: dict[str, float] = {}
-    for tid, (name, on) in after.items():
-        label = "training" if tid == main_tid else "checkpoint" if tid == ck else name
-        out[label] = out.get(label, 0.0) + (on - before.get(tid, (name, 0.0))[1]) / iters
+    for tid, (name, on, runs) in after.items():
+        label = ("training" if tid == main_tid else "checkpoint" if tid == ck else
+                 "receiver" if tid in receivers else name)
+        _, on0, runs0 = before.get(tid, (name, 0.0, 0))
+        out[label] = out.get(label, 0.0) + (on - on0) / iters
+        out[label + "/runs"] = out.get(label + "/runs", 0.0) + (runs - runs0) / iters
     return out
 
 
@@ -401,18 +409,24 @@ def main() -> int:
                   "training_thread_runqueue": _med_ms([x for r in ranks for x in r["runqueue_s"][m]]),
                   "training_thread_asleep": _med_ms([x for r in ranks for x in r["asleep_s"][m]])}
               for m in MODES}
-    labels = sorted({k for r in ranks for m in MODES for b in r["threads_s"][m] for k in b})
-    per_thread = {m: {k: statistics.fmean(b.get(k, 0.0) for r in ranks
-                                          for b in r["threads_s"][m]) * 1e3 for k in labels}
+    keys = sorted({k for r in ranks for m in MODES for b in r["threads_s"][m] for k in b})
+    labels = [k for k in keys if not k.endswith("/runs")]
+
+    def mean(m: str, k: str) -> float:
+        return statistics.fmean(b.get(k, 0.0) for r in ranks for b in r["threads_s"][m])
+
+    per_thread = {m: {k: round(mean(m, k) * 1e3, 3) for k in labels if mean(m, k) >= 5e-7}
                   for m in MODES}
-    per_thread = {m: {k: round(v, 3) for k, v in d.items() if v >= 0.0005}
-                  for m, d in per_thread.items()}
+    runs = {m: {k: round(mean(m, k + "/runs"), 1) for k in labels if mean(m, k) >= 5e-7}
+            for m in MODES}
     extra = {k: round(per_thread["gemini"].get(k, 0.0) - per_thread["none"].get(k, 0.0), 3)
              for k in labels}
-    print("CPU ms per iteration per rank, by thread (mean over ranks and blocks):")
+    print("CPU ms (times scheduled) per iteration per rank, by thread (mean over ranks and "
+          "blocks):")
     for k in labels:
-        print(f"  {k:>18}: " + "  ".join(f"{m} {per_thread[m].get(k, 0.0):7.3f}"
-                                         for m in MODES) + f"   gemini-none {extra[k]:+.3f}")
+        print(f"  {k:>16}: " + "  ".join(
+            f"{m} {per_thread[m].get(k, 0.0):6.3f} ({runs[m].get(k, 0.0):5.1f})"
+            for m in MODES) + f"   gemini-none {extra[k]:+.3f}")
     cpu_ms["gemini"]["checkpoint_thread_per_round"] = _med_ms(
         [x for r in ranks for x in r["gemini_cpu_s"]])
     waits = sorted(x * 1e3 for r in ranks for x in r["gemini_wait_s"])
@@ -448,6 +462,7 @@ def main() -> int:
         "target_gemini_over_none": 1.03, "meets_target": ratio["gemini"] <= 1.03,
         "cpu_ms_per_iteration": cpu_ms,
         "cpu_ms_per_iteration_by_thread": per_thread,
+        "thread_runs_per_iteration": runs,
         "gemini_extra_cpu_ms_by_thread": extra,
         "gemini_extra_cpu_ms_total": round(sum(extra.values()), 3),
         "gemini_wait_before_step_ms": {"median": statistics.median(waits),

@@ -174,14 +174,19 @@ class NodeStore:
             os.close(fd)
         return Reserved(kind, rank, slot, iteration, mm)
 
-    def commit(self, r: Reserved) -> None:
-        """Complete a reserved slot: its metadata (with the data's CRC-32), by a rename."""
+    def commit(self, r: Reserved, crc32: int | None = None) -> int:
+        """Complete a reserved slot: its metadata (with the data's CRC-32), by a rename;
+        returns the CRC-32. ``crc32``: the CRC-32 the data must have, computed where it was
+        packed (a holder's copy: it is not computed again, and a copy that differs from the
+        sender's snapshot is refused when read)."""
         data, meta, tmp = self._files(r.kind, r.rank, r.slot)
         size = os.stat(data).st_size
+        if crc32 is None:
+            crc32 = zlib.crc32(memoryview(r.buffer)[:size])
         with open(tmp, "w") as f:
-            f.write(json.dumps({"iteration": r.iteration, "nbytes": size,
-                                "crc32": zlib.crc32(memoryview(r.buffer)[:size])}))
+            f.write(json.dumps({"iteration": r.iteration, "nbytes": size, "crc32": crc32}))
         os.replace(tmp, meta)
+        return crc32
 
     def read(self, kind: str, rank: int, iteration: int) -> bytes:
         """The snapshot of ``iteration``; ``LookupError`` when absent or corrupt."""
