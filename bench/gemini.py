@@ -421,12 +421,23 @@ def main() -> int:
             for m in MODES}
     extra = {k: round(per_thread["gemini"].get(k, 0.0) - per_thread["none"].get(k, 0.0), 3)
              for k in labels}
+    # per rank and round, gemini's block minus the none block beside it (load that drifts
+    # between rounds cancels), median over ranks and rounds
+    paired_extra = {k: round(statistics.median(
+        g.get(k, 0.0) - n.get(k, 0.0) for r in ranks
+        for g, n in zip(r["threads_s"]["gemini"], r["threads_s"]["none"], strict=True)) * 1e3,
+        3) for k in labels}
+    paired_extra["process"] = round(statistics.median(
+        g - n for r in ranks for g, n in zip(r["process_cpu_s"]["gemini"],
+                                             r["process_cpu_s"]["none"], strict=True)) * 1e3, 3)
     print("CPU ms (times scheduled) per iteration per rank, by thread (mean over ranks and "
           "blocks):")
     for k in labels:
         print(f"  {k:>16}: " + "  ".join(
             f"{m} {per_thread[m].get(k, 0.0):6.3f} ({runs[m].get(k, 0.0):5.1f})"
-            for m in MODES) + f"   gemini-none {extra[k]:+.3f}")
+            for m in MODES) + f"   gemini-none {extra[k]:+.3f} (paired median "
+            f"{paired_extra[k]:+.3f})")
+    print(f"  process CPU, gemini-none: paired median {paired_extra['process']:+.3f} ms")
     cpu_ms["gemini"]["checkpoint_thread_per_round"] = _med_ms(
         [x for r in ranks for x in r["gemini_cpu_s"]])
     waits = sorted(x * 1e3 for r in ranks for x in r["gemini_wait_s"])
@@ -465,6 +476,7 @@ def main() -> int:
         "thread_runs_per_iteration": runs,
         "gemini_extra_cpu_ms_by_thread": extra,
         "gemini_extra_cpu_ms_total": round(sum(extra.values()), 3),
+        "gemini_extra_cpu_ms_by_thread_paired_median": paired_extra,
         "gemini_wait_before_step_ms": {"median": statistics.median(waits),
                                        "p90": waits[int(0.9 * (len(waits) - 1))],
                                        "max": waits[-1], "count": len(waits)},
