@@ -32,6 +32,13 @@ reports what load does not change much:
   machine's load) and its time asleep (``training_thread_asleep``: waiting for the other
   ranks, for the checkpoint round, or for the GIL; on a quiet machine Gemini's extra over
   ``none`` here is what the checkpoint thread costs the training thread);
+* ``cpu_ms_per_iteration_by_thread``: every thread of every rank's process, from
+  ``/proc/self/task/*/schedstat`` before and after each block: ``training``, Gemini's
+  ``checkpoint`` (sending) and ``receiver`` threads, gloo's ``gloo_tcp_loop`` (its event loop:
+  reads and writes of every gloo message) and ``pt_gloo_runloop`` (collectives), the rest
+  by name; ``thread_runs_per_iteration``: how often each was put on a CPU (wake-ups);
+  ``gemini_extra_cpu_ms_by_thread`` (means) and ``..._paired_median`` (per rank and round,
+  the gemini block minus the none block beside it): what Gemini costs, thread by thread;
 * ``gemini_wait_before_step_ms``: how long the optimizer step waited for the round (≈ 0 when
   the checkpoint traffic fits before the next step), and how the chunks went against the
   plan's idle spans (``on_time`` / ``late`` / ``released``).
