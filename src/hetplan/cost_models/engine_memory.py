@@ -112,10 +112,11 @@ def _vocab_table(lay: LayerCost, vocab: tuple[int, int], capture_bytes: int) -> 
 def vocab_layers(layers: tuple[LayerCost, ...], capture_bytes: int) -> tuple[LayerCost, ...]:
     """``layers`` with the LM head's and the vocabulary embedding's parameters TP-split
     (a vocabulary-parallel head, see the module docstring); ``layers`` when the model has
-    no LM head."""
+    no LM head or no ``V x h`` embedding beside it (the runtime's ``shard_vocab`` splits
+    the pair only)."""
     vocab = _vocab(layers)
-    if vocab is None:
-        return layers
+    if vocab is None or not any(_vocab_table(x, vocab, capture_bytes) for x in layers):
+        return layers  # the runtime splits a head only beside its vocabulary embedding
     return tuple(
         x.model_copy(update={"tp_split_bytes": x.param_bytes})
         if x.param_bytes and (x.kind == "head" or _vocab_table(x, vocab, capture_bytes))
