@@ -190,40 +190,46 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
 GIL_MODES = ("noop", "torch-save", "flat")
 
 
-def _thread_cpu() -> dict[int, tuple[str, float, int]]:
+def _thread_cpu() -> dict[int, tuple[str, float, int, int]]:
     """Every thread of this process: native id -> (its name, ``comm``; seconds on a CPU;
-    times it was scheduled onto a CPU, i.e. woken or preempted and resumed), from
-    ``/proc/self/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock ticks)."""
-    out: dict[int, tuple[str, float, int]] = {}
+    times it was scheduled onto a CPU, i.e. woken or preempted and resumed; times it was
+    preempted), from ``/proc/self/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock
+    ticks) and ``status`` (``nonvoluntary_ctxt_switches``)."""
+    out: dict[int, tuple[str, float, int, int]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 fields = f.read().split()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = f.read()
         except OSError:  # the thread ended meanwhile
             continue
-        out[int(tid)] = (name, int(fields[0]) / 1e9, int(fields[2]))
+        pre = status.rsplit("nonvoluntary_ctxt_switches:", 1)[-1].split()
+        out[int(tid)] = (name, int(fields[0]) / 1e9, int(fields[2]), int(pre[0]) if pre else 0)
     return out
 
 
-def _by_thread(before: dict[int, tuple[str, float, int]],
-               after: dict[int, tuple[str, float, int]],
+def _by_thread(before: dict[int, tuple[str, float, int, int]],
+               after: dict[int, tuple[str, float, int, int]],
                main_tid: int, gemini: object, iters: int) -> dict[str, float]:
     """CPU seconds per iteration of each kind of thread between two :func:`_thread_cpu`
     readings: ``training`` (the main thread), ``checkpoint`` (Gemini's sending thread),
     ``receiver`` (its receiver threads), the others
     summed by name (gloo's and torch's threads); a thread started in between counts whole.
-    ``<label>/runs``: the times those threads were put on a CPU, per iteration."""
+    ``<label>/runs``: the times those threads were put on a CPU, per iteration;
+    ``<label>/preempted``: of those, after being preempted (the rest: after waiting)."""
     ck = getattr(getattr(gemini, "_thread", None), "native_id", None)
     receivers = {t.native_id for t in getattr(gemini, "receivers", ())}
     out: dict[str, float] = {}
-    for tid, (name, on, runs) in after.items():
+    for tid, (name, on, runs, pre) in after.items():
         label = ("training" if tid == main_tid else "checkpoint" if tid == ck else
                  "receiver" if tid in receivers else name)
-        _, on0, runs0 = before.get(tid, (name, 0.0, 0))
+        _, on0, runs0, pre0 = before.get(tid, (name, 0.0, 0, 0))
         out[label] = out.get(label, 0.0) + (on - on0) / iters
         out[label + "/runs"] = out.get(label + "/runs", 0.0) + (runs - runs0) / iters
+        out[label + "/preempted"] = out.get(label + "/preempted", 0.0) + (pre - pre0) / iters
     return out
 
 
@@ -417,7 +423,7 @@ def main() -> int:
                   "training_thread_asleep": _med_ms([x for r in ranks for x in r["asleep_s"][m]])}
               for m in MODES}
     keys = sorted({k for r in ranks for m in MODES for b in r["threads_s"][m] for k in b})
-    labels = [k for k in keys if not k.endswith("/runs")]
+    labels = [k for k in keys if "/" not in k]
 
     def mean(m: str, k: str) -> float:
         return statistics.fmean(b.get(k, 0.0) for r in ranks for b in r["threads_s"][m])
@@ -426,6 +432,8 @@ def main() -> int:
                   for m in MODES}
     runs = {m: {k: round(mean(m, k + "/runs"), 1) for k in labels if mean(m, k) >= 5e-7}
             for m in MODES}
+    preempted = {m: {k: round(mean(m, k + "/preempted"), 1) for k in labels
+                     if mean(m, k) >= 5e-7} for m in MODES}
     extra = {k: round(per_thread["gemini"].get(k, 0.0) - per_thread["none"].get(k, 0.0), 3)
              for k in labels}
     # per rank and round, gemini's block minus the none block beside it (load that drifts
@@ -437,11 +445,12 @@ def main() -> int:
     paired_extra["process"] = round(statistics.median(
         g - n for r in ranks for g, n in zip(r["process_cpu_s"]["gemini"],
                                              r["process_cpu_s"]["none"], strict=True)) * 1e3, 3)
-    print("CPU ms (times scheduled) per iteration per rank, by thread (mean over ranks and "
-          "blocks):")
+    print("CPU ms (times scheduled, of which preempted) per iteration per rank, by thread "
+          "(mean over ranks and blocks):")
     for k in labels:
         print(f"  {k:>16}: " + "  ".join(
-            f"{m} {per_thread[m].get(k, 0.0):6.3f} ({runs[m].get(k, 0.0):5.1f})"
+            f"{m} {per_thread[m].get(k, 0.0):6.3f} ({runs[m].get(k, 0.0):5.1f}, "
+            f"{preempted[m].get(k, 0.0):4.1f})"
             for m in MODES) + f"   gemini-none {extra[k]:+.3f} (paired median "
             f"{paired_extra[k]:+.3f})")
     print(f"  process CPU, gemini-none: paired median {paired_extra['process']:+.3f} ms")
@@ -481,6 +490,7 @@ def main() -> int:
         "cpu_ms_per_iteration": cpu_ms,
         "cpu_ms_per_iteration_by_thread": per_thread,
         "thread_runs_per_iteration": runs,
+        "thread_preempted_per_iteration": preempted,
         "gemini_extra_cpu_ms_by_thread": extra,
         "gemini_extra_cpu_ms_total": round(sum(extra.values()), 3),
         "gemini_extra_cpu_ms_by_thread_paired_median": paired_extra,
