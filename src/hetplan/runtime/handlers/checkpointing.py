@@ -145,6 +145,7 @@ class CheckpointingHandler(Handler):
         self._in: dict[int, socket.socket] = {}  # source -> stream of its copies
         self.receivers: list[threading.Thread] = []
         self._closing = False
+        self._failed = False  # a round's error was raised
 
     # -- setup and recovery ------------------------------------------------------------
     def setup(self, ctx: RuntimeContext) -> None:
@@ -347,6 +348,7 @@ class CheckpointingHandler(Handler):
     def _raise_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
+            self._failed = True
             raise RuntimeError(f"checkpoint round failed: {err}") from err
 
     def report(self) -> list[dict[str, Any]]:
@@ -489,17 +491,20 @@ class CheckpointingHandler(Handler):
     def close(self, ctx: RuntimeContext) -> None:
         """Finish: the last round, then end the streams to the holders (end-of-file at a
         header boundary) and wait until each rank held has ended its stream (its last round
-        acknowledged), at most the runtime's timeout; close the sockets."""
+        acknowledged), at most the runtime's timeout; close the sockets. After a failed
+        round it does not wait for the ranks held (the run is failing)."""
+        clean = self._error is None and not self._failed
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=ctx.timeout.total_seconds())
+            clean = clean and not self._thread.is_alive() and self._error is None
             self._thread = None
         for sock in self._out.values():
             try:
                 sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-        deadline = time.monotonic() + ctx.timeout.total_seconds()
+        deadline = time.monotonic() + (ctx.timeout.total_seconds() if clean else 0.0)
         for t in self.receivers:
             t.join(timeout=max(deadline - time.monotonic(), 0.0))
         self._closing = True
