@@ -50,7 +50,7 @@ from hetplan.errors import MissingProfileError
 from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import LayerCost, Precision, WorkloadSummary
 
-__all__ = ["LayerTime", "ComputeModel", "V100_FP32_FLOPS"]
+__all__ = ["LayerTime", "ComputeModel", "V100_FP32_FLOPS", "workload_tokens"]
 
 #: The device the Espresso benchmark workloads were measured on (V100 SXM2, fp32 FLOP/s).
 V100_FP32_FLOPS = 15.7e12
@@ -127,6 +127,13 @@ class ComputeModel:
         self._cache: dict[tuple[int, str, float, int, int, bool],
                           tuple[object, list[LayerTime]]] = {}
 
+    def tp_divisor(self, lay: LayerCost, tp: int) -> int:
+        """What one rank of a ``tp``-way group runs of ``lay``'s single-rank time, as a
+        divisor: ``tp`` for a layer with Megatron pairs and, with ``vocab_parallel``, for the
+        LM head (its vocabulary is split); 1 for a layer every rank runs whole."""
+        split = lay.tp_pairs > 0 or (self.vocab_parallel and lay.kind == "head")
+        return tp if tp > 1 and split else 1
+
     def layer_times(
         self, workload: WorkloadSummary, device: Device, micro_batch: int, *, tp: int = 1,
         sp: bool = False,
@@ -140,7 +147,7 @@ class ComputeModel:
             return cached[1]
         scale = micro_batch / workload.batch_size
         bytes_scale = self._bytes_scale(workload, device)
-        tokens = _tokens(workload)
+        tokens = workload_tokens(workload)
         times = [self._one(lay, device, scale, bytes_scale, micro_batch, tokens, tp, sp)
                  for lay in workload.layers]
         if self.require_profiled:
@@ -232,7 +239,7 @@ class ComputeModel:
         return out
 
 
-def _tokens(workload: WorkloadSummary) -> int:
+def workload_tokens(workload: WorkloadSummary) -> int:
     """Tokens (or samples) of the capture's first input: a matrix dimension equal to it
     grows with the micro-batch."""
     if not workload.input_shapes or not workload.input_shapes[0]:

@@ -8,12 +8,14 @@ from typing import Any, Literal
 
 from hetplan.cost_models.comm import CommModel
 from hetplan.cost_models.compression import CompressionModel
-from hetplan.cost_models.compute import ComputeModel
+from hetplan.cost_models.compute import ComputeModel, workload_tokens
+from hetplan.cost_models.engine_memory import engine_layer, vocab_layers
 from hetplan.cost_models.kernels import Attention, Fusion, curve_for
+from hetplan.cost_models.memory import capture_bytes
 from hetplan.cost_models.precision import resolve_precision
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.ir.cluster import ClusterSpec
-from hetplan.ir.plan_sections import Precision
+from hetplan.ir.plan_sections import LayerCost, Precision, WorkloadSummary
 
 __all__ = ["CostModel"]
 
@@ -37,7 +39,8 @@ class CostModel:
         fusion: the engine's memory-bound kernels run fused (``fused``) or as captured
             (``none``; :mod:`hetplan.cost_models.kernels`).
         vocab_parallel: the engine's LM head is split across TP ranks by vocabulary
-            (compute only; :func:`~hetplan.cost_models.kernels.kernel_times`).
+            (:func:`~hetplan.cost_models.kernels.kernel_times`), and so is its
+            cross-entropy (:func:`~hetplan.cost_models.memory.loss_activations`).
         dp_overlap: data-parallel sync overlaps the last backward (``backward``) or runs
             after the pipeline flush (``after-flush``); ``evaluate`` reads it.
     """
@@ -74,6 +77,8 @@ class CostModel:
         if dp_overlap not in ("backward", "after-flush"):
             raise ValueError(f"dp_overlap must be 'backward' or 'after-flush', got {dp_overlap!r}")
         self.dp_overlap = dp_overlap
+        self.attention: Attention = attention
+        self.vocab_parallel = vocab_parallel
         self.comm = CommModel(cluster, db)
         self.compression = CompressionModel(cluster, db)
         #: pipeline simulations by their inputs: passes that only change gradient sync
@@ -83,3 +88,25 @@ class CostModel:
         #: device types, ...): pure functions of this model the search asks for again and
         #: again; every entry is keyed by a tag naming the function first
         self.memo: dict[tuple[Any, ...], Any] = {}
+
+    def memory_layers(self, workload: WorkloadSummary) -> tuple[LayerCost, ...]:
+        """``workload``'s layers as the memory model counts them: as captured; with
+        ``fusion="fused"`` each transformer block's activations as the engine's fused kernels
+        keep them (:func:`~hetplan.cost_models.engine_memory.engine_layer`); with
+        ``vocab_parallel`` the LM head and its vocabulary embedding TP-split
+        (:func:`~hetplan.cost_models.engine_memory.vocab_layers`). Memoised by the
+        workload's identity (the entry holds the workload, so its id is not reused)."""
+        if self.compute.fusion != "fused" and not self.vocab_parallel:
+            return workload.layers
+        key = ("memory_layers", id(workload))
+        hit = self.memo.get(key)
+        if hit is not None and hit[0] is workload:
+            return hit[1]
+        tokens, elem = workload_tokens(workload), capture_bytes(workload)
+        layers = workload.layers
+        if self.compute.fusion == "fused":
+            layers = tuple(engine_layer(x, tokens, elem, self.attention) for x in layers)
+        if self.vocab_parallel:
+            layers = vocab_layers(layers, elem)
+        self.memo[key] = (workload, layers)
+        return layers

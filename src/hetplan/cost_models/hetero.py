@@ -164,14 +164,17 @@ def _layer_arrays(workload: WorkloadSummary, costs: CostModel, dev: Device, tp: 
     b = np.zeros(len(times))
     for k, (lay, t) in enumerate(zip(workload.layers, times)):
         lf, lb = t.fwd_s, t.bwd_s
-        if tp > 1 and lay.tp_pairs and not t.per_rank:
-            lf, lb = lf / tp, lb / tp
+        if not t.per_rank:
+            div = costs.compute.tp_divisor(lay, tp)
+            lf, lb = lf / div, lb / div
         comm = 0.0
         if tp > 1 and lay.tp_pairs:
             comm = lay.tp_pairs * costs.comm.time_s(
                 "allreduce", lay.act_out_bytes * scale * prec.act_scale, tp, link)
         f[k] = lf + comm
-        b[k] = lb + recompute_s(lay, lf, mode, t.core_fwd_s) + comm
+        # full recomputation runs the forward's all-reduces again (stage_times)
+        again = comm if mode == "full" and lay.kind == "block" else 0.0
+        b[k] = lb + recompute_s(lay, lf, mode, t.core_fwd_s) + comm + again
     return f, b
 
 
@@ -328,6 +331,7 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
     bufs = np.array([(workload.layers[i - 1].boundary_bytes * scale * prec.act_scale) if i
                      else 0.0 for i in range(L + 1)])
     a_modes, v_modes, q_modes = [], [], []
+    mem_layers = costs.memory_layers(workload)
     work = None
     for mode in MODES:
         f, b = _layer_arrays(workload, costs, dev, tp, mb, "intra", mode)
@@ -337,8 +341,8 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
         bb = np.concatenate([[0.0], np.cumsum(b)])
         kw = dict(tp=tp, sequence_parallel=tp > 1, precision=prec, micro_batch_scale=scale)
         acts = np.concatenate([[0.0], np.cumsum(
-            [layer_activations(lay, mode, **kw) for lay in workload.layers])])  # type: ignore[arg-type]
-        trans = [recompute_transient(lay, mode, **kw) for lay in workload.layers]  # type: ignore[arg-type]
+            [layer_activations(lay, mode, **kw) for lay in mem_layers])])  # type: ignore[arg-type]
+        trans = [recompute_transient(lay, mode, **kw) for lay in mem_layers]  # type: ignore[arg-type]
         a = np.full((L + 1, L + 1), np.inf)
         v = np.full((L + 1, L + 1), np.inf)
         q = np.full((L + 1, L + 1), -1.0)
@@ -600,7 +604,8 @@ def _memory(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage], 
         in_flight = 1.0 if sched is None else peak_in_flight(sched, k, [1.0] * P)
         buf = (workload.layers[st.first_layer - 1].boundary_bytes * scale * prec.act_scale
                if st.first_layer else 0.0)
-        mem = stage_memory(workload.layers[st.first_layer:st.last_layer + 1], tp=shape.tp,
+        mem = stage_memory(costs.memory_layers(workload)[st.first_layer:st.last_layer + 1],
+                           tp=shape.tp,
                            micro_batch_scale=scale, in_flight=in_flight,
                            optimizer=costs.optimizer, buffers=int(buf), precision=prec,
                            dp=shape.dp, zero_stage=shape.zero_stage,

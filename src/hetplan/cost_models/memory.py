@@ -36,7 +36,12 @@ bytes per micro-batch in flight, beside the layers' activations. In backward, th
 gradients of the log-probabilities (``nll_loss``) and of the logits (log-softmax) are live
 at once: ``8E`` more, one micro-batch at a time. At ``E = b·s·V`` with ``V = 50257`` this is
 ``16·b·s·V`` bytes — more than all of GPT-2 small's blocks keep (measured on CPU with
-the storages live at the peak: ``tests/unit/test_loss_memory.py``).
+the storages live at the peak: ``tests/unit/test_loss_memory.py``). With a vocabulary-parallel
+head (``vocab_parallel`` under ``tp > 1``: Megatron-LM's cross-entropy, and the runtime's
+:func:`~hetplan.runtime.megatron.vocab_parallel_cross_entropy`) each rank's logits are its
+``E/tp`` columns and the loss never gathers them: forward keeps the fp32 softmax of its
+columns (``4E/tp``; the 16-bit logits are not saved), backward makes the gradient from it and
+scales it (``8E/tp``).
 
 **In flight**: a rank holds the activations of every micro-batch it ran forward and not yet
 backward; :func:`peak_in_flight` walks the rank's action list of the schedule
@@ -71,6 +76,8 @@ __all__ = [
     "ALLOCATOR_MARGIN",
     "MOMENT_BYTES",
     "USABLE_FRACTION",
+    "VOCAB_PARALLEL_HELD_BYTES",
+    "VOCAB_PARALLEL_TRANSIENT_BYTES",
     "FP32",
     "MIXED",
     "MemoryBreakdown",
@@ -278,15 +285,25 @@ LOSS_HELD_BYTES = 8.0
 LOSS_TRANSIENT_BYTES = 8.0
 
 
+#: fp32 bytes per local output element a vocabulary-parallel cross-entropy keeps (its
+#: softmax) and adds in its backward (the gradient and its scaled copy).
+VOCAB_PARALLEL_HELD_BYTES = 4.0
+VOCAB_PARALLEL_TRANSIENT_BYTES = 8.0
+
+
 def loss_activations(lay: LayerCost, capture_bytes: int = 4, *,
-                     micro_batch_scale: float = 1.0) -> tuple[float, float]:
+                     micro_batch_scale: float = 1.0, vocab_tp: int = 1) -> tuple[float, float]:
     """(held, transient) bytes of the loss over ``lay``'s output for one micro-batch (see
     module docstring): ``lay`` must be the workload's last layer; (0, 0) unless it is a
-    ``head`` (the runtime's cross-entropy over its logits). The logits are not split under
-    tensor parallelism: the runtime gathers them (no vocab-parallel cross-entropy)."""
+    ``head`` (the runtime's cross-entropy over its logits). ``vocab_tp``: the head's
+    vocabulary is split over this many TP ranks (a vocabulary-parallel cross-entropy over
+    each rank's columns); 1: the logits are whole on the rank."""
     if lay.kind != "head" or not lay.act_out_bytes:
         return 0.0, 0.0
     elems = lay.act_out_bytes / capture_bytes * micro_batch_scale
+    if vocab_tp > 1:
+        local = elems / vocab_tp
+        return VOCAB_PARALLEL_HELD_BYTES * local, VOCAB_PARALLEL_TRANSIENT_BYTES * local
     return LOSS_HELD_BYTES * elems, LOSS_TRANSIENT_BYTES * elems
 
 
@@ -365,10 +382,12 @@ def stage_memory(
     sequence_parallel: bool = False,
     recompute: str = "none",
     last: bool = False,
+    vocab_tp: int = 1,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank of a stage made of ``layers`` holding ``in_flight``
     micro-batches' worth of its activations (see module docstring); ``buffers``: bytes a pass
-    asks for beside ZeRO's; ``last``: the stage ends the model (it computes the loss)."""
+    asks for beside ZeRO's; ``last``: the stage ends the model (it computes the loss);
+    ``vocab_tp``: as :func:`loss_activations`."""
     w, g, o = model_state(layers, tp=tp, dp=dp, zero_stage=zero_stage, optimizer=optimizer,
                           precision=precision, shares=shares)
     acts = transient = 0.0
@@ -382,7 +401,8 @@ def stage_memory(
             micro_batch_scale=micro_batch_scale, share=share))
     if last and layers:
         held, loss_transient = loss_activations(layers[-1], precision.capture_bytes,
-                                                micro_batch_scale=micro_batch_scale)
+                                                micro_batch_scale=micro_batch_scale,
+                                                vocab_tp=vocab_tp)
         acts += held
         transient = max(transient, loss_transient)
     bufs = buffers + zero_buffers(layers, tp=tp, zero_stage=zero_stage, precision=precision,

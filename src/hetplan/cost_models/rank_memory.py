@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hetplan.algorithms.pipeline_schedules import PipelineSchedule
 from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.engine_memory import tied_head_copy
 from hetplan.cost_models.memory import (
     USABLE_FRACTION,
     MemoryBreakdown,
@@ -227,8 +228,10 @@ def _rank_memory(workload: WorkloadSummary, mine: list[Stage], layout: Layout,
     shares of each (None: even)."""
     weights = grads = state = buffers = transient = 0.0
     stage_bytes = [0.0] * len(mine) if sched is None else [0.0] * (layout.pp * layout.virtual_stages)
+    all_layers = costs.memory_layers(workload)
+    vocab_tp = layout.tp if costs.vocab_parallel else 1
     for k, st in enumerate(mine):
-        layers = workload.layers[st.first_layer : st.last_layer + 1]
+        layers = all_layers[st.first_layer : st.last_layer + 1]
         prec = stage_precision(workload, st, costs, rank)
         w, g, o = model_state(layers, tp=layout.tp, dp=layout.dp, zero_stage=layout.zero_stage,
                               optimizer=costs.optimizer, precision=prec, shares=shares[k])
@@ -246,8 +249,16 @@ def _rank_memory(workload: WorkloadSummary, mine: list[Stage], layout: Layout,
                 lay, st.recompute, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
                 precision=prec, micro_batch_scale=scale, share=share))
         if st.last_layer == len(workload.layers) - 1:  # this stage computes the loss
+            tied = tied_head_copy(all_layers, prec.capture_bytes, vocab_tp > 1)
+            if tied is not None and not any(s.first_layer <= tied[0] <= s.last_layer
+                                            for s in mine):
+                # the LM head's copy of the embedding it is tied to (engine_memory)
+                w, g, o = model_state([tied[1]], tp=layout.tp, dp=layout.dp,
+                                      zero_stage=layout.zero_stage, optimizer=costs.optimizer,
+                                      precision=prec)
+                weights, grads, state = weights + w, grads + g, state + o
             held, loss_transient = loss_activations(layers[-1], prec.capture_bytes,
-                                                    micro_batch_scale=scale)
+                                                    micro_batch_scale=scale, vocab_tp=vocab_tp)
             acts += held
             transient = max(transient, loss_transient)
         stage_bytes[k if sched is None else st.index] = acts

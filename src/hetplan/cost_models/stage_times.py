@@ -101,8 +101,9 @@ def stage_times(
     of its slowest device (or, with uneven TP shards, of each layer's slowest rank), and each
     layer's backward time (for the DP timeline).
 
-    Backward includes the stage's recomputation (``full``: each block's forward again;
-    ``selective``: the attention core's share of it, by FLOPs). With ZeRO-3 each layer's
+    Backward includes the stage's recomputation (``full``: each block's forward again,
+    its TP all-reduces included, as Megatron-LM's and the runtime's checkpointed blocks rerun
+    them; ``selective``: the attention core's share of it, by FLOPs, which has none). With ZeRO-3 each layer's
     weights are all-gathered before its forward and its backward, prefetched during the
     previous layer's compute; with ZeRO-2 and -3 every micro-batch's gradients are
     reduce-scattered, so a backward takes at least that long."""
@@ -122,8 +123,9 @@ def stage_times(
         per_f, per_b = [], []
         for lay, t in zip(layers, times):
             lf, lb, core = t.fwd_s, t.bwd_s, t.core_fwd_s
-            if tp > 1 and lay.tp_pairs and not t.per_rank:
-                lf, lb = lf / tp, lb / tp
+            if not t.per_rank:
+                div = costs.compute.tp_divisor(lay, tp)
+                lf, lb = lf / div, lb / div
             per_f.append(lf)
             per_b.append(lb + recompute_s(lay, lf, st.recompute, core))
             sources[t.source] = sources.get(t.source, 0) + 1
@@ -140,10 +142,14 @@ def stage_times(
                     for b, lay, f in zip(uneven[2], layers, f_layers)]
     prec = stage_precision(workload, st, costs)
     if tp > 1:
-        for lay in layers:
+        b_layers = list(b_layers)
+        for j, lay in enumerate(layers):
             if lay.tp_pairs:
                 nbytes = lay.act_out_bytes * scale * prec.act_scale
-                tp_comm += lay.tp_pairs * costs.comm.time_s("allreduce", nbytes, tp, link)
+                c = lay.tp_pairs * costs.comm.time_s("allreduce", nbytes, tp, link)
+                tp_comm += c
+                if st.recompute == "full" and lay.kind == "block":
+                    b_layers[j] += c  # the recomputed forward's all-reduces
     bwd_s = sum(b_layers)
     if layout.zero_stage >= 2 and layout.dp > 1:
         fwd_s, bwd_s = _zerostage_times(workload, st, layout, costs, prec, f_layers, b_layers)

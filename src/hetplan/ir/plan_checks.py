@@ -27,12 +27,15 @@ Rules (each applies when the sections it relates are present):
    deadlock (:func:`~hetplan.ir.pipeline_order.check_progress`, the check the simulator and
    the runtime run, with its message naming each stuck rank and its next action).
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
-   in their tp coordinate), inside its stage; each rank has one role.
+   in their tp coordinate), inside its stage; each rank has one role. With per-stage
+   degrees (``hetero``), one replica's TP group of its stage instead
+   (:mod:`hetplan.ir.plan_hetero_checks`, run with rule 3).
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
    inter-node step needs more than one node. **sparse_sync** names only gradients of the
    workload, each with its shape (rows x row_elems elements).
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages,
-   none of them starting at a layer the runtime cannot split before (as in rule 3).
+   none of them starting at a layer the runtime cannot split before (as in rule 3); with
+   per-stage degrees, to every stage, none released (:mod:`hetplan.ir.plan_hetero_checks`).
 8. **predictions**: at most one memory figure per rank.
 9. **complete** plans — what ``hetplan plan`` writes, required of every plan file
    (:func:`~hetplan.ir.plan.load_plan`; ``Plan.from_json(..., complete=True)``):
@@ -80,6 +83,7 @@ from hetplan.ir.plan_sections import (
 )
 from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
 from hetplan.ir.plan_hetero import Hetero, hetero_problems, hetero_section_problems
+from hetplan.ir.plan_hetero_checks import hetero_rebalancing_problems, hetero_tp_problems
 from hetplan.ir.model import DTYPE_BYTES
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
@@ -254,9 +258,10 @@ def _stages(plan: Plan) -> list[str]:
                                    for i, st in enumerate(stages) if i], workload.layers)
     if plan.hetero is not None:  # per-stage degrees: rule 3's rank part in its own form
         out += hetero_problems(plan.hetero, lay, stages, plan.cluster.world_size)
-        out += hetero_section_problems(
-            plan.hetero, tensor_parallel=plan.tensor_parallel, rebalancing=plan.rebalancing,
-            sparse_sync=plan.sparse_sync, group_sync=plan.group_sync)
+        out += hetero_section_problems(plan.hetero, sparse_sync=plan.sparse_sync,
+                                       group_sync=plan.group_sync)
+        out += hetero_tp_problems(plan.hetero, stages, plan.tensor_parallel)
+        out += hetero_rebalancing_problems(plan.hetero, plan.rebalancing)
     elif stages and lay is not None:
         out += _stage_ranks(stages, lay)
     else:
@@ -400,7 +405,7 @@ def _tensor_parallel(plan: Plan) -> list[str]:
             continue
         if dup := _duplicates([r.rank for r in g.roles]):
             out.append(f"{where}.roles: ranks {dup} have more than one role")
-        if lay is not None and lay.num_ranks <= ws:
+        if lay is not None and lay.num_ranks <= ws and plan.hetero is None:
             dp, pp, _ = lay.coords(g.ranks[0])
             want = list(range(lay.rank_of(dp, pp, 0), lay.rank_of(dp, pp, 0) + lay.tp))
             if sorted(g.ranks) != want:

@@ -190,9 +190,9 @@ def hetero_problems(hetero: Hetero | None, layout: Layout | None,
 
 def hetero_section_problems(hetero: Hetero | None, **sections: object) -> list[str]:
     """Sections a plan with per-stage degrees cannot hold, one line each: each of them
-    describes one layout-wide ``dp x tp`` that such a plan does not have (tensor
-    parallelism: each stage's degree is ``hetero.stages[k].tp`` with even shards;
-    re-balancing moves, sparse sync and group sync: the layout's replicas). ``sections``:
+    describes one layout-wide ``dp x tp`` that such a plan does not have (sparse sync and
+    group sync: the layout's replicas; ``tensor_parallel`` and ``rebalancing`` are per
+    stage there, checked by :mod:`hetplan.ir.plan_hetero_checks`). ``sections``:
     section name -> the plan's value (None: absent). The gradient-sync section is checked
     by rule 6 of :mod:`hetplan.ir.plan_checks` (a bucket stays in one stage, so it syncs on
     that stage's own data-parallel group)."""

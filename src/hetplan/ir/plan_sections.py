@@ -312,9 +312,9 @@ class CostSettings(_Section):
     or writes its scores to memory (``materialized``); ``dp_overlap``: data-parallel
     gradient sync overlaps the last micro-batch's backward (``backward``) or starts after
     the pipeline flush (``after-flush``); ``fusion``: the engine's memory-bound kernels
-    run as captured (``none``) or as its fused transformer-block kernels (``fused``);
-    ``vocab_parallel``: its LM head's products are split across TP ranks by vocabulary (a
-    compute-cost setting: the runtime gathers the logits); see
+    run as captured (``none``) or as its fused transformer-block kernels (``fused``: their
+    time and the activations they keep); ``vocab_parallel``: its LM head's products and its
+    cross-entropy are split across TP ranks by vocabulary; see
     ``docs/decisions/cost-model.md``.
     """
 

@@ -101,8 +101,8 @@ def layer_compute_s(workload: WorkloadSummary, costs: CostModel, mb: int,
         best = float("inf")
         for times in per_device:
             f, b = times[i].fwd_s, times[i].bwd_s
-            if tp > 1 and lay.tp_pairs:
-                f, b = f / tp, b / tp
+            div = costs.compute.tp_divisor(lay, tp)
+            f, b = f / div, b / div
             best = min(best, f + b)  # recomputation would only add
         out.append(best)
     if tp > 1:
@@ -241,14 +241,13 @@ def single_stage_s(workload: WorkloadSummary, costs: CostModel, cand: LayoutCand
                   for dev in kinds.values()]
     fmin, bmin = [], []
     for i, lay in enumerate(workload.layers):
-        div = c.tp if c.tp > 1 and lay.tp_pairs else 1
+        div = costs.compute.tp_divisor(lay, c.tp)
         f = min(times[i].fwd_s / div for times in per_device)
         b = min(times[i].bwd_s / div for times in per_device)
         fmin.append(f)
         bmin.append(b + (f if full and lay.kind == "block" else 0.0))
     tp_comm = sum(layer_compute_s(workload, costs, c.micro_batch_size, c.tp)) - sum(
-        min(times[i].fwd_s / (c.tp if c.tp > 1 and lay.tp_pairs else 1)
-            + times[i].bwd_s / (c.tp if c.tp > 1 and lay.tp_pairs else 1)
+        min((times[i].fwd_s + times[i].bwd_s) / costs.compute.tp_divisor(lay, c.tp)
             for times in per_device)
         for i, lay in enumerate(workload.layers))
     fwd, bwd = sum(fmin), sum(bmin)

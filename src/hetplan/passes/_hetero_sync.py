@@ -1,4 +1,4 @@
-"""The pass pipeline on a heterogeneous plan: gradient-sync passes per stage, the rest logged.
+"""The pass pipeline on a heterogeneous plan: sync passes, DynPipe and TP resizing per stage.
 
 A plan with a ``hetero`` section (:mod:`hetplan.ir.plan_hetero`) gives every pipeline stage
 its own device class and ``dp x tp``, so the passes, written for one layout-wide ``dp x tp``,
@@ -13,9 +13,16 @@ cannot run on it as a whole. This adapter decides, for each pass of the pipeline
   distinct parameters, so per-tensor entries and buckets already say which stage, hence
   which group, syncs them). Strategies of equal name and content are shared; a name two
   stages use for different strategies is suffixed ``@s<stage>`` in the later stage.
+- **DynPipe with a dynamics file** re-balances the layers between the plan's stages at the
+  model's events, every stage keeping its device class and degrees
+  (:mod:`hetplan.passes._hetero_dynpipe`): the ``rebalancing`` section, one note per phase.
+  Without dynamics it is not run: the search already balanced the dense model exactly.
+- **TP resizing** runs the ZERO/SEMI controller's rule in the TP groups of every stage with
+  ``tp > 1``, on the stage's projection (:mod:`hetplan.passes._hetero_tp`): the
+  ``tensor_parallel`` section with each group's stage named, one note per stage.
 - **Every other pass** is not run, and the pass log says why (:data:`REASONS`): it writes a
-  section whose meaning assumes one layout-wide ``dp x tp`` (stages, tensor parallelism,
-  sparse sync, checkpoints, group sync).
+  section whose meaning assumes one layout-wide ``dp x tp`` (stages, even shards, sparse
+  sync, checkpoints, group sync).
 
 The per-stage runs go through :func:`~hetplan.passes.manager.run_passes` (section checks,
 validation, errors naming the pass), and the log gets one entry per pass with one note per
@@ -30,8 +37,12 @@ from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.hetero import stage_projection
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Bucket, GradientSync, PassLogEntry, SyncStrategy, TensorSync
+from hetplan.passes._hetero_dynpipe import hetero_rebalancing
+from hetplan.passes._hetero_tp import hetero_tp_controller
 from hetplan.passes.base import Pass, PassContext
+from hetplan.passes.dynpipe import DynPipe
 from hetplan.passes.manager import run_passes
+from hetplan.passes.tp_resizing import TPResizing
 
 __all__ = ["REASONS", "per_stage", "run_hetero_passes", "merge_syncs"]
 
@@ -40,13 +51,12 @@ _STAGES = ("the heterogeneous search chose each stage's layers, device class and
 
 #: Why each pass that is not a gradient-sync pass does not run on a heterogeneous plan.
 REASONS: dict[str, str] = {
-    "dynpipe": _STAGES + "; re-balancing a dynamic model per stage class is not planned yet",
+    "dynpipe": _STAGES + ("; without a dynamics file there is nothing to re-balance "
+                          "(dynpipe{dynamics=FILE} re-balances a dynamic model between them)"),
     "uniform-stages": _STAGES,
     "even-tp": ("each stage's TP group is one device class, so its shards are even at the "
                 "stage's own tp (hetero.stages[k].tp); the tensor_parallel section holds one "
                 "layout-wide degree"),
-    "tp-resizing": ("each stage's TP group is one device class of equal devices, so there is "
-                    "nothing to resize; a ZERO/SEMI controller per stage is not planned yet"),
     "zen": "sparse sync is planned over the layout's data-parallel group, not per stage yet",
     "gemini": "checkpoint placement is planned over the layout's ranks, not per stage yet",
     "sdpipe": ("group sync averages the layout's pipeline replicas; the stages of a "
@@ -62,7 +72,9 @@ def per_stage(p: Pass) -> bool:
 
 def run_hetero_passes(plan: Plan, passes: Sequence[Pass], costs: CostModel) -> Plan:
     """``plan`` (with a ``hetero`` section) after ``passes`` (see the module docstring):
-    its ``gradient_sync`` from the per-stage runs, its pass log with one entry per pass.
+    its ``gradient_sync`` from the per-stage runs, its ``rebalancing`` (DynPipe with
+    dynamics) and ``tensor_parallel`` (TP resizing) sections, its pass log with one entry
+    per pass.
 
     Raises:
         PassError / HetplanError: a pass failed on a stage (naming the pass; the stage is in
@@ -83,7 +95,18 @@ def run_hetero_passes(plan: Plan, passes: Sequence[Pass], costs: CostModel) -> P
                    cluster=plan.cluster, stages=(proj.stage,))
         subs[st.index] = (sub, ctx)
     log = list(plan.pass_log)
+    update: dict[str, object] = {}
     for p in passes:
+        if isinstance(p, DynPipe) and p.dynamics is not None:
+            reb, rnotes = hetero_rebalancing(plan, p.dynamics, costs)
+            update["rebalancing"] = reb
+            log.append(PassLogEntry(name=p.name, changed=bool(reb.events), notes=rnotes))
+            continue
+        if isinstance(p, TPResizing):
+            section, tnotes = hetero_tp_controller(plan, p, costs)
+            update["tensor_parallel"] = section
+            log.append(PassLogEntry(name=p.name, changed=section is not None, notes=tnotes))
+            continue
         if not per_stage(p):
             reason = REASONS.get(p.name, f"it writes {list(p.sections)}, sections a "
                                  "heterogeneous plan does not take per stage yet")
@@ -108,7 +131,7 @@ def run_hetero_passes(plan: Plan, passes: Sequence[Pass], costs: CostModel) -> P
     sync = merge_syncs([(k, sub.gradient_sync) for k, (sub, _) in sorted(subs.items())])
     if not runs:
         sync = plan.gradient_sync
-    return plan.model_copy(update={"gradient_sync": sync, "pass_log": tuple(log)})
+    return plan.model_copy(update={**update, "gradient_sync": sync, "pass_log": tuple(log)})
 
 
 def merge_syncs(parts: Sequence[tuple[int, GradientSync | None]]) -> GradientSync | None:

@@ -122,6 +122,9 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
     mode = "full" if recompute == "auto" else recompute
     fwd, bwd, send, mem, cap = [], [], [], [], []
     cls, reps = _layer_classes(wl, costs.memo)
+    # each class's layer as the memory model counts it (the engine's fused blocks)
+    mem_layers = costs.memory_layers(wl)
+    reps = [mem_layers[cls.index(k)] for k in range(len(reps))]
     for s in range(lay.pp * v):
         ranks = _stage_ranks(ctx, s)
         types = sorted({costs.devices[r].type for r in ranks})
@@ -132,7 +135,7 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
         f, b = [0.0] * n, [0.0] * n
         for dev in devs.values():
             for k, (layer, t) in enumerate(zip(wl.layers, costs.compute.layer_times(wl, dev, mb))):
-                div = lay.tp if lay.tp > 1 and layer.tp_pairs else 1
+                div = costs.compute.tp_divisor(layer, lay.tp)
                 f[k], b[k] = max(f[k], t.fwd_s * 1e3 / div), max(b[k], t.bwd_s * 1e3 / div)
         if lay.tp > 1:  # TP groups stay inside a node (layout rule)
             for k, layer in enumerate(wl.layers):

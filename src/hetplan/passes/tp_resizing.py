@@ -160,6 +160,12 @@ class TPResizing:
             replan_trigger=self.replan_trigger, gamma_max=self.gamma_max, criterion=crit,
             straggler_eps=self.straggler_eps, receivers=self.receivers)
 
+    def initial_roles(self, g: TPGroup, gammas: dict[int, float]) -> tuple[TPRankRole, ...]:
+        """The controller's initial roles in group ``g`` for the stragglers' Eq. (1) γ
+        ``gammas`` (``()`` when there is none); the per-stage run on a heterogeneous plan
+        (:mod:`hetplan.passes._hetero_tp`) uses it as :meth:`run` does."""
+        return self._roles(g, gammas, self.settings())
+
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         tp = plan.tensor_parallel
         if tp is None or not tp.groups:

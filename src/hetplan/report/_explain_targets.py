@@ -342,7 +342,7 @@ def _device_ms(ctx: Any, dev: Any, st: Stage) -> float:
     total = 0.0
     for i in range(st.first_layer, st.last_layer + 1):
         t = times[i].fwd_s + times[i].bwd_s
-        total += t / lay.tp if lay.tp > 1 and ctx.workload.layers[i].tp_pairs else t
+        total += t / ctx.costs.compute.tp_divisor(ctx.workload.layers[i], lay.tp)
     return total * 1e3
 
 

@@ -83,6 +83,7 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
         ("search", f"{hetero.search.method}, objective {fmt_ms(hetero.search.objective_ms)}, "
                    f"gap {hetero.search.gap:.4f}"),
     ]
+    facts += _pass_facts(plan, k)
     alternatives: list[tuple[str, float, float, bool, str]] = []
     runner = hetero.search.runner_up
     if runner is not None and runner.first_layers:
@@ -128,6 +129,27 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
     lines.append(f"verdict: {verdict}")
     return HeteroExplained(current, tuple(facts), tuple(alternatives), verdict,
                            "\n".join(lines) + "\n")
+
+
+def _pass_facts(plan: Plan, k: int) -> list[tuple[str, str]]:
+    """Stage ``k``'s entries of the per-stage pass sections: its layers at each
+    re-balancing event, and its TP groups' controller roles."""
+    out: list[tuple[str, str]] = []
+    reb = plan.rebalancing
+    if reb is not None and reb.events:
+        moves = ", ".join(f"{a}–{b} from iteration {e.iteration}"
+                          + ("" if e.applied else " (not applied)")
+                          for e in reb.events for a, b in [e.stages[k]])
+        out.append(("re-balancing", f"layers {moves}; predicted speedup over static "
+                                    f"{reb.speedup_vs_static:.3f}x (whole plan)"))
+    tp = plan.tensor_parallel
+    mine = [g for g in tp.groups if g.stage == k] if tp is not None else []
+    if tp is not None and mine:
+        roles = [f"rank {r.rank} {r.role} γ {r.gamma:.3f}" for g in mine for r in g.roles
+                 if r.role != "normal"]
+        out.append(("TP controller", f"{tp.controller.variant} in {len(mine)} TP group(s); "
+                    + ("; ".join(roles) if roles else "no straggler expected")))
+    return out
 
 
 def _stage_index(target: str, n: int) -> int:

@@ -7,7 +7,7 @@ report is a JSON-ready dict with these sections (:data:`SECTIONS`):
 - ``layout``: model, cluster, fingerprints, dp × pp × tp, micro-batching, schedule, devices.
 - ``stages``: per pipeline stage its layers, ranks, device types, predicted per-micro-batch
   forward/backward times and how close it is to the slowest stage.
-- ``tp``: tensor-parallel degree, controller settings and shard sizes (groups with the same
+- ``tp``: tensor-parallel degree (with per-stage degrees, the largest), controller settings and shard sizes (groups with the same
   pattern are folded into one entry), per group its listed linears' shard sizes (runs of
   linears with equal sizes folded) and the ranks' controller roles (γ, β), and the predicted
   effect of ``tp-resizing`` (even vs skewed shards vs even shards with the controller).
@@ -21,6 +21,8 @@ report is a JSON-ready dict with these sections (:data:`SECTIONS`):
   (:mod:`hetplan.report.checkpointing`); ``{"available": false}`` without the section.
 - ``group_sync``: SDPipe's policy, P and T, and the simulated throughput of each policy
   (None without the section; :mod:`hetplan.report.group_sync`).
+- ``rebalancing``: DynPipe's events for a dynamic model, each stage's layers per event
+  (None without the section; :mod:`hetplan.report.rebalancing`).
 - ``warnings``: analytic costs, near-OOM ranks, heavy pipeline bubbles, baselines that are
   faster than the plan, missing sections.
 
@@ -45,6 +47,7 @@ from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync, SyncStrat
 from hetplan.report._text import fmt_pct, ranges
 from hetplan.report.checkpointing import checkpointing_report
 from hetplan.report.group_sync import group_sync_report
+from hetplan.report.rebalancing import rebalancing_report
 
 __all__ = [
     "SECTIONS",
@@ -62,7 +65,7 @@ REPORT_VERSION = 1
 #: The report sections, in display order (``--section NAME``).
 SECTIONS: tuple[str, ...] = (
     "layout", "stages", "tp", "sync", "memory", "predictions", "provenance", "checkpointing",
-    "group_sync", "warnings",
+    "group_sync", "rebalancing", "warnings",
 )
 #: A rank is near OOM at this fraction of its usable memory.
 NEAR_OOM_FRACTION = 0.9
@@ -108,6 +111,7 @@ def build_report(plan: Plan) -> dict[str, Any]:
         "provenance": _provenance(plan),
         "checkpointing": checkpointing_report(plan),
         "group_sync": group_sync_report(plan),
+        "rebalancing": rebalancing_report(plan),
     }
     report["warnings"] = _warnings(plan, report)
     return report
@@ -196,6 +200,8 @@ def _stages(plan: Plan, devices: tuple[Device, ...] | None) -> list[dict[str, An
 def _tp(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
     tp = plan.tensor_parallel
     degree = plan.layout.tp if plan.layout is not None else 1
+    if plan.hetero is not None:  # per-stage degrees: the largest; the groups name stages
+        degree = max(s.tp for s in plan.hetero.stages)
     if tp is None:
         return {"degree": degree, "enabled": False, "num_groups": 0, "groups": []}
     patterns: dict[tuple[Any, ...], dict[str, Any]] = {}

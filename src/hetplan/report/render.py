@@ -24,6 +24,7 @@ from hetplan.report._text import (
 )
 from hetplan.report.checkpointing import render_checkpointing
 from hetplan.report.group_sync import render_group_sync
+from hetplan.report.rebalancing import render_rebalancing
 from hetplan.report.inspect import SECTIONS
 
 __all__ = ["render_report", "render_text"]
@@ -336,5 +337,6 @@ _RENDERERS = {
     "checkpointing": render_checkpointing,
     "provenance": _provenance,
     "group_sync": render_group_sync,
+    "rebalancing": render_rebalancing,
     "warnings": _warnings,
 }
