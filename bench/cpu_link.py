@@ -45,7 +45,7 @@ def main() -> int:
     from hetplan.profiling.collectives import profile_collectives
 
     load = os.getloadavg()
-    prof = profile_collectives(args.world, collectives=("allreduce", "p2p"))
+    prof = profile_collectives(args.world, collectives=("allreduce", "p2p"), group_sizes=())
     records = {r.collective: r for r in prof.records}
     ar = records["allreduce"]
     assert ar.alpha_s is not None and ar.beta_s_per_byte is not None

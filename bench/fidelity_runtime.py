@@ -13,9 +13,11 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    ranks; the report's median iteration (after warm-up) is the measurement.
 4. **Report** predicted vs measured per kind, ``|pred / meas - 1|``, the median over the
    kinds that ran (target ≤ 10 %, none beyond 25 %), and every kind the planner or the
-   runtime refused, with its message (not hidden). ``--rounds`` repeats plan + run per kind,
-   rounds interleaved so that a shared machine's drifts hit every kind alike; per kind the
-   median over rounds is reported. The machine's load average is recorded at every run.
+   runtime refused, with its message (not hidden); and per kind the iteration split into
+   parts (``PARTS``: compute, bubble, exposed communication, optimizer step, the rest),
+   predicted beside measured, with the part that misses most — what a fix has to explain.
+   ``--rounds`` repeats plan + run per kind, rounds interleaved so that a shared machine's
+   drifts hit every kind alike; per kind the median over rounds is reported. The machine's load average is recorded at every run.
 
 Nothing is tuned on the numbers reported: the profile and the cost model are used as they are.
 
@@ -172,8 +174,35 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
     row["measured_ms"] = meas["iteration_ms"]
     row["measured_breakdown_ms"] = {k: v for k, v in meas.items() if k != "per_iteration_ms"}
     row["measured_per_iteration_ms"] = meas.get("per_iteration_ms")
+    row["measured_per_rank_ms"] = [
+        {k: r.get(k) for k in ("rank", *PARTS[:-1], "iteration_ms")} for r in rep["per_rank"]]
+    row["parts_ms"] = parts(row["predicted_ms"], row["predicted_breakdown_ms"] or {},
+                            row["measured_breakdown_ms"])
     row["status"] = "ran"
     return row
+
+
+#: The parts an iteration is split into, predicted and measured alike: compute (TP
+#: collectives inside it), the pipeline bubble, exposed data-parallel communication, the
+#: optimizer step, and the rest (predicted: compression; measured: the iteration less the
+#: timed parts — negative where the report's bubble, the largest over the ranks, is longer
+#: than rank 0's own).
+PARTS = ("compute_ms", "bubble_ms", "exposed_comm_ms", "optimizer_ms", "other_ms")
+
+
+def parts(pred_ms: float, pred: dict[str, float], meas: dict[str, float]
+          ) -> dict[str, dict[str, float]]:
+    """Predicted beside measured, per part (``PARTS``). The plan's breakdown has no optimizer
+    entry: its optimizer step is the iteration less compute, bubble and exposed
+    communication (what :func:`hetplan.cost_models.evaluate.evaluate` adds last), less any
+    compression; the measured rest is the iteration less the parts the runtime timed."""
+    p = {k: float(pred.get(k) or 0.0) for k in PARTS[:3]}
+    p["other_ms"] = float(pred.get("compression_ms") or 0.0)
+    p["optimizer_ms"] = max(pred_ms - sum(p.values()), 0.0)
+    m = {k: float(meas.get(k) or 0.0) for k in PARTS[:4]}
+    m["other_ms"] = float(meas.get("iteration_ms") or 0.0) - sum(m.values())
+    return {k: {"predicted": round(p[k], 3), "measured": round(m[k], 3),
+                "missing": round(m[k] - p[k], 3)} for k in PARTS}
 
 
 def _summary(doc: dict[str, Any]) -> dict[str, Any]:
@@ -199,8 +228,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {"status": rows[-1]["status"], "reason": rows[-1].get("reason")}
     pred = statistics.median(r["predicted_ms"] for r in ran)
     meas = statistics.median(r["measured_ms"] for r in ran)
+    split = {k: {side: round(statistics.median(r["parts_ms"][k][side] for r in ran), 3)
+                 for side in ("predicted", "measured", "missing")} for k in PARTS}
+    largest = max(PARTS, key=lambda k: abs(split[k]["missing"]))
     return {"status": "ran", "rounds_ran": len(ran), "predicted_ms": pred, "measured_ms": meas,
-            "ratio": pred / meas, "error": abs(pred / meas - 1)}
+            "ratio": pred / meas, "error": abs(pred / meas - 1), "parts_ms": split,
+            "largest_miss": largest}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{c['kind']:<12} {c['model']:<18} {'':>10} {'':>10} {'':>7}  "
                   f"{c['status']}: {c.get('reason')}")
+    print("\nper part, predicted / measured ms (the largest miss marked *):")
+    print(f"{'kind':<12} " + " ".join(f"{k[:-3]:>15}" for k in PARTS))
+    for c in cases:
+        if c["status"] != "ran":
+            continue
+        cells = [f"{c['parts_ms'][k]['predicted']:6.2f}/{c['parts_ms'][k]['measured']:6.2f}"
+                 + ("*" if k == c["largest_miss"] else " ") for k in PARTS]
+        print(f"{c['kind']:<12} " + " ".join(f"{x:>15}" for x in cells))
     if errors:
         print(f"median |pred/meas - 1| {summary['median_error']:.1%} (target <= "
               f"{TARGET_MEDIAN:.0%}), max {summary['max_error']:.1%} (target <= "

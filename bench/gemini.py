@@ -32,6 +32,13 @@ reports what load does not change much:
   machine's load) and its time asleep (``training_thread_asleep``: waiting for the other
   ranks, for the checkpoint round, or for the GIL; on a quiet machine Gemini's extra over
   ``none`` here is what the checkpoint thread costs the training thread);
+* ``cpu_ms_per_iteration_by_thread``: every thread of every rank's process, from
+  ``/proc/self/task/*/schedstat`` before and after each block: ``training``, Gemini's
+  ``checkpoint`` (sending) and ``receiver`` threads, gloo's ``gloo_tcp_loop`` (its event loop:
+  reads and writes of every gloo message) and ``pt_gloo_runloop`` (collectives), the rest
+  by name; ``thread_runs_per_iteration``: how often each was put on a CPU (wake-ups);
+  ``gemini_extra_cpu_ms_by_thread`` (means) and ``..._paired_median`` (per rank and round,
+  the gemini block minus the none block beside it): what Gemini costs, thread by thread;
 * ``gemini_wait_before_step_ms``: how long the optimizer step waited for the round (≈ 0 when
   the checkpoint traffic fits before the next step), and how the chunks went against the
   plan's idle spans (``on_time`` / ``late`` / ``released``).
@@ -66,6 +73,7 @@ import math
 import os
 import statistics
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -122,7 +130,9 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
     runq: dict[str, list[float]] = {m: [] for m in MODES}  # training thread runnable, no CPU
     asleep: dict[str, list[float]] = {m: [] for m in MODES}  # ... neither: comm or GIL waits
     save_s: dict[str, list[float]] = {"blocking-disk": [], "dcp": []}
+    threads: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}  # s/iteration
     gemini = runtimes["gemini"].handler(CheckpointingHandler)
+    main_tid = threading.get_native_id()
     for r in range(rounds + 1):  # round 0 is warm-up
         order = MODES if r % 2 else tuple(reversed(MODES))
         for which in order:
@@ -130,6 +140,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
             dist.barrier()
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             on0, rq0 = _schedstat()
+            th0 = _thread_cpu()
             for i in range(iters):
                 xs = synthetic_batch(ex_args, batch, r * 100 + i)
                 rt.train_step(xs, target_of(xs, batch))
@@ -148,6 +159,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
                 gemini.wait_round()
             c1, p1 = time.thread_time(), time.process_time()
             on1, rq1 = _schedstat()
+            th1 = _thread_cpu()
             span = time.perf_counter() - t0
             dist.barrier()
             if r:
@@ -156,9 +168,10 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
                 proc_cpu[which].append((p1 - p0) / iters)
                 runq[which].append((rq1 - rq0) / iters)
                 asleep[which].append((span - (on1 - on0) - (rq1 - rq0)) / iters)
+                threads[which].append(_by_thread(th0, th1, main_tid, gemini, iters))
     rounds = gemini.report()[iters:]
     result = {"times": times, "cpu_s": cpu, "process_cpu_s": proc_cpu, "save_s": save_s,
-              "runqueue_s": runq, "asleep_s": asleep,
+              "runqueue_s": runq, "asleep_s": asleep, "threads_s": threads,
               "gemini_round_s": gemini.round_s[iters:],
               "gemini_wait_s": [x["wait_before_step_ms"] / 1e3 for x in rounds
                                 if x["wait_before_step_ms"] is not None],
@@ -175,6 +188,49 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
 
 
 GIL_MODES = ("noop", "torch-save", "flat")
+
+
+def _thread_cpu() -> dict[int, tuple[str, float, int, int]]:
+    """Every thread of this process: native id -> (its name, ``comm``; seconds on a CPU;
+    times it was scheduled onto a CPU, i.e. woken or preempted and resumed; times it was
+    preempted), from ``/proc/self/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock
+    ticks) and ``status`` (``nonvoluntary_ctxt_switches``)."""
+    out: dict[int, tuple[str, float, int, int]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        pre = status.rsplit("nonvoluntary_ctxt_switches:", 1)[-1].split()
+        out[int(tid)] = (name, int(fields[0]) / 1e9, int(fields[2]), int(pre[0]) if pre else 0)
+    return out
+
+
+def _by_thread(before: dict[int, tuple[str, float, int, int]],
+               after: dict[int, tuple[str, float, int, int]],
+               main_tid: int, gemini: object, iters: int) -> dict[str, float]:
+    """CPU seconds per iteration of each kind of thread between two :func:`_thread_cpu`
+    readings: ``training`` (the main thread), ``checkpoint`` (Gemini's sending thread),
+    ``receiver`` (its receiver threads), the others
+    summed by name (gloo's and torch's threads); a thread started in between counts whole.
+    ``<label>/runs``: the times those threads were put on a CPU, per iteration;
+    ``<label>/preempted``: of those, after being preempted (the rest: after waiting)."""
+    ck = getattr(getattr(gemini, "_thread", None), "native_id", None)
+    receivers = {t.native_id for t in getattr(gemini, "receivers", ())}
+    out: dict[str, float] = {}
+    for tid, (name, on, runs, pre) in after.items():
+        label = ("training" if tid == main_tid else "checkpoint" if tid == ck else
+                 "receiver" if tid in receivers else name)
+        _, on0, runs0, pre0 = before.get(tid, (name, 0.0, 0, 0))
+        out[label] = out.get(label, 0.0) + (on - on0) / iters
+        out[label + "/runs"] = out.get(label + "/runs", 0.0) + (runs - runs0) / iters
+        out[label + "/preempted"] = out.get(label + "/preempted", 0.0) + (pre - pre0) / iters
+    return out
 
 
 def _schedstat() -> tuple[float, float]:
@@ -366,6 +422,38 @@ def main() -> int:
                   "training_thread_runqueue": _med_ms([x for r in ranks for x in r["runqueue_s"][m]]),
                   "training_thread_asleep": _med_ms([x for r in ranks for x in r["asleep_s"][m]])}
               for m in MODES}
+    keys = sorted({k for r in ranks for m in MODES for b in r["threads_s"][m] for k in b})
+    labels = [k for k in keys if "/" not in k]
+
+    def mean(m: str, k: str) -> float:
+        return statistics.fmean(b.get(k, 0.0) for r in ranks for b in r["threads_s"][m])
+
+    per_thread = {m: {k: round(mean(m, k) * 1e3, 3) for k in labels if mean(m, k) >= 5e-7}
+                  for m in MODES}
+    runs = {m: {k: round(mean(m, k + "/runs"), 1) for k in labels if mean(m, k) >= 5e-7}
+            for m in MODES}
+    preempted = {m: {k: round(mean(m, k + "/preempted"), 1) for k in labels
+                     if mean(m, k) >= 5e-7} for m in MODES}
+    extra = {k: round(per_thread["gemini"].get(k, 0.0) - per_thread["none"].get(k, 0.0), 3)
+             for k in labels}
+    # per rank and round, gemini's block minus the none block beside it (load that drifts
+    # between rounds cancels), median over ranks and rounds
+    paired_extra = {k: round(statistics.median(
+        g.get(k, 0.0) - n.get(k, 0.0) for r in ranks
+        for g, n in zip(r["threads_s"]["gemini"], r["threads_s"]["none"], strict=True)) * 1e3,
+        3) for k in labels}
+    paired_extra["process"] = round(statistics.median(
+        g - n for r in ranks for g, n in zip(r["process_cpu_s"]["gemini"],
+                                             r["process_cpu_s"]["none"], strict=True)) * 1e3, 3)
+    print("CPU ms (times scheduled, of which preempted) per iteration per rank, by thread "
+          "(mean over ranks and blocks):")
+    for k in labels:
+        print(f"  {k:>16}: " + "  ".join(
+            f"{m} {per_thread[m].get(k, 0.0):6.3f} ({runs[m].get(k, 0.0):5.1f}, "
+            f"{preempted[m].get(k, 0.0):4.1f})"
+            for m in MODES) + f"   gemini-none {extra[k]:+.3f} (paired median "
+            f"{paired_extra[k]:+.3f})")
+    print(f"  process CPU, gemini-none: paired median {paired_extra['process']:+.3f} ms")
     cpu_ms["gemini"]["checkpoint_thread_per_round"] = _med_ms(
         [x for r in ranks for x in r["gemini_cpu_s"]])
     waits = sorted(x * 1e3 for r in ranks for x in r["gemini_wait_s"])
@@ -400,6 +488,12 @@ def main() -> int:
         "paired_ratio_over_none": paired,
         "target_gemini_over_none": 1.03, "meets_target": ratio["gemini"] <= 1.03,
         "cpu_ms_per_iteration": cpu_ms,
+        "cpu_ms_per_iteration_by_thread": per_thread,
+        "thread_runs_per_iteration": runs,
+        "thread_preempted_per_iteration": preempted,
+        "gemini_extra_cpu_ms_by_thread": extra,
+        "gemini_extra_cpu_ms_total": round(sum(extra.values()), 3),
+        "gemini_extra_cpu_ms_by_thread_paired_median": paired_extra,
         "gemini_wait_before_step_ms": {"median": statistics.median(waits),
                                        "p90": waits[int(0.9 * (len(waits) - 1))],
                                        "max": waits[-1], "count": len(waits)},

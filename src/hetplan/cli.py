@@ -342,7 +342,8 @@ def plan_cmd(
     workload: Path = typer.Option(None, "--workload", help="A workload JSON file."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     profile: Path = typer.Option(None, "--profile", help="Profile DB from `hetplan profile`."),
-    schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved-1f1b or chimera."),
+    schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved-1f1b, chimera, or "
+                                 "auto (1F1B and interleaved 1F1B searched side by side)."),
     dp: int = typer.Option(None, help="Pin the data-parallel degree."),
     pp: int = typer.Option(None, help="Pin the pipeline-parallel degree."),
     tp: int = typer.Option(None, help="Pin the tensor-parallel degree."),
@@ -363,7 +364,7 @@ def plan_cmd(
                             "parallelism on or off (default: on whenever tp > 1)."),
     virtual_stages: int = typer.Option(
         None, "--virtual-stages", help="Pin the interleaved chunks per pipeline rank (2 or "
-        "more; needs --schedule interleaved-1f1b; default: 2-4 searched)."),
+        "more; needs --schedule interleaved-1f1b or auto; default: 2-4 searched)."),
     progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the layout "
                                   "search's progress bar on stderr (default: on a terminal, "
                                   "for a search over a second)."),
@@ -507,7 +508,7 @@ def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | No
         if virtual_stages < 2:
             raise SpecError(f"--virtual-stages {virtual_stages}: interleaving needs 2 or more "
                             "chunks per pipeline rank; use --virtual-stages 2 (or more)")
-        if schedule != "interleaved-1f1b":
+        if schedule not in ("interleaved-1f1b", "auto"):
             raise SpecError(f"--virtual-stages needs --schedule interleaved-1f1b (the schedule "
                             f"is {schedule!r}); add --schedule interleaved-1f1b")
     return {"dtype": dtype, "zero_stage": zero, "recompute": recompute,

@@ -63,3 +63,42 @@ def test_newest_common() -> None:
     assert newest_common(ck, own, held) == (5, {0: 0, 1: 0, 2: 2, 3: 3})
     # the whole group {0, 1} lost: nothing is held by everyone
     assert newest_common(ck, [[], [], [5], [5]], [{}, {}, {3: [5]}, {2: [5]}]) is None
+
+
+def _reserve_commit(s: NodeStore, it: int, blob: bytes) -> int:
+    res = s.reserve("own", 0, it, len(blob))
+    assert res is not None
+    res.buffer[:] = blob
+    return s.commit(res)
+
+
+def test_reserved_slots_alternate_and_reuse_their_mapping(tmp_path: Path) -> None:
+    import zlib
+
+    s = NodeStore(tmp_path, 0)
+    for it in range(1, 6):
+        assert _reserve_commit(s, it, bytes([it]) * 64) == zlib.crc32(bytes([it]) * 64)
+        assert sorted(s.iterations("own", 0)) == [it - 1, it][(it == 1):]
+    assert s.read("own", 0, 5) == bytes([5]) * 64 and s.read("own", 0, 4) == bytes([4]) * 64
+    assert s.reserve("own", 0, 5, 64) is None  # already complete
+    maps = dict(s._maps)
+    _reserve_commit(s, 6, b"x" * 64)
+    assert s._maps == maps  # the same files, the same sizes: mapped once
+
+
+def test_reserve_after_the_node_was_wiped(tmp_path: Path) -> None:
+    import shutil
+
+    s = NodeStore(tmp_path, 0)
+    _reserve_commit(s, 1, b"a" * 64)
+    _reserve_commit(s, 2, b"b" * 64)
+    shutil.rmtree(s.path)  # the machine's memory is lost under a live process
+    _reserve_commit(s, 3, b"c" * 128)
+    assert s.read("own", 0, 3) == b"c" * 128
+    # a holder's copy committed with the sender's CRC is refused when it differs
+    res = s.reserve("held", 2, 7, 4)
+    assert res is not None
+    res.buffer[:] = b"abcd"
+    s.commit(res, crc32=123)
+    with pytest.raises(LookupError, match="corrupt"):
+        s.read("held", 2, 7)

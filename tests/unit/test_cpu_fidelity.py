@@ -118,3 +118,15 @@ def test_layers_profiled_at_a_micro_batch_are_found_by_the_batch_1_plan() -> Non
     times = ComputeModel(db).layer_times(wl, dev, 2)
     assert ComputeModel.sources(times) == {"profiled": len(wl.layers)}
     assert {r.batch_size for r in db.compute} == {2}
+
+
+@pytest.mark.parametrize("name", ["local-cpu", "cpu-2x2", "cpu-2x2-slow"])
+def test_cpu_presets_describe_4_processes_on_the_2_core_machine(name: str) -> None:
+    # the machine these presets name runs 4 gloo processes on 2 cores (issue 19): a preset
+    # that gives each process a core of its own describes twice the machine
+    spec = ClusterSpec.from_preset(name)
+    groups = spec.nodes
+    processes = sum(g.count * sum(d.count for d in g.devices) for g in groups)
+    cores = sum(g.count * g.cpu_cores for g in groups)
+    assert processes == 4, name
+    assert cores == 2, name

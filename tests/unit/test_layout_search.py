@@ -269,3 +269,38 @@ def test_compile_plans_chimera(pp: int | None) -> None:
         assert lay.schedule == "chimera" and lay.pp % 2 == 0 and lay.micro_batches % 2 == 0
         assert plan.pipeline_actions is not None
     assert [b.name for b in plan.predictions.baselines][0] == "ddp"
+
+
+# --------------------------------------------------------------------------------------
+# the auto schedule: 1F1B and interleaved 1F1B side by side
+# --------------------------------------------------------------------------------------
+def test_auto_schedule_is_both_candidate_sets() -> None:
+    wl, cl = workload(12, pairs=True), cluster(8, 8)
+    plain = enumerate_layouts(wl, cl, 64, schedule="1f1b")
+    inter = enumerate_layouts(wl, cl, 64, schedule="interleaved-1f1b")
+    auto = enumerate_layouts(wl, cl, 64, schedule="auto")
+    assert sorted(auto) == sorted(set(plain) | set(inter))
+    assert any(c.virtual_stages > 1 for c in auto) and any(
+        c.pp > 1 and c.virtual_stages == 1 for c in auto)
+    for c in auto:
+        expected = "interleaved-1f1b" if c.virtual_stages > 1 else "1f1b"
+        assert c.to_layout(64, "auto").schedule == expected
+    # a pinned chunk count keeps to it
+    assert {c.virtual_stages for c in enumerate_layouts(wl, cl, 64, schedule="auto",
+                                                        virtual_stages=3)} == {1, 3}
+
+
+def test_auto_schedule_plan_is_at_least_as_fast_as_either() -> None:
+    twelve = workload_from_gradients("twelve", [f"l{i}.weight" for i in reversed(range(12))],
+                                     [4_000_000] * 12, [100.0 * i for i in range(12)])
+    times = {}
+    for sched in ("1f1b", "interleaved-1f1b", "auto"):
+        plan = compile(twelve, cluster(4), batch_size=32, schedule=sched, pp=2)
+        assert plan.summary().iteration_time_ms is not None
+        times[sched] = plan.summary().iteration_time_ms
+    assert times["auto"] <= min(times["1f1b"], times["interleaved-1f1b"])
+
+
+def test_auto_schedule_is_a_known_option() -> None:
+    with pytest.raises(SpecError, match="auto"):
+        compile(workload(4, pairs=False), cluster(4), batch_size=8, schedule="autoo")

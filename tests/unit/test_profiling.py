@@ -25,6 +25,7 @@ from hetplan.profiling import (
     run_local_ranks,
     run_profile,
 )
+from hetplan.profiling.collectives import sample_seconds, size_order, subgroups
 from hetplan.profiling.compressors import codec
 from hetplan.profiling.layers import _hooked_units, time_layers
 
@@ -184,6 +185,70 @@ def test_profile_collectives_world_2() -> None:
     comm = CommModel(ClusterSpec.from_preset("local-cpu"), db)
     line = comm.alpha_beta("allreduce", 2, "intra")
     assert line.source == "profiled"
+
+
+def test_p2p_sample_is_the_mean_hand_over_of_a_relay() -> None:
+    # a pipeline pays every hop: one slow wake-up in three relays counts (a median drops it),
+    # and a relay around 4 ranks is 4 hand-overs
+    times = [0.004, 0.004, 0.016]
+    assert sample_seconds("p2p", times, 4) == pytest.approx(0.008 / 4)
+    assert sample_seconds("p2p", times, 2) == pytest.approx(0.008 / 2)
+    # collectives keep the median call
+    assert sample_seconds("allreduce", times, 4) == pytest.approx(0.004)
+    with pytest.raises(ValueError, match="no timed calls"):
+        sample_seconds("p2p", [], 4)
+
+
+@pytest.mark.dist
+def test_p2p_relay_through_three_ranks() -> None:
+    # an odd ring: every rank receives from the previous one and sends to the next
+    prof = profile_collectives(3, sizes=(4096, 65536), collectives=("p2p",), iters=2,
+                               max_iters=3, min_time_s=0.0, timeout_s=120)
+    (rec,) = prof.records
+    assert rec.key == ("p2p", "gloo", "loopback", 2)
+    assert [s.nbytes for s in rec.samples] == [4096, 65536]
+    assert all(s.seconds > 0 for s in rec.samples)
+
+
+def test_sizes_are_timed_in_rounds_over_all_of_them() -> None:
+    # every size meets the same spells of a busy host: rounds over all sizes, not one block
+    # per size
+    assert size_order([4096, 65536, 1 << 20], 2) == [4096, 65536, 1 << 20] * 2
+    assert size_order([4096], 3) == [4096, 4096, 4096]
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        size_order([4096], 0)
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        profile_collectives(2, passes=0)
+
+
+def test_subgroups_are_consecutive_equal_groups() -> None:
+    assert subgroups(4, 2) == [[0, 1], [2, 3]]
+    assert subgroups(6, 3) == [[0, 1, 2], [3, 4, 5]]
+    assert subgroups(4, 4) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="divide the 4 processes"):
+        subgroups(4, 3)
+    with pytest.raises(ValueError, match="must be >= 2"):
+        subgroups(4, 1)
+    with pytest.raises(ValueError, match="divide the 4 processes"):
+        profile_collectives(4, group_sizes=[3])
+
+
+@pytest.mark.dist
+def test_pairs_of_four_ranks_are_measured_not_rescaled() -> None:
+    # a tp=2 plan on 4 ranks prices its collectives from pairs measured together, not from
+    # the 4-rank line rescaled by latency steps
+    prof = profile_collectives(4, sizes=(4096, 65536), collectives=("allreduce",), iters=2,
+                               max_iters=3, min_time_s=0.0, timeout_s=120)
+    assert [r.key for r in prof.records] == [("allreduce", "gloo", "loopback", 4),
+                                             ("allreduce", "gloo", "loopback", 2)]
+    pair = prof.records[1]
+    assert [s.nbytes for s in pair.samples] == [4096, 65536]
+    assert all(s.seconds > 0 for s in pair.samples)
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), ProfileDB(collectives=tuple(
+        prof.records)))
+    line = comm.alpha_beta("allreduce", 2, "intra")
+    assert line.source == "profiled" and "rescaled" not in line.detail
+    assert line.alpha_s == pytest.approx(pair.alpha_s)
 
 
 @pytest.mark.dist

@@ -76,6 +76,11 @@ _PCIE3 = {"kind": "pcie", "bandwidth_gbps": 126.0, "latency_us": 3.0}
 # no per-link figure separates; the presets keep the 4-process numbers they are named for.
 # (Before 2026-11-26 this said 40 Gbit/s and 10 µs, unmeasured placeholders.)
 _LOOPBACK = {"kind": "loopback", "bandwidth_gbps": 7.5, "latency_us": 800.0}
+# The CPU presets' machine has 2 cores (`os.cpu_count()` on it) and runs 4 gloo processes:
+# every rank gets half a core when all compute at once, which `hetplan profile
+# --layer-processes 4` puts into the layer times. (Before 2026-11-26 `local-cpu` said 4 cores,
+# one per process, and `cpu-2x2` 2 per emulated node: twice the machine.)
+_CPU_MACHINE_CORES = 2
 
 
 def _eth(gbps: float) -> dict[str, Any]:
@@ -192,20 +197,21 @@ PRESET_SPECS: dict[str, dict[str, Any]] = {
     ),
     "local-cpu": _preset(
         "local-cpu",
-        "4 gloo processes on one CPU machine",
-        [_node("localhost", 1, "cpu", 4, 4, _LOOPBACK)],
+        "4 gloo processes sharing the 2 cores of one CPU machine",
+        [_node("localhost", 1, "cpu", 4, _CPU_MACHINE_CORES, _LOOPBACK)],
     ),
     "cpu-2x2": _preset(
         "cpu-2x2",
-        "2 emulated nodes x 2 gloo processes on one CPU machine (tests hierarchical collectives)",
-        [_node("host", 2, "cpu", 2, 2, _LOOPBACK)],
+        "2 emulated nodes x 2 gloo processes on one 2-core CPU machine (one core per emulated "
+        "node; tests hierarchical collectives)",
+        [_node("host", 2, "cpu", 2, _CPU_MACHINE_CORES // 2, _LOOPBACK)],
         dict(_LOOPBACK),
     ),
     "cpu-2x2-slow": _preset(
         "cpu-2x2-slow",
         "cpu-2x2 with a bandwidth-poor 1 Gb/s Ethernet link between the 2 emulated nodes "
         "(compressed-sync end-to-end runs; HETPLAN_EMULATE_BW=1 throttles a local run to it)",
-        [_node("host", 2, "cpu", 2, 2, _LOOPBACK)],
+        [_node("host", 2, "cpu", 2, _CPU_MACHINE_CORES // 2, _LOOPBACK)],
         _eth(1),
     ),
 }

@@ -187,7 +187,8 @@ def compile(  # noqa: A001 - the product's verb
             f"(with dp={opts.dp}, pp={opts.pp}, tp={opts.tp}, micro_batch_size="
             f"{opts.micro_batch_size} pinned"
             + (f", schedule {opts.schedule!r}: micro-batches must be a multiple of pp and "
-               "pp·virtual_stages at most the layers" if opts.schedule == "interleaved-1f1b"
+               "pp·virtual_stages at most the layers"
+               if opts.schedule in ("interleaved-1f1b", "auto")
                else "")
             + (", schedule 'chimera': a pipeline needs an even pp and an even number of "
                "micro-batches" if opts.schedule == "chimera" else "")
@@ -253,7 +254,7 @@ def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[str],
                       if not _memory_lower_bound(job.workload, replace(cand, zero_stage=z),
                                                  job.costs)]
             bounds[cand] = iteration_lower_bound(job.workload, job.costs, cand,
-                                                 job.opts.schedule, ladder,
+                                                 cand.schedule_for(job.opts.schedule), ladder,
                                                  recompute=recompute)
         order.sort(key=lambda c: (bounds[c], c))
     screened: list[Scored] = []

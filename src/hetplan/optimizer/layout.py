@@ -13,7 +13,9 @@ Rules (each prunes layouts that cannot be right, not ones that merely look slow)
 - at most ``MAX_MICRO_BATCHES`` (65,536) micro-batches, the most a plan may have.
 - interleaved 1F1B: ``virtual_stages`` ``v`` in 2..4 with ``pp · v`` at most the number of
   layers, and a micro-batch count divisible by ``pp`` (Megatron's schedule needs it); a layout
-  without a pipeline runs ``v = 1``;
+  without a pipeline runs ``v = 1``; the ``auto`` schedule searches 1F1B (``v = 1``) beside
+  them, and each candidate runs the schedule its ``v`` names
+  (:meth:`LayoutCandidate.schedule_for`);
 - Chimera: a pipeline of an even ``pp`` with an even micro-batch count (its two directions
   split them half/half); a layout without a pipeline has no schedule to run and is written
   with ``1f1b`` (Chimera's two directions need at least two stages);
@@ -53,9 +55,18 @@ class LayoutCandidate:
     sequence_parallel: bool = False
     zero_stage: int = 0
 
+    def schedule_for(self, schedule: str) -> str:
+        """The schedule this layout runs under the compile's ``schedule`` option: ``auto``
+        is interleaved 1F1B with interleaved chunks, plain 1F1B without; Chimera without a
+        pipeline is 1F1B (no directions to split)."""
+        if schedule == "auto":
+            return "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
+        if schedule == "chimera" and self.pp == 1:
+            return "1f1b"
+        return schedule
+
     def to_layout(self, global_batch: int, schedule: str) -> Layout:
-        if schedule == "chimera" and self.pp == 1:  # no pipeline: no directions to split
-            schedule = "1f1b"
+        schedule = self.schedule_for(schedule)
         return Layout(
             dp=self.dp,
             pp=self.pp,
@@ -142,10 +153,12 @@ def enumerate_layouts(
 
 def _chunk_counts(schedule: str, pp: int, micro_batches: int, layers: int,
                   pinned: int | None) -> list[int]:
-    """The interleaved chunk counts ``v`` a pipeline may use (``[1]`` without one)."""
-    if schedule != "interleaved-1f1b" or pp == 1:
+    """The interleaved chunk counts ``v`` a pipeline may use (``[1]`` without one); under
+    ``auto`` one chunk (1F1B) and the interleaved counts."""
+    if schedule not in ("interleaved-1f1b", "auto") or pp == 1:
         return [1]
+    plain = [1] if schedule == "auto" and pinned is None else []
     if micro_batches % pp:
-        return []
+        return plain
     options = [pinned] if pinned is not None else [2, 3, 4]
-    return [v for v in options if v >= 2 and pp * v <= layers]
+    return plain + [v for v in options if v >= 2 and pp * v <= layers]

@@ -50,7 +50,8 @@ class CompileOptions(BaseModel):
     Attributes:
         batch_size: global batch size per iteration (samples).
         seq: sequence length for zoo language models.
-        schedule: pipeline schedule (one of ``cost_models.pipeline.SCHEDULES``).
+        schedule: pipeline schedule (one of ``cost_models.pipeline.SCHEDULES``), or ``auto``:
+            search 1F1B and interleaved 1F1B (2 to 4 chunks per rank) side by side.
         passes: the pass pipeline (spec string, or names / pass instances).
         dp / pp / tp / micro_batch_size: pin a layout dimension.
         virtual_stages / sequence_parallel / zero_stage: pin a strategy dimension (interleaved
@@ -102,9 +103,10 @@ class CompileOptions(BaseModel):
     @field_validator("schedule")
     @classmethod
     def _known_schedule(cls, v: str) -> str:
-        if v not in SCHEDULES:
-            raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, SCHEDULES)} "
-                             f"(known: {', '.join(SCHEDULES)})")
+        known = (*SCHEDULES, "auto")
+        if v not in known:
+            raise ValueError(f"unknown schedule {v!r}{did_you_mean(v, known)} "
+                             f"(known: {', '.join(known)})")
         return v
 
     @model_validator(mode="after")

@@ -85,6 +85,9 @@ class NodeStore:
         default_factory=dict, compare=False, repr=False)
     _paths: dict[tuple[str, int, int], tuple[str, str, str]] = field(
         default_factory=dict, compare=False, repr=False)
+    # (kind, rank) -> {iteration: slot} as this process last reserved and committed it
+    _have: dict[tuple[str, int], dict[int, int]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def path(self) -> Path:
@@ -132,6 +135,7 @@ class NodeStore:
         have = self.iterations(kind, rank)
         if iteration in have:
             return
+        self._have.pop((kind, rank), None)  # reserve reads the slots from disk again
         newest = max(have, default=None)
         slot = 0 if newest is None else 1 - have[newest]
         data, meta = self._slot(kind, rank, slot)
@@ -146,42 +150,67 @@ class NodeStore:
     def reserve(self, kind: str, rank: int, iteration: int, nbytes: int) -> Reserved | None:
         """Make the slot that does not hold the newest complete snapshot incomplete, size its
         data file to ``nbytes`` (> 0) and map it; None when ``iteration`` is already
-        complete."""
+        complete.
+
+        Which slot holds what is read from disk once per (kind, rank), then kept: a slot is
+        only written by the one process that reserves it (a rank's own slots by the rank, a
+        held rank's by its one holder on this node). The mapping is kept while the data file
+        is the same file of the same size."""
         if nbytes <= 0:
             raise ValueError(f"a snapshot has at least a header; got nbytes={nbytes}")
-        have = self.iterations(kind, rank)
+        have = self._have.get((kind, rank))
+        if have is None:
+            have = self._have[(kind, rank)] = self.iterations(kind, rank)
         if iteration in have:
             return None
         newest = max(have, default=None)
         slot = 0 if newest is None else 1 - have[newest]
+        for it in [i for i, s in have.items() if s == slot]:
+            del have[it]
         data, meta, _ = self._files(kind, rank, slot)
         try:
             os.unlink(meta)  # the slot is incomplete from here on
         except FileNotFoundError:
             os.makedirs(os.path.dirname(data), exist_ok=True)
+        cached = self._maps.get((kind, rank, slot))
+        if cached is not None:
+            try:
+                st = os.stat(data)
+                if cached[1] == nbytes and (st.st_ino, st.st_size) == (cached[0], nbytes):
+                    return Reserved(kind, rank, slot, iteration, cached[2])
+            except FileNotFoundError:
+                pass
         fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             st = os.fstat(fd)
-            cached = self._maps.get((kind, rank, slot))
-            if cached is not None and cached[:2] == (st.st_ino, nbytes) and st.st_size == nbytes:
-                mm = cached[2]  # the same file, the same size: its pages are mapped already
-            else:
-                if st.st_size != nbytes:
-                    os.ftruncate(fd, nbytes)
-                mm = mmap.mmap(fd, nbytes)
-                self._maps[(kind, rank, slot)] = (st.st_ino, nbytes, mm)
+            if st.st_size != nbytes:
+                os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+            self._maps[(kind, rank, slot)] = (st.st_ino, nbytes, mm)
         finally:
             os.close(fd)
         return Reserved(kind, rank, slot, iteration, mm)
 
-    def commit(self, r: Reserved) -> None:
-        """Complete a reserved slot: its metadata (with the data's CRC-32), by a rename."""
-        data, meta, tmp = self._files(r.kind, r.rank, r.slot)
-        size = os.stat(data).st_size
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"iteration": r.iteration, "nbytes": size,
-                                "crc32": zlib.crc32(memoryview(r.buffer)[:size])}))
+    def commit(self, r: Reserved, crc32: int | None = None) -> int:
+        """Complete a reserved slot: its metadata (with the data's CRC-32), by a rename;
+        returns the CRC-32. ``crc32``: the CRC-32 the data must have, computed where it was
+        packed (a holder's copy: it is not computed again, and a copy that differs from the
+        sender's snapshot is refused when read)."""
+        _, meta, tmp = self._files(r.kind, r.rank, r.slot)
+        size = len(r.buffer)
+        if crc32 is None:
+            crc32 = zlib.crc32(r.buffer)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b'{"iteration": %d, "nbytes": %d, "crc32": %d}'
+                     % (r.iteration, size, crc32))
+        finally:
+            os.close(fd)
         os.replace(tmp, meta)
+        have = self._have.get((r.kind, r.rank))
+        if have is not None:
+            have[r.iteration] = r.slot
+        return crc32
 
     def read(self, kind: str, rank: int, iteration: int) -> bytes:
         """The snapshot of ``iteration``; ``LookupError`` when absent or corrupt."""

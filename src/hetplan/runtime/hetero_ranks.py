@@ -157,8 +157,24 @@ def hetero_refusals(plan: Plan) -> list[str]:
     if lay.schedule not in ("gpipe", "1f1b"):
         out.append(f"layout.schedule: {lay.schedule!r} with per-stage degrees; the "
                    "heterogeneous pipeline runs gpipe and 1f1b: re-plan with --schedule 1f1b")
-    if plan.rebalancing is not None and any(e.applied for e in plan.rebalancing.events):
-        out.append(f"rebalancing: moving layers between stages of different degrees; {fix}")
+    out += _rebalancing_refusals(plan)
     if plan.group_sync is not None and plan.group_sync.policy == "sdpipe":
         out.append(f"group_sync: SDPipe group sync with per-stage degrees; {fix}")
     return out
+
+
+def _rebalancing_refusals(plan: Plan) -> list[str]:
+    """The applied re-balancing events the heterogeneous pipeline does not execute. Moves
+    between stages of any data- and tensor-parallel degrees and ZeRO stage (0 or 1 per
+    stage) run (:mod:`hetplan.runtime.handlers.hetero_rebalancing`); an event with another
+    stage count (re-packing) is already refused by the plan's validator."""
+    reb, tp = plan.rebalancing, plan.tensor_parallel
+    if reb is None or not any(e.applied for e in reb.events):
+        return []
+    if tp is not None and tp.controller.variant != "off":
+        return [f"tensor_parallel.controller: the TP resizing controller "
+                f"({tp.controller.variant}) with applied re-balancing events on per-stage "
+                "degrees (the controller's per-linear state is built for the stage's layers "
+                "at setup and is not moved with a layer); re-plan with --tp-controller off, "
+                "or without --dynamics"]
+    return []

@@ -33,7 +33,7 @@ reduces (micro-batches too), so a rank never holds more than one segment's full 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +213,67 @@ class ShardedOptimizer(torch.optim.Optimizer):
             out.extend(full[a:b].view(p.shape).clone() for p, (a, b)
                        in zip(seg.params, seg.bounds(), strict=True))
         return out
+
+    # -- re-balancing: the state as whole parameters ------------------------------------------
+    def full_state(self) -> dict[nn.Parameter, tuple[torch.Tensor, dict[str, Any]]]:
+        """Per parameter: its master value and the inner optimizer's state, whole (gathered
+        from every replica's chunks; a collective over the data-parallel group). A state
+        tensor of the piece's shape (Adam's moments) becomes one of the parameter's shape; any
+        other state (Adam's ``step``, equal on every piece) is taken from this rank's first
+        piece. Re-balancing moves parameters with it and rebuilds the layout
+        (:meth:`load_full_state`)."""
+        masters = self.full_master()
+        params = [p for seg in self.segments for p in seg.params]
+        first: dict[str, Any] = next(
+            (self.inner.state[x] for x in self.pieces if x in self.inner.state), {})
+        keys = sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() == 1)
+        other = {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                 for k, v in first.items() if k not in keys}
+        per_key: dict[str, list[torch.Tensor]] = {}
+        for key in keys:
+            buf = torch.zeros_like(self.master)
+            for piece, (_, _, lo, hi, at) in zip(self.pieces, self._pieces, strict=True):
+                value = self.inner.state.get(piece, {}).get(key)
+                if value is not None:
+                    buf[at : at + hi - lo].copy_(value)
+            per_key[key] = self._gather_flat(buf)
+        return {p: (m, {**other, **{k: per_key[k][i] for k in keys}})
+                for i, (p, m) in enumerate(zip(params, masters, strict=True))}
+
+    def _gather_flat(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's values of a buffer laid out like the master shard, gathered."""
+        out: list[torch.Tensor] = []
+        for seg in self.segments:
+            mine = buf[seg.offset : seg.offset + seg.chunk]
+            if self.world > 1:
+                full = torch.empty(seg.chunk * self.world, dtype=mine.dtype, device=mine.device)
+                dist.all_gather_into_tensor(full, mine.contiguous(), group=self.group)
+            else:
+                full = mine
+            out.extend(full[a:b].view(p.shape).clone() for p, (a, b)
+                       in zip(seg.params, seg.bounds(), strict=True))
+        return out
+
+    def load_full_state(self, values: Mapping[nn.Parameter, tuple[torch.Tensor | None,
+                                                                  dict[str, Any]]]) -> None:
+        """Set this replica's chunk of the master and of the inner optimizer's state from
+        whole-parameter values (:meth:`full_state`'s form; a None master keeps the one built
+        from the working weights). Parameters not in ``values`` start fresh."""
+        with torch.no_grad():
+            for piece, (si, pi, lo, hi, at) in zip(self.pieces, self._pieces, strict=True):
+                p = self.segments[si].params[pi]
+                if p not in values:
+                    continue
+                master, state = values[p]
+                if master is not None:
+                    self.master[at : at + hi - lo].copy_(master.reshape(-1)[lo:hi])
+                if state:
+                    self.inner.state[piece] = {
+                        k: (v.reshape(-1)[lo:hi].clone() if torch.is_tensor(v)
+                            and tuple(v.shape) == tuple(p.shape)
+                            else v.clone() if torch.is_tensor(v) else v)
+                        for k, v in state.items()}
+        self.write_working_weights()
 
 
 class GradReducer:

@@ -11,16 +11,17 @@ What it does, per rank (``docs/decisions/gemini.md`` has the why):
    (:mod:`hetplan.runtime.checkpoint_store`: shared-memory files mapped into the process, two
    buffers, so they outlive the process). The training thread only hands over references.
 2. **Replicas**: the same thread sends the snapshot to the rank's holders
-   (``checkpointing.ranks[r].holders[1:]``) over a side gloo group, each chunk of the plan's
-   schedule at its idle span's offset from the step's start (the end of the optimizer step
-   that completed the snapshot's iteration; :mod:`hetplan.runtime.checkpoint_schedule` maps
-   the planned chunks onto the serialised blob); a chunk whose span has passed goes at once.
-   It receives the snapshots of the ranks this rank holds (their receives are posted as soon
-   as each sender's header arrives, straight into the mapped slot of its node's store, so
-   the data moves when the sender sends it and is never copied again), completes them and
-   acknowledges each. Every round is recorded (chunks sent, bytes,
-   when, how; the wait before the step; CPU time of the training and checkpoint threads) for
-   the run report (:meth:`CheckpointingHandler.report`).
+   (``checkpointing.ranks[r].holders[1:]``), one TCP stream per holder
+   (:mod:`hetplan.runtime.checkpoint_link`), each chunk of the plan's schedule at its idle
+   span's offset from the step's start (the end of the optimizer step that completed the
+   snapshot's iteration; :mod:`hetplan.runtime.checkpoint_schedule` maps the planned chunks
+   onto the serialised blob); a chunk whose span has passed goes at once, together with the
+   following chunks to the same holder that are due too (one send). One receiver thread per
+   rank this rank holds reads that rank's snapshots straight into the mapped slot of its
+   node's store (one ``recv_into`` per round, never copied again), completes them and
+   acknowledges each. Every round is recorded (chunks sent, bytes, when, how; the wait
+   before the step; CPU time of the training and checkpoint threads) for the run report
+   (:meth:`CheckpointingHandler.report`).
 3. **At most one interval lost**: the optimizer step waits (``after_backward``) until the
    snapshot is serialised (the step changes the parameters in place); the step that takes the
    next snapshot waits for the whole round, i.e. its snapshot is written locally and every
@@ -44,9 +45,11 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,15 +58,23 @@ import torch
 import torch.distributed as dist
 
 from hetplan.ir.plan_checkpointing import Checkpointing
+from hetplan.runtime.checkpoint_link import (
+    ACK,
+    HEADER,
+    LinkClosed,
+    connect_links,
+    local_address,
+    recv_exact,
+)
 from hetplan.runtime.checkpoint_schedule import ChunkEvent, PlannedSend, RoundRecord, timetable
 from hetplan.runtime.checkpoint_snapshot import Packed, Packer, unpack
-from hetplan.runtime.checkpoint_store import NodeStore, Reserved, default_root
+from hetplan.runtime.checkpoint_store import NodeStore, default_root
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 
 __all__ = ["CheckpointingHandler", "newest_common", "STORAGE_DIR_ENV"]
 
 STORAGE_DIR_ENV = "HETPLAN_STORAGE_DIR"
-_DATA, _ACK, _FETCH = 11, 12, 13
+_FETCH = 13
 
 
 def newest_common(ck: Checkpointing, own: Sequence[Sequence[int]],
@@ -130,6 +141,11 @@ class CheckpointingHandler(Handler):
         self._serialised.set()
         self._anchor: float | None = None
         self._anchor_cpu = 0.0
+        self._out: dict[int, socket.socket] = {}  # holder -> stream of this rank's copies
+        self._in: dict[int, socket.socket] = {}  # source -> stream of its copies
+        self.receivers: list[threading.Thread] = []
+        self._closing = False
+        self._failed = False  # a round's error was raised
 
     # -- setup and recovery ------------------------------------------------------------
     def setup(self, ctx: RuntimeContext) -> None:
@@ -147,6 +163,26 @@ class CheckpointingHandler(Handler):
         self.storage = Path(os.environ.get(STORAGE_DIR_ENV) or root / "storage")
         self.group = dist.new_group(backend="gloo", timeout=ctx.timeout)
         self._restore(ctx)
+        self._connect(ctx)
+
+    def _connect(self, ctx: RuntimeContext) -> None:
+        """The streams to the holders and from the ranks held, and one receiver thread per
+        rank held."""
+        world = dist.get_world_size()
+
+        def gather(obj: Any) -> list[Any]:
+            got: list[Any] = [None] * world
+            dist.all_gather_object(got, obj, group=self.group)
+            return got
+
+        host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        self._out, self._in = connect_links(self.rank, self.holders, self.sources, host,
+                                            gather, ctx.timeout)
+        for s, sock in self._in.items():
+            t = threading.Thread(target=self._receive, args=(s, sock), daemon=True,
+                                 name=f"gemini-receive-{s}")
+            t.start()
+            self.receivers.append(t)
 
     def _say(self, text: str) -> None:
         self.events.append(text)
@@ -278,12 +314,13 @@ class CheckpointingHandler(Handler):
             return
         self.wait_round()
         params = list(ctx.named_params)
-        optim = ctx.optimizer.state_dict() if ctx.optimizer is not None else None
+        optim: dict[str, Any] | None = None
         rng = torch.get_rng_state()
         stored = None
         if completed % self.ck.storage_every_iters == 0:  # packed here: DCP saves it now
+            optim = ctx.optimizer.state_dict() if ctx.optimizer is not None else None
             packed = self.packer.prepare(params, optim, rng, completed)
-            stored = (packed, self._pack_own(packed, completed))
+            stored = (packed, *self._pack_own(packed, completed))
             self._save_storage(completed, stored[1])
         self._release.clear()
         self._serialised.clear()
@@ -295,7 +332,10 @@ class CheckpointingHandler(Handler):
             self._thread = threading.Thread(target=self._serve, name="gemini-checkpoint",
                                             daemon=True)
             self._thread.start()
-        self._jobs.put((completed, params, optim, rng, stored, self._anchor, record))
+        # the optimizer's state dict is taken on the checkpoint thread: the next step, the
+        # only change to it, waits until the snapshot is packed
+        self._jobs.put((completed, params, ctx.optimizer if optim is None else optim, rng,
+                        stored, self._anchor, record))
 
     def wait_round(self) -> None:
         """Wait until the current round (snapshot stored, copies acknowledged) is done,
@@ -308,6 +348,7 @@ class CheckpointingHandler(Handler):
     def _raise_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
+            self._failed = True
             raise RuntimeError(f"checkpoint round failed: {err}") from err
 
     def report(self) -> list[dict[str, Any]]:
@@ -338,111 +379,141 @@ class CheckpointingHandler(Handler):
                 self._serialised.set()
                 self._done.set()
 
-    def _pack_own(self, packed: Packed, completed: int) -> torch.Tensor:
+    def _pack_own(self, packed: Packed, completed: int) -> tuple[torch.Tensor, int]:
         """Pack the snapshot straight into this rank's own slot and complete it; the packed
         bytes (the mapped slot, or a heap buffer when the slot already holds
-        ``completed``)."""
+        ``completed``) and their CRC-32."""
         res = self.store.reserve("own", self.rank, completed, packed.nbytes)
         out = (_mapped(res.buffer, packed.nbytes) if res is not None
                else torch.empty(packed.nbytes, dtype=torch.uint8))
         self.packer.pack_into(packed, out)
         self._serialised.set()
         if res is not None:
-            self.store.commit(res)
-        return out
+            return out, self.store.commit(res)
+        return out, zlib.crc32(out.numpy().data)
 
     def _round(self, completed: int, params: Sequence[tuple[str, torch.Tensor]],
-               optim: dict[str, Any] | None, rng: torch.Tensor,
-               stored: tuple[Packed, torch.Tensor] | None, anchor: float,
+               optim: torch.optim.Optimizer | dict[str, Any] | None, rng: torch.Tensor,
+               stored: tuple[Packed, torch.Tensor, int] | None, anchor: float,
                record: RoundRecord) -> None:
         """Pack into the own slot; send each chunk to its holder at its planned time
-        (:func:`timetable`; at once when its span has passed or the step releases it) while
-        receiving the copies this rank holds straight into their slots; complete and
-        acknowledge those; wait for this rank's acknowledgements."""
+        (:func:`timetable`; at once when its span has passed or the step releases it, with
+        the following chunks to the same holder that are due too); wait for the holders'
+        acknowledgements."""
         cpu0 = time.thread_time()
 
         def ms() -> float:
             return (time.perf_counter() - anchor) * 1e3
 
         if stored is None:
-            data = self._pack_own(self.packer.prepare(params, optim, rng, completed),
-                                  completed)
+            state = optim.state_dict() if isinstance(optim, torch.optim.Optimizer) else optim
+            data, crc = self._pack_own(self.packer.prepare(params, state, rng, completed),
+                                       completed)
         else:  # packed and stored on the training thread (a storage iteration)
-            data = stored[1]
+            _, data, crc = stored
             self._serialised.set()
         nbytes = data.numel()
         record.bytes, record.serialise_ms = nbytes, ms()
-        header = torch.tensor([completed, nbytes], dtype=torch.int64)
-        reqs = [dist.isend(header, h, group=self.group, tag=_DATA) for h in self.holders]
-        # the copies this rank holds: the header first, then the sender's cuts
-        incoming: dict[int, tuple[torch.Tensor, Any]] = {}
-        for s in self.sources:
-            hdr = torch.empty(2, dtype=torch.int64)
-            incoming[s] = (hdr, dist.irecv(hdr, s, group=self.group, tag=_DATA))
-        bufs: dict[int, torch.Tensor] = {}
-        slots: dict[int, Reserved | None] = {}
-
-        def post_receives(block: bool) -> None:
-            for s, (hdr, work) in incoming.items():
-                if s in bufs or not (block or work.is_completed()):
-                    continue
-                work.wait()
-                n = int(hdr[1])
-                slots[s] = res = self.store.reserve("held", s, int(hdr[0]), n)
-                bufs[s] = buf = (_mapped(res.buffer, n) if res is not None
-                                 else torch.empty(n, dtype=torch.uint8))
-                for c in self._timetable(s, n):
-                    if c.holder == self.rank:
-                        reqs.append(dist.irecv(buf[c.start:c.end], s, group=self.group,
-                                               tag=_DATA))
-
-        for c in self._timetable(self.rank, nbytes):
+        view = data.numpy().data
+        header = HEADER.pack(completed, nbytes, crc)
+        for h in self.holders:
+            self._out[h].sendall(header)
+        plan = self._timetable(self.rank, nbytes)
+        i = 0
+        while i < len(plan):
+            c = plan[i]
             how = "on_time"
             while True:
-                post_receives(block=False)
                 left = c.due_ms - ms()
                 if left <= 0:
-                    how = "late" if how == "on_time" and left < -1.0 else how
+                    how = "late" if left < -1.0 else how
                     break
-                if self._release.is_set():
+                if self._release.wait(left / 1e3):
                     how = "released"
                     break
-                # short waits while a header is outstanding, to post its receives early
-                pending = len(bufs) < len(incoming)
-                if self._release.wait(min(left, 2.0) / 1e3 if pending else left / 1e3):
-                    how = "released"
-                    break
-            reqs.append(dist.isend(data[c.start:c.end], c.holder, group=self.group,
-                                   tag=_DATA))
-            record.chunks.append(ChunkEvent(c.holder, c.span, c.start, c.end - c.start,
-                                            c.due_ms, ms(), how))
-        post_receives(block=True)
-        for r in reqs:
-            if r is not None:  # None only for a rank outside the group, never here
-                r.wait()
-        acks = []
-        for s in self.sources:
-            hdr = incoming[s][0]
-            res = slots[s]
-            if res is not None:
-                self.store.commit(res)
-            ack = torch.tensor([int(hdr[0])], dtype=torch.int64)
-            acks.append((ack, dist.isend(ack, s, group=self.group, tag=_ACK)))
+            now = ms()
+            released = how == "released"
+            j, end = i + 1, c.end  # the following chunks to this holder that are due too
+            while (j < len(plan) and plan[j].holder == c.holder and plan[j].start == end
+                   and (released or plan[j].due_ms <= now)):
+                end = plan[j].end
+                j += 1
+            self._out[c.holder].sendall(view[c.start:end])
+            for k in range(i, j):
+                d = plan[k]
+                kind = how if k == i else (
+                    "released" if released and d.due_ms > now else
+                    "late" if d.due_ms < now - 1.0 else "on_time")
+                record.chunks.append(ChunkEvent(d.holder, d.span, d.start, d.end - d.start,
+                                                d.due_ms, now, kind))
+            i = j
+        got = bytearray(ACK.size)
         for h in self.holders:
-            got = torch.empty(1, dtype=torch.int64)
-            dist.recv(got, h, group=self.group, tag=_ACK)
-            if int(got) != completed:
-                raise RuntimeError(f"holder rank {h} acknowledged iteration {int(got)}, "
+            recv_exact(self._out[h], memoryview(got), f"holder rank {h}'s acknowledgement")
+            (it,) = ACK.unpack(got)
+            if it != completed:
+                raise RuntimeError(f"holder rank {h} acknowledged iteration {it}, "
                                    f"expected {completed}")
-        for _, w in acks:
-            if w is not None:
-                w.wait()
         record.round_ms = ms()
         record.checkpoint_cpu_ms = (time.thread_time() - cpu0) * 1e3
         self.round_s.append(record.round_ms / 1e3)
 
+    def _receive(self, source: int, sock: socket.socket) -> None:
+        """A receiver thread: ``source``'s snapshots, each straight into its slot of this
+        node's store (a scratch buffer when the slot already holds that iteration), completed
+        and acknowledged, until ``source`` closes the stream."""
+        hdr = bytearray(HEADER.size)
+        scratch = torch.empty(0, dtype=torch.uint8)
+        try:
+            while True:
+                try:
+                    recv_exact(sock, memoryview(hdr), f"rank {source}'s next snapshot",
+                               idle_ok=True)
+                except LinkClosed:
+                    return
+                it, n, crc = HEADER.unpack(hdr)
+                res = self.store.reserve("held", source, it, n)
+                if res is not None:
+                    buf = memoryview(res.buffer)[:n]
+                else:
+                    if scratch.numel() < n:
+                        scratch = torch.empty(n, dtype=torch.uint8)
+                    buf = scratch.numpy().data[:n]
+                recv_exact(sock, buf, f"rank {source}'s snapshot of iteration {it}")
+                buf.release()
+                if res is not None:
+                    self.store.commit(res, crc)  # the sender's CRC: checked when read
+                sock.sendall(ACK.pack(it))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            if not self._closing:
+                self._error = e
+
     def close(self, ctx: RuntimeContext) -> None:
+        """Finish: the last round, then end the streams to the holders (end-of-file at a
+        header boundary) and wait until each rank held has ended its stream (its last round
+        acknowledged), at most the runtime's timeout; close the sockets. After a failed
+        round it does not wait for the ranks held (the run is failing)."""
+        clean = self._error is None and not self._failed
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=ctx.timeout.total_seconds())
+            clean = clean and not self._thread.is_alive() and self._error is None
             self._thread = None
+        for sock in self._out.values():
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + (ctx.timeout.total_seconds() if clean else 0.0)
+        for t in self.receivers:
+            t.join(timeout=max(deadline - time.monotonic(), 0.0))
+        self._closing = True
+        for sock in [*self._out.values(), *self._in.values()]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        for t in self.receivers:
+            t.join(timeout=1.0)
+        self._out, self._in, self.receivers = {}, {}, []

@@ -35,8 +35,10 @@ asynchronous and waited for at the end of the step, so the lists that the plan's
 proves complete cannot deadlock here.
 
 Not executed (refused at setup, :func:`hetero_refusals`): sequence parallelism, interleaved
-or Chimera schedules, parameters tied across stages, re-balancing, SDPipe group sync
-(:func:`~hetplan.runtime.hetero_ranks.hetero_refusals`).
+or Chimera schedules, parameters tied across stages, re-balancing beside the TP
+resizing controller, SDPipe group sync
+(:func:`~hetplan.runtime.hetero_ranks.hetero_refusals`). Re-balancing events otherwise run
+(:mod:`hetplan.runtime.handlers.hetero_rebalancing`).
 """
 
 from __future__ import annotations

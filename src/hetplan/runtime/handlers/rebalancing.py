@@ -8,6 +8,11 @@ A re-packing event (fewer stages) releases the ranks past the new stage count: t
 then on (``ctx.released``), and the schedule's action lists are generated for the new stage
 count by the same pure function as the plan's. Events of interleaved pipelines, or that would
 grow back onto released ranks, are not executed; they are listed in ``skipped``.
+
+On a plan with per-stage degrees (``hetero``) the stages keep their ranks and degrees and
+the moved layers' weights and optimizer state travel as full tensors, gathered from the
+source stage's TP shards and cut into the destination stage's
+(:mod:`hetplan.runtime.handlers.hetero_rebalancing`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 
 from hetplan.ir.rebalancing import PlannedEvent
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
+from hetplan.runtime.handlers.hetero_rebalancing import rebalance_hetero
 from hetplan.runtime.handlers.stages import StagesHandler
 from hetplan.runtime.rebalance import (
     carry_optimizer,
@@ -84,6 +90,9 @@ class RebalancingHandler(Handler):
         the schedule, the gradient sync and the optimizer with the carried state.
         """
         assert ctx.groups is not None
+        if ctx.plan.hetero is not None:  # stages of their own degrees: full tensors travel
+            rebalance_hetero(ctx, bounds)
+            return
         stages_h = ctx.handler(StagesHandler)
         old_group, old_ranks = stages_h.pp_group, stages_h.pp_ranks
         new_group, new_ranks = (self._shrunk_pipeline(ctx, len(bounds))

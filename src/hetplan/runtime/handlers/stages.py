@@ -161,7 +161,6 @@ class StagesHandler(Handler):
     def _build_hetero(self, ctx: RuntimeContext) -> None:
         """This rank's stage of a plan with per-stage degrees, and its executor."""
         from hetplan.runtime.handlers.hetero import HeteroPipeline, HeteroStage
-        from hetplan.runtime.pipeline import stage_modules
 
         plan, groups = ctx.plan, ctx.groups
         assert plan.layout is not None and groups is not None
@@ -176,20 +175,40 @@ class StagesHandler(Handler):
             raise SpecError(f"pipeline_actions.ranks[{k}]: actions of other stages "
                             f"({[str(a) for a in mine if a.stage != k][:3]}); a pipeline of "
                             "per-stage degrees runs one stage per position (gpipe, 1f1b)")
-        example = [_example_rows(a, ctx.layout.micro_batch_size) for a in ctx.example_args]
-        unsharded, units, required = _tensor_parallel_source(ctx)
-        kept: list[tuple[int, tuple[str, ...]]] = []
-        module = stage_modules(
-            ctx.model, example, ctx.forward_kwargs, plan.stages, [k],
-            ir_layer_names=[x.name for x in ctx.model_ir().layers], traced_from=unsharded,
-            eager_units=units, eager_required=required, kept=kept)[k]
-        if unsharded is not None:
-            _tensor_parallel_in_stages(ctx, [k], kept)
-        self.stages = [HeteroStage(module, k)]
+        self.stages = [HeteroStage(self._hetero_module(ctx, plan.stages, k), k)]
         self.hetero = HeteroPipeline(ctx, self.stages[0],
                                      [(a.kind.value, a.microbatch) for a in mine])
         self.num_stages = len(plan.stages)
         ctx.named_params = _owned_params(self.stages, plan.stages, ctx.model_ir().layers)
+
+    def rebuild_hetero(self, ctx: RuntimeContext, stages: Sequence[Stage]) -> None:
+        """Re-balancing on a plan with per-stage degrees: this rank's stage module rebuilt
+        for ``stages`` (same stage index, ranks and degrees; other layers), put into the
+        executor, which keeps its action list; ``ctx.named_params`` becomes its own."""
+        from hetplan.runtime.handlers.hetero import HeteroStage
+
+        assert self.hetero is not None and self.stages
+        k = self.stages[0].stage_index
+        self.stages = [HeteroStage(self._hetero_module(ctx, stages, k), k)]
+        self.hetero.stage = self.stages[0]
+        ctx.named_params = _owned_params(self.stages, stages, ctx.model_ir().layers)
+
+    @staticmethod
+    def _hetero_module(ctx: RuntimeContext, stages: Sequence[Stage], k: int) -> Any:
+        """Stage ``k`` of ``stages`` as a module whose parameters are the model's (its
+        tensor-parallel modules where the stage's layers run sharded)."""
+        from hetplan.runtime.pipeline import stage_modules
+
+        example = [_example_rows(a, ctx.layout.micro_batch_size) for a in ctx.example_args]
+        unsharded, units, required = _tensor_parallel_source(ctx)
+        kept: list[tuple[int, tuple[str, ...]]] = []
+        module = stage_modules(
+            ctx.model, example, ctx.forward_kwargs, stages, [k],
+            ir_layer_names=[x.name for x in ctx.model_ir().layers], traced_from=unsharded,
+            eager_units=units, eager_required=required, kept=kept)[k]
+        if unsharded is not None:
+            _tensor_parallel_in_stages(ctx, [k], kept)
+        return module
 
     def drop(self) -> None:
         """Forget the stages and the schedule (before re-balancing builds new ones)."""
