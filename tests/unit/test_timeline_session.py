@@ -198,6 +198,49 @@ def test_bound_stops_a_trial_that_only_adds_work(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", _IMPLS)
+def test_equal_runnable_times_go_to_the_lower_unit(impl: str) -> None:
+    """The heaps order rows by (time, unit) alone, which must be the reference's order of
+    whole rows (time, ready, unit, op). Hand check: unit 0 (ready at 0) runs on "net" [0, 2]
+    and unit 1 (ready at 1) on "intra" [1, 2]; both next ops are runnable on "inter" at 2,
+    and unit 0 goes first: [2, 3], then its "intra" op [3, 8], while unit 1's runs [3, 8]:
+    8 (unit 1 first would give unit 0 [7, 8] on "inter" and [8, 13] on "intra": 13)."""
+    bp = [0.0, 1.0]
+    base = [(Op("net", 2.0), Op("inter", 1.0), Op("intra", 5.0)),
+            (Op("intra", 1.0), Op("inter", 5.0))]
+    sess = _session(impl, bp)
+    assert sess.rebase(base) == 8.0 == _reference(bp, base, 1, 0.0, 0.0)
+    for changes in ({1: (Op("intra", 1.0), Op("inter", 4.0))}, {0: (Op("net", 2.0),)},
+                    {0: (Op("net", 2.0), Op("inter", 2.0)), 1: (Op(GPU, 1.0),)}):
+        ops = [changes.get(i, o) for i, o in enumerate(base)]
+        assert sess.trial(changes) == _reference(bp, ops, 1, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
+def test_shared_sessions_start_with_the_grown_heap_pools(
+        impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forty units ready at once on one channel keep up to forty rows in the runnable heap
+    at each of the forty saved states: the pools outgrow their 4 n + 16 rows, and the base
+    run is repeated after each doubling. A session made with ``share=`` starts at the
+    grown size: one base run, and the same times."""
+    n = 40
+    bp = [0.0] * n
+    ops = [(Op("net", 1.0 + (i % 3)), Op(GPU, 0.5)) for i in range(n)]
+    first = _session(impl, bp)
+    runs: list[int] = []
+    kernel = first._k.rebase_run
+    monkeypatch.setattr(first._k, "rebase_run", lambda *a: runs.append(1) or kernel(*a))
+    f = first.rebase(ops)
+    assert len(runs) > 1 and first._b.rpool.shape[0] > 4 * n + 16  # it grew
+    runs.clear()
+    second = DPSession(bp, jit=impl == "jit", share=first)
+    assert second._b.rpool.shape[0] == first._b.rpool.shape[0]
+    assert second.rebase(ops) == f == _reference(bp, ops, 1, 0.0, 0.0)
+    assert len(runs) == 1
+    change = {7: (Op("net", 0.5),)}
+    assert second.trial(change) == first.trial(change)
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
 def test_bad_input(impl: str) -> None:
     sess = _session(impl, [1.0, 1.0])
     with pytest.raises(ValueError, match="one per tensor"):

@@ -127,10 +127,13 @@ class DPSession:
             kernels uncompiled.
         share: an earlier session of the same problem whose caches of ops converted to
             arrays this one uses too (sessions of one problem see the same op tuples; the
-            resource ids only name the channels). No effect on results.
+            resource ids only name the channels), and whose heap pools' size this one starts
+            with (a pool that fills up is doubled and the base run repeated: a search's
+            fresh sessions would each grow theirs again). No effect on results.
     """
 
-    __slots__ = ("_k", "_n", "_workers", "_rid", "_conv", "_packed", "_ops", "_valid", "_b",
+    __slots__ = ("_k", "_n", "_workers", "_rid", "_conv", "_packed", "_pools", "_ops",
+                 "_valid", "_b",
                  "_bt", "trials")
 
     def __init__(
@@ -155,10 +158,13 @@ class DPSession:
         self._rid: ResourceIds
         self._conv: dict[int, tuple[tuple[Op, ...], np.ndarray, np.ndarray]]  # id(ops) ->
         self._packed: dict[tuple[int, ...], tuple[Any, ...]]  # candidate lists, packed
+        self._pools: dict[int, int]  # tensors -> rows of the largest heap pool needed
         if share is not None:
             self._rid, self._conv, self._packed = share._rid, share._conv, share._packed
+            self._pools = share._pools
         else:
-            self._rid, self._conv, self._packed = ResourceIds(), {}, {}
+            self._rid, self._conv, self._packed, self._pools = ResourceIds(), {}, {}, {}
+        rows = max(4 * n + 16, self._pools.get(n, 0))
         self.trials = 0  # trials run by best_offload
         self._ops: list[tuple[Op, ...]] = []
         self._valid = False
@@ -171,8 +177,8 @@ class DPSession:
             suffix=np.zeros((n + 1, r)), release=np.zeros(n + 1),
             snap_gpu=np.zeros(n + 1), snap_sync=np.zeros(n + 1),
             snap_free=np.zeros((n + 1, r)), snap_cpu=np.zeros((n + 1, self._workers)),
-            roff=np.zeros(n + 2, dtype=np.int64), rpool=np.zeros((4 * n + 16, 4)),
-            goff=np.zeros(n + 2, dtype=np.int64), gpool=np.zeros((4 * n + 16, 4)),
+            roff=np.zeros(n + 2, dtype=np.int64), rpool=np.zeros((rows, 4)),
+            goff=np.zeros(n + 2, dtype=np.int64), gpool=np.zeros((rows, 4)),
             ev=np.zeros((0, 4)), ready=np.zeros(n)))
 
     def _set_base(self, b: Base) -> None:
@@ -298,6 +304,7 @@ class DPSession:
                 break
             # a heap pool is full: grow both, keeping the saved states
             b = b._replace(rpool=_grown(b.rpool), gpool=_grown(b.gpool))
+            self._pools[n] = max(b.rpool.shape[0], b.gpool.shape[0])
         self._set_base(b._replace(base_s=float(f)))
         self._valid = True
         return self._b.base_s
