@@ -9,9 +9,12 @@ and the allocator margin.
 
 :func:`choose_recompute` is how the passes that write stages pick each stage's
 recomputation: the cheapest mode that fits (``none``, then ``selective`` where the stage has
-an attention core to drop, then ``full``), upgrading one stage at a time — the stage with the
-most activation bytes on the rank that overflows most — until every rank fits or every stage
-is at ``full``. Deterministic; O(upgrades · ranks · layers).
+an attention core to drop, then ``full``), upgrading one stage at a time — on the rank that
+overflows most, a stage at the lowest mode of that rank's stages, the one with the most
+activation bytes among them — until every rank fits or every stage is at ``full``. A rank
+holding several stages (interleaved chunks) so takes selective recomputation on all of them,
+which reruns only attention cores, before a full forward on any. Deterministic;
+O(upgrades · ranks · layers).
 """
 
 from __future__ import annotations
@@ -311,7 +314,8 @@ def choose_recompute(
         options = [st for st in current if worst in st.ranks and st.recompute != "full"]
         if not options:
             return current
-        st = max(options, key=lambda x: (weight[x.index], -x.index))
+        st = max(options, key=lambda x: (-RECOMPUTE_ORDER.index(x.recompute),
+                                          weight[x.index], -x.index))
         step = RECOMPUTE_ORDER.index(st.recompute) + 1
         if RECOMPUTE_ORDER[step] == "selective" and not has_core[st.index]:
             step += 1
