@@ -359,7 +359,8 @@ def test_cli_plan_inspect_explain_show_the_per_stage_entries(tmp_path: Path) -> 
 
 # -- the strategy dimensions per stage (recompute, ZeRO, precision) ------------------------------
 def test_recompute_and_precision_are_chosen_per_stage() -> None:
-    """GPT-2 on 2 A100s and 2 V100s cut to 2 GiB each, global micro-batch 8: the searched
+    """GPT-2 on 2 A100s and 2 V100s cut to 4 GiB each (the last stage also
+    holds the loss's fp32 logits), global micro-batch 8: the searched
     plan is ``A100 2x1 | V100 2x1``; the first stage, holding two micro-batches' activations
     under 1F1B, recomputes (``full``: without it the plan does not fit) while the second
     does not; each stage computes in its device type's dtype (bf16 / fp16) and shards its
@@ -372,12 +373,12 @@ def test_recompute_and_precision_are_chosen_per_stage() -> None:
 
     args, kwargs = zoo.example_inputs("gpt2", batch=1)
     wl = WorkloadSummary.from_model_ir(capture(zoo.build("gpt2"), args, kwargs, name="gpt2"))
-    small = {name: {**DEVICE_CATALOGUE[base].model_dump(), "memory_gib": 2.0}
-             for name, base in (("A100-2GB", "A100-80GB"), ("V100-2GB", "V100-SXM2-32GB"))}
+    small = {name: {**DEVICE_CATALOGUE[base].model_dump(), "memory_gib": 4.0}
+             for name, base in (("A100-4GB", "A100-80GB"), ("V100-4GB", "V100-SXM2-32GB"))}
     spec = ClusterSpec.from_dict({
         "name": "tight", "device_types": small,
-        "nodes": [_node("a", [{"type": "A100-2GB", "count": 1}], 2),
-                  _node("v", [{"type": "V100-2GB", "count": 1}], 2)],
+        "nodes": [_node("a", [{"type": "A100-4GB", "count": 1}], 2),
+                  _node("v", [{"type": "V100-4GB", "count": 1}], 2)],
         "inter_node": {"kind": "infiniband", "bandwidth_gbps": 100.0, "latency_us": 5.0}})
     costs = CostModel(spec, dtype="mixed")
     plan = compile_hetero(wl, costs, 64, micro_batch=8,
@@ -386,13 +387,18 @@ def test_recompute_and_precision_are_chosen_per_stage() -> None:
                           cluster_ref=ClusterRef.from_cluster(costs.cluster),
                           cost_settings=CostSettings(dtype="mixed"))
     assert plan.hetero is not None and plan.layout is not None
-    assert plan.hetero.describe() == "A100-2GB 2x1 | V100-2GB 2x1"
+    assert plan.hetero.describe() == "A100-4GB 2x1 | V100-4GB 2x1"
     assert [st.recompute for st in plan.stages] == ["full", "none"]
     assert [s.zero_stage for s in plan.hetero.stages] == [1, 1]
     assert plan.precision is not None
-    assert [plan.precision.devices[t].compute_dtype for t in ("A100-2GB", "V100-2GB")] == [
+    assert [plan.precision.devices[t].compute_dtype for t in ("A100-4GB", "V100-4GB")] == [
         "bf16", "fp16"]
     # the first stage's recomputation is needed: without it the plan does not fit
     bare = tuple(st.model_copy(update={"recompute": "none"}) for st in plan.stages)
     with pytest.raises(InfeasiblePlanError):
         evaluate_hetero(wl, plan.layout, bare, plan.hetero, costs)
+    # the last stage holds the loss: fp32 logits and log-softmax output, 8 bytes per logit of
+    # its 4 samples (micro-batch 8 over dp 2) x 1024 tokens x 50257, one micro-batch in flight
+    ev = evaluate_hetero(wl, plan.layout, plan.stages, plan.hetero, costs)
+    last = ev.memory[plan.stages[-1].ranks[0]]
+    assert last.activations >= 8 * 4 * 1024 * 50257

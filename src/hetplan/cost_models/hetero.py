@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
 from hetplan.algorithms.hetero_search import HeteroProblem, StageOption
 from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.engine_memory import tied_head_copy
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.cost_models.memory import (
     ALLOCATOR_MARGIN,
@@ -60,6 +61,7 @@ from hetplan.cost_models.memory import (
     StatePrecision,
     capture_bytes,
     layer_activations,
+    loss_activations,
     model_state,
     peak_in_flight,
     recompute_transient,
@@ -75,6 +77,7 @@ from hetplan.ir.plan_sections import (
     Baseline,
     GradientSync,
     Layout,
+    LayerCost,
     Predictions,
     RankMemory,
     Stage,
@@ -324,14 +327,18 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
                              True) for i in range(L + 1)]
     cap = dev.memory_bytes * USABLE_FRACTION
     scale = mb / workload.batch_size
+    mem_layers = costs.memory_layers(workload)
     state = np.concatenate([[0.0], np.cumsum([
         sum(model_state([lay], tp=tp, dp=dp, zero_stage=zero, optimizer=costs.optimizer,
-                        precision=prec)) for lay in workload.layers])])
+                        precision=prec)) for lay in mem_layers])])
+    # a range that ends the model computes the loss and may hold the tied head's copy
+    ends = np.arange(L + 1) == L
+    held, loss_transient, copy_state, table = _last_stage_extras(mem_layers, costs, tp, dp,
+                                                                 zero, prec, scale)
     overlap = costs.dp_overlap == "backward"
     bufs = np.array([(workload.layers[i - 1].boundary_bytes * scale * prec.act_scale) if i
                      else 0.0 for i in range(L + 1)])
     a_modes, v_modes, q_modes = [], [], []
-    mem_layers = costs.memory_layers(workload)
     work = None
     for mode in MODES:
         f, b = _layer_arrays(workload, costs, dev, tp, mb, "intra", mode)
@@ -359,12 +366,34 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
         tr = np.asarray(trans)
         for i in range(L):
             peak[i, i + 1:] = np.maximum.accumulate(tr[i:])
-        q[ii, jj] = _in_flight_vec(state[jj] - state[ii], acts[jj] - acts[ii], peak[ii, jj],
-                                   bufs[ii], cap, m)
+        last = ends[jj]
+        q[ii, jj] = _in_flight_vec(
+            state[jj] - state[ii] + np.where(last & (ii > table), copy_state, 0.0),
+            acts[jj] - acts[ii] + np.where(last, held, 0.0),
+            np.maximum(peak[ii, jj], np.where(last, loss_transient, 0.0)), bufs[ii], cap, m)
         a_modes.append(a)
         v_modes.append(v)
         q_modes.append(q)
     return StageOption(c, dp, tp, tuple(a_modes), tuple(v_modes), tuple(q_modes), work)
+
+
+def _last_stage_extras(layers: tuple[LayerCost, ...], costs: CostModel, tp: int, dp: int,
+                       zero: int, prec: StatePrecision, scale: float
+                       ) -> tuple[float, float, float, int]:
+    """What a stage ending the model holds beside its layers, as the homogeneous memory
+    model counts it (:func:`~hetplan.cost_models.rank_memory.rank_memory`): the loss's held
+    and transient bytes per micro-batch, the model state of the LM head's copy of a tied
+    embedding, and that embedding's layer index (the copy is held by a stage starting after
+    it; ``L`` when there is no copy)."""
+    vocab_tp = tp if costs.vocab_parallel else 1
+    held, transient = loss_activations(layers[-1], prec.capture_bytes,
+                                       micro_batch_scale=scale, vocab_tp=vocab_tp)
+    tied = tied_head_copy(layers, prec.capture_bytes, vocab_tp > 1)
+    if tied is None:
+        return held, transient, 0.0, len(layers)
+    copy = sum(model_state([tied[1]], tp=tp, dp=dp, zero_stage=zero,
+                           optimizer=costs.optimizer, precision=prec))
+    return held, transient, copy, tied[0]
 
 
 def _sync_vec(costs: CostModel, grad_bytes: np.ndarray, dp: int, tp: int, cross_node: bool,
@@ -604,12 +633,22 @@ def _memory(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage], 
         in_flight = 1.0 if sched is None else peak_in_flight(sched, k, [1.0] * P)
         buf = (workload.layers[st.first_layer - 1].boundary_bytes * scale * prec.act_scale
                if st.first_layer else 0.0)
-        mem = stage_memory(costs.memory_layers(workload)[st.first_layer:st.last_layer + 1],
-                           tp=shape.tp,
+        layers = costs.memory_layers(workload)
+        last = st.last_layer == len(layers) - 1
+        mem = stage_memory(layers[st.first_layer:st.last_layer + 1], tp=shape.tp,
                            micro_batch_scale=scale, in_flight=in_flight,
                            optimizer=costs.optimizer, buffers=int(buf), precision=prec,
                            dp=shape.dp, zero_stage=shape.zero_stage,
-                           sequence_parallel=shape.tp > 1, recompute=st.recompute)
+                           sequence_parallel=shape.tp > 1, recompute=st.recompute,
+                           last=last, vocab_tp=shape.tp if costs.vocab_parallel else 1)
+        tied = tied_head_copy(layers, prec.capture_bytes,
+                              costs.vocab_parallel and shape.tp > 1) if last else None
+        if tied is not None and st.first_layer > tied[0]:  # the head's copy of the table
+            w, g, o = model_state([tied[1]], tp=shape.tp, dp=shape.dp,
+                                  zero_stage=shape.zero_stage, optimizer=costs.optimizer,
+                                  precision=prec)
+            mem = replace(mem, params=mem.params + int(w), grads=mem.grads + int(g),
+                          optimizer=mem.optimizer + int(o))
         for r in st.ranks:
             out[r] = mem
     return tuple(out)

@@ -90,7 +90,7 @@ def _tables(plan: Plan, costs: CostModel) -> tuple[list[list[float]], list[list[
             [x], tp=shape.tp, micro_batch_scale=scale, in_flight=flight,
             optimizer=costs.optimizer, precision=prec, dp=shape.dp,
             zero_stage=shape.zero_stage, sequence_parallel=shape.tp > 1,
-            recompute=st.recompute).total) for x in wl.layers])
+            recompute=st.recompute).total) for x in costs.memory_layers(wl)])
         buf = (max(x.boundary_bytes for x in wl.layers) * scale * prec.act_scale
                if s > 0 else 0.0)
         cap.append(min(costs.devices[r].memory_bytes for r in st.ranks) * USABLE_FRACTION
