@@ -229,6 +229,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         keys = sorted(k for k, v in first.items() if torch.is_tensor(v) and v.dim() == 1)
         other = {k: (v.detach().clone() if torch.is_tensor(v) else v)
                  for k, v in first.items() if k not in keys}
+        if self.world > 1:
+            # every replica gathers the same keys, in the same order, even one whose chunk
+            # holds no piece with state yet (padding only): else the gathers would not pair
+            views: list[Any] = [None] * self.world
+            mine = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in other.items()}
+            dist.all_gather_object(views, (keys, mine), group=self.group)
+            keys = sorted({k for ks, _ in views for k in ks})
+            if not other:  # this replica had none: a replica's that did (Adam's step)
+                other = next((o for _, o in views if o), other)
         per_key: dict[str, list[torch.Tensor]] = {}
         for key in keys:
             buf = torch.zeros_like(self.master)
