@@ -34,6 +34,16 @@ Links are a :class:`~hetplan.ir.cluster.LinkSpec` or the names ``"intra"`` (the 
 intra-node link of the cluster: the phases on all nodes run together and wait for the slowest)
 and ``"inter"`` (the cluster's inter-node network).
 
+**Hand-over wait under contention** (:meth:`CommModel.wait_s`). Where the DB has a
+:class:`~.profile_db.HandoverRecord` for the backend, link kind and group size (``hetplan
+profile`` takes them on gloo: every process computes a burst between the messages, as a
+training step does), a blocking message costs what the record measured after a burst of the
+plan's length, beyond what the line above says for the record's message size: the wait for a
+core that a rank which blocked on a message pays on a CPU with more processes than cores.
+The evaluator adds it per blocking receive on the pipeline's links and once per collective
+phase of data- and tensor-parallel sync. Without such a record (GPU profiles, analytic
+costs, another backend) it is 0 s, and plans are priced exactly as before.
+
 Speed: :meth:`CommModel.time_s` looks up a precomputed line per (collective, group size, link)
 and does one multiply-add; nothing touches pydantic after the first call for a key.
 """
@@ -52,7 +62,7 @@ from hetplan.algorithms.collectives import (
     check_collective,
     latency_steps,
 )
-from hetplan.cost_models.profile_db import ProfileDB
+from hetplan.cost_models.profile_db import HandoverRecord, ProfileDB
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import ClusterSpec, LinkSpec
 from hetplan.ir.validation import did_you_mean
@@ -200,6 +210,11 @@ class CommModel:
                 line = fit_alpha_beta((s.nbytes, s.seconds) for s in rec.samples)
             self._profiled.setdefault((rec.collective, rec.link_kind), {})[rec.group_size] = line
         self._lines: dict[tuple[str, int, LinkRef], AlphaBeta] = {}
+        # (operation, link kind, group size) -> record (this backend's only)
+        self._handovers: dict[tuple[str, str, int], HandoverRecord] = {
+            (r.operation, r.link_kind, r.group_size): r
+            for r in (db.handovers if db is not None else ()) if r.backend == backend
+        }
 
     # -- the hot path ----------------------------------------------------------------------
     def time_s(self, collective: str, nbytes: float, group_size: int, link: LinkRef) -> float:
@@ -239,6 +254,27 @@ class CommModel:
         seconds = self.time_s(collective, nbytes, group_size, link)
         line = self.alpha_beta(collective, group_size, link)
         return CommCost(seconds, line.source, line.detail)
+
+    def wait_s(self, operation: str, group_size: int, link: LinkRef, burst_s: float) -> float:
+        """The measured wait of one blocking ``operation`` (``p2p`` or ``allreduce``) when
+        every rank computed ``burst_s`` before it, beyond the line's time for the same
+        message (module docstring): ``max(record(burst) - line(record's nbytes), 0)``; 0 s
+        without a hand-over record for this backend, link kind and group size.
+
+        Args:
+            operation: ``p2p`` (a pipeline stage's receive) or ``allreduce`` (any collective
+                of a sync phase: it waits for its slowest rank the same way).
+            group_size: ranks in the group (p2p: 2); 1 waits for nothing.
+            link: a ``LinkSpec``, ``"intra"`` or ``"inter"``.
+            burst_s: compute each rank does before the message, in seconds.
+        """
+        if not self._handovers or group_size < 2:
+            return 0.0
+        rec = self._handovers.get((operation, self.resolve_link(link).kind, group_size))
+        if rec is None:
+            return 0.0
+        measured = rec.seconds_at(burst_s)
+        return max(measured - self.time_s(operation, rec.nbytes, group_size, link), 0.0)
 
     # -- hierarchical composition ----------------------------------------------------------
     def hierarchical_allreduce_cost(

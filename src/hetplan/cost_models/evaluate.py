@@ -200,6 +200,15 @@ def evaluate(
     )
 
 
+def _sync_wait_s(costs: CostModel, link: str, dp: int, bwd_s: float) -> float:
+    """The profiled hand-over wait of a stage's gradient sync: its first collective is issued
+    after every rank's backward (``bwd_s``) and waits for the slowest rank and for a core
+    (:meth:`~hetplan.cost_models.comm.CommModel.wait_s` of an all-reduce over the stage's
+    data-parallel group; 0 s without a hand-over record). Once per sync: the later
+    collectives of the phase follow back to back, at the line's cost."""
+    return costs.comm.wait_s("allreduce", dp, link, bwd_s)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class _Prefix:
     """Steps 1 and 2 and the optimizer step of :func:`evaluate`: everything it computes
@@ -254,7 +263,8 @@ def _prefix(
         bwd_layers.append(per_layer)
         sources.append(src)
 
-    p2p = p2p_ms(workload, layout, stages, costs, scale)
+    p2p = p2p_ms(workload, layout, stages, costs, scale,
+                 [(f + b) / 2 for f, b in zip(fwd, bwd)])
     key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule, v, tuple(p2p))
     cached = costs.pipeline_cache.get(key)
     if cached is None:
@@ -355,6 +365,7 @@ def _sync_all(
                 tl = simulate_dp(prep.segments, units, record=record)
                 seen.append((units, tl))
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
+            exposed += _sync_wait_s(costs, prep.link, layout.dp, pre.bwd[s])
             busy, comp = _comm_and_compression_s(units)
         stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
                                      comp, pre.sources[s]))

@@ -27,6 +27,12 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   --what step``). On a CPU the per-tensor term (the optimizer's Python and dispatch per
   parameter) dominates small models. Added like sparsity records, without a version bump: an
   absent ``optimizer_steps`` list reads as empty and an empty one is not written.
+* :class:`HandoverRecord`, key ``(operation, backend, link_kind, group_size)``: a p2p
+  hand-over or a collective timed the way training pays it on an oversubscribed CPU: every
+  one of ``processes`` processes computes a burst of ``burst_s`` between the messages; a
+  sample is the time per message beyond the burst (``hetplan profile --what collectives``
+  on gloo; :mod:`hetplan.profiling.handover`). Added like optimizer records, without a
+  version bump: an absent ``handovers`` list reads as empty and an empty one is not written.
 * :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
   statistics of one row-sparse (embedding) gradient when ``workers`` data-parallel workers
   each look up ``batch_size`` samples per synchronized step (``hetplan profile --sparsity``,
@@ -78,6 +84,8 @@ __all__ = [
     "CompressorSample",
     "ComputeRecord",
     "DeviceKind",
+    "HandoverRecord",
+    "HandoverSample",
     "MachineInfo",
     "ProfileDB",
     "OptimizerRecord",
@@ -383,6 +391,85 @@ class OptimizerRecord(BaseModel):
         return self.per_tensor_s * tensors + self.per_byte_s * nbytes
 
 
+class HandoverSample(BaseModel):
+    """One measured burst length: every process computed ``burst_s`` (wall time, all of them
+    at once) between two messages, and a message then took ``seconds`` beyond the burst."""
+
+    model_config = _CONFIG
+
+    burst_s: _NonNeg
+    seconds: _NonNeg
+
+
+class HandoverRecord(BaseModel):
+    """A message timed under the run's own contention (see :mod:`hetplan.profiling.handover`).
+
+    On 4 processes sharing 2 cores a rank that blocks on a message gives its core away; when
+    the message arrives it waits for a core again, behind ranks that are computing. A
+    back-to-back measurement (:class:`CollectiveRecord`) has idle cores and misses that wait;
+    this one has every rank compute a burst between the messages, as training does.
+
+    Attributes:
+        operation: ``p2p`` (each rank sends to the next and receives from the previous one,
+            the pipeline's blocking receive) or ``allreduce``.
+        backend / link_kind / group_size: as in :class:`CollectiveRecord` (p2p: 2).
+        processes: processes computing and communicating at once (every group of
+            ``group_size`` among them talks at the same time).
+        nbytes: the message (per-rank buffer) the samples were taken with.
+        samples: one per burst length, sorted by ``burst_s``, at most one per length.
+    """
+
+    model_config = _CONFIG
+
+    operation: Literal["p2p", "allreduce"]
+    backend: _Name
+    link_kind: _Name
+    group_size: int = Field(ge=2)
+    processes: int = Field(ge=2)
+    nbytes: int = Field(ge=1)
+    samples: tuple[HandoverSample, ...] = Field(min_length=1)
+
+    @field_validator("samples")
+    @classmethod
+    def _sorted_unique(cls, value: tuple[HandoverSample, ...]) -> tuple[HandoverSample, ...]:
+        bursts = Counter(s.burst_s for s in value)
+        dup = sorted(b for b, c in bursts.items() if c > 1)
+        if dup:
+            raise ValueError(f"more than one sample for burst_s {dup}; keep one per burst")
+        return tuple(sorted(value, key=lambda s: s.burst_s))
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        """``(operation, backend, link_kind, group_size)``."""
+        return (self.operation, self.backend, self.link_kind, self.group_size)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples behind the record (used by :func:`merge`)."""
+        return len(self.samples)
+
+    def seconds_at(self, burst_s: float) -> float:
+        """The time of one message after a burst of ``burst_s``: linear between the measured
+        bursts, the nearest measured one outside them (no extrapolation).
+
+        Example:
+            >>> r = HandoverRecord(operation="p2p", backend="gloo", link_kind="loopback",
+            ...     group_size=2, processes=4, nbytes=4096,
+            ...     samples=[{"burst_s": 0.0, "seconds": 0.001},
+            ...              {"burst_s": 0.002, "seconds": 0.003}])
+            >>> round(r.seconds_at(0.001), 6), r.seconds_at(0.01)
+            (0.002, 0.003)
+        """
+        pts = self.samples
+        if burst_s <= pts[0].burst_s:
+            return pts[0].seconds
+        for lo, hi in zip(pts, pts[1:]):
+            if burst_s <= hi.burst_s:
+                w = (burst_s - lo.burst_s) / (hi.burst_s - lo.burst_s)
+                return lo.seconds + w * (hi.seconds - lo.seconds)
+        return pts[-1].seconds
+
+
 def _canonical(records: tuple[Any, ...], what: str) -> tuple[Any, ...]:
     counts = Counter(r.key for r in records)
     dup = sorted(k for k, c in counts.items() if c > 1)
@@ -401,9 +488,9 @@ class ProfileDB(BaseModel):
         schema_version: always :data:`PROFILE_SCHEMA_VERSION`; files with another version are
             refused by :meth:`load`.
         machines: the machines measured.
-        compute / collectives / compressors / sparsity / optimizer_steps: the records, kept
-            sorted by key (``sparsity`` and ``optimizer_steps`` may be absent from a file:
-            they read as empty).
+        compute / collectives / compressors / sparsity / optimizer_steps / handovers: the
+            records, kept sorted by key (``sparsity``, ``optimizer_steps`` and ``handovers``
+            may be absent from a file: they read as empty).
     """
 
     model_config = _CONFIG
@@ -415,6 +502,7 @@ class ProfileDB(BaseModel):
     compressors: tuple[CompressorRecord, ...] = ()
     sparsity: tuple[SparsityRecord, ...] = ()
     optimizer_steps: tuple[OptimizerRecord, ...] = ()
+    handovers: tuple[HandoverRecord, ...] = ()
 
     @field_validator("machines")
     @classmethod
@@ -452,6 +540,11 @@ class ProfileDB(BaseModel):
         cls, value: tuple[OptimizerRecord, ...]
     ) -> tuple[OptimizerRecord, ...]:
         return _canonical(value, "optimizer step")
+
+    @field_validator("handovers")
+    @classmethod
+    def _sort_handovers(cls, value: tuple[HandoverRecord, ...]) -> tuple[HandoverRecord, ...]:
+        return _canonical(value, "hand-over")
 
     # -- lookups ---------------------------------------------------------------------------
     @cached_property
@@ -526,12 +619,21 @@ class ProfileDB(BaseModel):
         return min(records, key=lambda r: (max(r.processes / processes,
                                                 processes / r.processes), -r.processes))
 
+    def handover(
+        self, operation: str, backend: str, link_kind: str, group_size: int
+    ) -> HandoverRecord | None:
+        """The hand-over record of ``operation`` at exactly this backend, link kind and group
+        size, or None."""
+        return next((r for r in self.handovers
+                     if r.key == (operation, backend, link_kind, group_size)), None)
+
     # -- (de)serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, indent 2, trailing newline (byte-identical for equal
         DBs)."""
         data = self.model_dump(mode="json")
-        for key in ("sparsity", "optimizer_steps"):  # written as before they existed
+        # written as before they existed
+        for key in ("sparsity", "optimizer_steps", "handovers"):
             if not data[key]:
                 del data[key]
         return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
@@ -626,4 +728,5 @@ def merge(*dbs: ProfileDB) -> ProfileDB:
         compressors=_merge_records(db.compressors for db in dbs),
         sparsity=_merge_records(db.sparsity for db in dbs),
         optimizer_steps=_merge_records(db.optimizer_steps for db in dbs),
+        handovers=_merge_records(db.handovers for db in dbs),
     )

@@ -66,12 +66,19 @@ def nic_share(costs: CostModel, ranks: list[int]) -> float:
 
 
 def p2p_ms(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
-            costs: CostModel, scale: float) -> list[float]:
+            costs: CostModel, scale: float,
+            burst_s: Sequence[float] | None = None) -> list[float]:
     """Per pipeline link ``i -> i+1`` (and, for interleaved chunks, the wrap-around link
     ``pp-1 -> 0`` last), the activation transfer time in ms of the largest boundary crossing
     it, in the sending stage's compute dtype. Each TP rank sends its ``1/tp`` slice
     (Megatron's scatter-gather); across nodes, every rank of the sending stage on the node
-    sends at once through the node's shared network (``inter_node`` is the node's total)."""
+    sends at once through the node's shared network (``inter_node`` is the node's total).
+
+    ``burst_s``: per stage, the compute one micro-batch's action takes there (the mean of its
+    forward and backward), the work every rank does between two blocking receives. With it,
+    a crossing also pays the profiled hand-over wait after a burst of the two stages' mean
+    (:meth:`~hetplan.cost_models.comm.CommModel.wait_s`: 0 s without a hand-over record,
+    so GPU and analytic plans are unchanged)."""
     pp = layout.pp
     links = [0.0] * (pp if layout.virtual_stages > 1 else pp - 1)
     cap = capture_bytes(workload)
@@ -84,7 +91,10 @@ def p2p_ms(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
         node = costs.devices[a].node_index
         if costs.devices[b].node_index != node:
             nbytes *= sum(1 for r in stages[k].ranks if costs.devices[r].node_index == node)
-        links[k % pp] = max(links[k % pp], costs.comm.time_s("p2p", nbytes, 2, link) * 1e3)
+        t = costs.comm.time_s("p2p", nbytes, 2, link)
+        if burst_s is not None:
+            t += costs.comm.wait_s("p2p", 2, link, (burst_s[k] + burst_s[k + 1]) / 2)
+        links[k % pp] = max(links[k % pp], t * 1e3)
     return links
 
 

@@ -9,6 +9,9 @@ real work on the local hardware:
   :func:`profile_layers_concurrent` does it on ``n`` processes at once (CPU contention).
 * :func:`profile_collectives` (:mod:`.collectives`): collectives on ``world_size`` local
   processes (gloo or NCCL), with fitted α–β lines.
+* :func:`profile_handovers` (:mod:`.handover`): p2p hand-overs and all-reduces with every
+  process computing a burst between the messages (CPU ranks: the wait for a core that back-to-
+  back collectives do not see); part of ``collectives`` on gloo.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
 * :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
@@ -44,6 +47,7 @@ from hetplan.profiling.collectives import (
     profile_collectives,
 )
 from hetplan.profiling.compressors import DEFAULT_COMPRESSOR_SIZES, profile_compressors
+from hetplan.profiling.handover import profile_handovers
 from hetplan.profiling.layers import (
     alias_records,
     default_loss,
@@ -64,6 +68,7 @@ __all__ = [
     "machine_info",
     "profile_collectives",
     "profile_compressors",
+    "profile_handovers",
     "profile_layers",
     "profile_layers_concurrent",
     "profile_optimizer_steps",
@@ -184,7 +189,9 @@ def run_profile(
         output: the DB file. If it exists it is loaded and merged
             (:func:`~hetplan.cost_models.profile_db.merge`: per key the record with more
             samples wins, the new one on a tie); None writes nothing.
-        what: any of :data:`WHAT` (``step``: the optimizer step on ``world_size`` processes at
+        what: any of :data:`WHAT` (``collectives`` on gloo also times hand-overs under
+            contention, :func:`profile_handovers`; ``step``: the optimizer step on
+            ``world_size`` processes at
             once, :func:`profile_optimizer_steps`; on CPU only).
         batch_size / seq: example inputs for a zoo model. Compute records are keyed by the
             layer's per-sample signature and record the micro-batch they were measured at;
@@ -228,6 +235,7 @@ def run_profile(
     compute, colls, comps = [], [], []
     sparse: tuple[SparsityRecord, ...] = ()
     steps: list[Any] = []
+    hands: list[Any] = []
     with _progress(show_progress) as progress:
         if "layers" in what:
             if model is None:
@@ -269,6 +277,12 @@ def run_profile(
                     progress.console.print(f"[yellow]skipped {coll}[/]: {why}")
                     log.warning("collective %s skipped: %s", coll, why)
                 progress.update(task, total=1, completed=1)
+                if backend == "gloo":
+                    task = progress.add_task(
+                        f"hand-overs after compute on {world_size} processes", total=None)
+                    hands = profile_handovers(world_size, backend=backend,
+                                              link_kind=link_kind, timeout_s=timeout_s)
+                    progress.update(task, total=1, completed=1)
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
                                         progress=progress)
@@ -295,6 +309,7 @@ def run_profile(
         compressors=tuple(comps),
         sparsity=sparse,
         optimizer_steps=tuple(steps),
+        handovers=tuple(hands),
     )
     if output is not None:
         path = Path(output)

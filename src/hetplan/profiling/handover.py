@@ -1,0 +1,215 @@
+"""Hand-overs timed under training's own contention: every process computes between messages.
+
+On the CPU presets' machine (4 gloo processes on 2 cores) a rank that blocks on a message
+gives its core to another process; when the message arrives it waits for a core again,
+behind ranks that are computing. :mod:`.collectives` times messages back to back, with the
+other ranks asleep and cores free, so it never sees that wait (a 4 KiB hand-over 0.1-0.8 ms
+there, about 4 ms a hop inside a pipeline run; a 4 KiB all-reduce 4.7 ms back to back, 10 ms
+after each rank computed 3 ms: ``docs/decisions/cpu-fidelity.md``).
+
+:func:`profile_handovers` spawns ``world_size`` processes that all do, for each burst
+length in ``bursts_s``:
+
+1. **compute only**: ``rounds`` bursts of a fixed amount of work (small matmuls, calibrated
+   once on all processes at once so that one burst takes about the asked length with every
+   process computing), no messages: the burst's wall time under contention, ``b``;
+2. **compute, then a message**: ``rounds`` times the same burst followed by the operation:
+   ``p2p`` (each rank ``isend`` to the next, ``irecv`` from the previous one, ``wait`` on
+   both: a pipeline stage's blocking receive, every stage at once) or ``allreduce`` (the whole
+   world, and every group of each size in ``group_sizes`` at once): the round's wall time
+   ``r``.
+
+A sample is ``(b, r - b)``: the time one message costs beyond the burst. Each rank takes the
+mean over its rounds (the slow wake-ups are what is measured; a median would drop them);
+``b`` is the mean over the ranks and ``r`` the slowest rank's. The cost model charges it,
+less the back-to-back line at the same size, per blocking receive (:meth:`hetplan.cost_models.comm.CommModel.wait_s`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hetplan.cost_models.profile_db import HandoverRecord, HandoverSample
+
+__all__ = ["DEFAULT_BURSTS_S", "profile_handovers"]
+
+#: Bursts around the per-micro-batch stage times of small CPU plans (0.3-10 ms).
+DEFAULT_BURSTS_S: tuple[float, ...] = (0.0, 0.5e-3, 2e-3, 8e-3)
+_CALIBRATE_S = 0.3  # wall time of the calibration, every process computing
+_DIM = 48  # matmul side of one unit of burst work (tens of microseconds on a CPU core)
+
+
+def _burst_op(units: int) -> Any:
+    import torch
+
+    a = torch.ones(_DIM, _DIM) / _DIM
+    b = torch.ones(_DIM, _DIM)
+
+    def burst() -> None:
+        x = b
+        for _ in range(units):
+            x = torch.mm(a, x)
+
+    return burst
+
+
+def _message_op(operation: str, rank: int, world: int, group: Any, nbytes: int) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    y = torch.empty_like(x)
+    if operation == "allreduce":
+        return lambda: dist.all_reduce(x, group=group)
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+
+    def exchange() -> None:  # every rank sends and receives at once: every stage's receive
+        sent = dist.isend(x, nxt)
+        got = dist.irecv(y, prev)
+        assert sent is not None and got is not None
+        got.wait()
+        sent.wait()
+
+    return exchange
+
+
+def _mean_round_s(op: Any, rounds: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        op()
+    return (time.perf_counter() - t0) / rounds
+
+
+def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Sequence[int],
+            nbytes: int, rounds: int, warmup: int
+            ) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """Runs in every rank: (operation, group size) -> [(burst s, message s)], slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from hetplan.profiling.collectives import subgroups
+
+    groups: dict[int, Any] = {world: None}
+    for g in group_sizes:
+        for ranks in subgroups(world, g):
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                groups[g] = pg
+    # calibrate one unit of work on every process at once (the contention of training)
+    # (for a fixed wall window, longer than the scheduler's slices, so every process
+    # shares the cores for all of it)
+    unit = _burst_op(1)
+    for _ in range(20):
+        unit()
+    dist.barrier()
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < _CALIBRATE_S:
+        unit()
+        count += 1
+    t = torch.tensor([(time.perf_counter() - t0) / count], dtype=torch.float64)
+    dist.all_reduce(t)
+    per_unit = float(t.item()) / world
+    runs = [("p2p", 2, None)] + [("allreduce", g, groups[g]) for g in sorted(groups)]
+    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for burst_s in bursts_s:
+        burst = _burst_op(max(round(burst_s / per_unit), 0))
+        for operation, gsize, group in runs:
+            message = _message_op(operation, rank, world, group, nbytes)
+
+            def both() -> None:
+                burst()
+                message()
+
+            for _ in range(warmup):
+                both()
+            dist.barrier()
+            b = _mean_round_s(burst, rounds) if burst_s > 0 else 0.0
+            dist.barrier()
+            r = _mean_round_s(both, rounds)
+            # the burst's mean over the ranks; the round's slowest rank (a round ends for
+            # the ring when its last member's does)
+            mean_b = torch.tensor([b], dtype=torch.float64)
+            dist.all_reduce(mean_b)
+            max_r = torch.tensor([r], dtype=torch.float64)
+            dist.all_reduce(max_r, op=dist.ReduceOp.MAX)
+            bb = float(mean_b.item()) / world
+            out.setdefault((operation, gsize), []).append(
+                (bb, max(float(max_r.item()) - bb, 0.0)))
+            dist.barrier()
+    return out
+
+
+def profile_handovers(
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    link_kind: str = "loopback",
+    bursts_s: Sequence[float] = DEFAULT_BURSTS_S,
+    group_sizes: Sequence[int] | None = None,
+    nbytes: int = 4096,
+    rounds: int = 40,
+    warmup: int = 3,
+    timeout_s: float = 120.0,
+    threads_per_process: int | None = 1,
+) -> list[HandoverRecord]:
+    """Time p2p hand-overs and all-reduces after compute bursts on ``world_size`` processes.
+
+    Args:
+        world_size: processes (≥ 2), all computing and communicating at once.
+        backend: ``gloo`` (the CPU presets' backend; the only one this is meant for).
+        link_kind: the link kind the records are filed under (``loopback`` on one host).
+        bursts_s: burst lengths to measure (wall seconds with every process computing);
+            0 measures the messages back to back under the same pattern.
+        group_sizes: smaller all-reduce groups, every group of a size at once (default:
+            every divisor of ``world_size`` from 2 below it, as :mod:`.collectives`).
+        nbytes: the message (per-rank buffer).
+        rounds / warmup: timed and untimed rounds per burst and operation.
+        timeout_s: limit on the whole run.
+        threads_per_process: torch threads per process (1: a training rank's share of the
+            CPU presets' cores).
+
+    Returns:
+        One :class:`HandoverRecord` per operation and group size: ``p2p`` (group 2) and
+        ``allreduce`` at ``world_size`` and each of ``group_sizes``; a sample per burst.
+
+    Raises:
+        ValueError: ``world_size`` < 2, no bursts, a negative burst, ``nbytes`` < 1, or a
+            group size that does not divide ``world_size``.
+    """
+    from hetplan.profiling._spawn import run_local_ranks
+    from hetplan.profiling.collectives import subgroups
+
+    if world_size < 2:
+        raise ValueError(f"hand-overs need world_size >= 2, got {world_size}")
+    if not bursts_s or min(bursts_s) < 0:
+        raise ValueError(f"bursts_s must be non-negative seconds, got {list(bursts_s)}")
+    if nbytes < 1:
+        raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+    if group_sizes is None:
+        group_sizes = [g for g in range(2, world_size) if world_size % g == 0]
+    for g in group_sizes:
+        subgroups(world_size, g)
+    bursts = tuple(sorted(set(bursts_s)))
+    results = run_local_ranks(
+        _worker, world_size,
+        (bursts, tuple(sorted(set(group_sizes) - {world_size})), nbytes, rounds, warmup),
+        backend=backend, timeout_s=timeout_s, threads_per_process=threads_per_process,
+    )
+    points: dict[tuple[str, int], list[tuple[float, float]]] = results[0]
+    records = []
+    for (operation, gsize), pts in sorted(points.items()):
+        # two bursts may come out at the same measured length: keep one sample per length
+        by_burst: dict[float, list[float]] = {}
+        for b, s in pts:
+            by_burst.setdefault(b, []).append(s)
+        records.append(HandoverRecord(
+            operation=operation,  # type: ignore[arg-type]
+            backend=backend, link_kind=link_kind, group_size=gsize,
+            processes=world_size, nbytes=nbytes,
+            samples=tuple(HandoverSample(burst_s=b, seconds=statistics.fmean(v))
+                          for b, v in sorted(by_burst.items())),
+        ))
+    return records

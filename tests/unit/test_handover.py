@@ -1,0 +1,189 @@
+"""Hand-overs under the run's own contention (``docs/decisions/cpu-fidelity.md`` section 10):
+the profile record, the wait the cost model charges from it, and that plans without such a
+record (GPU plans, analytic or older profiles) are priced exactly as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetplan.cost_models.comm import CommModel
+from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.evaluate import evaluate
+from hetplan.cost_models.profile_db import (
+    CollectiveRecord,
+    CollectiveSample,
+    HandoverRecord,
+    HandoverSample,
+    ProfileDB,
+    merge,
+)
+from hetplan.errors import SpecError
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.plan_sections import Layout, WorkloadSummary
+
+MS = 1e-3
+
+
+def _line(collective: str, group: int, alpha_s: float, backend: str = "gloo",
+          link: str = "loopback") -> CollectiveRecord:
+    return CollectiveRecord(collective=collective,  # type: ignore[arg-type]
+                            backend=backend, link_kind=link, group_size=group, alpha_s=alpha_s, beta_s_per_byte=1e-9,
+                            samples=(CollectiveSample(nbytes=4096, seconds=alpha_s),))
+
+
+def _hand(operation: str, group: int, points: list[tuple[float, float]],
+          backend: str = "gloo", link: str = "loopback") -> HandoverRecord:
+    return HandoverRecord(operation=operation,  # type: ignore[arg-type]
+                          backend=backend, link_kind=link, group_size=group, processes=4, nbytes=4096,
+                          samples=tuple(HandoverSample(burst_s=b, seconds=s) for b, s in points))
+
+
+def _lines() -> tuple[CollectiveRecord, ...]:
+    return (_line("p2p", 2, 0.3 * MS), _line("allreduce", 4, 4.0 * MS),
+            _line("allreduce", 2, 0.3 * MS))
+
+
+def _hands() -> tuple[HandoverRecord, ...]:
+    return (_hand("p2p", 2, [(0.0, 1.0 * MS), (2 * MS, 3.0 * MS)]),
+            _hand("allreduce", 4, [(0.0, 5.0 * MS), (4 * MS, 9.0 * MS)]),
+            _hand("allreduce", 2, [(0.0, 0.5 * MS), (4 * MS, 2.0 * MS)]))
+
+
+BASE = ProfileDB(collectives=_lines())
+WITH = ProfileDB(collectives=_lines(), handovers=_hands())
+
+
+# -- the record -----------------------------------------------------------------------------
+def test_record_interpolates_between_measured_bursts_and_clamps_outside() -> None:
+    rec = _hand("p2p", 2, [(2 * MS, 3.0 * MS), (0.0, 1.0 * MS)])
+    assert [s.burst_s for s in rec.samples] == [0.0, 2 * MS]  # kept sorted
+    assert rec.seconds_at(1 * MS) == pytest.approx(2.0 * MS)
+    assert rec.seconds_at(-1.0) == pytest.approx(1.0 * MS)
+    assert rec.seconds_at(50 * MS) == pytest.approx(3.0 * MS)  # never extrapolated
+    with pytest.raises(ValueError, match="more than one sample for burst_s"):
+        _hand("p2p", 2, [(0.0, 1.0), (0.0, 2.0)])
+
+
+def test_record_survives_a_round_trip_and_is_read_back() -> None:
+    text = WITH.to_json()
+    back = ProfileDB.from_json(text)
+    assert back == WITH
+    assert back.handover("p2p", "gloo", "loopback", 2) == _hands()[0]
+    assert back.handover("p2p", "nccl", "loopback", 2) is None
+    assert back.to_json() == text  # byte-identical
+    # a DB without hand-overs is written as before they existed, and reads them as empty
+    assert '"handovers"' not in BASE.to_json()
+    assert ProfileDB.from_json(BASE.to_json()).handovers == ()
+    # merge keeps the record with more samples
+    more = _hand("p2p", 2, [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)])
+    merged = merge(WITH, ProfileDB(handovers=(more,)))
+    assert merged.handover("p2p", "gloo", "loopback", 2) == more
+
+
+def test_bad_record_names_the_field() -> None:
+    bad = WITH.model_dump(mode="json")
+    bad["handovers"][0]["processes"] = 1
+    with pytest.raises(SpecError, match="processes"):
+        ProfileDB.from_dict(bad)
+
+
+# -- the wait the cost model charges --------------------------------------------------------
+def test_wait_is_the_measured_time_beyond_the_line() -> None:
+    cluster = ClusterSpec.from_preset("local-cpu")
+    comm = CommModel(cluster, WITH)
+    line = comm.time_s("p2p", 4096, 2, "intra")
+    assert comm.wait_s("p2p", 2, "intra", 1 * MS) == pytest.approx(2.0 * MS - line)
+    assert comm.wait_s("allreduce", 4, "intra", 0.0) == pytest.approx(
+        5.0 * MS - comm.time_s("allreduce", 4096, 4, "intra"))
+    assert comm.wait_s("allreduce", 1, "intra", 1 * MS) == 0.0
+    # no record, or records of another backend: no wait
+    assert CommModel(cluster, BASE).wait_s("p2p", 2, "intra", 1 * MS) == 0.0
+    assert CommModel(cluster, WITH, backend="nccl").wait_s("p2p", 2, "intra", 1 * MS) == 0.0
+    # a measurement faster than the line is not a negative wait
+    fast = ProfileDB(collectives=_lines(), handovers=(_hand("p2p", 2, [(0.0, 1e-6)]),))
+    assert CommModel(cluster, fast).wait_s("p2p", 2, "intra", 0.0) == 0.0
+
+
+# -- plans ----------------------------------------------------------------------------------
+def _plan(preset: str, db: ProfileDB | None, **pins: object):  # type: ignore[no-untyped-def]
+    import hetplan
+
+    return hetplan.compile("gpt-test", ClusterSpec.from_preset(preset), batch_size=8,
+                           profile=db, micro_batch_size=2, dtype="fp32", **pins)
+
+
+PP = dict(dp=1, pp=4, tp=1, zero_stage=0, schedule="1f1b")
+DP = dict(dp=4, pp=1, tp=1, zero_stage=0)
+
+
+def test_a_pipeline_with_the_record_predicts_a_larger_bubble() -> None:
+    base = _plan("local-cpu", BASE, **PP).predictions
+    with_ = _plan("local-cpu", WITH, **PP).predictions
+    assert base.breakdown.bubble_ms > 0
+    # every hop on the critical path pays the measured wait (here 2-3 ms less a 0.3 ms line)
+    assert with_.breakdown.bubble_ms > base.breakdown.bubble_ms + 5.0
+    assert with_.iteration_time_ms > base.iteration_time_ms + 5.0
+    assert with_.breakdown.compute_ms == pytest.approx(base.breakdown.compute_ms)
+
+
+def test_data_parallel_sync_pays_the_wait_once() -> None:
+    base = _plan("local-cpu", BASE, **DP).predictions
+    with_ = _plan("local-cpu", WITH, **DP).predictions
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), WITH)
+    extra = with_.breakdown.exposed_comm_ms - base.breakdown.exposed_comm_ms
+    # the all-reduce record after a burst between 0 and 4 ms: 5-9 ms, less the 4 KiB line
+    low = (5.0 * MS - comm.time_s("allreduce", 4096, 4, "intra")) * 1e3
+    high = (9.0 * MS - comm.time_s("allreduce", 4096, 4, "intra")) * 1e3
+    assert low - 1e-6 <= extra <= high + 1e-6
+    assert with_.iteration_time_ms == pytest.approx(base.iteration_time_ms + extra, abs=1e-6)
+
+
+def test_plans_without_the_record_and_gpu_plans_are_unchanged() -> None:
+    import hetplan
+
+    # a CPU profile without hand-overs: byte-identical plan
+    a = _plan("local-cpu", BASE, **PP).to_json()
+    b = _plan("local-cpu", ProfileDB(collectives=_lines()), **PP).to_json()
+    assert a == b
+    # a GPU plan: gloo hand-over records never apply to nccl, with or without them
+    gpu = dict(dp=32, pp=2, tp=1, zero_stage=0, micro_batch_size=2)
+    spec = ClusterSpec.from_preset("a100-nvlink-8x8")
+    nccl = ProfileDB(collectives=(_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),))
+    gpu_with = ProfileDB(collectives=nccl.collectives, handovers=_hands())
+    for db, same in ((None, ProfileDB(handovers=_hands())), (nccl, gpu_with)):
+        plain = hetplan.compile("gpt-test", spec, batch_size=256, profile=db,
+                                **gpu)  # type: ignore[arg-type]
+        other = hetplan.compile("gpt-test", spec, batch_size=256, profile=same,
+                                **gpu)  # type: ignore[arg-type]
+        assert plain.predictions == other.predictions
+
+
+def test_the_charge_is_deterministic() -> None:
+    assert _plan("local-cpu", WITH, **PP).to_json() == _plan("local-cpu", WITH, **PP).to_json()
+
+
+# -- the measurement ------------------------------------------------------------------------
+@pytest.mark.dist
+def test_profile_handovers_measures_every_operation_after_each_burst() -> None:
+    from hetplan.profiling.handover import profile_handovers
+
+    recs = profile_handovers(2, bursts_s=(0.0, 0.5e-3), rounds=3, warmup=1, timeout_s=120)
+    assert [r.key for r in recs] == [("allreduce", "gloo", "loopback", 2),
+                                     ("p2p", "gloo", "loopback", 2)]
+    for r in recs:
+        assert r.processes == 2 and r.nbytes == 4096
+        assert r.samples[0].burst_s == 0.0  # back to back under the same pattern
+        assert len(r.samples) == 2 and r.samples[-1].burst_s > 0.0
+        assert all(s.seconds >= 0.0 for s in r.samples)
+        assert any(s.seconds > 0.0 for s in r.samples)
+
+
+def test_profile_handovers_rejects_bad_input() -> None:
+    from hetplan.profiling.handover import profile_handovers
+
+    with pytest.raises(ValueError, match="world_size"):
+        profile_handovers(1)
+    with pytest.raises(ValueError, match="bursts_s"):
+        profile_handovers(4, bursts_s=(-1.0,))
+    with pytest.raises(ValueError, match="group size"):
+        profile_handovers(4, group_sizes=(3,))
