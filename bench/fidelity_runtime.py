@@ -5,7 +5,9 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
 1. **Profile** once per model: ``hetplan profile MODEL --batch-size MB --layer-processes 4
    -n 4 --what layers --what collectives --what step`` — layers at the plans' micro-batch,
    timed on 4 processes at once (so the 4-processes-on-2-cores contention of training is in
-   the times), the gloo collectives on 4 ranks, and the per-step framework costs (the
+   the times), the gloo collectives on 4 ranks, the hand-overs under contention (p2p and
+   all-reduce after compute bursts on all 4 processes, part of ``collectives`` on gloo;
+   recorded in the result beside the profile), and the per-step framework costs (the
    optimizer step per tensor and per byte, on 4 processes at once).
 2. **Plan** each kind: ``hetplan plan MODEL --cluster local-cpu --profile prof.json`` pinned
    to the kind (``KINDS``: dp, pp, tp, micro-batch, ZeRO, schedule, passes).
@@ -139,7 +141,17 @@ def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict
             "load_average": os.getloadavg()}
     if code != 0:
         info["error"] = _reason(tail)
+    else:
+        info["handovers_ms"] = _handovers(out)
     return out, info
+
+
+def _handovers(path: Path) -> dict[str, list[list[float]]]:
+    """The profile's hand-over records: ``operation n=group`` -> [[burst ms, message ms]]."""
+    doc = json.loads(path.read_text())
+    return {f"{r['operation']} n={r['group_size']}":
+            [[round(s["burst_s"] * 1e3, 3), round(s["seconds"] * 1e3, 3)] for s in r["samples"]]
+            for r in doc.get("handovers", [])}
 
 
 def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,

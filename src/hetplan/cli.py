@@ -594,7 +594,7 @@ def profile_cmd(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
         f"collective record(s), {len(db.compressors)} compressor record(s), "
         f"{len(db.sparsity)} sparsity record(s), {len(db.optimizer_steps)} optimizer-step "
-        "record(s)"
+        f"record(s), {len(db.handovers)} hand-over record(s)"
     )
 
 
