@@ -21,6 +21,10 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    ``--rounds`` repeats plan + run per kind, rounds interleaved so that a shared machine's
    drifts hit every kind alike; per kind the median over rounds is reported. The machine's load average is recorded at every run.
 
+Each kind is also planned from the same profile less its hand-over records
+(``predicted_without_handovers_ms``, and the errors without them in the summary): what the
+hand-over wait changes, against the same runs.
+
 Nothing is tuned on the numbers reported: the profile and the cost model are used as they are.
 
 Writes ``bench/results/fidelity_runtime_cpu.json``. Usage::
@@ -143,7 +147,15 @@ def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict
         info["error"] = _reason(tail)
     else:
         info["handovers_ms"] = _handovers(out)
+        doc = json.loads(out.read_text())
+        doc.pop("handovers", None)
+        _without(out).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
     return out, info
+
+
+def _without(path: Path) -> Path:
+    """The same profile less its hand-over records (the model as it was before them)."""
+    return path.with_name(path.stem + "_no_handovers.json")
 
 
 def _handovers(path: Path) -> dict[str, list[list[float]]]:
@@ -172,6 +184,15 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
     row["predicted_breakdown_ms"] = pred.get("breakdown")
     row["provenance"] = {k: v.get("detail") for k, v in (doc.get("provenance") or {}).items()}
     row["plan_summary"] = _summary(doc)
+    # the same plan priced without the hand-over records: what they change, same runs
+    before_plan = plan.with_suffix(".before.json")
+    before_cmd = [str(_without(prof)) if c == str(prof) else c for c in cmd[:-1]]
+    code, _, _ = _call([*before_cmd, str(before_plan)], None, args.timeout)
+    if code == 0:
+        before = json.loads(before_plan.read_text())
+        bp = before.get("predictions") or {}
+        row["predicted_without_handovers_ms"] = bp.get("iteration_time_ms")
+        row["predicted_without_handovers_breakdown_ms"] = bp.get("breakdown")
     run = [*_hetplan(), "run", str(plan), "--model", kind.model, "--steps", str(args.steps),
            "--report", str(report)]
     row["load_average_before_run"] = os.getloadavg()
@@ -243,9 +264,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     split = {k: {side: round(statistics.median(r["parts_ms"][k][side] for r in ran), 3)
                  for side in ("predicted", "measured", "missing")} for k in PARTS}
     largest = max(PARTS, key=lambda k: abs(split[k]["missing"]))
-    return {"status": "ran", "rounds_ran": len(ran), "predicted_ms": pred, "measured_ms": meas,
-            "ratio": pred / meas, "error": abs(pred / meas - 1), "parts_ms": split,
-            "largest_miss": largest}
+    out = {"status": "ran", "rounds_ran": len(ran), "predicted_ms": pred, "measured_ms": meas,
+           "ratio": pred / meas, "error": abs(pred / meas - 1), "parts_ms": split,
+           "largest_miss": largest}
+    before = [r["predicted_without_handovers_ms"] for r in ran
+              if r.get("predicted_without_handovers_ms") is not None]
+    if before:
+        out["predicted_without_handovers_ms"] = statistics.median(before)
+        out["error_without_handovers"] = abs(statistics.median(before) / meas - 1)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,13 +319,21 @@ def main(argv: list[str] | None = None) -> int:
         "max_error": max(errors) if errors else None,
         "target_median": TARGET_MEDIAN, "target_max": TARGET_MAX,
     }
+    before = [c["error_without_handovers"] for c in cases if "error_without_handovers" in c]
+    if before:
+        summary["median_error_without_handovers"] = statistics.median(before)
+        summary["max_error_without_handovers"] = max(before)
     summary["meets_target"] = bool(errors) and summary["median_error"] <= TARGET_MEDIAN and (
         summary["max_error"] <= TARGET_MAX) and len(errors) == len(cases)
-    print(f"{'kind':<12} {'model':<18} {'predicted':>10} {'measured':>10} {'error':>7}  status")
+    print(f"{'kind':<12} {'model':<18} {'predicted':>10} {'measured':>10} {'error':>7}  "
+          f"{'without hand-overs':>20}  status")
     for c in cases:
         if c["status"] == "ran":
+            b = c.get("predicted_without_handovers_ms")
+            before = (f"{b:8.2f}ms {c['error_without_handovers']:>7.1%}" if b is not None
+                      else "")
             print(f"{c['kind']:<12} {c['model']:<18} {c['predicted_ms']:>8.2f}ms "
-                  f"{c['measured_ms']:>8.2f}ms {c['error']:>7.1%}  ran")
+                  f"{c['measured_ms']:>8.2f}ms {c['error']:>7.1%}  {before:>20}  ran")
         else:
             print(f"{c['kind']:<12} {c['model']:<18} {'':>10} {'':>10} {'':>7}  "
                   f"{c['status']}: {c.get('reason')}")
