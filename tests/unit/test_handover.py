@@ -167,7 +167,8 @@ def test_the_charge_is_deterministic() -> None:
 def test_profile_handovers_measures_every_operation_after_each_burst() -> None:
     from hetplan.profiling.handover import profile_handovers
 
-    recs = profile_handovers(2, bursts_s=(0.0, 0.5e-3), rounds=3, warmup=1, timeout_s=120)
+    recs = profile_handovers(2, bursts_s=(0.0, 0.5e-3), rounds=4, warmup=1, passes=2,
+                             timeout_s=120)
     assert [r.key for r in recs] == [("allreduce", "gloo", "loopback", 2),
                                      ("p2p", "gloo", "loopback", 2)]
     for r in recs:
@@ -187,3 +188,5 @@ def test_profile_handovers_rejects_bad_input() -> None:
         profile_handovers(4, bursts_s=(-1.0,))
     with pytest.raises(ValueError, match="group size"):
         profile_handovers(4, group_sizes=(3,))
+    with pytest.raises(ValueError, match="passes"):
+        profile_handovers(4, passes=0)

@@ -19,7 +19,8 @@ length in ``bursts_s``:
    world, and every group of each size in ``group_sizes`` at once): the round's wall time
    ``r``.
 
-A sample is ``(b, r - b)``: the time one message costs beyond the burst. Each rank takes the
+Both are timed in ``passes`` rounds over all the bursts (the host's fast and slow spells
+outlast one burst's block of rounds). A sample is ``(b, r - b)``: the time one message costs beyond the burst. Each rank takes the
 mean over its rounds (the slow wake-ups are what is measured; a median would drop them);
 ``b`` is the mean over the ranks and ``r`` the slowest rank's. The cost model charges it,
 less the back-to-back line at the same size, per blocking receive (:meth:`hetplan.cost_models.comm.CommModel.wait_s`).
@@ -84,7 +85,7 @@ def _mean_round_s(op: Any, rounds: int) -> float:
 
 
 def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Sequence[int],
-            nbytes: int, rounds: int, warmup: int
+            nbytes: int, rounds: int, warmup: int, passes: int
             ) -> dict[tuple[str, int], list[tuple[float, float]]]:
     """Runs in every rank: (operation, group size) -> [(burst s, message s)], slowest rank's."""
     import torch
@@ -113,32 +114,38 @@ def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Seque
     dist.all_reduce(t)
     per_unit = float(t.item()) / world
     runs = [("p2p", 2, None)] + [("allreduce", g, groups[g]) for g in sorted(groups)]
+    # per (burst, operation): summed mean burst and slowest round over the passes
+    acc: dict[tuple[float, str, int], list[float]] = {}
+    per_pass = max(-(-rounds // passes), 1)
+    for _ in range(passes):  # every pass over all bursts: no burst in one spell of the host
+        for burst_s in bursts_s:
+            burst = _burst_op(max(round(burst_s / per_unit), 0))
+            for operation, gsize, group in runs:
+                message = _message_op(operation, rank, world, group, nbytes)
+
+                def both() -> None:
+                    burst()
+                    message()
+
+                for _ in range(warmup):
+                    both()
+                dist.barrier()
+                b = _mean_round_s(burst, per_pass) if burst_s > 0 else 0.0
+                dist.barrier()
+                r = _mean_round_s(both, per_pass)
+                # the burst's mean over the ranks; the round's slowest rank (a round ends
+                # for the ring when its last member's does)
+                mean_b = torch.tensor([b], dtype=torch.float64)
+                dist.all_reduce(mean_b)
+                max_r = torch.tensor([r], dtype=torch.float64)
+                dist.all_reduce(max_r, op=dist.ReduceOp.MAX)
+                sums = acc.setdefault((burst_s, operation, gsize), [0.0, 0.0])
+                sums[0] += float(mean_b.item()) / world / passes
+                sums[1] += float(max_r.item()) / passes
+                dist.barrier()
     out: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for burst_s in bursts_s:
-        burst = _burst_op(max(round(burst_s / per_unit), 0))
-        for operation, gsize, group in runs:
-            message = _message_op(operation, rank, world, group, nbytes)
-
-            def both() -> None:
-                burst()
-                message()
-
-            for _ in range(warmup):
-                both()
-            dist.barrier()
-            b = _mean_round_s(burst, rounds) if burst_s > 0 else 0.0
-            dist.barrier()
-            r = _mean_round_s(both, rounds)
-            # the burst's mean over the ranks; the round's slowest rank (a round ends for
-            # the ring when its last member's does)
-            mean_b = torch.tensor([b], dtype=torch.float64)
-            dist.all_reduce(mean_b)
-            max_r = torch.tensor([r], dtype=torch.float64)
-            dist.all_reduce(max_r, op=dist.ReduceOp.MAX)
-            bb = float(mean_b.item()) / world
-            out.setdefault((operation, gsize), []).append(
-                (bb, max(float(max_r.item()) - bb, 0.0)))
-            dist.barrier()
+    for (_, operation, gsize), (bb, rr) in acc.items():
+        out.setdefault((operation, gsize), []).append((bb, max(rr - bb, 0.0)))
     return out
 
 
@@ -150,8 +157,9 @@ def profile_handovers(
     bursts_s: Sequence[float] = DEFAULT_BURSTS_S,
     group_sizes: Sequence[int] | None = None,
     nbytes: int = 4096,
-    rounds: int = 40,
-    warmup: int = 3,
+    rounds: int = 45,
+    warmup: int = 2,
+    passes: int = 3,
     timeout_s: float = 120.0,
     threads_per_process: int | None = 1,
 ) -> list[HandoverRecord]:
@@ -166,7 +174,10 @@ def profile_handovers(
         group_sizes: smaller all-reduce groups, every group of a size at once (default:
             every divisor of ``world_size`` from 2 below it, as :mod:`.collectives`).
         nbytes: the message (per-rank buffer).
-        rounds / warmup: timed and untimed rounds per burst and operation.
+        rounds / warmup: timed rounds per burst and operation (split over the passes),
+            and untimed rounds before each pass's.
+        passes: rounds over all bursts (as :func:`~.collectives.size_order`), so that every
+            burst meets the same mix of the host's fast and slow spells.
         timeout_s: limit on the whole run.
         threads_per_process: torch threads per process (1: a training rank's share of the
             CPU presets' cores).
@@ -188,6 +199,8 @@ def profile_handovers(
         raise ValueError(f"bursts_s must be non-negative seconds, got {list(bursts_s)}")
     if nbytes < 1:
         raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+    if passes < 1 or rounds < 1:
+        raise ValueError(f"rounds and passes must be >= 1, got {rounds} and {passes}")
     if group_sizes is None:
         group_sizes = [g for g in range(2, world_size) if world_size % g == 0]
     for g in group_sizes:
@@ -195,7 +208,8 @@ def profile_handovers(
     bursts = tuple(sorted(set(bursts_s)))
     results = run_local_ranks(
         _worker, world_size,
-        (bursts, tuple(sorted(set(group_sizes) - {world_size})), nbytes, rounds, warmup),
+        (bursts, tuple(sorted(set(group_sizes) - {world_size})), nbytes, rounds, warmup,
+         passes),
         backend=backend, timeout_s=timeout_s, threads_per_process=threads_per_process,
     )
     points: dict[tuple[str, int], list[tuple[float, float]]] = results[0]
