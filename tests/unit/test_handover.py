@@ -138,24 +138,34 @@ def test_data_parallel_sync_pays_the_wait_once() -> None:
     assert with_.iteration_time_ms == pytest.approx(base.iteration_time_ms + extra, abs=1e-6)
 
 
-def test_plans_without_the_record_and_gpu_plans_are_unchanged() -> None:
+def test_plans_without_the_record_and_gpu_plans_are_unchanged(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import hetplan
 
-    # a CPU profile without hand-overs: byte-identical plan
-    a = _plan("local-cpu", BASE, **PP).to_json()
-    b = _plan("local-cpu", ProfileDB(collectives=_lines()), **PP).to_json()
-    assert a == b
-    # a GPU plan: gloo hand-over records never apply to nccl, with or without them
     gpu = dict(dp=32, pp=2, tp=1, zero_stage=0, micro_batch_size=2)
     spec = ClusterSpec.from_preset("a100-nvlink-8x8")
-    nccl = ProfileDB(collectives=(_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),))
-    gpu_with = ProfileDB(collectives=nccl.collectives, handovers=_hands())
-    for db, same in ((None, ProfileDB(handovers=_hands())), (nccl, gpu_with)):
-        plain = hetplan.compile("gpt-test", spec, batch_size=256, profile=db,
-                                **gpu)  # type: ignore[arg-type]
-        other = hetplan.compile("gpt-test", spec, batch_size=256, profile=same,
-                                **gpu)  # type: ignore[arg-type]
-        assert plain.predictions == other.predictions
+    nccl = (_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),
+            _line("allreduce", 32, 5e-5, backend="nccl", link="nvlink"))
+
+    def plans() -> list[str]:
+        return [
+            # CPU plans whose profile has no hand-over record
+            _plan("local-cpu", BASE, **PP).to_json(),
+            _plan("local-cpu", BASE, **DP).to_json(),
+            _plan("local-cpu", None, **PP).to_json(),
+            # GPU plans: gloo hand-over records never apply to nccl
+            hetplan.compile("gpt-test", spec, batch_size=256, **gpu,  # type: ignore[arg-type]
+                            profile=ProfileDB(collectives=nccl, handovers=_hands())).to_json(),
+            hetplan.compile("gpt-test", spec, batch_size=256, **gpu,  # type: ignore[arg-type]
+                            profile=ProfileDB(handovers=_hands())).to_json(),
+        ]
+
+    charged = plans()
+    with_record = _plan("local-cpu", WITH, **PP).predictions
+    # the same plans with the wait switched off everywhere: byte-identical
+    monkeypatch.setattr(CommModel, "wait_s", lambda *a, **k: 0.0)
+    assert plans() == charged
+    # (while a CPU plan with the record does change: the switch is real)
+    assert _plan("local-cpu", WITH, **PP).predictions != with_record
 
 
 def test_the_charge_is_deterministic() -> None:
