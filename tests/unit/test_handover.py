@@ -43,10 +43,11 @@ def _lines() -> tuple[CollectiveRecord, ...]:
             _line("allreduce", 2, 0.3 * MS))
 
 
-def _hands() -> tuple[HandoverRecord, ...]:
-    return (_hand("p2p", 2, [(0.0, 1.0 * MS), (2 * MS, 3.0 * MS)]),
-            _hand("allreduce", 4, [(0.0, 5.0 * MS), (4 * MS, 9.0 * MS)]),
-            _hand("allreduce", 2, [(0.0, 0.5 * MS), (4 * MS, 2.0 * MS)]))
+def _hands(link: str = "loopback") -> tuple[HandoverRecord, ...]:
+    return (_hand("p2p", 2, [(0.0, 1.0 * MS), (2 * MS, 3.0 * MS)], link=link),
+            _hand("allreduce", 4, [(0.0, 5.0 * MS), (4 * MS, 9.0 * MS)], link=link),
+            _hand("allreduce", 2, [(0.0, 0.5 * MS), (4 * MS, 2.0 * MS)], link=link),
+            _hand("allreduce", 32, [(0.0, 5.0 * MS)], link=link))
 
 
 BASE = ProfileDB(collectives=_lines())
@@ -143,6 +144,8 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(monkeypatch) -> No
 
     gpu = dict(dp=32, pp=2, tp=1, zero_stage=0, micro_batch_size=2)
     spec = ClusterSpec.from_preset("a100-nvlink-8x8")
+    every_link = tuple(r for k in ("nvlink", "pcie", "ethernet", "infiniband", "loopback")
+                       for r in _hands(k))
     nccl = (_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),
             _line("allreduce", 32, 5e-5, backend="nccl", link="nvlink"))
 
@@ -152,11 +155,12 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(monkeypatch) -> No
             _plan("local-cpu", BASE, **PP).to_json(),
             _plan("local-cpu", BASE, **DP).to_json(),
             _plan("local-cpu", None, **PP).to_json(),
-            # GPU plans: gloo hand-over records never apply to nccl
+            # GPU plans: gloo hand-over records never apply to nccl, even on the GPUs' link
             hetplan.compile("gpt-test", spec, batch_size=256, **gpu,  # type: ignore[arg-type]
-                            profile=ProfileDB(collectives=nccl, handovers=_hands())).to_json(),
+                            profile=ProfileDB(collectives=nccl,
+                                              handovers=every_link)).to_json(),
             hetplan.compile("gpt-test", spec, batch_size=256, **gpu,  # type: ignore[arg-type]
-                            profile=ProfileDB(handovers=_hands())).to_json(),
+                            profile=ProfileDB(handovers=every_link)).to_json(),
         ]
 
     charged = plans()
