@@ -27,14 +27,16 @@ MS = 1e-3
 def _line(collective: str, group: int, alpha_s: float, backend: str = "gloo",
           link: str = "loopback") -> CollectiveRecord:
     return CollectiveRecord(collective=collective,  # type: ignore[arg-type]
-                            backend=backend, link_kind=link, group_size=group, alpha_s=alpha_s, beta_s_per_byte=1e-9,
+                            backend=backend, link_kind=link, group_size=group,
+                            alpha_s=alpha_s, beta_s_per_byte=1e-9,
                             samples=(CollectiveSample(nbytes=4096, seconds=alpha_s),))
 
 
 def _hand(operation: str, group: int, points: list[tuple[float, float]],
           backend: str = "gloo", link: str = "loopback") -> HandoverRecord:
     return HandoverRecord(operation=operation,  # type: ignore[arg-type]
-                          backend=backend, link_kind=link, group_size=group, processes=4, nbytes=4096,
+                          backend=backend, link_kind=link, group_size=group,
+                          processes=4, nbytes=4096,
                           samples=tuple(HandoverSample(burst_s=b, seconds=s) for b, s in points))
 
 
@@ -139,7 +141,8 @@ def test_data_parallel_sync_pays_the_wait_once() -> None:
     assert with_.iteration_time_ms == pytest.approx(base.iteration_time_ms + extra, abs=1e-6)
 
 
-def test_plans_without_the_record_and_gpu_plans_are_unchanged(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_plans_without_the_record_and_gpu_plans_are_unchanged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import hetplan
 
     gpu = dict(dp=32, pp=2, tp=1, zero_stage=0, micro_batch_size=2)

@@ -20,10 +20,11 @@ length in ``bursts_s``:
    ``r``.
 
 Both are timed in ``passes`` rounds over all the bursts (the host's fast and slow spells
-outlast one burst's block of rounds). A sample is ``(b, r - b)``: the time one message costs beyond the burst. Each rank takes the
-mean over its rounds (the slow wake-ups are what is measured; a median would drop them);
-``b`` is the mean over the ranks and ``r`` the slowest rank's. The cost model charges it,
-less the back-to-back line at the same size, per blocking receive (:meth:`hetplan.cost_models.comm.CommModel.wait_s`).
+outlast one burst's block of rounds). A sample is ``(b, r - b)``: the time one message costs
+beyond the burst. Each rank takes the mean over its rounds (the slow wake-ups are what is
+measured; a median would drop them); ``b`` is the mean over the ranks and ``r`` the slowest
+rank's. The cost model charges it, less the back-to-back line at the same size, per blocking
+receive (:meth:`hetplan.cost_models.comm.CommModel.wait_s`).
 """
 
 from __future__ import annotations
