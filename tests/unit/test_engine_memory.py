@@ -182,3 +182,19 @@ def test_last_stage_holds_the_tied_copy_split_over_tp() -> None:
     elems0 = sum((x.param_bytes - x.tp_split_bytes + x.tp_split_bytes / 2) / 4
                  for x in mine0 if x.name != "transformer.wte") + v * h / 2
     assert plan.predictions.memory_breakdown[first.ranks[0]].params == int(2 * elems0)
+
+
+def test_tp_divisor_splits_the_head_only_when_vocabulary_parallel(
+        gpt2: tuple[WorkloadSummary, LayerCost]) -> None:
+    # the stage balancers and lower bounds divide a layer's single-rank time by this: a
+    # vocabulary-parallel head runs 1/tp of its products on each rank (as kernel_times
+    # prices it), a replicated one all of them
+    wl, block = gpt2
+    head = wl.layers[-1]
+    plain = CostModel(_cluster()).compute
+    vocab = CostModel(_cluster(), vocab_parallel=True).compute
+    assert (plain.tp_divisor(head, 4), vocab.tp_divisor(head, 4)) == (1, 4)
+    assert plain.tp_divisor(block, 4) == vocab.tp_divisor(block, 4) == 4
+    assert vocab.tp_divisor(head, 1) == 1
+    norm = next(x for x in wl.layers if x.kind == "norm")
+    assert vocab.tp_divisor(norm, 4) == 1
