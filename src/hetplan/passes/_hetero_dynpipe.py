@@ -41,8 +41,6 @@ from hetplan.algorithms.dynamics import (
     BalancePolicy,
     EventRecord,
     LayerProfile,
-    PruningModel,
-    build_phases,
 )
 from hetplan.algorithms.hetero_rebalance import Bounds, PhaseModel, StagePhase, replay_stages
 from hetplan.cost_models.costs import CostModel
@@ -57,6 +55,7 @@ from hetplan.cost_models.pipeline import simulate_pipeline
 from hetplan.cost_models.precision import state_precision
 from hetplan.errors import PassError
 from hetplan.ir.plan import Plan
+from hetplan.passes.dynpipe import spec_phases
 from hetplan.ir.rebalancing import (
     DynamicsSpec,
     LayerMigration,
@@ -122,16 +121,7 @@ def _factors(plan: Plan, dyn: DynamicsSpec) -> tuple[list[tuple[float, ...]],
     units = [LayerProfile(1.0, 1.0, x.param_bytes / 4.0, prunable=x.kind == "block",
                           scale=1.0 + skew * (k / max(n - 1, 1) - 0.5))
              for k, x in enumerate(wl.layers)]
-    pm = None
-    if dyn.pruning:
-        pr = dyn.pruning
-        pm = PruningModel(pr.final_sparsity, pr.start_iteration, pr.frequency, pr.steps,
-                          pr.initial_sparsity, pr.kernel, pr.crossover_sparsity,
-                          pr.sparse_floor, pr.gemm_share)
-    phases = build_phases(units, pruning=pm,
-                          freezes=[(f.iteration, f.layers) for f in dyn.freezing],
-                          exits=[(e.iteration, e.after_layer, e.fraction)
-                                 for e in dyn.early_exit])
+    phases = spec_phases(dyn, units)
     shells = [StagePhase(ph.start, ph.label, (), ph.params, ph.move_bytes) for ph in phases]
     return [ph.fwd_ms for ph in phases], [ph.bwd_ms for ph in phases], shells
 

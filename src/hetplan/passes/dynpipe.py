@@ -45,6 +45,7 @@ from hetplan.algorithms.dynamics import (
     BalancePolicy,
     DynamicRun,
     LayerProfile,
+    Phase,
     PruningModel,
     build_phases,
     run_dynamic,
@@ -202,6 +203,22 @@ def _order_note(ctx: PassContext) -> str:
             f"{list(order)} (nodes contiguous, more memory first); stages follow rank order")
 
 
+def spec_phases(dyn: DynamicsSpec, layers: Sequence[LayerProfile]) -> tuple[Phase, ...]:
+    """The phases of a dynamics file over ``layers``
+    (:func:`~hetplan.algorithms.dynamics.build_phases` with the file's pruning, freezing and
+    early exits); shared with the heterogeneous re-balancing."""
+    pm = None
+    if dyn.pruning:
+        pr = dyn.pruning
+        pm = PruningModel(pr.final_sparsity, pr.start_iteration, pr.frequency, pr.steps,
+                          pr.initial_sparsity, pr.kernel, pr.crossover_sparsity,
+                          pr.sparse_floor, pr.gemm_share)
+    return build_phases(layers, pruning=pm,
+                        freezes=[(f.iteration, f.layers) for f in dyn.freezing],
+                        exits=[(e.iteration, e.after_layer, e.fraction)
+                               for e in dyn.early_exit])
+
+
 @dataclass(frozen=True)
 class DynPipe:
     """Exact min–max stage balancing, re-planned at the model's dynamic events.
@@ -293,16 +310,7 @@ def _rebalancing(dyn: DynamicsSpec, c: _Costs, ctx: PassContext, bounds: Bounds)
                      scale=1.0 + skew * (depth[k] - 0.5), act_bytes=x.act_saved_bytes * scale)
         for k, x in enumerate(wl.layers)
     ]
-    pm = None
-    if dyn.pruning:
-        pr = dyn.pruning
-        pm = PruningModel(pr.final_sparsity, pr.start_iteration, pr.frequency, pr.steps,
-                          pr.initial_sparsity, pr.kernel, pr.crossover_sparsity,
-                          pr.sparse_floor, pr.gemm_share)
-    phases = build_phases(layers, pruning=pm,
-                          freezes=[(f.iteration, f.layers) for f in dyn.freezing],
-                          exits=[(e.iteration, e.after_layer, e.fraction)
-                                 for e in dyn.early_exit])
+    phases = spec_phases(dyn, layers)
     pol = dyn.rebalance
     policy = BalancePolicy(pol.balancer, pol.metric, pol.max_iters, pol.trigger, pol.repack,
                            pol.repack_slowdown)

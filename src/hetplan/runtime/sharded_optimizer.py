@@ -202,17 +202,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- what tests and the run report read ---------------------------------------------------
     def full_master(self) -> list[torch.Tensor]:
         """Every parameter's fp32 master value, gathered from all replicas (collective)."""
-        out: list[torch.Tensor] = []
-        for seg in self.segments:
-            mine = self.master[seg.offset : seg.offset + seg.chunk]
-            if self.world > 1:
-                full = torch.empty(seg.chunk * self.world, dtype=mine.dtype, device=mine.device)
-                dist.all_gather_into_tensor(full, mine.contiguous(), group=self.group)
-            else:
-                full = mine
-            out.extend(full[a:b].view(p.shape).clone() for p, (a, b)
-                       in zip(seg.params, seg.bounds(), strict=True))
-        return out
+        return self._gather_flat(self.master)
 
     # -- re-balancing: the state as whole parameters ------------------------------------------
     def full_state(self) -> dict[nn.Parameter, tuple[torch.Tensor, dict[str, Any]]]:
