@@ -52,6 +52,7 @@ from hetplan.algorithms.partition import min_max_partition, uniform_partition
 from hetplan.errors import InfeasiblePlanError, SpecError
 
 __all__ = [
+    "balance",
     "PruneStep",
     "zhu_gupta_sparsity",
     "pruning_schedule",
@@ -297,15 +298,31 @@ def _propose(
     if mem_cap is not None and phase.mem_bytes:
         mem = _stage_mem(phase, p)
         cap = list(mem_cap[:p])
+    return balance(policy, bounds, cost, send=send, mem=mem, mem_cap=cap, cuttable=cuttable)
+
+
+def balance(policy: BalancePolicy, bounds: tuple[tuple[int, int], ...],
+            cost: Sequence[Sequence[float]], *,
+            send: Sequence[Sequence[float]] | None = None,
+            mem: Sequence[Sequence[float]] | None = None,
+            mem_cap: Sequence[float] | None = None,
+            cuttable: Sequence[bool] | None = None) -> tuple[tuple[int, int], ...]:
+    """The stages ``policy``'s balancer gives for per-stage layer ``cost`` (``partition``:
+    the exact min-max; ``diffusion``: from ``bounds``, one layer at a time, and the exact
+    partition over the allowed boundaries where it stops at a boundary the runtime cannot
+    split at).
+
+    Raises:
+        InfeasiblePlanError: no partition fits the stages' memory.
+    """
+    p = len(bounds)
     if policy.balancer == "partition":
-        return min_max_partition(cost, p, send=send, mem=mem, mem_cap=cap,
+        return min_max_partition(cost, p, send=send, mem=mem, mem_cap=mem_cap,
                                  cuttable=cuttable).bounds
-    got = diffusion_balance(bounds, cost, send=send, mem=mem, mem_cap=cap,
+    got = diffusion_balance(bounds, cost, send=send, mem=mem, mem_cap=mem_cap,
                             max_iters=policy.max_iters)
     if cuttable is not None and not all(cuttable[i] for i, _ in got[1:]):
-        # diffusion moves one layer at a time and may stop at a boundary the runtime
-        # cannot split at: the exact partition over the allowed boundaries instead
-        return min_max_partition(cost, p, send=send, mem=mem, mem_cap=cap,
+        return min_max_partition(cost, p, send=send, mem=mem, mem_cap=mem_cap,
                                  cuttable=cuttable).bounds
     return got
 

@@ -18,7 +18,8 @@ balancer's proposal (with and without the boundary transfers), the initial stage
 current ones: the balancer's min-max objective is not the pipeline's time (:func:`_best`),
 so a phase is never predicted slower than it would be on its stages before the event or on
 the initial ones, but where moving back does not pay for the moved bytes. Pure: numbers in,
-numbers out; deterministic (ties as in :func:`min_max_partition`, then in candidate order).
+numbers out; deterministic (ties as in
+:func:`~hetplan.algorithms.partition.min_max_partition`, then in candidate order).
 Complexity per event: two partitions, O(P · L · w), plus five calls of the pipeline model.
 """
 
@@ -27,9 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hetplan.algorithms.diffusion import diffusion_balance
-from hetplan.algorithms.dynamics import BalancePolicy, DynamicRun, EventRecord, layer_moves
-from hetplan.algorithms.partition import min_max_partition
+from hetplan.algorithms.dynamics import (
+    BalancePolicy,
+    DynamicRun,
+    EventRecord,
+    balance,
+    layer_moves,
+)
 from hetplan.errors import SpecError
 
 __all__ = ["Bounds", "PhaseModel", "StagePhase", "replay_stages", "propose_stages"]
@@ -80,16 +85,8 @@ def propose_stages(phase: StagePhase, bounds: Bounds, policy: BalancePolicy, *,
         snd = send
     else:
         cost, snd = [list(phase.params)] * p, None
-    if policy.balancer == "partition":
-        return min_max_partition(cost, p, send=snd, mem=mem, mem_cap=mem_cap,
-                                 cuttable=cuttable).bounds
-    got = diffusion_balance(bounds, cost, send=snd, mem=mem, mem_cap=mem_cap,
-                            max_iters=policy.max_iters)
-    if cuttable is not None and not all(cuttable[i] for i, _ in got[1:]):
-        # diffusion moves one layer at a time and may stop where the runtime cannot split
-        return min_max_partition(cost, p, send=snd, mem=mem, mem_cap=mem_cap,
-                                 cuttable=cuttable).bounds
-    return got
+    return balance(policy, bounds, cost, send=snd, mem=mem, mem_cap=mem_cap,
+                   cuttable=cuttable)
 
 
 def replay_stages(phases: Sequence[StagePhase], total_iterations: int, policy: BalancePolicy,
