@@ -1,6 +1,6 @@
 """Gemini's flat snapshot format and the store's in-place slots: what is packed comes back
 bitwise, the per-tensor views kept between rounds follow in-place updates and a changed
-tensor list, and a slot written in place keeps the two-buffer and CRC guarantees."""
+tensor list, and a slot written in place keeps the two-buffer and torn-write guarantees."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_not_a_snapshot_is_refused() -> None:
         unpack(b"PK\x03\x04 a torch.save zip")
 
 
-def test_reserved_slots_double_buffer_and_crc(tmp_path: Path) -> None:
+def test_reserved_slots_double_buffer_and_stamps(tmp_path: Path) -> None:
     s = NodeStore(tmp_path, 0)
     r1 = s.reserve("held", 2, 1, 8)
     assert r1 is not None
@@ -101,8 +101,11 @@ def test_reserved_slots_double_buffer_and_crc(tmp_path: Path) -> None:
     r4.buffer[:] = b"vwxyz"
     s.commit(r4)
     assert s.read("held", 2, 4) == b"vwxyz"
+    # a writer of iteration 5 that stamped the slot and died: the trailing stamp is 4
     data, _ = s._slot("held", 2, r4.slot)
-    data.write_bytes(b"vwxyZ")
+    raw = bytearray(data.read_bytes())
+    raw[:8] = (5).to_bytes(8, "little")
+    data.write_bytes(bytes(raw))
     with pytest.raises(LookupError, match="corrupt"):
         s.read("held", 2, 4)
     with pytest.raises(ValueError, match="nbytes"):

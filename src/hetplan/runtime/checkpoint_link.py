@@ -8,8 +8,8 @@ on the 2-core test machine, for 1.4 MB. On a stream the chunks need no matching 
 the holder reads the whole snapshot with one ``recv_into`` (``MSG_WAITALL``: the kernel
 fills the mapped slot, the thread wakes once), whatever the sender's cuts were.
 
-Framing, sender → holder: per round a 24-byte header (iteration, snapshot bytes, the
-snapshot's CRC-32; little endian) then the snapshot's bytes, in the order of the sender's timetable for that holder
+Framing, sender → holder: per round a 16-byte header (iteration, snapshot bytes; little
+endian) then the snapshot's bytes, in the order of the sender's timetable for that holder
 (which :func:`hetplan.runtime.checkpoint_schedule.timetable` gives both sides). Holder →
 sender: per round 8 bytes, the iteration it has stored. An orderly end (the sender's
 ``close``) is end-of-file at a header boundary; anything else is an error.
@@ -30,7 +30,7 @@ from typing import Any
 __all__ = ["HEADER", "ACK", "LinkClosed", "local_address", "connect_links", "recv_exact",
            "set_timeouts"]
 
-HEADER = struct.Struct("<qqq")  # iteration, nbytes, CRC-32
+HEADER = struct.Struct("<qq")  # iteration, nbytes
 ACK = struct.Struct("<q")  # iteration
 
 

@@ -49,7 +49,6 @@ import socket
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -199,7 +198,7 @@ class CheckpointingHandler(Handler):
             blob = self._fetch(it, source)
             how = "its own copy" if source[self.rank] == self.rank else (
                 f"holder rank {source[self.rank]}")
-            self._load(ctx, blob)
+            self._load(ctx, blob, it)
             if it > 0:
                 self._say(f"resumed at iteration {it} from {how}")
             return
@@ -238,8 +237,11 @@ class CheckpointingHandler(Handler):
         assert mine is not None
         return mine
 
-    def _load(self, ctx: RuntimeContext, blob: bytes) -> None:
+    def _load(self, ctx: RuntimeContext, blob: bytes, expect: int | None = None) -> None:
         state = unpack(blob)
+        if expect is not None and int(state["iteration"]) != expect:
+            raise RuntimeError(f"rank {self.rank}: the snapshot of iteration {expect} holds "
+                               f"iteration {state['iteration']}; the store is inconsistent")
         params = dict(ctx.named_params)
         if set(params) != set(state["params"]):
             raise RuntimeError("the checkpoint's parameters are not this rank's "
@@ -320,7 +322,7 @@ class CheckpointingHandler(Handler):
         if completed % self.ck.storage_every_iters == 0:  # packed here: DCP saves it now
             optim = ctx.optimizer.state_dict() if ctx.optimizer is not None else None
             packed = self.packer.prepare(params, optim, rng, completed)
-            stored = (packed, *self._pack_own(packed, completed))
+            stored = (packed, self._pack_own(packed, completed))
             self._save_storage(completed, stored[1])
         self._release.clear()
         self._serialised.clear()
@@ -379,22 +381,22 @@ class CheckpointingHandler(Handler):
                 self._serialised.set()
                 self._done.set()
 
-    def _pack_own(self, packed: Packed, completed: int) -> tuple[torch.Tensor, int]:
+    def _pack_own(self, packed: Packed, completed: int) -> torch.Tensor:
         """Pack the snapshot straight into this rank's own slot and complete it; the packed
         bytes (the mapped slot, or a heap buffer when the slot already holds
-        ``completed``) and their CRC-32."""
+        ``completed``)."""
         res = self.store.reserve("own", self.rank, completed, packed.nbytes)
         out = (_mapped(res.buffer, packed.nbytes) if res is not None
                else torch.empty(packed.nbytes, dtype=torch.uint8))
         self.packer.pack_into(packed, out)
         self._serialised.set()
         if res is not None:
-            return out, self.store.commit(res)
-        return out, zlib.crc32(out.numpy().data)
+            self.store.commit(res)
+        return out
 
     def _round(self, completed: int, params: Sequence[tuple[str, torch.Tensor]],
                optim: torch.optim.Optimizer | dict[str, Any] | None, rng: torch.Tensor,
-               stored: tuple[Packed, torch.Tensor, int] | None, anchor: float,
+               stored: tuple[Packed, torch.Tensor] | None, anchor: float,
                record: RoundRecord) -> None:
         """Pack into the own slot; send each chunk to its holder at its planned time
         (:func:`timetable`; at once when its span has passed or the step releases it, with
@@ -407,15 +409,15 @@ class CheckpointingHandler(Handler):
 
         if stored is None:
             state = optim.state_dict() if isinstance(optim, torch.optim.Optimizer) else optim
-            data, crc = self._pack_own(self.packer.prepare(params, state, rng, completed),
-                                       completed)
+            data = self._pack_own(self.packer.prepare(params, state, rng, completed),
+                                  completed)
         else:  # packed and stored on the training thread (a storage iteration)
-            _, data, crc = stored
+            _, data = stored
             self._serialised.set()
         nbytes = data.numel()
         record.bytes, record.serialise_ms = nbytes, ms()
         view = data.numpy().data
-        header = HEADER.pack(completed, nbytes, crc)
+        header = HEADER.pack(completed, nbytes)
         for h in self.holders:
             self._out[h].sendall(header)
         plan = self._timetable(self.rank, nbytes)
@@ -471,7 +473,7 @@ class CheckpointingHandler(Handler):
                                idle_ok=True)
                 except LinkClosed:
                     return
-                it, n, crc = HEADER.unpack(hdr)
+                it, n = HEADER.unpack(hdr)
                 res = self.store.reserve("held", source, it, n)
                 if res is not None:
                     buf = memoryview(res.buffer)[:n]
@@ -482,7 +484,7 @@ class CheckpointingHandler(Handler):
                 recv_exact(sock, buf, f"rank {source}'s snapshot of iteration {it}")
                 buf.release()
                 if res is not None:
-                    self.store.commit(res, crc)  # the sender's CRC: checked when read
+                    self.store.commit(res)
                 sock.sendall(ACK.pack(it))
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             if not self._closing:
