@@ -25,9 +25,10 @@ reports what load does not change much:
   median over rounds: load that drifts between rounds cancels;
 * ``cpu_ms_per_iteration``: per scheme, the CPU time of the training thread per iteration
   (``time.thread_time``; a blocking save runs on it), the whole process's (``process_time``:
-  also gloo's I/O threads and Gemini's thread), and for Gemini the checkpoint thread's CPU
-  time per round (serialise, write, send, receive, acknowledge; it needs a spare core, which
-  a GPU machine's host has and this one does not); and, from the kernel's ``schedstat``, the
+  also gloo's I/O threads and Gemini's packing thread, plus Gemini's side process), and for
+  Gemini the CPU time per round of its packing thread and its side process's sender
+  (serialise, write, send, acknowledge; it needs a spare core, which a GPU machine's host
+  has and this one does not); and, from the kernel's ``schedstat``, the
   training thread's time runnable but without a CPU (``training_thread_runqueue``: the
   machine's load) and its time asleep (``training_thread_asleep``: waiting for the other
   ranks, for the checkpoint round, or for the GIL; on a quiet machine Gemini's extra over
@@ -140,7 +141,8 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
             dist.barrier()
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             on0, rq0 = _schedstat()
-            th0 = _thread_cpu()
+            agent = getattr(gemini.agent, "pid", None)
+            th0 = _thread_cpu(agent)
             for i in range(iters):
                 xs = synthetic_batch(ex_args, batch, r * 100 + i)
                 rt.train_step(xs, target_of(xs, batch))
@@ -159,13 +161,15 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
                 gemini.wait_round()
             c1, p1 = time.thread_time(), time.process_time()
             on1, rq1 = _schedstat()
-            th1 = _thread_cpu()
+            th1 = _thread_cpu(agent)
             span = time.perf_counter() - t0
             dist.barrier()
             if r:
                 times[which].append((time.perf_counter() - t0) / iters)
                 cpu[which].append((c1 - c0) / iters)
-                proc_cpu[which].append((p1 - p0) / iters)
+                side = sum(on - th0.get(t, (n, 0.0, 0, 0))[1]  # the side process
+                           for t, (n, on, _, _) in th1.items() if n.startswith("agent-"))
+                proc_cpu[which].append((p1 - p0 + side) / iters)
                 runq[which].append((rq1 - rq0) / iters)
                 asleep[which].append((span - (on1 - on0) - (rq1 - rq0)) / iters)
                 threads[which].append(_by_thread(th0, th1, main_tid, gemini, iters))
@@ -190,24 +194,34 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
 GIL_MODES = ("noop", "torch-save", "flat")
 
 
-def _thread_cpu() -> dict[int, tuple[str, float, int, int]]:
-    """Every thread of this process: native id -> (its name, ``comm``; seconds on a CPU;
-    times it was scheduled onto a CPU, i.e. woken or preempted and resumed; times it was
-    preempted), from ``/proc/self/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock
-    ticks) and ``status`` (``nonvoluntary_ctxt_switches``)."""
+def _thread_cpu(agent: int | None = None) -> dict[int, tuple[str, float, int, int]]:
+    """Every thread of this process, and of Gemini's side process ``agent`` (its pid):
+    native id -> (its name, ``comm``; seconds on a CPU; times it was scheduled onto a CPU,
+    i.e. woken or preempted and resumed; times it was preempted), from
+    ``/proc/<pid>/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock ticks) and
+    ``status`` (``nonvoluntary_ctxt_switches``). The side process's threads are named
+    ``agent-send`` (its main thread) and ``agent-receive``."""
     out: dict[int, tuple[str, float, int, int]] = {}
-    for tid in os.listdir("/proc/self/task"):
+    for pid in ["self", *([str(agent)] if agent else [])]:
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                fields = f.read().split()
-            with open(f"/proc/self/task/{tid}/status") as f:
-                status = f.read()
-        except OSError:  # the thread ended meanwhile
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # the side process ended
             continue
-        pre = status.rsplit("nonvoluntary_ctxt_switches:", 1)[-1].split()
-        out[int(tid)] = (name, int(fields[0]) / 1e9, int(fields[2]), int(pre[0]) if pre else 0)
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    fields = f.read().split()
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    status = f.read()
+            except OSError:  # the thread ended meanwhile
+                continue
+            if pid != "self":
+                name = "agent-send" if tid == pid else "agent-receive"
+            pre = status.rsplit("nonvoluntary_ctxt_switches:", 1)[-1].split()
+            out[int(tid)] = (name, int(fields[0]) / 1e9, int(fields[2]),
+                             int(pre[0]) if pre else 0)
     return out
 
 
@@ -215,17 +229,16 @@ def _by_thread(before: dict[int, tuple[str, float, int, int]],
                after: dict[int, tuple[str, float, int, int]],
                main_tid: int, gemini: object, iters: int) -> dict[str, float]:
     """CPU seconds per iteration of each kind of thread between two :func:`_thread_cpu`
-    readings: ``training`` (the main thread), ``checkpoint`` (Gemini's sending thread),
-    ``receiver`` (its receiver threads), the others
-    summed by name (gloo's and torch's threads); a thread started in between counts whole.
+    readings: ``training`` (the main thread), ``checkpoint`` (Gemini's packing thread),
+    ``agent-send`` and ``agent-receive`` (its side process's sender and receivers), the
+    others summed by name (gloo's and torch's threads); a thread started in between counts
+    whole.
     ``<label>/runs``: the times those threads were put on a CPU, per iteration;
     ``<label>/preempted``: of those, after being preempted (the rest: after waiting)."""
     ck = getattr(getattr(gemini, "_thread", None), "native_id", None)
-    receivers = {t.native_id for t in getattr(gemini, "receivers", ())}
     out: dict[str, float] = {}
     for tid, (name, on, runs, pre) in after.items():
-        label = ("training" if tid == main_tid else "checkpoint" if tid == ck else
-                 "receiver" if tid in receivers else name)
+        label = "training" if tid == main_tid else "checkpoint" if tid == ck else name
         _, on0, runs0, pre0 = before.get(tid, (name, 0.0, 0, 0))
         out[label] = out.get(label, 0.0) + (on - on0) / iters
         out[label + "/runs"] = out.get(label + "/runs", 0.0) + (runs - runs0) / iters

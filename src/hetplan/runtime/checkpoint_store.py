@@ -136,6 +136,23 @@ class NodeStore:
                                       os.path.join(d, f"slot{slot}.tmp"))
         return got
 
+    def data_path(self, kind: str, rank: int, slot: int) -> str:
+        """The slot's data file (the snapshot lies at :meth:`snapshot_offset` in it)."""
+        return self._files(kind, rank, slot)[0]
+
+    @staticmethod
+    def snapshot_offset() -> int:
+        """Where the snapshot starts in a slot's data file (after the leading stamp)."""
+        return _LEAD
+
+    def slot_of(self, kind: str, rank: int, iteration: int) -> int | None:
+        """The slot that holds ``iteration`` complete, as this process last reserved and
+        committed it (read from disk when it has not reserved that rank's slots)."""
+        have = self._have.get((kind, rank))
+        if have is None:
+            have = self._have[(kind, rank)] = self.iterations(kind, rank)
+        return have.get(iteration)
+
     def iterations(self, kind: str, rank: int) -> dict[int, int]:
         """Complete snapshots: iteration → slot."""
         out: dict[int, int] = {}

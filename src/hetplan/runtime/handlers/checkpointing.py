@@ -10,17 +10,19 @@ What it does, per rank (``docs/decisions/gemini.md`` has the why):
    bytes copied by one ``torch.cat`` without the GIL) straight into this node's store
    (:mod:`hetplan.runtime.checkpoint_store`: shared-memory files mapped into the process, two
    buffers, so they outlive the process). The training thread only hands over references.
-2. **Replicas**: the same thread sends the snapshot to the rank's holders
-   (``checkpointing.ranks[r].holders[1:]``), one TCP stream per holder
+2. **Replicas**: a side process per rank (:mod:`hetplan.runtime.checkpoint_agent`, so that
+   none of the network work shares this process's GIL) sends the snapshot from the own slot
+   to the rank's holders (``checkpointing.ranks[r].holders[1:]``), one TCP stream per holder
    (:mod:`hetplan.runtime.checkpoint_link`), each chunk of the plan's schedule at its idle
    span's offset from the step's start (the end of the optimizer step that completed the
    snapshot's iteration; :mod:`hetplan.runtime.checkpoint_schedule` maps the planned chunks
    onto the serialised blob); a chunk whose span has passed goes at once, together with the
-   following chunks to the same holder that are due too (one send). One receiver thread per
-   rank this rank holds reads that rank's snapshots straight into the mapped slot of its
-   node's store (one ``recv_into`` per round, never copied again), completes them and
-   acknowledges each. Every round is recorded (chunks sent, bytes, when, how; the wait
-   before the step; CPU time of the training and checkpoint threads) for the run report
+   following chunks to the same holder that are due too (one send). One receiver thread of
+   the side process per rank this rank holds reads that rank's snapshots straight into the
+   mapped slot of its node's store (one ``recv_into`` per round, never copied again),
+   completes them and acknowledges each. Every round is recorded (chunks sent, bytes, when,
+   how; the wait before the step; CPU time of the training thread, and of the checkpoint
+   thread and the side process's sender) for the run report
    (:meth:`CheckpointingHandler.report`).
 3. **At most one interval lost**: the optimizer step waits (``after_backward``) until the
    snapshot is serialised (the step changes the parameters in place); the step that takes the
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -57,14 +58,8 @@ import torch
 import torch.distributed as dist
 
 from hetplan.ir.plan_checkpointing import Checkpointing
-from hetplan.runtime.checkpoint_link import (
-    ACK,
-    HEADER,
-    LinkClosed,
-    connect_links,
-    local_address,
-    recv_exact,
-)
+from hetplan.runtime.checkpoint_agent import Agent
+from hetplan.runtime.checkpoint_link import connect_links, local_address
 from hetplan.runtime.checkpoint_schedule import ChunkEvent, PlannedSend, RoundRecord, timetable
 from hetplan.runtime.checkpoint_snapshot import Packed, Packer, unpack
 from hetplan.runtime.checkpoint_store import NodeStore, default_root
@@ -128,22 +123,19 @@ class CheckpointingHandler(Handler):
         self.resumed_from: int = 0
         self._thread: threading.Thread | None = None  # the checkpoint thread, for all rounds
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._done = threading.Event()  # the current round is over
+        self._done = threading.Event()  # the checkpoint thread is done with the current round
         self._done.set()
+        self._inflight: RoundRecord | None = None  # a round whose end is not collected
         self.packer = Packer()
         self._timetables: dict[tuple[int, int], list[PlannedSend]] = {}
         self._error: BaseException | None = None
         self._pending_optim: dict[str, Any] | None = None
         self.rounds: list[RoundRecord] = []
-        self._release = threading.Event()  # the step needs the round: send what is left
         self._serialised = threading.Event()
         self._serialised.set()
         self._anchor: float | None = None
         self._anchor_cpu = 0.0
-        self._out: dict[int, socket.socket] = {}  # holder -> stream of this rank's copies
-        self._in: dict[int, socket.socket] = {}  # source -> stream of its copies
-        self.receivers: list[threading.Thread] = []
-        self._closing = False
+        self.agent: Agent | None = None  # the side process that sends and receives
         self._failed = False  # a round's error was raised
 
     # -- setup and recovery ------------------------------------------------------------
@@ -165,8 +157,7 @@ class CheckpointingHandler(Handler):
         self._connect(ctx)
 
     def _connect(self, ctx: RuntimeContext) -> None:
-        """The streams to the holders and from the ranks held, and one receiver thread per
-        rank held."""
+        """The streams to the holders and from the ranks held, handed to the side process."""
         world = dist.get_world_size()
 
         def gather(obj: Any) -> list[Any]:
@@ -175,13 +166,10 @@ class CheckpointingHandler(Handler):
             return got
 
         host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        self._out, self._in = connect_links(self.rank, self.holders, self.sources, host,
-                                            gather, ctx.timeout)
-        for s, sock in self._in.items():
-            t = threading.Thread(target=self._receive, args=(s, sock), daemon=True,
-                                 name=f"gemini-receive-{s}")
-            t.start()
-            self.receivers.append(t)
+        out, inc = connect_links(self.rank, self.holders, self.sources, host, gather,
+                                 ctx.timeout)
+        self.agent = Agent.start(self.rank, self.store.root, self.store.node, out, inc,
+                                 ctx.timeout)
 
     def _say(self, text: str) -> None:
         self.events.append(text)
@@ -324,12 +312,12 @@ class CheckpointingHandler(Handler):
             packed = self.packer.prepare(params, optim, rng, completed)
             stored = (packed, self._pack_own(packed, completed))
             self._save_storage(completed, stored[1])
-        self._release.clear()
         self._serialised.clear()
         self._done.clear()
         self._anchor, self._anchor_cpu = time.perf_counter(), time.thread_time()
         record = RoundRecord(iteration=completed, bytes=0)
         self.rounds.append(record)
+        self._inflight = record
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="gemini-checkpoint",
                                             daemon=True)
@@ -341,10 +329,21 @@ class CheckpointingHandler(Handler):
 
     def wait_round(self) -> None:
         """Wait until the current round (snapshot stored, copies acknowledged) is done,
-        sending at once the chunks whose span is still ahead; re-raise its error."""
-        if not self._done.is_set():
-            self._release.set()
-            self._done.wait()
+        sending at once the chunks whose span is still ahead; re-raise its error (or one
+        the side process reported since)."""
+        rec, self._inflight = self._inflight, None
+        if rec is not None:
+            self._done.wait()  # local work only: packing, one message
+            if self._error is None and rec.bytes and self.agent is not None:
+                try:
+                    _, _, chunks, round_ms, cpu_ms = self.agent.wait(rec.iteration)
+                except (OSError, RuntimeError) as e:
+                    self._error = e
+                else:
+                    rec.chunks.extend(ChunkEvent(*c) for c in chunks)
+                    rec.round_ms = round_ms
+                    rec.checkpoint_cpu_ms += cpu_ms
+                    self.round_s.append(round_ms / 1e3)
         self._raise_error()
 
     def _raise_error(self) -> None:
@@ -398,15 +397,9 @@ class CheckpointingHandler(Handler):
                optim: torch.optim.Optimizer | dict[str, Any] | None, rng: torch.Tensor,
                stored: tuple[Packed, torch.Tensor] | None, anchor: float,
                record: RoundRecord) -> None:
-        """Pack into the own slot; send each chunk to its holder at its planned time
-        (:func:`timetable`; at once when its span has passed or the step releases it, with
-        the following chunks to the same holder that are due too); wait for the holders'
-        acknowledgements."""
+        """Pack into the own slot and hand the round to the side process, with the chunks'
+        times (:func:`timetable`)."""
         cpu0 = time.thread_time()
-
-        def ms() -> float:
-            return (time.perf_counter() - anchor) * 1e3
-
         if stored is None:
             state = optim.state_dict() if isinstance(optim, torch.optim.Optimizer) else optim
             data = self._pack_own(self.packer.prepare(params, state, rng, completed),
@@ -414,108 +407,30 @@ class CheckpointingHandler(Handler):
         else:  # packed and stored on the training thread (a storage iteration)
             _, data = stored
             self._serialised.set()
+        serialise_ms = (time.perf_counter() - anchor) * 1e3
         nbytes = data.numel()
-        record.bytes, record.serialise_ms = nbytes, ms()
-        view = data.numpy().data
-        header = HEADER.pack(completed, nbytes)
-        for h in self.holders:
-            self._out[h].sendall(header)
+        slot = self.store.slot_of("own", self.rank, completed)
+        if slot is None:
+            raise RuntimeError(f"rank {self.rank}: the own snapshot of iteration {completed} "
+                               "is not in the store after packing")
         plan = self._timetable(self.rank, nbytes)
-        i = 0
-        while i < len(plan):
-            c = plan[i]
-            how = "on_time"
-            while True:
-                left = c.due_ms - ms()
-                if left <= 0:
-                    how = "late" if left < -1.0 else how
-                    break
-                if self._release.wait(left / 1e3):
-                    how = "released"
-                    break
-            now = ms()
-            released = how == "released"
-            j, end = i + 1, c.end  # the following chunks to this holder that are due too
-            while (j < len(plan) and plan[j].holder == c.holder and plan[j].start == end
-                   and (released or plan[j].due_ms <= now)):
-                end = plan[j].end
-                j += 1
-            self._out[c.holder].sendall(view[c.start:end])
-            for k in range(i, j):
-                d = plan[k]
-                kind = how if k == i else (
-                    "released" if released and d.due_ms > now else
-                    "late" if d.due_ms < now - 1.0 else "on_time")
-                record.chunks.append(ChunkEvent(d.holder, d.span, d.start, d.end - d.start,
-                                                d.due_ms, now, kind))
-            i = j
-        got = bytearray(ACK.size)
-        for h in self.holders:
-            recv_exact(self._out[h], memoryview(got), f"holder rank {h}'s acknowledgement")
-            (it,) = ACK.unpack(got)
-            if it != completed:
-                raise RuntimeError(f"holder rank {h} acknowledged iteration {it}, "
-                                   f"expected {completed}")
-        record.round_ms = ms()
+        assert self.agent is not None
+        self.agent.round(completed, nbytes, slot, anchor,
+                         [(c.holder, c.span, c.start, c.end, c.due_ms) for c in plan])
+        record.bytes, record.serialise_ms = nbytes, serialise_ms
         record.checkpoint_cpu_ms = (time.thread_time() - cpu0) * 1e3
-        self.round_s.append(record.round_ms / 1e3)
-
-    def _receive(self, source: int, sock: socket.socket) -> None:
-        """A receiver thread: ``source``'s snapshots, each straight into its slot of this
-        node's store (a scratch buffer when the slot already holds that iteration), completed
-        and acknowledged, until ``source`` closes the stream."""
-        hdr = bytearray(HEADER.size)
-        scratch = torch.empty(0, dtype=torch.uint8)
-        try:
-            while True:
-                try:
-                    recv_exact(sock, memoryview(hdr), f"rank {source}'s next snapshot",
-                               idle_ok=True)
-                except LinkClosed:
-                    return
-                it, n = HEADER.unpack(hdr)
-                res = self.store.reserve("held", source, it, n)
-                if res is not None:
-                    buf = memoryview(res.buffer)[:n]
-                else:
-                    if scratch.numel() < n:
-                        scratch = torch.empty(n, dtype=torch.uint8)
-                    buf = scratch.numpy().data[:n]
-                recv_exact(sock, buf, f"rank {source}'s snapshot of iteration {it}")
-                buf.release()
-                if res is not None:
-                    self.store.commit(res)
-                sock.sendall(ACK.pack(it))
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
-            if not self._closing:
-                self._error = e
 
     def close(self, ctx: RuntimeContext) -> None:
-        """Finish: the last round, then end the streams to the holders (end-of-file at a
-        header boundary) and wait until each rank held has ended its stream (its last round
-        acknowledged), at most the runtime's timeout; close the sockets. After a failed
-        round it does not wait for the ranks held (the run is failing)."""
+        """Finish: the last round, then the side process ends the streams to the holders
+        (end-of-file at a header boundary) and waits until each rank held has ended its
+        stream (its last round acknowledged), at most the runtime's timeout, and exits.
+        After a failed round it does not wait for the ranks held (the run is failing)."""
         clean = self._error is None and not self._failed
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=ctx.timeout.total_seconds())
             clean = clean and not self._thread.is_alive() and self._error is None
             self._thread = None
-        for sock in self._out.values():
-            try:
-                sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-        deadline = time.monotonic() + (ctx.timeout.total_seconds() if clean else 0.0)
-        for t in self.receivers:
-            t.join(timeout=max(deadline - time.monotonic(), 0.0))
-        self._closing = True
-        for sock in [*self._out.values(), *self._in.values()]:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-        for t in self.receivers:
-            t.join(timeout=1.0)
-        self._out, self._in, self.receivers = {}, {}, []
+        if self.agent is not None:
+            self.agent.close(clean)
+            self.agent = None
