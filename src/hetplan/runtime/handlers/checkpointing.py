@@ -5,11 +5,13 @@ What it does, per rank (``docs/decisions/gemini.md`` has the why):
 1. **Snapshot** after every ``every_iters``-th optimizer step: this rank's parameters, its
    optimizer state, the torch RNG state and the data position (the number of completed
    iterations; the worker's synthetic batches are a function of it) are packed by the
-   checkpoint thread (one thread for all rounds, fed by a queue) into one flat buffer
+   training thread, right after the step, into one flat buffer
    (:mod:`hetplan.runtime.checkpoint_snapshot`: a small pickled header, then every tensor's
-   bytes copied by one ``torch.cat`` without the GIL) straight into this node's store
+   bytes copied by one ``torch.cat``) straight into this node's store
    (:mod:`hetplan.runtime.checkpoint_store`: shared-memory files mapped into the process, two
-   buffers, so they outlive the process). The training thread only hands over references.
+   buffers, so they outlive the process). Packing costs about 0.3 ms of CPU per 1.4 MB; a
+   thread that did it beside the training thread cost more (its wake-up and the GIL handed
+   back and forth; ``docs/decisions/gemini.md``, "Side process").
 2. **Replicas**: a side process per rank (:mod:`hetplan.runtime.checkpoint_agent`, so that
    none of the network work shares this process's GIL) sends the snapshot from the own slot
    to the rank's holders (``checkpointing.ranks[r].holders[1:]``), one TCP stream per holder
@@ -21,12 +23,12 @@ What it does, per rank (``docs/decisions/gemini.md`` has the why):
    the side process per rank this rank holds reads that rank's snapshots straight into the
    mapped slot of its node's store (one ``recv_into`` per round, never copied again),
    completes them and acknowledges each. Every round is recorded (chunks sent, bytes, when,
-   how; the wait before the step; CPU time of the training thread, and of the checkpoint
-   thread and the side process's sender) for the run report
+   how; the wait before the step; CPU time of the training thread, and of the packing and
+   the side process's sender) for the run report
    (:meth:`CheckpointingHandler.report`).
-3. **At most one interval lost**: the optimizer step waits (``after_backward``) until the
-   snapshot is serialised (the step changes the parameters in place); the step that takes the
-   next snapshot waits for the whole round, i.e. its snapshot is written locally and every
+3. **At most one interval lost**: the snapshot is packed before the next step changes the
+   parameters in place; the step that takes the next snapshot waits (``after_backward``)
+   for the whole round, i.e. its snapshot is written locally and every
    holder has acknowledged its copy, and releases at once the chunks whose spans are still
    ahead (the schedule never delays a step beyond that bound). The previous snapshot stays in
    the other buffer meanwhile.
@@ -46,9 +48,7 @@ Without the section, or in a single process, the handler does nothing.
 from __future__ import annotations
 
 import os
-import queue
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -121,18 +121,12 @@ class CheckpointingHandler(Handler):
         self.wait_s: list[float] = []
         self.round_s: list[float] = []
         self.resumed_from: int = 0
-        self._thread: threading.Thread | None = None  # the checkpoint thread, for all rounds
-        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._done = threading.Event()  # the checkpoint thread is done with the current round
-        self._done.set()
         self._inflight: RoundRecord | None = None  # a round whose end is not collected
         self.packer = Packer()
         self._timetables: dict[tuple[int, int], list[PlannedSend]] = {}
         self._error: BaseException | None = None
         self._pending_optim: dict[str, Any] | None = None
         self.rounds: list[RoundRecord] = []
-        self._serialised = threading.Event()
-        self._serialised.set()
         self._anchor: float | None = None
         self._anchor_cpu = 0.0
         self.agent: Agent | None = None  # the side process that sends and receives
@@ -270,17 +264,15 @@ class CheckpointingHandler(Handler):
 
     # -- the step ----------------------------------------------------------------------
     def after_backward(self, ctx: RuntimeContext) -> None:
-        """Before the optimizer step: wait until the snapshot is serialised (the step changes
-        the parameters in place); before the step that takes the next snapshot, wait for the
-        whole round, releasing chunks whose span is still ahead (at most one checkpoint
-        interval lost)."""
+        """Before the step that takes the next snapshot: wait for the whole round of the
+        previous one (its copies acknowledged), releasing the chunks whose span is still
+        ahead (at most one checkpoint interval lost)."""
         if not self.enabled:
             return
         t0 = time.perf_counter()
         if (ctx.iteration + 1) % self.ck.every_iters == 0:
             self.wait_round()
         else:
-            self._serialised.wait()
             self._raise_error()
         waited = time.perf_counter() - t0
         self.wait_s.append(waited)
@@ -291,6 +283,9 @@ class CheckpointingHandler(Handler):
             self._pending_optim = None
 
     def after_step(self, ctx: RuntimeContext) -> None:
+        """After every ``every_iters``-th step: pack the snapshot into the own slot (here,
+        on the training thread: see the module docstring) and hand the round to the side
+        process; every ``storage_every_iters``-th, save it to storage too."""
         if not self.enabled:
             return
         now, cpu = time.perf_counter(), time.thread_time()
@@ -303,38 +298,34 @@ class CheckpointingHandler(Handler):
         if completed % self.ck.every_iters:
             return
         self.wait_round()
-        params = list(ctx.named_params)
-        optim: dict[str, Any] | None = None
-        rng = torch.get_rng_state()
-        stored = None
-        if completed % self.ck.storage_every_iters == 0:  # packed here: DCP saves it now
-            optim = ctx.optimizer.state_dict() if ctx.optimizer is not None else None
-            packed = self.packer.prepare(params, optim, rng, completed)
-            stored = (packed, self._pack_own(packed, completed))
-            self._save_storage(completed, stored[1])
-        self._serialised.clear()
-        self._done.clear()
         self._anchor, self._anchor_cpu = time.perf_counter(), time.thread_time()
-        record = RoundRecord(iteration=completed, bytes=0)
+        optim = ctx.optimizer.state_dict() if ctx.optimizer is not None else None
+        packed = self.packer.prepare(list(ctx.named_params), optim, torch.get_rng_state(),
+                                     completed)
+        data = self._pack_own(packed, completed)
+        record = RoundRecord(iteration=completed, bytes=data.numel(),
+                             serialise_ms=(time.perf_counter() - self._anchor) * 1e3)
         self.rounds.append(record)
+        slot = self.store.slot_of("own", self.rank, completed)
+        if slot is None:
+            raise RuntimeError(f"rank {self.rank}: the own snapshot of iteration {completed} "
+                               "is not in the store after packing")
+        assert self.agent is not None
+        plan = self._timetable(self.rank, record.bytes)
+        self.agent.round(completed, record.bytes, slot, self._anchor,
+                         [(c.holder, c.span, c.start, c.end, c.due_ms) for c in plan])
         self._inflight = record
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="gemini-checkpoint",
-                                            daemon=True)
-            self._thread.start()
-        # the optimizer's state dict is taken on the checkpoint thread: the next step, the
-        # only change to it, waits until the snapshot is packed
-        self._jobs.put((completed, params, ctx.optimizer if optim is None else optim, rng,
-                        stored, self._anchor, record))
+        record.checkpoint_cpu_ms = (time.thread_time() - self._anchor_cpu) * 1e3
+        if completed % self.ck.storage_every_iters == 0:
+            self._save_storage(completed, data)
 
     def wait_round(self) -> None:
         """Wait until the current round (snapshot stored, copies acknowledged) is done,
         sending at once the chunks whose span is still ahead; re-raise its error (or one
         the side process reported since)."""
         rec, self._inflight = self._inflight, None
-        if rec is not None:
-            self._done.wait()  # local work only: packing, one message
-            if self._error is None and rec.bytes and self.agent is not None:
+        if rec is not None and self.agent is not None:
+            if self._error is None:
                 try:
                     _, _, chunks, round_ms, cpu_ms = self.agent.wait(rec.iteration)
                 except (OSError, RuntimeError) as e:
@@ -366,20 +357,6 @@ class CheckpointingHandler(Handler):
             self._timetables[key] = timetable(self.ck, rank, nbytes)
         return self._timetables[key]
 
-    def _serve(self) -> None:
-        """The checkpoint thread: one round per job until ``None``."""
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._round(*job)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
-                self._error = e
-            finally:
-                self._serialised.set()
-                self._done.set()
-
     def _pack_own(self, packed: Packed, completed: int) -> torch.Tensor:
         """Pack the snapshot straight into this rank's own slot and complete it; the packed
         bytes (the mapped slot, or a heap buffer when the slot already holds
@@ -388,37 +365,9 @@ class CheckpointingHandler(Handler):
         out = (_mapped(res.buffer, packed.nbytes) if res is not None
                else torch.empty(packed.nbytes, dtype=torch.uint8))
         self.packer.pack_into(packed, out)
-        self._serialised.set()
         if res is not None:
             self.store.commit(res)
         return out
-
-    def _round(self, completed: int, params: Sequence[tuple[str, torch.Tensor]],
-               optim: torch.optim.Optimizer | dict[str, Any] | None, rng: torch.Tensor,
-               stored: tuple[Packed, torch.Tensor] | None, anchor: float,
-               record: RoundRecord) -> None:
-        """Pack into the own slot and hand the round to the side process, with the chunks'
-        times (:func:`timetable`)."""
-        cpu0 = time.thread_time()
-        if stored is None:
-            state = optim.state_dict() if isinstance(optim, torch.optim.Optimizer) else optim
-            data = self._pack_own(self.packer.prepare(params, state, rng, completed),
-                                  completed)
-        else:  # packed and stored on the training thread (a storage iteration)
-            _, data = stored
-            self._serialised.set()
-        serialise_ms = (time.perf_counter() - anchor) * 1e3
-        nbytes = data.numel()
-        slot = self.store.slot_of("own", self.rank, completed)
-        if slot is None:
-            raise RuntimeError(f"rank {self.rank}: the own snapshot of iteration {completed} "
-                               "is not in the store after packing")
-        plan = self._timetable(self.rank, nbytes)
-        assert self.agent is not None
-        self.agent.round(completed, nbytes, slot, anchor,
-                         [(c.holder, c.span, c.start, c.end, c.due_ms) for c in plan])
-        record.bytes, record.serialise_ms = nbytes, serialise_ms
-        record.checkpoint_cpu_ms = (time.thread_time() - cpu0) * 1e3
 
     def close(self, ctx: RuntimeContext) -> None:
         """Finish: the last round, then the side process ends the streams to the holders
@@ -426,11 +375,6 @@ class CheckpointingHandler(Handler):
         stream (its last round acknowledged), at most the runtime's timeout, and exits.
         After a failed round it does not wait for the ranks held (the run is failing)."""
         clean = self._error is None and not self._failed
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=ctx.timeout.total_seconds())
-            clean = clean and not self._thread.is_alive() and self._error is None
-            self._thread = None
         if self.agent is not None:
             self.agent.close(clean)
             self.agent = None
