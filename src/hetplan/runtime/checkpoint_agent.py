@@ -94,7 +94,7 @@ class Agent:
         theirs.close()
         for s in [*out.values(), *inc.values()]:
             s.close()
-        mine.settimeout(timeout.total_seconds())
+        mine.settimeout(None)  # blocking: waits are bounded by select (see _recv)
         return cls(proc, mine, timeout)
 
     def _send(self, msg: tuple[Any, ...]) -> None:
@@ -124,11 +124,13 @@ class Agent:
         raise RuntimeError(f"checkpoint side process: {msg[1]}")
 
     def _recv(self, block: bool) -> tuple[Any, ...]:
-        try:
-            data = self._ctrl.recv(_MSG, 0 if block else socket.MSG_DONTWAIT)
-        except TimeoutError:
+        """The next message; ``BlockingIOError`` when none is there and not ``block``.
+        (A socket with a Python timeout would wait before a ``MSG_DONTWAIT`` receive, so
+        the socket is blocking and the wait is a ``select``.)"""
+        if block and not select.select([self._ctrl], [], [], self._timeout)[0]:
             raise TimeoutError(f"the checkpoint side process (pid {self.pid}) did not "
-                               f"answer within {self._timeout:.0f} s") from None
+                               f"answer within {self._timeout:.0f} s")
+        data = self._ctrl.recv(_MSG, socket.MSG_DONTWAIT)
         if not data:
             code = self.proc.poll()
             raise RuntimeError(f"the checkpoint side process (pid {self.pid}) ended "
