@@ -88,6 +88,8 @@ class Agent:
                 "inc": {r: s.fileno() for r, s in inc.items()},
                 "timeout": timeout.total_seconds(), "parent": os.getpid()}
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+        src = str(Path(__file__).resolve().parents[2])  # where this hetplan is imported from
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         proc = subprocess.Popen(
             [sys.executable, "-m", "hetplan.runtime.checkpoint_agent", repr(spec)],
             pass_fds=fds, env=env, stdin=subprocess.DEVNULL, close_fds=True)
