@@ -25,17 +25,17 @@ reports what load does not change much:
   median over rounds: load that drifts between rounds cancels;
 * ``cpu_ms_per_iteration``: per scheme, the CPU time of the training thread per iteration
   (``time.thread_time``; a blocking save runs on it), the whole process's (``process_time``:
-  also gloo's I/O threads and Gemini's packing thread, plus Gemini's side process), and for
-  Gemini the CPU time per round of its packing thread and its side process's sender
-  (serialise, write, send, acknowledge; it needs a spare core, which a GPU machine's host
-  has and this one does not); and, from the kernel's ``schedstat``, the
+  also gloo's I/O threads, plus Gemini's side process), and for Gemini the CPU time per
+  round of its packing (on the training thread) and its side process's sender (pack,
+  send, acknowledge: ``checkpoint_thread_per_round``, the name kept from when one thread
+  did all of it); and, from the kernel's ``schedstat``, the
   training thread's time runnable but without a CPU (``training_thread_runqueue``: the
   machine's load) and its time asleep (``training_thread_asleep``: waiting for the other
-  ranks, for the checkpoint round, or for the GIL; on a quiet machine Gemini's extra over
-  ``none`` here is what the checkpoint thread costs the training thread);
+  ranks, for the checkpoint round, or for the GIL);
 * ``cpu_ms_per_iteration_by_thread``: every thread of every rank's process, from
-  ``/proc/self/task/*/schedstat`` before and after each block: ``training``, Gemini's
-  ``checkpoint`` (sending) and ``receiver`` threads, gloo's ``gloo_tcp_loop`` (its event loop:
+  ``/proc/<pid>/task/*/schedstat`` before and after each block: ``training``, Gemini's
+  side process (``agent-send``: its main thread, which sends; ``agent-receive``: its
+  receiver threads), gloo's ``gloo_tcp_loop`` (its event loop:
   reads and writes of every gloo message) and ``pt_gloo_runloop`` (collectives), the rest
   by name; ``thread_runs_per_iteration``: how often each was put on a CPU (wake-ups);
   ``gemini_extra_cpu_ms_by_thread`` (means) and ``..._paired_median`` (per rank and round,
