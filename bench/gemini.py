@@ -44,6 +44,11 @@ reports what load does not change much:
   the checkpoint traffic fits before the next step), and how the chunks went against the
   plan's idle spans (``on_time`` / ``late`` / ``released``).
 
+``--control-spin MS`` adds a fifth scheme, ``spin``: after every step a process of each
+rank's own burns ``MS`` ms of CPU (no network, no GIL), the control for how much any extra
+CPU on this machine costs the other threads (gloo's event loop included);
+``spin_extra_cpu_ms_by_thread_paired_median`` is its ``gemini_extra...`` counterpart.
+
 Writes ``bench/results/gemini_cpu.json``. One command, for a quiet machine:
 
     python bench/gemini.py [--model gpt-test] [--batch 16] [--rounds 12] [--iters 3]
@@ -73,6 +78,8 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -88,6 +95,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "fixtures" / "clusters" / "cpu-4-nodes.yaml"
 WORLD = 4
 MODES = ("none", "gemini", "blocking-disk", "dcp")
+# ``--control-spin MS``: per step, MS ms of CPU in a process of its own (reads one byte from
+# stdin per burn, exits at end of file)
+_SPIN = """
+import os, sys, time
+ms = float(sys.argv[1])
+while os.read(0, 1):
+    t = time.thread_time()
+    while time.thread_time() - t < ms:
+        pass
+"""
 
 
 def _state_blob(rt) -> bytes:  # type: ignore[no-untyped-def]
@@ -99,8 +116,8 @@ def _state_blob(rt) -> bytes:  # type: ignore[no-untyped-def]
 
 
 def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, rounds: int,
-            iters: int,
-            out: str) -> None:
+            iters: int, out: str, spin_ms: float = 0.0) -> None:
+    modes = MODES + (("spin",) if spin_ms > 0 else ())
     torch.set_num_threads(1)
     os.environ["HETPLAN_CHECKPOINT_DIR"] = shm
     store = dist.FileStore(os.path.join(tmp, "store"), WORLD)
@@ -116,7 +133,7 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
 
     ex_args, ex_kwargs = zoo.example_inputs(model, batch=1, device="cpu")
     runtimes = {}
-    for which in MODES:
+    for which in modes:
         plan = Plan.from_json(plans["gemini" if which == "gemini" else "plain"])
         runtimes[which] = Runtime(plan, zoo.build(model, device="cpu", seed=0),
                                   example_args=ex_args, example_kwargs=ex_kwargs)
@@ -125,24 +142,30 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
     batch = layout.micro_batch_size * layout.micro_batches * layout.dp
     target_of = make_target(zoo.build(model, device="cpu", seed=0), ex_args, ex_kwargs)
     disk = Path(tmp) / f"disk{rank}.pt"
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    cpu: dict[str, list[float]] = {m: [] for m in MODES}  # training thread, s/iteration
-    proc_cpu: dict[str, list[float]] = {m: [] for m in MODES}  # whole process
-    runq: dict[str, list[float]] = {m: [] for m in MODES}  # training thread runnable, no CPU
-    asleep: dict[str, list[float]] = {m: [] for m in MODES}  # ... neither: comm or GIL waits
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}  # training thread, s/iteration
+    proc_cpu: dict[str, list[float]] = {m: [] for m in modes}  # whole process
+    runq: dict[str, list[float]] = {m: [] for m in modes}  # training thread runnable, no CPU
+    asleep: dict[str, list[float]] = {m: [] for m in modes}  # ... neither: comm or GIL waits
     save_s: dict[str, list[float]] = {"blocking-disk": [], "dcp": []}
-    threads: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}  # s/iteration
+    threads: dict[str, list[dict[str, float]]] = {m: [] for m in modes}  # s/iteration
     gemini = runtimes["gemini"].handler(CheckpointingHandler)
     main_tid = threading.get_native_id()
+    spinner, spin_w = None, -1
+    if spin_ms > 0:  # the control: CPU burnt in a process of its own, no network, no GIL
+        spin_r, spin_w = os.pipe()
+        spinner = subprocess.Popen([sys.executable, "-c", _SPIN, str(spin_ms / 1e3)],
+                                   stdin=spin_r)
+        os.close(spin_r)
     for r in range(rounds + 1):  # round 0 is warm-up
-        order = MODES if r % 2 else tuple(reversed(MODES))
+        order = modes if r % 2 else tuple(reversed(modes))
         for which in order:
             rt = runtimes[which]
             dist.barrier()
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             on0, rq0 = _schedstat()
             agent = getattr(gemini.agent, "pid", None)
-            th0 = _thread_cpu(agent)
+            th0 = _thread_cpu(agent, spinner.pid if spinner else None)
             for i in range(iters):
                 xs = synthetic_batch(ex_args, batch, r * 100 + i)
                 rt.train_step(xs, target_of(xs, batch))
@@ -157,18 +180,21 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
                     dcp.save({f"rank{rank}": blob},
                              checkpoint_id=Path(tmp) / "dcp" / f"r{r}i{i}")
                     save_s[which].append(time.perf_counter() - s0)
+                elif which == "spin" and spinner is not None:
+                    os.write(spin_w, b"x")
             if which == "gemini":
                 gemini.wait_round()
             c1, p1 = time.thread_time(), time.process_time()
             on1, rq1 = _schedstat()
-            th1 = _thread_cpu(agent)
+            th1 = _thread_cpu(agent, spinner.pid if spinner else None)
             span = time.perf_counter() - t0
             dist.barrier()
             if r:
                 times[which].append((time.perf_counter() - t0) / iters)
                 cpu[which].append((c1 - c0) / iters)
-                side = sum(on - th0.get(t, (n, 0.0, 0, 0))[1]  # the side process
-                           for t, (n, on, _, _) in th1.items() if n.startswith("agent-"))
+                side = sum(on - th0.get(t, (n, 0.0, 0, 0))[1]  # the side processes
+                           for t, (n, on, _, _) in th1.items()
+                           if n.startswith("agent-") or n == "spin")
                 proc_cpu[which].append((p1 - p0 + side) / iters)
                 runq[which].append((rq1 - rq0) / iters)
                 asleep[which].append((span - (on1 - on0) - (rq1 - rq0)) / iters)
@@ -188,21 +214,26 @@ def _worker(rank: int, tmp: str, shm: str, plans: dict[str, str], model: str, ro
         Path(out).write_text(json.dumps(gathered))
     for rt in runtimes.values():
         rt.close()
+    if spinner is not None:
+        os.close(spin_w)  # end of file: it exits
+        spinner.wait(timeout=60)
     dist.destroy_process_group()
 
 
 GIL_MODES = ("noop", "torch-save", "flat")
 
 
-def _thread_cpu(agent: int | None = None) -> dict[int, tuple[str, float, int, int]]:
+def _thread_cpu(agent: int | None = None,
+                spinner: int | None = None) -> dict[int, tuple[str, float, int, int]]:
     """Every thread of this process, and of Gemini's side process ``agent`` (its pid):
     native id -> (its name, ``comm``; seconds on a CPU; times it was scheduled onto a CPU,
     i.e. woken or preempted and resumed; times it was preempted), from
     ``/proc/<pid>/task/*/schedstat`` (nanoseconds, unlike ``stat``'s clock ticks) and
     ``status`` (``nonvoluntary_ctxt_switches``). The side process's threads are named
-    ``agent-send`` (its main thread) and ``agent-receive``."""
+    ``agent-send`` (its main thread) and ``agent-receive``; the ``--control-spin`` process
+    ``spinner``'s, ``spin``."""
     out: dict[int, tuple[str, float, int, int]] = {}
-    for pid in ["self", *([str(agent)] if agent else [])]:
+    for pid in ["self", *([str(agent)] if agent else []), *([str(spinner)] if spinner else [])]:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:  # the side process ended
@@ -217,7 +248,9 @@ def _thread_cpu(agent: int | None = None) -> dict[int, tuple[str, float, int, in
                     status = f.read()
             except OSError:  # the thread ended meanwhile
                 continue
-            if pid != "self":
+            if pid == str(spinner):
+                name = "spin"
+            elif pid != "self":
                 name = "agent-send" if tid == pid else "agent-receive"
             pre = status.rsplit("nonvoluntary_ctxt_switches:", 1)[-1].split()
             out[int(tid)] = (name, int(fields[0]) / 1e9, int(fields[2]),
@@ -386,6 +419,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--gil", action="store_true", help="the GIL measurement (docstring)")
+    ap.add_argument("--control-spin", type=float, default=0.0, metavar="MS",
+                    help="add a control scheme 'spin': after every step, MS ms of CPU burnt "
+                         "in a process of its own per rank (no network, no GIL): what any "
+                         "extra CPU costs the other threads on a busy machine")
     args = ap.parse_args()
     if args.gil:
         load0 = os.getloadavg()[0]
@@ -403,6 +440,8 @@ def main() -> int:
     import hetplan
     from hetplan.ir.cluster import ClusterSpec
 
+    modes = MODES + (("spin",) if args.control_spin > 0 else ())
+
     spec = ClusterSpec.load(CLUSTER)
     load0 = os.getloadavg()[0]
     gem = hetplan.compile(args.model, spec, batch_size=args.batch, pp=2, dp=2, zero_stage=0,
@@ -412,12 +451,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm_base) as shm:
         out = os.path.join(tmp, "times.json")
         mp.spawn(_worker, args=(tmp, shm, {"gemini": gem.to_json(), "plain": plain.to_json()},
-                                args.model, args.rounds, args.iters, out),
+                                args.model, args.rounds, args.iters, out, args.control_spin),
                  nprocs=WORLD, join=True)
         ranks = json.loads(Path(out).read_text())
     # the job runs at its slowest rank: per block, the largest rank time
     med = {m: _med_ms([max(r["times"][m][k] for r in ranks)
-                       for k in range(len(ranks[0]["times"][m]))]) for m in MODES}
+                       for k in range(len(ranks[0]["times"][m]))]) for m in modes}
     ckpt_ms = {
         "gemini_round": _med_ms([x for r in ranks for x in r["gemini_round_s"]]),
         "gemini_wait_before_step": _med_ms([x for r in ranks for x in r["gemini_wait_s"]]),
@@ -425,28 +464,28 @@ def main() -> int:
         "blocking_disk_save": _med_ms([x for r in ranks for x in r["save_s"]["blocking-disk"]]),
         "dcp_save": _med_ms([x for r in ranks for x in r["save_s"]["dcp"]]),
     }
-    ratio = {m: med[m] / med["none"] for m in MODES}
+    ratio = {m: med[m] / med["none"] for m in modes}
     n_blocks = len(ranks[0]["times"]["none"])
-    block = {m: [max(r["times"][m][k] for r in ranks) for k in range(n_blocks)] for m in MODES}
+    block = {m: [max(r["times"][m][k] for r in ranks) for k in range(n_blocks)] for m in modes}
     paired = {m: statistics.median(block[m][k] / block["none"][k] for k in range(n_blocks))
-              for m in MODES}
+              for m in modes}
     cpu_ms = {m: {"training_thread": _med_ms([x for r in ranks for x in r["cpu_s"][m]]),
                   "process": _med_ms([x for r in ranks for x in r["process_cpu_s"][m]]),
                   "training_thread_runqueue": _med_ms([x for r in ranks for x in r["runqueue_s"][m]]),
                   "training_thread_asleep": _med_ms([x for r in ranks for x in r["asleep_s"][m]])}
-              for m in MODES}
-    keys = sorted({k for r in ranks for m in MODES for b in r["threads_s"][m] for k in b})
+              for m in modes}
+    keys = sorted({k for r in ranks for m in modes for b in r["threads_s"][m] for k in b})
     labels = [k for k in keys if "/" not in k]
 
     def mean(m: str, k: str) -> float:
         return statistics.fmean(b.get(k, 0.0) for r in ranks for b in r["threads_s"][m])
 
     per_thread = {m: {k: round(mean(m, k) * 1e3, 3) for k in labels if mean(m, k) >= 5e-7}
-                  for m in MODES}
+                  for m in modes}
     runs = {m: {k: round(mean(m, k + "/runs"), 1) for k in labels if mean(m, k) >= 5e-7}
-            for m in MODES}
+            for m in modes}
     preempted = {m: {k: round(mean(m, k + "/preempted"), 1) for k in labels
-                     if mean(m, k) >= 5e-7} for m in MODES}
+                     if mean(m, k) >= 5e-7} for m in modes}
     extra = {k: round(per_thread["gemini"].get(k, 0.0) - per_thread["none"].get(k, 0.0), 3)
              for k in labels}
     # per rank and round, gemini's block minus the none block beside it (load that drifts
@@ -455,6 +494,10 @@ def main() -> int:
         g.get(k, 0.0) - n.get(k, 0.0) for r in ranks
         for g, n in zip(r["threads_s"]["gemini"], r["threads_s"]["none"], strict=True)) * 1e3,
         3) for k in labels}
+    spin_extra = {k: round(statistics.median(
+        g.get(k, 0.0) - n.get(k, 0.0) for r in ranks
+        for g, n in zip(r["threads_s"]["spin"], r["threads_s"]["none"], strict=True)) * 1e3,
+        3) for k in labels} if "spin" in modes else None
     paired_extra["process"] = round(statistics.median(
         g - n for r in ranks for g, n in zip(r["process_cpu_s"]["gemini"],
                                              r["process_cpu_s"]["none"], strict=True)) * 1e3, 3)
@@ -464,9 +507,12 @@ def main() -> int:
         print(f"  {k:>16}: " + "  ".join(
             f"{m} {per_thread[m].get(k, 0.0):6.3f} ({runs[m].get(k, 0.0):5.1f}, "
             f"{preempted[m].get(k, 0.0):4.1f})"
-            for m in MODES) + f"   gemini-none {extra[k]:+.3f} (paired median "
+            for m in modes) + f"   gemini-none {extra[k]:+.3f} (paired median "
             f"{paired_extra[k]:+.3f})")
     print(f"  process CPU, gemini-none: paired median {paired_extra['process']:+.3f} ms")
+    if spin_extra:
+        print("  spin-none, paired medians: " + ", ".join(
+            f"{k} {v:+.3f}" for k, v in spin_extra.items()))
     cpu_ms["gemini"]["checkpoint_thread_per_round"] = _med_ms(
         [x for r in ranks for x in r["gemini_cpu_s"]])
     waits = sorted(x * 1e3 for r in ranks for x in r["gemini_wait_s"])
@@ -478,7 +524,7 @@ def main() -> int:
              "blocking_disk": 1}
     ck = gem.checkpointing
     assert ck is not None
-    for m in MODES:
+    for m in modes:
         print(f"{m:>14}: {med[m]:8.2f} ms/iteration  ({ratio[m]:.3f}x, paired "
               f"{paired[m]:.3f}x)  CPU: training thread {cpu_ms[m]['training_thread']:.2f} "
               f"ms, process {cpu_ms[m]['process']:.2f} ms; training thread asleep "
@@ -507,6 +553,8 @@ def main() -> int:
         "gemini_extra_cpu_ms_by_thread": extra,
         "gemini_extra_cpu_ms_total": round(sum(extra.values()), 3),
         "gemini_extra_cpu_ms_by_thread_paired_median": paired_extra,
+        **({"control_spin_ms": args.control_spin,
+            "spin_extra_cpu_ms_by_thread_paired_median": spin_extra} if spin_extra else {}),
         "gemini_wait_before_step_ms": {"median": statistics.median(waits),
                                        "p90": waits[int(0.9 * (len(waits) - 1))],
                                        "max": waits[-1], "count": len(waits)},
