@@ -125,13 +125,15 @@ class Agent:
                                f"expected {iteration}")
         raise RuntimeError(f"checkpoint side process: {msg[1]}")
 
-    def _recv(self, block: bool) -> tuple[Any, ...]:
-        """The next message; ``BlockingIOError`` when none is there and not ``block``.
-        (A socket with a Python timeout would wait before a ``MSG_DONTWAIT`` receive, so
-        the socket is blocking and the wait is a ``select``.)"""
-        if block and not select.select([self._ctrl], [], [], self._timeout)[0]:
+    def _recv(self, block: bool, wait_s: float | None = None) -> tuple[Any, ...]:
+        """The next message; ``BlockingIOError`` when none is there and not ``block``, else
+        waiting at most ``wait_s`` (default: the timeout). (A socket with a Python timeout
+        would wait before a ``MSG_DONTWAIT`` receive, so the socket is blocking and the wait
+        is a ``select``.)"""
+        wait_s = self._timeout if wait_s is None else wait_s
+        if block and not select.select([self._ctrl], [], [], wait_s)[0]:
             raise TimeoutError(f"the checkpoint side process (pid {self.pid}) did not "
-                               f"answer within {self._timeout:.0f} s")
+                               f"answer within {wait_s:.0f} s")
         data = self._ctrl.recv(_MSG, socket.MSG_DONTWAIT)
         if not data:
             code = self.proc.poll()
@@ -148,7 +150,7 @@ class Agent:
             self._send(("close", clean))
             deadline = time.monotonic() + (self._timeout if clean else 1.0)
             while time.monotonic() < deadline:
-                msg = self._recv(block=True)
+                msg = self._recv(True, max(deadline - time.monotonic(), 0.0))
                 if msg[0] == "closed":
                     break
         except (OSError, RuntimeError, TimeoutError):
