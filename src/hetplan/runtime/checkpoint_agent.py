@@ -177,6 +177,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _batch_policy() -> None:
+    """``SCHED_BATCH`` for this process (its threads inherit it): its many short wake-ups
+    (a chunk due, an acknowledgement, a copy arriving) do not preempt the training threads
+    on a busy machine; it runs when a CPU is free or at the next time slice, long before
+    the next step needs the round. Where the policy cannot be set, it stays as it is."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        pass
+
+
 class _Side:
     """The child's state: the streams, the store, the own slot's read-only mappings."""
 
@@ -334,6 +345,7 @@ def main(argv: Sequence[str]) -> int:
 
     spec = ast.literal_eval(argv[0])
     _die_with_parent(int(spec["parent"]))
+    _batch_policy()
     side = _Side(spec)
     for r, sock in side.inc.items():
         t = threading.Thread(target=side.receive, args=(r, sock), daemon=True,
