@@ -1,7 +1,7 @@
 """Gemini's side process: it sends a rank's snapshots to the holders and stores the copies
 of the ranks it holds, so that none of that work shares the training process's GIL.
 
-Decision (``docs/decisions/gemini.md``, "Side process"): with the streams on threads of the
+Decision (``docs/decisions/gemini.md``, "Round 3"): with the streams on threads of the
 training process, every system call of a round (the timed sends, the acknowledgement, the
 receivers' header, payload and acknowledgement) handed the GIL back and forth with the
 training thread, which takes it back after every torch op: 4 to 9 more wake-ups of the

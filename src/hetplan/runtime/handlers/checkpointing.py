@@ -9,9 +9,9 @@ What it does, per rank (``docs/decisions/gemini.md`` has the why):
    (:mod:`hetplan.runtime.checkpoint_snapshot`: a small pickled header, then every tensor's
    bytes copied by one ``torch.cat``) straight into this node's store
    (:mod:`hetplan.runtime.checkpoint_store`: shared-memory files mapped into the process, two
-   buffers, so they outlive the process). Packing costs about 0.3 ms of CPU per 1.4 MB; a
+   buffers, so they outlive the process). Packing costs about 0.2 ms of CPU per 1.4 MB; a
    thread that did it beside the training thread cost more (its wake-up and the GIL handed
-   back and forth; ``docs/decisions/gemini.md``, "Side process").
+   back and forth; ``docs/decisions/gemini.md``, "Round 3").
 2. **Replicas**: a side process per rank (:mod:`hetplan.runtime.checkpoint_agent`, so that
    none of the network work shares this process's GIL) sends the snapshot from the own slot
    to the rank's holders (``checkpointing.ranks[r].holders[1:]``), one TCP stream per holder
