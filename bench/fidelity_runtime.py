@@ -159,9 +159,10 @@ def _without(path: Path) -> Path:
 
 
 def _handovers(path: Path) -> dict[str, list[list[float]]]:
-    """The profile's hand-over records: ``operation n=group`` -> [[burst ms, message ms]]."""
+    """The profile's hand-over records: ``operation n=group bytes`` -> [[burst ms, message
+    ms]]."""
     doc = json.loads(path.read_text())
-    return {f"{r['operation']} n={r['group_size']}":
+    return {f"{r['operation']} n={r['group_size']} {r['nbytes']} B":
             [[round(s["burst_s"] * 1e3, 3), round(s["seconds"] * 1e3, 3)] for s in r["samples"]]
             for r in doc.get("handovers", [])}
 

@@ -17,7 +17,11 @@ length in ``bursts_s``:
    ``p2p`` (each rank ``isend`` to the next, ``irecv`` from the previous one, ``wait`` on
    both: a pipeline stage's blocking receive, every stage at once) or ``allreduce`` (the whole
    world, and every group of each size in ``group_sizes`` at once): the round's wall time
-   ``r``.
+   ``r``. All-reduces are timed at every message size in ``sizes`` (4 KiB and 1 MiB by
+   default: the wait grows with the message, a 1 MiB all-reduce on 4 ranks costs 3.8 / 4.6 /
+   9.1 ms after 0 / 1 / 3 ms of compute, ``docs/decisions/cpu-fidelity.md`` section 6; a
+   data-parallel bucket of the CPU plans is 0.1-1 MB); p2p at the smallest (a pipeline's
+   activations on those plans are tens of KiB).
 
 Both are timed in ``passes`` rounds over all the bursts (the host's fast and slow spells
 outlast one burst's block of rounds). A sample is ``(b, r - b)``: the time one message costs
@@ -36,10 +40,13 @@ from typing import Any
 
 from hetplan.cost_models.profile_db import HandoverRecord, HandoverSample
 
-__all__ = ["DEFAULT_BURSTS_S", "profile_handovers"]
+__all__ = ["DEFAULT_BURSTS_S", "DEFAULT_SIZES", "profile_handovers"]
 
 #: Bursts around the per-micro-batch stage times of small CPU plans (0.3-10 ms).
 DEFAULT_BURSTS_S: tuple[float, ...] = (0.0, 0.5e-3, 2e-3, 8e-3)
+#: Message sizes of the all-reduces (p2p: the smallest): a latency-bound message and one of
+#: the size of a small model's whole gradient bucket.
+DEFAULT_SIZES: tuple[int, ...] = (4096, 1 << 20)
 _CALIBRATE_S = 0.3  # wall time of the calibration, every process computing
 _DIM = 48  # matmul side of one unit of burst work (tens of microseconds on a CPU core)
 
@@ -86,9 +93,10 @@ def _mean_round_s(op: Any, rounds: int) -> float:
 
 
 def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Sequence[int],
-            nbytes: int, rounds: int, warmup: int, passes: int
-            ) -> dict[tuple[str, int], list[tuple[float, float]]]:
-    """Runs in every rank: (operation, group size) -> [(burst s, message s)], slowest rank's."""
+            sizes: Sequence[int], rounds: int, warmup: int, passes: int
+            ) -> dict[tuple[str, int, int], list[tuple[float, float]]]:
+    """Runs in every rank: (operation, group size, bytes) -> [(burst s, message s)], the
+    slowest rank's."""
     import torch
     import torch.distributed as dist
 
@@ -114,14 +122,15 @@ def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Seque
     t = torch.tensor([(time.perf_counter() - t0) / count], dtype=torch.float64)
     dist.all_reduce(t)
     per_unit = float(t.item()) / world
-    runs = [("p2p", 2, None)] + [("allreduce", g, groups[g]) for g in sorted(groups)]
-    # per (burst, operation): summed mean burst and slowest round over the passes
-    acc: dict[tuple[float, str, int], list[float]] = {}
+    runs = [("p2p", 2, None, min(sizes))] + [("allreduce", g, groups[g], n)
+                                              for g in sorted(groups) for n in sorted(sizes)]
+    # per (burst, operation, group, bytes): summed mean burst and slowest round over passes
+    acc: dict[tuple[float, str, int, int], list[float]] = {}
     per_pass = max(-(-rounds // passes), 1)
     for _ in range(passes):  # every pass over all bursts: no burst in one spell of the host
         for burst_s in bursts_s:
             burst = _burst_op(max(round(burst_s / per_unit), 0))
-            for operation, gsize, group in runs:
+            for operation, gsize, group, nbytes in runs:
                 message = _message_op(operation, rank, world, group, nbytes)
 
                 def both() -> None:
@@ -140,13 +149,13 @@ def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Seque
                 dist.all_reduce(mean_b)
                 max_r = torch.tensor([r], dtype=torch.float64)
                 dist.all_reduce(max_r, op=dist.ReduceOp.MAX)
-                sums = acc.setdefault((burst_s, operation, gsize), [0.0, 0.0])
+                sums = acc.setdefault((burst_s, operation, gsize, nbytes), [0.0, 0.0])
                 sums[0] += float(mean_b.item()) / world / passes
                 sums[1] += float(max_r.item()) / passes
                 dist.barrier()
-    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for (_, operation, gsize), (bb, rr) in acc.items():
-        out.setdefault((operation, gsize), []).append((bb, max(rr - bb, 0.0)))
+    out: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    for (_, operation, gsize, nbytes), (bb, rr) in acc.items():
+        out.setdefault((operation, gsize, nbytes), []).append((bb, max(rr - bb, 0.0)))
     return out
 
 
@@ -157,7 +166,7 @@ def profile_handovers(
     link_kind: str = "loopback",
     bursts_s: Sequence[float] = DEFAULT_BURSTS_S,
     group_sizes: Sequence[int] | None = None,
-    nbytes: int = 4096,
+    sizes: Sequence[int] = DEFAULT_SIZES,
     rounds: int = 45,
     warmup: int = 2,
     passes: int = 3,
@@ -174,7 +183,8 @@ def profile_handovers(
             0 measures the messages back to back under the same pattern.
         group_sizes: smaller all-reduce groups, every group of a size at once (default:
             every divisor of ``world_size`` from 2 below it, as :mod:`.collectives`).
-        nbytes: the message (per-rank buffer).
+        sizes: the messages (per-rank buffer bytes) of the all-reduces, one record each;
+            p2p is timed at the smallest.
         rounds / warmup: timed rounds per burst and operation (split over the passes),
             and untimed rounds before each pass's.
         passes: rounds over all bursts (as :func:`~.collectives.size_order`), so that every
@@ -184,12 +194,13 @@ def profile_handovers(
             CPU presets' cores).
 
     Returns:
-        One :class:`HandoverRecord` per operation and group size: ``p2p`` (group 2) and
-        ``allreduce`` at ``world_size`` and each of ``group_sizes``; a sample per burst.
+        One :class:`HandoverRecord` per operation, group size and message size: ``p2p``
+        (group 2, the smallest size) and ``allreduce`` at ``world_size`` and each of
+        ``group_sizes``, at each size; a sample per burst.
 
     Raises:
-        ValueError: ``world_size`` < 2, no bursts, a negative burst, ``nbytes`` < 1, or a
-            group size that does not divide ``world_size``.
+        ValueError: ``world_size`` < 2, no bursts, a negative burst, no sizes or one < 1, or
+            a group size that does not divide ``world_size``.
     """
     from hetplan.profiling._spawn import run_local_ranks
     from hetplan.profiling.collectives import subgroups
@@ -198,8 +209,8 @@ def profile_handovers(
         raise ValueError(f"hand-overs need world_size >= 2, got {world_size}")
     if not bursts_s or min(bursts_s) < 0:
         raise ValueError(f"bursts_s must be non-negative seconds, got {list(bursts_s)}")
-    if nbytes < 1:
-        raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"sizes must be message bytes >= 1, got {list(sizes)}")
     if passes < 1 or rounds < 1:
         raise ValueError(f"rounds and passes must be >= 1, got {rounds} and {passes}")
     if group_sizes is None:
@@ -209,13 +220,13 @@ def profile_handovers(
     bursts = tuple(sorted(set(bursts_s)))
     results = run_local_ranks(
         _worker, world_size,
-        (bursts, tuple(sorted(set(group_sizes) - {world_size})), nbytes, rounds, warmup,
-         passes),
+        (bursts, tuple(sorted(set(group_sizes) - {world_size})), tuple(sorted(set(sizes))),
+         rounds, warmup, passes),
         backend=backend, timeout_s=timeout_s, threads_per_process=threads_per_process,
     )
-    points: dict[tuple[str, int], list[tuple[float, float]]] = results[0]
+    points: dict[tuple[str, int, int], list[tuple[float, float]]] = results[0]
     records = []
-    for (operation, gsize), pts in sorted(points.items()):
+    for (operation, gsize, nbytes), pts in sorted(points.items()):
         # two bursts may come out at the same measured length: keep one sample per length
         by_burst: dict[float, list[float]] = {}
         for b, s in pts:
