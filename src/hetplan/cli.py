@@ -530,6 +530,10 @@ def profile_cmd(
                                    "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
+    link_kind: str = typer.Option(
+        None, "--link-kind", help="Link kind to file collective records under (default: "
+        "loopback on gloo); with HETPLAN_EMULATE_BW set, the kind of the emulated link, e.g. "
+        "ethernet for cpu-2x2-slow."),
     dtype: list[str] = typer.Option(
         None, "--dtype", help="Compute dtype(s) to time layers in: fp32 (default), bf16, fp16 "
         "(autocast, as a mixed-precision plan runs); repeat for several."),
@@ -565,6 +569,10 @@ def profile_cmd(
     chosen = tuple(what) if what else default
     if "layers" in chosen and not has_model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
+    kinds = ("nvlink", "pcie", "ethernet", "infiniband", "loopback")
+    if link_kind is not None and link_kind not in kinds:
+        raise SpecError(f"--link-kind {link_kind!r}: choose one of {', '.join(kinds)}"
+                        f"{did_you_mean(link_kind, list(kinds))}")
     dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
     bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
     if bad:
@@ -579,7 +587,7 @@ def profile_cmd(
     db = run_profile(
         target, world_size=world_size, device_type=device_type, output=output, what=chosen,
         batch_size=batch_size, seq=seq, layer_processes=layer_processes, dtypes=dtypes,
-        sparsity=spec,
+        sparsity=spec, link_kind=link_kind,
     )
     if spec is not None:
         from hetplan.profiling.sparsity import describe_records

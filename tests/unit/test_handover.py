@@ -25,10 +25,10 @@ MS = 1e-3
 
 
 def _line(collective: str, group: int, alpha_s: float, backend: str = "gloo",
-          link: str = "loopback") -> CollectiveRecord:
+          link: str = "loopback", beta: float = 1e-9) -> CollectiveRecord:
     return CollectiveRecord(collective=collective,  # type: ignore[arg-type]
                             backend=backend, link_kind=link, group_size=group,
-                            alpha_s=alpha_s, beta_s_per_byte=1e-9,
+                            alpha_s=alpha_s, beta_s_per_byte=beta,
                             samples=(CollectiveSample(nbytes=4096, seconds=alpha_s),))
 
 
@@ -266,3 +266,75 @@ def test_profile_handovers_rejects_bad_input() -> None:
         profile_handovers(4, passes=0)
     with pytest.raises(ValueError, match="sizes"):
         profile_handovers(4, sizes=())
+
+
+# -- the emulated inter-node link (cpu-2x2-slow) --------------------------------------------
+#: 1 Gbit/s: 8 ns per byte on the wire, times the bus factor (allgather 3/4, allreduce 3/2)
+ETH = ProfileDB(collectives=_lines() + (
+    _line("allgather", 4, 5.0 * MS, link="ethernet", beta=6e-9),
+    _line("allreduce", 4, 5.0 * MS, link="ethernet", beta=12e-9)),
+                handovers=_hands() + (_hand("allreduce", 4, [(0.0, 7.0 * MS), (4 * MS, 11 * MS)],
+                                            link="ethernet"),))
+SLOW = dict(dp=4, pp=1, tp=1, zero_stage=0, compressors=("fp16", "dgc"))
+
+
+def test_the_wait_on_the_emulated_link_is_its_own_record() -> None:
+    slow = ClusterSpec.from_preset("cpu-2x2-slow")
+    # loopback records say nothing about the inter-node link
+    assert CommModel(slow, WITH).wait_s("allreduce", 4, "inter", 1 * MS) == 0.0
+    comm = CommModel(slow, ETH)
+    assert comm.wait_s("allreduce", 4, "inter", 2 * MS) == pytest.approx(
+        9.0 * MS - comm.time_s("allreduce", 4096, 4, "inter"))
+
+
+def test_a_compressed_plan_across_the_emulated_link_pays_its_wait() -> None:
+    without = ProfileDB(collectives=ETH.collectives, handovers=_hands())
+    base = _plan("cpu-2x2-slow", without, **SLOW)
+    with_ = _plan("cpu-2x2-slow", ETH, **SLOW)
+    assert with_.gradient_sync == base.gradient_sync  # the same plan, priced with the wait
+    assert any(s.kind == "compressed"
+               for s in with_.gradient_sync.strategies.values())  # type: ignore[union-attr]
+    comm = CommModel(ClusterSpec.from_preset("cpu-2x2-slow"), ETH)
+    extra = with_.predictions.iteration_time_ms - base.predictions.iteration_time_ms
+    # the ethernet record after a burst between 0 and 4 ms: 7-11 ms, less the line at 4 KiB
+    line = comm.time_s("allreduce", 4096, 4, "inter")
+    assert (7.0 * MS - line) * 1e3 - 1e-6 <= extra <= (11.0 * MS - line) * 1e3 + 1e-6
+
+
+def test_emulated_profiles_need_the_link_and_its_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetplan.profiling import run_profile
+    from hetplan.profiling.handover import profile_handovers
+
+    monkeypatch.delenv("HETPLAN_EMULATE_BW", raising=False)
+    with pytest.raises(ValueError, match="HETPLAN_EMULATE_BW"):
+        profile_handovers(2, emulate=True)
+    monkeypatch.setenv("HETPLAN_EMULATE_BW", "1")
+    with pytest.raises(SpecError, match="--link-kind ethernet"):
+        run_profile(None, world_size=2, what=("collectives",), output=None,
+                    show_progress=False)
+
+
+@pytest.mark.dist
+def test_hand_overs_on_the_emulated_link_take_its_wire_time(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    from pathlib import Path
+
+    from hetplan.algorithms.collectives import analytic_time_s
+    from hetplan.profiling import run_profile
+    from hetplan.profiling.handover import profile_handovers
+
+    monkeypatch.setenv("HETPLAN_EMULATE_BW", "0.01")  # 10 Mbit/s: 64 KiB take ~10 ms
+    wire = analytic_time_s("allreduce", 65536, 2, 0.01e9 / 8, 0.0)
+    hands = profile_handovers(2, bursts_s=(0.0,), sizes=(65536,), rounds=2, warmup=1,
+                              passes=1, link_kind="ethernet", emulate=True, timeout_s=120)
+    got = {r.operation: r for r in hands}
+    assert got["allreduce"].link_kind == "ethernet"
+    assert got["allreduce"].samples[0].seconds >= wire * 0.99
+    assert got["p2p"].samples[0].seconds < wire / 2  # the runtime never throttles p2p
+    # `hetplan profile` with the variable set takes only the hand-overs, filed under the link
+    assert isinstance(tmp_path, Path)
+    monkeypatch.setattr("hetplan.profiling.profile_handovers",
+                        lambda *a, **k: hands if k.get("emulate") else [])
+    db = run_profile(None, world_size=2, what=("collectives",), output=tmp_path / "p.json",
+                     link_kind="ethernet", show_progress=False)
+    assert db.collectives == () and db.handovers == tuple(sorted(hands, key=lambda r: r.key))

@@ -29,6 +29,14 @@ beyond the burst. Each rank takes the mean over its rounds (the slow wake-ups ar
 measured; a median would drop them); ``b`` is the mean over the ranks and ``r`` the slowest
 rank's. The cost model charges it, less the back-to-back line at the same size, per blocking
 receive (:meth:`hetplan.cost_models.comm.CommModel.wait_s`).
+
+**On an emulated link** (``emulate=True``, with ``HETPLAN_EMULATE_BW`` set, as ``hetplan
+profile`` does when that variable is set): every all-reduce also occupies the runtime's
+emulated link (:func:`throttle`, :mod:`hetplan.runtime.link_emulation`), as a gradient sync
+across emulated nodes does, and the records are filed under the kind of link the emulation
+stands for (``ethernet`` for ``cpu-2x2-slow``). The emulated wire time is the analytic line
+of that link by construction, so only the hand-overs are taken there: what they add is the
+real loopback collective running underneath the emulated one, with its waits for a core.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ from typing import Any
 
 from hetplan.cost_models.profile_db import HandoverRecord, HandoverSample
 
-__all__ = ["DEFAULT_BURSTS_S", "DEFAULT_SIZES", "profile_handovers"]
+__all__ = ["DEFAULT_BURSTS_S", "DEFAULT_SIZES", "check_emulation", "profile_handovers",
+           "throttle"]
 
 #: Bursts around the per-micro-batch stage times of small CPU plans (0.3-10 ms).
 DEFAULT_BURSTS_S: tuple[float, ...] = (0.0, 0.5e-3, 2e-3, 8e-3)
@@ -65,14 +74,54 @@ def _burst_op(units: int) -> Any:
     return burst
 
 
-def _message_op(operation: str, rank: int, world: int, group: Any, nbytes: int) -> Any:
+def throttle(op: Any, name: str, nbytes: int, group_size: int, emulate: bool) -> Any:
+    """``op`` run on this process's emulated link (``HETPLAN_EMULATE_BW``) the way the
+    runtime runs a gradient-sync collective across nodes: queued on the link when it starts,
+    waited for until its emulated end when it returns (a lower bound, never added on top).
+    p2p, and anything without ``emulate``, runs as it is (the runtime throttles only
+    gradient-sync collectives).
+
+    Raises:
+        RuntimeError: ``emulate`` without ``HETPLAN_EMULATE_BW`` set in this process.
+    """
+    if not emulate or name == "p2p":
+        return op
+    from hetplan.runtime.link_emulation import ENV, emulated_link
+
+    link = emulated_link()
+    if link is None:
+        raise RuntimeError(f"emulate=True needs {ENV} set (the emulated link's Gbit/s)")
+
+    def run() -> None:
+        end = link.reserve(name, nbytes, group_size)
+        op()
+        link.wait(end)
+
+    return run
+
+
+def check_emulation(emulate: bool) -> None:
+    """Raise ValueError when ``emulate`` is asked without ``HETPLAN_EMULATE_BW`` set (the
+    spawned processes read the link from it)."""
+    if not emulate:
+        return
+    from hetplan.runtime.link_emulation import ENV, emulated_link
+
+    if emulated_link() is None:
+        raise ValueError(f"emulate=True needs {ENV} set to the emulated link's Gbit/s, e.g. "
+                         f"{ENV}=1 (as the run it describes)")
+
+
+def _message_op(operation: str, rank: int, world: int, group: Any, nbytes: int,
+                gsize: int, emulate: bool) -> Any:
     import torch
     import torch.distributed as dist
 
     x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
     y = torch.empty_like(x)
     if operation == "allreduce":
-        return lambda: dist.all_reduce(x, group=group)
+        return throttle(lambda: dist.all_reduce(x, group=group), "allreduce", nbytes, gsize,
+                        emulate)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
 
     def exchange() -> None:  # every rank sends and receives at once: every stage's receive
@@ -93,7 +142,7 @@ def _mean_round_s(op: Any, rounds: int) -> float:
 
 
 def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Sequence[int],
-            sizes: Sequence[int], rounds: int, warmup: int, passes: int
+            sizes: Sequence[int], rounds: int, warmup: int, passes: int, emulate: bool = False
             ) -> dict[tuple[str, int, int], list[tuple[float, float]]]:
     """Runs in every rank: (operation, group size, bytes) -> [(burst s, message s)], the
     slowest rank's."""
@@ -131,7 +180,7 @@ def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Seque
         for burst_s in bursts_s:
             burst = _burst_op(max(round(burst_s / per_unit), 0))
             for operation, gsize, group, nbytes in runs:
-                message = _message_op(operation, rank, world, group, nbytes)
+                message = _message_op(operation, rank, world, group, nbytes, gsize, emulate)
 
                 def both() -> None:
                     burst()
@@ -172,6 +221,7 @@ def profile_handovers(
     passes: int = 3,
     timeout_s: float = 120.0,
     threads_per_process: int | None = 1,
+    emulate: bool = False,
 ) -> list[HandoverRecord]:
     """Time p2p hand-overs and all-reduces after compute bursts on ``world_size`` processes.
 
@@ -192,6 +242,10 @@ def profile_handovers(
         timeout_s: limit on the whole run.
         threads_per_process: torch threads per process (1: a training rank's share of the
             CPU presets' cores).
+        emulate: the all-reduces also occupy the runtime's emulated link
+            (``HETPLAN_EMULATE_BW``, :func:`~.collectives.throttle`), as a gradient sync
+            across emulated nodes does; p2p never (the runtime does not throttle it). File
+            the records under that link's kind (``link_kind``).
 
     Returns:
         One :class:`HandoverRecord` per operation, group size and message size: ``p2p``
@@ -199,8 +253,9 @@ def profile_handovers(
         ``group_sizes``, at each size; a sample per burst.
 
     Raises:
-        ValueError: ``world_size`` < 2, no bursts, a negative burst, no sizes or one < 1, or
-            a group size that does not divide ``world_size``.
+        ValueError: ``world_size`` < 2, no bursts, a negative burst, no sizes or one < 1,
+            a group size that does not divide ``world_size``, or ``emulate`` without
+            ``HETPLAN_EMULATE_BW`` set.
     """
     from hetplan.profiling._spawn import run_local_ranks
     from hetplan.profiling.collectives import subgroups
@@ -217,11 +272,12 @@ def profile_handovers(
         group_sizes = [g for g in range(2, world_size) if world_size % g == 0]
     for g in group_sizes:
         subgroups(world_size, g)
+    check_emulation(emulate)
     bursts = tuple(sorted(set(bursts_s)))
     results = run_local_ranks(
         _worker, world_size,
         (bursts, tuple(sorted(set(group_sizes) - {world_size})), tuple(sorted(set(sizes))),
-         rounds, warmup, passes),
+         rounds, warmup, passes, emulate),
         backend=backend, timeout_s=timeout_s, threads_per_process=threads_per_process,
     )
     points: dict[tuple[str, int, int], list[tuple[float, float]]] = results[0]
