@@ -99,8 +99,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                                         "2", *_FP32), note="PP 2 x DP 2, 2 chunks per rank"),
     # Espresso on the per-tensor gradients, then Cupcake's fusion (the default pipeline's
     # DDP bucket comes first, and with the emulated link's hand-over waits Espresso, which
-    # compares per-tensor compression with it, keeps that fp32 bucket: predicted 17.8 ms,
-    # against 13.8 ms for the fused compressed bucket these passes reach)
+    # compares per-tensor compression with it, keeps that fp32 bucket: in one profile at
+    # load ~8, 17.8 ms predicted against 13.8 ms for the fused compressed bucket these
+    # passes reach; without the emulated link's records both pipelines give that bucket)
     Kind("compressed", "gpt-test", 8, ("--dp", "4", "--pp", "1", "--tp", "1", "--zero", "0",
                                        "--compress", "fp16,dgc", "--passes",
                                        "uniform-stages,espresso,cupcake-fusion", *_FP32),
