@@ -48,8 +48,8 @@ from typing import Any
 
 from hetplan.cost_models.profile_db import HandoverRecord, HandoverSample
 
-__all__ = ["DEFAULT_BURSTS_S", "DEFAULT_SIZES", "check_emulation", "profile_handovers",
-           "throttle"]
+__all__ = ["DEFAULT_BURSTS_S", "DEFAULT_SIZES", "LinkSettings", "emulated_settings",
+           "profile_handovers", "throttle"]
 
 #: Bursts around the per-micro-batch stage times of small CPU plans (0.3-10 ms).
 DEFAULT_BURSTS_S: tuple[float, ...] = (0.0, 0.5e-3, 2e-3, 8e-3)
@@ -74,46 +74,53 @@ def _burst_op(units: int) -> Any:
     return burst
 
 
-def throttle(op: Any, name: str, nbytes: int, group_size: int, emulate: bool) -> Any:
-    """``op`` run on this process's emulated link (``HETPLAN_EMULATE_BW``) the way the
-    runtime runs a gradient-sync collective across nodes: queued on the link when it starts,
-    waited for until its emulated end when it returns (a lower bound, never added on top).
-    p2p, and anything without ``emulate``, runs as it is (the runtime throttles only
-    gradient-sync collectives).
+#: An emulated link's settings, passed to the processes: (Gbit/s, latency per step in µs).
+LinkSettings = tuple[float, float]
 
-    Raises:
-        RuntimeError: ``emulate`` without ``HETPLAN_EMULATE_BW`` set in this process.
-    """
-    if not emulate or name == "p2p":
+
+def throttle(op: Any, name: str, nbytes: int, group_size: int,
+             link: LinkSettings | None) -> Any:
+    """``op`` run on an emulated link of these settings (one per process, as the runtime's
+    :class:`~hetplan.runtime.link_emulation.EmulatedLink` of ``HETPLAN_EMULATE_BW``) the way
+    the runtime runs a gradient-sync collective across nodes: queued on the link when it
+    starts, waited for until its emulated end when it returns (a lower bound, never added on
+    top). p2p, and anything without a link, runs as it is (the runtime throttles only
+    gradient-sync collectives)."""
+    if link is None or name == "p2p":
         return op
-    from hetplan.runtime.link_emulation import ENV, emulated_link
+    from hetplan.runtime.link_emulation import EmulatedLink
 
-    link = emulated_link()
-    if link is None:
-        raise RuntimeError(f"emulate=True needs {ENV} set (the emulated link's Gbit/s)")
+    emulated = EmulatedLink(*link)
 
     def run() -> None:
-        end = link.reserve(name, nbytes, group_size)
+        end = emulated.reserve(name, nbytes, group_size)
         op()
-        link.wait(end)
+        emulated.wait(end)
 
     return run
 
 
-def check_emulation(emulate: bool) -> None:
-    """Raise ValueError when ``emulate`` is asked without ``HETPLAN_EMULATE_BW`` set (the
-    spawned processes read the link from it)."""
+def emulated_settings(emulate: bool) -> LinkSettings | None:
+    """The settings of the runtime's emulated link from ``HETPLAN_EMULATE_BW`` (and
+    ``HETPLAN_EMULATE_LATENCY_US``) when ``emulate``, else None; read here and passed to the
+    spawned processes (a process pool may have started before the variable was set).
+
+    Raises:
+        ValueError: ``emulate`` without ``HETPLAN_EMULATE_BW`` set.
+    """
     if not emulate:
-        return
+        return None
     from hetplan.runtime.link_emulation import ENV, emulated_link
 
-    if emulated_link() is None:
+    link = emulated_link()
+    if link is None:
         raise ValueError(f"emulate=True needs {ENV} set to the emulated link's Gbit/s, e.g. "
                          f"{ENV}=1 (as the run it describes)")
+    return (link.bytes_per_s * 8 / 1e9, link.latency_s * 1e6)
 
 
 def _message_op(operation: str, rank: int, world: int, group: Any, nbytes: int,
-                gsize: int, emulate: bool) -> Any:
+                gsize: int, link: LinkSettings | None) -> Any:
     import torch
     import torch.distributed as dist
 
@@ -121,7 +128,7 @@ def _message_op(operation: str, rank: int, world: int, group: Any, nbytes: int,
     y = torch.empty_like(x)
     if operation == "allreduce":
         return throttle(lambda: dist.all_reduce(x, group=group), "allreduce", nbytes, gsize,
-                        emulate)
+                        link)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
 
     def exchange() -> None:  # every rank sends and receives at once: every stage's receive
@@ -142,7 +149,8 @@ def _mean_round_s(op: Any, rounds: int) -> float:
 
 
 def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Sequence[int],
-            sizes: Sequence[int], rounds: int, warmup: int, passes: int, emulate: bool = False
+            sizes: Sequence[int], rounds: int, warmup: int, passes: int,
+            link: LinkSettings | None = None
             ) -> dict[tuple[str, int, int], list[tuple[float, float]]]:
     """Runs in every rank: (operation, group size, bytes) -> [(burst s, message s)], the
     slowest rank's."""
@@ -180,7 +188,7 @@ def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Seque
         for burst_s in bursts_s:
             burst = _burst_op(max(round(burst_s / per_unit), 0))
             for operation, gsize, group, nbytes in runs:
-                message = _message_op(operation, rank, world, group, nbytes, gsize, emulate)
+                message = _message_op(operation, rank, world, group, nbytes, gsize, link)
 
                 def both() -> None:
                     burst()
@@ -243,7 +251,7 @@ def profile_handovers(
         threads_per_process: torch threads per process (1: a training rank's share of the
             CPU presets' cores).
         emulate: the all-reduces also occupy the runtime's emulated link
-            (``HETPLAN_EMULATE_BW``, :func:`~.collectives.throttle`), as a gradient sync
+            (``HETPLAN_EMULATE_BW``, :func:`throttle`), as a gradient sync
             across emulated nodes does; p2p never (the runtime does not throttle it). File
             the records under that link's kind (``link_kind``).
 
@@ -272,12 +280,12 @@ def profile_handovers(
         group_sizes = [g for g in range(2, world_size) if world_size % g == 0]
     for g in group_sizes:
         subgroups(world_size, g)
-    check_emulation(emulate)
+    link = emulated_settings(emulate)
     bursts = tuple(sorted(set(bursts_s)))
     results = run_local_ranks(
         _worker, world_size,
         (bursts, tuple(sorted(set(group_sizes) - {world_size})), tuple(sorted(set(sizes))),
-         rounds, warmup, passes, emulate),
+         rounds, warmup, passes, link),
         backend=backend, timeout_s=timeout_s, threads_per_process=threads_per_process,
     )
     points: dict[tuple[str, int, int], list[tuple[float, float]]] = results[0]
