@@ -90,6 +90,21 @@ def test_bad_arguments(pcie: ClusterSpec) -> None:
         CommModel(ClusterSpec.from_preset("local-cpu")).time_s("allreduce", 1e6, 2, "inter")
 
 
+def test_nccl_bus_bandwidth_below_nvlink_and_infiniband_line_rate(pcie: ClusterSpec) -> None:
+    # NVLink 3 (2400 Gb/s = 300e9 B/s line rate) reaches 0.80 of it as bus bandwidth: 240e9 B/s.
+    # all-reduce of 84e6 B over 8 ranks: 14 steps x 2 µs + 1.75 x 84e6 / 240e9 = 0.028 + 0.6125 ms
+    nvlink = LinkSpec(kind="nvlink", bandwidth_gbps=2400, latency_us=2)
+    m = CommModel(pcie)
+    assert m.time_s("allreduce", 84e6, 8, nvlink) == pytest.approx(28e-6 + 0.6125e-3)
+    assert "x 0.8" in m.alpha_beta("allreduce", 8, nvlink).detail
+    # HDR InfiniBand, 8 x 200 Gb/s per node (200e9 B/s) at 0.96: 192e9 B/s; p2p of 96e6 B
+    ib = LinkSpec(kind="infiniband", bandwidth_gbps=1600, latency_us=3)
+    assert m.time_s("p2p", 96e6, 2, ib) == pytest.approx(3e-6 + 0.5e-3)
+    # kinds without a published NCCL figure keep the line rate (the by-hand tests above)
+    eth = LinkSpec(kind="ethernet", bandwidth_gbps=1600, latency_us=3)
+    assert m.time_s("p2p", 96e6, 2, eth) == pytest.approx(3e-6 + 96e6 / 200e9)
+
+
 def test_named_links_and_backend() -> None:
     mixed = ClusterSpec.from_preset("mixed-generations")
     m = CommModel(mixed)

@@ -4,8 +4,10 @@ Convention (one for analytic and profiled costs; tests check it)::
 
     t(collective, nbytes, n) = steps(collective, n) * alpha + factor(collective, n) * nbytes / B
 
-* ``alpha`` is the latency of **one algorithm step** (``LinkSpec.latency_s``), ``B`` the link's
-  bus bandwidth (``LinkSpec.bandwidth_bytes_per_s``) and ``n`` the group size.
+* ``alpha`` is the latency of **one algorithm step** (``LinkSpec.latency_s``), ``B`` the bus
+  bandwidth NCCL reaches on the link (its line rate ``LinkSpec.bandwidth_bytes_per_s`` times
+  the protocol efficiency of its kind, :data:`~hetplan.algorithms.collectives.PROTOCOL_EFFICIENCY`:
+  NVLink 0.80, InfiniBand 0.96, others 1) and ``n`` the group size.
 * ``factor`` is the NCCL-tests bus-bandwidth factor (``algbw = busbw / factor``):
   ``2(n-1)/n`` allreduce; ``(n-1)/n`` reduce_scatter, allgather, alltoall, gather; ``1``
   broadcast, reduce, p2p.
@@ -57,8 +59,10 @@ from typing import Literal
 
 from hetplan.algorithms.collectives import (
     COLLECTIVES,
+    PROTOCOL_EFFICIENCY,
     Collective,
     analytic_time_s,
+    bus_bandwidth_bytes_per_s,
     bus_factor,
     check_collective,
     latency_steps,
@@ -378,11 +382,14 @@ class CommModel:
             b = fit.beta_s_per_byte * factor / bus_factor(collective, m)
             return AlphaBeta(a, b, "profiled",
                              f"{self.backend} {spec.kind} n={m} rescaled to n={group_size}")
+        eff = PROTOCOL_EFFICIENCY.get(spec.kind, 1.0)
         return AlphaBeta(
             steps * spec.latency_s,
-            factor / spec.bandwidth_bytes_per_s,
+            factor / bus_bandwidth_bytes_per_s(spec.kind, spec.bandwidth_bytes_per_s),
             "analytic",
-            f"{spec.kind} {spec.bandwidth_gbps:g} Gbit/s, {spec.latency_us:g} us/step",
+            f"{spec.kind} {spec.bandwidth_gbps:g} Gbit/s"
+            + (f" x {eff:g} (NCCL's bus bandwidth)" if eff != 1.0 else "")
+            + f", {spec.latency_us:g} us/step",
         )
 
 

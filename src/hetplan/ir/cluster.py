@@ -21,7 +21,10 @@ A minimal file::
 Units are in the field names. Link bandwidths are in **Gbit/s** (``bandwidth_gbps``), per
 direction: for the intra-node link it is what one device can send while receiving as much
 (NVLink 3: 600 GB/s bidirectional = 300 GB/s = 2400 Gbit/s each way); for ``inter_node`` it is
-what one node can send through all its NICs together. Device memory bandwidth is in
+what one node can send through all its NICs together. Both are line rates (the datasheet's);
+the analytic cost model prices collectives at the bus bandwidth NCCL reaches on them
+(``hetplan.algorithms.collectives.PROTOCOL_EFFICIENCY``), a profile at what it measured.
+Device memory bandwidth is in
 **GB/s** (bytes; ``mem_bandwidth_gb_s``). Peak compute is dense (no sparsity) TFLOP/s.
 
 Heterogeneity and stragglers: ``slowdown`` (≥ 1) on a device type or on a node group divides
