@@ -314,6 +314,25 @@ def test_emulated_profiles_need_the_link_and_its_kind(monkeypatch: pytest.Monkey
                     show_progress=False)
 
 
+def test_profile_command_names_the_link_kind_option(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: object) -> None:
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+
+    assert isinstance(tmp_path, Path)
+    out = str(tmp_path / "p.json")
+    bad = CliRunner().invoke(app, ["profile", "-o", out, "--what", "collectives",
+                                   "--link-kind", "ethernt"])
+    assert bad.exit_code != 0 and "--link-kind 'ethernt'" in bad.output
+    assert "ethernet" in bad.output
+    monkeypatch.setenv("HETPLAN_EMULATE_BW", "1")
+    unfiled = CliRunner().invoke(app, ["profile", "-o", out, "--what", "collectives"])
+    assert unfiled.exit_code != 0 and "--link-kind ethernet" in unfiled.output
+
+
 @pytest.mark.dist
 def test_hand_overs_on_the_emulated_link_take_its_wire_time(
         monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
