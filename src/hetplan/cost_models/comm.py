@@ -43,9 +43,12 @@ training step does), a blocking message costs what the record measured after a b
 plan's length, beyond what the line above says for the record's message size (records at
 several sizes: interpolated in bytes), the wait for a core that a rank which blocked on a
 message pays on a CPU with more processes than cores.
-The evaluator adds it per blocking receive on the pipeline's links and once per collective
-phase of data- and tensor-parallel sync. Without such a record (GPU profiles, analytic
-costs, another backend) it is 0 s, and plans are priced exactly as before.
+The evaluator adds it per blocking receive on the pipeline's links and once per data-parallel
+sync, at its first bucket's bytes; TP's per-layer all-reduces are not charged (measured to
+hide most of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
+(``HETPLAN_EMULATE_BW``) are filed under the kind of link it stands for and apply there.
+Without such a record (GPU profiles, analytic costs, another backend) it is 0 s, and plans
+are priced exactly as before.
 
 Speed: :meth:`CommModel.time_s` looks up a precomputed line per (collective, group size, link)
 and does one multiply-add; nothing touches pydantic after the first call for a key.
