@@ -10,9 +10,10 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    recorded in the result beside the profile), and the per-step framework costs (the
    optimizer step per tensor and per byte, on 4 processes at once).
    A kind run on an emulated slow link (``compressed``: ``HETPLAN_EMULATE_BW=1`` on
-   ``cpu-2x2-slow``) gets a copy of its model's profile with the collectives and hand-overs
-   timed on that link too (``hetplan profile --what collectives --link-kind ethernet``
-   under the same environment), as its run pays them.
+   ``cpu-2x2-slow``) gets a copy of its model's profile with the hand-overs timed on that
+   link too (``hetplan profile --what collectives --link-kind ethernet`` under the same
+   environment: its wire time is the analytic line, what runs under it is measured), as its
+   run pays them.
 2. **Plan** each kind: ``hetplan plan MODEL --cluster local-cpu --profile prof.json`` pinned
    to the kind (``KINDS``: dp, pp, tp, micro-batch, ZeRO, schedule, passes).
 3. **Run** it: ``hetplan run plan.json --model MODEL --steps N --report report.json`` on 4 CPU
@@ -74,7 +75,7 @@ class Kind:
     env: dict[str, str] = field(default_factory=dict)
     note: str = ""
     #: the kind of the link ``env`` emulates (``HETPLAN_EMULATE_BW``): the model's profile
-    #: gains the collectives and hand-overs timed on that link, filed under it
+    #: gains the hand-overs timed on that link, filed under it
     emulated_link: str = ""
 
 
@@ -168,9 +169,9 @@ def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict
 
 def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
                      ) -> tuple[Path, dict[str, Any]]:
-    """``base`` plus the collectives and hand-overs timed on the kind's emulated link
-    (``hetplan profile --what collectives --link-kind LINK`` under the kind's environment,
-    merged into a copy of ``base``), as its run pays them."""
+    """``base`` plus the hand-overs timed on the kind's emulated link (``hetplan profile
+    --what collectives --link-kind LINK`` under the kind's environment, merged into a copy of
+    ``base``), as its run pays them."""
     out = tmp / f"{base.stem}_{kind.emulated_link}.json"
     shutil.copyfile(base, out)
     cmd = [*_hetplan(), "profile", "-o", str(out), "-n", str(RANKS), "--what", "collectives",

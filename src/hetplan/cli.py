@@ -569,7 +569,11 @@ def profile_cmd(
     chosen = tuple(what) if what else default
     if "layers" in chosen and not has_model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
-    kinds = ("nvlink", "pcie", "ethernet", "infiniband", "loopback")
+    from typing import get_args
+
+    from hetplan.ir.cluster import LinkKind
+
+    kinds = get_args(LinkKind)
     if link_kind is not None and link_kind not in kinds:
         raise SpecError(f"--link-kind {link_kind!r}: choose one of {', '.join(kinds)}"
                         f"{did_you_mean(link_kind, list(kinds))}")

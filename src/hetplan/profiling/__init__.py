@@ -55,10 +55,10 @@ from hetplan.profiling.layers import (
     profile_layers,
     profile_layers_concurrent,
 )
+from hetplan.profiling.sparsity import SparsitySpec, profile_sparsity
 from hetplan.profiling.step import profile_optimizer_steps
 from hetplan.runtime.link_emulation import ENV as EMULATE_ENV
 from hetplan.runtime.link_emulation import emulated_link
-from hetplan.profiling.sparsity import SparsitySpec, profile_sparsity
 
 __all__ = [
     "DEFAULT_COLLECTIVES",
