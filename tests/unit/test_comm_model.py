@@ -105,6 +105,22 @@ def test_nccl_bus_bandwidth_below_nvlink_and_infiniband_line_rate(pcie: ClusterS
     assert m.time_s("p2p", 96e6, 2, eth) == pytest.approx(3e-6 + 96e6 / 200e9)
 
 
+def test_measured_bus_bandwidth_is_not_derated() -> None:
+    # the Espresso artifact's NVLink constant (50 GB/s) is a measured bus bandwidth:
+    # all-reduce of 1e8 B over 8 ranks = 14 x 2 µs + 1.75 x 1e8 / 50e9 = 0.028 + 3.5 ms
+    espresso = ClusterSpec.from_preset("espresso-nvlink-8x8")
+    link = espresso.nodes[0].intra_link
+    assert link.kind == "nvlink" and link.bus_efficiency == 1.0
+    assert CommModel(espresso).time_s("allreduce", 1e8, 8, link) == pytest.approx(
+        28e-6 + 3.5e-3)
+    # the same link as a line rate is priced at 0.80 of it
+    line = LinkSpec(kind="nvlink", bandwidth_gbps=400, latency_us=2)
+    assert CommModel(espresso).time_s("allreduce", 1e8, 8, line) == pytest.approx(
+        28e-6 + 3.5e-3 / 0.8)
+    with pytest.raises(ValueError, match="bus_efficiency"):
+        LinkSpec(kind="nvlink", bandwidth_gbps=400, latency_us=2, bus_efficiency=1.5)
+
+
 def test_named_links_and_backend() -> None:
     mixed = ClusterSpec.from_preset("mixed-generations")
     m = CommModel(mixed)

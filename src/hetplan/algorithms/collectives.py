@@ -21,7 +21,7 @@ from typing import Literal, get_args
 from hetplan.ir.validation import did_you_mean
 
 __all__ = ["COLLECTIVES", "Collective", "PROTOCOL_EFFICIENCY", "analytic_time_s",
-           "bus_bandwidth_bytes_per_s", "bus_factor", "check_collective", "latency_steps"]
+           "bus_bandwidth_bytes_per_s", "bus_efficiency", "bus_factor", "check_collective", "latency_steps"]
 
 #: The collective operations the model knows.
 Collective = Literal[
@@ -43,9 +43,16 @@ COLLECTIVES: tuple[str, ...] = get_args(Collective)
 PROTOCOL_EFFICIENCY: dict[str, float] = {"nvlink": 0.80, "infiniband": 0.96}
 
 
-def bus_bandwidth_bytes_per_s(kind: str, line_rate_bytes_per_s: float) -> float:
+def bus_efficiency(kind: str, given: float | None = None) -> float:
+    """The share of a link's line rate NCCL reaches: ``given`` (the cluster spec's
+    ``bus_efficiency``) where set, else the figure of ``kind``."""
+    return given if given is not None else PROTOCOL_EFFICIENCY.get(kind, 1.0)
+
+
+def bus_bandwidth_bytes_per_s(kind: str, line_rate_bytes_per_s: float,
+                              given: float | None = None) -> float:
     """The bus bandwidth NCCL reaches on a link of ``kind`` with this line rate."""
-    return line_rate_bytes_per_s * PROTOCOL_EFFICIENCY.get(kind, 1.0)
+    return line_rate_bytes_per_s * bus_efficiency(kind, given)
 
 
 def check_collective(collective: str) -> None:

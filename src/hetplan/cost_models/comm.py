@@ -6,8 +6,9 @@ Convention (one for analytic and profiled costs; tests check it)::
 
 * ``alpha`` is the latency of **one algorithm step** (``LinkSpec.latency_s``), ``B`` the bus
   bandwidth NCCL reaches on the link (its line rate ``LinkSpec.bandwidth_bytes_per_s`` times
-  the protocol efficiency of its kind, :data:`~hetplan.algorithms.collectives.PROTOCOL_EFFICIENCY`:
-  NVLink 0.80, InfiniBand 0.96, others 1) and ``n`` the group size.
+  the link's ``bus_efficiency``, by default the figure of its kind,
+  :data:`~hetplan.algorithms.collectives.PROTOCOL_EFFICIENCY`: NVLink 0.80, InfiniBand 0.96,
+  others 1) and ``n`` the group size.
 * ``factor`` is the NCCL-tests bus-bandwidth factor (``algbw = busbw / factor``):
   ``2(n-1)/n`` allreduce; ``(n-1)/n`` reduce_scatter, allgather, alltoall, gather; ``1``
   broadcast, reduce, p2p.
@@ -62,10 +63,9 @@ from typing import Literal
 
 from hetplan.algorithms.collectives import (
     COLLECTIVES,
-    PROTOCOL_EFFICIENCY,
     Collective,
     analytic_time_s,
-    bus_bandwidth_bytes_per_s,
+    bus_efficiency,
     bus_factor,
     check_collective,
     latency_steps,
@@ -385,10 +385,10 @@ class CommModel:
             b = fit.beta_s_per_byte * factor / bus_factor(collective, m)
             return AlphaBeta(a, b, "profiled",
                              f"{self.backend} {spec.kind} n={m} rescaled to n={group_size}")
-        eff = PROTOCOL_EFFICIENCY.get(spec.kind, 1.0)
+        eff = bus_efficiency(spec.kind, spec.bus_efficiency)
         return AlphaBeta(
             steps * spec.latency_s,
-            factor / bus_bandwidth_bytes_per_s(spec.kind, spec.bandwidth_bytes_per_s),
+            factor / (spec.bandwidth_bytes_per_s * eff),
             "analytic",
             f"{spec.kind} {spec.bandwidth_gbps:g} Gbit/s"
             + (f" x {eff:g} (NCCL's bus bandwidth)" if eff != 1.0 else "")

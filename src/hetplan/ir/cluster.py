@@ -191,6 +191,11 @@ class LinkSpec(BaseModel):
             one host).
         bandwidth_gbps: Gbit/s per direction (see the module docstring for what it counts).
         latency_us: one-way latency of a small message, in microseconds.
+        bus_efficiency: the share of ``bandwidth_gbps`` that NCCL's collectives reach (their
+            bus bandwidth). Unset: the published figure of the link's kind
+            (``hetplan.algorithms.collectives.PROTOCOL_EFFICIENCY``: NVLink 0.80, InfiniBand
+            0.96, others 1). ``1`` when ``bandwidth_gbps`` is already a measured bus
+            bandwidth rather than a line rate.
     """
 
     model_config = _CONFIG
@@ -198,6 +203,8 @@ class LinkSpec(BaseModel):
     kind: LinkKind
     bandwidth_gbps: _Bandwidth
     latency_us: _LatencyUs
+    bus_efficiency: Annotated[float | None, Field(default=None, gt=0, le=1,
+                                                  allow_inf_nan=False)] = None
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
@@ -561,6 +568,10 @@ class ClusterSpec(BaseModel):
                 node.pop("cpu_memory_gib", None)
         if data.get("stragglers") is None:  # specs written before the field keep their hash
             data.pop("stragglers", None)
+        links = [node.get("intra_link") for node in data.get("nodes", ())]
+        for link in [*links, data.get("inter_node")]:
+            if isinstance(link, dict) and link.get("bus_efficiency") is None:
+                link.pop("bus_efficiency", None)
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
