@@ -54,7 +54,7 @@ from __future__ import annotations
 from hetplan.cost_models.kernels import Attention, block_shape
 from hetplan.ir.plan_sections import LayerCost
 
-__all__ = ["engine_layer", "vocab_layers", "tied_head_copy"]
+__all__ = ["engine_layer", "splits_vocabulary", "vocab_layers", "tied_head_copy"]
 
 
 def engine_layer(lay: LayerCost, tokens: int, capture_bytes: int,
@@ -109,13 +109,23 @@ def _vocab_table(lay: LayerCost, vocab: tuple[int, int], capture_bytes: int) -> 
     return lay.kind == "embedding" and lay.param_bytes == vocab[0] * vocab[1] * capture_bytes
 
 
+def splits_vocabulary(layers: tuple[LayerCost, ...], capture_bytes: int) -> bool:
+    """Whether a vocabulary-parallel head can be split in this model: its last layer is an
+    LM head (``tokens x h -> V``) beside a ``V x h`` token embedding — the pair the
+    runtime's ``shard_vocab`` splits (it refuses a plan asking for the split without one).
+    ``compile`` states ``cost_settings.vocab_parallel = "split"`` only where this holds, so
+    the planner never prices a split the runtime does not do."""
+    vocab = _vocab(layers)
+    return vocab is not None and any(_vocab_table(x, vocab, capture_bytes) for x in layers)
+
+
 def vocab_layers(layers: tuple[LayerCost, ...], capture_bytes: int) -> tuple[LayerCost, ...]:
     """``layers`` with the LM head's and the vocabulary embedding's parameters TP-split
     (a vocabulary-parallel head, see the module docstring); ``layers`` when the model has
     no LM head or no ``V x h`` embedding beside it (the runtime's ``shard_vocab`` splits
     the pair only)."""
     vocab = _vocab(layers)
-    if vocab is None or not any(_vocab_table(x, vocab, capture_bytes) for x in layers):
+    if vocab is None or not splits_vocabulary(layers, capture_bytes):
         return layers  # the runtime splits a head only beside its vocabulary embedding
     return tuple(
         x.model_copy(update={"tp_split_bytes": x.param_bytes})

@@ -422,6 +422,12 @@ def _tensor_parallel(plan: Plan) -> list[str]:
         if plan.stages and not set(g.ranks) <= stage_ranks[g.stage]:
             out.append(f"{where}.ranks: {_short(g.ranks)} are not all ranks of its stage "
                        f"{g.stage} {_short(plan.stages[g.stage].ranks)}")
+    cs = plan.cost_settings
+    if cs is not None and cs.vocab_parallel == "split" and tp.controller.variant != "off":
+        out.append(f"cost_settings.vocab_parallel: 'split' with the TP resizing controller "
+                   f"({tp.controller.variant}), which resizes the MLP shards only and keeps "
+                   "the vocabulary whole; a plan with the controller says 'whole' (re-run "
+                   "`hetplan plan`)")
     gammas = tp.predicted.expected_gamma if tp.predicted is not None else {}
     if bad_keys := sorted(k for k in gammas if not k.isdigit() or int(k) >= ws):
         out.append(f"tensor_parallel.predicted.expected_gamma: keys {_short(bad_keys)} are not "

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from hetplan.errors import SpecError
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.megatron import (
     FusedColumnParallelLinear,
@@ -49,8 +50,9 @@ class TensorParallelHandler(Handler):
     per-linear shard sizes); then, unless the resizing controller (or an emulated straggler)
     runs on the MLP shards (then, with a warning, nothing more), Megatron's remaining splits (:mod:`hetplan.runtime.megatron`):
     attention by whole heads (the plan's sizes for the output projection when it lists them),
-    the vocabulary-parallel embedding and LM head — ``ctx.loss_fn`` becomes the parallel
-    cross-entropy when it is the token cross-entropy — and, with
+    the vocabulary-parallel embedding and LM head as ``cost_settings.vocab_parallel`` says
+    (:func:`_vocab_to_split`, which refuses a split it cannot do) — ``ctx.loss_fn`` becomes
+    the parallel cross-entropy when it is the token cross-entropy — and, with
     ``layout.sequence_parallel``, sequence parallelism between the first and the last
     sharded layer, whose shared parameters' gradients are summed over the TP group after
     backward (before the data-parallel sync, which runs in a later handler).
@@ -84,6 +86,7 @@ class TensorParallelHandler(Handler):
         layers = ctx.model_ir().layers
         if layout.pp > 1:  # the stage handler traces the model as it was before sharding
             self.unsharded = copy.deepcopy(ctx.model)
+        vocab = _vocab_to_split(ctx, [x.name for x in layers])
         shard_model(ctx.model, layers, ctx.plan.tensor_parallel, g, r, tp, stage=stage)
         if _controller_on(ctx):
             if layout.sequence_parallel and r == 0:
@@ -98,7 +101,7 @@ class TensorParallelHandler(Handler):
             shard_attention(ctx.model, name, g, r, tp, planned.get(f"{name}.{out}"),
                             sp=layout.sequence_parallel and layout.pp == 1)
             self.attention.append(name)
-        self.vocab = _vocab_pair(ctx.model, [x.name for x in layers])
+        self.vocab = vocab
         if self.vocab is not None:
             ctx.loss_fn = shard_vocab(ctx.model, self.vocab[0], self.vocab[1], g, r, tp,
                                       ctx.loss_fn)
@@ -162,6 +165,41 @@ def _planned_sizes(ctx: RuntimeContext, group: Any, rank: int, tp: int,
                    stage: int | None) -> dict[str, tuple[int, ...]]:
     found = _find_group(ctx.plan.tensor_parallel, group, rank, tp, stage)
     return {s.name: tuple(s.shard_sizes) for s in found.linears} if found is not None else {}
+
+
+def vocab_mode(ctx: RuntimeContext) -> str:
+    """The plan's ``cost_settings.vocab_parallel`` (``unstated`` for a plan without cost
+    settings, written before the plan stated it)."""
+    cs = ctx.plan.cost_settings
+    return cs.vocab_parallel if cs is not None else "unstated"
+
+
+def _vocab_to_split(ctx: RuntimeContext, layer_names: list[str]) -> tuple[str, str | None] | None:
+    """``(head, embedding)`` to split by vocabulary as the plan says (see
+    :data:`~hetplan.ir.plan_sections.VocabParallel`), or None: ``whole`` never splits;
+    ``split`` splits, and refuses the plan where the model has no ``V x h`` embedding pair
+    or the resizing controller (or an emulated straggler) keeps the vocabulary whole;
+    ``unstated`` (an older plan) splits where the model has the pair and no controller runs,
+    as the runtime always did."""
+    mode = vocab_mode(ctx)
+    if mode == "whole":
+        return None
+    pair = _vocab_pair(ctx.model, layer_names)
+    if mode == "unstated":
+        return None if _controller_on(ctx) else pair
+    fix = ("re-plan (`hetplan plan` states 'split' only where the runtime can split), or "
+           "compile with vocab_parallel=False")
+    if pair is None:
+        raise SpecError("cost_settings.vocab_parallel: the plan asks for a vocabulary-parallel "
+                        f"LM head (tp={ctx.layout.tp}), but the model's last layer is not a "
+                        "linear beside a V x h token embedding, the pair the runtime splits; "
+                        + fix)
+    if _controller_on(ctx):
+        why = ("the TP resizing controller resizes the MLP shards only"
+               if ctx.straggler is None else "an emulated straggler times the MLP shards only")
+        raise SpecError("cost_settings.vocab_parallel: the plan asks for a vocabulary-parallel "
+                        f"LM head, but {why} and keeps the vocabulary whole; " + fix)
+    return pair
 
 
 def _vocab_pair(model: nn.Module, layer_names: list[str]) -> tuple[str, str | None] | None:
