@@ -74,6 +74,7 @@ class TensorParallelHandler(Handler):
         self.unsharded: nn.Module | None = None
         self.eager_units: list[tuple[str, ...]] = []
         self.eager_required: list[str] = []
+        self.sp_hooks: list[Any] = []  # sequence parallelism's hooks on pipeline stages
 
     def setup(self, ctx: RuntimeContext) -> None:
         layout = ctx.layout
@@ -106,18 +107,34 @@ class TensorParallelHandler(Handler):
             ctx.loss_fn = shard_vocab(ctx.model, self.vocab[0], self.vocab[1], g, r, tp,
                                       ctx.loss_fn)
         if layout.sequence_parallel and layout.pp == 1:
-            self.sp_params = _sequence_parallel(ctx, g, r, tp, self.vocab)
+            self.sp_params = _sequence_parallel(ctx, g, r, tp, self.vocab, hooks=[])
         if layout.pp > 1:  # sequence parallelism: per stage, once its layers run sharded
             self.eager_units, self.eager_required = _eager_units(
                 ctx.model, [x.name for x in layers], self.attention, self.vocab,
                 layout.sequence_parallel)
 
     def sequence_parallel_stages(self, ctx: RuntimeContext, stages: set[int]) -> None:
-        """Turn sequence parallelism on for pipeline stages ``stages`` (their layers run as
-        the model's own sharded modules; the stage handler calls this after tracing)."""
+        """Turn sequence parallelism on for this rank's pipeline stages ``stages`` (their
+        layers run as the model's own sharded modules; the stage handler calls this after
+        tracing, and again when re-balancing rebuilt the stages: the previous regions are
+        undone first, the new ones come from ``ctx.plan.stages``)."""
         assert ctx.groups is not None
-        self.sp_params += _sequence_parallel(ctx, self.group, ctx.groups.tp_rank,
-                                             ctx.layout.tp, self.vocab, stages)
+        self._undo_stage_sequence_parallel(ctx)
+        self.sp_params = _sequence_parallel(ctx, self.group, ctx.groups.tp_rank,
+                                            ctx.layout.tp, self.vocab, stages,
+                                            hooks=self.sp_hooks)
+
+    def _undo_stage_sequence_parallel(self, ctx: RuntimeContext) -> None:
+        """Remove the stages' sequence-parallel hooks and modes (a region of the layers a
+        stage held before re-balancing would scatter the sequence twice)."""
+        if not self.sp_hooks:
+            return
+        for h in self.sp_hooks:
+            h.remove()
+        self.sp_hooks = []
+        for m in ctx.model.modules():
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+                m.sp_mode = ""
 
     def after_backward(self, ctx: RuntimeContext) -> None:
         """Sum the sequence-parallel parameters' gradients over the TP group; with data
@@ -136,7 +153,7 @@ class TensorParallelHandler(Handler):
                     p.grad.div_(ctx.layout.dp)
 
     def close(self, ctx: RuntimeContext) -> None:
-        self.sp_params, self.group, self.unsharded = [], None, None
+        self.sp_params, self.group, self.unsharded, self.sp_hooks = [], None, None, []
 
 
 def dp_averages_sp_params(ctx: RuntimeContext) -> bool:
@@ -260,10 +277,11 @@ def _eager_units(model: nn.Module, layer_names: list[str], attention: list[str],
 
 def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
                        vocab_pair: tuple[str, str | None] | None,
-                       stages: set[int] | None = None) -> list[Any]:
+                       stages: set[int] | None = None, *, hooks: list[Any]) -> list[Any]:
     """Hooks sequence parallelism on between the first and last layer holding a sharded
-    linear (other than the vocabulary's); switches their MLP linears to the sequence-parallel
-    collectives; the parameters whose gradients must be summed."""
+    linear (other than the vocabulary's), per pipeline stage of ``ctx.plan.stages``;
+    switches their MLP linears to the sequence-parallel collectives; the parameters whose
+    gradients must be summed. The hooks' handles are appended to ``hooks``."""
     model = ctx.model
     all_names = [x.name for x in ctx.model_ir().layers]
     names = [n for n in all_names if "@" not in n]
@@ -291,13 +309,13 @@ def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
         for lay in inside:
             for mname, m in model.get_submodule(lay).named_modules(prefix=lay):
                 if mname in attention and ctx.layout.pp > 1:
-                    attention_sequence_parallel(m, rank, tp, group)
+                    hooks += attention_sequence_parallel(m, rank, tp, group)
             for m in model.get_submodule(lay).modules():
                 if isinstance(m, ColumnParallelLinear) and not m.sp_mode:
                     m.sp_mode = "gather"
                 elif isinstance(m, RowParallelLinear) and not m.sp_mode:
                     m.sp_mode = "scatter"
-        sequence_parallel(model, region[0], region[-1], group, rank, tp)
+        hooks += sequence_parallel(model, region[0], region[-1], group, rank, tp)
         out += sp_replicated_params(model, inside)
     return out
 
