@@ -71,6 +71,7 @@ from hetplan.ir.pipeline_order import (
 )
 from hetplan.ir.plan_sections import (
     ClusterRef,
+    CostSettings,
     LayerCost,
     Precision,
     GradientSync,
@@ -122,6 +123,8 @@ class Plan(Protocol):
     def sparse_sync(self) -> SparseSync | None: ...
     @property
     def hetero(self) -> Hetero | None: ...
+    @property
+    def cost_settings(self) -> CostSettings | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
