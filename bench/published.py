@@ -381,6 +381,7 @@ def bench_run(run: Run, data: PublishedRuns, *, free: bool) -> dict[str, Any]:
         "published_layout": run.layout.model_dump(),
         "params_captured": ir.num_params,
         "params_formula": param_count(run.model),
+        "model": run.model.model_dump(),
         "capture_seconds": capture_s,
         "measured": {"iteration_s": meas.seconds, "how": meas.how,
                      "rel_uncertainty": meas.rel_uncertainty},
@@ -438,6 +439,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "median_abs_error": statistics.median(v["abs_error"] for v in mine) if mine else None,
             "ratios": [round(v["ratio"], 3) for v in mine],
         }
+    out["same_work_pairs"] = same_work_pairs(rows)
     if frees:
         out.update(
             free_search_runs=len(frees),
@@ -445,6 +447,51 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             free_search_at_least_as_fast_as_published=sum(
                 f.get("at_least_as_fast_as_published") is True for f in frees),
         )
+    return out
+
+
+#: What makes two runs the same work per pipeline (besides the model's shape): one pipeline
+#: of each runs the same stages on the same devices over the same number of micro-batches.
+_SAME_WORK_LAYOUT = ("tp", "pp", "cp", "virtual_stages", "micro_batch_size", "schedule",
+                     "sequence_parallel", "recompute", "dp_sharding", "precision")
+
+
+def same_work_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pairs of runs from different sources whose pipelines do the same work on the same GPU
+    type: the same model shape (``params_billion`` aside, a rounding of the same shape), the
+    same layout but for ``dp``, and the same micro-batches per pipeline. They differ only by
+    the data-parallel sync, which the model prices.
+
+    ``spread`` is the measured ratio of the two over the predicted ratio: a factor that no
+    cost model which prices the same work the same way can reconcile. Such a model is off by
+    at least ``sqrt(spread) - 1`` on one of the two (``min_worst_error``)."""
+    def key(r: dict[str, Any]) -> tuple[Any, ...] | None:
+        lay, m = r["published_layout"], r.get("model")
+        if m is None or not lay.get("micro_batch_size"):
+            return None
+        per_pipe = lay["global_batch_size"] / (lay["dp"] * lay["micro_batch_size"])
+        shape = tuple(v for k, v in sorted(m.items()) if k != "params_billion")
+        return (r["gpu"], shape, per_pipe, *(lay.get(k) for k in _SAME_WORK_LAYOUT))
+
+    def pred(r: dict[str, Any]) -> float | None:
+        p = r["pinned"]
+        return p.get("predicted_iteration_s") or (p.get("memory_ignored") or {}).get(
+            "predicted_iteration_s")
+
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            ka = key(a)
+            if ka is None or a["source"] == b["source"] or ka != key(b):
+                continue
+            pa, pb = pred(a), pred(b)
+            if not pa or not pb:
+                continue
+            meas = a["measured"]["iteration_s"] / b["measured"]["iteration_s"]
+            spread = max(meas / (pa / pb), (pa / pb) / meas)
+            out.append({"runs": [a["id"], b["id"]], "measured_ratio": round(meas, 4),
+                        "predicted_ratio": round(pa / pb, 4), "spread": round(spread, 4),
+                        "min_worst_error": round(spread ** 0.5 - 1, 4)})
     return out
 
 
@@ -485,6 +532,10 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             if v["median_abs_error"] is not None:
                 print(f"  {src:18s} {v['runs']:2d} runs, median |pred/meas - 1| "
                       f"{v['median_abs_error']:.1%}, ratios {v['ratios']}")
+    for pair in s.get("same_work_pairs", []):
+        print(f"  same work, two sources: {' vs '.join(pair['runs'])}: measured ratio "
+              f"{pair['measured_ratio']:.3f}, predicted {pair['predicted_ratio']:.3f}; any "
+              f"model pricing both alike is off by >= {pair['min_worst_error']:.1%} on one")
     print(f"published layouts that fit the planner's memory model: "
           f"{s['published_layouts_feasible']} / {s['runs']}")
     if "free_search_runs" in s:

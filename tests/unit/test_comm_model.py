@@ -90,6 +90,37 @@ def test_bad_arguments(pcie: ClusterSpec) -> None:
         CommModel(ClusterSpec.from_preset("local-cpu")).time_s("allreduce", 1e6, 2, "inter")
 
 
+def test_nccl_bus_bandwidth_below_nvlink_and_infiniband_line_rate(pcie: ClusterSpec) -> None:
+    # NVLink 3 (2400 Gb/s = 300e9 B/s line rate) reaches 0.80 of it as bus bandwidth: 240e9 B/s.
+    # all-reduce of 84e6 B over 8 ranks: 14 steps x 2 µs + 1.75 x 84e6 / 240e9 = 0.028 + 0.6125 ms
+    nvlink = LinkSpec(kind="nvlink", bandwidth_gbps=2400, latency_us=2)
+    m = CommModel(pcie)
+    assert m.time_s("allreduce", 84e6, 8, nvlink) == pytest.approx(28e-6 + 0.6125e-3)
+    assert "x 0.8" in m.alpha_beta("allreduce", 8, nvlink).detail
+    # HDR InfiniBand, 8 x 200 Gb/s per node (200e9 B/s) at 0.96: 192e9 B/s; p2p of 96e6 B
+    ib = LinkSpec(kind="infiniband", bandwidth_gbps=1600, latency_us=3)
+    assert m.time_s("p2p", 96e6, 2, ib) == pytest.approx(3e-6 + 0.5e-3)
+    # kinds without a published NCCL figure keep the line rate (the by-hand tests above)
+    eth = LinkSpec(kind="ethernet", bandwidth_gbps=1600, latency_us=3)
+    assert m.time_s("p2p", 96e6, 2, eth) == pytest.approx(3e-6 + 96e6 / 200e9)
+
+
+def test_measured_bus_bandwidth_is_not_derated() -> None:
+    # the Espresso artifact's NVLink constant (50 GB/s) is a measured bus bandwidth:
+    # all-reduce of 1e8 B over 8 ranks = 14 x 2 µs + 1.75 x 1e8 / 50e9 = 0.028 + 3.5 ms
+    espresso = ClusterSpec.from_preset("espresso-nvlink-8x8")
+    link = espresso.nodes[0].intra_link
+    assert link.kind == "nvlink" and link.bus_efficiency == 1.0
+    assert CommModel(espresso).time_s("allreduce", 1e8, 8, link) == pytest.approx(
+        28e-6 + 3.5e-3)
+    # the same link as a line rate is priced at 0.80 of it
+    line = LinkSpec(kind="nvlink", bandwidth_gbps=400, latency_us=2)
+    assert CommModel(espresso).time_s("allreduce", 1e8, 8, line) == pytest.approx(
+        28e-6 + 3.5e-3 / 0.8)
+    with pytest.raises(ValueError, match="bus_efficiency"):
+        LinkSpec(kind="nvlink", bandwidth_gbps=400, latency_us=2, bus_efficiency=1.5)
+
+
 def test_named_links_and_backend() -> None:
     mixed = ClusterSpec.from_preset("mixed-generations")
     m = CommModel(mixed)

@@ -7,6 +7,11 @@ factor, ``steps`` the latency-bound steps of the ring / pipelined-chain algorith
 the per-rank buffer (the total gathered output for gathers). It lives here, below both the
 cost models and the runtime, because the runtime's link emulation
 (:mod:`hetplan.runtime.link_emulation`) delays collectives by exactly this time.
+
+``B`` is a **bus bandwidth**: what NCCL's collectives reach on the link. A cluster spec gives
+the link's line rate (``LinkSpec.bandwidth_gbps``, the datasheet's per-direction rate);
+:func:`bus_bandwidth_bytes_per_s` turns it into ``B`` with the protocol efficiency of the
+link's kind (:data:`PROTOCOL_EFFICIENCY`). A profile measures ``B`` and replaces both.
 """
 
 from __future__ import annotations
@@ -15,14 +20,39 @@ from typing import Literal, get_args
 
 from hetplan.ir.validation import did_you_mean
 
-__all__ = ["COLLECTIVES", "Collective", "analytic_time_s", "bus_factor", "check_collective",
-           "latency_steps"]
+__all__ = ["COLLECTIVES", "Collective", "PROTOCOL_EFFICIENCY", "analytic_time_s",
+           "bus_bandwidth_bytes_per_s", "bus_efficiency", "bus_factor", "check_collective", "latency_steps"]
 
 #: The collective operations the model knows.
 Collective = Literal[
     "allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "reduce", "gather", "p2p"
 ]
 COLLECTIVES: tuple[str, ...] = get_args(Collective)
+
+#: The share of a link's line rate that NCCL reaches as bus bandwidth, by link kind, where
+#: NCCL's developers have published it (kinds not listed: 1, the line rate):
+#:
+#: - ``nvlink`` 0.80: NCCL's protocol costs about 20 % of NVLink's line rate. Its developers
+#:   give 370 of 450 GB/s on H100 (0.82) and about 160 GB/s intra-node on an 8-GPU A800,
+#:   whose NVLink runs at 200 GB/s per direction (0.80) (NVIDIA/nccl-tests issue 212,
+#:   NVIDIA/nccl issue 412).
+#: - ``infiniband`` 0.96: 24 GB/s per 200 Gb/s HDR NIC (25 GB/s line rate), and 192 GB/s of
+#:   all-reduce bus bandwidth on a DGX A100 with 8 of them (NVIDIA/nccl issues 412 and 1576).
+#:
+#: Not fitted to any prediction; ``docs/decisions/cost-model.md`` says what it changed.
+PROTOCOL_EFFICIENCY: dict[str, float] = {"nvlink": 0.80, "infiniband": 0.96}
+
+
+def bus_efficiency(kind: str, given: float | None = None) -> float:
+    """The share of a link's line rate NCCL reaches: ``given`` (the cluster spec's
+    ``bus_efficiency``) where set, else the figure of ``kind``."""
+    return given if given is not None else PROTOCOL_EFFICIENCY.get(kind, 1.0)
+
+
+def bus_bandwidth_bytes_per_s(kind: str, line_rate_bytes_per_s: float,
+                              given: float | None = None) -> float:
+    """The bus bandwidth NCCL reaches on a link of ``kind`` with this line rate."""
+    return line_rate_bytes_per_s * bus_efficiency(kind, given)
 
 
 def check_collective(collective: str) -> None:

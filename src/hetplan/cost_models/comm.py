@@ -4,8 +4,11 @@ Convention (one for analytic and profiled costs; tests check it)::
 
     t(collective, nbytes, n) = steps(collective, n) * alpha + factor(collective, n) * nbytes / B
 
-* ``alpha`` is the latency of **one algorithm step** (``LinkSpec.latency_s``), ``B`` the link's
-  bus bandwidth (``LinkSpec.bandwidth_bytes_per_s``) and ``n`` the group size.
+* ``alpha`` is the latency of **one algorithm step** (``LinkSpec.latency_s``), ``B`` the bus
+  bandwidth NCCL reaches on the link (its line rate ``LinkSpec.bandwidth_bytes_per_s`` times
+  the link's ``bus_efficiency``, by default the figure of its kind,
+  :data:`~hetplan.algorithms.collectives.PROTOCOL_EFFICIENCY`: NVLink 0.80, InfiniBand 0.96,
+  others 1) and ``n`` the group size.
 * ``factor`` is the NCCL-tests bus-bandwidth factor (``algbw = busbw / factor``):
   ``2(n-1)/n`` allreduce; ``(n-1)/n`` reduce_scatter, allgather, alltoall, gather; ``1``
   broadcast, reduce, p2p.
@@ -58,6 +61,7 @@ from hetplan.algorithms.collectives import (
     COLLECTIVES,
     Collective,
     analytic_time_s,
+    bus_efficiency,
     bus_factor,
     check_collective,
     latency_steps,
@@ -358,11 +362,14 @@ class CommModel:
             b = fit.beta_s_per_byte * factor / bus_factor(collective, m)
             return AlphaBeta(a, b, "profiled",
                              f"{self.backend} {spec.kind} n={m} rescaled to n={group_size}")
+        eff = bus_efficiency(spec.kind, spec.bus_efficiency)
         return AlphaBeta(
             steps * spec.latency_s,
-            factor / spec.bandwidth_bytes_per_s,
+            factor / (spec.bandwidth_bytes_per_s * eff),
             "analytic",
-            f"{spec.kind} {spec.bandwidth_gbps:g} Gbit/s, {spec.latency_us:g} us/step",
+            f"{spec.kind} {spec.bandwidth_gbps:g} Gbit/s"
+            + (f" x {eff:g} (NCCL's bus bandwidth)" if eff != 1.0 else "")
+            + f", {spec.latency_us:g} us/step",
         )
 
 

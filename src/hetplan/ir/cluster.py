@@ -21,7 +21,10 @@ A minimal file::
 Units are in the field names. Link bandwidths are in **Gbit/s** (``bandwidth_gbps``), per
 direction: for the intra-node link it is what one device can send while receiving as much
 (NVLink 3: 600 GB/s bidirectional = 300 GB/s = 2400 Gbit/s each way); for ``inter_node`` it is
-what one node can send through all its NICs together. Device memory bandwidth is in
+what one node can send through all its NICs together. Both are line rates (the datasheet's);
+the analytic cost model prices collectives at the bus bandwidth NCCL reaches on them
+(``hetplan.algorithms.collectives.PROTOCOL_EFFICIENCY``), a profile at what it measured.
+Device memory bandwidth is in
 **GB/s** (bytes; ``mem_bandwidth_gb_s``). Peak compute is dense (no sparsity) TFLOP/s.
 
 Heterogeneity and stragglers: ``slowdown`` (≥ 1) on a device type or on a node group divides
@@ -188,6 +191,11 @@ class LinkSpec(BaseModel):
             one host).
         bandwidth_gbps: Gbit/s per direction (see the module docstring for what it counts).
         latency_us: one-way latency of a small message, in microseconds.
+        bus_efficiency: the share of ``bandwidth_gbps`` that NCCL's collectives reach (their
+            bus bandwidth). Unset: the published figure of the link's kind
+            (``hetplan.algorithms.collectives.PROTOCOL_EFFICIENCY``: NVLink 0.80, InfiniBand
+            0.96, others 1). ``1`` when ``bandwidth_gbps`` is already a measured bus
+            bandwidth rather than a line rate.
     """
 
     model_config = _CONFIG
@@ -195,6 +203,8 @@ class LinkSpec(BaseModel):
     kind: LinkKind
     bandwidth_gbps: _Bandwidth
     latency_us: _LatencyUs
+    bus_efficiency: Annotated[float | None, Field(default=None, gt=0, le=1,
+                                                  allow_inf_nan=False)] = None
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
@@ -558,6 +568,10 @@ class ClusterSpec(BaseModel):
                 node.pop("cpu_memory_gib", None)
         if data.get("stragglers") is None:  # specs written before the field keep their hash
             data.pop("stragglers", None)
+        links = [node.get("intra_link") for node in data.get("nodes", ())]
+        for link in [*links, data.get("inter_node")]:
+            if isinstance(link, dict) and link.get("bus_efficiency") is None:
+                link.pop("bus_efficiency", None)
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -133,7 +133,9 @@ PRESET_SPECS: dict[str, dict[str, Any]] = {
         "25 us inter (the artifact's 150 us is per call: 2 x 150 us ~ 14 x 25 us for a "
         "hierarchical allreduce over 8 nodes)",
         [_node("v100", 8, "V100-SXM2-32GB", 8, 48,
-               {"kind": "nvlink", "bandwidth_gbps": 400.0, "latency_us": 2.0})],
+               # the artifact's 50 GB/s is a measured bus bandwidth, not a line rate
+               {"kind": "nvlink", "bandwidth_gbps": 400.0, "latency_us": 2.0,
+                "bus_efficiency": 1.0})],
         _eth(10),
     ),
     "espresso-pcie-8x8": _preset(
