@@ -111,6 +111,15 @@ def test_validator_refuses_split_with_the_resizing_controller(gpt: Any) -> None:
     Plan.from_json(json.dumps(data))  # what compile writes with a controller
 
 
+def test_validator_refuses_split_without_the_vocabulary_pair() -> None:
+    vit = hetplan.compile(_ir("tiny-vit"), _cluster(), batch_size=4, dp=1, pp=1, tp=2)
+    data = json.loads(vit.to_json())
+    data["cost_settings"]["vocab_parallel"] = "split"
+    with pytest.raises(SpecError, match=r"cost_settings.vocab_parallel: 'split', but the "
+                                        r"model's last layer is not an LM head beside a V x h"):
+        Plan.from_json(json.dumps(data))
+
+
 # -- the runtime's tensor-parallel handler -------------------------------------------------
 def _ctx(plan: Plan, model: torch.nn.Module, straggler: object = None) -> Any:
     return SimpleNamespace(plan=plan, model=model, layout=plan.layout, straggler=straggler)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from hetplan.cost_models.kernels import Attention, block_shape
 from hetplan.ir.plan_sections import LayerCost
+from hetplan.ir.vocab import lm_vocab, splits_vocabulary, vocab_table
 
 __all__ = ["engine_layer", "splits_vocabulary", "vocab_layers", "tied_head_copy"]
 
@@ -92,44 +93,17 @@ def engine_layer(lay: LayerCost, tokens: int, capture_bytes: int,
     })
 
 
-def _vocab(layers: tuple[LayerCost, ...]) -> tuple[int, int] | None:
-    """(V, h) of the model's LM head (its last layer), or None when it has none."""
-    head = layers[-1] if layers else None
-    if head is None or head.kind != "head":
-        return None
-    fwd = [g for g in head.gemms if g.phase == "fwd" and not g.core]
-    if not fwd:
-        return None
-    g = max(fwd, key=lambda g: g.n * g.k)
-    return g.n, g.k
-
-
-def _vocab_table(lay: LayerCost, vocab: tuple[int, int], capture_bytes: int) -> bool:
-    """Whether ``lay`` is the token embedding of a ``V x h`` vocabulary."""
-    return lay.kind == "embedding" and lay.param_bytes == vocab[0] * vocab[1] * capture_bytes
-
-
-def splits_vocabulary(layers: tuple[LayerCost, ...], capture_bytes: int) -> bool:
-    """Whether a vocabulary-parallel head can be split in this model: its last layer is an
-    LM head (``tokens x h -> V``) beside a ``V x h`` token embedding — the pair the
-    runtime's ``shard_vocab`` splits (it refuses a plan asking for the split without one).
-    ``compile`` states ``cost_settings.vocab_parallel = "split"`` only where this holds, so
-    the planner never prices a split the runtime does not do."""
-    vocab = _vocab(layers)
-    return vocab is not None and any(_vocab_table(x, vocab, capture_bytes) for x in layers)
-
-
 def vocab_layers(layers: tuple[LayerCost, ...], capture_bytes: int) -> tuple[LayerCost, ...]:
     """``layers`` with the LM head's and the vocabulary embedding's parameters TP-split
     (a vocabulary-parallel head, see the module docstring); ``layers`` when the model has
     no LM head or no ``V x h`` embedding beside it (the runtime's ``shard_vocab`` splits
     the pair only)."""
-    vocab = _vocab(layers)
+    vocab = lm_vocab(layers)
     if vocab is None or not splits_vocabulary(layers, capture_bytes):
         return layers  # the runtime splits a head only beside its vocabulary embedding
     return tuple(
         x.model_copy(update={"tp_split_bytes": x.param_bytes})
-        if x.param_bytes and (x.kind == "head" or _vocab_table(x, vocab, capture_bytes))
+        if x.param_bytes and (x.kind == "head" or vocab_table(x, vocab, capture_bytes))
         else x
         for x in layers)
 
@@ -139,10 +113,10 @@ def tied_head_copy(layers: tuple[LayerCost, ...], capture_bytes: int,
     """(index of the tied embedding, the head's copy of its weight as a layer of
     parameters) when the LM head's weight is tied to a token embedding of the model; None
     otherwise. The copy is TP-split when ``vocab_parallel``."""
-    vocab = _vocab(layers)
+    vocab = lm_vocab(layers)
     if vocab is None or layers[-1].param_bytes:
         return None
-    table = next((k for k, x in enumerate(layers) if _vocab_table(x, vocab, capture_bytes)),
+    table = next((k for k, x in enumerate(layers) if vocab_table(x, vocab, capture_bytes)),
                  None)
     if table is None:
         return None
