@@ -627,11 +627,15 @@ def run_cmd(
                                 "examples/train.py) instead of synthetic data."),
     dry_run: bool = typer.Option(False, help="Check the plan, print the torchrun command and "
                                  "exit."),
+    oversubscribe: bool = typer.Option(False, help="Start a CPU plan's processes even beyond "
+                                       "2 per core of this host."),
 ) -> None:
     """Train with the plan under torchrun on synthetic data (extra options go to torchrun).
 
     Before any rank starts, the plan is checked against its cluster, the model (captured
-    here; not with --script), the world size and the --report path. Ctrl-C (SIGINT),
+    here; not with --script), the world size, the --report path and this host: a plan for
+    GPUs needs a CUDA device per process started here, a CPU plan at most 2 processes per
+    core (at least 4) unless --oversubscribe; --dry-run skips the host check. Ctrl-C (SIGINT),
     SIGTERM or SIGHUP stop every rank within seconds (each prints one line); the launcher
     kills what has not stopped 5 s later, and no process of the run outlives it.
 
@@ -643,14 +647,15 @@ def run_cmd(
     import signal
 
     from hetplan.ir.plan import load_plan
-    from hetplan.runtime.launch import launch, preflight, torchrun_command
+    from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
 
     plan = load_plan(plan_file)
     cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,
                            report=report, timeout_s=timeout, torchrun_args=ctx.args,
                            script=script)
     capture = None if script is not None else (lambda: _run_model_ir(plan, model, module))
-    preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout)
+    preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout,
+              host=None if dry_run else HostCapacity.detect(), oversubscribe=oversubscribe)
     if dry_run:
         out.print(" ".join(cmd), markup=False)
         return
