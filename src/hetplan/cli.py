@@ -530,6 +530,10 @@ def profile_cmd(
                                    "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
+    link_kind: str = typer.Option(
+        None, "--link-kind", help="Link kind to file collective records under (default: "
+        "loopback on gloo); with HETPLAN_EMULATE_BW set, the kind of the emulated link, e.g. "
+        "ethernet for cpu-2x2-slow."),
     dtype: list[str] = typer.Option(
         None, "--dtype", help="Compute dtype(s) to time layers in: fp32 (default), bf16, fp16 "
         "(autocast, as a mixed-precision plan runs); repeat for several."),
@@ -565,6 +569,14 @@ def profile_cmd(
     chosen = tuple(what) if what else default
     if "layers" in chosen and not has_model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
+    from typing import get_args
+
+    from hetplan.ir.cluster import LinkKind
+
+    kinds = get_args(LinkKind)
+    if link_kind is not None and link_kind not in kinds:
+        raise SpecError(f"--link-kind {link_kind!r}: choose one of {', '.join(kinds)}"
+                        f"{did_you_mean(link_kind, list(kinds))}")
     dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
     bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
     if bad:
@@ -579,7 +591,7 @@ def profile_cmd(
     db = run_profile(
         target, world_size=world_size, device_type=device_type, output=output, what=chosen,
         batch_size=batch_size, seq=seq, layer_processes=layer_processes, dtypes=dtypes,
-        sparsity=spec,
+        sparsity=spec, link_kind=link_kind,
     )
     if spec is not None:
         from hetplan.profiling.sparsity import describe_records
@@ -615,11 +627,15 @@ def run_cmd(
                                 "examples/train.py) instead of synthetic data."),
     dry_run: bool = typer.Option(False, help="Check the plan, print the torchrun command and "
                                  "exit."),
+    oversubscribe: bool = typer.Option(False, help="Start a CPU plan's processes even beyond "
+                                       "2 per core of this host."),
 ) -> None:
     """Train with the plan under torchrun on synthetic data (extra options go to torchrun).
 
     Before any rank starts, the plan is checked against its cluster, the model (captured
-    here; not with --script), the world size and the --report path. Ctrl-C (SIGINT),
+    here; not with --script), the world size, the --report path and this host: a plan for
+    GPUs needs a CUDA device per process started here, a CPU plan at most 2 processes per
+    core (at least 4) unless --oversubscribe; --dry-run skips the host check. Ctrl-C (SIGINT),
     SIGTERM or SIGHUP stop every rank within seconds (each prints one line); the launcher
     kills what has not stopped 5 s later, and no process of the run outlives it.
 
@@ -631,14 +647,15 @@ def run_cmd(
     import signal
 
     from hetplan.ir.plan import load_plan
-    from hetplan.runtime.launch import launch, preflight, torchrun_command
+    from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
 
     plan = load_plan(plan_file)
     cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,
                            report=report, timeout_s=timeout, torchrun_args=ctx.args,
                            script=script)
     capture = None if script is not None else (lambda: _run_model_ir(plan, model, module))
-    preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout)
+    preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout,
+              host=None if dry_run else HostCapacity.detect(), oversubscribe=oversubscribe)
     if dry_run:
         out.print(" ".join(cmd), markup=False)
         return

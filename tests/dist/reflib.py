@@ -1,6 +1,6 @@
 """Single-process references and the rank function that the runtime-equality tests share.
 
-Two families, each used by two test modules:
+Three families:
 
 - zoo language models (``gpt-test``, ``tied-lm``, ``tiny-gpt2``) in float64 and eval mode,
   trained with SGD on next-token batches (``test_runtime_megatron.py``,
@@ -9,7 +9,10 @@ Two families, each used by two test modules:
   world size, not one per plan) and returns what each rank ended with;
 - a 2-layer :class:`~hetplan.models.MegatronGPT` trained with Adam (fp64) or SGD with
   momentum (bf16) on 2 ranks (``test_runtime_strategies.py``,
-  ``test_runtime_pp_strategies.py``): :func:`gpt_reference` is the full-batch recipe.
+  ``test_runtime_pp_strategies.py``): :func:`gpt_reference` is the full-batch recipe;
+- heterogeneous plans (``test_runtime_hetero*.py``): :func:`searched_hetero` is the plan
+  ``hetplan plan --hetero on`` searches for a float64 zoo model on a fixture cluster,
+  :func:`train_reference` the single-process run it is held against.
 
 Models are built from a seed, so every rank and the reference start from the same weights.
 """
@@ -20,11 +23,13 @@ import copy
 import functools
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+import hetplan
 from hetplan import zoo
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.cluster_presets import PRESET_SPECS
@@ -156,6 +161,48 @@ def case_results(results: list[dict[str, dict[str, Any]]], label: str) -> list[d
         assert "error" not in res[label], f"rank {rank}, {label}:\n{res[label]['error']}"
         got.append(res[label])
     return got
+
+
+# -- heterogeneous plans (test_runtime_hetero*.py) -----------------------------------------
+#: the fixture clusters the heterogeneous runtime tests plan for
+CLUSTERS = Path(__file__).parents[1] / "fixtures" / "clusters"
+
+
+def zoo_ids(name: str) -> tuple[torch.Tensor, ...]:
+    """The zoo's example positional inputs (batch 1): the token ids of a language model."""
+    return tuple(zoo.example_inputs(name, batch=1, device="cpu")[0])
+
+
+def searched_hetero(name: str, cluster: Path, batch: int, **compile_kw: Any) -> Plan:
+    """The plan ``hetplan plan --hetero on`` searches for the float64 zoo model ``name``
+    (whose fingerprint the runtime checks) on the cluster file ``cluster`` at global batch
+    ``batch``: ``compile`` (fp32; ``compile_kw`` added) then ``choose_hetero(..., "on")``."""
+    from hetplan.optimizer.hetero import choose_hetero
+
+    spec = ClusterSpec.load(cluster)
+    ir = hetplan.capture(zoo_model(name), zoo_ids(name), name=name)
+    plan = hetplan.compile(ir, spec, batch_size=batch, dtype="fp32", **compile_kw)
+    return choose_hetero(plan, spec, None, batch, "on")
+
+
+def train_reference(name: str, data: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                    steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process trains the float64 zoo model ``name`` for ``steps`` steps on
+    ``data(step)`` (ids, next-token targets) with the token cross-entropy: the loss of each
+    step and every parameter at the end."""
+    model = zoo_model(name)
+    opt = optimizer(list(model.parameters()))
+    losses = []
+    for step in range(steps):
+        ids, y = data(step)
+        out = model(ids)
+        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 # -- a 2-layer Megatron GPT on 2 ranks --------------------------------------------------------

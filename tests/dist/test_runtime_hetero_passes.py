@@ -38,12 +38,10 @@ from typing import Any
 
 import pytest
 import torch
-from reflib import case_results, run_each
+from reflib import (CLUSTERS, case_results, run_each, searched_hetero, train_reference,
+                    zoo_ids, zoo_model)
 from torch import nn
 
-import hetplan
-from hetplan import zoo
-from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan, load_plan
 from hetplan.ir.plan_checks import plan_problems
 from hetplan.ir.rebalancing import PlannedEvent, RebalancePolicy, Rebalancing
@@ -52,7 +50,7 @@ from hetplan.runtime.hetero_ranks import hetero_refusals
 
 pytestmark = pytest.mark.dist
 
-CLUSTER = Path(__file__).parents[1] / "fixtures" / "clusters" / "cpu-hetero-3.yaml"
+CLUSTER = CLUSTERS / "cpu-hetero-3.yaml"
 NAME = "gpt-test"
 PRUNE = {"total_iterations": 1000, "pruning": {"final_sparsity": 0.9, "start_iteration": 100,
                                                "frequency": 100, "steps": 3}}
@@ -112,14 +110,6 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
 EVENTS = ((1, ((0, 3), (4, 7))), (3, ((0, 5), (6, 7))))
 
 
-def _model() -> nn.Module:
-    return zoo.build(NAME, device="cpu", seed=0, dtype=torch.float64).eval()
-
-
-def _example() -> tuple[torch.Tensor, ...]:
-    return tuple(zoo.example_inputs(NAME, batch=1, device="cpu")[0])
-
-
 def _data(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(11 + step)
     ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
@@ -135,17 +125,7 @@ def _adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _reference(batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model()
-    opt = _adam(list(model.parameters()))
-    losses = []
-    for step in range(MOVE_STEPS):
-        ids, y = _data(step, batch)
-        loss = _loss(model(ids), y)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_reference(NAME, lambda step: _data(step, batch), _adam, MOVE_STEPS)
 
 
 def _with_events(plan: Plan) -> Plan:
@@ -161,13 +141,10 @@ def _with_events(plan: Plan) -> Plan:
 
 def _searched(batch: int, swap: bool) -> Plan:
     """The plan ``hetplan plan --hetero on`` searches for ``batch`` (float64 model); with
-    ``swap``, its stages' devices and degrees exchanged (the tp-2 stage first)."""
-    from hetplan.optimizer.hetero import choose_hetero
-
-    spec = ClusterSpec.load(CLUSTER)
-    ir = hetplan.capture(_model(), _example(), name=NAME)
-    plan = choose_hetero(hetplan.compile(ir, spec, batch_size=batch, dtype="fp32"), spec,
-                         None, batch, "on")
+    ``swap``, its stages' devices and degrees exchanged (the tp-2 stage first). Batch 6
+    keeps the LM head whole (split by vocabulary, it makes tp 2 the cheaper shape for the
+    slow pair at batch 6 too; this case is the dp-2 stage)."""
+    plan = searched_hetero(NAME, CLUSTER, batch, vocab_parallel=batch != 6)
     if swap:
         assert plan.hetero is not None
         a, b = plan.stages
@@ -184,7 +161,7 @@ def _train(case: tuple[int, str]) -> dict[str, Any]:
     batch, plan_json = case
     from hetplan.runtime.executor import Runtime
 
-    rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
+    rt = Runtime(Plan.from_json(plan_json), zoo_model(NAME), example_args=zoo_ids(NAME),
                  loss_fn=_loss, optimizer=_adam)
     try:
         losses = [rt.train_step(*_data(step, batch)) for step in range(MOVE_STEPS)]

@@ -16,12 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from reflib import case_results, run_each
+from reflib import case_results, cpu_cluster, run_each, train_reference, zoo_ids, zoo_model
 from torch import nn
 
 import hetplan
-from hetplan import zoo
-from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan import Plan
 from hetplan.profiling._spawn import run_local_ranks
 
@@ -29,20 +27,6 @@ pytestmark = pytest.mark.dist
 
 NAME, SEQ, VOCAB, BATCH, STEPS = "gpt-test", 32, 64, 4, 2  # traced stages: the zoo's seq
 TOL = {"rtol": 1e-9, "atol": 1e-11}
-
-
-def _cluster(world: int) -> ClusterSpec:
-    spec = ClusterSpec.from_preset("local-cpu").model_dump(mode="json")
-    spec["nodes"][0]["devices"] = [{"type": "cpu", "count": world}]
-    return ClusterSpec.from_dict(spec)
-
-
-def _model() -> nn.Module:
-    return zoo.build(NAME, device="cpu", seed=0, dtype=torch.float64).eval()
-
-
-def _example() -> tuple[torch.Tensor, ...]:
-    return tuple(zoo.example_inputs(NAME, batch=1, device="cpu")[0])
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,22 +44,12 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model()
-    opt = _sgd(list(model.parameters()))
-    losses = []
-    for step in range(STEPS):
-        ids, y = _data(step)
-        loss = _loss(model(ids), y)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_reference(NAME, _data, _sgd, STEPS)
 
 
 def _compile(dp: int, pp: int, tp: int, mb: int, **pins: Any) -> str:
-    ir = hetplan.capture(_model(), _example(), name=NAME)
-    plan = hetplan.compile(ir, _cluster(4), batch_size=BATCH, dtype="fp32", zero_stage=3,
+    ir = hetplan.capture(zoo_model(NAME), zoo_ids(NAME), name=NAME)
+    plan = hetplan.compile(ir, cpu_cluster(4), batch_size=BATCH, dtype="fp32", zero_stage=3,
                            dp=dp, pp=pp, tp=tp, micro_batch_size=mb, **pins)
     lay = plan.layout
     assert lay is not None and (lay.dp, lay.pp, lay.tp, lay.zero_stage) == (dp, pp, tp, 3)
@@ -99,7 +73,7 @@ def _train(case: tuple[str, str]) -> dict[str, Any]:
 
     from hetplan.runtime.executor import Runtime
 
-    rt = Runtime(Plan.from_json(plan_json), _model(), example_args=_example(),
+    rt = Runtime(Plan.from_json(plan_json), zoo_model(NAME), example_args=zoo_ids(NAME),
                  loss_fn=_loss, optimizer=_sgd)
     try:
         losses = [rt.train_step(*_data(step)) for step in range(STEPS)]

@@ -51,8 +51,12 @@ def _variant(plan: Plan, variant: str, roles: bool) -> Plan:
     # a 30 % tolerance: 4 processes share 2 cores here, so a normal rank's busy time is
     # noisy, and T_min (SEMI) would otherwise make noise a straggler (§7 item 25)
     ctl = ResizingController(variant=variant, straggler_eps=0.3)  # type: ignore[arg-type]
-    return plan.model_copy(update={"tensor_parallel": tp.model_copy(
-        update={"controller": ctl, "groups": groups})})
+    # the controller resizes the MLP shards only: such a plan keeps the vocabulary whole
+    cs = plan.cost_settings
+    assert cs is not None
+    return plan.model_copy(update={
+        "tensor_parallel": tp.model_copy(update={"controller": ctl, "groups": groups}),
+        "cost_settings": cs.model_copy(update={"vocab_parallel": "whole"})})
 
 
 def _run(plan: Plan, straggler: StragglerSpec | None) -> dict[str, Any]:

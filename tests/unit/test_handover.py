@@ -25,18 +25,18 @@ MS = 1e-3
 
 
 def _line(collective: str, group: int, alpha_s: float, backend: str = "gloo",
-          link: str = "loopback") -> CollectiveRecord:
+          link: str = "loopback", beta: float = 1e-9) -> CollectiveRecord:
     return CollectiveRecord(collective=collective,  # type: ignore[arg-type]
                             backend=backend, link_kind=link, group_size=group,
-                            alpha_s=alpha_s, beta_s_per_byte=1e-9,
+                            alpha_s=alpha_s, beta_s_per_byte=beta,
                             samples=(CollectiveSample(nbytes=4096, seconds=alpha_s),))
 
 
 def _hand(operation: str, group: int, points: list[tuple[float, float]],
-          backend: str = "gloo", link: str = "loopback") -> HandoverRecord:
+          backend: str = "gloo", link: str = "loopback", nbytes: int = 4096) -> HandoverRecord:
     return HandoverRecord(operation=operation,  # type: ignore[arg-type]
                           backend=backend, link_kind=link, group_size=group,
-                          processes=4, nbytes=4096,
+                          processes=4, nbytes=nbytes,
                           samples=tuple(HandoverSample(burst_s=b, seconds=s) for b, s in points))
 
 
@@ -107,6 +107,44 @@ def test_wait_is_the_measured_time_beyond_the_line() -> None:
     assert CommModel(cluster, fast).wait_s("p2p", 2, "intra", 0.0) == 0.0
 
 
+MIB = 1 << 20
+#: the 4-rank all-reduce at 4 KiB (as in WITH) and at 1 MiB, where the wait is larger
+SIZED = ProfileDB(collectives=_lines(), handovers=_hands() + (
+    _hand("allreduce", 4, [(0.0, 7.0 * MS), (4 * MS, 17.0 * MS)], nbytes=MIB),))
+
+
+def test_records_at_two_sizes_are_kept_apart_and_read_back() -> None:
+    back = ProfileDB.from_json(SIZED.to_json())
+    assert back == SIZED
+    assert back.handover("allreduce", "gloo", "loopback", 4, MIB).nbytes == MIB  # type: ignore[union-attr]
+    # no size asked: the smallest (what a profile of one size gave)
+    assert back.handover("allreduce", "gloo", "loopback", 4).nbytes == 4096  # type: ignore[union-attr]
+    assert back.handover("allreduce", "gloo", "loopback", 4, 12345) is None
+    # merging with an older profile of one size keeps both sizes
+    merged = merge(WITH, SIZED)
+    assert len([r for r in merged.handovers if r.key[:4] == ("allreduce", "gloo", "loopback",
+                                                             4)]) == 2
+
+
+def test_wait_is_interpolated_in_bytes_between_the_measured_sizes() -> None:
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), SIZED)
+    line = lambda n: comm.time_s("allreduce", n, 4, "intra")  # noqa: E731
+    small = 9.0 * MS - line(4096)  # after a 4 ms burst
+    big = 17.0 * MS - line(MIB)
+    assert big > small  # the measured wait grows with the message
+    assert comm.wait_s("allreduce", 4, "intra", 4 * MS, 4096) == pytest.approx(small)
+    assert comm.wait_s("allreduce", 4, "intra", 4 * MS, MIB) == pytest.approx(big)
+    mid = (4096 + MIB) / 2
+    assert comm.wait_s("allreduce", 4, "intra", 4 * MS, mid) == pytest.approx((small + big) / 2)
+    # outside the measured sizes: the nearest one's wait, never extrapolated
+    assert comm.wait_s("allreduce", 4, "intra", 4 * MS, 100) == pytest.approx(small)
+    assert comm.wait_s("allreduce", 4, "intra", 4 * MS, 64 * MIB) == pytest.approx(big)
+    # no size asked, or a profile with one size: the smallest size's wait, as before
+    assert comm.wait_s("allreduce", 4, "intra", 4 * MS) == pytest.approx(small)
+    one = CommModel(ClusterSpec.from_preset("local-cpu"), WITH)
+    assert one.wait_s("allreduce", 4, "intra", 4 * MS, MIB) == pytest.approx(small)
+
+
 # -- plans ----------------------------------------------------------------------------------
 def _plan(preset: str, db: ProfileDB | None, **pins: object):  # type: ignore[no-untyped-def]
     import hetplan
@@ -139,6 +177,24 @@ def test_data_parallel_sync_pays_the_wait_once() -> None:
     high = (9.0 * MS - comm.time_s("allreduce", 4096, 4, "intra")) * 1e3
     assert low - 1e-6 <= extra <= high + 1e-6
     assert with_.iteration_time_ms == pytest.approx(base.iteration_time_ms + extra, abs=1e-6)
+
+
+def test_data_parallel_sync_pays_the_wait_at_its_bucket_bytes() -> None:
+    plan = _plan("local-cpu", WITH, **DP)
+    sized = _plan("local-cpu", SIZED, **DP)
+    buckets = sized.gradient_sync.buckets  # type: ignore[union-attr]
+    assert len(buckets) == 1  # gpt-test's gradients in one bucket, about 1 MB of fp32
+    nbytes = buckets[0].size_bytes
+    assert 0.5 * MIB < nbytes < 2 * MIB
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), SIZED)
+    extra = (sized.predictions.breakdown.exposed_comm_ms
+             - plan.predictions.breakdown.exposed_comm_ms) * 1e-3
+    # the bucket's wait less the 4 KiB one, at the same burst (the stage's backward, 0-4 ms)
+    lo = min(comm.wait_s("allreduce", 4, "intra", b, nbytes)
+             - comm.wait_s("allreduce", 4, "intra", b) for b in (0.0, 4 * MS))
+    assert extra > 0.5 * MS and extra >= lo - 1e-9
+    assert sized.predictions.iteration_time_ms == pytest.approx(
+        plan.predictions.iteration_time_ms + extra * 1e3, abs=1e-6)
 
 
 def test_plans_without_the_record_and_gpu_plans_are_unchanged(
@@ -186,10 +242,11 @@ def test_profile_handovers_measures_every_operation_after_each_burst() -> None:
 
     recs = profile_handovers(2, bursts_s=(0.0, 0.5e-3), rounds=4, warmup=1, passes=2,
                              timeout_s=120)
-    assert [r.key for r in recs] == [("allreduce", "gloo", "loopback", 2),
-                                     ("p2p", "gloo", "loopback", 2)]
+    assert [r.key for r in recs] == [("allreduce", "gloo", "loopback", 2, 4096),
+                                     ("allreduce", "gloo", "loopback", 2, 1 << 20),
+                                     ("p2p", "gloo", "loopback", 2, 4096)]
     for r in recs:
-        assert r.processes == 2 and r.nbytes == 4096
+        assert r.processes == 2
         assert r.samples[0].burst_s == 0.0  # back to back under the same pattern
         assert len(r.samples) == 2 and r.samples[-1].burst_s > 0.0
         assert all(s.seconds >= 0.0 for s in r.samples)
@@ -207,3 +264,96 @@ def test_profile_handovers_rejects_bad_input() -> None:
         profile_handovers(4, group_sizes=(3,))
     with pytest.raises(ValueError, match="passes"):
         profile_handovers(4, passes=0)
+    with pytest.raises(ValueError, match="sizes"):
+        profile_handovers(4, sizes=())
+
+
+# -- the emulated inter-node link (cpu-2x2-slow) --------------------------------------------
+#: 1 Gbit/s: 8 ns per byte on the wire, times the bus factor (allgather 3/4, allreduce 3/2)
+ETH = ProfileDB(collectives=_lines() + (
+    _line("allgather", 4, 5.0 * MS, link="ethernet", beta=6e-9),
+    _line("allreduce", 4, 5.0 * MS, link="ethernet", beta=12e-9)),
+                handovers=_hands() + (_hand("allreduce", 4, [(0.0, 7.0 * MS), (4 * MS, 11 * MS)],
+                                            link="ethernet"),))
+SLOW = dict(dp=4, pp=1, tp=1, zero_stage=0, compressors=("fp16", "dgc"))
+
+
+def test_the_wait_on_the_emulated_link_is_its_own_record() -> None:
+    slow = ClusterSpec.from_preset("cpu-2x2-slow")
+    # loopback records say nothing about the inter-node link
+    assert CommModel(slow, WITH).wait_s("allreduce", 4, "inter", 1 * MS) == 0.0
+    comm = CommModel(slow, ETH)
+    assert comm.wait_s("allreduce", 4, "inter", 2 * MS) == pytest.approx(
+        9.0 * MS - comm.time_s("allreduce", 4096, 4, "inter"))
+
+
+def test_a_compressed_plan_across_the_emulated_link_pays_its_wait() -> None:
+    without = ProfileDB(collectives=ETH.collectives, handovers=_hands())
+    base = _plan("cpu-2x2-slow", without, **SLOW)
+    with_ = _plan("cpu-2x2-slow", ETH, **SLOW)
+    assert with_.gradient_sync == base.gradient_sync  # the same plan, priced with the wait
+    assert any(s.kind == "compressed"
+               for s in with_.gradient_sync.strategies.values())  # type: ignore[union-attr]
+    comm = CommModel(ClusterSpec.from_preset("cpu-2x2-slow"), ETH)
+    extra = with_.predictions.iteration_time_ms - base.predictions.iteration_time_ms
+    # the ethernet record after a burst between 0 and 4 ms: 7-11 ms, less the line at 4 KiB
+    line = comm.time_s("allreduce", 4096, 4, "inter")
+    assert (7.0 * MS - line) * 1e3 - 1e-6 <= extra <= (11.0 * MS - line) * 1e3 + 1e-6
+
+
+def test_emulated_profiles_need_the_link_and_its_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetplan.profiling import run_profile
+    from hetplan.profiling.handover import profile_handovers
+
+    monkeypatch.delenv("HETPLAN_EMULATE_BW", raising=False)
+    with pytest.raises(ValueError, match="HETPLAN_EMULATE_BW"):
+        profile_handovers(2, emulate=True)
+    monkeypatch.setenv("HETPLAN_EMULATE_BW", "1")
+    with pytest.raises(SpecError, match="--link-kind ethernet"):
+        run_profile(None, world_size=2, what=("collectives",), output=None,
+                    show_progress=False)
+
+
+def test_profile_command_names_the_link_kind_option(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: object) -> None:
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+
+    assert isinstance(tmp_path, Path)
+    out = str(tmp_path / "p.json")
+    bad = CliRunner().invoke(app, ["profile", "-o", out, "--what", "collectives",
+                                   "--link-kind", "ethernt"])
+    assert bad.exit_code != 0 and "--link-kind 'ethernt'" in bad.output
+    assert "ethernet" in bad.output
+    monkeypatch.setenv("HETPLAN_EMULATE_BW", "1")
+    unfiled = CliRunner().invoke(app, ["profile", "-o", out, "--what", "collectives"])
+    assert unfiled.exit_code != 0 and "--link-kind ethernet" in unfiled.output
+
+
+@pytest.mark.dist
+def test_hand_overs_on_the_emulated_link_take_its_wire_time(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    from pathlib import Path
+
+    from hetplan.algorithms.collectives import analytic_time_s
+    from hetplan.profiling import run_profile
+    from hetplan.profiling.handover import profile_handovers
+
+    monkeypatch.setenv("HETPLAN_EMULATE_BW", "0.01")  # 10 Mbit/s: 64 KiB take ~10 ms
+    wire = analytic_time_s("allreduce", 65536, 2, 0.01e9 / 8, 0.0)
+    hands = profile_handovers(2, bursts_s=(0.0,), sizes=(65536,), rounds=2, warmup=1,
+                              passes=1, link_kind="ethernet", emulate=True, timeout_s=120)
+    got = {r.operation: r for r in hands}
+    assert got["allreduce"].link_kind == "ethernet"
+    assert got["allreduce"].samples[0].seconds >= wire * 0.99
+    assert got["p2p"].samples[0].seconds < wire / 2  # the runtime never throttles p2p
+    # `hetplan profile` with the variable set takes only the hand-overs, filed under the link
+    assert isinstance(tmp_path, Path)
+    monkeypatch.setattr("hetplan.profiling.profile_handovers",
+                        lambda *a, **k: hands if k.get("emulate") else [])
+    db = run_profile(None, world_size=2, what=("collectives",), output=tmp_path / "p.json",
+                     link_kind="ethernet", show_progress=False)
+    assert db.collectives == () and db.handovers == tuple(sorted(hands, key=lambda r: r.key))

@@ -311,7 +311,9 @@ def test_compiled_plan_with_dynpipe_and_controller_is_byte_identical(
                               model_ref=ModelRef(name="gpt-test", fingerprint="test",
                                                  num_params=1, workload=workload),
                               cluster_ref=ClusterRef.from_cluster(costs.cluster),
-                              cost_settings=CostSettings(dtype="fp32"), passes=passes)
+                              # the controller keeps the vocabulary whole (as priced)
+                              cost_settings=CostSettings(dtype="fp32", vocab_parallel="whole"),
+                              passes=passes)
 
     a, b = compiled(), compiled()
     assert a.to_json() == b.to_json()

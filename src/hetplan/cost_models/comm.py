@@ -41,11 +41,15 @@ and ``"inter"`` (the cluster's inter-node network).
 :class:`~.profile_db.HandoverRecord` for the backend, link kind and group size (``hetplan
 profile`` takes them on gloo: every process computes a burst between the messages, as a
 training step does), a blocking message costs what the record measured after a burst of the
-plan's length, beyond what the line above says for the record's message size: the wait for a
-core that a rank which blocked on a message pays on a CPU with more processes than cores.
-The evaluator adds it per blocking receive on the pipeline's links and once per collective
-phase of data- and tensor-parallel sync. Without such a record (GPU profiles, analytic
-costs, another backend) it is 0 s, and plans are priced exactly as before.
+plan's length, beyond what the line above says for the record's message size (records at
+several sizes: interpolated in bytes), the wait for a core that a rank which blocked on a
+message pays on a CPU with more processes than cores.
+The evaluator adds it per blocking receive on the pipeline's links and once per data-parallel
+sync, at its first bucket's bytes; TP's per-layer all-reduces are not charged (measured to
+hide most of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
+(``HETPLAN_EMULATE_BW``) are filed under the kind of link it stands for and apply there.
+Without such a record (GPU profiles, analytic costs, another backend) it is 0 s, and plans
+are priced exactly as before.
 
 Speed: :meth:`CommModel.time_s` looks up a precomputed line per (collective, group size, link)
 and does one multiply-add; nothing touches pydantic after the first call for a key.
@@ -214,11 +218,12 @@ class CommModel:
                 line = fit_alpha_beta((s.nbytes, s.seconds) for s in rec.samples)
             self._profiled.setdefault((rec.collective, rec.link_kind), {})[rec.group_size] = line
         self._lines: dict[tuple[str, int, LinkRef], AlphaBeta] = {}
-        # (operation, link kind, group size) -> record (this backend's only)
-        self._handovers: dict[tuple[str, str, int], HandoverRecord] = {
-            (r.operation, r.link_kind, r.group_size): r
-            for r in (db.handovers if db is not None else ()) if r.backend == backend
-        }
+        # (operation, link kind, group size) -> records by message size (this backend's only)
+        self._handovers: dict[tuple[str, str, int], list[HandoverRecord]] = {}
+        for r in db.handovers if db is not None else ():  # sorted by key: sizes ascending
+            if r.backend == backend:
+                self._handovers.setdefault((r.operation, r.link_kind, r.group_size),
+                                           []).append(r)
 
     # -- the hot path ----------------------------------------------------------------------
     def time_s(self, collective: str, nbytes: float, group_size: int, link: LinkRef) -> float:
@@ -259,11 +264,17 @@ class CommModel:
         line = self.alpha_beta(collective, group_size, link)
         return CommCost(seconds, line.source, line.detail)
 
-    def wait_s(self, operation: str, group_size: int, link: LinkRef, burst_s: float) -> float:
-        """The measured wait of one blocking ``operation`` (``p2p`` or ``allreduce``) when
-        every rank computed ``burst_s`` before it, beyond the line's time for the same
-        message (module docstring): ``max(record(burst) - line(record's nbytes), 0)``; 0 s
-        without a hand-over record for this backend, link kind and group size.
+    def wait_s(self, operation: str, group_size: int, link: LinkRef, burst_s: float,
+               nbytes: float | None = None) -> float:
+        """The measured wait of one blocking ``operation`` (``p2p`` or ``allreduce``) of
+        ``nbytes`` when every rank computed ``burst_s`` before it, beyond the line's time for
+        the same message (module docstring); 0 s without a hand-over record for this backend,
+        link kind and group size.
+
+        At each measured message size the wait is ``max(record(burst) - line(size), 0)``;
+        between two sizes it is interpolated linearly in bytes, outside them the nearest
+        size's (no extrapolation, as in bursts). ``nbytes`` None, or a record of one size
+        (profiles before sizes were measured), gives the smallest size's wait.
 
         Args:
             operation: ``p2p`` (a pipeline stage's receive) or ``allreduce`` (any collective
@@ -271,14 +282,26 @@ class CommModel:
             group_size: ranks in the group (p2p: 2); 1 waits for nothing.
             link: a ``LinkSpec``, ``"intra"`` or ``"inter"``.
             burst_s: compute each rank does before the message, in seconds.
+            nbytes: the message (per-rank buffer), or None.
+
+        Example: records of 5 ms at 4 KiB and 12 ms at 1 MiB after the burst, against a line
+        of 4 ms + 1 ns/B, wait 1 ms at 4 KiB, about 6.95 ms at 1 MiB, and halfway in
+        bytes between them halfway between the two waits.
         """
         if not self._handovers or group_size < 2:
             return 0.0
-        rec = self._handovers.get((operation, self.resolve_link(link).kind, group_size))
-        if rec is None:
+        recs = self._handovers.get((operation, self.resolve_link(link).kind, group_size))
+        if not recs:
             return 0.0
-        measured = rec.seconds_at(burst_s)
-        return max(measured - self.time_s(operation, rec.nbytes, group_size, link), 0.0)
+        waits = [(r.nbytes, max(r.seconds_at(burst_s)
+                                - self.time_s(operation, r.nbytes, group_size, link), 0.0))
+                 for r in (recs if nbytes is not None else recs[:1])]
+        if nbytes is None or nbytes <= waits[0][0]:
+            return waits[0][1]
+        for (lo, w_lo), (hi, w_hi) in zip(waits, waits[1:]):
+            if nbytes <= hi:
+                return w_lo + (nbytes - lo) / (hi - lo) * (w_hi - w_lo)
+        return waits[-1][1]
 
     # -- hierarchical composition ----------------------------------------------------------
     def hierarchical_allreduce_cost(

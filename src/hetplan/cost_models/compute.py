@@ -43,6 +43,7 @@ from hetplan.cost_models.kernels import (
     curve_for,
     kernel_times,
 )
+from hetplan.cost_models.engine_memory import splits_vocabulary
 from hetplan.cost_models.memory import capture_bytes
 from hetplan.cost_models.precision import DTYPE_SIZE
 from hetplan.cost_models.profile_db import ProfileDB
@@ -50,7 +51,7 @@ from hetplan.errors import MissingProfileError
 from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import LayerCost, Precision, WorkloadSummary
 
-__all__ = ["LayerTime", "ComputeModel", "V100_FP32_FLOPS", "workload_tokens"]
+__all__ = ["LayerTime", "ComputeModel", "V100_FP32_FLOPS", "vocab_split", "workload_tokens"]
 
 #: The device the Espresso benchmark workloads were measured on (V100 SXM2, fp32 FLOP/s).
 V100_FP32_FLOPS = 15.7e12
@@ -85,9 +86,13 @@ class ComputeModel:
         attention: how the attention core runs: ``flash`` (fused) or ``materialized``.
         fusion: which memory-bound kernels the engine fuses: ``none`` (each captured kernel
             alone) or ``fused`` (:func:`~hetplan.cost_models.kernels.fused_block_bytes`).
-        vocab_parallel: the engine splits the LM head across TP ranks by vocabulary
-            (:meth:`tp_divisor`; the runtime's ``shard_vocab`` splits it beside a ``V x h``
-            token embedding, with a vocabulary-parallel cross-entropy).
+        vocab_parallel: the model's LM head is split across TP ranks by vocabulary
+            (:meth:`tp_divisor`): the plan's ``cost_settings.vocab_parallel == "split"``,
+            which the planner states only for a model whose head has its ``V x h`` token
+            embedding (:func:`~hetplan.cost_models.engine_memory.splits_vocabulary`, the
+            pair the runtime's ``shard_vocab`` splits, with a vocabulary-parallel
+            cross-entropy). Build it through :func:`vocab_split` so a head without that
+            pair is never priced split.
         kernel_devices: price layers by their kernels on device types that have a GEMM
             curve. :class:`~hetplan.cost_models.costs.CostModel` sets it False when some device
             type of the cluster has none: every device of a plan is then priced by the same
@@ -131,7 +136,9 @@ class ComputeModel:
     def tp_divisor(self, lay: LayerCost, tp: int) -> int:
         """What one rank of a ``tp``-way group runs of ``lay``'s single-rank time, as a
         divisor: ``tp`` for a layer with Megatron pairs and, with ``vocab_parallel``, for the
-        LM head (its vocabulary is split); 1 for a layer every rank runs whole."""
+        LM head (its vocabulary is split: ``vocab_parallel`` is only set for a model whose
+        head has its ``V x h`` embedding, see :func:`vocab_split`); 1 for a layer every rank
+        runs whole."""
         split = lay.tp_pairs > 0 or (self.vocab_parallel and lay.kind == "head")
         return tp if tp > 1 and split else 1
 
@@ -246,3 +253,14 @@ def workload_tokens(workload: WorkloadSummary) -> int:
     if not workload.input_shapes or not workload.input_shapes[0]:
         return workload.batch_size
     return math.prod(workload.input_shapes[0])
+
+
+def vocab_split(requested: bool, workload: WorkloadSummary | None) -> bool:
+    """Whether the LM head of ``workload`` runs vocabulary-parallel (under ``tp > 1``):
+    ``requested`` (the plan's ``cost_settings.vocab_parallel == "split"``, or the compile
+    option) and the model has the ``V x h`` embedding pair the runtime splits
+    (:func:`~hetplan.cost_models.engine_memory.splits_vocabulary`). The one rule
+    ``compile``, ``simulate`` and the heterogeneous search build their cost model with."""
+    if not requested or workload is None:
+        return False
+    return splits_vocabulary(workload.layers, capture_bytes(workload))

@@ -53,8 +53,9 @@ from __future__ import annotations
 
 from hetplan.cost_models.kernels import Attention, block_shape
 from hetplan.ir.plan_sections import LayerCost
+from hetplan.ir.vocab import lm_vocab, splits_vocabulary, vocab_table
 
-__all__ = ["engine_layer", "vocab_layers", "tied_head_copy"]
+__all__ = ["engine_layer", "splits_vocabulary", "vocab_layers", "tied_head_copy"]
 
 
 def engine_layer(lay: LayerCost, tokens: int, capture_bytes: int,
@@ -92,34 +93,17 @@ def engine_layer(lay: LayerCost, tokens: int, capture_bytes: int,
     })
 
 
-def _vocab(layers: tuple[LayerCost, ...]) -> tuple[int, int] | None:
-    """(V, h) of the model's LM head (its last layer), or None when it has none."""
-    head = layers[-1] if layers else None
-    if head is None or head.kind != "head":
-        return None
-    fwd = [g for g in head.gemms if g.phase == "fwd" and not g.core]
-    if not fwd:
-        return None
-    g = max(fwd, key=lambda g: g.n * g.k)
-    return g.n, g.k
-
-
-def _vocab_table(lay: LayerCost, vocab: tuple[int, int], capture_bytes: int) -> bool:
-    """Whether ``lay`` is the token embedding of a ``V x h`` vocabulary."""
-    return lay.kind == "embedding" and lay.param_bytes == vocab[0] * vocab[1] * capture_bytes
-
-
 def vocab_layers(layers: tuple[LayerCost, ...], capture_bytes: int) -> tuple[LayerCost, ...]:
     """``layers`` with the LM head's and the vocabulary embedding's parameters TP-split
     (a vocabulary-parallel head, see the module docstring); ``layers`` when the model has
     no LM head or no ``V x h`` embedding beside it (the runtime's ``shard_vocab`` splits
     the pair only)."""
-    vocab = _vocab(layers)
-    if vocab is None or not any(_vocab_table(x, vocab, capture_bytes) for x in layers):
+    vocab = lm_vocab(layers)
+    if vocab is None or not splits_vocabulary(layers, capture_bytes):
         return layers  # the runtime splits a head only beside its vocabulary embedding
     return tuple(
         x.model_copy(update={"tp_split_bytes": x.param_bytes})
-        if x.param_bytes and (x.kind == "head" or _vocab_table(x, vocab, capture_bytes))
+        if x.param_bytes and (x.kind == "head" or vocab_table(x, vocab, capture_bytes))
         else x
         for x in layers)
 
@@ -129,10 +113,10 @@ def tied_head_copy(layers: tuple[LayerCost, ...], capture_bytes: int,
     """(index of the tied embedding, the head's copy of its weight as a layer of
     parameters) when the LM head's weight is tied to a token embedding of the model; None
     otherwise. The copy is TP-split when ``vocab_parallel``."""
-    vocab = _vocab(layers)
+    vocab = lm_vocab(layers)
     if vocab is None or layers[-1].param_bytes:
         return None
-    table = next((k for k, x in enumerate(layers) if _vocab_table(x, vocab, capture_bytes)),
+    table = next((k for k, x in enumerate(layers) if vocab_table(x, vocab, capture_bytes)),
                  None)
     if table is None:
         return None

@@ -200,13 +200,36 @@ def evaluate(
     )
 
 
-def _sync_wait_s(costs: CostModel, link: str, dp: int, bwd_s: float) -> float:
+def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
+                 units: list[tuple[list[int], UnitStrategy]]) -> float:
     """The profiled hand-over wait of a stage's gradient sync: its first collective is issued
     after every rank's backward (``bwd_s``) and waits for the slowest rank and for a core
     (:meth:`~hetplan.cost_models.comm.CommModel.wait_s` of an all-reduce over the stage's
-    data-parallel group; 0 s without a hand-over record). Once per sync: the later
-    collectives of the phase follow back to back, at the line's cost."""
-    return costs.comm.wait_s("allreduce", dp, link, bwd_s)  # type: ignore[arg-type]
+    data-parallel group, at the first unit's message: :func:`_first_message_bytes`; 0 s
+    without a hand-over record). Once per sync: the later collectives of the phase follow
+    back to back, at the line's cost."""
+    return costs.comm.wait_s("allreduce", dp, prep.link, bwd_s,  # type: ignore[arg-type]
+                             _first_message_bytes(prep, units))
+
+
+def _first_message_bytes(prep: _SyncPrep,
+                         units: list[tuple[list[int], UnitStrategy]]) -> float | None:
+    """The per-rank bytes of the first collective a stage's sync issues (the unit whose last
+    gradient is ready first), as reduced: an uncompressed unit's gradients in the reduce
+    dtype, a cast one's in 16 bits; None (the smallest size a hand-over was measured at)
+    for compressed and sparse units, whose first message is not the bucket."""
+    if not units:
+        return None
+    idx, strategy = min(units, key=lambda u: prep.position[u[0][-1]])
+    nbytes = prep.nbytes.get(tuple(idx))
+    if nbytes is None:
+        return None
+    g = prep.dtypes.grad_scale
+    if isinstance(strategy, NoSync):
+        return float(nbytes * g)
+    if isinstance(strategy, CastSync):
+        return float(nbytes * min(g, 0.5))
+    return None
 
 
 @dataclass(frozen=True)
@@ -365,7 +388,7 @@ def _sync_all(
                 tl = simulate_dp(prep.segments, units, record=record)
                 seen.append((units, tl))
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
-            exposed += _sync_wait_s(costs, prep.link, layout.dp, pre.bwd[s])
+            exposed += _sync_wait_s(costs, prep, layout.dp, pre.bwd[s], strategies[s])
             busy, comp = _comm_and_compression_s(units)
         stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
                                      comp, pre.sources[s]))

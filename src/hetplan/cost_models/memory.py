@@ -69,8 +69,8 @@ from functools import lru_cache
 
 from hetplan.algorithms.pipeline_schedules import ActionKind, PipelineSchedule, build_schedule
 from hetplan.errors import InfeasiblePlanError
-from hetplan.ir.model import DTYPE_BYTES
 from hetplan.ir.plan_sections import LayerCost, WorkloadSummary
+from hetplan.ir.vocab import capture_dtype_bytes
 
 __all__ = [
     "ALLOCATOR_MARGIN",
@@ -144,19 +144,9 @@ def capture_bytes(workload: WorkloadSummary) -> int:
         return hit[1]
     if len(_CAPTURE_BYTES) >= 8:
         _CAPTURE_BYTES.clear()
-    value = _capture_bytes(workload)
+    value = capture_dtype_bytes(workload)
     _CAPTURE_BYTES[id(workload)] = (workload, value)
     return value
-
-
-def _capture_bytes(workload: WorkloadSummary) -> int:
-    counts: dict[str, int] = {}
-    for g in workload.grads:
-        counts[g.dtype] = counts.get(g.dtype, 0) + 1
-    if not counts:
-        return 4
-    dtype = max(sorted(counts), key=lambda d: counts[d])
-    return DTYPE_BYTES.get(dtype, 4)
 
 
 #: fp32 training of an fp32 capture.

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hetplan.cost_models.bubble import bubble_ratios
+from hetplan.cost_models.compute import vocab_split
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import Evaluation, evaluate
 from hetplan.cost_models.profile_db import ProfileDB
@@ -117,12 +118,13 @@ def plan_costs(
         )
     if plan.cluster.spec is None and (problems := plan_problems(plan, cluster=spec)):
         raise PlanMismatchError("\n".join(problems))
-    settings = plan.cost_settings or CostSettings()
+    # a plan without cost settings was priced with the head whole
+    settings = plan.cost_settings or CostSettings(vocab_parallel="unstated")
     costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
                       efficiency=settings.efficiency, optimizer=settings.optimizer,
                       precision=plan.precision, attention=settings.attention,
                       dp_overlap=settings.dp_overlap, fusion=settings.fusion,
-                      vocab_parallel=settings.vocab_parallel)
+                      vocab_parallel=vocab_split(settings.vocab_split, workload))
     layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
     return workload, layout, costs
 

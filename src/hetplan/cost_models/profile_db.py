@@ -27,12 +27,14 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   --what step``). On a CPU the per-tensor term (the optimizer's Python and dispatch per
   parameter) dominates small models. Added like sparsity records, without a version bump: an
   absent ``optimizer_steps`` list reads as empty and an empty one is not written.
-* :class:`HandoverRecord`, key ``(operation, backend, link_kind, group_size)``: a p2p
-  hand-over or a collective timed the way training pays it on an oversubscribed CPU: every
-  one of ``processes`` processes computes a burst of ``burst_s`` between the messages; a
-  sample is the time per message beyond the burst (``hetplan profile --what collectives``
-  on gloo; :mod:`hetplan.profiling.handover`). Added like optimizer records, without a
-  version bump: an absent ``handovers`` list reads as empty and an empty one is not written.
+* :class:`HandoverRecord`, key ``(operation, backend, link_kind, group_size, nbytes)``: a
+  p2p hand-over or a collective of ``nbytes`` timed the way training pays it on an
+  oversubscribed CPU: every one of ``processes`` processes computes a burst of ``burst_s``
+  between the messages; a sample is the time per message beyond the burst (``hetplan
+  profile --what collectives`` on gloo; :mod:`hetplan.profiling.handover`). One record per
+  message size: the cost model interpolates in bytes between them. Added like optimizer
+  records, without a version bump: an absent ``handovers`` list reads as empty and an empty
+  one is not written; an older profile has one size per key, read as it was.
 * :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
   statistics of one row-sparse (embedding) gradient when ``workers`` data-parallel workers
   each look up ``batch_size`` samples per synchronized step (``hetplan profile --sparsity``,
@@ -415,7 +417,8 @@ class HandoverRecord(BaseModel):
         backend / link_kind / group_size: as in :class:`CollectiveRecord` (p2p: 2).
         processes: processes computing and communicating at once (every group of
             ``group_size`` among them talks at the same time).
-        nbytes: the message (per-rank buffer) the samples were taken with.
+        nbytes: the message (per-rank buffer) the samples were taken with; a profile may hold
+            the same operation at several sizes, one record each.
         samples: one per burst length, sorted by ``burst_s``, at most one per length.
     """
 
@@ -439,9 +442,10 @@ class HandoverRecord(BaseModel):
         return tuple(sorted(value, key=lambda s: s.burst_s))
 
     @property
-    def key(self) -> tuple[str, str, str, int]:
-        """``(operation, backend, link_kind, group_size)``."""
-        return (self.operation, self.backend, self.link_kind, self.group_size)
+    def key(self) -> tuple[str, str, str, int, int]:
+        """``(operation, backend, link_kind, group_size, nbytes)``: one record per message
+        size."""
+        return (self.operation, self.backend, self.link_kind, self.group_size, self.nbytes)
 
     @property
     def num_samples(self) -> int:
@@ -620,12 +624,14 @@ class ProfileDB(BaseModel):
                                                 processes / r.processes), -r.processes))
 
     def handover(
-        self, operation: str, backend: str, link_kind: str, group_size: int
+        self, operation: str, backend: str, link_kind: str, group_size: int,
+        nbytes: int | None = None,
     ) -> HandoverRecord | None:
         """The hand-over record of ``operation`` at exactly this backend, link kind and group
-        size, or None."""
-        return next((r for r in self.handovers
-                     if r.key == (operation, backend, link_kind, group_size)), None)
+        size, and message size ``nbytes`` (None: the smallest size measured), or None."""
+        return next((r for r in self.handovers  # sorted by key: the smallest size first
+                     if r.key[:4] == (operation, backend, link_kind, group_size)
+                     and (nbytes is None or r.nbytes == nbytes)), None)
 
     # -- (de)serialisation ------------------------------------------------------------------
     def to_json(self) -> str:

@@ -36,7 +36,9 @@ Rules (each applies when the sections it relates are present):
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages,
    none of them starting at a layer the runtime cannot split before (as in rule 3); with
    per-stage degrees, to every stage, none released (:mod:`hetplan.ir.plan_hetero_checks`).
-8. **predictions**: at most one memory figure per rank.
+8. **predictions**: at most one memory figure per rank. **cost_settings.vocab_parallel**
+   ``split`` needs the pair it splits (an LM head beside its ``V x h`` token embedding,
+   :mod:`hetplan.ir.vocab`) and no TP resizing controller (it keeps the vocabulary whole).
 9. **complete** plans — what ``hetplan plan`` writes, required of every plan file
    (:func:`~hetplan.ir.plan.load_plan`; ``Plan.from_json(..., complete=True)``):
    a layout, the stages of a pipeline, the model's workload summary; a pipeline with at
@@ -71,6 +73,7 @@ from hetplan.ir.pipeline_order import (
 )
 from hetplan.ir.plan_sections import (
     ClusterRef,
+    CostSettings,
     LayerCost,
     Precision,
     GradientSync,
@@ -88,6 +91,7 @@ from hetplan.ir.model import DTYPE_BYTES
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
 from hetplan.ir.validation import did_you_mean
+from hetplan.ir.vocab import capture_dtype_bytes, splits_vocabulary
 
 __all__ = ["plan_problems"]
 
@@ -122,6 +126,8 @@ class Plan(Protocol):
     def sparse_sync(self) -> SparseSync | None: ...
     @property
     def hetero(self) -> Hetero | None: ...
+    @property
+    def cost_settings(self) -> CostSettings | None: ...
 
 _RERUN = "re-run `hetplan plan`"
 _ACTION = re.compile(r"^([0-9]+)([FB])([0-9]+)$")
@@ -143,7 +149,7 @@ def plan_problems(plan: Plan, *, complete: bool = False,
     problems = _cluster(plan, spec, label, given) + _layout(plan, spec, label)
     problems += _stages(plan) + _pipeline_actions(plan) + _tensor_parallel(plan)
     problems += _gradient_sync(plan, spec) + _sparse_sync(plan) + _rebalancing(plan)
-    problems += _predictions(plan)
+    problems += _predictions(plan) + _vocab_parallel(plan)
     problems += group_sync_problems(plan.group_sync, plan.layout)
     if complete:
         problems += _completeness(plan)
@@ -563,6 +569,24 @@ def _completeness(plan: Plan) -> list[str]:
     if plan.model.workload is None:
         out.append("model.workload: missing; a plan carries its model's workload summary "
                    f"(simulate, inspect and the runtime read it): {_RERUN}")
+    return out
+
+
+def _vocab_parallel(plan: Plan) -> list[str]:
+    """``split`` needs the pair it splits (an LM head beside its ``V x h`` embedding) and no
+    TP resizing controller (rule 8)."""
+    cs, wl, tp = plan.cost_settings, plan.model.workload, plan.tensor_parallel
+    if cs is None or cs.vocab_parallel != "split":
+        return []
+    out = []
+    if wl is not None and not splits_vocabulary(wl.layers, capture_dtype_bytes(wl)):
+        out.append("cost_settings.vocab_parallel: 'split', but the model's last layer is not "
+                   "an LM head beside a V x h token embedding (nothing the runtime can split); "
+                   f"a plan for this model says 'whole': {_RERUN}")
+    if tp is not None and tp.controller.variant != "off":
+        out.append(f"cost_settings.vocab_parallel: 'split' with the TP resizing controller "
+                   f"({tp.controller.variant}), which resizes the MLP shards only and keeps "
+                   f"the vocabulary whole; a plan with the controller says 'whole': {_RERUN}")
     return out
 
 

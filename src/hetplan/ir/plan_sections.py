@@ -301,6 +301,28 @@ class ClusterRef(_Section):
                    spec=spec if embed else None)
 
 
+#: Whether the LM head is vocabulary-parallel under tensor parallelism (``tp > 1``):
+#: ``split``: the head and the ``V x h`` token embedding whose rows are its outputs are split
+#: over the TP ranks by vocabulary, with the parallel cross-entropy (Megatron-LM); the
+#: planner writes it only for a model that has that pair and no TP resizing controller, and
+#: the runtime refuses a plan asking for it where it cannot split. ``whole``: every TP rank
+#: holds and runs the whole head and embedding. ``unstated``: a plan written before the plan
+#: said (it stored ``false``): priced whole, and run as hetplan always ran such plans, split
+#: beside a ``V x h`` embedding unless the resizing controller runs.
+VocabParallel = Literal["split", "whole", "unstated"]
+
+
+def _legacy_vocab_parallel(v: object) -> object:
+    """Plans written before :data:`VocabParallel` stored a bool: ``true`` was priced split
+    (and the runtime split beside the embedding): ``split``; ``false`` was priced whole while
+    the runtime split where it could: ``unstated``."""
+    if v is True:
+        return "split"
+    if v is False:
+        return "unstated"
+    return v
+
+
 class CostSettings(_Section):
     """The cost-model settings a plan was predicted with (``simulate`` reuses them).
 
@@ -313,9 +335,10 @@ class CostSettings(_Section):
     gradient sync overlaps the last micro-batch's backward (``backward``) or starts after
     the pipeline flush (``after-flush``); ``fusion``: the engine's memory-bound kernels
     run as captured (``none``) or as its fused transformer-block kernels (``fused``: their
-    time and the activations they keep); ``vocab_parallel``: its LM head's products and its
-    cross-entropy are split across TP ranks by vocabulary; see
-    ``docs/decisions/cost-model.md``.
+    time and the activations they keep); ``vocab_parallel``: whether the LM head is
+    vocabulary-parallel, the one statement the planner prices and the runtime executes
+    (:data:`VocabParallel`); see ``docs/decisions/cost-model.md`` and
+    ``docs/decisions/vocab-parallel.md``.
     """
 
     dtype: Name = "fp32"
@@ -326,7 +349,13 @@ class CostSettings(_Section):
     attention: Literal["flash", "materialized"] = "flash"
     dp_overlap: Literal["backward", "after-flush"] = "backward"
     fusion: Literal["none", "fused"] = "none"
-    vocab_parallel: bool = False
+    vocab_parallel: Annotated[VocabParallel, BeforeValidator(_legacy_vocab_parallel)] = "split"
+
+    @property
+    def vocab_split(self) -> bool:
+        """Whether the predictions price the LM head split by vocabulary (``split``); a plan
+        that does not state it (``unstated``) was priced with the head whole."""
+        return self.vocab_parallel == "split"
 
     @field_validator("dtype")
     @classmethod

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hetplan.algorithms.pipeline_schedules import layout_actions
+from hetplan.cost_models.compute import vocab_split
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import Evaluation, evaluate
 from hetplan.cost_models.memory import USABLE_FRACTION, model_state
@@ -170,12 +171,14 @@ def compile(  # noqa: A001 - the product's verb
     pipeline = opts.pipeline()
     ir = _workload(model, example_inputs, example_kwargs, opts.seq)
     screening = tuple(p for p in pipeline if not p.refines)
+    workload = WorkloadSummary.from_model_ir(ir)
     job = _Job(
-        opts=opts, ir=ir, workload=WorkloadSummary.from_model_ir(ir), spec=spec, db=db,
+        opts=opts, ir=ir, workload=workload, spec=spec, db=db,
         costs=CostModel(spec, db, dtype=opts.dtype, efficiency=opts.efficiency,
                         optimizer=opts.optimizer, require_profiled=opts.require_profiled,
                         attention=opts.attention, dp_overlap=opts.dp_overlap,
-                        fusion=opts.fusion, vocab_parallel=opts.vocab_parallel),
+                        fusion=opts.fusion,
+                        vocab_parallel=_vocab_parallel(opts, pipeline, workload)),
         model_ref=ModelRef(name=ir.name, fingerprint=ir.fingerprint(),
                            num_params=ir.num_params),
         cluster_ref=ClusterRef.from_cluster(spec, embed=False),
@@ -342,6 +345,17 @@ def _refine(job: _Job, screened: list[Scored], infeasible: list[str]) -> Scored 
     return best
 
 
+def _vocab_parallel(opts: CompileOptions, pipeline: tuple[Pass, ...],
+                    workload: WorkloadSummary) -> bool:
+    """Whether the plan's LM head is vocabulary-parallel (``cost_settings.vocab_parallel``,
+    priced so by the whole search): asked for (``opts.vocab_parallel``, the default), the
+    model has the head's ``V x h`` embedding (:func:`vocab_split`), and no TP resizing
+    controller runs (it resizes the MLP shards and keeps the vocabulary whole at run time).
+    See ``docs/decisions/vocab-parallel.md``."""
+    controller = any(getattr(p, "controller", "off") != "off" for p in pipeline)
+    return not controller and vocab_split(opts.vocab_parallel, workload)
+
+
 def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
     """The final plan: stage times, baselines, predictions, provenance and the pass log."""
     _, cand, plan, ev = best
@@ -358,7 +372,8 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
                                       profile_fingerprint=_db_fingerprint(job.db),
                                       attention=opts.attention, dp_overlap=opts.dp_overlap,
                                       fusion=opts.fusion,
-                                      vocab_parallel=opts.vocab_parallel),
+                                      vocab_parallel="split" if job.costs.vocab_parallel
+                                      else "whole"),
         "precision": job.costs.precision,
         "pass_log": (PassLogEntry(name="layout-search", changed=True, notes=(search_note,)),)
         + plan.pass_log,

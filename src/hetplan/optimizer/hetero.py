@@ -52,6 +52,7 @@ from hetplan.algorithms.hetero_search import (
     state_count,
 )
 from hetplan.algorithms.pipeline_schedules import layout_actions
+from hetplan.cost_models.compute import vocab_split
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.hetero import (
     MODES,
@@ -672,11 +673,11 @@ def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_siz
     """
     if mode == "off":
         return plan
-    cs = plan.cost_settings or CostSettings()
+    cs = plan.cost_settings or CostSettings(vocab_parallel="unstated")
+    workload = plan.model.workload
     costs = CostModel(spec, db, dtype=cs.dtype, efficiency=cs.efficiency, optimizer=cs.optimizer,
                       attention=cs.attention, dp_overlap=cs.dp_overlap, fusion=cs.fusion,
-                      vocab_parallel=cs.vocab_parallel)
-    workload = plan.model.workload
+                      vocab_parallel=vocab_split(cs.vocab_split, workload))
     if workload is None:
         raise InfeasiblePlanError("the plan carries no workload summary to search "
                                   "heterogeneous stages over; re-run `hetplan plan`")

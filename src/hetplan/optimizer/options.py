@@ -64,8 +64,12 @@ class CompileOptions(BaseModel):
         dtype: the precision policy: ``mixed`` (the default: bf16 on device types with a bf16
             peak, fp16 with loss scaling where only fp16, fp32 elsewhere; fp32 master weights
             and optimizer state) or one of ``fp32``, ``bf16``, ``fp16`` everywhere.
-        efficiency / optimizer / attention / dp_overlap / fusion / vocab_parallel: cost-model
-            settings (recorded in the plan; see ``CostSettings``).
+        efficiency / optimizer / attention / dp_overlap / fusion: cost-model settings
+            (recorded in the plan; see ``CostSettings``).
+        vocab_parallel: split the LM head and its ``V x h`` token embedding by vocabulary
+            under TP (the default, as Megatron-LM does); the plan states ``split`` only where
+            the model has that pair and no TP resizing controller runs, else ``whole``
+            (``docs/decisions/vocab-parallel.md``).
         require_profiled: refuse analytic compute estimates.
         compressors / dynamics / tp_controller / tp_gamma_max: pipeline shorthands.
         progress: the layout search's progress bar on stderr for a search over a second
@@ -93,7 +97,7 @@ class CompileOptions(BaseModel):
     attention: Literal["flash", "materialized"] = "flash"
     dp_overlap: Literal["backward", "after-flush"] = "backward"
     fusion: Literal["none", "fused"] = "none"
-    vocab_parallel: bool = False
+    vocab_parallel: bool = True
     require_profiled: bool = False
     compressors: tuple[str, ...] = ()
     dynamics: DynamicsSpec | str | Path | None = None

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, SparsityRecord, merge
+from hetplan.errors import SpecError
 from hetplan.profiling._spawn import run_local_ranks
 from hetplan.profiling.collectives import (
     DEFAULT_COLLECTIVES,
@@ -54,8 +55,10 @@ from hetplan.profiling.layers import (
     profile_layers,
     profile_layers_concurrent,
 )
-from hetplan.profiling.step import profile_optimizer_steps
 from hetplan.profiling.sparsity import SparsitySpec, profile_sparsity
+from hetplan.profiling.step import profile_optimizer_steps
+from hetplan.runtime.link_emulation import ENV as EMULATE_ENV
+from hetplan.runtime.link_emulation import emulated_link
 
 __all__ = [
     "DEFAULT_COLLECTIVES",
@@ -154,6 +157,20 @@ def _progress(show: bool) -> Any:
     )
 
 
+def _collectives(progress: Any, world_size: int, backend: str, sizes: Sequence[int],
+                 collectives: Sequence[str], link_kind: str, timeout_s: float) -> list[Any]:
+    """:func:`profile_collectives` under a progress line; its records (skips reported)."""
+    task = progress.add_task(f"collectives on {world_size} {backend} processes", total=None)
+    prof = profile_collectives(world_size, backend=backend, sizes=sizes,
+                               collectives=collectives, link_kind=link_kind,
+                               timeout_s=timeout_s)
+    for coll, why in prof.skipped.items():
+        progress.console.print(f"[yellow]skipped {coll}[/]: {why}")
+        log.warning("collective %s skipped: %s", coll, why)
+    progress.update(task, total=1, completed=1)
+    return list(prof.records)
+
+
 def run_profile(
     model: ModelArg | None,
     *,
@@ -205,7 +222,12 @@ def run_profile(
         backend: ``gloo`` or ``nccl``; default ``nccl`` on CUDA, else ``gloo``.
         link_kind: link kind the collective records are filed under; must match the
             cluster spec's intra-node link (default ``loopback`` with gloo, ``nvlink`` with
-            NCCL).
+            NCCL). With ``HETPLAN_EMULATE_BW`` set (the runtime's slow-network emulation,
+            :mod:`hetplan.runtime.link_emulation`) ``collectives`` takes only the hand-overs,
+            on the emulated link, as a run with it pays them (its wire time is the analytic
+            line of the link, by construction), filed under ``link_kind``, which must then
+            name the link the emulation stands for (``ethernet`` for ``cpu-2x2-slow``'s
+            inter-node link).
         layer_processes: profile layers on this many processes at once, with the threads
             each would get in training (:func:`profile_layers_concurrent`); 1 profiles in
             this process with the current thread count.
@@ -222,10 +244,20 @@ def run_profile(
     Raises:
         ValueError: an unknown entry in ``what``, or ``layers`` or ``sparsity`` without a
             model.
+        SpecError: ``HETPLAN_EMULATE_BW`` set with collectives to time and no ``link_kind``
+            (or ``loopback`` / ``nvlink``) to file them under.
     """
     bad = [w for w in what if w not in WHAT]
     if bad:
         raise ValueError(f"unknown measurement(s) {bad}; choose from {list(WHAT)}")
+    emulate = emulated_link() is not None and "collectives" in what
+    if emulate:
+        if link_kind in (None, "loopback", "nvlink"):
+            raise SpecError(
+                f"{EMULATE_ENV} is set, so hand-overs are timed on the emulated link; file "
+                "them under the kind of link it stands for with link_kind (--link-kind "
+                "ethernet for cpu-2x2-slow's inter-node link), not "
+                f"{link_kind or 'the default'!r}, or unset {EMULATE_ENV}")
     if device is None:
         device = "cuda" if device_type != "cpu" and torch.cuda.is_available() else "cpu"
     if backend is None:
@@ -266,22 +298,17 @@ def run_profile(
             if world_size < 2:
                 log.warning("collectives skipped: world_size=%d (need >= 2)", world_size)
             else:
-                task = progress.add_task(f"collectives on {world_size} {backend} processes",
-                                         total=None)
-                prof = profile_collectives(
-                    world_size, backend=backend, sizes=collective_sizes,
-                    collectives=collectives, link_kind=link_kind, timeout_s=timeout_s,
-                )
-                colls = prof.records
-                for coll, why in prof.skipped.items():
-                    progress.console.print(f"[yellow]skipped {coll}[/]: {why}")
-                    log.warning("collective %s skipped: %s", coll, why)
-                progress.update(task, total=1, completed=1)
+                colls = [] if emulate else _collectives(
+                    progress, world_size, backend, collective_sizes, collectives, link_kind,
+                    timeout_s)
                 if backend == "gloo":
+                    where = f" on the emulated {link_kind} link" if emulate else ""
                     task = progress.add_task(
-                        f"hand-overs after compute on {world_size} processes", total=None)
+                        f"hand-overs after compute on {world_size} processes{where}",
+                        total=None)
                     hands = profile_handovers(world_size, backend=backend,
-                                              link_kind=link_kind, timeout_s=timeout_s)
+                                              link_kind=link_kind, timeout_s=timeout_s,
+                                              emulate=emulate)
                     progress.update(task, total=1, completed=1)
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,

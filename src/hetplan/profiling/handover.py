@@ -17,7 +17,11 @@ length in ``bursts_s``:
    ``p2p`` (each rank ``isend`` to the next, ``irecv`` from the previous one, ``wait`` on
    both: a pipeline stage's blocking receive, every stage at once) or ``allreduce`` (the whole
    world, and every group of each size in ``group_sizes`` at once): the round's wall time
-   ``r``.
+   ``r``. All-reduces are timed at every message size in ``sizes`` (4 KiB and 1 MiB by
+   default: the wait grows with the message, a 1 MiB all-reduce on 4 ranks costs 3.8 / 4.6 /
+   9.1 ms after 0 / 1 / 3 ms of compute, ``docs/decisions/cpu-fidelity.md`` section 6; a
+   data-parallel bucket of the CPU plans is 0.1-1 MB); p2p at the smallest (a pipeline's
+   activations on those plans are tens of KiB).
 
 Both are timed in ``passes`` rounds over all the bursts (the host's fast and slow spells
 outlast one burst's block of rounds). A sample is ``(b, r - b)``: the time one message costs
@@ -25,6 +29,14 @@ beyond the burst. Each rank takes the mean over its rounds (the slow wake-ups ar
 measured; a median would drop them); ``b`` is the mean over the ranks and ``r`` the slowest
 rank's. The cost model charges it, less the back-to-back line at the same size, per blocking
 receive (:meth:`hetplan.cost_models.comm.CommModel.wait_s`).
+
+**On an emulated link** (``emulate=True``, with ``HETPLAN_EMULATE_BW`` set, as ``hetplan
+profile`` does when that variable is set): every all-reduce also occupies the runtime's
+emulated link (:func:`throttle`, :mod:`hetplan.runtime.link_emulation`), as a gradient sync
+across emulated nodes does, and the records are filed under the kind of link the emulation
+stands for (``ethernet`` for ``cpu-2x2-slow``). The emulated wire time is the analytic line
+of that link by construction, so only the hand-overs are taken there: what they add is the
+real loopback collective running underneath the emulated one, with its waits for a core.
 """
 
 from __future__ import annotations
@@ -36,10 +48,14 @@ from typing import Any
 
 from hetplan.cost_models.profile_db import HandoverRecord, HandoverSample
 
-__all__ = ["DEFAULT_BURSTS_S", "profile_handovers"]
+__all__ = ["DEFAULT_BURSTS_S", "DEFAULT_SIZES", "LinkSettings", "emulated_settings",
+           "profile_handovers", "throttle"]
 
 #: Bursts around the per-micro-batch stage times of small CPU plans (0.3-10 ms).
 DEFAULT_BURSTS_S: tuple[float, ...] = (0.0, 0.5e-3, 2e-3, 8e-3)
+#: Message sizes of the all-reduces (p2p: the smallest): a latency-bound message and one of
+#: the size of a small model's whole gradient bucket.
+DEFAULT_SIZES: tuple[int, ...] = (4096, 1 << 20)
 _CALIBRATE_S = 0.3  # wall time of the calibration, every process computing
 _DIM = 48  # matmul side of one unit of burst work (tens of microseconds on a CPU core)
 
@@ -58,14 +74,61 @@ def _burst_op(units: int) -> Any:
     return burst
 
 
-def _message_op(operation: str, rank: int, world: int, group: Any, nbytes: int) -> Any:
+#: An emulated link's settings, passed to the processes: (Gbit/s, latency per step in µs).
+LinkSettings = tuple[float, float]
+
+
+def throttle(op: Any, name: str, nbytes: int, group_size: int,
+             link: LinkSettings | None) -> Any:
+    """``op`` run on an emulated link of these settings (one per process, as the runtime's
+    :class:`~hetplan.runtime.link_emulation.EmulatedLink` of ``HETPLAN_EMULATE_BW``) the way
+    the runtime runs a gradient-sync collective across nodes: queued on the link when it
+    starts, waited for until its emulated end when it returns (a lower bound, never added on
+    top). p2p, and anything without a link, runs as it is (the runtime throttles only
+    gradient-sync collectives)."""
+    if link is None or name == "p2p":
+        return op
+    from hetplan.runtime.link_emulation import EmulatedLink
+
+    emulated = EmulatedLink(*link)
+
+    def run() -> None:
+        end = emulated.reserve(name, nbytes, group_size)
+        op()
+        emulated.wait(end)
+
+    return run
+
+
+def emulated_settings(emulate: bool) -> LinkSettings | None:
+    """The settings of the runtime's emulated link from ``HETPLAN_EMULATE_BW`` (and
+    ``HETPLAN_EMULATE_LATENCY_US``) when ``emulate``, else None; read here and passed to the
+    spawned processes (a process pool may have started before the variable was set).
+
+    Raises:
+        ValueError: ``emulate`` without ``HETPLAN_EMULATE_BW`` set.
+    """
+    if not emulate:
+        return None
+    from hetplan.runtime.link_emulation import ENV, emulated_link
+
+    link = emulated_link()
+    if link is None:
+        raise ValueError(f"emulate=True needs {ENV} set to the emulated link's Gbit/s, e.g. "
+                         f"{ENV}=1 (as the run it describes)")
+    return (link.bytes_per_s * 8 / 1e9, link.latency_s * 1e6)
+
+
+def _message_op(operation: str, rank: int, world: int, group: Any, nbytes: int,
+                gsize: int, link: LinkSettings | None) -> Any:
     import torch
     import torch.distributed as dist
 
     x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
     y = torch.empty_like(x)
     if operation == "allreduce":
-        return lambda: dist.all_reduce(x, group=group)
+        return throttle(lambda: dist.all_reduce(x, group=group), "allreduce", nbytes, gsize,
+                        link)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
 
     def exchange() -> None:  # every rank sends and receives at once: every stage's receive
@@ -86,9 +149,11 @@ def _mean_round_s(op: Any, rounds: int) -> float:
 
 
 def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Sequence[int],
-            nbytes: int, rounds: int, warmup: int, passes: int
-            ) -> dict[tuple[str, int], list[tuple[float, float]]]:
-    """Runs in every rank: (operation, group size) -> [(burst s, message s)], slowest rank's."""
+            sizes: Sequence[int], rounds: int, warmup: int, passes: int,
+            link: LinkSettings | None = None
+            ) -> dict[tuple[str, int, int], list[tuple[float, float]]]:
+    """Runs in every rank: (operation, group size, bytes) -> [(burst s, message s)], the
+    slowest rank's."""
     import torch
     import torch.distributed as dist
 
@@ -114,15 +179,16 @@ def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Seque
     t = torch.tensor([(time.perf_counter() - t0) / count], dtype=torch.float64)
     dist.all_reduce(t)
     per_unit = float(t.item()) / world
-    runs = [("p2p", 2, None)] + [("allreduce", g, groups[g]) for g in sorted(groups)]
-    # per (burst, operation): summed mean burst and slowest round over the passes
-    acc: dict[tuple[float, str, int], list[float]] = {}
+    runs = [("p2p", 2, None, min(sizes))] + [("allreduce", g, groups[g], n)
+                                              for g in sorted(groups) for n in sorted(sizes)]
+    # per (burst, operation, group, bytes): summed mean burst and slowest round over passes
+    acc: dict[tuple[float, str, int, int], list[float]] = {}
     per_pass = max(-(-rounds // passes), 1)
     for _ in range(passes):  # every pass over all bursts: no burst in one spell of the host
         for burst_s in bursts_s:
             burst = _burst_op(max(round(burst_s / per_unit), 0))
-            for operation, gsize, group in runs:
-                message = _message_op(operation, rank, world, group, nbytes)
+            for operation, gsize, group, nbytes in runs:
+                message = _message_op(operation, rank, world, group, nbytes, gsize, link)
 
                 def both() -> None:
                     burst()
@@ -140,13 +206,13 @@ def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Seque
                 dist.all_reduce(mean_b)
                 max_r = torch.tensor([r], dtype=torch.float64)
                 dist.all_reduce(max_r, op=dist.ReduceOp.MAX)
-                sums = acc.setdefault((burst_s, operation, gsize), [0.0, 0.0])
+                sums = acc.setdefault((burst_s, operation, gsize, nbytes), [0.0, 0.0])
                 sums[0] += float(mean_b.item()) / world / passes
                 sums[1] += float(max_r.item()) / passes
                 dist.barrier()
-    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for (_, operation, gsize), (bb, rr) in acc.items():
-        out.setdefault((operation, gsize), []).append((bb, max(rr - bb, 0.0)))
+    out: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    for (_, operation, gsize, nbytes), (bb, rr) in acc.items():
+        out.setdefault((operation, gsize, nbytes), []).append((bb, max(rr - bb, 0.0)))
     return out
 
 
@@ -157,12 +223,13 @@ def profile_handovers(
     link_kind: str = "loopback",
     bursts_s: Sequence[float] = DEFAULT_BURSTS_S,
     group_sizes: Sequence[int] | None = None,
-    nbytes: int = 4096,
+    sizes: Sequence[int] = DEFAULT_SIZES,
     rounds: int = 45,
     warmup: int = 2,
     passes: int = 3,
     timeout_s: float = 120.0,
     threads_per_process: int | None = 1,
+    emulate: bool = False,
 ) -> list[HandoverRecord]:
     """Time p2p hand-overs and all-reduces after compute bursts on ``world_size`` processes.
 
@@ -174,7 +241,8 @@ def profile_handovers(
             0 measures the messages back to back under the same pattern.
         group_sizes: smaller all-reduce groups, every group of a size at once (default:
             every divisor of ``world_size`` from 2 below it, as :mod:`.collectives`).
-        nbytes: the message (per-rank buffer).
+        sizes: the messages (per-rank buffer bytes) of the all-reduces, one record each;
+            p2p is timed at the smallest.
         rounds / warmup: timed rounds per burst and operation (split over the passes),
             and untimed rounds before each pass's.
         passes: rounds over all bursts (as :func:`~.collectives.size_order`), so that every
@@ -182,14 +250,20 @@ def profile_handovers(
         timeout_s: limit on the whole run.
         threads_per_process: torch threads per process (1: a training rank's share of the
             CPU presets' cores).
+        emulate: the all-reduces also occupy the runtime's emulated link
+            (``HETPLAN_EMULATE_BW``, :func:`throttle`), as a gradient sync
+            across emulated nodes does; p2p never (the runtime does not throttle it). File
+            the records under that link's kind (``link_kind``).
 
     Returns:
-        One :class:`HandoverRecord` per operation and group size: ``p2p`` (group 2) and
-        ``allreduce`` at ``world_size`` and each of ``group_sizes``; a sample per burst.
+        One :class:`HandoverRecord` per operation, group size and message size: ``p2p``
+        (group 2, the smallest size) and ``allreduce`` at ``world_size`` and each of
+        ``group_sizes``, at each size; a sample per burst.
 
     Raises:
-        ValueError: ``world_size`` < 2, no bursts, a negative burst, ``nbytes`` < 1, or a
-            group size that does not divide ``world_size``.
+        ValueError: ``world_size`` < 2, no bursts, a negative burst, no sizes or one < 1,
+            a group size that does not divide ``world_size``, or ``emulate`` without
+            ``HETPLAN_EMULATE_BW`` set.
     """
     from hetplan.profiling._spawn import run_local_ranks
     from hetplan.profiling.collectives import subgroups
@@ -198,24 +272,25 @@ def profile_handovers(
         raise ValueError(f"hand-overs need world_size >= 2, got {world_size}")
     if not bursts_s or min(bursts_s) < 0:
         raise ValueError(f"bursts_s must be non-negative seconds, got {list(bursts_s)}")
-    if nbytes < 1:
-        raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"sizes must be message bytes >= 1, got {list(sizes)}")
     if passes < 1 or rounds < 1:
         raise ValueError(f"rounds and passes must be >= 1, got {rounds} and {passes}")
     if group_sizes is None:
         group_sizes = [g for g in range(2, world_size) if world_size % g == 0]
     for g in group_sizes:
         subgroups(world_size, g)
+    link = emulated_settings(emulate)
     bursts = tuple(sorted(set(bursts_s)))
     results = run_local_ranks(
         _worker, world_size,
-        (bursts, tuple(sorted(set(group_sizes) - {world_size})), nbytes, rounds, warmup,
-         passes),
+        (bursts, tuple(sorted(set(group_sizes) - {world_size})), tuple(sorted(set(sizes))),
+         rounds, warmup, passes, link),
         backend=backend, timeout_s=timeout_s, threads_per_process=threads_per_process,
     )
-    points: dict[tuple[str, int], list[tuple[float, float]]] = results[0]
+    points: dict[tuple[str, int, int], list[tuple[float, float]]] = results[0]
     records = []
-    for (operation, gsize), pts in sorted(points.items()):
+    for (operation, gsize, nbytes), pts in sorted(points.items()):
         # two bursts may come out at the same measured length: keep one sample per length
         by_burst: dict[float, list[float]] = {}
         for b, s in pts:

@@ -9,7 +9,19 @@ devices per node), or ``--nproc-per-node`` in the extra options.
    and the model's fingerprint (``check_plan_matches``, the plan's one validator), the world
    size torchrun would start against the plan's, the ``--report`` path writable, the options
    in range, the pipeline schedule one the runtime executes, the strategies a combination it
-   composes. A mismatch is one message and exit code 2, at once.
+   composes, and whether this host can hold the processes it would start
+   (:func:`host_problem`). A mismatch is one message and exit code 2, at once.
+
+   **What a host may start** (:func:`host_problem`). The processes torchrun starts *here*
+   are ``--nproc-per-node`` (the whole world on one machine, a node's share with
+   ``--nnodes``). A plan whose cluster has accelerators (any device type not named
+   ``cpu…``) needs that many CUDA devices on this host: one process per GPU on a machine
+   without them would run every GPU's work on the CPU (a 64-GPU plan started 64 processes
+   on a 2-core machine). A plan for CPU devices may oversubscribe the cores, as the gloo
+   tests do (4 processes on 2 cores), up to :data:`OVERSUBSCRIBE` times the cores this
+   process may run on (and at least :data:`MIN_CPU_PROCESSES`); beyond that only with
+   ``--oversubscribe``. ``--dry-run`` skips this check: it prints the command for the
+   machines that will run it.
 2. **Launch** (:func:`launch`): torchrun runs in a session of its own with the parent-death
    signal SIGKILL, so it dies with the launcher; every process of the run carries the run's
    marker (:mod:`hetplan.runtime.proctree`). torchrun's stderr (its own and the ranks') is
@@ -59,8 +71,8 @@ from hetplan.runtime import proctree
 from hetplan.runtime.composition import refusals
 from hetplan.runtime.hetero_ranks import plan_world_size
 
-__all__ = ["RunOutcome", "launch", "launched_world_size", "preflight", "relay_stderr",
-           "torchrun_command"]
+__all__ = ["HostCapacity", "MIN_CPU_PROCESSES", "OVERSUBSCRIBE", "RunOutcome", "host_problem",
+           "launch", "launched_world_size", "preflight", "relay_stderr", "torchrun_command"]
 
 
 def torchrun_command(
@@ -134,6 +146,86 @@ def launched_world_size(cmd: Sequence[str]) -> int | None:
     return int(per_node) * int(nodes)
 
 
+#: CPU processes per core a CPU plan may start on one host without ``--oversubscribe``
+OVERSUBSCRIBE = 2
+#: ... and never fewer than this many (the gloo tests' 4 ranks, on any machine)
+MIN_CPU_PROCESSES = 4
+
+
+@dataclass(frozen=True)
+class HostCapacity:
+    """What this host offers a run: CUDA devices and the CPU cores this process may use."""
+
+    cuda_devices: int
+    cpu_cores: int
+
+    @classmethod
+    def detect(cls) -> HostCapacity:
+        """This machine (imports torch, to count CUDA devices)."""
+        import torch
+
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        return cls(cuda_devices=cuda, cpu_cores=max(cores, 1))
+
+
+def _is_cpu_type(name: str) -> bool:
+    """A device type that is a CPU (``cpu``, ``cpu-fast`` ...); any other is an accelerator."""
+    return name.lower().startswith("cpu")
+
+
+def host_problem(plan: Plan, cmd: Sequence[str], host: HostCapacity, *,
+                 oversubscribe: bool = False) -> str | None:
+    """Why this host cannot start the processes ``cmd`` would start for ``plan`` (see the
+    module docstring, "What a host may start"), or None.
+
+    Args:
+        plan: the plan (its embedded cluster says CPU or accelerator devices).
+        cmd: the torchrun command: its ``--nproc-per-node`` processes start here.
+        host: this host's CUDA devices and CPU cores.
+        oversubscribe: ``--oversubscribe``: a CPU plan may start any number of processes.
+    """
+    per_node = _option(cmd, "nproc-per-node")
+    if per_node is None or not per_node.isdigit():
+        return None  # torchrun decides (auto, gpu ...): nothing to check here
+    local = int(per_node)
+    spec = plan.cluster.spec
+    world = plan_world_size(plan)
+    types = sorted({d.type for d in spec.devices()}) if spec is not None else []
+    accel = [t for t in types if not _is_cpu_type(t)]
+    nodes = _option(cmd, "nnodes") or "1"
+    here = (f"this host has {host.cuda_devices} CUDA device(s) and {host.cpu_cores} CPU "
+            "core(s)")
+    plan_says = (f"the plan is for world size {world} on cluster {plan.cluster.name!r}"
+                 + (f" ({', '.join(accel)})" if accel else ""))
+    if accel:
+        if host.cuda_devices >= local:
+            return None
+        multi = ""
+        if spec is not None and spec.devices_per_node is not None and spec.num_nodes > 1:
+            multi = (f"`-- --nnodes {spec.num_nodes} --nproc-per-node "
+                     f"{spec.devices_per_node} --rdzv-endpoint HOST:29500 --rdzv-id JOB` on "
+                     "each node, ")
+        return (f"{plan_says}, and `hetplan run` would start {local} process(es) on this "
+                f"host (--nproc-per-node {local} x --nnodes {nodes}), one per GPU, but {here}. "
+                "To check the plan without training add --dry-run; to train it run `hetplan "
+                f"run` on the cluster's GPU machines ({multi}torchrun's flags after --); to "
+                "train here re-plan for this machine's CPUs (`hetplan plan MODEL --cluster "
+                "local-cpu`, or a cluster file with `type: cpu` devices)")
+    limit = max(MIN_CPU_PROCESSES, OVERSUBSCRIBE * host.cpu_cores)
+    if local <= limit or oversubscribe:
+        return None
+    return (f"{plan_says}, and `hetplan run` would start {local} CPU process(es) on this host "
+            f"(--nproc-per-node {local}), but {here}: more than {limit} ({OVERSUBSCRIBE} per "
+            f"core, at least {MIN_CPU_PROCESSES}). Add --oversubscribe to start them anyway, "
+            "--dry-run to only check the plan, torchrun's --nnodes/--nproc-per-node after -- to "
+            "spread them over several machines, or re-plan for fewer ranks (`hetplan plan "
+            "MODEL --cluster local-cpu`)")
+
+
 def _check_writable(path: Path, option: str) -> None:
     if path.is_dir():
         raise SpecError(f"{option} {str(path)!r} is a directory; give a file path, e.g. "
@@ -155,6 +247,8 @@ def preflight(
     report: str | Path | None = None,
     steps: int = 10,
     timeout_s: float = 120.0,
+    host: HostCapacity | None = None,
+    oversubscribe: bool = False,
 ) -> None:
     """Refuse, before any rank starts, what the launcher can know is wrong.
 
@@ -166,12 +260,17 @@ def preflight(
             known to the ranks (``--script``).
         report: the ``--report`` path, or None.
         steps / timeout_s: ``--steps`` and ``--timeout``.
+        host: this host, checked against the processes the command starts here
+            (:func:`host_problem`); None: not checked (``--dry-run``: the command is for
+            the machines that will run it).
+        oversubscribe: ``--oversubscribe``: start any number of CPU processes.
 
     Raises:
         SpecError: an option out of range, an unwritable report path, a plan without layout,
             a pipeline schedule the runtime does not execute (Chimera is simulated only), a
             combination of strategies it does not compose
-            (:func:`~hetplan.runtime.composition.refusals`).
+            (:func:`~hetplan.runtime.composition.refusals`), more processes than ``host``
+            can hold (:func:`host_problem`).
         PlanMismatchError: the plan is not for this model, its cluster, or the world size
             torchrun would start (every mismatch listed).
     """
@@ -207,6 +306,8 @@ def preflight(
             "drop --nproc-per-node (hetplan run sets it from the plan) or re-plan for "
             f"{world} ranks"
         )
+    if host is not None and (why := host_problem(plan, cmd, host, oversubscribe=oversubscribe)):
+        raise SpecError(why)
     check_plan_matches(plan, cluster=plan.cluster.spec)
     if model_ir is not None:
         check_plan_matches(plan, model_ir=model_ir())

@@ -230,15 +230,17 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
         attention_sequence_parallel(mod, rank, tp, group)
 
 
-def attention_sequence_parallel(mod: nn.Module, rank: int, tp: int, group: Any) -> None:
+def attention_sequence_parallel(mod: nn.Module, rank: int, tp: int, group: Any) -> list[Any]:
     """Sequence parallelism for an attention module :func:`shard_attention` split: gather
-    the sequence at its input, reduce-scatter its output projection."""
+    the sequence at its input, reduce-scatter its output projection. Returns the hook's
+    handle (``.remove()`` undoes it, with the linears' ``sp_mode`` reset)."""
     for child in mod.children():
         if isinstance(child, FusedColumnParallelLinear):
             child.sp_mode = "gathered"
         elif isinstance(child, RowParallelLinear):
             child.sp_mode = "scatter"
-    mod.register_forward_pre_hook(_gather_input_hook(rank, tp, group), with_kwargs=True)
+    return [mod.register_forward_pre_hook(_gather_input_hook(rank, tp, group),
+                                          with_kwargs=True)]
 
 
 # -- sequence parallelism ------------------------------------------------------------------
@@ -268,10 +270,11 @@ def _gather_input_hook(rank: int, tp: int, group: Any) -> Callable[..., Any]:
 
 
 def sequence_parallel(model: nn.Module, first: str, last: str, group: Any, rank: int,
-                      tp: int) -> None:
+                      tp: int) -> list[Any]:
     """Scatter the residual stream along the sequence at the input of layer ``first`` and
     gather it at the output of layer ``last`` (in place, by forward hooks); the MLP column
-    linears between them gather their input, the row linears reduce-scatter their output."""
+    linears between them gather their input, the row linears reduce-scatter their output.
+    Returns the two hooks' handles (re-balancing removes them before it moves the region)."""
     def scatter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         x, key = _first_arg(args, kwargs)
         if x is None:
@@ -290,8 +293,8 @@ def sequence_parallel(model: nn.Module, first: str, last: str, group: Any, rank:
                         f"{type(output).__name__}, expected a tensor or a tuple starting "
                         "with one")
 
-    model.get_submodule(first).register_forward_pre_hook(scatter, with_kwargs=True)
-    model.get_submodule(last).register_forward_hook(gather)
+    return [model.get_submodule(first).register_forward_pre_hook(scatter, with_kwargs=True),
+            model.get_submodule(last).register_forward_hook(gather)]
 
 
 def sp_replicated_params(model: nn.Module, layers: Sequence[str]) -> list[nn.Parameter]:

@@ -4,6 +4,9 @@ After the optimizer step of an applied event's iteration ``k`` (counted from 0 b
 runtime) the pipeline moves to the event's stage assignment — parameters and optimizer state
 of the moved layers go point to point, and the stages, schedule, gradient sync and optimizer
 are rebuilt — so iteration ``k + 1`` runs on the new stages (:mod:`hetplan.runtime.rebalance`).
+``ctx.plan.stages`` becomes that assignment on every rank, as with per-stage degrees: what
+reads the plan's stages later (sequence parallelism's per-stage regions when the stages are
+rebuilt, recomputation per stage, the next event) sees the stages that run.
 A re-packing event (fewer stages) releases the ranks past the new stage count: they idle from
 then on (``ctx.released``), and the schedule's action lists are generated for the new stage
 count by the same pure function as the plan's. Events of interleaved pipelines, or that would
@@ -97,17 +100,16 @@ class RebalancingHandler(Handler):
         old_group, old_ranks = stages_h.pp_group, stages_h.pp_ranks
         new_group, new_ranks = (self._shrunk_pipeline(ctx, len(bounds))
                                 if len(bounds) < stages_h.num_stages else (old_group, old_ranks))
+        # every rank (released ones too) carries the new assignment: the stages are built
+        # from it, and so is what reads the plan's stages after this (sequence parallelism's
+        # regions per stage, recomputation per stage, the next event)
+        stages = _moved_stages(ctx, bounds)
+        ctx.plan = ctx.plan.model_copy(update={"stages": tuple(stages)})
         if ctx.released:
             stages_h.pp_group, stages_h.pp_ranks = new_group, new_ranks
             stages_h.num_stages = len(bounds)
             return
         me = ctx.groups.pp_rank
-        old = {s.index: s for s in ctx.plan.stages}
-        names = [x.name for x in ctx.model_ir().layers]
-        stages = [old[i].model_copy(update={"first_layer": a, "last_layer": b, "fwd_ms": 0.0,
-                                            "bwd_ms": 0.0, "memory_bytes": None,
-                                            "layer_names": tuple(names[a:b + 1])})
-                  for i, (a, b) in enumerate(bounds)]
         sending, old_opt = dict(ctx.named_params), ctx.optimizer
         assert old_opt is not None  # a rank still in the pipeline has an optimizer
         stages_h.drop()
@@ -131,3 +133,14 @@ class RebalancingHandler(Handler):
             return
         ctx.optimizer = carry_optimizer(old_opt, ctx.make_optimizer(
             [p for _, p in ctx.named_params]), received)
+
+
+def _moved_stages(ctx: RuntimeContext, bounds: Sequence[tuple[int, int]]) -> list[Any]:
+    """The plan's stages ``0 .. len(bounds) - 1`` (their ranks, recompute mode ...) holding
+    the layers ``bounds`` give them; their predicted times and memory no longer apply."""
+    old = {s.index: s for s in ctx.plan.stages}
+    names = [x.name for x in ctx.model_ir().layers]
+    return [old[i].model_copy(update={"first_layer": a, "last_layer": b, "fwd_ms": 0.0,
+                                      "bwd_ms": 0.0, "memory_bytes": None,
+                                      "layer_names": tuple(names[a:b + 1])})
+            for i, (a, b) in enumerate(bounds)]

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from hetplan.errors import SpecError
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.megatron import (
     FusedColumnParallelLinear,
@@ -49,8 +50,9 @@ class TensorParallelHandler(Handler):
     per-linear shard sizes); then, unless the resizing controller (or an emulated straggler)
     runs on the MLP shards (then, with a warning, nothing more), Megatron's remaining splits (:mod:`hetplan.runtime.megatron`):
     attention by whole heads (the plan's sizes for the output projection when it lists them),
-    the vocabulary-parallel embedding and LM head — ``ctx.loss_fn`` becomes the parallel
-    cross-entropy when it is the token cross-entropy — and, with
+    the vocabulary-parallel embedding and LM head as ``cost_settings.vocab_parallel`` says
+    (:func:`_vocab_to_split`, which refuses a split it cannot do) — ``ctx.loss_fn`` becomes
+    the parallel cross-entropy when it is the token cross-entropy — and, with
     ``layout.sequence_parallel``, sequence parallelism between the first and the last
     sharded layer, whose shared parameters' gradients are summed over the TP group after
     backward (before the data-parallel sync, which runs in a later handler).
@@ -72,6 +74,7 @@ class TensorParallelHandler(Handler):
         self.unsharded: nn.Module | None = None
         self.eager_units: list[tuple[str, ...]] = []
         self.eager_required: list[str] = []
+        self.sp_hooks: list[Any] = []  # sequence parallelism's hooks on pipeline stages
 
     def setup(self, ctx: RuntimeContext) -> None:
         layout = ctx.layout
@@ -84,6 +87,7 @@ class TensorParallelHandler(Handler):
         layers = ctx.model_ir().layers
         if layout.pp > 1:  # the stage handler traces the model as it was before sharding
             self.unsharded = copy.deepcopy(ctx.model)
+        vocab = _vocab_to_split(ctx, [x.name for x in layers])
         shard_model(ctx.model, layers, ctx.plan.tensor_parallel, g, r, tp, stage=stage)
         if _controller_on(ctx):
             if layout.sequence_parallel and r == 0:
@@ -98,23 +102,39 @@ class TensorParallelHandler(Handler):
             shard_attention(ctx.model, name, g, r, tp, planned.get(f"{name}.{out}"),
                             sp=layout.sequence_parallel and layout.pp == 1)
             self.attention.append(name)
-        self.vocab = _vocab_pair(ctx.model, [x.name for x in layers])
+        self.vocab = vocab
         if self.vocab is not None:
             ctx.loss_fn = shard_vocab(ctx.model, self.vocab[0], self.vocab[1], g, r, tp,
                                       ctx.loss_fn)
         if layout.sequence_parallel and layout.pp == 1:
-            self.sp_params = _sequence_parallel(ctx, g, r, tp, self.vocab)
+            self.sp_params = _sequence_parallel(ctx, g, r, tp, self.vocab, hooks=[])
         if layout.pp > 1:  # sequence parallelism: per stage, once its layers run sharded
             self.eager_units, self.eager_required = _eager_units(
                 ctx.model, [x.name for x in layers], self.attention, self.vocab,
                 layout.sequence_parallel)
 
     def sequence_parallel_stages(self, ctx: RuntimeContext, stages: set[int]) -> None:
-        """Turn sequence parallelism on for pipeline stages ``stages`` (their layers run as
-        the model's own sharded modules; the stage handler calls this after tracing)."""
+        """Turn sequence parallelism on for this rank's pipeline stages ``stages`` (their
+        layers run as the model's own sharded modules; the stage handler calls this after
+        tracing, and again when re-balancing rebuilt the stages: the previous regions are
+        undone first, the new ones come from ``ctx.plan.stages``)."""
         assert ctx.groups is not None
-        self.sp_params += _sequence_parallel(ctx, self.group, ctx.groups.tp_rank,
-                                             ctx.layout.tp, self.vocab, stages)
+        self._undo_stage_sequence_parallel(ctx)
+        self.sp_params = _sequence_parallel(ctx, self.group, ctx.groups.tp_rank,
+                                            ctx.layout.tp, self.vocab, stages,
+                                            hooks=self.sp_hooks)
+
+    def _undo_stage_sequence_parallel(self, ctx: RuntimeContext) -> None:
+        """Remove the stages' sequence-parallel hooks and modes (a region of the layers a
+        stage held before re-balancing would scatter the sequence twice)."""
+        if not self.sp_hooks:
+            return
+        for h in self.sp_hooks:
+            h.remove()
+        self.sp_hooks = []
+        for m in ctx.model.modules():
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+                m.sp_mode = ""
 
     def after_backward(self, ctx: RuntimeContext) -> None:
         """Sum the sequence-parallel parameters' gradients over the TP group; with data
@@ -133,7 +153,7 @@ class TensorParallelHandler(Handler):
                     p.grad.div_(ctx.layout.dp)
 
     def close(self, ctx: RuntimeContext) -> None:
-        self.sp_params, self.group, self.unsharded = [], None, None
+        self.sp_params, self.group, self.unsharded, self.sp_hooks = [], None, None, []
 
 
 def dp_averages_sp_params(ctx: RuntimeContext) -> bool:
@@ -162,6 +182,41 @@ def _planned_sizes(ctx: RuntimeContext, group: Any, rank: int, tp: int,
                    stage: int | None) -> dict[str, tuple[int, ...]]:
     found = _find_group(ctx.plan.tensor_parallel, group, rank, tp, stage)
     return {s.name: tuple(s.shard_sizes) for s in found.linears} if found is not None else {}
+
+
+def vocab_mode(ctx: RuntimeContext) -> str:
+    """The plan's ``cost_settings.vocab_parallel`` (``unstated`` for a plan without cost
+    settings, written before the plan stated it)."""
+    cs = ctx.plan.cost_settings
+    return cs.vocab_parallel if cs is not None else "unstated"
+
+
+def _vocab_to_split(ctx: RuntimeContext, layer_names: list[str]) -> tuple[str, str | None] | None:
+    """``(head, embedding)`` to split by vocabulary as the plan says (see
+    :data:`~hetplan.ir.plan_sections.VocabParallel`), or None: ``whole`` never splits;
+    ``split`` splits, and refuses the plan where the model has no ``V x h`` embedding pair
+    or the resizing controller (or an emulated straggler) keeps the vocabulary whole;
+    ``unstated`` (an older plan) splits where the model has the pair and no controller runs,
+    as the runtime always did."""
+    mode = vocab_mode(ctx)
+    if mode == "whole":
+        return None
+    pair = _vocab_pair(ctx.model, layer_names)
+    if mode == "unstated":
+        return None if _controller_on(ctx) else pair
+    fix = ("re-plan (`hetplan plan` states 'split' only where the runtime can split), or "
+           "compile with vocab_parallel=False")
+    if pair is None:
+        raise SpecError("cost_settings.vocab_parallel: the plan asks for a vocabulary-parallel "
+                        f"LM head (tp={ctx.layout.tp}), but the model's last layer is not a "
+                        "linear beside a V x h token embedding, the pair the runtime splits; "
+                        + fix)
+    if _controller_on(ctx):
+        why = ("the TP resizing controller resizes the MLP shards only"
+               if ctx.straggler is None else "an emulated straggler times the MLP shards only")
+        raise SpecError("cost_settings.vocab_parallel: the plan asks for a vocabulary-parallel "
+                        f"LM head, but {why} and keeps the vocabulary whole; " + fix)
+    return pair
 
 
 def _vocab_pair(model: nn.Module, layer_names: list[str]) -> tuple[str, str | None] | None:
@@ -222,10 +277,11 @@ def _eager_units(model: nn.Module, layer_names: list[str], attention: list[str],
 
 def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
                        vocab_pair: tuple[str, str | None] | None,
-                       stages: set[int] | None = None) -> list[Any]:
+                       stages: set[int] | None = None, *, hooks: list[Any]) -> list[Any]:
     """Hooks sequence parallelism on between the first and last layer holding a sharded
-    linear (other than the vocabulary's); switches their MLP linears to the sequence-parallel
-    collectives; the parameters whose gradients must be summed."""
+    linear (other than the vocabulary's), per pipeline stage of ``ctx.plan.stages``;
+    switches their MLP linears to the sequence-parallel collectives; the parameters whose
+    gradients must be summed. The hooks' handles are appended to ``hooks``."""
     model = ctx.model
     all_names = [x.name for x in ctx.model_ir().layers]
     names = [n for n in all_names if "@" not in n]
@@ -253,13 +309,13 @@ def _sequence_parallel(ctx: RuntimeContext, group: Any, rank: int, tp: int,
         for lay in inside:
             for mname, m in model.get_submodule(lay).named_modules(prefix=lay):
                 if mname in attention and ctx.layout.pp > 1:
-                    attention_sequence_parallel(m, rank, tp, group)
+                    hooks += attention_sequence_parallel(m, rank, tp, group)
             for m in model.get_submodule(lay).modules():
                 if isinstance(m, ColumnParallelLinear) and not m.sp_mode:
                     m.sp_mode = "gather"
                 elif isinstance(m, RowParallelLinear) and not m.sp_mode:
                     m.sp_mode = "scatter"
-        sequence_parallel(model, region[0], region[-1], group, rank, tp)
+        hooks += sequence_parallel(model, region[0], region[-1], group, rank, tp)
         out += sp_replicated_params(model, inside)
     return out
 
