@@ -61,10 +61,11 @@ def zoo_example(name: str) -> tuple[tuple, dict]:
                   | ({"use_cache": False} if "use_cache" in kwargs else {}))
 
 
-def lm_data(step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s token ids (vocabulary 64) and their next-token targets."""
-    g = torch.Generator().manual_seed(7 + step)
-    ids = torch.randint(0, 64, (batch, seq), generator=g)
+def lm_data(step: int, batch: int, seq: int, *, vocab: int = 64,
+            seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s token ids (``vocab`` of them) and their next-token targets."""
+    g = torch.Generator().manual_seed(seed + step)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return ids, torch.roll(ids, -1, dims=1)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from reflib import cpu_cluster
+from reflib import cpu_cluster, lm_data, lm_loss
 
 from hetplan.profiling._spawn import run_local_ranks
 
@@ -28,14 +28,7 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(11 + step)
-    ids = torch.randint(0, 256, (BATCH, 32), generator=g)
-    return ids, torch.roll(ids, -1, dims=1)
-
-
-def _loss(out: Any, y: torch.Tensor) -> torch.Tensor:
-    out = getattr(out, "logits", out)
-    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return lm_data(step, BATCH, 32, vocab=256, seed=11)
 
 
 def _train(plan_json: str) -> dict[str, Any]:
@@ -46,7 +39,7 @@ def _train(plan_json: str) -> dict[str, Any]:
     args, kwargs = zoo.example_inputs(MODEL, batch=1, device="cpu")
     model = zoo.build(MODEL, device="cpu", seed=0, dtype=torch.float64).eval()
     rt = Runtime(Plan.from_json(plan_json), model, example_args=args, example_kwargs=kwargs,
-                 loss_fn=_loss, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+                 loss_fn=lm_loss, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
     losses = {}
     for step in range(STEPS):
         loss = rt.train_step(*_data(step))
