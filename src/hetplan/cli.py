@@ -447,11 +447,15 @@ def plan_cmd(
         options.pipeline(where="--passes")  # a malformed spec fails before capture
     spec = resolve_cluster(cluster)
     db = resolve_profile(profile)
+    t_capture = time.perf_counter()
     if workload is not None or module is not None or model is None or opaque:
         ir = load_model_ir(model, module, workload, batch=1, seq=seq, opaque=opaque)
         target: Any = ir
     else:
-        target = model
+        from hetplan.optimizer.compile import model_ir
+
+        target = model_ir(model, seq=seq)  # the capture compile() would make of the name
+    captured = time.perf_counter() - t_capture
     t0 = time.perf_counter()
     plan = compile_plan(target, spec, options, profile=db)
     if hetero != "off":
@@ -464,7 +468,7 @@ def plan_cmd(
         plan.save(output)
         err.print(f"wrote {output}")
     _print_plan(plan)
-    err.print(f"planned in {seconds:.1f} s")
+    err.print(f"model captured in {captured:.1f} s, planned in {seconds:.1f} s")
 
 
 def _with_checkpointing(passes: str | None, checkpoint: str, replicas: int | None) -> str | None:

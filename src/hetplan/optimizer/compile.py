@@ -74,7 +74,7 @@ from hetplan.passes.base import Pass, PassContext
 from hetplan.passes.manager import run_passes
 from hetplan.passes.spec import parse_pipeline
 
-__all__ = ["compile", "CompileOptions", "DEFAULT_PASSES", "FINALISTS"]
+__all__ = ["compile", "CompileOptions", "DEFAULT_PASSES", "FINALISTS", "model_ir"]
 
 #: Layouts that get the refinement passes after screening (see :func:`compile`).
 FINALISTS = 3
@@ -223,6 +223,14 @@ def compile(  # noqa: A001 - the product's verb
             + (f"best {min(FINALISTS, len(screened))} refined, " if job.refinement else "")
             + f"chose {best[1].describe()}")
     return _assemble(job, best, note)
+
+
+def model_ir(model: Any, example_inputs: Any = None, example_kwargs: Any = None,
+             seq: int | None = None) -> ModelIR:
+    """The model IR :func:`compile` plans: ``model`` itself if it is one, a workload JSON
+    path loaded, a zoo name or an ``nn.Module`` captured (on the meta device, at batch 1 for
+    a zoo name). The CLI calls it to time the capture apart from the planning."""
+    return _workload(model, example_inputs, example_kwargs, seq)
 
 
 def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | None) -> ModelIR:
