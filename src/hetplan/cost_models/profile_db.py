@@ -70,7 +70,7 @@ from collections import Counter
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -248,6 +248,19 @@ class CompressorSample(BaseModel):
     decompress_s: _NonNeg
 
 
+_S = TypeVar("_S")
+
+
+def _one_sample_per(value: tuple[_S, ...], field: str, fix: str) -> tuple[_S, ...]:
+    """``value`` sorted by ``field``; two samples at one value of it are refused (``fix``
+    says what to do instead)."""
+    counts = Counter(getattr(x, field) for x in value)
+    dup = sorted(v for v, c in counts.items() if c > 1)
+    if dup:
+        raise ValueError(f"more than one sample for {field} {dup}; {fix}")
+    return tuple(sorted(value, key=lambda x: getattr(x, field)))
+
+
 class CompressorRecord(BaseModel):
     """Measurements of one compressor on one kind of device of one machine type.
 
@@ -269,11 +282,7 @@ class CompressorRecord(BaseModel):
     @field_validator("samples")
     @classmethod
     def _sorted_unique(cls, value: tuple[CompressorSample, ...]) -> tuple[CompressorSample, ...]:
-        sizes = Counter(s.nbytes for s in value)
-        dup = sorted(n for n, c in sizes.items() if c > 1)
-        if dup:
-            raise ValueError(f"more than one sample for nbytes {dup}; average them into one")
-        return tuple(sorted(value, key=lambda s: s.nbytes))
+        return _one_sample_per(value, "nbytes", "average them into one")
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -435,11 +444,7 @@ class HandoverRecord(BaseModel):
     @field_validator("samples")
     @classmethod
     def _sorted_unique(cls, value: tuple[HandoverSample, ...]) -> tuple[HandoverSample, ...]:
-        bursts = Counter(s.burst_s for s in value)
-        dup = sorted(b for b, c in bursts.items() if c > 1)
-        if dup:
-            raise ValueError(f"more than one sample for burst_s {dup}; keep one per burst")
-        return tuple(sorted(value, key=lambda s: s.burst_s))
+        return _one_sample_per(value, "burst_s", "keep one per burst")
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
