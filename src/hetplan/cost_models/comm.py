@@ -264,6 +264,11 @@ class CommModel:
         line = self.alpha_beta(collective, group_size, link)
         return CommCost(seconds, line.source, line.detail)
 
+    @property
+    def has_handovers(self) -> bool:
+        """Whether the profile holds hand-over records (without them every wait is 0 s)."""
+        return bool(self._handovers)
+
     def wait_s(self, operation: str, group_size: int, link: LinkRef, burst_s: float,
                nbytes: float | None = None) -> float:
         """The measured wait of one blocking ``operation`` (``p2p`` or ``allreduce``) of

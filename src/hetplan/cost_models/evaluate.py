@@ -208,6 +208,8 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
     data-parallel group, at the first unit's message: :func:`_first_message_bytes`; 0 s
     without a hand-over record). Once per sync: the later collectives of the phase follow
     back to back, at the line's cost."""
+    if not costs.comm.has_handovers:  # GPU and analytic plans: skip the message's bytes
+        return 0.0
     return costs.comm.wait_s("allreduce", dp, prep.link, bwd_s,  # type: ignore[arg-type]
                              _first_message_bytes(prep, units))
 
