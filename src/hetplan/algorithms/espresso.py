@@ -68,6 +68,16 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   durations in every case, so this can change the result: on the 36 cases of
   ``bench/espresso.py`` it halved the trials; 29 choices were unchanged, 6 predicted faster
   (up to 3.6 %) and 1 slower (2.5 %) than trying every distinct option.
+- Candidate screen (``screen``, an approximation the plan pass turns on; off by default
+  here). Tensors of one ``ops_class`` have the same candidates, and the sweep reaches them
+  one after another. The first ``screen`` of a class in a sweep try every candidate; each
+  later one tries only its baseline and the options some tensor of its class held when the
+  sweep started or has taken in it. On the large workloads most tensors sit in a few
+  classes (gpt2: 74 of 148 tensors in one size class, bert 110 of 199, resnet101 100 of
+  314), and their trials were most of the time. The choices change (the greedy sweep is
+  path dependent); ``select(seed_within=...)`` also sweeps from the best seed when it is
+  nearly as fast, which wins back most of what the screen loses. Measured on the 36
+  cases of ``bench/espresso.py`` in ``docs/decisions/espresso-speed.md``, "Round 6".
 - Not optimal: Algorithm 4.1 + 4.2 is a heuristic. On Fig. 4.2's example it returns NCG
   (39.6) where the optimum is CNG (36.2): Algorithm 4.2 only offloads tensors Algorithm 4.1
   compressed on the GPU. :func:`select` therefore searches exhaustively when the strategy
@@ -382,6 +392,7 @@ def gpu_decisions(
     start: Sequence[K] | None = None,
     fast: bool = True,
     candidates: _Candidates[K] | None = None,
+    screen: int = 0,
 ) -> tuple[list[K], float]:
     """Algorithm 4.1: GPU compression decisions (see the module docstring).
 
@@ -396,6 +407,11 @@ def gpu_decisions(
         candidates: the candidate lists of an earlier sweep of the same, unchanged problem
             with the same ``prune`` (:func:`select` shares one between its sweeps); default:
             computed here.
+        screen: with ``problem.ops_class``, the candidate screen (an approximation; 0, the
+            default, is Algorithm 4.1 as written): in each class of tensors the first
+            ``screen`` the sweep reaches try every candidate; each later one tries only its
+            baseline and the options that some tensor of its class held when the sweep
+            started or took in it (see the module docstring, "Candidate screen").
 
     Returns:
         (strategy, its iteration time).
@@ -414,11 +430,24 @@ def gpu_decisions(
         raise ValueError(f"candidate lists made with prune={candidates.prune}, sweep asks "
                          f"prune={prune}")
     pareto = candidates if candidates is not None else _Candidates(problem, prune)
+    if screen < 0:
+        raise ValueError(f"screen must be >= 0 (0: no screen), got {screen}")
+    cls = problem.ops_class if screen else None
+    reached: dict[Hashable, int] = {}  # class -> its tensors the sweep has reached
+    held: dict[Hashable, set[K]] = {}  # class -> options its tensors held or took
+    if cls is not None:
+        for i, k in enumerate(strategy):
+            held.setdefault(cls[i], set()).add(k)
     for j in processing_order(problem.sizes):
         if j in removed:
             continue
         current = strategy[j]
         keys, cands, backs = pareto.tried(j, current)
+        if cls is not None:
+            n_reached = reached.get(cls[j], 0)
+            reached[cls[j]] = n_reached + 1
+            if n_reached >= screen:
+                keys, cands, backs = _screened(keys, cands, backs, held[cls[j]])
         if sess is not None:
             # a candidate is kept only if f < best - eps, or f <= best + eps for the
             # baseline: each trial stops once proven longer than that
@@ -435,11 +464,21 @@ def gpu_decisions(
                     best, current = f, cand
         if current != strategy[j]:
             strategy[j] = current
+            if cls is not None:
+                held[cls[j]].add(current)
             if sess is not None:
                 problem.evaluations += 1
                 sess.rebase([*sess.base_ops[:j], problem.ops(j, current), *sess.base_ops[j + 1:]])
             removed |= removed_now()
     return strategy, best
+
+
+def _screened(keys: list[K], cands: list[tuple[Op, ...]], backs: list[bool], keep: set[K]
+              ) -> _Tried[K]:
+    """The candidates among ``keys`` (with their ops and baseline flags) that are the
+    baseline or in ``keep``, in their order."""
+    pick = [x for x, (k, b) in enumerate(zip(keys, backs)) if b or k in keep]
+    return [keys[x] for x in pick], [cands[x] for x in pick], [backs[x] for x in pick]
 
 
 def _offload_groups(problem: SelectionProblem[K], strategy: Sequence[K]) -> list[list[int]]:
@@ -620,6 +659,8 @@ def select(
     fast: bool = True,
     start: Sequence[K] | None = None,
     benefits: bool = True,
+    screen: int = 0,
+    seed_within: float = 0.0,
 ) -> Selection[K]:
     """Choose one option per tensor (see the module docstring).
 
@@ -642,7 +683,15 @@ def select(
         benefits: compute :attr:`Selection.benefit_s` (one simulation per tensor off its
             baseline); False leaves zeros, for a caller that keeps only some selections
             and computes it for those with :func:`tensor_benefits`.
+        screen: the candidate screen of every sweep (:func:`gpu_decisions`; 0: none).
+        seed_within: Algorithm 4.1 also runs again from the best seed when that seed is
+            at most this fraction slower than the first sweep's result (not only when it
+            is faster); the better of the two sweeps is kept, so this never returns a
+            slower selection of the same problem. 0 (the default): only when faster.
     """
+    if seed_within < 0.0:
+        raise ValueError(f"seed_within must be >= 0 (0: a seed is swept only when faster), "
+                         f"got {seed_within}")
     problem._last_session = None  # the problem may have changed since an earlier call
     baseline_s = problem.iteration_s(problem.baseline)
     space = 1
@@ -660,12 +709,14 @@ def select(
     else:
         pareto = _Candidates(problem, prune)  # both sweeps' candidate lists
         strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
-                                    start=start)
+                                    start=start, screen=screen)
         method = "espresso" if start is None else "espresso from the narrower choice"
         best_seed = _best_seed(problem, seeds, fast)
-        if best_seed is not None and best_seed[0] < f - _EPS:
+        if best_seed is not None and (best_seed[0] < f - _EPS or (
+                seed_within > 0.0 and best_seed[0] <= f * (1.0 + seed_within)
+                and list(seeds[best_seed[1]]) != strategy)):
             refined, fr = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]],
-                                        fast=fast, candidates=pareto)
+                                        fast=fast, candidates=pareto, screen=screen)
             if fr < f - _EPS:
                 strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
         gpu_s = time.perf_counter() - t0

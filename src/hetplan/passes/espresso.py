@@ -191,6 +191,13 @@ class Espresso:
         max_compressions: at most this many compressions per tensor.
         ratio: fraction of elements the sparsifiers keep.
         uniform_seeds: also score every uniform strategy (see module docstring).
+        screen: the candidate screen of every sweep (``select(screen=...)``): in a size
+            class, the first ``screen`` tensors a sweep reaches try every candidate, the
+            others the options their class holds; 0 turns it off (Algorithm 4.1 as
+            written, several times slower on the large workloads).
+        seed_within: a rung also sweeps from its best uniform seed when that seed is at
+            most this fraction slower than the sweep from the narrower choice
+            (``select(seed_within=...)``); 0: only when it is faster.
     """
 
     compressors: tuple[str, ...] = ()
@@ -198,11 +205,19 @@ class Espresso:
     max_compressions: int = 4
     ratio: float = DEFAULT_SPARSITY_RATIO
     uniform_seeds: bool = True
+    screen: int = 3
+    seed_within: float = 0.1
     name: ClassVar[str] = "espresso"
     sections: ClassVar[tuple[str, ...]] = ("gradient_sync",)
 
     def __post_init__(self) -> None:
         check_compressors(self.compressors)
+        if self.screen < 0:
+            raise SpecError(f"espresso screen={self.screen}: must be >= 0 (0 turns the "
+                            "candidate screen off)")
+        if self.seed_within < 0:
+            raise SpecError(f"espresso seed_within={self.seed_within}: must be >= 0 (0 sweeps "
+                            "from a seed only when it is faster)")
 
     @property
     def refines(self) -> bool:
@@ -425,7 +440,8 @@ class Espresso:
             problem.gpu_options = [[]] * n
             return select(problem, seeds=seeds, exhaustive_limit=0, benefits=False)
         return select(problem, seeds=seeds, benefits=False,
-                      start=None if narrower is None else narrower.strategy)
+                      start=None if narrower is None else narrower.strategy,
+                      screen=self.screen, seed_within=self.seed_within)
 
 
 def _uncompressed_in(cands: list[Key], strategy: tuple[Key, ...]) -> list[Key]:
