@@ -24,7 +24,9 @@ what other processes took). The pass runs with its defaults (``--max-compression
 out) unless told. Each process loads the numba kernels from its tree's on-disk cache (its
 own ``NUMBA_CACHE_DIR``; compiled on the tree's first process) before any timed pass, so
 compile and load time are in no number. Writes ``bench/results/espresso_vs_previous_by_model.json``
-unless ``--out`` says otherwise.
+unless ``--out`` says otherwise. ``--keep DIR`` extracts the trees and their caches into
+``DIR`` and reuses them: a first run there compiles the kernels, so that a timed run in a
+short quiet period does not (the trees must be the same commits).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,15 +172,22 @@ def main() -> None:
     ap.add_argument("--by-model", default=None,
                     help="models (comma-separated): every case of each in one process per tree")
     ap.add_argument("--rounds", type=int, default=2, help="with --by-model: alternations")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="extract the trees (and their numba caches) here instead of a "
+                         "temporary folder, so that a run before the timed one compiles the "
+                         "kernels (git archive keeps the files' times, so the caches stay valid)")
     args = ap.parse_args()
     rows: dict[str, Any] = {}
     load0 = round(os.getloadavg()[0], 2)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = str(args.keep) if args.keep is not None else tmp_dir
         trees = {}
         for tag, rev in (("previous", args.commit), ("now", args.now)):
             archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"],
                                      capture_output=True, check=True).stdout
-            (Path(tmp) / tag).mkdir()
+            if (Path(tmp) / tag / "src").exists():  # a kept tree: replaced, its cache kept
+                shutil.rmtree(Path(tmp) / tag / "src")
+            (Path(tmp) / tag).mkdir(parents=True, exist_ok=True)
             subprocess.run(["tar", "-x", "-C", str(Path(tmp) / tag)], input=archive, check=True)
             trees[tag] = Path(tmp) / tag / "src"
         now_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.now],
