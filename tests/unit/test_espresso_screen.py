@@ -95,3 +95,13 @@ def test_bad_settings_are_refused_with_the_field_named() -> None:
         select(_problem(["a"]), seed_within=-1.0)
     with pytest.raises(ValueError, match="screen must be >= 0"):
         gpu_decisions(_problem(["a"]), screen=-1)
+
+
+@pytest.mark.parametrize("screen", [1, 2])
+def test_the_screen_chooses_the_same_with_and_without_the_fast_trials(screen: int) -> None:
+    """The screen decides what is tried, not how: the resumable, bounded trials and full
+    simulations of every candidate give the same strategy and time."""
+    fast = gpu_decisions(_problem(["a", "b", "c", "fast"], n=5), prune=False, screen=screen)
+    slow = gpu_decisions(_problem(["a", "b", "c", "fast"], n=5), prune=False, screen=screen,
+                         fast=False)
+    assert fast == slow
