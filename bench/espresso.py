@@ -38,6 +38,9 @@ Reported per case (predicted by the shared simulator through ``evaluate``):
 Assert-style checks (never slower than fp32 / fp16 / uniform) live in the tests; this script
 only measures. Run: ``python bench/espresso.py [--max-compressions N] [--models a,b]
 [--compressors dgc,...] [--out FILE]`` → ``bench/results/espresso.json`` and a table.
+``--exact`` runs the pass without its candidate screen (``screen=0 seed_within=0``;
+``bench/results/espresso_exact.json``), and ``--against FILE`` adds each case's chosen time
+over that file's (``chosen_over_against``): what the screen trades, per case.
 """
 
 from __future__ import annotations
@@ -135,13 +138,15 @@ def _best(plan: Plan, ctx: PassContext, keys: list[Key]) -> tuple[float, str]:
 
 
 def run_case(wl: WorkloadSummary, preset: str, comp: str, max_comp: int | None,
-             repeat: int = 3) -> dict[str, Any]:
+             repeat: int = 3, exact: bool = False) -> dict[str, Any]:
     ctx, plan = _setup(wl, preset)
     runs = []  # (total s, gpu s, cpu s, recorder, output): least of ``repeat`` runs
     for _ in range(repeat):
         with _Recorder() as rec:
             t0 = time.perf_counter()
-            kw = {} if max_comp is None else {"max_compressions": max_comp}
+            kw: dict[str, Any] = {} if max_comp is None else {"max_compressions": max_comp}
+            if exact:  # the search without the candidate screen (Round 6)
+                kw.update(screen=0, seed_within=0.0)
             out = Espresso(compressors=(comp, "fp16"), **kw).run(plan, ctx)
             total_s = time.perf_counter() - t0
         runs.append((total_s, sum(sel.gpu_s for sel in rec.selections),
@@ -219,6 +224,11 @@ def main() -> None:
     ap.add_argument("--compressors", default=",".join(COMPRESSORS))
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--repeat", type=int, default=3, help="times per case (least time kept)")
+    ap.add_argument("--exact", action="store_true",
+                    help="the pass without its candidate screen (screen=0 seed_within=0)")
+    ap.add_argument("--against", type=Path, default=None,
+                    help="a JSON of this bench (e.g. an --exact run): each case's chosen time "
+                         "over that one's is written as chosen_over_against")
     args = ap.parse_args()
     # imported here: espresso_vs_previous.py imports this module into older source trees too
     from hetplan.algorithms.dp_session import warm_up
@@ -227,18 +237,23 @@ def main() -> None:
     jit = warm_up()  # load (or compile) the kernels once, outside every timed case
     warm_ms = round((time.perf_counter() - t0) * 1e3, 1)
     wls = espresso_workloads(DATA, gaps="effective", include_extra=False)
+    against = (json.loads(args.against.read_text())["cases"] if args.against is not None
+               else None)
     cases: dict[str, Any] = {}
     for model in args.models.split(","):
         wl = WorkloadSummary.from_model_ir(wls[model])
         for cname, preset in CLUSTERS.items():
             for comp in args.compressors.split(","):
-                r = run_case(wl, preset, comp, args.max_compressions, args.repeat)
+                r = run_case(wl, preset, comp, args.max_compressions, args.repeat, args.exact)
                 r["vs_table_4_5"] = round(r["selection_gpu_ms"] / TABLE_4_5_MS[model], 3)
                 r["process_vs_table_4_5"] = round(r["selection_gpu_process_ms"]
                                                   / TABLE_4_5_MS[model], 3)
                 r["vs_table_4_6"] = round(r["selection_cpu_offload_ms"] / TABLE_4_6_MS[model], 3)
                 r["one_run_vs_table_4_5"] = [round(x / TABLE_4_5_MS[model], 3)
                                              for x in r["algorithm_4_1_runs_ms"]]
+                if against is not None and f"{model}/{cname}/{comp}" in against:
+                    r["chosen_over_against"] = round(
+                        r["chosen_ms"] / against[f"{model}/{cname}/{comp}"]["chosen_ms"], 4)
                 cases[f"{model}/{cname}/{comp}"] = r
                 print(f"{model:9s} {cname:6s} {comp:9s} chosen {r['chosen_ms']:9.2f} ms | "
                       f"fp32 {r['fp32_best_ms']:9.2f} fp16 {r['fp16_best_ms']:9.2f} uniform "
@@ -252,6 +267,8 @@ def main() -> None:
         "what": "Espresso pass: predicted iteration time and selection time (see bench/espresso.py)",
         "dp": DP, "clusters": CLUSTERS, "compressors": args.compressors.split(","),
         "max_compressions": args.max_compressions, "allowed_extra": ["fp16"],
+        "search": "exact (screen=0 seed_within=0)" if args.exact else "the pass's defaults",
+        "against": None if args.against is None else str(args.against),
         "devices": ["gpu", "cpu"], "gaps": "effective",
         "table_4_5_ms": TABLE_4_5_MS, "table_4_6_ms": TABLE_4_6_MS,
         "compiled_simulator": jit, "kernel_warm_up_ms": warm_ms, "repeat": args.repeat,
