@@ -12,6 +12,7 @@ from hetplan.cost_models.compute import workload_tokens
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import engine_layer, tied_head_copy, vocab_layers
 from hetplan.cost_models.predict import resolve_cluster
+from hetplan.cost_models.stage_times import shard_bytes
 from hetplan.cost_models.memory import MIXED, capture_bytes, layer_activations, loss_activations
 from hetplan.ir.capture import capture
 from hetplan.ir.cluster import ClusterSpec
@@ -198,3 +199,20 @@ def test_tp_divisor_splits_the_head_only_when_vocabulary_parallel(
     assert vocab.tp_divisor(head, 1) == 1
     norm = next(x for x in wl.layers if x.kind == "norm")
     assert vocab.tp_divisor(norm, 4) == 1
+
+
+def test_vocab_parallel_embedding_gradient_is_split_over_tp(
+        gpt2: tuple[WorkloadSummary, LayerCost]) -> None:
+    # each TP rank of a vocabulary-parallel model holds, reduce-scatters, all-reduces and
+    # updates V/tp rows of the token embedding (Megatron-LM's VocabParallelEmbedding, the
+    # runtime's shard_vocab): the gradient bytes the sync and the optimizer step price
+    wl, _ = gpt2
+    k = next(i for i, x in enumerate(wl.layers) if x.name == "transformer.wte")
+    table = 1000 * 512 * 4  # V x h, fp32
+    vocab = CostModel(_cluster(), vocab_parallel=True).memory_layers(wl)
+    plain = CostModel(_cluster()).memory_layers(wl)
+    assert shard_bytes(vocab, table, k, 4) == table / 4
+    assert shard_bytes(plain, table, k, 4) == table
+    assert shard_bytes(vocab, table, k, 1) == table
+    pos = next(i for i, x in enumerate(wl.layers) if x.name == "transformer.wpe")
+    assert shard_bytes(vocab, wl.layers[pos].param_bytes, pos, 4) == wl.layers[pos].param_bytes

@@ -537,8 +537,9 @@ def _stage_units(
         key_idx = tuple(idx)
         nbytes = prep.nbytes.get(key_idx)
         if nbytes is None:
+            split = costs.memory_layers(workload)
             nbytes = prep.nbytes[key_idx] = sum(
-                shard_bytes(workload, workload.grads[i].size_bytes,
+                shard_bytes(split, workload.grads[i].size_bytes,
                             workload.grads[i].layer_index, layout.tp,
                             None if shares is None
                             else shares[workload.grads[i].layer_index - st.first_layer])
@@ -747,8 +748,9 @@ def stage_syncs(
             continue
         dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
         link, nodes, per_node = group_link(costs, dp_ranks)
-        nbytes = tuple(shard_bytes(workload, workload.grads[i].size_bytes,
-                                    workload.grads[i].layer_index, layout.tp) for i in grads)
+        split = costs.memory_layers(workload)
+        nbytes = tuple(shard_bytes(split, workload.grads[i].size_bytes,
+                                   workload.grads[i].layer_index, layout.tp) for i in grads)
         out.append(StageSync(st, tuple(grads), tuple(segments), nbytes, layout.dp, link, nodes,
                              per_node, _sync_dtypes(workload, st, layout, costs)))
     return out
@@ -1116,8 +1118,9 @@ def _stage_params(workload: WorkloadSummary, st: Stage, layout: Layout, costs: C
     """A stage's parameter bytes on its most loaded TP rank (capture dtype) and its number
     of parameter tensors: what one rank's optimizer step of that stage touches."""
     shares = max_layer_shares(workload, st, layout.tp, tp_section)
+    split = costs.memory_layers(workload)
     pbytes = sum(
-        shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
+        shard_bytes(split, lay.param_bytes, st.first_layer + k, layout.tp,
                      None if shares is None else shares[k])
         for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
     )

@@ -199,8 +199,8 @@ def _zerostage_times(
     link, _, _ = group_link(costs, dp_ranks)
     layers = range(st.first_layer, st.last_layer + 1)
     cap = prec.capture_bytes / nic_share(costs, dp_ranks)
-    elems = [shard_bytes(workload, workload.layers[i].param_bytes, i, layout.tp) / cap
-             for i in layers]
+    split = costs.memory_layers(workload)
+    elems = [shard_bytes(split, split[i].param_bytes, i, layout.tp) / cap for i in layers]
     rs = 0.0
     for n in elems:
         rs += costs.comm.time_s("reduce_scatter", n * prec.grad_bytes, layout.dp, link)
@@ -215,11 +215,18 @@ def _zerostage_times(
     return fwd_s, bwd_s
 
 
-def shard_bytes(workload: WorkloadSummary, nbytes: int, layer: int, tp: int,
+def shard_bytes(layers: Sequence[LayerCost], nbytes: int, layer: int, tp: int,
                  share: float | None = None) -> float:
     """A gradient's bytes on one TP rank: the splittable part divided by tp (or times the
-    rank's ``share`` with uneven shards)."""
-    lay = workload.layers[layer]
+    rank's ``share`` with uneven shards).
+
+    ``layers``: the layers as the cost model holds them,
+    :meth:`~hetplan.cost_models.costs.CostModel.memory_layers` (with a vocabulary-parallel
+    head its ``V x h`` embedding is split too: each TP rank holds, syncs and updates
+    ``1/tp`` of the rows, as Megatron-LM's ``VocabParallelEmbedding`` and the runtime's
+    ``shard_vocab`` do); the captured ``workload.layers`` count that table whole on every
+    rank."""
+    lay = layers[layer]
     if tp == 1 or not lay.param_bytes or not lay.tp_split_bytes:
         return float(nbytes)
     frac = min(lay.tp_split_bytes / lay.param_bytes, 1.0)
