@@ -11,6 +11,7 @@ import hetplan
 from hetplan.cost_models.compute import workload_tokens
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import engine_layer, tied_head_copy, vocab_layers
+from hetplan.cost_models.kernels import bias_grad_bytes
 from hetplan.cost_models.predict import resolve_cluster
 from hetplan.cost_models.stage_times import shard_bytes
 from hetplan.cost_models.memory import MIXED, capture_bytes, layer_activations, loss_activations
@@ -216,3 +217,17 @@ def test_vocab_parallel_embedding_gradient_is_split_over_tp(
     assert shard_bytes(vocab, table, k, 1) == table
     pos = next(i for i, x in enumerate(wl.layers) if x.name == "transformer.wpe")
     assert shard_bytes(vocab, wl.layers[pos].param_bytes, pos, 4) == wl.layers[pos].param_bytes
+
+
+def test_bias_gradients_read_off_captured_blocks(
+        gpt2: tuple[WorkloadSummary, LayerCost]) -> None:
+    # a captured Hugging Face GPT-2 block carries a bias on each of its four linears, a Llama
+    # block on none (kernels.bias_grad_bytes decides it from the block's parameters)
+    _, block = gpt2
+    h = 512
+    assert bias_grad_bytes(block, 4) == (2 * h * 4, 7 * h * 4)  # captured in fp32
+    wl = _capture("LlamaConfig", "LlamaForCausalLM", 64, 1, vocab_size=1000, hidden_size=256,
+                  intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    llama = [x for x in wl.layers if x.kind == "block"][1]
+    assert bias_grad_bytes(llama, 4) == (0.0, 0.0)
