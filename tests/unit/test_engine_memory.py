@@ -13,7 +13,7 @@ from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import engine_layer, tied_head_copy, vocab_layers
 from hetplan.cost_models.kernels import bias_grad_bytes
 from hetplan.cost_models.predict import resolve_cluster
-from hetplan.cost_models.stage_times import shard_bytes
+from hetplan.cost_models.stage_times import shard_bytes, tied_sync_s
 from hetplan.cost_models.memory import MIXED, capture_bytes, layer_activations, loss_activations
 from hetplan.ir.capture import capture
 from hetplan.ir.cluster import ClusterSpec
@@ -231,3 +231,36 @@ def test_bias_gradients_read_off_captured_blocks(
                   num_key_value_heads=2, max_position_embeddings=64)
     llama = [x for x in wl.layers if x.kind == "block"][1]
     assert bias_grad_bytes(llama, 4) == (0.0, 0.0)
+
+
+def test_tied_embedding_gradient_all_reduce_between_first_and_last_stage() -> None:
+    s, h, v = 128, 256, 4096
+    with torch.device("meta"):
+        model = hf("GPT2Config", "GPT2LMHeadModel", vocab_size=v, n_positions=s, n_embd=h,
+                   n_layer=4, n_head=4)()
+    ir = capture(model, (torch.zeros(1, s, dtype=torch.long, device="meta"),),
+                 {"use_cache": False})
+    plan = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=16, pp=2, tp=2,
+                           dtype="bf16", vocab_parallel=True, passes="uniform-stages")
+    wl = plan.model.workload
+    assert wl is not None
+    costs = CostModel(_cluster(), dtype="bf16", vocab_parallel=True)
+    first, last = plan.stages[0], plan.stages[1]
+    a, b = first.ranks[0], last.ranks[0]
+    link = costs.cluster.link_between(a, b)
+    # the two stages on different nodes: the 8 ranks of the first stage on a's node send at
+    # once through its network; each all-reduces its V/tp rows in bf16 with its peer
+    assert costs.devices[a].node_index != costs.devices[b].node_index
+    assert sum(costs.devices[r].node_index == costs.devices[a].node_index
+               for r in first.ranks) == 8
+    expected = costs.comm.time_s("allreduce", v * h / 2 * 2 * 8, 2, link)
+    assert tied_sync_s(wl, plan.stages, plan.layout, costs) == pytest.approx(expected)
+    assert expected > 0
+    # a head that is not vocabulary-parallel all-reduces the whole table
+    whole = CostModel(_cluster(), dtype="bf16")
+    assert tied_sync_s(wl, plan.stages, plan.layout, whole) == pytest.approx(
+        whole.comm.time_s("allreduce", v * h * 2 * 8, 2, link))
+    # one stage holds both the embedding and the head: nothing to sum
+    one = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=32, pp=1, tp=2,
+                          dtype="bf16", vocab_parallel=True, passes="uniform-stages")
+    assert tied_sync_s(wl, one.stages, one.layout, costs) == 0.0

@@ -16,8 +16,9 @@ slowest rank (:mod:`hetplan.cost_models.tp_shares`):
   reduce-scatter every micro-batch's gradients, so a backward takes at least that long
   (:func:`zero_stage_times`).
 
-:func:`p2p_ms` prices the activation transfers between stages, per pipeline link.
-Deterministic and free of torch.
+:func:`p2p_ms` prices the activation transfers between stages, per pipeline link, and
+:func:`tied_sync_s` the all-reduce of a tied embedding's gradient between the first and the
+last pipeline stage. Deterministic and free of torch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.engine_memory import tied_head_copy
 from hetplan.cost_models.memory import StatePrecision, capture_bytes
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import stage_precision
@@ -34,7 +36,7 @@ from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import LayerCost, Layout, Stage, TensorParallel, WorkloadSummary
 
 __all__ = ["rank_devices", "group_link", "shard_bytes", "stage_times", "recompute_s",
-           "zero_stage_times", "p2p_ms"]
+           "zero_stage_times", "p2p_ms", "tied_sync_s"]
 
 
 def rank_devices(costs: CostModel, stage: Stage) -> list[Device]:
@@ -231,3 +233,38 @@ def shard_bytes(layers: Sequence[LayerCost], nbytes: int, layer: int, tp: int,
         return float(nbytes)
     frac = min(lay.tp_split_bytes / lay.param_bytes, 1.0)
     return nbytes * (1 - frac + (frac / tp if share is None else frac * share))
+
+
+def tied_sync_s(workload: WorkloadSummary, stages: Sequence[Stage], layout: Layout,
+                costs: CostModel) -> float:
+    """Seconds of the all-reduce that sums a tied embedding's gradient between the stage
+    holding the token embedding and the stage holding the LM head (its copy), after the
+    pipeline flush and the data-parallel sync, before the optimizer step: Megatron-LM's
+    ``_allreduce_embedding_grads`` (Narayanan et al. 2021 and Megatron-DeepSpeed keep the
+    head's copy of the embedding on the last stage) and the runtime's pipeline, which sums
+    the two copies' gradients the same way. 0 when the head is not tied, or when one stage
+    holds both.
+
+    Each TP rank all-reduces its slice of the ``V x h`` table (``1/tp`` of it with a
+    vocabulary-parallel head) in the reduce dtype with its peer on the other stage; across
+    nodes every rank of the embedding's stage on the node does so at once through the node's
+    shared network (as :func:`p2p_ms`)."""
+    if len(stages) < 2:
+        return 0.0
+    cap = capture_bytes(workload)
+    tied = tied_head_copy(costs.memory_layers(workload), cap, costs.vocab_parallel)
+    if tied is None:
+        return 0.0
+    table, copy = tied
+    first = next(st for st in stages if st.first_layer <= table <= st.last_layer)
+    last = next(st for st in stages if st.last_layer == len(workload.layers) - 1)
+    a, b = first.ranks[0], last.ranks[0]
+    if first.ranks == last.ranks:
+        return 0.0
+    prec = state_precision(costs.precision, costs.devices[a].type, (), cap)
+    split = copy.tp_split_bytes > 0 and layout.tp > 1
+    nbytes = copy.param_bytes / cap * prec.grad_bytes / (layout.tp if split else 1)
+    node = costs.devices[a].node_index
+    if costs.devices[b].node_index != node:
+        nbytes *= sum(1 for r in first.ranks if costs.devices[r].node_index == node)
+    return costs.comm.time_s("allreduce", nbytes, 2, costs.cluster.link_between(a, b))
