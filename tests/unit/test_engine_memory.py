@@ -13,7 +13,8 @@ from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import engine_layer, tied_head_copy, vocab_layers
 from hetplan.cost_models.kernels import bias_grad_bytes
 from hetplan.cost_models.predict import resolve_cluster
-from hetplan.cost_models.stage_times import shard_bytes, tied_sync_s
+from hetplan.cost_models.rank_memory import stage_precision
+from hetplan.cost_models.stage_times import shard_bytes, tied_sync_s, vocab_comm_s
 from hetplan.cost_models.memory import MIXED, capture_bytes, layer_activations, loss_activations
 from hetplan.ir.capture import capture
 from hetplan.ir.cluster import ClusterSpec
@@ -264,3 +265,38 @@ def test_tied_embedding_gradient_all_reduce_between_first_and_last_stage() -> No
     one = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=32, pp=1, tp=2,
                           dtype="bf16", vocab_parallel=True, passes="uniform-stages")
     assert tied_sync_s(wl, one.stages, one.layout, costs) == 0.0
+
+
+def test_vocab_parallel_collectives_by_hand() -> None:
+    s, h, v = 128, 256, 4096
+    with torch.device("meta"):
+        model = hf("GPT2Config", "GPT2LMHeadModel", vocab_size=v, n_positions=s, n_embd=h,
+                   n_layer=4, n_head=4)()
+    ir = capture(model, (torch.zeros(1, s, dtype=torch.long, device="meta"),),
+                 {"use_cache": False})
+    for sp in (False, True):
+        plan = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=16, pp=2, tp=2,
+                               dtype="bf16", vocab_parallel=True, passes="uniform-stages",
+                               micro_batch_size=2, sequence_parallel=sp)
+        wl = plan.model.workload
+        assert wl is not None
+        costs = CostModel(_cluster(), dtype="bf16", vocab_parallel=True)
+        first, last = plan.stages
+        prec = stage_precision(wl, first, costs)
+        link = costs.cluster.link_between(first.ranks[0], first.ranks[1])
+        t = costs.comm.time_s
+        act = 2 * s * h * 2  # micro-batch 2, bf16 hidden states
+        # the embedding sums its partial lookups in forward
+        emb = t("reduce_scatter" if sp else "allreduce", act, 2, link)
+        assert vocab_comm_s(wl, first, plan.layout, costs, 2.0, prec) == pytest.approx(
+            (emb, 0.0))
+        # the head: its input's gradient summed in backward (SP: gathered in forward and
+        # reduce-scattered in backward); the cross-entropy's three fp32 values per token
+        ce = 3 * t("allreduce", 4 * 2 * s, 2, link)
+        head = ((t("allgather", act, 2, link), t("reduce_scatter", act, 2, link)) if sp
+                else (0.0, t("allreduce", act, 2, link)))
+        assert vocab_comm_s(wl, last, plan.layout, costs, 2.0, prec) == pytest.approx(
+            (head[0] + ce, head[1]))
+        # without a vocabulary-parallel head there is none of it
+        plain = CostModel(_cluster(), dtype="bf16")
+        assert vocab_comm_s(wl, last, plan.layout, plain, 2.0, prec) == (0.0, 0.0)

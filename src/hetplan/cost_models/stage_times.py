@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from hetplan.cost_models.compute import workload_tokens
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import tied_head_copy
 from hetplan.cost_models.memory import StatePrecision, capture_bytes
@@ -36,7 +37,7 @@ from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import LayerCost, Layout, Stage, TensorParallel, WorkloadSummary
 
 __all__ = ["rank_devices", "group_link", "shard_bytes", "stage_times", "recompute_s",
-           "zero_stage_times", "p2p_ms", "tied_sync_s"]
+           "zero_stage_times", "p2p_ms", "tied_sync_s", "vocab_comm_s"]
 
 
 def rank_devices(costs: CostModel, stage: Stage) -> list[Device]:
@@ -115,10 +116,12 @@ def stage_times(
 
     Backward includes the stage's recomputation (``full``: each block's forward again,
     its TP all-reduces included, as Megatron-LM's and the runtime's checkpointed blocks rerun
-    them; ``selective``: the attention core's share of it, by FLOPs, which has none). With ZeRO-3 each layer's
-    weights are all-gathered before its forward and its backward, prefetched during the
-    previous layer's compute; with ZeRO-2 and -3 every micro-batch's gradients are
-    reduce-scattered, so a backward takes at least that long."""
+    them; ``selective``: the attention core's share of it, by FLOPs, which has none). With
+    ZeRO-3 each layer's weights are all-gathered before its forward and its backward,
+    prefetched during the previous layer's compute; with ZeRO-2 and -3 every micro-batch's
+    gradients are reduce-scattered, so a backward takes at least that long. A
+    vocabulary-parallel model adds its embedding's, head's and cross-entropy's TP
+    collectives (:func:`vocab_comm_s`)."""
     devices = {(d.type, d.slowdown): d for d in rank_devices(costs, st)}
     tp = layout.tp
     if tp > 1:
@@ -162,16 +165,63 @@ def stage_times(
                 tp_comm += c
                 if st.recompute == "full" and lay.kind == "block":
                     b_layers[j] += c  # the recomputed forward's all-reduces
+    vocab_f, vocab_b = vocab_comm_s(workload, st, layout, costs, scale, prec)
+    if vocab_b:
+        b_layers = list(b_layers)
+        b_layers[-1] += vocab_b
     bwd_s = sum(b_layers)
     if layout.zero_stage >= 2 and layout.dp > 1:
         fwd_s, bwd_s = _zerostage_times(workload, st, layout, costs, prec, f_layers, b_layers)
+    fwd_s += vocab_f
     # TP all-reduces happen in forward and again in backward
     per_layer = list(b_layers)
     if per_layer and tp_comm:
         per_layer[-1] += tp_comm
     if per_layer and bwd_s > sum(b_layers):
         per_layer[-1] += bwd_s - sum(b_layers)
-    return fwd_s + tp_comm, bwd_s + tp_comm, tp_comm, per_layer, sources
+    # the vocabulary's collectives are in fwd_s / bwd_s already; the TP communication
+    # reported per direction takes their mean
+    return (fwd_s + tp_comm, bwd_s + tp_comm, tp_comm + (vocab_f + vocab_b) / 2, per_layer,
+            sources)
+
+
+def vocab_comm_s(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+                 scale: float, prec: StatePrecision) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of a vocabulary-parallel model's TP
+    collectives on ``st`` (``vocab_parallel`` under ``tp > 1``; (0, 0) otherwise), as
+    Megatron-LM runs them (Shoeybi et al. 2019, section 3; ``VocabParallelEmbedding``,
+    the parallel output layer, ``_VocabParallelCrossEntropy``) and the runtime's
+    ``shard_vocab``:
+
+    - the embedding sums its ranks' partial lookups: an all-reduce of its output in forward
+      (with sequence parallelism a reduce-scatter into the sequence slices);
+    - the head's input is copied to every rank, so backward all-reduces its gradient (with
+      sequence parallelism an all-gather of the input in forward and a reduce-scatter of
+      its gradient in backward);
+    - the cross-entropy all-reduces three fp32 values per token in forward (the row
+      maximum, the target's logit, the sum of exponentials)."""
+    if layout.tp <= 1 or not costs.vocab_parallel:
+        return 0.0, 0.0
+    split = costs.memory_layers(workload)
+    tp, sp = layout.tp, layout.sequence_parallel
+    link, _, _ = group_link(costs, list(st.ranks[:tp]))
+    time_s = costs.comm.time_s
+    fwd = bwd = 0.0
+    for i in range(st.first_layer, st.last_layer + 1):
+        lay = workload.layers[i]
+        if lay.kind == "head":  # split by its vocabulary, as ComputeModel.tp_divisor says
+            act = lay.act_in_bytes * scale * prec.act_scale
+            if sp:
+                fwd += time_s("allgather", act, tp, link)
+                bwd += time_s("reduce_scatter", act, tp, link)
+            else:
+                bwd += time_s("allreduce", act, tp, link)
+            tokens = workload_tokens(workload) * scale
+            fwd += 3 * time_s("allreduce", 4.0 * tokens, tp, link)
+        elif split[i].tp_split_bytes and not lay.tp_split_bytes and lay.kind != "head":
+            out = lay.act_out_bytes * scale * prec.act_scale  # the vocabulary table
+            fwd += time_s("reduce_scatter" if sp else "allreduce", out, tp, link)
+    return fwd, bwd
 
 
 def recompute_s(lay: LayerCost, fwd_s: float, mode: str,
