@@ -102,13 +102,17 @@ def test_fused_llama_block_by_hand() -> None:
     assert lay.act_in_bytes > fused.act_in_bytes
 
 
-def test_layers_that_are_not_blocks_are_unchanged(
+def test_layers_that_are_not_blocks_or_norms_are_unchanged(
         gpt2: tuple[WorkloadSummary, LayerCost]) -> None:
     wl, _ = gpt2
-    others = [x for x in wl.layers if x.kind != "block"]
+    others = [x for x in wl.layers if x.kind not in ("block", "norm")]
     assert others
     for x in others:
         assert engine_layer(x, workload_tokens(wl), capture_bytes(wl), "flash") is x
+    # GPT-2's final layer norm keeps its fp32 input (and statistics, not counted)
+    ln_f = next(x for x in wl.layers if x.kind == "norm")
+    fused = engine_layer(ln_f, workload_tokens(wl), capture_bytes(wl), "flash")
+    assert fused.act_saved_bytes == ln_f.act_in_bytes == 256 * 2 * 512 * 4
 
 
 def test_cost_model_counts_fused_blocks_only_when_asked(
@@ -300,3 +304,20 @@ def test_vocab_parallel_collectives_by_hand() -> None:
         # without a vocabulary-parallel head there is none of it
         plain = CostModel(_cluster(), dtype="bf16")
         assert vocab_comm_s(wl, last, plan.layout, plain, 2.0, prec) == (0.0, 0.0)
+
+
+def test_fused_final_norm_keeps_its_input_only() -> None:
+    # a Hugging Face Llama's final RMSNorm keeps fp32 copies; the engine's fused norm keeps
+    # its 16-bit input (h x 2 bytes per token at a bf16 capture)
+    s, h = 64, 256
+    with torch.device("meta"):
+        model = hf("LlamaConfig", "LlamaForCausalLM", vocab_size=1000, hidden_size=h,
+                   intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=2, max_position_embeddings=s)().to(torch.bfloat16)
+    ids = torch.zeros(1, s, dtype=torch.long, device="meta")
+    wl = WorkloadSummary.from_model_ir(capture(model, (ids,), {"use_cache": False}))
+    norm = next(x for x in wl.layers if x.kind == "norm")
+    assert norm.act_saved_bytes > 2 * h * s  # decomposed: more than its input
+    fused = engine_layer(norm, workload_tokens(wl), capture_bytes(wl), "flash")
+    assert fused.act_saved_bytes == fused.act_replicated_bytes == 2 * h * s
+    assert fused.act_saved_nonfloat_bytes == 0
