@@ -11,6 +11,7 @@ import hetplan
 from hetplan.cost_models.compute import workload_tokens
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import engine_layer, tied_head_copy, vocab_layers
+from hetplan.cost_models.hetero import _rank_param_bytes
 from hetplan.cost_models.kernels import bias_grad_bytes
 from hetplan.cost_models.predict import resolve_cluster
 from hetplan.cost_models.rank_memory import stage_precision
@@ -222,6 +223,9 @@ def test_vocab_parallel_embedding_gradient_is_split_over_tp(
     assert shard_bytes(vocab, table, k, 1) == table
     pos = next(i for i, x in enumerate(wl.layers) if x.name == "transformer.wpe")
     assert shard_bytes(vocab, wl.layers[pos].param_bytes, pos, 4) == wl.layers[pos].param_bytes
+    # the heterogeneous search's per-stage tables count the same bytes
+    assert _rank_param_bytes(vocab, 4)[k] == table / 4
+    assert _rank_param_bytes(plain, 4)[k] == table
 
 
 def test_bias_gradients_read_off_captured_blocks(
