@@ -29,6 +29,11 @@ from typing import Literal
 from hetplan.cost_models.compute import workload_tokens
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import tied_head_copy
+from hetplan.cost_models.grad_accumulation import (
+    accumulation_bytes,
+    linear_weight_elems,
+    streaming_bandwidth,
+)
 from hetplan.cost_models.memory import StatePrecision, capture_bytes
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import stage_precision
@@ -37,7 +42,7 @@ from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import LayerCost, Layout, Stage, TensorParallel, WorkloadSummary
 
 __all__ = ["rank_devices", "group_link", "shard_bytes", "stage_times", "recompute_s",
-           "zero_stage_times", "p2p_ms", "tied_sync_s", "vocab_comm_s"]
+           "zero_stage_times", "p2p_ms", "tied_sync_s", "vocab_comm_s", "accumulation_s"]
 
 
 def rank_devices(costs: CostModel, stage: Stage) -> list[Device]:
@@ -121,7 +126,8 @@ def stage_times(
     prefetched during the previous layer's compute; with ZeRO-2 and -3 every micro-batch's
     gradients are reduce-scattered, so a backward takes at least that long. A
     vocabulary-parallel model adds its embedding's, head's and cross-entropy's TP
-    collectives (:func:`vocab_comm_s`)."""
+    collectives (:func:`vocab_comm_s`), and each layer's backward the engine's gradient
+    accumulation (:func:`accumulation_s`)."""
     devices = {(d.type, d.slowdown): d for d in rank_devices(costs, st)}
     tp = layout.tp
     if tp > 1:
@@ -165,6 +171,9 @@ def stage_times(
                 tp_comm += c
                 if st.recompute == "full" and lay.kind == "block":
                     b_layers[j] += c  # the recomputed forward's all-reduces
+    acc = accumulation_s(workload, st, layout, costs, prec)
+    if acc is not None:
+        b_layers = [b + a for b, a in zip(b_layers, acc)]
     vocab_f, vocab_b = vocab_comm_s(workload, st, layout, costs, scale, prec)
     if vocab_b:
         b_layers = list(b_layers)
@@ -222,6 +231,38 @@ def vocab_comm_s(workload: WorkloadSummary, st: Stage, layout: Layout, costs: Co
             out = lay.act_out_bytes * scale * prec.act_scale  # the vocabulary table
             fwd += time_s("reduce_scatter" if sp else "allreduce", out, tp, link)
     return fwd, bwd
+
+
+def accumulation_s(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+                   prec: StatePrecision) -> list[float] | None:
+    """Per layer of ``st``, the seconds one micro-batch's gradient accumulation adds to its
+    backward under ``costs.grad_accumulation``
+    (:mod:`hetplan.cost_models.grad_accumulation`), or None when it adds nothing
+    (``unpriced``, or ``autograd`` with one micro-batch).
+
+    Each layer's elements on one rank are its parameters after the TP split
+    (:func:`shard_bytes`; even shards), ``1/dp`` of them under ZeRO-2/3; its linear weights
+    (:func:`~hetplan.cost_models.grad_accumulation.linear_weight_elems`, split by ``tp``
+    where the layer is TP-split, at most the layer's elements: a tied head holds none) move
+    the linear-weight bytes, the rest the other bytes; the stage's slowest streaming
+    bandwidth."""
+    per_linear, per_other = accumulation_bytes(costs.grad_accumulation, prec.weight_bytes,
+                                               layout.micro_batches)
+    if not per_linear and not per_other:
+        return None
+    tp = layout.tp
+    split = costs.memory_layers(workload)
+    tokens = workload_tokens(workload)
+    zero = layout.dp if layout.zero_stage >= 2 else 1  # the rank's shard of each gradient
+    bw = min(streaming_bandwidth(d) for d in rank_devices(costs, st))
+    out = []
+    for i in range(st.first_layer, st.last_layer + 1):
+        lay = split[i]
+        elems = shard_bytes(split, lay.param_bytes, i, tp) / prec.capture_bytes
+        lin = linear_weight_elems(workload.layers[i], tokens)
+        lin_rank = min(lin / tp if tp > 1 and lay.tp_split_bytes else float(lin), elems)
+        out.append((lin_rank * per_linear + (elems - lin_rank) * per_other) / zero / bw)
+    return out
 
 
 def recompute_s(lay: LayerCost, fwd_s: float, mode: str,
