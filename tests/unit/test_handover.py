@@ -204,7 +204,8 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
     gpu = dict(dp=32, pp=2, tp=1, zero_stage=0, micro_batch_size=2)
     spec = ClusterSpec.from_preset("a100-nvlink-8x8")
     every_link = tuple(r for k in ("nvlink", "pcie", "ethernet", "infiniband", "loopback")
-                       for r in _hands(k))
+                       for r in _hands(k) + (_hand("allreduce_step", 32, [(0.0, 9.0 * MS)],
+                                                   link=k, nbytes=1 << 20),))
     nccl = (_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),
             _line("allreduce", 32, 5e-5, backend="nccl", link="nvlink"))
 
