@@ -128,9 +128,14 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
     from hetplan.profiling.sync_step import profile_sync_steps
 
     recs, times = profile_sync_steps("gpt-test", 2, batch_size=2, rounds=3, warmup=1,
-                                     passes=1, timeout_s=120)
-    assert [r.key for r in recs] == [("allreduce_step", "gloo", "loopback", 2, 939_520)]
-    (rec,) = recs
+                                     passes=1, timeout_s=120, zero3=True)
+    assert [r.key for r in recs] == [("allreduce_step", "gloo", "loopback", 2, 939_520),
+                                     ("zero3_forward", "gloo", "loopback", 2, 939_520),
+                                     ("zero3_backward", "gloo", "loopback", 2, 939_520)]
+    rec = recs[0]
+    for z in recs[1:]:  # the plain phase, and what FSDP2's gathers / reduce-scatters add
+        assert z.processes == 2 and len(z.samples) == 1
+        assert z.samples[0].burst_s > 0.0 and z.samples[0].seconds > 0.0
     assert rec.processes == 2 and len(rec.samples) == 1
     assert rec.samples[0].burst_s > 0.0 and rec.samples[0].seconds >= 0.0
     (t,) = times
@@ -179,3 +184,36 @@ def test_run_profile_takes_the_step_records_for_a_zoo_model(
     calls.clear()
     db = prof.run_profile(None, world_size=4, what=["collectives"], show_progress=False)
     assert calls == [] and STEP not in db.handovers
+
+
+# -- ZeRO-3 ---------------------------------------------------------------------------------
+#: what the runtime's ZeRO-3 added to a plain 3 ms forward and 5 ms backward of gpt-test
+Z3 = (_hand("zero3_forward", 4, [(3 * MS, 30.0 * MS)], nbytes=939_520),
+      _hand("zero3_backward", 4, [(5 * MS, 60.0 * MS)], nbytes=939_520))
+WITH_Z3 = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, *Z3))
+ZERO3 = dict(DP, zero_stage=3)
+
+
+def test_zero3_is_priced_from_the_measured_phases_with_its_sync_inside_backward() -> None:
+    plain = _plan(WITH_Z3, **DP)  # the same stages without ZeRO: the plain compute
+    z3 = _plan(WITH_Z3, **ZERO3)
+    analytic = _plan(WITH_STEP, **ZERO3)  # no ZeRO-3 record: the overlapped gathers
+    assert plain.predictions is not None and z3.predictions is not None
+    assert analytic.predictions is not None
+    # gpt-test's parameters are the records' bytes (fp32): the additions as measured
+    assert z3.predictions.breakdown.compute_ms == pytest.approx(
+        plain.predictions.breakdown.compute_ms + 90.0, rel=1e-3)
+    # the reduce-scatters are in the measured backward: no sync after it
+    assert z3.predictions.breakdown.exposed_comm_ms == 0.0
+    assert analytic.predictions.breakdown.exposed_comm_ms > 0.0
+    assert z3.predictions.iteration_time_ms > analytic.predictions.iteration_time_ms + 30.0
+
+
+def test_zero3_records_of_another_group_or_without_the_backward_do_not_apply() -> None:
+    only_fwd = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, Z3[0]))
+    assert _priced(only_fwd, **ZERO3) == _priced(WITH_STEP, **ZERO3)
+    pairs = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, *(
+        r.model_copy(update={"group_size": 2}) for r in Z3)))
+    assert _priced(pairs, **ZERO3) == _priced(WITH_STEP, **ZERO3)
+    # ZeRO-0 plans do not read them
+    assert _priced(WITH_Z3, **DP) == _priced(WITH_STEP, **DP)

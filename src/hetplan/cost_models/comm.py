@@ -282,6 +282,19 @@ class CommModel:
         return bool(self._handovers) and (
             (operation, self.resolve_link(link).kind, group_size) in self._handovers)
 
+    def measured_s(self, operation: str, group_size: int, link: LinkRef,
+                   burst_s: float) -> tuple[float, int] | None:
+        """What a phase record (``zero3_forward`` / ``zero3_backward``: what the runtime's
+        ZeRO-3 adds to a plain phase of ``burst_s``) measured, as is, with the bytes it was
+        measured at (the smallest size held); None without such a record for this backend,
+        link kind and group size."""
+        if not self._handovers:
+            return None
+        recs = self._handovers.get((operation, self.resolve_link(link).kind, group_size))
+        if not recs:
+            return None
+        return recs[0].seconds_at(burst_s), recs[0].nbytes
+
     def wait_s(self, operation: str, group_size: int, link: LinkRef, burst_s: float,
                nbytes: float | None = None) -> float:
         """The measured wait of one blocking ``operation`` (``p2p`` or ``allreduce``) of

@@ -14,7 +14,8 @@ real work on the local hardware:
   back collectives do not see); part of ``collectives`` on gloo.
 * :func:`profile_sync_steps` (:mod:`.sync_step`): the data-parallel gradient sync timed inside
   the runtime's own training step of a zoo model (forward, backward with the bucket's hook,
-  the wait, the optimizer step); part of ``collectives`` on gloo when a zoo model is given.
+  the wait, the optimizer step), and the runtime's ZeRO-3 forward and backward beside the
+  plain ones; part of ``collectives`` on gloo when a zoo model is given.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
 * :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
@@ -323,7 +324,7 @@ def run_profile(
                             "processes", total=None)
                         steps_with_sync, _ = profile_sync_steps(
                             model, world_size, batch_size=batch_size, seq=seq,
-                            link_kind=link_kind, timeout_s=timeout_s)
+                            link_kind=link_kind, timeout_s=timeout_s, zero3=True)
                         hands += steps_with_sync
                         progress.update(task, total=1, completed=1)
         if "compressors" in what:

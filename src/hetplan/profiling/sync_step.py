@@ -29,6 +29,18 @@ the back-to-back all-reduce line at those bytes, once per data-parallel sync in 
 ``allreduce`` record (:func:`hetplan.cost_models.evaluate._sync_wait_s`). Also returned, not
 stored: how much the compute phase (forward and backward) and the wait after it take in the
 steps with the sync, per rank (:class:`SyncStepTimes`).
+
+**ZeRO-3** (``zero3=True``): the same replica is then sharded the way the runtime's ZeRO-3
+does it (FSDP2's ``fully_shard`` on every transformer block of the captured model and on the
+root, over the group; :class:`~hetplan.runtime.handlers.zero.ZeroHandler`), and its forward
+and backward (FSDP2's per-block all-gathers, and its reduce-scatters, which the root's
+backward waits for) are timed beside the plain replica's. Two records per group size,
+``zero3_forward`` and ``zero3_backward``: the plain phase (burst) and what ZeRO-3 adds to
+it, means over the ranks, ``nbytes`` the model's fp32 parameters. On gloo the gathers and
+reduce-scatters of one process group run one after the other, each waiting for the 4
+processes' hand-overs, so what they add is neither the overlap nor the line the analytic
+ZeRO-3 timing assumes (:func:`hetplan.cost_models.stage_times.zero_stage_times` charges the
+records where a profile holds them).
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ from typing import Any
 
 from hetplan.cost_models.profile_db import HandoverRecord, HandoverSample
 
-__all__ = ["SyncStepTimes", "profile_sync_steps", "summary_ms"]
+__all__ = ["SyncStepTimes", "Zero3Times", "profile_sync_steps", "summary_ms"]
 
 
 @dataclass(frozen=True)
@@ -83,11 +95,92 @@ def _loss(out: Any, args: Sequence[Any]) -> Any:
     return out.float().pow(2).mean()
 
 
+@dataclass(frozen=True)
+class Zero3Times:
+    """One group size's ZeRO-3 forward and backward beside the plain replica's, in seconds
+    (means over the ranks, rounds and passes).
+
+    Attributes:
+        group_size: ranks in each data-parallel group.
+        nbytes: the model's fp32 parameters.
+        forward_s / backward_s: the plain replica's phases (no sync).
+        zero3_forward_s / zero3_backward_s: the same phases under FSDP2 over the group.
+    """
+
+    group_size: int
+    nbytes: int
+    forward_s: float
+    backward_s: float
+    zero3_forward_s: float
+    zero3_backward_s: float
+
+
+def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[str, Any],
+           groups: dict[int, Any], optimizer: str, rounds: int, warmup: int,
+           passes: int) -> list[Zero3Times]:
+    """Runs in every rank: forward and backward of a plain replica and of one sharded as the
+    runtime's ZeRO-3 does, per group size."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hetplan import zoo
+    from hetplan.ir.capture import capture
+    from hetplan.ir.model import LayerKind
+    from hetplan.runtime.executor import plan_optimizer
+
+    def phases(net: Any, opt: Any) -> tuple[float, float]:
+        f = b = 0.0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            loss = _loss(net(*args, **kwargs), args)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            f, b = f + t1 - t0, b + t2 - t1
+        return f / rounds, b / rounds
+
+    plain = zoo.build(model, device="cpu", seed=0)
+    blocks = [lay.name for lay in capture(plain, tuple(args), kwargs, name=model).layers
+              if lay.kind == LayerKind.BLOCK]
+    nbytes = sum(p.numel() * 4 for p in plain.parameters() if p.requires_grad)
+    plain_opt = plan_optimizer(optimizer)([p for p in plain.parameters() if p.requires_grad])
+    sharded = {}
+    for g, pg in sorted(groups.items()):
+        net = zoo.build(model, device="cpu", seed=0)
+        world_pg: Any = dist.group.WORLD
+        mesh = DeviceMesh.from_group(pg if pg is not None else world_pg, "cpu")
+        for name in blocks:
+            fully_shard(net.get_submodule(name), mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        sharded[g] = (net, plan_optimizer(optimizer)(list(net.parameters())))
+    acc: dict[int, list[float]] = {g: [0.0] * 4 for g in sharded}
+    for _ in range(passes):
+        for g, (net, opt) in sharded.items():
+            for _ in range(warmup):
+                phases(net, opt)
+            dist.barrier()
+            f0, b0 = phases(plain, plain_opt)
+            dist.barrier()
+            f1, b1 = phases(net, opt)
+            means = torch.tensor([f0, b0, f1, b1], dtype=torch.float64)
+            dist.all_reduce(means)
+            for i, v in enumerate(means.tolist()):
+                acc[g][i] += float(v) / world / passes
+            dist.barrier()
+    return [Zero3Times(g, nbytes, *a) for g, a in sorted(acc.items())]
+
+
 def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             group_sizes: Sequence[int], optimizer: str, rounds: int, warmup: int,
-            passes: int) -> list[SyncStepTimes]:
+            passes: int, zero3: bool = False
+            ) -> tuple[list[SyncStepTimes], list[Zero3Times]]:
     """Runs in every rank: one :class:`SyncStepTimes` per group size, the slowest rank's
-    added time (the same list on every rank)."""
+    added time (the same list on every rank), and with ``zero3`` one :class:`Zero3Times`
+    per group size."""
     import torch
     import torch.distributed as dist
 
@@ -158,10 +251,13 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             dist.barrier()
     for gs in syncs.values():
         gs.close()
-    return [SyncStepTimes(group_size=g, nbytes=nbytes, step_s=a[0],
-                          added_s=max(a[1] - a[0], 0.0), compute_s=a[2],
-                          compute_with_sync_s=a[3], wait_s=a[4])
-            for g, a in sorted(acc.items())]
+    dp = [SyncStepTimes(group_size=g, nbytes=nbytes, step_s=a[0],
+                        added_s=max(a[1] - a[0], 0.0), compute_s=a[2],
+                        compute_with_sync_s=a[3], wait_s=a[4])
+          for g, a in sorted(acc.items())]
+    z3 = (_zero3(rank, world, model, args, kwargs, groups, optimizer, rounds, warmup, passes)
+          if zero3 else [])
+    return dp, z3
 
 
 def profile_sync_steps(
@@ -178,6 +274,7 @@ def profile_sync_steps(
     passes: int = 3,
     timeout_s: float = 120.0,
     threads_per_process: int | None = 1,
+    zero3: bool = False,
 ) -> tuple[list[HandoverRecord], list[SyncStepTimes]]:
     """Time the data-parallel gradient sync inside the runtime's step of ``model`` on
     ``world_size`` gloo processes (module docstring).
@@ -197,10 +294,13 @@ def profile_sync_steps(
         timeout_s: limit on the whole run.
         threads_per_process: torch threads per process (1: a training rank's share of the
             CPU presets' cores).
+        zero3: also time the replica sharded as the runtime's ZeRO-3 does (module
+            docstring).
 
     Returns:
         One ``allreduce_step`` :class:`HandoverRecord` per group size (one sample: the step
-        without the sync, and what the sync adds to it), and the step's parts
+        without the sync, and what the sync adds to it), with ``zero3`` also a
+        ``zero3_forward`` and a ``zero3_backward`` one per group size; and the step's parts
         (:class:`SyncStepTimes`) per group size.
 
     Raises:
@@ -227,14 +327,27 @@ def profile_sync_steps(
     results = run_local_ranks(
         _worker, world_size,
         (model, batch_size, seq, tuple(sorted(set(group_sizes) - {world_size})), optimizer,
-         per_pass, warmup, passes),
+         per_pass, warmup, passes, zero3),
         backend="gloo", timeout_s=timeout_s, threads_per_process=threads_per_process,
     )
-    times: list[SyncStepTimes] = results[0]
-    records = [HandoverRecord(operation="allreduce_step", backend="gloo", link_kind=link_kind,
-                              group_size=t.group_size, processes=world_size, nbytes=t.nbytes,
-                              samples=(HandoverSample(burst_s=t.step_s, seconds=t.added_s),))
+    times: list[SyncStepTimes] = results[0][0]
+    z3: list[Zero3Times] = results[0][1]
+
+    def record(operation: str, group: int, nbytes: int, burst: float, seconds: float
+               ) -> HandoverRecord:
+        return HandoverRecord(operation=operation,  # type: ignore[arg-type]
+                              backend="gloo", link_kind=link_kind, group_size=group,
+                              processes=world_size, nbytes=nbytes,
+                              samples=(HandoverSample(burst_s=burst,
+                                                      seconds=max(seconds, 0.0)),))
+
+    records = [record("allreduce_step", t.group_size, t.nbytes, t.step_s, t.added_s)
                for t in times]
+    for z in z3:
+        records += [record("zero3_forward", z.group_size, z.nbytes, z.forward_s,
+                           z.zero3_forward_s - z.forward_s),
+                    record("zero3_backward", z.group_size, z.nbytes, z.backward_s,
+                           z.zero3_backward_s - z.backward_s)]
     return records, times
 
 
