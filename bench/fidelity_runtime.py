@@ -7,8 +7,10 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    timed on 4 processes at once (so the 4-processes-on-2-cores contention of training is in
    the times), the gloo collectives on 4 ranks, the hand-overs under contention (p2p and
    all-reduce after compute bursts on all 4 processes, part of ``collectives`` on gloo;
-   recorded in the result beside the profile), and the per-step framework costs (the
-   optimizer step per tensor and per byte, on 4 processes at once).
+   recorded in the result beside the profile), the data-parallel sync and ZeRO-3's phases
+   timed inside the runtime's own step of the model (``allreduce_step``,
+   ``zero3_forward``, ``zero3_backward``, also part of ``collectives``), and the per-step
+   framework costs (the optimizer step per tensor and per byte, on 4 processes at once).
    A kind run on an emulated slow link (``compressed``: ``HETPLAN_EMULATE_BW=1`` on
    ``cpu-2x2-slow``) gets a copy of its model's profile with the hand-overs timed on that
    link too (``hetplan profile --what collectives --link-kind ethernet`` under the same
