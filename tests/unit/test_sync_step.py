@@ -217,3 +217,10 @@ def test_zero3_records_of_another_group_or_without_the_backward_do_not_apply() -
     assert _priced(pairs, **ZERO3) == _priced(WITH_STEP, **ZERO3)
     # ZeRO-0 plans do not read them
     assert _priced(WITH_Z3, **DP) == _priced(WITH_STEP, **DP)
+
+
+def test_profile_sync_steps_skips_models_too_large_to_replicate_per_process() -> None:
+    from hetplan.profiling.sync_step import profile_sync_steps
+
+    # gpt-test has about 0.23 M parameters: above this limit nothing is spawned or returned
+    assert profile_sync_steps("gpt-test", 2, max_params=1000) == ([], [])
