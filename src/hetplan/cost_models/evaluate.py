@@ -230,9 +230,8 @@ def _synced_in_backward(costs: CostModel, layout: Layout, prep: _SyncPrep) -> bo
     profile's ``zero3_backward`` record, the runtime's FSDP2 backward measured with its
     reduce-scatters, which the root's backward waits for
     (:func:`hetplan.cost_models.stage_times.zero_stage_times`)."""
-    return (layout.zero_stage >= 3 and costs.comm.has_handovers
-            and costs.comm.has_handover("zero3_backward", layout.dp,
-                                        prep.link))  # type: ignore[arg-type]
+    return layout.zero_stage >= 3 and costs.comm.has_handover(
+        "zero3_backward", layout.dp, prep.link)  # type: ignore[arg-type]
 
 
 def _rank_step_s(pre: _Prefix, layout: Layout, s: int) -> float | None:
@@ -423,10 +422,11 @@ def _sync_all(
                 tl = simulate_dp(prep.segments, units, record=record)
                 seen.append((units, tl))
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
-            exposed += _sync_wait_s(costs, prep, layout.dp, pre.bwd[s], strategies[s],
-                                    _rank_step_s(pre, layout, s))
-            if _synced_in_backward(costs, layout, prep):
-                exposed = 0.0
+            if costs.comm.has_handovers:  # gloo profiles; GPU and analytic plans skip it
+                exposed += _sync_wait_s(costs, prep, layout.dp, pre.bwd[s], strategies[s],
+                                        _rank_step_s(pre, layout, s))
+                if _synced_in_backward(costs, layout, prep):
+                    exposed = 0.0
             busy, comp = _comm_and_compression_s(units)
         stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
                                      comp, pre.sources[s]))

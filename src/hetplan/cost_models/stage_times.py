@@ -208,11 +208,12 @@ def _zerostage_times(
         rs += costs.comm.time_s("reduce_scatter", n * prec.grad_bytes, layout.dp, link)
     fwd_s, bwd_s = sum(f_layers), max(sum(b_layers), rs)
     if layout.zero_stage >= 3:
-        fp32_bytes = sum(shard_bytes(workload, workload.layers[i].param_bytes, i, layout.tp)
-                         for i in layers) / prec.capture_bytes * 4
-        measured = _measured_zero3(costs, layout.dp, link, fp32_bytes, f_layers, b_layers)
-        if measured is not None:
-            return measured
+        if costs.comm.has_handovers:  # gloo profiles; GPU and analytic plans skip it
+            fp32_bytes = sum(shard_bytes(workload, workload.layers[i].param_bytes, i,
+                                         layout.tp) for i in layers) / prec.capture_bytes * 4
+            measured = _measured_zero3(costs, layout.dp, link, fp32_bytes, f_layers, b_layers)
+            if measured is not None:
+                return measured
         ag = [costs.comm.time_s("allgather", n * prec.weight_bytes, layout.dp, link)
               for n in elems]
         fwd_s = ag[0] + sum(max(f, a) for f, a in zip(f_layers, ag[1:] + [0.0]))
