@@ -157,6 +157,54 @@ SOFTWARE: dict[str, dict[str, Any]] = {
                     "vocab_parallel": True},
 }
 
+#: How each source's engine accumulated gradients across micro-batches
+#: (``grad_accumulation``, :mod:`hetplan.cost_models.grad_accumulation`; the evidence in
+#: ``docs/decisions/published-round6.md``, section 4), set from the software each paper ran,
+#: never from the resulting ratio:
+#:
+#: - Narayanan et al. 2021: Table 1 was produced by NVIDIA/Megatron-LM
+#:   ``examples/sc21/run_table_1.sh`` with ``CONFIG.sh`` (``--fp16 --loss-scale 8192``, no
+#:   ``--accumulate-allreduce-grads-in-fp32``, ``--DDP-impl ${DDP}``): ``DDP=torch`` for
+#:   1.7B-18B, whose pipeline-free schedule runs every micro-batch but the last under
+#:   ``no_sync`` (``megatron/schedules.py``, ``forward_backward_no_pipelining``), so
+#:   autograd adds each fp16 gradient into ``.grad`` (``autograd``); ``DDP=local`` for 39B
+#:   and up, Megatron's local DDP whose hook adds every micro-batch's gradient into a
+#:   ``main_grad`` buffer in the parameters' fp16 (``hook16``; gradient-accumulation fusion
+#:   is off without fp32 accumulation, ``megatron/arguments.py``).
+#: - Korthikanti et al. 2022: fp16 (calculon-ai/calculon ``validation/seqsel/tab5/*.json``,
+#:   ``"datatype": "float16"``) with Megatron-LM of the sequence-parallel era
+#:   (``megatron/arguments.py`` at 00129014: ``--DDP-impl`` defaults to ``local``,
+#:   contiguous buffers default on, fp32 accumulation off and the fusion switched off
+#:   without it): ``hook16``.
+#: - BLOOM (Megatron-DeepSpeed, bf16, DeepSpeed's ``BF16_Optimizer``): after every
+#:   micro-batch's backward ``update_hp_grads`` adds each bf16 gradient into its fp32
+#:   gradient (``hp_grad.add_(lp.grad.to(fp32))``; the fp32 gradients are zeroed after each
+#:   step): the fp32 hook's pattern, ``hook32`` (its cast to an fp32 temporary, 8 more
+#:   bytes, is not counted).
+#: - Llama 3 (Meta's own FSDP): nothing published says how it accumulates; priced as
+#:   PyTorch's own accumulation, the stated default (``autograd``).
+NARAYANAN_DDP: dict[str, str] = {
+    "narayanan2021-gpt-1.7b": "torch", "narayanan2021-gpt-3.6b": "torch",
+    "narayanan2021-gpt-7.5b": "torch", "narayanan2021-gpt-18.4b": "torch",
+    "narayanan2021-gpt-39.1b": "local", "narayanan2021-gpt-76.1b": "local",
+    "narayanan2021-gpt-145.6b": "local", "narayanan2021-gpt-310.1b": "local",
+    "narayanan2021-gpt-529.6b": "local", "narayanan2021-gpt-1t": "local",
+}
+_BY_DDP = {"torch": "autograd", "local": "hook16"}
+GRAD_ACCUMULATION: dict[str, str] = {"korthikanti2022": "hook16", "bloom2022": "hook32",
+                                     "llama3_2024": "autograd"}
+
+
+def grad_accumulation(run: Run) -> str | None:
+    """The ``grad_accumulation`` setting of ``run``'s engine (see :data:`GRAD_ACCUMULATION`),
+    or None for a source without one (the planner's default, ``unpriced``)."""
+    if run.source == "narayanan2021":
+        if run.id not in NARAYANAN_DDP:
+            raise ValueError(f"run {run.id!r}: add its --DDP-impl from Megatron-LM's "
+                             "examples/sc21/run_table_1.sh to NARAYANAN_DDP")
+        return _BY_DDP[NARAYANAN_DDP[run.id]]
+    return GRAD_ACCUMULATION.get(run.source)
+
 
 def _option_fields() -> set[str]:
     from hetplan import CompileOptions
@@ -172,6 +220,9 @@ def express(run: Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     pins: dict[str, Any] = {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp,
                             "schedule": lay.schedule}
     pins.update({k: v for k, v in SOFTWARE.get(run.source, {}).items() if k in fields})
+    acc = grad_accumulation(run)
+    if acc is not None and "grad_accumulation" in fields:
+        pins["grad_accumulation"] = acc
     report = []
     for dim in DIMENSIONS:
         value = getattr(lay, dim.field)
@@ -390,8 +441,8 @@ def bench_run(run: Run, data: PublishedRuns, *, free: bool) -> dict[str, Any]:
         "pinned": pinned,
     }
     if free:
-        soft = {k: pins[k] for k in ("attention", "dp_overlap", "fusion", "vocab_parallel")
-                if k in pins}
+        soft = {k: pins[k] for k in ("attention", "dp_overlap", "fusion", "vocab_parallel",
+                                     "grad_accumulation") if k in pins}
         f = _compile(ir, cluster, batch, dtype=dtype, schedule="auto", **soft)
         fp = f.get("predicted_iteration_s")
         f["vs_measured"] = _ratio(fp, meas.seconds)

@@ -11,7 +11,11 @@ import hetplan
 from hetplan.cost_models.compute import workload_tokens
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import engine_layer, tied_head_copy, vocab_layers
+from hetplan.cost_models.hetero import _rank_param_bytes
+from hetplan.cost_models.kernels import bias_grad_bytes
 from hetplan.cost_models.predict import resolve_cluster
+from hetplan.cost_models.rank_memory import stage_precision
+from hetplan.cost_models.stage_times import shard_bytes, tied_sync_s, vocab_comm_s
 from hetplan.cost_models.memory import MIXED, capture_bytes, layer_activations, loss_activations
 from hetplan.ir.capture import capture
 from hetplan.ir.cluster import ClusterSpec
@@ -99,13 +103,17 @@ def test_fused_llama_block_by_hand() -> None:
     assert lay.act_in_bytes > fused.act_in_bytes
 
 
-def test_layers_that_are_not_blocks_are_unchanged(
+def test_layers_that_are_not_blocks_or_norms_are_unchanged(
         gpt2: tuple[WorkloadSummary, LayerCost]) -> None:
     wl, _ = gpt2
-    others = [x for x in wl.layers if x.kind != "block"]
+    others = [x for x in wl.layers if x.kind not in ("block", "norm")]
     assert others
     for x in others:
         assert engine_layer(x, workload_tokens(wl), capture_bytes(wl), "flash") is x
+    # GPT-2's final layer norm keeps its fp32 input (and statistics, not counted)
+    ln_f = next(x for x in wl.layers if x.kind == "norm")
+    fused = engine_layer(ln_f, workload_tokens(wl), capture_bytes(wl), "flash")
+    assert fused.act_saved_bytes == ln_f.act_in_bytes == 256 * 2 * 512 * 4
 
 
 def test_cost_model_counts_fused_blocks_only_when_asked(
@@ -198,3 +206,122 @@ def test_tp_divisor_splits_the_head_only_when_vocabulary_parallel(
     assert vocab.tp_divisor(head, 1) == 1
     norm = next(x for x in wl.layers if x.kind == "norm")
     assert vocab.tp_divisor(norm, 4) == 1
+
+
+def test_vocab_parallel_embedding_gradient_is_split_over_tp(
+        gpt2: tuple[WorkloadSummary, LayerCost]) -> None:
+    # each TP rank of a vocabulary-parallel model holds, reduce-scatters, all-reduces and
+    # updates V/tp rows of the token embedding (Megatron-LM's VocabParallelEmbedding, the
+    # runtime's shard_vocab): the gradient bytes the sync and the optimizer step price
+    wl, _ = gpt2
+    k = next(i for i, x in enumerate(wl.layers) if x.name == "transformer.wte")
+    table = 1000 * 512 * 4  # V x h, fp32
+    vocab = CostModel(_cluster(), vocab_parallel=True).memory_layers(wl)
+    plain = CostModel(_cluster()).memory_layers(wl)
+    assert shard_bytes(vocab, table, k, 4) == table / 4
+    assert shard_bytes(plain, table, k, 4) == table
+    assert shard_bytes(vocab, table, k, 1) == table
+    pos = next(i for i, x in enumerate(wl.layers) if x.name == "transformer.wpe")
+    assert shard_bytes(vocab, wl.layers[pos].param_bytes, pos, 4) == wl.layers[pos].param_bytes
+    # the heterogeneous search's per-stage tables count the same bytes
+    assert _rank_param_bytes(vocab, 4)[k] == table / 4
+    assert _rank_param_bytes(plain, 4)[k] == table
+
+
+def test_bias_gradients_read_off_captured_blocks(
+        gpt2: tuple[WorkloadSummary, LayerCost]) -> None:
+    # a captured Hugging Face GPT-2 block carries a bias on each of its four linears, a Llama
+    # block on none (kernels.bias_grad_bytes decides it from the block's parameters)
+    _, block = gpt2
+    h = 512
+    assert bias_grad_bytes(block, 4) == (2 * h * 4, 7 * h * 4)  # captured in fp32
+    wl = _capture("LlamaConfig", "LlamaForCausalLM", 64, 1, vocab_size=1000, hidden_size=256,
+                  intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    llama = [x for x in wl.layers if x.kind == "block"][1]
+    assert bias_grad_bytes(llama, 4) == (0.0, 0.0)
+
+
+def test_tied_embedding_gradient_all_reduce_between_first_and_last_stage() -> None:
+    s, h, v = 128, 256, 4096
+    with torch.device("meta"):
+        model = hf("GPT2Config", "GPT2LMHeadModel", vocab_size=v, n_positions=s, n_embd=h,
+                   n_layer=4, n_head=4)()
+    ir = capture(model, (torch.zeros(1, s, dtype=torch.long, device="meta"),),
+                 {"use_cache": False})
+    plan = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=16, pp=2, tp=2,
+                           dtype="bf16", vocab_parallel=True, passes="uniform-stages")
+    wl = plan.model.workload
+    assert wl is not None
+    costs = CostModel(_cluster(), dtype="bf16", vocab_parallel=True)
+    first, last = plan.stages[0], plan.stages[1]
+    a, b = first.ranks[0], last.ranks[0]
+    link = costs.cluster.link_between(a, b)
+    # the two stages on different nodes: the 8 ranks of the first stage on a's node send at
+    # once through its network; each all-reduces its V/tp rows in bf16 with its peer
+    assert costs.devices[a].node_index != costs.devices[b].node_index
+    assert sum(costs.devices[r].node_index == costs.devices[a].node_index
+               for r in first.ranks) == 8
+    expected = costs.comm.time_s("allreduce", v * h / 2 * 2 * 8, 2, link)
+    assert tied_sync_s(wl, plan.stages, plan.layout, costs) == pytest.approx(expected)
+    assert expected > 0
+    # a head that is not vocabulary-parallel all-reduces the whole table
+    whole = CostModel(_cluster(), dtype="bf16")
+    assert tied_sync_s(wl, plan.stages, plan.layout, whole) == pytest.approx(
+        whole.comm.time_s("allreduce", v * h * 2 * 8, 2, link))
+    # one stage holds both the embedding and the head: nothing to sum
+    one = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=32, pp=1, tp=2,
+                          dtype="bf16", vocab_parallel=True, passes="uniform-stages")
+    assert tied_sync_s(wl, one.stages, one.layout, costs) == 0.0
+
+
+def test_vocab_parallel_collectives_by_hand() -> None:
+    s, h, v = 128, 256, 4096
+    with torch.device("meta"):
+        model = hf("GPT2Config", "GPT2LMHeadModel", vocab_size=v, n_positions=s, n_embd=h,
+                   n_layer=4, n_head=4)()
+    ir = capture(model, (torch.zeros(1, s, dtype=torch.long, device="meta"),),
+                 {"use_cache": False})
+    for sp in (False, True):
+        plan = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=16, pp=2, tp=2,
+                               dtype="bf16", vocab_parallel=True, passes="uniform-stages",
+                               micro_batch_size=2, sequence_parallel=sp)
+        wl = plan.model.workload
+        assert wl is not None
+        costs = CostModel(_cluster(), dtype="bf16", vocab_parallel=True)
+        first, last = plan.stages
+        prec = stage_precision(wl, first, costs)
+        link = costs.cluster.link_between(first.ranks[0], first.ranks[1])
+        t = costs.comm.time_s
+        act = 2 * s * h * 2  # micro-batch 2, bf16 hidden states
+        # the embedding sums its partial lookups in forward
+        emb = t("reduce_scatter" if sp else "allreduce", act, 2, link)
+        assert vocab_comm_s(wl, first, plan.layout, costs, 2.0, prec) == pytest.approx(
+            (emb, 0.0))
+        # the head: its input's gradient summed in backward (SP: gathered in forward and
+        # reduce-scattered in backward); the cross-entropy's three fp32 values per token
+        ce = 3 * t("allreduce", 4 * 2 * s, 2, link)
+        head = ((t("allgather", act, 2, link), t("reduce_scatter", act, 2, link)) if sp
+                else (0.0, t("allreduce", act, 2, link)))
+        assert vocab_comm_s(wl, last, plan.layout, costs, 2.0, prec) == pytest.approx(
+            (head[0] + ce, head[1]))
+        # without a vocabulary-parallel head there is none of it
+        plain = CostModel(_cluster(), dtype="bf16")
+        assert vocab_comm_s(wl, last, plan.layout, plain, 2.0, prec) == (0.0, 0.0)
+
+
+def test_fused_final_norm_keeps_its_input_only() -> None:
+    # a Hugging Face Llama's final RMSNorm keeps fp32 copies; the engine's fused norm keeps
+    # its 16-bit input (h x 2 bytes per token at a bf16 capture)
+    s, h = 64, 256
+    with torch.device("meta"):
+        model = hf("LlamaConfig", "LlamaForCausalLM", vocab_size=1000, hidden_size=h,
+                   intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=2, max_position_embeddings=s)().to(torch.bfloat16)
+    ids = torch.zeros(1, s, dtype=torch.long, device="meta")
+    wl = WorkloadSummary.from_model_ir(capture(model, (ids,), {"use_cache": False}))
+    norm = next(x for x in wl.layers if x.kind == "norm")
+    assert norm.act_saved_bytes > 2 * h * s  # decomposed: more than its input
+    fused = engine_layer(norm, workload_tokens(wl), capture_bytes(wl), "flash")
+    assert fused.act_saved_bytes == fused.act_replicated_bytes == 2 * h * s
+    assert fused.act_saved_nonfloat_bytes == 0

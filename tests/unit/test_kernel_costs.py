@@ -9,7 +9,9 @@ import pytest
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.kernels import (
     GEMM_CURVES,
+    bias_grad_bytes,
     block_shape,
+    cross_entropy_bytes,
     curve_for,
     fused_block_bytes,
     gemm_efficiency,
@@ -275,3 +277,51 @@ def test_typical_share_is_the_median_of_the_h200_sweeps_block_shapes() -> None:
            for g in sweep["gemm"] if g["dtype"] == "bf16" and g["kind"] == "block"]
     assert len(raw) == 180
     assert statistics.median(raw) == pytest.approx(h200.typical, abs=5e-4)
+
+
+# -- work every Megatron-style step does beyond the blocks' kernels ---------------------------
+def test_cross_entropy_passes_over_the_logits_by_hand() -> None:
+    # forward: read the 16-bit logits (2), write the fp32 copy (4), max (4), subtract (8),
+    # exp (8), sum (4), normalise (8); backward: scale in place (8), cast back (4 + 2)
+    assert cross_entropy_bytes(2) == (38.0, 14.0)
+    s, h, v = 2048, 4096, 51200
+    g = Gemm(phase="fwd", batch=1, m=s, n=v, k=h)
+    head = _layer(kind="head", gemms=(g,), act_out_bytes=s * v * 2)
+    bare = _times(head.model_copy(update={"act_out_bytes": 0}))
+    bw = 2.0e12 * A100.stream
+    t = _times(head)
+    assert t.fwd_s - bare.fwd_s == pytest.approx(s * v * 38 / bw)
+    assert t.bwd_s - bare.bwd_s == pytest.approx(s * v * 14 / bw)
+    # a vocabulary-parallel head's cross-entropy runs over its 1/tp of the logits; twice the
+    # micro-batch, twice the logits
+    split = _times(head, tp=8, vocab_parallel=True, r=2.0)
+    bare8 = _times(head.model_copy(update={"act_out_bytes": 0}), tp=8, vocab_parallel=True,
+                   r=2.0)
+    assert split.fwd_s - bare8.fwd_s == pytest.approx(2 * s * v / 8 * 38 / bw)
+
+
+def _biased(lay: LayerCost, h: int, elem: int = 2) -> LayerCost:
+    """``lay`` with a GPT block's parameters: the four linears' weights and biases
+    (3h + h + 4h + h) and two layer norms' weights and biases."""
+    weights = 3 * h * h + h * h + 4 * h * h + 4 * h * h
+    return lay.model_copy(update={"param_bytes": (weights + 9 * h + 4 * h) * elem})
+
+
+def test_bias_gradients_of_a_gpt_block_by_hand() -> None:
+    h, s = 1024, 2048
+    lay = _biased(_gpt_block(h=h, s=s), h)
+    # row-parallel outputs (the two h-wide ones) outside TP regions, qkv and fc1 inside
+    assert bias_grad_bytes(lay, 2) == (2 * h * 2, 7 * h * 2)
+    # no bias: the parameters are the weights and the norms only (a Llama block has 2h)
+    assert bias_grad_bytes(_gpt_block(h=h, s=s, param_bytes=12 * h * h * 2 + 2 * h * 2), 2) == (
+        0.0, 0.0)
+    assert bias_grad_bytes(_layer(kind="norm", param_bytes=4 * h), 2) == (0.0, 0.0)
+    bw = 2.0e12 * A100.stream
+    plain = _times(_gpt_block(h=h, s=s), attention="flash", fusion="fused", tp=8)
+    biased = _times(lay, attention="flash", fusion="fused", tp=8)
+    assert biased.fwd_s == plain.fwd_s
+    assert biased.bwd_s - plain.bwd_s == pytest.approx(s * (2 * h + 7 * h / 8) * 2 / bw)
+    # sequence parallelism splits the row linears' bias gradients too
+    sp = _times(lay, attention="flash", fusion="fused", tp=8, sp=True)
+    sp_plain = _times(_gpt_block(h=h, s=s), attention="flash", fusion="fused", tp=8, sp=True)
+    assert sp.bwd_s - sp_plain.bwd_s == pytest.approx(s * 9 * h / 8 * 2 / bw)

@@ -220,3 +220,17 @@ def test_engine_settings_and_llama3_sharding() -> None:
         "materialized", "fused", "after-flush")
     bloom, _ = published.express(RUNS["bloom2022-176b"])
     assert bloom["zero_stage"] == 1
+
+
+def test_grad_accumulation_per_source() -> None:
+    import published
+
+    acc = {r.id: published.express(r)[0].get("grad_accumulation") for r in DATA.runs}
+    # Narayanan 2021: run_table_1.sh's DDP=torch up to 18B, DDP=local from 39B
+    assert acc["narayanan2021-gpt-18.4b"] == "autograd"
+    assert acc["narayanan2021-gpt-39.1b"] == "hook16"
+    assert {acc[r.id] for r in DATA.runs if r.source == "narayanan2021"} == {"autograd",
+                                                                            "hook16"}
+    assert {acc[r.id] for r in DATA.runs if r.source == "korthikanti2022"} == {"hook16"}
+    assert acc["bloom2022-176b"] == "hook32"
+    assert acc["llama3-405b-16k-gpus"] == "autograd"

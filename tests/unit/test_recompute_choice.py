@@ -48,3 +48,23 @@ def test_selective_on_every_chunk_before_full_on_one() -> None:
     modes = [st.recompute for st in plan.stages]
     assert "full" not in modes, modes
     assert "selective" in modes
+
+
+def test_no_selective_recomputation_where_the_engine_keeps_no_scores() -> None:
+    # a fused attention kernel (flash) keeps no score matrices: selective recomputation
+    # would drop nothing there and only rerun the attention core, so a memory-bound choice
+    # goes from none straight to full
+    ir = _ir()
+
+    def plan(memory_gib: float, recompute: str):  # type: ignore[no-untyped-def]
+        return hetplan.compile(ir, _cluster(memory_gib), batch_size=8, pp=2, dp=1, tp=1,
+                               micro_batch_size=1, schedule="interleaved-1f1b",
+                               virtual_stages=2, recompute=recompute, dtype="fp32",
+                               passes="uniform-stages", attention="flash", fusion="fused")
+
+    peak = {mode: max(plan(1000.0, mode).predictions.memory_per_rank_bytes)
+            for mode in ("none", "selective", "full")}
+    assert peak["selective"] == peak["none"] > peak["full"]
+    cap_gib = (peak["full"] + 0.5 * (peak["none"] - peak["full"])) / 0.9 / GiB
+    modes = [st.recompute for st in plan(cap_gib, "auto").stages]
+    assert "selective" not in modes and "full" in modes, modes

@@ -10,6 +10,7 @@ from hetplan.cost_models.comm import CommModel
 from hetplan.cost_models.compression import CompressionModel
 from hetplan.cost_models.compute import ComputeModel, workload_tokens
 from hetplan.cost_models.engine_memory import engine_layer, vocab_layers
+from hetplan.cost_models.grad_accumulation import GRAD_ACCUMULATIONS, GradAccumulation
 from hetplan.cost_models.kernels import Attention, Fusion, curve_for
 from hetplan.cost_models.memory import capture_bytes
 from hetplan.cost_models.precision import resolve_precision
@@ -43,6 +44,9 @@ class CostModel:
             cross-entropy (:func:`~hetplan.cost_models.memory.loss_activations`).
         dp_overlap: data-parallel sync overlaps the last backward (``backward``) or runs
             after the pipeline flush (``after-flush``); ``evaluate`` reads it.
+        grad_accumulation: how the engine accumulates gradients across micro-batches
+            (:mod:`hetplan.cost_models.grad_accumulation`; ``unpriced``: not priced);
+            ``stage_times`` reads it.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class CostModel:
         dp_overlap: Literal["backward", "after-flush"] = "backward",
         fusion: Fusion = "none",
         vocab_parallel: bool = False,
+        grad_accumulation: GradAccumulation = "unpriced",
     ) -> None:
         self.cluster = cluster
         self.db = db
@@ -77,6 +82,10 @@ class CostModel:
         if dp_overlap not in ("backward", "after-flush"):
             raise ValueError(f"dp_overlap must be 'backward' or 'after-flush', got {dp_overlap!r}")
         self.dp_overlap = dp_overlap
+        if grad_accumulation not in GRAD_ACCUMULATIONS:
+            raise ValueError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATIONS)}"
+                             f", got {grad_accumulation!r}")
+        self.grad_accumulation: GradAccumulation = grad_accumulation
         self.attention: Attention = attention
         self.vocab_parallel = vocab_parallel
         self.comm = CommModel(cluster, db)

@@ -35,7 +35,9 @@ against the closed form on a captured Hugging Face GPT-2). Full recomputation ke
 block's input, ``h·e`` per token (the captured input also counts the causal mask and
 position tables a decomposed model passes to every layer; an engine's fused attention takes
 neither). Layer norms' per-token statistics (``8`` bytes per token each) are left out, as
-the paper does. Layers that are not recognisable blocks keep their captured bytes.
+the paper does. A norm outside the blocks (the final norm) keeps its input only, as the
+fused norm kernel does. Other layers that are not recognisable blocks keep their captured
+bytes.
 
 **The vocabulary** (:func:`vocab_layers`, :func:`tied_head_copy`). A language model's LM
 head is the last layer, a ``head`` whose forward product is ``tokens x h -> V``. With a
@@ -69,6 +71,8 @@ def engine_layer(lay: LayerCost, tokens: int, capture_bytes: int,
         capture_bytes: bytes per element of the floating dtype the layer was captured in.
         attention: ``flash`` (the core keeps no scores) or ``materialized``.
     """
+    if lay.kind == "norm" and lay.act_in_bytes and not lay.tp_pairs:
+        return _fused_norm(lay)
     blk = block_shape(lay, tokens)
     if blk is None:
         return lay
@@ -90,6 +94,21 @@ def engine_layer(lay: LayerCost, tokens: int, capture_bytes: int,
         "act_replicated_nonfloat_bytes": round(repl_mask * tokens),
         "act_attn_core_bytes": round((core_float + core_mask) * tokens),
         "act_attn_core_nonfloat_bytes": round(core_mask * tokens),
+    })
+
+
+def _fused_norm(lay: LayerCost) -> LayerCost:
+    """A norm layer outside the blocks (the final norm, an embedding norm) as the engine's
+    fused kernel keeps it: its input (the per-token statistics left out, as for the blocks),
+    outside the TP regions. A decomposed norm keeps more (a Hugging Face RMSNorm its fp32
+    copies: three times the 16-bit input)."""
+    return lay.model_copy(update={
+        "act_saved_bytes": lay.act_in_bytes,
+        "act_saved_nonfloat_bytes": 0,
+        "act_replicated_bytes": lay.act_in_bytes,
+        "act_replicated_nonfloat_bytes": 0,
+        "act_attn_core_bytes": 0,
+        "act_attn_core_nonfloat_bytes": 0,
     })
 
 

@@ -23,7 +23,9 @@ into an iteration time, a breakdown, the memory of every rank and the pipeline b
    :func:`_strategy_ops` says.
 4. **Iteration** ``= max over stages (last backward end + exposed sync) + optimizer step``; the
    optimizer step is memory-bound, priced by the bytes its kernels move plus a launch per
-   kernel (:mod:`hetplan.cost_models.optimizer_step`; ZeRO divides the bytes).
+   kernel (:mod:`hetplan.cost_models.optimizer_step`; ZeRO divides the bytes). Before it, a
+   head tied to the embedding of another stage sums the two copies' gradients
+   (:func:`~hetplan.cost_models.stage_times.tied_sync_s`, counted in ``optimizer_s``).
 5. **Memory** per rank (:mod:`hetplan.cost_models.memory`): model state in the precision's
    dtypes and ZeRO's sharding, activations under each stage's recomputation at the peak of
    the rank's action list, ZeRO buffers and the allocator margin;
@@ -72,6 +74,7 @@ from hetplan.cost_models.stage_times import (
     rank_devices,
     shard_bytes,
     stage_times,
+    tied_sync_s,
 )
 from hetplan.cost_models.sparse import sparse_ops
 from hetplan.cost_models.tp_shares import max_layer_shares, stage_compute
@@ -337,7 +340,8 @@ def _prefix(
         ends = pipe.stage_bwd_end_ms if v > 1 else pipe.rank_bwd_end_ms
         cached = costs.pipeline_cache[key] = (pipe, tuple(max(0.0, e * 1e-3) for e in ends))
     pipe, last_bwd_end = cached
-    optimizer_s = _optimizer_s(workload, stages, layout, costs, tensor_parallel)
+    optimizer_s = (_optimizer_s(workload, stages, layout, costs, tensor_parallel)
+                   + tied_sync_s(workload, stages, layout, costs))
     return _Prefix(stages, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources, pipe,
                    last_bwd_end, optimizer_s)
 
@@ -573,8 +577,9 @@ def _stage_units(
         key_idx = tuple(idx)
         nbytes = prep.nbytes.get(key_idx)
         if nbytes is None:
+            split = costs.memory_layers(workload)
             nbytes = prep.nbytes[key_idx] = sum(
-                shard_bytes(workload, workload.grads[i].size_bytes,
+                shard_bytes(split, workload.grads[i].size_bytes,
                             workload.grads[i].layer_index, layout.tp,
                             None if shares is None
                             else shares[workload.grads[i].layer_index - st.first_layer])
@@ -783,8 +788,9 @@ def stage_syncs(
             continue
         dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
         link, nodes, per_node = group_link(costs, dp_ranks)
-        nbytes = tuple(shard_bytes(workload, workload.grads[i].size_bytes,
-                                    workload.grads[i].layer_index, layout.tp) for i in grads)
+        split = costs.memory_layers(workload)
+        nbytes = tuple(shard_bytes(split, workload.grads[i].size_bytes,
+                                   workload.grads[i].layer_index, layout.tp) for i in grads)
         out.append(StageSync(st, tuple(grads), tuple(segments), nbytes, layout.dp, link, nodes,
                              per_node, _sync_dtypes(workload, st, layout, costs)))
     return out
@@ -1152,8 +1158,9 @@ def _stage_params(workload: WorkloadSummary, st: Stage, layout: Layout, costs: C
     """A stage's parameter bytes on its most loaded TP rank (capture dtype) and its number
     of parameter tensors: what one rank's optimizer step of that stage touches."""
     shares = max_layer_shares(workload, st, layout.tp, tp_section)
+    split = costs.memory_layers(workload)
     pbytes = sum(
-        shard_bytes(workload, lay.param_bytes, st.first_layer + k, layout.tp,
+        shard_bytes(split, lay.param_bytes, st.first_layer + k, layout.tp,
                      None if shares is None else shares[k])
         for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
     )

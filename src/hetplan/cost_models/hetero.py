@@ -225,10 +225,12 @@ def _step_bytes(prec: StatePrecision, optimizer: str) -> float:
     return out + (prec.weight_bytes if prec.master_bytes else 0)
 
 
-def _rank_param_bytes(workload: WorkloadSummary, tp: int) -> np.ndarray:
-    """Per layer, the captured parameter bytes one TP rank holds."""
-    out = np.zeros(len(workload.layers))
-    for k, lay in enumerate(workload.layers):
+def _rank_param_bytes(layers: Sequence[LayerCost], tp: int) -> np.ndarray:
+    """Per layer, the parameter bytes (capture dtype) one TP rank holds of ``layers`` (the
+    cost model's :meth:`~hetplan.cost_models.costs.CostModel.memory_layers`: a
+    vocabulary-parallel embedding split too, as ``stage_times.shard_bytes`` counts it)."""
+    out = np.zeros(len(layers))
+    for k, lay in enumerate(layers):
         split = min(lay.tp_split_bytes, lay.param_bytes) if tp > 1 else 0
         out[k] = lay.param_bytes - split + split / tp
     return out
@@ -320,7 +322,8 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
     L = len(workload.layers)
     zero = 1 if dp > 1 else 0
     prec = state_precision(costs.precision, dev.type, (dev.type,), capture_bytes(workload))
-    pbytes = np.concatenate([[0.0], np.cumsum(_rank_param_bytes(workload, tp))])
+    pbytes = np.concatenate([[0.0], np.cumsum(_rank_param_bytes(costs.memory_layers(workload),
+                                                                tp))])
     elems = pbytes / prec.capture_bytes
     step_per_elem = _step_bytes(prec, costs.optimizer) / (dp if zero else 1)
     reshard = [2 * reshard_s(workload, costs, i, dev, dp, tp, mb * dp, receivers_per_node,
@@ -552,8 +555,8 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
     for st, shape, b in zip(stages, hetero.stages, bwd):
         dev = costs.devices[st.ranks[0]]
         prec = state_precision(costs.precision, dev.type, (dev.type,), capture_bytes(workload))
-        elems = float(_rank_param_bytes(workload, shape.tp)[st.first_layer:st.last_layer + 1]
-                      .sum()) / prec.capture_bytes
+        per_layer = _rank_param_bytes(costs.memory_layers(workload), shape.tp)
+        elems = float(per_layer[st.first_layer:st.last_layer + 1].sum()) / prec.capture_bytes
         dp_group = list(st.ranks[::shape.tp])
         cross = len({costs.devices[r].node_index for r in dp_group}) > 1
         if gradient_sync is not None and shape.dp > 1:

@@ -32,6 +32,13 @@ Three kinds of work, each priced by what bounds it on the device:
    priced by the bytes that group reads and writes (:func:`fused_block_bytes`); layers that
    are not recognisable blocks keep their captured bytes.
 
+4. **The loss** (a ``head`` layer with outputs, as :func:`~.memory.loss_activations`
+   counts it): the softmax cross-entropy over the logits, one memory-bound pass after
+   another (:func:`cross_entropy_bytes`), on each rank's ``1/tp`` of the vocabulary when
+   the head is vocabulary-parallel.
+5. **Bias gradients** of a block whose linears carry biases (:func:`bias_grad_bytes`): one
+   reduction over each biased linear's output gradient in backward.
+
 Tensor parallelism (``tp``): a layer with Megatron pairs (and, with ``vocab_parallel``, the LM
 head: its vocabulary is the split dimension) runs ``1/tp`` of its attention heads
 (``bmm`` batch) and ``1/tp`` of each linear's split dimension (the largest dimension that is
@@ -56,7 +63,9 @@ from hetplan.ir.plan_sections import LayerCost
 
 __all__ = ["GemmCurve", "GEMM_CURVES", "curve_for", "gemm_efficiency", "KernelTimes",
            "kernel_times", "Attention", "ATTENTION_KERNELS", "Fusion", "FUSIONS",
-           "BlockShape", "block_shape", "FusedBytes", "fused_block_bytes"]
+           "BlockShape", "block_shape", "FusedBytes", "fused_block_bytes",
+           "CROSS_ENTROPY_FWD_FP32_BYTES", "CROSS_ENTROPY_BWD_FP32_BYTES",
+           "cross_entropy_bytes", "bias_grad_bytes"]
 
 Attention = Literal["flash", "materialized"]
 #: How the attention core runs (see module docstring).
@@ -228,8 +237,8 @@ def fused_block_bytes(blk: BlockShape, elem: float, attention: Attention) -> Fus
     scores, materialized: ``FusedScaleMaskSoftmax`` reads and writes each score
     (``2e``), dropout reads it and writes it and a mask (``2e + d``); backward reads the
     gradient and probabilities and writes (``3e``), dropout backward ``2e + d``. Bias
-    gradients (a reduction over each biased output gradient, about ``9h·e`` for a GPT block)
-    are not counted: the captured block does not say which linears carry a bias.
+    gradients (a reduction over each biased output gradient, ``9h·e`` for a GPT block)
+    are :func:`bias_grad_bytes`'s: they depend on the block's parameters, not its shape.
     """
     h, f = float(blk.hidden), float(blk.ffn)
     d = 1.0 if blk.dropout else 0.0
@@ -248,6 +257,53 @@ def fused_block_bytes(blk: BlockShape, elem: float, attention: Attention) -> Fus
         core_fwd=core_fwd,
         core_bwd=core_bwd,
     )
+
+
+#: fp32 bytes per logit element the cross-entropy's forward moves besides reading the 16-bit
+#: logits once: Megatron-LM's ``_VocabParallelCrossEntropy`` (``tensor_parallel/
+#: cross_entropy.py``) on the ``.float()`` copy of the logits: write that copy (4), the
+#: row maximum (read 4), subtract it in place (read, write: 8), ``exp`` in place (8), the row
+#: sum (read 4), divide by it in place, the softmax kept for backward (8). The runtime's
+#: ``F.cross_entropy`` over fp32 logits makes the same passes (upcast, then log-softmax's
+#: maximum, shifted exponential sum and normalisation).
+CROSS_ENTROPY_FWD_FP32_BYTES = 36.0
+#: ... and its backward besides writing the 16-bit logits' gradient once: scale the kept
+#: softmax (less one at the targets, a gather) by the loss gradient in place (read, write:
+#: 8) and read it again to cast it back to the logits' dtype (4).
+CROSS_ENTROPY_BWD_FP32_BYTES = 12.0
+
+
+def cross_entropy_bytes(elem: float) -> tuple[float, float]:
+    """(forward, backward) bytes per logit element of the cross-entropy over logits of
+    ``elem`` bytes per element (see :data:`CROSS_ENTROPY_FWD_FP32_BYTES`): with 16-bit
+    logits 38 and 14."""
+    return elem + CROSS_ENTROPY_FWD_FP32_BYTES, elem + CROSS_ENTROPY_BWD_FP32_BYTES
+
+
+def bias_grad_bytes(lay: LayerCost, capture_bytes: float) -> tuple[float, float]:
+    """Bytes per token (capture dtype) that a block's bias gradients read in backward:
+    (outside TP regions, inside them). Each bias gradient is a reduction over the tokens of
+    its linear's output gradient (Megatron-LM's ``grad_output.sum(dim=0)`` in its linear
+    layers, or autograd's reduction of the bias broadcast in ``bias_gelu`` and
+    ``bias_dropout_add_fused``), so it reads that gradient once. A block's linears carry
+    biases when its parameters beyond the linear weights cover one bias element per
+    linear output (GPT-2, BLOOM: ``9h`` of them beside four norm vectors of ``h``; a Llama
+    block has two ``h`` norm vectors and no bias). Outputs ``h`` wide (the attention's
+    output projection, the MLP's down projection: Megatron's row-parallel linears, whose
+    bias is added after the reduction) are outside the TP regions; the rest are split.
+    (0, 0) for a layer that is not a block."""
+    if lay.tp_pairs == 0 or capture_bytes <= 0:
+        return 0.0, 0.0
+    lin = [g for g in lay.gemms if g.phase == "fwd" and not g.core and g.batch == 1]
+    if not lin:
+        return 0.0, 0.0
+    weights = sum(g.k * g.n * g.count for g in lin)
+    outputs = sum(g.n * g.count for g in lin)
+    if lay.param_bytes / capture_bytes - weights < outputs:
+        return 0.0, 0.0
+    h = min(g.k for g in lin)
+    repl = sum(g.n * g.count for g in lin if g.n == h)
+    return repl * capture_bytes, (outputs - repl) * capture_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,14 +385,21 @@ def kernel_times(
             core_fwd += t if g.core else 0.0
         else:
             bwd += t
+    if lay.kind == "head" and lay.act_out_bytes:
+        logits = lay.act_out_bytes * bytes_scale / elem_bytes * r / (tp if split else 1)
+        ce_fwd, ce_bwd = cross_entropy_bytes(elem_bytes)
+        fwd += logits * ce_fwd / mem_bw
+        bwd += logits * ce_bwd / mem_bw
     blk = block_shape(lay, tokens) if fusion == "fused" else None
     if blk is not None:
         fb = fused_block_bytes(blk, elem_bytes, attention)
         tok = tokens * r / mem_bw
         repl_div = tp if split and sp else 1
         split_div = tp if split else 1
+        bias_repl, bias_split = bias_grad_bytes(lay, elem_bytes / bytes_scale)
         fwd += tok * (fb.repl_fwd / repl_div + fb.split_fwd / split_div)
         bwd += tok * (fb.repl_bwd / repl_div + fb.split_bwd / split_div)
+        bwd += tok * bytes_scale * (bias_repl / repl_div + bias_split / split_div)
         core_mem = tok * fb.core_fwd / split_div
         fwd += core_mem
         core_fwd += core_mem

@@ -124,6 +124,7 @@ def plan_costs(
                       efficiency=settings.efficiency, optimizer=settings.optimizer,
                       precision=plan.precision, attention=settings.attention,
                       dp_overlap=settings.dp_overlap, fusion=settings.fusion,
+                      grad_accumulation=settings.grad_accumulation,
                       vocab_parallel=vocab_split(settings.vocab_split, workload))
     layout = plan.layout or Layout(dp=spec.world_size, micro_batch_size=workload.batch_size)
     return workload, layout, costs

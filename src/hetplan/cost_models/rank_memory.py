@@ -291,10 +291,12 @@ def choose_recompute(
         return tuple(st.model_copy(update={"recompute": mode}) for st in stages)
     scale = layout.micro_batch_size / workload.batch_size
     caps = [d.memory_bytes * USABLE_FRACTION for d in costs.devices]
-    has_core = [any(x.act_attn_core_bytes for x in workload.layers[st.first_layer:
-                                                                  st.last_layer + 1])
+    # what the engine keeps (``memory_layers``), not the capture: a fused attention kernel
+    # keeps no scores, so selective recomputation would drop nothing there and only cost time
+    kept = costs.memory_layers(workload)
+    has_core = [any(x.act_attn_core_bytes for x in kept[st.first_layer:st.last_layer + 1])
                 for st in stages]
-    weight = [sum(x.act_saved_bytes for x in workload.layers[st.first_layer:st.last_layer + 1])
+    weight = [sum(x.act_saved_bytes for x in kept[st.first_layer:st.last_layer + 1])
               for st in stages]
     current = tuple(st if st.recompute == "none" else st.model_copy(update={"recompute": "none"})
                     for st in stages)

@@ -18,8 +18,9 @@ slowest rank (:mod:`hetplan.cost_models.tp_shares`):
   (``zero3_forward`` / ``zero3_backward`` records) those are charged instead: on gloo the
   gathers and reduce-scatters do not overlap compute or each other.
 
-:func:`p2p_ms` prices the activation transfers between stages, per pipeline link.
-Deterministic and free of torch.
+:func:`p2p_ms` prices the activation transfers between stages, per pipeline link, and
+:func:`tied_sync_s` the all-reduce of a tied embedding's gradient between the first and the
+last pipeline stage. Deterministic and free of torch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from hetplan.cost_models.compute import workload_tokens
 from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.engine_memory import tied_head_copy
+from hetplan.cost_models.grad_accumulation import (
+    accumulation_bytes,
+    linear_weight_elems,
+    streaming_bandwidth,
+)
 from hetplan.cost_models.memory import StatePrecision, capture_bytes
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import stage_precision
@@ -36,7 +44,7 @@ from hetplan.ir.cluster import Device
 from hetplan.ir.plan_sections import LayerCost, Layout, Stage, TensorParallel, WorkloadSummary
 
 __all__ = ["rank_devices", "group_link", "shard_bytes", "stage_times", "recompute_s",
-           "zero_stage_times", "p2p_ms"]
+           "zero_stage_times", "p2p_ms", "tied_sync_s", "vocab_comm_s", "accumulation_s"]
 
 
 def rank_devices(costs: CostModel, stage: Stage) -> list[Device]:
@@ -115,10 +123,13 @@ def stage_times(
 
     Backward includes the stage's recomputation (``full``: each block's forward again,
     its TP all-reduces included, as Megatron-LM's and the runtime's checkpointed blocks rerun
-    them; ``selective``: the attention core's share of it, by FLOPs, which has none). With ZeRO-3 each layer's
-    weights are all-gathered before its forward and its backward, prefetched during the
-    previous layer's compute; with ZeRO-2 and -3 every micro-batch's gradients are
-    reduce-scattered, so a backward takes at least that long."""
+    them; ``selective``: the attention core's share of it, by FLOPs, which has none). With
+    ZeRO-3 each layer's weights are all-gathered before its forward and its backward,
+    prefetched during the previous layer's compute; with ZeRO-2 and -3 every micro-batch's
+    gradients are reduce-scattered, so a backward takes at least that long. A
+    vocabulary-parallel model adds its embedding's, head's and cross-entropy's TP
+    collectives (:func:`vocab_comm_s`), and each layer's backward the engine's gradient
+    accumulation (:func:`accumulation_s`)."""
     devices = {(d.type, d.slowdown): d for d in rank_devices(costs, st)}
     tp = layout.tp
     if tp > 1:
@@ -162,16 +173,98 @@ def stage_times(
                 tp_comm += c
                 if st.recompute == "full" and lay.kind == "block":
                     b_layers[j] += c  # the recomputed forward's all-reduces
+    acc = accumulation_s(workload, st, layout, costs, prec)
+    if acc is not None:
+        b_layers = [b + a for b, a in zip(b_layers, acc)]
+    vocab_f, vocab_b = vocab_comm_s(workload, st, layout, costs, scale, prec)
+    if vocab_b:
+        b_layers = list(b_layers)
+        b_layers[-1] += vocab_b
     bwd_s = sum(b_layers)
     if layout.zero_stage >= 2 and layout.dp > 1:
         fwd_s, bwd_s = _zerostage_times(workload, st, layout, costs, prec, f_layers, b_layers)
+    fwd_s += vocab_f
     # TP all-reduces happen in forward and again in backward
     per_layer = list(b_layers)
     if per_layer and tp_comm:
         per_layer[-1] += tp_comm
     if per_layer and bwd_s > sum(b_layers):
         per_layer[-1] += bwd_s - sum(b_layers)
-    return fwd_s + tp_comm, bwd_s + tp_comm, tp_comm, per_layer, sources
+    # the vocabulary's collectives are in fwd_s / bwd_s already; the TP communication
+    # reported per direction takes their mean
+    return (fwd_s + tp_comm, bwd_s + tp_comm, tp_comm + (vocab_f + vocab_b) / 2, per_layer,
+            sources)
+
+
+def vocab_comm_s(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+                 scale: float, prec: StatePrecision) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of a vocabulary-parallel model's TP
+    collectives on ``st`` (``vocab_parallel`` under ``tp > 1``; (0, 0) otherwise), as
+    Megatron-LM runs them (Shoeybi et al. 2019, section 3; ``VocabParallelEmbedding``,
+    the parallel output layer, ``_VocabParallelCrossEntropy``) and the runtime's
+    ``shard_vocab``:
+
+    - the embedding sums its ranks' partial lookups: an all-reduce of its output in forward
+      (with sequence parallelism a reduce-scatter into the sequence slices);
+    - the head's input is copied to every rank, so backward all-reduces its gradient (with
+      sequence parallelism an all-gather of the input in forward and a reduce-scatter of
+      its gradient in backward);
+    - the cross-entropy all-reduces three fp32 values per token in forward (the row
+      maximum, the target's logit, the sum of exponentials)."""
+    if layout.tp <= 1 or not costs.vocab_parallel:
+        return 0.0, 0.0
+    split = costs.memory_layers(workload)
+    tp, sp = layout.tp, layout.sequence_parallel
+    link, _, _ = group_link(costs, list(st.ranks[:tp]))
+    time_s = costs.comm.time_s
+    fwd = bwd = 0.0
+    for i in range(st.first_layer, st.last_layer + 1):
+        lay = workload.layers[i]
+        if lay.kind == "head":  # split by its vocabulary, as ComputeModel.tp_divisor says
+            act = lay.act_in_bytes * scale * prec.act_scale
+            if sp:
+                fwd += time_s("allgather", act, tp, link)
+                bwd += time_s("reduce_scatter", act, tp, link)
+            else:
+                bwd += time_s("allreduce", act, tp, link)
+            tokens = workload_tokens(workload) * scale
+            fwd += 3 * time_s("allreduce", 4.0 * tokens, tp, link)
+        elif split[i].tp_split_bytes and not lay.tp_split_bytes and lay.kind != "head":
+            out = lay.act_out_bytes * scale * prec.act_scale  # the vocabulary table
+            fwd += time_s("reduce_scatter" if sp else "allreduce", out, tp, link)
+    return fwd, bwd
+
+
+def accumulation_s(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+                   prec: StatePrecision) -> list[float] | None:
+    """Per layer of ``st``, the seconds one micro-batch's gradient accumulation adds to its
+    backward under ``costs.grad_accumulation``
+    (:mod:`hetplan.cost_models.grad_accumulation`), or None when it adds nothing
+    (``unpriced``, or ``autograd`` with one micro-batch).
+
+    Each layer's elements on one rank are its parameters after the TP split
+    (:func:`shard_bytes`; even shards), ``1/dp`` of them under ZeRO-2/3; its linear weights
+    (:func:`~hetplan.cost_models.grad_accumulation.linear_weight_elems`, split by ``tp``
+    where the layer is TP-split, at most the layer's elements: a tied head holds none) move
+    the linear-weight bytes, the rest the other bytes; the stage's slowest streaming
+    bandwidth."""
+    per_linear, per_other = accumulation_bytes(costs.grad_accumulation, prec.weight_bytes,
+                                               layout.micro_batches)
+    if not per_linear and not per_other:
+        return None
+    tp = layout.tp
+    split = costs.memory_layers(workload)
+    tokens = workload_tokens(workload)
+    zero = layout.dp if layout.zero_stage >= 2 else 1  # the rank's shard of each gradient
+    bw = min(streaming_bandwidth(d) for d in rank_devices(costs, st))
+    out = []
+    for i in range(st.first_layer, st.last_layer + 1):
+        lay = split[i]
+        elems = shard_bytes(split, lay.param_bytes, i, tp) / prec.capture_bytes
+        lin = linear_weight_elems(workload.layers[i], tokens)
+        lin_rank = min(lin / tp if tp > 1 and lay.tp_split_bytes else float(lin), elems)
+        out.append((lin_rank * per_linear + (elems - lin_rank) * per_other) / zero / bw)
+    return out
 
 
 def recompute_s(lay: LayerCost, fwd_s: float, mode: str,
@@ -201,16 +294,16 @@ def _zerostage_times(
     link, _, _ = group_link(costs, dp_ranks)
     layers = range(st.first_layer, st.last_layer + 1)
     cap = prec.capture_bytes / nic_share(costs, dp_ranks)
-    elems = [shard_bytes(workload, workload.layers[i].param_bytes, i, layout.tp) / cap
-             for i in layers]
+    split = costs.memory_layers(workload)
+    elems = [shard_bytes(split, split[i].param_bytes, i, layout.tp) / cap for i in layers]
     rs = 0.0
     for n in elems:
         rs += costs.comm.time_s("reduce_scatter", n * prec.grad_bytes, layout.dp, link)
     fwd_s, bwd_s = sum(f_layers), max(sum(b_layers), rs)
     if layout.zero_stage >= 3:
         if costs.comm.has_handovers:  # gloo profiles; GPU and analytic plans skip it
-            fp32_bytes = sum(shard_bytes(workload, workload.layers[i].param_bytes, i,
-                                         layout.tp) for i in layers) / prec.capture_bytes * 4
+            fp32_bytes = sum(shard_bytes(split, split[i].param_bytes, i, layout.tp)
+                             for i in layers) / prec.capture_bytes * 4
             measured = _measured_zero3(costs, layout.dp, link, fp32_bytes, f_layers, b_layers)
             if measured is not None:
                 return measured
@@ -241,12 +334,54 @@ def _measured_zero3(costs: CostModel, dp: int, link: Literal["intra", "inter"],
     return (f + fwd[0] * param_bytes / fwd[1], b + bwd[0] * param_bytes / bwd[1])
 
 
-def shard_bytes(workload: WorkloadSummary, nbytes: int, layer: int, tp: int,
+def shard_bytes(layers: Sequence[LayerCost], nbytes: int, layer: int, tp: int,
                  share: float | None = None) -> float:
     """A gradient's bytes on one TP rank: the splittable part divided by tp (or times the
-    rank's ``share`` with uneven shards)."""
-    lay = workload.layers[layer]
+    rank's ``share`` with uneven shards).
+
+    ``layers``: the layers as the cost model holds them,
+    :meth:`~hetplan.cost_models.costs.CostModel.memory_layers` (with a vocabulary-parallel
+    head its ``V x h`` embedding is split too: each TP rank holds, syncs and updates
+    ``1/tp`` of the rows, as Megatron-LM's ``VocabParallelEmbedding`` and the runtime's
+    ``shard_vocab`` do); the captured ``workload.layers`` count that table whole on every
+    rank."""
+    lay = layers[layer]
     if tp == 1 or not lay.param_bytes or not lay.tp_split_bytes:
         return float(nbytes)
     frac = min(lay.tp_split_bytes / lay.param_bytes, 1.0)
     return nbytes * (1 - frac + (frac / tp if share is None else frac * share))
+
+
+def tied_sync_s(workload: WorkloadSummary, stages: Sequence[Stage], layout: Layout,
+                costs: CostModel) -> float:
+    """Seconds of the all-reduce that sums a tied embedding's gradient between the stage
+    holding the token embedding and the stage holding the LM head (its copy), after the
+    pipeline flush and the data-parallel sync, before the optimizer step: Megatron-LM's
+    ``_allreduce_embedding_grads`` (Narayanan et al. 2021 and Megatron-DeepSpeed keep the
+    head's copy of the embedding on the last stage) and the runtime's pipeline, which sums
+    the two copies' gradients the same way. 0 when the head is not tied, or when one stage
+    holds both.
+
+    Each TP rank all-reduces its slice of the ``V x h`` table (``1/tp`` of it with a
+    vocabulary-parallel head) in the reduce dtype with its peer on the other stage; across
+    nodes every rank of the embedding's stage on the node does so at once through the node's
+    shared network (as :func:`p2p_ms`)."""
+    if len(stages) < 2:
+        return 0.0
+    cap = capture_bytes(workload)
+    tied = tied_head_copy(costs.memory_layers(workload), cap, costs.vocab_parallel)
+    if tied is None:
+        return 0.0
+    table, copy = tied
+    first = next(st for st in stages if st.first_layer <= table <= st.last_layer)
+    last = next(st for st in stages if st.last_layer == len(workload.layers) - 1)
+    a, b = first.ranks[0], last.ranks[0]
+    if first.ranks == last.ranks:
+        return 0.0
+    prec = state_precision(costs.precision, costs.devices[a].type, (), cap)
+    split = copy.tp_split_bytes > 0 and layout.tp > 1
+    nbytes = copy.param_bytes / cap * prec.grad_bytes / (layout.tp if split else 1)
+    node = costs.devices[a].node_index
+    if costs.devices[b].node_index != node:
+        nbytes *= sum(1 for r in first.ranks if costs.devices[r].node_index == node)
+    return costs.comm.time_s("allreduce", nbytes, 2, costs.cluster.link_between(a, b))

@@ -24,8 +24,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
     StrictBool,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -337,8 +340,13 @@ class CostSettings(_Section):
     run as captured (``none``) or as its fused transformer-block kernels (``fused``: their
     time and the activations they keep); ``vocab_parallel``: whether the LM head is
     vocabulary-parallel, the one statement the planner prices and the runtime executes
-    (:data:`VocabParallel`); see ``docs/decisions/cost-model.md`` and
-    ``docs/decisions/vocab-parallel.md``.
+    (:data:`VocabParallel`); ``grad_accumulation``: how the engine adds each micro-batch's
+    gradients to the iteration's (``unpriced``, the default: not priced; ``autograd``,
+    ``hook16``, ``hook32``, ``fused``: :mod:`hetplan.cost_models.grad_accumulation`),
+    written to JSON only when it is not ``unpriced``, so that plans which do not ask for it
+    stay byte-identical to those written before it existed; see
+    ``docs/decisions/cost-model.md``, ``docs/decisions/vocab-parallel.md`` and
+    ``docs/decisions/published-round6.md``.
     """
 
     dtype: Name = "fp32"
@@ -350,6 +358,16 @@ class CostSettings(_Section):
     dp_overlap: Literal["backward", "after-flush"] = "backward"
     fusion: Literal["none", "fused"] = "none"
     vocab_parallel: Annotated[VocabParallel, BeforeValidator(_legacy_vocab_parallel)] = "split"
+    grad_accumulation: Literal["unpriced", "autograd", "hook16", "hook32", "fused"] = "unpriced"
+
+    @model_serializer(mode="wrap")
+    def _omit_unpriced(self, handler: SerializerFunctionWrapHandler,
+                       info: SerializationInfo) -> dict[str, object]:
+        """Leave ``grad_accumulation`` out while it is ``unpriced`` (see the class)."""
+        data: dict[str, object] = handler(self)
+        if self.grad_accumulation == "unpriced":
+            data.pop("grad_accumulation", None)
+        return data
 
     @property
     def vocab_split(self) -> bool:

@@ -181,8 +181,9 @@ def _fits(times: list[float], pp: int, m: int, x: float) -> bool:
 def _optimizer_bound(workload: WorkloadSummary, costs: CostModel, cand: LayoutCandidate,
                      sharded: bool) -> float:
     cap = capture_bytes(workload)
-    elems = sum(shard_bytes(workload, lay.param_bytes, i, cand.tp)
-                for i, lay in enumerate(workload.layers)) / cap
+    split = costs.memory_layers(workload)
+    elems = sum(shard_bytes(split, lay.param_bytes, i, cand.tp)
+                for i, lay in enumerate(split)) / cap
     per_elem = min(_step_bytes(state_precision(costs.precision, t, (t,), cap), costs.optimizer)
                    for t in sorted({d.type for d in costs.devices}))
     if sharded:
@@ -256,8 +257,8 @@ def single_stage_s(workload: WorkloadSummary, costs: CostModel, cand: LayoutCand
         dp_ranks = [r for k, r in enumerate(stage.ranks) if k % c.tp == 0]
         link, _, _ = group_link(costs, dp_ranks)
         cap = prec.capture_bytes / nic_share(costs, dp_ranks)
-        elems = [shard_bytes(workload, workload.layers[i].param_bytes, i, c.tp) / cap
-                 for i in range(n)]
+        split = costs.memory_layers(workload)
+        elems = [shard_bytes(split, split[i].param_bytes, i, c.tp) / cap for i in range(n)]
         rs = sum(costs.comm.time_s("reduce_scatter", e * prec.grad_bytes, c.dp, link)
                  for e in elems)
         if zero_stage >= 3:

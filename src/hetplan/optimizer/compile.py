@@ -177,7 +177,7 @@ def compile(  # noqa: A001 - the product's verb
         costs=CostModel(spec, db, dtype=opts.dtype, efficiency=opts.efficiency,
                         optimizer=opts.optimizer, require_profiled=opts.require_profiled,
                         attention=opts.attention, dp_overlap=opts.dp_overlap,
-                        fusion=opts.fusion,
+                        fusion=opts.fusion, grad_accumulation=opts.grad_accumulation,
                         vocab_parallel=_vocab_parallel(opts, pipeline, workload)),
         model_ref=ModelRef(name=ir.name, fingerprint=ir.fingerprint(),
                            num_params=ir.num_params),
@@ -380,6 +380,7 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
                                       profile_fingerprint=_db_fingerprint(job.db),
                                       attention=opts.attention, dp_overlap=opts.dp_overlap,
                                       fusion=opts.fusion,
+                                      grad_accumulation=opts.grad_accumulation,
                                       vocab_parallel="split" if job.costs.vocab_parallel
                                       else "whole"),
         "precision": job.costs.precision,

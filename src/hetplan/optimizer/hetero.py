@@ -677,6 +677,7 @@ def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_siz
     workload = plan.model.workload
     costs = CostModel(spec, db, dtype=cs.dtype, efficiency=cs.efficiency, optimizer=cs.optimizer,
                       attention=cs.attention, dp_overlap=cs.dp_overlap, fusion=cs.fusion,
+                      grad_accumulation=cs.grad_accumulation,
                       vocab_parallel=vocab_split(cs.vocab_split, workload))
     if workload is None:
         raise InfeasiblePlanError("the plan carries no workload summary to search "

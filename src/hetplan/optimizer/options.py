@@ -64,8 +64,8 @@ class CompileOptions(BaseModel):
         dtype: the precision policy: ``mixed`` (the default: bf16 on device types with a bf16
             peak, fp16 with loss scaling where only fp16, fp32 elsewhere; fp32 master weights
             and optimizer state) or one of ``fp32``, ``bf16``, ``fp16`` everywhere.
-        efficiency / optimizer / attention / dp_overlap / fusion: cost-model settings
-            (recorded in the plan; see ``CostSettings``).
+        efficiency / optimizer / attention / dp_overlap / fusion / grad_accumulation:
+            cost-model settings (recorded in the plan; see ``CostSettings``).
         vocab_parallel: split the LM head and its ``V x h`` token embedding by vocabulary
             under TP (the default, as Megatron-LM does); the plan states ``split`` only where
             the model has that pair and no TP resizing controller runs, else ``whole``
@@ -97,6 +97,7 @@ class CompileOptions(BaseModel):
     attention: Literal["flash", "materialized"] = "flash"
     dp_overlap: Literal["backward", "after-flush"] = "backward"
     fusion: Literal["none", "fused"] = "none"
+    grad_accumulation: Literal["unpriced", "autograd", "hook16", "hook32", "fused"] = "unpriced"
     vocab_parallel: bool = True
     require_profiled: bool = False
     compressors: tuple[str, ...] = ()
