@@ -7,8 +7,10 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    timed on 4 processes at once (so the 4-processes-on-2-cores contention of training is in
    the times), the gloo collectives on 4 ranks, the hand-overs under contention (p2p and
    all-reduce after compute bursts on all 4 processes, part of ``collectives`` on gloo;
-   recorded in the result beside the profile), and the per-step framework costs (the
-   optimizer step per tensor and per byte, on 4 processes at once).
+   recorded in the result beside the profile), the data-parallel sync and ZeRO-3's phases
+   timed inside the runtime's own step of the model (``allreduce_step``,
+   ``zero3_forward``, ``zero3_backward``, also part of ``collectives``), and the per-step
+   framework costs (the optimizer step per tensor and per byte, on 4 processes at once).
    A kind run on an emulated slow link (``compressed``: ``HETPLAN_EMULATE_BW=1`` on
    ``cpu-2x2-slow``) gets a copy of its model's profile with the hand-overs timed on that
    link too (``hetplan profile --what collectives --link-kind ethernet`` under the same
@@ -28,7 +30,9 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
 
 Each kind is also planned from the same profile less its hand-over records
 (``predicted_without_handovers_ms``, and the errors without them in the summary): what the
-hand-over wait changes, against the same runs.
+hand-over wait changes, against the same runs; and less only the step-level records
+(``predicted_without_step_records_ms``: section 11's model on the same profile), what they
+change.
 
 Nothing is tuned on the numbers reported: the profile and the cost model are used as they are.
 
@@ -161,10 +165,18 @@ def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict
         info["error"] = _reason(tail)
     else:
         info["handovers_ms"] = _handovers(out)
-        doc = json.loads(out.read_text())
-        doc.pop("handovers", None)
-        _without(out).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
+        _write_variants(out)
     return out, info
+
+
+#: The hand-over records timed inside the runtime's own step (``docs/decisions/
+#: cpu-fidelity.md`` section 12); the profile less them is section 11's model.
+STEP_RECORDS = ("allreduce_step", "zero3_forward", "zero3_backward")
+
+
+def _without_steps(path: Path) -> Path:
+    """The same profile less its step-level records (section 11's model, same profile)."""
+    return path.with_name(path.stem + "_no_step_records.json")
 
 
 def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
@@ -184,10 +196,20 @@ def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
     else:
         info["handovers_ms"] = {k: v for k, v in _handovers(out).items()
                                 if k.endswith(f" {kind.emulated_link}")}
-        doc = json.loads(out.read_text())
-        doc.pop("handovers", None)
-        _without(out).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
+        _write_variants(out)
     return out, info
+
+
+def _write_variants(path: Path) -> None:
+    """Beside the profile: the same less its hand-over records (:func:`_without`), and less
+    only its step-level ones (:func:`_without_steps`)."""
+    doc = json.loads(path.read_text())
+    _without_steps(path).write_text(json.dumps(
+        doc | {"handovers": [r for r in doc.get("handovers", [])
+                             if r["operation"] not in STEP_RECORDS]},
+        sort_keys=True, indent=2) + "\n")
+    doc.pop("handovers", None)
+    _without(path).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
 
 
 def _without(path: Path) -> Path:
@@ -231,6 +253,14 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
         bp = before.get("predictions") or {}
         row["predicted_without_handovers_ms"] = bp.get("iteration_time_ms")
         row["predicted_without_handovers_breakdown_ms"] = bp.get("breakdown")
+    steps_plan = plan.with_suffix(".no_steps.json")
+    if _without_steps(prof).exists():
+        steps_cmd = [str(_without_steps(prof)) if c == str(prof) else c for c in cmd[:-1]]
+        code, _, _ = _call([*steps_cmd, str(steps_plan)], None, args.timeout)
+        if code == 0:
+            sp = json.loads(steps_plan.read_text()).get("predictions") or {}
+            row["predicted_without_step_records_ms"] = sp.get("iteration_time_ms")
+            row["predicted_without_step_records_breakdown_ms"] = sp.get("breakdown")
     run = [*_hetplan(), "run", str(plan), "--model", kind.model, "--steps", str(args.steps),
            "--report", str(report)]
     row["load_average_before_run"] = os.getloadavg()
@@ -310,6 +340,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if before:
         out["predicted_without_handovers_ms"] = statistics.median(before)
         out["error_without_handovers"] = abs(statistics.median(before) / meas - 1)
+    no_steps = [r["predicted_without_step_records_ms"] for r in ran
+                if r.get("predicted_without_step_records_ms") is not None]
+    if no_steps:
+        out["predicted_without_step_records_ms"] = statistics.median(no_steps)
+        out["error_without_step_records"] = abs(statistics.median(no_steps) / meas - 1)
     return out
 
 
@@ -368,17 +403,26 @@ def main(argv: list[str] | None = None) -> int:
     if before:
         summary["median_error_without_handovers"] = statistics.median(before)
         summary["max_error_without_handovers"] = max(before)
+    no_steps = [c["error_without_step_records"] for c in cases
+                if "error_without_step_records" in c]
+    if no_steps:
+        summary["median_error_without_step_records"] = statistics.median(no_steps)
+        summary["max_error_without_step_records"] = max(no_steps)
     summary["meets_target"] = bool(errors) and summary["median_error"] <= TARGET_MEDIAN and (
         summary["max_error"] <= TARGET_MAX) and len(errors) == len(cases)
     print(f"{'kind':<12} {'model':<18} {'predicted':>10} {'measured':>10} {'error':>7}  "
-          f"{'without hand-overs':>20}  status")
+          f"{'without hand-overs':>20}  {'without step records':>20}  status")
     for c in cases:
         if c["status"] == "ran":
             b = c.get("predicted_without_handovers_ms")
             before = (f"{b:8.2f}ms {c['error_without_handovers']:>7.1%}" if b is not None
                       else "")
+            n = c.get("predicted_without_step_records_ms")
+            no_steps = (f"{n:8.2f}ms {c['error_without_step_records']:>7.1%}"
+                        if n is not None else "")
             print(f"{c['kind']:<12} {c['model']:<18} {c['predicted_ms']:>8.2f}ms "
-                  f"{c['measured_ms']:>8.2f}ms {c['error']:>7.1%}  {before:>20}  ran")
+                  f"{c['measured_ms']:>8.2f}ms {c['error']:>7.1%}  {before:>20}  "
+                  f"{no_steps:>20}  ran")
         else:
             print(f"{c['kind']:<12} {c['model']:<18} {'':>10} {'':>10} {'':>7}  "
                   f"{c['status']}: {c.get('reason')}")

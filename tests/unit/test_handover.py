@@ -204,7 +204,9 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
     gpu = dict(dp=32, pp=2, tp=1, zero_stage=0, micro_batch_size=2)
     spec = ClusterSpec.from_preset("a100-nvlink-8x8")
     every_link = tuple(r for k in ("nvlink", "pcie", "ethernet", "infiniband", "loopback")
-                       for r in _hands(k))
+                       for r in _hands(k) + tuple(
+                           _hand(op, 32, [(0.0, 9.0 * MS)], link=k, nbytes=1 << 20)
+                           for op in ("allreduce_step", "zero3_forward", "zero3_backward")))
     nccl = (_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),
             _line("allreduce", 32, 5e-5, backend="nccl", link="nvlink"))
 
@@ -220,12 +222,19 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
                                               handovers=every_link)).to_json(),
             hetplan.compile("gpt-test", spec, batch_size=256, **gpu,  # type: ignore[arg-type]
                             profile=ProfileDB(handovers=every_link)).to_json(),
+            # ZeRO-3: a GPU plan with gloo's ZeRO-3 records, a CPU one without records
+            hetplan.compile("gpt-test", spec, batch_size=256,  # type: ignore[arg-type]
+                            **dict(gpu, pp=1, dp=64, zero_stage=3),
+                            profile=ProfileDB(collectives=nccl,
+                                              handovers=every_link)).to_json(),
+            _plan("local-cpu", BASE, **dict(DP, zero_stage=3)).to_json(),
         ]
 
     charged = plans()
     with_record = _plan("local-cpu", WITH, **PP).predictions
     # the same plans with the wait switched off everywhere: byte-identical
     monkeypatch.setattr(CommModel, "wait_s", lambda *a, **k: 0.0)
+    monkeypatch.setattr(CommModel, "measured_s", lambda *a, **k: None)
     assert plans() == charged
     # (while a CPU plan with the record does change: the switch is real)
     assert _plan("local-cpu", WITH, **PP).predictions != with_record

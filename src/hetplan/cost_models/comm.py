@@ -45,7 +45,9 @@ plan's length, beyond what the line above says for the record's message size (re
 several sizes: interpolated in bytes), the wait for a core that a rank which blocked on a
 message pays on a CPU with more processes than cores.
 The evaluator adds it per blocking receive on the pipeline's links and once per data-parallel
-sync, at its first bucket's bytes; TP's per-layer all-reduces are not charged (measured to
+sync, at its first bucket's bytes (from the ``allreduce_step`` record where the profile has
+one for the group: the sync timed inside the runtime's own step, ``docs/decisions/
+cpu-fidelity.md`` section 12); TP's per-layer all-reduces are not charged (measured to
 hide most of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
 (``HETPLAN_EMULATE_BW``) are filed under the kind of link it stands for and apply there.
 Without such a record (GPU profiles, analytic costs, another backend) it is 0 s, and plans
@@ -91,6 +93,10 @@ __all__ = [
 #: Where a cost came from.
 CostSourceName = Literal["profiled", "analytic"]
 LinkRef = LinkSpec | Literal["intra", "inter"]
+
+
+#: The collective whose back-to-back line a hand-over operation is measured against.
+_LINE_OF = {"allreduce_step": "allreduce"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +275,26 @@ class CommModel:
         """Whether the profile holds hand-over records (without them every wait is 0 s)."""
         return bool(self._handovers)
 
+    def has_handover(self, operation: str, group_size: int, link: LinkRef) -> bool:
+        """Whether a hand-over record of ``operation`` exists for this backend, the kind of
+        ``link`` and ``group_size`` (e.g. ``allreduce_step``: the data-parallel sync timed
+        inside the runtime's step)."""
+        return bool(self._handovers) and (
+            (operation, self.resolve_link(link).kind, group_size) in self._handovers)
+
+    def measured_s(self, operation: str, group_size: int, link: LinkRef,
+                   burst_s: float) -> tuple[float, int] | None:
+        """What a phase record (``zero3_forward`` / ``zero3_backward``: what the runtime's
+        ZeRO-3 adds to a plain phase of ``burst_s``) measured, as is, with the bytes it was
+        measured at (the smallest size held); None without such a record for this backend,
+        link kind and group size."""
+        if not self._handovers:
+            return None
+        recs = self._handovers.get((operation, self.resolve_link(link).kind, group_size))
+        if not recs:
+            return None
+        return recs[0].seconds_at(burst_s), recs[0].nbytes
+
     def wait_s(self, operation: str, group_size: int, link: LinkRef, burst_s: float,
                nbytes: float | None = None) -> float:
         """The measured wait of one blocking ``operation`` (``p2p`` or ``allreduce``) of
@@ -282,8 +308,11 @@ class CommModel:
         (profiles before sizes were measured), gives the smallest size's wait.
 
         Args:
-            operation: ``p2p`` (a pipeline stage's receive) or ``allreduce`` (any collective
-                of a sync phase: it waits for its slowest rank the same way).
+            operation: ``p2p`` (a pipeline stage's receive), ``allreduce`` (any collective
+                of a sync phase: it waits for its slowest rank the same way) or
+                ``allreduce_step`` (the data-parallel sync timed inside the runtime's step;
+                ``burst_s`` is then the step without the sync; its line is the
+                all-reduce's).
             group_size: ranks in the group (p2p: 2); 1 waits for nothing.
             link: a ``LinkSpec``, ``"intra"`` or ``"inter"``.
             burst_s: compute each rank does before the message, in seconds.
@@ -298,8 +327,9 @@ class CommModel:
         recs = self._handovers.get((operation, self.resolve_link(link).kind, group_size))
         if not recs:
             return 0.0
+        line = _LINE_OF.get(operation, operation)
         waits = [(r.nbytes, max(r.seconds_at(burst_s)
-                                - self.time_s(operation, r.nbytes, group_size, link), 0.0))
+                                - self.time_s(line, r.nbytes, group_size, link), 0.0))
                  for r in (recs if nbytes is not None else recs[:1])]
         if nbytes is None or nbytes <= waits[0][0]:
             return waits[0][1]

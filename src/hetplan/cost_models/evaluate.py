@@ -204,17 +204,49 @@ def evaluate(
 
 
 def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
-                 units: list[tuple[list[int], UnitStrategy]]) -> float:
+                 units: list[tuple[list[int], UnitStrategy]],
+                 step_s: float | None = None) -> float:
     """The profiled hand-over wait of a stage's gradient sync: its first collective is issued
     after every rank's backward (``bwd_s``) and waits for the slowest rank and for a core
     (:meth:`~hetplan.cost_models.comm.CommModel.wait_s` of an all-reduce over the stage's
     data-parallel group, at the first unit's message: :func:`_first_message_bytes`; 0 s
-    without a hand-over record). Once per sync: the later collectives of the phase follow
-    back to back, at the line's cost."""
+    without a hand-over record). Where the profile timed the sync inside the runtime's own
+    step for this group (an ``allreduce_step`` record, :mod:`hetplan.profiling.sync_step`),
+    that record is charged instead, after a step of ``step_s`` (the rank's forward and
+    backward over its micro-batches and its optimizer step; None where the runtime's sync is
+    not that path: ZeRO-2/3 reduce-scatter inside backward), when the first message is an
+    uncompressed bucket, as the record's is. Once per sync: the later collectives of the
+    phase follow back to back, at the line's cost."""
     if not costs.comm.has_handovers:  # GPU and analytic plans: skip the message's bytes
         return 0.0
-    return costs.comm.wait_s("allreduce", dp, prep.link, bwd_s,  # type: ignore[arg-type]
-                             _first_message_bytes(prep, units))
+    link = prep.link
+    nbytes = _first_message_bytes(prep, units)
+    if (step_s is not None and nbytes is not None
+            and costs.comm.has_handover("allreduce_step", dp, link)):  # type: ignore[arg-type]
+        return costs.comm.wait_s("allreduce_step", dp, link,  # type: ignore[arg-type]
+                                 step_s, nbytes)
+    return costs.comm.wait_s("allreduce", dp, link, bwd_s, nbytes)  # type: ignore[arg-type]
+
+
+def _synced_in_backward(costs: CostModel, layout: Layout, prep: _SyncPrep) -> bool:
+    """Whether the stage's backward already holds its gradient sync: ZeRO-3 priced from the
+    profile's ``zero3_backward`` record, the runtime's FSDP2 backward measured with its
+    reduce-scatters, which the root's backward waits for
+    (:func:`hetplan.cost_models.stage_times.zero_stage_times`)."""
+    return layout.zero_stage >= 3 and costs.comm.has_handover(
+        "zero3_backward", layout.dp, prep.link)  # type: ignore[arg-type]
+
+
+def _rank_step_s(pre: _Prefix, layout: Layout, s: int) -> float | None:
+    """The step of the rank that holds stage ``s`` without its sync: forward and backward of
+    each of its stages (virtual stages ``s % pp``) over the micro-batches, and the
+    optimizer step; None under ZeRO-2/3 (their gradients are reduce-scattered inside
+    backward, not synced by the runtime's bucket all-reduce after it)."""
+    if layout.zero_stage >= 2:
+        return None
+    per_mb = sum(f + b for k, (f, b) in enumerate(zip(pre.fwd, pre.bwd))
+                 if k % layout.pp == s % layout.pp)
+    return per_mb * layout.micro_batches + pre.optimizer_s
 
 
 def _first_message_bytes(prep: _SyncPrep,
@@ -394,7 +426,11 @@ def _sync_all(
                 tl = simulate_dp(prep.segments, units, record=record)
                 seen.append((units, tl))
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
-            exposed += _sync_wait_s(costs, prep, layout.dp, pre.bwd[s], strategies[s])
+            if costs.comm.has_handovers:  # gloo profiles; GPU and analytic plans skip it
+                exposed += _sync_wait_s(costs, prep, layout.dp, pre.bwd[s], strategies[s],
+                                        _rank_step_s(pre, layout, s))
+                if _synced_in_backward(costs, layout, prep):
+                    exposed = 0.0
             busy, comp = _comm_and_compression_s(units)
         stage_costs.append(StageCost(pre.fwd[s], pre.bwd[s], pre.tp_comm[s], exposed, busy,
                                      comp, pre.sources[s]))

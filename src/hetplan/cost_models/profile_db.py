@@ -34,7 +34,12 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   profile --what collectives`` on gloo; :mod:`hetplan.profiling.handover`). One record per
   message size: the cost model interpolates in bytes between them. Added like optimizer
   records, without a version bump: an absent ``handovers`` list reads as empty and an empty
-  one is not written; an older profile has one size per key, read as it was.
+  one is not written; an older profile has one size per key, read as it was. Operation
+  ``allreduce_step`` (added the same way: older profiles have none) is the data-parallel sync
+  timed inside the runtime's own training step of the profiled model
+  (:mod:`hetplan.profiling.sync_step`): the burst is the step without the sync, a sample what
+  the sync adds to it; ``zero3_forward`` / ``zero3_backward`` likewise what the runtime's
+  ZeRO-3 (FSDP2) adds to the plain forward and backward.
 * :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
   statistics of one row-sparse (embedding) gradient when ``workers`` data-parallel workers
   each look up ``batch_size`` samples per synchronized step (``hetplan profile --sparsity``,
@@ -422,7 +427,12 @@ class HandoverRecord(BaseModel):
 
     Attributes:
         operation: ``p2p`` (each rank sends to the next and receives from the previous one,
-            the pipeline's blocking receive) or ``allreduce``.
+            the pipeline's blocking receive), ``allreduce``, or ``allreduce_step`` (the
+            data-parallel sync inside the runtime's step: the burst is the step without the
+            sync, forward, backward and optimizer; the seconds what the sync adds to it),
+            ``zero3_forward`` / ``zero3_backward`` (the runtime's ZeRO-3 phase: the burst is
+            the plain replica's phase, the seconds what ZeRO-3 adds to it; ``nbytes`` the
+            model's fp32 parameters).
         backend / link_kind / group_size: as in :class:`CollectiveRecord` (p2p: 2).
         processes: processes computing and communicating at once (every group of
             ``group_size`` among them talks at the same time).
@@ -433,7 +443,8 @@ class HandoverRecord(BaseModel):
 
     model_config = _CONFIG
 
-    operation: Literal["p2p", "allreduce"]
+    operation: Literal["p2p", "allreduce", "allreduce_step", "zero3_forward",
+                       "zero3_backward"]
     backend: _Name
     link_kind: _Name
     group_size: int = Field(ge=2)

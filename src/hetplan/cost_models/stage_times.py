@@ -14,7 +14,9 @@ slowest rank (:mod:`hetplan.cost_models.tp_shares`):
 - ZeRO-3 all-gathers each layer's weights before its forward and its backward, prefetched
   during the previous layer's compute (the first gather is exposed); ZeRO-2 and -3
   reduce-scatter every micro-batch's gradients, so a backward takes at least that long
-  (:func:`zero_stage_times`).
+  (:func:`zero_stage_times`). Where a gloo profile measured the runtime's ZeRO-3 phases
+  (``zero3_forward`` / ``zero3_backward`` records) those are charged instead: on gloo the
+  gathers and reduce-scatters do not overlap compute or each other.
 
 :func:`p2p_ms` prices the activation transfers between stages, per pipeline link, and
 :func:`tied_sync_s` the all-reduce of a tied embedding's gradient between the first and the
@@ -299,6 +301,12 @@ def _zerostage_times(
         rs += costs.comm.time_s("reduce_scatter", n * prec.grad_bytes, layout.dp, link)
     fwd_s, bwd_s = sum(f_layers), max(sum(b_layers), rs)
     if layout.zero_stage >= 3:
+        if costs.comm.has_handovers:  # gloo profiles; GPU and analytic plans skip it
+            fp32_bytes = sum(shard_bytes(split, split[i].param_bytes, i, layout.tp)
+                             for i in layers) / prec.capture_bytes * 4
+            measured = _measured_zero3(costs, layout.dp, link, fp32_bytes, f_layers, b_layers)
+            if measured is not None:
+                return measured
         ag = [costs.comm.time_s("allgather", n * prec.weight_bytes, layout.dp, link)
               for n in elems]
         fwd_s = ag[0] + sum(max(f, a) for f, a in zip(f_layers, ag[1:] + [0.0]))
@@ -306,6 +314,24 @@ def _zerostage_times(
         bwd_s = max(back[0] + sum(max(b, a) for b, a in zip(reversed(b_layers),
                                                               back[1:] + [0.0])), rs)
     return fwd_s, bwd_s
+
+
+def _measured_zero3(costs: CostModel, dp: int, link: Literal["intra", "inter"],
+                    param_bytes: float, f_layers: list[float], b_layers: list[float]
+                    ) -> tuple[float, float] | None:
+    """ZeRO-3's forward and backward from the profile's ``zero3_forward`` /
+    ``zero3_backward`` records where it holds both for this group (gloo profiles,
+    :mod:`hetplan.profiling.sync_step`): the plain phases plus what the runtime's ZeRO-3
+    measured to add to them (its all-gathers and reduce-scatters, which take turns on gloo's
+    process group and wait for the processes' hand-overs), scaled by the stage's parameter
+    bytes (``param_bytes``, fp32) over the profiled model's. None without the records (GPU
+    and analytic plans: the overlapped timing of :func:`_zerostage_times`)."""
+    f, b = sum(f_layers), sum(b_layers)
+    fwd = costs.comm.measured_s("zero3_forward", dp, link, f)
+    bwd = costs.comm.measured_s("zero3_backward", dp, link, b)
+    if fwd is None or bwd is None:
+        return None
+    return (f + fwd[0] * param_bytes / fwd[1], b + bwd[0] * param_bytes / bwd[1])
 
 
 def shard_bytes(layers: Sequence[LayerCost], nbytes: int, layer: int, tp: int,

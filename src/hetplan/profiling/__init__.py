@@ -12,6 +12,10 @@ real work on the local hardware:
 * :func:`profile_handovers` (:mod:`.handover`): p2p hand-overs and all-reduces with every
   process computing a burst between the messages (CPU ranks: the wait for a core that back-to-
   back collectives do not see); part of ``collectives`` on gloo.
+* :func:`profile_sync_steps` (:mod:`.sync_step`): the data-parallel gradient sync timed inside
+  the runtime's own training step of a zoo model (forward, backward with the bucket's hook,
+  the wait, the optimizer step), and the runtime's ZeRO-3 forward and backward beside the
+  plain ones; part of ``collectives`` on gloo when a zoo model is given.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
 * :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
@@ -49,6 +53,7 @@ from hetplan.profiling.collectives import (
 )
 from hetplan.profiling.compressors import DEFAULT_COMPRESSOR_SIZES, profile_compressors
 from hetplan.profiling.handover import profile_handovers
+from hetplan.profiling.sync_step import profile_sync_steps
 from hetplan.profiling.layers import (
     alias_records,
     default_loss,
@@ -72,6 +77,7 @@ __all__ = [
     "profile_collectives",
     "profile_compressors",
     "profile_handovers",
+    "profile_sync_steps",
     "profile_layers",
     "profile_layers_concurrent",
     "profile_optimizer_steps",
@@ -207,7 +213,9 @@ def run_profile(
             (:func:`~hetplan.cost_models.profile_db.merge`: per key the record with more
             samples wins, the new one on a tie); None writes nothing.
         what: any of :data:`WHAT` (``collectives`` on gloo also times hand-overs under
-            contention, :func:`profile_handovers`; ``step``: the optimizer step on
+            contention, :func:`profile_handovers`, and, for a zoo model, the data-parallel
+            sync inside its training step at ``batch_size``, :func:`profile_sync_steps`;
+            ``step``: the optimizer step on
             ``world_size`` processes at
             once, :func:`profile_optimizer_steps`; on CPU only).
         batch_size / seq: example inputs for a zoo model. Compute records are keyed by the
@@ -310,6 +318,15 @@ def run_profile(
                                               link_kind=link_kind, timeout_s=timeout_s,
                                               emulate=emulate)
                     progress.update(task, total=1, completed=1)
+                    if isinstance(model, str) and not emulate:
+                        task = progress.add_task(
+                            f"data-parallel sync inside {model}'s step on {world_size} "
+                            "processes", total=None)
+                        steps_with_sync, _ = profile_sync_steps(
+                            model, world_size, batch_size=batch_size, seq=seq,
+                            link_kind=link_kind, timeout_s=timeout_s, zero3=True)
+                        hands += steps_with_sync
+                        progress.update(task, total=1, completed=1)
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
                                         progress=progress)

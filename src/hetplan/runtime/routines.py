@@ -50,7 +50,8 @@ values are those of a cast around every collective, since fp16 -> fp32 -> fp16 i
 
 Gloo (decision in ``docs/decisions.md``): its ``all_gather`` rejects uneven sizes, so dense
 chunks are padded to ``ceil(len / g)`` and compressed byte buffers to the largest one (sizes are
-exchanged first); ``reduce_scatter`` uses ``reduce_scatter_single`` (``reduce_scatter_tensor``
+exchanged first; a compressed all-gather, once its step has a slot, sends the size in a header
+of one padded call instead: :func:`_allgather_slotted`); ``reduce_scatter`` uses ``reduce_scatter_single`` (``reduce_scatter_tensor``
 in older torch) and falls back to
 ``all_to_all_single`` plus a local sum where the backend lacks it; variable-size alltoall uses
 ``all_to_all_single`` with split sizes. Collectives run synchronously on the calling thread;
@@ -217,6 +218,41 @@ def _allgather_bytes(buf: torch.Tensor, lv: Level,
     return [p[:k] for p, k in zip(parts, n)]
 
 
+def _allgather_slotted(buf: torch.Tensor, lv: Level, link: EmulatedLink | None,
+                       slots: dict[Any, int], key: Any) -> list[torch.Tensor]:
+    """:func:`_allgather_bytes` in one call once the sizes are known: a compressed
+    all-gather at the same path step (``key``) moves a payload of about the same size every
+    iteration, so each rank sends its byte count in an 8-byte header and its payload padded
+    to the step's *slot* (the largest payload seen there, the same on every rank), one
+    ``all_gather``. The first call of a step (no slot yet) exchanges the sizes first, as
+    :func:`_allgather_bytes` does, and sets the slot; a payload larger than the slot (every
+    rank reads the same headers) is gathered again at the largest size and widens the slot.
+    The result is :func:`_allgather_bytes`'s. On 4 gloo processes sharing 2 cores each call
+    is a hand-over of several milliseconds (``docs/decisions/cpu-fidelity.md`` section 12),
+    so the steady state saves one per step and iteration."""
+    cap = slots.get(key)
+    if cap is None:
+        got = _allgather_bytes(buf, lv, link)
+        slots[key] = max(g.numel() for g in got)
+        return got
+    n = buf.numel()
+    head = _sizes(n, buf.device).view(torch.uint8)
+    body = torch.nn.functional.pad(buf[:cap], (0, cap - min(n, cap)))
+    send = torch.cat([head, body])
+    parts = [torch.empty_like(send) for _ in range(lv.size)]
+    with occupy(link, "allgather", send.numel() * lv.size, lv.size):
+        dist.all_gather(parts, send, group=lv.group)
+    sizes = [int(p[:8].clone().view(torch.int64)) for p in parts]
+    if max(sizes) <= cap:
+        return [p[8: 8 + k] for p, k in zip(parts, sizes)]
+    slots[key] = max(sizes)  # outgrown on some rank: the payloads at their largest size
+    padded = torch.nn.functional.pad(buf, (0, max(sizes) - n))
+    full = [torch.empty_like(padded) for _ in range(lv.size)]
+    with occupy(link, "allgather", max(sizes) * lv.size, lv.size):
+        dist.all_gather(full, padded, group=lv.group)
+    return [p[:k] for p, k in zip(full, sizes)]
+
+
 def _alltoall_bytes(bufs: list[torch.Tensor], lv: Level,
                     link: EmulatedLink | None = None) -> list[torch.Tensor]:
     dev = bufs[0].device
@@ -357,6 +393,8 @@ class PathRunner:
     iteration: int = 0
     casts: int = 0
     _comps: dict[tuple[str, str], Compressor] = field(default_factory=dict)
+    #: per (site, step) of a compressed all-gather: the largest payload seen (bytes)
+    _slots: dict[Any, int] = field(default_factory=dict)
 
     def run(self, flat: torch.Tensor, strategy: NoSync | CastSync | CompressedSync,
             site: Any = 0) -> torch.Tensor:
@@ -385,7 +423,7 @@ class PathRunner:
             elif s.kind == "decomp":
                 self._decomp(st, comp, s, flat.device)
             elif s.compressed:
-                self._comm_compressed(st, s, where)
+                self._comm_compressed(st, s, where, (site, i))
             else:
                 self._comm_dense(st, s, wire, where)
         if st.stack or (st.lo, st.hi) != (0, flat.numel()):
@@ -520,7 +558,7 @@ class PathRunner:
         st.lo, st.hi = a, b
         st.segs = [_Seg(a, b, dense=x[: b - a])] if b > a and x is not None else []
 
-    def _comm_compressed(self, st: _State, s: Step, where: str) -> None:
+    def _comm_compressed(self, st: _State, s: Step, where: str, key: Any = None) -> None:
         lv = self.levels.get(s.level)
         r = s.routine
         if any(seg.dense is not None for seg in st.segs):
@@ -533,15 +571,15 @@ class PathRunner:
             if lv.group is not None and hi > lo:
                 buf = _serialize(st.segs, self.comm_device)
                 link = throttled(s.level)
-                got = (_allgather_bytes(buf, lv, link) if r == "allgather"
-                       else [_broadcast_bytes(buf, lv, link)])
+                got = (_allgather_slotted(buf, lv, link, self._slots, key)
+                       if r == "allgather" else [_broadcast_bytes(buf, lv, link)])
                 st.segs = _merge_pieces([_deserialize(b, self.comm_device) for b in got])
             st.lo, st.hi = lo, hi
             return
         if r == "allgather":  # indivisible
             if lv.group is not None and st.hi > st.lo:
-                got = _allgather_bytes(_serialize(st.segs, self.comm_device), lv,
-                                       throttled(s.level))
+                got = _allgather_slotted(_serialize(st.segs, self.comm_device), lv,
+                                         throttled(s.level), self._slots, key)
                 st.segs = _merge_pieces([_deserialize(b, self.comm_device) for b in got])
             return
         if r not in ("alltoall", "gather"):

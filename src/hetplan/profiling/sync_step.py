@@ -1,0 +1,376 @@
+"""The data-parallel sync timed inside the training step the runtime runs.
+
+:mod:`.handover` times an all-reduce after a burst of small matmuls. On the CPU presets'
+machine (4 gloo processes on 2 cores) that pattern misses part of what a data-parallel step
+pays for its gradient sync: with the runtime's own step around it (forward, backward with the
+gradient hooks that launch the bucket's asynchronous all-reduce, the wait, the optimizer
+step) the sync of gpt-test's 0.94 MB of gradients costs about 4 ms more than after matmul
+bursts of the same length (``docs/decisions/cpu-fidelity.md`` section 12). So this module
+measures the step itself.
+
+:func:`profile_sync_steps` spawns ``world_size`` processes, each with its own replica of a
+zoo model at the profiled micro-batch, and the runtime's gradient path over it
+(:class:`~hetplan.runtime.grad_sync.GradSync` with one fp32 bucket of every gradient, the
+bucket a data-parallel plan of a small model has: its hook launches the asynchronous
+all-reduce when the last gradient is ready, ``finish`` waits and writes the average back) and
+the optimizer the runtime builds (:func:`~hetplan.runtime.executor.plan_optimizer`). For the
+whole world and for every group of each smaller size at once (as a ``dp=2`` plan's groups
+sync together), in ``passes`` rounds over the groups:
+
+1. **the step without the sync** (hooks held back, as during gradient accumulation):
+   ``rounds`` steps, the mean step ``c`` (every process computing, as in training);
+2. **the step with it**: ``rounds`` steps, the mean step ``r``.
+
+The sample is ``(c, r - c)``: what the sync adds to a step, ``c`` the mean over the ranks and
+``r`` the slowest rank's (the step ends for a data-parallel group when its last member's
+does). It is filed as a :class:`~hetplan.cost_models.profile_db.HandoverRecord` with operation
+``allreduce_step``, the group size, and the bucket's bytes; the cost model charges it, less
+the back-to-back all-reduce line at those bytes, once per data-parallel sync in place of the
+``allreduce`` record (:func:`hetplan.cost_models.evaluate._sync_wait_s`). Also returned, not
+stored: how much the compute phase (forward and backward) and the wait after it take in the
+steps with the sync, per rank (:class:`SyncStepTimes`).
+
+**ZeRO-3** (``zero3=True``): the same replica is then sharded the way the runtime's ZeRO-3
+does it (FSDP2's ``fully_shard`` on every transformer block of the captured model and on the
+root, over the group; :class:`~hetplan.runtime.handlers.zero.ZeroHandler`), and its forward
+and backward (FSDP2's per-block all-gathers, and its reduce-scatters, which the root's
+backward waits for) are timed beside the plain replica's. Two records per group size,
+``zero3_forward`` and ``zero3_backward``: the plain phase (burst) and what ZeRO-3 adds to
+it, means over the ranks, ``nbytes`` the model's fp32 parameters. On gloo the gathers and
+reduce-scatters of one process group run one after the other, each waiting for the 4
+processes' hand-overs, so what they add is neither the overlap nor the line the analytic
+ZeRO-3 timing assumes (:func:`hetplan.cost_models.stage_times.zero_stage_times` charges the
+records where a profile holds them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hetplan.cost_models.profile_db import HandoverRecord, HandoverSample
+
+__all__ = ["MAX_PARAMS", "SyncStepTimes", "Zero3Times", "profile_sync_steps", "summary_ms"]
+
+log = logging.getLogger(__name__)
+
+#: Largest model (trainable parameters) :func:`profile_sync_steps` steps: every process holds
+#: a replica with its gradients and optimizer state (tiny-gpt2 and the test GPTs are far
+#: below; GPT-2 small, 124 M, is above).
+MAX_PARAMS = 20_000_000
+
+
+@dataclass(frozen=True)
+class SyncStepTimes:
+    """One group size's step, in seconds (means over rounds and passes).
+
+    Attributes:
+        group_size: ranks in each data-parallel group.
+        nbytes: the bucket (every gradient of the model, fp32).
+        step_s: the step without the sync, mean over the ranks (the record's burst).
+        added_s: what the sync adds to the slowest rank's step (the record's seconds).
+        compute_s / compute_with_sync_s: forward and backward without and with the sync
+            (hooks launching the bucket's all-reduce), mean over the ranks.
+        wait_s: ``finish`` (the wait for the all-reduce and the write-back), mean over the
+            ranks.
+    """
+
+    group_size: int
+    nbytes: int
+    step_s: float
+    added_s: float
+    compute_s: float
+    compute_with_sync_s: float
+    wait_s: float
+
+
+def _loss(out: Any, args: Sequence[Any]) -> Any:
+    """The runtime's default loss: token cross-entropy when the input is tokens and the
+    output holds one logit row per token, else the mean square of the output."""
+    import torch
+
+    out = getattr(out, "logits", out)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    tokens = args[0] if args else None
+    if (isinstance(tokens, torch.Tensor) and not tokens.dtype.is_floating_point
+            and out.dim() == tokens.dim() + 1 and out.shape[:-1] == tokens.shape):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
+                                                 tokens.reshape(-1))
+    return out.float().pow(2).mean()
+
+
+@dataclass(frozen=True)
+class Zero3Times:
+    """One group size's ZeRO-3 forward and backward beside the plain replica's, in seconds
+    (means over the ranks, rounds and passes).
+
+    Attributes:
+        group_size: ranks in each data-parallel group.
+        nbytes: the model's fp32 parameters.
+        forward_s / backward_s: the plain replica's phases (no sync).
+        zero3_forward_s / zero3_backward_s: the same phases under FSDP2 over the group.
+    """
+
+    group_size: int
+    nbytes: int
+    forward_s: float
+    backward_s: float
+    zero3_forward_s: float
+    zero3_backward_s: float
+
+
+def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[str, Any],
+           groups: dict[int, Any], optimizer: str, rounds: int, warmup: int,
+           passes: int) -> list[Zero3Times]:
+    """Runs in every rank: forward and backward of a plain replica and of one sharded as the
+    runtime's ZeRO-3 does, per group size."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hetplan import zoo
+    from hetplan.ir.capture import capture
+    from hetplan.ir.model import LayerKind
+    from hetplan.runtime.executor import plan_optimizer
+
+    def phases(net: Any, opt: Any) -> tuple[float, float]:
+        f = b = 0.0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            loss = _loss(net(*args, **kwargs), args)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            f, b = f + t1 - t0, b + t2 - t1
+        return f / rounds, b / rounds
+
+    plain = zoo.build(model, device="cpu", seed=0)
+    blocks = [lay.name for lay in capture(plain, tuple(args), kwargs, name=model).layers
+              if lay.kind == LayerKind.BLOCK]
+    nbytes = sum(p.numel() * 4 for p in plain.parameters() if p.requires_grad)
+    plain_opt = plan_optimizer(optimizer)([p for p in plain.parameters() if p.requires_grad])
+    sharded = {}
+    for g, pg in sorted(groups.items()):
+        net = zoo.build(model, device="cpu", seed=0)
+        world_pg: Any = dist.group.WORLD
+        mesh = DeviceMesh.from_group(pg if pg is not None else world_pg, "cpu")
+        for name in blocks:
+            fully_shard(net.get_submodule(name), mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        sharded[g] = (net, plan_optimizer(optimizer)(list(net.parameters())))
+    acc: dict[int, list[float]] = {g: [0.0] * 4 for g in sharded}
+    for _ in range(passes):
+        for g, (net, opt) in sharded.items():
+            for _ in range(warmup):
+                phases(net, opt)
+            dist.barrier()
+            f0, b0 = phases(plain, plain_opt)
+            dist.barrier()
+            f1, b1 = phases(net, opt)
+            means = torch.tensor([f0, b0, f1, b1], dtype=torch.float64)
+            dist.all_reduce(means)
+            for i, v in enumerate(means.tolist()):
+                acc[g][i] += float(v) / world / passes
+            dist.barrier()
+    return [Zero3Times(g, nbytes, *a) for g, a in sorted(acc.items())]
+
+
+def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
+            group_sizes: Sequence[int], optimizer: str, rounds: int, warmup: int,
+            passes: int, zero3: bool = False
+            ) -> tuple[list[SyncStepTimes], list[Zero3Times]]:
+    """Runs in every rank: one :class:`SyncStepTimes` per group size, the slowest rank's
+    added time (the same list on every rank), and with ``zero3`` one :class:`Zero3Times`
+    per group size."""
+    import torch
+    import torch.distributed as dist
+
+    from hetplan import zoo
+    from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync
+    from hetplan.profiling.collectives import subgroups
+    from hetplan.runtime.executor import plan_optimizer
+    from hetplan.runtime.grad_sync import GradSync
+
+    groups: dict[int, Any] = {world: None}
+    for g in group_sizes:
+        for ranks in subgroups(world, g):
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                groups[g] = pg
+    net = zoo.build(model, device="cpu", seed=0)
+    args, kwargs = zoo.example_inputs(model, batch=batch_size, seq=seq, device="cpu")
+    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    nbytes = sum(p.numel() * 4 for _, p in named)
+    section = GradientSync(strategies={"fp32": NoSync()}, buckets=(
+        Bucket(tensors=tuple(n for n, _ in named), size_bytes=nbytes, strategy="fp32"),))
+    opt = plan_optimizer(optimizer)([p for _, p in named])
+    syncs = {g: GradSync(named, section, groups[g] if g != world else dist.group.WORLD, g)
+             for g in sorted(groups)}
+    for gs in syncs.values():  # hooks of all groups stay registered: hold all back but one
+        gs.sync_enabled = False
+
+    def step(gs: GradSync, sync: bool, parts: list[float]) -> None:
+        t0 = time.perf_counter()
+        gs.sync_enabled = sync
+        loss = _loss(net(*args, **kwargs), args)
+        loss.backward()
+        t1 = time.perf_counter()
+        if sync:
+            gs.finish()
+        gs.sync_enabled = False
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        parts[0] += t1 - t0
+        parts[1] += t2 - t1
+
+    def mean_step(gs: GradSync, sync: bool) -> tuple[float, float, float]:
+        parts = [0.0, 0.0]
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            step(gs, sync, parts)
+        return ((time.perf_counter() - t0) / rounds, parts[0] / rounds, parts[1] / rounds)
+
+    # per group size: [step without, step with (slowest), compute without, compute with, wait]
+    acc: dict[int, list[float]] = {g: [0.0] * 5 for g in syncs}
+    for _ in range(passes):
+        for g, gs in syncs.items():
+            for _ in range(warmup):
+                step(gs, True, [0.0, 0.0])
+            dist.barrier()
+            c, c_fb, _ = mean_step(gs, False)
+            dist.barrier()
+            r, r_fb, r_wait = mean_step(gs, True)
+            means = torch.tensor([c, c_fb, r_fb, r_wait], dtype=torch.float64)
+            dist.all_reduce(means)
+            slowest = torch.tensor([r], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            m = [float(x) / world / passes for x in means]
+            for i, v in zip((0, 2, 3, 4), m):
+                acc[g][i] += v
+            acc[g][1] += float(slowest.item()) / passes
+            dist.barrier()
+    for gs in syncs.values():
+        gs.close()
+    dp = [SyncStepTimes(group_size=g, nbytes=nbytes, step_s=a[0],
+                        added_s=max(a[1] - a[0], 0.0), compute_s=a[2],
+                        compute_with_sync_s=a[3], wait_s=a[4])
+          for g, a in sorted(acc.items())]
+    z3 = (_zero3(rank, world, model, args, kwargs, groups, optimizer, rounds, warmup, passes)
+          if zero3 else [])
+    return dp, z3
+
+
+def profile_sync_steps(
+    model: str,
+    world_size: int,
+    *,
+    batch_size: int = 1,
+    seq: int | None = None,
+    link_kind: str = "loopback",
+    group_sizes: Sequence[int] | None = None,
+    optimizer: str = "adam",
+    rounds: int = 30,
+    warmup: int = 2,
+    passes: int = 3,
+    timeout_s: float = 120.0,
+    threads_per_process: int | None = 1,
+    zero3: bool = False,
+    max_params: int = MAX_PARAMS,
+) -> tuple[list[HandoverRecord], list[SyncStepTimes]]:
+    """Time the data-parallel gradient sync inside the runtime's step of ``model`` on
+    ``world_size`` gloo processes (module docstring).
+
+    Args:
+        model: a zoo name (each process builds it with seed 0 on the CPU).
+        world_size: processes (≥ 2), all stepping at once.
+        batch_size / seq: each replica's micro-batch (the plans' micro-batch) and sequence.
+        link_kind: the link kind the records are filed under (``loopback`` on one host).
+        group_sizes: smaller data-parallel groups, every group of a size at once (default:
+            every divisor of ``world_size`` from 2 below it, as :mod:`.handover`).
+        optimizer: the optimizer the runtime builds for the plans (``adam``).
+        rounds / warmup: timed steps per group size and variant (split over the passes),
+            and untimed steps with the sync before each pass's.
+        passes: rounds over all group sizes, so that each meets the same mix of the host's
+            fast and slow spells.
+        timeout_s: limit on the whole run.
+        threads_per_process: torch threads per process (1: a training rank's share of the
+            CPU presets' cores).
+        zero3: also time the replica sharded as the runtime's ZeRO-3 does (module
+            docstring).
+        max_params: a model with more trainable parameters is not stepped (nothing is
+            returned, and a log line says so): every process holds a whole replica with its
+            optimizer state, which on a CPU is meant for the small models CPU plans run.
+
+    Returns:
+        One ``allreduce_step`` :class:`HandoverRecord` per group size (one sample: the step
+        without the sync, and what the sync adds to it), with ``zero3`` also a
+        ``zero3_forward`` and a ``zero3_backward`` one per group size; and the step's parts
+        (:class:`SyncStepTimes`) per group size.
+
+    Raises:
+        ValueError: ``world_size`` < 2, ``rounds`` or ``passes`` < 1, a group size that does
+            not divide ``world_size``, or an unknown optimizer.
+        SpecError: ``model`` is not in the zoo.
+    """
+    from hetplan import zoo
+    from hetplan.profiling._spawn import run_local_ranks
+    from hetplan.profiling.collectives import subgroups
+    from hetplan.runtime.executor import plan_optimizer
+
+    if world_size < 2:
+        raise ValueError(f"the data-parallel sync needs world_size >= 2, got {world_size}")
+    if passes < 1 or rounds < 1:
+        raise ValueError(f"rounds and passes must be >= 1, got {rounds} and {passes}")
+    zoo.get(model)
+    plan_optimizer(optimizer)
+    params = sum(p.numel() for p in zoo.build(model).parameters() if p.requires_grad)
+    if params > max_params:
+        log.info("data-parallel sync steps skipped: %s has %d parameters (max_params %d)",
+                 model, params, max_params)
+        return [], []
+    if group_sizes is None:
+        group_sizes = [g for g in range(2, world_size) if world_size % g == 0]
+    for g in group_sizes:
+        subgroups(world_size, g)
+    per_pass = max(-(-rounds // passes), 1)
+    results = run_local_ranks(
+        _worker, world_size,
+        (model, batch_size, seq, tuple(sorted(set(group_sizes) - {world_size})), optimizer,
+         per_pass, warmup, passes, zero3),
+        backend="gloo", timeout_s=timeout_s, threads_per_process=threads_per_process,
+    )
+    times: list[SyncStepTimes] = results[0][0]
+    z3: list[Zero3Times] = results[0][1]
+
+    def record(operation: str, group: int, nbytes: int, burst: float, seconds: float
+               ) -> HandoverRecord:
+        return HandoverRecord(operation=operation,  # type: ignore[arg-type]
+                              backend="gloo", link_kind=link_kind, group_size=group,
+                              processes=world_size, nbytes=nbytes,
+                              samples=(HandoverSample(burst_s=burst,
+                                                      seconds=max(seconds, 0.0)),))
+
+    records = [record("allreduce_step", t.group_size, t.nbytes, t.step_s, t.added_s)
+               for t in times]
+    for z in z3:
+        records += [record("zero3_forward", z.group_size, z.nbytes, z.forward_s,
+                           z.zero3_forward_s - z.forward_s),
+                    record("zero3_backward", z.group_size, z.nbytes, z.backward_s,
+                           z.zero3_backward_s - z.backward_s)]
+    return records, times
+
+
+def summary_ms(times: Sequence[SyncStepTimes]) -> list[dict[str, float]]:
+    """``times`` in milliseconds, for reports (rounded to µs)."""
+    return [{"group_size": t.group_size, "nbytes": t.nbytes,
+             **{k: round(getattr(t, k) * 1e3, 3) for k in
+                ("step_s", "added_s", "compute_s", "compute_with_sync_s", "wait_s")}}
+            for t in times]

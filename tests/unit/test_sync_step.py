@@ -1,0 +1,226 @@
+"""The data-parallel sync timed inside the runtime's own step (``docs/decisions/
+cpu-fidelity.md`` section 12): the ``allreduce_step`` record, the charge the cost model takes
+from it in place of the ``allreduce`` record, where it does not apply, and the measurement."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetplan.cost_models.comm import CommModel
+from hetplan.cost_models.profile_db import (
+    CollectiveRecord,
+    CollectiveSample,
+    HandoverRecord,
+    HandoverSample,
+    ProfileDB,
+)
+from hetplan.ir.cluster import ClusterSpec
+
+MS = 1e-3
+MIB = 1 << 20
+
+
+def _line(collective: str, group: int, alpha_s: float) -> CollectiveRecord:
+    return CollectiveRecord(collective=collective,  # type: ignore[arg-type]
+                            backend="gloo", link_kind="loopback", group_size=group,
+                            alpha_s=alpha_s, beta_s_per_byte=1e-9,
+                            samples=(CollectiveSample(nbytes=4096, seconds=alpha_s),))
+
+
+def _hand(operation: str, group: int, points: list[tuple[float, float]],
+          nbytes: int = 4096) -> HandoverRecord:
+    return HandoverRecord(operation=operation,  # type: ignore[arg-type]
+                          backend="gloo", link_kind="loopback", group_size=group,
+                          processes=4, nbytes=nbytes,
+                          samples=tuple(HandoverSample(burst_s=b, seconds=s) for b, s in points))
+
+
+LINES = (_line("p2p", 2, 0.3 * MS), _line("allreduce", 4, 4.0 * MS),
+         _line("allreduce", 2, 0.3 * MS))
+#: the matmul-burst records (section 10-11)
+HANDS = (_hand("p2p", 2, [(0.0, 1.0 * MS), (2 * MS, 3.0 * MS)]),
+         _hand("allreduce", 4, [(0.0, 5.0 * MS), (4 * MS, 6.0 * MS)]),
+         _hand("allreduce", 4, [(0.0, 5.5 * MS), (4 * MS, 6.5 * MS)], nbytes=MIB))
+#: the sync inside the runtime's step: 12 ms added to a 6 ms step, at gpt-test's bucket
+STEP = _hand("allreduce_step", 4, [(6 * MS, 12.0 * MS)], nbytes=939_520)
+BURSTS = ProfileDB(collectives=LINES, handovers=HANDS)
+WITH_STEP = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP))
+NO_HANDS = ProfileDB(collectives=LINES)
+
+
+def _plan(db: ProfileDB, **pins: object):  # type: ignore[no-untyped-def]
+    import hetplan
+
+    return hetplan.compile("gpt-test", ClusterSpec.from_preset("local-cpu"), batch_size=8,
+                           profile=db, micro_batch_size=2, dtype="fp32", **pins)
+
+
+DP = dict(dp=4, pp=1, tp=1, zero_stage=0, passes="uniform-stages,ddp-buckets")
+
+
+# -- the record -----------------------------------------------------------------------------
+def test_the_step_record_round_trips_beside_the_burst_records() -> None:
+    back = ProfileDB.from_json(WITH_STEP.to_json())
+    assert back == WITH_STEP
+    rec = back.handover("allreduce_step", "gloo", "loopback", 4)
+    assert rec is not None and rec.nbytes == 939_520
+    # the burst records of the same group are unchanged beside it
+    assert back.handover("allreduce", "gloo", "loopback", 4) == HANDS[1]
+    with pytest.raises(ValueError, match="operation"):
+        _hand("allgather_step", 4, [(0.0, 1 * MS)])
+
+
+def test_the_step_wait_is_measured_beyond_the_all_reduce_line() -> None:
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), WITH_STEP)
+    line = comm.time_s("allreduce", 939_520, 4, "intra")
+    assert comm.has_handover("allreduce_step", 4, "intra")
+    assert not comm.has_handover("allreduce_step", 2, "intra")
+    assert not CommModel(ClusterSpec.from_preset("local-cpu"), BURSTS).has_handover(
+        "allreduce_step", 4, "intra")
+    # one sample: the same at any step length and message size
+    for step, nbytes in ((1 * MS, None), (6 * MS, 939_520), (30 * MS, MIB)):
+        assert comm.wait_s("allreduce_step", 4, "intra", step, nbytes) == pytest.approx(
+            12.0 * MS - line)
+
+
+# -- plans ----------------------------------------------------------------------------------
+def test_a_data_parallel_plan_pays_the_step_record_in_place_of_the_burst_one() -> None:
+    none = _plan(NO_HANDS, **DP).predictions
+    bursts = _plan(BURSTS, **DP).predictions
+    step = _plan(WITH_STEP, **DP).predictions
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), WITH_STEP)
+    wait_ms = (12.0 * MS - comm.time_s("allreduce", 939_520, 4, "intra")) * 1e3
+    # charged instead of the burst record's wait, not on top of it
+    assert step.breakdown.exposed_comm_ms == pytest.approx(
+        none.breakdown.exposed_comm_ms + wait_ms, abs=1e-6)
+    assert step.breakdown.exposed_comm_ms > bursts.breakdown.exposed_comm_ms + 3.0
+    assert step.iteration_time_ms == pytest.approx(none.iteration_time_ms + wait_ms, abs=1e-6)
+    assert step.breakdown.compute_ms == pytest.approx(none.breakdown.compute_ms)
+
+
+def test_the_step_record_does_not_apply_where_the_runtime_does_not_run_that_sync() -> None:
+    # ZeRO-3: FSDP2's reduce-scatters inside backward, not the bucket's all-reduce after it
+    z3 = dict(DP, zero_stage=3)
+    assert _priced(WITH_STEP, **z3) == _priced(BURSTS, **z3)
+    # another group size than the record's: the burst record, as before
+    dp2 = dict(dp=2, pp=2, tp=1, zero_stage=0, schedule="1f1b")
+    assert _priced(WITH_STEP, **dp2) == _priced(BURSTS, **dp2)
+    # (while the record's own group does change: the comparison can fail)
+    assert _priced(WITH_STEP, **DP) != _priced(BURSTS, **DP)
+
+
+def _priced(db: ProfileDB, **pins: object) -> tuple[object, ...]:
+    """The plan's decisions and its own prediction (the plan also names the profile's hash,
+    and its DDP baseline is a data-parallel plan that does pay the step record)."""
+    plan = _plan(db, **pins)
+    assert plan.predictions is not None
+    return (plan.layout, plan.stages, plan.gradient_sync, plan.predictions.iteration_time_ms,
+            plan.predictions.breakdown)
+
+
+def test_the_charge_is_deterministic() -> None:
+    assert _plan(WITH_STEP, **DP).to_json() == _plan(WITH_STEP, **DP).to_json()
+
+
+# -- the measurement ------------------------------------------------------------------------
+@pytest.mark.dist
+def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
+    from hetplan.profiling.sync_step import profile_sync_steps
+
+    recs, times = profile_sync_steps("gpt-test", 2, batch_size=2, rounds=3, warmup=1,
+                                     passes=1, timeout_s=120, zero3=True)
+    assert [r.key for r in recs] == [("allreduce_step", "gloo", "loopback", 2, 939_520),
+                                     ("zero3_forward", "gloo", "loopback", 2, 939_520),
+                                     ("zero3_backward", "gloo", "loopback", 2, 939_520)]
+    rec = recs[0]
+    for z in recs[1:]:  # the plain phase, and what FSDP2's gathers / reduce-scatters add
+        assert z.processes == 2 and len(z.samples) == 1
+        assert z.samples[0].burst_s > 0.0 and z.samples[0].seconds > 0.0
+    assert rec.processes == 2 and len(rec.samples) == 1
+    assert rec.samples[0].burst_s > 0.0 and rec.samples[0].seconds >= 0.0
+    (t,) = times
+    assert t.group_size == 2 and t.nbytes == 939_520
+    assert t.step_s == rec.samples[0].burst_s and t.added_s == rec.samples[0].seconds
+    # the step's parts: forward and backward (no sync) inside the step, and the sync's wait
+    assert 0.0 < t.compute_s < t.step_s
+    assert t.compute_with_sync_s > 0.0 and t.wait_s > 0.0
+
+
+def test_profile_sync_steps_rejects_bad_input() -> None:
+    from hetplan.errors import SpecError
+    from hetplan.profiling.sync_step import profile_sync_steps
+
+    with pytest.raises(ValueError, match="world_size"):
+        profile_sync_steps("gpt-test", 1)
+    with pytest.raises(ValueError, match="rounds and passes"):
+        profile_sync_steps("gpt-test", 2, rounds=0)
+    with pytest.raises(ValueError, match="optimizer"):
+        profile_sync_steps("gpt-test", 2, optimizer="lion")
+    with pytest.raises(SpecError, match="gpt-tset"):
+        profile_sync_steps("gpt-tset", 2)
+    with pytest.raises(ValueError):
+        profile_sync_steps("gpt-test", 4, group_sizes=[3])
+
+
+def test_run_profile_takes_the_step_records_for_a_zoo_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetplan.profiling as prof
+
+    calls: list[tuple[str, int, int]] = []
+
+    def fake_steps(model: str, world: int, *, batch_size: int, **_: object
+                   ) -> tuple[list[HandoverRecord], list[object]]:
+        calls.append((model, world, batch_size))
+        return [STEP], []
+
+    monkeypatch.setattr(prof, "_collectives", lambda *a, **k: [])
+    monkeypatch.setattr(prof, "profile_handovers", lambda *a, **k: list(HANDS))
+    monkeypatch.setattr(prof, "profile_sync_steps", fake_steps)
+    db = prof.run_profile("gpt-test", world_size=4, what=["collectives"], batch_size=2,
+                          show_progress=False)
+    assert calls == [("gpt-test", 4, 2)]
+    assert STEP in db.handovers and HANDS[0] in db.handovers
+    # without a zoo model (a module, or collectives alone): no step record
+    calls.clear()
+    db = prof.run_profile(None, world_size=4, what=["collectives"], show_progress=False)
+    assert calls == [] and STEP not in db.handovers
+
+
+# -- ZeRO-3 ---------------------------------------------------------------------------------
+#: what the runtime's ZeRO-3 added to a plain 3 ms forward and 5 ms backward of gpt-test
+Z3 = (_hand("zero3_forward", 4, [(3 * MS, 30.0 * MS)], nbytes=939_520),
+      _hand("zero3_backward", 4, [(5 * MS, 60.0 * MS)], nbytes=939_520))
+WITH_Z3 = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, *Z3))
+ZERO3 = dict(DP, zero_stage=3)
+
+
+def test_zero3_is_priced_from_the_measured_phases_with_its_sync_inside_backward() -> None:
+    plain = _plan(WITH_Z3, **DP)  # the same stages without ZeRO: the plain compute
+    z3 = _plan(WITH_Z3, **ZERO3)
+    analytic = _plan(WITH_STEP, **ZERO3)  # no ZeRO-3 record: the overlapped gathers
+    assert plain.predictions is not None and z3.predictions is not None
+    assert analytic.predictions is not None
+    # gpt-test's parameters are the records' bytes (fp32): the additions as measured
+    assert z3.predictions.breakdown.compute_ms == pytest.approx(
+        plain.predictions.breakdown.compute_ms + 90.0, rel=1e-3)
+    # the reduce-scatters are in the measured backward: no sync after it
+    assert z3.predictions.breakdown.exposed_comm_ms == 0.0
+    assert analytic.predictions.breakdown.exposed_comm_ms > 0.0
+    assert z3.predictions.iteration_time_ms > analytic.predictions.iteration_time_ms + 30.0
+
+
+def test_zero3_records_of_another_group_or_without_the_backward_do_not_apply() -> None:
+    only_fwd = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, Z3[0]))
+    assert _priced(only_fwd, **ZERO3) == _priced(WITH_STEP, **ZERO3)
+    pairs = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, *(
+        r.model_copy(update={"group_size": 2}) for r in Z3)))
+    assert _priced(pairs, **ZERO3) == _priced(WITH_STEP, **ZERO3)
+    # ZeRO-0 plans do not read them
+    assert _priced(WITH_Z3, **DP) == _priced(WITH_STEP, **DP)
+
+
+def test_profile_sync_steps_skips_models_too_large_to_replicate_per_process() -> None:
+    from hetplan.profiling.sync_step import profile_sync_steps
+
+    # gpt-test has about 0.23 M parameters: above this limit nothing is spawned or returned
+    assert profile_sync_steps("gpt-test", 2, max_params=1000) == ([], [])
