@@ -19,6 +19,8 @@ from hetplan.cost_models.stage_times import shard_bytes, tied_sync_s, vocab_comm
 from hetplan.cost_models.memory import MIXED, capture_bytes, layer_activations, loss_activations
 from hetplan.ir.capture import capture
 from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.model import ModelIR
+from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import LayerCost, WorkloadSummary
 from hetplan.zoo.builders import hf
 
@@ -166,15 +168,29 @@ def test_tied_head_copy(gpt2: tuple[WorkloadSummary, LayerCost]) -> None:
     assert tied_head_copy(untied, 4, True) is None
 
 
-def test_last_stage_holds_the_tied_copy_split_over_tp() -> None:
-    s, h, v = 128, 256, 4096
+TIED_S, TIED_H, TIED_V = 128, 256, 4096
+
+
+def _tied_gpt2() -> ModelIR:
+    """A tied GPT-2 (4 blocks, h 256, vocabulary 4096) captured on the meta device."""
+    s, h, v = TIED_S, TIED_H, TIED_V
     with torch.device("meta"):
         model = hf("GPT2Config", "GPT2LMHeadModel", vocab_size=v, n_positions=s, n_embd=h,
                    n_layer=4, n_head=4)()
-    ir = capture(model, (torch.zeros(1, s, dtype=torch.long, device="meta"),),
-                 {"use_cache": False})
-    plan = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=16, pp=2, tp=2,
+    return capture(model, (torch.zeros(1, s, dtype=torch.long, device="meta"),),
+                   {"use_cache": False})
+
+
+def _tied_plan(ir: ModelIR, pp: int = 2) -> Plan:
+    """``ir`` on ``a100-nvlink-8x8`` (64 GPUs) at tp 2 with a vocabulary-parallel head."""
+    return hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=32 // pp, pp=pp, tp=2,
                            dtype="bf16", vocab_parallel=True, passes="uniform-stages")
+
+
+def test_last_stage_holds_the_tied_copy_split_over_tp() -> None:
+    h, v = TIED_H, TIED_V
+    ir = _tied_gpt2()
+    plan = _tied_plan(ir)
     wl = plan.model.workload
     assert wl is not None
     last = plan.stages[-1]
@@ -243,14 +259,9 @@ def test_bias_gradients_read_off_captured_blocks(
 
 
 def test_tied_embedding_gradient_all_reduce_between_first_and_last_stage() -> None:
-    s, h, v = 128, 256, 4096
-    with torch.device("meta"):
-        model = hf("GPT2Config", "GPT2LMHeadModel", vocab_size=v, n_positions=s, n_embd=h,
-                   n_layer=4, n_head=4)()
-    ir = capture(model, (torch.zeros(1, s, dtype=torch.long, device="meta"),),
-                 {"use_cache": False})
-    plan = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=16, pp=2, tp=2,
-                           dtype="bf16", vocab_parallel=True, passes="uniform-stages")
+    h, v = TIED_H, TIED_V
+    ir = _tied_gpt2()
+    plan = _tied_plan(ir)
     wl = plan.model.workload
     assert wl is not None
     costs = CostModel(_cluster(), dtype="bf16", vocab_parallel=True)
@@ -270,8 +281,7 @@ def test_tied_embedding_gradient_all_reduce_between_first_and_last_stage() -> No
     assert tied_sync_s(wl, plan.stages, plan.layout, whole) == pytest.approx(
         whole.comm.time_s("allreduce", v * h * 2 * 8, 2, link))
     # one stage holds both the embedding and the head: nothing to sum
-    one = hetplan.compile(ir, "a100-nvlink-8x8", batch_size=64, dp=32, pp=1, tp=2,
-                          dtype="bf16", vocab_parallel=True, passes="uniform-stages")
+    one = _tied_plan(ir, pp=1)
     assert tied_sync_s(wl, one.stages, one.layout, costs) == 0.0
 
 

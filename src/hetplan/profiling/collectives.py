@@ -211,6 +211,21 @@ def subgroups(world: int, group_size: int) -> list[list[int]]:
     return [list(range(g, g + group_size)) for g in range(0, world, group_size)]
 
 
+def own_groups(rank: int, world: int, group_sizes: Sequence[int]) -> dict[int, Any]:
+    """This rank's process group of each size in ``group_sizes`` (:func:`subgroups`), and
+    ``None`` (the default group) for ``world``. Every rank must call it with the same
+    arguments: ``new_group`` is collective, so every rank creates every group, in order."""
+    import torch.distributed as dist
+
+    mine: dict[int, Any] = {world: None}
+    for g in group_sizes:
+        for ranks in subgroups(world, g):
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                mine[g] = pg
+    return mine
+
+
 def _worker(
     rank: int,
     world: int,
@@ -237,12 +252,8 @@ def _worker(
     skipped: dict[str, str] = {}
     flag = torch.zeros(1, device=device)
     # every rank creates every group, in the same order (new_group is collective)
-    mine: dict[int, tuple[Any, int]] = {}
-    for g in group_sizes:
-        for ranks in subgroups(world, g):
-            pg = dist.new_group(ranks)
-            if rank in ranks:
-                mine[g] = (pg, ranks[0])
+    mine = {g: (pg, rank - rank % g) for g, pg in own_groups(rank, world, group_sizes).items()
+            if pg is not None}
     runs = [(name, world) for name in collectives]
     runs += [(name, g) for g in group_sizes for name in collectives
              if name not in ("p2p", "gather", "reduce")]

@@ -157,14 +157,9 @@ def _worker(rank: int, world: int, bursts_s: Sequence[float], group_sizes: Seque
     import torch
     import torch.distributed as dist
 
-    from hetplan.profiling.collectives import subgroups
+    from hetplan.profiling.collectives import own_groups
 
-    groups: dict[int, Any] = {world: None}
-    for g in group_sizes:
-        for ranks in subgroups(world, g):
-            pg = dist.new_group(ranks)
-            if rank in ranks:
-                groups[g] = pg
+    groups = own_groups(rank, world, group_sizes)
     # calibrate one unit of work on every process at once (the contention of training)
     # (for a fixed wall window, longer than the scheduler's slices, so every process
     # shares the cores for all of it)

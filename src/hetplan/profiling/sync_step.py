@@ -194,16 +194,11 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
 
     from hetplan import zoo
     from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync
-    from hetplan.profiling.collectives import subgroups
+    from hetplan.profiling.collectives import own_groups
     from hetplan.runtime.executor import plan_optimizer
     from hetplan.runtime.grad_sync import GradSync
 
-    groups: dict[int, Any] = {world: None}
-    for g in group_sizes:
-        for ranks in subgroups(world, g):
-            pg = dist.new_group(ranks)
-            if rank in ranks:
-                groups[g] = pg
+    groups = own_groups(rank, world, group_sizes)
     net = zoo.build(model, device="cpu", seed=0)
     args, kwargs = zoo.example_inputs(model, batch=batch_size, seq=seq, device="cpu")
     named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
