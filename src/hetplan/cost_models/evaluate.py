@@ -216,9 +216,8 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
     backward over its micro-batches and its optimizer step; None where the runtime's sync is
     not that path: ZeRO-2/3 reduce-scatter inside backward), when the first message is an
     uncompressed bucket, as the record's is. Once per sync: the later collectives of the
-    phase follow back to back, at the line's cost."""
-    if not costs.comm.has_handovers:  # GPU and analytic plans: skip the message's bytes
-        return 0.0
+    phase follow back to back, at the line's cost. Called only when the profile has
+    hand-over records (``CommModel.has_handovers``): GPU and analytic plans skip it."""
     link = prep.link
     nbytes = _first_message_bytes(prep, units)
     if (step_s is not None and nbytes is not None

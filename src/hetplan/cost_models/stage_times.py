@@ -229,7 +229,7 @@ def vocab_comm_s(workload: WorkloadSummary, st: Stage, layout: Layout, costs: Co
                 bwd += time_s("allreduce", act, tp, link)
             tokens = workload_tokens(workload) * scale
             fwd += 3 * time_s("allreduce", 4.0 * tokens, tp, link)
-        elif split[i].tp_split_bytes and not lay.tp_split_bytes and lay.kind != "head":
+        elif split[i].tp_split_bytes and not lay.tp_split_bytes:
             out = lay.act_out_bytes * scale * prec.act_scale  # the vocabulary table
             fwd += time_s("reduce_scatter" if sp else "allreduce", out, tp, link)
     return fwd, bwd

@@ -59,9 +59,9 @@ Decisions (also in ``docs/decisions.md``):
   their class holds or has taken, and a rung also sweeps from its best uniform seed when
   that seed is within ``seed_within`` (10 %) of the first sweep's result. On the 36 bench
   cases this cut the large models' simulations 1.6-4.1x; the choices moved by -6.8 % ..
-  +9.2 % against the exact search (geometric mean +0.18 %), every case still <= fp32,
+  +9.2 % against the unscreened search (geometric mean +0.18 %), every case still <= fp32,
   fp16, the best uniform compression and ``espresso-reference``.
-  ``espresso{screen=0 seed_within=0}`` is the exact search
+  ``espresso{screen=0 seed_within=0}`` is Algorithm 4.1 unscreened, the search before it
   (``docs/decisions/espresso-speed.md``, "Round 6").
 """
 
