@@ -372,6 +372,40 @@ class DPSession:
                                       s_dur, s_cnt)
         return int(idx), float(f)
 
+    def best_tables(self, class_idx: Sequence[int],
+                    strategies: Sequence[tuple[Sequence[str], np.ndarray]]) -> tuple[int, float]:
+        """:meth:`best_classes` with each strategy given as one table: ``(resources,
+        durations)``, class ``c``'s ops being those resources with the durations of row
+        ``c`` (``durations[c]``, float64). The same trials as :meth:`best_classes` on the
+        ops tuples those tables hold, without a tuple per class."""
+        n = self._n
+        if len(class_idx) != n:
+            raise ValueError(f"{len(class_idx)} class indices for {n} tensors: one per tensor")
+        if not strategies:
+            return -1, float("inf")
+        classes = strategies[0][1].shape[0]
+        if any(d.shape != (classes, len(r)) for r, d in strategies):
+            raise ValueError("best_tables: every strategy needs a row per class and a "
+                             "duration per resource")
+        if n and not 0 <= min(class_idx) <= max(class_idx) < classes:
+            raise ValueError(f"class index {max(class_idx)} or {min(class_idx)} outside the "
+                             f"tables' {classes} rows")
+        if n == 0:
+            return 0, self._b.base_s
+        width = max(1, max(len(r) for r, _ in strategies))
+        s_res = np.zeros((len(strategies), classes, width), dtype=np.int64)
+        s_dur = np.zeros((len(strategies), classes, width))
+        s_cnt = np.empty((len(strategies), classes), dtype=np.int64)
+        rid = self._rid
+        for s, (res, dur) in enumerate(strategies):
+            k = len(res)
+            s_res[s, :, :k] = [rid[r] for r in res]
+            s_dur[s, :, :k] = dur
+            s_cnt[s] = k
+        idx, f = self._k.best_classes(self._bt, np.asarray(class_idx, dtype=np.int64), s_res,
+                                      s_dur, s_cnt)
+        return int(idx), float(f)
+
     def best_offload(self, groups: Sequence[Sequence[int]],
                      offloaded: dict[int, tuple[Op, ...]], best: float, eps: float,
                      exhaustive: bool = True) -> tuple[list[int], float]:

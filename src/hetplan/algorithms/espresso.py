@@ -99,6 +99,7 @@ from hetplan.algorithms._dp_search import next_offload
 from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_timeline import before_last_busy_period, simulate_dp
 from hetplan.algorithms.dp_types import CPU, GPU, Op, SyncUnit
+from hetplan.algorithms.espresso_tables import OpsTable, keep_by_row
 
 __all__ = [
     "SelectionProblem",
@@ -142,6 +143,13 @@ class SelectionProblem(Generic[K]):
             ops converted to arrays every session of every :func:`select` on this problem
             uses (e.g. arrays the caller registered for all its ops ahead); no effect on
             results. Default: each selection's sessions share their own.
+        ops_table / table_rows: optional, together, with ``ops_fields``; an option's ops at
+            every class at once (:data:`~hetplan.algorithms.espresso_tables.OpsTable`:
+            resources, durations per row, the ``ops_fields`` value of each row's ops), and
+            the row of each tensor: ``ops(i, k)`` has ``ops_table(k)``'s resources with the
+            durations of row ``table_rows[i]``. The candidate filter and the uniform seeds
+            then work on whole tables (:mod:`~hetplan.algorithms.espresso_tables`); no
+            effect on results.
     """
 
     backprop_s: Sequence[float]
@@ -158,6 +166,8 @@ class SelectionProblem(Generic[K]):
     ops_class: Sequence[Hashable] | None = None
     ops_fields: Callable[[tuple[Op, ...]], Hashable] | None = None
     share: DPSession | None = None
+    ops_table: Callable[[K], OpsTable] | None = None
+    table_rows: Sequence[int] | None = None
     evaluations: int = field(default=0, init=False)
     # the last session made, whose caches of ops converted to arrays the next one shares
     # (their entries are checked against the ops themselves, so they cannot go stale);
@@ -172,6 +182,13 @@ class SelectionProblem(Generic[K]):
                 f"{n} backprop times, {len(self.sizes)} sizes, {len(self.baseline)} baseline "
                 f"options and {len(self.gpu_options)} option lists: one of each per tensor"
             )
+        if (self.ops_table is None) != (self.table_rows is None) or (
+                self.ops_table is not None and self.ops_fields is None):
+            raise ValueError("ops_table needs table_rows and ops_fields (the rows' identities "
+                             "are ops_fields values); give all three or no ops_table")
+        if self.table_rows is not None and len(self.table_rows) != n:
+            raise ValueError(f"{len(self.table_rows)} table rows for {n} tensors: one per "
+                             "tensor")
 
     def units(self, strategy: Sequence[K]) -> list[SyncUnit]:
         return [SyncUnit(i, self.ops(i, k)) for i, k in enumerate(strategy)]
@@ -297,9 +314,13 @@ class _Candidates(Generic[K]):
         self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
         # (class, baseline, current option) -> (the candidates it was filtered from, tried)
         self._tried: dict[tuple[Hashable, K, K], tuple[list[_Cand[K]], _Tried[K]]] = {}
+        # with ops_table: baseline -> (the option list, kept indices per row, row -> cands)
+        self._rows: dict[K, tuple[Sequence[K], list[list[int]], dict[int, list[_Cand[K]]]]] = {}
 
     def candidates(self, j: int) -> list[_Cand[K]]:
         p = self._problem
+        if p.ops_table is not None and p.table_rows is not None:
+            return self._from_table(j, p.ops_table, p.table_rows)
         if p.ops_class is None:
             return self._compute(j)
         cls = (p.ops_class[j], p.baseline[j])
@@ -336,6 +357,30 @@ class _Candidates(Generic[K]):
         out = (keys, ops_list, [k == p.baseline[j] for k in keys])
         if key is not None:
             self._tried[key] = (cands, out)
+        return out
+
+    def _from_table(self, j: int, table: Callable[[K], OpsTable], rows: Sequence[int]
+                    ) -> list[_Cand[K]]:
+        """:meth:`_compute`'s list for tensor ``j`` from the filter of every row at once
+        (:func:`~hetplan.algorithms.espresso_tables.keep_by_row`), made once per (option
+        list, baseline)."""
+        p = self._problem
+        base, opts = p.baseline[j], p.gpu_options[j]
+        got = self._rows.get(base)
+        if got is None or got[0] is not opts:
+            keys = [base, *opts]
+            got = self._rows[base] = (opts, keep_by_row([table(k) for k in keys], self.prune),
+                                      {})
+        row = rows[j]
+        out = got[2].get(row)
+        if out is None:
+            keys = [base, *opts]
+            out = []
+            for i in got[1][row]:
+                ops = p.ops(j, keys[i])
+                sg = self._sig(ops)
+                out.append((keys[i], ops, self._footprint(sg, ops), sg))
+            got[2][row] = out
         return out
 
     def _compute(self, j: int) -> list[_Cand[K]]:
@@ -607,7 +652,17 @@ def _best_seed(
     sess = problem.session(problem.baseline)
     best: tuple[float, int] | None = None
     rest = list(range(len(seeds)))
-    if problem.ops_class is not None:  # uniform seeds: one compiled call over all of them
+    table, rows = problem.ops_table, problem.table_rows
+    if table is not None and rows is not None:  # uniform seeds from the tables, one call
+        uniform = [n for n, sd in enumerate(seeds) if len(set(sd)) == 1]
+        if uniform:
+            problem.evaluations += len(uniform)
+            tabs = [table(seeds[n][0]) for n in uniform]
+            at, f = sess.best_tables(rows, [(t[0], t[1]) for t in tabs])
+            best = (f, uniform[at])
+            done = set(uniform)
+            rest = [n for n in rest if n not in done]
+    elif problem.ops_class is not None:  # uniform seeds: one compiled call over all of them
         classes: dict[Hashable, int] = {}
         class_idx = [classes.setdefault(c, len(classes)) for c in problem.ops_class]
         reps = {c: i for i, c in reversed(list(enumerate(class_idx)))}  # a tensor per class

@@ -1,0 +1,66 @@
+"""Algorithm 4.1's candidate filter over whole cost tables: every size class of a rung at once.
+
+A caller whose options' ops depend on a tensor's class alone (the plan pass: a tensor's size)
+can give :class:`~hetplan.algorithms.espresso.SelectionProblem` an ``ops_table``: per option,
+the resources of its ops (one path, the same for every class), their durations at every
+class (one row per class) and, per class, the number its ops' values are interned to
+(``ops_fields``). :func:`keep_by_row` then decides, for every class at once, which options
+Algorithm 4.1 simulates: what :class:`~hetplan.algorithms.espresso._Candidates` decides one
+class at a time from the ops tuples (the first option of equal ops stands for them; with
+``prune``, an option whose ops are another's ops step for step, every step at least as long
+and one longer, is dropped; the baseline always stays), with numpy over the tables instead of
+Python over the tuples. Same lists, same order: ``tests/unit/test_espresso_tables.py``
+compares the two on the bench's workloads.
+
+Why: with the table rows of 17-20 size classes and 150-300 options per rung, the per-tuple
+filter was a third of vgg16's GPU selection (17 of 46 ms) and 10 % of ugatit's
+(``docs/decisions/espresso-speed.md``, "Round 7").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["OpsTable", "keep_by_row"]
+
+#: An option's ops at every class: (resources of its ops in order, durations ``[classes,
+#: ops]`` float64, the interned identity of each class's ops values ``[classes]`` int64).
+OpsTable = tuple[tuple[str, ...], np.ndarray, np.ndarray]
+
+
+def keep_by_row(tables: Sequence[OpsTable], prune: bool) -> list[list[int]]:
+    """For each class (table row), the indices into ``tables`` of the options Algorithm 4.1
+    simulates, ascending; ``tables[0]`` is the baseline's, always kept.
+
+    An option is kept when it is the first of its ops' values (equal interned identity) in
+    that row and, with ``prune``, no option with the same resources has durations at most
+    its own step for step in that row, and different.
+    """
+    if not tables:
+        return []
+    sig = np.stack([t[2] for t in tables])  # [options, rows]
+    n, rows = sig.shape
+    dominated = np.zeros((n, rows), dtype=np.bool_)
+    if prune:
+        paths: dict[tuple[str, ...], list[int]] = {}
+        for i, t in enumerate(tables):
+            paths.setdefault(t[0], []).append(i)
+        for members in paths.values():
+            if len(members) < 2 or not tables[members[0]][0]:
+                continue
+            d = np.stack([tables[i][1] for i in members])  # [m, rows, steps]
+            # le[a, b, r]: b's steps at most a's in row r; ne: and not all equal
+            le = (d[None, :] <= d[:, None]).all(axis=-1)
+            ne = (d[None, :] != d[:, None]).any(axis=-1)
+            dominated[members] = (le & ne).any(axis=1)
+    out: list[list[int]] = []
+    for r in range(rows):
+        _, first = np.unique(sig[:, r], return_index=True)
+        mask = np.zeros(n, dtype=np.bool_)
+        mask[first] = True
+        mask &= ~dominated[:, r]
+        mask[0] = True
+        out.append(np.flatnonzero(mask).tolist())
+    return out
