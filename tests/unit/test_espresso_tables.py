@@ -43,7 +43,7 @@ def _instance(seed: int) -> tuple[SelectionProblem[Key], SelectionProblem[Key]]:
             cache[(k, c)] = ops
             sigs.append(interned.setdefault(
                 tuple((o.resource, o.duration_s, o.label) for o in ops), len(interned)))
-        tables[k] = (path, dur, np.array(sigs, dtype=np.int64))
+        tables[k] = OpsTable(path, dur, sigs, [cache[(k, c)] for c in range(classes)])
     by_id = {id(o): interned[tuple((x.resource, x.duration_s, x.label) for x in o)]
              for o in cache.values()}
 
@@ -86,11 +86,10 @@ def test_table_seeds_and_selection_match(seed: int) -> None:
 
 
 def test_dominance_is_per_row_and_needs_a_longer_step() -> None:
-    sig = np.arange(3, dtype=np.int64)
-    tables: list[OpsTable] = [
-        (("net",), np.array([[5.0], [5.0]]), sig[:2]),           # baseline: always kept
-        (("net",), np.array([[2.0], [1.0]]), sig[:2] + 10),
-        (("net",), np.array([[1.0], [1.0]]), sig[:2] + 20),       # ties row 1 with the one above
+    tables = [
+        OpsTable(("net",), np.array([[5.0], [5.0]]), [0, 1], []),  # baseline: always kept
+        OpsTable(("net",), np.array([[2.0], [1.0]]), [10, 11], []),
+        OpsTable(("net",), np.array([[1.0], [1.0]]), [20, 21], []),  # ties the one above in row 1
     ]
     assert keep_by_row(tables, True) == [[0, 2], [0, 1, 2]]
     assert keep_by_row(tables, False) == [[0, 1, 2], [0, 1, 2]]

@@ -270,7 +270,6 @@ class DPSession:
         if len(unit_ops) != n:
             raise ValueError(f"{len(unit_ops)} units for {n} tensors: one per tensor")
         new = list(unit_ops)
-        b = self._b
         m, last = 0, n - 1
         if self._valid and n:
             old = self._ops
@@ -278,9 +277,31 @@ class DPSession:
                 m += 1
             if m == n:
                 self._ops = new
-                return b.base_s
+                return self._b.base_s
             while new[last] is old[last] or new[last] == old[last]:
                 last -= 1
+        return self._rebase(new, m, last)
+
+    def replace(self, j: int, ops: tuple[Op, ...]) -> float:
+        """:meth:`rebase` on the base with tensor ``j``'s ops replaced by ``ops`` (the same
+        states and time), without comparing the other tensors' ops."""
+        self._check([j])
+        if not self._valid:
+            raise ValueError("replace needs a base: rebase the session first")
+        old = self._ops[j]
+        new = list(self._ops)
+        new[j] = ops
+        if ops is old or ops == old:
+            self._ops = new
+            return self._b.base_s
+        return self._rebase(new, j, j)
+
+    def _rebase(self, new: list[tuple[Op, ...]], m: int, last: int) -> float:
+        """The new base ``new``, whose tensors before ``m`` and after ``last`` have the current
+        base's ops (all of them re-simulated when the base is not valid yet)."""
+        n = self._n
+        b = self._b
+        if self._valid and n:
             # splice the changed tensors' ops into the base arrays
             part = self._pack(new[m:last + 1])
             lo = b.start[m]
@@ -436,8 +457,16 @@ class DPSession:
             raise ValueError(f"before_bubbles needs eps >= 0, got {eps}")
         if not self._n:
             return set()
-        mask = self._k.bubble_mask(self._b.ev, self._b.ready, float(eps))
-        return {int(i) for i in np.flatnonzero(mask)}
+        return {int(i) for i in np.flatnonzero(self.bubble_mask(eps))}
+
+    def bubble_mask(self, eps: float) -> np.ndarray:
+        """:meth:`before_bubbles` as a bool array, one entry per tensor."""
+        if eps < 0:
+            raise ValueError(f"before_bubbles needs eps >= 0, got {eps}")
+        if not self._n:
+            return np.zeros(0, dtype=np.bool_)
+        return np.asarray(self._k.bubble_mask(self._b.ev, self._b.ready, float(eps)),
+                          dtype=np.bool_)
 
 
 def _grown(pool: np.ndarray) -> np.ndarray:

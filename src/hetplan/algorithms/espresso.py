@@ -314,8 +314,10 @@ class _Candidates(Generic[K]):
         self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
         # (class, baseline, current option) -> (the candidates it was filtered from, tried)
         self._tried: dict[tuple[Hashable, K, K], tuple[list[_Cand[K]], _Tried[K]]] = {}
-        # with ops_table: baseline -> (the option list, kept indices per row, row -> cands)
-        self._rows: dict[K, tuple[Sequence[K], list[list[int]], dict[int, list[_Cand[K]]]]] = {}
+        # with ops_table: baseline -> (the option list, its tables (baseline first), kept
+        # indices per row, row -> candidates)
+        self._rows: dict[K, tuple[Sequence[K], list[OpsTable], list[list[int]],
+                                  dict[int, list[_Cand[K]]]]] = {}
 
     def candidates(self, j: int) -> list[_Cand[K]]:
         p = self._problem
@@ -368,19 +370,17 @@ class _Candidates(Generic[K]):
         base, opts = p.baseline[j], p.gpu_options[j]
         got = self._rows.get(base)
         if got is None or got[0] is not opts:
-            keys = [base, *opts]
-            got = self._rows[base] = (opts, keep_by_row([table(k) for k in keys], self.prune),
-                                      {})
+            tabs = [table(k) for k in (base, *opts)]
+            got = self._rows[base] = (opts, tabs, keep_by_row(tabs, self.prune), {})
         row = rows[j]
-        out = got[2].get(row)
+        out = got[3].get(row)
         if out is None:
-            keys = [base, *opts]
+            keys, tabs = [base, *opts], got[1]
             out = []
-            for i in got[1][row]:
-                ops = p.ops(j, keys[i])
-                sg = self._sig(ops)
+            for i in got[2][row]:
+                ops, sg = tabs[i].ops[row], tabs[i].sigs[row]
                 out.append((keys[i], ops, self._footprint(sg, ops), sg))
-            got[2][row] = out
+            got[3][row] = out
         return out
 
     def _compute(self, j: int) -> list[_Cand[K]]:
@@ -465,10 +465,17 @@ def gpu_decisions(
     sess = problem.session(strategy) if fast else None
     best = sess.base_s if sess is not None else problem.iteration_s(strategy)
 
-    def removed_now() -> set[int]:
-        before = (sess.before_bubbles(_EPS) if sess is not None
-                  else tensors_before_bubbles(problem, strategy))
-        return {i for i in before if not problem.compressed(strategy[i])}
+    # Remove(): tensors left uncompressed and communicated before a bubble, once removed
+    # always removed (one bool per tensor; the session's mask is the same set as
+    # tensors_before_bubbles)
+    plain = np.array([not problem.compressed(k) for k in strategy], dtype=np.bool_)
+
+    def removed_now() -> np.ndarray:
+        if sess is not None:
+            return sess.bubble_mask(_EPS) & plain
+        before = np.zeros(len(strategy), dtype=np.bool_)
+        before[list(tensors_before_bubbles(problem, strategy))] = True
+        return before & plain
 
     removed = removed_now()
     if candidates is not None and candidates.prune != prune:
@@ -484,7 +491,7 @@ def gpu_decisions(
         for i, k in enumerate(strategy):
             held.setdefault(cls[i], set()).add(k)
     for j in processing_order(problem.sizes):
-        if j in removed:
+        if removed[j]:
             continue
         current = strategy[j]
         keys, cands, backs = pareto.tried(j, current)
@@ -509,11 +516,12 @@ def gpu_decisions(
                     best, current = f, cand
         if current != strategy[j]:
             strategy[j] = current
+            plain[j] = not problem.compressed(current)
             if cls is not None:
                 held[cls[j]].add(current)
             if sess is not None:
                 problem.evaluations += 1
-                sess.rebase([*sess.base_ops[:j], problem.ops(j, current), *sess.base_ops[j + 1:]])
+                sess.replace(j, problem.ops(j, current))
             removed |= removed_now()
     return strategy, best
 
@@ -658,7 +666,7 @@ def _best_seed(
         if uniform:
             problem.evaluations += len(uniform)
             tabs = [table(seeds[n][0]) for n in uniform]
-            at, f = sess.best_tables(rows, [(t[0], t[1]) for t in tabs])
+            at, f = sess.best_tables(rows, [(t.resources, t.durations) for t in tabs])
             best = (f, uniform[at])
             done = set(uniform)
             rest = [n for n in rest if n not in done]

@@ -20,14 +20,30 @@ filter was a third of vgg16's GPU selection (17 of 46 ms) and 10 % of ugatit's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
+from hetplan.algorithms.dp_types import Op
+
 __all__ = ["OpsTable", "keep_by_row"]
 
-#: An option's ops at every class: (resources of its ops in order, durations ``[classes,
-#: ops]`` float64, the interned identity of each class's ops values ``[classes]`` int64).
-OpsTable = tuple[tuple[str, ...], np.ndarray, np.ndarray]
+
+class OpsTable(NamedTuple):
+    """An option's ops at every class (one row per class).
+
+    Attributes:
+        resources: the resources of its ops, in order (the same in every row).
+        durations: ``[rows, ops]`` float64, row ``r`` the durations of class ``r``'s ops.
+        sigs: per row, the identity of its ops' values (``SelectionProblem.ops_fields`` of
+            that row's ops; equal exactly for equal ``(resource, duration_s, label)``).
+        ops: per row, the ops tuple itself (the object ``SelectionProblem.ops`` returns).
+    """
+
+    resources: tuple[str, ...]
+    durations: np.ndarray
+    sigs: Sequence[int]
+    ops: Sequence[tuple[Op, ...]]
 
 
 def keep_by_row(tables: Sequence[OpsTable], prune: bool) -> list[list[int]]:
@@ -40,17 +56,17 @@ def keep_by_row(tables: Sequence[OpsTable], prune: bool) -> list[list[int]]:
     """
     if not tables:
         return []
-    sig = np.stack([t[2] for t in tables])  # [options, rows]
+    sig = np.array([t.sigs for t in tables], dtype=np.int64)  # [options, rows]
     n, rows = sig.shape
     dominated = np.zeros((n, rows), dtype=np.bool_)
     if prune:
         paths: dict[tuple[str, ...], list[int]] = {}
         for i, t in enumerate(tables):
-            paths.setdefault(t[0], []).append(i)
+            paths.setdefault(t.resources, []).append(i)
         for members in paths.values():
-            if len(members) < 2 or not tables[members[0]][0]:
+            if len(members) < 2 or not tables[members[0]].resources:
                 continue
-            d = np.stack([tables[i][1] for i in members])  # [m, rows, steps]
+            d = np.stack([tables[i].durations for i in members])  # [m, rows, steps]
             # le[a, b, r]: b's steps at most a's in row r; ne: and not all equal
             le = (d[None, :] <= d[:, None]).all(axis=-1)
             ne = (d[None, :] != d[:, None]).any(axis=-1)

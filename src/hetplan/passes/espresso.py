@@ -592,8 +592,7 @@ class _StageCosts:
         durations = np.ascontiguousarray(times, dtype=np.float64).reshape(
             len(rows), len(steps))
         self.arrays.register(rows, [r for r, _ in steps], durations)
-        self._tables[key] = (tuple(r for r, _ in steps), durations,
-                             np.array(sigs, dtype=np.int64))
+        self._tables[key] = OpsTable(tuple(r for r, _ in steps), durations, sigs, rows)
 
     def ops_table(self, key: Key) -> OpsTable:
         """This option's ops at every size at once (row ``rows[i]`` is tensor ``i``'s)."""
