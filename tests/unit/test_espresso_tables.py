@@ -115,3 +115,34 @@ def test_ops_table_needs_rows_and_fields() -> None:
         SelectionProblem(backprop_s=fast.backprop_s, sizes=fast.sizes,
                          baseline=fast.baseline, gpu_options=fast.gpu_options, ops=fast.ops,
                          compressed=fast.compressed, ops_table=fast.ops_table)
+
+
+def _session_pair() -> tuple[DPSession, DPSession, list[tuple[Op, ...]]]:
+    ops = [(Op("net", 2e-3),), (Op(GPU, 1e-4), Op("net", 1e-3)), (Op("net", 4e-3),),
+           (Op("net", 1e-3), Op(GPU, 2e-4))]
+    a, b = DPSession([1e-3, 1e-3, 3e-3, 1e-3]), DPSession([1e-3, 1e-3, 3e-3, 1e-3])
+    a.rebase(ops)
+    b.rebase(ops)
+    return a, b, ops
+
+
+@pytest.mark.parametrize("j", range(4))
+def test_replace_is_rebase_with_one_tensor_changed(j: int) -> None:
+    a, b, ops = _session_pair()
+    new = (Op("net", 5e-4),)
+    assert a.replace(j, new) == b.rebase([*ops[:j], new, *ops[j + 1:]])
+    assert a.base_ops == b.base_ops
+    # the saved states agree too: every later trial gives the same time
+    for i in range(4):
+        assert a.trial({i: (Op("net", 3e-3),)}) == b.trial({i: (Op("net", 3e-3),)})
+    assert a.replace(j, new) == a.base_s  # no change: the base stays
+
+
+def test_replace_needs_a_base_and_bubble_mask_is_before_bubbles() -> None:
+    with pytest.raises(ValueError, match="rebase the session first"):
+        DPSession([1e-3]).replace(0, (Op("net", 1e-3),))
+    a, _, _ = _session_pair()
+    a.replace(3, (Op("net", 1e-5),))
+    mask = a.bubble_mask(1e-9)
+    assert set(np.flatnonzero(mask).tolist()) == a.before_bubbles(1e-9)
+    assert mask.any()  # a bubble: tensor 0 is done before the long backprop of tensor 2

@@ -318,6 +318,8 @@ class _Candidates(Generic[K]):
         # indices per row, row -> candidates)
         self._rows: dict[K, tuple[Sequence[K], list[OpsTable], list[list[int]],
                                   dict[int, list[_Cand[K]]]]] = {}
+        # id of such a candidate list -> (the list, identities, footprints [m, 3])
+        self._arrays: dict[int, tuple[list[_Cand[K]], np.ndarray, np.ndarray]] = {}
 
     def candidates(self, j: int) -> list[_Cand[K]]:
         p = self._problem
@@ -351,11 +353,20 @@ class _Candidates(Generic[K]):
         cur_fp = self._footprint(cur_sig, cur_ops)
         keys: list[K] = []
         ops_list: list[tuple[Op, ...]] = []
-        for cand, ops, fp, sg in cands:
-            if sg == cur_sig or (self.prune and _dominated(fp, cur_fp)):
-                continue
-            keys.append(cand)
-            ops_list.append(ops)
+        arrays = self._arrays.get(id(cands))
+        if arrays is not None and arrays[0] is cands:  # the table's lists: numpy filters
+            keep = arrays[1] != cur_sig
+            if self.prune:  # _dominated, element for element
+                keep &= ~(arrays[2] >= np.array(cur_fp) - _EPS).all(axis=1)
+            for x in np.flatnonzero(keep).tolist():
+                keys.append(cands[x][0])
+                ops_list.append(cands[x][1])
+        else:
+            for cand, ops, fp, sg in cands:
+                if sg == cur_sig or (self.prune and _dominated(fp, cur_fp)):
+                    continue
+                keys.append(cand)
+                ops_list.append(ops)
         out = (keys, ops_list, [k == p.baseline[j] for k in keys])
         if key is not None:
             self._tried[key] = (cands, out)
@@ -381,6 +392,9 @@ class _Candidates(Generic[K]):
                 ops, sg = tabs[i].ops[row], tabs[i].sigs[row]
                 out.append((keys[i], ops, self._footprint(sg, ops), sg))
             got[3][row] = out
+            # identities and footprints as arrays, for tried()'s filter
+            self._arrays[id(out)] = (out, np.array([c[3] for c in out], dtype=np.int64),
+                                     np.array([c[2] for c in out], dtype=np.float64))
         return out
 
     def _compute(self, j: int) -> list[_Cand[K]]:

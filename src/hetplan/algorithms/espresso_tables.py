@@ -71,12 +71,14 @@ def keep_by_row(tables: Sequence[OpsTable], prune: bool) -> list[list[int]]:
             le = (d[None, :] <= d[:, None]).all(axis=-1)
             ne = (d[None, :] != d[:, None]).any(axis=-1)
             dominated[members] = (le & ne).any(axis=1)
-    out: list[list[int]] = []
-    for r in range(rows):
-        _, first = np.unique(sig[:, r], return_index=True)
-        mask = np.zeros(n, dtype=np.bool_)
-        mask[first] = True
-        mask &= ~dominated[:, r]
-        mask[0] = True
-        out.append(np.flatnonzero(mask).tolist())
-    return out
+    # the first of equal identities in each row: sort each column (stable), mark where the
+    # sorted value changes
+    order = np.argsort(sig, axis=0, kind="stable")
+    ranked = np.take_along_axis(sig, order, axis=0)
+    starts = np.ones((n, rows), dtype=np.bool_)
+    starts[1:] = ranked[1:] != ranked[:-1]
+    first = np.zeros((n, rows), dtype=np.bool_)
+    np.put_along_axis(first, order, starts, axis=0)
+    keep = first & ~dominated
+    keep[0] = True
+    return [np.flatnonzero(keep[:, r]).tolist() for r in range(rows)]
