@@ -146,3 +146,19 @@ def test_replace_needs_a_base_and_bubble_mask_is_before_bubbles() -> None:
     mask = a.bubble_mask(1e-9)
     assert set(np.flatnonzero(mask).tolist()) == a.before_bubbles(1e-9)
     assert mask.any()  # a bubble: tensor 0 is done before the long backprop of tensor 2
+
+
+def test_best_packed_is_best_option_and_checks_its_scope() -> None:
+    a, _, _ = _session_pair()
+    cands = [(Op("net", 1e-3),), (Op(GPU, 1e-4), Op("net", 5e-4)), (Op("net", 9e-3),)]
+    backs = [False, False, True]
+    for j in range(4):
+        want = a.best_option(j, cands, backs, a.base_s, 1e-9)
+        assert a.best_packed(j, a.pack(cands), np.array(backs), a.base_s, 1e-9) == want
+    shared = DPSession([1e-3] * 4, share=a)
+    shared.rebase(a.base_ops)
+    assert shared.best_packed(1, a.pack(cands), np.array(backs), shared.base_s, 1e-9) == (
+        shared.best_option(1, cands, backs, shared.base_s, 1e-9))
+    other, _, _ = _session_pair()
+    with pytest.raises(ValueError, match="other resource ids"):
+        other.best_packed(0, a.pack(cands), np.array(backs), other.base_s, 1e-9)

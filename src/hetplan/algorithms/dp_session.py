@@ -363,6 +363,34 @@ class DPSession:
                                      float(best), float(eps))
         return int(idx), float(f)
 
+    @property
+    def pack_scope(self) -> object:
+        """What :meth:`pack`'s result depends on besides the ops (the resource ids): equal
+        (``is``) for sessions that can use each other's packed candidates."""
+        return self._rid
+
+    def pack(self, candidates: Sequence[tuple[Op, ...]]) -> tuple[Any, ...]:
+        """``candidates`` (ops lists) packed for :meth:`best_packed`, valid for the sessions
+        that share this one's resource ids (``share``): a caller that tries one list many
+        times packs it once."""
+        return (self._rid, tuple(self._pack(candidates)))
+
+    def best_packed(self, j: int, packed: tuple[Any, ...], backs: np.ndarray, best: float,
+                    eps: float) -> tuple[int, float]:
+        """:meth:`best_option` on candidates :meth:`pack` made (``backs`` a bool array, one
+        entry per candidate): the same trials and result."""
+        rid, ops = packed
+        if rid is not self._rid:
+            raise ValueError("candidates packed by a session with other resource ids: pack "
+                             "them with this session (or one it shares with)")
+        if len(backs) != len(ops[2]):
+            raise ValueError(f"{len(backs)} baseline flags for {len(ops[2])} candidates")
+        if not len(backs):
+            return -1, best
+        self._check([j])
+        idx, f = self._k.best_option(self._bt, j, ops, backs, float(best), float(eps))
+        return int(idx), float(f)
+
     def best_classes(self, class_idx: Sequence[int],
                      strategies: Sequence[Sequence[tuple[Op, ...]]]) -> tuple[int, float]:
         """The fastest of whole strategies given per class of tensors: in strategy ``s``

@@ -91,7 +91,7 @@ import operator
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -320,6 +320,39 @@ class _Candidates(Generic[K]):
                                   dict[int, list[_Cand[K]]]]] = {}
         # id of such a candidate list -> (the list, identities, footprints [m, 3])
         self._arrays: dict[int, tuple[list[_Cand[K]], np.ndarray, np.ndarray]] = {}
+        # id of a tried ops list -> (the list, its baseline flags, packed, the flags' array)
+        self._packs: dict[int, tuple[list[tuple[Op, ...]], list[bool], tuple[Any, ...],
+                                     np.ndarray]] = {}
+        # (id of a tried options list, the screen's version of its class) -> (the list,
+        # the screened lists)
+        self._screens: dict[tuple[int, int], tuple[list[K], _Tried[K]]] = {}
+        self._versions = 0
+
+    def next_version(self, count: int) -> int:
+        """The first of ``count`` numbers no earlier call returned (screen versions)."""
+        first = self._versions
+        self._versions += count
+        return first
+
+    def packed(self, sess: DPSession, cands: list[tuple[Op, ...]], backs: list[bool]
+               ) -> tuple[tuple[Any, ...], np.ndarray]:
+        """``cands`` packed for ``sess.best_packed`` once per list (lists from :meth:`tried`
+        and :meth:`screened` are kept and not modified), with ``backs`` as an array."""
+        got = self._packs.get(id(cands))
+        if (got is None or got[0] is not cands or got[1] is not backs
+                or got[2][0] is not sess.pack_scope):
+            got = self._packs[id(cands)] = (cands, backs, sess.pack(cands),
+                                            np.array(backs, dtype=np.bool_))
+        return got[2], got[3]
+
+    def screened(self, tried: _Tried[K], keep: set[K], version: int) -> _Tried[K]:
+        """:func:`_screened` of ``tried`` (a :meth:`tried` result) to ``keep``, once per
+        (list, ``version``): the caller bumps ``version`` whenever ``keep`` grows."""
+        key = (id(tried[0]), version)
+        got = self._screens.get(key)
+        if got is None or got[0] is not tried[0]:
+            got = self._screens[key] = (tried[0], _screened(*tried, keep))
+        return got[1]
 
     def candidates(self, j: int) -> list[_Cand[K]]:
         p = self._problem
@@ -501,24 +534,30 @@ def gpu_decisions(
     cls = problem.ops_class if screen else None
     reached: dict[Hashable, int] = {}  # class -> its tensors the sweep has reached
     held: dict[Hashable, set[K]] = {}  # class -> options its tensors held or took
+    version: dict[Hashable, int] = {}  # class -> a number that changes when held grows
     if cls is not None:
         for i, k in enumerate(strategy):
             held.setdefault(cls[i], set()).add(k)
+        # numbered per sweep and class: a screened list is reused only within one sweep's
+        # unchanged held set
+        first = pareto.next_version(len(held))
+        version = {c: first + x for x, c in enumerate(held)}
     for j in processing_order(problem.sizes):
         if removed[j]:
             continue
         current = strategy[j]
-        keys, cands, backs = pareto.tried(j, current)
+        tried = keys, cands, backs = pareto.tried(j, current)
         if cls is not None:
             n_reached = reached.get(cls[j], 0)
             reached[cls[j]] = n_reached + 1
             if n_reached >= screen:
-                keys, cands, backs = _screened(keys, cands, backs, held[cls[j]])
+                keys, cands, backs = pareto.screened(tried, held[cls[j]], version[cls[j]])
         if sess is not None:
             # a candidate is kept only if f < best - eps, or f <= best + eps for the
             # baseline: each trial stops once proven longer than that
             problem.evaluations += len(cands)
-            idx, best = sess.best_option(j, cands, backs, best, _EPS)
+            packed, flags = pareto.packed(sess, cands, backs)
+            idx, best = sess.best_packed(j, packed, flags, best, _EPS)
             if idx >= 0:
                 current = keys[idx]
         else:
@@ -531,8 +570,9 @@ def gpu_decisions(
         if current != strategy[j]:
             strategy[j] = current
             plain[j] = not problem.compressed(current)
-            if cls is not None:
+            if cls is not None and current not in held[cls[j]]:
                 held[cls[j]].add(current)
+                version[cls[j]] = pareto.next_version(1)
             if sess is not None:
                 problem.evaluations += 1
                 sess.replace(j, problem.ops(j, current))
