@@ -61,7 +61,12 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   uncompiled, same values bit for bit), and ``GetBestOption`` for one tensor, Algorithm 4.2 (exact or
   coordinate descent), the uniform seeds and the bubble test each run as one compiled call;
   with ``SelectionProblem.ops_class`` the candidates of tensors that share their ops are
-  filtered once.
+  filtered once, and with ``SelectionProblem.ops_table`` (the plan pass gives it) the filter
+  and the uniform seeds work on each option's whole cost table, every size class at once
+  (:mod:`~hetplan.algorithms.espresso_tables`); a sweep packs each candidate list it tries
+  once, replaces one tensor's ops on an accepted change (``DPSession.replace``) and keeps
+  ``Remove()``'s tensors as a bool per tensor. Same choices; measured in
+  ``docs/decisions/espresso-speed.md``, "Round 7".
 - Step-for-step dominance (with ``prune``, :class:`_Candidates`): an option whose ops are
   another option's ops on the same resources in the same order, each step at least as long
   and one longer, is not tried (the baseline always is). The simulator is not monotone in op
