@@ -547,7 +547,10 @@ def gpu_decisions(
         # unchanged held set
         first = pareto.next_version(len(held))
         version = {c: first + x for x, c in enumerate(held)}
+    # tensors the sweep has yet to reach: Remove() can only matter for those still plain
+    ahead = np.ones(len(strategy), dtype=np.bool_)
     for j in processing_order(problem.sizes):
+        ahead[j] = False
         if removed[j]:
             continue
         current = strategy[j]
@@ -581,7 +584,8 @@ def gpu_decisions(
             if sess is not None:
                 problem.evaluations += 1
                 sess.replace(j, problem.ops(j, current))
-            removed |= removed_now()
+            if (ahead & plain & ~removed).any():  # else no tensor ahead could be removed
+                removed |= removed_now()
     return strategy, best
 
 
