@@ -11,7 +11,8 @@ import pytest
 
 from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_types import CPU, GPU, Op
-from hetplan.algorithms.espresso import SelectionProblem, _best_seed, _Candidates, select
+from hetplan.algorithms.espresso import SelectionProblem, _best_seed, select
+from hetplan.algorithms.espresso_candidates import Candidates
 from hetplan.algorithms.espresso_tables import OpsTable, keep_by_row
 
 Key = tuple[str, int]
@@ -64,7 +65,7 @@ def _instance(seed: int) -> tuple[SelectionProblem[Key], SelectionProblem[Key]]:
 @pytest.mark.parametrize("seed", range(40))
 def test_table_filter_gives_the_tuple_filters_lists(seed: int, prune: bool) -> None:
     fast, plain = _instance(seed)
-    a, b = _Candidates(fast, prune), _Candidates(plain, prune)
+    a, b = Candidates(fast, prune), Candidates(plain, prune)
     for j in range(len(fast.backprop_s)):
         assert [c[0] for c in a.candidates(j)] == [c[0] for c in b.candidates(j)]
         assert [c[2:] for c in a.candidates(j)] == [c[2:] for c in b.candidates(j)]

@@ -5,7 +5,7 @@ can give :class:`~hetplan.algorithms.espresso.SelectionProblem` an ``ops_table``
 the resources of its ops (one path, the same for every class), their durations at every
 class (one row per class) and, per class, the number its ops' values are interned to
 (``ops_fields``). :func:`keep_by_row` then decides, for every class at once, which options
-Algorithm 4.1 simulates: what :class:`~hetplan.algorithms.espresso._Candidates` decides one
+Algorithm 4.1 simulates: what :class:`~hetplan.algorithms.espresso_candidates.Candidates` decides one
 class at a time from the ops tuples (the first option of equal ops stands for them; with
 ``prune``, an option whose ops are another's ops step for step, every step at least as long
 and one longer, is dropped; the baseline always stays), with numpy over the tables instead of
