@@ -390,7 +390,8 @@ class DPSession:
             raise ValueError(f"{len(backs)} baseline flags for {len(ops[2])} candidates")
         if not len(backs):
             return -1, best
-        self._check([j])
+        if not 0 <= j < self._n:
+            self._check([j])
         idx, f = self._k.best_option(self._bt, j, ops, backs, float(best), float(eps))
         return int(idx), float(f)
 

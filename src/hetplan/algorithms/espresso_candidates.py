@@ -95,8 +95,8 @@ class Candidates(Generic[K]):
         self._fp: dict[Hashable, tuple[float, float, float]] = {}  # value identity -> footprint
         # (class, baseline) -> (the option list it was computed for, the candidates)
         self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
-        # (class, baseline, current option) -> (the candidates it was filtered from, tried)
-        self._tried: dict[tuple[Hashable, K, K], tuple[list[_Cand[K]], _Tried[K]]] = {}
+        # (class, baseline, current option) -> (the option list it was made from, tried)
+        self._tried: dict[tuple[Hashable, K, K], tuple[Sequence[K], _Tried[K]]] = {}
         # with ops_table: baseline -> (the option list, its tables (baseline first), kept
         # indices per row, row -> candidates)
         self._rows: dict[K, tuple[Sequence[K], list[OpsTable], list[list[int]],
@@ -157,13 +157,14 @@ class Candidates(Generic[K]):
         option): every tensor of a class starts a sweep on the same option when the start
         is uniform. The lists are shared: do not modify them."""
         p = self._problem
-        cands = self.candidates(j)
         key = None
         if p.ops_class is not None:
             key = (p.ops_class[j], p.baseline[j], current)
             got = self._tried.get(key)
-            if got is not None and got[0] is cands:
+            # made from this option list (its candidates are then the same)
+            if got is not None and got[0] is p.gpu_options[j]:
                 return got[1]
+        cands = self.candidates(j)
         cur_ops = p.ops(j, current)
         cur_sig = self._sig(cur_ops)
         cur_fp = self._footprint(cur_sig, cur_ops)
@@ -185,7 +186,7 @@ class Candidates(Generic[K]):
                 ops_list.append(ops)
         out = (keys, ops_list, [k == p.baseline[j] for k in keys])
         if key is not None:
-            self._tried[key] = (cands, out)
+            self._tried[key] = (p.gpu_options[j], out)
         return out
 
     def _from_table(self, j: int, table: Callable[[K], OpsTable], rows: Sequence[int]
