@@ -63,14 +63,20 @@ def keep_by_row(tables: Sequence[OpsTable], prune: bool) -> list[list[int]]:
         paths: dict[tuple[str, ...], list[int]] = {}
         for i, t in enumerate(tables):
             paths.setdefault(t.resources, []).append(i)
+        # paths with as many options and steps go through numpy together
+        shapes: dict[tuple[int, int], list[list[int]]] = {}
         for members in paths.values():
-            if len(members) < 2 or not tables[members[0]].resources:
-                continue
-            d = np.stack([tables[i].durations for i in members])  # [m, rows, steps]
-            # le[a, b, r]: b's steps at most a's in row r; ne: and not all equal
-            le = (d[None, :] <= d[:, None]).all(axis=-1)
-            ne = (d[None, :] != d[:, None]).any(axis=-1)
-            dominated[members] = (le & ne).any(axis=1)
+            if len(members) >= 2 and tables[members[0]].resources:
+                shapes.setdefault((len(members), len(tables[members[0]].resources)),
+                                  []).append(members)
+        for (m, steps), groups in shapes.items():
+            idx = [i for g in groups for i in g]
+            d = np.stack([tables[i].durations for i in idx]).reshape(len(groups), m, rows,
+                                                                     steps)
+            # le[g, a, b, r]: in path g, b's steps at most a's in row r; ne: not all equal
+            le = (d[:, None] <= d[:, :, None]).all(axis=-1)
+            ne = (d[:, None] != d[:, :, None]).any(axis=-1)
+            dominated[idx] = (le & ne).any(axis=2).reshape(len(idx), rows)
     # the first of equal identities in each row: sort each column (stable), mark where the
     # sorted value changes
     order = np.argsort(sig, axis=0, kind="stable")
