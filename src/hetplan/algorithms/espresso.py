@@ -495,6 +495,12 @@ def _exhaustive(problem: SelectionProblem[K], options: list[list[K]]) -> tuple[l
     return best[1], best[0]
 
 
+def _uniform(strategy: Sequence[K]) -> bool:
+    """Every tensor on one option (what ``len(set(strategy)) == 1`` says, without hashing
+    every entry: a uniform seed repeats one object)."""
+    return len(strategy) > 0 and strategy.count(strategy[0]) == len(strategy)
+
+
 def _best_seed(
     problem: SelectionProblem[K], seeds: Sequence[Sequence[K]], fast: bool
 ) -> tuple[float, int] | None:
@@ -507,7 +513,7 @@ def _best_seed(
     rest = list(range(len(seeds)))
     table, rows = problem.ops_table, problem.table_rows
     if table is not None and rows is not None:  # uniform seeds from the tables, one call
-        uniform = [n for n, sd in enumerate(seeds) if len(set(sd)) == 1]
+        uniform = [n for n, sd in enumerate(seeds) if _uniform(sd)]
         if uniform:
             problem.evaluations += len(uniform)
             tabs = [table(seeds[n][0]) for n in uniform]
@@ -519,7 +525,7 @@ def _best_seed(
         classes: dict[Hashable, int] = {}
         class_idx = [classes.setdefault(c, len(classes)) for c in problem.ops_class]
         reps = {c: i for i, c in reversed(list(enumerate(class_idx)))}  # a tensor per class
-        uniform = [n for n, sd in enumerate(seeds) if len(set(sd)) == 1]
+        uniform = [n for n, sd in enumerate(seeds) if _uniform(sd)]
         if uniform:
             problem.evaluations += len(uniform)
             at, f = sess.best_classes(class_idx, [
