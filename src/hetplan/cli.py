@@ -410,6 +410,7 @@ def plan_cmd(
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
     from hetplan.cost_models.predict import resolve_cluster, resolve_profile
+    from hetplan.ir.plan_checks import plan_problems
     from hetplan.optimizer.compile import compile as compile_plan
     from hetplan.optimizer.options import CompileOptions
 
@@ -428,7 +429,7 @@ def plan_cmd(
 
     pipeline_spec, group_opts = _with_group_sync(pipeline_spec, group_sync)
     pins = strategy_pins(dtype=dtype, zero=zero, recompute=recompute, sp=sp, tp=tp,
-                         virtual_stages=virtual_stages, schedule=schedule)
+                         virtual_stages=virtual_stages, schedule=schedule, pp=pp)
     if group_opts.get("zero_stage") == 0 and zero not in (None, 0):
         raise SpecError(f"--group-sync {group_sync} steps each replica's own optimizer, so it "
                         f"cannot shard it: drop --zero {zero} (or use --group-sync off)")
@@ -464,6 +465,11 @@ def plan_cmd(
         plan = choose_hetero(plan, spec, db, batch_size, hetero,  # type: ignore[arg-type]
                              passes=options.pipeline(where="--passes"))
     seconds = time.perf_counter() - t0
+    if problems := plan_problems(plan, complete=True):
+        # What `load_plan` would refuse is never written: every later command reads the file
+        # with the one validator, so such a plan is a bug of the planner, not a user's.
+        raise RuntimeError("the compiled plan fails the plan validator, so it was not "
+                           "written: " + "; ".join(problems))
     if output:
         plan.save(output)
         err.print(f"wrote {output}")
@@ -491,7 +497,8 @@ def _with_checkpointing(passes: str | None, checkpoint: str, replicas: int | Non
 
 
 def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | None,
-                  tp: int | None, virtual_stages: int | None, schedule: str) -> dict[str, Any]:
+                  tp: int | None, virtual_stages: int | None, schedule: str,
+                  pp: int | None = None) -> dict[str, Any]:
     """The strategy pins of `hetplan plan` as CompileOptions fields, checked before anything
     is captured or planned; a bad value is a SpecError naming the option and the fix."""
     from hetplan.cost_models.precision import POLICIES
@@ -515,6 +522,10 @@ def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | No
         if schedule not in ("interleaved-1f1b", "auto"):
             raise SpecError(f"--virtual-stages needs --schedule interleaved-1f1b or auto (the "
                             f"schedule is {schedule!r}); add --schedule interleaved-1f1b")
+        if pp == 1:
+            raise SpecError(f"--virtual-stages {virtual_stages} interleaves the chunks of a "
+                            "pipeline, but --pp 1 is pinned (no pipeline); pin --pp 2 or more, "
+                            "or drop --virtual-stages")
     return {"dtype": dtype, "zero_stage": zero, "recompute": recompute,
             "sequence_parallel": sp, "virtual_stages": virtual_stages}
 

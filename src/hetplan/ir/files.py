@@ -313,7 +313,7 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
         )
     if not isinstance(data, dict):
         raise SpecError(
-            f"{where}: the top level of a {what} file must be a mapping of keys to values, "
+            f"{where}: the top level of the {what} file must be a mapping of keys to values, "
             f"got a {_kind_of(data)}; write it as 'key: value' lines (YAML) or an object "
             "{...} (JSON)"
         )

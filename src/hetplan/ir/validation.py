@@ -213,6 +213,18 @@ def _allowed_keys(model: Any, parent_loc: Sequence[str | int]) -> list[str] | No
 # --------------------------------------------------------------------------------------
 _EXTRA_TYPES = ("extra_forbidden", "unexpected_keyword_argument")
 _MISSING_TYPES = ("missing", "missing_argument", "missing_keyword_only_argument")
+#: pydantic's names for the containers a file writes as a list (YAML ``- a``, JSON ``[a]``).
+_LIST_TYPES = ("tuple_type", "list_type", "set_type", "frozen_set_type")
+_BOUND_TYPES = ("less_than_equal", "less_than", "greater_than_equal", "greater_than")
+#: The unit of a field, by its name's suffix (or its parent's name): (unit, an example in
+#: it, the smaller unit a value far above the field's maximum was probably written in).
+_UNITS = (
+    ("_gbps", ("Gbit/s", "100 Gb/s Ethernet is 100.0", "bit/s")),
+    ("_gb_s", ("GB/s", "an A100's 2039 GB/s is 2039.0", "byte/s")),
+    ("_gib", ("GiB", "80 GiB is 80.0", "bytes")),
+    ("_us", ("microseconds", "25 us is 25.0", "nanoseconds")),
+    ("peak_tflops", ("TFLOP/s", "312 TFLOP/s is 312.0", "FLOP/s")),
+)
 
 
 def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
@@ -244,13 +256,44 @@ def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
         # validator may report several problems, one per line.
         return "\n".join(_line(where, loc, part) for part in msg.splitlines() if part)
 
+    if kind in _LIST_TYPES and not is_key:
+        shown = "" if value is None or isinstance(value, Mapping) else f" {short_repr(value)}"
+        return _line(where, loc, f"expected a list, got {_json_kind(value)}{shown}")
     text = f"invalid key {value!r}: {msg}" if is_key else msg
     if not is_key and not isinstance(value, (dict, list, tuple)):
         text += f" (got {short_repr(value)})"
+    if kind in _BOUND_TYPES and not is_key:
+        text += _unit_hint(loc, kind)
     if kind == "literal_error" and isinstance(value, str):
         choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
         text += did_you_mean(value, choices)
     return _line(where, loc, text)
+
+
+def _json_kind(value: Any) -> str:
+    """What a file wrote, in the file's words (a mapping, a string ...)."""
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
+
+
+def _unit_hint(loc: Sequence[str | int], kind: str) -> str:
+    """The unit of an out-of-range field named by a unit suffix: a bandwidth in bit/s or a
+    memory in bytes is refused by its bound, and the message says which unit is meant."""
+    names = [str(part) for part in loc[-2:] if isinstance(part, str)]
+    for suffix, (unit, example, smaller) in _UNITS:
+        if any(name.endswith(suffix) for name in names):
+            above = kind.startswith("less_than")  # the value broke the upper bound
+            return f"; the unit is {unit} ({example})" + (f", not {smaller}" if above else "")
+    return ""
 
 
 def _line(where: str, loc: Sequence[str | int], text: str) -> str:

@@ -1,0 +1,143 @@
+"""A new user's mistakes, round 7 (`docs/decisions/bad-input-round7.md`): each case that
+gave an internal error, a misleading message or a plan file the other commands refuse.
+
+Every test here failed before its fix: a plan that `hetplan plan` wrote and `validate`
+refused, an "internal error" for an option typed wrong, a refusal that blamed the batch
+size for a pinned degree the cluster cannot have, or minutes of measuring before an output
+file that can never be written was refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from hetplan.cli import app
+from hetplan.ir.plan import Plan, load_plan
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+WORKLOAD = GOLDEN / "inspect_small.workload.json"
+
+
+def run(*args: object) -> Result:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def refused(result: Result, *expected: str) -> str:
+    """The command refused with exit code 2, no traceback, and every expected text."""
+    assert result.exit_code == 2, result.output
+    assert "internal error" not in result.output and "Traceback" not in result.output
+    flat = " ".join(result.output.split())
+    for text in expected:
+        assert text in flat, f"{text!r} not in:\n{result.output}"
+    return flat
+
+
+def _plan(tmp_path: Path, *options: object) -> Result:
+    return run("plan", "--workload", WORKLOAD, "--no-progress", *options)
+
+
+# -- hetplan plan writes only what every other command reads -------------------------------
+def test_interleaved_schedule_without_a_pipeline_writes_a_plan_that_loads(
+        tmp_path: Path) -> None:
+    """`--schedule interleaved-1f1b` on local-cpu: the search picks pp=1, which has no chunks
+    to interleave. The plan was written as interleaved 1F1B with one chunk, which `validate`,
+    `inspect`, `simulate` and `run` all refuse; it is now written as 1F1B (as Chimera is)."""
+    out = tmp_path / "p.json"
+    result = _plan(tmp_path, "-c", "local-cpu", "-b", "8", "--schedule", "interleaved-1f1b",
+                   "--pp", "1", "-o", out)
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)  # the one validator, a complete plan required
+    assert plan.layout is not None and plan.layout.pp == 1
+    assert plan.layout.schedule == "1f1b"
+    assert run("validate", out).exit_code == 0
+
+
+def test_virtual_stages_with_no_pipeline_is_refused(tmp_path: Path) -> None:
+    refused(_plan(tmp_path, "-c", "local-cpu", "-b", "8", "--schedule", "interleaved-1f1b",
+                  "--virtual-stages", "2", "--pp", "1"),
+            "--virtual-stages 2", "--pp 1 is pinned", "pin --pp 2 or more")
+
+
+def test_a_compiled_plan_the_validator_refuses_is_never_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the planner gets wrong, `hetplan plan` does not leave a file that every
+    later command refuses: it checks the plan as `load_plan` will, before writing."""
+    import hetplan.optimizer.compile as compile_module
+
+    real = compile_module.compile
+
+    def broken(*args: object, **kwargs: object) -> Plan:
+        plan = real(*args, **kwargs)  # type: ignore[arg-type]
+        assert plan.layout is not None
+        layout = plan.layout.model_copy(update={"schedule": "interleaved-1f1b"})
+        return plan.model_copy(update={"layout": layout})  # not validated: a planner bug
+
+    monkeypatch.setattr(compile_module, "compile", broken)
+    out = tmp_path / "p.json"
+    result = _plan(tmp_path, "-c", "local-cpu", "-b", "8", "--pp", "1", "-o", out)
+    assert result.exit_code == 1, result.output
+    assert "fails the plan validator" in result.output
+    assert "layout.virtual_stages" in result.output
+    assert not out.exists()
+
+
+# -- a pinned degree the cluster or the model cannot have is named --------------------------
+def test_pinned_tp_that_does_not_fit_the_nodes_is_named() -> None:
+    """Was: 'no layout ... divides the global batch ...: choose a batch size divisible by a
+    data-parallel degree', which sent the user to the wrong option."""
+    flat = refused(_plan(Path(), "-c", "a100-nvlink-8x8", "-b", "64", "--tp", "3"),
+                   "tp=3 does not divide the 64 devices", "tp may be 1, 2, 4, 8")
+    assert "batch size" not in flat
+
+
+def test_pinned_pp_beyond_the_layers_is_named() -> None:
+    refused(_plan(Path(), "-c", "mixed-generations", "-b", "64", "--pp", "16"),
+            "pp=16: more pipeline stages than the model's 8 layers; use pp <= 8")
+
+
+def test_pinned_degrees_whose_product_exceeds_the_cluster() -> None:
+    refused(_plan(Path(), "-c", "mixed-generations", "-b", "64", "--pp", "8", "--dp", "8"),
+            "dp=8 x pp=8 = 64 ranks does not divide the 32 devices")
+
+
+# -- hetplan profile refuses before it measures ------------------------------------------
+@pytest.fixture
+def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measuring anything fails the test: the command must refuse first."""
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profile measured before checking its options")
+
+    for name in ("profile_compressors", "profile_layers", "profile_collectives",
+                 "profile_optimizer_steps", "run_local_ranks"):
+        monkeypatch.setattr(f"hetplan.profiling.{name}", forbidden, raising=False)
+
+
+def test_profile_unknown_measurement_is_a_user_error(no_measuring: None,
+                                                     tmp_path: Path) -> None:
+    """Was: 'internal error: ValueError: unknown measurement(s) ['gpus']'."""
+    refused(run("profile", "--what", "gpus", "-o", tmp_path / "db.json"),
+            "--what: unknown measurement(s) ['gpus']", "choose from")
+
+
+@pytest.mark.parametrize("option", ["-n", "--layer-processes", "--batch-size"])
+def test_profile_counts_below_one_are_refused_first(no_measuring: None, tmp_path: Path,
+                                                    option: str) -> None:
+    """Was (-n 0): 18 s of layer and compressor measurements, then 'internal error:
+    ValueError: processes must be >= 1, got 0'."""
+    refused(run("profile", "--what", "compressors", option, "0", "-o", tmp_path / "db.json"),
+            "must be at least 1, got 0")
+
+
+def test_profile_output_that_is_not_a_profile_db_is_refused_first(no_measuring: None,
+                                                                  tmp_path: Path) -> None:
+    """The output is merged into when it exists; a file that is not a profile DB was refused
+    only after every measurement had run."""
+    out = tmp_path / "plan.json"
+    out.write_text(json.dumps({"a": 1}))
+    refused(run("profile", "--what", "compressors", "-o", out),
+            str(out), "missing 'schema_version'")
+    assert json.loads(out.read_text()) == {"a": 1}
