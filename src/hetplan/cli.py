@@ -891,7 +891,10 @@ def print_cluster_summary(spec: Any) -> None:
 # validate / inspect
 # --------------------------------------------------------------------------------------
 def _file_kind(path: Path) -> str:
-    """'plan', 'workload' or 'cluster', from the file's top-level keys."""
+    """The kind of hetplan file ``path`` is (:func:`hetplan.ir.files.file_kind`: 'plan',
+    'workload', 'profile DB', 'run report', 'dynamics'), from its top-level keys; 'cluster
+    spec' when none matches (its loader names what is missing)."""
+    from hetplan.ir.files import file_kind
     from hetplan.ir.validation import load_structured_file
 
     if path.suffix == ".json" and path.is_file():
@@ -900,19 +903,19 @@ def _file_kind(path: Path) -> str:
         if '"tool_version"' in head or '"schema_version"' in head and '"cluster"' in head:
             return "plan"  # even when truncated: the plan loader explains what is wrong
     data = load_structured_file(path, what="input")
-    if "tool_version" in data or ("schema_version" in data and "cluster" in data):
-        return "plan"
-    if "grad_tensors" in data or "layers" in data:
+    if "layers" in data:
         return "workload"
-    return "cluster"
+    return file_kind(data) or "cluster spec"
 
 
 @app.command("validate")
 @_user_errors
 def validate_cmd(
-    file: Path = typer.Argument(..., help="A cluster spec (YAML/JSON), plan or workload JSON."),
+    file: Path = typer.Argument(..., help="A cluster spec (YAML/JSON), plan, workload, profile "
+                                "DB, dynamics file or run report."),
 ) -> None:
-    """Validate a cluster spec, plan or workload file and summarise it."""
+    """Validate a cluster spec, plan, workload, profile DB, dynamics file or run report and
+    summarise it."""
     kind = _file_kind(file)
     if kind == "plan":
         from hetplan.ir.plan import load_plan
@@ -926,6 +929,21 @@ def validate_cmd(
         ir = ModelIR.load(file)
         out.print(f"[green]ok[/]: {file} is a valid workload")
         print_ir_summary(ir)
+    elif kind == "profile DB":
+        from hetplan.cost_models.profile_db import ProfileDB
+
+        db = ProfileDB.load(file)
+        out.print(f"[green]ok[/]: {file} is a valid profile DB: {len(db.compute)} layer, "
+                  f"{len(db.collectives)} collective, {len(db.compressors)} compressor and "
+                  f"{len(db.optimizer_steps)} optimizer-step record(s)")
+    elif kind == "dynamics":
+        from hetplan.ir.rebalancing import DynamicsSpec
+
+        DynamicsSpec.load(file)
+        out.print(f"[green]ok[/]: {file} is a valid dynamics file")
+    elif kind == "run report":
+        _load_run_report(file)
+        out.print(f"[green]ok[/]: {file} is a valid run report")
     else:
         from hetplan.ir.cluster import ClusterSpec
 

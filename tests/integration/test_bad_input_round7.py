@@ -141,3 +141,60 @@ def test_profile_output_that_is_not_a_profile_db_is_refused_first(no_measuring: 
     refused(run("profile", "--what", "compressors", "-o", out),
             str(out), "missing 'schema_version'")
     assert json.loads(out.read_text()) == {"a": 1}
+
+
+# -- a file of another kind is named for what it is ------------------------------------------
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CLUSTER_YAML = EXAMPLES / "clusters" / "cpu-2x2.yaml"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One file of each kind: a plan, a profile DB, a workload, a cluster spec (YAML)."""
+    d = tmp_path_factory.mktemp("kinds")
+    plan = d / "p.json"
+    result = run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8", "--no-progress",
+                 "-o", plan)
+    assert result.exit_code == 0, result.output
+    profile = d / "db.json"
+    profile.write_text(json.dumps({"schema_version": 2, "machines": []}))
+    return {"plan": plan, "profile DB": profile, "workload": WORKLOAD, "cluster": CLUSTER_YAML}
+
+
+@pytest.mark.parametrize(("command", "given", "expected"), [
+    # was: 'written by a newer hetplan (schema_version 2) ...; upgrade hetplan'
+    (("inspect", "{f}"), "profile DB", "this is a profile DB (written by `hetplan profile`), "
+     "not a plan"),
+    # was: 'not valid JSON: Expecting value at line 1, column 1; re-run `hetplan plan`'
+    (("simulate", "{f}"), "cluster", "this is a cluster spec, not a plan"),
+    (("inspect", "{f}"), "workload", "this is a workload (written by `hetplan ir MODEL -o "
+     "FILE`), not a plan"),
+    # was: 'profile DB schema_version 1; ... re-run `hetplan profile` (version 1 keyed ...)'
+    (("plan", "--workload", str(WORKLOAD), "-c", "local-cpu", "-b", "8", "--profile", "{f}"),
+     "plan", "this is a plan (written by `hetplan plan`), not a profile DB"),
+    # was: eight 'missing required key' and 'unknown key' lines
+    (("plan", "--workload", "{f}", "-c", "local-cpu", "-b", "8"), "plan",
+     "this is a plan (written by `hetplan plan`), not a workload"),
+    (("plan", "--workload", str(WORKLOAD), "-c", "{f}", "-b", "8"), "plan",
+     "this is a plan (written by `hetplan plan`), not a cluster spec; pass a preset name"),
+    (("plan", "--workload", str(WORKLOAD), "-c", "local-cpu", "-b", "8", "--dynamics", "{f}"),
+     "profile DB", "not a dynamics file; pass a file like examples/pruning.yaml"),
+])
+def test_a_file_of_another_kind_is_named(files: dict[str, Path], command: tuple[str, ...],
+                                         given: str, expected: str) -> None:
+    path = files[given]
+    flat = refused(run(*(part.format(f=path) for part in command)), str(path), expected)
+    assert "missing required key" not in flat and "schema_version" not in flat
+
+
+@pytest.mark.parametrize(("path", "said"), [
+    ("profile DB", "is a valid profile DB"),
+    (EXAMPLES / "pruning.yaml", "is a valid dynamics file"),
+])
+def test_validate_reads_every_kind_of_file(files: dict[str, Path], path: str | Path,
+                                           said: str) -> None:
+    """`validate` took a profile DB or a dynamics file for a cluster spec and refused it."""
+    path = files.get(str(path), Path(path))
+    result = run("validate", path)
+    assert result.exit_code == 0, result.output
+    assert said in result.output

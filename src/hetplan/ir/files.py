@@ -16,7 +16,7 @@ import json
 import os
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,8 +28,10 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_ELEMENTS",
     "MAX_FILE_BYTES",
+    "check_kind",
     "check_output_path",
     "check_shape",
+    "file_kind",
     "format_loc",
     "load_structured_file",
     "loads_json",
@@ -188,6 +190,70 @@ def _parse_json(text: str, where: str) -> Any:
         ) from e
 
 
+# -- which kind of file is it? ----------------------------------------------------------------
+#: The files hetplan reads, each recognised by top-level keys only it has (the first match
+#: wins): (kind, what a file of it is, its signs (any one: all of its keys present), how to
+#: get one). A file of one kind passed where another is read is named for what it is,
+#: instead of being refused key by key or, worse, by a schema version it does not have.
+_KINDS: tuple[tuple[str, str, tuple[tuple[str, ...], ...], str], ...] = (
+    ("profile DB", "a profile DB (written by `hetplan profile`)",
+     (("machines",), ("compute", "collectives")), "pass a file written by `hetplan profile -o "
+     "FILE`"),
+    ("workload", "a workload (written by `hetplan ir MODEL -o FILE`)", (("grad_tensors",),),
+     "pass a workload written by `hetplan ir MODEL -o FILE`"),
+    ("plan", "a plan (written by `hetplan plan`)", (("tool_version",), ("model", "cluster")),
+     "pass a plan written by `hetplan plan MODEL --cluster C --batch-size N -o FILE`"),
+    ("run report", "a run report (written by `hetplan run --report`)",
+     (("measured", "per_rank"),), "pass a report written by `hetplan run PLAN --report FILE`"),
+    ("cluster spec", "a cluster spec", (("nodes",),),
+     "pass a preset name (`hetplan presets`) or a cluster file like those in examples/clusters/"),
+    ("dynamics", "a dynamics file (pruning, freezing or early exit while training)",
+     (("total_iterations",),), "pass a file like examples/pruning.yaml"),
+)
+
+
+def file_kind(data: Mapping[str, Any]) -> str | None:
+    """Which kind of hetplan file ``data`` (a file's top-level mapping) is: ``"plan"``,
+    ``"cluster spec"``, ``"workload"``, ``"profile DB"``, ``"run report"``, ``"dynamics"``, or
+    None when no kind's keys are there."""
+    for kind, _, signs, _ in _KINDS:
+        if any(all(key in data for key in sign) for sign in signs):
+            return kind
+    return None
+
+
+def check_kind(data: Mapping[str, Any], *, what: str, where: str) -> None:
+    """Refuse a file of another kind than ``what`` (a kind of :func:`file_kind`, with or
+    without "a " and " file"; anything else is not checked), naming what it is and how to
+    get the right one."""
+    expected = next((k for k in _KINDS if k[0] == _kind_name(what)), None)
+    found = file_kind(data)
+    if expected is None or found is None or found == expected[0]:
+        return
+    described = next(k[1] for k in _KINDS if k[0] == found)
+    noun = f"{expected[0]} file" if expected[0] == "dynamics" else expected[0]
+    article = "an" if noun[0] in "aeiou" else "a"
+    raise SpecError(f"{where}: this is {described}, not {article} {noun}; {expected[3]}")
+
+
+def _kind_name(what: str) -> str:
+    for prefix in ("a ", "an "):
+        what = what.removeprefix(prefix)
+    return what.removesuffix(" file")
+
+
+def check_kind_of_text(text: str, *, what: str, where: str) -> None:
+    """For a file that is not valid JSON: if it is YAML of another kind (a cluster spec
+    passed as a plan), refuse it as that kind (:func:`check_kind`); otherwise return and let
+    the caller report the JSON error."""
+    try:
+        data = _parse_yaml(text, where)
+    except SpecError:
+        return
+    if isinstance(data, dict):
+        check_kind(data, what=what, where=where)
+
+
 def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> dict[str, Any]:
     """Parse ``text`` as a JSON object, or raise SpecError naming ``where`` and the position.
 
@@ -197,20 +263,21 @@ def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> di
         what: what the file should be ("a workload file", "a profile DB").
         hint: appended to the message (how to get a fresh file).
     """
-    if not hint:
-        data = _parse_json(text, where)
-    else:
-        try:
-            data = loads_json(text, where=where)
-        except json.JSONDecodeError as e:
-            raise SpecError(
-                f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; {hint}"
-            ) from e
+    try:
+        data = loads_json(text, where=where)
+    except json.JSONDecodeError as e:
+        check_kind_of_text(text, what=what, where=where)
+        if not hint:
+            data = _parse_json(text, where)  # raises, with the source excerpt
+        raise SpecError(
+            f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; {hint}"
+        ) from e
     if not isinstance(data, dict):
         raise SpecError(
             f"{where}: {what} is a JSON object, got a JSON {_kind_of(data)}"
             + (f"; {hint}" if hint else "")
         )
+    check_kind(data, what=what, where=where)
     return data
 
 
@@ -317,6 +384,7 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
             f"got a {_kind_of(data)}; write it as 'key: value' lines (YAML) or an object "
             "{...} (JSON)"
         )
+    check_kind(data, what=what, where=where)
     return cast(dict[str, Any], data)
 
 

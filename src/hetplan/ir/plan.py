@@ -83,6 +83,7 @@ from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.ir.plan_hetero import Hetero
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
+from hetplan.ir.files import check_kind, check_kind_of_text
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
 __all__ = [
@@ -227,6 +228,7 @@ class Plan(BaseModel):
         try:
             data = loads_json(text, where=where)
         except json.JSONDecodeError as e:
+            check_kind_of_text(text, what="plan", where=where)  # a YAML cluster spec, say
             hint = ""
             if not text.strip():
                 hint = " (the file is empty)"
@@ -241,6 +243,7 @@ class Plan(BaseModel):
                 f"{where}: a plan is a JSON object, got a JSON {_json_type(data)}; "
                 "is this a hetplan plan file?"
             )
+        check_kind(data, what="plan", where=where)  # before its schema_version is read
         _check_version(data, where)
         try:
             return cls.model_validate(data, context={"complete": complete})
