@@ -320,3 +320,29 @@ def test_a_value_past_a_unit_fields_bound_names_the_unit() -> None:
            "100000000000.0); the unit is Gbit/s (100 Gb/s Ethernet is 100.0), not bit/s" in text
     assert "the unit is GiB (80 GiB is 80.0), not bytes" in text
     assert "peak_tflops.fp32" in text and "not FLOP/s" in text
+
+
+def test_a_name_differing_only_in_case_is_suggested_first() -> None:
+    """difflib rates 'a100-80gb' as close to 'H100-80GB' as to 'A100-80GB' and chose H100."""
+    types = ["V100-SXM2-32GB", "A100-40GB", "A100-80GB", "H100-80GB", "cpu"]
+    assert did_you_mean("a100-80gb", types) == "; did you mean 'A100-80GB'?"
+    assert did_you_mean("h100-80gb", types, n=2).startswith("; did you mean 'H100-80GB'")
+
+
+def test_a_mapping_written_as_something_else_is_called_a_mapping() -> None:
+    """pydantic says 'a valid dictionary or instance of StragglerSpec'."""
+    for value, said in (([1, 2], "got a list"), ("yes", "got a string 'yes'")):
+        text = format_validation_error(_error(Cluster, {"nodes": [{**_good_node(), "link": value}]}),
+                                       where="f", model=None)
+        assert f"f: nodes[0].link: expected a mapping ('key: value' lines), {said}" in text, text
+
+
+def test_a_number_written_with_its_unit_is_told_the_unit() -> None:
+    from hetplan.ir.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_preset("cpu-2x2").model_dump(mode="json")
+    spec["inter_node"]["bandwidth_gbps"] = "100Gbps"
+    with pytest.raises(SpecError) as info:
+        ClusterSpec.from_dict(spec, where="c.yaml")
+    assert ("inter_node.bandwidth_gbps: expected a number, got a string '100Gbps'; the unit is "
+            "Gbit/s (100 Gb/s Ethernet is 100.0)") in str(info.value)
