@@ -470,6 +470,10 @@ def plan_cmd(
         # with the one validator, so such a plan is a bug of the planner, not a user's.
         raise RuntimeError("the compiled plan fails the plan validator, so it was not "
                            "written: " + "; ".join(problems))
+    from hetplan.runtime.composition import refusals
+
+    for line in refusals(plan):  # the planner may pair strategies this runtime cannot run
+        err.print(f"[yellow]warning:[/] `hetplan run` refuses this plan: {_escape(line)}")
     if output:
         plan.save(output)
         err.print(f"wrote {output}")

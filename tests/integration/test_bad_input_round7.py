@@ -85,6 +85,20 @@ def test_a_compiled_plan_the_validator_refuses_is_never_written(
     assert not out.exists()
 
 
+def test_a_plan_the_runtime_refuses_is_flagged_when_it_is_written(tmp_path: Path) -> None:
+    """`--tp-controller semi` is planned under ZeRO-1, which `hetplan run` refuses (its
+    preflight); the plan is unchanged (its file is what valid input always gave) and says so
+    at once instead of at `hetplan run`."""
+    out = tmp_path / "p.json"
+    result = _plan(tmp_path, "-c", "mixed-tp-node", "-b", "64", "--pp", "2", "--tp", "4",
+                   "--tp-controller", "semi", "-o", out)
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert "warning: `hetplan run` refuses this plan: tensor_parallel.controller" in flat
+    assert "re-plan with --zero 0" in flat
+    assert load_plan(out).layout.zero_stage == 1  # type: ignore[union-attr]
+
+
 # -- a pinned degree the cluster or the model cannot have is named --------------------------
 def test_pinned_tp_that_does_not_fit_the_nodes_is_named() -> None:
     """Was: 'no layout ... divides the global batch ...: choose a batch size divisible by a

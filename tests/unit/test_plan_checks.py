@@ -299,6 +299,34 @@ def test_tp_groups_are_tp_groups_of_the_layout_inside_their_stage(tmp_path: Path
             "than one role")
 
 
+def test_tp_roles_prune_at_most_the_controllers_gamma_max(tmp_path: Path) -> None:
+    """A role's gamma above the controller's gamma_max was accepted; `--tp-gamma-max` and the
+    controller both refuse it (a rank pruning every column computes nothing)."""
+    refused(tmp_path, lambda d: d["tensor_parallel"]["groups"][0]["roles"][0].update(gamma=1.0),
+            "tensor_parallel.groups[0].roles[0].gamma: 1.0, above tensor_parallel.controller."
+            "gamma_max 0.9")
+
+
+def test_tp_linears_are_modules_of_the_model(tmp_path: Path) -> None:
+    """The runtime looks shard sizes up by module name: a misspelt one ran even shards."""
+    def misspelt(d: dict[str, Any]) -> None:
+        d["tensor_parallel"]["groups"][0]["linears"] = [
+            {"name": "l9", "split": "column", "features": 8, "shard_sizes": [6, 2]}]
+
+    refused(tmp_path, misspelt, "tensor_parallel.groups[0].linears[0].name: 'l9' is not a "
+            "module of model 'toy'")
+
+    def known(d: dict[str, Any]) -> None:
+        d["tensor_parallel"]["groups"][0]["linears"] = [
+            {"name": "l0", "split": "column", "features": 8, "shard_sizes": [6, 2]}]
+
+    data = json.loads(valid_plan().to_json())
+    known(data)
+    path = tmp_path / "known.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    load_plan(path)  # a layer's own name is a module of the model
+
+
 def test_a_bucket_stays_in_one_stage(tmp_path: Path) -> None:
     def edit(d: dict[str, Any]) -> None:
         b = d["gradient_sync"]["buckets"]

@@ -27,7 +27,9 @@ Rules (each applies when the sections it relates are present):
    deadlock (:func:`~hetplan.ir.pipeline_order.check_progress`, the check the simulator and
    the runtime run, with its message naming each stuck rank and its next action).
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
-   in their tp coordinate), inside its stage; each rank has one role. With per-stage
+   in their tp coordinate), inside its stage; its linears are modules of the workload (their
+   parameters have gradients); each rank has one role, pruning at most the controller's
+   ``gamma_max``. With per-stage
    degrees (``hetero``), one replica's TP group of its stage instead
    (:mod:`hetplan.ir.plan_hetero_checks`, run with rule 3).
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
@@ -411,6 +413,10 @@ def _tensor_parallel(plan: Plan) -> list[str]:
             continue
         if dup := _duplicates([r.rank for r in g.roles]):
             out.append(f"{where}.roles: ranks {dup} have more than one role")
+        gamma_max = tp.controller.gamma_max
+        out += [f"{where}.roles[{j}].gamma: {r.gamma}, above tensor_parallel.controller."
+                f"gamma_max {gamma_max} (the largest pruning ratio the controller may use); "
+                f"{_RERUN}" for j, r in enumerate(g.roles) if r.gamma > gamma_max]
         if lay is not None and lay.num_ranks <= ws and plan.hetero is None:
             dp, pp, _ = lay.coords(g.ranks[0])
             want = list(range(lay.rank_of(dp, pp, 0), lay.rank_of(dp, pp, 0) + lay.tp))
@@ -428,11 +434,31 @@ def _tensor_parallel(plan: Plan) -> list[str]:
         if plan.stages and not set(g.ranks) <= stage_ranks[g.stage]:
             out.append(f"{where}.ranks: {_short(g.ranks)} are not all ranks of its stage "
                        f"{g.stage} {_short(plan.stages[g.stage].ranks)}")
+    out += _tp_linear_names(plan)
     gammas = tp.predicted.expected_gamma if tp.predicted is not None else {}
     if bad_keys := sorted(k for k in gammas if not k.isdigit() or int(k) >= ws):
         out.append(f"tensor_parallel.predicted.expected_gamma: keys {_short(bad_keys)} are not "
                    f"ranks of a world of size {ws}")
     return out[:_MAX_PER_RULE]
+
+
+def _tp_linear_names(plan: Plan) -> list[str]:
+    """Each TP linear is a module of the model: one whose parameters have gradients, or a
+    layer (a tied head's weight has its gradient under the embedding's name). The runtime
+    looks shard sizes up by module name, so a misspelt name would run even shards silently."""
+    tp, workload = plan.tensor_parallel, plan.model.workload
+    if tp is None or workload is None or not workload.grads:
+        return []
+    owners = {g.name.rsplit(".", 1)[0] for g in workload.grads}
+    known = owners | {layer.name for layer in workload.layers}
+    out = []
+    for i, g in enumerate(tp.groups):
+        for j, lin in enumerate(g.linears):
+            if lin.name not in known:
+                out.append(f"tensor_parallel.groups[{i}].linears[{j}].name: {lin.name!r} is not "
+                           f"a module of model {plan.model.name!r}"
+                           f"{did_you_mean(lin.name, sorted(owners))}; {_RERUN}")
+    return out
 
 
 # -- 6. gradient sync -------------------------------------------------------------------------
