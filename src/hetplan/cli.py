@@ -75,6 +75,14 @@ def _user_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _at_least_one(*options: tuple[str, int | None]) -> None:
+    """Refuse a count option below 1 (a batch, a length, a number of workers) by its flag,
+    before anything is imported or captured; None is an option left unset."""
+    for flag, value in options:
+        if value is not None and value < 1:
+            raise SpecError(f"{flag} must be at least 1, got {value}")
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -262,6 +270,7 @@ def ir_cmd(
     """Capture a model and summarise its IR: layers, parameters, FLOPs, gradients."""
     if output is not None:
         check_output_path(output, option="-o/--output")
+    _at_least_one(("--batch", batch), ("--seq", seq))
     t0 = time.perf_counter()
     ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
     seconds = time.perf_counter() - t0
@@ -575,6 +584,7 @@ def profile_cmd(
     from hetplan.profiling import WHAT, SparsitySpec, run_profile
 
     check_output_path(output, option="-o/--output")
+    _at_least_one(("--seq", seq), ("--workers", workers), ("--steps", steps))
     if model and module:
         raise SpecError("give MODEL (a zoo name) or --module pkg.mod:factory, not both")
     if sparsity and not (model or module):

@@ -212,3 +212,26 @@ def test_validate_reads_every_kind_of_file(files: dict[str, Path], path: str | P
     result = run("validate", path)
     assert result.exit_code == 0, result.output
     assert said in result.output
+
+
+# -- options of ir and profile, and a model given as a path -------------------------------
+@pytest.mark.parametrize("argv", [("ir", "tiny-gpt2", "--batch", "0"),
+                                  ("ir", "tiny-gpt2", "--seq", "-4"),
+                                  ("profile", "tiny-gpt2", "--seq", "0")])
+def test_count_options_below_one_are_refused_by_their_flag(
+        argv: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was (ir --batch 0): "example_inputs('tiny-gpt2'): batch must be >= 1, got 0", after
+    importing the model, naming no option."""
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command built the model before checking its options")
+
+    monkeypatch.setattr("hetplan.cli.load_model_ir", forbidden)
+    monkeypatch.setattr("hetplan.profiling.run_profile", forbidden)
+    flag = argv[2]
+    refused(run(*argv), f"{flag} must be at least 1, got {argv[3]}")
+
+
+def test_a_model_given_as_a_path_is_pointed_to_module_and_workload() -> None:
+    refused(run("plan", "./mymodel.py", "-c", "local-cpu", "-b", "8"),
+            "unknown model './mymodel.py' in the hetplan zoo",
+            "--module pkg.mod:factory", "--workload FILE")
