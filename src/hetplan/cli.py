@@ -269,7 +269,7 @@ def ir_cmd(
 ) -> None:
     """Capture a model and summarise its IR: layers, parameters, FLOPs, gradients."""
     if output is not None:
-        check_output_path(output, option="-o/--output")
+        check_output_path(output, option="-o/--output", kind="workload")
     _at_least_one(("--batch", batch), ("--seq", seq))
     t0 = time.perf_counter()
     ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
@@ -425,7 +425,7 @@ def plan_cmd(
 
     # Everything the user typed is checked before the model is captured or anything planned.
     if output is not None:
-        check_output_path(output, option="-o/--output")
+        check_output_path(output, option="-o/--output", kind="plan")
     if hetero not in ("off", "auto", "on"):
         raise SpecError(f"--hetero must be off, auto or on, got {hetero!r}")
     if sparse not in ("off", "auto", "zen"):
@@ -583,7 +583,7 @@ def profile_cmd(
     --sparsity, the model's sparse gradients into a profile DB."""
     from hetplan.profiling import WHAT, SparsitySpec, run_profile
 
-    check_output_path(output, option="-o/--output")
+    check_output_path(output, option="-o/--output", kind="profile DB")
     _at_least_one(("--seq", seq), ("--workers", workers), ("--steps", steps))
     if model and module:
         raise SpecError("give MODEL (a zoo name) or --module pkg.mod:factory, not both")
@@ -606,6 +606,7 @@ def profile_cmd(
     if link_kind is not None and link_kind not in kinds:
         raise SpecError(f"--link-kind {link_kind!r}: choose one of {', '.join(kinds)}"
                         f"{did_you_mean(link_kind, list(kinds))}")
+    _measures_the_device_type(device_type, chosen)
     dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
     bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
     if bad:
@@ -637,6 +638,24 @@ def profile_cmd(
         f"{len(db.sparsity)} sparsity record(s), {len(db.optimizer_steps)} optimizer-step "
         f"record(s), {len(db.handovers)} hand-over record(s)"
     )
+
+
+def _measures_the_device_type(device_type: str, what: tuple[str, ...]) -> None:
+    """Refuse to file measurements of this machine's CPU under a built-in GPU type: without
+    a CUDA device `hetplan profile` times on the CPU, and a plan would price an A100 at the
+    CPU's speed. A type of the user's own (a cluster file's name for its CPU processes) is
+    theirs to choose."""
+    from hetplan.ir.cluster import DEVICE_CATALOGUE
+
+    if device_type == "cpu" or device_type not in DEVICE_CATALOGUE or not what:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SpecError(
+            f"--device-type {device_type!r} is a GPU type, but this machine has no CUDA device: "
+            "the records would be CPU times filed as that GPU's; profile on a machine with "
+            f"one, or file them as --device-type cpu")
 
 
 @app.command(
@@ -1160,7 +1179,7 @@ def export_cmd(
     from hetplan.report.export import export_plan
 
     if output is not None:
-        check_output_path(output, option="-o/--output")
+        check_output_path(output, option="-o/--output", kind="")
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
     result = export_plan(plan, to, cluster=cluster, profile=profile)

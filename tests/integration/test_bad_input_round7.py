@@ -235,3 +235,45 @@ def test_a_model_given_as_a_path_is_pointed_to_module_and_workload() -> None:
     refused(run("plan", "./mymodel.py", "-c", "local-cpu", "-b", "8"),
             "unknown model './mymodel.py' in the hetplan zoo",
             "--module pkg.mod:factory", "--workload FILE")
+
+
+# -- an output path that holds a file of another kind ---------------------------------------
+def test_run_report_onto_the_plan_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
+    """Was: accepted; the run's report replaced the plan it was trained with."""
+    plan = tmp_path / "p.json"
+    plan.write_bytes(files["plan"].read_bytes())
+    refused(run("run", plan, "--model", "gpt-test", "--report", plan, "--dry-run"),
+            f"--report '{plan}' is a plan (written by `hetplan plan`); writing the run report "
+            "there would overwrite it")
+    assert plan.read_bytes() == files["plan"].read_bytes()
+
+
+def test_outputs_onto_a_file_of_another_kind_are_refused(files: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    cluster = tmp_path / "c.yaml"
+    cluster.write_bytes(CLUSTER_YAML.read_bytes())
+    refused(_plan(tmp_path, "-c", "local-cpu", "-b", "8", "-o", cluster),
+            f"-o/--output '{cluster}' is a cluster spec; writing the plan there would "
+            "overwrite it")
+    assert cluster.read_bytes() == CLUSTER_YAML.read_bytes()
+    plan = tmp_path / "p.json"
+    plan.write_bytes(files["plan"].read_bytes())
+    refused(run("export", files["plan"], "--to", "megatron", "-o", plan),
+            f"-o/--output '{plan}' is a plan")
+    # a plan over a plan, an engine config over a file of no hetplan kind: as before
+    assert _plan(tmp_path, "-c", "local-cpu", "-b", "8", "-o", plan).exit_code == 0
+    other = tmp_path / "args.txt"
+    other.write_text("--old\n")
+    assert run("export", plan, "--to", "megatron", "-o", other).exit_code == 0
+
+
+def test_profile_a_gpu_type_on_a_machine_without_one_is_refused(
+        no_measuring: None, tmp_path: Path) -> None:
+    """Was: CPU times filed as the A100-80GB's, which `plan --profile` then priced A100s at."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: its GPU type is measured on it")
+    refused(run("profile", "--what", "compressors", "--device-type", "A100-80GB", "-o",
+                tmp_path / "db.json"),
+            "--device-type 'A100-80GB' is a GPU type, but this machine has no CUDA device")

@@ -30,6 +30,7 @@ __all__ = [
     "MAX_FILE_BYTES",
     "check_kind",
     "check_output_path",
+    "check_overwrite",
     "check_shape",
     "file_kind",
     "format_loc",
@@ -399,16 +400,40 @@ def _kind_of(value: Any) -> str:
 # --------------------------------------------------------------------------------------
 # output paths
 # --------------------------------------------------------------------------------------
-def check_output_path(path: str | Path, *, option: str) -> Path:
+def check_overwrite(path: str | Path, *, option: str, kind: str) -> None:
+    """Refuse to overwrite a hetplan file of another kind than ``kind`` (what is about to be
+    written there, a kind of :func:`file_kind`; ``""`` for a file of no hetplan kind, such
+    as an engine's configuration): ``hetplan run plan.json --report plan.json`` would replace
+    the plan with its run report, ``hetplan plan ... -o cluster.yaml`` the cluster spec. A
+    file that is not a readable YAML or JSON mapping is someone else's to overwrite."""
+    p = Path(path)
+    if not p.is_file():
+        return
+    try:
+        found = file_kind(load_structured_file(p, what="output"))
+    except SpecError:
+        return
+    if found is None or found == kind:
+        return
+    described = next(k[1] for k in _KINDS if k[0] == found)
+    raise SpecError(f"{option} {str(p)!r} is {described}; writing "
+                    f"{'the ' + kind if kind else 'the output'} there would overwrite it: "
+                    "choose another path")
+
+
+def check_output_path(path: str | Path, *, option: str, kind: str | None = None) -> Path:
     """Refuse, before any work, an output file that could not be written.
 
     The directory must exist (hetplan never creates directories: a typo in ``-o
     /nonexistent/x.png`` must not create ``/nonexistent``) and be writable, and the path
-    must not be a directory.
+    must not be a directory, nor, with ``kind``, a hetplan file of another kind
+    (:func:`check_overwrite`).
 
     Args:
         path: the file to be written.
         option: how the user gave it (``"-o/--output"``), for the message.
+        kind: what will be written (a kind of :func:`file_kind`, ``""`` for none), to refuse
+            overwriting a file of another kind; None does not look at an existing file.
 
     Returns:
         ``path`` as a :class:`Path`.
@@ -428,6 +453,8 @@ def check_output_path(path: str | Path, *, option: str) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise SpecError(f"{option} {str(p)!r} cannot be written (permission denied); choose "
                         "another path")
+    if kind is not None:
+        check_overwrite(p, option=option, kind=kind)
     return p
 
 

@@ -66,6 +66,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from hetplan.errors import SpecError
+from hetplan.ir.files import check_overwrite
 from hetplan.ir.plan import Plan, check_plan_matches
 from hetplan.runtime import proctree
 from hetplan.runtime.composition import refusals
@@ -280,6 +281,7 @@ def preflight(
         raise SpecError(f"--timeout must be in (0, 86400] seconds, got {timeout_s}")
     if report is not None:
         _check_writable(Path(report), "--report")
+        check_overwrite(report, option="--report", kind="run report")
     layout = plan.layout
     if layout is None:
         raise SpecError("the plan has no layout; compile it with `hetplan plan`")
