@@ -27,9 +27,8 @@ Rules (each applies when the sections it relates are present):
    deadlock (:func:`~hetplan.ir.pipeline_order.check_progress`, the check the simulator and
    the runtime run, with its message naming each stuck rank and its next action).
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
-   in their tp coordinate), inside its stage; its linears are modules of the workload (their
-   parameters have gradients); each rank has one role, pruning at most the controller's
-   ``gamma_max``. With per-stage
+   in their tp coordinate), inside its stage; its linears are inside layers of the workload;
+   each rank has one role, pruning at most the controller's ``gamma_max``. With per-stage
    degrees (``hetero``), one replica's TP group of its stage instead
    (:mod:`hetplan.ir.plan_hetero_checks`, run with rule 3).
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
@@ -65,6 +64,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterable
 from typing import Protocol
 
 from hetplan.ir.cluster import ClusterSpec
@@ -179,11 +179,28 @@ def _cluster(plan: Plan, spec: ClusterSpec | None, label: str, given: bool) -> l
             out.append(f"precision.devices[{name!r}].peak_dtype: {dev.peak_dtype!r}, but "
                        f"{label} lists no {name} peak for it (it lists "
                        f"{', '.join(spec.device_types[name].peak_tflops)})")
+        elif want := _peak_problem(dev.compute_dtype, dev.peak_dtype,
+                                   spec.device_types[name].peak_tflops):
+            out.append(f"precision.devices[{name!r}].peak_dtype: {dev.peak_dtype!r}, but it "
+                       f"computes in {dev.compute_dtype!r}, which is priced at {want!r} on "
+                       f"{name} ({label} lists {', '.join(spec.device_types[name].peak_tflops)}"
+                       f"); {_RERUN}")
     if not given and ref.fingerprint != spec.fingerprint():
         out.append(f"cluster.fingerprint: {ref.fingerprint!r}, but the embedded cluster spec "
                    f"has fingerprint {spec.fingerprint()!r} (was cluster.spec edited after "
                    f"planning?); {_RERUN} for the cluster you mean")
     return out
+
+
+def _peak_problem(compute: str, peak: str, listed: Iterable[str]) -> str:
+    """The peak a 16-bit compute dtype is priced at (its own where the device lists it, else
+    fp32's: :func:`hetplan.cost_models.precision.peak_dtype`) when ``peak`` is another, or
+    fp32's for fp32 compute priced at a 16-bit peak; "" when ``peak`` is right (fp32 compute
+    may be priced at another listed fp32-class peak: the ``tf32`` policy)."""
+    if compute in ("bf16", "fp16"):
+        want = compute if compute in set(listed) else "fp32"
+        return want if peak != want else ""
+    return "fp32" if peak in ("bf16", "fp16", "fp8", "int8") else ""
 
 
 # -- 2. layout --------------------------------------------------------------------------------
@@ -196,6 +213,10 @@ def _layout(plan: Plan, spec: ClusterSpec | None, label: str) -> list[str]:
         out.append(f"layout: dp={lay.dp} x pp={lay.pp} x tp={lay.tp} = {lay.num_ranks} ranks, "
                    f"but cluster {plan.cluster.name!r} has world_size {ws}: {_RERUN}")
     out += _schedule_sizes(lay)
+    if lay.sequence_parallel and lay.tp == 1:
+        out.append("layout.sequence_parallel: true, but tp=1: sequence parallelism splits the "
+                   "activations of a tensor-parallel group; set it to false or re-run "
+                   "`hetplan plan` with --tp 2 or more")
     batch = lay.dp * lay.micro_batch_size * lay.micro_batches
     if lay.global_batch_size is not None and lay.global_batch_size != batch:
         out.append(f"layout.global_batch_size: {lay.global_batch_size}, but dp={lay.dp} x "
@@ -443,21 +464,25 @@ def _tensor_parallel(plan: Plan) -> list[str]:
 
 
 def _tp_linear_names(plan: Plan) -> list[str]:
-    """Each TP linear is a module of the model: one whose parameters have gradients, or a
-    layer (a tied head's weight has its gradient under the embedding's name). The runtime
-    looks shard sizes up by module name, so a misspelt name would run even shards silently."""
+    """Each TP linear is inside a layer of the workload (its name is a layer's, a parameter
+    owner's, or under a layer's): the runtime looks shard sizes up by module name, so a
+    linear of a layer the model does not have would run even shards silently. (The workload
+    names layers and gradients, not every linear: a misspelling inside a layer is found
+    only against the model itself.)"""
     tp, workload = plan.tensor_parallel, plan.model.workload
-    if tp is None or workload is None or not workload.grads:
+    if tp is None or workload is None or not workload.layers:
         return []
+    layers = {layer.name for layer in workload.layers}
     owners = {g.name.rsplit(".", 1)[0] for g in workload.grads}
-    known = owners | {layer.name for layer in workload.layers}
     out = []
     for i, g in enumerate(tp.groups):
         for j, lin in enumerate(g.linears):
-            if lin.name not in known:
+            parts = lin.name.split(".")
+            inside = any(".".join(parts[:k]) in layers for k in range(1, len(parts) + 1))
+            if not inside and lin.name not in owners:
                 out.append(f"tensor_parallel.groups[{i}].linears[{j}].name: {lin.name!r} is not "
-                           f"a module of model {plan.model.name!r}"
-                           f"{did_you_mean(lin.name, sorted(owners))}; {_RERUN}")
+                           f"inside a layer of model {plan.model.name!r}"
+                           f"{did_you_mean(lin.name, sorted(owners | layers))}; {_RERUN}")
     return out
 
 
