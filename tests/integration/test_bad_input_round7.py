@@ -277,3 +277,11 @@ def test_profile_a_gpu_type_on_a_machine_without_one_is_refused(
     refused(run("profile", "--what", "compressors", "--device-type", "A100-80GB", "-o",
                 tmp_path / "db.json"),
             "--device-type 'A100-80GB' is a GPU type, but this machine has no CUDA device")
+
+
+def test_a_pass_option_out_of_range_names_the_option() -> None:
+    """Was: "pass 'cupcake-fusion' failed after passes [...]: ValueError: ops_table needs a
+    non-empty 1-D list of sizes, got shape (0,)" once the search had run."""
+    refused(_plan(Path(), "-c", "mixed-generations", "-b", "64", "--pp", "2", "--passes",
+                  "dynpipe,even-tp,ddp-buckets,cupcake-fusion{max-group=-1}"),
+            "--passes: pass 'cupcake-fusion'", "max-group must be at least 1", "got -1")
