@@ -285,3 +285,11 @@ def test_a_pass_option_out_of_range_names_the_option() -> None:
     refused(_plan(Path(), "-c", "mixed-generations", "-b", "64", "--pp", "2", "--passes",
                   "dynpipe,even-tp,ddp-buckets,cupcake-fusion{max-group=-1}"),
             "--passes: pass 'cupcake-fusion'", "max-group must be at least 1", "got -1")
+
+
+def test_a_pipeline_that_does_not_start_with_its_stages_pass_gets_a_runnable_example(
+        ) -> None:
+    """Was: "e.g. 'dynpipe,ddp-buckets,even-tp,dynpipe'" (the stages pass twice)."""
+    refused(_plan(Path(), "-c", "mixed-generations", "-b", "64", "--passes",
+                  "ddp-buckets,even-tp,dynpipe"),
+            "start it with a pass that writes them", "e.g. 'dynpipe,ddp-buckets,even-tp'")
