@@ -293,3 +293,17 @@ def test_a_pipeline_that_does_not_start_with_its_stages_pass_gets_a_runnable_exa
     refused(_plan(Path(), "-c", "mixed-generations", "-b", "64", "--passes",
                   "ddp-buckets,even-tp,dynpipe"),
             "start it with a pass that writes them", "e.g. 'dynpipe,ddp-buckets,even-tp'")
+
+
+def test_a_cluster_path_that_does_not_exist_is_called_a_missing_file() -> None:
+    """Was: "unknown cluster preset './mycluster' (available: ...)"."""
+    refused(_plan(Path(), "-c", "./no/such/cluster", "-b", "8"),
+            "cluster spec file './no/such/cluster' does not exist (resolved to",
+            "check the path, or name a preset")
+
+
+def test_a_training_script_that_is_a_directory_is_called_one(files: dict[str, Path],
+                                                             tmp_path: Path) -> None:
+    """Was: "training script '...' does not exist" for a directory that does."""
+    refused(run("run", files["plan"], "--script", tmp_path, "--dry-run"),
+            f"--script: training script '{tmp_path}' is a directory")

@@ -95,7 +95,9 @@ def torchrun_command(
     if plan.layout is None:
         raise SpecError(f"{plan_path}: the plan has no layout; compile it with `hetplan plan`")
     if script is not None and not Path(script).is_file():
-        raise SpecError(f"--script: training script {str(script)!r} does not exist")
+        what = "is a directory" if Path(script).is_dir() else "does not exist"
+        raise SpecError(f"--script: training script {str(script)!r} {what}; pass the path of "
+                        "a Python file")
     if script is None and bool(model) == bool(module):
         raise SpecError("give exactly one of --model NAME or --module pkg.mod:factory "
                         "(or --script train.py)")
