@@ -213,7 +213,7 @@ def _layout(plan: Plan, spec: ClusterSpec | None, label: str) -> list[str]:
         out.append(f"layout: dp={lay.dp} x pp={lay.pp} x tp={lay.tp} = {lay.num_ranks} ranks, "
                    f"but cluster {plan.cluster.name!r} has world_size {ws}: {_RERUN}")
     out += _schedule_sizes(lay)
-    if lay.sequence_parallel and lay.tp == 1:
+    if lay.sequence_parallel and lay.tp == 1 and plan.hetero is None:  # (hetero: per stage)
         out.append("layout.sequence_parallel: true, but tp=1: sequence parallelism splits the "
                    "activations of a tensor-parallel group; set it to false or re-run "
                    "`hetplan plan` with --tp 2 or more")
