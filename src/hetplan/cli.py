@@ -732,10 +732,12 @@ def run_cmd(
 @dataclasses.dataclass(frozen=True)
 class _RunModel:
     """The model ``hetplan run`` was given (its name as the user gave it), fingerprinted as
-    the ranks will fingerprint it."""
+    the ranks will fingerprint it, with its captured layers (their linears: the plan's TP
+    linears are checked against them)."""
 
     name: str
     digest: str
+    layers: tuple[Any, ...] = ()
 
     def fingerprint(self) -> str:
         return self.digest
@@ -761,7 +763,7 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
         given = entry.name
     with err.status(f"checking {given} against the plan …", spinner="dots"):
         ir = capture(m, args, kwargs, name=plan.model.name)
-    return _RunModel(given, ir.fingerprint())
+    return _RunModel(given, ir.fingerprint(), tuple(ir.layers))
 
 
 @app.command("simulate")

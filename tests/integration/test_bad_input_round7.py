@@ -307,3 +307,23 @@ def test_a_training_script_that_is_a_directory_is_called_one(files: dict[str, Pa
     """Was: "training script '...' does not exist" for a directory that does."""
     refused(run("run", files["plan"], "--script", tmp_path, "--dry-run"),
             f"--script: training script '{tmp_path}' is a directory")
+
+
+def test_a_tp_linear_the_model_does_not_have_is_refused_before_the_run(tmp_path: Path) -> None:
+    """A linear misspelt inside a real layer passes the plan validator (the workload names
+    layers, not linears); the runtime looked its shard sizes up by module name and ran even
+    shards. `hetplan run` checks the plan against the model before any rank starts."""
+    from hetplan.optimizer.compile import compile as compile_plan
+
+    plan = compile_plan("gpt-test", "mixed-tp-node", batch_size=64, pp=2, tp=4, zero_stage=0,
+                        tp_controller="semi")
+    data = json.loads(plan.to_json())
+    data["tensor_parallel"]["groups"][0]["linears"] = [  # 'fcl' for 'fc1'
+        {"name": "blocks.0.fcl", "split": "column", "features": 256,
+         "shard_sizes": [96, 96, 32, 32]}]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert run("validate", path).exit_code == 0  # inside layer blocks.0: the file is valid
+    refused(run("run", path, "--model", "gpt-test", "--dry-run"),
+            "tensor_parallel names linear(s) ['blocks.0.fcl'] that model 'gpt-test' does not "
+            "have (did you mean 'blocks.0.fc")

@@ -399,6 +399,8 @@ def check_plan_matches(
             f"(fingerprint {model_ir.fingerprint()}): its layers, parameter sizes or input "
             "shapes differ from what was planned"
         )
+    if model_ir is not None:
+        problems += _unknown_tp_linears(plan, model_ir)
     if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
         problems.append(
             f"the plan is for cluster {plan.cluster.name!r} (fingerprint "
@@ -415,6 +417,26 @@ def check_plan_matches(
             "plan does not match: " + "; ".join(problems) + f". To fix, {_RERUN} "
             "(or load the plan that was made for them)."
         )
+
+
+def _unknown_tp_linears(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
+    """The TP linears of ``plan`` that ``model_ir`` (a ModelIR: its layers' ``linears``) does
+    not have: the runtime looks shard sizes up by module name, so a misspelt one would run
+    even shards. The plan validator sees only the workload's layers; this is the check
+    against the model itself."""
+    tp = plan.tensor_parallel
+    layers = getattr(model_ir, "layers", None)
+    if tp is None or layers is None:
+        return []
+    known = sorted({lin.name for layer in layers for lin in getattr(layer, "linears", ())})
+    unknown = sorted({lin.name for g in tp.groups for lin in g.linears} - set(known))
+    if not unknown:
+        return []
+    from hetplan.ir.validation import did_you_mean
+
+    near = did_you_mean(unknown[0], known).removeprefix("; ")
+    return [f"tensor_parallel names linear(s) {unknown} that model {model_ir.name!r} does "
+            f"not have" + (f" ({near})" if near else "")]
 
 
 def export_json_schema() -> str:
