@@ -420,15 +420,16 @@ def check_plan_matches(
 
 
 def _unknown_tp_linears(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
-    """The TP linears of ``plan`` that ``model_ir`` (a ModelIR: its layers' ``linears``) does
-    not have: the runtime looks shard sizes up by module name, so a misspelt one would run
+    """The TP linears of ``plan`` that ``model_ir`` (a ModelIR: its layers and their
+    ``linears``) does not have: the runtime looks shard sizes up by module name, so a misspelt one would run
     even shards. The plan validator sees only the workload's layers; this is the check
     against the model itself."""
     tp = plan.tensor_parallel
     layers = getattr(model_ir, "layers", None)
     if tp is None or layers is None:
         return []
-    known = sorted({lin.name for layer in layers for lin in getattr(layer, "linears", ())})
+    known = sorted({lin.name for layer in layers for lin in getattr(layer, "linears", ())}
+                   | {layer.name for layer in layers})  # a layer may be one linear
     unknown = sorted({lin.name for g in tp.groups for lin in g.linears} - set(known))
     if not unknown:
         return []
