@@ -738,6 +738,7 @@ class _RunModel:
     name: str
     digest: str
     layers: tuple[Any, ...] = ()
+    grad_tensors: tuple[Any, ...] = ()
 
     def fingerprint(self) -> str:
         return self.digest
@@ -763,7 +764,7 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
         given = entry.name
     with err.status(f"checking {given} against the plan …", spinner="dots"):
         ir = capture(m, args, kwargs, name=plan.model.name)
-    return _RunModel(given, ir.fingerprint(), tuple(ir.layers))
+    return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors))
 
 
 @app.command("simulate")

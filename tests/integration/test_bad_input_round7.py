@@ -327,3 +327,22 @@ def test_a_tp_linear_the_model_does_not_have_is_refused_before_the_run(tmp_path:
     refused(run("run", path, "--model", "gpt-test", "--dry-run"),
             "tensor_parallel names linear(s) ['blocks.0.fcl'] that model 'gpt-test' does not "
             "have (did you mean 'blocks.0.fc")
+
+
+def test_a_plan_whose_workload_was_edited_is_refused_before_the_run(tmp_path: Path) -> None:
+    """Every command read the edited numbers as the model's (a gradient of 0 bytes was priced
+    as such) and `run` trained the real model; the file alone cannot tell, the model can."""
+    from hetplan.optimizer.compile import compile as compile_plan
+
+    plan = compile_plan("gpt-test", "local-cpu", batch_size=8)
+    path = tmp_path / "p.json"
+    plan.save(path)
+    assert run("run", path, "--model", "gpt-test", "--dry-run").exit_code == 0
+    data = json.loads(path.read_text())
+    data["model"]["workload"]["grads"][0]["size_bytes"] = 0
+    path.write_text(json.dumps(data))
+    assert run("validate", path).exit_code == 0
+    name = data["model"]["workload"]["grads"][0]["name"]
+    refused(run("run", path, "--model", "gpt-test", "--dry-run"),
+            f"model.workload.grads[0] (name / size_bytes / layer_index): ('{name}', 0,",
+            "the plan was edited after planning")

@@ -399,8 +399,8 @@ def check_plan_matches(
             f"(fingerprint {model_ir.fingerprint()}): its layers, parameter sizes or input "
             "shapes differ from what was planned"
         )
-    if model_ir is not None:
-        problems += _unknown_tp_linears(plan, model_ir)
+    if model_ir is not None and not problems:  # the model planned for: was the plan edited?
+        problems += _edited_workload(plan, model_ir) + _unknown_tp_linears(plan, model_ir)
     if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
         problems.append(
             f"the plan is for cluster {plan.cluster.name!r} (fingerprint "
@@ -417,6 +417,33 @@ def check_plan_matches(
             "plan does not match: " + "; ".join(problems) + f". To fix, {_RERUN} "
             "(or load the plan that was made for them)."
         )
+
+
+def _edited_workload(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
+    """The first difference between the plan's embedded workload and the model it was made
+    for (same fingerprint) in what capture alone decides: layer names and parameter bytes,
+    gradient names, sizes and layers. A plan file whose workload was edited is priced on the
+    edited numbers and runs the real model; the file alone cannot tell (the fingerprint
+    hashes the whole IR, which the plan does not embed)."""
+    workload = plan.model.workload
+    layers, grads = getattr(model_ir, "layers", None), getattr(model_ir, "grad_tensors", None)
+    if workload is None or layers is None or grads is None:
+        return []
+    ours = [("layers", i, "name / param_bytes", (x.name, x.param_bytes))
+            for i, x in enumerate(workload.layers)]
+    theirs = [(x.name, x.param_bytes) for x in layers]
+    ours_g = [("grads", i, "name / size_bytes / layer_index",
+               (g.name, g.size_bytes, g.layer_index)) for i, g in enumerate(workload.grads)]
+    theirs_g = [(g.name, g.size_bytes, g.layer_index) for g in grads]
+    for mine, real in ((ours, theirs), (ours_g, theirs_g)):
+        if len(mine) != len(real):
+            return [f"model.workload.{mine[0][0] if mine else 'layers'}: {len(mine)}, but model "
+                    f"{model_ir.name!r} has {len(real)}: the plan was edited after planning"]
+        for (section, i, fields, value), want in zip(mine, real):
+            if value != want:
+                return [f"model.workload.{section}[{i}] ({fields}): {value}, but model "
+                        f"{model_ir.name!r} has {want}: the plan was edited after planning"]
+    return []
 
 
 def _unknown_tp_linears(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
