@@ -58,6 +58,11 @@ model. The caller checks that cluster's fingerprint itself.
 
 Complexity: O(world size + layers + gradients + pipeline actions) (the progress check is
 linear in the actions: a blocked rank sleeps until its dependency ends).
+
+The module is somewhat over 600 lines on purpose: it is the one validator, its rules read
+in the order above, each a short function over the shared helpers at the end; sections with
+rules of their own live beside it (:mod:`hetplan.ir.plan_hetero_checks`,
+:mod:`hetplan.ir.plan_group_sync`).
 """
 
 from __future__ import annotations
