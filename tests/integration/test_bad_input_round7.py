@@ -346,3 +346,24 @@ def test_a_plan_whose_workload_was_edited_is_refused_before_the_run(tmp_path: Pa
     refused(run("run", path, "--model", "gpt-test", "--dry-run"),
             f"model.workload.grads[0] (name / size_bytes / layer_index): ('{name}', 0,",
             "the plan was edited after planning")
+
+
+def test_hetero_on_a_one_node_mixed_cluster_plans(tmp_path: Path) -> None:
+    """Was: "cluster 'one-node-mixed' has 1 node and no 'inter_node' link; cost inter-node
+    collectives only on multi-node clusters" (exit 2): the per-stage search priced every
+    stage boundary as crossing nodes, which one node does not have."""
+    cluster = tmp_path / "one-node-mixed.yaml"
+    cluster.write_text(
+        "name: one-node-mixed\n"
+        "nodes:\n"
+        "- name: box\n"
+        "  count: 1\n"
+        "  devices:\n"
+        "  - {type: A100-80GB, count: 2}\n"
+        "  - {type: V100-SXM2-32GB, count: 2}\n"
+        "  cpu_cores: 64\n"
+        "  intra_link: {kind: pcie, bandwidth_gbps: 256.0, latency_us: 5.0}\n")
+    out = tmp_path / "p.json"
+    result = _plan(tmp_path, "-c", cluster, "-b", "16", "--hetero", "on", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert load_plan(out).hetero is not None
