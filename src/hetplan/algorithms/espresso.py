@@ -67,7 +67,8 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   once, replaces one tensor's ops on an accepted change (``DPSession.replace``) and keeps
   ``Remove()``'s tensors as a bool per tensor. Same choices; measured in
   ``docs/decisions/espresso-speed.md``, "Round 7".
-- Step-for-step dominance (with ``prune``, :class:`~hetplan.algorithms.espresso_candidates.Candidates`): an option whose ops are
+- Step-for-step dominance (with ``prune``,
+  :class:`~hetplan.algorithms.espresso_candidates.Candidates`): an option whose ops are
   another option's ops on the same resources in the same order, each step at least as long
   and one longer, is not tried (the baseline always is). The simulator is not monotone in op
   durations in every case, so this can change the result: on the 36 cases of

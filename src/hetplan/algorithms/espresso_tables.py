@@ -5,15 +5,16 @@ can give :class:`~hetplan.algorithms.espresso.SelectionProblem` an ``ops_table``
 the resources of its ops (one path, the same for every class), their durations at every
 class (one row per class) and, per class, the number its ops' values are interned to
 (``ops_fields``). :func:`keep_by_row` then decides, for every class at once, which options
-Algorithm 4.1 simulates: what :class:`~hetplan.algorithms.espresso_candidates.Candidates` decides one
-class at a time from the ops tuples (the first option of equal ops stands for them; with
-``prune``, an option whose ops are another's ops step for step, every step at least as long
-and one longer, is dropped; the baseline always stays), with numpy over the tables instead of
-Python over the tuples. Same lists, same order: ``tests/unit/test_espresso_tables.py``
-compares the two on the bench's workloads.
+Algorithm 4.1 simulates: what :class:`~hetplan.algorithms.espresso_candidates.Candidates`
+decides one class at a time from the ops tuples (the first option of equal ops stands for
+them; with ``prune``, an option whose ops are another's ops step for step, every step at
+least as long and one longer, is dropped; the baseline always stays), with numpy over the
+tables instead of Python over the tuples. Same lists, same order:
+``tests/unit/test_espresso_tables.py`` compares the two on random instances, and
+``bench/espresso_choices.py`` gives the same choices in the 36 bench cases.
 
-Why: with the table rows of 17-20 size classes and 150-300 options per rung, the per-tuple
-filter was a third of vgg16's GPU selection (17 of 46 ms) and 10 % of ugatit's
+Why: with 17-20 size classes and up to 128 options per rung, the per-tuple filter was a
+third of vgg16's GPU selection (17 of 46 ms) and 10 % of ugatit's
 (``docs/decisions/espresso-speed.md``, "Round 7").
 """
 
