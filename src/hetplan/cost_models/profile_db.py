@@ -39,7 +39,12 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   timed inside the runtime's own training step of the profiled model
   (:mod:`hetplan.profiling.sync_step`): the burst is the step without the sync, a sample what
   the sync adds to it; ``zero3_forward`` / ``zero3_backward`` likewise what the runtime's
-  ZeRO-3 (FSDP2) adds to the plain forward and backward.
+  ZeRO-3 (FSDP2) adds to the plain forward and backward. ``tp_forward`` / ``tp_backward``
+  (and ``tp_sp_*`` with sequence parallelism; :mod:`hetplan.profiling.tp_step`, added the
+  same way) are the runtime's tensor-parallel forward and backward of the whole profiled
+  model, TP collectives included, with every TP group running at once; they carry the
+  ``micro_batch`` they were timed at (a field written only when set, so older records are
+  written unchanged).
 * :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
   statistics of one row-sparse (embedding) gradient when ``workers`` data-parallel workers
   each look up ``batch_size`` samples per synchronized step (``hetplan profile --sparsity``,
@@ -432,25 +437,34 @@ class HandoverRecord(BaseModel):
             sync, forward, backward and optimizer; the seconds what the sync adds to it),
             ``zero3_forward`` / ``zero3_backward`` (the runtime's ZeRO-3 phase: the burst is
             the plain replica's phase, the seconds what ZeRO-3 adds to it; ``nbytes`` the
-            model's fp32 parameters).
+            model's fp32 parameters), ``tp_forward`` / ``tp_backward`` and ``tp_sp_forward`` /
+            ``tp_sp_backward`` (the runtime's tensor-parallel phase of the whole profiled
+            model over groups of ``group_size``, all groups at once, without / with sequence
+            parallelism: the burst is the unsplit model's phase on every process, the
+            seconds the TP phase itself, its collectives included; ``nbytes`` the model's
+            fp32 parameters).
         backend / link_kind / group_size: as in :class:`CollectiveRecord` (p2p: 2).
         processes: processes computing and communicating at once (every group of
             ``group_size`` among them talks at the same time).
         nbytes: the message (per-rank buffer) the samples were taken with; a profile may hold
             the same operation at several sizes, one record each.
         samples: one per burst length, sorted by ``burst_s``, at most one per length.
+        micro_batch: the samples per rank the phase was timed at (the ``tp_*`` phases; None
+            for the messages, and not written then).
     """
 
     model_config = _CONFIG
 
     operation: Literal["p2p", "allreduce", "allreduce_step", "zero3_forward",
-                       "zero3_backward"]
+                       "zero3_backward", "tp_forward", "tp_backward", "tp_sp_forward",
+                       "tp_sp_backward"]
     backend: _Name
     link_kind: _Name
     group_size: int = Field(ge=2)
     processes: int = Field(ge=2)
     nbytes: int = Field(ge=1)
     samples: tuple[HandoverSample, ...] = Field(min_length=1)
+    micro_batch: int | None = Field(default=None, ge=1)
 
     @field_validator("samples")
     @classmethod
@@ -658,6 +672,9 @@ class ProfileDB(BaseModel):
         for key in ("sparsity", "optimizer_steps", "handovers"):
             if not data[key]:
                 del data[key]
+        for rec in data.get("handovers", ()):
+            if rec["micro_batch"] is None:
+                del rec["micro_batch"]
         return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
 
     def save(self, path: str | Path) -> None:
