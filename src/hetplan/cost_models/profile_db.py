@@ -39,7 +39,8 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   timed inside the runtime's own training step of the profiled model
   (:mod:`hetplan.profiling.sync_step`): the burst is the step without the sync, a sample what
   the sync adds to it; ``zero3_forward`` / ``zero3_backward`` likewise what the runtime's
-  ZeRO-3 (FSDP2) adds to the plain forward and backward. ``tp_forward`` / ``tp_backward``
+  ZeRO-3 (FSDP2) adds to the plain forward and backward, and ``zero3_step`` its optimizer
+  step over the sharded parameters. ``tp_forward`` / ``tp_backward``
   (and ``tp_sp_*`` with sequence parallelism; :mod:`hetplan.profiling.tp_step`, added the
   same way) are the runtime's tensor-parallel forward and backward of the whole profiled
   model, TP collectives included, with every TP group running at once; they carry the
@@ -437,7 +438,9 @@ class HandoverRecord(BaseModel):
             sync, forward, backward and optimizer; the seconds what the sync adds to it),
             ``zero3_forward`` / ``zero3_backward`` (the runtime's ZeRO-3 phase: the burst is
             the plain replica's phase, the seconds what ZeRO-3 adds to it; ``nbytes`` the
-            model's fp32 parameters), ``tp_forward`` / ``tp_backward`` and ``tp_sp_forward`` /
+            model's fp32 parameters), ``zero3_step`` (the burst is the plain replica's
+            optimizer step, the seconds FSDP2's step over the sharded model's DTensors, as
+            is), ``tp_forward`` / ``tp_backward`` and ``tp_sp_forward`` /
             ``tp_sp_backward`` (the runtime's tensor-parallel phase of the whole profiled
             model over groups of ``group_size``, all groups at once, without / with sequence
             parallelism: the burst is the unsplit model's phase on every process, the
@@ -456,8 +459,8 @@ class HandoverRecord(BaseModel):
     model_config = _CONFIG
 
     operation: Literal["p2p", "allreduce", "allreduce_step", "zero3_forward",
-                       "zero3_backward", "tp_forward", "tp_backward", "tp_sp_forward",
-                       "tp_sp_backward"]
+                       "zero3_backward", "zero3_step", "tp_forward", "tp_backward",
+                       "tp_sp_forward", "tp_sp_backward"]
     backend: _Name
     link_kind: _Name
     group_size: int = Field(ge=2)

@@ -36,7 +36,10 @@ root, over the group; :class:`~hetplan.runtime.handlers.zero.ZeroHandler`), and 
 and backward (FSDP2's per-block all-gathers, and its reduce-scatters, which the root's
 backward waits for) are timed beside the plain replica's. Two records per group size,
 ``zero3_forward`` and ``zero3_backward``: the plain phase (burst) and what ZeRO-3 adds to
-it, means over the ranks, ``nbytes`` the model's fp32 parameters. On gloo the gathers and
+it, means over the ranks, ``nbytes`` the model's fp32 parameters; and ``zero3_step``: the
+plain replica's optimizer step (burst) and the sharded one's (seconds: FSDP2's parameters
+are DTensors, and each rank's step over its shards goes through DTensor's dispatch, several
+times the plain step on a small model). On gloo the gathers and
 reduce-scatters of one process group run one after the other, each waiting for the 4
 processes' hand-overs, so what they add is neither the overlap nor the line the analytic
 ZeRO-3 timing assumes (:func:`hetplan.cost_models.stage_times.zero_stage_times` charges the
@@ -113,6 +116,9 @@ class Zero3Times:
         nbytes: the model's fp32 parameters.
         forward_s / backward_s: the plain replica's phases (no sync).
         zero3_forward_s / zero3_backward_s: the same phases under FSDP2 over the group.
+        step_s / zero3_step_s: the optimizer step (``step()`` and ``zero_grad()``) of the
+            plain replica and of the sharded one (FSDP2's parameters are DTensors: each
+            rank steps its shards through DTensor's dispatch).
     """
 
     group_size: int
@@ -121,6 +127,8 @@ class Zero3Times:
     backward_s: float
     zero3_forward_s: float
     zero3_backward_s: float
+    step_s: float = 0.0
+    zero3_step_s: float = 0.0
 
 
 def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[str, Any],
@@ -138,8 +146,8 @@ def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[
     from hetplan.ir.model import LayerKind
     from hetplan.runtime.executor import plan_optimizer
 
-    def phases(net: Any, opt: Any) -> tuple[float, float]:
-        f = b = 0.0
+    def phases(net: Any, opt: Any) -> tuple[float, float, float]:
+        f = b = s = 0.0
         for _ in range(rounds):
             t0 = time.perf_counter()
             loss = _loss(net(*args, **kwargs), args)
@@ -148,8 +156,9 @@ def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[
             t2 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            f, b = f + t1 - t0, b + t2 - t1
-        return f / rounds, b / rounds
+            t3 = time.perf_counter()
+            f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
+        return f / rounds, b / rounds, s / rounds
 
     plain = zoo.build(model, device="cpu", seed=0)
     blocks = [lay.name for lay in capture(plain, tuple(args), kwargs, name=model).layers
@@ -165,16 +174,16 @@ def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[
             fully_shard(net.get_submodule(name), mesh=mesh)
         fully_shard(net, mesh=mesh)
         sharded[g] = (net, plan_optimizer(optimizer)(list(net.parameters())))
-    acc: dict[int, list[float]] = {g: [0.0] * 4 for g in sharded}
+    acc: dict[int, list[float]] = {g: [0.0] * 6 for g in sharded}
     for _ in range(passes):
         for g, (net, opt) in sharded.items():
             for _ in range(warmup):
                 phases(net, opt)
             dist.barrier()
-            f0, b0 = phases(plain, plain_opt)
+            f0, b0, s0 = phases(plain, plain_opt)
             dist.barrier()
-            f1, b1 = phases(net, opt)
-            means = torch.tensor([f0, b0, f1, b1], dtype=torch.float64)
+            f1, b1, s1 = phases(net, opt)
+            means = torch.tensor([f0, b0, f1, b1, s0, s1], dtype=torch.float64)
             dist.all_reduce(means)
             for i, v in enumerate(means.tolist()):
                 acc[g][i] += float(v) / world / passes
@@ -307,8 +316,8 @@ def profile_sync_steps(
     Returns:
         One ``allreduce_step`` :class:`HandoverRecord` per group size (one sample: the step
         without the sync, and what the sync adds to it), with ``zero3`` also a
-        ``zero3_forward`` and a ``zero3_backward`` one per group size; and the step's parts
-        (:class:`SyncStepTimes`) per group size.
+        ``zero3_forward``, a ``zero3_backward`` and a ``zero3_step`` one per group size;
+        and the step's parts (:class:`SyncStepTimes`) per group size.
 
     Raises:
         ValueError: ``world_size`` < 2, ``rounds`` or ``passes`` < 1, a group size that does
@@ -359,7 +368,8 @@ def profile_sync_steps(
         records += [record("zero3_forward", z.group_size, z.nbytes, z.forward_s,
                            z.zero3_forward_s - z.forward_s),
                     record("zero3_backward", z.group_size, z.nbytes, z.backward_s,
-                           z.zero3_backward_s - z.backward_s)]
+                           z.zero3_backward_s - z.backward_s),
+                    record("zero3_step", z.group_size, z.nbytes, z.step_s, z.zero3_step_s)]
     return records, times
 
 

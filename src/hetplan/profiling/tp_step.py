@@ -181,7 +181,7 @@ def profile_tp_steps(
     link_kind: str = "loopback",
     group_sizes: Sequence[int] | None = None,
     optimizer: str = "adam",
-    rounds: int = 15,
+    rounds: int = 30,
     warmup: int = 2,
     passes: int = 3,
     timeout_s: float = 180.0,
