@@ -750,8 +750,8 @@ def simulate_cmd(
     b = pred.breakdown
     out.print(
         f"compute {b.compute_ms:.3f} ms · comm {b.comm_ms:.3f} ms · exposed comm "
-        f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · bubble ratio "
-        f"{pred.bubble_ratio:.3f}"
+        f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · optimizer step "
+        f"{b.optimizer_ms:.3f} ms · bubble ratio {pred.bubble_ratio:.3f}"
     )
 
 
@@ -984,7 +984,7 @@ def _load_run_report(path: Path) -> dict[str, Any]:
     if not isinstance(measured, dict) or "iteration_ms" not in measured:
         raise SpecError(f"{path}: not a run report (no measured.iteration_ms); write one with "
                         "`hetplan run PLAN --report FILE`")
-    for key in ("iteration_ms", "compute_ms", "bubble_ms", "exposed_comm_ms"):
+    for key in ("iteration_ms", "compute_ms", "bubble_ms", "exposed_comm_ms", "optimizer_ms"):
         value = measured.get(key)
         if value is None and key != "iteration_ms":
             continue
@@ -1008,7 +1008,9 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
             ("compute", pred.breakdown.compute_ms if pred else None, m.get("compute_ms")),
             ("pipeline bubble", pred.breakdown.bubble_ms if pred else None, m.get("bubble_ms")),
             ("exposed comm", pred.breakdown.exposed_comm_ms if pred else None,
-             m.get("exposed_comm_ms"))]
+             m.get("exposed_comm_ms")),
+            ("optimizer step", pred.breakdown.optimizer_ms if pred else None,
+             m.get("optimizer_ms"))]
     for name, p, x in rows:
         err_text = f"{(p - x) / x:+.1%}" if p is not None and x else "—"
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
@@ -1030,8 +1032,8 @@ def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:
     pred = plan.predictions
     table = Table(title="per rank (measured medians; memory: predicted vs measured peak)",
                   title_justify="left")
-    for col in ("rank", "compute ms", "bubble ms", "exposed comm ms", "predicted MiB",
-                "measured MiB", "error"):
+    for col in ("rank", "compute ms", "bubble ms", "exposed comm ms", "optimizer ms",
+                "predicted MiB", "measured MiB", "error"):
         table.add_column(col, justify="right")
     for r in ranks:
         rank = r.get("rank")
@@ -1043,7 +1045,8 @@ def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:
         x = r.get("peak_memory_bytes")
         err = f"{(p - x) / x:+.1%}" if isinstance(p, (int, float)) and x else "—"
         table.add_row(str(rank), *(f"{r.get(k, 0.0):.3f}" for k in
-                                   ("compute_ms", "bubble_ms", "exposed_comm_ms")),
+                                   ("compute_ms", "bubble_ms", "exposed_comm_ms",
+                                    "optimizer_ms")),
                       "—" if p is None else f"{p / 2**20:.2f}",
                       "—" if x is None else f"{x / 2**20:.2f}", err)
     out.print(table)

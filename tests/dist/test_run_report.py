@@ -48,6 +48,10 @@ def test_run_report_with_memory_and_losses(tmp_path: Path) -> None:
         assert measured > 0 and predicted > 0
         assert set(r["predicted_memory_by_kind"]) == {"params", "grads", "optimizer",
                                                       "activations", "buffers"}
+    assert plan.predictions is not None
+    assert data["predicted"]["optimizer_ms"] == plan.predictions.breakdown.optimizer_ms > 0
+    assert data["measured"]["optimizer_ms"] > 0
     shown = _hetplan("inspect", str(tmp_path / "plan.json"), "--run", str(report))
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "measured MiB" in shown.stdout and "loss per step" in shown.stdout
+    assert "optimizer step" in shown.stdout and "optimizer ms" in shown.stdout

@@ -109,3 +109,21 @@ def test_evaluate_prices_bytes_and_launches() -> None:
     assert ev.optimizer_s == pytest.approx(expected)
     # well above the 28 bytes per element of reading and writing the state once
     assert ev.optimizer_s > 2 * 28.0 * numel / bw
+
+
+def test_the_plan_breakdown_carries_the_step_and_the_parts_make_the_iteration() -> None:
+    """The step is the part of the iteration after the sync: the plan's breakdown reports it,
+    and compute + bubble + exposed sync + step is the iteration of a one-stage plan."""
+    from hetplan.cost_models.predict import predictions
+
+    wl = _workload()
+    costs = CostModel(ClusterSpec.from_preset("a100-nvlink-8x8"), dtype="mixed")
+    layout = Layout(dp=1, pp=1, tp=1, micro_batch_size=1, micro_batches=1,
+                    global_batch_size=1)
+    ev = evaluate(wl, layout, (), None, costs, check_memory=False)
+    b = predictions(ev, (), layout).breakdown
+    # the plan stores milliseconds to the nanosecond
+    assert b.optimizer_ms == pytest.approx(ev.optimizer_s * 1e3, abs=1e-6)
+    assert b.optimizer_ms > 0
+    assert b.compute_ms + b.bubble_ms + b.exposed_comm_ms + b.optimizer_ms == pytest.approx(
+        ev.iteration_s * 1e3, abs=1e-5)

@@ -20,7 +20,8 @@ into an iteration time, a breakdown, the memory of every rank and the pipeline b
    backward, with one sync unit per bucket (or per tensor), gives the time the stage finishes
    after its backward ends (exposed communication, GPU compression delays). Gradients move in
    the precision section's reduce dtype; ZeRO's reduce-scatter and all-gather are priced as
-   :func:`_strategy_ops` says.
+   :func:`_strategy_ops` says. With interleaved stages a rank's chunks then share its links:
+   their units run in one timeline per rank (:func:`_share_rank_channels`).
 4. **Iteration** ``= max over stages (last backward end + exposed sync) + optimizer step``; the
    optimizer step is memory-bound, priced by the bytes its kernels move plus a launch per
    kernel (:mod:`hetplan.cost_models.optimizer_step`; ZeRO divides the bytes). Before it, a
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 import numpy as np
@@ -411,6 +412,7 @@ def _sync_all(
     stage_costs, timelines = [], []
     comm_busy = compression = 0.0
     finish = []
+    waits: dict[int, float] = {}  # each stage's hand-over wait (gloo profiles)
     # stages with the same backprop segments and the same units (a deep pipeline of repeated
     # blocks on one device class) have the same timeline: simulated once
     same: dict[tuple[float, ...], list[tuple[list[SyncUnit], DPTimeline]]] = {}
@@ -426,8 +428,9 @@ def _sync_all(
                 seen.append((units, tl))
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
             if costs.comm.has_handovers:  # gloo profiles; GPU and analytic plans skip it
-                exposed += _sync_wait_s(costs, prep, layout.dp, pre.bwd[s], strategies[s],
+                waits[s] = _sync_wait_s(costs, prep, layout.dp, pre.bwd[s], strategies[s],
                                         _rank_step_s(pre, layout, s))
+                exposed += waits[s]
                 if _synced_in_backward(costs, layout, prep):
                     exposed = 0.0
             busy, comp = _comm_and_compression_s(units)
@@ -437,7 +440,61 @@ def _sync_all(
         comm_busy = max(comm_busy, busy)
         compression = max(compression, comp)
         finish.append(pre.last_bwd_end[s] + max(exposed, 0.0))
+    if layout.virtual_stages > 1:
+        _share_rank_channels(layout, costs, pre, built, waits, stage_costs, finish)
     return stage_costs, timelines, comm_busy, compression, finish
+
+
+def _share_rank_channels(layout: Layout, costs: CostModel, pre: _Prefix, built: _Built,
+                         waits: dict[int, float], stage_costs: list[StageCost],
+                         finish: list[float]) -> None:
+    """Interleaved stages: a rank's chunks sync through the same links, one after another.
+
+    Each chunk's timeline above has the links to itself; here the units of every chunk a
+    rank holds run in one timeline, as they do on the rank's NICs and NVLink: with
+    ``dp_overlap="backward"`` each chunk's units become ready during its own last backward
+    (the rank's other work between those backwards is compute the sync does not wait for);
+    after the flush all of them start when the rank's last backward has ended, chunk by
+    chunk (Megatron-LM all-reduces its model chunks in order). The rank's last chunk then
+    finishes when that timeline does (plus each chunk's hand-over waits, on gloo profiles);
+    ``finish`` and that chunk's :class:`StageCost` are updated in place. A chunk whose sync
+    runs inside its backward (ZeRO-3 on gloo, measured) takes no part."""
+    overlap = costs.dp_overlap == "backward"
+    n = len(pre.stages)
+    for r in range(layout.pp):
+        chunks = [s for s in range(r, n, layout.pp)
+                  if s in built and not (costs.comm.has_handovers
+                                         and _synced_in_backward(costs, layout, built[s][1]))]
+        if len(chunks) < 2:
+            continue
+        last = max(chunks, key=lambda s: (pre.last_bwd_end[s], s))
+        end = pre.last_bwd_end[last]
+        segments: list[float] = []
+        units: list[SyncUnit] = []
+        t0 = t = end  # after the flush: every chunk's units are ready at the rank's end
+        if overlap:  # each chunk's segments where its last backward ran
+            chunks.sort(key=lambda s: (pre.last_bwd_end[s], s))
+            t0 = t = pre.last_bwd_end[chunks[0]] - pre.bwd[chunks[0]]
+        for s in chunks:
+            seg = built[s][1].segments
+            if overlap:
+                start = pre.last_bwd_end[s] - pre.bwd[s]
+                if start > t:  # the rank's other work between two chunks' backwards
+                    segments.append(start - t)
+                    t = start
+                t += sum(seg)
+            base = len(segments)
+            segments.extend(seg if overlap else [0.0] * len(seg))
+            units.extend(replace(u, last_tensor=u.last_tensor + base) for u in built[s][2])
+        if not units:
+            continue
+        tl = simulate_dp(segments, units)
+        done = t0 + tl.iteration_s
+        done += sum(waits.get(s, 0.0) for s in chunks)
+        if done > finish[last]:
+            finish[last] = done
+            c = stage_costs[last]
+            stage_costs[last] = replace(c, exposed_sync_s=done - end)
 
 
 def _same_units(a: list[SyncUnit], b: list[SyncUnit]) -> bool:

@@ -65,6 +65,7 @@ def breakdown(ev: Evaluation) -> TimeBreakdown:
         exposed_comm_ms=ev.exposed_comm_s * 1e3,
         bubble_ms=ev.bubble_s * 1e3,
         compression_ms=ev.compression_s * 1e3,
+        optimizer_ms=ev.optimizer_s * 1e3,
     )
 
 

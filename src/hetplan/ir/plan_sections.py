@@ -952,13 +952,29 @@ class GradientSync(_Section):
 
 # -- predictions, provenance, pass log -------------------------------------------------------
 class TimeBreakdown(_Section):
-    """Where an iteration's time goes (parts overlap, so they need not sum to the total)."""
+    """Where an iteration's time goes, on the pipeline rank that finishes last.
+
+    Attributes:
+        compute_ms: forward and backward (recomputation, TP collectives and ZeRO-3 gathers
+            on the critical path included).
+        comm_ms: all gradient-sync and pipeline-transfer time, hidden or not.
+        exposed_comm_ms: the gradient sync not hidden behind backward.
+        bubble_ms: pipeline idle time.
+        compression_ms: GPU (de)compression of the gradient sync.
+        optimizer_ms: the optimizer step after the sync, with the tied embedding's gradient
+            sum before it (0 in plans written before the field existed).
+
+    ``compute + bubble`` is the pipeline's span, and the iteration is at most that plus
+    ``exposed_comm + optimizer`` (equal when the stage whose sync is exposed longest is also
+    the last to finish); ``comm_ms`` and ``compression_ms`` overlap the other parts.
+    """
 
     compute_ms: Ms = 0.0
     comm_ms: Ms = 0.0
     exposed_comm_ms: Ms = 0.0
     bubble_ms: Ms = 0.0
     compression_ms: Ms = 0.0
+    optimizer_ms: Ms = 0.0
 
 
 class Baseline(_Section):

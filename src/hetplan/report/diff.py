@@ -27,7 +27,8 @@ __all__ = ["diff_plans", "render_diff", "diff_text"]
 
 _LAYOUT_KEYS = ("dp", "pp", "tp", "micro_batches", "micro_batch_size", "global_batch_size",
                 "schedule", "virtual_stages")
-_BREAKDOWN_KEYS = ("compute_ms", "comm_ms", "exposed_comm_ms", "bubble_ms", "compression_ms")
+_BREAKDOWN_KEYS = ("compute_ms", "comm_ms", "exposed_comm_ms", "bubble_ms", "compression_ms",
+                   "optimizer_ms")
 
 
 def _change(a: Any, b: Any) -> dict[str, Any]:

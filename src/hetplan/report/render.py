@@ -280,7 +280,8 @@ def _predictions(report: dict[str, Any], c: Console) -> None:
     b = pred["breakdown"]
     c.print(f"  compute {fmt_ms(b['compute_ms'])} · comm {fmt_ms(b['comm_ms'])} (exposed "
             f"{fmt_ms(b['exposed_comm_ms'])}) · compression {fmt_ms(b['compression_ms'])}")
-    c.print(f"  bubble {fmt_ms(b['bubble_ms'])} · bubble ratio {fmt_pct(pred['bubble_ratio'])}")
+    c.print(f"  bubble {fmt_ms(b['bubble_ms'])} · bubble ratio {fmt_pct(pred['bubble_ratio'])}"
+            f" · optimizer step {fmt_ms(b.get('optimizer_ms', 0.0))}")
     for base in pred["baselines"]:
         if base["beaten"]:
             verdict = f"beaten by {base['saved_ms']:.3f} ms"

@@ -365,6 +365,7 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
             "compute_ms": pred.breakdown.compute_ms if pred else None,
             "bubble_ms": pred.breakdown.bubble_ms if pred else None,
             "exposed_comm_ms": pred.breakdown.exposed_comm_ms if pred else None,
+            "optimizer_ms": pred.breakdown.optimizer_ms if pred else None,
         },
     }
     Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
