@@ -313,13 +313,15 @@ PARTS = ("compute_ms", "bubble_ms", "exposed_comm_ms", "optimizer_ms", "other_ms
 
 def parts(pred_ms: float, pred: dict[str, float], meas: dict[str, float]
           ) -> dict[str, dict[str, float]]:
-    """Predicted beside measured, per part (``PARTS``). The plan's breakdown has no optimizer
-    entry: its optimizer step is the iteration less compute, bubble and exposed
-    communication (what :func:`hetplan.cost_models.evaluate.evaluate` adds last), less any
-    compression; the measured rest is the iteration less the parts the runtime timed."""
+    """Predicted beside measured, per part (``PARTS``). The plan's optimizer step is its
+    breakdown's ``optimizer_ms``; a plan written before the breakdown had one: the
+    iteration less compute, bubble and exposed communication (what
+    :func:`hetplan.cost_models.evaluate.evaluate` adds last), less any compression. The
+    measured rest is the iteration less the parts the runtime timed."""
     p = {k: float(pred.get(k) or 0.0) for k in PARTS[:3]}
     p["other_ms"] = float(pred.get("compression_ms") or 0.0)
-    p["optimizer_ms"] = max(pred_ms - sum(p.values()), 0.0)
+    p["optimizer_ms"] = (float(pred["optimizer_ms"]) if pred.get("optimizer_ms") is not None
+                         else max(pred_ms - sum(p.values()), 0.0))
     m = {k: float(meas.get(k) or 0.0) for k in PARTS[:4]}
     m["other_ms"] = float(meas.get("iteration_ms") or 0.0) - sum(m.values())
     return {k: {"predicted": round(p[k], 3), "measured": round(m[k], 3),
