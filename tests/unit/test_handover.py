@@ -210,8 +210,10 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
                                      "zero3_step"))
                        + tuple(_hand(op, g, [(1 * MS, 30.0 * MS)], link=k, nbytes=939_520
                                      ).model_copy(update={"micro_batch": 2})
-                               for g in (2, 32) for op in ("tp_forward", "tp_backward",
-                                                           "tp_sp_forward", "tp_sp_backward")))
+                               for g in (2, 4, 32)
+                               for op in ("tp_forward", "tp_backward", "tp_sp_forward",
+                                          "tp_sp_backward", "traced_forward",
+                                          "traced_backward")))
     nccl = (_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),
             _line("allreduce", 32, 5e-5, backend="nccl", link="nvlink"))
 

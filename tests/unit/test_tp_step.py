@@ -209,10 +209,12 @@ def test_run_profile_takes_the_tp_records_for_a_zoo_model(
     monkeypatch.setattr(prof, "profile_handovers", lambda *a, **k: [P2P])
     monkeypatch.setattr(prof, "profile_sync_steps", lambda *a, **k: ([], []))
     monkeypatch.setattr(prof, "profile_tp_steps", fake_tp)
+    traced = P2P.model_copy(update={"operation": "traced_forward", "micro_batch": 2})
+    monkeypatch.setattr(prof, "profile_traced_stages", lambda *a, **k: ([traced], None))
     db = prof.run_profile("megatron-gpt-test", world_size=4, what=["collectives"],
                           batch_size=2, show_progress=False)
     assert calls == [("megatron-gpt-test", 4, 2)]
-    assert SP[0] in db.handovers and P2P in db.handovers
+    assert SP[0] in db.handovers and P2P in db.handovers and traced in db.handovers
     calls.clear()
     db = prof.run_profile(None, world_size=4, what=["collectives"], show_progress=False)
     assert calls == [] and SP[0] not in db.handovers

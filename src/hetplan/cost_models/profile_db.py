@@ -45,7 +45,9 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   same way) are the runtime's tensor-parallel forward and backward of the whole profiled
   model, TP collectives included, with every TP group running at once; they carry the
   ``micro_batch`` they were timed at (a field written only when set, so older records are
-  written unchanged).
+  written unchanged). ``traced_forward`` / ``traced_backward`` (:mod:`hetplan.profiling.
+  stage_trace`, the same way) are the eager model's phase and the same phase run as the
+  runtime's traced pipeline stages.
 * :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
   statistics of one row-sparse (embedding) gradient when ``workers`` data-parallel workers
   each look up ``batch_size`` samples per synchronized step (``hetplan profile --sparsity``,
@@ -445,14 +447,17 @@ class HandoverRecord(BaseModel):
             model over groups of ``group_size``, all groups at once, without / with sequence
             parallelism: the burst is the unsplit model's phase on every process, the
             seconds the TP phase itself, its collectives included; ``nbytes`` the model's
-            fp32 parameters).
+            fp32 parameters), ``traced_forward`` / ``traced_backward`` (the whole profiled
+            model's phase as the runtime's traced pipeline stages run it: the burst is the
+            eager model's phase, the seconds the traced stages'; ``group_size`` and
+            ``processes`` the processes computing at once).
         backend / link_kind / group_size: as in :class:`CollectiveRecord` (p2p: 2).
         processes: processes computing and communicating at once (every group of
             ``group_size`` among them talks at the same time).
         nbytes: the message (per-rank buffer) the samples were taken with; a profile may hold
             the same operation at several sizes, one record each.
         samples: one per burst length, sorted by ``burst_s``, at most one per length.
-        micro_batch: the samples per rank the phase was timed at (the ``tp_*`` phases; None
+        micro_batch: the samples per rank the phase was timed at (``tp_*``, ``traced_*``; None
             for the messages, and not written then).
     """
 
@@ -460,7 +465,8 @@ class HandoverRecord(BaseModel):
 
     operation: Literal["p2p", "allreduce", "allreduce_step", "zero3_forward",
                        "zero3_backward", "zero3_step", "tp_forward", "tp_backward",
-                       "tp_sp_forward", "tp_sp_backward"]
+                       "tp_sp_forward", "tp_sp_backward", "traced_forward",
+                       "traced_backward"]
     backend: _Name
     link_kind: _Name
     group_size: int = Field(ge=2)

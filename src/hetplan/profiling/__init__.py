@@ -19,6 +19,9 @@ real work on the local hardware:
 * :func:`profile_tp_steps` (:mod:`.tp_step`): the runtime's tensor-parallel forward and
   backward of a zoo model, every TP group at once, beside the unsplit model's; part of
   ``collectives`` on gloo when a zoo model is given.
+* :func:`profile_traced_stages` (:mod:`.stage_trace`): the model as the runtime's traced
+  pipeline stages run it against the eager model, on ``world_size`` processes at once; part
+  of ``collectives`` on gloo when a zoo model is given.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
 * :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
@@ -57,6 +60,7 @@ from hetplan.profiling.collectives import (
 from hetplan.profiling.compressors import DEFAULT_COMPRESSOR_SIZES, profile_compressors
 from hetplan.profiling.handover import profile_handovers
 from hetplan.profiling.sync_step import profile_sync_steps
+from hetplan.profiling.stage_trace import profile_traced_stages
 from hetplan.profiling.tp_step import profile_tp_steps
 from hetplan.profiling.layers import (
     alias_records,
@@ -83,6 +87,7 @@ __all__ = [
     "profile_handovers",
     "profile_sync_steps",
     "profile_tp_steps",
+    "profile_traced_stages",
     "profile_layers",
     "profile_layers_concurrent",
     "profile_optimizer_steps",
@@ -220,7 +225,8 @@ def run_profile(
         what: any of :data:`WHAT` (``collectives`` on gloo also times hand-overs under
             contention, :func:`profile_handovers`, and, for a zoo model, the data-parallel
             sync inside its training step at ``batch_size``, :func:`profile_sync_steps`,
-            and its tensor-parallel phases, :func:`profile_tp_steps`;
+            its tensor-parallel phases, :func:`profile_tp_steps`, and its traced pipeline
+            stages, :func:`profile_traced_stages`;
             ``step``: the optimizer step on
             ``world_size`` processes at
             once, :func:`profile_optimizer_steps`; on CPU only).
@@ -340,6 +346,14 @@ def run_profile(
                             model, world_size, batch_size=batch_size, seq=seq,
                             link_kind=link_kind, timeout_s=timeout_s)
                         hands += tp_steps
+                        progress.update(task, total=1, completed=1)
+                        task = progress.add_task(
+                            f"traced pipeline stages of {model} on {world_size} processes",
+                            total=None)
+                        traced, _ = profile_traced_stages(
+                            model, world_size, batch_size=batch_size, seq=seq,
+                            link_kind=link_kind, timeout_s=timeout_s)
+                        hands += traced
                         progress.update(task, total=1, completed=1)
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,
