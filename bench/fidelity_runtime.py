@@ -11,7 +11,9 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    timed inside the runtime's own step of the model (``allreduce_step``,
    ``zero3_forward``, ``zero3_backward``, also part of ``collectives``), the runtime's
    tensor-parallel forward and backward of the model with every TP group at once
-   (``tp_forward`` … ``tp_sp_backward``, part of ``collectives`` too), and the per-step
+   (``tp_forward`` … ``tp_sp_backward``), the traced pipeline stages against the eager
+   model (``traced_forward``, ``traced_backward``) and FSDP2's optimizer step
+   (``zero3_step``), all part of ``collectives`` too, and the per-step
    framework costs (the optimizer step per tensor and per byte, on 4 processes at once).
    A kind run on an emulated slow link (``compressed``: ``HETPLAN_EMULATE_BW=1`` on
    ``cpu-2x2-slow``) gets a copy of its model's profile with the hand-overs timed on that
@@ -32,10 +34,11 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
 
 Each kind is also planned from the same profile less its hand-over records
 (``predicted_without_handovers_ms``, and the errors without them in the summary): what the
-hand-over wait changes, against the same runs; less the step-level and TP phase records
+hand-over wait changes, against the same runs; less the step-level and phase records
 (``predicted_without_step_records_ms``: section 11's model on the same profile); and less
-only the TP phase records (``predicted_without_tp_records_ms``: section 12's model), what
-the runtime's tensor-parallel phases timed in the profile change.
+only section 13's phase records (``predicted_without_phase_records_ms``: section 12's
+model: tensor parallelism's phases, the traced pipeline stages, FSDP2's optimizer step),
+what they change.
 
 Nothing is tuned on the numbers reported: the profile and the cost model are used as they are.
 
@@ -177,9 +180,10 @@ def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict
 STEP_RECORDS = ("allreduce_step", "zero3_forward", "zero3_backward")
 
 
-#: The runtime's tensor-parallel phases (section 13); the profile less them is section 12's
-#: model.
-TP_RECORDS = ("tp_forward", "tp_backward", "tp_sp_forward", "tp_sp_backward")
+#: The runtime's phases timed in section 13 (tensor parallelism's, the traced pipeline
+#: stages', FSDP2's optimizer step); the profile less them is section 12's model.
+PHASE_RECORDS = ("tp_forward", "tp_backward", "tp_sp_forward", "tp_sp_backward",
+                 "traced_forward", "traced_backward", "zero3_step")
 
 
 def _without_steps(path: Path) -> Path:
@@ -187,9 +191,9 @@ def _without_steps(path: Path) -> Path:
     return path.with_name(path.stem + "_no_step_records.json")
 
 
-def _without_tp(path: Path) -> Path:
-    """The same profile less its tensor-parallel phase records (section 12's model)."""
-    return path.with_name(path.stem + "_no_tp_records.json")
+def _without_phases(path: Path) -> Path:
+    """The same profile less its section-13 phase records (section 12's model)."""
+    return path.with_name(path.stem + "_no_phase_records.json")
 
 
 def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
@@ -215,16 +219,16 @@ def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
 
 def _write_variants(path: Path) -> None:
     """Beside the profile: the same less its hand-over records (:func:`_without`), less its
-    step-level and TP phase ones (:func:`_without_steps`: section 11's model), and less only
-    its TP phase ones (:func:`_without_tp`: section 12's)."""
+    step-level and phase ones (:func:`_without_steps`: section 11's model), and less only
+    its section-13 phase ones (:func:`_without_phases`: section 12's)."""
     doc = json.loads(path.read_text())
     hands = doc.get("handovers", [])
     _without_steps(path).write_text(json.dumps(
         doc | {"handovers": [r for r in hands
-                             if r["operation"] not in STEP_RECORDS + TP_RECORDS]},
+                             if r["operation"] not in STEP_RECORDS + PHASE_RECORDS]},
         sort_keys=True, indent=2) + "\n")
-    _without_tp(path).write_text(json.dumps(
-        doc | {"handovers": [r for r in hands if r["operation"] not in TP_RECORDS]},
+    _without_phases(path).write_text(json.dumps(
+        doc | {"handovers": [r for r in hands if r["operation"] not in PHASE_RECORDS]},
         sort_keys=True, indent=2) + "\n")
     doc.pop("handovers", None)
     _without(path).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
@@ -271,7 +275,7 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
         bp = before.get("predictions") or {}
         row["predicted_without_handovers_ms"] = bp.get("iteration_time_ms")
         row["predicted_without_handovers_breakdown_ms"] = bp.get("breakdown")
-    for name, variant in (("step_records", _without_steps), ("tp_records", _without_tp)):
+    for name, variant in (("step_records", _without_steps), ("phase_records", _without_phases)):
         if not variant(prof).exists():
             continue
         v_plan = plan.with_suffix(f".no_{name}.json")
@@ -362,7 +366,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if before:
         out["predicted_without_handovers_ms"] = statistics.median(before)
         out["error_without_handovers"] = abs(statistics.median(before) / meas - 1)
-    for name in ("step_records", "tp_records"):
+    for name in ("step_records", "phase_records"):
         vals = [r[f"predicted_without_{name}_ms"] for r in ran
                 if r.get(f"predicted_without_{name}_ms") is not None]
         if vals:
@@ -426,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if before:
         summary["median_error_without_handovers"] = statistics.median(before)
         summary["max_error_without_handovers"] = max(before)
-    for name in ("step_records", "tp_records"):
+    for name in ("step_records", "phase_records"):
         vals = [c[f"error_without_{name}"] for c in cases if f"error_without_{name}" in c]
         if vals:
             summary[f"median_error_without_{name}"] = statistics.median(vals)
@@ -435,11 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["max_error"] <= TARGET_MAX) and len(errors) == len(cases)
     print(f"{'kind':<12} {'model':<18} {'predicted':>10} {'measured':>10} {'error':>7}  "
           f"{'without hand-overs':>20}  {'without step records':>20}  "
-          f"{'without TP records':>20}  status")
+          f"{'without phase records':>21}  status")
     for c in cases:
         if c["status"] == "ran":
             cols = []
-            for name in ("handovers", "step_records", "tp_records"):
+            for name in ("handovers", "step_records", "phase_records"):
                 b = c.get(f"predicted_without_{name}_ms")
                 cols.append(f"{b:8.2f}ms {c[f'error_without_{name}']:>7.1%}"
                             if b is not None else "")
