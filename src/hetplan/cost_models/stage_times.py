@@ -366,9 +366,10 @@ def _traced_ratios(workload: WorkloadSummary, st: Stage, layout: Layout, costs: 
     """(forward, backward) factor from the eager modules the layer records time to the
     traced stage modules a pipeline plan runs (``pp > 1``; the runtime traces the model
     into its stages, :func:`hetplan.runtime.pipeline.build_stages`): the profile's
-    ``traced_forward`` / ``traced_backward`` records (:mod:`hetplan.profiling.stage_trace`,
-    traced over eager, timed with as many processes at once as the stage's node has ranks)
-    of the model nearest in fp32 parameter bytes. None without both records (GPU and
+    ``traced_forward`` / ``traced_backward`` records (:mod:`hetplan.profiling.stage_trace`:
+    traced over eager, each timed alone; the contention is in the layer records the ratio
+    scales) filed for the stage's node's process count, of the model nearest in fp32
+    parameter bytes. None without both records (GPU and
     analytic plans, older profiles), for one stage, and with tensor parallelism (its
     stages run the model's own sharded modules, which the ``tp_*`` records time)."""
     if layout.pp < 2 or layout.tp > 1 or not costs.comm.has_handovers:
