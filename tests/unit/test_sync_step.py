@@ -253,3 +253,19 @@ def test_zero3_optimizer_step_is_the_measured_fsdp2_step() -> None:
     pairs = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, *Z3,
                                                     Z3_STEP.model_copy(update={"group_size": 2})))
     assert _priced(pairs, **ZERO3) == _priced(WITH_Z3, **ZERO3)
+
+
+def test_an_interleaved_rank_pays_the_step_record_once_for_all_its_chunks() -> None:
+    # the runtime syncs a rank's chunks in one phase (one GradSync over its parameters),
+    # which the record timed once: two chunks per rank, one wait
+    pairs = _hand("allreduce_step", 2, [(6 * MS, 12.0 * MS)], nbytes=939_520)
+    il = dict(dp=2, pp=2, tp=1, zero_stage=0, schedule="interleaved-1f1b", virtual_stages=2)
+    none = _plan(NO_HANDS, **il).predictions
+    step = _plan(ProfileDB(collectives=LINES, handovers=(*HANDS, pairs)), **il).predictions
+    assert none is not None and step is not None
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"),
+                     ProfileDB(collectives=LINES, handovers=(pairs,)))
+    wait_ms = comm.wait_s("allreduce_step", 2, "intra", 6 * MS) * 1e3
+    assert wait_ms > 5.0
+    assert step.breakdown.exposed_comm_ms == pytest.approx(
+        none.breakdown.exposed_comm_ms + wait_ms, abs=1e-6)

@@ -456,7 +456,8 @@ def _share_rank_channels(layout: Layout, costs: CostModel, pre: _Prefix, built: 
     (the rank's other work between those backwards is compute the sync does not wait for);
     after the flush all of them start when the rank's last backward has ended, chunk by
     chunk (Megatron-LM all-reduces its model chunks in order). The rank's last chunk then
-    finishes when that timeline does (plus each chunk's hand-over waits, on gloo profiles);
+    finishes when that timeline does (plus the largest of its chunks' hand-over waits, on
+    gloo profiles: one sync phase per rank);
     ``finish`` and that chunk's :class:`StageCost` are updated in place. A chunk whose sync
     runs inside its backward (ZeRO-3 on gloo, measured) takes no part."""
     overlap = costs.dp_overlap == "backward"
@@ -490,7 +491,9 @@ def _share_rank_channels(layout: Layout, costs: CostModel, pre: _Prefix, built: 
             continue
         tl = simulate_dp(segments, units)
         done = t0 + tl.iteration_s
-        done += sum(waits.get(s, 0.0) for s in chunks)
+        # the hand-over wait once per rank: the runtime syncs all of a rank's chunks in one
+        # phase (one GradSync over its parameters), which the records time once
+        done += max((waits.get(s, 0.0) for s in chunks), default=0.0)
         if done > finish[last]:
             finish[last] = done
             c = stage_costs[last]
