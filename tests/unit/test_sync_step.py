@@ -146,6 +146,10 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
     # the step's parts: forward and backward (no sync) inside the step, and the sync's wait
     assert 0.0 < t.compute_s < t.step_s
     assert t.compute_with_sync_s > 0.0 and t.wait_s > 0.0
+    # what the sync takes inside the steps with it: the mean wait and the slowest rank's lag
+    assert t.slowest_step_with_sync_s >= t.step_with_sync_s > t.compute_with_sync_s
+    assert t.added_s == pytest.approx(
+        t.wait_s + t.slowest_step_with_sync_s - t.step_with_sync_s)
 
 
 def test_profile_sync_steps_rejects_bad_input() -> None:

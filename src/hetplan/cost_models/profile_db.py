@@ -38,7 +38,8 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   ``allreduce_step`` (added the same way: older profiles have none) is the data-parallel sync
   timed inside the runtime's own training step of the profiled model
   (:mod:`hetplan.profiling.sync_step`): the burst is the step without the sync, a sample what
-  the sync adds to it; ``zero3_forward`` / ``zero3_backward`` likewise what the runtime's
+  the sync takes inside the steps with it (profiles before 2026-11-26 16:00 UTC: the slowest
+  synced step less the step without); ``zero3_forward`` / ``zero3_backward`` likewise what the runtime's
   ZeRO-3 (FSDP2) adds to the plain forward and backward, and ``zero3_step`` its optimizer
   step over the sharded parameters. ``tp_forward`` / ``tp_backward``
   (and ``tp_sp_*`` with sequence parallelism; :mod:`hetplan.profiling.tp_step`, added the
@@ -437,7 +438,8 @@ class HandoverRecord(BaseModel):
         operation: ``p2p`` (each rank sends to the next and receives from the previous one,
             the pipeline's blocking receive), ``allreduce``, or ``allreduce_step`` (the
             data-parallel sync inside the runtime's step: the burst is the step without the
-            sync, forward, backward and optimizer; the seconds what the sync adds to it),
+            sync, forward, backward and optimizer; the seconds what the sync takes inside
+            the steps with it: the mean wait and the slowest rank's lag),
             ``zero3_forward`` / ``zero3_backward`` (the runtime's ZeRO-3 phase: the burst is
             the plain replica's phase, the seconds what ZeRO-3 adds to it; ``nbytes`` the
             model's fp32 parameters), ``zero3_step`` (the burst is the plain replica's

@@ -21,9 +21,16 @@ sync together), in ``passes`` rounds over the groups:
    ``rounds`` steps, the mean step ``c`` (every process computing, as in training);
 2. **the step with it**: ``rounds`` steps, the mean step ``r``.
 
-The sample is ``(c, r - c)``: what the sync adds to a step, ``c`` the mean over the ranks and
-``r`` the slowest rank's (the step ends for a data-parallel group when its last member's
-does). It is filed as a :class:`~hetplan.cost_models.profile_db.HandoverRecord` with operation
+The sample is ``(c, w + r_max - r)``: ``c`` the step without the sync (mean over the ranks),
+and what the sync takes inside the steps with it: the mean wait ``w`` in ``finish`` plus how
+much later than the mean step ``r`` the slowest rank's ``r_max`` ended (the step ends for a
+data-parallel group when its last member's does). Not ``r_max - c``, which the records
+before 2026-11-26 16:00 UTC hold: with every process computing and none waiting, the step
+without the sync runs under more contention than the compute inside the steps with it
+(gpt-test: 9.8 ms against the layer records' 3.8 ms of forward and backward and 2.1 ms of
+Adam, in section 12's quiet profile), so ``r_max - c`` under-counted the sync by that
+difference; the run's exposed communication is its wait in ``finish``
+(``docs/decisions/cpu-fidelity.md`` section 13). It is filed as a :class:`~hetplan.cost_models.profile_db.HandoverRecord` with operation
 ``allreduce_step``, the group size, and the bucket's bytes; the cost model charges it, less
 the back-to-back all-reduce line at those bytes, once per data-parallel sync in place of the
 ``allreduce`` record (:func:`hetplan.cost_models.evaluate._sync_wait_s`). Also returned, not
@@ -74,11 +81,15 @@ class SyncStepTimes:
         group_size: ranks in each data-parallel group.
         nbytes: the bucket (every gradient of the model, fp32).
         step_s: the step without the sync, mean over the ranks (the record's burst).
-        added_s: what the sync adds to the slowest rank's step (the record's seconds).
+        added_s: what the sync takes inside the steps with it (the record's seconds): the
+            mean wait (``wait_s``) plus how much later the slowest rank's step ended than
+            the mean one (``slowest_step_with_sync_s - step_with_sync_s``).
         compute_s / compute_with_sync_s: forward and backward without and with the sync
             (hooks launching the bucket's all-reduce), mean over the ranks.
         wait_s: ``finish`` (the wait for the all-reduce and the write-back), mean over the
             ranks.
+        step_with_sync_s / slowest_step_with_sync_s: the step with the sync, mean over the
+            ranks and the slowest rank's.
     """
 
     group_size: int
@@ -88,6 +99,8 @@ class SyncStepTimes:
     compute_s: float
     compute_with_sync_s: float
     wait_s: float
+    step_with_sync_s: float = 0.0
+    slowest_step_with_sync_s: float = 0.0
 
 
 def _loss(out: Any, args: Sequence[Any]) -> Any:
@@ -242,8 +255,9 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             step(gs, sync, parts)
         return ((time.perf_counter() - t0) / rounds, parts[0] / rounds, parts[1] / rounds)
 
-    # per group size: [step without, step with (slowest), compute without, compute with, wait]
-    acc: dict[int, list[float]] = {g: [0.0] * 5 for g in syncs}
+    # per group size: [step without, step with (slowest), compute without, compute with,
+    # wait, step with (mean)]
+    acc: dict[int, list[float]] = {g: [0.0] * 6 for g in syncs}
     for _ in range(passes):
         for g, gs in syncs.items():
             for _ in range(warmup):
@@ -252,20 +266,23 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             c, c_fb, _ = mean_step(gs, False)
             dist.barrier()
             r, r_fb, r_wait = mean_step(gs, True)
-            means = torch.tensor([c, c_fb, r_fb, r_wait], dtype=torch.float64)
+            means = torch.tensor([c, c_fb, r_fb, r_wait, r], dtype=torch.float64)
             dist.all_reduce(means)
             slowest = torch.tensor([r], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             m = [float(x) / world / passes for x in means]
-            for i, v in zip((0, 2, 3, 4), m):
+            for i, v in zip((0, 2, 3, 4, 5), m):
                 acc[g][i] += v
             acc[g][1] += float(slowest.item()) / passes
             dist.barrier()
     for gs in syncs.values():
         gs.close()
+    # the sync's own time inside the steps with it: the mean wait, and how much later than
+    # the mean step the slowest rank's ended
     dp = [SyncStepTimes(group_size=g, nbytes=nbytes, step_s=a[0],
-                        added_s=max(a[1] - a[0], 0.0), compute_s=a[2],
-                        compute_with_sync_s=a[3], wait_s=a[4])
+                        added_s=max(a[4] + a[1] - a[5], 0.0), compute_s=a[2],
+                        compute_with_sync_s=a[3], wait_s=a[4], step_with_sync_s=a[5],
+                        slowest_step_with_sync_s=a[1])
           for g, a in sorted(acc.items())]
     z3 = (_zero3(rank, world, model, args, kwargs, groups, optimizer, rounds, warmup, passes)
           if zero3 else [])
@@ -315,7 +332,8 @@ def profile_sync_steps(
 
     Returns:
         One ``allreduce_step`` :class:`HandoverRecord` per group size (one sample: the step
-        without the sync, and what the sync adds to it), with ``zero3`` also a
+        without the sync, and what the sync takes inside the steps with it), with
+        ``zero3`` also a
         ``zero3_forward``, a ``zero3_backward`` and a ``zero3_step`` one per group size;
         and the step's parts (:class:`SyncStepTimes`) per group size.
 
@@ -377,5 +395,6 @@ def summary_ms(times: Sequence[SyncStepTimes]) -> list[dict[str, float]]:
     """``times`` in milliseconds, for reports (rounded to µs)."""
     return [{"group_size": t.group_size, "nbytes": t.nbytes,
              **{k: round(getattr(t, k) * 1e3, 3) for k in
-                ("step_s", "added_s", "compute_s", "compute_with_sync_s", "wait_s")}}
+                ("step_s", "added_s", "compute_s", "compute_with_sync_s", "wait_s",
+                 "step_with_sync_s", "slowest_step_with_sync_s")}}
             for t in times]
