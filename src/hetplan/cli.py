@@ -75,6 +75,14 @@ def _user_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _at_least_one(*options: tuple[str, int | None]) -> None:
+    """Refuse a count option below 1 (a batch, a length, a number of workers) by its flag,
+    before anything is imported or captured; None is an option left unset."""
+    for flag, value in options:
+        if value is not None and value < 1:
+            raise SpecError(f"{flag} must be at least 1, got {value}")
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -261,7 +269,8 @@ def ir_cmd(
 ) -> None:
     """Capture a model and summarise its IR: layers, parameters, FLOPs, gradients."""
     if output is not None:
-        check_output_path(output, option="-o/--output")
+        check_output_path(output, option="-o/--output", kind="workload")
+    _at_least_one(("--batch", batch), ("--seq", seq))
     t0 = time.perf_counter()
     ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
     seconds = time.perf_counter() - t0
@@ -410,12 +419,13 @@ def plan_cmd(
 ) -> None:
     """Compile a plan: search layouts, run the passes, predict, compare with baselines."""
     from hetplan.cost_models.predict import resolve_cluster, resolve_profile
+    from hetplan.ir.plan_checks import plan_problems
     from hetplan.optimizer.compile import compile as compile_plan
     from hetplan.optimizer.options import CompileOptions
 
     # Everything the user typed is checked before the model is captured or anything planned.
     if output is not None:
-        check_output_path(output, option="-o/--output")
+        check_output_path(output, option="-o/--output", kind="plan")
     if hetero not in ("off", "auto", "on"):
         raise SpecError(f"--hetero must be off, auto or on, got {hetero!r}")
     if sparse not in ("off", "auto", "zen"):
@@ -428,7 +438,7 @@ def plan_cmd(
 
     pipeline_spec, group_opts = _with_group_sync(pipeline_spec, group_sync)
     pins = strategy_pins(dtype=dtype, zero=zero, recompute=recompute, sp=sp, tp=tp,
-                         virtual_stages=virtual_stages, schedule=schedule)
+                         virtual_stages=virtual_stages, schedule=schedule, pp=pp)
     if group_opts.get("zero_stage") == 0 and zero not in (None, 0):
         raise SpecError(f"--group-sync {group_sync} steps each replica's own optimizer, so it "
                         f"cannot shard it: drop --zero {zero} (or use --group-sync off)")
@@ -464,6 +474,15 @@ def plan_cmd(
         plan = choose_hetero(plan, spec, db, batch_size, hetero,  # type: ignore[arg-type]
                              passes=options.pipeline(where="--passes"))
     seconds = time.perf_counter() - t0
+    if problems := plan_problems(plan, complete=True):
+        # What `load_plan` would refuse is never written: every later command reads the file
+        # with the one validator, so such a plan is a bug of the planner, not a user's.
+        raise RuntimeError("the compiled plan fails the plan validator, so it was not "
+                           "written: " + "; ".join(problems))
+    from hetplan.runtime.composition import refusals
+
+    for line in refusals(plan):  # the planner may pair strategies this runtime cannot run
+        err.print(f"[yellow]warning:[/] `hetplan run` refuses this plan: {_escape(line)}")
     if output:
         plan.save(output)
         err.print(f"wrote {output}")
@@ -491,7 +510,8 @@ def _with_checkpointing(passes: str | None, checkpoint: str, replicas: int | Non
 
 
 def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | None,
-                  tp: int | None, virtual_stages: int | None, schedule: str) -> dict[str, Any]:
+                  tp: int | None, virtual_stages: int | None, schedule: str,
+                  pp: int | None = None) -> dict[str, Any]:
     """The strategy pins of `hetplan plan` as CompileOptions fields, checked before anything
     is captured or planned; a bad value is a SpecError naming the option and the fix."""
     from hetplan.cost_models.precision import POLICIES
@@ -515,6 +535,10 @@ def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | No
         if schedule not in ("interleaved-1f1b", "auto"):
             raise SpecError(f"--virtual-stages needs --schedule interleaved-1f1b or auto (the "
                             f"schedule is {schedule!r}); add --schedule interleaved-1f1b")
+        if pp == 1:
+            raise SpecError(f"--virtual-stages {virtual_stages} interleaves the chunks of a "
+                            "pipeline, but --pp 1 is pinned (no pipeline); pin --pp 2 or more, "
+                            "or drop --virtual-stages")
     return {"dtype": dtype, "zero_stage": zero, "recompute": recompute,
             "sequence_parallel": sp, "virtual_stages": virtual_stages}
 
@@ -559,7 +583,8 @@ def profile_cmd(
     --sparsity, the model's sparse gradients into a profile DB."""
     from hetplan.profiling import WHAT, SparsitySpec, run_profile
 
-    check_output_path(output, option="-o/--output")
+    check_output_path(output, option="-o/--output", kind="profile DB")
+    _at_least_one(("--seq", seq), ("--workers", workers), ("--steps", steps))
     if model and module:
         raise SpecError("give MODEL (a zoo name) or --module pkg.mod:factory, not both")
     if sparsity and not (model or module):
@@ -581,6 +606,7 @@ def profile_cmd(
     if link_kind is not None and link_kind not in kinds:
         raise SpecError(f"--link-kind {link_kind!r}: choose one of {', '.join(kinds)}"
                         f"{did_you_mean(link_kind, list(kinds))}")
+    _measures_the_device_type(device_type, chosen)
     dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
     bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
     if bad:
@@ -612,6 +638,24 @@ def profile_cmd(
         f"{len(db.sparsity)} sparsity record(s), {len(db.optimizer_steps)} optimizer-step "
         f"record(s), {len(db.handovers)} hand-over record(s)"
     )
+
+
+def _measures_the_device_type(device_type: str, what: tuple[str, ...]) -> None:
+    """Refuse to file measurements of this machine's CPU under a built-in GPU type: without
+    a CUDA device `hetplan profile` times on the CPU, and a plan would price an A100 at the
+    CPU's speed. A type of the user's own (a cluster file's name for its CPU processes) is
+    theirs to choose."""
+    from hetplan.ir.cluster import DEVICE_CATALOGUE
+
+    if device_type == "cpu" or device_type not in DEVICE_CATALOGUE or not what:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SpecError(
+            f"--device-type {device_type!r} is a GPU type, but this machine has no CUDA device: "
+            "the records would be CPU times filed as that GPU's; profile on a machine with "
+            f"one, or file them as --device-type cpu")
 
 
 @app.command(
@@ -688,10 +732,13 @@ def run_cmd(
 @dataclasses.dataclass(frozen=True)
 class _RunModel:
     """The model ``hetplan run`` was given (its name as the user gave it), fingerprinted as
-    the ranks will fingerprint it."""
+    the ranks will fingerprint it, with its captured layers (their linears: the plan's TP
+    linears are checked against them)."""
 
     name: str
     digest: str
+    layers: tuple[Any, ...] = ()
+    grad_tensors: tuple[Any, ...] = ()
 
     def fingerprint(self) -> str:
         return self.digest
@@ -717,7 +764,7 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
         given = entry.name
     with err.status(f"checking {given} against the plan …", spinner="dots"):
         ir = capture(m, args, kwargs, name=plan.model.name)
-    return _RunModel(given, ir.fingerprint())
+    return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors))
 
 
 @app.command("simulate")
@@ -880,7 +927,10 @@ def print_cluster_summary(spec: Any) -> None:
 # validate / inspect
 # --------------------------------------------------------------------------------------
 def _file_kind(path: Path) -> str:
-    """'plan', 'workload' or 'cluster', from the file's top-level keys."""
+    """The kind of hetplan file ``path`` is (:func:`hetplan.ir.files.file_kind`: 'plan',
+    'workload', 'profile DB', 'run report', 'dynamics'), from its top-level keys; 'cluster
+    spec' when none matches (its loader names what is missing)."""
+    from hetplan.ir.files import file_kind
     from hetplan.ir.validation import load_structured_file
 
     if path.suffix == ".json" and path.is_file():
@@ -889,19 +939,19 @@ def _file_kind(path: Path) -> str:
         if '"tool_version"' in head or '"schema_version"' in head and '"cluster"' in head:
             return "plan"  # even when truncated: the plan loader explains what is wrong
     data = load_structured_file(path, what="input")
-    if "tool_version" in data or ("schema_version" in data and "cluster" in data):
-        return "plan"
-    if "grad_tensors" in data or "layers" in data:
+    if "layers" in data:
         return "workload"
-    return "cluster"
+    return file_kind(data) or "cluster spec"
 
 
 @app.command("validate")
 @_user_errors
 def validate_cmd(
-    file: Path = typer.Argument(..., help="A cluster spec (YAML/JSON), plan or workload JSON."),
+    file: Path = typer.Argument(..., help="A cluster spec (YAML/JSON), plan, workload, profile "
+                                "DB, dynamics file or run report."),
 ) -> None:
-    """Validate a cluster spec, plan or workload file and summarise it."""
+    """Validate a cluster spec, plan, workload, profile DB, dynamics file or run report and
+    summarise it."""
     kind = _file_kind(file)
     if kind == "plan":
         from hetplan.ir.plan import load_plan
@@ -915,6 +965,21 @@ def validate_cmd(
         ir = ModelIR.load(file)
         out.print(f"[green]ok[/]: {file} is a valid workload")
         print_ir_summary(ir)
+    elif kind == "profile DB":
+        from hetplan.cost_models.profile_db import ProfileDB
+
+        db = ProfileDB.load(file)
+        out.print(f"[green]ok[/]: {file} is a valid profile DB: {len(db.compute)} layer, "
+                  f"{len(db.collectives)} collective, {len(db.compressors)} compressor and "
+                  f"{len(db.optimizer_steps)} optimizer-step record(s)")
+    elif kind == "dynamics":
+        from hetplan.ir.rebalancing import DynamicsSpec
+
+        DynamicsSpec.load(file)
+        out.print(f"[green]ok[/]: {file} is a valid dynamics file")
+    elif kind == "run report":
+        _load_run_report(file)
+        out.print(f"[green]ok[/]: {file} is a valid run report")
     else:
         from hetplan.ir.cluster import ClusterSpec
 
@@ -1117,7 +1182,7 @@ def export_cmd(
     from hetplan.report.export import export_plan
 
     if output is not None:
-        check_output_path(output, option="-o/--output")
+        check_output_path(output, option="-o/--output", kind="")
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
     result = export_plan(plan, to, cluster=cluster, profile=profile)

@@ -102,20 +102,25 @@ def stage_lists(draw: st.DrawFn, num_layers: int, lay: Layout) -> tuple[Stage, .
 
 
 @st.composite
-def tensor_parallel(draw: st.DrawFn, lay: Layout, with_stages: bool) -> TensorParallel:
+def tensor_parallel(draw: st.DrawFn, lay: Layout, with_stages: bool,
+                    modules: list[str]) -> TensorParallel:
+    """A TP section whose linear is one of ``modules`` (the workload's layers) and whose
+    role prunes at most the controller's gamma_max (the plan validator's rule 5)."""
     d, p = draw(st.integers(0, lay.dp - 1)), draw(st.integers(0, lay.pp - 1))
     ranks = [lay.rank_of(d, p, t) for t in range(lay.tp)]
     shards = tuple(draw(st.integers(0, 512)) for _ in ranks)
-    linear = TPLinearShard(name=draw(names), split=draw(st.sampled_from(["column", "row"])),
+    linear = TPLinearShard(name=draw(st.sampled_from(modules)),
+                           split=draw(st.sampled_from(["column", "row"])),
                            features=max(1, sum(shards)),
                            shard_sizes=shards if sum(shards) else (1, *shards[1:]))
-    roles = tuple(TPRankRole(rank=r, role=draw(st.sampled_from(["normal", "resize",
-                                                                 "migrate_src"])),
-                             gamma=draw(ratios), beta=draw(ratios)) for r in ranks[:1])
     controller = ResizingController(variant=draw(st.sampled_from(["off", "zero", "semi"])),
                                     alpha=draw(ratios),
                                     gamma_max=draw(st.floats(0, 0.999)),  # 9-digit rounding
                                     theta_iter=draw(times), replan_trigger=draw(times))
+    roles = tuple(TPRankRole(rank=r, role=draw(st.sampled_from(["normal", "resize",
+                                                                 "migrate_src"])),
+                             gamma=draw(st.floats(0, controller.gamma_max)), beta=draw(ratios))
+                  for r in ranks[:1])
     group = TPGroup(ranks=tuple(ranks), linears=(linear,), roles=roles,
                     stage=p if with_stages else None)
     return TensorParallel(controller=controller, groups=(group,))
@@ -172,7 +177,8 @@ def plans(draw: st.DrawFn) -> Plan:
         cluster=ClusterRef(name=draw(names), fingerprint=draw(ids), world_size=world_size),
         layout=lay,
         stages=stages,
-        tensor_parallel=draw(st.none() | tensor_parallel(lay, with_stages=True)),
+        tensor_parallel=draw(st.none() | tensor_parallel(
+            lay, with_stages=True, modules=[layer.name for layer in workload.layers])),
         gradient_sync=draw(st.none() | gradient_syncs([g.name for g in workload.grads])),
         predictions=draw(st.none() | st.builds(
             Predictions, iteration_time_ms=times, breakdown=breakdowns,

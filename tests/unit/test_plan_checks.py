@@ -299,6 +299,33 @@ def test_tp_groups_are_tp_groups_of_the_layout_inside_their_stage(tmp_path: Path
             "than one role")
 
 
+def test_tp_roles_prune_at_most_the_controllers_gamma_max(tmp_path: Path) -> None:
+    """A role's gamma above the controller's gamma_max was accepted; `--tp-gamma-max` and the
+    controller both refuse it (a rank pruning every column computes nothing)."""
+    refused(tmp_path, lambda d: d["tensor_parallel"]["groups"][0]["roles"][0].update(gamma=1.0),
+            "tensor_parallel.groups[0].roles[0].gamma: 1.0, above tensor_parallel.controller."
+            "gamma_max 0.9")
+
+
+def test_tp_linears_are_inside_layers_of_the_model(tmp_path: Path) -> None:
+    """The runtime looks shard sizes up by module name: a linear of a layer the model does
+    not have ran even shards."""
+    def linear(name: str) -> Edit:
+        def edit(d: dict[str, Any]) -> None:
+            d["tensor_parallel"]["groups"][0]["linears"] = [
+                {"name": name, "split": "column", "features": 8, "shard_sizes": [6, 2]}]
+        return edit
+
+    refused(tmp_path, linear("l9.fc"), "tensor_parallel.groups[0].linears[0].name: 'l9.fc' is "
+            "not inside a layer of model 'toy'")
+    for i, name in enumerate(("l0", "l0.mlp.fc1")):  # a layer, a linear inside one
+        data = json.loads(valid_plan().to_json())
+        linear(name)(data)
+        path = tmp_path / f"known{i}.json"
+        path.write_text(json.dumps(data), encoding="utf-8")
+        load_plan(path)
+
+
 def test_a_bucket_stays_in_one_stage(tmp_path: Path) -> None:
     def edit(d: dict[str, Any]) -> None:
         b = d["gradient_sync"]["buckets"]
@@ -430,3 +457,29 @@ def test_the_precision_policy_and_peaks_are_known_and_listed(tmp_path: Path) -> 
             "cluster.spec lists no cpu peak for it (it lists fp64, fp32)")
     refused(tmp_path, lambda d: d.update(precision={"devices": {"cpu": dict(
         cpu, peak_dtype="fp32x")}}), "peak_dtype: unknown dtype 'fp32x'")
+
+
+def test_sequence_parallel_needs_tensor_parallelism(tmp_path: Path) -> None:
+    """`--sp --tp 1` is refused by `hetplan plan`; the same layout edited into a file was
+    accepted, simulated and exported (Megatron's --sequence-parallel with tp 1)."""
+    refused(tmp_path, lambda d: d["layout"].update(tp=1, dp=2, sequence_parallel=True),
+            "layout.sequence_parallel: true, but tp=1")
+
+
+def test_a_device_type_is_priced_at_its_compute_dtypes_peak(tmp_path: Path) -> None:
+    """A bf16 device priced at another peak than bf16's (or fp32's, where the device lists
+    no bf16 peak) was simulated at that peak: a different prediction for the same run."""
+    def precision(compute: str, peak: str) -> Edit:
+        def edit(d: dict[str, Any]) -> None:
+            d["precision"] = {"policy": "bf16", "master_weights_dtype": "fp32", "devices": {
+                "cpu": {"compute_dtype": compute, "loss_scaling": "none", "peak_dtype": peak}}}
+        return edit
+
+    refused(tmp_path, precision("bf16", "fp64"),
+            "precision.devices['cpu'].peak_dtype: 'fp64', but it computes in 'bf16', which is "
+            "priced at 'fp32' on cpu")
+    data = json.loads(valid_plan().to_json())
+    precision("bf16", "fp32")(data)  # bf16 on a CPU: priced at the fp32 peak, as planned
+    path = tmp_path / "ok.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    load_plan(path)

@@ -216,7 +216,8 @@ def test_value_errors_quote_input_and_suggest_literals() -> None:
     lines = format_validation_error(
         _error(Cluster, {"nodes": [node]}), where="f", model=Cluster
     ).splitlines()
-    assert "f: nodes[0].link.bandwidth_gbps: Input should be greater than 0 (got -3)" in lines
+    assert ("f: nodes[0].link.bandwidth_gbps: Input should be greater than 0 (got -3); the "
+            "unit is Gbit/s (100 Gb/s Ethernet is 100.0)") in lines
     kind_line = next(line for line in lines if line.startswith("f: nodes[0].link.kind:"))
     assert "(got 'nvlnk')" in kind_line
     assert kind_line.endswith("did you mean 'nvlink'?")
@@ -291,3 +292,57 @@ def test_did_you_mean() -> None:
     assert did_you_mean("qkv", long, n=3, substring=True) == (
         "; did you mean 'blocks.0.attn.qkv.weight' or 'blocks.0.attn.qkv.bias'?")
     assert did_you_mean("zzz", ["count", "type"]) == ""
+
+
+def test_a_list_written_as_something_else_is_called_a_list() -> None:
+    """pydantic says 'a valid tuple'; a YAML or JSON file has lists, not tuples."""
+    for value, said in (({"a": _good_node()}, "expected a list, got a mapping"),
+                        ("n0", "expected a list, got a string 'n0'"),
+                        (None, "expected a list, got null")):
+        text = format_validation_error(_error(Cluster, {"nodes": value}), where="f", model=None)
+        assert f"f: nodes: {said}" in text.splitlines(), text
+        assert "tuple" not in text
+
+
+def test_a_value_past_a_unit_fields_bound_names_the_unit() -> None:
+    """A bandwidth in bit/s or a memory in bytes is refused by the field's bound; the message
+    says which unit the field is in."""
+    from hetplan.ir.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_preset("cpu-2x2").model_dump(mode="json")
+    spec["inter_node"]["bandwidth_gbps"] = 100e9
+    spec["device_types"]["cpu"]["memory_gib"] = 4 * 2**30
+    spec["device_types"]["cpu"]["peak_tflops"]["fp32"] = 1e11
+    with pytest.raises(SpecError) as info:
+        ClusterSpec.from_dict(spec, where="c.yaml")
+    text = str(info.value)
+    assert "inter_node.bandwidth_gbps: Input should be less than or equal to 1000000 (got " \
+           "100000000000.0); the unit is Gbit/s (100 Gb/s Ethernet is 100.0), not bit/s" in text
+    assert "the unit is GiB (80 GiB is 80.0), not bytes" in text
+    assert "peak_tflops.fp32" in text and "not FLOP/s" in text
+
+
+def test_a_name_differing_only_in_case_is_suggested_first() -> None:
+    """difflib rates 'a100-80gb' as close to 'H100-80GB' as to 'A100-80GB' and chose H100."""
+    types = ["V100-SXM2-32GB", "A100-40GB", "A100-80GB", "H100-80GB", "cpu"]
+    assert did_you_mean("a100-80gb", types) == "; did you mean 'A100-80GB'?"
+    assert did_you_mean("h100-80gb", types, n=2).startswith("; did you mean 'H100-80GB'")
+
+
+def test_a_mapping_written_as_something_else_is_called_a_mapping() -> None:
+    """pydantic says 'a valid dictionary or instance of StragglerSpec'."""
+    for value, said in (([1, 2], "got a list"), ("yes", "got a string 'yes'")):
+        text = format_validation_error(_error(Cluster, {"nodes": [{**_good_node(), "link": value}]}),
+                                       where="f", model=None)
+        assert f"f: nodes[0].link: expected a mapping ('key: value' lines), {said}" in text, text
+
+
+def test_a_number_written_with_its_unit_is_told_the_unit() -> None:
+    from hetplan.ir.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_preset("cpu-2x2").model_dump(mode="json")
+    spec["inter_node"]["bandwidth_gbps"] = "100Gbps"
+    with pytest.raises(SpecError) as info:
+        ClusterSpec.from_dict(spec, where="c.yaml")
+    assert ("inter_node.bandwidth_gbps: expected a number, got a string '100Gbps'; the unit is "
+            "Gbit/s (100 Gb/s Ethernet is 100.0)") in str(info.value)

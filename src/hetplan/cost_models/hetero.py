@@ -326,8 +326,10 @@ def _option(workload: WorkloadSummary, costs: CostModel, dev: Device, c: int, dp
                                                                 tp))])
     elems = pbytes / prec.capture_bytes
     step_per_elem = _step_bytes(prec, costs.optimizer) / (dp if zero else 1)
+    # a stage boundary crosses nodes, but one node has no inter-node link to cross
+    between_nodes = costs.comm.cluster.inter_node is not None
     reshard = [2 * reshard_s(workload, costs, i, dev, dp, tp, mb * dp, receivers_per_node,
-                             True) for i in range(L + 1)]
+                             between_nodes) for i in range(L + 1)]
     cap = dev.memory_bytes * USABLE_FRACTION
     scale = mb / workload.batch_size
     mem_layers = costs.memory_layers(workload)

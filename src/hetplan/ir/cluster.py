@@ -614,6 +614,13 @@ class ClusterSpec(BaseModel):
             SpecError: no preset has that name (with the nearest name and the list).
         """
         factory = PRESETS.get(name)
+        if factory is None and any(sep in name for sep in "/\\"):
+            # a path, not a preset name: the file is missing (resolve_cluster reads files)
+            raise SpecError(
+                f"cluster spec file {name!r} does not exist (resolved to "
+                f"{str(Path(name).absolute())!r}); check the path, or name a preset "
+                f"({', '.join(PRESETS)})"
+            )
         if factory is None:
             raise SpecError(
                 f"unknown cluster preset {name!r} (available: {', '.join(PRESETS)}; or pass "

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,8 +28,11 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_ELEMENTS",
     "MAX_FILE_BYTES",
+    "check_kind",
     "check_output_path",
+    "check_overwrite",
     "check_shape",
+    "file_kind",
     "format_loc",
     "load_structured_file",
     "loads_json",
@@ -188,6 +191,70 @@ def _parse_json(text: str, where: str) -> Any:
         ) from e
 
 
+# -- which kind of file is it? ----------------------------------------------------------------
+#: The files hetplan reads, each recognised by top-level keys only it has (the first match
+#: wins): (kind, what a file of it is, its signs (any one: all of its keys present), how to
+#: get one). A file of one kind passed where another is read is named for what it is,
+#: instead of being refused key by key or, worse, by a schema version it does not have.
+_KINDS: tuple[tuple[str, str, tuple[tuple[str, ...], ...], str], ...] = (
+    ("profile DB", "a profile DB (written by `hetplan profile`)",
+     (("machines",), ("compute", "collectives")), "pass a file written by `hetplan profile -o "
+     "FILE`"),
+    ("workload", "a workload (written by `hetplan ir MODEL -o FILE`)", (("grad_tensors",),),
+     "pass a workload written by `hetplan ir MODEL -o FILE`"),
+    ("plan", "a plan (written by `hetplan plan`)", (("tool_version",), ("model", "cluster")),
+     "pass a plan written by `hetplan plan MODEL --cluster C --batch-size N -o FILE`"),
+    ("run report", "a run report (written by `hetplan run --report`)",
+     (("measured", "per_rank"),), "pass a report written by `hetplan run PLAN --report FILE`"),
+    ("cluster spec", "a cluster spec", (("nodes",),),
+     "pass a preset name (`hetplan presets`) or a cluster file like those in examples/clusters/"),
+    ("dynamics", "a dynamics file (pruning, freezing or early exit while training)",
+     (("total_iterations",),), "pass a file like examples/pruning.yaml"),
+)
+
+
+def file_kind(data: Mapping[str, Any]) -> str | None:
+    """Which kind of hetplan file ``data`` (a file's top-level mapping) is: ``"plan"``,
+    ``"cluster spec"``, ``"workload"``, ``"profile DB"``, ``"run report"``, ``"dynamics"``, or
+    None when no kind's keys are there."""
+    for kind, _, signs, _ in _KINDS:
+        if any(all(key in data for key in sign) for sign in signs):
+            return kind
+    return None
+
+
+def check_kind(data: Mapping[str, Any], *, what: str, where: str) -> None:
+    """Refuse a file of another kind than ``what`` (a kind of :func:`file_kind`, with or
+    without "a " and " file"; anything else is not checked), naming what it is and how to
+    get the right one."""
+    expected = next((k for k in _KINDS if k[0] == _kind_name(what)), None)
+    found = file_kind(data)
+    if expected is None or found is None or found == expected[0]:
+        return
+    described = next(k[1] for k in _KINDS if k[0] == found)
+    noun = f"{expected[0]} file" if expected[0] == "dynamics" else expected[0]
+    article = "an" if noun[0] in "aeiou" else "a"
+    raise SpecError(f"{where}: this is {described}, not {article} {noun}; {expected[3]}")
+
+
+def _kind_name(what: str) -> str:
+    for prefix in ("a ", "an "):
+        what = what.removeprefix(prefix)
+    return what.removesuffix(" file")
+
+
+def check_kind_of_text(text: str, *, what: str, where: str) -> None:
+    """For a file that is not valid JSON: if it is YAML of another kind (a cluster spec
+    passed as a plan), refuse it as that kind (:func:`check_kind`); otherwise return and let
+    the caller report the JSON error."""
+    try:
+        data = _parse_yaml(text, where)
+    except SpecError:
+        return
+    if isinstance(data, dict):
+        check_kind(data, what=what, where=where)
+
+
 def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> dict[str, Any]:
     """Parse ``text`` as a JSON object, or raise SpecError naming ``where`` and the position.
 
@@ -197,20 +264,21 @@ def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> di
         what: what the file should be ("a workload file", "a profile DB").
         hint: appended to the message (how to get a fresh file).
     """
-    if not hint:
-        data = _parse_json(text, where)
-    else:
-        try:
-            data = loads_json(text, where=where)
-        except json.JSONDecodeError as e:
-            raise SpecError(
-                f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; {hint}"
-            ) from e
+    try:
+        data = loads_json(text, where=where)
+    except json.JSONDecodeError as e:
+        check_kind_of_text(text, what=what, where=where)
+        if not hint:
+            data = _parse_json(text, where)  # raises, with the source excerpt
+        raise SpecError(
+            f"{where}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; {hint}"
+        ) from e
     if not isinstance(data, dict):
         raise SpecError(
             f"{where}: {what} is a JSON object, got a JSON {_kind_of(data)}"
             + (f"; {hint}" if hint else "")
         )
+    check_kind(data, what=what, where=where)
     return data
 
 
@@ -313,10 +381,11 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
         )
     if not isinstance(data, dict):
         raise SpecError(
-            f"{where}: the top level of a {what} file must be a mapping of keys to values, "
+            f"{where}: the top level of the {what} file must be a mapping of keys to values, "
             f"got a {_kind_of(data)}; write it as 'key: value' lines (YAML) or an object "
             "{...} (JSON)"
         )
+    check_kind(data, what=what, where=where)
     return cast(dict[str, Any], data)
 
 
@@ -331,16 +400,40 @@ def _kind_of(value: Any) -> str:
 # --------------------------------------------------------------------------------------
 # output paths
 # --------------------------------------------------------------------------------------
-def check_output_path(path: str | Path, *, option: str) -> Path:
+def check_overwrite(path: str | Path, *, option: str, kind: str) -> None:
+    """Refuse to overwrite a hetplan file of another kind than ``kind`` (what is about to be
+    written there, a kind of :func:`file_kind`; ``""`` for a file of no hetplan kind, such
+    as an engine's configuration): ``hetplan run plan.json --report plan.json`` would replace
+    the plan with its run report, ``hetplan plan ... -o cluster.yaml`` the cluster spec. A
+    file that is not a readable YAML or JSON mapping is someone else's to overwrite."""
+    p = Path(path)
+    if not p.is_file():
+        return
+    try:
+        found = file_kind(load_structured_file(p, what="output"))
+    except SpecError:
+        return
+    if found is None or found == kind:
+        return
+    described = next(k[1] for k in _KINDS if k[0] == found)
+    raise SpecError(f"{option} {str(p)!r} is {described}; writing "
+                    f"{'the ' + kind if kind else 'the output'} there would overwrite it: "
+                    "choose another path")
+
+
+def check_output_path(path: str | Path, *, option: str, kind: str | None = None) -> Path:
     """Refuse, before any work, an output file that could not be written.
 
     The directory must exist (hetplan never creates directories: a typo in ``-o
     /nonexistent/x.png`` must not create ``/nonexistent``) and be writable, and the path
-    must not be a directory.
+    must not be a directory, nor, with ``kind``, a hetplan file of another kind
+    (:func:`check_overwrite`).
 
     Args:
         path: the file to be written.
         option: how the user gave it (``"-o/--output"``), for the message.
+        kind: what will be written (a kind of :func:`file_kind`, ``""`` for none), to refuse
+            overwriting a file of another kind; None does not look at an existing file.
 
     Returns:
         ``path`` as a :class:`Path`.
@@ -360,6 +453,8 @@ def check_output_path(path: str | Path, *, option: str) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise SpecError(f"{option} {str(p)!r} cannot be written (permission denied); choose "
                         "another path")
+    if kind is not None:
+        check_overwrite(p, option=option, kind=kind)
     return p
 
 

@@ -83,6 +83,7 @@ from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.ir.plan_hetero import Hetero
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
+from hetplan.ir.files import check_kind, check_kind_of_text
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
 __all__ = [
@@ -227,6 +228,7 @@ class Plan(BaseModel):
         try:
             data = loads_json(text, where=where)
         except json.JSONDecodeError as e:
+            check_kind_of_text(text, what="plan", where=where)  # a YAML cluster spec, say
             hint = ""
             if not text.strip():
                 hint = " (the file is empty)"
@@ -241,6 +243,7 @@ class Plan(BaseModel):
                 f"{where}: a plan is a JSON object, got a JSON {_json_type(data)}; "
                 "is this a hetplan plan file?"
             )
+        check_kind(data, what="plan", where=where)  # before its schema_version is read
         _check_version(data, where)
         try:
             return cls.model_validate(data, context={"complete": complete})
@@ -396,6 +399,8 @@ def check_plan_matches(
             f"(fingerprint {model_ir.fingerprint()}): its layers, parameter sizes or input "
             "shapes differ from what was planned"
         )
+    if model_ir is not None and not problems:  # the model planned for: was the plan edited?
+        problems += _edited_workload(plan, model_ir) + _unknown_tp_linears(plan, model_ir)
     if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
         problems.append(
             f"the plan is for cluster {plan.cluster.name!r} (fingerprint "
@@ -412,6 +417,54 @@ def check_plan_matches(
             "plan does not match: " + "; ".join(problems) + f". To fix, {_RERUN} "
             "(or load the plan that was made for them)."
         )
+
+
+def _edited_workload(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
+    """The first difference between the plan's embedded workload and the model it was made
+    for (same fingerprint) in what capture alone decides: layer names and parameter bytes,
+    gradient names, sizes and layers. A plan file whose workload was edited is priced on the
+    edited numbers and runs the real model; the file alone cannot tell (the fingerprint
+    hashes the whole IR, which the plan does not embed)."""
+    workload = plan.model.workload
+    layers, grads = getattr(model_ir, "layers", None), getattr(model_ir, "grad_tensors", None)
+    if workload is None or layers is None or grads is None:
+        return []
+    ours = [("layers", i, "name / param_bytes", (x.name, x.param_bytes))
+            for i, x in enumerate(workload.layers)]
+    theirs = [(x.name, x.param_bytes) for x in layers]
+    ours_g = [("grads", i, "name / size_bytes / layer_index",
+               (g.name, g.size_bytes, g.layer_index)) for i, g in enumerate(workload.grads)]
+    theirs_g = [(g.name, g.size_bytes, g.layer_index) for g in grads]
+    for mine, real in ((ours, theirs), (ours_g, theirs_g)):
+        if len(mine) != len(real):
+            return [f"model.workload.{mine[0][0] if mine else 'layers'}: {len(mine)}, but model "
+                    f"{model_ir.name!r} has {len(real)}: the plan was edited after planning"]
+        for (section, i, fields, value), want in zip(mine, real):
+            if value != want:
+                return [f"model.workload.{section}[{i}] ({fields}): {value}, but model "
+                        f"{model_ir.name!r} has {want}: the plan was edited after planning"]
+    return []
+
+
+def _unknown_tp_linears(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
+    """The TP linears of ``plan`` that ``model_ir`` (a ModelIR: its layers and their
+    ``linears``) does not have: the runtime looks shard sizes up by module name, so a misspelt one would run
+    even shards. The plan validator sees only the workload's layers; this is the check
+    against the model itself."""
+    tp = plan.tensor_parallel
+    layers = getattr(model_ir, "layers", None)
+    if tp is None or layers is None:
+        return []
+    known = sorted({lin.name for layer in layers for lin in getattr(layer, "linears", ())}
+                   | {layer.name for layer in layers})  # a layer may be one linear
+    unknown = sorted({lin.name for g in tp.groups for lin in g.linears} - set(known))
+    if not unknown:
+        return []
+    from hetplan.ir.validation import did_you_mean
+
+    near = did_you_mean(unknown[0], known).removeprefix("; ")
+    return [f"tensor_parallel names linear(s) {unknown} that model {model_ir.name!r} does "
+            f"not have" + (f" ({near})" if near else "")]
 
 
 def export_json_schema() -> str:

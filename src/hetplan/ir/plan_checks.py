@@ -27,7 +27,8 @@ Rules (each applies when the sections it relates are present):
    deadlock (:func:`~hetplan.ir.pipeline_order.check_progress`, the check the simulator and
    the runtime run, with its message naming each stuck rank and its next action).
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
-   in their tp coordinate), inside its stage; each rank has one role. With per-stage
+   in their tp coordinate), inside its stage; its linears are inside layers of the workload;
+   each rank has one role, pruning at most the controller's ``gamma_max``. With per-stage
    degrees (``hetero``), one replica's TP group of its stage instead
    (:mod:`hetplan.ir.plan_hetero_checks`, run with rule 3).
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
@@ -57,12 +58,18 @@ model. The caller checks that cluster's fingerprint itself.
 
 Complexity: O(world size + layers + gradients + pipeline actions) (the progress check is
 linear in the actions: a blocked rank sleeps until its dependency ends).
+
+The module is somewhat over 600 lines on purpose: it is the one validator, its rules read
+in the order above, each a short function over the shared helpers at the end; sections with
+rules of their own live beside it (:mod:`hetplan.ir.plan_hetero_checks`,
+:mod:`hetplan.ir.plan_group_sync`).
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterable
 from typing import Protocol
 
 from hetplan.ir.cluster import ClusterSpec
@@ -177,11 +184,28 @@ def _cluster(plan: Plan, spec: ClusterSpec | None, label: str, given: bool) -> l
             out.append(f"precision.devices[{name!r}].peak_dtype: {dev.peak_dtype!r}, but "
                        f"{label} lists no {name} peak for it (it lists "
                        f"{', '.join(spec.device_types[name].peak_tflops)})")
+        elif want := _peak_problem(dev.compute_dtype, dev.peak_dtype,
+                                   spec.device_types[name].peak_tflops):
+            out.append(f"precision.devices[{name!r}].peak_dtype: {dev.peak_dtype!r}, but it "
+                       f"computes in {dev.compute_dtype!r}, which is priced at {want!r} on "
+                       f"{name} ({label} lists {', '.join(spec.device_types[name].peak_tflops)}"
+                       f"); {_RERUN}")
     if not given and ref.fingerprint != spec.fingerprint():
         out.append(f"cluster.fingerprint: {ref.fingerprint!r}, but the embedded cluster spec "
                    f"has fingerprint {spec.fingerprint()!r} (was cluster.spec edited after "
                    f"planning?); {_RERUN} for the cluster you mean")
     return out
+
+
+def _peak_problem(compute: str, peak: str, listed: Iterable[str]) -> str:
+    """The peak a 16-bit compute dtype is priced at (its own where the device lists it, else
+    fp32's: :func:`hetplan.cost_models.precision.peak_dtype`) when ``peak`` is another, or
+    fp32's for fp32 compute priced at a 16-bit peak; "" when ``peak`` is right (fp32 compute
+    may be priced at another listed fp32-class peak: the ``tf32`` policy)."""
+    if compute in ("bf16", "fp16"):
+        want = compute if compute in set(listed) else "fp32"
+        return want if peak != want else ""
+    return "fp32" if peak in ("bf16", "fp16", "fp8", "int8") else ""
 
 
 # -- 2. layout --------------------------------------------------------------------------------
@@ -194,6 +218,10 @@ def _layout(plan: Plan, spec: ClusterSpec | None, label: str) -> list[str]:
         out.append(f"layout: dp={lay.dp} x pp={lay.pp} x tp={lay.tp} = {lay.num_ranks} ranks, "
                    f"but cluster {plan.cluster.name!r} has world_size {ws}: {_RERUN}")
     out += _schedule_sizes(lay)
+    if lay.sequence_parallel and lay.tp == 1 and plan.hetero is None:  # (hetero: per stage)
+        out.append("layout.sequence_parallel: true, but tp=1: sequence parallelism splits the "
+                   "activations of a tensor-parallel group; set it to false or re-run "
+                   "`hetplan plan` with --tp 2 or more")
     batch = lay.dp * lay.micro_batch_size * lay.micro_batches
     if lay.global_batch_size is not None and lay.global_batch_size != batch:
         out.append(f"layout.global_batch_size: {lay.global_batch_size}, but dp={lay.dp} x "
@@ -411,6 +439,10 @@ def _tensor_parallel(plan: Plan) -> list[str]:
             continue
         if dup := _duplicates([r.rank for r in g.roles]):
             out.append(f"{where}.roles: ranks {dup} have more than one role")
+        gamma_max = tp.controller.gamma_max
+        out += [f"{where}.roles[{j}].gamma: {r.gamma}, above tensor_parallel.controller."
+                f"gamma_max {gamma_max} (the largest pruning ratio the controller may use); "
+                f"{_RERUN}" for j, r in enumerate(g.roles) if r.gamma > gamma_max]
         if lay is not None and lay.num_ranks <= ws and plan.hetero is None:
             dp, pp, _ = lay.coords(g.ranks[0])
             want = list(range(lay.rank_of(dp, pp, 0), lay.rank_of(dp, pp, 0) + lay.tp))
@@ -428,11 +460,35 @@ def _tensor_parallel(plan: Plan) -> list[str]:
         if plan.stages and not set(g.ranks) <= stage_ranks[g.stage]:
             out.append(f"{where}.ranks: {_short(g.ranks)} are not all ranks of its stage "
                        f"{g.stage} {_short(plan.stages[g.stage].ranks)}")
+    out += _tp_linear_names(plan)
     gammas = tp.predicted.expected_gamma if tp.predicted is not None else {}
     if bad_keys := sorted(k for k in gammas if not k.isdigit() or int(k) >= ws):
         out.append(f"tensor_parallel.predicted.expected_gamma: keys {_short(bad_keys)} are not "
                    f"ranks of a world of size {ws}")
     return out[:_MAX_PER_RULE]
+
+
+def _tp_linear_names(plan: Plan) -> list[str]:
+    """Each TP linear is inside a layer of the workload (its name is a layer's, a parameter
+    owner's, or under a layer's): the runtime looks shard sizes up by module name, so a
+    linear of a layer the model does not have would run even shards silently. (The workload
+    names layers and gradients, not every linear: a misspelling inside a layer is found
+    only against the model itself.)"""
+    tp, workload = plan.tensor_parallel, plan.model.workload
+    if tp is None or workload is None or not workload.layers:
+        return []
+    layers = {layer.name for layer in workload.layers}
+    owners = {g.name.rsplit(".", 1)[0] for g in workload.grads}
+    out = []
+    for i, g in enumerate(tp.groups):
+        for j, lin in enumerate(g.linears):
+            parts = lin.name.split(".")
+            inside = any(".".join(parts[:k]) in layers for k in range(1, len(parts) + 1))
+            if not inside and lin.name not in owners:
+                out.append(f"tensor_parallel.groups[{i}].linears[{j}].name: {lin.name!r} is not "
+                           f"inside a layer of model {plan.model.name!r}"
+                           f"{did_you_mean(lin.name, sorted(owners | layers))}; {_RERUN}")
+    return out
 
 
 # -- 6. gradient sync -------------------------------------------------------------------------

@@ -111,11 +111,15 @@ def did_you_mean(
         "; did you mean 'count'?"
     """
     names = [str(c) for c in choices]
+    folded = {name.casefold(): name for name in names}
+    # A name that differs only in case comes first ("a100-80gb" is as close to 'H100-80GB'
+    # as to 'A100-80GB' for difflib).
+    same = [folded[word.casefold()]] if folded.get(word.casefold(), word) != word else []
     close = difflib.get_close_matches(word, names, n=n, cutoff=0.6)
     if not close:
-        # Case slips ("a100-80gb") score low with difflib; compare case-folded too.
-        folded = {name.casefold(): name for name in names}
+        # Case slips score low with difflib; compare case-folded too.
         close = [folded[m] for m in difflib.get_close_matches(word.casefold(), list(folded), n=n)]
+    close = same + close
     if substring and word:
         close = [name for name in names if word in name][:n] + close
     near = [repr(name) for name in dict.fromkeys(close)][:n]
@@ -213,6 +217,20 @@ def _allowed_keys(model: Any, parent_loc: Sequence[str | int]) -> list[str] | No
 # --------------------------------------------------------------------------------------
 _EXTRA_TYPES = ("extra_forbidden", "unexpected_keyword_argument")
 _MISSING_TYPES = ("missing", "missing_argument", "missing_keyword_only_argument")
+#: pydantic's names for the containers a file writes as a list (YAML ``- a``, JSON ``[a]``).
+_LIST_TYPES = ("tuple_type", "list_type", "set_type", "frozen_set_type")
+_BOUND_TYPES = ("less_than_equal", "less_than", "greater_than_equal", "greater_than")
+#: pydantic's names for what a file writes as a mapping (YAML ``key: value``, JSON ``{}``).
+_MAPPING_TYPES = ("dict_type", "model_type", "model_attributes_type", "dataclass_type")
+#: The unit of a field, by its name's suffix (or its parent's name): (unit, an example in
+#: it, the smaller unit a value far above the field's maximum was probably written in).
+_UNITS = (
+    ("_gbps", ("Gbit/s", "100 Gb/s Ethernet is 100.0", "bit/s")),
+    ("_gb_s", ("GB/s", "an A100's 2039 GB/s is 2039.0", "byte/s")),
+    ("_gib", ("GiB", "80 GiB is 80.0", "bytes")),
+    ("_us", ("microseconds", "25 us is 25.0", "nanoseconds")),
+    ("peak_tflops", ("TFLOP/s", "312 TFLOP/s is 312.0", "FLOP/s")),
+)
 
 
 def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
@@ -241,16 +259,54 @@ def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
             msg = msg[len(prefix) :]
     if kind in ("value_error", "assertion_error"):
         # Our own validators write complete sentences that already quote the input; one
-        # validator may report several problems, one per line.
+        # validator may report several problems, one per line. A number written with its
+        # unit ('100Gbps') is told the unit the field is in.
+        if isinstance(value, str) and msg.startswith(("expected a number", "expected an int")):
+            msg += _unit_hint(loc, kind)
         return "\n".join(_line(where, loc, part) for part in msg.splitlines() if part)
+    if kind in _MAPPING_TYPES and not is_key:
+        shown = "" if value is None or isinstance(value, (list, tuple)) else f" {short_repr(value)}"
+        what = "a list" if isinstance(value, (list, tuple)) else _json_kind(value)
+        return _line(where, loc, f"expected a mapping ('key: value' lines), got {what}{shown}")
 
+    if kind in _LIST_TYPES and not is_key:
+        shown = "" if value is None or isinstance(value, Mapping) else f" {short_repr(value)}"
+        return _line(where, loc, f"expected a list, got {_json_kind(value)}{shown}")
     text = f"invalid key {value!r}: {msg}" if is_key else msg
     if not is_key and not isinstance(value, (dict, list, tuple)):
         text += f" (got {short_repr(value)})"
+    if kind in _BOUND_TYPES and not is_key:
+        text += _unit_hint(loc, kind)
     if kind == "literal_error" and isinstance(value, str):
         choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
         text += did_you_mean(value, choices)
     return _line(where, loc, text)
+
+
+def _json_kind(value: Any) -> str:
+    """What a file wrote, in the file's words (a mapping, a string ...)."""
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
+
+
+def _unit_hint(loc: Sequence[str | int], kind: str) -> str:
+    """The unit of an out-of-range field named by a unit suffix: a bandwidth in bit/s or a
+    memory in bytes is refused by its bound, and the message says which unit is meant."""
+    names = [str(part) for part in loc[-2:] if isinstance(part, str)]
+    for suffix, (unit, example, smaller) in _UNITS:
+        if any(name.endswith(suffix) for name in names):
+            above = kind.startswith("less_than")  # the value broke the upper bound
+            return f"; the unit is {unit} ({example})" + (f", not {smaller}" if above else "")
+    return ""
 
 
 def _line(where: str, loc: Sequence[str | int], text: str) -> str:

@@ -66,7 +66,11 @@ from hetplan.ir.plan_sections import (
     WorkloadSummary,
 )
 from hetplan.optimizer.bounds import bounds_apply, iteration_lower_bound
-from hetplan.optimizer.layout import LayoutCandidate, enumerate_layouts
+from hetplan.optimizer.layout import (
+    LayoutCandidate,
+    enumerate_layouts,
+    pinned_degree_problems,
+)
 from hetplan.optimizer.options import CompileOptions
 from hetplan.optimizer.progress import Progress, search_progress
 from hetplan.passes import BASELINE_PASSES, BASELINE_PIPELINE, DEFAULT_PASSES
@@ -193,6 +197,9 @@ def compile(  # noqa: A001 - the product's verb
     if opts.schedule == "auto" and opts.virtual_stages is None and _rebalances(pipeline):
         # DynPipe re-balances one chunk per pipeline rank: auto keeps to 1F1B
         candidates = [c for c in candidates if c.virtual_stages == 1]
+    if not candidates and (why := pinned_degree_problems(job.workload, spec, dp=opts.dp,
+                                                         pp=opts.pp, tp=opts.tp)):
+        raise InfeasiblePlanError("no layout has the pinned degrees: " + "; ".join(why))
     if not candidates:
         raise InfeasiblePlanError(
             f"no layout of {spec.world_size} devices divides the global batch of "

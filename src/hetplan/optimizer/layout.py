@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan_sections import MAX_MICRO_BATCHES, Layout, WorkloadSummary
 
-__all__ = ["LayoutCandidate", "enumerate_layouts", "divisors"]
+__all__ = ["LayoutCandidate", "enumerate_layouts", "divisors", "pinned_degree_problems"]
 
 
 @dataclass(frozen=True, order=True)
@@ -57,11 +57,12 @@ class LayoutCandidate:
 
     def schedule_for(self, schedule: str) -> str:
         """The schedule this layout runs under the compile's ``schedule`` option: ``auto``
-        is interleaved 1F1B with interleaved chunks, plain 1F1B without; Chimera without a
-        pipeline is 1F1B (no directions to split)."""
+        is interleaved 1F1B with interleaved chunks, plain 1F1B without; Chimera and
+        interleaved 1F1B without a pipeline are 1F1B (no directions to split, no chunks to
+        interleave: the plan validator refuses interleaved 1F1B with one chunk)."""
         if schedule == "auto":
             return "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
-        if schedule == "chimera" and self.pp == 1:
+        if schedule in ("chimera", "interleaved-1f1b") and self.pp == 1:
             return "1f1b"
         return schedule
 
@@ -149,6 +150,40 @@ def enumerate_layouts(
                 for v in _chunk_counts(schedule, p, m, len(workload.layers), virtual_stages):
                     out.append(LayoutCandidate(d, p, t, mb, m, v, sp))
     return sorted(out)
+
+
+def pinned_degree_problems(workload: WorkloadSummary, cluster: ClusterSpec, *,
+                           dp: int | None, pp: int | None, tp: int | None,
+                           max_tp: int = 8) -> list[str]:
+    """Why pinned ``dp``/``pp``/``tp`` leave :func:`enumerate_layouts` nothing, whatever the
+    batch: the rules above that involve only the degrees, the cluster and the model, one
+    line each naming the pinned value and the values allowed (empty: the degrees can work,
+    and the batch or micro-batch rules are the binding ones)."""
+    world = cluster.world_size
+    node_sizes = sorted({sum(g.count for g in node.devices) for node in cluster.nodes})
+    out = []
+    pinned = {"dp": dp, "pp": pp, "tp": tp}
+    product = 1
+    for value in pinned.values():
+        product *= value or 1
+    if world % product:
+        named = " x ".join(f"{k}={v}" for k, v in pinned.items() if v is not None)
+        ranks = named if named.count("=") == 1 else f"{named} = {product} ranks"
+        out.append(f"{ranks} does not divide the {world} devices of cluster {cluster.name!r} "
+                   f"(a plan uses every device); pin degrees whose product divides {world}")
+    if tp is not None and tp > 1:
+        allowed = [t for t in divisors(world)
+                   if t <= max_tp and not any(size % t for size in node_sizes)]
+        if tp not in allowed:
+            out.append(f"tp={tp}: a tensor-parallel group stays inside one node and has at "
+                       f"most {max_tp} ranks; with nodes of {node_sizes} devices, tp may be "
+                       f"{', '.join(map(str, allowed))}")
+        if not any(layer.tp_pairs for layer in workload.layers):
+            out.append(f"tp={tp}: the model has no column/row linear pairs to split; use tp=1")
+    if pp is not None and pp > len(workload.layers):
+        out.append(f"pp={pp}: more pipeline stages than the model's {len(workload.layers)} "
+                   f"layers; use pp <= {len(workload.layers)}")
+    return out
 
 
 def _chunk_counts(schedule: str, pp: int, micro_batches: int, layers: int,

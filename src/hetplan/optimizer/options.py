@@ -191,10 +191,13 @@ class CompileOptions(BaseModel):
         if "stages" not in passes[0].sections:
             writers = [n for n, cls in sorted(get_all_passes().items())
                        if "stages" in getattr(cls, "sections", ())]
+            # a stage writer later in the list moves to the front, else dynpipe is added
+            first = next((n for n in names if n in writers), "dynpipe")
+            rest = [n for n in names if n != first]
             raise SpecError(
                 f"{where}: the pipeline starts with {names[0]!r}, but the passes after the "
                 f"first read the pipeline stages: start it with a pass that writes them "
-                f"({' or '.join(writers)}), e.g. 'dynpipe,{','.join(names)}'"
+                f"({' or '.join(writers)}), e.g. '{','.join([first, *rest])}'"
             )
         return tuple(passes)
 

@@ -44,6 +44,7 @@ import numpy as np
 from hetplan.algorithms.dp_types import GPU, Op
 from hetplan.algorithms.fusion import Fusion, pareto_dp_table
 from hetplan.cost_models.evaluate import StageSync, evaluate, stage_syncs
+from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync, SyncStrategy, WorkloadSummary
 from hetplan.passes.base import PassContext, PassResult
@@ -174,6 +175,11 @@ class CupcakeFusion:
     name: ClassVar[str] = "cupcake-fusion"
     sections: ClassVar[tuple[str, ...]] = ("gradient_sync",)
     refines: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.max_group is not None and self.max_group < 1:
+            raise SpecError(f"cupcake-fusion: max-group must be at least 1 (a bucket holds a "
+                            f"tensor), got {self.max_group}; leave it out for unlimited buckets")
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         workload, incoming = ctx.workload, plan.gradient_sync

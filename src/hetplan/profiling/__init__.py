@@ -262,14 +262,24 @@ def run_profile(
         The DB (merged with the existing file when there is one).
 
     Raises:
-        ValueError: an unknown entry in ``what``, or ``layers`` or ``sparsity`` without a
-            model.
+        SpecError: an unknown entry in ``what``, a count below 1 (``world_size``,
+            ``layer_processes``, ``batch_size``) or an existing ``output`` that is not a
+            profile DB, all refused before anything is measured.
+        ValueError: ``layers`` or ``sparsity`` without a model.
         SpecError: ``HETPLAN_EMULATE_BW`` set with collectives to time and no ``link_kind``
             (or ``loopback`` / ``nvlink``) to file them under.
     """
     bad = [w for w in what if w not in WHAT]
     if bad:
-        raise ValueError(f"unknown measurement(s) {bad}; choose from {list(WHAT)}")
+        raise SpecError(f"--what: unknown measurement(s) {bad}; choose from {list(WHAT)}")
+    for option, count in (("--world-size/-n", world_size),
+                          ("--layer-processes", layer_processes), ("--batch-size", batch_size)):
+        if count < 1:
+            raise SpecError(f"{option} must be at least 1, got {count}")
+    # an existing output is merged into: a file that is not a profile DB fails now, not
+    # after minutes of measuring
+    existing = ProfileDB.load(Path(output)) if output is not None and Path(output).exists() \
+        else None
     emulate = emulated_link() is not None and "collectives" in what
     if emulate:
         if link_kind in (None, "loopback", "nvlink"):
@@ -385,8 +395,8 @@ def run_profile(
     )
     if output is not None:
         path = Path(output)
-        if path.exists():
-            db = merge(db, ProfileDB.load(path))
+        if existing is not None:
+            db = merge(db, existing)
         path.parent.mkdir(parents=True, exist_ok=True)
         db.save(path)
     return db

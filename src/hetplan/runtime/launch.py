@@ -66,6 +66,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from hetplan.errors import SpecError
+from hetplan.ir.files import check_overwrite
 from hetplan.ir.plan import Plan, check_plan_matches
 from hetplan.runtime import proctree
 from hetplan.runtime.composition import refusals
@@ -94,7 +95,9 @@ def torchrun_command(
     if plan.layout is None:
         raise SpecError(f"{plan_path}: the plan has no layout; compile it with `hetplan plan`")
     if script is not None and not Path(script).is_file():
-        raise SpecError(f"--script: training script {str(script)!r} does not exist")
+        what = "is a directory" if Path(script).is_dir() else "does not exist"
+        raise SpecError(f"--script: training script {str(script)!r} {what}; pass the path of "
+                        "a Python file")
     if script is None and bool(model) == bool(module):
         raise SpecError("give exactly one of --model NAME or --module pkg.mod:factory "
                         "(or --script train.py)")
@@ -280,6 +283,7 @@ def preflight(
         raise SpecError(f"--timeout must be in (0, 86400] seconds, got {timeout_s}")
     if report is not None:
         _check_writable(Path(report), "--report")
+        check_overwrite(report, option="--report", kind="run report")
     layout = plan.layout
     if layout is None:
         raise SpecError("the plan has no layout; compile it with `hetplan plan`")

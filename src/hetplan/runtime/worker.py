@@ -223,7 +223,11 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
             if step == args.warmup - 1 and rank == 0:
                 print(f"rank 0: warm-up done; timing {args.steps} step(s)", flush=True)
             if rank == 0 and rt.last_times is not None:
-                print(f"step {step + 1}/{total}  loss {loss:.4f}  "
+                # with a pipeline, rank 0 holds the first stage and the loss is the last
+                # stage's: "nan" there read as a diverged run
+                shown = (f"{loss:.4f}" if layout.pp == 1 or loss == loss
+                         else "(on the last stage)")
+                print(f"step {step + 1}/{total}  loss {shown}  "
                       f"iteration {rt.last_times.iteration_s * 1e3:.2f} ms", flush=True)
         if args.report:
             # the tracker's module hooks break torch pipelining's traced stages: measured

@@ -83,8 +83,14 @@ def get(name: str) -> ZooEntry:
     entry = ZOO.get(key)
     if entry is not None:
         return entry
+    own = ""
+    if any(c in name for c in "/\\:") or name.endswith((".py", ".json")):
+        # a path or a module: the user meant a model of their own, which is no zoo name
+        own = ("; a model of your own is given as a factory (CLI: --module pkg.mod:factory, a "
+               "function returning (model, example inputs)) or as a workload file (--workload "
+               "FILE, from `hetplan ir`)")
     raise SpecError(
-        f"unknown model {name!r} in the hetplan zoo{did_you_mean(key, ZOO, n=3)} "
+        f"unknown model {name!r} in the hetplan zoo{did_you_mean(key, ZOO, n=3)}{own} "
         f"(expected one of: {', '.join(sorted(ZOO))}; see hetplan.zoo.list_models())"
     )
 
