@@ -1,6 +1,6 @@
 """The runtime's traced pipeline stages timed against the eager model
-(``docs/decisions/cpu-fidelity.md`` section 13): the ``traced_*`` records, the factor a
-pipeline stage's layer times take from them, where it does not apply, and the measurement."""
+(``docs/decisions/cpu-fidelity.md`` section 13): the ``traced_*`` records, measured and kept
+in the profile but not charged, and the measurement."""
 
 from __future__ import annotations
 
@@ -63,55 +63,14 @@ def _priced(db: ProfileDB, **pins: object) -> tuple[object, ...]:
             plan.predictions.breakdown)
 
 
-def _stage_times(db: ProfileDB, plan) -> list[tuple[float, ...]]:  # type: ignore[no-untyped-def]
-    from hetplan import zoo
-    from hetplan.cost_models.costs import CostModel
-    from hetplan.cost_models.stage_times import stage_times
-    from hetplan.ir.capture import capture
-    from hetplan.ir.plan_sections import WorkloadSummary
-
-    args, kwargs = zoo.example_inputs("gpt-test", batch=1, device="meta")
-    ir = capture(zoo.build("gpt-test", device="meta"), args, kwargs, name="gpt-test")
-    workload = WorkloadSummary.from_model_ir(ir)
-    costs = CostModel(ClusterSpec.from_preset("local-cpu"), db, dtype="fp32")
-    return [stage_times(workload, st, plan.layout, costs, 2, 2 / workload.batch_size)[:2]
-            for st in plan.stages]
-
-
-def test_a_pipeline_stage_runs_at_the_traced_ratio() -> None:
-    plan = _plan(WITH, **PP)
-    base, traced = _stage_times(BASE, plan), _stage_times(WITH, plan)
-    assert len(base) == 4
-    for (bf, bb), (tf, tb) in zip(base, traced):
-        assert tf == pytest.approx(3.0 * bf, rel=1e-9)
-        assert tb == pytest.approx(1.25 * bb, rel=1e-9)
-    with_plan, base_plan = _plan(WITH, **PP), _plan(BASE, **PP)
-    assert with_plan.predictions is not None and base_plan.predictions is not None
-    assert (with_plan.predictions.breakdown.compute_ms
-            > base_plan.predictions.breakdown.compute_ms * 1.2)
-
-
-def test_the_ratio_does_not_apply_where_the_run_is_not_traced_or_not_measured() -> None:
-    # one stage: the runtime runs the eager model
-    dp = dict(dp=4, pp=1, tp=1, zero_stage=0)
-    assert _priced(WITH, **dp) == _priced(BASE, **dp)
-    # the node's processes (4 on local-cpu) are not the records'
-    two = ProfileDB(collectives=LINES, handovers=(P2P, *(_traced(r.operation, 1 * MS, 3 * MS,
-                                                                 group=2) for r in TRACED)))
-    assert _priced(two, **PP) == _priced(BASE, **PP)
-    # only the forward measured
-    assert _priced(ProfileDB(collectives=LINES, handovers=(P2P, TRACED[0])), **PP) == _priced(
-        BASE, **PP)
-    # a TP pipeline runs the model's own sharded modules
-    pp_tp = dict(dp=1, pp=2, tp=2, zero_stage=0, schedule="1f1b", recompute="none")
-    assert (_priced(WITH, model="megatron-gpt-test", batch=4, **pp_tp)
-            == _priced(BASE, model="megatron-gpt-test", batch=4, **pp_tp))
-    # (while the records' pipeline plan does change: the comparisons can fail)
-    assert _priced(WITH, **PP) != _priced(BASE, **PP)
-
-
-def test_the_charge_is_deterministic() -> None:
-    assert _plan(WITH, **PP).to_json() == _plan(WITH, **PP).to_json()
+def test_the_records_are_measured_not_charged() -> None:
+    # the traced/eager ratio taken alone over-predicted the pipelines' compute about twice
+    # in the quiet run of section 13 (the run's stages compute while other stages wait):
+    # no plan reads the records
+    assert _priced(WITH, **PP) == _priced(BASE, **PP)
+    il = dict(dp=2, pp=2, tp=1, zero_stage=0, schedule="interleaved-1f1b", virtual_stages=2)
+    assert _priced(WITH, **il) == _priced(BASE, **il)
+    assert ProfileDB.from_json(WITH.to_json()) == WITH  # kept in the profile
 
 
 @pytest.mark.dist

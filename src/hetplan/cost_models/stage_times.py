@@ -17,9 +17,6 @@ slowest rank (:mod:`hetplan.cost_models.tp_shares`):
   (:func:`zero_stage_times`). Where a gloo profile measured the runtime's ZeRO-3 phases
   (``zero3_forward`` / ``zero3_backward`` records) those are charged instead: on gloo the
   gathers and reduce-scatters do not overlap compute or each other.
-- a pipeline stage (``pp > 1``, no TP) runs the model traced into stages, not its eager
-  modules; where a gloo profile timed both (``traced_forward`` / ``traced_backward``)
-  its layer times are scaled by their ratio (:func:`_traced_ratios`);
 - where a gloo profile measured the runtime's tensor-parallel phases of the model
   (``tp_forward`` / ``tp_backward``, ``tp_sp_*`` with sequence parallelism) a TP stage's
   forward and backward are its share of those (:func:`_measured_tp`), in place of the
@@ -147,7 +144,6 @@ def stage_times(
     sources: dict[str, int] = {}
     layers = workload.layers[st.first_layer : st.last_layer + 1]
     tp_comm = 0.0
-    traced = _traced_ratios(workload, st, layout, costs)
     for dev in devices.values():
         times = costs.compute.layer_times(workload, dev, mb, tp=tp,
                                           sp=layout.sequence_parallel)[
@@ -158,9 +154,6 @@ def stage_times(
             if not t.per_rank:
                 div = costs.compute.tp_divisor(lay, tp)
                 lf, lb = lf / div, lb / div
-            if traced is not None:  # the runtime's traced stage, not the eager modules
-                lf, lb = lf * traced[0], lb * traced[1]
-                core = None if core is None else core * traced[0]
             per_f.append(lf)
             per_b.append(lb + recompute_s(lay, lf, st.recompute, core))
             sources[t.source] = sources.get(t.source, 0) + 1
@@ -359,32 +352,6 @@ def _measured_zero3(costs: CostModel, dp: int, link: Literal["intra", "inter"],
     if fwd is None or bwd is None:
         return None
     return (f + fwd[0] * param_bytes / fwd[1], b + bwd[0] * param_bytes / bwd[1])
-
-
-def _traced_ratios(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel
-                   ) -> tuple[float, float] | None:
-    """(forward, backward) factor from the eager modules the layer records time to the
-    traced stage modules a pipeline plan runs (``pp > 1``; the runtime traces the model
-    into its stages, :func:`hetplan.runtime.pipeline.build_stages`): the profile's
-    ``traced_forward`` / ``traced_backward`` records (:mod:`hetplan.profiling.stage_trace`:
-    traced over eager, each timed alone; the contention is in the layer records the ratio
-    scales) filed for the stage's node's process count, of the model nearest in fp32
-    parameter bytes. None without both records (GPU and
-    analytic plans, older profiles), for one stage, and with tensor parallelism (its
-    stages run the model's own sharded modules, which the ``tp_*`` records time)."""
-    if layout.pp < 2 or layout.tp > 1 or not costs.comm.has_handovers:
-        return None
-    procs = costs.node_sizes[costs.devices[st.ranks[0]].node_index]
-    if procs < 2:
-        return None
-    nbytes = sum(lay.param_bytes for lay in workload.layers) / capture_bytes(workload) * 4
-    fwd = costs.comm.phase_record("traced_forward", procs, "intra", nbytes)
-    bwd = costs.comm.phase_record("traced_backward", procs, "intra", nbytes)
-    if (fwd is None or bwd is None or fwd.samples[0].burst_s <= 0
-            or bwd.samples[0].burst_s <= 0):
-        return None
-    return (fwd.samples[0].seconds / fwd.samples[0].burst_s,
-            bwd.samples[0].seconds / bwd.samples[0].burst_s)
 
 
 def _measured_tp(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,

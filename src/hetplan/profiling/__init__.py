@@ -20,8 +20,8 @@ real work on the local hardware:
   backward of a zoo model, every TP group at once, beside the unsplit model's; part of
   ``collectives`` on gloo when a zoo model is given.
 * :func:`profile_traced_stages` (:mod:`.stage_trace`): the model as the runtime's traced
-  pipeline stages run it against the eager model, on ``world_size`` processes at once; part
-  of ``collectives`` on gloo when a zoo model is given.
+  pipeline stages run it against the eager model, in each of ``world_size`` processes in
+  turn (measured, not charged); part of ``collectives`` on gloo when a zoo model is given.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
 * :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding

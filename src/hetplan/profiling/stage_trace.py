@@ -24,8 +24,13 @@ times overall). Per rank the median step, then the mean over the ranks. Filed as
 ``tp_*`` records): ``traced_forward`` / ``traced_backward``, ``group_size`` the node's processes (the
 plans the ratio applies to), ``nbytes`` the model's fp32 parameters, ``micro_batch`` the one timed,
 one sample: the eager phase (burst) and the traced one (seconds).
-:func:`hetplan.cost_models.stage_times.stage_times` scales a pipeline stage's layer times by
-their ratio.
+
+**Measured, not charged.** Scaling a pipeline stage's layer records by this ratio
+over-predicted the pipelines' compute about twice in the quiet run of section 13 (``pp``
+14.9 ms against 7.1 measured, ``interleaved`` 13.3 against 8.1): the layer records carry the
+contention of 4 processes computing at once, and a pipeline's stages compute while other
+stages wait, which in that run made up for the slower traced code. No cost model reads the
+records; they stay in the profile for a model of the pipelines' contention.
 """
 
 from __future__ import annotations
