@@ -9,7 +9,11 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    all-reduce after compute bursts on all 4 processes, part of ``collectives`` on gloo;
    recorded in the result beside the profile), the data-parallel sync and ZeRO-3's phases
    timed inside the runtime's own step of the model (``allreduce_step``,
-   ``zero3_forward``, ``zero3_backward``, also part of ``collectives``), and the per-step
+   ``zero3_forward``, ``zero3_backward``, also part of ``collectives``), the runtime's
+   tensor-parallel forward and backward of the model with every TP group at once
+   (``tp_forward`` … ``tp_sp_backward``), the traced pipeline stages against the eager
+   model (``traced_forward``, ``traced_backward``) and FSDP2's optimizer step
+   (``zero3_step``), all part of ``collectives`` too, and the per-step
    framework costs (the optimizer step per tensor and per byte, on 4 processes at once).
    A kind run on an emulated slow link (``compressed``: ``HETPLAN_EMULATE_BW=1`` on
    ``cpu-2x2-slow``) gets a copy of its model's profile with the hand-overs timed on that
@@ -30,9 +34,11 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
 
 Each kind is also planned from the same profile less its hand-over records
 (``predicted_without_handovers_ms``, and the errors without them in the summary): what the
-hand-over wait changes, against the same runs; and less only the step-level records
-(``predicted_without_step_records_ms``: section 11's model on the same profile), what they
-change.
+hand-over wait changes, against the same runs; less the step-level and phase records
+(``predicted_without_step_records_ms``: section 11's model on the same profile); and less
+only section 13's phase records (``predicted_without_phase_records_ms``: section 12's
+model: tensor parallelism's phases, the traced pipeline stages, FSDP2's optimizer step),
+what they change.
 
 Nothing is tuned on the numbers reported: the profile and the cost model are used as they are.
 
@@ -174,9 +180,20 @@ def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict
 STEP_RECORDS = ("allreduce_step", "zero3_forward", "zero3_backward")
 
 
+#: The runtime's phases timed in section 13 (tensor parallelism's, the traced pipeline
+#: stages', FSDP2's optimizer step); the profile less them is section 12's model.
+PHASE_RECORDS = ("tp_forward", "tp_backward", "tp_sp_forward", "tp_sp_backward",
+                 "traced_forward", "traced_backward", "zero3_step")
+
+
 def _without_steps(path: Path) -> Path:
     """The same profile less its step-level records (section 11's model, same profile)."""
     return path.with_name(path.stem + "_no_step_records.json")
+
+
+def _without_phases(path: Path) -> Path:
+    """The same profile less its section-13 phase records (section 12's model)."""
+    return path.with_name(path.stem + "_no_phase_records.json")
 
 
 def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
@@ -201,12 +218,17 @@ def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
 
 
 def _write_variants(path: Path) -> None:
-    """Beside the profile: the same less its hand-over records (:func:`_without`), and less
-    only its step-level ones (:func:`_without_steps`)."""
+    """Beside the profile: the same less its hand-over records (:func:`_without`), less its
+    step-level and phase ones (:func:`_without_steps`: section 11's model), and less only
+    its section-13 phase ones (:func:`_without_phases`: section 12's)."""
     doc = json.loads(path.read_text())
+    hands = doc.get("handovers", [])
     _without_steps(path).write_text(json.dumps(
-        doc | {"handovers": [r for r in doc.get("handovers", [])
-                             if r["operation"] not in STEP_RECORDS]},
+        doc | {"handovers": [r for r in hands
+                             if r["operation"] not in STEP_RECORDS + PHASE_RECORDS]},
+        sort_keys=True, indent=2) + "\n")
+    _without_phases(path).write_text(json.dumps(
+        doc | {"handovers": [r for r in hands if r["operation"] not in PHASE_RECORDS]},
         sort_keys=True, indent=2) + "\n")
     doc.pop("handovers", None)
     _without(path).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
@@ -253,14 +275,16 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
         bp = before.get("predictions") or {}
         row["predicted_without_handovers_ms"] = bp.get("iteration_time_ms")
         row["predicted_without_handovers_breakdown_ms"] = bp.get("breakdown")
-    steps_plan = plan.with_suffix(".no_steps.json")
-    if _without_steps(prof).exists():
-        steps_cmd = [str(_without_steps(prof)) if c == str(prof) else c for c in cmd[:-1]]
-        code, _, _ = _call([*steps_cmd, str(steps_plan)], None, args.timeout)
+    for name, variant in (("step_records", _without_steps), ("phase_records", _without_phases)):
+        if not variant(prof).exists():
+            continue
+        v_plan = plan.with_suffix(f".no_{name}.json")
+        v_cmd = [str(variant(prof)) if c == str(prof) else c for c in cmd[:-1]]
+        code, _, _ = _call([*v_cmd, str(v_plan)], None, args.timeout)
         if code == 0:
-            sp = json.loads(steps_plan.read_text()).get("predictions") or {}
-            row["predicted_without_step_records_ms"] = sp.get("iteration_time_ms")
-            row["predicted_without_step_records_breakdown_ms"] = sp.get("breakdown")
+            vp = json.loads(v_plan.read_text()).get("predictions") or {}
+            row[f"predicted_without_{name}_ms"] = vp.get("iteration_time_ms")
+            row[f"predicted_without_{name}_breakdown_ms"] = vp.get("breakdown")
     run = [*_hetplan(), "run", str(plan), "--model", kind.model, "--steps", str(args.steps),
            "--report", str(report)]
     row["load_average_before_run"] = os.getloadavg()
@@ -293,13 +317,15 @@ PARTS = ("compute_ms", "bubble_ms", "exposed_comm_ms", "optimizer_ms", "other_ms
 
 def parts(pred_ms: float, pred: dict[str, float], meas: dict[str, float]
           ) -> dict[str, dict[str, float]]:
-    """Predicted beside measured, per part (``PARTS``). The plan's breakdown has no optimizer
-    entry: its optimizer step is the iteration less compute, bubble and exposed
-    communication (what :func:`hetplan.cost_models.evaluate.evaluate` adds last), less any
-    compression; the measured rest is the iteration less the parts the runtime timed."""
+    """Predicted beside measured, per part (``PARTS``). The plan's optimizer step is its
+    breakdown's ``optimizer_ms``; a plan written before the breakdown had one: the
+    iteration less compute, bubble and exposed communication (what
+    :func:`hetplan.cost_models.evaluate.evaluate` adds last), less any compression. The
+    measured rest is the iteration less the parts the runtime timed."""
     p = {k: float(pred.get(k) or 0.0) for k in PARTS[:3]}
     p["other_ms"] = float(pred.get("compression_ms") or 0.0)
-    p["optimizer_ms"] = max(pred_ms - sum(p.values()), 0.0)
+    p["optimizer_ms"] = (float(pred["optimizer_ms"]) if pred.get("optimizer_ms") is not None
+                         else max(pred_ms - sum(p.values()), 0.0))
     m = {k: float(meas.get(k) or 0.0) for k in PARTS[:4]}
     m["other_ms"] = float(meas.get("iteration_ms") or 0.0) - sum(m.values())
     return {k: {"predicted": round(p[k], 3), "measured": round(m[k], 3),
@@ -340,11 +366,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if before:
         out["predicted_without_handovers_ms"] = statistics.median(before)
         out["error_without_handovers"] = abs(statistics.median(before) / meas - 1)
-    no_steps = [r["predicted_without_step_records_ms"] for r in ran
-                if r.get("predicted_without_step_records_ms") is not None]
-    if no_steps:
-        out["predicted_without_step_records_ms"] = statistics.median(no_steps)
-        out["error_without_step_records"] = abs(statistics.median(no_steps) / meas - 1)
+    for name in ("step_records", "phase_records"):
+        vals = [r[f"predicted_without_{name}_ms"] for r in ran
+                if r.get(f"predicted_without_{name}_ms") is not None]
+        if vals:
+            out[f"predicted_without_{name}_ms"] = statistics.median(vals)
+            out[f"error_without_{name}"] = abs(statistics.median(vals) / meas - 1)
     return out
 
 
@@ -403,26 +430,26 @@ def main(argv: list[str] | None = None) -> int:
     if before:
         summary["median_error_without_handovers"] = statistics.median(before)
         summary["max_error_without_handovers"] = max(before)
-    no_steps = [c["error_without_step_records"] for c in cases
-                if "error_without_step_records" in c]
-    if no_steps:
-        summary["median_error_without_step_records"] = statistics.median(no_steps)
-        summary["max_error_without_step_records"] = max(no_steps)
+    for name in ("step_records", "phase_records"):
+        vals = [c[f"error_without_{name}"] for c in cases if f"error_without_{name}" in c]
+        if vals:
+            summary[f"median_error_without_{name}"] = statistics.median(vals)
+            summary[f"max_error_without_{name}"] = max(vals)
     summary["meets_target"] = bool(errors) and summary["median_error"] <= TARGET_MEDIAN and (
         summary["max_error"] <= TARGET_MAX) and len(errors) == len(cases)
     print(f"{'kind':<12} {'model':<18} {'predicted':>10} {'measured':>10} {'error':>7}  "
-          f"{'without hand-overs':>20}  {'without step records':>20}  status")
+          f"{'without hand-overs':>20}  {'without step records':>20}  "
+          f"{'without phase records':>21}  status")
     for c in cases:
         if c["status"] == "ran":
-            b = c.get("predicted_without_handovers_ms")
-            before = (f"{b:8.2f}ms {c['error_without_handovers']:>7.1%}" if b is not None
-                      else "")
-            n = c.get("predicted_without_step_records_ms")
-            no_steps = (f"{n:8.2f}ms {c['error_without_step_records']:>7.1%}"
-                        if n is not None else "")
+            cols = []
+            for name in ("handovers", "step_records", "phase_records"):
+                b = c.get(f"predicted_without_{name}_ms")
+                cols.append(f"{b:8.2f}ms {c[f'error_without_{name}']:>7.1%}"
+                            if b is not None else "")
             print(f"{c['kind']:<12} {c['model']:<18} {c['predicted_ms']:>8.2f}ms "
-                  f"{c['measured_ms']:>8.2f}ms {c['error']:>7.1%}  {before:>20}  "
-                  f"{no_steps:>20}  ran")
+                  f"{c['measured_ms']:>8.2f}ms {c['error']:>7.1%}  "
+                  + "  ".join(f"{x:>20}" for x in cols) + "  ran")
         else:
             print(f"{c['kind']:<12} {c['model']:<18} {'':>10} {'':>10} {'':>7}  "
                   f"{c['status']}: {c.get('reason')}")

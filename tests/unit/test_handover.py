@@ -206,7 +206,14 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
     every_link = tuple(r for k in ("nvlink", "pcie", "ethernet", "infiniband", "loopback")
                        for r in _hands(k) + tuple(
                            _hand(op, 32, [(0.0, 9.0 * MS)], link=k, nbytes=1 << 20)
-                           for op in ("allreduce_step", "zero3_forward", "zero3_backward")))
+                           for op in ("allreduce_step", "zero3_forward", "zero3_backward",
+                                     "zero3_step"))
+                       + tuple(_hand(op, g, [(1 * MS, 30.0 * MS)], link=k, nbytes=939_520
+                                     ).model_copy(update={"micro_batch": 2})
+                               for g in (2, 4, 32)
+                               for op in ("tp_forward", "tp_backward", "tp_sp_forward",
+                                          "tp_sp_backward", "traced_forward",
+                                          "traced_backward")))
     nccl = (_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),
             _line("allreduce", 32, 5e-5, backend="nccl", link="nvlink"))
 
@@ -228,6 +235,14 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
                             profile=ProfileDB(collectives=nccl,
                                               handovers=every_link)).to_json(),
             _plan("local-cpu", BASE, **dict(DP, zero_stage=3)).to_json(),
+            # tensor parallelism: a GPU plan with gloo's TP phase records, a CPU one without
+            hetplan.compile("megatron-gpt-test", spec, batch_size=256,  # type: ignore[arg-type]
+                            **dict(gpu, pp=1, dp=32, tp=2),
+                            profile=ProfileDB(collectives=nccl,
+                                              handovers=every_link)).to_json(),
+            hetplan.compile("megatron-gpt-test", ClusterSpec.from_preset("local-cpu"),
+                            batch_size=4, dp=2, pp=1, tp=2, zero_stage=0, micro_batch_size=2,
+                            dtype="fp32", profile=BASE).to_json(),
         ]
 
     charged = plans()
@@ -235,6 +250,7 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
     # the same plans with the wait switched off everywhere: byte-identical
     monkeypatch.setattr(CommModel, "wait_s", lambda *a, **k: 0.0)
     monkeypatch.setattr(CommModel, "measured_s", lambda *a, **k: None)
+    monkeypatch.setattr(CommModel, "phase_record", lambda *a, **k: None)
     assert plans() == charged
     # (while a CPU plan with the record does change: the switch is real)
     assert _plan("local-cpu", WITH, **PP).predictions != with_record

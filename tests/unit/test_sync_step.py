@@ -131,9 +131,11 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
                                      passes=1, timeout_s=120, zero3=True)
     assert [r.key for r in recs] == [("allreduce_step", "gloo", "loopback", 2, 939_520),
                                      ("zero3_forward", "gloo", "loopback", 2, 939_520),
-                                     ("zero3_backward", "gloo", "loopback", 2, 939_520)]
+                                     ("zero3_backward", "gloo", "loopback", 2, 939_520),
+                                     ("zero3_step", "gloo", "loopback", 2, 939_520)]
     rec = recs[0]
     for z in recs[1:]:  # the plain phase, and what FSDP2's gathers / reduce-scatters add
+        # (the step: the plain replica's optimizer step, and FSDP2's over its shards)
         assert z.processes == 2 and len(z.samples) == 1
         assert z.samples[0].burst_s > 0.0 and z.samples[0].seconds > 0.0
     assert rec.processes == 2 and len(rec.samples) == 1
@@ -144,6 +146,10 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
     # the step's parts: forward and backward (no sync) inside the step, and the sync's wait
     assert 0.0 < t.compute_s < t.step_s
     assert t.compute_with_sync_s > 0.0 and t.wait_s > 0.0
+    # what the sync takes inside the steps with it: the mean wait and the slowest rank's lag
+    assert t.slowest_step_with_sync_s >= t.step_with_sync_s > t.compute_with_sync_s
+    assert t.added_s == pytest.approx(
+        t.wait_s + t.slowest_step_with_sync_s - t.step_with_sync_s)
 
 
 def test_profile_sync_steps_rejects_bad_input() -> None:
@@ -224,3 +230,46 @@ def test_profile_sync_steps_skips_models_too_large_to_replicate_per_process() ->
 
     # gpt-test has about 0.23 M parameters: above this limit nothing is spawned or returned
     assert profile_sync_steps("gpt-test", 2, max_params=1000) == ([], [])
+
+
+#: FSDP2's optimizer step over gpt-test's shards: 6 ms (the plain replica's 1 ms)
+Z3_STEP = _hand("zero3_step", 4, [(1 * MS, 6.0 * MS)], nbytes=939_520)
+
+
+def _optimizer_ms(db: ProfileDB, **pins: object) -> float:
+    """The plan's optimizer step (its breakdown's, which the iteration includes)."""
+    p = _plan(db, **pins).predictions
+    assert p is not None
+    b = p.breakdown
+    assert p.iteration_time_ms == pytest.approx(
+        b.compute_ms + b.bubble_ms + b.exposed_comm_ms + b.compression_ms + b.optimizer_ms,
+        abs=1e-3)
+    return b.optimizer_ms
+
+
+def test_zero3_optimizer_step_is_the_measured_fsdp2_step() -> None:
+    with_step = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, *Z3, Z3_STEP))
+    # gpt-test's parameters are the record's bytes: the step as measured
+    assert _optimizer_ms(with_step, **ZERO3) == pytest.approx(6.0, rel=1e-3)
+    assert _optimizer_ms(WITH_Z3, **ZERO3) < 3.0  # the bytes-and-kernels model
+    # ZeRO-0 plans and another group size do not read it
+    assert _priced(with_step, **DP) == _priced(WITH_Z3, **DP)
+    pairs = ProfileDB(collectives=LINES, handovers=(*HANDS, STEP, *Z3,
+                                                    Z3_STEP.model_copy(update={"group_size": 2})))
+    assert _priced(pairs, **ZERO3) == _priced(WITH_Z3, **ZERO3)
+
+
+def test_an_interleaved_rank_pays_the_step_record_once_for_all_its_chunks() -> None:
+    # the runtime syncs a rank's chunks in one phase (one GradSync over its parameters),
+    # which the record timed once: two chunks per rank, one wait
+    pairs = _hand("allreduce_step", 2, [(6 * MS, 12.0 * MS)], nbytes=939_520)
+    il = dict(dp=2, pp=2, tp=1, zero_stage=0, schedule="interleaved-1f1b", virtual_stages=2)
+    none = _plan(NO_HANDS, **il).predictions
+    step = _plan(ProfileDB(collectives=LINES, handovers=(*HANDS, pairs)), **il).predictions
+    assert none is not None and step is not None
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"),
+                     ProfileDB(collectives=LINES, handovers=(pairs,)))
+    wait_ms = comm.wait_s("allreduce_step", 2, "intra", 6 * MS) * 1e3
+    assert wait_ms > 5.0
+    assert step.breakdown.exposed_comm_ms == pytest.approx(
+        none.breakdown.exposed_comm_ms + wait_ms, abs=1e-6)

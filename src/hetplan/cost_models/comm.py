@@ -295,6 +295,20 @@ class CommModel:
             return None
         return recs[0].seconds_at(burst_s), recs[0].nbytes
 
+    def phase_record(self, operation: str, group_size: int, link: LinkRef,
+                     nbytes: float) -> HandoverRecord | None:
+        """The record of a measured phase (``tp_forward`` … ``tp_sp_backward``: the runtime's
+        tensor-parallel phase of a whole profiled model) for this backend, the kind of
+        ``link`` and ``group_size``, of the model whose fp32 parameter bytes are nearest to
+        ``nbytes`` (a profile merged from several models holds one per model), the first
+        such on a tie; None without one."""
+        if not self._handovers:
+            return None
+        recs = self._handovers.get((operation, self.resolve_link(link).kind, group_size))
+        if not recs:
+            return None
+        return min(recs, key=lambda r: abs(r.nbytes - nbytes))
+
     def wait_s(self, operation: str, group_size: int, link: LinkRef, burst_s: float,
                nbytes: float | None = None) -> float:
         """The measured wait of one blocking ``operation`` (``p2p`` or ``allreduce``) of

@@ -456,7 +456,8 @@ def _share_rank_channels(layout: Layout, costs: CostModel, pre: _Prefix, built: 
     (the rank's other work between those backwards is compute the sync does not wait for);
     after the flush all of them start when the rank's last backward has ended, chunk by
     chunk (Megatron-LM all-reduces its model chunks in order). The rank's last chunk then
-    finishes when that timeline does (plus each chunk's hand-over waits, on gloo profiles);
+    finishes when that timeline does (plus the largest of its chunks' hand-over waits, on
+    gloo profiles: one sync phase per rank);
     ``finish`` and that chunk's :class:`StageCost` are updated in place. A chunk whose sync
     runs inside its backward (ZeRO-3 on gloo, measured) takes no part."""
     overlap = costs.dp_overlap == "backward"
@@ -490,7 +491,9 @@ def _share_rank_channels(layout: Layout, costs: CostModel, pre: _Prefix, built: 
             continue
         tl = simulate_dp(segments, units)
         done = t0 + tl.iteration_s
-        done += sum(waits.get(s, 0.0) for s in chunks)
+        # the hand-over wait once per rank: the runtime syncs all of a rank's chunks in one
+        # phase (one GradSync over its parameters), which the records time once
+        done += max((waits.get(s, 0.0) for s in chunks), default=0.0)
         if done > finish[last]:
             finish[last] = done
             c = stage_costs[last]
@@ -1185,8 +1188,12 @@ def _optimizer_s(
     (:class:`~hetplan.cost_models.profile_db.OptimizerRecord`, ``hetplan profile --what
     step``), that line prices it instead: a cost per parameter tensor stepped (the optimizer's
     Python and dispatch per tensor, what dominates a small model on a CPU) plus a cost per
-    fp32 byte, measured with as many processes stepping at once as the node has ranks."""
-    measured = _measured_step_s(workload, stages, layout, costs, tp_section)
+    fp32 byte, measured with as many processes stepping at once as the node has ranks.
+    Under ZeRO-3, where a gloo profile timed FSDP2's step over the sharded model
+    (``zero3_step`` record, :func:`_measured_zero3_step_s`), that step prices it."""
+    measured = _measured_zero3_step_s(workload, stages, layout, costs, tp_section)
+    if measured is None:
+        measured = _measured_step_s(workload, stages, layout, costs, tp_section)
     if measured is not None:
         return measured
     dp = layout.dp if layout.zero_stage >= 1 else 1
@@ -1221,6 +1228,31 @@ def _stage_params(workload: WorkloadSummary, st: Stage, layout: Layout, costs: C
         for k, lay in enumerate(workload.layers[st.first_layer : st.last_layer + 1])
     )
     return pbytes, len(_stage_grads(workload, costs, st.first_layer, st.last_layer))
+
+
+def _measured_zero3_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...],
+                           layout: Layout, costs: CostModel,
+                           tp_section: TensorParallel | None) -> float | None:
+    """The slowest pipeline rank's ZeRO-3 optimizer step from the profile's ``zero3_step``
+    record of its data-parallel group (:mod:`hetplan.profiling.sync_step`: FSDP2's step over
+    the profiled model's sharded parameters, as the runtime's ZeRO-3 runs it), scaled by
+    the stage's fp32 parameter bytes over the profiled model's, as the ZeRO-3 phases are
+    (:func:`~hetplan.cost_models.stage_times.stage_times`). None below ZeRO-3 or without
+    the record (GPU and analytic plans, older profiles)."""
+    if layout.zero_stage < 3 or layout.dp < 2 or not costs.comm.has_handovers:
+        return None
+    per_rank: dict[int, float] = {}
+    for st in stages:
+        dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
+        link, _, _ = group_link(costs, dp_ranks)
+        rec = costs.comm.measured_s("zero3_step", layout.dp, link, 0.0)
+        if rec is None:
+            return None
+        prec = stage_precision(workload, st, costs)
+        pbytes, _ = _stage_params(workload, st, layout, costs, tp_section)
+        s = st.index % layout.pp
+        per_rank[s] = per_rank.get(s, 0.0) + rec[0] * pbytes / prec.capture_bytes * 4 / rec[1]
+    return max(per_rank.values(), default=0.0)
 
 
 def _measured_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout,

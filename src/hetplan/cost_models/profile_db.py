@@ -38,8 +38,17 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   ``allreduce_step`` (added the same way: older profiles have none) is the data-parallel sync
   timed inside the runtime's own training step of the profiled model
   (:mod:`hetplan.profiling.sync_step`): the burst is the step without the sync, a sample what
-  the sync adds to it; ``zero3_forward`` / ``zero3_backward`` likewise what the runtime's
-  ZeRO-3 (FSDP2) adds to the plain forward and backward.
+  the sync takes inside the steps with it (profiles before 2026-11-26 16:00 UTC: the slowest
+  synced step less the step without); ``zero3_forward`` / ``zero3_backward`` likewise what the runtime's
+  ZeRO-3 (FSDP2) adds to the plain forward and backward, and ``zero3_step`` its optimizer
+  step over the sharded parameters. ``tp_forward`` / ``tp_backward``
+  (and ``tp_sp_*`` with sequence parallelism; :mod:`hetplan.profiling.tp_step`, added the
+  same way) are the runtime's tensor-parallel forward and backward of the whole profiled
+  model, TP collectives included, with every TP group running at once; they carry the
+  ``micro_batch`` they were timed at (a field written only when set, so older records are
+  written unchanged). ``traced_forward`` / ``traced_backward`` (:mod:`hetplan.profiling.
+  stage_trace`, the same way) are the eager model's phase and the same phase run as the
+  runtime's traced pipeline stages.
 * :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
   statistics of one row-sparse (embedding) gradient when ``workers`` data-parallel workers
   each look up ``batch_size`` samples per synchronized step (``hetplan profile --sparsity``,
@@ -429,28 +438,44 @@ class HandoverRecord(BaseModel):
         operation: ``p2p`` (each rank sends to the next and receives from the previous one,
             the pipeline's blocking receive), ``allreduce``, or ``allreduce_step`` (the
             data-parallel sync inside the runtime's step: the burst is the step without the
-            sync, forward, backward and optimizer; the seconds what the sync adds to it),
+            sync, forward, backward and optimizer; the seconds what the sync takes inside
+            the steps with it: the mean wait and the slowest rank's lag),
             ``zero3_forward`` / ``zero3_backward`` (the runtime's ZeRO-3 phase: the burst is
             the plain replica's phase, the seconds what ZeRO-3 adds to it; ``nbytes`` the
-            model's fp32 parameters).
+            model's fp32 parameters), ``zero3_step`` (the burst is the plain replica's
+            optimizer step, the seconds FSDP2's step over the sharded model's DTensors, as
+            is), ``tp_forward`` / ``tp_backward`` and ``tp_sp_forward`` /
+            ``tp_sp_backward`` (the runtime's tensor-parallel phase of the whole profiled
+            model over groups of ``group_size``, all groups at once, without / with sequence
+            parallelism: the burst is the unsplit model's phase on every process, the
+            seconds the TP phase itself, its collectives included; ``nbytes`` the model's
+            fp32 parameters), ``traced_forward`` / ``traced_backward`` (the whole profiled
+            model's phase as the runtime's traced pipeline stages run it: the burst is the
+            eager model's phase, the seconds the traced stages'; ``group_size`` and
+            ``processes`` the processes computing at once).
         backend / link_kind / group_size: as in :class:`CollectiveRecord` (p2p: 2).
         processes: processes computing and communicating at once (every group of
             ``group_size`` among them talks at the same time).
         nbytes: the message (per-rank buffer) the samples were taken with; a profile may hold
             the same operation at several sizes, one record each.
         samples: one per burst length, sorted by ``burst_s``, at most one per length.
+        micro_batch: the samples per rank the phase was timed at (``tp_*``, ``traced_*``; None
+            for the messages, and not written then).
     """
 
     model_config = _CONFIG
 
     operation: Literal["p2p", "allreduce", "allreduce_step", "zero3_forward",
-                       "zero3_backward"]
+                       "zero3_backward", "zero3_step", "tp_forward", "tp_backward",
+                       "tp_sp_forward", "tp_sp_backward", "traced_forward",
+                       "traced_backward"]
     backend: _Name
     link_kind: _Name
     group_size: int = Field(ge=2)
     processes: int = Field(ge=2)
     nbytes: int = Field(ge=1)
     samples: tuple[HandoverSample, ...] = Field(min_length=1)
+    micro_batch: int | None = Field(default=None, ge=1)
 
     @field_validator("samples")
     @classmethod
@@ -658,6 +683,9 @@ class ProfileDB(BaseModel):
         for key in ("sparsity", "optimizer_steps", "handovers"):
             if not data[key]:
                 del data[key]
+        for rec in data.get("handovers", ()):
+            if rec["micro_batch"] is None:
+                del rec["micro_batch"]
         return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
 
     def save(self, path: str | Path) -> None:

@@ -17,6 +17,11 @@ slowest rank (:mod:`hetplan.cost_models.tp_shares`):
   (:func:`zero_stage_times`). Where a gloo profile measured the runtime's ZeRO-3 phases
   (``zero3_forward`` / ``zero3_backward`` records) those are charged instead: on gloo the
   gathers and reduce-scatters do not overlap compute or each other.
+- where a gloo profile measured the runtime's tensor-parallel phases of the model
+  (``tp_forward`` / ``tp_backward``, ``tp_sp_*`` with sequence parallelism) a TP stage's
+  forward and backward are its share of those (:func:`_measured_tp`), in place of the
+  layer records split ``tp`` ways and the collectives' lines: on 4 gloo processes sharing
+  2 cores each TP collective waits for the processes' hand-overs.
 
 :func:`p2p_ms` prices the activation transfers between stages, per pipeline link, and
 :func:`tied_sync_s` the all-reduce of a tied embedding's gradient between the first and the
@@ -174,9 +179,24 @@ def stage_times(
                 if st.recompute == "full" and lay.kind == "block":
                     b_layers[j] += c  # the recomputed forward's all-reduces
     acc = accumulation_s(workload, st, layout, costs, prec)
+    vocab_f, vocab_b = vocab_comm_s(workload, st, layout, costs, scale, prec)
+    if (tp > 1 and costs.comm.has_handovers and uneven is None and layout.zero_stage < 2
+            and st.recompute == "none" and prec.act_bytes == 4 and costs.vocab_parallel):
+        measured = _measured_tp(workload, st, layout, costs, mb, list(devices.values()),
+                                link, prec)
+        if measured is not None:  # gloo profiles only: GPU and analytic plans skip it
+            # the layers' backward rescaled to the measured one (the DP timeline's), plus
+            # the engine's gradient accumulation, which the one-micro-batch phase has not
+            m_f, m_b = measured
+            b_sum = sum(b_layers)
+            b_layers = [b * m_b / b_sum if b_sum > 0 else m_b / len(b_layers)
+                        for b in b_layers]
+            if acc is not None:
+                b_layers = [b + a for b, a in zip(b_layers, acc)]
+            return (m_f, sum(b_layers), tp_comm + (vocab_f + vocab_b) / 2, b_layers,
+                    sources)
     if acc is not None:
         b_layers = [b + a for b, a in zip(b_layers, acc)]
-    vocab_f, vocab_b = vocab_comm_s(workload, st, layout, costs, scale, prec)
     if vocab_b:
         b_layers = list(b_layers)
         b_layers[-1] += vocab_b
@@ -332,6 +352,43 @@ def _measured_zero3(costs: CostModel, dp: int, link: Literal["intra", "inter"],
     if fwd is None or bwd is None:
         return None
     return (f + fwd[0] * param_bytes / fwd[1], b + bwd[0] * param_bytes / bwd[1])
+
+
+def _measured_tp(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
+                 mb: int, devices: Sequence[Device], link: Literal["intra", "inter"],
+                 prec: StatePrecision) -> tuple[float, float] | None:
+    """A tensor-parallel stage's forward and backward per micro-batch from the profile's
+    ``tp_forward`` / ``tp_backward`` records (``tp_sp_*`` with sequence parallelism) where it
+    holds both for the TP group (gloo profiles, :mod:`hetplan.profiling.tp_step`): the
+    runtime's TP phase of the whole profiled model, its TP collectives included, timed with
+    every TP group running at once, as a plan's groups do. The stage takes its share of it:
+    its layers' unsplit times over the whole model's (the layer records, on the stage's
+    slowest device), times the plan's micro-batch over the record's (linear, as the layer
+    records scale) and the model's fp32 parameter bytes over the record's (1 for the
+    profiled model). None without both records (GPU and analytic plans: the layer records
+    split ``tp`` ways plus the collectives' lines).
+
+    ``prec`` is the stage's precision (fp32 only: the records are timed in fp32)."""
+    op = "tp_sp_" if layout.sequence_parallel else "tp_"
+    nbytes = sum(lay.param_bytes for lay in workload.layers) / prec.capture_bytes * 4
+    fwd = costs.comm.phase_record(op + "forward", layout.tp, link, nbytes)
+    bwd = costs.comm.phase_record(op + "backward", layout.tp, link, nbytes)
+    if fwd is None or bwd is None or fwd.micro_batch is None or bwd.micro_batch is None:
+        return None
+    best: tuple[float, float] | None = None
+    for dev in devices:
+        times = costs.compute.layer_times(workload, dev, mb)
+        all_f, all_b = sum(t.fwd_s for t in times), sum(t.bwd_s for t in times)
+        if all_f <= 0 or all_b <= 0:
+            return None
+        mine = times[st.first_layer: st.last_layer + 1]
+        f_share = sum(t.fwd_s for t in mine) / all_f
+        b_share = sum(t.bwd_s for t in mine) / all_b
+        f = fwd.samples[0].seconds * f_share * mb / fwd.micro_batch * nbytes / fwd.nbytes
+        b = bwd.samples[0].seconds * b_share * mb / bwd.micro_batch * nbytes / bwd.nbytes
+        if best is None or f + b > best[0] + best[1]:
+            best = (f, b)
+    return best
 
 
 def shard_bytes(layers: Sequence[LayerCost], nbytes: int, layer: int, tp: int,

@@ -16,6 +16,12 @@ real work on the local hardware:
   the runtime's own training step of a zoo model (forward, backward with the bucket's hook,
   the wait, the optimizer step), and the runtime's ZeRO-3 forward and backward beside the
   plain ones; part of ``collectives`` on gloo when a zoo model is given.
+* :func:`profile_tp_steps` (:mod:`.tp_step`): the runtime's tensor-parallel forward and
+  backward of a zoo model, every TP group at once, beside the unsplit model's; part of
+  ``collectives`` on gloo when a zoo model is given.
+* :func:`profile_traced_stages` (:mod:`.stage_trace`): the model as the runtime's traced
+  pipeline stages run it against the eager model, in each of ``world_size`` processes in
+  turn (measured, not charged); part of ``collectives`` on gloo when a zoo model is given.
 * :func:`profile_compressors` (:mod:`.compressors`): compress/decompress times on CPU and
   GPU.
 * :func:`profile_sparsity` (:mod:`.sparsity`): density, overlap and skew of every embedding
@@ -54,6 +60,8 @@ from hetplan.profiling.collectives import (
 from hetplan.profiling.compressors import DEFAULT_COMPRESSOR_SIZES, profile_compressors
 from hetplan.profiling.handover import profile_handovers
 from hetplan.profiling.sync_step import profile_sync_steps
+from hetplan.profiling.stage_trace import profile_traced_stages
+from hetplan.profiling.tp_step import profile_tp_steps
 from hetplan.profiling.layers import (
     alias_records,
     default_loss,
@@ -78,6 +86,8 @@ __all__ = [
     "profile_compressors",
     "profile_handovers",
     "profile_sync_steps",
+    "profile_tp_steps",
+    "profile_traced_stages",
     "profile_layers",
     "profile_layers_concurrent",
     "profile_optimizer_steps",
@@ -214,7 +224,9 @@ def run_profile(
             samples wins, the new one on a tie); None writes nothing.
         what: any of :data:`WHAT` (``collectives`` on gloo also times hand-overs under
             contention, :func:`profile_handovers`, and, for a zoo model, the data-parallel
-            sync inside its training step at ``batch_size``, :func:`profile_sync_steps`;
+            sync inside its training step at ``batch_size``, :func:`profile_sync_steps`,
+            its tensor-parallel phases, :func:`profile_tp_steps`, and its traced pipeline
+            stages, :func:`profile_traced_stages`;
             ``step``: the optimizer step on
             ``world_size`` processes at
             once, :func:`profile_optimizer_steps`; on CPU only).
@@ -336,6 +348,22 @@ def run_profile(
                             model, world_size, batch_size=batch_size, seq=seq,
                             link_kind=link_kind, timeout_s=timeout_s, zero3=True)
                         hands += steps_with_sync
+                        progress.update(task, total=1, completed=1)
+                        task = progress.add_task(
+                            f"tensor-parallel phases of {model} on {world_size} processes",
+                            total=None)
+                        tp_steps, _ = profile_tp_steps(
+                            model, world_size, batch_size=batch_size, seq=seq,
+                            link_kind=link_kind, timeout_s=timeout_s)
+                        hands += tp_steps
+                        progress.update(task, total=1, completed=1)
+                        task = progress.add_task(
+                            f"traced pipeline stages of {model} on {world_size} processes",
+                            total=None)
+                        traced, _ = profile_traced_stages(
+                            model, world_size, batch_size=batch_size, seq=seq,
+                            link_kind=link_kind, timeout_s=timeout_s)
+                        hands += traced
                         progress.update(task, total=1, completed=1)
         if "compressors" in what:
             comps = profile_compressors(device_type=device_type, sizes=compressor_sizes,

@@ -21,9 +21,16 @@ sync together), in ``passes`` rounds over the groups:
    ``rounds`` steps, the mean step ``c`` (every process computing, as in training);
 2. **the step with it**: ``rounds`` steps, the mean step ``r``.
 
-The sample is ``(c, r - c)``: what the sync adds to a step, ``c`` the mean over the ranks and
-``r`` the slowest rank's (the step ends for a data-parallel group when its last member's
-does). It is filed as a :class:`~hetplan.cost_models.profile_db.HandoverRecord` with operation
+The sample is ``(c, w + r_max - r)``: ``c`` the step without the sync (mean over the ranks),
+and what the sync takes inside the steps with it: the mean wait ``w`` in ``finish`` plus how
+much later than the mean step ``r`` the slowest rank's ``r_max`` ended (the step ends for a
+data-parallel group when its last member's does). Not ``r_max - c``, which the records
+before 2026-11-26 16:00 UTC hold: with every process computing and none waiting, the step
+without the sync runs under more contention than the compute inside the steps with it
+(gpt-test: 9.8 ms against the layer records' 3.8 ms of forward and backward and 2.1 ms of
+Adam, in section 12's quiet profile), so ``r_max - c`` under-counted the sync by that
+difference; the run's exposed communication is its wait in ``finish``
+(``docs/decisions/cpu-fidelity.md`` section 13). It is filed as a :class:`~hetplan.cost_models.profile_db.HandoverRecord` with operation
 ``allreduce_step``, the group size, and the bucket's bytes; the cost model charges it, less
 the back-to-back all-reduce line at those bytes, once per data-parallel sync in place of the
 ``allreduce`` record (:func:`hetplan.cost_models.evaluate._sync_wait_s`). Also returned, not
@@ -36,7 +43,10 @@ root, over the group; :class:`~hetplan.runtime.handlers.zero.ZeroHandler`), and 
 and backward (FSDP2's per-block all-gathers, and its reduce-scatters, which the root's
 backward waits for) are timed beside the plain replica's. Two records per group size,
 ``zero3_forward`` and ``zero3_backward``: the plain phase (burst) and what ZeRO-3 adds to
-it, means over the ranks, ``nbytes`` the model's fp32 parameters. On gloo the gathers and
+it, means over the ranks, ``nbytes`` the model's fp32 parameters; and ``zero3_step``: the
+plain replica's optimizer step (burst) and the sharded one's (seconds: FSDP2's parameters
+are DTensors, and each rank's step over its shards goes through DTensor's dispatch, several
+times the plain step on a small model). On gloo the gathers and
 reduce-scatters of one process group run one after the other, each waiting for the 4
 processes' hand-overs, so what they add is neither the overlap nor the line the analytic
 ZeRO-3 timing assumes (:func:`hetplan.cost_models.stage_times.zero_stage_times` charges the
@@ -71,11 +81,15 @@ class SyncStepTimes:
         group_size: ranks in each data-parallel group.
         nbytes: the bucket (every gradient of the model, fp32).
         step_s: the step without the sync, mean over the ranks (the record's burst).
-        added_s: what the sync adds to the slowest rank's step (the record's seconds).
+        added_s: what the sync takes inside the steps with it (the record's seconds): the
+            mean wait (``wait_s``) plus how much later the slowest rank's step ended than
+            the mean one (``slowest_step_with_sync_s - step_with_sync_s``).
         compute_s / compute_with_sync_s: forward and backward without and with the sync
             (hooks launching the bucket's all-reduce), mean over the ranks.
         wait_s: ``finish`` (the wait for the all-reduce and the write-back), mean over the
             ranks.
+        step_with_sync_s / slowest_step_with_sync_s: the step with the sync, mean over the
+            ranks and the slowest rank's.
     """
 
     group_size: int
@@ -85,6 +99,8 @@ class SyncStepTimes:
     compute_s: float
     compute_with_sync_s: float
     wait_s: float
+    step_with_sync_s: float = 0.0
+    slowest_step_with_sync_s: float = 0.0
 
 
 def _loss(out: Any, args: Sequence[Any]) -> Any:
@@ -113,6 +129,9 @@ class Zero3Times:
         nbytes: the model's fp32 parameters.
         forward_s / backward_s: the plain replica's phases (no sync).
         zero3_forward_s / zero3_backward_s: the same phases under FSDP2 over the group.
+        step_s / zero3_step_s: the optimizer step (``step()`` and ``zero_grad()``) of the
+            plain replica and of the sharded one (FSDP2's parameters are DTensors: each
+            rank steps its shards through DTensor's dispatch).
     """
 
     group_size: int
@@ -121,6 +140,8 @@ class Zero3Times:
     backward_s: float
     zero3_forward_s: float
     zero3_backward_s: float
+    step_s: float = 0.0
+    zero3_step_s: float = 0.0
 
 
 def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[str, Any],
@@ -138,8 +159,8 @@ def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[
     from hetplan.ir.model import LayerKind
     from hetplan.runtime.executor import plan_optimizer
 
-    def phases(net: Any, opt: Any) -> tuple[float, float]:
-        f = b = 0.0
+    def phases(net: Any, opt: Any) -> tuple[float, float, float]:
+        f = b = s = 0.0
         for _ in range(rounds):
             t0 = time.perf_counter()
             loss = _loss(net(*args, **kwargs), args)
@@ -148,8 +169,9 @@ def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[
             t2 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            f, b = f + t1 - t0, b + t2 - t1
-        return f / rounds, b / rounds
+            t3 = time.perf_counter()
+            f, b, s = f + t1 - t0, b + t2 - t1, s + t3 - t2
+        return f / rounds, b / rounds, s / rounds
 
     plain = zoo.build(model, device="cpu", seed=0)
     blocks = [lay.name for lay in capture(plain, tuple(args), kwargs, name=model).layers
@@ -165,16 +187,16 @@ def _zero3(rank: int, world: int, model: str, args: Sequence[Any], kwargs: dict[
             fully_shard(net.get_submodule(name), mesh=mesh)
         fully_shard(net, mesh=mesh)
         sharded[g] = (net, plan_optimizer(optimizer)(list(net.parameters())))
-    acc: dict[int, list[float]] = {g: [0.0] * 4 for g in sharded}
+    acc: dict[int, list[float]] = {g: [0.0] * 6 for g in sharded}
     for _ in range(passes):
         for g, (net, opt) in sharded.items():
             for _ in range(warmup):
                 phases(net, opt)
             dist.barrier()
-            f0, b0 = phases(plain, plain_opt)
+            f0, b0, s0 = phases(plain, plain_opt)
             dist.barrier()
-            f1, b1 = phases(net, opt)
-            means = torch.tensor([f0, b0, f1, b1], dtype=torch.float64)
+            f1, b1, s1 = phases(net, opt)
+            means = torch.tensor([f0, b0, f1, b1, s0, s1], dtype=torch.float64)
             dist.all_reduce(means)
             for i, v in enumerate(means.tolist()):
                 acc[g][i] += float(v) / world / passes
@@ -233,8 +255,9 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             step(gs, sync, parts)
         return ((time.perf_counter() - t0) / rounds, parts[0] / rounds, parts[1] / rounds)
 
-    # per group size: [step without, step with (slowest), compute without, compute with, wait]
-    acc: dict[int, list[float]] = {g: [0.0] * 5 for g in syncs}
+    # per group size: [step without, step with (slowest), compute without, compute with,
+    # wait, step with (mean)]
+    acc: dict[int, list[float]] = {g: [0.0] * 6 for g in syncs}
     for _ in range(passes):
         for g, gs in syncs.items():
             for _ in range(warmup):
@@ -243,20 +266,23 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             c, c_fb, _ = mean_step(gs, False)
             dist.barrier()
             r, r_fb, r_wait = mean_step(gs, True)
-            means = torch.tensor([c, c_fb, r_fb, r_wait], dtype=torch.float64)
+            means = torch.tensor([c, c_fb, r_fb, r_wait, r], dtype=torch.float64)
             dist.all_reduce(means)
             slowest = torch.tensor([r], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             m = [float(x) / world / passes for x in means]
-            for i, v in zip((0, 2, 3, 4), m):
+            for i, v in zip((0, 2, 3, 4, 5), m):
                 acc[g][i] += v
             acc[g][1] += float(slowest.item()) / passes
             dist.barrier()
     for gs in syncs.values():
         gs.close()
+    # the sync's own time inside the steps with it: the mean wait, and how much later than
+    # the mean step the slowest rank's ended
     dp = [SyncStepTimes(group_size=g, nbytes=nbytes, step_s=a[0],
-                        added_s=max(a[1] - a[0], 0.0), compute_s=a[2],
-                        compute_with_sync_s=a[3], wait_s=a[4])
+                        added_s=max(a[4] + a[1] - a[5], 0.0), compute_s=a[2],
+                        compute_with_sync_s=a[3], wait_s=a[4], step_with_sync_s=a[5],
+                        slowest_step_with_sync_s=a[1])
           for g, a in sorted(acc.items())]
     z3 = (_zero3(rank, world, model, args, kwargs, groups, optimizer, rounds, warmup, passes)
           if zero3 else [])
@@ -306,9 +332,10 @@ def profile_sync_steps(
 
     Returns:
         One ``allreduce_step`` :class:`HandoverRecord` per group size (one sample: the step
-        without the sync, and what the sync adds to it), with ``zero3`` also a
-        ``zero3_forward`` and a ``zero3_backward`` one per group size; and the step's parts
-        (:class:`SyncStepTimes`) per group size.
+        without the sync, and what the sync takes inside the steps with it), with
+        ``zero3`` also a
+        ``zero3_forward``, a ``zero3_backward`` and a ``zero3_step`` one per group size;
+        and the step's parts (:class:`SyncStepTimes`) per group size.
 
     Raises:
         ValueError: ``world_size`` < 2, ``rounds`` or ``passes`` < 1, a group size that does
@@ -359,7 +386,8 @@ def profile_sync_steps(
         records += [record("zero3_forward", z.group_size, z.nbytes, z.forward_s,
                            z.zero3_forward_s - z.forward_s),
                     record("zero3_backward", z.group_size, z.nbytes, z.backward_s,
-                           z.zero3_backward_s - z.backward_s)]
+                           z.zero3_backward_s - z.backward_s),
+                    record("zero3_step", z.group_size, z.nbytes, z.step_s, z.zero3_step_s)]
     return records, times
 
 
@@ -367,5 +395,6 @@ def summary_ms(times: Sequence[SyncStepTimes]) -> list[dict[str, float]]:
     """``times`` in milliseconds, for reports (rounded to µs)."""
     return [{"group_size": t.group_size, "nbytes": t.nbytes,
              **{k: round(getattr(t, k) * 1e3, 3) for k in
-                ("step_s", "added_s", "compute_s", "compute_with_sync_s", "wait_s")}}
+                ("step_s", "added_s", "compute_s", "compute_with_sync_s", "wait_s",
+                 "step_with_sync_s", "slowest_step_with_sync_s")}}
             for t in times]
