@@ -89,7 +89,7 @@ def test_candidates_skip_step_for_step_dominated_options() -> None:
     the same resources, each at least as long and one longer (B against A); an option on
     another path (C) or with a shorter step (D against A) is tried, duplicates once, and the
     baseline always, even when dominated (E)."""
-    from hetplan.algorithms.espresso import _Candidates
+    from hetplan.algorithms.espresso_candidates import Candidates
 
     table = {
         "N": (Op("net", 4.0),),
@@ -103,8 +103,8 @@ def test_candidates_skip_step_for_step_dominated_options() -> None:
     p = SelectionProblem(backprop_s=[1.0], sizes=[1], baseline=["N"],
                          gpu_options=[["A", "B", "C", "D", "A2", "E"]],
                          ops=lambda i, k: table[k], compressed=lambda k: k != "N")
-    assert [k for k, *_ in _Candidates(p, prune=True).candidates(0)] == ["N", "A", "C", "D", "E"]
-    assert [k for k, *_ in _Candidates(p, prune=False).candidates(0)] == [
+    assert [k for k, *_ in Candidates(p, prune=True).candidates(0)] == ["N", "A", "C", "D", "E"]
+    assert [k for k, *_ in Candidates(p, prune=False).candidates(0)] == [
         "N", "A", "B", "C", "D", "E"]
 
 

@@ -177,8 +177,11 @@ class DPSession:
             suffix=np.zeros((n + 1, r)), release=np.zeros(n + 1),
             snap_gpu=np.zeros(n + 1), snap_sync=np.zeros(n + 1),
             snap_free=np.zeros((n + 1, r)), snap_cpu=np.zeros((n + 1, self._workers)),
-            roff=np.zeros(n + 2, dtype=np.int64), rpool=np.zeros((rows, 4)),
-            goff=np.zeros(n + 2, dtype=np.int64), gpool=np.zeros((rows, 4)),
+            # the heap pools are not zeroed: the kernels read only the rows [roff[i],
+            # roff[i + 1]) a base run wrote (zeroing the grown pools, 2.6 MB each for
+            # resnet101, took 0.1-1.5 ms a session)
+            roff=np.zeros(n + 2, dtype=np.int64), rpool=np.empty((rows, 4)),
+            goff=np.zeros(n + 2, dtype=np.int64), gpool=np.empty((rows, 4)),
             ev=np.zeros((0, 4)), ready=np.zeros(n)))
 
     def _set_base(self, b: Base) -> None:
@@ -270,7 +273,6 @@ class DPSession:
         if len(unit_ops) != n:
             raise ValueError(f"{len(unit_ops)} units for {n} tensors: one per tensor")
         new = list(unit_ops)
-        b = self._b
         m, last = 0, n - 1
         if self._valid and n:
             old = self._ops
@@ -278,9 +280,31 @@ class DPSession:
                 m += 1
             if m == n:
                 self._ops = new
-                return b.base_s
+                return self._b.base_s
             while new[last] is old[last] or new[last] == old[last]:
                 last -= 1
+        return self._rebase(new, m, last)
+
+    def replace(self, j: int, ops: tuple[Op, ...]) -> float:
+        """:meth:`rebase` on the base with tensor ``j``'s ops replaced by ``ops`` (the same
+        states and time), without comparing the other tensors' ops."""
+        self._check([j])
+        if not self._valid:
+            raise ValueError("replace needs a base: rebase the session first")
+        old = self._ops[j]
+        new = list(self._ops)
+        new[j] = ops
+        if ops is old or ops == old:
+            self._ops = new
+            return self._b.base_s
+        return self._rebase(new, j, j)
+
+    def _rebase(self, new: list[tuple[Op, ...]], m: int, last: int) -> float:
+        """The new base ``new``, whose tensors before ``m`` and after ``last`` have the current
+        base's ops (all of them re-simulated when the base is not valid yet)."""
+        n = self._n
+        b = self._b
+        if self._valid and n:
             # splice the changed tensors' ops into the base arrays
             part = self._pack(new[m:last + 1])
             lo = b.start[m]
@@ -342,6 +366,35 @@ class DPSession:
                                      float(best), float(eps))
         return int(idx), float(f)
 
+    @property
+    def pack_scope(self) -> object:
+        """What :meth:`pack`'s result depends on besides the ops (the resource ids): equal
+        (``is``) for sessions that can use each other's packed candidates."""
+        return self._rid
+
+    def pack(self, candidates: Sequence[tuple[Op, ...]]) -> tuple[Any, ...]:
+        """``candidates`` (ops lists) packed for :meth:`best_packed`, valid for the sessions
+        that share this one's resource ids (``share``): a caller that tries one list many
+        times packs it once."""
+        return (self._rid, tuple(self._pack(candidates)))
+
+    def best_packed(self, j: int, packed: tuple[Any, ...], backs: np.ndarray, best: float,
+                    eps: float) -> tuple[int, float]:
+        """:meth:`best_option` on candidates :meth:`pack` made (``backs`` a bool array, one
+        entry per candidate): the same trials and result."""
+        rid, ops = packed
+        if rid is not self._rid:
+            raise ValueError("candidates packed by a session with other resource ids: pack "
+                             "them with this session (or one it shares with)")
+        if len(backs) != len(ops[2]):
+            raise ValueError(f"{len(backs)} baseline flags for {len(ops[2])} candidates")
+        if not len(backs):
+            return -1, best
+        if not 0 <= j < self._n:
+            self._check([j])
+        idx, f = self._k.best_option(self._bt, j, ops, backs, float(best), float(eps))
+        return int(idx), float(f)
+
     def best_classes(self, class_idx: Sequence[int],
                      strategies: Sequence[Sequence[tuple[Op, ...]]]) -> tuple[int, float]:
         """The fastest of whole strategies given per class of tensors: in strategy ``s``
@@ -368,6 +421,40 @@ class DPSession:
         cols = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
         s_res.reshape(-1, shape[2])[rows, cols] = np.concatenate([r for r, _ in parts])
         s_dur.reshape(-1, shape[2])[rows, cols] = np.concatenate([d for _, d in parts])
+        idx, f = self._k.best_classes(self._bt, np.asarray(class_idx, dtype=np.int64), s_res,
+                                      s_dur, s_cnt)
+        return int(idx), float(f)
+
+    def best_tables(self, class_idx: Sequence[int],
+                    strategies: Sequence[tuple[Sequence[str], np.ndarray]]) -> tuple[int, float]:
+        """:meth:`best_classes` with each strategy given as one table: ``(resources,
+        durations)``, class ``c``'s ops being those resources with the durations of row
+        ``c`` (``durations[c]``, float64). The same trials as :meth:`best_classes` on the
+        ops tuples those tables hold, without a tuple per class."""
+        n = self._n
+        if len(class_idx) != n:
+            raise ValueError(f"{len(class_idx)} class indices for {n} tensors: one per tensor")
+        if not strategies:
+            return -1, float("inf")
+        classes = strategies[0][1].shape[0]
+        if any(d.shape != (classes, len(r)) for r, d in strategies):
+            raise ValueError("best_tables: every strategy needs a row per class and a "
+                             "duration per resource")
+        if n and not 0 <= min(class_idx) <= max(class_idx) < classes:
+            raise ValueError(f"class index {max(class_idx)} or {min(class_idx)} outside the "
+                             f"tables' {classes} rows")
+        if n == 0:
+            return 0, self._b.base_s
+        width = max(1, max(len(r) for r, _ in strategies))
+        s_res = np.zeros((len(strategies), classes, width), dtype=np.int64)
+        s_dur = np.zeros((len(strategies), classes, width))
+        s_cnt = np.empty((len(strategies), classes), dtype=np.int64)
+        rid = self._rid
+        for s, (res, dur) in enumerate(strategies):
+            k = len(res)
+            s_res[s, :, :k] = [rid[r] for r in res]
+            s_dur[s, :, :k] = dur
+            s_cnt[s] = k
         idx, f = self._k.best_classes(self._bt, np.asarray(class_idx, dtype=np.int64), s_res,
                                       s_dur, s_cnt)
         return int(idx), float(f)
@@ -402,12 +489,20 @@ class DPSession:
             raise ValueError(f"before_bubbles needs eps >= 0, got {eps}")
         if not self._n:
             return set()
-        mask = self._k.bubble_mask(self._b.ev, self._b.ready, float(eps))
-        return {int(i) for i in np.flatnonzero(mask)}
+        return {int(i) for i in np.flatnonzero(self.bubble_mask(eps))}
+
+    def bubble_mask(self, eps: float) -> np.ndarray:
+        """:meth:`before_bubbles` as a bool array, one entry per tensor."""
+        if eps < 0:
+            raise ValueError(f"before_bubbles needs eps >= 0, got {eps}")
+        if not self._n:
+            return np.zeros(0, dtype=np.bool_)
+        return np.asarray(self._k.bubble_mask(self._b.ev, self._b.ready, float(eps)),
+                          dtype=np.bool_)
 
 
 def _grown(pool: np.ndarray) -> np.ndarray:
-    out = np.zeros((2 * pool.shape[0], 4))
+    out = np.empty((2 * pool.shape[0], 4))  # rows past the copy are written before read
     out[:pool.shape[0]] = pool
     return out
 

@@ -61,8 +61,14 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   uncompiled, same values bit for bit), and ``GetBestOption`` for one tensor, Algorithm 4.2 (exact or
   coordinate descent), the uniform seeds and the bubble test each run as one compiled call;
   with ``SelectionProblem.ops_class`` the candidates of tensors that share their ops are
-  filtered once.
-- Step-for-step dominance (with ``prune``, :class:`_Candidates`): an option whose ops are
+  filtered once, and with ``SelectionProblem.ops_table`` (the plan pass gives it) the filter
+  and the uniform seeds work on each option's whole cost table, every size class at once
+  (:mod:`~hetplan.algorithms.espresso_tables`); a sweep packs each candidate list it tries
+  once, replaces one tensor's ops on an accepted change (``DPSession.replace``) and keeps
+  ``Remove()``'s tensors as a bool per tensor. Same choices; measured in
+  ``docs/decisions/espresso-speed.md``, "Round 7".
+- Step-for-step dominance (with ``prune``,
+  :class:`~hetplan.algorithms.espresso_candidates.Candidates`): an option whose ops are
   another option's ops on the same resources in the same order, each step at least as long
   and one longer, is not tried (the baseline always is). The simulator is not monotone in op
   durations in every case, so this can change the result: on the 36 cases of
@@ -87,7 +93,6 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -98,7 +103,9 @@ import numpy as np
 from hetplan.algorithms._dp_search import next_offload
 from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_timeline import before_last_busy_period, simulate_dp
-from hetplan.algorithms.dp_types import CPU, GPU, Op, SyncUnit
+from hetplan.algorithms.dp_types import Op, SyncUnit
+from hetplan.algorithms.espresso_candidates import EPS, Candidates
+from hetplan.algorithms.espresso_tables import OpsTable
 
 __all__ = [
     "SelectionProblem",
@@ -113,7 +120,7 @@ __all__ = [
 ]
 
 K = TypeVar("K", bound=Hashable)
-_EPS = 1e-9
+_EPS = EPS  # Algorithm 4.1's tolerance (ties, improvements)
 
 
 @dataclass
@@ -142,6 +149,13 @@ class SelectionProblem(Generic[K]):
             ops converted to arrays every session of every :func:`select` on this problem
             uses (e.g. arrays the caller registered for all its ops ahead); no effect on
             results. Default: each selection's sessions share their own.
+        ops_table / table_rows: optional, together, with ``ops_fields``; an option's ops at
+            every class at once (:data:`~hetplan.algorithms.espresso_tables.OpsTable`:
+            resources, durations per row, the ``ops_fields`` value of each row's ops), and
+            the row of each tensor: ``ops(i, k)`` has ``ops_table(k)``'s resources with the
+            durations of row ``table_rows[i]``. The candidate filter and the uniform seeds
+            then work on whole tables (:mod:`~hetplan.algorithms.espresso_tables`); no
+            effect on results.
     """
 
     backprop_s: Sequence[float]
@@ -158,6 +172,8 @@ class SelectionProblem(Generic[K]):
     ops_class: Sequence[Hashable] | None = None
     ops_fields: Callable[[tuple[Op, ...]], Hashable] | None = None
     share: DPSession | None = None
+    ops_table: Callable[[K], OpsTable] | None = None
+    table_rows: Sequence[int] | None = None
     evaluations: int = field(default=0, init=False)
     # the last session made, whose caches of ops converted to arrays the next one shares
     # (their entries are checked against the ops themselves, so they cannot go stale);
@@ -172,6 +188,13 @@ class SelectionProblem(Generic[K]):
                 f"{n} backprop times, {len(self.sizes)} sizes, {len(self.baseline)} baseline "
                 f"options and {len(self.gpu_options)} option lists: one of each per tensor"
             )
+        if (self.ops_table is None) != (self.table_rows is None) or (
+                self.ops_table is not None and self.ops_fields is None):
+            raise ValueError("ops_table needs table_rows and ops_fields (the rows' identities "
+                             "are ops_fields values); give all three or no ops_table")
+        if self.table_rows is not None and len(self.table_rows) != n:
+            raise ValueError(f"{len(self.table_rows)} table rows for {n} tensors: one per "
+                             "tensor")
 
     def units(self, strategy: Sequence[K]) -> list[SyncUnit]:
         return [SyncUnit(i, self.ops(i, k)) for i, k in enumerate(strategy)]
@@ -250,148 +273,13 @@ def tensors_before_bubbles(problem: SelectionProblem[K], strategy: Sequence[K]) 
                                    problem.cpu_workers, _EPS)
 
 
-#: A candidate of one tensor: (option, its ops, their (communication, GPU, CPU) busy time,
-#: the identity of the ops' values).
-_Cand = tuple[K, tuple[Op, ...], tuple[float, float, float], Hashable]
-#: The candidates of one tensor that Algorithm 4.1 simulates: (options, their ops, baseline?).
-_Tried = tuple[list[K], list[tuple[Op, ...]], list[bool]]
-
-
-_FIELDS = operator.attrgetter("resource", "duration_s", "label")
-_RESOURCE = operator.attrgetter("resource")
-_DURATION = operator.attrgetter("duration_s")
-
-
-def _footprint(ops: tuple[Op, ...]) -> tuple[float, float, float]:
-    """(communication, GPU, CPU) busy time of a tensor's ops."""
-    comm = gpu = cpu = 0.0
-    for op in ops:
-        if op.resource == GPU:
-            gpu += op.duration_s
-        elif op.resource == CPU:
-            cpu += op.duration_s
-        else:
-            comm += op.duration_s
-    return comm, gpu, cpu
-
-
-def _dominated(cand: tuple[float, float, float], cur: tuple[float, float, float]) -> bool:
-    return all(c >= k - _EPS for c, k in zip(cand, cur))
-
-
-class _Candidates(Generic[K]):
-    """Each tensor's distinct candidates for Algorithm 4.1, baseline first, in option order
-    (the first option of equal ops stands for them), each as ``(option, ops, footprint)``.
-    With ``prune``, a candidate whose ops are another candidate's ops step for step (same
-    resources in the same order) with every step at least as long, and one longer, is not
-    tried (the baseline always is). Computed once per distinct list of candidate ops, and,
-    with ``ops_class``, once per class of tensors. One instance serves one :func:`select`
-    (both of its sweeps); the problem must not change while it is in use."""
-
-    def __init__(self, problem: SelectionProblem[K], prune: bool) -> None:
-        self._problem = problem
-        self.prune = prune
-        self._cache: dict[tuple[Hashable, ...], list[int]] = {}
-        self._fp: dict[Hashable, tuple[float, float, float]] = {}  # value identity -> footprint
-        # (class, baseline) -> (the option list it was computed for, the candidates)
-        self._by_class: dict[tuple[Hashable, K], tuple[Sequence[K], list[_Cand[K]]]] = {}
-        # (class, baseline, current option) -> (the candidates it was filtered from, tried)
-        self._tried: dict[tuple[Hashable, K, K], tuple[list[_Cand[K]], _Tried[K]]] = {}
-
-    def candidates(self, j: int) -> list[_Cand[K]]:
-        p = self._problem
-        if p.ops_class is None:
-            return self._compute(j)
-        cls = (p.ops_class[j], p.baseline[j])
-        got = self._by_class.get(cls)
-        if got is None or got[0] is not p.gpu_options[j]:
-            got = self._by_class[cls] = (p.gpu_options[j], self._compute(j))
-        return got[1]
-
-    def tried(self, j: int, current: K) -> _Tried[K]:
-        """What Algorithm 4.1 simulates for tensor ``j`` while it holds ``current``: the
-        candidates (``(options, ops, is the baseline)``) other than ``current``'s own ops
-        and, with ``prune``, other than those no shorter than it on every resource (see
-        :func:`gpu_decisions`). With ``ops_class``, computed once per (class, current
-        option): every tensor of a class starts a sweep on the same option when the start
-        is uniform. The lists are shared: do not modify them."""
-        p = self._problem
-        cands = self.candidates(j)
-        key = None
-        if p.ops_class is not None:
-            key = (p.ops_class[j], p.baseline[j], current)
-            got = self._tried.get(key)
-            if got is not None and got[0] is cands:
-                return got[1]
-        cur_ops = p.ops(j, current)
-        cur_sig = self._sig(cur_ops)
-        cur_fp = self._footprint(cur_sig, cur_ops)
-        keys: list[K] = []
-        ops_list: list[tuple[Op, ...]] = []
-        for cand, ops, fp, sg in cands:
-            if sg == cur_sig or (self.prune and _dominated(fp, cur_fp)):
-                continue
-            keys.append(cand)
-            ops_list.append(ops)
-        out = (keys, ops_list, [k == p.baseline[j] for k in keys])
-        if key is not None:
-            self._tried[key] = (cands, out)
-        return out
-
-    def _compute(self, j: int) -> list[_Cand[K]]:
-        p = self._problem
-        keys = [p.baseline[j], *p.gpu_options[j]]
-        all_ops = [p.ops(j, k) for k in keys]
-        # plain tuples hash in C (an Op's dataclass hash runs Python code per op)
-        sigs = [self._sig(ops) for ops in all_ops]
-        sig = tuple(sigs)  # the ops' values (ids of freed tuples can come back)
-        keep = self._cache.get(sig)
-        if keep is None:
-            keep = self._cache[sig] = self._select(all_ops, sigs)
-        return [(keys[i], all_ops[i], self._footprint(sigs[i], all_ops[i]), sigs[i])
-                for i in keep]
-
-    def _sig(self, ops: tuple[Op, ...]) -> Hashable:
-        """The identity of ``ops``' values (equal exactly when the ops' fields are)."""
-        fields = self._problem.ops_fields
-        return tuple(map(_FIELDS, ops)) if fields is None else fields(ops)
-
-    def _footprint(self, sig: Hashable, ops: tuple[Op, ...]) -> tuple[float, float, float]:
-        got = self._fp.get(sig)
-        if got is None:
-            got = self._fp[sig] = _footprint(ops)
-        return got
-
-    def _select(self, all_ops: list[tuple[Op, ...]], sigs: list[Hashable]) -> list[int]:
-        first: dict[Hashable, int] = {}
-        for i, sg in enumerate(sigs):
-            first.setdefault(sg, i)
-        idx = sorted(first.values())
-        if not self.prune:
-            return idx
-        by_path: dict[tuple[str, ...], list[int]] = {}
-        for i in idx:
-            by_path.setdefault(tuple(map(_RESOURCE, all_ops[i])), []).append(i)
-        dropped: set[int] = set()
-        for members in by_path.values():
-            if len(members) < 2 or not all_ops[members[0]]:
-                continue
-            # a path has a few options (at most 4 in the bench's cases): plain loops
-            rows = [tuple(map(_DURATION, all_ops[i])) for i in members]
-            gone = [any(b != a and all(map(operator.le, b, a)) for b in rows)
-                    for a in rows]  # b != a and b <= a step for step: one step shorter
-            dropped.update(i for i, g in zip(members, gone) if g)
-        dropped.discard(idx[0])  # the baseline stays a candidate (Algorithm 4.1 may go back)
-        return [i for i in idx if i not in dropped]
-
-
 def gpu_decisions(
     problem: SelectionProblem[K],
     *,
     prune: bool = True,
     start: Sequence[K] | None = None,
     fast: bool = True,
-    candidates: _Candidates[K] | None = None,
+    candidates: Candidates[K] | None = None,
     screen: int = 0,
 ) -> tuple[list[K], float]:
     """Algorithm 4.1: GPU compression decisions (see the module docstring).
@@ -420,39 +308,55 @@ def gpu_decisions(
     sess = problem.session(strategy) if fast else None
     best = sess.base_s if sess is not None else problem.iteration_s(strategy)
 
-    def removed_now() -> set[int]:
-        before = (sess.before_bubbles(_EPS) if sess is not None
-                  else tensors_before_bubbles(problem, strategy))
-        return {i for i in before if not problem.compressed(strategy[i])}
+    # Remove(): tensors left uncompressed and communicated before a bubble, once removed
+    # always removed (one bool per tensor; the session's mask is the same set as
+    # tensors_before_bubbles)
+    plain = np.array([not problem.compressed(k) for k in strategy], dtype=np.bool_)
+
+    def removed_now() -> np.ndarray:
+        if sess is not None:
+            return sess.bubble_mask(_EPS) & plain
+        before = np.zeros(len(strategy), dtype=np.bool_)
+        before[list(tensors_before_bubbles(problem, strategy))] = True
+        return before & plain
 
     removed = removed_now()
     if candidates is not None and candidates.prune != prune:
         raise ValueError(f"candidate lists made with prune={candidates.prune}, sweep asks "
                          f"prune={prune}")
-    pareto = candidates if candidates is not None else _Candidates(problem, prune)
+    pareto = candidates if candidates is not None else Candidates(problem, prune)
     if screen < 0:
         raise ValueError(f"screen must be >= 0 (0: no screen), got {screen}")
     cls = problem.ops_class if screen else None
     reached: dict[Hashable, int] = {}  # class -> its tensors the sweep has reached
     held: dict[Hashable, set[K]] = {}  # class -> options its tensors held or took
+    version: dict[Hashable, int] = {}  # class -> a number that changes when held grows
     if cls is not None:
         for i, k in enumerate(strategy):
             held.setdefault(cls[i], set()).add(k)
+        # numbered per sweep and class: a screened list is reused only within one sweep's
+        # unchanged held set
+        first = pareto.next_version(len(held))
+        version = {c: first + x for x, c in enumerate(held)}
+    # tensors the sweep has yet to reach: Remove() can only matter for those still plain
+    ahead = np.ones(len(strategy), dtype=np.bool_)
     for j in processing_order(problem.sizes):
-        if j in removed:
+        ahead[j] = False
+        if removed[j]:
             continue
         current = strategy[j]
-        keys, cands, backs = pareto.tried(j, current)
+        tried = keys, cands, backs = pareto.tried(j, current)
         if cls is not None:
             n_reached = reached.get(cls[j], 0)
             reached[cls[j]] = n_reached + 1
             if n_reached >= screen:
-                keys, cands, backs = _screened(keys, cands, backs, held[cls[j]])
+                keys, cands, backs = pareto.screened(tried, held[cls[j]], version[cls[j]])
         if sess is not None:
             # a candidate is kept only if f < best - eps, or f <= best + eps for the
             # baseline: each trial stops once proven longer than that
             problem.evaluations += len(cands)
-            idx, best = sess.best_option(j, cands, backs, best, _EPS)
+            packed, flags = pareto.packed(sess, cands, backs)
+            idx, best = sess.best_packed(j, packed, flags, best, _EPS)
             if idx >= 0:
                 current = keys[idx]
         else:
@@ -464,21 +368,16 @@ def gpu_decisions(
                     best, current = f, cand
         if current != strategy[j]:
             strategy[j] = current
-            if cls is not None:
+            plain[j] = not problem.compressed(current)
+            if cls is not None and current not in held[cls[j]]:
                 held[cls[j]].add(current)
+                version[cls[j]] = pareto.next_version(1)
             if sess is not None:
                 problem.evaluations += 1
-                sess.rebase([*sess.base_ops[:j], problem.ops(j, current), *sess.base_ops[j + 1:]])
-            removed |= removed_now()
+                sess.replace(j, problem.ops(j, current))
+            if (ahead & plain & ~removed).any():  # else no tensor ahead could be removed
+                removed |= removed_now()
     return strategy, best
-
-
-def _screened(keys: list[K], cands: list[tuple[Op, ...]], backs: list[bool], keep: set[K]
-              ) -> _Tried[K]:
-    """The candidates among ``keys`` (with their ops and baseline flags) that are the
-    baseline or in ``keep``, in their order."""
-    pick = [x for x, (k, b) in enumerate(zip(keys, backs)) if b or k in keep]
-    return [keys[x] for x in pick], [cands[x] for x in pick], [backs[x] for x in pick]
 
 
 def _offload_groups(problem: SelectionProblem[K], strategy: Sequence[K]) -> list[list[int]]:
@@ -597,6 +496,12 @@ def _exhaustive(problem: SelectionProblem[K], options: list[list[K]]) -> tuple[l
     return best[1], best[0]
 
 
+def _uniform(strategy: Sequence[K]) -> bool:
+    """Every tensor on one option (what ``len(set(strategy)) == 1`` says, without hashing
+    every entry: a uniform seed repeats one object)."""
+    return len(strategy) > 0 and strategy.count(strategy[0]) == len(strategy)
+
+
 def _best_seed(
     problem: SelectionProblem[K], seeds: Sequence[Sequence[K]], fast: bool
 ) -> tuple[float, int] | None:
@@ -607,11 +512,21 @@ def _best_seed(
     sess = problem.session(problem.baseline)
     best: tuple[float, int] | None = None
     rest = list(range(len(seeds)))
-    if problem.ops_class is not None:  # uniform seeds: one compiled call over all of them
+    table, rows = problem.ops_table, problem.table_rows
+    if table is not None and rows is not None:  # uniform seeds from the tables, one call
+        uniform = [n for n, sd in enumerate(seeds) if _uniform(sd)]
+        if uniform:
+            problem.evaluations += len(uniform)
+            tabs = [table(seeds[n][0]) for n in uniform]
+            at, f = sess.best_tables(rows, [(t.resources, t.durations) for t in tabs])
+            best = (f, uniform[at])
+            done = set(uniform)
+            rest = [n for n in rest if n not in done]
+    elif problem.ops_class is not None:  # uniform seeds: one compiled call over all of them
         classes: dict[Hashable, int] = {}
         class_idx = [classes.setdefault(c, len(classes)) for c in problem.ops_class]
         reps = {c: i for i, c in reversed(list(enumerate(class_idx)))}  # a tensor per class
-        uniform = [n for n, sd in enumerate(seeds) if len(set(sd)) == 1]
+        uniform = [n for n, sd in enumerate(seeds) if _uniform(sd)]
         if uniform:
             problem.evaluations += len(uniform)
             at, f = sess.best_classes(class_idx, [
@@ -707,7 +622,7 @@ def select(
         gpu_s, method = time.perf_counter() - t0, "exhaustive"
         gpu_process_s = time.process_time() - p0
     else:
-        pareto = _Candidates(problem, prune)  # both sweeps' candidate lists
+        pareto = Candidates(problem, prune)  # both sweeps' candidate lists
         strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
                                     start=start, screen=screen)
         method = "espresso" if start is None else "espresso from the narrower choice"

@@ -82,6 +82,7 @@ from hetplan.algorithms.espresso import (
     select,
     tensor_benefits,
 )
+from hetplan.algorithms.espresso_tables import OpsTable
 from hetplan.algorithms.espresso_tree import (
     PRECISIONS,
     Option,
@@ -423,6 +424,8 @@ class Espresso:
             ops_class=[float(b) for b in ss.nbytes],  # ops() depends on the size alone
             ops_fields=costs.signature,
             share=costs.arrays,
+            ops_table=costs.ops_table,
+            table_rows=costs.rows,
         )
         costs.problem = problem
         # the baseline is this hierarchy's fastest uniform fp32 routing: a flat baseline under
@@ -469,6 +472,10 @@ class _StageCosts:
         self._ss, self._ctx, self._ratio, self._devices = ss, ctx, ratio, devices
         self._sizes = sorted({float(b) for b in ss.nbytes})
         self._cache: dict[tuple[Key, float], tuple[Op, ...]] = {}
+        # key -> its ops at every size (OpsTable: resources, durations, interned identities)
+        self._tables: dict[Key, OpsTable] = {}
+        #: each tensor's row of the tables (its size's index in the sorted sizes)
+        self.rows = [self._sizes.index(float(b)) for b in ss.nbytes]
         self._done: set[Key] = set()
         # id of a cached ops tuple -> the number its (resource, duration, label) fields are
         # interned to (equal numbers exactly for equal fields); the tuples live in
@@ -574,15 +581,26 @@ class _StageCosts:
         _, times = ss.ops_table(st, sizes, costs)  # bit for bit ss.ops's times
         steps = [(op.resource, op.label) for op in proto]
         rows = []
+        sigs = []
         for nb, row in zip(sizes, times.tolist()):  # tolist: the same doubles, as floats
             ops = tuple(Op(r, t, lb) for (r, lb), t in zip(steps, row))
             self._cache[(key, nb)] = ops
             fields = tuple((r, t, lb) for (r, lb), t in zip(steps, row))
-            self._sigs[id(ops)] = self._interned.setdefault(fields, len(self._interned))
+            sg = self._sigs[id(ops)] = self._interned.setdefault(fields, len(self._interned))
+            sigs.append(sg)
             rows.append(ops)
-        self.arrays.register(rows, [r for r, _ in steps],
-                             np.ascontiguousarray(times, dtype=np.float64).reshape(
-                                 len(rows), len(steps)))
+        durations = np.ascontiguousarray(times, dtype=np.float64).reshape(
+            len(rows), len(steps))
+        self.arrays.register(rows, [r for r, _ in steps], durations)
+        self._tables[key] = OpsTable(tuple(r for r, _ in steps), durations, sigs, rows)
+
+    def ops_table(self, key: Key) -> OpsTable:
+        """This option's ops at every size at once (row ``rows[i]`` is tensor ``i``'s)."""
+        got = self._tables.get(key)
+        if got is None:
+            self.table(key)
+            got = self._tables[key]
+        return got
 
     def ops(self, i: int, key: Key) -> tuple[Op, ...]:
         got = self._cache.get((key, self._ss.nbytes[i]))
