@@ -297,7 +297,23 @@ class DPSession:
         if ops is old or ops == old:
             self._ops = new
             return self._b.base_s
-        return self._rebase(new, j, j)
+        # splice tensor j's new ops into the base arrays (what _rebase does for a range,
+        # without packing a list of one)
+        b = self._b
+        res, dur = self._arrays_of([ops])[0]
+        lo = int(b.start[j])
+        hi = lo + int(b.count[j])
+        count = b.count.copy()
+        count[j] = len(ops)
+        start = b.start
+        if len(ops) != hi - lo:
+            start = start.copy()
+            start[j + 1:] += len(ops) - (hi - lo)
+        self._ops = new
+        return self._run_base(b._replace(
+            res=np.concatenate((b.res[:lo], res, b.res[hi:])),
+            dur=np.concatenate((b.dur[:lo], dur, b.dur[hi:])), start=start, count=count,
+            ev=np.concatenate((b.ev[:lo], np.zeros((len(ops), 4)), b.ev[hi:]))), j, j)
 
     def _rebase(self, new: list[tuple[Op, ...]], m: int, last: int) -> float:
         """The new base ``new``, whose tensors before ``m`` and after ``last`` have the current
@@ -321,9 +337,15 @@ class DPSession:
             ops = self._pack(new)
             ev = np.zeros((len(ops.res), 4))
         self._ops = new
-        b = b._replace(res=ops.res, dur=ops.dur, start=ops.start, count=ops.count, ev=ev)
+        return self._run_base(b._replace(res=ops.res, dur=ops.dur, start=ops.start,
+                                         count=ops.count, ev=ev), m, last)
+
+    def _run_base(self, b: Base, m: int, last: int) -> float:
+        """Run the base ``b`` (its ops set, its states before segment ``m`` valid) from
+        segment ``m``, ``last`` the last tensor whose ops changed; keep it; its time."""
+        n = self._n
         while True:
-            f = self._k.rebase_run(tuple(b), m, last)
+            f = self._k.rebase_run(tuple(b), m, last, len(self._rid))
             if f >= 0.0:
                 break
             # a heap pool is full: grow both, keeping the saved states
