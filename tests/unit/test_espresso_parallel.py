@@ -12,7 +12,7 @@ import pytest
 from hetplan.algorithms import espresso as ea
 from hetplan.algorithms.dp_types import CPU, GPU, Op
 from hetplan.algorithms.espresso import SelectionProblem, select
-from hetplan.algorithms.espresso_parallel import sweeps_seed
+from hetplan.algorithms.espresso_parallel import SeedSweep, sweeps_seed
 
 _KEYS = ("base", "p", "q", "r", "s")
 
@@ -90,3 +90,19 @@ def test_a_failure_on_either_thread_reaches_the_caller(monkeypatch: pytest.Monke
     monkeypatch.setattr(ea, "gpu_decisions", first_fails)
     with pytest.raises(RuntimeError, match="first sweep failed"):
         select(_problem(0, n), exhaustive_limit=0, seeds=seeds, seed_within=0.5, parallel=True)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_seed_sweep_stopped_while_wanted_is_run_again(seed: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were the bound that stops the seed's sweep ever wrong, the sweep would be stopped
+    while its result is wanted: ``result`` then runs it on the caller's thread, so the
+    selection is still the sequential one (here every sweep is stopped at once)."""
+    n = 7
+    seeds = [[k] * n for k in _KEYS[1:]]
+    want = select(_problem(seed, n), exhaustive_limit=0, seeds=seeds, seed_within=0.5)
+    monkeypatch.setattr(SeedSweep, "progress", lambda self, best: self._stop.set())
+    got = select(_problem(seed, n), exhaustive_limit=0, seeds=seeds, seed_within=0.5,
+                 parallel=True)
+    assert (got.strategy, got.iteration_s, got.method, got.evaluations) == (
+        want.strategy, want.iteration_s, want.method, want.evaluations)

@@ -284,6 +284,7 @@ def gpu_decisions(
     candidates: Candidates[K] | None = None,
     screen: int = 0,
     stop: threading.Event | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> tuple[list[K], float]:
     """Algorithm 4.1: GPU compression decisions (see the module docstring).
 
@@ -305,6 +306,7 @@ def gpu_decisions(
             started or took in it (see the module docstring, "Candidate screen").
         stop: when set (by another thread), the sweep returns what it holds at the next
             tensor: a sweep whose result is no longer wanted (``select(parallel=True)``).
+        progress: called with the incumbent's time after every change the sweep accepts.
 
     Returns:
         (strategy, its iteration time).
@@ -366,6 +368,8 @@ def gpu_decisions(
             idx, best = sess.best_packed(j, packed, flags, best, _EPS)
             if idx >= 0:
                 current = keys[idx]
+                if progress is not None:
+                    progress(best)
         else:
             for cand, back in zip(keys, backs):
                 trial = strategy.copy()
@@ -373,6 +377,8 @@ def gpu_decisions(
                 f = problem.iteration_s(trial)
                 if f < best - _EPS or (back and f <= best + _EPS):
                     best, current = f, cand
+                    if progress is not None:
+                        progress(best)
         if current != strategy[j]:
             strategy[j] = current
             plain[j] = not problem.compressed(current)
@@ -649,7 +655,8 @@ def select(
                                                         stop=stop))
         try:
             strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
-                                        start=start, screen=screen)
+                                        start=start, screen=screen,
+                                        progress=None if side is None else side.progress)
         except BaseException:
             if side is not None:
                 side.cancel()

@@ -18,16 +18,30 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
+from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.espresso_candidates import EPS
-
-if TYPE_CHECKING:
-    from hetplan.algorithms.espresso import SelectionProblem
 
 __all__ = ["SeedSweep", "sweeps_seed"]
 
 K = TypeVar("K", bound=Hashable)
+
+
+class _Problem(Protocol):
+    """What a :class:`SeedSweep` uses of :class:`hetplan.algorithms.espresso.
+    SelectionProblem` (its members of the same names)."""
+
+    evaluations: int
+    _last_session: DPSession | None
+
+    @property
+    def baseline(self) -> Sequence[Any]: ...
+
+    def session(self, strategy: Sequence[Any]) -> DPSession: ...
+
+
+P = TypeVar("P", bound=_Problem)
 
 
 def sweeps_seed(best_seed: tuple[float, int] | None, f: float, strategy: Sequence[K],
@@ -40,16 +54,18 @@ def sweeps_seed(best_seed: tuple[float, int] | None, f: float, strategy: Sequenc
         and list(seeds[best_seed[1]]) != list(strategy)))
 
 
-class SeedSweep(Generic[K]):
+class SeedSweep(Generic[P]):
     """The best seed and the sweep from it, computed on a thread on a copy of the problem
     (its own evaluation count and sessions; the candidate lists and the ops' arrays are
     shared, and filled with equal values whichever thread fills them).
 
     The sweep from the seed starts before the first sweep's result is known, so it runs
-    whenever some result could ask for it: the first sweep returns at most its start's time
-    plus ``EPS`` per tensor (a candidate is accepted only below the incumbent minus ``EPS``,
-    or a baseline within ``EPS`` above it, once per tensor), and when the best seed is too
-    slow for :func:`sweeps_seed` against that, it is not run.
+    as long as some result could ask for it: the first sweep returns at most the time of
+    the strategy it holds plus ``EPS`` per tensor (a candidate is accepted only below the
+    incumbent minus ``EPS``, or a baseline within ``EPS`` above it, once per tensor), and
+    once the best seed is too slow for :func:`sweeps_seed` against that (checked at the
+    start and at every change the first sweep accepts, :meth:`progress`), it is stopped.
+    A stopped sweep's result is never used: only a sweep that ran to its end is wanted.
 
     Args:
         problem: the selection problem (not modified until :meth:`result`).
@@ -58,11 +74,10 @@ class SeedSweep(Generic[K]):
         sweep: the second sweep on a problem from a seed, stopping when the event is set.
     """
 
-    def __init__(self, problem: SelectionProblem[K], seeds: Sequence[Sequence[K]],
-                 start: Sequence[K] | None, seed_within: float, *,
-                 best_seed: Callable[[SelectionProblem[K]], tuple[float, int] | None],
-                 sweep: Callable[[SelectionProblem[K], Sequence[K], threading.Event],
-                                 tuple[list[K], float]]) -> None:
+    def __init__(self, problem: P, seeds: Sequence[Sequence[Any]], start: Sequence[Any] | None,
+                 seed_within: float, *, best_seed: Callable[[P], tuple[float, int] | None],
+                 sweep: Callable[[P, Sequence[Any], threading.Event], tuple[list[Any], float]]
+                 ) -> None:
         self._problem = copy.copy(problem)
         self._problem.evaluations = 0
         self._problem._last_session = None
@@ -72,8 +87,9 @@ class SeedSweep(Generic[K]):
         self._seeded = threading.Event()
         self._best_seed: tuple[float, int] | None = None
         self._seed_evals = 0
-        self._swept: tuple[list[K], float] | None = None
+        self._swept: tuple[list[Any], float] | None = None
         self._swept_evals = 0
+        self._held = float("inf")  # the least time the first sweep has held
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="espresso-seed-sweep",
                                         daemon=True)
@@ -88,20 +104,35 @@ class SeedSweep(Generic[K]):
             if best is None or self._stop.is_set():
                 return
             start = self._start if self._start is not None else p.baseline
-            upper = p.session(list(start)).base_s + (len(start) + 1) * EPS
-            if not (best[0] < upper - EPS
-                    or (self._within > 0.0 and best[0] <= upper * (1.0 + self._within))):
+            self.progress(min(p.session(list(start)).base_s, self._held))
+            if self._stop.is_set():
                 return  # no result of the first sweep can ask for it
             before = p.evaluations
-            self._swept = self._sweep(p, self._seeds[best[1]], self._stop)
-            self._swept_evals = p.evaluations - before
+            swept = self._sweep(p, self._seeds[best[1]], self._stop)
+            if not self._stop.is_set():  # else it may have returned before its end
+                self._swept = swept
+                self._swept_evals = p.evaluations - before
         except BaseException as e:  # re-raised on the caller's thread by result()
             self._error = e
         finally:
             self._seeded.set()
 
-    def result(self, problem: SelectionProblem[K], f: float, strategy: Sequence[K]
-               ) -> tuple[tuple[float, int] | None, tuple[list[K], float] | None]:
+    def progress(self, best: float) -> None:
+        """The first sweep holds a strategy of time ``best`` (its start, then each change
+        it accepts; called from either thread): it returns at most ``best`` plus ``EPS``
+        per tensor, so once the best seed is too slow for :func:`sweeps_seed` against
+        that, the seed's sweep is stopped (or never started)."""
+        self._held = best = min(self._held, best)  # it returns at most the least + EPS each
+        seed = self._best_seed
+        if seed is None or self._stop.is_set():
+            return
+        upper = best + (len(self._problem.baseline) + 1) * EPS
+        if not (seed[0] < upper - EPS
+                or (self._within > 0.0 and seed[0] <= upper * (1.0 + self._within))):
+            self._stop.set()
+
+    def result(self, problem: P, f: float, strategy: Sequence[Any]
+               ) -> tuple[tuple[float, int] | None, tuple[list[Any], float] | None]:
         """``(the best seed, the sweep from it or None)`` as the sequential ``select``
         computes them after a first sweep that returned ``strategy`` in time ``f``; adds
         their evaluations to ``problem``'s. Waits for the thread."""
@@ -116,9 +147,12 @@ class SeedSweep(Generic[K]):
         problem.evaluations += self._seed_evals
         if not wanted:
             return self._best_seed, None
-        if self._swept is None:
-            raise AssertionError("the seed's sweep was wanted but not run: the bound on the "
-                                 "first sweep's result does not hold")
+        if self._swept is None:  # not expected (the bound above holds): run it here
+            assert self._best_seed is not None
+            p = self._problem
+            before = p.evaluations
+            self._swept = self._sweep(p, self._seeds[self._best_seed[1]], threading.Event())
+            self._swept_evals = p.evaluations - before
         problem.evaluations += self._swept_evals
         return self._best_seed, self._swept
 
