@@ -29,3 +29,20 @@ def test_tp_split_bytes_count_every_chunk_of_the_pipeline_rank() -> None:
         want = sum(min(x.tp_split_bytes, x.param_bytes) for st in chunks
                    for x in wl.layers[st.first_layer:st.last_layer + 1])
         assert want > 0 and g["split_bytes"] == want
+
+
+def test_memory_rows_name_every_chunk_of_the_pipeline_rank() -> None:
+    spec = ClusterSpec.from_dict({"name": "one", "nodes": [
+        {"name": "n0", "devices": [{"type": "A100-80GB", "count": 8}], "cpu_cores": 8,
+         "intra_link": NVLINK}]})
+    plan = compile("gpt-test", spec, batch_size=8, schedule="interleaved-1f1b", pp=2, tp=2,
+                   virtual_stages=2, dp=2)
+    rows = build_report(plan)["memory"]["per_stage"]
+    # one row per pipeline rank (its chunks s and s + pp), not one per chunk's last index
+    assert [r["stages"] for r in rows] == [[0, 2], [1, 3]]
+    assert [r["stage"] for r in rows] == [0, 1]
+    assert sum(r["ranks"] for r in rows) == 8
+    from hetplan.report.render import render_text
+
+    text = render_text(build_report(plan), sections=("memory",))
+    assert "0+2" in text and "1+3" in text
