@@ -66,7 +66,11 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   (:mod:`~hetplan.algorithms.espresso_tables`); a sweep packs each candidate list it tries
   once, replaces one tensor's ops on an accepted change (``DPSession.replace``) and keeps
   ``Remove()``'s tensors as a bool per tensor. Same choices; measured in
-  ``docs/decisions/espresso-speed.md``, "Round 7".
+  ``docs/decisions/espresso-speed.md``, "Round 7". With ``select(parallel=True)`` the
+  seeds and the sweep from the best one run on a second thread beside the first sweep
+  (:mod:`~hetplan.algorithms.espresso_parallel`; the kernels release the GIL): the same
+  choices, less wall time on two free cores, some CPU time on seed sweeps that turn out
+  unneeded ("Round 8").
 - Step-for-step dominance (with ``prune``,
   :class:`~hetplan.algorithms.espresso_candidates.Candidates`): an option whose ops are
   another option's ops on the same resources in the same order, each step at least as long
