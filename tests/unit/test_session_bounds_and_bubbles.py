@@ -1,4 +1,8 @@
-"""Property #1's bubble test (``_dp_search.bubble_mask``) against its definition written out:
+"""Two things the session recomputes after every accepted change, against references.
+
+The trial bounds' tables after replaced tensors equal a fresh session's (they are updated
+over the session's resources only). Property #1's bubble test (``_dp_search.bubble_mask``)
+against its definition written out:
 a gap between communication intervals is a bubble unless some unit spans it, a unit is
 before the last busy period when its communication ends at or before that period's start.
 The kernel scans the gaps in increasing start time and keeps the latest end among the units
@@ -76,3 +80,38 @@ def test_a_gap_spanned_by_an_earlier_unit_is_no_bubble() -> None:
     assert list(_dp_search.bubble_mask(spanned, ready, 1e-9)) == [False, False]
     open_gap = np.array([[0.0, 1.0, 0, 1], [2.0, 2.5, 1, 1]], dtype=float)
     assert list(_dp_search.bubble_mask(open_gap, ready, 1e-9)) == [True, False]
+
+
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not jit_enabled(), reason="numba not installed or HETPLAN_JIT=0"))])
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n=st.integers(1, 6))
+def test_bounds_after_replaces_equal_a_fresh_session(jit: bool, data: st.DataObject,
+                                                     n: int) -> None:
+    """The trial bounds' tables (work per resource from each tensor on, release bounds),
+    updated over the session's resources only after each replaced tensor, equal those of a
+    session that simulates the final ops from scratch, also when a channel no tensor uses
+    any more had work before."""
+    from hetplan.algorithms.dp_session import DPSession
+    from hetplan.algorithms.dp_types import CPU, GPU, Op
+
+    op = st.tuples(st.sampled_from([GPU, CPU, "net", "intra", "inter"]),
+                   st.integers(0, 6).map(lambda x: x * 0.5)).map(lambda t: Op(t[0], t[1]))
+    ops = st.lists(op, max_size=3).map(tuple)
+    bp = [0.5] * n
+    base = data.draw(st.lists(ops, min_size=n, max_size=n))
+    sess = DPSession(bp, jit=jit, cpu_workers=2)
+    sess.rebase(base)
+    now = list(base)
+    for _ in range(data.draw(st.integers(1, 4))):
+        j = data.draw(st.integers(0, n - 1))
+        now[j] = data.draw(ops)
+        sess.replace(j, now[j])
+    fresh = DPSession(bp, jit=jit, cpu_workers=2)
+    assert fresh.rebase(now) == sess.base_s
+    # the same columns by resource name (each session numbers the channels it meets);
+    # a channel only the replaced ops used has no work left
+    for name, col in sess._rid.items():
+        want = fresh._b.suffix[:, fresh._rid[name]] if name in fresh._rid else 0.0 * bp[0]
+        assert (sess._b.suffix[:, col] == want).all(), name
+    assert fresh._b.release.tolist() == sess._b.release.tolist()
