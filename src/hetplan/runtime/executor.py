@@ -50,19 +50,21 @@ from hetplan.ir.rebalancing import PlannedEvent
 from hetplan.runtime.groups import ParallelGroups, agree_on_plan, job_timeout
 from hetplan.runtime.handlers import (
     DEFAULT_HANDLERS,
+    GradSyncHandler,
     Handler,
     LossFn,
     OptimizerFactory,
     RebalancingHandler,
     ResizingHandler,
     RuntimeContext,
+    StagesHandler,
     StepTimes,
 )
 from hetplan.runtime.handlers.hetero import hetero_groups
 from hetplan.runtime.hetero_ranks import plan_world_size, stage_layout
 from hetplan.runtime.liveness import Heartbeat
 from hetplan.runtime.resizing import ResizingRuntime, StragglerSpec
-from hetplan.runtime.trace import StepTrace
+from hetplan.runtime.trace import StepTrace, mark_grad_sync
 
 __all__ = ["Runtime", "StepTimes"]
 
@@ -266,13 +268,17 @@ class Runtime:
         if self.trace is None:
             import socket
 
-            from hetplan.runtime.handlers import StagesHandler
-
             groups = self.ctx.groups
             rank = groups.rank if groups is not None else 0
             coords = self.ctx.layout.coords(rank)
             self.trace = StepTrace(rank, (coords[0], coords[1], coords[2]), socket.gethostname())
             self.ctx.handler(StagesHandler).start_trace(self.trace)
+            try:
+                sync = self.ctx.handler(GradSyncHandler).sync
+            except LookupError:  # composed without it
+                sync = None
+            if sync is not None:
+                mark_grad_sync(sync, self.trace)
         return self.trace
 
     @staticmethod

@@ -18,7 +18,11 @@ during one chosen step (by default the last) with its start and end on the host'
 * ``wait``: inside a forward or backward, the wait for the activation or gradient the
   action receives (posted earlier by its ``RECV`` action);
 * ``loss``: on the last stage, the loss of a micro-batch (computed after the stage's
-  forward, outside it).
+  forward, outside it);
+* ``sync``: the data-parallel gradient sync's pieces (:func:`mark_grad_sync`): each bucket's
+  launch from its gradient hook and, for paths run on the sync's worker thread (compressed,
+  cast or hierarchical ones), every step of the path (compress, a collective, decompress) on
+  that thread's own track.
 
 Tracing is off unless asked for: without ``--trace`` nothing of this module is installed
 and no action is timed beyond what the run report already measures.
@@ -39,10 +43,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CATEGORIES", "Span", "StepTrace", "chrome_trace"]
+__all__ = ["CATEGORIES", "MAIN_TID", "SYNC_TID", "Span", "StepTrace", "chrome_trace",
+           "mark_grad_sync"]
 
 #: Span categories, outermost first (how Perfetto nests them on a rank's track).
-CATEGORIES: tuple[str, ...] = ("phase", "action", "compute", "wait", "loss")
+CATEGORIES: tuple[str, ...] = ("phase", "action", "compute", "wait", "loss", "sync")
+#: Trace-event thread ids: the rank's main thread, and the gradient sync's worker thread.
+MAIN_TID, SYNC_TID = 0, 1
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class Span:
         cat: one of :data:`CATEGORIES`.
         start_s / end_s: the interval.
         args: what it is, for tools (``kind``, ``microbatch``, ``stage``, ``index``).
+        tid: the thread it ran on (:data:`MAIN_TID` or :data:`SYNC_TID`).
     """
 
     name: str
@@ -61,6 +69,7 @@ class Span:
     start_s: float
     end_s: float
     args: Mapping[str, Any] = field(default_factory=dict)
+    tid: int = MAIN_TID
 
 
 class StepTrace:
@@ -91,10 +100,11 @@ class StepTrace:
         """Stop recording (the spans stay)."""
         self.recording = False
 
-    def add(self, name: str, cat: str, start_s: float, end_s: float, **args: Any) -> None:
-        """One span, when recording."""
+    def add(self, name: str, cat: str, start_s: float, end_s: float, *, tid: int = MAIN_TID,
+            **args: Any) -> None:
+        """One span, when recording (``list.append``: safe from the sync's thread too)."""
         if self.recording:
-            self.spans.append(Span(name, cat, start_s, end_s, args))
+            self.spans.append(Span(name, cat, start_s, end_s, args, tid))
 
     @contextmanager
     def span(self, name: str, cat: str, **args: Any) -> Iterator[None]:
@@ -112,7 +122,7 @@ class StepTrace:
         """This rank's recording as plain data (to gather it on rank 0)."""
         return {"rank": self.rank, "coords": list(self.coords), "host": self.host,
                 "step": self.step,
-                "spans": [[s.name, s.cat, s.start_s, s.end_s, dict(s.args)]
+                "spans": [[s.name, s.cat, s.start_s, s.end_s, dict(s.args), s.tid]
                           for s in self.spans]}
 
 
@@ -142,13 +152,62 @@ def chrome_trace(ranks: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) ->
                        "args": {"name": f"rank {rank} (pp {p}, dp {d}, tp {t}) on {r['host']}"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"sort_index": rank}})
+        tids = sorted({s[5] if len(s) > 5 else MAIN_TID for s in r["spans"]} | {MAIN_TID})
+        for tid in tids:
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                           "args": {"name": "gradient sync thread" if tid == SYNC_TID
+                                    else "main"}})
         t0 = origin.get(str(r["host"]), 0.0)
         spans = sorted(r["spans"], key=lambda s: (s[2], depth.get(s[1], 99), -s[3]))
-        for name, cat, start, end, args in spans:
-            events.append({"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": 0,
+        for name, cat, start, end, args, *rest in spans:
+            tid = rest[0] if rest else MAIN_TID
+            events.append({"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": tid,
                            "ts": round((start - t0) * 1e6, 3),
                            "dur": round(max(end - start, 0.0) * 1e6, 3),
                            "args": dict(args)})
     other = {**meta, "time_origin_by_host_s": dict(sorted(origin.items())),
              "clock": "time.perf_counter per host; microseconds from the host's origin"}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"hetplan": other}}
+
+
+def mark_grad_sync(sync: Any, trace: StepTrace) -> None:
+    """``sync`` sync spans in ``trace`` (a :class:`~hetplan.runtime.grad_sync.GradSync`;
+    marked from outside: its methods are wrapped on the instance): each bucket's launch
+    (``launch bucket k``, in the gradient hook that found it complete, on the main thread)
+    and, for paths on the worker thread, each step of :class:`~hetplan.runtime.routines.
+    PathRunner` (``comp``, ``decomp``, ``comm ROUTINE at LEVEL``) on :data:`SYNC_TID`. The
+    wait for them after backward is the ``after_backward GradSyncHandler`` phase."""
+    launch = sync._launch
+
+    def timed_launch(b: Any) -> Any:
+        if not trace.recording:
+            return launch(b)
+        t0 = time.perf_counter()
+        try:
+            return launch(b)
+        finally:
+            k = sync.buckets.index(b)
+            trace.add(f"launch bucket {k}", "sync", t0, time.perf_counter(), bucket=k,
+                      tensors=len(b.params))
+
+    sync._launch = timed_launch
+    runner = getattr(sync, "_runner", None)
+    if runner is None:
+        return
+    for attr in ("_comp", "_decomp", "_comm_compressed", "_comm_dense"):
+        fn = getattr(runner, attr)
+
+        def timed(*args: Any, _fn: Any = fn, _attr: str = attr, **kwargs: Any) -> Any:
+            if not trace.recording:
+                return _fn(*args, **kwargs)
+            step = next((a for a in args if hasattr(a, "kind") and hasattr(a, "level")), None)
+            what = _attr.strip("_").replace("_", " ")
+            if step is not None and getattr(step, "routine", None):
+                what += f" {step.routine} at {step.level}"
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                trace.add(what, "sync", t0, time.perf_counter(), tid=SYNC_TID)
+
+        setattr(runner, attr, timed)
