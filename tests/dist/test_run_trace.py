@@ -123,13 +123,15 @@ def _train(plan_json: str) -> dict[str, Any]:
     trace.start(2)
     rt.train_step(*_data(1))
     trace.stop()
+    monitor = rt.handler(StagesHandler).monitor
+    busy = monitor.busy_s if monitor is not None else None
     rt.train_step(*_data(2))  # not recorded either
     handler = rt.handler(StagesHandler)
     lowered = ([str(a) for a in handler.schedule.pipeline_order_with_comms[
         handler.schedule.rank]] if handler.schedule is not None else [])
     out = {"recording": trace.to_dict(), "spans_after": len(trace.spans),
            "after_untraced_step": after_untraced_step, "plain_map": plain_map,
-           "lowered": lowered, "pp_rank": rt.ctx.groups.pp_rank}
+           "lowered": lowered, "pp_rank": rt.ctx.groups.pp_rank, "busy_s": busy}
     gathered: list[Any] = [None, None]
     torch.distributed.all_gather_object(gathered, trace.to_dict())
     out["chrome"] = json.dumps(chrome_trace(gathered, {"step": 2, "plan_digest": None}))
@@ -192,6 +194,10 @@ def test_the_last_stage_traces_its_losses(runs: Any) -> None:
     _, outs = runs
     last = next(o for o in outs["1f1b"] if o["pp_rank"] == 1)
     assert sorted(s[4]["microbatch"] for s in _spans(last, "loss")) == list(range(MICRO_BATCHES))
+    # the run report's compute counts the loss (it is not waiting): busy = compute + loss
+    spent = sum(s[3] - s[2] for s in _spans(last, "compute") + _spans(last, "loss"))
+    assert last["busy_s"] == pytest.approx(spent, rel=0.05, abs=2e-4)
+    assert last["busy_s"] > sum(s[3] - s[2] for s in _spans(last, "compute"))
 
 
 def test_a_data_parallel_step_traces_its_micro_batches_and_sync_path(runs: Any) -> None:

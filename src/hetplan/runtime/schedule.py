@@ -152,8 +152,11 @@ class StageMonitor:
     """Seconds this rank's stages spent computing, and the actions they executed, in order.
 
     Wraps each stage's ``forward_one_chunk`` and ``backward_one_chunk`` (the schedule issues
-    point-to-point receives and sends outside them), so ``step time - busy_s`` is the time the
-    rank waited: the pipeline bubble plus activation transfers it could not overlap.
+    point-to-point receives and sends outside them), and with :meth:`watch_loss` the
+    schedule's loss of the last stage (computed after its forward, outside it: the
+    vocabulary-parallel cross-entropy runs three all-reduces there), so ``step time -
+    busy_s`` is the time the rank waited: the pipeline bubble plus activation transfers it
+    could not overlap.
     ``executed`` lists the actions as they started (``Action(F, microbatch, stage)``). Read
     both after a step; call :meth:`reset` before the next. With ``trace`` set (``hetplan run
     --trace``), every call is also a ``compute`` span of it while it records.
@@ -183,6 +186,20 @@ class StageMonitor:
                                    kind=kind.value, microbatch=chunk, stage=stage)
 
         return run
+
+    def watch_loss(self, schedule: Any) -> None:
+        """Count the last stage's loss (``schedule._maybe_compute_loss``, wrapped on the
+        instance) as computing time."""
+        compute_loss = schedule._maybe_compute_loss
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return compute_loss(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        schedule._maybe_compute_loss = timed
 
     def reset(self) -> None:
         """Forget the previous step's time and actions."""

@@ -174,6 +174,7 @@ class StagesHandler(Handler):
                                       actions)
         self.actions = actions
         self.monitor = StageMonitor(self.stages)
+        self.monitor.watch_loss(self.schedule)
         self._mark_schedule()  # a re-built schedule (re-balancing) keeps the trace's marks
         self.pp_group, self.num_stages = pp_group, ranks
         ctx.named_params = _owned_params(self.stages, stages, ctx.model_ir().layers)
