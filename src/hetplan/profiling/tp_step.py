@@ -181,7 +181,9 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
                             dtype=torch.float64)
         dist.all_reduce(mine)
         m = [float(v) / world for v in mine.tolist()]
-        out.append(TPStepTimes(g, sp, nbytes, *m[:4], loss_s=m[4], tp_loss_s=m[5]))
+        out.append(TPStepTimes(g, sp, nbytes, forward_s=m[0], backward_s=m[1],
+                               tp_forward_s=m[2], tp_backward_s=m[3], loss_s=m[4],
+                               tp_loss_s=m[5]))
     return out
 
 

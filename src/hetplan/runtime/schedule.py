@@ -239,13 +239,13 @@ def trace_schedule(schedule: Any, trace: StepTrace) -> None:
                       microbatch=a.microbatch_index, stage=a.stage_index)
         marks.clear()
 
-    class _ActionMarks(dict):  # type: ignore[type-arg]
+    class _ActionMarks(dict[Any, Any]):
         def __contains__(self, key: object) -> bool:
             if trace.recording:
                 marks.append(time.perf_counter())
             return super().__contains__(key)
 
-    class _TimedWaits(dict):  # type: ignore[type-arg]
+    class _TimedWaits(dict[Any, Any]):
         def __init__(self, what: str) -> None:
             super().__init__()
             self.what = what
