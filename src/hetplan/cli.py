@@ -1103,11 +1103,13 @@ def _print_trace(cmp: dict[str, Any]) -> None:
                           num(a["wait_ms"]), num(a["loss_ms"]))
         out.print(table)
         p, m = r["predicted"], r["measured"]
-        after = ", ".join(f"{k} {v:.2f}" for k, v in m["after_backward_ms"].items())
+        after = ", ".join(f"{k} {v:.2f}" for k, v in m["after_backward_ms"].items()
+                          if v >= 0.01)
         out.print(f"  predicted: pipeline {num(p['pipeline_iteration_ms'])} ms, busy "
                   f"{num(p['busy_ms'])}, idle {num(p['idle_ms'])}; exposed sync "
                   f"{num(p['exposed_sync_ms'])}, optimizer {num(p['optimizer_ms'])}", markup=False)
-        out.print(f"  measured: micro-batches {m['micro_batches_ms']:.2f} ms = compute "
+        out.print(f"  measured: micro-batches from {m['micro_batches_start_ms']:.2f} ms, "
+                  f"{m['micro_batches_ms']:.2f} ms = compute "
                   f"{m['compute_ms']:.2f} + waiting for activations "
                   f"{m['wait_for_activations_ms']:.2f} + for gradients "
                   f"{m['wait_for_gradients_ms']:.2f} + loss {m['loss_ms']:.2f} + other "

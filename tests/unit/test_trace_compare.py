@@ -95,6 +95,7 @@ def test_each_action_is_predicted_beside_measured(plan: Any) -> None:
                                              else 0.0)
         assert m["other_ms"] == pytest.approx(n * 0.1, abs=1e-3)
         assert m["after_backward_ms"] == {"GradSyncHandler": pytest.approx(2.0)}
+        assert m["micro_batches_start_ms"] == pytest.approx(r["rank"] * 1.0)
         assert m["optimizer_ms"] == pytest.approx(1.0)
 
 

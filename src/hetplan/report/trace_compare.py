@@ -73,8 +73,9 @@ def compare_trace(plan: Any, trace: Mapping[str, Any], *, cluster: Any = None,
     Returns:
         ``{"step", "predicted_iteration_ms", "ranks": [...]}``; each rank: ``rank``,
         ``pp_rank``, ``predicted`` (busy and idle ms of its pipeline rank, exposed sync,
-        optimizer), ``measured`` (the micro-batch phase split into compute, waits, loss and
-        the rest; after-backward and optimizer phases), ``actions`` (rows in executed order).
+        optimizer), ``measured`` (when the rank's micro-batch phase began after the host's
+        earliest one, the phase split into compute, waits, loss and the rest; after-backward
+        and optimizer phases), ``actions`` (rows in executed order).
 
     Raises:
         SpecError: the trace is of another plan (its digest differs) or has no rank.
@@ -117,6 +118,7 @@ def _rank_rows(rank: int, p: int, events: list[dict[str, Any]],
 
     phases = {e["name"]: e["dur"] / 1e3 for e in events if e["cat"] == "phase"}
     mb_phase = phases.get("micro-batches", 0.0)
+    mb_start = next((e["ts"] / 1e3 for e in events if e["name"] == "micro-batches"), 0.0)
     waits = {k: total("wait", k) for k in ("F", "B")}
     compute, loss = total("compute"), total("loss")
     inside = [e for e in events if e["cat"] in ("wait", "loss")]
@@ -152,6 +154,7 @@ def _rank_rows(rank: int, p: int, events: list[dict[str, Any]],
         "optimizer_ms": _r(ev.optimizer_s * 1e3),
     }
     meas_part = {
+        "micro_batches_start_ms": _r(mb_start),
         "micro_batches_ms": _r(mb_phase),
         "compute_ms": _r(compute),
         "wait_for_activations_ms": _r(waits["F"]),
