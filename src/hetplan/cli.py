@@ -1115,6 +1115,10 @@ def _print_trace(cmp: dict[str, Any]) -> None:
                   f"{m['wait_for_gradients_ms']:.2f} + loss {m['loss_ms']:.2f} + other "
                   f"{m['other_ms']:.2f}; after backward ({after or 'nothing'}); optimizer "
                   f"{m['optimizer_ms']:.2f}", markup=False)
+        if m.get("sync_ms"):
+            out.print("  gradient sync: " + ", ".join(f"{k} {v:.2f}"
+                                                     for k, v in m["sync_ms"].items()),
+                      markup=False)
 
 
 def _load_run_report(path: Path) -> dict[str, Any]:

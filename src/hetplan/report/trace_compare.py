@@ -75,7 +75,8 @@ def compare_trace(plan: Any, trace: Mapping[str, Any], *, cluster: Any = None,
         ``pp_rank``, ``predicted`` (busy and idle ms of its pipeline rank, exposed sync,
         optimizer), ``measured`` (when the rank's micro-batch phase began after the host's
         earliest one, the phase split into compute, waits, loss and the rest; after-backward
-        and optimizer phases), ``actions`` (rows in executed order).
+        and optimizer phases, the gradient sync's pieces by name), ``actions`` (rows in
+        executed order).
 
     Raises:
         SpecError: the trace is of another plan (its digest differs) or has no rank.
@@ -164,6 +165,12 @@ def _rank_rows(rank: int, p: int, events: list[dict[str, Any]],
         "after_backward_ms": {k.removeprefix("after_backward "): _r(v)
                               for k, v in phases.items() if k.startswith("after_backward")},
         "optimizer_ms": _r(phases.get("optimizer step", 0.0)),
+        "sync_ms": {},
     }
+    for e in events:  # the gradient sync's launches and worker-thread steps, summed by name
+        if e["cat"] == "sync":
+            meas_part["sync_ms"][e["name"]] = meas_part["sync_ms"].get(e["name"], 0.0) + (
+                e["dur"] / 1e3)
+    meas_part["sync_ms"] = {k: _r(v) for k, v in sorted(meas_part["sync_ms"].items())}
     return {"rank": rank, "pp_rank": p, "predicted": pred_part, "measured": meas_part,
             "actions": actions}
