@@ -154,7 +154,7 @@ def _rank_rows(rank: int, p: int, events: list[dict[str, Any]],
         "exposed_sync_ms": _r(stage_cost.exposed_sync_s * 1e3) if stage_cost else None,
         "optimizer_ms": _r(ev.optimizer_s * 1e3),
     }
-    meas_part = {
+    meas_part: dict[str, Any] = {
         "micro_batches_start_ms": _r(mb_start),
         "micro_batches_ms": _r(mb_phase),
         "compute_ms": _r(compute),
@@ -165,12 +165,11 @@ def _rank_rows(rank: int, p: int, events: list[dict[str, Any]],
         "after_backward_ms": {k.removeprefix("after_backward "): _r(v)
                               for k, v in phases.items() if k.startswith("after_backward")},
         "optimizer_ms": _r(phases.get("optimizer step", 0.0)),
-        "sync_ms": {},
     }
+    sync: dict[str, float] = {}
     for e in events:  # the gradient sync's launches and worker-thread steps, summed by name
         if e["cat"] == "sync":
-            meas_part["sync_ms"][e["name"]] = meas_part["sync_ms"].get(e["name"], 0.0) + (
-                e["dur"] / 1e3)
-    meas_part["sync_ms"] = {k: _r(v) for k, v in sorted(meas_part["sync_ms"].items())}
+            sync[e["name"]] = sync.get(e["name"], 0.0) + e["dur"] / 1e3
+    meas_part["sync_ms"] = {k: _r(v) for k, v in sorted(sync.items())}
     return {"rank": rank, "pp_rank": p, "predicted": pred_part, "measured": meas_part,
             "actions": actions}
