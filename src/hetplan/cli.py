@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -703,6 +703,7 @@ def run_cmd(
     from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
 
     plan = load_plan(plan_file)
+    _check_torchrun_args(ctx)
     if trace is not None:
         _check_trace_options(trace, trace_step, steps, script)
     cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,
@@ -734,6 +735,46 @@ def run_cmd(
         if data.get("rebalanced_at"):
             out.print(f"re-balanced the pipeline at iteration(s) {data['rebalanced_at']} "
                       f"({', '.join(f'{x:.1f}' for x in data.get('rebalance_ms', []))} ms)")
+
+
+#: What users of other trainers call ``hetplan run --steps``.
+_STEP_WORDS = frozenset({"--iterations", "--iters", "--iter", "--num-steps", "--max-steps",
+                         "--train-iters", "--num-iterations", "--step"})
+
+
+def _check_torchrun_args(ctx: typer.Context) -> None:
+    """The options ``hetplan run`` passes on to torchrun: refuse, before anything starts,
+    one that torchrun's own parser does not take either (a typo such as ``--iterations``
+    would otherwise fail every rank's launch), naming the closest option of either."""
+    if not ctx.args:
+        return
+    import argparse
+    import difflib
+
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> NoReturn:
+        raise SpecError(f"torchrun option: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    parser.exit_on_error = False
+    try:
+        _, unknown = parser.parse_known_args([*ctx.args, "script.py"])
+    except argparse.ArgumentError as e:
+        raise SpecError(f"torchrun option: {e}") from None
+    flags = [a for a in unknown if a.startswith("-")]
+    if not flags:
+        return
+    ours = [o for p in ctx.command.params for o in getattr(p, "opts", ()) if o.startswith("--")]
+    theirs = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    bad = flags[0].split("=", 1)[0]
+    close = (["--steps"] if bad in _STEP_WORDS else
+             difflib.get_close_matches(bad, ours + theirs, n=1, cutoff=0.6))
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise SpecError(f"unknown option {bad!r}: neither `hetplan run` nor torchrun takes it"
+                    f"{hint} (see `hetplan run --help`; extra options go to torchrun)")
 
 
 def _check_trace_options(trace: Path, trace_step: int, steps: int,
