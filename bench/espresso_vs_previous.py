@@ -24,7 +24,8 @@ what other processes took). The pass runs with its defaults (``--max-compression
 out) unless told. Each process loads the numba kernels from its tree's on-disk cache (its
 own ``NUMBA_CACHE_DIR``; compiled on the tree's first process) before any timed pass, so
 compile and load time are in no number. Writes ``bench/results/espresso_vs_previous_by_model.json``
-unless ``--out`` says otherwise. ``--keep DIR`` extracts the trees and their caches into
+unless ``--out`` says otherwise. ``--now-options JSON`` gives the pass further options on
+the ``now`` tree alone (e.g. ``'{"parallel": true}'``). ``--keep DIR`` extracts the trees and their caches into
 ``DIR`` and reuses them: a first run there compiles the kernels, so that a timed run in a
 short quiet period does not (the trees must be the same commits).
 """
@@ -89,6 +90,7 @@ from hetplan.algorithms.dp_session import warm_up
 warm_up()  # load (or compile) the kernels outside the timed passes
 model, repeat, max_comp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 kw = {{}} if max_comp == "default" else {{"max_compressions": int(max_comp)}}
+kw.update(json.loads(sys.argv[4]) if len(sys.argv) > 4 else {{}})  # this tree's options
 wl = WorkloadSummary.from_model_ir(
     espresso_workloads(be.DATA, gaps="effective", include_extra=False)[model])
 out = {{}}
@@ -120,24 +122,28 @@ def _run(src: Path, case: str, max_comp: int) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _run_model(src: Path, model: str, repeat: int, max_comp: str) -> dict[str, Any]:
+def _run_model(src: Path, model: str, repeat: int, max_comp: str,
+               options: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(src), NUMBA_CACHE_DIR=str(src.parent / "numba"))
     code = _CHILD_MODEL.format(bench=str(ROOT / "bench"))
-    r = subprocess.run([sys.executable, "-c", code, model, str(repeat), max_comp], env=env,
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run([sys.executable, "-c", code, model, str(repeat), max_comp,
+                        json.dumps(options)], env=env, capture_output=True, text=True,
+                       check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def by_model(trees: dict[str, Path], models: list[str], repeat: int, rounds: int,
-             max_comp: str) -> dict[str, Any]:
-    """Per case: each tree's least wall and CPU time of the GPU selection and its digest."""
+             max_comp: str, now_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per case: each tree's least wall and CPU time of the GPU selection and its digest;
+    ``now_options`` are further options of the pass on the ``now`` tree."""
     import espresso as be  # bench/espresso.py: Table 4.5
 
     rows: dict[str, Any] = {}
     for model in models:
         for _ in range(rounds):
             for tag, src in trees.items():
-                for case, got in _run_model(src, model, repeat, max_comp).items():
+                extra = (now_options or {}) if tag == "now" else {}
+                for case, got in _run_model(src, model, repeat, max_comp, extra).items():
                     row = rows.setdefault(case, {})
                     for key in ("s", "gpu_s", "gpu_process_s"):
                         row[f"{tag}_{key}"] = min(row.get(f"{tag}_{key}", float("inf")),
@@ -154,8 +160,10 @@ def by_model(trees: dict[str, Path], models: list[str], repeat: int, rounds: int
             print(f"{case:26s} GPU selection CPU time: previous "
                   f"{row['previous_gpu_process_s'] * 1e3:7.1f} ms  now "
                   f"{row['now_gpu_process_s'] * 1e3:7.1f} ms  x{row['gpu_process_speedup']:.2f}"
-                  f" | Table 4.5 {table} ms: {row['now_process_vs_table_4_5']:.2f}x | same "
-                  f"choice: {row['same_choice']}", flush=True)
+                  f" | wall: previous {row['previous_gpu_s'] * 1e3:7.1f} ms  now "
+                  f"{row['now_gpu_s'] * 1e3:7.1f} ms | Table 4.5 {table} ms: "
+                  f"{row['now_process_vs_table_4_5']:.2f}x | same choice: "
+                  f"{row['same_choice']}", flush=True)
     return rows
 
 
@@ -172,6 +180,9 @@ def main() -> None:
     ap.add_argument("--by-model", default=None,
                     help="models (comma-separated): every case of each in one process per tree")
     ap.add_argument("--rounds", type=int, default=2, help="with --by-model: alternations")
+    ap.add_argument("--now-options", type=json.loads, default=None,
+                    help='with --by-model: further options of the pass on the --now tree, as '
+                         'JSON (e.g. \'{"parallel": true}\')')
     ap.add_argument("--keep", type=Path, default=None,
                     help="extract the trees (and their numba caches) here instead of a "
                          "temporary folder, so that a run before the timed one compiles the "
@@ -195,7 +206,8 @@ def main() -> None:
         if args.by_model:
             max_comp = "default" if args.max_compressions is None else str(args.max_compressions)
             load = [round(x, 2) for x in os.getloadavg()]
-            got = by_model(trees, args.by_model.split(","), args.repeat, args.rounds, max_comp)
+            got = by_model(trees, args.by_model.split(","), args.repeat, args.rounds, max_comp,
+                           args.now_options)
             out = args.out or OUT.with_name("espresso_vs_previous_by_model.json")
             out.write_text(json.dumps({
                 "what": "CPU and wall time of the espresso pass's GPU selection (every sweep "
@@ -203,6 +215,7 @@ def main() -> None:
                         "pass's defaults unless max_compressions says otherwise",
                 "commit": args.commit, "now": now_rev, "repeat": args.repeat,
                 "rounds": args.rounds, "max_compressions": max_comp,
+                "now_options": args.now_options or {},
                 "numba": "kernels loaded from each tree's on-disk cache before the timed "
                          "passes (compiled on the tree's first process): not in the times",
                 "machine": {"note": "2 CPU cores shared with other jobs; the two trees "

@@ -511,20 +511,22 @@ def _run(b, w, m, changed, bound, rebase):
 # -- entry points -------------------------------------------------------------------------
 
 
-def rebase_run(base, m, last):
+def rebase_run(base, m, last, nres):
     """Simulate the base's ops from the state saved before segment ``m`` (``m == 0``: the
     empty start), saving the states from ``m`` on into ``base`` (a :class:`Base`, or its
     fields as a plain tuple), and update what the trial bounds read (:func:`_suffix_work`
-    from tensor ``last``, the last whose ops changed, down; :func:`_release_bounds`).
-    Returns the iteration time, or ``-1.0`` when a heap pool is too small (the caller grows
-    it and calls again). Every op run is recorded in ``b.ev`` and every tensor's ready time
-    from ``m`` on in ``b.ready``: the ops before that state ran as recorded by the earlier
-    runs (the prefix is the same), so ``ev`` and ``ready`` always hold the whole base run."""
+    from tensor ``last``, the last whose ops changed, down; :func:`_release_bounds`) for
+    the resources ``0..nres-1`` (every resource id the session's bases have used: the
+    other columns stay 0). Returns the iteration time, or ``-1.0`` when a heap pool is too
+    small (the caller grows it and calls again). Every op run is recorded in ``b.ev`` and
+    every tensor's ready time from ``m`` on in ``b.ready``: the ops before that state ran as
+    recorded by the earlier runs (the prefix is the same), so ``ev`` and ``ready`` always
+    hold the whole base run."""
     b = Base(*base)
     f = _run(b, new_work(b, 0), m, np.zeros(0, dtype=np.int64), np.inf, True)
     if f >= 0.0 and b.bp.shape[0] > 0:
-        _suffix_work(b, last)
-        _release_bounds(b)
+        _suffix_work(b, last, nres)
+        _release_bounds(b, nres)
     return f
 
 
@@ -565,18 +567,19 @@ def trial(base, t, changed, bound):
 # -- what the trial bounds read -----------------------------------------------------------
 
 
-def _suffix_work(b, last):
+def _suffix_work(b, last, nres):
     """``b.suffix[i, r]``: work on resource ``r`` of tensors ``i..n-1``, recomputed from
-    tensor ``last`` down (rows after it are kept)."""
+    tensor ``last`` down (rows after it are kept) for the resources ``r < nres`` (no op of
+    the session's bases is on another: those columns stay 0)."""
     res, dur, start, count, suffix = b.res, b.dur, b.start, b.count, b.suffix
     for i in range(last, -1, -1):
-        for r in range(suffix.shape[1]):
+        for r in range(nres):
             suffix[i, r] = suffix[i + 1, r]
         for o in range(start[i], start[i] + count[i]):
             suffix[i, res[o]] += dur[o]
 
 
-def _release_bounds(b):
+def _release_bounds(b, nres):
     """``b.release[m]``: a lower bound on ``end - now`` (end of the last op, ``now`` the
     GPU's time at the start of segment ``m``) from the work of tensors ``m..n-1`` alone.
     Tensor ``k`` is ready no earlier than ``now + bp[m] + ... + bp[k]``; on a channel all
@@ -584,7 +587,8 @@ def _release_bounds(b):
     earlier than that plus the shortest lead (ops before a tensor's first op there) and runs
     one op at a time, and the op that ends last is followed by its tensor's tail (ops after
     its last op there): so ``end >= ready_k + lead + work + tail``. On the CPU pool the work
-    is spread over the workers."""
+    is spread over the workers. Only the resources ``r < nres`` are looked at (the others
+    have no ops: their lead stays infinite and they add nothing)."""
     bp, res, dur, start, count, suffix = b.bp, b.res, b.dur, b.start, b.count, b.suffix
     out = b.release
     workers = b.snap_cpu.shape[1]
@@ -616,7 +620,7 @@ def _release_bounds(b):
                 got[r] = True
                 last[r] = post
             post += dur[o]
-        for r in range(MAX_RESOURCES):
+        for r in range(nres):
             if has[r]:
                 lead[r] = min(lead[r], first[r])
                 tail[r] = min(tail[r], last[r])

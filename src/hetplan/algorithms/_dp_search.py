@@ -209,17 +209,22 @@ def bubble_mask(ev, ready, eps):
             cu[y] = int(ev[x, 2])
             y += 1
     order = np.argsort(cs)  # by start alone (see the docstring)
+    # a gap at s is spanned when some unit with ops, ready before s - eps, ends after
+    # reach + eps: the gaps come in increasing s, so the units ready before it are a
+    # growing prefix of them by ready time, and it is enough to keep their latest end
+    by_ready = np.argsort(ready, kind="mergesort")
+    seen = 0  # units of by_ready[:seen] are ready before the gap
+    latest = -1.0  # the latest end among them (units without ops: -1)
     last_start = cs[order[0]]
     reach = ce[order[0]]
     for y in range(1, nc):
         s = cs[order[y]]
         if s > reach + eps:
-            spanned = False
-            for u in range(n):
-                if done[u] >= 0.0 and ready[u] < s - eps and done[u] > reach + eps:
-                    spanned = True
-                    break
-            if not spanned:
+            while seen < n and ready[by_ready[seen]] < s - eps:
+                if done[by_ready[seen]] > latest:
+                    latest = done[by_ready[seen]]
+                seen += 1
+            if not (latest >= 0.0 and latest > reach + eps):
                 last_start = s
         reach = max(reach, ce[order[y]])
     ends = np.full(n, -1.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,10 @@ _MODULES = (_dp_kernels, _dp_search)
 _PLAIN = types.SimpleNamespace(**{n: getattr(m, n) for m in _MODULES for n in m.KERNELS})
 _COMPILED: list[types.SimpleNamespace] = []  # the compiled kernels, once built
 _JIT_ERROR: list[str] = []  # why the kernels could not be compiled, once known
+#: Held while a session gives resource names their ids: sessions that share ids
+#: (``share``) may run on several threads (``espresso.select(parallel=True)``), and a new
+#: name's id is the table's length when it is added.
+_RID_LOCK = threading.Lock()
 
 
 def _compile() -> types.SimpleNamespace:
@@ -55,9 +60,11 @@ def _compile() -> types.SimpleNamespace:
             copy.__qualname__ = f.__qualname__
             copy.__doc__ = f.__doc__
             # helpers that only touch elements of arrays their caller holds skip reference
-            # counting (see _dp_kernels.UNCOUNTED)
+            # counting (see _dp_kernels.UNCOUNTED); every kernel releases the GIL, so that
+            # searches on other threads run meanwhile (it reads and writes only the arrays
+            # it is given, which no other thread writes)
             counted = name not in _dp_kernels.UNCOUNTED
-            compiled[name] = numba.njit(cache=True, _nrt=counted)(copy)
+            compiled[name] = numba.njit(cache=True, nogil=True, _nrt=counted)(copy)
     for glb in spaces:  # compiled when first called: every name is set by then
         glb.update((name, k) for name, k in compiled.items() if name in glb)
     return types.SimpleNamespace(**compiled)
@@ -222,7 +229,8 @@ class DPSession:
         if not missing:
             return out
         rid = self._rid
-        ids = [rid[op.resource] for _, ops in missing for op in ops]
+        with _RID_LOCK:
+            ids = [rid[op.resource] for _, ops in missing for op in ops]
         durs = [op.duration_s for _, ops in missing for op in ops]
         res = np.array(ids, dtype=np.int64)
         dur = np.array(durs, dtype=np.float64)
@@ -245,7 +253,8 @@ class DPSession:
         if durations.shape != (len(rows), len(resources)):
             raise ValueError(f"durations of shape {durations.shape} for {len(rows)} tuples "
                              f"of {len(resources)} ops")
-        ids = np.array([self._rid[r] for r in resources], dtype=np.int64)
+        with _RID_LOCK:
+            ids = np.array([self._rid[r] for r in resources], dtype=np.int64)
         conv = self._conv
         for ops, row in zip(rows, durations):
             conv[id(ops)] = (ops, ids, row)
@@ -297,7 +306,23 @@ class DPSession:
         if ops is old or ops == old:
             self._ops = new
             return self._b.base_s
-        return self._rebase(new, j, j)
+        # splice tensor j's new ops into the base arrays (what _rebase does for a range,
+        # without packing a list of one)
+        b = self._b
+        res, dur = self._arrays_of([ops])[0]
+        lo = int(b.start[j])
+        hi = lo + int(b.count[j])
+        count = b.count.copy()
+        count[j] = len(ops)
+        start = b.start
+        if len(ops) != hi - lo:
+            start = start.copy()
+            start[j + 1:] += len(ops) - (hi - lo)
+        self._ops = new
+        return self._run_base(b._replace(
+            res=np.concatenate((b.res[:lo], res, b.res[hi:])),
+            dur=np.concatenate((b.dur[:lo], dur, b.dur[hi:])), start=start, count=count,
+            ev=np.concatenate((b.ev[:lo], np.zeros((len(ops), 4)), b.ev[hi:]))), j, j)
 
     def _rebase(self, new: list[tuple[Op, ...]], m: int, last: int) -> float:
         """The new base ``new``, whose tensors before ``m`` and after ``last`` have the current
@@ -321,9 +346,15 @@ class DPSession:
             ops = self._pack(new)
             ev = np.zeros((len(ops.res), 4))
         self._ops = new
-        b = b._replace(res=ops.res, dur=ops.dur, start=ops.start, count=ops.count, ev=ev)
+        return self._run_base(b._replace(res=ops.res, dur=ops.dur, start=ops.start,
+                                         count=ops.count, ev=ev), m, last)
+
+    def _run_base(self, b: Base, m: int, last: int) -> float:
+        """Run the base ``b`` (its ops set, its states before segment ``m`` valid) from
+        segment ``m``, ``last`` the last tensor whose ops changed; keep it; its time."""
+        n = self._n
         while True:
-            f = self._k.rebase_run(tuple(b), m, last)
+            f = self._k.rebase_run(tuple(b), m, last, len(self._rid))
             if f >= 0.0:
                 break
             # a heap pool is full: grow both, keeping the saved states
@@ -452,7 +483,8 @@ class DPSession:
         rid = self._rid
         for s, (res, dur) in enumerate(strategies):
             k = len(res)
-            s_res[s, :, :k] = [rid[r] for r in res]
+            with _RID_LOCK:
+                s_res[s, :, :k] = [rid[r] for r in res]
             s_dur[s, :, :k] = dur
             s_cnt[s] = k
         idx, f = self._k.best_classes(self._bt, np.asarray(class_idx, dtype=np.int64), s_res,

@@ -66,7 +66,11 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   (:mod:`~hetplan.algorithms.espresso_tables`); a sweep packs each candidate list it tries
   once, replaces one tensor's ops on an accepted change (``DPSession.replace``) and keeps
   ``Remove()``'s tensors as a bool per tensor. Same choices; measured in
-  ``docs/decisions/espresso-speed.md``, "Round 7".
+  ``docs/decisions/espresso-speed.md``, "Round 7". With ``select(parallel=True)`` the
+  seeds and the sweep from the best one run on a second thread beside the first sweep
+  (:mod:`~hetplan.algorithms.espresso_parallel`; the kernels release the GIL): the same
+  choices, less wall time on two free cores, some CPU time on seed sweeps that turn out
+  unneeded ("Round 8").
 - Step-for-step dominance (with ``prune``,
   :class:`~hetplan.algorithms.espresso_candidates.Candidates`): an option whose ops are
   another option's ops on the same resources in the same order, each step at least as long
@@ -93,6 +97,7 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -105,6 +110,7 @@ from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_timeline import before_last_busy_period, simulate_dp
 from hetplan.algorithms.dp_types import Op, SyncUnit
 from hetplan.algorithms.espresso_candidates import EPS, Candidates
+from hetplan.algorithms.espresso_parallel import SeedSweep, sweeps_seed
 from hetplan.algorithms.espresso_tables import OpsTable
 
 __all__ = [
@@ -281,6 +287,8 @@ def gpu_decisions(
     fast: bool = True,
     candidates: Candidates[K] | None = None,
     screen: int = 0,
+    stop: threading.Event | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> tuple[list[K], float]:
     """Algorithm 4.1: GPU compression decisions (see the module docstring).
 
@@ -300,6 +308,9 @@ def gpu_decisions(
             ``screen`` the sweep reaches try every candidate; each later one tries only its
             baseline and the options that some tensor of its class held when the sweep
             started or took in it (see the module docstring, "Candidate screen").
+        stop: when set (by another thread), the sweep returns what it holds at the next
+            tensor: a sweep whose result is no longer wanted (``select(parallel=True)``).
+        progress: called with the incumbent's time after every change the sweep accepts.
 
     Returns:
         (strategy, its iteration time).
@@ -341,6 +352,8 @@ def gpu_decisions(
     # tensors the sweep has yet to reach: Remove() can only matter for those still plain
     ahead = np.ones(len(strategy), dtype=np.bool_)
     for j in processing_order(problem.sizes):
+        if stop is not None and stop.is_set():
+            break
         ahead[j] = False
         if removed[j]:
             continue
@@ -359,6 +372,8 @@ def gpu_decisions(
             idx, best = sess.best_packed(j, packed, flags, best, _EPS)
             if idx >= 0:
                 current = keys[idx]
+                if progress is not None:
+                    progress(best)
         else:
             for cand, back in zip(keys, backs):
                 trial = strategy.copy()
@@ -366,6 +381,8 @@ def gpu_decisions(
                 f = problem.iteration_s(trial)
                 if f < best - _EPS or (back and f <= best + _EPS):
                     best, current = f, cand
+                    if progress is not None:
+                        progress(best)
         if current != strategy[j]:
             strategy[j] = current
             plain[j] = not problem.compressed(current)
@@ -576,6 +593,7 @@ def select(
     benefits: bool = True,
     screen: int = 0,
     seed_within: float = 0.0,
+    parallel: bool = False,
 ) -> Selection[K]:
     """Choose one option per tensor (see the module docstring).
 
@@ -603,6 +621,14 @@ def select(
             at most this fraction slower than the first sweep's result (not only when it
             is faster); the better of the two sweeps is kept, so this never returns a
             slower selection of the same problem. 0 (the default): only when faster.
+        parallel: with ``fast`` and ``seeds``, score the seeds and sweep from the best of
+            them on a second thread while the first sweep runs (the compiled kernels
+            release the GIL), instead of after it. The same result and evaluation count
+            (:class:`~hetplan.algorithms.espresso_parallel.SeedSweep`); less wall time on
+            two free cores, more CPU time when the first sweep's result makes the seed's
+            sweep unneeded (it is stopped then). The problem's callables must be safe to
+            call from two threads (the plan pass's are: every cost table is built before
+            the search).
     """
     if seed_within < 0.0:
         raise ValueError(f"seed_within must be >= 0 (0: a seed is swept only when faster), "
@@ -623,15 +649,33 @@ def select(
         gpu_process_s = time.process_time() - p0
     else:
         pareto = Candidates(problem, prune)  # both sweeps' candidate lists
-        strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
-                                    start=start, screen=screen)
+        side = None
+        if parallel and fast and seeds:
+            side = SeedSweep(
+                problem, seeds, start, seed_within,
+                best_seed=lambda p: _best_seed(p, seeds, True),
+                sweep=lambda p, sd, stop: gpu_decisions(p, prune=prune, start=sd, fast=True,
+                                                        candidates=pareto, screen=screen,
+                                                        stop=stop))
+        try:
+            strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
+                                        start=start, screen=screen,
+                                        progress=None if side is None else side.progress)
+        except BaseException:
+            if side is not None:
+                side.cancel()
+            raise
         method = "espresso" if start is None else "espresso from the narrower choice"
-        best_seed = _best_seed(problem, seeds, fast)
-        if best_seed is not None and (best_seed[0] < f - _EPS or (
-                seed_within > 0.0 and best_seed[0] <= f * (1.0 + seed_within)
-                and list(seeds[best_seed[1]]) != strategy)):
-            refined, fr = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]],
-                                        fast=fast, candidates=pareto, screen=screen)
+        if side is not None:
+            best_seed, swept = side.result(problem, f, strategy)
+        else:
+            best_seed, swept = _best_seed(problem, seeds, fast), None
+            if best_seed is not None and sweeps_seed(best_seed, f, strategy, seeds,
+                                                     seed_within):
+                swept = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]],
+                                      fast=fast, candidates=pareto, screen=screen)
+        if swept is not None and best_seed is not None:
+            refined, fr = swept
             if fr < f - _EPS:
                 strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
         gpu_s = time.perf_counter() - t0

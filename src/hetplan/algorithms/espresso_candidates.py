@@ -12,6 +12,7 @@ Split from :mod:`hetplan.algorithms.espresso` (the selection itself) to keep bot
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -110,11 +111,15 @@ class Candidates(Generic[K]):
         # the screened lists)
         self._screens: dict[tuple[int, int], tuple[list[K], _Tried[K]]] = {}
         self._versions = 0
+        self._lock = threading.Lock()
 
     def next_version(self, count: int) -> int:
-        """The first of ``count`` numbers no earlier call returned (screen versions)."""
-        first = self._versions
-        self._versions += count
+        """The first of ``count`` numbers no earlier call returned (screen versions), also
+        when two sweeps on two threads ask at once (``select(parallel=True)``; the other
+        caches are filled with equal values whichever thread fills them)."""
+        with self._lock:
+            first = self._versions
+            self._versions += count
         return first
 
     def packed(self, sess: DPSession, cands: list[tuple[Op, ...]], backs: list[bool]
