@@ -231,7 +231,8 @@ def main() -> int:
                     help="rank 0 profiles each variant into this folder (see docstring)")
     ap.add_argument("--single", action="store_true",
                     help="one process, bf16 autocast + Adam: hetplan vs plain (CPU time)")
-    ap.add_argument("--label", default="", help="--single: names the source tree measured")
+    ap.add_argument("--label", default="", help="names the source tree measured (to compare "
+                    "two trees in one sitting: run each with its tree on PYTHONPATH)")
     args = ap.parse_args()
     if args.single:
         return main_single(args)
@@ -257,13 +258,14 @@ def main() -> int:
     ratios = {"hetplan_over_ddp": med["hetplan"] / med["ddp"],
               "hetplan_zero3_over_fsdp2": med["hetplan-zero3"] / med["fsdp2"]}
     for k, v in med.items():
-        print(f"{args.model} x{world}: {k:<14} {v:8.2f} ms")
+        print(f"{args.label} {args.model} x{world}: {k:<14} {v:8.2f} ms")
     for k, v in ratios.items():
-        print(f"{k}: {v:.3f} (target <= {TARGET})")
+        print(f"{args.label} {k}: {v:.3f} (target <= {TARGET})")
     sync = plans["hetplan"].gradient_sync
     result = {
         "machine": machine(device="cpu", backend="gloo"),
         "load_average_before_and_after": [load_before, os.getloadavg()],
+        "label": args.label, "hetplan_source": str(Path(hetplan.__file__).parent),
         "model": args.model, "world_size": world, "global_batch": args.batch,
         "optimizer": "sgd", "dtype": "fp32",
         "iterations_each": len(times["ddp"]),

@@ -233,7 +233,7 @@ class GradSync:
                 b.buffer = b.work.result()
             else:
                 b.work.wait()
-                link = throttled("flat")
+                link = throttled("flat") if b.link_end is not None else None
                 if link is not None and b.link_end is not None:
                     link.wait(b.link_end)
             assert b.buffer is not None
