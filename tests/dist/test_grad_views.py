@@ -2,7 +2,7 @@
 
 What the fast path must keep: every ``.grad`` shares the bucket's storage, at the same
 address step after step; backward and the sync flatten nothing and copy nothing back (one
-copy per cast bucket: the wire buffer back into fp64); after 3 micro-batches, over 3
+cast into the wire buffer and one back per cast bucket); after 3 micro-batches, over 3
 iterations, the gradients are bit for bit those of the copy path and equal a
 single-process reference, also when an optimizer dropped the gradients in between
 (``zero_grad(set_to_none=True)`` without the sync's own ``zero_grad``). The runtime turns
@@ -193,9 +193,9 @@ def test_no_flatten_and_no_copy_back(results: list[dict[str, Any]], cast: bool) 
     for got in results:
         for it, ops in enumerate(got[f"sync-{cast}-True"]["ops"]):
             assert ops.get("cat", 0) == 0, ops
-            # a cast bucket's wire buffer comes back; after the optimizer dropped the
-            # gradients (iteration 2), backward made new ones, copied into the bucket once
-            want = (1 if cast else 0) + (params if it == 2 else 0)
+            # a cast bucket goes into its wire buffer and back; after the optimizer dropped
+            # the gradients (iteration 2), backward made new ones, copied into the bucket once
+            want = (2 if cast else 0) + (params if it == 2 else 0)
             assert ops.get("copy_", 0) == want, (it, ops)
         for ops in got[f"sync-{cast}-False"]["ops"]:  # the copy path does both
             assert ops.get("cat", 0) == 2 and ops.get("copy_", 0) >= params - 1, ops

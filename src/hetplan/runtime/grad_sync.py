@@ -35,7 +35,8 @@ dtype and device and are plain contiguous tensors gets one flat gradient buffer,
 once, and every parameter's ``.grad`` is a view of its slice. Autograd accumulates into an
 existing ``.grad`` in place, so backward (every micro-batch) writes straight into the bucket:
 no flatten before the collective, no copy back after it; the average is one in-place
-division of the buffer (a cast path's wire buffer is cast back into it first). The buffer is
+division of the buffer (a cast path casts into a wire buffer, also allocated once, and back
+into the bucket before it: the same values as the copy path's, bit for bit). The buffer is
 zeroed by :meth:`GradSync.zero_grad` (the handler calls it after the optimizer step) instead
 of the gradients being set to None, and a gradient that something else replaced or dropped
 meanwhile (an optimizer's ``zero_grad(set_to_none=True)``) is copied back into its slice
@@ -84,6 +85,7 @@ class _Bucket:
     hooked: int = 0  # parameters with a hook (0: the last bucket, launched by finish)
     pending: int = 0  # hooks still to fire this iteration
     flat: torch.Tensor | None = None  # the gradient buffer the params' .grad view (views)
+    wire: torch.Tensor | None = None  # a view bucket's buffer in the wire dtype (cast path)
     views: list[torch.Tensor] = field(default_factory=list)
     buffer: torch.Tensor | None = None
     work: Any = None
@@ -203,7 +205,7 @@ class GradSync:
     def _launch(self, b: _Bucket) -> None:
         if b.flat is not None:
             _adopt(b)
-            flat = b.flat if b.wire_dtype is None else b.flat.to(b.wire_dtype)
+            flat = b.flat if b.wire is None else b.wire.copy_(b.flat)
         else:
             grads = [
                 p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params
@@ -295,8 +297,8 @@ def _make_views(b: _Bucket) -> None:
         b.views.append(v)
         offset += n
     b.flat = flat
-    if b.wire_dtype == first.dtype:  # nothing to cast: the buffer goes on the wire
-        b.wire_dtype = None
+    if b.wire_dtype is not None and b.wire_dtype != first.dtype:  # the cast path's buffer
+        b.wire = torch.empty(flat.numel(), dtype=b.wire_dtype, device=flat.device)
 
 
 def _adopt(b: _Bucket) -> None:
