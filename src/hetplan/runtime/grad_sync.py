@@ -45,13 +45,13 @@ meanwhile (an optimizer's ``zero_grad(set_to_none=True)``) is copied back into i
 before (the copy path syncs zeros for it). Paths that need their own buffers keep the
 flatten-and-copy code: the worker-thread paths (compressed, hierarchical, non-allreduce
 routings), buckets of mixed dtypes or devices, DTensor or non-contiguous parameters, and
-whatever the handler builds without views (pipelines: their schedules and tied-weight sums
-expect a stage's unused parameters to keep ``.grad = None``).
+whatever the handler builds without views (pipelines: the tied-weight sum tells a stage's
+unused alias of a tied weight by its ``.grad`` being None, which a zeroed view is not).
 
 The last bucket in the plan's order gets no hooks: it can only launch once every other
-bucket has and all of its own gradients are accumulated, which is at the end of backward,
-where :meth:`GradSync.finish` launches it anyway (a one-bucket plan runs no Python per
-parameter during backward).
+bucket has and all of its own gradients are accumulated; the plan's order is the
+backward-ready order, so that is when backward ends, where :meth:`GradSync.finish`
+launches it anyway (a one-bucket plan runs no Python per parameter during backward).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ Without a pipeline (``pp == 1``, no per-stage degrees) the fast path's gradients
 their bucket's buffer (``GradSync(grad_views=True)``): backward accumulates straight into the
 buffer the collective sends, and :meth:`GradSyncHandler.after_step` zeroes the buffers after
 the optimizer step (whose ``zero_grad`` set the gradients to None) and points the gradients
-back at them. A pipeline keeps the copy path: torch's schedule and the tied-weight sums
-tell a stage's unused parameters by their ``.grad`` being None.
+back at them. A pipeline keeps the copy path: the stage handler's tied-weight sum tells a
+stage's unused alias of a tied weight by its ``.grad`` being None (and every bucket of a
+pipeline launches after the schedule anyway).
 """
 
 from __future__ import annotations
