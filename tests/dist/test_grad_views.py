@@ -87,7 +87,7 @@ def _sync_run(rank: int, cast: bool, views: bool) -> dict[str, Any]:
     named = list(model.named_parameters())
     sync = GradSync(named, _section(model, cast), dist.group.WORLD, WORLD, grad_views=views)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads, ptrs, ops = [], [], []
+    grads, ptrs, ops, early = [], [], [], []
     for it in range(ITERS):
         for mb in range(MICRO):
             x, y = _data(it, rank, mb)
@@ -98,6 +98,8 @@ def _sync_run(rank: int, cast: bool, views: bool) -> dict[str, Any]:
                 continue
             with _Ops() as counted:
                 loss.backward()
+                # the hooked first bucket went out during backward, the last one did not
+                early.append([b.work is not None for b in sync.buckets])
                 sync.finish()
             ops.append(dict(counted.count))
         grads.append({n: p.grad.clone() for n, p in named if p.grad is not None})
@@ -111,7 +113,8 @@ def _sync_run(rank: int, cast: bool, views: bool) -> dict[str, Any]:
     shares = [[p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
                for p in b.params] for b in sync.buckets if b.flat is not None]
     sync.close()
-    return {"grads": grads, "ptrs": ptrs, "ops": ops, "flats": flats, "shares": shares,
+    return {"grads": grads, "ptrs": ptrs, "ops": ops, "early": early, "flats": flats,
+            "shares": shares,
             "params": {n: p.detach().clone() for n, p in named}}
 
 
@@ -185,6 +188,7 @@ def test_grads_share_the_bucket_storage_at_a_fixed_address(results: list[dict[st
         assert all(p == run["ptrs"][0] for p in run["ptrs"])
         copy = got[f"sync-{cast}-False"]
         assert copy["flats"] == []
+        assert run["early"] == copy["early"] == [[True, False]] * ITERS
 
 
 @pytest.mark.parametrize("cast", [False, True])
