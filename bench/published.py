@@ -197,7 +197,7 @@ GRAD_ACCUMULATION: dict[str, str] = {"korthikanti2022": "hook16", "bloom2022": "
 
 def grad_accumulation(run: Run) -> str | None:
     """The ``grad_accumulation`` setting of ``run``'s engine (see :data:`GRAD_ACCUMULATION`),
-    or None for a source without one (the planner's default, ``unpriced``)."""
+    or None for a source without one (the planner's default, ``autograd``)."""
     if run.source == "narayanan2021":
         if run.id not in NARAYANAN_DDP:
             raise ValueError(f"run {run.id!r}: add its --DDP-impl from Megatron-LM's "

@@ -304,7 +304,7 @@ def test_explain_a_tp_linear(semi_plan: Plan) -> None:
     tp = semi_plan.tensor_parallel
     even = tp.model_copy(update={"groups": tuple(g.model_copy(update={"linears": tuple(
         x for x in g.linears if not x.name.startswith("blocks.1."))}) for g in tp.groups)})
-    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16")
+    costs = CostModel(ClusterSpec.from_preset(PRESET), dtype="fp16", grad_accumulation="autograd")
     ev = evaluate(semi_plan.model.workload, semi_plan.layout, semi_plan.stages,
                   semi_plan.gradient_sync, costs, tensor_parallel=even)
     assert alt.iteration_time_ms == pytest.approx(ev.iteration_s * 1e3, abs=1e-6)

@@ -6,14 +6,14 @@ engine accumulates; per parameter element a rank accumulates and per micro-batch
 ``g`` the bytes of the gradient autograd produces (the parameters' dtype, the working
 weights' ``weight_bytes``) and ``m`` micro-batches per iteration:
 
-- ``unpriced`` (the default of every plan and preset): not priced. Plans written before
-  this setting existed and every plan that does not ask for it stay byte-identical.
+- ``unpriced``: not priced; what a plan written before this setting existed (no field in
+  its JSON) is re-priced with, so such plans stay byte-identical. ``CostModel``'s default.
 - ``autograd``: PyTorch's own accumulation (DDP under ``no_sync``, or no DDP). The first
   micro-batch's gradient becomes ``.grad`` (``zero_grad`` leaves it None); each later one is
   added in place by ``AccumulateGrad`` at the gradient's dtype: read ``.grad``, read the new
   gradient, write ``.grad``, ``3·g`` for micro-batches 2..m, so ``3·g·(m-1)/m`` per
-  micro-batch on average. The hetplan runtime accumulates this way; making it the default
-  is a separate, measured change.
+  micro-batch on average. The hetplan runtime accumulates this way, so it is the default of
+  ``hetplan.compile`` and ``hetplan plan`` (``docs/decisions/grad-accumulation-default.md``).
 - ``hook16`` / ``hook32``: Megatron-LM's local DDP, a hook on every parameter's
   ``AccumulateGrad`` that runs ``param.main_grad.add_(param.grad.data)`` after every
   micro-batch (the first included: ``main_grad`` is zeroed at the start of the iteration):

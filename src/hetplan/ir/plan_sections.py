@@ -341,10 +341,10 @@ class CostSettings(_Section):
     time and the activations they keep); ``vocab_parallel``: whether the LM head is
     vocabulary-parallel, the one statement the planner prices and the runtime executes
     (:data:`VocabParallel`); ``grad_accumulation``: how the engine adds each micro-batch's
-    gradients to the iteration's (``unpriced``, the default: not priced; ``autograd``,
-    ``hook16``, ``hook32``, ``fused``: :mod:`hetplan.cost_models.grad_accumulation`),
-    written to JSON only when it is not ``unpriced``, so that plans which do not ask for it
-    stay byte-identical to those written before it existed; see
+    gradients to the iteration's (``unpriced``: not priced, what a plan without the field
+    means; ``autograd``, ``compile``'s default, ``hook16``, ``hook32``, ``fused``:
+    :mod:`hetplan.cost_models.grad_accumulation`), written to JSON only when it is not
+    ``unpriced``, so that plans written before it existed stay byte-identical; see
     ``docs/decisions/cost-model.md``, ``docs/decisions/vocab-parallel.md`` and
     ``docs/decisions/published-round6.md``.
     """

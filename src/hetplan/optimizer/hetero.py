@@ -700,8 +700,13 @@ def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_siz
     assert het.predictions is not None
     het_ms = het.predictions.iteration_time_ms
     if mode == "on" or het_ms < base_ms:
+        sched = plan.layout.schedule if plan.layout is not None else "1f1b"
+        # the heterogeneous search plans 1F1B pipelines only: say so when compile()'s differed
+        only = (f"; its schedule is 1f1b (the heterogeneous search plans 1F1B only; compile()'s "
+                f"plan ran {sched})" if sched != "1f1b" else "")
         return _noted(het, f"--hetero {mode}: heterogeneous {het_ms:.3f} ms vs compile()'s "
-                           f"{base_ms:.3f} ms ({_layout_text(plan)}); took the heterogeneous plan")
+                           f"{base_ms:.3f} ms ({_layout_text(plan)}); took the heterogeneous "
+                           f"plan{only}")
     return _noted(plan, f"--hetero auto: compile()'s {base_ms:.3f} ms vs heterogeneous "
                         f"{het_ms:.3f} ms ({het.hetero.describe() if het.hetero else '-'}); "
                         "kept compile()'s plan")

@@ -66,6 +66,8 @@ class CompileOptions(BaseModel):
             and optimizer state) or one of ``fp32``, ``bf16``, ``fp16`` everywhere.
         efficiency / optimizer / attention / dp_overlap / fusion / grad_accumulation:
             cost-model settings (recorded in the plan; see ``CostSettings``).
+            ``grad_accumulation`` defaults to ``autograd``, how the hetplan runtime adds
+            each micro-batch's gradients (``docs/decisions/grad-accumulation-default.md``).
         vocab_parallel: split the LM head and its ``V x h`` token embedding by vocabulary
             under TP (the default, as Megatron-LM does); the plan states ``split`` only where
             the model has that pair and no TP resizing controller runs, else ``whole``
@@ -97,7 +99,7 @@ class CompileOptions(BaseModel):
     attention: Literal["flash", "materialized"] = "flash"
     dp_overlap: Literal["backward", "after-flush"] = "backward"
     fusion: Literal["none", "fused"] = "none"
-    grad_accumulation: Literal["unpriced", "autograd", "hook16", "hook32", "fused"] = "unpriced"
+    grad_accumulation: Literal["unpriced", "autograd", "hook16", "hook32", "fused"] = "autograd"
     vocab_parallel: bool = True
     require_profiled: bool = False
     compressors: tuple[str, ...] = ()

@@ -427,7 +427,11 @@ def _memory(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
     }
     if not mem:
         return out
-    stage_of = {r: st.index for st in plan.stages for r in st.ranks}
+    # a rank's stages: one, or its interleaved chunks (stage s and s + pp, ...)
+    stages_of: dict[int, tuple[int, ...]] = {}
+    for st in sorted(plan.stages, key=lambda st: st.index):
+        for r in st.ranks:
+            stages_of[r] = stages_of.get(r, ()) + (st.index,)
 
     def row(ranks: list[int]) -> dict[str, Any]:
         peak = max(ranks, key=lambda r: (mem[r], -r))
@@ -446,9 +450,9 @@ def _memory(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
 
     ranks = range(len(mem))
     dtype = (lambda r: devices[r].type) if devices is not None else (lambda r: "?")
-    groups: dict[tuple[int, str], list[int]] = {}
+    groups: dict[tuple[tuple[int, ...], str], list[int]] = {}
     for r in ranks:
-        groups.setdefault((stage_of.get(r, 0), dtype(r)), []).append(r)
+        groups.setdefault((stages_of.get(r, (0,)), dtype(r)), []).append(r)
     by_type: dict[str, list[int]] = {}
     for r in ranks:
         by_type.setdefault(dtype(r), []).append(r)
@@ -458,7 +462,7 @@ def _memory(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
                 if mem[r] >= NEAR_OOM_FRACTION * USABLE_FRACTION * devices[r].memory_bytes]
     out.update(
         peak=row(list(ranks)),
-        per_stage=[{"stage": s, "device_type": t, **row(rs)}
+        per_stage=[{"stage": s[0], "stages": list(s), "device_type": t, **row(rs)}
                    for (s, t), rs in sorted(groups.items())],
         per_device_type=[{"device_type": t, **row(rs)} for t, rs in sorted(by_type.items())],
         near_oom_ranks=near,

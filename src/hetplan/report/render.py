@@ -258,7 +258,8 @@ def _memory(report: dict[str, Any], c: Console) -> None:
         ("usable", "right"), ("used", "right"), ("headroom", "right"),
     ))
     for row in mem["per_stage"]:
-        table.add_row(str(row["stage"]), row["device_type"], str(row["ranks"]),
+        stages = row.get("stages") or [row["stage"]]
+        table.add_row("+".join(map(str, stages)), row["device_type"], str(row["ranks"]),
                       fmt_bytes(row["max_bytes"]), fmt_bytes(row["usable_bytes"]),
                       fmt_pct(row["used_fraction"]), fmt_bytes(row["headroom_bytes"]))
     c.print(table)
