@@ -11,7 +11,8 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    timed inside the runtime's own step of the model (``allreduce_step``,
    ``zero3_forward``, ``zero3_backward``, also part of ``collectives``), the runtime's
    tensor-parallel forward and backward of the model with every TP group at once
-   (``tp_forward`` … ``tp_sp_backward``), the traced pipeline stages against the eager
+   (``tp_forward`` … ``tp_sp_backward``, and the loss within them, ``tp_loss`` /
+   ``tp_sp_loss``), the traced pipeline stages against the eager
    model (``traced_forward``, ``traced_backward``) and FSDP2's optimizer step
    (``zero3_step``), all part of ``collectives`` too, and the per-step
    framework costs (the optimizer step per tensor and per byte, on 4 processes at once).
@@ -38,7 +39,8 @@ hand-over wait changes, against the same runs; less the step-level and phase rec
 (``predicted_without_step_records_ms``: section 11's model on the same profile); and less
 only section 13's phase records (``predicted_without_phase_records_ms``: section 12's
 model: tensor parallelism's phases, the traced pipeline stages, FSDP2's optimizer step),
-what they change.
+what they change; and less only section 14's loss records
+(``predicted_without_loss_records_ms``: section 13's model, the loss shared by the stages).
 
 Nothing is tuned on the numbers reported: the profile and the cost model are used as they are.
 
@@ -182,6 +184,9 @@ STEP_RECORDS = ("allreduce_step", "zero3_forward", "zero3_backward")
 
 #: The runtime's phases timed in section 13 (tensor parallelism's, the traced pipeline
 #: stages', FSDP2's optimizer step); the profile less them is section 12's model.
+#: The loss timed within the TP steps (section 14: a pipeline's last stage pays it); the
+#: profile less them is section 13's model.
+LOSS_RECORDS = ("tp_loss", "tp_sp_loss")
 PHASE_RECORDS = ("tp_forward", "tp_backward", "tp_sp_forward", "tp_sp_backward",
                  "traced_forward", "traced_backward", "zero3_step")
 
@@ -219,19 +224,30 @@ def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
 
 def _write_variants(path: Path) -> None:
     """Beside the profile: the same less its hand-over records (:func:`_without`), less its
-    step-level and phase ones (:func:`_without_steps`: section 11's model), and less only
-    its section-13 phase ones (:func:`_without_phases`: section 12's)."""
+    step-level and phase ones (:func:`_without_steps`: section 11's model), less its
+    section-13 phase ones (:func:`_without_phases`: section 12's), and less only its loss
+    ones (:func:`_without_loss`: section 13's)."""
     doc = json.loads(path.read_text())
     hands = doc.get("handovers", [])
+    _without_loss(path).write_text(json.dumps(
+        doc | {"handovers": [r for r in hands if r["operation"] not in LOSS_RECORDS]},
+        sort_keys=True, indent=2) + "\n")
     _without_steps(path).write_text(json.dumps(
         doc | {"handovers": [r for r in hands
-                             if r["operation"] not in STEP_RECORDS + PHASE_RECORDS]},
+                             if r["operation"] not in STEP_RECORDS + PHASE_RECORDS
+                             + LOSS_RECORDS]},
         sort_keys=True, indent=2) + "\n")
     _without_phases(path).write_text(json.dumps(
-        doc | {"handovers": [r for r in hands if r["operation"] not in PHASE_RECORDS]},
+        doc | {"handovers": [r for r in hands
+                             if r["operation"] not in PHASE_RECORDS + LOSS_RECORDS]},
         sort_keys=True, indent=2) + "\n")
     doc.pop("handovers", None)
     _without(path).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
+
+
+def _without_loss(path: Path) -> Path:
+    """The same profile less its loss records (section 13's model, same profile)."""
+    return path.with_name(path.stem + "_no_loss_records.json")
 
 
 def _without(path: Path) -> Path:
@@ -275,7 +291,8 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
         bp = before.get("predictions") or {}
         row["predicted_without_handovers_ms"] = bp.get("iteration_time_ms")
         row["predicted_without_handovers_breakdown_ms"] = bp.get("breakdown")
-    for name, variant in (("step_records", _without_steps), ("phase_records", _without_phases)):
+    for name, variant in (("step_records", _without_steps), ("phase_records", _without_phases),
+                          ("loss_records", _without_loss)):
         if not variant(prof).exists():
             continue
         v_plan = plan.with_suffix(f".no_{name}.json")
@@ -366,7 +383,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if before:
         out["predicted_without_handovers_ms"] = statistics.median(before)
         out["error_without_handovers"] = abs(statistics.median(before) / meas - 1)
-    for name in ("step_records", "phase_records"):
+    for name in ("step_records", "phase_records", "loss_records"):
         vals = [r[f"predicted_without_{name}_ms"] for r in ran
                 if r.get(f"predicted_without_{name}_ms") is not None]
         if vals:
@@ -430,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if before:
         summary["median_error_without_handovers"] = statistics.median(before)
         summary["max_error_without_handovers"] = max(before)
-    for name in ("step_records", "phase_records"):
+    for name in ("step_records", "phase_records", "loss_records"):
         vals = [c[f"error_without_{name}"] for c in cases if f"error_without_{name}" in c]
         if vals:
             summary[f"median_error_without_{name}"] = statistics.median(vals)
@@ -439,11 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["max_error"] <= TARGET_MAX) and len(errors) == len(cases)
     print(f"{'kind':<12} {'model':<18} {'predicted':>10} {'measured':>10} {'error':>7}  "
           f"{'without hand-overs':>20}  {'without step records':>20}  "
-          f"{'without phase records':>21}  status")
+          f"{'without phase records':>21}  {'without loss records':>20}  status")
     for c in cases:
         if c["status"] == "ran":
             cols = []
-            for name in ("handovers", "step_records", "phase_records"):
+            for name in ("handovers", "step_records", "phase_records", "loss_records"):
                 b = c.get(f"predicted_without_{name}_ms")
                 cols.append(f"{b:8.2f}ms {c[f'error_without_{name}']:>7.1%}"
                             if b is not None else "")

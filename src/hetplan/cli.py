@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -677,6 +677,11 @@ def run_cmd(
                                  "exit."),
     oversubscribe: bool = typer.Option(False, help="Start a CPU plan's processes even beyond "
                                        "2 per core of this host."),
+    trace: Path = typer.Option(None, "--trace", help="Write every rank's per-action trace of "
+                               "one step here (Chrome trace-event JSON, opens in Perfetto); "
+                               "compare it with `hetplan inspect PLAN --trace FILE`."),
+    trace_step: int = typer.Option(0, "--trace-step", help="The step --trace records, "
+                                   "counted as the progress line does (default: the last)."),
 ) -> None:
     """Train with the plan under torchrun on synthetic data (extra options go to torchrun).
 
@@ -698,9 +703,12 @@ def run_cmd(
     from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
 
     plan = load_plan(plan_file)
+    _check_torchrun_args(ctx)
+    if trace is not None:
+        _check_trace_options(trace, trace_step, steps, script)
     cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,
                            report=report, timeout_s=timeout, torchrun_args=ctx.args,
-                           script=script)
+                           script=script, trace=trace, trace_step=trace_step)
     capture = None if script is not None else (lambda: _run_model_ir(plan, model, module))
     preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout,
               host=None if dry_run else HostCapacity.detect(), oversubscribe=oversubscribe)
@@ -727,6 +735,63 @@ def run_cmd(
         if data.get("rebalanced_at"):
             out.print(f"re-balanced the pipeline at iteration(s) {data['rebalanced_at']} "
                       f"({', '.join(f'{x:.1f}' for x in data.get('rebalance_ms', []))} ms)")
+
+
+#: What users of other trainers call ``hetplan run --steps``.
+_STEP_WORDS = frozenset({"--iterations", "--iters", "--iter", "--num-steps", "--max-steps",
+                         "--train-iters", "--num-iterations", "--step"})
+
+
+def _check_torchrun_args(ctx: typer.Context) -> None:
+    """The options ``hetplan run`` passes on to torchrun: refuse, before anything starts,
+    one that torchrun's own parser does not take either (a typo such as ``--iterations``
+    would otherwise fail every rank's launch), naming the closest option of either."""
+    if not ctx.args:
+        return
+    import argparse
+    import difflib
+
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> NoReturn:
+        raise SpecError(f"torchrun option: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    parser.exit_on_error = False
+    try:
+        _, unknown = parser.parse_known_args([*ctx.args, "script.py"])
+    except argparse.ArgumentError as e:
+        raise SpecError(f"torchrun option: {e}") from None
+    flags = [a for a in unknown if a.startswith("-")]
+    if not flags:
+        return
+    ours = [o for p in ctx.command.params for o in getattr(p, "opts", ()) if o.startswith("--")]
+    theirs = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    bad = flags[0].split("=", 1)[0]
+    close = (["--steps"] if bad in _STEP_WORDS else
+             difflib.get_close_matches(bad, ours + theirs, n=1, cutoff=0.6))
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise SpecError(f"unknown option {bad!r}: neither `hetplan run` nor torchrun takes it"
+                    f"{hint} (see `hetplan run --help`; extra options go to torchrun)")
+
+
+def _check_trace_options(trace: Path, trace_step: int, steps: int,
+                         script: Path | None) -> None:
+    """--trace: a writable JSON path, a step the run takes, not with --script."""
+    if script is not None:
+        raise SpecError("--trace records the synthetic-data worker's steps; a --script run "
+                        "builds its own Runtime: call Runtime.start_trace() in the script")
+    if trace.suffix != ".json":
+        raise SpecError(f"--trace: {str(trace)!r} must end in .json (Chrome trace-event JSON)")
+    if trace.is_dir() or not trace.resolve().parent.is_dir():
+        raise SpecError(f"--trace: cannot write {str(trace)!r} (a directory, or its folder "
+                        "does not exist)")
+    total = steps + 2  # the worker's 2 warm-up steps
+    if not 0 <= trace_step <= total:
+        raise SpecError(f"--trace-step {trace_step}: the run takes {total} steps (2 warm-up "
+                        f"and --steps {steps}); give 1..{total}, or 0 for the last")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1021,6 +1086,10 @@ def inspect_cmd(
         "provenance, warnings.",
     ),
     run: Path = typer.Option(None, "--run", help="A run report (`hetplan run --report`)."),
+    trace: Path = typer.Option(None, "--trace", help="A run's trace (`hetplan run --trace`): "
+                               "every rank's actions, predicted beside measured."),
+    profile: Path = typer.Option(None, "--profile", help="With --trace: the profile DB the "
+                                 "plan was made with (to predict its timeline again)."),
 ) -> None:
     """Report on a plan: layout, stages, TP shards, sync, memory, predictions, warnings."""
     from hetplan.ir.plan import load_plan
@@ -1030,15 +1099,67 @@ def inspect_cmd(
     sections = _check_sections(section)
     plan = load_plan(plan_file)
     measured = _load_run_report(run) if run else None
+    traced = _trace_comparison(plan, plan_file, trace, profile) if trace else None
     if as_json:
         report = select_sections(build_report(plan), sections)
         if measured is not None:
             report["run"] = measured
+        if traced is not None:
+            report["trace"] = traced
         typer.echo(dump_json(report), nl=False)
         return
     _print_plan(plan, sections)
     if measured is not None:
         _print_run(plan, measured)
+    if traced is not None:
+        _print_trace(traced)
+
+
+def _trace_comparison(plan: Any, plan_file: Path, trace: Path,
+                      profile: Path | None) -> dict[str, Any]:
+    from hetplan.ir.validation import load_structured_file
+    from hetplan.report.trace_compare import compare_trace, load_trace
+
+    _need_cluster(plan, plan_file, None)
+    data = load_trace(load_structured_file(trace, what="trace"), str(trace))
+    with _naming(plan_file):
+        return compare_trace(plan, data, profile=profile)
+
+
+def _print_trace(cmp: dict[str, Any]) -> None:
+    """Per rank: every forward and backward, predicted beside measured, and where the
+    measured micro-batch phase went."""
+    def num(x: Any) -> str:
+        return "—" if x is None else f"{x:.2f}"
+
+    for r in cmp["ranks"]:
+        table = Table(title=f"rank {r['rank']} (pipeline rank {r['pp_rank']}), step "
+                            f"{cmp['step']}: predicted vs measured ms", title_justify="left")
+        for col in ("action", "pred start", "pred", "meas start", "meas compute", "wait",
+                    "loss"):
+            table.add_column(col, justify="right" if col != "action" else "left")
+        for a in r["actions"]:
+            table.add_row(a["action"], num(a["predicted_start_ms"]), num(a["predicted_ms"]),
+                          num(a["measured_start_ms"]), num(a["measured_ms"]),
+                          num(a["wait_ms"]), num(a["loss_ms"]))
+        out.print(table)
+        p, m = r["predicted"], r["measured"]
+        after = ", ".join(f"{k} {v:.2f}" for k, v in m["after_backward_ms"].items()
+                          if v >= 0.01)
+        out.print(f"  predicted: pipeline {num(p['pipeline_iteration_ms'])} ms, busy "
+                  f"{num(p['busy_ms'])}, idle {num(p['idle_ms'])}; exposed sync "
+                  f"{num(p['exposed_sync_ms'])}, optimizer {num(p['optimizer_ms'])}", markup=False)
+        out.print(f"  measured: micro-batches from {m['micro_batches_start_ms']:.2f} ms, "
+                  f"{m['micro_batches_ms']:.2f} ms = compute "
+                  f"{m['compute_ms']:.2f} + waiting for activations "
+                  f"{m['wait_for_activations_ms']:.2f} + for gradients "
+                  f"{m['wait_for_gradients_ms']:.2f} + loss {m['loss_ms']:.2f} + other "
+                  f"{m['other_ms']:.2f}; after backward ({after or 'nothing'}); optimizer "
+                  f"{m['optimizer_ms']:.2f}", markup=False)
+        if m.get("sync_ms"):
+            out.print("  gradient sync: " + ", ".join(f"{k} {v:.2f}"
+                                                     for k, v in m["sync_ms"].items()),
+                      markup=False)
 
 
 def _load_run_report(path: Path) -> dict[str, Any]:

@@ -213,7 +213,10 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
                                for g in (2, 4, 32)
                                for op in ("tp_forward", "tp_backward", "tp_sp_forward",
                                           "tp_sp_backward", "traced_forward",
-                                          "traced_backward")))
+                                          "traced_backward"))
+                       + tuple(_hand(op, g, [(1 * MS, 10.0 * MS)], link=k, nbytes=939_520
+                                     ).model_copy(update={"micro_batch": 2})
+                               for g in (2, 4, 32) for op in ("tp_loss", "tp_sp_loss")))
     nccl = (_line("p2p", 2, 5e-6, backend="nccl", link="nvlink"),
             _line("allreduce", 32, 5e-5, backend="nccl", link="nvlink"))
 
@@ -238,6 +241,10 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
             # tensor parallelism: a GPU plan with gloo's TP phase records, a CPU one without
             hetplan.compile("megatron-gpt-test", spec, batch_size=256,  # type: ignore[arg-type]
                             **dict(gpu, pp=1, dp=32, tp=2),
+                            profile=ProfileDB(collectives=nccl,
+                                              handovers=every_link)).to_json(),
+            hetplan.compile("megatron-gpt-test", spec, batch_size=256,  # type: ignore[arg-type]
+                            **dict(gpu, pp=2, dp=16, tp=2),
                             profile=ProfileDB(collectives=nccl,
                                               handovers=every_link)).to_json(),
             hetplan.compile("megatron-gpt-test", ClusterSpec.from_preset("local-cpu"),

@@ -90,3 +90,31 @@ def test_cli_refuses_with_exit_2_and_dry_run_still_prints(
     dry = CliRunner().invoke(app, ["run", str(path), "--model", "mlp", "--dry-run"])
     assert dry.exit_code == 0, dry.output
     assert "--nproc-per-node 64" in dry.output
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    (["--iterations", "3"], "unknown option '--iterations'"),
+    (["--reprot", "r.json"], "did you mean --report?"),
+    (["--max-restarts", "x"], "invalid int value: 'x'"),
+])
+def test_an_option_neither_takes_is_refused_before_anything_starts(
+        gpu_plan: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        extra: list[str], said: str) -> None:
+    # extra options go to torchrun; one its parser does not take either fails here, exit 2,
+    # not in every rank's launch
+    monkeypatch.setattr(launch_mod, "launch", _never_launch)
+    path = _plan_file(gpu_plan, tmp_path)
+    res = CliRunner().invoke(app, ["run", str(path), "--model", "mlp", "--dry-run", *extra])
+    assert res.exit_code == 2, res.output
+    assert said in " ".join(res.output.split())
+    if extra[0] == "--iterations":
+        assert "did you mean --steps?" in " ".join(res.output.split())
+
+
+def test_torchrun_options_still_pass_through(gpu_plan: Plan, tmp_path: Path) -> None:
+    path = _plan_file(gpu_plan, tmp_path)
+    res = CliRunner().invoke(app, ["run", str(path), "--model", "mlp", "--dry-run",
+                                   "--nproc_per_node=64", "--max-restarts", "2"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "--nproc_per_node=64" in out and "--max-restarts 2" in out

@@ -142,6 +142,60 @@ def test_the_charge_scales_with_the_micro_batch_and_splits_between_stages() -> N
     assert all(sum(t[3]) == pytest.approx(t[1]) for t in times)
 
 
+def _with(*records: HandoverRecord) -> ProfileDB:
+    return ProfileDB(collectives=LINES, handovers=(P2P, *SP, *NO_SP, *records))
+
+
+def _stage_forwards(db: ProfileDB) -> list[float]:
+    """Each stage's forward per micro-batch of the PP 2 x TP 2 plan priced with ``db``."""
+    from hetplan import zoo
+    from hetplan.cost_models.costs import CostModel
+    from hetplan.cost_models.stage_times import stage_times
+    from hetplan.ir.capture import capture
+    from hetplan.ir.plan_sections import WorkloadSummary
+
+    plan = _plan(WITH, **PP_TP)  # the same stages for every ``db``
+    args, kwargs = zoo.example_inputs("megatron-gpt-test", batch=1, device="meta")
+    ir = capture(zoo.build("megatron-gpt-test", device="meta"), args, kwargs,
+                 name="megatron-gpt-test")
+    workload = WorkloadSummary.from_model_ir(ir)
+    costs = CostModel(ClusterSpec.from_preset("local-cpu"), db, dtype="fp32",
+                      vocab_parallel=True)
+    return [stage_times(workload, st, plan.layout, costs, 2, 2 / workload.batch_size)[0]
+            for st in plan.stages]
+
+
+def test_the_measured_loss_is_charged_to_the_last_stage_only() -> None:
+    """The vocabulary-parallel cross-entropy runs after the last stage's forward (section
+    14's trace): with the ``tp_sp_loss`` record the last stage pays it whole and the other
+    stages share only the forward without it."""
+    loss = _phase("tp_sp_loss", 12 * MS)
+    shared = _stage_forwards(WITH)
+    placed = _stage_forwards(_with(loss))
+    share = [f / (30 * MS) for f in shared]  # each stage's share of the forward record
+    assert placed[0] == pytest.approx(share[0] * 18 * MS, rel=1e-9)
+    assert placed[1] == pytest.approx(share[1] * 18 * MS + 12 * MS, rel=1e-9)
+    assert sum(placed) == pytest.approx(30 * MS, rel=1e-9)  # the whole forward, moved
+    assert placed[1] - shared[1] == pytest.approx(12 * MS * share[0], rel=1e-9)
+    # one stage holding the whole model: the forward record as before
+    one = _plan(_with(loss), **TP)
+    assert one.predictions is not None
+    assert one.predictions.breakdown.compute_ms == pytest.approx(40.0, rel=1e-6)
+    # and the pipeline is predicted slower: its last stage is on the critical path twice
+    slow = _plan(_with(loss), **PP_TP)
+    fast = _plan(WITH, **PP_TP)
+    assert slow.predictions is not None and fast.predictions is not None
+    assert slow.predictions.iteration_time_ms > fast.predictions.iteration_time_ms
+
+
+def test_a_loss_record_not_of_the_forwards_steps_is_not_charged() -> None:
+    for other in (_phase("tp_sp_loss", 12 * MS, micro_batch=1),  # another micro-batch
+                  _phase("tp_sp_loss", 12 * MS, nbytes=MEGATRON_BYTES // 2),  # model
+                  _phase("tp_sp_loss", 31 * MS)):  # longer than the forward it is part of
+        assert _stage_forwards(_with(other)) == \
+            _stage_forwards(WITH)
+
+
 def test_the_records_do_not_apply_where_the_run_is_not_what_was_measured() -> None:
     # another TP size than the records'
     four = ProfileDB(collectives=LINES, handovers=(P2P, *(
@@ -171,13 +225,15 @@ def test_profile_tp_steps_times_the_split_model_beside_the_plain_one() -> None:
 
     recs, times = profile_tp_steps("megatron-gpt-test", 2, batch_size=2, rounds=2, warmup=1,
                                    passes=1, timeout_s=120)
-    assert [r.operation for r in recs] == ["tp_forward", "tp_backward", "tp_sp_forward",
-                                           "tp_sp_backward"]
+    assert [r.operation for r in recs] == ["tp_forward", "tp_backward", "tp_loss",
+                                           "tp_sp_forward", "tp_sp_backward", "tp_sp_loss"]
     for r in recs:
         assert (r.group_size, r.processes, r.nbytes, r.micro_batch) == (2, 2, MEGATRON_BYTES,
                                                                          2)
         assert r.samples[0].seconds > 0.0 and r.samples[0].burst_s > 0.0
     assert [(t.group_size, t.sequence_parallel) for t in times] == [(2, False), (2, True)]
+    for t in times:  # the loss is part of the forward it was timed in
+        assert 0.0 < t.tp_loss_s < t.tp_forward_s and 0.0 < t.loss_s < t.forward_s
 
 
 def test_profile_tp_steps_rejects_bad_input() -> None:

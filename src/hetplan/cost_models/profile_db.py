@@ -449,7 +449,11 @@ class HandoverRecord(BaseModel):
             model over groups of ``group_size``, all groups at once, without / with sequence
             parallelism: the burst is the unsplit model's phase on every process, the
             seconds the TP phase itself, its collectives included; ``nbytes`` the model's
-            fp32 parameters), ``traced_forward`` / ``traced_backward`` (the whole profiled
+            fp32 parameters), ``tp_loss`` / ``tp_sp_loss`` (the loss of the same steps,
+            part of their forward: the burst is the unsplit model's cross-entropy, the
+            seconds the runtime's vocabulary-parallel cross-entropy with its three
+            all-reduces over the TP group, which a pipeline runs on its last stage only),
+            ``traced_forward`` / ``traced_backward`` (the whole profiled
             model's phase as the runtime's traced pipeline stages run it: the burst is the
             eager model's phase, the seconds the traced stages'; ``group_size`` and
             ``processes`` the processes computing at once).
@@ -467,8 +471,8 @@ class HandoverRecord(BaseModel):
 
     operation: Literal["p2p", "allreduce", "allreduce_step", "zero3_forward",
                        "zero3_backward", "zero3_step", "tp_forward", "tp_backward",
-                       "tp_sp_forward", "tp_sp_backward", "traced_forward",
-                       "traced_backward"]
+                       "tp_sp_forward", "tp_sp_backward", "tp_loss", "tp_sp_loss",
+                       "traced_forward", "traced_backward"]
     backend: _Name
     link_kind: _Name
     group_size: int = Field(ge=2)

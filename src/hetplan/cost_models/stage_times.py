@@ -21,7 +21,9 @@ slowest rank (:mod:`hetplan.cost_models.tp_shares`):
   (``tp_forward`` / ``tp_backward``, ``tp_sp_*`` with sequence parallelism) a TP stage's
   forward and backward are its share of those (:func:`_measured_tp`), in place of the
   layer records split ``tp`` ways and the collectives' lines: on 4 gloo processes sharing
-  2 cores each TP collective waits for the processes' hand-overs.
+  2 cores each TP collective waits for the processes' hand-overs. The loss measured within
+  those steps (``tp_loss`` / ``tp_sp_loss``) goes to the stage holding the last layer, which
+  alone computes it in a pipeline.
 
 :func:`p2p_ms` prices the activation transfers between stages, per pipeline link, and
 :func:`tied_sync_s` the all-reduce of a tied embedding's gradient between the first and the
@@ -368,6 +370,14 @@ def _measured_tp(workload: WorkloadSummary, st: Stage, layout: Layout, costs: Co
     profiled model). None without both records (GPU and analytic plans: the layer records
     split ``tp`` ways plus the collectives' lines).
 
+    Where the profile also holds the ``tp_loss`` (``tp_sp_loss``) record of the same model,
+    the loss is not shared out: the stage holding the model's last layer computes it (the
+    runtime's pipeline runs the vocabulary-parallel cross-entropy after the last stage's
+    forward, and only there), so that stage's forward is its share of the forward record
+    less the loss, plus the loss (both scaled alike); every other stage's is its share of
+    the forward less the loss. Without the loss record the forward is shared as a whole, as
+    before (profiles taken before it: unchanged).
+
     ``prec`` is the stage's precision (fp32 only: the records are timed in fp32)."""
     op = "tp_sp_" if layout.sequence_parallel else "tp_"
     nbytes = sum(lay.param_bytes for lay in workload.layers) / prec.capture_bytes * 4
@@ -375,6 +385,10 @@ def _measured_tp(workload: WorkloadSummary, st: Stage, layout: Layout, costs: Co
     bwd = costs.comm.phase_record(op + "backward", layout.tp, link, nbytes)
     if fwd is None or bwd is None or fwd.micro_batch is None or bwd.micro_batch is None:
         return None
+    loss = costs.comm.phase_record(op + "loss", layout.tp, link, nbytes)
+    if loss is not None and (loss.micro_batch != fwd.micro_batch or loss.nbytes != fwd.nbytes
+                             or not loss.samples[0].seconds < fwd.samples[0].seconds):
+        loss = None  # not the forward record's own steps: share the forward whole
     best: tuple[float, float] | None = None
     for dev in devices:
         times = costs.compute.layer_times(workload, dev, mb)
@@ -384,7 +398,13 @@ def _measured_tp(workload: WorkloadSummary, st: Stage, layout: Layout, costs: Co
         mine = times[st.first_layer: st.last_layer + 1]
         f_share = sum(t.fwd_s for t in mine) / all_f
         b_share = sum(t.bwd_s for t in mine) / all_b
-        f = fwd.samples[0].seconds * f_share * mb / fwd.micro_batch * nbytes / fwd.nbytes
+        if loss is None:
+            f = fwd.samples[0].seconds * f_share * mb / fwd.micro_batch * nbytes / fwd.nbytes
+        else:
+            last = 1.0 if st.last_layer == len(workload.layers) - 1 else 0.0
+            loss_s = loss.samples[0].seconds
+            f = ((fwd.samples[0].seconds - loss_s) * f_share + loss_s * last) * (
+                mb / fwd.micro_batch * nbytes / fwd.nbytes)
         b = bwd.samples[0].seconds * b_share * mb / bwd.micro_batch * nbytes / bwd.nbytes
         if best is None or f + b > best[0] + best[1]:
             best = (f, b)

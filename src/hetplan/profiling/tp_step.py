@@ -26,7 +26,12 @@ Filed as :class:`~hetplan.cost_models.profile_db.HandoverRecord` s, operations
 ``tp_forward`` / ``tp_backward`` (``tp_sp_forward`` / ``tp_sp_backward`` with sequence
 parallelism), ``group_size`` the TP size, ``nbytes`` the model's fp32 parameters,
 ``micro_batch`` the profiled micro-batch, one sample: the plain phase (burst) and the TP
-phase (seconds, the whole model's, its collectives included).
+phase (seconds, the whole model's, its collectives included). The loss of the same steps is
+also timed on its own (from the model's output to the loss), ``tp_loss`` / ``tp_sp_loss``:
+the plain cross-entropy (burst) and the runtime's vocabulary-parallel one (seconds), three
+all-reduces over the TP group; it is part of the forward record too. A pipeline computes it
+on its last stage only (the trace of a run shows it there, ``docs/decisions/
+cpu-fidelity.md`` section 14), so the charge gives it to that stage.
 :func:`hetplan.cost_models.stage_times.stage_times` charges a TP stage its share of them.
 """
 
@@ -58,6 +63,7 @@ class TPStepTimes:
         nbytes: the model's fp32 parameters.
         forward_s / backward_s: the plain (unsplit) replica's phases.
         tp_forward_s / tp_backward_s: the split model's phases.
+        loss_s / tp_loss_s: the plain and the split model's loss, part of the forwards.
     """
 
     group_size: int
@@ -67,6 +73,8 @@ class TPStepTimes:
     backward_s: float
     tp_forward_s: float
     tp_backward_s: float
+    loss_s: float = 0.0
+    tp_loss_s: float = 0.0
 
 
 def _token_loss(out: Any, target: Any) -> Any:
@@ -137,7 +145,9 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
 
     def step(net: Any, opt: Any, loss_fn: Any, after: Any, out: list[list[float]]) -> None:
         t0 = time.perf_counter()
-        loss = loss_fn(net(*args, **kwargs), target)
+        output = net(*args, **kwargs)
+        t_out = time.perf_counter()
+        loss = loss_fn(output, target)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -147,14 +157,15 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
         opt.zero_grad(set_to_none=True)
         out[0].append(t1 - t0)
         out[1].append(t2 - t1)
+        out[2].append(t1 - t_out)
 
-    base: list[list[float]] = [[], []]
-    split_t: dict[tuple[int, bool], list[list[float]]] = {k: [[], []] for k in variants}
+    base: list[list[float]] = [[], [], []]
+    split_t: dict[tuple[int, bool], list[list[float]]] = {k: [[], [], []] for k in variants}
     for _ in range(passes):
         for key, (net, opt, handler, ctx, loss_fn) in variants.items():
             after = (lambda h=handler, c=ctx: h.after_backward(c))
             for _ in range(warmup):
-                step(net, opt, loss_fn, after, [[], []])
+                step(net, opt, loss_fn, after, [[], [], []])
             dist.barrier()
             for _ in range(rounds):
                 step(plain, plain_opt, _token_loss, None, base)
@@ -163,12 +174,16 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
                 step(net, opt, loss_fn, after, split_t[key])
             dist.barrier()
     out = []
-    for (g, sp), (f, b) in sorted(split_t.items()):
+    for (g, sp), (f, b, lo) in sorted(split_t.items()):
         mine = torch.tensor([statistics.median(base[0]), statistics.median(base[1]),
-                             statistics.median(f), statistics.median(b)], dtype=torch.float64)
+                             statistics.median(f), statistics.median(b),
+                             statistics.median(base[2]), statistics.median(lo)],
+                            dtype=torch.float64)
         dist.all_reduce(mine)
         m = [float(v) / world for v in mine.tolist()]
-        out.append(TPStepTimes(g, sp, nbytes, *m))
+        out.append(TPStepTimes(g, sp, nbytes, forward_s=m[0], backward_s=m[1],
+                               tp_forward_s=m[2], tp_backward_s=m[3], loss_s=m[4],
+                               tp_loss_s=m[5]))
     return out
 
 
@@ -209,8 +224,8 @@ def profile_tp_steps(
             :data:`~hetplan.profiling.sync_step.MAX_PARAMS`; nothing is returned).
 
     Returns:
-        Per TP size and sequence-parallel mode the model can be split in, a forward and a
-        backward record; and the phases (:class:`TPStepTimes`).
+        Per TP size and sequence-parallel mode the model can be split in, a forward, a
+        backward and a loss record; and the phases (:class:`TPStepTimes`).
 
     Raises:
         ValueError: ``world_size`` < 2, ``rounds`` or ``passes`` < 1, a group size that does
@@ -250,7 +265,8 @@ def profile_tp_steps(
     for t in times:
         op = "tp_sp_" if t.sequence_parallel else "tp_"
         for phase, burst, seconds in (("forward", t.forward_s, t.tp_forward_s),
-                                      ("backward", t.backward_s, t.tp_backward_s)):
+                                      ("backward", t.backward_s, t.tp_backward_s),
+                                      ("loss", t.loss_s, t.tp_loss_s)):
             records.append(HandoverRecord(
                 operation=op + phase,  # type: ignore[arg-type]  # validated by the record
                 backend="gloo", link_kind=link_kind, group_size=t.group_size,

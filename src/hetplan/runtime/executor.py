@@ -22,7 +22,10 @@ composes handlers, one per plan section (:mod:`hetplan.runtime.handlers`):
    hooks around the optimizer step, timed into :class:`StepTimes`; returns the loss. A
    step whose collective fails because a peer froze or died raises
    :class:`~hetplan.runtime.liveness.PeerFailureError` naming that peer.
-5. :meth:`Runtime.close` releases hooks, threads, the heartbeat and the group references.
+5. :meth:`Runtime.start_trace` (``hetplan run --trace``) marks the steps' phases and
+   pipeline actions in a :class:`~hetplan.runtime.trace.StepTrace` while it records; without
+   it nothing is marked.
+6. :meth:`Runtime.close` releases hooks, threads, the heartbeat and the group references.
 
 Adding a plan section's execution adds a handler; nothing here changes.
 """
@@ -47,18 +50,21 @@ from hetplan.ir.rebalancing import PlannedEvent
 from hetplan.runtime.groups import ParallelGroups, agree_on_plan, job_timeout
 from hetplan.runtime.handlers import (
     DEFAULT_HANDLERS,
+    GradSyncHandler,
     Handler,
     LossFn,
     OptimizerFactory,
     RebalancingHandler,
     ResizingHandler,
     RuntimeContext,
+    StagesHandler,
     StepTimes,
 )
 from hetplan.runtime.handlers.hetero import hetero_groups
 from hetplan.runtime.hetero_ranks import plan_world_size, stage_layout
 from hetplan.runtime.liveness import Heartbeat
 from hetplan.runtime.resizing import ResizingRuntime, StragglerSpec
+from hetplan.runtime.trace import StepTrace, mark_grad_sync
 
 __all__ = ["Runtime", "StepTimes"]
 
@@ -131,6 +137,7 @@ class Runtime:
     handlers: Sequence[Callable[[], Handler]] = DEFAULT_HANDLERS
     ctx: RuntimeContext = field(init=False, repr=False)
     heartbeat: Heartbeat | None = field(init=False, default=None, repr=False)
+    trace: StepTrace | None = field(init=False, default=None, repr=False)
     _cuda: bool = field(init=False, default=False, repr=False)  # the step clock's device
 
     def __post_init__(self) -> None:
@@ -235,8 +242,14 @@ class Runtime:
                             f"{[type(h).__name__ for h in ctx.handlers]} runs the step's "
                             "micro-batches; include StagesHandler")
         clock.mark()
+        trace = self.trace if self.trace is not None and self.trace.recording else None
+        t_prev = clock.host[-1]
         for h in ctx.handlers:
             h.after_backward(ctx)
+            if trace is not None:  # the handlers that do something after backward
+                t_prev, t0 = time.perf_counter(), t_prev
+                if type(h).after_backward is not Handler.after_backward:
+                    trace.add(f"after_backward {type(h).__name__}", "phase", t0, t_prev)
         clock.mark()
         if ctx.optimizer is not None:
             ctx.optimizer.step()
@@ -244,10 +257,39 @@ class Runtime:
         clock.mark()
         value = float(loss)  # the step's one host synchronisation
         ctx.last_times = clock.times(ctx.bubble_s)
+        if trace is not None:
+            self._trace_phases(trace, clock.host)
         for h in ctx.handlers:
             h.after_step(ctx)
         ctx.iteration += 1
         return value
+
+    def start_trace(self) -> StepTrace:
+        """The trace this runtime's marks write (created on the first call): record a step
+        with ``trace.start(step)`` before it and ``trace.stop()`` after it."""
+        if self.trace is None:
+            import socket
+
+            groups = self.ctx.groups
+            rank = groups.rank if groups is not None else 0
+            coords = self.ctx.layout.coords(rank)
+            self.trace = StepTrace(rank, (coords[0], coords[1], coords[2]), socket.gethostname())
+            self.ctx.handler(StagesHandler).start_trace(self.trace)
+            try:
+                sync = self.ctx.handler(GradSyncHandler).sync
+            except LookupError:  # composed without it
+                sync = None
+            if sync is not None:
+                mark_grad_sync(sync, self.trace)
+        return self.trace
+
+    @staticmethod
+    def _trace_phases(trace: StepTrace, marks: Sequence[float]) -> None:
+        """The step's phases from its clock's host marks (start, micro-batches, after
+        backward, optimizer): the micro-batches, and the optimizer step up to the loss read
+        (the after-backward spans are per handler)."""
+        trace.add("micro-batches", "phase", marks[0], marks[1])
+        trace.add("optimizer step", "phase", marks[2], time.perf_counter())
 
     def handler(self, kind: type[Any]) -> Any:
         """The composed handler of class ``kind`` (e.g. ``StagesHandler``)."""

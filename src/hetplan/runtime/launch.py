@@ -87,11 +87,14 @@ def torchrun_command(
     timeout_s: float = 120.0,
     torchrun_args: Sequence[str] = (),
     script: str | Path | None = None,
+    trace: str | Path | None = None,
+    trace_step: int = 0,
 ) -> list[str]:
     """The command line that runs ``plan`` (see module docstring). With ``script`` the
     user's training script runs (through the worker, which ties it to the launcher and
     releases the runtime when it ends) instead of the synthetic-data worker; it gets
-    ``--plan PATH --steps N``."""
+    ``--plan PATH --steps N``. ``trace``: the worker writes the per-action trace of step
+    ``trace_step`` (0: the last) there (:mod:`hetplan.runtime.trace`)."""
     if plan.layout is None:
         raise SpecError(f"{plan_path}: the plan has no layout; compile it with `hetplan plan`")
     if script is not None and not Path(script).is_file():
@@ -126,6 +129,8 @@ def torchrun_command(
     cmd += ["--model", model] if model else ["--module", str(module)]
     if report:
         cmd += ["--report", str(report)]
+    if trace:
+        cmd += ["--trace", str(trace), "--trace-step", str(trace_step)]
     return cmd
 
 

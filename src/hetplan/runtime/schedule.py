@@ -61,7 +61,9 @@ from hetplan.ir.plan_sections import Layout
 if TYPE_CHECKING:  # the common base of traced (``_PipelineStage``) and manual stages
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-__all__ = ["SUPPORTED_SCHEDULES", "StageMonitor", "make_schedule", "step"]
+    from hetplan.runtime.trace import StepTrace
+
+__all__ = ["SUPPORTED_SCHEDULES", "StageMonitor", "make_schedule", "step", "trace_schedule"]
 
 #: Plan schedule names the runtime executes (``chimera`` is simulated only: its two model
 #: replicas run in opposite directions, which torch's stages do not model).
@@ -150,10 +152,14 @@ class StageMonitor:
     """Seconds this rank's stages spent computing, and the actions they executed, in order.
 
     Wraps each stage's ``forward_one_chunk`` and ``backward_one_chunk`` (the schedule issues
-    point-to-point receives and sends outside them), so ``step time - busy_s`` is the time the
-    rank waited: the pipeline bubble plus activation transfers it could not overlap.
+    point-to-point receives and sends outside them), and with :meth:`watch_loss` the
+    schedule's loss of the last stage (computed after its forward, outside it: the
+    vocabulary-parallel cross-entropy runs three all-reduces there), so ``step time -
+    busy_s`` is the time the rank waited: the pipeline bubble plus activation transfers it
+    could not overlap.
     ``executed`` lists the actions as they started (``Action(F, microbatch, stage)``). Read
-    both after a step; call :meth:`reset` before the next.
+    both after a step; call :meth:`reset` before the next. With ``trace`` set (``hetplan run
+    --trace``), every call is also a ``compute`` span of it while it records.
     """
 
     _METHODS = {"forward_one_chunk": ActionKind.F, "backward_one_chunk": ActionKind.B}
@@ -161,6 +167,7 @@ class StageMonitor:
     def __init__(self, stages: Sequence[_PipelineStageBase]) -> None:
         self.busy_s = 0.0
         self.executed: list[Action] = []
+        self.trace: StepTrace | None = None
         for st in stages:
             for name, kind in self._METHODS.items():
                 setattr(st, name, self._timed(getattr(st, name), kind, st.stage_index))
@@ -172,14 +179,116 @@ class StageMonitor:
             try:
                 return fn(chunk, *args, **kwargs)
             finally:
-                self.busy_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.busy_s += t1 - t0
+                if self.trace is not None and self.trace.recording:
+                    self.trace.add(f"{kind.value}{chunk} s{stage}", "compute", t0, t1,
+                                   kind=kind.value, microbatch=chunk, stage=stage)
 
         return run
+
+    def watch_loss(self, schedule: Any) -> None:
+        """Count the last stage's loss (``schedule._maybe_compute_loss``, wrapped on the
+        instance) as computing time."""
+        compute_loss = schedule._maybe_compute_loss
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return compute_loss(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        schedule._maybe_compute_loss = timed
 
     def reset(self) -> None:
         """Forget the previous step's time and actions."""
         self.busy_s = 0.0
         self.executed = []
+
+
+def trace_schedule(schedule: Any, trace: StepTrace) -> None:
+    """Marks in torch's schedule runtime for ``trace`` (``hetplan run --trace``): the
+    ``action`` spans (every action of the rank's lowered list), the ``wait`` of each
+    forward or backward for what it receives, and the last stage's ``loss`` per micro-batch.
+
+    Hooks, all on ``schedule``'s own attributes (private to torch, like the loader):
+
+    * the runtime asks ``action.computation_type in _comp_type_to_function_map`` exactly
+      once per action, right before running it: the map becomes a dict that notes the time
+      of each ask (the k-th ask is the k-th action of ``pipeline_order_with_comms[rank]``);
+    * a forward (backward) takes its posted receive out of ``fwd_recv_ops``
+      (``bwd_recv_ops``) with ``pop`` and waits on it: the dicts' ``pop`` waits itself and
+      times that wait, and hands back nothing left to wait on (a gloo receive must not be
+      waited twice);
+    * ``_maybe_compute_loss`` is timed on the instance, and ``_update_losses`` (called once
+      the last action and the sends' waits are done) ends the last action.
+
+    Nothing is timed while ``trace`` does not record.
+    """
+    marks: list[float] = []
+    order = schedule.pipeline_order_with_comms[schedule.rank]
+
+    def close(end: float) -> None:
+        for k, t0 in enumerate(marks):
+            a = order[k]
+            t1 = marks[k + 1] if k + 1 < len(marks) else end
+            mb = "" if a.microbatch_index is None else a.microbatch_index
+            trace.add(f"{a.computation_type.value}{mb} s{a.stage_index}",
+                      "action", t0, t1, index=k, kind=a.computation_type.value,
+                      microbatch=a.microbatch_index, stage=a.stage_index)
+        marks.clear()
+
+    class _ActionMarks(dict[Any, Any]):
+        def __contains__(self, key: object) -> bool:
+            if trace.recording:
+                marks.append(time.perf_counter())
+            return super().__contains__(key)
+
+    class _TimedWaits(dict[Any, Any]):
+        def __init__(self, what: str) -> None:
+            super().__init__()
+            self.what = what
+
+        def pop(self, key: Any, *default: Any) -> Any:
+            works = super().pop(key, *default)
+            if not trace.recording or not isinstance(works, list):
+                return works
+            t0 = time.perf_counter()
+            for w in works:
+                w.wait()
+            stage, mb = key
+            trace.add(f"wait {self.what}{mb} s{stage}", "wait", t0, time.perf_counter(),
+                      kind=self.what, microbatch=mb, stage=stage)
+            return []
+
+    compute_loss = schedule._maybe_compute_loss
+    update_losses = schedule._update_losses
+
+    def timed_loss(stage: Any, output: Any, target_mbs: Any, mb_index: int,
+                   *args: Any, **kwargs: Any) -> Any:
+        if not (trace.recording and stage.is_last):
+            return compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
+        finally:
+            trace.add(f"loss{mb_index} s{stage.stage_index}", "loss", t0,
+                      time.perf_counter(), microbatch=mb_index, stage=stage.stage_index)
+
+    def end_actions(*args: Any, **kwargs: Any) -> Any:
+        close(time.perf_counter())
+        return update_losses(*args, **kwargs)
+
+    marked = _ActionMarks()
+    marked.update(schedule._comp_type_to_function_map)
+    schedule._comp_type_to_function_map = marked
+    for attr, what in (("fwd_recv_ops", "F"), ("bwd_recv_ops", "B")):
+        waits = _TimedWaits(what)
+        waits.update(getattr(schedule, attr))
+        setattr(schedule, attr, waits)
+    schedule._maybe_compute_loss = timed_loss
+    schedule._update_losses = end_actions
 
 
 def step(

@@ -170,6 +170,9 @@ def _run_worker(argv: list[str]) -> int:
     ap.add_argument("--report")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", help="write the per-action trace of one step here")
+    ap.add_argument("--trace-step", type=int, default=0,
+                    help="the step to trace, 1-based as the progress line counts (0: last)")
     args = ap.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cpu")
@@ -213,10 +216,16 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         times, losses = [], []
         loss = float("nan")
         total = args.warmup + args.steps
+        trace = rt.start_trace() if args.trace else None
+        traced_step = (args.trace_step or total) - 1
         # a restart resumes where the restored checkpoint left off (0 without one)
         for step in range(rt.ctx.iteration, total):
             xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
+            if trace is not None and step == traced_step:
+                trace.start(step + 1)
             loss = rt.train_step(xs, target_of(xs, batch).to(device))
+            if trace is not None:
+                trace.stop()
             losses.append(loss)
             if step >= args.warmup and rt.last_times is not None:
                 times.append(rt.last_times)
@@ -229,6 +238,8 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
                          else "(on the last stage)")
                 print(f"step {step + 1}/{total}  loss {shown}  "
                       f"iteration {rt.last_times.iteration_s * 1e3:.2f} ms", flush=True)
+        if trace is not None:
+            _write_trace(args.trace, plan, trace, rank)
         if args.report:
             # the tracker's module hooks break torch pipelining's traced stages: measured
             # without a pipeline only (the report says so)
@@ -262,6 +273,24 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         if rank == 0:
             remove_default_root()
     return 0
+
+
+def _write_trace(path: str, plan: Any, trace: Any, rank: int) -> None:
+    """Every rank's recording gathered on rank 0, written there as one Chrome trace
+    (:func:`~hetplan.runtime.trace.chrome_trace`)."""
+    from hetplan.runtime.groups import plan_digest
+    from hetplan.runtime.trace import chrome_trace
+
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, trace.to_dict())
+    if rank == 0:
+        layout = plan.layout
+        meta = {"plan_digest": plan_digest(plan),
+                "model": plan.model.name, "step": trace.step, "world_size": len(ranks),
+                "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp,
+                           "schedule": layout.schedule, "micro_batches": layout.micro_batches,
+                           "virtual_stages": layout.virtual_stages}}
+        Path(path).write_text(json.dumps(chrome_trace(ranks, meta), indent=1) + "\n")
 
 
 def _warn_skipped_events(rt: Any, rank: int) -> None:

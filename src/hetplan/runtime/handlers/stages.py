@@ -49,6 +49,7 @@ from hetplan.runtime.handlers.base import Handler, RuntimeContext
 if TYPE_CHECKING:
     from hetplan.runtime.handlers.hetero import HeteroPipeline
     from hetplan.runtime.schedule import StageMonitor
+    from hetplan.runtime.trace import StepTrace
 
 __all__ = ["StagesHandler"]
 
@@ -64,6 +65,7 @@ class StagesHandler(Handler):
         monitor: compute time and executed actions of the last step (None without one).
         pp_group / pp_ranks: the pipeline group of this rank's replica and its global ranks.
         num_stages: the pipeline's current stage count (re-packing lowers it).
+        trace: the step trace its marks write (``hetplan run --trace``; None: no marks).
     """
 
     section = "stages, pipeline_actions, hetero"
@@ -78,6 +80,7 @@ class StagesHandler(Handler):
         self.num_stages = 1
         self.ties: list[_Tie] = []
         self.hetero: HeteroPipeline | None = None
+        self.trace: StepTrace | None = None
 
     @property
     def executed(self) -> tuple[Action, ...]:
@@ -88,6 +91,22 @@ class StagesHandler(Handler):
     def stage_indices(self) -> list[int]:
         """The plan stage indices this rank holds."""
         return [st.stage_index for st in self.stages]
+
+    def start_trace(self, trace: StepTrace) -> None:
+        """Mark this rank's micro-batches in ``trace``: the pipeline schedule's actions, the
+        waits for what they receive, the stages' compute and the loss
+        (:func:`~hetplan.runtime.schedule.trace_schedule`); without a pipeline, the forward
+        and backward of every micro-batch. A plan with per-stage degrees is not marked."""
+        self.trace = trace
+        self._mark_schedule()
+
+    def _mark_schedule(self) -> None:
+        if self.trace is None or self.schedule is None or self.monitor is None:
+            return
+        from hetplan.runtime.schedule import trace_schedule
+
+        self.monitor.trace = self.trace
+        trace_schedule(self.schedule, self.trace)
 
     def setup(self, ctx: RuntimeContext) -> None:
         layout = ctx.layout
@@ -155,6 +174,8 @@ class StagesHandler(Handler):
                                       actions)
         self.actions = actions
         self.monitor = StageMonitor(self.stages)
+        self.monitor.watch_loss(self.schedule)
+        self._mark_schedule()  # a re-built schedule (re-balancing) keeps the trace's marks
         self.pp_group, self.num_stages = pp_group, ranks
         ctx.named_params = _owned_params(self.stages, stages, ctx.model_ir().layers)
 
@@ -233,12 +254,14 @@ class StagesHandler(Handler):
         chunks = [torch.chunk(x, m) for x in xs]
         ys = torch.chunk(y, m)
         losses = []
+        micro_batch = (self._micro_batch if self.trace is None or not self.trace.recording
+                       else self._traced_micro_batch)
         for i in range(m):
             if i < m - 1:
                 with ctx.accumulating():
-                    losses.append(self._micro_batch(ctx, [c[i] for c in chunks], ys[i], m))
+                    losses.append(micro_batch(ctx, [c[i] for c in chunks], ys[i], m))
             else:
-                losses.append(self._micro_batch(ctx, [c[i] for c in chunks], ys[i], m))
+                losses.append(micro_batch(ctx, [c[i] for c in chunks], ys[i], m))
         # summed on the device: the runtime reads it once the step is queued (no host sync)
         return losses[0] if m == 1 else torch.stack(losses).sum()
 
@@ -248,6 +271,23 @@ class StagesHandler(Handler):
         out = ctx.model(*xs, **ctx.forward_kwargs)
         loss = ctx.loss_fn(out, y) / m
         loss.backward()
+        return loss.detach()
+
+    def _traced_micro_batch(self, ctx: RuntimeContext, xs: list[torch.Tensor],
+                            y: torch.Tensor, m: int) -> torch.Tensor:
+        """:meth:`_micro_batch` with its forward (the loss included) and backward (the last
+        one's gradient hooks included) as ``compute`` spans of the trace."""
+        assert self.trace is not None
+        mb = len([s for s in self.trace.spans if s.cat == "compute" and s.args.get("kind")
+                  == "F"])
+        t0 = time.perf_counter()
+        out = ctx.model(*xs, **ctx.forward_kwargs)
+        loss = ctx.loss_fn(out, y) / m
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.trace.add(f"F{mb} s0", "compute", t0, t1, kind="F", microbatch=mb, stage=0)
+        self.trace.add(f"B{mb} s0", "compute", t1, t2, kind="B", microbatch=mb, stage=0)
         return loss.detach()
 
     def _pipeline(self, ctx: RuntimeContext, xs: list[torch.Tensor], y: torch.Tensor) -> float:
