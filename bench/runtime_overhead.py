@@ -15,6 +15,12 @@ FSDP2 (target ≤ 1.05 each). Writes ``bench/results/runtime_overhead_cpu.json``
 
     python bench/runtime_overhead.py [--model gpt-test] [--world 2] [--rounds 6] [--iters 5]
 
+``--profile DIR``: rank 0 runs every variant's steps under its own ``cProfile`` profiler
+(timed rounds only) and writes ``DIR/<variant>.prof`` and a text summary
+``DIR/<variant>.txt`` (top functions by own time and by cumulative time, with call counts):
+what the runtime's step does that the DDP and FSDP2 loops do not. The times of a profiled
+sitting carry the profiler's overhead; use them for direction, not for the ratios.
+
 ``--single``: the GPU overhead job's shape on one process (no process group): bf16 autocast
 and Adam, as ``bench/gpu/reference_loop.py`` trains, ``hetplan`` (the runtime with a dp=1
 bf16 plan: bf16 working weights, fp32 masters) against ``plain`` (fp32 weights under
@@ -28,8 +34,11 @@ compare two trees in one sitting, run it with each tree on ``PYTHONPATH``, alter
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -68,8 +77,20 @@ def _fsdp2(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _write_profiles(profiles: dict[str, cProfile.Profile], where: Path) -> None:
+    """Each variant's profile (``.prof``) and its top functions as text (``.txt``)."""
+    where.mkdir(parents=True, exist_ok=True)
+    for name, prof in profiles.items():
+        prof.dump_stats(str(where / f"{name}.prof"))
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        (where / f"{name}.txt").write_text(text.getvalue())
+
+
 def _worker(rank: int, store_dir: str, plans: dict[str, str], model_name: str, rounds: int,
-            iters: int, world: int, out: str) -> None:
+            iters: int, world: int, out: str, profile: str | None = None) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
@@ -98,6 +119,7 @@ def _worker(rank: int, store_dir: str, plans: dict[str, str], model_name: str, r
     loss_fn = rts["hetplan"].loss_fn
     b = batch // world
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    profiles = {v: cProfile.Profile() for v in VARIANTS} if profile and rank == 0 else {}
     for r in range(rounds + 1):  # round 0 is warm-up
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         for which in order:
@@ -105,6 +127,9 @@ def _worker(rank: int, store_dir: str, plans: dict[str, str], model_name: str, r
                 xs = synthetic_batch(ex_args, batch, r * 100 + i)
                 y = target_of(xs, batch)
                 dist.barrier()
+                prof = profiles.get(which) if r else None
+                if prof is not None:
+                    prof.enable()
                 t0 = time.perf_counter()
                 if which in rts:
                     rts[which].train_step(xs, y)
@@ -117,8 +142,12 @@ def _worker(rank: int, store_dir: str, plans: dict[str, str], model_name: str, r
                     opts[which].zero_grad(set_to_none=True)
                 if r:
                     times[which].append(time.perf_counter() - t0)
+                if prof is not None:
+                    prof.disable()
     if rank == 0:
         Path(out).write_text(json.dumps(times))
+        if profiles and profile:
+            _write_profiles(profiles, Path(profile))
     dist.destroy_process_group()
 
 
@@ -198,13 +227,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="rank 0 profiles each variant into this folder (see docstring)")
     ap.add_argument("--single", action="store_true",
                     help="one process, bf16 autocast + Adam: hetplan vs plain (CPU time)")
-    ap.add_argument("--label", default="", help="--single: names the source tree measured")
+    ap.add_argument("--label", default="", help="names the source tree measured (to compare "
+                    "two trees in one sitting: run each with its tree on PYTHONPATH)")
     args = ap.parse_args()
     if args.single:
         return main_single(args)
-    args.out = args.out or ROOT / "bench" / "results" / "runtime_overhead_cpu.json"
+    default = (args.profile / "runtime_overhead_cpu.json" if args.profile  # not the record
+               else ROOT / "bench" / "results" / "runtime_overhead_cpu.json")
+    args.out = args.out or default
     import hetplan
 
     world = args.world
@@ -216,20 +250,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         mp.spawn(_worker, args=(tmp, {k: p.to_json() for k, p in plans.items()}, args.model,
-                                args.rounds, args.iters, world, out),
+                                args.rounds, args.iters, world, out,
+                                str(args.profile) if args.profile else None),
                  nprocs=world, join=True)
         times = json.loads(Path(out).read_text())
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     ratios = {"hetplan_over_ddp": med["hetplan"] / med["ddp"],
               "hetplan_zero3_over_fsdp2": med["hetplan-zero3"] / med["fsdp2"]}
     for k, v in med.items():
-        print(f"{args.model} x{world}: {k:<14} {v:8.2f} ms")
+        print(f"{args.label} {args.model} x{world}: {k:<14} {v:8.2f} ms")
     for k, v in ratios.items():
-        print(f"{k}: {v:.3f} (target <= {TARGET})")
+        print(f"{args.label} {k}: {v:.3f} (target <= {TARGET})")
     sync = plans["hetplan"].gradient_sync
     result = {
         "machine": machine(device="cpu", backend="gloo"),
         "load_average_before_and_after": [load_before, os.getloadavg()],
+        "label": args.label, "hetplan_source": str(Path(hetplan.__file__).parent),
         "model": args.model, "world_size": world, "global_batch": args.batch,
         "optimizer": "sgd", "dtype": "fp32",
         "iterations_each": len(times["ddp"]),

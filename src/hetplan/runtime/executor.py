@@ -138,6 +138,7 @@ class Runtime:
     ctx: RuntimeContext = field(init=False, repr=False)
     heartbeat: Heartbeat | None = field(init=False, default=None, repr=False)
     trace: StepTrace | None = field(init=False, default=None, repr=False)
+    _cuda: bool = field(init=False, default=False, repr=False)  # the step clock's device
 
     def __post_init__(self) -> None:
         self.heartbeat = Heartbeat.of_default_group()
@@ -189,6 +190,7 @@ class Runtime:
             handlers=tuple(make() for make in self.handlers), captured=model_ir)
         for h in self.ctx.handlers:
             h.setup(self.ctx)
+        self._cuda = _StepClock.on_cuda(self.model)
         # a handler may have wrapped the factory (ZeRO's sharded optimizer, master weights)
         self.ctx.optimizer = self.ctx.make_optimizer([p for _, p in self.ctx.named_params])
 
@@ -230,7 +232,7 @@ class Runtime:
         training loop synchronises once per step), so on a GPU the host queues backward,
         gradient sync and the optimizer step without waiting for the device in between."""
         ctx = self.ctx
-        clock = _StepClock.start(ctx.model)
+        clock = _StepClock(self._cuda)
         ctx.bubble_s = 0.0
         xs = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
         loss = next((x for h in ctx.handlers
@@ -363,11 +365,11 @@ class _StepClock:
         if cuda:
             self.events.append(_event())
 
-    @classmethod
-    def start(cls, model: nn.Module) -> _StepClock:
-        """A clock for ``model``'s device, started now."""
+    @staticmethod
+    def on_cuda(model: nn.Module) -> bool:
+        """Whether ``model``'s device is a GPU (the runtime asks once, at setup)."""
         p = next(model.parameters(), None)
-        return cls(p is not None and p.device.type == "cuda")
+        return p is not None and p.device.type == "cuda"
 
     def mark(self) -> None:
         """The end of a phase."""

@@ -26,12 +26,38 @@ cross nodes also occupy an emulated link (:mod:`hetplan.runtime.link_emulation`)
 waits for the asynchronous allreduces' emulated ends.
 
 Gradient accumulation: :meth:`GradSync.sync_enabled` is False during all but the last
-micro-batch, so hooks only fire the collectives once per iteration.
+micro-batch, so hooks only fire the collectives once per iteration (one backward with sync
+enabled per iteration: a bucket is ready when its count of pending hooks reaches zero).
+
+**Gradients as views of the bucket** (``grad_views=True``, what DDP's
+``gradient_as_bucket_view`` does): on the fast path, each bucket whose parameters share one
+dtype and device and are plain contiguous tensors gets one flat gradient buffer, allocated
+once, and every parameter's ``.grad`` is a view of its slice. Autograd accumulates into an
+existing ``.grad`` in place, so backward (every micro-batch) writes straight into the bucket:
+no flatten before the collective, no copy back after it; the average is one in-place
+division of the buffer (a cast path casts into a wire buffer, also allocated once, and back
+into the bucket before it: the same values as the copy path's, bit for bit). The buffer is
+zeroed by :meth:`GradSync.zero_grad` (the handler calls it after the optimizer step) instead
+of the gradients being set to None, and a gradient that something else replaced or dropped
+meanwhile (an optimizer's ``zero_grad(set_to_none=True)``) is copied back into its slice
+(or its slice zeroed) and re-pointed at launch, so the result never depends on who touched
+``.grad``. A parameter that got no gradient in an iteration then holds zeros, as it did
+before (the copy path syncs zeros for it). Paths that need their own buffers keep the
+flatten-and-copy code: the worker-thread paths (compressed, hierarchical, non-allreduce
+routings), buckets of mixed dtypes or devices, DTensor or non-contiguous parameters, and
+whatever the handler builds without views (pipelines: the tied-weight sum tells a stage's
+unused alias of a tied weight by its ``.grad`` being None, which a zeroed view is not).
+
+The last bucket in the plan's order gets no hooks: it can only launch once every other
+bucket has and all of its own gradients are accumulated; the plan's order is the
+backward-ready order, so that is when backward ends, where :meth:`GradSync.finish`
+launches it anyway (a one-bucket plan runs no Python per parameter during backward).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,7 +82,11 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     strategy: NoSync | CastSync | CompressedSync
     wire_dtype: torch.dtype | None
-    ready: set[int] = field(default_factory=set)
+    hooked: int = 0  # parameters with a hook (0: the last bucket, launched by finish)
+    pending: int = 0  # hooks still to fire this iteration
+    flat: torch.Tensor | None = None  # the gradient buffer the params' .grad view (views)
+    wire: torch.Tensor | None = None  # a view bucket's buffer in the wire dtype (cast path)
+    views: list[torch.Tensor] = field(default_factory=list)
     buffer: torch.Tensor | None = None
     work: Any = None
     link_end: float | None = None  # its end on the emulated link (HETPLAN_EMULATE_BW)
@@ -72,6 +102,8 @@ class GradSync:
         world: its size.
         levels: the flat/intra/inter groups for paths other than a flat allreduce (None: the
             flat level is ``group``; a hierarchical path then raises :class:`SpecError`).
+        grad_views: make the fast path's gradients views of their bucket's buffer (module
+            docstring); the caller then calls :meth:`zero_grad` after each optimizer step.
     """
 
     def __init__(
@@ -81,6 +113,7 @@ class GradSync:
         group: Any,
         world: int,
         levels: SyncLevels | None = None,
+        grad_views: bool = False,
     ) -> None:
         self.group = group
         self.world = world
@@ -103,19 +136,21 @@ class GradSync:
         for n in params:  # anything the plan does not mention: fp32, one tensor each
             if n not in covered:
                 self.buckets.append(self._bucket([n], params, NoSync()))
-        self._where: dict[int, tuple[int, int]] = {}
-        for bi, b in enumerate(self.buckets):
-            for pi, p in enumerate(b.params):
-                self._where[id(p)] = (bi, pi)
         self._next = 0
         self._runner: PathRunner | None = None
         self._pool: ThreadPoolExecutor | None = None
         if group is not None and any(not _simple(b.strategy) for b in self.buckets):
             self._start_paths(group, levels)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_ready) for b in self.buckets
-            for p in b.params
-        ] if group is not None else []
+        if group is not None and grad_views and self._pool is None:
+            for b in self.buckets:
+                _make_views(b)
+        self._hooks: list[Any] = []
+        if group is not None:
+            for bi, b in enumerate(self.buckets[:-1]):  # the last one: finish launches it
+                on_ready = functools.partial(self._on_ready, bi)
+                self._hooks += [p.register_post_accumulate_grad_hook(on_ready)
+                                for p in b.params]
+                b.hooked = b.pending = len(b.params)
 
     @staticmethod
     def _bucket(names: list[str], params: dict[str, torch.nn.Parameter], strategy: Any) -> _Bucket:
@@ -137,6 +172,11 @@ class GradSync:
         self._runner = PathRunner(levels, device)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetplan-grad-sync")
 
+    @property
+    def views(self) -> bool:
+        """Whether any bucket's gradients are views of its buffer."""
+        return any(b.flat is not None for b in self.buckets)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (all micro-batches but the last)."""
@@ -146,32 +186,37 @@ class GradSync:
         finally:
             self.sync_enabled = old
 
-    def _on_ready(self, p: torch.Tensor) -> None:
+    def _on_ready(self, bi: int, _p: torch.Tensor) -> None:
         if not self.sync_enabled:
             return
-        bi, pi = self._where[id(p)]
-        self.buckets[bi].ready.add(pi)
-        self._launch_ready()
+        b = self.buckets[bi]
+        b.pending -= 1
+        if b.pending == 0 and bi == self._next:
+            self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
-            if not force and len(b.ready) < len(b.params):
+            if not force and (b.hooked == 0 or b.pending > 0):
                 return
             self._launch(b)
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params
-        ]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self._pool is not None and self._runner is not None:
-            site = self.buckets.index(b)
-            b.work = self._pool.submit(self._runner.run, flat, b.strategy, site)
-            return
-        if b.wire_dtype is not None:
-            flat = flat.to(b.wire_dtype)
+        if b.flat is not None:
+            _adopt(b)
+            flat = b.flat if b.wire is None else b.wire.copy_(b.flat)
+        else:
+            grads = [
+                p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params
+            ]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if self._pool is not None and self._runner is not None:
+                site = self.buckets.index(b)
+                b.work = self._pool.submit(self._runner.run, flat, b.strategy, site)
+                return
+            if b.wire_dtype is not None:
+                flat = flat.to(b.wire_dtype)
         b.buffer = flat
         b.work = dist.all_reduce(flat, group=self.group, async_op=True)
         link = throttled("flat")
@@ -180,7 +225,8 @@ class GradSync:
                                       self.world)
 
     def finish(self) -> None:
-        """Launch what is left, wait for every collective, write averaged gradients back."""
+        """Launch what is left, wait for every collective, leave averaged gradients in
+        ``.grad`` (in place in a view bucket's buffer; copied back otherwise)."""
         if self.group is None:
             return
         self._launch_ready(force=True)
@@ -189,25 +235,32 @@ class GradSync:
                 b.buffer = b.work.result()
             else:
                 b.work.wait()
-                link = throttled("flat")
+                link = throttled("flat") if b.link_end is not None else None
                 if link is not None and b.link_end is not None:
                     link.wait(b.link_end)
             assert b.buffer is not None
-            flat = b.buffer.to(b.params[0].dtype) / self.world
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                g = flat[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-                offset += n
-            b.ready.clear()
+            if b.flat is not None:
+                if b.buffer is not b.flat:  # the cast path: back from the wire dtype
+                    b.flat.copy_(b.buffer)
+                b.flat.div_(self.world)
+            else:
+                _copy_back(b, b.buffer.to(b.params[0].dtype) / self.world)
+            b.pending = b.hooked
             b.buffer = b.work = b.link_end = None
         self._next = 0
         if self._runner is not None:
             self._runner.iteration += 1
+
+    def zero_grad(self) -> None:
+        """Zero the view buckets' gradients in place (after the optimizer step; what the
+        other parameters get from the optimizer's ``zero_grad``): one fill per buffer, and
+        the views put back where the optimizer set ``.grad`` to None."""
+        for b in self.buckets:
+            if b.flat is not None:
+                b.flat.zero_()
+                for p, v in zip(b.params, b.views, strict=True):
+                    if p.grad is not v:
+                        p.grad = v
 
     def close(self) -> None:
         for h in self._hooks:
@@ -222,3 +275,55 @@ def _simple(strategy: NoSync | CastSync | CompressedSync) -> bool:
     """A flat, uncompressed allreduce (the asynchronous fast path)."""
     return (not isinstance(strategy, CompressedSync) and strategy.hierarchy == "flat"
             and [(s.routine, s.compressed) for s in strategy.steps] == [("allreduce", False)])
+
+
+def _make_views(b: _Bucket) -> None:
+    """Give ``b`` one flat gradient buffer and point every parameter's ``.grad`` at its
+    slice (a gradient already there is copied in), where the bucket allows it: its
+    parameters share a dtype and device and are plain contiguous tensors."""
+    first = b.params[0]
+    if any(type(p.data) is not torch.Tensor or not p.is_contiguous() or p.is_sparse
+           or p.dtype != first.dtype or p.device != first.device for p in b.params):
+        return
+    flat = torch.zeros(sum(p.numel() for p in b.params), dtype=first.dtype,
+                       device=first.device)
+    offset = 0
+    for p in b.params:
+        n = p.numel()
+        v = flat[offset:offset + n].view_as(p)
+        if p.grad is not None:
+            v.copy_(p.grad)
+        p.grad = v
+        b.views.append(v)
+        offset += n
+    b.flat = flat
+    if b.wire_dtype is not None and b.wire_dtype != first.dtype:  # the cast path's buffer
+        b.wire = torch.empty(flat.numel(), dtype=b.wire_dtype, device=flat.device)
+
+
+def _adopt(b: _Bucket) -> None:
+    """Make every ``.grad`` of a view bucket its view again before the bucket is sent: a
+    gradient something replaced is copied into its slice, a dropped one's slice zeroed."""
+    assert b.flat is not None
+    for p, v in zip(b.params, b.views, strict=True):
+        g = p.grad
+        if g is v:
+            continue
+        if g is None:
+            v.zero_()
+        else:
+            v.copy_(g)
+        p.grad = v
+
+
+def _copy_back(b: _Bucket, flat: torch.Tensor) -> None:
+    """The averaged ``flat`` into the bucket's ``.grad`` (the paths with their own buffers)."""
+    offset = 0
+    for p in b.params:
+        n = p.numel()
+        g = flat[offset : offset + n].view_as(p)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        offset += n

@@ -29,6 +29,14 @@ parameter marks it ready; when a segment is complete (segments are launched in o
 gradients are flattened, reduce-scattered (in the plan's wire dtype for a ``cast`` strategy),
 averaged and added to the replica's chunk, and the full gradients are freed. Every backward
 reduces (micro-batches too), so a rank never holds more than one segment's full gradients.
+
+Gradients as bucket views: under ZeRO-0/1 without a pipeline the full gradients this
+optimizer reads are views of the gradient path's bucket buffers
+(:class:`~hetplan.runtime.grad_sync.GradSync` with ``grad_views``); :meth:`ShardedOptimizer.
+zero_grad` still sets them to None, and the gradient-sync handler points them back at the
+zeroed buffers after the step. :class:`GradReducer` keeps its own flatten-and-free code: it
+frees each segment's full gradients once they are reduce-scattered, which views of a
+persistent full-size buffer would defeat (ZeRO-2's memory saving).
 """
 
 from __future__ import annotations

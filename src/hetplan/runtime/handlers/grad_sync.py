@@ -5,6 +5,14 @@ parameters once the stage handler chose them, hooks held back while gradients ac
 every bucket finished (and averaged) after the last backward, rebuilt when re-balancing moves
 parameters. Under ZeRO-2 and -3 the ZeRO handler owns the gradient path (reduce-scatter), and
 this handler syncs nothing.
+
+Without a pipeline (``pp == 1``, no per-stage degrees) the fast path's gradients are views of
+their bucket's buffer (``GradSync(grad_views=True)``): backward accumulates straight into the
+buffer the collective sends, and :meth:`GradSyncHandler.after_step` zeroes the buffers after
+the optimizer step (whose ``zero_grad`` set the gradients to None) and points the gradients
+back at them. A pipeline keeps the copy path: the stage handler's tied-weight sum tells a
+stage's unused alias of a tied weight by its ``.grad`` being None (and every bucket of a
+pipeline launches after the schedule anyway).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ class GradSyncHandler(Handler):
             groups = None  # gradients stay local: the group-sync handler averages parameters
         self.sync = GradSync(named, ctx.plan.gradient_sync,
                              groups.dp_group if groups is not None else None, ctx.layout.dp,
-                             groups.sync_levels() if groups is not None else None)
+                             groups.sync_levels() if groups is not None else None,
+                             grad_views=ctx.layout.pp == 1 and ctx.plan.hetero is None)
 
     def accumulating(self, ctx: RuntimeContext) -> AbstractContextManager[None]:
         return self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()
@@ -50,6 +59,10 @@ class GradSyncHandler(Handler):
     def after_backward(self, ctx: RuntimeContext) -> None:
         if self.sync is not None:
             self.sync.finish()
+
+    def after_step(self, ctx: RuntimeContext) -> None:
+        if self.sync is not None:
+            self.sync.zero_grad()
 
     def params_changed(self, ctx: RuntimeContext) -> None:
         self.close(ctx)
