@@ -39,6 +39,33 @@ from hetplan.models import MegatronGPT
 SGD_LR = 0.05
 
 
+class Block(nn.Module):
+    """A residual block: ``x + tanh(fc(x))``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class Blocks(nn.Module):
+    """``n`` residual blocks in a ModuleList and a linear head to 3 outputs (float input, no
+    embedding): every stage boundary carries a ``(batch, dim)`` activation, so two
+    micro-batches swapped on the wire would go unnoticed by shapes."""
+
+    def __init__(self, dim: int = 8, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def cpu_cluster(world: int) -> ClusterSpec:
     """The ``local-cpu`` preset with ``world`` CPU devices."""
     spec = copy.deepcopy(PRESET_SPECS["local-cpu"])

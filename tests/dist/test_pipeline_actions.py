@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from reflib import case_results, run_each
+from reflib import Blocks, case_results, run_each
 from torch import nn
 
 import hetplan
@@ -43,30 +43,6 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
 
 
 # -- models and references ----------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
-class Blocks(nn.Module):
-    """Four residual blocks and a head: every stage boundary carries a (2, 8) activation, so
-    two micro-batches swapped on the wire would go unnoticed by shapes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(8) for _ in range(4))
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def _blocks() -> nn.Module:
     torch.manual_seed(0)
     return Blocks().double()

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from reflib import case_results, run_each
+from reflib import Blocks, case_results, run_each
 from torch import nn
 
 from hetplan.errors import SpecError, TraceError
@@ -45,29 +45,6 @@ TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
 # -- models, data, reference ------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
-class Blocks(nn.Module):
-    """Four residual blocks in a ModuleList and a linear head (float input, no embedding)."""
-
-    def __init__(self, dim: int = 8, n: int = 4) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
-        self.head = nn.Linear(dim, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def _untraceable_sequential() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), DataDependentGate(8), nn.Linear(8, 8),
                          nn.Tanh(), nn.Linear(8, 3))

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from reflib import case_results, run_each
+from reflib import Blocks, case_results, run_each
 from torch import nn
 
 from hetplan.algorithms.pipeline_schedules import layout_actions
@@ -39,27 +39,6 @@ from hetplan.profiling._spawn import run_local_ranks
 pytestmark = pytest.mark.dist
 
 BATCH, MICRO_BATCHES = 8, 4
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
-
-
-class Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(8) for _ in range(4))
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def _blocks() -> nn.Module:
