@@ -748,22 +748,17 @@ def _check_torchrun_args(ctx: typer.Context) -> None:
     would otherwise fail every rank's launch), naming the closest option of either."""
     if not ctx.args:
         return
-    import argparse
     import difflib
 
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
 
-    def refuse(message: str) -> NoReturn:
+    def refuse(message: str) -> NoReturn:  # argparse reports every bad value through it
         raise SpecError(f"torchrun option: {message}")
 
     parser.error = refuse  # type: ignore[method-assign]
-    parser.exit_on_error = False
-    try:
-        _, unknown = parser.parse_known_args([*ctx.args, "script.py"])
-    except argparse.ArgumentError as e:
-        raise SpecError(f"torchrun option: {e}") from None
+    _, unknown = parser.parse_known_args([*ctx.args, "script.py"])
     flags = [a for a in unknown if a.startswith("-")]
     if not flags:
         return
