@@ -702,8 +702,11 @@ def run_cmd(
     from hetplan.ir.plan import load_plan
     from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
 
+    from hetplan.runtime.cpu_sched import cpu_sched_policy
+
     plan = load_plan(plan_file)
     _check_torchrun_args(ctx)
+    cpu_sched_policy()  # a bad HETPLAN_CPU_SCHED: refused here, not once per rank
     if trace is not None:
         _check_trace_options(trace, trace_step, steps, script)
     cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,

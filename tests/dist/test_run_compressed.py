@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,6 @@ def test_run_a_plan_with_compressed_hierarchical_buckets(tmp_path: Path) -> None
     data = json.loads(report.read_text())
     assert data["world_size"] == 4 and data["steps"] == 3
     assert math.isfinite(data["final_loss"])
+    # the report says how the operating system scheduled the ranks (hetplan.runtime.cpu_sched)
+    want = os.environ.get("HETPLAN_CPU_SCHED", "normal") or "normal"
+    assert data["cpu_sched"] == (want if hasattr(os, "SCHED_BATCH") else "unsupported")

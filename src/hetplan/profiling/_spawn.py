@@ -49,11 +49,16 @@ def _entry(
     tmpdir: str,
     timeout_s: float,
     threads: int | None,
+    cpu_sched: str,
 ) -> None:
     import torch
 
     if threads is not None:
         torch.set_num_threads(threads)
+    if not torch.cuda.is_available():  # CPU ranks: as the runtime's workers run (cpu_sched)
+        from hetplan.runtime.cpu_sched import apply_cpu_sched
+
+        apply_cpu_sched(cpu_sched)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if backend is not None:
@@ -109,12 +114,17 @@ def run_local_ranks(
     """
     import torch.multiprocessing as mp
 
+    from hetplan.runtime.cpu_sched import cpu_sched_policy
+
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # read here, not in the ranks: a fork server's ranks see the server's environment
+    cpu_sched = cpu_sched_policy()
     with tempfile.TemporaryDirectory(prefix="hetplan-ranks-") as tmpdir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, tuple(args), world_size, backend, tmpdir, timeout_s, threads_per_process),
+            args=(fn, tuple(args), world_size, backend, tmpdir, timeout_s, threads_per_process,
+                  cpu_sched),
             nprocs=world_size,
             join=False,
             start_method=start_method(),

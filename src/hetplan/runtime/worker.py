@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     proctree.set_parent_death_signal()  # die with torchrun
     proctree.watch_launcher()
     try:
+        if not torch.cuda.is_available():  # a CPU rank: before its process group's threads
+            from hetplan.runtime.cpu_sched import apply_cpu_sched
+
+            apply_cpu_sched()
         code = run_script(argv[1:]) if argv[:1] == ["--script"] else _run_worker(argv)
     except Exception as e:  # noqa: BLE001 - e.g. the rendezvous timed out: one line, code 1
         _print_error(f"{type(e).__name__}: {e}")
@@ -375,7 +379,10 @@ def _final_loss(ranks: list[Any], fallback: float) -> float:
 def _write_report(path: str, plan: Any, times: list[Any], loss: float,
                   ranks: list[Any], rt: Any) -> None:
     """Rank 0's times as ``measured`` (the pipeline bubble: the largest rank median, as the
-    iteration waits for the slowest stage), every rank's medians as ``per_rank``."""
+    iteration waits for the slowest stage), every rank's medians as ``per_rank``, and the
+    operating-system policy rank 0 ran under (``cpu_sched``: :mod:`.cpu_sched`)."""
+    from hetplan.runtime.cpu_sched import current_cpu_sched
+
     pred = plan.predictions
     report = {
         "world_size": len(ranks),
@@ -393,6 +400,7 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
         "loss_per_step": _loss_per_step(ranks),
         "rebalanced_at": list(rt.rebalanced_at),
         "rebalance_ms": [round(x * 1e3, 3) for x in rt.rebalance_s],
+        "cpu_sched": current_cpu_sched(),
         "predicted": {
             "iteration_ms": pred.iteration_time_ms if pred else None,
             "compute_ms": pred.breakdown.compute_ms if pred else None,

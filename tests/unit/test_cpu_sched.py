@@ -1,0 +1,91 @@
+"""CPU ranks as Linux batch tasks on request (``hetplan.runtime.cpu_sched``): the policy read
+from ``HETPLAN_CPU_SCHED``, its bad values refused, the default leaving the process alone, and
+the profiler's ranks scheduled as the runtime's are."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetplan.errors import SpecError
+from hetplan.profiling._spawn import run_local_ranks
+from hetplan.runtime.cpu_sched import ENV, apply_cpu_sched, cpu_sched_policy
+
+linux_only = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"),
+                                reason="SCHED_BATCH is Linux's; elsewhere the policy is left alone")
+
+
+def test_the_default_is_normal_and_batch_can_be_chosen() -> None:
+    assert cpu_sched_policy({}) == "normal"
+    assert cpu_sched_policy({ENV: ""}) == "normal"
+    assert cpu_sched_policy({ENV: " BATCH "}) == "batch"
+    assert cpu_sched_policy({ENV: "normal"}) == "normal"
+
+
+def test_a_bad_value_names_the_variable_and_the_values() -> None:
+    with pytest.raises(SpecError, match=r"HETPLAN_CPU_SCHED='fifo'.*normal, batch"):
+        cpu_sched_policy({ENV: "fifo"})
+    with pytest.raises(SpecError, match="unknown CPU scheduling policy 'idle'"):
+        apply_cpu_sched("idle")
+
+
+def _policy_after_apply(env_value: str | None, start_batch: bool = False) -> str:
+    """Apply the policy in a fresh interpreter (this process keeps its own), started under
+    the batch policy if asked, and report what the kernel then says."""
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if env_value is not None:
+        env[ENV] = env_value
+    code = ("import os; from hetplan.runtime.cpu_sched import apply_cpu_sched; "
+            "print(apply_cpu_sched(), os.sched_getscheduler(0) == os.SCHED_BATCH)")
+    pre = ((lambda: os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0)))
+           if start_batch else None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60, check=True, preexec_fn=pre)
+    return out.stdout.strip()
+
+
+@linux_only
+def test_apply_sets_the_kernel_policy_of_the_process() -> None:
+    assert _policy_after_apply("batch") == "batch True"
+    assert _policy_after_apply(None) == "normal False"
+    # the default leaves a process started as a batch task (e.g. under chrt -b) as it is
+    assert _policy_after_apply(None, start_batch=True) == "batch True"
+
+
+def _policy(rank: int, world: int) -> bool:
+    return os.sched_getscheduler(0) == os.SCHED_BATCH
+
+
+@linux_only
+def test_profiler_ranks_follow_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hetplan profile``'s processes are scheduled as ``hetplan run``'s workers are, so a
+    profile and a run under the same value measure the same thing."""
+    monkeypatch.setenv(ENV, "batch")
+    assert run_local_ranks(_policy, 2, backend=None, timeout_s=60) == [True, True]
+    monkeypatch.setenv(ENV, "normal")
+    assert run_local_ranks(_policy, 2, backend=None, timeout_s=60) == [False, False]
+
+
+def test_hetplan_run_refuses_a_bad_value_before_any_rank_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    import hetplan
+    from hetplan.cli import app
+    from hetplan.runtime import launch as launch_mod
+
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("launched despite a bad HETPLAN_CPU_SCHED")
+
+    monkeypatch.setattr(launch_mod, "launch", never)
+    plan = hetplan.compile("mlp", "local-cpu", batch_size=8, dp=4, pp=1, tp=1)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    monkeypatch.setenv(ENV, "realtime")
+    res = CliRunner().invoke(app, ["run", str(path), "--model", "mlp"])
+    assert res.exit_code == 2, res.output
+    assert "HETPLAN_CPU_SCHED='realtime'" in " ".join(res.output.split())
