@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,10 +197,33 @@ class GradSync:
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
+            if b.work is not None:  # launched already (launch_final)
+                self._next += 1
+                continue
             if not force and (b.hooked == 0 or b.pending > 0):
                 return
             self._launch(b)
             self._next += 1
+
+    def launch_final(self, final: Collection[int]) -> int:
+        """Launch now every bucket not launched yet whose parameters' gradients are all final
+        for this step (their ``id`` in ``final``); the number launched.
+
+        A pipeline runs every micro-batch's backward inside one schedule step, with the hooks
+        held back; its stage handler calls this when a stage's last backward has ended (the
+        schedule's ``REDUCE_GRAD`` action for it), so that stage's buckets sync while the
+        rank's other stages still compute, as the cost model's ``dp_overlap="backward"``
+        times them per chunk. Every data-parallel peer runs the same action list, so all of
+        them launch the same buckets in the same order. :meth:`finish` launches the rest and
+        waits for all."""
+        if self.group is None:
+            return 0
+        launched = 0
+        for b in self.buckets:
+            if b.work is None and all(id(p) in final for p in b.params):
+                self._launch(b)
+                launched += 1
+        return launched
 
     def _launch(self, b: _Bucket) -> None:
         if b.flat is not None:

@@ -168,9 +168,24 @@ class StageMonitor:
         self.busy_s = 0.0
         self.executed: list[Action] = []
         self.trace: StepTrace | None = None
+        #: called with a stage's index once its last backward of the step has ended (after
+        #: the schedule's ``REDUCE_GRAD`` action for it: the gradients are scaled and final)
+        self.on_gradients_final: Callable[[int], None] | None = None
         for st in stages:
             for name, kind in self._METHODS.items():
                 setattr(st, name, self._timed(getattr(st, name), kind, st.stage_index))
+            if hasattr(st, "perform_reduce_grad"):
+                st.perform_reduce_grad = self._final(  # type: ignore[method-assign]
+                    st.perform_reduce_grad, st.stage_index)
+
+    def _final(self, fn: Callable[..., Any], stage: int) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if self.on_gradients_final is not None:
+                self.on_gradients_final(stage)
+            return out
+
+        return run
 
     def _timed(self, fn: Callable[..., Any], kind: ActionKind, stage: int) -> Callable[..., Any]:
         def run(chunk: int, *args: Any, **kwargs: Any) -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -148,6 +148,12 @@ class Handler:
         """A context in which backward passes only accumulate gradients (see
         :meth:`RuntimeContext.accumulating`)."""
         return contextlib.nullcontext()
+
+    def stage_gradients_final(self, ctx: RuntimeContext, params: Collection[int]) -> None:
+        """Inside a pipeline step: one of this rank's stages ran its last backward of the
+        step, so the gradients of ``params`` (their ``id``) hold their final values until
+        :meth:`after_backward` (tied parameters, which the stage handler sums then, are left
+        out); a handler may start syncing them."""
 
     def after_backward(self, ctx: RuntimeContext) -> None:
         """After every micro-batch's backward, before the optimizer step (timed as the wait

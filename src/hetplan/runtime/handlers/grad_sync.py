@@ -12,12 +12,15 @@ buffer the collective sends, and :meth:`GradSyncHandler.after_step` zeroes the b
 the optimizer step (whose ``zero_grad`` set the gradients to None) and points the gradients
 back at them. A pipeline keeps the copy path: the stage handler's tied-weight sum tells a
 stage's unused alias of a tied weight by its ``.grad`` being None (and every bucket of a
-pipeline launches after the schedule anyway).
+pipeline is launched stage by stage: when a stage's last backward of the step has ended,
+its buckets start syncing while the rank's other stages still compute;
+:meth:`GradSyncHandler.after_backward` launches what is left and waits for all).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from contextlib import AbstractContextManager
 
 from hetplan.runtime.grad_sync import GradSync
@@ -55,6 +58,10 @@ class GradSyncHandler(Handler):
 
     def accumulating(self, ctx: RuntimeContext) -> AbstractContextManager[None]:
         return self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()
+
+    def stage_gradients_final(self, ctx: RuntimeContext, params: Collection[int]) -> None:
+        if self.sync is not None:  # a pipeline stage's buckets, while the others compute
+            self.sync.launch_final(params)
 
     def after_backward(self, ctx: RuntimeContext) -> None:
         if self.sync is not None:

@@ -28,6 +28,7 @@ one peer per neighbour); its replicas take rows of every micro-batch instead.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -175,6 +176,7 @@ class StagesHandler(Handler):
         self.actions = actions
         self.monitor = StageMonitor(self.stages)
         self.monitor.watch_loss(self.schedule)
+        self.monitor.on_gradients_final = functools.partial(self._gradients_final, ctx)
         self._mark_schedule()  # a re-built schedule (re-balancing) keeps the trace's marks
         self.pp_group, self.num_stages = pp_group, ranks
         ctx.named_params = _owned_params(self.stages, stages, ctx.model_ir().layers)
@@ -291,9 +293,10 @@ class StagesHandler(Handler):
         return loss.detach()
 
     def _pipeline(self, ctx: RuntimeContext, xs: list[torch.Tensor], y: torch.Tensor) -> float:
-        """One schedule step. It runs every micro-batch's backward, so gradient sync waits
-        until it ends (no overlap with the last backward yet); ``ctx.bubble_s`` gets the
-        schedule time the stages did not compute."""
+        """One schedule step. It runs every micro-batch's backward; a stage whose last
+        backward has ended tells the handlers (:meth:`_gradients_final`), so its gradients
+        sync while the rank's other stages compute; ``ctx.bubble_s`` gets the schedule time
+        the stages did not compute."""
         from hetplan.runtime.schedule import step
 
         assert self.monitor is not None
@@ -303,6 +306,16 @@ class StagesHandler(Handler):
             loss = step(self.schedule, self.stage_indices, self.num_stages, xs, y)
         ctx.bubble_s = max(time.perf_counter() - t0 - self.monitor.busy_s, 0.0)
         return float(loss) if loss is not None else float("nan")
+
+    def _gradients_final(self, ctx: RuntimeContext, stage_index: int) -> None:
+        """Tell every handler that stage ``stage_index``'s gradients are final for this step:
+        its parameters but the tied ones (:meth:`after_backward` sums those later)."""
+        tied = {n for tie in self.ties for n in tie.names}
+        st = next(s for s in self.stages if s.stage_index == stage_index)
+        final = {id(p) for n, p in st.submod.named_parameters(remove_duplicate=False)
+                 if n not in tied}
+        for h in ctx.handlers:
+            h.stage_gradients_final(ctx, final)
 
     def after_backward(self, ctx: RuntimeContext) -> None:
         """Sum the gradients of every tied parameter's copies over its tie group (before the
