@@ -700,9 +700,8 @@ def run_cmd(
     import signal
 
     from hetplan.ir.plan import load_plan
-    from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
-
     from hetplan.runtime.cpu_sched import cpu_sched_policy
+    from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
 
     plan = load_plan(plan_file)
     _check_torchrun_args(ctx)

@@ -44,6 +44,10 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "tied-lm-dp2xpp2-interleaved": ("tied-lm", 4, {
         "dp": 2, "pp": 2, "tp": 1, "micro_batch_size": 2, "schedule": "interleaved-1f1b",
         "virtual_stages": 2}),
+    # the same, with a stage's buckets launched as soon as its last backward ends (as on NCCL)
+    "tied-lm-dp2xpp2-interleaved-early": ("tied-lm", 4, {
+        "dp": 2, "pp": 2, "tp": 1, "micro_batch_size": 2, "schedule": "interleaved-1f1b",
+        "virtual_stages": 2}),
 }
 
 
@@ -73,29 +77,39 @@ def results() -> dict[int, list[dict[str, Any]]]:
 
 def _train_counting_early_launches(rank: int, world: int, cases: dict[str, Any]
                                    ) -> dict[str, dict[str, Any]]:
-    """:func:`reflib.train_plans`, counting the gradient buckets each rank launched while its
-    pipeline step still ran (``GradSync.launch_final``, called when a stage's last backward
-    has ended) and whether a launched bucket held a tied parameter."""
+    """:func:`reflib.train_plans`, case by case, counting the gradient buckets each rank
+    launched while its pipeline step still ran (``GradSync.launch_final``, called when a
+    stage's last backward has ended) and those holding a tied parameter. A case whose label
+    ends in ``-early`` runs as on NCCL, where the runtime launches them (gloo groups do not:
+    ``grad_sync.overlaps_compute``)."""
     from hetplan.runtime.grad_sync import GradSync
+    from hetplan.runtime.handlers import grad_sync as handler
 
-    early = {"buckets": 0, "tied": 0}
-    launch_final = GradSync.launch_final
+    launch_final, overlaps = GradSync.launch_final, handler.overlaps_compute
+    out: dict[str, dict[str, Any]] = {}
+    for label, case in cases.items():
+        early = {"buckets": 0, "tied": 0}
 
-    def counting(self: GradSync, final: Any) -> int:
-        before = {id(b) for b in self.buckets if b.work is None}
-        n = launch_final(self, final)
-        for b in self.buckets:
-            if id(b) in before and b.work is not None:
-                early["buckets"] += 1
-                early["tied"] += any(name in ("embed.weight", "head.weight") for name in b.names)
-        return n
+        def counting(self: GradSync, final: Any, early: dict[str, int] = early) -> int:
+            before = {id(b) for b in self.buckets if b.work is None}
+            n = launch_final(self, final)
+            for b in self.buckets:
+                if id(b) in before and b.work is not None:
+                    early["buckets"] += 1
+                    early["tied"] += any(x in ("embed.weight", "head.weight") for x in b.names)
+            return n
 
-    GradSync.launch_final = counting  # type: ignore[method-assign]
-    try:
-        out = train_plans(rank, world, cases)
-    finally:
-        GradSync.launch_final = launch_final  # type: ignore[method-assign]
-    out["early launches"] = early
+        GradSync.launch_final = counting  # type: ignore[method-assign]
+        if label.endswith("-early"):
+            handler.overlaps_compute = lambda group: True
+        try:
+            got = train_plans(rank, world, {label: case})
+        finally:
+            GradSync.launch_final = launch_final  # type: ignore[method-assign]
+            handler.overlaps_compute = overlaps
+        if "error" not in got[label]:
+            got[label]["early launches"] = early
+        out.update(got)
     return out
 
 
@@ -152,11 +166,15 @@ def test_cli_plans_and_runs_tiny_gpt2_with_two_stages(tmp_path: Path) -> None:
 
 def test_data_parallel_buckets_launch_as_each_stage_finishes(
         results: dict[int, list[dict[str, Any]]]) -> None:
-    """In the dp 2 x pp 2 interleaved pipeline each rank starts syncing a stage's buckets when
-    that stage's last backward has ended, inside the schedule, not after it (the cost model's
-    ``dp_overlap="backward"``); the buckets of the tied embedding and head wait for the tied
-    sum after the schedule. The parameters still equal the reference
-    (:func:`test_tied_pipeline_equals_reference`)."""
-    early = [r["early launches"] for r in results[4]]
+    """Where collectives overlap compute (NCCL; forced here on gloo) each rank of the dp 2 x
+    pp 2 interleaved pipeline starts syncing a stage's buckets when that stage's last
+    backward has ended, inside the schedule; the buckets of the tied embedding and head wait
+    for the tied sum after it. The parameters still equal the reference
+    (:func:`test_tied_pipeline_equals_reference`, the ``-early`` case). On gloo, where the
+    sync takes the cores the stages compute on, nothing launches early."""
+    early = [g["early launches"] for g in
+             case_results(results[4], "tied-lm-dp2xpp2-interleaved-early")]
     assert all(e["buckets"] > 0 for e in early), early
     assert all(e["tied"] == 0 for e in early), early
+    plain = [g["early launches"] for g in case_results(results[4], "tied-lm-dp2xpp2-interleaved")]
+    assert all(e["buckets"] == 0 for e in plain), plain

@@ -29,7 +29,7 @@ def test_the_default_is_normal_and_batch_can_be_chosen() -> None:
 def test_a_bad_value_names_the_variable_and_the_values() -> None:
     with pytest.raises(SpecError, match=r"HETPLAN_CPU_SCHED='fifo'.*normal, batch"):
         cpu_sched_policy({ENV: "fifo"})
-    with pytest.raises(SpecError, match="unknown CPU scheduling policy 'idle'"):
+    with pytest.raises(SpecError, match=r"apply_cpu_sched\(policy='idle'\)"):
         apply_cpu_sched("idle")
 
 
@@ -41,8 +41,8 @@ def _policy_after_apply(env_value: str | None, start_batch: bool = False) -> str
         env[ENV] = env_value
     code = ("import os; from hetplan.runtime.cpu_sched import apply_cpu_sched; "
             "print(apply_cpu_sched(), os.sched_getscheduler(0) == os.SCHED_BATCH)")
-    pre = ((lambda: os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0)))
-           if start_batch else None)
+    start = os.SCHED_BATCH if start_batch else os.SCHED_OTHER  # whatever pytest runs under
+    pre = lambda: os.sched_setscheduler(0, start, os.sched_param(0))  # noqa: E731
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=60, check=True, preexec_fn=pre)
     return out.stdout.strip()
@@ -66,8 +66,9 @@ def test_profiler_ranks_follow_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
     profile and a run under the same value measure the same thing."""
     monkeypatch.setenv(ENV, "batch")
     assert run_local_ranks(_policy, 2, backend=None, timeout_s=60) == [True, True]
-    monkeypatch.setenv(ENV, "normal")
-    assert run_local_ranks(_policy, 2, backend=None, timeout_s=60) == [False, False]
+    monkeypatch.setenv(ENV, "normal")  # the ranks keep the policy they were started with
+    started = os.sched_getscheduler(0) == os.SCHED_BATCH
+    assert run_local_ranks(_policy, 2, backend=None, timeout_s=60) == [started, started]
 
 
 def test_hetplan_run_refuses_a_bad_value_before_any_rank_starts(
@@ -89,3 +90,24 @@ def test_hetplan_run_refuses_a_bad_value_before_any_rank_starts(
     res = CliRunner().invoke(app, ["run", str(path), "--model", "mlp"])
     assert res.exit_code == 2, res.output
     assert "HETPLAN_CPU_SCHED='realtime'" in " ".join(res.output.split())
+
+
+def test_hetplan_profile_refuses_a_bad_value_before_measuring(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from hetplan.profiling import run_profile
+
+    monkeypatch.setenv(ENV, "fifo")
+    with pytest.raises(SpecError, match="HETPLAN_CPU_SCHED='fifo'"):
+        run_profile(None, what=["collectives"], output=tmp_path / "p.json", show_progress=False)
+    assert not (tmp_path / "p.json").exists()
+
+
+@linux_only
+def test_a_refused_policy_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_a: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_getscheduler", lambda _pid: os.SCHED_OTHER)
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    with pytest.raises(SpecError, match="HETPLAN_CPU_SCHED=batch: this system refuses.*unset"):
+        apply_cpu_sched("batch")

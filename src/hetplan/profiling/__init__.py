@@ -269,6 +269,9 @@ def run_profile(
         SpecError: ``HETPLAN_EMULATE_BW`` set with collectives to time and no ``link_kind``
             (or ``loopback`` / ``nvlink``) to file them under.
     """
+    from hetplan.runtime.cpu_sched import apply_cpu_sched, cpu_sched_policy
+
+    cpu_sched = cpu_sched_policy()  # a bad HETPLAN_CPU_SCHED: refused before anything runs
     bad = [w for w in what if w not in WHAT]
     if bad:
         raise SpecError(f"--what: unknown measurement(s) {bad}; choose from {list(WHAT)}")
@@ -292,6 +295,8 @@ def run_profile(
         device = "cuda" if device_type != "cpu" and torch.cuda.is_available() else "cpu"
     if backend is None:
         backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "gloo":  # the layers timed in this process run as the workers do
+        apply_cpu_sched(cpu_sched)
     if link_kind is None:
         link_kind = "nvlink" if backend == "nccl" else "loopback"
     compute, colls, comps = [], [], []

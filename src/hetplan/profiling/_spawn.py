@@ -55,7 +55,8 @@ def _entry(
 
     if threads is not None:
         torch.set_num_threads(threads)
-    if not torch.cuda.is_available():  # CPU ranks: as the runtime's workers run (cpu_sched)
+    if backend == "gloo" or (backend is None and not torch.cuda.is_available()):
+        # CPU ranks: scheduled as the runtime's CPU workers are (hetplan.runtime.cpu_sched)
         from hetplan.runtime.cpu_sched import apply_cpu_sched
 
         apply_cpu_sched(cpu_sched)

@@ -9,6 +9,9 @@ plug their strategies in. For every bucket of the plan that holds parameters of 
   plan's order is the backward-ready order, identical on every rank, which keeps collectives
   matched across ranks), its gradients are flattened into one buffer and an asynchronous
   collective starts (overlapping the rest of backward);
+- a pipeline, whose hooks are held back for the whole schedule, may instead launch a
+  stage's buckets when that stage's last backward has ended (:meth:`GradSync.launch_final`,
+  flat allreduce buckets on NCCL only);
 - :meth:`GradSync.finish` launches what is left, waits, and writes the averaged gradients back.
 
 Strategies: a flat fp32 or fp16/bf16 allreduce runs as one asynchronous ``all_reduce`` (the
@@ -137,6 +140,7 @@ class GradSync:
             if n not in covered:
                 self.buckets.append(self._bucket([n], params, NoSync()))
         self._next = 0
+        self._final: set[int] = set()  # launch_final: parameters final this step
         self._runner: PathRunner | None = None
         self._pool: ThreadPoolExecutor | None = None
         if group is not None and any(not _simple(b.strategy) for b in self.buckets):
@@ -206,21 +210,28 @@ class GradSync:
             self._next += 1
 
     def launch_final(self, final: Collection[int]) -> int:
-        """Launch now every bucket not launched yet whose parameters' gradients are all final
-        for this step (their ``id`` in ``final``); the number launched.
+        """Add ``final`` (parameter ``id`` s whose gradients are final for this step) to the
+        step's final set, and launch now every flat-allreduce bucket not launched yet whose
+        parameters are all in it; the number launched.
 
         A pipeline runs every micro-batch's backward inside one schedule step, with the hooks
         held back; its stage handler calls this when a stage's last backward has ended (the
         schedule's ``REDUCE_GRAD`` action for it), so that stage's buckets sync while the
-        rank's other stages still compute, as the cost model's ``dp_overlap="backward"``
-        times them per chunk. Every data-parallel peer runs the same action list, so all of
-        them launch the same buckets in the same order. :meth:`finish` launches the rest and
-        waits for all."""
+        rank's later stages (chunks) still compute. That lies between the cost model's
+        ``dp_overlap`` modes: ``backward`` overlaps a stage's sync with its own last backward,
+        ``after-flush`` starts every sync after the schedule; with one stage per rank it is
+        nearly the latter. Every data-parallel peer runs the same action list, so all launch
+        the same buckets in the same order. Only the flat allreduce path launches here: its
+        collective is queued from this thread, in order with the blocking ones later handlers
+        issue on the same group; a worker-thread path (compressed, hierarchical) would race
+        with them, and waits for :meth:`finish`, which launches the rest and waits for all."""
         if self.group is None:
             return 0
+        self._final.update(final)
         launched = 0
         for b in self.buckets:
-            if b.work is None and all(id(p) in final for p in b.params):
+            if (b.work is None and self._pool is None and _simple(b.strategy)
+                    and all(id(p) in self._final for p in b.params)):
                 self._launch(b)
                 launched += 1
         return launched
@@ -271,6 +282,7 @@ class GradSync:
             b.pending = b.hooked
             b.buffer = b.work = b.link_end = None
         self._next = 0
+        self._final.clear()
         if self._runner is not None:
             self._runner.iteration += 1
 

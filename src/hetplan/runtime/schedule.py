@@ -171,6 +171,8 @@ class StageMonitor:
         #: called with a stage's index once its last backward of the step has ended (after
         #: the schedule's ``REDUCE_GRAD`` action for it: the gradients are scaled and final)
         self.on_gradients_final: Callable[[int], None] | None = None
+        #: seconds spent in it (launching gradient syncs: neither compute nor bubble)
+        self.sync_launch_s = 0.0
         for st in stages:
             for name, kind in self._METHODS.items():
                 setattr(st, name, self._timed(getattr(st, name), kind, st.stage_index))
@@ -182,7 +184,9 @@ class StageMonitor:
         def run(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
             if self.on_gradients_final is not None:
+                t0 = time.perf_counter()
                 self.on_gradients_final(stage)
+                self.sync_launch_s += time.perf_counter() - t0
             return out
 
         return run
@@ -219,6 +223,7 @@ class StageMonitor:
     def reset(self) -> None:
         """Forget the previous step's time and actions."""
         self.busy_s = 0.0
+        self.sync_launch_s = 0.0
         self.executed = []
 
 

@@ -174,7 +174,8 @@ def mark_grad_sync(sync: Any, trace: StepTrace) -> None:
     """``sync`` sync spans in ``trace`` (a :class:`~hetplan.runtime.grad_sync.GradSync`;
     marked from outside: its methods are wrapped on the instance): each bucket's launch
     (``launch bucket k``, on the main thread: in the gradient hook that found it complete,
-    or in ``finish`` for the last bucket of the fast path, which gets no hooks)
+    in a pipeline when its stage's last backward ended (NCCL), or in ``finish`` for the
+    rest, such as the last bucket of the fast path, which gets no hooks)
     and, for paths on the worker thread, each step of :class:`~hetplan.runtime.routines.
     PathRunner` (``comp``, ``decomp``, ``comm ROUTINE at LEVEL``) on :data:`SYNC_TID`. The
     wait for them after backward is the ``after_backward GradSyncHandler`` phase."""

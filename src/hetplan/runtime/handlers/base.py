@@ -151,9 +151,9 @@ class Handler:
 
     def stage_gradients_final(self, ctx: RuntimeContext, params: Collection[int]) -> None:
         """Inside a pipeline step: one of this rank's stages ran its last backward of the
-        step, so the gradients of ``params`` (their ``id``) hold their final values until
-        :meth:`after_backward` (tied parameters, which the stage handler sums then, are left
-        out); a handler may start syncing them."""
+        step, so the gradients of ``params`` (their ``id``) hold their final values from now
+        through :meth:`after_backward` (tied parameters, which the stage handler sums then,
+        are left out); a handler may start syncing them."""
 
     def after_backward(self, ctx: RuntimeContext) -> None:
         """After every micro-batch's backward, before the optimizer step (timed as the wait

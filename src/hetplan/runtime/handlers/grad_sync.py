@@ -12,9 +12,10 @@ buffer the collective sends, and :meth:`GradSyncHandler.after_step` zeroes the b
 the optimizer step (whose ``zero_grad`` set the gradients to None) and points the gradients
 back at them. A pipeline keeps the copy path: the stage handler's tied-weight sum tells a
 stage's unused alias of a tied weight by its ``.grad`` being None (and every bucket of a
-pipeline is launched stage by stage: when a stage's last backward of the step has ended,
-its buckets start syncing while the rank's other stages still compute;
-:meth:`GradSyncHandler.after_backward` launches what is left and waits for all).
+pipeline on NCCL is launched stage by stage: when a stage's last backward of the step has
+ended, its flat-allreduce buckets start syncing while the rank's later stages still compute
+(:func:`overlaps_compute`; on gloo, and for the other paths, every bucket launches after the
+schedule); :meth:`GradSyncHandler.after_backward` launches what is left and waits for all).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Collection
 from contextlib import AbstractContextManager
+from typing import Any
 
 from hetplan.runtime.grad_sync import GradSync
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
@@ -41,6 +43,7 @@ class GradSyncHandler(Handler):
 
     def __init__(self) -> None:
         self.sync: GradSync | None = None
+        self.early = False  # launch a pipeline stage's buckets as it finishes (setup)
 
     def setup(self, ctx: RuntimeContext) -> None:
         if ctx.layout.dp > 1 and ctx.layout.zero_stage >= 2:
@@ -55,12 +58,13 @@ class GradSyncHandler(Handler):
                              groups.dp_group if groups is not None else None, ctx.layout.dp,
                              groups.sync_levels() if groups is not None else None,
                              grad_views=ctx.layout.pp == 1 and ctx.plan.hetero is None)
+        self.early = self.sync.group is not None and overlaps_compute(self.sync.group)
 
     def accumulating(self, ctx: RuntimeContext) -> AbstractContextManager[None]:
         return self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()
 
     def stage_gradients_final(self, ctx: RuntimeContext, params: Collection[int]) -> None:
-        if self.sync is not None:  # a pipeline stage's buckets, while the others compute
+        if self.sync is not None and self.early:  # a stage's buckets, while others compute
             self.sync.launch_final(params)
 
     def after_backward(self, ctx: RuntimeContext) -> None:
@@ -79,6 +83,19 @@ class GradSyncHandler(Handler):
         if self.sync is not None:
             self.sync.close()
             self.sync = None
+
+
+def overlaps_compute(group: Any) -> bool:
+    """Whether a collective on ``group`` runs beside the stages' compute: NCCL (its own
+    streams and SMs), not gloo, which reduces and copies on the CPU cores the stages compute
+    on (the cost model's ``comm_overlaps_compute: false`` for the ``cpu`` type). Measured on
+    the CPU presets' machine, launching a pipeline stage's buckets early moved 3.7 ms a step
+    from the exposed sync into the bubble and left the step 1.8 ms slower (three pairs of
+    runs, ``docs/decisions/cpu-fidelity.md`` section 16), so gloo groups keep launching
+    after the schedule."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)) == "nccl"
 
 
 def _sequence_parallel_ids(ctx: RuntimeContext) -> set[int]:

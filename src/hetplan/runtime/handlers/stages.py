@@ -294,9 +294,9 @@ class StagesHandler(Handler):
 
     def _pipeline(self, ctx: RuntimeContext, xs: list[torch.Tensor], y: torch.Tensor) -> float:
         """One schedule step. It runs every micro-batch's backward; a stage whose last
-        backward has ended tells the handlers (:meth:`_gradients_final`), so its gradients
-        sync while the rank's other stages compute; ``ctx.bubble_s`` gets the schedule time
-        the stages did not compute."""
+        backward has ended tells the handlers (:meth:`_gradients_final`: on NCCL its
+        gradients then sync while the rank's later stages compute); ``ctx.bubble_s`` gets the
+        schedule time the stages neither computed nor spent launching syncs."""
         from hetplan.runtime.schedule import step
 
         assert self.monitor is not None
@@ -304,7 +304,8 @@ class StagesHandler(Handler):
         t0 = time.perf_counter()
         with ctx.accumulating():
             loss = step(self.schedule, self.stage_indices, self.num_stages, xs, y)
-        ctx.bubble_s = max(time.perf_counter() - t0 - self.monitor.busy_s, 0.0)
+        ctx.bubble_s = max(time.perf_counter() - t0 - self.monitor.busy_s
+                           - self.monitor.sync_launch_s, 0.0)
         return float(loss) if loss is not None else float("nan")
 
     def _gradients_final(self, ctx: RuntimeContext, stage_index: int) -> None:
