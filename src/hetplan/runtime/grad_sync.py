@@ -258,6 +258,14 @@ class GradSync:
             b.link_end = link.reserve("allreduce", flat.numel() * flat.element_size(),
                                       self.world)
 
+    def wait_submitted(self) -> None:
+        """Wait for every bucket already handed to the worker thread (the compressed and
+        hierarchical paths), so that the caller may issue collectives on the same groups from
+        this thread without racing it; :meth:`finish` still collects their results."""
+        for b in self.buckets:
+            if isinstance(b.work, Future):
+                b.work.result()
+
     def finish(self) -> None:
         """Launch what is left, wait for every collective, leave averaged gradients in
         ``.grad`` (in place in a view bucket's buffer; copied back otherwise)."""

@@ -142,6 +142,8 @@ class TensorParallelHandler(Handler):
         gradient-sync handler leaves them out: it flattens a bucket when backward completes
         it, before this sum, and would write the unsummed values back)."""
         average = dp_averages_sp_params(ctx)
+        if average and self.sp_params:
+            _quiet_grad_sync_thread(ctx)
         for p in self.sp_params:
             if p.grad is not None:
                 # under ZeRO-3 the gradient is FSDP's shard (a DTensor over the DP group),
@@ -154,6 +156,21 @@ class TensorParallelHandler(Handler):
 
     def close(self, ctx: RuntimeContext) -> None:
         self.sp_params, self.group, self.unsharded, self.sp_hooks = [], None, None, []
+
+
+def _quiet_grad_sync_thread(ctx: RuntimeContext) -> None:
+    """Wait until the gradient-sync worker thread (compressed or hierarchical paths) has
+    finished what backward handed it, before this handler's blocking all-reduces on the
+    data-parallel group: two threads issuing collectives on one gloo group can pair them
+    differently on different ranks (``hetplan.runtime.grad_sync``'s module docstring)."""
+    from hetplan.runtime.handlers.grad_sync import GradSyncHandler
+
+    try:
+        sync = ctx.handler(GradSyncHandler).sync
+    except LookupError:
+        return
+    if sync is not None:
+        sync.wait_submitted()
 
 
 def dp_averages_sp_params(ctx: RuntimeContext) -> bool:
