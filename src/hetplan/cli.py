@@ -1204,6 +1204,10 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
     if isinstance(losses, list) and losses:
         out.print("loss per step: " + " ".join(f"{x:.4f}" for x in losses[:20])
                   + (" ..." if len(losses) > 20 else ""))
+    if report.get("cpu_sched") == "batch":
+        out.print("the CPU ranks ran as batch tasks (HETPLAN_CPU_SCHED=batch): compare with "
+                  "a plan made from a profile taken under batch too "
+                  "(docs/decisions/cpu-sched.md)", markup=False)
 
 
 def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:

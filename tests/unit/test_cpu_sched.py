@@ -4,6 +4,7 @@ the profiler's ranks scheduled as the runtime's are."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,3 +112,25 @@ def test_a_refused_policy_names_the_variable(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     with pytest.raises(SpecError, match="HETPLAN_CPU_SCHED=batch: this system refuses.*unset"):
         apply_cpu_sched("batch")
+
+
+@pytest.mark.parametrize("policy", ["batch", "normal"])
+def test_inspect_run_says_when_the_ranks_ran_as_batch_tasks(tmp_path: Path,
+                                                           policy: str) -> None:
+    from typer.testing import CliRunner
+
+    import hetplan
+    from hetplan.cli import app
+
+    plan = hetplan.compile("mlp", "local-cpu", batch_size=8, dp=4, pp=1, tp=1)
+    plan.save(tmp_path / "plan.json")
+    measured = {"iteration_ms": 2.0, "compute_ms": 1.0, "bubble_ms": 0.0,
+                "exposed_comm_ms": 0.5, "optimizer_ms": 0.5, "per_iteration_ms": [2.0]}
+    report = {"world_size": 4, "steps": 1, "final_loss": 1.0, "measured": measured,
+              "per_rank": [], "loss_per_step": [1.0], "cpu_sched": policy}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "plan.json"), "--run",
+                                   str(tmp_path / "report.json")])
+    assert res.exit_code == 0, res.output
+    said = "ran as batch tasks (HETPLAN_CPU_SCHED=batch)" in " ".join(res.output.split())
+    assert said == (policy == "batch")
