@@ -31,9 +31,10 @@ def test_wait_submitted_waits_for_every_future() -> None:
 
 def test_sp_average_waits_for_the_grad_sync_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
-    sync = SimpleNamespace(wait_submitted=lambda: order.append("wait"))
+    sync = GradSync.__new__(GradSync)
+    sync.wait_submitted = lambda: order.append("wait")  # type: ignore[method-assign]
     gs = GradSyncHandler()
-    gs.sync = sync  # type: ignore[assignment]
+    gs.sync = sync
     tp = TensorParallelHandler.__new__(TensorParallelHandler)
     p = torch.nn.Parameter(torch.ones(2))
     p.grad = torch.ones(2)

@@ -163,14 +163,12 @@ def _quiet_grad_sync_thread(ctx: RuntimeContext) -> None:
     finished what backward handed it, before this handler's blocking all-reduces on the
     data-parallel group: two threads issuing collectives on one gloo group can pair them
     differently on different ranks (``hetplan.runtime.grad_sync``'s module docstring)."""
-    from hetplan.runtime.handlers.grad_sync import GradSyncHandler
+    from hetplan.runtime.grad_sync import GradSync
 
-    try:
-        sync = ctx.handler(GradSyncHandler).sync
-    except LookupError:
-        return
-    if sync is not None:
-        sync.wait_submitted()
+    for h in ctx.handlers:  # the gradient-sync handler's path (no import of that handler)
+        sync = getattr(h, "sync", None)
+        if isinstance(sync, GradSync):
+            sync.wait_submitted()
 
 
 def dp_averages_sp_params(ctx: RuntimeContext) -> bool:
