@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hetplan.errors import SpecError
 from hetplan.profiling._spawn import run_local_ranks
@@ -134,3 +135,15 @@ def test_inspect_run_says_when_the_ranks_ran_as_batch_tasks(tmp_path: Path,
     assert res.exit_code == 0, res.output
     said = "ran as batch tasks (HETPLAN_CPU_SCHED=batch)" in " ".join(res.output.split())
     assert said == (policy == "batch")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the variable applies to CPU ranks")
+def test_a_worker_refuses_a_bad_value_in_one_line_with_code_2() -> None:
+    """A rank started outside ``hetplan run`` (plain torchrun) checks the variable itself,
+    before it starts any thread or joins a group."""
+    env = {**os.environ, ENV: "fifo"}
+    proc = subprocess.run([sys.executable, "-m", "hetplan.runtime.worker", "--plan", "x.json"],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "HETPLAN_CPU_SCHED='fifo'" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -44,6 +44,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from hetplan.errors import SpecError
+
 __all__ = ["main", "run_script", "synthetic_batch", "build_model", "make_target"]
 
 
@@ -100,12 +102,19 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     proctree.stop_on_signals()
     proctree.set_parent_death_signal()  # die with torchrun
-    proctree.watch_launcher()
     try:
-        if not torch.cuda.is_available():  # a CPU rank: before its process group's threads
+        if not torch.cuda.is_available():  # a CPU rank: before any thread of its own starts
             from hetplan.runtime.cpu_sched import apply_cpu_sched
 
             apply_cpu_sched()
+    except SpecError as e:  # a bad or refused HETPLAN_CPU_SCHED: one line, code 2
+        _print_error(f"error: {e}")
+        proctree.record_exit(2)
+        from hetplan.runtime.groups import exit_now
+
+        exit_now(2)
+    proctree.watch_launcher()
+    try:
         code = run_script(argv[1:]) if argv[:1] == ["--script"] else _run_worker(argv)
     except Exception as e:  # noqa: BLE001 - e.g. the rendezvous timed out: one line, code 1
         _print_error(f"{type(e).__name__}: {e}")
