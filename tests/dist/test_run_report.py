@@ -6,6 +6,7 @@ side."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,10 @@ def test_run_report_with_memory_and_losses(tmp_path: Path) -> None:
     for r in data["per_rank"]:
         measured, predicted = r["peak_memory_bytes"], r["predicted_memory_bytes"]
         assert measured > 0 and predicted > 0
+        # the process's CPU time per step: spent, and no more than the host's cores could give
+        # in the step (a bound the hardware sets, not a timing: the half is the slack between
+        # the step clock's window and the CPU clock's)
+        assert 0 < r["cpu_ms"] <= 1.5 * (os.cpu_count() or 1) * r["iteration_ms"]
         assert set(r["predicted_memory_by_kind"]) == {"params", "grads", "optimizer",
                                                       "activations", "buffers"}
     assert plan.predictions is not None

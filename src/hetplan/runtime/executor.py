@@ -360,6 +360,7 @@ class _StepClock:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
+        self.cpu0 = time.process_time()
         self.host = [time.perf_counter()]
         self.events: list[Any] = []
         if cuda:
@@ -389,7 +390,8 @@ class _StepClock:
         compute, sync, opt = phases
         iteration = (end if self.cuda else self.host[-1]) - self.host[0]
         return StepTimes(iteration, max(compute - bubble_s, 0.0) if self.cuda
-                         else compute - bubble_s, sync, opt, bubble_s)
+                         else compute - bubble_s, sync, opt, bubble_s,
+                         cpu_s=time.process_time() - self.cpu0)
 
 
 def _event() -> Any:

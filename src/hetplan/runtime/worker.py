@@ -10,7 +10,7 @@ Each rank builds the model with the same seed, builds :class:`Runtime`, trains o
 data (the same global batch on every rank; each replica takes its rows), rank 0 prints a
 progress line per step (step, loss, iteration time), and rank 0 writes the run report:
 per-iteration measured times (after warm-up), their medians, the loss per step, every rank's
-medians and its peak memory (measured in one extra, untimed step) beside the plan's
+medians (the process's CPU time per step among them) and its peak memory (measured in one extra, untimed step) beside the plan's
 predictions. With ``--script`` the script runs as ``__main__`` with the
 remaining arguments instead (:func:`run_script`).
 
@@ -347,6 +347,7 @@ def _rank_summary(rank: int, times: list[Any], losses: list[float] | None = None
         "bubble_ms": _med_ms([t.bubble_s for t in times]),
         "exposed_comm_ms": _med_ms([t.sync_wait_s for t in times]),
         "optimizer_ms": _med_ms([t.optimizer_s for t in times]),
+        "cpu_ms": _med_ms([t.cpu_s for t in times]),
         "losses": list(losses or []),
     }
     if peak is None:

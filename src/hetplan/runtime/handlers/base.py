@@ -34,7 +34,10 @@ class StepTimes:
     ``iteration_s = compute_s + bubble_s + sync_wait_s + optimizer_s``: forward and backward
     (for a pipeline rank, the time its stages computed), the pipeline wait (schedule time not
     spent computing: bubble and unhidden activation transfers; 0 without a pipeline), the wait
-    for gradient sync after backward, and the optimizer step.
+    for gradient sync after backward, and the optimizer step. ``cpu_s`` is the CPU time the
+    whole process (all its threads: the communication library's included) used in the step:
+    on a host with more ranks than cores, what the ranks together ask of the cores
+    (``docs/decisions/cpu-fidelity.md``, section 15).
     """
 
     iteration_s: float
@@ -42,6 +45,7 @@ class StepTimes:
     sync_wait_s: float
     optimizer_s: float
     bubble_s: float = 0.0
+    cpu_s: float = 0.0
 
 
 @dataclass
