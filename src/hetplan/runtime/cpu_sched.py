@@ -5,22 +5,23 @@ A CPU rank (gloo on CPU devices) that sends a message wakes the rank waiting for
 Linux's default policy the woken process may preempt the sender at once, so on a host with
 more ranks than cores (the CPU presets' machine runs 4 gloo processes on 2 cores) a send of a
 few tens of KiB can cost the sender its core for milliseconds, and every hand-over becomes a
-round of context switches. ``SCHED_BATCH`` keeps the fair scheduler and its time slices but marks
-the task as a throughput job: a wake-up does not preempt the running task, which keeps its
-core until it blocks or its slice ends.
+round of context switches. ``SCHED_BATCH`` keeps the fair scheduler and its time slices but
+marks the task as a throughput job: a wake-up does not preempt the running task, which keeps
+its core until it blocks or its slice ends.
 
 Measured on that machine (``docs/decisions/cpu-sched.md``; one run of each plan under each
 policy), batch made the runtime's ZeRO-3, tensor-parallel and interleaved steps 1.3-1.75x
-faster, and a plain pipeline's no faster (its hand-overs wait for the sender to block). It stays opt-in: the cost model's
-CPU records (``hetplan profile``'s hand-overs) were measured under the default policy, and a
-profile taken under batch does not predict runs under batch as well (the same document).
+faster, and a plain pipeline's no faster (its hand-overs wait for the sender to block). It
+stays opt-in: the cost model's CPU records (``hetplan profile``'s hand-overs) were measured
+under the default policy, and a profile taken under batch does not predict runs under batch
+as well (the same document).
 
 ``HETPLAN_CPU_SCHED``: ``normal`` (default; the process keeps the policy it was started with)
 or ``batch``. The runtime's workers (:mod:`hetplan.runtime.worker`), the profiler's
 processes and ``hetplan profile``'s own process (:mod:`hetplan.profiling`, which times layers
 in it by default) all apply it before they join a process group, so a profile and a run under
-the same value measure the same thing. GPU ranks are left alone. On a
-system without ``SCHED_BATCH`` (not Linux) nothing changes.
+the same value measure the same thing. GPU ranks are left alone. On a system without
+``SCHED_BATCH`` (not Linux) nothing changes.
 """
 
 from __future__ import annotations

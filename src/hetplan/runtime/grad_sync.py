@@ -225,13 +225,13 @@ class GradSync:
         collective is queued from this thread, in order with the blocking ones later handlers
         issue on the same group; a worker-thread path (compressed, hierarchical) would race
         with them, and waits for :meth:`finish`, which launches the rest and waits for all."""
-        if self.group is None:
+        if self.group is None or self._pool is not None:
             return 0
         self._final.update(final)
         launched = 0
         for b in self.buckets:
-            if (b.work is None and self._pool is None and _simple(b.strategy)
-                    and all(id(p) in self._final for p in b.params)):
+            if b.work is None and _simple(b.strategy) and all(id(p) in self._final
+                                                               for p in b.params):
                 self._launch(b)
                 launched += 1
         return launched

@@ -10,9 +10,9 @@ Each rank builds the model with the same seed, builds :class:`Runtime`, trains o
 data (the same global batch on every rank; each replica takes its rows), rank 0 prints a
 progress line per step (step, loss, iteration time), and rank 0 writes the run report:
 per-iteration measured times (after warm-up), their medians, the loss per step, every rank's
-medians (the process's CPU time per step among them) and its peak memory (measured in one extra, untimed step) beside the plan's
-predictions. With ``--script`` the script runs as ``__main__`` with the
-remaining arguments instead (:func:`run_script`).
+medians (the process's CPU time per step among them) and its peak memory (measured in one
+extra, untimed step) beside the plan's predictions. With ``--script`` the script runs as
+``__main__`` with the remaining arguments instead (:func:`run_script`).
 
 Reliability (:mod:`hetplan.runtime.proctree`, :mod:`hetplan.runtime.liveness`):
 
@@ -102,20 +102,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     proctree.stop_on_signals()
     proctree.set_parent_death_signal()  # die with torchrun
+    code = _cpu_sched()  # before any thread of the rank's own starts
     try:
-        if not torch.cuda.is_available():  # a CPU rank: before any thread of its own starts
-            from hetplan.runtime.cpu_sched import apply_cpu_sched
-
-            apply_cpu_sched()
-    except SpecError as e:  # a bad or refused HETPLAN_CPU_SCHED: one line, code 2
-        _print_error(f"error: {e}")
-        proctree.record_exit(2)
-        from hetplan.runtime.groups import exit_now
-
-        exit_now(2)
-    proctree.watch_launcher()
-    try:
-        code = run_script(argv[1:]) if argv[:1] == ["--script"] else _run_worker(argv)
+        if code == 0:
+            proctree.watch_launcher()
+            code = run_script(argv[1:]) if argv[:1] == ["--script"] else _run_worker(argv)
     except Exception as e:  # noqa: BLE001 - e.g. the rendezvous timed out: one line, code 1
         _print_error(f"{type(e).__name__}: {e}")
         code = 1
@@ -125,6 +116,21 @@ def main(argv: list[str] | None = None) -> NoReturn:
     shutdown_process_groups(clean=code == 0)
     proctree.record_exit(code)
     exit_now(code)
+
+
+def _cpu_sched() -> int:
+    """A CPU rank's scheduling policy (:mod:`.cpu_sched`): 0, or 2 with one line printed for
+    a bad or refused ``HETPLAN_CPU_SCHED``."""
+    if torch.cuda.is_available():
+        return 0
+    from hetplan.runtime.cpu_sched import apply_cpu_sched
+
+    try:
+        apply_cpu_sched()
+    except SpecError as e:
+        _print_error(f"error: {e}")
+        return 2
+    return 0
 
 
 def run_script(argv: list[str]) -> int:
