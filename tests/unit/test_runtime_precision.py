@@ -31,7 +31,7 @@ from hetplan.runtime.handlers import (
     PrecisionHandler,
     ZeroHandler,
 )
-from hetplan.runtime.precision import DynamicLossScale
+from hetplan.runtime.precision import Autocast, DynamicLossScale
 
 
 def _model() -> torch.nn.Module:
@@ -46,6 +46,22 @@ def _plan(dtype: str = "fp16", **layout: int) -> Plan:
     return Plan(model=ModelRef.from_model_ir(ir),
                 cluster=ClusterRef(name="t", fingerprint="t", world_size=8),
                 layout=Layout(micro_batch_size=8, **layout), precision=prec)
+
+
+@pytest.mark.parametrize("io_dtype", [torch.float32, torch.float64])
+def test_a_pipeline_stage_sends_in_the_dtype_it_was_traced_in(io_dtype: torch.dtype) -> None:
+    """A stage under bf16 autocast computes in bf16 and returns its floating outputs in the
+    dtype it was traced in (its P2P buffers'): fp32 as a rule, float64 for a float64 model
+    (an fp32 output received into float64 buffers came out as NaN)."""
+    stage = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    inner: list[torch.dtype] = []
+    stage.register_forward_hook(lambda m, a, out: inner.append(out.dtype))
+    cast = Autocast([stage], torch.bfloat16, io_dtype=io_dtype)
+    out = stage(torch.ones(2, 4, dtype=io_dtype))
+    cast.remove()
+    assert inner == [torch.bfloat16]
+    assert out.dtype == io_dtype
+    assert stage(torch.ones(2, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16  # removed
 
 
 def test_loss_scale_backs_off_and_grows() -> None:

@@ -93,16 +93,18 @@ class Autocast:
     Args:
         modules: the top modules this rank calls (the model, or its pipeline stages).
         dtype: the compute dtype.
-        fp32_outputs: pipeline stages: their floating inputs are cast to ``dtype`` (what the
+        io_dtype: pipeline stages: their floating inputs are cast to ``dtype`` (what the
             unsplit model's next layer would receive) and their floating outputs returned in
-            fp32 (the stages were traced in fp32, which fixes the dtype of their P2P
-            buffers; the casts are exact both ways for a 16-bit activation).
+            ``io_dtype``, the dtype the stages were traced in (the model's before the cast to
+            ``dtype``), which fixes the dtype of their P2P buffers; the casts are exact both
+            ways for a 16-bit activation. A float64 model's stages send float64: an fp32
+            output received into their float64 buffers came out as NaN.
     """
 
     def __init__(self, modules: list[nn.Module], dtype: torch.dtype,
-                 fp32_outputs: bool = False) -> None:
+                 io_dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
-        self.fp32_outputs = fp32_outputs
+        self.io_dtype = io_dtype
         self._stack: list[Any] = []
         self._handles = []
         for m in modules:
@@ -114,7 +116,7 @@ class Autocast:
         ctx = torch.autocast(device_type=device, dtype=self.dtype)
         ctx.__enter__()
         self._stack.append(ctx)
-        if not self.fp32_outputs:
+        if self.io_dtype is None:
             return None
         return tuple(a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
                      else a for a in args)
@@ -122,7 +124,7 @@ class Autocast:
     def _exit(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._stack:
             self._stack.pop().__exit__(None, None, None)
-        return _upcast(output) if self.fp32_outputs else None
+        return None if self.io_dtype is None else _upcast(output, self.io_dtype)
 
     def remove(self) -> None:
         """Remove the hooks."""
@@ -190,14 +192,14 @@ def fp32_loss_fn(loss_fn: Any, scaler: DynamicLossScale | None = None) -> Any:
     return wrapped
 
 
-def _upcast(output: Any) -> Any:
+def _upcast(output: Any, dtype: torch.dtype = torch.float32) -> Any:
     """Floating tensors of a model output (a tensor, a tuple or list, an object with
-    ``logits``) in fp32."""
+    ``logits``) in ``dtype``."""
     if isinstance(output, torch.Tensor):
-        return output.float() if output.is_floating_point() else output
+        return output.to(dtype) if output.is_floating_point() else output
     if isinstance(output, (tuple, list)):
-        return type(output)(_upcast(x) for x in output)
+        return type(output)(_upcast(x, dtype) for x in output)
     logits = getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
-        output.logits = _upcast(logits)
+        output.logits = _upcast(logits, dtype)
     return output

@@ -4,9 +4,10 @@ With a 16-bit compute dtype (:func:`~hetplan.runtime.precision.rank_compute_dtyp
 handler casts the working weights to it (unless ZeRO-3's FSDP keeps the fp32 shards and casts
 on all-gather), runs every forward under ``torch.autocast``, computes the loss in fp32 and,
 for fp16, scales its gradient by the dynamic loss scale. With a pipeline the same holds per
-stage: the stage modules (traced in fp32, sharing the model's parameters) run under autocast
-and hand fp32 activations to the next stage — the dtype their P2P buffers were traced with
-(twice the bytes of a 16-bit boundary; the activations are 16-bit inside the stage). The fp32 master weights and the
+stage: the stage modules (traced in the model's dtype, fp32 as a rule, sharing the model's
+parameters) run under autocast and hand activations in that dtype to the next stage — the
+dtype their P2P buffers were traced with (twice the bytes of a 16-bit boundary in fp32; the
+activations are 16-bit inside the stage). The fp32 master weights and the
 unscaling belong to the optimizer (:class:`~hetplan.runtime.handlers.zero.ZeroHandler`
 builds it), which reads :attr:`PrecisionHandler.dtype` and :attr:`PrecisionHandler.scaler`.
 An fp32 rank changes nothing.
@@ -37,6 +38,7 @@ class PrecisionHandler(Handler):
         dtype: this rank's compute dtype (``fp32``, ``bf16``, ``fp16``).
         scaler: the fp16 loss scale (None otherwise).
         autocast: the autocast hooks (None in fp32).
+        io_dtype: the dtype the pipeline stages were traced in, which they receive and send.
         fp32_weights: the weights as they were before the cast, by ``id`` of their parameter
             (the master weights start from them, not from their 16-bit rounding); emptied by
             :meth:`take_fp32_weights`.
@@ -48,6 +50,7 @@ class PrecisionHandler(Handler):
         self.dtype = "fp32"
         self.scaler: DynamicLossScale | None = None
         self.autocast: Autocast | None = None
+        self.io_dtype = torch.float32
         self.fp32_weights: dict[int, torch.Tensor] = {}
 
     def setup(self, ctx: RuntimeContext) -> None:
@@ -56,6 +59,7 @@ class PrecisionHandler(Handler):
         if self.dtype == "fp32":
             return
         dtype = DTYPES[self.dtype]
+        self.io_dtype = _traced_dtype(ctx)
         if effective_zero_stage(ctx.layout) < 3:
             self.fp32_weights = {id(p): p.detach().clone() for p in ctx.model.parameters()
                                  if p.is_floating_point()}
@@ -67,10 +71,11 @@ class PrecisionHandler(Handler):
 
     def _hook(self, ctx: RuntimeContext) -> None:
         """Autocast around the modules this rank calls: the model, or its pipeline stages
-        (whose outputs go back to fp32, the dtype of the traced P2P buffers)."""
+        (whose outputs go back to the dtype they were traced in, that of their P2P
+        buffers)."""
         stages = _stage_modules(ctx)
         self.autocast = Autocast(stages or [ctx.model], DTYPES[self.dtype],
-                                 fp32_outputs=bool(stages))
+                                 io_dtype=self.io_dtype if stages else None)
 
     def params_changed(self, ctx: RuntimeContext) -> None:
         """Re-balancing built new stages: cast them and move the autocast hooks onto them."""
@@ -89,6 +94,13 @@ class PrecisionHandler(Handler):
         if self.autocast is not None:
             self.autocast.remove()
             self.autocast = None
+
+
+def _traced_dtype(ctx: RuntimeContext) -> torch.dtype:
+    """The floating dtype the model's pipeline stages were traced in: that of its parameters
+    before the cast to the compute dtype (fp32 where it has none)."""
+    return next((p.dtype for p in ctx.model.parameters() if p.is_floating_point()),
+                torch.float32)
 
 
 def _stage_modules(ctx: RuntimeContext) -> list[torch.nn.Module]:
