@@ -466,6 +466,11 @@ def plan_cmd(
 
         target = model_ir(model, seq=seq)  # the capture compile() would make of the name
     captured = time.perf_counter() - t_capture
+    if db is not None:  # compile() checks it too, without the file's name
+        from hetplan.cost_models.predict import check_profile_fits
+        from hetplan.ir.plan_sections import WorkloadSummary
+
+        check_profile_fits(db, WorkloadSummary.from_model_ir(target), target.name, profile)
     t0 = time.perf_counter()
     plan = compile_plan(target, spec, options, profile=db)
     if hetero != "off":
@@ -598,6 +603,9 @@ def profile_cmd(
     chosen = tuple(what) if what else default
     if "layers" in chosen and not has_model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
+    if what and "collectives" in chosen and world_size < 2:
+        raise SpecError(f"--what collectives times collectives between processes, and "
+                        f"--world-size/-n is {world_size}: give -n 2 or more")
     from typing import get_args
 
     from hetplan.ir.cluster import LinkKind
