@@ -466,6 +466,11 @@ def plan_cmd(
 
         target = model_ir(model, seq=seq)  # the capture compile() would make of the name
     captured = time.perf_counter() - t_capture
+    if db is not None:  # compile() checks it too, without the file's name
+        from hetplan.cost_models.predict import check_profile_fits
+        from hetplan.ir.plan_sections import WorkloadSummary
+
+        check_profile_fits(db, WorkloadSummary.from_model_ir(target), target.name, profile)
     t0 = time.perf_counter()
     plan = compile_plan(target, spec, options, profile=db)
     if hetero != "off":
@@ -598,6 +603,9 @@ def profile_cmd(
     chosen = tuple(what) if what else default
     if "layers" in chosen and not has_model:
         raise SpecError("--what layers needs a MODEL (see `hetplan models`)")
+    if what and "collectives" in chosen and world_size < 2:
+        raise SpecError(f"--what collectives times collectives between processes, and "
+                        f"--world-size/-n is {world_size}: give -n 2 or more")
     from typing import get_args
 
     from hetplan.ir.cluster import LinkKind
@@ -707,7 +715,10 @@ def run_cmd(
     _check_torchrun_args(ctx)
     cpu_sched_policy()  # a bad HETPLAN_CPU_SCHED: refused here, not once per rank
     if trace is not None:
-        _check_trace_options(trace, trace_step, steps, script)
+        _check_trace_options(trace, trace_step, steps, script, report)
+    elif trace_step != 0:
+        raise SpecError(f"--trace-step {trace_step} chooses the step --trace records; give "
+                        "--trace FILE too")
     cmd = torchrun_command(plan, plan_file, model=model, module=module, steps=steps,
                            report=report, timeout_s=timeout, torchrun_args=ctx.args,
                            script=script, trace=trace, trace_step=trace_step)
@@ -775,8 +786,11 @@ def _check_torchrun_args(ctx: typer.Context) -> None:
 
 
 def _check_trace_options(trace: Path, trace_step: int, steps: int,
-                         script: Path | None) -> None:
-    """--trace: a writable JSON path, a step the run takes, not with --script."""
+                         script: Path | None, report: Path | None) -> None:
+    """--trace: a writable JSON path (not a hetplan file of another kind, such as the plan,
+    nor the --report path), a step the run takes, not with --script."""
+    from hetplan.ir.files import check_overwrite
+
     if script is not None:
         raise SpecError("--trace records the synthetic-data worker's steps; a --script run "
                         "builds its own Runtime: call Runtime.start_trace() in the script")
@@ -785,6 +799,10 @@ def _check_trace_options(trace: Path, trace_step: int, steps: int,
     if trace.is_dir() or not trace.resolve().parent.is_dir():
         raise SpecError(f"--trace: cannot write {str(trace)!r} (a directory, or its folder "
                         "does not exist)")
+    check_overwrite(trace, option="--trace", kind="trace")
+    if report is not None and trace.resolve() == report.resolve():
+        raise SpecError(f"--trace and --report are both {str(trace)!r}: the trace would "
+                        "replace the run report; give each its own file")
     total = steps + 2  # the worker's 2 warm-up steps
     if not 0 <= trace_step <= total:
         raise SpecError(f"--trace-step {trace_step}: the run takes {total} steps (2 warm-up "
@@ -990,7 +1008,7 @@ def print_cluster_summary(spec: Any) -> None:
 # --------------------------------------------------------------------------------------
 def _file_kind(path: Path) -> str:
     """The kind of hetplan file ``path`` is (:func:`hetplan.ir.files.file_kind`: 'plan',
-    'workload', 'profile DB', 'run report', 'dynamics'), from its top-level keys; 'cluster
+    'workload', 'profile DB', 'run report', 'dynamics', 'trace'), from its top-level keys; 'cluster
     spec' when none matches (its loader names what is missing)."""
     from hetplan.ir.files import file_kind
     from hetplan.ir.validation import load_structured_file
@@ -1010,10 +1028,10 @@ def _file_kind(path: Path) -> str:
 @_user_errors
 def validate_cmd(
     file: Path = typer.Argument(..., help="A cluster spec (YAML/JSON), plan, workload, profile "
-                                "DB, dynamics file or run report."),
+                                "DB, dynamics file, run report or run trace."),
 ) -> None:
-    """Validate a cluster spec, plan, workload, profile DB, dynamics file or run report and
-    summarise it."""
+    """Validate a cluster spec, plan, workload, profile DB, dynamics file, run report or run
+    trace and summarise it."""
     kind = _file_kind(file)
     if kind == "plan":
         from hetplan.ir.plan import load_plan
@@ -1042,6 +1060,12 @@ def validate_cmd(
     elif kind == "run report":
         _load_run_report(file)
         out.print(f"[green]ok[/]: {file} is a valid run report")
+    elif kind == "trace":
+        from hetplan.ir.validation import load_structured_file
+        from hetplan.report.trace_compare import load_trace
+
+        load_trace(load_structured_file(file, what="trace"), str(file))
+        out.print(f"[green]ok[/]: {file} is a valid trace of `hetplan run --trace`")
     else:
         from hetplan.ir.cluster import ClusterSpec
 
@@ -1095,7 +1119,12 @@ def inspect_cmd(
 
     sections = _check_sections(section)
     plan = load_plan(plan_file)
+    if profile is not None and trace is None:
+        raise SpecError("--profile re-predicts the plan beside a run's --trace; give --trace "
+                        "FILE too (the plan's own predictions need no profile)")
     measured = _load_run_report(run) if run else None
+    if measured is not None:
+        _check_report_is_of(plan, plan_file, measured, run)
     traced = _trace_comparison(plan, plan_file, trace, profile) if trace else None
     if as_json:
         report = select_sections(build_report(plan), sections)
@@ -1120,7 +1149,8 @@ def _trace_comparison(plan: Any, plan_file: Path, trace: Path,
     _need_cluster(plan, plan_file, None)
     data = load_trace(load_structured_file(trace, what="trace"), str(trace))
     with _naming(plan_file):
-        return compare_trace(plan, data, profile=profile)
+        return compare_trace(plan, data, profile=profile, source=str(trace),
+                             plan_source=str(plan_file))
 
 
 def _print_trace(cmp: dict[str, Any]) -> None:
@@ -1176,7 +1206,75 @@ def _load_run_report(path: Path) -> dict[str, Any]:
             raise SpecError(f"{path}: measured.{key}: expected milliseconds (a number >= 0), "
                             f"got {value!r}; write the report with `hetplan run PLAN --report "
                             "FILE`")
+    _check_report_fields(path, data)
     return data
+
+
+def _check_report_fields(path: Path, data: dict[str, Any]) -> None:
+    """What ``inspect --run`` prints of a run report beside ``measured``: the world size,
+    every rank's times (a number, or an edited report was an internal error), the losses,
+    the CPU policy (:func:`hetplan.runtime.cpu_sched.current_cpu_sched`'s names)."""
+    fix = "write the report with `hetplan run PLAN --report FILE`"
+
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    world = data.get("world_size")
+    if world is not None and not (isinstance(world, int) and not isinstance(world, bool)
+                                  and world >= 1):
+        raise SpecError(f"{path}: world_size: expected the number of ranks (an integer >= 1), "
+                        f"got {world!r}; {fix}")
+    ranks = data.get("per_rank")
+    if ranks is not None and not isinstance(ranks, list):
+        raise SpecError(f"{path}: per_rank: expected a list with one entry per rank, got "
+                        f"{type(ranks).__name__}; {fix}")
+    for i, r in enumerate(ranks or []):
+        if not isinstance(r, dict):
+            raise SpecError(f"{path}: per_rank[{i}]: expected a mapping, got {r!r:.40}; {fix}")
+        rank = r.get("rank")
+        if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank
+                and (world is None or rank < world)):
+            bound = f"0..{world - 1} (world_size {world})" if world else "an integer >= 0"
+            raise SpecError(f"{path}: per_rank[{i}].rank: expected a rank in {bound}, got "
+                            f"{rank!r}; {fix}")
+        for key in ("compute_ms", "bubble_ms", "exposed_comm_ms", "optimizer_ms", "cpu_ms",
+                    "peak_memory_bytes", "predicted_memory_bytes"):
+            if key in r and r[key] is not None and not (number(r[key]) and r[key] >= 0):
+                raise SpecError(f"{path}: per_rank[{i}].{key}: expected a number >= 0, got "
+                                f"{r[key]!r:.40}; {fix}")
+            if key in r and r[key] is None and key.endswith("_ms"):
+                raise SpecError(f"{path}: per_rank[{i}].{key}: expected milliseconds, got "
+                                f"null; {fix}")
+    losses = data.get("loss_per_step")
+    if losses is not None and not (isinstance(losses, list) and all(number(x) for x in losses)):
+        raise SpecError(f"{path}: loss_per_step: expected a list of numbers (one loss per "
+                        f"step), got {losses!r:.60}; {fix}")
+    policies = ("normal", "batch", "other", "unsupported")
+    sched = data.get("cpu_sched")
+    if sched is not None and sched not in policies:
+        raise SpecError(f"{path}: cpu_sched: expected one of {', '.join(policies)} (the "
+                        f"policy rank 0 ran under), got {sched!r}; {fix}")
+
+
+def _check_report_is_of(plan: Any, plan_file: Path, report: dict[str, Any],
+                        path: Path) -> None:
+    """A run report beside another plan's predictions compares unrelated numbers: refuse a
+    report whose ``plan_digest`` (written by the runs of this version) is another plan's,
+    or, from an older run, whose world size is not the plan's."""
+    from hetplan.report.trace_compare import plan_digest
+
+    digest = report.get("plan_digest")
+    if digest is not None and digest != plan_digest(plan):
+        raise SpecError(f"{path}: the run report is of another plan (digest {digest}), not "
+                        f"{plan_file} (digest {plan_digest(plan)}): give the plan the run was "
+                        "made with")
+    layout = plan.layout
+    world = report.get("world_size")
+    if layout is not None and world is not None and world != layout.num_ranks:
+        raise SpecError(f"{path}: world_size {world}, but {plan_file} runs on "
+                        f"{layout.num_ranks} ranks (dp={layout.dp} pp={layout.pp} "
+                        f"tp={layout.tp}): the report is of another plan; give the plan the "
+                        "run was made with")
 
 
 def _print_run(plan: Any, report: dict[str, Any]) -> None:

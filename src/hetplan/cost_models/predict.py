@@ -37,7 +37,7 @@ from hetplan.ir.plan_sections import (
 )
 
 __all__ = ["plan_costs", "simulate", "predictions", "breakdown", "resolve_cluster",
-           "resolve_profile"]
+           "resolve_profile", "check_profile_fits"]
 
 
 def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
@@ -55,6 +55,30 @@ def resolve_profile(profile: ProfileDB | str | Path | None) -> ProfileDB | None:
     if profile is None or isinstance(profile, ProfileDB):
         return profile
     return ProfileDB.load(profile)
+
+
+def check_profile_fits(db: ProfileDB | None, workload: WorkloadSummary, model: str,
+                       source: object = "the profile DB") -> None:
+    """Refuse a profile DB whose layer records are all of layers ``workload`` does not have:
+    it was measured on another model (or at another sequence length, part of a layer's
+    signature), and every layer would silently be priced by the analytic estimates. A DB
+    without layer records (collectives only) or with any record of this model passes.
+
+    Raises:
+        SpecError: naming the file, what it holds and how to profile this model.
+    """
+    if db is None or not db.compute:
+        return
+    mine = {lay.signature for lay in workload.layers}
+    if any(r.signature in mine for r in db.compute):
+        return
+    labels = sorted({r.label for r in db.compute if r.label})[:3]
+    held = f" ({', '.join(labels)}{', ...' if len(db.compute) > 3 else ''})" if labels else ""
+    raise SpecError(
+        f"{source}: none of its {len(db.compute)} layer record(s){held} is a layer of model "
+        f"{model!r}: it was profiled on another model or at another --seq; profile this one "
+        f"with `hetplan profile {model} -o FILE` (or use a profile without layer records for "
+        "analytic compute)")
 
 
 def breakdown(ev: Evaluation) -> TimeBreakdown:
@@ -121,7 +145,10 @@ def plan_costs(
         raise PlanMismatchError("\n".join(problems))
     # a plan without cost settings was priced with the head whole
     settings = plan.cost_settings or CostSettings(vocab_parallel="unstated")
-    costs = CostModel(spec, resolve_profile(profile), dtype=settings.dtype,
+    db = resolve_profile(profile)
+    check_profile_fits(db, workload, plan.model.name,
+                       profile if isinstance(profile, (str, Path)) else "the profile DB")
+    costs = CostModel(spec, db, dtype=settings.dtype,
                       efficiency=settings.efficiency, optimizer=settings.optimizer,
                       precision=plan.precision, attention=settings.attention,
                       dp_overlap=settings.dp_overlap, fusion=settings.fusion,

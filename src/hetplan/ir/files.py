@@ -210,13 +210,15 @@ _KINDS: tuple[tuple[str, str, tuple[tuple[str, ...], ...], str], ...] = (
      "pass a preset name (`hetplan presets`) or a cluster file like those in examples/clusters/"),
     ("dynamics", "a dynamics file (pruning, freezing or early exit while training)",
      (("total_iterations",),), "pass a file like examples/pruning.yaml"),
+    ("trace", "a run's trace (written by `hetplan run --trace`)", (("traceEvents",),),
+     "pass a trace written by `hetplan run PLAN --trace FILE`"),
 )
 
 
 def file_kind(data: Mapping[str, Any]) -> str | None:
     """Which kind of hetplan file ``data`` (a file's top-level mapping) is: ``"plan"``,
-    ``"cluster spec"``, ``"workload"``, ``"profile DB"``, ``"run report"``, ``"dynamics"``, or
-    None when no kind's keys are there."""
+    ``"cluster spec"``, ``"workload"``, ``"profile DB"``, ``"run report"``, ``"dynamics"``,
+    ``"trace"``, or None when no kind's keys are there."""
     for kind, _, signs, _ in _KINDS:
         if any(all(key in data for key in sign) for sign in signs):
             return kind

@@ -47,7 +47,8 @@ from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import Evaluation, evaluate
 from hetplan.cost_models.memory import USABLE_FRACTION, model_state
 from hetplan.cost_models.rank_memory import stage_precision
-from hetplan.cost_models.predict import breakdown, predictions, resolve_cluster, resolve_profile
+from hetplan.cost_models.predict import (breakdown, check_profile_fits, predictions,
+                                         resolve_cluster, resolve_profile)
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.cluster import ClusterSpec
@@ -176,6 +177,8 @@ def compile(  # noqa: A001 - the product's verb
     ir = _workload(model, example_inputs, example_kwargs, opts.seq)
     screening = tuple(p for p in pipeline if not p.refines)
     workload = WorkloadSummary.from_model_ir(ir)
+    check_profile_fits(db, workload, ir.name,
+                       profile if isinstance(profile, (str, Path)) else "the profile DB")
     job = _Job(
         opts=opts, ir=ir, workload=workload, spec=spec, db=db,
         costs=CostModel(spec, db, dtype=opts.dtype, efficiency=opts.efficiency,

@@ -274,15 +274,25 @@ def run_profile(
     cpu_sched = cpu_sched_policy()  # a bad HETPLAN_CPU_SCHED: refused before anything runs
     bad = [w for w in what if w not in WHAT]
     if bad:
-        raise SpecError(f"--what: unknown measurement(s) {bad}; choose from {list(WHAT)}")
+        from hetplan.ir.validation import did_you_mean
+
+        parts = [p.strip() for w in bad for p in w.split(",")]
+        hint = (f"; give one per --what: {' '.join(f'--what {p}' for p in parts)}"
+                if len(parts) > len(bad) and all(p in WHAT for p in parts)
+                else did_you_mean(bad[0], list(WHAT)))
+        raise SpecError(f"--what: unknown measurement(s) {bad}{hint}; choose from {list(WHAT)}")
     for option, count in (("--world-size/-n", world_size),
                           ("--layer-processes", layer_processes), ("--batch-size", batch_size)):
         if count < 1:
             raise SpecError(f"{option} must be at least 1, got {count}")
     # an existing output is merged into: a file that is not a profile DB fails now, not
     # after minutes of measuring
-    existing = ProfileDB.load(Path(output)) if output is not None and Path(output).exists() \
-        else None
+    try:
+        existing = ProfileDB.load(Path(output)) if output is not None and Path(output).exists() \
+            else None
+    except SpecError as e:
+        raise SpecError(f"{e}\n-o/--output {str(output)!r} exists, and an existing output is "
+                        "merged into: delete it or choose another path") from e
     emulate = emulated_link() is not None and "collectives" in what
     if emulate:
         if link_kind in (None, "loopback", "nvlink"):

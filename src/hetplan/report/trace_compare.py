@@ -45,10 +45,37 @@ def load_trace(data: Any, path: str = "trace") -> dict[str, Any]:
         if not isinstance(e, dict) or e.get("ph") not in ("X", "M"):
             raise SpecError(f"{path}: traceEvents[{i}]: expected a complete (ph 'X') or "
                             f"metadata (ph 'M') event, got {e!r:.80}")
-        if e["ph"] == "X" and not all(isinstance(e.get(k), (int, float)) and e[k] >= 0
-                                      for k in ("ts", "dur")):
-            raise SpecError(f"{path}: traceEvents[{i}]: ts and dur must be microseconds >= 0")
+        if e["ph"] == "X":
+            _check_event(e, f"{path}: traceEvents[{i}]")
     return data
+
+
+def _check_event(e: dict[str, Any], where: str) -> None:
+    """A complete event as :func:`hetplan.runtime.trace.chrome_trace` writes it: what
+    :func:`compare_trace` reads of it, each field named where it is missing or of a wrong
+    type (an edited or foreign trace was an internal error: ``KeyError: 'pid'``)."""
+    fix = "write the trace again with `hetplan run PLAN --trace FILE`"
+    if not all(_number(e.get(k)) and e[k] >= 0 for k in ("ts", "dur")):
+        raise SpecError(f"{where}: ts and dur must be microseconds >= 0")
+    for key, kind, expected in (("pid", int, "the rank (an integer >= 0)"),
+                                ("name", str, "a string"), ("cat", str, "a string"),
+                                ("args", dict, "a mapping")):
+        value = e.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (
+                isinstance(value, int) and value < 0):
+            raise SpecError(f"{where}.{key}: expected {expected}, got {value!r:.40}; {fix}")
+    if e["cat"] == "compute":
+        for key in ("kind", "microbatch", "stage"):
+            value = e["args"].get(key)
+            if not (isinstance(value, str) if key == "kind" else
+                    isinstance(value, int) and not isinstance(value, bool)):
+                raise SpecError(f"{where}.args.{key}: expected "
+                                f"{'a string' if key == 'kind' else 'an integer'} in a compute "
+                                f"event, got {value!r:.40}; {fix}")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def plan_digest(plan: Any) -> str:
@@ -57,18 +84,35 @@ def plan_digest(plan: Any) -> str:
     return hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
 
 
+def _meta_of(plan: Any) -> dict[str, Any]:
+    lay = plan.layout
+    return {"plan_digest": plan_digest(plan), "model": plan.model.name,
+            "layout": {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp} if lay is not None else {}}
+
+
+def _describe(meta: Mapping[str, Any]) -> str:
+    """``digest d6af34570a1a1cd6, gpt-test, dp=2 pp=2 tp=1`` (what a trace says it ran)."""
+    given = meta.get("layout")
+    lay: Mapping[str, Any] = given if isinstance(given, dict) else {}
+    degrees = " ".join(f"{k}={lay[k]}" for k in ("dp", "pp", "tp") if k in lay)
+    return ", ".join(str(x) for x in (f"digest {meta.get('plan_digest')}", meta.get("model"),
+                                      degrees) if x)
+
+
 def _r(x: float) -> float:
     return round(x, 3)
 
 
 def compare_trace(plan: Any, trace: Mapping[str, Any], *, cluster: Any = None,
-                  profile: Any = None) -> dict[str, Any]:
+                  profile: Any = None, source: str = "the trace",
+                  plan_source: str = "this plan") -> dict[str, Any]:
     """Predicted and measured, per rank and per forward/backward (see module doc).
 
     Args:
         plan: the plan that ran.
         trace: the trace (:func:`load_trace`).
         cluster / profile: as for ``hetplan simulate`` (the plan's own cluster by default).
+        source / plan_source: the trace's and the plan's files, for messages.
 
     Returns:
         ``{"step", "predicted_iteration_ms", "ranks": [...]}``; each rank: ``rank``,
@@ -85,8 +129,9 @@ def compare_trace(plan: Any, trace: Mapping[str, Any], *, cluster: Any = None,
 
     meta = trace["otherData"]["hetplan"]
     if meta.get("plan_digest") not in (None, plan_digest(plan)):
-        raise SpecError(f"the trace was recorded for plan {meta.get('plan_digest')}, this plan "
-                        f"is {plan_digest(plan)}: give the plan file the run was made with")
+        raise SpecError(f"{source}: recorded for another plan ({_describe(meta)}), not "
+                        f"{plan_source} ({_describe(_meta_of(plan))}): give the plan file the "
+                        "run was made with")
     ev, _, _, _ = _evaluate_plan(plan, cluster, profile)
     predicted: dict[tuple[int, str, int, int], tuple[float, float]] = {}
     for e in ev.pipeline.events:
@@ -96,7 +141,7 @@ def compare_trace(plan: Any, trace: Mapping[str, Any], *, cluster: Any = None,
         if e["ph"] == "X":
             by_rank.setdefault(int(e["pid"]), []).append(e)
     if not by_rank:
-        raise SpecError("the trace holds no events: was the traced step run?")
+        raise SpecError(f"{source}: the trace holds no events: was the traced step run?")
     layout = plan.layout
     rows = []
     for rank in sorted(by_rank):

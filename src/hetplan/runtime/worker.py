@@ -395,12 +395,15 @@ def _final_loss(ranks: list[Any], fallback: float) -> float:
 def _write_report(path: str, plan: Any, times: list[Any], loss: float,
                   ranks: list[Any], rt: Any) -> None:
     """Rank 0's times as ``measured`` (the pipeline bubble: the largest rank median, as the
-    iteration waits for the slowest stage), every rank's medians as ``per_rank``, and the
-    operating-system policy rank 0 ran under (``cpu_sched``: :mod:`.cpu_sched`)."""
+    iteration waits for the slowest stage), every rank's medians as ``per_rank``, the
+    operating-system policy rank 0 ran under (``cpu_sched``: :mod:`.cpu_sched`), and the
+    digest of the plan that ran (``plan_digest``: ``inspect --run`` checks it)."""
     from hetplan.runtime.cpu_sched import current_cpu_sched
+    from hetplan.runtime.groups import plan_digest
 
     pred = plan.predictions
     report = {
+        "plan_digest": plan_digest(plan),
         "world_size": len(ranks),
         "steps": len(times),
         "final_loss": _final_loss(ranks, loss),
