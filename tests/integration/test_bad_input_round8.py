@@ -230,6 +230,17 @@ def test_profile_collectives_on_one_process_is_refused(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_profile_collectives_filed_under_another_link_on_cpu_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: exit 0, loopback times filed as NVLink records (priced every NVLink link of a
+    cluster planned with the profile)."""
+    monkeypatch.delenv("HETPLAN_EMULATE_BW", raising=False)
+    out = tmp_path / "db.json"
+    refused(run("profile", "--what", "collectives", "-n", "2", "--link-kind", "nvlink",
+                "-o", out), "--link-kind 'nvlink'", "over loopback", "HETPLAN_EMULATE_BW")
+    assert not out.exists()
+
+
 def test_profile_output_that_cannot_be_merged_into_says_so(tmp_path: Path) -> None:
     out = tmp_path / "db.json"
     out.write_text("")

@@ -267,7 +267,8 @@ def run_profile(
             profile DB, all refused before anything is measured.
         ValueError: ``layers`` or ``sparsity`` without a model.
         SpecError: ``HETPLAN_EMULATE_BW`` set with collectives to time and no ``link_kind``
-            (or ``loopback`` / ``nvlink``) to file them under.
+            (or ``loopback`` / ``nvlink``) to file them under; or, without it, collectives
+            timed on CPU processes filed under a ``link_kind`` other than ``loopback``.
     """
     from hetplan.runtime.cpu_sched import apply_cpu_sched, cpu_sched_policy
 
@@ -307,6 +308,13 @@ def run_profile(
         backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "gloo":  # the layers timed in this process run as the workers do
         apply_cpu_sched(cpu_sched)
+    if (not emulate and "collectives" in what and device == "cpu"
+            and link_kind not in (None, "loopback")):
+        raise SpecError(
+            f"--link-kind {link_kind!r}: the collectives are timed between processes of this "
+            "machine over loopback, and records filed under another link kind would price "
+            f"every {link_kind!r} link of a cluster with loopback times; leave --link-kind out "
+            f"(loopback), or set {EMULATE_ENV} to time the emulated link it stands for")
     if link_kind is None:
         link_kind = "nvlink" if backend == "nccl" else "loopback"
     compute, colls, comps = [], [], []
