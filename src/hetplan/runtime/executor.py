@@ -307,6 +307,13 @@ class Runtime:
         return self.ctx.named_params
 
     @property
+    def stage_modules(self) -> list[nn.Module]:
+        """This rank's pipeline stage modules (the traced submodules it runs; empty without a
+        pipeline)."""
+        stages = next((h for h in self.ctx.handlers if isinstance(h, StagesHandler)), None)
+        return [st.submod for st in stages.stages] if stages is not None else []
+
+    @property
     def opt(self) -> torch.optim.Optimizer | None:
         """The optimizer over :attr:`named_params` (None once re-packing released the rank)."""
         return self.ctx.optimizer

@@ -13,6 +13,15 @@ comparison with a prediction leaves the margin out (:func:`compare`).
 
 The tracker dispatches every operator through Python, so a measured step is slow: the
 worker measures one extra step after the timed ones.
+
+**Pipelines.** A pipeline rank runs its stage module once per micro-batch before any
+backward (1F1B's warm-up, GPipe, interleaved chunks). ``MemTracker`` keeps statistics per
+module and refuses a root module's second forward before its backward ("multiple iterative
+calls"); :class:`_StageTracker` lets that call through without per-module statistics, which
+this meter does not read. The peak of live bytes is counted by the dispatch mode either way,
+and each module's gradient hooks (which file its gradients as ``Gradient``) are installed
+at its first forward. The tracked modules are then this rank's stages (``modules``), not the
+whole model, whose other stages' parameters this rank does not train.
 """
 
 from __future__ import annotations
@@ -42,23 +51,43 @@ class MemoryPeak:
         peak_bytes: live tensor bytes at the peak.
         at_peak: those bytes by the plan's part (``params``, ``grads``, ``optimizer``,
             ``activations``) at that moment.
+        temporaries: of ``activations``, the bytes backward created (gradients of
+            activations, and recomputed activations) at that moment; a 1F1B stage's peak
+            falls in a backward, and the plan's breakdown has no term for its gradients.
     """
 
     peak_bytes: int = 0
     at_peak: dict[str, int] = field(default_factory=dict)
+    temporaries: int = 0
+
+
+def _stage_tracker() -> Any:
+    """A ``MemTracker`` that lets a root module run its forward again before its backward
+    (the next micro-batch of a pipeline stage; see module docstring)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _StageTracker(MemTracker):
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError as e:  # raised before it changes any state
+                if "multiple iterative calls" not in str(e):
+                    raise
+
+    return _StageTracker()
 
 
 @contextmanager
 def peak_memory(model: nn.Module, optimizer: Any = None,
-                extra: Sequence[torch.Tensor | None] = ()) -> Iterator[MemoryPeak]:
+                extra: Sequence[torch.Tensor | None] = (),
+                modules: Sequence[nn.Module] = ()) -> Iterator[MemoryPeak]:
     """Measure the peak of live tensor bytes inside the ``with`` block (see module
     docstring); ``extra``: tensors held outside the model and the optimizer's state (None
-    entries are skipped)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    entries are skipped); ``modules``: a pipeline rank's stage modules, tracked instead of
+    ``model``."""
     out = MemoryPeak()
-    tracker = MemTracker()
-    external: list[Any] = [model]
+    tracker = _stage_tracker()
+    external: list[Any] = list(modules) or [model]
     if optimizer is not None:
         external.append(optimizer)
     external += [t for t in extra if isinstance(t, torch.Tensor)]
@@ -71,9 +100,12 @@ def peak_memory(model: nn.Module, optimizer: Any = None,
     for dev_snap in snap.values():
         out.peak_bytes += int(dev_snap.get("Total", 0))
         for kind, value in dev_snap.items():
-            part = KINDS.get(str(getattr(kind, "value", kind)))
+            name = str(getattr(kind, "value", kind))
+            part = KINDS.get(name)
             if part is not None:
                 out.at_peak[part] = out.at_peak.get(part, 0) + int(value)
+            if name == "Temp":
+                out.temporaries += int(value)
 
 
 def compare(measured_bytes: int, predicted: Any) -> dict[str, float]:

@@ -260,10 +260,7 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         if trace is not None:
             _write_trace(args.trace, plan, trace, rank)
         if args.report:
-            # the tracker's module hooks break torch pipelining's traced stages: measured
-            # without a pipeline only (the report says so)
-            peak = (_measure_peak(rt, ex_args, batch, total, target_of, device)
-                    if layout.pp == 1 else None)
+            peak = _measure_peak(rt, ex_args, batch, total, target_of, device)
             summary = _rank_summary(rank, times, losses, peak, plan)
             if plan.checkpointing is not None:  # this attempt's checkpoint rounds
                 from hetplan.runtime.handlers import CheckpointingHandler
@@ -337,7 +334,8 @@ def _measure_peak(rt: Any, ex_args: tuple, batch: int, step: int, target_of: Any
 
     xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
     opt = rt.opt
-    with peak_memory(rt.model, opt, [getattr(opt, "master", None)]) as peak:
+    with peak_memory(rt.model, opt, [getattr(opt, "master", None)],
+                     rt.stage_modules) as peak:
         rt.train_step(xs, target_of(xs, batch).to(device))
     return peak
 
@@ -357,7 +355,7 @@ def _rank_summary(rank: int, times: list[Any], losses: list[float] | None = None
         "losses": list(losses or []),
     }
     if peak is None:
-        out["peak_memory_note"] = "not measured: pipeline stages"
+        out["peak_memory_note"] = "not measured"
     else:
         out["peak_memory_bytes"] = peak.peak_bytes
         out["peak_memory_by_kind"] = dict(sorted(peak.at_peak.items()))
