@@ -134,6 +134,24 @@ def test_deep_nesting_is_a_spec_error_not_a_recursion_error(tmp_path: Path) -> N
             assert "nested" in msg and "deep" in msg or "too deeply" in msg, msg
 
 
+def test_yaml_nested_thousands_deep_is_refused_before_pyyaml_parses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyYAML needed seconds (over 20 under load) to reach its recursion limit on such a
+    value; the flow depth is read first, quoted text and comments aside."""
+    from hetplan.ir import files
+
+    assert files._flow_depth('a: [1, {b: [2]}]  # [[[[\nc: "[[\\"[["\nd: \'[[\'\'[[\'') == 3
+    calls: list[str] = []
+    real = files.yaml.load
+    monkeypatch.setattr(files.yaml, "load", lambda *a, **k: calls.append("load") or real(*a, **k))
+    deep = "[" * 100_000 + "1" + "]" * 100_000
+    msg = refused(write(tmp_path, "c.yaml", "name: x\nnodes: " + deep + "\n"))
+    assert "too deeply" in msg and calls == []
+    shallow = "[" * (MAX_DEPTH + 5) + "1" + "]" * (MAX_DEPTH + 5)
+    assert "nested" in refused(write(tmp_path, "d.yaml", "name: x\nnodes: " + shallow + "\n"))
+    assert calls == ["load"]  # parsed, and refused by the shape check, which names where
+
+
 def test_a_yaml_alias_bomb_is_refused(tmp_path: Path) -> None:
     lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for i in range(1, 9):

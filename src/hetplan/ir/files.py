@@ -284,7 +284,46 @@ def parse_json_object(text: str, *, where: str, what: str, hint: str = "") -> di
     return data
 
 
+def _flow_depth(text: str) -> int:
+    """The deepest nesting of YAML flow collections (``[`` and ``{``) in ``text``, outside
+    quoted scalars and comments: one linear pass."""
+    depth = deepest = 0
+    quote = ""
+    comment = False
+    prev = "\n"
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if comment:
+            comment = c != "\n"
+        elif quote:
+            if c == "\\" and quote == '"':
+                i += 1
+            elif c == quote:
+                quote = ""
+        elif c in "\"'":
+            quote = c
+        elif c == "#" and prev in " \t\n":
+            comment = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth = max(depth - 1, 0)
+        prev = c
+        i += 1
+    return deepest
+
+
 def _parse_yaml(text: str, where: str) -> Any:
+    # PyYAML takes seconds, and under load far longer, to reach its recursion limit on a
+    # value nested thousands of flow collections deep: refuse it before parsing (the scan
+    # costs a fraction of PyYAML's own parse; a file nested only a little too deep is
+    # parsed and refused by check_shape, which names where)
+    if _flow_depth(text) > 8 * MAX_DEPTH:
+        raise SpecError(
+            f"{where}: nested too deeply to read (more than {MAX_DEPTH} levels are never "
+            "needed); is this the right file?")
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
     except RecursionError:
