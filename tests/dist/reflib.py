@@ -136,7 +136,9 @@ def _train_one(name: str, batch: int, seq: int, steps: int, plan_json: str) -> d
     rt = Runtime(Plan.from_json(plan_json), zoo_model(name), example_args=args,
                  example_kwargs=kwargs, loss_fn=lm_loss, optimizer=sgd)
     losses = [rt.train_step(*lm_data(step, batch, seq)) for step in range(steps)]
-    params = {n: p.detach().clone() for n, p in rt.named_params}
+    # ZeRO-3's DTensor shards gathered (a collective over the data-parallel group)
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in rt.named_params}
     mine = {id(p) for _, p in rt.named_params}  # this rank's stages' parameters
     for mname, module in rt.model.named_modules():
         if not any(id(p) in mine for p in module.parameters(recurse=False)):

@@ -48,6 +48,11 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "tied-lm-dp2xpp2-interleaved-early": ("tied-lm", 4, {
         "dp": 2, "pp": 2, "tp": 1, "micro_batch_size": 2, "schedule": "interleaved-1f1b",
         "virtual_stages": 2}),
+    # four stages: the middle ranks hold no copy of the tied weight (but join its groups)
+    "tied-lm-pp4": ("tied-lm", 4, {"dp": 1, "pp": 4, "tp": 1, "micro_batch_size": 2}),
+    # ZeRO-3: the tied copies' gradients are DTensor shards, summed shard by shard
+    "tied-lm-dp2xpp2-zero3": ("tied-lm", 4, {
+        "dp": 2, "pp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 3}),
     # bf16 compute with fp32 master weights and ZeRO-1 inside each data-parallel group, with
     # and without the early launch: the launch's timing must not change what is summed
     "tied-lm-dp2xpp2-interleaved-bf16-zero1": ("tied-lm", 4, {
@@ -78,7 +83,7 @@ def results() -> dict[int, list[dict[str, Any]]]:
         for label, (name, w, pins) in CASES.items():
             if w == world:
                 plan = _plan(name, world, **pins)
-                assert plan.layout is not None and plan.layout.pp == 2
+                assert plan.layout is not None and plan.layout.pp == pins["pp"]
                 cases[label] = (name, BATCH, SEQ, STEPS, plan.to_json())
         out[world] = run_local_ranks(_train_counting_early_launches, world, (cases,),
                                      timeout_s=600, threads_per_process=1)

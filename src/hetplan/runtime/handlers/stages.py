@@ -80,6 +80,7 @@ class StagesHandler(Handler):
         self.pp_ranks: tuple[int, ...] = ()
         self.num_stages = 1
         self.ties: list[_Tie] = []
+        self.ties_synced = False  # _tie_groups made a group for every tie (this rank's or not)
         self.hetero: HeteroPipeline | None = None
         self.trace: StepTrace | None = None
 
@@ -126,6 +127,7 @@ class StagesHandler(Handler):
             raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
                             "`hetplan plan`") from e
         self.ties = _tie_groups(ctx, ctx.plan.stages)
+        self.ties_synced = True
         self.build(ctx, ctx.plan.stages, self.pp_group, actions)
 
     def build(self, ctx: RuntimeContext, stages: Sequence[Stage], pp_group: Any,
@@ -163,7 +165,7 @@ class StagesHandler(Handler):
         self.stages = build_stages(
             ctx.model, example, ctx.forward_kwargs, stages, indices, pp_group, device,
             ir_layer_names=[x.name for x in ctx.model_ir().layers],
-            allow_cross_stage_ties=bool(self.ties), traced_from=unsharded,
+            allow_cross_stage_ties=self.ties_synced, traced_from=unsharded,
             eager_units=units, eager_required=required, kept=kept)
         if unsharded is not None:
             _tensor_parallel_in_stages(ctx, indices, kept)
@@ -329,6 +331,7 @@ class StagesHandler(Handler):
         self.hetero = None
         self.pp_group = None
         self.ties = []
+        self.ties_synced = False
 
 
 def _tensor_parallel_source(ctx: RuntimeContext) -> tuple[Any, list[tuple[str, ...]],
@@ -422,8 +425,8 @@ def _tie_groups(ctx: RuntimeContext, stages: Sequence[Stage]) -> list[_Tie]:
                      else None)
             if ctx.groups.rank in members:
                 mine = _Tie(tuple(names), members, group)
-        assert mine is not None  # every rank holds a stage; the tie spans the first stage
-        out.append(mine)
+        if mine is not None:  # a middle stage of pp > 2 holds no copy
+            out.append(mine)
     return out
 
 
@@ -457,7 +460,8 @@ def _sum_tied(stages: Sequence[Any], tie: _Tie) -> None:
     local = list(copies.values())
     if not local and tie.group is None:
         return
-    grads = [p.grad for p in local if p.grad is not None]
+    # ZeRO-3's grads are DTensor shards, alike on every copy of one data-parallel rank
+    grads = [_local(p.grad) for p in local if p.grad is not None]
     total = torch.stack(grads).sum(0) if grads else None
     if tie.group is not None:
         if total is None:  # this rank's stages hold the name but never read it
@@ -466,7 +470,12 @@ def _sum_tied(stages: Sequence[Any], tie: _Tie) -> None:
         dist.all_reduce(total, group=tie.group)
     for p in local:
         assert p.grad is not None and total is not None
-        p.grad.copy_(total)
+        _local(p.grad).copy_(total)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of it), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _example_rows(a: Any, rows: int) -> Any:
