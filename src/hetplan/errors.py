@@ -13,6 +13,7 @@ __all__ = [
     "TraceError",
     "PassError",
     "InfeasiblePlanError",
+    "OutOfMemoryError",
     "MissingProfileError",
     "PlanVersionError",
     "PlanMismatchError",
@@ -47,6 +48,11 @@ class PassError(HetplanError):
 
 class InfeasiblePlanError(HetplanError):
     """No plan satisfies the constraints; the message states the binding one in numbers."""
+
+
+class OutOfMemoryError(InfeasiblePlanError):
+    """A rank of the plan needs more memory than its device has (the message gives the
+    rank's breakdown); the layout search tells it apart from structural refusals."""
 
 
 class MissingProfileError(HetplanError):

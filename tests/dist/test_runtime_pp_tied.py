@@ -61,6 +61,9 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "tied-lm-dp2xpp2-interleaved-bf16-zero1-early": ("tied-lm", 4, {
         "dp": 2, "pp": 2, "tp": 1, "micro_batch_size": 2, "schedule": "interleaved-1f1b",
         "virtual_stages": 2, "dtype": "bf16", "zero_stage": 1}),
+    # Hugging Face GPT-2 in bf16: its traced stage asserted the dtype it was traced in
+    "tiny-gpt2-pp2-bf16": ("tiny-gpt2", 2, {"dp": 1, "pp": 2, "tp": 1, "micro_batch_size": 4,
+                                            "dtype": "bf16"}),
 }
 #: the cases held to the float64 reference at rtol 1e-9 (fp32 compute)
 EXACT = [k for k, (_, _, pins) in CASES.items() if pins.get("dtype", "fp32") == "fp32"]
@@ -219,3 +222,20 @@ def test_early_launch_with_bf16_and_zero1_sums_what_the_late_launch_sums(
     assert last, "some rank holds the last stage and reports the loss"
     mean = [sum(col) / len(last) for col in zip(*last, strict=True)]
     assert mean == pytest.approx(ref_losses, rel=1e-2)
+
+
+@pytest.mark.parametrize("label", [k for k in CASES if k not in EXACT])
+def test_mixed_precision_pipeline_tracks_the_reference(
+        results: dict[int, list[dict[str, Any]]], label: str) -> None:
+    """bf16 pipelines train: every loss within bf16's precision of the float64 reference
+    (rel 1e-2, as the bf16 pipeline cases of ``test_runtime_pp_strategies.py``) and every
+    parameter finite."""
+    name, world, _ = CASES[label]
+    got = case_results(results[world], label)
+    ref_losses, _ = zoo_reference(name, BATCH, SEQ, STEPS)
+    last = [g["losses"] for g in got if all(x == x for x in g["losses"])]
+    assert last, "some rank holds the last stage and reports the loss"
+    mean = [sum(col) / len(last) for col in zip(*last, strict=True)]
+    assert mean == pytest.approx(ref_losses, rel=1e-2)
+    for g in got:
+        assert all(bool(torch.isfinite(v).all()) for v in g["params"].values())

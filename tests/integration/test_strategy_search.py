@@ -202,6 +202,18 @@ def test_recompute_is_chosen_per_stage_only_when_memory_needs_it(megatron: Model
     assert slower > roomy.predictions.iteration_time_ms  # type: ignore[union-attr]
 
 
+def test_a_layout_refused_for_the_models_structure_is_not_called_out_of_memory(
+        megatron: ModelIR) -> None:
+    """4 layers, pp 4 x 2 chunks: 8 stages need more cuts than the model has places for.
+    The summary said "none of the 1 layouts fits in memory" before the reason."""
+    with pytest.raises(InfeasiblePlanError) as info:
+        compile(megatron, _tight(64.0, 4), batch_size=8, dp=1, pp=4,
+                schedule="interleaved-1f1b", virtual_stages=2, micro_batch_size=2)
+    msg = str(info.value)
+    assert msg.startswith("none of the 1 layouts can be planned; for example: ")
+    assert "cuts" in msg and "memory" not in msg
+
+
 def test_memory_only_infeasible_layout_is_refused_with_the_breakdown(megatron: ModelIR) -> None:
     roomy = compile(megatron, _tight(4.0, 2), batch_size=16, dp=1, pp=2, micro_batch_size=8)
     need = max(roomy.predictions.memory_per_rank_bytes)  # type: ignore[union-attr]

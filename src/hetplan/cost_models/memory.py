@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from hetplan.algorithms.pipeline_schedules import ActionKind, PipelineSchedule, build_schedule
-from hetplan.errors import InfeasiblePlanError
+from hetplan.errors import OutOfMemoryError
 from hetplan.ir.plan_sections import LayerCost, WorkloadSummary
 from hetplan.ir.vocab import capture_dtype_bytes
 
@@ -411,12 +411,12 @@ def breakdown(weights: float, grads: float, state: float, activations: float,
 def check_fits(
     per_rank: Sequence[MemoryBreakdown], capacity_bytes: Sequence[int], *, what: str = ""
 ) -> None:
-    """Raise InfeasiblePlanError for the first rank whose memory exceeds its capacity, with
-    its breakdown."""
+    """Raise :class:`~hetplan.errors.OutOfMemoryError` (an ``InfeasiblePlanError``) for the
+    first rank whose memory exceeds its capacity, with its breakdown."""
     for rank, (mem, cap) in enumerate(zip(per_rank, capacity_bytes)):
         usable = cap * USABLE_FRACTION
         if mem.total > usable:
-            raise InfeasiblePlanError(
+            raise OutOfMemoryError(
                 f"{what + ': ' if what else ''}rank {rank} needs {mem.total / GiB:.2f} GiB "
                 f"({mem.describe()}) but its device has {cap / GiB:.2f} GiB "
                 f"({usable / GiB:.2f} GiB usable at {USABLE_FRACTION:.0%}); use more pipeline "

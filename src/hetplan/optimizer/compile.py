@@ -50,7 +50,7 @@ from hetplan.cost_models.rank_memory import stage_precision
 from hetplan.cost_models.predict import (breakdown, check_profile_fits, predictions,
                                          resolve_cluster, resolve_profile)
 from hetplan.cost_models.profile_db import ProfileDB
-from hetplan.errors import InfeasiblePlanError, SpecError
+from hetplan.errors import InfeasiblePlanError, OutOfMemoryError, SpecError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.model import ModelIR
 from hetplan.ir.plan import Plan
@@ -218,14 +218,17 @@ def compile(  # noqa: A001 - the product's verb
             + "): choose a batch size divisible by a data-parallel degree the cluster allows, "
             "or a larger micro-batch size"
         )
-    infeasible: list[str] = []
+    infeasible: list[_Refusal] = []
     with search_progress(len(candidates), opts.progress) as progress:
         screened, pruned = _screen(job, candidates, infeasible, progress)
         best = _refine(job, screened, infeasible)
     if best is None:
+        structural = [r for r in infeasible if not r.memory]
         raise InfeasiblePlanError(
             f"none of the {len(candidates)} layouts fits in memory; for example: "
-            f"{infeasible[-1]}"
+            f"{infeasible[-1].reason}" if not structural else
+            f"none of the {len(candidates)} layouts can be planned; for example: "
+            f"{structural[-1].reason}"
         )
     note = (f"{len(candidates)} layout(s) considered, "
             + (f"{pruned} pruned by lower bounds, " if pruned else "")
@@ -263,7 +266,7 @@ def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | N
     return capture(model, example_inputs, example_kwargs)
 
 
-def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[str],
+def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[_Refusal],
             progress: Progress | None = None) -> tuple[list[Scored], int]:
     """Every candidate layout with the screening passes at its ZeRO stage, fastest first,
     and how many were pruned; the reasons of those that cannot fit at any stage are appended
@@ -317,22 +320,34 @@ def _partitioner_recompute(passes: tuple[Pass, ...]) -> str | None:
     return mode if isinstance(mode, str) else None
 
 
-def _screen_one(job: _Job, cand: LayoutCandidate, infeasible: list[str]) -> Scored | None:
+@dataclass(frozen=True)
+class _Refusal:
+    """Why a layout was refused, and whether for memory: the search's summary says "fits
+    in memory" only when every refusal is (a layout refused for the model's structure, e.g.
+    too few places to cut it into the stages asked for, is not called out of memory)."""
+
+    reason: str
+    memory: bool
+
+
+def _screen_one(job: _Job, cand: LayoutCandidate, infeasible: list[_Refusal]
+                ) -> Scored | None:
     """``cand`` at the lowest ZeRO stage of its ladder that fits (and, if that needed
     recomputation, the next stage too: the faster wins); None if none fits."""
     best: Scored | None = None
-    reason = ""
+    refusal = _Refusal("", memory=True)
     ladder = job.zero_ladder(cand)
     extra = 0
     for z in ladder:
         c = replace(cand, zero_stage=z)
         reason = _memory_lower_bound(job.workload, c, job.costs)
         if reason:
+            refusal = _Refusal(reason, memory=True)
             continue
         try:
             plan, ev = job.plan_for(job.layout(c), job.screening)
         except InfeasiblePlanError as e:
-            reason = str(e)
+            refusal = _Refusal(str(e), memory=isinstance(e, OutOfMemoryError))
             if best is not None:
                 break
             continue
@@ -342,11 +357,12 @@ def _screen_one(job: _Job, cand: LayoutCandidate, infeasible: list[str]) -> Scor
             break
         extra = 1  # it needed recomputation: one more ZeRO stage may avoid it
     if best is None:
-        infeasible.append(reason)
+        infeasible.append(refusal)
     return best
 
 
-def _refine(job: _Job, screened: list[Scored], infeasible: list[str]) -> Scored | None:
+def _refine(job: _Job, screened: list[Scored], infeasible: list[_Refusal]
+            ) -> Scored | None:
     """The fastest of the finalists after the refinement passes (the screening's fastest
     when there are none)."""
     if not job.refinement:
@@ -356,7 +372,7 @@ def _refine(job: _Job, screened: list[Scored], infeasible: list[str]) -> Scored 
         try:
             plan, ev = job.plan_for(job.layout(cand), job.refinement)
         except InfeasiblePlanError as e:
-            infeasible.append(str(e))
+            infeasible.append(_Refusal(str(e), memory=isinstance(e, OutOfMemoryError)))
             continue
         if best is None or (ev.iteration_s, cand) < (best[0], best[1]):
             best = (ev.iteration_s, cand, plan, ev)

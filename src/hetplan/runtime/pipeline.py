@@ -236,6 +236,55 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict | None,
     return pipe, calls
 
 
+def _free_traced_dtypes(stage: nn.Module) -> int:
+    """Let a traced stage compute in the dtype its weights have when it runs, not the one it
+    was traced in; the number of nodes changed.
+
+    The runtime traces the model in its own dtype, and the precision handler casts the
+    working weights to the compute dtype after the split. ``torch.export`` bakes the traced
+    dtype into the graph twice: tensor-metadata assertions (``aten._assert_tensor_metadata``),
+    which compute nothing and are removed, and casts that did nothing when traced (a
+    ``.to(device)`` recorded as ``aten.to`` / ``aten._to_copy`` with the input's own
+    dtype), which are kept without their dtype. Before, a stage of Hugging Face's GPT-2
+    refused its first bf16 or fp16 forward ("Expected Double, Got BFloat16" on ``wpe``),
+    and without the assertion cast its position embeddings back to the traced dtype, which
+    made the sum with the token embeddings fp32 (CPU's layer norm then refused its 16-bit
+    weight). A cast to another dtype than its input's, the model's own choice, is kept. A
+    submodule ``torch.export`` unflattened (``InterpreterModule``) rebuilds its generated
+    code from the edited graph; a ``GraphModule`` recompiles."""
+    aten = torch.ops.aten
+    asserts = {getattr(aten, "_assert_tensor_metadata", None)}
+    asserts = {op.default for op in asserts if op is not None}
+    casts = {aten._to_copy.default, aten.to.dtype_layout}
+    changed = 0
+    for sub in stage.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        here = 0
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target in asserts and not node.users:
+                graph.erase_node(node)
+                here += 1
+            elif node.target in casts and node.kwargs.get("dtype") is not None and node.args:
+                traced = getattr(getattr(node.args[0], "meta", {}).get("val"), "dtype", None)
+                if traced == node.kwargs["dtype"]:
+                    node.kwargs = {**node.kwargs, "dtype": None}
+                    here += 1
+        if not here:
+            continue
+        changed += here
+        if isinstance(sub, torch.fx.GraphModule):
+            sub.recompile()
+        else:
+            finalize = getattr(sub, "finalize", None)
+            if callable(finalize):
+                finalize()
+    return changed
+
+
 def _check_splits(model: nn.Module, calls: dict[str, int], got: int, want: int) -> None:
     bad = {q: c for q, c in calls.items() if c != 1}
     if not bad and got == want:
@@ -450,6 +499,8 @@ def _split(model: nn.Module, example_microbatch_args: Sequence[Any] | torch.Tens
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         return list(_manual_stages(model, args, kwargs, list(spec), reason)), None
     _check_splits(source, calls, pipe.num_stages, n)
+    for i in range(n):
+        _free_traced_dtypes(pipe.get_stage_module(i))
     for i in stage_indices:
         here = [r for r in eager_required
                 if stage_owning(ordered, names, r + ".") == ordered[i].index]
