@@ -74,6 +74,7 @@ def _one_bucket(plan: Plan, strategy: Any) -> GradientSync:
 def _cases() -> dict[str, tuple[str, str]]:
     """label → (model dtype, plan JSON)."""
     f64, bf16 = _compile(torch.float64, "fp32"), _compile(torch.float32, "bf16")
+    fp16 = _compile(torch.float32, "fp16")
     topk = strategy_for(("topk", 5), ratio=0.5)  # reduce-scatter, top-k on CPU, all-gather
     cases = {
         "fp64/zero0": _variant(f64),
@@ -92,6 +93,8 @@ def _cases() -> dict[str, tuple[str, str]]:
         "bf16/zero1": _variant(bf16, zero=1),
         "bf16/zero2": _variant(bf16, zero=2),
         "bf16/zero3": _variant(bf16, zero=3),
+        "fp16/zero0": _variant(fp16),
+        "fp16/zero3": _variant(fp16, zero=3),
     }
     return {k: ("float64" if k.startswith("fp64") else "float32", v) for k, v in cases.items()}
 
@@ -104,7 +107,7 @@ def _rank(rank: int, world: int, cases: dict[str, tuple[str, str]]) -> dict[str,
     import torch.distributed as dist
 
     from hetplan.runtime.executor import Runtime
-    from hetplan.runtime.handlers import ZeroHandler
+    from hetplan.runtime.handlers import PrecisionHandler, ZeroHandler
 
     out: dict[str, Any] = {}
     for label, (dtype, plan_json) in cases.items():
@@ -118,8 +121,10 @@ def _rank(rank: int, world: int, cases: dict[str, tuple[str, str]]) -> dict[str,
         t = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(t)
         params = rt.handler(ZeroHandler).full_parameters(rt.ctx)
+        scaler = rt.handler(PrecisionHandler).scaler
         out[label] = {"losses": (t / world).tolist(),
-                      "params": {n: v.double() for n, v in params.items()}}
+                      "params": {n: v.double() for n, v in params.items()},
+                      "skipped": scaler.skipped if scaler is not None else 0}
         rt.close()
     return out
 
@@ -170,3 +175,18 @@ def test_bf16_autocast_with_fp32_master_weights(results: list[dict[str, Any]],
     # the master weights are not the bf16 working copy: some differ from their bf16 rounding
     p = results[0][label]["params"]["blocks.0.fc1.weight"]
     assert not torch.equal(p, p.to(torch.bfloat16).double())
+
+
+def test_fp16_zero3_steps_behind_the_loss_scale_as_the_unsharded_run(
+        results: list[dict[str, Any]]) -> None:
+    """fp16 with ZeRO-3 (FSDP2's fp32 shards are the master weights; the user's optimizer
+    runs behind the loss scale, unscaling each local shard): the same steps skipped for an
+    overflow as fp16 without sharding, the same losses and weights to fp16's precision, and
+    some step taken (the weights moved)."""
+    initial = {n: p.detach().double() for n, p in gpt_model(torch.float32).named_parameters()}
+    for r in range(WORLD):
+        plain, sharded = results[r]["fp16/zero0"], results[r]["fp16/zero3"]
+        assert sharded["skipped"] == plain["skipped"] < STEPS
+        assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-2)
+        assert_params(sharded["params"], plain["params"], rtol=0, atol=2e-3)
+        assert any(not torch.allclose(sharded["params"][n], v) for n, v in initial.items())

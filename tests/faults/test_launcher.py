@@ -107,12 +107,23 @@ def test_a_schedule_the_runtime_does_not_execute_is_refused_by_the_launcher() ->
 def test_a_combination_the_runtime_does_not_compose_is_refused_by_the_launcher() -> None:
     """The runtime's composition refusals (every rank refuses such a plan at setup) are
     checked before any rank starts."""
-    piped = hetplan.compile("mlp", cluster(4), batch_size=8, dp=2, pp=2, zero_stage=3,
-                            dtype="fp16")
-    assert piped.layout is not None and piped.layout.zero_stage == 3
+    from hetplan.ir.plan_sections import Bucket, GradientSync
+    from hetplan.passes.espresso import strategy_for
+
+    zero2 = hetplan.compile("mlp", cluster(4), batch_size=8, dp=4, zero_stage=2)
+    assert zero2.layout is not None and zero2.layout.zero_stage == 2
+    assert zero2.model.workload is not None
+    data = zero2.model_dump(mode="json")  # top-k compression on ZeRO-2's reduce-scattered grads
+    data["gradient_sync"] = GradientSync(
+        strategies={"s": strategy_for(("topk", 5), ratio=0.5)},
+        buckets=(Bucket(tensors=tuple(g.name for g in zero2.model.workload.grads),
+                        size_bytes=1, strategy="s"),)).model_dump(mode="json")
+    data["predictions"] = None
+    edited = Plan.model_validate(data)
     with pytest.raises(SpecError, match="the runtime does not execute this plan's combination "
-                                        "of strategies:\n  precision: fp16 with ZeRO-3"):
-        preflight(piped, _cmd(piped))
+                                        "of strategies:\n  gradient_sync.strategies.*"
+                                        "compressed \\(topk\\) under ZeRO-2"):
+        preflight(edited, _cmd(edited))
 
 
 def test_an_edited_cluster_is_refused(plan: Plan, tmp_path: Path) -> None:

@@ -63,10 +63,6 @@ def refusals(plan: Plan) -> list[str]:
         out.append(f"sparse_sync: sparse gradient schemes under ZeRO-{zero}, which "
                    "reduce-scatters every gradient during backward; the sparse schemes need "
                    f"the full gradient (zero_stage <= 1); re-plan with --zero 1 ({_DOC})")
-    if zero == 3 and plan.precision is not None and any(
-            d.compute_dtype == "fp16" for d in plan.precision.devices.values()):
-        out.append("precision: fp16 with ZeRO-3 (FSDP2) has no loss scaling in this runtime "
-                   f"yet; re-plan with --dtype bf16 or --zero 2 ({_DOC})")
     return out + _group_sync(plan, lay, zero) + hetero_refusals(plan)
 
 

@@ -14,7 +14,9 @@ autocast around its forward, and dynamic loss scaling for fp16.
   2^16, halve on an overflow and skip that step, double after 2000 clean steps). It scales
   the gradient flowing out of the loss (:func:`fp32_loss_fn`: identity forward, ``· scale``
   in backward), so the loss the runtime reports is the true one; the optimizer unscales and
-  asks :meth:`DynamicLossScale.update` whether to step.
+  asks :meth:`DynamicLossScale.update` whether to step. Where the runtime does not build
+  the optimizer around a master copy (ZeRO-3: FSDP2 keeps fp32 shards and gathers 16-bit
+  weights), :class:`LossScaledOptimizer` puts the user's optimizer behind the scale.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hetplan.errors import SpecError
@@ -32,6 +35,7 @@ __all__ = [
     "DTYPES",
     "Autocast",
     "DynamicLossScale",
+    "LossScaledOptimizer",
     "cast_working_weights",
     "rank_compute_dtype",
     "fp32_loss_fn",
@@ -165,6 +169,50 @@ class DynamicLossScale:
             self.scale *= self.growth_factor
             self.clean_steps = 0
         return True
+
+
+class LossScaledOptimizer(torch.optim.Optimizer):
+    """The user's optimizer behind the fp16 loss scale, for parameters that are their own
+    master weights (ZeRO-3: FSDP2's fp32 shards, whose gradients arrive scaled).
+
+    A step divides every gradient (a DTensor's local shard, in place) by the scale, agrees
+    with every rank of the job on whether one is not finite (a MAX all-reduce: every rank
+    keeps the same scale and skips the same steps, as
+    :class:`~hetplan.runtime.sharded_optimizer.ShardedOptimizer` does), and steps the inner
+    optimizer only when none is. Its parameter groups and state are the inner optimizer's.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, scaler: DynamicLossScale) -> None:
+        self.inner, self.scaler = inner, scaler
+        params = [p for g in inner.param_groups for p in g["params"]]
+        super().__init__(params, {})
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Unscale, check, and step unless a gradient overflowed (then the step is skipped
+        and the scale backs off)."""
+        local = [_local(p.grad) for g in self.param_groups for p in g["params"]
+                 if p.grad is not None]
+        if local:
+            torch._foreach_div_(local, self.scaler.scale)
+        bad = torch.tensor([0.0 if all(bool(torch.isfinite(t).all()) for t in local)
+                            else 1.0])
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if not self.scaler.update(bool(bad.item() > 0)):
+            return None
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place changes reach it); any other tensor as is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -45,7 +45,7 @@ from hetplan.ir.model import LayerKind
 from hetplan.ir.plan_sections import CastSync
 from hetplan.runtime.composition import effective_zero_stage
 from hetplan.runtime.handlers.base import Handler, OptimizerFactory, RuntimeContext
-from hetplan.runtime.precision import DTYPES, DynamicLossScale
+from hetplan.runtime.precision import DTYPES, DynamicLossScale, LossScaledOptimizer
 from hetplan.runtime.sharded_optimizer import GradReducer, ShardedOptimizer, segments_of
 
 if TYPE_CHECKING:
@@ -80,6 +80,13 @@ class ZeroHandler(Handler):
         scaler = precision.scaler if precision is not None else None
         if self.stage == 3:
             self._fully_shard(ctx, dtype)
+            if scaler is not None:  # fp16: FSDP2's fp32 shards are the master weights
+                user = ctx.make_optimizer
+
+                def scaled(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+                    return LossScaledOptimizer(user(params), scaler)
+
+                ctx.make_optimizer = scaled
             return
         if self.stage == 0 and dtype == "fp32":
             return
