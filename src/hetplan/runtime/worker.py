@@ -260,12 +260,15 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         if trace is not None:
             _write_trace(args.trace, plan, trace, rank)
         if args.report:
+            rounds = None
+            if plan.checkpointing is not None:  # this attempt's checkpoint rounds, taken
+                from hetplan.runtime.handlers import CheckpointingHandler  # before the
+
+                rounds = rt.handler(CheckpointingHandler).report()  # memory's extra step
             peak = _measure_peak(rt, ex_args, batch, total, target_of, device)
             summary = _rank_summary(rank, times, losses, peak, plan)
-            if plan.checkpointing is not None:  # this attempt's checkpoint rounds
-                from hetplan.runtime.handlers import CheckpointingHandler
-
-                summary["checkpoint_rounds"] = rt.handler(CheckpointingHandler).report()
+            if rounds is not None:
+                summary["checkpoint_rounds"] = rounds
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, summary)
             if rank == 0:
