@@ -16,30 +16,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner, Result
 
-from hetplan.cli import app
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import SpecError
 from hetplan.ir.plan import load_plan
 from hetplan.report.trace_compare import load_trace, plan_digest
-
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-WORKLOAD = GOLDEN / "inspect_small.workload.json"
-
-
-def run(*args: object) -> Result:
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def refused(result: Result, *expected: str) -> str:
-    """The command refused with exit code 2, no traceback, and every expected text."""
-    assert result.exit_code == 2, result.output
-    assert "internal error" not in result.output and "Traceback" not in result.output
-    flat = " ".join(result.output.split())
-    for text in expected:
-        assert text in flat, f"{text!r} not in:\n{result.output}"
-    return flat
+from test_bad_input_round7 import WORKLOAD, refused, run  # the rounds share their helpers
 
 
 def _write(path: Path, data: Any) -> Path:
