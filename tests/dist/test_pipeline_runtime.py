@@ -50,6 +50,22 @@ def _untraceable_sequential() -> nn.Sequential:
                          nn.Tanh(), nn.Linear(8, 3))
 
 
+class Skips(nn.Module):
+    """The first layer's output is added back after the third and the fourth: stage 0 of a
+    four-stage cut feeds stages 2 and 3 (a float tensor, so its gradient crosses the relay);
+    stage 1 does not read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.a, self.b, self.c = (nn.Linear(8, 8) for _ in range(4))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        v = torch.tanh(self.b(torch.tanh(self.a(torch.tanh(h))))) + h
+        return self.out(torch.tanh(self.c(v)) + 2 * h)
+
+
 def _lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
 
@@ -82,6 +98,9 @@ CASES = {
     "blocks4": Case(Blocks, lambda g: (torch.randn(BATCH, 8, generator=g, dtype=torch.float64),
                                        torch.randn(BATCH, 3, generator=g, dtype=torch.float64)),
                     F.mse_loss, (1, 2, 3)),
+    "skips": Case(Skips, lambda g: (torch.randn(BATCH, 8, generator=g, dtype=torch.float64),
+                                    torch.randn(BATCH, 3, generator=g, dtype=torch.float64)),
+                  F.mse_loss, (1, 2, 3)),
 }
 
 
@@ -184,6 +203,7 @@ TWO_RANKS: dict[str, tuple[str, Layout]] = {
     "tied-1f1b": ("tied", _layout("1f1b", dp=1, pp=2)),
     "seq-1f1b": ("seq", _layout("1f1b", dp=1, pp=2)),
     "blocks4-interleaved": ("blocks4", _layout("interleaved-1f1b", dp=1, pp=2, virtual=2)),
+    "skips-interleaved": ("skips", _layout("interleaved-1f1b", dp=1, pp=2, virtual=2)),
 }
 
 
@@ -243,6 +263,51 @@ def test_untraceable_sequential_uses_manual_stages(
 
 def test_interleaved_1f1b_two_chunks_per_rank(two_ranks: list[dict[str, dict[str, Any]]]) -> None:
     _compare_two(two_ranks, "blocks4-interleaved")
+
+
+def test_tensors_read_past_the_next_stage_are_relayed(
+        two_ranks: list[dict[str, dict[str, Any]]]) -> None:
+    """Stage 0's output, read by stages 2 and 3, goes through the stages in between (torch's
+    schedules send only to the next stage): the same losses and weights as one process."""
+    got = _compare_two(two_ranks, "skips-interleaved")
+    assert not any(g["manual"] for g in got), "traced stages expected"
+
+
+def test_relay_leaves_only_adjacent_edges() -> None:
+    """The split graph of ``Skips`` cut in four: stage 0 feeds stages 2 and 3 before the
+    relay, only stage 1 after; stage 2 forwards the copy it reads itself (sent once)."""
+    import operator
+
+    from hetplan.runtime import pipeline as pipeline_mod
+
+    layout = _layout("interleaved-1f1b", dp=1, pp=2, virtual=2)
+    stages = _stages("skips", layout)
+    names = [n for st in stages for n in st.layer_names]
+    pipe, _ = pipeline_mod._trace(_model("skips"), (_data("skips", 0)[0][:2],), None,
+                                  split_points(names, stages))
+
+    def sources() -> list[set[int]]:
+        calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+        out = []
+        for call in calls:
+            srcs = set()
+            for a in call.args:
+                while a.op == "call_function" and a.target is operator.getitem:
+                    a = a.args[0]
+                if a.op == "call_module":
+                    srcs.add(calls.index(a))
+            out.append(srcs)
+        return out
+
+    assert sources() == [set(), {0}, {0, 1}, {0, 2}]
+    assert pipeline_mod._relay_skips(pipe) == 2  # the inputs of stages 2 and 3
+    assert sources() == [set(), {0}, {1}, {2}]
+    n_inputs = [sum(n.op == "placeholder" for n in pipe.get_stage_module(i).graph.nodes)
+                for i in range(4)]
+    assert n_inputs == [1, 2, 2, 2]  # stage 1 takes h too; stage 2 reads it itself
+    x = _data("skips", 0)[0][:2]
+    y = pipe(x)
+    torch.testing.assert_close(y[0] if isinstance(y, tuple) else y, _model("skips")(x))
 
 
 @pytest.mark.slow  # 4 processes

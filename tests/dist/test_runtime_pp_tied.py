@@ -61,6 +61,13 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "tied-lm-dp2xpp2-interleaved-bf16-zero1-early": ("tied-lm", 4, {
         "dp": 2, "pp": 2, "tp": 1, "micro_batch_size": 2, "schedule": "interleaved-1f1b",
         "virtual_stages": 2, "dtype": "bf16", "zero_stage": 1}),
+    # Hugging Face GPT-2's embedding stage makes the attention mask every block reads: with
+    # more than two stages (or interleaved) it is relayed through the stages in between
+    "tiny-gpt2-pp4": ("tiny-gpt2", 4, {"dp": 1, "pp": 4, "tp": 1, "micro_batch_size": 2,
+                                       "schedule": "gpipe"}),
+    "tiny-gpt2-pp2-interleaved": ("tiny-gpt2", 2, {
+        "dp": 1, "pp": 2, "tp": 1, "micro_batch_size": 2, "schedule": "interleaved-1f1b",
+        "virtual_stages": 2}),
     # Hugging Face GPT-2 in bf16: its traced stage asserted the dtype it was traced in
     "tiny-gpt2-pp2-bf16": ("tiny-gpt2", 2, {"dp": 1, "pp": 2, "tp": 1, "micro_batch_size": 4,
                                             "dtype": "bf16"}),

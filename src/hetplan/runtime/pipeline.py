@@ -18,7 +18,9 @@ from its predicted time by that glue. A boundary at a layer that is never called
 (only its parameters are read by glue, like ``pos_emb.weight[:t]``) or that is called more than
 once cannot be split, and is refused with a :class:`~hetplan.errors.SpecError`. Parameters
 tied across stages (GPT-2's ``wte``/``lm_head``) become separate copies per stage; they are
-refused unless the caller sums their gradients (:func:`tied_across_stages`).
+refused unless the caller sums their gradients (:func:`tied_across_stages`). A tensor a stage
+makes and a stage past the next one reads is relayed through the stages in between
+(:func:`_relay_skips`): torch's schedules send only between adjacent stages.
 
 The stages run the plan's per-rank action lists through :mod:`hetplan.runtime.schedule`.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -285,6 +288,95 @@ def _free_traced_dtypes(stage: nn.Module) -> int:
     return changed
 
 
+def _relay_skips(pipe: Any) -> int:
+    """Make every stage of a traced pipe receive only from the stage before it; the number of
+    stage inputs that now come through a relay.
+
+    A value a stage computes and a stage past the next one reads (Hugging Face GPT-2's
+    attention mask, made by the embedding stage and read by every block) is passed through
+    each stage in between: the stage takes it as one more input and returns it (as an
+    ``aten.alias``, so it has a gradient function of its own) as one more output. Torch's
+    schedules send only between adjacent stages, so before this every GPT-2 pipeline of three
+    or more stages, and every interleaved one, was refused at its first step. A value read
+    by several later stages is relayed once per stage it crosses. Edits the pipe's split
+    graph and the stage modules in between (both recompiled).
+    """
+    gm = pipe.split_gm
+    graph = gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    index = {n: i for i, n in enumerate(calls)}
+
+    def producer(node: Any) -> int | None:
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" \
+                and node.target is operator.getitem:
+            node = node.args[0]
+        return index.get(node) if isinstance(node, torch.fx.Node) else None
+
+    hops: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}  # (value, stage) -> its output
+    relayed = 0
+    for k, call in enumerate(calls):
+        sub = gm.get_submodule(str(call.target))
+        assert isinstance(sub, torch.fx.GraphModule)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for pos, arg in enumerate(call.args):
+            s = producer(arg)
+            if s is None or s >= k - 1:
+                continue
+            value = arg
+            for m in range(s + 1, k):
+                if (arg, m) not in hops:
+                    hops[(arg, m)] = _pass_through(gm, calls[m], value, placeholders[pos].meta)
+                value = hops[(arg, m)]
+            call.update_arg(pos, value)
+            relayed += 1
+    if relayed:
+        graph.lint()
+        gm.recompile()
+    return relayed
+
+
+def _pass_through(gm: torch.fx.GraphModule, call: torch.fx.Node, value: torch.fx.Node,
+                  meta: dict[str, Any]) -> torch.fx.Node:
+    """Stage ``call`` takes ``value`` as its last input and returns it as its last output;
+    the split graph's node for that output. ``meta``: the consumer's placeholder metadata
+    (torch's stage reads ``meta["val"]`` for its buffers)."""
+    sub = gm.get_submodule(str(call.target))
+    assert isinstance(sub, torch.fx.GraphModule)  # what pipeline() splits into
+    g = sub.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    if value in call.args:  # the stage reads it too: return that input, send it once
+        ph = placeholders[call.args.index(value)]
+    else:
+        taken = {str(n.target) for n in placeholders} | {n.name for n in g.nodes}
+        name = next(f"relay_{value.name}_{i}" for i in itertools.count()
+                    if f"relay_{value.name}_{i}" not in taken)
+        with g.inserting_after(placeholders[-1]):
+            ph = g.placeholder(name)
+        ph.meta = dict(meta)
+        call.args = (*call.args, value)
+    out = g.output_node()
+    with g.inserting_before(out):
+        alias = g.call_function(torch.ops.aten.alias.default, (ph,))
+    alias.meta = dict(meta)
+    old = out.args[0]
+    single = not isinstance(old, (tuple, list))
+    outs: tuple[Any, ...] = (old,) if single else tuple(old)  # type: ignore[arg-type]
+    out.args = ((*outs, alias),)
+    g.lint()
+    sub.recompile()
+    top = gm.graph
+    if single:  # its users read the one output through index 0 now
+        with top.inserting_after(call):
+            first = top.call_function(operator.getitem, (call, 0))
+        call.replace_all_uses_with(first, delete_user_cb=lambda u: u is not first)
+    after = call  # keep the getitems in index order, in the graph as in ``call.users``
+    while after.next.op == "call_function" and after.next.target is operator.getitem \
+            and after.next.args[0] is call:
+        after = after.next
+    with top.inserting_after(after):
+        return top.call_function(operator.getitem, (call, len(out.args[0]) - 1))
+
+
 def _check_splits(model: nn.Module, calls: dict[str, int], got: int, want: int) -> None:
     bad = {q: c for q, c in calls.items() if c != 1}
     if not bad and got == want:
@@ -499,6 +591,7 @@ def _split(model: nn.Module, example_microbatch_args: Sequence[Any] | torch.Tens
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         return list(_manual_stages(model, args, kwargs, list(spec), reason)), None
     _check_splits(source, calls, pipe.num_stages, n)
+    _relay_skips(pipe)
     for i in range(n):
         _free_traced_dtypes(pipe.get_stage_module(i))
     for i in stage_indices:

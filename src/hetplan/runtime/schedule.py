@@ -24,9 +24,9 @@ Why torch's schedule runtime and not an own loop over point-to-point sends and r
 What it costs: the entry points are private (``_PipelineScheduleRuntime``, its
 ``_prepare_schedule_with_comms`` — ``_load_actions`` in older releases — and ``_Action``);
 they are used here only, behind a clear error. And the multi-stage runtime sends only between
-adjacent stages: a model whose traced stages pass a tensor past the next stage (a skip
-connection across three or more stages) is refused with a :class:`SpecError` at its first
-step.
+adjacent stages: a tensor a traced stage passes past the next stage is relayed through the
+stages in between when the stages are built (``pipeline._relay_skips``); a stage list that
+still does (a manual split) is refused with a :class:`SpecError` at its first step.
 
 :class:`StageMonitor` wraps the stages' compute calls: the seconds spent computing (the rest of
 a step is bubble and unhidden transfers) and the actions executed, in order — what the
