@@ -96,7 +96,7 @@ class Packer:
         self._sources: list[torch.Tensor] = []
         self._entries: list[tuple[torch.dtype, tuple[int, ...], int, int]] = []
         self._data_bytes = 0
-        self._zeros = torch.zeros(ALIGN, dtype=torch.uint8)
+        self._zeros = torch.zeros(ALIGN, dtype=torch.uint8)  # host: snapshots are in CPU memory
 
     def prepare(self, params: Sequence[tuple[str, torch.Tensor]], optim: dict[str, Any] | None,
                 rng: torch.Tensor, iteration: int) -> Packed:
@@ -157,7 +157,7 @@ def unpack(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
     header.update(pickle.loads(header.pop("layout")))
     base = _align(_PREFIX + hlen)
     data = torch.frombuffer(bytearray(mv[base:]), dtype=torch.uint8) if len(mv) > base else (
-        torch.empty(0, dtype=torch.uint8))
+        torch.empty(0, dtype=torch.uint8))  # host: a snapshot read back
     tensors = [data[off:off + n].view(dtype).reshape(shape).clone()
                for dtype, shape, off, n in header["entries"]]
     names = header["names"]

@@ -134,7 +134,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
                   bias=isinstance(b, torch.Tensor), dtype=w.dtype, device=w.device,
                   conv1d=conv1d)
         part = w.shape[0] // parts
-        rows = torch.cat([torch.arange(p * part + mod.start, p * part + mod.end)
+        rows = torch.cat([torch.arange(p * part + mod.start, p * part + mod.end, device=w.device)
                           for p in range(parts)])
         with torch.no_grad():
             mod.weight.copy_(w[rows])
@@ -401,8 +401,8 @@ def is_token_cross_entropy(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor])
     """Whether ``loss_fn(logits, ids)`` is the mean token cross-entropy, on a fixed probe
     (float64 logits [2, 3, 5], ids [2, 3]); any error means no."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
-    ids = torch.randint(0, 5, (2, 3), generator=g)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)  # host: a local probe
+    ids = torch.randint(0, 5, (2, 3), generator=g)  # host: a local probe
     try:
         got = loss_fn(logits, ids)
     except Exception:  # noqa: BLE001 - a loss that cannot take logits is not this one

@@ -21,6 +21,7 @@ autocast around its forward, and dynamic loss scaling for fp16.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "cast_working_weights",
     "rank_compute_dtype",
     "fp32_loss_fn",
+    "unscale_and_check",
 ]
 
 #: The plan's dtype names.
@@ -193,12 +195,10 @@ class LossScaledOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Unscale, check, and step unless a gradient overflowed (then the step is skipped
         and the scale backs off)."""
-        local = [_local(p.grad) for g in self.param_groups for p in g["params"]
-                 if p.grad is not None]
-        if local:
-            torch._foreach_div_(local, self.scaler.scale)
-        bad = torch.tensor([0.0 if all(bool(torch.isfinite(t).all()) for t in local)
-                            else 1.0])
+        params = [p for g in self.param_groups for p in g["params"]]
+        local = [_local(p.grad) for p in params if p.grad is not None]
+        device = local[0].device if local else (params[0].device if params else None)
+        bad = unscale_and_check(local, self.scaler.scale, device)
         if dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if not self.scaler.update(bool(bad.item() > 0)):
@@ -207,6 +207,24 @@ class LossScaledOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+
+
+def unscale_and_check(grads: Sequence[torch.Tensor], scale: float,
+                      device: torch.device | None = None) -> torch.Tensor:
+    """Divide ``grads`` by ``scale`` in place; a one-element float32 flag, 1 where one of
+    them holds an infinity or a NaN, else 0.
+
+    One fused kernel (torch's ``_amp_foreach_non_finite_check_and_unscale_``, what
+    ``GradScaler`` runs) and no host synchronisation: the flag stays on the gradients'
+    device (``device`` when there are none), where the job's collective can reduce it (an
+    NCCL group takes no CPU tensor). ``DynamicLossScale``'s default scales are powers of two, so
+    multiplying by the inverse is the division."""
+    where = grads[0].device if grads else (device or torch.device("cpu"))
+    found = torch.zeros(1, dtype=torch.float32, device=where)
+    if grads:
+        inv = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found, inv)
+    return found
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

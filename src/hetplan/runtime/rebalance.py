@@ -259,7 +259,7 @@ def migrate(
     hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
     params = list(new_stage.parameters())
     new_opt = type(optimizer)(params if params else [torch.zeros(0, requires_grad=True)],
-                              **hyper)
+                              **hyper)  # host: an empty stand-in, never stepped on data
     return new_stage, carry_optimizer(optimizer, new_opt, received)
 
 

@@ -614,7 +614,7 @@ def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     if x.device == device:
         return x
     if x.is_cuda and device.type == "cpu":
-        buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)  # host: pinned staging
         buf.copy_(x, non_blocking=True)
         torch.cuda.current_stream(x.device).synchronize()
         return buf

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetplan.runtime.precision import DynamicLossScale
+from hetplan.runtime.precision import DynamicLossScale, unscale_and_check
 
 __all__ = ["GradReducer", "Segment", "ShardedOptimizer", "segments_of"]
 
@@ -114,7 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.segments, self.group, self.world, self.rank = segments, group, world, rank
         self.reducer, self.scaler = reducer, scaler
         total = sum(s.chunk for s in segments)
-        first = segments[0].params[0] if segments else torch.zeros(())
+        first = segments[0].params[0] if segments else torch.zeros(())  # host: a dtype only
         # fp32 beside 16-bit working weights; an fp32 or fp64 model is its own master dtype
         self.master = torch.zeros(total, dtype=torch.promote_types(torch.float32, first.dtype),
                                   device=first.device)
@@ -145,8 +145,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """One update of the master shard and the all-gather of the working weights."""
         grad = self._grad_chunk()
         if self.scaler is not None:
-            grad.div_(self.scaler.scale)
-            bad = torch.tensor([0.0 if bool(torch.isfinite(grad).all()) else 1.0])
+            bad = unscale_and_check([grad], self.scaler.scale)
             if dist.is_initialized():
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             if not self.scaler.update(bool(bad.item() > 0)):

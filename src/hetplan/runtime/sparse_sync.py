@@ -83,7 +83,8 @@ def zen_allreduce(grad: torch.Tensor, state: ZenState, group: Any, rank: int,
     order = torch.from_numpy(np.concatenate(res.partitions)).to(grad.device)
     counts = [len(p) for p in res.partitions]
     # push: sizes, then ids and rows, to their servers
-    recv_counts = _exchange(torch.tensor(counts, dtype=torch.int64), [1] * n, [1] * n, group)
+    recv_counts = _exchange(torch.tensor(counts, dtype=torch.int64, device=grad.device),
+                            [1] * n, [1] * n, group)
     rc = [int(c) for c in recv_counts]
     row_bytes = dim * grad.element_size() + 8
     _occupy("alltoall", max(sum(counts) - counts[rank], sum(rc) - rc[rank]) * row_bytes
@@ -96,8 +97,8 @@ def zen_allreduce(grad: torch.Tensor, state: ZenState, group: Any, rank: int,
     agg.index_add_(0, inverse, got_rows)
     out = torch.zeros_like(grad)
     if pull == "coo":
-        sizes = _exchange(torch.tensor([len(uniq)] * n, dtype=torch.int64), [1] * n, [1] * n,
-                          group)
+        sizes = _exchange(torch.tensor([len(uniq)] * n, dtype=torch.int64, device=grad.device),
+                          [1] * n, [1] * n, group)
         sz = [int(s) for s in sizes]
         _occupy("allgather", sum(sz) * row_bytes, n)
         all_ids = _exchange(uniq.repeat(n), [len(uniq)] * n, sz, group)
@@ -124,7 +125,8 @@ def agsparse_allreduce(grad: torch.Tensor, group: Any, world: int) -> torch.Tens
     every rank's COO tensor (ids + rows) and adds them up."""
     n, dim = world, grad.shape[1]
     ids = nonzero_rows(grad)
-    sizes = _exchange(torch.tensor([len(ids)] * n, dtype=torch.int64), [1] * n, [1] * n, group)
+    sizes = _exchange(torch.tensor([len(ids)] * n, dtype=torch.int64, device=grad.device),
+                      [1] * n, [1] * n, group)
     sz = [int(s) for s in sizes]
     _occupy("allgather", sum(sz) * (dim * grad.element_size() + 8), n)
     all_ids = _exchange(ids.repeat(n), [len(ids)] * n, sz, group)

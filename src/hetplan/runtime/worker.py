@@ -75,9 +75,10 @@ def synthetic_batch(example_args: tuple, batch: int, step: int) -> tuple:
     for a in example_args:
         shape = (batch, *a.shape[1:])
         if a.dtype in (torch.long, torch.int64, torch.int32):
-            xs.append(torch.randint(0, max(int(a.max()) + 1, 2), shape, generator=g))
+            xs.append(torch.randint(0, max(int(a.max()) + 1, 2), shape,
+                                    generator=g))  # host: the caller moves the batch
         else:
-            xs.append(torch.randn(shape, generator=g, dtype=a.dtype))
+            xs.append(torch.randn(shape, generator=g, dtype=a.dtype))  # host: as above
     return tuple(xs)
 
 

@@ -207,12 +207,12 @@ class CheckpointingHandler(Handler):
             if self.rank == src:
                 blob = self.store.read("held", dst, it)
                 dist.send(torch.tensor([len(blob)], dtype=torch.int64), dst, group=self.group,
-                          tag=_FETCH)
+                          tag=_FETCH)  # host: self.group is a gloo group
                 dist.send(_as_tensor(blob), dst, group=self.group, tag=_FETCH)
             elif self.rank == dst:
-                n = torch.empty(1, dtype=torch.int64)
+                n = torch.empty(1, dtype=torch.int64)  # host: the gloo group's
                 dist.recv(n, src, group=self.group, tag=_FETCH)
-                buf = torch.empty(int(n), dtype=torch.uint8)
+                buf = torch.empty(int(n), dtype=torch.uint8)  # host: the gloo group's
                 dist.recv(buf, src, group=self.group, tag=_FETCH)
                 mine = buf.numpy().tobytes()
                 self.store.write("own", dst, it, mine)  # held again on this node
@@ -258,7 +258,8 @@ class CheckpointingHandler(Handler):
         path = self.storage / f"step{step}"
         key = f"rank{self.rank}"
         meta = FileSystemReader(path).read_metadata().state_dict_metadata[key]
-        buf = torch.empty(tuple(meta.size), dtype=torch.uint8)  # type: ignore[union-attr]
+        size = tuple(meta.size)  # type: ignore[union-attr]
+        buf = torch.empty(size, dtype=torch.uint8)  # host: read from disk over the gloo group
         dcp.load({key: buf}, checkpoint_id=path, process_group=self.group)
         return buf.numpy().tobytes()
 
@@ -363,7 +364,7 @@ class CheckpointingHandler(Handler):
         ``completed``)."""
         res = self.store.reserve("own", self.rank, completed, packed.nbytes)
         out = (_mapped(res.buffer, packed.nbytes) if res is not None
-               else torch.empty(packed.nbytes, dtype=torch.uint8))
+               else torch.empty(packed.nbytes, dtype=torch.uint8))  # host: the CPU store
         self.packer.pack_into(packed, out)
         if res is not None:
             self.store.commit(res)

@@ -147,6 +147,8 @@ class HeteroPipeline:
         self.next: HeteroCoords | None = (hetero_coords(plan, firsts[k + 1])
                                           if k + 1 < self.num_stages else None)
         self.busy_s = 0.0
+        # headers and receive buffers live where the activations do (NCCL sends no CPU tensor)
+        self.device = next((p.device for p in stage.submod.parameters()), torch.device("cpu"))
 
     @property
     def first(self) -> bool:
@@ -234,10 +236,11 @@ class HeteroPipeline:
             got: list[torch.Tensor] = []
             n = 1
             while len(got) < n:
-                header = torch.zeros(_HEADER, dtype=torch.int64)
+                header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
                 dist.recv(header, src, tag=_tag(i, _FWD))
-                n, dtype, ndim = int(header[0]), _DTYPES[int(header[1])], int(header[2])
-                buf = torch.empty([int(x) for x in header[3:3 + ndim]], dtype=dtype)
+                n, dtype, ndim = (int(x) for x in header[:3].tolist())
+                shape = header[3:3 + ndim].tolist()
+                buf = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
                 dist.recv(buf, src, tag=_tag(i, _FWD))
                 got.append(buf)
             chunks.append(got)
@@ -321,5 +324,5 @@ def _header(n: int, t: torch.Tensor) -> torch.Tensor:
         raise SpecError(f"a boundary tensor of dtype {t.dtype} and {t.dim()} dimensions cannot "
                         "be sent between heterogeneous stages")
     return torch.tensor([n, _DTYPES.index(t.dtype), t.dim(), *t.shape,
-                         *([0] * (_HEADER - 3 - t.dim()))], dtype=torch.int64)
+                         *([0] * (_HEADER - 3 - t.dim()))], dtype=torch.int64, device=t.device)
 
