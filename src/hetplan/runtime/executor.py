@@ -61,6 +61,7 @@ from hetplan.runtime.handlers import (
     StepTimes,
 )
 from hetplan.runtime.handlers.hetero import hetero_groups
+from hetplan.runtime.handlers.stages import stage_modules
 from hetplan.runtime.hetero_ranks import plan_world_size, stage_layout
 from hetplan.runtime.liveness import Heartbeat
 from hetplan.runtime.resizing import ResizingRuntime, StragglerSpec
@@ -310,8 +311,7 @@ class Runtime:
     def stage_modules(self) -> list[nn.Module]:
         """This rank's pipeline stage modules (the traced submodules it runs; empty without a
         pipeline)."""
-        stages = next((h for h in self.ctx.handlers if isinstance(h, StagesHandler)), None)
-        return [st.submod for st in stages.stages] if stages is not None else []
+        return stage_modules(self.ctx)
 
     @property
     def opt(self) -> torch.optim.Optimizer | None:

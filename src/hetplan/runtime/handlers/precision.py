@@ -19,6 +19,7 @@ import torch
 
 from hetplan.runtime.composition import effective_zero_stage
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
+from hetplan.runtime.handlers.stages import stage_modules
 from hetplan.runtime.precision import (
     DTYPES,
     Autocast,
@@ -63,7 +64,7 @@ class PrecisionHandler(Handler):
         if effective_zero_stage(ctx.layout) < 3:
             self.fp32_weights = {id(p): p.detach().clone() for p in ctx.model.parameters()
                                  if p.is_floating_point()}
-            cast_working_weights([ctx.model, *_stage_modules(ctx)], dtype)
+            cast_working_weights([ctx.model, *stage_modules(ctx)], dtype)
         self._hook(ctx)
         if self.dtype == "fp16":
             self.scaler = DynamicLossScale()
@@ -73,7 +74,7 @@ class PrecisionHandler(Handler):
         """Autocast around the modules this rank calls: the model, or its pipeline stages
         (whose outputs go back to the dtype they were traced in, that of their P2P
         buffers)."""
-        stages = _stage_modules(ctx)
+        stages = stage_modules(ctx)
         self.autocast = Autocast(stages or [ctx.model], DTYPES[self.dtype],
                                  io_dtype=self.io_dtype if stages else None)
 
@@ -82,7 +83,7 @@ class PrecisionHandler(Handler):
         if self.autocast is None:
             return
         self.autocast.remove()
-        cast_working_weights(_stage_modules(ctx), DTYPES[self.dtype])
+        cast_working_weights(stage_modules(ctx), DTYPES[self.dtype])
         self._hook(ctx)
 
     def take_fp32_weights(self) -> dict[int, torch.Tensor]:
@@ -101,12 +102,3 @@ def _traced_dtype(ctx: RuntimeContext) -> torch.dtype:
     before the cast to the compute dtype (fp32 where it has none)."""
     return next((p.dtype for p in ctx.model.parameters() if p.is_floating_point()),
                 torch.float32)
-
-
-def _stage_modules(ctx: RuntimeContext) -> list[torch.nn.Module]:
-    """This rank's pipeline stage modules (empty without a pipeline). They share the model's
-    parameters; a traced stage may hold buffers of its own."""
-    from hetplan.runtime.handlers.stages import StagesHandler
-
-    stages = next((h for h in ctx.handlers if isinstance(h, StagesHandler)), None)
-    return [st.submod for st in stages.stages] if stages is not None else []

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from hetplan.runtime.schedule import StageMonitor
     from hetplan.runtime.trace import StepTrace
 
-__all__ = ["StagesHandler"]
+__all__ = ["StagesHandler", "stage_modules"]
 
 
 class StagesHandler(Handler):
@@ -332,6 +332,13 @@ class StagesHandler(Handler):
         self.pp_group = None
         self.ties = []
         self.ties_synced = False
+
+
+def stage_modules(ctx: RuntimeContext) -> list[torch.nn.Module]:
+    """This rank's pipeline stage modules, the (traced) submodules it runs; empty without a
+    pipeline. They share the model's parameters; a traced stage may hold buffers of its own."""
+    stages = next((h for h in ctx.handlers if isinstance(h, StagesHandler)), None)
+    return [st.submod for st in stages.stages] if stages is not None else []
 
 
 def _tensor_parallel_source(ctx: RuntimeContext) -> tuple[Any, list[tuple[str, ...]],
