@@ -34,6 +34,7 @@ import pytest
 import torch
 from reflib import (CLUSTERS, case_results, run_each, searched_hetero, train_reference,
                     zoo_ids, zoo_model)
+import torch.distributed as dist
 from torch import nn
 
 from hetplan.ir.plan import Plan, load_plan
@@ -96,8 +97,21 @@ def _train(case: tuple[int, str]) -> dict[str, Any]:
 
     rt = Runtime(Plan.from_json(plan_json), zoo_model(NAME), example_args=zoo_ids(NAME),
                  loss_fn=_loss, optimizer=_sgd)
+    p2p: list[tuple[str, int, str]] = []  # (send or receive, peer, group) in posting order
+    names = {id(rt.ctx.groups.fwd_group): "fwd", id(rt.ctx.groups.bwd_group): "bwd",
+             id(None): "default"}
+    isend, recv = dist.isend, dist.recv
+
+    def logged(kind: str, real: Any) -> Any:
+        def call(t: torch.Tensor, peer: int, group: Any = None, **kw: Any) -> Any:
+            p2p.append((kind, peer, names.get(id(group), "other")))
+            return real(t, peer, group, **kw)
+        return call
+
+    dist.isend, dist.recv = logged("S", isend), logged("R", recv)
     try:
         losses = [rt.train_step(*_data(step, batch)) for step in range(STEPS)]
+        dist.isend, dist.recv = isend, recv
         params = {n: p.detach().clone() for n, p in rt.named_params}
         mine = {id(p) for _, p in rt.named_params}
         for mname, module in rt.model.named_modules():
@@ -108,11 +122,12 @@ def _train(case: tuple[int, str]) -> dict[str, Any]:
                 if getattr(module, "bias", None) is not None:
                     params[f"{mname}.bias"] = module.gather_bias()
         g = rt.ctx.groups
-        return {"losses": losses, "params": params,
+        return {"losses": losses, "params": params, "p2p": p2p,
                 "coords": (g.pp_rank, g.dp_rank, g.tp_rank, g.tp_ranks, g.dp_ranks),
                 "sharded": sorted({type(m).__name__ for m in rt.model.modules()
                                    if hasattr(m, "gather_weight")})}
     finally:
+        dist.isend, dist.recv = isend, recv
         rt.close()
 
 
@@ -172,6 +187,28 @@ def test_hetero_stages_equal_reference(results: list[dict[str, dict[str, Any]]],
     assert seen == set(ref), f"unchecked: {sorted(set(ref) - seen)}"
     if describe.count("1x2"):  # the tp-2 stage's ranks ran sharded layers
         assert "FusedColumnParallelLinear" in got[1]["sharded"]
+
+
+@pytest.mark.parametrize("label", list(CASES))
+def test_point_to_point_posts_in_the_same_order_on_both_ends(
+        results: list[dict[str, dict[str, Any]]], label: str) -> None:
+    """What NCCL needs (CPU tests run gloo, whose tags match messages in any order): between
+    two ranks, in one group, the operations run in the order each rank posts them, so the
+    k-th operation one rank posts towards the other must be a send where the other's k-th
+    is a receive. With activations and gradients on one group, 1F1B broke that: stage 0
+    posts the second micro-batch's activation before the first one's gradient receive,
+    stage 1 the gradient's send before that activation's receive; each waits for the
+    other."""
+    got = case_results(results, label)
+    seqs: dict[tuple[int, int, str], list[str]] = {}
+    for rank, g in enumerate(got):
+        for kind, peer, group in g["p2p"]:
+            seqs.setdefault((rank, peer, group), []).append(kind)
+    assert seqs
+    for (a, b, group), mine in seqs.items():
+        theirs = ["S" if k == "R" else "R" for k in seqs.get((b, a, group), [])]
+        assert mine == theirs, f"ranks {a} -> {b} on {group}: {mine} against {theirs}"
+    assert {group for _, _, group in seqs} == {"fwd", "bwd"}
 
 
 def test_hetplan_run_on_the_clis_hetero_plan(tmp_path: Path) -> None:

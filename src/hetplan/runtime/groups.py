@@ -129,6 +129,11 @@ class ParallelGroups:
     dp_inter_ranks: tuple[int, ...] | None = None
     dp_intra_group: Any = None
     dp_inter_group: Any = None
+    #: a heterogeneous pipeline's point-to-point groups, one per direction (every rank):
+    #: activations go forward on one, gradients backward on the other (see
+    #: :mod:`hetplan.runtime.handlers.hetero`); None otherwise
+    fwd_group: Any = None
+    bwd_group: Any = None
 
     def sync_levels(self) -> SyncLevels:
         """The levels the gradient path's routines use for this rank's data-parallel group."""

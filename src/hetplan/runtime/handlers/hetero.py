@@ -32,7 +32,13 @@ mean over its own rows and gradient sync averages over replicas, so a gradient c
 **Schedule**: the plan's action list of pipeline position ``k`` (gpipe or 1F1B: actions of
 stage ``k`` only), executed in order on every rank of stage ``k``; receives block, sends are
 asynchronous and waited for at the end of the step, so the lists that the plan's validator
-proves complete cannot deadlock here.
+proves complete cannot deadlock here. Activations travel on one group and gradients on
+another (``ParallelGroups.fwd_group`` / ``bwd_group``, every rank in each): NCCL runs the
+point-to-point operations between two ranks of one group in the order each rank posts them,
+so in 1F1B stage ``k``'s send of the next activation, posted before its receive of a
+gradient, would wait for stage ``k+1``'s receive of it, posted after its send of that
+gradient: each would wait for the other. Per direction, both ranks post in the same order
+(gloo's tags did the matching before; they are kept).
 
 Not executed (refused at setup, :func:`hetero_refusals`): sequence parallelism, interleaved
 or Chimera schedules, parameters tied across stages, re-balancing beside the TP
@@ -78,11 +84,13 @@ def hetero_group_members(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
     each TP rank, then each data-parallel group's intra- and inter-node subgroups
     (:func:`~hetplan.runtime.groups.node_split` on the cluster's nodes: made only when the
     group spans at least two nodes holding the same number of its ranks, as for a
-    homogeneous plan). Pure: no process group is touched."""
+    homogeneous plan); last, the two point-to-point groups of every rank (activations
+    forward, gradients backward). Pure: no process group is touched."""
     assert plan.hetero is not None
     spec = plan.cluster.spec
     node_of = spec.node_of if spec is not None else None
     out: list[tuple[str, tuple[int, ...]]] = []
+    everyone = tuple(sorted({r for st in plan.stages for r in st.ranks}))
     for st, shape in zip(plan.stages, plan.hetero.stages):
         ranks, tp = tuple(st.ranks), shape.tp
         dps = [ranks[t::tp] for t in range(tp)]
@@ -90,7 +98,7 @@ def hetero_group_members(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
         out += [("dp", members) for members in dps]
         for members in dps:
             out += node_split(None, members, node_of)
-    return out
+    return [*out, ("fwd", everyone), ("bwd", everyone)]
 
 
 def hetero_groups(plan: Plan, rank: int, timeout: timedelta) -> ParallelGroups:
@@ -110,7 +118,7 @@ def hetero_groups(plan: Plan, rank: int, timeout: timedelta) -> ParallelGroups:
     return ParallelGroups(rank, me.dp_rank, me.stage, me.tp_rank, me.dp_ranks, firsts,
                           me.tp_ranks, mine.get("dp"), None, mine.get("tp"),
                           ranks.get("intra"), ranks.get("inter"), mine.get("intra"),
-                          mine.get("inter"))
+                          mine.get("inter"), mine.get("fwd"), mine.get("bwd"))
 
 
 @dataclass
@@ -148,6 +156,7 @@ class HeteroPipeline:
                                           if k + 1 < self.num_stages else None)
         self.busy_s = 0.0
         # headers and receive buffers live where the activations do (NCCL sends no CPU tensor)
+        self.fwd, self.bwd = ctx.groups.fwd_group, ctx.groups.bwd_group
         self.device = next((p.device for p in stage.submod.parameters()), torch.device("cpu"))
 
     @property
@@ -218,8 +227,8 @@ class HeteroPipeline:
                 for t in outs:
                     chunk = _rows(t, mylo, myhi, lo, hi).contiguous()
                     header = _header(len(outs), chunk)
-                    work.append(dist.isend(header, dst, tag=_tag(i, _FWD)))
-                    work.append(dist.isend(chunk, dst, tag=_tag(i, _FWD)))
+                    work.append(dist.isend(header, dst, self.fwd, tag=_tag(i, _FWD)))
+                    work.append(dist.isend(chunk, dst, self.fwd, tag=_tag(i, _FWD)))
                     work.append(_Keep(header, chunk))
         return work
 
@@ -237,11 +246,11 @@ class HeteroPipeline:
             n = 1
             while len(got) < n:
                 header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-                dist.recv(header, src, tag=_tag(i, _FWD))
+                dist.recv(header, src, self.fwd, tag=_tag(i, _FWD))
                 n, dtype, ndim = (int(x) for x in header[:3].tolist())
                 shape = header[3:3 + ndim].tolist()
                 buf = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
-                dist.recv(buf, src, tag=_tag(i, _FWD))
+                dist.recv(buf, src, self.fwd, tag=_tag(i, _FWD))
                 got.append(buf)
             chunks.append(got)
         ins = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*chunks)]
@@ -266,7 +275,7 @@ class HeteroPipeline:
             for dst in prev.stage_ranks[s * prev.tp:(s + 1) * prev.tp]:
                 for g in grads:
                     chunk = _rows(g, mylo, myhi, lo, hi).contiguous()
-                    work.append(dist.isend(chunk, dst, tag=_tag(i, _BWD)))
+                    work.append(dist.isend(chunk, dst, self.bwd, tag=_tag(i, _BWD)))
                     work.append(_Keep(chunk))
         return work
 
@@ -286,7 +295,7 @@ class HeteroPipeline:
                     continue
                 view = _rows(g, mylo, myhi, lo, hi)
                 buf = torch.empty_like(view)
-                dist.recv(buf, src, tag=_tag(i, _BWD))
+                dist.recv(buf, src, self.bwd, tag=_tag(i, _BWD))
                 view.copy_(buf)
         return grads
 
