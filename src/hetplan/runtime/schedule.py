@@ -157,14 +157,25 @@ class StageMonitor:
     vocabulary-parallel cross-entropy runs three all-reduces there), so ``step time -
     busy_s`` is the time the rank waited: the pipeline bubble plus activation transfers it
     could not overlap.
-    ``executed`` lists the actions as they started (``Action(F, microbatch, stage)``). Read
-    both after a step; call :meth:`reset` before the next. With ``trace`` set (``hetplan run
-    --trace``), every call is also a ``compute`` span of it while it records.
+    ``executed`` lists the actions as they started (``Action(F, microbatch, stage)``). Call
+    :meth:`reset` before a step and :meth:`settle` after it, then read both. With ``trace``
+    set (``hetplan run --trace``), every call is also a ``compute`` span of it while it
+    records (host times).
+
+    On a GPU (``events``: a factory of ``torch.cuda.Event(enable_timing=True)``) the host
+    only queues the kernels and NCCL's receives make the stream wait, not the host, so host
+    clocks around a call time its launch. Each call is then bracketed by two events on the
+    current stream, and :meth:`settle` sums their elapsed times once the device has reached
+    the last one; the step's span is the device's too (an event at :meth:`reset`).
     """
 
     _METHODS = {"forward_one_chunk": ActionKind.F, "backward_one_chunk": ActionKind.B}
 
-    def __init__(self, stages: Sequence[_PipelineStageBase]) -> None:
+    def __init__(self, stages: Sequence[_PipelineStageBase],
+                 events: Callable[[], Any] | None = None) -> None:
+        self.events = events
+        self._spans: list[tuple[Any, Any]] = []  # (start, end) events of this step's calls
+        self._start: Any = None
         self.busy_s = 0.0
         self.executed: list[Action] = []
         self.trace: StepTrace | None = None
@@ -191,18 +202,33 @@ class StageMonitor:
 
         return run
 
+    def _event(self) -> Any:
+        assert self.events is not None
+        ev = self.events()
+        ev.record()
+        return ev
+
+    def _busy(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float,
+                                                                             float]:
+        """``fn(*args, **kwargs)``, its host start and end; its time counted as busy."""
+        start = self._event() if self.events is not None else None
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs), t0, time.perf_counter()
+        finally:
+            if start is not None:
+                self._spans.append((start, self._event()))
+            else:
+                self.busy_s += time.perf_counter() - t0
+
     def _timed(self, fn: Callable[..., Any], kind: ActionKind, stage: int) -> Callable[..., Any]:
         def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
             self.executed.append(Action(kind, chunk, stage))
-            t0 = time.perf_counter()
-            try:
-                return fn(chunk, *args, **kwargs)
-            finally:
-                t1 = time.perf_counter()
-                self.busy_s += t1 - t0
-                if self.trace is not None and self.trace.recording:
-                    self.trace.add(f"{kind.value}{chunk} s{stage}", "compute", t0, t1,
-                                   kind=kind.value, microbatch=chunk, stage=stage)
+            out, t0, t1 = self._busy(fn, chunk, *args, **kwargs)
+            if self.trace is not None and self.trace.recording:
+                self.trace.add(f"{kind.value}{chunk} s{stage}", "compute", t0, t1,
+                               kind=kind.value, microbatch=chunk, stage=stage)
+            return out
 
         return run
 
@@ -212,19 +238,29 @@ class StageMonitor:
         compute_loss = schedule._maybe_compute_loss
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return compute_loss(*args, **kwargs)
-            finally:
-                self.busy_s += time.perf_counter() - t0
+            return self._busy(compute_loss, *args, **kwargs)[0]
 
         schedule._maybe_compute_loss = timed
 
     def reset(self) -> None:
-        """Forget the previous step's time and actions."""
+        """Forget the previous step's time and actions (on a GPU: mark the step's start)."""
         self.busy_s = 0.0
         self.sync_launch_s = 0.0
         self.executed = []
+        self._spans = []
+        self._start = self._event() if self.events is not None else None
+
+    def settle(self, host_s: float) -> float:
+        """After the step (``host_s``: its host time): add the device-timed calls to
+        :attr:`busy_s` (waiting for the device to reach the step's end) and return the
+        step's span, the device's on a GPU, else ``host_s``."""
+        if self._start is None:
+            return host_s
+        end = self._event()
+        end.synchronize()
+        self.busy_s += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+        self._spans = []
+        return float(self._start.elapsed_time(end)) / 1e3
 
 
 def trace_schedule(schedule: Any, trace: StepTrace) -> None:

@@ -176,7 +176,9 @@ class StagesHandler(Handler):
         self.schedule = make_schedule(self.stages, sized, lambda out, y: ctx.loss_fn(out, y),
                                       actions)
         self.actions = actions
-        self.monitor = StageMonitor(self.stages)
+        on_gpu = any(p.device.type == "cuda" for p in ctx.model.parameters())
+        self.monitor = StageMonitor(
+            self.stages, (lambda: torch.cuda.Event(enable_timing=True)) if on_gpu else None)
         self.monitor.watch_loss(self.schedule)
         self.monitor.on_gradients_final = functools.partial(self._gradients_final, ctx)
         self._mark_schedule()  # a re-built schedule (re-balancing) keeps the trace's marks
@@ -306,8 +308,8 @@ class StagesHandler(Handler):
         t0 = time.perf_counter()
         with ctx.accumulating():
             loss = step(self.schedule, self.stage_indices, self.num_stages, xs, y)
-        ctx.bubble_s = max(time.perf_counter() - t0 - self.monitor.busy_s
-                           - self.monitor.sync_launch_s, 0.0)
+        span = self.monitor.settle(time.perf_counter() - t0)
+        ctx.bubble_s = max(span - self.monitor.busy_s - self.monitor.sync_launch_s, 0.0)
         return float(loss) if loss is not None else float("nan")
 
     def _gradients_final(self, ctx: RuntimeContext, stage_index: int) -> None:
