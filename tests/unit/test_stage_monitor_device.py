@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hetplan.algorithms.pipeline_schedules import Action, ActionKind
+from hetplan.runtime.busy_clock import BusyClock
 from hetplan.runtime.schedule import StageMonitor
 
 
@@ -78,3 +79,17 @@ def test_host_clocks_see_only_the_launches() -> None:
     monitor.watch_loss(schedule)
     assert _step(monitor, stage, schedule) == 1e-4
     assert monitor.busy_s < 0.005
+
+
+def test_busy_blocks_on_the_device() -> None:
+    """The heterogeneous pipeline's clock: blocks of device work, the step's device span."""
+    clock = BusyClock(_Event)
+    clock.reset()
+    with clock.busy() as host:
+        _Device.now += 0.004
+    _Device.now += 0.006  # waiting for a peer
+    with clock.busy():
+        _Device.now += 0.002
+    assert clock.settle(host_s=0.0) == pytest.approx(0.012)
+    assert clock.busy_s == pytest.approx(0.006)
+    assert len(host) == 2 and host[1] >= host[0]

@@ -57,6 +57,7 @@ from hetplan.algorithms.pipeline_schedules import (
 )
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import Layout
+from hetplan.runtime.busy_clock import BusyClock
 
 if TYPE_CHECKING:  # the common base of traced (``_PipelineStage``) and manual stages
     from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -162,21 +163,16 @@ class StageMonitor:
     set (``hetplan run --trace``), every call is also a ``compute`` span of it while it
     records (host times).
 
-    On a GPU (``events``: a factory of ``torch.cuda.Event(enable_timing=True)``) the host
-    only queues the kernels and NCCL's receives make the stream wait, not the host, so host
-    clocks around a call time its launch. Each call is then bracketed by two events on the
-    current stream, and :meth:`settle` sums their elapsed times once the device has reached
-    the last one; the step's span is the device's too (an event at :meth:`reset`).
+    On a GPU (``events``: :func:`~hetplan.runtime.busy_clock.cuda_events`) the calls and the
+    step are timed by the device's events (:class:`~hetplan.runtime.busy_clock.BusyClock`):
+    the host only queues the kernels, so its clock would time their launch.
     """
 
     _METHODS = {"forward_one_chunk": ActionKind.F, "backward_one_chunk": ActionKind.B}
 
     def __init__(self, stages: Sequence[_PipelineStageBase],
                  events: Callable[[], Any] | None = None) -> None:
-        self.events = events
-        self._spans: list[tuple[Any, Any]] = []  # (start, end) events of this step's calls
-        self._start: Any = None
-        self.busy_s = 0.0
+        self.clock = BusyClock(events)
         self.executed: list[Action] = []
         self.trace: StepTrace | None = None
         #: called with a stage's index once its last backward of the step has ended (after
@@ -202,31 +198,13 @@ class StageMonitor:
 
         return run
 
-    def _event(self) -> Any:
-        assert self.events is not None
-        ev = self.events()
-        ev.record()
-        return ev
-
-    def _busy(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float,
-                                                                             float]:
-        """``fn(*args, **kwargs)``, its host start and end; its time counted as busy."""
-        start = self._event() if self.events is not None else None
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs), t0, time.perf_counter()
-        finally:
-            if start is not None:
-                self._spans.append((start, self._event()))
-            else:
-                self.busy_s += time.perf_counter() - t0
-
     def _timed(self, fn: Callable[..., Any], kind: ActionKind, stage: int) -> Callable[..., Any]:
         def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
             self.executed.append(Action(kind, chunk, stage))
-            out, t0, t1 = self._busy(fn, chunk, *args, **kwargs)
+            with self.clock.busy() as host:
+                out = fn(chunk, *args, **kwargs)
             if self.trace is not None and self.trace.recording:
-                self.trace.add(f"{kind.value}{chunk} s{stage}", "compute", t0, t1,
+                self.trace.add(f"{kind.value}{chunk} s{stage}", "compute", host[0], host[1],
                                kind=kind.value, microbatch=chunk, stage=stage)
             return out
 
@@ -238,29 +216,27 @@ class StageMonitor:
         compute_loss = schedule._maybe_compute_loss
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            return self._busy(compute_loss, *args, **kwargs)[0]
+            with self.clock.busy():
+                return compute_loss(*args, **kwargs)
 
         schedule._maybe_compute_loss = timed
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds this step's stage calls and loss computed (complete after
+        :meth:`settle`)."""
+        return self.clock.busy_s
+
     def reset(self) -> None:
         """Forget the previous step's time and actions (on a GPU: mark the step's start)."""
-        self.busy_s = 0.0
+        self.clock.reset()
         self.sync_launch_s = 0.0
         self.executed = []
-        self._spans = []
-        self._start = self._event() if self.events is not None else None
 
     def settle(self, host_s: float) -> float:
-        """After the step (``host_s``: its host time): add the device-timed calls to
-        :attr:`busy_s` (waiting for the device to reach the step's end) and return the
-        step's span, the device's on a GPU, else ``host_s``."""
-        if self._start is None:
-            return host_s
-        end = self._event()
-        end.synchronize()
-        self.busy_s += sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
-        self._spans = []
-        return float(self._start.elapsed_time(end)) / 1e3
+        """After the step (``host_s``: its host time): its span, the device's on a GPU
+        (:meth:`BusyClock.settle <hetplan.runtime.busy_clock.BusyClock.settle>`)."""
+        return self.clock.settle(host_s)
 
 
 def trace_schedule(schedule: Any, trace: StepTrace) -> None:

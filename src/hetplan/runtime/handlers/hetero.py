@@ -49,7 +49,6 @@ resizing controller, SDPipe group sync
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -61,6 +60,7 @@ from torch import nn
 
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
+from hetplan.runtime.busy_clock import BusyClock, cuda_events
 from hetplan.runtime.groups import ParallelGroups, node_split
 from hetplan.runtime.handlers.base import RuntimeContext
 from hetplan.runtime.hetero_ranks import (
@@ -154,7 +154,7 @@ class HeteroPipeline:
         self.prev: HeteroCoords | None = hetero_coords(plan, firsts[k - 1]) if k > 0 else None
         self.next: HeteroCoords | None = (hetero_coords(plan, firsts[k + 1])
                                           if k + 1 < self.num_stages else None)
-        self.busy_s = 0.0
+        self.clock = BusyClock(cuda_events(stage.submod))  # this rank's compute per step
         # headers and receive buffers live where the activations do (NCCL sends no CPU tensor)
         self.fwd, self.bwd = ctx.groups.fwd_group, ctx.groups.bwd_group
         self.device = next((p.device for p in stage.submod.parameters()), torch.device("cpu"))
@@ -182,13 +182,13 @@ class HeteroPipeline:
                     ins = [x[base + lo: base + hi] for x in xs]
                 else:
                     ins = self._recv_activations(i)
-                t0 = time.perf_counter()
-                out = self.stage.submod(*ins)
+                with self.clock.busy():
+                    out = self.stage.submod(*ins)
+                    if self.last:
+                        loss = ctx.loss_fn(out, y[base + lo: base + hi]) / self.m
+                        saved[i] = (ins, [loss])
                 if self.last:
-                    loss = ctx.loss_fn(out, y[base + lo: base + hi]) / self.m
                     total += float(loss.detach())
-                    saved[i] = (ins, [loss])
-                self.busy_s += time.perf_counter() - t0
                 if self.last:
                     continue
                 outs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -197,14 +197,14 @@ class HeteroPipeline:
             else:
                 ins, outs = saved.pop(i)
                 grads = None if self.last else self._recv_grads(i, outs)
-                t0 = time.perf_counter()
-                if grads is None:
-                    outs[0].backward()
-                else:
-                    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                self.busy_s += time.perf_counter() - t0
+                with self.clock.busy():
+                    if grads is None:
+                        outs[0].backward()
+                    else:
+                        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs],
+                                                    [g for _, g in pairs])
                 if not self.first:
                     pending += self._send_grads(i, ins)
         for work in pending:

@@ -45,6 +45,7 @@ from hetplan.algorithms.pipeline_schedules import (
 )
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import Stage
+from hetplan.runtime.busy_clock import cuda_events
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 
 if TYPE_CHECKING:
@@ -176,9 +177,7 @@ class StagesHandler(Handler):
         self.schedule = make_schedule(self.stages, sized, lambda out, y: ctx.loss_fn(out, y),
                                       actions)
         self.actions = actions
-        on_gpu = any(p.device.type == "cuda" for p in ctx.model.parameters())
-        self.monitor = StageMonitor(
-            self.stages, (lambda: torch.cuda.Event(enable_timing=True)) if on_gpu else None)
+        self.monitor = StageMonitor(self.stages, cuda_events(ctx.model))
         self.monitor.watch_loss(self.schedule)
         self.monitor.on_gradients_final = functools.partial(self._gradients_final, ctx)
         self._mark_schedule()  # a re-built schedule (re-balancing) keeps the trace's marks
@@ -244,11 +243,13 @@ class StagesHandler(Handler):
     def run_micro_batches(self, ctx: RuntimeContext, inputs: Sequence[torch.Tensor],
                           target: torch.Tensor) -> float | torch.Tensor | None:
         if self.hetero is not None:  # the replica's rows of every micro-batch: its own
+            clock = self.hetero.clock
+            clock.reset()
             t0 = time.perf_counter()
-            self.hetero.busy_s = 0.0
             with ctx.accumulating():
                 loss = self.hetero.step(ctx, inputs, target)
-            ctx.bubble_s = max(time.perf_counter() - t0 - self.hetero.busy_s, 0.0)
+            span = clock.settle(time.perf_counter() - t0)
+            ctx.bubble_s = max(span - clock.busy_s, 0.0)
             return loss
         xs = [_local_rows(ctx, x) for x in inputs]
         y = _local_rows(ctx, target)
