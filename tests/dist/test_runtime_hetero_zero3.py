@@ -82,17 +82,15 @@ def _train(case: tuple[str, str]) -> dict[str, Any]:
             params = {n: p.full_tensor().detach().clone() for n, p in rt.named_params}
             return {"losses": losses, "params": params, "sharded": sharded}
         fsdp = [m for m in rt.model.modules() if isinstance(m, FSDPModule)]
-        for m in fsdp:
-            m.unshard()
-        params = {n: p.detach().clone() for n, p in rt.model.named_parameters()}
+        sharded = all(hasattr(p, "full_tensor") for p in rt.model.parameters())  # DTensors
+        # at rest: each DTensor gathered over the data-parallel pair, each TP shard then
+        # over the TP pair (gather_weight takes a ZeRO-3 shard of a TP shard)
+        params = {n: p.full_tensor().detach().clone() for n, p in rt.model.named_parameters()}
         for mname, module in rt.model.named_modules():
             if hasattr(module, "gather_weight"):
                 params[f"{mname}.weight"] = module.gather_weight()
                 if getattr(module, "bias", None) is not None:
                     params[f"{mname}.bias"] = module.gather_bias()
-        for m in fsdp:
-            m.reshard()
-        sharded = all(hasattr(p, "full_tensor") for p in rt.model.parameters())  # DTensors
         return {"losses": losses, "params": params, "fsdp": len(fsdp), "sharded": sharded}
     finally:
         rt.close()

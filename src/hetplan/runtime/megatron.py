@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetplan.algorithms.skewed_shards import even_shards
-from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear, unsharded
 from hetplan.runtime.tp_comm import (
     SeqState,
     all_reduce_sum,
@@ -151,15 +151,14 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
                           for p in range(self.parts)])
 
     def gather_weight(self, grad: bool = False, source_layout: bool = True) -> torch.Tensor:
-        local = self.weight.grad if grad else self.weight
-        full = self._gather_parts(local if local is not None else torch.zeros_like(self.weight))
+        full = self._gather_parts(unsharded(self.weight.grad if grad else self.weight,
+                                            self.weight))
         return full.t() if (self.conv1d and source_layout) else full
 
     def gather_bias(self, grad: bool = False) -> torch.Tensor | None:
         if self.bias is None:
             return None
-        local = self.bias.grad if grad else self.bias
-        return self._gather_parts(local if local is not None else torch.zeros_like(self.bias))
+        return self._gather_parts(unsharded(self.bias.grad if grad else self.bias, self.bias))
 
 
 def _attention_parts(mod: nn.Module) -> tuple[str, str, str, int, int] | None:
@@ -339,8 +338,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def gather_weight(self, grad: bool = False, source_layout: bool = True) -> torch.Tensor:
         """The full table on every rank (a collective call)."""
-        local = self.weight.grad if grad else self.weight
-        local = local if local is not None else torch.zeros_like(self.weight)
+        local = unsharded(self.weight.grad if grad else self.weight, self.weight)
         return gather_shards(local, self.shard_sizes, self.tp_rank, 0, self.group)
 
 

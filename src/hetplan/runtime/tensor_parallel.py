@@ -61,6 +61,7 @@ __all__ = [
     "reduce_from_tp",
     "shard_model",
     "tp_pairs",
+    "unsharded",
 ]
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,15 @@ def _source_weight(linear: nn.Module) -> tuple[torch.Tensor, bool, bool]:
 
 
 _P = TypeVar("_P", bound="_ParallelLinear")
+
+
+def unsharded(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """This rank's whole tensor-parallel shard: ``t`` gathered over the data-parallel group
+    when ZeRO-3 (FSDP2) shards it further (a DTensor: a collective over that group); zeros
+    like ``like`` when ``t`` is None (a gradient not computed yet)."""
+    t = torch.zeros_like(like) if t is None else t
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
 
 
 class _ParallelLinear(nn.Module):
@@ -155,9 +165,7 @@ class _ParallelLinear(nn.Module):
             grad: gather ``weight.grad`` instead of the weight (zeros if it is None).
             source_layout: return [in, out] when built from a ``Conv1D`` (else [out, in]).
         """
-        local = self.weight.grad if grad else self.weight
-        if local is None:
-            local = torch.zeros_like(self.weight)
+        local = unsharded(self.weight.grad if grad else self.weight, self.weight)
         full = gather_shards(local, self.shard_sizes, self.tp_rank, self.split_dim, self.group)
         return full.t() if (self.conv1d and source_layout) else full
 
@@ -165,9 +173,7 @@ class _ParallelLinear(nn.Module):
         """The full bias (or its gradient) on every rank, None without a bias; collective."""
         if self.bias is None:
             return None
-        local = self.bias.grad if grad else self.bias
-        if local is None:
-            local = torch.zeros_like(self.bias)
+        local = unsharded(self.bias.grad if grad else self.bias, self.bias)
         if self.split_dim == 1:
             return local.detach().clone()  # replicated
         return gather_shards(local, self.shard_sizes, self.tp_rank, 0, self.group)
