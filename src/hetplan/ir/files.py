@@ -319,8 +319,10 @@ def _parse_yaml(text: str, where: str) -> Any:
     # PyYAML takes seconds, and under load far longer, to reach its recursion limit on a
     # value nested thousands of flow collections deep: refuse it before parsing (the scan
     # costs a fraction of PyYAML's own parse; a file nested only a little too deep is
-    # parsed and refused by check_shape, which names where)
-    if _flow_depth(text) > 8 * MAX_DEPTH:
+    # parsed and refused by check_shape, which names where). The depth is at most the count
+    # of openers, which str.count takes at C speed: most files skip the scan.
+    limit = 8 * MAX_DEPTH
+    if text.count("[") + text.count("{") > limit and _flow_depth(text) > limit:
         raise SpecError(
             f"{where}: nested too deeply to read (more than {MAX_DEPTH} levels are never "
             "needed); is this the right file?")
