@@ -45,6 +45,8 @@ def test_run_report_with_memory_and_losses(tmp_path: Path) -> None:
     losses = data["loss_per_step"]
     assert len(losses) == 5 and all(x == x for x in losses)  # no NaN
     for r in data["per_rank"]:
+        # measured in the last warm-up step: the run trains the 5 steps it prints, no more
+        assert r["peak_memory_step"] == 2
         measured, predicted = r["peak_memory_bytes"], r["predicted_memory_bytes"]
         assert measured > 0 and predicted > 0
         # the process's CPU time per step: spent, and no more than the host's cores could give
@@ -60,3 +62,23 @@ def test_run_report_with_memory_and_losses(tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "measured MiB" in shown.stdout and "loss per step" in shown.stdout
     assert "optimizer step" in shown.stdout and "optimizer ms" in shown.stdout
+
+
+def test_run_report_without_warm_up_meters_one_more_step(tmp_path: Path) -> None:
+    """With one warm-up step (whose optimizer state would not exist yet) the peak is
+    measured in an extra step after the timed ones (the worker's own ``--warmup``; the CLI
+    always runs two)."""
+    plan = hetplan.compile("gpt-test", _cluster(2), batch_size=8, dp=2, pp=1, tp=1,
+                           optimizer="sgd")
+    plan.save(tmp_path / "plan.json")
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", "2", "-m", "hetplan.runtime.worker", "--plan",
+           str(tmp_path / "plan.json"), "--model", "gpt-test", "--steps", "2", "--warmup", "1",
+           "--report", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert len(data["loss_per_step"]) == 3
+    assert [r["peak_memory_step"] for r in data["per_rank"]] == [4, 4]
+    assert all(r["peak_memory_bytes"] > 0 for r in data["per_rank"])

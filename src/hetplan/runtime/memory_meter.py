@@ -12,7 +12,8 @@ an allocator's fragmentation — the plan's ``margin`` predicts the latter for G
 comparison with a prediction leaves the margin out (:func:`compare`).
 
 The tracker dispatches every operator through Python, so a measured step is slow: the
-worker measures one extra step after the timed ones.
+worker measures the last warm-up step (an extra one after the timed ones without two
+warm-up steps).
 
 **Pipelines.** A pipeline rank runs its stage module once per micro-batch before any
 backward (1F1B's warm-up, GPipe, interleaved chunks). ``MemTracker`` keeps statistics per

@@ -10,8 +10,10 @@ Each rank builds the model with the same seed, builds :class:`Runtime`, trains o
 data (the same global batch on every rank; each replica takes its rows), rank 0 prints a
 progress line per step (step, loss, iteration time), and rank 0 writes the run report:
 per-iteration measured times (after warm-up), their medians, the loss per step, every rank's
-medians (the process's CPU time per step among them) and its peak memory (measured in one
-extra, untimed step) beside the plan's predictions. With ``--script`` the script runs as
+medians (the process's CPU time per step among them) and its peak memory beside the plan's
+predictions. The memory meter slows every operator, so it measures the last warm-up step
+(untimed; the optimizer's state exists from the first step on); with fewer than two warm-up
+steps it measures one extra step after the timed ones. With ``--script`` the script runs as
 ``__main__`` with the remaining arguments instead (:func:`run_script`).
 
 Reliability (:mod:`hetplan.runtime.proctree`, :mod:`hetplan.runtime.liveness`):
@@ -31,6 +33,7 @@ Reliability (:mod:`hetplan.runtime.proctree`, :mod:`hetplan.runtime.liveness`):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
@@ -238,12 +241,18 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         total = args.warmup + args.steps
         trace = rt.start_trace() if args.trace else None
         traced_step = (args.trace_step or total) - 1
+        # peak memory on the last warm-up step: the run trains the steps it was asked for
+        meter_at = args.warmup - 1 if args.report and args.warmup >= 2 else None
+        peak, peak_step = None, 0
         # a restart resumes where the restored checkpoint left off (0 without one)
         for step in range(rt.ctx.iteration, total):
             xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
             if trace is not None and step == traced_step:
                 trace.start(step + 1)
-            loss = rt.train_step(xs, target_of(xs, batch).to(device))
+            with _meter(rt) if step == meter_at else contextlib.nullcontext() as metered:
+                loss = rt.train_step(xs, target_of(xs, batch).to(device))
+            if step == meter_at:
+                peak, peak_step = metered, step + 1
             if trace is not None:
                 trace.stop()
             losses.append(loss)
@@ -263,11 +272,14 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         if args.report:
             rounds = None
             if plan.checkpointing is not None:  # this attempt's checkpoint rounds, taken
-                from hetplan.runtime.handlers import CheckpointingHandler  # before the
+                from hetplan.runtime.handlers import CheckpointingHandler  # before an
 
-                rounds = rt.handler(CheckpointingHandler).report()  # memory's extra step
-            peak = _measure_peak(rt, ex_args, batch, total, target_of, device)
+                rounds = rt.handler(CheckpointingHandler).report()  # extra metered step
+            if peak is None:  # no warm-up step to meter, or a restart began after it
+                peak = _measure_peak(rt, ex_args, batch, total, target_of, device)
+                peak_step = total + 1
             summary = _rank_summary(rank, times, losses, peak, plan)
+            summary["peak_memory_step"] = peak_step  # 1-based, as the progress line counts
             if rounds is not None:
                 summary["checkpoint_rounds"] = rounds
             ranks = [None] * dist.get_world_size()
@@ -334,14 +346,19 @@ def _measure_peak(rt: Any, ex_args: tuple, batch: int, step: int, target_of: Any
                   device: torch.device) -> Any:
     """One more step, untimed, under the memory meter (it slows every operator): this rank's
     peak of live tensor bytes (:mod:`hetplan.runtime.memory_meter`)."""
-    from hetplan.runtime.memory_meter import peak_memory
-
     xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
-    opt = rt.opt
-    with peak_memory(rt.model, opt, [getattr(opt, "master", None)],
-                     rt.stage_modules) as peak:
+    with _meter(rt) as peak:
         rt.train_step(xs, target_of(xs, batch).to(device))
     return peak
+
+
+def _meter(rt: Any) -> Any:
+    """The memory meter over this rank's model, optimizer (and the sharded optimizer's master
+    shard) and pipeline stages: a context manager yielding the step's peak."""
+    from hetplan.runtime.memory_meter import peak_memory
+
+    opt = rt.opt
+    return peak_memory(rt.model, opt, [getattr(opt, "master", None)], rt.stage_modules)
 
 
 def _rank_summary(rank: int, times: list[Any], losses: list[float] | None = None,
