@@ -99,7 +99,7 @@ def test_a_schedule_the_runtime_does_not_execute_is_refused_by_the_launcher() ->
     schedules only: `hetplan run` says so before any rank starts."""
     chimera = hetplan.compile("mlp", cluster(4), batch_size=8, pp=2, schedule="chimera")
     assert chimera.layout is not None and chimera.layout.schedule == "chimera"
-    with pytest.raises(SpecError, match="the plan's schedule 'chimera' is not executed by the "
+    with pytest.raises(SpecError, match="layout.schedule: 'chimera' is not executed by the "
                                         "runtime, which runs .*'1f1b'.*; re-plan"):
         preflight(chimera, _cmd(chimera))
 

@@ -4,6 +4,7 @@ combinations the runtime does not compose are refused with the field and the fix
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from hetplan.errors import SpecError
 from hetplan.ir.capture import capture
-from hetplan.ir.plan import Plan
+from hetplan.ir.plan import Plan, load_plan
 from hetplan.ir.plan_sections import (
     ClusterRef,
     CompressedSync,
@@ -108,6 +109,25 @@ def test_refusals_name_the_field_and_the_fix() -> None:
     assert refusals(_plan("bf16", dp=1, pp=2, micro_batches=2)) == []  # runs per stage
     # fp16 under ZeRO-3 runs behind the loss scale (precision.LossScaledOptimizer)
     assert refusals(_plan("fp16", dp=2, zero_stage=3)) == []
+
+
+def test_chimera_is_refused_where_the_planner_emits_it(tmp_path: Path) -> None:
+    """``hetplan plan --schedule chimera`` warns that ``hetplan run`` refuses the plan (one
+    check, :func:`refusals`, for both), instead of the run failing after the launch."""
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "gpt-test", "-c", "local-cpu", "-b", "8", "--pp",
+                                   "2", "--schedule", "chimera", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = load_plan(out)
+    assert plan.layout is not None and plan.layout.schedule == "chimera"
+    (problem,) = refusals(plan)
+    assert problem.startswith("layout.schedule: 'chimera' is not executed by the runtime")
+    assert "--schedule 1f1b" in problem
+    assert "`hetplan run` refuses this plan: layout.schedule" in " ".join(res.output.split())
 
 
 def test_the_first_handler_refuses_with_every_problem() -> None:

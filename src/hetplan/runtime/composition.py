@@ -14,9 +14,13 @@ from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import CompressedSync, Layout
 from hetplan.runtime.hetero_ranks import hetero_refusals
 
-__all__ = ["effective_zero_stage", "refusals"]
+__all__ = ["SUPPORTED_SCHEDULES", "effective_zero_stage", "refusals"]
 
 _DOC = "docs/decisions/runtime-composition.md"
+
+#: Plan schedule names the runtime executes (``chimera`` is simulated only: its two model
+#: replicas run in opposite directions, which torch's stages do not model).
+SUPPORTED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 def effective_zero_stage(layout: Layout) -> int:
@@ -30,6 +34,12 @@ def refusals(plan: Plan) -> list[str]:
     if lay is None:
         return []
     out: list[str] = []
+    if lay.pp > 1 and lay.schedule not in SUPPORTED_SCHEDULES:
+        out.append(f"layout.schedule: {lay.schedule!r} is not executed by the runtime, which "
+                   f"runs {list(SUPPORTED_SCHEDULES)} (Chimera is simulated only: its two "
+                   "model replicas run the pipeline in opposite directions, which this "
+                   "runtime's stages do not); re-plan with --schedule 1f1b (or another of "
+                   f"them) ({_DOC})")
     zero = effective_zero_stage(lay)
     sync = plan.gradient_sync
     used = set()

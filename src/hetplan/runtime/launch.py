@@ -292,14 +292,6 @@ def preflight(
     layout = plan.layout
     if layout is None:
         raise SpecError("the plan has no layout; compile it with `hetplan plan`")
-    if layout.pp > 1:  # (imports torch: only a pipeline needs the runtime's schedule list)
-        from hetplan.runtime.schedule import SUPPORTED_SCHEDULES
-
-        if layout.schedule not in SUPPORTED_SCHEDULES:
-            raise SpecError(
-                f"the plan's schedule {layout.schedule!r} is not executed by the runtime, "
-                f"which runs {list(SUPPORTED_SCHEDULES)}; re-plan with `hetplan plan "
-                "--schedule 1f1b` (or another of them) to train with it")
     if problems := refusals(plan):  # what every rank would refuse at setup
         raise SpecError("the runtime does not execute this plan's combination of strategies:"
                         "\n  " + "\n  ".join(problems))

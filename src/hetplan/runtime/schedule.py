@@ -58,6 +58,7 @@ from hetplan.algorithms.pipeline_schedules import (
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import Layout
 from hetplan.runtime.busy_clock import BusyClock
+from hetplan.runtime.composition import SUPPORTED_SCHEDULES
 
 if TYPE_CHECKING:  # the common base of traced (``_PipelineStage``) and manual stages
     from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -66,9 +67,6 @@ if TYPE_CHECKING:  # the common base of traced (``_PipelineStage``) and manual s
 
 __all__ = ["SUPPORTED_SCHEDULES", "StageMonitor", "make_schedule", "step", "trace_schedule"]
 
-#: Plan schedule names the runtime executes (``chimera`` is simulated only: its two model
-#: replicas run in opposite directions, which torch's stages do not model).
-SUPPORTED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 def make_schedule(
