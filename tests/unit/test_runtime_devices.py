@@ -80,3 +80,23 @@ def test_the_check_sees_a_bare_factory(tmp_path: Path) -> None:
     finally:
         ROOT = saved
     assert [g.split(":")[1] for g in got] == ["2"]
+
+
+def test_stages_are_traced_with_the_example_on_the_models_device() -> None:
+    """The worker builds its examples on the CPU and moves the model to its GPU; the
+    pipeline stages are traced with one micro-batch of them on the model's device (a CPU
+    example against a model on another device failed the trace). ``meta`` stands in for
+    the GPU here."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from hetplan.runtime.handlers.stages import trace_example
+
+    ctx = SimpleNamespace(model=nn.Linear(4, 4, device="meta"),
+                          example_args=(torch.ones(1, 4), "not a tensor"),
+                          layout=SimpleNamespace(micro_batch_size=3))
+    x, other = trace_example(ctx)  # type: ignore[arg-type]
+    assert x.device.type == "meta" and tuple(x.shape) == (3, 4)
+    assert other == "not a tensor"

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from hetplan.runtime.schedule import StageMonitor
     from hetplan.runtime.trace import StepTrace
 
-__all__ = ["StagesHandler", "stage_modules"]
+__all__ = ["StagesHandler", "stage_modules", "trace_example"]
 
 
 class StagesHandler(Handler):
@@ -153,7 +153,7 @@ class StagesHandler(Handler):
         from hetplan.runtime.schedule import StageMonitor, make_schedule
 
         indices = stage_indices_of_rank(stages, ctx.groups.rank)
-        example = [_example_rows(a, layout.micro_batch_size) for a in ctx.example_args]
+        example = trace_example(ctx)
         device = next(ctx.model.parameters()).device
         for tie in self.ties:
             if _tie_members(ctx, stages, tie.names) != tie.ranks:
@@ -225,7 +225,7 @@ class StagesHandler(Handler):
         tensor-parallel modules where the stage's layers run sharded)."""
         from hetplan.runtime.pipeline import stage_modules
 
-        example = [_example_rows(a, ctx.layout.micro_batch_size) for a in ctx.example_args]
+        example = trace_example(ctx)
         unsharded, units, required = _tensor_parallel_source(ctx)
         kept: list[tuple[int, tuple[str, ...]]] = []
         module = stage_modules(
@@ -486,6 +486,16 @@ def _sum_tied(stages: Sequence[Any], tie: _Tie) -> None:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a view of it), else ``t``."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def trace_example(ctx: RuntimeContext) -> list[Any]:
+    """One micro-batch of the example inputs, on the model's device, to trace the stages
+    with. The worker builds the examples on the CPU and moves the model: traced against a
+    model on a GPU, a CPU example failed the trace (an embedding of CPU ids in a CUDA
+    table)."""
+    device = next((p.device for p in ctx.model.parameters()), torch.device("cpu"))
+    return [_example_rows(a.to(device) if isinstance(a, torch.Tensor) else a,
+                          ctx.layout.micro_batch_size) for a in ctx.example_args]
 
 
 def _example_rows(a: Any, rows: int) -> Any:
