@@ -16,8 +16,9 @@ Read top to bottom (:func:`compile` is these steps in this order):
    when the data-parallel link's reduce-scatter plus all-gather cost no more than its
    all-reduce (then sharding the optimizer state is free in time) and the pipeline does not
    compress gradients (a compressed sync under ZeRO-1 all-gathers the updated weights on
-   top); a layout that fits only with recomputation also gets the next stage up, and the
-   faster of the two is kept.
+   top), re-balance a dynamic model or turn a TP resizing controller on (both move whole
+   optimizer state, which the runtime does not do under ZeRO); a layout that fits only with
+   recomputation also gets the next stage up, and the faster of the two is kept.
 4. **Refine** (:func:`_refine`): the :data:`FINALISTS` fastest layouts get the *refinement*
    list — the whole pipeline, in order, refinement passes (Cupcake; Espresso when compressors
    are allowed) included — and the fastest of those wins (ties: the smaller layout tuple). A
@@ -112,7 +113,8 @@ class _Job:
         if self.opts.zero_stage is not None:
             return [self.opts.zero_stage]
         compressing = any(getattr(p, "compressors", ()) for p in self.pipeline)
-        free = not compressing and _zero1_free(self.costs, self.layout(cand))
+        free = (not compressing and not _moves_whole_state(self.pipeline)
+                and _zero1_free(self.costs, self.layout(cand)))
         first = 1 if free else 0
         return [first] + [z for z in (1, 2, 3) if z > first]
 
@@ -135,6 +137,15 @@ def _rebalances(pipeline: tuple[Pass, ...]) -> bool:
     which needs one chunk per pipeline rank."""
     return any(p.name == "dynpipe" and getattr(p, "dynamics", None) is not None
                for p in pipeline)
+
+
+def _moves_whole_state(pipeline: tuple[Pass, ...]) -> bool:
+    """Whether ``pipeline`` asks for a runtime mechanism that moves or resizes whole
+    per-parameter optimizer state, which the runtime does not do under ZeRO (sharded state):
+    re-balancing a dynamic model, or a TP resizing controller. The passes decline them under
+    ZeRO >= 1 (with a note), so the search must not take ZeRO-1 for free then."""
+    return _rebalances(pipeline) or any(
+        p.name == "tp-resizing" and getattr(p, "controller", "off") != "off" for p in pipeline)
 
 
 def compile(  # noqa: A001 - the product's verb

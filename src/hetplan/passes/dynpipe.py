@@ -30,6 +30,8 @@ recommends; the pass notes when the cluster's order differs from it).
    exit) are replayed with :func:`~hetplan.algorithms.dynamics.run_dynamic` under the
    dynamics file's policy; every event lands in ``plan.rebalancing`` with its complete stage
    assignment, layer moves, bytes and predicted times (the schedule simulator per phase).
+   Under ZeRO >= 1 with ``dp > 1`` the pass declines (no events, a note): a moved layer takes
+   its whole optimizer state, which ZeRO shards across the replicas.
 
 Complexity: O(D · L) cost lookups plus four simulator runs; the partition DP is O(P · L · w).
 """
@@ -285,7 +287,16 @@ class DynPipe:
         if note := _order_note(ctx):
             notes.append(note)
         update: dict[str, object] = {"stages": stages}
-        if self.dynamics is not None and p > 1:
+        lay = ctx.layout
+        if self.dynamics is not None and p > 1 and lay.dp > 1 and lay.zero_stage >= 1:
+            # the runtime moves a layer with its whole per-parameter optimizer state; ZeRO
+            # shards that state across the replicas (docs/decisions/runtime-composition.md)
+            update["rebalancing"] = Rebalancing(policy=self.dynamics.rebalance,
+                                                total_iterations=self.dynamics.total_iterations)
+            notes.append(f"dynamics: not re-balanced: ZeRO-{lay.zero_stage} shards the "
+                         f"optimizer state across the dp={lay.dp} replicas and a moved layer "
+                         "takes its whole state (re-balancing needs zero_stage 0)")
+        elif self.dynamics is not None and p > 1:
             reb = _rebalancing(self.dynamics, c, ctx, bounds)
             update["rebalancing"] = reb
             applied = sum(e.applied for e in reb.events)

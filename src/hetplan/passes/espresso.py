@@ -39,7 +39,9 @@ Decisions (also in ``docs/decisions.md``):
   lower bound (:meth:`_StageCosts.lower_bound`: ready times, shortest paths, each channel's
   least work) is searched first, and another is not searched when its bound is above that
   result: it could not be kept, so the choice is the same as searching both
-  (``docs/decisions/espresso-speed.md``).
+  (``docs/decisions/espresso-speed.md``). Under ZeRO-2/3 only the flat options are
+  candidates (a note says so): gradients are reduce-scattered flat over the data-parallel
+  group during backward, and the runtime has no hierarchical reduce-scatter.
 - Options are pruned to at most ``max_compressions`` compressions per tensor (default 4: no
   limit) and to the allowed ``devices`` (default GPU and CPU).
 - **16-bit uncompressed steps.** With ``fp16`` (or ``bf16``) among the compressors, every
@@ -164,6 +166,14 @@ def _steps(option: Option) -> tuple[CommStep, ...]:
                  for a in option if a.routine is not None)
 
 
+def _hierarchical(ss: StageSync, ctx: PassContext) -> bool:
+    """Whether the hierarchical routings are candidates for ``ss``'s group: it spans several
+    nodes with several ranks each, and ZeRO does not reduce-scatter gradients during backward
+    (ZeRO-2/3 do so flat over the data-parallel group; the runtime has no hierarchical
+    reduce-scatter, docs/decisions/runtime-composition.md)."""
+    return ss.nodes > 1 and ss.per_node > 1 and ctx.layout.zero_stage < 2
+
+
 def strategy_for(key: Key | ShortKey, ratio: float = DEFAULT_SPARSITY_RATIO) -> SyncStrategy:
     """The plan strategy of a candidate ``key`` (three-part, or the older two-part key)."""
     if len(key) == 2 and key[0] in _CASTS:  # a cast of any path's steps, as it always was
@@ -253,6 +263,16 @@ class Espresso:
             note = (f"compressors {', '.join(allowed)} not used: ZeRO-{ctx.layout.zero_stage} "
                     "shards gradients during backward (compression needs zero_stage <= 1)")
             return dataclasses.replace(res, notes=(note, *res.notes))
+        if ctx.layout.zero_stage >= 2 and any(ss.nodes > 1 and ss.per_node > 1 for ss in syncs):
+            res = self._search(plan, ctx, syncs, allowed)
+            note = (f"hierarchical routings not searched: ZeRO-{ctx.layout.zero_stage} "
+                    "reduce-scatters gradients flat over the data-parallel group")
+            return dataclasses.replace(res, notes=(note, *res.notes))
+        return self._search(plan, ctx, syncs, allowed)
+
+    def _search(self, plan: Plan, ctx: PassContext, syncs: list[StageSync],
+                allowed: tuple[str, ...]) -> PassResult:
+        """The routing (no compressors, incoming buckets) or the per-tensor option search."""
         if not allowed and plan.gradient_sync is not None and plan.gradient_sync.buckets:
             return self._route_buckets(plan, ctx, syncs)
         strategies: dict[str, SyncStrategy] = {}
@@ -299,7 +319,7 @@ class Espresso:
         incoming = plan.gradient_sync
         assert incoming is not None
         hier = ["flat"]
-        if any(ss.nodes > 1 and ss.per_node > 1 for ss in syncs):
+        if any(_hierarchical(ss, ctx) for ss in syncs):
             hier.append("hierarchical")
         scorer = SyncScorer(ctx.workload, ctx.layout, plan.stages, ctx.costs)
         best: tuple[float, SyncStrategy | None, str] = (
@@ -364,7 +384,7 @@ class Espresso:
             raise SpecError("espresso needs 'gpu' in devices: CPU options are offloaded "
                             "GPU decisions (Algorithm 4.2)")
         hierarchies = [["flat"]]
-        if ss.nodes > 1 and ss.per_node > 1:
+        if _hierarchical(ss, ctx):
             hierarchies.append(["hierarchical"])
         ladders = [self._ladder(hier, allowed) for hier in hierarchies]
         costs = [_StageCosts(ss, ctx, self.ratio, self.devices) for _ in hierarchies]

@@ -12,7 +12,9 @@ delays (the cluster spec's ``stragglers`` model), and writes the section:
 
 The layout allows it with two or more pipelines (dp ≥ 2), one TP rank per stage replica
 (tp = 1), no interleaved stages and no ZeRO sharding (each replica steps its own optimizer
-on its whole stage); otherwise the section says why it stays ``allreduce``.
+on its whole stage), and the sections written before this pass with no re-balancing, TP
+section or sparse gradient sync (the runtime composes none of them with group sync);
+otherwise the section says why it stays ``allreduce``.
 
 P (the connectivity window, in groups) stays the user's setting, default 10 (the paper's):
 the convergence bound's constants are vacuous for realistic N·P
@@ -92,7 +94,8 @@ class SDPipe:
                     optimizer_state=self.optimizer_state,
                     final_full_average=self.final_full_average, iterations=self.iterations,
                     seed=ctx.seed)
-        blocker = _blocker(lay.dp, lay.tp, lay.virtual_stages, lay.zero_stage)
+        blocker = (_blocker(lay.dp, lay.tp, lay.virtual_stages, lay.zero_stage)
+                   or _section_blocker(plan))
         if blocker:
             section = GroupSync(policy="allreduce", reason=blocker, **base)  # type: ignore[arg-type]
             return PassResult(plan.model_copy(update={"group_sync": section}), True,
@@ -135,6 +138,21 @@ class SDPipe:
         note = (f"policy {policy}: {reason}; P={self.p}, T={window_s * 1e3:.3f} ms, "
                 f"{section.communicator} communicators ({groups} group(s) of >= 2)")
         return PassResult(plan.model_copy(update={"group_sync": section}), True, (note,))
+
+
+def _section_blocker(plan: Plan) -> str:
+    """Why the plan's sections written before this pass rule group sync out ('' when none
+    does): the runtime does not compose it with re-balancing, a TP resizing controller or
+    sparse gradient sync (docs/decisions/runtime-composition.md)."""
+    if plan.rebalancing is not None:
+        return ("the plan re-balances a dynamic model (--dynamics); group sync averages "
+                "replicas of fixed stages")
+    if plan.tensor_parallel is not None:
+        return "the plan has a TP resizing controller section; group sync needs tp=1"
+    if plan.sparse_sync is not None and plan.sparse_sync.synced():
+        return ("the plan syncs sparse gradients (--sparse); group sync averages dense "
+                "replicas")
+    return ""
 
 
 def _blocker(dp: int, tp: int, virtual_stages: int, zero_stage: int) -> str:

@@ -40,6 +40,8 @@ Refines ``plan.tensor_parallel`` (filled by ``even-tp``), per TP group
 Decisions (also in ``docs/decisions.md``, "TP resizing pass"): the controller is **opt-in**
 (``controller="off"`` by default): resizing prunes computation and changes convergence, like
 lossy gradient compression, which is also opt-in; static skew is lossless and always on.
+Under ZeRO >= 1 with ``dp > 1`` the controller is not turned on (a note says so): it resizes
+the shards the optimizer state is cut from, which the runtime does not re-cut.
 The attention pairs are listed too (64-column units = whole GPT-2/Llama heads); the runtime
 currently keeps attention pairs replicated and says so. The memory model gives each rank its
 share of the split parameters and activations; skewed shards that overflow a fast rank's
@@ -49,6 +51,7 @@ simulations when a group is heterogeneous.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -170,6 +173,15 @@ class TPResizing:
         tp = plan.tensor_parallel
         if tp is None or not tp.groups:
             return PassResult(plan, False, ("no tensor parallelism",))
+        lay = ctx.layout
+        if self.controller != "off" and lay.dp > 1 and lay.zero_stage >= 1:
+            # the controller resizes the shards ZeRO cuts the optimizer state from, and the
+            # runtime does not re-cut it (docs/decisions/runtime-composition.md)
+            res = dataclasses.replace(self, controller="off").run(plan, ctx)
+            note = (f"controller {self.controller} not turned on: ZeRO-{lay.zero_stage} "
+                    f"shards the optimizer state across the dp={lay.dp} replicas from the TP "
+                    "shards the controller resizes (the controller needs zero_stage 0)")
+            return dataclasses.replace(res, notes=(note, *res.notes))
         if ctx.model_ir is None:
             return PassResult(plan, False, (("no model IR in the pass context: linears "
                                              "unknown, shards stay even"),))

@@ -1,0 +1,92 @@
+"""The runtime executes what the planner chooses: no strategy pair it refuses
+(:func:`hetplan.runtime.composition.refusals`) comes out of the layout search or a pass.
+
+Cases from ``bench/planner_runtime_agreement.py``, each a plan the runtime refused before:
+ZeRO-1 taken "for free" by the search under re-balancing or a TP resizing controller (which
+move or resize whole optimizer state), the same two with ZeRO-1 pinned (the pass declines,
+with a note), a hierarchical routing chosen by ``espresso`` under ZeRO-2 (the runtime's
+reduce-scatter is flat), and SDPipe group sync chosen by ``sdpipe{mode=auto}`` for a plan that
+re-balances.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetplan.ir.model import ModelIR
+from hetplan.ir.plan import Plan
+from hetplan.optimizer.compile import compile, model_ir
+from hetplan.passes import DEFAULT_PIPELINE
+from hetplan.runtime.composition import refusals
+
+PRUNING = Path(__file__).resolve().parents[2] / "examples" / "pruning.yaml"
+
+
+@pytest.fixture(scope="module")
+def gpt_test() -> ModelIR:
+    return model_ir("gpt-test")
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2() -> ModelIR:
+    return model_ir("tiny-gpt2")
+
+
+def _notes(plan: Plan, name: str) -> str:
+    return " ".join(n for e in plan.pass_log if e.name == name for n in e.notes)
+
+
+def test_search_keeps_zero_0_to_rebalance(gpt_test: ModelIR) -> None:
+    # ZeRO-1 is free in time on one-slow-node's data-parallel link, but a layer moved between
+    # stages takes its whole optimizer state, which ZeRO-1 shards
+    plan = compile(gpt_test, "one-slow-node", batch_size=64, dynamics=PRUNING)
+    assert refusals(plan) == []
+    assert plan.layout is not None and plan.layout.dp > 1 and plan.layout.zero_stage == 0
+    assert plan.rebalancing is not None and any(e.applied for e in plan.rebalancing.events)
+
+
+def test_dynpipe_declines_rebalancing_under_zero(gpt_test: ModelIR) -> None:
+    plan = compile(gpt_test, "one-slow-node", batch_size=64, dynamics=PRUNING, zero_stage=1)
+    assert refusals(plan) == []
+    assert plan.rebalancing is not None and not plan.rebalancing.events
+    assert "not re-balanced: ZeRO-1" in _notes(plan, "dynpipe")
+
+
+def test_search_keeps_zero_0_for_the_tp_controller(tiny_gpt2: ModelIR) -> None:
+    plan = compile(tiny_gpt2, "mixed-generations", batch_size=64, tp=2,
+                   tp_controller="migration")
+    assert refusals(plan) == []
+    assert plan.layout is not None and plan.layout.dp > 1 and plan.layout.zero_stage == 0
+    assert plan.tensor_parallel is not None
+    assert plan.tensor_parallel.controller.variant == "migration"
+
+
+def test_tp_resizing_declines_the_controller_under_zero(tiny_gpt2: ModelIR) -> None:
+    plan = compile(tiny_gpt2, "mixed-generations", batch_size=64, tp=2,
+                   tp_controller="migration", zero_stage=1)
+    assert refusals(plan) == []
+    assert plan.tensor_parallel is not None
+    assert plan.tensor_parallel.controller.variant == "off"
+    assert "controller migration not turned on: ZeRO-1" in _notes(plan, "tp-resizing")
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_espresso_routes_flat_under_zero_2(gpt_test: ModelIR, zero: int) -> None:
+    # dp=32 over 4 nodes of 8: a hierarchical routing is predicted fastest (the search chose it)
+    plan = compile(gpt_test, "mixed-generations", batch_size=64, dp=32, zero_stage=zero)
+    assert refusals(plan) == []
+    sync = plan.gradient_sync
+    assert sync is not None
+    assert {s.hierarchy for s in sync.strategies.values()} == {"flat"}
+    assert f"hierarchical routings not searched: ZeRO-{zero}" in _notes(plan, "espresso")
+
+
+def test_sdpipe_stays_allreduce_when_the_plan_rebalances(gpt_test: ModelIR) -> None:
+    # `--group-sync auto --dynamics`: SDPipe is predicted 1.5x faster on mixed-tp-node
+    plan = compile(gpt_test, "mixed-tp-node", batch_size=32, dynamics=PRUNING, zero_stage=0,
+                   dtype="bf16", passes=DEFAULT_PIPELINE + ",sdpipe{mode=auto}")
+    assert refusals(plan) == []
+    assert plan.group_sync is not None and plan.group_sync.policy == "allreduce"
+    assert "re-balances a dynamic model" in plan.group_sync.reason
