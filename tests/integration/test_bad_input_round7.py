@@ -86,19 +86,20 @@ def test_a_compiled_plan_the_validator_refuses_is_never_written(
 
 
 def test_a_plan_the_runtime_refuses_is_flagged_when_it_is_written(tmp_path: Path) -> None:
-    """`--sparse zen` with `--zero 2` pinned (both halves the user's) is a plan `hetplan run`
-    refuses (its preflight); the plan is unchanged (its file is what valid input always gave)
-    and says so at once, naming the flag to change, instead of at `hetplan run`. (This test
-    was `--tp-controller semi` alone, planned under a ZeRO-1 the search chose: the search now
-    keeps ZeRO-0 for the controller, tests/integration/test_planner_runtime_agreement.py.)"""
+    """`--schedule chimera` (the user's; simulated only) is a plan `hetplan run` refuses (its
+    preflight); the plan is unchanged (its file is what valid input always gave) and says so
+    at once, naming the flag to change, instead of at `hetplan run`. (This test was
+    `--tp-controller semi` alone, planned under a ZeRO-1 the search chose, then `--sparse zen
+    --zero 2`: the passes now decline what the runtime does not compose, with a note,
+    tests/integration/test_planner_runtime_agreement.py.)"""
     out = tmp_path / "p.json"
-    result = _plan(tmp_path, "-c", "local-cpu", "-b", "8", "--pp", "1", "--tp", "1",
-                   "--zero", "2", "--sparse", "zen", "-o", out)
+    result = _plan(tmp_path, "-c", "local-cpu", "-b", "8", "--pp", "2",
+                   "--schedule", "chimera", "-o", out)
     assert result.exit_code == 0, result.output
     flat = " ".join(result.output.split())
-    assert "warning: `hetplan run` refuses this plan: sparse_sync" in flat
-    assert "re-plan with --zero 1" in flat
-    assert load_plan(out).layout.zero_stage == 2  # type: ignore[union-attr]
+    assert "warning: `hetplan run` refuses this plan: layout.schedule" in flat
+    assert "re-plan with --schedule 1f1b" in flat
+    assert load_plan(out).layout.schedule == "chimera"  # type: ignore[union-attr]
 
 
 # -- a pinned degree the cluster or the model cannot have is named --------------------------

@@ -90,3 +90,16 @@ def test_sdpipe_stays_allreduce_when_the_plan_rebalances(gpt_test: ModelIR) -> N
     assert refusals(plan) == []
     assert plan.group_sync is not None and plan.group_sync.policy == "allreduce"
     assert "re-balances a dynamic model" in plan.group_sync.reason
+
+
+def test_espresso_reference_leaves_the_sync_under_zero_2(gpt_test: ModelIR) -> None:
+    # the reference rule's paths are hierarchical and compressed: neither runs under ZeRO-2
+    passes = "dynpipe,even-tp,ddp-buckets,espresso-reference{compressor=dgc}"
+    plan = compile(gpt_test, "mixed-generations", batch_size=64, dp=32, zero_stage=2,
+                   passes=passes)
+    assert refusals(plan) == []
+    assert "ZeRO-2 reduce-scatters gradients flat" in _notes(plan, "espresso-reference")
+    at_zero_1 = compile(gpt_test, "mixed-generations", batch_size=64, dp=32, zero_stage=1,
+                        passes=passes)
+    assert at_zero_1.gradient_sync is not None  # at ZeRO-1 the rule applies
+    assert any(s.hierarchy == "hierarchical" for s in at_zero_1.gradient_sync.strategies.values())

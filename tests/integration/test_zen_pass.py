@@ -98,3 +98,23 @@ def test_a_sparse_sync_naming_a_foreign_or_misshaped_tensor_is_refused(tmp_path:
         Plan.from_json(json.dumps(data))
     res = CliRunner().invoke(app, ["validate", str(tmp_path / "zen.json")])
     assert res.exit_code == 0, res.output
+
+
+def test_sparse_zen_stays_dense_under_zero_2(tmp_path: Path) -> None:
+    """ZeRO-2 reduce-scatters every gradient during backward, and the sparse schemes need the
+    full gradient: the pass leaves the embedding dense, with a note, so `hetplan run`
+    executes the plan (it refused the sparse section under ZeRO-2)."""
+    from hetplan.runtime.composition import refusals
+
+    sys.path.insert(0, str(FIXTURES))
+    out = tmp_path / "z2.json"
+    res = CliRunner().invoke(app, ["plan", "--module", "zen_model:embedding_mlp", "--cluster",
+                                   "mixed-generations", "--batch-size", "256", "--sparse",
+                                   "zen", "--zero", "2", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = Plan.from_json(out.read_text())
+    assert plan.layout is not None and plan.layout.zero_stage == 2 and plan.layout.dp > 1
+    assert plan.sparse_sync is None or not plan.sparse_sync.synced()
+    assert refusals(plan) == []
+    notes = " ".join(n for e in plan.pass_log if e.name == "zen" for n in e.notes)
+    assert "ZeRO-2 reduce-scatters every gradient" in notes

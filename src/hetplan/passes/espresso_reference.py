@@ -31,8 +31,9 @@ internal option     hetplan path (decision-tree option, precision of uncompresse
 4 CPU compression   code 5: code 3's path with every (de)compression on the CPU
 ==================  ==============================================================
 
-It needs a hierarchical group (several nodes, several ranks each); on a flat group it leaves
-the incoming ``gradient_sync`` as it is, with a note.
+It needs a hierarchical group (several nodes, several ranks each) and ZeRO-0 or 1 (ZeRO-2/3
+reduce-scatter gradients flat during backward); otherwise it leaves the incoming
+``gradient_sync`` as it is, with a note.
 """
 
 from __future__ import annotations
@@ -155,6 +156,11 @@ class EspressoReference:
             return PassResult(plan, False, (
                 "espresso-reference needs hierarchical groups (several nodes with several "
                 "ranks each); gradient sync left as it was",))
+        if (z := ctx.layout.zero_stage) >= 2:  # what the runtime composes (composition.py)
+            return PassResult(plan, False, (
+                f"ZeRO-{z} reduce-scatters gradients flat during backward and the reference's "
+                "paths (hierarchical, compressed) need the full gradient (zero_stage <= 1); "
+                "gradient sync left as it was",))
         strategies: dict[str, SyncStrategy] = {}
         tensors: dict[int, str] = {}
         notes = []

@@ -29,7 +29,9 @@ for each one, on its stage's data-parallel group:
 The pass runs after the gradient-sync passes (Espresso, Cupcake): a tensor it syncs leaves
 their section's path in the evaluator and the runtime (it is taken out of its bucket), so
 whatever they chose for it is not executed. Embeddings under tensor parallelism (vocab-
-parallel shards) are left dense. Hash seeds come from the plan's seed. Cost: one
+parallel shards) are left dense, and so is every sparse gradient under ZeRO-2/3 (they are
+reduce-scattered during backward; the schemes need the full gradient). Hash seeds come from
+the plan's seed. Cost: one
 ``stage_syncs`` and two ``evaluate`` calls.
 """
 
@@ -95,6 +97,10 @@ class Zen:
         if lay.tp > 1:
             return PassResult(plan, False, ("tensor parallelism shards the embeddings "
                                             "(vocab-parallel): left dense",))
+        if lay.dp > 1 and lay.zero_stage >= 2:  # what the runtime composes (composition.py)
+            return PassResult(plan, False, (
+                f"ZeRO-{lay.zero_stage} reduce-scatters every gradient during backward and "
+                "the sparse schemes need the full gradient (zero_stage <= 1): left dense",))
         grad_index = {g.name: i for i, g in enumerate(ctx.workload.grads)}
         group = {i: ss for ss in stage_syncs(ctx.workload, lay, plan.stages, ctx.costs)
                  for i in ss.grads}
