@@ -89,7 +89,7 @@ def _group_sync(plan: Plan, lay: Layout, zero: int) -> list[str]:
                       ("interleaved stages", lay.virtual_stages > 1),
                       ("pipeline re-balancing", plan.rebalancing is not None),
                       ("the TP resizing controller", plan.tensor_parallel is not None
-                       and plan.tensor_parallel.controller is not None),
+                       and plan.tensor_parallel.controller.variant != "off"),
                       ("sparse gradient sync", plan.sparse_sync is not None
                        and plan.sparse_sync.synced())):
         if bad:
