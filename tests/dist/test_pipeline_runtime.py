@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -66,6 +67,20 @@ class Skips(nn.Module):
         return self.out(torch.tanh(self.c(v)) + 2 * h)
 
 
+class _InputSkip(nn.Module):
+    """The model's input is read by the first layer and again after the third."""
+
+    def __init__(self, second_input: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(8, 8) for _ in range(3))
+        self.out = nn.Linear(8, 3)
+        self.second_input = second_input
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.out(torch.tanh(self.c(h)) + (y if self.second_input else x))
+
+
 def _lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
 
@@ -101,6 +116,10 @@ CASES = {
     "skips": Case(Skips, lambda g: (torch.randn(BATCH, 8, generator=g, dtype=torch.float64),
                                     torch.randn(BATCH, 3, generator=g, dtype=torch.float64)),
                   F.mse_loss, (1, 2, 3)),
+    "input-skip": Case(_InputSkip,
+                       lambda g: (torch.randn(BATCH, 8, generator=g, dtype=torch.float64),
+                                  torch.randn(BATCH, 3, generator=g, dtype=torch.float64)),
+                       F.mse_loss, (1, 2, 3)),
 }
 
 
@@ -204,6 +223,8 @@ TWO_RANKS: dict[str, tuple[str, Layout]] = {
     "seq-1f1b": ("seq", _layout("1f1b", dp=1, pp=2)),
     "blocks4-interleaved": ("blocks4", _layout("interleaved-1f1b", dp=1, pp=2, virtual=2)),
     "skips-interleaved": ("skips", _layout("interleaved-1f1b", dp=1, pp=2, virtual=2)),
+    "input-skip-interleaved": ("input-skip", _layout("interleaved-1f1b", dp=1, pp=2,
+                                                     virtual=2)),
 }
 
 
@@ -308,6 +329,51 @@ def test_relay_leaves_only_adjacent_edges() -> None:
     x = _data("skips", 0)[0][:2]
     y = pipe(x)
     torch.testing.assert_close(y[0] if isinstance(y, tuple) else y, _model("skips")(x))
+
+
+def _input_skip_pipe(model: nn.Module, args: tuple) -> Any:
+    from hetplan.runtime import pipeline as pipeline_mod
+
+    names = [lay.name for lay in capture(model, args).layers]
+    stages = [Stage(index=s, first_layer=s, last_layer=s, layer_names=(names[s],), ranks=(s,))
+              for s in range(4)]
+    pipe, _ = pipeline_mod._trace(model, args, None, split_points(names, stages))
+    return pipe
+
+
+def test_a_model_input_read_by_a_later_stage_is_relayed_from_the_first(
+        two_ranks: list[dict[str, dict[str, Any]]]) -> None:
+    """Torch feeds the model's inputs to the first stage only: an input the first stage and
+    the third read goes through the first two stages, and the split equals the model."""
+    from hetplan.runtime import pipeline as pipeline_mod
+
+    torch.manual_seed(0)
+    model = _InputSkip().double()
+    x = torch.randn(2, 8, dtype=torch.float64)
+    pipe = _input_skip_pipe(model, (x,))
+    assert pipeline_mod._relay_skips(pipe) == 1
+    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    for k, call in enumerate(calls[1:], start=1):
+        for a in call.args:
+            while a.op == "call_function" and a.target is operator.getitem:
+                a = a.args[0]
+            assert calls.index(a) == k - 1
+    y = pipe(x)
+    torch.testing.assert_close(y[0] if isinstance(y, tuple) else y, model(x))
+    # trained on 2 ranks (interleaved, 4 stages): the losses and weights of one process
+    _compare_two(two_ranks, "input-skip-interleaved")
+
+
+def test_a_model_input_only_a_later_stage_reads_is_refused() -> None:
+    from hetplan.runtime import pipeline as pipeline_mod
+
+    torch.manual_seed(0)
+    model = _InputSkip(second_input=True).double()
+    x, y = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
+    pipe = _input_skip_pipe(model, (x, y))
+    with pytest.raises(SpecError, match="stage 2 reads the model input 'y', which the first "
+                                        "stage does not"):
+        pipeline_mod._relay_skips(pipe)
 
 
 @pytest.mark.slow  # 4 processes

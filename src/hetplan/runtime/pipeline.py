@@ -293,13 +293,18 @@ def _relay_skips(pipe: Any) -> int:
     stage inputs that now come through a relay.
 
     A value a stage computes and a stage past the next one reads (Hugging Face GPT-2's
-    attention mask, made by the embedding stage and read by every block) is passed through
-    each stage in between: the stage takes it as one more input and returns it (as an
-    ``aten.alias``, so it has a gradient function of its own) as one more output. Torch's
-    schedules send only between adjacent stages, so before this every GPT-2 pipeline of three
-    or more stages, and every interleaved one, was refused at its first step. A value read
-    by several later stages is relayed once per stage it crosses. Edits the pipe's split
-    graph and the stage modules in between (both recompiled).
+    attention mask, made by the embedding stage and read by every block), or a model input
+    that the first stage and a later one read, is passed through each stage in between: the
+    stage takes it as one more input and returns it (as an ``aten.alias``, so it has a
+    gradient function of its own) as one more output. Torch's schedules send only between
+    adjacent stages and feed the model's inputs to the first stage only, so before this every
+    GPT-2 pipeline of three or more stages, and every interleaved one, was refused at its
+    first step. A value read by several later stages is relayed once per stage it crosses.
+    Edits the pipe's split graph and the stage modules in between (both recompiled).
+
+    Raises:
+        SpecError: a later stage reads a model input that the first stage does not read
+            (torch passes the first stage exactly the model's inputs).
     """
     gm = pipe.split_gm
     graph = gm.graph
@@ -307,9 +312,12 @@ def _relay_skips(pipe: Any) -> int:
     index = {n: i for i, n in enumerate(calls)}
 
     def producer(node: Any) -> int | None:
+        """The stage that makes ``node``; -1 for a model input (the first stage's)."""
         while isinstance(node, torch.fx.Node) and node.op == "call_function" \
                 and node.target is operator.getitem:
             node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.op == "placeholder":
+            return -1
         return index.get(node) if isinstance(node, torch.fx.Node) else None
 
     hops: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}  # (value, stage) -> its output
@@ -322,6 +330,12 @@ def _relay_skips(pipe: Any) -> int:
             s = producer(arg)
             if s is None or s >= k - 1:
                 continue
+            if s == -1 and arg not in calls[0].args:
+                # torch feeds the model's inputs to the first stage only, as its own inputs
+                raise SpecError(f"stage {k} reads the model input {arg.name!r}, which the "
+                                "first stage does not: the runtime feeds inputs to the first "
+                                "stage only; re-plan with a boundary after a layer that reads "
+                                "it, or fewer stages")
             value = arg
             for m in range(s + 1, k):
                 if (arg, m) not in hops:
