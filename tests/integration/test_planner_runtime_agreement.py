@@ -103,3 +103,23 @@ def test_espresso_reference_leaves_the_sync_under_zero_2(gpt_test: ModelIR) -> N
                         passes=passes)
     assert at_zero_1.gradient_sync is not None  # at ZeRO-1 the rule applies
     assert any(s.hierarchy == "hierarchical" for s in at_zero_1.gradient_sync.strategies.values())
+
+
+def test_hetero_keeps_a_tied_model_on_one_stage(tmp_path: Path) -> None:
+    """GPT-2's head is tied to its embedding; the runtime does not sum tied gradients across
+    stages of different degrees (it refused such a plan at setup), so the heterogeneous
+    search keeps one stage for it: batch 6 on cpu-hetero-3 was `cpu@fast 1x1 | cpu@slow
+    2x1` before."""
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+    from hetplan.ir.plan import load_plan
+
+    cluster = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / "cpu-hetero-3.yaml"
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "tiny-gpt2", "-c", str(cluster), "-b", "6",
+                                   "--hetero", "on", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = load_plan(out)
+    assert plan.hetero is not None and len(plan.stages) == 1
+    assert refusals(plan) == []

@@ -54,6 +54,7 @@ from hetplan.algorithms.hetero_search import (
 from hetplan.algorithms.pipeline_schedules import layout_actions
 from hetplan.cost_models.compute import vocab_split
 from hetplan.cost_models.costs import CostModel
+from hetplan.cost_models.engine_memory import tied_head_copy
 from hetplan.cost_models.hetero import (
     MODES,
     DeviceClass,
@@ -66,6 +67,7 @@ from hetplan.cost_models.hetero import (
     evaluate_hetero,
     hetero_predictions,
 )
+from hetplan.cost_models.memory import capture_bytes
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, PassError, SpecError
 from hetplan.ir.cluster import ClusterSpec
@@ -499,8 +501,14 @@ def predict(workload: WorkloadSummary, costs: CostModel, cand: HeteroCandidate
 def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int, *,
                    model_ref: ModelRef, cluster_ref: ClusterRef,
                    cost_settings: CostSettings | None = None, micro_batch: int | None = None,
-                   max_tp: int = 8, passes: Sequence[Pass] = ()) -> Plan:
+                   max_tp: int = 8, passes: Sequence[Pass] = (),
+                   allow_tied_split: bool = True) -> Plan:
     """The fastest heterogeneous pipeline plan (see the module docstring).
+
+    ``allow_tied_split=False`` (what ``hetplan plan --hetero`` asks, :func:`choose_hetero`)
+    keeps a model whose LM head is tied to its token embedding (GPT-2) on one stage: the
+    runtime does not sum tied gradients across stages of different degrees, so a split one
+    is a plan for the simulator only (``hetplan run`` refuses it at setup).
 
     ``passes``: the pass pipeline to apply to the chosen stages
     (:func:`~hetplan.passes._hetero_sync.run_hetero_passes`: gradient-sync passes per
@@ -513,6 +521,16 @@ def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int,
     """
     cands = search_hetero(workload, costs, batch_size, micro_batch=micro_batch, max_tp=max_tp)
     fits = [c for c in cands if c.evaluation is not None]
+    tied = tied_head_copy(costs.memory_layers(workload), capture_bytes(workload), False)
+    if tied is not None and fits and not allow_tied_split:
+        # the runtime does not sum a tied embedding's gradients across stages of different
+        # degrees (runtime/pipeline.stage_modules refuses them): one stage only
+        fits = [c for c in fits if len(c.stages) == 1]
+        if not fits:
+            raise InfeasiblePlanError(
+                "the model's LM head is tied to its token embedding, and the runtime does "
+                "not sum tied gradients across stages of different data- or tensor-parallel "
+                "degrees; no one-stage heterogeneous plan fits: re-plan with --hetero off")
     if not fits:
         raise InfeasiblePlanError(
             f"no heterogeneous pipeline of the {len(costs.devices)} devices fits the model "
@@ -686,7 +704,7 @@ def choose_hetero(plan: Plan, spec: ClusterSpec, db: ProfileDB | None, batch_siz
     try:
         het = compile_hetero(workload, costs, batch_size, model_ref=plan.model,
                              cluster_ref=ClusterRef.from_cluster(spec), cost_settings=cs,
-                             passes=passes)
+                             passes=passes, allow_tied_split=False)
     except InfeasiblePlanError as e:
         if mode == "on":
             raise
