@@ -22,7 +22,7 @@ FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "randn", "ran
 ROOT = Path(hetplan.runtime.__file__).parent
 
 
-def _undeviced(path: Path) -> list[str]:
+def _undeviced(path: Path, root: Path = ROOT) -> list[str]:
     src = path.read_text()
     lines = src.splitlines()
     tree = ast.parse(src)
@@ -51,7 +51,7 @@ def _undeviced(path: Path) -> list[str]:
         lo, hi = stmt.get(id(node), (node.lineno, node.end_lineno or node.lineno))
         if any("# host" in line for line in lines[lo - 1: hi]):
             continue
-        out.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+        out.append(f"{path.relative_to(root.parent)}:{node.lineno}: "
                    f"{lines[node.lineno - 1].strip()}")
     return out
 
@@ -73,12 +73,7 @@ def test_the_check_sees_a_bare_factory(tmp_path: Path) -> None:
                  "c = torch.tensor([1]).to(d)\n"
                  "e = torch.empty(3,\n"
                  "                dtype=torch.uint8)  # host: a gloo buffer\n")
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        got = _undeviced(f)
-    finally:
-        ROOT = saved
+    got = _undeviced(f, tmp_path)
     assert [g.split(":")[1] for g in got] == ["2"]
 
 

@@ -263,12 +263,12 @@ class Espresso:
             note = (f"compressors {', '.join(allowed)} not used: ZeRO-{ctx.layout.zero_stage} "
                     "shards gradients during backward (compression needs zero_stage <= 1)")
             return dataclasses.replace(res, notes=(note, *res.notes))
-        if ctx.layout.zero_stage >= 2 and any(ss.nodes > 1 and ss.per_node > 1 for ss in syncs):
-            res = self._search(plan, ctx, syncs, allowed)
+        res = self._search(plan, ctx, syncs, allowed)
+        if any(ss.nodes > 1 and ss.per_node > 1 and not _hierarchical(ss, ctx) for ss in syncs):
             note = (f"hierarchical routings not searched: ZeRO-{ctx.layout.zero_stage} "
                     "reduce-scatters gradients flat over the data-parallel group")
-            return dataclasses.replace(res, notes=(note, *res.notes))
-        return self._search(plan, ctx, syncs, allowed)
+            res = dataclasses.replace(res, notes=(note, *res.notes))
+        return res
 
     def _search(self, plan: Plan, ctx: PassContext, syncs: list[StageSync],
                 allowed: tuple[str, ...]) -> PassResult:

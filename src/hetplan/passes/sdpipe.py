@@ -142,13 +142,14 @@ class SDPipe:
 
 def _section_blocker(plan: Plan) -> str:
     """Why the plan's sections written before this pass rule group sync out ('' when none
-    does): the runtime does not compose it with re-balancing, a TP resizing controller or
-    sparse gradient sync (docs/decisions/runtime-composition.md)."""
+    does): the runtime does not compose it with re-balancing, a TP resizing controller that
+    is on or sparse gradient sync (the checks of ``runtime.composition``, which passes cannot
+    import; docs/decisions/runtime-composition.md)."""
     if plan.rebalancing is not None:
         return ("the plan re-balances a dynamic model (--dynamics); group sync averages "
                 "replicas of fixed stages")
-    if plan.tensor_parallel is not None:
-        return "the plan has a TP resizing controller section; group sync needs tp=1"
+    if plan.tensor_parallel is not None and plan.tensor_parallel.controller.variant != "off":
+        return "the plan turns a TP resizing controller on; group sync needs tp=1"
     if plan.sparse_sync is not None and plan.sparse_sync.synced():
         return ("the plan syncs sparse gradients (--sparse); group sync averages dense "
                 "replicas")

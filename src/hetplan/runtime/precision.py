@@ -197,8 +197,7 @@ class LossScaledOptimizer(torch.optim.Optimizer):
         and the scale backs off)."""
         params = [p for g in self.param_groups for p in g["params"]]
         local = [_local(p.grad) for p in params if p.grad is not None]
-        device = local[0].device if local else (params[0].device if params else None)
-        bad = unscale_and_check(local, self.scaler.scale, device)
+        bad = unscale_and_check(local, self.scaler.scale, params[0].device if params else None)
         if dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if not self.scaler.update(bool(bad.item() > 0)):
