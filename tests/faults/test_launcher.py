@@ -94,14 +94,19 @@ def test_a_world_size_the_plan_does_not_have_is_refused(plan: Plan) -> None:
         preflight(plan, cmd)
 
 
-def test_a_schedule_the_runtime_does_not_execute_is_refused_by_the_launcher() -> None:
-    """Chimera plans are made and simulated, but the runtime executes gpipe and the 1F1B
-    schedules only: `hetplan run` says so before any rank starts."""
-    chimera = hetplan.compile("mlp", cluster(4), batch_size=8, pp=2, schedule="chimera")
+def test_a_chimera_plan_passes_and_what_it_does_not_compose_is_refused() -> None:
+    """Chimera plans run (``runtime/handlers/chimera.py``): the launcher lets one through;
+    Chimera with tensor parallelism, which its executor does not compose, is refused before
+    any rank starts, naming the fix."""
+    chimera = hetplan.compile("mlp", cluster(4), batch_size=8, pp=2, schedule="chimera",
+                              zero_stage=0)
     assert chimera.layout is not None and chimera.layout.schedule == "chimera"
-    with pytest.raises(SpecError, match="layout.schedule: 'chimera' is not executed by the "
-                                        "runtime, which runs .*'1f1b'.*; re-plan"):
-        preflight(chimera, _cmd(chimera))
+    preflight(chimera, _cmd(chimera))
+    tp = chimera.model_copy(update={"layout": chimera.layout.model_copy(
+        update={"tp": 2, "dp": chimera.layout.dp // 2})})
+    with pytest.raises(SpecError, match="layout.schedule: 'chimera' with tensor parallelism "
+                                        r"\(tp=2\) is not executed .*--schedule 1f1b"):
+        preflight(tp, _cmd(tp))
 
 
 def test_a_combination_the_runtime_does_not_compose_is_refused_by_the_launcher() -> None:

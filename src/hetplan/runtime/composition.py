@@ -11,16 +11,16 @@ Complexity: O(gradient-sync strategies + stages).
 from __future__ import annotations
 
 from hetplan.ir.plan import Plan
-from hetplan.ir.plan_sections import CompressedSync, Layout
+from hetplan.ir.plan_sections import CompressedSync, Layout, SyncStrategy
 from hetplan.runtime.hetero_ranks import hetero_refusals
 
 __all__ = ["SUPPORTED_SCHEDULES", "effective_zero_stage", "refusals"]
 
 _DOC = "docs/decisions/runtime-composition.md"
 
-#: Plan schedule names the runtime executes (``chimera`` is simulated only: its two model
-#: replicas run in opposite directions, which torch's stages do not model).
-SUPPORTED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+#: Plan schedule names the runtime executes: gpipe, 1F1B and interleaved 1F1B through torch's
+#: schedule runtime, Chimera through its own executor (:mod:`hetplan.runtime.handlers.chimera`).
+SUPPORTED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "chimera")
 
 
 def effective_zero_stage(layout: Layout) -> int:
@@ -36,16 +36,16 @@ def refusals(plan: Plan) -> list[str]:
     out: list[str] = []
     if lay.pp > 1 and lay.schedule not in SUPPORTED_SCHEDULES:
         out.append(f"layout.schedule: {lay.schedule!r} is not executed by the runtime, which "
-                   f"runs {list(SUPPORTED_SCHEDULES)} (Chimera is simulated only: its two "
-                   "model replicas run the pipeline in opposite directions, which this "
-                   "runtime's stages do not); re-plan with --schedule 1f1b (or another of "
-                   f"them) ({_DOC})")
+                   f"runs {list(SUPPORTED_SCHEDULES)}; re-plan with --schedule 1f1b (or "
+                   f"another of them) ({_DOC})")
     zero = effective_zero_stage(lay)
     sync = plan.gradient_sync
     used = set()
     if sync is not None:
         used = {b.strategy for b in sync.buckets} | {t.strategy for t in sync.tensors}
     strategies = {n: sync.strategies[n] for n in sorted(used)} if sync is not None else {}
+    if lay.pp > 1 and lay.schedule == "chimera":
+        out += _chimera(plan, lay, zero, strategies)
     if zero >= 1 and plan.rebalancing is not None and any(
             e.applied for e in plan.rebalancing.events):
         out.append(f"rebalancing: moving layers under ZeRO-{zero} (dp={lay.dp}); their "
@@ -74,6 +74,32 @@ def refusals(plan: Plan) -> list[str]:
                    "reduce-scatters every gradient during backward; the sparse schemes need "
                    f"the full gradient (zero_stage <= 1); re-plan with --zero 1 ({_DOC})")
     return out + _group_sync(plan, lay, zero) + hetero_refusals(plan)
+
+
+def _chimera(plan: Plan, lay: Layout, zero: int, strategies: dict[str, SyncStrategy]
+             ) -> list[str]:
+    """What the Chimera executor does not compose with (its two directions run different
+    stages at once, and each stage's gradients are averaged over the ranks of both
+    directions: :mod:`hetplan.runtime.handlers.chimera`)."""
+    fix = "re-plan with --schedule 1f1b"
+    hier = sorted(n for n, s in strategies.items() if s.hierarchy != "flat")
+    out = []
+    for what, bad in ((f"tensor parallelism (tp={lay.tp})", lay.tp > 1),
+                      (f"ZeRO-{zero} (collectives inside backward, while the two directions "
+                       "run different stages)", zero >= 2),
+                      ("per-stage degrees (hetero)", plan.hetero is not None),
+                      (f"hierarchical gradient-sync routings {hier} (its sync group pairs "
+                       "two pipeline ranks; the runtime runs flat routings on it)", bool(hier)),
+                      ("sparse gradient sync", plan.sparse_sync is not None
+                       and plan.sparse_sync.synced()),
+                      ("SDPipe group sync", plan.group_sync is not None
+                       and plan.group_sync.policy == "sdpipe"),
+                      ("re-balancing events", plan.rebalancing is not None and any(
+                          e.applied for e in plan.rebalancing.events))):
+        if bad:
+            out.append(f"layout.schedule: 'chimera' with {what} is not executed by this "
+                       f"runtime; {fix} ({_DOC})")
+    return out
 
 
 def _group_sync(plan: Plan, lay: Layout, zero: int) -> list[str]:

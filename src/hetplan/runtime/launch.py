@@ -275,8 +275,7 @@ def preflight(
 
     Raises:
         SpecError: an option out of range, an unwritable report path, a plan without layout,
-            a pipeline schedule the runtime does not execute (Chimera is simulated only), a
-            combination of strategies it does not compose
+            a combination of strategies the runtime does not compose
             (:func:`~hetplan.runtime.composition.refusals`), more processes than ``host``
             can hold (:func:`host_problem`).
         PlanMismatchError: the plan is not for this model, its cluster, or the world size

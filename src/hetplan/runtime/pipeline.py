@@ -558,16 +558,18 @@ def stage_modules(
     eager_units: Sequence[Sequence[str]] = (),
     eager_required: Sequence[str] = (),
     kept: list[tuple[int, tuple[str, ...]]] | None = None,
+    allow_ties: bool = False,
 ) -> dict[int, nn.Module]:
     """The modules of stages ``stage_indices`` (index -> module), split as
     :func:`build_stages` splits them but without torch's ``PipelineStage`` around them: for
     runtimes that move activations themselves (a heterogeneous pipeline, whose neighbouring
-    stages run different numbers of ranks). Parameters tied across stages are refused.
-    Arguments and errors as in :func:`build_stages`."""
+    stages run different numbers of ranks; Chimera). Parameters tied across stages are
+    refused unless ``allow_ties`` (the caller sums the copies' gradients). Arguments and
+    errors as in :func:`build_stages`."""
     ordered = _ordered(stages)
     names = list(ir_layer_names)
     spec = split_points(names, ordered)
-    if ties := tied_across_stages(model, ordered, names):
+    if (ties := tied_across_stages(model, ordered, names)) and not allow_ties:
         raise SpecError(f"{type(model).__name__}: parameters tied across stages {ties}; "
                         "this pipeline does not sum tied gradients across stages of "
                         "different degrees: re-plan without per-stage degrees (--hetero off)")

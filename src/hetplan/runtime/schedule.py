@@ -95,6 +95,9 @@ def make_schedule(
             the stages this rank holds, or a torch without the schedule runtime.
     """
     name = layout.schedule
+    if name == "chimera":
+        raise SpecError("schedule 'chimera' runs on the runtime's Chimera executor "
+                        "(hetplan.runtime.handlers.chimera), not torch's schedule runtime")
     if name not in SUPPORTED_SCHEDULES:
         raise SpecError(f"the plan's schedule {name!r} is not executed by the runtime, which "
                         f"runs {list(SUPPORTED_SCHEDULES)}; re-plan with one of them")

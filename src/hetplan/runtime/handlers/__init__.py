@@ -30,7 +30,8 @@ StagesHandler              ``stages``,                     this rank's stages; r
                            ``pipeline_actions``,           plan's action list (or the
                            ``hetero``                      micro-batches locally); sums
                                                            tied weights' gradients; per-
-                                                           stage degrees: ``hetero.py``
+                                                           stage degrees: ``hetero.py``;
+                                                           Chimera: ``chimera.py``
 PrecisionHandler           ``precision``                   16-bit working weights, autocast,
                                                            fp32 loss, fp16 loss scale
 RecomputeHandler           ``stages.recompute``            checkpoint per block / per

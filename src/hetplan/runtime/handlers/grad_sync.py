@@ -55,7 +55,8 @@ class GradSyncHandler(Handler):
         if ctx.plan.group_sync is not None and ctx.plan.group_sync.policy == "sdpipe":
             groups = None  # gradients stay local: the group-sync handler averages parameters
         self.sync = GradSync(named, ctx.plan.gradient_sync,
-                             groups.dp_group if groups is not None else None, ctx.layout.dp,
+                             groups.dp_group if groups is not None else None,
+                             len(groups.dp_ranks) if groups is not None else 1,
                              groups.sync_levels() if groups is not None else None,
                              grad_views=ctx.layout.pp == 1 and ctx.plan.hetero is None)
         self.early = self.sync.group is not None and overlaps_compute(self.sync.group)

@@ -49,6 +49,7 @@ from hetplan.runtime.busy_clock import cuda_events
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 
 if TYPE_CHECKING:
+    from hetplan.runtime.handlers.chimera import ChimeraPipeline
     from hetplan.runtime.handlers.hetero import HeteroPipeline
     from hetplan.runtime.schedule import StageMonitor
     from hetplan.runtime.trace import StepTrace
@@ -83,6 +84,8 @@ class StagesHandler(Handler):
         self.ties: list[_Tie] = []
         self.ties_synced = False  # _tie_groups made a group for every tie (this rank's or not)
         self.hetero: HeteroPipeline | None = None
+        self.chimera: ChimeraPipeline | None = None
+        self.chimera_ties: list[tuple[str, ...]] = []  # tied parameters, held on one rank
         self.trace: StepTrace | None = None
 
     @property
@@ -121,6 +124,9 @@ class StagesHandler(Handler):
             return
         if ctx.plan.hetero is not None:
             self._build_hetero(ctx)
+            return
+        if layout.schedule == "chimera":
+            self._build_chimera(ctx)
             return
         try:
             actions = plan_schedule(layout, ctx.plan.pipeline_actions)
@@ -207,6 +213,52 @@ class StagesHandler(Handler):
         self.num_stages = len(plan.stages)
         ctx.named_params = _owned_params(self.stages, plan.stages, ctx.model_ir().layers)
 
+    def _build_chimera(self, ctx: RuntimeContext) -> None:
+        """This rank's two stages of a Chimera plan, its executor, and the Chimera groups;
+        the data-parallel group becomes the sync group of the stages' copies
+        (:mod:`hetplan.runtime.handlers.chimera`)."""
+        from hetplan.runtime.handlers.chimera import (
+            ChimeraPipeline,
+            boundaries,
+            check_transfer_order,
+            chimera_groups,
+        )
+        from hetplan.runtime.handlers.hetero import HeteroStage
+        from hetplan.runtime.pipeline import stage_modules as split_stages
+        from hetplan.runtime.pipeline import stage_owning, tied_across_stages
+
+        plan, groups = ctx.plan, ctx.groups
+        assert plan.layout is not None and groups is not None
+        try:
+            sched = plan_schedule(plan.layout, plan.pipeline_actions)
+        except PipelineScheduleError as e:
+            raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
+                            "`hetplan plan`") from e
+        check_transfer_order(sched)
+        mine = sorted({a.stage for a in sched.actions[groups.pp_rank]})
+        layer_names = [x.name for x in ctx.model_ir().layers]
+        self.chimera_ties = tied_across_stages(ctx.model, plan.stages, layer_names)
+        for names in self.chimera_ties:
+            owners = {stage_owning(plan.stages, layer_names, n) for n in names}
+            holders = [{a.stage for a in acts} for acts in sched.actions]
+            if not any(owners <= h for h in holders):
+                raise SpecError(f"parameters tied across stages {list(names)} (stages "
+                                f"{sorted(o for o in owners if o is not None)}) are held by "
+                                "no single rank of the Chimera pipeline, whose ranks hold "
+                                "stages r and P-1-r; re-plan with --schedule 1f1b")
+        every = list(range(len(plan.stages)))
+        modules = split_stages(ctx.model, trace_example(ctx), ctx.forward_kwargs, plan.stages,
+                               every, ir_layer_names=layer_names, allow_ties=True)
+        sent = boundaries([modules[i] for i in every], trace_example(ctx))
+        cg = chimera_groups(ctx)
+        ctx.groups = cg.data_parallel(groups)
+        self.stages = [HeteroStage(modules[i], i) for i in mine]
+        self.chimera = ChimeraPipeline(ctx, {i: modules[i] for i in mine}, sched, sent, cg)
+        self.actions = sched
+        self.num_stages = len(plan.stages)
+        owned = _owned_params(self.stages, plan.stages, ctx.model_ir().layers)
+        ctx.named_params = list({id(p): (n, p) for n, p in reversed(owned)}.values())[::-1]
+
     def rebuild_hetero(self, ctx: RuntimeContext, stages: Sequence[Stage]) -> None:
         """Re-balancing on a plan with per-stage degrees: this rank's stage module rebuilt
         for ``stages`` (same stage index, ranks and degrees; other layers), put into the
@@ -253,6 +305,17 @@ class StagesHandler(Handler):
             return loss
         xs = [_local_rows(ctx, x) for x in inputs]
         y = _local_rows(ctx, target)
+        if self.chimera is not None:
+            clock = self.chimera.clock
+            clock.reset()
+            t0 = time.perf_counter()
+            with ctx.accumulating():
+                loss = self.chimera.step(ctx, xs, y)
+            span = clock.settle(time.perf_counter() - t0)
+            ctx.bubble_s = max(span - clock.busy_s, 0.0)
+            for names in self.chimera_ties:
+                _sum_local_copies(self.stages, names)
+            return loss
         if ctx.released:
             return float("nan")
         if self.schedule is not None:
@@ -332,6 +395,7 @@ class StagesHandler(Handler):
     def close(self, ctx: RuntimeContext) -> None:
         self.drop()
         self.hetero = None
+        self.chimera = None
         self.pp_group = None
         self.ties = []
         self.ties_synced = False
@@ -481,6 +545,22 @@ def _sum_tied(stages: Sequence[Any], tie: _Tie) -> None:
     for p in local:
         assert p.grad is not None and total is not None
         _local(p.grad).copy_(total)
+
+
+def _sum_local_copies(stages: Sequence[Any], names: Sequence[str]) -> None:
+    """Every local copy of a parameter tied across this rank's stages gets the sum of the
+    copies' gradients (the copies a split made; one shared parameter is left alone)."""
+    copies: dict[int, torch.nn.Parameter] = {}
+    for st in stages:
+        for n, p in st.submod.named_parameters(remove_duplicate=False):
+            if n in names and p.grad is not None:
+                copies[id(p)] = p
+    if len(copies) < 2:
+        return
+    total = torch.stack([p.grad for p in copies.values()]).sum(0)  # type: ignore[misc]
+    for p in copies.values():
+        assert p.grad is not None
+        p.grad.copy_(total)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -104,8 +104,10 @@ class ZeroHandler(Handler):
         groups = ctx.groups
         sharded = self.stage >= 1 and groups is not None
         group = groups.dp_group if sharded and groups is not None else None
-        world = ctx.layout.dp if sharded else 1
-        rank = groups.dp_rank if sharded and groups is not None else 0
+        # the group's own size and position: a Chimera plan's group holds the replicas of
+        # both directions (2 dp), its rank's data replica stays ``dp_rank``
+        world = len(groups.dp_ranks) if sharded and groups is not None else 1
+        rank = groups.dp_ranks.index(groups.rank) if sharded and groups is not None else 0
         names = {id(p): n for n, p in ctx.named_params}
         named = [(names[id(p)], p) for p in params if p.requires_grad]
         segments = segments_of(_buckets(ctx, named), world)

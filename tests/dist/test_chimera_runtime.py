@@ -1,0 +1,141 @@
+"""Chimera plans run (gloo, CPU): two model replicas in opposite directions, from compiled
+plans; after k steps every parameter and the loss of every step equal a single-process float64
+reference (rtol 1e-9), as for the other schedules (``test_runtime_pp_tied.py``).
+
+What each case would catch: ``pp2`` the two directions on two ranks (each rank holds both
+stages, the tied embedding and head twice: the split's copies summed locally); ``pp4`` the
+middle ranks (stages 1 and 2) and sends in both directions between the same ranks; ``dp2 x
+pp2`` the sync group of both directions and both data replicas (the loss divided by the
+micro-batches of one direction); ``tiny-gpt2`` the attention mask relayed through a stage in
+both directions; the bf16 / ZeRO-1 case the sharded optimizer over the four-rank sync group.
+Without the ``M / 2`` loss scale or with the sync over one direction only, the parameters
+differ after the first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from reflib import case_results, cpu_cluster, train_plans, zoo_example, zoo_model, zoo_reference
+
+import hetplan
+from hetplan.errors import SpecError
+from hetplan.ir.plan import Plan
+from hetplan.profiling._spawn import run_local_ranks
+from hetplan.runtime.composition import refusals
+
+pytestmark = pytest.mark.dist
+
+STEPS = 2
+BATCH = 8
+SEQ = 16
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+CHIMERA = {"tp": 1, "schedule": "chimera"}
+#: label -> (zoo model, world size, the plan's pinned choices)
+CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "tied-lm-pp2": ("tied-lm", 2, {"dp": 1, "pp": 2, "micro_batch_size": 2, **CHIMERA}),
+    "tiny-gpt2-pp2": ("tiny-gpt2", 2, {"dp": 1, "pp": 2, "micro_batch_size": 2, **CHIMERA}),
+    "tied-lm-pp4": ("tied-lm", 4, {"dp": 1, "pp": 4, "micro_batch_size": 2, **CHIMERA}),
+    "tied-lm-dp2xpp2": ("tied-lm", 4, {"dp": 2, "pp": 2, "micro_batch_size": 2, **CHIMERA}),
+    "tied-lm-dp2xpp2-full-recompute": ("tied-lm", 4, {
+        "dp": 2, "pp": 2, "micro_batch_size": 2, "recompute": "full", **CHIMERA}),
+    "tied-lm-dp2xpp2-bf16-zero1": ("tied-lm", 4, {
+        "dp": 2, "pp": 2, "micro_batch_size": 2, "dtype": "bf16", "zero_stage": 1, **CHIMERA}),
+}
+EXACT = [k for k, (_, _, pins) in CASES.items() if pins.get("dtype", "fp32") == "fp32"]
+
+
+def _plan(name: str, world: int, **pins: Any) -> Plan:
+    args, kwargs = zoo_example(name)
+    ir = hetplan.capture(zoo_model(name), args, kwargs, name=name)
+    pins = {"dtype": "fp32", "zero_stage": 0, **pins}
+    return hetplan.compile(ir, cpu_cluster(world), batch_size=BATCH, **pins)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, list[dict[str, Any]]]:
+    out = {}
+    for world in sorted({w for _, w, _ in CASES.values()}):
+        cases = {}
+        for label, (name, w, pins) in CASES.items():
+            if w == world:
+                plan = _plan(name, world, **pins)
+                assert plan.layout is not None and plan.layout.schedule == "chimera"
+                assert refusals(plan) == [], refusals(plan)
+                cases[label] = (name, BATCH, SEQ, STEPS, plan.to_json())
+        out[world] = run_local_ranks(train_plans, world, (cases,), timeout_s=600,
+                                     threads_per_process=1)
+    return out
+
+
+def _losses(got: list[dict[str, Any]]) -> list[float]:
+    last = [g["losses"] for g in got if all(x == x for x in g["losses"])]
+    assert last, "some rank holds the last stage and reports the loss"
+    return [sum(col) / len(last) for col in zip(*last, strict=True)]
+
+
+@pytest.mark.parametrize("label", EXACT)
+def test_chimera_equals_reference(results: dict[int, list[dict[str, Any]]], label: str) -> None:
+    name, world, _ = CASES[label]
+    got = case_results(results[world], label)
+    losses, ref = zoo_reference(name, BATCH, SEQ, STEPS)
+    assert _losses(got) == pytest.approx(losses, rel=1e-9)
+    seen: set[str] = set()
+    for g in got:
+        for n, value in g["params"].items():
+            if n in ref:
+                torch.testing.assert_close(value, ref[n], **TOL)
+                seen.add(n)
+    assert seen >= set(ref), f"unchecked: {sorted(set(ref) - seen)}"
+
+
+def test_both_ends_of_each_replica_report_its_loss(
+        results: dict[int, list[dict[str, Any]]]) -> None:
+    """Pipeline ranks 0 and P-1 each hold the last stage of one direction; both report the
+    replica's loss (the pair's sum), the middle ranks NaN."""
+    got = case_results(results[4], "tied-lm-pp4")
+    finite = [all(x == x for x in g["losses"]) for g in got]
+    assert finite == [True, False, False, True]
+    assert got[0]["losses"] == pytest.approx(got[3]["losses"], rel=1e-12)
+
+
+def test_mixed_precision_zero1_tracks_the_reference(
+        results: dict[int, list[dict[str, Any]]]) -> None:
+    """bf16 compute, fp32 masters sharded over the sync group of both directions: the losses
+    within bf16's precision of the reference, every parameter finite."""
+    label = "tied-lm-dp2xpp2-bf16-zero1"
+    got = case_results(results[4], label)
+    ref_losses, _ = zoo_reference("tied-lm", BATCH, SEQ, STEPS)
+    assert _losses(got) == pytest.approx(ref_losses, rel=1e-2)
+    for g in got:
+        assert all(bool(torch.isfinite(v).all()) for v in g["params"].values())
+
+
+def test_refused_compositions_name_the_fix() -> None:
+    """What the Chimera executor does not run is refused before any rank starts, naming the
+    part and the fix."""
+    plan = _plan("tied-lm", 4, dp=2, pp=2, micro_batch_size=2, **CHIMERA)
+    assert plan.layout is not None
+    bad = plan.model_copy(update={"layout": plan.layout.model_copy(update={"zero_stage": 3})})
+    lines = refusals(bad)
+    assert any("'chimera' with ZeRO-3" in x and "--schedule 1f1b" in x for x in lines), lines
+
+
+def test_transfer_order_is_checked() -> None:
+    """Lists whose two ends of a transfer post in different orders are refused (NCCL would
+    pair the wrong micro-batches); the generated Chimera lists pass."""
+    from hetplan.algorithms.pipeline_schedules import Action, ActionKind, PipelineSchedule
+    from hetplan.algorithms.pipeline_schedules import chimera_schedule
+    from hetplan.runtime.handlers.chimera import check_transfer_order
+
+    for p, m in ((2, 2), (2, 4), (4, 4), (4, 8), (6, 12)):
+        check_transfer_order(chimera_schedule(p, m))
+    f, b = ActionKind.F, ActionKind.B
+    swapped = PipelineSchedule("gpipe", 2, 2, 2, (
+        (Action(f, 0, 0), Action(f, 1, 0), Action(b, 0, 0), Action(b, 1, 0)),
+        (Action(f, 1, 1), Action(f, 0, 1), Action(b, 0, 1), Action(b, 1, 1))))
+    with pytest.raises(SpecError, match="rank 0 sends activations to rank 1"):
+        check_transfer_order(swapped)
