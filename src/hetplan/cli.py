@@ -439,6 +439,11 @@ def plan_cmd(
     pipeline_spec, group_opts = _with_group_sync(pipeline_spec, group_sync)
     pins = strategy_pins(dtype=dtype, zero=zero, recompute=recompute, sp=sp, tp=tp,
                          virtual_stages=virtual_stages, schedule=schedule, pp=pp)
+    if schedule == "chimera" and pp != 1 and dynamics is not None:
+        raise SpecError("--dynamics with --schedule chimera: re-balancing moves layers between "
+                        "stages, and a Chimera rank holds two stages (one per direction), "
+                        "which the re-balancing does not model; drop --dynamics, or use "
+                        "another --schedule (1f1b)")
     if group_opts.get("zero_stage") == 0 and zero not in (None, 0):
         raise SpecError(f"--group-sync {group_sync} steps each replica's own optimizer, so it "
                         f"cannot shard it: drop --zero {zero} (or use --group-sync off)")
@@ -533,6 +538,17 @@ def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | No
     if sp and tp == 1:
         raise SpecError("--sp needs tensor parallelism, but --tp 1 is pinned; pin --tp 2 or "
                         "more, or leave --tp free")
+    if schedule == "chimera" and pp != 1:  # (CompileOptions refuses these too, by field)
+        if tp is not None and tp > 1:
+            raise SpecError(f"--tp {tp} with --schedule chimera: Chimera is priced and "
+                            "executed with tensor parallelism off (each rank runs a stage of "
+                            "each of its two pipeline directions); use --tp 1 or drop --tp, "
+                            "or another --schedule (1f1b)")
+        if zero is not None and zero >= 2:
+            raise SpecError(f"--zero {zero} with --schedule chimera: ZeRO-{zero} issues "
+                            "collectives inside backward, which Chimera's two directions, "
+                            "running different stages at once, would mismatch; use --zero 0 "
+                            "or 1 or drop --zero, or another --schedule (1f1b)")
     if virtual_stages is not None:
         if virtual_stages < 2:
             raise SpecError(f"--virtual-stages {virtual_stages}: interleaving needs 2 or more "

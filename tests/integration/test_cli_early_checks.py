@@ -89,6 +89,25 @@ def test_other_plan_options_fail_before_capture(no_work: None) -> None:
             "--compress: given, but the pass pipeline has no 'espresso' pass")
 
 
+def test_chimera_with_tp_or_zero2_is_refused_before_capture(no_work: None) -> None:
+    """Chimera runs tp=1 and ZeRO 0 or 1 (docs/decisions.md, "Chimera: what is priced"):
+    the flag at fault and the fix, exit 2; --sparse and --group-sync name their pass."""
+    plan = ("plan", "gpt-test", "-c", "local-cpu", "-b", "8", "--pp", "2", "--schedule",
+            "chimera")
+    refused(run(*plan, "--tp", "2"), "--tp 2 with --schedule chimera",
+            "use --tp 1 or drop --tp, or another --schedule (1f1b)")
+    for zero in ("2", "3"):
+        refused(run(*plan, "--zero", zero), f"--zero {zero} with --schedule chimera",
+                "use --zero 0 or 1 or drop --zero")
+    refused(run(*plan, "--sparse", "zen"), "the 'zen' pass (--sparse) does not compose with "
+            "schedule 'chimera'")
+    refused(run(*plan, "--group-sync", "sdpipe"), "the 'sdpipe' pass (--group-sync) does not "
+            "compose with schedule 'chimera'")
+    pruning = Path(__file__).resolve().parents[2] / "examples" / "pruning.yaml"
+    refused(run(*plan, "--dynamics", pruning), "--dynamics with --schedule chimera",
+            "drop --dynamics")
+
+
 def test_more_micro_batches_than_a_plan_may_have_is_explained() -> None:
     refused(run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "1000000", "--dp",
                 "4", "--micro-batch-size", "1"),

@@ -132,3 +132,48 @@ def test_the_plan_carries_and_beats_the_reference_implementations_choice() -> No
     none = hetplan.compile("gpt-test", "cpu-2x2", batch_size=8, dp=4, pp=1, tp=1)
     assert none.predictions is not None
     assert not any(b.name.startswith("espresso-reference") for b in none.predictions.baselines)
+
+
+def test_under_chimera_the_sync_passes_see_the_two_dp_group_and_route_flat() -> None:
+    """Chimera on ``cpu-2x2`` with dp=2 pp=2: stage 0's replicas are ranks 0, 1 (node 0) and
+    stage 1's ranks 2, 3 (node 1), but each stage is averaged over the 4 ranks holding a copy
+    (pipeline ranks s and 1-s), across both nodes. The passes score that group; espresso
+    searches flat routings only (the Chimera group is flat), and the reference rule, whose
+    paths are hierarchical, leaves the sync as it was."""
+    from hetplan.cost_models.evaluate import stage_syncs
+    from hetplan.ir.plan_sections import GradCost, LayerCost
+    from hetplan.passes.espresso_reference import EspressoReference
+    from hetplan.passes.manager import run_passes
+    from hetplan.passes.spec import parse_pipeline
+
+    mb = 10**6
+    wl = WorkloadSummary(batch_size=4, layers=tuple(
+        LayerCost(name=f"l{i}", fwd_flops=10**9, bwd_flops=2 * 10**9, param_bytes=50 * mb,
+                  act_saved_bytes=mb, act_out_bytes=mb) for i in range(4)),
+        grads=tuple(GradCost(name=f"l{i}.w", size_bytes=50 * mb, layer_index=i)
+                    for i in reversed(range(4))))
+    spec = ClusterSpec.from_preset("cpu-2x2")
+    costs = CostModel(spec, dtype="fp32")
+
+    def planned(schedule: str) -> tuple[Plan, PassContext]:
+        layout = Layout(dp=2, pp=2, micro_batches=2, micro_batch_size=1, global_batch_size=4,
+                        schedule=schedule)  # type: ignore[arg-type]
+        ctx = PassContext(workload=wl, cluster=spec, costs=costs, layout=layout)
+        plan = Plan(model=ModelRef(name="four", fingerprint="f", num_params=1),
+                    cluster=ClusterRef.from_cluster(spec), layout=layout)
+        return run_passes(plan, parse_pipeline("uniform-stages,ddp-buckets"), ctx), ctx
+
+    plan, ctx = planned("chimera")
+    groups = [(ss.dp, ss.link, ss.nodes, ss.per_node)
+              for ss in stage_syncs(wl, ctx.layout, plan.stages, costs)]
+    assert groups == [(4, "inter", 2, 2)] * 2
+    plain, plain_ctx = planned("1f1b")
+    assert [(ss.dp, ss.link) for ss in stage_syncs(wl, plain_ctx.layout, plain.stages,
+                                                    costs)] == [(2, "intra")] * 2
+    res = Espresso().run(plan, ctx)
+    assert res.plan.gradient_sync is not None
+    assert {s.hierarchy for s in res.plan.gradient_sync.strategies.values()} == {"flat"}
+    assert any("hierarchical routings not searched: schedule 'chimera'" in n for n in res.notes)
+    ref = EspressoReference().run(plan, ctx)
+    assert not ref.changed and ref.plan.gradient_sync == plan.gradient_sync
+    assert "schedule 'chimera' syncs each stage flat" in ref.notes[0]

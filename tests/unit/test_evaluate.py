@@ -33,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetplan.cost_models.costs import CostModel
-from hetplan.cost_models.evaluate import evaluate
+from hetplan.cost_models.evaluate import SyncScorer, evaluate, stage_syncs
 from hetplan.errors import InfeasiblePlanError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.plan_sections import (
@@ -352,3 +352,97 @@ def test_memory_check_can_be_skipped_and_fits_with_room() -> None:
     assert ev.memory[1].total == 2 * GiB * 4 + GiB // 4 + int(0.05 * (GiB // 4))
     # with 10 GiB devices (9 GiB usable) the same layout fits
     evaluate(BIG, layout, TWO_STAGES, None, costs(toy_cluster(memory_gib=10.0)))
+
+
+# --------------------------------------------------------------------------------------
+# Chimera: every rank holds two stages; each stage syncs over the 2·dp ranks holding it
+# --------------------------------------------------------------------------------------
+# P=2, M=2: micro-batch 0 goes down (stage 0 on rank 0, stage 1 on rank 1), micro-batch 1
+# up (stage 0 on rank 1, stage 1 on rank 0). Action lists (build_schedule("chimera", 2, 2)):
+# rank 0 "0F0 1F1 1B1 0B0", rank 1 "0F1 1F0 1B0 0B1". Each action costs its stage's time;
+# one hop over link 0 (either direction) is p2p(1e6) = 1.05e-4 s:
+#   rank 0: F(0,s0) [0, F0]; F(1,s1) after rank 1's F(1,s0) + hop: [F0+h, F0+h+F1];
+#           B(1,s1) right after: [.., F0+h+F1+B1]; B(0,s0) after rank 1's B(0,s1) + hop
+#   rank 1: F(1,s0) [0, F0]; F(0,s1) [F0+h, F0+h+F1]; B(0,s1) [.., F0+h+F1+B1];
+#           B(1,s0) after rank 0's B(1,s1) + hop
+# so both ranks end with B of stage 0 from F0+2h+F1+B1 to F0+2h+F1+B1+B0.
+HOP = p2p(1e6)
+CHIMERA_END = F0 + 2 * HOP + F1 + B1 + B0  # 6.24e-3
+STAGE1_END = F0 + HOP + F1 + B1  # stage 1's last backward, on either rank: 2.135e-3
+
+
+def allreduce(n: int, nbytes: float) -> float:
+    """Ring all-reduce on ``n`` ranks over the toy link (2(n-1) steps of α, 2(n-1)/n of the
+    bytes over the bandwidth)."""
+    return 2 * (n - 1) * ALPHA + 2 * (n - 1) / n * nbytes / BW
+
+
+def chimera(dp: int, zero: int = 0) -> Layout:
+    return Layout(dp=dp, pp=2, micro_batches=2, micro_batch_size=1, global_batch_size=2 * dp,
+                  schedule="chimera", zero_stage=zero)  # type: ignore[arg-type]
+
+
+def test_chimera_each_action_costs_its_stage_and_dp1_syncs_over_two_ranks() -> None:
+    """dp=1: each stage still has two copies (ranks 0 and 1), whose gradients are averaged
+    (before: no sync at all, and rank 0 ran its up stage 1 at stage 0's time)."""
+    ev = evaluate(WL, chimera(dp=1), TWO_STAGES, one_bucket_per_stage(TWO_STAGES),
+                  costs(toy_cluster()))
+    assert CHIMERA_END == pytest.approx(6.24e-3)
+    assert ev.pipeline.iteration_ms * 1e-3 == pytest.approx(CHIMERA_END)
+    assert [e * 1e-3 for e in ev.pipeline.stage_bwd_end_ms] == pytest.approx(
+        [CHIMERA_END, STAGE1_END])
+    # each rank runs both stages, half the micro-batches each
+    assert ev.compute_s == pytest.approx(F0 + B0 + F1 + B1)
+    # overlapped with backward, one timeline per rank over both its stages' buckets: stage
+    # 1's all-reduce (8e6 B) is done long before stage 0's gradient (4e6 B) is ready, which
+    # is then all-reduced after the last backward: 2 ranks, not dp=1
+    assert ev.stages[1].sync_busy_s == pytest.approx(allreduce(2, 8e6))
+    assert ev.stages[0].exposed_sync_s == pytest.approx(allreduce(2, 4e6))
+    # one optimizer over both stages' 12e6 parameter bytes on every rank
+    assert ev.optimizer_s == pytest.approx(optimizer(12e6))
+    expected = CHIMERA_END + allreduce(2, 4e6) + optimizer(12e6)  # 6.936e-3
+    assert expected == pytest.approx(6.936e-3)
+    assert ev.iteration_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_chimera_syncs_both_stages_over_two_dp_ranks_after_the_flush() -> None:
+    """dp=2 on 4 ranks, syncing after the flush: each stage's bucket is all-reduced over the
+    4 ranks holding it (dp replicas of pipeline ranks s and 1-s), and every rank all-reduces
+    both its stages' buckets on its link, one after the other, after its last backward. The
+    1F1B plan of the same layout all-reduces one stage's bucket over 2 ranks per rank."""
+    spec = toy_cluster(devices=4)
+    after = CostModel(spec, efficiency=0.5, dtype="fp32", optimizer="adam",
+                      dp_overlap="after-flush")
+    sync = one_bucket_per_stage(DP2_PP2)
+    ev = evaluate(WL, chimera(dp=2), DP2_PP2, sync, after)
+    both = allreduce(4, 4e6) + allreduce(4, 8e6)  # 6.3e-4 + 1.23e-3
+    assert ev.comm_s == pytest.approx(both)
+    assert ev.exposed_comm_s == pytest.approx(both)
+    assert ev.iteration_s == pytest.approx(CHIMERA_END + both + optimizer(12e6), rel=1e-9)
+    plain = chimera(dp=2).model_copy(update={"schedule": "1f1b"})
+    one_f_one_b = evaluate(WL, plain, DP2_PP2, sync, after)
+    assert one_f_one_b.comm_s == pytest.approx(allreduce(2, 8e6))  # the busier stage's
+    # what the gradient-sync passes score with: the same group
+    syncs = stage_syncs(WL, chimera(dp=2), DP2_PP2, after)
+    assert [(ss.stage.index, ss.dp, ss.link) for ss in syncs] == [(0, 4, "intra"),
+                                                                  (1, 4, "intra")]
+    assert [ss.dp for ss in stage_syncs(WL, plain, DP2_PP2, after)] == [2, 2]
+    scorer = SyncScorer(WL, chimera(dp=2), DP2_PP2, after)
+    assert scorer.iteration_s(sync) == evaluate(WL, chimera(dp=2), DP2_PP2, sync, after,
+                                                check_memory=False).iteration_s
+
+
+def test_chimera_rank_memory_holds_both_stages_by_hand() -> None:
+    """Every rank holds stage 0 (L0: 4e6 B) and stage 1 (L1: 8e6 B): fp32 weights, gradients
+    and Adam's two moments of both; at the peak of its action list it holds one micro-batch
+    of each stage's activations (1e6 + 2e6 B)."""
+    ev = evaluate(WL, chimera(dp=1), TWO_STAGES, None, costs(toy_cluster()))
+    for m in ev.memory:
+        assert (m.params, m.grads, m.optimizer) == (12_000_000, 12_000_000, 24_000_000)
+        assert m.activations == 1_000_000 + 2_000_000
+        assert m.margin == int(0.05 * 3e6)
+        assert m.total == 12e6 + 12e6 + 24e6 + 3e6 + 0.05 * 3e6
+    # ZeRO-1 shards the optimizer state over the 2·dp = 4 ranks averaging each stage
+    zero1 = evaluate(WL, chimera(dp=2, zero=1), DP2_PP2, None, costs(toy_cluster(devices=4)))
+    assert [m.optimizer for m in zero1.memory] == [24_000_000 // 4] * 4
+    assert [m.params for m in zero1.memory] == [12_000_000] * 4

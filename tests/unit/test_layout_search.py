@@ -271,6 +271,53 @@ def test_compile_plans_chimera(pp: int | None) -> None:
     assert [b.name for b in plan.predictions.baselines][0] == "ddp"
 
 
+def test_chimera_is_searched_with_tp1_and_zero_at_most_1() -> None:
+    """Chimera composes with neither TP nor ZeRO-2/3 (docs/decisions.md, "Chimera: what is
+    priced"): the search offered both with it (`hetplan plan --schedule chimera` chose
+    ZeRO-1..3 or tp > 1 as it chose for 1F1B)."""
+    wl, spec = workload(8, pairs=True), cluster(8)
+    every = enumerate_layouts(wl, spec, 24)
+    chimera = enumerate_layouts(wl, spec, 24, schedule="chimera")
+    assert any(c.pp > 1 and c.tp > 1 and c.pp % 2 == 0 and c.micro_batches % 2 == 0
+               for c in every)
+    assert chimera == [c for c in every if c.pp == 1 or (
+        c.pp % 2 == 0 and c.micro_batches % 2 == 0 and c.tp == 1)]
+    assert any(c.pp == 1 and c.tp > 1 for c in chimera)  # no pipeline: written as 1F1B
+
+    from hetplan.cost_models.costs import CostModel
+    from hetplan.optimizer.compile import _Job
+    from hetplan.optimizer.options import CompileOptions
+
+    def ladder(schedule: str) -> list[int]:
+        opts = CompileOptions.build(batch_size=24, schedule=schedule)
+        job = _Job(opts=opts, ir=None, workload=wl, spec=spec,  # type: ignore[arg-type]
+                   db=None, costs=CostModel(spec), model_ref=None,  # type: ignore[arg-type]
+                   cluster_ref=None, pipeline=opts.pipeline(),  # type: ignore[arg-type]
+                   screening=(), refinement=())
+        return job.zero_ladder(LayoutCandidate(dp=4, pp=2, tp=1, micro_batch_size=3,
+                                               micro_batches=2))
+
+    assert max(ladder("1f1b")) == 3
+    assert ladder("chimera") and max(ladder("chimera")) == 1
+
+
+@pytest.mark.parametrize("pins, message", [
+    ({"tp": 2}, "tp=2 with schedule 'chimera': Chimera is priced and executed with tp=1 only"),
+    ({"zero_stage": 2}, "zero_stage=2 with schedule 'chimera': ZeRO-2 issues collectives "
+                        "inside backward"),
+    ({"zero_stage": 3, "pp": 2}, "pin zero_stage 0 or 1 or leave it free"),
+])
+def test_compile_refuses_chimera_with_tp_or_zero2(pins: dict[str, int], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        compile(workload(8, pairs=True), cluster(8), batch_size=24, schedule="chimera",
+                **pins)
+    # (refused before the model is read); without a pipeline there are no directions: the
+    # layout is written 1F1B and may use TP
+    from hetplan.optimizer.options import CompileOptions
+
+    assert CompileOptions.build(batch_size=24, schedule="chimera", pp=1, tp=2).tp == 2
+
+
 # --------------------------------------------------------------------------------------
 # the auto schedule: 1F1B and interleaved 1F1B side by side
 # --------------------------------------------------------------------------------------

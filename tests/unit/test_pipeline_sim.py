@@ -243,6 +243,29 @@ def test_chimera_structure() -> None:
         chimera_schedule(3, 4)
 
 
+def test_chimera_charges_each_action_its_stages_time() -> None:
+    """Chimera's times are per stage: rank 0 runs micro-batch 1's stage 1 (going up) at
+    stage 1's time, not at its own stage 0's. P=2, M=2, stage 0: F=1 B=2, stage 1: F=3 B=5,
+    no transfers. Rank 0 "0F0 1F1 1B1 0B0", rank 1 "0F1 1F0 1B0 0B1":
+
+    * rank 0: F(0,s0) [0,1]; F(1,s1) after rank 1's F(1,s0) [0,1]: [1,4]; B(1,s1) [4,9];
+      B(0,s0) after rank 1's B(0,s1) ends at 9: [9,11]
+    * rank 1: F(1,s0) [0,1]; F(0,s1) [1,4]; B(0,s1) [4,9]; B(1,s0) after 9: [9,11]
+
+    Makespan 11, each rank busy 1+3+5+2 = 11. Charging rank 0 its own stage's times for
+    every action (and rank 1 stage 1's), as the simulator did, gave 16."""
+    r = simulate_pipeline([1, 3], [2, 5], 2, "chimera")
+    assert r.iteration_ms == 11
+    assert r.busy_ms == (11, 11) and r.bubble_ratio == 0
+    ends = {(e.rank, e.kind.value, e.microbatch, e.stage): (e.start_ms, e.end_ms)
+            for e in r.events}
+    assert ends[(0, "F", 1, 1)] == (1, 4) and ends[(0, "B", 1, 1)] == (4, 9)
+    assert ends[(1, "B", 1, 0)] == (9, 11) and ends[(0, "B", 0, 0)] == (9, 11)
+    assert r.stage_bwd_end_ms == (11, 9)
+    with pytest.raises(PipelineScheduleError, match=r"2 entries \(one per stage\)"):
+        simulate_schedule(chimera_schedule(2, 2), [1, 3, 1], [2, 5])
+
+
 # ----------------------------------------------------------------- schedules as data
 
 
@@ -323,7 +346,12 @@ def test_prop_makespan_covers_every_rank(case: Case, hop: int) -> None:
     name, v, m, fwd, bwd, _ = case
     r = simulate_pipeline(fwd, bwd, m, name, virtual_stages=v, p2p_fwd_ms=hop, p2p_bwd_ms=hop)
     assert r.iteration_ms >= max(r.busy_ms)
-    assert r.busy_ms == tuple(m * (f + b) for f, b in zip(fwd, bwd))
+    if name == "chimera":  # times per stage: rank i runs stage i down and p-1-i up, m/2 each
+        p = len(fwd)
+        assert r.busy_ms == tuple(m // 2 * (fwd[i] + bwd[i] + fwd[p - 1 - i] + bwd[p - 1 - i])
+                                  for i in range(p))
+    else:
+        assert r.busy_ms == tuple(m * (f + b) for f, b in zip(fwd, bwd))
     assert 0 <= r.bubble_ratio <= 1
     assert all(e.start_ms >= 0 and e.end_ms <= r.iteration_ms for e in r.events)
 

@@ -258,10 +258,11 @@ def test_the_layouts_schedule_can_be_built_for_its_sizes(tmp_path: Path) -> None
     """What each schedule's generator needs is a rule of the layout, so `validate` refuses
     what `simulate` and the runtime would."""
     def chimera(micro_batches: int) -> Edit:
-        def edit(d: dict[str, Any]) -> None:
-            d["layout"].update(schedule="chimera", micro_batches=micro_batches,
-                               global_batch_size=2 * micro_batches)
+        def edit(d: dict[str, Any]) -> None:  # (Chimera runs tp=1: the TP ranks become dp)
+            d["layout"].update(schedule="chimera", micro_batches=micro_batches, tp=1, dp=2,
+                               global_batch_size=4 * micro_batches)
             d.pop("pipeline_actions")
+            d.pop("tensor_parallel")
         return edit
 
     refused(tmp_path, chimera(3), "layout.micro_batches: 3, but schedule 'chimera' needs an "
@@ -286,6 +287,52 @@ def test_the_layouts_schedule_can_be_built_for_its_sizes(tmp_path: Path) -> None
 
     refused(tmp_path, interleaved, "layout.micro_batches: 3, but schedule 'interleaved-1f1b' "
             "needs a multiple of pp=2")
+
+
+def test_chimera_composes_with_tp1_zero01_and_no_per_stage_degrees(tmp_path: Path) -> None:
+    """What Chimera is priced and executed with (docs/decisions.md, "Chimera: what is
+    priced"): a Chimera plan with tp > 1, ZeRO-2/3, per-stage degrees or a hierarchical
+    routing was accepted and priced as if it composed."""
+    def chimera(**layout: Any) -> Edit:
+        def edit(d: dict[str, Any]) -> None:
+            d["layout"].update(schedule="chimera", **layout)
+            d.pop("pipeline_actions")
+        return edit
+
+    refused(tmp_path, chimera(), "layout.tp: 2, but schedule 'chimera' is priced and executed "
+            "with tp=1 only; re-run `hetplan plan` with --tp 1, or with another --schedule")
+
+    def zero2(d: dict[str, Any]) -> None:
+        chimera(tp=1, dp=2, global_batch_size=16, zero_stage=2)(d)
+        d.pop("tensor_parallel")
+
+    refused(tmp_path, zero2, "layout.zero_stage: 2, but schedule 'chimera' composes with ZeRO "
+            "0 or 1", "with --zero 0 or 1, or with another --schedule")
+
+    def hetero(d: dict[str, Any]) -> None:
+        chimera(tp=1)(d)
+        d.pop("tensor_parallel")
+        d["hetero"] = {"stages": [{"stage": k, "device_class": "cpu", "dp": 2, "tp": 1,
+                                   "micro_batch_size": 1} for k in range(2)]}
+
+    msg = refused(tmp_path, hetero, "hetero: per-stage degrees, but schedule 'chimera' runs "
+                  "one dp x tp on every stage")
+    assert "layout.tp" not in msg  # the hetero layout keeps tp=1: only the section is wrong
+
+    def hierarchical(d: dict[str, Any]) -> None:
+        zero2(d)
+        d["layout"]["zero_stage"] = 1
+        d["gradient_sync"]["strategies"]["fp32"] = {"kind": "none", "hierarchy": "hierarchical",
+                                                    "steps": [{"level": "intra"},
+                                                              {"level": "inter"}]}
+
+    refused(tmp_path, hierarchical, "gradient_sync.strategies['fp32']: hierarchical, but "
+            "schedule 'chimera' syncs each stage flat over the 2·dp ranks holding a copy")
+    data = json.loads(valid_plan().to_json())
+    zero2(data)
+    data["layout"]["zero_stage"] = 1
+    lay = Plan.from_json(json.dumps(data), complete=True).layout  # ZeRO-1, flat: valid
+    assert lay is not None and lay.zero_stage == 1
 
 
 def test_tp_groups_are_tp_groups_of_the_layout_inside_their_stage(tmp_path: Path) -> None:

@@ -201,8 +201,10 @@ def chimera_schedule(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
       P = 2..16). For ``T_B < 2*T_F`` this fixed order is a few ``T_F`` slower than Eq. (1).
     * Units are concatenated per rank ("direct concatenation"); forward doubling and
       backward halving are not modelled.
-    * Both replicas' stages on a rank cost that rank's ``forward_ms``/``backward_ms``;
-      the gradient all-reduce between the replicas is outside the iteration simulated.
+    * An action costs its own stage's time, whichever rank runs it (the simulator takes
+      Chimera's times per stage: :mod:`hetplan.cost_models.pipeline`); the gradient
+      all-reduce of each stage over the ranks holding its two replicas' copies is outside
+      the schedule (:mod:`hetplan.cost_models.evaluate` prices it after the pipeline).
 
     O(P^2 * M) plus a cached O(P^4) unit construction.
 

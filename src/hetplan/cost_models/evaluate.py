@@ -32,6 +32,15 @@ into an iteration time, a breakdown, the memory of every rank and the pipeline b
    the rank's action list, ZeRO buffers and the allocator margin;
    :class:`~hetplan.errors.InfeasiblePlanError` with the breakdown when a rank does not fit.
 
+**Chimera** (``docs/decisions.md``, "Chimera: what is priced"): pipeline rank ``r`` holds
+stage ``r`` of the down replica and stage ``pp-1-r`` of the up one (the plan lists each
+stage on its down ranks only; ``_Prefix.held`` adds the up copy's). So a stage's time is at
+the slowest device of both copies and each action pays its own stage's (step 2); a stage's
+gradients are averaged over the ``2·dp`` ranks holding a copy, priced as any group over
+those ranks and their links, from the end of the stage's last backward on either copy, and
+each rank syncs both its stages' units in one timeline (step 3); a rank computes and steps
+both stages (half the micro-batches each), and holds both stages' model state (step 5).
+
 Everything here is deterministic and free of torch.
 
 Why one file (about 1,100 lines, over the project's ~600): it is the definition of the
@@ -67,7 +76,7 @@ from hetplan.cost_models.memory import (
 from hetplan.cost_models.optimizer_step import step_bytes, step_kernels, step_seconds
 from hetplan.cost_models.pipeline import PipelineSimResult, simulate_named, simulate_pipeline
 from hetplan.cost_models.precision import state_precision
-from hetplan.cost_models.rank_memory import rank_memory, stage_precision
+from hetplan.cost_models.rank_memory import held_stages, rank_memory, stage_precision
 from hetplan.cost_models.stage_times import (
     group_link,
     nic_share,
@@ -175,8 +184,10 @@ def evaluate(
     iteration = max(finish) + pre.optimizer_s
     fwd, bwd, tp_comm = pre.fwd, pre.bwd, pre.tp_comm
     per_rank = [0.0] * layout.pp
+    copies = layout.stage_copies  # Chimera: each holder runs half the micro-batches
     for s, (f, b) in enumerate(zip(fwd, bwd)):
-        per_rank[s % layout.pp] += (f + b) * layout.micro_batches
+        for r in layout.stage_holders(s):
+            per_rank[r] += (f + b) * layout.micro_batches / copies
     compute = max(per_rank)
     memory = rank_memory(workload, stages, layout, costs, pre.scale, tensor_parallel)
     if check_memory:
@@ -239,11 +250,16 @@ def _synced_in_backward(costs: CostModel, layout: Layout, prep: _SyncPrep) -> bo
 
 def _rank_step_s(pre: _Prefix, layout: Layout, s: int) -> float | None:
     """The step of the rank that holds stage ``s`` without its sync: forward and backward of
-    each of its stages (virtual stages ``s % pp``) over the micro-batches, and the
-    optimizer step; None under ZeRO-2/3 (their gradients are reduce-scattered inside
-    backward, not synced by the runtime's bucket all-reduce after it)."""
+    each of its stages (virtual stages ``s % pp``) over the micro-batches (under Chimera
+    stages ``s`` and ``pp-1-s``, half of the micro-batches each), and the optimizer step;
+    None under ZeRO-2/3 (their gradients are reduce-scattered inside backward, not synced
+    by the runtime's bucket all-reduce after it)."""
     if layout.zero_stage >= 2:
         return None
+    if layout.stage_copies > 1:
+        held = layout.stage_holders(s)
+        return sum((pre.fwd[k] + pre.bwd[k]) * layout.micro_batches / 2 for k in held
+                   ) + pre.optimizer_s
     per_mb = sum(f + b for k, (f, b) in enumerate(zip(pre.fwd, pre.bwd))
                  if k % layout.pp == s % layout.pp)
     return per_mb * layout.micro_batches + pre.optimizer_s
@@ -272,9 +288,14 @@ def _first_message_bytes(prep: _SyncPrep,
 @dataclass(frozen=True)
 class _Prefix:
     """Steps 1 and 2 and the optimizer step of :func:`evaluate`: everything it computes
-    before gradient sync, which does not depend on the gradient-sync section."""
+    before gradient sync, which does not depend on the gradient-sync section.
+
+    ``held``: the stages with the ranks holding a copy of each
+    (:func:`~hetplan.cost_models.rank_memory.held_stages`: ``stages`` itself but under
+    Chimera), whose slowest device times the stage and whose group syncs its gradients."""
 
     stages: tuple[Stage, ...]
+    held: tuple[Stage, ...]
     stage_of: list[int]
     scale: float
     fwd: list[float]
@@ -313,8 +334,9 @@ def _prefix(
         for i in range(st.first_layer, st.last_layer + 1):
             stage_of[i] = st.index
 
+    held = held_stages(stages, layout)
     fwd, bwd, tp_comm, bwd_layers, sources = [], [], [], [], []
-    for st in stages:
+    for st in held:
         f, b, c, per_layer, src = stage_times(workload, st, layout, costs, mb, scale,
                                                tensor_parallel)
         fwd.append(f)
@@ -333,17 +355,21 @@ def _prefix(
             pipe = simulate_named(layout.schedule, layout.pp, layout.micro_batches, v,
                                   fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
         else:  # (one rank of an interleaved layout: no pipeline, no chunks)
+            # (Chimera: per stage, each action at its own stage's time)
             name = "1f1b" if layout.schedule == "interleaved-1f1b" else layout.schedule
             pipe = simulate_pipeline(fwd_ms, bwd_ms, layout.micro_batches, name,
                                      p2p_fwd_ms=p2p or 0, p2p_bwd_ms=p2p or 0)
-        # each stage's (or, one chunk per rank, each rank's) end of its last backward
-        ends = pipe.stage_bwd_end_ms if v > 1 else pipe.rank_bwd_end_ms
+        # each stage's (or, one chunk per rank, each rank's) end of its last backward; under
+        # Chimera the stage's, on whichever of its two ranks ends last: its gradients are
+        # complete, and its group can finish their sync, only then
+        per_stage_ends = v > 1 or layout.stage_copies > 1
+        ends = pipe.stage_bwd_end_ms if per_stage_ends else pipe.rank_bwd_end_ms
         cached = costs.pipeline_cache[key] = (pipe, tuple(max(0.0, e * 1e-3) for e in ends))
     pipe, last_bwd_end = cached
     optimizer_s = (_optimizer_s(workload, stages, layout, costs, tensor_parallel)
                    + tied_sync_s(workload, stages, layout, costs))
-    return _Prefix(stages, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources, pipe,
-                   last_bwd_end, optimizer_s)
+    return _Prefix(stages, held, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources,
+                   pipe, last_bwd_end, optimizer_s)
 
 
 #: Per stage with a DP sync: (its backprop segments per layer, its :class:`_SyncPrep`, its
@@ -363,8 +389,8 @@ def _build_units(
     """The simulator units of every stage that syncs (step 3's inputs); ``preps`` keeps each
     stage's :class:`_SyncPrep` between calls on the same prefix."""
     built: _Built = {}
-    for s, st in enumerate(pre.stages):
-        if layout.dp > 1 and strategies[s]:
+    for s, st in enumerate(pre.held):
+        if layout.sync_group_size > 1 and strategies[s]:
             # after the flush, sync starts when the stage's last backward has ended: the
             # timeline runs over no backprop (every gradient is ready at once)
             backprop = (pre.bwd_layers[s] if costs.dp_overlap == "backward"
@@ -428,7 +454,7 @@ def _sync_all(
                 seen.append((units, tl))
             exposed = tl.iteration_s - (pre.bwd[s] if overlap else 0.0)
             if costs.comm.has_handovers:  # gloo profiles; GPU and analytic plans skip it
-                waits[s] = _sync_wait_s(costs, prep, layout.dp, pre.bwd[s], strategies[s],
+                waits[s] = _sync_wait_s(costs, prep, prep.group, pre.bwd[s], strategies[s],
                                         _rank_step_s(pre, layout, s))
                 exposed += waits[s]
                 if _synced_in_backward(costs, layout, prep):
@@ -440,15 +466,19 @@ def _sync_all(
         comm_busy = max(comm_busy, busy)
         compression = max(compression, comp)
         finish.append(pre.last_bwd_end[s] + max(exposed, 0.0))
-    if layout.virtual_stages > 1:
+    if layout.virtual_stages > 1 or layout.stage_copies > 1:
         _share_rank_channels(layout, costs, pre, built, waits, stage_costs, finish)
+    if layout.stage_copies > 1:  # a Chimera rank's links carry both its stages' syncs
+        comm_busy = max([comm_busy] + [sum(stage_costs[s].sync_busy_s for s in pair)
+                                        for pair in _rank_chunks(layout, len(pre.stages))])
     return stage_costs, timelines, comm_busy, compression, finish
 
 
 def _share_rank_channels(layout: Layout, costs: CostModel, pre: _Prefix, built: _Built,
                          waits: dict[int, float], stage_costs: list[StageCost],
                          finish: list[float]) -> None:
-    """Interleaved stages: a rank's chunks sync through the same links, one after another.
+    """Interleaved stages: a rank's chunks sync through the same links, one after another
+    (under Chimera a rank's two stages ``r`` and ``pp-1-r``, likewise: :func:`_rank_chunks`).
 
     Each chunk's timeline above has the links to itself; here the units of every chunk a
     rank holds run in one timeline, as they do on the rank's NICs and NVLink: with
@@ -461,9 +491,8 @@ def _share_rank_channels(layout: Layout, costs: CostModel, pre: _Prefix, built: 
     ``finish`` and that chunk's :class:`StageCost` are updated in place. A chunk whose sync
     runs inside its backward (ZeRO-3 on gloo, measured) takes no part."""
     overlap = costs.dp_overlap == "backward"
-    n = len(pre.stages)
-    for r in range(layout.pp):
-        chunks = [s for s in range(r, n, layout.pp)
+    for held in _rank_chunks(layout, len(pre.stages)):
+        chunks = [s for s in held
                   if s in built and not (costs.comm.has_handovers
                                          and _synced_in_backward(costs, layout, built[s][1]))]
         if len(chunks) < 2:
@@ -498,6 +527,15 @@ def _share_rank_channels(layout: Layout, costs: CostModel, pre: _Prefix, built: 
             finish[last] = done
             c = stage_costs[last]
             stage_costs[last] = replace(c, exposed_sync_s=done - end)
+
+
+def _rank_chunks(layout: Layout, n: int) -> list[list[int]]:
+    """The stages whose syncs share one rank's links, per rank: its interleaved chunks
+    ``r, r + pp, ...``; under Chimera the pair ``r, pp-1-r``, listed once (both pipeline
+    ranks of the pair hold both stages and sync both, over the same group)."""
+    if layout.stage_copies > 1:
+        return [[r, layout.pp - 1 - r] for r in range(layout.pp // 2)]
+    return [list(range(r, n, layout.pp)) for r in range(layout.pp)]
 
 
 def _same_units(a: list[SyncUnit], b: list[SyncUnit]) -> bool:
@@ -594,12 +632,14 @@ def _grad_index(workload: WorkloadSummary) -> dict[str, int]:
 @dataclass
 class _SyncPrep:
     """What a stage's DP timeline needs that does not depend on the sync strategies: the
-    stage's gradients (ready order) and backprop segments, its DP group, the reduce dtype,
-    the TP shares, and each unit's bytes by its gradient indices (filled as asked)."""
+    stage's gradients (ready order) and backprop segments, its DP group (``group`` ranks:
+    ``Layout.sync_group_size``), the reduce dtype, the TP shares, and each unit's bytes by
+    its gradient indices (filled as asked)."""
 
     grad_idx: list[int]
     segments: list[float]
     position: dict[int, int]
+    group: int
     link: str
     nodes: int
     per_node: int
@@ -610,11 +650,14 @@ class _SyncPrep:
 
 def _sync_prep(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
                bwd_per_layer: list[float], shares: list[float] | None) -> _SyncPrep:
+    """``st`` with the ranks holding it (``_Prefix.held``): its group is one rank of each
+    TP group among them."""
     grad_idx, segments = _stage_segments(workload, st, bwd_per_layer, costs)
     dp_ranks = [r for k, r in enumerate(st.ranks) if k % layout.tp == 0]
     link, nodes, per_node = group_link(costs, dp_ranks)
-    return _SyncPrep(grad_idx, segments, {i: k for k, i in enumerate(grad_idx)}, link, nodes,
-                     per_node, _sync_dtypes(workload, st, layout, costs), shares, {})
+    return _SyncPrep(grad_idx, segments, {i: k for k, i in enumerate(grad_idx)},
+                     layout.sync_group_size, link, nodes, per_node,
+                     _sync_dtypes(workload, st, layout, costs), shares, {})
 
 
 def _stage_units(
@@ -645,15 +688,15 @@ def _stage_units(
                 for i in idx
             )
         if isinstance(strategy, SparseTensorSync):
-            channel = _level_group("flat", dev, layout.dp, prep.link, prep.nodes,
+            channel = _level_group("flat", dev, prep.group, prep.link, prep.nodes,
                                    prep.per_node)[2]
-            ops = sparse_ops(strategy, layout.dp, costs, dev, prep.link, channel)
+            ops = sparse_ops(strategy, prep.group, costs, dev, prep.link, channel)
         else:
             # the strategy objects live through this call, so their ids are stable keys
             okey = (id(strategy), nbytes)
             got = built.get(okey)
             if got is None:
-                got = built[okey] = _strategy_ops(strategy, nbytes, costs, st, layout.dp,
+                got = built[okey] = _strategy_ops(strategy, nbytes, costs, st, prep.group,
                                                   prep.link, prep.nodes, prep.per_node,
                                                   prep.dtypes)
             ops = got
@@ -831,14 +874,19 @@ class StageSync:
 def stage_syncs(
     workload: WorkloadSummary, layout: Layout, stages: tuple[Stage, ...], costs: CostModel
 ) -> list[StageSync]:
-    """One :class:`StageSync` per stage that has gradients (none when ``dp == 1``)."""
-    if layout.dp <= 1:
+    """One :class:`StageSync` per stage that has gradients (none when its group has one
+    rank: ``dp == 1`` but under Chimera). The group is the ranks holding a copy of the
+    stage (:func:`~hetplan.cost_models.rank_memory.held_stages`): its ``dp`` replicas, and
+    under Chimera also those of its mirror ``pp-1-s`` (``StageSync.dp`` is
+    ``Layout.sync_group_size``, ``link`` / ``nodes`` / ``per_node`` those ranks'), as
+    :func:`evaluate` syncs it."""
+    if layout.sync_group_size <= 1:
         return []
     if not stages:
         stages = (Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
                         ranks=tuple(range(layout.num_ranks))),)
     out = []
-    for st in stages:
+    for plan_st, st in zip(stages, held_stages(stages, layout)):
         _, _, _, per_layer, _ = stage_times(workload, st, layout, costs,
                                              layout.micro_batch_size,
                                              layout.micro_batch_size / workload.batch_size)
@@ -850,8 +898,9 @@ def stage_syncs(
         split = costs.memory_layers(workload)
         nbytes = tuple(shard_bytes(split, workload.grads[i].size_bytes,
                                    workload.grads[i].layer_index, layout.tp) for i in grads)
-        out.append(StageSync(st, tuple(grads), tuple(segments), nbytes, layout.dp, link, nodes,
-                             per_node, _sync_dtypes(workload, st, layout, costs)))
+        out.append(StageSync(plan_st, tuple(grads), tuple(segments), nbytes,
+                             layout.sync_group_size, link, nodes, per_node,
+                             _sync_dtypes(workload, st, layout, costs)))
     return out
 
 
@@ -1182,7 +1231,8 @@ def _optimizer_s(
     """The optimizer step of the slowest pipeline rank (:mod:`hetplan.cost_models.optimizer_step`):
     the bytes its kernels move over memory bandwidth plus a launch per kernel; under ZeRO
     each rank steps ``1/dp`` of the elements. A rank holding several stages (interleaved
-    chunks) steps them all in one optimizer.
+    chunks; under Chimera its stages ``r`` and ``pp-1-r``) steps them all in one optimizer,
+    and ZeRO shards over the group averaging their gradients (``Layout.sync_group_size``).
 
     Where the profile DB has a measured optimizer step for the rank's device types
     (:class:`~hetplan.cost_models.profile_db.OptimizerRecord`, ``hetplan profile --what
@@ -1196,7 +1246,7 @@ def _optimizer_s(
         measured = _measured_step_s(workload, stages, layout, costs, tp_section)
     if measured is not None:
         return measured
-    dp = layout.dp if layout.zero_stage >= 1 else 1
+    dp = layout.sync_group_size if layout.zero_stage >= 1 else 1
     nbytes: dict[int, float] = {}
     tensors: dict[int, int] = {}
     precs: dict[int, StatePrecision] = {}
@@ -1204,13 +1254,13 @@ def _optimizer_s(
     for st in stages:
         prec = stage_precision(workload, st, costs)
         pbytes, count = _stage_params(workload, st, layout, costs, tp_section)
-        s = st.index % layout.pp
         per_elem = step_bytes(prec, costs.optimizer, dp=dp)
-        nbytes[s] = nbytes.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes
-        tensors[s] = tensors.get(s, 0) + count
-        precs.setdefault(s, prec)
         bw = min(d.mem_bandwidth_bytes_per_s for d in rank_devices(costs, st))
-        bws[s] = min(bws.get(s, bw), bw)
+        for s in layout.stage_holders(st.index):
+            nbytes[s] = nbytes.get(s, 0.0) + per_elem * pbytes / prec.capture_bytes
+            tensors[s] = tensors.get(s, 0) + count
+            precs.setdefault(s, prec)
+            bws[s] = min(bws.get(s, bw), bw)
     return max((step_seconds(nbytes[s], step_kernels(precs[s], costs.optimizer, tensors[s],
                                                       dp=dp), bws[s])
                 for s in nbytes), default=0.0)
@@ -1264,7 +1314,8 @@ def _measured_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...], layou
     shard."""
     if costs.db is None or not costs.db.optimizer_steps:
         return None
-    sharded = layout.zero_stage >= 1 and layout.dp > 1
+    group = layout.sync_group_size  # Chimera: 2·dp ranks hold each stage
+    sharded = layout.zero_stage >= 1 and group > 1
     per_rank: dict[int, float] = {}
     for st in stages:
         prec = stage_precision(workload, st, costs)
@@ -1272,9 +1323,9 @@ def _measured_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...], layou
         tensors = float(count)
         fp32_bytes = pbytes / prec.capture_bytes * 4.0
         if sharded:
-            fp32_bytes /= layout.dp
+            fp32_bytes /= group
             if layout.zero_stage <= 2:
-                tensors = math.ceil(tensors / layout.dp)
+                tensors = math.ceil(tensors / group)
         worst = 0.0
         for dev in rank_devices(costs, st):
             rec = costs.db.optimizer_step(costs.optimizer, dev.type,
@@ -1282,8 +1333,8 @@ def _measured_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...], layou
             if rec is None:
                 return None
             worst = max(worst, rec.time_s(tensors, fp32_bytes) * dev.slowdown)
-        s = st.index % layout.pp
-        per_rank[s] = per_rank.get(s, 0.0) + worst
+        for s in layout.stage_holders(st.index):
+            per_rank[s] = per_rank.get(s, 0.0) + worst
     return max(per_rank.values(), default=0.0)
 
 

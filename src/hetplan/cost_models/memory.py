@@ -14,8 +14,9 @@ fp32                   4            4           0 + 8                16
 Optimizer moments are fp32: Adam / AdamW 8 bytes (two moments), SGD with momentum 4, plain
 SGD 0. A rank holds the parameters of its stage(s), the tensor-parallel-splittable part
 divided by ``tp`` (or times its share with uneven shards). ZeRO then divides inside the
-data-parallel group of ``dp`` ranks: stage 1 the master weights and optimizer state, stage 2
-also the gradients, stage 3 also the weights.
+group that averages the stage's gradients, ``dp`` ranks (under Chimera ``2·dp``: the ranks
+holding either replica's copy, :mod:`hetplan.cost_models.rank_memory`): stage 1 the master
+weights and optimizer state, stage 2 also the gradients, stage 3 also the weights.
 
 **Activations** of one layer for one micro-batch (:func:`layer_activations`), from the bytes
 the capture saw autograd keep (``LayerCost.act_*``): floating bytes scale by
@@ -332,9 +333,11 @@ def schedule_of(name: str, pp: int, micro_batches: int, virtual_stages: int = 1
 def peak_in_flight(schedule: PipelineSchedule, rank: int, stage_bytes: Sequence[float]) -> float:
     """The peak of the activation bytes ``rank`` holds while it runs its action list: a
     forward adds its stage's bytes, a backward frees them. ``stage_bytes[s]`` is one
-    micro-batch's bytes of stage ``s`` (the action's virtual stage; for Chimera, whose
-    stage index names two ranks, the rank's own entry). O(actions of the rank)."""
-    by_rank = schedule.name == "chimera" or len(stage_bytes) != schedule.num_stages
+    micro-batch's bytes of stage ``s``, the action's (virtual) stage: under Chimera a rank
+    runs two stages, ``r`` going down and ``pp-1-r`` going up, and each action holds its
+    own stage's bytes. A list of another length is per rank: every action of ``rank``
+    holds ``stage_bytes[rank]``. O(actions of the rank)."""
+    by_rank = len(stage_bytes) != schedule.num_stages
     live = peak = 0.0
     for a in schedule.actions[rank]:
         b = stage_bytes[rank if by_rank else a.stage]

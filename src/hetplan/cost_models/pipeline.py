@@ -21,11 +21,15 @@ Timing model (what "simulate" means here):
       the exposed part shows up as bubble.
     * Times are per rank: ``forward_ms[r]`` is rank ``r``'s time to run its share (1/P of
       the model) forward for one micro-batch. A schedule with ``S`` virtual stages charges
-      ``forward_ms[r] * P / S`` per stage (so interleaved chunks take ``1/v`` each, and each
-      of Chimera's two replica stages on a rank takes the full ``forward_ms[r]``). Rank
+      ``forward_ms[r] * P / S`` per stage (so interleaved chunks take ``1/v`` each). Rank
       speed thus models heterogeneous devices; a slow stage shows up as extra bubble. With
       ``S > P`` entries instead, ``forward_ms[s]`` is virtual stage ``s``'s own time
       (interleaved chunks of different sizes).
+    * Chimera's times are per stage: ``forward_ms[s]`` is stage ``s``'s time, charged to
+      whichever rank runs an action of stage ``s`` (rank ``s`` for a micro-batch going down,
+      ``P-1-s`` going up). A Chimera rank runs two different stages, so no one time per rank
+      describes it; the evaluation passes each stage's time at the slowest device of the
+      ranks holding it (:mod:`hetplan.cost_models.evaluate`).
     * Link ``i`` joins rank ``i`` and rank ``i+1`` (either direction). Interleaved schedules
       also hop from rank ``P-1`` back to rank 0; that wrap-around link is entry ``P-1`` of a
       length-``P`` list (a scalar means every link, the wrap one included).
@@ -200,7 +204,9 @@ def simulate_schedule(
     Args:
         schedule: per-rank action lists (generated or hand-written).
         forward_ms: per rank, forward time of one micro-batch through the rank's 1/P share
-            (or, with ``S > P`` entries, per virtual stage: that stage's own time).
+            (or, with ``S > P`` entries, per virtual stage: that stage's own time; for a
+            schedule named ``chimera``, per stage: ``P`` entries, stage ``s``'s own time
+            whichever rank runs it).
         backward_ms: per rank (or per virtual stage), the same for backward.
         p2p_fwd_ms: activation transfer time per link ``i -> i+1`` (scalar = every link).
         p2p_bwd_ms: gradient transfer time per link ``i+1 -> i`` (scalar = every link).
@@ -232,10 +238,13 @@ def _simulate(
 ) -> PipelineSimResult:
     """:func:`simulate_schedule` of a schedule already indexed (``schedule.index()``)."""
     p, m_total, s_total = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
-    per_stage = s_total > p and len(forward_ms) == len(backward_ms) == s_total
+    # Chimera runs two stages per rank: its times are the stages' own (module docstring)
+    per_stage = ((s_total > p or schedule.name == "chimera")
+                 and len(forward_ms) == len(backward_ms) == s_total)
     if not per_stage and (len(forward_ms) != p or len(backward_ms) != p):
-        raise PipelineScheduleError(f"forward_ms and backward_ms need {p} entries (one per "
-                                    f"rank), got {len(forward_ms)} and {len(backward_ms)}")
+        what = "one per stage" if schedule.name == "chimera" else "one per rank"
+        raise PipelineScheduleError(f"forward_ms and backward_ms need {p} entries ({what}), "
+                                    f"got {len(forward_ms)} and {len(backward_ms)}")
     if any(not t >= 0 for t in [*forward_ms, *backward_ms]):
         raise PipelineScheduleError("forward_ms and backward_ms must be >= 0, got "
                                     f"{list(forward_ms)!r} and {list(backward_ms)!r}")
@@ -350,8 +359,9 @@ def simulate_pipeline(
     """Simulate one iteration of a named schedule; ``P = len(forward_ms)``.
 
     Args:
-        forward_ms: per rank, forward time of ONE micro-batch (unequal values allowed).
-        backward_ms: per rank, backward time of ONE micro-batch.
+        forward_ms: per rank, forward time of ONE micro-batch (unequal values allowed;
+            per stage for ``chimera``, see the module docstring).
+        backward_ms: per rank (per stage for ``chimera``), backward time of ONE micro-batch.
         num_microbatches: micro-batches per iteration ``M``.
         schedule: one of :data:`SCHEDULES`.
         virtual_stages: chunks per rank (``interleaved-1f1b`` only).

@@ -42,7 +42,8 @@ from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.tp_shares import rank_layer_shares
 from hetplan.ir.plan_sections import Layout, Stage, TensorParallel, WorkloadSummary
 
-__all__ = ["rank_memory", "stage_precision", "choose_recompute", "RECOMPUTE_ORDER"]
+__all__ = ["rank_memory", "stage_precision", "choose_recompute", "held_positions",
+           "held_stages", "RECOMPUTE_ORDER"]
 
 #: Recomputation modes from the cheapest in time to the smallest in memory.
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -66,6 +67,33 @@ def stage_precision(workload: WorkloadSummary, st: Stage, costs: CostModel,
         out = max(options, key=lambda p: (p.act_bytes, p.weight_bytes, p.grad_bytes))
     costs.memo[key] = out
     return out
+
+
+def held_positions(stages: tuple[Stage, ...], layout: Layout) -> dict[int, list[int]]:
+    """Rank → the positions in ``stages`` of the stages it holds: those listing it (its
+    interleaved chunks), then under Chimera the mirror ``pp-1-s`` of its stage ``s`` (its
+    up replica's stage). The rank's own stage comes first, so two Chimera ranks holding the
+    same pair of stages (``r`` and ``pp-1-r``) stay apart, as their action lists do."""
+    held: dict[int, list[int]] = {}
+    for k, st in enumerate(stages):
+        for r in st.ranks:
+            held.setdefault(r, []).append(k)
+    if layout.stage_copies == 2 and len(stages) == layout.pp:
+        for k, st in enumerate(stages):
+            for r in st.ranks:
+                held[r].append(layout.pp - 1 - k)
+    return held
+
+
+def held_stages(stages: tuple[Stage, ...], layout: Layout) -> tuple[Stage, ...]:
+    """``stages`` with each one's ranks those holding a copy of it: as listed, and under
+    Chimera also its mirror's (the up replica's copy on pipeline rank ``pp-1-s``): the
+    ranks whose slowest device runs it and whose group averages its gradients."""
+    if layout.stage_copies == 1 or len(stages) != layout.pp:
+        return stages
+    n = layout.pp
+    return tuple(st.model_copy(update={"ranks": st.ranks + stages[n - 1 - k].ranks})
+                 for k, st in enumerate(stages))
 
 
 def rank_memory(
@@ -108,17 +136,15 @@ class _RankClasses:
     stage_types: list[tuple[str, ...]]
 
 
-def _rank_classes(costs: CostModel, stages: tuple[Stage, ...]) -> _RankClasses:
+def _rank_classes(costs: CostModel, stages: tuple[Stage, ...], layout: Layout
+                  ) -> _RankClasses:
     """:class:`_RankClasses` of ``stages`` (memoised by their ranks: the recomputation
     search and the passes ask again and again for stages that differ in layers only)."""
-    key = ("rank_classes", tuple(st.ranks for st in stages))
+    key = ("rank_classes", tuple(st.ranks for st in stages), layout.stage_copies)
     hit: _RankClasses | None = costs.memo.get(key)
     if hit is not None:
         return hit
-    held: dict[int, list[int]] = {}  # rank -> positions in ``stages`` of the stages it holds
-    for k, st in enumerate(stages):
-        for r in st.ranks:
-            held.setdefault(r, []).append(k)
+    held = held_positions(stages, layout)  # rank -> positions of the stages it holds
     types = [d.type for d in costs.devices]
     index: dict[tuple[str, tuple[int, ...]], int] = {}
     classes: list[tuple[str, tuple[int, ...], list[int]]] = []
@@ -155,7 +181,7 @@ def _class_memory(
         return None
     pp, v = layout.pp, layout.virtual_stages
     sched = schedule_of(layout.schedule, pp, layout.micro_batches, v) if pp > 1 else None
-    rc = _rank_classes(costs, stages)
+    rc = _rank_classes(costs, stages, layout)
     # Each class's breakdown is looked up in ``costs.memo`` across calls (the recomputation
     # search re-prices the same stages again and again, one stage changed at a time). The
     # memo holds the workload, so its id is not reused while the entries live.
@@ -193,11 +219,9 @@ def _uneven_rank_memory(
     """:func:`rank_memory` with uneven TP shares: one breakdown per rank of uneven groups."""
     pp, v = layout.pp, layout.virtual_stages
     sched = schedule_of(layout.schedule, pp, layout.micro_batches, v) if pp > 1 else None
-    held: dict[int, list[int]] = {}  # rank -> positions in ``stages`` of the stages it holds
+    held = held_positions(stages, layout)  # rank -> positions of the stages it holds
     uneven: dict[tuple[int, int], tuple[float, ...]] = {}
-    for k, st in enumerate(stages):
-        for r in st.ranks:
-            held.setdefault(r, []).append(k)
+    for st in stages:
         for r, shares in rank_layer_shares(workload, st, layout.tp, tp_section).items():
             uneven[(st.index, r)] = tuple(shares)
     context = _memo_context(workload, layout, costs, scale)
@@ -233,10 +257,11 @@ def _rank_memory(workload: WorkloadSummary, mine: list[Stage], layout: Layout,
     stage_bytes = [0.0] * len(mine) if sched is None else [0.0] * (layout.pp * layout.virtual_stages)
     all_layers = costs.memory_layers(workload)
     vocab_tp = layout.tp if costs.vocab_parallel else 1
+    group = layout.sync_group_size  # ZeRO shards inside the group that averages gradients
     for k, st in enumerate(mine):
         layers = all_layers[st.first_layer : st.last_layer + 1]
         prec = stage_precision(workload, st, costs, rank)
-        w, g, o = model_state(layers, tp=layout.tp, dp=layout.dp, zero_stage=layout.zero_stage,
+        w, g, o = model_state(layers, tp=layout.tp, dp=group, zero_stage=layout.zero_stage,
                               optimizer=costs.optimizer, precision=prec, shares=shares[k])
         weights, grads, state = weights + w, grads + g, state + o
         buffers = max(buffers, zero_buffers(layers, tp=layout.tp, zero_stage=layout.zero_stage,
@@ -256,7 +281,7 @@ def _rank_memory(workload: WorkloadSummary, mine: list[Stage], layout: Layout,
             if tied is not None and not any(s.first_layer <= tied[0] <= s.last_layer
                                             for s in mine):
                 # the LM head's copy of the embedding it is tied to (engine_memory)
-                w, g, o = model_state([tied[1]], tp=layout.tp, dp=layout.dp,
+                w, g, o = model_state([tied[1]], tp=layout.tp, dp=group,
                                       zero_stage=layout.zero_stage, optimizer=costs.optimizer,
                                       precision=prec)
                 weights, grads, state = weights + w, grads + g, state + o
@@ -313,7 +338,8 @@ def choose_recompute(
         if not over:
             return current
         worst = -max(over)[1]
-        options = [st for st in current if worst in st.ranks and st.recompute != "full"]
+        mine = held_positions(current, layout).get(worst, [])
+        options = [current[k] for k in mine if current[k].recompute != "full"]
         if not options:
             return current
         st = max(options, key=lambda x: (-RECOMPUTE_ORDER.index(x.recompute),

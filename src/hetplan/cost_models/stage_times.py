@@ -95,23 +95,33 @@ def p2p_ms(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
     forward and backward), the work every rank does between two blocking receives. With it,
     a crossing also pays the profiled hand-over wait after a burst of the two stages' mean
     (:meth:`~hetplan.cost_models.comm.CommModel.wait_s`: 0 s without a hand-over record,
-    so GPU and analytic plans are unchanged)."""
+    so GPU and analytic plans are unchanged).
+
+    Under Chimera the up replica's stage ``k`` runs on pipeline rank ``pp-1-k`` and sends
+    its boundary to rank ``pp-2-k``: link ``i`` carries stage ``i``'s boundary down and
+    stage ``pp-2-i``'s up, and takes the larger (the simulator has one time per link)."""
     pp = layout.pp
     links = [0.0] * (pp if layout.virtual_stages > 1 else pp - 1)
     cap = capture_bytes(workload)
+    up = layout.stage_copies == 2 and len(stages) == pp
     for k in range(len(stages) - 1):
-        a, b = stages[k].ranks[0], stages[k + 1].ranks[0]
-        act = state_precision(costs.precision, costs.devices[a].type, (),
-                              cap).act_scale
-        nbytes = workload.layers[stages[k].last_layer].boundary_bytes * scale * act / layout.tp
-        link = costs.cluster.link_between(a, b)
-        node = costs.devices[a].node_index
-        if costs.devices[b].node_index != node:
-            nbytes *= sum(1 for r in stages[k].ranks if costs.devices[r].node_index == node)
-        t = costs.comm.time_s("p2p", nbytes, 2, link)
-        if burst_s is not None:
-            t += costs.comm.wait_s("p2p", 2, link, (burst_s[k] + burst_s[k + 1]) / 2)
-        links[k % pp] = max(links[k % pp], t * 1e3)
+        crossings = [(stages[k], stages[k + 1], k % pp)]
+        if up:  # the up replica's copy of the same boundary, on the mirrored link
+            crossings.append((stages[pp - 1 - k], stages[pp - 2 - k], pp - 2 - k))
+        boundary = workload.layers[stages[k].last_layer].boundary_bytes
+        for src, dst, i in crossings:
+            a, b = src.ranks[0], dst.ranks[0]
+            act = state_precision(costs.precision, costs.devices[a].type, (),
+                                  cap).act_scale
+            nbytes = boundary * scale * act / layout.tp
+            link = costs.cluster.link_between(a, b)
+            node = costs.devices[a].node_index
+            if costs.devices[b].node_index != node:
+                nbytes *= sum(1 for r in src.ranks if costs.devices[r].node_index == node)
+            t = costs.comm.time_s("p2p", nbytes, 2, link)
+            if burst_s is not None:
+                t += costs.comm.wait_s("p2p", 2, link, (burst_s[k] + burst_s[k + 1]) / 2)
+            links[i] = max(links[i], t * 1e3)
     return links
 
 

@@ -17,6 +17,10 @@ Rules (each applies when the sections it relates are present):
    :meth:`Layout.rank_of` (and the embedded cluster's devices); the schedule can be built
    for its sizes (Chimera: an even pp of at least 2 and an even micro-batch count;
    interleaved 1F1B: micro-batches a multiple of pp), as the simulator and runtime build it.
+   Chimera composes only with ``tp = 1``, ZeRO 0 or 1, no per-stage degrees (``hetero``),
+   flat gradient-sync routings, no sparse (Zen) sync, no SDPipe group sync and no planned
+   re-balancing events: what is priced and executed for it (``docs/decisions.md``,
+   "Chimera: what is priced").
 3. **stages**: pp · virtual_stages of them; stage ``s`` runs on exactly the dp·tp ranks of
    pipeline coordinate ``s mod pp``; their layers are contiguous from 0 and cover the
    workload; ``layer_names`` are the workload's; no stage after the first starts at a layer
@@ -217,7 +221,7 @@ def _layout(plan: Plan, spec: ClusterSpec | None, label: str) -> list[str]:
     if lay.num_ranks > ws:
         out.append(f"layout: dp={lay.dp} x pp={lay.pp} x tp={lay.tp} = {lay.num_ranks} ranks, "
                    f"but cluster {plan.cluster.name!r} has world_size {ws}: {_RERUN}")
-    out += _schedule_sizes(lay)
+    out += _schedule_sizes(lay) + _chimera_composition(plan, lay)
     if lay.sequence_parallel and lay.tp == 1 and plan.hetero is None:  # (hetero: per stage)
         out.append("layout.sequence_parallel: true, but tp=1: sequence parallelism splits the "
                    "activations of a tensor-parallel group; set it to false or re-run "
@@ -257,6 +261,46 @@ def _schedule_sizes(lay: Layout) -> list[str]:
         return [f"layout.micro_batches: {m}, but schedule 'interleaved-1f1b' needs a multiple "
                 f"of pp={pp} (Megatron's interleaving walks micro-batches in groups of pp)"]
     return []
+
+
+def _chimera_composition(plan: Plan, lay: Layout) -> list[str]:
+    """Rule 2's Chimera part: the sections a Chimera plan may not pair with it. Each rank
+    holds a stage of each of two pipeline directions and runs them at once, and each stage's
+    gradients are averaged over the ``2·dp`` ranks holding a copy."""
+    if lay.schedule != "chimera" or lay.pp < 2:
+        return []
+    out = []
+    if lay.tp > 1:
+        out.append(f"layout.tp: {lay.tp}, but schedule 'chimera' is priced and executed with "
+                   f"tp=1 only; {_RERUN} with --tp 1, or with another --schedule")
+    if lay.zero_stage >= 2:
+        out.append(f"layout.zero_stage: {lay.zero_stage}, but schedule 'chimera' composes with "
+                   f"ZeRO 0 or 1 (ZeRO-{lay.zero_stage} issues collectives inside backward, "
+                   "which its two directions, running different stages at once, would "
+                   f"mismatch); {_RERUN} with --zero 0 or 1, or with another --schedule")
+    if plan.hetero is not None:
+        out.append("hetero: per-stage degrees, but schedule 'chimera' runs one dp x tp on "
+                   "every stage (each rank holds two stages); drop the section, or use "
+                   "schedule '1f1b' (the heterogeneous search, --hetero, plans 1F1B)")
+    sync = plan.gradient_sync
+    for name, strategy in sorted(sync.strategies.items()) if sync is not None else ():
+        if strategy.hierarchy != "flat":
+            out.append(f"gradient_sync.strategies[{name!r}]: hierarchical, but schedule "
+                       "'chimera' syncs each stage flat over the 2·dp ranks holding a copy; "
+                       f"use a flat routing ({_RERUN})")
+    if plan.sparse_sync is not None and plan.sparse_sync.synced():
+        out.append("sparse_sync: sparse gradient schemes, but schedule 'chimera' syncs every "
+                   f"stage's gradients densely over its 2·dp holders; {_RERUN} without "
+                   "--sparse, or with another --schedule")
+    if plan.group_sync is not None and plan.group_sync.policy == "sdpipe":
+        out.append("group_sync.policy: 'sdpipe', but a Chimera rank holds stages of two "
+                   f"pipeline replicas; {_RERUN} without --group-sync, or with another "
+                   "--schedule")
+    if plan.rebalancing is not None and plan.rebalancing.events:
+        out.append("rebalancing.events: planned re-balancing, but a Chimera rank holds two "
+                   f"stages (one per direction), which re-balancing does not move; {_RERUN} "
+                   "without --dynamics, or with another --schedule")
+    return out
 
 
 #: A rule reports at most this many problems (a plan with 1000 bad ranks says so 8 times).

@@ -524,6 +524,26 @@ class Layout(_Section):
         pp = rank // (self.tp * self.dp)
         return dp, pp, tp
 
+    @property
+    def stage_copies(self) -> int:
+        """How many pipeline coordinates hold each stage: 2 under Chimera (pipeline rank
+        ``r`` holds stage ``r`` of its *down* model replica and stage ``pp-1-r`` of its *up*
+        one), else 1."""
+        return 2 if self.schedule == "chimera" and self.pp > 1 else 1
+
+    @property
+    def sync_group_size(self) -> int:
+        """The ranks a stage's gradients are averaged over: its ``dp`` replicas, times
+        :attr:`stage_copies` (Chimera: the dp replicas of pipeline ranks ``s`` and
+        ``pp-1-s``, one group for both stages either rank holds)."""
+        return self.dp * self.stage_copies
+
+    def stage_holders(self, stage: int) -> tuple[int, ...]:
+        """The pipeline coordinates holding (virtual) stage ``stage``: ``stage mod pp``, and
+        under Chimera also its mirror ``pp-1-stage``."""
+        p = stage % self.pp
+        return (p, self.pp - 1 - p) if self.stage_copies == 2 else (p,)
+
     @model_validator(mode="after")
     def _check(self) -> Layout:
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":

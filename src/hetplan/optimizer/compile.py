@@ -18,7 +18,8 @@ Read top to bottom (:func:`compile` is these steps in this order):
    compress gradients (a compressed sync under ZeRO-1 all-gathers the updated weights on
    top), re-balance a dynamic model or turn a TP resizing controller on (both move whole
    optimizer state, which the runtime does not do under ZeRO); a layout that fits only with
-   recomputation also gets the next stage up, and the faster of the two is kept.
+   recomputation also gets the next stage up, and the faster of the two is kept. Under
+   Chimera the ladder stops at ZeRO-1, sharded over the ``2·dp`` ranks holding each stage.
 4. **Refine** (:func:`_refine`): the :data:`FINALISTS` fastest layouts get the *refinement*
    list — the whole pipeline, in order, refinement passes (Cupcake; Espresso when compressors
    are allowed) included — and the fastest of those wins (ties: the smaller layout tuple). A
@@ -107,16 +108,20 @@ class _Job:
         return cand.to_layout(self.opts.batch_size, self.opts.schedule)
 
     def zero_ladder(self, cand: LayoutCandidate) -> list[int]:
-        """The ZeRO stages to try for ``cand``, in order (see module docstring, step 3)."""
+        """The ZeRO stages to try for ``cand``, in order (see module docstring, step 3);
+        under Chimera at most 1 (ZeRO-2/3 collectives inside backward do not compose with
+        its two directions; a pinned 2 or 3 is refused by the options)."""
         if cand.dp == 1:
             return [0]
         if self.opts.zero_stage is not None:
             return [self.opts.zero_stage]
         compressing = any(getattr(p, "compressors", ()) for p in self.pipeline)
+        layout = self.layout(cand)
         free = (not compressing and not _moves_whole_state(self.pipeline)
-                and _zero1_free(self.costs, self.layout(cand)))
+                and _zero1_free(self.costs, layout))
         first = 1 if free else 0
-        return [first] + [z for z in (1, 2, 3) if z > first]
+        top = 1 if layout.stage_copies > 1 else 3
+        return [first] + [z for z in (1, 2, 3) if first < z <= top]
 
     def plan_for(self, layout: Layout, passes: tuple[Pass, ...]) -> tuple[Plan, Evaluation]:
         """Run ``passes`` on an empty plan of ``layout`` and evaluate the result."""
@@ -297,7 +302,7 @@ def _screen(job: _Job, candidates: list[LayoutCandidate], infeasible: list[_Refu
             # the ZeRO stages _screen_one can plan: it skips those the model state rules out
             ladder = [z for z in job.zero_ladder(cand)
                       if not _memory_lower_bound(job.workload, replace(cand, zero_stage=z),
-                                                 job.costs)]
+                                                 job.costs, job.layout(cand).stage_copies)]
             bounds[cand] = iteration_lower_bound(job.workload, job.costs, cand,
                                                  cand.schedule_for(job.opts.schedule), ladder,
                                                  recompute=recompute)
@@ -351,7 +356,8 @@ def _screen_one(job: _Job, cand: LayoutCandidate, infeasible: list[_Refusal]
     extra = 0
     for z in ladder:
         c = replace(cand, zero_stage=z)
-        reason = _memory_lower_bound(job.workload, c, job.costs)
+        reason = _memory_lower_bound(job.workload, c, job.costs,
+                                     job.layout(c).stage_copies)
         if reason:
             refusal = _Refusal(reason, memory=True)
             continue
@@ -442,11 +448,13 @@ def _stages_with_times(plan: Plan, ev: Evaluation) -> tuple[Any, ...]:
 
 
 def _memory_lower_bound(workload: WorkloadSummary, cand: LayoutCandidate,
-                        costs: CostModel) -> str:
+                        costs: CostModel, copies: int = 1) -> str:
     """Why ``cand`` cannot fit whatever the stage partition (the model state of the whole
     model — weights, gradients, master weights and optimizer state in the precision's dtypes,
     with the candidate's TP and ZeRO division — spread perfectly over its ``pp`` pipeline
-    ranks exceeds the smallest device), or ""."""
+    ranks exceeds the smallest device), or "". ``copies``: pipeline ranks holding each stage
+    (``Layout.stage_copies``; Chimera's 2: each rank holds ``2/pp`` of the model, and ZeRO
+    shards over ``2·dp`` ranks)."""
     whole = Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
                   ranks=tuple(range(len(costs.devices))))
     first_of_type: dict[str, int] = {}
@@ -454,9 +462,9 @@ def _memory_lower_bound(workload: WorkloadSummary, cand: LayoutCandidate,
         first_of_type.setdefault(dev.type, r)
     prec = min((stage_precision(workload, whole, costs, r) for r in first_of_type.values()),
                key=lambda p: (p.weight_bytes + p.grad_bytes + p.master_bytes, p.act_bytes))
-    w, g, o = model_state(workload.layers, tp=cand.tp, dp=cand.dp, zero_stage=cand.zero_stage,
-                          optimizer=costs.optimizer, precision=prec)
-    need = (w + g + o) / cand.pp
+    w, g, o = model_state(workload.layers, tp=cand.tp, dp=cand.dp * copies,
+                          zero_stage=cand.zero_stage, optimizer=costs.optimizer, precision=prec)
+    need = (w + g + o) / cand.pp * copies
     cap = min(d.memory_bytes for d in costs.devices) * USABLE_FRACTION
     if need <= cap:
         return ""
@@ -470,14 +478,16 @@ def _memory_lower_bound(workload: WorkloadSummary, cand: LayoutCandidate,
 def _zero1_free(costs: CostModel, layout: Layout) -> bool:
     """Whether the data-parallel link of ``layout``'s first stage moves a reduce-scatter
     plus an all-gather in no more time than an all-reduce (at 1 MiB and 1 GiB): then ZeRO-1
-    costs nothing and is never worse (it also divides the optimizer step)."""
-    ranks = [layout.rank_of(d, 0, 0) for d in range(layout.dp)]
+    costs nothing and is never worse (it also divides the optimizer step). The group is the
+    ranks holding the first stage (under Chimera also pipeline rank ``pp-1``'s)."""
+    ranks = [layout.rank_of(d, p, 0) for p in layout.stage_holders(0) for d in range(layout.dp)]
+    n = layout.sync_group_size
     link: Literal["intra", "inter"] = (
         "intra" if len({costs.devices[r].node_index for r in ranks}) == 1 else "inter")
     for size in (2.0**20, 2.0**30):
-        ar = costs.comm.time_s("allreduce", size, layout.dp, link)
-        split = (costs.comm.time_s("reduce_scatter", size, layout.dp, link)
-                 + costs.comm.time_s("allgather", size, layout.dp, link))
+        ar = costs.comm.time_s("allreduce", size, n, link)
+        split = (costs.comm.time_s("reduce_scatter", size, n, link)
+                 + costs.comm.time_s("allgather", size, n, link))
         if split > ar * (1 + 1e-9):
             return False
     return True

@@ -17,8 +17,12 @@ Rules (each prunes layouts that cannot be right, not ones that merely look slow)
   them, and each candidate runs the schedule its ``v`` names
   (:meth:`LayoutCandidate.schedule_for`);
 - Chimera: a pipeline of an even ``pp`` with an even micro-batch count (its two directions
-  split them half/half); a layout without a pipeline has no schedule to run and is written
-  with ``1f1b`` (Chimera's two directions need at least two stages);
+  split them half/half) and ``tp = 1`` (Chimera composes with neither tensor parallelism
+  nor ZeRO-2/3, whose collectives inside each stage's forward and backward the two
+  directions, running different stages at once, would mismatch: ``docs/decisions.md``,
+  "Chimera: what is priced"; ``compile`` keeps its ZeRO ladder at 0 and 1); a layout
+  without a pipeline has no schedule to run and is written with ``1f1b`` (Chimera's two
+  directions need at least two stages);
 - sequence parallelism whenever ``tp > 1``: it replaces each TP all-reduce by a
   reduce-scatter and an all-gather that cost the same (ring: ``2(n-1)/n`` of the bytes
   either way) and divides the activations outside the TP regions by ``tp``, so it is never
@@ -144,8 +148,8 @@ def enumerate_layouts(
                 m = per_replica // mb
                 if m > MAX_MICRO_BATCHES:
                     continue
-                if schedule == "chimera" and p > 1 and (p % 2 or m % 2):
-                    continue  # Chimera splits micro-batches half/half over two directions
+                if schedule == "chimera" and p > 1 and (p % 2 or m % 2 or t > 1):
+                    continue  # two directions: micro-batches split half/half, no TP
                 sp = t > 1 if sequence_parallel is None else sequence_parallel and t > 1
                 for v in _chunk_counts(schedule, p, m, len(workload.layers), virtual_stages):
                     out.append(LayoutCandidate(d, p, t, mb, m, v, sp))

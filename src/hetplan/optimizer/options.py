@@ -134,6 +134,33 @@ class CompileOptions(BaseModel):
                              "micro-batch size that divides it")
         return self
 
+    @model_validator(mode="after")
+    def _chimera_composes(self) -> CompileOptions:
+        """Refuse a pin Chimera does not compose with, before any search (the layout search
+        itself offers Chimera pipelines only with ``tp = 1`` and ZeRO 0 or 1; decision in
+        ``docs/decisions.md``, "Chimera: what is priced"). A pinned ``pp = 1`` has no
+        pipeline to run Chimera on (the plan is written with 1F1B): nothing to refuse."""
+        if self.schedule != "chimera" or self.pp == 1:
+            return self
+        other = "or plan another schedule (schedule='1f1b')"
+        if self.tp is not None and self.tp > 1:
+            raise ValueError(
+                f"tp={self.tp} with schedule 'chimera': Chimera is priced and executed with "
+                "tp=1 only (each rank runs a stage of each of its two pipeline directions); "
+                f"pin tp=1 or leave it free, {other}")
+        if self.zero_stage is not None and self.zero_stage >= 2:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} with schedule 'chimera': ZeRO-"
+                f"{self.zero_stage} issues collectives inside backward, which Chimera's two "
+                "directions, running different stages at once, would mismatch; pin "
+                f"zero_stage 0 or 1 or leave it free, {other}")
+        if self.dynamics is not None:
+            raise ValueError(
+                "dynamics with schedule 'chimera': re-balancing moves layers between "
+                "stages, and a Chimera rank holds two stages (one per direction), which the "
+                f"re-balancing does not model; drop dynamics, {other}")
+        return self
+
     @classmethod
     def build(cls, options: CompileOptions | None = None, /, **kwargs: Any) -> CompileOptions:
         """``options`` updated with ``kwargs`` (or built from them), validated.
@@ -190,6 +217,8 @@ class CompileOptions(BaseModel):
                 if str(e).startswith(f"{where}: "):
                     raise  # the option and the spec disagree: both named already
                 raise SpecError(f"{option}: {e}") from None
+        if self.schedule == "chimera" and self.pp != 1:
+            _refuse_under_chimera(passes, where)
         if "stages" not in passes[0].sections:
             writers = [n for n, cls in sorted(get_all_passes().items())
                        if "stages" in getattr(cls, "sections", ())]
@@ -202,6 +231,32 @@ class CompileOptions(BaseModel):
                 f"({' or '.join(writers)}), e.g. '{','.join([first, *rest])}'"
             )
         return tuple(passes)
+
+
+#: The passes (and the `hetplan plan` flag that adds each) Chimera does not compose with, and
+#: why (``docs/decisions.md``, "Chimera: what is priced").
+_NOT_WITH_CHIMERA = {
+    "zen": ("--sparse", "Zen's sparse sync is priced over a data-parallel group of dp ranks, "
+                        "and a Chimera stage's gradients are averaged over its 2·dp holders"),
+    "sdpipe": ("--group-sync", "SDPipe's group sync averages each pipeline replica's stages "
+                               "apart, and a Chimera rank holds stages of two replicas"),
+}
+
+
+def _refuse_under_chimera(passes: list[Pass], where: str) -> None:
+    """Raise a :class:`SpecError` for the first pass of ``passes`` Chimera does not compose
+    with (:data:`_NOT_WITH_CHIMERA`, and DynPipe re-balancing a dynamic model)."""
+    for p in passes:
+        if p.name in _NOT_WITH_CHIMERA:
+            flag, why = _NOT_WITH_CHIMERA[p.name]
+            raise SpecError(f"{where}: the {p.name!r} pass ({flag}) does not compose with "
+                            f"schedule 'chimera': {why}; drop it, or plan another schedule "
+                            "(--schedule 1f1b)")
+        if p.name == "dynpipe" and getattr(p, "dynamics", None) is not None:
+            raise SpecError(f"{where}: dynpipe{{dynamics=...}} re-balances a dynamic model, "
+                            "which schedule 'chimera' does not compose with (a Chimera rank "
+                            "holds two stages, one per direction); drop the dynamics, or plan "
+                            "another schedule (--schedule 1f1b)")
 
 
 def _set_options(p: Pass, values: dict[str, Any], option: str, where: str) -> Pass:

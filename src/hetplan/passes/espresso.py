@@ -41,7 +41,8 @@ Decisions (also in ``docs/decisions.md``):
   result: it could not be kept, so the choice is the same as searching both
   (``docs/decisions/espresso-speed.md``). Under ZeRO-2/3 only the flat options are
   candidates (a note says so): gradients are reduce-scattered flat over the data-parallel
-  group during backward, and the runtime has no hierarchical reduce-scatter.
+  group during backward, and the runtime has no hierarchical reduce-scatter; so they are
+  under Chimera, whose stages sync flat over the ``2·dp`` ranks holding them.
 - Options are pruned to at most ``max_compressions`` compressions per tensor (default 4: no
   limit) and to the allowed ``devices`` (default GPU and CPU).
 - **16-bit uncompressed steps.** With ``fp16`` (or ``bf16``) among the compressors, every
@@ -168,10 +169,13 @@ def _steps(option: Option) -> tuple[CommStep, ...]:
 
 def _hierarchical(ss: StageSync, ctx: PassContext) -> bool:
     """Whether the hierarchical routings are candidates for ``ss``'s group: it spans several
-    nodes with several ranks each, and ZeRO does not reduce-scatter gradients during backward
+    nodes with several ranks each, ZeRO does not reduce-scatter gradients during backward
     (ZeRO-2/3 do so flat over the data-parallel group; the runtime has no hierarchical
-    reduce-scatter, docs/decisions/runtime-composition.md)."""
-    return ss.nodes > 1 and ss.per_node > 1 and ctx.layout.zero_stage < 2
+    reduce-scatter, docs/decisions/runtime-composition.md), and the schedule is not Chimera
+    (its stages sync flat over the ``2·dp`` ranks holding them, the group its executor
+    builds; docs/decisions.md, "Chimera: what is priced")."""
+    return (ss.nodes > 1 and ss.per_node > 1 and ctx.layout.zero_stage < 2
+            and ctx.layout.stage_copies == 1)
 
 
 def strategy_for(key: Key | ShortKey, ratio: float = DEFAULT_SPARSITY_RATIO) -> SyncStrategy:
@@ -265,8 +269,10 @@ class Espresso:
             return dataclasses.replace(res, notes=(note, *res.notes))
         res = self._search(plan, ctx, syncs, allowed)
         if any(ss.nodes > 1 and ss.per_node > 1 and not _hierarchical(ss, ctx) for ss in syncs):
-            note = (f"hierarchical routings not searched: ZeRO-{ctx.layout.zero_stage} "
-                    "reduce-scatters gradients flat over the data-parallel group")
+            why = (f"ZeRO-{ctx.layout.zero_stage} reduce-scatters gradients flat over the "
+                   "data-parallel group" if ctx.layout.zero_stage >= 2 else
+                   "schedule 'chimera' syncs each stage flat over the 2·dp ranks holding it")
+            note = f"hierarchical routings not searched: {why}"
             res = dataclasses.replace(res, notes=(note, *res.notes))
         return res
 

@@ -156,6 +156,10 @@ class EspressoReference:
             return PassResult(plan, False, (
                 "espresso-reference needs hierarchical groups (several nodes with several "
                 "ranks each); gradient sync left as it was",))
+        if ctx.layout.stage_copies > 1:  # hetplan.ir.plan_checks, rule 2
+            return PassResult(plan, False, (
+                "schedule 'chimera' syncs each stage flat over the 2·dp ranks holding it and "
+                "the reference's paths are hierarchical; gradient sync left as it was",))
         if (z := ctx.layout.zero_stage) >= 2:  # what the runtime composes (composition.py)
             return PassResult(plan, False, (
                 f"ZeRO-{z} reduce-scatters gradients flat during backward and the reference's "
