@@ -24,8 +24,11 @@ SUPPORTED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "ch
 
 
 def effective_zero_stage(layout: Layout) -> int:
-    """The ZeRO stage that runs: the layout's, or 0 when ``dp == 1`` (nothing to shard)."""
-    return layout.zero_stage if layout.dp > 1 else 0
+    """The ZeRO stage that runs: the layout's, or 0 when the group that averages a stage's
+    gradients has one rank (nothing to shard): ``dp == 1``, except under Chimera, whose group
+    also holds the other direction's copy (:attr:`Layout.sync_group_size`, as the memory
+    model shards)."""
+    return layout.zero_stage if layout.sync_group_size > 1 else 0
 
 
 def refusals(plan: Plan) -> list[str]:
