@@ -122,6 +122,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          note="Espresso on the 1 Gbit/s emulated inter-node link (HETPLAN_EMULATE_BW=1)"),
     Kind("fused", "gpt-test", 8, ("--dp", "4", "--pp", "1", "--tp", "1", "--zero", "0",
                                   *_FP32), note="the default pipeline: Cupcake's fused buckets"),
+    Kind("chimera", "gpt-test", 8, ("--dp", "2", "--pp", "2", "--tp", "1", "--zero", "0",
+                                    "--schedule", "chimera", *_FP32),
+         note="PP 2 x DP 2, two directions (each rank holds 2 stages, sync over 4 ranks)"),
 )}
 
 

@@ -48,7 +48,7 @@ FLAGS: dict[str, tuple[str, ...]] = {
     "--pp": ("1",),  # pure data (and tensor) parallelism: every DP group spans the nodes
     "--dtype": ("fp32", "bf16", "fp16"),
     "--recompute": ("none", "selective", "full"),
-    "--schedule": ("gpipe", "interleaved-1f1b", "auto"),
+    "--schedule": ("gpipe", "interleaved-1f1b", "auto", "chimera"),
     "--tp": ("1", "2"),
     "--compress": ("topk", "dgc,fp16", "powersgd"),
     "--dynamics": (DYNAMICS,),
@@ -71,6 +71,9 @@ PAIRS: tuple[dict[str, str], ...] = (
     {"--group-sync": "auto", "--tp": "2"}, {"--group-sync": "sdpipe", "--schedule": "auto"},
     {"--hetero": "on", "--schedule": "interleaved-1f1b"}, {"--hetero": "on", "--sp": ""},
     {"--hetero": "auto", "--tp": "2"},
+    # Chimera runs on its own executor, with dp, 16-bit compute, ZeRO-1 and flat paths
+    {"--schedule": "chimera", "--compress": "dgc,fp16"}, {"--schedule": "chimera", "--zero": "1"},
+    {"--schedule": "chimera", "--dtype": "bf16", "--recompute": "full"},
 )
 PAIR_MODELS = ("gpt-test", "tiny-gpt2")
 
@@ -98,6 +101,8 @@ def halves(line: str) -> list[tuple[str, tuple[str, ...] | None]]:
         if "under ZeRO" in line:
             return [("--tp-controller", None), ("--zero", ("1", "2", "3"))]
         return [("--tp-controller", None), ("--dynamics", None), ("--hetero", ("on",))]
+    if line.startswith("layout.schedule: 'chimera' with"):  # what its executor does not run
+        return [("--schedule", ("chimera",)), ("chimera composition", ())]  # planner's half
     if line.startswith("gradient_sync.strategies["):
         if "compressed (" in line:
             return [("--zero", ("2", "3")), ("--compress", None)]

@@ -123,3 +123,18 @@ def test_hetero_keeps_a_tied_model_on_one_stage(tmp_path: Path) -> None:
     plan = load_plan(out)
     assert plan.hetero is not None and len(plan.stages) == 1
     assert refusals(plan) == []
+
+
+@pytest.mark.parametrize(("cluster", "batch", "compress"), [
+    ("local-cpu", 8, ()), ("cpu-2x2", 8, ()), ("cpu-2x2", 8, ("dgc", "fp16")),
+    ("mixed-generations", 64, ("dgc", "fp16"))])
+def test_chimera_plans_are_plans_the_runtime_runs(gpt_test: ModelIR, cluster: str, batch: int,
+                                                  compress: tuple[str, ...]) -> None:
+    """``--schedule chimera`` with the planner free to choose the rest: the layout, ZeRO and
+    gradient paths it picks are ones the Chimera executor runs (tp 1, ZeRO <= 1, flat
+    routings: on cpu-2x2 and mixed-generations a hierarchical routing is what Espresso
+    would pick for a group spanning nodes)."""
+    plan = compile(gpt_test, cluster, batch_size=batch, pp=2, schedule="chimera",
+                   compressors=compress)
+    assert plan.layout is not None and plan.layout.schedule == "chimera"
+    assert refusals(plan) == []

@@ -366,6 +366,24 @@ def test_explain_rank(small: Plan) -> None:
     assert json.loads(json.dumps(exp.to_dict()))["kind"] == "rank"
 
 
+def test_explain_rank_names_both_stages_a_chimera_rank_holds() -> None:
+    """A Chimera rank holds stage r of the down pipeline and stage P-1-r of the up one; the
+    rank's coordinates name both (they named one)."""
+    from hetplan.optimizer.compile import model_ir
+
+    plan = compile_plan(model_ir("gpt-test"), "local-cpu", batch_size=8, pp=2, dp=2,
+                        schedule="chimera", zero_stage=0)
+    assert plan.stages is not None and len(plan.stages) == 2
+    coords = dict(explain(plan, "rank:0").facts)["coordinates"]
+    up = plan.stages[1]
+    assert coords.startswith("dp=0 pp=0 tp=0; stage 0 (layers 0–")
+    assert (f"and stage 1 (layers {up.first_layer}–{up.last_layer}) of the up pipeline "
+            "(Chimera)") in coords
+    plain = compile_plan(model_ir("gpt-test"), "local-cpu", batch_size=8, pp=2, dp=2,
+                         schedule="1f1b", zero_stage=0)
+    assert "up pipeline" not in dict(explain(plain, "rank:0").facts)["coordinates"]
+
+
 @pytest.mark.parametrize(("target", "needles"), [
     ("blocks.0.attn.weight", ["did you mean", "blocks.0.attn.qkv.weight"]),
     ("bucket:9", ["2 bucket(s)", "bucket:0 … bucket:1"]),

@@ -325,7 +325,7 @@ def explain_rank(ctx: Any, r: int) -> tuple[Facts, list[Alternative]]:
         ("device", f"{dev.type} on node {dev.node} (local rank {dev.local_rank})"
                    + (f", slowdown {dev.slowdown:g}" if dev.slowdown != 1 else "")),
         ("coordinates", (f"dp={dp} pp={pp} tp={tp}; stage {st.index} (layers "
-                        f"{st.first_layer}–{st.last_layer})")),
+                        f"{st.first_layer}–{st.last_layer})" + _up_copy(lay, stages, st))),
     ]
     if lay.tp > 1:
         group = [lay.rank_of(dp, pp, t) for t in range(lay.tp)]
@@ -333,6 +333,15 @@ def explain_rank(ctx: Any, r: int) -> tuple[Facts, list[Alternative]]:
     facts += _rank_time(ctx, r, st, ev)
     facts += _rank_memory(ctx, r, ev)
     return facts, []
+
+
+def _up_copy(lay: Any, stages: tuple[Stage, ...], st: Stage) -> str:
+    """Under Chimera, the other stage the rank holds: ``pp-1-s`` of the up pipeline."""
+    if lay.stage_copies != 2 or len(stages) != lay.pp:
+        return ""
+    up = stages[lay.pp - 1 - st.index]
+    return (f", and stage {up.index} (layers {up.first_layer}–{up.last_layer}) of the up "
+            "pipeline (Chimera)")
 
 
 def _device_ms(ctx: Any, dev: Any, st: Stage) -> float:
