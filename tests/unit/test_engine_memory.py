@@ -283,6 +283,10 @@ def test_tied_embedding_gradient_all_reduce_between_first_and_last_stage() -> No
     # one stage holds both the embedding and the head: nothing to sum
     one = _tied_plan(ir, pp=1)
     assert tied_sync_s(wl, one.stages, one.layout, costs) == 0.0
+    # Chimera: the ranks of the first stage hold the last one too (the up pipeline's), and
+    # the runtime sums the two copies in the process
+    chimera = plan.layout.model_copy(update={"schedule": "chimera"})
+    assert tied_sync_s(wl, plan.stages, chimera, costs) == 0.0
 
 
 def test_vocab_parallel_collectives_by_hand() -> None:

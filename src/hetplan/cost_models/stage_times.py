@@ -446,8 +446,9 @@ def tied_sync_s(workload: WorkloadSummary, stages: Sequence[Stage], layout: Layo
     pipeline flush and the data-parallel sync, before the optimizer step: Megatron-LM's
     ``_allreduce_embedding_grads`` (Narayanan et al. 2021 and Megatron-DeepSpeed keep the
     head's copy of the embedding on the last stage) and the runtime's pipeline, which sums
-    the two copies' gradients the same way. 0 when the head is not tied, or when one stage
-    holds both.
+    the two copies' gradients the same way. 0 when the head is not tied, when one stage
+    holds both, or under Chimera when the two are mirror stages (``s`` and ``P-1-s``): every
+    rank holding one holds the other, and the runtime sums the copies in the process.
 
     Each TP rank all-reduces its slice of the ``V x h`` table (``1/tp`` of it with a
     vocabulary-parallel head) in the reduce dtype with its peer on the other stage; across
@@ -465,6 +466,8 @@ def tied_sync_s(workload: WorkloadSummary, stages: Sequence[Stage], layout: Layo
     a, b = first.ranks[0], last.ranks[0]
     if first.ranks == last.ranks:
         return 0.0
+    if layout.stage_copies == 2 and first.index + last.index == len(stages) - 1:
+        return 0.0  # Chimera: the ranks of one stage hold its mirror too; copies sum locally
     prec = state_precision(costs.precision, costs.devices[a].type, (), cap)
     split = copy.tp_split_bytes > 0 and layout.tp > 1
     nbytes = copy.param_bytes / cap * prec.grad_bytes / (layout.tp if split else 1)
