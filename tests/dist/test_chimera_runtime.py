@@ -23,6 +23,8 @@ from reflib import case_results, cpu_cluster, train_plans, zoo_example, zoo_mode
 import hetplan
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import Bucket, CastSync, GradientSync
+from hetplan.passes.espresso import strategy_for
 from hetplan.profiling._spawn import run_local_ranks
 from hetplan.runtime.composition import refusals
 
@@ -45,6 +47,12 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "tied-lm-dp2xpp2-bf16-zero1": ("tied-lm", 4, {
         "dp": 2, "pp": 2, "micro_batch_size": 2, "dtype": "bf16", "zero_stage": 1, **CHIMERA}),
 }
+#: label -> (base case, the gradient-sync strategy of all the plan's buckets): the plan's
+#: paths on the Chimera group: a bf16 wire (the fast path), top-k on the worker thread
+SYNCS: dict[str, tuple[str, Any]] = {
+    "tied-lm-dp2xpp2-cast-bf16": ("tied-lm-dp2xpp2", CastSync(dtype="bf16")),
+    "tied-lm-dp2xpp2-topk": ("tied-lm-dp2xpp2", strategy_for(("topk", 5), ratio=0.5)),
+}
 EXACT = [k for k, (_, _, pins) in CASES.items() if pins.get("dtype", "fp32") == "fp32"]
 
 
@@ -66,9 +74,24 @@ def results() -> dict[int, list[dict[str, Any]]]:
                 assert plan.layout is not None and plan.layout.schedule == "chimera"
                 assert refusals(plan) == [], refusals(plan)
                 cases[label] = (name, BATCH, SEQ, STEPS, plan.to_json())
+        for label, (base, strategy) in SYNCS.items():
+            name, w, pins = CASES[base]
+            if w == world:
+                plan = _with_sync(_plan(name, world, **pins), strategy)
+                assert refusals(plan) == [], refusals(plan)
+                cases[label] = (name, BATCH, SEQ, STEPS, plan.to_json())
         out[world] = run_local_ranks(train_plans, world, (cases,), timeout_s=600,
                                      threads_per_process=1)
     return out
+
+
+def _with_sync(plan: Plan, strategy: Any) -> Plan:
+    """``plan`` with its buckets (one per stage or more) synced by ``strategy``."""
+    assert plan.gradient_sync is not None and plan.gradient_sync.buckets
+    buckets = tuple(Bucket(tensors=b.tensors, size_bytes=b.size_bytes, strategy="s")
+                    for b in plan.gradient_sync.buckets)
+    sync = GradientSync(strategies={"s": strategy}, buckets=buckets)
+    return plan.model_copy(update={"gradient_sync": sync, "predictions": None})
 
 
 def _losses(got: list[dict[str, Any]]) -> list[float]:
@@ -139,3 +162,23 @@ def test_transfer_order_is_checked() -> None:
         (Action(f, 1, 1), Action(f, 0, 1), Action(b, 0, 1), Action(b, 1, 1))))
     with pytest.raises(SpecError, match="rank 0 sends activations to rank 1"):
         check_transfer_order(swapped)
+
+
+@pytest.mark.parametrize("label", list(SYNCS))
+def test_gradient_paths_run_on_the_chimera_group(results: dict[int, list[dict[str, Any]]],
+                                                 label: str) -> None:
+    """The plan's gradient paths run over the sync group of both directions: a bf16 wire
+    (the fast path) and top-k with error feedback (the worker thread). Every rank holding a
+    parameter ends with the same value (the four copies of each stage were averaged alike),
+    and the losses stay near the reference (top-k keeps half of every gradient)."""
+    got = case_results(results[4], label)
+    ref_losses, _ = zoo_reference("tied-lm", BATCH, SEQ, STEPS)
+    assert _losses(got) == pytest.approx(ref_losses, rel=2e-2)
+    held: dict[str, list[torch.Tensor]] = {}
+    for g in got:
+        for n, value in g["params"].items():
+            held.setdefault(n, []).append(value)
+    assert all(len(v) == 4 for v in held.values()), {n: len(v) for n, v in held.items()}
+    for n, copies in held.items():
+        for c in copies[1:]:
+            torch.testing.assert_close(c, copies[0], rtol=0, atol=0, msg=n)
