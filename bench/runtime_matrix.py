@@ -2,7 +2,8 @@
 
 A pairwise sample of small zoo language models (``tied-lm``, ``gpt-test``, ``tiny-gpt2``,
 ``megatron-gpt-test``) over the dp x pp x tp layouts of 4 ranks (and some of 2), the pipeline
-schedule (``1f1b``, ``gpipe``, ``interleaved-1f1b`` with 2 virtual stages), the precision
+schedule (``1f1b``, ``gpipe``, ``interleaved-1f1b`` with 2 virtual stages; Chimera in a cover
+of its own, :data:`CHIMERA_FACTORS`), the precision
 policy (``fp32``, ``bf16``, ``fp16``), the ZeRO stage, activation recomputation, sequence
 parallelism (TP > 1), micro-batches per replica and the model's parameter dtype (float64 as
 the tests' references, or float32): every pair of two factors' values that some valid case has
@@ -93,11 +94,20 @@ def _pairs(row: dict[str, Any]) -> set[tuple]:
     return {(a, b) for a, b in itertools.combinations(items, 2)}
 
 
-def pairwise_cases(seed: int = 0) -> list[dict[str, Any]]:
-    """A greedy pairwise cover of :data:`FACTORS` over the valid rows (``NA`` values and
+#: Chimera's own cover (its executor composes with dp, precision, ZeRO-0/1, recomputation;
+#: ``runtime/handlers/chimera.py``): the pipeline layouts of one TP rank, appended to the
+#: sample so that the cases of :data:`FACTORS` keep their labels
+CHIMERA_FACTORS: dict[str, tuple[Any, ...]] = {
+    **FACTORS, "layout": ((4, 2, 2, 1), (4, 1, 4, 1), (2, 1, 2, 1)),
+    "schedule": ("chimera",), "zero": (0, 1), "sp": (NA,)}
+
+
+def pairwise_cases(seed: int = 0, factors: dict[str, tuple[Any, ...]] = FACTORS,
+                   ) -> list[dict[str, Any]]:
+    """A greedy pairwise cover of ``factors`` over the valid rows (``NA`` values and
     data-parallel-free ZeRO excluded)."""
-    keys = list(FACTORS)
-    rows = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*FACTORS.values())]
+    keys = list(factors)
+    rows = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*factors.values())]
     rows = [r for r in rows if _valid(r)]
     random.Random(seed).shuffle(rows)
     pair_sets = [_pairs(r) for r in rows]
@@ -407,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --only: replace those cases in --out (marked rerun)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    rows = pairwise_cases()
+    rows = pairwise_cases() + pairwise_cases(factors=CHIMERA_FACTORS)
     sample_size = len(rows)
     if args.only:
         rows = [r for r in rows if label_of(r) in args.only]

@@ -42,6 +42,9 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "tiny-gpt2-pp2": ("tiny-gpt2", 2, {"dp": 1, "pp": 2, "micro_batch_size": 2, **CHIMERA}),
     "tied-lm-pp4": ("tied-lm", 4, {"dp": 1, "pp": 4, "micro_batch_size": 2, **CHIMERA}),
     "tied-lm-dp2xpp2": ("tied-lm", 4, {"dp": 2, "pp": 2, "micro_batch_size": 2, **CHIMERA}),
+    # ZeRO-1 in fp32: the optimizer sharded over the four ranks of both directions, exactly
+    "tied-lm-dp2xpp2-zero1": ("tied-lm", 4, {"dp": 2, "pp": 2, "micro_batch_size": 2,
+                                             "zero_stage": 1, **CHIMERA}),
     "tied-lm-dp2xpp2-full-recompute": ("tied-lm", 4, {
         "dp": 2, "pp": 2, "micro_batch_size": 2, "recompute": "full", **CHIMERA}),
     "tied-lm-dp2xpp2-bf16-zero1": ("tied-lm", 4, {
@@ -106,13 +109,35 @@ def test_chimera_equals_reference(results: dict[int, list[dict[str, Any]]], labe
     got = case_results(results[world], label)
     losses, ref = zoo_reference(name, BATCH, SEQ, STEPS)
     assert _losses(got) == pytest.approx(losses, rel=1e-9)
+    alias = _aliases(name)
     seen: set[str] = set()
     for g in got:
         for n, value in g["params"].items():
             if n in ref:
                 torch.testing.assert_close(value, ref[n], **TOL)
-                seen.add(n)
+                seen |= alias[n]  # a tied parameter is trained once, under one of its names
     assert seen >= set(ref), f"unchecked: {sorted(set(ref) - seen)}"
+
+
+def _aliases(name: str) -> dict[str, set[str]]:
+    """Each parameter name of the zoo model -> every name of the same tensor."""
+    by_id: dict[int, set[str]] = {}
+    for n, p in zoo_model(name).named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), set()).add(n)
+    return {n: names for names in by_id.values() for n in names}
+
+
+def test_a_tied_weight_is_one_parameter_on_each_rank(
+        results: dict[int, list[dict[str, Any]]]) -> None:
+    """The split gives each stage a copy of the tied embedding / head; a Chimera rank holds
+    both stages and trains one parameter under one name (with two, the plan's gradient sync
+    would sync the copy it does not list with another strategy, and they would drift)."""
+    tied = {n for n, names in _aliases("tied-lm").items() if len(names) > 1}
+    assert len(tied) == 2
+    for label in ("tied-lm-pp2", "tied-lm-dp2xpp2-topk"):
+        world = CASES[label][1] if label in CASES else CASES[SYNCS[label][0]][1]
+        for g in case_results(results[world], label):
+            assert len(tied & set(g["params"])) == 1, sorted(tied & set(g["params"]))
 
 
 def test_both_ends_of_each_replica_report_its_loss(
@@ -145,6 +170,19 @@ def test_refused_compositions_name_the_fix() -> None:
     bad = plan.model_copy(update={"layout": plan.layout.model_copy(update={"zero_stage": 3})})
     lines = refusals(bad)
     assert any("'chimera' with ZeRO-3" in x and "--schedule 1f1b" in x for x in lines), lines
+
+
+def test_lists_of_another_shape_are_refused() -> None:
+    """The Chimera executor's groups and loss scale assume Chimera's lists: every micro-batch
+    down (stage s on rank s) or up (on rank P-1-s), half each way. The generated lists pass;
+    1F1B's (all down) and an odd split are refused by name."""
+    from hetplan.algorithms.pipeline_schedules import chimera_schedule, one_f_one_b_schedule
+    from hetplan.runtime.handlers.chimera import check_chimera_shape
+
+    for p, m in ((2, 2), (2, 6), (4, 4), (4, 8), (6, 12)):
+        check_chimera_shape(chimera_schedule(p, m))
+    with pytest.raises(SpecError, match="0 of 4 micro-batches go down|4 of 4 micro-batches"):
+        check_chimera_shape(one_f_one_b_schedule(2, 4))
 
 
 def test_transfer_order_is_checked() -> None:

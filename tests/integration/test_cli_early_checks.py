@@ -89,6 +89,19 @@ def test_other_plan_options_fail_before_capture(no_work: None) -> None:
             "--compress: given, but the pass pipeline has no 'espresso' pass")
 
 
+@pytest.mark.parametrize(("flag", "note"), [
+    ("--sparse", "schedule 'chimera': a stage's gradients are averaged over the 2·dp ranks"),
+    ("--group-sync", "group sync off: schedule 'chimera'")])
+def test_chimera_with_auto_passes_plans_and_the_pass_declines(flag: str, note: str) -> None:
+    """``--sparse auto`` / ``--group-sync auto`` let the pass choose: under Chimera it
+    declines with a note instead of the plan being refused (the forcing values are refused,
+    above)."""
+    got = run("plan", "gpt-test", "-c", "cpu-2x2", "-b", "8", "--pp", "2", "--schedule",
+              "chimera", flag, "auto")
+    assert got.exit_code == 0, got.output
+    assert note in " ".join(got.output.split())
+
+
 def test_chimera_with_tp_or_zero2_is_refused_before_capture(no_work: None) -> None:
     """Chimera runs tp=1 and ZeRO 0 or 1 (docs/decisions.md, "Chimera: what is priced"):
     the flag at fault and the fix, exit 2; --sparse and --group-sync name their pass."""
@@ -103,6 +116,7 @@ def test_chimera_with_tp_or_zero2_is_refused_before_capture(no_work: None) -> No
             "schedule 'chimera'")
     refused(run(*plan, "--group-sync", "sdpipe"), "the 'sdpipe' pass (--group-sync) does not "
             "compose with schedule 'chimera'")
+
     pruning = Path(__file__).resolve().parents[2] / "examples" / "pruning.yaml"
     refused(run(*plan, "--dynamics", pruning), "--dynamics with --schedule chimera",
             "drop --dynamics")

@@ -245,9 +245,11 @@ _NOT_WITH_CHIMERA = {
 
 def _refuse_under_chimera(passes: list[Pass], where: str) -> None:
     """Raise a :class:`SpecError` for the first pass of ``passes`` Chimera does not compose
-    with (:data:`_NOT_WITH_CHIMERA`, and DynPipe re-balancing a dynamic model)."""
+    with (:data:`_NOT_WITH_CHIMERA` when forced, ``mode`` other than ``auto``; and DynPipe
+    re-balancing a dynamic model). In ``auto`` mode those passes decline under Chimera."""
     for p in passes:
-        if p.name in _NOT_WITH_CHIMERA:
+        # ``mode=auto`` lets the pass choose: it declines under Chimera, with a note
+        if p.name in _NOT_WITH_CHIMERA and getattr(p, "mode", "auto") != "auto":
             flag, why = _NOT_WITH_CHIMERA[p.name]
             raise SpecError(f"{where}: the {p.name!r} pass ({flag}) does not compose with "
                             f"schedule 'chimera': {why}; drop it, or plan another schedule "

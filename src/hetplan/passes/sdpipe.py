@@ -35,6 +35,7 @@ from hetplan.cost_models.group_sync import predict_policies, replica_mesh, stead
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_group_sync import GroupSync, GroupSyncPrediction, StragglerModelRef
+from hetplan.ir.plan_sections import Layout
 from hetplan.passes.base import PassContext, PassResult
 
 __all__ = ["SDPipe", "MAX_PREBUILT_PIPELINES"]
@@ -95,7 +96,7 @@ class SDPipe:
                     final_full_average=self.final_full_average, iterations=self.iterations,
                     seed=ctx.seed)
         blocker = (_blocker(lay.dp, lay.tp, lay.virtual_stages, lay.zero_stage)
-                   or _section_blocker(plan))
+                   or _chimera_blocker(lay) or _section_blocker(plan))
         if blocker:
             section = GroupSync(policy="allreduce", reason=blocker, **base)  # type: ignore[arg-type]
             return PassResult(plan.model_copy(update={"group_sync": section}), True,
@@ -153,6 +154,14 @@ def _section_blocker(plan: Plan) -> str:
     if plan.sparse_sync is not None and plan.sparse_sync.synced():
         return ("the plan syncs sparse gradients (--sparse); group sync averages dense "
                 "replicas")
+    return ""
+
+
+def _chimera_blocker(lay: Layout) -> str:
+    """Why a Chimera layout cannot run group sync ('' for any other schedule)."""
+    if lay.schedule == "chimera" and lay.pp > 1:
+        return ("schedule 'chimera': a Chimera rank holds stages of two pipeline replicas, "
+                "and group sync averages each replica's stages apart")
     return ""
 
 

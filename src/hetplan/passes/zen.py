@@ -97,6 +97,10 @@ class Zen:
         if lay.tp > 1:
             return PassResult(plan, False, ("tensor parallelism shards the embeddings "
                                             "(vocab-parallel): left dense",))
+        if lay.schedule == "chimera" and lay.pp > 1:  # what the runtime composes
+            return PassResult(plan, False, (
+                "schedule 'chimera': a stage's gradients are averaged over the 2·dp ranks "
+                "holding a copy, which the sparse schemes do not model: left dense",))
         if lay.dp > 1 and lay.zero_stage >= 2:  # what the runtime composes (composition.py)
             return PassResult(plan, False, (
                 f"ZeRO-{lay.zero_stage} reduce-scatters every gradient during backward and "

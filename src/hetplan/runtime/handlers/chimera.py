@@ -24,7 +24,11 @@ instead. A backward of a stage other than the last receives the gradients of its
 outputs from the rank that ran ``(m, s+1)``, and (for ``s > 0``) sends those of its floating
 inputs back. Receives block, sends are waited for at the end of the step: the plan's
 validator simulates the lists to completion, so executing them in order with blocking
-receives cannot deadlock. The receive buffers' shapes and dtypes come from one forward of a
+receives cannot deadlock, once every pair is connected. NCCL connects two ranks of a group at
+their first message and blocks both hosts until both are there, which the first sends of
+the two directions would turn into a deadlock: at setup every pair exchanges one message, in
+one global order (:func:`warm_up`). Not run here: NCCL takes one GPU per rank, and the lent
+machines have one. The receive buffers' shapes and dtypes come from one forward of a
 micro-batch through every stage at setup (without gradients), so no message carries a
 header. Transfers run on four point-to-point groups per replica, one per kind (activation,
 gradient) and direction along the ranks (towards higher or lower ranks): NCCL runs the
@@ -46,7 +50,9 @@ halves of the group hold the same buckets in the same order.
 
 **Tied parameters** (an embedding tied to the LM head, on the first and the last stage): the
 ranks holding stage 0 also hold stage ``P-1`` (``r = 0`` and ``r = P-1``), so both uses are in
-one process; copies the split made are summed locally after the step. A parameter tied across
+one process. The split gives each stage a copy of its own; the stage handler points every
+local copy at one parameter again, so autograd sums both uses and the plan's gradient sync
+(which lists the tensor once) syncs it once, with one strategy. A parameter tied across
 stages that no rank holds together is refused.
 
 **The loss.** The ranks holding the last stage (``0`` and ``P-1``) each hold one direction's
@@ -76,8 +82,8 @@ from hetplan.runtime.busy_clock import BusyClock, cuda_events
 from hetplan.runtime.groups import ParallelGroups
 from hetplan.runtime.handlers.base import RuntimeContext
 
-__all__ = ["ChimeraGroups", "ChimeraPipeline", "chimera_group_members", "chimera_groups",
-           "check_transfer_order"]
+__all__ = ["Boundary", "ChimeraGroups", "ChimeraPipeline", "boundaries", "check_chimera_shape",
+           "check_transfer_order", "chimera_group_members", "chimera_groups", "warm_up"]
 
 _ACT, _GRAD = 0, 1
 
@@ -136,13 +142,12 @@ def chimera_groups(ctx: RuntimeContext) -> ChimeraGroups:
                          {k: mine[k] for k in ("act+", "act-", "grad+", "grad-")})
 
 
-def check_transfer_order(sched: PipelineSchedule) -> None:
-    """Refuse lists whose two ends of one kind of transfer between two ranks post in different
-    orders (NCCL would pair the wrong messages, see the module docstring).
-
-    Raises:
-        SpecError: naming the two ranks and the first micro-batches that differ.
-    """
+def _transfers(sched: PipelineSchedule
+               ) -> tuple[dict[tuple[int, int, int], list[tuple[int, int]]],
+                          dict[tuple[int, int, int], list[tuple[int, int]]]]:
+    """Per ``(source pipeline rank, destination, kind)``: the ``(micro-batch, stage)`` of
+    every message in the order the source posts its sends, and in the order the destination
+    posts its receives."""
     _, rank_of = sched.index()
     s_total = sched.num_stages
     sent: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
@@ -163,6 +168,17 @@ def check_transfer_order(sched: PipelineSchedule) -> None:
                 if s > 0:
                     sent.setdefault((r, rank_of[m * s_total + s - 1], _GRAD), []).append(
                         (m, s - 1))
+    return sent, got
+
+
+def check_transfer_order(sched: PipelineSchedule) -> None:
+    """Refuse lists whose two ends of one kind of transfer between two ranks post in different
+    orders (NCCL would pair the wrong messages, see the module docstring).
+
+    Raises:
+        SpecError: naming the two ranks and the first micro-batches that differ.
+    """
+    sent, got = _transfers(sched)
     for key in sorted(set(sent) | set(got)):
         out, into = sent.get(key, []), got.get(key, [])
         if out != into:
@@ -174,8 +190,58 @@ def check_transfer_order(sched: PipelineSchedule) -> None:
                             "re-run `hetplan plan`")
 
 
+def check_chimera_shape(sched: PipelineSchedule) -> None:
+    """Refuse lists that are not Chimera's shape, which the sync groups and the loss scale
+    assume: ``P`` even, every micro-batch running stage ``s`` on rank ``s`` (down) or on rank
+    ``P-1-s`` (up) for all its stages, as many micro-batches down as up.
+
+    Raises:
+        SpecError: naming the first micro-batch that breaks it.
+    """
+    _, rank_of = sched.index()
+    p, s_total, m_total = sched.num_ranks, sched.num_stages, sched.num_microbatches
+    fix = "re-run `hetplan plan --schedule chimera`"
+    if p % 2 or s_total != p:
+        raise SpecError(f"pipeline_actions: {p} ranks and {s_total} stages; Chimera runs one "
+                        f"stage per rank and direction over an even number of ranks: {fix}")
+    down = 0
+    for m in range(m_total):
+        ranks = [rank_of[m * s_total + s] for s in range(s_total)]
+        if ranks == list(range(p)):
+            down += 1
+        elif ranks != list(range(p - 1, -1, -1)):
+            raise SpecError(f"pipeline_actions: micro-batch {m} runs its stages on ranks "
+                            f"{ranks}, neither down (0..{p - 1}) nor up; {fix}")
+    if 2 * down != m_total:
+        raise SpecError(f"pipeline_actions: {down} of {m_total} micro-batches go down; Chimera "
+                        f"sends half each way (each direction's loss is divided by M/2): {fix}")
+
+
+def warm_up(sched: PipelineSchedule, groups: ChimeraGroups, chain: Sequence[int],
+            pp_rank: int, device: torch.device) -> None:
+    """One small blocking message on every (group, pair) the step uses, in one global order.
+
+    NCCL connects two ranks of a group for point-to-point lazily, at their first message,
+    and the connection blocks the host until both have reached it. In the step, rank 0's
+    first send (down, on ``act+``) and rank ``P-1``'s (up, on ``act-``) would each wait for
+    a peer still blocked in its own: a deadlock at the first step. Here every rank walks
+    the same sorted list of ``(source, destination, kind)`` and takes part in its own
+    entries; the earliest entry not done always has both ends at it, so the walk ends.
+    On gloo the messages only cost a round trip each, once."""
+    sent, _ = _transfers(sched)
+    one = torch.zeros(1, device=device)
+    for src, dst, kind in sorted(sent):
+        if pp_rank not in (src, dst):
+            continue
+        group = groups.p2p[("act" if kind == _ACT else "grad") + ("+" if dst > src else "-")]
+        if pp_rank == src:
+            dist.send(one, chain[dst], group)
+        else:
+            dist.recv(one, chain[src], group)
+
+
 @dataclass
-class _Boundary:
+class Boundary:
     """What stage ``s`` hands to stage ``s+1`` for one micro-batch: shapes, dtypes."""
 
     shapes: list[torch.Size]
@@ -194,7 +260,7 @@ class ChimeraPipeline:
     """
 
     def __init__(self, ctx: RuntimeContext, modules: dict[int, nn.Module],
-                 schedule: PipelineSchedule, boundaries: Sequence[_Boundary],
+                 schedule: PipelineSchedule, boundaries: Sequence[Boundary],
                  groups: ChimeraGroups) -> None:
         assert ctx.groups is not None
         self.modules = modules
@@ -228,6 +294,11 @@ class ChimeraPipeline:
         """Every action of this rank's list over the replica's rows ``(xs, y)``; the
         replica's loss on the ranks holding the last stage, NaN elsewhere."""
         last = self.num_stages - 1
+        rows_needed = self.schedule.num_microbatches * self.mb_rows
+        if any(x.shape[0] != rows_needed for x in (*xs, y)):
+            raise SpecError(f"the replica's batch has {[x.shape[0] for x in (*xs, y)]} rows; "
+                            f"the plan's {self.schedule.num_microbatches} micro-batches of "
+                            f"{self.mb_rows} need {rows_needed}: pass the plan's global batch")
         saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         pending: list[Any] = []
         losses: list[torch.Tensor] = []
@@ -245,6 +316,7 @@ class ChimeraPipeline:
                     saved[(m, s)] = (ins, [loss])
                     continue
                 outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                self._check_boundary(outs, s)
                 pending += self._send(outs, m, s + 1, _ACT)
                 saved[(m, s)] = (ins, outs)
             else:
@@ -266,6 +338,16 @@ class ChimeraPipeline:
         for work in pending:
             work.wait()
         return self._loss(losses)
+
+    def _check_boundary(self, outs: list[torch.Tensor], s: int) -> None:
+        """Stage ``s``'s outputs have the shapes and dtypes its receiver's buffers were made
+        for (metadata only): a mismatch would fail inside gloo, or hang or corrupt on NCCL."""
+        b = self.boundaries[s]
+        if [t.shape for t in outs] != b.shapes or [t.dtype for t in outs] != b.dtypes:
+            raise SpecError(f"stage {s} returned {[(tuple(t.shape), t.dtype) for t in outs]}, "
+                            f"its next stage expects {list(zip(map(tuple, b.shapes), b.dtypes))}"
+                            " (set from the example inputs at setup): train with inputs of "
+                            "the shapes the plan was made for")
 
     def _loss(self, losses: list[torch.Tensor]) -> float:
         """The replica's loss: the two directions' means, summed over the loss pair and
@@ -310,9 +392,11 @@ class ChimeraPipeline:
         group, tag = self._group(_GRAD, src_pp, self.pp_rank), self._tag(m, s, _GRAD)
         grads = []
         for o in outs:
-            g = torch.empty_like(o) if o.is_floating_point() else torch.zeros_like(o)
-            if o.is_floating_point():
-                dist.recv(g, src, group, tag=tag)
+            if not o.is_floating_point():
+                grads.append(torch.zeros_like(o))
+                continue
+            g = torch.empty(o.shape, dtype=o.dtype, device=o.device)  # contiguous for recv
+            dist.recv(g, src, group, tag=tag)
             grads.append(g)
         return grads
 
@@ -327,11 +411,11 @@ class _Keep:
         self.t = None
 
 
-def boundaries(modules: Sequence[nn.Module], example: Sequence[Any]) -> list[_Boundary]:
+def boundaries(modules: Sequence[nn.Module], example: Sequence[Any]) -> list[Boundary]:
     """What every stage but the last sends to the next one, for one micro-batch: one forward
     of ``example`` through all ``modules`` in order, without gradients (the receivers'
     buffers; every micro-batch has the plan's ``micro_batch_size`` rows)."""
-    out: list[_Boundary] = []
+    out: list[Boundary] = []
     ins: list[Any] = list(example)
     with torch.no_grad():
         for mod in modules[:-1]:
@@ -340,5 +424,5 @@ def boundaries(modules: Sequence[nn.Module], example: Sequence[Any]) -> list[_Bo
             if not all(isinstance(t, torch.Tensor) for t in ins):
                 raise SpecError(f"a pipeline stage returned {[type(t).__name__ for t in ins]};"
                                 " the Chimera runtime sends tensors only")
-            out.append(_Boundary([t.shape for t in ins], [t.dtype for t in ins]))
+            out.append(Boundary([t.shape for t in ins], [t.dtype for t in ins]))
     return out

@@ -25,6 +25,7 @@ from collections.abc import Collection
 from contextlib import AbstractContextManager
 from typing import Any
 
+from hetplan.runtime.composition import effective_zero_stage
 from hetplan.runtime.grad_sync import GradSync
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.handlers.sparse_sync import sparse_names
@@ -46,7 +47,7 @@ class GradSyncHandler(Handler):
         self.early = False  # launch a pipeline stage's buckets as it finishes (setup)
 
     def setup(self, ctx: RuntimeContext) -> None:
-        if ctx.layout.dp > 1 and ctx.layout.zero_stage >= 2:
+        if effective_zero_stage(ctx.layout) >= 2:
             return  # ZeroHandler reduce-scatters the gradients
         groups = ctx.groups
         sparse = sparse_names(ctx)  # synced by the sparse-sync handler instead

@@ -294,7 +294,7 @@ class HeteroPipeline:
                 if not g.is_floating_point():
                     continue
                 view = _rows(g, mylo, myhi, lo, hi)
-                buf = torch.empty_like(view)
+                buf = torch.empty_like(view, memory_format=torch.contiguous_format)
                 dist.recv(buf, src, self.bwd, tag=_tag(i, _BWD))
                 view.copy_(buf)
         return grads

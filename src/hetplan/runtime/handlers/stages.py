@@ -85,7 +85,6 @@ class StagesHandler(Handler):
         self.ties_synced = False  # _tie_groups made a group for every tie (this rank's or not)
         self.hetero: HeteroPipeline | None = None
         self.chimera: ChimeraPipeline | None = None
-        self.chimera_ties: list[tuple[str, ...]] = []  # tied parameters, held on one rank
         self.trace: StepTrace | None = None
 
     @property
@@ -220,8 +219,10 @@ class StagesHandler(Handler):
         from hetplan.runtime.handlers.chimera import (
             ChimeraPipeline,
             boundaries,
+            check_chimera_shape,
             check_transfer_order,
             chimera_groups,
+            warm_up,
         )
         from hetplan.runtime.handlers.hetero import HeteroStage
         from hetplan.runtime.pipeline import stage_modules as split_stages
@@ -234,11 +235,12 @@ class StagesHandler(Handler):
         except PipelineScheduleError as e:
             raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
                             "`hetplan plan`") from e
+        check_chimera_shape(sched)
         check_transfer_order(sched)
         mine = sorted({a.stage for a in sched.actions[groups.pp_rank]})
         layer_names = [x.name for x in ctx.model_ir().layers]
-        self.chimera_ties = tied_across_stages(ctx.model, plan.stages, layer_names)
-        for names in self.chimera_ties:
+        ties = tied_across_stages(ctx.model, plan.stages, layer_names)
+        for names in ties:
             owners = {stage_owning(plan.stages, layer_names, n) for n in names}
             holders = [{a.stage for a in acts} for acts in sched.actions]
             if not any(owners <= h for h in holders):
@@ -250,14 +252,22 @@ class StagesHandler(Handler):
         modules = split_stages(ctx.model, trace_example(ctx), ctx.forward_kwargs, plan.stages,
                                every, ir_layer_names=layer_names, allow_ties=True)
         sent = boundaries([modules[i] for i in every], trace_example(ctx))
+        for names in ties:
+            _retie([modules[i] for i in mine], names)
         cg = chimera_groups(ctx)
+        warm_up(sched, cg, groups.pp_ranks, groups.pp_rank,
+                next(ctx.model.parameters()).device)
         ctx.groups = cg.data_parallel(groups)
         self.stages = [HeteroStage(modules[i], i) for i in mine]
         self.chimera = ChimeraPipeline(ctx, {i: modules[i] for i in mine}, sched, sent, cg)
         self.actions = sched
         self.num_stages = len(plan.stages)
-        owned = _owned_params(self.stages, plan.stages, ctx.model_ir().layers)
-        ctx.named_params = list({id(p): (n, p) for n, p in reversed(owned)}.values())[::-1]
+        seen: set[int] = set()
+        ctx.named_params = []
+        for n, p in _owned_params(self.stages, plan.stages, ctx.model_ir().layers):
+            if id(p) not in seen:  # a re-tied parameter under its first stage's name
+                seen.add(id(p))
+                ctx.named_params.append((n, p))
 
     def rebuild_hetero(self, ctx: RuntimeContext, stages: Sequence[Stage]) -> None:
         """Re-balancing on a plan with per-stage degrees: this rank's stage module rebuilt
@@ -313,8 +323,6 @@ class StagesHandler(Handler):
                 loss = self.chimera.step(ctx, xs, y)
             span = clock.settle(time.perf_counter() - t0)
             ctx.bubble_s = max(span - clock.busy_s, 0.0)
-            for names in self.chimera_ties:
-                _sum_local_copies(self.stages, names)
             return loss
         if ctx.released:
             return float("nan")
@@ -547,20 +555,25 @@ def _sum_tied(stages: Sequence[Any], tie: _Tie) -> None:
         _local(p.grad).copy_(total)
 
 
-def _sum_local_copies(stages: Sequence[Any], names: Sequence[str]) -> None:
-    """Every local copy of a parameter tied across this rank's stages gets the sum of the
-    copies' gradients (the copies a split made; one shared parameter is left alone)."""
-    copies: dict[int, torch.nn.Parameter] = {}
-    for st in stages:
-        for n, p in st.submod.named_parameters(remove_duplicate=False):
-            if n in names and p.grad is not None:
-                copies[id(p)] = p
-    if len(copies) < 2:
-        return
-    total = torch.stack([p.grad for p in copies.values()]).sum(0)  # type: ignore[misc]
-    for p in copies.values():
-        assert p.grad is not None
-        p.grad.copy_(total)
+def _retie(modules: Sequence[torch.nn.Module], names: Sequence[str]) -> None:
+    """Point every copy of a tied parameter in ``modules`` (one rank's stages; the split gives
+    each stage its own) at the first one, so the rank trains one parameter: autograd sums its
+    uses, and the gradient sync and the optimizer see it once."""
+    first: torch.nn.Parameter | None = None
+    for mod in modules:
+        for n in names:
+            path, _, attr = n.rpartition(".")
+            try:
+                owner = mod.get_submodule(path) if path else mod
+            except AttributeError:
+                continue
+            p = owner._parameters.get(attr)
+            if p is None:
+                continue
+            if first is None:
+                first = p
+            elif p is not first:
+                setattr(owner, attr, first)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
