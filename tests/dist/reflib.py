@@ -104,6 +104,15 @@ def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def zoo_plan(name: str, world: int, batch: int, **pins: Any) -> Plan:
+    """``hetplan.compile`` of zoo model ``name`` for ``world`` CPU ranks, fp32 compute and
+    ZeRO-0 unless ``pins`` say otherwise."""
+    args, kwargs = zoo_example(name)
+    ir = hetplan.capture(zoo_model(name), args, kwargs, name=name)
+    pins = {"dtype": "fp32", "zero_stage": 0, **pins}
+    return hetplan.compile(ir, cpu_cluster(world), batch_size=batch, **pins)
+
+
 def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=SGD_LR)
 

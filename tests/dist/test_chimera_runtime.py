@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from reflib import case_results, cpu_cluster, train_plans, zoo_example, zoo_model, zoo_reference
+from reflib import case_results, train_plans, zoo_model, zoo_plan, zoo_reference
 
-import hetplan
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Bucket, CastSync, GradientSync
@@ -60,10 +59,7 @@ EXACT = [k for k, (_, _, pins) in CASES.items() if pins.get("dtype", "fp32") == 
 
 
 def _plan(name: str, world: int, **pins: Any) -> Plan:
-    args, kwargs = zoo_example(name)
-    ir = hetplan.capture(zoo_model(name), args, kwargs, name=name)
-    pins = {"dtype": "fp32", "zero_stage": 0, **pins}
-    return hetplan.compile(ir, cpu_cluster(world), batch_size=BATCH, **pins)
+    return zoo_plan(name, world, BATCH, **pins)
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,8 @@ from hetplan.algorithms.pipeline_schedules import (
     plan_schedule,
 )
 from hetplan.errors import SpecError
-from hetplan.ir.plan_sections import Stage
+from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sections import Layout, Stage
 from hetplan.runtime.busy_clock import cuda_events
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 
@@ -127,11 +128,7 @@ class StagesHandler(Handler):
         if layout.schedule == "chimera":
             self._build_chimera(ctx)
             return
-        try:
-            actions = plan_schedule(layout, ctx.plan.pipeline_actions)
-        except PipelineScheduleError as e:
-            raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
-                            "`hetplan plan`") from e
+        actions = _plan_actions(layout, ctx.plan)
         self.ties = _tie_groups(ctx, ctx.plan.stages)
         self.ties_synced = True
         self.build(ctx, ctx.plan.stages, self.pp_group, actions)
@@ -195,11 +192,7 @@ class StagesHandler(Handler):
 
         plan, groups = ctx.plan, ctx.groups
         assert plan.layout is not None and groups is not None
-        try:
-            sched = plan_schedule(plan.layout, plan.pipeline_actions)
-        except PipelineScheduleError as e:
-            raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
-                            "`hetplan plan`") from e
+        sched = _plan_actions(plan.layout, plan)
         k = groups.pp_rank
         mine = sched.actions[k]
         if any(a.stage != k for a in mine):
@@ -230,11 +223,7 @@ class StagesHandler(Handler):
 
         plan, groups = ctx.plan, ctx.groups
         assert plan.layout is not None and groups is not None
-        try:
-            sched = plan_schedule(plan.layout, plan.pipeline_actions)
-        except PipelineScheduleError as e:
-            raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
-                            "`hetplan plan`") from e
+        sched = _plan_actions(plan.layout, plan)
         check_chimera_shape(sched)
         check_transfer_order(sched)
         mine = sorted({a.stage for a in sched.actions[groups.pp_rank]})
@@ -305,25 +294,11 @@ class StagesHandler(Handler):
     def run_micro_batches(self, ctx: RuntimeContext, inputs: Sequence[torch.Tensor],
                           target: torch.Tensor) -> float | torch.Tensor | None:
         if self.hetero is not None:  # the replica's rows of every micro-batch: its own
-            clock = self.hetero.clock
-            clock.reset()
-            t0 = time.perf_counter()
-            with ctx.accumulating():
-                loss = self.hetero.step(ctx, inputs, target)
-            span = clock.settle(time.perf_counter() - t0)
-            ctx.bubble_s = max(span - clock.busy_s, 0.0)
-            return loss
+            return _own_executor(ctx, self.hetero, inputs, target)
         xs = [_local_rows(ctx, x) for x in inputs]
         y = _local_rows(ctx, target)
         if self.chimera is not None:
-            clock = self.chimera.clock
-            clock.reset()
-            t0 = time.perf_counter()
-            with ctx.accumulating():
-                loss = self.chimera.step(ctx, xs, y)
-            span = clock.settle(time.perf_counter() - t0)
-            ctx.bubble_s = max(span - clock.busy_s, 0.0)
-            return loss
+            return _own_executor(ctx, self.chimera, xs, y)
         if ctx.released:
             return float("nan")
         if self.schedule is not None:
@@ -407,6 +382,30 @@ class StagesHandler(Handler):
         self.pp_group = None
         self.ties = []
         self.ties_synced = False
+
+
+def _plan_actions(layout: Layout, plan: Plan) -> PipelineSchedule:
+    """The plan's per-rank action lists, decoded and checked (a :class:`SpecError` naming
+    the fix when they cannot run)."""
+    try:
+        return plan_schedule(layout, plan.pipeline_actions)
+    except PipelineScheduleError as e:
+        raise SpecError(f"the plan's pipeline_actions cannot run: {e}; re-run "
+                        "`hetplan plan`") from e
+
+
+def _own_executor(ctx: RuntimeContext, executor: HeteroPipeline | ChimeraPipeline,
+                  xs: Sequence[torch.Tensor], y: torch.Tensor) -> float:
+    """One step of a pipeline executor of the runtime's own (heterogeneous, Chimera): every
+    backward only accumulates, ``ctx.bubble_s`` is the step's span less its compute."""
+    clock = executor.clock
+    clock.reset()
+    t0 = time.perf_counter()
+    with ctx.accumulating():
+        loss = executor.step(ctx, xs, y)
+    span = clock.settle(time.perf_counter() - t0)
+    ctx.bubble_s = max(span - clock.busy_s, 0.0)
+    return loss
 
 
 def stage_modules(ctx: RuntimeContext) -> list[torch.nn.Module]:
