@@ -127,6 +127,7 @@ PLANS = {
     "1f1b": lambda: _plan("1f1b", (2,)),
     "interleaved": lambda: _plan("interleaved-1f1b", (1, 2, 3), virtual=2),
     "dp-compressed": lambda: _plan("1f1b", (), pp=1, sync=_compressed_sync()),
+    "chimera": lambda: _plan("chimera", (2,)),
 }
 
 
@@ -167,6 +168,34 @@ def test_every_action_of_the_plan_is_traced_in_order(runs: Any, label: str) -> N
             assert a[2] <= c[2] and c[3] <= a[3]
         non_first = [a for a in want if a[1] == "F" and a[0] != "0"]
         assert len([s for s in _spans(out, "wait") if s[4]["kind"] == "F"]) == len(non_first)
+
+
+def test_every_action_of_a_chimera_list_is_traced_in_order(runs: Any) -> None:
+    """Chimera runs on the runtime's own executor: one ``action`` span per action of the
+    rank's list (no sends or receives of their own: each action's ``wait`` is inside it),
+    its compute inside it, a wait for every forward that receives (the down stage 1 and the
+    up stage 1, one per micro-batch on each rank), and a loss for every micro-batch whose
+    last stage the rank runs (both ranks do, one direction each)."""
+    plans, outs = runs
+    plan = plans["chimera"]
+    assert plan.pipeline_actions is not None
+    for out in outs["chimera"]:
+        want = plan.pipeline_actions.ranks[out["pp_rank"]].split()
+        actions = _spans(out, "action")
+        assert [f"{s[4]['stage']}{s[4]['kind']}{s[4]['microbatch']}" for s in actions] == want
+        assert [s[4]["index"] for s in actions] == list(range(len(want)))
+        assert [s[2] for s in actions] == sorted(s[2] for s in actions)
+        computed = [f"{s[4]['stage']}{s[4]['kind']}{s[4]['microbatch']}"
+                    for s in _spans(out, "compute")]
+        assert computed == want
+        for c in _spans(out, "compute") + _spans(out, "wait"):
+            a = next(x for x in actions if x[4]["kind"] == c[4]["kind"]
+                     and x[4]["microbatch"] == c[4]["microbatch"]
+                     and x[4]["stage"] == c[4]["stage"])
+            assert a[2] <= c[2] <= c[3] <= a[3]
+        waits_f = [s for s in _spans(out, "wait") if s[4]["kind"] == "F"]
+        assert len(waits_f) == len([a for a in want if a[1] == "F" and a[0] == "1"])
+        assert len(_spans(out, "loss")) == MICRO_BATCHES // 2
 
 
 def test_the_last_stage_traces_its_losses(runs: Any) -> None:

@@ -61,15 +61,19 @@ the replica's loss; the other ranks report NaN.
 
 Not composed (:mod:`hetplan.runtime.composition`): tensor parallelism, ZeRO-2/3 (collectives
 inside backward, while the two directions run different stages), per-stage degrees,
-hierarchical gradient-sync routings, Zen sparse sync, SDPipe group sync, re-balancing. Not
-marked in ``hetplan run --trace``.
+hierarchical gradient-sync routings, Zen sparse sync, SDPipe group sync, re-balancing.
+
+``hetplan run --trace`` marks, per action of the rank's list, the ``action`` span, its
+``wait`` for what it receives, its ``compute`` (the last stage's forward without its loss)
+and the last stage's ``loss``, as torch's schedule is marked.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -81,6 +85,9 @@ from hetplan.ir.plan_sections import Layout
 from hetplan.runtime.busy_clock import BusyClock, cuda_events
 from hetplan.runtime.groups import ParallelGroups
 from hetplan.runtime.handlers.base import RuntimeContext
+
+if TYPE_CHECKING:
+    from hetplan.runtime.trace import StepTrace
 
 __all__ = ["Boundary", "ChimeraGroups", "ChimeraPipeline", "boundaries", "check_chimera_shape",
            "check_transfer_order", "chimera_group_members", "chimera_groups", "warm_up"]
@@ -277,6 +284,7 @@ class ChimeraPipeline:
         first = next(iter(modules.values()))
         self.device = next((p.device for p in first.parameters()), torch.device("cpu"))
         self.clock = BusyClock(cuda_events(first))
+        self.trace: StepTrace | None = None  # ``hetplan run --trace``: the step's marks
 
     def _peer(self, m: int, s: int) -> int:
         """The global rank running stage ``s`` of micro-batch ``m`` in this replica."""
@@ -302,39 +310,53 @@ class ChimeraPipeline:
         saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         pending: list[Any] = []
         losses: list[torch.Tensor] = []
-        for a in self.actions:
-            m, s = a.microbatch, a.stage
+        trace = self.trace if self.trace is not None and self.trace.recording else None
+        for index, a in enumerate(self.actions):
+            m, s, k = a.microbatch, a.stage, a.kind.value
             rows = slice(m * self.mb_rows, (m + 1) * self.mb_rows)
+            t_action = time.perf_counter()
             if a.kind is ActionKind.F:
                 ins = [x[rows] for x in xs] if s == 0 else self._recv_activations(m, s)
-                with self.clock.busy():
+                t_in = time.perf_counter()
+                with self.clock.busy() as host:
                     out = self.modules[s](*ins)
+                    t_loss = time.perf_counter()
                     if s == last:
                         loss = ctx.loss_fn(out, y[rows]) / self.per_direction
                 if s == last:
                     losses.append(loss.detach())
                     saved[(m, s)] = (ins, [loss])
-                    continue
-                outs = list(out) if isinstance(out, (tuple, list)) else [out]
-                self._check_boundary(outs, s)
-                pending += self._send(outs, m, s + 1, _ACT)
-                saved[(m, s)] = (ins, outs)
+                else:
+                    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                    self._check_boundary(outs, s)
+                    pending += self._send(outs, m, s + 1, _ACT)
+                    saved[(m, s)] = (ins, outs)
             else:
                 ins, outs = saved.pop((m, s))
-                if s == last:
-                    with self.clock.busy():
+                grads = None if s == last else self._recv_grads(m, s, outs)
+                t_in = time.perf_counter()
+                with self.clock.busy() as host:
+                    if grads is None:
                         outs[0].backward()
-                else:
-                    grads = self._recv_grads(m, s, outs)
-                    pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
-                             if o.requires_grad]
-                    with self.clock.busy():
+                    else:
+                        pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
+                                 if o.requires_grad]
                         if pairs:
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 if s > 0:
                     grads_in = [t.grad if t.grad is not None else torch.zeros_like(t)
                                 for t in ins if t.is_floating_point()]
                     pending += self._send(grads_in, m, s - 1, _GRAD)
+            if trace is not None:  # as torch's schedule is marked (schedule.trace_schedule)
+                args: dict[str, Any] = {"kind": k, "microbatch": m, "stage": s}
+                trace.add(f"{k}{m} s{s}", "action", t_action, time.perf_counter(),
+                          index=index, **args)
+                if t_in > t_action and (s > 0 if k == "F" else s < last):
+                    trace.add(f"wait {k}{m} s{s}", "wait", t_action, t_in, **args)
+                end = host[1] if k == "B" or s != last else t_loss
+                trace.add(f"{k}{m} s{s}", "compute", host[0], end, **args)
+                if k == "F" and s == last:
+                    trace.add(f"loss{m} s{s}", "loss", t_loss, host[1], microbatch=m, stage=s)
         for work in pending:
             work.wait()
         return self._loss(losses)

@@ -107,6 +107,8 @@ class StagesHandler(Handler):
         self._mark_schedule()
 
     def _mark_schedule(self) -> None:
+        if self.chimera is not None:
+            self.chimera.trace = self.trace
         if self.trace is None or self.schedule is None or self.monitor is None:
             return
         from hetplan.runtime.schedule import trace_schedule
