@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from hetplan.runtime.groups import ParallelGroups
     from hetplan.runtime.resizing import StragglerSpec
 
-__all__ = ["Handler", "LossFn", "OptimizerFactory", "RuntimeContext", "StepTimes"]
+__all__ = ["Handler", "LocalStage", "LossFn", "OptimizerFactory", "RuntimeContext", "StepTimes"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -46,6 +46,17 @@ class StepTimes:
     optimizer_s: float
     bubble_s: float = 0.0
     cpu_s: float = 0.0
+
+
+@dataclass
+class LocalStage:
+    """A pipeline stage this rank runs with an executor of the runtime's own (a heterogeneous
+    pipeline, Chimera) instead of torch's ``PipelineStage``: its module (parameters shared
+    with the model) and index, what the precision and recomputation handlers read from a
+    pipeline stage."""
+
+    submod: nn.Module
+    stage_index: int
 
 
 @dataclass

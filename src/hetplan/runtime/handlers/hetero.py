@@ -50,19 +50,17 @@ resizing controller, SDPipe group sync
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.runtime.busy_clock import BusyClock, cuda_events
 from hetplan.runtime.groups import ParallelGroups, node_split
-from hetplan.runtime.handlers.base import RuntimeContext
+from hetplan.runtime.handlers.base import LocalStage, RuntimeContext
 from hetplan.runtime.hetero_ranks import (
     HeteroCoords,
     hetero_coords,
@@ -70,7 +68,7 @@ from hetplan.runtime.hetero_ranks import (
     row_overlaps,
 )
 
-__all__ = ["HeteroPipeline", "HeteroStage", "hetero_group_members", "hetero_groups"]
+__all__ = ["HeteroPipeline", "hetero_group_members", "hetero_groups"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.bool, torch.uint8)
@@ -121,15 +119,6 @@ def hetero_groups(plan: Plan, rank: int, timeout: timedelta) -> ParallelGroups:
                           mine.get("inter"), mine.get("fwd"), mine.get("bwd"))
 
 
-@dataclass
-class HeteroStage:
-    """This rank's stage: its module (parameters shared with the model) and index, what the
-    precision and recomputation handlers read from a pipeline stage."""
-
-    submod: nn.Module
-    stage_index: int
-
-
 class HeteroPipeline:
     """Runs one step of a heterogeneous pipeline on this rank (see the module docstring).
 
@@ -139,7 +128,7 @@ class HeteroPipeline:
         actions: this rank's stage's action list (``(kind, micro-batch)`` in order).
     """
 
-    def __init__(self, ctx: RuntimeContext, stage: HeteroStage,
+    def __init__(self, ctx: RuntimeContext, stage: LocalStage,
                  actions: Sequence[tuple[str, int]]) -> None:
         plan = ctx.plan
         assert plan.hetero is not None and plan.layout is not None and ctx.groups is not None

@@ -47,7 +47,7 @@ from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Layout, Stage
 from hetplan.runtime.busy_clock import cuda_events
-from hetplan.runtime.handlers.base import Handler, RuntimeContext
+from hetplan.runtime.handlers.base import Handler, LocalStage, RuntimeContext
 
 if TYPE_CHECKING:
     from hetplan.runtime.handlers.chimera import ChimeraPipeline
@@ -190,7 +190,7 @@ class StagesHandler(Handler):
 
     def _build_hetero(self, ctx: RuntimeContext) -> None:
         """This rank's stage of a plan with per-stage degrees, and its executor."""
-        from hetplan.runtime.handlers.hetero import HeteroPipeline, HeteroStage
+        from hetplan.runtime.handlers.hetero import HeteroPipeline
 
         plan, groups = ctx.plan, ctx.groups
         assert plan.layout is not None and groups is not None
@@ -201,7 +201,7 @@ class StagesHandler(Handler):
             raise SpecError(f"pipeline_actions.ranks[{k}]: actions of other stages "
                             f"({[str(a) for a in mine if a.stage != k][:3]}); a pipeline of "
                             "per-stage degrees runs one stage per position (gpipe, 1f1b)")
-        self.stages = [HeteroStage(self._hetero_module(ctx, plan.stages, k), k)]
+        self.stages = [LocalStage(self._hetero_module(ctx, plan.stages, k), k)]
         self.hetero = HeteroPipeline(ctx, self.stages[0],
                                      [(a.kind.value, a.microbatch) for a in mine])
         self.num_stages = len(plan.stages)
@@ -219,7 +219,6 @@ class StagesHandler(Handler):
             chimera_groups,
             warm_up,
         )
-        from hetplan.runtime.handlers.hetero import HeteroStage
         from hetplan.runtime.pipeline import stage_modules as split_stages
         from hetplan.runtime.pipeline import stage_owning, tied_across_stages
 
@@ -249,7 +248,7 @@ class StagesHandler(Handler):
         warm_up(sched, cg, groups.pp_ranks, groups.pp_rank,
                 next(ctx.model.parameters()).device)
         ctx.groups = cg.data_parallel(groups)
-        self.stages = [HeteroStage(modules[i], i) for i in mine]
+        self.stages = [LocalStage(modules[i], i) for i in mine]
         self.chimera = ChimeraPipeline(ctx, {i: modules[i] for i in mine}, sched, sent, cg)
         self.actions = sched
         self.num_stages = len(plan.stages)
@@ -264,11 +263,10 @@ class StagesHandler(Handler):
         """Re-balancing on a plan with per-stage degrees: this rank's stage module rebuilt
         for ``stages`` (same stage index, ranks and degrees; other layers), put into the
         executor, which keeps its action list; ``ctx.named_params`` becomes its own."""
-        from hetplan.runtime.handlers.hetero import HeteroStage
 
         assert self.hetero is not None and self.stages
         k = self.stages[0].stage_index
-        self.stages = [HeteroStage(self._hetero_module(ctx, stages, k), k)]
+        self.stages = [LocalStage(self._hetero_module(ctx, stages, k), k)]
         self.hetero.stage = self.stages[0]
         ctx.named_params = _owned_params(self.stages, stages, ctx.model_ir().layers)
 
