@@ -23,7 +23,10 @@ Data: every rank is given the same global batch; data-parallel replica ``d`` tra
 A plan with per-stage degrees (``hetero``) builds this rank's one stage module and runs it
 with :class:`~hetplan.runtime.handlers.hetero.HeteroPipeline`, which moves activations
 between stages of different data- and tensor-parallel degrees itself (torch's stages talk to
-one peer per neighbour); its replicas take rows of every micro-batch instead.
+one peer per neighbour); its replicas take rows of every micro-batch instead. A Chimera plan
+builds this rank's two stages (``r`` and ``P-1-r``) and runs them with
+:class:`~hetplan.runtime.handlers.chimera.ChimeraPipeline`; the data-parallel group becomes
+the group of both directions' copies.
 """
 
 from __future__ import annotations
