@@ -1189,6 +1189,8 @@ def _print_trace(cmp: dict[str, Any]) -> None:
         p, m = r["predicted"], r["measured"]
         after = ", ".join(f"{k} {v:.2f}" for k, v in m["after_backward_ms"].items()
                           if v >= 0.01)
+        synced = ", ".join(f"{k} {v:.2f}" for k, v in m.get("after_sync_ms", {}).items()
+                           if v >= 0.01)
         out.print(f"  predicted: pipeline {num(p['pipeline_iteration_ms'])} ms, busy "
                   f"{num(p['busy_ms'])}, idle {num(p['idle_ms'])}; exposed sync "
                   f"{num(p['exposed_sync_ms'])}, optimizer {num(p['optimizer_ms'])}", markup=False)
@@ -1197,7 +1199,8 @@ def _print_trace(cmp: dict[str, Any]) -> None:
                   f"{m['compute_ms']:.2f} + waiting for activations "
                   f"{m['wait_for_activations_ms']:.2f} + for gradients "
                   f"{m['wait_for_gradients_ms']:.2f} + loss {m['loss_ms']:.2f} + other "
-                  f"{m['other_ms']:.2f}; after backward ({after or 'nothing'}); optimizer "
+                  f"{m['other_ms']:.2f}; after backward ({after or 'nothing'}); after "
+                  f"the sync ({synced or 'nothing'}); optimizer "
                   f"{m['optimizer_ms']:.2f}", markup=False)
         if m.get("sync_ms"):
             out.print("  gradient sync: " + ", ".join(f"{k} {v:.2f}"

@@ -77,6 +77,9 @@ class Recorder(Handler):
     def after_backward(self, ctx: RuntimeContext) -> None:
         self.calls.append("after_backward")
 
+    def after_sync(self, ctx: RuntimeContext) -> None:
+        self.calls.append("after_sync")
+
     def after_step(self, ctx: RuntimeContext) -> None:
         assert ctx.last_times is not None
         self.calls.append(f"after_step {ctx.iteration}")
@@ -95,7 +98,7 @@ def test_an_added_handler_gets_every_hook_in_order() -> None:
     # the stage handler runs the step, so the recorder's run_micro_batches is never asked;
     # the first 3 of 4 micro-batches accumulate
     assert Recorder.calls == ["setup params=4", "accumulate", "accumulate", "accumulate",
-                              "after_backward", "after_step 0", "close"]
+                              "after_backward", "after_sync", "after_step 0", "close"]
 
 
 def test_a_step_without_a_handler_that_runs_it_is_refused() -> None:

@@ -57,7 +57,8 @@ def _recording(plan: Any, rank: int, t0: float) -> dict[str, Any]:
         now += 1e-4  # posting a send
     tr.add("micro-batches", "phase", t0, now)
     tr.add("after_backward GradSyncHandler", "phase", now, now + 2e-3)
-    tr.add("optimizer step", "phase", now + 2e-3, now + 3e-3)
+    tr.add("after_sync StagesHandler", "phase", now + 2e-3, now + 2.5e-3)
+    tr.add("optimizer step", "phase", now + 2.5e-3, now + 3.5e-3)
     tr.add("comp", "sync", now, now + 5e-4, tid=1)
     tr.add("comp", "sync", now + 1e-3, now + 1.5e-3, tid=1)
     tr.stop()
@@ -97,6 +98,7 @@ def test_each_action_is_predicted_beside_measured(plan: Any) -> None:
                                              else 0.0)
         assert m["other_ms"] == pytest.approx(n * 0.1, abs=1e-3)
         assert m["after_backward_ms"] == {"GradSyncHandler": pytest.approx(2.0)}
+        assert m["after_sync_ms"] == {"StagesHandler": pytest.approx(0.5)}
         assert m["micro_batches_start_ms"] == pytest.approx(r["rank"] * 1.0)
         assert m["sync_ms"] == {"comp": pytest.approx(1.0)}
         assert m["optimizer_ms"] == pytest.approx(1.0)

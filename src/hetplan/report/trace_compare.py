@@ -209,6 +209,8 @@ def _rank_rows(rank: int, p: int, events: list[dict[str, Any]],
         "other_ms": _r(mb_phase - compute - waits["F"] - waits["B"] - loss),
         "after_backward_ms": {k.removeprefix("after_backward "): _r(v)
                               for k, v in phases.items() if k.startswith("after_backward")},
+        "after_sync_ms": {k.removeprefix("after_sync "): _r(v)
+                          for k, v in phases.items() if k.startswith("after_sync")},
         "optimizer_ms": _r(phases.get("optimizer step", 0.0)),
     }
     sync: dict[str, float] = {}

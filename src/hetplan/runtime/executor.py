@@ -251,6 +251,13 @@ class Runtime:
                 t_prev, t0 = time.perf_counter(), t_prev
                 if type(h).after_backward is not Handler.after_backward:
                     trace.add(f"after_backward {type(h).__name__}", "phase", t0, t_prev)
+        for h in ctx.handlers:
+            if type(h).after_sync is Handler.after_sync:
+                continue
+            h.after_sync(ctx)
+            if trace is not None:
+                t_prev, t0 = time.perf_counter(), t_prev
+                trace.add(f"after_sync {type(h).__name__}", "phase", t0, t_prev)
         clock.mark()
         if ctx.optimizer is not None:
             ctx.optimizer.step()

@@ -48,8 +48,8 @@ meanwhile (an optimizer's ``zero_grad(set_to_none=True)``) is copied back into i
 before (the copy path syncs zeros for it). Paths that need their own buffers keep the
 flatten-and-copy code: the worker-thread paths (compressed, hierarchical, non-allreduce
 routings), buckets of mixed dtypes or devices, DTensor or non-contiguous parameters, and
-whatever the handler builds without views (pipelines: the tied-weight sum tells a stage's
-unused alias of a tied weight by its ``.grad`` being None, which a zeroed view is not).
+whatever the handler builds without views (pipelines: views are built and tested for the
+single-stage step only).
 
 The last bucket in the plan's order gets no hooks: it can only launch once every other
 bucket has and all of its own gradients are accumulated; the plan's order is the

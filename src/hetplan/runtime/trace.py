@@ -6,7 +6,8 @@ during one chosen step (by default the last) with its start and end on the host'
 
 * ``phase``: the step's phases as the runtime runs them: the micro-batches, every handler's
   after-backward work (``after_backward GradSyncHandler`` is the wait for the data-parallel
-  gradient sync; ``after_backward StagesHandler`` the sum of tied gradients), and the
+  gradient sync), every handler's work after the sync (``after_sync StagesHandler`` the
+  sum of tied gradients; ``after_backward StagesHandler`` under ZeRO-2), and the
   optimizer step with ``zero_grad`` up to the step's end (the loss read);
 * ``action``: with a pipeline, every action of the rank's lowered schedule, in the order it
   ran: the plan's forwards and backwards and the sends and receives torch's schedule runtime

@@ -6,6 +6,7 @@ from the plan (:meth:`Handler.setup`) and hooks into the step. One step of the r
 
     loss = first non-None h.run_micro_batches(ctx, inputs, target)   # forward + backward
     h.after_backward(ctx)            for every handler               # e.g. finish grad sync
+    h.after_sync(ctx)                for every handler               # e.g. sum tied copies
     optimizer step                                                   # ctx.optimizer
     h.after_step(ctx)                for every handler               # e.g. controller, events
 
@@ -29,9 +30,10 @@ ResizingHandler            ``tensor_parallel.controller``  ZERO / migration / SE
 StagesHandler              ``stages``,                     this rank's stages; runs the
                            ``pipeline_actions``,           plan's action list (or the
                            ``hetero``                      micro-batches locally); sums
-                                                           tied weights' gradients; per-
-                                                           stage degrees: ``hetero.py``;
-                                                           Chimera: ``chimera.py``
+                                                           tied weights' gradients after
+                                                           the sync; per-stage degrees:
+                                                           ``hetero.py``; Chimera:
+                                                           ``chimera.py``
 PrecisionHandler           ``precision``                   16-bit working weights, autocast,
                                                            fp32 loss, fp16 loss scale
 RecomputeHandler           ``stages.recompute``            checkpoint per block / per

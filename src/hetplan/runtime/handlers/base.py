@@ -174,6 +174,10 @@ class Handler:
         """After every micro-batch's backward, before the optimizer step (timed as the wait
         for gradient sync)."""
 
+    def after_sync(self, ctx: RuntimeContext) -> None:
+        """After every handler's :meth:`after_backward` (the gradients are synced across the
+        data-parallel replicas, where the plan syncs them), before the optimizer step."""
+
     def after_step(self, ctx: RuntimeContext) -> None:
         """After the optimizer step of iteration ``ctx.iteration``; ``ctx.last_times`` holds
         its measured times."""

@@ -10,12 +10,14 @@ Without a pipeline (``pp == 1``, no per-stage degrees) the fast path's gradients
 their bucket's buffer (``GradSync(grad_views=True)``): backward accumulates straight into the
 buffer the collective sends, and :meth:`GradSyncHandler.after_step` zeroes the buffers after
 the optimizer step (whose ``zero_grad`` set the gradients to None) and points the gradients
-back at them. A pipeline keeps the copy path: the stage handler's tied-weight sum tells a
-stage's unused alias of a tied weight by its ``.grad`` being None (and every bucket of a
-pipeline on NCCL is launched stage by stage: when a stage's last backward of the step has
-ended, its flat-allreduce buckets start syncing while the rank's later stages still compute
-(:func:`overlaps_compute`; on gloo, and for the other paths, every bucket launches after the
-schedule); :meth:`GradSyncHandler.after_backward` launches what is left and waits for all).
+back at them. A pipeline keeps the copy path (views are built and tested for the
+single-stage step only; the stage handler sums a tied weight's copies after this sync, and
+a copy path writes a synced zero gradient to a stage's unused alias of it). Every bucket
+of a pipeline on NCCL is launched stage by stage: when a stage's last backward of the step
+has ended, its flat-allreduce buckets start syncing while the rank's later stages still
+compute (:func:`overlaps_compute`; on gloo, and for the other paths, every bucket launches
+after the schedule); :meth:`GradSyncHandler.after_backward` launches what is left and waits
+for all.
 """
 
 from __future__ import annotations

@@ -13,9 +13,16 @@ Tied parameters (GPT-2's ``wte``/``lm_head``): a parameter that layers of differ
 read is kept on every stage that reads it, as Megatron keeps the word embedding on the first
 and last stage. Each copy accumulates the gradient of its own uses; after the schedule, the
 copies' gradients are summed over the *tie group* (the ranks of one data- and tensor-parallel
-coordinate that hold such a stage) and every copy gets the sum, before the data-parallel
-gradient sync. The copies start equal (every rank builds the model with the same weights) and
-take the same optimizer steps, so they stay equal: the gradient is the unsplit model's.
+coordinate that hold such a stage) and every copy gets the sum. The sum comes after the
+data-parallel gradient sync (Megatron-LM's order): the plan lists a tied tensor once, so the
+copies may sync through different buckets and strategies (the first stage's in the plan's
+bucket, perhaps compressed or cast; the last stage's, under another name, in fp32), and a
+sum before the sync would let the copies' lossy rounding differ and the copies drift apart.
+Summed after it, both get the same gradient bit for bit. Under ZeRO-2, whose reduce-scatter
+leaves each rank a shard of a flat buffer the copies do not share, the sum stays before the
+sync. The copies start equal (every rank builds the model with the same weights) and take
+the same optimizer steps, so they stay equal: the gradient is the unsplit model's (up to
+the sync's own loss, where it compresses).
 
 Data: every rank is given the same global batch; data-parallel replica ``d`` trains on rows
 ``[d·b, (d+1)·b)`` with ``b = batch / dp``, split into the plan's micro-batches.
@@ -50,6 +57,7 @@ from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import Layout, Stage
 from hetplan.runtime.busy_clock import cuda_events
+from hetplan.runtime.composition import effective_zero_stage
 from hetplan.runtime.handlers.base import Handler, LocalStage, RuntimeContext
 
 if TYPE_CHECKING:
@@ -363,9 +371,10 @@ class StagesHandler(Handler):
         return float(loss) if loss is not None else float("nan")
 
     def _gradients_final(self, ctx: RuntimeContext, stage_index: int) -> None:
-        """Tell every handler that stage ``stage_index``'s gradients are final for this step:
-        its parameters but the tied ones (:meth:`after_backward` sums those later)."""
-        tied = {n for tie in self.ties for n in tie.names}
+        """Tell every handler that stage ``stage_index``'s gradients are final for this step
+        (tied parameters too, unless their copies are summed before the sync:
+        :meth:`after_backward`)."""
+        tied = {n for tie in self.ties for n in tie.names} if _sum_before_sync(ctx) else set()
         st = next(s for s in self.stages if s.stage_index == stage_index)
         final = {id(p) for n, p in st.submod.named_parameters(remove_duplicate=False)
                  if n not in tied}
@@ -373,10 +382,23 @@ class StagesHandler(Handler):
             h.stage_gradients_final(ctx, final)
 
     def after_backward(self, ctx: RuntimeContext) -> None:
-        """Sum the gradients of every tied parameter's copies over its tie group (before the
-        data-parallel sync, which the gradient-sync handler finishes after this one)."""
-        for tie in self.ties:
-            _sum_tied(self.stages, tie)
+        """Under ZeRO-2, whose reduce-scatter (the ZeRO handler's, after this one) leaves each
+        rank a shard of a flat buffer that the copies do not share: sum the gradients of
+        every tied parameter's copies over its tie group before the sync."""
+        if _sum_before_sync(ctx):
+            for tie in self.ties:
+                _sum_tied(self.stages, tie)
+
+    def after_sync(self, ctx: RuntimeContext) -> None:
+        """Sum the gradients of every tied parameter's copies over its tie group after the
+        data-parallel sync (as Megatron-LM sums the embedding group's after its data-parallel
+        all-reduce), so every copy takes the same step even where the plan syncs one copy
+        lossily or with another strategy than the other (module docstring). Under ZeRO-3 the
+        gradients are FSDP's shards, reduced during backward, one shard per parameter: summed
+        shard by shard."""
+        if not _sum_before_sync(ctx):
+            for tie in self.ties:
+                _sum_tied(self.stages, tie)
 
     def close(self, ctx: RuntimeContext) -> None:
         self.drop()
@@ -530,6 +552,12 @@ def _owned_params(local: Sequence[Any], stages: Sequence[Stage],
             if owner is None or owner == st.stage_index:
                 out.append((n, p))
     return out
+
+
+def _sum_before_sync(ctx: RuntimeContext) -> bool:
+    """Whether tied copies are summed before the data-parallel sync (ZeRO-2's flat shards:
+    :meth:`StagesHandler.after_backward`) rather than after it."""
+    return effective_zero_stage(ctx.layout) == 2
 
 
 def _sum_tied(stages: Sequence[Any], tie: _Tie) -> None:
