@@ -17,10 +17,14 @@ back. ``stage`` indexes the micro-batch's own pipeline ``0 .. S-1``: for gpipe a
 the rank; interleaved rank ``r`` holds stages ``r, r+P, …``; in Chimera it is the stage in the
 micro-batch's direction (so a stage index names two ranks, one per direction).
 
-The schedule as data (:class:`Action`, :class:`PipelineSchedule`, the errors) and the check
+The schedule as data (:class:`Action`, :class:`PipelineSchedule`, the errors), the check
 that lists can finish (:func:`check_progress`, :func:`decode_schedule`, :func:`deadlock_error`)
-live in :mod:`hetplan.ir.pipeline_order`, so that the plan's one validator runs the same check
-on a plan's lists; they are re-exported here, and this module keeps the generators.
+and what the executors assume of the lists (:func:`misplaced_stages`,
+:func:`chimera_shape_problem`, :func:`transfer_order_problem`,
+:func:`last_stage_order_problem`) live in :mod:`hetplan.ir.pipeline_order`, so that the plan's
+one validator runs the same checks on a plan's lists as the runtime (``ir`` is the lowest
+import layer: the validator may not import this module); they are re-exported here, and this
+module keeps the generators.
 
 Pure Python, no torch: the only imports are the plan's ``ir`` modules.
 """
@@ -36,8 +40,13 @@ from hetplan.ir.pipeline_order import (
     PipelineSchedule,
     PipelineScheduleError,
     check_progress,
+    chimera_shape_problem,
     deadlock_error,
     decode_schedule,
+    last_stage_order_problem,
+    misplaced_stages,
+    transfer_order_problem,
+    transfers,
 )
 from hetplan.ir.plan_sections import Layout, PipelineActions
 
@@ -46,7 +55,8 @@ __all__ = [
     "deadlock_error",
     "PipelineScheduleError", "build_schedule", "check_progress", "check_sizes", "chimera_schedule",
     "decode_schedule", "gpipe_schedule", "interleaved_1f1b_schedule", "layout_actions",
-    "one_f_one_b_schedule", "plan_schedule",
+    "one_f_one_b_schedule", "plan_schedule", "chimera_shape_problem",
+    "last_stage_order_problem", "misplaced_stages", "transfer_order_problem", "transfers",
 ]
 
 #: Schedule names :func:`build_schedule` generates.

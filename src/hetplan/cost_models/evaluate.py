@@ -65,6 +65,7 @@ import numpy as np
 
 from hetplan.algorithms.dp_timeline import simulate_dp
 from hetplan.algorithms.dp_types import CPU, GPU, DPTimeline, Op, SyncUnit
+from hetplan.algorithms.pipeline_schedules import decode_schedule
 from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
@@ -74,7 +75,14 @@ from hetplan.cost_models.memory import (
     check_fits,
 )
 from hetplan.cost_models.optimizer_step import step_bytes, step_kernels, step_seconds
-from hetplan.cost_models.pipeline import PipelineSimResult, simulate_named, simulate_pipeline
+from hetplan.cost_models.pipeline import (
+    PipelineSchedule,
+    PipelineSimResult,
+    build_schedule,
+    simulate_named,
+    simulate_pipeline,
+    simulate_schedule,
+)
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import held_stages, rank_memory, stage_precision
 from hetplan.cost_models.stage_times import (
@@ -97,6 +105,7 @@ from hetplan.ir.plan_sections import (
     LayerCost,
     Layout,
     NoSync,
+    PipelineActions,
     Stage,
     SyncStrategy,
     TensorParallel,
@@ -160,8 +169,14 @@ def evaluate(
     record: bool = False,
     tensor_parallel: TensorParallel | None = None,
     sparse_sync: SparseSync | None = None,
+    actions: PipelineActions | None = None,
 ) -> Evaluation:
     """Predict one iteration (see module docstring).
+
+    ``actions``: the plan's ``pipeline_actions`` section, the lists the runtime executes;
+    the pipeline is simulated over them where they differ from the lists the layout's
+    schedule generates (a plan edited by hand), else over the generated ones (the search's
+    candidates carry none). Equal lists give the same prediction to the bit.
 
     ``sparse_sync``: the plan's sparse-sync section; each of its tensors with a scheme other
     than ``dense`` leaves its gradient-sync unit and is its own unit, priced by
@@ -176,7 +191,7 @@ def evaluate(
             workload's gradients and keeps each bucket in one stage: hetplan.ir.plan_checks).
         InfeasiblePlanError: a rank runs out of memory (with ``check_memory``).
     """
-    pre = _prefix(workload, layout, stages, costs, tensor_parallel)
+    pre = _prefix(workload, layout, stages, costs, tensor_parallel, actions)
     stages = pre.stages
     units = _units_by_stage(workload, gradient_sync, pre.stage_of, len(stages), sparse_sync)
     stage_costs, timelines, comm_busy, compression, finish = _sync_all(
@@ -314,9 +329,11 @@ def _prefix(
     stages: tuple[Stage, ...],
     costs: CostModel,
     tensor_parallel: TensorParallel | None,
+    actions: PipelineActions | None = None,
 ) -> _Prefix:
     """Stage times, the pipeline simulation and the optimizer step (steps 1, 2 and 4's
-    optimizer term of the module docstring)."""
+    optimizer term of the module docstring); the pipeline over ``actions`` where they are
+    not the generated lists (:func:`_edited_lists`)."""
     if not stages:
         stages = (
             Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
@@ -347,11 +364,16 @@ def _prefix(
 
     p2p = p2p_ms(workload, layout, stages, costs, scale,
                  [(f + b) / 2 for f, b in zip(fwd, bwd)])
-    key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule, v, tuple(p2p))
+    edited = _edited_lists(layout, actions)
+    key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule, v, tuple(p2p),
+           None if edited is None else edited.encode())
     cached = costs.pipeline_cache.get(key)
     if cached is None:
         fwd_ms, bwd_ms = [x * 1e3 for x in fwd], [x * 1e3 for x in bwd]
-        if v > 1:  # one time per virtual stage (chunks may differ)
+        if edited is not None:  # the plan's own lists, as the runtime runs them
+            pipe = simulate_schedule(edited, fwd_ms, bwd_ms, p2p_fwd_ms=p2p or 0,
+                                     p2p_bwd_ms=p2p or 0)
+        elif v > 1:  # one time per virtual stage (chunks may differ)
             pipe = simulate_named(layout.schedule, layout.pp, layout.micro_batches, v,
                                   fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
         else:  # (one rank of an interleaved layout: no pipeline, no chunks)
@@ -370,6 +392,24 @@ def _prefix(
                    + tied_sync_s(workload, stages, layout, costs))
     return _Prefix(stages, held, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources,
                    pipe, last_bwd_end, optimizer_s)
+
+
+def _edited_lists(layout: Layout, actions: PipelineActions | None) -> PipelineSchedule | None:
+    """The plan's action lists when it has them and they are not those the layout's schedule
+    generates (None otherwise: the named schedule is simulated, as for a candidate of the
+    search). O(P * M * v).
+
+    Raises:
+        PipelineScheduleError: lists that cannot run (the plan's validator refuses them first).
+    """
+    if actions is None or layout.pp == 1:
+        return None
+    generated = build_schedule(layout.schedule, layout.pp, layout.micro_batches,
+                               layout.virtual_stages)
+    if tuple(actions.ranks) == generated.encode():
+        return None
+    return decode_schedule(actions.schedule, actions.micro_batches, actions.num_stages,
+                           actions.ranks)
 
 
 #: Per stage with a DP sync: (its backprop segments per layer, its :class:`_SyncPrep`, its

@@ -166,8 +166,10 @@ def simulate(
 ) -> Predictions:
     """Re-predict ``plan`` from the plan alone (its workload summary and embedded cluster).
 
-    A hand-edited plan (buckets, stages, layout) is re-evaluated as it stands; baselines are
-    carried over from the plan.
+    A hand-edited plan (buckets, stages, layout, the pipeline's action lists) is re-evaluated
+    as it stands: the pipeline is simulated over the plan's own ``pipeline_actions``, the
+    lists the runtime runs (their activation memory is still that of the generated lists);
+    baselines are carried over from the plan.
 
     Raises:
         SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
@@ -181,5 +183,6 @@ def simulate(
             workload, layout, plan.stages, plan.hetero, costs,
             gradient_sync=plan.gradient_sync), baselines)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
-                  tensor_parallel=plan.tensor_parallel, sparse_sync=plan.sparse_sync)
+                  tensor_parallel=plan.tensor_parallel, sparse_sync=plan.sparse_sync,
+                  actions=plan.pipeline_actions)
     return predictions(ev, list(baselines), layout)

@@ -31,7 +31,9 @@ from hetplan.errors import HetplanError
 
 __all__ = [
     "Action", "ActionKind", "PipelineDeadlockError", "PipelineSchedule", "PipelineScheduleError",
-    "check_progress", "deadlock_error", "decode_schedule",
+    "TRANSFER_ACT", "TRANSFER_GRAD", "check_progress", "chimera_shape_problem",
+    "deadlock_error", "decode_schedule", "last_stage_order_problem", "misplaced_stages",
+    "transfer_order_problem", "transfers",
 ]
 
 _ACTION = re.compile(r"(\d+)([FB])(\d+)")
@@ -260,3 +262,116 @@ def deadlock_error(schedule: PipelineSchedule, stuck: dict[int, int]) -> Pipelin
         f"action that is queued behind another waiting rank never starts.",
         schedule.format_table(stuck),
     )
+
+
+# ------------------------------------------------------------- what the executors also need
+# Pure checks the plan's validator (rule 4, :mod:`hetplan.ir.plan_checks`) runs before launch
+# and the runtime runs again: each returns what is wrong (no field path, no fix), or nothing.
+
+
+def misplaced_stages(schedule: PipelineSchedule) -> dict[int, list[int]]:
+    """Per rank, the stages its list runs that live on another pipeline rank: stage ``s``
+    lives on rank ``s mod P`` (the plan's stages, rule 3), which is what torch's schedule
+    runtime and the heterogeneous executor build. Not for Chimera, whose rank ``r`` holds
+    stages ``r`` and ``P-1-r`` (:func:`chimera_shape_problem`). O(actions)."""
+    p = schedule.num_ranks
+    out: dict[int, list[int]] = {}
+    for r, acts in enumerate(schedule.actions):
+        if wrong := sorted({a.stage for a in acts if a.stage % p != r}):
+            out[r] = wrong
+    return out
+
+
+def chimera_shape_problem(schedule: PipelineSchedule) -> str:
+    """What makes ``schedule`` not Chimera's shape ("" when it is), which the runtime's
+    Chimera executor, its sync groups and its loss scale assume: ``P`` even, one stage per
+    rank and direction, every micro-batch running stage ``s`` on rank ``s`` (down) or on rank
+    ``P-1-s`` (up) for all its stages, as many micro-batches down as up. Needs
+    :meth:`PipelineSchedule.index` to pass. O(M * S)."""
+    _, rank_of = schedule.index()
+    p, s_total, m_total = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    if p % 2 or s_total != p:
+        return (f"{p} ranks and {s_total} stages; Chimera runs one stage per rank and "
+                "direction over an even number of ranks")
+    down = 0
+    for m in range(m_total):
+        ranks = [rank_of[m * s_total + s] for s in range(s_total)]
+        if ranks == list(range(p)):
+            down += 1
+        elif ranks != list(range(p - 1, -1, -1)):
+            return (f"micro-batch {m} runs its stages on ranks {ranks}, neither down "
+                    f"(0..{p - 1}) nor up ({p - 1}..0)")
+    if 2 * down != m_total:
+        return (f"{down} of {m_total} micro-batches go down; Chimera sends half each way "
+                "(each direction's loss is divided by M/2)")
+    return ""
+
+
+#: The kinds of :func:`transfers`: activations (a forward's outputs), gradients.
+TRANSFER_ACT, TRANSFER_GRAD = 0, 1
+
+
+def transfers(schedule: PipelineSchedule
+              ) -> tuple[dict[tuple[int, int, int], list[tuple[int, int]]],
+                         dict[tuple[int, int, int], list[tuple[int, int]]]]:
+    """Per ``(source pipeline rank, destination, kind)`` (kind :data:`TRANSFER_ACT` or
+    :data:`TRANSFER_GRAD`): the ``(micro-batch, receiving stage)`` of every message in the
+    order the source posts its sends, and in the order the destination posts its receives
+    (a receive is posted just before the action that needs it, a send just after the action
+    that makes it). Needs :meth:`PipelineSchedule.index` to pass. O(actions)."""
+    _, rank_of = schedule.index()
+    s_total = schedule.num_stages
+    sent: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    got: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for r, acts in enumerate(schedule.actions):
+        for a in acts:
+            m, s = a.microbatch, a.stage
+            if a.kind is _F:
+                if s > 0:
+                    got.setdefault((rank_of[m * s_total + s - 1], r, TRANSFER_ACT),
+                                   []).append((m, s))
+                if s + 1 < s_total:
+                    sent.setdefault((r, rank_of[m * s_total + s + 1], TRANSFER_ACT),
+                                    []).append((m, s + 1))
+            else:
+                if s + 1 < s_total:
+                    got.setdefault((rank_of[m * s_total + s + 1], r, TRANSFER_GRAD),
+                                   []).append((m, s))
+                if s > 0:
+                    sent.setdefault((r, rank_of[m * s_total + s - 1], TRANSFER_GRAD),
+                                    []).append((m, s - 1))
+    return sent, got
+
+
+def transfer_order_problem(schedule: PipelineSchedule) -> tuple[int, str] | None:
+    """The first ``(destination rank, what)`` where the two ends of one kind of transfer
+    between two ranks post in different orders (None: none). An executor whose messages carry
+    no tag (NCCL pairs the operations of two ranks in posting order: the runtime's Chimera
+    executor) would pair the wrong messages. O(actions)."""
+    sent, got = transfers(schedule)
+    for key in sorted(set(sent) | set(got)):
+        out, into = sent.get(key, []), got.get(key, [])
+        if out != into:
+            src, dst, kind = key
+            what = ("activations", "gradients")[kind]
+            return dst, (f"rank {src} sends {what} to rank {dst} for (micro-batch, stage) "
+                         f"{out[:4]} but rank {dst} receives them in the order {into[:4]}; "
+                         "the runtime needs both in one order")
+    return None
+
+
+def last_stage_order_problem(schedule: PipelineSchedule) -> tuple[int, list[int]] | None:
+    """``(rank, micro-batch order)`` when the last stage's forwards do not run in ascending
+    micro-batch order (None: they do). torch's ``_PipelineScheduleRuntime`` (which runs every
+    schedule but Chimera and per-stage degrees) appends the last stage's loss of each forward
+    to a list, in the order the forwards run (``_maybe_compute_loss``), and its backward of
+    micro-batch ``m`` reads the loss at position ``m`` of that list (``_maybe_get_loss``):
+    forwards out of order make a backward fail ("Loss for microbatch m is not available") or
+    backpropagate another micro-batch's loss. The backwards may come in any order. O(actions).
+    """
+    last = schedule.num_stages - 1
+    for r, acts in enumerate(schedule.actions):
+        order = [a.microbatch for a in acts if a.kind is _F and a.stage == last]
+        if order != sorted(order):
+            return r, order
+    return None

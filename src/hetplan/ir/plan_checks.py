@@ -79,8 +79,13 @@ from typing import Protocol
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.pipeline_order import (
     PipelineDeadlockError,
+    PipelineSchedule,
     PipelineScheduleError,
+    chimera_shape_problem,
     decode_schedule,
+    last_stage_order_problem,
+    misplaced_stages,
+    transfer_order_problem,
 )
 from hetplan.ir.plan_sections import (
     ClusterRef,
@@ -448,20 +453,51 @@ def _pipeline_actions(plan: Plan) -> list[str]:
                    f"never run; every stage runs forward (F) and backward (B) of every "
                    f"micro-batch once; {_RERUN}")
     if not out:
-        out += _progress(acts)
+        sched, out = _progress(acts)
+        if sched is not None:
+            out += _executable(sched, lay.pp, own_executor=plan.hetero is not None)
     return out[:_MAX_PER_RULE]
 
 
-def _progress(acts: PipelineActions) -> list[str]:
-    """Rule 4's order part: each backward on its forward's rank, and no deadlock."""
+def _progress(acts: PipelineActions) -> tuple[PipelineSchedule | None, list[str]]:
+    """Rule 4's order part: each backward on its forward's rank, and no deadlock; the
+    decoded schedule when it holds."""
     try:
-        decode_schedule(acts.schedule, acts.micro_batches, acts.num_stages, acts.ranks)
+        return decode_schedule(acts.schedule, acts.micro_batches, acts.num_stages,
+                               acts.ranks), []
     except PipelineDeadlockError as e:
-        return [f"pipeline_actions.ranks: {e.message.rstrip('.')}; {_RERUN} (or restore "
-                "the lists it wrote)"]
+        return None, [f"pipeline_actions.ranks: {e.message.rstrip('.')}; {_RERUN} (or "
+                      "restore the lists it wrote)"]
     except PipelineScheduleError as e:
-        return [f"pipeline_actions.ranks: {e}; {_RERUN}"]
-    return []
+        return None, [f"pipeline_actions.ranks: {e}; {_RERUN}"]
+
+
+def _executable(sched: PipelineSchedule, pp: int, own_executor: bool) -> list[str]:
+    """Rule 4's placement and executor part: what the runtime builds from the plan's stages
+    and what its executors assume of the lists (:mod:`hetplan.ir.pipeline_order`), refused
+    here rather than by the ranks after launch."""
+    if sched.name == "chimera":  # the runtime's Chimera executor (layout: chimera <=> this)
+        if problem := chimera_shape_problem(sched):
+            return [f"pipeline_actions.ranks: {problem}; pipeline rank r holds stages r "
+                    f"(down) and {pp}-1-r (up): re-run `hetplan plan --schedule chimera`"]
+        if (bad := transfer_order_problem(sched)) is not None:
+            return [f"pipeline_actions.ranks[{bad[0]}]: {bad[1]} (the Chimera executor's "
+                    f"messages pair up in posting order); {_RERUN}, or order rank "
+                    f"{bad[0]}'s receives as the sender sends"]
+        return []
+    out = [f"pipeline_actions.ranks[{r}]: runs stage(s) {_short(wrong)}, but the plan's "
+           f"stages put stage s on pipeline rank s mod pp={pp} (stage {wrong[0]} on rank "
+           f"{wrong[0] % pp}), where the runtime builds it; {_RERUN}, or keep stage s on "
+           f"pipeline rank s mod pp" for r, wrong in misplaced_stages(sched).items()]
+    if not out and not own_executor and (late := last_stage_order_problem(sched)):
+        r, order = late
+        out.append(f"pipeline_actions.ranks[{r}]: the last stage ({sched.num_stages - 1}) "
+                   f"runs its forwards for micro-batches {_short(order)}; torch's schedule "
+                   "runtime keeps the last stage's losses in the order its forwards run and "
+                   "reads micro-batch m's at position m, so they must run in micro-batch "
+                   "order 0, 1, ... (its backwards may come in any order); restore that "
+                   f"order or {_RERUN}")
+    return out
 
 
 def _fmt(action: tuple[int, str, int]) -> str:

@@ -185,7 +185,7 @@ def _evaluate_plan(plan: Any, cluster: Any, profile: Any) -> tuple[Any, Any, Any
     spec = costs.cluster
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
                   check_memory=False, record=True, tensor_parallel=plan.tensor_parallel,
-                  sparse_sync=plan.sparse_sync)
+                  sparse_sync=plan.sparse_sync, actions=plan.pipeline_actions)
     stages = plan.stages or (
         Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
               ranks=tuple(range(layout.num_ranks))),

@@ -54,6 +54,7 @@ from hetplan.algorithms.pipeline_schedules import (
     PipelineSchedule,
     PipelineScheduleError,
     build_schedule,
+    last_stage_order_problem,
 )
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import Layout
@@ -143,6 +144,11 @@ def _check_fit(sched: PipelineSchedule, layout: Layout, local: Sequence[_Pipelin
         raise SpecError(f"pipeline rank {me} holds stages {held}, but the plan's actions for "
                         f"it run stages {listed}; the plan's stages and actions disagree, "
                         "re-run `hetplan plan`")
+    if (bad := last_stage_order_problem(sched)) is not None:
+        raise SpecError(f"pipeline_actions.ranks[{bad[0]}]: the last stage runs its forwards "
+                        f"for micro-batches {bad[1][:8]}; torch's schedule runtime reads "
+                        "micro-batch m's loss at position m of the losses in forward order, "
+                        "so they must run in micro-batch order: re-run `hetplan plan`")
 
 
 def _torch_action(a: Action) -> Any:

@@ -81,6 +81,13 @@ from torch import nn
 
 from hetplan.algorithms.pipeline_schedules import Action, ActionKind, PipelineSchedule
 from hetplan.errors import SpecError
+from hetplan.ir.pipeline_order import (
+    TRANSFER_ACT,
+    TRANSFER_GRAD,
+    chimera_shape_problem,
+    transfer_order_problem,
+    transfers,
+)
 from hetplan.ir.plan_sections import Layout
 from hetplan.runtime.busy_clock import BusyClock, cuda_events
 from hetplan.runtime.groups import ParallelGroups
@@ -92,7 +99,7 @@ if TYPE_CHECKING:
 __all__ = ["Boundary", "ChimeraGroups", "ChimeraPipeline", "boundaries", "check_chimera_shape",
            "check_transfer_order", "chimera_group_members", "chimera_groups", "warm_up"]
 
-_ACT, _GRAD = 0, 1
+_ACT, _GRAD = TRANSFER_ACT, TRANSFER_GRAD
 
 
 def chimera_group_members(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
@@ -149,79 +156,30 @@ def chimera_groups(ctx: RuntimeContext) -> ChimeraGroups:
                          {k: mine[k] for k in ("act+", "act-", "grad+", "grad-")})
 
 
-def _transfers(sched: PipelineSchedule
-               ) -> tuple[dict[tuple[int, int, int], list[tuple[int, int]]],
-                          dict[tuple[int, int, int], list[tuple[int, int]]]]:
-    """Per ``(source pipeline rank, destination, kind)``: the ``(micro-batch, stage)`` of
-    every message in the order the source posts its sends, and in the order the destination
-    posts its receives."""
-    _, rank_of = sched.index()
-    s_total = sched.num_stages
-    sent: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    got: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    for r, acts in enumerate(sched.actions):
-        for a in acts:
-            m, s = a.microbatch, a.stage
-            if a.kind is ActionKind.F:
-                if s > 0:
-                    got.setdefault((rank_of[m * s_total + s - 1], r, _ACT), []).append((m, s))
-                if s + 1 < s_total:
-                    sent.setdefault((r, rank_of[m * s_total + s + 1], _ACT), []).append(
-                        (m, s + 1))
-            else:
-                if s + 1 < s_total:
-                    got.setdefault((rank_of[m * s_total + s + 1], r, _GRAD), []).append(
-                        (m, s))
-                if s > 0:
-                    sent.setdefault((r, rank_of[m * s_total + s - 1], _GRAD), []).append(
-                        (m, s - 1))
-    return sent, got
-
-
 def check_transfer_order(sched: PipelineSchedule) -> None:
     """Refuse lists whose two ends of one kind of transfer between two ranks post in different
-    orders (NCCL would pair the wrong messages, see the module docstring).
+    orders (NCCL would pair the wrong messages, see the module docstring). The plan's
+    validator refuses them before launch (rule 4, the same pure check:
+    :func:`~hetplan.ir.pipeline_order.transfer_order_problem`).
 
     Raises:
         SpecError: naming the two ranks and the first micro-batches that differ.
     """
-    sent, got = _transfers(sched)
-    for key in sorted(set(sent) | set(got)):
-        out, into = sent.get(key, []), got.get(key, [])
-        if out != into:
-            src, dst, kind = key
-            what = ("activations", "gradients")[kind]
-            raise SpecError(f"pipeline_actions: rank {src} sends {what} to rank {dst} for "
-                            f"(micro-batch, stage) {out[:4]} but rank {dst} receives them in "
-                            f"the order {into[:4]}; the runtime needs both in one order: "
-                            "re-run `hetplan plan`")
+    if (bad := transfer_order_problem(sched)) is not None:
+        raise SpecError(f"pipeline_actions.ranks[{bad[0]}]: {bad[1]}: re-run `hetplan plan`")
 
 
 def check_chimera_shape(sched: PipelineSchedule) -> None:
     """Refuse lists that are not Chimera's shape, which the sync groups and the loss scale
-    assume: ``P`` even, every micro-batch running stage ``s`` on rank ``s`` (down) or on rank
-    ``P-1-s`` (up) for all its stages, as many micro-batches down as up.
+    assume (:func:`~hetplan.ir.pipeline_order.chimera_shape_problem`, which the plan's
+    validator runs before launch too).
 
     Raises:
         SpecError: naming the first micro-batch that breaks it.
     """
-    _, rank_of = sched.index()
-    p, s_total, m_total = sched.num_ranks, sched.num_stages, sched.num_microbatches
-    fix = "re-run `hetplan plan --schedule chimera`"
-    if p % 2 or s_total != p:
-        raise SpecError(f"pipeline_actions: {p} ranks and {s_total} stages; Chimera runs one "
-                        f"stage per rank and direction over an even number of ranks: {fix}")
-    down = 0
-    for m in range(m_total):
-        ranks = [rank_of[m * s_total + s] for s in range(s_total)]
-        if ranks == list(range(p)):
-            down += 1
-        elif ranks != list(range(p - 1, -1, -1)):
-            raise SpecError(f"pipeline_actions: micro-batch {m} runs its stages on ranks "
-                            f"{ranks}, neither down (0..{p - 1}) nor up; {fix}")
-    if 2 * down != m_total:
-        raise SpecError(f"pipeline_actions: {down} of {m_total} micro-batches go down; Chimera "
-                        f"sends half each way (each direction's loss is divided by M/2): {fix}")
+    if problem := chimera_shape_problem(sched):
+        raise SpecError(f"pipeline_actions.ranks: {problem}; re-run "
+                        "`hetplan plan --schedule chimera`")
 
 
 def warm_up(sched: PipelineSchedule, groups: ChimeraGroups, chain: Sequence[int],
@@ -235,7 +193,7 @@ def warm_up(sched: PipelineSchedule, groups: ChimeraGroups, chain: Sequence[int]
     the same sorted list of ``(source, destination, kind)`` and takes part in its own
     entries; the earliest entry not done always has both ends at it, so the walk ends.
     On gloo the messages only cost a round trip each, once."""
-    sent, _ = _transfers(sched)
+    sent, _ = transfers(sched)
     one = torch.zeros(1, device=device)
     for src, dst, kind in sorted(sent):
         if pp_rank not in (src, dst):
