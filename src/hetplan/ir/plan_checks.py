@@ -29,7 +29,13 @@ Rules (each applies when the sections it relates are present):
    forward and backward of every stage and micro-batch exactly once, each backward on its
    forward's rank; and the lists can finish: executed rank by rank in list order they do not
    deadlock (:func:`~hetplan.ir.pipeline_order.check_progress`, the check the simulator and
-   the runtime run, with its message naming each stuck rank and its next action).
+   the runtime run, with its message naming each stuck rank and its next action); and what
+   the runtime's executors assume (pure checks of :mod:`hetplan.ir.pipeline_order`, which
+   the runtime runs too): stage ``s`` on pipeline rank ``s mod pp``; Chimera's shape (each
+   micro-batch down or up, half each way) and both ends of every Chimera transfer posting in
+   one order; for torch's schedule runtime (not Chimera, not per-stage degrees) the last
+   stage's forwards in micro-batch order (it reads micro-batch ``m``'s loss at position
+   ``m`` of the losses in forward order).
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
    in their tp coordinate), inside its stage; its linears are inside layers of the workload;
    each rank has one role, pruning at most the controller's ``gamma_max``. With per-stage
