@@ -205,10 +205,33 @@ def _cluster(plan: Plan, spec: ClusterSpec | None, label: str, given: bool) -> l
                        f"computes in {dev.compute_dtype!r}, which is priced at {want!r} on "
                        f"{name} ({label} lists {', '.join(spec.device_types[name].peak_tflops)}"
                        f"); {_RERUN}")
+    out += _device_classes(plan, spec, label)
     if not given and ref.fingerprint != spec.fingerprint():
         out.append(f"cluster.fingerprint: {ref.fingerprint!r}, but the embedded cluster spec "
                    f"has fingerprint {spec.fingerprint()!r} (was cluster.spec edited after "
                    f"planning?); {_RERUN} for the cluster you mean")
+    return out
+
+
+def _device_classes(plan: Plan, spec: ClusterSpec, label: str) -> list[str]:
+    """A heterogeneous plan's stages name a device type their ranks have in the cluster
+    (``"<type>"`` or ``"<type>@<node group>"``): the reports and the explanation print it.
+    (The search gives a stage the ranks of one class; a stage whose ranks also hold another
+    type, e.g. a straggler declared as a slowed type of its own, keeps its class.)"""
+    if plan.hetero is None:
+        return []
+    devices = spec.devices()
+    out = []
+    for i, shape in enumerate(plan.hetero.stages):
+        if shape.stage >= len(plan.stages):
+            continue  # rule 3 names it
+        ranks = [r for r in plan.stages[shape.stage].ranks if r < len(devices)]
+        have = sorted({devices[r].type for r in ranks})
+        want = shape.device_class.split("@")[0]
+        if have and want not in have:
+            out.append(f"hetero.stages[{i}].device_class: {shape.device_class!r}, but the "
+                       f"stage's ranks {_short(ranks)} are {', '.join(have)} in {label}; "
+                       f"{_RERUN}")
     return out
 
 
@@ -567,7 +590,13 @@ def _tp_linear_names(plan: Plan) -> list[str]:
     owners = {g.name.rsplit(".", 1)[0] for g in workload.grads}
     out = []
     for i, g in enumerate(tp.groups):
+        first: dict[str, int] = {}
         for j, lin in enumerate(g.linears):
+            if (k := first.setdefault(lin.name, j)) != j:
+                out.append(f"tensor_parallel.groups[{i}].linears[{j}].name: {lin.name!r} is "
+                           f"listed twice in the group (also linears[{k}]); each linear has "
+                           f"one split and one set of shard sizes: keep one; {_RERUN}")
+                continue
             parts = lin.name.split(".")
             inside = any(".".join(parts[:k]) in layers for k in range(1, len(parts) + 1))
             if not inside and lin.name not in owners:

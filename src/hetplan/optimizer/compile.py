@@ -232,7 +232,7 @@ def compile(  # noqa: A001 - the product's verb
             + (", schedule 'chimera': a pipeline needs an even pp and an even number of "
                "micro-batches" if opts.schedule == "chimera" else "")
             + "): choose a batch size divisible by a data-parallel degree the cluster allows, "
-            "or a larger micro-batch size"
+            + _micro_batch_advice(opts)
         )
     infeasible: list[_Refusal] = []
     with search_progress(len(candidates), opts.progress) as progress:
@@ -394,6 +394,21 @@ def _refine(job: _Job, screened: list[Scored], infeasible: list[_Refusal]
         if best is None or (ev.iteration_s, cand) < (best[0], best[1]):
             best = (ev.iteration_s, cand, plan, ev)
     return best
+
+
+def _micro_batch_advice(opts: CompileOptions) -> str:
+    """The micro-batch part of the advice when no layout divides the batch: a pinned size
+    that leaves too few micro-batches for the schedule (Chimera's even count, interleaved's
+    multiple of pp) needs a smaller one, a size past the micro-batch limit a larger one."""
+    mbs = opts.micro_batch_size
+    if mbs is None:
+        return "or pin a micro-batch size that divides the batch per replica"
+    if opts.batch_size // mbs > MAX_MICRO_BATCHES:
+        return f"or a micro-batch size larger than {mbs}"
+    if opts.schedule in ("chimera", "interleaved-1f1b", "auto"):
+        return (f"or a micro-batch size smaller than {mbs} (more micro-batches per replica) "
+                "that divides the batch per replica")
+    return f"or a micro-batch size other than {mbs} that divides the batch per replica"
 
 
 def _vocab_parallel(opts: CompileOptions, pipeline: tuple[Pass, ...],

@@ -101,6 +101,13 @@ def torchrun_command(
         what = "is a directory" if Path(script).is_dir() else "does not exist"
         raise SpecError(f"--script: training script {str(script)!r} {what}; pass the path of "
                         "a Python file")
+    if script is not None and Path(script).suffix != ".py":
+        raise SpecError(f"--script: {str(script)!r} is not a Python file (.py); pass your "
+                        "training script (see examples/train.py)")
+    if script is not None and (model or module):
+        given = "--model" if model else "--module"
+        raise SpecError(f"{given} names the model of the synthetic-data run; a --script run "
+                        f"builds its own model in the script: drop {given}")
     if script is None and bool(model) == bool(module):
         raise SpecError("give exactly one of --model NAME or --module pkg.mod:factory "
                         "(or --script train.py)")
