@@ -106,7 +106,11 @@ _FIX = "use one allreduce, or reduce_scatter then allgather"
 _HIER_FIX = ("sum once inside each node (intra) and once across nodes (inter), e.g. "
              "[intra reduce_scatter, inter allreduce, intra allgather]")
 
-Vec = tuple[int, ...]  # how many times each rank's gradient is in a value
+#: A contribution vector: how many times each rank's gradient is in a value, rank ``q``'s
+#: count in bits ``[q * width, (q + 1) * width)`` of one int (so a sum of values is a ``+``);
+#: ``width`` is 3 bits per step and 8 more, above any count a path can reach (each step at
+#: most multiplies a count by the group size, at most 6 < 2**3).
+Vec = int
 
 
 class _Refused(Exception):
@@ -132,10 +136,6 @@ class _Rank:
     # open step 1s: level, kind, lo, hi, index of the step in ``steps``
 
 
-def _add(a: Vec, b: Vec) -> Vec:
-    return tuple(x + y for x, y in zip(a, b))
-
-
 @dataclass
 class _Run:
     """One run of a path on ``nodes`` x ``per_node`` ranks (``n`` tensor elements)."""
@@ -150,8 +150,10 @@ class _Run:
     def __post_init__(self) -> None:
         size = self.nodes * self.per_node
         self.n = size
+        self.width = 3 * len(self.path) + 8
+        self.ones = sum(1 << (q * self.width) for q in range(size))
         for r in range(size):
-            one = tuple(int(q == r) for q in range(size))
+            one = 1 << (r * self.width)
             self.ranks.append(_Rank(0, size, [_Seg(0, size, dense=[one] * size)]))
 
     def groups(self, level: str) -> list[list[int]]:
@@ -162,6 +164,11 @@ class _Run:
         if level == "inter":
             return [[k * p + j for k in range(n)] for j in range(p)]
         return [list(range(n * p))]
+
+    def counts(self, v: Vec) -> list[int]:
+        """The counts of contribution vector ``v``, rank by rank."""
+        mask = (1 << self.width) - 1
+        return [(v >> (q * self.width)) & mask for q in range(self.n)]
 
     def size(self, level: str) -> int:
         return len(self.groups(level)[0])
@@ -203,10 +210,10 @@ class _Run:
                 raise _Refused("ends with compressed pieces: decompress (a decomp action) after "
                                "the last compressed step")
         bad = [(r, v) for r, st in enumerate(self.ranks) for seg in st.segs
-               for v in seg.dense or () if v != (1,) * self.n]
+               for v in seg.dense or () if v != self.ones]
         if not bad:
             return
-        over = any(x > 1 for _, v in bad for x in v)
+        over = any(x > 1 for _, v in bad for x in self.counts(v))
         many = {lv: js for lv, js in self.reducers.items() if len(js) > 1}
         if over and many:
             level, js = sorted(many.items())[0]
@@ -226,7 +233,7 @@ class _Run:
         r, v = bad[0]
         raise _Refused(f"does not compute the sum of every rank's gradient once: on "
                        f"{self.nodes * self.per_node} ranks, rank {r} ends with the gradients "
-                       f"of ranks 0..{self.n - 1} counted {list(v)} times; "
+                       f"of ranks 0..{self.n - 1} counted {self.counts(v)} times; "
                        f"{_FIX if self.nodes == 1 else _HIER_FIX}")
 
     def _routine(self, j: int) -> str:
@@ -254,12 +261,12 @@ class _Run:
     def _decomp(self, st: _Rank, where: str) -> None:
         if any(seg.dense is not None for seg in st.segs):
             raise _Refused(f"{where}: decompresses an uncompressed tensor (a comp is missing)")
-        out = [(0,) * self.n] * (st.hi - st.lo)
+        out = [0] * (st.hi - st.lo)
         covered = 0
         for seg in st.segs:
             for p in seg.pieces:
                 for k, v in enumerate(p):
-                    out[seg.lo - st.lo + k] = _add(out[seg.lo - st.lo + k], v)
+                    out[seg.lo - st.lo + k] += v
             covered += seg.hi - seg.lo
         if covered != st.hi - st.lo:
             raise _Refused(f"{where}: the compressed pieces do not cover the rank's range")
@@ -305,9 +312,7 @@ class _Run:
                     for m in members:
                         m.segs = [_Seg(x.lo, x.hi, pieces=list(x.pieces)) for x in segs]
                 else:
-                    total = [(0,) * self.n] * (hi - lo)
-                    for m in members:
-                        total = [_add(a, b) for a, b in zip(total, m.segs[0].dense or ())]
+                    total = [sum(vs) for vs in zip(*(m.segs[0].dense or () for m in members))]
                     for m in members:
                         m.segs = [_Seg(lo, hi, dense=list(total))]
             return
@@ -328,9 +333,7 @@ class _Run:
                 out.append(parts)
             got = [_merge([o[i] for o in out]) for i in range(len(members))]
         elif hi > lo:
-            total = [(0,) * self.n] * (hi - lo)
-            for m in members:
-                total = [_add(a, b) for a, b in zip(total, m.segs[0].dense or ())]
+            total = [sum(vs) for vs in zip(*(m.segs[0].dense or () for m in members))]
             got = [[_Seg(a, b, dense=total[a - lo: b - lo])] if b > a else []
                    for a, b in chunks]
         else:
