@@ -108,6 +108,9 @@ def test_right_paths_pass(strategy: NoSync | CastSync | CompressedSync) -> None:
      "reduces the intra level twice (steps 0 and 2)"),
     (hier("intra reduce", "inter allreduce", "intra allreduce"), "step 2 (intra allreduce): "
      "runs while the ranks of its intra group hold different parts"),
+    (hier("intra reduce", "inter reduce", "intra broadcast", "inter broadcast"), "the reduce "
+     "at step 1 (inter), opened after it, is not closed yet: close it first with a broadcast "
+     "at inter"),
     (topk(("allgather", True), ("allgather", True)), "reduces the flat level twice"),
     (topk(("allgather", True), ("allreduce", False)), "reduces the flat level twice"),
     (topk(("gather", True), ("allgather", True)), "the gather at step 0 is still open"),

@@ -289,7 +289,7 @@ class _Run:
             if top is not None and top[1] == want:
                 return self._close(s, name, members)
             if not (s.compressed and r == "allgather"):
-                self._unpaired(s, name, want, top)
+                self._unpaired(s, name, want, top, members[0].stack)
         self._same_range(s, name, members)
         self._same_range(s, name, members)
         if s.compressed:
@@ -344,8 +344,10 @@ class _Run:
             m.segs = got[i] if chunks[i][1] > chunks[i][0] else []
 
     def _unpaired(self, s: Step, name: str, want: str,
-                  top: tuple[str, str, int, int, int] | None) -> None:
-        """Refuse a step 2 (``want``: the kind of step 1 it closes) with no such step open."""
+                  top: tuple[str, str, int, int, int] | None,
+                  stack: list[tuple[str, str, int, int, int]]) -> None:
+        """Refuse a step 2 (``want``: the kind of step 1 it closes) with no such step open
+        at its level on top of ``stack``."""
         r = s.routine or ""
         what = (_OPENER[want] if not s.compressed else
                 "compressed step 1 (" + ("alltoall" if want == "scatter" else "gather") + ")")
@@ -356,6 +358,14 @@ class _Run:
             raise _Refused(f"{head}, but the step 1 open at {s.level} is the {opener} at step "
                            f"{top[4]}, which {_an(_CLOSER[top[1]])} closes; use [{opener}, "
                            f"{_CLOSER[top[1]]}] or [{_OPENER[want]}, {r}]")
+        below = next((e for e in reversed(stack) if e[0] == s.level), None)
+        if below is not None and stack:
+            last = stack[-1]
+            raise _Refused(f"{head}; the {self._routine(below[4])} at step {below[4]} is open "
+                           f"at {s.level}, but the {self._routine(last[4])} at step {last[4]} "
+                           f"({last[0]}), opened after it, is not closed yet: close it first "
+                           f"with {_an(_CLOSER[last[1]])} at {last[0]} (steps 2 close their "
+                           "steps 1 in reverse order)")
         raise _Refused(f"{head}, and none is open: {_an(r)} only spreads what such a step "
                        f"reduced; use [{_OPENER[want]}, {r}] or one allreduce")
 
