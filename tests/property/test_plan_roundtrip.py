@@ -140,6 +140,7 @@ sync_strategies = st.one_of(
               hierarchy=st.just("hierarchical"),
               steps=st.just((CommStep(level="intra", routine="reduce"),
                              CommStep(level="inter", routine="gather", compressed=True),
+                             CommStep(level="inter", routine="broadcast", compressed=True),
                              CommStep(level="intra", routine="broadcast")))),
     st.builds(CompressedSync, compressor=st.just("qsgd"),
               params=st.fixed_dictionaries({}, optional={"levels": st.integers(1, 127)})),

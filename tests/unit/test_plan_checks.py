@@ -396,6 +396,50 @@ def test_an_inter_node_step_needs_more_than_one_node(tmp_path: Path) -> None:
             "cluster 'local-cpu' has one node")
 
 
+def _strategy(hierarchy: str, *steps: str) -> dict[str, Any]:
+    """A strategy of ``steps`` ("routine" or "level routine") as a plan file writes it."""
+    return {"kind": "none", "hierarchy": hierarchy, "steps": [
+        {"level": s.split()[0], "routine": s.split()[1]} if " " in s else {"routine": s}
+        for s in steps]}
+
+
+@pytest.mark.parametrize(("strategy", "expected"), [
+    (_strategy("flat", "allreduce", "allreduce"), "reduces the flat level twice (steps 0 and "
+     "1): each rank's gradient must be summed once"),
+    (_strategy("flat", "reduce"), "does not end with the whole aggregated tensor on every "
+     "rank: the reduce at step 0"),
+    (_strategy("flat", "reduce_scatter"), "does not end with the whole aggregated tensor on "
+     "every rank: the reduce_scatter at step 0"),
+    (_strategy("flat", "broadcast"), "step 0 (flat broadcast): an uncompressed broadcast must "
+     "close a reduce"),
+    (_strategy("flat", "allgather"), "step 0 (flat allgather): an uncompressed allgather must "
+     "close a reduce_scatter"),
+    (_strategy("hierarchical", "intra allreduce"), "never reduces across the inter level"),
+    (_strategy("hierarchical", "intra reduce_scatter", "inter allreduce", "inter allreduce",
+               "intra allgather"), "reduces the inter level twice (steps 1 and 2)"),
+], ids=["twice", "reduce", "reduce_scatter", "broadcast", "allgather", "intra-only",
+        "inter-twice"])
+def test_a_sync_path_must_compute_the_sum_once_on_every_rank(
+        tmp_path: Path, strategy: dict[str, Any], expected: str) -> None:
+    """What `validate` called valid: [allreduce, allreduce] trained with dp x the gradients,
+    [reduce] and the like failed only in the runtime, after the ranks had started."""
+    def edit(d: dict[str, Any]) -> None:
+        d["gradient_sync"]["strategies"]["fp32"] = strategy
+
+    refused(tmp_path, edit, f"gradient_sync.strategies.fp32.steps: {expected}")
+
+
+def test_validate_refuses_a_doubled_allreduce_with_exit_2(tmp_path: Path) -> None:
+    data = json.loads(valid_plan().to_json())
+    data["gradient_sync"]["strategies"]["fp32"] = _strategy("flat", "allreduce", "allreduce")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "gradient_sync.strategies." in result.output
+    assert "internal error" not in result.output
+
+
 def test_rebalancing_events_assign_the_plans_layers_to_its_stages(tmp_path: Path) -> None:
     def edit(d: dict[str, Any]) -> None:
         event = PlannedEvent(iteration=10, stages=((0, 0), (1, 2), (3, 3)))

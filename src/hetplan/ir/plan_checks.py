@@ -42,8 +42,10 @@ Rules (each applies when the sections it relates are present):
    degrees (``hetero``), one replica's TP group of its stage instead
    (:mod:`hetplan.ir.plan_hetero_checks`, run with rule 3).
 6. **gradient_sync**: names only gradients of the workload; a bucket stays in one stage; an
-   inter-node step needs more than one node. **sparse_sync** names only gradients of the
-   workload, each with its shape (rows x row_elems elements).
+   inter-node step needs more than one node; every strategy's path leaves the sum over all
+   ranks, each rank's gradient once, on every rank (:mod:`hetplan.ir.sync_paths`).
+   **sparse_sync** names only gradients of the workload, each with its shape (rows x
+   row_elems elements).
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages,
    none of them starting at a layer the runtime cannot split before (as in rule 3); with
    per-stage degrees, to every stage, none released (:mod:`hetplan.ir.plan_hetero_checks`).
@@ -112,6 +114,7 @@ from hetplan.ir.plan_hetero_checks import hetero_rebalancing_problems, hetero_tp
 from hetplan.ir.model import DTYPE_BYTES
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
+from hetplan.ir.sync_paths import path_problems
 from hetplan.ir.validation import did_you_mean
 from hetplan.ir.vocab import capture_dtype_bytes, splits_vocabulary
 
@@ -612,7 +615,7 @@ def _gradient_sync(plan: Plan, spec: ClusterSpec | None) -> list[str]:
     if sync is None:
         return []
     if workload is None:
-        return _hierarchy_needs_nodes(plan, spec)
+        return (_hierarchy_needs_nodes(plan, spec) + _sync_paths(sync))[:_MAX_PER_RULE]
     layer_of = {g.name: g.layer_index for g in workload.grads}
     known = list(layer_of)
     out = []
@@ -620,7 +623,7 @@ def _gradient_sync(plan: Plan, spec: ClusterSpec | None) -> list[str]:
         if t.name not in layer_of:
             out.append(f"gradient_sync.tensors[{i}].name: {t.name!r} is not a gradient of "
                        f"model {plan.model.name!r}{did_you_mean(t.name, known)}")
-    out += _hierarchy_needs_nodes(plan, spec)
+    out += _hierarchy_needs_nodes(plan, spec) + _sync_paths(sync)
     stage_of = _stage_of_layer(plan.stages, len(workload.layers))
     for i, b in enumerate(sync.buckets):
         for j, name in enumerate(b.tensors):
@@ -651,6 +654,14 @@ def _sparse_sync(plan: Plan) -> list[str]:
             out.append(f"sparse_sync.tensors[{i}]: rows x row_elems = {t.rows} x {t.row_elems} "
                        f"but gradient {t.name!r} has {numel[t.name]} elements; {_RERUN}")
     return out[:_MAX_PER_RULE]
+
+
+def _sync_paths(sync: GradientSync) -> list[str]:
+    """Each strategy's path computes the sum over all ranks, each rank's gradient once, on
+    every rank (:func:`~hetplan.ir.sync_paths.path_problems`: a doubled allreduce, a reduce
+    never broadcast, a hierarchical path that never crosses a level ...)."""
+    return [f"gradient_sync.strategies.{name}.steps: {problem}"
+            for name, st in sorted(sync.strategies.items()) for problem in path_problems(st)]
 
 
 def _hierarchy_needs_nodes(plan: Plan, spec: ClusterSpec | None) -> list[str]:

@@ -39,6 +39,11 @@ never diverge) and random-k draws the same positions on every rank. A collective
 empty on every member (e.g. the inter step of the non-root ranks after an intra ``reduce``) is
 skipped.
 
+A path that does not compute the sum (``[allreduce, allreduce]``, ``[reduce]`` alone ...) is
+refused before its first collective, with :func:`hetplan.ir.sync_paths.path_problems`'
+message: the check plan validation runs (so a plan file never gets here with one; a strategy
+built by hand might). :func:`path_of`, :class:`Step` and :func:`chunk_bounds` live there too.
+
 Precision: an uncompressed step of a 16-bit path (``CastSync``, or ``CompressedSync`` with a
 16-bit ``uncompressed_dtype``) sends 16-bit values. A stretch of uncompressed steps is cast
 to 16 bits once, before its first collective (on the gradient's device), stays 16-bit
@@ -72,6 +77,7 @@ import torch.distributed as dist
 
 from hetplan.errors import SpecError
 from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync
+from hetplan.ir.sync_paths import Step, chunk_bounds, path_of, path_problems
 from hetplan.runtime.compressors import Compressor, ErrorFeedback, Payload, make_compressor
 from hetplan.runtime.link_emulation import EmulatedLink, occupy, throttled
 
@@ -127,51 +133,6 @@ class SyncLevels:
                 "nodes or use flat strategies"
             )
         return lv
-
-
-@dataclass(frozen=True)
-class Step:
-    """One action of a path: ``kind`` comp / decomp / comm."""
-
-    kind: str
-    level: str = "flat"
-    routine: str | None = None
-    compressed: bool = False
-    device: str | None = None
-
-
-def path_of(strategy: NoSync | CastSync | CompressedSync) -> tuple[Step, ...]:
-    """The actions of a plan strategy. ``CompressedSync.actions`` when given; otherwise its
-    ``steps`` with a ``comp`` before every run of compressed steps and a ``decomp`` after it
-    (levels as in the tree: a comp's is the next comm's, a decomp's the previous comm's)."""
-    if isinstance(strategy, CompressedSync) and strategy.actions:
-        return tuple(
-            Step("comm", a.level, a.routine, a.task.endswith("_comp"))
-            if a.routine is not None else Step(a.task, a.level, device=a.device)
-            for a in strategy.actions
-        )
-    out: list[Step] = []
-    comp_dev = getattr(strategy, "compress_device", "gpu")
-    decomp_dev = getattr(strategy, "decompress_device", "gpu")
-    prev = False
-    for i, s in enumerate(strategy.steps):
-        if s.compressed and not prev:
-            out.append(Step("comp", s.level, device=comp_dev))
-        if prev and not s.compressed:
-            out.append(Step("decomp", strategy.steps[i - 1].level, device=decomp_dev))
-        out.append(Step("comm", s.level, s.routine, s.compressed))
-        prev = s.compressed
-    if prev:
-        out.append(Step("decomp", strategy.steps[-1].level, device=decomp_dev))
-    return tuple(out)
-
-
-def chunk_bounds(lo: int, hi: int, g: int, kind: str) -> list[tuple[int, int]]:
-    """The ``g`` chunks of ``[lo, hi)``: even slices (``scatter``) or all-to-the-root (``root``)."""
-    if kind == "root":
-        return [(lo, hi)] + [(hi, hi)] * (g - 1)
-    c = -(-(hi - lo) // g)
-    return [(min(lo + i * c, hi), min(lo + (i + 1) * c, hi)) for i in range(g)]
 
 
 # -- dense collectives -----------------------------------------------------------------------
@@ -406,6 +367,9 @@ class PathRunner:
         place on it when no cast or copy is needed).
         """
         steps = path_of(strategy)
+        if problems := path_problems(strategy):  # as plan validation, before any collective
+            raise SpecError(f"the path {[(s.kind, s.level, s.routine) for s in steps]}: "
+                            f"{problems[0]}")
         comp = (self._compressor(strategy.compressor, strategy.params)
                 if isinstance(strategy, CompressedSync) else
                 self._compressor(strategy.dtype, {}) if isinstance(strategy, CastSync) else None)
@@ -426,7 +390,7 @@ class PathRunner:
                 self._comm_compressed(st, s, where, (site, i))
             else:
                 self._comm_dense(st, s, wire, where)
-        if st.stack or (st.lo, st.hi) != (0, flat.numel()):
+        if st.stack or (st.lo, st.hi) != (0, flat.numel()):  # last line of defence
             raise SpecError(f"the path {[(s.kind, s.level, s.routine) for s in steps]} does "
                             "not end with the whole aggregated tensor on every rank")
         out = st.dense("the end of the path")
