@@ -193,3 +193,31 @@ def test_simulate_replays_the_plans_own_lists() -> None:
 
     slow = simulate(Plan.model_validate(json.loads(edited(plan, serial).to_json())))
     assert slow.iteration_time_ms > original.iteration_time_ms * 1.2, (slow, original)
+
+
+def test_memory_follows_the_plans_own_lists() -> None:
+    """The activations a rank holds at its peak follow the lists it runs: rank 0 of a 1F1B
+    pipeline holds 2 micro-batches (pp - stage); run as GPipe (every forward first) it holds
+    all 4, run serially (each backward right after its forward) 1. The unedited lists
+    predict what the named schedule does."""
+    toy = make_plan("1f1b", micro_batches=4)
+    assert toy.model.workload is not None
+    layers = tuple(x.model_copy(update={"act_saved_bytes": 1 << 20})
+                   for x in toy.model.workload.layers)  # 1 MiB saved per micro-batch
+    workload = toy.model.workload.model_copy(update={"layers": layers})
+    plan = toy.model_copy(update={"model": toy.model.model_copy(update={"workload": workload})})
+    base = simulate(plan).memory_per_rank_bytes
+    assert base == simulate(plan.model_copy(update={"pipeline_actions": None})
+                            ).memory_per_rank_bytes
+
+    def memory(order: str) -> tuple[int, ...]:
+        def edit(ranks: list[str]) -> None:
+            ranks[0] = order
+        changed = Plan.model_validate(json.loads(edited(plan, edit).to_json()))
+        return simulate(changed).memory_per_rank_bytes
+
+    first, last = plan.stages[0].ranks, plan.stages[1].ranks
+    gpipe = memory(" ".join([f"0F{m}" for m in range(4)] + [f"0B{m}" for m in range(4)]))
+    serial = memory(" ".join(f"0F{m} 0B{m}" for m in range(4)))
+    assert all(gpipe[r] > base[r] > serial[r] for r in first), (gpipe, base, serial)
+    assert all(gpipe[r] == base[r] == serial[r] for r in last)

@@ -204,7 +204,8 @@ def evaluate(
         for r in layout.stage_holders(s):
             per_rank[r] += (f + b) * layout.micro_batches / copies
     compute = max(per_rank)
-    memory = rank_memory(workload, stages, layout, costs, pre.scale, tensor_parallel)
+    memory = rank_memory(workload, stages, layout, costs, pre.scale, tensor_parallel,
+                         schedule=pre.edited)
     if check_memory:
         check_fits(
             list(memory),
@@ -321,6 +322,7 @@ class _Prefix:
     pipe: PipelineSimResult
     last_bwd_end: tuple[float, ...]
     optimizer_s: float
+    edited: PipelineSchedule | None = None  # the plan's own lists, where not the generated
 
 
 def _prefix(
@@ -391,7 +393,7 @@ def _prefix(
     optimizer_s = (_optimizer_s(workload, stages, layout, costs, tensor_parallel)
                    + tied_sync_s(workload, stages, layout, costs))
     return _Prefix(stages, held, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources,
-                   pipe, last_bwd_end, optimizer_s)
+                   pipe, last_bwd_end, optimizer_s, edited)
 
 
 def _edited_lists(layout: Layout, actions: PipelineActions | None) -> PipelineSchedule | None:

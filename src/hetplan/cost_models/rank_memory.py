@@ -103,15 +103,19 @@ def rank_memory(
     costs: CostModel,
     scale: float,
     tp_section: TensorParallel | None = None,
+    *,
+    schedule: PipelineSchedule | None = None,
 ) -> tuple[MemoryBreakdown, ...]:
     """Every rank's peak memory (:mod:`hetplan.cost_models.memory`): the model state of the
     stages it holds, their activations at the peak of its schedule's action list (with each
-    stage's recomputation), ZeRO's buffers and the allocator margin."""
-    even = _class_memory(workload, stages, layout, costs, scale, tp_section)
+    stage's recomputation), ZeRO's buffers and the allocator margin. ``schedule``: the
+    plan's own action lists where they are not the ones the layout's schedule generates (a
+    plan edited by hand; None: the generated lists)."""
+    even = _class_memory(workload, stages, layout, costs, scale, tp_section, schedule)
     if even is not None:
         rc, per_class = even
         return tuple(per_class[c] for c in rc.class_of)
-    return _uneven_rank_memory(workload, stages, layout, costs, scale, tp_section)
+    return _uneven_rank_memory(workload, stages, layout, costs, scale, tp_section, schedule)
 
 
 @dataclass(frozen=True)
@@ -174,18 +178,18 @@ def _class_memory(
     costs: CostModel,
     scale: float,
     tp_section: TensorParallel | None,
+    edited: PipelineSchedule | None = None,
 ) -> tuple[_RankClasses, list[MemoryBreakdown]] | None:
     """One breakdown per rank class (:func:`_rank_classes`), or None when some TP group has
     uneven shares (then ranks of one class may differ)."""
     if any(rank_layer_shares(workload, st, layout.tp, tp_section) for st in stages):
         return None
-    pp, v = layout.pp, layout.virtual_stages
-    sched = schedule_of(layout.schedule, pp, layout.micro_batches, v) if pp > 1 else None
+    sched = _schedule(layout, edited)
     rc = _rank_classes(costs, stages, layout)
     # Each class's breakdown is looked up in ``costs.memo`` across calls (the recomputation
     # search re-prices the same stages again and again, one stage changed at a time). The
     # memo holds the workload, so its id is not reused while the entries live.
-    context = _memo_context(workload, layout, costs, scale)
+    context = _memo_context(workload, layout, costs, scale, edited)
     out: list[MemoryBreakdown] = []
     for kind, ks, ranks in rc.classes:
         mine = [stages[k] for k in ks]
@@ -200,12 +204,23 @@ def _class_memory(
     return rc, out
 
 
+def _schedule(layout: Layout, edited: PipelineSchedule | None) -> PipelineSchedule | None:
+    """The action lists the activations follow: the plan's edited ones, else the generated
+    ones of the layout's schedule (None without a pipeline)."""
+    if layout.pp == 1:
+        return None
+    if edited is not None:
+        return edited
+    return schedule_of(layout.schedule, layout.pp, layout.micro_batches,
+                       layout.virtual_stages)
+
+
 def _memo_context(workload: WorkloadSummary, layout: Layout, costs: CostModel,
-                  scale: float) -> tuple[object, ...]:
+                  scale: float, edited: PipelineSchedule | None) -> tuple[object, ...]:
     costs.memo[("workload", id(workload))] = workload  # its id stays unique while cached
     return ("rank_memory", id(workload), layout.pp, layout.virtual_stages, layout.tp,
             layout.dp, layout.zero_stage, layout.sequence_parallel, layout.schedule,
-            layout.micro_batches, scale)
+            layout.micro_batches, scale, None if edited is None else edited.encode())
 
 
 def _uneven_rank_memory(
@@ -215,16 +230,16 @@ def _uneven_rank_memory(
     costs: CostModel,
     scale: float,
     tp_section: TensorParallel | None,
+    edited: PipelineSchedule | None = None,
 ) -> tuple[MemoryBreakdown, ...]:
     """:func:`rank_memory` with uneven TP shares: one breakdown per rank of uneven groups."""
-    pp, v = layout.pp, layout.virtual_stages
-    sched = schedule_of(layout.schedule, pp, layout.micro_batches, v) if pp > 1 else None
+    sched = _schedule(layout, edited)
     held = held_positions(stages, layout)  # rank -> positions of the stages it holds
     uneven: dict[tuple[int, int], tuple[float, ...]] = {}
     for st in stages:
         for r, shares in rank_layer_shares(workload, st, layout.tp, tp_section).items():
             uneven[(st.index, r)] = tuple(shares)
-    context = _memo_context(workload, layout, costs, scale)
+    context = _memo_context(workload, layout, costs, scale, edited)
     types = [d.type for d in costs.devices]
     # a stage's state precision depends on the device types of its ranks
     stage_types = [tuple(sorted({types[r] for r in st.ranks})) for st in stages]
