@@ -18,24 +18,25 @@ and leave at the rank holding its first: two chains over the same ranks, which t
 stages (one index, one neighbour each way) do not describe.
 
 **Execution** (:class:`ChimeraPipeline`): each rank runs its list in order. A forward of
-stage ``s > 0`` first receives its inputs from the rank that ran ``(m, s-1)``; its outputs are
-sent, asynchronously, to the rank running ``(m, s+1)``; the last stage computes the loss
+stage ``s > 0`` first receives its inputs from the rank that ran ``(m, s-1)``; its outputs
+are sent, asynchronously, to the rank running ``(m, s+1)``; the last stage computes the loss
 instead. A backward of a stage other than the last receives the gradients of its floating
 outputs from the rank that ran ``(m, s+1)``, and (for ``s > 0``) sends those of its floating
-inputs back. Receives block, sends are waited for at the end of the step: the plan's
-validator simulates the lists to completion, so executing them in order with blocking
-receives cannot deadlock, once every pair is connected. NCCL connects two ranks of a group at
-their first message and blocks both hosts until both are there, which the first sends of
-the two directions would turn into a deadlock: at setup every pair exchanges one message, in
-one global order (:func:`warm_up`). Not run here: NCCL takes one GPU per rank, and the lent
-machines have one. The receive buffers' shapes and dtypes come from one forward of a
-micro-batch through every stage at setup (without gradients), so no message carries a
-header. Transfers run on four point-to-point groups per replica, one per kind (activation,
-gradient) and direction along the ranks (towards higher or lower ranks): NCCL runs the
-operations between two ranks of one group in the order each posts them, and within one such
-group and pair both sides post in the micro-batches' order (checked at setup, with a
-:class:`SpecError` if a list breaks it). Gloo tags each message by micro-batch, stage and
-kind as well.
+inputs back. Receives block; a send's tensor is released once the send is done (looked at
+after every send, without blocking), and what is still in flight is waited for at the end of
+the step: the plan's validator simulates the lists to completion, so executing them in order
+with blocking receives cannot deadlock, once every pair is connected. NCCL connects two
+ranks of a group at their first message and blocks both hosts until both are there, which
+the first sends of the two directions would turn into a deadlock: at setup every pair
+exchanges one message, in one global order (:func:`warm_up`). Not run here: NCCL takes one
+GPU per rank, and the lent machines have one. The receive buffers' shapes and dtypes come
+from one forward of a micro-batch through every stage at setup (without gradients), so no
+message carries a header. Transfers run on four point-to-point groups per replica, one per
+kind (activation, gradient) and direction along the ranks (towards higher or lower ranks):
+NCCL runs the operations between two ranks of one group in the order each posts them, and
+within one such group and pair both sides post in the micro-batches' order (checked at
+setup, with a :class:`SpecError` if a list breaks it). Gloo tags each message by
+micro-batch, stage and kind as well.
 
 **Gradients.** Every micro-batch's loss is divided by ``M / 2``, the micro-batches of its
 direction: each replica of a stage then holds the mean gradient over its direction's
@@ -73,7 +74,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -287,7 +288,7 @@ class ChimeraPipeline:
                 else:
                     outs = list(out) if isinstance(out, (tuple, list)) else [out]
                     self._check_boundary(outs, s)
-                    pending += self._send(outs, m, s + 1, _ACT)
+                    pending = _reap(pending) + self._send(outs, m, s + 1, _ACT)
                     saved[(m, s)] = (ins, outs)
             else:
                 ins, outs = saved.pop((m, s))
@@ -304,7 +305,7 @@ class ChimeraPipeline:
                 if s > 0:
                     grads_in = [t.grad if t.grad is not None else torch.zeros_like(t)
                                 for t in ins if t.is_floating_point()]
-                    pending += self._send(grads_in, m, s - 1, _GRAD)
+                    pending = _reap(pending) + self._send(grads_in, m, s - 1, _GRAD)
             if trace is not None:  # as torch's schedule is marked (schedule.trace_schedule)
                 args: dict[str, Any] = {"kind": k, "microbatch": m, "stage": s}
                 trace.add(f"{k}{m} s{s}", "action", t_action, time.perf_counter(),
@@ -315,8 +316,8 @@ class ChimeraPipeline:
                 trace.add(f"{k}{m} s{s}", "compute", host[0], end, **args)
                 if k == "F" and s == last:
                     trace.add(f"loss{m} s{s}", "loss", t_loss, host[1], microbatch=m, stage=s)
-        for work in pending:
-            work.wait()
+        for sent in pending:
+            sent.work.wait()
         return self._loss(losses)
 
     def _check_boundary(self, outs: list[torch.Tensor], s: int) -> None:
@@ -339,17 +340,17 @@ class ChimeraPipeline:
         dist.all_reduce(total, group=self.groups.loss)
         return float(total)
 
-    def _send(self, tensors: list[torch.Tensor], m: int, dst_stage: int, kind: int) -> list[Any]:
+    def _send(self, tensors: list[torch.Tensor], m: int, dst_stage: int,
+              kind: int) -> list[_Sent]:
         """Send ``tensors`` to the rank running ``(m, dst_stage)`` (asynchronously)."""
         dst = self._peer(m, dst_stage)
         dst_pp = self.rank_of[m * self.num_stages + dst_stage]
         group, tag = self._group(kind, self.pp_rank, dst_pp), self._tag(m, dst_stage, kind)
-        work: list[Any] = []
+        out: list[_Sent] = []
         for t in tensors:
             chunk = t.detach().contiguous()
-            work.append(dist.isend(chunk, dst, group, tag=tag))
-            work.append(_Keep(chunk))
-        return work
+            out.append(_Sent(dist.isend(chunk, dst, group, tag=tag), chunk))
+        return out
 
     def _recv_activations(self, m: int, s: int) -> list[torch.Tensor]:
         """Stage ``s``'s inputs for micro-batch ``m`` (floating ones require grad)."""
@@ -381,14 +382,20 @@ class ChimeraPipeline:
         return grads
 
 
-class _Keep:
-    """Holds a sent tensor alive until the step ends."""
+class _Sent(NamedTuple):
+    """An asynchronous send and the tensor it reads, held together until the send is done
+    (a chunk must outlive its send; holding it longer holds its memory for nothing)."""
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t: torch.Tensor | None = t
+    work: Any
+    chunk: torch.Tensor
 
-    def wait(self) -> None:
-        self.t = None
+
+def _reap(pending: list[_Sent]) -> list[_Sent]:
+    """The sends of ``pending`` not yet done, in order: the done ones' chunks are released
+    as the step goes (a rank of a Chimera plan sends every micro-batch's activations and
+    input gradients of both its stages; held until the step's end, they would add all of
+    them to its peak). ``is_completed`` asks without blocking."""
+    return [p for p in pending if not p.work.is_completed()]
 
 
 def boundaries(modules: Sequence[nn.Module], example: Sequence[Any]) -> list[Boundary]:
