@@ -111,6 +111,24 @@ def test_an_option_neither_takes_is_refused_before_anything_starts(
         assert "did you mean --steps?" in " ".join(res.output.split())
 
 
+@pytest.mark.parametrize("extra", [["--max-restarts", "-1"], ["--max_restarts=-2"]])
+def test_a_negative_max_restarts_is_refused_before_anything_starts(
+        gpu_plan: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        extra: list[str]) -> None:
+    # torchrun's own parser takes it; the launcher read any value but 0 as "restarts
+    # allowed" and left a failed run's ranks to a torchrun that never restarts them
+    monkeypatch.setattr(launch_mod, "launch", _never_launch)
+    path = _plan_file(gpu_plan, tmp_path)
+    res = CliRunner().invoke(app, ["run", str(path), "--model", "mlp", "--dry-run", *extra])
+    assert res.exit_code == 2, res.output
+    said = " ".join(res.output.split())
+    value = extra[-1].rpartition("=")[2]
+    assert f"--max-restarts {value}: torchrun restarts the ranks at most N times" in said
+    assert "give --max-restarts 0 (a failed rank fails the run) or a positive N" in said
+    with pytest.raises(SpecError, match="--max-restarts -1"):
+        preflight(gpu_plan, _cmd(gpu_plan, "--max-restarts", "-1"))
+
+
 def test_torchrun_options_still_pass_through(gpu_plan: Plan, tmp_path: Path) -> None:
     path = _plan_file(gpu_plan, tmp_path)
     res = CliRunner().invoke(app, ["run", str(path), "--model", "mlp", "--dry-run",

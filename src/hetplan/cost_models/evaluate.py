@@ -114,7 +114,7 @@ from hetplan.ir.plan_sections import (
 from hetplan.ir.plan_sparse import SparseSync, SparseTensorSync
 
 __all__ = ["Evaluation", "StageCost", "StageSync", "SyncScorer", "stage_syncs", "evaluate",
-           "rank_devices", "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
+           "edited_lists", "rank_devices", "OPTIMIZER_BYTES_PER_PARAM_BYTE"]
 
 #: A sync unit's strategy: a gradient-sync strategy, or a sparse gradient's own scheme.
 UnitStrategy = Union[SyncStrategy, SparseTensorSync]
@@ -176,7 +176,9 @@ def evaluate(
     ``actions``: the plan's ``pipeline_actions`` section, the lists the runtime executes;
     the pipeline is simulated over them where they differ from the lists the layout's
     schedule generates (a plan edited by hand), else over the generated ones (the search's
-    candidates carry none). Equal lists give the same prediction to the bit.
+    candidates carry none; lists for another pipeline shape than ``layout``'s, as an
+    alternative that changes the layout is handed: :func:`edited_lists`). Equal lists give
+    the same prediction to the bit.
 
     ``sparse_sync``: the plan's sparse-sync section; each of its tensors with a scheme other
     than ``dense`` leaves its gradient-sync unit and is its own unit, priced by
@@ -335,7 +337,7 @@ def _prefix(
 ) -> _Prefix:
     """Stage times, the pipeline simulation and the optimizer step (steps 1, 2 and 4's
     optimizer term of the module docstring); the pipeline over ``actions`` where they are
-    not the generated lists (:func:`_edited_lists`)."""
+    not the generated lists (:func:`edited_lists`)."""
     if not stages:
         stages = (
             Stage(index=0, first_layer=0, last_layer=len(workload.layers) - 1,
@@ -366,7 +368,7 @@ def _prefix(
 
     p2p = p2p_ms(workload, layout, stages, costs, scale,
                  [(f + b) / 2 for f, b in zip(fwd, bwd)])
-    edited = _edited_lists(layout, actions)
+    edited = edited_lists(layout, actions)
     key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule, v, tuple(p2p),
            None if edited is None else edited.encode())
     cached = costs.pipeline_cache.get(key)
@@ -396,15 +398,21 @@ def _prefix(
                    pipe, last_bwd_end, optimizer_s, edited)
 
 
-def _edited_lists(layout: Layout, actions: PipelineActions | None) -> PipelineSchedule | None:
-    """The plan's action lists when it has them and they are not those the layout's schedule
-    generates (None otherwise: the named schedule is simulated, as for a candidate of the
-    search). O(P * M * v).
+def edited_lists(layout: Layout, actions: PipelineActions | None) -> PipelineSchedule | None:
+    """The plan's action lists when it has them, they are lists for ``layout`` and they are
+    not those the layout's schedule generates; None otherwise: the named schedule is
+    simulated, as for a candidate of the search. O(P * M * v).
+
+    Lists for another pipeline than ``layout``'s (another schedule, micro-batch count, stage
+    or rank count: what ``explain`` and ``export`` price when an alternative changes the
+    layout) are not this layout's, so that layout's generated lists run; they never reach the
+    decoder. A plan's own lists always match its layout (validator rule 4).
 
     Raises:
-        PipelineScheduleError: lists that cannot run (the plan's validator refuses them first).
+        PipelineScheduleError: lists of the layout's shape that cannot run (the plan's
+            validator refuses them first).
     """
-    if actions is None or layout.pp == 1:
+    if actions is None or layout.pp == 1 or not _lists_fit(layout, actions):
         return None
     generated = build_schedule(layout.schedule, layout.pp, layout.micro_batches,
                                layout.virtual_stages)
@@ -412,6 +420,15 @@ def _edited_lists(layout: Layout, actions: PipelineActions | None) -> PipelineSc
         return None
     return decode_schedule(actions.schedule, actions.micro_batches, actions.num_stages,
                            actions.ranks)
+
+
+def _lists_fit(layout: Layout, actions: PipelineActions) -> bool:
+    """Whether ``actions`` are lists for ``layout``'s pipeline (what rule 4 of the validator
+    requires of a plan's own lists)."""
+    return (actions.schedule == layout.schedule
+            and actions.micro_batches == layout.micro_batches
+            and actions.num_stages == layout.pp * layout.virtual_stages
+            and len(actions.ranks) == layout.pp)
 
 
 #: Per stage with a DP sync: (its backprop segments per layer, its :class:`_SyncPrep`, its

@@ -16,7 +16,8 @@ Three things, all from the one :class:`~hetplan.cost_models.costs.CostModel`:
    (:func:`sync_s`) and optimizer step, and its memory
    (:func:`~hetplan.cost_models.memory.stage_memory` plus the resharding buffer).
 3. **Prediction** (:func:`evaluate_hetero`): a plan with a ``hetero`` section: stage times
-   with :func:`stage_times` on each stage's own layout, the 1F1B pipeline simulated with
+   with :func:`stage_times` on each stage's own layout, the pipeline (1F1B, GPipe where the
+   plan names it, or the plan's own hand-edited action lists) simulated with
    the resharding transfers on its links, each stage's exposed sync and optimizer step,
    and every rank's memory at the peak of its action list. With a ``gradient_sync``
    section, each stage's sync is the per-bucket DP timeline
@@ -52,7 +53,7 @@ import numpy as np
 from hetplan.algorithms.hetero_search import HeteroProblem, StageOption
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import tied_head_copy
-from hetplan.cost_models.evaluate import evaluate
+from hetplan.cost_models.evaluate import edited_lists, evaluate
 from hetplan.cost_models.memory import (
     ALLOCATOR_MARGIN,
     MOMENT_BYTES,
@@ -68,7 +69,12 @@ from hetplan.cost_models.memory import (
     schedule_of,
     stage_memory,
 )
-from hetplan.cost_models.pipeline import PipelineSimResult, simulate_pipeline
+from hetplan.cost_models.pipeline import (
+    PipelineSchedule,
+    PipelineSimResult,
+    simulate_pipeline,
+    simulate_schedule,
+)
 from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.stage_times import recompute_s, stage_times
 from hetplan.ir.cluster import Device
@@ -78,6 +84,7 @@ from hetplan.ir.plan_sections import (
     GradientSync,
     Layout,
     LayerCost,
+    PipelineActions,
     Predictions,
     RankMemory,
     Stage,
@@ -521,12 +528,23 @@ def stage_layout(layout: Layout, shape_dp: int, shape_tp: int, mb: int, zero: in
 
 def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
                     hetero: Hetero, costs: CostModel, *, check_memory: bool = True,
-                    gradient_sync: GradientSync | None = None) -> HeteroEvaluation:
+                    gradient_sync: GradientSync | None = None,
+                    actions: PipelineActions | None = None) -> HeteroEvaluation:
     """Predict one iteration of a plan with a ``hetero`` section (see the module docstring).
 
     ``gradient_sync``: the plan's gradient-sync section; each stage with ``dp > 1`` then
     syncs its tensors' buckets and strategies on the DP timeline over its own group
     (:func:`stage_sync_exposed_s`); None prices every stage's sync with :func:`sync_s`.
+
+    ``actions``: the plan's ``pipeline_actions``, which the heterogeneous executor runs
+    position by position: where they differ from the generated lists (a plan edited by
+    hand), the pipeline is replayed over them and every rank's activations peak where its
+    own list holds the most micro-batches, as :func:`~hetplan.cost_models.evaluate.evaluate`
+    does (:func:`~hetplan.cost_models.evaluate.edited_lists`: lists of another pipeline
+    shape than ``layout``'s, as a rebuilt alternative may be handed, are not replayed).
+    Each pipeline position is one stage, so the replay is the homogeneous one with each
+    stage's own times and resharding links. Unedited lists predict to the bit what the
+    generated ones do (the search passes none).
 
     Raises:
         InfeasiblePlanError: a rank runs out of memory (with ``check_memory``), naming it
@@ -545,9 +563,14 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
         subs.append(sub)
     links = [_link_reshard(workload, costs, stages[k], stages[k + 1], hetero.stages[k + 1])
              for k in range(P - 1)]
-    pipe = simulate_pipeline([x * 1e3 for x in fwd], [x * 1e3 for x in bwd], m, "1f1b",
-                             p2p_fwd_ms=[x * 1e3 for x in links] or 0,
-                             p2p_bwd_ms=[x * 1e3 for x in links] or 0)
+    edited = edited_lists(layout, actions)
+    link_ms = [x * 1e3 for x in links] or 0
+    if edited is not None:  # the plan's own lists, as the executor runs them
+        pipe = simulate_schedule(edited, [x * 1e3 for x in fwd], [x * 1e3 for x in bwd],
+                                 p2p_fwd_ms=link_ms, p2p_bwd_ms=link_ms)
+    else:
+        pipe = simulate_pipeline([x * 1e3 for x in fwd], [x * 1e3 for x in bwd], m,
+                                 _schedule_name(layout), p2p_fwd_ms=link_ms, p2p_bwd_ms=link_ms)
     ends = [0.0] * P
     for ev in pipe.events:
         if ev.kind.value == "B":
@@ -575,7 +598,7 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
         steps.append(per_elem * elems / dev.mem_bandwidth_bytes_per_s)
     optimizer = max(steps)
     iteration = max(e + x for e, x in zip(ends, exposed)) + optimizer
-    memory = _memory(workload, layout, stages, hetero, costs)
+    memory = _memory(workload, layout, stages, hetero, costs, edited)
     if check_memory:
         check_fits(list(memory), [d.memory_bytes for d in costs.devices],
                    what=f"heterogeneous pipeline {hetero.describe()} micro-batch "
@@ -609,6 +632,13 @@ def hetero_predictions(ev: HeteroEvaluation, baselines: Sequence[Baseline] = ()
         bubble_ratio=min(max(ev.bubble_ratio, 0.0), 1.0), baselines=tuple(baselines))
 
 
+def _schedule_name(layout: Layout) -> str:
+    """The schedule whose generated lists the heterogeneous executor runs: GPipe's for a
+    plan that names it, else 1F1B's (what the search plans; the runtime refuses the
+    others with per-stage degrees)."""
+    return "gpipe" if layout.schedule == "gpipe" else "1f1b"
+
+
 def _link_reshard(workload: WorkloadSummary, costs: CostModel, sender: Stage, receiver: Stage,
                   shape: object) -> float:
     """Forward resharding time into ``receiver`` (its ``shape``: a StageShape)."""
@@ -625,12 +655,15 @@ def _link_reshard(workload: WorkloadSummary, costs: CostModel, sender: Stage, re
 
 
 def _memory(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage], hetero: Hetero,
-            costs: CostModel) -> tuple[MemoryBreakdown, ...]:
+            costs: CostModel, edited: PipelineSchedule | None = None
+            ) -> tuple[MemoryBreakdown, ...]:
     """Every rank's peak: its stage's model state (ZeRO inside the stage's own DP group),
-    activations at the peak of its 1F1B action list, the recomputation transient and the
-    resharding buffer of the stage's input."""
+    activations at the peak of its action list (``edited``, the plan's own lists where not
+    the generated ones, else its schedule's), the recomputation transient and the resharding
+    buffer of the stage's input."""
     P, m = len(stages), layout.micro_batches
-    sched = schedule_of("1f1b", P, m) if P > 1 else None
+    sched = (edited if edited is not None
+             else schedule_of(_schedule_name(layout), P, m) if P > 1 else None)
     out = [MemoryBreakdown(0, 0, 0, 0)] * len(costs.devices)
     for k, (st, shape) in enumerate(zip(stages, hetero.stages)):
         dev = costs.devices[st.ranks[0]]

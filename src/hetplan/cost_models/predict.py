@@ -168,8 +168,9 @@ def simulate(
 
     A hand-edited plan (buckets, stages, layout, the pipeline's action lists) is re-evaluated
     as it stands: the pipeline is simulated over the plan's own ``pipeline_actions``, the
-    lists the runtime runs (their activation memory is still that of the generated lists);
-    baselines are carried over from the plan.
+    lists the runtime runs, and each rank's activations peak where its own list holds the
+    most micro-batches (per-stage degrees too: ``evaluate_hetero``); baselines are carried
+    over from the plan.
 
     Raises:
         SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
@@ -181,7 +182,7 @@ def simulate(
 
         return hetero_predictions(evaluate_hetero(
             workload, layout, plan.stages, plan.hetero, costs,
-            gradient_sync=plan.gradient_sync), baselines)
+            gradient_sync=plan.gradient_sync, actions=plan.pipeline_actions), baselines)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
                   tensor_parallel=plan.tensor_parallel, sparse_sync=plan.sparse_sync,
                   actions=plan.pipeline_actions)

@@ -347,7 +347,8 @@ def transfer_order_problem(schedule: PipelineSchedule) -> tuple[int, str] | None
     """The first ``(destination rank, what)`` where the two ends of one kind of transfer
     between two ranks post in different orders (None: none). An executor whose messages carry
     no tag (NCCL pairs the operations of two ranks in posting order: the runtime's Chimera
-    executor) would pair the wrong messages. O(actions)."""
+    executor and its executor of per-stage degrees) would pair the wrong messages.
+    O(actions)."""
     sent, got = transfers(schedule)
     for key in sorted(set(sent) | set(got)):
         out, into = sent.get(key, []), got.get(key, [])

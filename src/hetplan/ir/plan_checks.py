@@ -33,7 +33,8 @@ Rules (each applies when the sections it relates are present):
    the runtime's executors assume (pure checks of :mod:`hetplan.ir.pipeline_order`, which
    the runtime runs too): stage ``s`` on pipeline rank ``s mod pp``; Chimera's shape (each
    micro-batch down or up, half each way) and both ends of every Chimera transfer posting in
-   one order; for torch's schedule runtime (not Chimera, not per-stage degrees) the last
+   one order (per-stage degrees, ``hetero``, too: their executor pairs messages the same
+   way); for torch's schedule runtime (not Chimera, not per-stage degrees) the last
    stage's forwards in micro-batch order (it reads micro-batch ``m``'s loss at position
    ``m`` of the losses in forward order).
 5. **tensor_parallel**: each group is one TP group of the layout (tp ranks that differ only
@@ -521,6 +522,14 @@ def _executable(sched: PipelineSchedule, pp: int, own_executor: bool) -> list[st
            f"stages put stage s on pipeline rank s mod pp={pp} (stage {wrong[0]} on rank "
            f"{wrong[0] % pp}), where the runtime builds it; {_RERUN}, or keep stage s on "
            f"pipeline rank s mod pp" for r, wrong in misplaced_stages(sched).items()]
+    if not out and own_executor and (bad := transfer_order_problem(sched)) is not None:
+        # per-stage degrees: the heterogeneous executor posts a receive just before the
+        # action that needs it, a send just after the one that makes it, on one group per
+        # direction; NCCL pairs them in posting order (its tags are ignored), so another
+        # order pairs one micro-batch's rows with another's (same shapes: silently)
+        out.append(f"pipeline_actions.ranks[{bad[0]}]: {bad[1]} (the heterogeneous "
+                   "executor's messages pair up in posting order); order rank "
+                   f"{bad[0]}'s receives as the sender sends, or {_RERUN}")
     if not out and not own_executor and (late := last_stage_order_problem(sched)):
         r, order = late
         out.append(f"pipeline_actions.ranks[{r}]: the last stage ({sched.num_stages - 1}) "

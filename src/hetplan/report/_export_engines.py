@@ -33,6 +33,7 @@ from hetplan.report._export_gaps import (
     Variant,
     common_dtype,
     even_stages,
+    lists_gaps,
     merge_virtual,
     rebalancing_gaps,
     relayout,
@@ -151,7 +152,7 @@ def _even_split_gap(view: PlanView, engine: str, how: str) -> list[Unexpressed]:
 
 def _common_gaps(view: PlanView, engine: str, *, cast: str = "no",
                  bucket_knob: str = "") -> list[Unexpressed]:
-    return (tp_gaps(view, engine=engine)
+    return (lists_gaps(view, engine=engine) + tp_gaps(view, engine=engine)
             + sync_gaps(view, engine=engine, cast=cast,  # type: ignore[arg-type]
                         bucket_knob=bucket_knob)
             + rebalancing_gaps(view, engine=engine))

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from hetplan.algorithms.pipeline_schedules import build_schedule
 from hetplan.cost_models.ddp import ddp_gradient_sync, stage_of_layer
+from hetplan.cost_models.evaluate import edited_lists
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
     Bucket,
@@ -27,6 +29,7 @@ from hetplan.ir.plan_sections import (
     GradientSync,
     Layout,
     NoSync,
+    PipelineActions,
     ResizingController,
     Stage,
     TensorParallel,
@@ -40,7 +43,7 @@ Strategy = NoSync | CastSync | CompressedSync
 __all__ = ["Variant", "Unexpressed", "PlanView", "RECOMPUTE_ORDER", "ENGINE_BUCKET_MB",
            "even_stages", "merge_virtual", "split_buckets", "engine_buckets", "common_dtype",
            "relayout", "with_recompute", "sync_gaps", "tp_gaps", "rebalancing_gaps",
-           "used_strategies"]
+           "lists_gaps", "used_strategies"]
 
 #: Recomputation modes from least to most memory-saving; exporting one mode for stages that
 #: differ uses the strongest (every stage still fits).
@@ -55,7 +58,9 @@ class Variant:
     """A plan's decisions that an exported configuration may change.
 
     ``precision``: a precision policy forced everywhere (``fp32``, ``bf16``, ``fp16``), or
-    None for the plan's own precision section.
+    None for the plan's own precision section. ``actions``: the plan's pipeline action lists
+    (None: the lists the layout's schedule generates); a variant whose layout no longer fits
+    them runs its generated lists (:func:`~hetplan.cost_models.evaluate.edited_lists`).
     """
 
     layout: Layout
@@ -63,6 +68,7 @@ class Variant:
     sync: GradientSync | None
     tp: TensorParallel | None
     precision: str | None = None
+    actions: PipelineActions | None = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,7 @@ class PlanView:
 
     def variant(self) -> Variant:
         return Variant(self.layout, self.stages, self.plan.gradient_sync,
-                       self.plan.tensor_parallel)
+                       self.plan.tensor_parallel, actions=self.plan.pipeline_actions)
 
 
 def relayout(layout: Layout, **update: object) -> Layout:
@@ -369,3 +375,21 @@ def rebalancing_gaps(view: PlanView, *, engine: str) -> list[Unexpressed]:
                        "iterations (DynPipe)",
         f"{engine} keeps the initial stages for the whole run",
         worth=f"predicted whole-run speedup {rb.speedup_vs_static:.3f}x over static stages")]
+
+
+def lists_gaps(view: PlanView, *, engine: str) -> list[Unexpressed]:
+    """Hand-edited pipeline action lists: every engine generates its schedule's own order
+    of forwards and backwards and takes no per-rank lists. Priced as the plan run with the
+    lists its layout's schedule generates. O(P * M * v)."""
+    lay, acts = view.layout, view.plan.pipeline_actions
+    if acts is None or edited_lists(lay, acts) is None:
+        return []
+    generated = build_schedule(lay.schedule, lay.pp, lay.micro_batches,
+                               lay.virtual_stages).encode()
+    ranks = [r for r, text in enumerate(acts.ranks) if text != generated[r]]
+    return [Unexpressed(
+        "edited-action-lists",
+        f"edited pipeline action lists: pipeline rank(s) {ranks} run another order than the "
+        f"{lay.schedule} schedule generates (pipeline_actions.ranks)",
+        f"{engine} runs the order its own schedule generates (it takes no per-rank lists)",
+        lambda v: replace(v, actions=None))]

@@ -19,6 +19,16 @@ own cost model (:func:`hetplan.cost_models.evaluate.evaluate`, the objective of 
 so the predicted differences are what the optimizer would have seen. The current plan is
 re-evaluated the same way, so differences never mix two cost models.
 
+The pipeline runs the plan's own ``pipeline_actions`` (hand-edited lists included), in the
+current plan and in every alternative, as ``simulate`` does: so ``explain`` and
+``simulate`` predict an edited plan alike. Every alternative here keeps the plan's pipeline
+layout (a moved stage boundary keeps the stage and micro-batch numbering the lists are
+written in), so the lists always apply. An alternative that changed the layout (another
+schedule, micro-batch count or number of stages) would run the lists its own layout
+generates: :func:`~hetplan.cost_models.evaluate.edited_lists` never maps lists onto a
+pipeline of another shape, so such an alternative cannot fail on them
+(``docs/decisions/bad-input-round9.md``, "Every command prices the plan's own lists").
+
 Example:
     >>> explain(plan, "bucket:3").alternatives[0].delta_ms  # doctest: +SKIP
     2.5
@@ -171,11 +181,14 @@ class _Context:
         args = (self.workload, self.layout, stages, sync, self.costs)
         section = self.plan.tensor_parallel if tp is None else tp
         sparse_sync = self.plan.sparse_sync if isinstance(sparse, _Keep) else sparse
+        # every alternative keeps the plan's layout, so the plan's own lists apply to it
+        lists = self.plan.pipeline_actions
         try:
-            return evaluate(*args, tensor_parallel=section, sparse_sync=sparse_sync), ""
+            return evaluate(*args, tensor_parallel=section, sparse_sync=sparse_sync,
+                            actions=lists), ""
         except InfeasiblePlanError as e:
             return evaluate(*args, check_memory=False, tensor_parallel=section,
-                            sparse_sync=sparse_sync), str(e)
+                            sparse_sync=sparse_sync, actions=lists), str(e)
 
     def alternative(
         self, name: str, *, stages: tuple[Stage, ...] | None = None,

@@ -7,6 +7,13 @@ it, re-predicted with the plan's cost model; and why this device order was chose
 runner-up the search recorded (``hetero.search.runner_up``), which is rebuilt from its stored
 layer splits and degrees and re-predicted with the same cost model, never read back from the
 file.
+
+The plan runs its own ``pipeline_actions`` (hand-edited lists included), as ``simulate``
+prices it. The runner-up runs them too where they are lists for its pipeline (the same
+schedule, micro-batch count and number of stages), so both orders are compared over the
+same lists; otherwise it runs the lists its own schedule generates, and the alternative's
+note says so (:func:`~hetplan.cost_models.evaluate.edited_lists` never maps lists onto a
+pipeline of another shape).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetplan.cost_models.evaluate import edited_lists
 from hetplan.cost_models.hetero import evaluate_hetero
 from hetplan.cost_models.predict import plan_costs
 from hetplan.cost_models.profile_db import ProfileDB
@@ -23,7 +31,7 @@ from hetplan.ir.plan import Plan
 from hetplan.optimizer.hetero import cpsat_note, rebuild_alternative
 from hetplan.report._text import fmt_delta_ms, fmt_ms, ranges
 
-__all__ = ["explain_hetero", "hetero_layout", "HeteroExplained"]
+__all__ = ["explain_hetero", "hetero_layout", "HeteroExplained", "per_stage_refusal"]
 
 
 @dataclass(frozen=True)
@@ -52,16 +60,19 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     note = ""
     sync = plan.gradient_sync  # each stage's sync on its DP timeline (None: the ring)
+    acts = plan.pipeline_actions  # the lists the executor runs, edited ones included
     try:
-        ev = evaluate_hetero(workload, layout, plan.stages, hetero, costs, gradient_sync=sync)
+        ev = evaluate_hetero(workload, layout, plan.stages, hetero, costs, gradient_sync=sync,
+                             actions=acts)
     except InfeasiblePlanError as e:
         note = str(e)
         ev = evaluate_hetero(workload, layout, plan.stages, hetero, costs, check_memory=False,
-                             gradient_sync=sync)
+                             gradient_sync=sync, actions=acts)
     current = ev.iteration_s * 1e3
     # the runner-up carries no gradient-sync section: compare both with the search's ring
     ring = current if sync is None else evaluate_hetero(
-        workload, layout, plan.stages, hetero, costs, check_memory=False).iteration_s * 1e3
+        workload, layout, plan.stages, hetero, costs, check_memory=False,
+        actions=acts).iteration_s * 1e3
     st, shape = plan.stages[k], hetero.stages[k]
     slowest = max(range(len(ev.fwd_s)), key=lambda i: ev.fwd_s[i] + ev.bwd_s[i])
     facts: list[tuple[str, str]] = [
@@ -91,15 +102,20 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
         name = "runner-up order " + " → ".join(
             f"{c} {d}" for c, d in zip(runner.order, runner.degrees))
         try:
-            alt = evaluate_hetero(workload, lay2, stages2, het2, costs)
+            alt = evaluate_hetero(workload, lay2, stages2, het2, costs, actions=acts)
             fits, why = True, (f"micro-batch {runner.micro_batch_size}x{runner.micro_batches}, "
                                f"layers split at {list(runner.first_layers)}")
         except InfeasiblePlanError as e:
-            alt = evaluate_hetero(workload, lay2, stages2, het2, costs, check_memory=False)
+            alt = evaluate_hetero(workload, lay2, stages2, het2, costs, check_memory=False,
+                                  actions=acts)
             fits, why = False, str(e)
         ms = alt.iteration_s * 1e3
         if sync is not None:
             why += f"; both with the search's ring sync (this plan: {fmt_ms(ring)})"
+        if edited_lists(layout, acts) is not None:
+            why += ("; with this plan's edited action lists" if edited_lists(lay2, acts)
+                    is not None else "; with the action lists its own schedule generates "
+                    "(this plan's edited lists are for another pipeline shape)")
         alternatives.append((name, round(ms, 6), round(ms - ring, 6) + 0.0, fits, why))
     if not alternatives:
         verdict = "no other device order fits: this order is the only feasible one"
@@ -150,6 +166,27 @@ def _pass_facts(plan: Plan, k: int) -> list[tuple[str, str]]:
         out.append(("TP controller", f"{tp.controller.variant} in {len(mine)} TP group(s); "
                     + ("; ".join(roles) if roles else "no straggler expected")))
     return out
+
+
+def per_stage_refusal(plan: Plan, command: str) -> str:
+    """Why ``hetplan COMMAND`` (``export``, ``timeline``, ``inspect --trace``) refuses a plan
+    with per-stage degrees, or "" for a plan without them. Those commands price and draw the
+    plan with the homogeneous model (:func:`~hetplan.cost_models.evaluate.evaluate`: one
+    ``dp x tp`` and one rank layout for every stage), so for per-stage degrees they would show
+    another iteration than ``simulate`` predicts (:func:`evaluate_hetero`), silently; and no
+    engine ``export`` writes for runs stages of different degrees."""
+    if plan.hetero is None:
+        return ""
+    if command == "export":
+        fix = ("torchtitan, Megatron and DeepSpeed run one dp x tp on every stage, so no "
+               "configuration of theirs expresses it: export a plan made without --hetero "
+               "(`hetplan plan ... --hetero off`)")
+    else:
+        fix = ("`hetplan simulate PLAN` gives its prediction and `hetplan explain PLAN "
+               "stage:K` each stage's times")
+    return (f"hetero: the plan gives each stage its own devices and dp x tp "
+            f"({plan.hetero.describe()}); `hetplan {command}` prices one dp x tp for every "
+            f"stage and would show another iteration than `hetplan simulate` predicts; {fix}")
 
 
 def _stage_index(target: str, n: int) -> int:

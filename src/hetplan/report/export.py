@@ -5,14 +5,18 @@ parts of the plan it can express — layout (dp / pp / tp, virtual stages, the s
 where the engine takes one), micro-batch size and count / global batch, pipeline schedule,
 recomputation, ZeRO / FSDP, precision (bf16 / fp16 with dynamic loss scaling) and sequence
 parallelism — and the parts it cannot express (uneven stages or TP shards, per-tensor
-compression, hierarchical routing, fusion buckets, re-balancing, per-device precision ...).
+compression, hierarchical routing, fusion buckets, re-balancing, per-device precision,
+hand-edited pipeline action lists ...).
 
 What each unexpressed part was worth: the plan is re-predicted without it, with the plan's
 own cost model (:func:`hetplan.cost_models.predict.plan_costs` and
 :func:`hetplan.cost_models.evaluate.evaluate`, the objective ``compile`` optimized), one
 part at a time and all of them together (what the exported configuration is predicted to
 run at). The current plan is re-evaluated the same way, so differences never mix two cost
-models; the baselines the plan carries are listed beside them.
+models; the baselines the plan carries are listed beside them. The plan, and every variant
+that keeps its pipeline layout, runs the plan's own ``pipeline_actions`` as ``simulate``
+does; the ``edited-action-lists`` part (only when they differ from the generated lists) is
+worth the difference between the plan with them and with the generated lists.
 
 Inputs: a plan (read, never re-searched) and an engine name. Output: an :class:`Export` with
 the file text, the values, the priced gaps and a readable report. Deterministic: the same
@@ -46,6 +50,7 @@ from hetplan.ir.validation import did_you_mean
 from hetplan.report._export_engines import ENGINES, WRITERS, EngineConfig
 from hetplan.report._export_gaps import PlanView, Unexpressed, Variant, split_buckets
 from hetplan.report._text import fmt_delta_ms, fmt_ms
+from hetplan.report.explain_hetero import per_stage_refusal
 
 __all__ = ["ENGINES", "Gap", "Export", "export_plan", "plan_view"]
 
@@ -161,9 +166,10 @@ class _Pricer:
         args = (self.workload, v.layout, v.stages, sync, self.costs_for(v.precision))
         try:
             try:
-                ev, note = evaluate(*args, tensor_parallel=v.tp), ""
+                ev, note = evaluate(*args, tensor_parallel=v.tp, actions=v.actions), ""
             except InfeasiblePlanError as e:
-                ev, note = evaluate(*args, tensor_parallel=v.tp, check_memory=False), str(e)
+                ev, note = evaluate(*args, tensor_parallel=v.tp, actions=v.actions,
+                                    check_memory=False), str(e)
         except SpecError as e:
             return None, True, str(e)
         return round(ev.iteration_s * 1e3, 6), not note, note
@@ -185,12 +191,15 @@ def export_plan(
         profile: the profile DB the plan was made with (analytic costs otherwise).
 
     Raises:
-        SpecError: an unknown engine (the message lists them), or a plan that cannot be
+        SpecError: an unknown engine (the message lists them), a plan with per-stage
+            degrees (no engine runs stages of different dp x tp), or a plan that cannot be
             re-evaluated (no workload summary, no cluster, no layout).
     """
     if engine not in WRITERS:
         raise SpecError(f"--to: unknown engine {engine!r}{did_you_mean(engine, list(ENGINES))}"
                         f" (known: {', '.join(ENGINES)})")
+    if why := per_stage_refusal(plan, "export"):
+        raise SpecError(why)
     pricer = _Pricer(plan, cluster, profile)
     view = plan_view(plan, pricer.costs)
     cfg = WRITERS[engine](view)

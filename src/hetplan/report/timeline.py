@@ -176,10 +176,20 @@ def timeline_segments(
 def _evaluate_plan(plan: Any, cluster: Any, profile: Any) -> tuple[Any, Any, Any, str]:
     """(Evaluation with recorded events, workload, stages, cluster name), with the cost
     settings :func:`hetplan.simulate` uses (memory is not checked: the timeline draws time
-    only)."""
+    only).
+
+    Raises:
+        SpecError: a plan with per-stage degrees (:func:`~hetplan.report.explain_hetero.
+            per_stage_refusal`: this evaluation prices one dp x tp for every stage).
+    """
     from hetplan.cost_models.evaluate import evaluate
+    from hetplan.errors import SpecError
     from hetplan.ir.plan_sections import Stage
     from hetplan.cost_models.predict import plan_costs
+    from hetplan.report.explain_hetero import per_stage_refusal
+
+    if why := per_stage_refusal(plan, "timeline"):
+        raise SpecError(why)
 
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     spec = costs.cluster

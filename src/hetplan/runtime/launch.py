@@ -281,7 +281,8 @@ def preflight(
         oversubscribe: ``--oversubscribe``: start any number of CPU processes.
 
     Raises:
-        SpecError: an option out of range, an unwritable report path, a plan without layout,
+        SpecError: an option out of range (``--max-restarts`` below 0 among them: torchrun's
+            parser takes it), an unwritable report path, a plan without layout,
             a combination of strategies the runtime does not compose
             (:func:`~hetplan.runtime.composition.refusals`), more processes than ``host``
             can hold (:func:`host_problem`).
@@ -290,6 +291,11 @@ def preflight(
     """
     if steps < 1:
         raise SpecError(f"--steps must be at least 1, got {steps}")
+    restarts = _option(cmd, "max-restarts")
+    if restarts is not None and restarts.lstrip("-").isdigit() and int(restarts) < 0:
+        raise SpecError(f"--max-restarts {restarts}: torchrun restarts the ranks at most N "
+                        "times, N >= 0; give --max-restarts 0 (a failed rank fails the run) "
+                        "or a positive N (restart the ranks, e.g. from Gemini checkpoints)")
     if not timeout_s > 0 or timeout_s > 86400:
         raise SpecError(f"--timeout must be in (0, 86400] seconds, got {timeout_s}")
     if report is not None:

@@ -38,7 +38,10 @@ point-to-point operations between two ranks of one group in the order each rank 
 so in 1F1B stage ``k``'s send of the next activation, posted before its receive of a
 gradient, would wait for stage ``k+1``'s receive of it, posted after its send of that
 gradient: each would wait for the other. Per direction, both ranks post in the same order
-(gloo's tags did the matching before; they are kept).
+(gloo's tags did the matching before; they are kept). That holds for hand-edited lists too:
+rule 4 of the plan's validator refuses lists whose two ends of a transfer post in different
+orders (:func:`~hetplan.ir.pipeline_order.transfer_order_problem`), which NCCL would pair
+with another micro-batch's rows of the same shape.
 
 Not executed (refused at setup, :func:`hetero_refusals`): sequence parallelism, interleaved
 or Chimera schedules, parameters tied across stages, re-balancing beside the TP
