@@ -739,8 +739,9 @@ def run_cmd(
                            report=report, timeout_s=timeout, torchrun_args=ctx.args,
                            script=script, trace=trace, trace_step=trace_step)
     capture = None if script is not None else (lambda: _run_model_ir(plan, model, module))
-    preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout,
-              host=None if dry_run else HostCapacity.detect(), oversubscribe=oversubscribe)
+    with _naming(plan_file):
+        preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout,
+                  host=None if dry_run else HostCapacity.detect(), oversubscribe=oversubscribe)
     if dry_run:
         out.print(" ".join(cmd), markup=False)
         return
@@ -1055,15 +1056,38 @@ def _file_kind(path: Path) -> str:
 def validate_cmd(
     file: Path = typer.Argument(..., help="A cluster spec (YAML/JSON), plan, workload, profile "
                                 "DB, dynamics file, run report or run trace."),
+    model: str = typer.Option(None, "--model", help="A plan: also check it against this zoo "
+                              "model, as `hetplan run --model` does."),
+    module: str = typer.Option(None, "--module", help="A plan: also check it against the "
+                               "model of pkg.mod:factory, as `hetplan run --module` does."),
 ) -> None:
     """Validate a cluster spec, plan, workload, profile DB, dynamics file, run report or run
-    trace and summarise it."""
+    trace and summarise it.
+
+    A plan gets every check of the plan file; with --model or --module also those that
+    need the model (what `hetplan run` checks before launch: the model's fingerprint, the
+    embedded workload, the tensor_parallel linears' names, splits, features and pair shard
+    sizes). Without them the output says these were not run."""
     kind = _file_kind(file)
+    if model and module:
+        raise SpecError("give --model NAME or --module pkg.mod:factory, not both")
+    if (model or module) and kind != "plan":
+        raise SpecError(f"--model / --module check a plan against its model; {file} is a "
+                        f"{kind}: drop the option")
     if kind == "plan":
-        from hetplan.ir.plan import load_plan
+        from hetplan.ir.plan import check_plan_matches, load_plan
 
         plan = load_plan(file)
-        out.print(f"[green]ok[/]: {file} is a valid plan (schema v{plan.schema_version})")
+        if model or module:
+            with _naming(file):
+                check_plan_matches(plan, model_ir=_run_model_ir(plan, model, module))
+            out.print(f"[green]ok[/]: {file} is a valid plan (schema v{plan.schema_version}) "
+                      f"for model {module or model}")
+        else:
+            out.print(f"[green]ok[/]: {file} is a valid plan (schema v{plan.schema_version}); "
+                      "not checked against its model (the workload, the tensor_parallel "
+                      "linears): give --model NAME or --module pkg.mod:factory, as to "
+                      "`hetplan run`")
         _print_plan(plan)
     elif kind == "workload":
         from hetplan.ir.model import ModelIR

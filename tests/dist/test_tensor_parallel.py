@@ -300,6 +300,19 @@ def test_inconsistent_plan_shards_are_refused() -> None:
         tp_pairs(_model("mlp", 16), _linears(16, 2, False), 2, bad.groups[0])
 
 
+def test_the_ranks_refuse_with_the_validators_field_path() -> None:
+    """The ranks run the rules ``hetplan run`` checks before launch
+    (:mod:`hetplan.ir.plan_tp_checks`) for plans that skipped it (``--script``): same text,
+    the group's field path; a misspelt linear ran even shards before."""
+    sec = _section(2, {"blocks.0.fc1": ("column", [3, 13]), "blocks.0.fc2": ("row", [8, 8])})
+    with pytest.raises(PlanMismatchError, match=r"tensor_parallel\.groups\[0\]\.linears\[1\]"
+                       r"\.shard_sizes: \[8, 8\], but linears\[0\]"):
+        shard_model(_model("mlp", 16), _linears(16, 2, False), sec, None, 0, 2, stage=0)
+    typo = _section(2, {"blocks.0.fcl": ("column", [3, 13])})
+    with pytest.raises(PlanMismatchError, match=r"linears\[0\]\.name: 'blocks\.0\.fcl' is not"):
+        shard_model(_model("mlp", 16), _linears(16, 2, False), typo, None, 0, 2, stage=0)
+
+
 def test_tp_size_one_leaves_the_model_alone() -> None:
     model = _model("mlp", 16)
     assert shard_model(model, _linears(16, 2, False), None, None, 0, 1) is model

@@ -332,8 +332,8 @@ def test_a_tp_linear_the_model_does_not_have_is_refused_before_the_run(tmp_path:
     path.write_text(json.dumps(data))
     assert run("validate", path).exit_code == 0  # inside layer blocks.0: the file is valid
     refused(run("run", path, "--model", "gpt-test", "--dry-run"),
-            "tensor_parallel names linear(s) ['blocks.0.fcl'] that model 'gpt-test' does not "
-            "have (did you mean 'blocks.0.fc")
+            "tensor_parallel.groups[0].linears[0].name: 'blocks.0.fcl' is not a linear of "
+            "model 'gpt-test' (did you mean 'blocks.0.fc")
 
 
 def test_a_plan_whose_workload_was_edited_is_refused_before_the_run(tmp_path: Path) -> None:

@@ -4,7 +4,10 @@ fields"): hand-edited plans that every command took and a `hetplan run` option i
 Every test here failed before its fix: a heterogeneous stage's device class that its ranks
 do not have, `--script` with `--model` (the model silently dropped) or with a file that is
 no Python script, and advice that sent a user with a pinned micro-batch size the wrong way.
-(A TP linear listed twice in its group: `tests/unit/test_plan_checks_round9.py`.)
+(A TP linear listed twice in its group: `tests/unit/test_plan_checks_round9.py`.) And a
+tensor-parallel pair rule that needs the model (`docs/decisions/bad-input-round9.md`,
+"Tensor-parallel rules that need the model"): `hetplan run` refused the plan only from its
+ranks, after launching them; each rule: `tests/unit/test_plan_tp_checks.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 import pytest
 
 from hetplan.ir.plan import load_plan
-from test_bad_input_round7 import WORKLOAD, refused, run  # the rounds share their helpers
+from test_bad_input_round7 import GOLDEN, WORKLOAD, refused, run  # the rounds share helpers
+
+CPU_MIXED_2 = GOLDEN.parent / "fixtures" / "clusters" / "cpu-mixed-2.yaml"
 
 
 def _edited(src: Path, dst: Path, edit: Any) -> Path:
@@ -88,3 +93,35 @@ def test_chimera_with_too_few_micro_batches_advises_a_smaller_micro_batch() -> N
                        "--no-progress"),
                    "an even number of micro-batches", "a micro-batch size smaller than 4")
     assert "larger micro-batch" not in flat
+
+
+def test_run_refuses_a_tp_pair_with_different_shard_sizes_before_any_rank_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: torchrun started 2 ranks, each refused the plan after capturing the model (~25 s
+    on 2 cores) with no field path. Now the launcher refuses it (exit 2) and starts nothing;
+    `validate` says it did not check the model, and with --model refuses alike."""
+    import hetplan.runtime.launch as launch_module
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torchrun was started for a plan the model refuses")
+
+    monkeypatch.setattr(launch_module, "launch", no_launch)
+    good = tmp_path / "good.json"
+    result = run("plan", "gpt-test", "-c", CPU_MIXED_2, "-b", "4", "--dp", "1", "--pp", "1",
+                 "--tp", "2", "--no-progress", "-o", good)
+    assert result.exit_code == 0, result.output
+
+    def edit(d: dict[str, Any]) -> None:
+        row = d["tensor_parallel"]["groups"][0]["linears"][1]
+        assert (row["name"], row["shard_sizes"]) == ("blocks.0.fc2", [192, 64])
+        row["shard_sizes"] = [128, 128]
+
+    bad = _edited(good, tmp_path / "p.json", edit)
+    expected = ("p.json: tensor_parallel.groups[0].linears[1].shard_sizes: [128, 128], but "
+                "linears[0] ('blocks.0.fc1', the column linear of the same Megatron pair",
+                "has [192, 64]", "give every linear of the pair the same shard_sizes")
+    refused(run("run", bad, "--model", "gpt-test", "--steps", "1"), *expected)
+    alone = run("validate", bad)
+    assert alone.exit_code == 0, alone.output
+    assert "not checked against its model" in " ".join(alone.output.split())
+    refused(run("validate", bad, "--model", "gpt-test"), *expected)

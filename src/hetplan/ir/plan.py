@@ -47,6 +47,7 @@ from hetplan._version import __version__
 from hetplan.errors import PlanMismatchError, PlanVersionError, SpecError
 from hetplan.ir.plan_checkpointing import Checkpointing
 from hetplan.ir.plan_checks import plan_problems
+from hetplan.ir.plan_tp_checks import TPModel, tp_model_problems
 from hetplan.ir.plan_sections import (
     Baseline,
     Bucket,
@@ -381,17 +382,25 @@ def check_plan_matches(
 ) -> None:
     """Check that ``plan`` was made for this model, cluster and world size.
 
+    With the model it was made for (same fingerprint), also what only the model can tell:
+    the embedded workload was not edited, and the ``tensor_parallel`` linears are the
+    model's, split their own way, with its ``features`` and one size list per Megatron pair
+    (:mod:`hetplan.ir.plan_tp_checks`).
+
     Args:
         plan: the plan to check.
         model_ir: a :class:`~hetplan.ir.model.ModelIR` (anything with ``name`` and
-            ``fingerprint()``); skipped when None.
+            ``fingerprint()``; its ``layers``, when it has them, for the workload and TP
+            checks); skipped when None.
         cluster: a :class:`~hetplan.ir.cluster.ClusterSpec`; skipped when None.
         world_size: the number of processes of the running job; skipped when None.
 
     Raises:
-        PlanMismatchError: listing every mismatch, both sides, and how to fix it.
+        PlanMismatchError: listing every mismatch, both sides, and how to fix it (one line
+            per ``tensor_parallel`` problem, naming its field path).
     """
     problems = []
+    lines: list[str] = []  # field-path problems, each with its own fix
     if model_ir is not None and model_ir.fingerprint() != plan.model.fingerprint:
         problems.append(
             f"the plan is for model {plan.model.name!r} (fingerprint "
@@ -400,7 +409,8 @@ def check_plan_matches(
             "shapes differ from what was planned"
         )
     if model_ir is not None and not problems:  # the model planned for: was the plan edited?
-        problems += _edited_workload(plan, model_ir) + _unknown_tp_linears(plan, model_ir)
+        problems += _edited_workload(plan, model_ir)
+        lines += _tp_problems(plan, model_ir)
     if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
         problems.append(
             f"the plan is for cluster {plan.cluster.name!r} (fingerprint "
@@ -413,10 +423,10 @@ def check_plan_matches(
             f"{plan.cluster.name!r}), but the job runs {world_size} processes"
         )
     if problems:
-        raise PlanMismatchError(
-            "plan does not match: " + "; ".join(problems) + f". To fix, {_RERUN} "
-            "(or load the plan that was made for them)."
-        )
+        lines.insert(0, "plan does not match: " + "; ".join(problems) + f". To fix, {_RERUN} "
+                     "(or load the plan that was made for them).")
+    if lines:
+        raise PlanMismatchError("\n".join(lines))
 
 
 def _edited_workload(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
@@ -446,25 +456,17 @@ def _edited_workload(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
     return []
 
 
-def _unknown_tp_linears(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
-    """The TP linears of ``plan`` that ``model_ir`` (a ModelIR: its layers and their
-    ``linears``) does not have: the runtime looks shard sizes up by module name, so a misspelt one would run
-    even shards. The plan validator sees only the workload's layers; this is the check
-    against the model itself."""
-    tp = plan.tensor_parallel
+def _tp_problems(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
+    """The ``tensor_parallel`` rules that need the model (``model_ir``: a ModelIR, its layers
+    and their ``linears``): :mod:`hetplan.ir.plan_tp_checks`. The plan validator sees only
+    the workload's layers; these check each listed linear against the module itself."""
     layers = getattr(model_ir, "layers", None)
-    if tp is None or layers is None:
+    if plan.tensor_parallel is None or layers is None:
         return []
-    known = sorted({lin.name for layer in layers for lin in getattr(layer, "linears", ())}
-                   | {layer.name for layer in layers})  # a layer may be one linear
-    unknown = sorted({lin.name for g in tp.groups for lin in g.linears} - set(known))
-    if not unknown:
-        return []
-    from hetplan.ir.validation import did_you_mean
-
-    near = did_you_mean(unknown[0], known).removeprefix("; ")
-    return [f"tensor_parallel names linear(s) {unknown} that model {model_ir.name!r} does "
-            f"not have" + (f" ({near})" if near else "")]
+    model = TPModel.of(model_ir.name,
+                       (lin for layer in layers for lin in getattr(layer, "linears", ())),
+                       other_names=(layer.name for layer in layers))  # a layer may be a linear
+    return tp_model_problems(plan.tensor_parallel, model)
 
 
 def export_json_schema() -> str:

@@ -21,9 +21,11 @@ attention module (it has none of the head-count attributes in :data:`HEAD_ATTRS`
 (whole heads per rank, the fused QKV projection split per part, the module's head count
 rewritten), the vocabulary-parallel embedding and LM head, and sequence parallelism are
 :mod:`hetplan.runtime.megatron`'s; :func:`tp_pairs` reports the linears it leaves to others
-as skipped, with the reason. The parameter names of a sharded linear do not change
-(``blocks.0.fc1.weight``); their shapes become the local shard's. The collectives live in
-:mod:`hetplan.runtime.tp_comm`.
+as skipped, with the reason. A plan's listed linears must pass
+:mod:`hetplan.ir.plan_tp_checks` (name, split, features, one size list per pair), which
+``hetplan run`` checks before launch and :func:`tp_pairs` again. The parameter names of a
+sharded linear do not change (``blocks.0.fc1.weight``); their shapes become the local
+shard's. The collectives live in :mod:`hetplan.runtime.tp_comm`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from hetplan.algorithms.skewed_shards import even_shards
 from hetplan.errors import PlanMismatchError
 from hetplan.ir.model import LayerIR, LinearInfo, megatron_pairs
 from hetplan.ir.plan_sections import TensorParallel, TPGroup
+from hetplan.ir.plan_tp_checks import TPModel, tp_group_problems
 from hetplan.runtime.tp_comm import (
     copy_to_tp,
     gather_shards,
@@ -249,8 +252,8 @@ def _module(model: nn.Module, name: str) -> nn.Module | None:
 
 
 def tp_pairs(model: nn.Module, linears: Iterable[LinearInfo | LayerIR], tp_size: int,
-             tp_group: TPGroup | None = None,
-             tp_rank: int | None = None) -> tuple[list[TPPair], dict[str, str]]:
+             tp_group: TPGroup | None = None, tp_rank: int | None = None, *,
+             where: str = "tensor_parallel.groups[?]") -> tuple[list[TPPair], dict[str, str]]:
     """Decide which linears :func:`shard_model` splits, and how.
 
     Args:
@@ -259,17 +262,27 @@ def tp_pairs(model: nn.Module, linears: Iterable[LinearInfo | LayerIR], tp_size:
         tp_size: ranks in the TP group.
         tp_group: the plan's group (its ``linears`` override the even split per linear).
         tp_rank: unused; kept for symmetry with :func:`shard_model`.
+        where: the group's field path in the plan, for messages.
 
     Returns:
         The pair groups to shard, and ``{linear name: reason}`` for linears left replicated.
 
     Raises:
-        PlanMismatchError: the plan gives one pair different shard sizes, or sizes that do
-            not fit the linear.
+        PlanMismatchError: the group's linears break a rule of
+            :mod:`hetplan.ir.plan_tp_checks` (``hetplan run`` checks them before launch; a
+            plan run with ``--script`` or built by hand meets them here first), or its
+            shard sizes do not fit ``tp_size`` ranks.
     """
     del tp_rank
+    items = list(linears)
+    flat = _flat_linears(items)
+    if tp_group is not None:
+        rules = TPModel.of(type(model).__name__, flat,
+                           other_names=[x.name for x in items if isinstance(x, LayerIR)])
+        if problems := tp_group_problems(tp_group, rules, where=where):
+            raise PlanMismatchError("\n".join(problems))
     listed = {s.name: s for s in tp_group.linears} if tp_group is not None else {}
-    candidates, skipped = megatron_pairs(_flat_linears(linears))
+    candidates, skipped = megatron_pairs(flat)
     pairs: list[TPPair] = []
     for cols, row in candidates:
         names = [c.name for c in cols]
@@ -283,16 +296,9 @@ def tp_pairs(model: nn.Module, linears: Iterable[LinearInfo | LayerIR], tp_size:
             for n in [*names, row.name]:
                 skipped.setdefault(n, why)
             continue
-        given = {tuple(listed[n].shard_sizes) for n in [*names, row.name] if n in listed}
-        for n in [*names, row.name]:
-            if n in listed and listed[n].split != ("row" if n == row.name else "column"):
-                raise PlanMismatchError(f"TP plan splits {n!r} as {listed[n].split!r}, but it "
-                                        f"is the {'row' if n == row.name else 'column'} linear "
-                                        f"of its pair")
-        if len(given) > 1:
-            raise PlanMismatchError(f"TP plan gives the pair {names} → {row.name!r} different "
-                                    f"shard sizes {sorted(given)}; they must be equal")
-        sizes = given.pop() if given else even_shards(row.in_features, tp_size)
+        # the rules above leave one size list per pair (or none: even shards)
+        given = [tuple(listed[n].shard_sizes) for n in [*names, row.name] if n in listed]
+        sizes = given[0] if given else even_shards(row.in_features, tp_size)
         if len(sizes) != tp_size or sum(sizes) != row.in_features:
             raise PlanMismatchError(f"TP plan shard sizes {list(sizes)} for {row.name!r} do not "
                                     f"fit {row.in_features} features on {tp_size} ranks")
@@ -348,13 +354,15 @@ def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | Layer
         stage: this rank's pipeline stage (selects the plan's TP group).
 
     Raises:
-        PlanMismatchError: the plan's TP group does not match this process or gives
-            inconsistent shard sizes.
+        PlanMismatchError: the plan's TP group does not match this process, or its linears
+            break a rule of :mod:`hetplan.ir.plan_tp_checks` (see :func:`tp_pairs`).
     """
     if tp_size <= 1:
         return model
     tp_group = _find_group(tp_section_or_none, group, tp_rank, tp_size, stage)
-    pairs, skipped = tp_pairs(model, ir_layers_linears, tp_size, tp_group)
+    where = (f"tensor_parallel.groups[{tp_section_or_none.groups.index(tp_group)}]"
+             if tp_section_or_none is not None and tp_group is not None else "tensor_parallel")
+    pairs, skipped = tp_pairs(model, ir_layers_linears, tp_size, tp_group, where=where)
     listed_skipped = sorted(n for n in skipped
                             if tp_group is not None and n in {s.name for s in tp_group.linears})
     if listed_skipped:

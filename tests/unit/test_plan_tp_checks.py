@@ -1,0 +1,127 @@
+"""The ``tensor_parallel`` rules that need the model (:mod:`hetplan.ir.plan_tp_checks`), run by
+``check_plan_matches`` (``hetplan run`` before launch, ``hetplan validate --model``).
+
+Each case edits one field of a real plan by hand: ``gpt-test`` planned for
+``tests/fixtures/clusters/cpu-mixed-2.yaml`` (a fast and a half-as-fast CPU process, tp=2),
+whose only TP group lists the 4 MLP pairs ``blocks.i.fc1`` (column) -> ``blocks.i.fc2`` (row)
+with shards [192, 64]. The edited file still loads (the plan-only validator cannot tell); the
+model refuses it with the field path, both values and the fix. Before these rules the ranks
+refused such a plan after launch, or ran it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import hetplan
+from hetplan import zoo
+from hetplan.errors import PlanMismatchError
+from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.model import ModelIR
+from hetplan.ir.plan import Plan, check_plan_matches, load_plan
+
+CLUSTER = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / "cpu-mixed-2.yaml"
+G = "tensor_parallel.groups[0]"
+
+
+@pytest.fixture(scope="module")
+def planned() -> tuple[ModelIR, Plan]:
+    args, kwargs = zoo.example_inputs("gpt-test", batch=1)
+    ir = hetplan.capture(zoo.build("gpt-test"), args, kwargs, name="gpt-test")
+    plan = hetplan.compile(ir, ClusterSpec.load(CLUSTER), batch_size=4, dp=1, pp=1, tp=2)
+    assert plan.tensor_parallel is not None
+    lins = plan.tensor_parallel.groups[0].linears
+    assert [(x.name, x.split, x.features, x.shard_sizes) for x in lins[:2]] == [
+        ("blocks.0.fc1", "column", 256, (192, 64)), ("blocks.0.fc2", "row", 256, (192, 64))]
+    return ir, plan
+
+
+def refused(tmp_path: Path, planned: tuple[ModelIR, Plan],
+            edit: Callable[[list[dict[str, Any]]], None], *expected: str) -> str:
+    """Apply ``edit`` to the group's linears, check that the file still loads and that the
+    model refuses it with every ``expected`` text."""
+    ir, plan = planned
+    data = json.loads(plan.to_json())
+    edit(data["tensor_parallel"]["groups"][0]["linears"])
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    edited = load_plan(path)  # what `hetplan validate p.json` reads: valid alone
+    with pytest.raises(PlanMismatchError) as exc:
+        check_plan_matches(edited, model_ir=ir)
+    msg = str(exc.value)
+    for text in expected:
+        assert text in msg, f"{text!r} not in:\n{msg}"
+    return msg
+
+
+def test_a_pair_with_different_shard_sizes_is_refused(
+        tmp_path: Path, planned: tuple[ModelIR, Plan]) -> None:
+    """The ranks refused it after launch (~25 s), without a field path."""
+    def edit(lins: list[dict[str, Any]]) -> None:
+        lins[1]["shard_sizes"] = [128, 128]
+
+    refused(tmp_path, planned, edit,
+            f"{G}.linears[1].shard_sizes: [128, 128], but linears[0] ('blocks.0.fc1', the "
+            "column linear of the same Megatron pair ['blocks.0.fc1'] -> 'blocks.0.fc2') has "
+            "[192, 64]", "give every linear of the pair the same shard_sizes")
+
+
+@pytest.mark.parametrize(("index", "features", "sizes", "dim"), [
+    (0, 320, [256, 64], "out_features 256"),  # fc1, column: its outputs
+    (3, 64, [48, 16], "in_features 256"),  # blocks.1.fc2, row: its inputs
+])
+def test_features_that_are_not_the_modules_are_refused(
+        tmp_path: Path, planned: tuple[ModelIR, Plan], index: int, features: int,
+        sizes: list[int], dim: str) -> None:
+    def edit(lins: list[dict[str, Any]]) -> None:
+        lins[index].update(features=features, shard_sizes=sizes)
+
+    name = planned[1].tensor_parallel.groups[0].linears[index].name  # type: ignore[union-attr]
+    msg = refused(tmp_path, planned, edit,
+                  f"{G}.linears[{index}].features: {features}, but {name!r} of model "
+                  f"'gpt-test' has {dim}", "set features to 256 and shard_sizes to sum to it")
+    assert "shard_sizes:" not in msg  # the entry's own problem, not a pair difference too
+
+
+@pytest.mark.parametrize(("index", "split", "role", "partner"), [
+    (0, "row", "column", "blocks.0.fc2"),
+    (1, "column", "row", "blocks.0.fc1"),
+])
+def test_a_pair_linear_split_the_other_way_is_refused(
+        tmp_path: Path, planned: tuple[ModelIR, Plan], index: int, split: str, role: str,
+        partner: str) -> None:
+    """Refused by the ranks after launch before (``split: column`` on a row linear)."""
+    def edit(lins: list[dict[str, Any]]) -> None:
+        lins[index]["split"] = split
+
+    name = planned[1].tensor_parallel.groups[0].linears[index].name  # type: ignore[union-attr]
+    refused(tmp_path, planned, edit,
+            f"{G}.linears[{index}].split: {split!r}, but model 'gpt-test' has {name!r} as the "
+            f"{role} linear of its pair with {partner!r}", f"set split to {role!r}")
+
+
+def test_a_misspelt_linear_is_refused_with_its_field_path(
+        tmp_path: Path, planned: tuple[ModelIR, Plan]) -> None:
+    def edit(lins: list[dict[str, Any]]) -> None:
+        lins[2]["name"] = "blocks.1.fcl"
+
+    refused(tmp_path, planned, edit,
+            f"{G}.linears[2].name: 'blocks.1.fcl' is not a linear of model 'gpt-test' (did you "
+            "mean 'blocks.1.fc", "name the module")
+
+
+def test_the_fused_qkv_projection_split_by_rows_is_refused(
+        tmp_path: Path, planned: tuple[ModelIR, Plan]) -> None:
+    """``attn.qkv`` is a column linear (capture pairs it by name with the block's fc2); the
+    runtime splits it by heads whatever the plan says."""
+    def edit(lins: list[dict[str, Any]]) -> None:
+        lins.append({"name": "blocks.0.attn.qkv", "split": "row", "features": 64,
+                     "shard_sizes": [32, 32]})
+
+    refused(tmp_path, planned, edit, f"{G}.linears[8].split: 'row', but model 'gpt-test' has "
+            "'blocks.0.attn.qkv' as the column linear", "set split to 'column'")
