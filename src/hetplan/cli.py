@@ -950,13 +950,12 @@ def _need_cluster(plan: Any, plan_file: Path, cluster: str | None) -> None:
         )
 
 
-def _per_stage_refusal(plan: Any, plan_file: Path, command: str) -> None:
-    """Refuse a plan with per-stage degrees where ``command`` would price it with the
-    homogeneous model (:func:`hetplan.report.explain_hetero.per_stage_refusal`), naming the
-    file."""
+def _per_stage_refusal(plan: Any, plan_file: Path) -> None:
+    """Refuse to export a plan with per-stage degrees, which no engine runs
+    (:func:`hetplan.report.explain_hetero.per_stage_refusal`), naming the file."""
     from hetplan.report.explain_hetero import per_stage_refusal
 
-    if why := per_stage_refusal(plan, command):
+    if why := per_stage_refusal(plan):
         raise SpecError(f"{plan_file}: {why}")
 
 
@@ -1173,7 +1172,6 @@ def _trace_comparison(plan: Any, plan_file: Path, trace: Path,
     from hetplan.report.trace_compare import compare_trace, load_trace
 
     _need_cluster(plan, plan_file, None)
-    _per_stage_refusal(plan, plan_file, "inspect --trace")
     data = load_trace(load_structured_file(trace, what="trace"), str(trace))
     with _naming(plan_file):
         return compare_trace(plan, data, profile=profile, source=str(trace),
@@ -1435,7 +1433,7 @@ def export_cmd(
         check_output_path(output, option="-o/--output", kind="")
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
-    _per_stage_refusal(plan, plan_file, "export")
+    _per_stage_refusal(plan, plan_file)
     result = export_plan(plan, to, cluster=cluster, profile=profile)
     if output is not None:
         output.write_text(result.content, encoding="utf-8")
@@ -1470,7 +1468,6 @@ def timeline_cmd(
     check_output(output, option="-o/--output")  # before the plan is simulated
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
-    _per_stage_refusal(plan, plan_file, "timeline")
     measured = None
     if run_report is not None:
         from hetplan.ir.validation import load_structured_file

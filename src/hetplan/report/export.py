@@ -198,7 +198,7 @@ def export_plan(
     if engine not in WRITERS:
         raise SpecError(f"--to: unknown engine {engine!r}{did_you_mean(engine, list(ENGINES))}"
                         f" (known: {', '.join(ENGINES)})")
-    if why := per_stage_refusal(plan, "export"):
+    if why := per_stage_refusal(plan):
         raise SpecError(why)
     pricer = _Pricer(plan, cluster, profile)
     view = plan_view(plan, pricer.costs)
