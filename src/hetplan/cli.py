@@ -951,13 +951,12 @@ def _need_cluster(plan: Any, plan_file: Path, cluster: str | None) -> None:
         )
 
 
-def _per_stage_refusal(plan: Any, plan_file: Path, command: str) -> None:
-    """Refuse a plan with per-stage degrees where ``command`` would price it with the
-    homogeneous model (:func:`hetplan.report.explain_hetero.per_stage_refusal`), naming the
-    file."""
+def _per_stage_refusal(plan: Any, plan_file: Path) -> None:
+    """Refuse to export a plan with per-stage degrees, which no engine runs
+    (:func:`hetplan.report.explain_hetero.per_stage_refusal`), naming the file."""
     from hetplan.report.explain_hetero import per_stage_refusal
 
-    if why := per_stage_refusal(plan, command):
+    if why := per_stage_refusal(plan):
         raise SpecError(f"{plan_file}: {why}")
 
 
@@ -1159,34 +1158,45 @@ def inspect_cmd(
     run: Path = typer.Option(None, "--run", help="A run report (`hetplan run --report`)."),
     trace: Path = typer.Option(None, "--trace", help="A run's trace (`hetplan run --trace`): "
                                "every rank's actions, predicted beside measured."),
-    profile: Path = typer.Option(None, "--profile", help="With --trace: the profile DB the "
-                                 "plan was made with (to predict its timeline again)."),
+    profile: Path = typer.Option(None, "--profile", help="The profile DB the plan was made "
+                                 "with: to re-check its stored prediction and, with --trace, "
+                                 "to predict its timeline again."),
 ) -> None:
-    """Report on a plan: layout, stages, TP shards, sync, memory, predictions, warnings."""
+    """Report on a plan: layout, stages, TP shards, sync, memory, predictions, warnings.
+
+    The stored prediction is re-checked (the plan re-predicted as `hetplan simulate` does):
+    where the plan was edited since, the re-predicted one is shown, and a line says so."""
     from hetplan.ir.plan import load_plan
     from hetplan.report._text import dump_json
     from hetplan.report.inspect import build_report, select_sections
+    from hetplan.report.render import render_report
+    from hetplan.report.stale import add_check, check_prediction
 
     sections = _check_sections(section)
     plan = load_plan(plan_file)
-    if profile is not None and trace is None:
+    recorded = plan.cost_settings is not None and plan.cost_settings.profile_fingerprint
+    if profile is not None and trace is None and not recorded:
         raise SpecError("--profile re-predicts the plan beside a run's --trace; give --trace "
-                        "FILE too (the plan's own predictions need no profile)")
+                        "FILE too (the plan was predicted without a profile DB, so re-checking "
+                        "its stored prediction needs none)")
     measured = _load_run_report(run) if run else None
     if measured is not None:
         _check_report_is_of(plan, plan_file, measured, run)
     traced = _trace_comparison(plan, plan_file, trace, profile) if trace else None
+    with _naming(plan_file):
+        check = check_prediction(plan, profile=profile)
+    shown = check.plan  # re-predicted where the stored prediction is stale
     if as_json:
-        report = select_sections(build_report(plan), sections)
+        report = select_sections(add_check(build_report(shown), check), sections)
         if measured is not None:
             report["run"] = measured
         if traced is not None:
             report["trace"] = traced
         typer.echo(dump_json(report), nl=False)
         return
-    _print_plan(plan, sections)
+    render_report(add_check(build_report(shown), check), out, sections=sections)
     if measured is not None:
-        _print_run(plan, measured)
+        _print_run(shown, measured)
     if traced is not None:
         _print_trace(traced)
 
@@ -1197,7 +1207,6 @@ def _trace_comparison(plan: Any, plan_file: Path, trace: Path,
     from hetplan.report.trace_compare import compare_trace, load_trace
 
     _need_cluster(plan, plan_file, None)
-    _per_stage_refusal(plan, plan_file, "inspect --trace")
     data = load_trace(load_structured_file(trace, what="trace"), str(trace))
     with _naming(plan_file):
         return compare_trace(plan, data, profile=profile, source=str(trace),
@@ -1324,11 +1333,18 @@ def _check_report_is_of(plan: Any, plan_file: Path, report: dict[str, Any],
                         "made with")
     layout = plan.layout
     world = report.get("world_size")
-    if layout is not None and world is not None and world != layout.num_ranks:
-        raise SpecError(f"{path}: world_size {world}, but {plan_file} runs on "
-                        f"{layout.num_ranks} ranks (dp={layout.dp} pp={layout.pp} "
-                        f"tp={layout.tp}): the report is of another plan; give the plan the "
-                        "run was made with")
+    if layout is None or world is None:
+        return
+    # with per-stage degrees a run has a process per rank the stages list (the runtime's
+    # plan_world_size), not the layout's dp x pp x tp
+    need = (len({r for st in plan.stages for r in st.ranks}) if plan.hetero is not None
+            else layout.num_ranks)
+    shape = (plan.hetero.describe() if plan.hetero is not None
+             else f"dp={layout.dp} pp={layout.pp} tp={layout.tp}")
+    if world != need:
+        raise SpecError(f"{path}: world_size {world}, but {plan_file} runs on {need} ranks "
+                        f"({shape}): the report is of another plan; give the plan the run "
+                        "was made with")
 
 
 def _print_run(plan: Any, report: dict[str, Any]) -> None:
@@ -1459,7 +1475,7 @@ def export_cmd(
         check_output_path(output, option="-o/--output", kind="")
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
-    _per_stage_refusal(plan, plan_file, "export")
+    _per_stage_refusal(plan, plan_file)
     result = export_plan(plan, to, cluster=cluster, profile=profile)
     if output is not None:
         output.write_text(result.content, encoding="utf-8")
@@ -1494,7 +1510,6 @@ def timeline_cmd(
     check_output(output, option="-o/--output")  # before the plan is simulated
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
-    _per_stage_refusal(plan, plan_file, "timeline")
     measured = None
     if run_report is not None:
         from hetplan.ir.validation import load_structured_file

@@ -23,6 +23,7 @@ from typer.testing import CliRunner, Result
 
 from hetplan import zoo
 from hetplan.cli import app
+from hetplan.cost_models.predict import simulate
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import ClusterSpec, list_presets
 from hetplan.ir.model import ModelIR
@@ -34,6 +35,7 @@ from hetplan.ir.plan import (
     Plan,
     Predictions,
     Stage,
+    load_plan,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -329,9 +331,18 @@ def test_validate_plan(plan_file: Path) -> None:
 
 
 def test_inspect_plan(plan_file: Path) -> None:
+    """The fixture's predictions are made up (10 ms; stages 1.5 + 3.0 and 1.25 + 2.5 ms):
+    inspect shows what its sections predict, as simulate does, and says the stored numbers
+    are stale (validate above shows the file as it is)."""
     r = run(["inspect", plan_file])
     assert_ok(r)
-    _check_plan_text(r.stdout)
+    out = flat(r.stdout)
+    now = simulate(load_plan(plan_file)).iteration_time_ms
+    assert "stored prediction 10.000 ms is stale" in out
+    assert f"re-predicted {now:.3f} ms" in out and f"{now:.3f} ms" in out
+    for part in ("tiny-gpt", "a100-nvlink-8x8", "dp=4 pp=2 tp=1", "1f1b", "pipeline stages",
+                 "0–3", "4–7", "baseline ddp: 25.000 ms", "baseline megatron: 15.000 ms"):
+        assert part in out, part
 
 
 def test_inspect_json(plan_file: Path, tiny_gpt_ir: ModelIR) -> None:
@@ -344,9 +355,10 @@ def test_inspect_json(plan_file: Path, tiny_gpt_ir: ModelIR) -> None:
     assert data["layout"] == "dp=4 pp=2 tp=1"
     assert data["num_stages"] == 2
     assert data["micro_batches"] == 8
-    assert data["iteration_time_ms"] == pytest.approx(10.0)
+    now = simulate(load_plan(plan_file)).iteration_time_ms  # re-predicted: see above
+    assert data["iteration_time_ms"] == pytest.approx(now)
     assert data["best_baseline"] == "megatron"
-    assert data["speedup"] == pytest.approx(1.5)
+    assert data["speedup"] == pytest.approx(15.0 / now, rel=1e-4)
 
 
 @pytest.mark.parametrize("command", ["validate", "inspect"])

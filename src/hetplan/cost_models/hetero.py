@@ -50,10 +50,11 @@ from typing import Literal
 
 import numpy as np
 
+from hetplan.algorithms.dp_types import DPTimeline
 from hetplan.algorithms.hetero_search import HeteroProblem, StageOption
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import tied_head_copy
-from hetplan.cost_models.evaluate import edited_lists, evaluate
+from hetplan.cost_models.evaluate import Evaluation, StageCost, edited_lists, evaluate
 from hetplan.cost_models.memory import (
     ALLOCATOR_MARGIN,
     MOMENT_BYTES,
@@ -443,7 +444,13 @@ def _in_flight_vec(state: np.ndarray, acts: np.ndarray, transient: np.ndarray,
 class HeteroEvaluation:
     """The predicted iteration of a heterogeneous pipeline (seconds).
 
-    ``memory`` has one entry per rank of the cluster (zero for ranks no stage uses)."""
+    ``memory`` has one entry per rank of the cluster (zero for ranks no stage uses).
+    ``stages`` and ``dp_timelines`` are per stage, as
+    :class:`~hetplan.cost_models.evaluate.Evaluation`'s (the timeline and ``inspect --trace``
+    read either): a stage whose sync runs on the DP timeline (a gradient-sync section,
+    ``dp > 1``) has its :func:`stage_projection`'s cost and timeline, whose backward is the
+    one the timeline spans; the others their :func:`stage_times` and the closed-form sync of
+    :func:`sync_s`, and no timeline. The timelines hold their events with ``record``."""
 
     iteration_s: float
     compute_s: float
@@ -460,6 +467,8 @@ class HeteroEvaluation:
     pipeline: PipelineSimResult
     #: the largest stage's (de)compression seconds (0 without a gradient-sync section)
     compression_s: float = 0.0
+    stages: tuple[StageCost, ...] = ()
+    dp_timelines: tuple[DPTimeline | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -511,11 +520,18 @@ def stage_sync_exposed_s(workload: WorkloadSummary, layout: Layout, st: Stage,
     """(communication busy, exposed sync, compression) seconds of stage ``st``'s gradient
     sync: :func:`~hetplan.cost_models.evaluate.evaluate`'s DP timeline over the stage's
     last backward, on its :func:`stage_projection`, with its part of ``sync``."""
+    cost = _stage_sync(workload, layout, st, shape, sync, costs).stages[0]
+    return cost.sync_busy_s, max(cost.exposed_sync_s, 0.0), cost.compression_s
+
+
+def _stage_sync(workload: WorkloadSummary, layout: Layout, st: Stage, shape: StageShape,
+                sync: GradientSync, costs: CostModel, record: bool = False) -> Evaluation:
+    """The evaluation of stage ``st``'s :func:`stage_projection` with its part of ``sync``
+    (its DP timeline's events with ``record``, which changes no number)."""
     proj = stage_projection(workload, layout, st, shape)
     part = stage_sync_section(sync, [g.name for g in proj.workload.grads])
-    ev = evaluate(proj.workload, proj.layout, (proj.stage,), part, costs, check_memory=False)
-    cost = ev.stages[0]
-    return cost.sync_busy_s, max(cost.exposed_sync_s, 0.0), cost.compression_s
+    return evaluate(proj.workload, proj.layout, (proj.stage,), part, costs,
+                    check_memory=False, record=record)
 
 
 def stage_layout(layout: Layout, shape_dp: int, shape_tp: int, mb: int, zero: int) -> Layout:
@@ -529,7 +545,8 @@ def stage_layout(layout: Layout, shape_dp: int, shape_tp: int, mb: int, zero: in
 def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[Stage],
                     hetero: Hetero, costs: CostModel, *, check_memory: bool = True,
                     gradient_sync: GradientSync | None = None,
-                    actions: PipelineActions | None = None) -> HeteroEvaluation:
+                    actions: PipelineActions | None = None,
+                    record: bool = False) -> HeteroEvaluation:
     """Predict one iteration of a plan with a ``hetero`` section (see the module docstring).
 
     ``gradient_sync``: the plan's gradient-sync section; each stage with ``dp > 1`` then
@@ -546,6 +563,9 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
     stage's own times and resharding links. Unedited lists predict to the bit what the
     generated ones do (the search passes none).
 
+    ``record``: keep every event of each stage's DP timeline (for ``hetplan timeline``); the
+    pipeline's events are always kept. It changes no number.
+
     Raises:
         InfeasiblePlanError: a rank runs out of memory (with ``check_memory``), naming it
             and its breakdown.
@@ -553,14 +573,15 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
     from hetplan.cost_models.memory import check_fits
 
     P, m = len(stages), layout.micro_batches
-    fwd, bwd, subs = [], [], []
+    fwd, bwd, tp_comm, sources = [], [], [], []
     for st, shape in zip(stages, hetero.stages):
         sub = stage_layout(layout, shape.dp, shape.tp, shape.micro_batch_size, shape.zero_stage)
-        f, b, _, _, _ = stage_times(workload, st, sub, costs, shape.micro_batch_size,
-                                    shape.micro_batch_size / workload.batch_size)
+        f, b, c, _, src = stage_times(workload, st, sub, costs, shape.micro_batch_size,
+                                      shape.micro_batch_size / workload.batch_size)
         fwd.append(f)
         bwd.append(b)
-        subs.append(sub)
+        tp_comm.append(c)
+        sources.append(src)
     links = [_link_reshard(workload, costs, stages[k], stages[k + 1], hetero.stages[k + 1])
              for k in range(P - 1)]
     edited = edited_lists(layout, actions)
@@ -576,8 +597,10 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
         if ev.kind.value == "B":
             ends[ev.rank] = max(ends[ev.rank], ev.end_ms * 1e-3)
     syncs, exposed, steps = [], [], []
+    costs_of: list[StageCost] = []
+    timelines: list[DPTimeline | None] = []
     compression = 0.0
-    for st, shape, b in zip(stages, hetero.stages, bwd):
+    for k, (st, shape, b) in enumerate(zip(stages, hetero.stages, bwd)):
         dev = costs.devices[st.ranks[0]]
         prec = state_precision(costs.precision, dev.type, (dev.type,), capture_bytes(workload))
         per_layer = _rank_param_bytes(costs.memory_layers(workload), shape.tp)
@@ -585,15 +608,20 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
         dp_group = list(st.ranks[::shape.tp])
         cross = len({costs.devices[r].node_index for r in dp_group}) > 1
         if gradient_sync is not None and shape.dp > 1:
-            s, e, c = stage_sync_exposed_s(workload, layout, st, shape, gradient_sync, costs)
-            compression = max(compression, c)
-            syncs.append(s)
-            exposed.append(e)
+            proj = _stage_sync(workload, layout, st, shape, gradient_sync, costs, record)
+            cost = proj.stages[0]
+            compression = max(compression, cost.compression_s)
+            syncs.append(cost.sync_busy_s)
+            exposed.append(max(cost.exposed_sync_s, 0.0))
+            costs_of.append(cost)
+            timelines.append(proj.dp_timelines[0])
         else:
             s = sync_s(costs, elems * prec.grad_bytes, shape.dp, shape.tp, cross,
                        shape.zero_stage)
             syncs.append(s)
             exposed.append(max(s - b, 0.0) if costs.dp_overlap == "backward" else s)
+            costs_of.append(StageCost(fwd[k], b, tp_comm[k], exposed[-1], s, 0.0, sources[k]))
+            timelines.append(None)
         per_elem = _step_bytes(prec, costs.optimizer) / (shape.dp if shape.zero_stage else 1)
         steps.append(per_elem * elems / dev.mem_bandwidth_bytes_per_s)
     optimizer = max(steps)
@@ -610,7 +638,8 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
         exposed_comm_s=max(exposed), comm_s=max(syncs) + sum(links) * 2,
         optimizer_s=optimizer, bubble_ratio=pipe.bubble_ratio, fwd_s=tuple(fwd),
         bwd_s=tuple(bwd), reshard_s=(0.0, *links), sync_s=tuple(syncs), memory=memory,
-        pipeline=pipe, compression_s=compression)
+        pipeline=pipe, compression_s=compression, stages=tuple(costs_of),
+        dp_timelines=tuple(timelines))
 
 
 def hetero_predictions(ev: HeteroEvaluation, baselines: Sequence[Baseline] = ()

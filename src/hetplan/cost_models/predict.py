@@ -16,6 +16,7 @@ without importing the search.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetplan.cost_models.bubble import bubble_ratios
 from hetplan.cost_models.compute import vocab_split
@@ -36,8 +37,11 @@ from hetplan.ir.plan_sections import (
     WorkloadSummary,
 )
 
-__all__ = ["plan_costs", "simulate", "predictions", "breakdown", "resolve_cluster",
-           "resolve_profile", "check_profile_fits"]
+if TYPE_CHECKING:  # imported where used: the heterogeneous model is not needed otherwise
+    from hetplan.cost_models.hetero import HeteroEvaluation
+
+__all__ = ["plan_costs", "simulate", "evaluate_plan", "predictions", "breakdown",
+           "resolve_cluster", "resolve_profile", "check_profile_fits"]
 
 
 def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
@@ -174,16 +178,30 @@ def simulate(
 
     Raises:
         SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
+        InfeasiblePlanError: a rank runs out of memory.
     """
+    return evaluate_plan(plan, cluster=cluster, profile=profile)[1]
+
+
+def evaluate_plan(
+    plan: Plan,
+    *,
+    cluster: ClusterSpec | str | Path | None = None,
+    profile: ProfileDB | str | Path | None = None,
+    check_memory: bool = True,
+) -> tuple[Evaluation | HeteroEvaluation, Predictions]:
+    """:func:`simulate`'s evaluation of ``plan`` and the prediction section it gives
+    (``check_memory=False``: a rank that does not fit is predicted all the same)."""
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     baselines = plan.predictions.baselines if plan.predictions else ()
     if plan.hetero is not None:  # per-stage degrees (hetplan.cost_models.hetero)
         from hetplan.cost_models.hetero import evaluate_hetero, hetero_predictions
 
-        return hetero_predictions(evaluate_hetero(
-            workload, layout, plan.stages, plan.hetero, costs,
-            gradient_sync=plan.gradient_sync, actions=plan.pipeline_actions), baselines)
+        hev = evaluate_hetero(workload, layout, plan.stages, plan.hetero, costs,
+                              check_memory=check_memory, gradient_sync=plan.gradient_sync,
+                              actions=plan.pipeline_actions)
+        return hev, hetero_predictions(hev, baselines)
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
-                  tensor_parallel=plan.tensor_parallel, sparse_sync=plan.sparse_sync,
-                  actions=plan.pipeline_actions)
-    return predictions(ev, list(baselines), layout)
+                  check_memory=check_memory, tensor_parallel=plan.tensor_parallel,
+                  sparse_sync=plan.sparse_sync, actions=plan.pipeline_actions)
+    return ev, predictions(ev, list(baselines), layout)

@@ -79,6 +79,8 @@ record that they did.
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 from collections import Counter
 from collections.abc import Iterable
@@ -691,6 +693,11 @@ class ProfileDB(BaseModel):
             if rec["micro_batch"] is None:
                 del rec["micro_batch"]
         return json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+    def fingerprint(self) -> str:
+        """The DB's identity a plan records (``cost_settings.profile_fingerprint``): the
+        first 16 hex digits of the SHA-256 of :meth:`to_json`."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def save(self, path: str | Path) -> None:
         """Write :meth:`to_json` to ``path`` (UTF-8)."""

@@ -38,7 +38,6 @@ from the plan file alone.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -587,4 +586,4 @@ def _provenance(ev: Evaluation, costs: CostModel) -> dict[str, CostSource]:
 def _db_fingerprint(db: ProfileDB | None) -> str:
     if db is None:
         return ""
-    return hashlib.sha256(db.to_json().encode()).hexdigest()[:16]
+    return db.fingerprint()

@@ -37,6 +37,7 @@ from hetplan.report._export_gaps import (
     merge_virtual,
     rebalancing_gaps,
     relayout,
+    sparse_gaps,
     sync_gaps,
     tp_gaps,
     used_strategies,
@@ -155,7 +156,7 @@ def _common_gaps(view: PlanView, engine: str, *, cast: str = "no",
     return (lists_gaps(view, engine=engine) + tp_gaps(view, engine=engine)
             + sync_gaps(view, engine=engine, cast=cast,  # type: ignore[arg-type]
                         bucket_knob=bucket_knob)
-            + rebalancing_gaps(view, engine=engine))
+            + sparse_gaps(view, engine=engine) + rebalancing_gaps(view, engine=engine))
 
 
 def gpt_tokens(view: PlanView, stages: tuple[Stage, ...]) -> list[str] | None:

@@ -22,6 +22,7 @@ from hetplan.algorithms.pipeline_schedules import build_schedule
 from hetplan.cost_models.ddp import ddp_gradient_sync, stage_of_layer
 from hetplan.cost_models.evaluate import edited_lists
 from hetplan.ir.plan import Plan
+from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.plan_sections import (
     Bucket,
     CastSync,
@@ -42,8 +43,8 @@ Strategy = NoSync | CastSync | CompressedSync
 
 __all__ = ["Variant", "Unexpressed", "PlanView", "RECOMPUTE_ORDER", "ENGINE_BUCKET_MB",
            "even_stages", "merge_virtual", "split_buckets", "engine_buckets", "common_dtype",
-           "relayout", "with_recompute", "sync_gaps", "tp_gaps", "rebalancing_gaps",
-           "lists_gaps", "used_strategies"]
+           "relayout", "with_recompute", "sync_gaps", "sparse_gaps", "tp_gaps",
+           "rebalancing_gaps", "lists_gaps", "used_strategies"]
 
 #: Recomputation modes from least to most memory-saving; exporting one mode for stages that
 #: differ uses the strongest (every stage still fits).
@@ -61,6 +62,8 @@ class Variant:
     None for the plan's own precision section. ``actions``: the plan's pipeline action lists
     (None: the lists the layout's schedule generates); a variant whose layout no longer fits
     them runs its generated lists (:func:`~hetplan.cost_models.evaluate.edited_lists`).
+    ``sparse``: the plan's sparse-sync section (None: every gradient on the gradient-sync
+    section's dense path).
     """
 
     layout: Layout
@@ -69,6 +72,7 @@ class Variant:
     tp: TensorParallel | None
     precision: str | None = None
     actions: PipelineActions | None = None
+    sparse: SparseSync | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,8 @@ class PlanView:
 
     def variant(self) -> Variant:
         return Variant(self.layout, self.stages, self.plan.gradient_sync,
-                       self.plan.tensor_parallel, actions=self.plan.pipeline_actions)
+                       self.plan.tensor_parallel, actions=self.plan.pipeline_actions,
+                       sparse=self.plan.sparse_sync)
 
 
 def relayout(layout: Layout, **update: object) -> Layout:
@@ -327,6 +332,24 @@ def sync_gaps(view: PlanView, *, engine: str, cast: Literal["uniform", "no"] = "
             lambda v: v if v.sync is None else replace(
                 v, sync=engine_buckets(view.workload, v.stages, v.sync))))
     return out
+
+
+def sparse_gaps(view: PlanView, *, engine: str) -> list[Unexpressed]:
+    """Sparse sync of embedding gradients (Zen's hashed all-to-all, or AGsparse's
+    all-gather): none of the engines takes a per-tensor sparse scheme; each all-reduces the
+    gradient dense with the others. Priced as the plan without its ``sparse_sync`` section
+    (every such tensor back in its gradient-sync unit, as ``explain TENSOR``'s dense
+    alternative prices it)."""
+    sparse = view.plan.sparse_sync
+    synced = sparse.synced() if sparse is not None else {}
+    if not synced:
+        return []
+    schemes = ", ".join(f"{name} {t.scheme}" for name, t in synced.items())
+    return [Unexpressed(
+        "sparse-sync", f"sparse sync (Zen) of {len(synced)} embedding gradient(s): {schemes} "
+                       "(sparse_sync.tensors)",
+        f"{engine} all-reduces every gradient dense, in its buckets",
+        lambda v: replace(v, sparse=None))]
 
 
 def _tensor_strategies(sync: GradientSync) -> dict[str, str]:

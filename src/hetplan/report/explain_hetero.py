@@ -168,25 +168,17 @@ def _pass_facts(plan: Plan, k: int) -> list[tuple[str, str]]:
     return out
 
 
-def per_stage_refusal(plan: Plan, command: str) -> str:
-    """Why ``hetplan COMMAND`` (``export``, ``timeline``, ``inspect --trace``) refuses a plan
-    with per-stage degrees, or "" for a plan without them. Those commands price and draw the
-    plan with the homogeneous model (:func:`~hetplan.cost_models.evaluate.evaluate`: one
-    ``dp x tp`` and one rank layout for every stage), so for per-stage degrees they would show
-    another iteration than ``simulate`` predicts (:func:`evaluate_hetero`), silently; and no
-    engine ``export`` writes for runs stages of different degrees."""
+def per_stage_refusal(plan: Plan) -> str:
+    """Why ``hetplan export`` refuses a plan with per-stage degrees, or "" for a plan without
+    them: torchtitan, Megatron and DeepSpeed run one ``dp x tp`` on every stage, so no
+    configuration of theirs expresses it (``simulate``, ``explain``, ``timeline`` and
+    ``inspect --trace`` price it with :func:`evaluate_hetero`)."""
     if plan.hetero is None:
         return ""
-    if command == "export":
-        fix = ("torchtitan, Megatron and DeepSpeed run one dp x tp on every stage, so no "
-               "configuration of theirs expresses it: export a plan made without --hetero "
-               "(`hetplan plan ... --hetero off`)")
-    else:
-        fix = ("`hetplan simulate PLAN` gives its prediction and `hetplan explain PLAN "
-               "stage:K` each stage's times")
     return (f"hetero: the plan gives each stage its own devices and dp x tp "
-            f"({plan.hetero.describe()}); `hetplan {command}` prices one dp x tp for every "
-            f"stage and would show another iteration than `hetplan simulate` predicts; {fix}")
+            f"({plan.hetero.describe()}); torchtitan, Megatron and DeepSpeed run one dp x tp "
+            "on every stage, so no configuration of theirs expresses it: export a plan made "
+            "without --hetero (`hetplan plan ... --hetero off`)")
 
 
 def _stage_index(target: str, n: int) -> int:

@@ -5,18 +5,20 @@ parts of the plan it can express — layout (dp / pp / tp, virtual stages, the s
 where the engine takes one), micro-batch size and count / global batch, pipeline schedule,
 recomputation, ZeRO / FSDP, precision (bf16 / fp16 with dynamic loss scaling) and sequence
 parallelism — and the parts it cannot express (uneven stages or TP shards, per-tensor
-compression, hierarchical routing, fusion buckets, re-balancing, per-device precision,
-hand-edited pipeline action lists ...).
+compression, hierarchical routing, fusion buckets, Zen sparse sync, re-balancing,
+per-device precision, hand-edited pipeline action lists ...).
 
 What each unexpressed part was worth: the plan is re-predicted without it, with the plan's
 own cost model (:func:`hetplan.cost_models.predict.plan_costs` and
 :func:`hetplan.cost_models.evaluate.evaluate`, the objective ``compile`` optimized), one
 part at a time and all of them together (what the exported configuration is predicted to
 run at). The current plan is re-evaluated the same way, so differences never mix two cost
-models; the baselines the plan carries are listed beside them. The plan, and every variant
-that keeps its pipeline layout, runs the plan's own ``pipeline_actions`` as ``simulate``
-does; the ``edited-action-lists`` part (only when they differ from the generated lists) is
-worth the difference between the plan with them and with the generated lists.
+models; the baselines the plan carries are listed beside them. Every variant keeps the
+plan's sparse-sync section (``sparse-sync`` drops it), as ``simulate`` prices it. The plan,
+and every variant that keeps its pipeline layout, runs the plan's own ``pipeline_actions``
+as ``simulate`` does; the ``edited-action-lists`` part (only when they differ from the
+generated lists) is worth the difference between the plan with them and with the generated
+lists.
 
 Inputs: a plan (read, never re-searched) and an engine name. Output: an :class:`Export` with
 the file text, the values, the priced gaps and a readable report. Deterministic: the same
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cost_models.costs import CostModel
-from hetplan.cost_models.evaluate import evaluate
+from hetplan.cost_models.evaluate import Evaluation, evaluate
 from hetplan.cost_models.precision import resolve_precision
 from hetplan.cost_models.predict import plan_costs
 from hetplan.cost_models.profile_db import ProfileDB
@@ -163,13 +165,18 @@ class _Pricer:
         """(iteration ms, fits in memory, why not); the ms are None when the cost model
         refuses the combination (e.g. compression under ZeRO-2), with its reason."""
         sync = split_buckets(self.workload, v.stages, v.sync)
-        args = (self.workload, v.layout, v.stages, sync, self.costs_for(v.precision))
+        costs = self.costs_for(v.precision)
+
+        def run(check_memory: bool) -> Evaluation:
+            return evaluate(self.workload, v.layout, v.stages, sync, costs,
+                            check_memory=check_memory, tensor_parallel=v.tp,
+                            sparse_sync=v.sparse, actions=v.actions)
+
         try:
             try:
-                ev, note = evaluate(*args, tensor_parallel=v.tp, actions=v.actions), ""
+                ev, note = run(True), ""
             except InfeasiblePlanError as e:
-                ev, note = evaluate(*args, tensor_parallel=v.tp, actions=v.actions,
-                                    check_memory=False), str(e)
+                ev, note = run(False), str(e)
         except SpecError as e:
             return None, True, str(e)
         return round(ev.iteration_s * 1e3, 6), not note, note
@@ -198,7 +205,7 @@ def export_plan(
     if engine not in WRITERS:
         raise SpecError(f"--to: unknown engine {engine!r}{did_you_mean(engine, list(ENGINES))}"
                         f" (known: {', '.join(ENGINES)})")
-    if why := per_stage_refusal(plan, "export"):
+    if why := per_stage_refusal(plan):
         raise SpecError(why)
     pricer = _Pricer(plan, cluster, profile)
     view = plan_view(plan, pricer.costs)

@@ -1,8 +1,10 @@
 """``hetplan inspect``: a plan as a report of plain data, one entry per section.
 
 :func:`build_report` reads only the plan (its embedded workload summary and cluster spec); it
-never re-runs the cost model, so it is fast and shows exactly what the plan file says. The
-report is a JSON-ready dict with these sections (:data:`SECTIONS`):
+never re-runs the cost model, so it is fast and shows exactly what the plan it is given says
+(``hetplan inspect`` first re-checks the stored prediction, :mod:`hetplan.report.stale`, and
+gives it the re-predicted plan where that prediction is stale). The report is a JSON-ready
+dict with these sections (:data:`SECTIONS`):
 
 - ``layout``: model, cluster, fingerprints, dp × pp × tp, micro-batching, schedule, devices.
 - ``stages``: per pipeline stage its layers, ranks, device types, predicted per-micro-batch

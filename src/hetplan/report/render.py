@@ -278,6 +278,9 @@ def _predictions(report: dict[str, Any], c: Console) -> None:
         c.print("predictions: none")
         return
     c.print(f"predicted iteration time: [bold]{pred['iteration_time_ms']:.3f} ms[/]")
+    if check := pred.get("check"):  # the stored prediction, re-checked (report/stale.py)
+        colour = "yellow" if check["status"] == "stale" else "dim"
+        c.print(f"  [{colour}]{escape(check['note'])}[/]")
     b = pred["breakdown"]
     c.print(f"  compute {fmt_ms(b['compute_ms'])} · comm {fmt_ms(b['comm_ms'])} (exposed "
             f"{fmt_ms(b['exposed_comm_ms'])}) · compression {fmt_ms(b['compression_ms'])}")

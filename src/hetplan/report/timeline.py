@@ -1,10 +1,14 @@
 """Draw a plan's simulated iteration as a timeline (PNG via matplotlib, HTML via plotly).
 
 The plan is re-evaluated exactly as :func:`hetplan.simulate` does (its workload summary,
-embedded cluster and cost settings) with ``record=True``, and the recorded events become bars:
+embedded cluster and cost settings) with ``record=True``, and the recorded events become bars.
+A plan with per-stage degrees (``hetero``) is evaluated by
+:func:`~hetplan.cost_models.hetero.evaluate_hetero`, as ``simulate`` does: each stage with its
+own times, resharding links and DP group; its rows name each stage's ranks and degrees.
 
 * one row per pipeline stage: forward and backward of every micro-batch (labelled with the
-  micro-batch number; gaps are pipeline bubbles), then the optimizer step;
+  micro-batch number; gaps are pipeline bubbles), then the optimizer step; every rank of the
+  stage runs these (the model prices the ranks of a stage alike);
 * under each stage, the data-parallel sync of its **last micro-batch's backward**: the GPU
   stream (backprop and GPU (de)compression / casts), the CPU lane (CPU compression) and one
   lane per communication channel (``net`` = flat, ``intra``-node, ``inter``-node). The DP
@@ -26,6 +30,7 @@ from typing import Any
 
 from hetplan.errors import SpecError
 from hetplan.ir.validation import check_output_path
+from hetplan.report._text import ranges
 
 __all__ = ["SUFFIXES", "Segment", "check_output", "render_timeline", "timeline_segments"]
 
@@ -175,24 +180,22 @@ def timeline_segments(
 # --------------------------------------------------------------------------- evaluation
 def _evaluate_plan(plan: Any, cluster: Any, profile: Any) -> tuple[Any, Any, Any, str]:
     """(Evaluation with recorded events, workload, stages, cluster name), with the cost
-    settings :func:`hetplan.simulate` uses (memory is not checked: the timeline draws time
-    only).
-
-    Raises:
-        SpecError: a plan with per-stage degrees (:func:`~hetplan.report.explain_hetero.
-            per_stage_refusal`: this evaluation prices one dp x tp for every stage).
-    """
+    settings and the model :func:`hetplan.simulate` uses (memory is not checked: the timeline
+    draws time only). A plan with per-stage degrees gets
+    :func:`~hetplan.cost_models.hetero.evaluate_hetero`'s evaluation, which has the same
+    fields the timeline reads (its iteration time is ``simulate``'s, to the bit)."""
     from hetplan.cost_models.evaluate import evaluate
-    from hetplan.errors import SpecError
+    from hetplan.cost_models.hetero import evaluate_hetero
     from hetplan.ir.plan_sections import Stage
     from hetplan.cost_models.predict import plan_costs
-    from hetplan.report.explain_hetero import per_stage_refusal
-
-    if why := per_stage_refusal(plan, "timeline"):
-        raise SpecError(why)
 
     workload, layout, costs = plan_costs(plan, cluster=cluster, profile=profile)
     spec = costs.cluster
+    if plan.hetero is not None:
+        hev = evaluate_hetero(workload, layout, plan.stages, plan.hetero, costs,
+                              check_memory=False, gradient_sync=plan.gradient_sync,
+                              actions=plan.pipeline_actions, record=True)
+        return hev, workload, plan.stages, spec.name
     ev = evaluate(workload, layout, plan.stages, plan.gradient_sync, costs,
                   check_memory=False, record=True, tensor_parallel=plan.tensor_parallel,
                   sparse_sync=plan.sparse_sync, actions=plan.pipeline_actions)
@@ -242,6 +245,7 @@ def _build(plan: Any, cluster: Any, profile: Any, run_report: Any) -> _Timeline:
     iteration_ms = ev.iteration_s * 1e3
     interleaved = layout is not None and layout.virtual_stages > 1
     n = len(stages)
+    names = _stage_lanes(plan, n)
     rows: list[list[Segment]] = [[] for _ in range(n)]
     last_end = [0.0] * n
     for e in sorted(ev.pipeline.events, key=lambda e: (e.rank, e.start_ms)):
@@ -249,7 +253,7 @@ def _build(plan: Any, cluster: Any, profile: Any, run_report: Any) -> _Timeline:
         mb = f"{e.microbatch}" + (f".{e.stage // n}" if interleaved else "")
         what = "forward" if kind == "F" else "backward"
         rows[e.rank].append(Segment(
-            f"stage {e.rank}", kind, e.start_ms, e.end_ms, mb, e.rank, e.microbatch,
+            names[e.rank], kind, e.start_ms, e.end_ms, mb, e.rank, e.microbatch,
             f"stage {e.rank} {what}, micro-batch {mb}: {e.start_ms:.2f}–{e.end_ms:.2f} ms "
             f"({e.end_ms - e.start_ms:.2f} ms)"))
         if kind == "B":
@@ -267,13 +271,13 @@ def _build(plan: Any, cluster: Any, profile: Any, run_report: Any) -> _Timeline:
     for s in range(n):
         if finish[s] - last_end[s] > 1e-9 * span:
             rows[s].append(Segment(
-                f"stage {s}", "sync-wait", last_end[s], finish[s], "sync wait", s, None,
+                names[s], "sync-wait", last_end[s], finish[s], "sync wait", s, None,
                 f"stage {s} waits {finish[s] - last_end[s]:.2f} ms after its last backward "
                 "for its gradient sync (exposed communication / compression)"))
         if ev.optimizer_s > 0:
-            rows[s].append(Segment(f"stage {s}", "optimizer", opt_start, iteration_ms, "opt", s,
+            rows[s].append(Segment(names[s], "optimizer", opt_start, iteration_ms, "opt", s,
                                    None, f"optimizer step: {ev.optimizer_s * 1e3:.2f} ms"))
-        lanes.append(f"stage {s}")
+        lanes.append(names[s])
         segments += rows[s]
         merged = _merge(dp_lanes[s], span / 1000)
         order = {f"stage {s} · {c}": i for i, c in enumerate(_CHANNELS.values())}
@@ -294,7 +298,11 @@ def _build(plan: Any, cluster: Any, profile: Any, run_report: Any) -> _Timeline:
                                 f"measured {total:.2f} ms/iteration" +
                                 (f" ({extra})" if extra else "")))
     lay = f"dp={plan.cluster.world_size} (no layout)"
-    if layout is not None:
+    if layout is not None and plan.hetero is not None:
+        m, size = layout.micro_batches, layout.micro_batch_size
+        lay = (f"per-stage degrees {plan.hetero.describe()}, {layout.schedule}, {m} "
+               f"micro-batch{'es' if m > 1 else ''} of {size} sample{'s' if size > 1 else ''}")
+    elif layout is not None:
         m, size = layout.micro_batches, layout.micro_batch_size
         lay = (f"dp={layout.dp} pp={layout.pp} tp={layout.tp}, {layout.schedule}, {m} "
                f"micro-batch{'es' if m > 1 else ''} of {size} sample{'s' if size > 1 else ''}")
@@ -305,6 +313,15 @@ def _build(plan: Any, cluster: Any, profile: Any, run_report: Any) -> _Timeline:
     return _Timeline(segments, lanes, f"{plan.model.name} on {cluster_name} — {lay}",
                      subtitle + " · DP lanes: sync of each stage's last backward",
                      iteration_ms)
+
+
+def _stage_lanes(plan: Any, n: int) -> list[str]:
+    """Each pipeline stage's row: ``stage K``; with per-stage degrees also its ranks, device
+    class and dp x tp (``stage 1: ranks 1–4, cpu@slow 2x2``)."""
+    if plan.hetero is None:
+        return [f"stage {s}" for s in range(n)]
+    return [f"stage {st.index}: ranks {ranges(st.ranks)}, {shape.device_class} "
+            f"{shape.dp}x{shape.tp}" for st, shape in zip(plan.stages, plan.hetero.stages)]
 
 
 def _dp_segments(stage: int, tl: Any, offset: float, units: list[str]) -> list[Segment]:
@@ -406,7 +423,8 @@ def _draw_png(tl: _Timeline, path: Path) -> None:
     width, height, dpi = 16.0, max(9.0, 2.6 + 0.42 * n), 100
     fig = Figure(figsize=(width, height), dpi=dpi)
     FigureCanvasAgg(fig)
-    left, right = 0.155, 0.985
+    # room for the longest row name (a stage with per-stage degrees names its ranks)
+    left, right = max(0.155, min(0.4, (0.08 * max(map(len, tl.lanes)) + 0.3) / width)), 0.985
     kinds = list(dict.fromkeys(s.kind for s in tl.segments))
     handles = [Patch(color=_STYLE.get(k, _OTHER)[1], label=_STYLE.get(k, _OTHER)[0])
                for k in _STYLE if k in kinds]

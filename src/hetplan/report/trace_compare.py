@@ -3,7 +3,8 @@
 ``hetplan inspect PLAN --trace trace.json`` reads the trace ``hetplan run --trace`` wrote
 (:mod:`hetplan.runtime.trace`) and re-evaluates the plan exactly as ``hetplan simulate`` and
 ``hetplan timeline`` do (:func:`hetplan.report.timeline._evaluate_plan`: its cluster, cost
-settings and, with ``--profile``, the profile it was made with). Per rank it lists every
+settings and, with ``--profile``, the profile it was made with; with per-stage degrees,
+``evaluate_hetero``, each rank compared with its own stage's timeline). Per rank it lists every
 forward and backward the rank computed, predicted (start and duration on the simulated
 pipeline) beside measured (start from the host's origin, duration of the stage's compute,
 the wait for what the action received, the loss computed after the last stage's forward),
@@ -142,14 +143,31 @@ def compare_trace(plan: Any, trace: Mapping[str, Any], *, cluster: Any = None,
             by_rank.setdefault(int(e["pid"]), []).append(e)
     if not by_rank:
         raise SpecError(f"{source}: the trace holds no events: was the traced step run?")
-    layout = plan.layout
     rows = []
     for rank in sorted(by_rank):
-        p = layout.coords(rank)[1] if layout is not None else 0
+        p = _pipeline_rank(plan, rank, source)
         stage_cost = ev.stages[p] if p < len(ev.stages) else None
         rows.append(_rank_rows(rank, p, by_rank[rank], predicted, ev, stage_cost))
     return {"step": meta.get("step"), "predicted_iteration_ms": _r(ev.iteration_s * 1e3),
             "ranks": rows}
+
+
+def _pipeline_rank(plan: Any, rank: int, source: str) -> int:
+    """``rank``'s pipeline position: its coordinate in the layout, or, with per-stage degrees,
+    the stage whose ranks hold it (every rank of a stage runs the stage's action list).
+
+    Raises:
+        SpecError: a rank no stage of a plan with per-stage degrees holds.
+    """
+    layout = plan.layout
+    if plan.hetero is None:
+        return layout.coords(rank)[1] if layout is not None else 0
+    for st in plan.stages:
+        if rank in st.ranks:
+            return int(st.index)
+    raise SpecError(f"{source}: rank {rank} has events, but no stage of the plan holds it "
+                    f"(stages[*].ranks: {[list(st.ranks) for st in plan.stages]}): give the "
+                    "plan file the run was made with")
 
 
 def _rank_rows(rank: int, p: int, events: list[dict[str, Any]],

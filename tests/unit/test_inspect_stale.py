@@ -1,0 +1,126 @@
+"""``hetplan inspect`` re-checks the prediction a plan file stores: an edited plan shows what
+``simulate`` predicts for it now, with a line giving the stored and the re-predicted time;
+an unedited plan's report is the one it always was; a plan predicted with a profile DB is
+re-checked only with that DB (docs/decisions.md, "Reports")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from hetplan.cli import app
+from hetplan.cost_models.predict import simulate
+from hetplan.cost_models.profile_db import ProfileDB
+from hetplan.ir.model import ModelIR
+from hetplan.ir.plan import Plan
+from hetplan.optimizer.compile import compile as compile_plan
+from hetplan.report._text import dump_json
+from hetplan.report.inspect import build_report
+from hetplan.report.trace_compare import plan_digest
+from test_plan_lists_everywhere import toy_hetero_plan
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    """dp=8 pp=2 tp=2 on mixed-generations, as planned (no recomputation)."""
+    ir = ModelIR.load(GOLDEN / "inspect_small.workload.json")
+    made = compile_plan(ir, "mixed-generations", batch_size=64, dp=8, pp=2, tp=2)
+    assert all(st.recompute == "none" for st in made.stages)
+    return made
+
+
+def _recomputed(plan: Plan, **settings: Any) -> Plan:
+    """``plan`` edited by hand: every stage recomputes fully (slower, less memory); the
+    stored prediction is left as it was."""
+    stages = tuple(st.model_copy(update={"recompute": "full"}) for st in plan.stages)
+    update: dict[str, Any] = {"stages": stages}
+    if settings:
+        assert plan.cost_settings is not None
+        update["cost_settings"] = plan.cost_settings.model_copy(update=settings)
+    return Plan.model_validate(plan.model_copy(update=update).model_dump())
+
+
+def _inspect(plan: Plan, path: Path, *args: str) -> str:
+    plan.save(path)
+    result = runner.invoke(app, ["inspect", str(path), *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_an_edited_plan_shows_its_re_prediction(plan: Plan, tmp_path: Path) -> None:
+    edited = _recomputed(plan)
+    assert edited.predictions == plan.predictions  # the file still says the old numbers
+    stored, now = plan.predictions.iteration_time_ms, simulate(edited)  # type: ignore[union-attr]
+    assert now.iteration_time_ms > stored
+    report = json.loads(_inspect(edited, tmp_path / "edited.json", "--json"))
+    pred = report["predictions"]
+    assert pred["iteration_time_ms"] == now.iteration_time_ms
+    assert pred["breakdown"] == now.breakdown.model_dump(mode="json")
+    assert pred["check"]["status"] == "stale"
+    assert pred["check"]["stored_iteration_time_ms"] == stored
+    assert report["memory"]["peak"]["max_bytes"] == max(now.memory_per_rank_bytes)
+    assert [w["kind"] for w in report["warnings"]][0] == "stale-prediction"
+    assert all(s["bwd_ms"] > st.bwd_ms for s, st in zip(report["stages"], plan.stages))
+    text = " ".join(_inspect(edited, tmp_path / "edited.json").split())
+    assert (f"stored prediction {stored:.3f} ms is stale: the plan was edited (or written by "
+            f"another hetplan version); re-predicted {now.iteration_time_ms:.3f} ms") in text
+    # the same plan unedited: the report it always was (build_report of the file)
+    same = _inspect(plan, tmp_path / "plan.json", "--json")
+    assert same == dump_json(build_report(Plan.from_json(plan.to_json())))
+    assert "stale" not in _inspect(plan, tmp_path / "plan.json")
+
+
+def test_a_run_is_compared_with_the_re_prediction(plan: Plan, tmp_path: Path) -> None:
+    edited = _recomputed(plan)
+    report = tmp_path / "run.json"
+    report.write_text(json.dumps({"measured": {"iteration_ms": 100.0}, "world_size": 32}))
+    text = _inspect(edited, tmp_path / "edited.json", "--run", str(report))
+    (row,) = [line for line in text.splitlines() if line.lstrip("│ ").startswith("iteration")]
+    assert f"{simulate(edited).iteration_time_ms:.3f}" in row, row
+    assert f"{plan.predictions.iteration_time_ms:.3f}" not in row  # type: ignore[union-attr]
+
+
+def test_a_profiled_plan_is_re_checked_with_its_profile_only(plan: Plan,
+                                                             tmp_path: Path) -> None:
+    db_path = tmp_path / "db.json"
+    db_path.write_text(json.dumps({"schema_version": 2, "machines": []}))
+    db = ProfileDB.load(db_path)
+    edited = _recomputed(plan, profile_fingerprint=db.fingerprint())
+    path = tmp_path / "edited.json"
+    text = " ".join(_inspect(edited, path).split())
+    stored = plan.predictions.iteration_time_ms  # type: ignore[union-attr]
+    assert (f"stored prediction {stored:.3f} ms not re-checked: the plan was predicted with "
+            f"profile DB {db.fingerprint()}, which the file does not carry; give it with "
+            "--profile DB") in text
+    now = simulate(edited, profile=db).iteration_time_ms
+    text = " ".join(_inspect(edited, path, "--profile", str(db_path)).split())
+    assert "is stale: the plan was edited" in text and f"re-predicted {now:.3f} ms" in text
+    wrong = _recomputed(plan, profile_fingerprint="0123456789abcdef")
+    text = " ".join(_inspect(wrong, path, "--profile", str(db_path)).split())
+    assert (f"not re-checked: --profile {db_path} is profile DB {db.fingerprint()}, not the "
+            "one the plan was predicted with (0123456789abcdef)") in text
+
+
+def test_a_run_of_per_stage_degrees_is_read(tmp_path: Path) -> None:
+    """A run of a plan with per-stage degrees has a process per rank its stages list (4
+    here), not the layout's dp x pp x tp (1 x 2 x 1): its own report was refused as another
+    plan's."""
+    plan, path, run = toy_hetero_plan(), tmp_path / "p.json", tmp_path / "run.json"
+
+    def report(world: int) -> str:
+        run.write_text(json.dumps({"measured": {"iteration_ms": 100.0}, "world_size": world,
+                                   "plan_digest": plan_digest(plan)}))
+        return str(run)
+
+    assert "predicted vs measured" in _inspect(plan, path, "--run", report(4))
+    result = runner.invoke(app, ["inspect", str(path), "--run", report(2)])
+    assert result.exit_code == 2
+    assert (f"{run}: world_size 2, but {path} runs on 4 ranks (V100-SXM2-32GB 2x1 | "
+            "A100-80GB 2x1)") in " ".join(result.output.split())
