@@ -830,12 +830,15 @@ def _check_trace_options(trace: Path, trace_step: int, steps: int,
 class _RunModel:
     """The model ``hetplan run`` was given (its name as the user gave it), fingerprinted as
     the ranks will fingerprint it, with its captured layers (their linears: the plan's TP
-    linears are checked against them)."""
+    linears are checked against them) and the head size of every attention module the ranks
+    would split by heads, by its output projection's name (read off the module: the IR
+    records no head size)."""
 
     name: str
     digest: str
     layers: tuple[Any, ...] = ()
     grad_tensors: tuple[Any, ...] = ()
+    head_dims: tuple[tuple[str, int], ...] = ()
 
     def fingerprint(self) -> str:
         return self.digest
@@ -847,6 +850,7 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
     check."""
     from hetplan.ir.capture import capture
     from hetplan.ir.capture.factory import load_factory
+    from hetplan.runtime.megatron import attention_modules
 
     if module:
         m, args, kwargs = load_factory(module)
@@ -861,7 +865,9 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
         given = entry.name
     with err.status(f"checking {given} against the plan …", spinner="dots"):
         ir = capture(m, args, kwargs, name=plan.model.name)
-    return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors))
+    heads = tuple(sorted((f"{name}.{out}", head_dim) for name, (_a, _f, out, _h, head_dim)
+                         in attention_modules(m).items()))
+    return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors), heads)
 
 
 @app.command("simulate")

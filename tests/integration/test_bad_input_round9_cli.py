@@ -95,11 +95,9 @@ def test_chimera_with_too_few_micro_batches_advises_a_smaller_micro_batch() -> N
     assert "larger micro-batch" not in flat
 
 
-def test_run_refuses_a_tp_pair_with_different_shard_sizes_before_any_rank_starts(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Was: torchrun started 2 ranks, each refused the plan after capturing the model (~25 s
-    on 2 cores) with no field path. Now the launcher refuses it (exit 2) and starts nothing;
-    `validate` says it did not check the model, and with --model refuses alike."""
+def _tp2_plan_that_never_launches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """gpt-test planned at tp 2 on the 2:1 CPU cluster (its TP group lists the MLP pairs
+    with shards [192, 64]); torchrun patched to fail the test if `run` ever starts it."""
     import hetplan.runtime.launch as launch_module
 
     def no_launch(*args: object, **kwargs: object) -> None:
@@ -110,6 +108,15 @@ def test_run_refuses_a_tp_pair_with_different_shard_sizes_before_any_rank_starts
     result = run("plan", "gpt-test", "-c", CPU_MIXED_2, "-b", "4", "--dp", "1", "--pp", "1",
                  "--tp", "2", "--no-progress", "-o", good)
     assert result.exit_code == 0, result.output
+    return good
+
+
+def test_run_refuses_a_tp_pair_with_different_shard_sizes_before_any_rank_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: torchrun started 2 ranks, each refused the plan after capturing the model (~25 s
+    on 2 cores) with no field path. Now the launcher refuses it (exit 2) and starts nothing;
+    `validate` says it did not check the model, and with --model refuses alike."""
+    good = _tp2_plan_that_never_launches(tmp_path, monkeypatch)
 
     def edit(d: dict[str, Any]) -> None:
         row = d["tensor_parallel"]["groups"][0]["linears"][1]
@@ -125,3 +132,29 @@ def test_run_refuses_a_tp_pair_with_different_shard_sizes_before_any_rank_starts
     assert alone.exit_code == 0, alone.output
     assert "not checked against its model" in " ".join(alone.output.split())
     refused(run("validate", bad, "--model", "gpt-test"), *expected)
+
+
+def test_run_refuses_an_attention_split_inside_a_head_before_any_rank_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attention output projection listed with shards that are no multiples of its
+    head_dim (gpt-test: 4 heads of 16): the ranks refused it after launch (`head_shards`);
+    `run` and `validate --model` read the head sizes off the module and refuse it first."""
+    good = _tp2_plan_that_never_launches(tmp_path, monkeypatch)
+
+    def edit(sizes: list[int]) -> Any:
+        def apply(d: dict[str, Any]) -> None:
+            d["tensor_parallel"]["groups"][0]["linears"].append(
+                {"name": "blocks.0.attn.proj", "split": "row", "features": 64,
+                 "shard_sizes": sizes})
+        return apply
+
+    bad = _edited(good, tmp_path / "p.json", edit([40, 24]))
+    n = len(load_plan(bad).tensor_parallel.groups[0].linears) - 1  # type: ignore[union-attr]
+    expected = (f"p.json: tensor_parallel.groups[0].linears[{n}].shard_sizes: [40, 24] split "
+                "a head: 'blocks.0.attn.proj' is the output projection of an attention module",
+                "head_dim 16", "give multiples of 16 summing to 64")
+    refused(run("run", bad, "--model", "gpt-test", "--steps", "1"), *expected)
+    refused(run("validate", bad, "--model", "gpt-test"), *expected)
+    whole = _edited(good, tmp_path / "whole.json", edit([48, 16]))  # 3 heads and 1
+    ok = run("validate", whole, "--model", "gpt-test")
+    assert ok.exit_code == 0, ok.output

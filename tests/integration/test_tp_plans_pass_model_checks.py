@@ -37,10 +37,20 @@ def _clusters() -> list[ClusterSpec]:
     return [even, ClusterSpec.from_dict(data)]
 
 
+def _head_dims(name: str) -> dict[str, int]:
+    """What `hetplan run` reads off zoo model ``name``: the output projection of every
+    attention module the ranks split by heads, with its head size (rule 5)."""
+    from hetplan.runtime.megatron import attention_modules
+
+    return {f"{mod}.{out}": head_dim
+            for mod, (_a, _f, out, _h, head_dim) in attention_modules(zoo.build(name)).items()}
+
+
 def _check(plan: Plan, ir: hetplan.ModelIR) -> list[str]:
-    """The listed linears of ``plan``, after checking them against ``ir``."""
+    """The listed linears of ``plan``, after checking them against ``ir`` and the zoo
+    model's attention head sizes."""
     model = TPModel.of(ir.name, (x for layer in ir.layers for x in layer.linears),
-                       [layer.name for layer in ir.layers])
+                       [layer.name for layer in ir.layers], head_dims=_head_dims(ir.name))
     assert tp_model_problems(plan.tensor_parallel, model) == []
     check_plan_matches(plan, model_ir=ir)
     assert plan.tensor_parallel is not None

@@ -24,6 +24,8 @@ from hetplan.errors import PlanMismatchError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.model import ModelIR
 from hetplan.ir.plan import Plan, check_plan_matches, load_plan
+from hetplan.ir.plan_sections import TPLinearShard
+from hetplan.ir.plan_tp_checks import TPModel, tp_group_problems
 
 CLUSTER = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / "cpu-mixed-2.yaml"
 G = "tensor_parallel.groups[0]"
@@ -125,3 +127,25 @@ def test_the_fused_qkv_projection_split_by_rows_is_refused(
 
     refused(tmp_path, planned, edit, f"{G}.linears[8].split: 'row', but model 'gpt-test' has "
             "'blocks.0.attn.qkv' as the column linear", "set split to 'column'")
+
+
+def test_an_attention_split_inside_a_head_is_refused_where_head_sizes_are_known(
+        planned: tuple[ModelIR, Plan]) -> None:
+    """Rule 5 (whole heads): a bare IR records no head size, so it is checked only where the
+    caller read them off the module (`hetplan run`, `validate --model`: the CLI test)."""
+    ir, plan = planned
+    assert plan.tensor_parallel is not None
+    group = plan.tensor_parallel.groups[0]
+    proj = TPLinearShard(name="blocks.0.attn.proj", split="row", features=64,
+                         shard_sizes=(40, 24))
+    edited = group.model_copy(update={"linears": (*group.linears, proj)})
+    linears = [lin for layer in ir.layers for lin in layer.linears]
+    bare = TPModel.of("gpt-test", linears)
+    assert tp_group_problems(edited, bare, where=G) == []
+    heads = TPModel.of("gpt-test", linears, head_dims={"blocks.0.attn.proj": 16})
+    (problem,) = tp_group_problems(edited, heads, where=G)
+    assert problem.startswith(f"{G}.linears[{len(group.linears)}].shard_sizes: [40, 24] "
+                              "split a head")
+    whole = group.model_copy(update={"linears": (
+        *group.linears, proj.model_copy(update={"shard_sizes": (48, 16)}))})
+    assert tp_group_problems(whole, heads, where=G) == []

@@ -458,14 +458,17 @@ def _edited_workload(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
 
 def _tp_problems(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
     """The ``tensor_parallel`` rules that need the model (``model_ir``: a ModelIR, its layers
-    and their ``linears``): :mod:`hetplan.ir.plan_tp_checks`. The plan validator sees only
-    the workload's layers; these check each listed linear against the module itself."""
+    and their ``linears``; where it has ``head_dims``, the attention modules' output
+    projections and head sizes, whole heads too): :mod:`hetplan.ir.plan_tp_checks`. The plan
+    validator sees only the workload's layers; these check each listed linear against the
+    module itself."""
     layers = getattr(model_ir, "layers", None)
     if plan.tensor_parallel is None or layers is None:
         return []
     model = TPModel.of(model_ir.name,
                        (lin for layer in layers for lin in getattr(layer, "linears", ())),
-                       other_names=(layer.name for layer in layers))  # a layer may be a linear
+                       other_names=(layer.name for layer in layers),  # a layer may be a linear
+                       head_dims=dict(getattr(model_ir, "head_dims", ())))
     return tp_model_problems(plan.tensor_parallel, model)
 
 

@@ -17,14 +17,19 @@ against the model's linears (:class:`~hetplan.ir.model.LinearInfo`, from capture
 4. **pair shard sizes**: the linears of one Megatron pair
    (:func:`~hetplan.ir.model.megatron_pairs`) listed in one group have equal
    ``shard_sizes``: the column linears' outputs are the row linear's inputs, split alike.
+5. **whole heads**: an attention module's output projection (where the caller knows the
+   model's attention modules: ``head_dims``) is split into multiples of its ``head_dim``:
+   the runtime splits attention by heads, each rank taking whole heads.
 
-What the planner writes satisfies all four (``tp-resizing`` lists every linear of a Megatron
+What the planner writes satisfies all five (``tp-resizing`` lists every linear of a Megatron
 pair with the pair's one size list, ``features`` from the module). ``check_plan_matches``
 runs them wherever the model is known (``hetplan run`` before launching any rank,
 ``hetplan validate --model``), and the runtime's
 :func:`~hetplan.runtime.tensor_parallel.tp_pairs` runs :func:`tp_group_problems` again for
-its own group as a last line. Not checked here: whole attention heads per rank (the IR
-records no head size; the runtime's ``head_shards`` refuses a split inside a head).
+its own group as a last line. Rule 5 needs the attention modules' head sizes, which the IR
+does not record (it would change every model's fingerprint): ``hetplan run`` and
+``hetplan validate --model`` read them off the module they capture; a plan checked against a
+bare IR skips it, and the runtime's ``head_shards`` refuses a split inside a head.
 
 Each problem is one line, ``tensor_parallel.groups[i].linears[j].<field>: ...``, with the
 fix. Complexity: O(linears of the model + linears listed).
@@ -32,8 +37,8 @@ fix. Complexity: O(linears of the model + linears listed).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from hetplan.ir.model import LinearInfo, TPRole, megatron_pairs
 from hetplan.ir.plan_sections import TensorParallel, TPGroup, TPLinearShard
@@ -56,6 +61,8 @@ class TPModel:
         pair_of: for each linear of a Megatron pair, the index of its pair in ``pairs``.
         pairs: ``(columns, row)`` of every Megatron pair.
         other_names: names a plan may list that are no linear (layers: some are one).
+        head_dims: the output projection of every attention module the runtime splits by
+            heads, by qualified name, with its ``head_dim`` (empty: rule 5 is not checked).
     """
 
     name: str
@@ -63,16 +70,19 @@ class TPModel:
     pair_of: dict[str, int]
     pairs: tuple[tuple[tuple[str, ...], str], ...]
     other_names: frozenset[str] = frozenset()
+    head_dims: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, linears: Iterable[LinearInfo],
-           other_names: Iterable[str] = ()) -> TPModel:
+           other_names: Iterable[str] = (), head_dims: Mapping[str, int] | None = None
+           ) -> TPModel:
         """Build from the model's linears (all of them: pairs are found among them)."""
         infos = {lin.name: lin for lin in linears}
         pairs = tuple((tuple(c.name for c in cols), row.name)
                       for cols, row in megatron_pairs(infos.values())[0])
         pair_of = {n: k for k, (cols, row) in enumerate(pairs) for n in (*cols, row)}
-        return cls(name, infos, pair_of, pairs, frozenset(other_names) - set(infos))
+        return cls(name, infos, pair_of, pairs, frozenset(other_names) - set(infos),
+                   dict(head_dims or {}))
 
 
 def tp_model_problems(tp: TensorParallel | None, model: TPModel) -> list[str]:
@@ -100,6 +110,15 @@ def tp_group_problems(group: TPGroup, model: TPModel, *, where: str) -> list[str
             out.append(f"{where}.linears[{j}].{problem}")
         else:
             sound.append(j)
+    for j in sound:
+        shard = group.linears[j]
+        head_dim = model.head_dims.get(shard.name)
+        if head_dim and any(size % head_dim for size in shard.shard_sizes):
+            out.append(f"{where}.linears[{j}].shard_sizes: {list(shard.shard_sizes)} split "
+                       f"a head: {shard.name!r} is the output projection of an attention "
+                       f"module of model {model.name!r} with head_dim {head_dim}, and each "
+                       "rank takes whole heads; give multiples of "
+                       f"{head_dim} summing to {shard.features}, {_RERUN}")
     first_of_pair: dict[int, int] = {}
     for j in sound:
         name = group.linears[j].name
