@@ -428,6 +428,9 @@ def plan_cmd(
         check_output_path(output, option="-o/--output", kind="plan")
     if hetero not in ("off", "auto", "on"):
         raise SpecError(f"--hetero must be off, auto or on, got {hetero!r}")
+    _hetero_pins(hetero, dp=dp, pp=pp, tp=tp, micro_batch_size=micro_batch_size,
+                 schedule=schedule, virtual_stages=virtual_stages, zero=zero,
+                 recompute=recompute, sp=sp)
     if sparse not in ("off", "auto", "zen"):
         raise SpecError(f"--sparse must be off, auto or zen, got {sparse!r}")
     if sparse != "off":
@@ -498,6 +501,24 @@ def plan_cmd(
         err.print(f"wrote {output}")
     _print_plan(plan)
     err.print(f"model captured in {captured:.1f} s, planned in {seconds:.1f} s")
+
+
+def _hetero_pins(hetero: str, **given: Any) -> None:
+    """Refuse the layout pins the heterogeneous search would drop: it chooses each stage's
+    (dp, tp), micro-batch, ZeRO stage and recomputation itself and plans 1F1B, taking none
+    of them (``optimizer.hetero.compile_hetero`` gets the batch and the passes only), so
+    under ``on`` (or ``auto`` where it wins) they vanished from the plan without a word."""
+    if hetero == "off":
+        return
+    free = {"schedule": ("1f1b", "auto"), "recompute": ("auto",)}  # what the search does
+    pinned = [f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else
+              ("--sp" if v else "--no-sp")
+              for k, v in given.items() if v is not None and v not in free.get(k, ())]
+    if pinned:
+        raise SpecError(
+            f"{', '.join(pinned)} with --hetero {hetero}: the heterogeneous search chooses "
+            "each stage's dp x tp, micro-batch, ZeRO stage and recomputation itself and plans "
+            "1F1B, so it would drop them; drop them, or use --hetero off to plan with them")
 
 
 def _with_checkpointing(passes: str | None, checkpoint: str, replicas: int | None) -> str | None:
@@ -937,6 +958,21 @@ def _blaming_options() -> Iterator[None]:
         raise SpecError("\n".join(lines)) from None
 
 
+def _check_profile_is_the_plans(plan_file: Path, recorded: str, profile: Path) -> None:
+    """`inspect --profile DB` (no --trace) only re-checks the stored prediction, which only
+    the DB the plan was predicted with can do: another DB is refused (it was accepted, and
+    the report said in one line that nothing was re-checked)."""
+    from hetplan.cost_models.predict import resolve_profile
+
+    db = resolve_profile(profile)
+    if db is not None and db.fingerprint() != recorded:
+        raise SpecError(
+            f"--profile {profile} is profile DB {db.fingerprint()}, but {plan_file} was "
+            f"predicted with profile DB {recorded} (cost_settings.profile_fingerprint), so it "
+            "cannot re-check the plan's stored prediction; give the DB the plan was made with, "
+            "or drop --profile")
+
+
 @contextlib.contextmanager
 def _naming(plan_file: Path) -> Iterator[None]:
     """Name the plan file in each line of a :class:`PlanMismatchError` (``--cluster`` is not
@@ -1185,6 +1221,8 @@ def inspect_cmd(
         raise SpecError("--profile re-predicts the plan beside a run's --trace; give --trace "
                         "FILE too (the plan was predicted without a profile DB, so re-checking "
                         "its stored prediction needs none)")
+    if profile is not None and trace is None and recorded:
+        _check_profile_is_the_plans(plan_file, str(recorded), profile)
     measured = _load_run_report(run) if run else None
     if measured is not None:
         _check_report_is_of(plan, plan_file, measured, run)
@@ -1445,13 +1483,18 @@ def diff_cmd(
     plan_a: Path = typer.Argument(..., help="The first plan (a)."),
     plan_b: Path = typer.Argument(..., help="The second plan (b); differences are b - a."),
     as_json: bool = typer.Option(False, "--json", help="Print the differences as JSON."),
+    profile: Path = typer.Option(None, "--profile", help="The profile DB the plans were made "
+                                 "with: to re-check their stored predictions."),
 ) -> None:
-    """What changed between two plans, and what it does to the predictions."""
+    """What changed between two plans, and what it does to the predictions.
+
+    A plan whose stored prediction no longer holds (edited by hand) is compared as
+    `hetplan simulate` re-predicts it, with a line saying so, as `hetplan inspect` does."""
     from hetplan.ir.plan import load_plan
     from hetplan.report._text import dump_json
-    from hetplan.report.diff import diff_plans, render_diff
+    from hetplan.report.diff import diff_checked, render_diff
 
-    d = diff_plans(load_plan(plan_a), load_plan(plan_b))
+    d = diff_checked(load_plan(plan_a), load_plan(plan_b), profile=profile)
     if as_json:
         typer.echo(dump_json(d), nl=False)
         return

@@ -102,10 +102,15 @@ def test_a_profiled_plan_is_re_checked_with_its_profile_only(plan: Plan,
     now = simulate(edited, profile=db).iteration_time_ms
     text = " ".join(_inspect(edited, path, "--profile", str(db_path)).split())
     assert "is stale: the plan was edited" in text and f"re-predicted {now:.3f} ms" in text
+    # another DB cannot re-check it: refused (bad-input round 10; it was exit 0 with a line
+    # saying nothing was re-checked), naming both DBs and the fix
     wrong = _recomputed(plan, profile_fingerprint="0123456789abcdef")
-    text = " ".join(_inspect(wrong, path, "--profile", str(db_path)).split())
-    assert (f"not re-checked: --profile {db_path} is profile DB {db.fingerprint()}, not the "
-            "one the plan was predicted with (0123456789abcdef)") in text
+    path.write_text(wrong.to_json())
+    result = runner.invoke(app, ["inspect", str(path), "--profile", str(db_path)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert (f"--profile {db_path} is profile DB {db.fingerprint()}, but {path} was predicted "
+            "with profile DB 0123456789abcdef") in text and "drop --profile" in text
 
 
 def test_a_run_of_per_stage_degrees_is_read(tmp_path: Path) -> None:

@@ -46,7 +46,8 @@ Rules (each applies when the sections it relates are present):
    inter-node step needs more than one node; every strategy's path leaves the sum over all
    ranks, each rank's gradient once, on every rank (:mod:`hetplan.ir.sync_paths`).
    **sparse_sync** names only gradients of the workload, each with its shape (rows x
-   row_elems elements).
+   row_elems elements), and syncs sparsely only a token embedding's (a layer of kind
+   ``embedding`` fed ids): another gradient is dense.
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages,
    none of them starting at a layer the runtime cannot split before (as in rule 3); with
    per-stage degrees, to every stage, none released (:mod:`hetplan.ir.plan_hetero_checks`).
@@ -108,6 +109,7 @@ from hetplan.ir.plan_sections import (
     Predictions,
     Stage,
     TensorParallel,
+    WorkloadSummary,
 )
 from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
 from hetplan.ir.plan_hetero import Hetero, hetero_problems, hetero_section_problems
@@ -662,7 +664,28 @@ def _sparse_sync(plan: Plan) -> list[str]:
         elif t.name in numel and t.rows * t.row_elems != numel[t.name]:
             out.append(f"sparse_sync.tensors[{i}]: rows x row_elems = {t.rows} x {t.row_elems} "
                        f"but gradient {t.name!r} has {numel[t.name]} elements; {_RERUN}")
+        elif t.scheme != "dense" and (why := _dense_gradient(workload, t.name)):
+            out.append(f"sparse_sync.tensors[{i}].name: {t.name!r} {why}, so its gradient is "
+                       f"dense: every row is synced, and the prediction (at density "
+                       f"{t.stats.density:g}) is wrong; list only the token embeddings "
+                       f"`hetplan plan --sparse` finds, {_RERUN}")
     return out[:_MAX_PER_RULE]
+
+
+def _dense_gradient(workload: WorkloadSummary, name: str) -> str:
+    """Why gradient ``name`` is not row-sparse ("" where it may be): its layer is not an
+    embedding, or one whose ids are made inside forward (positions: every row each step),
+    the rules of :func:`~hetplan.ir.sparse_grads.sparse_gradients` the summary can check."""
+    grad = next(g for g in workload.grads if g.name == name)
+    if grad.layer_index >= len(workload.layers):
+        return ""
+    layer = workload.layers[grad.layer_index]
+    if layer.kind != "embedding":
+        return f"is a parameter of layer {layer.name!r} ({layer.kind}), not of an embedding"
+    if layer.act_in_bytes == 0:
+        return (f"is the table of embedding {layer.name!r}, which takes no ids as input (it "
+                "looks up positions made inside forward)")
+    return ""
 
 
 def _sync_paths(sync: GradientSync) -> list[str]:

@@ -31,8 +31,10 @@ from hetplan.report._export_gaps import (
     PlanView,
     Unexpressed,
     Variant,
+    checkpointing_gaps,
     common_dtype,
     even_stages,
+    group_sync_gaps,
     lists_gaps,
     merge_virtual,
     rebalancing_gaps,
@@ -156,7 +158,8 @@ def _common_gaps(view: PlanView, engine: str, *, cast: str = "no",
     return (lists_gaps(view, engine=engine) + tp_gaps(view, engine=engine)
             + sync_gaps(view, engine=engine, cast=cast,  # type: ignore[arg-type]
                         bucket_knob=bucket_knob)
-            + sparse_gaps(view, engine=engine) + rebalancing_gaps(view, engine=engine))
+            + sparse_gaps(view, engine=engine) + rebalancing_gaps(view, engine=engine)
+            + group_sync_gaps(view, engine=engine) + checkpointing_gaps(view, engine=engine))
 
 
 def gpt_tokens(view: PlanView, stages: tuple[Stage, ...]) -> list[str] | None:

@@ -44,7 +44,8 @@ Strategy = NoSync | CastSync | CompressedSync
 __all__ = ["Variant", "Unexpressed", "PlanView", "RECOMPUTE_ORDER", "ENGINE_BUCKET_MB",
            "even_stages", "merge_virtual", "split_buckets", "engine_buckets", "common_dtype",
            "relayout", "with_recompute", "sync_gaps", "sparse_gaps", "tp_gaps",
-           "rebalancing_gaps", "lists_gaps", "used_strategies"]
+           "rebalancing_gaps", "lists_gaps", "group_sync_gaps", "checkpointing_gaps",
+           "used_strategies"]
 
 #: Recomputation modes from least to most memory-saving; exporting one mode for stages that
 #: differ uses the strongest (every stage still fits).
@@ -398,6 +399,38 @@ def rebalancing_gaps(view: PlanView, *, engine: str) -> list[Unexpressed]:
                        "iterations (DynPipe)",
         f"{engine} keeps the initial stages for the whole run",
         worth=f"predicted whole-run speedup {rb.speedup_vs_static:.3f}x over static stages")]
+
+
+def group_sync_gaps(view: PlanView, *, engine: str) -> list[Unexpressed]:
+    """SDPipe's group sync of pipeline replicas (``group_sync.policy == "sdpipe"``): every
+    engine all-reduces gradients in lock step. Its worth is a throughput under the plan's
+    straggler model (``group_sync.speedup``), not one iteration's time."""
+    gs = view.plan.group_sync
+    if gs is None or gs.policy != "sdpipe":
+        return []
+    return [Unexpressed(
+        "group-sync", f"SDPipe group sync of {gs.num_pipelines} pipeline replicas: each steps "
+                      "its optimizer locally and averages parameters with the replicas ready "
+                      "(group_sync)",
+        f"{engine} all-reduces gradients in lock step (synchronous data parallelism)",
+        worth=f"lock-step all-reduce, where SDPipe was predicted {gs.speedup:.3f}x its "
+              "iterations per second under the plan's straggler model")]
+
+
+def checkpointing_gaps(view: PlanView, *, engine: str) -> list[Unexpressed]:
+    """Gemini's in-memory checkpoints in peers' CPU memory (``checkpointing``): the engines
+    checkpoint to storage with their own settings. Its worth is the time a failure wastes,
+    not one iteration's time."""
+    ck = view.plan.checkpointing
+    if ck is None:
+        return []
+    return [Unexpressed(
+        "checkpointing", f"Gemini in-memory checkpoints: {ck.replicas} copies of every rank's "
+                         f"state in CPU memory, every {ck.every_iters} iteration(s) "
+                         "(checkpointing)",
+        f"{engine} checkpoints to storage with its own settings (set them yourself)",
+        worth=f"a failure is predicted to waste {ck.baseline.wasted_ms:.1f} ms with "
+              f"{ck.baseline.name} checkpoints, where Gemini's waste {ck.gemini.wasted_ms:.1f} ms")]
 
 
 def lists_gaps(view: PlanView, *, engine: str) -> list[Unexpressed]:

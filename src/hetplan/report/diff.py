@@ -6,6 +6,12 @@ cluster fingerprints, layout, stages, tensor parallelism, buckets (count, sizes,
 tensors), per-tensor strategies, and the predictions (iteration time, breakdown, bubble,
 memory). Differences are ``b − a``. :func:`render_diff` prints the result.
 
+A plan edited by hand still stores the prediction it was written with, so ``hetplan diff``
+compares the plans :func:`~hetplan.report.stale.check_prediction` shows (re-predicted as
+``simulate`` does where the stored numbers went stale; :func:`diff_checked`), with a line
+per plan saying so: comparing the stored numbers said an edit that multiplied the batch by
+10,000 changed the iteration time by +0.000 ms.
+
 Example:
     >>> d = diff_plans(load_plan("a.json"), load_plan("b.json"))  # doctest: +SKIP
     >>> d["predictions"]["iteration_time_ms"]["delta"]  # doctest: +SKIP
@@ -14,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -22,8 +29,9 @@ from rich.markup import escape
 from hetplan.ir.plan import Plan
 from hetplan.report._text import fmt_bytes, fmt_pct, plain_text, ranges
 from hetplan.report.inspect import build_report
+from hetplan.report.stale import check_prediction
 
-__all__ = ["diff_plans", "render_diff", "diff_text"]
+__all__ = ["diff_plans", "diff_checked", "render_diff", "diff_text"]
 
 _LAYOUT_KEYS = ("dp", "pp", "tp", "micro_batches", "micro_batch_size", "global_batch_size",
                 "schedule", "virtual_stages")
@@ -225,6 +233,23 @@ def _line(c: Console, label: str, ch: dict[str, Any], unit: str = "") -> None:
     c.print(f"  {label}: {escape(a)} → {escape(b)}{delta}")
 
 
+def diff_checked(a: Plan, b: Plan, *, profile: str | Path | None = None) -> dict[str, Any]:
+    """:func:`diff_plans` of the plans as :func:`~hetplan.report.stale.check_prediction` shows
+    them (a stale stored prediction re-predicted), with ``prediction_checks``: per plan
+    (``a``, ``b``) its status and note, for the plans whose stored prediction did not hold.
+
+    Args:
+        profile: the profile DB a plan was predicted with (each plan predicted with this DB
+            is re-checked with it; one predicted with another is not re-checked).
+    """
+    ca, cb = check_prediction(a, profile=profile), check_prediction(b, profile=profile)
+    out = diff_plans(ca.plan, cb.plan)
+    out["identical"] = a == b
+    out["prediction_checks"] = {k: {"status": c.status, "note": c.note}
+                                for k, c in (("a", ca), ("b", cb)) if c.note}
+    return out
+
+
 def render_diff(d: dict[str, Any], c: Console) -> None:
     """Print the diff ``d`` (from :func:`diff_plans`): only what changed."""
     if d["identical"]:
@@ -250,6 +275,8 @@ def render_diff(d: dict[str, Any], c: Console) -> None:
             _line(c, k.replace("_", " "), ch)
     _render_sync(c, d["sync"])
     _render_predictions(c, d["predictions"])
+    for k, check in d.get("prediction_checks", {}).items():
+        c.print(f"  [yellow]![/] {k}: {escape(check['note'])}")
 
 
 def _render_stages(c: Console, st: dict[str, Any]) -> None:

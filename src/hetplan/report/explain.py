@@ -258,6 +258,13 @@ def _resolve(plan: Plan, ctx: _Context, target: str) -> tuple[Kind, Any]:
     if kind == "linear":
         if arg in tp_linear_names(plan):
             return "linear", arg
+        if not tp_linear_names(plan):  # suggesting gradient names here misled
+            tp = ctx.layout.tp
+            raise SpecError(
+                f"{target!r}: the plan lists no linear with shard sizes "
+                f"(tensor_parallel.groups[].linears is empty: "
+                + ("no tensor parallelism, tp=1" if tp == 1 else f"tp={tp}, even shards")
+                + "), so there is no linear:NAME to explain; explain stage:K or rank:R instead")
         raise SpecError(_unknown(plan, target))
     counts = {
         "bucket": len(ctx.sync.buckets) if ctx.sync is not None else 0,
@@ -295,6 +302,11 @@ def _verdict(ctx: _Context, alternatives: list[Alternative], kind: Kind) -> str:
         return ("no alternative plan is evaluated for a rank; compare it with the slowest "
                 "rank above" if kind == "rank" else "no alternative applies here")
     fits = [a for a in alternatives if a.fits_memory]
+    if ctx.current_note:  # an edited plan that no longer fits: no choice of it is "feasible"
+        return ("the plan as written does not fit in memory (note above), "
+                + (f"and neither does any of the {len(alternatives)} alternative(s)"
+                   if not fits else f"but '{min(fits, key=lambda a: a.iteration_time_ms).name}'"
+                   " does") + ": undo the edit or re-run `hetplan plan`")
     if not fits:
         return "every alternative runs out of memory: the plan's choice is the only feasible one"
     best = min(fits, key=lambda a: a.iteration_time_ms)

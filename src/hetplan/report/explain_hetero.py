@@ -117,7 +117,12 @@ def explain_hetero(plan: Plan, target: str, *, cluster: ClusterSpec | str | Path
                     is not None else "; with the action lists its own schedule generates "
                     "(this plan's edited lists are for another pipeline shape)")
         alternatives.append((name, round(ms, 6), round(ms - ring, 6) + 0.0, fits, why))
-    if not alternatives:
+    if note:  # an edited plan that no longer fits: no order of it is "the one that fits"
+        verdict = ("the plan as written does not fit in memory (note above)"
+                   + ("" if not alternatives else ", nor does the runner-up order"
+                      if not alternatives[0][3] else "; the runner-up order does")
+                   + ": undo the edit or re-run `hetplan plan`")
+    elif not alternatives:
         verdict = "no other device order fits: this order is the only feasible one"
     elif not alternatives[0][3]:
         verdict = "the runner-up order runs out of memory: this order is the only one that fits"

@@ -46,7 +46,7 @@ from hetplan.cost_models.memory import USABLE_FRACTION
 from hetplan.ir.cluster import Device
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import CastSync, CompressedSync, NoSync, SyncStrategy, TPGroup
-from hetplan.report._text import fmt_pct, ranges
+from hetplan.report._text import fmt_bytes, fmt_pct, ranges
 from hetplan.report.checkpointing import checkpointing_report
 from hetplan.report.group_sync import group_sync_report
 from hetplan.report.rebalancing import rebalancing_report
@@ -458,16 +458,19 @@ def _memory(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
     by_type: dict[str, list[int]] = {}
     for r in ranks:
         by_type.setdefault(dtype(r), []).append(r)
-    near = []
+    near, over = [], []
     if devices is not None:
         near = [r for r in ranks
                 if mem[r] >= NEAR_OOM_FRACTION * USABLE_FRACTION * devices[r].memory_bytes]
+        # an edited plan may no longer fit: its re-predicted memory is past the usable part
+        over = [r for r in near if mem[r] > int(devices[r].memory_bytes * USABLE_FRACTION)]
     out.update(
         peak=row(list(ranks)),
         per_stage=[{"stage": s[0], "stages": list(s), "device_type": t, **row(rs)}
                    for (s, t), rs in sorted(groups.items())],
         per_device_type=[{"device_type": t, **row(rs)} for t, rs in sorted(by_type.items())],
         near_oom_ranks=near,
+        oom_ranks=over,
     )
     return out
 
@@ -525,7 +528,15 @@ def _warnings(plan: Plan, report: dict[str, Any]) -> list[dict[str, str]]:
              f"{' and '.join(analytic)} costs are analytic estimates ({details}); measure them "
              "with `hetplan profile` and re-plan with --profile")
     mem = report["memory"]
-    if mem.get("near_oom_ranks"):
+    if mem.get("oom_ranks"):
+        peak, over = mem["peak"], mem["oom_ranks"]
+        warn("out-of-memory",
+             f"the plan does not fit in memory: {len(over)} rank(s) ({ranges(over)}) need more "
+             f"than their usable memory; rank {peak['peak_rank']} needs "
+             f"{fmt_bytes(peak['max_bytes'])} of {fmt_bytes(peak['usable_bytes'])} usable "
+             f"({fmt_pct(peak['used_fraction'])}); `hetplan simulate` refuses "
+             "it: undo the edit, or re-run `hetplan plan`")
+    elif mem.get("near_oom_ranks"):
         peak = mem["peak"]
         warn("near-oom",
              f"{len(mem['near_oom_ranks'])} rank(s) ({ranges(mem['near_oom_ranks'])}) use "

@@ -13,11 +13,12 @@ planning) and compares:
   time and the re-predicted one;
 * a plan predicted with a profile DB (``cost_settings.profile_fingerprint``) is re-predicted
   only with that DB (``--profile``): with none, or another, the stored numbers are shown and
-  a line says they were not re-checked. A plan without a workload summary, a cluster spec
+  a line says they were not re-checked (``hetplan inspect`` refuses another DB outright, as
+  it has nothing else to do with it; ``hetplan diff`` compares plans through this check too). A plan without a workload summary, a cluster spec
   or predictions is shown as stored (the report's warnings say what it lacks).
 
 Memory is not checked here: an edited plan that no longer fits is shown with its
-re-predicted memory (the memory section's warnings name the ranks).
+re-predicted memory (the memory section's ``out-of-memory`` warning names the ranks).
 """
 
 from __future__ import annotations

@@ -57,6 +57,8 @@ def load_factory(spec: str, *, option: str = "--module") -> tuple[Any, tuple, di
         )
     try:
         result = factory()
+    except SystemExit as e:  # sys.exit() or argparse in the user's code: hetplan goes on
+        raise _exited(e, f"the factory {attr!r}", spec, option) from e
     except Exception as e:  # noqa: BLE001 - the user's code failed: name it, chain it
         lines = str(e).strip().splitlines()
         reason = f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
@@ -95,6 +97,8 @@ def _import(mod_name: str, spec: str, option: str) -> Any:
                             "the directory that holds it or install it") from e
         raise TraceError(f"{option} {spec!r}: importing {mod_name!r} failed: {e}",
                          module=spec, reason=str(e)) from e
+    except SystemExit as e:  # a script that parses the command line when imported
+        raise _exited(e, f"importing {mod_name!r}", spec, option) from e
     except Exception as e:  # noqa: BLE001 - the user's module raised while importing
         raise TraceError(
             f"{option} {spec!r}: importing {mod_name!r} raised {type(e).__name__}: {e}",
@@ -102,6 +106,19 @@ def _import(mod_name: str, spec: str, option: str) -> Any:
         ) from e
     finally:
         sys.path.pop(0)
+
+
+def _exited(e: SystemExit, what: str, spec: str, option: str) -> TraceError:
+    """A ``sys.exit()`` in the user's code (argparse's ``parse_args`` on hetplan's own command
+    line exits 2 with "unrecognized arguments", which read as hetplan's error) as a
+    TraceError naming it: hetplan, not the user's script, decides when the process ends."""
+    return TraceError(
+        f"{option} {spec!r}: {what} called sys.exit({e.code!r}) (a script that parses the "
+        "command line, e.g. argparse's parse_args(), exits when it meets hetplan's "
+        "arguments); move that code under `if __name__ == \"__main__\":` and give the factory "
+        f"no work but to return {_RETURNS}",
+        module=spec, reason=f"sys.exit({e.code!r})",
+    )
 
 
 def _required_parameters(factory: Any) -> list[str]:
