@@ -886,8 +886,8 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
         given = entry.name
     with err.status(f"checking {given} against the plan …", spinner="dots"):
         ir = capture(m, args, kwargs, name=plan.model.name)
-    heads = tuple(sorted((f"{name}.{out}", head_dim) for name, (_a, _f, out, _h, head_dim)
-                         in attention_modules(m).items()))
+    heads = tuple(sorted((f"{name}.{parts.out}", parts.head_dim)
+                         for name, parts in attention_modules(m).items()))
     return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors), heads)
 
 

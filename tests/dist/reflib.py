@@ -157,7 +157,9 @@ def _train_one(name: str, batch: int, seq: int, steps: int, plan_json: str) -> d
             if getattr(module, "bias", None) is not None:
                 params[f"{mname}.bias"] = module.gather_bias()
     kinds = sorted({type(m).__name__ for m in rt.model.modules() if hasattr(m, "gather_weight")})
-    out = {"losses": losses, "params": params, "kinds": kinds,
+    shapes = {n: tuple(m.weight.shape) for n, m in rt.model.named_modules()
+              if hasattr(m, "gather_weight")}  # this rank's shards
+    out = {"losses": losses, "params": params, "kinds": kinds, "shapes": shapes,
            "loss_fn": type(rt.ctx.loss_fn).__name__}
     rt.close()
     return out
@@ -185,7 +187,7 @@ def train_plans(rank: int, world: int, cases: dict[str, tuple[str, int, int, int
     ``label -> (zoo model, batch, seq, steps, plan JSON)`` in turn (:func:`run_each`) and
     returns, per label, the losses per step (NaN where this rank holds no last stage), its
     parameters (tensor-parallel shards gathered to full tensors), the kinds of parallel
-    modules built and the loss function's class."""
+    modules built, the local weight shape of each, and the loss function's class."""
     return run_each(cases, lambda case: _train_one(*case))
 
 

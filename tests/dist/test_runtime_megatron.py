@@ -5,9 +5,13 @@ from the shards) equal a single-process float64 reference (rtol 1e-9, atol 1e-11
 
 Cases: even heads; uneven heads (3 + 1, the plan's shard sizes for the output projection);
 sequence parallelism with an odd sequence length (uneven slices); HF GPT-2 with its tied
-embedding / LM head and sequence parallelism. The models run in eval mode (no dropout, whose
-masks a split model cannot draw as one process does). The cases of one world size train one
-after another in one process group (``reflib.train_plans``): one spawn per world size.
+embedding / LM head and sequence parallelism; separate q/k/v projections: HF Llama and
+Mistral with grouped-query attention (whole key/value groups per rank; Mistral with sequence
+parallelism and an odd sequence), HF OPT with even heads and with the plan's uneven 3 + 1
+heads (OPT's padding row of the vocabulary-parallel embedding gets no gradient); PP 2 x TP 2
+of GPT-2-style models and HF Llama. The models run in eval mode (no dropout, whose masks a
+split model cannot draw as one process does). The cases of one world size train one after
+another in one process group (``reflib.train_plans``): one spawn per world size.
 """
 
 from __future__ import annotations
@@ -42,12 +46,28 @@ def _plan(name: str, sp: bool, heads: tuple[int, int] | None = None, pp: int = 1
         return plan
     tp = plan.tensor_parallel
     group = tp.groups[0]
-    extra = tuple(TPLinearShard(name=f"blocks.{i}.attn.proj", split="row", features=64,
-                                shard_sizes=(16 * heads[0], 16 * heads[1])) for i in range(4))
+    sizes = (16 * heads[0], 16 * heads[1])
+    if name == "tiny-opt":  # the attention pair q, k, v -> out_proj, as the planner lists it
+        extra = tuple(TPLinearShard(name=f"model.decoder.layers.{i}.self_attn.{n}",
+                                    split="row" if n == "out_proj" else "column", features=64,
+                                    shard_sizes=sizes)
+                      for i in range(2) for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+    else:
+        extra = tuple(TPLinearShard(name=f"blocks.{i}.attn.proj", split="row", features=64,
+                                    shard_sizes=sizes) for i in range(4))
     group = group.model_copy(update={"linears": group.linears + extra})
     return plan.model_copy(update={"tensor_parallel": tp.model_copy(update={"groups": (group,)})})
 
 
+#: separate q/k/v projections: label -> (zoo model, sequence length, sequence parallel,
+#: attention heads per rank from the plan or None, (query, key/value) heads per rank expected)
+QKV_CASES: dict[str, tuple[str, int, bool, tuple[int, int] | None,
+                           tuple[tuple[int, int], tuple[int, int]]]] = {
+    "tiny-llama-gqa": ("tiny-llama", 16, False, None, ((2, 2), (1, 1))),
+    "tiny-mistral-gqa-sp-odd-seq": ("tiny-mistral", 15, True, None, ((2, 2), (1, 1))),
+    "tiny-opt": ("tiny-opt", 16, False, None, ((2, 2), (2, 2))),
+    "tiny-opt-uneven-heads": ("tiny-opt", 16, False, (3, 1), ((3, 1), (3, 1))),
+}
 #: label -> (zoo model, sequence length, sequence parallel, attention heads per rank)
 TP2_CASES: dict[str, tuple[str, int, bool, tuple[int, int] | None]] = {
     "attention-vocab": ("gpt-test", 16, False, None),
@@ -55,11 +75,12 @@ TP2_CASES: dict[str, tuple[str, int, bool, tuple[int, int] | None]] = {
     "sequence-parallel-odd-seq": ("gpt-test", 15, True, None),
     "tiny-gpt2-tied-sp": ("tiny-gpt2", 16, True, None),
 }
+TP2_CASES |= {label: case[:4] for label, case in QKV_CASES.items()}
 #: label -> (zoo model, sequence parallel); traced stages fix the sequence length to the zoo
 #: example's
 PP2_TP2_CASES: dict[str, tuple[str, bool]] = {
     "gpt-test-sp": ("gpt-test", True), "tied-lm": ("tied-lm", False),
-    "tiny-gpt2": ("tiny-gpt2", False),
+    "tiny-gpt2": ("tiny-gpt2", False), "tiny-llama": ("tiny-llama", False),
 }
 
 
@@ -86,7 +107,7 @@ def pp2_tp2_results() -> list[dict[str, Any]]:
     return run_local_ranks(train_plans, 4, (cases,), timeout_s=600, threads_per_process=1)
 
 
-@pytest.mark.parametrize("label", list(TP2_CASES))
+@pytest.mark.parametrize("label", [k for k in TP2_CASES if k not in QKV_CASES])
 def test_megatron_tp_equals_reference(tp2_results: list[dict[str, Any]], label: str) -> None:
     name, seq, _, _ = TP2_CASES[label]
     got = case_results(tp2_results, label)
@@ -94,6 +115,25 @@ def test_megatron_tp_equals_reference(tp2_results: list[dict[str, Any]], label: 
     for g in got:
         assert {"FusedColumnParallelLinear", "VocabParallelEmbedding"} <= set(g["kinds"])
         assert set(g["params"]) >= set(zoo_reference(name, BATCH, seq, STEPS)[1])
+
+
+@pytest.mark.parametrize("label", list(QKV_CASES))
+def test_separate_qkv_attention_split_by_heads(tp2_results: list[dict[str, Any]],
+                                               label: str) -> None:
+    """Separate q/k/v projections are split by whole heads (whole key/value groups with
+    GQA): each rank's shards are its heads' rows, and training equals the reference."""
+    name, seq, _, _, (q_heads, kv_heads) = QKV_CASES[label]
+    got = case_results(tp2_results, label)
+    _check(got, name, seq)
+    layers = "model.decoder.layers" if name == "tiny-opt" else "model.layers"
+    out = "out_proj" if name == "tiny-opt" else "o_proj"
+    for rank, g in enumerate(got):
+        for i in range(2):
+            attn = f"{layers}.{i}.self_attn"
+            assert g["shapes"][f"{attn}.q_proj"] == (16 * q_heads[rank], 64)
+            assert g["shapes"][f"{attn}.k_proj"] == (16 * kv_heads[rank], 64)
+            assert g["shapes"][f"{attn}.v_proj"] == (16 * kv_heads[rank], 64)
+            assert g["shapes"][f"{attn}.{out}"] == (64, 16 * q_heads[rank])
 
 
 def _check(got: list[dict], name: str, seq: int) -> None:

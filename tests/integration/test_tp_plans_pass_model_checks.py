@@ -42,8 +42,8 @@ def _head_dims(name: str) -> dict[str, int]:
     attention module the ranks split by heads, with its head size (rule 5)."""
     from hetplan.runtime.megatron import attention_modules
 
-    return {f"{mod}.{out}": head_dim
-            for mod, (_a, _f, out, _h, head_dim) in attention_modules(zoo.build(name)).items()}
+    return {f"{mod}.{parts.out}": parts.head_dim
+            for mod, parts in attention_modules(zoo.build(name)).items()}
 
 
 def _check(plan: Plan, ir: hetplan.ModelIR) -> list[str]:

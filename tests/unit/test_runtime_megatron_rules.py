@@ -11,7 +11,15 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 from hetplan import zoo
 from hetplan.errors import SpecError
-from hetplan.runtime.megatron import attention_modules, head_shards, is_token_cross_entropy
+from hetplan.runtime.megatron import (
+    AttentionParts,
+    VocabParallelEmbedding,
+    attention_modules,
+    group_shards,
+    head_shards,
+    is_token_cross_entropy,
+    shard_attention,
+)
 from hetplan.runtime.pipeline import use_eager_layers
 
 
@@ -21,6 +29,50 @@ def test_heads_come_from_the_plan_in_whole_heads_else_even() -> None:
     assert head_shards(4, 16, 2, (48, 16)) == (3, 1)
     with pytest.raises(ValueError, match="whole heads"):
         head_shards(4, 16, 2, (40, 24))
+
+
+def test_grouped_query_heads_split_in_whole_groups() -> None:
+    assert group_shards(4, 2, 16, 2) == ((2, 2), (1, 1))  # tiny-llama: 2 groups of 2
+    assert group_shards(12, 3, 16, 2) == ((8, 4), (2, 1))  # uneven groups: first ranks more
+    assert group_shards(4, 4, 16, 2, (48, 16)) == ((3, 1), (3, 1))  # no GQA: any whole heads
+    assert group_shards(8, 4, 16, 2, (96, 32)) == ((6, 2), (3, 1))
+    with pytest.raises(ValueError, match="whole groups of 2 query heads"):
+        group_shards(4, 2, 16, 2, (48, 16))  # 3 + 1 heads would split a group
+    with pytest.raises(ValueError, match="cannot give each of 4 ranks a whole head"):
+        group_shards(4, 2, 16, 4)
+    with pytest.raises(ValueError, match="cannot give each of 2 ranks"):
+        group_shards(4, 4, 16, 2, (64, 0))
+
+
+@pytest.mark.parametrize(("name", "module", "parts"), [
+    ("tiny-llama", "model.layers.0.self_attn",
+     AttentionParts(("q_proj", "k_proj", "v_proj"), "o_proj", 4, 2, 16)),
+    ("tiny-mistral", "model.layers.1.self_attn",
+     AttentionParts(("q_proj", "k_proj", "v_proj"), "o_proj", 4, 2, 16)),
+    ("tiny-mixtral", "model.layers.0.self_attn",
+     AttentionParts(("q_proj", "k_proj", "v_proj"), "o_proj", 4, 2, 16)),
+    ("tiny-opt", "model.decoder.layers.0.self_attn",
+     AttentionParts(("q_proj", "k_proj", "v_proj"), "out_proj", 4, 4, 16, "num_heads")),
+])
+def test_separate_qkv_attention_is_found(name: str, module: str,
+                                         parts: AttentionParts) -> None:
+    found = attention_modules(zoo.build(name, device="cpu", seed=0))
+    assert len(found) == 2 and found[module] == parts
+
+
+@pytest.mark.parametrize("name", ["tiny-t5", "tiny-bert", "tiny-vit"])
+def test_attention_not_split_yet_is_not_found(name: str) -> None:
+    """T5 (a relative position bias per head), BERT (output projection in another module)
+    and ViT (the planner's sizes can split its heads) keep their attention replicated."""
+    assert attention_modules(zoo.build(name, device="cpu", seed=0)) == {}
+
+
+def test_attention_that_cannot_give_whole_groups_is_refused_by_name() -> None:
+    model = zoo.build("tiny-llama", device="cpu", seed=0)
+    with pytest.raises(SpecError, match=r"'model\.layers\.0\.self_attn'.*tp=4.*re-plan"):
+        shard_attention(model, "model.layers.0.self_attn", None, 0, 4)
+    with pytest.raises(SpecError, match=r"whole groups.*o_proj"):
+        shard_attention(model, "model.layers.0.self_attn", None, 0, 2, (48, 16))
 
 
 def test_the_loss_probe_accepts_cross_entropy_only() -> None:
@@ -41,9 +93,10 @@ def test_the_loss_probe_accepts_cross_entropy_only() -> None:
 def test_attention_modules_of_gpt_test_and_hf_gpt2() -> None:
     found = attention_modules(zoo.build("gpt-test", device="cpu", seed=0))
     assert sorted(found) == [f"blocks.{i}.attn" for i in range(4)]
-    assert found["blocks.0.attn"] == ("n_heads", "qkv", "proj", 4, 16)
+    assert found["blocks.0.attn"] == AttentionParts(("qkv",), "proj", 4, 4, 16, "n_heads")
     hf = attention_modules(zoo.build("tiny-gpt2", device="cpu", seed=0))
-    assert hf["transformer.h.0.attn"][:3] == ("num_heads", "c_attn", "c_proj")
+    parts = hf["transformer.h.0.attn"]
+    assert (parts.attr, parts.qkv, parts.out) == ("num_heads", ("c_attn",), "c_proj")
 
 
 def test_traced_single_input_layers_run_as_their_own_modules() -> None:
@@ -72,3 +125,12 @@ def test_hf_blocks_called_with_several_inputs_stay_traced_or_are_refused_by_name
     assert stage.get_submodule("transformer.wte") is model.transformer.wte
     with pytest.raises(SpecError, match=r"'transformer\.h\.0'.*--pp 1 or --tp 1"):
         use_eager_layers(stage, model, [("transformer.h.0",)], required=["transformer.h.0"])
+
+
+def test_vocab_parallel_embedding_keeps_the_padding_row_without_gradient() -> None:
+    """HF OPT's token embedding has ``padding_idx=1``: its row gets no gradient."""
+    emb = torch.nn.Embedding(8, 4, padding_idx=1)
+    split = VocabParallelEmbedding(emb, [8], 0, None)
+    split(torch.tensor([[1, 2, 1, 5]])).sum().backward()
+    assert split.weight.grad is not None
+    assert split.weight.grad[1].abs().sum() == 0 and split.weight.grad[2].abs().sum() > 0

@@ -5,15 +5,27 @@ embedding and LM head with a parallel cross-entropy, and sequence parallelism.
 rest of a transformer, in place, on the same uneven-shard linears
 (:class:`~hetplan.runtime.tensor_parallel.ColumnParallelLinear` / ``RowParallelLinear``):
 
-* **Attention** (:func:`shard_attention`): a module with a head count (``n_heads``,
-  ``num_heads``, ...), ``head_dim``, a fused QKV projection (``in → 3·heads·head_dim``) and an
-  output projection (``heads·head_dim → out``). Each rank keeps whole heads: the Q, K and V
-  rows of its heads (:class:`FusedColumnParallelLinear`) and the matching input columns of the
-  output projection (a row-parallel linear), and the module's head count and width attributes
-  are rewritten to the local ones, so its own forward computes its heads only. The heads per
-  rank come from the plan (the output projection's ``shard_sizes`` in features, a multiple of
-  ``head_dim``), else an even split (the first ranks get the remainder). Separate q/k/v
-  projections (grouped-query attention) are not split yet and stay replicated.
+* **Attention** (:func:`shard_attention`, the modules :func:`attention_modules` finds):
+  either a module with a head count (``n_heads``, ``num_heads``, ...), ``head_dim``, a fused
+  QKV projection (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
+  (``heads·head_dim → out``); or a module with ``head_dim`` and separate query, key and value
+  projections (``q_proj``/``k_proj``/``v_proj`` or ``query``/``key``/``value``) beside its
+  output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2 and OPT.
+  Each rank keeps whole heads: the Q, K and V rows of its heads (one
+  :class:`FusedColumnParallelLinear`, or three column-parallel linears) and the matching input
+  columns of the output projection (a row-parallel linear). With grouped-query attention
+  (fewer key/value heads than query heads) a rank keeps whole groups, a key/value head and
+  the query heads that use it, so ``num_key_value_groups`` stays as it is
+  (:func:`group_shards`). The module's head-count and width attributes are rewritten to the
+  local ones (forwards that ``view(..., -1, head_dim)`` read none), so its own forward
+  computes its heads only. The heads per rank come from the plan (the output projection's
+  ``shard_sizes`` in features, a multiple of ``head_dim``, of a group's query features with
+  GQA), else an even split (the first ranks get the remainder); a split that leaves a rank
+  without a whole head (group) is refused (``SpecError`` naming the module). Not split, so
+  replicated on every TP rank, with the runtime's warning where the plan lists them: T5's
+  attention (a relative position bias per head), BERT's (its output projection lives in
+  another module, ``attention.output.dense``) and ViT's (the planner's skewed sizes for its
+  q/k/v → o pair can split a head: :data:`_REPLICATED_ATTENTION`).
 * **Vocabulary** (:func:`shard_vocab`): the token embedding whose rows are the LM head's
   outputs is split by rows (:class:`VocabParallelEmbedding`: a rank looks up the ids in its
   range, the partial embeddings are summed), the head by output features; a tied
@@ -35,6 +47,7 @@ rest of a transformer, in place, on the same uneven-shard linears
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetplan.algorithms.skewed_shards import even_shards
+from hetplan.errors import SpecError
 from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear, unsharded
 from hetplan.runtime.tp_comm import (
     SeqState,
@@ -54,12 +68,16 @@ from hetplan.runtime.tp_comm import (
 )
 
 __all__ = [
+    "AttentionParts",
     "FusedColumnParallelLinear",
     "GatherLogits",
     "VocabParallelEmbedding",
     "VocabParallelLoss",
     "attention_modules",
     "attention_sequence_parallel",
+    "group_shards",
+    "head_shards",
+    "is_split_attention",
     "is_token_cross_entropy",
     "sequence_parallel",
     "shard_attention",
@@ -70,8 +88,21 @@ __all__ = [
 
 #: Head-count attributes of an attention module, in the order they are looked up.
 _HEAD_COUNT = ("n_heads", "num_heads", "n_head", "num_attention_heads")
+#: Key/value head-count attributes (grouped-query attention), rewritten to the local count.
+_KV_HEAD_COUNT = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
 #: Width attributes (``heads · head_dim``) the attention's forward reads; rewritten to local.
-_WIDTH = ("dim", "split_size")
+_WIDTH = ("dim", "split_size", "all_head_size", "inner_dim")
+#: Head-size attributes of an attention module with separate q/k/v projections.
+_HEAD_DIM = ("head_dim", "attention_head_size")
+#: Child names of separate query, key, value and output projections.
+_Q, _K, _V, _O = ("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("o_proj",
+                                                                               "out_proj")
+#: Attributes of attention modules with separate projections that are not split (T5's
+#: relative position bias per head): they stay replicated.
+_NOT_SPLIT = ("has_relative_attention_bias", "relative_attention_bias")
+#: Attention classes kept replicated: the planner lists ViT's q/k/v -> o_proj as a pair and
+#: its skewed shard sizes can split one of ViT's few heads (the IR records no head size).
+_REPLICATED_ATTENTION = ("ViTAttention",)
 
 
 def _weight(linear: nn.Module) -> torch.Tensor:
@@ -161,9 +192,46 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         return self._gather_parts(unsharded(self.bias.grad if grad else self.bias, self.bias))
 
 
-def _attention_parts(mod: nn.Module) -> tuple[str, str, str, int, int] | None:
-    """(head-count attribute, fused QKV child, output child, heads, head_dim) of an attention
-    module this module can split, else None."""
+@dataclass(frozen=True)
+class AttentionParts:
+    """What :func:`shard_attention` splits in one attention module.
+
+    Attributes:
+        qkv: the fused QKV projection ``(name,)``, or the separate ``(q, k, v)`` projections,
+            as paths below the module (BERT/ViT: ``("self.query", ...)``).
+        out: the output projection's path below the module.
+        heads: query heads.
+        kv_heads: key/value heads (fewer than ``heads`` with grouped-query attention; each
+            rank keeps whole groups).
+        head_dim: features per head.
+        attr: the head-count attribute (rewritten to the local count), or None where the
+            forward reads none (HF Llama: ``view(..., -1, head_dim)``).
+    """
+
+    qkv: tuple[str, ...]
+    out: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    attr: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Whether Q, K and V come out of one projection."""
+        return len(self.qkv) == 1
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """Every projection's path below the module."""
+        return (*self.qkv, self.out)
+
+
+def _attention_parts(mod: nn.Module) -> AttentionParts | None:
+    """The parts of an attention module this module can split, else None."""
+    return _fused_parts(mod) or _separate_parts(mod)
+
+
+def _fused_parts(mod: nn.Module) -> AttentionParts | None:
     attr = next((a for a in _HEAD_COUNT if isinstance(getattr(mod, a, None), int)), None)
     head_dim = getattr(mod, "head_dim", None)
     if attr is None or not isinstance(head_dim, int):
@@ -175,10 +243,40 @@ def _attention_parts(mod: nn.Module) -> tuple[str, str, str, int, int] | None:
     out = [n for n, c in lins if _weight_out_in(c)[1] == width and n not in fused]
     if len(fused) != 1 or len(out) != 1:
         return None
-    return attr, fused[0], out[0], heads, head_dim
+    return AttentionParts((fused[0],), out[0], heads, heads, head_dim, attr)
 
 
-def attention_modules(model: nn.Module) -> dict[str, tuple[str, str, str, int, int]]:
+def _child(mod: nn.Module, names: Sequence[str]) -> str | None:
+    found = [n for n in names if isinstance(getattr(mod, n, None), nn.Linear)]
+    return found[0] if len(found) == 1 else None
+
+
+def _separate_parts(mod: nn.Module) -> AttentionParts | None:
+    """Separate q/k/v projections and an output projection, as children of ``mod`` (HF
+    Llama, Mistral, Mixtral, OPT, ...). T5's attention (a relative position bias per head)
+    is not split: None."""
+    head_dim = next((getattr(mod, a) for a in _HEAD_DIM
+                     if isinstance(getattr(mod, a, None), int)), None)
+    if (head_dim is None or head_dim <= 0 or any(hasattr(mod, a) for a in _NOT_SPLIT)
+            or type(mod).__name__ in _REPLICATED_ATTENTION):
+        return None
+    names = [_child(mod, c) for c in (_Q, _K, _V, _O)]
+    if any(n is None for n in names):
+        return None
+    q, k, v, o = (getattr(mod, str(n)) for n in names)
+    width, kv_width = q.out_features, k.out_features
+    if (v.out_features != kv_width or o.in_features != width or width % head_dim
+            or kv_width % head_dim or not kv_width
+            or (width // head_dim) % (kv_width // head_dim)
+            or len({q.in_features, k.in_features, v.in_features}) != 1):
+        return None
+    heads = width // head_dim
+    attr = next((a for a in _HEAD_COUNT if getattr(mod, a, None) == heads), None)
+    return AttentionParts((str(names[0]), str(names[1]), str(names[2])), str(names[3]),
+                          heads, kv_width // head_dim, head_dim, attr)
+
+
+def attention_modules(model: nn.Module) -> dict[str, AttentionParts]:
     """Qualified name → :func:`_attention_parts` of every attention module that can be split."""
     out = {}
     for name, mod in model.named_modules():
@@ -201,6 +299,49 @@ def head_shards(heads: int, head_dim: int, tp: int,
     return tuple(s // head_dim for s in planned)
 
 
+def group_shards(heads: int, kv_heads: int, head_dim: int, tp: int,
+                 planned: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(query heads, key/value heads) per rank for attention with ``kv_heads`` key/value
+    heads (grouped-query attention when fewer than ``heads``): each rank keeps whole groups,
+    a key/value head and the ``heads // kv_heads`` query heads that use it, and at least
+    one. ``planned``: the plan's feature shard sizes of the output projection (multiples of
+    a group's ``heads // kv_heads · head_dim`` query features), else an even split of the
+    groups (the first ranks get the remainder).
+
+    Raises:
+        ValueError: ``planned`` splits a group, or some rank would get no group.
+    """
+    per_group = heads // kv_heads
+    if planned is None:
+        groups = tuple(even_shards(kv_heads, tp))
+    else:
+        q = head_shards(heads, head_dim, tp, planned)
+        if any(h % per_group for h in q):
+            raise ValueError(f"attention shard sizes {list(planned)} must be multiples of "
+                             f"{per_group * head_dim} features (whole groups of {per_group} "
+                             f"query heads sharing a key/value head, head_dim={head_dim})")
+        groups = tuple(h // per_group for h in q)
+    if min(groups) < 1:
+        raise ValueError(f"attention with {kv_heads} key/value heads ({heads} query heads) "
+                         f"cannot give each of {tp} ranks a whole head (group): split "
+                         f"{list(groups)}")
+    return tuple(g * per_group for g in groups), groups
+
+
+def _local_attrs(mod: nn.Module, parts: AttentionParts, heads: int, kv_heads: int) -> None:
+    """Rewrite the head-count and width attributes the forward may read to the local ones."""
+    width = parts.heads * parts.head_dim
+    for a in _WIDTH:
+        if getattr(mod, a, None) == width:
+            setattr(mod, a, heads * parts.head_dim)
+    for a in _HEAD_COUNT:
+        if getattr(mod, a, None) == parts.heads:
+            setattr(mod, a, heads)
+    for a in _KV_HEAD_COUNT:
+        if getattr(mod, a, None) == parts.kv_heads:
+            setattr(mod, a, kv_heads)
+
+
 def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
                     planned: Sequence[int] | None = None, *, sp: bool = False) -> None:
     """Split attention module ``name`` of ``model`` by heads, in place (see module doc).
@@ -209,32 +350,56 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
         planned: the plan's shard sizes (features) for the output projection, or None.
         sp: sequence parallelism: gather the sequence at the module's input and
             reduce-scatter the output projection.
+
+    Raises:
+        ValueError: ``name`` is no attention module this module splits.
+        SpecError: ``planned`` or ``tp`` cannot give every rank whole heads (groups).
     """
     mod = model.get_submodule(name)
     parts = _attention_parts(mod)
     if parts is None:
-        raise ValueError(f"{name!r} is not an attention module with a fused QKV projection")
-    attr, fused, out, heads, head_dim = parts
-    per_rank = head_shards(heads, head_dim, tp, planned)
-    feats = [h * head_dim for h in per_rank]
-    col = FusedColumnParallelLinear.from_fused(getattr(mod, fused), feats, rank, group)
-    row = RowParallelLinear.from_linear(getattr(mod, out), feats, rank, group)
-    setattr(mod, fused, col)
-    setattr(mod, out, row)
-    for a in _WIDTH:
-        if getattr(mod, a, None) == heads * head_dim:
-            setattr(mod, a, feats[rank])
-    setattr(mod, attr, per_rank[rank])
+        raise ValueError(f"{name!r} is not an attention module with a fused QKV projection "
+                         "or separate q/k/v projections")
+    try:
+        if parts.fused:
+            per_rank = head_shards(parts.heads, parts.head_dim, tp, planned)
+            kv = per_rank
+        else:
+            per_rank, kv = group_shards(parts.heads, parts.kv_heads, parts.head_dim, tp,
+                                        planned)
+    except ValueError as e:
+        raise SpecError(f"tensor parallelism: attention module {name!r} cannot be split by "
+                        f"heads over tp={tp}: {e}; re-plan with a tp (or shard sizes of "
+                        f"{name}.{parts.out}) that gives every rank whole heads") from e
+    feats = [h * parts.head_dim for h in per_rank]
+    if parts.fused:
+        fused = parts.qkv[0]
+        _set(mod, fused, FusedColumnParallelLinear.from_fused(mod.get_submodule(fused), feats,
+                                                              rank, group))
+    else:
+        kv_feats = [h * parts.head_dim for h in kv]
+        for path, sizes in zip(parts.qkv, (feats, kv_feats, kv_feats), strict=True):
+            _set(mod, path, ColumnParallelLinear.from_linear(mod.get_submodule(path), sizes,
+                                                             rank, group))
+    _set(mod, parts.out, RowParallelLinear.from_linear(mod.get_submodule(parts.out), feats,
+                                                       rank, group))
+    _local_attrs(mod, parts, per_rank[rank], kv[rank])
+    setattr(mod, "hetplan_heads", per_rank[rank])  # marks the split module
     if sp:
         attention_sequence_parallel(mod, rank, tp, group)
+
+
+def is_split_attention(mod: nn.Module) -> bool:
+    """Whether :func:`shard_attention` split ``mod``."""
+    return isinstance(getattr(mod, "hetplan_heads", None), int)
 
 
 def attention_sequence_parallel(mod: nn.Module, rank: int, tp: int, group: Any) -> list[Any]:
     """Sequence parallelism for an attention module :func:`shard_attention` split: gather
     the sequence at its input, reduce-scatter its output projection. Returns the hook's
     handle (``.remove()`` undoes it, with the linears' ``sp_mode`` reset)."""
-    for child in mod.children():
-        if isinstance(child, FusedColumnParallelLinear):
+    for child in mod.modules():
+        if isinstance(child, ColumnParallelLinear):
             child.sp_mode = "gathered"
         elif isinstance(child, RowParallelLinear):
             child.sp_mode = "scatter"
@@ -314,7 +479,8 @@ def sp_replicated_params(model: nn.Module, layers: Sequence[str]) -> list[nn.Par
 class VocabParallelEmbedding(nn.Module):
     """An ``nn.Embedding`` split by rows (uneven allowed): this rank holds rows
     ``[start:end]``, looks up the ids in that range (zeros elsewhere) and the partial
-    embeddings are summed over the group (Megatron's ``g``)."""
+    embeddings are summed over the group (Megatron's ``g``). The padding row
+    (``padding_idx``, HF OPT's) gets no gradient, as in the full embedding."""
 
     def __init__(self, emb: nn.Embedding, shard_sizes: Sequence[int], rank: int,
                  group: Any) -> None:
@@ -326,6 +492,10 @@ class VocabParallelEmbedding(nn.Module):
         self.start = sum(sizes[:rank])
         self.end = self.start + sizes[rank]
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
+        pad = emb.padding_idx
+        #: the embedding's ``padding_idx`` (its row gets no gradient) when this rank holds it
+        self.padding_idx = (pad - self.start if pad is not None and self.start <= pad < self.end
+                            else None)
         self.weight = nn.Parameter(emb.weight.detach()[self.start:self.end].clone(),
                                    requires_grad=emb.weight.requires_grad)
 
@@ -333,7 +503,8 @@ class VocabParallelEmbedding(nn.Module):
         """Maps token ids to embeddings [..., embedding_dim] (replicated)."""
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        y = F.embedding(local, self.weight, self.padding_idx).masked_fill(
+            outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(y, self.group) if len(self.shard_sizes) > 1 else y
 
     def gather_weight(self, grad: bool = False, source_layout: bool = True) -> torch.Tensor:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -336,7 +336,8 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | LayerIR],
                 tp_section_or_none: TensorParallel | None, group: Any, tp_rank: int,
-                tp_size: int, stage: int | None = None) -> nn.Module:
+                tp_size: int, stage: int | None = None, *,
+                split_elsewhere: Collection[str] = ()) -> nn.Module:
     """Replace, in place, every shardable Megatron pair by column/row parallel linears.
 
     Which pairs are shardable is decided by :func:`tp_pairs` (MLP-style pairs only; see the
@@ -352,6 +353,8 @@ def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | Layer
         tp_rank: this rank's index in the TP group.
         tp_size: ranks in the TP group; 1 returns the model unchanged.
         stage: this rank's pipeline stage (selects the plan's TP group).
+        split_elsewhere: linears the caller splits itself (attention split by heads,
+            :mod:`hetplan.runtime.megatron`): left alone here without a warning.
 
     Raises:
         PlanMismatchError: the plan's TP group does not match this process, or its linears
@@ -363,8 +366,8 @@ def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | Layer
     where = (f"tensor_parallel.groups[{tp_section_or_none.groups.index(tp_group)}]"
              if tp_section_or_none is not None and tp_group is not None else "tensor_parallel")
     pairs, skipped = tp_pairs(model, ir_layers_linears, tp_size, tp_group, where=where)
-    listed_skipped = sorted(n for n in skipped
-                            if tp_group is not None and n in {s.name for s in tp_group.linears})
+    listed_skipped = sorted(n for n in skipped if n not in split_elsewhere
+                            and tp_group is not None and n in {s.name for s in tp_group.linears})
     if listed_skipped:
         warnings.warn(f"TP plan lists {listed_skipped} but they stay replicated: "
                       f"{ {n: skipped[n] for n in listed_skipped} }", RuntimeWarning,

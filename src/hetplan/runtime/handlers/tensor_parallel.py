@@ -23,10 +23,10 @@ from torch import nn
 from hetplan.errors import SpecError
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.megatron import (
-    FusedColumnParallelLinear,
     VocabParallelEmbedding,
     attention_modules,
     attention_sequence_parallel,
+    is_split_attention,
     sequence_parallel,
     shard_attention,
     shard_vocab,
@@ -88,7 +88,9 @@ class TensorParallelHandler(Handler):
         if layout.pp > 1:  # the stage handler traces the model as it was before sharding
             self.unsharded = copy.deepcopy(ctx.model)
         vocab = _vocab_to_split(ctx, [x.name for x in layers])
-        shard_model(ctx.model, layers, ctx.plan.tensor_parallel, g, r, tp, stage=stage)
+        attention = {} if _controller_on(ctx) else attention_modules(ctx.model)
+        shard_model(ctx.model, layers, ctx.plan.tensor_parallel, g, r, tp, stage=stage,
+                    split_elsewhere={f"{a}.{n}" for a, p in attention.items() for n in p.linears})
         if _controller_on(ctx):
             if layout.sequence_parallel and r == 0:
                 warnings.warn("the plan asks for sequence parallelism with the TP resizing "
@@ -98,8 +100,8 @@ class TensorParallelHandler(Handler):
                               "to match the prediction", RuntimeWarning, stacklevel=2)
             return
         planned = _planned_sizes(ctx, g, r, tp, stage)
-        for name, (_a, _f, out, _h, _d) in sorted(attention_modules(ctx.model).items()):
-            shard_attention(ctx.model, name, g, r, tp, planned.get(f"{name}.{out}"),
+        for name, parts in sorted(attention.items()):
+            shard_attention(ctx.model, name, g, r, tp, planned.get(f"{name}.{parts.out}"),
                             sp=layout.sequence_parallel and layout.pp == 1)
             self.attention.append(name)
         self.vocab = vocab
@@ -256,9 +258,8 @@ def _vocab_pair(model: nn.Module, layer_names: list[str]) -> tuple[str, str | No
 
 
 def attention_modules_split(model: nn.Module) -> list[str]:
-    """Names of the attention modules whose QKV projection is split."""
-    return [n for n, m in model.named_modules()
-            if any(isinstance(c, FusedColumnParallelLinear) for c in m.children())]
+    """Names of the attention modules split by heads."""
+    return [n for n, m in model.named_modules() if is_split_attention(m)]
 
 
 def _holds_shards(model: nn.Module, layer: str) -> bool:
