@@ -40,8 +40,7 @@ def test_grouped_query_heads_split_in_whole_groups() -> None:
         group_shards(4, 2, 16, 2, (48, 16))  # 3 + 1 heads would split a group
     with pytest.raises(ValueError, match="cannot give each of 4 ranks a whole head"):
         group_shards(4, 2, 16, 4)
-    with pytest.raises(ValueError, match="cannot give each of 2 ranks"):
-        group_shards(4, 4, 16, 2, (64, 0))
+    assert group_shards(4, 4, 16, 2, (64, 0)) == ((4, 0), (4, 0))  # the plan's choice
 
 
 @pytest.mark.parametrize(("name", "module", "parts"), [
@@ -73,6 +72,15 @@ def test_attention_that_cannot_give_whole_groups_is_refused_by_name() -> None:
         shard_attention(model, "model.layers.0.self_attn", None, 0, 4)
     with pytest.raises(SpecError, match=r"whole groups.*o_proj"):
         shard_attention(model, "model.layers.0.self_attn", None, 0, 2, (48, 16))
+
+
+def test_attention_a_plan_leaves_a_rank_no_head_stays_replicated_with_a_warning() -> None:
+    """The planner gives a much slower rank no feature of OPT's q/k/v -> out_proj pair."""
+    model = zoo.build("tiny-opt", device="cpu", seed=0)
+    name = "model.decoder.layers.0.self_attn"
+    with pytest.warns(RuntimeWarning, match=r"no head of attention.*stays replicated"):
+        assert not shard_attention(model, name, None, 0, 2, (64, 0))
+    assert isinstance(model.get_submodule(f"{name}.q_proj"), torch.nn.Linear)
 
 
 def test_the_loss_probe_accepts_cross_entropy_only() -> None:

@@ -20,8 +20,10 @@ rest of a transformer, in place, on the same uneven-shard linears
   local ones (forwards that ``view(..., -1, head_dim)`` read none), so its own forward
   computes its heads only. The heads per rank come from the plan (the output projection's
   ``shard_sizes`` in features, a multiple of ``head_dim``, of a group's query features with
-  GQA), else an even split (the first ranks get the remainder); a split that leaves a rank
-  without a whole head (group) is refused (``SpecError`` naming the module). Not split, so
+  GQA), else an even split (the first ranks get the remainder); a split inside a head
+  (group), or an even split that leaves a rank none, is refused (``SpecError`` naming the
+  module); planned sizes that leave a rank of separate q/k/v projections no head keep that
+  module replicated, with a warning. Not split, so
   replicated on every TP rank, with the runtime's warning where the plan lists them: T5's
   attention (a relative position bias per head), BERT's (its output projection lives in
   another module, ``attention.output.dense``) and ViT's (the planner's skewed sizes for its
@@ -46,6 +48,7 @@ rest of a transformer, in place, on the same uneven-shard linears
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -303,13 +306,13 @@ def group_shards(heads: int, kv_heads: int, head_dim: int, tp: int,
                  planned: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(query heads, key/value heads) per rank for attention with ``kv_heads`` key/value
     heads (grouped-query attention when fewer than ``heads``): each rank keeps whole groups,
-    a key/value head and the ``heads // kv_heads`` query heads that use it, and at least
-    one. ``planned``: the plan's feature shard sizes of the output projection (multiples of
-    a group's ``heads // kv_heads · head_dim`` query features), else an even split of the
-    groups (the first ranks get the remainder).
+    a key/value head and the ``heads // kv_heads`` query heads that use it (at least one in
+    an even split; the plan may leave a rank none). ``planned``: the plan's feature shard
+    sizes of the output projection (multiples of a group's ``heads // kv_heads · head_dim``
+    query features), else an even split of the groups (the first ranks get the remainder).
 
     Raises:
-        ValueError: ``planned`` splits a group, or some rank would get no group.
+        ValueError: ``planned`` splits a group, or an even split leaves a rank no group.
     """
     per_group = heads // kv_heads
     if planned is None:
@@ -321,7 +324,7 @@ def group_shards(heads: int, kv_heads: int, head_dim: int, tp: int,
                              f"{per_group * head_dim} features (whole groups of {per_group} "
                              f"query heads sharing a key/value head, head_dim={head_dim})")
         groups = tuple(h // per_group for h in q)
-    if min(groups) < 1:
+    if planned is None and min(groups) < 1:
         raise ValueError(f"attention with {kv_heads} key/value heads ({heads} query heads) "
                          f"cannot give each of {tp} ranks a whole head (group): split "
                          f"{list(groups)}")
@@ -343,8 +346,10 @@ def _local_attrs(mod: nn.Module, parts: AttentionParts, heads: int, kv_heads: in
 
 
 def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
-                    planned: Sequence[int] | None = None, *, sp: bool = False) -> None:
+                    planned: Sequence[int] | None = None, *, sp: bool = False) -> bool:
     """Split attention module ``name`` of ``model`` by heads, in place (see module doc).
+    Whether it was split: separate q/k/v projections whose planned sizes leave a rank no
+    head stay replicated, with a warning (a rank's forward cannot run zero heads).
 
     Args:
         planned: the plan's shard sizes (features) for the output projection, or None.
@@ -371,6 +376,13 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
         raise SpecError(f"tensor parallelism: attention module {name!r} cannot be split by "
                         f"heads over tp={tp}: {e}; re-plan with a tp (or shard sizes of "
                         f"{name}.{parts.out}) that gives every rank whole heads") from e
+    if not parts.fused and 0 in per_rank:
+        if rank == 0:
+            warnings.warn(f"tensor parallelism: the plan gives a rank no head of attention "
+                          f"module {name!r} (shard sizes {list(planned or ())} of "
+                          f"{name}.{parts.out}): it stays replicated on every TP rank",
+                          RuntimeWarning, stacklevel=2)
+        return False
     feats = [h * parts.head_dim for h in per_rank]
     if parts.fused:
         fused = parts.qkv[0]
@@ -387,6 +399,7 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
     setattr(mod, "hetplan_heads", per_rank[rank])  # marks the split module
     if sp:
         attention_sequence_parallel(mod, rank, tp, group)
+    return True
 
 
 def is_split_attention(mod: nn.Module) -> bool:

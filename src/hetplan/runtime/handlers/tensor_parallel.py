@@ -101,9 +101,9 @@ class TensorParallelHandler(Handler):
             return
         planned = _planned_sizes(ctx, g, r, tp, stage)
         for name, parts in sorted(attention.items()):
-            shard_attention(ctx.model, name, g, r, tp, planned.get(f"{name}.{parts.out}"),
-                            sp=layout.sequence_parallel and layout.pp == 1)
-            self.attention.append(name)
+            if shard_attention(ctx.model, name, g, r, tp, planned.get(f"{name}.{parts.out}"),
+                               sp=layout.sequence_parallel and layout.pp == 1):
+                self.attention.append(name)
         self.vocab = vocab
         if self.vocab is not None:
             ctx.loss_fn = shard_vocab(ctx.model, self.vocab[0], self.vocab[1], g, r, tp,
