@@ -52,6 +52,9 @@ def test_grouped_query_heads_split_in_whole_groups() -> None:
      AttentionParts(("q_proj", "k_proj", "v_proj"), "o_proj", 4, 2, 16)),
     ("tiny-opt", "model.decoder.layers.0.self_attn",
      AttentionParts(("q_proj", "k_proj", "v_proj"), "out_proj", 4, 4, 16, "num_heads")),
+    ("tiny-bert", "bert.encoder.layer.1.attention",
+     AttentionParts(("self.query", "self.key", "self.value"), "output.dense", 4, 4, 16,
+                    "num_attention_heads")),
 ])
 def test_separate_qkv_attention_is_found(name: str, module: str,
                                          parts: AttentionParts) -> None:
@@ -59,10 +62,10 @@ def test_separate_qkv_attention_is_found(name: str, module: str,
     assert len(found) == 2 and found[module] == parts
 
 
-@pytest.mark.parametrize("name", ["tiny-t5", "tiny-bert", "tiny-vit"])
+@pytest.mark.parametrize("name", ["tiny-t5", "tiny-vit"])
 def test_attention_not_split_yet_is_not_found(name: str) -> None:
-    """T5 (a relative position bias per head), BERT (output projection in another module)
-    and ViT (the planner's sizes can split its heads) keep their attention replicated."""
+    """T5 (a relative position bias per head) and ViT (the planner's sizes can split its
+    heads) keep their attention replicated."""
     assert attention_modules(zoo.build(name, device="cpu", seed=0)) == {}
 
 

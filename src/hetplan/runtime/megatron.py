@@ -10,8 +10,10 @@ rest of a transformer, in place, on the same uneven-shard linears
   QKV projection (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
   (``heads·head_dim → out``); or a module with ``head_dim`` and separate query, key and value
   projections (``q_proj``/``k_proj``/``v_proj`` or ``query``/``key``/``value``) beside its
-  output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2 and OPT.
-  Each rank keeps whole heads: the Q, K and V rows of its heads (one
+  output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2 and OPT;
+  or HF BERT's (RoBERTa's) layout, ``self.query/key/value`` and ``output.dense`` in two
+  submodules (split without sequence parallelism only: with it the TP handler keeps it
+  replicated, with a warning). Each rank keeps whole heads: the Q, K and V rows of its heads (one
   :class:`FusedColumnParallelLinear`, or three column-parallel linears) and the matching input
   columns of the output projection (a row-parallel linear). With grouped-query attention
   (fewer key/value heads than query heads) a rank keeps whole groups, a key/value head and
@@ -25,9 +27,8 @@ rest of a transformer, in place, on the same uneven-shard linears
   module); planned sizes that leave a rank of separate q/k/v projections no head keep that
   module replicated, with a warning. Not split, so
   replicated on every TP rank, with the runtime's warning where the plan lists them: T5's
-  attention (a relative position bias per head), BERT's (its output projection lives in
-  another module, ``attention.output.dense``) and ViT's (the planner's skewed sizes for its
-  q/k/v → o pair can split a head: :data:`_REPLICATED_ATTENTION`).
+  attention (a relative position bias per head) and ViT's (the planner's skewed sizes for
+  its q/k/v → o pair can split a head: :data:`_REPLICATED_ATTENTION`).
 * **Vocabulary** (:func:`shard_vocab`): the token embedding whose rows are the LM head's
   outputs is split by rows (:class:`VocabParallelEmbedding`: a rank looks up the ids in its
   range, the partial embeddings are summed), the head by output features; a tied
@@ -224,6 +225,11 @@ class AttentionParts:
         return len(self.qkv) == 1
 
     @property
+    def nested(self) -> bool:
+        """Whether the projections live in submodules (HF BERT's ``self`` and ``output``)."""
+        return "." in self.qkv[0]
+
+    @property
     def linears(self) -> tuple[str, ...]:
         """Every projection's path below the module."""
         return (*self.qkv, self.out)
@@ -231,7 +237,7 @@ class AttentionParts:
 
 def _attention_parts(mod: nn.Module) -> AttentionParts | None:
     """The parts of an attention module this module can split, else None."""
-    return _fused_parts(mod) or _separate_parts(mod)
+    return _fused_parts(mod) or _separate_parts(mod) or _nested_parts(mod)
 
 
 def _fused_parts(mod: nn.Module) -> AttentionParts | None:
@@ -277,6 +283,27 @@ def _separate_parts(mod: nn.Module) -> AttentionParts | None:
     attr = next((a for a in _HEAD_COUNT if getattr(mod, a, None) == heads), None)
     return AttentionParts((str(names[0]), str(names[1]), str(names[2])), str(names[3]),
                           heads, kv_width // head_dim, head_dim, attr)
+
+
+def _nested_parts(mod: nn.Module) -> AttentionParts | None:
+    """HF BERT's layout: ``self.query/key/value`` (with ``num_attention_heads`` and
+    ``attention_head_size``) and the output projection ``output.dense``, in sibling modules
+    of ``mod``."""
+    inner, out = getattr(mod, "self", None), getattr(mod, "output", None)
+    dense = getattr(out, "dense", None)
+    if not isinstance(inner, nn.Module) or not isinstance(dense, nn.Linear):
+        return None
+    head_dim = getattr(inner, "attention_head_size", None)
+    heads = getattr(inner, "num_attention_heads", None)
+    if not isinstance(head_dim, int) or not isinstance(heads, int) or head_dim <= 0:
+        return None
+    names = [_child(inner, c) for c in (_Q, _K, _V)]
+    width = heads * head_dim
+    if (any(n is None for n in names) or dense.in_features != width
+            or any(getattr(inner, str(n)).out_features != width for n in names)):
+        return None
+    return AttentionParts(tuple(f"self.{n}" for n in names), "output.dense", heads, heads,
+                          head_dim, "num_attention_heads")
 
 
 def attention_modules(model: nn.Module) -> dict[str, AttentionParts]:
@@ -395,7 +422,8 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
                                                              rank, group))
     _set(mod, parts.out, RowParallelLinear.from_linear(mod.get_submodule(parts.out), feats,
                                                        rank, group))
-    _local_attrs(mod, parts, per_rank[rank], kv[rank])
+    holder = parts.qkv[0].rpartition(".")[0]  # the module whose forward reads the heads
+    _local_attrs(mod.get_submodule(holder) if holder else mod, parts, per_rank[rank], kv[rank])
     setattr(mod, "hetplan_heads", per_rank[rank])  # marks the split module
     if sp:
         attention_sequence_parallel(mod, rank, tp, group)
@@ -409,15 +437,19 @@ def is_split_attention(mod: nn.Module) -> bool:
 
 def attention_sequence_parallel(mod: nn.Module, rank: int, tp: int, group: Any) -> list[Any]:
     """Sequence parallelism for an attention module :func:`shard_attention` split: gather
-    the sequence at its input, reduce-scatter its output projection. Returns the hook's
-    handle (``.remove()`` undoes it, with the linears' ``sp_mode`` reset)."""
+    the sequence at the input of the module holding the q/k/v projections (BERT's
+    ``attention.self``: its output projection adds the residual, which stays a slice),
+    reduce-scatter its output projection. Returns the hook's handle (``.remove()`` undoes
+    it, with the linears' ``sp_mode`` reset)."""
+    holder = next((m for m in mod.modules()
+                   if any(isinstance(c, ColumnParallelLinear) for c in m.children())), mod)
     for child in mod.modules():
         if isinstance(child, ColumnParallelLinear):
             child.sp_mode = "gathered"
         elif isinstance(child, RowParallelLinear):
             child.sp_mode = "scatter"
-    return [mod.register_forward_pre_hook(_gather_input_hook(rank, tp, group),
-                                          with_kwargs=True)]
+    return [holder.register_forward_pre_hook(_gather_input_hook(rank, tp, group),
+                                             with_kwargs=True)]
 
 
 # -- sequence parallelism ------------------------------------------------------------------
