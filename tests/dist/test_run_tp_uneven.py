@@ -44,7 +44,17 @@ def _run(plan_path: Path, report: Path) -> dict:
     return json.loads(report.read_text())
 
 
-def test_uneven_tp_plan_runs_and_matches_one_process(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The report of one process training gpt-test on the same batches (tp=1), run once for
+    the tests that compare with it."""
+    path = tmp_path_factory.mktemp("single")
+    ref = hetplan.compile("gpt-test", _cluster(1), batch_size=4, dp=1, pp=1, tp=1)
+    ref.save(path / "tp1.json")
+    return _run(path / "tp1.json", path / "tp1.report.json")
+
+
+def test_uneven_tp_plan_runs_and_matches_one_process(tmp_path: Path, single: dict) -> None:
     plan = hetplan.compile("gpt-test", _cluster(2), batch_size=4, dp=1, pp=1, tp=2)
     tp = plan.tensor_parallel
     assert tp is not None and len(tp.groups) == 1
@@ -53,11 +63,6 @@ def test_uneven_tp_plan_runs_and_matches_one_process(tmp_path: Path) -> None:
     assert group.linears and all(lin.shard_sizes == (192, 64) for lin in group.linears)
     plan.save(tmp_path / "tp2.json")
     uneven = _run(tmp_path / "tp2.json", tmp_path / "tp2.report.json")
-
-    ref = hetplan.compile("gpt-test", _cluster(1), batch_size=4, dp=1, pp=1, tp=1)
-    ref.save(tmp_path / "tp1.json")
-    single = _run(tmp_path / "tp1.json", tmp_path / "tp1.report.json")
-
     assert uneven["world_size"] == 2 and single["world_size"] == 1
     assert uneven["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4, abs=1e-5)
 
@@ -88,7 +93,8 @@ def test_uneven_tp_plan_with_a_migrating_controller_runs(tmp_path: Path, variant
     assert report["world_size"] == 2 and report["final_loss"] == report["final_loss"]
 
 
-def test_a_rank_with_an_empty_shard_trains_with_the_controller(tmp_path: Path) -> None:
+def test_a_rank_with_an_empty_shard_trains_with_the_controller(tmp_path: Path,
+                                                               single: dict) -> None:
     """A 20x slower rank gets no MLP columns (256 / 0); the resizable linears must still run
     on it (forward, backward, statistics) and train close to one process's loss."""
     spec = _cluster(2).model_dump(mode="json")
@@ -98,9 +104,6 @@ def test_a_rank_with_an_empty_shard_trains_with_the_controller(tmp_path: Path) -
     assert all(lin.shard_sizes == (256, 0) for lin in plan.tensor_parallel.groups[0].linears)
     plan.save(tmp_path / "empty.json")
     report = _run(tmp_path / "empty.json", tmp_path / "empty.report.json")
-    ref = hetplan.compile("gpt-test", _cluster(1), batch_size=4, dp=1, pp=1, tp=1)
-    ref.save(tmp_path / "tp1.json")
-    single = _run(tmp_path / "tp1.json", tmp_path / "tp1.report.json")
     # the controller may prune the busy rank after a measured step (timing-dependent, lossy):
     # close to the one-process loss, not equal
     assert report["final_loss"] == pytest.approx(single["final_loss"], rel=0.05)

@@ -14,6 +14,7 @@ import pytest
 
 from hetplan import compile
 from hetplan.ir.model import ModelIR
+from hetplan.ir.plan import Plan
 from hetplan.optimizer import compile as compile_module
 from hetplan.optimizer.bounds import iteration_lower_bound, layer_compute_s, single_stage_s
 from hetplan.optimizer.compile import _workload
@@ -26,7 +27,10 @@ def llama13b() -> ModelIR:
     return _workload("llama-13b", None, None, None)
 
 
-def test_single_stage_bound_is_below_every_prediction_and_bites(llama13b: ModelIR) -> None:
+@pytest.fixture(scope="module")
+def pruned(llama13b: ModelIR) -> dict[str, object]:
+    """The plan of the search with the bounds (as it prunes by default), and the job and
+    candidate layouts it screened; one search for both tests."""
     seen: dict[str, object] = {}
     real = compile_module._screen
 
@@ -36,10 +40,15 @@ def test_single_stage_bound_is_below_every_prediction_and_bites(llama13b: ModelI
 
     compile_module._screen = spy  # type: ignore[assignment]
     try:
-        compile(llama13b, CASE[0], batch_size=CASE[1], progress=False)
+        seen["plan"] = compile(llama13b, CASE[0], batch_size=CASE[1], progress=False)
     finally:
         compile_module._screen = real  # type: ignore[assignment]
-    job, candidates = seen["job"], seen["candidates"]
+    return seen
+
+
+def test_single_stage_bound_is_below_every_prediction_and_bites(
+        pruned: dict[str, object]) -> None:
+    job, candidates = pruned["job"], pruned["candidates"]
     recompute = compile_module._partitioner_recompute(job.screening)  # type: ignore[attr-defined]
     assert recompute == "auto"
     checked = tighter = 0
@@ -67,9 +76,10 @@ def test_single_stage_bound_is_below_every_prediction_and_bites(llama13b: ModelI
 
 
 def test_pruning_with_the_single_stage_bound_keeps_the_plan(
-        llama13b: ModelIR, monkeypatch: pytest.MonkeyPatch) -> None:
-    pruned = compile(llama13b, CASE[0], batch_size=CASE[1], progress=False)
-    count = re.search(r"(\d+) pruned by lower bounds", pruned.pass_log[0].notes[0])
+        llama13b: ModelIR, pruned: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = pruned["plan"]
+    assert isinstance(plan, Plan)
+    count = re.search(r"(\d+) pruned by lower bounds", plan.pass_log[0].notes[0])
     assert count is not None and int(count.group(1)) > 0
     monkeypatch.setattr(compile_module, "bounds_apply", lambda *a: False)
     full = compile(llama13b, CASE[0], batch_size=CASE[1], progress=False)
@@ -79,4 +89,4 @@ def test_pruning_with_the_single_stage_bound_keeps_the_plan(
         text = re.sub(r"\d+ pruned by lower bounds, ", "", text)
         return re.sub(r"\d+ infeasible, ", "", text)
 
-    assert strip(pruned.to_json()) == strip(full.to_json())
+    assert strip(plan.to_json()) == strip(full.to_json())

@@ -7,6 +7,8 @@ run, gradient-ready order from post-accumulate-grad hooks on a real CPU backward
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -38,9 +40,20 @@ CUSTOM = ["mlp", "skip-cnn", "tied-lm", "tiny-gpt"]
 
 
 def _capture_zoo(name: str, device: str = "meta") -> tuple[nn.Module, ModelIR, tuple, dict]:
+    """The zoo model, its capture and example inputs; a meta capture (which no test runs or
+    changes) is shared by the tests that read the same model."""
+    return _captured_on_meta(name) if device == "meta" else _capture_fresh(name, device)
+
+
+def _capture_fresh(name: str, device: str) -> tuple[nn.Module, ModelIR, tuple, dict]:
     model = zoo.build(name, device=device, seed=0 if device != "meta" else None)
     args, kwargs = zoo.example_inputs(name, device=device)
     return model, capture(model, args, kwargs, name=name), args, kwargs
+
+
+@functools.cache
+def _captured_on_meta(name: str) -> tuple[nn.Module, ModelIR, tuple, dict]:
+    return _capture_fresh(name, "meta")
 
 
 def _unique_numel(model: nn.Module) -> int:
@@ -179,8 +192,8 @@ def test_capture_does_not_touch_a_real_model() -> None:
 
 
 def test_capture_is_deterministic() -> None:
-    a = _capture_zoo("tiny-gpt2")[1]
-    b = _capture_zoo("tiny-gpt2")[1]
+    a = _capture_fresh("tiny-gpt2", "meta")[1]
+    b = _capture_fresh("tiny-gpt2", "meta")[1]
     assert a.to_json() == b.to_json()
     assert a.fingerprint() == b.fingerprint()
 

@@ -4,6 +4,8 @@ calls communication and compression, and the per-step framework costs a profile 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import hetplan
@@ -36,7 +38,9 @@ def test_compressed_sync_on_cpu_ranks_still_reports_compression() -> None:
     assert b.comm_ms > 0.0
 
 
+@functools.cache
 def _tiny_gpt2_ir():  # type: ignore[no-untyped-def]
+    """tiny-gpt2 captured once for the tests that read it (a frozen IR)."""
     from hetplan import zoo
 
     args, kwargs = zoo.example_inputs("tiny-gpt2", batch=1)

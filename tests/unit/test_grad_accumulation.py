@@ -5,6 +5,8 @@ the default leaves plans as they were."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import hetplan
@@ -128,7 +130,9 @@ def test_stage_backward_grows_by_the_term() -> None:
     assert [p - b for p, b in zip(priced[3], base[3])] == pytest.approx(acc)
 
 
+@functools.cache
 def _plan(**kw: object) -> Plan:
+    """GPT-2 planned with ``kw``; each setting compiled once for the tests that read it."""
     return hetplan.compile("gpt2", "a100-nvlink-8x8", batch_size=256, dp=16, pp=4, tp=1,
                            micro_batch_size=4, dtype="bf16", passes="uniform-stages",
                            **kw)

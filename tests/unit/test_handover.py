@@ -4,6 +4,8 @@ record (GPU plans, analytic or older profiles) are priced exactly as before."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from hetplan.cost_models.comm import CommModel
@@ -19,6 +21,7 @@ from hetplan.cost_models.profile_db import (
 )
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.model import ModelIR
 from hetplan.ir.plan_sections import Layout, WorkloadSummary
 
 MS = 1e-3
@@ -146,10 +149,18 @@ def test_wait_is_interpolated_in_bytes_between_the_measured_sizes() -> None:
 
 
 # -- plans ----------------------------------------------------------------------------------
+@functools.cache
+def _ir(name: str) -> ModelIR:
+    """The zoo model's IR, captured once for the plans of this module (a frozen IR)."""
+    from hetplan.optimizer.compile import model_ir
+
+    return model_ir(name)
+
+
 def _plan(preset: str, db: ProfileDB | None, **pins: object):  # type: ignore[no-untyped-def]
     import hetplan
 
-    return hetplan.compile("gpt-test", ClusterSpec.from_preset(preset), batch_size=8,
+    return hetplan.compile(_ir("gpt-test"), ClusterSpec.from_preset(preset), batch_size=8,
                            profile=db, micro_batch_size=2, dtype="fp32", **pins)
 
 
@@ -227,27 +238,27 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
             _plan("local-cpu", BASE, **DP).to_json(),
             _plan("local-cpu", None, **PP).to_json(),
             # GPU plans: gloo hand-over records never apply to nccl, even on the GPUs' link
-            hetplan.compile("gpt-test", spec, batch_size=256, **gpu,  # type: ignore[arg-type]
+            hetplan.compile(_ir("gpt-test"), spec, batch_size=256, **gpu,  # type: ignore[arg-type]
                             profile=ProfileDB(collectives=nccl,
                                               handovers=every_link)).to_json(),
-            hetplan.compile("gpt-test", spec, batch_size=256, **gpu,  # type: ignore[arg-type]
+            hetplan.compile(_ir("gpt-test"), spec, batch_size=256, **gpu,  # type: ignore[arg-type]
                             profile=ProfileDB(handovers=every_link)).to_json(),
             # ZeRO-3: a GPU plan with gloo's ZeRO-3 records, a CPU one without records
-            hetplan.compile("gpt-test", spec, batch_size=256,  # type: ignore[arg-type]
+            hetplan.compile(_ir("gpt-test"), spec, batch_size=256,  # type: ignore[arg-type]
                             **dict(gpu, pp=1, dp=64, zero_stage=3),
                             profile=ProfileDB(collectives=nccl,
                                               handovers=every_link)).to_json(),
             _plan("local-cpu", BASE, **dict(DP, zero_stage=3)).to_json(),
             # tensor parallelism: a GPU plan with gloo's TP phase records, a CPU one without
-            hetplan.compile("megatron-gpt-test", spec, batch_size=256,  # type: ignore[arg-type]
-                            **dict(gpu, pp=1, dp=32, tp=2),
+            hetplan.compile(_ir("megatron-gpt-test"), spec,  # type: ignore[arg-type]
+                            batch_size=256, **dict(gpu, pp=1, dp=32, tp=2),
                             profile=ProfileDB(collectives=nccl,
                                               handovers=every_link)).to_json(),
-            hetplan.compile("megatron-gpt-test", spec, batch_size=256,  # type: ignore[arg-type]
-                            **dict(gpu, pp=2, dp=16, tp=2),
+            hetplan.compile(_ir("megatron-gpt-test"), spec,  # type: ignore[arg-type]
+                            batch_size=256, **dict(gpu, pp=2, dp=16, tp=2),
                             profile=ProfileDB(collectives=nccl,
                                               handovers=every_link)).to_json(),
-            hetplan.compile("megatron-gpt-test", ClusterSpec.from_preset("local-cpu"),
+            hetplan.compile(_ir("megatron-gpt-test"), ClusterSpec.from_preset("local-cpu"),
                             batch_size=4, dp=2, pp=1, tp=2, zero_stage=0, micro_batch_size=2,
                             dtype="fp32", profile=BASE).to_json(),
         ]

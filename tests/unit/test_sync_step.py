@@ -179,13 +179,20 @@ def test_run_profile_takes_the_step_records_for_a_zoo_model(
         calls.append((model, world, batch_size))
         return [STEP], []
 
+    # the tensor-parallel phases and traced stages are measured by their own tests
+    # (test_tp_step.py, test_stage_trace.py): here they only hand over one record each
+    tp = STEP.model_copy(update={"operation": "tp_forward"})
+    traced = STEP.model_copy(update={"operation": "traced_forward"})
     monkeypatch.setattr(prof, "_collectives", lambda *a, **k: [])
     monkeypatch.setattr(prof, "profile_handovers", lambda *a, **k: list(HANDS))
     monkeypatch.setattr(prof, "profile_sync_steps", fake_steps)
+    monkeypatch.setattr(prof, "profile_tp_steps", lambda *a, **k: ([tp], []))
+    monkeypatch.setattr(prof, "profile_traced_stages", lambda *a, **k: ([traced], None))
     db = prof.run_profile("gpt-test", world_size=4, what=["collectives"], batch_size=2,
                           show_progress=False)
     assert calls == [("gpt-test", 4, 2)]
     assert STEP in db.handovers and HANDS[0] in db.handovers
+    assert tp in db.handovers and traced in db.handovers
     # without a zoo model (a module, or collectives alone): no step record
     calls.clear()
     db = prof.run_profile(None, world_size=4, what=["collectives"], show_progress=False)

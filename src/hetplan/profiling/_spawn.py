@@ -23,8 +23,11 @@ from typing import Any
 
 __all__ = ["run_local_ranks", "start_method"]
 
-#: Modules the fork server imports before it forks ranks (``forkserver`` only).
-_PRELOAD = ["torch", "torch.distributed", "hetplan.runtime.groups"]
+#: Modules the fork server imports before it forks ranks (``forkserver`` only). A rank that
+#: captures a model or builds one on the meta device imports ``torch._dynamo`` (~2 s: torch's
+#: reference ops are wrapped in ``torch._disable_dynamo``); none of these starts a thread.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hetplan.runtime.groups",
+            "hetplan.ir.capture", "hetplan.runtime.executor"]
 
 
 def start_method() -> str:
