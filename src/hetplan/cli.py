@@ -871,7 +871,7 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
     check."""
     from hetplan.ir.capture import capture
     from hetplan.ir.capture.factory import load_factory
-    from hetplan.runtime.megatron import attention_modules
+    from hetplan.runtime.megatron import refused_head_splits
 
     if module:
         m, args, kwargs = load_factory(module)
@@ -886,8 +886,7 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
         given = entry.name
     with err.status(f"checking {given} against the plan …", spinner="dots"):
         ir = capture(m, args, kwargs, name=plan.model.name)
-    heads = tuple(sorted((f"{name}.{parts.out}", parts.head_dim)
-                         for name, parts in attention_modules(m).items()))
+    heads = tuple(sorted(refused_head_splits(m).items()))
     return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors), heads)
 
 

@@ -38,12 +38,10 @@ def _clusters() -> list[ClusterSpec]:
 
 
 def _head_dims(name: str) -> dict[str, int]:
-    """What `hetplan run` reads off zoo model ``name``: the output projection of every
-    attention module the ranks split by heads, with its head size (rule 5)."""
-    from hetplan.runtime.megatron import attention_modules
+    """What `hetplan run` reads off zoo model ``name`` (rule 5)."""
+    from hetplan.runtime.megatron import refused_head_splits
 
-    return {f"{mod}.{parts.out}": parts.head_dim
-            for mod, parts in attention_modules(zoo.build(name)).items()}
+    return refused_head_splits(zoo.build(name))
 
 
 def _check(plan: Plan, ir: hetplan.ModelIR) -> list[str]:

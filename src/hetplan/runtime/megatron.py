@@ -22,10 +22,12 @@ rest of a transformer, in place, on the same uneven-shard linears
   local ones (forwards that ``view(..., -1, head_dim)`` read none), so its own forward
   computes its heads only. The heads per rank come from the plan (the output projection's
   ``shard_sizes`` in features, a multiple of ``head_dim``, of a group's query features with
-  GQA), else an even split (the first ranks get the remainder); a split inside a head
-  (group), or an even split that leaves a rank none, is refused (``SpecError`` naming the
-  module); planned sizes that leave a rank of separate q/k/v projections no head keep that
-  module replicated, with a warning. Not split, so
+  GQA), else an even split (the first ranks get the remainder). Where that cannot give every
+  rank whole heads (groups) — a split inside one, or a rank left none — a fused QKV module is
+  refused (``SpecError`` naming the module: only a hand edit asks for it), and separate
+  q/k/v projections stay replicated, with a warning (:func:`_keep_replicated`: the planner,
+  which knows no head size, may ask for such sizes, and they ran replicated before these
+  modules were split). Not split, so
   replicated on every TP rank, with the runtime's warning where the plan lists them: T5's
   attention (a relative position bias per head) and ViT's (the planner's skewed sizes for
   its q/k/v → o pair can split a head: :data:`_REPLICATED_ATTENTION`).
@@ -78,6 +80,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelLoss",
     "attention_modules",
+    "refused_head_splits",
     "attention_sequence_parallel",
     "group_shards",
     "head_shards",
@@ -329,6 +332,16 @@ def head_shards(heads: int, head_dim: int, tp: int,
     return tuple(s // head_dim for s in planned)
 
 
+def refused_head_splits(model: nn.Module) -> dict[str, int]:
+    """The output projection (qualified name) of every attention module whose split inside a
+    head the ranks refuse, with its ``head_dim``: the fused-QKV modules
+    (:func:`shard_attention`; separate q/k/v projections fall back to replicated instead).
+    What ``hetplan run`` and ``validate --model`` hand the plan's model checks
+    (:mod:`hetplan.ir.plan_tp_checks`, rule 5) before any rank starts."""
+    return {f"{name}.{parts.out}": parts.head_dim
+            for name, parts in attention_modules(model).items() if parts.fused}
+
+
 def group_shards(heads: int, kv_heads: int, head_dim: int, tp: int,
                  planned: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(query heads, key/value heads) per rank for attention with ``kv_heads`` key/value
@@ -372,11 +385,27 @@ def _local_attrs(mod: nn.Module, parts: AttentionParts, heads: int, kv_heads: in
             setattr(mod, a, kv_heads)
 
 
+def _keep_replicated(name: str, rank: int, why: str) -> None:
+    """Warn (once, on TP rank 0) that attention module ``name`` with separate q/k/v
+    projections stays replicated on every TP rank, and why. The planner records no head size
+    (the IR has none), so its shard sizes for such a pair may split a head or leave a rank
+    none; the plan then runs as it did before these modules were split, attention whole on
+    every rank, and the warning says the prediction (which divides the attention by tp)
+    will be short of it."""
+    if rank == 0:
+        warnings.warn(f"tensor parallelism: attention module {name!r} cannot be split by whole "
+                      f"heads: {why}; it stays replicated on every TP rank (the prediction "
+                      "divides it by tp: expect the run slower; re-plan with a tp, or shard "
+                      "sizes of its output projection, in whole heads to split it)",
+                      RuntimeWarning, stacklevel=3)
+
+
 def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
                     planned: Sequence[int] | None = None, *, sp: bool = False) -> bool:
     """Split attention module ``name`` of ``model`` by heads, in place (see module doc).
-    Whether it was split: separate q/k/v projections whose planned sizes leave a rank no
-    head stay replicated, with a warning (a rank's forward cannot run zero heads).
+    Whether it was split: separate q/k/v projections that ``tp`` or the planned sizes cannot
+    give every rank whole heads (groups) of, or that leave a rank none, stay replicated,
+    with a warning (:func:`_keep_replicated`).
 
     Args:
         planned: the plan's shard sizes (features) for the output projection, or None.
@@ -385,7 +414,8 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
 
     Raises:
         ValueError: ``name`` is no attention module this module splits.
-        SpecError: ``planned`` or ``tp`` cannot give every rank whole heads (groups).
+        SpecError: a fused QKV projection's ``planned`` sizes or ``tp`` cannot give every
+            rank whole heads.
     """
     mod = model.get_submodule(name)
     parts = _attention_parts(mod)
@@ -400,15 +430,15 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
             per_rank, kv = group_shards(parts.heads, parts.kv_heads, parts.head_dim, tp,
                                         planned)
     except ValueError as e:
+        if not parts.fused:  # as before this split existed: the planner may ask for it
+            _keep_replicated(name, rank, str(e))
+            return False
         raise SpecError(f"tensor parallelism: attention module {name!r} cannot be split by "
                         f"heads over tp={tp}: {e}; re-plan with a tp (or shard sizes of "
                         f"{name}.{parts.out}) that gives every rank whole heads") from e
     if not parts.fused and 0 in per_rank:
-        if rank == 0:
-            warnings.warn(f"tensor parallelism: the plan gives a rank no head of attention "
-                          f"module {name!r} (shard sizes {list(planned or ())} of "
-                          f"{name}.{parts.out}): it stays replicated on every TP rank",
-                          RuntimeWarning, stacklevel=2)
+        _keep_replicated(name, rank, f"the plan gives a rank no head (shard sizes "
+                                     f"{list(planned or ())} of {name}.{parts.out})")
         return False
     feats = [h * parts.head_dim for h in per_rank]
     if parts.fused:
