@@ -129,3 +129,20 @@ def test_a_run_of_per_stage_degrees_is_read(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert (f"{run}: world_size 2, but {path} runs on 4 ranks (V100-SXM2-32GB 2x1 | "
             "A100-80GB 2x1)") in " ".join(result.output.split())
+
+
+def test_a_stale_prediction_within_a_rounding_step_is_told_apart(plan: Plan) -> None:
+    """A stored time that differs from the re-prediction by less than 0.0005 ms is shown
+    with the digits that tell them apart (it read "stored prediction X ms is stale: ...;
+    re-predicted X ms", the same number twice)."""
+    from hetplan.report.stale import check_prediction
+
+    assert plan.predictions is not None
+    now = plan.predictions.iteration_time_ms
+    nudged = plan.model_copy(update={"predictions": plan.predictions.model_copy(
+        update={"iteration_time_ms": now + 2e-6})})
+    check = check_prediction(nudged)
+    assert check.status == "stale" and check.predicted_ms == now
+    assert (f"stored prediction {now + 2e-6:.6f} ms is stale" in check.note
+            and f"re-predicted {now:.6f} ms" in check.note), check.note
+    assert f"{now + 2e-6:.6f}" != f"{now:.6f}"
