@@ -394,8 +394,16 @@ def _reap(pending: list[_Sent]) -> list[_Sent]:
     """The sends of ``pending`` not yet done, in order: the done ones' chunks are released
     as the step goes (a rank of a Chimera plan sends every micro-batch's activations and
     input gradients of both its stages; held until the step's end, they would add all of
-    them to its peak). ``is_completed`` asks without blocking."""
-    return [p for p in pending if not p.work.is_completed()]
+    them to its peak). ``is_completed`` asks without blocking; a done send is still waited
+    for (it returns at once), so a send that failed raises its error here, as the waits at
+    the step's end did before, instead of being dropped unseen."""
+    kept = []
+    for p in pending:
+        if p.work.is_completed():
+            p.work.wait()
+        else:
+            kept.append(p)
+    return kept
 
 
 def boundaries(modules: Sequence[nn.Module], example: Sequence[Any]) -> list[Boundary]:
