@@ -146,3 +146,20 @@ def test_a_stale_prediction_within_a_rounding_step_is_told_apart(plan: Plan) -> 
     assert (f"stored prediction {now + 2e-6:.6f} ms is stale" in check.note
             and f"re-predicted {now:.6f} ms" in check.note), check.note
     assert f"{now + 2e-6:.6f}" != f"{now:.6f}"
+
+
+def test_diff_refuses_a_profile_neither_plan_was_predicted_with(plan: Plan,
+                                                                tmp_path: Path) -> None:
+    """``diff --profile DB`` where neither plan records a profile DB: the DB would re-check
+    nothing (it was accepted and ignored), as ``inspect --profile`` without ``--trace``."""
+    db_path = tmp_path / "db.json"
+    db_path.write_text(json.dumps({"schema_version": 2, "machines": []}))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    plan.save(a)
+    _recomputed(plan).save(b)
+    result = runner.invoke(app, ["diff", str(a), str(b), "--profile", str(db_path)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert (f"--profile {db_path}: neither {a} nor {b} was predicted with a profile DB "
+            "(cost_settings.profile_fingerprint is empty)") in text and "drop --profile" in text
+    assert runner.invoke(app, ["diff", str(a), str(b)]).exit_code == 0
