@@ -163,3 +163,25 @@ def test_diff_refuses_a_profile_neither_plan_was_predicted_with(plan: Plan,
     assert (f"--profile {db_path}: neither {a} nor {b} was predicted with a profile DB "
             "(cost_settings.profile_fingerprint is empty)") in text and "drop --profile" in text
     assert runner.invoke(app, ["diff", str(a), str(b)]).exit_code == 0
+
+
+def test_out_of_memory_names_a_rank_that_does_not_fit(plan: Plan) -> None:
+    """On mixed devices the rank with the most bytes may be a large one that fits: the
+    out-of-memory warning names the peak of the ranks that do not (it named the plan's peak
+    rank, "needs 70 GiB of 72 GiB usable (97%)", under "the plan does not fit")."""
+    from hetplan.ir.cluster import ClusterSpec
+
+    assert plan.predictions is not None and plan.cluster.spec is not None
+    devices = ClusterSpec.model_validate(plan.cluster.spec).devices()
+    big = next(r for r, d in enumerate(devices) if d.type == "A100-80GB")
+    small = next(r for r, d in enumerate(devices) if d.type == "V100-SXM2-32GB")
+    mem = [1 << 30] * len(devices)
+    mem[big], mem[small] = 70 << 30, 31 << 30  # fits in 72 GiB usable; over 28.8 GiB
+    edited = plan.model_copy(update={"predictions": plan.predictions.model_copy(
+        update={"memory_per_rank_bytes": tuple(mem)})})
+    report = build_report(edited)
+    assert report["memory"]["peak"]["peak_rank"] == big
+    assert report["memory"]["oom_ranks"] == [small]
+    (warning,) = [w["message"] for w in report["warnings"] if w["kind"] == "out-of-memory"]
+    assert f"1 rank(s) ({small}) need more than their usable memory; rank {small} needs " \
+        "31.00 GiB of 28.80 GiB usable" in warning, warning
