@@ -138,7 +138,7 @@ def _timed_stages(plan: Plan, ev: Any) -> tuple[Stage, ...]:
         times = [(c.fwd_s, c.bwd_s) for c in ev.stages]
     return tuple(Stage.model_validate({**st.model_dump(), "fwd_ms": f * 1e3, "bwd_ms": b * 1e3,
                                        "memory_bytes": ev.memory[st.ranks[0]].total})
-                 for st, (f, b) in zip(plan.stages, times))
+                 for st, (f, b) in zip(plan.stages, times, strict=True))
 
 
 def add_check(report: dict[str, Any], check: PredictionCheck) -> dict[str, Any]:
