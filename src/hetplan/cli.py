@@ -1493,7 +1493,14 @@ def diff_cmd(
     from hetplan.report._text import dump_json
     from hetplan.report.diff import diff_checked, render_diff
 
-    d = diff_checked(load_plan(plan_a), load_plan(plan_b), profile=profile)
+    a, b = load_plan(plan_a), load_plan(plan_b)
+    if profile is not None and not any(p.cost_settings is not None
+                                       and p.cost_settings.profile_fingerprint for p in (a, b)):
+        # as `inspect --profile` without --trace: the DB would re-check nothing, silently
+        raise SpecError(f"--profile {profile}: neither {plan_a} nor {plan_b} was predicted "
+                        "with a profile DB (cost_settings.profile_fingerprint is empty), so "
+                        "their stored predictions are re-checked without one; drop --profile")
+    d = diff_checked(a, b, profile=profile)
     if as_json:
         typer.echo(dump_json(d), nl=False)
         return

@@ -129,3 +129,59 @@ def test_a_run_of_per_stage_degrees_is_read(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert (f"{run}: world_size 2, but {path} runs on 4 ranks (V100-SXM2-32GB 2x1 | "
             "A100-80GB 2x1)") in " ".join(result.output.split())
+
+
+def test_a_stale_prediction_within_a_rounding_step_is_told_apart(plan: Plan) -> None:
+    """A stored time that differs from the re-prediction by less than 0.0005 ms is shown
+    with the digits that tell them apart (it read "stored prediction X ms is stale: ...;
+    re-predicted X ms", the same number twice)."""
+    from hetplan.report.stale import check_prediction
+
+    assert plan.predictions is not None
+    now = plan.predictions.iteration_time_ms
+    nudged = plan.model_copy(update={"predictions": plan.predictions.model_copy(
+        update={"iteration_time_ms": now + 2e-6})})
+    check = check_prediction(nudged)
+    assert check.status == "stale" and check.predicted_ms == now
+    assert (f"stored prediction {now + 2e-6:.6f} ms is stale" in check.note
+            and f"re-predicted {now:.6f} ms" in check.note), check.note
+    assert f"{now + 2e-6:.6f}" != f"{now:.6f}"
+
+
+def test_diff_refuses_a_profile_neither_plan_was_predicted_with(plan: Plan,
+                                                                tmp_path: Path) -> None:
+    """``diff --profile DB`` where neither plan records a profile DB: the DB would re-check
+    nothing (it was accepted and ignored), as ``inspect --profile`` without ``--trace``."""
+    db_path = tmp_path / "db.json"
+    db_path.write_text(json.dumps({"schema_version": 2, "machines": []}))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    plan.save(a)
+    _recomputed(plan).save(b)
+    result = runner.invoke(app, ["diff", str(a), str(b), "--profile", str(db_path)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert (f"--profile {db_path}: neither {a} nor {b} was predicted with a profile DB "
+            "(cost_settings.profile_fingerprint is empty)") in text and "drop --profile" in text
+    assert runner.invoke(app, ["diff", str(a), str(b)]).exit_code == 0
+
+
+def test_out_of_memory_names_a_rank_that_does_not_fit(plan: Plan) -> None:
+    """On mixed devices the rank with the most bytes may be a large one that fits: the
+    out-of-memory warning names the peak of the ranks that do not (it named the plan's peak
+    rank, "needs 70 GiB of 72 GiB usable (97%)", under "the plan does not fit")."""
+    from hetplan.ir.cluster import ClusterSpec
+
+    assert plan.predictions is not None and plan.cluster.spec is not None
+    devices = ClusterSpec.model_validate(plan.cluster.spec).devices()
+    big = next(r for r, d in enumerate(devices) if d.type == "A100-80GB")
+    small = next(r for r, d in enumerate(devices) if d.type == "V100-SXM2-32GB")
+    mem = [1 << 30] * len(devices)
+    mem[big], mem[small] = 70 << 30, 31 << 30  # fits in 72 GiB usable; over 28.8 GiB
+    edited = plan.model_copy(update={"predictions": plan.predictions.model_copy(
+        update={"memory_per_rank_bytes": tuple(mem)})})
+    report = build_report(edited)
+    assert report["memory"]["peak"]["peak_rank"] == big
+    assert report["memory"]["oom_ranks"] == [small]
+    (warning,) = [w["message"] for w in report["warnings"] if w["kind"] == "out-of-memory"]
+    assert f"1 rank(s) ({small}) need more than their usable memory; rank {small} needs " \
+        "31.00 GiB of 28.80 GiB usable" in warning, warning

@@ -80,7 +80,6 @@ record that they did.
 from __future__ import annotations
 
 import hashlib
-
 import json
 from collections import Counter
 from collections.abc import Iterable

@@ -347,7 +347,7 @@ def sparse_gaps(view: PlanView, *, engine: str) -> list[Unexpressed]:
         return []
     schemes = ", ".join(f"{name} {t.scheme}" for name, t in synced.items())
     return [Unexpressed(
-        "sparse-sync", f"sparse sync (Zen) of {len(synced)} embedding gradient(s): {schemes} "
+        "sparse-sync", f"sparse sync of {len(synced)} embedding gradient(s): {schemes} "
                        "(sparse_sync.tensors)",
         f"{engine} all-reduces every gradient dense, in its buckets",
         lambda v: replace(v, sparse=None))]

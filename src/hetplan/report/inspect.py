@@ -471,6 +471,9 @@ def _memory(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
         per_device_type=[{"device_type": t, **row(rs)} for t, rs in sorted(by_type.items())],
         near_oom_ranks=near,
         oom_ranks=over,
+        # the over-budget rank to name: the peak among them (the plan's peak rank may be a
+        # larger device that fits, while a smaller one does not)
+        oom_peak=row(over) if over else None,
     )
     return out
 
@@ -529,7 +532,7 @@ def _warnings(plan: Plan, report: dict[str, Any]) -> list[dict[str, str]]:
              "with `hetplan profile` and re-plan with --profile")
     mem = report["memory"]
     if mem.get("oom_ranks"):
-        peak, over = mem["peak"], mem["oom_ranks"]
+        peak, over = mem["oom_peak"], mem["oom_ranks"]
         warn("out-of-memory",
              f"the plan does not fit in memory: {len(over)} rank(s) ({ranges(over)}) need more "
              f"than their usable memory; rank {peak['peak_rank']} needs "

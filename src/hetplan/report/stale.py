@@ -14,8 +14,9 @@ planning) and compares:
 * a plan predicted with a profile DB (``cost_settings.profile_fingerprint``) is re-predicted
   only with that DB (``--profile``): with none, or another, the stored numbers are shown and
   a line says they were not re-checked (``hetplan inspect`` refuses another DB outright, as
-  it has nothing else to do with it; ``hetplan diff`` compares plans through this check too). A plan without a workload summary, a cluster spec
-  or predictions is shown as stored (the report's warnings say what it lacks).
+  it has nothing else to do with it; ``hetplan diff`` compares plans through this check
+  too). A plan without a workload summary, a cluster spec or predictions is shown as stored
+  (the report's warnings say what it lacks).
 
 Memory is not checked here: an edited plan that no longer fits is shown with its
 re-predicted memory (the memory section's ``out-of-memory`` warning names the ranks).
@@ -107,11 +108,24 @@ def check_prediction(plan: Plan, *, profile: ProfileDB | str | Path | None = Non
         return PredictionCheck(plan, "holds", "", now, now)
     shown = plan.model_copy(update={"predictions": fresh, "stages": stages})
     if now != stored.iteration_time_ms:
-        note = f"{was} is stale: {_WHY}; re-predicted {now:.3f} ms (as `hetplan simulate`)"
+        before, after = _distinct(stored.iteration_time_ms, now)
+        note = (f"stored prediction {before} ms is stale: {_WHY}; re-predicted {after} ms "
+                "(as `hetplan simulate`)")
     else:
         note = (f"stored prediction is stale in its {', '.join(changed)}: {_WHY}; "
                 f"re-predicted (iteration time {now:.3f} ms unchanged)")
     return PredictionCheck(shown, "stale", note, stored.iteration_time_ms, now)
+
+
+def _distinct(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` (ms, different) at 3 decimals, or at as many more as tell them apart:
+    a prediction that moved by less than 0.0005 ms read "stored prediction 0.534 ms is
+    stale: ...; re-predicted 0.534 ms"."""
+    for digits in (3, 6, 9):
+        x, y = f"{a:.{digits}f}", f"{b:.{digits}f}"
+        if x != y:
+            return x, y
+    return repr(a), repr(b)
 
 
 def _timed_stages(plan: Plan, ev: Any) -> tuple[Stage, ...]:
@@ -124,7 +138,7 @@ def _timed_stages(plan: Plan, ev: Any) -> tuple[Stage, ...]:
         times = [(c.fwd_s, c.bwd_s) for c in ev.stages]
     return tuple(Stage.model_validate({**st.model_dump(), "fwd_ms": f * 1e3, "bwd_ms": b * 1e3,
                                        "memory_bytes": ev.memory[st.ranks[0]].total})
-                 for st, (f, b) in zip(plan.stages, times))
+                 for st, (f, b) in zip(plan.stages, times, strict=True))
 
 
 def add_check(report: dict[str, Any], check: PredictionCheck) -> dict[str, Any]:

@@ -23,8 +23,10 @@ are sent, asynchronously, to the rank running ``(m, s+1)``; the last stage compu
 instead. A backward of a stage other than the last receives the gradients of its floating
 outputs from the rank that ran ``(m, s+1)``, and (for ``s > 0``) sends those of its floating
 inputs back. Receives block; a send's tensor is released once the send is done (looked at
-after every send, without blocking), and what is still in flight is waited for at the end of
-the step: the plan's validator simulates the lists to completion, so executing them in order
+after every send, without blocking: NCCL's work reports it; gloo's (torch 2.13) reports a
+send done only once it was waited for, so CPU ranks still hold every sent tensor to the
+step's end), and what is still in flight is waited for at the end of the step: the plan's
+validator simulates the lists to completion, so executing them in order
 with blocking receives cannot deadlock, once every pair is connected. NCCL connects two
 ranks of a group at their first message and blocks both hosts until both are there, which
 the first sends of the two directions would turn into a deadlock: at setup every pair
@@ -394,8 +396,18 @@ def _reap(pending: list[_Sent]) -> list[_Sent]:
     """The sends of ``pending`` not yet done, in order: the done ones' chunks are released
     as the step goes (a rank of a Chimera plan sends every micro-batch's activations and
     input gradients of both its stages; held until the step's end, they would add all of
-    them to its peak). ``is_completed`` asks without blocking."""
-    return [p for p in pending if not p.work.is_completed()]
+    them to its peak). ``is_completed`` asks without blocking (gloo's isend answers False
+    until ``wait``, so on CPU nothing is released before the step's end, as before: a
+    two-process check, send then sleep past the receive, still read False); a done send is
+    still waited for (it returns at once), so a send that failed raises its error here, as
+    the waits at the step's end did before, instead of being dropped unseen."""
+    kept = []
+    for p in pending:
+        if p.work.is_completed():
+            p.work.wait()
+        else:
+            kept.append(p)
+    return kept
 
 
 def boundaries(modules: Sequence[nn.Module], example: Sequence[Any]) -> list[Boundary]:
