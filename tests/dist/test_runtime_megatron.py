@@ -70,6 +70,8 @@ QKV_CASES: dict[str, tuple[str, int, bool, tuple[int, int] | None,
     "tiny-mistral-gqa-sp-odd-seq": ("tiny-mistral", 15, True, None, ((2, 2), (1, 1))),
     "tiny-opt": ("tiny-opt", 16, False, None, ((2, 2), (2, 2))),
     "tiny-opt-uneven-heads": ("tiny-opt", 16, False, (3, 1), ((3, 1), (3, 1))),
+    # OPT flattens the tokens to 2-D before its MLP: the sequence gathered as (batch, slice)
+    "tiny-opt-sp-odd-seq": ("tiny-opt", 15, True, None, ((2, 2), (2, 2))),
     "tiny-bert": ("tiny-bert", 16, False, None, ((2, 2), (2, 2))),
 }
 #: models trained with the vocabulary whole: BERT's split decoder leaves the head's

@@ -6,7 +6,9 @@ buffers when gathering), so any shard sizes work on every backend: gloo's ``all_
 rejects uneven sizes and it has no ``reduce_scatter``. A reduce-scatter is therefore an
 all-reduce and a slice (twice the bytes of a ring reduce-scatter; correct, and the same code on
 NCCL). The sequence is dim 1 (batch-first activations); its slices are even, the first ranks
-taking the remainder (:func:`seq_sizes`).
+taking the remainder (:func:`seq_sizes`). A model that flattens the tokens to 2-D before its
+MLP (HF OPT) hands the column linear ``(batch · slice, features)``: it is gathered and
+scattered as ``(batch, slice, features)`` and flattened back (the MLP is token-wise).
 """
 
 from __future__ import annotations
@@ -176,10 +178,31 @@ def gather_seq(x: torch.Tensor, rank: int, tp: int, total: int, group: Any,
 
 
 def sp_column_input(x: torch.Tensor, rank: int, tp: int, group: Any) -> torch.Tensor:
-    """A sequence-parallel column linear's input: all slices (backward: reduce-scatter)."""
+    """A sequence-parallel column linear's input: all slices (backward: reduce-scatter).
+    A 2-D input is the batch's tokens flattened batch-major (HF OPT flattens them before its
+    MLP): it is gathered as ``(batch, slice, features)`` and flattened back, so the row
+    linear's :func:`sp_row_output` returns this rank's tokens in the order they came."""
+    if x.dim() == 2:
+        local = seq_sizes(SeqState.total, tp)[rank]
+        if local < 1 or x.size(0) % local:
+            raise ValueError(f"a flattened input of {x.size(0)} tokens is no whole number of "
+                             f"this rank's {local}-token sequence slices")
+        batch = x.size(0) // local
+        full = _GatherSeq.apply(x.reshape(batch, local, x.size(1)), rank, tp, SeqState.total,
+                                group, True)
+        return full.reshape(batch * SeqState.total, x.size(1))
     return _GatherSeq.apply(x, rank, tp, SeqState.total, group, True)
 
 
 def sp_row_output(y: torch.Tensor, rank: int, tp: int, group: Any) -> torch.Tensor:
-    """A sequence-parallel row linear's output: summed partial products, this rank's slice."""
+    """A sequence-parallel row linear's output: summed partial products, this rank's slice
+    (a 2-D output: the flattened tokens of :func:`sp_column_input`, flattened back alike)."""
+    if y.dim() == 2:
+        total = SeqState.total
+        if total < 1 or y.size(0) % total:
+            raise ValueError(f"a flattened output of {y.size(0)} tokens is no whole number of "
+                             f"{total}-token sequences")
+        batch = y.size(0) // total
+        part = _ReduceScatterSeq.apply(y.reshape(batch, total, y.size(1)), rank, tp, group)
+        return part.reshape(-1, y.size(1))
     return _ReduceScatterSeq.apply(y, rank, tp, group)
