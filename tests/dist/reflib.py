@@ -2,8 +2,9 @@
 
 Three families:
 
-- zoo language models (``gpt-test``, ``tied-lm``, ``tiny-gpt2``) in float64 and eval mode,
-  trained with SGD on next-token batches (``test_runtime_megatron.py``,
+- zoo language models (``gpt-test``, ``tied-lm``, ``tiny-gpt2``, ...) and image classifiers
+  (``tiny-vit``) in float64 and eval mode, trained with SGD on next-token batches (labelled
+  random images: :func:`zoo_data`) (``test_runtime_megatron.py``,
   ``test_runtime_pp_tied.py``): :func:`zoo_reference` trains one process, :func:`train_plans`
   trains several compiled plans one after another inside one process group (one spawn per
   world size, not one per plan) and returns what each rank ended with;
@@ -96,6 +97,24 @@ def lm_data(step: int, batch: int, seq: int, *, vocab: int = 64,
     return ids, torch.roll(ids, -1, dims=1)
 
 
+@functools.cache
+def _num_labels(name: str) -> int:
+    return int(zoo_model(name).config.num_labels)
+
+
+def zoo_data(name: str, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s inputs and targets for zoo model ``name``: next-token batches
+    (:func:`lm_data`) for a language model; for an image classifier (``input_kind``
+    ``"image"``: ``seq`` is unused) float64 pixels [batch, 3, H, W] and class labels
+    [batch], which :func:`lm_loss` takes as it is (logits [batch, labels])."""
+    if zoo.get(name).input_kind != "image":
+        return lm_data(step, batch, seq)
+    (meta,), _ = zoo.example_inputs(name, batch=batch)  # on "meta": the shape only
+    g = torch.Generator().manual_seed(7 + step)
+    pixels = torch.randn(meta.shape, generator=g, dtype=torch.float64)
+    return pixels, torch.randint(0, _num_labels(name), (batch,), generator=g)
+
+
 def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the logits (a HF output's ``logits``, or a tuple's first item)."""
     out = getattr(out, "logits", out)
@@ -128,8 +147,8 @@ def zoo_reference(name: str, batch: int, seq: int, steps: int,
     opt = sgd(list(model.parameters()))
     losses = []
     for step in range(steps):
-        ids, y = lm_data(step, batch, seq)
-        loss = lm_loss(model(ids, **kwargs), y)
+        x, y = zoo_data(name, step, batch, seq)
+        loss = lm_loss(model(x, **kwargs), y)
         loss.backward()
         losses.append(float(loss.detach()))
         opt.step()
@@ -144,18 +163,22 @@ def _train_one(name: str, batch: int, seq: int, steps: int, plan_json: str) -> d
     args, kwargs = zoo_example(name)
     rt = Runtime(Plan.from_json(plan_json), zoo_model(name), example_args=args,
                  example_kwargs=kwargs, loss_fn=lm_loss, optimizer=sgd)
-    losses = [rt.train_step(*lm_data(step, batch, seq)) for step in range(steps)]
+    losses = [rt.train_step(*zoo_data(name, step, batch, seq)) for step in range(steps)]
     # ZeRO-3's DTensor shards gathered (a collective over the data-parallel group)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in rt.named_params}
     mine = {id(p) for _, p in rt.named_params}  # this rank's stages' parameters
+    full: dict[int, torch.Tensor] = {}  # a shard's id -> the full tensor
     for mname, module in rt.model.named_modules():
         if not any(id(p) in mine for p in module.parameters(recurse=False)):
             continue
         if hasattr(module, "gather_weight"):  # a tensor-parallel shard: the full weight
-            params[f"{mname}.weight"] = module.gather_weight()
+            params[f"{mname}.weight"] = full[id(module.weight)] = module.gather_weight()
             if getattr(module, "bias", None) is not None:
-                params[f"{mname}.bias"] = module.gather_bias()
+                params[f"{mname}.bias"] = full[id(module.bias)] = module.gather_bias()
+    for n, p in rt.model.named_parameters(remove_duplicate=False):  # a shard's other names
+        if id(p) in full:  # (HF BERT's cls.predictions.bias is its decoder's bias)
+            params[n] = full[id(p)]
     kinds = sorted({type(m).__name__ for m in rt.model.modules() if hasattr(m, "gather_weight")})
     shapes = {n: tuple(m.weight.shape) for n, m in rt.model.named_modules()
               if hasattr(m, "gather_weight")}  # this rank's shards

@@ -11,10 +11,13 @@ parallelism and an odd sequence), HF OPT with even heads and with the plan's une
 heads (OPT's padding row of the vocabulary-parallel embedding gets no gradient), and with
 a plan that gives one rank no head (replicated); HF BERT (q/k/v under ``attention.self``, the
 output projection under ``attention.output``; without sequence parallelism, which keeps its
-attention replicated); PP 2 x TP 2
-of GPT-2-style models and HF Llama. The models run in eval mode (no dropout, whose masks a
-split model cannot draw as one process does). The cases of one world size train one after
-another in one process group (``reflib.train_plans``): one spawn per world size.
+attention replicated) with its vocabulary-parallel LM head, whose bias alias
+``cls.predictions.bias`` is held to the reference too; HF ViT (an image classifier, no
+vocabulary) with one head per rank, and with the plan's skewed sizes that would split a head
+(replicated); PP 2 x TP 2 of GPT-2-style models and HF Llama. The models run in eval mode
+(no dropout, whose masks a split model cannot draw as one process does). The cases of one
+world size train one after another in one process group (``reflib.train_plans``): one spawn
+per world size.
 """
 
 from __future__ import annotations
@@ -38,45 +41,55 @@ BATCH = 4
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 
 
-def _plan(name: str, sp: bool, heads: tuple[int, int] | None = None, pp: int = 1) -> Plan:
+def _plan(name: str, sp: bool, sizes: tuple[int, int] | None = None, pp: int = 1) -> Plan:
+    """The planner's plan at tp 2; ``sizes``: the attention output projection's shard sizes
+    (features) to ask for instead (and its q/k/v projections' where the planner lists them
+    as a pair)."""
     args, kwargs = zoo_example(name)
     ir = hetplan.capture(zoo_model(name), args, kwargs, name=name)
     plan = hetplan.compile(ir, cpu_cluster(2 * pp), batch_size=BATCH, dtype="fp32",
                            zero_stage=0, dp=1, pp=pp, tp=2, sequence_parallel=sp,
-                           micro_batch_size=BATCH // pp, vocab_parallel=name not in WHOLE_VOCAB)
+                           micro_batch_size=BATCH // pp)
     assert plan.layout is not None and plan.layout.sequence_parallel is sp
-    if heads is None:
+    if sizes is None:
         return plan
     tp = plan.tensor_parallel
     group = tp.groups[0]
-    sizes = (16 * heads[0], 16 * heads[1])
-    if name == "tiny-opt":  # the attention pair q, k, v -> out_proj, as the planner lists it
-        extra = tuple(TPLinearShard(name=f"model.decoder.layers.{i}.self_attn.{n}",
-                                    split="row" if n == "out_proj" else "column", features=64,
-                                    shard_sizes=sizes)
-                      for i in range(2) for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+    if name in ATTENTION:  # the attention pair q, k, v -> out, as the planner lists it
+        module, *names = ATTENTION[name]
+        width = int(zoo_model(name).get_submodule(f"{module.format(i=0)}.{names[-1]}")
+                    .in_features)
+        extra = tuple(TPLinearShard(name=f"{module.format(i=i)}.{n}",
+                                    split="row" if n == names[-1] else "column",
+                                    features=width, shard_sizes=sizes)
+                      for i in range(2) for n in names)
     else:
         extra = tuple(TPLinearShard(name=f"blocks.{i}.attn.proj", split="row", features=64,
                                     shard_sizes=sizes) for i in range(4))
-    group = group.model_copy(update={"linears": group.linears + extra})
+    asked = {x.name for x in extra}
+    linears = tuple(x for x in group.linears if x.name not in asked) + extra
+    group = group.model_copy(update={"linears": linears})
     return plan.model_copy(update={"tensor_parallel": tp.model_copy(update={"groups": (group,)})})
 
 
 #: separate q/k/v projections: label -> (zoo model, sequence length, sequence parallel,
-#: attention heads per rank from the plan or None, (query, key/value) heads per rank expected)
+#: the plan's shard sizes (features) of the attention or None, (query, key/value) heads per
+#: rank expected); heads of 16 features
 QKV_CASES: dict[str, tuple[str, int, bool, tuple[int, int] | None,
                            tuple[tuple[int, int], tuple[int, int]]]] = {
     "tiny-llama-gqa": ("tiny-llama", 16, False, None, ((2, 2), (1, 1))),
     "tiny-mistral-gqa-sp-odd-seq": ("tiny-mistral", 15, True, None, ((2, 2), (1, 1))),
     "tiny-opt": ("tiny-opt", 16, False, None, ((2, 2), (2, 2))),
-    "tiny-opt-uneven-heads": ("tiny-opt", 16, False, (3, 1), ((3, 1), (3, 1))),
+    "tiny-opt-uneven-heads": ("tiny-opt", 16, False, (48, 16), ((3, 1), (3, 1))),
     # OPT flattens the tokens to 2-D before its MLP: the sequence gathered as (batch, slice)
     "tiny-opt-sp-odd-seq": ("tiny-opt", 15, True, None, ((2, 2), (2, 2))),
+    # the vocabulary-parallel LM head: cls.predictions.bias is its decoder's bias
     "tiny-bert": ("tiny-bert", 16, False, None, ((2, 2), (2, 2))),
+    # an image classifier (no sequence length, no vocabulary): 2 heads, one per rank
+    "tiny-vit": ("tiny-vit", 0, False, None, ((1, 1), (1, 1))),
 }
-#: models trained with the vocabulary whole: BERT's split decoder leaves the head's
-#: ``cls.predictions.bias`` alias of its bias behind
-WHOLE_VOCAB = {"tiny-bert"}
+#: zoo models without a vocabulary to split (their loss stays the given one)
+NO_VOCAB = {"tiny-vit"}
 #: zoo model -> (attention module of layer {i}, its q, k, v and output projections)
 ATTENTION = {
     "tiny-llama": ("model.layers.{i}.self_attn", "q_proj", "k_proj", "v_proj", "o_proj"),
@@ -85,16 +98,22 @@ ATTENTION = {
                  "out_proj"),
     "tiny-bert": ("bert.encoder.layer.{i}.attention", "self.query", "self.key", "self.value",
                   "output.dense"),
+    "tiny-vit": ("vit.layers.{i}.attention", "q_proj", "k_proj", "v_proj", "o_proj"),
 }
-#: label -> (zoo model, sequence length, sequence parallel, attention heads per rank)
+#: label -> (zoo model, sequence length, sequence parallel, the plan's shard sizes (features)
+#: of the attention or None)
 TP2_CASES: dict[str, tuple[str, int, bool, tuple[int, int] | None]] = {
     "attention-vocab": ("gpt-test", 16, False, None),
-    "uneven-heads": ("gpt-test", 16, False, (3, 1)),
+    "uneven-heads": ("gpt-test", 16, False, (48, 16)),
     "sequence-parallel-odd-seq": ("gpt-test", 15, True, None),
     "tiny-gpt2-tied-sp": ("tiny-gpt2", 16, True, None),
     # the plan gives rank 1 no head of OPT's attention: it stays replicated (a warning)
-    "tiny-opt-no-head-on-a-rank": ("tiny-opt", 16, False, (4, 0)),
+    "tiny-opt-no-head-on-a-rank": ("tiny-opt", 16, False, (64, 0)),
+    # skewed sizes that split one of ViT's two heads of 16: it stays replicated (a warning)
+    "tiny-vit-head-split-by-the-plan": ("tiny-vit", 0, False, (24, 8)),
 }
+#: cases whose attention stays replicated
+REPLICATED = {"tiny-opt-no-head-on-a-rank", "tiny-vit-head-split-by-the-plan"}
 TP2_CASES |= {label: case[:4] for label, case in QKV_CASES.items()}
 #: label -> (zoo model, sequence parallel); traced stages fix the sequence length to the zoo
 #: example's
@@ -111,8 +130,8 @@ def _seq(name: str) -> int:
 @pytest.fixture(scope="module")
 def tp2_results() -> list[dict[str, Any]]:
     """Every TP-2 case, one after another in one group of 2 ranks."""
-    cases = {label: (name, BATCH, seq, STEPS, _plan(name, sp, heads).to_json())
-             for label, (name, seq, sp, heads) in TP2_CASES.items()}
+    cases = {label: (name, BATCH, seq, STEPS, _plan(name, sp, sizes).to_json())
+             for label, (name, seq, sp, sizes) in TP2_CASES.items()}
     return run_local_ranks(train_plans, 2, (cases,), timeout_s=600, threads_per_process=1)
 
 
@@ -133,8 +152,9 @@ def test_megatron_tp_equals_reference(tp2_results: list[dict[str, Any]], label: 
     got = case_results(tp2_results, label)
     _check(got, name, seq)
     for g in got:
-        if name == "tiny-opt":
-            assert "model.decoder.layers.0.self_attn.q_proj" not in g["shapes"]
+        if label in REPLICATED:
+            module, q, *_ = ATTENTION[name]
+            assert f"{module.format(i=0)}.{q}" not in g["shapes"]
         else:
             assert {"FusedColumnParallelLinear", "VocabParallelEmbedding"} <= set(g["kinds"])
         assert set(g["params"]) >= set(zoo_reference(name, BATCH, seq, STEPS)[1])
@@ -149,20 +169,24 @@ def test_separate_qkv_attention_split_by_heads(tp2_results: list[dict[str, Any]]
     got = case_results(tp2_results, label)
     _check(got, name, seq)
     module, q, k, v, out = ATTENTION[name]
+    _, ref = zoo_reference(name, BATCH, seq, STEPS)
+    width = ref[f"{module.format(i=0)}.{out}.weight"].shape[0]  # the model's hidden size
     for rank, g in enumerate(got):
         for i in range(2):
             attn = module.format(i=i)
-            assert g["shapes"][f"{attn}.{q}"] == (16 * q_heads[rank], 64)
-            assert g["shapes"][f"{attn}.{k}"] == (16 * kv_heads[rank], 64)
-            assert g["shapes"][f"{attn}.{v}"] == (16 * kv_heads[rank], 64)
-            assert g["shapes"][f"{attn}.{out}"] == (64, 16 * q_heads[rank])
+            assert g["shapes"][f"{attn}.{q}"] == (16 * q_heads[rank], width)
+            assert g["shapes"][f"{attn}.{k}"] == (16 * kv_heads[rank], width)
+            assert g["shapes"][f"{attn}.{v}"] == (16 * kv_heads[rank], width)
+            assert g["shapes"][f"{attn}.{out}"] == (width, 16 * q_heads[rank])
+        if name not in NO_VOCAB:
+            assert "VocabParallelEmbedding" in g["kinds"]
 
 
 def _check(got: list[dict], name: str, seq: int) -> None:
     losses, ref = zoo_reference(name, BATCH, seq, STEPS)
     seen: set[str] = set()
     for g in got:
-        assert g["loss_fn"] == ("VocabParallelLoss" if name not in WHOLE_VOCAB else "function")
+        assert g["loss_fn"] == ("VocabParallelLoss" if name not in NO_VOCAB else "function")
         if all(x == x for x in g["losses"]):  # NaN: not the last stage
             assert g["losses"] == pytest.approx(losses, rel=1e-9)
         for n, value in g["params"].items():

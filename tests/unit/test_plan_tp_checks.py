@@ -24,7 +24,7 @@ from hetplan.errors import PlanMismatchError
 from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.model import ModelIR
 from hetplan.ir.plan import Plan, check_plan_matches, load_plan
-from hetplan.ir.plan_sections import TPLinearShard
+from hetplan.ir.plan_sections import TPGroup, TPLinearShard
 from hetplan.ir.plan_tp_checks import TPModel, tp_group_problems
 
 CLUSTER = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / "cpu-mixed-2.yaml"
@@ -149,3 +149,28 @@ def test_an_attention_split_inside_a_head_is_refused_where_head_sizes_are_known(
     whole = group.model_copy(update={"linears": (
         *group.linears, proj.model_copy(update={"shard_sizes": (48, 16)}))})
     assert tp_group_problems(whole, heads, where=G) == []
+
+
+@pytest.mark.parametrize("sizes", [(48, 16), (40, 24)], ids=["splits-a-group", "splits-a-head"])
+def test_gqa_attention_split_inside_a_group_passes_and_the_ranks_run_it_replicated(
+        sizes: tuple[int, int]) -> None:
+    """Rule 5 refuses what the ranks refuse, and only that: HF Llama's attention (separate
+    q/k/v projections, 4 query heads of 16 in 2 key/value groups) asked for sizes that split
+    a key/value group (3 + 1 whole heads) or a head passes the check as ``hetplan run``
+    builds it; the ranks run that attention replicated, with a warning
+    (``shard_attention``), instead of refusing the plan."""
+    from hetplan.runtime.megatron import refused_head_splits, shard_attention
+
+    model = zoo.build("tiny-llama", device="cpu", seed=0)
+    args, kwargs = zoo.example_inputs("tiny-llama", batch=1, device="cpu")
+    ir = hetplan.capture(model, args, kwargs, name="tiny-llama")
+    checks = TPModel.of("tiny-llama", (lin for layer in ir.layers for lin in layer.linears),
+                        [layer.name for layer in ir.layers],
+                        head_dims=refused_head_splits(model))
+    group = TPGroup(ranks=(0, 1), linears=tuple(
+        TPLinearShard(name=f"model.layers.{i}.self_attn.o_proj", split="row", features=64,
+                      shard_sizes=sizes) for i in range(2)))
+    assert tp_group_problems(group, checks, where=G) == []
+    with pytest.warns(RuntimeWarning, match=r"'model\.layers\.0\.self_attn'.*stays "
+                                            "replicated"):
+        assert not shard_attention(model, "model.layers.0.self_attn", None, 0, 2, sizes)

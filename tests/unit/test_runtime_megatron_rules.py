@@ -1,8 +1,10 @@
 """Single-process rules of the runtime's Megatron tensor parallelism: heads per rank, the
-loss probe, attention modules found, and which traced pipeline layers can run as their own
-(sharded) modules."""
+loss probe, attention modules found, aliases of a replaced module's parameters, and which
+traced pipeline layers can run as their own (sharded) modules."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,8 +21,10 @@ from hetplan.runtime.megatron import (
     head_shards,
     is_token_cross_entropy,
     shard_attention,
+    shard_vocab,
 )
 from hetplan.runtime.pipeline import use_eager_layers
+from hetplan.runtime.tensor_parallel import ColumnParallelLinear
 
 
 def test_heads_come_from_the_plan_in_whole_heads_else_even() -> None:
@@ -55,6 +59,9 @@ def test_grouped_query_heads_split_in_whole_groups() -> None:
     ("tiny-bert", "bert.encoder.layer.1.attention",
      AttentionParts(("self.query", "self.key", "self.value"), "output.dense", 4, 4, 16,
                     "num_attention_heads")),
+    ("tiny-vit", "vit.layers.0.attention",
+     AttentionParts(("q_proj", "k_proj", "v_proj"), "o_proj", 2, 2, 16,
+                    "num_attention_heads")),
 ])
 def test_separate_qkv_attention_is_found(name: str, module: str,
                                          parts: AttentionParts) -> None:
@@ -62,11 +69,9 @@ def test_separate_qkv_attention_is_found(name: str, module: str,
     assert len(found) == 2 and found[module] == parts
 
 
-@pytest.mark.parametrize("name", ["tiny-t5", "tiny-vit"])
-def test_attention_not_split_yet_is_not_found(name: str) -> None:
-    """T5 (a relative position bias per head) and ViT (the planner's sizes can split its
-    heads) keep their attention replicated."""
-    assert attention_modules(zoo.build(name, device="cpu", seed=0)) == {}
+def test_attention_not_split_yet_is_not_found() -> None:
+    """T5 (a relative position bias per head) keeps its attention replicated."""
+    assert attention_modules(zoo.build("tiny-t5", device="cpu", seed=0)) == {}
 
 
 def test_attention_that_cannot_give_whole_groups_stays_replicated_with_a_warning() -> None:
@@ -81,6 +86,49 @@ def test_attention_that_cannot_give_whole_groups_stays_replicated_with_a_warning
     with pytest.warns(RuntimeWarning, match=r"whole groups.*stays replicated"):
         assert not shard_attention(model, name, None, 0, 2, (48, 16))
     assert isinstance(model.get_submodule(f"{name}.q_proj"), torch.nn.Linear)
+
+
+def test_vit_attention_the_plan_would_split_inside_a_head_stays_replicated() -> None:
+    """tiny-vit: 2 heads of 16. The planner's skewed sizes for its q/k/v -> o_proj pair
+    (24 + 8 features) would split a head: the module runs whole, with a warning; whole heads
+    (16 + 16) split it."""
+    model = zoo.build("tiny-vit", device="cpu", seed=0)
+    name = "vit.layers.0.attention"
+    with pytest.warns(RuntimeWarning, match=r"'vit\.layers\.0\.attention'.*multiples of "
+                                            r"head_dim=16.*stays replicated"):
+        assert not shard_attention(model, name, None, 0, 2, (24, 8))
+    assert isinstance(model.get_submodule(f"{name}.q_proj"), torch.nn.Linear)
+    assert shard_attention(model, name, None, 1, 2, (16, 16))
+    assert model.get_submodule(f"{name}.q_proj").weight.shape == (16, 32)
+    assert model.get_submodule(f"{name}.o_proj").weight.shape == (32, 16)
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _logits_squared(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean() + 0 * y.sum()  # not the token cross-entropy: logits gathered
+
+
+@pytest.mark.parametrize(("loss", "decoder"), [
+    (_ce, "cls.predictions.decoder"), (_logits_squared, "cls.predictions.decoder.head")])
+def test_bert_head_bias_alias_follows_the_vocab_parallel_head(
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], decoder: str) -> None:
+    """HF ties BERT's ``cls.predictions.bias`` to its decoder's bias. Once the decoder is
+    vocabulary-parallel (rank 1 of 2 here) the alias is the rank's shard too: it trains, and
+    a state dict saved from the split model carries it, not the full bias left behind."""
+    model = zoo.build("tiny-bert", device="cpu", seed=0)
+    assert model.cls.predictions.bias is model.cls.predictions.decoder.bias  # HF's tie
+    full = model.cls.predictions.bias.detach().clone()
+    shard_vocab(model, "cls.predictions.decoder", "bert.embeddings.word_embeddings", None, 1,
+                2, loss)
+    split = model.get_submodule(decoder)
+    assert isinstance(split, ColumnParallelLinear)
+    assert model.cls.predictions.bias is split.bias
+    state = model.state_dict()
+    assert torch.equal(state["cls.predictions.bias"], full[split.start:])
+    assert torch.equal(state["cls.predictions.bias"], state[f"{decoder}.bias"])
 
 
 def test_fused_attention_that_cannot_give_whole_heads_is_refused_by_name() -> None:

@@ -17,9 +17,18 @@ against the model's linears (:class:`~hetplan.ir.model.LinearInfo`, from capture
 4. **pair shard sizes**: the linears of one Megatron pair
    (:func:`~hetplan.ir.model.megatron_pairs`) listed in one group have equal
    ``shard_sizes``: the column linears' outputs are the row linear's inputs, split alike.
-5. **whole heads**: an attention module's output projection (where the caller knows the
-   model's attention modules: ``head_dims``) is split into multiples of its ``head_dim``:
-   the runtime splits attention by heads, each rank taking whole heads.
+5. **whole heads**, for attention with a fused QKV projection only (GPT-2's ``c_attn``): its
+   output projection (where the caller knows these modules: ``head_dims``) is split into
+   multiples of its ``head_dim``. The ranks split such a module by heads and refuse a split
+   inside one (it has one key/value head per query head, so a whole head is a whole
+   key/value group). Attention with separate q/k/v projections (HF Llama, Mistral, OPT,
+   BERT, ViT), grouped-query attention included, is not checked: where the sizes split a
+   head, or a key/value group (with GQA a rank must keep whole groups, a key/value head and
+   the query heads that use it: ``runtime.megatron.group_shards``), or leave a rank no head,
+   the ranks run that module replicated on every TP rank, with a warning, and train
+   correctly; this check refuses no plan the ranks run. The planner knows no head size and
+   may ask for such sizes (ViT's skewed q/k/v -> o pair), so refusing them here would refuse
+   what it writes.
 
 What the planner writes satisfies all five (``tp-resizing`` lists every linear of a Megatron
 pair with the pair's one size list, ``features`` from the module). ``check_plan_matches``
@@ -28,8 +37,10 @@ runs them wherever the model is known (``hetplan run`` before launching any rank
 :func:`~hetplan.runtime.tensor_parallel.tp_pairs` runs :func:`tp_group_problems` again for
 its own group as a last line. Rule 5 needs the attention modules' head sizes, which the IR
 does not record (it would change every model's fingerprint): ``hetplan run`` and
-``hetplan validate --model`` read them off the module they capture; a plan checked against a
-bare IR skips it, and the runtime's ``head_shards`` refuses a split inside a head.
+``hetplan validate --model`` read them off the module they capture
+(``runtime.megatron.refused_head_splits``: the fused-QKV modules' output projections); a plan
+checked against a bare IR skips it, and the ranks' ``shard_attention`` refuses a fused
+module's split inside a head.
 
 Each problem is one line, ``tensor_parallel.groups[i].linears[j].<field>: ...``, with the
 fix. Complexity: O(linears of the model + linears listed).
@@ -61,8 +72,11 @@ class TPModel:
         pair_of: for each linear of a Megatron pair, the index of its pair in ``pairs``.
         pairs: ``(columns, row)`` of every Megatron pair.
         other_names: names a plan may list that are no linear (layers: some are one).
-        head_dims: the output projection of every attention module the runtime splits by
-            heads, by qualified name, with its ``head_dim`` (empty: rule 5 is not checked).
+        head_dims: the output projection of every attention module whose split inside a
+            head the ranks refuse (fused QKV: rule 5), by qualified name, with its
+            ``head_dim`` (empty: rule 5 is not checked). Separate q/k/v attention, GQA
+            included, is left out: the ranks run it replicated where the sizes split a head
+            or a key/value group.
     """
 
     name: str

@@ -10,7 +10,7 @@ rest of a transformer, in place, on the same uneven-shard linears
   QKV projection (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
   (``heads·head_dim → out``); or a module with ``head_dim`` and separate query, key and value
   projections (``q_proj``/``k_proj``/``v_proj`` or ``query``/``key``/``value``) beside its
-  output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2 and OPT;
+  output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2, OPT and ViT;
   or HF BERT's (RoBERTa's) layout, ``self.query/key/value`` and ``output.dense`` in two
   submodules (split without sequence parallelism only: with it the TP handler keeps it
   replicated, with a warning). Each rank keeps whole heads: the Q, K and V rows of its heads (one
@@ -27,14 +27,17 @@ rest of a transformer, in place, on the same uneven-shard linears
   refused (``SpecError`` naming the module: only a hand edit asks for it), and separate
   q/k/v projections stay replicated, with a warning (:func:`_keep_replicated`: the planner,
   which knows no head size, may ask for such sizes, and they ran replicated before these
-  modules were split). Not split, so
-  replicated on every TP rank, with the runtime's warning where the plan lists them: T5's
-  attention (a relative position bias per head) and ViT's (the planner's skewed sizes for
-  its q/k/v → o pair can split a head: :data:`_REPLICATED_ATTENTION`).
+  modules were split; HF ViT's few heads are one such case, where the planner's skewed
+  sizes for its q/k/v → o pair split a head). Not split, so replicated on every TP rank, with
+  the runtime's warning where the plan lists them: T5's attention (a relative position bias
+  per head).
 * **Vocabulary** (:func:`shard_vocab`): the token embedding whose rows are the LM head's
   outputs is split by rows (:class:`VocabParallelEmbedding`: a rank looks up the ids in its
   range, the partial embeddings are summed), the head by output features; a tied
-  embedding/head stays tied (one local parameter). The head's local logits go to
+  embedding/head stays tied (one local parameter), and so does any other alias of a replaced
+  module's parameter (HF BERT's ``cls.predictions.bias`` is its decoder's bias: it becomes
+  the same local shard, :func:`~hetplan.runtime.tensor_parallel.replace_module`, which every
+  split here uses). The head's local logits go to
   :func:`vocab_parallel_cross_entropy` (never gathered) when the runtime's loss is the token
   cross-entropy — checked on a probe (:func:`is_token_cross_entropy`); with any other loss the
   logits are gathered first (:class:`GatherLogits`) and the given loss runs on them.
@@ -63,7 +66,12 @@ from torch import nn
 
 from hetplan.algorithms.skewed_shards import even_shards
 from hetplan.errors import SpecError
-from hetplan.runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear, unsharded
+from hetplan.runtime.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    replace_module,
+    unsharded,
+)
 from hetplan.runtime.tp_comm import (
     SeqState,
     all_reduce_sum,
@@ -107,9 +115,6 @@ _Q, _K, _V, _O = ("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("
 #: Attributes of attention modules with separate projections that are not split (T5's
 #: relative position bias per head): they stay replicated.
 _NOT_SPLIT = ("has_relative_attention_bias", "relative_attention_bias")
-#: Attention classes kept replicated: the planner lists ViT's q/k/v -> o_proj as a pair and
-#: its skewed shard sizes can split one of ViT's few heads (the IR records no head size).
-_REPLICATED_ATTENTION = ("ViTAttention",)
 
 
 def _weight(linear: nn.Module) -> torch.Tensor:
@@ -265,12 +270,11 @@ def _child(mod: nn.Module, names: Sequence[str]) -> str | None:
 
 def _separate_parts(mod: nn.Module) -> AttentionParts | None:
     """Separate q/k/v projections and an output projection, as children of ``mod`` (HF
-    Llama, Mistral, Mixtral, OPT, ...). T5's attention (a relative position bias per head)
-    is not split: None."""
+    Llama, Mistral, Mixtral, OPT, ViT, ...). T5's attention (a relative position bias per
+    head) is not split: None."""
     head_dim = next((getattr(mod, a) for a in _HEAD_DIM
                      if isinstance(getattr(mod, a, None), int)), None)
-    if (head_dim is None or head_dim <= 0 or any(hasattr(mod, a) for a in _NOT_SPLIT)
-            or type(mod).__name__ in _REPLICATED_ATTENTION):
+    if head_dim is None or head_dim <= 0 or any(hasattr(mod, a) for a in _NOT_SPLIT):
         return None
     names = [_child(mod, c) for c in (_Q, _K, _V, _O)]
     if any(n is None for n in names):
@@ -335,8 +339,11 @@ def head_shards(heads: int, head_dim: int, tp: int,
 def refused_head_splits(model: nn.Module) -> dict[str, int]:
     """The output projection (qualified name) of every attention module whose split inside a
     head the ranks refuse, with its ``head_dim``: the fused-QKV modules
-    (:func:`shard_attention`; separate q/k/v projections fall back to replicated instead).
-    What ``hetplan run`` and ``validate --model`` hand the plan's model checks
+    (:func:`shard_attention`), whose whole heads are whole key/value groups (one key/value
+    head per query head). Separate q/k/v projections are left out, grouped-query attention
+    included: sizes that split a head, or a key/value group (:func:`group_shards`), or
+    leave a rank none, run that module replicated, with a warning, so the check must not
+    refuse them. What ``hetplan run`` and ``validate --model`` hand the plan's model checks
     (:mod:`hetplan.ir.plan_tp_checks`, rule 5) before any rank starts."""
     return {f"{name}.{parts.out}": parts.head_dim
             for name, parts in attention_modules(model).items() if parts.fused}
@@ -441,17 +448,18 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
                                      f"{list(planned or ())} of {name}.{parts.out})")
         return False
     feats = [h * parts.head_dim for h in per_rank]
+    prefix = f"{name}." if name else ""  # the projections' paths in ``model``
     if parts.fused:
-        fused = parts.qkv[0]
-        _set(mod, fused, FusedColumnParallelLinear.from_fused(mod.get_submodule(fused), feats,
-                                                              rank, group))
+        fused = prefix + parts.qkv[0]
+        replace_module(model, fused, FusedColumnParallelLinear.from_fused(
+            model.get_submodule(fused), feats, rank, group))
     else:
         kv_feats = [h * parts.head_dim for h in kv]
         for path, sizes in zip(parts.qkv, (feats, kv_feats, kv_feats), strict=True):
-            _set(mod, path, ColumnParallelLinear.from_linear(mod.get_submodule(path), sizes,
-                                                             rank, group))
-    _set(mod, parts.out, RowParallelLinear.from_linear(mod.get_submodule(parts.out), feats,
-                                                       rank, group))
+            replace_module(model, prefix + path, ColumnParallelLinear.from_linear(
+                mod.get_submodule(path), sizes, rank, group))
+    replace_module(model, prefix + parts.out, RowParallelLinear.from_linear(
+        mod.get_submodule(parts.out), feats, rank, group))
     holder = parts.qkv[0].rpartition(".")[0]  # the module whose forward reads the heads
     _local_attrs(mod.get_submodule(holder) if holder else mod, parts, per_rank[rank], kv[rank])
     setattr(mod, "hetplan_heads", per_rank[rank])  # marks the split module
@@ -687,8 +695,10 @@ def shard_vocab(model: nn.Module, head: str, embedding: str | None, group: Any, 
                 tp: int, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                 ) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     """Split LM head ``head`` (by output features) and, when given, token embedding
-    ``embedding`` (by rows) evenly over the vocabulary, in place; a tied pair stays tied.
-    Returns the loss to train with (see module doc)."""
+    ``embedding`` (by rows) evenly over the vocabulary, in place; a tied pair stays tied, and
+    any other attribute aliasing the head's (embedding's) parameters holds the local shard
+    after it (HF BERT's ``cls.predictions.bias``). Returns the loss to train with (see
+    module doc)."""
     lin = model.get_submodule(head)
     vocab = _weight_out_in(lin)[0]
     sizes = tuple(even_shards(vocab, tp))
@@ -699,17 +709,11 @@ def shard_vocab(model: nn.Module, head: str, embedding: str | None, group: Any, 
     new_head = ColumnParallelLinear.from_linear(lin, sizes, rank, group)
     if embedding is not None and emb_mod is not None:
         emb = VocabParallelEmbedding(emb_mod, sizes, rank, group)
-        _set(model, embedding, emb)
+        replace_module(model, embedding, emb)
         if tied:
             new_head.weight = emb.weight
     if is_token_cross_entropy(loss_fn):
-        _set(model, head, new_head)
+        replace_module(model, head, new_head)
         return VocabParallelLoss(new_head.start, group)
-    _set(model, head, GatherLogits(new_head))
+    replace_module(model, head, GatherLogits(new_head), params_of=new_head)
     return loss_fn
-
-
-def _set(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, attr, new)

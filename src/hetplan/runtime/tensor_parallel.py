@@ -62,6 +62,7 @@ __all__ = [
     "copy_to_tp",
     "gather_shards",
     "reduce_from_tp",
+    "replace_module",
     "shard_model",
     "tp_pairs",
     "unsharded",
@@ -328,10 +329,29 @@ def _find_group(tp: TensorParallel | None, group: Any, tp_rank: int, tp_size: in
     return g
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module, *,
+                   params_of: nn.Module | None = None) -> None:
+    """Put ``new`` in place of module ``name`` of ``model``, and re-point the replaced
+    module's aliases: every other module of ``model`` whose parameter attribute held one of
+    the replaced module's parameters (HF ties BERT's ``cls.predictions.bias`` to its
+    decoder's bias) now holds the parameter of the same name in ``params_of`` (default
+    ``new``; a wrapper such as :class:`~hetplan.runtime.megatron.GatherLogits` names its
+    shard's parameters ``head.*``). Left alone, such an alias would keep the full tensor
+    that no longer trains, and a state dict (or any code reading it) would carry the stale
+    value. A parameter ``params_of`` has no counterpart for keeps its aliases as they are.
+    O(parameters of ``model``)."""
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, attr)
     setattr(parent, attr, new)
+    now = dict((params_of or new).named_parameters())
+    swap = {id(p): now[n] for n, p in old.named_parameters() if n in now and now[n] is not p}
+    if not swap:
+        return
+    for mod in model.modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if id(p) in swap:
+                setattr(mod, pname, swap[id(p)])
 
 
 def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | LayerIR],
@@ -376,9 +396,9 @@ def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | Layer
         log.debug("tensor parallel: %s stays replicated (%s)", name, why)
     for pair in pairs:
         for name in pair.columns:
-            _replace(model, name, ColumnParallelLinear.from_linear(
+            replace_module(model, name, ColumnParallelLinear.from_linear(
                 model.get_submodule(name), pair.shard_sizes, tp_rank, group))
-        _replace(model, pair.row, RowParallelLinear.from_linear(
+        replace_module(model, pair.row, RowParallelLinear.from_linear(
             model.get_submodule(pair.row), pair.shard_sizes, tp_rank, group))
     log.info("tensor parallel: %d pair(s) sharded over %d ranks, %d linear(s) replicated",
              len(pairs), tp_size, len(skipped))
