@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _machine import machine
+from _machine import cpu_shares, cpu_times, machine, speed_probe
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "fidelity_runtime_cpu.json"
@@ -406,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the profiles, plans and reports in this folder")
     args = ap.parse_args(argv)
     started = time.perf_counter()
+    load_at_start, cpu_at_start = list(os.getloadavg()), cpu_times()
+    probes = [{"when": "start", **speed_probe()}]
     kinds = [KINDS[k] for k in args.kinds]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = args.keep or Path(tmp_name)
@@ -422,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                     kind, profiles[kind.model][0], tmp, args)
         per_kind: dict[str, list[dict[str, Any]]] = {k.name: [] for k in kinds}
         for rnd in range(args.rounds):
+            probes.append({"when": f"before round {rnd}", **speed_probe()})
             for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                 print(f"[round {rnd} {kind.name}] plan + run ...", file=sys.stderr, flush=True)
                 path, info = profiles.get(f"{kind.model}+{kind.emulated_link}",
@@ -431,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "reason": info.get("error")})
                     continue
                 per_kind[kind.name].append(plan_and_run(kind, path, tmp, rnd, args))
+    probes.append({"when": "end", **speed_probe()})
+    cpu = cpu_shares(cpu_at_start, cpu_times())
     cases = []
     for kind in kinds:
         cases.append({"kind": kind.name, "model": kind.model, "cluster": kind.cluster,
@@ -481,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{c['parts_ms'][k]['predicted']:6.2f}/{c['parts_ms'][k]['measured']:6.2f}"
                  + ("*" if k == c["largest_miss"] else " ") for k in PARTS]
         print(f"{c['kind']:<12} " + " ".join(f"{x:>15}" for x in cells))
+    print("machine speed probes (ms; python / matmul): " + ", ".join(
+        f"{p['when']} {p['python_ms']:.1f} / {p['matmul_ms']:.1f}" for p in probes)
+        + (f"; CPU busy {cpu['busy']:.0%}, stolen {cpu['steal']:.1%}" if cpu else ""))
     if errors:
         print(f"median |pred/meas - 1| {summary['median_error']:.1%} (target <= "
               f"{TARGET_MEDIAN:.0%}), max {summary['max_error']:.1%} (target <= "
@@ -488,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "fidelity_runtime_cpu",
         "machine": machine(device="cpu", backend="gloo", ranks=RANKS),
-        "load_average_at_start_and_end": [list(os.getloadavg())],
+        "load_average_at_start_and_end": [load_at_start, list(os.getloadavg())],
+        "speed_probes_ms": probes, "cpu_shares": cpu,
         "settings": {"rounds": args.rounds, "steps": args.steps, "micro_batch": MICRO_BATCH,
                      "kinds": args.kinds},
         "seconds": round(time.perf_counter() - started, 1),
