@@ -7,8 +7,9 @@ rest of a transformer, in place, on the same uneven-shard linears
 
 * **Attention** (:func:`shard_attention`, the modules :func:`attention_modules` finds: the
   detector in :mod:`hetplan.ir.capture.attention`, which capture also runs to record each
-  projection's head unit for the planner): either a module with a head count (``n_heads``, ``num_heads``, ...), ``head_dim``, a fused
-  QKV projection (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
+  projection's head unit for the planner): either a module with a head count
+  (``n_heads``, ``num_heads``, ...), ``head_dim``, a fused QKV projection
+  (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
   (``heads·head_dim → out``); or a module with ``head_dim`` and separate query, key and value
   projections (``q_proj``/``k_proj``/``v_proj`` or ``query``/``key``/``value``) beside its
   output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2, OPT and ViT;
@@ -251,9 +252,9 @@ def _keep_replicated(name: str, rank: int, why: str) -> None:
     """Warn (once, on TP rank 0) that attention module ``name`` with separate q/k/v
     projections stays replicated on every TP rank, and why. A plan from before capture
     recorded head units (``LinearInfo.split_unit``), or one edited by hand, may split a head
-    or leave a rank none; the plan then runs as it did before these modules were split, attention whole on
-    every rank, and the warning says the prediction (which divides the attention by tp)
-    will be short of it."""
+    or leave a rank none; the plan then runs as it did before these modules were split,
+    attention whole on every rank, and the warning says the prediction (which divides the
+    attention by tp) will be short of it."""
     if rank == 0:
         warnings.warn(f"tensor parallelism: attention module {name!r} cannot be split by whole "
                       f"heads: {why}; it stays replicated on every TP rank (the prediction "
