@@ -853,7 +853,7 @@ class _RunModel:
     the ranks will fingerprint it, with its captured layers (their linears: the plan's TP
     linears are checked against them) and the head size of every attention module the ranks
     would split by heads, by its output projection's name (read off the module: the IR
-    records no head size)."""
+    records head units, not which modules are fused)."""
 
     name: str
     digest: str

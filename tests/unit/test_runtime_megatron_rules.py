@@ -89,9 +89,9 @@ def test_attention_that_cannot_give_whole_groups_stays_replicated_with_a_warning
 
 
 def test_vit_attention_the_plan_would_split_inside_a_head_stays_replicated() -> None:
-    """tiny-vit: 2 heads of 16. The planner's skewed sizes for its q/k/v -> o_proj pair
-    (24 + 8 features) would split a head: the module runs whole, with a warning; whole heads
-    (16 + 16) split it."""
+    """tiny-vit: 2 heads of 16. Sizes for its q/k/v -> o_proj pair that split a head (24 + 8
+    features: what the planner asked before capture recorded head units; a plan of that time
+    or a hand edit) run the module whole, with a warning; whole heads (16 + 16) split it."""
     model = zoo.build("tiny-vit", device="cpu", seed=0)
     name = "vit.layers.0.attention"
     with pytest.warns(RuntimeWarning, match=r"'vit\.layers\.0\.attention'.*multiples of "

@@ -17,9 +17,9 @@ from hetplan.algorithms.skewed_shards import (
 from hetplan.errors import SpecError
 
 
-def _brute_best(units: int, g: int, speeds: list[float]) -> float:
+def _brute_best(units: int, g: int, speeds: list[float], least: int = 0) -> float:
     best = float("inf")
-    for split in itertools.product(range(units + 1), repeat=len(speeds)):
+    for split in itertools.product(range(least, units + 1), repeat=len(speeds)):
         if sum(split) == units:
             best = min(best, max(u * g / s for u, s in zip(split, speeds)))
     return best
@@ -57,6 +57,26 @@ def test_greedy_matches_brute_force(units: int, g: int, speeds: list[float]) -> 
     assert sum(sizes) == units * g
     assert all(s % g == 0 for s in sizes)
     assert shard_time(sizes, speeds) == pytest.approx(_brute_best(units, g, speeds))
+
+
+@settings(max_examples=60, deadline=None)
+@given(units=st.integers(1, 9), g=st.sampled_from([16, 128]),
+       speeds=st.lists(st.floats(0.05, 5.0), min_size=1, max_size=4))
+def test_min_units_gives_every_rank_one_unit_and_stays_optimal(units: int, g: int,
+                                                                speeds: list[float]) -> None:
+    # attention heads: every rank keeps at least one whole head, however slow
+    if units < len(speeds):
+        with pytest.raises(SpecError, match="min_units=1"):
+            proportional_shards(units * g, speeds, granularity=g, min_units=1)
+        return
+    sizes = proportional_shards(units * g, speeds, granularity=g, min_units=1)
+    assert sum(sizes) == units * g and all(s % g == 0 and s >= g for s in sizes)
+    assert shard_time(sizes, speeds) == pytest.approx(_brute_best(units, g, speeds, 1))
+
+
+def test_a_very_slow_rank_gets_one_unit_with_min_units() -> None:
+    assert proportional_shards(512, [10.0, 0.1], granularity=128) == (512, 0)
+    assert proportional_shards(512, [10.0, 0.1], granularity=128, min_units=1) == (384, 128)
 
 
 @settings(max_examples=40, deadline=None)

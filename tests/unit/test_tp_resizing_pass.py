@@ -13,11 +13,13 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from hetplan.algorithms.skewed_shards import proportional_shards, shard_time
 from hetplan.cli import app
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.errors import SpecError
 from hetplan.ir.cluster import ClusterSpec
+from hetplan.ir.model import LinearInfo, TPRole
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
     ResizingController,
@@ -28,7 +30,7 @@ from hetplan.ir.plan_sections import (
 )
 from hetplan.optimizer.compile import DEFAULT_PASSES, compile
 from hetplan.passes.base import PassContext
-from hetplan.passes.tp_resizing import TPResizing
+from hetplan.passes.tp_resizing import TPResizing, pair_shards
 from hetplan.report.explain import explain, target_names
 from hetplan.report.inspect import build_report
 from hetplan.report.render import render_text
@@ -471,3 +473,62 @@ def test_a_rank_without_tp_work_makes_no_straggler() -> None:
         g = p.tensor_parallel.groups[0]
         assert g.linears and all(lin.shard_sizes == (256, 0) for lin in g.linears)
         assert all(r.role == "normal" and r.gamma == 0 for r in g.roles), (variant, g.roles)
+
+
+# -- attention pairs in whole heads ---------------------------------------------------------
+def _attention_pair(features: int, unit: int | None) -> tuple[list[LinearInfo], LinearInfo]:
+    """An attention pair q/k/v -> o of ``features`` with capture's ``split_unit``."""
+    cols = [LinearInfo(f"attn.{n}", features, features, False, TPRole.COLUMN, "attn.o_proj",
+                       unit) for n in ("q_proj", "k_proj", "v_proj")]
+    return cols, LinearInfo("attn.o_proj", features, features, False, TPRole.ROW,
+                            "attn.v_proj", unit)
+
+
+def test_attention_pair_shards_are_optimal_whole_heads() -> None:
+    """Llama-2-7B's attention (32 heads of 128) on A100, A100, V100, V100 speeds: whole
+    heads, one at least per rank, and no head split does better (brute force over heads)."""
+    speeds = [2.5, 2.5, 1.0, 1.0]
+    sizes = pair_shards(*_attention_pair(4096, 128), speeds)
+    assert sizes is not None and sum(sizes) == 4096
+    assert all(s % 128 == 0 and s >= 128 for s in sizes), sizes
+    best = min(max(h * 128 / s for h, s in zip(split, speeds))
+               for a in range(1, 30) for b in range(1, 31 - a) for c in range(1, 32 - a - b)
+               for split in [(a, b, c, 32 - a - b - c)])
+    assert shard_time(sizes, speeds) == pytest.approx(best)
+    # without a unit (an MLP pair) the 64-column granularity stays
+    assert pair_shards(*_attention_pair(4096, None), speeds) == proportional_shards(4096,
+                                                                                    speeds)
+
+
+def test_attention_pair_without_a_head_per_rank_keeps_even_shards() -> None:
+    assert pair_shards(*_attention_pair(256, 128), [2.5, 2.5, 1.0, 1.0]) is None  # 2 heads
+    assert pair_shards(*_attention_pair(320, 128), [2.0, 1.0]) is None  # 2.5 heads
+    # a rank 20x slower still keeps one head (none would run the attention replicated)
+    assert pair_shards(*_attention_pair(64, 16), [20.0, 1.0]) == (48, 16)
+
+
+def _cpu_het(per_kind: int) -> ClusterSpec:
+    """``per_kind`` fast and ``per_kind`` 20x slower CPU processes on one host."""
+    cpu = {"memory_gib": 4.0, "peak_tflops": {"fp32": 0.1}, "mem_bandwidth_gb_s": 20.0}
+    return ClusterSpec.from_dict({
+        "name": "cpu-het", "nodes": [{
+            "name": "host", "devices": [{"type": "cpu", "count": per_kind},
+                                        {"type": "cpuslow", "count": per_kind}],
+            "cpu_cores": 2, "intra_link": {"kind": "loopback", "bandwidth_gbps": 40.0,
+                                           "latency_us": 10.0}}],
+        "device_types": {"cpu": cpu, "cpuslow": {**cpu, "peak_tflops": {"fp32": 0.005}}}})
+
+
+def test_planned_attention_keeps_whole_heads_and_one_per_rank() -> None:
+    """tiny-opt (4 heads of 16) on a fast and a 20x slower rank: the MLP's slow rank gets an
+    empty shard, the attention's keeps one head (3 + 1); tiny-vit (2 heads of 16) at tp=4
+    cannot give every rank a head: its attention stays even (not listed), a note says so."""
+    p = compile("tiny-opt", _cpu_het(1), batch_size=4, dp=1, pp=1, tp=2)
+    shards = {lin.name.rpartition(".")[2]: lin.shard_sizes
+              for lin in p.tensor_parallel.groups[0].linears}
+    assert shards["fc2"] == (128, 0)
+    assert {shards[n] for n in ("q_proj", "k_proj", "v_proj", "out_proj")} == {(48, 16)}
+    vit = compile("tiny-vit", _cpu_het(2), batch_size=4, dp=1, pp=1, tp=4)
+    listed = [lin.name for g in vit.tensor_parallel.groups for lin in g.linears]
+    assert listed and not any(".attention." in n for n in listed), listed
+    assert any("attention pair(s) kept even shards" in n for n in vit.pass_log[-1].notes)

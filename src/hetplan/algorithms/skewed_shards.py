@@ -18,12 +18,12 @@ Decisions (also in ``docs/decisions.md``, "TP resizing pass"):
   objective ``max_r units_r / s_r`` this greedy is optimal (every unit goes where it raises
   the maximum least, and the result is the same as the exact solution by exchange argument;
   the unit tests compare with brute force).
-* **Granularity** (:func:`shard_granularity`): 64 columns where 64 divides ``features`` and
-  leaves at least 2 units per rank (64 = GPT-2's attention head dimension — Llama's is 128,
-  so a 64-column unit could split one of its heads, were attention pairs sharded; the
-  runtime shards MLP pairs only — and a multiple of the tensor-core tile), else the largest
-  power of two ≤ 64 that does, else 1. A rank may get zero units when it is very slow
-  (the runtime supports empty shards).
+* **Granularity** (:func:`shard_granularity`), for linears with no unit of their own (MLP
+  pairs): 64 columns where 64 divides ``features`` and leaves at least 2 units per rank (a
+  multiple of the tensor-core tile), else the largest power of two ≤ 64 that does, else 1.
+  A rank may get zero units when it is very slow (the runtime supports empty MLP shards).
+  Attention pairs are not cut this way: the ``tp-resizing`` pass passes their head unit as
+  ``granularity`` with ``min_units=1`` (whole heads, at least one per rank).
 * Speeds must be positive and finite: a rank with no speed has no place in a TP group.
 
 Complexity O(units · log ranks).
@@ -81,7 +81,8 @@ def _check_speeds(speeds: Sequence[float]) -> None:
 
 
 def proportional_shards(features: int, speeds: Sequence[float],
-                        granularity: int | None = None) -> tuple[int, ...]:
+                        granularity: int | None = None, *,
+                        min_units: int = 0) -> tuple[int, ...]:
     """Shard sizes for ``features`` columns over ranks of the given speeds (see module doc).
 
     Args:
@@ -90,12 +91,16 @@ def proportional_shards(features: int, speeds: Sequence[float],
         granularity: unit of a shard; None chooses :func:`shard_granularity`. When it does
             not divide ``features`` the remainder goes, as one smaller unit, to the rank whose
             time grows least.
+        min_units: units every rank gets before the rest are handed out (1 for attention:
+            a rank left no head would run it replicated); the greedy stays optimal under
+            that lower bound.
 
     Returns:
         Sizes summing to ``features``, one per rank.
 
     Raises:
-        SpecError: non-positive speeds, features or granularity.
+        SpecError: non-positive speeds, features or granularity; fewer units than
+            ``min_units`` per rank.
     """
     _check_speeds(speeds)
     if features < 1:
@@ -104,11 +109,14 @@ def proportional_shards(features: int, speeds: Sequence[float],
     if g < 1:
         raise SpecError(f"granularity must be >= 1, got {g}")
     units, rest = divmod(features, g)
-    sizes = [0] * len(speeds)
+    if min_units < 0 or units < min_units * len(speeds):
+        raise SpecError(f"{features} features in units of {g} give {units} unit(s), fewer "
+                        f"than min_units={min_units} for each of {len(speeds)} ranks")
+    sizes = [min_units * g] * len(speeds)
     # heap of (time after taking one more unit, rank)
-    heap = [(g / s, r) for r, s in enumerate(speeds)]
+    heap = [((sizes[r] + g) / s, r) for r, s in enumerate(speeds)]
     heapq.heapify(heap)
-    for _ in range(units):
+    for _ in range(units - min_units * len(speeds)):
         _, r = heapq.heappop(heap)
         sizes[r] += g
         heapq.heappush(heap, ((sizes[r] + g) / speeds[r], r))

@@ -26,7 +26,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import (
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
+    model_serializer,
+)
 
 from hetplan.errors import SpecError
 from hetplan.ir.kernels import Gemm
@@ -130,6 +136,14 @@ class LinearInfo:
         bias: whether it has a bias.
         tp_role: column / row / either (see :class:`TPRole`).
         pair: for a recognised Megatron pair, the qualified name of the other linear.
+        split_unit: for a projection of an attention module, the features a tensor-parallel
+            split must keep together along its split dimension (output features of a
+            query/key/value projection, per part of a fused QKV one; input features of the
+            output projection): ``head_dim``, or with grouped-query attention a whole group's
+            ``heads // kv_heads · head_dim`` on the query and output sides
+            (:func:`hetplan.ir.capture.attention.split_units`). None: no constraint known;
+            left out of the JSON then, so IRs of models without attention (and workload
+            files written before the field) serialise, and fingerprint, as before.
     """
 
     name: str
@@ -138,8 +152,17 @@ class LinearInfo:
     bias: bool
     tp_role: TPRole = TPRole.EITHER
     pair: str | None = None
+    split_unit: int | None = None
 
     __pydantic_config__ = _FORBID
+
+    @model_serializer(mode="wrap")
+    def _omit_no_unit(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """Leave ``split_unit`` out while it is None (see the class)."""
+        data: dict[str, object] = handler(self)
+        if self.split_unit is None:
+            data.pop("split_unit", None)
+        return data
 
 
 def megatron_pairs(
@@ -511,7 +534,7 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
       owned parameter), and the owned elements add up to ``num_params``;
     - every gradient tensor names an owned, trainable parameter of the layer it claims,
       with matching size, each at most once, and every trainable parameter has one;
-    - sizes and FLOPs are non-negative.
+    - sizes and FLOPs are non-negative, a linear's ``split_unit`` positive.
     """
     at = f"{where}: " if where else ""
     if not ir.layers:
@@ -533,6 +556,10 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
                 raise SpecError(f"{at}layer {layer.name!r}: {field_name} is negative")
         if layer.cut_bytes_after is not None and layer.cut_bytes_after < 0:
             raise SpecError(f"{at}layer {layer.name!r}: cut_bytes_after is negative")
+        for lin in layer.linears:
+            if lin.split_unit is not None and lin.split_unit < 1:
+                raise SpecError(f"{at}linear {lin.name!r}: split_unit must be >= 1 (features "
+                                f"per head), got {lin.split_unit}")
         _check_act_parts(layer, at)
         for p in layer.params:
             if p.tied_to is not None:

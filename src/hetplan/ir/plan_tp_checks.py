@@ -26,18 +26,19 @@ against the model's linears (:class:`~hetplan.ir.model.LinearInfo`, from capture
    head, or a key/value group (with GQA a rank must keep whole groups, a key/value head and
    the query heads that use it: ``runtime.megatron.group_shards``), or leave a rank no head,
    the ranks run that module replicated on every TP rank, with a warning, and train
-   correctly; this check refuses no plan the ranks run. The planner knows no head size and
-   may ask for such sizes (ViT's skewed q/k/v -> o pair), so refusing them here would refuse
-   what it writes.
+   correctly; this check refuses no plan the ranks run. Plans written before capture
+   recorded head units (``LinearInfo.split_unit``; ``tp-resizing`` now skews attention in
+   whole heads) may ask for such sizes, so refusing them here would refuse what they hold.
 
 What the planner writes satisfies all five (``tp-resizing`` lists every linear of a Megatron
 pair with the pair's one size list, ``features`` from the module). ``check_plan_matches``
 runs them wherever the model is known (``hetplan run`` before launching any rank,
 ``hetplan validate --model``), and the runtime's
 :func:`~hetplan.runtime.tensor_parallel.tp_pairs` runs :func:`tp_group_problems` again for
-its own group as a last line. Rule 5 needs the attention modules' head sizes, which the IR
-does not record (it would change every model's fingerprint): ``hetplan run`` and
-``hetplan validate --model`` read them off the module they capture
+its own group as a last line. Rule 5 needs to know which attention modules are fused and
+their head sizes; the IR records head units (``split_unit``) but not which projection is a
+fused one, so ``hetplan run`` and ``hetplan validate --model`` read them off the module they
+capture
 (``runtime.megatron.refused_head_splits``: the fused-QKV modules' output projections); a plan
 checked against a bare IR skips it, and the ranks' ``shard_attention`` refuses a fused
 module's split inside a head.

@@ -11,6 +11,15 @@ Refines ``plan.tensor_parallel`` (filled by ``even-tp``), per TP group
    stage's TP-layer compute time (forward + backward) on its device in the project's
    compute model, so profiled times enter when there are any. A group whose sizes come out
    even lists no linears (the even default), so homogeneous plans do not change.
+   **Attention pairs** (separate q/k/v → output projection: HF Llama-2, OPT, ViT) are cut in
+   whole heads (:func:`pair_shards`): the unit is the ``split_unit`` capture records on
+   their linears (``head_dim``; with grouped-query attention a whole group's query features,
+   ``heads // kv_heads · head_dim``), their least common multiple where a pair's linears
+   differ, and every rank gets at least one unit (a rank with no head would make the
+   runtime keep that attention replicated). Where that cannot be done — fewer units than
+   ranks, or features not a multiple of the unit — the pair keeps even shards (not listed;
+   the runtime splits its heads evenly) and a note counts such pairs. MLP pairs (no unit)
+   use :func:`~hetplan.algorithms.skewed_shards.shard_granularity`'s power-of-two columns.
 2. **Controller settings** (``ResizingController``): the variant, α, θ_iter, the re-plan
    trigger, γ_max, the straggler criterion (``avg`` for ZERO, ``min`` for SEMI and
    migration, §3.3), its tolerance and the receivers.
@@ -42,8 +51,12 @@ Decisions (also in ``docs/decisions.md``, "TP resizing pass"): the controller is
 lossy gradient compression, which is also opt-in; static skew is lossless and always on.
 Under ZeRO >= 1 with ``dp > 1`` the controller is not turned on (a note says so): it resizes
 the shards the optimizer state is cut from, which the runtime does not re-cut.
-The attention pairs are listed too (64-column units = whole GPT-2/Llama heads); the runtime
-currently keeps attention pairs replicated and says so. The memory model gives each rank its
+Attention pairs are skewed in whole heads (groups), not in 64-column units: the runtime
+splits attention by heads and would run a split inside a head replicated, unlike the
+prediction. Fused QKV modules (GPT-2's ``c_attn``, 3·width outputs) and grouped-query
+attention (k/v narrower than the output projection's input) are not Megatron pairs
+(:func:`~hetplan.ir.model.megatron_pairs`), so they are not listed and the runtime splits
+their heads evenly. The memory model gives each rank its
 share of the split parameters and activations; skewed shards that overflow a fast rank's
 memory while even ones fit are dropped. Complexity O(groups · linears · ranks) plus four
 simulations when a group is heterogeneous.
@@ -52,6 +65,8 @@ simulations when a group is heterogeneous.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -60,7 +75,7 @@ from hetplan.algorithms.zero_resizing import zero_decision
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.cost_models.tp_shares import rank_shares
 from hetplan.errors import InfeasiblePlanError, SpecError
-from hetplan.ir.model import megatron_pairs
+from hetplan.ir.model import LinearInfo, megatron_pairs
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
     ResizingController,
@@ -72,7 +87,7 @@ from hetplan.ir.plan_sections import (
 )
 from hetplan.passes.base import PassContext, PassResult
 
-__all__ = ["TPResizing", "rank_speeds", "expected_gammas"]
+__all__ = ["TPResizing", "expected_gammas", "pair_shards", "rank_speeds"]
 
 Variant = Literal["off", "zero", "migration", "semi"]
 
@@ -195,7 +210,8 @@ class TPResizing:
             out = tp.model_copy(update={"controller": ctl})
             return PassResult(plan.model_copy(update={"tensor_parallel": out}), out != tp,
                               (f"{len(tp.groups)} homogeneous TP group(s): even shards",))
-        groups = tuple(self._group(g, plan, ctx, ctl) for g in tp.groups)
+        even_heads: list[str] = []
+        groups = tuple(self._group(g, plan, ctx, ctl, even_heads) for g in tp.groups)
         skewed = tp.model_copy(update={"groups": groups, "controller": ctl})
         even = TensorParallel(groups=tuple(g.model_copy(update={"linears": (), "roles": ()})
                                            for g in tp.groups), controller=ctl)
@@ -204,6 +220,10 @@ class TPResizing:
         skewed_ms, skew_fits = (self._simulate_checked(plan, ctx, skewed) if any_skew
                                 else (even_ms, even_fits))
         notes = []
+        if even_heads:
+            notes.append(f"{len(even_heads)} attention pair(s) kept even shards: too few whole "
+                         f"heads (groups) to give every rank one, or features not a multiple "
+                         f"of the head unit (e.g. {even_heads[0]})")
         if not skew_fits and even_fits:
             notes.append("skewed shards do not fit in the faster ranks' memory; kept even "
                          "shards")
@@ -235,8 +255,10 @@ class TPResizing:
         return PassResult(plan.model_copy(update={"tensor_parallel": out}), True, tuple(notes))
 
     # -- helpers ---------------------------------------------------------------------------
-    def _group(self, g: TPGroup, plan: Plan, ctx: PassContext,
-               ctl: ResizingController) -> TPGroup:
+    def _group(self, g: TPGroup, plan: Plan, ctx: PassContext, ctl: ResizingController,
+               even_heads: list[str]) -> TPGroup:
+        """``g`` with skewed shards for every pair of its stage; appends to ``even_heads``
+        the row linear of each attention pair whose heads cannot be skewed."""
         first, last = _stage_layers(plan, ctx, g)
         speeds = rank_speeds(ctx, g.ranks, first, last)
         names = {lay.name for lay in ctx.model_ir.layers[first:last + 1]}  # type: ignore[union-attr]
@@ -244,7 +266,10 @@ class TPResizing:
                    if lay.name in names for lin in lay.linears]
         shards: list[TPLinearShard] = []
         for cols, row in megatron_pairs(linears)[0]:
-            sizes = proportional_shards(row.in_features, speeds)
+            sizes = pair_shards(cols, row, speeds)
+            if sizes is None:
+                even_heads.append(row.name)
+                continue
             if sizes == even_shards(row.in_features, len(sizes)):
                 continue
             shards += [TPLinearShard(name=c.name, split="column", features=c.out_features,
@@ -305,6 +330,22 @@ class TPResizing:
         ev = evaluate(ctx.workload, ctx.layout, plan.stages, plan.gradient_sync, ctx.costs,
                       check_memory=False, tensor_parallel=section)
         return ev.iteration_s * 1e3
+
+
+def pair_shards(cols: Sequence[LinearInfo], row: LinearInfo,
+                speeds: Sequence[float]) -> tuple[int, ...] | None:
+    """Skewed shard sizes of one Megatron pair (see the module docstring): proportional to
+    ``speeds`` in 64-column-or-smaller units, or, for an attention pair (a linear with a
+    ``split_unit``), in whole heads (groups) with at least one per rank; None where an
+    attention pair cannot be skewed so (fewer units than ranks, or features not a multiple
+    of the unit): it keeps even shards, which the runtime splits by heads itself."""
+    units = [lin.split_unit for lin in (*cols, row) if lin.split_unit is not None]
+    if not units:
+        return proportional_shards(row.in_features, speeds)
+    unit = math.lcm(*units)
+    if row.in_features % unit or row.in_features // unit < len(speeds):
+        return None
+    return proportional_shards(row.in_features, speeds, unit, min_units=1)
 
 
 def _stage_layers(plan: Plan, ctx: PassContext, g: TPGroup) -> tuple[int, int]:

@@ -5,9 +5,11 @@ embedding and LM head with a parallel cross-entropy, and sequence parallelism.
 rest of a transformer, in place, on the same uneven-shard linears
 (:class:`~hetplan.runtime.tensor_parallel.ColumnParallelLinear` / ``RowParallelLinear``):
 
-* **Attention** (:func:`shard_attention`, the modules :func:`attention_modules` finds):
-  either a module with a head count (``n_heads``, ``num_heads``, ...), ``head_dim``, a fused
-  QKV projection (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
+* **Attention** (:func:`shard_attention`, the modules :func:`attention_modules` finds: the
+  detector in :mod:`hetplan.ir.capture.attention`, which capture also runs to record each
+  projection's head unit for the planner): either a module with a head count
+  (``n_heads``, ``num_heads``, ...), ``head_dim``, a fused QKV projection
+  (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
   (``heads·head_dim → out``); or a module with ``head_dim`` and separate query, key and value
   projections (``q_proj``/``k_proj``/``v_proj`` or ``query``/``key``/``value``) beside its
   output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2, OPT and ViT;
@@ -25,10 +27,10 @@ rest of a transformer, in place, on the same uneven-shard linears
   GQA), else an even split (the first ranks get the remainder). Where that cannot give every
   rank whole heads (groups) — a split inside one, or a rank left none — a fused QKV module is
   refused (``SpecError`` naming the module: only a hand edit asks for it), and separate
-  q/k/v projections stay replicated, with a warning (:func:`_keep_replicated`: the planner,
-  which knows no head size, may ask for such sizes, and they ran replicated before these
-  modules were split; HF ViT's few heads are one such case, where the planner's skewed
-  sizes for its q/k/v → o pair split a head). Not split, so replicated on every TP rank, with
+  q/k/v projections stay replicated, with a warning (:func:`_keep_replicated`: plans written
+  before capture recorded head units, or edited by hand, may ask for such sizes, and they
+  ran replicated before these modules were split; ``tp-resizing`` now gives attention pairs
+  whole heads, or leaves them even). Not split, so replicated on every TP rank, with
   the runtime's warning where the plan lists them: T5's attention (a relative position bias
   per head).
 * **Vocabulary** (:func:`shard_vocab`): the token embedding whose rows are the LM head's
@@ -56,7 +58,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,6 +67,16 @@ from torch import nn
 
 from hetplan.algorithms.skewed_shards import even_shards
 from hetplan.errors import SpecError
+from hetplan.ir.capture.attention import (
+    HEAD_COUNT,
+    KV_HEAD_COUNT,
+    WIDTH,
+    AttentionParts,
+    attention_modules,
+    attention_parts,
+    weight,
+    weight_out_in,
+)
 from hetplan.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -101,42 +112,6 @@ __all__ = [
     "vocab_parallel_cross_entropy",
 ]
 
-#: Head-count attributes of an attention module, in the order they are looked up.
-_HEAD_COUNT = ("n_heads", "num_heads", "n_head", "num_attention_heads")
-#: Key/value head-count attributes (grouped-query attention), rewritten to the local count.
-_KV_HEAD_COUNT = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
-#: Width attributes (``heads · head_dim``) the attention's forward reads; rewritten to local.
-_WIDTH = ("dim", "split_size", "all_head_size", "inner_dim")
-#: Head-size attributes of an attention module with separate q/k/v projections.
-_HEAD_DIM = ("head_dim", "attention_head_size")
-#: Child names of separate query, key, value and output projections.
-_Q, _K, _V, _O = ("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("o_proj",
-                                                                               "out_proj")
-#: Attributes of attention modules with separate projections that are not split (T5's
-#: relative position bias per head): they stay replicated.
-_NOT_SPLIT = ("has_relative_attention_bias", "relative_attention_bias")
-
-
-def _weight(linear: nn.Module) -> torch.Tensor:
-    w = getattr(linear, "weight", None)
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"expected nn.Linear or Conv1D, got {type(linear).__name__}")
-    return w
-
-
-def _weight_out_in(linear: nn.Module) -> tuple[int, int]:
-    w = _weight(linear)
-    if isinstance(linear, nn.Linear):
-        return int(w.shape[0]), int(w.shape[1])
-    return int(w.shape[1]), int(w.shape[0])  # HF Conv1D stores [in, out]
-
-
-def _linear_children(mod: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, c) for n, c in mod.named_children()
-            if isinstance(getattr(c, "weight", None), torch.Tensor) and _weight(c).dim() == 2
-            and (isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D")]
-
-
 # -- attention -----------------------------------------------------------------------------
 class FusedColumnParallelLinear(ColumnParallelLinear):
     """A column-parallel fused projection of ``parts`` equal parts (Q, K, V): this rank keeps
@@ -169,7 +144,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
     def from_fused(cls, linear: nn.Module, shard_sizes: Sequence[int], rank: int,
                    group: Any = None, parts: int = 3) -> FusedColumnParallelLinear:
         """This rank's rows of every part of a full ``nn.Linear`` or HF ``Conv1D``."""
-        w = _weight(linear).detach()
+        w = weight(linear).detach()
         conv1d = not isinstance(linear, nn.Linear)
         w = w.t() if conv1d else w
         b = getattr(linear, "bias", None)
@@ -181,7 +156,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
                           for p in range(parts)])
         with torch.no_grad():
             mod.weight.copy_(w[rows])
-            mod.weight.requires_grad_(_weight(linear).requires_grad)
+            mod.weight.requires_grad_(weight(linear).requires_grad)
             if mod.bias is not None and isinstance(b, torch.Tensor):
                 mod.bias.copy_(b.detach()[rows])
                 mod.bias.requires_grad_(b.requires_grad)
@@ -202,125 +177,6 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         if self.bias is None:
             return None
         return self._gather_parts(unsharded(self.bias.grad if grad else self.bias, self.bias))
-
-
-@dataclass(frozen=True)
-class AttentionParts:
-    """What :func:`shard_attention` splits in one attention module.
-
-    Attributes:
-        qkv: the fused QKV projection ``(name,)``, or the separate ``(q, k, v)`` projections,
-            as paths below the module (BERT/ViT: ``("self.query", ...)``).
-        out: the output projection's path below the module.
-        heads: query heads.
-        kv_heads: key/value heads (fewer than ``heads`` with grouped-query attention; each
-            rank keeps whole groups).
-        head_dim: features per head.
-        attr: the head-count attribute (rewritten to the local count), or None where the
-            forward reads none (HF Llama: ``view(..., -1, head_dim)``).
-    """
-
-    qkv: tuple[str, ...]
-    out: str
-    heads: int
-    kv_heads: int
-    head_dim: int
-    attr: str | None = None
-
-    @property
-    def fused(self) -> bool:
-        """Whether Q, K and V come out of one projection."""
-        return len(self.qkv) == 1
-
-    @property
-    def nested(self) -> bool:
-        """Whether the projections live in submodules (HF BERT's ``self`` and ``output``)."""
-        return "." in self.qkv[0]
-
-    @property
-    def linears(self) -> tuple[str, ...]:
-        """Every projection's path below the module."""
-        return (*self.qkv, self.out)
-
-
-def _attention_parts(mod: nn.Module) -> AttentionParts | None:
-    """The parts of an attention module this module can split, else None."""
-    return _fused_parts(mod) or _separate_parts(mod) or _nested_parts(mod)
-
-
-def _fused_parts(mod: nn.Module) -> AttentionParts | None:
-    attr = next((a for a in _HEAD_COUNT if isinstance(getattr(mod, a, None), int)), None)
-    head_dim = getattr(mod, "head_dim", None)
-    if attr is None or not isinstance(head_dim, int):
-        return None
-    heads: int = getattr(mod, attr)
-    width = heads * head_dim
-    lins = _linear_children(mod)
-    fused = [n for n, c in lins if _weight_out_in(c)[0] == 3 * width]
-    out = [n for n, c in lins if _weight_out_in(c)[1] == width and n not in fused]
-    if len(fused) != 1 or len(out) != 1:
-        return None
-    return AttentionParts((fused[0],), out[0], heads, heads, head_dim, attr)
-
-
-def _child(mod: nn.Module, names: Sequence[str]) -> str | None:
-    found = [n for n in names if isinstance(getattr(mod, n, None), nn.Linear)]
-    return found[0] if len(found) == 1 else None
-
-
-def _separate_parts(mod: nn.Module) -> AttentionParts | None:
-    """Separate q/k/v projections and an output projection, as children of ``mod`` (HF
-    Llama, Mistral, Mixtral, OPT, ViT, ...). T5's attention (a relative position bias per
-    head) is not split: None."""
-    head_dim = next((getattr(mod, a) for a in _HEAD_DIM
-                     if isinstance(getattr(mod, a, None), int)), None)
-    if head_dim is None or head_dim <= 0 or any(hasattr(mod, a) for a in _NOT_SPLIT):
-        return None
-    names = [_child(mod, c) for c in (_Q, _K, _V, _O)]
-    if any(n is None for n in names):
-        return None
-    q, k, v, o = (getattr(mod, str(n)) for n in names)
-    width, kv_width = q.out_features, k.out_features
-    if (v.out_features != kv_width or o.in_features != width or width % head_dim
-            or kv_width % head_dim or not kv_width
-            or (width // head_dim) % (kv_width // head_dim)
-            or len({q.in_features, k.in_features, v.in_features}) != 1):
-        return None
-    heads = width // head_dim
-    attr = next((a for a in _HEAD_COUNT if getattr(mod, a, None) == heads), None)
-    return AttentionParts((str(names[0]), str(names[1]), str(names[2])), str(names[3]),
-                          heads, kv_width // head_dim, head_dim, attr)
-
-
-def _nested_parts(mod: nn.Module) -> AttentionParts | None:
-    """HF BERT's layout: ``self.query/key/value`` (with ``num_attention_heads`` and
-    ``attention_head_size``) and the output projection ``output.dense``, in sibling modules
-    of ``mod``."""
-    inner, out = getattr(mod, "self", None), getattr(mod, "output", None)
-    dense = getattr(out, "dense", None)
-    if not isinstance(inner, nn.Module) or not isinstance(dense, nn.Linear):
-        return None
-    head_dim = getattr(inner, "attention_head_size", None)
-    heads = getattr(inner, "num_attention_heads", None)
-    if not isinstance(head_dim, int) or not isinstance(heads, int) or head_dim <= 0:
-        return None
-    names = [_child(inner, c) for c in (_Q, _K, _V)]
-    width = heads * head_dim
-    if (any(n is None for n in names) or dense.in_features != width
-            or any(getattr(inner, str(n)).out_features != width for n in names)):
-        return None
-    return AttentionParts(tuple(f"self.{n}" for n in names), "output.dense", heads, heads,
-                          head_dim, "num_attention_heads")
-
-
-def attention_modules(model: nn.Module) -> dict[str, AttentionParts]:
-    """Qualified name → :func:`_attention_parts` of every attention module that can be split."""
-    out = {}
-    for name, mod in model.named_modules():
-        parts = _attention_parts(mod)
-        if parts is not None:
-            out[name] = parts
-    return out
 
 
 def head_shards(heads: int, head_dim: int, tp: int,
@@ -381,24 +237,24 @@ def group_shards(heads: int, kv_heads: int, head_dim: int, tp: int,
 def _local_attrs(mod: nn.Module, parts: AttentionParts, heads: int, kv_heads: int) -> None:
     """Rewrite the head-count and width attributes the forward may read to the local ones."""
     width = parts.heads * parts.head_dim
-    for a in _WIDTH:
+    for a in WIDTH:
         if getattr(mod, a, None) == width:
             setattr(mod, a, heads * parts.head_dim)
-    for a in _HEAD_COUNT:
+    for a in HEAD_COUNT:
         if getattr(mod, a, None) == parts.heads:
             setattr(mod, a, heads)
-    for a in _KV_HEAD_COUNT:
+    for a in KV_HEAD_COUNT:
         if getattr(mod, a, None) == parts.kv_heads:
             setattr(mod, a, kv_heads)
 
 
 def _keep_replicated(name: str, rank: int, why: str) -> None:
     """Warn (once, on TP rank 0) that attention module ``name`` with separate q/k/v
-    projections stays replicated on every TP rank, and why. The planner records no head size
-    (the IR has none), so its shard sizes for such a pair may split a head or leave a rank
-    none; the plan then runs as it did before these modules were split, attention whole on
-    every rank, and the warning says the prediction (which divides the attention by tp)
-    will be short of it."""
+    projections stays replicated on every TP rank, and why. A plan from before capture
+    recorded head units (``LinearInfo.split_unit``), or one edited by hand, may split a head
+    or leave a rank none; the plan then runs as it did before these modules were split,
+    attention whole on every rank, and the warning says the prediction (which divides the
+    attention by tp) will be short of it."""
     if rank == 0:
         warnings.warn(f"tensor parallelism: attention module {name!r} cannot be split by whole "
                       f"heads: {why}; it stays replicated on every TP rank (the prediction "
@@ -425,7 +281,7 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
             rank whole heads.
     """
     mod = model.get_submodule(name)
-    parts = _attention_parts(mod)
+    parts = attention_parts(mod)
     if parts is None:
         raise ValueError(f"{name!r} is not an attention module with a fused QKV projection "
                          "or separate q/k/v projections")
@@ -437,7 +293,7 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
             per_rank, kv = group_shards(parts.heads, parts.kv_heads, parts.head_dim, tp,
                                         planned)
     except ValueError as e:
-        if not parts.fused:  # as before this split existed: the planner may ask for it
+        if not parts.fused:  # as before this split existed: older plans may ask for it
             _keep_replicated(name, rank, str(e))
             return False
         raise SpecError(f"tensor parallelism: attention module {name!r} cannot be split by "
@@ -700,12 +556,12 @@ def shard_vocab(model: nn.Module, head: str, embedding: str | None, group: Any, 
     after it (HF BERT's ``cls.predictions.bias``). Returns the loss to train with (see
     module doc)."""
     lin = model.get_submodule(head)
-    vocab = _weight_out_in(lin)[0]
+    vocab = weight_out_in(lin)[0]
     sizes = tuple(even_shards(vocab, tp))
     emb_mod = model.get_submodule(embedding) if embedding is not None else None
     if emb_mod is not None and not isinstance(emb_mod, nn.Embedding):
         raise TypeError(f"{embedding!r} is a {type(emb_mod).__name__}, not an nn.Embedding")
-    tied = emb_mod is not None and emb_mod.weight is _weight(lin)
+    tied = emb_mod is not None and emb_mod.weight is weight(lin)
     new_head = ColumnParallelLinear.from_linear(lin, sizes, rank, group)
     if embedding is not None and emb_mod is not None:
         emb = VocabParallelEmbedding(emb_mod, sizes, rank, group)

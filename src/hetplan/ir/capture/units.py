@@ -3,7 +3,8 @@
 Both are read from the module structure alone (no tracing): :func:`layer_units` picks the
 layer granularity pipeline balancing needs (see :mod:`hetplan.ir.capture`), and
 :func:`layer_linears` finds each layer's ``nn.Linear`` / HF ``Conv1D`` modules with their
-Megatron column/row roles, by name first and shape second.
+Megatron column/row roles, by name first and shape second, and the head units of attention
+projections (:mod:`~hetplan.ir.capture.attention`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hetplan.ir.capture.attention import attention_parts, split_units
 from hetplan.ir.model import LayerKind, LinearInfo, TPRole
 
 __all__ = ["UnitInfo", "layer_units", "layer_linears"]
@@ -158,9 +160,18 @@ def layer_linears(module: nn.Module, unit: str) -> tuple[LinearInfo, ...]:
     """The linears of one layer with Megatron roles: names first, shapes second.
 
     A row-parallel linear is paired with the closest column-parallel linear before it in
-    module order (v_proj → o_proj, up_proj → down_proj, c_fc → c_proj).
+    module order (v_proj → o_proj, up_proj → down_proj, c_fc → c_proj). The projections of
+    an attention module (:func:`~hetplan.ir.capture.attention.attention_parts`) carry the
+    unit a split must keep together (``split_unit``: whole heads, whole groups with GQA).
     """
+    heads: dict[str, int] = {}  # path below ``module`` -> split unit
+    for n, m in module.named_modules():
+        parts = attention_parts(m)
+        if parts is not None:
+            for path, size in split_units(parts).items():
+                heads[f"{n}.{path}" if n else path] = size
     found: list[tuple[str, int, int, bool, TPRole]] = []
+    local: list[str] = []  # each found linear's path below ``module``
     for n, m in module.named_modules():
         shape = _linear_shape(m)
         if shape is None:
@@ -173,6 +184,7 @@ def layer_linears(module: nn.Module, unit: str) -> tuple[LinearInfo, ...]:
         else:
             role = TPRole.EITHER
         found.append((q, shape[0], shape[1], getattr(m, "bias", None) is not None, role))
+        local.append(n)
     if not found:
         return ()
     out: list[LinearInfo] = []
@@ -186,6 +198,6 @@ def layer_linears(module: nn.Module, unit: str) -> tuple[LinearInfo, ...]:
             for c in open_columns:
                 pairs[c] = q
             open_columns = []
-    for q, i, o, b, role in found:
-        out.append(LinearInfo(q, i, o, b, role, pairs.get(q)))
+    for (q, i, o, b, role), n in zip(found, local, strict=True):
+        out.append(LinearInfo(q, i, o, b, role, pairs.get(q), heads.get(n)))
     return tuple(out)
