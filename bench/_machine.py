@@ -47,9 +47,10 @@ def machine(**extra: Any) -> dict[str, Any]:
 def speed_probe(repeats: int = 5) -> dict[str, float]:
     """How fast this machine is right now, in ms for a fixed workload (least of ``repeats``):
     ``python`` a pure-Python loop of 200,000 additions, ``matmul`` 200 products of 128 x 128
-    fp32 matrices on one torch thread. The same code gives the same numbers on the same idle
-    machine, so two sittings whose probes differ were taken on a machine of a different speed
-    (a shared host can slow a VM down without any load showing inside it)."""
+    fp32 matrices on one torch thread. On one idle machine the numbers repeat within its
+    frequency scaling, so probes of two sittings that differ by far more say the machine ran
+    at a different speed (a shared host can slow a VM down without any load showing inside
+    it)."""
     import time
 
     import torch
@@ -87,7 +88,8 @@ def cpu_times() -> dict[str, int] | None:
     except OSError:
         return None
     names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-    return dict(zip(names, (int(f) for f in fields)))
+    values = [int(f) for f in fields] + [0] * (len(names) - len(fields))  # old kernels: fewer
+    return dict(zip(names, values))
 
 
 def cpu_shares(before: dict[str, int] | None, after: dict[str, int] | None

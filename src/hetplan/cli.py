@@ -851,9 +851,9 @@ def _check_trace_options(trace: Path, trace_step: int, steps: int,
 class _RunModel:
     """The model ``hetplan run`` was given (its name as the user gave it), fingerprinted as
     the ranks will fingerprint it, with its captured layers (their linears: the plan's TP
-    linears are checked against them) and the head size of every attention module the ranks
-    would split by heads, by its output projection's name (read off the module: the IR
-    records head units, not which modules are fused)."""
+    linears are checked against them) and the head size of every fused-QKV attention module
+    (rule 5 of :mod:`hetplan.ir.plan_tp_checks`), by its output projection's name (read off
+    the module: the IR records head units, not which modules are fused)."""
 
     name: str
     digest: str

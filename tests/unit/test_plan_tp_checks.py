@@ -131,8 +131,9 @@ def test_the_fused_qkv_projection_split_by_rows_is_refused(
 
 def test_an_attention_split_inside_a_head_is_refused_where_head_sizes_are_known(
         planned: tuple[ModelIR, Plan]) -> None:
-    """Rule 5 (whole heads): a bare IR records no head size, so it is checked only where the
-    caller read them off the module (`hetplan run`, `validate --model`: the CLI test)."""
+    """Rule 5 (whole heads): the IR records head units but not which modules are fused, so
+    it is checked only where the caller read them off the module (`hetplan run`, `validate
+    --model`: the CLI test)."""
     ir, plan = planned
     assert plan.tensor_parallel is not None
     group = plan.tensor_parallel.groups[0]

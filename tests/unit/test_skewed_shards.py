@@ -102,3 +102,8 @@ def test_bad_features_rejected() -> None:
 def test_even_shards_give_the_remainder_to_the_first_ranks() -> None:
     assert even_shards(18, 4) == (5, 5, 4, 4)
     assert even_shards(3, 4) == (1, 1, 1, 0)
+
+
+def test_negative_min_units_is_refused_by_name() -> None:
+    with pytest.raises(SpecError, match="min_units must be >= 0, got -1"):
+        proportional_shards(512, [1.0, 2.0], 64, min_units=-1)

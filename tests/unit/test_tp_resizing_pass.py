@@ -531,4 +531,4 @@ def test_planned_attention_keeps_whole_heads_and_one_per_rank() -> None:
     vit = compile("tiny-vit", _cpu_het(2), batch_size=4, dp=1, pp=1, tp=4)
     listed = [lin.name for g in vit.tensor_parallel.groups for lin in g.linears]
     assert listed and not any(".attention." in n for n in listed), listed
-    assert any("attention pair(s) kept even shards" in n for n in vit.pass_log[-1].notes)
+    assert any("attention module(s) not skewed" in n for n in vit.pass_log[-1].notes)

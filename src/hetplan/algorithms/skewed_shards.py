@@ -109,7 +109,9 @@ def proportional_shards(features: int, speeds: Sequence[float],
     if g < 1:
         raise SpecError(f"granularity must be >= 1, got {g}")
     units, rest = divmod(features, g)
-    if min_units < 0 or units < min_units * len(speeds):
+    if min_units < 0:
+        raise SpecError(f"min_units must be >= 0, got {min_units}")
+    if units < min_units * len(speeds):
         raise SpecError(f"{features} features in units of {g} give {units} unit(s), fewer "
                         f"than min_units={min_units} for each of {len(speeds)} ranks")
     sizes = [min_units * g] * len(speeds)

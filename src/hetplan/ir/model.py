@@ -143,7 +143,10 @@ class LinearInfo:
             ``heads // kv_heads · head_dim`` on the query and output sides
             (:func:`hetplan.ir.capture.attention.split_units`). None: no constraint known;
             left out of the JSON then, so IRs of models without attention (and workload
-            files written before the field) serialise, and fingerprint, as before.
+            files written before the field) serialise, and fingerprint, as before. Read by
+            ``tp-resizing`` (whole-head shards of Megatron pairs; GQA attention is no pair,
+            its k/v being narrower) and ``even-tp`` (attention with fewer heads or groups
+            than ``tp``, which the runtime keeps whole).
     """
 
     name: str
@@ -534,7 +537,8 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
       owned parameter), and the owned elements add up to ``num_params``;
     - every gradient tensor names an owned, trainable parameter of the layer it claims,
       with matching size, each at most once, and every trainable parameter has one;
-    - sizes and FLOPs are non-negative, a linear's ``split_unit`` positive.
+    - sizes and FLOPs are non-negative, a linear's ``split_unit`` positive and a divisor of
+      the features it splits (a row linear's input, any other's output).
     """
     at = f"{where}: " if where else ""
     if not ir.layers:
@@ -560,6 +564,11 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
             if lin.split_unit is not None and lin.split_unit < 1:
                 raise SpecError(f"{at}linear {lin.name!r}: split_unit must be >= 1 (features "
                                 f"per head), got {lin.split_unit}")
+            split = lin.in_features if lin.tp_role == TPRole.ROW else lin.out_features
+            if lin.split_unit is not None and split % lin.split_unit:
+                raise SpecError(f"{at}linear {lin.name!r}: split_unit {lin.split_unit} does "
+                                f"not divide the {split} features it splits; give the "
+                                "features of one head (or key/value group), or remove it")
         _check_act_parts(layer, at)
         for p in layer.params:
             if p.tied_to is not None:

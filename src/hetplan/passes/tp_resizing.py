@@ -221,9 +221,10 @@ class TPResizing:
                                 else (even_ms, even_fits))
         notes = []
         if even_heads:
-            notes.append(f"{len(even_heads)} attention pair(s) kept even shards: too few whole "
-                         f"heads (groups) to give every rank one, or features not a multiple "
-                         f"of the head unit (e.g. {even_heads[0]})")
+            rows = sorted(set(even_heads))
+            notes.append(f"{len(rows)} attention module(s) not skewed: too few whole heads "
+                         f"(key/value groups) to give every rank one (e.g. {rows[0]}); they "
+                         "run replicated (even-tp's note)")
         if not skew_fits and even_fits:
             notes.append("skewed shards do not fit in the faster ranks' memory; kept even "
                          "shards")
@@ -337,8 +338,9 @@ def pair_shards(cols: Sequence[LinearInfo], row: LinearInfo,
     """Skewed shard sizes of one Megatron pair (see the module docstring): proportional to
     ``speeds`` in 64-column-or-smaller units, or, for an attention pair (a linear with a
     ``split_unit``), in whole heads (groups) with at least one per rank; None where an
-    attention pair cannot be skewed so (fewer units than ranks, or features not a multiple
-    of the unit): it keeps even shards, which the runtime splits by heads itself."""
+    attention pair cannot be skewed so: fewer units than ranks (the runtime then keeps the
+    attention whole on every rank, :func:`~hetplan.passes.even_tp.unsplit_attention`), or
+    features not a multiple of the unit (only a hand-written workload file can say so)."""
     units = [lin.split_unit for lin in (*cols, row) if lin.split_unit is not None]
     if not units:
         return proportional_shards(row.in_features, speeds)
