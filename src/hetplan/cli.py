@@ -1073,10 +1073,12 @@ def print_cluster_summary(spec: Any) -> None:
 # --------------------------------------------------------------------------------------
 # validate / inspect
 # --------------------------------------------------------------------------------------
-def _file_kind(path: Path) -> str:
+def _file_kind(path: Path) -> tuple[str, dict[str, Any] | None]:
     """The kind of hetplan file ``path`` is (:func:`hetplan.ir.files.file_kind`: 'plan',
     'workload', 'profile DB', 'run report', 'dynamics', 'trace'), from its top-level keys; 'cluster
-    spec' when none matches (its loader names what is missing)."""
+    spec' when none matches (its loader names what is missing). With it the file's data when
+    it was read to tell (None for a plan told from its first bytes), so that a cluster spec is
+    not parsed twice (a large YAML file takes a while)."""
     from hetplan.ir.files import file_kind
     from hetplan.ir.validation import load_structured_file
 
@@ -1084,11 +1086,11 @@ def _file_kind(path: Path) -> str:
         with path.open("rb") as f:
             head = f.read(4096).decode("utf-8", errors="replace")
         if '"tool_version"' in head or '"schema_version"' in head and '"cluster"' in head:
-            return "plan"  # even when truncated: the plan loader explains what is wrong
+            return "plan", None  # even when truncated: the plan loader explains what is wrong
     data = load_structured_file(path, what="input")
     if "layers" in data:
-        return "workload"
-    return file_kind(data) or "cluster spec"
+        return "workload", data
+    return file_kind(data) or "cluster spec", data
 
 
 @app.command("validate")
@@ -1108,7 +1110,7 @@ def validate_cmd(
     need the model (what `hetplan run` checks before launch: the model's fingerprint, the
     embedded workload, the tensor_parallel linears' names, splits, features and pair shard
     sizes). Without them the output says these were not run."""
-    kind = _file_kind(file)
+    kind, data = _file_kind(file)
     if model and module:
         raise SpecError("give --model NAME or --module pkg.mod:factory, not both")
     if (model or module) and kind != "plan":
@@ -1159,7 +1161,9 @@ def validate_cmd(
     else:
         from hetplan.ir.cluster import ClusterSpec
 
-        spec = ClusterSpec.load(file)
+        # what ClusterSpec.load(file) does, on the data _file_kind has read
+        assert data is not None
+        spec = ClusterSpec.from_dict(data, where=str(file))
         out.print(f"[green]ok[/]: {file} is a valid cluster spec")
         print_cluster_summary(spec)
 
