@@ -746,7 +746,13 @@ def run_cmd(
 
     from hetplan.ir.plan import load_plan
     from hetplan.runtime.cpu_sched import cpu_sched_policy
-    from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
+    from hetplan.runtime.launch import (
+        HostCapacity,
+        launch,
+        preflight,
+        prestart,
+        torchrun_command,
+    )
 
     plan = load_plan(plan_file)
     _check_torchrun_args(ctx)
@@ -760,13 +766,26 @@ def run_cmd(
                            report=report, timeout_s=timeout, torchrun_args=ctx.args,
                            script=script, trace=trace, trace_step=trace_step)
     capture = None if script is not None else (lambda: _run_model_ir(plan, model, module))
-    with _naming(plan_file):
-        preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout,
-                  host=None if dry_run else HostCapacity.detect(), oversubscribe=oversubscribe)
+
+    def check(model_ir: Any = None, host: HostCapacity | None = None) -> None:
+        with _naming(plan_file):
+            preflight(plan, cmd, model_ir=model_ir, report=report, steps=steps,
+                      timeout_s=timeout, host=host, oversubscribe=oversubscribe)
+
+    check()  # what needs neither torch nor the model: refused before anything starts
+    # torchrun's process imports torch while this one checks the host and captures the model;
+    # it starts no rank before launch() releases it, and a refused plan ends it
+    job = None if dry_run else prestart(cmd, keep_agent_traceback=_state["debug"])
+    try:
+        check(capture, None if dry_run else HostCapacity.detect())
+    except BaseException:
+        if job is not None:
+            job.abandon()
+        raise
     if dry_run:
         out.print(" ".join(cmd), markup=False)
         return
-    outcome = launch(cmd, keep_agent_traceback=_state["debug"])
+    outcome = launch(cmd, keep_agent_traceback=_state["debug"], job=job)
     _state["exit_now"] = True
     if outcome.stopped_by is not None:
         err.print(f"stopped by {signal.Signals(outcome.stopped_by).name}: every process of "
