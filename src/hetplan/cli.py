@@ -746,7 +746,13 @@ def run_cmd(
 
     from hetplan.ir.plan import load_plan
     from hetplan.runtime.cpu_sched import cpu_sched_policy
-    from hetplan.runtime.launch import HostCapacity, launch, preflight, torchrun_command
+    from hetplan.runtime.launch import (
+        HostCapacity,
+        launch,
+        preflight,
+        prestart,
+        torchrun_command,
+    )
 
     plan = load_plan(plan_file)
     _check_torchrun_args(ctx)
@@ -760,13 +766,26 @@ def run_cmd(
                            report=report, timeout_s=timeout, torchrun_args=ctx.args,
                            script=script, trace=trace, trace_step=trace_step)
     capture = None if script is not None else (lambda: _run_model_ir(plan, model, module))
-    with _naming(plan_file):
-        preflight(plan, cmd, model_ir=capture, report=report, steps=steps, timeout_s=timeout,
-                  host=None if dry_run else HostCapacity.detect(), oversubscribe=oversubscribe)
+
+    def check(model_ir: Any = None, host: HostCapacity | None = None) -> None:
+        with _naming(plan_file):
+            preflight(plan, cmd, model_ir=model_ir, report=report, steps=steps,
+                      timeout_s=timeout, host=host, oversubscribe=oversubscribe)
+
+    check()  # what needs neither torch nor the model: refused before anything starts
+    # torchrun's process imports torch while this one checks the host and captures the model;
+    # it starts no rank before launch() releases it, and a refused plan ends it
+    job = None if dry_run else prestart(cmd, keep_agent_traceback=_state["debug"])
+    try:
+        check(capture, None if dry_run else HostCapacity.detect())
+    except BaseException:
+        if job is not None:
+            job.abandon()
+        raise
     if dry_run:
         out.print(" ".join(cmd), markup=False)
         return
-    outcome = launch(cmd, keep_agent_traceback=_state["debug"])
+    outcome = launch(cmd, keep_agent_traceback=_state["debug"], job=job)
     _state["exit_now"] = True
     if outcome.stopped_by is not None:
         err.print(f"stopped by {signal.Signals(outcome.stopped_by).name}: every process of "
@@ -1073,10 +1092,12 @@ def print_cluster_summary(spec: Any) -> None:
 # --------------------------------------------------------------------------------------
 # validate / inspect
 # --------------------------------------------------------------------------------------
-def _file_kind(path: Path) -> str:
+def _file_kind(path: Path) -> tuple[str, dict[str, Any] | None]:
     """The kind of hetplan file ``path`` is (:func:`hetplan.ir.files.file_kind`: 'plan',
     'workload', 'profile DB', 'run report', 'dynamics', 'trace'), from its top-level keys; 'cluster
-    spec' when none matches (its loader names what is missing)."""
+    spec' when none matches (its loader names what is missing). With it the file's data when
+    it was read to tell (None for a plan told from its first bytes), so that a cluster spec is
+    not parsed twice (a large YAML file takes a while)."""
     from hetplan.ir.files import file_kind
     from hetplan.ir.validation import load_structured_file
 
@@ -1084,11 +1105,11 @@ def _file_kind(path: Path) -> str:
         with path.open("rb") as f:
             head = f.read(4096).decode("utf-8", errors="replace")
         if '"tool_version"' in head or '"schema_version"' in head and '"cluster"' in head:
-            return "plan"  # even when truncated: the plan loader explains what is wrong
+            return "plan", None  # even when truncated: the plan loader explains what is wrong
     data = load_structured_file(path, what="input")
     if "layers" in data:
-        return "workload"
-    return file_kind(data) or "cluster spec"
+        return "workload", data
+    return file_kind(data) or "cluster spec", data
 
 
 @app.command("validate")
@@ -1108,7 +1129,7 @@ def validate_cmd(
     need the model (what `hetplan run` checks before launch: the model's fingerprint, the
     embedded workload, the tensor_parallel linears' names, splits, features and pair shard
     sizes). Without them the output says these were not run."""
-    kind = _file_kind(file)
+    kind, data = _file_kind(file)
     if model and module:
         raise SpecError("give --model NAME or --module pkg.mod:factory, not both")
     if (model or module) and kind != "plan":
@@ -1159,7 +1180,9 @@ def validate_cmd(
     else:
         from hetplan.ir.cluster import ClusterSpec
 
-        spec = ClusterSpec.load(file)
+        # what ClusterSpec.load(file) does, on the data _file_kind has read
+        assert data is not None
+        spec = ClusterSpec.from_dict(data, where=str(file))
         out.print(f"[green]ok[/]: {file} is a valid cluster spec")
         print_cluster_summary(spec)
 

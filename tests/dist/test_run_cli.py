@@ -29,6 +29,19 @@ def _hetplan(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=240, check=False)
 
 
+def _refused_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """A `hetplan` command that must be refused before any rank starts, run in this process
+    through typer's CliRunner: no interpreter start, torch import or interpreter teardown of
+    its own (about 8 s). Were it not refused, the launcher would start torchrun from here and
+    relay its stderr (its banner) into the result, which the tests check for."""
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+
+    res = CliRunner().invoke(app, list(args))
+    return subprocess.CompletedProcess(list(args), res.exit_code, res.stdout, res.stderr)
+
+
 def test_run_trains_and_reports(tmp_path: Path) -> None:
     plan = hetplan.compile("gpt-test", _cluster(2), batch_size=4, dp=2, pp=1, tp=1)
     plan.save(tmp_path / "plan.json")
@@ -46,7 +59,8 @@ def test_run_trains_and_reports(tmp_path: Path) -> None:
 def test_run_refuses_a_plan_for_another_model_before_any_rank_starts(tmp_path: Path) -> None:
     plan = hetplan.compile("gpt-test", _cluster(2), batch_size=4, dp=2, pp=1, tp=1)
     plan.save(tmp_path / "plan.json")
-    proc = _hetplan("run", str(tmp_path / "plan.json"), "--model", "mlp", "--steps", "1")
+    proc = _refused_in_process("run", str(tmp_path / "plan.json"), "--model", "mlp",
+                               "--steps", "1")
     assert proc.returncode == 2
     assert "plan does not match" in proc.stderr and "the model given is 'mlp'" in proc.stderr
     assert "Traceback (most recent call last)" not in proc.stdout + proc.stderr
@@ -56,8 +70,8 @@ def test_run_refuses_a_plan_for_another_model_before_any_rank_starts(tmp_path: P
 def test_an_unwritable_report_path_is_refused_before_training(tmp_path: Path) -> None:
     plan = hetplan.compile("gpt-test", _cluster(2), batch_size=4, dp=2, pp=1, tp=1)
     plan.save(tmp_path / "plan.json")
-    proc = _hetplan("run", str(tmp_path / "plan.json"), "--model", "gpt-test", "--report",
-                    str(tmp_path / "missing" / "r.json"))
+    proc = _refused_in_process("run", str(tmp_path / "plan.json"), "--model", "gpt-test",
+                               "--report", str(tmp_path / "missing" / "r.json"))
     assert proc.returncode == 2
     assert "--report" in proc.stderr and "does not exist" in proc.stderr
     assert "OMP_NUM_THREADS" not in proc.stderr

@@ -216,6 +216,31 @@ def _gone_within(pid: int, limit_s: float) -> bool:
     return False
 
 
+def test_a_prestarted_torchrun_is_held_and_a_refusal_ends_it(plan: Plan) -> None:
+    """`hetplan run` starts torchrun's process before the model check (it imports torch
+    meanwhile, :mod:`hetplan.runtime.torchrun_gate`); a refused plan ends it: gone, its run
+    directory removed, nothing printed, no rank started."""
+    from hetplan.runtime.launch import prestart
+
+    out = io.StringIO()
+    job = prestart(_cmd(plan), out=out)
+    assert job.proc is not None
+    cmdline = Path(f"/proc/{job.proc.pid}/cmdline").read_bytes().split(b"\0")
+    # held by the gate, under the name tools look for torchrun's process by
+    assert b"hetplan.runtime.torchrun_gate" in cmdline and b"torch.distributed.run" in cmdline
+    assert proctree.is_running(job.proc.pid)
+    job.abandon()
+    assert job.proc.poll() is not None and not job.processes()
+    assert not Path(job.run_dir).exists()
+    assert out.getvalue() == ""
+
+
+def test_the_gate_without_torchrun_s_name_is_refused() -> None:
+    proc = subprocess.run([sys.executable, "-m", "hetplan.runtime.torchrun_gate", "--x"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
 def test_a_child_with_the_parent_death_signal_dies_with_its_parent() -> None:
     parent = _python("""
         import subprocess, sys, time

@@ -26,6 +26,10 @@ devices per node), or ``--nproc-per-node`` in the extra options.
    signal SIGKILL, so it dies with the launcher; every process of the run carries the run's
    marker (:mod:`hetplan.runtime.proctree`). torchrun's stderr (its own and the ranks') is
    relayed by a thread (:func:`relay_stderr`), so the launcher itself never blocks on a pipe.
+   ``hetplan run`` starts torchrun's process before the preflight's torch import and model
+   capture (:func:`prestart`): it imports torch meanwhile and waits
+   (:mod:`hetplan.runtime.torchrun_gate`); :func:`launch` lets it go once the preflight has
+   passed, and a refused plan kills it (:meth:`_Job.abandon`) before it has started anything.
 3. **Supervise**, every 0.1 s:
 
    - SIGINT, SIGTERM or SIGHUP to the launcher (Ctrl-C reaches it alone, torchrun being in
@@ -49,6 +53,7 @@ dead peer, torchrun killed); 2 refused (preflight, or every failed rank refused 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -73,7 +78,8 @@ from hetplan.runtime.composition import refusals
 from hetplan.runtime.hetero_ranks import plan_world_size
 
 __all__ = ["HostCapacity", "MIN_CPU_PROCESSES", "OVERSUBSCRIBE", "RunOutcome", "host_problem",
-           "launch", "launched_world_size", "preflight", "relay_stderr", "torchrun_command"]
+           "launch", "launched_world_size", "preflight", "prestart", "relay_stderr",
+           "torchrun_command"]
 
 
 def torchrun_command(
@@ -426,6 +432,7 @@ class _Job:
         self.direct_at: float | None = None  # when a stop signal goes to the ranks directly
         self.killed: dict[int, int | None] = {}
         self.relay: threading.Thread | None = None
+        self.gated = False  # started through torchrun_gate, which waits for release()
 
     # -- signals --------------------------------------------------------------------------
     def on_signal(self, sig: int, _frame: FrameType | None) -> None:
@@ -466,7 +473,17 @@ class _Job:
         return m is not None and int(m.group(1)) == self.proc.pid
 
     # -- running --------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, gated: bool = False) -> None:
+        """Start torchrun (``gated``: its gate, which imports torch and waits for
+        :meth:`release`)."""
+        cmd = self.cmd
+        if gated:
+            from hetplan.runtime.torchrun_gate import TORCHRUN
+
+            if cmd[1:3] != ["-m", TORCHRUN]:
+                raise ValueError(f"not a torchrun command: {cmd[:3]}")
+            cmd = [cmd[0], "-m", "hetplan.runtime.torchrun_gate", TORCHRUN, *cmd[3:]]
+        self.gated = gated
         env = dict(os.environ)
         env[proctree.RUN_ID_ENV] = self.run_id
         env[proctree.RUN_DIR_ENV] = self.run_dir
@@ -475,7 +492,8 @@ class _Job:
         if self.debug:
             env[proctree.DEBUG_ENV] = "1"
         self.proc = subprocess.Popen(
-            self.cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
+            cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
+            stdin=subprocess.PIPE if gated else None,
             start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
         )
         stderr = self.proc.stderr
@@ -486,6 +504,31 @@ class _Job:
         self.relay.start()
         if self.stopped_by is not None:  # a signal came while starting
             self._forward(self.stopped_by, ranks=False)
+
+    def release(self) -> None:
+        """Let a gated torchrun run (a signal already received: let its gate end instead)."""
+        if not self.gated or self.proc is None or self.proc.stdin is None:
+            return
+        try:
+            if self.stopped_by is None:
+                self.proc.stdin.write("go\n")
+            self.proc.stdin.close()
+        except OSError:  # the gate is gone (killed): supervise() reports how it ended
+            pass
+
+    def abandon(self) -> None:
+        """The preflight refused the plan: end the gated torchrun, which has started nothing,
+        and remove the run's directory."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                proctree.kill([self.proc.pid])
+            self.proc.wait()
+            if self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
+        if self.relay is not None:
+            self.relay.join(self.grace_s)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def supervise(self) -> int:
         """Wait for torchrun (module docstring, step 3); its exit status."""
@@ -562,8 +605,21 @@ class _Job:
         return RunOutcome(code, self.stopped_by, status, codes, dict(self.killed))
 
 
+def prestart(cmd: list[str], *, keep_agent_traceback: bool = False, grace_s: float = 5.0,
+             failed_grace_s: float = 2.0, out: TextIO | None = None) -> _Job:
+    """Start torchrun's process for ``cmd`` held before it does anything but import torch
+    (:mod:`hetplan.runtime.torchrun_gate`), so that its import overlaps the preflight. Pass
+    the result to :func:`launch` once the preflight has passed, or call its ``abandon()``
+    when it refused the plan. Arguments as :func:`launch`'s."""
+    job = _Job(cmd, debug=keep_agent_traceback, grace_s=grace_s, failed_grace_s=failed_grace_s,
+               out=out or sys.stderr)
+    job.start(gated=True)
+    return job
+
+
 def launch(cmd: list[str], *, keep_agent_traceback: bool = False, grace_s: float = 5.0,
-           failed_grace_s: float = 2.0, out: TextIO | None = None) -> RunOutcome:
+           failed_grace_s: float = 2.0, out: TextIO | None = None,
+           job: _Job | None = None) -> RunOutcome:
     """Run the torchrun command and own its process tree (module docstring, steps 2–3).
 
     Args:
@@ -574,18 +630,25 @@ def launch(cmd: list[str], *, keep_agent_traceback: bool = False, grace_s: float
         failed_grace_s: how long the other ranks get to stop once a rank has failed (torchrun
             stops them at once; only a frozen one needs killing).
         out: where stderr is relayed (default ``sys.stderr``).
+        job: torchrun already started for ``cmd`` by :func:`prestart` (which took the
+            arguments above), released here.
 
     Returns:
         How the run ended; ``.code`` is the exit code for ``hetplan run``.
     """
-    job = _Job(cmd, debug=keep_agent_traceback, grace_s=grace_s, failed_grace_s=failed_grace_s,
-               out=out or sys.stderr)
+    if job is None:
+        job = _Job(cmd, debug=keep_agent_traceback, grace_s=grace_s,
+                   failed_grace_s=failed_grace_s, out=out or sys.stderr)
+    elif job.cmd != cmd:
+        raise ValueError("launch(job=...): the job was prestarted for another command")
     in_main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, job.on_signal) for sig in proctree.STOP_SIGNALS} \
         if in_main else {}
     status: int | None = None
     try:
-        job.start()
+        if job.proc is None:
+            job.start()
+        job.release()
         status = job.supervise()
     finally:
         if status is None:  # the launcher itself failed: leave nothing behind
