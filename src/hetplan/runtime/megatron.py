@@ -9,13 +9,15 @@ rest of a transformer, in place, on the same uneven-shard linears
   detector in :mod:`hetplan.ir.capture.attention`, which capture also runs to record each
   projection's head unit for the planner): either a module with a head count
   (``n_heads``, ``num_heads``, ...), ``head_dim``, a fused QKV projection
-  (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
-  (``heads·head_dim → out``); or a module with ``head_dim`` and separate query, key and value
-  projections (``q_proj``/``k_proj``/``v_proj`` or ``query``/``key``/``value``) beside its
-  output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2, OPT and ViT;
-  or HF BERT's (RoBERTa's) layout, ``self.query/key/value`` and ``output.dense`` in two
-  submodules (split without sequence parallelism only: with it the TP handler keeps it
-  replicated, with a warning). Each rank keeps whole heads: the Q, K and V rows of its heads (one
+  (``in → 3·heads·head_dim``, of a class known to lay it out as ``[Q | K | V]`` thirds: HF
+  GPT-2's ``c_attn``, the zoo's ``gpt-test``; Bloom's and GPTBigCode's, interleaved per
+  head, are not split) and an output projection (``heads·head_dim → out``); or a module
+  with ``head_dim`` and separate query, key and value projections (``q_proj``/``k_proj``/
+  ``v_proj`` or ``query``/``key``/``value``) beside its output projection
+  (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2, OPT and ViT; or HF BERT's
+  (RoBERTa's) layout, ``self.query/key/value`` and ``output.dense`` in two submodules
+  (split without sequence parallelism only: with it the TP handler keeps it replicated,
+  with a warning). Each rank keeps whole heads: the Q, K and V rows of its heads (one
   :class:`FusedColumnParallelLinear`, or three column-parallel linears) and the matching input
   columns of the output projection (a row-parallel linear). With grouped-query attention
   (fewer key/value heads than query heads) a rank keeps whole groups, a key/value head and
