@@ -104,10 +104,17 @@ def _num_labels(name: str) -> int:
 
 def zoo_data(name: str, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s inputs and targets for zoo model ``name``: next-token batches
-    (:func:`lm_data`) for a language model; for an image classifier (``input_kind``
+    (:func:`lm_data`) for a language model (for an encoder-decoder, ``input_kind``
+    ``"seq2seq"``, the inputs are the encoder's ids, an all-ones attention mask and the
+    decoder's ids, whose next tokens are the targets); for an image classifier (``input_kind``
     ``"image"``: ``seq`` is unused) float64 pixels [batch, 3, H, W] and class labels
     [batch], which :func:`lm_loss` takes as it is (logits [batch, labels])."""
-    if zoo.get(name).input_kind != "image":
+    kind = zoo.get(name).input_kind
+    if kind == "seq2seq":  # HF T5: (input_ids, attention_mask, decoder_input_ids), positional
+        ids, _ = lm_data(step, batch, seq)
+        dec, target = lm_data(step, batch, seq, seed=101)
+        return (ids, torch.ones_like(ids), dec), target
+    if kind != "image":
         return lm_data(step, batch, seq)
     (meta,), _ = zoo.example_inputs(name, batch=batch)  # on "meta": the shape only
     g = torch.Generator().manual_seed(7 + step)
@@ -143,12 +150,13 @@ def zoo_reference(name: str, batch: int, seq: int, steps: int,
     (tied ones under each of their names). Computed once per argument tuple; callers must
     not modify what it returns."""
     model = zoo_model(name)
-    _, kwargs = zoo_example(name)
+    _, example = zoo_example(name)  # the runtime passes the non-tensor keywords only
+    kwargs = {k: v for k, v in example.items() if not isinstance(v, torch.Tensor)}
     opt = sgd(list(model.parameters()))
     losses = []
     for step in range(steps):
         x, y = zoo_data(name, step, batch, seq)
-        loss = lm_loss(model(x, **kwargs), y)
+        loss = lm_loss(model(*x, **kwargs) if isinstance(x, tuple) else model(x, **kwargs), y)
         loss.backward()
         losses.append(float(loss.detach()))
         opt.step()

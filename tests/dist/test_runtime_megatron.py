@@ -14,8 +14,10 @@ output projection under ``attention.output``; without sequence parallelism, whic
 attention replicated) with its vocabulary-parallel LM head, whose bias alias
 ``cls.predictions.bias`` is held to the reference too; HF ViT (an image classifier, no
 vocabulary) with one head per rank, and with the plan's skewed sizes that would split a head
-(replicated); PP 2 x TP 2 of GPT-2-style models and HF Llama. The models run in eval mode
-(no dropout, whose masks a split model cannot draw as one process does). The cases of one
+(replicated); HF T5 (attention replicated, its encoder's and decoder's lookups of the
+shared table vocabulary-parallel); PP 2 x TP 2 of GPT-2-style models and HF Llama. The
+models run in eval mode (no dropout, whose masks a split model cannot draw as one process
+does). The cases of one
 world size train one after another in one process group (``reflib.train_plans``): one spawn
 per world size.
 """
@@ -115,6 +117,11 @@ TP2_CASES: dict[str, tuple[str, int, bool, tuple[int, int] | None]] = {
 #: cases whose attention stays replicated
 REPLICATED = {"tiny-opt-no-head-on-a-rank", "tiny-vit-head-split-by-the-plan"}
 TP2_CASES |= {label: case[:4] for label, case in QKV_CASES.items()}
+#: HF T5: its attention (a relative position bias per head) stays replicated; ``shared``,
+#: ``encoder.embed_tokens`` and ``decoder.embed_tokens`` (three modules on one weight, tied
+#: to ``lm_head``) are one vocabulary-parallel embedding
+T5_CASE = "tiny-t5-vocab"
+TP2_CASES[T5_CASE] = ("tiny-t5", 16, False, None)
 #: label -> (zoo model, sequence parallel); traced stages fix the sequence length to the zoo
 #: example's
 PP2_TP2_CASES: dict[str, tuple[str, bool]] = {
@@ -146,7 +153,8 @@ def pp2_tp2_results() -> list[dict[str, Any]]:
     return run_local_ranks(train_plans, 4, (cases,), timeout_s=600, threads_per_process=1)
 
 
-@pytest.mark.parametrize("label", [k for k in TP2_CASES if k not in QKV_CASES])
+@pytest.mark.parametrize("label", [k for k in TP2_CASES
+                                   if k not in QKV_CASES and k != T5_CASE])
 def test_megatron_tp_equals_reference(tp2_results: list[dict[str, Any]], label: str) -> None:
     name, seq, _, _ = TP2_CASES[label]
     got = case_results(tp2_results, label)
@@ -180,6 +188,19 @@ def test_separate_qkv_attention_split_by_heads(tp2_results: list[dict[str, Any]]
             assert g["shapes"][f"{attn}.{out}"] == (width, 16 * q_heads[rank])
         if name not in NO_VOCAB:
             assert "VocabParallelEmbedding" in g["kinds"]
+
+
+def test_t5_vocabulary_split_with_its_attention_replicated(
+        tp2_results: list[dict[str, Any]]) -> None:
+    """Every lookup of T5's split vocabulary (the encoder's and the decoder's) is
+    vocabulary-parallel: training equals the reference, the shared table and its aliases
+    included; no attention projection is split."""
+    got = case_results(tp2_results, T5_CASE)
+    _check(got, "tiny-t5", 16)
+    for g in got:
+        assert "VocabParallelEmbedding" in g["kinds"]
+        assert g["shapes"]["shared"] == (256, 32)  # 512 ids, half per rank
+        assert not [n for n in g["shapes"] if "Attention." in n]
 
 
 def _check(got: list[dict], name: str, seq: int) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 import hetplan
 from hetplan import zoo
 from hetplan.errors import SpecError
+from hetplan.ir.capture.attention import attention_modules, attention_parts
 from hetplan.ir.model import LinearInfo, ModelIR
 
 
@@ -103,3 +104,49 @@ def test_a_non_positive_unit_in_a_workload_file_is_refused() -> None:
     with pytest.raises(SpecError, match="split_unit must be >= 1"):
         ModelIR.from_json(json.dumps(data))
     assert LinearInfo("a", 8, 16, True).split_unit is None
+
+
+def _interleaved_qkv_model(family: str) -> tuple[nn.Module, str, str]:
+    """A tiny HF model whose fused QKV projection interleaves Q, K and V per head (2 heads
+    of 16), its attention module's path and fused projection's name."""
+    import transformers
+
+    if family == "bloom":
+        bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2,
+                                         bos_token_id=0, eos_token_id=0)
+        return (transformers.BloomForCausalLM(bloom).eval(), "transformer.h.0.self_attention",
+                "query_key_value")
+    bigcode = transformers.GPTBigCodeConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=2,
+                                            multi_query=False, bos_token_id=0, eos_token_id=0)
+    return transformers.GPTBigCodeForCausalLM(bigcode).eval(), "transformer.h.0.attn", "c_attn"
+
+
+@pytest.mark.parametrize("family", ["bloom", "gpt_bigcode"])
+def test_fused_qkv_interleaved_per_head_is_not_found_nor_given_units(family: str) -> None:
+    """HF Bloom's ``query_key_value`` and GPTBigCode's (multi-head) ``c_attn`` have every
+    shape GPT-2's fused projection has (a head count, ``head_dim``, ``3·heads·head_dim``
+    outputs) but lay Q, K and V out per head, not as thirds: split as thirds a rank would
+    get other heads' rows. Neither the runtime nor capture takes them for fused attention."""
+    model, attn, fused = _interleaved_qkv_model(family)
+    mod = model.get_submodule(attn)
+    heads, head_dim = mod.num_heads, mod.head_dim
+    assert heads * head_dim == 32
+    assert mod.get_submodule(fused).weight.shape == (3 * 32, 32)  # what a shape check sees
+    assert attention_parts(mod) is None
+    assert attention_modules(model) == {}
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    ir = hetplan.capture(model, (ids,), {"use_cache": False}, name=family)
+    units = {lin.name: lin.split_unit for lay in ir.layers for lin in lay.linears}
+    assert f"{attn}.{fused}" in units
+    assert set(units.values()) == {None}
+
+
+def test_gpt2_fused_qkv_is_found_as_thirds() -> None:
+    """HF GPT-2's ``c_attn`` (a ``Conv1D``, split into Q, K and V thirds) and the zoo's
+    ``gpt-test`` ``qkv`` are fused attention."""
+    gpt2 = zoo.build("tiny-gpt2", device="cpu", seed=0)
+    parts = attention_parts(gpt2.get_submodule("transformer.h.0.attn"))
+    assert parts is not None and parts.fused and parts.qkv == ("c_attn",)
+    parts = attention_parts(zoo.build("gpt-test", device="cpu", seed=0).get_submodule(
+        "blocks.0.attn"))
+    assert parts is not None and parts.fused and (parts.qkv, parts.out) == (("qkv",), "proj")

@@ -9,8 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
+import hetplan
 from hetplan import zoo
 from hetplan.errors import SpecError
 from hetplan.runtime.megatron import (
@@ -24,7 +26,7 @@ from hetplan.runtime.megatron import (
     shard_vocab,
 )
 from hetplan.runtime.pipeline import use_eager_layers
-from hetplan.runtime.tensor_parallel import ColumnParallelLinear
+from hetplan.runtime.tensor_parallel import ColumnParallelLinear, replace_module, shard_model
 
 
 def test_heads_come_from_the_plan_in_whole_heads_else_even() -> None:
@@ -205,3 +207,91 @@ def test_vocab_parallel_embedding_keeps_the_padding_row_without_gradient() -> No
     split(torch.tensor([[1, 2, 1, 5]])).sum().backward()
     assert split.weight.grad is not None
     assert split.weight.grad[1].abs().sum() == 0 and split.weight.grad[2].abs().sum() > 0
+
+
+def test_t5_lookups_of_the_split_vocabulary_are_all_vocab_parallel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF T5's ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens`` are three
+    ``nn.Embedding`` modules on one weight (tied to ``lm_head`` too). Split over 2 ranks,
+    all three are the same vocabulary-parallel embedding: the encoder looks up id 511 (past
+    rank 0's rows) and, summed over the ranks (the all-reduce, faked here without a process
+    group), every lookup is the full table's."""
+    monkeypatch.setattr("hetplan.runtime.megatron.reduce_from_tp", lambda y, _group: y)
+    full = zoo.build("tiny-t5", device="cpu", seed=0)
+    ids = torch.tensor([[511, 3, 300, 7]])
+    partial: dict[str, torch.Tensor] = {}
+    for rank in (0, 1):
+        model = zoo.build("tiny-t5", device="cpu", seed=0)
+        shard_vocab(model, "lm_head", "shared", None, rank, 2, _ce)
+        emb = model.get_submodule("shared")
+        assert isinstance(emb, VocabParallelEmbedding)
+        assert model.encoder.embed_tokens is emb and model.decoder.embed_tokens is emb
+        assert model.lm_head.weight is emb.weight  # the tie stays
+        model.encoder(input_ids=ids)  # an IndexError when the stacks kept nn.Embedding
+        for stack in ("encoder", "decoder"):
+            y = model.get_submodule(f"{stack}.embed_tokens")(ids)
+            partial[stack] = partial[stack] + y if stack in partial else y
+    for y in partial.values():
+        torch.testing.assert_close(y, full.shared(ids), rtol=0, atol=0)
+
+
+class _TiedLinears(nn.Module):
+    """``y.weight`` is ``x.weight``: two linears on one matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.y = nn.Linear(4, 16), nn.Linear(4, 16)
+        self.y.weight = self.x.weight
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.x(a) + self.y(a)
+
+
+@pytest.mark.parametrize("order", [("x", "y"), ("y", "x")])
+def test_modules_sharing_a_parameter_are_replaced_in_any_order(
+        order: tuple[str, str]) -> None:
+    """Each linear of a tied pair, both being replaced, is sliced from the full matrix: the
+    first replacement does not hand its shard to the other (named ``pending``)."""
+    model = _TiedLinears()
+    want = model.x.weight.detach()[8:].clone()
+    for name in order:
+        replace_module(model, name, ColumnParallelLinear.from_linear(
+            model.get_submodule(name), [8, 8], 1), pending={"x", "y"})
+    for name in "xy":
+        split = model.get_submodule(name)
+        assert isinstance(split, ColumnParallelLinear)
+        assert torch.equal(split.weight.detach(), want)
+
+
+def test_a_linear_left_computing_with_a_replaced_parameter_is_refused_by_name() -> None:
+    """Re-pointing ``y.weight`` to ``x``'s shard would make ``y`` compute on 8 of its 16
+    rows: refused, naming the alias and its holder, and the model is left as it was."""
+    model = _TiedLinears()
+    x = model.x
+    with pytest.raises(SpecError, match=r"'y\.weight' is x\.weight.*'y' \(Linear\)"):
+        replace_module(model, "x", ColumnParallelLinear.from_linear(x, [8, 8], 1))
+    assert model.x is x and model.y.weight is x.weight
+
+
+class _MLPBlock(nn.Module):
+    """``x + fc2(relu(fc1(x)))``: one Megatron pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_shard_model_splits_mlp_pairs_whose_linears_share_a_weight() -> None:
+    """Two MLP pairs whose column linears share a weight: both are split from the full
+    matrix, whichever is replaced first."""
+    model = nn.Sequential(_MLPBlock(), _MLPBlock())
+    model[1].fc1.weight = model[0].fc1.weight
+    full = model[0].fc1.weight.detach().clone()
+    ir = hetplan.capture(model, torch.randn(2, 4))
+    shard_model(model, ir.layers, None, None, 1, 2)
+    for block in model:
+        assert isinstance(block.fc1, ColumnParallelLinear)
+        assert torch.equal(block.fc1.weight.detach(), full[8:])

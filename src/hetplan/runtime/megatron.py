@@ -9,13 +9,15 @@ rest of a transformer, in place, on the same uneven-shard linears
   detector in :mod:`hetplan.ir.capture.attention`, which capture also runs to record each
   projection's head unit for the planner): either a module with a head count
   (``n_heads``, ``num_heads``, ...), ``head_dim``, a fused QKV projection
-  (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output projection
-  (``heads·head_dim → out``); or a module with ``head_dim`` and separate query, key and value
-  projections (``q_proj``/``k_proj``/``v_proj`` or ``query``/``key``/``value``) beside its
-  output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2, OPT and ViT;
-  or HF BERT's (RoBERTa's) layout, ``self.query/key/value`` and ``output.dense`` in two
-  submodules (split without sequence parallelism only: with it the TP handler keeps it
-  replicated, with a warning). Each rank keeps whole heads: the Q, K and V rows of its heads (one
+  (``in → 3·heads·head_dim``, of a class known to lay it out as ``[Q | K | V]`` thirds: HF
+  GPT-2's ``c_attn``, the zoo's ``gpt-test``; Bloom's and GPTBigCode's, interleaved per
+  head, are not split) and an output projection (``heads·head_dim → out``); or a module
+  with ``head_dim`` and separate query, key and value projections (``q_proj``/``k_proj``/
+  ``v_proj`` or ``query``/``key``/``value``) beside its output projection
+  (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2, OPT and ViT; or HF BERT's
+  (RoBERTa's) layout, ``self.query/key/value`` and ``output.dense`` in two submodules
+  (split without sequence parallelism only: with it the TP handler keeps it replicated,
+  with a warning). Each rank keeps whole heads: the Q, K and V rows of its heads (one
   :class:`FusedColumnParallelLinear`, or three column-parallel linears) and the matching input
   columns of the output projection (a row-parallel linear). With grouped-query attention
   (fewer key/value heads than query heads) a rank keeps whole groups, a key/value head and
@@ -36,13 +38,16 @@ rest of a transformer, in place, on the same uneven-shard linears
 * **Vocabulary** (:func:`shard_vocab`): the token embedding whose rows are the LM head's
   outputs is split by rows (:class:`VocabParallelEmbedding`: a rank looks up the ids in its
   range, the partial embeddings are summed), the head by output features; a tied
-  embedding/head stays tied (one local parameter), and so does any other alias of a replaced
-  module's parameter (HF BERT's ``cls.predictions.bias`` is its decoder's bias: it becomes
-  the same local shard, :func:`~hetplan.runtime.tensor_parallel.replace_module`, which every
-  split here uses). The head's local logits go to
-  :func:`vocab_parallel_cross_entropy` (never gathered) when the runtime's loss is the token
-  cross-entropy — checked on a probe (:func:`is_token_cross_entropy`); with any other loss the
-  logits are gathered first (:class:`GatherLogits`) and the given loss runs on them.
+  embedding/head stays tied (one local parameter), every lookup of the table is the same
+  vocabulary-parallel embedding (HF T5's ``encoder.embed_tokens`` and
+  ``decoder.embed_tokens`` share ``shared``'s weight), and any other alias of a replaced
+  module's parameter holds the local shard (HF BERT's ``cls.predictions.bias`` is its
+  decoder's bias: :func:`~hetplan.runtime.tensor_parallel.replace_module`, which every split
+  here uses, refuses to hand a shard to a linear or embedding left whole). The head's local
+  logits go to :func:`vocab_parallel_cross_entropy` (never gathered) when the runtime's loss
+  is the token cross-entropy — checked on a probe (:func:`is_token_cross_entropy`); with any
+  other loss the logits are gathered first (:class:`GatherLogits`) and the given loss runs
+  on them.
 * **Sequence parallelism** (:func:`sequence_parallel`): between the first and the last
   sharded block the residual stream holds this rank's slice of the sequence (dim 1,
   batch-first), so layer norms, dropouts and residual adds run on ``1/tp`` of the tokens. A
@@ -305,17 +310,18 @@ def shard_attention(model: nn.Module, name: str, group: Any, rank: int, tp: int,
         return False
     feats = [h * parts.head_dim for h in per_rank]
     prefix = f"{name}." if name else ""  # the projections' paths in ``model``
+    pending = {prefix + p for p in parts.linears}
     if parts.fused:
         fused = prefix + parts.qkv[0]
         replace_module(model, fused, FusedColumnParallelLinear.from_fused(
-            model.get_submodule(fused), feats, rank, group))
+            model.get_submodule(fused), feats, rank, group), pending=pending)
     else:
         kv_feats = [h * parts.head_dim for h in kv]
         for path, sizes in zip(parts.qkv, (feats, kv_feats, kv_feats), strict=True):
             replace_module(model, prefix + path, ColumnParallelLinear.from_linear(
-                mod.get_submodule(path), sizes, rank, group))
+                mod.get_submodule(path), sizes, rank, group), pending=pending)
     replace_module(model, prefix + parts.out, RowParallelLinear.from_linear(
-        mod.get_submodule(parts.out), feats, rank, group))
+        mod.get_submodule(parts.out), feats, rank, group), pending=pending)
     holder = parts.qkv[0].rpartition(".")[0]  # the module whose forward reads the heads
     _local_attrs(mod.get_submodule(holder) if holder else mod, parts, per_rank[rank], kv[rank])
     setattr(mod, "hetplan_heads", per_rank[rank])  # marks the split module
@@ -553,8 +559,15 @@ def shard_vocab(model: nn.Module, head: str, embedding: str | None, group: Any, 
     """Split LM head ``head`` (by output features) and, when given, token embedding
     ``embedding`` (by rows) evenly over the vocabulary, in place; a tied pair stays tied, and
     any other attribute aliasing the head's (embedding's) parameters holds the local shard
-    after it (HF BERT's ``cls.predictions.bias``). Returns the loss to train with (see
-    module doc)."""
+    after it (HF BERT's ``cls.predictions.bias``). Every ``nn.Embedding`` of ``model`` on the
+    embedding's weight (HF T5's ``encoder.embed_tokens`` and ``decoder.embed_tokens`` beside
+    ``shared``) becomes the same :class:`VocabParallelEmbedding`. Returns the loss to train
+    with (see module doc).
+
+    Raises:
+        SpecError: another module computes with the head's or the embedding's whole
+            parameter (a linear tied to it, say): it would run on the local shard.
+    """
     lin = model.get_submodule(head)
     vocab = weight_out_in(lin)[0]
     sizes = tuple(even_shards(vocab, tp))
@@ -563,13 +576,20 @@ def shard_vocab(model: nn.Module, head: str, embedding: str | None, group: Any, 
         raise TypeError(f"{embedding!r} is a {type(emb_mod).__name__}, not an nn.Embedding")
     tied = emb_mod is not None and emb_mod.weight is weight(lin)
     new_head = ColumnParallelLinear.from_linear(lin, sizes, rank, group)
-    if embedding is not None and emb_mod is not None:
+    # every lookup of the table (T5: ``shared``, ``encoder.embed_tokens`` and
+    # ``decoder.embed_tokens``, three modules on one weight) becomes vocabulary-parallel
+    lookups = [] if emb_mod is None else [
+        n for n, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, nn.Embedding) and m.weight is emb_mod.weight]
+    pending = {head, *lookups}
+    if emb_mod is not None:
         emb = VocabParallelEmbedding(emb_mod, sizes, rank, group)
-        replace_module(model, embedding, emb)
+        for path in lookups:
+            replace_module(model, path, emb, pending=pending)
         if tied:
             new_head.weight = emb.weight
     if is_token_cross_entropy(loss_fn):
-        replace_module(model, head, new_head)
+        replace_module(model, head, new_head, pending=pending)
         return VocabParallelLoss(new_head.start, group)
-    replace_module(model, head, GatherLogits(new_head), params_of=new_head)
+    replace_module(model, head, GatherLogits(new_head), params_of=new_head, pending=pending)
     return loss_fn

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetplan.algorithms.skewed_shards import even_shards
-from hetplan.errors import PlanMismatchError
+from hetplan.errors import PlanMismatchError, SpecError
 from hetplan.ir.model import LayerIR, LinearInfo, megatron_pairs
 from hetplan.ir.plan_sections import TensorParallel, TPGroup
 from hetplan.ir.plan_tp_checks import TPModel, tp_group_problems
@@ -329,8 +329,19 @@ def _find_group(tp: TensorParallel | None, group: Any, tp_rank: int, tp_size: in
     return g
 
 
+def _computes_with(mod: nn.Module) -> bool:
+    """Whether ``mod``'s forward uses its parameters as whole matrices (a linear, an HF
+    ``Conv1D``, an embedding, a parallel linear): handed a shard, it would compute wrong."""
+    return (isinstance(mod, nn.Linear | nn.Embedding | _ParallelLinear)
+            or type(mod).__name__ == "Conv1D")
+
+
+def _under(path: str, names: Collection[str]) -> bool:
+    return any(path == n or path.startswith(f"{n}.") for n in names)
+
+
 def replace_module(model: nn.Module, name: str, new: nn.Module, *,
-                   params_of: nn.Module | None = None) -> None:
+                   params_of: nn.Module | None = None, pending: Collection[str] = ()) -> None:
     """Put ``new`` in place of module ``name`` of ``model``, and re-point the replaced
     module's aliases: every other module of ``model`` whose parameter attribute held one of
     the replaced module's parameters (HF ties BERT's ``cls.predictions.bias`` to its
@@ -339,19 +350,39 @@ def replace_module(model: nn.Module, name: str, new: nn.Module, *,
     shard's parameters ``head.*``). Left alone, such an alias would keep the full tensor
     that no longer trains, and a state dict (or any code reading it) would carry the stale
     value. A parameter ``params_of`` has no counterpart for keeps its aliases as they are.
-    O(parameters of ``model``)."""
+
+    Only plain parameter attributes are re-pointed: a module whose forward uses the
+    parameter as a whole matrix (``nn.Linear``, ``nn.Embedding``, HF ``Conv1D``: T5's
+    ``encoder.embed_tokens`` shares ``shared``'s weight) would compute wrong on a shard, so
+    it must be replaced too: the caller names it in ``pending`` (modules it replaces next,
+    left alone here, in any order), else this raises. O(modules of ``model``).
+
+    Raises:
+        SpecError: a module outside ``pending`` computes with one of the replaced
+            parameters (the alias and its holder are named); ``model`` is left unchanged.
+    """
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
-    setattr(parent, attr, new)
     now = dict((params_of or new).named_parameters())
-    swap = {id(p): now[n] for n, p in old.named_parameters() if n in now and now[n] is not p}
-    if not swap:
-        return
-    for mod in model.modules():
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            if id(p) in swap:
-                setattr(mod, pname, swap[id(p)])
+    own = {id(p): n for n, p in old.named_parameters() if n in now and now[n] is not p}
+    holders: list[tuple[nn.Module, str, nn.Parameter]] = []
+    skip = {*pending, name}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) not in own or _under(path, skip):
+                continue
+            if _computes_with(mod):
+                alias = f"{path}.{pname}" if path else pname
+                raise SpecError(
+                    f"tensor parallelism: {alias!r} is {name}.{own[id(p)]}, which a "
+                    f"{type(new).__name__} replaces with its local shard, but its holder "
+                    f"{path!r} ({type(mod).__name__}) computes with the whole tensor: it "
+                    "would run on the shard (such a tie is not split)")
+            holders.append((mod, pname, now[own[id(p)]]))
+    setattr(parent, attr, new)
+    for mod, pname, shard in holders:
+        setattr(mod, pname, shard)
 
 
 def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | LayerIR],
@@ -394,12 +425,13 @@ def shard_model(model: nn.Module, ir_layers_linears: Iterable[LinearInfo | Layer
                       stacklevel=2)
     for name, why in sorted(skipped.items()):
         log.debug("tensor parallel: %s stays replicated (%s)", name, why)
+    pending = {n for pair in pairs for n in (*pair.columns, pair.row)}  # ties among them
     for pair in pairs:
         for name in pair.columns:
             replace_module(model, name, ColumnParallelLinear.from_linear(
-                model.get_submodule(name), pair.shard_sizes, tp_rank, group))
+                model.get_submodule(name), pair.shard_sizes, tp_rank, group), pending=pending)
         replace_module(model, pair.row, RowParallelLinear.from_linear(
-            model.get_submodule(pair.row), pair.shard_sizes, tp_rank, group))
+            model.get_submodule(pair.row), pair.shard_sizes, tp_rank, group), pending=pending)
     log.info("tensor parallel: %d pair(s) sharded over %d ranks, %d linear(s) replicated",
              len(pairs), tp_size, len(skipped))
     return model

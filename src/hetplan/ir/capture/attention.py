@@ -8,7 +8,9 @@ heads. Three layouts are recognised:
 
 * **fused**: a module with a head count (``n_heads``, ``num_heads``, ...), ``head_dim``, a
   fused QKV projection (``in → 3·heads·head_dim``: GPT-2's ``c_attn``) and an output
-  projection (``heads·head_dim → out``);
+  projection (``heads·head_dim → out``), of a class known to lay the projection out as
+  ``[Q | K | V]`` thirds (HF GPT-2, hetplan's ``gpt-test``). Fused projections interleaved
+  per head (HF Bloom, GPTBigCode) are not found: their modules stay whole;
 * **separate**: a module with ``head_dim`` (or ``attention_head_size``) and separate query,
   key and value projections (``q_proj``/``k_proj``/``v_proj`` or ``query``/``key``/``value``)
   beside its output projection (``o_proj``/``out_proj``): HF Llama, Mistral, Mixtral, Qwen2,
@@ -56,6 +58,14 @@ _Q, _K, _V, _O = ("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("
 #: Attributes of attention modules with separate projections that are not split (T5's
 #: relative position bias per head).
 _NOT_SPLIT = ("has_relative_attention_bias", "relative_attention_bias")
+#: (module, class) of the attention modules whose fused QKV projection (child name, class
+#: name) computes ``[Q | K | V]`` thirds (``split(width, dim=-1)``, then heads of each):
+#: HF GPT-2's and hetplan's own (the zoo's ``gpt-test``). hetplan's ``MegatronBlock``
+#: (``megatron-gpt-test``) is a whole layer, not an attention module: not found either way.
+_FUSED_THIRDS = {
+    ("transformers.models.gpt2.modeling_gpt2", "GPT2Attention"): ("c_attn", "Conv1D"),
+    ("hetplan.models", "CausalSelfAttention"): ("qkv", "Linear"),
+}
 
 
 def weight(linear: nn.Module) -> torch.Tensor:
@@ -126,16 +136,22 @@ def attention_parts(mod: nn.Module) -> AttentionParts | None:
 
 
 def _fused_parts(mod: nn.Module) -> AttentionParts | None:
+    """A fused QKV projection whose output is known to be ``[Q | K | V]`` thirds, each
+    ``heads · head_dim`` wide (:data:`_FUSED_THIRDS`). Other fused layouts are not: HF
+    Bloom's ``query_key_value`` and GPTBigCode's ``c_attn`` (multi-head) interleave Q, K and
+    V per head, so a split by thirds would hand a rank other heads' rows: None, and the
+    module stays replicated."""
+    child = _FUSED_THIRDS.get((type(mod).__module__, type(mod).__qualname__))
     attr = next((a for a in HEAD_COUNT if isinstance(getattr(mod, a, None), int)), None)
     head_dim = getattr(mod, "head_dim", None)
-    if attr is None or not isinstance(head_dim, int):
+    if child is None or attr is None or not isinstance(head_dim, int):
         return None
     heads: int = getattr(mod, attr)
     width = heads * head_dim
     lins = linear_children(mod)
     fused = [n for n, c in lins if weight_out_in(c)[0] == 3 * width]
     out = [n for n, c in lins if weight_out_in(c)[1] == width and n not in fused]
-    if len(fused) != 1 or len(out) != 1:
+    if fused != [child[0]] or type(getattr(mod, child[0])).__name__ != child[1] or len(out) != 1:
         return None
     return AttentionParts((fused[0],), out[0], heads, heads, head_dim, attr)
 
