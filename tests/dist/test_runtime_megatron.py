@@ -113,9 +113,14 @@ TP2_CASES: dict[str, tuple[str, int, bool, tuple[int, int] | None]] = {
     "tiny-opt-no-head-on-a-rank": ("tiny-opt", 16, False, (64, 0)),
     # skewed sizes that split one of ViT's two heads of 16: it stays replicated (a warning)
     "tiny-vit-head-split-by-the-plan": ("tiny-vit", 0, False, (24, 8)),
+    # hetplan's MegatronBlock: a whole layer holding the fused QKV (and the MLP)
+    "megatron-block": ("megatron-gpt-test", 16, False, None),
+    "megatron-block-sp-odd-seq": ("megatron-gpt-test", 15, True, None),
 }
-#: cases whose attention stays replicated
-REPLICATED = {"tiny-opt-no-head-on-a-rank", "tiny-vit-head-split-by-the-plan"}
+#: cases whose attention stays replicated (MegatronBlock, a whole layer, under sequence
+#: parallelism too)
+REPLICATED = {"tiny-opt-no-head-on-a-rank", "tiny-vit-head-split-by-the-plan",
+              "megatron-block-sp-odd-seq"}
 TP2_CASES |= {label: case[:4] for label, case in QKV_CASES.items()}
 #: HF T5: its attention (a relative position bias per head) stays replicated; ``shared``,
 #: ``encoder.embed_tokens`` and ``decoder.embed_tokens`` (three modules on one weight, tied
@@ -127,6 +132,7 @@ TP2_CASES[T5_CASE] = ("tiny-t5", 16, False, None)
 PP2_TP2_CASES: dict[str, tuple[str, bool]] = {
     "gpt-test-sp": ("gpt-test", True), "tied-lm": ("tied-lm", False),
     "tiny-gpt2": ("tiny-gpt2", False), "tiny-llama": ("tiny-llama", False),
+    "megatron-gpt-test": ("megatron-gpt-test", False),
 }
 
 
@@ -160,7 +166,9 @@ def test_megatron_tp_equals_reference(tp2_results: list[dict[str, Any]], label: 
     got = case_results(tp2_results, label)
     _check(got, name, seq)
     for g in got:
-        if label in REPLICATED:
+        if label in REPLICATED and name not in ATTENTION:
+            assert "FusedColumnParallelLinear" not in g["kinds"]
+        elif label in REPLICATED:
             module, q, *_ = ATTENTION[name]
             assert f"{module.format(i=0)}.{q}" not in g["shapes"]
         else:

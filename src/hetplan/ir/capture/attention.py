@@ -59,12 +59,15 @@ _Q, _K, _V, _O = ("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("
 #: relative position bias per head).
 _NOT_SPLIT = ("has_relative_attention_bias", "relative_attention_bias")
 #: (module, class) of the attention modules whose fused QKV projection (child name, class
-#: name) computes ``[Q | K | V]`` thirds (``split(width, dim=-1)``, then heads of each):
-#: HF GPT-2's and hetplan's own (the zoo's ``gpt-test``). hetplan's ``MegatronBlock``
-#: (``megatron-gpt-test``) is a whole layer, not an attention module: not found either way.
-_FUSED_THIRDS = {
-    ("transformers.models.gpt2.modeling_gpt2", "GPT2Attention"): ("c_attn", "Conv1D"),
-    ("hetplan.models", "CausalSelfAttention"): ("qkv", "Linear"),
+#: name) computes ``[Q | K | V]`` thirds (``split(width, dim=-1)``, then heads of each),
+#: with the output projection's name where the module holds other linears of that input
+#: width: HF GPT-2's and hetplan's own (the zoo's ``gpt-test``), and hetplan's
+#: ``MegatronBlock`` (``megatron-gpt-test``), a whole layer whose MLP's ``fc1`` also reads
+#: ``dim`` features; its forward reads the width as ``dim`` (rewritten to the local one).
+_FUSED_THIRDS: dict[tuple[str, str], tuple[str, str, str | None]] = {
+    ("transformers.models.gpt2.modeling_gpt2", "GPT2Attention"): ("c_attn", "Conv1D", None),
+    ("hetplan.models", "CausalSelfAttention"): ("qkv", "Linear", None),
+    ("hetplan.models", "MegatronBlock"): ("qkv", "Linear", "out_proj"),
 }
 
 
@@ -105,6 +108,9 @@ class AttentionParts:
         head_dim: features per head.
         attr: the head-count attribute, or None where the forward reads none (HF Llama:
             ``view(..., -1, head_dim)``).
+        layer: the module is a whole layer (its input is the residual stream, and it holds
+            the MLP too: hetplan's ``MegatronBlock``), so sequence parallelism cannot gather
+            the sequence at its input as it does for an attention module's.
     """
 
     qkv: tuple[str, ...]
@@ -113,6 +119,7 @@ class AttentionParts:
     kv_heads: int
     head_dim: int
     attr: str | None = None
+    layer: bool = False
 
     @property
     def fused(self) -> bool:
@@ -150,10 +157,12 @@ def _fused_parts(mod: nn.Module) -> AttentionParts | None:
     width = heads * head_dim
     lins = linear_children(mod)
     fused = [n for n, c in lins if weight_out_in(c)[0] == 3 * width]
-    out = [n for n, c in lins if weight_out_in(c)[1] == width and n not in fused]
+    out = [n for n, c in lins if weight_out_in(c)[1] == width and n not in fused
+           and child[2] in (None, n)]
     if fused != [child[0]] or type(getattr(mod, child[0])).__name__ != child[1] or len(out) != 1:
         return None
-    return AttentionParts((fused[0],), out[0], heads, heads, head_dim, attr)
+    return AttentionParts((fused[0],), out[0], heads, heads, head_dim, attr,
+                          layer=child[2] is not None)
 
 
 def _child(mod: nn.Module, names: Sequence[str]) -> str | None:

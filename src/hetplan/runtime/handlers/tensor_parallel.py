@@ -101,12 +101,14 @@ class TensorParallelHandler(Handler):
             return
         planned = _planned_sizes(ctx, g, r, tp, stage)
         for name, parts in sorted(attention.items()):
-            if layout.sequence_parallel and parts.nested:
+            if layout.sequence_parallel and (parts.nested or parts.layer):
                 if r == 0:
-                    warnings.warn(f"sequence parallelism: attention module {name!r} keeps its "
-                                  "q/k/v and output projections in different modules (HF "
-                                  "BERT), which the runtime splits without sequence "
-                                  "parallelism only: it stays replicated on every TP rank",
+                    how = ("keeps its q/k/v and output projections in different modules (HF "
+                           "BERT)" if parts.nested else "is a whole layer (hetplan's "
+                           "MegatronBlock)")
+                    warnings.warn(f"sequence parallelism: attention module {name!r} {how}, "
+                                  "which the runtime splits without sequence parallelism "
+                                  "only: it stays replicated on every TP rank",
                                   RuntimeWarning, stacklevel=2)
                 continue
             if shard_attention(ctx.model, name, g, r, tp, planned.get(f"{name}.{parts.out}"),
