@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -208,6 +209,9 @@ def run_each(cases: dict[str, Any], train: Callable[[Any], dict[str, Any]],
             out[label] = train(case)
         except Exception:  # reported to the case's test, which fails with it
             out[label] = {"error": traceback.format_exc()}
+            # and now, to stderr: ranks of another pipeline stage may wait on this one until
+            # the run times out, and their results (this one's too) never come back
+            print(f"{label}:\n{out[label]['error']}", file=sys.stderr, flush=True)
             break
     return out
 

@@ -15,11 +15,12 @@ attention replicated) with its vocabulary-parallel LM head, whose bias alias
 ``cls.predictions.bias`` is held to the reference too; HF ViT (an image classifier, no
 vocabulary) with one head per rank, and with the plan's skewed sizes that would split a head
 (replicated); HF T5 (attention replicated, its encoder's and decoder's lookups of the
-shared table vocabulary-parallel); PP 2 x TP 2 of GPT-2-style models and HF Llama. The
-models run in eval mode (no dropout, whose masks a split model cannot draw as one process
-does). The cases of one
-world size train one after another in one process group (``reflib.train_plans``): one spawn
-per world size.
+shared table vocabulary-parallel); hetplan's MegatronBlock (a whole layer holding the fused
+QKV projection: split by heads, replicated under sequence parallelism); PP 2 x TP 2 of
+GPT-2-style models, hetplan's MegatronGPT (its blocks' attention split by heads) and HF
+Llama. The models run in eval mode (no dropout, whose masks a split model cannot draw as one
+process does). The cases of one world size train one after another in one process group
+(``reflib.train_plans``): one spawn per world size.
 """
 
 from __future__ import annotations
@@ -137,7 +138,9 @@ PP2_TP2_CASES: dict[str, tuple[str, bool]] = {
 
 
 def _seq(name: str) -> int:
-    return 32 if name == "gpt-test" else 16
+    """The zoo example's sequence length (32 for gpt-test and megatron-gpt-test, 16 for the
+    others), to which a traced pipeline stage is fixed (megatron-gpt-test's position slice)."""
+    return int(zoo_example(name)[0][0].shape[1])
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +236,13 @@ def test_pp2_x_tp2_equals_reference(pp2_tp2_results: list[dict[str, Any]], label
     """PP 2 × TP 2 on 4 ranks; tied-lm's and GPT-2's tied embedding/head is vocabulary-
     parallel on the first and last stage, its gradients summed between them. GPT-2's
     attention is called with several inputs inside its traced stage, so it runs replicated
-    there (with a warning); its MLP and vocabulary are split."""
+    there (with a warning); its MLP and vocabulary are split. MegatronGPT's blocks (kept
+    whole in the traced stages) have their fused QKV split by heads."""
     name, _ = PP2_TP2_CASES[label]
-    _check(case_results(pp2_tp2_results, label), name, _seq(name))
+    got = case_results(pp2_tp2_results, label)
+    _check(got, name, _seq(name))
+    if name == "megatron-gpt-test":  # each block's attention split by heads (2 of 4 per rank)
+        for g in got:
+            for i in range(4):
+                assert g["shapes"][f"blocks.{i}.qkv"] == (96, 64)
+                assert g["shapes"][f"blocks.{i}.out_proj"] == (64, 32)

@@ -6,6 +6,8 @@ rendezvous; each keeps its sizes tiny so the file runs in well under a minute.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -164,6 +166,20 @@ def _fail(rank: int, world: int) -> None:
 def test_run_local_ranks_reports_child_errors() -> None:
     with pytest.raises(Exception, match="failed on purpose"):
         run_local_ranks(_fail, 1, backend=None, timeout_s=60)
+
+
+def _rank_one_hangs(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(120)
+    return rank
+
+
+@pytest.mark.dist
+def test_run_local_ranks_timeout_names_the_ranks_that_returned() -> None:
+    """A run that times out says which ranks had returned (a rank whose pipeline stage raised
+    while the next stage's ranks wait on it), not only that it timed out."""
+    with pytest.raises(TimeoutError, match=r"within 15 s; rank\(s\) \[0\] had returned"):
+        run_local_ranks(_rank_one_hangs, 2, backend=None, timeout_s=15)
 
 
 @pytest.mark.dist

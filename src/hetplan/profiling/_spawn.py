@@ -7,7 +7,8 @@ no ~2 s torch import per rank when a process starts many runs, e.g. the test sui
 rendezvous is a ``FileStore`` in a fresh temporary directory, so no fixed port is ever used,
 and the process group gets a timeout. Every rank's return value is pickled to that directory
 and returned to the caller in rank order; an exception in any rank is re-raised in the caller
-with the child's traceback, and a run that overstays ``timeout_s`` is terminated.
+with the child's traceback, and a run that overstays ``timeout_s`` is terminated (the error
+names the ranks that had returned by then).
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ def _entry(
     except BaseException:
         shutdown_process_groups(clean=False)
         raise
-    shutdown_process_groups(clean=True)
+    # written before the shutdown barrier: a run that times out names the ranks that returned
     tmp = Path(tmpdir) / f"result-{rank}.pkl.tmp"
     tmp.write_bytes(pickle.dumps(result))
     tmp.rename(Path(tmpdir) / f"result-{rank}.pkl")
+    shutdown_process_groups(clean=True)
     exit_now(0)
 
 
@@ -136,14 +138,20 @@ def run_local_ranks(
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
+                # ranks that returned while others hang: e.g. one pipeline stage raised (and
+                # its rank function caught it) while the next waits for its activations
+                done = [r for r in range(world_size)
+                        if (Path(tmpdir) / f"result-{r}.pkl").exists()]
                 for p in ctx.processes:
                     if p.is_alive():
                         p.terminate()
                 for p in ctx.processes:
                     p.join(5)
+                returned = f"; rank(s) {done} had returned" if done else ""
                 raise TimeoutError(
                     f"{getattr(fn, '__name__', fn)!s} on {world_size} local process(es) did not "
-                    f"finish within {timeout_s:g} s; raise timeout_s or use smaller sizes"
+                    f"finish within {timeout_s:g} s{returned}; raise timeout_s or use smaller "
+                    "sizes"
                 )
         return [pickle.loads((Path(tmpdir) / f"result-{r}.pkl").read_bytes())
                 for r in range(world_size)]

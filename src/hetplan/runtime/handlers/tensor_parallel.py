@@ -48,14 +48,14 @@ class TensorParallelHandler(Handler):
 
     In order: the MLP pairs (:func:`~hetplan.runtime.tensor_parallel.shard_model`, the plan's
     per-linear shard sizes); then, unless the resizing controller (or an emulated straggler)
-    runs on the MLP shards (then, with a warning, nothing more), Megatron's remaining splits (:mod:`hetplan.runtime.megatron`):
-    attention by whole heads (the plan's sizes for the output projection when it lists them),
-    the vocabulary-parallel embedding and LM head as ``cost_settings.vocab_parallel`` says
-    (:func:`_vocab_to_split`, which refuses a split it cannot do) — ``ctx.loss_fn`` becomes
-    the parallel cross-entropy when it is the token cross-entropy — and, with
-    ``layout.sequence_parallel``, sequence parallelism between the first and the last
-    sharded layer, whose shared parameters' gradients are summed over the TP group after
-    backward (before the data-parallel sync, which runs in a later handler).
+    runs on the MLP shards (then, with a warning, nothing more), Megatron's remaining splits
+    (:mod:`hetplan.runtime.megatron`): attention by whole heads (the plan's sizes for the
+    output projection when it lists them), the vocabulary-parallel embedding and LM head as
+    ``cost_settings.vocab_parallel`` says (:func:`_vocab_to_split`, which refuses a split it
+    cannot do) — ``ctx.loss_fn`` becomes the parallel cross-entropy when it is the token
+    cross-entropy — and, with ``layout.sequence_parallel``, sequence parallelism between the
+    first and the last sharded layer, whose shared parameters' gradients are summed over the
+    TP group after backward (before the data-parallel sync, which runs in a later handler).
 
     Attributes:
         sp_params: parameters whose gradients are summed over the TP group (sequence
