@@ -18,9 +18,9 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    framework costs (the optimizer step per tensor and per byte, on 4 processes at once).
    A kind run on an emulated slow link (``compressed``: ``HETPLAN_EMULATE_BW=1`` on
    ``cpu-2x2-slow``) gets a copy of its model's profile with the hand-overs timed on that
-   link too (``hetplan profile --what collectives --link-kind ethernet`` under the same
-   environment: its wire time is the analytic line, what runs under it is measured), as its
-   run pays them.
+   link too, and its data-parallel sync inside the model's step there (``hetplan profile
+   MODEL --what collectives --link-kind ethernet`` under the same environment: its wire time
+   is the analytic line, what runs under it is measured), as its run pays them.
 2. **Plan** each kind: ``hetplan plan MODEL --cluster local-cpu --profile prof.json`` pinned
    to the kind (``KINDS``: dp, pp, tp, micro-batch, ZeRO, schedule, passes).
 3. **Run** it: ``hetplan run plan.json --model MODEL --steps N --report report.json`` on 4 CPU
@@ -182,7 +182,7 @@ def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict
 
 #: The hand-over records timed inside the runtime's own step (``docs/decisions/
 #: cpu-fidelity.md`` section 12); the profile less them is section 11's model.
-STEP_RECORDS = ("allreduce_step", "zero3_forward", "zero3_backward")
+STEP_RECORDS = ("allreduce_step", "allgather_step", "zero3_forward", "zero3_backward")
 
 
 #: The runtime's phases timed in section 13 (tensor parallelism's, the traced pipeline
@@ -206,12 +206,13 @@ def _without_phases(path: Path) -> Path:
 
 def emulated_profile(kind: Kind, base: Path, tmp: Path, args: argparse.Namespace
                      ) -> tuple[Path, dict[str, Any]]:
-    """``base`` plus the hand-overs timed on the kind's emulated link (``hetplan profile
-    --what collectives --link-kind LINK`` under the kind's environment, merged into a copy of
-    ``base``), as its run pays them."""
+    """``base`` plus the hand-overs and the model's data-parallel sync steps timed on the
+    kind's emulated link (``hetplan profile MODEL --what collectives --link-kind LINK`` under
+    the kind's environment, merged into a copy of ``base``), as its run pays them."""
     out = tmp / f"{base.stem}_{kind.emulated_link}.json"
     shutil.copyfile(base, out)
-    cmd = [*_hetplan(), "profile", "-o", str(out), "-n", str(RANKS), "--what", "collectives",
+    cmd = [*_hetplan(), "profile", kind.model, "-o", str(out), "-n", str(RANKS),
+           "--batch-size", str(MICRO_BATCH), "--what", "collectives",
            "--link-kind", kind.emulated_link]
     code, tail, secs = _call(cmd, kind.env, args.timeout)
     info = {"command": " ".join(cmd[1:]), "env": kind.env, "exit": code,

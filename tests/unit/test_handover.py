@@ -217,8 +217,8 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
     every_link = tuple(r for k in ("nvlink", "pcie", "ethernet", "infiniband", "loopback")
                        for r in _hands(k) + tuple(
                            _hand(op, 32, [(0.0, 9.0 * MS)], link=k, nbytes=1 << 20)
-                           for op in ("allreduce_step", "zero3_forward", "zero3_backward",
-                                     "zero3_step"))
+                           for op in ("allreduce_step", "allgather_step", "zero3_forward",
+                                      "zero3_backward", "zero3_step"))
                        + tuple(_hand(op, g, [(1 * MS, 30.0 * MS)], link=k, nbytes=939_520
                                      ).model_copy(update={"micro_batch": 2})
                                for g in (2, 4, 32)

@@ -67,7 +67,7 @@ def test_the_step_record_round_trips_beside_the_burst_records() -> None:
     # the burst records of the same group are unchanged beside it
     assert back.handover("allreduce", "gloo", "loopback", 4) == HANDS[1]
     with pytest.raises(ValueError, match="operation"):
-        _hand("allgather_step", 4, [(0.0, 1 * MS)])
+        _hand("allgather_stpe", 4, [(0.0, 1 * MS)])
 
 
 def test_the_step_wait_is_measured_beyond_the_all_reduce_line() -> None:
@@ -129,12 +129,14 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
 
     recs, times = profile_sync_steps("gpt-test", 2, batch_size=2, rounds=3, warmup=1,
                                      passes=1, timeout_s=120, zero3=True)
+    packed = recs[1].nbytes
     assert [r.key for r in recs] == [("allreduce_step", "gloo", "loopback", 2, 939_520),
+                                     ("allgather_step", "gloo", "loopback", 2, packed),
                                      ("zero3_forward", "gloo", "loopback", 2, 939_520),
                                      ("zero3_backward", "gloo", "loopback", 2, 939_520),
                                      ("zero3_step", "gloo", "loopback", 2, 939_520)]
-    rec = recs[0]
-    for z in recs[1:]:  # the plain phase, and what FSDP2's gathers / reduce-scatters add
+    rec, gathered = recs[0], recs[1]
+    for z in recs[2:]:  # the plain phase, and what FSDP2's gathers / reduce-scatters add
         # (the step: the plain replica's optimizer step, and FSDP2's over its shards)
         assert z.processes == 2 and len(z.samples) == 1
         assert z.samples[0].burst_s > 0.0 and z.samples[0].seconds > 0.0
@@ -150,6 +152,39 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
     assert t.slowest_step_with_sync_s >= t.step_with_sync_s > t.compute_with_sync_s
     assert t.added_s == pytest.approx(
         t.wait_s + t.slowest_step_with_sync_s - t.step_with_sync_s)
+    # the compressed bucket: DGC at 1 % of gpt-test's 234,880 gradients, each of the two
+    # members' payload (values and indices) gathered, after the same step without a sync
+    assert t.compressed_nbytes == packed and packed % 2 == 0
+    assert 2 * 2_348 * 4 <= packed <= 2 * 2_349 * (4 + 8)
+    assert gathered.samples[0].burst_s == t.step_s
+    assert gathered.samples[0].seconds == t.compressed_added_s >= 0.0
+    assert t.compression_s > 0.0
+
+
+def test_run_profile_on_the_emulated_link_takes_the_sync_steps_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetplan.profiling as prof
+
+    calls: list[tuple[str, str]] = []
+
+    def fake_steps(model: str, world: int, *, link_kind: str, **_: object
+                   ) -> tuple[list[HandoverRecord], list[object]]:
+        calls.append((model, link_kind))
+        return [STEP.model_copy(update={"link_kind": link_kind})], []
+
+    def measured_elsewhere(*_: object, **__: object) -> None:
+        raise AssertionError("loopback phases are not timed on the emulated link")
+
+    monkeypatch.setenv("HETPLAN_EMULATE_BW", "1")
+    monkeypatch.setattr(prof, "profile_handovers", lambda *a, **k: [])
+    monkeypatch.setattr(prof, "profile_sync_steps", fake_steps)
+    monkeypatch.setattr(prof, "profile_tp_steps", measured_elsewhere)
+    monkeypatch.setattr(prof, "profile_traced_stages", measured_elsewhere)
+    db = prof.run_profile("gpt-test", world_size=4, what=["collectives"], batch_size=2,
+                          link_kind="ethernet", show_progress=False)
+    assert calls == [("gpt-test", "ethernet")]
+    assert [(r.operation, r.link_kind) for r in db.handovers] == [
+        ("allreduce_step", "ethernet")]
 
 
 def test_profile_sync_steps_rejects_bad_input() -> None:
@@ -280,3 +315,89 @@ def test_an_interleaved_rank_pays_the_step_record_once_for_all_its_chunks() -> N
     assert wait_ms > 5.0
     assert step.breakdown.exposed_comm_ms == pytest.approx(
         none.breakdown.exposed_comm_ms + wait_ms, abs=1e-6)
+
+
+# -- a compressed bucket: the allgather_step record -------------------------------------------
+def _eth(operation: str, group: int, points: list[tuple[float, float]], nbytes: int = 4096
+         ) -> HandoverRecord:
+    return _hand(operation, group, points, nbytes).model_copy(update={"link_kind": "ethernet"})
+
+
+#: lines of loopback only: the ethernet link's are the analytic ones (the emulated link's
+#: wire time), under which Espresso and Cupcake give gpt-test one DGC bucket, all-gathered
+ETH_LINES = LINES
+ETH_BURSTS = (*HANDS, _eth("allreduce", 4, [(0.0, 7.0 * MS), (4 * MS, 11.0 * MS)]))
+#: the compressed step on the emulated link: 30 ms of waits after a 20 ms step, 4 members'
+#: DGC payloads of gpt-test
+GATHER = _eth("allgather_step", 4, [(20 * MS, 30.0 * MS)], nbytes=4 * 28_188)
+SLOW_BURSTS = ProfileDB(collectives=ETH_LINES, handovers=ETH_BURSTS)
+SLOW_STEP = ProfileDB(collectives=ETH_LINES, handovers=(*ETH_BURSTS, GATHER))
+SLOW_NONE = ProfileDB(collectives=ETH_LINES)
+COMPRESSED = dict(dp=4, pp=1, tp=1, zero_stage=0, compressors=("fp16", "dgc"),
+                  passes="uniform-stages,espresso,cupcake-fusion")
+
+
+def _slow(db: ProfileDB, **pins: object):  # type: ignore[no-untyped-def]
+    import hetplan
+
+    return hetplan.compile("gpt-test", ClusterSpec.from_preset("cpu-2x2-slow"), batch_size=8,
+                           profile=db, micro_batch_size=2, dtype="fp32", **pins)
+
+
+def test_the_allgather_step_wait_is_measured_beyond_the_all_gather_line() -> None:
+    comm = CommModel(ClusterSpec.from_preset("cpu-2x2-slow"), SLOW_STEP)
+    assert comm.has_handover("allgather_step", 4, "inter")
+    assert not comm.has_handover("allgather_step", 4, "intra")  # loopback: none
+    line = comm.time_s("allgather", 4 * 28_188, 4, "inter")
+    assert line > comm.time_s("allgather", 4096, 4, "inter")  # the record's bytes count
+    for step in (1 * MS, 20 * MS, 60 * MS):
+        assert comm.wait_s("allgather_step", 4, "inter", step) == pytest.approx(
+            30.0 * MS - line)
+
+
+def test_a_compressed_plan_pays_the_allgather_step_record_in_place_of_the_burst_one() -> None:
+    none, bursts, step = (_slow(db, **COMPRESSED)
+                          for db in (SLOW_NONE, SLOW_BURSTS, SLOW_STEP))
+    # the same plan, priced three ways; its first bucket (the one the wait is charged at)
+    # DGC, all-gathered
+    assert step.gradient_sync == none.gradient_sync == bursts.gradient_sync
+    sync = step.gradient_sync
+    assert sync is not None
+    strategy = sync.strategies[sync.buckets[0].strategy]
+    assert strategy.kind == "compressed" and strategy.compressor == "dgc"
+    comm = CommModel(ClusterSpec.from_preset("cpu-2x2-slow"), SLOW_STEP)
+    wait_ms = (30.0 * MS - comm.time_s("allgather", 4 * 28_188, 4, "inter")) * 1e3
+    p_none, p_bursts, p_step = (p.predictions for p in (none, bursts, step))
+    assert p_step.breakdown.exposed_comm_ms == pytest.approx(
+        p_none.breakdown.exposed_comm_ms + wait_ms, abs=1e-6)
+    # the burst record's 7-11 ms wait is replaced, not added to
+    assert p_bursts.breakdown.exposed_comm_ms < p_none.breakdown.exposed_comm_ms + 11.0
+    assert p_step.iteration_time_ms == pytest.approx(p_none.iteration_time_ms + wait_ms,
+                                                     abs=1e-6)
+    assert p_step.breakdown.compression_ms == p_none.breakdown.compression_ms > 0.0
+
+
+def test_the_allgather_step_record_does_not_apply_to_other_syncs() -> None:
+    # an uncompressed bucket: its all-reduce after the step, priced as before
+    dp = dict(dp=4, pp=1, tp=1, zero_stage=0, passes="uniform-stages,ddp-buckets")
+    assert _slow(SLOW_STEP, **dp).predictions == _slow(SLOW_BURSTS, **dp).predictions
+    # another group size than the record's
+    dp2 = dict(COMPRESSED, dp=2, pp=2, schedule="1f1b")
+    assert _slow(SLOW_STEP, **dp2).predictions == _slow(SLOW_BURSTS, **dp2).predictions
+    # (while the record's own group does change: the comparison can fail)
+    assert (_slow(SLOW_STEP, **COMPRESSED).predictions
+            != _slow(SLOW_BURSTS, **COMPRESSED).predictions)
+
+
+def test_only_one_flat_compressed_all_gather_is_the_path_the_record_timed() -> None:
+    from hetplan.cost_models.evaluate import _allgathered
+    from hetplan.ir.plan_sections import CastSync, CommStep, CompressedSync, NoSync
+
+    assert _allgathered(CompressedSync(compressor="dgc", params={"ratio": 0.01}))
+    assert not _allgathered(NoSync()) and not _allgathered(CastSync())
+    two = (CommStep(routine="reduce_scatter"), CommStep(routine="allgather", compressed=True))
+    assert not _allgathered(CompressedSync(compressor="dgc", params={"ratio": 0.01},
+                                           steps=two))
+    hier = (CommStep(level="intra", routine="allgather", compressed=True),)
+    assert not _allgathered(CompressedSync(compressor="dgc", params={"ratio": 0.01},
+                                           hierarchy="hierarchical", steps=hier))

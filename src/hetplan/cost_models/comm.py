@@ -47,7 +47,8 @@ message pays on a CPU with more processes than cores.
 The evaluator adds it per blocking receive on the pipeline's links and once per data-parallel
 sync, at its first bucket's bytes (from the ``allreduce_step`` record where the profile has
 one for the group: the sync timed inside the runtime's own step, ``docs/decisions/
-cpu-fidelity.md`` section 12); TP's per-layer all-reduces are not charged (measured to
+cpu-fidelity.md`` section 12; from the ``allgather_step`` record for a compressed bucket
+synced by one all-gather, section 22); TP's per-layer all-reduces are not charged (measured to
 hide most of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
 (``HETPLAN_EMULATE_BW``) are filed under the kind of link it stands for and apply there.
 Without such a record (GPU profiles, analytic costs, another backend) it is 0 s, and plans
@@ -96,7 +97,7 @@ LinkRef = LinkSpec | Literal["intra", "inter"]
 
 
 #: The collective whose back-to-back line a hand-over operation is measured against.
-_LINE_OF = {"allreduce_step": "allreduce"}
+_LINE_OF = {"allreduce_step": "allreduce", "allgather_step": "allgather"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +327,8 @@ class CommModel:
                 of a sync phase: it waits for its slowest rank the same way) or
                 ``allreduce_step`` (the data-parallel sync timed inside the runtime's step;
                 ``burst_s`` is then the step without the sync; its line is the
-                all-reduce's).
+                all-reduce's) or ``allgather_step`` (the same with a compressed bucket; its
+                line is the all-gather's).
             group_size: ranks in the group (p2p: 2); 1 waits for nothing.
             link: a ``LinkSpec``, ``"intra"`` or ``"inter"``.
             burst_s: compute each rank does before the message, in seconds.

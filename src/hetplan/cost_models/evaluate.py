@@ -245,16 +245,33 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
     that record is charged instead, after a step of ``step_s`` (the rank's forward and
     backward over its micro-batches and its optimizer step; None where the runtime's sync is
     not that path: ZeRO-2/3 reduce-scatter inside backward), when the first message is an
-    uncompressed bucket, as the record's is. Once per sync: the later collectives of the
+    uncompressed bucket, as the record's is; likewise the ``allgather_step`` record (the
+    step with a compressed bucket synced by one all-gather, less the compressor's work,
+    which the plan's compressor is priced for apart) when the first unit's path is that
+    one all-gather (:func:`_allgathered`). Once per sync: the later collectives of the
     phase follow back to back, at the line's cost. Called only when the profile has
     hand-over records (``CommModel.has_handovers``): GPU and analytic plans skip it."""
     link = prep.link
     nbytes = _first_message_bytes(prep, units)
-    if (step_s is not None and nbytes is not None
-            and costs.comm.has_handover("allreduce_step", dp, link)):  # type: ignore[arg-type]
-        return costs.comm.wait_s("allreduce_step", dp, link,  # type: ignore[arg-type]
-                                 step_s, nbytes)
+    if step_s is not None:
+        if nbytes is not None and costs.comm.has_handover(
+                "allreduce_step", dp, link):  # type: ignore[arg-type]
+            return costs.comm.wait_s("allreduce_step", dp, link,  # type: ignore[arg-type]
+                                     step_s, nbytes)
+        if (units and _allgathered(min(units, key=lambda u: prep.position[u[0][-1]])[1])
+                and costs.comm.has_handover("allgather_step", dp,
+                                            link)):  # type: ignore[arg-type]
+            return costs.comm.wait_s("allgather_step", dp, link,  # type: ignore[arg-type]
+                                     step_s)
     return costs.comm.wait_s("allreduce", dp, link, bwd_s, nbytes)  # type: ignore[arg-type]
+
+
+def _allgathered(strategy: UnitStrategy) -> bool:
+    """Whether ``strategy`` is compressed and synced by one flat all-gather of the payloads
+    (:class:`CompressedSync`'s default path), the sync the ``allgather_step`` record timed."""
+    return (isinstance(strategy, CompressedSync) and len(strategy.steps) == 1
+            and strategy.steps[0].level == "flat" and strategy.steps[0].routine == "allgather"
+            and strategy.steps[0].compressed)
 
 
 def _synced_in_backward(costs: CostModel, layout: Layout, prep: _SyncPrep) -> bool:

@@ -39,11 +39,12 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   timed inside the runtime's own training step of the profiled model
   (:mod:`hetplan.profiling.sync_step`): the burst is the step without the sync, a sample what
   the sync takes inside the steps with it (profiles before 2026-11-26 16:00 UTC: the slowest
-  synced step less the step without); ``zero3_forward`` / ``zero3_backward`` likewise what the runtime's
-  ZeRO-3 (FSDP2) adds to the plain forward and backward, and ``zero3_step`` its optimizer
-  step over the sharded parameters. ``tp_forward`` / ``tp_backward``
-  (and ``tp_sp_*`` with sequence parallelism; :mod:`hetplan.profiling.tp_step`, added the
-  same way) are the runtime's tensor-parallel forward and backward of the whole profiled
+  synced step less the step without); ``allgather_step`` the same with a compressed bucket
+  synced by one all-gather (less the compressor's own work); ``zero3_forward`` /
+  ``zero3_backward`` likewise what the runtime's ZeRO-3 (FSDP2) adds to the plain forward and
+  backward, and ``zero3_step`` its optimizer step over the sharded parameters.
+  ``tp_forward`` / ``tp_backward`` (and ``tp_sp_*`` with sequence parallelism;
+  :mod:`hetplan.profiling.tp_step`, added the same way) are the runtime's tensor-parallel forward and backward of the whole profiled
   model, TP collectives included, with every TP group running at once; they carry the
   ``micro_batch`` they were timed at (a field written only when set, so older records are
   written unchanged). ``traced_forward`` / ``traced_backward`` (:mod:`hetplan.profiling.
@@ -441,6 +442,8 @@ class HandoverRecord(BaseModel):
             data-parallel sync inside the runtime's step: the burst is the step without the
             sync, forward, backward and optimizer; the seconds what the sync takes inside
             the steps with it: the mean wait and the slowest rank's lag),
+            ``allgather_step`` (the same step with a compressed sync whose one collective is
+            an all-gather, less the compressor's own work; ``nbytes`` the gathered bytes),
             ``zero3_forward`` / ``zero3_backward`` (the runtime's ZeRO-3 phase: the burst is
             the plain replica's phase, the seconds what ZeRO-3 adds to it; ``nbytes`` the
             model's fp32 parameters), ``zero3_step`` (the burst is the plain replica's
@@ -470,7 +473,7 @@ class HandoverRecord(BaseModel):
 
     model_config = _CONFIG
 
-    operation: Literal["p2p", "allreduce", "allreduce_step", "zero3_forward",
+    operation: Literal["p2p", "allreduce", "allreduce_step", "allgather_step", "zero3_forward",
                        "zero3_backward", "zero3_step", "tp_forward", "tp_backward",
                        "tp_sp_forward", "tp_sp_backward", "tp_loss", "tp_sp_loss",
                        "traced_forward", "traced_backward"]

@@ -243,9 +243,10 @@ def run_profile(
         link_kind: link kind the collective records are filed under; must match the
             cluster spec's intra-node link (default ``loopback`` with gloo, ``nvlink`` with
             NCCL). With ``HETPLAN_EMULATE_BW`` set (the runtime's slow-network emulation,
-            :mod:`hetplan.runtime.link_emulation`) ``collectives`` takes only the hand-overs,
-            on the emulated link, as a run with it pays them (its wire time is the analytic
-            line of the link, by construction), filed under ``link_kind``, which must then
+            :mod:`hetplan.runtime.link_emulation`) ``collectives`` takes only the hand-overs
+            and, for a zoo model, the data-parallel sync inside its step, on the emulated
+            link, as a run with it pays them (its wire time is the analytic line of the
+            link, by construction), filed under ``link_kind``, which must then
             name the link the emulation stands for (``ethernet`` for ``cpu-2x2-slow``'s
             inter-node link).
         layer_processes: profile layers on this many processes at once, with the threads
@@ -363,6 +364,17 @@ def run_profile(
                                               link_kind=link_kind, timeout_s=timeout_s,
                                               emulate=emulate)
                     progress.update(task, total=1, completed=1)
+                    if isinstance(model, str) and emulate:
+                        # the data-parallel sync inside the step, on the emulated link (the
+                        # other step records time loopback collectives: not filed here)
+                        task = progress.add_task(
+                            f"data-parallel sync inside {model}'s step on {world_size} "
+                            f"processes{where}", total=None)
+                        steps_with_sync, _ = profile_sync_steps(
+                            model, world_size, batch_size=batch_size, seq=seq,
+                            link_kind=link_kind, timeout_s=timeout_s)
+                        hands += steps_with_sync
+                        progress.update(task, total=1, completed=1)
                     if isinstance(model, str) and not emulate:
                         task = progress.add_task(
                             f"data-parallel sync inside {model}'s step on {world_size} "

@@ -30,12 +30,28 @@ without the sync runs under more contention than the compute inside the steps wi
 (gpt-test: 9.8 ms against the layer records' 3.8 ms of forward and backward and 2.1 ms of
 Adam, in section 12's quiet profile), so ``r_max - c`` under-counted the sync by that
 difference; the run's exposed communication is its wait in ``finish``
-(``docs/decisions/cpu-fidelity.md`` section 13). It is filed as a :class:`~hetplan.cost_models.profile_db.HandoverRecord` with operation
-``allreduce_step``, the group size, and the bucket's bytes; the cost model charges it, less
+(``docs/decisions/cpu-fidelity.md`` section 13). It is filed as a
+:class:`~hetplan.cost_models.profile_db.HandoverRecord` with operation ``allreduce_step``, the
+group size, and the bucket's bytes; the cost model charges it, less
 the back-to-back all-reduce line at those bytes, once per data-parallel sync in place of the
 ``allreduce`` record (:func:`hetplan.cost_models.evaluate._sync_wait_s`). Also returned, not
 stored: how much the compute phase (forward and backward) and the wait after it take in the
 steps with the sync, per rank (:class:`SyncStepTimes`).
+
+**A compressed bucket** (``allgather_step``): the same steps with the bucket compressed
+(:data:`COMPRESSOR`: DGC at 1 %, one flat all-gather of the payloads, on the gradient path's
+worker thread as the runtime runs a compressed strategy). Its sample is the burst above and
+what that sync takes inside the steps with it, measured the same way, less the compressor's
+own work (compressing the bucket and decompressing every member's payload, timed on every
+rank at once after the steps), which the cost model prices per compressor; ``nbytes`` the
+gathered payloads. What is left is what the all-gather waits for: the members that reach it
+late, and the cores. On the CPU presets' machine that wait is not the all-reduce's: the
+compressed step of gpt-test on the emulated 1 Gbit/s link waited about 35 ms where the
+burst records (all-reduces after matmuls) gave 9 (``docs/decisions/cpu-fidelity.md``
+section 22). The cost model charges it for a sync whose first unit is compressed and
+all-gathered (:func:`hetplan.cost_models.evaluate._sync_wait_s`). Under
+``HETPLAN_EMULATE_BW`` both variants run on the emulated link (a profile with
+``--link-kind``), as a plan's sync there does.
 
 **ZeRO-3** (``zero3=True``): the same replica is then sharded the way the runtime's ZeRO-3
 does it (FSDP2's ``fully_shard`` on every transformer block of the captured model and on the
@@ -90,6 +106,12 @@ class SyncStepTimes:
             ranks.
         step_with_sync_s / slowest_step_with_sync_s: the step with the sync, mean over the
             ranks and the slowest rank's.
+        compressed_added_s: the same as ``added_s`` with the bucket compressed
+            (:data:`COMPRESSOR`, one all-gather), less ``compression_s``.
+        compression_s: the compressor's own work per step, timed on every rank at once
+            outside the step: compressing the bucket and decompressing one payload per
+            member of the group.
+        compressed_nbytes: the all-gather's bytes (every member's payload).
     """
 
     group_size: int
@@ -101,6 +123,15 @@ class SyncStepTimes:
     wait_s: float
     step_with_sync_s: float = 0.0
     slowest_step_with_sync_s: float = 0.0
+    compressed_added_s: float = 0.0
+    compression_s: float = 0.0
+    compressed_nbytes: int = 0
+
+
+#: The compressed bucket of the ``allgather_step`` record: the whole gradient under DGC at 1 %
+#: synced by one flat all-gather of the payloads (:class:`CompressedSync`'s default path), the
+#: strategy Espresso and Cupcake give a small model's bucket on a slow link.
+COMPRESSOR = ("dgc", {"ratio": 0.01})
 
 
 def _loss(out: Any, args: Sequence[Any]) -> Any:
@@ -215,8 +246,9 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
     import torch.distributed as dist
 
     from hetplan import zoo
-    from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync
+    from hetplan.ir.plan_sections import Bucket, CompressedSync, GradientSync, NoSync
     from hetplan.profiling.collectives import own_groups
+    from hetplan.runtime.compressors import make_compressor
     from hetplan.runtime.executor import plan_optimizer
     from hetplan.runtime.grad_sync import GradSync
 
@@ -225,13 +257,21 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
     args, kwargs = zoo.example_inputs(model, batch=batch_size, seq=seq, device="cpu")
     named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     nbytes = sum(p.numel() * 4 for _, p in named)
-    section = GradientSync(strategies={"fp32": NoSync()}, buckets=(
-        Bucket(tensors=tuple(n for n, _ in named), size_bytes=nbytes, strategy="fp32"),))
+    name, params = COMPRESSOR
+
+    def section(strategy: NoSync | CompressedSync) -> GradientSync:
+        return GradientSync(strategies={"s": strategy}, buckets=(
+            Bucket(tensors=tuple(n for n, _ in named), size_bytes=nbytes, strategy="s"),))
+
     opt = plan_optimizer(optimizer)([p for _, p in named])
-    syncs = {g: GradSync(named, section, groups[g] if g != world else dist.group.WORLD, g)
-             for g in sorted(groups)}
-    for gs in syncs.values():  # hooks of all groups stay registered: hold all back but one
-        gs.sync_enabled = False
+    plain = section(NoSync())
+    packed = section(CompressedSync(compressor=name, params=dict(params),
+                                    compress_device="cpu", decompress_device="cpu"))
+    pg = {g: groups[g] if g != world else dist.group.WORLD for g in sorted(groups)}
+    syncs = {g: GradSync(named, plain, pg[g], g) for g in sorted(groups)}
+    compressed = {g: GradSync(named, packed, pg[g], g) for g in sorted(groups)}
+    for gs in (*syncs.values(), *compressed.values()):  # hooks of all stay registered:
+        gs.sync_enabled = False  # hold all back but one
 
     def step(gs: GradSync, sync: bool, parts: list[float]) -> None:
         t0 = time.perf_counter()
@@ -255,9 +295,24 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             step(gs, sync, parts)
         return ((time.perf_counter() - t0) / rounds, parts[0] / rounds, parts[1] / rounds)
 
+    comp = make_compressor(name, params)
+    flat = torch.cat([p.detach().reshape(-1).float() for _, p in named])
+    payload = comp.compress(flat)
+    packed_bytes = sum(t.numel() * t.element_size() for t in payload)
+
+    def compression_s(g: int) -> float:
+        """The compressor's work per step on a group of ``g``: compress the bucket,
+        decompress every member's payload."""
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            out = comp.compress(flat)
+            for _ in range(g):
+                comp.decompress(out, flat.numel())
+        return (time.perf_counter() - t0) / rounds
+
     # per group size: [step without, step with (slowest), compute without, compute with,
-    # wait, step with (mean)]
-    acc: dict[int, list[float]] = {g: [0.0] * 6 for g in syncs}
+    # wait, step with (mean), compressed: step with (mean), wait, slowest; compression]
+    acc: dict[int, list[float]] = {g: [0.0] * 10 for g in syncs}
     for _ in range(passes):
         for g, gs in syncs.items():
             for _ in range(warmup):
@@ -266,23 +321,33 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             c, c_fb, _ = mean_step(gs, False)
             dist.barrier()
             r, r_fb, r_wait = mean_step(gs, True)
-            means = torch.tensor([c, c_fb, r_fb, r_wait, r], dtype=torch.float64)
+            for _ in range(warmup):
+                step(compressed[g], True, [0.0, 0.0])
+            dist.barrier()
+            q, _, q_wait = mean_step(compressed[g], True)
+            dist.barrier()
+            work = compression_s(g)
+            means = torch.tensor([c, c_fb, r_fb, r_wait, r, q, q_wait, work],
+                                 dtype=torch.float64)
             dist.all_reduce(means)
-            slowest = torch.tensor([r], dtype=torch.float64)
+            slowest = torch.tensor([r, q], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             m = [float(x) / world / passes for x in means]
-            for i, v in zip((0, 2, 3, 4, 5), m):
+            for i, v in zip((0, 2, 3, 4, 5, 6, 7, 9), m):
                 acc[g][i] += v
-            acc[g][1] += float(slowest.item()) / passes
+            acc[g][1] += float(slowest[0].item()) / passes
+            acc[g][8] += float(slowest[1].item()) / passes
             dist.barrier()
-    for gs in syncs.values():
+    for gs in (*syncs.values(), *compressed.values()):
         gs.close()
     # the sync's own time inside the steps with it: the mean wait, and how much later than
-    # the mean step the slowest rank's ended
+    # the mean step the slowest rank's ended (the compressed one less the compressor's work)
     dp = [SyncStepTimes(group_size=g, nbytes=nbytes, step_s=a[0],
                         added_s=max(a[4] + a[1] - a[5], 0.0), compute_s=a[2],
                         compute_with_sync_s=a[3], wait_s=a[4], step_with_sync_s=a[5],
-                        slowest_step_with_sync_s=a[1])
+                        slowest_step_with_sync_s=a[1],
+                        compressed_added_s=max(a[7] + a[8] - a[6] - a[9], 0.0),
+                        compression_s=a[9], compressed_nbytes=packed_bytes * g)
           for g, a in sorted(acc.items())]
     z3 = (_zero3(rank, world, model, args, kwargs, groups, optimizer, rounds, warmup, passes)
           if zero3 else [])
@@ -331,9 +396,9 @@ def profile_sync_steps(
             optimizer state, which on a CPU is meant for the small models CPU plans run.
 
     Returns:
-        One ``allreduce_step`` :class:`HandoverRecord` per group size (one sample: the step
-        without the sync, and what the sync takes inside the steps with it), with
-        ``zero3`` also a
+        One ``allreduce_step`` and one ``allgather_step`` :class:`HandoverRecord` per group
+        size (one sample: the step without the sync, and what the sync takes inside the
+        steps with it; the compressed one less the compressor's work), with ``zero3`` also a
         ``zero3_forward``, a ``zero3_backward`` and a ``zero3_step`` one per group size;
         and the step's parts (:class:`SyncStepTimes`) per group size.
 
@@ -382,6 +447,8 @@ def profile_sync_steps(
 
     records = [record("allreduce_step", t.group_size, t.nbytes, t.step_s, t.added_s)
                for t in times]
+    records += [record("allgather_step", t.group_size, t.compressed_nbytes, t.step_s,
+                       t.compressed_added_s) for t in times]
     for z in z3:
         records += [record("zero3_forward", z.group_size, z.nbytes, z.forward_s,
                            z.zero3_forward_s - z.forward_s),
@@ -396,5 +463,6 @@ def summary_ms(times: Sequence[SyncStepTimes]) -> list[dict[str, float]]:
     return [{"group_size": t.group_size, "nbytes": t.nbytes,
              **{k: round(getattr(t, k) * 1e3, 3) for k in
                 ("step_s", "added_s", "compute_s", "compute_with_sync_s", "wait_s",
-                 "step_with_sync_s", "slowest_step_with_sync_s")}}
+                 "step_with_sync_s", "slowest_step_with_sync_s", "compressed_added_s",
+                 "compression_s")}, "compressed_nbytes": t.compressed_nbytes}
             for t in times]
