@@ -405,7 +405,8 @@ def test_hand_overs_on_the_emulated_link_take_its_wire_time(
     got = {r.operation: r for r in hands}
     assert got["allreduce"].link_kind == "ethernet"
     assert got["allreduce"].samples[0].seconds >= wire * 0.99
-    # `hetplan profile` with the variable set takes only the hand-overs, filed under the link
+    # `hetplan profile` with the variable set and no zoo model takes only the hand-overs,
+    # filed under the link
     assert isinstance(tmp_path, Path)
     monkeypatch.setattr("hetplan.profiling.profile_handovers",
                         lambda *a, **k: hands if k.get("emulate") else [])

@@ -152,13 +152,19 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
     assert t.slowest_step_with_sync_s >= t.step_with_sync_s > t.compute_with_sync_s
     assert t.added_s == pytest.approx(
         t.wait_s + t.slowest_step_with_sync_s - t.step_with_sync_s)
-    # the compressed bucket: DGC at 1 % of gpt-test's 234,880 gradients, each of the two
-    # members' payload (values and indices) gathered, after the same step without a sync
+    # the compressed bucket: DGC at 1 % of gpt-test's 234,880 gradients (k = 2,348; DGC's
+    # threshold keeps k to 2k), fp32 values and int32 indices, each of the two members'
+    # payload gathered, after the same step without a sync
     assert t.compressed_nbytes == packed and packed % 2 == 0
-    assert 2 * 2_348 * 4 <= packed <= 2 * 2_349 * (4 + 8)
+    assert 2 * 2_348 * 8 <= packed <= 2 * 2 * 2_348 * 8
     assert gathered.samples[0].burst_s == t.step_s
-    assert gathered.samples[0].seconds == t.compressed_added_s >= 0.0
-    assert t.compression_s > 0.0
+    assert gathered.samples[0].seconds == t.compressed_added_s
+    # what that sync takes inside its steps, less the compressor's work: the same identity
+    assert t.compressed_slowest_step_with_sync_s >= t.compressed_step_with_sync_s > 0.0
+    assert t.compressed_wait_s > 0.0 and t.compression_s > 0.0
+    assert t.compressed_added_s == pytest.approx(max(
+        t.compressed_wait_s + t.compressed_slowest_step_with_sync_s
+        - t.compressed_step_with_sync_s - t.compression_s, 0.0))
 
 
 def test_run_profile_on_the_emulated_link_takes_the_sync_steps_there(
@@ -167,10 +173,11 @@ def test_run_profile_on_the_emulated_link_takes_the_sync_steps_there(
 
     calls: list[tuple[str, str]] = []
 
-    def fake_steps(model: str, world: int, *, link_kind: str, **_: object
-                   ) -> tuple[list[HandoverRecord], list[object]]:
+    def fake_steps(model: str, world: int, *, link_kind: str, zero3: bool = False,
+                   **_: object) -> tuple[list[HandoverRecord], list[object]]:
+        assert not zero3  # FSDP2's phases run loopback collectives: not on this link
         calls.append((model, link_kind))
-        return [STEP.model_copy(update={"link_kind": link_kind})], []
+        return [r.model_copy(update={"link_kind": link_kind}) for r in (STEP, GATHER)], []
 
     def measured_elsewhere(*_: object, **__: object) -> None:
         raise AssertionError("loopback phases are not timed on the emulated link")
@@ -183,8 +190,8 @@ def test_run_profile_on_the_emulated_link_takes_the_sync_steps_there(
     db = prof.run_profile("gpt-test", world_size=4, what=["collectives"], batch_size=2,
                           link_kind="ethernet", show_progress=False)
     assert calls == [("gpt-test", "ethernet")]
-    assert [(r.operation, r.link_kind) for r in db.handovers] == [
-        ("allreduce_step", "ethernet")]
+    assert sorted((r.operation, r.link_kind) for r in db.handovers) == [
+        ("allgather_step", "ethernet"), ("allreduce_step", "ethernet")]
 
 
 def test_profile_sync_steps_rejects_bad_input() -> None:
@@ -368,10 +375,11 @@ def test_a_compressed_plan_pays_the_allgather_step_record_in_place_of_the_burst_
     comm = CommModel(ClusterSpec.from_preset("cpu-2x2-slow"), SLOW_STEP)
     wait_ms = (30.0 * MS - comm.time_s("allgather", 4 * 28_188, 4, "inter")) * 1e3
     p_none, p_bursts, p_step = (p.predictions for p in (none, bursts, step))
+    # the burst record's wait (7-11 ms after the burst, less the line) is replaced by the
+    # step record's, not added to
+    assert p_bursts.breakdown.exposed_comm_ms > p_none.breakdown.exposed_comm_ms + 1.0
     assert p_step.breakdown.exposed_comm_ms == pytest.approx(
         p_none.breakdown.exposed_comm_ms + wait_ms, abs=1e-6)
-    # the burst record's 7-11 ms wait is replaced, not added to
-    assert p_bursts.breakdown.exposed_comm_ms < p_none.breakdown.exposed_comm_ms + 11.0
     assert p_step.iteration_time_ms == pytest.approx(p_none.iteration_time_ms + wait_ms,
                                                      abs=1e-6)
     assert p_step.breakdown.compression_ms == p_none.breakdown.compression_ms > 0.0
@@ -381,9 +389,10 @@ def test_the_allgather_step_record_does_not_apply_to_other_syncs() -> None:
     # an uncompressed bucket: its all-reduce after the step, priced as before
     dp = dict(dp=4, pp=1, tp=1, zero_stage=0, passes="uniform-stages,ddp-buckets")
     assert _slow(SLOW_STEP, **dp).predictions == _slow(SLOW_BURSTS, **dp).predictions
-    # another group size than the record's
-    dp2 = dict(COMPRESSED, dp=2, pp=2, schedule="1f1b")
-    assert _slow(SLOW_STEP, **dp2).predictions == _slow(SLOW_BURSTS, **dp2).predictions
+    # a record of another group size than the plan's
+    two = ProfileDB(collectives=ETH_LINES, handovers=(
+        *ETH_BURSTS, GATHER.model_copy(update={"group_size": 2})))
+    assert _slow(two, **COMPRESSED).predictions == _slow(SLOW_BURSTS, **COMPRESSED).predictions
     # (while the record's own group does change: the comparison can fail)
     assert (_slow(SLOW_STEP, **COMPRESSED).predictions
             != _slow(SLOW_BURSTS, **COMPRESSED).predictions)
@@ -394,10 +403,30 @@ def test_only_one_flat_compressed_all_gather_is_the_path_the_record_timed() -> N
     from hetplan.ir.plan_sections import CastSync, CommStep, CompressedSync, NoSync
 
     assert _allgathered(CompressedSync(compressor="dgc", params={"ratio": 0.01}))
+    assert _allgathered(CompressedSync(compressor="randomk", params={"ratio": 0.05}))
     assert not _allgathered(NoSync()) and not _allgathered(CastSync())
+    # not a sparsifier: its payload is not a small fraction like the record's
+    for other in ("efsignsgd", "qsgd", "fp16"):
+        assert not _allgathered(CompressedSync(compressor=other))
     two = (CommStep(routine="reduce_scatter"), CommStep(routine="allgather", compressed=True))
     assert not _allgathered(CompressedSync(compressor="dgc", params={"ratio": 0.01},
                                            steps=two))
     hier = (CommStep(level="intra", routine="allgather", compressed=True),)
     assert not _allgathered(CompressedSync(compressor="dgc", params={"ratio": 0.01},
                                            hierarchy="hierarchical", steps=hier))
+
+
+def test_the_allgather_step_wait_is_taken_at_the_bytes_the_plan_gathers() -> None:
+    # records at two sizes around the plan's first unit's payloads: the charge lies between
+    # their two waits, so it is read at the plan's bytes
+    small = _eth("allgather_step", 4, [(20 * MS, 10.0 * MS)], nbytes=64)
+    large = _eth("allgather_step", 4, [(20 * MS, 100.0 * MS)], nbytes=MIB)
+    both = ProfileDB(collectives=ETH_LINES, handovers=(*ETH_BURSTS, small, large))
+    comm = CommModel(ClusterSpec.from_preset("cpu-2x2-slow"), both)
+    lo = 10.0 * MS - comm.time_s("allgather", 64, 4, "inter")
+    hi = 100.0 * MS - comm.time_s("allgather", MIB, 4, "inter")
+    assert hi > lo + 50 * MS
+    none = _slow(SLOW_NONE, **COMPRESSED).predictions
+    got = _slow(both, **COMPRESSED).predictions
+    extra_s = (got.breakdown.exposed_comm_ms - none.breakdown.exposed_comm_ms) / 1e3
+    assert lo + 1e-6 < extra_s < hi - 1e-6

@@ -47,8 +47,8 @@ message pays on a CPU with more processes than cores.
 The evaluator adds it per blocking receive on the pipeline's links and once per data-parallel
 sync, at its first bucket's bytes (from the ``allreduce_step`` record where the profile has
 one for the group: the sync timed inside the runtime's own step, ``docs/decisions/
-cpu-fidelity.md`` section 12; from the ``allgather_step`` record for a compressed bucket
-synced by one all-gather, section 22); TP's per-layer all-reduces are not charged (measured to
+cpu-fidelity.md`` section 12; from the ``allgather_step`` record, at the bytes gathered,
+for a sparsified bucket synced by one all-gather, section 22); TP's per-layer all-reduces are not charged (measured to
 hide most of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
 (``HETPLAN_EMULATE_BW``) are filed under the kind of link it stands for and apply there.
 Without such a record (GPU profiles, analytic costs, another backend) it is 0 s, and plans

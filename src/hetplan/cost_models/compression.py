@@ -86,13 +86,15 @@ __all__ = [
     "CompressionModel",
     "Compressor",
     "PiecewiseTime",
+    "SPARSIFIERS",
     "TableTime",
     "time_array",
     "TimeModel",
     "wire_ratio",
 ]
 
-_SPARSIFIERS = ("topk", "randomk", "dgc")
+#: The compressors that keep a fraction (``ratio``) of the elements, as values and indices.
+SPARSIFIERS = ("topk", "randomk", "dgc")
 #: GPU (de)compression time is constant up to this size (2^20 fp32 elements).
 GPU_THRESHOLD_BYTES = 4 * 2**20
 #: Memory bandwidth of the V100 the reference constants were measured on.
@@ -256,7 +258,7 @@ def wire_ratio(
     _check_compressor(compressor)
     if compressor in ("fp16", "bf16"):
         return 0.5
-    if compressor in _SPARSIFIERS:
+    if compressor in SPARSIFIERS:
         if not 0 < ratio <= 1:
             raise SpecError(f"sparsifier ratio must be in (0, 1], got {ratio!r}")
         return min(1.0, 2.0 * ratio)

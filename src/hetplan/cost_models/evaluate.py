@@ -66,7 +66,14 @@ import numpy as np
 from hetplan.algorithms.dp_timeline import simulate_dp
 from hetplan.algorithms.dp_types import CPU, GPU, DPTimeline, Op, SyncUnit
 from hetplan.algorithms.pipeline_schedules import decode_schedule
-from hetplan.cost_models.compression import CompressionCost, TimeModel, time_array
+from hetplan.cost_models.compression import (
+    DEFAULT_SPARSITY_RATIO,
+    SPARSIFIERS,
+    CompressionCost,
+    TimeModel,
+    time_array,
+    wire_ratio,
+)
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
     MemoryBreakdown,
@@ -258,20 +265,38 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
                 "allreduce_step", dp, link):  # type: ignore[arg-type]
             return costs.comm.wait_s("allreduce_step", dp, link,  # type: ignore[arg-type]
                                      step_s, nbytes)
-        if (units and _allgathered(min(units, key=lambda u: prep.position[u[0][-1]])[1])
-                and costs.comm.has_handover("allgather_step", dp,
-                                            link)):  # type: ignore[arg-type]
+        gathered = _gathered_bytes(prep, units, dp)
+        if gathered is not None and costs.comm.has_handover(
+                "allgather_step", dp, link):  # type: ignore[arg-type]
             return costs.comm.wait_s("allgather_step", dp, link,  # type: ignore[arg-type]
-                                     step_s)
+                                     step_s, gathered)
     return costs.comm.wait_s("allreduce", dp, link, bwd_s, nbytes)  # type: ignore[arg-type]
 
 
 def _allgathered(strategy: UnitStrategy) -> bool:
-    """Whether ``strategy`` is compressed and synced by one flat all-gather of the payloads
-    (:class:`CompressedSync`'s default path), the sync the ``allgather_step`` record timed."""
-    return (isinstance(strategy, CompressedSync) and len(strategy.steps) == 1
-            and strategy.steps[0].level == "flat" and strategy.steps[0].routine == "allgather"
-            and strategy.steps[0].compressed)
+    """Whether ``strategy`` sparsifies (DGC, top-k, random-k: the payloads of a small
+    fraction of the bucket, like the record's) and syncs by one flat all-gather of the
+    payloads (:class:`CompressedSync`'s default path), the sync the ``allgather_step``
+    record timed; quantizers, casts, low-rank and multi-step paths are not."""
+    return (isinstance(strategy, CompressedSync) and strategy.compressor in SPARSIFIERS
+            and len(strategy.steps) == 1 and strategy.steps[0].level == "flat"
+            and strategy.steps[0].routine == "allgather" and strategy.steps[0].compressed)
+
+
+def _gathered_bytes(prep: _SyncPrep, units: list[tuple[list[int], UnitStrategy]],
+                    dp: int) -> float | None:
+    """The bytes the first unit's all-gather gathers (every member's payload: the unit's
+    gradient bytes times the sparsifier's wire ratio, times ``dp``), where that unit is one
+    :func:`_allgathered` syncs; else None."""
+    if not units:
+        return None
+    idx, strategy = min(units, key=lambda u: prep.position[u[0][-1]])
+    nbytes = prep.nbytes.get(tuple(idx))
+    if nbytes is None or not isinstance(strategy, CompressedSync) or not _allgathered(
+            strategy):
+        return None
+    ratio = float(strategy.params.get("ratio", DEFAULT_SPARSITY_RATIO))  # type: ignore[arg-type]
+    return nbytes * wire_ratio(strategy.compressor, ratio=ratio) * dp
 
 
 def _synced_in_backward(costs: CostModel, layout: Layout, prep: _SyncPrep) -> bool:

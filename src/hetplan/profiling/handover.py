@@ -35,8 +35,9 @@ profile`` does when that variable is set): every all-reduce also occupies the ru
 emulated link (:func:`throttle`, :mod:`hetplan.runtime.link_emulation`), as a gradient sync
 across emulated nodes does, and the records are filed under the kind of link the emulation
 stands for (``ethernet`` for ``cpu-2x2-slow``). The emulated wire time is the analytic line
-of that link by construction, so only the hand-overs are taken there: what they add is the
-real loopback collective running underneath the emulated one, with its waits for a core.
+of that link by construction, so only the hand-overs are taken there (and, for a zoo model,
+the data-parallel sync inside its step: :mod:`.sync_step`): what they add is the real
+loopback collective running underneath the emulated one, with its waits for a core.
 """
 
 from __future__ import annotations

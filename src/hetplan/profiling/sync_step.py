@@ -42,13 +42,14 @@ steps with the sync, per rank (:class:`SyncStepTimes`).
 (:data:`COMPRESSOR`: DGC at 1 %, one flat all-gather of the payloads, on the gradient path's
 worker thread as the runtime runs a compressed strategy). Its sample is the burst above and
 what that sync takes inside the steps with it, measured the same way, less the compressor's
-own work (compressing the bucket and decompressing every member's payload, timed on every
-rank at once after the steps), which the cost model prices per compressor; ``nbytes`` the
-gathered payloads. What is left is what the all-gather waits for: the members that reach it
-late, and the cores. On the CPU presets' machine that wait is not the all-reduce's: the
+own work (compressing a gradient of the model with error feedback and decompressing every
+member's payload, timed on every rank at once after the steps), which the cost model prices
+per compressor; ``nbytes`` the gathered payloads of that gradient. What is left is what the
+sync waits for beyond that work: the members that reach the all-gather late, the cores, and
+the worker thread's hand-offs. On the CPU presets' machine that wait is not the all-reduce's: the
 compressed step of gpt-test on the emulated 1 Gbit/s link waited about 35 ms where the
 burst records (all-reduces after matmuls) gave 9 (``docs/decisions/cpu-fidelity.md``
-section 22). The cost model charges it for a sync whose first unit is compressed and
+section 22). The cost model charges it for a sync whose first unit is sparsified and
 all-gathered (:func:`hetplan.cost_models.evaluate._sync_wait_s`). Under
 ``HETPLAN_EMULATE_BW`` both variants run on the emulated link (a profile with
 ``--link-kind``), as a plan's sync there does.
@@ -107,11 +108,18 @@ class SyncStepTimes:
         step_with_sync_s / slowest_step_with_sync_s: the step with the sync, mean over the
             ranks and the slowest rank's.
         compressed_added_s: the same as ``added_s`` with the bucket compressed
-            (:data:`COMPRESSOR`, one all-gather), less ``compression_s``.
+            (:data:`COMPRESSOR`, one all-gather), less ``compression_s`` (never below 0):
+            ``compressed_wait_s + compressed_slowest_step_with_sync_s -
+            compressed_step_with_sync_s - compression_s``.
         compression_s: the compressor's own work per step, timed on every rank at once
-            outside the step: compressing the bucket and decompressing one payload per
+            outside the step, on a gradient of the model, as the runtime's path does it:
+            compressing the bucket with error feedback and decompressing one payload per
             member of the group.
-        compressed_nbytes: the all-gather's bytes (every member's payload).
+        compressed_nbytes: the all-gather's bytes: this rank's payload of that gradient
+            (values and indices) times the group size.
+        compressed_wait_s / compressed_step_with_sync_s /
+        compressed_slowest_step_with_sync_s: ``wait_s``, ``step_with_sync_s`` and
+            ``slowest_step_with_sync_s`` of the steps with the compressed sync.
     """
 
     group_size: int
@@ -126,6 +134,9 @@ class SyncStepTimes:
     compressed_added_s: float = 0.0
     compression_s: float = 0.0
     compressed_nbytes: int = 0
+    compressed_wait_s: float = 0.0
+    compressed_step_with_sync_s: float = 0.0
+    compressed_slowest_step_with_sync_s: float = 0.0
 
 
 #: The compressed bucket of the ``allgather_step`` record: the whole gradient under DGC at 1 %
@@ -248,7 +259,7 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
     from hetplan import zoo
     from hetplan.ir.plan_sections import Bucket, CompressedSync, GradientSync, NoSync
     from hetplan.profiling.collectives import own_groups
-    from hetplan.runtime.compressors import make_compressor
+    from hetplan.runtime.compressors import ErrorFeedback, make_compressor
     from hetplan.runtime.executor import plan_optimizer
     from hetplan.runtime.grad_sync import GradSync
 
@@ -271,7 +282,8 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
     syncs = {g: GradSync(named, plain, pg[g], g) for g in sorted(groups)}
     compressed = {g: GradSync(named, packed, pg[g], g) for g in sorted(groups)}
     for gs in (*syncs.values(), *compressed.values()):  # hooks of all stay registered:
-        gs.sync_enabled = False  # hold all back but one
+        gs.sync_enabled = False  # hold all back but the one timed (a one-bucket sync has
+        # none: its bucket is launched by finish)
 
     def step(gs: GradSync, sync: bool, parts: list[float]) -> None:
         t0 = time.perf_counter()
@@ -295,19 +307,26 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             step(gs, sync, parts)
         return ((time.perf_counter() - t0) / rounds, parts[0] / rounds, parts[1] / rounds)
 
+    # the compressor's work as the runtime's path does it on a real gradient: with error
+    # feedback (residual added, the payload decompressed once more for the new residual),
+    # a seed per iteration, and one payload per member decompressed
     comp = make_compressor(name, params)
-    flat = torch.cat([p.detach().reshape(-1).float() for _, p in named])
-    payload = comp.compress(flat)
+    _loss(net(*args, **kwargs), args).backward()  # hooks held back: no sync
+    grad = torch.cat([p.grad.reshape(-1).float() for _, p in named
+                      if p.grad is not None])
+    opt.zero_grad(set_to_none=True)
+    feedback = ErrorFeedback()
+    payload = feedback.compress(comp, "bucket", grad, 0)
     packed_bytes = sum(t.numel() * t.element_size() for t in payload)
 
     def compression_s(g: int) -> float:
-        """The compressor's work per step on a group of ``g``: compress the bucket,
-        decompress every member's payload."""
+        """The compressor's work per step on a group of ``g``: compress the bucket (with
+        error feedback), decompress every member's payload."""
         t0 = time.perf_counter()
-        for _ in range(rounds):
-            out = comp.compress(flat)
+        for i in range(rounds):
+            out = feedback.compress(comp, "bucket", grad, i + 1)
             for _ in range(g):
-                comp.decompress(out, flat.numel())
+                comp.decompress(out, grad.numel())
         return (time.perf_counter() - t0) / rounds
 
     # per group size: [step without, step with (slowest), compute without, compute with,
@@ -347,7 +366,9 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
                         compute_with_sync_s=a[3], wait_s=a[4], step_with_sync_s=a[5],
                         slowest_step_with_sync_s=a[1],
                         compressed_added_s=max(a[7] + a[8] - a[6] - a[9], 0.0),
-                        compression_s=a[9], compressed_nbytes=packed_bytes * g)
+                        compression_s=a[9], compressed_nbytes=packed_bytes * g,
+                        compressed_wait_s=a[7], compressed_step_with_sync_s=a[6],
+                        compressed_slowest_step_with_sync_s=a[8])
           for g, a in sorted(acc.items())]
     z3 = (_zero3(rank, world, model, args, kwargs, groups, optimizer, rounds, warmup, passes)
           if zero3 else [])
@@ -464,5 +485,7 @@ def summary_ms(times: Sequence[SyncStepTimes]) -> list[dict[str, float]]:
              **{k: round(getattr(t, k) * 1e3, 3) for k in
                 ("step_s", "added_s", "compute_s", "compute_with_sync_s", "wait_s",
                  "step_with_sync_s", "slowest_step_with_sync_s", "compressed_added_s",
-                 "compression_s")}, "compressed_nbytes": t.compressed_nbytes}
+                 "compression_s", "compressed_wait_s", "compressed_step_with_sync_s",
+                 "compressed_slowest_step_with_sync_s")},
+             "compressed_nbytes": t.compressed_nbytes}
             for t in times]
