@@ -430,3 +430,20 @@ def test_the_allgather_step_wait_is_taken_at_the_bytes_the_plan_gathers() -> Non
     got = _slow(both, **COMPRESSED).predictions
     extra_s = (got.breakdown.exposed_comm_ms - none.breakdown.exposed_comm_ms) / 1e3
     assert lo + 1e-6 < extra_s < hi - 1e-6
+
+
+def test_a_hierarchical_path_is_not_the_sync_the_allreduce_step_record_timed() -> None:
+    from hetplan.cost_models.evaluate import _allreduced
+    from hetplan.ir.plan_sections import CastSync, CommStep, CompressedSync, NoSync
+
+    assert _allreduced(NoSync()) and _allreduced(CastSync(dtype="bf16"))
+    # the same group's reduce-scatter and all-gather: its hand-overs after the same step
+    two = (CommStep(routine="reduce_scatter"), CommStep(routine="allgather"))
+    assert _allreduced(NoSync(steps=two))
+    # a hierarchical path runs on other groups and links: not the record's sync (its wait
+    # stays the burst record's)
+    hier = (CommStep(level="intra", routine="reduce_scatter"),
+            CommStep(level="inter", routine="allreduce"),
+            CommStep(level="intra", routine="allgather"))
+    assert not _allreduced(NoSync(hierarchy="hierarchical", steps=hier))
+    assert not _allreduced(CompressedSync(compressor="dgc", params={"ratio": 0.01}))

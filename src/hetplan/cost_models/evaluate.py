@@ -252,7 +252,8 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
     that record is charged instead, after a step of ``step_s`` (the rank's forward and
     backward over its micro-batches and its optimizer step; None where the runtime's sync is
     not that path: ZeRO-2/3 reduce-scatter inside backward), when the first message is an
-    uncompressed bucket, as the record's is; likewise the ``allgather_step`` record (the
+    uncompressed bucket synced over the flat group, as the record's is
+    (:func:`_allreduced`); likewise the ``allgather_step`` record (the
     step with a compressed bucket synced by one all-gather, less the compressor's work,
     which the plan's compressor is priced for apart) when the first unit's path is that
     one all-gather (:func:`_allgathered`). Once per sync: the later collectives of the
@@ -261,8 +262,9 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
     link = prep.link
     nbytes = _first_message_bytes(prep, units)
     if step_s is not None:
-        if nbytes is not None and costs.comm.has_handover(
-                "allreduce_step", dp, link):  # type: ignore[arg-type]
+        if (nbytes is not None and _allreduced(_first_unit(prep, units)[1])
+                and costs.comm.has_handover("allreduce_step", dp,
+                                            link)):  # type: ignore[arg-type]
             return costs.comm.wait_s("allreduce_step", dp, link,  # type: ignore[arg-type]
                                      step_s, nbytes)
         gathered = _gathered_bytes(prep, units, dp)
@@ -271,6 +273,20 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
             return costs.comm.wait_s("allgather_step", dp, link,  # type: ignore[arg-type]
                                      step_s, gathered)
     return costs.comm.wait_s("allreduce", dp, link, bwd_s, nbytes)  # type: ignore[arg-type]
+
+
+def _first_unit(prep: _SyncPrep, units: list[tuple[list[int], UnitStrategy]]
+                ) -> tuple[list[int], UnitStrategy]:
+    """The unit whose last gradient is ready first (``units`` not empty)."""
+    return min(units, key=lambda u: prep.position[u[0][-1]])
+
+
+def _allreduced(strategy: UnitStrategy) -> bool:
+    """Whether ``strategy`` syncs uncompressed (fp32, or cast to 16 bits) over the flat
+    group, as the ``allreduce_step`` record's all-reduce does (a flat reduce-scatter and
+    all-gather too: the same group's hand-overs after the same step); a hierarchical path's
+    collectives run on other groups and links, and keep the burst record's charge."""
+    return isinstance(strategy, (NoSync, CastSync)) and strategy.hierarchy == "flat"
 
 
 def _allgathered(strategy: UnitStrategy) -> bool:
@@ -290,7 +306,7 @@ def _gathered_bytes(prep: _SyncPrep, units: list[tuple[list[int], UnitStrategy]]
     :func:`_allgathered` syncs; else None."""
     if not units:
         return None
-    idx, strategy = min(units, key=lambda u: prep.position[u[0][-1]])
+    idx, strategy = _first_unit(prep, units)
     nbytes = prep.nbytes.get(tuple(idx))
     if nbytes is None or not isinstance(strategy, CompressedSync) or not _allgathered(
             strategy):
@@ -333,7 +349,7 @@ def _first_message_bytes(prep: _SyncPrep,
     for compressed and sparse units, whose first message is not the bucket."""
     if not units:
         return None
-    idx, strategy = min(units, key=lambda u: prep.position[u[0][-1]])
+    idx, strategy = _first_unit(prep, units)
     nbytes = prep.nbytes.get(tuple(idx))
     if nbytes is None:
         return None
