@@ -259,7 +259,7 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
     from hetplan import zoo
     from hetplan.ir.plan_sections import Bucket, CompressedSync, GradientSync, NoSync
     from hetplan.profiling.collectives import own_groups
-    from hetplan.runtime.compressors import ErrorFeedback, make_compressor
+    from hetplan.runtime.compressors import ErrorFeedback, make_compressor, payload_bytes
     from hetplan.runtime.executor import plan_optimizer
     from hetplan.runtime.grad_sync import GradSync
 
@@ -317,7 +317,7 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
     opt.zero_grad(set_to_none=True)
     feedback = ErrorFeedback()
     payload = feedback.compress(comp, "bucket", grad, 0)
-    packed_bytes = sum(t.numel() * t.element_size() for t in payload)
+    packed_bytes = payload_bytes(payload)
 
     def compression_s(g: int) -> float:
         """The compressor's work per step on a group of ``g``: compress the bucket (with
