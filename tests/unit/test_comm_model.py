@@ -189,10 +189,57 @@ def test_profiled_fit_beats_analytic(pcie: ClusterSpec) -> None:
     assert cost.seconds != pytest.approx(CommModel(pcie).time_s("allreduce", 1e8, 8, "inter"))
     # a fit stored in the DB is used as is
     assert m.time_s("allgather", 1e9, 8, "intra") == pytest.approx(1e-3)
-    # nothing measured: analytic
-    assert m.cost("broadcast", 1e8, 8, "inter").source == "analytic"
+    # nothing measured on the link kind: analytic
     assert m.cost("allreduce", 1e8, 8, LinkSpec(kind="infiniband", bandwidth_gbps=100,
                                                 latency_us=1)).source == "analytic"
+
+
+# -- routines a profile lacks ---------------------------------------------------------------
+def test_a_routine_the_profile_lacks_takes_a_measured_upper_bound(pcie: ClusterSpec) -> None:
+    # ethernet has only allreduce measured (50 µs + 1e-9 s/B at n = 8): every other routine
+    # there is priced as that all-reduce, not from the link's spec
+    m = CommModel(pcie, _db())
+    for routine in ("reduce", "broadcast", "reduce_scatter", "alltoall", "allgather",
+                    "gather"):
+        cost = m.cost(routine, 1e8, 8, "inter")
+        assert cost.source == "profiled", routine
+        assert cost.seconds == pytest.approx(50e-6 + 1e-9 * 1e8, rel=1e-6), routine
+        assert f"allreduce standing in for {routine}" in cost.detail
+        # the spec's line is cheaper than the measured one it stands beside
+        assert CommModel(pcie).time_s(routine, 1e8, 8, "inter") < 0.5 * cost.seconds
+    # p2p has no stand-in: a pipeline's hand-over is not a collective
+    assert m.cost("p2p", 1e8, 2, "inter").source == "analytic"
+    # what the profile measured is its own line, never a stand-in
+    assert "standing in" not in m.cost("allreduce", 1e8, 8, "inter").detail
+
+
+def test_a_gather_prefers_the_measured_allgather(pcie: ClusterSpec) -> None:
+    # pcie has allgather measured (1 ms flat at n = 8) but no allreduce
+    m = CommModel(pcie, _db())
+    gather = m.alpha_beta("gather", 8, "intra")
+    assert (gather.alpha_s, gather.beta_s_per_byte) == (pytest.approx(1e-3), 0.0)
+    assert "allgather standing in for gather" in gather.detail
+    # the others have no measured stand-in on pcie (allreduce is not measured there)
+    assert m.cost("reduce", 1e6, 8, "intra").source == "analytic"
+
+
+def test_a_stand_in_is_rescaled_as_its_own_routine(pcie: ClusterSpec) -> None:
+    # measured at n = 8, asked at n = 4: the all-reduce's steps and factor, not the reduce's
+    m = CommModel(pcie, _db(n=8))
+    line = m.alpha_beta("reduce", 4, "inter")
+    assert line.alpha_s == pytest.approx(50e-6 * 6 / 14)
+    assert line.beta_s_per_byte == pytest.approx(1e-9 * 1.5 / 1.75)
+    assert "rescaled to n=4" in line.detail and "standing in for reduce" in line.detail
+    assert line.alpha_s == m.alpha_beta("allreduce", 4, "inter").alpha_s
+
+
+def test_a_measured_routine_is_never_replaced(pcie: ClusterSpec) -> None:
+    db = ProfileDB(collectives=_db().collectives + (
+        CollectiveRecord(collective="reduce", backend="nccl", link_kind="ethernet",
+                         group_size=8, alpha_s=2e-6, beta_s_per_byte=3e-12),))
+    line = CommModel(pcie, db).alpha_beta("reduce", 8, "inter")
+    assert (line.alpha_s, line.beta_s_per_byte) == (2e-6, 3e-12)
+    assert "standing in" not in line.detail
 
 
 def test_profiled_fit_rescaled_to_other_group_size(pcie: ClusterSpec) -> None:

@@ -315,7 +315,12 @@ def test_profile_handovers_rejects_bad_input() -> None:
 #: 1 Gbit/s: 8 ns per byte on the wire, times the bus factor (allgather 3/4, allreduce 3/2)
 ETH = ProfileDB(collectives=_lines() + (
     _line("allgather", 4, 5.0 * MS, link="ethernet", beta=6e-9),
-    _line("allreduce", 4, 5.0 * MS, link="ethernet", beta=12e-9)),
+    _line("allreduce", 4, 5.0 * MS, link="ethernet", beta=12e-9),
+    # the rooted routines measured too (a profile without them prices them as the lines
+    # above: test_comm_model.py)
+    _line("gather", 4, 0.1 * MS, link="ethernet", beta=6e-9),
+    _line("broadcast", 4, 0.1 * MS, link="ethernet", beta=8e-9),
+    _line("reduce", 4, 0.1 * MS, link="ethernet", beta=8e-9)),
                 handovers=_hands() + (_hand("allreduce", 4, [(0.0, 7.0 * MS), (4 * MS, 11 * MS)],
                                             link="ethernet"),))
 SLOW = dict(dp=4, pp=1, tp=1, zero_stage=0, compressors=("fp16", "dgc"))

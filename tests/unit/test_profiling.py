@@ -308,3 +308,15 @@ def test_a_profile_at_one_batch_prices_a_capture_at_another() -> None:
     assert t.fwd_s == pytest.approx(block.fwd_ms * 1e-3 * 2 / 4)
     fp32 = ComputeModel(db).layer_times(one, device, micro_batch=2)
     assert fp32[names.index("blocks.0")].source == "analytic"
+
+
+def test_the_default_collectives_are_every_routine_a_plan_may_run() -> None:
+    """Every routine of the gradient-sync option tree, and p2p, is measured by default: a
+    plan priced from a profile never mixes measured lines with the spec's for its routines
+    (docs/decisions/cpu-fidelity.md section 23)."""
+    from hetplan.algorithms.espresso_tree import TASKS
+    from hetplan.profiling.collectives import DEFAULT_COLLECTIVES
+
+    routines = {r for task, rs in TASKS.items() if task.startswith("comm") for r in rs}
+    assert {"reduce", "gather"} <= routines
+    assert routines | {"p2p"} == set(DEFAULT_COLLECTIVES)

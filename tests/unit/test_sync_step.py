@@ -20,10 +20,10 @@ MS = 1e-3
 MIB = 1 << 20
 
 
-def _line(collective: str, group: int, alpha_s: float) -> CollectiveRecord:
+def _line(collective: str, group: int, alpha_s: float, beta: float = 1e-9) -> CollectiveRecord:
     return CollectiveRecord(collective=collective,  # type: ignore[arg-type]
                             backend="gloo", link_kind="loopback", group_size=group,
-                            alpha_s=alpha_s, beta_s_per_byte=1e-9,
+                            alpha_s=alpha_s, beta_s_per_byte=beta,
                             samples=(CollectiveSample(nbytes=4096, seconds=alpha_s),))
 
 
@@ -36,7 +36,10 @@ def _hand(operation: str, group: int, points: list[tuple[float, float]],
 
 
 LINES = (_line("p2p", 2, 0.3 * MS), _line("allreduce", 4, 4.0 * MS),
-         _line("allreduce", 2, 0.3 * MS))
+         _line("allreduce", 2, 0.3 * MS),
+         # ZeRO-3's routines at local-cpu's loopback line (unmeasured, they would be priced
+         # as the all-reduce: test_comm_model.py)
+         *(_line(c, 4, 2.4 * MS, beta=8e-10) for c in ("allgather", "reduce_scatter")))
 #: the matmul-burst records (section 10-11)
 HANDS = (_hand("p2p", 2, [(0.0, 1.0 * MS), (2 * MS, 3.0 * MS)]),
          _hand("allreduce", 4, [(0.0, 5.0 * MS), (4 * MS, 6.0 * MS)]),

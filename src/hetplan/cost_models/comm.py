@@ -33,6 +33,22 @@ measured at group size ``m`` on the same backend and link kind gives a line ``a 
 convention above (``a * steps(n)/steps(m)``, ``b * factor(n)/factor(m)``). Every cost says its
 source (``"profiled"`` or ``"analytic"``).
 
+**Routines a profile lacks.** Where the profile holds collectives of the backend on a link
+kind but not the routine asked for, that routine is not priced from the link's spec beside
+measured ones: on gloo the spec's loopback line made a ``reduce`` nearly free next to the
+measured ``allreduce`` (5-7 ms on 4 processes sharing 2 cores), so the search chose
+reduce + broadcast paths that ran slower than the all-reduce it passed over
+(``docs/decisions/cpu-fidelity.md`` section 23). A ``gather`` takes the measured
+``allgather`` line, any other routine (and a ``gather`` without it) the measured
+``allreduce`` one, rescaled to the group as that routine: at the same ``nbytes`` an upper
+bound (an all-reduce is a reduce-scatter and an all-gather, or a reduce and a broadcast,
+and moves at least what an all-to-all does; an all-gather delivers what a gather does to
+every rank instead of one), so a path is never chosen for a routine nobody measured; on gloo, 4 processes sharing 2 cores, a reduce measured 5.0-5.9 ms
+against the all-reduce's 5.3-7.1 ms (16 KiB-1 MiB). The cost says which line stood in.
+Without the stand-in either, the analytic line applies as before. Profiles from ``hetplan
+profile`` measure both routines (:data:`~hetplan.profiling.collectives.
+DEFAULT_COLLECTIVES`); the stand-in keeps older ones from pricing them as free.
+
 Links are a :class:`~hetplan.ir.cluster.LinkSpec` or the names ``"intra"`` (the *slowest*
 intra-node link of the cluster: the phases on all nodes run together and wait for the slowest)
 and ``"inter"`` (the cluster's inter-node network).
@@ -48,8 +64,8 @@ The evaluator adds it per blocking receive on the pipeline's links and once per 
 sync, at its first bucket's bytes (from the ``allreduce_step`` record where the profile has
 one for the group: the sync timed inside the runtime's own step, ``docs/decisions/
 cpu-fidelity.md`` section 12; from the ``allgather_step`` record, at the bytes gathered,
-for a sparsified bucket synced by one all-gather, section 22); TP's per-layer all-reduces are not charged (measured to
-hide most of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
+for a sparsified bucket synced by one all-gather, section 22); TP's per-layer all-reduces
+are not charged (measured to hide most of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
 (``HETPLAN_EMULATE_BW``) are filed under the kind of link it stands for and apply there.
 Without such a record (GPU profiles, analytic costs, another backend) it is 0 s, and plans
 are priced exactly as before.
@@ -98,6 +114,14 @@ LinkRef = LinkSpec | Literal["intra", "inter"]
 
 #: The collective whose back-to-back line a hand-over operation is measured against.
 _LINE_OF = {"allreduce_step": "allreduce", "allgather_step": "allgather"}
+#: A routine a profile lacks, priced from the first of these it measured: routines that move
+#: at least its data among the same ranks, at the same ``nbytes`` (module docstring,
+#: "Routines a profile lacks"). p2p has none (its records are a pipeline's hand-overs).
+_STAND_IN: dict[str, tuple[str, ...]] = {
+    "gather": ("allgather", "allreduce"),
+    **{c: ("allreduce",) for c in ("reduce", "broadcast", "reduce_scatter", "allgather",
+                                    "alltoall")},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,16 +450,31 @@ class CommModel:
         steps = latency_steps(collective, group_size)
         factor = bus_factor(collective, group_size)
         fits = self._profiled.get((collective, spec.kind))
+        measured = collective
+        if not fits and any(kind == spec.kind for _, kind in self._profiled):
+            # the profile measured this link kind but not this routine: its stand-in's line,
+            # never the spec's analytic one beside measured ones (module docstring)
+            for measured in _STAND_IN.get(collective, ()):
+                fits = self._profiled.get((measured, spec.kind))
+                if fits:
+                    break
+            else:
+                measured = collective
         if fits:
             m = min(fits, key=lambda size: (abs(size - group_size), -size))
             fit = fits[m]
+            stand_in = "" if measured == collective else (
+                f" ({measured} standing in for {collective}, which the profile lacks: "
+                "re-profile to measure it)")
             if m == group_size:
                 return AlphaBeta(fit.alpha_s, fit.beta_s_per_byte, "profiled",
-                                 f"{self.backend} {spec.kind} n={m}: {fit.detail}")
-            a = fit.alpha_s * steps / latency_steps(collective, m)
-            b = fit.beta_s_per_byte * factor / bus_factor(collective, m)
+                                 f"{self.backend} {spec.kind} n={m}: {fit.detail}{stand_in}")
+            # a stand-in is rescaled as its own routine: priced as that routine at n ranks
+            a = fit.alpha_s * latency_steps(measured, group_size) / latency_steps(measured, m)
+            b = fit.beta_s_per_byte * bus_factor(measured, group_size) / bus_factor(measured, m)
             return AlphaBeta(a, b, "profiled",
-                             f"{self.backend} {spec.kind} n={m} rescaled to n={group_size}")
+                             f"{self.backend} {spec.kind} n={m} rescaled to n={group_size}"
+                             f"{stand_in}")
         eff = bus_efficiency(spec.kind, spec.bus_efficiency)
         return AlphaBeta(
             steps * spec.latency_s,

@@ -62,10 +62,14 @@ __all__ = [
 KiB, MiB = 2**10, 2**20
 #: 4 KiB, 16 KiB ... 64 MiB (factor 4).
 DEFAULT_SIZES: tuple[int, ...] = tuple(4 * KiB * 4**k for k in range(8))
+#: Every routine a gradient-sync path or a pipeline may run (the Espresso option tree's
+#: routines, ``hetplan.algorithms.espresso_tree.TASKS``, and p2p): a plan is never priced
+#: from a measured line for some of its routines and the link's spec for others.
 DEFAULT_COLLECTIVES: tuple[str, ...] = (
-    "allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "p2p",
+    "allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "reduce", "gather",
+    "p2p",
 )
-_ALL = DEFAULT_COLLECTIVES + ("reduce", "gather")
+_ALL = DEFAULT_COLLECTIVES
 
 
 @dataclass
@@ -359,7 +363,8 @@ def profile_collectives(
     Example:
         >>> prof = profile_collectives(2, sizes=(4096, 2**20))  # doctest: +SKIP
         >>> [r.collective for r in prof.records]  # doctest: +SKIP
-        ['allreduce', 'allgather', 'broadcast', 'reduce_scatter', 'alltoall', 'p2p']
+        ['allreduce', 'allgather', 'broadcast', 'reduce_scatter', 'alltoall', 'reduce', 'gather',
+         'p2p']
     """
     from hetplan.profiling._spawn import run_local_ranks
 
