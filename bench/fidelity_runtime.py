@@ -182,7 +182,8 @@ def profile(model: str, tmp: Path, args: argparse.Namespace) -> tuple[Path, dict
 
 #: The hand-over records timed inside the runtime's own step (``docs/decisions/
 #: cpu-fidelity.md`` section 12); the profile less them is section 11's model.
-STEP_RECORDS = ("allreduce_step", "allgather_step", "zero3_forward", "zero3_backward")
+STEP_RECORDS = ("allreduce_step", "allgather_step", "reduce_broadcast_step", "zero3_forward",
+                "zero3_backward")
 
 
 #: The runtime's phases timed in section 13 (tensor parallelism's, the traced pipeline

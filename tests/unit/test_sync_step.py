@@ -135,11 +135,13 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
     packed = recs[1].nbytes
     assert [r.key for r in recs] == [("allreduce_step", "gloo", "loopback", 2, 939_520),
                                      ("allgather_step", "gloo", "loopback", 2, packed),
+                                     ("reduce_broadcast_step", "gloo", "loopback", 2,
+                                      939_520),
                                      ("zero3_forward", "gloo", "loopback", 2, 939_520),
                                      ("zero3_backward", "gloo", "loopback", 2, 939_520),
                                      ("zero3_step", "gloo", "loopback", 2, 939_520)]
-    rec, gathered = recs[0], recs[1]
-    for z in recs[2:]:  # the plain phase, and what FSDP2's gathers / reduce-scatters add
+    rec, gathered, rooted = recs[0], recs[1], recs[2]
+    for z in recs[3:]:  # the plain phase, and what FSDP2's gathers / reduce-scatters add
         # (the step: the plain replica's optimizer step, and FSDP2's over its shards)
         assert z.processes == 2 and len(z.samples) == 1
         assert z.samples[0].burst_s > 0.0 and z.samples[0].seconds > 0.0
@@ -168,6 +170,13 @@ def test_profile_sync_steps_times_the_sync_inside_the_step() -> None:
     assert t.compressed_added_s == pytest.approx(max(
         t.compressed_wait_s + t.compressed_slowest_step_with_sync_s
         - t.compressed_step_with_sync_s - t.compression_s, 0.0))
+    # the reduce and the broadcast of the whole bucket, after the same step: the same identity
+    assert rooted.samples[0].burst_s == t.step_s
+    assert rooted.samples[0].seconds == t.rooted_added_s
+    assert t.rooted_slowest_step_with_sync_s >= t.rooted_step_with_sync_s > 0.0
+    assert t.rooted_wait_s > 0.0
+    assert t.rooted_added_s == pytest.approx(max(
+        t.rooted_wait_s + t.rooted_slowest_step_with_sync_s - t.rooted_step_with_sync_s, 0.0))
 
 
 def test_run_profile_on_the_emulated_link_takes_the_sync_steps_there(
@@ -450,3 +459,65 @@ def test_a_hierarchical_path_is_not_the_sync_the_allreduce_step_record_timed() -
             CommStep(level="intra", routine="allgather"))
     assert not _allreduced(NoSync(hierarchy="hierarchical", steps=hier))
     assert not _allreduced(CompressedSync(compressor="dgc", params={"ratio": 0.01}))
+
+
+# -- a reduce and a broadcast: the reduce_broadcast_step record -------------------------------
+#: the step with the bucket reduced and broadcast: 18 ms added to a 6 ms step
+ROOTED_STEP = _hand("reduce_broadcast_step", 4, [(6 * MS, 18.0 * MS)], nbytes=939_520)
+#: the rooted routines measured beside the all-reduce (cheaper than it: the search takes them)
+ROOT_LINES = (_line("reduce", 4, 1.0 * MS), _line("broadcast", 4, 0.5 * MS))
+ROOTED_DB = ProfileDB(collectives=LINES + ROOT_LINES, handovers=(*HANDS, STEP, ROOTED_STEP))
+ROOTED_NO_RECORD = ProfileDB(collectives=LINES + ROOT_LINES, handovers=(*HANDS, STEP))
+
+
+def test_the_reduce_broadcast_step_wait_is_measured_beyond_both_lines() -> None:
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), ROOTED_DB)
+    lines = (comm.time_s("reduce", 939_520, 4, "intra")
+             + comm.time_s("broadcast", 939_520, 4, "intra"))
+    # by hand: 1.0 + 0.5 ms and 1 ns/B twice
+    assert lines == pytest.approx(1.5 * MS + 2 * 939_520e-9)
+    assert comm.wait_s("reduce_broadcast_step", 4, "intra", 6 * MS, 939_520) == pytest.approx(
+        18.0 * MS - lines)
+
+
+def _routines(plan) -> set[tuple[str, ...]]:  # type: ignore[no-untyped-def]
+    return {tuple(st.routine for st in s.steps)
+            for s in plan.gradient_sync.strategies.values()}
+
+
+def test_a_reduce_broadcast_plan_pays_its_own_step_record() -> None:
+    from hetplan.cost_models.predict import simulate
+
+    # gpt-test's one bucket, its routing chosen by Espresso: without the record the reduce
+    # and broadcast (1.5 ms of lines against the all-reduce's 4) win, and keep the
+    # all-reduce step's charge
+    pins = dict(DP, passes="uniform-stages,ddp-buckets,espresso")
+    without = _plan(ROOTED_NO_RECORD, **pins)
+    assert _routines(without) == {("reduce", "broadcast")}
+    comm = CommModel(ClusterSpec.from_preset("local-cpu"), ROOTED_DB)
+    rooted_ms = comm.wait_s("reduce_broadcast_step", 4, "intra", 6 * MS, 939_520) * 1e3
+    allreduce_ms = comm.wait_s("allreduce_step", 4, "intra", 6 * MS, 939_520) * 1e3
+    assert rooted_ms > allreduce_ms + 5.0  # the records differ: the test can fail
+    # the same plan re-priced with the record of its path: that record's charge instead
+    assert without.predictions is not None
+    again = simulate(without, profile=ROOTED_DB)
+    assert again.iteration_time_ms == pytest.approx(
+        without.predictions.iteration_time_ms + rooted_ms - allreduce_ms, abs=1e-6)
+    # and with the record, the search takes the all-reduce, predicted faster than that
+    with_ = _plan(ROOTED_DB, **pins)
+    assert _routines(with_) == {("allreduce",)}
+    assert with_.predictions is not None
+    assert with_.predictions.iteration_time_ms < again.iteration_time_ms
+
+
+def test_the_reduce_broadcast_record_does_not_apply_to_an_all_reduce() -> None:
+    assert _priced(ROOTED_DB, **DP) == _priced(ROOTED_NO_RECORD, **DP)  # ddp-buckets: one
+    # flat all-reduce
+    from hetplan.cost_models.evaluate import _reduce_broadcast
+    from hetplan.ir.plan_sections import CastSync, CommStep, NoSync
+
+    pair = (CommStep(routine="reduce"), CommStep(routine="broadcast"))
+    assert _reduce_broadcast(NoSync(steps=pair)) and _reduce_broadcast(CastSync(steps=pair))
+    assert not _reduce_broadcast(NoSync())
+    assert not _reduce_broadcast(NoSync(steps=(CommStep(routine="reduce_scatter"),
+                                               CommStep(routine="allgather"))))

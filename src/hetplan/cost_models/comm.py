@@ -43,8 +43,9 @@ reduce + broadcast paths that ran slower than the all-reduce it passed over
 ``allreduce`` one, rescaled to the group as that routine: at the same ``nbytes`` an upper
 bound (an all-reduce is a reduce-scatter and an all-gather, or a reduce and a broadcast,
 and moves at least what an all-to-all does; an all-gather delivers what a gather does to
-every rank instead of one), so a path is never chosen for a routine nobody measured; on gloo, 4 processes sharing 2 cores, a reduce measured 5.0-5.9 ms
-against the all-reduce's 5.3-7.1 ms (16 KiB-1 MiB). The cost says which line stood in.
+every rank instead of one), so a path is never chosen for a routine nobody measured. On
+gloo, 4 processes sharing 2 cores, a reduce measured 5.0-5.9 ms against the all-reduce's
+5.3-7.1 ms (16 KiB-1 MiB). The cost says which line stood in.
 Without the stand-in either, the analytic line applies as before. Profiles from ``hetplan
 profile`` measure both routines (:data:`~hetplan.profiling.collectives.
 DEFAULT_COLLECTIVES`); the stand-in keeps older ones from pricing them as free.
@@ -64,8 +65,10 @@ The evaluator adds it per blocking receive on the pipeline's links and once per 
 sync, at its first bucket's bytes (from the ``allreduce_step`` record where the profile has
 one for the group: the sync timed inside the runtime's own step, ``docs/decisions/
 cpu-fidelity.md`` section 12; from the ``allgather_step`` record, at the bytes gathered,
-for a sparsified bucket synced by one all-gather, section 22); TP's per-layer all-reduces
-are not charged (measured to hide most of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
+for a sparsified bucket synced by one all-gather, section 22; from the
+``reduce_broadcast_step`` record for an uncompressed bucket synced by a reduce and a
+broadcast, section 23); TP's per-layer all-reduces are not charged (measured to hide most
+of it: ``docs/decisions/cpu-fidelity.md`` section 11). Records on an emulated link
 (``HETPLAN_EMULATE_BW``) are filed under the kind of link it stands for and apply there.
 Without such a record (GPU profiles, analytic costs, another backend) it is 0 s, and plans
 are priced exactly as before.
@@ -112,8 +115,10 @@ CostSourceName = Literal["profiled", "analytic"]
 LinkRef = LinkSpec | Literal["intra", "inter"]
 
 
-#: The collective whose back-to-back line a hand-over operation is measured against.
-_LINE_OF = {"allreduce_step": "allreduce", "allgather_step": "allgather"}
+#: The collectives whose back-to-back lines a hand-over operation is measured against.
+_LINE_OF: dict[str, tuple[str, ...]] = {
+    "allreduce_step": ("allreduce",), "allgather_step": ("allgather",),
+    "reduce_broadcast_step": ("reduce", "broadcast")}
 #: A routine a profile lacks, priced from the first of these it measured: routines that move
 #: at least its data among the same ranks, at the same ``nbytes`` (module docstring,
 #: "Routines a profile lacks"). p2p has none (its records are a pipeline's hand-overs).
@@ -352,7 +357,8 @@ class CommModel:
                 ``allreduce_step`` (the data-parallel sync timed inside the runtime's step;
                 ``burst_s`` is then the step without the sync; its line is the
                 all-reduce's) or ``allgather_step`` (the same with a compressed bucket; its
-                line is the all-gather's).
+                line is the all-gather's) or ``reduce_broadcast_step`` (the bucket synced by
+                a reduce and a broadcast; its line the two lines' sum).
             group_size: ranks in the group (p2p: 2); 1 waits for nothing.
             link: a ``LinkSpec``, ``"intra"`` or ``"inter"``.
             burst_s: compute each rank does before the message, in seconds.
@@ -367,9 +373,9 @@ class CommModel:
         recs = self._handovers.get((operation, self.resolve_link(link).kind, group_size))
         if not recs:
             return 0.0
-        line = _LINE_OF.get(operation, operation)
-        waits = [(r.nbytes, max(r.seconds_at(burst_s)
-                                - self.time_s(line, r.nbytes, group_size, link), 0.0))
+        lines = _LINE_OF.get(operation, (operation,))
+        waits = [(r.nbytes, max(r.seconds_at(burst_s) - sum(
+                      self.time_s(c, r.nbytes, group_size, link) for c in lines), 0.0))
                  for r in (recs if nbytes is not None else recs[:1])]
         if nbytes is None or nbytes <= waits[0][0]:
             return waits[0][1]

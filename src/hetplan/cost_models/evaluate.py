@@ -253,7 +253,9 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
     backward over its micro-batches and its optimizer step; None where the runtime's sync is
     not that path: ZeRO-2/3 reduce-scatter inside backward), when the first message is an
     uncompressed bucket synced over the flat group, as the record's is
-    (:func:`_allreduced`); likewise the ``allgather_step`` record (the
+    (:func:`_allreduced`; a reduce and a broadcast, :func:`_reduce_broadcast`, are charged
+    the ``reduce_broadcast_step`` record of that path where the profile has one); likewise
+    the ``allgather_step`` record (the
     step with a compressed bucket synced by one all-gather, less the compressor's work,
     which the plan's compressor is priced for apart) when the first unit's path is that
     one all-gather (:func:`_allgathered`). Once per sync: the later collectives of the
@@ -262,6 +264,11 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
     link = prep.link
     nbytes = _first_message_bytes(prep, units)
     if step_s is not None:
+        if (nbytes is not None and _reduce_broadcast(_first_unit(prep, units)[1])
+                and costs.comm.has_handover("reduce_broadcast_step", dp,
+                                            link)):  # type: ignore[arg-type]
+            return costs.comm.wait_s("reduce_broadcast_step", dp,  # type: ignore[arg-type]
+                                     link, step_s, nbytes)
         if (nbytes is not None and _allreduced(_first_unit(prep, units)[1])
                 and costs.comm.has_handover("allreduce_step", dp,
                                             link)):  # type: ignore[arg-type]
@@ -287,6 +294,16 @@ def _allreduced(strategy: UnitStrategy) -> bool:
     all-gather too: the same group's hand-overs after the same step); a hierarchical path's
     collectives run on other groups and links, and keep the burst record's charge."""
     return isinstance(strategy, (NoSync, CastSync)) and strategy.hierarchy == "flat"
+
+
+def _reduce_broadcast(strategy: UnitStrategy) -> bool:
+    """Whether ``strategy`` syncs uncompressed over the flat group by a reduce to one rank
+    and a broadcast back (Espresso's root-type routing), the path the
+    ``reduce_broadcast_step`` record timed: the runtime runs it on the gradient path's
+    worker thread, not as the all-reduce's asynchronous launch from the hooks (without that
+    record it keeps :func:`_allreduced`'s charge)."""
+    return (_allreduced(strategy)
+            and tuple(s.routine for s in strategy.steps) == ("reduce", "broadcast"))
 
 
 def _allgathered(strategy: UnitStrategy) -> bool:

@@ -40,7 +40,9 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   (:mod:`hetplan.profiling.sync_step`): the burst is the step without the sync, a sample what
   the sync takes inside the steps with it (profiles before 2026-11-26 16:00 UTC: the slowest
   synced step less the step without); ``allgather_step`` the same with a compressed bucket
-  synced by one all-gather (less the compressor's own work); ``zero3_forward`` /
+  synced by one all-gather (less the compressor's own work); ``reduce_broadcast_step`` the
+  same with the bucket synced uncompressed by a reduce and a broadcast (the root-type
+  routing, on the gradient path's worker thread); ``zero3_forward`` /
   ``zero3_backward`` likewise what the runtime's ZeRO-3 (FSDP2) adds to the plain forward and
   backward, and ``zero3_step`` its optimizer step over the sharded parameters.
   ``tp_forward`` / ``tp_backward`` (and ``tp_sp_*`` with sequence parallelism;
@@ -444,6 +446,8 @@ class HandoverRecord(BaseModel):
             the steps with it: the mean wait and the slowest rank's lag),
             ``allgather_step`` (the same step with a compressed sync whose one collective is
             an all-gather, less the compressor's own work; ``nbytes`` the gathered bytes),
+            ``reduce_broadcast_step`` (the same step with the bucket synced uncompressed by a
+            reduce to one rank and a broadcast back),
             ``zero3_forward`` / ``zero3_backward`` (the runtime's ZeRO-3 phase: the burst is
             the plain replica's phase, the seconds what ZeRO-3 adds to it; ``nbytes`` the
             model's fp32 parameters), ``zero3_step`` (the burst is the plain replica's
@@ -473,8 +477,9 @@ class HandoverRecord(BaseModel):
 
     model_config = _CONFIG
 
-    operation: Literal["p2p", "allreduce", "allreduce_step", "allgather_step", "zero3_forward",
-                       "zero3_backward", "zero3_step", "tp_forward", "tp_backward",
+    operation: Literal["p2p", "allreduce", "allreduce_step", "allgather_step",
+                       "reduce_broadcast_step", "zero3_forward", "zero3_backward",
+                       "zero3_step", "tp_forward", "tp_backward",
                        "tp_sp_forward", "tp_sp_backward", "tp_loss", "tp_sp_loss",
                        "traced_forward", "traced_backward"]
     backend: _Name

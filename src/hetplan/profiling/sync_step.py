@@ -54,6 +54,15 @@ all-gathered (:func:`hetplan.cost_models.evaluate._sync_wait_s`). Under
 ``HETPLAN_EMULATE_BW`` both variants run on the emulated link (a profile with
 ``--link-kind``), as a plan's sync there does.
 
+**A reduce and a broadcast** (``reduce_broadcast_step``): the same steps with the bucket
+synced uncompressed by a reduce to one rank and a broadcast back (:data:`ROOTED`,
+Espresso's root-type routing), which the runtime runs on the gradient path's worker thread
+instead of launching an asynchronous all-reduce from the hooks; its sample is the burst
+above and what that sync takes inside the steps with it, measured the same way; ``nbytes``
+the bucket. Priced from the lines alone, that routing looked cheaper than the all-reduce
+on the CPU presets' machine, and its runs were up to 15 % slower
+(``docs/decisions/cpu-fidelity.md`` section 23).
+
 **ZeRO-3** (``zero3=True``): the same replica is then sharded the way the runtime's ZeRO-3
 does it (FSDP2's ``fully_shard`` on every transformer block of the captured model and on the
 root, over the group; :class:`~hetplan.runtime.handlers.zero.ZeroHandler`), and its forward
@@ -120,6 +129,11 @@ class SyncStepTimes:
         compressed_wait_s / compressed_step_with_sync_s /
         compressed_slowest_step_with_sync_s: ``wait_s``, ``step_with_sync_s`` and
             ``slowest_step_with_sync_s`` of the steps with the compressed sync.
+        rooted_added_s: the same as ``added_s`` with the bucket synced uncompressed by a
+            reduce and a broadcast (:data:`ROOTED`): ``rooted_wait_s +
+            rooted_slowest_step_with_sync_s - rooted_step_with_sync_s``.
+        rooted_wait_s / rooted_step_with_sync_s / rooted_slowest_step_with_sync_s:
+            ``wait_s``, ``step_with_sync_s`` and ``slowest_step_with_sync_s`` of those steps.
     """
 
     group_size: int
@@ -137,6 +151,16 @@ class SyncStepTimes:
     compressed_wait_s: float = 0.0
     compressed_step_with_sync_s: float = 0.0
     compressed_slowest_step_with_sync_s: float = 0.0
+    rooted_added_s: float = 0.0
+    rooted_wait_s: float = 0.0
+    rooted_step_with_sync_s: float = 0.0
+    rooted_slowest_step_with_sync_s: float = 0.0
+
+
+#: The routines of the ``reduce_broadcast_step`` record: the bucket reduced to one rank and
+#: broadcast back, uncompressed (Espresso's root-type routing, ``fp32#6``), which the runtime
+#: runs on the gradient path's worker thread.
+ROOTED = ("reduce", "broadcast")
 
 
 #: The compressed bucket of the ``allgather_step`` record: the whole gradient under DGC at 1 %
@@ -257,7 +281,13 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
     import torch.distributed as dist
 
     from hetplan import zoo
-    from hetplan.ir.plan_sections import Bucket, CompressedSync, GradientSync, NoSync
+    from hetplan.ir.plan_sections import (
+        Bucket,
+        CommStep,
+        CompressedSync,
+        GradientSync,
+        NoSync,
+    )
     from hetplan.profiling.collectives import own_groups
     from hetplan.runtime.compressors import ErrorFeedback, make_compressor, payload_bytes
     from hetplan.runtime.executor import plan_optimizer
@@ -281,7 +311,11 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
     pg = {g: groups[g] if g != world else dist.group.WORLD for g in sorted(groups)}
     syncs = {g: GradSync(named, plain, pg[g], g) for g in sorted(groups)}
     compressed = {g: GradSync(named, packed, pg[g], g) for g in sorted(groups)}
-    for gs in (*syncs.values(), *compressed.values()):  # hooks of all stay registered:
+    pair = section(NoSync(steps=tuple(
+        CommStep(routine=r) for r in ROOTED)))  # type: ignore[arg-type]
+    rooted = {g: GradSync(named, pair, pg[g], g) for g in sorted(groups)}
+    every = (*syncs.values(), *compressed.values(), *rooted.values())
+    for gs in every:  # hooks of all stay registered:
         gs.sync_enabled = False  # hold all back but the one timed (a one-bucket sync has
         # none: its bucket is launched by finish)
 
@@ -330,8 +364,9 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
         return (time.perf_counter() - t0) / rounds
 
     # per group size: [step without, step with (slowest), compute without, compute with,
-    # wait, step with (mean), compressed: step with (mean), wait, slowest; compression]
-    acc: dict[int, list[float]] = {g: [0.0] * 10 for g in syncs}
+    # wait, step with (mean), compressed: step with (mean), wait, slowest; compression;
+    # reduce and broadcast: step with (mean), wait, slowest]
+    acc: dict[int, list[float]] = {g: [0.0] * 13 for g in syncs}
     for _ in range(passes):
         for g, gs in syncs.items():
             for _ in range(warmup):
@@ -346,18 +381,23 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             q, _, q_wait = mean_step(compressed[g], True)
             dist.barrier()
             work = compression_s(g)
-            means = torch.tensor([c, c_fb, r_fb, r_wait, r, q, q_wait, work],
+            for _ in range(warmup):
+                step(rooted[g], True, [0.0, 0.0])
+            dist.barrier()
+            o, _, o_wait = mean_step(rooted[g], True)
+            dist.barrier()
+            means = torch.tensor([c, c_fb, r_fb, r_wait, r, q, q_wait, work, o, o_wait],
                                  dtype=torch.float64)
             dist.all_reduce(means)
-            slowest = torch.tensor([r, q], dtype=torch.float64)
+            slowest = torch.tensor([r, q, o], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             m = [float(x) / world / passes for x in means]
-            for i, v in zip((0, 2, 3, 4, 5, 6, 7, 9), m):
+            for i, v in zip((0, 2, 3, 4, 5, 6, 7, 9, 10, 11), m):
                 acc[g][i] += v
-            acc[g][1] += float(slowest[0].item()) / passes
-            acc[g][8] += float(slowest[1].item()) / passes
+            for i, v in zip((1, 8, 12), slowest.tolist()):
+                acc[g][i] += float(v) / passes
             dist.barrier()
-    for gs in (*syncs.values(), *compressed.values()):
+    for gs in every:
         gs.close()
     # the sync's own time inside the steps with it: the mean wait, and how much later than
     # the mean step the slowest rank's ended (the compressed one less the compressor's work)
@@ -368,7 +408,9 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
                         compressed_added_s=max(a[7] + a[8] - a[6] - a[9], 0.0),
                         compression_s=a[9], compressed_nbytes=packed_bytes * g,
                         compressed_wait_s=a[7], compressed_step_with_sync_s=a[6],
-                        compressed_slowest_step_with_sync_s=a[8])
+                        compressed_slowest_step_with_sync_s=a[8],
+                        rooted_added_s=max(a[11] + a[12] - a[10], 0.0), rooted_wait_s=a[11],
+                        rooted_step_with_sync_s=a[10], rooted_slowest_step_with_sync_s=a[12])
           for g, a in sorted(acc.items())]
     z3 = (_zero3(rank, world, model, args, kwargs, groups, optimizer, rounds, warmup, passes)
           if zero3 else [])
@@ -417,9 +459,10 @@ def profile_sync_steps(
             optimizer state, which on a CPU is meant for the small models CPU plans run.
 
     Returns:
-        One ``allreduce_step`` and one ``allgather_step`` :class:`HandoverRecord` per group
-        size (one sample: the step without the sync, and what the sync takes inside the
-        steps with it; the compressed one less the compressor's work), with ``zero3`` also a
+        One ``allreduce_step``, one ``allgather_step`` and one ``reduce_broadcast_step``
+        :class:`HandoverRecord` per group size (one sample: the step without the sync, and
+        what the sync takes inside the steps with it; the compressed one less the
+        compressor's work), with ``zero3`` also a
         ``zero3_forward``, a ``zero3_backward`` and a ``zero3_step`` one per group size;
         and the step's parts (:class:`SyncStepTimes`) per group size.
 
@@ -470,6 +513,8 @@ def profile_sync_steps(
                for t in times]
     records += [record("allgather_step", t.group_size, t.compressed_nbytes, t.step_s,
                        t.compressed_added_s) for t in times]
+    records += [record("reduce_broadcast_step", t.group_size, t.nbytes, t.step_s,
+                       t.rooted_added_s) for t in times]
     for z in z3:
         records += [record("zero3_forward", z.group_size, z.nbytes, z.forward_s,
                            z.zero3_forward_s - z.forward_s),
@@ -486,6 +531,7 @@ def summary_ms(times: Sequence[SyncStepTimes]) -> list[dict[str, float]]:
                 ("step_s", "added_s", "compute_s", "compute_with_sync_s", "wait_s",
                  "step_with_sync_s", "slowest_step_with_sync_s", "compressed_added_s",
                  "compression_s", "compressed_wait_s", "compressed_step_with_sync_s",
-                 "compressed_slowest_step_with_sync_s")},
+                 "compressed_slowest_step_with_sync_s", "rooted_added_s", "rooted_wait_s",
+                 "rooted_step_with_sync_s", "rooted_slowest_step_with_sync_s")},
              "compressed_nbytes": t.compressed_nbytes}
             for t in times]
