@@ -194,11 +194,15 @@ def test_profiled_fit_beats_analytic(pcie: ClusterSpec) -> None:
                                                 latency_us=1)).source == "analytic"
 
 
-# -- routines a profile lacks ---------------------------------------------------------------
+# -- routines a profile lacks (gloo) --------------------------------------------------------
+def _gloo(pcie: ClusterSpec, **kw: int) -> CommModel:
+    return CommModel(pcie, _db(backend="gloo", **kw), backend="gloo")
+
+
 def test_a_routine_the_profile_lacks_takes_a_measured_upper_bound(pcie: ClusterSpec) -> None:
     # ethernet has only allreduce measured (50 µs + 1e-9 s/B at n = 8): every other routine
     # there is priced as that all-reduce, not from the link's spec
-    m = CommModel(pcie, _db())
+    m = _gloo(pcie)
     for routine in ("reduce", "broadcast", "reduce_scatter", "alltoall", "allgather",
                     "gather"):
         cost = m.cost(routine, 1e8, 8, "inter")
@@ -215,7 +219,7 @@ def test_a_routine_the_profile_lacks_takes_a_measured_upper_bound(pcie: ClusterS
 
 def test_a_gather_prefers_the_measured_allgather(pcie: ClusterSpec) -> None:
     # pcie has allgather measured (1 ms flat at n = 8) but no allreduce
-    m = CommModel(pcie, _db())
+    m = _gloo(pcie)
     gather = m.alpha_beta("gather", 8, "intra")
     assert (gather.alpha_s, gather.beta_s_per_byte) == (pytest.approx(1e-3), 0.0)
     assert "allgather standing in for gather" in gather.detail
@@ -225,7 +229,7 @@ def test_a_gather_prefers_the_measured_allgather(pcie: ClusterSpec) -> None:
 
 def test_a_stand_in_is_rescaled_as_its_own_routine(pcie: ClusterSpec) -> None:
     # measured at n = 8, asked at n = 4: the all-reduce's steps and factor, not the reduce's
-    m = CommModel(pcie, _db(n=8))
+    m = _gloo(pcie, n=8)
     line = m.alpha_beta("reduce", 4, "inter")
     assert line.alpha_s == pytest.approx(50e-6 * 6 / 14)
     assert line.beta_s_per_byte == pytest.approx(1e-9 * 1.5 / 1.75)
@@ -234,12 +238,58 @@ def test_a_stand_in_is_rescaled_as_its_own_routine(pcie: ClusterSpec) -> None:
 
 
 def test_a_measured_routine_is_never_replaced(pcie: ClusterSpec) -> None:
-    db = ProfileDB(collectives=_db().collectives + (
-        CollectiveRecord(collective="reduce", backend="nccl", link_kind="ethernet",
+    db = ProfileDB(collectives=_db(backend="gloo").collectives + (
+        CollectiveRecord(collective="reduce", backend="gloo", link_kind="ethernet",
                          group_size=8, alpha_s=2e-6, beta_s_per_byte=3e-12),))
-    line = CommModel(pcie, db).alpha_beta("reduce", 8, "inter")
+    line = CommModel(pcie, db, backend="gloo").alpha_beta("reduce", 8, "inter")
     assert (line.alpha_s, line.beta_s_per_byte) == (2e-6, 3e-12)
     assert "standing in" not in line.detail
+
+
+def test_a_profile_of_p2p_alone_leaves_the_collectives_analytic() -> None:
+    spec = ClusterSpec.from_preset("local-cpu")
+    db = ProfileDB(collectives=(CollectiveRecord(
+        collective="p2p", backend="gloo", link_kind="loopback", group_size=2, alpha_s=1e-4,
+        beta_s_per_byte=1e-9),))
+    m = CommModel(spec, db)
+    assert m.cost("p2p", 4096, 2, "intra").source == "profiled"
+    for routine in ("allreduce", "reduce", "gather"):  # no stand-in measured
+        assert m.cost(routine, 4096, 4, "intra").source == "analytic"
+
+
+def test_nccl_keeps_the_analytic_line_for_a_routine_its_profile_lacks(
+        pcie: ClusterSpec) -> None:
+    m = CommModel(pcie, _db())  # nccl: allreduce measured on ethernet
+    assert m.cost("allreduce", 1e8, 8, "inter").source == "profiled"
+    for routine in ("reduce", "reduce_scatter", "allgather", "gather"):
+        cost = m.cost(routine, 1e8, 8, "inter")
+        assert cost.source == "analytic", routine
+        assert cost.seconds == pytest.approx(CommModel(pcie).time_s(routine, 1e8, 8, "inter"))
+
+
+def test_a_gpu_plan_from_a_partial_nccl_profile_keeps_its_analytic_routines() -> None:
+    """A GPU plan made from a profile that measured only the all-reduce (older defaults, or
+    ``--collectives`` narrowed) is the plan the analytic intra-node lines give it: an
+    all-reduce standing in for the intra-node reduce-scatter and all-gather (half its bytes)
+    would make the hierarchical path look twice as dear."""
+    import hetplan
+
+    spec = ClusterSpec.from_preset("a100-nvlink-8x8")
+    partial = ProfileDB(collectives=tuple(CollectiveRecord(
+        collective=c, backend="nccl", link_kind="nvlink", group_size=n, alpha_s=a,
+        beta_s_per_byte=1e-9) for c, n, a in (("p2p", 2, 5e-6), ("allreduce", 32, 5e-5))))
+    pins = dict(dp=32, pp=2, tp=1, zero_stage=0, micro_batch_size=2)
+
+    def routines(db: ProfileDB) -> set[tuple[str, ...]]:
+        plan = hetplan.compile("gpt-test", spec, batch_size=256, profile=db, **pins)
+        assert plan.gradient_sync is not None
+        return {tuple(f"{st.level}:{st.routine}" for st in s.steps)  # type: ignore[union-attr]
+                for s in plan.gradient_sync.strategies.values()}
+
+    # the intra-node reduce-scatter and all-gather priced from the spec's NVLink line: the
+    # hierarchical path (priced as the measured all-reduce instead, the flat one would win)
+    assert routines(partial) == {("intra:reduce_scatter", "inter:allreduce",
+                                  "intra:allgather")}
 
 
 def test_profiled_fit_rescaled_to_other_group_size(pcie: ClusterSpec) -> None:

@@ -217,7 +217,8 @@ def test_plans_without_the_record_and_gpu_plans_are_unchanged(
     every_link = tuple(r for k in ("nvlink", "pcie", "ethernet", "infiniband", "loopback")
                        for r in _hands(k) + tuple(
                            _hand(op, 32, [(0.0, 9.0 * MS)], link=k, nbytes=1 << 20)
-                           for op in ("allreduce_step", "allgather_step", "zero3_forward",
+                           for op in ("allreduce_step", "allgather_step",
+                                      "reduce_broadcast_step", "zero3_forward",
                                       "zero3_backward", "zero3_step"))
                        + tuple(_hand(op, g, [(1 * MS, 30.0 * MS)], link=k, nbytes=939_520
                                      ).model_copy(update={"micro_batch": 2})
@@ -316,8 +317,9 @@ def test_profile_handovers_rejects_bad_input() -> None:
 ETH = ProfileDB(collectives=_lines() + (
     _line("allgather", 4, 5.0 * MS, link="ethernet", beta=6e-9),
     _line("allreduce", 4, 5.0 * MS, link="ethernet", beta=12e-9),
-    # the rooted routines measured too (a profile without them prices them as the lines
-    # above: test_comm_model.py)
+    # the rooted routines measured too (a gloo profile without them prices them as the
+    # lines above: test_comm_model.py), cheap enough that the per-tensor compressed paths
+    # this test is about (DGC gather + broadcast, 16-bit reduce + broadcast) are chosen
     _line("gather", 4, 0.1 * MS, link="ethernet", beta=6e-9),
     _line("broadcast", 4, 0.1 * MS, link="ethernet", beta=8e-9),
     _line("reduce", 4, 0.1 * MS, link="ethernet", beta=8e-9)),

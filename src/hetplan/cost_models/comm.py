@@ -33,8 +33,8 @@ measured at group size ``m`` on the same backend and link kind gives a line ``a 
 convention above (``a * steps(n)/steps(m)``, ``b * factor(n)/factor(m)``). Every cost says its
 source (``"profiled"`` or ``"analytic"``).
 
-**Routines a profile lacks.** Where the profile holds collectives of the backend on a link
-kind but not the routine asked for, that routine is not priced from the link's spec beside
+**Routines a profile lacks** (gloo). Where the profile holds gloo collectives on a link kind
+but not the routine asked for, that routine is not priced from the link's spec beside
 measured ones: on gloo the spec's loopback line made a ``reduce`` nearly free next to the
 measured ``allreduce`` (5-7 ms on 4 processes sharing 2 cores), so the search chose
 reduce + broadcast paths that ran slower than the all-reduce it passed over
@@ -43,10 +43,14 @@ reduce + broadcast paths that ran slower than the all-reduce it passed over
 ``allreduce`` one, rescaled to the group as that routine: at the same ``nbytes`` an upper
 bound (an all-reduce is a reduce-scatter and an all-gather, or a reduce and a broadcast,
 and moves at least what an all-to-all does; an all-gather delivers what a gather does to
-every rank instead of one), so a path is never chosen for a routine nobody measured. On
-gloo, 4 processes sharing 2 cores, a reduce measured 5.0-5.9 ms against the all-reduce's
-5.3-7.1 ms (16 KiB-1 MiB). The cost says which line stood in.
-Without the stand-in either, the analytic line applies as before. Profiles from ``hetplan
+every rank instead of one), so where the all-reduce (for a gather, the all-gather) was
+measured no path is chosen for a routine nobody measured. On gloo, 4 processes sharing 2
+cores, a reduce measured 5.0-5.9 ms against the all-reduce's 5.3-7.1 ms (16 KiB-1 MiB). The
+cost says which line stood in. Without the stand-in either, the analytic line applies as
+before. NCCL keeps the analytic line for a routine its profile lacks: there the spec's line
+is the bus-bandwidth model every GPU plan is priced with, and an all-reduce standing in for
+an intra-node reduce-scatter (half its bytes) would turn the hierarchical paths of GPU plans
+made from older profiles into flat ones; a test pins such a plan. Profiles from ``hetplan
 profile`` measure both routines (:data:`~hetplan.profiling.collectives.
 DEFAULT_COLLECTIVES`); the stand-in keeps older ones from pricing them as free.
 
@@ -457,7 +461,8 @@ class CommModel:
         factor = bus_factor(collective, group_size)
         fits = self._profiled.get((collective, spec.kind))
         measured = collective
-        if not fits and any(kind == spec.kind for _, kind in self._profiled):
+        if not fits and self.backend == "gloo" and any(
+                kind == spec.kind for _, kind in self._profiled):
             # the profile measured this link kind but not this routine: its stand-in's line,
             # never the spec's analytic one beside measured ones (module docstring)
             for measured in _STAND_IN.get(collective, ()):

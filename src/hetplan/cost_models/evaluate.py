@@ -254,7 +254,10 @@ def _sync_wait_s(costs: CostModel, prep: _SyncPrep, dp: int, bwd_s: float,
     not that path: ZeRO-2/3 reduce-scatter inside backward), when the first message is an
     uncompressed bucket synced over the flat group, as the record's is
     (:func:`_allreduced`; a reduce and a broadcast, :func:`_reduce_broadcast`, are charged
-    the ``reduce_broadcast_step`` record of that path where the profile has one); likewise
+    the ``reduce_broadcast_step`` record of that path where the profile has one; the first
+    unit decides, though the runtime moves every bucket to its worker thread once any
+    bucket's path is not the all-reduce fast path: ``docs/decisions/cpu-fidelity.md``
+    section 23); likewise
     the ``allgather_step`` record (the
     step with a compressed bucket synced by one all-gather, less the compressor's work,
     which the plan's compressor is priced for apart) when the first unit's path is that

@@ -259,8 +259,7 @@ def _worker(
     mine = {g: (pg, rank - rank % g) for g, pg in own_groups(rank, world, group_sizes).items()
             if pg is not None}
     runs = [(name, world) for name in collectives]
-    runs += [(name, g) for g in group_sizes for name in collectives
-             if name not in ("p2p", "gather", "reduce")]
+    runs += [(name, g) for g in group_sizes for name in collectives if name != "p2p"]
     for name, gsize in runs:
         if name == "p2p" and world < 2:
             continue
@@ -345,8 +344,8 @@ def profile_collectives(
             of ``world_size`` from 2 below it. Rescaling the whole world's line by latency
             steps (:mod:`hetplan.cost_models.comm`) assumes a step costs the same in a small
             group; with more processes than cores it does not (a ring step waits for a
-            sleeping peer's wake-up), so the sizes plans use are measured. Not for p2p,
-            gather and reduce.
+            sleeping peer's wake-up), so the sizes plans use are measured (rooted routines
+            too, each group rooted at its first rank). Not for p2p.
         passes: rounds over the sizes (:func:`size_order`); ``iters``, ``max_iters`` and
             ``min_time_s`` are split over them.
 
