@@ -135,9 +135,10 @@ def test_wider_rungs_retry_only_the_routings_and_casts_in_use(
     calls: list[tuple[list[Any], list[Any], Any]] = []
     select = Espresso._select
 
-    def one_rung(pass_: Any, ss: Any, costs: Any, cands: Any, new: Any, narrower: Any) -> Any:
+    def one_rung(pass_: Any, ss: Any, costs: Any, cands: Any, new: Any, narrower: Any,
+                 floor: float = 0.0) -> Any:
         calls.append((list(cands), list(new), narrower))
-        return select(pass_, ss, costs, cands, new, narrower)
+        return select(pass_, ss, costs, cands, new, narrower, floor)
 
     monkeypatch.setattr(Espresso, "_select", one_rung)
     Espresso(compressors=("randomk", "fp16")).run(plan, ctx)

@@ -71,6 +71,14 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
   (:mod:`~hetplan.algorithms.espresso_parallel`; the kernels release the GIL): the same
   choices, less wall time on two free cores, some CPU time on seed sweeps that turn out
   unneeded ("Round 8").
+- Floor (``select(floor=...)``, off by default here; the plan pass sets it at its lower
+  bound plus ``bound_within``): a strategy at or below the floor is final. The seeds are
+  scored first; the best, if at the floor, is returned after one sweep in which each tensor
+  tries only its baseline (ties keep the baseline, as in Algorithm 4.1), with no other
+  sweep and no offloading; else a sweep stops once it reaches the floor (at its start or
+  at an accepted change), and the sweep from the best seed is not run after a first sweep
+  that reached it. Where the floor is never reached the result and the evaluation count
+  are those without it ("Round 9").
 - Step-for-step dominance (with ``prune``,
   :class:`~hetplan.algorithms.espresso_candidates.Candidates`): an option whose ops are
   another option's ops on the same resources in the same order, each step at least as long
@@ -96,6 +104,7 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
@@ -242,7 +251,8 @@ class Selection(Generic[K]):
         benefit_s: per tensor, how much longer the iteration is if that tensor alone goes
             back to its baseline option (0 for tensors left at baseline).
         method: ``exhaustive``, ``espresso`` (Algorithms 4.1 + 4.2), with ``+greedy-offload``
-            when Algorithm 4.2 ran group by group, or ``seed:<i>`` when a caller's seed won.
+            when Algorithm 4.2 ran group by group, or ``seed:<i>`` when a caller's seed won;
+            `` (at the floor)`` where a floor stopped the search (``select(floor=...)``).
         gpu_s / cpu_s: wall-clock time of the GPU decisions and of the CPU offloading.
         evaluations: simulations run.
         gpu_process_s: the process's CPU time during the GPU decisions (``gpu_s`` without
@@ -310,7 +320,8 @@ def gpu_decisions(
             started or took in it (see the module docstring, "Candidate screen").
         stop: when set (by another thread), the sweep returns what it holds at the next
             tensor: a sweep whose result is no longer wanted (``select(parallel=True)``).
-        progress: called with the incumbent's time after every change the sweep accepts.
+        progress: called with the start's time, then with the incumbent's after every
+            change the sweep accepts.
 
     Returns:
         (strategy, its iteration time).
@@ -318,6 +329,8 @@ def gpu_decisions(
     strategy = list(problem.baseline if start is None else start)
     sess = problem.session(strategy) if fast else None
     best = sess.base_s if sess is not None else problem.iteration_s(strategy)
+    if progress is not None:
+        progress(best)
 
     # Remove(): tensors left uncompressed and communicated before a bubble, once removed
     # always removed (one bool per tensor; the session's mask is the same set as
@@ -581,6 +594,84 @@ def tensor_benefits(problem: SelectionProblem[K], strategy: Sequence[K], iterati
     return tuple(out)
 
 
+def _ties_to_baseline(problem: SelectionProblem[K], strategy: Sequence[K], fast: bool
+                      ) -> tuple[list[K], float]:
+    """One sweep of Algorithm 4.1 from ``strategy`` in which each tensor tries its baseline
+    option alone: a tensor goes back to it where that is predicted no slower (a tie keeps
+    the baseline, as in every sweep), so a seed taken as final compresses only what pays."""
+    bare = copy.copy(problem)
+    bare.evaluations = 0
+    bare._last_session = None
+    none: list[K] = []
+    bare.gpu_options = [none] * len(strategy)
+    out = gpu_decisions(bare, prune=False, start=strategy, fast=fast)
+    problem.evaluations += bare.evaluations
+    return out
+
+
+def _sweeps(
+    problem: SelectionProblem[K], seeds: Sequence[Sequence[K]], *, prune: bool, fast: bool,
+    start: Sequence[K] | None, screen: int, seed_within: float, parallel: bool,
+    floor: float, pre_seed: tuple[float, int] | None, offload_limit: int, t0: float,
+    p0: float,
+) -> tuple[list[K], float, str, float, float, float]:
+    """:func:`select`'s Algorithm 4.1 (the first sweep and the sweep from the best seed) and
+    4.2: ``(strategy, time, method, gpu_s, gpu_process_s, cpu_s)``. ``pre_seed``: the best
+    seed when already scored (with a floor)."""
+    pareto = Candidates(problem, prune)  # both sweeps' candidate lists
+
+    def scored(p: SelectionProblem[K]) -> tuple[float, int] | None:
+        return pre_seed if pre_seed is not None else _best_seed(p, seeds, fast)
+
+    side = None
+    if parallel and fast and seeds:
+        side = SeedSweep(
+            problem, seeds, start, seed_within, floor=floor, best_seed=scored,
+            sweep=lambda p, sd, stop: gpu_decisions(p, prune=prune, start=sd, fast=True,
+                                                    candidates=pareto, screen=screen,
+                                                    stop=stop))
+    reached = threading.Event()  # the first sweep holds a strategy at or below the floor
+
+    def progress(best: float) -> None:
+        if best <= floor:
+            reached.set()
+        if side is not None:
+            side.progress(best)
+
+    try:
+        strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
+                                    start=start, screen=screen,
+                                    stop=reached if floor > 0.0 else None,
+                                    progress=progress if side is not None or floor > 0.0
+                                    else None)
+    except BaseException:
+        if side is not None:
+            side.cancel()
+        raise
+    method = "espresso" if start is None else "espresso from the narrower choice"
+    if reached.is_set():
+        method += " (at the floor)"
+    if side is not None:
+        best_seed, swept = side.result(problem, f, strategy)
+    else:
+        best_seed, swept = scored(problem), None
+        if best_seed is not None and sweeps_seed(best_seed, f, strategy, seeds, seed_within,
+                                                 floor):
+            swept = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]],
+                                  fast=fast, candidates=pareto, screen=screen)
+    if swept is not None and best_seed is not None:
+        refined, fr = swept
+        if fr < f - _EPS:
+            strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
+    gpu_s = time.perf_counter() - t0
+    gpu_process_s = time.process_time() - p0
+    t1 = time.perf_counter()
+    strategy, f, exact = cpu_offload(problem, strategy, limit=offload_limit, fast=fast)
+    cpu_s = time.perf_counter() - t1
+    method += "" if exact else "+greedy-offload"
+    return strategy, f, method, gpu_s, gpu_process_s, cpu_s
+
+
 def select(
     problem: SelectionProblem[K],
     *,
@@ -594,6 +685,7 @@ def select(
     screen: int = 0,
     seed_within: float = 0.0,
     parallel: bool = False,
+    floor: float = 0.0,
 ) -> Selection[K]:
     """Choose one option per tensor (see the module docstring).
 
@@ -629,10 +721,20 @@ def select(
             sweep unneeded (it is stopped then). The problem's callables must be safe to
             call from two threads (the plan pass's are: every cost table is built before
             the search).
+        floor: a time at or below which a strategy is final, e.g. a lower bound on every
+            strategy of the problem times ``1 + epsilon`` (the plan pass's ``bound_within``):
+            the search then stops as soon as it holds one. With a floor (> 0) the seeds are
+            scored before the first sweep, and the best, if at or below the floor, is
+            returned without any sweep or offloading; else the first sweep stops at its
+            start or at the change that reaches the floor, and the sweep from the best
+            seed runs only when the first sweep's result is above it. Where the floor is
+            never reached the result is the one without it. 0 (the default): no floor.
     """
     if seed_within < 0.0:
         raise ValueError(f"seed_within must be >= 0 (0: a seed is swept only when faster), "
                          f"got {seed_within}")
+    if floor < 0.0:
+        raise ValueError(f"floor must be >= 0 (0: none), got {floor}")
     problem._last_session = None  # the problem may have changed since an earlier call
     baseline_s = problem.iteration_s(problem.baseline)
     space = 1
@@ -648,42 +750,18 @@ def select(
         gpu_s, method = time.perf_counter() - t0, "exhaustive"
         gpu_process_s = time.process_time() - p0
     else:
-        pareto = Candidates(problem, prune)  # both sweeps' candidate lists
-        side = None
-        if parallel and fast and seeds:
-            side = SeedSweep(
-                problem, seeds, start, seed_within,
-                best_seed=lambda p: _best_seed(p, seeds, True),
-                sweep=lambda p, sd, stop: gpu_decisions(p, prune=prune, start=sd, fast=True,
-                                                        candidates=pareto, screen=screen,
-                                                        stop=stop))
-        try:
-            strategy, f = gpu_decisions(problem, prune=prune, fast=fast, candidates=pareto,
-                                        start=start, screen=screen,
-                                        progress=None if side is None else side.progress)
-        except BaseException:
-            if side is not None:
-                side.cancel()
-            raise
-        method = "espresso" if start is None else "espresso from the narrower choice"
-        if side is not None:
-            best_seed, swept = side.result(problem, f, strategy)
+        # with a floor the seeds are scored first: the best may be final (no sweep)
+        pre_seed = _best_seed(problem, seeds, fast) if floor > 0.0 and seeds else None
+        if pre_seed is not None and pre_seed[0] <= floor:
+            strategy, f = _ties_to_baseline(problem, seeds[pre_seed[1]], fast)
+            method = f"seed {pre_seed[1]} (at the floor)"
+            gpu_s = time.perf_counter() - t0
+            gpu_process_s = time.process_time() - p0
         else:
-            best_seed, swept = _best_seed(problem, seeds, fast), None
-            if best_seed is not None and sweeps_seed(best_seed, f, strategy, seeds,
-                                                     seed_within):
-                swept = gpu_decisions(problem, prune=prune, start=seeds[best_seed[1]],
-                                      fast=fast, candidates=pareto, screen=screen)
-        if swept is not None and best_seed is not None:
-            refined, fr = swept
-            if fr < f - _EPS:
-                strategy, f, method = refined, fr, f"espresso from seed {best_seed[1]}"
-        gpu_s = time.perf_counter() - t0
-        gpu_process_s = time.process_time() - p0
-        t1 = time.perf_counter()
-        strategy, f, exact = cpu_offload(problem, strategy, limit=offload_limit, fast=fast)
-        cpu_s = time.perf_counter() - t1
-        method += "" if exact else "+greedy-offload"
+            strategy, f, method, gpu_s, gpu_process_s, cpu_s = _sweeps(
+                problem, seeds, prune=prune, fast=fast, start=start, screen=screen,
+                seed_within=seed_within, parallel=parallel, floor=floor,
+                pre_seed=pre_seed, offload_limit=offload_limit, t0=t0, p0=p0)
     if baseline_s <= f + _EPS and list(problem.baseline) != strategy:
         strategy, f = list(problem.baseline), baseline_s
     if start is not None and list(start) != strategy:

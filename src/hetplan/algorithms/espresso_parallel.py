@@ -45,11 +45,12 @@ P = TypeVar("P", bound=_Problem)
 
 
 def sweeps_seed(best_seed: tuple[float, int] | None, f: float, strategy: Sequence[K],
-                seeds: Sequence[Sequence[K]], seed_within: float) -> bool:
+                seeds: Sequence[Sequence[K]], seed_within: float, floor: float = 0.0) -> bool:
     """Whether ``select`` sweeps again from ``best_seed`` (``(time, index)``) after a first
     sweep that returned ``strategy`` in time ``f``: when the seed is faster, or, with
-    ``seed_within``, at most that fraction slower and not the same strategy."""
-    return best_seed is not None and (best_seed[0] < f - EPS or (
+    ``seed_within``, at most that fraction slower and not the same strategy; never when
+    ``f`` is at or below ``floor`` (``select(floor=...)``)."""
+    return best_seed is not None and f > floor and (best_seed[0] < f - EPS or (
         seed_within > 0.0 and best_seed[0] <= f * (1.0 + seed_within)
         and list(seeds[best_seed[1]]) != list(strategy)))
 
@@ -69,19 +70,21 @@ class SeedSweep(Generic[P]):
 
     Args:
         problem: the selection problem (not modified until :meth:`result`).
-        seeds / start / seed_within: as for ``select``.
+        seeds / start / seed_within / floor: as for ``select``.
         best_seed: ``_best_seed`` of a problem over ``seeds``.
         sweep: the second sweep on a problem from a seed, stopping when the event is set.
     """
 
     def __init__(self, problem: P, seeds: Sequence[Sequence[Any]], start: Sequence[Any] | None,
-                 seed_within: float, *, best_seed: Callable[[P], tuple[float, int] | None],
+                 seed_within: float, *, floor: float = 0.0,
+                 best_seed: Callable[[P], tuple[float, int] | None],
                  sweep: Callable[[P, Sequence[Any], threading.Event], tuple[list[Any], float]]
                  ) -> None:
         self._problem = copy.copy(problem)
         self._problem.evaluations = 0
         self._problem._last_session = None
         self._seeds, self._start, self._within = seeds, start, seed_within
+        self._floor = floor
         self._score, self._sweep = best_seed, sweep
         self._stop = threading.Event()
         self._seeded = threading.Event()
@@ -127,7 +130,7 @@ class SeedSweep(Generic[P]):
         if seed is None or self._stop.is_set():
             return
         upper = best + (len(self._problem.baseline) + 1) * EPS
-        if not (seed[0] < upper - EPS
+        if upper <= self._floor or not (seed[0] < upper - EPS
                 or (self._within > 0.0 and seed[0] <= upper * (1.0 + self._within))):
             self._stop.set()
 
@@ -138,7 +141,7 @@ class SeedSweep(Generic[P]):
         their evaluations to ``problem``'s. Waits for the thread."""
         self._seeded.wait()
         wanted = self._error is None and sweeps_seed(self._best_seed, f, strategy,
-                                                     self._seeds, self._within)
+                                                     self._seeds, self._within, self._floor)
         if not wanted:
             self._stop.set()
         self._thread.join()
