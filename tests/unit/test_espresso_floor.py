@@ -10,36 +10,19 @@ Measured on the bench's 36 cases in ``docs/decisions/espresso-speed.md``, "Round
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
 import pytest
 
-from hetplan.algorithms.dp_types import CPU, GPU, Op
+from hetplan.algorithms.dp_types import Op
 from hetplan.algorithms.espresso import SelectionProblem, select
 from hetplan.errors import SpecError
 from hetplan.passes.espresso import Espresso
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "property"))
 from test_espresso_mp_props import _setup, _time  # noqa: E402
-
-_KEYS = ("base", "p", "q", "r", "s")
-
-
-def _problem(seed: int, n: int = 7) -> SelectionProblem[str]:
-    rng = random.Random(seed)
-    table = {k: tuple(Op(r, rng.uniform(0.05, 2.0))
-                      for r in rng.sample(["net", "inter", GPU, CPU], rng.randint(1, 4)))
-             for k in _KEYS[1:]}
-    table["base"] = (Op("net", rng.uniform(0.5, 2.0)),)
-    bp = [rng.uniform(0.0, 1.0) for _ in range(n)]
-    sizes = [rng.choice([1, 2]) for _ in range(n)]
-    return SelectionProblem(
-        backprop_s=bp, sizes=sizes, baseline=["base"] * n, gpu_options=[list(_KEYS[1:])] * n,
-        ops=lambda i, k: table[k], compressed=lambda k: k != "base",
-        ops_class=[float(s) for s in sizes])
-
+from test_espresso_parallel import _KEYS, _problem  # noqa: E402  (the random problems)
 
 def _sel(seed: int, floor: float, parallel: bool = False,
          start: list[str] | None = None) -> tuple[tuple[str, ...], float, str, int]:
