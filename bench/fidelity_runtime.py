@@ -2,8 +2,9 @@
 
 The whole user path, through the command line, for each plan kind on 4 gloo ranks:
 
-1. **Profile** once per model: ``hetplan profile MODEL --batch-size MB --layer-processes 4
-   -n 4 --what layers --what collectives --what step`` — layers at the plans' micro-batch,
+1. **Profile** each model before every round (``--profile-once``: before the first only;
+   ``docs/decisions/cpu-fidelity.md`` section 24): ``hetplan profile MODEL --batch-size MB
+   --layer-processes 4 -n 4 --what layers --what collectives --what step`` — layers at the plans' micro-batch,
    timed on 4 processes at once (so the 4-processes-on-2-cores contention of training is in
    the times), the gloo collectives on 4 ranks, the hand-overs under contention (p2p and
    all-reduce after compute bursts on all 4 processes, part of ``collectives`` on gloo;
@@ -397,6 +398,23 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _profile_all(kinds: list[Kind], tmp: Path, args: argparse.Namespace
+                 ) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Every profile the kinds are planned from, written into ``tmp``: each model's, and a
+    kind's model on its emulated link."""
+    profiles: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for model in sorted({k.model for k in kinds}):
+        print(f"[profile {model}] ...", file=sys.stderr, flush=True)
+        profiles[model] = profile(model, tmp, args)
+    for kind in kinds:
+        key = f"{kind.model}+{kind.emulated_link}"
+        if kind.emulated_link and key not in profiles and profiles[kind.model][1]["exit"] == 0:
+            print(f"[profile {kind.model} on the emulated {kind.emulated_link} link] ...",
+                  file=sys.stderr, flush=True)
+            profiles[key] = emulated_profile(kind, profiles[kind.model][0], tmp, args)
+    return profiles
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
@@ -404,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per run")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per command")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--profile-once", action="store_true",
+                    help="profile once before the first round (before section 24 of "
+                         "docs/decisions/cpu-fidelity.md: the default profiles again before "
+                         "every round, so that each round is planned from what the host "
+                         "measured just before it)")
     ap.add_argument("--keep", type=Path, default=None,
                     help="keep the profiles, plans and reports in this folder")
     args = ap.parse_args(argv)
@@ -415,17 +438,16 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.keep or Path(tmp_name)
         tmp.mkdir(parents=True, exist_ok=True)
         profiles: dict[str, tuple[Path, dict[str, Any]]] = {}
-        for model in sorted({k.model for k in kinds}):
-            print(f"[profile {model}] ...", file=sys.stderr, flush=True)
-            profiles[model] = profile(model, tmp, args)
-        for kind in kinds:
-            if kind.emulated_link and profiles[kind.model][1]["exit"] == 0:
-                print(f"[profile {kind.model} on the emulated {kind.emulated_link} link] ...",
-                      file=sys.stderr, flush=True)
-                profiles[f"{kind.model}+{kind.emulated_link}"] = emulated_profile(
-                    kind, profiles[kind.model][0], tmp, args)
+        profiled: dict[str, dict[str, Any]] = {}  # "round R model" -> its profile's info
         per_kind: dict[str, list[dict[str, Any]]] = {k.name: [] for k in kinds}
         for rnd in range(args.rounds):
+            if rnd == 0 or not args.profile_once:
+                where = tmp if args.profile_once else tmp / f"round{rnd}"
+                where.mkdir(parents=True, exist_ok=True)
+                probes.append({"when": f"before the profiles of round {rnd}", **speed_probe()})
+                profiles = _profile_all(kinds, where, args)
+                profiled.update({m if args.profile_once else f"round {rnd} {m}": info
+                                 for m, (_, info) in profiles.items()})
             probes.append({"when": f"before round {rnd}", **speed_probe()})
             for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                 print(f"[round {rnd} {kind.name}] plan + run ...", file=sys.stderr, flush=True)
@@ -503,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"rounds": args.rounds, "steps": args.steps, "micro_batch": MICRO_BATCH,
                      "kinds": args.kinds},
         "seconds": round(time.perf_counter() - started, 1),
-        "profiles": {m: info for m, (_, info) in profiles.items()},
+        "profiles": profiled,
         "summary": summary,
         "cases": cases,
     }
