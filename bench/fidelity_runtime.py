@@ -5,8 +5,8 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
 1. **Profile** each model before every round (``--profile-once``: before the first only;
    ``docs/decisions/cpu-fidelity.md`` section 24): ``hetplan profile MODEL --batch-size MB
    --layer-processes 4 -n 4 --what layers --what collectives --what step`` — layers at the
-   plans' micro-batch, timed on 4 processes at once (so the 4-processes-on-2-cores contention of training is in
-   the times), the gloo collectives on 4 ranks, the hand-overs under contention (p2p and
+   plans' micro-batch, timed on 4 processes at once (so the 4-processes-on-2-cores
+   contention of training is in the times), the gloo collectives on 4 ranks, the hand-overs under contention (p2p and
    all-reduce after compute bursts on all 4 processes, part of ``collectives`` on gloo;
    recorded in the result beside the profile), the data-parallel sync and ZeRO-3's phases
    timed inside the runtime's own step of the model (``allreduce_step``,
