@@ -6,9 +6,10 @@ The whole user path, through the command line, for each plan kind on 4 gloo rank
    ``docs/decisions/cpu-fidelity.md`` section 24): ``hetplan profile MODEL --batch-size MB
    --layer-processes 4 -n 4 --what layers --what collectives --what step`` — layers at the
    plans' micro-batch, timed on 4 processes at once (so the 4-processes-on-2-cores
-   contention of training is in the times), the gloo collectives on 4 ranks, the hand-overs under contention (p2p and
-   all-reduce after compute bursts on all 4 processes, part of ``collectives`` on gloo;
-   recorded in the result beside the profile), the data-parallel sync and ZeRO-3's phases
+   contention of training is in the times), the gloo collectives on 4 ranks, the
+   hand-overs under contention (p2p and all-reduce after compute bursts on all 4
+   processes, part of ``collectives`` on gloo; recorded in the result beside the
+   profile), the data-parallel sync and ZeRO-3's phases
    timed inside the runtime's own step of the model (``allreduce_step``,
    ``zero3_forward``, ``zero3_backward``, also part of ``collectives``), the runtime's
    tensor-parallel forward and backward of the model with every TP group at once
