@@ -334,8 +334,9 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
 #: The parts an iteration is split into, predicted and measured alike: compute (TP
 #: collectives inside it), the pipeline bubble, exposed data-parallel communication, the
 #: optimizer step, and the rest (predicted: compression; measured: the iteration less the
-#: timed parts — negative where the report's bubble, the largest over the ranks, is longer
-#: than rank 0's own).
+#: timed parts). In a pipeline the run report's compute and bubble are the busiest rank's,
+#: as the prediction's are (section 24 of ``docs/decisions/cpu-fidelity.md``; reports
+#: before it: rank 0's compute and the largest bubble of any rank).
 PARTS = ("compute_ms", "bubble_ms", "exposed_comm_ms", "optimizer_ms", "other_ms")
 
 

@@ -1433,6 +1433,10 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
                       err_text)
     out.print(table)
+    if isinstance(m.get("busiest_rank"), int):
+        out.print(f"  compute and pipeline bubble measured on rank {m['busiest_rank']}, the "
+                  "busiest, as predicted for the busiest pipeline rank; the rest on rank 0",
+                  markup=False)
     _print_run_ranks(plan, report)
     losses = report.get("loss_per_step")
     if isinstance(losses, list) and losses:

@@ -413,14 +413,27 @@ def _final_loss(ranks: list[Any], fallback: float) -> float:
 
 def _write_report(path: str, plan: Any, times: list[Any], loss: float,
                   ranks: list[Any], rt: Any) -> None:
-    """Rank 0's times as ``measured`` (the pipeline bubble: the largest rank median, as the
-    iteration waits for the slowest stage), every rank's medians as ``per_rank``, the
+    """Rank 0's times as ``measured``, every rank's medians as ``per_rank``, the
     operating-system policy rank 0 ran under (``cpu_sched``: :mod:`.cpu_sched`), and the
-    digest of the plan that ran (``plan_digest``: ``inspect --run`` checks it)."""
+    digest of the plan that ran (``plan_digest``: ``inspect --run`` checks it).
+
+    In a pipeline (``pp > 1``) the measured compute and bubble are the busiest rank's (the
+    largest compute median, its own bubble beside it; ``busiest_rank``), as the prediction's
+    breakdown is the busiest pipeline rank's (``compute`` the largest per-rank compute,
+    ``bubble`` the pipeline's span less it): rank 0 holds the first stage, which in a plan
+    with unequal stages is not the one the prediction describes, and the largest bubble
+    is the least busy rank's (``docs/decisions/cpu-fidelity.md`` section 24)."""
     from hetplan.runtime.cpu_sched import current_cpu_sched
     from hetplan.runtime.groups import plan_digest
 
     pred = plan.predictions
+    compute_ms = _med_ms([t.compute_s for t in times])
+    bubble_ms = max(r["bubble_ms"] for r in ranks)  # without a pipeline: about 0 everywhere
+    busiest = None
+    if (plan.layout is not None and plan.layout.pp > 1 and ranks
+            and all("compute_ms" in r for r in ranks)):
+        top = max(ranks, key=lambda r: (r["compute_ms"], -r["rank"]))
+        busiest, compute_ms, bubble_ms = top["rank"], top["compute_ms"], top["bubble_ms"]
     report = {
         "plan_digest": plan_digest(plan),
         "world_size": len(ranks),
@@ -428,8 +441,9 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
         "final_loss": _final_loss(ranks, loss),
         "measured": {
             "iteration_ms": _med_ms([t.iteration_s for t in times]),
-            "compute_ms": _med_ms([t.compute_s for t in times]),
-            "bubble_ms": max(r["bubble_ms"] for r in ranks),
+            "compute_ms": compute_ms,
+            "bubble_ms": bubble_ms,
+            "busiest_rank": busiest,
             "exposed_comm_ms": _med_ms([t.sync_wait_s for t in times]),
             "optimizer_ms": _med_ms([t.optimizer_s for t in times]),
             "per_iteration_ms": [round(t.iteration_s * 1e3, 4) for t in times],
