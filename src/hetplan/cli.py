@@ -1335,6 +1335,13 @@ def _load_run_report(path: Path) -> dict[str, Any]:
             raise SpecError(f"{path}: measured.{key}: expected milliseconds (a number >= 0), "
                             f"got {value!r}; write the report with `hetplan run PLAN --report "
                             "FILE`")
+    busiest = measured.get("busiest_rank")
+    world = data.get("world_size")
+    if busiest is not None and (isinstance(busiest, bool) or not isinstance(busiest, int)
+                                or busiest < 0 or (isinstance(world, int) and busiest >= world)):
+        raise SpecError(f"{path}: measured.busiest_rank: expected a rank of the run (an integer "
+                        f"from 0 below world_size) or null, got {busiest!r}; write the report "
+                        "with `hetplan run PLAN --report FILE`")
     _check_report_fields(path, data)
     return data
 
@@ -1433,7 +1440,7 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
                       err_text)
     out.print(table)
-    if isinstance(m.get("busiest_rank"), int):
+    if m.get("busiest_rank") is not None:  # checked by _load_run_report
         out.print(f"  compute and pipeline bubble measured on rank {m['busiest_rank']}, the "
                   "busiest, as predicted for the busiest pipeline rank; the rest on rank 0",
                   markup=False)

@@ -254,6 +254,19 @@ def test_a_malformed_run_report_names_its_field(tmp_path: Path) -> None:
                 f"{report}: measured.iteration_ms: expected milliseconds")
 
 
+def test_a_run_report_naming_no_rank_of_the_run_as_the_busiest_is_refused(
+        tmp_path: Path) -> None:
+    plan = tmp_path / "p.json"
+    assert run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8", "-o",
+               plan).exit_code == 0
+    for value in ('"x"', "true", "-1", "4"):
+        report = tmp_path / "r.json"
+        report.write_text('{"world_size": 4, "measured": {"iteration_ms": 3.0, '
+                          '"busiest_rank": ' + value + "}}", encoding="utf-8")
+        refused(run("inspect", plan, "--run", report),
+                f"{report}: measured.busiest_rank: expected a rank of the run")
+
+
 def test_group_sync_with_a_pinned_zero_stage_is_refused_before_capture(no_work: None) -> None:
     refused(run("plan", "tiny-gpt2", "--cluster", "cpu-2x2", "-b", "8", "--group-sync",
                 "sdpipe", "--zero", "1"), "--group-sync sdpipe", "drop --zero 1")
