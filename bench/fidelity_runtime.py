@@ -321,7 +321,9 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
     rep = json.loads(report.read_text())
     meas = rep["measured"]
     row["measured_ms"] = meas["iteration_ms"]
-    row["measured_breakdown_ms"] = {k: v for k, v in meas.items() if k != "per_iteration_ms"}
+    row["measured_breakdown_ms"] = {k: v for k, v in meas.items()
+                                    if k not in ("per_iteration_ms", "busiest_rank")}
+    row["measured_busiest_rank"] = meas.get("busiest_rank")
     row["measured_per_iteration_ms"] = meas.get("per_iteration_ms")
     row["measured_per_rank_ms"] = [
         {k: r.get(k) for k in ("rank", *PARTS[:-1], "iteration_ms")} for r in rep["per_rank"]]
@@ -334,9 +336,10 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
 #: The parts an iteration is split into, predicted and measured alike: compute (TP
 #: collectives inside it), the pipeline bubble, exposed data-parallel communication, the
 #: optimizer step, and the rest (predicted: compression; measured: the iteration less the
-#: timed parts). In a pipeline the run report's compute and bubble are the busiest rank's,
-#: as the prediction's are (section 24 of ``docs/decisions/cpu-fidelity.md``; reports
-#: before it: rank 0's compute and the largest bubble of any rank).
+#: timed parts; slightly negative where the parts' medians, of different ranks, add up to
+#: more). In a pipeline the run report's compute and bubble are the busiest rank's, as the
+#: prediction's are, the rest rank 0's (section 24 of ``docs/decisions/cpu-fidelity.md``;
+#: reports before it: rank 0's compute and the largest bubble of any rank).
 PARTS = ("compute_ms", "bubble_ms", "exposed_comm_ms", "optimizer_ms", "other_ms")
 
 
@@ -525,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_start_and_end": [load_at_start, list(os.getloadavg())],
         "speed_probes_ms": probes, "cpu_shares": cpu,
         "settings": {"rounds": args.rounds, "steps": args.steps, "micro_batch": MICRO_BATCH,
-                     "kinds": args.kinds},
+                     "kinds": args.kinds, "profile_once": args.profile_once},
         "seconds": round(time.perf_counter() - started, 1),
         "profiles": profiled,
         "summary": summary,

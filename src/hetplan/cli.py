@@ -1339,9 +1339,10 @@ def _load_run_report(path: Path) -> dict[str, Any]:
     world = data.get("world_size")
     if busiest is not None and (isinstance(busiest, bool) or not isinstance(busiest, int)
                                 or busiest < 0 or (isinstance(world, int) and busiest >= world)):
+        span = f"0..{world - 1}" if isinstance(world, int) and world >= 1 else "0 or more"
         raise SpecError(f"{path}: measured.busiest_rank: expected a rank of the run (an integer "
-                        f"from 0 below world_size) or null, got {busiest!r}; write the report "
-                        "with `hetplan run PLAN --report FILE`")
+                        f"in {span}) or null, got {busiest!r}; write the report with `hetplan "
+                        "run PLAN --report FILE`")
     _check_report_fields(path, data)
     return data
 

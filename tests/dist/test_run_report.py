@@ -58,6 +58,9 @@ def test_run_report_with_memory_and_losses(tmp_path: Path) -> None:
     assert plan.predictions is not None
     assert data["predicted"]["optimizer_ms"] == plan.predictions.breakdown.optimizer_ms > 0
     assert data["measured"]["optimizer_ms"] > 0
+    # no pipeline: compute is rank 0's, no rank is named the busiest
+    assert data["measured"]["busiest_rank"] is None
+    assert data["measured"]["compute_ms"] == data["per_rank"][0]["compute_ms"]
     shown = _hetplan("inspect", str(tmp_path / "plan.json"), "--run", str(report))
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "measured MiB" in shown.stdout and "loss per step" in shown.stdout

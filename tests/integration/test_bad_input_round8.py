@@ -129,6 +129,27 @@ def test_the_worker_writes_the_plan_digest_into_its_report(plans: dict[str, Path
     assert json.loads(out.read_text())["plan_digest"] == plan_digest(plan)
 
 
+def test_the_report_of_a_pipeline_takes_compute_and_bubble_from_its_busiest_rank(
+        plans: dict[str, Path], tmp_path: Path) -> None:
+    from hetplan.runtime.worker import _write_report
+
+    plan = load_plan(plans["pp2"])
+    step = SimpleNamespace(iteration_s=0.009, compute_s=0.002, sync_wait_s=0.0,
+                           optimizer_s=0.001)
+    # ranks 1 and 2 tie on compute: the lower one is named; rank 3 waits longest
+    ranks = [{"rank": 0, "compute_ms": 2.0, "bubble_ms": 6.0, "losses": []},
+             {"rank": 1, "compute_ms": 5.0, "bubble_ms": 3.0, "losses": [1.0]},
+             {"rank": 2, "compute_ms": 5.0, "bubble_ms": 2.5, "losses": []},
+             {"rank": 3, "compute_ms": 1.0, "bubble_ms": 7.0, "losses": [1.0]}]
+    out = tmp_path / "r.json"
+    _write_report(str(out), plan, [step], 1.0, ranks,
+                  SimpleNamespace(rebalanced_at=[], rebalance_s=[]))
+    measured = json.loads(out.read_text())["measured"]
+    assert (measured["busiest_rank"], measured["compute_ms"], measured["bubble_ms"]) == (
+        1, 5.0, 3.0)
+    assert measured["iteration_ms"] == 9.0 and measured["optimizer_ms"] == 1.0  # rank 0's
+
+
 # -- inspect --trace: an edited trace, another plan's, a trace where another kind is read --
 @pytest.mark.parametrize(("edit", "field"), [
     (lambda e: e.pop("pid"), "traceEvents[1].pid: expected the rank"),  # was: KeyError: 'pid'

@@ -264,7 +264,8 @@ def test_a_run_report_naming_no_rank_of_the_run_as_the_busiest_is_refused(
         report.write_text('{"world_size": 4, "measured": {"iteration_ms": 3.0, '
                           '"busiest_rank": ' + value + "}}", encoding="utf-8")
         refused(run("inspect", plan, "--run", report),
-                f"{report}: measured.busiest_rank: expected a rank of the run")
+                f"{report}: measured.busiest_rank: expected a rank of the run (an integer "
+                "in 0..3)")
 
 
 def test_group_sync_with_a_pinned_zero_stage_is_refused_before_capture(no_work: None) -> None:

@@ -418,11 +418,13 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
     digest of the plan that ran (``plan_digest``: ``inspect --run`` checks it).
 
     In a pipeline (``pp > 1``) the measured compute and bubble are the busiest rank's (the
-    largest compute median, its own bubble beside it; ``busiest_rank``), as the prediction's
-    breakdown is the busiest pipeline rank's (``compute`` the largest per-rank compute,
-    ``bubble`` the pipeline's span less it): rank 0 holds the first stage, which in a plan
-    with unequal stages is not the one the prediction describes, and the largest bubble
-    is the least busy rank's (``docs/decisions/cpu-fidelity.md`` section 24)."""
+    largest compute median over every stage it holds, its own bubble beside it, the lowest
+    such rank on a tie; ``busiest_rank``), as the prediction's breakdown is the busiest
+    pipeline rank's (``compute`` the largest per-rank compute, ``bubble`` the pipeline's
+    span less it). Rank 0's stages are not those the prediction describes in a plan with
+    unequal stages, and the largest bubble is mostly a less busy rank's
+    (``docs/decisions/cpu-fidelity.md`` section 24). Without a pipeline: rank 0's compute,
+    the largest bubble (about 0 on every rank), ``busiest_rank`` null."""
     from hetplan.runtime.cpu_sched import current_cpu_sched
     from hetplan.runtime.groups import plan_digest
 
@@ -431,7 +433,7 @@ def _write_report(path: str, plan: Any, times: list[Any], loss: float,
     bubble_ms = max(r["bubble_ms"] for r in ranks)  # without a pipeline: about 0 everywhere
     busiest = None
     if (plan.layout is not None and plan.layout.pp > 1 and ranks
-            and all("compute_ms" in r for r in ranks)):
+            and all("compute_ms" in r for r in ranks)):  # every rank's summary has it
         top = max(ranks, key=lambda r: (r["compute_ms"], -r["rank"]))
         busiest, compute_ms, bubble_ms = top["rank"], top["compute_ms"], top["bubble_ms"]
     report = {
