@@ -122,7 +122,7 @@ def test_the_worker_writes_the_plan_digest_into_its_report(plans: dict[str, Path
     plan = load_plan(plans["pp2"])
     step = SimpleNamespace(iteration_s=0.003, compute_s=0.001, sync_wait_s=0.0,
                            optimizer_s=0.0)
-    ranks = [{"rank": 0, "bubble_ms": 0.0, "losses": [1.0]}]
+    ranks = [{"rank": 0, "compute_ms": 1.0, "bubble_ms": 0.0, "losses": [1.0]}]
     out = tmp_path / "r.json"
     _write_report(str(out), plan, [step], 1.0, ranks,
                   SimpleNamespace(rebalanced_at=[], rebalance_s=[]))

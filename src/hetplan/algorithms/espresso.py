@@ -104,7 +104,6 @@ Decisions on the ambiguities (``research/zen_espresso.md`` §H; also in ``docs/d
 
 from __future__ import annotations
 
-import copy
 import itertools
 import threading
 import time
@@ -119,7 +118,7 @@ from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.dp_timeline import before_last_busy_period, simulate_dp
 from hetplan.algorithms.dp_types import Op, SyncUnit
 from hetplan.algorithms.espresso_candidates import EPS, Candidates
-from hetplan.algorithms.espresso_parallel import SeedSweep, sweeps_seed
+from hetplan.algorithms.espresso_parallel import SeedSweep, detached, sweeps_seed
 from hetplan.algorithms.espresso_tables import OpsTable
 
 __all__ = [
@@ -599,9 +598,7 @@ def _ties_to_baseline(problem: SelectionProblem[K], strategy: Sequence[K], fast:
     """One sweep of Algorithm 4.1 from ``strategy`` in which each tensor tries its baseline
     option alone: a tensor goes back to it where that is predicted no slower (a tie keeps
     the baseline, as in every sweep), so a seed taken as final compresses only what pays."""
-    bare = copy.copy(problem)
-    bare.evaluations = 0
-    bare._last_session = None
+    bare = detached(problem)
     none: list[K] = []
     bare.gpu_options = [none] * len(strategy)
     out = gpu_decisions(bare, prune=False, start=strategy, fast=fast)

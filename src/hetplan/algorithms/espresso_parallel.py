@@ -23,7 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from hetplan.algorithms.dp_session import DPSession
 from hetplan.algorithms.espresso_candidates import EPS
 
-__all__ = ["SeedSweep", "sweeps_seed"]
+__all__ = ["SeedSweep", "detached", "sweeps_seed"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -42,6 +42,16 @@ class _Problem(Protocol):
 
 
 P = TypeVar("P", bound=_Problem)
+
+
+def detached(problem: P) -> P:
+    """A shallow copy of ``problem`` with its own evaluation count (0) and no session: a
+    search on it (another thread's, or a side sweep) leaves ``problem``'s untouched; the
+    caller adds the copy's evaluations back."""
+    out = copy.copy(problem)
+    out.evaluations = 0
+    out._last_session = None
+    return out
 
 
 def sweeps_seed(best_seed: tuple[float, int] | None, f: float, strategy: Sequence[K],
@@ -80,9 +90,7 @@ class SeedSweep(Generic[P]):
                  best_seed: Callable[[P], tuple[float, int] | None],
                  sweep: Callable[[P, Sequence[Any], threading.Event], tuple[list[Any], float]]
                  ) -> None:
-        self._problem = copy.copy(problem)
-        self._problem.evaluations = 0
-        self._problem._last_session = None
+        self._problem = detached(problem)
         self._seeds, self._start, self._within = seeds, start, seed_within
         self._floor = floor
         self._score, self._sweep = best_seed, sweep
