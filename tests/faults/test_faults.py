@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from faultlib import ROOT, TIMEOUT_S, WORLD, Job, rank_lines, start, write_plan
+
+from hetplan.runtime.launch import RUN_DIR_PREFIX, sweep_run_dirs
 
 pytestmark = pytest.mark.dist
 
@@ -95,10 +98,16 @@ def test_a_stopped_launcher_stops_every_rank_with_one_line_each(
 
 
 def test_a_killed_launcher_takes_its_tree_with_it(training: Callable[[], Job]) -> None:
+    """... and the run directory it could not remove goes at the next launch's sweep."""
     job = training()
     os.kill(job.proc.pid, signal.SIGKILL)
     code, _ = _finish(job)
     assert code == -signal.SIGKILL
+    pattern = f"{RUN_DIR_PREFIX}{job.proc.pid}-*"
+    left = list(Path(tempfile.gettempdir()).glob(pattern))
+    assert len(left) == 1, left  # SIGKILL: the launcher could not remove it
+    sweep_run_dirs(stale_after_s=0.0)
+    assert not list(Path(tempfile.gettempdir()).glob(pattern))
 
 
 def test_a_killed_torchrun_ends_the_run(training: Callable[[], Job]) -> None:

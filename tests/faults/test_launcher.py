@@ -327,3 +327,65 @@ def test_marked_processes_are_found_with_their_rank() -> None:
         for p in procs:
             p.kill()
             p.wait(timeout=10)
+
+
+# -- run directories ----------------------------------------------------------------------------
+def _age(path: Path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_a_run_directory_is_held_while_its_launcher_runs_and_swept_after(tmp_path: Path) -> None:
+    """A run directory carries its launcher's lock: the sweep leaves it while the lock is
+    held (however old), removes it once the lock is free and old enough, and leaves alone a
+    young free one (its launcher may be between creating the lock and taking it) and any
+    directory without the lock file."""
+    from hetplan.runtime.launch import RUN_DIR_PREFIX, new_run_dir, sweep_run_dirs
+
+    held, fd = new_run_dir(str(tmp_path))
+    assert fd is not None and Path(held).name.startswith(f"{RUN_DIR_PREFIX}{os.getpid()}-")
+    lock = next(p for p in Path(held).iterdir() if p.name.endswith(".lock"))
+    _age(lock, 3600)
+    freed, fd2 = new_run_dir(str(tmp_path))
+    assert fd2 is not None
+    os.close(fd2)  # as the kernel does when a launcher is killed
+    young, fd3 = new_run_dir(str(tmp_path))
+    assert fd3 is not None
+    os.close(fd3)
+    freed_lock = next(p for p in Path(freed).iterdir() if p.name.endswith(".lock"))
+    _age(freed_lock, 3600)
+    foreign = tmp_path / f"{RUN_DIR_PREFIX}old-format"
+    foreign.mkdir()
+    _age(foreign, 3600)
+    try:
+        assert sweep_run_dirs(str(tmp_path)) == [freed]
+        assert Path(held).is_dir() and Path(young).is_dir() and foreign.is_dir()
+        assert not Path(freed).exists()
+    finally:
+        os.close(fd)
+    assert sweep_run_dirs(str(tmp_path)) == [held]  # its lock is free now, and old
+
+
+def test_a_launcher_that_fails_removes_its_run_directory(plan: Plan, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher whose own supervision raises still kills what it started and removes its
+    run directory (the directory used to be left behind on that path)."""
+    from hetplan.runtime import launch as launch_mod
+
+    made: list[str] = []
+    real = launch_mod.new_run_dir
+
+    def recording(parent: str | None = None) -> tuple[str, int | None]:
+        path, fd = real(str(tmp_path))
+        made.append(path)
+        return path, fd
+
+    def broken(self: object) -> int:
+        raise RuntimeError("supervision failed")
+
+    monkeypatch.setattr(launch_mod, "new_run_dir", recording)
+    monkeypatch.setattr(launch_mod._Job, "supervise", broken)
+    monkeypatch.setattr(launch_mod._Job, "start", lambda self, gated=False: None)
+    with pytest.raises(RuntimeError, match="supervision failed"):
+        launch_mod.launch(_cmd(plan), out=io.StringIO())
+    assert len(made) == 1 and not Path(made[0]).exists()

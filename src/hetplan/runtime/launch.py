@@ -45,6 +45,10 @@ devices per node), or ``--nproc-per-node`` in the extra options.
      ranks, and the launcher leaves them to it.
    - When torchrun has exited (or was killed), every process still marked with the run is
      killed, and the relay is given ``grace_s`` to finish; it is not waited for longer.
+   - The run's directory (the ranks' exit records) is removed however the run ends. A
+     launcher killed by SIGKILL cannot do that; the lock it held in the directory is gone
+     with it, and the next launch on the machine removes the directory
+     (:func:`sweep_run_dirs`).
 
 Exit codes (:class:`RunOutcome`): 0 trained; 1 the run failed (a rank's error, a frozen or
 dead peer, torchrun killed); 2 refused (preflight, or every failed rank refused the plan);
@@ -415,6 +419,70 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return child
 
 
+#: The prefix of a run's directory under the temporary directory (:func:`new_run_dir`).
+RUN_DIR_PREFIX = "hetplan-run-"
+#: The lock file a launcher holds in its run's directory for as long as it runs.
+_LOCK_NAME = ".launcher.lock"
+#: A run directory whose lock nobody holds is removed once its lock file is this old (s):
+#: the time between creating the file and locking it is the only time an unheld lock is a
+#: live launcher's.
+STALE_AFTER_S = 60.0
+
+
+def new_run_dir(parent: str | None = None) -> tuple[str, int | None]:
+    """A new run directory (under ``parent``, default the temporary directory) and the
+    descriptor of the lock the launcher holds in it (``flock``, exclusive) until it removes
+    the directory; None where ``fcntl`` is missing. A launcher killed by SIGKILL cannot
+    remove its directory; the kernel drops its lock, and the next launcher's
+    :func:`sweep_run_dirs` removes it."""
+    path = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=parent)
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: nothing can tell a dead launcher's directory
+        return path, None
+    fd = os.open(os.path.join(path, _LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return path, fd
+
+
+def sweep_run_dirs(parent: str | None = None, stale_after_s: float = STALE_AFTER_S
+                   ) -> list[str]:
+    """Remove the run directories (:func:`new_run_dir`) under ``parent`` whose launcher is
+    gone: their lock is free (a lock is released when its process ends, however it ends)
+    and its file older than ``stale_after_s``. Directories without a lock file (not made by
+    :func:`new_run_dir`) and other users' are left alone. Returns the removed paths."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    base = Path(parent or tempfile.gettempdir())
+    removed: list[str] = []
+    try:
+        entries = list(base.glob(f"{RUN_DIR_PREFIX}*"))
+    except OSError:
+        return removed
+    now = time.time()
+    for path in sorted(entries):
+        lock = path / _LOCK_NAME
+        try:
+            st = lock.stat()
+            if st.st_uid != os.getuid() or now - st.st_mtime < stale_after_s:
+                continue
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:  # no lock file, or another user's: not ours to judge
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its launcher is running
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+        finally:
+            os.close(fd)
+    return removed
+
+
 class _Job:
     """One launched torchrun and its ranks (see module docstring, steps 2–3)."""
 
@@ -424,7 +492,8 @@ class _Job:
         self.grace_s, self.failed_grace_s = grace_s, failed_grace_s
         # torchrun --max-restarts N: a failed rank is torchrun's to restart, not to kill
         self.elastic = (_option(cmd, "max-restarts") or "0") != "0"
-        self.run_dir = tempfile.mkdtemp(prefix="hetplan-run-")
+        sweep_run_dirs()
+        self.run_dir, self._lock = new_run_dir()
         self.run_id = f"{os.getpid()}-{Path(self.run_dir).name}"
         self.proc: subprocess.Popen[str] | None = None
         self.stopped_by: int | None = None
@@ -528,7 +597,14 @@ class _Job:
                     self.proc.stdin.close()
         if self.relay is not None:
             self.relay.join(self.grace_s)
+        self.remove_run_dir()
+
+    def remove_run_dir(self) -> None:
+        """Remove the run's directory and let go of its lock (see :func:`new_run_dir`)."""
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def supervise(self) -> int:
         """Wait for torchrun (module docstring, step 3); its exit status."""
@@ -592,7 +668,7 @@ class _Job:
             self.out.write(f"hetplan run: torchrun (pid {self.proc.pid}) was killed by "
                            f"{signal.Signals(-status).name}; its ranks were stopped with it\n")
             self.out.flush()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.remove_run_dir()
         failed = [c for c in codes.values() if c != 0 and c < 128]
         if self.stopped_by is not None:
             code = proctree.signal_exit_code(self.stopped_by)
@@ -654,6 +730,8 @@ def launch(cmd: list[str], *, keep_agent_traceback: bool = False, grace_s: float
         if status is None:  # the launcher itself failed: leave nothing behind
             job._kill_all(include_torchrun=True)
         job.finish()
+        if status is None:
+            job.remove_run_dir()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return job.outcome(status)
