@@ -295,8 +295,9 @@ def workload_convert_cmd(
 
     if gaps not in ("raw", "effective"):
         raise SpecError(f"--gaps must be 'raw' or 'effective', got {gaps!r}")
+    _check_out_dir(out_dir, option="-o/--out-dir")
     workloads = espresso_workloads(benchmark, gaps=gaps)  # type: ignore[arg-type]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     table = Table(title=f"workloads written to {out_dir}", title_justify="left")
     for col in ("file", "tensors", "layers", "params", "backprop"):
         table.add_column(col)
@@ -312,6 +313,18 @@ def workload_convert_cmd(
             f"{backprop_ms:.1f} ms",
         )
     out.print(table)
+
+
+def _check_out_dir(out_dir: Path, *, option: str) -> None:
+    """An output directory: an existing directory, or a new one whose parent exists (only
+    the directory itself is created, as other outputs' directories are never created)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecError(f"{option} {str(out_dir)!r} is a file, not a directory; give a "
+                        "directory to write the workload files into")
+    if not out_dir.exists() and not out_dir.parent.is_dir():
+        raise SpecError(f"{option} {str(out_dir)!r}: the directory {str(out_dir.parent)!r} "
+                        "does not exist; create it first (hetplan creates only the output "
+                        "directory itself)")
 
 
 # --------------------------------------------------------------------------------------

@@ -412,6 +412,25 @@ def test_workload_convert(tmp_path: Path) -> None:
         assert len(ir.grad_tensors) == expected[path.stem], path.name
 
 
+def test_workload_convert_out_dir_mistakes(tmp_path: Path) -> None:
+    """-o names a directory: a missing parent is refused (never created, as other outputs'
+    directories are not) and a file is refused by name, both before any work, exit 2."""
+    missing = tmp_path / "nodir" / "workloads"
+    r = run(["workload", "convert", ESPRESSO, "-o", missing])
+    assert r.exit_code == 2, stderr(r)
+    assert "nodir' does not exist" in flat(stderr(r))
+    assert not (tmp_path / "nodir").exists()
+    a_file = tmp_path / "plan.json"
+    a_file.write_text("{}")
+    r = run(["workload", "convert", ESPRESSO, "-o", a_file])
+    assert r.exit_code == 2, stderr(r)
+    assert "is a file, not a directory" in flat(stderr(r))
+    assert "internal error" not in stderr(r)
+    r = run(["workload", "convert", tmp_path / "espresso_models.json", "-o", tmp_path / "w"])
+    assert r.exit_code == 2, stderr(r)
+    assert "data/espresso_models.json" in flat(stderr(r))
+
+
 # --------------------------------------------------------------------------------------
 # plan --dynamics (DynPipe re-balancing)
 # --------------------------------------------------------------------------------------
