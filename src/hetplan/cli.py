@@ -362,7 +362,9 @@ def plan_cmd(
     batch_size: int = typer.Option(..., "--batch-size", "-b", help="Global batch size."),
     module: str = typer.Option(None, "--module", help="pkg.mod:factory returning (model, args)."),
     workload: Path = typer.Option(None, "--workload", help="A workload JSON file."),
-    seq: int = typer.Option(None, help="Sequence length for zoo language models."),
+    seq: int = typer.Option(None, help="Sequence length for zoo language models (default: "
+                            "the model's own; `hetplan run` trains at that one, so a plan for "
+                            "another length is for `export`)."),
     profile: Path = typer.Option(None, "--profile", help="Profile DB from `hetplan profile`."),
     schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved-1f1b, chimera, or "
                                  "auto (1F1B and interleaved 1F1B searched side by side)."),
@@ -885,13 +887,15 @@ class _RunModel:
     the ranks will fingerprint it, with its captured layers (their linears: the plan's TP
     linears are checked against them) and the head size of every fused-QKV attention module
     (rule 5 of :mod:`hetplan.ir.plan_tp_checks`), by its output projection's name (read off
-    the module: the IR records head units, not which modules are fused)."""
+    the module: the IR records head units, not which modules are fused) and its example
+    inputs' shapes (to name a plan made with another ``--seq``)."""
 
     name: str
     digest: str
     layers: tuple[Any, ...] = ()
     grad_tensors: tuple[Any, ...] = ()
     head_dims: tuple[tuple[str, int], ...] = ()
+    input_shapes: tuple[tuple[int, ...], ...] = ()
 
     def fingerprint(self) -> str:
         return self.digest
@@ -919,7 +923,8 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
     with err.status(f"checking {given} against the plan …", spinner="dots"):
         ir = capture(m, args, kwargs, name=plan.model.name)
     heads = tuple(sorted(refused_head_splits(m).items()))
-    return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors), heads)
+    return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors), heads,
+                     tuple(ir.input_shapes))
 
 
 @app.command("simulate")

@@ -407,6 +407,7 @@ def check_plan_matches(
             f"{plan.model.fingerprint}), but the model given is {model_ir.name!r} "
             f"(fingerprint {model_ir.fingerprint()}): its layers, parameter sizes or input "
             "shapes differ from what was planned"
+            + _input_shapes_differ(plan, model_ir)
         )
     if model_ir is not None and not problems:  # the model planned for: was the plan edited?
         problems += _edited_workload(plan, model_ir)
@@ -427,6 +428,26 @@ def check_plan_matches(
                      "(or load the plan that was made for them).")
     if lines:
         raise PlanMismatchError("\n".join(lines))
+
+
+def _input_shapes_differ(plan: Plan, model_ir: _Fingerprinted) -> str:
+    """When the example inputs differ beyond the batch dimension (a plan made with ``--seq``
+    for a zoo model, which ``hetplan run`` builds at its default length), say so: it is the
+    likely cause of a fingerprint mismatch and re-planning as the message says would not
+    otherwise tell the user which option to drop."""
+    given = getattr(model_ir, "input_shapes", None)
+    planned = plan.model.workload.input_shapes if plan.model.workload is not None else ()
+    if not given or not planned:
+        return ""
+
+    def shown(shapes: Any) -> str:
+        return ", ".join("×".join(str(d) for d in s) for s in shapes)
+
+    if [tuple(s[1:]) for s in given] == [tuple(s[1:]) for s in planned]:
+        return ""
+    return (f" (the plan's example inputs are {shown(planned)}, the model given takes "
+            f"{shown(given)}: `hetplan run` builds a zoo model's inputs at its default "
+            "sequence length, so plan it without --seq)")
 
 
 def _edited_workload(plan: Plan, model_ir: _Fingerprinted) -> list[str]:
