@@ -741,7 +741,8 @@ def run_cmd(
                                "one step here (Chrome trace-event JSON, opens in Perfetto); "
                                "compare it with `hetplan inspect PLAN --trace FILE`."),
     trace_step: int = typer.Option(0, "--trace-step", help="The step --trace records, "
-                                   "counted as the progress line does (default: the last)."),
+                                   "counted as the progress line does (1 is the first warm-up "
+                                   "step); 0, the default, records the last."),
 ) -> None:
     """Train with the plan under torchrun on synthetic data (extra options go to torchrun).
 
@@ -1235,7 +1236,7 @@ def inspect_cmd(
     section: list[str] = typer.Option(
         None, "--section", "-s",
         help="Only this section (repeatable): layout, stages, tp, sync, memory, predictions, "
-        "provenance, warnings.",
+        "provenance, checkpointing, group_sync, rebalancing, warnings.",
     ),
     run: Path = typer.Option(None, "--run", help="A run report (`hetplan run --report`)."),
     trace: Path = typer.Option(None, "--trace", help="A run's trace (`hetplan run --trace`): "
