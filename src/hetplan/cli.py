@@ -1629,6 +1629,21 @@ def timeline_cmd(
     err.print(f"wrote {output}")
 
 
+def _unwrap_help(*apps: typer.Typer) -> None:
+    """Join the lines of each paragraph of every command's help (its docstring, wrapped at
+    the source's width): typer keeps single line breaks, so a terminal of any other width
+    showed ragged lines; rich now wraps each paragraph to the terminal."""
+    import inspect
+
+    for sub in apps:
+        for command in sub.registered_commands:
+            doc = command.help or inspect.getdoc(command.callback) or ""
+            command.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+
+
+_unwrap_help(app, workload_app)
+
+
 def main() -> None:
     """Console-script entry point.
 

@@ -391,6 +391,20 @@ def test_debug_reraises(plan_file: Path, tmp_path: Path) -> None:
     assert isinstance(r.exception, SpecError), repr(r.exception)
 
 
+def test_command_help_paragraphs_wrap_to_the_terminal() -> None:
+    """Was: a command's help kept its docstring's line breaks, so a terminal of another
+    width than the source's showed ragged lines (a break after "(captured" at any width)."""
+    r = _runner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    assert_ok(r)
+    lines = [line.strip() for line in r.stdout.splitlines()]
+    assert any(line.startswith("Before any rank starts, the plan is checked against its "
+                               "cluster, the model (captured here; not with --script)")
+               for line in lines), r.stdout
+    r = _runner().invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert_ok(r)
+    assert "optimizer step) and, with --sparsity, the model's" in r.stdout, r.stdout
+
+
 # --------------------------------------------------------------------------------------
 # workload convert
 # --------------------------------------------------------------------------------------
