@@ -389,6 +389,10 @@ def test_model_mismatch_names_inputs_of_another_sequence_length() -> None:
     with pytest.raises(PlanMismatchError) as exc:
         check_plan_matches(plan, model_ir=replace(planned, input_shapes=((2, 32),)))
     assert "--seq" not in str(exc.value)
+    other = replace(tiny_model_ir(hidden=8), input_shapes=((1, 16),))  # another model
+    with pytest.raises(PlanMismatchError) as exc:
+        check_plan_matches(plan, model_ir=other)
+    assert "--seq" not in str(exc.value)
 
 
 def test_cluster_and_world_size_mismatch_are_reported_together() -> None:

@@ -431,14 +431,19 @@ def check_plan_matches(
 
 
 def _input_shapes_differ(plan: Plan, model_ir: _Fingerprinted) -> str:
-    """When the example inputs differ beyond the batch dimension (a plan made with ``--seq``
-    for a zoo model, which ``hetplan run`` builds at its default length), say so: it is the
-    likely cause of a fingerprint mismatch and re-planning as the message says would not
-    otherwise tell the user which option to drop."""
+    """When the same model (its layers' names and parameter bytes) was given inputs that
+    differ beyond the batch dimension (a plan made with ``--seq`` for a zoo model, which
+    ``hetplan run`` builds at its default length), say so: it is then the cause of the
+    fingerprint mismatch, which the message would otherwise not name."""
     given = getattr(model_ir, "input_shapes", None)
-    planned = plan.model.workload.input_shapes if plan.model.workload is not None else ()
-    if not given or not planned:
+    layers = getattr(model_ir, "layers", None)
+    workload = plan.model.workload
+    if not given or workload is None or not workload.input_shapes or layers is None:
         return ""
+    planned = workload.input_shapes
+    if ([(x.name, x.param_bytes) for x in workload.layers]
+            != [(x.name, x.param_bytes) for x in layers]):
+        return ""  # another model altogether, not the same one at another length
 
     def shown(shapes: Any) -> str:
         return ", ".join("×".join(str(d) for d in s) for s in shapes)
