@@ -405,6 +405,24 @@ def test_command_help_paragraphs_wrap_to_the_terminal() -> None:
     assert "optimizer step) and, with --sparsity, the model's" in r.stdout, r.stdout
 
 
+def test_inspect_memory_rows_count_only_the_ranks_a_stage_uses(
+        tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
+    """Was: a heterogeneous plan using 1 of local-cpu's 4 ranks showed stage 0 with 4 ranks
+    in the memory table (the idle ranks were filed under stage 0)."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    out = tmp_path / "plan.json"
+    assert_ok(run(["plan", "--workload", workload, "-c", "local-cpu", "-b", "8", "--hetero",
+                   "on", "--no-progress", "-o", out]))
+    plan = load_plan(out)
+    used = {r for st in plan.stages for r in st.ranks}
+    assert len(used) < plan.cluster.world_size  # the case this test is about: idle ranks
+    r = run(["inspect", out, "--json", "-s", "memory"])
+    assert_ok(r)
+    rows = json.loads(r.stdout)["memory"]["per_stage"]
+    assert sum(row["ranks"] for row in rows) == len(used), rows
+
+
 # --------------------------------------------------------------------------------------
 # workload convert
 # --------------------------------------------------------------------------------------
