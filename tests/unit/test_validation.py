@@ -149,11 +149,15 @@ def test_top_level_must_be_mapping(tmp_path: Path, text: str, kind: str) -> None
     assert f"got a {kind}" in str(info.value)
 
 
-def test_empty_file(tmp_path: Path) -> None:
-    path = tmp_path / "c.yaml"
-    path.write_text("# only a comment\n")
-    with pytest.raises(SpecError, match="is empty"):
+@pytest.mark.parametrize(("name", "text"), [("c.yaml", "# only a comment\n"),
+                                           ("c.json", ""), ("c.json", " \n")])
+def test_empty_file(tmp_path: Path, name: str, text: str) -> None:
+    """Was, for an empty .json: "not valid JSON ...; check for a missing comma or quote"."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(SpecError, match="is empty") as info:
         load_structured_file(path, what="cluster spec")
+    assert "missing comma" not in str(info.value)
 
 
 def test_non_utf8_file(tmp_path: Path) -> None:

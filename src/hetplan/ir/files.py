@@ -417,8 +417,8 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
     suffix = p.suffix.lower()
     if suffix in (".yaml", ".yml"):
         data = _parse_yaml(text, where)
-    elif suffix == ".json":
-        data = _parse_json(text, where)
+    elif suffix == ".json":  # an empty file is said to be empty below, not bad JSON
+        data = _parse_json(text, where) if text.strip() else None
     else:
         try:
             data = loads_json(text, where=where)
