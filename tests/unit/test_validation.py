@@ -158,6 +158,17 @@ def test_empty_file(tmp_path: Path, name: str, text: str) -> None:
     with pytest.raises(SpecError, match="is empty") as info:
         load_structured_file(path, what="cluster spec")
     assert "missing comma" not in str(info.value)
+    assert "examples/clusters/" in str(info.value)  # how to get one
+
+
+def test_empty_file_of_a_kind_hetplan_writes_names_the_command(tmp_path: Path) -> None:
+    """Was: "write the profile DB as a YAML or JSON mapping", for a file no one writes by
+    hand."""
+    path = tmp_path / "profile.json"
+    path.write_text("")
+    with pytest.raises(SpecError, match="is empty") as info:
+        load_structured_file(path, what="profile DB")
+    assert "`hetplan profile -o FILE`" in str(info.value)
 
 
 def test_non_utf8_file(tmp_path: Path) -> None:

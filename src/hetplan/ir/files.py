@@ -425,10 +425,10 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             data = _parse_yaml(text, where)
 
-    if data is None:
-        raise SpecError(
-            f"{where}: the {what} file is empty; write the {what} as a YAML or JSON mapping"
-        )
+    if data is None:  # the fix of a file hetplan writes is to write it again, not by hand
+        fix = next((how for kind, _, _, how in _KINDS if kind == what),
+                   f"write the {what} as a YAML or JSON mapping")
+        raise SpecError(f"{where}: the {what} file is empty; {fix}")
     if not isinstance(data, dict):
         raise SpecError(
             f"{where}: the top level of the {what} file must be a mapping of keys to values, "
