@@ -1509,8 +1509,8 @@ def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:
 def explain_cmd(
     plan_file: Path = typer.Argument(..., help="A plan JSON file."),
     target: str = typer.Argument(
-        ..., help="A gradient tensor name, bucket:N, stage:K (the boundary before stage K) "
-        "or rank:R."),
+        ..., help="A gradient tensor name, bucket:N, stage:K (the boundary before stage K), "
+        "rank:R or linear:NAME (a tensor-parallel linear with uneven shards)."),
     cluster: str = typer.Option(None, "--cluster", help="Cluster, if the plan lacks one."),
     profile: Path = typer.Option(None, "--profile", help="Profile DB the plan was made with."),
     as_json: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),

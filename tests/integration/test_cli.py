@@ -405,6 +405,14 @@ def test_command_help_paragraphs_wrap_to_the_terminal() -> None:
     assert "optimizer step) and, with --sparsity, the model's" in r.stdout, r.stdout
 
 
+def test_explain_help_names_every_kind_of_target() -> None:
+    """Was: the TARGET help left out linear:NAME, which README and explain's errors name."""
+    r = _runner().invoke(app, ["explain", "--help"], env={"COLUMNS": "200"})
+    assert_ok(r)
+    for kind in ("bucket:N", "stage:K", "rank:R", "linear:NAME"):
+        assert kind in r.stdout, kind
+
+
 def test_inspect_memory_rows_count_only_the_ranks_a_stage_uses(
         tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
     """Was: a heterogeneous plan using 1 of local-cpu's 4 ranks showed stage 0 with 4 ranks
