@@ -762,6 +762,7 @@ def run_cmd(
 
     from hetplan.ir.plan import load_plan
     from hetplan.runtime.cpu_sched import cpu_sched_policy
+    from hetplan.runtime.link_emulation import emulated_link
     from hetplan.runtime.launch import (
         HostCapacity,
         launch,
@@ -773,6 +774,14 @@ def run_cmd(
     plan = load_plan(plan_file)
     _check_torchrun_args(ctx)
     cpu_sched_policy()  # a bad HETPLAN_CPU_SCHED: refused here, not once per rank
+    emulated_link()  # ... a bad HETPLAN_EMULATE_BW or HETPLAN_EMULATE_LATENCY_US
+    if any(os.environ.get(f"HETPLAN_EMULATE_{v}", "").strip() for v in ("STRAGGLER",
+                                                                         "GEMM_FLOPS")):
+        # ... a bad HETPLAN_EMULATE_STRAGGLER (its module imports torch: only when set, so
+        # that torchrun's process starts before this one imports torch)
+        from hetplan.runtime.resizing import straggler_from_env
+
+        straggler_from_env()
     if trace is not None:
         _check_trace_options(trace, trace_step, steps, script, report)
     elif trace_step != 0:
