@@ -956,6 +956,11 @@ def simulate_cmd(
             pred = simulate(plan, cluster=cluster, profile=profile)
     except InfeasiblePlanError as e:  # a valid plan that does not fit: name the file
         raise InfeasiblePlanError(f"{plan_file}: the plan does not fit in memory: {e}") from e
+    recorded = plan.cost_settings.profile_fingerprint if plan.cost_settings else ""
+    if recorded and profile is None:  # as inspect and diff say: else read as a stale plan
+        err.print(f"note: the plan was predicted with profile DB {recorded}, which the file "
+                  "does not carry, so this prediction is analytic; give --profile DB to "
+                  "re-predict it as planned", markup=False)
     if as_json:
         out.print(pred.model_dump_json(indent=2), markup=False)
         return
