@@ -956,11 +956,7 @@ def simulate_cmd(
             pred = simulate(plan, cluster=cluster, profile=profile)
     except InfeasiblePlanError as e:  # a valid plan that does not fit: name the file
         raise InfeasiblePlanError(f"{plan_file}: the plan does not fit in memory: {e}") from e
-    recorded = plan.cost_settings.profile_fingerprint if plan.cost_settings else ""
-    if recorded and profile is None:  # as inspect and diff say: else read as a stale plan
-        err.print(f"note: the plan was predicted with profile DB {recorded}, which the file "
-                  "does not carry, so this prediction is analytic; give --profile DB to "
-                  "re-predict it as planned", markup=False)
+    _note_profile_missing(plan, profile)
     if as_json:
         out.print(pred.model_dump_json(indent=2), markup=False)
         return
@@ -975,6 +971,17 @@ def simulate_cmd(
         f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · optimizer step "
         f"{b.optimizer_ms:.3f} ms · bubble ratio {pred.bubble_ratio:.3f}"
     )
+
+
+def _note_profile_missing(plan: Any, profile: Path | None) -> None:
+    """A plan predicted with a profile DB, re-predicted without one (``simulate``, ``export``,
+    ``timeline``): say the numbers are analytic and which DB to give, as inspect, diff and
+    explain do; else they read as a stale plan's."""
+    recorded = plan.cost_settings.profile_fingerprint if plan.cost_settings else ""
+    if recorded and profile is None:
+        err.print(f"note: the plan was predicted with profile DB {recorded}, which the file "
+                  "does not carry, so this prediction is analytic; give --profile DB to "
+                  "re-predict it as planned", markup=False)
 
 
 #: The `plan` flag of each compile option whose flag is not ``--`` + its name with dashes.
@@ -1609,6 +1616,7 @@ def export_cmd(
         typer.echo(result.text, nl=False, err=True)
     else:
         typer.echo(result.text, nl=False)
+    _note_profile_missing(plan, profile)
     if output is not None:
         err.print(f"wrote {output}")
 
@@ -1640,6 +1648,7 @@ def timeline_cmd(
         measured = load_structured_file(run_report, what="run report")
     with _naming(plan_file):
         render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
+    _note_profile_missing(plan, profile)
     err.print(f"wrote {output}")
 
 

@@ -133,6 +133,11 @@ def test_simulate_of_a_profiled_plan_without_its_profile_says_so(plan: Plan,
     result = runner.invoke(app, ["simulate", str(path), "--profile", str(db_path)])
     assert result.exit_code == 0, result.output
     assert "note:" not in result.output
+    for argv in (["export", str(path), "--to", "megatron"],
+                 ["timeline", str(path), "-o", str(tmp_path / "t.html")]):
+        result = runner.invoke(app, argv)  # they re-predict the plan too
+        assert result.exit_code == 0, result.output
+        assert "so this prediction is analytic" in " ".join(result.output.split()), argv
     plan.save(path)  # planned without a DB: nothing to say
     assert "note:" not in runner.invoke(app, ["simulate", str(path)]).output
 
