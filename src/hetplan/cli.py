@@ -165,6 +165,20 @@ def load_model_ir(
         return capture(m, args, kwargs, name=name, opaque_modules=opaque or ())
 
 
+def _zoo_only(model: str | None, *options: tuple[str, Any]) -> None:
+    """Refuse an option that shapes a zoo model's example inputs (``--seq``, ``--batch``)
+    given with ``--module`` or ``--workload`` (or no model), which it would not change: the
+    factory gives its own inputs and a workload file keeps the shapes it was captured with."""
+    if model:
+        return
+    for flag, value in options:
+        if value is not None:
+            raise SpecError(f"{flag} shapes a zoo model's example inputs; a --module factory "
+                            "gives its own and a --workload file keeps the shapes it was "
+                            f"captured with, so {flag} would change nothing: drop it (or set "
+                            "it in the factory)")
+
+
 def _fmt_count(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
@@ -271,6 +285,7 @@ def ir_cmd(
     if output is not None:
         check_output_path(output, option="-o/--output", kind="workload")
     _at_least_one(("--batch", batch), ("--seq", seq))
+    _zoo_only(model, ("--batch", batch), ("--seq", seq))
     t0 = time.perf_counter()
     ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
     seconds = time.perf_counter() - t0
@@ -466,6 +481,7 @@ def plan_cmd(
         raise SpecError(f"--group-sync {group_sync} steps each replica's own optimizer, so it "
                         f"cannot shard it: drop --zero {zero} (or use --group-sync off)")
     pins.update(group_opts)
+    _zoo_only(model, ("--seq", seq))
     with _blaming_options():
         options = CompileOptions.build(
             batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
@@ -642,6 +658,7 @@ def profile_cmd(
 
     check_output_path(output, option="-o/--output", kind="profile DB")
     _at_least_one(("--seq", seq), ("--workers", workers), ("--steps", steps))
+    _zoo_only(model, ("--seq", seq))
     if model and module:
         raise SpecError("give MODEL (a zoo name) or --module pkg.mod:factory, not both")
     if sparsity and not (model or module):

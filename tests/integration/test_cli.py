@@ -431,6 +431,25 @@ def test_inspect_memory_rows_count_only_the_ranks_a_stage_uses(
     assert sum(row["ranks"] for row in rows) == len(used), rows
 
 
+@pytest.mark.parametrize("argv", [
+    ("plan", "--workload", "{workload}", "-c", "local-cpu", "-b", "8", "--seq", "64"),
+    ("ir", "--workload", "{workload}", "--batch", "4"),
+    ("ir", "--module", "hetplan.models:nope", "--seq", "8"),
+    ("profile", "--seq", "8", "--what", "step", "-o", "{tmp}/p.json"),
+])
+def test_zoo_input_options_without_a_zoo_model_are_refused(
+        argv: tuple[str, ...], tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
+    """Was: --seq / --batch with --workload or --module were ignored without a word (a plan
+    "for sequence 64" was the workload's own length)."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    r = run([a.format(workload=workload, tmp=tmp_path) for a in argv])
+    assert r.exit_code == 2, stderr(r)
+    flag = "--seq" if "--seq" in argv else "--batch"
+    assert f"{flag} shapes a zoo model's example inputs" in flat(stderr(r))
+    assert "drop it" in flat(stderr(r))
+
+
 # --------------------------------------------------------------------------------------
 # workload convert
 # --------------------------------------------------------------------------------------
