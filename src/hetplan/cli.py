@@ -145,6 +145,10 @@ def load_model_ir(
     from hetplan.ir.model import ModelIR
 
     if workload:
+        if opaque:
+            raise SpecError("--opaque changes how a model is captured; a --workload file is "
+                            "already captured, so it would change nothing: drop --opaque (or "
+                            "re-capture with `hetplan ir MODEL --opaque ... -o FILE`)")
         return ModelIR.load(workload)
     from hetplan.ir.capture import capture
 

@@ -450,6 +450,17 @@ def test_zoo_input_options_without_a_zoo_model_are_refused(
     assert "drop it" in flat(stderr(r))
 
 
+@pytest.mark.parametrize("command", [("ir",), ("plan", "-c", "local-cpu", "-b", "8")])
+def test_opaque_with_a_workload_file_is_refused(command: tuple[str, ...],
+                                                tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
+    """Was: ignored (a workload file is already captured)."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    r = run([*command, "--workload", workload, "--opaque", "blocks.0"])
+    assert r.exit_code == 2, stderr(r)
+    assert "--opaque changes how a model is captured" in flat(stderr(r))
+
+
 # --------------------------------------------------------------------------------------
 # workload convert
 # --------------------------------------------------------------------------------------
