@@ -535,6 +535,12 @@ def plan_cmd(
         plan.save(output)
         err.print(f"wrote {output}")
     _print_plan(plan)
+    asked = [f for f, given in (("--schedule " + schedule, schedule not in ("1f1b", "auto")),
+                                (f"--virtual-stages {virtual_stages}",
+                                 virtual_stages is not None)) if given]
+    if asked and plan.hetero is None and plan.layout is not None and plan.layout.pp == 1:
+        err.print(f"note: the fastest layout has no pipeline (pp=1), so {' and '.join(asked)} "
+                  "did not apply; pin --pp to plan a pipeline with them", markup=False)
     err.print(f"model captured in {captured:.1f} s, planned in {seconds:.1f} s")
 
 

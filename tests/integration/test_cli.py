@@ -461,6 +461,23 @@ def test_opaque_with_a_workload_file_is_refused(command: tuple[str, ...],
     assert "--opaque changes how a model is captured" in flat(stderr(r))
 
 
+def test_plan_says_when_a_pinned_schedule_did_not_apply(tiny_gpt_ir: ModelIR,
+                                                        tmp_path: Path) -> None:
+    """Was: --schedule interleaved-1f1b --virtual-stages 2 gave a dp-only plan ("schedule
+    1f1b") without a word; with --pp the pins apply and nothing is said."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    base = ["plan", "--workload", workload, "-c", "local-cpu", "-b", "8", "--dp", "4",
+            "--schedule", "interleaved-1f1b", "--virtual-stages", "2"]
+    r = run(base)
+    assert_ok(r)
+    assert ("no pipeline (pp=1), so --schedule interleaved-1f1b and --virtual-stages 2 did "
+            "not apply; pin --pp") in flat(stderr(r))
+    r = run([*base[:7], "--pp", "2", *base[9:]])
+    assert_ok(r)
+    assert "did not apply" not in flat(stderr(r))
+
+
 # --------------------------------------------------------------------------------------
 # workload convert
 # --------------------------------------------------------------------------------------
