@@ -262,13 +262,14 @@ def _text(r: Export, view: PlanView, cfg: EngineConfig) -> str:
     if not r.exported_fits:
         lines.append(f"  note: {r.exported_note}")
     if r.gaps:
-        lines.append(f"not expressible in {r.engine} (each dropped alone and re-predicted):")
+        lines.append(f"not expressible in {r.engine} (each priced alone: the plan "
+                     "re-predicted with only that part as exported):")
         for g in r.gaps:
             ms = f"{fmt_ms(g.iteration_time_ms)} ({fmt_delta_ms(g.delta_ms)}): " \
                 if g.iteration_time_ms is not None and g.delta_ms is not None else ""
             lines.append(f"  {g.part}: {g.plan_does}")
             lines.append(f"    exported as: {g.exported_as}")
-            lines.append(f"    without it: {ms}{g.worth}")
+            lines.append(f"    priced as exported: {ms}{g.worth}")
     else:
         lines.append(f"every part of the plan is expressed in {r.engine}")
     for n in r.notes:
