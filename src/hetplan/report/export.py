@@ -9,7 +9,8 @@ compression, hierarchical routing, fusion buckets, Zen sparse sync, re-balancing
 per-device precision, hand-edited pipeline action lists ...).
 
 What each unexpressed part was worth: the plan is re-predicted with that part as the engine
-runs it (dropped, or replaced by the engine's nearest setting), with the plan's own cost model (:func:`hetplan.cost_models.predict.plan_costs` and
+runs it (dropped, or replaced by the engine's nearest setting), with the plan's own cost
+model (:func:`hetplan.cost_models.predict.plan_costs` and
 :func:`hetplan.cost_models.evaluate.evaluate`, the objective ``compile`` optimized), one
 part at a time and all of them together (what the exported configuration is predicted to
 run at). The current plan is re-evaluated the same way, so differences never mix two cost
