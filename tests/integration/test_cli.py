@@ -164,6 +164,17 @@ def test_version() -> None:
     assert importlib.metadata.version("hetplan") in r.stdout
 
 
+def test_python_dash_m_hetplan_runs_the_cli() -> None:
+    """Was: "No module named hetplan.__main__" (for a venv whose scripts are not on PATH)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hetplan", "--version"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert importlib.metadata.version("hetplan") in proc.stdout
+
+
 def test_models_lists_zoo() -> None:
     r = run(["models"])
     assert_ok(r)
