@@ -887,6 +887,9 @@ def _check_torchrun_args(ctx: typer.Context) -> None:
     ours = [o for p in ctx.command.params for o in getattr(p, "opts", ()) if o.startswith("--")]
     theirs = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     bad = flags[0].split("=", 1)[0]
+    if bad in ours:  # `hetplan run PLAN -- ... --dry-run`: after `--`, all goes to torchrun
+        raise SpecError(f"{bad} is an option of `hetplan run`, but it follows `--`, which "
+                        f"passes everything after it to torchrun: put {bad} before `--`")
     close = (["--steps"] if bad in _STEP_WORDS else
              difflib.get_close_matches(bad, ours + theirs, n=1, cutoff=0.6))
     hint = f"; did you mean {close[0]}?" if close else ""
