@@ -145,6 +145,10 @@ def load_model_ir(
     from hetplan.ir.model import ModelIR
 
     if workload:
+        if opaque:
+            raise SpecError("--opaque changes how a model is captured; a --workload file is "
+                            "already captured, so it would change nothing: drop --opaque (or "
+                            "re-capture with `hetplan ir MODEL --opaque ... -o FILE`)")
         return ModelIR.load(workload)
     from hetplan.ir.capture import capture
 
@@ -163,6 +167,20 @@ def load_model_ir(
         name = entry.name
     with err.status(f"capturing {name} …", spinner="dots"):
         return capture(m, args, kwargs, name=name, opaque_modules=opaque or ())
+
+
+def _zoo_only(model: str | None, *options: tuple[str, Any]) -> None:
+    """Refuse an option that shapes a zoo model's example inputs (``--seq``, ``--batch``)
+    given with ``--module`` or ``--workload`` (or no model), which it would not change: the
+    factory gives its own inputs and a workload file keeps the shapes it was captured with."""
+    if model:
+        return
+    for flag, value in options:
+        if value is not None:
+            raise SpecError(f"{flag} shapes a zoo model's example inputs; a --module factory "
+                            "gives its own and a --workload file keeps the shapes it was "
+                            f"captured with, so {flag} would change nothing: drop it (or set "
+                            "it in the factory)")
 
 
 def _fmt_count(n: float) -> str:
@@ -271,6 +289,7 @@ def ir_cmd(
     if output is not None:
         check_output_path(output, option="-o/--output", kind="workload")
     _at_least_one(("--batch", batch), ("--seq", seq))
+    _zoo_only(model, ("--batch", batch), ("--seq", seq))
     t0 = time.perf_counter()
     ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
     seconds = time.perf_counter() - t0
@@ -295,8 +314,9 @@ def workload_convert_cmd(
 
     if gaps not in ("raw", "effective"):
         raise SpecError(f"--gaps must be 'raw' or 'effective', got {gaps!r}")
+    _check_out_dir(out_dir, option="-o/--out-dir")
     workloads = espresso_workloads(benchmark, gaps=gaps)  # type: ignore[arg-type]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     table = Table(title=f"workloads written to {out_dir}", title_justify="left")
     for col in ("file", "tensors", "layers", "params", "backprop"):
         table.add_column(col)
@@ -312,6 +332,18 @@ def workload_convert_cmd(
             f"{backprop_ms:.1f} ms",
         )
     out.print(table)
+
+
+def _check_out_dir(out_dir: Path, *, option: str) -> None:
+    """An output directory: an existing directory, or a new one whose parent exists (only
+    the directory itself is created, as other outputs' directories are never created)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecError(f"{option} {str(out_dir)!r} is a file, not a directory; give a "
+                        "directory to write the workload files into")
+    if not out_dir.exists() and not out_dir.parent.is_dir():
+        raise SpecError(f"{option} {str(out_dir)!r}: the directory {str(out_dir.parent)!r} "
+                        "does not exist; create it first (hetplan creates only the output "
+                        "directory itself)")
 
 
 # --------------------------------------------------------------------------------------
@@ -349,7 +381,9 @@ def plan_cmd(
     batch_size: int = typer.Option(..., "--batch-size", "-b", help="Global batch size."),
     module: str = typer.Option(None, "--module", help="pkg.mod:factory returning (model, args)."),
     workload: Path = typer.Option(None, "--workload", help="A workload JSON file."),
-    seq: int = typer.Option(None, help="Sequence length for zoo language models."),
+    seq: int = typer.Option(None, help="Sequence length for zoo language models (default: "
+                            "the model's own; `hetplan run` trains at that one, so a plan for "
+                            "another length is for `export`)."),
     profile: Path = typer.Option(None, "--profile", help="Profile DB from `hetplan profile`."),
     schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved-1f1b, chimera, or "
                                  "auto (1F1B and interleaved 1F1B searched side by side)."),
@@ -451,6 +485,7 @@ def plan_cmd(
         raise SpecError(f"--group-sync {group_sync} steps each replica's own optimizer, so it "
                         f"cannot shard it: drop --zero {zero} (or use --group-sync off)")
     pins.update(group_opts)
+    _zoo_only(model, ("--seq", seq))
     with _blaming_options():
         options = CompileOptions.build(
             batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
@@ -500,6 +535,12 @@ def plan_cmd(
         plan.save(output)
         err.print(f"wrote {output}")
     _print_plan(plan)
+    asked = [f for f, given in (("--schedule " + schedule, schedule not in ("1f1b", "auto")),
+                                (f"--virtual-stages {virtual_stages}",
+                                 virtual_stages is not None)) if given]
+    if asked and plan.hetero is None and plan.layout is not None and plan.layout.pp == 1:
+        err.print(f"note: the fastest layout has no pipeline (pp=1), so {' and '.join(asked)} "
+                  "did not apply; pin --pp to plan a pipeline with them", markup=False)
     err.print(f"model captured in {captured:.1f} s, planned in {seconds:.1f} s")
 
 
@@ -627,6 +668,7 @@ def profile_cmd(
 
     check_output_path(output, option="-o/--output", kind="profile DB")
     _at_least_one(("--seq", seq), ("--workers", workers), ("--steps", steps))
+    _zoo_only(model, ("--seq", seq))
     if model and module:
         raise SpecError("give MODEL (a zoo name) or --module pkg.mod:factory, not both")
     if sparsity and not (model or module):
@@ -726,7 +768,8 @@ def run_cmd(
                                "one step here (Chrome trace-event JSON, opens in Perfetto); "
                                "compare it with `hetplan inspect PLAN --trace FILE`."),
     trace_step: int = typer.Option(0, "--trace-step", help="The step --trace records, "
-                                   "counted as the progress line does (default: the last)."),
+                                   "counted as the progress line does (1 is the first warm-up "
+                                   "step); 0, the default, records the last."),
 ) -> None:
     """Train with the plan under torchrun on synthetic data (extra options go to torchrun).
 
@@ -746,6 +789,7 @@ def run_cmd(
 
     from hetplan.ir.plan import load_plan
     from hetplan.runtime.cpu_sched import cpu_sched_policy
+    from hetplan.runtime.link_emulation import emulated_link
     from hetplan.runtime.launch import (
         HostCapacity,
         launch,
@@ -757,6 +801,14 @@ def run_cmd(
     plan = load_plan(plan_file)
     _check_torchrun_args(ctx)
     cpu_sched_policy()  # a bad HETPLAN_CPU_SCHED: refused here, not once per rank
+    emulated_link()  # ... a bad HETPLAN_EMULATE_BW or HETPLAN_EMULATE_LATENCY_US
+    if any(os.environ.get(f"HETPLAN_EMULATE_{v}", "").strip() for v in ("STRAGGLER",
+                                                                         "GEMM_FLOPS")):
+        # ... a bad HETPLAN_EMULATE_STRAGGLER (its module imports torch: only when set, so
+        # that torchrun's process starts before this one imports torch)
+        from hetplan.runtime.resizing import straggler_from_env
+
+        straggler_from_env()
     if trace is not None:
         _check_trace_options(trace, trace_step, steps, script, report)
     elif trace_step != 0:
@@ -835,6 +887,9 @@ def _check_torchrun_args(ctx: typer.Context) -> None:
     ours = [o for p in ctx.command.params for o in getattr(p, "opts", ()) if o.startswith("--")]
     theirs = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     bad = flags[0].split("=", 1)[0]
+    if bad in ours:  # `hetplan run PLAN -- ... --dry-run`: after `--`, all goes to torchrun
+        raise SpecError(f"{bad} is an option of `hetplan run`, but it follows `--`, which "
+                        f"passes everything after it to torchrun: put {bad} before `--`")
     close = (["--steps"] if bad in _STEP_WORDS else
              difflib.get_close_matches(bad, ours + theirs, n=1, cutoff=0.6))
     hint = f"; did you mean {close[0]}?" if close else ""
@@ -872,13 +927,15 @@ class _RunModel:
     the ranks will fingerprint it, with its captured layers (their linears: the plan's TP
     linears are checked against them) and the head size of every fused-QKV attention module
     (rule 5 of :mod:`hetplan.ir.plan_tp_checks`), by its output projection's name (read off
-    the module: the IR records head units, not which modules are fused)."""
+    the module: the IR records head units, not which modules are fused) and its example
+    inputs' shapes (to name a plan made with another ``--seq``)."""
 
     name: str
     digest: str
     layers: tuple[Any, ...] = ()
     grad_tensors: tuple[Any, ...] = ()
     head_dims: tuple[tuple[str, int], ...] = ()
+    input_shapes: tuple[tuple[int, ...], ...] = ()
 
     def fingerprint(self) -> str:
         return self.digest
@@ -906,7 +963,8 @@ def _run_model_ir(plan: Any, model: str | None, module: str | None) -> _RunModel
     with err.status(f"checking {given} against the plan …", spinner="dots"):
         ir = capture(m, args, kwargs, name=plan.model.name)
     heads = tuple(sorted(refused_head_splits(m).items()))
-    return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors), heads)
+    return _RunModel(given, ir.fingerprint(), tuple(ir.layers), tuple(ir.grad_tensors), heads,
+                     tuple(ir.input_shapes))
 
 
 @app.command("simulate")
@@ -928,6 +986,7 @@ def simulate_cmd(
             pred = simulate(plan, cluster=cluster, profile=profile)
     except InfeasiblePlanError as e:  # a valid plan that does not fit: name the file
         raise InfeasiblePlanError(f"{plan_file}: the plan does not fit in memory: {e}") from e
+    _note_profile_missing(plan, profile)
     if as_json:
         out.print(pred.model_dump_json(indent=2), markup=False)
         return
@@ -942,6 +1001,17 @@ def simulate_cmd(
         f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · optimizer step "
         f"{b.optimizer_ms:.3f} ms · bubble ratio {pred.bubble_ratio:.3f}"
     )
+
+
+def _note_profile_missing(plan: Any, profile: Path | None) -> None:
+    """A plan predicted with a profile DB, re-predicted without one (``simulate``, ``export``,
+    ``timeline``): say the numbers are analytic and which DB to give, as inspect, diff and
+    explain do; else they read as a stale plan's."""
+    recorded = plan.cost_settings.profile_fingerprint if plan.cost_settings else ""
+    if recorded and profile is None:
+        err.print(f"note: the plan was predicted with profile DB {recorded}, which the file "
+                  "does not carry, so this prediction is analytic; give --profile DB to "
+                  "re-predict it as planned", markup=False)
 
 
 #: The `plan` flag of each compile option whose flag is not ``--`` + its name with dashes.
@@ -1217,7 +1287,7 @@ def inspect_cmd(
     section: list[str] = typer.Option(
         None, "--section", "-s",
         help="Only this section (repeatable): layout, stages, tp, sync, memory, predictions, "
-        "provenance, warnings.",
+        "provenance, checkpointing, group_sync, rebalancing, warnings.",
     ),
     run: Path = typer.Option(None, "--run", help="A run report (`hetplan run --report`)."),
     trace: Path = typer.Option(None, "--trace", help="A run's trace (`hetplan run --trace`): "
@@ -1490,8 +1560,8 @@ def _print_run_ranks(plan: Any, report: dict[str, Any]) -> None:
 def explain_cmd(
     plan_file: Path = typer.Argument(..., help="A plan JSON file."),
     target: str = typer.Argument(
-        ..., help="A gradient tensor name, bucket:N, stage:K (the boundary before stage K) "
-        "or rank:R."),
+        ..., help="A gradient tensor name, bucket:N, stage:K (the boundary before stage K), "
+        "rank:R or linear:NAME (a tensor-parallel linear with uneven shards)."),
     cluster: str = typer.Option(None, "--cluster", help="Cluster, if the plan lacks one."),
     profile: Path = typer.Option(None, "--profile", help="Profile DB the plan was made with."),
     as_json: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),
@@ -1576,6 +1646,7 @@ def export_cmd(
         typer.echo(result.text, nl=False, err=True)
     else:
         typer.echo(result.text, nl=False)
+    _note_profile_missing(plan, profile)
     if output is not None:
         err.print(f"wrote {output}")
 
@@ -1607,7 +1678,23 @@ def timeline_cmd(
         measured = load_structured_file(run_report, what="run report")
     with _naming(plan_file):
         render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
+    _note_profile_missing(plan, profile)
     err.print(f"wrote {output}")
+
+
+def _unwrap_help(*apps: typer.Typer) -> None:
+    """Join the lines of each paragraph of every command's help (its docstring, wrapped at
+    the source's width): typer keeps single line breaks, so a terminal of any other width
+    showed ragged lines; rich now wraps each paragraph to the terminal."""
+    import inspect
+
+    for sub in apps:
+        for command in sub.registered_commands:
+            doc = command.help or inspect.getdoc(command.callback) or ""
+            command.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+
+
+_unwrap_help(app, workload_app)
 
 
 def main() -> None:

@@ -54,6 +54,11 @@ def test_run_trains_and_reports(tmp_path: Path) -> None:
     assert len(data["measured"]["per_iteration_ms"]) == 3
     assert data["predicted"]["iteration_ms"] == plan.predictions.iteration_time_ms
     assert "measured" in proc.stdout
+    # "warm-up done" follows the last warm-up step's line (it came before it: step 2 of the
+    # 2 warm-up steps was printed after it, as if timed)
+    lines = proc.stdout.splitlines()
+    done = next(i for i, line in enumerate(lines) if "warm-up done" in line)
+    assert lines[done - 1].startswith("step 2/5 "), lines
 
 
 def test_run_refuses_a_plan_for_another_model_before_any_rank_starts(tmp_path: Path) -> None:

@@ -164,6 +164,17 @@ def test_version() -> None:
     assert importlib.metadata.version("hetplan") in r.stdout
 
 
+def test_python_dash_m_hetplan_runs_the_cli() -> None:
+    """Was: "No module named hetplan.__main__" (for a venv whose scripts are not on PATH)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hetplan", "--version"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert importlib.metadata.version("hetplan") in proc.stdout
+
+
 def test_models_lists_zoo() -> None:
     r = run(["models"])
     assert_ok(r)
@@ -391,6 +402,93 @@ def test_debug_reraises(plan_file: Path, tmp_path: Path) -> None:
     assert isinstance(r.exception, SpecError), repr(r.exception)
 
 
+def test_command_help_paragraphs_wrap_to_the_terminal() -> None:
+    """Was: a command's help kept its docstring's line breaks, so a terminal of another
+    width than the source's showed ragged lines (a break after "(captured" at any width)."""
+    r = _runner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    assert_ok(r)
+    lines = [line.strip() for line in r.stdout.splitlines()]
+    assert any(line.startswith("Before any rank starts, the plan is checked against its "
+                               "cluster, the model (captured here; not with --script)")
+               for line in lines), r.stdout
+    r = _runner().invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert_ok(r)
+    assert "optimizer step) and, with --sparsity, the model's" in r.stdout, r.stdout
+
+
+def test_explain_help_names_every_kind_of_target() -> None:
+    """Was: the TARGET help left out linear:NAME, which README and explain's errors name."""
+    r = _runner().invoke(app, ["explain", "--help"], env={"COLUMNS": "200"})
+    assert_ok(r)
+    for kind in ("bucket:N", "stage:K", "rank:R", "linear:NAME"):
+        assert kind in r.stdout, kind
+
+
+def test_inspect_memory_rows_count_only_the_ranks_a_stage_uses(
+        tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
+    """Was: a heterogeneous plan using 1 of local-cpu's 4 ranks showed stage 0 with 4 ranks
+    in the memory table (the idle ranks were filed under stage 0)."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    out = tmp_path / "plan.json"
+    assert_ok(run(["plan", "--workload", workload, "-c", "local-cpu", "-b", "8", "--hetero",
+                   "on", "--no-progress", "-o", out]))
+    plan = load_plan(out)
+    used = {r for st in plan.stages for r in st.ranks}
+    assert len(used) < plan.cluster.world_size  # the case this test is about: idle ranks
+    r = run(["inspect", out, "--json", "-s", "memory"])
+    assert_ok(r)
+    rows = json.loads(r.stdout)["memory"]["per_stage"]
+    assert sum(row["ranks"] for row in rows) == len(used), rows
+
+
+@pytest.mark.parametrize("argv", [
+    ("plan", "--workload", "{workload}", "-c", "local-cpu", "-b", "8", "--seq", "64"),
+    ("ir", "--workload", "{workload}", "--batch", "4"),
+    ("ir", "--module", "hetplan.models:nope", "--seq", "8"),
+    ("profile", "--seq", "8", "--what", "step", "-o", "{tmp}/p.json"),
+])
+def test_zoo_input_options_without_a_zoo_model_are_refused(
+        argv: tuple[str, ...], tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
+    """Was: --seq / --batch with --workload or --module were ignored without a word (a plan
+    "for sequence 64" was the workload's own length)."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    r = run([a.format(workload=workload, tmp=tmp_path) for a in argv])
+    assert r.exit_code == 2, stderr(r)
+    flag = "--seq" if "--seq" in argv else "--batch"
+    assert f"{flag} shapes a zoo model's example inputs" in flat(stderr(r))
+    assert "drop it" in flat(stderr(r))
+
+
+@pytest.mark.parametrize("command", [("ir",), ("plan", "-c", "local-cpu", "-b", "8")])
+def test_opaque_with_a_workload_file_is_refused(command: tuple[str, ...],
+                                                tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
+    """Was: ignored (a workload file is already captured)."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    r = run([*command, "--workload", workload, "--opaque", "blocks.0"])
+    assert r.exit_code == 2, stderr(r)
+    assert "--opaque changes how a model is captured" in flat(stderr(r))
+
+
+def test_plan_says_when_a_pinned_schedule_did_not_apply(tiny_gpt_ir: ModelIR,
+                                                        tmp_path: Path) -> None:
+    """Was: --schedule interleaved-1f1b --virtual-stages 2 gave a dp-only plan ("schedule
+    1f1b") without a word; with --pp the pins apply and nothing is said."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    base = ["plan", "--workload", workload, "-c", "local-cpu", "-b", "8", "--dp", "4",
+            "--schedule", "interleaved-1f1b", "--virtual-stages", "2"]
+    r = run(base)
+    assert_ok(r)
+    assert ("no pipeline (pp=1), so --schedule interleaved-1f1b and --virtual-stages 2 did "
+            "not apply; pin --pp") in flat(stderr(r))
+    r = run([*base[:7], "--pp", "2", *base[9:]])
+    assert_ok(r)
+    assert "did not apply" not in flat(stderr(r))
+
+
 # --------------------------------------------------------------------------------------
 # workload convert
 # --------------------------------------------------------------------------------------
@@ -410,6 +508,25 @@ def test_workload_convert(tmp_path: Path) -> None:
     for path in files:
         ir = ModelIR.load(path)
         assert len(ir.grad_tensors) == expected[path.stem], path.name
+
+
+def test_workload_convert_out_dir_mistakes(tmp_path: Path) -> None:
+    """-o names a directory: a missing parent is refused (never created, as other outputs'
+    directories are not) and a file is refused by name, both before any work, exit 2."""
+    missing = tmp_path / "nodir" / "workloads"
+    r = run(["workload", "convert", ESPRESSO, "-o", missing])
+    assert r.exit_code == 2, stderr(r)
+    assert "nodir' does not exist" in flat(stderr(r))
+    assert not (tmp_path / "nodir").exists()
+    a_file = tmp_path / "plan.json"
+    a_file.write_text("{}")
+    r = run(["workload", "convert", ESPRESSO, "-o", a_file])
+    assert r.exit_code == 2, stderr(r)
+    assert "is a file, not a directory" in flat(stderr(r))
+    assert "internal error" not in stderr(r)
+    r = run(["workload", "convert", tmp_path / "espresso_models.json", "-o", tmp_path / "w"])
+    assert r.exit_code == 2, stderr(r)
+    assert "data/espresso_models.json" in flat(stderr(r))
 
 
 # --------------------------------------------------------------------------------------

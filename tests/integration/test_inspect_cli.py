@@ -141,6 +141,13 @@ def test_inspect_sections(plans: dict[str, tuple[Plan, Path]]) -> None:
     assert list(data) == ["tp"]
 
 
+def test_inspect_help_names_every_section() -> None:
+    """Was: --help listed 8 of the 11 sections --section takes."""
+    text = assert_ok(run("inspect", "--help"))
+    missing = [name for name in SECTIONS if name not in text]
+    assert not missing, missing
+
+
 def test_inspect_unknown_section(plans: dict[str, tuple[Plan, Path]]) -> None:
     _, path = plans["gpt2"]
     assert_user_error(run("inspect", path, "--section", "memroy"),

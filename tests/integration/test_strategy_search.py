@@ -214,6 +214,19 @@ def test_a_layout_refused_for_the_models_structure_is_not_called_out_of_memory(
     assert "cuts" in msg and "memory" not in msg
 
 
+def test_more_pipeline_chunks_than_layers_is_named(gpt_test: ModelIR) -> None:
+    """Was: "no layout ... divides the global batch of 8 into at most 65,536 micro-batches",
+    advising another batch size, for pp x virtual_stages above the model's layers."""
+    n = len(gpt_test.layers)
+    with pytest.raises(InfeasiblePlanError) as info:
+        compile(gpt_test, "local-cpu", batch_size=8, pp=2, schedule="interleaved-1f1b",
+                virtual_stages=n)
+    msg = str(info.value)
+    assert (f"pp=2 x virtual_stages={n} makes {2 * n} pipeline chunks, but the model has {n} "
+            "layers") in msg
+    assert f"pin virtual_stages <= {n // 2}" in msg and "batch size" not in msg
+
+
 def test_memory_only_infeasible_layout_is_refused_with_the_breakdown(megatron: ModelIR) -> None:
     roomy = compile(megatron, _tight(4.0, 2), batch_size=16, dp=1, pp=2, micro_batch_size=8)
     need = max(roomy.predictions.memory_per_rank_bytes)  # type: ignore[union-attr]

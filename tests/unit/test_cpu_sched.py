@@ -104,6 +104,17 @@ def test_hetplan_profile_refuses_a_bad_value_before_measuring(
     assert not (tmp_path / "p.json").exists()
 
 
+def test_hetplan_profile_refuses_a_bad_start_method_before_measuring(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Was: "internal error: ValueError" (exit 1) once the first measurement started."""
+    from hetplan.profiling import run_profile
+
+    monkeypatch.setenv("HETPLAN_START_METHOD", "frk")
+    with pytest.raises(SpecError, match="HETPLAN_START_METHOD='frk'.*'forkserver'"):
+        run_profile(None, what=["collectives"], output=tmp_path / "p.json", show_progress=False)
+    assert not (tmp_path / "p.json").exists()
+
+
 @linux_only
 def test_a_refused_policy_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_a: object) -> None:

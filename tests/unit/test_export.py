@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -123,6 +124,20 @@ def test_torchtitan_values(pp_tp: Plan) -> None:
     assert vals["training.mixed_precision_param"] == "float32"
     assert "torchtitan computes fp32" in _gap(export_plan(pp_tp, "torchtitan"),
                                                "precision").exported_as
+
+
+
+def test_a_part_the_engine_replaces_is_not_said_to_be_dropped(pp_tp: Plan) -> None:
+    """Was: "(each dropped alone and re-predicted)" and "without it: ..." for ZeRO-1, which
+    torchtitan replaces by FSDP (priced so), not drops: the plan with ZeRO 0 is another
+    number."""
+    result = export_plan(pp_tp, "torchtitan")
+    gap: Any = _gap(result, "zero")
+    assert "FSDP" in gap.exported_as
+    text = result.text
+    assert "dropped alone" not in text and "without it:" not in text
+    assert "re-predicted with only that part as exported" in text
+    assert f"    priced as exported: {gap.iteration_time_ms:.3f} ms" in text
 
 
 def test_interleaved_layout(ir: ModelIR) -> None:

@@ -113,6 +113,35 @@ def test_a_profiled_plan_is_re_checked_with_its_profile_only(plan: Plan,
             "with profile DB 0123456789abcdef") in text and "drop --profile" in text
 
 
+def test_simulate_of_a_profiled_plan_without_its_profile_says_so(plan: Plan,
+                                                                  tmp_path: Path) -> None:
+    """Was: `simulate` re-predicted analytically and showed the difference from the stored
+    prediction as if the plan were stale, where inspect and diff say which DB to give."""
+    db_path = tmp_path / "db.json"
+    db_path.write_text(json.dumps({"schema_version": 2, "machines": []}))
+    db = ProfileDB.load(db_path)
+    assert plan.cost_settings is not None
+    path = tmp_path / "plan.json"
+    profiled = plan.model_copy(update={"cost_settings": plan.cost_settings.model_copy(
+        update={"profile_fingerprint": db.fingerprint()})})
+    profiled.save(path)
+    result = runner.invoke(app, ["simulate", str(path)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert (f"the plan was predicted with profile DB {db.fingerprint()}, which the file does "
+            "not carry, so this prediction is analytic; give --profile DB") in text
+    result = runner.invoke(app, ["simulate", str(path), "--profile", str(db_path)])
+    assert result.exit_code == 0, result.output
+    assert "note:" not in result.output
+    for argv in (["export", str(path), "--to", "megatron"],
+                 ["timeline", str(path), "-o", str(tmp_path / "t.html")]):
+        result = runner.invoke(app, argv)  # they re-predict the plan too
+        assert result.exit_code == 0, result.output
+        assert "so this prediction is analytic" in " ".join(result.output.split()), argv
+    plan.save(path)  # planned without a DB: nothing to say
+    assert "note:" not in runner.invoke(app, ["simulate", str(path)]).output
+
+
 def test_a_run_of_per_stage_degrees_is_read(tmp_path: Path) -> None:
     """A run of a plan with per-stage degrees has a process per rank its stages list (4
     here), not the layout's dp x pp x tp (1 x 2 x 1): its own report was refused as another

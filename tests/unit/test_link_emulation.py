@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hetplan.errors import SpecError
@@ -86,3 +88,34 @@ def test_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "0")
     with pytest.raises(SpecError, match="must be > 0"):
         emulated_link()
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"HETPLAN_EMULATE_BW": "fast"}, "HETPLAN_EMULATE_BW='fast': expected a bandwidth"),
+    ({"HETPLAN_EMULATE_BW": "1", "HETPLAN_EMULATE_LATENCY_US": "x"},
+     "HETPLAN_EMULATE_LATENCY_US='x'"),
+    ({"HETPLAN_EMULATE_STRAGGLER": "x"}, "HETPLAN_EMULATE_STRAGGLER='x'"),
+])
+def test_hetplan_run_refuses_a_bad_emulation_variable_before_any_rank_starts(
+        env: dict[str, str], needle: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: every rank started and printed the error, then torchrun's 40-line failure report."""
+    from typer.testing import CliRunner
+
+    import hetplan
+    from hetplan.cli import app
+    from hetplan.runtime import launch as launch_mod
+
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("started despite a bad emulation variable")
+
+    monkeypatch.setattr(launch_mod, "prestart", never)
+    monkeypatch.setattr(launch_mod, "launch", never)
+    plan = hetplan.compile("mlp", "local-cpu", batch_size=8, dp=4, pp=1, tp=1)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    res = CliRunner().invoke(app, ["run", str(path), "--model", "mlp"])
+    assert res.exit_code == 2, res.output
+    assert needle in " ".join(res.output.split())

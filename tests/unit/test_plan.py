@@ -373,6 +373,28 @@ def test_model_fingerprint_mismatch() -> None:
     assert "'tiny'" in msg and "re-run `hetplan plan`" in msg
 
 
+def test_model_mismatch_names_inputs_of_another_sequence_length() -> None:
+    """A plan captured at another sequence length (`hetplan plan --seq`) than the model given
+    (`hetplan run` builds a zoo model's default inputs): the message names both shapes and
+    the option to drop; a batch of another size alone is not named."""
+    from dataclasses import replace
+
+    planned = replace(tiny_model_ir(), input_shapes=((1, 32),))
+    plan = full_plan().model_copy(update={"model": ModelRef.from_model_ir(planned)})
+    with pytest.raises(PlanMismatchError) as exc:
+        check_plan_matches(plan, model_ir=replace(planned, input_shapes=((1, 16),)))
+    msg = str(exc.value)
+    assert "example inputs are 1×32, the model given takes 1×16" in msg
+    assert "without --seq" in msg
+    with pytest.raises(PlanMismatchError) as exc:
+        check_plan_matches(plan, model_ir=replace(planned, input_shapes=((2, 32),)))
+    assert "--seq" not in str(exc.value)
+    other = replace(tiny_model_ir(hidden=8), input_shapes=((1, 16),))  # another model
+    with pytest.raises(PlanMismatchError) as exc:
+        check_plan_matches(plan, model_ir=other)
+    assert "--seq" not in str(exc.value)
+
+
 def test_cluster_and_world_size_mismatch_are_reported_together() -> None:
     with pytest.raises(PlanMismatchError) as exc:
         check_plan_matches(full_plan(), cluster=FakeCluster("8xV100", "beef"), world_size=8)

@@ -96,6 +96,9 @@ def test_cli_refuses_with_exit_2_and_dry_run_still_prints(
     (["--iterations", "3"], "unknown option '--iterations'"),
     (["--reprot", "r.json"], "did you mean --report?"),
     (["--max-restarts", "x"], "invalid int value: 'x'"),
+    # was: "unknown option '--steps' ...; did you mean --steps?"
+    (["--", "--nnodes", "1", "--steps", "3"],
+     "--steps is an option of `hetplan run`, but it follows `--`"),
 ])
 def test_an_option_neither_takes_is_refused_before_anything_starts(
         gpu_plan: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -145,3 +145,34 @@ def test_hetplan_run_uses_the_optimizer_the_plan_was_costed_with() -> None:
     assert plan_optimizer("sgd-momentum")(p).defaults["momentum"] == 0.9
     with pytest.raises(ValueError, match="unknown optimizer"):
         plan_optimizer("lamb")
+
+
+# -- ZeRO's gathers: the collective torch has not deprecated -------------------------------
+def test_zero_gathers_with_the_collective_torch_does_not_deprecate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: every rank of every ZeRO run printed torch's FutureWarning for
+    ``all_gather_into_tensor``; the optimizer now uses ``all_gather_single`` where torch has
+    it. A two-replica gather is emulated on one process (both replicas hold rank 0's
+    chunk)."""
+    import torch.distributed as dist
+
+    from hetplan.runtime.sharded_optimizer import ShardedOptimizer, segments_of
+
+    calls: list[int] = []
+
+    def single(out: torch.Tensor, mine: torch.Tensor, group: object = None) -> None:
+        calls.append(mine.numel())
+        out.copy_(mine.repeat(out.numel() // mine.numel()))
+
+    def deprecated(*args: object, **kwargs: object) -> None:
+        raise AssertionError("all_gather_into_tensor: deprecated in favour of all_gather_single")
+
+    monkeypatch.setattr(dist, "all_gather_single", single, raising=False)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", deprecated)
+    params = [nn.Parameter(torch.arange(4.0)), nn.Parameter(torch.arange(4.0, 6.0))]
+    opt = ShardedOptimizer(segments_of([(params, None)], 2),
+                           lambda ps: torch.optim.SGD(ps, lr=0.1), None, 2, 0)
+    opt.write_working_weights()
+    assert calls == [3]
+    assert params[0].detach().tolist() == [0.0, 1.0, 2.0, 0.0]  # replica 1's chunk: rank 0's
+    assert len(opt._gather_flat(opt.master)) == 2 and calls == [3, 3]

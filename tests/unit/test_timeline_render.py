@@ -239,3 +239,13 @@ def test_unknown_suffix_is_a_spec_error(plan: Plan, tmp_path: Path, name: str) -
     with pytest.raises(SpecError, match=r"\.png"):
         render_timeline(plan, tmp_path / name)
     assert not (tmp_path / name).exists()
+
+
+def test_a_cpu_plan_has_no_gpu_stream_lane() -> None:
+    """Was: every plan's device-side lane was "GPU stream", a CPU plan's included."""
+    import hetplan
+
+    plan = hetplan.compile("mlp", "local-cpu", batch_size=8, dp=4, pp=1, tp=1)
+    lanes = {s.lane for s in timeline_segments(plan)}
+    assert "stage 0 · device stream" in lanes, lanes
+    assert not any("GPU" in lane for lane in lanes), lanes

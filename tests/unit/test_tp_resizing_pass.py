@@ -236,10 +236,12 @@ def test_group_with_ranks_missing_from_the_cluster(plan: Plan) -> None:
         TPResizing().run(plan, ctx)
 
 
-@pytest.mark.parametrize("gamma", [1.0, -0.1, 1.5])
+@pytest.mark.parametrize("gamma", [1.0, -0.1, 1.5, float("nan")])
 def test_gamma_max_outside_range(gamma: float) -> None:
-    with pytest.raises(SpecError, match=r"gamma_max must be in \[0, 1\)"):
+    with pytest.raises(SpecError, match=r"gamma_max must be in \[0, 1\)") as info:
         TPResizing(gamma_max=gamma)
+    # the reason fits the value: only a ratio of 1 or more prunes every column
+    assert ("every column" in str(info.value)) == (gamma >= 1), str(info.value)
     with pytest.raises(ValidationError):
         ResizingController(gamma_max=gamma)
 

@@ -149,11 +149,26 @@ def test_top_level_must_be_mapping(tmp_path: Path, text: str, kind: str) -> None
     assert f"got a {kind}" in str(info.value)
 
 
-def test_empty_file(tmp_path: Path) -> None:
-    path = tmp_path / "c.yaml"
-    path.write_text("# only a comment\n")
-    with pytest.raises(SpecError, match="is empty"):
+@pytest.mark.parametrize(("name", "text"), [("c.yaml", "# only a comment\n"),
+                                           ("c.json", ""), ("c.json", " \n")])
+def test_empty_file(tmp_path: Path, name: str, text: str) -> None:
+    """Was, for an empty .json: "not valid JSON ...; check for a missing comma or quote"."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(SpecError, match="is empty") as info:
         load_structured_file(path, what="cluster spec")
+    assert "missing comma" not in str(info.value)
+    assert "examples/clusters/" in str(info.value)  # how to get one
+
+
+def test_empty_file_of_a_kind_hetplan_writes_names_the_command(tmp_path: Path) -> None:
+    """Was: "write the profile DB as a YAML or JSON mapping", for a file no one writes by
+    hand."""
+    path = tmp_path / "profile.json"
+    path.write_text("")
+    with pytest.raises(SpecError, match="is empty") as info:
+        load_structured_file(path, what="profile DB")
+    assert "`hetplan profile -o FILE`" in str(info.value)
 
 
 def test_non_utf8_file(tmp_path: Path) -> None:

@@ -106,6 +106,8 @@ def test_unknown_name_suggests() -> None:
         zoo.build("lama-70b")
     with pytest.raises(SpecError, match="unknown model"):
         zoo.example_inputs("no-such-model-anywhere")
+    with pytest.raises(SpecError, match="see `hetplan models`"):  # the CLI user's listing
+        zoo.get("tiny-gtp2")
 
 
 def test_name_normalization() -> None:

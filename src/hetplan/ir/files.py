@@ -417,18 +417,18 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
     suffix = p.suffix.lower()
     if suffix in (".yaml", ".yml"):
         data = _parse_yaml(text, where)
-    elif suffix == ".json":
-        data = _parse_json(text, where)
+    elif suffix == ".json":  # an empty file is said to be empty below, not bad JSON
+        data = _parse_json(text, where) if text.strip() else None
     else:
         try:
             data = loads_json(text, where=where)
         except json.JSONDecodeError:
             data = _parse_yaml(text, where)
 
-    if data is None:
-        raise SpecError(
-            f"{where}: the {what} file is empty; write the {what} as a YAML or JSON mapping"
-        )
+    if data is None:  # the fix of a file hetplan writes is to write it again, not by hand
+        fix = next((how for kind, _, _, how in _KINDS if kind == what),
+                   f"write the {what} as a YAML or JSON mapping")
+        raise SpecError(f"{where}: the {what} file is empty; {fix}")
     if not isinstance(data, dict):
         raise SpecError(
             f"{where}: the top level of the {what} file must be a mapping of keys to values, "

@@ -407,6 +407,7 @@ def check_plan_matches(
             f"{plan.model.fingerprint}), but the model given is {model_ir.name!r} "
             f"(fingerprint {model_ir.fingerprint()}): its layers, parameter sizes or input "
             "shapes differ from what was planned"
+            + _input_shapes_differ(plan, model_ir)
         )
     if model_ir is not None and not problems:  # the model planned for: was the plan edited?
         problems += _edited_workload(plan, model_ir)
@@ -427,6 +428,31 @@ def check_plan_matches(
                      "(or load the plan that was made for them).")
     if lines:
         raise PlanMismatchError("\n".join(lines))
+
+
+def _input_shapes_differ(plan: Plan, model_ir: _Fingerprinted) -> str:
+    """When the same model (its layers' names and parameter bytes) was given inputs that
+    differ beyond the batch dimension (a plan made with ``--seq`` for a zoo model, which
+    ``hetplan run`` builds at its default length), say so: it is then the cause of the
+    fingerprint mismatch, which the message would otherwise not name."""
+    given = getattr(model_ir, "input_shapes", None)
+    layers = getattr(model_ir, "layers", None)
+    workload = plan.model.workload
+    if not given or workload is None or not workload.input_shapes or layers is None:
+        return ""
+    planned = workload.input_shapes
+    if ([(x.name, x.param_bytes) for x in workload.layers]
+            != [(x.name, x.param_bytes) for x in layers]):
+        return ""  # another model altogether, not the same one at another length
+
+    def shown(shapes: Any) -> str:
+        return ", ".join("×".join(str(d) for d in s) for s in shapes)
+
+    if [tuple(s[1:]) for s in given] == [tuple(s[1:]) for s in planned]:
+        return ""
+    return (f" (the plan's example inputs are {shown(planned)}, the model given takes "
+            f"{shown(given)}: `hetplan run` builds a zoo model's inputs at its default "
+            "sequence length, so plan it without --seq)")
 
 
 def _edited_workload(plan: Plan, model_ir: _Fingerprinted) -> list[str]:

@@ -155,7 +155,8 @@ def espresso_workloads(
     """
     p = Path(path)
     if not p.is_file():
-        raise SpecError(f"benchmark file {str(p)!r} does not exist")
+        raise SpecError(f"benchmark file {str(p)!r} does not exist; the repository ships "
+                        "it as data/espresso_models.json")
     try:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as e:

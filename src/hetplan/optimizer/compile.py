@@ -218,6 +218,14 @@ def compile(  # noqa: A001 - the product's verb
     if not candidates and (why := pinned_degree_problems(job.workload, spec, dp=opts.dp,
                                                          pp=opts.pp, tp=opts.tp)):
         raise InfeasiblePlanError("no layout has the pinned degrees: " + "; ".join(why))
+    n_layers = len(job.workload.layers)
+    if not candidates and opts.pp and opts.virtual_stages and (
+            opts.pp * opts.virtual_stages > n_layers):
+        raise InfeasiblePlanError(
+            f"no layout has the pinned degrees: pp={opts.pp} x virtual_stages="
+            f"{opts.virtual_stages} makes {opts.pp * opts.virtual_stages} pipeline chunks, "
+            f"but the model has {n_layers} layers and each chunk holds at least one; pin "
+            f"virtual_stages <= {max(1, n_layers // opts.pp)} (or a smaller pp)")
     if not candidates:
         raise InfeasiblePlanError(
             f"no layout of {spec.world_size} devices divides the global batch of "

@@ -164,8 +164,10 @@ class TPResizing:
             raise SpecError(f"tp-resizing: unknown controller {self.controller!r}; use "
                             "off, zero, migration or semi")
         if not 0 <= self.gamma_max < 1:
-            raise SpecError(f"tp-resizing: gamma_max must be in [0, 1), got {self.gamma_max} "
-                            "(a rank pruning every column would compute nothing)")
+            why = (" (a rank pruning every column would compute nothing)"
+                   if self.gamma_max >= 1 else " (a pruning ratio: the share of columns cut)")
+            raise SpecError(f"tp-resizing: gamma_max must be in [0, 1), got {self.gamma_max}"
+                            + why)
         if self.straggler_eps < 0:
             raise SpecError(f"tp-resizing: straggler_eps must be >= 0, got "
                             f"{self.straggler_eps}")

@@ -50,7 +50,7 @@ from torch import nn
 
 from hetplan.cost_models.profile_db import MachineInfo, ProfileDB, SparsityRecord, merge
 from hetplan.errors import SpecError
-from hetplan.profiling._spawn import run_local_ranks
+from hetplan.profiling._spawn import run_local_ranks, start_method
 from hetplan.profiling.collectives import (
     DEFAULT_COLLECTIVES,
     DEFAULT_SIZES,
@@ -274,6 +274,7 @@ def run_profile(
     from hetplan.runtime.cpu_sched import apply_cpu_sched, cpu_sched_policy
 
     cpu_sched = cpu_sched_policy()  # a bad HETPLAN_CPU_SCHED: refused before anything runs
+    start_method()  # ... and a bad HETPLAN_START_METHOD
     bad = [w for w in what if w not in WHAT]
     if bad:
         from hetplan.ir.validation import did_you_mean

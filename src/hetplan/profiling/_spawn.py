@@ -33,10 +33,14 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hetplan.runtime.grou
 
 def start_method() -> str:
     """How ranks are started: ``HETPLAN_START_METHOD`` (``spawn`` or ``forkserver``),
-    default ``spawn``. With ``forkserver`` the server preloads torch (set before it starts)."""
+    default ``spawn``. With ``forkserver`` the server preloads torch (set before it starts).
+    Another value is a :class:`~hetplan.errors.SpecError` naming the variable."""
     method = os.environ.get("HETPLAN_START_METHOD", "spawn")
     if method not in ("spawn", "forkserver"):
-        raise ValueError(f"HETPLAN_START_METHOD={method!r}: use 'spawn' or 'forkserver'")
+        from hetplan.errors import SpecError
+
+        raise SpecError(f"HETPLAN_START_METHOD={method!r}: use 'spawn' (the default) or "
+                        "'forkserver' (ranks forked from one server that imported torch once)")
     if method == "forkserver":
         import multiprocessing
 

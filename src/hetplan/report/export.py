@@ -8,8 +8,9 @@ parallelism — and the parts it cannot express (uneven stages or TP shards, per
 compression, hierarchical routing, fusion buckets, Zen sparse sync, re-balancing,
 per-device precision, hand-edited pipeline action lists ...).
 
-What each unexpressed part was worth: the plan is re-predicted without it, with the plan's
-own cost model (:func:`hetplan.cost_models.predict.plan_costs` and
+What each unexpressed part was worth: the plan is re-predicted with that part as the engine
+runs it (dropped, or replaced by the engine's nearest setting), with the plan's own cost
+model (:func:`hetplan.cost_models.predict.plan_costs` and
 :func:`hetplan.cost_models.evaluate.evaluate`, the objective ``compile`` optimized), one
 part at a time and all of them together (what the exported configuration is predicted to
 run at). The current plan is re-evaluated the same way, so differences never mix two cost
@@ -262,13 +263,14 @@ def _text(r: Export, view: PlanView, cfg: EngineConfig) -> str:
     if not r.exported_fits:
         lines.append(f"  note: {r.exported_note}")
     if r.gaps:
-        lines.append(f"not expressible in {r.engine} (each dropped alone and re-predicted):")
+        lines.append(f"not expressible in {r.engine} (each priced alone: the plan "
+                     "re-predicted with only that part as exported):")
         for g in r.gaps:
             ms = f"{fmt_ms(g.iteration_time_ms)} ({fmt_delta_ms(g.delta_ms)}): " \
                 if g.iteration_time_ms is not None and g.delta_ms is not None else ""
             lines.append(f"  {g.part}: {g.plan_does}")
             lines.append(f"    exported as: {g.exported_as}")
-            lines.append(f"    without it: {ms}{g.worth}")
+            lines.append(f"    priced as exported: {ms}{g.worth}")
     else:
         lines.append(f"every part of the plan is expressed in {r.engine}")
     for n in r.notes:

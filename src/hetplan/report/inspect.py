@@ -454,6 +454,8 @@ def _memory(plan: Plan, devices: tuple[Device, ...] | None) -> dict[str, Any]:
     dtype = (lambda r: devices[r].type) if devices is not None else (lambda r: "?")
     groups: dict[tuple[tuple[int, ...], str], list[int]] = {}
     for r in ranks:
+        if stages_of and r not in stages_of:
+            continue  # a rank no stage uses (a heterogeneous plan may leave some idle)
         groups.setdefault((stages_of.get(r, (0,)), dtype(r)), []).append(r)
     by_type: dict[str, list[int]] = {}
     for r in ranks:

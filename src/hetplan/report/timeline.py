@@ -260,10 +260,12 @@ def _build(plan: Any, cluster: Any, profile: Any, run_report: Any) -> _Timeline:
             last_end[e.rank] = max(last_end[e.rank], e.end_ms)
     finish = []
     dp_lanes: list[list[Segment]] = []
+    channels = _channels(plan)
     for s, (cost, tl) in enumerate(zip(ev.stages, ev.dp_timelines)):
         offset = last_end[s] - cost.bwd_s * 1e3
         finish.append(last_end[s] + max(cost.exposed_sync_s, 0.0) * 1e3)
-        dp_lanes.append(_dp_segments(s, tl, offset, details[s]) if tl is not None else [])
+        dp_lanes.append(_dp_segments(s, tl, offset, details[s], channels)
+                        if tl is not None else [])
     span = max(iteration_ms, measured[0] if measured else 0.0) or 1.0
     segments: list[Segment] = []
     lanes: list[str] = []
@@ -280,7 +282,7 @@ def _build(plan: Any, cluster: Any, profile: Any, run_report: Any) -> _Timeline:
         lanes.append(names[s])
         segments += rows[s]
         merged = _merge(dp_lanes[s], span / 1000)
-        order = {f"stage {s} · {c}": i for i, c in enumerate(_CHANNELS.values())}
+        order = {f"stage {s} · {c}": i for i, c in enumerate(channels.values())}
         for lane in sorted({x.lane for x in merged}, key=lambda x: (order.get(x, 99), x)):
             lanes.append(lane)
             segments += [x for x in merged if x.lane == lane]
@@ -324,10 +326,22 @@ def _stage_lanes(plan: Any, n: int) -> list[str]:
             f"{shape.dp}x{shape.tp}" for st, shape in zip(plan.stages, plan.hetero.stages)]
 
 
-def _dp_segments(stage: int, tl: Any, offset: float, units: list[str]) -> list[Segment]:
+def _channels(plan: Any) -> dict[str, str]:
+    """The DP lanes' names: the device's own stream is "GPU stream" unless every device of
+    the plan's cluster is a CPU (a type named ``cpu...``, as ``hetplan run`` tells them),
+    where it is the "device stream" (a CPU plan's timeline showed a GPU it does not have)."""
+    spec = plan.cluster.spec
+    types = {d.type for d in spec.devices()} if spec is not None else set()
+    if types and all(t.lower().startswith("cpu") for t in types):
+        return {**_CHANNELS, "gpu": "device stream"}
+    return _CHANNELS
+
+
+def _dp_segments(stage: int, tl: Any, offset: float, units: list[str],
+                 channels: dict[str, str] = _CHANNELS) -> list[Segment]:
     out = []
     for e in sorted(tl.events, key=lambda e: (e.resource, e.start_s)):
-        lane = f"stage {stage} · {_CHANNELS.get(e.resource, e.resource)}"
+        lane = f"stage {stage} · {channels.get(e.resource, e.resource)}"
         start, end = offset + e.start_s * 1e3, offset + e.end_s * 1e3
         if e.unit < 0:
             out.append(Segment(lane, "backprop", start, end, "backprop", stage, None,
@@ -336,7 +350,7 @@ def _dp_segments(stage: int, tl: Any, offset: float, units: list[str]) -> list[S
         kind = e.label or "op"
         what = units[e.unit] if 0 <= e.unit < len(units) else ""
         out.append(Segment(lane, kind, start, end, f"u{e.unit}", stage, None,
-                           f"{kind} of sync unit u{e.unit} on {_CHANNELS.get(e.resource, '')}"
+                           f"{kind} of sync unit u{e.unit} on {channels.get(e.resource, '')}"
                            f" ({(end - start):.3f} ms): {what}"))
     return out
 

@@ -54,6 +54,14 @@ from hetplan.runtime.precision import DynamicLossScale, unscale_and_check
 __all__ = ["GradReducer", "Segment", "ShardedOptimizer", "segments_of"]
 
 
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
+    """Every replica's ``mine`` into ``out``: ``all_gather_single`` where torch has it (it
+    deprecates ``all_gather_into_tensor`` with a FutureWarning that every rank printed in
+    every ZeRO run), the older name otherwise."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine, group=group)
+
+
 @dataclass
 class Segment:
     """One segment of the flat layout (see module docstring).
@@ -193,7 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             dtype = seg.params[0].dtype
             mine = self.master[seg.offset : seg.offset + seg.chunk].to(dtype)
             full = torch.empty(seg.chunk * self.world, dtype=dtype, device=mine.device)
-            dist.all_gather_into_tensor(full, mine, group=self.group)
+            _all_gather(full, mine, self.group)
             torch._foreach_copy_([p.detach() for p in seg.params],
                                  [full[a:b].view_as(p) for p, (a, b)
                                   in zip(seg.params, seg.bounds(), strict=True)])
@@ -253,7 +261,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine = buf[seg.offset : seg.offset + seg.chunk]
             if self.world > 1:
                 full = torch.empty(seg.chunk * self.world, dtype=mine.dtype, device=mine.device)
-                dist.all_gather_into_tensor(full, mine.contiguous(), group=self.group)
+                _all_gather(full, mine.contiguous(), self.group)
             else:
                 full = mine
             out.extend(full[a:b].view(p.shape).clone() for p, (a, b)

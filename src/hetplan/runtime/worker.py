@@ -258,8 +258,6 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
             losses.append(loss)
             if step >= args.warmup and rt.last_times is not None:
                 times.append(rt.last_times)
-            if step == args.warmup - 1 and rank == 0:
-                print(f"rank 0: warm-up done; timing {args.steps} step(s)", flush=True)
             if rank == 0 and rt.last_times is not None:
                 # with a pipeline, rank 0 holds the first stage and the loss is the last
                 # stage's: "nan" there read as a diverged run
@@ -267,6 +265,8 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
                          else "(on the last stage)")
                 print(f"step {step + 1}/{total}  loss {shown}  "
                       f"iteration {rt.last_times.iteration_s * 1e3:.2f} ms", flush=True)
+            if step == args.warmup - 1 and rank == 0:  # after the last warm-up step's line
+                print(f"rank 0: warm-up done; timing {args.steps} step(s)", flush=True)
         if trace is not None:
             _write_trace(args.trace, plan, trace, rank)
         if args.report:

@@ -91,7 +91,8 @@ def get(name: str) -> ZooEntry:
                "FILE, from `hetplan ir`)")
     raise SpecError(
         f"unknown model {name!r} in the hetplan zoo{did_you_mean(key, ZOO, n=3)}{own} "
-        f"(expected one of: {', '.join(sorted(ZOO))}; see hetplan.zoo.list_models())"
+        f"(expected one of: {', '.join(sorted(ZOO))}; see `hetplan models` or "
+        "hetplan.zoo.list_models())"
     )
 
 
