@@ -97,7 +97,8 @@ def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str) -> 
         (2, {"dp": 1, "pp": 2, "tp": 1}, "1f1b"),
         (2, {"dp": 1, "pp": 2, "tp": 1}, "gpipe"),
         (2, {"dp": 1, "pp": 1, "tp": 2}, "1f1b"),
-        pytest.param(4, {"dp": 2, "pp": 2, "tp": 1}, "1f1b", marks=pytest.mark.slow),
+        pytest.param(4, {"dp": 2, "pp": 2, "tp": 1, "zero_stage": 1}, "1f1b",
+                     marks=pytest.mark.slow),
         pytest.param(4, {"dp": 2, "pp": 2, "tp": 1, "zero_stage": 2}, "1f1b",
                      marks=pytest.mark.slow),
         pytest.param(4, {"dp": 2, "pp": 1, "tp": 2, "zero_stage": 1}, "1f1b",
@@ -109,15 +110,15 @@ def _worker(rank: int, world: int, store_dir: str, plan_json: str, out: str) -> 
          "dp2xtp2-zero2"],
 )
 def test_parallel_plan_equals_reference(tmp_path: Path, world: int, pins: dict, schedule: str) -> None:
-    """The planner's own choice for dp2 x pp2 is ZeRO-1 (checked): with the tied embedding
-    and LM head summed over the stages before the optimizer shards them; ZeRO-2 under a
-    pipeline and ZeRO-1/2 with tensor parallelism (sequence parallelism on) are pinned."""
+    """dp2 x pp2 at ZeRO-1: the tied embedding and LM head summed over the stages before
+    the optimizer shards them; ZeRO-2 under a pipeline and ZeRO-1/2 with tensor parallelism
+    (sequence parallelism on). The ZeRO stage is pinned (the search keeps ZeRO-0 where ZeRO-1's
+    all-gather after the step makes it slower, as here on this cluster)."""
     ir = hetplan.capture(_model(), *_example(), name=MODEL)
     plan = hetplan.compile(ir, _cluster(world), batch_size=BATCH, schedule=schedule,
                            micro_batch_size=BATCH // pins["dp"] // 2, **pins)
     assert plan.layout is not None and plan.layout.micro_batches == 2
-    if pins["dp"] > 1:
-        assert plan.layout.zero_stage == pins.get("zero_stage", 1)
+    assert plan.layout.zero_stage == pins.get("zero_stage", 0)
     mp.start_processes(_worker, args=(world, str(tmp_path), plan.to_json(),
                                       str(tmp_path / "out")),
                        nprocs=world, join=True, start_method=start_method())
