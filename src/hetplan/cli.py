@@ -183,6 +183,21 @@ def _zoo_only(model: str | None, *options: tuple[str, Any]) -> None:
                             "it in the factory)")
 
 
+def _seq_fits(model: str | None, seq: int | None) -> None:
+    """Refuse a ``--seq`` longer than the zoo model's position embeddings, before capture:
+    capture runs on the meta device, which does not check the indices, so the plan would be
+    made and `hetplan run` would refuse it."""
+    if not model or seq is None:
+        return
+    from hetplan import zoo
+
+    entry = zoo.get(model)
+    if entry.max_seq is not None and seq > entry.max_seq:
+        raise SpecError(f"--seq {seq}: {entry.name} has {entry.max_seq} positions (its "
+                        f"position embeddings), so it takes sequences of at most "
+                        f"{entry.max_seq} tokens; give --seq {entry.max_seq} or less")
+
+
 def _fmt_count(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
@@ -290,6 +305,7 @@ def ir_cmd(
         check_output_path(output, option="-o/--output", kind="workload")
     _at_least_one(("--batch", batch), ("--seq", seq))
     _zoo_only(model, ("--batch", batch), ("--seq", seq))
+    _seq_fits(model, seq)
     t0 = time.perf_counter()
     ir = load_model_ir(model, module, workload, batch=batch, seq=seq, opaque=opaque)
     seconds = time.perf_counter() - t0
@@ -486,6 +502,7 @@ def plan_cmd(
                         f"cannot shard it: drop --zero {zero} (or use --group-sync off)")
     pins.update(group_opts)
     _zoo_only(model, ("--seq", seq))
+    _seq_fits(model, seq)
     with _blaming_options():
         options = CompileOptions.build(
             batch_size=batch_size, seq=seq, schedule=schedule, dp=dp, pp=pp, tp=tp,
@@ -669,6 +686,7 @@ def profile_cmd(
     check_output_path(output, option="-o/--output", kind="profile DB")
     _at_least_one(("--seq", seq), ("--workers", workers), ("--steps", steps))
     _zoo_only(model, ("--seq", seq))
+    _seq_fits(model, seq)
     if model and module:
         raise SpecError("give MODEL (a zoo name) or --module pkg.mod:factory, not both")
     if sparsity and not (model or module):

@@ -216,3 +216,36 @@ def test_build_dtype_and_seed() -> None:
         assert na == nb and torch.equal(pa, pb)
     with pytest.raises(SpecError, match="floating"):
         zoo.build("mlp", dtype=torch.int64)
+
+
+@pytest.mark.parametrize("name", [n for n in TINY_HF + CUSTOM
+                                  if zoo.get(n).input_kind in ("tokens", "seq2seq")])
+def test_max_seq_is_what_the_model_takes(name: str) -> None:
+    """``max_seq`` is the longest sequence the tiny model runs on CPU (one more fails: its
+    position embeddings end); an entry without one runs a long sequence."""
+    model = zoo.build(name, device="cpu", seed=0)
+    limit = zoo.get(name).max_seq
+
+    def runs(seq: int) -> bool:
+        entry = dataclasses.replace(zoo.get(name), max_seq=None)  # past the refusal
+        args, kwargs = entry.example_inputs(1, seq, device="cpu")
+        try:
+            with torch.no_grad():
+                model(*args, **kwargs)
+        except (IndexError, RuntimeError):
+            return False
+        return True
+
+    if limit is None:
+        assert runs(300)
+    else:
+        assert runs(limit) and not runs(limit + 1)
+
+
+def test_example_inputs_refuse_a_sequence_past_the_positions() -> None:
+    """Was: meta inputs of any length (capture on meta does not check the indices)."""
+    assert zoo.example_inputs("tiny-gpt2", batch=1, seq=128)[0][0].shape == (1, 128)
+    with pytest.raises(SpecError, match=r"seq 129 is longer than the 128 positions tiny-gpt2"):
+        zoo.example_inputs("tiny-gpt2", batch=1, seq=129)
+    with pytest.raises(SpecError, match="at most 1024"):
+        zoo.example_inputs("gpt2", seq=2048)

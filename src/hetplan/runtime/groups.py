@@ -230,7 +230,16 @@ def exit_now(code: int) -> NoReturn:
     """Leave the process without interpreter finalisation (after
     :func:`shutdown_process_groups`): process-group objects still referenced from module
     globals would otherwise be torn down while gloo's threads run, which aborts the process
-    now and then ("terminate called without an active exception")."""
+    now and then ("terminate called without an active exception").
+
+    What the process made with :mod:`multiprocessing` is released first, as a normal exit
+    releases it: os._exit skips those finalizers, and a named semaphore left registered is
+    reported by the resource tracker when the process that started this one exits ("There
+    appear to be N leaked semaphore objects"). torch.fx's Interpreter, which capture runs,
+    creates one: tqdm's lock shared between processes."""
+    from multiprocessing import util
+
+    util._run_finalizers(0)  # type: ignore[attr-defined]  # what multiprocessing's atexit runs
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -176,7 +176,8 @@ def example_inputs(
         ``(args, kwargs)``.
 
     Raises:
-        SpecError: unknown name, or a non-positive batch or sequence length.
+        SpecError: unknown name, a non-positive batch or sequence length, or a sequence
+            longer than the entry's ``max_seq`` (capture on ``meta`` would not notice it).
     """
     entry = get(name)
     b = entry.default_batch if batch is None else batch
@@ -185,4 +186,8 @@ def example_inputs(
         raise SpecError(f"example_inputs({name!r}): batch must be >= 1, got {b}")
     if entry.default_seq is not None and (s is None or s < 1):
         raise SpecError(f"example_inputs({name!r}): seq must be >= 1, got {s}")
+    if entry.max_seq is not None and s is not None and s > entry.max_seq:
+        raise SpecError(f"example_inputs({name!r}): seq {s} is longer than the "
+                        f"{entry.max_seq} positions {entry.name} has; give a seq of at most "
+                        f"{entry.max_seq}")
     return entry.example_inputs(b, s, device=device, dtype=dtype)

@@ -56,6 +56,10 @@ class ZooEntry:
         params_approx: human-readable parameter count (unique parameters), e.g. ``"6.74B"``.
         size: ``"full"`` for published full-size configs, ``"tiny"`` for test-sized models.
         input_kind: which input convention :func:`example_inputs` follows (see module doc).
+        max_seq: the longest sequence the model takes: the rows of its learned position
+            embeddings (a longer one indexes past them, which capture on ``meta`` does not
+            check); ``None`` without such a table (rotary or relative positions, none) or
+            without a sequence axis.
     """
 
     name: str
@@ -68,6 +72,7 @@ class ZooEntry:
     params_approx: str
     size: Literal["full", "tiny"]
     input_kind: InputKind
+    max_seq: int | None = None
 
 
 # --------------------------------------------------------------------------------------------

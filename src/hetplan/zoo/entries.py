@@ -57,6 +57,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="124M",
         size="full",
         input_kind="tokens",
+        max_seq=1024,
     )
     yield ZooEntry(
         name="gpt2-medium",
@@ -69,6 +70,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="355M",
         size="full",
         input_kind="tokens",
+        max_seq=1024,
     )
     yield ZooEntry(
         name="gpt2-xl",
@@ -81,6 +83,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="1.56B",
         size="full",
         input_kind="tokens",
+        max_seq=1024,
     )
     yield ZooEntry(
         name="bert-base",
@@ -93,6 +96,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="110M",
         size="full",
         input_kind="tokens",
+        max_seq=512,
     )
     yield ZooEntry(
         name="bert-large",
@@ -105,6 +109,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="335M",
         size="full",
         input_kind="tokens",
+        max_seq=512,
     )
     yield ZooEntry(
         name="llama-7b",
@@ -263,6 +268,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="~0.14M",
         size="tiny",
         input_kind="tokens",
+        max_seq=128,
     )
     yield ZooEntry(
         name="tiny-bert",
@@ -275,6 +281,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="~0.11M",
         size="tiny",
         input_kind="tokens",
+        max_seq=128,
     )
     yield ZooEntry(
         name="tiny-roberta",
@@ -298,6 +305,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="~0.11M",
         size="tiny",
         input_kind="tokens",
+        max_seq=128,  # 130 rows: positions start after the padding id 1
     )
     yield ZooEntry(
         name="tiny-llama",
@@ -382,6 +390,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="~0.11M",
         size="tiny",
         input_kind="tokens",
+        max_seq=128,  # OPT's table has 2 more rows (its offset)
     )
     yield ZooEntry(
         name="tiny-gptneox",
@@ -516,6 +525,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="~0.17M",
         size="tiny",
         input_kind="tokens",
+        max_seq=64,  # TinyGPT's block_size
     )
     yield ZooEntry(
         name="gpt-test",
@@ -528,6 +538,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="~0.23M",
         size="tiny",
         input_kind="tokens",
+        max_seq=32,  # TinyGPT's block_size
     )
     yield ZooEntry(
         name="megatron-gpt-test",
@@ -541,6 +552,7 @@ def _entries() -> Iterator[ZooEntry]:
         params_approx="~0.23M",
         size="tiny",
         input_kind="tokens",
+        max_seq=32,
     )
     yield ZooEntry(
         name="data-dependent",

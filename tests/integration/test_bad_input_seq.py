@@ -1,0 +1,35 @@
+"""A ``--seq`` longer than a zoo model's position embeddings: capture runs on the meta
+device, which does not check the indices, so `plan` made a plan (and `ir` and `profile`
+went on) that `hetplan run` refuses. Each command now refuses it by its flag, before the
+model is built, with the model's limit and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_bad_input_round7 import refused, run  # the rounds share helpers
+
+
+@pytest.mark.parametrize("argv", [
+    ("plan", "tiny-gpt2", "--seq", "200", "-c", "local-cpu", "-b", "8", "--no-progress"),
+    ("ir", "tiny-gpt2", "--seq", "200"),
+    ("profile", "tiny-gpt2", "--seq", "200", "--what", "layers"),
+])
+def test_a_seq_past_the_positions_is_refused_by_its_flag(
+        argv: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command went on to capture or measure the model")
+
+    monkeypatch.setattr("hetplan.cli.load_model_ir", forbidden)
+    monkeypatch.setattr("hetplan.profiling.run_profile", forbidden)
+    monkeypatch.setattr("hetplan.ir.capture.capture", forbidden)
+    flat = refused(run(*argv), "--seq 200: tiny-gpt2 has 128 positions",
+                   "at most 128 tokens; give --seq 128 or less")
+    assert flat.count("error:") == 1
+
+
+def test_the_longest_sequence_is_accepted() -> None:
+    result = run("ir", "gpt-test", "--seq", "32", "--batch", "1")
+    assert result.exit_code == 0, result.output
+    refused(run("ir", "gpt-test", "--seq", "33"), "--seq 33: gpt-test has 32 positions",
+            "give --seq 32 or less")
