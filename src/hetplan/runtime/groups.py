@@ -226,6 +226,10 @@ def shutdown_process_groups(clean: bool) -> None:
     dist.destroy_process_group()
 
 
+#: How long :func:`exit_now` lets multiprocessing's finalizers run before it exits anyway.
+FINALIZERS_S = 2.0
+
+
 def exit_now(code: int) -> NoReturn:
     """Leave the process without interpreter finalisation (after
     :func:`shutdown_process_groups`): process-group objects still referenced from module
@@ -236,10 +240,17 @@ def exit_now(code: int) -> NoReturn:
     releases it: os._exit skips those finalizers, and a named semaphore left registered is
     reported by the resource tracker when the process that started this one exits ("There
     appear to be N leaked semaphore objects"). torch.fx's Interpreter, which capture runs,
-    creates one: tqdm's lock shared between processes."""
+    creates one: tqdm's lock shared between processes. They run on a thread given
+    :data:`FINALIZERS_S` seconds: a finalizer that blocks (a pool that will not end) must
+    not keep a rank that is leaving from leaving."""
+    import threading
     from multiprocessing import util
 
-    util._run_finalizers(0)  # type: ignore[attr-defined]  # what multiprocessing's atexit runs
+    # what multiprocessing's atexit runs
+    run = threading.Thread(target=util._run_finalizers, args=(0,),  # type: ignore[attr-defined]
+                           name="hetplan-exit-finalizers", daemon=True)
+    run.start()
+    run.join(FINALIZERS_S)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
