@@ -14,13 +14,14 @@ import os
 import re
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from faultlib import ROOT, TIMEOUT_S, WORLD, Job, rank_lines, start, write_plan
 
-from hetplan.runtime.launch import RUN_DIR_PREFIX, sweep_run_dirs
+from hetplan.runtime.launch import RUN_DIR_PREFIX, STALE_AFTER_S, sweep_run_dirs
 
 pytestmark = pytest.mark.dist
 
@@ -106,7 +107,12 @@ def test_a_killed_launcher_takes_its_tree_with_it(training: Callable[[], Job]) -
     pattern = f"{RUN_DIR_PREFIX}{job.proc.pid}-*"
     left = list(Path(tempfile.gettempdir()).glob(pattern))
     assert len(left) == 1, left  # SIGKILL: the launcher could not remove it
-    sweep_run_dirs(stale_after_s=0.0)
+    # its lock is free; aged past the threshold, the sweep of the next launch removes it (no
+    # threshold of 0 here: that could take a launcher starting beside this test)
+    for lock in left[0].iterdir():
+        old = time.time() - 2 * STALE_AFTER_S
+        os.utime(lock, (old, old))
+    sweep_run_dirs()
     assert not list(Path(tempfile.gettempdir()).glob(pattern))
 
 

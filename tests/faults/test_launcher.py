@@ -357,9 +357,17 @@ def test_a_run_directory_is_held_while_its_launcher_runs_and_swept_after(tmp_pat
     foreign = tmp_path / f"{RUN_DIR_PREFIX}old-format"
     foreign.mkdir()
     _age(foreign, 3600)
+    # a link named like a run directory, to a directory with a free, old lock: not followed
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / freed_lock.name).write_text("")
+    _age(target / freed_lock.name, 3600)
+    link = tmp_path / f"{RUN_DIR_PREFIX}link"
+    link.symlink_to(target)
     try:
         assert sweep_run_dirs(str(tmp_path)) == [freed]
         assert Path(held).is_dir() and Path(young).is_dir() and foreign.is_dir()
+        assert link.is_symlink() and (target / freed_lock.name).exists()
         assert not Path(freed).exists()
     finally:
         os.close(fd)

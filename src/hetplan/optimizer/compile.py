@@ -18,10 +18,12 @@ Read top to bottom (:func:`compile` is these steps in this order):
    all-gathers the updated weights on top), re-balance a dynamic model or turn a TP
    resizing controller on (both move whole optimizer state, which the runtime does not do
    under ZeRO); a layout that fits only with recomputation also gets the next stage up, and
-   the faster of the two is kept. Equal bytes do not make ZeRO-1 as fast (its all-gather
-   follows the optimizer step), so each finalist that took it that way is also planned at
-   ZeRO-0 and the faster kept (:func:`_zero0_finalists`). Under Chimera the ladder stops at
-   ZeRO-1, sharded over the ``2·dp`` ranks holding each stage.
+   the faster of the two is kept. Under Chimera the ladder stops at ZeRO-1, sharded over
+   the ``2·dp`` ranks holding each stage. Equal bytes do not make ZeRO-1 as fast (its
+   all-gather follows the optimizer step), so after screening each of the :data:`FINALISTS`
+   that took ZeRO-1 that way is also planned at ZeRO-0 with the screening passes, and the
+   faster (ZeRO-1 on a tie) goes on to refinement (:func:`_zero0_finalists`). A
+   heterogeneous plan (``hetero``) keeps its own rule (ZeRO-1 with ``dp > 1``).
 4. **Refine** (:func:`_refine`): the :data:`FINALISTS` fastest layouts get the *refinement*
    list — the whole pipeline, in order, refinement passes (Cupcake; Espresso when compressors
    are allowed) included — and the fastest of those wins (ties: the smaller layout tuple). A
@@ -535,8 +537,11 @@ def _memory_lower_bound(workload: WorkloadSummary, cand: LayoutCandidate,
 def _zero1_free(costs: CostModel, layout: Layout) -> bool:
     """Whether the data-parallel link of ``layout``'s first stage moves a reduce-scatter
     plus an all-gather in no more time than an all-reduce (at 1 MiB and 1 GiB): then ZeRO-1
-    costs nothing and is never worse (it also divides the optimizer step). The group is the
-    ranks holding the first stage (under Chimera also pipeline rank ``pp-1``'s)."""
+    costs no more bytes on the link and divides the optimizer step, so the ladder starts
+    there. Not never worse: the all-gather follows the optimizer step, where the all-reduce
+    overlapped backward, so the finalists are checked at ZeRO-0 too
+    (:func:`_zero0_finalists`). The group is the ranks holding the first stage (under
+    Chimera also pipeline rank ``pp-1``'s)."""
     ranks = [layout.rank_of(d, p, 0) for p in layout.stage_holders(0) for d in range(layout.dp)]
     n = layout.sync_group_size
     link: Literal["intra", "inter"] = (

@@ -236,21 +236,24 @@ def exit_now(code: int) -> NoReturn:
     globals would otherwise be torn down while gloo's threads run, which aborts the process
     now and then ("terminate called without an active exception").
 
-    What the process made with :mod:`multiprocessing` is released first, as a normal exit
-    releases it: os._exit skips those finalizers, and a named semaphore left registered is
-    reported by the resource tracker when the process that started this one exits ("There
-    appear to be N leaked semaphore objects"). torch.fx's Interpreter, which capture runs,
-    creates one: tqdm's lock shared between processes. They run on a thread given
-    :data:`FINALIZERS_S` seconds: a finalizer that blocks (a pool that will not end) must
-    not keep a rank that is leaving from leaving."""
+    First, :mod:`multiprocessing`'s finalizers of priority 0 and up run (the first of the
+    two passes its exit handler makes; no child is terminated): os._exit skips them, and a
+    named semaphore left registered is reported by the resource tracker when the process
+    that started this one exits ("There appear to be N leaked semaphore objects").
+    torch.fx's Interpreter, which capture runs, creates one: tqdm's lock shared between
+    processes. They run on a thread given :data:`FINALIZERS_S` seconds: a finalizer that
+    blocks (a pool that will not end) must not keep a leaving rank; the ones after it are
+    then skipped."""
     import threading
     from multiprocessing import util
 
-    # what multiprocessing's atexit runs
     run = threading.Thread(target=util._run_finalizers, args=(0,),  # type: ignore[attr-defined]
                            name="hetplan-exit-finalizers", daemon=True)
-    run.start()
-    run.join(FINALIZERS_S)
+    try:
+        run.start()
+        run.join(FINALIZERS_S)
+    except RuntimeError:  # no thread to be had: leave without them
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -63,6 +63,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -432,25 +433,37 @@ STALE_AFTER_S = 60.0
 def new_run_dir(parent: str | None = None) -> tuple[str, int | None]:
     """A new run directory (under ``parent``, default the temporary directory) and the
     descriptor of the lock the launcher holds in it (``flock``, exclusive) until it removes
-    the directory; None where ``fcntl`` is missing. A launcher killed by SIGKILL cannot
-    remove its directory; the kernel drops its lock, and the next launcher's
-    :func:`sweep_run_dirs` removes it."""
-    path = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=parent)
+    the directory; None where ``fcntl`` is missing or the file system has no locks. A
+    launcher killed by SIGKILL cannot remove its directory; the kernel drops its lock, and
+    the next launcher's :func:`sweep_run_dirs` removes it."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system: nothing can tell a dead launcher's directory
-        return path, None
-    fd = os.open(os.path.join(path, _LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return path, fd
+        return tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=parent), None
+    for _ in range(3):
+        path = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=parent)
+        fd = os.open(os.path.join(path, _LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # no locks here (ENOLCK, EOPNOTSUPP): run without the sweep's help
+            os.close(fd)
+            return path, None
+        if os.fstat(fd).st_nlink > 0:
+            return path, fd
+        # a sweep judged the fresh lock stale (a clock far off) and removed the directory
+        # between its creation and the lock: make another
+        os.close(fd)
+    raise OSError(f"could not keep a run directory under {parent or tempfile.gettempdir()}: "
+                  "another launcher's sweep removed each one made (is the clock far off?)")
 
 
 def sweep_run_dirs(parent: str | None = None, stale_after_s: float = STALE_AFTER_S
                    ) -> list[str]:
     """Remove the run directories (:func:`new_run_dir`) under ``parent`` whose launcher is
     gone: their lock is free (a lock is released when its process ends, however it ends)
-    and its file older than ``stale_after_s``. Directories without a lock file (not made by
-    :func:`new_run_dir`) and other users' are left alone. Returns the removed paths."""
+    and its file older than ``stale_after_s``. Only real directories of this user holding a
+    regular lock file are judged (no symbolic link is followed); others are left alone.
+    Returns the paths removed."""
     try:
         import fcntl
     except ImportError:
@@ -462,22 +475,27 @@ def sweep_run_dirs(parent: str | None = None, stale_after_s: float = STALE_AFTER
     except OSError:
         return removed
     now = time.time()
+    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     for path in sorted(entries):
-        lock = path / _LOCK_NAME
         try:
-            st = lock.stat()
-            if st.st_uid != os.getuid() or now - st.st_mtime < stale_after_s:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
-            fd = os.open(lock, os.O_RDWR)
-        except OSError:  # no lock file, or another user's: not ours to judge
+            fd = os.open(path / _LOCK_NAME, flags)
+        except OSError:  # no lock file (not made by new_run_dir), or not ours to judge
             continue
         try:
+            st = os.fstat(fd)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                    or now - st.st_mtime < stale_after_s):
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:  # held: its launcher is running
                 continue
             shutil.rmtree(path, ignore_errors=True)
-            removed.append(str(path))
+            if not path.exists():
+                removed.append(str(path))
         finally:
             os.close(fd)
     return removed
@@ -647,8 +665,9 @@ class _Job:
         self.killed.update(victims)
 
     def finish(self) -> None:
-        """After torchrun: kill whatever of the run is left, let the relay drain (bounded),
-        remove the run's directory."""
+        """After torchrun: kill whatever of the run is left and let the relay drain
+        (bounded). The run's directory goes in :meth:`outcome` (or :func:`launch`'s
+        clean-up when supervision itself failed)."""
         deadline = time.monotonic() + self.grace_s
         while (left := self.processes()) and time.monotonic() < deadline:
             proctree.kill(left)  # their parent is gone: nobody else will stop them
@@ -727,11 +746,13 @@ def launch(cmd: list[str], *, keep_agent_traceback: bool = False, grace_s: float
         job.release()
         status = job.supervise()
     finally:
-        if status is None:  # the launcher itself failed: leave nothing behind
-            job._kill_all(include_torchrun=True)
-        job.finish()
-        if status is None:
-            job.remove_run_dir()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        try:
+            if status is None:  # the launcher itself failed: leave nothing behind
+                job._kill_all(include_torchrun=True)
+            job.finish()
+        finally:
+            if status is None:
+                job.remove_run_dir()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return job.outcome(status)
