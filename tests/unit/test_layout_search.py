@@ -5,6 +5,7 @@ independent brute-force enumeration, pinning, and the error when nothing divides
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -391,3 +392,26 @@ def test_zero1_is_taken_only_where_it_is_not_slower() -> None:
         assert chosen <= pinned.predictions.iteration_time_ms * (1 + 1e-12), (z, chosen)
     ddp = next(b for b in plan.predictions.baselines if b.name == "ddp")
     assert chosen <= ddp.iteration_time_ms
+
+
+def test_a_zero0_finalist_refinement_cannot_fit_falls_back_to_its_zero1(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finalist moved from a free ZeRO-1 to ZeRO-0 (faster when screened) that the
+    refinement passes cannot fit at ZeRO-0 is refined at its ZeRO-1 instead of being dropped
+    (ZeRO-0 has less memory headroom)."""
+    import hetplan
+    from hetplan.errors import OutOfMemoryError
+    from hetplan.optimizer import compile as compile_mod
+
+    free = hetplan.compile("tiny-gpt2", "local-cpu", batch_size=8)
+    assert free.layout is not None and free.layout.zero_stage == 0
+    real = compile_mod._Job.plan_for
+
+    def plan_for(self: Any, layout: Any, passes: Any) -> Any:
+        if passes == self.refinement and passes and layout.zero_stage == 0 and layout.dp > 1:
+            raise OutOfMemoryError("refinement does not fit at ZeRO-0 (test)")
+        return real(self, layout, passes)
+
+    monkeypatch.setattr(compile_mod._Job, "plan_for", plan_for)
+    plan = hetplan.compile("tiny-gpt2", "local-cpu", batch_size=8)
+    assert plan.layout == free.layout.model_copy(update={"zero_stage": 1})

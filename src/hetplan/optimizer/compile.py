@@ -425,18 +425,24 @@ def _zero0_finalists(job: _Job, screened: list[Scored]) -> list[Scored]:
 def _refine(job: _Job, screened: list[Scored], infeasible: list[_Refusal]
             ) -> Scored | None:
     """The fastest of the finalists after the refinement passes (the screening's fastest
-    when there are none)."""
+    when there are none). A finalist that :func:`_zero0_finalists` moved to ZeRO-0 and that
+    refinement cannot fit there is refined at the ZeRO-1 it had instead."""
     if not job.refinement:
         return screened[0] if screened else None
     best: Scored | None = None
     for _, cand, _, _ in screened[:FINALISTS]:
-        try:
-            plan, ev = job.plan_for(job.layout(cand), job.refinement)
-        except InfeasiblePlanError as e:
-            infeasible.append(_Refusal(str(e), memory=isinstance(e, OutOfMemoryError)))
-            continue
-        if best is None or (ev.iteration_s, cand) < (best[0], best[1]):
-            best = (ev.iteration_s, cand, plan, ev)
+        tries = [cand]
+        if cand.zero_stage == 0 and job.zero1_free(cand):  # ZeRO-0 in place of a free ZeRO-1
+            tries.append(replace(cand, zero_stage=1))
+        for c in tries:
+            try:
+                plan, ev = job.plan_for(job.layout(c), job.refinement)
+            except InfeasiblePlanError as e:
+                infeasible.append(_Refusal(str(e), memory=isinstance(e, OutOfMemoryError)))
+                continue
+            if best is None or (ev.iteration_s, c) < (best[0], best[1]):
+                best = (ev.iteration_s, c, plan, ev)
+            break
     return best
 
 
