@@ -191,11 +191,8 @@ def _seq_fits(model: str | None, seq: int | None) -> None:
         return
     from hetplan import zoo
 
-    entry = zoo.get(model)
-    if entry.max_seq is not None and seq > entry.max_seq:
-        raise SpecError(f"--seq {seq}: {entry.name} has {entry.max_seq} positions (its "
-                        f"position embeddings), so it takes sequences of at most "
-                        f"{entry.max_seq} tokens; give --seq {entry.max_seq} or less")
+    if (why := zoo.seq_too_long(model, seq)) is not None:
+        raise SpecError(f"--seq {seq}: {why}; give --seq {zoo.get(model).max_seq} or less")
 
 
 def _fmt_count(n: float) -> str:

@@ -415,3 +415,6 @@ def test_a_zero0_finalist_refinement_cannot_fit_falls_back_to_its_zero1(
     monkeypatch.setattr(compile_mod._Job, "plan_for", plan_for)
     plan = hetplan.compile("tiny-gpt2", "local-cpu", batch_size=8)
     assert plan.layout == free.layout.model_copy(update={"zero_stage": 1})
+    # the layout fell back; it is not counted infeasible
+    notes = [n for e in plan.pass_log if e.name == "layout-search" for n in e.notes]
+    assert any(" 0 infeasible" in n for n in notes), notes

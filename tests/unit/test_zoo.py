@@ -245,7 +245,7 @@ def test_max_seq_is_what_the_model_takes(name: str) -> None:
 def test_example_inputs_refuse_a_sequence_past_the_positions() -> None:
     """Was: meta inputs of any length (capture on meta does not check the indices)."""
     assert zoo.example_inputs("tiny-gpt2", batch=1, seq=128)[0][0].shape == (1, 128)
-    with pytest.raises(SpecError, match=r"seq 129 is longer than the 128 positions tiny-gpt2"):
+    with pytest.raises(SpecError, match=r"seq 129: tiny-gpt2 has 128 positions"):
         zoo.example_inputs("tiny-gpt2", batch=1, seq=129)
     with pytest.raises(SpecError, match="at most 1024"):
         zoo.example_inputs("gpt2", seq=2048)

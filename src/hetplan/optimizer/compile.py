@@ -438,11 +438,13 @@ def _refine(job: _Job, screened: list[Scored], infeasible: list[_Refusal]
             try:
                 plan, ev = job.plan_for(job.layout(c), job.refinement)
             except InfeasiblePlanError as e:
-                infeasible.append(_Refusal(str(e), memory=isinstance(e, OutOfMemoryError)))
+                refusal = _Refusal(str(e), memory=isinstance(e, OutOfMemoryError))
                 continue
             if best is None or (ev.iteration_s, c) < (best[0], best[1]):
                 best = (ev.iteration_s, c, plan, ev)
             break
+        else:  # no try fitted: the layout is infeasible (one that fell back is not)
+            infeasible.append(refusal)
     return best
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "build",
     "example_inputs",
     "get",
+    "seq_too_long",
     "list_models",
 ]
 
@@ -151,6 +152,17 @@ def build(
     return model
 
 
+def seq_too_long(name: str, seq: int | None) -> str | None:
+    """Why zoo model ``name`` cannot take sequences of ``seq`` tokens (longer than its
+    learned position embeddings, ``ZooEntry.max_seq``: capture on ``meta`` would not notice
+    the indices past them), or None when it can."""
+    entry = get(name)
+    if entry.max_seq is None or seq is None or seq <= entry.max_seq:
+        return None
+    return (f"{entry.name} has {entry.max_seq} positions (its position embeddings), so it "
+            f"takes sequences of at most {entry.max_seq} tokens")
+
+
 def example_inputs(
     name: str,
     batch: int | None = None,
@@ -186,8 +198,7 @@ def example_inputs(
         raise SpecError(f"example_inputs({name!r}): batch must be >= 1, got {b}")
     if entry.default_seq is not None and (s is None or s < 1):
         raise SpecError(f"example_inputs({name!r}): seq must be >= 1, got {s}")
-    if entry.max_seq is not None and s is not None and s > entry.max_seq:
-        raise SpecError(f"example_inputs({name!r}): seq {s} is longer than the "
-                        f"{entry.max_seq} positions {entry.name} has; give a seq of at most "
+    if (why := seq_too_long(name, s)) is not None:
+        raise SpecError(f"example_inputs({name!r}): seq {s}: {why}; give a seq of at most "
                         f"{entry.max_seq}")
     return entry.example_inputs(b, s, device=device, dtype=dtype)
