@@ -42,10 +42,7 @@ hand-over wait changes, against the same runs; less the step-level and phase rec
 only section 13's phase records (``predicted_without_phase_records_ms``: section 12's
 model: tensor parallelism's phases, the traced pipeline stages, FSDP2's optimizer step),
 what they change; and less only section 14's loss records
-(``predicted_without_loss_records_ms``: section 13's model, the loss shared by the stages);
-and less only section 26's TP records of one group alone
-(``predicted_without_alone_records_ms``: section 25's model, every TP stage priced as if all
-processes computed at once).
+(``predicted_without_loss_records_ms``: section 13's model, the loss shared by the stages).
 
 Nothing is tuned on the numbers reported: the profile and the cost model are used as they are.
 
@@ -196,11 +193,6 @@ STEP_RECORDS = ("allreduce_step", "allgather_step", "reduce_broadcast_step", "ze
 #: The loss timed within the TP steps (section 14: a pipeline's last stage pays it); the
 #: profile less them is section 13's model.
 LOSS_RECORDS = ("tp_loss", "tp_sp_loss")
-#: The TP phases timed with one group alone (section 26: a pipeline's TP stage priced by
-#: how much the other stages' compute overlaps it); the profile less them is section 25's
-#: model.
-ALONE_RECORDS = ("tp_alone_forward", "tp_alone_backward", "tp_alone_loss",
-                 "tp_sp_alone_forward", "tp_sp_alone_backward", "tp_sp_alone_loss")
 PHASE_RECORDS = ("tp_forward", "tp_backward", "tp_sp_forward", "tp_sp_backward",
                  "traced_forward", "traced_backward", "zero3_step")
 
@@ -245,29 +237,19 @@ def _write_variants(path: Path) -> None:
     doc = json.loads(path.read_text())
     hands = doc.get("handovers", [])
     _without_loss(path).write_text(json.dumps(
-        doc | {"handovers": [r for r in hands if r["operation"] not in LOSS_RECORDS
-                             + ALONE_RECORDS]},
-        sort_keys=True, indent=2) + "\n")
-    _without_alone(path).write_text(json.dumps(
-        doc | {"handovers": [r for r in hands if r["operation"] not in ALONE_RECORDS]},
+        doc | {"handovers": [r for r in hands if r["operation"] not in LOSS_RECORDS]},
         sort_keys=True, indent=2) + "\n")
     _without_steps(path).write_text(json.dumps(
         doc | {"handovers": [r for r in hands
                              if r["operation"] not in STEP_RECORDS + PHASE_RECORDS
-                             + LOSS_RECORDS + ALONE_RECORDS]},
+                             + LOSS_RECORDS]},
         sort_keys=True, indent=2) + "\n")
     _without_phases(path).write_text(json.dumps(
         doc | {"handovers": [r for r in hands
-                             if r["operation"] not in PHASE_RECORDS + LOSS_RECORDS
-                             + ALONE_RECORDS]},
+                             if r["operation"] not in PHASE_RECORDS + LOSS_RECORDS]},
         sort_keys=True, indent=2) + "\n")
     doc.pop("handovers", None)
     _without(path).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
-
-
-def _without_alone(path: Path) -> Path:
-    """The same profile less its one-group-alone TP records (section 25's model)."""
-    return path.with_name(path.stem + "_no_alone_records.json")
 
 
 def _without_loss(path: Path) -> Path:
@@ -317,8 +299,7 @@ def plan_and_run(kind: Kind, prof: Path, tmp: Path, rnd: int,
         row["predicted_without_handovers_ms"] = bp.get("iteration_time_ms")
         row["predicted_without_handovers_breakdown_ms"] = bp.get("breakdown")
     for name, variant in (("step_records", _without_steps), ("phase_records", _without_phases),
-                          ("loss_records", _without_loss),
-                          ("alone_records", _without_alone)):
+                          ("loss_records", _without_loss)):
         if not variant(prof).exists():
             continue
         v_plan = plan.with_suffix(f".no_{name}.json")
@@ -413,7 +394,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if before:
         out["predicted_without_handovers_ms"] = statistics.median(before)
         out["error_without_handovers"] = abs(statistics.median(before) / meas - 1)
-    for name in ("step_records", "phase_records", "loss_records", "alone_records"):
+    for name in ("step_records", "phase_records", "loss_records"):
         vals = [r[f"predicted_without_{name}_ms"] for r in ran
                 if r.get(f"predicted_without_{name}_ms") is not None]
         if vals:
@@ -503,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     if before:
         summary["median_error_without_handovers"] = statistics.median(before)
         summary["max_error_without_handovers"] = max(before)
-    for name in ("step_records", "phase_records", "loss_records", "alone_records"):
+    for name in ("step_records", "phase_records", "loss_records"):
         vals = [c[f"error_without_{name}"] for c in cases if f"error_without_{name}" in c]
         if vals:
             summary[f"median_error_without_{name}"] = statistics.median(vals)
@@ -512,13 +493,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["max_error"] <= TARGET_MAX) and len(errors) == len(cases)
     print(f"{'kind':<12} {'model':<18} {'predicted':>10} {'measured':>10} {'error':>7}  "
           f"{'without hand-overs':>20}  {'without step records':>20}  "
-          f"{'without phase records':>21}  {'without loss records':>20}  "
-          f"{'without alone records':>21}  status")
+          f"{'without phase records':>21}  {'without loss records':>20}  status")
     for c in cases:
         if c["status"] == "ran":
             cols = []
-            for name in ("handovers", "step_records", "phase_records", "loss_records",
-                         "alone_records"):
+            for name in ("handovers", "step_records", "phase_records", "loss_records"):
                 b = c.get(f"predicted_without_{name}_ms")
                 cols.append(f"{b:8.2f}ms {c[f'error_without_{name}']:>7.1%}"
                             if b is not None else "")

@@ -236,24 +236,6 @@ def test_profile_tp_steps_times_the_split_model_beside_the_plain_one() -> None:
         assert 0.0 < t.tp_loss_s < t.tp_forward_s and 0.0 < t.loss_s < t.forward_s
 
 
-@pytest.mark.dist
-def test_profile_tp_steps_alone_lets_the_groups_step_in_turn() -> None:
-    from hetplan.profiling.tp_step import profile_tp_steps
-
-    recs, times = profile_tp_steps("megatron-gpt-test", 4, batch_size=2, rounds=2, warmup=1,
-                                   passes=1, timeout_s=120, alone=True)
-    # TP 2 in turn (TP 4, the whole world, has no turn): the same phases, filed apart
-    assert [r.operation for r in recs] == [
-        "tp_alone_forward", "tp_alone_backward", "tp_alone_loss", "tp_sp_alone_forward",
-        "tp_sp_alone_backward", "tp_sp_alone_loss"]
-    assert all((r.group_size, r.processes) == (2, 4) for r in recs)
-    assert all(r.samples[0].seconds > 0.0 for r in recs)
-    assert [(t.group_size, t.sequence_parallel) for t in times] == [(2, False), (2, True)]
-    # two processes: no other group to take turns with
-    assert profile_tp_steps("megatron-gpt-test", 2, batch_size=2, rounds=1, warmup=0,
-                            passes=1, timeout_s=120, alone=True) == ([], [])
-
-
 def test_profile_tp_steps_rejects_bad_input() -> None:
     from hetplan.profiling.tp_step import profile_tp_steps
 
@@ -270,15 +252,12 @@ def test_run_profile_takes_the_tp_records_for_a_zoo_model(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import hetplan.profiling as prof
 
-    calls: list[tuple[str, int, int, bool]] = []
-    solo = tuple(r.model_copy(update={"operation": r.operation.replace("tp_sp_",
-                                                                       "tp_sp_alone_"),
-                                      "processes": 2}) for r in SP)
+    calls: list[tuple[str, int, int]] = []
 
-    def fake_tp(model: str, world: int, *, batch_size: int, alone: bool = False,
-                **_: object) -> tuple[list[HandoverRecord], list[object]]:
-        calls.append((model, world, batch_size, alone))
-        return list(solo if alone else SP), []
+    def fake_tp(model: str, world: int, *, batch_size: int, **_: object
+                ) -> tuple[list[HandoverRecord], list[object]]:
+        calls.append((model, world, batch_size))
+        return list(SP), []
 
     monkeypatch.setattr(prof, "_collectives", lambda *a, **k: [])
     monkeypatch.setattr(prof, "profile_handovers", lambda *a, **k: [P2P])
@@ -288,10 +267,8 @@ def test_run_profile_takes_the_tp_records_for_a_zoo_model(
     monkeypatch.setattr(prof, "profile_traced_stages", lambda *a, **k: ([traced], None))
     db = prof.run_profile("megatron-gpt-test", world_size=4, what=["collectives"],
                           batch_size=2, show_progress=False)
-    # every TP group at once, then one group alone
-    assert calls == [("megatron-gpt-test", 4, 2, False), ("megatron-gpt-test", 4, 2, True)]
+    assert calls == [("megatron-gpt-test", 4, 2)]
     assert SP[0] in db.handovers and P2P in db.handovers and traced in db.handovers
-    assert solo[0] in db.handovers and solo[1] in db.handovers
     calls.clear()
     db = prof.run_profile(None, world_size=4, what=["collectives"], show_progress=False)
     assert calls == [] and SP[0] not in db.handovers

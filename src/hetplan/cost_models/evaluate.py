@@ -74,7 +74,6 @@ from hetplan.cost_models.compression import (
     time_array,
     wire_ratio,
 )
-from hetplan.cost_models.core_sharing import stage_overlaps
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.memory import (
     MemoryBreakdown,
@@ -128,15 +127,6 @@ __all__ = ["Evaluation", "StageCost", "StageSync", "SyncScorer", "stage_syncs", 
 UnitStrategy = Union[SyncStrategy, SparseTensorSync]
 #: Per stage: (gradient indices, strategy) per sync unit (:func:`_units_by_stage`).
 _Units = list[list[tuple[list[int], UnitStrategy]]]
-#: Per held stage: forward, backward, TP communication, per-layer backward, cost sources.
-_StageTimes = tuple[list[float], list[float], list[float], list[list[float]],
-                    list[dict[str, int]]]
-
-#: Step 1 on shared cores (:func:`_core_sharing`): at most this many re-pricings of the TP
-#: stages by their simulated overlap; it stops earlier when no stage's overlap share moved
-#: by more than :data:`OVERLAP_TOLERANCE`.
-OVERLAP_ROUNDS = 4
-OVERLAP_TOLERANCE = 0.01
 
 #: Bytes the optimizer step moves per fp32 parameter byte in fp32 Adam (torch's foreach
 #: Adam: 72 bytes per element, :data:`hetplan.cost_models.optimizer_step.UPDATE_BYTES`);
@@ -444,91 +434,46 @@ def _prefix(
             stage_of[i] = st.index
 
     held = held_stages(stages, layout)
+    fwd, bwd, tp_comm, bwd_layers, sources = [], [], [], [], []
+    for st in held:
+        f, b, c, per_layer, src = stage_times(workload, st, layout, costs, mb, scale,
+                                               tensor_parallel)
+        fwd.append(f)
+        bwd.append(b)
+        tp_comm.append(c)
+        bwd_layers.append(per_layer)
+        sources.append(src)
+
+    p2p = p2p_ms(workload, layout, stages, costs, scale,
+                 [(f + b) / 2 for f, b in zip(fwd, bwd)])
     edited = edited_lists(layout, actions)
-
-    def times(overlaps: Sequence[tuple[float, float]] | None) -> _StageTimes:
-        out: _StageTimes = ([], [], [], [], [])
-        for k, st in enumerate(held):
-            f, b, c, per_layer, src = stage_times(
-                workload, st, layout, costs, mb, scale, tensor_parallel,
-                None if overlaps is None else overlaps[k])
-            for lst, x in zip(out, (f, b, c, per_layer, src)):
-                lst.append(x)  # type: ignore[attr-defined]
-        return out
-
-    def simulate(fwd: list[float], bwd: list[float]
-                 ) -> tuple[list[float], tuple[PipelineSimResult, tuple[float, ...]]]:
-        p2p = p2p_ms(workload, layout, stages, costs, scale,
-                     [(f + b) / 2 for f, b in zip(fwd, bwd)])
-        key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule, v, tuple(p2p),
-               None if edited is None else edited.encode())
-        cached = costs.pipeline_cache.get(key)
-        if cached is None:
-            fwd_ms, bwd_ms = [x * 1e3 for x in fwd], [x * 1e3 for x in bwd]
-            if edited is not None:  # the plan's own lists, as the runtime runs them
-                pipe = simulate_schedule(edited, fwd_ms, bwd_ms, p2p_fwd_ms=p2p or 0,
-                                         p2p_bwd_ms=p2p or 0)
-            elif v > 1:  # one time per virtual stage (chunks may differ)
-                pipe = simulate_named(layout.schedule, layout.pp, layout.micro_batches, v,
-                                      fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
-            else:  # (one rank of an interleaved layout: no pipeline, no chunks)
-                # (Chimera: per stage, each action at its own stage's time)
-                name = "1f1b" if layout.schedule == "interleaved-1f1b" else layout.schedule
-                pipe = simulate_pipeline(fwd_ms, bwd_ms, layout.micro_batches, name,
-                                         p2p_fwd_ms=p2p or 0, p2p_bwd_ms=p2p or 0)
-            # each stage's (or, one chunk per rank, each rank's) end of its last backward;
-            # under Chimera the stage's, on whichever of its two ranks ends last: its
-            # gradients are complete, and its group can finish their sync, only then
-            per_stage_ends = v > 1 or layout.stage_copies > 1
-            ends = pipe.stage_bwd_end_ms if per_stage_ends else pipe.rank_bwd_end_ms
-            cached = costs.pipeline_cache[key] = (pipe,
-                                                  tuple(max(0.0, e * 1e-3) for e in ends))
-        return p2p, cached
-
-    fwd, bwd, tp_comm, bwd_layers, sources = times(None)
-    _, (pipe, last_bwd_end) = simulate(fwd, bwd)
-    sharing = _core_sharing(layout, held, costs)
-    if sharing is not None:  # TP stages on shared cores: priced by their overlap (step 1)
-        seen: list[tuple[float, float]] | None = None
-        for _ in range(OVERLAP_ROUNDS):
-            overlaps = stage_overlaps(pipe, *sharing, layout.tp, len(held))
-            if seen is not None and all(abs(a - c) < OVERLAP_TOLERANCE and
-                                        abs(b - d) < OVERLAP_TOLERANCE
-                                        for (a, b), (c, d) in zip(overlaps, seen)):
-                break
-            seen = overlaps
-            fwd, bwd, tp_comm, bwd_layers, sources = times(overlaps)
-            _, (pipe, last_bwd_end) = simulate(fwd, bwd)
+    key = (tuple(fwd), tuple(bwd), layout.micro_batches, layout.schedule, v, tuple(p2p),
+           None if edited is None else edited.encode())
+    cached = costs.pipeline_cache.get(key)
+    if cached is None:
+        fwd_ms, bwd_ms = [x * 1e3 for x in fwd], [x * 1e3 for x in bwd]
+        if edited is not None:  # the plan's own lists, as the runtime runs them
+            pipe = simulate_schedule(edited, fwd_ms, bwd_ms, p2p_fwd_ms=p2p or 0,
+                                     p2p_bwd_ms=p2p or 0)
+        elif v > 1:  # one time per virtual stage (chunks may differ)
+            pipe = simulate_named(layout.schedule, layout.pp, layout.micro_batches, v,
+                                  fwd_ms, bwd_ms, p2p_fwd_ms=p2p, p2p_bwd_ms=p2p)
+        else:  # (one rank of an interleaved layout: no pipeline, no chunks)
+            # (Chimera: per stage, each action at its own stage's time)
+            name = "1f1b" if layout.schedule == "interleaved-1f1b" else layout.schedule
+            pipe = simulate_pipeline(fwd_ms, bwd_ms, layout.micro_batches, name,
+                                     p2p_fwd_ms=p2p or 0, p2p_bwd_ms=p2p or 0)
+        # each stage's (or, one chunk per rank, each rank's) end of its last backward; under
+        # Chimera the stage's, on whichever of its two ranks ends last: its gradients are
+        # complete, and its group can finish their sync, only then
+        per_stage_ends = v > 1 or layout.stage_copies > 1
+        ends = pipe.stage_bwd_end_ms if per_stage_ends else pipe.rank_bwd_end_ms
+        cached = costs.pipeline_cache[key] = (pipe, tuple(max(0.0, e * 1e-3) for e in ends))
+    pipe, last_bwd_end = cached
     optimizer_s = (_optimizer_s(workload, stages, layout, costs, tensor_parallel)
                    + tied_sync_s(workload, stages, layout, costs))
     return _Prefix(stages, held, stage_of, scale, fwd, bwd, tp_comm, bwd_layers, sources,
                    pipe, last_bwd_end, optimizer_s, edited)
-
-
-def _core_sharing(layout: Layout, held: Sequence[Stage], costs: CostModel
-                  ) -> tuple[list[list[int]], list[int], list[int]] | None:
-    """What :func:`~hetplan.cost_models.core_sharing.stage_overlaps` needs of the plan
-    (per pipeline rank its processes per node, per stage its node, per node the plan's
-    processes) where a TP pipeline's stages are priced from measured phases with a record
-    of one TP group alone (gloo profiles, :func:`~hetplan.cost_models.stage_times.
-    stage_times`); None elsewhere (GPU and analytic plans, no pipeline or no TP, Chimera's
-    two copies per rank): every stage priced as if all processes computed at once."""
-    if layout.pp < 2 or layout.tp < 2 or layout.stage_copies != 1 or not (
-            costs.comm.has_handovers):
-        return None
-    op = "tp_sp_alone_forward" if layout.sequence_parallel else "tp_alone_forward"
-    link, _, _ = group_link(costs, list(held[0].ranks[:layout.tp]))
-    if not costs.comm.has_handover(op, layout.tp, link):
-        return None
-    nodes = max(d.node_index for d in costs.devices) + 1
-    rank_procs = [[0] * nodes for _ in range(layout.pp)]
-    total = [0] * nodes
-    for s, st in enumerate(held[:layout.pp]):  # interleaved: stage s on pipeline rank s % pp
-        for r in st.ranks:
-            rank_procs[s][costs.devices[r].node_index] += 1
-            total[costs.devices[r].node_index] += 1
-    own = [costs.devices[st.ranks[0]].node_index for st in held]
-    return rank_procs, own, total
 
 
 def edited_lists(layout: Layout, actions: PipelineActions | None) -> PipelineSchedule | None:

@@ -49,8 +49,7 @@ A :class:`ProfileDB` holds four kinds of records, each identified by a key:
   :mod:`hetplan.profiling.tp_step`, added the same way) are the runtime's tensor-parallel forward and backward of the whole profiled
   model, TP collectives included, with every TP group running at once; they carry the
   ``micro_batch`` they were timed at (a field written only when set, so older records are
-  written unchanged); ``tp_alone_*`` / ``tp_sp_alone_*`` are the same phases with the TP
-  groups stepping in turn, as a pipeline's stages hand over. ``traced_forward`` / ``traced_backward`` (:mod:`hetplan.profiling.
+  written unchanged). ``traced_forward`` / ``traced_backward`` (:mod:`hetplan.profiling.
   stage_trace`, the same way) are the eager model's phase and the same phase run as the
   runtime's traced pipeline stages.
 * :class:`SparsityRecord`, key ``(model, gradient, workers, batch_size)``: the measured
@@ -462,10 +461,6 @@ class HandoverRecord(BaseModel):
             part of their forward: the burst is the unsplit model's cross-entropy, the
             seconds the runtime's vocabulary-parallel cross-entropy with its three
             all-reduces over the TP group, which a pipeline runs on its last stage only),
-            ``tp_alone_*`` / ``tp_sp_alone_*`` (the same three with the TP groups
-            stepping in turn, each after a hand-over from the previous one, the others
-            blocked in the receive: what a TP stage of a pipeline takes while the other
-            stages wait),
             ``traced_forward`` / ``traced_backward`` (the whole profiled
             model's phase as the runtime's traced pipeline stages run it: the burst is the
             eager model's phase, the seconds the traced stages'; ``group_size`` and
@@ -486,8 +481,6 @@ class HandoverRecord(BaseModel):
                        "reduce_broadcast_step", "zero3_forward", "zero3_backward",
                        "zero3_step", "tp_forward", "tp_backward",
                        "tp_sp_forward", "tp_sp_backward", "tp_loss", "tp_sp_loss",
-                       "tp_alone_forward", "tp_alone_backward", "tp_alone_loss",
-                       "tp_sp_alone_forward", "tp_sp_alone_backward", "tp_sp_alone_loss",
                        "traced_forward", "traced_backward"]
     backend: _Name
     link_kind: _Name

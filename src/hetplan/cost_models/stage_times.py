@@ -45,7 +45,6 @@ from hetplan.cost_models.grad_accumulation import (
 )
 from hetplan.cost_models.memory import StatePrecision, capture_bytes
 from hetplan.cost_models.precision import state_precision
-from hetplan.cost_models.profile_db import HandoverRecord
 from hetplan.cost_models.rank_memory import stage_precision
 from hetplan.cost_models.tp_shares import stage_compute
 from hetplan.ir.cluster import Device
@@ -134,7 +133,6 @@ def stage_times(
     mb: int,
     scale: float,
     tp_section: TensorParallel | None = None,
-    overlap: tuple[float, float] | None = None,
 ) -> tuple[float, float, float, list[float], dict[str, int]]:
     """Per-micro-batch forward, backward and TP-communication time of a stage, at the speed
     of its slowest device (or, with uneven TP shards, of each layer's slowest rank), and each
@@ -148,12 +146,7 @@ def stage_times(
     gradients are reduce-scattered, so a backward takes at least that long. A
     vocabulary-parallel model adds its embedding's, head's and cross-entropy's TP
     collectives (:func:`vocab_comm_s`), and each layer's backward the engine's gradient
-    accumulation (:func:`accumulation_s`).
-
-    ``overlap``: the shares of the stage's forward and backward that other stages' compute
-    overlaps in the schedule, for a TP stage priced from measured phases with a record of one
-    TP group alone (:func:`_measured_tp`); None prices it as if every process computes at
-    once."""
+    accumulation (:func:`accumulation_s`)."""
     devices = {(d.type, d.slowdown): d for d in rank_devices(costs, st)}
     tp = layout.tp
     if tp > 1:
@@ -202,7 +195,7 @@ def stage_times(
     if (tp > 1 and costs.comm.has_handovers and uneven is None and layout.zero_stage < 2
             and st.recompute == "none" and prec.act_bytes == 4 and costs.vocab_parallel):
         measured = _measured_tp(workload, st, layout, costs, mb, list(devices.values()),
-                                link, prec, overlap)
+                                link, prec)
         if measured is not None:  # gloo profiles only: GPU and analytic plans skip it
             # the layers' backward rescaled to the measured one (the DP timeline's), plus
             # the engine's gradient accumulation, which the one-micro-batch phase has not
@@ -375,8 +368,7 @@ def _measured_zero3(costs: CostModel, dp: int, link: Literal["intra", "inter"],
 
 def _measured_tp(workload: WorkloadSummary, st: Stage, layout: Layout, costs: CostModel,
                  mb: int, devices: Sequence[Device], link: Literal["intra", "inter"],
-                 prec: StatePrecision, overlap: tuple[float, float] | None = None
-                 ) -> tuple[float, float] | None:
+                 prec: StatePrecision) -> tuple[float, float] | None:
     """A tensor-parallel stage's forward and backward per micro-batch from the profile's
     ``tp_forward`` / ``tp_backward`` records (``tp_sp_*`` with sequence parallelism) where it
     holds both for the TP group (gloo profiles, :mod:`hetplan.profiling.tp_step`): the
@@ -396,67 +388,17 @@ def _measured_tp(workload: WorkloadSummary, st: Stage, layout: Layout, costs: Co
     the forward less the loss. Without the loss record the forward is shared as a whole, as
     before (profiles taken before it: unchanged).
 
-    ``overlap``: the shares (forward, backward) of the stage's compute during which the
-    other stages' processes compute too (:func:`hetplan.cost_models.evaluate.evaluate`
-    works them out from the simulated schedule). Where the profile also holds the same
-    phases timed with one TP group alone (``tp_alone_*``, of the same model and
-    micro-batch), each phase is priced ``alone + overlap * (together - alone)``: on a CPU
-    with more processes than cores a TP step runs faster while the others wait. None, or
-    no such records: the together records, as before.
-
     ``prec`` is the stage's precision (fp32 only: the records are timed in fp32)."""
     op = "tp_sp_" if layout.sequence_parallel else "tp_"
     nbytes = sum(lay.param_bytes for lay in workload.layers) / prec.capture_bytes * 4
-    together = _tp_records(costs, op, layout.tp, link, nbytes)
-    if together is None:
-        return None
-    best = _tp_share(workload, st, mb, devices, costs, together, nbytes)
-    if best is None or overlap is None:
-        return best
-    alone = _tp_records(costs, op + "alone_", layout.tp, link, nbytes)
-    if alone is None or any((a is None) != (t is None) or (
-            a is not None and t is not None
-            and (a.micro_batch, a.nbytes) != (t.micro_batch, t.nbytes))
-            for a, t in zip(alone, together)):
-        return best  # not the same model's or micro-batch's steps: the together records
-    solo = _tp_share(workload, st, mb, devices, costs, alone, nbytes)
-    if solo is None:
-        return best
-    w_f, w_b = (min(max(w, 0.0), 1.0) for w in overlap)
-    # never above the together record: a host where alone timed slower priced as before
-    return (min(solo[0] + w_f * (best[0] - solo[0]), best[0]),
-            min(solo[1] + w_b * (best[1] - solo[1]), best[1]))
-
-
-#: a TP phase's forward, backward and (where it is the same steps') loss records
-_Records = tuple[HandoverRecord, HandoverRecord, HandoverRecord | None]
-
-
-def _tp_records(costs: CostModel, op: str, tp: int, link: Literal["intra", "inter"],
-                nbytes: float) -> _Records | None:
-    """The forward, backward and loss records of ``op`` (``tp_``, ``tp_sp_``,
-    ``tp_alone_`` ...) for the TP group; the loss None where it is not the forward's own
-    steps' (another micro-batch or model, or not shorter than the forward); None without
-    both phases."""
-    fwd = costs.comm.phase_record(op + "forward", tp, link, nbytes)
-    bwd = costs.comm.phase_record(op + "backward", tp, link, nbytes)
+    fwd = costs.comm.phase_record(op + "forward", layout.tp, link, nbytes)
+    bwd = costs.comm.phase_record(op + "backward", layout.tp, link, nbytes)
     if fwd is None or bwd is None or fwd.micro_batch is None or bwd.micro_batch is None:
         return None
-    loss = costs.comm.phase_record(op + "loss", tp, link, nbytes)
+    loss = costs.comm.phase_record(op + "loss", layout.tp, link, nbytes)
     if loss is not None and (loss.micro_batch != fwd.micro_batch or loss.nbytes != fwd.nbytes
                              or not loss.samples[0].seconds < fwd.samples[0].seconds):
         loss = None  # not the forward record's own steps: share the forward whole
-    return fwd, bwd, loss
-
-
-def _tp_share(workload: WorkloadSummary, st: Stage, mb: int, devices: Sequence[Device],
-              costs: CostModel, records: _Records, nbytes: float
-              ) -> tuple[float, float] | None:
-    """The stage's share of the records' forward and backward (:func:`_measured_tp`), at
-    its slowest device, for a model of ``nbytes`` fp32 parameter bytes; None where the layer
-    records hold no time."""
-    fwd, bwd, loss = records
-    assert fwd.micro_batch is not None and bwd.micro_batch is not None
     best: tuple[float, float] | None = None
     for dev in devices:
         times = costs.compute.layer_times(workload, dev, mb)

@@ -225,8 +225,7 @@ def run_profile(
         what: any of :data:`WHAT` (``collectives`` on gloo also times hand-overs under
             contention, :func:`profile_handovers`, and, for a zoo model, the data-parallel
             sync inside its training step at ``batch_size``, :func:`profile_sync_steps`,
-            its tensor-parallel phases, :func:`profile_tp_steps` (every TP group at once,
-            and one group alone), and its traced pipeline
+            its tensor-parallel phases, :func:`profile_tp_steps`, and its traced pipeline
             stages, :func:`profile_traced_stages`;
             ``step``: the optimizer step on
             ``world_size`` processes at
@@ -393,10 +392,6 @@ def run_profile(
                             model, world_size, batch_size=batch_size, seq=seq,
                             link_kind=link_kind, timeout_s=timeout_s)
                         hands += tp_steps
-                        tp_alone, _ = profile_tp_steps(
-                            model, world_size, batch_size=batch_size, seq=seq,
-                            link_kind=link_kind, timeout_s=timeout_s, alone=True)
-                        hands += tp_alone
                         progress.update(task, total=1, completed=1)
                         task = progress.add_task(
                             f"traced pipeline stages of {model} on {world_size} processes",

@@ -33,15 +33,6 @@ all-reduces over the TP group; it is part of the forward record too. A pipeline 
 on its last stage only (the trace of a run shows it there, ``docs/decisions/
 cpu-fidelity.md`` section 14), so the charge gives it to that stage.
 :func:`hetplan.cost_models.stage_times.stage_times` charges a TP stage its share of them.
-
-With ``alone`` the same phases are timed with the groups stepping in turn, as a pipeline's
-stages hand over to each other: each group steps after a hand-over (a one-element send) from
-the previous group, the others blocked in the receive meanwhile; filed as ``tp_alone_*`` /
-``tp_sp_alone_*``. On 4 processes sharing 2 cores a TP step is 1.2-2.4x slower while the
-other group steps too (``bench/tp_contention.py``), and a pipeline's TP stage runs part of
-its actions while the other stages wait. The cost model
-prices such a stage between the two records by how much of its compute the others' overlaps
-(:func:`hetplan.cost_models.evaluate.evaluate`).
 """
 
 from __future__ import annotations
@@ -123,11 +114,9 @@ def _split(model: str, net: Any, ir: Any, group: Any, rank: int, tp: int, sp: bo
 
 def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             group_sizes: Sequence[int], optimizer: str, rounds: int, warmup: int,
-            passes: int, relay: bool = False) -> list[TPStepTimes]:
+            passes: int) -> list[TPStepTimes]:
     """Runs in every rank: the plain and the split phases per TP variant (module
-    docstring); the same list on every rank. With ``relay`` (one TP size below ``world``)
-    the groups step in turn, each after a hand-over from the previous one, the others
-    blocked in the receive meanwhile."""
+    docstring); the same list on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -154,20 +143,6 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
                 variants[(g, sp)] = (net, opt, *split)
     plain_opt = plan_optimizer(optimizer)([p for p in plain.parameters() if p.requires_grad])
 
-    size = group_sizes[0]
-    turn = rank // size  # this rank's group's turn
-    token = torch.zeros(1)
-
-    def relayed(net: Any, opt: Any, loss_fn: Any, after: Any, out: list[list[float]],
-                first: bool) -> None:
-        """One step of this rank's group in its turn: a hand-over from the same member of
-        the previous group first (group 0 from the last one, but not before its first
-        step), one to the next group's after."""
-        if turn > 0 or not first:
-            dist.recv(token, src=(rank - size) % world)
-        step(net, opt, loss_fn, after, out)
-        dist.send(token, dst=(rank + size) % world)
-
     def step(net: Any, opt: Any, loss_fn: Any, after: Any, out: list[list[float]]) -> None:
         t0 = time.perf_counter()
         output = net(*args, **kwargs)
@@ -184,18 +159,6 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
         out[1].append(t2 - t1)
         out[2].append(t1 - t_out)
 
-    def timed(net: Any, opt: Any, loss_fn: Any, after: Any, out: list[list[float]]) -> None:
-        """``rounds`` steps: every group at once, or with ``relay`` in turn (the last
-        group's final hand-over back to group 0 taken, so that nothing is left in flight)."""
-        if not relay:
-            for _ in range(rounds):
-                step(net, opt, loss_fn, after, out)
-            return
-        for i in range(rounds):
-            relayed(net, opt, loss_fn, after, out, i == 0)
-        if turn == 0:
-            dist.recv(token, src=(rank - size) % world)
-
     base: list[list[float]] = [[], [], []]
     split_t: dict[tuple[int, bool], list[list[float]]] = {k: [[], [], []] for k in variants}
     for _ in range(passes):
@@ -204,9 +167,11 @@ def _worker(rank: int, world: int, model: str, batch_size: int, seq: int | None,
             for _ in range(warmup):
                 step(net, opt, loss_fn, after, [[], [], []])
             dist.barrier()
-            timed(plain, plain_opt, _token_loss, None, base)
+            for _ in range(rounds):
+                step(plain, plain_opt, _token_loss, None, base)
             dist.barrier()
-            timed(net, opt, loss_fn, after, split_t[key])
+            for _ in range(rounds):
+                step(net, opt, loss_fn, after, split_t[key])
             dist.barrier()
     out = []
     for (g, sp), (f, b, lo) in sorted(split_t.items()):
@@ -237,11 +202,9 @@ def profile_tp_steps(
     timeout_s: float = 180.0,
     threads_per_process: int | None = 1,
     max_params: int | None = None,
-    alone: bool = False,
 ) -> tuple[list[HandoverRecord], list[TPStepTimes]]:
     """Time the runtime's tensor-parallel forward and backward of ``model`` on
-    ``world_size`` gloo processes, every TP group at once (module docstring), or with
-    ``alone`` one TP group alone on the machine.
+    ``world_size`` gloo processes, every TP group at once (module docstring).
 
     Args:
         model: a zoo name (each process builds it with seed 0 on the CPU).
@@ -259,12 +222,6 @@ def profile_tp_steps(
             CPU presets' cores).
         max_params: a model with more trainable parameters is not stepped (default
             :data:`~hetplan.profiling.sync_step.MAX_PARAMS`; nothing is returned).
-        alone: per TP size below ``world_size``, let the groups step in turn, each after a
-            hand-over from the previous one while the others wait for theirs in a blocking
-            receive, and file the phases as ``tp_alone_*`` / ``tp_sp_alone_*``: what a
-            pipeline's TP stage takes while the other stages wait
-            (``docs/decisions/cpu-fidelity.md`` section 26). A TP size equal to
-            ``world_size`` has no such turn and is skipped.
 
     Returns:
         Per TP size and sequence-parallel mode the model can be split in, a forward, a
@@ -298,20 +255,15 @@ def profile_tp_steps(
     for g in group_sizes:
         subgroups(world_size, g)
     per_pass = max(-(-rounds // passes), 1)
-    sizes = tuple(sorted(set(group_sizes)))
-    # (processes, the TP sizes they time): all groups at once, or each size's one group
-    # the TP sizes of each run: all at once, or (alone) each size below world_size in turn
-    runs = [(g,) for g in sizes if g < world_size] if alone else [sizes]
-    times: list[TPStepTimes] = []
-    for run_sizes in runs:
-        times += run_local_ranks(
-            _worker, world_size,
-            (model, batch_size, seq, run_sizes, optimizer, per_pass, warmup, passes, alone),
-            backend="gloo", timeout_s=timeout_s, threads_per_process=threads_per_process,
-        )[0]
+    times: list[TPStepTimes] = run_local_ranks(
+        _worker, world_size,
+        (model, batch_size, seq, tuple(sorted(set(group_sizes))), optimizer, per_pass,
+         warmup, passes),
+        backend="gloo", timeout_s=timeout_s, threads_per_process=threads_per_process,
+    )[0]
     records = []
     for t in times:
-        op = ("tp_sp_" if t.sequence_parallel else "tp_") + ("alone_" if alone else "")
+        op = "tp_sp_" if t.sequence_parallel else "tp_"
         for phase, burst, seconds in (("forward", t.forward_s, t.tp_forward_s),
                                       ("backward", t.backward_s, t.tp_backward_s),
                                       ("loss", t.loss_s, t.tp_loss_s)):
