@@ -171,3 +171,26 @@ def test_local_search_ends_at_a_local_optimum_never_worse(seed: int) -> None:
         found, t, _ = improve_locally(problem, start, lambda st: objective(problem, st))
         assert t <= objective(problem, start)
         assert all(objective(problem, n) >= t for n in _neighbours(problem, found))
+
+
+def test_a_heterogeneous_plan_says_where_its_costs_came_from(
+        gpt_test: WorkloadSummary) -> None:
+    """The plan records its costs' provenance as a homogeneous one does, so that `inspect`
+    warns of analytic costs (it said "not recorded" and warned of nothing before)."""
+    from hetplan.ir.plan_sections import ClusterRef, ModelRef
+    from hetplan.optimizer.hetero import compile_hetero
+    from hetplan.report.inspect import build_report
+
+    name = "2xA100+2xV100"
+    spec = ClusterSpec.from_dict({"name": name, "nodes": _SMALL[name],
+                                  "inter_node": {"kind": "ethernet", "bandwidth_gbps": 100.0,
+                                                 "latency_us": 25.0}})
+    plan = compile_hetero(gpt_test, CostModel(spec, dtype="mixed"), 16,
+                          model_ref=ModelRef(name="gpt-test", fingerprint="x", num_params=1),
+                          cluster_ref=ClusterRef.from_cluster(spec))
+    assert {k: v.source for k, v in plan.provenance.items()} == {"compute": "analytic",
+                                                                "comm": "analytic"}
+    pairs = sum(st.last_layer - st.first_layer + 1 for st in plan.stages)
+    assert plan.provenance["compute"].detail == f"{pairs} layer-device pair(s) analytic"
+    warnings = build_report(plan)["warnings"]
+    assert "analytic-costs" in [w["kind"] for w in warnings]

@@ -15,13 +15,14 @@ without importing the search.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hetplan.cost_models.bubble import bubble_ratios
 from hetplan.cost_models.compute import vocab_split
 from hetplan.cost_models.costs import CostModel
-from hetplan.cost_models.evaluate import Evaluation, evaluate
+from hetplan.cost_models.evaluate import Evaluation, StageCost, evaluate
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import PlanMismatchError, SpecError
 from hetplan.ir.cluster import ClusterSpec
@@ -30,6 +31,7 @@ from hetplan.ir.plan_checks import plan_problems
 from hetplan.ir.plan_sections import (
     Baseline,
     CostSettings,
+    CostSource,
     Layout,
     Predictions,
     RankMemory,
@@ -41,7 +43,7 @@ if TYPE_CHECKING:  # imported where used: the heterogeneous model is not needed 
     from hetplan.cost_models.hetero import HeteroEvaluation
 
 __all__ = ["plan_costs", "simulate", "evaluate_plan", "predictions", "breakdown",
-           "resolve_cluster", "resolve_profile", "check_profile_fits"]
+           "resolve_cluster", "resolve_profile", "check_profile_fits", "provenance"]
 
 
 def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
@@ -83,6 +85,26 @@ def check_profile_fits(db: ProfileDB | None, workload: WorkloadSummary, model: s
         f"{model!r}: it was profiled on another model or at another --seq; profile this one "
         f"with `hetplan profile {model} -o FILE` (or use a profile without layer records for "
         "analytic compute)")
+
+
+def provenance(stages: Sequence[StageCost], costs: CostModel) -> dict[str, CostSource]:
+    """Where a plan's costs came from, for its ``provenance`` section: compute ``profiled``
+    only when every layer-device pair of ``stages`` (an evaluation's, homogeneous or
+    heterogeneous) was, comm only when every collective line was; else ``analytic``, which
+    ``hetplan inspect`` warns of."""
+    counts: dict[str, int] = {}
+    for st in stages:
+        for k, v in st.layer_sources.items():
+            counts[k] = counts.get(k, 0) + v
+    detail = ", ".join(f"{v} layer-device pair(s) {k}" for k, v in sorted(counts.items()))
+    compute_src = "profiled" if set(counts) == {"profiled"} else "analytic"
+    comm_lines = {line.source for line in costs.comm._lines.values()}
+    comm_src = "profiled" if comm_lines == {"profiled"} else "analytic"
+    return {
+        "compute": CostSource(source=compute_src, detail=detail),  # type: ignore[arg-type]
+        "comm": CostSource(source=comm_src,  # type: ignore[arg-type]
+                           detail=", ".join(sorted(comm_lines)) or "no collectives"),
+    }
 
 
 def breakdown(ev: Evaluation) -> TimeBreakdown:

@@ -53,7 +53,7 @@ from hetplan.cost_models.evaluate import Evaluation, evaluate
 from hetplan.cost_models.memory import USABLE_FRACTION, model_state
 from hetplan.cost_models.rank_memory import stage_precision
 from hetplan.cost_models.predict import (breakdown, check_profile_fits, predictions,
-                                         resolve_cluster, resolve_profile)
+                                         provenance, resolve_cluster, resolve_profile)
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, OutOfMemoryError, SpecError
 from hetplan.ir.cluster import ClusterSpec
@@ -64,7 +64,6 @@ from hetplan.ir.plan_sections import (
     Baseline,
     ClusterRef,
     CostSettings,
-    CostSource,
     Layout,
     ModelRef,
     PassLogEntry,
@@ -484,7 +483,7 @@ def _assemble(job: _Job, best: Scored, search_note: str) -> Plan:
                           workload=job.workload),
         "cluster": ClusterRef.from_cluster(job.spec),
         "predictions": predictions(ev, _baselines(job, cand), plan.layout),
-        "provenance": _provenance(ev, job.costs),
+        "provenance": provenance(ev.stages, job.costs),
         "cost_settings": CostSettings(dtype=opts.dtype, efficiency=opts.efficiency,
                                       optimizer=opts.optimizer,
                                       profile_fingerprint=_db_fingerprint(job.db),
@@ -621,22 +620,6 @@ def _espresso_compressors(pipeline: tuple[Any, ...]) -> list[str]:
             out += [c for c in getattr(p, "compressors", ())
                     if c not in ("fp16", "bf16") and c not in out]
     return out
-
-
-def _provenance(ev: Evaluation, costs: CostModel) -> dict[str, CostSource]:
-    counts: dict[str, int] = {}
-    for st in ev.stages:
-        for k, v in st.layer_sources.items():
-            counts[k] = counts.get(k, 0) + v
-    detail = ", ".join(f"{v} layer-device pair(s) {k}" for k, v in sorted(counts.items()))
-    compute_src = "profiled" if set(counts) == {"profiled"} else "analytic"
-    comm_lines = {line.source for line in costs.comm._lines.values()}
-    comm_src = "profiled" if comm_lines == {"profiled"} else "analytic"
-    return {
-        "compute": CostSource(source=compute_src, detail=detail),  # type: ignore[arg-type]
-        "comm": CostSource(source=comm_src,  # type: ignore[arg-type]
-                           detail=", ".join(sorted(comm_lines)) or "no collectives"),
-    }
 
 
 def _db_fingerprint(db: ProfileDB | None) -> str:

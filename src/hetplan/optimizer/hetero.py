@@ -68,6 +68,7 @@ from hetplan.cost_models.hetero import (
     hetero_predictions,
 )
 from hetplan.cost_models.memory import capture_bytes
+from hetplan.cost_models.predict import provenance
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, PassError, SpecError
 from hetplan.ir.cluster import ClusterSpec
@@ -578,7 +579,7 @@ def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int,
     if passes:
         plan, ev = with_passes(workload, costs, plan, passes, ev)
     plan = plan.model_copy(update={
-        "predictions": hetero_predictions(ev)})
+        "predictions": hetero_predictions(ev), "provenance": provenance(ev.stages, costs)})
     return Plan.model_validate(plan.model_dump())
 
 
