@@ -340,6 +340,7 @@ def choose_recompute(
               for st in stages]
     current = tuple(st if st.recompute == "none" else st.model_copy(update={"recompute": "none"})
                     for st in stages)
+    held = held_positions(current, layout)  # only the recomputation changes below
     while True:
         even = _class_memory(workload, current, layout, costs, scale, tensor_parallel)
         if even is not None:  # the worst rank of each class and capacity only
@@ -353,7 +354,7 @@ def choose_recompute(
         if not over:
             return current
         worst = -max(over)[1]
-        mine = held_positions(current, layout).get(worst, [])
+        mine = held.get(worst, [])
         options = [current[k] for k in mine if current[k].recompute != "full"]
         if not options:
             return current
