@@ -40,4 +40,5 @@ rm -f "$log"
 # compile the simulator kernels once (numba caches them on disk; about 40 s on 2 cores)
 echo "compiling the simulator kernels (once) ..." >&2
 "$VENV/bin/python" -c "from hetplan.algorithms.dp_session import warm_up; warm_up()"
+"$VENV/bin/python" -c "from hetplan.algorithms._pipeline_kernel import warm_up; warm_up()"
 echo "$want" >"$stamp"

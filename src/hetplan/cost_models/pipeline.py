@@ -47,6 +47,9 @@ from functools import cached_property, lru_cache
 from numbers import Rational
 from typing import NamedTuple
 
+import numpy as np
+
+from hetplan.algorithms import _pipeline_kernel
 from hetplan.algorithms.pipeline_schedules import (
     SCHEDULES,
     Action,
@@ -108,18 +111,22 @@ class PipelineSimResult:
     bubble_ratio: float
     rank_bwd_end_ms: tuple[float, ...]
     stage_bwd_end_ms: tuple[float, ...]
-    #: (start, rank, action code, end) per action, and the schedule's ``S`` and ``M * S``
-    _done: list[tuple[float, int, int, float]] = field(repr=False)
+    #: (start, rank, action code, end) per action (or the compiled replay's four arrays of
+    #: them), and the schedule's ``S`` and ``M * S``
+    _done: list[tuple[float, int, int, float]] | tuple[np.ndarray, ...] = field(repr=False)
     _s_total: int = field(repr=False)
     _n: int = field(repr=False)
 
     @cached_property
     def events(self) -> tuple[TimedEvent, ...]:
         s_total, n = self._s_total, self._n
+        done = self._done
+        if isinstance(done, tuple):
+            done = list(zip(*(x.tolist() for x in done)))
         return tuple(
             TimedEvent(r, _F, c // s_total, c % s_total, st, e) if c < n
             else TimedEvent(r, _B, (c - n) // s_total, (c - n) % s_total, st, e)
-            for st, r, c, e in sorted(self._done)
+            for st, r, c, e in sorted(done)
         )
 
     def _key(self) -> tuple[object, ...]:
@@ -163,8 +170,10 @@ def _hop_links(rank_of: tuple[int, ...], s_total: int, p: int,
 def _hops(
     value: float | Sequence[float], rank_of: tuple[int, ...], s_total: int, p: int, what: str,
     back: bool,
-) -> list[float]:
-    """Per ``m * S + s``: transfer time into stage s from s-1 (or from s+1 when ``back``).
+) -> tuple[list[float], tuple[int, ...]]:
+    """Per ``m * S + s``, the transfer time into stage s from s-1 (or from s+1 when ``back``)
+    as a table and an index: the time is ``table[which[m * S + s]]`` (the link's time, or
+    0 from the table's last entry where there is no hop).
 
     ``value`` is a scalar for every link, or ``P-1`` link times (link i joins ranks i, i+1),
     or ``P`` with the wrap-around link ``P-1 <-> 0`` last. O(M * S).
@@ -188,7 +197,7 @@ def _hops(
                                     f" give {what} as a scalar or as {p} entries (last = "
                                     f"wrap)")
     table = [0 if t is None else t for t in links] + [0]  # index -1: no hop
-    return [table[k] for k in which]
+    return table, which
 
 
 def simulate_schedule(
@@ -227,6 +236,16 @@ def simulate_schedule(
                      p2p_bwd_ms)
 
 
+class _Flat(NamedTuple):
+    """A schedule's codes as the compiled replay reads them (:mod:`._pipeline_kernel`), and
+    each transfer's link (``_hop_links``) as arrays."""
+
+    codes: np.ndarray
+    row_start: np.ndarray
+    link_f: np.ndarray
+    link_b: np.ndarray
+
+
 def _simulate(
     schedule: PipelineSchedule,
     codes: Sequence[Sequence[int]],
@@ -235,8 +254,11 @@ def _simulate(
     backward_ms: Sequence[float],
     p2p_fwd_ms: float | Sequence[float],
     p2p_bwd_ms: float | Sequence[float],
+    flat: _Flat | None = None,
 ) -> PipelineSimResult:
-    """:func:`simulate_schedule` of a schedule already indexed (``schedule.index()``)."""
+    """:func:`simulate_schedule` of a schedule already indexed (``schedule.index()``);
+    with ``flat``, and float times, by the compiled replay when numba is there (the same
+    numbers: :mod:`hetplan.algorithms._pipeline_kernel`)."""
     p, m_total, s_total = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
     # Chimera runs two stages per rank: its times are the stages' own (module docstring)
     per_stage = ((s_total > p or schedule.name == "chimera")
@@ -248,11 +270,16 @@ def _simulate(
     if any(not t >= 0 for t in [*forward_ms, *backward_ms]):
         raise PipelineScheduleError("forward_ms and backward_ms must be >= 0, got "
                                     f"{list(forward_ms)!r} and {list(backward_ms)!r}")
-    hop_f = _hops(p2p_fwd_ms, rank_of, s_total, p, "p2p_fwd_ms", back=False)
-    hop_b = _hops(p2p_bwd_ms, rank_of, s_total, p, "p2p_bwd_ms", back=True)
+    table_f, which_f = _hops(p2p_fwd_ms, rank_of, s_total, p, "p2p_fwd_ms", back=False)
+    table_b, which_b = _hops(p2p_bwd_ms, rank_of, s_total, p, "p2p_bwd_ms", back=True)
     v = 1 if per_stage else s_total // p
     dur_f = [t / v if v > 1 else t for t in forward_ms]
     dur_b = [t / v if v > 1 else t for t in backward_ms]
+    if (flat is not None and all(type(t) is float for t in (*dur_f, *dur_b))
+            and all(type(t) in (int, float) for t in (*table_f, *table_b))
+            and (jit := _pipeline_kernel.kernel_for(len(flat.codes))) is not None):
+        return _replay_compiled(jit, schedule, flat, per_stage, dur_f, dur_b, table_f, table_b)
+    hop_f, hop_b = [table_f[k] for k in which_f], [table_b[k] for k in which_b]
 
     n = m_total * s_total
     end: list[float | None] = [None] * (2 * n)  # by action code
@@ -318,14 +345,67 @@ def _simulate(
     )
 
 
+def _replay_compiled(
+    k: object, schedule: PipelineSchedule, flat: _Flat, per_stage: bool,
+    dur_f: list[float], dur_b: list[float], table_f: list[float], table_b: list[float],
+) -> PipelineSimResult:
+    """``_simulate``'s loop run by the compiled kernel ``k``; the same result."""
+    p, s_total = schedule.num_ranks, schedule.num_stages
+    n = schedule.num_microbatches * s_total
+    a = len(flat.codes)
+    end = np.full(2 * n, -1.0)
+    pos = np.zeros(p, np.int64)
+    free, busy, rank_bwd = np.zeros(p), np.zeros(p), np.zeros(p)
+    stage_bwd = np.zeros(s_total)
+    d_start, d_end = np.empty(a), np.empty(a)
+    d_rank, d_code = np.empty(a, np.int64), np.empty(a, np.int64)
+    hop_f = np.asarray(table_f, np.float64)[flat.link_f]
+    hop_b = np.asarray(table_b, np.float64)[flat.link_b]
+    count = k(flat.codes, flat.row_start, n, s_total, per_stage,  # type: ignore[operator]
+              np.asarray(dur_f), np.asarray(dur_b), hop_f, hop_b, end, pos, free, busy,
+              rank_bwd, stage_bwd, d_start, d_rank, d_code, d_end)
+    if count < a:
+        rows = flat.row_start
+        stuck = {r: int(pos[r]) for r in range(p) if pos[r] < rows[r + 1] - rows[r]}
+        raise deadlock_error(schedule, stuck)
+    makespan = float(free.max()) if p else 0
+    busy_t = tuple(busy.tolist())
+    return PipelineSimResult(
+        schedule=schedule.name,
+        iteration_ms=makespan,
+        busy_ms=busy_t,
+        idle_ms=tuple(makespan - b for b in busy_t),
+        bubble_ratio=1 - sum(busy_t) / (p * makespan) if makespan else 0,
+        rank_bwd_end_ms=tuple(rank_bwd.tolist()),
+        stage_bwd_end_ms=tuple(stage_bwd.tolist()),
+        _done=(d_start, d_rank, d_code, d_end),
+        _s_total=s_total,
+        _n=n,
+    )
+
+
 @lru_cache(maxsize=32)
-def _indexed(name: str, p: int, m: int, v: int
-             ) -> tuple[PipelineSchedule, tuple[tuple[int, ...], ...], tuple[int, ...]]:
+def _indexed(name: str, p: int, m: int, v: int) -> tuple[
+        PipelineSchedule, tuple[tuple[int, ...], ...], tuple[int, ...], _Flat | None]:
     """The named schedule and its index (:meth:`PipelineSchedule.index`), built once per
-    shape: a search simulates the same shape with many stage times."""
+    shape: a search simulates the same shape with many stage times; for a schedule of at
+    least :data:`~._pipeline_kernel.MIN_ACTIONS` actions, also its arrays for the compiled
+    replay."""
     sched = build_schedule(name, p, m, v)
     codes, rank_of = sched.index()
-    return sched, tuple(tuple(row) for row in codes), tuple(rank_of)
+    rank_of_t = tuple(rank_of)
+    big = sum(len(row) for row in codes) >= _pipeline_kernel.MIN_ACTIONS
+    flat = _flat(codes, rank_of_t, sched.num_stages, p) if big else None
+    return sched, tuple(tuple(row) for row in codes), rank_of_t, flat
+
+
+def _flat(codes: Sequence[Sequence[int]], rank_of: tuple[int, ...], s_total: int, p: int
+          ) -> _Flat:
+    """The arrays of :class:`_Flat` for an indexed schedule."""
+    return _Flat(codes=np.array([c for row in codes for c in row], np.int64),
+                 row_start=np.cumsum([0] + [len(row) for row in codes]).astype(np.int64),
+                 link_f=np.array(_hop_links(rank_of, s_total, p, False)[0], np.int64),
+                 link_b=np.array(_hop_links(rank_of, s_total, p, True)[0], np.int64))
 
 
 def simulate_named(
@@ -342,8 +422,9 @@ def simulate_named(
     """:func:`simulate_schedule` of ``build_schedule(name, num_ranks, num_microbatches,
     virtual_stages)``, with the schedule and its index built once per shape; ``forward_ms``
     and ``backward_ms`` per rank or (``S > P`` entries) per virtual stage."""
-    sched, codes, rank_of = _indexed(name, num_ranks, num_microbatches, virtual_stages)
-    return _simulate(sched, codes, rank_of, forward_ms, backward_ms, p2p_fwd_ms, p2p_bwd_ms)
+    sched, codes, rank_of, flat = _indexed(name, num_ranks, num_microbatches, virtual_stages)
+    return _simulate(sched, codes, rank_of, forward_ms, backward_ms, p2p_fwd_ms, p2p_bwd_ms,
+                     flat)
 
 
 def simulate_pipeline(

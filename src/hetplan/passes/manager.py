@@ -4,11 +4,17 @@ names the pass that failed.
 After every pass the manager checks that the plan differs from the one the pass was given
 only in the sections the pass declares (``Pass.sections``); anything else is a
 :class:`~hetplan.errors.PassError` naming the pass, the section and the first field that
-changed. The new plan is then re-validated as a whole (a pass must leave a valid plan):
-every section it changed from its dump, every other one as the object the previous
-re-validation already made of it (pydantic keeps a validated model instance as it is), then
-the plan's cross-section rules. That is the check of dumping and validating the whole plan,
-without re-validating the large sections (a 3072-rank plan's TP groups) after every pass.
+changed. The plan the passes leave is then validated as a whole, once: every section from
+its dump, then the plan's cross-section rules (a 3072-rank plan's TP groups and per-rank
+predictions are validated once per pipeline, not once per pass, which was a fifth of a
+large search's time). Each pass is handed the plan the previous one returned.
+
+When that validation fails, or a pass raises, the manager re-validates the plan after each
+pass in turn, as it would had it validated after every pass, and reports the first plan
+that fails, naming the pass that left it; only when all of them pass is the pass's own
+error reported. So a pass that leaves an invalid plan is named exactly as before. What is
+not reported: a plan one pass leaves invalid and a later pass repairs, since only the
+pipeline's result is used (``docs/decisions.md``, "One validation per pass pipeline").
 
 A failure inside a pass is re-raised with the pass named: a hetplan error keeps its class and
 its attributes (e.g. :attr:`TraceError.module`), any other exception becomes a ``PassError``;
@@ -88,26 +94,52 @@ def run_passes(plan: Plan, passes: Sequence[Pass], ctx: PassContext) -> Plan:
     """Run ``passes`` in order (see module docstring).
 
     Raises:
-        PassError: naming the failing pass and the passes that ran before it, or a pass that
-            wrote outside its sections.
+        PassError: naming the failing pass and the passes that ran before it, a pass that
+            wrote outside its sections, or the first pass that left an invalid plan.
         HetplanError: a user-facing error from inside a pass, with the pass named.
     """
     log = list(plan.pass_log)
     done: list[str] = []
-    validated: Plan | None = None  # the last plan this loop re-validated
+    steps: list[tuple[Pass, Plan]] = []  # each pass and the plan it returned
     for p in passes:
         try:
             result = p.run(plan, ctx)
             check_sections(p, plan, result.plan)
-            plan = validated = _revalidate(result.plan, validated)
         except PassError:
+            _first_invalid(steps)
             raise
         except HetplanError as e:
+            _first_invalid(steps)
             raise _named(e, f"in pass {p.name!r}, after {done}") from e
+        except Exception as e:  # noqa: BLE001 - re-raised with the pass named
+            _first_invalid(steps)
+            raise PassError(
+                f"pass {p.name!r} failed after passes {done}: {type(e).__name__}: {e}"
+            ) from e
+        plan = result.plan
+        steps.append((p, plan))
+        log.append(PassLogEntry(name=p.name, changed=result.changed, notes=result.notes))
+        done.append(p.name)
+    if steps:
+        try:
+            plan = _revalidate(plan, None)
+        except Exception as e:  # noqa: BLE001 - re-raised with the pass named
+            _first_invalid(steps)  # raises for the first invalid plan, normally this one
+            raise PassError(f"pass {steps[-1][0].name!r} failed after passes {done[:-1]}: "
+                            f"{type(e).__name__}: {e}") from e
+    return plan.model_copy(update={"pass_log": tuple(log)})
+
+
+def _first_invalid(steps: Sequence[tuple[Pass, Plan]]) -> None:
+    """Re-validate the plan after each of ``steps`` in order, as a check after every pass
+    would, and raise a :class:`PassError` for the first that fails (nothing if none does)."""
+    validated: Plan | None = None
+    done: list[str] = []
+    for p, after in steps:
+        try:
+            validated = _revalidate(after, validated)
         except Exception as e:  # noqa: BLE001 - re-raised with the pass named
             raise PassError(
                 f"pass {p.name!r} failed after passes {done}: {type(e).__name__}: {e}"
             ) from e
-        log.append(PassLogEntry(name=p.name, changed=result.changed, notes=result.notes))
         done.append(p.name)
-    return plan.model_copy(update={"pass_log": tuple(log)})
