@@ -190,6 +190,18 @@ def test_in_flight_1f1b_and_gpipe(pp: int, m: int) -> None:
         assert in_flight_micro_batches("gpipe", r, pp, m) == m
 
 
+def test_in_flight_closed_forms_equal_the_walk_of_the_lists() -> None:
+    # 1F1B and GPipe are answered without walking the action lists: the same floats
+    for name in ("1f1b", "gpipe"):
+        for pp in range(2, 10):
+            for m in range(1, 24):
+                sched = build_schedule(name, pp, m)
+                for r in range(pp):
+                    walked = peak_in_flight(sched, r, [1.0] * sched.num_stages)
+                    got = in_flight_micro_batches(name, r, pp, m)
+                    assert (got, type(got)) == (walked, float), (name, pp, m, r)
+
+
 def test_no_pipeline_holds_one_micro_batch() -> None:
     # without a pipeline the runtime accumulates gradients micro-batch after micro-batch
     assert in_flight_micro_batches("gpipe", 0, 1, 8) == 1

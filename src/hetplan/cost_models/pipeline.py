@@ -65,6 +65,7 @@ from hetplan.algorithms.pipeline_schedules import (
     interleaved_1f1b_schedule,
     one_f_one_b_schedule,
 )
+from hetplan.cost_models.memory import schedule_of
 
 __all__ = [
     "SCHEDULES", "Action", "ActionKind", "PipelineDeadlockError", "PipelineSchedule",
@@ -391,7 +392,7 @@ def _indexed(name: str, p: int, m: int, v: int) -> tuple[
     shape: a search simulates the same shape with many stage times; for a schedule of at
     least :data:`~._pipeline_kernel.MIN_ACTIONS` actions, also its arrays for the compiled
     replay."""
-    sched = build_schedule(name, p, m, v)
+    sched = schedule_of(name, p, m, v)  # the memory model's copy: built once per shape
     codes, rank_of = sched.index()
     rank_of_t = tuple(rank_of)
     big = sum(len(row) for row in codes) >= _pipeline_kernel.MIN_ACTIONS

@@ -288,7 +288,10 @@ def accumulation_s(workload: WorkloadSummary, st: Stage, layout: Layout, costs: 
     split = costs.memory_layers(workload)
     tokens = workload_tokens(workload)
     zero = layout.dp if layout.zero_stage >= 2 else 1  # the rank's shard of each gradient
-    bw = min(streaming_bandwidth(d) for d in rank_devices(costs, st))
+    key = ("stage_times.streaming_bandwidth", st.ranks)  # per stage's ranks, not per call
+    bw = costs.memo.get(key)
+    if bw is None:
+        bw = costs.memo[key] = min(streaming_bandwidth(d) for d in rank_devices(costs, st))
     out = []
     for i in range(st.first_layer, st.last_layer + 1):
         lay = split[i]

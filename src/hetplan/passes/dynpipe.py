@@ -70,7 +70,7 @@ from hetplan.cost_models.precision import state_precision
 from hetplan.cost_models.rank_memory import RECOMPUTE_ORDER, choose_recompute
 from hetplan.errors import InfeasiblePlanError, PassError, SpecError
 from hetplan.ir.plan import Plan
-from hetplan.ir.plan_sections import LayerCost, Stage, WorkloadSummary
+from hetplan.ir.plan_sections import GradientSync, LayerCost, Stage, WorkloadSummary
 from hetplan.ir.rebalancing import DynamicsSpec, LayerMigration, PlannedEvent, Rebalancing
 from hetplan.passes.base import PassContext, PassResult, rank_of, stages_from_bounds
 
@@ -89,9 +89,14 @@ class _Costs:
     cap: list[float]
 
 
-def _stage_ranks(ctx: PassContext, s: int) -> list[int]:
+def _stage_ranks(ctx: PassContext, s: int) -> tuple[int, ...]:
     lay = ctx.layout
-    return [rank_of(lay, d, s % lay.pp, t) for d in range(lay.dp) for t in range(lay.tp)]
+    key = ("dynpipe.stage_ranks", lay, s % lay.pp)  # a layout's, once per search
+    hit: tuple[int, ...] | None = ctx.costs.memo.get(key)
+    if hit is None:
+        hit = ctx.costs.memo[key] = tuple(rank_of(lay, d, s % lay.pp, t)
+                                          for d in range(lay.dp) for t in range(lay.tp))
+    return hit
 
 
 def _layer_classes(wl: WorkloadSummary,
@@ -152,9 +157,12 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
         bwd.append(b)
         if s + 1 < lay.pp * v:
             link = costs.cluster.link_between(ranks[0], _stage_ranks(ctx, s + 1)[0])
-            send.append([2e3 * costs.comm.time_s(
-                "p2p", x.boundary_bytes * scale * prec.act_scale / lay.tp, 2, link)
-                for x in wl.layers])
+            by_size: dict[float, float] = {}  # identical blocks send identical boundaries
+            for x in wl.layers:
+                if x.boundary_bytes not in by_size:
+                    by_size[x.boundary_bytes] = 2e3 * costs.comm.time_s(
+                        "p2p", x.boundary_bytes * scale * prec.act_scale / lay.tp, 2, link)
+            send.append([by_size[x.boundary_bytes] for x in wl.layers])
         else:
             send.append([0.0] * n)
         flight = in_flight_micro_batches(lay.schedule, s % lay.pp, lay.pp, lay.micro_batches,
@@ -168,6 +176,20 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
         cap.append(min(costs.devices[r].memory_bytes for r in ranks) * USABLE_FRACTION / v)
     cost = [[a + b for a, b in zip(f, b)] for f, b in zip(fwd, bwd)]
     return _Costs(cost, fwd, bwd, send, mem, cap)
+
+
+def _ddp_sync(ctx: PassContext, stages: tuple[Stage, ...]) -> GradientSync:
+    """DDP's buckets for ``stages`` (what a candidate is priced with), memoised in the cost
+    model's memo per workload and stage boundaries, all they depend on: the layouts of one
+    pipeline size try the same partitions (a 1T GPT's 532 buckets, 153 times)."""
+    wl, memo = ctx.workload, ctx.costs.memo
+    key = ("dynpipe.ddp_sync", id(wl),
+           tuple((st.index, st.first_layer, st.last_layer) for st in stages))
+    hit: GradientSync | None = memo.get(key)
+    if hit is None:
+        memo[("workload", id(wl))] = wl  # keeps the id unique while cached
+        hit = memo[key] = ddp_gradient_sync(wl, stages)
+    return hit
 
 
 def _candidates(c: _Costs, ctx: PassContext) -> list[tuple[str, Bounds]]:
@@ -264,7 +286,7 @@ class DynPipe:
             stages = choose_recompute(ctx.workload, ctx.layout,
                                       stages_from_bounds(list(bounds), ctx), ctx.costs,
                                       mode=self.recompute)
-            sync = ddp_gradient_sync(ctx.workload, stages)
+            sync = _ddp_sync(ctx, stages)
             try:
                 ev = evaluate(ctx.workload, ctx.layout, stages, sync, ctx.costs)
             except InfeasiblePlanError:
