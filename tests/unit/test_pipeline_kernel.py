@@ -142,3 +142,31 @@ def test_the_kernel_is_loaded_once_the_python_loop_has_replayed_enough(
 def test_warm_up_compiles_the_kernel() -> None:
     _compiled_or_skip()
     assert _pipeline_kernel.warm_up() is True
+
+
+def test_a_kernel_that_fails_to_compile_leaves_the_python_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    numba = pytest.importorskip("numba")
+
+    def broken_njit(**_: Any) -> Callable[[Any], Any]:
+        def wrap(fn: Any) -> Any:
+            def first_call(*args: Any) -> int:
+                raise RuntimeError("numba: cannot compile")  # as a typing error would
+            return first_call
+        return wrap
+
+    monkeypatch.setattr(numba, "njit", broken_njit)
+    monkeypatch.setattr(_pipeline_kernel, "_COMPILED", [])
+    assert _pipeline_kernel.kernel() is None
+    assert _pipeline_kernel.warm_up() is False
+    # the search's entry point then replays in Python, with the same result
+    monkeypatch.setattr(_pipeline_kernel, "_PYTHON_ACTIONS", [10**9])
+    res = P.simulate_named("1f1b", 24, 96, 1, [1.5] * 24, [3.25] * 24)
+    sched, codes, rank_of, _ = P._indexed("1f1b", 24, 96, 1)
+    _same(res, P._simulate(sched, codes, rank_of, [1.5] * 24, [3.25] * 24, 0, 0, None))
+
+
+def test_hetplan_jit_0_leaves_the_python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETPLAN_JIT", "0")
+    monkeypatch.setattr(_pipeline_kernel, "_COMPILED", [])
+    assert _pipeline_kernel.kernel() is None

@@ -142,7 +142,9 @@ def replay(
 
 def kernel() -> Callable[..., int] | None:
     """:func:`replay` compiled with numba, or None when it cannot be (``HETPLAN_JIT=0``,
-    numba missing, no cache directory): the caller then runs its Python loop."""
+    numba missing, no cache directory, a compiler error): the caller then runs its Python
+    loop. numba compiles at a function's first call, so this runs it once on a small
+    schedule here, where a failure is caught, not in the middle of a search."""
     if not _COMPILED:
         compiled: Callable[..., int] | None = None
         if os.environ.get("HETPLAN_JIT", "1") != "0":
@@ -150,7 +152,9 @@ def kernel() -> Callable[..., int] | None:
                 import numba
 
                 compiled = numba.njit(cache=True)(replay)
-            except Exception:  # numba missing or no cache dir: the Python loop, same results
+                if _run(compiled, *_SMALL) != 8:  # pragma: no cover - a miscompiled kernel
+                    compiled = None
+            except Exception:  # the Python loop then, with the same results
                 compiled = None
         _COMPILED.append(compiled)
     return _COMPILED[0]
@@ -170,15 +174,17 @@ def warm_up() -> bool:
     """Compile :func:`replay` (or load it from numba's on-disk cache) on a two-rank,
     two-micro-batch 1F1B, so that the first large search does not wait for the compiler
     (``scripts/setup.sh``). Returns whether the compiled kernel is in use."""
-    k = kernel()
-    if k is None:
-        return False
-    _ = _run(k, [[0, 2, 4, 6], [1, 5, 3, 7]], n=4, s_total=2)
-    return True
+    return kernel() is not None
 
 
-def _run(k: Callable[..., Any], rows: list[list[int]], *, n: int, s_total: int) -> int:
-    """``k`` on the action lists ``rows`` with unit durations and no transfers."""
+#: 1F1B on two ranks, two micro-batches (codes of ``Schedule.index``: F(m, s) = 2m + s,
+#: B(m, s) = 4 + 2m + s), ``n`` and ``S``: what :func:`kernel` runs once (8 actions)
+_SMALL: tuple[list[list[int]], int, int] = ([[0, 2, 4, 6], [1, 5, 3, 7]], 4, 2)
+
+
+def _run(k: Callable[..., Any], rows: list[list[int]], n: int, s_total: int) -> int:
+    """``k`` on the action lists ``rows`` with unit durations and no transfers; the number
+    of actions it ran."""
     codes = np.array([c for row in rows for c in row], np.int64)
     row_start = np.cumsum([0] + [len(row) for row in rows]).astype(np.int64)
     p, a = len(rows), len(codes)
