@@ -347,6 +347,18 @@ def test_manager_names_pass_that_leaves_invalid_plan() -> None:
         run_passes(empty_plan(ctx), [InvalidPlan()], ctx)
 
 
+def test_manager_names_the_invalid_pass_when_a_later_pass_raises() -> None:
+    # the later pass runs on the invalid plan (the plan is validated once, at the end); its
+    # error is reported as the invalid plan the earlier pass left, as a check after every
+    # pass would have
+    ctx = context(workload(4), Layout(dp=1))
+    with pytest.raises(PassError, match="invalid-plan-pass") as info:
+        run_passes(empty_plan(ctx), [InvalidPlan(), Exploding()], ctx)
+    assert "kaboom" not in str(info.value)
+    with pytest.raises(PassError, match="(?s)invalid-plan-pass.*first_layer: 1"):
+        run_passes(empty_plan(ctx), [InvalidPlan(), LeavesPlan(), BadSpec()], ctx)
+
+
 def test_manager_pass_error_names_pass_once() -> None:
     ctx = context(workload(2), Layout(dp=1, pp=4))
     with pytest.raises(PassError, match="uniform-stages"):

@@ -78,11 +78,31 @@ def test_plain_kernel_replays_as_the_python_loop(shape: tuple[str, int, int, int
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-p{s[1]}-m{s[2]}-v{s[3]}")
+def test_simulate_dispatches_to_the_kernel_with_the_same_result(
+        shape: tuple[str, int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``_simulate`` itself hands the kernel its per-stage flag, durations and link tables
+    monkeypatch.setattr(_pipeline_kernel, "_COMPILED", [_pipeline_kernel.replay])
+    name, p, m, v = shape
+    rng = random.Random(3)
+    sched, codes, rank_of, _ = P._indexed(name, p, m, v)
+    flat = P._flat(codes, rank_of, sched.num_stages, p)
+    per = sched.num_stages if name == "chimera" else p
+    times = [(_times(rng, per, 0.5, 3.0), _times(rng, per, 1.0, 6.0))]
+    if name == "interleaved-1f1b":  # and per virtual stage
+        times.append((_times(rng, sched.num_stages, 0.2, 1.0),
+                      _times(rng, sched.num_stages, 0.4, 2.0)))
+    for fwd, bwd in times:
+        links = _times(rng, p, 0.0, 0.7)
+        want = P._simulate(sched, codes, rank_of, fwd, bwd, links, 0.3, None)
+        _same(want, P._simulate(sched, codes, rank_of, fwd, bwd, links, 0.3, flat))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-p{s[1]}-m{s[2]}-v{s[3]}")
 def test_compiled_kernel_replays_as_the_python_loop(shape: tuple[str, int, int, int]) -> None:
     _same(*_replay_both(*shape, 7, _compiled_or_skip()))
 
 
-def test_compiled_kernel_reports_a_deadlock_as_the_python_loop() -> None:
+def test_kernels_report_a_deadlock_as_the_python_loop() -> None:
     # rank 1 runs F1 first, but rank 0 only sends F1 after B0, which needs rank 1's B0
     F, B = ActionKind.F, ActionKind.B
     acts = ((Action(F, 0, 0), Action(B, 0, 0), Action(F, 1, 0), Action(B, 1, 0)),
@@ -92,11 +112,15 @@ def test_compiled_kernel_reports_a_deadlock_as_the_python_loop() -> None:
     flat = P._flat(codes, tuple(rank_of), 2, 2)
     with pytest.raises(PipelineDeadlockError) as python_loop:
         P._simulate(sched, codes, tuple(rank_of), [1.0, 1.0], [2.0, 2.0], 0, 0, None)
-    with pytest.raises(PipelineDeadlockError) as plain:
-        P._replay_compiled(_pipeline_kernel.replay, sched, flat, False, [1.0, 1.0],
-                           [2.0, 2.0], [0, 0, 0], [0, 0, 0])
-    assert str(plain.value) == str(python_loop.value)
-    assert "rank 0 at step 1 (0B0)" in str(plain.value)
+    kernels: list[Callable[..., Any]] = [_pipeline_kernel.replay]
+    if (jit := _pipeline_kernel.kernel()) is not None:
+        kernels.append(jit)  # without numba the plain kernel alone
+    for run in kernels:
+        with pytest.raises(PipelineDeadlockError) as arrays:
+            P._replay_compiled(run, sched, flat, False, [1.0, 1.0], [2.0, 2.0], [0, 0, 0],
+                               [0, 0, 0])
+        assert str(arrays.value) == str(python_loop.value)
+        assert "rank 0 at step 1 (0B0)" in str(arrays.value)
 
 
 def test_simulate_named_takes_the_array_path_for_large_float_schedules(
@@ -136,7 +160,7 @@ def test_the_kernel_is_loaded_once_the_python_loop_has_replayed_enough(
     assert _pipeline_kernel.kernel_for(6_000) is not None
     assert _pipeline_kernel._PYTHON_ACTIONS == [12_000]
     assert _pipeline_kernel.kernel_for(5_000) is not None  # loaded: used from now on
-    assert jit is not None
+    assert _pipeline_kernel._COMPILED[0] is not None and _pipeline_kernel._COMPILED[0] is not jit
 
 
 def test_warm_up_compiles_the_kernel() -> None:

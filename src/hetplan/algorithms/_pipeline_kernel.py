@@ -7,7 +7,9 @@ compares the two on every schedule): each rank runs its list in order until an a
 for one not yet timed, and is put back on the stack, in the order it began waiting, when
 that action ends. Where the Python loop keeps ``end`` as ``None`` for "not yet", the kernel
 keeps -1 (every time is >= 0); where it keeps a dict of lists of waiting ranks, the kernel
-keeps one queue per action as linked ranks (a rank waits for one action at a time).
+keeps one queue per action as linked ranks (a rank waits for one action at a time). The
+numbers are the same; their types only where the Python loop keeps the int 0 a rank starts
+at (its first action's start): the kernel's is 0.0.
 
 Why: a 1T-parameter GPT's search replays 150 schedules of 32-48 stages and 128-384
 micro-batches, up to 37,000 actions each; the Python loop took 2.5 s of its 20 s (17 ms a
@@ -19,6 +21,7 @@ the Python loop in use (:func:`kernel` returns None).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -141,21 +144,31 @@ def replay(
 
 
 def kernel() -> Callable[..., int] | None:
-    """:func:`replay` compiled with numba, or None when it cannot be (``HETPLAN_JIT=0``,
-    numba missing, no cache directory, a compiler error): the caller then runs its Python
-    loop. numba compiles at a function's first call, so this runs it once on a small
-    schedule here, where a failure is caught, not in the middle of a search."""
+    """:func:`replay` compiled with numba, or None when it is not to be used or cannot be
+    (``HETPLAN_JIT=0``, read at each call as :func:`~.dp_session.jit_enabled` does; numba
+    missing; no cache directory; a compiler error, logged once as a warning): the caller
+    then runs its Python loop, with the same results. numba compiles at a function's first
+    call, so this runs it once on a small schedule here, where a failure is caught, not in
+    the middle of a search."""
+    if os.environ.get("HETPLAN_JIT", "1") == "0":
+        return None
     if not _COMPILED:
         compiled: Callable[..., int] | None = None
-        if os.environ.get("HETPLAN_JIT", "1") != "0":
+        try:
+            import numba
+        except ImportError:  # the DP kernels' warning says so already
+            numba = None
+        if numba is not None:
             try:
-                import numba
-
                 compiled = numba.njit(cache=True)(replay)
                 if _run(compiled, *_SMALL) != 8:  # pragma: no cover - a miscompiled kernel
-                    compiled = None
-            except Exception:  # the Python loop then, with the same results
+                    raise RuntimeError("the compiled replay ran a 1F1B of 8 actions wrongly")
+            except Exception as e:  # noqa: BLE001 - the Python loop then, same results
                 compiled = None
+                logging.getLogger("hetplan").warning(
+                    "the pipeline replay could not be compiled (%s: %s); large pipeline "
+                    "schedules are replayed in Python (same results, slower)",
+                    type(e).__name__, e)
         _COMPILED.append(compiled)
     return _COMPILED[0]
 

@@ -355,7 +355,8 @@ def in_flight_micro_batches(
     ``pp · (1 + (pp - 1) / (pp · v))`` (Narayanan et al. 2021) when ``M`` allows."""
     if pp == 1:  # no pipeline: micro-batch after micro-batch (gradient accumulation)
         return 1.0
-    if virtual_stages == 1 and schedule in ("1f1b", "gpipe"):
+    if (virtual_stages == 1 and schedule in ("1f1b", "gpipe") and 0 <= stage < pp
+            and micro_batches >= 1):  # (out of range: the lists' builder says what is wrong)
         # what the walk below counts, without walking: 1F1B's rank runs min(pp - 1 - stage,
         # M) warm-up forwards and then one more before its first backward; GPipe all M
         return float(min(pp - stage, micro_batches) if schedule == "1f1b" else micro_batches)

@@ -181,7 +181,9 @@ def _costs(ctx: PassContext, recompute: str = "auto") -> _Costs:
 def _ddp_sync(ctx: PassContext, stages: tuple[Stage, ...]) -> GradientSync:
     """DDP's buckets for ``stages`` (what a candidate is priced with), memoised in the cost
     model's memo per workload and stage boundaries, all they depend on: the layouts of one
-    pipeline size try the same partitions (a 1T GPT's 532 buckets, 153 times)."""
+    pipeline size try the same partitions (a 1T GPT's 532 buckets, 153 times). The section
+    is shared between candidates: nothing may change it in place (its ``strategies`` is a
+    dict; passes copy it)."""
     wl, memo = ctx.workload, ctx.costs.memo
     key = ("dynpipe.ddp_sync", id(wl),
            tuple((st.index, st.first_layer, st.last_layer) for st in stages))

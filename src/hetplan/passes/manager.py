@@ -7,7 +7,9 @@ only in the sections the pass declares (``Pass.sections``); anything else is a
 changed. The plan the passes leave is then validated as a whole, once: every section from
 its dump, then the plan's cross-section rules (a 3072-rank plan's TP groups and per-rank
 predictions are validated once per pipeline, not once per pass, which was a fifth of a
-large search's time). Each pass is handed the plan the previous one returned.
+large search's time). Each pass is handed the plan the previous one returned, not
+validated yet: a pass after one that left an invalid plan runs on it, and whatever it
+raises is reported as the earlier pass's invalid plan (below).
 
 When that validation fails, or a pass raises, the manager re-validates the plan after each
 pass in turn, as it would had it validated after every pass, and reports the first plan
@@ -77,16 +79,21 @@ def _named(e: HetplanError, note: str) -> HetplanError:
     return out
 
 
-def _revalidate(plan: Plan, validated: Plan | None) -> Plan:
-    """``Plan.model_validate(plan.model_dump())``, passing each field that is still the
-    very object of ``validated`` (a plan that validation made) as that object, which pydantic
-    does not validate again; the plan-level rules run in full."""
+def _revalidate(plan: Plan, validated: Plan | None, handed: Plan | None = None) -> Plan:
+    """``Plan.model_validate(plan.model_dump())``, passing as that object each field that is
+    still the very object of ``validated`` (a plan that validation made), or of ``handed``
+    (the plan ``validated`` was made from: the field is then ``validated``'s), which
+    pydantic does not validate again; the plan-level rules run in full."""
     if validated is None:
         return Plan.model_validate(plan.model_dump())
-    kept = {name for name in Plan.model_fields
-            if getattr(plan, name) is getattr(validated, name)}
-    data = plan.model_dump(exclude=kept)
-    data.update({name: getattr(plan, name) for name in kept})
+    kept = {}
+    for name in Plan.model_fields:
+        field = getattr(plan, name)
+        if field is getattr(validated, name) or (
+                handed is not None and field is getattr(handed, name)):
+            kept[name] = getattr(validated, name)
+    data = plan.model_dump(exclude=set(kept))
+    data.update(kept)
     return Plan.model_validate(data)
 
 
@@ -132,14 +139,18 @@ def run_passes(plan: Plan, passes: Sequence[Pass], ctx: PassContext) -> Plan:
 
 def _first_invalid(steps: Sequence[tuple[Pass, Plan]]) -> None:
     """Re-validate the plan after each of ``steps`` in order, as a check after every pass
-    would, and raise a :class:`PassError` for the first that fails (nothing if none does)."""
+    would (each plan from the previous one's validation: only the sections a pass changed
+    are validated from their dump), and raise a :class:`PassError` for the first that
+    fails (nothing if none does)."""
     validated: Plan | None = None
+    handed: Plan | None = None
     done: list[str] = []
     for p, after in steps:
         try:
-            validated = _revalidate(after, validated)
+            validated = _revalidate(after, validated, handed)
         except Exception as e:  # noqa: BLE001 - re-raised with the pass named
             raise PassError(
                 f"pass {p.name!r} failed after passes {done}: {type(e).__name__}: {e}"
             ) from e
+        handed = after
         done.append(p.name)
