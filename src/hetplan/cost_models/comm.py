@@ -304,6 +304,11 @@ class CommModel:
         line = self.alpha_beta(collective, group_size, link)
         return CommCost(seconds, line.source, line.detail)
 
+    def sources_used(self) -> set[str]:
+        """The sources (``profiled``, ``analytic`` ...) of every line this model has priced
+        a collective with so far (what a plan's ``provenance`` reports)."""
+        return {line.source for line in self._lines.values()}
+
     @property
     def has_handovers(self) -> bool:
         """Whether the profile holds hand-over records (without them every wait is 0 s)."""

@@ -98,7 +98,7 @@ def provenance(stages: Sequence[StageCost], costs: CostModel) -> dict[str, CostS
             counts[k] = counts.get(k, 0) + v
     detail = ", ".join(f"{v} layer-device pair(s) {k}" for k, v in sorted(counts.items()))
     compute_src = "profiled" if set(counts) == {"profiled"} else "analytic"
-    comm_lines = {line.source for line in costs.comm._lines.values()}
+    comm_lines = costs.comm.sources_used()
     comm_src = "profiled" if comm_lines == {"profiled"} else "analytic"
     return {
         "compute": CostSource(source=compute_src, detail=detail),  # type: ignore[arg-type]
