@@ -1687,10 +1687,9 @@ def timeline_cmd(
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
     measured = None
-    if run_report is not None:
-        from hetplan.ir.validation import load_structured_file
-
-        measured = load_structured_file(run_report, what="run report")
+    if run_report is not None:  # checked as `inspect --run` checks it: this plan's, by field
+        measured = _load_run_report(run_report)
+        _check_report_is_of(plan, plan_file, measured, run_report)
     with _naming(plan_file):
         render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     _note_profile_missing(plan, profile)

@@ -105,6 +105,25 @@ def test_a_run_report_of_another_plan_is_refused(plans: dict[str, Path],
             f"{path}: the run report is of another plan", f"not {plans['pp1']}")
 
 
+def test_timeline_checks_its_run_report_as_inspect_does(plans: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    """`timeline --run-report` drew another plan's measured time beside this plan's
+    prediction (exit 0), and an edited report's error named neither the file nor the field."""
+    out = tmp_path / "t.html"
+    path = _write(tmp_path / "r.json", _report(plans["pp2"]))
+    refused(run("timeline", plans["pp1"], "-o", out, "--run-report", path),
+            f"{path}: the run report is of another plan", f"not {plans['pp1']}")
+    report = _report(plans["pp2"])
+    report["measured"]["iteration_ms"] = "fast"
+    path = _write(tmp_path / "edited.json", report)
+    refused(run("timeline", plans["pp2"], "-o", out, "--run-report", path),
+            f"{path}: measured.iteration_ms: expected milliseconds")
+    assert not out.exists()
+    result = run("timeline", plans["pp2"], "-o", out, "--run-report",
+                 _write(tmp_path / "ok.json", _report(plans["pp2"])))
+    assert result.exit_code == 0 and out.exists(), result.output
+
+
 def test_an_older_report_of_another_world_size_is_refused(plans: dict[str, Path],
                                                           tmp_path: Path) -> None:
     report = _report(plans["pp2"])
