@@ -70,6 +70,15 @@ def test_refines_follows_the_options() -> None:
     ("espresso{max-compressions=two}", ["max-compressions='two'", "expected int"]),
     ("tp-resizing{controller=sem}", ["controller='sem'", "off|zero|migration|semi"]),
     ("tp-resizing{gamma-max=1.5}", ["gamma_max must be in [0, 1)"]),
+    # were: a pydantic ValidationError once the search had run ("pass 'tp-resizing' failed")
+    ("tp-resizing{alpha=nan}", ["alpha must be in [0, 1]", "got nan"]),
+    ("tp-resizing{theta-iter=-1}", ["theta_iter must be", "got -1.0"]),
+    ("tp-resizing{replan-trigger=inf}", ["replan_trigger must be", "got inf"]),
+    ("tp-resizing{straggler-eps=nan}", ["straggler_eps must be", "got nan"]),
+    # were: accepted, buckets drawn at a cap of -1 or nan MiB
+    ("ddp-buckets{bucket-cap-mb=-1}", ["bucket-cap-mb must be", "got -1.0"]),
+    ("ddp-buckets{bucket-cap-mb=nan}", ["bucket-cap-mb must be", "got nan"]),
+    ("ddp-buckets{first-bucket-mb=-1}", ["first-bucket-mb must be", "got -1.0"]),
     ("espresso{compressors=zip}", ["unknown compressor 'zip'"]),
     ("espresso{compressors=dgc", ["unclosed '{'"]),
     ("espresso}", ["unmatched '}'"]),
