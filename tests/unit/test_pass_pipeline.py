@@ -75,6 +75,13 @@ def test_refines_follows_the_options() -> None:
     ("tp-resizing{theta-iter=-1}", ["theta_iter must be", "got -1.0"]),
     ("tp-resizing{replan-trigger=inf}", ["replan_trigger must be", "got inf"]),
     ("tp-resizing{straggler-eps=nan}", ["straggler_eps must be", "got nan"]),
+    ("espresso{compressors=dgc ratio=nan}", ["ratio must be in (0, 1]", "got nan"]),
+    ("espresso{compressors=dgc ratio=2}", ["ratio must be in (0, 1]", "got 2.0"]),
+    ("espresso-reference{ratio=0}", ["ratio must be in (0, 1]", "got 0.0"]),
+    # were: accepted
+    ("espresso{seed-within=nan}", ["seed_within=nan: must be >= 0"]),
+    ("espresso{bound-within=nan}", ["bound_within=nan: must be >= 0"]),
+    ("espresso{max-compressions=-1}", ["max_compressions=-1: must be >= 0"]),
     # were: accepted, buckets drawn at a cap of -1 or nan MiB
     ("ddp-buckets{bucket-cap-mb=-1}", ["bucket-cap-mb must be", "got -1.0"]),
     ("ddp-buckets{bucket-cap-mb=nan}", ["bucket-cap-mb must be", "got nan"]),
