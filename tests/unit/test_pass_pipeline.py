@@ -75,6 +75,7 @@ def test_refines_follows_the_options() -> None:
     ("tp-resizing{theta-iter=-1}", ["theta_iter must be", "got -1.0"]),
     ("tp-resizing{replan-trigger=inf}", ["replan_trigger must be", "got inf"]),
     ("tp-resizing{straggler-eps=nan}", ["straggler_eps must be", "got nan"]),
+    ("sdpipe{p=1000000000}", ["sdpipe{p=1000000000}", "1..1000000"]),
     ("espresso{compressors=dgc ratio=nan}", ["ratio must be in (0, 1]", "got nan"]),
     ("espresso{compressors=dgc ratio=2}", ["ratio must be in (0, 1]", "got 2.0"]),
     ("espresso-reference{ratio=0}", ["ratio must be in (0, 1]", "got 0.0"]),
