@@ -89,7 +89,12 @@ def _strategy(lay: dict[str, Any]) -> str:
         parts = [f"precision {prec['policy']} ({dtypes})"]
     else:
         parts = ["precision as cost settings"]
-    parts.append(f"ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "no ZeRO")
+    # a heterogeneous plan's ZeRO stage is per stage (its layout's is 0)
+    zeros = [row["zero_stage"] for row in lay.get("hetero", {}).get("stages", ())]
+    if any(zeros):
+        parts.append("ZeRO per stage " + " ".join(str(z) for z in zeros))
+    else:
+        parts.append(f"ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "no ZeRO")
     if lay.get("sequence_parallel"):
         parts.append("sequence parallel")
     modes = lay.get("recompute") or []
