@@ -186,11 +186,16 @@ def _zoo_only(model: str | None, *options: tuple[str, Any]) -> None:
 def _seq_fits(model: str | None, seq: int | None) -> None:
     """Refuse a ``--seq`` longer than the zoo model's position embeddings, before capture:
     capture runs on the meta device, which does not check the indices, so the plan would be
-    made and `hetplan run` would refuse it."""
+    made and `hetplan run` would refuse it. Refuse one for a model whose inputs have no
+    sequence axis (image, features), which it would not change."""
     if not model or seq is None:
         return
     from hetplan import zoo
 
+    entry = zoo.get(model)
+    if entry.default_seq is None:
+        raise SpecError(f"--seq {seq}: {entry.name} takes {entry.input_kind} inputs without a "
+                        "sequence axis, so --seq would change nothing: drop --seq")
     if (why := zoo.seq_too_long(model, seq)) is not None:
         raise SpecError(f"--seq {seq}: {why}; give --seq {zoo.get(model).max_seq} or less")
 
