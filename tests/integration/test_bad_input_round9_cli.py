@@ -59,6 +59,38 @@ def test_a_stage_device_class_its_ranks_do_not_have_is_refused(
 
 
 @pytest.fixture(scope="module")
+def runner_up_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`--hetero on` on cpu-mixed-2: two stages, and a runner-up of the other order."""
+    out = tmp_path_factory.mktemp("het") / "het.json"
+    result = run("plan", "--workload", WORKLOAD, "-c", CPU_MIXED_2, "-b", "8", "--hetero",
+                 "on", "--no-progress", "-o", out)
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.hetero is not None and plan.hetero.search.runner_up is not None
+    assert len(plan.hetero.search.runner_up.first_layers) == 2
+    return out
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    # was: internal error (ValidationError for Stage) in `explain stage:0`
+    ({"first_layers": [0, 99]}, "first_layers: [0, 99], but the model has 8 layers"),
+    ({"first_layers": [3, 0]}, "first_layers: [3, 0]"),
+    # were: re-predicted with the stages zip() kept, or at another global batch
+    ({"degrees": ["1x1"]}, "1 degrees, 2 recompute modes and 2 first_layers for 2 stages"),
+    ({"degrees": ["1x1", "two"]}, "degrees[1]: 'two' is not 'DPxTP'"),
+    ({"micro_batch_size": 3}, "micro-batch 3 x 8 = 24 samples, but the plan's global batch "
+                              "is 8"),
+])
+def test_an_edited_runner_up_is_refused(tmp_path: Path, runner_up_plan: Path,
+                                        edit: dict[str, Any], expected: str) -> None:
+    bad = _edited(runner_up_plan, tmp_path / "p.json",
+                  lambda d: d["hetero"]["search"]["runner_up"].update(edit))
+    for cmd in (("validate", bad), ("explain", bad, "stage:0")):
+        refused(run(*cmd), f"{bad}: hetero.search.runner_up", expected)
+    assert run("explain", runner_up_plan, "stage:0").exit_code == 0
+
+
+@pytest.fixture(scope="module")
 def dp_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dp") / "dp.json"
     result = run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8", "--dp", "4",
