@@ -80,6 +80,8 @@ def runner_up_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ({"degrees": ["1x1", "two"]}, "degrees[1]: 'two' is not 'DPxTP'"),
     ({"micro_batch_size": 3}, "micro-batch 3 x 8 = 24 samples, but the plan's global batch "
                               "is 8"),
+    # was: refused by `explain` alone, without the file's name
+    ({"order": ["H100", "cpu-fast"]}, "order: 'H100' is not a device type of cluster.spec"),
 ])
 def test_an_edited_runner_up_is_refused(tmp_path: Path, runner_up_plan: Path,
                                         edit: dict[str, Any], expected: str) -> None:
