@@ -1451,6 +1451,11 @@ def _check_report_fields(path: Path, data: dict[str, Any]) -> None:
                                   and world >= 1):
         raise SpecError(f"{path}: world_size: expected the number of ranks (an integer >= 1), "
                         f"got {world!r}; {fix}")
+    steps = data.get("steps")
+    if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool)
+                                  and steps >= 1):
+        raise SpecError(f"{path}: steps: expected the number of timed iterations (an integer "
+                        f">= 1), got {steps!r}; {fix}")
     ranks = data.get("per_rank")
     if ranks is not None and not isinstance(ranks, list):
         raise SpecError(f"{path}: per_rank: expected a list with one entry per rank, got "

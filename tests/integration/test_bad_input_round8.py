@@ -87,6 +87,10 @@ def test_the_report_fixture_is_read(plans: dict[str, Path], tmp_path: Path) -> N
      "per_rank[0].rank: expected a rank in 0..3 (world_size 4), got 99"),
     (lambda r: r.update(per_rank={"0": {}}), "per_rank: expected a list"),
     (lambda r: r.update(cpu_sched="idle"), "cpu_sched: expected one of normal, batch"),
+    # was: accepted, the table titled "(-5 iterations, 4 ranks)"
+    (lambda r: r.update(steps=-5), "steps: expected the number of timed iterations (an "
+                                   "integer >= 1), got -5"),
+    (lambda r: r.update(steps="2"), "steps: expected the number of timed iterations"),
 ])
 def test_an_edited_run_report_is_refused_by_field(plans: dict[str, Path], tmp_path: Path,
                                                    edit: Any, expected: str) -> None:
