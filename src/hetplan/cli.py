@@ -118,6 +118,13 @@ def models_cmd(
     """List the built-in model zoo."""
     from hetplan import zoo
 
+    families = sorted({e.family for e in zoo.list_models()})
+    family, size = (x.strip().lower() if x is not None else None for x in (family, size))
+    if family is not None and family not in families:
+        raise SpecError(f"--family {family!r}: no zoo model is of that family"
+                        f"{did_you_mean(family, families)} (families: {', '.join(families)})")
+    if size is not None and size not in ("full", "tiny"):
+        raise SpecError(f"--size {size!r}: give full or tiny")
     table = Table(title="hetplan model zoo", title_justify="left")
     for col in ("name", "family", "size", "params", "inputs", "description"):
         table.add_column(col)

@@ -183,6 +183,16 @@ def test_models_lists_zoo() -> None:
     assert "llama-70b" in names
 
 
+def test_models_filters_name_an_unknown_family_or_size() -> None:
+    """Were an empty table, exit 0 (a family in another case, too)."""
+    assert_user_error(run(["models", "--family", "lama"]), "--family 'lama'",
+                      "did you mean 'llama'?", "gpt2")
+    assert_user_error(run(["models", "--size", "huge"]), "--size 'huge'", "full or tiny")
+    r = run(["models", "--family", "GPT2", "--size", "Tiny"])
+    assert_ok(r)
+    assert table_first_column(r.stdout) == ["tiny-gpt2"]
+
+
 def test_presets_lists_every_preset() -> None:
     r = run(["presets"])
     assert_ok(r)
