@@ -500,7 +500,7 @@ def plan_cmd(
 
     pipeline_spec, group_opts = _with_group_sync(pipeline_spec, group_sync)
     pins = strategy_pins(dtype=dtype, zero=zero, recompute=recompute, sp=sp, tp=tp,
-                         virtual_stages=virtual_stages, schedule=schedule, pp=pp)
+                         virtual_stages=virtual_stages, schedule=schedule, pp=pp, dp=dp)
     if schedule == "chimera" and pp != 1 and dynamics is not None:
         raise SpecError("--dynamics with --schedule chimera: re-balancing moves layers between "
                         "stages, and a Chimera rank holds two stages (one per direction), "
@@ -567,6 +567,11 @@ def plan_cmd(
     if asked and plan.hetero is None and plan.layout is not None and plan.layout.pp == 1:
         err.print(f"note: the fastest layout has no pipeline (pp=1), so {' and '.join(asked)} "
                   "did not apply; pin --pp to plan a pipeline with them", markup=False)
+    lay = plan.layout if plan.hetero is None else None
+    for flag, degree, what in ((f"--zero {zero}", "dp", "data"), ("--sp", "tp", "tensor")):
+        if lay is not None and (zero if degree == "dp" else sp) and getattr(lay, degree) == 1:
+            err.print(f"note: the layout has no {what} parallelism ({degree}=1), so {flag} did "
+                      f"not apply; pin --{degree} 2 or more to plan with it", markup=False)
     err.print(f"model captured in {captured:.1f} s, planned in {seconds:.1f} s")
 
 
@@ -609,7 +614,7 @@ def _with_checkpointing(passes: str | None, checkpoint: str, replicas: int | Non
 
 def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | None,
                   tp: int | None, virtual_stages: int | None, schedule: str,
-                  pp: int | None = None) -> dict[str, Any]:
+                  pp: int | None = None, dp: int | None = None) -> dict[str, Any]:
     """The strategy pins of `hetplan plan` as CompileOptions fields, checked before anything
     is captured or planned; a bad value is a SpecError naming the option and the fix."""
     from hetplan.cost_models.precision import POLICIES
@@ -626,6 +631,9 @@ def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | No
     if sp and tp == 1:
         raise SpecError("--sp needs tensor parallelism, but --tp 1 is pinned; pin --tp 2 or "
                         "more, or leave --tp free")
+    if zero and dp == 1:
+        raise SpecError(f"--zero {zero} shards state inside data-parallel groups, but --dp 1 "
+                        "is pinned; pin --dp 2 or more, or leave --dp free")
     if schedule == "chimera" and pp != 1:  # (CompileOptions refuses these too, by field)
         if tp is not None and tp > 1:
             raise SpecError(f"--tp {tp} with --schedule chimera: Chimera is priced and "

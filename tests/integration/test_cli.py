@@ -499,6 +499,24 @@ def test_plan_says_when_a_pinned_schedule_did_not_apply(tiny_gpt_ir: ModelIR,
     assert "did not apply" not in flat(stderr(r))
 
 
+def test_plan_says_when_a_pinned_zero_stage_or_sp_did_not_apply(tiny_gpt_ir: ModelIR,
+                                                                  tmp_path: Path) -> None:
+    """Was: --zero 3 with a layout the search chose without data parallelism (--pp 4) gave
+    "no ZeRO" without a word; --sp on a layout without tensor parallelism, the same."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    base = ["plan", "--workload", workload, "-c", "local-cpu", "-b", "8"]
+    r = run([*base, "--pp", "4", "--zero", "3", "--sp"])
+    assert_ok(r)
+    assert ("the layout has no data parallelism (dp=1), so --zero 3 did not apply; pin --dp"
+            in flat(stderr(r)))
+    assert ("the layout has no tensor parallelism (tp=1), so --sp did not apply; pin --tp"
+            in flat(stderr(r)))
+    r = run([*base, "--dp", "4", "--zero", "3"])
+    assert_ok(r)
+    assert "did not apply" not in flat(stderr(r))
+
+
 # --------------------------------------------------------------------------------------
 # workload convert
 # --------------------------------------------------------------------------------------
