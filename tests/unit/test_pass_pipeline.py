@@ -83,6 +83,9 @@ def test_refines_follows_the_options() -> None:
     ("espresso{seed-within=nan}", ["seed_within=nan: must be >= 0"]),
     ("espresso{bound-within=nan}", ["bound_within=nan: must be >= 0"]),
     ("espresso{max-compressions=-1}", ["max_compressions=-1: must be >= 0"]),
+    ("espresso{devices=gpu,tpu}", ["espresso devices: unknown 'tpu'", "gpu, cpu"]),
+    # was: refused after the layout search had run
+    ("espresso{compressors=dgc devices=cpu}", ["espresso needs 'gpu' in devices"]),
     # were: accepted, buckets drawn at a cap of -1 or nan MiB
     ("ddp-buckets{bucket-cap-mb=-1}", ["bucket-cap-mb must be", "got -1.0"]),
     ("ddp-buckets{bucket-cap-mb=nan}", ["bucket-cap-mb must be", "got nan"]),
