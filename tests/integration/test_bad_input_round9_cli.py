@@ -192,3 +192,17 @@ def test_run_refuses_an_attention_split_inside_a_head_before_any_rank_starts(
     whole = _edited(good, tmp_path / "whole.json", edit([48, 16]))  # 3 heads and 1
     ok = run("validate", whole, "--model", "gpt-test")
     assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("field", ["skewed_ms", "controller_ms"])
+def test_inspect_of_a_tp_prediction_edited_to_zero_ms(tmp_path: Path, field: str) -> None:
+    """Was: internal error (TypeError formatting the speedup over 0 ms, which is None)."""
+    good = tmp_path / "good.json"
+    result = run("plan", "gpt-test", "-c", CPU_MIXED_2, "-b", "4", "--dp", "1", "--pp", "1",
+                 "--tp", "2", "--no-progress", "-o", good)
+    assert result.exit_code == 0, result.output
+    bad = _edited(good, tmp_path / "p.json",
+                  lambda d: d["tensor_parallel"]["predicted"].update({field: 0}))
+    result = run("inspect", bad, "-s", "tp")
+    assert result.exit_code == 0, result.output
+    assert "0.000 ms (—)" in result.output or "0.000 ms (—," in result.output, result.output

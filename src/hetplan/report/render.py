@@ -190,10 +190,13 @@ def _tp(report: dict[str, Any], c: Console) -> None:
         gam_text = ("no straggler" if not gam else
                     f"γ {lo:.3f}{'' if lo == hi else f'–{hi:.3f}'} on "
                     f"{len(gam)} rank(s) {ranges(sorted(int(r) for r in gam))}")
+        def speedup(x: float | None) -> str:  # None: over 0 ms (an edited prediction)
+            return "—" if x is None else f"{x:.2f}×"
+
         c.print(f"  predicted iteration: even shards {pred['even_ms']:.3f} ms, skewed "
-                f"{pred['skewed_ms']:.3f} ms ({pred['skew_speedup']:.2f}×)")
+                f"{pred['skewed_ms']:.3f} ms ({speedup(pred['skew_speedup'])})")
         c.print(f"  even shards + controller: {pred['controller_ms']:.3f} ms "
-                f"({pred['controller_speedup']:.2f}×, lossy; {gam_text})")
+                f"({speedup(pred['controller_speedup'])}, lossy; {gam_text})")
 
 
 def _sparse(rows: list[dict[str, Any]], c: Console) -> None:
