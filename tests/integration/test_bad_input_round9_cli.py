@@ -206,3 +206,17 @@ def test_inspect_of_a_tp_prediction_edited_to_zero_ms(tmp_path: Path, field: str
     result = run("inspect", bad, "-s", "tp")
     assert result.exit_code == 0, result.output
     assert "0.000 ms (—)" in result.output or "0.000 ms (—," in result.output, result.output
+
+
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed", "torchtitan"])
+def test_export_of_an_empty_gradient_sync_section(tmp_path: Path, dp_plan: Path,
+                                                  engine: str) -> None:
+    """An empty section (no strategies, tensors or buckets: every gradient one fp32
+    allreduce, as `inspect` and `simulate` read it) was an internal error (StopIteration)
+    in `export`; it is exported as a plan without the section is."""
+    empty = _edited(dp_plan, tmp_path / "empty.json", lambda d: d.update(gradient_sync={}))
+    none = _edited(dp_plan, tmp_path / "none.json", lambda d: d.update(gradient_sync=None))
+    results = [run("export", p, "--to", engine, "--json") for p in (empty, none)]
+    assert [r.exit_code for r in results] == [0, 0], results[0].output
+    a, b = (json.loads(r.output) for r in results)
+    assert (a["exported_ms"], a.get("gaps")) == (b["exported_ms"], b.get("gaps"))
