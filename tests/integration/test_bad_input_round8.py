@@ -191,6 +191,18 @@ def test_an_edited_trace_is_refused_by_field(plans: dict[str, Path], tmp_path: P
     refused(run("inspect", plans["pp2"], "--trace", path), f"{path}: {field}")
 
 
+@pytest.mark.parametrize("other", ["x", -1, True])
+def test_a_trace_whose_other_data_is_not_a_mapping_is_refused(plans: dict[str, Path],
+                                                               tmp_path: Path,
+                                                               other: object) -> None:
+    """Was: internal error (AttributeError: 'str' object has no attribute 'get')."""
+    trace = _trace(plans["pp2"])
+    trace["otherData"] = other
+    path = _write(tmp_path / "t.json", trace)
+    for argv in (("validate", path), ("inspect", plans["pp2"], "--trace", path)):
+        refused(run(*argv), f"{path}: otherData.hetplan is missing")
+
+
 def test_a_trace_of_another_plan_names_both_files(plans: dict[str, Path],
                                                   tmp_path: Path) -> None:
     path = _write(tmp_path / "t.json", _trace(plans["pp2"]))
