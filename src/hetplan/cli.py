@@ -118,6 +118,13 @@ def models_cmd(
     """List the built-in model zoo."""
     from hetplan import zoo
 
+    families = sorted({e.family for e in zoo.list_models()})
+    family, size = (x.strip().lower() if x is not None else None for x in (family, size))
+    if family is not None and family not in families:
+        raise SpecError(f"--family {family!r}: no zoo model is of that family"
+                        f"{did_you_mean(family, families)} (families: {', '.join(families)})")
+    if size is not None and size not in ("full", "tiny"):
+        raise SpecError(f"--size {size!r}: give full or tiny")
     table = Table(title="hetplan model zoo", title_justify="left")
     for col in ("name", "family", "size", "params", "inputs", "description"):
         table.add_column(col)
@@ -186,11 +193,16 @@ def _zoo_only(model: str | None, *options: tuple[str, Any]) -> None:
 def _seq_fits(model: str | None, seq: int | None) -> None:
     """Refuse a ``--seq`` longer than the zoo model's position embeddings, before capture:
     capture runs on the meta device, which does not check the indices, so the plan would be
-    made and `hetplan run` would refuse it."""
+    made and `hetplan run` would refuse it. Refuse one for a model whose inputs have no
+    sequence axis (image, features), which it would not change."""
     if not model or seq is None:
         return
     from hetplan import zoo
 
+    entry = zoo.get(model)
+    if entry.default_seq is None:
+        raise SpecError(f"--seq {seq}: {entry.name} takes {entry.input_kind} inputs without a "
+                        "sequence axis, so --seq would change nothing: drop --seq")
     if (why := zoo.seq_too_long(model, seq)) is not None:
         raise SpecError(f"--seq {seq}: {why}; give --seq {zoo.get(model).max_seq} or less")
 
@@ -488,7 +500,7 @@ def plan_cmd(
 
     pipeline_spec, group_opts = _with_group_sync(pipeline_spec, group_sync)
     pins = strategy_pins(dtype=dtype, zero=zero, recompute=recompute, sp=sp, tp=tp,
-                         virtual_stages=virtual_stages, schedule=schedule, pp=pp)
+                         virtual_stages=virtual_stages, schedule=schedule, pp=pp, dp=dp)
     if schedule == "chimera" and pp != 1 and dynamics is not None:
         raise SpecError("--dynamics with --schedule chimera: re-balancing moves layers between "
                         "stages, and a Chimera rank holds two stages (one per direction), "
@@ -555,6 +567,11 @@ def plan_cmd(
     if asked and plan.hetero is None and plan.layout is not None and plan.layout.pp == 1:
         err.print(f"note: the fastest layout has no pipeline (pp=1), so {' and '.join(asked)} "
                   "did not apply; pin --pp to plan a pipeline with them", markup=False)
+    lay = plan.layout if plan.hetero is None else None
+    for flag, degree, what in ((f"--zero {zero}", "dp", "data"), ("--sp", "tp", "tensor")):
+        if lay is not None and (zero if degree == "dp" else sp) and getattr(lay, degree) == 1:
+            err.print(f"note: the layout has no {what} parallelism ({degree}=1), so {flag} did "
+                      f"not apply; pin --{degree} 2 or more to plan with it", markup=False)
     err.print(f"model captured in {captured:.1f} s, planned in {seconds:.1f} s")
 
 
@@ -597,7 +614,7 @@ def _with_checkpointing(passes: str | None, checkpoint: str, replicas: int | Non
 
 def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | None,
                   tp: int | None, virtual_stages: int | None, schedule: str,
-                  pp: int | None = None) -> dict[str, Any]:
+                  pp: int | None = None, dp: int | None = None) -> dict[str, Any]:
     """The strategy pins of `hetplan plan` as CompileOptions fields, checked before anything
     is captured or planned; a bad value is a SpecError naming the option and the fix."""
     from hetplan.cost_models.precision import POLICIES
@@ -614,6 +631,9 @@ def strategy_pins(*, dtype: str, zero: int | None, recompute: str, sp: bool | No
     if sp and tp == 1:
         raise SpecError("--sp needs tensor parallelism, but --tp 1 is pinned; pin --tp 2 or "
                         "more, or leave --tp free")
+    if zero and dp == 1:
+        raise SpecError(f"--zero {zero} shards state inside data-parallel groups, but --dp 1 "
+                        "is pinned; pin --dp 2 or more, or leave --dp free")
     if schedule == "chimera" and pp != 1:  # (CompileOptions refuses these too, by field)
         if tp is not None and tp > 1:
             raise SpecError(f"--tp {tp} with --schedule chimera: Chimera is priced and "
@@ -1446,6 +1466,11 @@ def _check_report_fields(path: Path, data: dict[str, Any]) -> None:
                                   and world >= 1):
         raise SpecError(f"{path}: world_size: expected the number of ranks (an integer >= 1), "
                         f"got {world!r}; {fix}")
+    steps = data.get("steps")
+    if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool)
+                                  and steps >= 1):
+        raise SpecError(f"{path}: steps: expected the number of timed iterations (an integer "
+                        f">= 1), got {steps!r}; {fix}")
     ranks = data.get("per_rank")
     if ranks is not None and not isinstance(ranks, list):
         raise SpecError(f"{path}: per_rank: expected a list with one entry per rank, got "
@@ -1687,10 +1712,9 @@ def timeline_cmd(
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
     measured = None
-    if run_report is not None:
-        from hetplan.ir.validation import load_structured_file
-
-        measured = load_structured_file(run_report, what="run report")
+    if run_report is not None:  # checked as `inspect --run` checks it: this plan's, by field
+        measured = _load_run_report(run_report)
+        _check_report_is_of(plan, plan_file, measured, run_report)
     with _naming(plan_file):
         render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     _note_profile_missing(plan, profile)

@@ -94,6 +94,17 @@ def test_a_world_size_the_plan_does_not_have_is_refused(plan: Plan) -> None:
         preflight(plan, cmd)
 
 
+def test_a_world_size_from_nnodes_names_the_options_given(plan: Plan) -> None:
+    """With --nnodes 2 alone the advice was "drop --nproc-per-node", an option not given."""
+    cmd = _cmd(plan, "--nnodes", "2")
+    assert launched_world_size(cmd) == 8
+    with pytest.raises(PlanMismatchError) as info:
+        preflight(plan, cmd)
+    msg = str(info.value)
+    assert "torchrun would start 8 (--nproc-per-node 4 × --nnodes 2)" in msg, msg
+    assert "drop --nnodes" in msg and "drop --nproc-per-node" not in msg, msg
+
+
 def test_a_chimera_plan_passes_and_what_it_does_not_compose_is_refused() -> None:
     """Chimera plans run (``runtime/handlers/chimera.py``): the launcher lets one through;
     Chimera with tensor parallelism, which its executor does not compose, is refused before

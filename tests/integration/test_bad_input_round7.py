@@ -153,6 +153,17 @@ def test_profile_counts_below_one_are_refused_first(no_measuring: None, tmp_path
             "must be at least 1, got 0")
 
 
+@pytest.mark.parametrize(("option", "what"), [("-n", "collectives"),
+                                              ("--layer-processes", "compressors")])
+def test_profile_more_processes_than_the_host_takes_are_refused_first(
+        no_measuring: None, tmp_path: Path, option: str, what: str) -> None:
+    """Was (-n 1000 on 2 cores): a thousand gloo processes started, the load average past
+    150, and no end in two minutes; `hetplan run` refuses such a count without
+    --oversubscribe."""
+    refused(run("profile", "--what", what, option, "1000", "-o", tmp_path / "db.json"),
+            f"{option} 1000: starts 1000 CPU processes on this host", "give", "or less")
+
+
 def test_profile_output_that_is_not_a_profile_db_is_refused_first(no_measuring: None,
                                                                   tmp_path: Path) -> None:
     """The output is merged into when it exists; a file that is not a profile DB was refused

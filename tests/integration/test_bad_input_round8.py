@@ -87,6 +87,10 @@ def test_the_report_fixture_is_read(plans: dict[str, Path], tmp_path: Path) -> N
      "per_rank[0].rank: expected a rank in 0..3 (world_size 4), got 99"),
     (lambda r: r.update(per_rank={"0": {}}), "per_rank: expected a list"),
     (lambda r: r.update(cpu_sched="idle"), "cpu_sched: expected one of normal, batch"),
+    # was: accepted, the table titled "(-5 iterations, 4 ranks)"
+    (lambda r: r.update(steps=-5), "steps: expected the number of timed iterations (an "
+                                   "integer >= 1), got -5"),
+    (lambda r: r.update(steps="2"), "steps: expected the number of timed iterations"),
 ])
 def test_an_edited_run_report_is_refused_by_field(plans: dict[str, Path], tmp_path: Path,
                                                    edit: Any, expected: str) -> None:
@@ -103,6 +107,25 @@ def test_a_run_report_of_another_plan_is_refused(plans: dict[str, Path],
     path = _write(tmp_path / "r.json", _report(plans["pp2"]))
     refused(run("inspect", plans["pp1"], "--run", path),
             f"{path}: the run report is of another plan", f"not {plans['pp1']}")
+
+
+def test_timeline_checks_its_run_report_as_inspect_does(plans: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    """`timeline --run-report` drew another plan's measured time beside this plan's
+    prediction (exit 0), and an edited report's error named neither the file nor the field."""
+    out = tmp_path / "t.html"
+    path = _write(tmp_path / "r.json", _report(plans["pp2"]))
+    refused(run("timeline", plans["pp1"], "-o", out, "--run-report", path),
+            f"{path}: the run report is of another plan", f"not {plans['pp1']}")
+    report = _report(plans["pp2"])
+    report["measured"]["iteration_ms"] = "fast"
+    path = _write(tmp_path / "edited.json", report)
+    refused(run("timeline", plans["pp2"], "-o", out, "--run-report", path),
+            f"{path}: measured.iteration_ms: expected milliseconds")
+    assert not out.exists()
+    result = run("timeline", plans["pp2"], "-o", out, "--run-report",
+                 _write(tmp_path / "ok.json", _report(plans["pp2"])))
+    assert result.exit_code == 0 and out.exists(), result.output
 
 
 def test_an_older_report_of_another_world_size_is_refused(plans: dict[str, Path],
@@ -166,6 +189,18 @@ def test_an_edited_trace_is_refused_by_field(plans: dict[str, Path], tmp_path: P
         load_trace(copy.deepcopy(trace), "t.json")
     path = _write(tmp_path / "t.json", trace)
     refused(run("inspect", plans["pp2"], "--trace", path), f"{path}: {field}")
+
+
+@pytest.mark.parametrize("other", ["x", -1, True])
+def test_a_trace_whose_other_data_is_not_a_mapping_is_refused(plans: dict[str, Path],
+                                                               tmp_path: Path,
+                                                               other: object) -> None:
+    """Was: internal error (AttributeError: 'str' object has no attribute 'get')."""
+    trace = _trace(plans["pp2"])
+    trace["otherData"] = other
+    path = _write(tmp_path / "t.json", trace)
+    for argv in (("validate", path), ("inspect", plans["pp2"], "--trace", path)):
+        refused(run(*argv), f"{path}: otherData.hetplan is missing")
 
 
 def test_a_trace_of_another_plan_names_both_files(plans: dict[str, Path],

@@ -59,6 +59,40 @@ def test_a_stage_device_class_its_ranks_do_not_have_is_refused(
 
 
 @pytest.fixture(scope="module")
+def runner_up_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`--hetero on` on cpu-mixed-2: two stages, and a runner-up of the other order."""
+    out = tmp_path_factory.mktemp("het") / "het.json"
+    result = run("plan", "--workload", WORKLOAD, "-c", CPU_MIXED_2, "-b", "8", "--hetero",
+                 "on", "--no-progress", "-o", out)
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.hetero is not None and plan.hetero.search.runner_up is not None
+    assert len(plan.hetero.search.runner_up.first_layers) == 2
+    return out
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    # was: internal error (ValidationError for Stage) in `explain stage:0`
+    ({"first_layers": [0, 99]}, "first_layers: [0, 99], but the model has 8 layers"),
+    ({"first_layers": [3, 0]}, "first_layers: [3, 0]"),
+    # were: re-predicted with the stages zip() kept, or at another global batch
+    ({"degrees": ["1x1"]}, "1 degrees, 2 recompute modes and 2 first_layers for 2 stages"),
+    ({"degrees": ["1x1", "two"]}, "degrees[1]: 'two' is not 'DPxTP'"),
+    ({"micro_batch_size": 3}, "micro-batch 3 x 8 = 24 samples, but the plan's global batch "
+                              "is 8"),
+    # was: refused by `explain` alone, without the file's name
+    ({"order": ["H100", "cpu-fast"]}, "order: 'H100' is not a device type of cluster.spec"),
+])
+def test_an_edited_runner_up_is_refused(tmp_path: Path, runner_up_plan: Path,
+                                        edit: dict[str, Any], expected: str) -> None:
+    bad = _edited(runner_up_plan, tmp_path / "p.json",
+                  lambda d: d["hetero"]["search"]["runner_up"].update(edit))
+    for cmd in (("validate", bad), ("explain", bad, "stage:0")):
+        refused(run(*cmd), f"{bad}: hetero.search.runner_up", expected)
+    assert run("explain", runner_up_plan, "stage:0").exit_code == 0
+
+
+@pytest.fixture(scope="module")
 def dp_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dp") / "dp.json"
     result = run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8", "--dp", "4",
@@ -158,3 +192,31 @@ def test_run_refuses_an_attention_split_inside_a_head_before_any_rank_starts(
     whole = _edited(good, tmp_path / "whole.json", edit([48, 16]))  # 3 heads and 1
     ok = run("validate", whole, "--model", "gpt-test")
     assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("field", ["skewed_ms", "controller_ms"])
+def test_inspect_of_a_tp_prediction_edited_to_zero_ms(tmp_path: Path, field: str) -> None:
+    """Was: internal error (TypeError formatting the speedup over 0 ms, which is None)."""
+    good = tmp_path / "good.json"
+    result = run("plan", "gpt-test", "-c", CPU_MIXED_2, "-b", "4", "--dp", "1", "--pp", "1",
+                 "--tp", "2", "--no-progress", "-o", good)
+    assert result.exit_code == 0, result.output
+    bad = _edited(good, tmp_path / "p.json",
+                  lambda d: d["tensor_parallel"]["predicted"].update({field: 0}))
+    result = run("inspect", bad, "-s", "tp")
+    assert result.exit_code == 0, result.output
+    assert "0.000 ms (—)" in result.output or "0.000 ms (—," in result.output, result.output
+
+
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed", "torchtitan"])
+def test_export_of_an_empty_gradient_sync_section(tmp_path: Path, dp_plan: Path,
+                                                  engine: str) -> None:
+    """An empty section (no strategies, tensors or buckets: every gradient one fp32
+    allreduce, as `inspect` and `simulate` read it) was an internal error (StopIteration)
+    in `export`; it is exported as a plan without the section is."""
+    empty = _edited(dp_plan, tmp_path / "empty.json", lambda d: d.update(gradient_sync={}))
+    none = _edited(dp_plan, tmp_path / "none.json", lambda d: d.update(gradient_sync=None))
+    results = [run("export", p, "--to", engine, "--json") for p in (empty, none)]
+    assert [r.exit_code for r in results] == [0, 0], results[0].output
+    a, b = (json.loads(r.output) for r in results)
+    assert (a["exported_ms"], a.get("gaps")) == (b["exported_ms"], b.get("gaps"))

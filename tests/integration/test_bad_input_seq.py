@@ -33,3 +33,22 @@ def test_the_longest_sequence_is_accepted() -> None:
     assert result.exit_code == 0, result.output
     refused(run("ir", "gpt-test", "--seq", "33"), "--seq 33: gpt-test has 32 positions",
             "give --seq 32 or less")
+
+
+@pytest.mark.parametrize("argv", [
+    ("plan", "tiny-resnet", "--seq", "64", "-c", "local-cpu", "-b", "8", "--no-progress"),
+    ("ir", "mlp", "--seq", "64"),
+    ("profile", "tiny-vit", "--seq", "64", "--what", "layers"),
+])
+def test_a_seq_for_a_model_without_a_sequence_is_refused_by_its_flag(
+        argv: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: ignored (an image or feature model's inputs have no sequence axis): the plan,
+    workload or profile was the one made without --seq."""
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command went on to capture or measure the model")
+
+    monkeypatch.setattr("hetplan.cli.load_model_ir", forbidden)
+    monkeypatch.setattr("hetplan.profiling.run_profile", forbidden)
+    monkeypatch.setattr("hetplan.ir.capture.capture", forbidden)
+    refused(run(*argv), f"--seq 64: {argv[1]} takes", "inputs without a sequence axis",
+            "drop --seq")

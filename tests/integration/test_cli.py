@@ -183,6 +183,16 @@ def test_models_lists_zoo() -> None:
     assert "llama-70b" in names
 
 
+def test_models_filters_name_an_unknown_family_or_size() -> None:
+    """Were an empty table, exit 0 (a family in another case, too)."""
+    assert_user_error(run(["models", "--family", "lama"]), "--family 'lama'",
+                      "did you mean 'llama'?", "gpt2")
+    assert_user_error(run(["models", "--size", "huge"]), "--size 'huge'", "full or tiny")
+    r = run(["models", "--family", "GPT2", "--size", "Tiny"])
+    assert_ok(r)
+    assert table_first_column(r.stdout) == ["tiny-gpt2"]
+
+
 def test_presets_lists_every_preset() -> None:
     r = run(["presets"])
     assert_ok(r)
@@ -485,6 +495,24 @@ def test_plan_says_when_a_pinned_schedule_did_not_apply(tiny_gpt_ir: ModelIR,
     assert ("no pipeline (pp=1), so --schedule interleaved-1f1b and --virtual-stages 2 did "
             "not apply; pin --pp") in flat(stderr(r))
     r = run([*base[:7], "--pp", "2", *base[9:]])
+    assert_ok(r)
+    assert "did not apply" not in flat(stderr(r))
+
+
+def test_plan_says_when_a_pinned_zero_stage_or_sp_did_not_apply(tiny_gpt_ir: ModelIR,
+                                                                  tmp_path: Path) -> None:
+    """Was: --zero 3 with a layout the search chose without data parallelism (--pp 4) gave
+    "no ZeRO" without a word; --sp on a layout without tensor parallelism, the same."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    base = ["plan", "--workload", workload, "-c", "local-cpu", "-b", "8"]
+    r = run([*base, "--pp", "4", "--zero", "3", "--sp"])
+    assert_ok(r)
+    assert ("the layout has no data parallelism (dp=1), so --zero 3 did not apply; pin --dp"
+            in flat(stderr(r)))
+    assert ("the layout has no tensor parallelism (tp=1), so --sp did not apply; pin --tp"
+            in flat(stderr(r)))
+    r = run([*base, "--dp", "4", "--zero", "3"])
     assert_ok(r)
     assert "did not apply" not in flat(stderr(r))
 

@@ -125,6 +125,31 @@ def test_hetero_keeps_a_tied_model_on_one_stage(tmp_path: Path) -> None:
     assert refusals(plan) == []
 
 
+def test_hetero_runner_up_of_a_tied_model_is_a_plan_it_could_have_chosen(
+        tmp_path: Path) -> None:
+    """The runner-up was drawn from every candidate, split ones included: on cpu-mixed-2 it
+    was `cpu-fast | cpu-slow` across two stages, predicted faster than the one-stage plan,
+    and `explain stage:0` said the plan's order was not the fastest, though the runtime
+    refuses that runner-up."""
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+    from hetplan.ir.plan import load_plan
+
+    cluster = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / "cpu-mixed-2.yaml"
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "tiny-gpt2", "-c", str(cluster), "-b", "8",
+                                   "--hetero", "on", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = load_plan(out)
+    assert plan.hetero is not None and len(plan.stages) == 1
+    runner_up = plan.hetero.search.runner_up
+    assert runner_up is None or len(runner_up.first_layers) == 1, runner_up
+    explained = CliRunner().invoke(app, ["explain", str(out), "stage:0"])
+    assert explained.exit_code == 0, explained.output
+    assert "not the fastest" not in explained.output, explained.output
+
+
 @pytest.mark.parametrize(("cluster", "batch", "compress"), [
     ("local-cpu", 8, ()), ("cpu-2x2", 8, ()), ("cpu-2x2", 8, ("dgc", "fp16")),
     ("mixed-generations", 64, ("dgc", "fp16"))])

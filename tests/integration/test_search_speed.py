@@ -122,6 +122,8 @@ def _plan_cli(*args: object) -> tuple[int, str]:
     (("--zero", 4), "--zero 4"),
     (("--recompute", "partial"), "--recompute 'partial'"),
     (("--sp", "--tp", 1), "--sp needs tensor parallelism"),
+    # was: a plan without ZeRO, without a word
+    (("--zero", 2, "--dp", 1), "--zero 2 shards state inside data-parallel groups, but --dp 1"),
     (("--virtual-stages", 2), "--virtual-stages needs --schedule interleaved-1f1b or auto"),
     (("--virtual-stages", 1, "--schedule", "interleaved-1f1b"), "--virtual-stages 1"),
     (("--dtype", "bf32"), "--dtype 'bf32'"),

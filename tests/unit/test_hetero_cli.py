@@ -54,6 +54,22 @@ def test_inspect_shows_each_stages_devices_and_degrees(plans: dict[str, Path]) -
         assert f"{s.device_class} (ranks" in text and f"dp {s.dp} x tp {s.tp}" in text
 
 
+def test_inspect_strategy_line_gives_each_stages_zero_stage(tmp_path: Path) -> None:
+    """The line read the layout's zero_stage, which a heterogeneous plan leaves at 0: "no
+    ZeRO" under a stage listed as ZeRO-1."""
+    path = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", "gpt-test", "-c", "local-cpu", "-b", "8", "--hetero",
+                              "on", "-o", str(path)])
+    assert res.exit_code == 0, res.output
+    plan = load_plan(path)
+    assert plan.hetero is not None
+    zeros = [s.zero_stage for s in plan.hetero.stages]
+    assert any(zeros), zeros  # the case the line got wrong
+    text = runner.invoke(app, ["inspect", str(path), "-s", "layout"]).output
+    line = next(x for x in text.splitlines() if x.startswith("strategy:"))
+    assert "no ZeRO" not in line and "ZeRO per stage " + " ".join(map(str, zeros)) in line
+
+
 def test_explain_stage_re_predicts_the_runner_up(plans: dict[str, Path]) -> None:
     plan = load_plan(plans["on"])
     assert plan.hetero is not None and plan.predictions is not None

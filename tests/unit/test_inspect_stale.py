@@ -214,3 +214,19 @@ def test_out_of_memory_names_a_rank_that_does_not_fit(plan: Plan) -> None:
     (warning,) = [w["message"] for w in report["warnings"] if w["kind"] == "out-of-memory"]
     assert f"1 rank(s) ({small}) need more than their usable memory; rank {small} needs " \
         "31.00 GiB of 28.80 GiB usable" in warning, warning
+
+
+def test_a_plan_without_stages_is_inspected_and_diffed(tmp_path: Path) -> None:
+    """A plan without a pipeline (pp=1) may leave its stages out (plan_checks rule 9), but
+    `inspect` and `diff` re-checked its prediction against one stage per timed stage of the
+    evaluation: internal error "zip() argument 2 is longer than argument 1"."""
+    ir = ModelIR.load(GOLDEN / "inspect_small.workload.json")
+    made = compile_plan(ir, "local-cpu", batch_size=8, dp=4)
+    full, bare = tmp_path / "full.json", tmp_path / "bare.json"
+    made.save(full)
+    data = json.loads(full.read_text())
+    data["stages"] = []
+    bare.write_text(json.dumps(data))
+    for argv in (["inspect", str(bare)], ["diff", str(full), str(bare)]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 0, result.output

@@ -70,6 +70,26 @@ def test_refines_follows_the_options() -> None:
     ("espresso{max-compressions=two}", ["max-compressions='two'", "expected int"]),
     ("tp-resizing{controller=sem}", ["controller='sem'", "off|zero|migration|semi"]),
     ("tp-resizing{gamma-max=1.5}", ["gamma_max must be in [0, 1)"]),
+    # were: a pydantic ValidationError once the search had run ("pass 'tp-resizing' failed")
+    ("tp-resizing{alpha=nan}", ["alpha must be in [0, 1]", "got nan"]),
+    ("tp-resizing{theta-iter=-1}", ["theta_iter must be", "got -1.0"]),
+    ("tp-resizing{replan-trigger=inf}", ["replan_trigger must be", "got inf"]),
+    ("tp-resizing{straggler-eps=nan}", ["straggler_eps must be", "got nan"]),
+    ("sdpipe{p=1000000000}", ["sdpipe{p=1000000000}", "1..1000000"]),
+    ("espresso{compressors=dgc ratio=nan}", ["ratio must be in (0, 1]", "got nan"]),
+    ("espresso{compressors=dgc ratio=2}", ["ratio must be in (0, 1]", "got 2.0"]),
+    ("espresso-reference{ratio=0}", ["ratio must be in (0, 1]", "got 0.0"]),
+    # were: accepted
+    ("espresso{seed-within=nan}", ["seed_within=nan: must be >= 0"]),
+    ("espresso{bound-within=nan}", ["bound_within=nan: must be >= 0"]),
+    ("espresso{max-compressions=-1}", ["max_compressions=-1: must be >= 0"]),
+    ("espresso{devices=gpu,tpu}", ["espresso devices: unknown 'tpu'", "gpu, cpu"]),
+    # was: refused after the layout search had run
+    ("espresso{compressors=dgc devices=cpu}", ["espresso needs 'gpu' in devices"]),
+    # were: accepted, buckets drawn at a cap of -1 or nan MiB
+    ("ddp-buckets{bucket-cap-mb=-1}", ["bucket-cap-mb must be", "got -1.0"]),
+    ("ddp-buckets{bucket-cap-mb=nan}", ["bucket-cap-mb must be", "got nan"]),
+    ("ddp-buckets{first-bucket-mb=-1}", ["first-bucket-mb must be", "got -1.0"]),
     ("espresso{compressors=zip}", ["unknown compressor 'zip'"]),
     ("espresso{compressors=dgc", ["unclosed '{'"]),
     ("espresso}", ["unmatched '}'"]),

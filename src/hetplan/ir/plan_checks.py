@@ -238,6 +238,12 @@ def _device_classes(plan: Plan, spec: ClusterSpec, label: str) -> list[str]:
             out.append(f"hetero.stages[{i}].device_class: {shape.device_class!r}, but the "
                        f"stage's ranks {_short(ranks)} are {', '.join(have)} in {label}; "
                        f"{_RERUN}")
+    runner = plan.hetero.search.runner_up
+    types = {d.type for d in devices}
+    for name in runner.order if runner is not None else ():
+        if name.split("@")[0] not in types:
+            out.append(f"hetero.search.runner_up.order: {name!r} is not a device type of "
+                       f"{label} ({', '.join(sorted(types))}); {_RERUN}")
     return out
 
 

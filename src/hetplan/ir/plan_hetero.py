@@ -185,7 +185,44 @@ def hetero_problems(hetero: Hetero | None, layout: Layout | None,
                 out.append(f"stages[{st.index}].ranks: rank {r} is also in stage {seen[r]}; "
                            "each rank is in exactly one pipeline stage")
             seen.setdefault(r, st.index)
+    if hetero.search.runner_up is not None:
+        out += _runner_up_problems(hetero.search.runner_up, layout, stages)
     return out[:8]
+
+
+def _runner_up_problems(alt: HeteroAlternative, layout: Layout | None,
+                        stages: tuple[Stage, ...]) -> list[str]:
+    """The recorded runner-up is one ``explain`` can rebuild and re-predict: per stage a
+    ``DPxTP`` whose dp divides its micro-batch and a first layer (from 0, increasing, inside
+    the model), and the plan's global batch. (Without first layers, a plan written before
+    they were recorded, ``explain`` says it cannot.)"""
+    where, fix = "hetero.search.runner_up", "re-run `hetplan plan --hetero`"
+    n, firsts = len(alt.order), list(alt.first_layers)
+    if not firsts:
+        return []
+    if len(alt.degrees) != n or len(firsts) != n or len(alt.recompute) not in (0, n):
+        return [f"{where}: {len(alt.degrees)} degrees, {len(alt.recompute)} recompute modes "
+                f"and {len(firsts)} first_layers for {n} stages (its order); {fix}"]
+    out = []
+    for k, d in enumerate(alt.degrees):
+        dp, _, tp = d.partition("x")
+        if not (dp.isdigit() and tp.isdigit() and int(dp) >= 1 and int(tp) >= 1):
+            out.append(f"{where}.degrees[{k}]: {d!r} is not 'DPxTP' (e.g. '2x1'); {fix}")
+        elif alt.micro_batch_size % int(dp):
+            out.append(f"{where}: micro-batch {alt.micro_batch_size} does not divide over "
+                       f"stage {k}'s {dp} replicas; {fix}")
+    layers = stages[-1].last_layer + 1 if stages else None
+    if firsts[0] != 0 or any(b <= a for a, b in zip(firsts, firsts[1:])) or (
+            layers is not None and firsts[-1] >= layers):
+        model = f", but the model has {layers} layers" if layers is not None else ""
+        out.append(f"{where}.first_layers: {firsts}{model}: each stage's first layer, from 0 "
+                   f"and increasing; {fix}")
+    total = alt.micro_batch_size * alt.micro_batches
+    if layout is not None and layout.global_batch_size and total != layout.global_batch_size:
+        out.append(f"{where}: micro-batch {alt.micro_batch_size} x {alt.micro_batches} = "
+                   f"{total} samples, but the plan's global batch is "
+                   f"{layout.global_batch_size}; {fix}")
+    return out
 
 
 def hetero_section_problems(hetero: Hetero | None, **sections: object) -> list[str]:

@@ -523,9 +523,11 @@ def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int,
     cands = search_hetero(workload, costs, batch_size, micro_batch=micro_batch, max_tp=max_tp)
     fits = [c for c in cands if c.evaluation is not None]
     tied = tied_head_copy(costs.memory_layers(workload), capture_bytes(workload), False)
+    allowed = cands  # what the plan and its runner-up may be
     if tied is not None and fits and not allow_tied_split:
         # the runtime does not sum a tied embedding's gradients across stages of different
         # degrees (runtime/pipeline.stage_modules refuses them): one stage only
+        allowed = [c for c in cands if len(c.stages) == 1]
         fits = [c for c in fits if len(c.stages) == 1]
         if not fits:
             raise InfeasiblePlanError(
@@ -540,7 +542,7 @@ def compile_hetero(workload: WorkloadSummary, costs: CostModel, batch_size: int,
     best = fits[0]
     ev = best.evaluation
     assert ev is not None
-    runner = _runner_up(best, _with_skipped_predicted(workload, costs, best, cands))
+    runner = _runner_up(best, _with_skipped_predicted(workload, costs, best, allowed))
     search = best.hetero.search.model_copy(update={"runner_up": runner})
     hetero = best.hetero.model_copy(update={
         "search": search,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hetplan.cost_models.ddp import ddp_gradient_sync
+from hetplan.errors import SpecError
 from hetplan.ir.plan import Plan
 from hetplan.passes.base import PassContext, PassResult
 
@@ -26,6 +27,13 @@ class DDPBuckets:
     name: ClassVar[str] = "ddp-buckets"
     sections: ClassVar[tuple[str, ...]] = ("gradient_sync",)
     refines: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        for option, value in (("bucket-cap-mb", self.bucket_cap_mb),
+                              ("first-bucket-mb", self.first_bucket_mb)):
+            if not value >= 0:  # nan too
+                raise SpecError(f"ddp-buckets: {option} must be >= 0 MiB (0: one bucket per "
+                                f"gradient; DDP's defaults are 25 and 1), got {value!r}")
 
     def run(self, plan: Plan, ctx: PassContext) -> PassResult:
         sync = ddp_gradient_sync(ctx.workload, plan.stages, self.bucket_cap_mb,

@@ -258,14 +258,27 @@ class Espresso:
     sections: ClassVar[tuple[str, ...]] = ("gradient_sync",)
 
     def __post_init__(self) -> None:
-        check_compressors(self.compressors)
+        allowed = check_compressors(self.compressors)
+        if bad := [d for d in self.devices if d not in ("gpu", "cpu")]:
+            raise SpecError(f"espresso devices: unknown {bad[0]!r}; (de)compression runs on "
+                            "gpu, cpu or both")
+        if "gpu" not in self.devices and any(c not in _CASTS for c in allowed):
+            raise SpecError("espresso needs 'gpu' in devices: CPU options are offloaded "
+                            "GPU decisions (Algorithm 4.2)")
+        if not 0 < self.ratio <= 1:  # nan too
+            raise SpecError(f"espresso: ratio must be in (0, 1] (the fraction of elements "
+                            f"the sparsifiers keep; default {DEFAULT_SPARSITY_RATIO}), got "
+                            f"{self.ratio}")
+        if self.max_compressions < 0:
+            raise SpecError(f"espresso max_compressions={self.max_compressions}: must be >= 0 "
+                            "(0 leaves every gradient uncompressed)")
         if self.screen < 0:
             raise SpecError(f"espresso screen={self.screen}: must be >= 0 (0 turns the "
                             "candidate screen off)")
-        if self.bound_within < 0:
+        if not self.bound_within >= 0:  # nan too
             raise SpecError(f"espresso bound_within={self.bound_within}: must be >= 0 (0 "
                             "turns the stop at the lower bound off)")
-        if self.seed_within < 0:
+        if not self.seed_within >= 0:
             raise SpecError(f"espresso seed_within={self.seed_within}: must be >= 0 (0 sweeps "
                             "from a seed only when it is faster)")
 

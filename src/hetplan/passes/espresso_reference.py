@@ -133,6 +133,9 @@ class EspressoReference:
             raise SpecError(f"espresso-reference: unknown compressor {self.compressor!r}"
                             f"{did_you_mean(self.compressor, known)} (known: "
                             f"{', '.join(known)})")
+        if not 0 < self.ratio <= 1:  # nan too
+            raise SpecError(f"espresso-reference: ratio must be in (0, 1] (the fraction of "
+                            f"elements a sparsifier keeps), got {self.ratio}")
 
     def keys(self, numel: int, nodes: int) -> dict[int, Key]:
         """The plan key of each internal option for a tensor of ``numel`` elements."""

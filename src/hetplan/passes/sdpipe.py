@@ -76,9 +76,10 @@ class SDPipe:
     final_full_average: bool = True
 
     def __post_init__(self) -> None:
-        if self.p < 1:
-            raise SpecError(f"sdpipe{{p={self.p}}}: the connectivity window must be >= 1 "
-                            "(1 means every group is all replicas); the paper uses 10")
+        if not 1 <= self.p <= 1_000_000:
+            raise SpecError(f"sdpipe{{p={self.p}}}: the connectivity window must be in "
+                            "1..1000000 (1 means every group is all replicas); the paper "
+                            "uses 10")
         if self.window_ms is not None and not 0 <= self.window_ms < 1e9:
             raise SpecError(f"sdpipe{{window-ms={self.window_ms}}}: must be >= 0 ms, or "
                             "none for 1/N of the iteration time")

@@ -75,6 +75,7 @@ from hetplan.algorithms.zero_resizing import zero_decision
 from hetplan.cost_models.evaluate import evaluate
 from hetplan.cost_models.tp_shares import rank_shares
 from hetplan.errors import InfeasiblePlanError, SpecError
+from hetplan.ir.fields import MAX_MS
 from hetplan.ir.model import LinearInfo, megatron_pairs
 from hetplan.ir.plan import Plan
 from hetplan.ir.plan_sections import (
@@ -168,9 +169,15 @@ class TPResizing:
                    if self.gamma_max >= 1 else " (a pruning ratio: the share of columns cut)")
             raise SpecError(f"tp-resizing: gamma_max must be in [0, 1), got {self.gamma_max}"
                             + why)
-        if self.straggler_eps < 0:
-            raise SpecError(f"tp-resizing: straggler_eps must be >= 0, got "
-                            f"{self.straggler_eps}")
+        if not 0 <= self.alpha <= 1:  # nan too
+            raise SpecError(f"tp-resizing: alpha must be in [0, 1], got {self.alpha} "
+                            "(PriDiff's decay factor; the paper's is 0.8)")
+        for option, value in (("straggler_eps", self.straggler_eps),
+                              ("theta_iter", self.theta_iter),
+                              ("replan_trigger", self.replan_trigger)):
+            if not 0 <= value <= MAX_MS:  # nan and inf too
+                raise SpecError(f"tp-resizing: {option} must be a finite number >= 0, got "
+                                f"{value}")
 
     def settings(self) -> ResizingController:
         """The controller settings this pass writes."""

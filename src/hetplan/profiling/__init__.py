@@ -70,6 +70,7 @@ from hetplan.profiling.layers import (
 )
 from hetplan.profiling.sparsity import SparsitySpec, profile_sparsity
 from hetplan.profiling.step import profile_optimizer_steps
+from hetplan.runtime.launch import MIN_CPU_PROCESSES, OVERSUBSCRIBE, HostCapacity
 from hetplan.runtime.link_emulation import ENV as EMULATE_ENV
 from hetplan.runtime.link_emulation import emulated_link
 
@@ -171,6 +172,21 @@ def _progress(show: bool) -> Any:
         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
         console=Console(stderr=True), disable=not show,
     )
+
+
+def _check_cpu_processes(**counts: int) -> None:
+    """Refuse to start more gloo processes on this host than `hetplan run` starts without
+    --oversubscribe (:func:`hetplan.runtime.launch.host_problem`): on a 2-core machine -n
+    1000 started a thousand processes that did not finish in minutes."""
+    cpus = HostCapacity.detect().cpu_cores
+    limit = max(MIN_CPU_PROCESSES, OVERSUBSCRIBE * cpus)
+    for key, count in counts.items():
+        option = {"world_size": "--world-size/-n", "layer_processes": "--layer-processes"}[key]
+        if count > limit:
+            raise SpecError(f"{option} {count}: starts {count} CPU processes on this host, "
+                            f"which has {cpus} core(s): more than {limit} ({OVERSUBSCRIBE} per "
+                            f"core, at least {MIN_CPU_PROCESSES}); give {option} {limit} or "
+                            "less")
 
 
 def _collectives(progress: Any, world_size: int, backend: str, sizes: Sequence[int],
@@ -309,6 +325,7 @@ def run_profile(
     if backend is None:
         backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "gloo":  # the layers timed in this process run as the workers do
+        _check_cpu_processes(world_size=world_size, layer_processes=layer_processes)
         apply_cpu_sched(cpu_sched)
     if (not emulate and "collectives" in what and device == "cpu"
             and link_kind not in (None, "loopback")):

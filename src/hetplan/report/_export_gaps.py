@@ -296,8 +296,8 @@ def sync_gaps(view: PlanView, *, engine: str, cast: Literal["uniform", "no"] = "
     plan whose every strategy casts to the same dtype keeps it. ``bucket_knob`` names the
     engine's bucket-size setting (empty: it has none)."""
     sync = view.plan.gradient_sync
-    if sync is None:
-        return []
+    if sync is None or not (sync.strategies or sync.tensors or sync.buckets):
+        return []  # (an empty section reads as none: every gradient one fp32 allreduce)
     used = used_strategies(sync)
     out: list[Unexpressed] = []
     compressed = sorted({s.compressor for s in used.values() if isinstance(s, CompressedSync)})

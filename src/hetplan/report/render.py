@@ -89,7 +89,12 @@ def _strategy(lay: dict[str, Any]) -> str:
         parts = [f"precision {prec['policy']} ({dtypes})"]
     else:
         parts = ["precision as cost settings"]
-    parts.append(f"ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "no ZeRO")
+    # a heterogeneous plan's ZeRO stage is per stage (its layout's is 0)
+    zeros = [row["zero_stage"] for row in lay.get("hetero", {}).get("stages", ())]
+    if any(zeros):
+        parts.append("ZeRO per stage " + " ".join(str(z) for z in zeros))
+    else:
+        parts.append(f"ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "no ZeRO")
     if lay.get("sequence_parallel"):
         parts.append("sequence parallel")
     modes = lay.get("recompute") or []
@@ -185,10 +190,13 @@ def _tp(report: dict[str, Any], c: Console) -> None:
         gam_text = ("no straggler" if not gam else
                     f"γ {lo:.3f}{'' if lo == hi else f'–{hi:.3f}'} on "
                     f"{len(gam)} rank(s) {ranges(sorted(int(r) for r in gam))}")
+        def speedup(x: float | None) -> str:  # None: over 0 ms (an edited prediction)
+            return "—" if x is None else f"{x:.2f}×"
+
         c.print(f"  predicted iteration: even shards {pred['even_ms']:.3f} ms, skewed "
-                f"{pred['skewed_ms']:.3f} ms ({pred['skew_speedup']:.2f}×)")
+                f"{pred['skewed_ms']:.3f} ms ({speedup(pred['skew_speedup'])})")
         c.print(f"  even shards + controller: {pred['controller_ms']:.3f} ms "
-                f"({pred['controller_speedup']:.2f}×, lossy; {gam_text})")
+                f"({speedup(pred['controller_speedup'])}, lossy; {gam_text})")
 
 
 def _sparse(rows: list[dict[str, Any]], c: Console) -> None:

@@ -131,7 +131,10 @@ def _distinct(a: float, b: float) -> tuple[str, str]:
 def _timed_stages(plan: Plan, ev: Any) -> tuple[Stage, ...]:
     """The plan's stages with the per-micro-batch times and peak memory of evaluation
     ``ev``, as the planner writes them (``compile`` / ``compile_hetero``), validated (so
-    rounded as read from a file)."""
+    rounded as read from a file). A plan without a pipeline may list no stages (the
+    evaluation then times the model as one): none to time."""
+    if not plan.stages:
+        return plan.stages
     if isinstance(ev, HeteroEvaluation):
         times = list(zip(ev.fwd_s, ev.bwd_s))
     else:

@@ -38,7 +38,8 @@ def load_trace(data: Any, path: str = "trace") -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise SpecError(f"{path}: not a trace-event file (no traceEvents list); write one with "
                         "`hetplan run PLAN --trace FILE`")
-    meta = (data.get("otherData") or {}).get("hetplan")
+    other = data.get("otherData")
+    meta = other.get("hetplan") if isinstance(other, dict) else None
     if not isinstance(meta, dict):
         raise SpecError(f"{path}: otherData.hetplan is missing: not a trace of `hetplan run "
                         "--trace`")

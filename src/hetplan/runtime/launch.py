@@ -324,11 +324,18 @@ def preflight(
 
         shape = (plan.hetero.describe() if plan.hetero is not None
                  else f"dp={layout.dp} pp={layout.pp} tp={layout.tp}")
+        per_node, nodes = _option(cmd, "nproc-per-node"), _option(cmd, "nnodes") or "1"
+        # the options given after --: --standalone is there unless --nnodes/--rdzv were;
+        # --nproc-per-node is set from the plan (its cluster's devices per node) unless given
+        spec = plan.cluster.spec
+        planned = need if "--standalone" in cmd else (spec.devices_per_node if spec else None)
+        given = [o for o, g in (("--nproc-per-node", per_node != str(planned)),
+                                ("--nnodes", "--standalone" not in cmd)) if g]
         raise PlanMismatchError(
             f"the plan needs {need} processes ({shape}) but torchrun would start {world} "
-            "(--nproc-per-node × --nnodes); "
-            "drop --nproc-per-node (hetplan run sets it from the plan) or re-plan for "
-            f"{world} ranks"
+            f"(--nproc-per-node {per_node} × --nnodes {nodes}); "
+            f"drop {' and '.join(given or ['--nproc-per-node'])} (hetplan run sets the "
+            f"processes from the plan) or re-plan for {world} ranks"
         )
     if host is not None and (why := host_problem(plan, cmd, host, oversubscribe=oversubscribe)):
         raise SpecError(why)
