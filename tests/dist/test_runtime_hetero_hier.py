@@ -114,7 +114,7 @@ def _plan() -> Plan:
         StageShape(stage=0, device_class="cpu@fast", dp=1, tp=1, micro_batch_size=MB,
                    zero_stage=0),
         StageShape(stage=1, device_class="cpu@slow", dp=4, tp=1, micro_batch_size=MB // 4,
-                   zero_stage=1)), search=searched.hetero.search)
+                   zero_stage=1)))  # no search record: the search ran at another batch
     return Plan(model=searched.model, cluster=searched.cluster, layout=layout, stages=stages,
                 pipeline_actions=layout_actions(layout), hetero=hetero,
                 cost_settings=searched.cost_settings, precision=searched.precision)

@@ -219,7 +219,9 @@ def _mixed_2x2() -> CostModel:
 
 
 def _compiled(workload: WorkloadSummary, costs: CostModel, passes: tuple[Pass, ...]) -> Plan:
-    return compile_hetero(workload, costs, 64, micro_batch=16,
+    # a batch at which data parallelism pays: at 64 samples the optimizer step's kernel
+    # launches, which do not shrink with dp, make two dp=1 stages faster
+    return compile_hetero(workload, costs, 1024, micro_batch=256,
                           model_ref=ModelRef(name="gpt-test", fingerprint="test", num_params=1,
                                              workload=workload),
                           cluster_ref=ClusterRef.from_cluster(costs.cluster),
@@ -247,6 +249,30 @@ def test_compile_hetero_with_passes_is_byte_identical_and_chooses_zero_per_stage
     # `hetplan simulate` re-predicts it from the plan alone, per-stage sync included
     again = simulate(Plan.from_json(a.to_json()), cluster=costs.cluster)
     assert again.iteration_time_ms == a.predictions.iteration_time_ms
+
+
+def test_each_stages_optimizer_step_is_priced_as_evaluate_prices_its_projection(
+        workload: WorkloadSummary, costs: CostModel) -> None:
+    """The step of a heterogeneous plan is the slowest stage's, each priced as a
+    homogeneous plan of its own (kernel launches included): it was the bytes alone, 0.000
+    ms for a small model whose homogeneous plan paid 0.65 ms of launches, which made
+    `--hetero auto` compare a plan without its step against one with it."""
+    from hetplan.cost_models.ddp import ddp_gradient_sync
+
+    plan = _plan(workload, costs)
+    assert plan.layout is not None and plan.hetero is not None
+    synced = run_hetero_passes(plan, [DDPBuckets()], costs).gradient_sync
+    want = 0.0
+    for st, shape in zip(plan.stages, plan.hetero.stages):
+        p = stage_projection(workload, plan.layout, st, shape)
+        alone = evaluate(p.workload, p.layout, (p.stage,), ddp_gradient_sync(
+            p.workload, (p.stage,)), costs, check_memory=False)
+        want = max(want, alone.optimizer_s)
+    assert want > 1e-4  # launches: far above the bytes of gpt-test's parameters
+    for sync in (None, synced):  # the search's closed form and the passes' per-stage sync
+        ev = evaluate_hetero(workload, plan.layout, plan.stages, plan.hetero, costs,
+                             gradient_sync=sync, check_memory=False)
+        assert ev.optimizer_s == want
 
 
 def test_allowing_compressors_never_predicts_slower(workload: WorkloadSummary) -> None:

@@ -1361,6 +1361,14 @@ def _action_ops(
     return tuple(ops)
 
 
+def optimizer_step_s(workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout,
+                     costs: CostModel) -> float:
+    """The optimizer step of the slowest pipeline rank of ``stages`` under ``layout``, as
+    :func:`evaluate` prices it (see :func:`_optimizer_s`): what a heterogeneous plan's
+    stages are priced with too, each on its projection as a plan of its own."""
+    return _optimizer_s(workload, stages, layout, costs)
+
+
 def _optimizer_s(
     workload: WorkloadSummary, stages: tuple[Stage, ...], layout: Layout, costs: CostModel,
     tp_section: TensorParallel | None = None,

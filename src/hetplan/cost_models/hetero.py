@@ -18,7 +18,10 @@ Three things, all from the one :class:`~hetplan.cost_models.costs.CostModel`:
 3. **Prediction** (:func:`evaluate_hetero`): a plan with a ``hetero`` section: stage times
    with :func:`stage_times` on each stage's own layout, the pipeline (1F1B, GPipe where the
    plan names it, or the plan's own hand-edited action lists) simulated with
-   the resharding transfers on its links, each stage's exposed sync and optimizer step,
+   the resharding transfers on its links, each stage's exposed sync and optimizer step
+   (the step as :func:`~hetplan.cost_models.evaluate.evaluate` prices it, on the stage's
+   projection: the bytes its kernels move and a launch per kernel, or the profile's
+   measured step; the search's tables count the bytes only, a floor),
    and every rank's memory at the peak of its action list. With a ``gradient_sync``
    section, each stage's sync is the per-bucket DP timeline
    :func:`~hetplan.cost_models.evaluate.evaluate` runs, over that stage's own
@@ -54,7 +57,8 @@ from hetplan.algorithms.dp_types import DPTimeline
 from hetplan.algorithms.hetero_search import HeteroProblem, StageOption
 from hetplan.cost_models.costs import CostModel
 from hetplan.cost_models.engine_memory import tied_head_copy
-from hetplan.cost_models.evaluate import Evaluation, StageCost, edited_lists, evaluate
+from hetplan.cost_models.evaluate import (Evaluation, StageCost, edited_lists, evaluate,
+                                          optimizer_step_s)
 from hetplan.cost_models.memory import (
     ALLOCATOR_MARGIN,
     MOMENT_BYTES,
@@ -615,6 +619,7 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
             exposed.append(max(cost.exposed_sync_s, 0.0))
             costs_of.append(cost)
             timelines.append(proj.dp_timelines[0])
+            steps.append(proj.optimizer_s)
         else:
             s = sync_s(costs, elems * prec.grad_bytes, shape.dp, shape.tp, cross,
                        shape.zero_stage)
@@ -622,8 +627,8 @@ def evaluate_hetero(workload: WorkloadSummary, layout: Layout, stages: Sequence[
             exposed.append(max(s - b, 0.0) if costs.dp_overlap == "backward" else s)
             costs_of.append(StageCost(fwd[k], b, tp_comm[k], exposed[-1], s, 0.0, sources[k]))
             timelines.append(None)
-        per_elem = _step_bytes(prec, costs.optimizer) / (shape.dp if shape.zero_stage else 1)
-        steps.append(per_elem * elems / dev.mem_bandwidth_bytes_per_s)
+            part = stage_projection(workload, layout, st, shape)
+            steps.append(optimizer_step_s(part.workload, (part.stage,), part.layout, costs))
     optimizer = max(steps)
     iteration = max(e + x for e, x in zip(ends, exposed)) + optimizer
     memory = _memory(workload, layout, stages, hetero, costs, edited)

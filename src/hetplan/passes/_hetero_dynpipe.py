@@ -222,7 +222,9 @@ def _notes(phases: Sequence[StagePhase], events: Sequence[EventRecord], initial:
            model: PhaseModel, speedup: float, shapes: str) -> tuple[str, ...]:
     """One line per phase: its static and re-balanced predicted iteration and stages."""
     out = [f"re-balancing between the stages {shapes} (each keeps its device class and "
-           f"degrees): predicted speedup over the static stages {speedup:.3f}x"]
+           f"degrees): predicted speedup over the static stages {speedup:.3f}x; each phase's "
+           "times are the pipeline's alone (the plan's prediction adds the gradient sync "
+           "and optimizer step, which the boundaries move little)"]
     bounds = initial
     by_start = {e.iteration: e for e in events}
     for k, ph in enumerate(phases):
