@@ -113,6 +113,47 @@ def test_inputs_of_the_wrong_shape_blame_the_inputs() -> None:
     assert "check the example inputs' shapes" in msg
 
 
+@pytest.mark.parametrize("args, kwargs, torch_says", [
+    ((X, X), {}, "too many positional arguments"),
+    ((), {}, "missing a required argument: 'x'"),
+    ((X,), {"mask": X}, "unexpected keyword argument 'mask'"),
+])
+def test_inputs_that_do_not_fit_forwards_signature_blame_the_inputs(
+        args: tuple, kwargs: dict, torch_says: str) -> None:
+    # before, these were blamed on code in the top-level forward, with the advice to move
+    # it into a submodule and make that opaque
+    with pytest.raises(TraceError) as exc:
+        capture(Outer(Reads), args, kwargs)
+    msg = str(exc.value)
+    assert "the example inputs do not fit it" in msg and torch_says in msg
+    assert "check the example inputs' shapes" in msg and "opaque" not in msg
+
+
+def test_example_kwargs_that_are_not_a_mapping_are_refused() -> None:
+    # before: TypeError "cannot convert dictionary update sequence element #0 to a sequence"
+    with pytest.raises(TraceError, match="example_kwargs must be a mapping of keyword names "
+                                         "to inputs, got list"):
+        capture(Outer(Reads), X, [X])
+
+
+def test_uninitialized_lazy_modules_are_refused_by_name() -> None:
+    # before: a raw RuntimeError from torch ("Can't access the shape of an uninitialized
+    # parameter"), an internal error
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
+    with pytest.raises(TraceError) as exc:
+        capture(model, X)
+    msg = str(exc.value)
+    assert exc.value.module == "1" and "uninitialized (lazy) parameter '1.weight'" in msg
+    assert "run one forward" in msg
+
+
+def test_a_capture_at_micro_batch_0_is_refused() -> None:
+    # before: captured with every FLOP and activation 0, and compile() of it ended in a
+    # ValueError ("batch_size must be >= 1, got 0")
+    with pytest.raises(SpecError, match="the example inputs hold 0 samples"):
+        capture(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), torch.empty(0, 4))
+
+
 # -- factories (--module pkg.mod:factory) -------------------------------------------------------
 FACTORIES = """
 import torch

@@ -537,12 +537,17 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
       owned parameter), and the owned elements add up to ``num_params``;
     - every gradient tensor names an owned, trainable parameter of the layer it claims,
       with matching size, each at most once, and every trainable parameter has one;
+    - the capture's micro-batch (the first dimension of the first input) is at least 1;
     - sizes and FLOPs are non-negative, a linear's ``split_unit`` positive and a divisor of
       the features it splits (a row linear's input, any other's output).
     """
     at = f"{where}: " if where else ""
     if not ir.layers:
         raise SpecError(f"{at}the workload has no layers")
+    if ir.input_shapes and ir.input_shapes[0] and ir.input_shapes[0][0] < 1:
+        raise SpecError(f"{at}the example inputs hold 0 samples (the first input's shape is "
+                        f"{tuple(ir.input_shapes[0])}, its first dimension the micro-batch): "
+                        "capture one micro-batch of at least 1 sample")
     names: set[str] = set()
     owned: dict[str, tuple[int, int]] = {}  # param name -> (layer index, numel)
     trainable: set[str] = set()
