@@ -32,7 +32,7 @@ from pydantic import (
 
 from hetplan.cost_models.pipeline import SCHEDULES
 from hetplan.errors import SpecError
-from hetplan.ir.fields import MAX_COUNT
+from hetplan.ir.fields import MAX_COUNT, strict_float, strict_int
 from hetplan.ir.rebalancing import DynamicsSpec
 from hetplan.ir.validation import did_you_mean, format_validation_error
 from hetplan.passes import DEFAULT_PIPELINE, get_all_passes
@@ -107,6 +107,18 @@ class CompileOptions(BaseModel):
     tp_controller: Literal["off", "zero", "migration", "semi"] = "off"
     tp_gamma_max: float = 0.9
     progress: bool | None = None
+
+    @field_validator("batch_size", "seq", "dp", "pp", "tp", "micro_batch_size", "virtual_stages",
+                     "zero_stage", mode="before")
+    @classmethod
+    def _strict_int(cls, v: Any) -> Any:
+        """A boolean or a string is not a count (pydantic would read True as 1, "8" as 8)."""
+        return v if v is None else strict_int(v)
+
+    @field_validator("efficiency", "tp_gamma_max", mode="before")
+    @classmethod
+    def _strict_float(cls, v: Any) -> Any:
+        return strict_float(v)
 
     @field_validator("schedule")
     @classmethod
