@@ -161,6 +161,34 @@ def test_a_yaml_alias_bomb_is_refused(tmp_path: Path) -> None:
     refused(path, "more than 2,000,000 values")
 
 
+MERGED_NODES = """\
+name: two-node-groups
+nodes:
+- &node
+  name: a
+  count: 1
+  devices: [{type: cpu, count: 2}]
+  cpu_cores: 2
+  intra_link: {kind: loopback, bandwidth_gbps: 7.5, latency_us: 800.0}
+- <<: *node
+  name: b
+%s
+inter_node: {kind: ethernet, bandwidth_gbps: 10.0, latency_us: 25.0}
+"""
+
+
+def test_yaml_merge_keys_are_read(tmp_path: Path) -> None:
+    # before: "could not determine a constructor for the tag 'tag:yaml.org,2002:merge'",
+    # with a hint about indentation; a key written next to '<<' overrides the merged one
+    spec = ClusterSpec.load(write(tmp_path, "merged.yaml", MERGED_NODES % ""))
+    assert [n.name for n in spec.nodes] == ["a", "b"]
+    assert spec.nodes[1].cpu_cores == 2 and spec.world_size == 4
+
+
+def test_a_key_written_twice_next_to_a_merge_key_is_still_refused(tmp_path: Path) -> None:
+    refused(write(tmp_path, "merged.yaml", MERGED_NODES % "  name: c"), "duplicate key 'name'")
+
+
 def test_unhashable_yaml_key_is_a_spec_error(tmp_path: Path) -> None:
     refused(write(tmp_path, "c.yaml", "? [a, b]\n: 1\n"), "a key must be a plain value")
 

@@ -64,7 +64,12 @@ _SAFE_LOADER: type[yaml.SafeLoader] = cast(
 
 
 class _UniqueKeyLoader(_SAFE_LOADER):
-    """A safe loader that rejects a key written twice in one mapping (PyYAML keeps the last)."""
+    """A safe loader that rejects a key written twice in one mapping (PyYAML keeps the last).
+    Merge keys (``<<: *anchor``) are read as the safe loader reads them: a key written in
+    the mapping itself overrides a merged one."""
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def _construct_unique_mapping(
@@ -72,6 +77,8 @@ def _construct_unique_mapping(
 ) -> dict[Any, Any]:
     seen: dict[Any, yaml.Mark] = {}
     for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG:  # flatten_mapping below merges it
+            continue
         key = loader.construct_object(key_node, deep=deep)
         if not isinstance(key, typing.Hashable):
             raise yaml.constructor.ConstructorError(
