@@ -223,3 +223,14 @@ def test_output_paths_are_checked_and_never_created(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="is a directory"):
         check_output_path(tmp_path, option="-o")
     assert check_output_path(tmp_path / "x.json", option="-o") == tmp_path / "x.json"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_path_the_file_system_refuses_is_refused_before_work(tmp_path: Path) -> None:
+    # before, as root (os.access says yes to root whatever the file system allows) this
+    # passed, and the command did its work and then ended in "internal error:
+    # PermissionError ... This is a bug in hetplan"
+    with pytest.raises(SpecError, match="^-o '/proc/hetplan-out.json' cannot be written"):
+        check_output_path("/proc/hetplan-out.json", option="-o")
+    check_output_path(tmp_path / "x.json", option="-o")
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
