@@ -234,3 +234,41 @@ def test_an_output_path_the_file_system_refuses_is_refused_before_work(tmp_path:
         check_output_path("/proc/hetplan-out.json", option="-o")
     check_output_path(tmp_path / "x.json", option="-o")
     assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+
+
+def _workload() -> dict[str, Any]:
+    from hetplan.ir.model import GradTensor, LayerIR, LayerKind, ModelIR, ParamInfo
+
+    layer = LayerIR(index=0, name="fc", kind=LayerKind.LINEAR, module_type="Linear",
+                    params=(ParamInfo(name="fc.weight", shape=(4, 4), dtype="float32",
+                                      numel=16, size_bytes=64),),
+                    fwd_flops=128, bwd_flops=256, act_in_bytes=32, act_out_bytes=32)
+    grad = GradTensor(name="fc.weight", numel=16, size_bytes=64, dtype="float32", layer="fc",
+                      layer_index=0)
+    ir = ModelIR(name="m", layers=(layer,), grad_tensors=(grad,), num_params=16, method="fx",
+                 input_shapes=((2, 4),), input_dtypes=("float32",))
+    data: dict[str, Any] = json.loads(ir.to_json())
+    return data
+
+
+@pytest.mark.parametrize("path, value, kind", [
+    (("layers", 0, "fwd_flops"), True, "a boolean"),
+    (("layers", 0, "act_out_bytes"), "32", "a string"),
+    (("layers", 0, "params", 0, "numel"), True, "a boolean"),
+    (("grad_tensors", 0, "size_bytes"), "64", "a string"),
+    (("num_params",), True, "a boolean"),
+    (("input_shapes", 0, 0), True, "a boolean"),
+])
+def test_workload_numbers_are_strict(tmp_path: Path, path: tuple[Any, ...], value: object,
+                                     kind: str) -> None:
+    # before, a workload with fwd_flops: true was read as 1 FLOP and planned
+    from hetplan.ir.model import ModelIR
+
+    data = _workload()
+    ModelIR.load(write(tmp_path, "ok.json", json.dumps(data)))
+    target: Any = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(SpecError, match=f"expected an integer, got {kind}"):
+        ModelIR.load(write(tmp_path, "w.json", json.dumps(data)))
