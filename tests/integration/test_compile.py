@@ -427,3 +427,22 @@ def test_finalist_search_matches_refining_every_layout(tiny_gpt2: ModelIR,
     assert quick.predictions is not None and full.predictions is not None
     assert quick.predictions.iteration_time_ms == full.predictions.iteration_time_ms
     assert quick.layout == full.layout
+
+
+def test_a_workload_path_is_loaded_whatever_its_suffix(tmp_path: Path) -> None:
+    # before, a Path not ending in ".json" was taken for an nn.Module ("compile() of an
+    # nn.Module needs example_inputs") and a str ending in ".JSON" for a zoo name
+    import torch
+
+    from hetplan.errors import SpecError
+    from hetplan.ir.capture import capture
+
+    ir = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                 torch.randn(1, 4))
+    ir.save(tmp_path / "w.workload")
+    ir.save(tmp_path / "w.JSON")
+    for model in (tmp_path / "w.workload", tmp_path / "w.JSON", str(tmp_path / "w.JSON")):
+        plan = compile(model, "local-cpu", batch_size=8)
+        assert plan.model.fingerprint == ir.fingerprint()
+    with pytest.raises(SpecError, match="this is a cluster spec, not a workload"):
+        compile(REPO / "examples" / "clusters" / "local-cpu.yaml", "local-cpu", batch_size=8)

@@ -311,8 +311,8 @@ def _compile(
 
 def model_ir(model: Any, example_inputs: Any = None, example_kwargs: Any = None,
              seq: int | None = None) -> ModelIR:
-    """The model IR :func:`compile` plans: ``model`` itself if it is one, a workload JSON
-    path loaded, a zoo name or an ``nn.Module`` captured (on the meta device, at batch 1 for
+    """The model IR :func:`compile` plans: ``model`` itself if it is one, a workload file
+    loaded (a ``Path``, or a ``str`` ending in ``.json``), a zoo name or an ``nn.Module`` captured (on the meta device, at batch 1 for
     a zoo name). The CLI calls it to time the capture apart from the planning."""
     return _workload(model, example_inputs, example_kwargs, seq)
 
@@ -320,7 +320,8 @@ def model_ir(model: Any, example_inputs: Any = None, example_kwargs: Any = None,
 def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | None) -> ModelIR:
     if isinstance(model, ModelIR):
         return model
-    if isinstance(model, (str, Path)) and str(model).endswith(".json"):
+    if isinstance(model, Path) or (isinstance(model, str)
+                                   and model.lower().endswith(".json")):
         return ModelIR.load(model)
     from hetplan.ir.capture import capture
 
