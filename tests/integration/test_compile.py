@@ -446,3 +446,19 @@ def test_a_workload_path_is_loaded_whatever_its_suffix(tmp_path: Path) -> None:
         assert plan.model.fingerprint == ir.fingerprint()
     with pytest.raises(SpecError, match="this is a cluster spec, not a workload"):
         compile(REPO / "examples" / "clusters" / "local-cpu.yaml", "local-cpu", batch_size=8)
+
+
+@pytest.mark.parametrize("arg, value, expected", [
+    ("cluster", 3, "cluster: expected a ClusterSpec, a preset name or a cluster file path, "
+                   "got int"),
+    ("cluster", None, "got NoneType"),
+    ("profile", 3, "profile: expected a ProfileDB or a profile DB file path, got int"),
+])
+def test_a_cluster_or_profile_of_the_wrong_type_is_named(arg: str, value: object,
+                                                        expected: str) -> None:
+    # before: a raw TypeError from pathlib that named neither argument
+    from hetplan.errors import SpecError
+
+    kwargs: dict[str, Any] = {"cluster": "local-cpu", "profile": None, arg: value}
+    with pytest.raises(SpecError, match=expected):
+        compile("mlp", kwargs.pop("cluster"), batch_size=8, **kwargs)

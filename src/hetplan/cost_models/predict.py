@@ -16,6 +16,7 @@ without importing the search.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,9 @@ def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
     """A ClusterSpec from a spec, a preset name or a YAML/JSON file path."""
     if isinstance(cluster, ClusterSpec):
         return cluster
+    if not isinstance(cluster, (str, PathLike)):
+        raise SpecError("cluster: expected a ClusterSpec, a preset name or a cluster file "
+                        f"path, got {type(cluster).__name__}")
     path = Path(cluster)
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():
         return ClusterSpec.load(path)
@@ -60,6 +64,9 @@ def resolve_profile(profile: ProfileDB | str | Path | None) -> ProfileDB | None:
     """A ProfileDB from a DB or its path; ``None`` stays ``None`` (analytic costs)."""
     if profile is None or isinstance(profile, ProfileDB):
         return profile
+    if not isinstance(profile, (str, PathLike)):
+        raise SpecError("profile: expected a ProfileDB or a profile DB file path, got "
+                        f"{type(profile).__name__}")
     return ProfileDB.load(profile)
 
 
