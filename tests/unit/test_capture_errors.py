@@ -231,3 +231,35 @@ def test_a_module_that_raises_on_import(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TraceError, match="importing 'explodes_on_import' raised ValueError"):
         load_factory("explodes_on_import:f")
+
+
+class Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).detach())
+
+
+class Argmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).argmax(-1)
+
+
+@pytest.mark.parametrize("model, names", [(Detached(), "['body.weight', 'body.bias']"),
+                                          (Argmax(), "['fc.weight', 'fc.bias']")])
+def test_parameters_no_gradient_reaches_are_named_with_the_cause(model: nn.Module,
+                                                                 names: str) -> None:
+    # before: "trainable parameters with no gradient tensor: [...]", the IR invariant's
+    # message, with neither the cause nor the fix
+    with pytest.raises(TraceError) as exc:
+        capture(model, X)
+    msg = str(exc.value)
+    assert f"no gradient reaches the trainable parameters {names}" in msg
+    assert ".detach()" in msg and "requires_grad=False" in msg
