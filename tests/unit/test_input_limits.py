@@ -272,3 +272,22 @@ def test_workload_numbers_are_strict(tmp_path: Path, path: tuple[Any, ...], valu
     target[path[-1]] = value
     with pytest.raises(SpecError, match=f"expected an integer, got {kind}"):
         ModelIR.load(write(tmp_path, "w.json", json.dumps(data)))
+
+
+def test_a_workload_that_is_a_directory_binary_or_too_large_is_refused(tmp_path: Path) -> None:
+    # before: a directory "does not exist", a binary file was an internal UnicodeDecodeError
+    # and a file of any size was read whole
+    from hetplan.ir.model import ModelIR
+
+    with pytest.raises(SpecError, match="is not a regular file; pass the path of a file"):
+        ModelIR.load(tmp_path)
+    binary = tmp_path / "w.json"
+    binary.write_bytes(b"\xd7\xff" * 100)
+    with pytest.raises(SpecError, match="w.json: the workload file is not UTF-8 text"):
+        ModelIR.load(binary)
+    with binary.open("wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)
+    with pytest.raises(SpecError, match=f"at most {MAX_FILE_BYTES // 2**20} MiB"):
+        ModelIR.load(binary)
+    with pytest.raises(SpecError, match="workload file '.*nope.json' does not exist"):
+        ModelIR.load(tmp_path / "nope.json")

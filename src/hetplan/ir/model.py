@@ -491,10 +491,12 @@ class ModelIR:
 
     @classmethod
     def load(cls, path: str | Path) -> ModelIR:
+        from hetplan.ir.files import read_text_file
+
         p = Path(path)
-        if not p.is_file():
+        if not p.exists():
             raise SpecError(f"workload file {str(p)!r} does not exist")
-        return cls.from_json(p.read_text(), where=str(p))
+        return cls.from_json(read_text_file(p, what="workload"), where=str(p))
 
 
 _ADAPTER: TypeAdapter[ModelIR] = TypeAdapter(ModelIR)
