@@ -15,6 +15,7 @@ one bucket leaves nothing to overlap with backprop.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -462,3 +463,22 @@ def test_a_cluster_or_profile_of_the_wrong_type_is_named(arg: str, value: object
     kwargs: dict[str, Any] = {"cluster": "local-cpu", "profile": None, arg: value}
     with pytest.raises(SpecError, match=expected):
         compile("mlp", kwargs.pop("cluster"), batch_size=8, **kwargs)
+
+
+@pytest.mark.parametrize("model, options, expected", [
+    (None, None, "model: expected a zoo name, an nn.Module (with example_inputs), a ModelIR or "
+                 "a workload file path, got NoneType"),
+    (3, None, "got int"),
+    ("mlp", {"batch_size": 8}, "options: expected a CompileOptions, got dict; pass the options "
+                               "as keywords"),
+    ("mlp", "8", "options: expected a CompileOptions, got str"),
+])
+def test_a_model_or_options_of_the_wrong_type_is_named(model: object, options: object,
+                                                       expected: str) -> None:
+    # before: None or 3 as the model was told "compile() of an nn.Module needs
+    # example_inputs", and a dict of options ended in an AttributeError ('model_dump')
+    from hetplan.errors import SpecError
+
+    kwargs: dict[str, Any] = {} if options is not None else {"batch_size": 8}
+    with pytest.raises(SpecError, match=re.escape(expected)):
+        compile(model, "local-cpu", options, **kwargs)  # type: ignore[arg-type]

@@ -331,6 +331,9 @@ def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | N
         entry = zoo.get(model)
         args, kwargs = zoo.example_inputs(entry.name, batch=1, seq=seq)
         return capture(zoo.build(entry.name), args, kwargs, name=entry.name)
+    if not callable(getattr(model, "named_parameters", None)):  # not an nn.Module
+        raise SpecError("model: expected a zoo name, an nn.Module (with example_inputs), a "
+                        f"ModelIR or a workload file path, got {type(model).__name__}")
     if example_inputs is None:
         raise SpecError(
             "compile() of an nn.Module needs example_inputs (one micro-batch, ideally of size 1)"

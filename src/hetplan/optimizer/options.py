@@ -180,6 +180,10 @@ class CompileOptions(BaseModel):
         Raises:
             SpecError: an unknown option (with a suggestion) or a value out of range.
         """
+        if options is not None and not isinstance(options, CompileOptions):
+            raise SpecError(f"options: expected a CompileOptions, got {type(options).__name__}; "
+                            "pass the options as keywords (batch_size=8, ...) or as "
+                            "CompileOptions(batch_size=8, ...)")
         data = options.model_dump() if options is not None else {}
         if options is not None:
             data["passes"] = options.passes  # keep pass instances as they are
