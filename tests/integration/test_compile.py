@@ -482,3 +482,17 @@ def test_a_model_or_options_of_the_wrong_type_is_named(model: object, options: o
     kwargs: dict[str, Any] = {} if options is not None else {"batch_size": 8}
     with pytest.raises(SpecError, match=re.escape(expected)):
         compile(model, "local-cpu", options, **kwargs)  # type: ignore[arg-type]
+
+
+def test_simulate_takes_a_plan_file_and_names_anything_else(tmp_path: Path) -> None:
+    # before: simulate("plan.json") ended in AttributeError: 'str' object has no attribute
+    # 'model' (compile takes paths for its model, cluster and profile)
+    from hetplan.errors import SpecError
+
+    plan = compile("mlp", "local-cpu", batch_size=8)
+    plan.save(tmp_path / "p.json")
+    assert plan.predictions is not None
+    for given in (tmp_path / "p.json", str(tmp_path / "p.json")):
+        assert simulate(given).iteration_time_ms == plan.predictions.iteration_time_ms
+    with pytest.raises(SpecError, match="plan: expected a Plan or a plan file path, got dict"):
+        simulate({})  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ from hetplan.cost_models.evaluate import Evaluation, StageCost, evaluate
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import PlanMismatchError, SpecError
 from hetplan.ir.cluster import ClusterSpec
-from hetplan.ir.plan import Plan
+from hetplan.ir.plan import Plan, load_plan
 from hetplan.ir.plan_checks import plan_problems
 from hetplan.ir.plan_sections import (
     Baseline,
@@ -192,12 +192,13 @@ def plan_costs(
 
 
 def simulate(
-    plan: Plan,
+    plan: Plan | str | Path,
     *,
     cluster: ClusterSpec | str | Path | None = None,
     profile: ProfileDB | str | Path | None = None,
 ) -> Predictions:
-    """Re-predict ``plan`` from the plan alone (its workload summary and embedded cluster).
+    """Re-predict ``plan`` (a plan, or its file) from the plan alone (its workload summary
+    and embedded cluster).
 
     A hand-edited plan (buckets, stages, layout, the pipeline's action lists) is re-evaluated
     as it stands: the pipeline is simulated over the plan's own ``pipeline_actions``, the
@@ -209,6 +210,11 @@ def simulate(
         SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
         InfeasiblePlanError: a rank runs out of memory.
     """
+    if isinstance(plan, (str, PathLike)):
+        plan = load_plan(plan)
+    elif not isinstance(plan, Plan):
+        raise SpecError("plan: expected a Plan or a plan file path, got "
+                        f"{type(plan).__name__}")
     return evaluate_plan(plan, cluster=cluster, profile=profile)[1]
 
 
