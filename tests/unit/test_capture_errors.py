@@ -263,3 +263,10 @@ def test_parameters_no_gradient_reaches_are_named_with_the_cause(model: nn.Modul
     msg = str(exc.value)
     assert f"no gradient reaches the trainable parameters {names}" in msg
     assert ".detach()" in msg and "requires_grad=False" in msg
+
+
+def test_one_opaque_module_may_be_given_as_a_string() -> None:
+    # before: the string was read as a list of one-letter names ("opaque_modules names 'i',
+    # which is not a module of Outer")
+    ir = capture(Outer(Reads), X, opaque_modules="inner")
+    assert [layer.name for layer in ir.layers] == ["inner", "head"]

@@ -96,7 +96,8 @@ def capture(
             for their shape and dtype). A single tensor may be passed bare.
         example_kwargs: keyword inputs (e.g. ``{"use_cache": False}`` for HF LMs).
         name: the IR's name (default: the model's class name).
-        opaque_modules: qualified names of modules to treat as opaque leaves (see module doc).
+        opaque_modules: qualified names of modules to treat as opaque leaves (see module doc;
+            one name may be given as a string).
         method: ``"auto"`` (fx, then torch.export), ``"fx"`` or ``"export"``.
         reuse_blocks: trace each long list of identical blocks once and replicate it in the
             IR (:mod:`hetplan.ir.block_reuse`); the result equals a full capture. False
@@ -128,7 +129,7 @@ def capture(
     kwargs = _example_kwargs(example_kwargs)
     _check_inputs_fit_forward(model, tuple(example_inputs), kwargs)
     _check_no_lazy_parameters(model)
-    opaque = tuple(opaque_modules)
+    opaque = _opaque_names(opaque_modules)
     _check_opaque_names(model, opaque)
 
     meta_model = _meta_clone(model)
@@ -175,7 +176,7 @@ def capture_dataflow(
     """
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    opaque = tuple(opaque_modules)
+    opaque = _opaque_names(opaque_modules)
     _check_opaque_names(model, opaque)
     meta_model = _meta_clone(model)
     args = tree_map(_to_meta, tuple(example_inputs))
@@ -212,6 +213,13 @@ def _capture_once(
     return dataclasses.replace(ir, layers=tuple(
         dataclasses.replace(lay, cut_bytes_after=c, cuttable_before=ok)
         for lay, c, ok in zip(ir.layers, cut, cuttable, strict=True)))
+
+
+def _opaque_names(opaque_modules: Iterable[str]) -> tuple[str, ...]:
+    """``opaque_modules`` as a tuple of names; one name may be given as a plain string."""
+    if isinstance(opaque_modules, str):
+        return (opaque_modules,)
+    return tuple(opaque_modules)
 
 
 def _example_kwargs(example_kwargs: Any) -> dict[str, Any]:
