@@ -312,8 +312,9 @@ def _compile(
 def model_ir(model: Any, example_inputs: Any = None, example_kwargs: Any = None,
              seq: int | None = None) -> ModelIR:
     """The model IR :func:`compile` plans: ``model`` itself if it is one, a workload file
-    loaded (a ``Path``, or a ``str`` ending in ``.json``), a zoo name or an ``nn.Module`` captured (on the meta device, at batch 1 for
-    a zoo name). The CLI calls it to time the capture apart from the planning."""
+    loaded (a ``Path``, or a ``str`` ending in ``.json``), a zoo name or an ``nn.Module``
+    captured (on the meta device, at batch 1 for a zoo name). The CLI calls it to time the
+    capture apart from the planning."""
     return _workload(model, example_inputs, example_kwargs, seq)
 
 
