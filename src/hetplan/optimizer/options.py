@@ -108,6 +108,15 @@ class CompileOptions(BaseModel):
     tp_gamma_max: float = 0.9
     progress: bool | None = None
 
+    def __init__(self, **data: Any) -> None:
+        """Validate ``data``; an invalid option is a :class:`SpecError` (as from
+        :meth:`build` and ``compile``), not pydantic's ValidationError."""
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise SpecError(format_validation_error(e, where="compile options",
+                                                    model=type(self))) from None
+
     @field_validator("batch_size", "seq", "dp", "pp", "tp", "micro_batch_size", "virtual_stages",
                      "zero_stage", mode="before")
     @classmethod
