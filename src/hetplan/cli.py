@@ -1697,11 +1697,8 @@ def timeline_cmd(
     check_output(output, option="-o/--output")  # before the plan is simulated
     plan = load_plan(plan_file)
     _need_cluster(plan, plan_file, cluster)
-    measured = None
-    if run_report is not None:
-        from hetplan.ir.validation import load_structured_file
-
-        measured = load_structured_file(run_report, what="run report")
+    # checked as `inspect --run` checks it: the file and the field named
+    measured = _load_run_report(run_report) if run_report is not None else None
     with _naming(plan_file):
         render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     _note_profile_missing(plan, profile)
