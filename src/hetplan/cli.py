@@ -1041,12 +1041,23 @@ def simulate_cmd(
 def _note_profile_missing(plan: Any, profile: Path | None) -> None:
     """A plan predicted with a profile DB, re-predicted without one (``simulate``, ``export``,
     ``timeline``): say the numbers are analytic and which DB to give, as inspect, diff and
-    explain do; else they read as a stale plan's."""
+    explain do; else they read as a stale plan's. Likewise a plan re-predicted with another
+    DB than its own (or with one, where it was predicted without)."""
     recorded = plan.cost_settings.profile_fingerprint if plan.cost_settings else ""
     if recorded and profile is None:
         err.print(f"note: the plan was predicted with profile DB {recorded}, which the file "
                   "does not carry, so this prediction is analytic; give --profile DB to "
                   "re-predict it as planned", markup=False)
+    if profile is not None:
+        from hetplan.cost_models.predict import resolve_profile
+
+        db = resolve_profile(profile)
+        given = db.fingerprint() if db is not None else ""
+        if given != recorded:
+            was = f"with profile DB {recorded}" if recorded else "without one"
+            err.print(f"note: this prediction uses --profile {profile} (profile DB {given}), "
+                      f"but the plan was predicted {was}: a difference from the stored "
+                      "prediction may come from the DB", markup=False)
 
 
 #: The `plan` flag of each compile option whose flag is not ``--`` + its name with dashes.

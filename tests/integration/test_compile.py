@@ -15,6 +15,7 @@ one bucket leaves nothing to overlap with backprop.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -427,3 +428,71 @@ def test_finalist_search_matches_refining_every_layout(tiny_gpt2: ModelIR,
     assert quick.predictions is not None and full.predictions is not None
     assert quick.predictions.iteration_time_ms == full.predictions.iteration_time_ms
     assert quick.layout == full.layout
+
+
+def test_a_workload_path_is_loaded_whatever_its_suffix(tmp_path: Path) -> None:
+    # before, a Path not ending in ".json" was taken for an nn.Module ("compile() of an
+    # nn.Module needs example_inputs") and a str ending in ".JSON" for a zoo name
+    import torch
+
+    from hetplan.errors import SpecError
+    from hetplan.ir.capture import capture
+
+    ir = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                 torch.randn(1, 4))
+    ir.save(tmp_path / "w.workload")
+    ir.save(tmp_path / "w.JSON")
+    for model in (tmp_path / "w.workload", tmp_path / "w.JSON", str(tmp_path / "w.JSON")):
+        plan = compile(model, "local-cpu", batch_size=8)
+        assert plan.model.fingerprint == ir.fingerprint()
+    with pytest.raises(SpecError, match="this is a cluster spec, not a workload"):
+        compile(REPO / "examples" / "clusters" / "local-cpu.yaml", "local-cpu", batch_size=8)
+
+
+@pytest.mark.parametrize("arg, value, expected", [
+    ("cluster", 3, "cluster: expected a ClusterSpec, a preset name or a cluster file path, "
+                   "got int"),
+    ("cluster", None, "got NoneType"),
+    ("profile", 3, "profile: expected a ProfileDB or a profile DB file path, got int"),
+])
+def test_a_cluster_or_profile_of_the_wrong_type_is_named(arg: str, value: object,
+                                                        expected: str) -> None:
+    # before: a raw TypeError from pathlib that named neither argument
+    from hetplan.errors import SpecError
+
+    kwargs: dict[str, Any] = {"cluster": "local-cpu", "profile": None, arg: value}
+    with pytest.raises(SpecError, match=expected):
+        compile("mlp", kwargs.pop("cluster"), batch_size=8, **kwargs)
+
+
+@pytest.mark.parametrize("model, options, expected", [
+    (None, None, "model: expected a zoo name, an nn.Module (with example_inputs), a ModelIR or "
+                 "a workload file path, got NoneType"),
+    (3, None, "got int"),
+    ("mlp", {"batch_size": 8}, "options: expected a CompileOptions, got dict; pass the options "
+                               "as keywords"),
+    ("mlp", "8", "options: expected a CompileOptions, got str"),
+])
+def test_a_model_or_options_of_the_wrong_type_is_named(model: object, options: object,
+                                                       expected: str) -> None:
+    # before: None or 3 as the model was told "compile() of an nn.Module needs
+    # example_inputs", and a dict of options ended in an AttributeError ('model_dump')
+    from hetplan.errors import SpecError
+
+    kwargs: dict[str, Any] = {} if options is not None else {"batch_size": 8}
+    with pytest.raises(SpecError, match=re.escape(expected)):
+        compile(model, "local-cpu", options, **kwargs)  # type: ignore[arg-type]
+
+
+def test_simulate_takes_a_plan_file_and_names_anything_else(tmp_path: Path) -> None:
+    # before: simulate("plan.json") ended in AttributeError: 'str' object has no attribute
+    # 'model' (compile takes paths for its model, cluster and profile)
+    from hetplan.errors import SpecError
+
+    plan = compile("mlp", "local-cpu", batch_size=8)
+    plan.save(tmp_path / "p.json")
+    assert plan.predictions is not None
+    for given in (tmp_path / "p.json", str(tmp_path / "p.json")):
+        assert simulate(given).iteration_time_ms == plan.predictions.iteration_time_ms
+    with pytest.raises(SpecError, match="plan: expected a Plan or a plan file path, got dict"):
+        simulate({})  # type: ignore[arg-type]

@@ -113,6 +113,47 @@ def test_inputs_of_the_wrong_shape_blame_the_inputs() -> None:
     assert "check the example inputs' shapes" in msg
 
 
+@pytest.mark.parametrize("args, kwargs, torch_says", [
+    ((X, X), {}, "too many positional arguments"),
+    ((), {}, "missing a required argument: 'x'"),
+    ((X,), {"mask": X}, "unexpected keyword argument 'mask'"),
+])
+def test_inputs_that_do_not_fit_forwards_signature_blame_the_inputs(
+        args: tuple, kwargs: dict, torch_says: str) -> None:
+    # before, these were blamed on code in the top-level forward, with the advice to move
+    # it into a submodule and make that opaque
+    with pytest.raises(TraceError) as exc:
+        capture(Outer(Reads), args, kwargs)
+    msg = str(exc.value)
+    assert "the example inputs do not fit it" in msg and torch_says in msg
+    assert "check the example inputs' shapes" in msg and "opaque" not in msg
+
+
+def test_example_kwargs_that_are_not_a_mapping_are_refused() -> None:
+    # before: TypeError "cannot convert dictionary update sequence element #0 to a sequence"
+    with pytest.raises(TraceError, match="example_kwargs must be a mapping of keyword names "
+                                         "to inputs, got list"):
+        capture(Outer(Reads), X, [X])
+
+
+def test_uninitialized_lazy_modules_are_refused_by_name() -> None:
+    # before: a raw RuntimeError from torch ("Can't access the shape of an uninitialized
+    # parameter"), an internal error
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
+    with pytest.raises(TraceError) as exc:
+        capture(model, X)
+    msg = str(exc.value)
+    assert exc.value.module == "1" and "uninitialized (lazy) parameter '1.weight'" in msg
+    assert "run one forward" in msg
+
+
+def test_a_capture_at_micro_batch_0_is_refused() -> None:
+    # before: captured with every FLOP and activation 0, and compile() of it ended in a
+    # ValueError ("batch_size must be >= 1, got 0")
+    with pytest.raises(SpecError, match="the example inputs hold 0 samples"):
+        capture(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), torch.empty(0, 4))
+
+
 # -- factories (--module pkg.mod:factory) -------------------------------------------------------
 FACTORIES = """
 import torch
@@ -190,3 +231,42 @@ def test_a_module_that_raises_on_import(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TraceError, match="importing 'explodes_on_import' raised ValueError"):
         load_factory("explodes_on_import:f")
+
+
+class Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).detach())
+
+
+class Argmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).argmax(-1)
+
+
+@pytest.mark.parametrize("model, names", [(Detached(), "['body.weight', 'body.bias']"),
+                                          (Argmax(), "['fc.weight', 'fc.bias']")])
+def test_parameters_no_gradient_reaches_are_named_with_the_cause(model: nn.Module,
+                                                                 names: str) -> None:
+    # before: "trainable parameters with no gradient tensor: [...]", the IR invariant's
+    # message, with neither the cause nor the fix
+    with pytest.raises(TraceError) as exc:
+        capture(model, X)
+    msg = str(exc.value)
+    assert f"no gradient reaches the trainable parameters {names}" in msg
+    assert ".detach()" in msg and "requires_grad=False" in msg
+
+
+def test_one_opaque_module_may_be_given_as_a_string() -> None:
+    # before: the string was read as a list of one-letter names ("opaque_modules names 'i',
+    # which is not a module of Outer")
+    ir = capture(Outer(Reads), X, opaque_modules="inner")
+    assert [layer.name for layer in ir.layers] == ["inner", "head"]

@@ -161,6 +161,34 @@ def test_a_yaml_alias_bomb_is_refused(tmp_path: Path) -> None:
     refused(path, "more than 2,000,000 values")
 
 
+MERGED_NODES = """\
+name: two-node-groups
+nodes:
+- &node
+  name: a
+  count: 1
+  devices: [{type: cpu, count: 2}]
+  cpu_cores: 2
+  intra_link: {kind: loopback, bandwidth_gbps: 7.5, latency_us: 800.0}
+- <<: *node
+  name: b
+%s
+inter_node: {kind: ethernet, bandwidth_gbps: 10.0, latency_us: 25.0}
+"""
+
+
+def test_yaml_merge_keys_are_read(tmp_path: Path) -> None:
+    # before: "could not determine a constructor for the tag 'tag:yaml.org,2002:merge'",
+    # with a hint about indentation; a key written next to '<<' overrides the merged one
+    spec = ClusterSpec.load(write(tmp_path, "merged.yaml", MERGED_NODES % ""))
+    assert [n.name for n in spec.nodes] == ["a", "b"]
+    assert spec.nodes[1].cpu_cores == 2 and spec.world_size == 4
+
+
+def test_a_key_written_twice_next_to_a_merge_key_is_still_refused(tmp_path: Path) -> None:
+    refused(write(tmp_path, "merged.yaml", MERGED_NODES % "  name: c"), "duplicate key 'name'")
+
+
 def test_unhashable_yaml_key_is_a_spec_error(tmp_path: Path) -> None:
     refused(write(tmp_path, "c.yaml", "? [a, b]\n: 1\n"), "a key must be a plain value")
 
@@ -195,3 +223,71 @@ def test_output_paths_are_checked_and_never_created(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="is a directory"):
         check_output_path(tmp_path, option="-o")
     assert check_output_path(tmp_path / "x.json", option="-o") == tmp_path / "x.json"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_path_the_file_system_refuses_is_refused_before_work(tmp_path: Path) -> None:
+    # before, as root (os.access says yes to root whatever the file system allows) this
+    # passed, and the command did its work and then ended in "internal error:
+    # PermissionError ... This is a bug in hetplan"
+    with pytest.raises(SpecError, match="^-o '/proc/hetplan-out.json' cannot be written"):
+        check_output_path("/proc/hetplan-out.json", option="-o")
+    check_output_path(tmp_path / "x.json", option="-o")
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+
+
+def _workload() -> dict[str, Any]:
+    from hetplan.ir.model import GradTensor, LayerIR, LayerKind, ModelIR, ParamInfo
+
+    layer = LayerIR(index=0, name="fc", kind=LayerKind.LINEAR, module_type="Linear",
+                    params=(ParamInfo(name="fc.weight", shape=(4, 4), dtype="float32",
+                                      numel=16, size_bytes=64),),
+                    fwd_flops=128, bwd_flops=256, act_in_bytes=32, act_out_bytes=32)
+    grad = GradTensor(name="fc.weight", numel=16, size_bytes=64, dtype="float32", layer="fc",
+                      layer_index=0)
+    ir = ModelIR(name="m", layers=(layer,), grad_tensors=(grad,), num_params=16, method="fx",
+                 input_shapes=((2, 4),), input_dtypes=("float32",))
+    data: dict[str, Any] = json.loads(ir.to_json())
+    return data
+
+
+@pytest.mark.parametrize("path, value, kind", [
+    (("layers", 0, "fwd_flops"), True, "a boolean"),
+    (("layers", 0, "act_out_bytes"), "32", "a string"),
+    (("layers", 0, "params", 0, "numel"), True, "a boolean"),
+    (("grad_tensors", 0, "size_bytes"), "64", "a string"),
+    (("num_params",), True, "a boolean"),
+    (("input_shapes", 0, 0), True, "a boolean"),
+])
+def test_workload_numbers_are_strict(tmp_path: Path, path: tuple[Any, ...], value: object,
+                                     kind: str) -> None:
+    # before, a workload with fwd_flops: true was read as 1 FLOP and planned
+    from hetplan.ir.model import ModelIR
+
+    data = _workload()
+    ModelIR.load(write(tmp_path, "ok.json", json.dumps(data)))
+    target: Any = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(SpecError, match=f"expected an integer, got {kind}"):
+        ModelIR.load(write(tmp_path, "w.json", json.dumps(data)))
+
+
+def test_a_workload_that_is_a_directory_binary_or_too_large_is_refused(tmp_path: Path) -> None:
+    # before: a directory "does not exist", a binary file was an internal UnicodeDecodeError
+    # and a file of any size was read whole
+    from hetplan.ir.model import ModelIR
+
+    with pytest.raises(SpecError, match="is not a regular file; pass the path of a file"):
+        ModelIR.load(tmp_path)
+    binary = tmp_path / "w.json"
+    binary.write_bytes(b"\xd7\xff" * 100)
+    with pytest.raises(SpecError, match="w.json: the workload file is not UTF-8 text"):
+        ModelIR.load(binary)
+    with binary.open("wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)
+    with pytest.raises(SpecError, match=f"at most {MAX_FILE_BYTES // 2**20} MiB"):
+        ModelIR.load(binary)
+    with pytest.raises(SpecError, match="workload file '.*nope.json' does not exist"):
+        ModelIR.load(tmp_path / "nope.json")

@@ -142,6 +142,50 @@ def test_simulate_of_a_profiled_plan_without_its_profile_says_so(plan: Plan,
     assert "note:" not in runner.invoke(app, ["simulate", str(path)]).output
 
 
+def test_simulate_with_another_profile_than_the_plans_says_so(plan: Plan,
+                                                               tmp_path: Path) -> None:
+    """Was: silent, and the difference from the stored prediction read as a stale plan's."""
+    db_path = tmp_path / "db.json"
+    db_path.write_text(json.dumps({"schema_version": 2, "machines": []}))
+    db = ProfileDB.load(db_path)
+    assert plan.cost_settings is not None
+    path = tmp_path / "plan.json"
+    other = plan.model_copy(update={"cost_settings": plan.cost_settings.model_copy(
+        update={"profile_fingerprint": "0123456789abcdef"})})
+    for made, was in ((other, "with profile DB 0123456789abcdef"), (plan, "without one")):
+        made.save(path)
+        for argv in (["simulate", str(path)], ["export", str(path), "--to", "megatron"]):
+            result = runner.invoke(app, [*argv, "--profile", str(db_path)])
+            assert result.exit_code == 0, result.output
+            text = " ".join(result.output.split())
+            assert (f"note: this prediction uses --profile {db_path} (profile DB "
+                    f"{db.fingerprint()}), but the plan was predicted {was}") in text, argv
+
+
+def test_explain_with_another_profile_than_the_plans_says_so(plan: Plan,
+                                                              tmp_path: Path) -> None:
+    """Was: "(the plan file says X ms)" with no reason, as if the plan were stale."""
+    from hetplan.cost_models.profile_db import ComputeRecord
+    from hetplan.ir.plan_sections import WorkloadSummary
+
+    ir = ModelIR.load(GOLDEN / "inspect_small.workload.json")
+    sigs = sorted({lay.signature for lay in WorkloadSummary.from_model_ir(ir).layers})
+    db = ProfileDB(compute=tuple(
+        ComputeRecord(signature=s, device_type=d, dtype=dt, fwd_ms=5.0, bwd_ms=10.0,
+                      samples=3)
+        for s in sigs for d in ("A100-80GB", "V100-SXM2-32GB") for dt in ("fp32", "bf16")))
+    db_path, path = tmp_path / "db.json", tmp_path / "plan.json"
+    db_path.write_text(db.to_json())
+    plan.save(path)  # planned without a DB
+    result = runner.invoke(app, ["explain", str(path), "stage:0", "--profile", str(db_path)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert plan.predictions is not None
+    assert (f"(the plan file says {plan.predictions.iteration_time_ms:.3f} ms; it was "
+            f"predicted without a profile DB, not with --profile's {db.fingerprint()})"
+            ) in text
+
+
 def test_a_run_of_per_stage_degrees_is_read(tmp_path: Path) -> None:
     """A run of a plan with per-stage degrees has a process per rank its stages list (4
     here), not the layout's dp x pp x tp (1 x 2 x 1): its own report was refused as another

@@ -151,6 +151,30 @@ def test_compile_options_validate_fields_with_suggestions() -> None:
     assert opts.pp == 2 and opts.passes == (UniformStages(),)  # instances kept as given
 
 
+def test_compile_options_built_directly_raise_spec_errors() -> None:
+    # before: pydantic's ValidationError, where compile() documents a SpecError
+    with pytest.raises(SpecError, match="compile options: batch_size: Input should be greater "
+                                        "than or equal to 1"):
+        CompileOptions(batch_size=0)
+    with pytest.raises(SpecError, match="did you mean 'schedule'"):
+        CompileOptions(batch_size=8, shedule="1f1b")  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("option, value, kind", [
+    ("batch_size", True, "a boolean"), ("batch_size", "8", "a string"), ("dp", True, "a boolean"),
+    ("pp", "2", "a string"), ("tp", False, "a boolean"), ("micro_batch_size", True, "a boolean"),
+    ("seq", True, "a boolean"), ("virtual_stages", "2", "a string"),
+    ("zero_stage", True, "a boolean"), ("efficiency", True, "a boolean"),
+    ("tp_gamma_max", "0.5", "a string"),
+])
+def test_compile_options_numbers_are_strict(option: str, value: object, kind: str) -> None:
+    # before, pydantic's lax mode read batch_size=True as 1, dp=True as dp=1 and "8" as 8:
+    # a plan for numbers nobody asked for
+    kwargs = {"batch_size": 8, option: value}
+    with pytest.raises(SpecError, match=f"{option}: expected (an integer|a number), got {kind}"):
+        CompileOptions.build(**kwargs)
+
+
 # -- the manager ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Trespasser:

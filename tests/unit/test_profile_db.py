@@ -228,6 +228,23 @@ def test_out_of_range_value_names_field(tmp_path: Path) -> None:
         ProfileDB.load(_write(tmp_path, data))
 
 
+@pytest.mark.parametrize("section, field, value, kind", [
+    ("compute", "fwd_ms", True, "a boolean"),
+    ("compute", "fwd_ms", "1.5", "a string"),
+    ("compute", "samples", True, "a boolean"),
+    ("compute", "batch_size", "8", "a string"),
+    ("collectives", "group_size", "8", "a string"),
+])
+def test_numbers_are_strict(tmp_path: Path, section: str, field: str, value: object,
+                            kind: str) -> None:
+    # before, pydantic's lax mode read fwd_ms: true as 1 ms and batch_size: "8" as 8
+    data = json.loads(_db().to_json())
+    data[section][0][field] = value
+    with pytest.raises(SpecError, match=rf"{section}\[0\]\.{field}: expected (an integer|a "
+                                        rf"number), got {kind}"):
+        ProfileDB.load(_write(tmp_path, data))
+
+
 def test_duplicate_key_in_one_db(tmp_path: Path) -> None:
     data = json.loads(_db().to_json())
     data["compute"].append(dict(data["compute"][0]))

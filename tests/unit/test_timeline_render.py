@@ -249,3 +249,20 @@ def test_a_cpu_plan_has_no_gpu_stream_lane() -> None:
     lanes = {s.lane for s in timeline_segments(plan)}
     assert "stage 0 · device stream" in lanes, lanes
     assert not any("GPU" in lane for lane in lanes), lanes
+
+
+def test_a_bad_run_report_is_named_by_file_and_field(plan: Plan, tmp_path: Path) -> None:
+    # before: "run_report needs a positive number 'iteration_ms' ..., got True", naming
+    # neither the file nor the field's place in it
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+
+    plan.save(tmp_path / "p.json")
+    report = tmp_path / "run.json"
+    report.write_text('{"measured": {"iteration_ms": true}, "per_rank": []}')
+    result = CliRunner().invoke(app, ["timeline", str(tmp_path / "p.json"), "-o",
+                                      str(tmp_path / "t.html"), "--run-report", str(report)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"{report}: measured.iteration_ms: expected milliseconds" in text

@@ -314,3 +314,22 @@ def test_benchmark_file_without_models(tmp_path: Path) -> None:
     path.write_text(json.dumps({"constants": {}}))
     with pytest.raises(SpecError, match="'models'"):
         espresso_workloads(path)
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"\xd7\xff" * 50, "is not UTF-8 text"),
+    (b'{"models": []}', "models: expected a mapping of model names to models, got list"),
+    (b'{"models": {"x": 3}}', "models.x: expected a mapping with tensor_names, tensor_sizes "
+                              "and ready_gaps, got int"),
+    (b'{"models": {"x": {"tensor_names": ["a"], "tensor_sizes": [[1]], "ready_gaps": [0]}}}',
+     "model 'x': tensor_names must be a list of names, tensor_sizes of integers"),
+    (b'{"constants": [4], "models": {}}', "constants: expected a mapping"),
+])
+def test_a_malformed_benchmark_file_is_named(tmp_path: Path, content: bytes,
+                                             expected: str) -> None:
+    # before: UnicodeDecodeError, AttributeError or TypeError (`hetplan workload convert`
+    # said "internal error")
+    path = tmp_path / "bench.json"
+    path.write_bytes(content)
+    with pytest.raises(SpecError, match=expected):
+        espresso_workloads(path)

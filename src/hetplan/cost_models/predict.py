@@ -16,6 +16,7 @@ without importing the search.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ from hetplan.cost_models.evaluate import Evaluation, StageCost, evaluate
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import PlanMismatchError, SpecError
 from hetplan.ir.cluster import ClusterSpec
-from hetplan.ir.plan import Plan
+from hetplan.ir.plan import Plan, load_plan
 from hetplan.ir.plan_checks import plan_problems
 from hetplan.ir.plan_sections import (
     Baseline,
@@ -50,6 +51,9 @@ def resolve_cluster(cluster: ClusterSpec | str | Path) -> ClusterSpec:
     """A ClusterSpec from a spec, a preset name or a YAML/JSON file path."""
     if isinstance(cluster, ClusterSpec):
         return cluster
+    if not isinstance(cluster, (str, PathLike)):
+        raise SpecError("cluster: expected a ClusterSpec, a preset name or a cluster file "
+                        f"path, got {type(cluster).__name__}")
     path = Path(cluster)
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():
         return ClusterSpec.load(path)
@@ -60,6 +64,9 @@ def resolve_profile(profile: ProfileDB | str | Path | None) -> ProfileDB | None:
     """A ProfileDB from a DB or its path; ``None`` stays ``None`` (analytic costs)."""
     if profile is None or isinstance(profile, ProfileDB):
         return profile
+    if not isinstance(profile, (str, PathLike)):
+        raise SpecError("profile: expected a ProfileDB or a profile DB file path, got "
+                        f"{type(profile).__name__}")
     return ProfileDB.load(profile)
 
 
@@ -185,12 +192,13 @@ def plan_costs(
 
 
 def simulate(
-    plan: Plan,
+    plan: Plan | str | Path,
     *,
     cluster: ClusterSpec | str | Path | None = None,
     profile: ProfileDB | str | Path | None = None,
 ) -> Predictions:
-    """Re-predict ``plan`` from the plan alone (its workload summary and embedded cluster).
+    """Re-predict ``plan`` (a plan, or its file) from the plan alone (its workload summary
+    and embedded cluster).
 
     A hand-edited plan (buckets, stages, layout, the pipeline's action lists) is re-evaluated
     as it stands: the pipeline is simulated over the plan's own ``pipeline_actions``, the
@@ -202,6 +210,11 @@ def simulate(
         SpecError: the plan has no workload summary or no cluster (pass ``cluster=``).
         InfeasiblePlanError: a rank runs out of memory.
     """
+    if isinstance(plan, (str, PathLike)):
+        plan = load_plan(plan)
+    elif not isinstance(plan, Plan):
+        raise SpecError("plan: expected a Plan or a plan file path, got "
+                        f"{type(plan).__name__}")
     return evaluate_plan(plan, cluster=cluster, profile=profile)[1]
 
 

@@ -90,9 +90,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
+                      model_validator)
 
 from hetplan.errors import PlanVersionError, SpecError
+from hetplan.ir.fields import Int, strict_float
 from hetplan.ir.validation import load_structured_file, parse_json_object, validate_model
 
 __all__ = [
@@ -127,7 +129,8 @@ ComputeDtypeName = Literal["fp32", "bf16", "fp16"]
 DeviceKind = Literal["gpu", "cpu"]
 
 _CONFIG = ConfigDict(frozen=True, extra="forbid", validate_default=True)
-_NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+#: numbers are strict (:mod:`hetplan.ir.fields`): ``true`` or ``"8"`` is not a number
+_NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False), BeforeValidator(strict_float)]
 _Name = Annotated[str, Field(min_length=1)]
 _RERUN = "re-run `hetplan profile`"
 _HINT = f"hint: profile DBs are written by `hetplan profile`; {_RERUN} rather than editing"
@@ -150,7 +153,7 @@ class MachineInfo(BaseModel):
     torch_version: _Name
     backend: _Name
     cuda_version: str | None = None
-    device_count: int = Field(default=1, ge=1)
+    device_count: Int = Field(default=1, ge=1)
 
     def sort_key(self) -> tuple[str, str, str, str, int]:
         """Canonical order of machine entries."""
@@ -178,10 +181,10 @@ class ComputeRecord(BaseModel):
     signature: _Name
     device_type: _Name
     dtype: ComputeDtypeName = "fp32"
-    batch_size: int = Field(default=1, ge=1, le=1 << 20)
+    batch_size: Int = Field(default=1, ge=1, le=1 << 20)
     fwd_ms: _NonNeg
     bwd_ms: _NonNeg
-    samples: int = Field(ge=1)
+    samples: Int = Field(ge=1)
     fwd_stdev_ms: _NonNeg = 0.0
     bwd_stdev_ms: _NonNeg = 0.0
     label: str = ""
@@ -202,7 +205,7 @@ class CollectiveSample(BaseModel):
 
     model_config = _CONFIG
 
-    nbytes: int = Field(ge=0)
+    nbytes: Int = Field(ge=0)
     seconds: _NonNeg
 
 
@@ -226,7 +229,7 @@ class CollectiveRecord(BaseModel):
     collective: CollectiveName
     backend: _Name
     link_kind: _Name
-    group_size: int = Field(ge=2)
+    group_size: Int = Field(ge=2)
     samples: tuple[CollectiveSample, ...] = ()
     alpha_s: _NonNeg | None = None
     beta_s_per_byte: _NonNeg | None = None
@@ -261,7 +264,7 @@ class CompressorSample(BaseModel):
 
     model_config = _CONFIG
 
-    nbytes: int = Field(ge=0)
+    nbytes: Int = Field(ge=0)
     compress_s: _NonNeg
     decompress_s: _NonNeg
 
@@ -341,15 +344,18 @@ class SparsityRecord(BaseModel):
 
     model: _Name
     gradient: _Name
-    workers: int = Field(ge=1)
-    batch_size: int = Field(ge=1, le=1 << 20)
-    rows: int = Field(ge=1)
-    density: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-    density_n: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-    skew: Annotated[float, Field(ge=1, allow_inf_nan=False)]
-    steps: int = Field(ge=1)
+    workers: Int = Field(ge=1)
+    batch_size: Int = Field(ge=1, le=1 << 20)
+    rows: Int = Field(ge=1)
+    density: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False),
+                       BeforeValidator(strict_float)]
+    density_n: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False),
+                         BeforeValidator(strict_float)]
+    skew: Annotated[float, Field(ge=1, allow_inf_nan=False), BeforeValidator(strict_float)]
+    steps: Int = Field(ge=1)
     data: Literal["zipf", "script"]
-    zipf_alpha: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    zipf_alpha: Annotated[float, Field(gt=0, allow_inf_nan=False),
+                          BeforeValidator(strict_float)] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> SparsityRecord:
@@ -377,8 +383,8 @@ class OptimizerSample(BaseModel):
 
     model_config = _CONFIG
 
-    tensors: int = Field(ge=1)
-    nbytes: int = Field(ge=0)
+    tensors: Int = Field(ge=1)
+    nbytes: Int = Field(ge=0)
     seconds: _NonNeg
 
 
@@ -400,7 +406,7 @@ class OptimizerRecord(BaseModel):
 
     optimizer: _Name
     device_type: _Name
-    processes: int = Field(ge=1)
+    processes: Int = Field(ge=1)
     samples: tuple[OptimizerSample, ...] = Field(min_length=1)
     per_tensor_s: _NonNeg
     per_byte_s: _NonNeg
@@ -484,11 +490,11 @@ class HandoverRecord(BaseModel):
                        "traced_forward", "traced_backward"]
     backend: _Name
     link_kind: _Name
-    group_size: int = Field(ge=2)
-    processes: int = Field(ge=2)
-    nbytes: int = Field(ge=1)
+    group_size: Int = Field(ge=2)
+    processes: Int = Field(ge=2)
+    nbytes: Int = Field(ge=1)
     samples: tuple[HandoverSample, ...] = Field(min_length=1)
-    micro_batch: int | None = Field(default=None, ge=1)
+    micro_batch: Int | None = Field(default=None, ge=1)
 
     @field_validator("samples")
     @classmethod

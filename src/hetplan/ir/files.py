@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -64,7 +65,12 @@ _SAFE_LOADER: type[yaml.SafeLoader] = cast(
 
 
 class _UniqueKeyLoader(_SAFE_LOADER):
-    """A safe loader that rejects a key written twice in one mapping (PyYAML keeps the last)."""
+    """A safe loader that rejects a key written twice in one mapping (PyYAML keeps the last).
+    Merge keys (``<<: *anchor``) are read as the safe loader reads them: a key written in
+    the mapping itself overrides a merged one."""
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def _construct_unique_mapping(
@@ -72,6 +78,8 @@ def _construct_unique_mapping(
 ) -> dict[Any, Any]:
     seen: dict[Any, yaml.Mark] = {}
     for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG:  # flatten_mapping below merges it
+            continue
         key = loader.construct_object(key_node, deep=deep)
         if not isinstance(key, typing.Hashable):
             raise yaml.constructor.ConstructorError(
@@ -503,9 +511,30 @@ def check_output_path(path: str | Path, *, option: str, kind: str | None = None)
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise SpecError(f"{option} {str(p)!r} cannot be written (permission denied); choose "
                         "another path")
+    why = _write_refused(p)
+    if why:
+        raise SpecError(f"{option} {str(p)!r} cannot be written ({why}); choose another path")
     if kind is not None:
         check_overwrite(p, option=option, kind=kind)
     return p
+
+
+def _write_refused(p: Path) -> str:
+    """Why the file system refuses to write ``p`` ("": it does not), found by trying:
+    ``os.access`` says yes to root whatever the file system allows (``/sys``, ``/proc``, a
+    read-only mount). A regular file is opened for update (not truncated); a new one is
+    probed with a temporary file created and removed in its directory."""
+    try:
+        if p.is_file():
+            with open(p, "r+b"):
+                pass
+        elif not p.exists():
+            fd, probe = tempfile.mkstemp(dir=p.parent, prefix=".hetplan-probe-")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return ""
 
 
 # --------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hetplan.ir.fields import Int
+
 __all__ = ["Gemm"]
 
 
@@ -32,11 +34,11 @@ class Gemm(BaseModel):
 
     phase: Literal["fwd", "bwd"]
     core: bool = False
-    batch: int = Field(ge=1)
-    m: int = Field(ge=0)
-    n: int = Field(ge=0)
-    k: int = Field(ge=0)
-    count: int = Field(default=1, ge=1)
+    batch: Int = Field(ge=1)
+    m: Int = Field(ge=0)
+    n: Int = Field(ge=0)
+    k: Int = Field(ge=0)
+    count: Int = Field(default=1, ge=1)
 
     @property
     def flops(self) -> int:

@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from hetplan.errors import SpecError
+from hetplan.ir.fields import Float, Int
 from hetplan.ir.kernels import Gemm
 
 __all__ = [
@@ -116,10 +117,10 @@ class ParamInfo:
     """
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[Int, ...]
     dtype: str
-    numel: int
-    size_bytes: int
+    numel: Int
+    size_bytes: Int
     tied_to: str | None = None
     requires_grad: bool = True
 
@@ -150,12 +151,12 @@ class LinearInfo:
     """
 
     name: str
-    in_features: int
-    out_features: int
+    in_features: Int
+    out_features: Int
     bias: bool
     tp_role: TPRole = TPRole.EITHER
     pair: str | None = None
-    split_unit: int | None = None
+    split_unit: Int | None = None
 
     __pydantic_config__ = _FORBID
 
@@ -276,31 +277,31 @@ class LayerIR:
             algorithms skip such boundaries and the plan validator refuses them.
     """
 
-    index: int
+    index: Int
     name: str
     kind: LayerKind
     module_type: str
     params: tuple[ParamInfo, ...] = ()
-    fwd_flops: int = 0
-    bwd_flops: int = 0
-    act_in_bytes: int = 0
-    act_out_bytes: int = 0
-    act_saved_bytes: int = 0
+    fwd_flops: Int = 0
+    bwd_flops: Int = 0
+    act_in_bytes: Int = 0
+    act_out_bytes: Int = 0
+    act_saved_bytes: Int = 0
     group: str | None = None
     linears: tuple[LinearInfo, ...] = ()
-    measured_bwd_us: float | None = None
-    act_saved_nonfloat_bytes: int = 0
-    act_replicated_bytes: int = 0
-    act_replicated_nonfloat_bytes: int = 0
-    act_attn_core_bytes: int = 0
-    act_attn_core_nonfloat_bytes: int = 0
-    attn_core_fwd_flops: int = 0
+    measured_bwd_us: Float | None = None
+    act_saved_nonfloat_bytes: Int = 0
+    act_replicated_bytes: Int = 0
+    act_replicated_nonfloat_bytes: Int = 0
+    act_attn_core_bytes: Int = 0
+    act_attn_core_nonfloat_bytes: Int = 0
+    attn_core_fwd_flops: Int = 0
     gemms: tuple[Gemm, ...] = ()
-    mem_fwd_bytes: int = 0
-    mem_bwd_bytes: int = 0
-    core_mem_fwd_bytes: int = 0
-    core_mem_bwd_bytes: int = 0
-    cut_bytes_after: int | None = None
+    mem_fwd_bytes: Int = 0
+    mem_bwd_bytes: Int = 0
+    core_mem_fwd_bytes: Int = 0
+    core_mem_bwd_bytes: Int = 0
+    cut_bytes_after: Int | None = None
     cuttable_before: bool = True
 
     __pydantic_config__ = _FORBID
@@ -367,12 +368,12 @@ class GradTensor:
     """
 
     name: str
-    numel: int
-    size_bytes: int
+    numel: Int
+    size_bytes: Int
     dtype: str
     layer: str
-    layer_index: int
-    ready_gap_us: float | None = None
+    layer_index: Int
+    ready_gap_us: Float | None = None
 
     __pydantic_config__ = _FORBID
 
@@ -401,14 +402,14 @@ class ModelIR:
     name: str
     layers: tuple[LayerIR, ...]
     grad_tensors: tuple[GradTensor, ...]
-    num_params: int
+    num_params: Int
     method: CaptureMethod
-    input_shapes: tuple[tuple[int, ...], ...] = ()
+    input_shapes: tuple[tuple[Int, ...], ...] = ()
     input_dtypes: tuple[str, ...] = ()
-    unattributed_fwd_flops: int = 0
-    unattributed_bwd_flops: int = 0
+    unattributed_fwd_flops: Int = 0
+    unattributed_bwd_flops: Int = 0
     source: str = ""
-    schema_version: int = field(default=WORKLOAD_SCHEMA_VERSION)
+    schema_version: Int = field(default=WORKLOAD_SCHEMA_VERSION)
 
     __pydantic_config__ = _FORBID
 
@@ -490,10 +491,12 @@ class ModelIR:
 
     @classmethod
     def load(cls, path: str | Path) -> ModelIR:
+        from hetplan.ir.files import read_text_file
+
         p = Path(path)
-        if not p.is_file():
+        if not p.exists():
             raise SpecError(f"workload file {str(p)!r} does not exist")
-        return cls.from_json(p.read_text(), where=str(p))
+        return cls.from_json(read_text_file(p, what="workload"), where=str(p))
 
 
 _ADAPTER: TypeAdapter[ModelIR] = TypeAdapter(ModelIR)
@@ -537,12 +540,17 @@ def verify_model_ir(ir: ModelIR, *, where: str = "") -> None:
       owned parameter), and the owned elements add up to ``num_params``;
     - every gradient tensor names an owned, trainable parameter of the layer it claims,
       with matching size, each at most once, and every trainable parameter has one;
+    - the capture's micro-batch (the first dimension of the first input) is at least 1;
     - sizes and FLOPs are non-negative, a linear's ``split_unit`` positive and a divisor of
       the features it splits (a row linear's input, any other's output).
     """
     at = f"{where}: " if where else ""
     if not ir.layers:
         raise SpecError(f"{at}the workload has no layers")
+    if ir.input_shapes and ir.input_shapes[0] and ir.input_shapes[0][0] < 1:
+        raise SpecError(f"{at}the example inputs hold 0 samples (the first input's shape is "
+                        f"{tuple(ir.input_shapes[0])}, its first dimension the micro-batch): "
+                        "capture one micro-batch of at least 1 sample")
     names: set[str] = set()
     owned: dict[str, tuple[int, int]] = {}  # param name -> (layer index, numel)
     trainable: set[str] = set()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 from hetplan.errors import SpecError
+from hetplan.ir.files import read_text_file
 from hetplan.ir.model import (
     GradTensor,
     LayerIR,
@@ -158,17 +159,27 @@ def espresso_workloads(
         raise SpecError(f"benchmark file {str(p)!r} does not exist; the repository ships "
                         "it as data/espresso_models.json")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_text_file(p, what="benchmark"))
     except json.JSONDecodeError as e:
         raise SpecError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from e
     sections = ["models"] + (["extra_models_not_selectable_from_cli"] if include_extra else [])
-    if "models" not in data:
+    if not isinstance(data, dict) or "models" not in data:
         raise SpecError(f"{p}: no 'models' section; is this the Espresso benchmark file?")
     key = "ready_gaps" if gaps == "raw" else "ready_gaps_effective"
-    bpe = int(data.get("constants", {}).get("bytes_per_element", 4))
+    constants = data.get("constants", {})
+    if not isinstance(constants, dict):
+        raise SpecError(f"{p}: constants: expected a mapping, got {type(constants).__name__}")
+    bpe = int(constants.get("bytes_per_element", 4))
     out: dict[str, ModelIR] = {}
     for section in sections:
-        for name, m in sorted(data.get(section, {}).items()):
+        models = data.get(section, {})
+        if not isinstance(models, dict):
+            raise SpecError(f"{p}: {section}: expected a mapping of model names to models, "
+                            f"got {type(models).__name__}")
+        for name, m in sorted(models.items()):
+            if not isinstance(m, dict):
+                raise SpecError(f"{p}: {section}.{name}: expected a mapping with tensor_names, "
+                                f"tensor_sizes and {key}, got {type(m).__name__}")
             try:
                 out[name] = workload_from_gradients(
                     name,
@@ -180,4 +191,9 @@ def espresso_workloads(
                 )
             except KeyError as e:
                 raise SpecError(f"{p}: model {name!r} lacks the field {e.args[0]!r}") from e
+            except SpecError:
+                raise
+            except (TypeError, ValueError) as e:
+                raise SpecError(f"{p}: model {name!r}: tensor_names must be a list of names, "
+                                f"tensor_sizes of integers and {key} of numbers ({e})") from e
     return out

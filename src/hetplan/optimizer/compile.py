@@ -311,16 +311,18 @@ def _compile(
 
 def model_ir(model: Any, example_inputs: Any = None, example_kwargs: Any = None,
              seq: int | None = None) -> ModelIR:
-    """The model IR :func:`compile` plans: ``model`` itself if it is one, a workload JSON
-    path loaded, a zoo name or an ``nn.Module`` captured (on the meta device, at batch 1 for
-    a zoo name). The CLI calls it to time the capture apart from the planning."""
+    """The model IR :func:`compile` plans: ``model`` itself if it is one, a workload file
+    loaded (a ``Path``, or a ``str`` ending in ``.json``), a zoo name or an ``nn.Module``
+    captured (on the meta device, at batch 1 for a zoo name). The CLI calls it to time the
+    capture apart from the planning."""
     return _workload(model, example_inputs, example_kwargs, seq)
 
 
 def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | None) -> ModelIR:
     if isinstance(model, ModelIR):
         return model
-    if isinstance(model, (str, Path)) and str(model).endswith(".json"):
+    if isinstance(model, Path) or (isinstance(model, str)
+                                   and model.lower().endswith(".json")):
         return ModelIR.load(model)
     from hetplan.ir.capture import capture
 
@@ -330,6 +332,9 @@ def _workload(model: Any, example_inputs: Any, example_kwargs: Any, seq: int | N
         entry = zoo.get(model)
         args, kwargs = zoo.example_inputs(entry.name, batch=1, seq=seq)
         return capture(zoo.build(entry.name), args, kwargs, name=entry.name)
+    if not callable(getattr(model, "named_parameters", None)):  # not an nn.Module
+        raise SpecError("model: expected a zoo name, an nn.Module (with example_inputs), a "
+                        f"ModelIR or a workload file path, got {type(model).__name__}")
     if example_inputs is None:
         raise SpecError(
             "compile() of an nn.Module needs example_inputs (one micro-batch, ideally of size 1)"

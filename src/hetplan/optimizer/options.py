@@ -32,7 +32,7 @@ from pydantic import (
 
 from hetplan.cost_models.pipeline import SCHEDULES
 from hetplan.errors import SpecError
-from hetplan.ir.fields import MAX_COUNT
+from hetplan.ir.fields import MAX_COUNT, strict_float, strict_int
 from hetplan.ir.rebalancing import DynamicsSpec
 from hetplan.ir.validation import did_you_mean, format_validation_error
 from hetplan.passes import DEFAULT_PIPELINE, get_all_passes
@@ -108,6 +108,27 @@ class CompileOptions(BaseModel):
     tp_gamma_max: float = 0.9
     progress: bool | None = None
 
+    def __init__(self, **data: Any) -> None:
+        """Validate ``data``; an invalid option is a :class:`SpecError` (as from
+        :meth:`build` and ``compile``), not pydantic's ValidationError."""
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise SpecError(format_validation_error(e, where="compile options",
+                                                    model=type(self))) from None
+
+    @field_validator("batch_size", "seq", "dp", "pp", "tp", "micro_batch_size", "virtual_stages",
+                     "zero_stage", mode="before")
+    @classmethod
+    def _strict_int(cls, v: Any) -> Any:
+        """A boolean or a string is not a count (pydantic would read True as 1, "8" as 8)."""
+        return v if v is None else strict_int(v)
+
+    @field_validator("efficiency", "tp_gamma_max", mode="before")
+    @classmethod
+    def _strict_float(cls, v: Any) -> Any:
+        return strict_float(v)
+
     @field_validator("schedule")
     @classmethod
     def _known_schedule(cls, v: str) -> str:
@@ -168,6 +189,10 @@ class CompileOptions(BaseModel):
         Raises:
             SpecError: an unknown option (with a suggestion) or a value out of range.
         """
+        if options is not None and not isinstance(options, CompileOptions):
+            raise SpecError(f"options: expected a CompileOptions, got {type(options).__name__}; "
+                            "pass the options as keywords (batch_size=8, ...) or as "
+                            "CompileOptions(batch_size=8, ...)")
         data = options.model_dump() if options is not None else {}
         if options is not None:
             data["passes"] = options.passes  # keep pass instances as they are

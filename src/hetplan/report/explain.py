@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hetplan.cost_models.evaluate import Evaluation, evaluate
-from hetplan.cost_models.predict import plan_costs
+from hetplan.cost_models.predict import plan_costs, resolve_profile
 from hetplan.cost_models.profile_db import ProfileDB
 from hetplan.errors import InfeasiblePlanError, SpecError
 from hetplan.ir.cluster import ClusterSpec
@@ -168,7 +168,16 @@ class _Context:
         settings = plan.cost_settings or CostSettings()
         self.stages = plan.stages
         self.sync = plan.gradient_sync
-        self.profile_missing = bool(settings.profile_fingerprint) and profile is None
+        recorded = settings.profile_fingerprint
+        db = resolve_profile(profile)
+        given = db.fingerprint() if db is not None else ""
+        #: why the stored prediction may differ: the plan's profile DB missing, or another
+        self.profile_note = (
+            "it was predicted with a profile DB: pass --profile" if recorded and db is None
+            else "" if given == recorded
+            else f"it was predicted with profile DB {recorded}, not with --profile's {given}"
+            if recorded
+            else f"it was predicted without a profile DB, not with --profile's {given}")
         self.current, self.current_note = self.evaluate(self.stages, self.sync)
         self.current_ms = self.current.iteration_s * 1e3
 
@@ -327,8 +336,7 @@ def _text(target: str, ctx: _Context, facts: list[tuple[str, str]],
     stored = ctx.plan.predictions.iteration_time_ms if ctx.plan.predictions else None
     lines.append(f"predicted iteration time as planned: {fmt_ms(ctx.current_ms)}")
     if stored is not None and abs(stored - ctx.current_ms) > 1e-6:
-        why = " (it was predicted with a profile DB: pass --profile)" \
-            if ctx.profile_missing else ""
+        why = f"; {ctx.profile_note}" if ctx.profile_note else ""
         lines.append(f"  (the plan file says {fmt_ms(stored)}{why})")
     if ctx.current_note:
         lines.append(f"  note: as planned it does not fit in memory: {ctx.current_note}")

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -65,7 +66,7 @@ from hetplan.ir import block_reuse
 from hetplan.ir.capture.assemble import assemble
 from hetplan.ir.capture.dataflow import boundary_fields, layer_dataflow
 from hetplan.ir.capture.execute import Executor
-from hetplan.ir.capture.trace import build_graph
+from hetplan.ir.capture.trace import build_graph, capture_error
 from hetplan.ir.capture.units import layer_units
 from hetplan.ir.dataflow import LayerDataflow
 from hetplan.ir.model import ModelIR, verify_model_ir
@@ -95,7 +96,8 @@ def capture(
             for their shape and dtype). A single tensor may be passed bare.
         example_kwargs: keyword inputs (e.g. ``{"use_cache": False}`` for HF LMs).
         name: the IR's name (default: the model's class name).
-        opaque_modules: qualified names of modules to treat as opaque leaves (see module doc).
+        opaque_modules: qualified names of modules to treat as opaque leaves (see module doc;
+            one name may be given as a string).
         method: ``"auto"`` (fx, then torch.export), ``"fx"`` or ``"export"``.
         reuse_blocks: trace each long list of identical blocks once and replicate it in the
             IR (:mod:`hetplan.ir.block_reuse`); the result equals a full capture. False
@@ -124,8 +126,10 @@ def capture(
         )
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    kwargs = dict(example_kwargs or {})
-    opaque = tuple(opaque_modules)
+    kwargs = _example_kwargs(example_kwargs)
+    _check_inputs_fit_forward(model, tuple(example_inputs), kwargs)
+    _check_no_lazy_parameters(model)
+    opaque = _opaque_names(opaque_modules)
     _check_opaque_names(model, opaque)
 
     meta_model = _meta_clone(model)
@@ -172,7 +176,7 @@ def capture_dataflow(
     """
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    opaque = tuple(opaque_modules)
+    opaque = _opaque_names(opaque_modules)
     _check_opaque_names(model, opaque)
     meta_model = _meta_clone(model)
     args = tree_map(_to_meta, tuple(example_inputs))
@@ -209,6 +213,54 @@ def _capture_once(
     return dataclasses.replace(ir, layers=tuple(
         dataclasses.replace(lay, cut_bytes_after=c, cuttable_before=ok)
         for lay, c, ok in zip(ir.layers, cut, cuttable, strict=True)))
+
+
+def _opaque_names(opaque_modules: Iterable[str]) -> tuple[str, ...]:
+    """``opaque_modules`` as a tuple of names; one name may be given as a plain string."""
+    if isinstance(opaque_modules, str):
+        return (opaque_modules,)
+    return tuple(opaque_modules)
+
+
+def _example_kwargs(example_kwargs: Any) -> dict[str, Any]:
+    """``example_kwargs`` as a dict; anything but a mapping with string keys is refused."""
+    if example_kwargs is None:
+        return {}
+    if not isinstance(example_kwargs, Mapping) or not all(
+            isinstance(k, str) for k in example_kwargs):
+        raise TraceError(
+            "example_kwargs must be a mapping of keyword names to inputs, got "
+            f"{type(example_kwargs).__name__}; pass positional inputs as example_inputs",
+            reason="example_kwargs not a mapping")
+    return dict(example_kwargs)
+
+
+def _check_inputs_fit_forward(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Refuse example inputs that ``model.forward``'s signature does not take (too many or
+    too few positional inputs, an unknown keyword), blaming the inputs rather than the code
+    of the forward."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to check against: tracing will tell
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise capture_error(model, "", f"the example inputs do not fit it (forward{sig}: "
+                                       f"{e})") from None
+
+
+def _check_no_lazy_parameters(model: nn.Module) -> None:
+    """Refuse a model with uninitialized lazy parameters (``nn.LazyLinear`` before its
+    first forward): their shapes, and so every size, are not known yet."""
+    for name, p in model.named_parameters():
+        if nn.parameter.is_lazy(p):
+            module = name.rpartition(".")[0]
+            raise TraceError(
+                f"cannot capture {type(model).__name__}: module {module!r} has an "
+                f"uninitialized (lazy) parameter {name!r}, whose shape is not known yet; run "
+                "one forward of the model on real inputs first (that materialises lazy "
+                "modules), then capture it", module=module, reason="lazy parameter")
 
 
 # --------------------------------------------------------------------------------------

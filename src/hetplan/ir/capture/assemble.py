@@ -170,6 +170,17 @@ def assemble(
             "and remove them from the model",
             reason="unused parameters",
         )
+    no_grad = [canonical[id(p)] for p in model.parameters() if p.requires_grad
+               and id(p) not in done]
+    if no_grad:
+        raise TraceError(
+            f"{type(original).__name__}: no gradient reaches the trainable parameters "
+            f"{no_grad[:5]}{' …' if len(no_grad) > 5 else ''}: the forward's outputs do not "
+            "depend on them differentiably (a .detach(), an argmax or comparison, or no "
+            "floating-point output). Capture a forward whose output back-propagates to them, "
+            "or freeze them (requires_grad=False)",
+            reason="no gradient",
+        )
     return ModelIR(
         name=name or type(original).__name__,
         layers=tuple(layers),
