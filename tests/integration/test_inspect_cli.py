@@ -281,7 +281,8 @@ def test_bad_plan_files(plans: dict[str, tuple[Plan, Path]], tmp_path: Path,
     truncated = tmp_path / "truncated.json"
     truncated.write_text(text[: len(text) // 3])
     newer = tmp_path / "newer.json"
-    newer.write_text(json.dumps({**json.loads(text), "schema_version": 7}))
+    newer.write_text(json.dumps({**json.loads(text), "schema_version": 7,
+                                 "tool_version": "99.0.0"}))
     args = COMMANDS[command]
     assert_user_error(run(*args(tmp_path / "missing.json", ok)), "missing.json", "does not exist")
     assert_user_error(run(*args(truncated, ok)), "truncated.json", "not valid JSON")

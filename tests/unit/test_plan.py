@@ -260,13 +260,36 @@ def test_missing_schema_version() -> None:
 def test_future_version_asks_for_upgrade() -> None:
     data = json.loads(minimal_plan().to_json())
     data["schema_version"] = 2
+    data["tool_version"] = "99.0.0"  # as a newer release writes it
     data["some_new_section"] = {}
     with pytest.raises(PlanVersionError) as exc:
         Plan.from_json(json.dumps(data), where="plan.json")
     msg = str(exc.value)
-    assert msg.startswith("plan.json was written by a newer hetplan")
+    assert msg.startswith("plan.json was written by a newer hetplan 99.0.0")
     assert "(schema_version 2); this hetplan" in msg
     assert "reads version 1; upgrade hetplan" in msg
+
+
+def test_a_version_edited_under_this_hetplans_tool_version_is_called_edited() -> None:
+    # it said "written by a newer hetplan 0.1.0 ...; this hetplan (0.1.0) ...; upgrade"
+    from hetplan import __version__
+
+    data = json.loads(minimal_plan().to_json())
+    assert data["tool_version"] == __version__
+    data["schema_version"] = 2
+    with pytest.raises(PlanVersionError) as exc:
+        Plan.from_json(json.dumps(data), where="plan.json")
+    msg = str(exc.value)
+    assert "the field was edited" in msg and '"schema_version": 1' in msg
+    assert "upgrade" not in msg
+
+
+def test_a_preset_name_of_another_type_is_a_spec_error() -> None:
+    from hetplan.ir.cluster import ClusterSpec
+
+    for bad in (None, 3, ["local-cpu"]):
+        with pytest.raises(SpecError, match="expected a preset name"):
+            ClusterSpec.from_preset(bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("version, match", [(0, "schema_version 0, which no hetplan"),

@@ -613,6 +613,9 @@ class ClusterSpec(BaseModel):
         Raises:
             SpecError: no preset has that name (with the nearest name and the list).
         """
+        if not isinstance(name, str):
+            raise SpecError(f"cluster preset: expected a preset name (a string), got "
+                            f"{type(name).__name__} {name!r}; one of {', '.join(PRESETS)}")
         factory = PRESETS.get(name)
         if factory is None and any(sep in name for sep in "/\\"):
             # a path, not a preset name: the file is missing (resolve_cluster reads files)

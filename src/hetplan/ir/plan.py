@@ -332,6 +332,11 @@ def _check_version(data: dict[str, Any], where: str) -> None:
             f"{where}: schema_version: must be an integer (this hetplan reads "
             f"{SCHEMA_VERSION}), got {version!r}"
         )
+    if version > SCHEMA_VERSION and data.get("tool_version") == __version__:
+        raise PlanVersionError(
+            f"{where} has schema_version {version}, but its tool_version is this hetplan's "
+            f"({__version__}), which writes version {SCHEMA_VERSION}: the field was edited; "
+            f"restore \"schema_version\": {SCHEMA_VERSION}, or {_RERUN}")
     if version > SCHEMA_VERSION:
         tool = data.get("tool_version")
         by = f" {tool}" if isinstance(tool, str) else ""
