@@ -40,7 +40,7 @@ results (except interleaved chunk durations, which divide).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property, lru_cache
@@ -347,7 +347,7 @@ def _simulate(
 
 
 def _replay_compiled(
-    k: object, schedule: PipelineSchedule, flat: _Flat, per_stage: bool,
+    k: Callable[..., int], schedule: PipelineSchedule, flat: _Flat, per_stage: bool,
     dur_f: list[float], dur_b: list[float], table_f: list[float], table_b: list[float],
 ) -> PipelineSimResult:
     """``_simulate``'s loop run by the compiled kernel ``k``; the same result."""
@@ -362,7 +362,7 @@ def _replay_compiled(
     d_rank, d_code = np.empty(a, np.int64), np.empty(a, np.int64)
     hop_f = np.asarray(table_f, np.float64)[flat.link_f]
     hop_b = np.asarray(table_b, np.float64)[flat.link_b]
-    count = k(flat.codes, flat.row_start, n, s_total, per_stage,  # type: ignore[operator]
+    count = k(flat.codes, flat.row_start, n, s_total, per_stage,
               np.asarray(dur_f), np.asarray(dur_b), hop_f, hop_b, end, pos, free, busy,
               rank_bwd, stage_bwd, d_start, d_rank, d_code, d_end)
     if count < a:
