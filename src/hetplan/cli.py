@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -25,6 +26,7 @@ from rich.table import Table
 
 from hetplan._version import __version__
 from hetplan.errors import HetplanError, InfeasiblePlanError, PlanMismatchError, SpecError
+from hetplan.ir.files import os_error_fix, write_text_file
 from hetplan.ir.validation import check_output_path, did_you_mean
 
 __all__ = ["app", "main"]
@@ -63,16 +65,39 @@ def _user_errors(fn: F) -> F:
             raise typer.Exit(2) from None
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
+        except OSError as e:
+            if _state["debug"] or e.errno not in _HOST_ERRNOS:
+                raise _internal(e) from None
+            err.print(f"[bold red]error:[/] {_escape(_host_error(e))}")
+            raise typer.Exit(2) from None
         except Exception as e:  # noqa: BLE001 - the CLI never shows a raw traceback
-            if _state["debug"]:
-                raise
-            err.print(
-                f"[bold red]internal error:[/] {type(e).__name__}: {_escape(str(e))}\n"
-                "This is a bug in hetplan; re-run with --debug for the traceback and report it."
-            )
-            raise typer.Exit(1) from None
+            raise _internal(e) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+#: The errors of the machine, not of hetplan: a full disk or quota, a read-only file system,
+#: a permission, too many open files, an I/O error.
+_HOST_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                          errno.EMFILE, errno.ENFILE, errno.EIO})
+
+
+def _host_error(e: OSError) -> str:
+    """One line for an error of the machine: the file, what the system said, the fix."""
+    what = f"{e.filename!s}: " if e.filename else ""
+    return f"{what}{e.strerror or type(e).__name__}; {os_error_fix(e)}"
+
+
+def _internal(e: Exception) -> Exception:
+    """Print an unexpected error as a bug of hetplan and return the exit to raise (the
+    exception itself under --debug, for its traceback)."""
+    if _state["debug"]:
+        return e
+    err.print(
+        f"[bold red]internal error:[/] {type(e).__name__}: {_escape(str(e))}\n"
+        "This is a bug in hetplan; re-run with --debug for the traceback and report it."
+    )
+    return typer.Exit(1)
 
 
 def _at_least_one(*options: tuple[str, int | None]) -> None:
@@ -1689,7 +1714,7 @@ def export_cmd(
     _per_stage_refusal(plan, plan_file)
     result = export_plan(plan, to, cluster=cluster, profile=profile)
     if output is not None:
-        output.write_text(result.content, encoding="utf-8")
+        write_text_file(output, result.content, what="export")
     if as_json:
         typer.echo(dump_json(result.to_dict()), nl=False)
     elif output is None:

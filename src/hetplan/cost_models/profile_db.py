@@ -95,6 +95,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_valid
 
 from hetplan.errors import PlanVersionError, SpecError
 from hetplan.ir.fields import Int, strict_float
+from hetplan.ir.files import write_text_file
 from hetplan.ir.validation import load_structured_file, parse_json_object, validate_model
 
 __all__ = [
@@ -714,7 +715,7 @@ class ProfileDB(BaseModel):
 
     def save(self, path: str | Path) -> None:
         """Write :meth:`to_json` to ``path`` (UTF-8)."""
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+        write_text_file(path, self.to_json(), what="profile DB")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "<profile DB>") -> ProfileDB:

@@ -66,6 +66,7 @@ from hetplan.errors import SpecError
 from hetplan.ir.cluster_presets import DEVICE_TYPES, PRESET_SPECS
 from hetplan.ir.fields import strict_float, strict_int
 from hetplan.ir.stragglers import StragglerSpec
+from hetplan.ir.files import write_text_file
 from hetplan.ir.validation import did_you_mean, load_structured_file, validate_model
 
 __all__ = [
@@ -588,7 +589,8 @@ class ClusterSpec(BaseModel):
     def save(self, path: str | Path) -> None:
         """Write as JSON when ``path`` ends in ``.json``, else as YAML."""
         p = Path(path)
-        p.write_text(self.to_json() if p.suffix.lower() == ".json" else self.to_yaml())
+        text = self.to_json() if p.suffix.lower() == ".json" else self.to_yaml()
+        write_text_file(p, text, what="cluster spec")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "<cluster spec>") -> ClusterSpec:
@@ -694,7 +696,7 @@ def _write_examples(directory: str | Path) -> list[Path]:
     written = []
     for name, factory in PRESETS.items():
         path = out / f"{name}.yaml"
-        path.write_text(factory().to_yaml())
+        write_text_file(path, factory().to_yaml(), what="cluster spec")
         written.append(path)
     return written
 

@@ -37,9 +37,11 @@ __all__ = [
     "format_loc",
     "load_structured_file",
     "loads_json",
+    "os_error_fix",
     "parse_json_object",
     "read_text_file",
     "short_repr",
+    "write_text_file",
 ]
 
 #: Files are at most this large (the largest real one, a plan for a 70B-parameter model, is a
@@ -535,6 +537,57 @@ def _write_refused(p: Path) -> str:
     except OSError as e:
         return e.strerror or type(e).__name__
     return ""
+
+
+def write_text_file(path: str | Path, text: str, *, what: str = "file") -> None:
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all.
+
+    The text goes to a temporary file beside ``path``, which then replaces it
+    (``os.replace``), so a full disk, a quota or a failed write leaves the earlier file as it
+    was instead of a truncated one. The temporary file is removed on failure.
+
+    Raises:
+        SpecError: the file system refused the write (no space, read-only, permission),
+            naming the path, the reason and the fix.
+    """
+    p = Path(path)
+    tmp = ""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        if p.exists():  # keep the mode of the file replaced (mkstemp makes it 0600)
+            os.chmod(tmp, p.stat().st_mode & 0o7777)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, p)
+        tmp = ""
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise SpecError(f"could not write the {what} {str(p)!r}: {reason}; {os_error_fix(e)}"
+                        ) from None
+    finally:
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def os_error_fix(e: OSError) -> str:
+    """What to do about an error of the machine (a full disk, a read-only file system, a
+    permission, the open-file limit), by its cause."""
+    import errno
+
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free some space on that file system or write elsewhere (-o PATH)"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "choose a path you can read or write"
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return "raise the open-file limit (ulimit -n) or close other programs"
+    return "check the file system and try again, or write elsewhere (-o PATH)"
 
 
 # --------------------------------------------------------------------------------------

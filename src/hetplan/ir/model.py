@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from hetplan.errors import SpecError
+from hetplan.ir.files import write_text_file
 from hetplan.ir.fields import Float, Int
 from hetplan.ir.kernels import Gemm
 
@@ -460,7 +461,7 @@ class ModelIR:
         return json.dumps(data, sort_keys=True, indent=indent) + ("\n" if indent else "")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        write_text_file(path, self.to_json(), what="workload")
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "<string>") -> ModelIR:

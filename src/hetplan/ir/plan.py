@@ -84,7 +84,7 @@ from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.ir.plan_hetero import Hetero
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
-from hetplan.ir.files import check_kind, check_kind_of_text
+from hetplan.ir.files import check_kind, check_kind_of_text, write_text_file
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
 __all__ = [
@@ -206,7 +206,7 @@ class Plan(BaseModel):
 
     def save(self, path: str | Path) -> None:
         """Write :meth:`to_json` to ``path`` (UTF-8)."""
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+        write_text_file(path, self.to_json(), what="plan")
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "<string>", complete: bool = False) -> Plan:
