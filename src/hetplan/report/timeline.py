@@ -429,6 +429,7 @@ def _bar_height(lane: str) -> float:
 def _draw_png(tl: _Timeline, path: Path) -> None:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.collections import PolyCollection
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as e:  # pragma: no cover - a declared dependency
@@ -450,14 +451,20 @@ def _draw_png(tl: _Timeline, path: Path) -> None:
     ypos = {lane: n - 1 - i for i, lane in enumerate(tl.lanes)}
     xmax = max(s.end_ms for s in tl.segments) * 1.015
     px_per_ms = (right - left) * width * dpi / xmax
+    # One collection of rectangles per kind, not one patch per bar: a plan of 65,536
+    # micro-batches has as many bars per stage, and matplotlib spends about 0.7 ms on each
+    # patch it adds and draws (45 s), against one draw call for a collection.
     for kind in kinds:  # bars at least 2 px wide; white edges only where they do not hide it
         segs = [s for s in tl.segments if s.kind == kind]
         colour = _STYLE.get(kind, _OTHER)[1]
-        ax.barh([ypos[s.lane] for s in segs],
-                [max(s.duration_ms, 2 / px_per_ms) for s in segs],
-                left=[s.start_ms for s in segs], height=[_bar_height(s.lane) for s in segs],
-                color=colour, edgecolor="white",
-                linewidth=[0.6 if s.duration_ms * px_per_ms > 5 else 0 for s in segs])
+        boxes = []
+        for s in segs:
+            x0, x1 = s.start_ms, s.start_ms + max(s.duration_ms, 2 / px_per_ms)
+            y, h = ypos[s.lane], _bar_height(s.lane) / 2
+            boxes.append(((x0, y - h), (x0, y + h), (x1, y + h), (x1, y - h)))
+        ax.add_collection(PolyCollection(
+            boxes, facecolors=colour, edgecolors="white", closed=True,
+            linewidths=[0.6 if s.duration_ms * px_per_ms > 5 else 0 for s in segs]))
     char_px = 8.5 * 0.62 * dpi / 72
     for s in tl.segments:
         if s.label and s.duration_ms * px_per_ms >= len(s.label) * char_px + 6:
