@@ -32,14 +32,22 @@ def _hetplan(*args: str) -> subprocess.CompletedProcess[str]:
 def _refused_in_process(*args: str) -> subprocess.CompletedProcess[str]:
     """A `hetplan` command that must be refused before any rank starts, run in this process
     through typer's CliRunner: no interpreter start, torch import or interpreter teardown of
-    its own (about 8 s). Were it not refused, the launcher would start torchrun from here and
-    relay its stderr (its banner) into the result, which the tests check for."""
+    its own (about 8 s). Were it not refused, the launcher would release the torchrun it
+    holds (:meth:`_Job.release`), which the tests check for: the returned stderr then ends
+    with a line saying so."""
     from typer.testing import CliRunner
 
     from hetplan.cli import app
+    from hetplan.runtime import launch
 
-    res = CliRunner().invoke(app, list(args))
-    return subprocess.CompletedProcess(list(args), res.exit_code, res.stdout, res.stderr)
+    released: list[object] = []
+    real = launch._Job.release
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch._Job, "release",
+                   lambda job: (released.append(job), real(job))[1])
+        res = CliRunner().invoke(app, list(args))
+    stderr = res.stderr + ("torchrun released\n" if released else "")
+    return subprocess.CompletedProcess(list(args), res.exit_code, res.stdout, stderr)
 
 
 def test_run_trains_and_reports(tmp_path: Path) -> None:
@@ -69,7 +77,7 @@ def test_run_refuses_a_plan_for_another_model_before_any_rank_starts(tmp_path: P
     assert proc.returncode == 2
     assert "plan does not match" in proc.stderr and "the model given is 'mlp'" in proc.stderr
     assert "Traceback (most recent call last)" not in proc.stdout + proc.stderr
-    assert "OMP_NUM_THREADS" not in proc.stderr  # torchrun's banner: it never started
+    assert "torchrun released" not in proc.stderr  # it never started a rank
 
 
 def test_an_unwritable_report_path_is_refused_before_training(tmp_path: Path) -> None:
@@ -79,7 +87,7 @@ def test_an_unwritable_report_path_is_refused_before_training(tmp_path: Path) ->
                                "--report", str(tmp_path / "missing" / "r.json"))
     assert proc.returncode == 2
     assert "--report" in proc.stderr and "does not exist" in proc.stderr
-    assert "OMP_NUM_THREADS" not in proc.stderr
+    assert "torchrun released" not in proc.stderr
 
 
 def test_run_a_user_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,3 +59,16 @@ def test_other_tracebacks_are_copied_whole() -> None:
 def test_an_unfinished_traceback_is_not_lost() -> None:
     cut = 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
     assert _relay(cut) == cut
+
+
+def test_omp_threads_set_as_torchrun_would_without_its_warning() -> None:
+    """torchrun sets OMP_NUM_THREADS=1 when it is unset and a node starts more than one
+    process, and prints a five-line warning each time; the launcher sets it first."""
+    from hetplan.runtime.launch import _omp_default
+
+    cmd = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    assert _omp_default(cmd, {}) == {"OMP_NUM_THREADS": "1"}
+    assert _omp_default([*cmd[:-2], "--nproc_per_node=2"], {}) == {"OMP_NUM_THREADS": "1"}
+    assert _omp_default(cmd, {"OMP_NUM_THREADS": "3"}) == {}  # the user's value stays
+    assert _omp_default([*cmd[:-1], "1"], {}) == {}  # one process: torchrun sets nothing
+    assert _omp_default([*cmd[:-1], "gpu"], {}) == {}  # counted by torchrun itself

@@ -69,7 +69,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -170,6 +170,17 @@ def launched_world_size(cmd: Sequence[str]) -> int | None:
     if per_node is None or not per_node.isdigit() or not nodes.isdigit():
         return None
     return int(per_node) * int(nodes)
+
+
+def _omp_default(cmd: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """``OMP_NUM_THREADS=1`` where torchrun would set it (unset, and more than one process
+    per node), so that it does the same without printing its five-line warning about it
+    before every run; a value the user set, or one process per node, stays as it is."""
+    per_node = _option(cmd, "nproc-per-node")
+    if "OMP_NUM_THREADS" in env or per_node is None or not per_node.isdigit() \
+            or int(per_node) < 2:
+        return {}
+    return {"OMP_NUM_THREADS": "1"}
 
 
 #: CPU processes per core a CPU plan may start on one host without ``--oversubscribe``
@@ -585,6 +596,7 @@ class _Job:
         env[proctree.LAUNCHER_PID_ENV + "_START"] = str(proctree.start_time(os.getpid()) or "")
         if self.debug:
             env[proctree.DEBUG_ENV] = "1"
+        env.update(_omp_default(self.cmd, env))
         self.proc = subprocess.Popen(
             cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
             stdin=subprocess.PIPE if gated else None,

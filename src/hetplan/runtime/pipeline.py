@@ -31,6 +31,7 @@ import contextlib
 import importlib
 import itertools
 import operator
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -225,7 +226,11 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict | None,
         hooks.append(mod.register_forward_pre_hook(
             lambda _m, _a, q=q: calls.__setitem__(q, calls[q] + 1)))
     try:
-        with _generated_code():
+        with _generated_code(), warnings.catch_warnings():
+            # torch's own pytree code in the split (pickling its specs) uses a check torch
+            # has deprecated; printed once per rank and run, about torch, nothing to act on
+            warnings.filterwarnings("ignore", category=FutureWarning,
+                                    message=r".*isinstance\(treespec, LeafSpec\)")
             pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None, split_spec=spec)
     finally:
         for h in hooks:
