@@ -244,8 +244,12 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
         # peak memory on the last warm-up step: the run trains the steps it was asked for
         meter_at = args.warmup - 1 if args.report and args.warmup >= 2 else None
         peak, peak_step = None, 0
+        # the rank that prints the progress line: rank 0, or in a pipeline the first rank
+        # that computes the loss (a rank of the last stage), agreed on after the first step
+        printer = 0
         # a restart resumes where the restored checkpoint left off (0 without one)
-        for step in range(rt.ctx.iteration, total):
+        first = rt.ctx.iteration
+        for step in range(first, total):
             xs = tuple(x.to(device) for x in synthetic_batch(ex_args, batch, step))
             if trace is not None and step == traced_step:
                 trace.start(step + 1)
@@ -258,15 +262,16 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
             losses.append(loss)
             if step >= args.warmup and rt.last_times is not None:
                 times.append(rt.last_times)
-            if rank == 0 and rt.last_times is not None:
-                # with a pipeline, rank 0 holds the first stage and the loss is the last
-                # stage's: "nan" there read as a diverged run
+            if step == first and layout.pp > 1:
+                printer = _loss_rank(loss)
+            if rank == printer and rt.last_times is not None:
+                # "nan" where the loss is another rank's read as a diverged run
                 shown = (f"{loss:.4f}" if layout.pp == 1 or loss == loss
                          else "(on the last stage)")
                 print(f"step {step + 1}/{total}  loss {shown}  "
                       f"iteration {rt.last_times.iteration_s * 1e3:.2f} ms", flush=True)
-            if step == args.warmup - 1 and rank == 0:  # after the last warm-up step's line
-                print(f"rank 0: warm-up done; timing {args.steps} step(s)", flush=True)
+            if step == args.warmup - 1 and rank == printer:  # after the last warm-up step's
+                print(f"rank {rank}: warm-up done; timing {args.steps} step(s)", flush=True)
         if trace is not None:
             _write_trace(args.trace, plan, trace, rank)
         if args.report:
@@ -359,6 +364,15 @@ def _meter(rt: Any) -> Any:
 
     opt = rt.opt
     return peak_memory(rt.model, opt, [getattr(opt, "master", None)], rt.stage_modules)
+
+
+def _loss_rank(loss: float) -> int:
+    """The lowest rank whose ``loss`` of this step is a number (0 when none is): in a
+    pipeline only the last stage's ranks compute the loss, the others hold NaN. Every rank
+    calls it at the same step (one gather of a flag, under the group's timeout)."""
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, loss == loss)
+    return next((r for r, has in enumerate(flags) if has), 0)
 
 
 def _rank_summary(rank: int, times: list[Any], losses: list[float] | None = None,
