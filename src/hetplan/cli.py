@@ -1685,6 +1685,8 @@ def diff_cmd(
     if as_json:
         typer.echo(dump_json(d), nl=False)
         return
+    if not d["identical"]:  # every line below reads "a → b"
+        out.print(f"a: {plan_a}\nb: {plan_b}", markup=False)
     render_diff(d, out)
 
 

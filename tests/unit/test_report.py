@@ -51,7 +51,12 @@ from hetplan.optimizer.compile import compile as compile_plan
 from hetplan.cost_models.predict import simulate
 from hetplan.report.diff import diff_plans, diff_text
 from hetplan.report.explain import explain
-from hetplan.report.inspect import SECTIONS, build_report, select_sections
+from hetplan.report.inspect import (
+    SECTIONS,
+    build_report,
+    describe_strategy,
+    select_sections,
+)
 from hetplan.report.render import render_text
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -424,6 +429,9 @@ def test_diff_after_editing_buckets_and_strategy(small: Plan) -> None:
     assert it["delta"] == pytest.approx(expected, abs=1e-6)
     text = diff_text(d)
     assert "change strategy" in text and "iteration time" in text
+    # each plan's strategy on its own line: "a → b" read as one more step of a's path
+    old = describe_strategy(small.gradient_sync.strategies[b0.strategy])
+    assert f":\n      a: {old}\n      b: cast to fp16; " in text
 
 
 def test_diff_of_layouts(small: Plan) -> None:
