@@ -1594,7 +1594,9 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
     _print_run_ranks(plan, report)
     losses = report.get("loss_per_step")
     if isinstance(losses, list) and losses:
-        out.print("loss per step: " + " ".join(f"{x:.4f}" for x in losses[:20])
+        dp = plan.layout.dp if plan.layout is not None else 1
+        mean = f" (mean over the {dp} data-parallel replicas)" if dp > 1 else ""
+        out.print(f"loss per step{mean}: " + " ".join(f"{x:.4f}" for x in losses[:20])
                   + (" ..." if len(losses) > 20 else ""))
     if report.get("cpu_sched") == "batch":
         out.print("the CPU ranks ran as batch tasks (HETPLAN_CPU_SCHED=batch): compare with "
