@@ -139,3 +139,16 @@ def test_torchrun_options_still_pass_through(gpu_plan: Plan, tmp_path: Path) -> 
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
     assert "--nproc_per_node=64" in out and "--max-restarts 2" in out
+
+
+def test_run_without_a_model_says_which_one_the_plan_was_made_for(tmp_path: Path) -> None:
+    """`hetplan run plan.json` said 'give exactly one of --model NAME or --module ...'; the
+    plan names its model, so the refusal now says which option to give."""
+    plan = hetplan.compile("mlp", _cpu(4), batch_size=8, dp=4, pp=1, tp=1)
+    with pytest.raises(SpecError, match="the zoo model 'mlp', so give --model mlp"):
+        torchrun_command(plan, "plan.json")
+    path = tmp_path / "plan.json"
+    plan.model_copy(update={"model": plan.model.model_copy(update={"name": "MyNet"})}).save(path)
+    res = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert "'MyNet', not a zoo model, so give --module" in " ".join(res.output.split())
