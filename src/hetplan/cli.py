@@ -437,10 +437,13 @@ def plan_cmd(
     profile: Path = typer.Option(None, "--profile", help="Profile DB from `hetplan profile`."),
     schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved-1f1b, chimera, or "
                                  "auto (1F1B and interleaved 1F1B searched side by side)."),
-    dp: int = typer.Option(None, help="Pin the data-parallel degree."),
+    dp: int = typer.Option(None, help="Pin the data-parallel degree (a plan uses every "
+                           "device: dp x pp x tp is the cluster's device count)."),
     pp: int = typer.Option(None, help="Pin the pipeline-parallel degree."),
     tp: int = typer.Option(None, help="Pin the tensor-parallel degree."),
-    micro_batch_size: int = typer.Option(None, "--micro-batch-size", help="Pin it."),
+    micro_batch_size: int = typer.Option(
+        None, "--micro-batch-size", help="Pin the samples per micro-batch (of each "
+        "data-parallel replica; it divides the batch per replica)."),
     dtype: str = typer.Option(
         "mixed", help="Precision: mixed (per device type: bf16 on A100/H100, fp16 with loss "
         "scaling on V100, fp32 on CPU; fp32 master weights), or fp32, bf16, fp16 everywhere "
