@@ -69,9 +69,14 @@ def _layout(report: dict[str, Any], c: Console) -> None:
         return
     batch = f", global batch {lay['global_batch_size']}" if lay["global_batch_size"] else ""
     virtual = f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else ""
-    c.print(f"layout: dp={lay['dp']} pp={lay['pp']} tp={lay['tp']}, schedule {lay['schedule']}, "
+    # per-stage degrees: the layout keeps dp = tp = 1 and the pipeline's micro-batch, which
+    # read as one rank training the whole batch ("dp=1 pp=1 tp=1 ... 16 of 32 ranks used")
+    degrees = (f"pp={lay['pp']} with each stage's own dp x tp (below)" if lay.get("hetero")
+               else f"dp={lay['dp']} pp={lay['pp']} tp={lay['tp']}")
+    mb = " (through the pipeline, split over each stage's replicas)" if lay.get("hetero") else ""
+    c.print(f"layout: {degrees}, schedule {lay['schedule']}, "
             f"{_n(lay['micro_batches'], 'micro-batch', 'micro-batches')} of "
-            f"{lay['micro_batch_size']}{batch}{virtual}"
+            f"{lay['micro_batch_size']}{mb}{batch}{virtual}"
             f" · {lay['ranks_used']} of {lay['world_size']} ranks used")
     for line in lay.get("hetero", {}).get("lines", ()):
         c.print(escape(line))
