@@ -591,10 +591,13 @@ def plan_cmd(
     _print_plan(plan)
     asked = [f for f, given in (("--schedule " + schedule, schedule not in ("1f1b", "auto")),
                                 (f"--virtual-stages {virtual_stages}",
-                                 virtual_stages is not None)) if given]
+                                 virtual_stages is not None),
+                                # re-balancing moves layers between pipeline stages
+                                (f"--dynamics {dynamics}", dynamics is not None)) if given]
     if asked and plan.hetero is None and plan.layout is not None and plan.layout.pp == 1:
         err.print(f"note: the fastest layout has no pipeline (pp=1), so {' and '.join(asked)} "
-                  "did not apply; pin --pp to plan a pipeline with them", markup=False)
+                  "did not apply; pin --pp to plan a pipeline with "
+                  f"{'it' if len(asked) == 1 else 'them'}", markup=False)
     lay = plan.layout if plan.hetero is None else None
     for flag, degree, what in ((f"--zero {zero}", "dp", "data"), ("--sp", "tp", "tensor")):
         if lay is not None and (zero if degree == "dp" else sp) and getattr(lay, degree) == 1:
