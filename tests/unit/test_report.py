@@ -456,3 +456,19 @@ def test_golden_explain_text(small: Plan, golden: Golden) -> None:
     tensor = small.gradient_sync.buckets[0].tensors[1]
     text = "\n".join(explain(small, t).text for t in ("bucket:0", "stage:1", "rank:17", tensor))
     golden("explain_small.txt", text)
+
+
+def test_a_compressed_strategy_names_where_it_compresses_in_words() -> None:
+    """It read 'topk(ratio=0.01) on gpu/gpu', also on a CPU-only cluster: the plan's 'gpu'
+    is the rank's own device and 'cpu' the host's CPU."""
+    def text(comp: str, decomp: str) -> str:
+        return describe_strategy(CompressedSync.model_validate(
+            {"compressor": "topk", "params": {"ratio": 0.01}, "compress_device": comp,
+             "decompress_device": decomp}))
+
+    assert text("gpu", "gpu") == ("topk(ratio=0.01) on the device, error feedback; "
+                                  "flat allgather*")
+    assert text("cpu", "cpu").startswith("topk(ratio=0.01) on the host CPU, ")
+    assert text("gpu", "cpu").startswith(
+        "topk(ratio=0.01) compressed on the device, decompressed on the host CPU, ")
+    assert "gpu" not in text("gpu", "cpu")
