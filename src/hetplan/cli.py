@@ -920,6 +920,8 @@ def run_cmd(
         pred = f"{p['iteration_ms']:.2f} ms" if p.get("iteration_ms") is not None else "—"
         out.print(f"measured {m['iteration_ms']:.2f} ms/iteration · predicted {pred} · "
                   f"report {report}")
+        out.print(f"side by side, per rank: hetplan inspect {plan_file} --run {report}"
+                  + (f" --trace {trace}" if trace is not None else ""), markup=False)
         if data.get("rebalanced_at"):
             out.print(f"re-balanced the pipeline at iteration(s) {data['rebalanced_at']} "
                       f"({', '.join(f'{x:.1f}' for x in data.get('rebalance_ms', []))} ms)")
