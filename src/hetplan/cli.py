@@ -837,9 +837,12 @@ def run_cmd(
                                    "counted as the progress line does (1 is the first warm-up "
                                    "step); 0, the default, records the last."),
 ) -> None:
-    """Train with the plan under torchrun on synthetic data (extra options go to torchrun).
+    """Train with the plan under torchrun on synthetic data, or with your --script (extra
+    options go to torchrun).
 
-    Before any rank starts, the plan is checked against its cluster, the model (captured
+    Give the model the plan was made for: --model NAME (a zoo model) or --module
+    pkg.mod:factory; --report writes the run report, which `hetplan inspect PLAN --run
+    REPORT` puts beside the prediction. Before any rank starts, the plan is checked against its cluster, the model (captured
     here; not with --script), the world size, the --report path and this host: a plan for
     GPUs needs a CUDA device per process started here, a CPU plan at most 2 processes per
     core (at least 4) unless --oversubscribe; --dry-run skips the host check. Ctrl-C (SIGINT),
