@@ -921,7 +921,10 @@ def run_cmd(
         data = json.loads(report.read_text())
         m, p = data["measured"], data["predicted"]
         pred = f"{p['iteration_ms']:.2f} ms" if p.get("iteration_ms") is not None else "—"
-        out.print(f"measured {m['iteration_ms']:.2f} ms/iteration · predicted {pred} · "
+        # rank 0's: in a pipeline the progress lines are another rank's, whose times differ
+        timed = f" (rank 0's median of {data['steps']} timed step(s))" \
+            if isinstance(data.get("steps"), int) else ""
+        out.print(f"measured {m['iteration_ms']:.2f} ms/iteration{timed} · predicted {pred} · "
                   f"report {report}")
         out.print(f"side by side, per rank: hetplan inspect {plan_file} --run {report}"
                   + (f" --trace {trace}" if trace is not None else ""), markup=False)

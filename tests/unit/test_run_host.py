@@ -170,7 +170,7 @@ def test_a_run_with_a_report_says_how_to_compare_it(tmp_path: Path,
             pass
 
     def launched(*_a: Any, **_k: Any) -> launch_mod.RunOutcome:  # a run that wrote its report
-        report.write_text(json.dumps({"measured": {"iteration_ms": 3.0},
+        report.write_text(json.dumps({"measured": {"iteration_ms": 3.0}, "steps": 5,
                                       "predicted": {"iteration_ms": 2.0}}))
         return launch_mod.RunOutcome(code=0)
 
@@ -182,5 +182,7 @@ def test_a_run_with_a_report_says_how_to_compare_it(tmp_path: Path,
                                    str(report)])
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
-    assert "measured 3.00 ms/iteration · predicted 2.00 ms" in said
+    # whose time it is: a pipeline's progress lines are another rank's
+    assert ("measured 3.00 ms/iteration (rank 0's median of 5 timed step(s)) · predicted "
+            "2.00 ms") in said
     assert f"side by side, per rank: hetplan inspect {path} --run {report}" in said
