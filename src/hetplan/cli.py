@@ -1601,6 +1601,8 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
                       err_text)
     out.print(table)
+    out.print("  error: (predicted - measured) / measured; below 0, the run took longer than "
+              "predicted", markup=False)
     if m.get("busiest_rank") is not None:  # checked by _load_run_report
         out.print(f"  compute and pipeline bubble measured on rank {m['busiest_rank']}, the "
                   "busiest, as predicted for the busiest pipeline rank; the rest on rank 0",

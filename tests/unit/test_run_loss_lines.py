@@ -41,3 +41,10 @@ def test_inspect_run_says_the_loss_is_the_replicas_mean(tmp_path: Path) -> None:
             in _inspect_run(tmp_path, "mlp", 4))
     # one replica (a 4-stage pipeline): its loss is the batch's
     assert "loss per step: 1.5000 1.0000" in _inspect_run(tmp_path, "gpt-test", 1)
+
+
+def test_inspect_run_says_what_its_error_column_is(tmp_path: Path) -> None:
+    """'-84.3%' under 'error' left the sign to guess: predicted below measured."""
+    assert ("error: (predicted - measured) / measured; below 0, the run took longer than "
+            "predicted"
+            in _inspect_run(tmp_path, "mlp", 4))
