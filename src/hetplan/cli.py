@@ -330,7 +330,10 @@ def ir_cmd(
     workload: Path = typer.Option(None, "--workload", help="A workload JSON file."),
     batch: int = typer.Option(None, help="Micro-batch size of the example inputs."),
     seq: int = typer.Option(None, help="Sequence length of the example inputs."),
-    opaque: list[str] = typer.Option(None, "--opaque", help="Treat this module as opaque."),
+    opaque: list[str] = typer.Option(
+        None, "--opaque", help="Treat this module (its dotted name in the model, e.g. gate) as an "
+        "opaque leaf, run on CPU with zero inputs (repeatable; for a module whose forward "
+        "capture cannot follow: the error names it)."),
     as_json: bool = typer.Option(False, "--json", help="Print the workload JSON instead."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the workload JSON here."),
 ) -> None:
