@@ -708,7 +708,10 @@ def profile_cmd(
     batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements; with "
                                    "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
-    layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
+    layer_processes: int = typer.Option(
+        1, help="Time layers on this many processes at once, with the threads each gets: "
+        "on CPU give the plan's ranks per machine (4 for local-cpu), as `hetplan run` runs "
+        "them with one thread each; 1 times them in this process with all its threads."),
     link_kind: str = typer.Option(
         None, "--link-kind", help="Link kind to file collective records under (default: "
         "loopback on gloo); with HETPLAN_EMULATE_BW set, the kind of the emulated link, e.g. "
@@ -788,12 +791,27 @@ def profile_cmd(
         for line in describe_records(r for r in db.sparsity if r.model == name
                                      and (r.workers, r.batch_size) == (workers, batch_size)):
             out.print(_escape(line))
+    _note_layer_threads(chosen, device_type, layer_processes)
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
         f"collective record(s), {len(db.compressors)} compressor record(s), "
         f"{len(db.sparsity)} sparsity record(s), {len(db.optimizer_steps)} optimizer-step "
         f"record(s), {len(db.handovers)} hand-over record(s)"
     )
+
+
+def _note_layer_threads(what: tuple[str, ...], device_type: str, processes: int) -> None:
+    """Say when CPU layers were timed in one process with several threads: a run of several
+    ranks per machine gives each one thread (``OMP_NUM_THREADS=1``), and on a busy 2-core
+    host a GPT-2 block timed with 2 threads took 90x its one-thread time."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if "layers" in what and device_type == "cpu" and processes == 1 and threads > 1:
+        err.print(f"note: the layers were timed in this one process with {threads} threads; "
+                  "`hetplan run` gives each of several ranks on a machine one thread, so for "
+                  "such a plan re-profile with --layer-processes N, its ranks per machine "
+                  "(4 for local-cpu)", markup=False)
 
 
 def _measures_the_device_type(device_type: str, what: tuple[str, ...]) -> None:
