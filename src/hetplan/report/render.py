@@ -318,7 +318,9 @@ def _provenance(report: dict[str, Any], c: Console) -> None:
     if prov["costs"]:
         c.print("cost provenance:")
         for kind, v in prov["costs"].items():
-            detail = f" ({escape(v['detail'])})" if v["detail"] else ""
+            # "comm: analytic (analytic)" said one word twice: a detail that is the source
+            detail = (f" ({escape(v['detail'])})" if v["detail"] and v["detail"] != v["source"]
+                      else "")
             c.print(f"  {kind}: {v['source']}{detail}")
     else:
         c.print("cost provenance: not recorded")
