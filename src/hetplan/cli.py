@@ -1092,9 +1092,11 @@ def simulate_cmd(
         out.print(f"in the plan file: {stored:.3f} ms ({delta:+.3f} ms)")
     b = pred.breakdown
     out.print(
+        # as inspect words it: the compression time was left out, the ratio a fraction
         f"compute {b.compute_ms:.3f} ms · comm {b.comm_ms:.3f} ms · exposed comm "
-        f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · optimizer step "
-        f"{b.optimizer_ms:.3f} ms · bubble ratio {pred.bubble_ratio:.3f}"
+        f"{b.exposed_comm_ms:.3f} ms · compression {b.compression_ms:.3f} ms · bubble "
+        f"{b.bubble_ms:.3f} ms · optimizer step {b.optimizer_ms:.3f} ms · bubble ratio "
+        f"{pred.bubble_ratio:.1%}"
     )
 
 
