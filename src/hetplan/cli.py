@@ -709,9 +709,9 @@ def profile_cmd(
                                    "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(
-        1, help="Time layers on this many processes at once, with the threads each gets: "
-        "on CPU give the plan's ranks per machine (4 for local-cpu), as `hetplan run` runs "
-        "them with one thread each; 1 times them in this process with all its threads."),
+        1, help="Time layers on this many processes at once (cores / N threads each): on "
+        "CPU give the plan's ranks per machine (4 for local-cpu); 1 times them in this "
+        "process with all its threads, while `hetplan run` gives each of several ranks one."),
     link_kind: str = typer.Option(
         None, "--link-kind", help="Link kind to file collective records under (default: "
         "loopback on gloo); with HETPLAN_EMULATE_BW set, the kind of the emulated link, e.g. "
