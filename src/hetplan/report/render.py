@@ -242,6 +242,9 @@ def _sync(report: dict[str, Any], c: Console) -> None:
                       str(sync["implicit_fp32_tensors"]), fmt_bytes(sync["implicit_fp32_bytes"]),
                       "0")
     c.print(table)
+    if any("#" in row["name"] for row in sync["strategies"]):  # "fp32#63": 63 what?
+        c.print("  NAME#N: the strategy is option N of the candidates Espresso's search "
+                "priced")
     if not b["count"]:
         return
     classes = ", ".join(f"{k['label']}: {k['count']}" for k in b["size_classes"] if k["count"])
