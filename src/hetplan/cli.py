@@ -1347,8 +1347,11 @@ def validate_cmd(
         DynamicsSpec.load(file)
         out.print(f"[green]ok[/]: {file} is a valid dynamics file")
     elif kind == "run report":
-        _load_run_report(file)
-        out.print(f"[green]ok[/]: {file} is a valid run report")
+        data = _load_run_report(file)
+        ranks, steps = data.get("world_size", "?"), data.get("steps", "?")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid run report: {ranks} rank(s), "
+                  f"{steps} timed step(s), {data['measured']['iteration_ms']:.2f} ms/iteration "
+                  "measured; `hetplan inspect PLAN --run` puts it beside the plan's prediction")
     elif kind == "trace":
         from hetplan.ir.validation import load_structured_file
         from hetplan.report.trace_compare import load_trace

@@ -48,3 +48,21 @@ def test_inspect_run_says_what_its_error_column_is(tmp_path: Path) -> None:
     assert ("error: (predicted - measured) / measured; below 0, the run took longer than "
             "predicted"
             in _inspect_run(tmp_path, "mlp", 4))
+
+
+def test_validate_summarises_a_run_report(tmp_path: Path) -> None:
+    """validate said only 'ok: r.json is a valid run report', where it summarises every
+    other kind of file; it now gives the run's ranks, steps and measured iteration, and
+    what reads the report."""
+    report = {"world_size": 4, "steps": 3, "final_loss": 1.0, "per_rank": [],
+              "measured": {"iteration_ms": 805.739, "compute_ms": 1.0, "bubble_ms": 0.0,
+                           "exposed_comm_ms": 0.5, "optimizer_ms": 0.5,
+                           "per_iteration_ms": [805.739]},
+              "loss_per_step": [1.0], "cpu_sched": "normal"}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    res = CliRunner().invoke(app, ["validate", str(path)])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert ("is a valid run report: 4 rank(s), 3 timed step(s), 805.74 ms/iteration measured; "
+            "`hetplan inspect PLAN --run` puts it beside") in said
