@@ -2,7 +2,10 @@
 
     hetplan plan --module examples.train:factory --cluster local-cpu -b 16 --dp 2 -o plan.json
     hetplan run plan.json --script examples/train.py --steps 20      # or, directly:
-    torchrun --standalone --nproc-per-node 2 examples/train.py --plan plan.json --steps 20
+    torchrun --standalone --nproc-per-node 4 examples/train.py --plan plan.json --steps 20
+
+A plan uses every device of its cluster: local-cpu has 4, so ``--dp 2`` gives dp=2 x pp=2 and
+torchrun starts 4 processes (``hetplan run --dry-run`` prints the command it would run).
 
 ``factory()`` gives the model and one example micro-batch (what the plan was captured with);
 the script owns the data and the loop, and hetplan owns the parallelism and gradient sync.

@@ -330,7 +330,10 @@ def ir_cmd(
     workload: Path = typer.Option(None, "--workload", help="A workload JSON file."),
     batch: int = typer.Option(None, help="Micro-batch size of the example inputs."),
     seq: int = typer.Option(None, help="Sequence length of the example inputs."),
-    opaque: list[str] = typer.Option(None, "--opaque", help="Treat this module as opaque."),
+    opaque: list[str] = typer.Option(
+        None, "--opaque", help="Treat this module (its dotted name in the model, e.g. gate) as an "
+        "opaque leaf, run on CPU with zero inputs (repeatable; for a module whose forward "
+        "capture cannot follow: the error names it)."),
     as_json: bool = typer.Option(False, "--json", help="Print the workload JSON instead."),
     output: Path = typer.Option(None, "-o", "--output", help="Write the workload JSON here."),
 ) -> None:
@@ -437,10 +440,13 @@ def plan_cmd(
     profile: Path = typer.Option(None, "--profile", help="Profile DB from `hetplan profile`."),
     schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved-1f1b, chimera, or "
                                  "auto (1F1B and interleaved 1F1B searched side by side)."),
-    dp: int = typer.Option(None, help="Pin the data-parallel degree."),
+    dp: int = typer.Option(None, help="Pin the data-parallel degree (a plan uses every "
+                           "device: dp x pp x tp is the cluster's device count)."),
     pp: int = typer.Option(None, help="Pin the pipeline-parallel degree."),
     tp: int = typer.Option(None, help="Pin the tensor-parallel degree."),
-    micro_batch_size: int = typer.Option(None, "--micro-batch-size", help="Pin it."),
+    micro_batch_size: int = typer.Option(
+        None, "--micro-batch-size", help="Pin the samples per micro-batch (of each "
+        "data-parallel replica; it divides the batch per replica)."),
     dtype: str = typer.Option(
         "mixed", help="Precision: mixed (per device type: bf16 on A100/H100, fp16 with loss "
         "scaling on V100, fp32 on CPU; fp32 master weights), or fp32, bf16, fp16 everywhere "
@@ -588,10 +594,13 @@ def plan_cmd(
     _print_plan(plan)
     asked = [f for f, given in (("--schedule " + schedule, schedule not in ("1f1b", "auto")),
                                 (f"--virtual-stages {virtual_stages}",
-                                 virtual_stages is not None)) if given]
+                                 virtual_stages is not None),
+                                # re-balancing moves layers between pipeline stages
+                                (f"--dynamics {dynamics}", dynamics is not None)) if given]
     if asked and plan.hetero is None and plan.layout is not None and plan.layout.pp == 1:
         err.print(f"note: the fastest layout has no pipeline (pp=1), so {' and '.join(asked)} "
-                  "did not apply; pin --pp to plan a pipeline with them", markup=False)
+                  "did not apply; pin --pp to plan a pipeline with "
+                  f"{'it' if len(asked) == 1 else 'them'}", markup=False)
     lay = plan.layout if plan.hetero is None else None
     for flag, degree, what in ((f"--zero {zero}", "dp", "data"), ("--sp", "tp", "tensor")):
         if lay is not None and (zero if degree == "dp" else sp) and getattr(lay, degree) == 1:
@@ -699,7 +708,10 @@ def profile_cmd(
     batch_size: int = typer.Option(1, help="Micro-batch of the layer measurements; with "
                                    "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
-    layer_processes: int = typer.Option(1, help="Time layers on this many processes at once."),
+    layer_processes: int = typer.Option(
+        1, help="Time layers on this many processes at once (cores / N threads each): on "
+        "CPU give the plan's ranks per machine (4 for local-cpu); 1 times them in this "
+        "process with all its threads, while `hetplan run` gives each of several ranks one."),
     link_kind: str = typer.Option(
         None, "--link-kind", help="Link kind to file collective records under (default: "
         "loopback on gloo); with HETPLAN_EMULATE_BW set, the kind of the emulated link, e.g. "
@@ -779,12 +791,27 @@ def profile_cmd(
         for line in describe_records(r for r in db.sparsity if r.model == name
                                      and (r.workers, r.batch_size) == (workers, batch_size)):
             out.print(_escape(line))
+    _note_layer_threads(chosen, device_type, layer_processes)
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
         f"collective record(s), {len(db.compressors)} compressor record(s), "
         f"{len(db.sparsity)} sparsity record(s), {len(db.optimizer_steps)} optimizer-step "
         f"record(s), {len(db.handovers)} hand-over record(s)"
     )
+
+
+def _note_layer_threads(what: tuple[str, ...], device_type: str, processes: int) -> None:
+    """Say when CPU layers were timed in one process with several threads: a run of several
+    ranks per machine gives each one thread (``OMP_NUM_THREADS=1``), and on a busy 2-core
+    host a GPT-2 block timed with 2 threads took 90x its one-thread time."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if "layers" in what and device_type == "cpu" and processes == 1 and threads > 1:
+        err.print(f"note: the layers were timed in this one process with {threads} threads; "
+                  "`hetplan run` gives each of several ranks on a machine one thread, so for "
+                  "such a plan re-profile with --layer-processes N, its ranks per machine "
+                  "(4 for local-cpu)", markup=False)
 
 
 def _measures_the_device_type(device_type: str, what: tuple[str, ...]) -> None:
@@ -831,9 +858,12 @@ def run_cmd(
                                    "counted as the progress line does (1 is the first warm-up "
                                    "step); 0, the default, records the last."),
 ) -> None:
-    """Train with the plan under torchrun on synthetic data (extra options go to torchrun).
+    """Train with the plan under torchrun on synthetic data, or with your --script (extra
+    options go to torchrun).
 
-    Before any rank starts, the plan is checked against its cluster, the model (captured
+    Give the model the plan was made for: --model NAME (a zoo model) or --module
+    pkg.mod:factory; --report writes the run report, which `hetplan inspect PLAN --run
+    REPORT` puts beside the prediction. Before any rank starts, the plan is checked against its cluster, the model (captured
     here; not with --script), the world size, the --report path and this host: a plan for
     GPUs needs a CUDA device per process started here, a CPU plan at most 2 processes per
     core (at least 4) unless --oversubscribe; --dry-run skips the host check. Ctrl-C (SIGINT),
@@ -912,8 +942,13 @@ def run_cmd(
         data = json.loads(report.read_text())
         m, p = data["measured"], data["predicted"]
         pred = f"{p['iteration_ms']:.2f} ms" if p.get("iteration_ms") is not None else "—"
-        out.print(f"measured {m['iteration_ms']:.2f} ms/iteration · predicted {pred} · "
+        # rank 0's: in a pipeline the progress lines are another rank's, whose times differ
+        timed = f" (rank 0's median of {data['steps']} timed step(s))" \
+            if isinstance(data.get("steps"), int) else ""
+        out.print(f"measured {m['iteration_ms']:.2f} ms/iteration{timed} · predicted {pred} · "
                   f"report {report}")
+        out.print(f"side by side, per rank: hetplan inspect {plan_file} --run {report}"
+                  + (f" --trace {trace}" if trace is not None else ""), markup=False)
         if data.get("rebalanced_at"):
             out.print(f"re-balanced the pipeline at iteration(s) {data['rebalanced_at']} "
                       f"({', '.join(f'{x:.1f}' for x in data.get('rebalance_ms', []))} ms)")
@@ -1057,9 +1092,11 @@ def simulate_cmd(
         out.print(f"in the plan file: {stored:.3f} ms ({delta:+.3f} ms)")
     b = pred.breakdown
     out.print(
+        # as inspect words it: the compression time was left out, the ratio a fraction
         f"compute {b.compute_ms:.3f} ms · comm {b.comm_ms:.3f} ms · exposed comm "
-        f"{b.exposed_comm_ms:.3f} ms · bubble {b.bubble_ms:.3f} ms · optimizer step "
-        f"{b.optimizer_ms:.3f} ms · bubble ratio {pred.bubble_ratio:.3f}"
+        f"{b.exposed_comm_ms:.3f} ms · compression {b.compression_ms:.3f} ms · bubble "
+        f"{b.bubble_ms:.3f} ms · optimizer step {b.optimizer_ms:.3f} ms · bubble ratio "
+        f"{pred.bubble_ratio:.1%}"
     )
 
 
@@ -1310,8 +1347,11 @@ def validate_cmd(
         DynamicsSpec.load(file)
         out.print(f"[green]ok[/]: {file} is a valid dynamics file")
     elif kind == "run report":
-        _load_run_report(file)
-        out.print(f"[green]ok[/]: {file} is a valid run report")
+        data = _load_run_report(file)
+        ranks, steps = data.get("world_size", "?"), data.get("steps", "?")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid run report: {ranks} rank(s), "
+                  f"{steps} timed step(s), {data['measured']['iteration_ms']:.2f} ms/iteration "
+                  "measured; `hetplan inspect PLAN --run` puts it beside the plan's prediction")
     elif kind == "trace":
         from hetplan.ir.validation import load_structured_file
         from hetplan.report.trace_compare import load_trace
@@ -1587,6 +1627,8 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
         table.add_row(name, "—" if p is None else f"{p:.3f}", "—" if x is None else f"{x:.3f}",
                       err_text)
     out.print(table)
+    out.print("  error: (predicted - measured) / measured; below 0, the run took longer than "
+              "predicted", markup=False)
     if m.get("busiest_rank") is not None:  # checked by _load_run_report
         out.print(f"  compute and pipeline bubble measured on rank {m['busiest_rank']}, the "
                   "busiest, as predicted for the busiest pipeline rank; the rest on rank 0",
@@ -1594,7 +1636,9 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
     _print_run_ranks(plan, report)
     losses = report.get("loss_per_step")
     if isinstance(losses, list) and losses:
-        out.print("loss per step: " + " ".join(f"{x:.4f}" for x in losses[:20])
+        dp = plan.layout.dp if plan.layout is not None else 1
+        mean = f" (mean over the {dp} data-parallel replicas)" if dp > 1 else ""
+        out.print(f"loss per step{mean}: " + " ".join(f"{x:.4f}" for x in losses[:20])
                   + (" ..." if len(losses) > 20 else ""))
     if report.get("cpu_sched") == "batch":
         out.print("the CPU ranks ran as batch tasks (HETPLAN_CPU_SCHED=batch): compare with "
@@ -1685,6 +1729,8 @@ def diff_cmd(
     if as_json:
         typer.echo(dump_json(d), nl=False)
         return
+    if not d["identical"]:  # every line below reads "a → b"
+        out.print(f"a: {plan_a}\nb: {plan_b}", markup=False)
     render_diff(d, out)
 
 

@@ -500,6 +500,24 @@ def test_plan_says_when_a_pinned_schedule_did_not_apply(tiny_gpt_ir: ModelIR,
     assert "did not apply" not in flat(stderr(r))
 
 
+def test_plan_says_when_dynamics_did_not_apply(tiny_gpt_ir: ModelIR, tmp_path: Path) -> None:
+    """Was: --dynamics examples/pruning.yaml with a layout the search chose without a
+    pipeline gave 're-balancing: ... 0 event(s)' and no word why (it moves layers between
+    stages); with --pp the re-balancing applies and nothing is said."""
+    workload = tmp_path / "tiny.json"
+    tiny_gpt_ir.save(workload)
+    dynamics = Path(__file__).resolve().parents[2] / "examples" / "pruning.yaml"
+    base = ["plan", "--workload", workload, "-c", "local-cpu", "-b", "8", "--dynamics",
+            dynamics]
+    r = run([*base, "--dp", "4"])
+    assert_ok(r)
+    assert (f"no pipeline (pp=1), so --dynamics {dynamics} did not apply; pin --pp"
+            in flat(stderr(r)))
+    r = run([*base, "--pp", "2"])
+    assert_ok(r)
+    assert "did not apply" not in flat(stderr(r))
+
+
 def test_plan_says_when_a_pinned_zero_stage_or_sp_did_not_apply(tiny_gpt_ir: ModelIR,
                                                                   tmp_path: Path) -> None:
     """Was: --zero 3 with a layout the search chose without data parallelism (--pp 4) gave

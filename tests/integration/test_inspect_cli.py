@@ -237,6 +237,7 @@ def test_diff_after_a_hand_edit(tmp_path: Path) -> None:
     other = tmp_path / "edited.json"
     edited.save(other)
     text = assert_ok(run("diff", path, other))
+    assert text.startswith(f"a: {path} b: {other} ")  # which plan each side of → is
     n = len(sync.buckets)
     assert f"buckets: {n} → {n - 1}" in text
     assert f"{len(merged.tensors)} tensor(s) in different buckets" in text

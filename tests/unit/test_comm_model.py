@@ -425,3 +425,27 @@ def test_alpha_beta_line() -> None:
     line = AlphaBeta(1e-5, 1e-9)
     assert line.time_s(1e6) == pytest.approx(1e-5 + 1e-3)
     assert line.time_s(0) == 0.0 and line.source == "analytic"
+
+
+def test_the_link_kinds_a_profile_left_analytic_are_named() -> None:
+    """A profile of one machine (loopback) used for cpu-2x2-slow, whose nodes talk over
+    ethernet: the plan's warning said 'comm: analytic, profiled; measure them with `hetplan
+    profile`', which the user had just done; it now names the link kind the profile lacks."""
+    import hetplan
+
+    spec = ClusterSpec.from_preset("cpu-2x2-slow")
+    db = ProfileDB(collectives=tuple(
+        CollectiveRecord(collective=c, backend="gloo", link_kind="loopback", group_size=n,
+                         alpha_s=1e-4, beta_s_per_byte=1e-9)
+        for c in ("allreduce", "allgather") for n in (2, 4)))
+    m = CommModel(spec, db)
+    assert m.unprofiled_link_kinds() == []
+    m.cost("allreduce", 1e6, 2, "intra")
+    assert m.unprofiled_link_kinds() == []  # loopback is measured
+    m.cost("allreduce", 1e6, 2, "inter")
+    assert m.unprofiled_link_kinds() == ["ethernet"]
+    assert CommModel(spec).unprofiled_link_kinds() == []  # no profile: nothing to name
+    plan = hetplan.compile("mlp", spec, batch_size=8, dp=4, profile=db)
+    detail = plan.provenance["comm"].detail
+    assert "no gloo collectives on ethernet links" in detail
+    assert "hetplan profile --link-kind ethernet" in detail

@@ -52,6 +52,13 @@ def test_inspect_shows_each_stages_devices_and_degrees(plans: dict[str, Path]) -
     text = runner.invoke(app, ["inspect", str(plans["on"]), "-s", "layout"]).output
     for s in plan.hetero.stages:
         assert f"{s.device_class} (ranks" in text and f"dp {s.dp} x tp {s.tp}" in text
+    # the layout line read "layout: dp=1 pp=2 tp=1" (the layout's placeholders) above
+    # stages of dp 2 or more
+    flat = " ".join(text.split())
+    assert (f"layout: pp={len(plan.hetero.stages)} with each stage's own dp x tp (below), "
+            "schedule") in flat
+    assert "(through the pipeline, split over each stage's replicas)" in flat
+    assert "layout: dp=" not in flat
 
 
 def test_inspect_strategy_line_gives_each_stages_zero_stage(tmp_path: Path) -> None:

@@ -274,3 +274,21 @@ def test_a_plan_without_stages_is_inspected_and_diffed(tmp_path: Path) -> None:
     for argv in (["inspect", str(bare)], ["diff", str(full), str(bare)]):
         result = runner.invoke(app, argv)
         assert result.exit_code == 0, result.output
+
+
+def test_simulate_words_its_breakdown_as_inspect_does(tmp_path: Path) -> None:
+    """simulate left the compression time out of its breakdown (a compressed plan's parts did
+    not add up to what inspect showed) and gave the bubble ratio as a fraction ('0.000')
+    where inspect gives a percentage."""
+    ir = ModelIR.load(GOLDEN / "inspect_small.workload.json")
+    made = compile_plan(ir, "cpu-2x2-slow", batch_size=8, dp=4, compressors=("topk",))
+    assert made.predictions is not None
+    b = made.predictions.breakdown
+    assert b.compression_ms > 0
+    path = tmp_path / "plan.json"
+    made.save(path)
+    result = runner.invoke(app, ["simulate", str(path)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"compression {b.compression_ms:.3f} ms" in text
+    assert f"bubble ratio {made.predictions.bubble_ratio:.1%}" in text

@@ -227,6 +227,18 @@ def test_compile_with_pinned_dp_that_does_not_exist() -> None:
         compile(two_layer_ir(), cluster(8), batch_size=24, dp=3)
 
 
+def test_two_pinned_degrees_name_the_third_they_leave() -> None:
+    """dp=2 x pp=1 on 4 devices leaves tp=2, which a model without linear pairs cannot have:
+    the error named the batch size ('choose a batch size divisible by ...'), not the pins."""
+    with pytest.raises(InfeasiblePlanError) as info:
+        compile(two_layer_ir(), cluster(4), batch_size=16, dp=2, pp=1)
+    msg = str(info.value)
+    assert "dp=2 x pp=1 on the 4 devices" in msg and "leaves tp=2" in msg
+    assert "no column/row linear pairs" in msg and "batch size" not in msg
+    with pytest.raises(InfeasiblePlanError, match="leaves pp=4 .* more pipeline stages"):
+        compile(two_layer_ir(), cluster(4), batch_size=16, dp=1, tp=1)
+
+
 def test_compile_rejects_nonpositive_batch() -> None:
     with pytest.raises(SpecError, match="batch_size: Input should be greater than or equal to 1"):
         compile(two_layer_ir(), cluster(8), batch_size=0)

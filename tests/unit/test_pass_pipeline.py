@@ -225,3 +225,14 @@ def test_failures_keep_class_attributes_and_cause() -> None:
     assert info.value.module == "blocks.3.attn" and info.value.reason == "data-dependent"
     assert "in pass 'tracer'" in str(info.value)
     assert isinstance(info.value.__cause__, TraceError)
+
+
+def test_hetplan_passes_names_the_module_a_description_points_to() -> None:
+    """`hetplan passes` printed 'Optimal contiguous buckets per shared strategy (see module
+    docstring)' without saying which module; it now names it."""
+    from hetplan.passes.spec import describe_passes
+
+    docs = {name: doc for name, doc, _ in describe_passes()}
+    assert docs["cupcake-fusion"].endswith("(see the docstring of hetplan.passes.cupcake).")
+    assert not any("(see module docstring)" in d or "(module docstring)" in d
+                   for d in docs.values())

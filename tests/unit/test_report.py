@@ -51,7 +51,12 @@ from hetplan.optimizer.compile import compile as compile_plan
 from hetplan.cost_models.predict import simulate
 from hetplan.report.diff import diff_plans, diff_text
 from hetplan.report.explain import explain
-from hetplan.report.inspect import SECTIONS, build_report, select_sections
+from hetplan.report.inspect import (
+    SECTIONS,
+    build_report,
+    describe_strategy,
+    select_sections,
+)
 from hetplan.report.render import render_text
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -424,6 +429,9 @@ def test_diff_after_editing_buckets_and_strategy(small: Plan) -> None:
     assert it["delta"] == pytest.approx(expected, abs=1e-6)
     text = diff_text(d)
     assert "change strategy" in text and "iteration time" in text
+    # each plan's strategy on its own line: "a → b" read as one more step of a's path
+    old = describe_strategy(small.gradient_sync.strategies[b0.strategy])
+    assert f":\n      a: {old}\n      b: cast to fp16; " in text
 
 
 def test_diff_of_layouts(small: Plan) -> None:
@@ -448,3 +456,19 @@ def test_golden_explain_text(small: Plan, golden: Golden) -> None:
     tensor = small.gradient_sync.buckets[0].tensors[1]
     text = "\n".join(explain(small, t).text for t in ("bucket:0", "stage:1", "rank:17", tensor))
     golden("explain_small.txt", text)
+
+
+def test_a_compressed_strategy_names_where_it_compresses_in_words() -> None:
+    """It read 'topk(ratio=0.01) on gpu/gpu', also on a CPU-only cluster: the plan's 'gpu'
+    is the rank's own device and 'cpu' the host's CPU."""
+    def text(comp: str, decomp: str) -> str:
+        return describe_strategy(CompressedSync.model_validate(
+            {"compressor": "topk", "params": {"ratio": 0.01}, "compress_device": comp,
+             "decompress_device": decomp}))
+
+    assert text("gpu", "gpu") == ("topk(ratio=0.01) on the device, error feedback; "
+                                  "flat allgather*")
+    assert text("cpu", "cpu").startswith("topk(ratio=0.01) on the host CPU, ")
+    assert text("gpu", "cpu").startswith(
+        "topk(ratio=0.01) compressed on the device, decompressed on the host CPU, ")
+    assert "gpu" not in text("gpu", "cpu")

@@ -139,3 +139,50 @@ def test_torchrun_options_still_pass_through(gpu_plan: Plan, tmp_path: Path) -> 
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
     assert "--nproc_per_node=64" in out and "--max-restarts 2" in out
+
+
+def test_run_without_a_model_says_which_one_the_plan_was_made_for(tmp_path: Path) -> None:
+    """`hetplan run plan.json` said 'give exactly one of --model NAME or --module ...'; the
+    plan names its model, so the refusal now says which option to give."""
+    plan = hetplan.compile("mlp", _cpu(4), batch_size=8, dp=4, pp=1, tp=1)
+    with pytest.raises(SpecError, match="the zoo model 'mlp', so give --model mlp"):
+        torchrun_command(plan, "plan.json")
+    path = tmp_path / "plan.json"
+    plan.model_copy(update={"model": plan.model.model_copy(update={"name": "MyNet"})}).save(path)
+    res = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert "'MyNet', not a zoo model, so give --module" in " ".join(res.output.split())
+
+
+def test_a_run_with_a_report_says_how_to_compare_it(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run ended on 'measured ... · predicted ... · report r.json' and left the user to
+    find `inspect --run`; it now prints that command with this plan and report."""
+    import json
+
+    plan = hetplan.compile("mlp", _cpu(4), batch_size=8, dp=4, pp=1, tp=1)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    report = tmp_path / "r.json"
+
+    class Held:
+        def abandon(self) -> None:
+            pass
+
+    def launched(*_a: Any, **_k: Any) -> launch_mod.RunOutcome:  # a run that wrote its report
+        report.write_text(json.dumps({"measured": {"iteration_ms": 3.0}, "steps": 5,
+                                      "predicted": {"iteration_ms": 2.0}}))
+        return launch_mod.RunOutcome(code=0)
+
+    monkeypatch.setattr(launch_mod, "prestart", lambda *_a, **_k: Held())
+    monkeypatch.setattr(launch_mod, "launch", launched)
+    monkeypatch.setattr(HostCapacity, "detect",
+                        classmethod(lambda cls: HostCapacity(cuda_devices=0, cpu_cores=4)))
+    res = CliRunner().invoke(app, ["run", str(path), "--model", "mlp", "--report",
+                                   str(report)])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    # whose time it is: a pipeline's progress lines are another rank's
+    assert ("measured 3.00 ms/iteration (rank 0's median of 5 timed step(s)) · predicted "
+            "2.00 ms") in said
+    assert f"side by side, per rank: hetplan inspect {path} --run {report}" in said

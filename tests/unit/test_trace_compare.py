@@ -61,6 +61,8 @@ def _recording(plan: Any, rank: int, t0: float) -> dict[str, Any]:
     tr.add("optimizer step", "phase", now + 2.5e-3, now + 3.5e-3)
     tr.add("comp", "sync", now, now + 5e-4, tid=1)
     tr.add("comp", "sync", now + 1e-3, now + 1.5e-3, tid=1)
+    for bucket in (10, 2):
+        tr.add(f"launch bucket {bucket}", "sync", now, now + 1e-4)
     tr.stop()
     return tr.to_dict()
 
@@ -100,7 +102,11 @@ def test_each_action_is_predicted_beside_measured(plan: Any) -> None:
         assert m["after_backward_ms"] == {"GradSyncHandler": pytest.approx(2.0)}
         assert m["after_sync_ms"] == {"StagesHandler": pytest.approx(0.5)}
         assert m["micro_batches_start_ms"] == pytest.approx(r["rank"] * 1.0)
-        assert m["sync_ms"] == {"comp": pytest.approx(1.0)}
+        assert m["sync_ms"] == {"comp": pytest.approx(1.0),
+                                "launch bucket 2": pytest.approx(0.1),
+                                "launch bucket 10": pytest.approx(0.1)}
+        # in bucket order, as `inspect --trace` prints them (not 'bucket 10' before 'bucket 2')
+        assert list(m["sync_ms"]) == ["comp", "launch bucket 2", "launch bucket 10"]
         assert m["optimizer_ms"] == pytest.approx(1.0)
 
 

@@ -309,6 +309,18 @@ class CommModel:
         a collective with so far (what a plan's ``provenance`` reports)."""
         return {line.source for line in self._lines.values()}
 
+    def unprofiled_link_kinds(self) -> list[str]:
+        """The kinds of link that collectives of more than one rank were priced on from the
+        cluster spec although the profile DB measured this backend on other kinds (empty
+        without such records): a profile of one machine's ``loopback`` leaves a plan's
+        ``ethernet`` between nodes analytic, which ``hetplan profile --link-kind`` fixes."""
+        measured = {kind for _, kind in self._profiled}
+        if not measured:
+            return []
+        return sorted({kind for (_, n, link), line in self._lines.items()
+                       if n > 1 and line.source == "analytic"
+                       and (kind := self.resolve_link(link).kind) not in measured})
+
     @property
     def has_handovers(self) -> bool:
         """Whether the profile holds hand-over records (without them every wait is 0 s)."""

@@ -107,10 +107,16 @@ def provenance(stages: Sequence[StageCost], costs: CostModel) -> dict[str, CostS
     compute_src = "profiled" if set(counts) == {"profiled"} else "analytic"
     comm_lines = costs.comm.sources_used()
     comm_src = "profiled" if comm_lines == {"profiled"} else "analytic"
+    comm_detail = ", ".join(sorted(comm_lines)) or "no collectives"
+    if unmeasured := costs.comm.unprofiled_link_kinds():
+        comm_detail += (f"; the profile DB has no {costs.comm.backend} collectives on "
+                        f"{' or '.join(unmeasured)} links: `hetplan profile --link-kind "
+                        f"{unmeasured[0]}` over such a link (HETPLAN_EMULATE_BW for an "
+                        "emulated one) measures them")
     return {
         "compute": CostSource(source=compute_src, detail=detail),  # type: ignore[arg-type]
         "comm": CostSource(source=comm_src,  # type: ignore[arg-type]
-                           detail=", ".join(sorted(comm_lines)) or "no collectives"),
+                           detail=comm_detail),
     }
 
 

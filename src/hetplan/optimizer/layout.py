@@ -187,6 +187,17 @@ def pinned_degree_problems(workload: WorkloadSummary, cluster: ClusterSpec, *,
     if pp is not None and pp > len(workload.layers):
         out.append(f"pp={pp}: more pipeline stages than the model's {len(workload.layers)} "
                    f"layers; use pp <= {len(workload.layers)}")
+    free = [k for k, v in pinned.items() if v is None]
+    if not out and len(free) == 1 and free[0] != "dp":
+        # two pinned degrees fix the third (a plan uses every device): dp=2 pp=1 on 4
+        # devices means tp=2, which a model without linear pairs cannot have
+        implied = {**pinned, free[0]: world // product}
+        named = " x ".join(f"{k}={v}" for k, v in pinned.items() if v is not None)
+        out += [f"{named} on the {world} devices of cluster {cluster.name!r} leaves "
+                f"{free[0]}={world // product} (a plan uses every device), but {why}; or "
+                f"pin other degrees (their product with {free[0]} is {world})"
+                for why in pinned_degree_problems(workload, cluster, max_tp=max_tp,
+                                                  **implied)]
     return out
 
 

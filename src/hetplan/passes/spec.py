@@ -29,6 +29,7 @@ Every mistake is a :class:`~hetplan.errors.SpecError` that names where the spec 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -233,5 +234,8 @@ def describe_passes() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
             kind = "file" if "parse" in f.metadata else _type_name(hints[f.name])
             opts.append((_kebab(f.name), kind, _format_value(default)))
         doc = (cls.__doc__ or "").strip().splitlines()
-        rows.append((name, doc[0] if doc else "", opts))
+        # a first line may end "(see module docstring)": name that module for the reader
+        first = re.sub(r"\((?:see )?(?:the )?module docstring\)",
+                       f"(see the docstring of {cls.__module__})", doc[0]) if doc else ""
+        rows.append((name, first, opts))
     return rows

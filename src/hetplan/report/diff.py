@@ -307,7 +307,9 @@ def _render_sync(c: Console, sy: dict[str, Any]) -> None:
     if moved["count"]:
         c.print(f"  {moved['count']} tensor(s) change strategy, e.g.:")
         for ex in moved["examples"]:
-            c.print(f"    {escape(ex['tensor'])}: {escape(ex['a'])} → {escape(ex['b'])}")
+            # one line per plan: a strategy's collective path uses → itself
+            c.print(f"    {escape(ex['tensor'])}:\n      a: {escape(ex['a'])}\n"
+                    f"      b: {escape(ex['b'])}")
 
 
 def _speed(speedup: float | None) -> str:

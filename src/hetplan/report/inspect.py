@@ -295,7 +295,7 @@ def _tp_group(plan: Plan, g: TPGroup, devices: tuple[Device, ...] | None) -> dic
 def describe_strategy(strategy: SyncStrategy) -> str:
     """One line for a sync strategy: dtype or compressor, devices and the collective path.
 
-    Example: ``topk(ratio=0.01) on gpu/gpu, error feedback; intra allreduce → inter
+    Example: ``topk(ratio=0.01) on the device, error feedback; intra allreduce → inter
     allgather*``; ``fp32; flat allreduce`` (``*`` marks steps that carry the compressed payload).
     """
     path = " → ".join(
@@ -310,8 +310,13 @@ def describe_strategy(strategy: SyncStrategy) -> str:
     extra = ", error feedback" if strategy.error_feedback else ""
     dtype = f", {strategy.uncompressed_dtype} uncompressed" \
         if strategy.uncompressed_dtype != "fp32" else ""
-    return (f"{strategy.compressor}({params}) on {strategy.compress_device}/"
-            f"{strategy.decompress_device}{extra}{dtype}; {path}")
+    # the plan's "gpu" is the rank's own device (a CPU rank's too), "cpu" the host's CPU:
+    # "on gpu/gpu" read as GPUs on a CPU-only cluster
+    word = {"gpu": "the device", "cpu": "the host CPU"}
+    comp, decomp = strategy.compress_device, strategy.decompress_device
+    where = (f"on {word[comp]}" if comp == decomp
+             else f"compressed on {word[comp]}, decompressed on {word[decomp]}")
+    return f"{strategy.compressor}({params}) {where}{extra}{dtype}; {path}"
 
 
 def _sync(plan: Plan) -> dict[str, Any]:

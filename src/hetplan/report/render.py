@@ -69,9 +69,14 @@ def _layout(report: dict[str, Any], c: Console) -> None:
         return
     batch = f", global batch {lay['global_batch_size']}" if lay["global_batch_size"] else ""
     virtual = f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else ""
-    c.print(f"layout: dp={lay['dp']} pp={lay['pp']} tp={lay['tp']}, schedule {lay['schedule']}, "
+    # per-stage degrees: the layout keeps dp = tp = 1 and the pipeline's micro-batch, which
+    # read as one rank training the whole batch ("dp=1 pp=1 tp=1 ... 16 of 32 ranks used")
+    degrees = (f"pp={lay['pp']} with each stage's own dp x tp (below)" if lay.get("hetero")
+               else f"dp={lay['dp']} pp={lay['pp']} tp={lay['tp']}")
+    mb = " (through the pipeline, split over each stage's replicas)" if lay.get("hetero") else ""
+    c.print(f"layout: {degrees}, schedule {lay['schedule']}, "
             f"{_n(lay['micro_batches'], 'micro-batch', 'micro-batches')} of "
-            f"{lay['micro_batch_size']}{batch}{virtual}"
+            f"{lay['micro_batch_size']}{mb}{batch}{virtual}"
             f" · {lay['ranks_used']} of {lay['world_size']} ranks used")
     for line in lay.get("hetero", {}).get("lines", ()):
         c.print(escape(line))
@@ -237,6 +242,9 @@ def _sync(report: dict[str, Any], c: Console) -> None:
                       str(sync["implicit_fp32_tensors"]), fmt_bytes(sync["implicit_fp32_bytes"]),
                       "0")
     c.print(table)
+    if any("#" in row["name"] for row in sync["strategies"]):  # "fp32#63": 63 what?
+        c.print("  NAME#N: the strategy is option N of the candidates Espresso's search "
+                "priced")
     if not b["count"]:
         return
     classes = ", ".join(f"{k['label']}: {k['count']}" for k in b["size_classes"] if k["count"])
@@ -313,7 +321,9 @@ def _provenance(report: dict[str, Any], c: Console) -> None:
     if prov["costs"]:
         c.print("cost provenance:")
         for kind, v in prov["costs"].items():
-            detail = f" ({escape(v['detail'])})" if v["detail"] else ""
+            # "comm: analytic (analytic)" said one word twice: a detail that is the source
+            detail = (f" ({escape(v['detail'])})" if v["detail"] and v["detail"] != v["source"]
+                      else "")
             c.print(f"  {kind}: {v['source']}{detail}")
     else:
         c.print("cost provenance: not recorded")

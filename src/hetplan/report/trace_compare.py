@@ -21,12 +21,19 @@ clock), so both show where a rank waits for another.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from hetplan.errors import SpecError
 
 __all__ = ["compare_trace", "load_trace"]
+
+
+def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders numbers by value: 'launch bucket 2' before 'launch bucket 10'."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part)
+                 for part in re.split(r"(\d+)", name) if part)
 
 
 def load_trace(data: Any, path: str = "trace") -> dict[str, Any]:
@@ -236,6 +243,7 @@ def _rank_rows(rank: int, p: int, events: list[dict[str, Any]],
     for e in events:  # the gradient sync's launches and worker-thread steps, summed by name
         if e["cat"] == "sync":
             sync[e["name"]] = sync.get(e["name"], 0.0) + e["dur"] / 1e3
-    meas_part["sync_ms"] = {k: _r(v) for k, v in sorted(sync.items())}
+    meas_part["sync_ms"] = {k: _r(v) for k, v in sorted(sync.items(),
+                                                        key=lambda kv: _natural(kv[0]))}
     return {"rank": rank, "pp_rank": p, "predicted": pred_part, "measured": meas_part,
             "actions": actions}

@@ -87,6 +87,18 @@ __all__ = ["HostCapacity", "MIN_CPU_PROCESSES", "OVERSUBSCRIBE", "RunOutcome", "
            "torchrun_command"]
 
 
+def _model_hint(plan: Plan) -> str:
+    """Which of --model and --module the plan was made with, from its model's name: a zoo
+    name is the --model to give, another one (a class name) came from a factory."""
+    from hetplan.zoo.entries import ZOO  # only on this refusal: the zoo imports torch
+
+    name = plan.model.name
+    if name in ZOO:
+        return f": the plan was made for the zoo model {name!r}, so give --model {name}"
+    return (f": the plan was made for {name!r}, not a zoo model, so give --module with the "
+            "factory it was planned with")
+
+
 def torchrun_command(
     plan: Plan,
     plan_path: str | Path,
@@ -121,7 +133,7 @@ def torchrun_command(
                         f"builds its own model in the script: drop {given}")
     if script is None and bool(model) == bool(module):
         raise SpecError("give exactly one of --model NAME or --module pkg.mod:factory "
-                        "(or --script train.py)")
+                        f"(or --script train.py){_model_hint(plan) if not model else ''}")
     extra = list(torchrun_args)
     multi_node = any(a.startswith(("--nnodes", "--rdzv")) for a in extra)
     cmd = [sys.executable, "-m", "torch.distributed.run"]

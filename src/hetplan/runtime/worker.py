@@ -264,6 +264,8 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
                 times.append(rt.last_times)
             if step == first and layout.pp > 1:
                 printer = _loss_rank(loss)
+            if step == first and rank == printer and (note := _loss_note(rank, layout.dp)):
+                print(note, flush=True)
             if rank == printer and rt.last_times is not None:
                 # "nan" where the loss is another rank's read as a diverged run
                 shown = (f"{loss:.4f}" if layout.pp == 1 or loss == loss
@@ -364,6 +366,16 @@ def _meter(rt: Any) -> Any:
 
     opt = rt.opt
     return peak_memory(rt.model, opt, [getattr(opt, "master", None)], rt.stage_modules)
+
+
+def _loss_note(rank: int, dp: int) -> str | None:
+    """What the progress line's loss is when the data-parallel replicas each compute one
+    (``None`` with one replica): the printing rank's own, where the run report holds their
+    mean, so that the last line's loss and the report's ``final_loss`` may differ."""
+    if dp <= 1:
+        return None
+    return (f"rank {rank}: the loss below is its data-parallel replica's (1 of {dp}); the "
+            "run report's loss_per_step and final_loss are the mean over the replicas")
 
 
 def _loss_rank(loss: float) -> int:
