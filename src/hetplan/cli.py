@@ -709,9 +709,10 @@ def profile_cmd(
                                    "--sparsity, the samples each worker looks up per step."),
     seq: int = typer.Option(None, help="Sequence length for zoo language models."),
     layer_processes: int = typer.Option(
-        1, help="Time layers on this many processes at once (cores / N threads each): on "
-        "CPU give the plan's ranks per machine (4 for local-cpu); 1 times them in this "
-        "process with all its threads, while `hetplan run` gives each of several ranks one."),
+        None, help="Time layers on this many processes at once, each with the threads a rank "
+        "of `hetplan run` gets (1, or OMP_NUM_THREADS): the plan's ranks per machine. Default: "
+        "--world-size/-n on CPU (give -n 4 for local-cpu), 1 with a GPU; 1 times them in this "
+        "process with all its threads.", show_default=False),
     link_kind: str = typer.Option(
         None, "--link-kind", help="Link kind to file collective records under (default: "
         "loopback on gloo); with HETPLAN_EMULATE_BW set, the kind of the emulated link, e.g. "
@@ -766,6 +767,8 @@ def profile_cmd(
         raise SpecError(f"--link-kind {link_kind!r}: choose one of {', '.join(kinds)}"
                         f"{did_you_mean(link_kind, list(kinds))}")
     _measures_the_device_type(device_type, chosen)
+    if layer_processes is None:
+        layer_processes = _default_layer_processes(world_size, chosen)
     dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
     bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
     if bad:
@@ -791,7 +794,7 @@ def profile_cmd(
         for line in describe_records(r for r in db.sparsity if r.model == name
                                      and (r.workers, r.batch_size) == (workers, batch_size)):
             out.print(_escape(line))
-    _note_layer_threads(chosen, device_type, layer_processes)
+    _note_layer_threads(chosen, device_type, layer_processes, world_size)
     out.print(
         f"wrote {output}: {len(db.compute)} layer record(s), {len(db.collectives)} "
         f"collective record(s), {len(db.compressors)} compressor record(s), "
@@ -800,18 +803,34 @@ def profile_cmd(
     )
 
 
-def _note_layer_threads(what: tuple[str, ...], device_type: str, processes: int) -> None:
-    """Say when CPU layers were timed in one process with several threads: a run of several
-    ranks per machine gives each one thread (``OMP_NUM_THREADS=1``), and on a busy 2-core
-    host a GPT-2 block timed with 2 threads took 90x its one-thread time."""
+def _default_layer_processes(world_size: int, what: tuple[str, ...]) -> int:
+    """``--layer-processes`` when not given: on a machine without CUDA the ranks of a CPU
+    run share its cores, each with one thread, so layers are timed on ``--world-size``
+    processes at once, as that many ranks would run them (timed in this one process with
+    every core, a GPT-2 block took 1/13 of its time in a 4-rank run); with CUDA each rank has
+    its own device, so in this process."""
+    if "layers" not in what:
+        return 1
+    import torch
+
+    return 1 if torch.cuda.is_available() else max(1, world_size)
+
+
+def _note_layer_threads(what: tuple[str, ...], device_type: str, processes: int,
+                        world_size: int) -> None:
+    """Say when CPU layers were timed in one process with several threads for a run of
+    several ranks (``--layer-processes 1`` with ``-n`` above 1): such a run gives each rank
+    one thread (``OMP_NUM_THREADS=1``), and on a busy 2-core host a GPT-2 block timed with 2
+    threads took 90x its one-thread time."""
     import torch
 
     threads = torch.get_num_threads()
-    if "layers" in what and device_type == "cpu" and processes == 1 and threads > 1:
+    if "layers" in what and device_type == "cpu" and processes == 1 and world_size > 1 \
+            and threads > 1:
         err.print(f"note: the layers were timed in this one process with {threads} threads; "
-                  "`hetplan run` gives each of several ranks on a machine one thread, so for "
-                  "such a plan re-profile with --layer-processes N, its ranks per machine "
-                  "(4 for local-cpu)", markup=False)
+                  f"`hetplan run` gives each of several ranks on a machine one thread, so for "
+                  f"a plan of {world_size} ranks per machine leave --layer-processes out (it "
+                  f"follows -n) or give --layer-processes {world_size}", markup=False)
 
 
 def _measures_the_device_type(device_type: str, what: tuple[str, ...]) -> None:

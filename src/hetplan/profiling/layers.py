@@ -71,6 +71,7 @@ __all__ = [
     "profile_layers_concurrent",
     "records_from_timing",
     "time_layers",
+    "training_threads",
 ]
 
 
@@ -457,6 +458,19 @@ def _concurrent_worker(
     return LayerTiming(dict(timing.fwd_ms), dict(timing.bwd_ms), timing.step_ms)
 
 
+def training_threads(processes: int) -> int:
+    """The torch threads each of ``processes`` training processes on one machine gets under
+    torchrun (and ``hetplan run``): ``OMP_NUM_THREADS`` when it is set to a positive
+    integer; else 1 with more than one process (torchrun sets ``OMP_NUM_THREADS=1`` then)
+    and every core with one. It was ``cores // processes``, which matches a run only where
+    there are no more cores than processes: on a 16-core host 4 profiling processes got 4
+    threads each, 4 ranks of a run one."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return 1 if processes > 1 else max(1, os.cpu_count() or 1)
+
+
 def profile_layers_concurrent(
     model: nn.Module,
     example_inputs: Sequence[Any] | Any,
@@ -483,7 +497,9 @@ def profile_layers_concurrent(
 
     Args:
         processes: concurrent processes (the data-parallel degree on this machine).
-        threads_per_process: torch threads per process; default ``max(1, cpus // processes)``.
+        threads_per_process: torch threads per process; default: what a rank of
+            ``hetplan run`` with this many ranks on the machine gets
+            (:func:`training_threads`).
         device: ``cpu``, or ``cuda`` (process ``r`` uses GPU ``r``).
         timeout_s: limit on the whole run.
         Others: as in :func:`profile_layers`.
@@ -498,7 +514,7 @@ def profile_layers_concurrent(
 
         ir = capture(model, example_inputs, example_kwargs)
     if threads_per_process is None:
-        threads_per_process = max(1, (os.cpu_count() or 1) // processes)
+        threads_per_process = training_threads(processes)
     args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
     cpu_model = model if on_cpu else copy.deepcopy(model).cpu()  # never move the caller's
