@@ -91,8 +91,7 @@ def explain_tensor(ctx: Any, name: str) -> tuple[Facts, list[Alternative]]:
             f"rank, {row.stats.density_n:.4f} over the group, skew {row.stats.skew:.2f} "
             f"({row.stats.source}); predicted {row.predicted_ms:.3f} ms vs dense "
             f"{row.dense_ms:.3f} ms")))
-        if decided := ctx.decided_by("sparse_sync"):
-            facts.append(("decided by", decided))
+        facts += ctx.decided_by("sparse_sync")
         rest = tuple(t for t in sparse.tensors if t.name != name)
         dense = sparse.model_copy(update={"tensors": rest}) if rest else None
         return facts, [ctx.alternative("dense: left to the gradient-sync path", sparse=dense)]
@@ -110,8 +109,7 @@ def explain_tensor(ctx: Any, name: str) -> tuple[Facts, list[Alternative]]:
     else:
         facts.append(("bucket", "none: synced alone"))
     facts.append(("strategy", strategy_text(sync, key) if key else "unlisted: fp32 allreduce"))
-    if decided := ctx.decided_by("gradient_sync"):
-        facts.append(("decided by", decided))
+    facts += ctx.decided_by("gradient_sync")
 
     def alone(strategy: str, extra: dict[str, Any]) -> GradientSync:
         buckets = []
@@ -184,8 +182,7 @@ def explain_bucket(ctx: Any, i: int) -> tuple[Facts, list[Alternative]]:
         ("launched", f"{i + 1} of {len(buckets)}"),
         ("strategy", strategy_text(sync, b.strategy)),
     ]
-    if decided := ctx.decided_by("gradient_sync"):
-        facts.append(("decided by", decided))
+    facts += ctx.decided_by("gradient_sync")
     alts: list[Alternative] = []
     if len(b.tensors) > 1:
         sizes = {g.name: g.size_bytes for g in ctx.workload.grads}
@@ -232,8 +229,7 @@ def explain_stage(ctx: Any, k: int) -> tuple[Facts, list[Alternative]]:
                               f"{left.last_layer}) and stage {b} (layers {right.first_layer}–"
                               f"{right.last_layer}), before {names[right.first_layer]}")))
     facts.append(("bubble", f"{fmt_pct(ev.bubble_ratio)} of the pipeline"))
-    if decided := ctx.decided_by("stages"):
-        facts.append(("decided by", decided))
+    facts += ctx.decided_by("stages")
     alts: list[Alternative] = []
     for delta in (-1, 1):
         moved = _move_boundary(stages, b, delta, names)
@@ -440,8 +436,7 @@ def explain_linear(ctx: Any, name: str) -> tuple[Facts, list[Alternative]]:
         facts.append(("predicted", (f"even {fmt_ms(p.even_ms)}, skewed "
                                     f"{fmt_ms(p.skewed_ms)}, even + controller "
                                     f"{fmt_ms(p.controller_ms)}")))
-    if decided := ctx.decided_by("tensor_parallel"):
-        facts.append(("decided by", decided))
+    facts += ctx.decided_by("tensor_parallel")
     # its Megatron pair: the linears of the same module (the runtime shards a pair with one
     # size list, so they go even together)
     parent = name.rpartition(".")[0]

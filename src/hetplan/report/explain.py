@@ -220,16 +220,20 @@ class _Context:
                 out[i] = st.index
         return out
 
-    def decided_by(self, section: str) -> str:
-        """``pass NAME (notes)`` of the last pass that wrote ``section``, or ""."""
+    def decided_by(self, section: str) -> list[tuple[str, str]]:
+        """The facts naming every pass that changed ``section``, in the order they ran:
+        ``("decided by", "pass NAME (notes)")`` for the first, ``("then", ...)`` for each
+        later one (a gradient's strategy is Espresso's, its bucket Cupcake's after it);
+        empty when none did."""
         registry = get_all_passes()
-        for entry in reversed(self.plan.pass_log):
+        lines = []
+        for entry in self.plan.pass_log:
             cls = registry.get(entry.name)
             if (cls is not None and section in getattr(cls, "sections", ())
                     and entry.changed):  # a pass that kept its input did not decide it
                 notes = f" ({'; '.join(entry.notes)})" if entry.notes else ""
-                return f"pass {entry.name}{notes}"
-        return ""
+                lines.append(f"pass {entry.name}{notes}")
+        return [("then" if i else "decided by", line) for i, line in enumerate(lines)]
 
 
 # -- targets -----------------------------------------------------------------------------
