@@ -131,3 +131,13 @@ def test_an_oserror_that_is_no_error_of_the_machine_stays_a_bug(
     result = run("timeline", plan, "-o", tmp_path / "t.png")
     assert result.exit_code == 1, result.output
     assert "internal error" in result.output and "FileNotFoundError" in result.output
+
+
+def test_a_write_through_a_symbolic_link_replaces_its_target(tmp_path: Path) -> None:
+    """A plan path that is a link (latest.json -> run5.json) keeps being the link."""
+    target = tmp_path / "run5.json"
+    target.write_text("old\n")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    write_text_file(link, "new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"

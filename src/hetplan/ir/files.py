@@ -551,6 +551,8 @@ def write_text_file(path: str | Path, text: str, *, what: str = "file") -> None:
             naming the path, the reason and the fix.
     """
     p = Path(path)
+    if p.is_symlink():  # write through the link, as open() would, not over it
+        p = Path(os.path.realpath(p))
     tmp = ""
     try:
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
