@@ -849,6 +849,7 @@ def run_cmd(
 
     from hetplan.ir.plan import load_plan
     from hetplan.runtime.cpu_sched import cpu_sched_policy
+    from hetplan.runtime.hetero_ranks import plan_world_size
     from hetplan.runtime.link_emulation import emulated_link
     from hetplan.runtime.launch import (
         HostCapacity,
@@ -866,9 +867,16 @@ def run_cmd(
                                                                          "GEMM_FLOPS")):
         # ... a bad HETPLAN_EMULATE_STRAGGLER (its module imports torch: only when set, so
         # that torchrun's process starts before this one imports torch)
-        from hetplan.runtime.resizing import straggler_from_env
+        from hetplan.runtime.resizing import ENV_STRAGGLER, straggler_from_env
 
-        straggler_from_env()
+        straggler = straggler_from_env()
+        if straggler is not None and straggler.rank >= (world := plan_world_size(plan)):
+            raise SpecError(f"{ENV_STRAGGLER}: rank {straggler.rank} is not a rank of this run "
+                            f"(0..{world - 1}); give CHI@RANK with one of its ranks")
+    if os.environ.get("HETPLAN_EMULATE_DELAY", "").strip():
+        from hetplan.runtime.handlers.group_sync import delay_setting
+
+        delay_setting(plan, plan_world_size(plan))  # ... a bad HETPLAN_EMULATE_DELAY
     if trace is not None:
         _check_trace_options(trace, trace_step, steps, script, report)
     elif trace_step != 0:

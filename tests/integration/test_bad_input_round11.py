@@ -1,0 +1,87 @@
+"""A new user's mistakes, round 11 (`docs/decisions/bad-input-round11.md`): each case that
+was an internal error, a silently ignored setting or an accepted value that cannot be right.
+
+Every test here failed before its fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetplan.runtime import launch as launch_mod
+from test_bad_input_round7 import refused, run  # the rounds share helpers
+
+EMULATION = ("HETPLAN_EMULATE_BW", "HETPLAN_EMULATE_LATENCY_US", "HETPLAN_EMULATE_STRAGGLER",
+             "HETPLAN_EMULATE_GEMM_FLOPS", "HETPLAN_EMULATE_DELAY", "HETPLAN_CPU_SCHED")
+
+
+@pytest.fixture(scope="module")
+def dp_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mlp planned dp 4 on local-cpu (4 ranks)."""
+    out = tmp_path_factory.mktemp("dp") / "plan.json"
+    result = run("plan", "mlp", "-c", "local-cpu", "-b", "8", "--dp", "4", "--no-progress",
+                 "-o", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No emulation variable of the caller's; starting torchrun fails the test."""
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("started torchrun despite a bad emulation variable")
+
+    for name in EMULATION:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launch_mod, "prestart", never)
+    monkeypatch.setattr(launch_mod, "launch", never)
+    monkeypatch.setattr("hetplan.runtime.link_emulation._LINK", None)
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    # was accepted: the latency is read only with a bandwidth, the rate only with a straggler
+    ({"HETPLAN_EMULATE_LATENCY_US": "50"},
+     "HETPLAN_EMULATE_LATENCY_US='50' emulates a link's latency only together with its "
+     "bandwidth: set HETPLAN_EMULATE_BW too"),
+    ({"HETPLAN_EMULATE_GEMM_FLOPS": "1e12"},
+     "HETPLAN_EMULATE_GEMM_FLOPS='1e12' sets the device speed of an emulated straggler: set "
+     "HETPLAN_EMULATE_STRAGGLER too"),
+    # was accepted: no rank 99 in a run of 4, so nothing straggled
+    ({"HETPLAN_EMULATE_STRAGGLER": "8@99"},
+     "HETPLAN_EMULATE_STRAGGLER: rank 99 is not a rank of this run (0..3)"),
+    ({"HETPLAN_EMULATE_DELAY": "0.1,0.3,7,0+99"},
+     "HETPLAN_EMULATE_DELAY='0.1,0.3,7,0+99': rank(s) [99] are not ranks of this run (0..3)"),
+    # was refused by every rank after torchrun started them
+    ({"HETPLAN_EMULATE_DELAY": "abc"},
+     "HETPLAN_EMULATE_DELAY='abc': expected '<p>,<delay_s>[,<seed>[,<ranks>]]'"),
+    # was accepted: an infinite link is no emulation; an infinite latency sleeps forever
+    ({"HETPLAN_EMULATE_BW": "inf"}, "HETPLAN_EMULATE_BW=inf: the emulated bandwidth must be "
+     "> 0 Gbit/s and finite"),
+    ({"HETPLAN_EMULATE_BW": "10", "HETPLAN_EMULATE_LATENCY_US": "inf"},
+     "HETPLAN_EMULATE_LATENCY_US=inf: the emulated latency must be >= 0 microseconds and "
+     "finite"),
+    ({"HETPLAN_EMULATE_DELAY": "0.1,inf"}, "need 0 <= p <= 1 and a finite delay_s >= 0"),
+])
+def test_run_refuses_an_emulation_variable_it_would_ignore_or_cannot_use(
+        dp_plan: Path, no_launch: None, monkeypatch: pytest.MonkeyPatch,
+        env: dict[str, str], needle: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    refused(run("run", dp_plan, "--model", "mlp"), needle)
+
+
+@pytest.mark.parametrize("env", [
+    {"HETPLAN_EMULATE_BW": "10", "HETPLAN_EMULATE_LATENCY_US": "50"},
+    {"HETPLAN_EMULATE_STRAGGLER": "8@3", "HETPLAN_EMULATE_GEMM_FLOPS": "1e12"},
+    {"HETPLAN_EMULATE_DELAY": "0.1,0.3,7,0+3"},
+    {"HETPLAN_EMULATE_DELAY": "plan"},
+])
+def test_run_takes_good_emulation_variables(dp_plan: Path, no_launch: None,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            env: dict[str, str]) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = run("run", dp_plan, "--model", "mlp", "--dry-run")
+    assert result.exit_code == 0, result.output
