@@ -53,8 +53,9 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-#: A number in exponent form without a decimal point: YAML 1.1 (PyYAML) reads it as text.
-_YAML_TEXT_EXPONENT = re.compile(r"^([+-]?[0-9]+)([eE][+-]?[0-9]+)$")
+#: A number in exponent form that YAML 1.1 (PyYAML) reads as text: it reads one as a number
+#: only with a decimal point and a signed exponent (``1.0e+3``; ``1e3`` and ``1.0e3`` are text).
+_YAML_TEXT_EXPONENT = re.compile(r"^([+-]?[0-9][0-9_]*)(\.[0-9_]*)?([eE])([+-]?)([0-9]+)$")
 
 
 def _yaml_hint(value: Any) -> str:
@@ -62,8 +63,11 @@ def _yaml_hint(value: Any) -> str:
     m = _YAML_TEXT_EXPONENT.match(value) if isinstance(value, str) else None
     if m is None:
         return ""
-    return (f" (YAML reads an exponent without a decimal point as text: for a number, "
-            f"write {m.group(1)}.0{m.group(2)})")
+    spelled = f"{m.group(1)}{m.group(2) or '.0'}{m.group(3)}{m.group(4) or '+'}{m.group(5)}"
+    if spelled == value:  # a quoted string YAML would read as a number unquoted
+        return ""
+    return (" (YAML reads an exponent as a number only with a decimal point and a signed "
+            f"exponent: write {spelled})")
 
 
 def strict_int(value: Any) -> Any:

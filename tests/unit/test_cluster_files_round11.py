@@ -1,0 +1,24 @@
+"""Cluster files, round 11 of a new user's mistakes (`docs/decisions/bad-input-round11.md`):
+each case failed before its fix."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_input_limits import preset, refused, write
+
+
+@pytest.mark.parametrize("text", ["1e3", "1.0e3", "1.0e300", "12e-3"])
+def test_the_spelling_a_yaml_exponent_is_told_to_take_is_read_as_a_number(
+        tmp_path: Path, text: str) -> None:
+    """PyYAML reads an exponent as a number only with a point and a signed exponent. The
+    refusal told ``1e3`` to write ``1.0e3`` (text too) and gave ``1.0e300`` no advice."""
+    body = yaml.safe_dump(preset()).replace("latency_us: 3.0", f"latency_us: {text}", 1)
+    msg = refused(write(tmp_path, "c.yaml", body), f"expected a number, got a string '{text}'")
+    advice = re.search(r"write (\S+?)\)", msg)
+    assert advice is not None, msg
+    assert isinstance(yaml.safe_load(f"x: {advice.group(1)}")["x"], float)
