@@ -292,7 +292,7 @@ def print_ir_summary(ir: Any, seconds: float | None = None) -> None:
     """Print the captured IR: a header and the layer table."""
     shapes = ", ".join("×".join(map(str, s)) for s in ir.input_shapes) or "—"
     took = f" in {seconds:.1f} s" if seconds is not None else ""
-    out.print(f"[bold]{ir.name}[/]  captured with {ir.method}{took}  ·  inputs {shapes}")
+    out.print(f"[bold]{_escape(str(ir.name))}[/]  captured with {ir.method}{took}  ·  inputs {shapes}")
     out.print(
         f"parameters {ir.num_params:,} ({_fmt_bytes(ir.param_bytes)})  ·  layers "
         f"{len(ir.layers)}  ·  gradient tensors {len(ir.grad_tensors)} "
@@ -315,11 +315,12 @@ def print_ir_summary(ir: Any, seconds: float | None = None) -> None:
     ):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for row in _layer_rows(ir):
-        table.add_row(*row)
+        table.add_row(*(_escape(cell) for cell in row))
     out.print(table)
     if ir.grad_tensors:
         first = ", ".join(g.name for g in ir.grad_tensors[:3])
-        out.print(f"gradients in backward-ready order: {first}, … {ir.grad_tensors[-1].name}")
+        out.print(f"gradients in backward-ready order: {first}, … {ir.grad_tensors[-1].name}",
+                  markup=False)
 
 
 @app.command("ir")
@@ -345,7 +346,7 @@ def ir_cmd(
     seconds = time.perf_counter() - t0
     if output:
         ir.save(output)
-        err.print(f"wrote {output}")
+        err.print(f"wrote {output}", markup=False)
     if as_json:
         out.print(ir.to_json(), end="", markup=False)
         return
@@ -367,7 +368,7 @@ def workload_convert_cmd(
     _check_out_dir(out_dir, option="-o/--out-dir")
     workloads = espresso_workloads(benchmark, gaps=gaps)  # type: ignore[arg-type]
     out_dir.mkdir(exist_ok=True)
-    table = Table(title=f"workloads written to {out_dir}", title_justify="left")
+    table = Table(title=f"workloads written to {_escape(str(out_dir))}", title_justify="left")
     for col in ("file", "tensors", "layers", "params", "backprop"):
         table.add_column(col)
     for name, ir in workloads.items():
@@ -375,7 +376,7 @@ def workload_convert_cmd(
         ir.save(path)
         backprop_ms = sum(g.ready_gap_us or 0 for g in ir.grad_tensors) / 1e3
         table.add_row(
-            path.name,
+            _escape(path.name),
             str(len(ir.grad_tensors)),
             str(len(ir.layers)),
             f"{ir.num_params:,}",
@@ -584,7 +585,7 @@ def plan_cmd(
         err.print(f"[yellow]warning:[/] `hetplan run` refuses this plan: {_escape(line)}")
     if output:
         plan.save(output)
-        err.print(f"wrote {output}")
+        err.print(f"wrote {output}", markup=False)
     _print_plan(plan)
     asked = [f for f, given in (("--schedule " + schedule, schedule not in ("1f1b", "auto")),
                                 (f"--virtual-stages {virtual_stages}",
@@ -1212,7 +1213,7 @@ def passes_cmd() -> None:
 
 def print_cluster_summary(spec: Any) -> None:
     out.print(
-        f"[bold]{spec.name}[/]: {spec.num_nodes} node(s), {spec.world_size} devices, "
+        f"[bold]{_escape(spec.name)}[/]: {spec.num_nodes} node(s), {spec.world_size} devices, "
         f"{'heterogeneous' if spec.is_heterogeneous else 'homogeneous'}, "
         f"fingerprint {spec.fingerprint()}"
     )
@@ -1223,9 +1224,9 @@ def print_cluster_summary(spec: Any) -> None:
         devs = ", ".join(f"{g.count}× {g.type}" for g in node.devices)
         link = node.intra_link
         table.add_row(
-            node.name,
+            _escape(node.name),
             str(node.count),
-            devs,
+            _escape(devs),
             f"{link.kind} {link.bandwidth_gbps:g} Gb/s, {link.latency_us:g} µs",
             str(node.cpu_cores),
             f"{node.slowdown:g}",
@@ -1291,10 +1292,10 @@ def validate_cmd(
         if model or module:
             with _naming(file):
                 check_plan_matches(plan, model_ir=_run_model_ir(plan, model, module))
-            out.print(f"[green]ok[/]: {file} is a valid plan (schema v{plan.schema_version}) "
-                      f"for model {module or model}")
+            out.print(f"[green]ok[/]: {_escape(str(file))} is a valid plan (schema "
+                      f"v{plan.schema_version}) for model {_escape(module or model)}")
         else:
-            out.print(f"[green]ok[/]: {file} is a valid plan (schema v{plan.schema_version}); "
+            out.print(f"[green]ok[/]: {_escape(str(file))} is a valid plan (schema v{plan.schema_version}); "
                       "not checked against its model (the workload, the tensor_parallel "
                       "linears): give --model NAME or --module pkg.mod:factory, as to "
                       "`hetplan run`")
@@ -1303,36 +1304,36 @@ def validate_cmd(
         from hetplan.ir.model import ModelIR
 
         ir = ModelIR.load(file)
-        out.print(f"[green]ok[/]: {file} is a valid workload")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid workload")
         print_ir_summary(ir)
     elif kind == "profile DB":
         from hetplan.cost_models.profile_db import ProfileDB
 
         db = ProfileDB.load(file)
-        out.print(f"[green]ok[/]: {file} is a valid profile DB: {len(db.compute)} layer, "
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid profile DB: {len(db.compute)} layer, "
                   f"{len(db.collectives)} collective, {len(db.compressors)} compressor and "
                   f"{len(db.optimizer_steps)} optimizer-step record(s)")
     elif kind == "dynamics":
         from hetplan.ir.rebalancing import DynamicsSpec
 
         DynamicsSpec.load(file)
-        out.print(f"[green]ok[/]: {file} is a valid dynamics file")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid dynamics file")
     elif kind == "run report":
         _load_run_report(file)
-        out.print(f"[green]ok[/]: {file} is a valid run report")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid run report")
     elif kind == "trace":
         from hetplan.ir.validation import load_structured_file
         from hetplan.report.trace_compare import load_trace
 
         load_trace(load_structured_file(file, what="trace"), str(file))
-        out.print(f"[green]ok[/]: {file} is a valid trace of `hetplan run --trace`")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid trace of `hetplan run --trace`")
     else:
         from hetplan.ir.cluster import ClusterSpec
 
         # what ClusterSpec.load(file) does, on the data _file_kind has read
         assert data is not None
         spec = ClusterSpec.from_dict(data, where=str(file))
-        out.print(f"[green]ok[/]: {file} is a valid cluster spec")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid cluster spec")
         print_cluster_summary(spec)
 
 
@@ -1732,7 +1733,7 @@ def export_cmd(
         typer.echo(result.text, nl=False)
     _note_profile_missing(plan, profile)
     if output is not None:
-        err.print(f"wrote {output}")
+        err.print(f"wrote {output}", markup=False)
 
 
 @app.command("timeline")
@@ -1762,7 +1763,7 @@ def timeline_cmd(
     with _naming(plan_file):
         render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     _note_profile_missing(plan, profile)
-    err.print(f"wrote {output}")
+    err.print(f"wrote {output}", markup=False)
 
 
 def _unwrap_help(*apps: typer.Typer) -> None:

@@ -85,3 +85,34 @@ def test_run_takes_good_emulation_variables(dp_plan: Path, no_launch: None,
         monkeypatch.setenv(name, value)
     result = run("run", dp_plan, "--model", "mlp", "--dry-run")
     assert result.exit_code == 0, result.output
+
+
+# -- names and paths with square brackets are printed as written ----------------------------
+def test_a_cluster_named_with_brackets_is_validated(tmp_path: Path) -> None:
+    """Was `internal error: MarkupError: closing tag '[/]' at position 18 has nothing to
+    close` (rich read the name as markup); a node named 'a100[/b]' likewise, and a cluster
+    named '[red]mine' was printed as 'mine', in red."""
+    base = (Path(__file__).resolve().parents[2] / "examples" / "clusters"
+            / "mixed-generations.yaml").read_text()
+    for name, edit in (("my[/]cluster", ("name: mixed-generations", 'name: "my[/]cluster"')),
+                       ("a100[/b]", ("- name: a100", '- name: "a100[/b]"')),
+                       ("[red]mine", ("name: mixed-generations", 'name: "[red]mine"'))):
+        path = tmp_path / "c.yaml"
+        path.write_text(base.replace(*edit, 1))
+        result = run("validate", path)
+        assert result.exit_code == 0, result.output
+        assert name in result.output, result.output
+
+
+def test_written_files_are_named_as_written(dp_plan: Path, tmp_path: Path) -> None:
+    """Was 'wrote t.html' for `-o '[x]t.html'` and 'ok: plan.json is a valid plan' for
+    '[old]plan.json': rich took '[x]' and '[old]' for style tags and dropped them."""
+    plan = tmp_path / "[old]plan.json"
+    plan.write_text(dp_plan.read_text())
+    result = run("validate", plan)
+    assert result.exit_code == 0, result.output
+    assert "[old]plan.json is a valid plan" in " ".join(result.output.split()), result.output
+    out = tmp_path / "[x]t.html"
+    result = run("timeline", plan, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.output.replace("\n", ""), result.output  # no wrapping
