@@ -292,7 +292,8 @@ def print_ir_summary(ir: Any, seconds: float | None = None) -> None:
     """Print the captured IR: a header and the layer table."""
     shapes = ", ".join("×".join(map(str, s)) for s in ir.input_shapes) or "—"
     took = f" in {seconds:.1f} s" if seconds is not None else ""
-    out.print(f"[bold]{_escape(str(ir.name))}[/]  captured with {ir.method}{took}  ·  inputs {shapes}")
+    out.print(f"[bold]{_escape(str(ir.name))}[/]  captured with {ir.method}{took}  ·  inputs "
+              f"{shapes}")
     out.print(
         f"parameters {ir.num_params:,} ({_fmt_bytes(ir.param_bytes)})  ·  layers "
         f"{len(ir.layers)}  ·  gradient tensors {len(ir.grad_tensors)} "
@@ -1295,7 +1296,8 @@ def validate_cmd(
             out.print(f"[green]ok[/]: {_escape(str(file))} is a valid plan (schema "
                       f"v{plan.schema_version}) for model {_escape(module or model)}")
         else:
-            out.print(f"[green]ok[/]: {_escape(str(file))} is a valid plan (schema v{plan.schema_version}); "
+            out.print(f"[green]ok[/]: {_escape(str(file))} is a valid plan (schema "
+                      f"v{plan.schema_version}); "
                       "not checked against its model (the workload, the tensor_parallel "
                       "linears): give --model NAME or --module pkg.mod:factory, as to "
                       "`hetplan run`")
@@ -1310,7 +1312,8 @@ def validate_cmd(
         from hetplan.cost_models.profile_db import ProfileDB
 
         db = ProfileDB.load(file)
-        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid profile DB: {len(db.compute)} layer, "
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid profile DB: "
+                  f"{len(db.compute)} layer, "
                   f"{len(db.collectives)} collective, {len(db.compressors)} compressor and "
                   f"{len(db.optimizer_steps)} optimizer-step record(s)")
     elif kind == "dynamics":
