@@ -6,12 +6,15 @@ Every test here failed before its fix.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hetplan.runtime import launch as launch_mod
-from test_bad_input_round7 import refused, run  # the rounds share helpers
+from test_bad_input_round7 import WORKLOAD, refused, run  # the rounds share helpers
 
 EMULATION = ("HETPLAN_EMULATE_BW", "HETPLAN_EMULATE_LATENCY_US", "HETPLAN_EMULATE_STRAGGLER",
              "HETPLAN_EMULATE_GEMM_FLOPS", "HETPLAN_EMULATE_DELAY", "HETPLAN_CPU_SCHED")
@@ -116,3 +119,50 @@ def test_written_files_are_named_as_written(dp_plan: Path, tmp_path: Path) -> No
     result = run("timeline", plan, "-o", out)
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output.replace("\n", ""), result.output  # no wrapping
+
+
+# -- hand-edited checkpointing sections -------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemini_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-test planned with Gemini on cpu-2x2 (ranks 0, 1 on node 0; 2, 3 on node 1)."""
+    out = tmp_path_factory.mktemp("gemini") / "plan.json"
+    result = run("plan", "--workload", WORKLOAD, "-c", "cpu-2x2", "-b", "8", "--checkpoint",
+                 "gemini", "--no-progress", "-o", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _edit_checkpointing(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    data = json.loads(src.read_text())
+    edit(data["checkpointing"])
+    dst.write_text(json.dumps(data))
+    return dst
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    # a rank's copy on its own node (or on itself) is lost with the node it guards; the
+    # recovery odds the plan states assume it is not
+    (lambda c: c["ranks"][0].update(holders=[0, 1]),
+     "checkpointing.ranks[0].holders: [0, 1], on nodes [0, 0], but node 0's copies go to "
+     "nodes [0, 1] (node_holders[0]): a copy on the node it guards is lost with it"),
+    (lambda c: c["ranks"][0].update(holders=[0, 0]), "checkpointing.ranks[0].holders: [0, 0]"),
+    (lambda c: c.update(node_holders=[[0, 0], [1, 1]]),
+     "checkpointing.node_holders[0]: [0, 0], but a node's holders are the node itself first"),
+    # the runtime stores the rank's own copy under this node
+    (lambda c: c["ranks"][0].update(node=1),
+     "checkpointing.ranks[0].node: 1, but rank 0 is on node 0 of the 2 the plan uses"),
+    (lambda c: c.update(node_groups=[[0, 0]]),
+     "checkpointing.node_groups: [[0, 0]], but the groups split the nodes 0..1"),
+    # inspect showed Gemini's cost every 5 iterations; the runtime checkpoints every 2
+    (lambda c: c["gemini"].update(every_iters=c["every_iters"] + 3),
+     "checkpointing.gemini.every_iters: "),
+], ids=["holder-same-node", "holder-itself", "node-holders", "node", "node-groups",
+        "every-iters"])
+def test_a_checkpoint_placement_that_cannot_be_right_is_refused(
+        gemini_plan: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None],
+        expected: str) -> None:
+    """Each was accepted by every command, `run --dry-run` included."""
+    path = _edit_checkpointing(gemini_plan, tmp_path / "p.json", edit)
+    for command in (("validate", path), ("inspect", path),
+                    ("run", path, "--model", "gpt-test", "--dry-run")):
+        refused(run(*command), expected, "re-run `hetplan plan --checkpoint gemini`")
