@@ -166,3 +166,17 @@ def test_a_checkpoint_placement_that_cannot_be_right_is_refused(
     for command in (("validate", path), ("inspect", path),
                     ("run", path, "--model", "gpt-test", "--dry-run")):
         refused(run(*command), expected, "re-run `hetplan plan --checkpoint gemini`")
+
+
+# -- inspect --section of a section the plan does not have -----------------------------------
+def test_inspect_says_the_plan_has_none_of_a_section_asked_for(dp_plan: Path) -> None:
+    """Was: no output at all, exit 0 (`inspect plan.json -s checkpointing` of a plan made
+    without Gemini), as if the section were empty."""
+    result = run("inspect", dp_plan, "-s", "checkpointing", "-s", "group_sync",
+                 "-s", "rebalancing")
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    for line in ("checkpointing: none (the plan was made without `hetplan plan --checkpoint "
+                 "gemini`)", "group_sync: none (", "rebalancing: none (the plan was made "
+                 "without `hetplan plan --dynamics FILE`)"):
+        assert line in flat, result.output

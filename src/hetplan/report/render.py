@@ -42,6 +42,22 @@ def render_report(report: dict[str, Any], console: Console, *,
     chosen = [s for s in SECTIONS if s in sections] if sections else list(SECTIONS)
     for name in chosen:
         _RENDERERS[name](report, console)
+        if sections and name in _ABSENT and not _present(report, name):
+            # asked for by name: say the plan has none, rather than print nothing
+            console.print(f"{name}: none ({_ABSENT[name]})", markup=False)
+
+
+#: The sections only some plans have, each with what writes it.
+_ABSENT = {
+    "checkpointing": "the plan was made without `hetplan plan --checkpoint gemini`",
+    "group_sync": "the plan was made without `hetplan plan --group-sync sdpipe|auto`",
+    "rebalancing": "the plan was made without `hetplan plan --dynamics FILE`",
+}
+
+
+def _present(report: dict[str, Any], name: str) -> bool:
+    entry = report.get(name)
+    return bool(entry) and (name != "checkpointing" or bool(entry["available"]))
 
 
 def _n(count: int, one: str, many: str) -> str:
