@@ -57,7 +57,7 @@ _ABSENT = {
 
 def _present(report: dict[str, Any], name: str) -> bool:
     entry = report.get(name)
-    return bool(entry) and (name != "checkpointing" or bool(entry["available"]))
+    return entry is not None and (name != "checkpointing" or bool(entry["available"]))
 
 
 def _n(count: int, one: str, many: str) -> str:
