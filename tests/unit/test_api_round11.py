@@ -4,6 +4,7 @@ bad-input-round11.md`): each case failed before its fix."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,3 +42,28 @@ def test_a_root_module_layer_is_planned(tmp_path: Path, model: nn.Module) -> Non
     assert plan.predictions is not None
     assert hetplan.simulate(loaded).iteration_time_ms == pytest.approx(
         plan.predictions.iteration_time_ms)
+
+
+@pytest.mark.parametrize(("call", "expected"), [
+    # was TypeError: the JSON object must be str, bytes or bytearray, not dict
+    (lambda: hetplan.Plan.from_json({"schema_version": 1}),  # type: ignore[arg-type]
+     "Plan.from_json takes a plan's JSON text, got dict; for a dict parsed already, pass "
+     "json.dumps(data)"),
+    # was TypeError: expected str, bytes or os.PathLike object, not NoneType
+    (lambda: hetplan.load_plan(None),  # type: ignore[arg-type]
+     "load_plan: expected a plan file path (str or Path), got NoneType"),
+    # was ValueError (capture's documented error is TraceError)
+    (lambda: hetplan.capture(nn.Linear(4, 4), torch.zeros(1, 4), method="jit"),
+     "capture(method='jit'): use 'auto' (fx, then torch.export), 'fx' or 'export'"),
+    # was a TraceError blaming Linear.forward ("the top-level forward of Linear failed")
+    (lambda: __import__("hetplan.ir.capture", fromlist=["capture_dataflow"]).capture_dataflow(
+        nn.Linear(4, 4), torch.zeros(1, 4), method="jit"), "capture(method='jit')"),
+    # was accepted, then compile raised pydantic's ValidationError for ModelRef.name
+    (lambda: hetplan.capture(nn.Linear(4, 4), torch.zeros(1, 4), name=5),  # type: ignore
+     "capture(name=5): the IR's name is a string"),
+], ids=["from-json-dict", "load-plan-none", "capture-method", "dataflow-method",
+        "capture-name-int"])
+def test_an_argument_of_the_wrong_kind_is_a_hetplan_error(call: Any, expected: str) -> None:
+    with pytest.raises(hetplan.HetplanError) as info:
+        call()
+    assert expected in str(info.value)

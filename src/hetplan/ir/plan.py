@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from os import PathLike
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -226,6 +227,11 @@ class Plan(BaseModel):
                 naming ``where`` and the field path.
             PlanVersionError: the plan has a schema version this hetplan does not read.
         """
+        if not isinstance(text, (str, bytes, bytearray)):
+            fix = ("for a dict parsed already, pass json.dumps(data)" if isinstance(text, dict)
+                   else "to read a plan file, call hetplan.load_plan(path)")
+            raise SpecError(f"{where}: Plan.from_json takes a plan's JSON text, got "
+                            f"{type(text).__name__}; {fix}")
         try:
             data = loads_json(text, where=where)
         except json.JSONDecodeError as e:
@@ -364,6 +370,9 @@ def load_plan(path: str | Path) -> Plan:
             per problem, each naming the file and the field path.
         PlanVersionError: the plan is from a newer (or unknown) schema version.
     """
+    if not isinstance(path, (str, PathLike)):
+        raise SpecError(f"load_plan: expected a plan file path (str or Path), got "
+                        f"{type(path).__name__}")
     p = Path(path)
     if not p.exists():
         raise SpecError(f"plan file {str(p)!r} does not exist; create one with `hetplan plan`")

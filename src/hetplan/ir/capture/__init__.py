@@ -117,8 +117,10 @@ def capture(
         >>> [layer.name for layer in ir.layers], ir.num_params
         (['0', '2'], 212)
     """
-    if method not in ("auto", "fx", "export"):
-        raise ValueError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
+    _check_method(method)
+    if name is not None and not isinstance(name, str):
+        raise TraceError(f"capture(name={name!r}): the IR's name is a string (plans and "
+                         f"reports show it), got {type(name).__name__}", reason="bad name")
     if not isinstance(model, nn.Module):
         raise TraceError(
             f"capture() needs a torch.nn.Module, got {type(model).__name__}",
@@ -159,6 +161,12 @@ def capture(
     return ir
 
 
+def _check_method(method: str) -> None:
+    if method not in ("auto", "fx", "export"):
+        raise TraceError(f"capture(method={method!r}): use 'auto' (fx, then torch.export), "
+                         "'fx' or 'export'", reason="unknown method")
+
+
 def capture_dataflow(
     model: nn.Module,
     example_inputs: Sequence[Any] | Any = (),
@@ -174,6 +182,7 @@ def capture_dataflow(
     Raises:
         TraceError: the model cannot be captured, or a layer reads a later layer's tensor.
     """
+    _check_method(method)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     opaque = _opaque_names(opaque_modules)
