@@ -180,3 +180,22 @@ def test_inspect_says_the_plan_has_none_of_a_section_asked_for(dp_plan: Path) ->
                  "gemini`)", "group_sync: none (", "rebalancing: none (the plan was made "
                  "without `hetplan plan --dynamics FILE`)"):
         assert line in flat, result.output
+
+
+# -- a value no member of a union takes -------------------------------------------------------
+def test_a_union_field_is_refused_at_the_path_the_file_writes(dp_plan: Path,
+                                                              tmp_path: Path) -> None:
+    """Was four lines naming pydantic's union members in the path, one per member
+    (`...strategies.fp32.compressed.params.ratio['function-before[strict_float(),
+    constrained-float]']: Input should be a valid number`); the file has no key
+    'compressed' (it is the strategy's kind)."""
+    data = json.loads(dp_plan.read_text())
+    data["gradient_sync"]["strategies"]["fp32"] = {
+        "kind": "compressed", "compressor": "topk", "params": {"ratio": [0.01]},
+        "hierarchy": "flat", "steps": [{"compressed": True, "level": "flat",
+                                        "routine": "allgather"}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    flat = refused(run("validate", path), "p.json: gradient_sync.strategies.fp32.params.ratio: "
+                   "expected a boolean, an integer, a number or a string, got a list")
+    assert "function-before" not in flat and ".compressed." not in flat, flat

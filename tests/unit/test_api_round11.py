@@ -67,3 +67,12 @@ def test_an_argument_of_the_wrong_kind_is_a_hetplan_error(call: Any, expected: s
     with pytest.raises(hetplan.HetplanError) as info:
         call()
     assert expected in str(info.value)
+
+
+def test_an_option_no_union_member_takes_is_one_line() -> None:
+    """Was `passes.str: Input should be a valid string (got None)` and `passes['tuple[any,
+    ...]']: expected a list, got null`: pydantic's union members, one line each."""
+    with pytest.raises(hetplan.SpecError) as info:
+        hetplan.compile("gpt-test", "local-cpu", batch_size=8, passes=None)
+    assert "compile options: passes: expected a string or a list, got null" in str(info.value)
+    assert "tuple[any" not in str(info.value)
