@@ -76,3 +76,9 @@ def test_an_option_no_union_member_takes_is_one_line() -> None:
         hetplan.compile("gpt-test", "local-cpu", batch_size=8, passes=None)
     assert "compile options: passes: expected a string or a list, got null" in str(info.value)
     assert "tuple[any" not in str(info.value)
+
+
+def test_a_nan_efficiency_is_called_not_finite() -> None:
+    """Was `efficiency: Input should be less than or equal to 1 (got nan)`."""
+    with pytest.raises(hetplan.SpecError, match="efficiency: Input should be a finite number"):
+        hetplan.CompileOptions(batch_size=8, efficiency=float("nan"))
