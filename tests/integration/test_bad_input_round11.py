@@ -199,3 +199,50 @@ def test_a_union_field_is_refused_at_the_path_the_file_writes(dp_plan: Path,
     flat = refused(run("validate", path), "p.json: gradient_sync.strategies.fp32.params.ratio: "
                    "expected a boolean, an integer, a number or a string, got a list")
     assert "function-before" not in flat and ".compressed." not in flat, flat
+
+
+# -- workload convert ------------------------------------------------------------------------
+BENCHMARK = Path(__file__).resolve().parents[2] / "data" / "espresso_models.json"
+
+
+def _benchmark(tmp_path: Path, models: dict[str, Any], **constants: Any) -> Path:
+    vgg = json.loads(BENCHMARK.read_text())["models"]["vgg16"]
+    data = {"models": {name: (vgg if m is None else m) for name, m in models.items()},
+            "constants": constants}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_workload_convert_writes_only_into_its_directory(tmp_path: Path) -> None:
+    """Was: a model named '../evil' was written to evil.json beside the output directory
+    (exit 0); 'a/b' was 'could not write the workload 'wl/a/b.json': No such file'."""
+    out = tmp_path / "wl"
+    for name in ("../evil", "a/b"):
+        refused(run("workload", "convert", _benchmark(tmp_path, {name: None}), "-o", out),
+                f"bench.json: models: model name {name!r} is not a file name")
+    assert not (tmp_path / "evil.json").exists()
+
+
+@pytest.mark.parametrize(("models", "constants", "expected"), [
+    # was exit 0, 'workloads written to wl' above an empty table
+    ({}, {}, "bench.json: models and extra_models_not_selectable_from_cli list no models"),
+    # was an internal error (ValueError: invalid literal for int())
+    ({"vgg16": None}, {"bytes_per_element": "four"},
+     "bench.json: constants.bytes_per_element: expected a positive integer"),
+])
+def test_workload_convert_refuses_a_benchmark_file_it_cannot_use(
+        tmp_path: Path, models: dict[str, Any], constants: dict[str, Any],
+        expected: str) -> None:
+    refused(run("workload", "convert", _benchmark(tmp_path, models, **constants), "-o",
+                tmp_path / "wl"), expected)
+
+
+def test_workload_convert_names_a_tensor_listed_twice(tmp_path: Path) -> None:
+    """Was: 'workload 'vgg16': parameter 'classifier.6.bias' is owned by both 'classifier.6'
+    and 'classifier.6'; mark one of them as an alias with tied_to' (no file, wrong fix)."""
+    vgg = json.loads(BENCHMARK.read_text())["models"]["vgg16"]
+    vgg["tensor_names"][1] = vgg["tensor_names"][0]
+    refused(run("workload", "convert", _benchmark(tmp_path, {"vgg16": vgg}), "-o",
+                tmp_path / "wl"),
+            "bench.json: models.vgg16.tensor_names: ['classifier.6.bias'] listed more than once")
