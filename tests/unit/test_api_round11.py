@@ -82,3 +82,53 @@ def test_a_nan_efficiency_is_called_not_finite() -> None:
     """Was `efficiency: Input should be less than or equal to 1 (got nan)`."""
     with pytest.raises(hetplan.SpecError, match="efficiency: Input should be a finite number"):
         hetplan.CompileOptions(batch_size=8, efficiency=float("nan"))
+
+
+class _Gated(nn.Module):
+    """A block whose forward branches on a tensor's value (capture cannot trace it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if x.sum() > 0 else x
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([_Gated() for _ in range(3)])
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def test_the_opaque_block_a_capture_error_suggests_is_opaque() -> None:
+    """The refusal says `opaque_modules=['blocks.0']`; a block of a list of repeated blocks
+    named so was silently captured as a block again, so the same error came back."""
+    with pytest.raises(hetplan.TraceError, match=r"opaque_modules=\['blocks.0'\]"):
+        hetplan.capture(_Stack(), torch.zeros(1, 8))
+    ir = hetplan.capture(_Stack(), torch.zeros(1, 8),
+                         opaque_modules=["blocks.0", "blocks.1", "blocks.2"])
+    assert [lay.kind.value for lay in ir.layers][1:4] == ["opaque"] * 3
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("", "the top-level module, which cannot be opaque"),
+    ("blocks", "a ModuleList, which is never called (its elements are); name the element "
+               "that fails, e.g. 'blocks.0'"),
+    ("blocks.0.fc", "a module inside layer 'blocks.0', which is captured as one layer: name "
+                    "'blocks.0'"),
+], ids=["root", "module-list", "inside-a-layer"])
+def test_an_opaque_name_that_would_change_nothing_is_refused(name: str, expected: str) -> None:
+    """Was: '' and a module inside a layer were silently ignored (the same IR as without
+    them); a ModuleList was 'parameters never used in forward with these inputs'."""
+    with pytest.raises(hetplan.TraceError) as info:
+        hetplan.capture(_Stack(), torch.zeros(1, 8), opaque_modules=[name])
+    assert f"opaque_modules names {name!r}: {expected}" in str(info.value)
