@@ -22,3 +22,20 @@ def test_the_spelling_a_yaml_exponent_is_told_to_take_is_read_as_a_number(
     advice = re.search(r"write (\S+?)\)", msg)
     assert advice is not None, msg
     assert isinstance(yaml.safe_load(f"x: {advice.group(1)}")["x"], float)
+
+
+def test_a_numpy_boolean_is_no_count() -> None:
+    """Was accepted as 1 (``numpy.bool_`` is no ``bool``; a Python ``True`` was refused)."""
+    import numpy as np
+
+    import hetplan
+    from hetplan import ClusterSpec
+    from hetplan.errors import SpecError
+
+    data = preset()
+    data["nodes"][0]["devices"][0]["count"] = np.True_
+    with pytest.raises(SpecError, match="count: expected an integer, got a boolean"):
+        ClusterSpec.from_dict(data)
+    with pytest.raises(SpecError, match="batch_size: expected an integer, got a boolean"):
+        hetplan.CompileOptions(batch_size=np.True_)
+    assert hetplan.CompileOptions(batch_size=np.int64(8)).batch_size == 8

@@ -45,8 +45,15 @@ MAX_COUNT = 2**53
 MAX_MS = 1e15
 
 
+def _is_bool(value: Any) -> bool:
+    """A Python or a NumPy boolean (``numpy.bool_`` is no ``bool``, and pydantic reads it as
+    an integer)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy"
+                                       and type(value).__name__ in ("bool_", "bool"))
+
+
 def _kind(value: Any) -> str:
-    if isinstance(value, bool):
+    if _is_bool(value):
         return "a boolean"
     if isinstance(value, (str, bytes)):
         return "a string"
@@ -73,7 +80,7 @@ def _yaml_hint(value: Any) -> str:
 def strict_int(value: Any) -> Any:
     """Refuse a boolean or a string where an integer is meant (pydantic would read ``true``
     as 1 and ``"8"`` as 8); everything else is left to pydantic's own integer check."""
-    if isinstance(value, (bool, str, bytes)):
+    if _is_bool(value) or isinstance(value, (str, bytes)):
         raise ValueError(f"expected an integer, got {_kind(value)} {value!r}{_yaml_hint(value)}")
     return value
 
@@ -82,7 +89,7 @@ def strict_float(value: Any) -> Any:
     """Refuse a boolean or a string where a number is meant (see :func:`strict_int`); a
     string such as ``'1e3'`` (YAML 1.1 reads an exponent without a point as text) gets the
     spelling YAML reads as a number."""
-    if isinstance(value, (bool, str, bytes)):
+    if _is_bool(value) or isinstance(value, (str, bytes)):
         raise ValueError(f"expected a number, got {_kind(value)} {value!r}{_yaml_hint(value)}")
     return value
 
