@@ -475,7 +475,8 @@ def plan_cmd(
         "off", "--tp-controller", help="Heterogeneous-TP controller the plan turns on (opt-in; "
         "resizing prunes computation): off, zero, migration, semi."),
     tp_gamma_max: float = typer.Option(
-        0.9, "--tp-gamma-max", help="Largest pruning ratio the TP controller may use, in [0, 1)."),
+        None, "--tp-gamma-max", help="Largest pruning ratio the TP controller may use, in "
+        "[0, 1) (default 0.9); needs --tp-controller."),
     passes: str = typer.Option(
         None, "--passes", help="The pass pipeline as a spec, e.g. "
         "'dynpipe,even-tp,ddp-buckets,espresso{compressors=dgc,fp16},cupcake-fusion,"
@@ -547,10 +548,16 @@ def plan_cmd(
             **pins,
             dynamics=dynamics,
             compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
-            tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
+            tp_controller=tp_controller,
+            tp_gamma_max=0.9 if tp_gamma_max is None else tp_gamma_max,
             **({"passes": pipeline_spec} if pipeline_spec is not None else {}),
         )
-        options.pipeline(where="--passes")  # a malformed spec fails before capture
+        pipeline = options.pipeline(where="--passes")  # a malformed spec fails before capture
+    if tp_gamma_max is not None and all(getattr(p, "controller", "off") == "off"
+                                        for p in pipeline if p.name == "tp-resizing"):
+        raise SpecError(f"--tp-gamma-max {tp_gamma_max} bounds the pruning of the TP resizing "
+                        "controller, which is off: give --tp-controller zero, migration or "
+                        "semi too, or drop --tp-gamma-max")
     spec = resolve_cluster(cluster)
     db = resolve_profile(profile)
     t_capture = time.perf_counter()

@@ -246,3 +246,17 @@ def test_workload_convert_names_a_tensor_listed_twice(tmp_path: Path) -> None:
     refused(run("workload", "convert", _benchmark(tmp_path, {"vgg16": vgg}), "-o",
                 tmp_path / "wl"),
             "bench.json: models.vgg16.tensor_names: ['classifier.6.bias'] listed more than once")
+
+
+# -- plan options that would change nothing ---------------------------------------------------
+def test_tp_gamma_max_without_a_controller_is_refused() -> None:
+    """Was accepted and dropped: with the controller off nothing prunes, so the bound bounds
+    nothing (as `--replicas` without `--checkpoint gemini` is refused)."""
+    refused(run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8",
+                "--tp-gamma-max", "0.5"),
+            "--tp-gamma-max 0.5 bounds the pruning of the TP resizing controller, which is "
+            "off: give --tp-controller zero, migration or semi too")
+    ok = run("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8", "--zero", "0",
+             "--passes", "dynpipe,even-tp,ddp-buckets,tp-resizing{controller=semi}",
+             "--tp-gamma-max", "0.5", "--no-progress")
+    assert ok.exit_code == 0, ok.output
