@@ -260,3 +260,16 @@ def test_tp_gamma_max_without_a_controller_is_refused() -> None:
              "--passes", "dynpipe,even-tp,ddp-buckets,tp-resizing{controller=semi}",
              "--tp-gamma-max", "0.5", "--no-progress")
     assert ok.exit_code == 0, ok.output
+
+
+# -- a byte-order mark ------------------------------------------------------------------------
+def test_a_json_file_saved_with_a_byte_order_mark_is_read(dp_plan: Path, tmp_path: Path) -> None:
+    """Was 'not valid JSON: Unexpected UTF-8 BOM (decode using utf-8-sig)' for a plan or a
+    workload saved by an editor that writes one (a YAML cluster spec with one was read)."""
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(b"\xef\xbb\xbf" + dp_plan.read_bytes())
+    workload = tmp_path / "w.json"
+    workload.write_bytes(b"\xef\xbb\xbf" + Path(WORKLOAD).read_bytes())
+    for command in (("validate", plan), ("inspect", plan), ("ir", "--workload", workload)):
+        result = run(*command)
+        assert result.exit_code == 0, result.output

@@ -143,6 +143,8 @@ def loads_json(text: str, *, where: str) -> Any:
         json.JSONDecodeError: a syntax error, for the caller to explain with its position.
         SpecError: as above.
     """
+    if isinstance(text, str) and text.startswith("\ufeff"):
+        text = text[1:]  # a byte-order mark, as read_text_file drops it
     try:
         data = json.loads(text, object_pairs_hook=_unique_object)
     except _DuplicateKey as e:
@@ -369,8 +371,9 @@ def _parse_yaml(text: str, where: str) -> Any:
 
 
 def read_text_file(path: Path, *, what: str) -> str:
-    """The UTF-8 text of ``path``, refusing a directory, an unreadable file, one that is not
-    UTF-8, and one over :data:`MAX_FILE_BYTES` (checked before reading it).
+    """The UTF-8 text of ``path`` (without a leading byte-order mark), refusing a directory,
+    an unreadable file, one that is not UTF-8, and one over :data:`MAX_FILE_BYTES` (checked
+    before reading it).
 
     Raises:
         SpecError: naming the file and what to do.
@@ -386,7 +389,8 @@ def read_text_file(path: Path, *, what: str) -> str:
                 f"at most {MAX_FILE_BYTES // 2**20} MiB (real ones are far smaller): is this "
                 "the right file?"
             )
-        return path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the text
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise SpecError(
             f"{where}: the {what} file is not UTF-8 text ({e.reason} at byte {e.start}); "
