@@ -132,3 +132,17 @@ def test_an_opaque_name_that_would_change_nothing_is_refused(name: str, expected
     with pytest.raises(hetplan.TraceError) as info:
         hetplan.capture(_Stack(), torch.zeros(1, 8), opaque_modules=[name])
     assert f"opaque_modules names {name!r}: {expected}" in str(info.value)
+
+
+def test_hetplan_jit_takes_the_spellings_of_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: only '0' turned the compiled kernels off; 'false', 'off' or 'no' silently left
+    them on, and a value that is no switch ('fast') was read as on."""
+    from hetplan.algorithms import _pipeline_kernel
+    from hetplan.algorithms.dp_session import jit_enabled
+
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("HETPLAN_JIT", off)
+        assert not jit_enabled() and _pipeline_kernel.kernel() is None
+    monkeypatch.setenv("HETPLAN_JIT", "fast")
+    with pytest.raises(hetplan.SpecError, match="HETPLAN_JIT='fast': use HETPLAN_JIT=0"):
+        hetplan.compile("gpt-test", "local-cpu", batch_size=8)
