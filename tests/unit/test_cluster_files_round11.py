@@ -39,3 +39,13 @@ def test_a_numpy_boolean_is_no_count() -> None:
     with pytest.raises(SpecError, match="batch_size: expected an integer, got a boolean"):
         hetplan.CompileOptions(batch_size=np.True_)
     assert hetplan.CompileOptions(batch_size=np.int64(8)).batch_size == 8
+
+
+def test_a_huge_number_for_a_count_is_not_called_a_string(tmp_path: Path) -> None:
+    """Was 'Unable to parse input string as an integer, exceeded maximum size (got 1e+30)'
+    for a count written as 1.0e+30 (a number, not a string)."""
+    body = yaml.safe_dump(preset()).replace("- count: 2", "- count: 1.0e+30", 1)
+    assert "- count: 1.0e+30" in body
+    msg = refused(write(tmp_path, "c.yaml", body),
+                  "count: a number too large for an integer count")
+    assert "input string" not in msg

@@ -359,6 +359,8 @@ def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
     if kind in _LIST_TYPES and not is_key:
         shown = "" if value is None or isinstance(value, Mapping) else f" {short_repr(value)}"
         return _line(where, loc, f"expected a list, got {_json_kind(value)}{shown}")
+    if kind == "int_parsing_size" and isinstance(value, float):  # pydantic says "string"
+        msg = "a number too large for an integer count (every count is at most 2**53)"
     text = f"invalid key {value!r}: {msg}" if is_key else msg
     if not is_key and not isinstance(value, (dict, list, tuple)):
         text += f" (got {short_repr(value)})"
