@@ -146,3 +146,17 @@ def test_hetplan_jit_takes_the_spellings_of_a_switch(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("HETPLAN_JIT", "fast")
     with pytest.raises(hetplan.SpecError, match="HETPLAN_JIT='fast': use HETPLAN_JIT=0"):
         hetplan.compile("gpt-test", "local-cpu", batch_size=8)
+
+
+def test_simulate_of_a_plan_without_its_cluster_names_the_argument(tmp_path: Path) -> None:
+    """Was 'pass --cluster FILE|PRESET', an option the Python call does not have."""
+    import json
+
+    plan = hetplan.compile("gpt-test", "local-cpu", batch_size=8)
+    data = json.loads(plan.to_json())
+    data["cluster"].pop("spec")
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(hetplan.SpecError, match=r"\(Python: cluster=, a ClusterSpec"):
+        hetplan.simulate(path)
+    assert hetplan.simulate(path, cluster="local-cpu").iteration_time_ms > 0
