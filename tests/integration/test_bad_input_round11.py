@@ -273,3 +273,20 @@ def test_a_json_file_saved_with_a_byte_order_mark_is_read(dp_plan: Path, tmp_pat
     for command in (("validate", plan), ("inspect", plan), ("ir", "--workload", workload)):
         result = run(*command)
         assert result.exit_code == 0, result.output
+
+
+# -- '-' given as an output file ---------------------------------------------------------------
+@pytest.mark.parametrize("command", [
+    ("plan", "--workload", WORKLOAD, "-c", "local-cpu", "-b", "8", "--no-progress", "-o", "-"),
+    ("ir", "--workload", WORKLOAD, "-o", "-"),
+    ("run", "{plan}", "--model", "mlp", "--dry-run", "--report", "-"),
+], ids=["plan", "ir", "run-report"])
+def test_dash_as_an_output_is_refused(dp_plan: Path, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch,
+                                      command: tuple[str, ...]) -> None:
+    """Was: a file named '-' written in the working directory (exit 0), read by a new user
+    as 'write to standard output'."""
+    monkeypatch.chdir(tmp_path)
+    refused(run(*(str(dp_plan) if c == "{plan}" else c for c in command)),
+            "'-' would write a file named '-'")
+    assert not (tmp_path / "-").exists()

@@ -506,6 +506,10 @@ def check_output_path(path: str | Path, *, option: str, kind: str | None = None)
         SpecError: naming the option, the path and the fix.
     """
     p = Path(path)
+    if str(path) == "-":
+        raise SpecError(f"{option} '-' would write a file named '-': hetplan does not write to "
+                        f"standard output through {option}; give the path of a file (export "
+                        "prints its configuration there without -o, ir with --json)")
     if p.is_dir():
         raise SpecError(f"{option} {str(p)!r} is a directory; give the path of a file to write")
     parent = p.parent
