@@ -51,7 +51,11 @@ def test_a_root_module_layer_is_planned(tmp_path: Path, model: nn.Module) -> Non
      "json.dumps(data)"),
     # was TypeError: expected str, bytes or os.PathLike object, not NoneType
     (lambda: hetplan.load_plan(None),  # type: ignore[arg-type]
-     "load_plan: expected a plan file path (str or Path), got NoneType"),
+     "expected the path of a plan file (a str or a Path), got NoneType"),
+    (lambda: hetplan.ClusterSpec.load(None),  # type: ignore[arg-type]
+     "expected the path of a cluster spec file (a str or a Path), got NoneType"),
+    (lambda: hetplan.ModelIR.load(5),  # type: ignore[arg-type]
+     "expected the path of a workload file (a str or a Path), got int"),
     # was ValueError (capture's documented error is TraceError)
     (lambda: hetplan.capture(nn.Linear(4, 4), torch.zeros(1, 4), method="jit"),
      "capture(method='jit'): use 'auto' (fx, then torch.export), 'fx' or 'export'"),
@@ -61,7 +65,8 @@ def test_a_root_module_layer_is_planned(tmp_path: Path, model: nn.Module) -> Non
     # was accepted, then compile raised pydantic's ValidationError for ModelRef.name
     (lambda: hetplan.capture(nn.Linear(4, 4), torch.zeros(1, 4), name=5),  # type: ignore
      "capture(name=5): the IR's name is a string"),
-], ids=["from-json-dict", "load-plan-none", "capture-method", "dataflow-method",
+], ids=["from-json-dict", "load-plan-none", "cluster-load-none", "workload-load-int",
+        "capture-method", "dataflow-method",
         "capture-name-int"])
 def test_an_argument_of_the_wrong_kind_is_a_hetplan_error(call: Any, expected: str) -> None:
     with pytest.raises(hetplan.HetplanError) as info:

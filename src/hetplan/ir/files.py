@@ -370,6 +370,16 @@ def _parse_yaml(text: str, where: str) -> Any:
     return data
 
 
+def file_path(path: Any, *, what: str) -> Path:
+    """``path`` (a ``str`` or ``os.PathLike``) as a :class:`Path`; anything else is refused
+    with a :class:`SpecError` naming what was to be read (the Python API's loaders take
+    paths: ``load_plan(None)`` was pathlib's TypeError)."""
+    if isinstance(path, (str, os.PathLike)):
+        return Path(path)
+    raise SpecError(f"expected the path of a {what} file (a str or a Path), got "
+                    f"{type(path).__name__}")
+
+
 def read_text_file(path: Path, *, what: str) -> str:
     """The UTF-8 text of ``path`` (without a leading byte-order mark), refusing a directory,
     an unreadable file, one that is not UTF-8, and one over :data:`MAX_FILE_BYTES` (checked
@@ -419,7 +429,7 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
         SpecError: the file is missing or unreadable, its syntax is invalid (the message has
             the line and column), or its top level is not a mapping.
     """
-    p = Path(path)
+    p = file_path(path, what=what)
     where = str(p)
     if not p.exists():
         raise SpecError(

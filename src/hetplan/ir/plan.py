@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from os import PathLike
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -85,7 +84,7 @@ from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.ir.plan_hetero import Hetero
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
-from hetplan.ir.files import check_kind, check_kind_of_text, write_text_file
+from hetplan.ir.files import check_kind, check_kind_of_text, file_path, write_text_file
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
 __all__ = [
@@ -370,10 +369,7 @@ def load_plan(path: str | Path) -> Plan:
             per problem, each naming the file and the field path.
         PlanVersionError: the plan is from a newer (or unknown) schema version.
     """
-    if not isinstance(path, (str, PathLike)):
-        raise SpecError(f"load_plan: expected a plan file path (str or Path), got "
-                        f"{type(path).__name__}")
-    p = Path(path)
+    p = file_path(path, what="plan")
     if not p.exists():
         raise SpecError(f"plan file {str(p)!r} does not exist; create one with `hetplan plan`")
     text = read_text_file(p, what="plan")
