@@ -44,6 +44,26 @@ def test_a_root_module_layer_is_planned(tmp_path: Path, model: nn.Module) -> Non
         plan.predictions.iteration_time_ms)
 
 
+def test_the_root_module_layer_is_named_for_a_reader(tmp_path: Path) -> None:
+    """`inspect` and `explain` printed the root layer's name '' as nothing ('0–0 (1) ',
+    'layer  (layer 0, stage 0)')."""
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+
+    def run(*args: object) -> Any:
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+    plan = hetplan.compile(_RootParam(), "local-cpu", batch_size=8, pp=2,
+                           example_inputs=torch.zeros(1, 4))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    shown = run("inspect", path, "-s", "stages").output
+    assert "0–0 (1) (the root module)" in shown, shown
+    explained = run("explain", path, "pos").output
+    assert "(the root module) (layer 0, stage 0)" in explained, explained
+
+
 @pytest.mark.parametrize(("call", "expected"), [
     # was TypeError: the JSON object must be str, bytes or bytearray, not dict
     (lambda: hetplan.Plan.from_json({"schema_version": 1}),  # type: ignore[arg-type]

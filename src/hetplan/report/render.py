@@ -19,6 +19,7 @@ from hetplan.report._text import (
     fmt_bytes,
     fmt_ms,
     fmt_pct,
+    layer_label,
     plain_text,
     ranges,
 )
@@ -132,9 +133,10 @@ def _stages(report: dict[str, Any], c: Console) -> None:
         ("mem/rank", "right"),
     ))
     for st in stages:
-        names = st["first_layer_name"] or ""
-        if st["num_layers"] > 1 and st["last_layer_name"]:
-            names = f"{names} … {st['last_layer_name']}"
+        first, last = st["first_layer_name"], st["last_layer_name"]
+        names = "" if first is None else layer_label(first)
+        if st["num_layers"] > 1 and last is not None:
+            names = f"{names} … {layer_label(last)}"
         share = fmt_pct(st["share_of_slowest"]) + (" ◀" if st["slowest"] else "")
         table.add_row(
             str(st["index"]),
