@@ -248,6 +248,8 @@ def _fmt_bytes(n: float) -> str:
 
 def _layer_rows(ir: Any) -> list[tuple[str, ...]]:
     """One row per layer, with runs of identical repeated blocks folded into one row."""
+    from hetplan.report._text import layer_label
+
     rows: list[tuple[str, ...]] = []
     layers = list(ir.layers)
     i = 0
@@ -259,7 +261,8 @@ def _layer_rows(ir: Any) -> list[tuple[str, ...]]:
             while j < len(layers) and layers[j].group == lay.group and _block_key(layers[j]) == key:
                 j += 1
         count = j - i
-        name = lay.name if count == 1 else f"{lay.name} … {layers[j - 1].name} (×{count})"
+        name = (layer_label(lay.name) if count == 1
+                else f"{lay.name} … {layers[j - 1].name} (×{count})")
         idx = str(lay.index) if count == 1 else f"{lay.index}–{layers[j - 1].index}"
         rows.append(
             (

@@ -62,6 +62,10 @@ def test_the_root_module_layer_is_named_for_a_reader(tmp_path: Path) -> None:
     assert "0–0 (1) (the root module)" in shown, shown
     explained = run("explain", path, "pos").output
     assert "(the root module) (layer 0, stage 0)" in explained, explained
+    workload = tmp_path / "w.json"
+    hetplan.capture(_RootParam(), torch.zeros(1, 4)).save(workload)
+    summary = run("ir", "--workload", workload).output
+    assert "│ 0 │ (the root module) │ params" in summary, summary
 
 
 @pytest.mark.parametrize(("call", "expected"), [
