@@ -860,6 +860,7 @@ def run_cmd(
     import signal
 
     from hetplan.ir.plan import load_plan
+    from hetplan.runtime.checkpoint_store import dir_problem
     from hetplan.runtime.cpu_sched import cpu_sched_policy
     from hetplan.runtime.hetero_ranks import plan_world_size
     from hetplan.runtime.link_emulation import emulated_link
@@ -905,6 +906,8 @@ def run_cmd(
                       timeout_s=timeout, host=host, oversubscribe=oversubscribe)
 
     check()  # what needs neither torch nor the model: refused before anything starts
+    if not dry_run and (why := dir_problem(plan.checkpointing is not None)):
+        raise SpecError(why)  # this host's directories (a dry run's command is for others)
     # torchrun's process imports torch while this one checks the host and captures the model;
     # it starts no rank before launch() releases it, and a refused plan ends it
     job = None if dry_run else prestart(cmd, keep_agent_traceback=_state["debug"])

@@ -17,7 +17,8 @@ from hetplan.runtime import launch as launch_mod
 from test_bad_input_round7 import WORKLOAD, refused, run  # the rounds share helpers
 
 EMULATION = ("HETPLAN_EMULATE_BW", "HETPLAN_EMULATE_LATENCY_US", "HETPLAN_EMULATE_STRAGGLER",
-             "HETPLAN_EMULATE_GEMM_FLOPS", "HETPLAN_EMULATE_DELAY", "HETPLAN_CPU_SCHED")
+             "HETPLAN_EMULATE_GEMM_FLOPS", "HETPLAN_EMULATE_DELAY", "HETPLAN_CPU_SCHED",
+             "HETPLAN_CHECKPOINT_DIR", "HETPLAN_STORAGE_DIR")
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +291,16 @@ def test_dash_as_an_output_is_refused(dp_plan: Path, tmp_path: Path,
     refused(run(*(str(dp_plan) if c == "{plan}" else c for c in command)),
             "'-' would write a file named '-'")
     assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("name", ["HETPLAN_CHECKPOINT_DIR", "HETPLAN_STORAGE_DIR"])
+def test_a_checkpoint_directory_that_is_a_file_is_refused_before_launch(
+        gemini_plan: Path, tmp_path: Path, no_launch: None,
+        monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Was: every rank of a Gemini run failed creating its store under a path that is a
+    file, after torchrun had started them."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv(name, str(blocker / "ckpt"))
+    refused(run("run", gemini_plan, "--model", "gpt-test"),
+            f"{name}=", "is a file, not a directory")
