@@ -248,6 +248,8 @@ def _fmt_bytes(n: float) -> str:
 
 def _layer_rows(ir: Any) -> list[tuple[str, ...]]:
     """One row per layer, with runs of identical repeated blocks folded into one row."""
+    from hetplan.report._text import layer_label
+
     rows: list[tuple[str, ...]] = []
     layers = list(ir.layers)
     i = 0
@@ -259,7 +261,8 @@ def _layer_rows(ir: Any) -> list[tuple[str, ...]]:
             while j < len(layers) and layers[j].group == lay.group and _block_key(layers[j]) == key:
                 j += 1
         count = j - i
-        name = lay.name if count == 1 else f"{lay.name} … {layers[j - 1].name} (×{count})"
+        name = (layer_label(lay.name) if count == 1
+                else f"{lay.name} … {layers[j - 1].name} (×{count})")
         idx = str(lay.index) if count == 1 else f"{lay.index}–{layers[j - 1].index}"
         rows.append(
             (
@@ -292,7 +295,8 @@ def print_ir_summary(ir: Any, seconds: float | None = None) -> None:
     """Print the captured IR: a header and the layer table."""
     shapes = ", ".join("×".join(map(str, s)) for s in ir.input_shapes) or "—"
     took = f" in {seconds:.1f} s" if seconds is not None else ""
-    out.print(f"[bold]{ir.name}[/]  captured with {ir.method}{took}  ·  inputs {shapes}")
+    out.print(f"[bold]{_escape(str(ir.name))}[/]  captured with {ir.method}{took}  ·  inputs "
+              f"{shapes}")
     out.print(
         f"parameters {ir.num_params:,} ({_fmt_bytes(ir.param_bytes)})  ·  layers "
         f"{len(ir.layers)}  ·  gradient tensors {len(ir.grad_tensors)} "
@@ -315,11 +319,12 @@ def print_ir_summary(ir: Any, seconds: float | None = None) -> None:
     ):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for row in _layer_rows(ir):
-        table.add_row(*row)
+        table.add_row(*(_escape(cell) for cell in row))
     out.print(table)
     if ir.grad_tensors:
         first = ", ".join(g.name for g in ir.grad_tensors[:3])
-        out.print(f"gradients in backward-ready order: {first}, … {ir.grad_tensors[-1].name}")
+        out.print(f"gradients in backward-ready order: {first}, … {ir.grad_tensors[-1].name}",
+                  markup=False)
 
 
 @app.command("ir")
@@ -348,7 +353,7 @@ def ir_cmd(
     seconds = time.perf_counter() - t0
     if output:
         ir.save(output)
-        err.print(f"wrote {output}")
+        err.print(f"wrote {output}", markup=False)
     if as_json:
         out.print(ir.to_json(), end="", markup=False)
         return
@@ -370,7 +375,7 @@ def workload_convert_cmd(
     _check_out_dir(out_dir, option="-o/--out-dir")
     workloads = espresso_workloads(benchmark, gaps=gaps)  # type: ignore[arg-type]
     out_dir.mkdir(exist_ok=True)
-    table = Table(title=f"workloads written to {out_dir}", title_justify="left")
+    table = Table(title=f"workloads written to {_escape(str(out_dir))}", title_justify="left")
     for col in ("file", "tensors", "layers", "params", "backprop"):
         table.add_column(col)
     for name, ir in workloads.items():
@@ -378,7 +383,7 @@ def workload_convert_cmd(
         ir.save(path)
         backprop_ms = sum(g.ready_gap_us or 0 for g in ir.grad_tensors) / 1e3
         table.add_row(
-            path.name,
+            _escape(path.name),
             str(len(ir.grad_tensors)),
             str(len(ir.layers)),
             f"{ir.num_params:,}",
@@ -479,7 +484,8 @@ def plan_cmd(
         "off", "--tp-controller", help="Heterogeneous-TP controller the plan turns on (opt-in; "
         "resizing prunes computation): off, zero, migration, semi."),
     tp_gamma_max: float = typer.Option(
-        0.9, "--tp-gamma-max", help="Largest pruning ratio the TP controller may use, in [0, 1)."),
+        None, "--tp-gamma-max", help="Largest pruning ratio the TP controller may use, in "
+        "[0, 1) (default 0.9); needs --tp-controller."),
     passes: str = typer.Option(
         None, "--passes", help="The pass pipeline as a spec, e.g. "
         "'dynpipe,even-tp,ddp-buckets,espresso{compressors=dgc,fp16},cupcake-fusion,"
@@ -551,10 +557,16 @@ def plan_cmd(
             **pins,
             dynamics=dynamics,
             compressors=tuple(c.strip() for c in compress.split(",") if c.strip()),
-            tp_controller=tp_controller, tp_gamma_max=tp_gamma_max,
+            tp_controller=tp_controller,
+            tp_gamma_max=0.9 if tp_gamma_max is None else tp_gamma_max,
             **({"passes": pipeline_spec} if pipeline_spec is not None else {}),
         )
-        options.pipeline(where="--passes")  # a malformed spec fails before capture
+        pipeline = options.pipeline(where="--passes")  # a malformed spec fails before capture
+    if tp_gamma_max is not None and all(getattr(p, "controller", "off") == "off"
+                                        for p in pipeline if p.name == "tp-resizing"):
+        raise SpecError(f"--tp-gamma-max {tp_gamma_max} bounds the pruning of the TP resizing "
+                        "controller, which is off: give --tp-controller zero, migration or "
+                        "semi too, or drop --tp-gamma-max")
     spec = resolve_cluster(cluster)
     db = resolve_profile(profile)
     t_capture = time.perf_counter()
@@ -590,7 +602,7 @@ def plan_cmd(
         err.print(f"[yellow]warning:[/] `hetplan run` refuses this plan: {_escape(line)}")
     if output:
         plan.save(output)
-        err.print(f"wrote {output}")
+        err.print(f"wrote {output}", markup=False)
     _print_plan(plan)
     asked = [f for f, given in (("--schedule " + schedule, schedule not in ("1f1b", "auto")),
                                 (f"--virtual-stages {virtual_stages}",
@@ -897,7 +909,9 @@ def run_cmd(
     import signal
 
     from hetplan.ir.plan import load_plan
+    from hetplan.runtime.checkpoint_store import dir_problem
     from hetplan.runtime.cpu_sched import cpu_sched_policy
+    from hetplan.runtime.hetero_ranks import plan_world_size
     from hetplan.runtime.link_emulation import emulated_link
     from hetplan.runtime.launch import (
         HostCapacity,
@@ -915,9 +929,16 @@ def run_cmd(
                                                                          "GEMM_FLOPS")):
         # ... a bad HETPLAN_EMULATE_STRAGGLER (its module imports torch: only when set, so
         # that torchrun's process starts before this one imports torch)
-        from hetplan.runtime.resizing import straggler_from_env
+        from hetplan.runtime.resizing import ENV_STRAGGLER, straggler_from_env
 
-        straggler_from_env()
+        straggler = straggler_from_env()
+        if straggler is not None and straggler.rank >= (world := plan_world_size(plan)):
+            raise SpecError(f"{ENV_STRAGGLER}: rank {straggler.rank} is not a rank of this run "
+                            f"(0..{world - 1}); give CHI@RANK with one of its ranks")
+    if os.environ.get("HETPLAN_EMULATE_DELAY", "").strip():
+        from hetplan.runtime.handlers.group_sync import delay_setting
+
+        delay_setting(plan, plan_world_size(plan))  # ... a bad HETPLAN_EMULATE_DELAY
     if trace is not None:
         _check_trace_options(trace, trace_step, steps, script, report)
     elif trace_step != 0:
@@ -934,6 +955,8 @@ def run_cmd(
                       timeout_s=timeout, host=host, oversubscribe=oversubscribe)
 
     check()  # what needs neither torch nor the model: refused before anything starts
+    if not dry_run and (why := dir_problem(plan.checkpointing is not None)):
+        raise SpecError(why)  # this host's directories (a dry run's command is for others)
     # torchrun's process imports torch while this one checks the host and captures the model;
     # it starts no rank before launch() releases it, and a refused plan ends it
     job = None if dry_run else prestart(cmd, keep_agent_traceback=_state["debug"])
@@ -1260,7 +1283,7 @@ def passes_cmd() -> None:
 
 def print_cluster_summary(spec: Any) -> None:
     out.print(
-        f"[bold]{spec.name}[/]: {spec.num_nodes} node(s), {spec.world_size} devices, "
+        f"[bold]{_escape(spec.name)}[/]: {spec.num_nodes} node(s), {spec.world_size} devices, "
         f"{'heterogeneous' if spec.is_heterogeneous else 'homogeneous'}, "
         f"fingerprint {spec.fingerprint()}"
     )
@@ -1271,9 +1294,9 @@ def print_cluster_summary(spec: Any) -> None:
         devs = ", ".join(f"{g.count}× {g.type}" for g in node.devices)
         link = node.intra_link
         table.add_row(
-            node.name,
+            _escape(node.name),
             str(node.count),
-            devs,
+            _escape(devs),
             f"{link.kind} {link.bandwidth_gbps:g} Gb/s, {link.latency_us:g} µs",
             str(node.cpu_cores),
             f"{node.slowdown:g}",
@@ -1339,10 +1362,11 @@ def validate_cmd(
         if model or module:
             with _naming(file):
                 check_plan_matches(plan, model_ir=_run_model_ir(plan, model, module))
-            out.print(f"[green]ok[/]: {file} is a valid plan (schema v{plan.schema_version}) "
-                      f"for model {module or model}")
+            out.print(f"[green]ok[/]: {_escape(str(file))} is a valid plan (schema "
+                      f"v{plan.schema_version}) for model {_escape(module or model)}")
         else:
-            out.print(f"[green]ok[/]: {file} is a valid plan (schema v{plan.schema_version}); "
+            out.print(f"[green]ok[/]: {_escape(str(file))} is a valid plan (schema "
+                      f"v{plan.schema_version}); "
                       "not checked against its model (the workload, the tensor_parallel "
                       "linears): give --model NAME or --module pkg.mod:factory, as to "
                       "`hetplan run`")
@@ -1351,20 +1375,21 @@ def validate_cmd(
         from hetplan.ir.model import ModelIR
 
         ir = ModelIR.load(file)
-        out.print(f"[green]ok[/]: {file} is a valid workload")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid workload")
         print_ir_summary(ir)
     elif kind == "profile DB":
         from hetplan.cost_models.profile_db import ProfileDB
 
         db = ProfileDB.load(file)
-        out.print(f"[green]ok[/]: {file} is a valid profile DB: {len(db.compute)} layer, "
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid profile DB: "
+                  f"{len(db.compute)} layer, "
                   f"{len(db.collectives)} collective, {len(db.compressors)} compressor and "
                   f"{len(db.optimizer_steps)} optimizer-step record(s)")
     elif kind == "dynamics":
         from hetplan.ir.rebalancing import DynamicsSpec
 
         DynamicsSpec.load(file)
-        out.print(f"[green]ok[/]: {file} is a valid dynamics file")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid dynamics file")
     elif kind == "run report":
         data = _load_run_report(file)
         ranks, steps = data.get("world_size", "?"), data.get("steps", "?")
@@ -1376,14 +1401,14 @@ def validate_cmd(
         from hetplan.report.trace_compare import load_trace
 
         load_trace(load_structured_file(file, what="trace"), str(file))
-        out.print(f"[green]ok[/]: {file} is a valid trace of `hetplan run --trace`")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid trace of `hetplan run --trace`")
     else:
         from hetplan.ir.cluster import ClusterSpec
 
         # what ClusterSpec.load(file) does, on the data _file_kind has read
         assert data is not None
         spec = ClusterSpec.from_dict(data, where=str(file))
-        out.print(f"[green]ok[/]: {file} is a valid cluster spec")
+        out.print(f"[green]ok[/]: {_escape(str(file))} is a valid cluster spec")
         print_cluster_summary(spec)
 
 
@@ -1789,7 +1814,7 @@ def export_cmd(
         typer.echo(result.text, nl=False)
     _note_profile_missing(plan, profile)
     if output is not None:
-        err.print(f"wrote {output}")
+        err.print(f"wrote {output}", markup=False)
 
 
 @app.command("timeline")
@@ -1819,7 +1844,7 @@ def timeline_cmd(
     with _naming(plan_file):
         render_timeline(plan, output, cluster=cluster, profile=profile, run_report=measured)
     _note_profile_missing(plan, profile)
-    err.print(f"wrote {output}")
+    err.print(f"wrote {output}", markup=False)
 
 
 def _unwrap_help(*apps: typer.Typer) -> None:

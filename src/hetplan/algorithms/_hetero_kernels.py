@@ -17,11 +17,12 @@ whose both ends are allowed cuts come in (``HeteroProblem.cuttable``, filtered b
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from hetplan.algorithms._jit_env import jit_switched_off
 
 __all__ = ["dp_pass", "kernel"]
 
@@ -101,7 +102,7 @@ def dp_pass(arc_o: np.ndarray, arc_i: np.ndarray, arc_j: np.ndarray, arc_a: np.n
 
 def kernel() -> Callable[..., Any]:
     """:func:`dp_pass`, compiled with numba when it can be (``HETPLAN_JIT=0``: never)."""
-    if os.environ.get("HETPLAN_JIT", "1") == "0":
+    if jit_switched_off():
         return dp_pass
     if not _COMPILED:
         try:

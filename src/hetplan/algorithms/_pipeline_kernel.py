@@ -22,11 +22,12 @@ the Python loop in use (:func:`kernel` returns None).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from hetplan.algorithms._jit_env import jit_switched_off
 
 __all__ = ["JIT_AFTER_ACTIONS", "MIN_ACTIONS", "kernel", "kernel_for", "replay", "warm_up"]
 
@@ -150,7 +151,7 @@ def kernel() -> Callable[..., int] | None:
     then runs its Python loop, with the same results. numba compiles at a function's first
     call, so this runs it once on a small schedule here, where a failure is caught, not in
     the middle of a search."""
-    if os.environ.get("HETPLAN_JIT", "1") == "0":
+    if jit_switched_off():
         return None
     if not _COMPILED:
         compiled: Callable[..., int] | None = None

@@ -18,7 +18,6 @@ bit for bit, much slower):
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import types
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from hetplan.algorithms import _dp_kernels, _dp_search
+from hetplan.algorithms._jit_env import jit_switched_off
 from hetplan.algorithms._dp_kernels import Base, Ops
 from hetplan.algorithms.dp_types import CPU, GPU, MAX_RESOURCES, Op, ResourceIds
 
@@ -75,7 +75,7 @@ def jit_enabled() -> bool:
     and numba is installed and can cache them (compilation itself happens at a kernel's
     first call, or in :func:`warm_up`). When it is not, the kernels run uncompiled and
     :func:`jit_error` says why."""
-    if os.environ.get("HETPLAN_JIT", "1") == "0":
+    if jit_switched_off():
         return False
     return _kernels(True) is not _PLAIN
 

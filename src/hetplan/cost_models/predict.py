@@ -173,7 +173,9 @@ def plan_costs(
         raise SpecError("the plan carries no workload summary; re-run `hetplan plan`")
     spec = resolve_cluster(cluster) if cluster is not None else plan.cluster.spec
     if spec is None:
-        raise SpecError("the plan does not embed its cluster; pass --cluster FILE|PRESET")
+        raise SpecError(f"the plan does not embed its cluster ({plan.cluster.name!r}); give it: "
+                        "--cluster FILE|PRESET (Python: cluster=, a ClusterSpec, preset name "
+                        "or file)")
     if spec.fingerprint() != plan.cluster.fingerprint:
         raise PlanMismatchError(
             f"cluster {spec.name!r} (fingerprint {spec.fingerprint()}) is not the cluster the "

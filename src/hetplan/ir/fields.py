@@ -45,16 +45,24 @@ MAX_COUNT = 2**53
 MAX_MS = 1e15
 
 
+def _is_bool(value: Any) -> bool:
+    """A Python or a NumPy boolean (``numpy.bool_`` is no ``bool``, and pydantic reads it as
+    an integer)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy"
+                                       and type(value).__name__ in ("bool_", "bool"))
+
+
 def _kind(value: Any) -> str:
-    if isinstance(value, bool):
+    if _is_bool(value):
         return "a boolean"
     if isinstance(value, (str, bytes)):
         return "a string"
     return type(value).__name__
 
 
-#: A number in exponent form without a decimal point: YAML 1.1 (PyYAML) reads it as text.
-_YAML_TEXT_EXPONENT = re.compile(r"^([+-]?[0-9]+)([eE][+-]?[0-9]+)$")
+#: A number in exponent form that YAML 1.1 (PyYAML) reads as text: it reads one as a number
+#: only with a decimal point and a signed exponent (``1.0e+3``; ``1e3`` and ``1.0e3`` are text).
+_YAML_TEXT_EXPONENT = re.compile(r"^([+-]?[0-9][0-9_]*)(\.[0-9_]*)?([eE])([+-]?)([0-9]+)$")
 
 
 def _yaml_hint(value: Any) -> str:
@@ -62,14 +70,17 @@ def _yaml_hint(value: Any) -> str:
     m = _YAML_TEXT_EXPONENT.match(value) if isinstance(value, str) else None
     if m is None:
         return ""
-    return (f" (YAML reads an exponent without a decimal point as text: for a number, "
-            f"write {m.group(1)}.0{m.group(2)})")
+    spelled = f"{m.group(1)}{m.group(2) or '.0'}{m.group(3)}{m.group(4) or '+'}{m.group(5)}"
+    if spelled == value:  # a quoted string YAML would read as a number unquoted
+        return ""
+    return (" (YAML reads an exponent as a number only with a decimal point and a signed "
+            f"exponent: write {spelled})")
 
 
 def strict_int(value: Any) -> Any:
     """Refuse a boolean or a string where an integer is meant (pydantic would read ``true``
     as 1 and ``"8"`` as 8); everything else is left to pydantic's own integer check."""
-    if isinstance(value, (bool, str, bytes)):
+    if _is_bool(value) or isinstance(value, (str, bytes)):
         raise ValueError(f"expected an integer, got {_kind(value)} {value!r}{_yaml_hint(value)}")
     return value
 
@@ -78,7 +89,7 @@ def strict_float(value: Any) -> Any:
     """Refuse a boolean or a string where a number is meant (see :func:`strict_int`); a
     string such as ``'1e3'`` (YAML 1.1 reads an exponent without a point as text) gets the
     spelling YAML reads as a number."""
-    if isinstance(value, (bool, str, bytes)):
+    if _is_bool(value) or isinstance(value, (str, bytes)):
         raise ValueError(f"expected a number, got {_kind(value)} {value!r}{_yaml_hint(value)}")
     return value
 

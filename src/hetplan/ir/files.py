@@ -143,6 +143,8 @@ def loads_json(text: str, *, where: str) -> Any:
         json.JSONDecodeError: a syntax error, for the caller to explain with its position.
         SpecError: as above.
     """
+    if isinstance(text, str) and text.startswith("\ufeff"):
+        text = text[1:]  # a byte-order mark, as read_text_file drops it
     try:
         data = json.loads(text, object_pairs_hook=_unique_object)
     except _DuplicateKey as e:
@@ -368,9 +370,20 @@ def _parse_yaml(text: str, where: str) -> Any:
     return data
 
 
+def file_path(path: Any, *, what: str) -> Path:
+    """``path`` (a ``str`` or ``os.PathLike``) as a :class:`Path`; anything else is refused
+    with a :class:`SpecError` naming what was to be read (the Python API's loaders take
+    paths: ``load_plan(None)`` was pathlib's TypeError)."""
+    if isinstance(path, (str, os.PathLike)):
+        return Path(path)
+    raise SpecError(f"expected the path of a {what} file (a str or a Path), got "
+                    f"{type(path).__name__}")
+
+
 def read_text_file(path: Path, *, what: str) -> str:
-    """The UTF-8 text of ``path``, refusing a directory, an unreadable file, one that is not
-    UTF-8, and one over :data:`MAX_FILE_BYTES` (checked before reading it).
+    """The UTF-8 text of ``path`` (without a leading byte-order mark), refusing a directory,
+    an unreadable file, one that is not UTF-8, and one over :data:`MAX_FILE_BYTES` (checked
+    before reading it).
 
     Raises:
         SpecError: naming the file and what to do.
@@ -386,7 +399,8 @@ def read_text_file(path: Path, *, what: str) -> str:
                 f"at most {MAX_FILE_BYTES // 2**20} MiB (real ones are far smaller): is this "
                 "the right file?"
             )
-        return path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the text
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise SpecError(
             f"{where}: the {what} file is not UTF-8 text ({e.reason} at byte {e.start}); "
@@ -415,7 +429,7 @@ def load_structured_file(path: str | Path, *, what: str) -> dict[str, Any]:
         SpecError: the file is missing or unreadable, its syntax is invalid (the message has
             the line and column), or its top level is not a mapping.
     """
-    p = Path(path)
+    p = file_path(path, what=what)
     where = str(p)
     if not p.exists():
         raise SpecError(
@@ -502,6 +516,10 @@ def check_output_path(path: str | Path, *, option: str, kind: str | None = None)
         SpecError: naming the option, the path and the fix.
     """
     p = Path(path)
+    if str(path) == "-":
+        raise SpecError(f"{option} '-' would write a file named '-': hetplan does not write to "
+                        f"standard output through {option}; give the path of a file (export "
+                        "prints its configuration there without -o, ir with --json)")
     if p.is_dir():
         raise SpecError(f"{option} {str(p)!r} is a directory; give the path of a file to write")
     parent = p.parent

@@ -492,9 +492,9 @@ class ModelIR:
 
     @classmethod
     def load(cls, path: str | Path) -> ModelIR:
-        from hetplan.ir.files import read_text_file
+        from hetplan.ir.files import file_path, read_text_file
 
-        p = Path(path)
+        p = file_path(path, what="workload")
         if not p.exists():
             raise SpecError(f"workload file {str(p)!r} does not exist")
         return cls.from_json(read_text_file(p, what="workload"), where=str(p))

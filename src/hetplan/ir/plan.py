@@ -84,7 +84,7 @@ from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.ir.plan_hetero import Hetero
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
-from hetplan.ir.files import check_kind, check_kind_of_text, write_text_file
+from hetplan.ir.files import check_kind, check_kind_of_text, file_path, write_text_file
 from hetplan.ir.validation import format_validation_error, loads_json, read_text_file
 
 __all__ = [
@@ -226,6 +226,11 @@ class Plan(BaseModel):
                 naming ``where`` and the field path.
             PlanVersionError: the plan has a schema version this hetplan does not read.
         """
+        if not isinstance(text, (str, bytes, bytearray)):
+            fix = ("for a dict parsed already, pass json.dumps(data)" if isinstance(text, dict)
+                   else "to read a plan file, call hetplan.load_plan(path)")
+            raise SpecError(f"{where}: Plan.from_json takes a plan's JSON text, got "
+                            f"{type(text).__name__}; {fix}")
         try:
             data = loads_json(text, where=where)
         except json.JSONDecodeError as e:
@@ -364,7 +369,7 @@ def load_plan(path: str | Path) -> Plan:
             per problem, each naming the file and the field path.
         PlanVersionError: the plan is from a newer (or unknown) schema version.
     """
-    p = Path(path)
+    p = file_path(path, what="plan")
     if not p.exists():
         raise SpecError(f"plan file {str(p)!r} does not exist; create one with `hetplan plan`")
     text = read_text_file(p, what="plan")

@@ -28,11 +28,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hetplan.ir.cluster import ClusterSpec
 from hetplan.ir.fields import NonNegFloat, NonNegInt, PosInt
 from hetplan.ir.plan_sections import Ms, Rank, Ratio
 
 __all__ = ["Checkpointing", "ChunkSchedule", "IdleSpan", "PlannedChunk", "RankCheckpoint",
-           "RecoveryOdds", "CheckpointCost"]
+           "RecoveryOdds", "CheckpointCost", "checkpointing_problems"]
+
+_RERUN = "re-run `hetplan plan --checkpoint gemini`"
 
 
 class _Section(BaseModel):
@@ -161,3 +164,52 @@ class Checkpointing(_Section):
                 raise ValueError(f"checkpointing.ranks[{r.rank}]: unknown schedule "
                                  f"{r.schedule}")
         return self
+
+
+def checkpointing_problems(section: Checkpointing | None, spec: ClusterSpec | None) -> list[str]:
+    """Cross-section problems of ``checkpointing`` (the placement the runtime sends copies
+    by), one line each: every node's holders are the node itself, then other nodes, each once
+    (``node_holders``), and the node groups split the nodes; Gemini's predicted cost is of the
+    interval the runtime checkpoints at; each rank's ``node`` is its node among those the
+    plan uses (in the order of the cluster's nodes, from ``spec`` when given); each rank's
+    holders sit on its node's holders, in order, so that a copy never shares the node it
+    guards."""
+    if section is None:
+        return []
+    n = len(section.node_holders)
+    out = []
+    for i, hs in enumerate(section.node_holders):
+        if not hs or hs[0] != i or len(set(hs)) != len(hs) or max(hs) >= n:
+            out.append(f"checkpointing.node_holders[{i}]: {list(hs)}, but a node's holders are "
+                       f"the node itself first ({i}), then other nodes of 0..{n - 1}, each "
+                       f"once; {_RERUN}")
+    grouped = sorted(x for g in section.node_groups for x in g)
+    if grouped != list(range(n)):
+        out.append(f"checkpointing.node_groups: {[list(g) for g in section.node_groups]}, but "
+                   f"the groups split the nodes 0..{n - 1}, each node in one group; {_RERUN}")
+    if section.gemini.every_iters != section.every_iters:
+        out.append(f"checkpointing.gemini.every_iters: {section.gemini.every_iters}, but the "
+                   f"runtime checkpoints every {section.every_iters} iterations (every_iters), "
+                   f"so Gemini's predicted cost is of another interval; {_RERUN}")
+    if spec is not None and all(r.rank < spec.world_size for r in section.ranks):
+        index = {node: i for i, node in enumerate(sorted(
+            {spec.node_of(r.rank) for r in section.ranks}))}
+        for r in section.ranks:
+            want = index[spec.node_of(r.rank)]
+            if r.node != want:
+                out.append(f"checkpointing.ranks[{r.rank}].node: {r.node}, but rank {r.rank} "
+                           f"is on node {want} of the {len(index)} the plan uses; {_RERUN}")
+    if out:
+        return out
+    for r in section.ranks:
+        if r.node >= n:
+            out.append(f"checkpointing.ranks[{r.rank}].node: {r.node}, but node_holders lists "
+                       f"nodes 0..{n - 1}; {_RERUN}")
+            continue
+        nodes = [section.ranks[h].node for h in r.holders]
+        if nodes != list(section.node_holders[r.node][:len(nodes)]):
+            out.append(f"checkpointing.ranks[{r.rank}].holders: {list(r.holders)}, on nodes "
+                       f"{nodes}, but node {r.node}'s copies go to nodes "
+                       f"{list(section.node_holders[r.node])} (node_holders[{r.node}]): a "
+                       f"copy on the node it guards is lost with it; {_RERUN}")
+    return out

@@ -76,7 +76,8 @@ linear in the actions: a blocked rank sleeps until its dependency ends).
 The module is somewhat over 600 lines on purpose: it is the one validator, its rules read
 in the order above, each a short function over the shared helpers at the end; sections with
 rules of their own live beside it (:mod:`hetplan.ir.plan_hetero_checks`,
-:mod:`hetplan.ir.plan_group_sync`).
+:mod:`hetplan.ir.plan_group_sync`, :mod:`hetplan.ir.plan_checkpointing`: the placement of
+Gemini's copies, each on another node than the one it guards).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ from hetplan.ir.plan_sections import (
     TensorParallel,
     WorkloadSummary,
 )
+from hetplan.ir.plan_checkpointing import Checkpointing, checkpointing_problems
 from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
 from hetplan.ir.plan_hetero import Hetero, hetero_problems, hetero_section_problems
 from hetplan.ir.plan_hetero_checks import hetero_rebalancing_problems, hetero_tp_problems
@@ -151,6 +153,8 @@ class Plan(Protocol):
     @property
     def group_sync(self) -> GroupSync | None: ...
     @property
+    def checkpointing(self) -> Checkpointing | None: ...
+    @property
     def sparse_sync(self) -> SparseSync | None: ...
     @property
     def hetero(self) -> Hetero | None: ...
@@ -179,6 +183,7 @@ def plan_problems(plan: Plan, *, complete: bool = False,
     problems += _gradient_sync(plan, spec) + _sparse_sync(plan) + _rebalancing(plan)
     problems += _predictions(plan) + _vocab_parallel(plan)
     problems += group_sync_problems(plan.group_sync, plan.layout)
+    problems += checkpointing_problems(plan.checkpointing, spec)
     if complete:
         problems += _completeness(plan)
     return problems

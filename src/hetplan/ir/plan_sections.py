@@ -142,9 +142,11 @@ class LayerCost(_Section):
     ``cut_bytes_after`` / ``cuttable_before`` are the IR's pipeline-boundary fields (the
     bytes a boundary after the layer cuts; whether a stage may start at it); read the bytes
     through :attr:`boundary_bytes` (``act_out_bytes`` in plans written before them).
+    ``name`` is the module's qualified name, as in the IR: ``""`` is the root module (a leaf
+    model, or the parameters a model's top-level module owns beside its children).
     """
 
-    name: Name
+    name: str
     kind: Name = "other"
     signature: str = ""
     fwd_flops: NonNegInt = 0

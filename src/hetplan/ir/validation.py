@@ -36,6 +36,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from pathlib import PurePath
 from typing import Any, TypeVar, Union, cast
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -199,6 +200,92 @@ def _child(tp: Any, item: str | int) -> Any:
     return None
 
 
+def _union_members(tp: Any) -> list[Any]:
+    """The members of ``tp`` if it is a union of more than one type (None aside), else []."""
+    tp = _strip(tp)
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return []
+    return [a for a in typing.get_args(tp) if a is not type(None)]
+
+
+def _tagged_member(members: Sequence[Any], item: str) -> Any:
+    """The member a discriminated union names ``item`` by (a ``Literal`` field of that
+    value), else None."""
+    for m in members:
+        for annotation in (_field_types(_strip(m)) or {}).values():
+            if typing.get_origin(annotation) is typing.Literal and \
+                    typing.get_args(annotation) == (item,):
+                return m
+    return None
+
+
+def _file_loc(model: Any, loc: Sequence[str | int]) -> tuple[tuple[str | int, ...], Any]:
+    """``loc`` as the file writes it: without the union members pydantic names in it
+    (``'str'``, ``"function-before[strict_float(), constrained-float]"``, a discriminator's
+    tag), and the union type the last element named a member of (None: it named none, or
+    one of a discriminated union, which tries that member alone)."""
+    out: list[str | int] = []
+    tp: Any = model
+    last_union = None
+    for item in loc:
+        members = _union_members(tp) if tp is not None else []
+        last_union = None
+        if members and isinstance(item, str) and not any(
+                item in (_field_types(_strip(m)) or {}) for m in members):
+            tagged = _tagged_member(members, item)  # a discriminated union tries one member
+            last_union = None if tagged is not None else tp
+            tp = tagged or next((m for m in members if getattr(m, "__name__", None) == item),
+                                None)
+            continue
+        out.append(item)
+        tp = _child(tp, item) if tp is not None else None
+    return tuple(out), last_union
+
+
+def _without_union_tags(errors: list[Any], model: Any) -> list[Any]:
+    """``errors`` at the locations the file writes (see :func:`_file_loc`). A value no
+    member of a union takes gets one error (``expected a string or a list, got null``)
+    instead of one per member; where one member got further into the value (a mapping with
+    a bad field), only its errors are kept."""
+    if model is None:
+        return errors
+    placed = [(err, *_file_loc(model, err.get("loc", ()))) for err in errors]
+    deeper = {loc[:k] for _, loc, union in placed for k in range(len(loc))}
+    out: list[Any] = []
+    merged: set[tuple[str | int, ...]] = set()
+    for err, loc, union in placed:
+        if union is None:
+            out.append({**err, "loc": loc})
+        elif loc not in deeper and loc not in merged:
+            merged.add(loc)
+            kinds = [_kind_name(m) for m in _union_members(union)]
+            value = err.get("input")
+            shown = "" if isinstance(value, (Mapping, list, tuple)) or value is None else (
+                f" {short_repr(value)}")
+            out.append({"loc": loc, "type": "value_error", "input": value,
+                        "msg": f"expected {_or(kinds)}, got {_json_kind(value)}{shown}"})
+    return out
+
+
+def _kind_name(tp: Any) -> str:
+    """What a value of type ``tp`` is, in a file's words."""
+    tp = _strip(tp)
+    origin = typing.get_origin(tp) or tp
+    names = ((bool, "a boolean"), (int, "an integer"), (float, "a number"),
+             (str, "a string"), (PurePath, "a file path"))
+    for cls, name in names:
+        if origin is cls or (isinstance(origin, type) and issubclass(origin, cls)):
+            return name
+    if isinstance(origin, type) and issubclass(origin, _SEQUENCE_ORIGINS):
+        return "a list"
+    return "a mapping"
+
+
+def _or(items: Sequence[str]) -> str:
+    unique = list(dict.fromkeys(items))
+    return unique[0] if len(unique) == 1 else ", ".join(unique[:-1]) + " or " + unique[-1]
+
+
 def _allowed_keys(model: Any, parent_loc: Sequence[str | int]) -> list[str] | None:
     """The keys allowed by the model found at ``parent_loc`` under ``model``; None if unknown."""
     tp: Any = model
@@ -272,6 +359,8 @@ def _format_one(err: Mapping[str, Any], where: str, model: Any) -> str:
     if kind in _LIST_TYPES and not is_key:
         shown = "" if value is None or isinstance(value, Mapping) else f" {short_repr(value)}"
         return _line(where, loc, f"expected a list, got {_json_kind(value)}{shown}")
+    if kind == "int_parsing_size" and isinstance(value, float):  # pydantic says "string"
+        msg = "a number too large for an integer count (every count is at most 2**53)"
     text = f"invalid key {value!r}: {msg}" if is_key else msg
     if not is_key and not isinstance(value, (dict, list, tuple)):
         text += f" (got {short_repr(value)})"
@@ -339,7 +428,7 @@ def format_validation_error(
     Returns:
         The message (no trailing newline).
     """
-    errors = e.errors(include_url=False)
+    errors = _without_union_tags(e.errors(include_url=False), model)
     lines = [_format_one(err, where, model) for err in errors[:_MAX_ERROR_LINES]]
     if len(errors) > _MAX_ERROR_LINES:
         lines.append(f"{where}: ... and {len(errors) - _MAX_ERROR_LINES} more errors")

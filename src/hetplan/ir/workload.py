@@ -169,7 +169,10 @@ def espresso_workloads(
     constants = data.get("constants", {})
     if not isinstance(constants, dict):
         raise SpecError(f"{p}: constants: expected a mapping, got {type(constants).__name__}")
-    bpe = int(constants.get("bytes_per_element", 4))
+    bpe = constants.get("bytes_per_element", 4)
+    if isinstance(bpe, bool) or not isinstance(bpe, int) or bpe < 1:
+        raise SpecError(f"{p}: constants.bytes_per_element: expected a positive integer (4 for "
+                        f"fp32), got {bpe!r}")
     out: dict[str, ModelIR] = {}
     for section in sections:
         models = data.get(section, {})
@@ -180,6 +183,16 @@ def espresso_workloads(
             if not isinstance(m, dict):
                 raise SpecError(f"{p}: {section}.{name}: expected a mapping with tensor_names, "
                                 f"tensor_sizes and {key}, got {type(m).__name__}")
+            if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+                raise SpecError(f"{p}: {section}: model name {name!r} is not a file name (each "
+                                "model is written to NAME.json in the output directory); "
+                                "rename it without path separators, e.g. "
+                                f"{name.replace('/', '-').replace(chr(92), '-').strip('.-')!r}")
+            names = m.get("tensor_names")
+            if isinstance(names, list) and (dup := sorted(
+                    {str(x) for x in names if names.count(x) > 1})):
+                raise SpecError(f"{p}: {section}.{name}.tensor_names: {dup[:3]} listed more "
+                                "than once; each gradient tensor has one name")
             try:
                 out[name] = workload_from_gradients(
                     name,
@@ -191,9 +204,12 @@ def espresso_workloads(
                 )
             except KeyError as e:
                 raise SpecError(f"{p}: model {name!r} lacks the field {e.args[0]!r}") from e
-            except SpecError:
-                raise
+            except SpecError as e:
+                raise SpecError(f"{p}: {section}.{name}: {e}") from e
             except (TypeError, ValueError) as e:
                 raise SpecError(f"{p}: model {name!r}: tensor_names must be a list of names, "
                                 f"tensor_sizes of integers and {key} of numbers ({e})") from e
+    if not out:
+        raise SpecError(f"{p}: {' and '.join(sections)} list no models; is this the Espresso "
+                        "benchmark file (data/espresso_models.json)?")
     return out

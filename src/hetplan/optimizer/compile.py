@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from hetplan.algorithms._jit_env import jit_switched_off
 from hetplan.algorithms.pipeline_schedules import layout_actions
 from hetplan.cost_models.compute import vocab_split
 from hetplan.cost_models.costs import CostModel
@@ -232,6 +233,7 @@ def _compile(
     **kwargs: Any,
 ) -> Plan:
     """:func:`compile`'s work."""
+    jit_switched_off()  # a HETPLAN_JIT that is no switch: refused before any work
     opts = CompileOptions.build(options, **kwargs)
     spec = resolve_cluster(cluster)
     db = resolve_profile(profile)

@@ -94,7 +94,7 @@ class CompileOptions(BaseModel):
     zero_stage: Literal[0, 1, 2, 3] | None = None
     recompute: Literal["auto", "none", "selective", "full"] = "auto"
     dtype: Literal["mixed", "fp32", "bf16", "fp16"] = "mixed"
-    efficiency: float = Field(default=0.5, gt=0, le=1)
+    efficiency: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
     optimizer: Literal["adam", "adamw", "sgd-momentum", "sgd"] = "adam"
     attention: Literal["flash", "materialized"] = "flash"
     dp_overlap: Literal["backward", "after-flush"] = "backward"

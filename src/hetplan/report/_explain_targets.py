@@ -13,7 +13,7 @@ from typing import Any
 from hetplan.cost_models.evaluate import Evaluation
 from hetplan.cost_models.memory import USABLE_FRACTION
 from hetplan.ir.plan_sections import Bucket, GradientSync, NoSync, Stage, TensorSync
-from hetplan.report._text import device_mix, fmt_bytes, fmt_ms, fmt_pct, ranges
+from hetplan.report._text import device_mix, fmt_bytes, fmt_ms, fmt_pct, layer_label, ranges
 from hetplan.report.inspect import describe_strategy
 
 __all__ = ["EXPLAINERS", "Alternative", "sync_with_buckets", "fp32_strategy", "strategy_text"]
@@ -77,7 +77,7 @@ def explain_tensor(ctx: Any, name: str) -> tuple[Facts, list[Alternative]]:
     stage_of = ctx.stage_of_layer()
     facts: Facts = [
         ("size", f"{fmt_bytes(g.size_bytes)} ({g.dtype})"),
-        ("layer", (f"{wl.layers[g.layer_index].name} (layer {g.layer_index}, stage "
+        ("layer", (f"{layer_label(wl.layers[g.layer_index].name)} (layer {g.layer_index}, stage "
                   f"{stage_of[g.layer_index]})")),
         ("ready", f"{order[name] + 1} of {len(wl.grads)} in backward order"),
     ]
@@ -227,7 +227,8 @@ def explain_stage(ctx: Any, k: int) -> tuple[Facts, list[Alternative]]:
     left, right = stages[b - 1], stages[b]
     facts.append(("boundary", (f"between stage {b - 1} (layers {left.first_layer}–"
                               f"{left.last_layer}) and stage {b} (layers {right.first_layer}–"
-                              f"{right.last_layer}), before {names[right.first_layer]}")))
+                              f"{right.last_layer}), before "
+                              f"{layer_label(names[right.first_layer])}")))
     facts.append(("bubble", f"{fmt_pct(ev.bubble_ratio)} of the pipeline"))
     facts += ctx.decided_by("stages")
     alts: list[Alternative] = []
@@ -238,7 +239,7 @@ def explain_stage(ctx: Any, k: int) -> tuple[Facts, list[Alternative]]:
         layer = names[right.first_layer - 1] if delta < 0 else names[right.first_layer]
         src, dst = (b - 1, b) if delta < 0 else (b, b - 1)
         alts.append(ctx.alternative(
-            f"move {layer} from stage {src} to stage {dst}",
+            f"move {layer_label(layer)} from stage {src} to stage {dst}",
             stages=moved, sync=_split_buckets(ctx, moved), note=_stage_note(b)))
     return facts, alts
 

@@ -25,6 +25,12 @@ __all__ = [
 ]
 
 
+def layer_label(name: str) -> str:
+    """A layer's name for a reader: the IR names the root module's layer ``""`` (a leaf
+    model, or parameters the top-level module owns beside its children)."""
+    return name if name else "(the root module)"
+
+
 def fmt_bytes(n: float | None) -> str:
     """Bytes with a binary unit: ``3.00 GiB``, ``512 B``; ``—`` for None."""
     if n is None:

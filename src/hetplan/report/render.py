@@ -19,6 +19,7 @@ from hetplan.report._text import (
     fmt_bytes,
     fmt_ms,
     fmt_pct,
+    layer_label,
     plain_text,
     ranges,
 )
@@ -42,6 +43,22 @@ def render_report(report: dict[str, Any], console: Console, *,
     chosen = [s for s in SECTIONS if s in sections] if sections else list(SECTIONS)
     for name in chosen:
         _RENDERERS[name](report, console)
+        if sections and name in _ABSENT and not _present(report, name):
+            # asked for by name: say the plan has none, rather than print nothing
+            console.print(f"{name}: none ({_ABSENT[name]})", markup=False)
+
+
+#: The sections only some plans have, each with what writes it.
+_ABSENT = {
+    "checkpointing": "the plan was made without `hetplan plan --checkpoint gemini`",
+    "group_sync": "the plan was made without `hetplan plan --group-sync sdpipe|auto`",
+    "rebalancing": "the plan was made without `hetplan plan --dynamics FILE`",
+}
+
+
+def _present(report: dict[str, Any], name: str) -> bool:
+    entry = report.get(name)
+    return entry is not None and (name != "checkpointing" or bool(entry["available"]))
 
 
 def _n(count: int, one: str, many: str) -> str:
@@ -121,9 +138,10 @@ def _stages(report: dict[str, Any], c: Console) -> None:
         ("mem/rank", "right"),
     ))
     for st in stages:
-        names = st["first_layer_name"] or ""
-        if st["num_layers"] > 1 and st["last_layer_name"]:
-            names = f"{names} … {st['last_layer_name']}"
+        first, last = st["first_layer_name"], st["last_layer_name"]
+        names = "" if first is None else layer_label(first)
+        if st["num_layers"] > 1 and last is not None:
+            names = f"{names} … {layer_label(last)}"
         share = fmt_pct(st["share_of_slowest"]) + (" ◀" if st["slowest"] else "")
         table.add_row(
             str(st["index"]),

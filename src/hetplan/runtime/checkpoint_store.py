@@ -53,13 +53,16 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["CHECKPOINT_DIR_ENV", "NodeStore", "Reserved", "default_root",
-           "remove_default_root"]
+           "remove_default_root", "STORAGE_DIR_ENV", "dir_problem"]
 
 CHECKPOINT_DIR_ENV = "HETPLAN_CHECKPOINT_DIR"
+#: where the storage fallback saves (default: ``storage`` under the store's root)
+STORAGE_DIR_ENV = "HETPLAN_STORAGE_DIR"
 _STAMP = struct.Struct("<q")
 _LEAD = 64  # the snapshot's offset in the data file (the leading stamp, padded)
 _RECORD = 64  # bytes of a slot's record, blank-padded
@@ -79,6 +82,28 @@ def default_root() -> tuple[Path, bool]:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / f"hetplan-ckpt-{run_id}", True
+
+
+def dir_problem(plan_has_checkpointing: bool, env: Mapping[str, str] | None = None
+                ) -> str | None:
+    """Why :data:`CHECKPOINT_DIR_ENV` or :data:`STORAGE_DIR_ENV` cannot hold a Gemini
+    run's copies (None: unset, or usable), for the launcher to refuse before any rank
+    starts: the path, or its nearest existing ancestor (the ranks create the rest), must be
+    a directory this process can write."""
+    env = os.environ if env is None else env
+    for name in (CHECKPOINT_DIR_ENV, STORAGE_DIR_ENV) if plan_has_checkpointing else ():
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        path = Path(raw)
+        existing = next((a for a in (path, *path.parents) if a.exists()), None)
+        if existing is not None and not existing.is_dir():
+            return (f"{name}={raw!r}: {str(existing)!r} is a file, not a directory; point it "
+                    "at a directory (created if missing), or unset it")
+        if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+            return (f"{name}={raw!r}: the directory {str(existing)!r} is not writable; point "
+                    "it at a directory you can write, or unset it")
+    return None
 
 
 def remove_default_root() -> None:

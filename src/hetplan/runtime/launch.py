@@ -276,6 +276,9 @@ def host_problem(plan: Plan, cmd: Sequence[str], host: HostCapacity, *,
 
 
 def _check_writable(path: Path, option: str) -> None:
+    if str(path) == "-":
+        raise SpecError(f"{option} '-' would write a file named '-' (not standard output); "
+                        "give a file path, e.g. report.json")
     if path.is_dir():
         raise SpecError(f"{option} {str(path)!r} is a directory; give a file path, e.g. "
                         f"{str(path / 'report.json')!r}")

@@ -30,6 +30,7 @@ as the volume of a ring collective is the same on every rank. Decision and limit
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -60,11 +61,12 @@ class EmulatedLink:
     def __init__(self, gbps: float, latency_us: float = 0.0,
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        if not gbps > 0:
-            raise SpecError(f"{ENV}={gbps!r}: the emulated bandwidth must be > 0 Gbit/s")
-        if not latency_us >= 0:
-            raise SpecError(f"{ENV_LATENCY}={latency_us!r}: the emulated latency must be "
-                            ">= 0 microseconds")
+        if not 0 < gbps < math.inf:
+            raise SpecError(f"{ENV}={gbps!r}: the emulated bandwidth must be > 0 Gbit/s and "
+                            f"finite, e.g. {ENV}=1 (unset it to run at full speed)")
+        if not 0 <= latency_us < math.inf:
+            raise SpecError(f"{ENV_LATENCY}={latency_us!r}: the emulated latency must be >= 0 "
+                            f"microseconds and finite, e.g. {ENV_LATENCY}=50")
         self.bytes_per_s = gbps * 1e9 / 8
         self.latency_s = latency_us * 1e-6
         self._clock = clock
@@ -100,9 +102,14 @@ def emulated_link() -> EmulatedLink | None:
     (None when the bandwidth is unset or empty)."""
     global _LINK, _LINK_KEY
     raw = os.environ.get(ENV, "").strip()
+    lat = os.environ.get(ENV_LATENCY, "").strip()
     if not raw:
+        if lat:
+            raise SpecError(f"{ENV_LATENCY}={lat!r} emulates a link's latency only together "
+                            f"with its bandwidth: set {ENV} too (e.g. {ENV}=10), or unset "
+                            f"{ENV_LATENCY}")
         return None
-    lat = os.environ.get(ENV_LATENCY, "").strip() or "0"
+    lat = lat or "0"
     key = f"{raw}/{lat}"
     if _LINK is None or key != _LINK_KEY:
         _LINK, _LINK_KEY = EmulatedLink(_number(ENV, raw, "a bandwidth in Gbit/s", "1"),

@@ -748,6 +748,10 @@ def straggler_from_env(env: Mapping[str, str] | None = None) -> StragglerSpec | 
     env = os.environ if env is None else env
     raw = env.get(ENV_STRAGGLER, "").strip()
     if not raw:
+        if rate := env.get(ENV_GEMM_FLOPS, "").strip():
+            raise SpecError(f"{ENV_GEMM_FLOPS}={rate!r} sets the device speed of an emulated "
+                            f"straggler: set {ENV_STRAGGLER} too (CHI@RANK, e.g. 8@3), or "
+                            f"unset {ENV_GEMM_FLOPS}")
         return None
     try:
         chi_s, _, rest = raw.partition("@")

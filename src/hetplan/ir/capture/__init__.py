@@ -69,7 +69,7 @@ from hetplan.ir.capture.execute import Executor
 from hetplan.ir.capture.trace import build_graph, capture_error
 from hetplan.ir.capture.units import layer_units
 from hetplan.ir.dataflow import LayerDataflow
-from hetplan.ir.model import ModelIR, verify_model_ir
+from hetplan.ir.model import LayerKind, ModelIR, verify_model_ir
 from hetplan.ir.validation import did_you_mean
 
 __all__ = ["capture", "capture_dataflow"]
@@ -117,8 +117,10 @@ def capture(
         >>> [layer.name for layer in ir.layers], ir.num_params
         (['0', '2'], 212)
     """
-    if method not in ("auto", "fx", "export"):
-        raise ValueError(f"method must be 'auto', 'fx' or 'export', got {method!r}")
+    _check_method(method)
+    if name is not None and not isinstance(name, str):
+        raise TraceError(f"capture(name={name!r}): the IR's name is a string (plans and "
+                         f"reports show it), got {type(name).__name__}", reason="bad name")
     if not isinstance(model, nn.Module):
         raise TraceError(
             f"capture() needs a torch.nn.Module, got {type(model).__name__}",
@@ -141,7 +143,10 @@ def capture(
             f"{type(model).__name__} has no parameters: there is nothing to plan",
             reason="no parameters",
         )
-    groups = sorted({u.group for u in units.values() if u.group is not None})
+    _check_opaque_units(meta_model, opaque, units)
+    # a list with an opaque block is traced whole (its blocks are no longer alike)
+    groups = sorted({u.group for u in units.values() if u.group is not None
+                     and not any(o.startswith(f"{u.group}.") for o in opaque)})
     cuts = block_reuse.plan_cuts(meta_model, groups) if reuse_blocks else []
     ir = None
     if cuts:
@@ -159,6 +164,12 @@ def capture(
     return ir
 
 
+def _check_method(method: str) -> None:
+    if method not in ("auto", "fx", "export"):
+        raise TraceError(f"capture(method={method!r}): use 'auto' (fx, then torch.export), "
+                         "'fx' or 'export'", reason="unknown method")
+
+
 def capture_dataflow(
     model: nn.Module,
     example_inputs: Sequence[Any] | Any = (),
@@ -174,6 +185,7 @@ def capture_dataflow(
     Raises:
         TraceError: the model cannot be captured, or a layer reads a later layer's tensor.
     """
+    _check_method(method)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     opaque = _opaque_names(opaque_modules)
@@ -182,6 +194,7 @@ def capture_dataflow(
     args = tree_map(_to_meta, tuple(example_inputs))
     kwargs = tree_map(_to_meta, dict(example_kwargs or {}))
     units = layer_units(meta_model, opaque)
+    _check_opaque_units(meta_model, opaque, units)
     graph = build_graph(meta_model, args, kwargs, units, opaque, method)
     executor = Executor(meta_model, graph, units)
     executor.run()
@@ -286,6 +299,35 @@ def _meta_clone(model: nn.Module) -> nn.Module:
     for b in buffers:
         memo.setdefault(id(b), _to_meta(b))
     return copy.deepcopy(model, memo)
+
+
+def _check_opaque_units(model: nn.Module, opaque: tuple[str, ...],
+                        units: Mapping[str, Any]) -> None:
+    """Refuse an opaque name that would change nothing: only a module captured as a layer
+    of its own can run as an opaque leaf (the top-level module, a container that is never
+    called, a module inside another layer, a module without parameters cannot)."""
+    for q in opaque:
+        mod = model.get_submodule(q)
+        unit = units.get(q)
+        if unit is not None and unit.kind is LayerKind.OPAQUE and not isinstance(
+                mod, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        where = f"opaque_modules names {q!r}"
+        if q == "":
+            why = ("the top-level module, which cannot be opaque (the model would be a single "
+                   "layer); name the submodule whose forward fails")
+        elif isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            first = next((n for n, _ in mod.named_children()), "0")
+            why = (f"a {type(mod).__name__}, which is never called (its elements are); name "
+                   f"the element that fails, e.g. '{q}.{first}'")
+        elif owner := max((u for u in units if u and q.startswith(u + ".")), key=len,
+                          default=""):
+            why = (f"a module inside layer {owner!r}, which is captured as one layer: name "
+                   f"{owner!r} to run that whole layer as an opaque leaf")
+        else:
+            why = ("a module without parameters, which is no layer of its own, so it cannot "
+                   "be an opaque leaf; name the module with parameters that calls it")
+        raise TraceError(f"{where}: {why}", module=q, reason="opaque module not a layer")
 
 
 def _check_opaque_names(model: nn.Module, opaque: tuple[str, ...]) -> None:

@@ -99,6 +99,13 @@ def layer_units(model: nn.Module, opaque: Sequence[str] = ()) -> dict[str, UnitI
         seen.add(id(m))
         units[q] = UnitInfo(q, kind, type(m).__name__, group)
 
+    def block(q: str, m: nn.Module, group: str) -> None:
+        # one of a list of repeated blocks: a layer of its group, or opaque when named so
+        if q in opaque_set:
+            add(q, m, LayerKind.OPAQUE)
+        else:
+            add(q, m, LayerKind.BLOCK, group=group)
+
     def walk(module: nn.Module, prefix: str) -> None:
         own = list(module.named_parameters(recurse=False))
         kids = [(n, c) for n, c in module.named_children() if _has_params(c)]
@@ -113,7 +120,7 @@ def layer_units(model: nn.Module, opaque: Sequence[str] = ()) -> dict[str, UnitI
             elif _is_block_list(child):
                 for en, el in child.named_children():
                     if _has_params(el):
-                        add(f"{q}.{en}", el, LayerKind.BLOCK, group=q)
+                        block(f"{q}.{en}", el, q)
             elif any(_has_params(c) for c in child.children()):
                 walk(child, q)
             else:
@@ -122,7 +129,7 @@ def layer_units(model: nn.Module, opaque: Sequence[str] = ()) -> dict[str, UnitI
     if _is_block_list(model):
         for en, el in model.named_children():
             if _has_params(el):
-                add(en, el, LayerKind.BLOCK, group="")
+                block(en, el, "")
     elif any(_has_params(c) for c in model.children()):
         walk(model, "")
     elif _has_params(model):

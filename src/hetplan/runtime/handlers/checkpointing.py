@@ -62,12 +62,11 @@ from hetplan.runtime.checkpoint_agent import Agent
 from hetplan.runtime.checkpoint_link import connect_links, local_address
 from hetplan.runtime.checkpoint_schedule import ChunkEvent, PlannedSend, RoundRecord, timetable
 from hetplan.runtime.checkpoint_snapshot import Packed, Packer, unpack
-from hetplan.runtime.checkpoint_store import NodeStore, default_root
+from hetplan.runtime.checkpoint_store import STORAGE_DIR_ENV, NodeStore, default_root
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 
 __all__ = ["CheckpointingHandler", "newest_common", "STORAGE_DIR_ENV"]
 
-STORAGE_DIR_ENV = "HETPLAN_STORAGE_DIR"
 _FETCH = 13
 
 

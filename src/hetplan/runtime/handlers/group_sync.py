@@ -43,6 +43,7 @@ uses the straggler model of the plan's embedded cluster spec.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from typing import Any
@@ -54,16 +55,55 @@ from torch import nn
 from hetplan.algorithms.sdpipe import AdaptiveWindow, SchedulerConfig
 from hetplan.algorithms.sdpipe_sim import straggler_delays
 from hetplan.errors import SpecError
+from hetplan.ir.plan import Plan
 from hetplan.ir.plan_group_sync import GroupSync
 from hetplan.runtime.handlers.base import Handler, RuntimeContext
 from hetplan.runtime.sdpipe_service import SchedulerClient, SchedulerService
 from hetplan.runtime.sharded_optimizer import ShardedOptimizer
 
-__all__ = ["ENV_DELAY", "GroupSyncHandler", "emulated_delays"]
+__all__ = ["ENV_DELAY", "GroupSyncHandler", "delay_setting", "emulated_delays"]
 
 ENV_DELAY = "HETPLAN_EMULATE_DELAY"
 #: Delays drawn per rank at setup; a run longer than this repeats them.
 _DELAY_DRAWS = 1 << 16
+
+
+def delay_setting(plan: Plan, world: int | None
+                  ) -> tuple[float, float, int, set[int] | None] | None:
+    """What :data:`ENV_DELAY` asks of a run of ``plan`` on ``world`` ranks (None: the ranks
+    listed are not checked): ``(p, delay_s, seed, ranks)`` (``ranks`` None: every rank), None
+    when unset; for ``plan`` each rank's ``p`` and ``delay_s`` are its straggler model's
+    (``ClusterSpec.straggler_of``), given here as NaN. The launcher calls it before any rank
+    starts, each rank at setup.
+
+    Raises:
+        SpecError: a malformed value, or ranks the run does not have, naming the variable and
+            the expected form.
+    """
+    text = os.environ.get(ENV_DELAY, "").strip()
+    if not text:
+        return None
+    if text == "plan":
+        if plan.cluster.spec is None:
+            raise SpecError(f"{ENV_DELAY}=plan: the plan embeds no cluster spec to read the "
+                            "straggler model from; give '<p>,<delay_s>' instead")
+        return math.nan, math.nan, 0, None
+    parts = text.split(",")
+    try:
+        prob, delay = float(parts[0]), float(parts[1])
+        seed = int(parts[2]) if len(parts) > 2 else 0
+        ranks = {int(r) for r in parts[3].split("+")} if len(parts) > 3 else None
+    except (IndexError, ValueError):
+        raise SpecError(f"{ENV_DELAY}={text!r}: expected '<p>,<delay_s>[,<seed>[,<ranks>]]' "
+                        "e.g. '0.1,0.3' or '0.1,0.3,7,0+3', or 'plan'") from None
+    if not (0 <= prob <= 1 and 0 <= delay < math.inf) or len(parts) > 4:
+        raise SpecError(f"{ENV_DELAY}={text!r}: need 0 <= p <= 1 and a finite delay_s >= 0 "
+                        "(at most 4 comma-separated fields)")
+    if world is not None and ranks is not None and (
+            outside := sorted(r for r in ranks if not 0 <= r < world)):
+        raise SpecError(f"{ENV_DELAY}={text!r}: rank(s) {outside} are not ranks of this run "
+                        f"(0..{world - 1}); list ranks joined by '+', e.g. '0.1,0.3,7,0+3'")
+    return prob, delay, seed, ranks
 
 
 def emulated_delays(ctx: RuntimeContext, rank: int, stage: int, pipeline: int
@@ -73,28 +113,12 @@ def emulated_delays(ctx: RuntimeContext, rank: int, stage: int, pipeline: int
     Raises:
         SpecError: a malformed value, naming the variable and the expected form.
     """
-    text = os.environ.get(ENV_DELAY, "").strip()
-    if not text:
+    setting = delay_setting(ctx.plan, dist.get_world_size() if dist.is_initialized() else None)
+    if setting is None:
         return None
-    seed, ranks = 0, None
-    if text == "plan":
-        spec = ctx.plan.cluster.spec
-        if spec is None:
-            raise SpecError(f"{ENV_DELAY}=plan: the plan embeds no cluster spec to read the "
-                            "straggler model from; give '<p>,<delay_s>' instead")
-        prob, delay = spec.straggler_of(rank)
-    else:
-        parts = text.split(",")
-        try:
-            prob, delay = float(parts[0]), float(parts[1])
-            seed = int(parts[2]) if len(parts) > 2 else 0
-            ranks = {int(r) for r in parts[3].split("+")} if len(parts) > 3 else None
-        except (IndexError, ValueError):
-            raise SpecError(f"{ENV_DELAY}={text!r}: expected '<p>,<delay_s>[,<seed>[,<ranks>]]' "
-                            "e.g. '0.1,0.3' or '0.1,0.3,7,0+3', or 'plan'") from None
-        if not (0 <= prob <= 1 and delay >= 0) or len(parts) > 4:
-            raise SpecError(f"{ENV_DELAY}={text!r}: need 0 <= p <= 1 and delay_s >= 0 (at most "
-                            "4 comma-separated fields)")
+    prob, delay, seed, ranks = setting
+    if math.isnan(prob) and ctx.plan.cluster.spec is not None:  # 'plan'
+        prob, delay = ctx.plan.cluster.spec.straggler_of(rank)
     if ranks is not None and rank not in ranks:
         return None
     return straggler_delays(seed, stage, pipeline, _DELAY_DRAWS, prob, delay)
