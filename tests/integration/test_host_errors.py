@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +142,50 @@ def test_a_write_through_a_symbolic_link_replaces_its_target(tmp_path: Path) -> 
     link.symlink_to(target)
     write_text_file(link, "new\n")
     assert link.is_symlink() and target.read_text() == "new\n"
+
+
+def test_what_is_no_regular_file_is_written_into_not_replaced(tmp_path: Path) -> None:
+    """A FIFO (or /dev/null, /dev/stdout) given as the output was replaced by a regular file
+    (as root, /dev/null itself); /dev/stdout resolved to a pipe's /proc name and failed."""
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    write_text_file(fifo, "through the pipe\n")
+    reader.join(10)  # a replaced FIFO leaves the reader blocked: a daemon, so no hang
+    assert got == ["through the pipe\n"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    write_text_file("/dev/null", "gone\n")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_hard_links_and_read_only_files_are_respected(tmp_path: Path) -> None:
+    a = tmp_path / "a.json"
+    a.write_text("old\n")
+    b = tmp_path / "b.json"
+    os.link(a, b)
+    write_text_file(a, "new\n")  # in place: the other name sees it
+    assert b.read_text() == "new\n" and os.stat(a).st_ino == os.stat(b).st_ino
+    if os.geteuid() != 0:  # root may write any file
+        ro = tmp_path / "ro.json"
+        ro.write_text("keep\n")
+        ro.chmod(0o444)
+        with pytest.raises(SpecError, match="Permission denied"):
+            write_text_file(ro, "x\n")
+        assert ro.read_text() == "keep\n"
+
+
+def test_a_writable_file_in_a_directory_without_room_for_a_temporary_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "plan.json"
+    out.write_text("old\n")
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", refuse)
+    write_text_file(out, "new\n")
+    assert out.read_text() == "new\n"

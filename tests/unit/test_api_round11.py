@@ -189,3 +189,14 @@ def test_simulate_of_a_plan_without_its_cluster_names_the_argument(tmp_path: Pat
     with pytest.raises(hetplan.SpecError, match=r"\(Python: cluster=, a ClusterSpec"):
         hetplan.simulate(path)
     assert hetplan.simulate(path, cluster="local-cpu").iteration_time_ms > 0
+
+
+@pytest.mark.parametrize("name", ["0", "2"])
+def test_any_block_of_a_list_at_the_root_can_be_opaque(name: str) -> None:
+    """A model that is itself a list of alike blocks: only its first block became opaque;
+    '2' was captured as a block again (the list kept being reused)."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    ir = hetplan.capture(model, torch.randn(2, 8), opaque_modules=[name])
+    kinds = {layer.name: layer.kind.value for layer in ir.layers}
+    assert kinds[name] == "opaque"
+    assert [k for n, k in kinds.items() if n != name] == ["block"] * 3

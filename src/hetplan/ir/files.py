@@ -12,9 +12,12 @@ hang. Output paths are checked here too (:func:`check_output_path`), before any 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import stat
 import tempfile
 import typing
 from collections.abc import Mapping, Sequence
@@ -558,49 +561,67 @@ def _write_refused(p: Path) -> str:
 
 
 def write_text_file(path: str | Path, text: str, *, what: str = "file") -> None:
-    """Write ``text`` (UTF-8) to ``path`` whole or not at all.
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all, where the file system allows.
 
-    The text goes to a temporary file beside ``path``, which then replaces it
-    (``os.replace``), so a full disk, a quota or a failed write leaves the earlier file as it
-    was instead of a truncated one. The temporary file is removed on failure.
+    A regular file (or a new one) is written to a temporary file beside it, which then
+    replaces it (``os.replace``), so a full disk, a quota or a failed write leaves the earlier
+    file as it was instead of a truncated one; the temporary file is removed on failure; the
+    replaced file keeps its mode. A symbolic link is written through, as ``open`` would. The
+    text is written in place, as ``open(path, "w")`` would, where replacing the file would
+    change what the path is or who sees it: a path that is no regular file (``/dev/null``,
+    ``/dev/stdout``, a FIFO), a file with other hard links, or a directory where no
+    temporary file can be made. A file this process may not write is refused, not replaced.
 
     Raises:
         SpecError: the file system refused the write (no space, read-only, permission),
             naming the path, the reason and the fix.
     """
     p = Path(path)
-    if p.is_symlink():  # write through the link, as open() would, not over it
-        p = Path(os.path.realpath(p))
-    tmp = ""
     try:
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        if p.exists():  # keep the mode of the file replaced (mkstemp makes it 0600)
-            os.chmod(tmp, p.stat().st_mode & 0o7777)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, p)
-        tmp = ""
+        st: os.stat_result | None = os.stat(p)  # follows links
+    except OSError:
+        st = None
+    try:
+        if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1):
+            _write_in_place(p, text)
+            return
+        if st is not None and not os.access(p, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(p))
+        target = Path(os.path.realpath(p)) if p.is_symlink() else p
+        try:
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
+                                       suffix=".tmp")
+        except OSError:
+            _write_in_place(p, text)  # e.g. a writable file in a directory that is not
+            return
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+            if st is not None:
+                os.chmod(tmp, st.st_mode & 0o7777)
+            else:  # mkstemp makes it 0600; a new file gets 0666 less the umask, as open()
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise SpecError(f"could not write the {what} {str(p)!r}: {reason}; {os_error_fix(e)}"
                         ) from None
-    finally:
-        if tmp:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+
+
+def _write_in_place(p: Path, text: str) -> None:
+    with open(p, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
 
 
 def os_error_fix(e: OSError) -> str:
     """What to do about an error of the machine (a full disk, a read-only file system, a
     permission, the open-file limit), by its cause."""
-    import errno
-
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return "free some space on that file system or write elsewhere (-o PATH)"
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

@@ -145,8 +145,10 @@ def capture(
         )
     _check_opaque_units(meta_model, opaque, units)
     # a list with an opaque block is traced whole (its blocks are no longer alike)
+    # (a list at the root, group "", holds every module: any opaque name is in it)
     groups = sorted({u.group for u in units.values() if u.group is not None
-                     and not any(o.startswith(f"{u.group}.") for o in opaque)})
+                     and not any(u.group == "" or o.startswith(f"{u.group}.")
+                                 for o in opaque)})
     cuts = block_reuse.plan_cuts(meta_model, groups) if reuse_blocks else []
     ir = None
     if cuts:
