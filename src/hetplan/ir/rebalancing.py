@@ -181,6 +181,10 @@ class PlannedEvent(_Model):
     stage (stage ``s`` stays on the ranks of pipeline coordinate ``s``); ``released_stages``:
     pipeline coordinates left without layers by re-packing. ``applied`` is false when the
     trigger policy judged the move not worth its cost (``stages`` then is the proposal).
+    ``migrations``: the layers the move sends, from the stages held before it (the last
+    applied event's, in iteration order); the runtime derives them from ``stages`` itself,
+    and the validator refuses an applied event's list that differs
+    (:mod:`hetplan.ir.plan_rebalancing_checks`).
     """
 
     iteration: NonNegInt
