@@ -50,6 +50,7 @@ from typing import Literal
 from hetplan.algorithms.diffusion import diffusion_balance
 from hetplan.algorithms.partition import min_max_partition, uniform_partition
 from hetplan.errors import InfeasiblePlanError, SpecError
+from hetplan.ir.rebalancing import stage_changes
 
 __all__ = [
     "balance",
@@ -169,12 +170,8 @@ def layer_moves(
 ) -> tuple[LayerMove, ...]:
     """Every layer whose stage differs between ``old`` and ``new`` (stage index = device
     position; a stage beyond the new count has been released). O(L)."""
-    def stage_of(bounds: Sequence[tuple[int, int]]) -> list[int]:
-        return [s for s, (i, j) in enumerate(bounds) for _ in range(i, j + 1)]
-
-    a, b = stage_of(old), stage_of(new)
-    return tuple(LayerMove(k, a[k], b[k], float(move_bytes[k]))
-                 for k in range(len(a)) if a[k] != b[k])
+    return tuple(LayerMove(k, src, dst, float(move_bytes[k]))
+                 for k, src, dst in stage_changes(old, new))
 
 
 # -- the dynamic run --------------------------------------------------------------------------

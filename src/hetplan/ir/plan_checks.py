@@ -51,6 +51,9 @@ Rules (each applies when the sections it relates are present):
 7. **rebalancing**: every planned event assigns the workload's layers to the plan's stages,
    none of them starting at a layer the runtime cannot split before (as in rule 3); with
    per-stage degrees, to every stage, none released (:mod:`hetplan.ir.plan_hetero_checks`).
+   Replayed as the runtime runs them (applied events in iteration order, from the plan's
+   stages): no two applied events at one iteration, and an applied event's migrations are
+   the layers its stage ranges move (:mod:`hetplan.ir.plan_rebalancing_checks`).
 8. **predictions**: at most one memory figure per rank. **cost_settings.vocab_parallel**
    ``split`` needs the pair it splits (an LM head beside its ``V x h`` token embedding,
    :mod:`hetplan.ir.vocab`) and no TP resizing controller (it keeps the vocabulary whole).
@@ -76,8 +79,9 @@ linear in the actions: a blocked rank sleeps until its dependency ends).
 The module is somewhat over 600 lines on purpose: it is the one validator, its rules read
 in the order above, each a short function over the shared helpers at the end; sections with
 rules of their own live beside it (:mod:`hetplan.ir.plan_hetero_checks`,
-:mod:`hetplan.ir.plan_group_sync`, :mod:`hetplan.ir.plan_checkpointing`: the placement of
-Gemini's copies, each on another node than the one it guards).
+:mod:`hetplan.ir.plan_group_sync`, :mod:`hetplan.ir.plan_rebalancing_checks`,
+:mod:`hetplan.ir.plan_checkpointing`: the placement of Gemini's copies, each on another node
+than the one it guards).
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ from hetplan.ir.plan_checkpointing import Checkpointing, checkpointing_problems
 from hetplan.ir.plan_group_sync import GroupSync, group_sync_problems
 from hetplan.ir.plan_hetero import Hetero, hetero_problems, hetero_section_problems
 from hetplan.ir.plan_hetero_checks import hetero_rebalancing_problems, hetero_tp_problems
+from hetplan.ir.plan_rebalancing_checks import applied_event_problems
 from hetplan.ir.model import DTYPE_BYTES
 from hetplan.ir.plan_sparse import SparseSync
 from hetplan.ir.rebalancing import Rebalancing
@@ -755,6 +760,10 @@ def _rebalancing(plan: Plan) -> list[str]:
                 out.append(f"{where}.migrations[{j}]: moves layer {m.layer} from stage "
                            f"{m.src_stage} to {m.dst_stage}, outside the plan's {n_stages} "
                            f"stages{'' if n_layers is None else f' and {n_layers} layers'}")
+    lay = plan.layout  # the runtime executes events on a pipeline of one stage per rank
+    if lay is None or (lay.pp > 1 and lay.virtual_stages == 1):
+        out += applied_event_problems(reb, [(st.first_layer, st.last_layer) for st in
+                                            sorted(plan.stages, key=lambda st: st.index)])
     return out[:_MAX_PER_RULE]
 
 

@@ -16,6 +16,7 @@ Example dynamics file (``examples/pruning.yaml``)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -34,6 +35,7 @@ __all__ = [
     "LayerMigration",
     "PlannedEvent",
     "Rebalancing",
+    "stage_changes",
 ]
 
 Fraction01 = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
@@ -150,6 +152,18 @@ class DynamicsSpec(_Model):
 _HINT = "compare with examples/pruning.yaml"
 
 
+def stage_changes(old: Sequence[tuple[int, int]], new: Sequence[tuple[int, int]]
+                  ) -> tuple[tuple[int, int, int], ...]:
+    """``(layer, old stage, new stage)`` for every layer whose stage differs between the
+    stage assignments ``old`` and ``new`` (``(first, last)`` ranges; a stage index is a
+    pipeline position), in layer order: the layers a move between them sends. O(L)."""
+    def stage_of(bounds: Sequence[tuple[int, int]]) -> list[int]:
+        return [s for s, (i, j) in enumerate(bounds) for _ in range(i, j + 1)]
+
+    a, b = stage_of(old), stage_of(new)
+    return tuple((k, a[k], b[k]) for k in range(min(len(a), len(b))) if a[k] != b[k])
+
+
 class LayerMigration(_Model):
     """Layer ``layer`` moves from pipeline stage ``src_stage`` to ``dst_stage`` with
     ``bytes`` (weights, sparse indices, optimizer state)."""
@@ -167,6 +181,10 @@ class PlannedEvent(_Model):
     stage (stage ``s`` stays on the ranks of pipeline coordinate ``s``); ``released_stages``:
     pipeline coordinates left without layers by re-packing. ``applied`` is false when the
     trigger policy judged the move not worth its cost (``stages`` then is the proposal).
+    ``migrations``: the layers the move sends, from the stages held before it (the last
+    applied event's, in iteration order); the runtime derives them from ``stages`` itself,
+    and the validator refuses an applied event's list that differs
+    (:mod:`hetplan.ir.plan_rebalancing_checks`).
     """
 
     iteration: NonNegInt
