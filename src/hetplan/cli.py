@@ -780,7 +780,9 @@ def profile_cmd(
                         f"{did_you_mean(link_kind, list(kinds))}")
     _measures_the_device_type(device_type, chosen)
     if layer_processes is None:
-        layer_processes = _default_layer_processes(world_size, chosen)
+        from hetplan.profiling import default_layer_processes
+
+        layer_processes = default_layer_processes(world_size, chosen)
     dtypes = tuple(dict.fromkeys(dtype or ["fp32"]))
     bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
     if bad:
@@ -813,19 +815,6 @@ def profile_cmd(
         f"{len(db.sparsity)} sparsity record(s), {len(db.optimizer_steps)} optimizer-step "
         f"record(s), {len(db.handovers)} hand-over record(s)"
     )
-
-
-def _default_layer_processes(world_size: int, what: tuple[str, ...]) -> int:
-    """``--layer-processes`` when not given: on a machine without CUDA the ranks of a CPU
-    run share its cores, each with one thread, so layers are timed on ``--world-size``
-    processes at once, as that many ranks would run them (timed in this one process with
-    every core, a GPT-2 block took 1/13 of its time in a 4-rank run); with CUDA each rank has
-    its own device, so in this process."""
-    if "layers" not in what:
-        return 1
-    import torch
-
-    return 1 if torch.cuda.is_available() else max(1, world_size)
 
 
 def _note_layer_threads(what: tuple[str, ...], device_type: str, processes: int,
@@ -1680,7 +1669,7 @@ def _print_run(plan: Any, report: dict[str, Any]) -> None:
     _print_run_ranks(plan, report)
     losses = report.get("loss_per_step")
     if isinstance(losses, list) and losses:
-        dp = plan.layout.dp if plan.layout is not None else 1
+        dp = plan.loss_replicas()
         mean = f" (mean over the {dp} data-parallel replicas)" if dp > 1 else ""
         out.print(f"loss per step{mean}: " + " ".join(f"{x:.4f}" for x in losses[:20])
                   + (" ..." if len(losses) > 20 else ""))

@@ -223,6 +223,9 @@ def test_workload_convert_writes_only_into_its_directory(tmp_path: Path) -> None
         refused(run("workload", "convert", _benchmark(tmp_path, {name: None}), "-o", out),
                 f"bench.json: models: model name {name!r} is not a file name")
     assert not (tmp_path / "evil.json").exists()
+    for name in ("..", "."):  # the advice was "e.g. ''"
+        refused(run("workload", "convert", _benchmark(tmp_path, {name: None}), "-o", out),
+                f"model name {name!r} is not a file name", "e.g. 'model'")
 
 
 @pytest.mark.parametrize(("models", "constants", "expected"), [
@@ -304,3 +307,14 @@ def test_a_checkpoint_directory_that_is_a_file_is_refused_before_launch(
     monkeypatch.setenv(name, str(blocker / "ckpt"))
     refused(run("run", gemini_plan, "--model", "gpt-test"),
             f"{name}=", "is a file, not a directory")
+
+
+@pytest.mark.parametrize("where", ["/proc/hetplan-ckpt", "/sys/hetplan-ckpt"])
+def test_a_checkpoint_directory_no_file_can_be_made_in_is_refused_before_launch(
+        gemini_plan: Path, no_launch: None, monkeypatch: pytest.MonkeyPatch,
+        where: str) -> None:
+    """os.access says yes to root under /proc and /sys, where no directory can be made: the
+    check let them through and every rank failed after launch."""
+    monkeypatch.setenv("HETPLAN_CHECKPOINT_DIR", where)
+    refused(run("run", gemini_plan, "--model", "gpt-test"),
+            "HETPLAN_CHECKPOINT_DIR=", "is not writable")

@@ -86,3 +86,17 @@ def test_each_profiling_process_gets_the_threads_of_a_rank(
     assert training_threads(4) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "x")
     assert training_threads(4) == 1
+
+
+def test_the_api_and_the_cli_share_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hetplan.profiling.run_profile defaulted to 1 process while the CLI followed -n."""
+    import inspect
+
+    from hetplan.profiling import default_layer_processes, run_profile
+
+    assert inspect.signature(run_profile).parameters["layer_processes"].default is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_layer_processes(4, ("layers",)) == 4
+    assert default_layer_processes(4, ("collectives",)) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_layer_processes(4, ("layers",)) == 1

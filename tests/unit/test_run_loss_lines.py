@@ -66,3 +66,19 @@ def test_validate_summarises_a_run_report(tmp_path: Path) -> None:
     said = " ".join(res.output.split())
     assert ("is a valid run report: 4 rank(s), 3 timed step(s), 805.74 ms/iteration measured; "
             "`hetplan inspect PLAN --run` puts it beside") in said
+
+
+def test_a_plan_with_per_stage_degrees_counts_the_last_stages_replicas() -> None:
+    """Its layout holds placeholders (dp 1): the replicas that compute a loss are the last
+    stage's; the loss notes of `run` and `inspect --run` never appeared for such plans."""
+    from types import SimpleNamespace
+
+    from hetplan.ir.plan import Plan
+
+    stages = [SimpleNamespace(dp=4), SimpleNamespace(dp=16)]
+    fake = SimpleNamespace(hetero=SimpleNamespace(stages=stages),
+                           layout=SimpleNamespace(dp=1))
+    assert Plan.loss_replicas(fake) == 16  # type: ignore[arg-type]
+    fake.hetero = None
+    fake.layout.dp = 3
+    assert Plan.loss_replicas(fake) == 3  # type: ignore[arg-type]

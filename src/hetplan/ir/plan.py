@@ -197,6 +197,14 @@ class Plan(BaseModel):
             raise ValueError("\n".join(problems))  # one line each in the SpecError
         return self
 
+    def loss_replicas(self) -> int:
+        """The data-parallel replicas that each compute a loss (the run's progress line
+        shows one of them, its report their mean): the layout's ``dp``; with per-stage
+        degrees (``hetero``, whose layout holds placeholders), the last stage's."""
+        if self.hetero is not None and self.hetero.stages:
+            return self.hetero.stages[-1].dp
+        return self.layout.dp if self.layout is not None else 1
+
     # -- serialization -------------------------------------------------------------------
     def to_json(self) -> str:
         """The plan as JSON: sorted keys, indent 2, trailing newline; byte-identical for

@@ -187,7 +187,7 @@ def espresso_workloads(
                 raise SpecError(f"{p}: {section}: model name {name!r} is not a file name (each "
                                 "model is written to NAME.json in the output directory); "
                                 "rename it without path separators, e.g. "
-                                f"{name.replace('/', '-').replace(chr(92), '-').strip('.-')!r}")
+                                f"{_file_name(name)!r}")
             names = m.get("tensor_names")
             if isinstance(names, list) and (dup := sorted(
                     {str(x) for x in names if names.count(x) > 1})):
@@ -213,3 +213,9 @@ def espresso_workloads(
         raise SpecError(f"{p}: {' and '.join(sections)} list no models; is this the Espresso "
                         "benchmark file (data/espresso_models.json)?")
     return out
+
+
+def _file_name(name: str) -> str:
+    """A model name made a file name, for the advice: separators dashed, dots and dashes at
+    the ends dropped; ``model`` when nothing is left (``..``, ``.``, ``/``)."""
+    return name.replace("/", "-").replace("\\", "-").replace("\0", "").strip(".-") or "model"

@@ -81,6 +81,7 @@ __all__ = [
     "WHAT",
     "CollectiveProfile",
     "SparsitySpec",
+    "default_layer_processes",
     "default_loss",
     "machine_info",
     "profile_collectives",
@@ -203,6 +204,19 @@ def _collectives(progress: Any, world_size: int, backend: str, sizes: Sequence[i
     return list(prof.records)
 
 
+def default_layer_processes(world_size: int, what: Sequence[str]) -> int:
+    """The processes layers are timed on when not given: on a machine without CUDA the
+    ranks of a CPU run share its cores, one thread each, so ``world_size`` processes at once,
+    as that many ranks would run them (timed in one process with every core, a GPT-2 block
+    took 1/13 of its time in a 4-rank run); with CUDA each rank has its own device, so 1
+    (this process)."""
+    if "layers" not in what:
+        return 1
+    import torch
+
+    return 1 if torch.cuda.is_available() else max(1, world_size)
+
+
 def run_profile(
     model: ModelArg | None,
     *,
@@ -215,7 +229,7 @@ def run_profile(
     device: str | None = None,
     backend: str | None = None,
     link_kind: str | None = None,
-    layer_processes: int = 1,
+    layer_processes: int | None = None,
     warmup: int = 2,
     iters: int = 5,
     collective_sizes: Sequence[int] = DEFAULT_SIZES,
@@ -267,7 +281,8 @@ def run_profile(
             inter-node link).
         layer_processes: profile layers on this many processes at once, with the threads
             each would get in training (:func:`profile_layers_concurrent`); 1 profiles in
-            this process with the current thread count.
+            this process with the current thread count; None (the default):
+            :func:`default_layer_processes`, as the CLI.
         warmup / iters: untimed and timed training steps for layers (collectives: calls).
         collective_sizes / collectives / compressor_sizes: what to sweep.
         timeout_s: limit for each multi-process measurement.
@@ -300,6 +315,8 @@ def run_profile(
                 if len(parts) > len(bad) and all(p in WHAT for p in parts)
                 else did_you_mean(bad[0], list(WHAT)))
         raise SpecError(f"--what: unknown measurement(s) {bad}{hint}; choose from {list(WHAT)}")
+    if layer_processes is None:
+        layer_processes = default_layer_processes(world_size, what)
     for option, count in (("--world-size/-n", world_size),
                           ("--layer-processes", layer_processes), ("--batch-size", batch_size)):
         if count < 1:

@@ -264,7 +264,7 @@ def _train(args: argparse.Namespace, device: torch.device) -> int:
                 times.append(rt.last_times)
             if step == first and layout.pp > 1:
                 printer = _loss_rank(loss)
-            if step == first and rank == printer and (note := _loss_note(rank, layout.dp)):
+            if step == first and rank == printer and (note := _loss_note(rank, plan.loss_replicas())):
                 print(note, flush=True)
             if rank == printer and rt.last_times is not None:
                 # "nan" where the loss is another rank's read as a diverged run
