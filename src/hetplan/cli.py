@@ -493,7 +493,8 @@ def plan_cmd(
         "lists every pass and its options)."),
     opaque: list[str] = typer.Option(
         None, "--opaque", help="Treat this module as an opaque leaf when capturing (repeatable; "
-        "for a module whose forward capture cannot follow, see `hetplan ir`)."),
+        "for a module whose forward capture cannot follow, see `hetplan ir`); such a plan can "
+        "be inspected, simulated and exported: `hetplan run` does not take --opaque yet."),
     hetero: str = typer.Option(
         "off", "--hetero", help="Heterogeneous stages (each its own device class and dp x tp, "
         "order searched): 'on' always, 'auto' when predicted faster than the plan above, "

@@ -318,3 +318,14 @@ def test_a_checkpoint_directory_no_file_can_be_made_in_is_refused_before_launch(
     monkeypatch.setenv("HETPLAN_CHECKPOINT_DIR", where)
     refused(run("run", gemini_plan, "--model", "gpt-test"),
             "HETPLAN_CHECKPOINT_DIR=", "is not writable")
+
+
+def test_a_plan_captured_with_opaque_modules_says_why_run_refuses_it(tmp_path: Path) -> None:
+    """`hetplan run` captures the model without --opaque, so the fingerprints differ: it
+    said only to re-run `hetplan plan`, which made the same plan again."""
+    out = tmp_path / "op.json"
+    assert run("plan", "gpt-test", "-c", "local-cpu", "-b", "8", "--opaque", "blocks.0",
+               "--no-progress", "-o", out).exit_code == 0
+    refused(run("run", out, "--model", "gpt-test", "--dry-run"),
+            "captured with opaque modules (blocks.0)", "`hetplan run` and the runtime do not "
+            "take yet", "inspected, simulated and exported, not run")

@@ -425,7 +425,7 @@ def check_plan_matches(
             f"{plan.model.fingerprint}), but the model given is {model_ir.name!r} "
             f"(fingerprint {model_ir.fingerprint()}): its layers, parameter sizes or input "
             "shapes differ from what was planned"
-            + _input_shapes_differ(plan, model_ir)
+            + _input_shapes_differ(plan, model_ir) + _opaque_layers(plan)
         )
     if model_ir is not None and not problems:  # the model planned for: was the plan edited?
         problems += _edited_workload(plan, model_ir)
@@ -446,6 +446,18 @@ def check_plan_matches(
                      "(or load the plan that was made for them).")
     if lines:
         raise PlanMismatchError("\n".join(lines))
+
+
+def _opaque_layers(plan: Plan) -> str:
+    """Why a plan captured with opaque modules never matches a run's capture (its ranks and
+    `hetplan run` capture without them): "" for a plan without such layers."""
+    wl = plan.model.workload
+    names = [lay.name for lay in wl.layers if lay.kind == "opaque"] if wl is not None else []
+    if not names:
+        return ""
+    return (f"; the plan was captured with opaque modules ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}), which `hetplan run` and the runtime do not "
+            "take yet: such a plan can be inspected, simulated and exported, not run")
 
 
 def _input_shapes_differ(plan: Plan, model_ir: _Fingerprinted) -> str:
