@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hetplan.ir.model import ModelIR
-from hetplan.ir.plan import Plan
+from hetplan.ir.plan import Plan, load_plan
 from hetplan.optimizer.compile import compile, model_ir
 from hetplan.passes import DEFAULT_PIPELINE
 from hetplan.runtime.composition import refusals
@@ -110,17 +110,7 @@ def test_hetero_keeps_a_tied_model_on_one_stage(tmp_path: Path) -> None:
     stages of different degrees (it refused such a plan at setup), so the heterogeneous
     search keeps one stage for it: batch 6 on cpu-hetero-3 was `cpu@fast 1x1 | cpu@slow
     2x1` before."""
-    from typer.testing import CliRunner
-
-    from hetplan.cli import app
-    from hetplan.ir.plan import load_plan
-
-    cluster = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / "cpu-hetero-3.yaml"
-    out = tmp_path / "plan.json"
-    res = CliRunner().invoke(app, ["plan", "tiny-gpt2", "-c", str(cluster), "-b", "6",
-                                   "--hetero", "on", "-o", str(out)])
-    assert res.exit_code == 0, res.output
-    plan = load_plan(out)
+    plan = load_plan(_hetero_cli_plan(tmp_path, "cpu-hetero-3", 6))
     assert plan.hetero is not None and len(plan.stages) == 1
     assert refusals(plan) == []
 
@@ -134,13 +124,8 @@ def test_hetero_runner_up_of_a_tied_model_is_a_plan_it_could_have_chosen(
     from typer.testing import CliRunner
 
     from hetplan.cli import app
-    from hetplan.ir.plan import load_plan
 
-    cluster = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / "cpu-mixed-2.yaml"
-    out = tmp_path / "plan.json"
-    res = CliRunner().invoke(app, ["plan", "tiny-gpt2", "-c", str(cluster), "-b", "8",
-                                   "--hetero", "on", "-o", str(out)])
-    assert res.exit_code == 0, res.output
+    out = _hetero_cli_plan(tmp_path, "cpu-mixed-2", 8)
     plan = load_plan(out)
     assert plan.hetero is not None and len(plan.stages) == 1
     runner_up = plan.hetero.search.runner_up
@@ -163,3 +148,17 @@ def test_chimera_plans_are_plans_the_runtime_runs(gpt_test: ModelIR, cluster: st
                    compressors=compress)
     assert plan.layout is not None and plan.layout.schedule == "chimera"
     assert refusals(plan) == []
+
+
+def _hetero_cli_plan(tmp_path: Path, cluster: str, batch: int) -> Path:
+    """`hetplan plan tiny-gpt2 --hetero on` on a cluster of tests/fixtures/clusters."""
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+
+    spec = Path(__file__).resolve().parents[1] / "fixtures" / "clusters" / f"{cluster}.yaml"
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "tiny-gpt2", "-c", str(spec), "-b", str(batch),
+                                   "--hetero", "on", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    return out

@@ -36,6 +36,7 @@ __all__ = [
     "check_output_path",
     "check_overwrite",
     "check_shape",
+    "creation_refused",
     "file_kind",
     "format_loc",
     "load_structured_file",
@@ -552,11 +553,22 @@ def _write_refused(p: Path) -> str:
             with open(p, "r+b"):
                 pass
         elif not p.exists():
-            fd, probe = tempfile.mkstemp(dir=p.parent, prefix=".hetplan-probe-")
-            os.close(fd)
-            os.unlink(probe)
+            return creation_refused(p.parent)
     except OSError as e:
         return e.strerror or type(e).__name__
+    return ""
+
+
+def creation_refused(directory: Path) -> str:
+    """Why no file can be made in ``directory`` ("": one can), found by making one and
+    removing it: ``os.access`` says yes to root under ``/proc``, ``/sys`` or on a read-only
+    mount."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".hetplan-probe-")
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    os.close(fd)
+    os.unlink(probe)
     return ""
 
 

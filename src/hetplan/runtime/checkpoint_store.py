@@ -57,6 +57,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetplan.ir.files import creation_refused
+
 __all__ = ["CHECKPOINT_DIR_ENV", "NodeStore", "Reserved", "default_root",
            "remove_default_root", "STORAGE_DIR_ENV", "dir_problem"]
 
@@ -100,24 +102,10 @@ def dir_problem(plan_has_checkpointing: bool, env: Mapping[str, str] | None = No
         if existing is not None and not existing.is_dir():
             return (f"{name}={raw!r}: {str(existing)!r} is a file, not a directory; point it "
                     "at a directory (created if missing), or unset it")
-        if existing is not None and not _can_write_in(existing):
+        if existing is not None and creation_refused(existing):
             return (f"{name}={raw!r}: the directory {str(existing)!r} is not writable; point "
                     "it at a directory you can write, or unset it")
     return None
-
-
-def _can_write_in(directory: Path) -> bool:
-    """Whether a file can be made in ``directory``, found by making one: ``os.access`` says
-    yes to root whatever the file system allows (``/proc``, ``/sys``, a read-only mount)."""
-    if not os.access(directory, os.W_OK | os.X_OK):
-        return False
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".hetplan-probe-")
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
 
 
 def remove_default_root() -> None:
